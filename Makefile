@@ -1,0 +1,39 @@
+# kvfleet: `make demo` and `make test` set themselves up on first use.
+#
+# PyPI's torch wheel is a large CUDA build (it runs on the CPU too), so the Python environment lives in a
+# cache outside the checkout, is created once, and is only topped up when a requirements file changes.
+
+SHELL := /bin/bash
+PYTHON ?= python3
+KVFLEET_CACHE ?= $(HOME)/.cache/kvfleet
+VENV ?= $(KVFLEET_CACHE)/venv
+PY := $(VENV)/bin/python
+REQUIREMENTS := requirements/runtime.txt requirements/operator.txt requirements/test.txt
+REQ_HASH := $(shell cat $(REQUIREMENTS) pyproject.toml | sha256sum | cut -c1-16)
+STAMP := $(VENV)/.kvfleet-$(REQ_HASH)
+PYTEST_ARGS ?=
+
+.PHONY: setup test test-fast lint demo clean-venv
+
+setup: $(STAMP)
+	@# The editable install points at this checkout; re-pointing it is cheap and keeps clones independent.
+	@$(PY) -I -c 'import kvfleet.runtime as r, pathlib, sys; sys.exit(pathlib.Path(r.__file__).parent != pathlib.Path("runtime").resolve())' 2>/dev/null \
+		|| $(PY) -m pip install -q --no-deps --no-build-isolation -e .
+
+$(STAMP): $(REQUIREMENTS) pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check $(addprefix -r ,$(REQUIREMENTS)) setuptools==80.9.0 wheel
+	@rm -f $(VENV)/.kvfleet-* && touch $@
+
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+test: setup lint
+	$(PY) -m pytest tests $(PYTEST_ARGS)
+
+demo: setup
+	$(VENV)/bin/kvfleet demo
+
+clean-venv:
+	rm -rf $(VENV)

@@ -1,0 +1,3 @@
+from kvfleet.cli import main
+
+main()

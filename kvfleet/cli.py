@@ -1,0 +1,50 @@
+"""The `kvfleet` command.
+
+Subcommands are imported only when invoked, so `kvfleet operator` never pulls in torch
+and `--help` is instant.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+
+import click
+
+# name -> "module:attribute" of a click command or group.
+COMMANDS: dict[str, str] = {
+    "make-model": "kvfleet.runtime.cli:make_model",
+    "generate": "kvfleet.runtime.cli:generate",
+    "demo": "kvfleet.runtime.cli:demo",
+    "bench": "kvfleet.runtime.cli:bench",
+}
+
+
+class LazyGroup(click.Group):
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(COMMANDS)
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        target = COMMANDS.get(cmd_name)
+        if target is None:
+            return None
+        module_name, attribute = target.split(":")
+        return getattr(importlib.import_module(module_name), attribute)
+
+
+@click.group(cls=LazyGroup)
+@click.version_option(package_name="kvfleet")
+@click.option(
+    "--log-level",
+    type=click.Choice(["debug", "info", "warning", "error"]),
+    default="info",
+    show_default=True,
+    envvar="KVFLEET_LOG_LEVEL",
+)
+def cli(log_level: str) -> None:
+    """kvfleet: LLM inference runtime and Kubernetes operator."""
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def main() -> None:
+    cli(prog_name="kvfleet")

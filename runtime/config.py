@@ -1,0 +1,107 @@
+"""Engine options: one dataclass, validated once, exposed as `LLM(...)` keywords and `--kebab-case` flags.
+
+Names follow vLLM's engine arguments so that users can carry their settings over unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal, TypeVar, get_args
+
+import click
+
+SchedulingPolicy = Literal["fcfs", "priority"]
+DType = Literal["auto", "float32", "float16", "bfloat16"]
+Device = Literal["auto", "cpu", "cuda"]
+
+
+def _option(help: str, **kwargs: Any) -> Any:
+    return field(metadata={"help": help}, **kwargs)
+
+
+@dataclass
+class EngineConfig:
+    model: str = _option("Path of a Hugging Face model folder (config.json, safetensors weights, tokenizer).")
+    tokenizer: str | None = _option("Tokenizer folder, if not the model's.", default=None)
+    dtype: DType = _option("Weights and activations dtype; auto follows config.json.", default="auto")
+    device: Device = _option("Where the model runs; auto picks cuda when present.", default="auto")
+    block_size: int = _option("Tokens per KV cache block.", default=16)
+    num_kv_blocks: int | None = _option(
+        "KV cache blocks in the pool; by default sized from the memory budget.", default=None
+    )
+    gpu_memory_utilization: float = _option(
+        "Fraction of GPU memory the engine may use (weights, activations, KV cache).", default=0.9
+    )
+    cpu_kv_cache_space: float = _option("GiB of host memory for the KV cache on CPU.", default=1.0)
+    max_num_seqs: int = _option("Most requests in one step's batch.", default=256)
+    max_num_batched_tokens: int | None = _option(
+        "Token budget of one step (prefill chunks and decodes together).", default=None
+    )
+    max_model_len: int | None = _option("Longest context (prompt + output) in tokens.", default=None)
+    enable_prefix_caching: bool = _option("Reuse KV blocks of shared prompt prefixes.", default=True)
+    enable_chunked_prefill: bool = _option("Split long prompts across steps within the budget.", default=True)
+    scheduling_policy: SchedulingPolicy = _option("fcfs, or priority (lower value first).", default="fcfs")
+    attention_backend: str | None = _option(
+        "Attention backend by name; by default the fastest supported one is chosen.", default=None
+    )
+    seed: int = _option("Seed of the engine's random generator (requests may bring their own).", default=0)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        def require(ok: bool, message: str) -> None:
+            if not ok:
+                raise ValueError(message)
+
+        require(bool(self.model), "model must name a model folder")
+        for name in ("dtype", "device", "scheduling_policy"):
+            allowed = get_args(_FIELD_TYPES[name])
+            require(getattr(self, name) in allowed, f"{name} must be one of {', '.join(allowed)}")
+        power_of_two = self.block_size > 0 and self.block_size & (self.block_size - 1) == 0
+        require(power_of_two, "block_size must be a power of two")
+        require(self.num_kv_blocks is None or self.num_kv_blocks > 0, "num_kv_blocks must be positive")
+        require(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization must be in (0, 1]")
+        require(self.cpu_kv_cache_space > 0, "cpu_kv_cache_space must be positive")
+        require(self.max_num_seqs > 0, "max_num_seqs must be positive")
+        require(
+            self.max_num_batched_tokens is None or self.max_num_batched_tokens > 0,
+            "max_num_batched_tokens must be positive",
+        )
+        require(self.max_model_len is None or self.max_model_len > 0, "max_model_len must be positive")
+
+    def replace(self, **changes: Any) -> EngineConfig:
+        return dataclasses.replace(self, **changes)
+
+
+_FIELD_TYPES = {"dtype": DType, "device": Device, "scheduling_policy": SchedulingPolicy}
+_CLICK_TYPES: dict[str, Any] = {"int | None": int, "str | None": str, "int": int, "float": float, "str": str}
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def engine_options(func: F) -> F:
+    """Add every EngineConfig field but `model` as a `--kebab-case` option of a click command."""
+    for f in reversed(dataclasses.fields(EngineConfig)):
+        if f.name == "model":
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        help_text = f.metadata["help"]
+        if f.type == "bool":
+            decl = f"{flag}/--no-{f.name.replace('_', '-')}"
+            func = click.option(decl, default=f.default, show_default=True, help=help_text)(func)
+        elif f.name in _FIELD_TYPES:
+            choice = click.Choice(get_args(_FIELD_TYPES[f.name]))
+            func = click.option(flag, type=choice, default=f.default, show_default=True, help=help_text)(func)
+        else:
+            kind = _CLICK_TYPES[str(f.type)]
+            func = click.option(flag, type=kind, default=f.default, show_default=True, help=help_text)(func)
+    return func
+
+
+def engine_config_from_options(model: str, options: dict[str, Any]) -> EngineConfig:
+    """Build an EngineConfig from a click command's keyword arguments, ignoring the command's own."""
+    names = {f.name for f in dataclasses.fields(EngineConfig)}
+    return EngineConfig(model=model, **{k: v for k, v in options.items() if k in names and k != "model"})
