@@ -1,0 +1,37 @@
+"""Prefix-caching block hashes: a chain over full blocks, so equal hashes mean equal whole prefixes."""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections.abc import Sequence
+
+from kvfleet.runtime.request import Request
+
+# A SHA-256 digest rather than Python's hash(): a collision would hand one request another's KV cache, and
+# int-tuple hashes are unkeyed and cheap to collide on purpose.
+BlockHash = bytes
+
+
+def hash_block_tokens(parent_block_hash: BlockHash | None, token_ids: Sequence[int]) -> BlockHash:
+    hasher = hashlib.sha256(parent_block_hash or b"")
+    hasher.update(array("q", token_ids).tobytes())
+    return hasher.digest()
+
+
+def extend_block_hashes(request: Request, block_size: int, num_full_blocks: int) -> list[BlockHash]:
+    """Make request.block_hashes cover its first num_full_blocks blocks, hashing only the missing ones."""
+    hashes = request.block_hashes
+    start = len(hashes)
+    if start >= num_full_blocks:
+        return hashes
+    tokens = request.all_token_ids
+    if num_full_blocks * block_size > len(tokens):
+        raise ValueError(
+            f"request {request.request_id!r} has {len(tokens)} tokens: not {num_full_blocks} full blocks"
+        )
+    parent = hashes[-1] if hashes else None
+    for index in range(start, num_full_blocks):
+        parent = hash_block_tokens(parent, tokens[index * block_size : (index + 1) * block_size])
+        hashes.append(parent)
+    return hashes

@@ -1,0 +1,135 @@
+"""One generation request as the scheduler sees it: its tokens, its progress and its life-cycle state."""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Iterable
+
+from kvfleet.runtime.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    # Every status from here on is final; is_finished relies on this order.
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_ABORTED = 5
+    FINISHED_TIMED_OUT = 6
+    FINISHED_ERROR = 7
+
+    @staticmethod
+    def is_finished(status: RequestStatus) -> bool:
+        return status > RequestStatus.PREEMPTED
+
+
+class FinishReason(enum.StrEnum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+    TIMEOUT = "timeout"
+    ERROR = "error"
+
+
+class InvalidStateTransition(RuntimeError):
+    pass
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+    RequestStatus.FINISHED_TIMED_OUT: FinishReason.TIMEOUT,
+    RequestStatus.FINISHED_ERROR: FinishReason.ERROR,
+}
+
+_UNFINISHED_TRANSITIONS = {
+    (RequestStatus.WAITING, RequestStatus.RUNNING),
+    (RequestStatus.RUNNING, RequestStatus.PREEMPTED),
+    (RequestStatus.PREEMPTED, RequestStatus.RUNNING),
+}
+
+
+class Request:
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        *,
+        eos_token_id: int | None = None,
+        arrival_time: float | None = None,
+        priority: int = 0,
+        deadline: float | None = None,
+    ) -> None:
+        if not prompt_token_ids:
+            raise ValueError(f"request {request_id!r}: prompt_token_ids must not be empty")
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_id = eos_token_id
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.priority = priority
+        self.deadline = deadline
+
+        self.status = RequestStatus.WAITING
+        self.output_token_ids: list[int] = []
+        self.all_token_ids: list[int] = list(self.prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1
+        self.stop_reason: int | str | None = None
+        self.num_preemptions = 0
+        # Prefix-caching hash of each full block of all_token_ids, extended as needed by the KV cache manager.
+        self.block_hashes: list[bytes] = []
+        # A set, so that the per-token stop check is O(1) whatever the number of stop ids.
+        self.stop_token_id_set = frozenset(sampling_params.stop_token_ids or ())
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, status={self.status.name}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens})"
+        )
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status > RequestStatus.PREEMPTED
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        return _FINISH_REASONS.get(self.status)
+
+    def append_output_token_ids(self, token_ids: int | Iterable[int]) -> None:
+        if isinstance(token_ids, int):
+            self.output_token_ids.append(token_ids)
+            self.all_token_ids.append(token_ids)
+        else:
+            token_ids = list(token_ids)
+            self.output_token_ids.extend(token_ids)
+            self.all_token_ids.extend(token_ids)
+
+    def transition(self, new_status: RequestStatus) -> None:
+        """Move to new_status, or raise InvalidStateTransition if the life cycle does not allow it."""
+        current = self.status
+        allowed = (current, new_status) in _UNFINISHED_TRANSITIONS or (
+            current <= RequestStatus.PREEMPTED and new_status > RequestStatus.PREEMPTED
+        )
+        if not allowed:
+            target = RequestStatus(new_status).name
+            raise InvalidStateTransition(
+                f"request {self.request_id!r} cannot go from {current.name} to {target}"
+            )
+        self.status = new_status

@@ -1,0 +1,117 @@
+"""How to sample one request's output: vLLM's names and defaults, validated once at construction."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+MAX_LOGPROBS = 20
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    # 0 and -1 both mean "no top-k"; stored as 0.
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    # Accepts one string or a list; always stored as a list.
+    stop: str | list[str] | None = None
+    # Accepts None; always stored as a list.
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    # None = as many as the model's context allows.
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    # Top-N log probabilities per sampled token; 0 = only the sampled token's.
+    logprobs: int | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
+            self.stop = [self.stop]
+        else:
+            self.stop = list(self.stop)
+        self.stop_token_ids = [] if self.stop_token_ids is None else list(self.stop_token_ids)
+        if self.top_k == -1:
+            self.top_k = 0
+        self._validate()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def _validate(self) -> None:
+        _require_int("n", self.n)
+        _require(self.n >= 1, "n", f"must be at least 1, got {self.n}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = _require_number(name, getattr(self, name))
+            _require(-2.0 <= value <= 2.0, name, f"must be in [-2, 2], got {value}")
+        _require_number("repetition_penalty", self.repetition_penalty)
+        _require(
+            self.repetition_penalty > 0,
+            "repetition_penalty",
+            f"must be positive, got {self.repetition_penalty}",
+        )
+        _require_number("temperature", self.temperature)
+        _require(self.temperature >= 0, "temperature", f"must be non-negative, got {self.temperature}")
+        _require_number("top_p", self.top_p)
+        _require(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
+        _require_int("top_k", self.top_k)
+        _require(self.top_k >= 0, "top_k", f"must be -1, 0 (off) or positive, got {self.top_k}")
+        _require_number("min_p", self.min_p)
+        _require(0 <= self.min_p <= 1, "min_p", f"must be in [0, 1], got {self.min_p}")
+        if self.seed is not None:
+            _require_int("seed", self.seed)
+        for stop in self.stop:
+            _require(
+                isinstance(stop, str) and stop != "", "stop", f"must hold non-empty strings, got {stop!r}"
+            )
+        for token_id in self.stop_token_ids:
+            _require(
+                isinstance(token_id, int) and not isinstance(token_id, bool) and token_id >= 0,
+                "stop_token_ids",
+                f"must hold non-negative token ids, got {token_id!r}",
+            )
+        if self.max_tokens is not None:
+            _require_int("max_tokens", self.max_tokens)
+            _require(self.max_tokens >= 1, "max_tokens", f"must be at least 1, got {self.max_tokens}")
+        _require_int("min_tokens", self.min_tokens)
+        _require(self.min_tokens >= 0, "min_tokens", f"must be non-negative, got {self.min_tokens}")
+        if self.max_tokens is not None:
+            _require(
+                self.min_tokens <= self.max_tokens,
+                "min_tokens",
+                f"must not exceed max_tokens={self.max_tokens}, got {self.min_tokens}",
+            )
+        if self.logprobs is not None:
+            _require_int("logprobs", self.logprobs)
+            _require(
+                0 <= self.logprobs <= MAX_LOGPROBS,
+                "logprobs",
+                f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}",
+            )
+
+
+def _require(ok: bool, name: str, message: str) -> None:
+    if not ok:
+        raise ValueError(f"{name} {message}")
+
+
+def _require_int(name: str, value: object) -> int:
+    _require(isinstance(value, int) and not isinstance(value, bool), name, f"must be an int, got {value!r}")
+    return value  # type: ignore[return-value]
+
+
+def _require_number(name: str, value: object) -> float:
+    is_number = isinstance(value, int | float) and not isinstance(value, bool)
+    _require(is_number and not math.isnan(value), name, f"must be a number, got {value!r}")  # type: ignore[arg-type]
+    return value  # type: ignore[return-value]
