@@ -1,0 +1,65 @@
+"""What flows between the scheduler, the model runner and the engine in one step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvfleet.runtime.request import FinishReason, Request
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's batch. For request i the runner feeds request.all_token_ids[c : c + n] at positions
+    c .. c + n - 1 (c = num_computed_tokens[i], n = num_scheduled_tokens[i]) and samples a token only when
+    c + n == request.num_tokens, i.e. when the request's prompt (or recomputed prefix) is complete."""
+
+    requests: list[Request]
+    num_scheduled_tokens: list[int]
+    num_computed_tokens: list[int]
+    # Each request's whole block table after this step's allocation; read-only for the runner.
+    block_ids: list[list[int]]
+    total_num_scheduled_tokens: int
+    # Finished since the previous step: the runner drops their state.
+    finished_request_ids: set[str] = field(default_factory=set)
+    # Preempted this step: the runner drops their state; they come back later as if new.
+    preempted_request_ids: set[str] = field(default_factory=set)
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.requests)
+
+
+@dataclass
+class ModelRunnerOutput:
+    req_ids: list[str]
+    # One list per scheduled request; empty when its prefill is not complete after this step.
+    sampled_token_ids: list[list[int]]
+    # One dict per sampled token (top-N plus the sampled token), or None when logprobs were not asked for.
+    logprobs: list[list[dict[int, float]] | None]
+
+
+@dataclass
+class EngineCoreOutput:
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[dict[int, float]] | None
+    finish_reason: FinishReason | None
+    stop_reason: int | str | None
+    num_cached_tokens: int
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    num_preempted_total: int
+    kv_cache_usage: float
+    # In tokens.
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    # Prompt (and recomputed) tokens actually run through the model; prefix-cache hits are not counted.
+    num_prefill_tokens_computed: int

@@ -1,0 +1,371 @@
+"""Continuous batching with vLLM v1 semantics.
+
+There are no prefill and decode phases: every request simply has num_computed_tokens catching up with
+num_tokens, and each step gives the token budget first to running requests (in admission order), then
+to waiting ones while budget, sequence slots and KV blocks last. When a running request cannot get a
+block, the scheduler preempts by recompute: the victim drops its blocks (cached ones stay findable),
+goes back to the front of the waiting queue and, when readmitted, reuses its cached prefix.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import time
+from collections.abc import Callable, Iterable
+
+from kvfleet.runtime.core.kv_cache_manager import KVCacheManager
+from kvfleet.runtime.core.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput, SchedulerStats
+from kvfleet.runtime.core.request_queue import create_request_queue
+from kvfleet.runtime.request import FinishReason, Request, RequestStatus
+
+_RUNNING = RequestStatus.RUNNING
+
+
+class Scheduler:
+    def __init__(
+        self,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        block_size: int,
+        num_kv_blocks: int,
+        enable_prefix_caching: bool = True,
+        enable_chunked_prefill: bool = True,
+        policy: str = "fcfs",
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        for name, value in (
+            ("max_num_seqs", max_num_seqs),
+            ("max_num_batched_tokens", max_num_batched_tokens),
+            ("max_model_len", max_model_len),
+            ("block_size", block_size),
+            ("num_kv_blocks", num_kv_blocks),
+        ):
+            if value <= 0:
+                raise ValueError(f"{name} must be positive, got {value}")
+        if max_model_len > num_kv_blocks * block_size:
+            # Otherwise a long request could preempt everything else and still not fit, forever.
+            raise ValueError(
+                f"max_model_len ({max_model_len}) exceeds the KV cache capacity of {num_kv_blocks} blocks of "
+                f"{block_size} tokens ({num_kv_blocks * block_size} tokens)"
+            )
+        if not enable_chunked_prefill and max_num_batched_tokens < max_model_len:
+            raise ValueError(
+                f"without chunked prefill, max_num_batched_tokens ({max_num_batched_tokens}) must be at "
+                f"least max_model_len ({max_model_len}) so that every prompt fits in one step"
+            )
+        self.waiting = create_request_queue(policy)
+        self.policy = policy
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.clock = clock
+        self.kv_cache_manager = KVCacheManager(num_kv_blocks, block_size, enable_prefix_caching)
+
+        # Every unfinished request, by id.
+        self.requests: dict[str, Request] = {}
+        # Admission order. Finished requests are dropped lazily (see _drop_finished_running).
+        self.running: list[Request] = []
+        self._running_has_finished = False
+        self._finished_request_ids: set[str] = set()
+        # Requests schedule() timed out, reported by the next update_from_output().
+        self._timed_out_outputs: list[EngineCoreOutput] = []
+        # (deadline, sequence, request); entries of requests that finished otherwise are skipped when popped.
+        self._deadlines: list[tuple[float, int, Request]] = []
+        self._deadline_sequence = itertools.count()
+
+        self.num_preempted_total = 0
+        self.num_prefill_tokens_computed = 0
+
+    # Requests in and out.
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        if request.status != RequestStatus.WAITING:
+            raise ValueError(f"request {request.request_id!r} must be new, not {request.status.name}")
+        if request.num_tokens > self.max_model_len:
+            raise ValueError(
+                f"request {request.request_id!r} has {request.num_tokens} prompt tokens, more than "
+                f"max_model_len ({self.max_model_len})"
+            )
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+        if request.deadline is not None:
+            if len(self._deadlines) > 2 * len(self.requests) + 64:
+                self._deadlines = [entry for entry in self._deadlines if not entry[2].is_finished]
+                heapq.heapify(self._deadlines)
+            heapq.heappush(self._deadlines, (request.deadline, next(self._deadline_sequence), request))
+
+    def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> None:
+        """Finish requests from outside (abort, stop string, error) in any state, freeing their blocks at
+        once. Unknown or already finished ids are ignored: the request may have just finished on its own."""
+        if not RequestStatus.is_finished(status):
+            raise ValueError(f"{RequestStatus(status).name} is not a finished status")
+        if isinstance(request_ids, str):
+            request_ids = (request_ids,)
+        finished_any = False
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is not None:
+                self._finish(request, status)
+                finished_any = True
+        if finished_any and status == RequestStatus.FINISHED_ERROR:
+            # A failed step may have left blocks registered in the prefix cache but never written.
+            self.kv_cache_manager.reset_prefix_cache()
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    def reset_prefix_cache(self) -> None:
+        self.kv_cache_manager.reset_prefix_cache()
+
+    @property
+    def stats(self) -> SchedulerStats:
+        self._drop_finished_running()
+        kv = self.kv_cache_manager
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            num_preempted_total=self.num_preempted_total,
+            kv_cache_usage=kv.usage,
+            prefix_cache_queries=kv.prefix_cache_queries,
+            prefix_cache_hits=kv.prefix_cache_hits,
+            num_prefill_tokens_computed=self.num_prefill_tokens_computed,
+        )
+
+    # One step.
+
+    def schedule(self) -> SchedulerOutput:
+        if self._deadlines:
+            self._expire_deadlines()
+        self._drop_finished_running()
+        kv = self.kv_cache_manager
+        budget = self.max_num_batched_tokens
+        # Insertion ordered: the batch order. A request preempted after being scheduled is popped out.
+        scheduled: dict[Request, int] = {}
+        preempted: list[Request] = []
+
+        for request in self.running:
+            if budget <= 0:
+                break
+            if request.status != _RUNNING:  # preempted earlier in this loop
+                continue
+            num_new_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new_tokens <= 0:  # its previous step's output has not been applied yet
+                continue
+            while True:
+                # Caching waits until every preemption of this step is decided: a victim scheduled earlier in
+                # this loop never computes its new blocks, which must therefore never become findable.
+                if kv.allocate_slots(request, num_new_tokens, delay_cache_blocks=True) is not None:
+                    scheduled[request] = num_new_tokens
+                    budget -= num_new_tokens
+                    break
+                victim = self._choose_victim()
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim in scheduled:
+                    budget += scheduled.pop(victim)
+                if victim is request:
+                    break
+
+        if preempted:
+            self.running = [request for request in self.running if request.status == _RUNNING]
+        for request, num_new_tokens in scheduled.items():
+            kv.cache_blocks(request, request.num_computed_tokens + num_new_tokens)
+
+        # Admitting new work in a step that had to preempt would only thrash.
+        if not preempted:
+            budget = self._admit_waiting(scheduled, budget)
+
+        return self._build_output(scheduled, budget, preempted)
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        """Apply the sampled tokens of the step, finish requests that stop, and return what changed."""
+        outputs = self._timed_out_outputs
+        self._timed_out_outputs = []
+        requests = scheduler_output.requests
+        sampled_token_ids = runner_output.sampled_token_ids
+        if len(sampled_token_ids) != len(requests) or len(runner_output.req_ids) != len(requests):
+            raise ValueError(
+                f"the model runner returned {len(sampled_token_ids)} results for {len(requests)} requests"
+            )
+        all_logprobs = runner_output.logprobs
+        max_model_len = self.max_model_len
+        for index, request in enumerate(requests):
+            new_token_ids = sampled_token_ids[index]
+            # Requests finished from outside after schedule() lose their last tokens.
+            if not new_token_ids or request.is_finished:
+                continue
+            if runner_output.req_ids[index] != request.request_id:
+                raise ValueError(
+                    f"model runner result {index} is for {runner_output.req_ids[index]!r}, "
+                    f"not {request.request_id!r}"
+                )
+            if request.num_computed_tokens != request.num_tokens:
+                raise ValueError(
+                    f"the model runner sampled for {request.request_id!r} before its prefill ended"
+                )
+            new_logprobs = all_logprobs[index] if all_logprobs else None
+            for position, token_id in enumerate(new_token_ids):
+                request.output_token_ids.append(token_id)
+                request.all_token_ids.append(token_id)
+                status = _check_stop(request, token_id, max_model_len)
+                if status is not None:
+                    if position + 1 < len(new_token_ids):
+                        new_token_ids = new_token_ids[: position + 1]
+                        if new_logprobs is not None:
+                            new_logprobs = new_logprobs[: position + 1]
+                    self._finish(request, status)
+                    break
+            outputs.append(
+                EngineCoreOutput(
+                    request_id=request.request_id,
+                    new_token_ids=new_token_ids,
+                    new_logprobs=new_logprobs,
+                    finish_reason=request.finish_reason,
+                    stop_reason=request.stop_reason,
+                    num_cached_tokens=max(request.num_cached_tokens, 0),
+                )
+            )
+        self._drop_finished_running()
+        return outputs
+
+    # Internals.
+
+    def _admit_waiting(self, scheduled: dict[Request, int], budget: int) -> int:
+        kv = self.kv_cache_manager
+        waiting = self.waiting
+        running = self.running
+        while budget > 0 and len(running) < self.max_num_seqs:
+            request = waiting.peek()
+            if request is None:
+                break
+            computed_blocks, num_cached_tokens = kv.get_computed_blocks(request)
+            num_new_tokens = request.num_tokens - num_cached_tokens
+            if num_new_tokens > budget:
+                if not self.enable_chunked_prefill:
+                    break
+                num_new_tokens = budget
+            if kv.allocate_slots(request, num_new_tokens, computed_blocks) is None:
+                break
+            waiting.pop()
+            request.transition(_RUNNING)
+            request.num_computed_tokens = num_cached_tokens
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_cached_tokens
+            running.append(request)
+            scheduled[request] = num_new_tokens
+            budget -= num_new_tokens
+        return budget
+
+    def _build_output(
+        self, scheduled: dict[Request, int], budget: int, preempted: list[Request]
+    ) -> SchedulerOutput:
+        requests = list(scheduled)
+        num_scheduled_tokens = list(scheduled.values())
+        num_computed_tokens = [request.num_computed_tokens for request in requests]
+        get_block_ids = self.kv_cache_manager.get_block_ids
+        output = SchedulerOutput(
+            requests=requests,
+            num_scheduled_tokens=num_scheduled_tokens,
+            num_computed_tokens=num_computed_tokens,
+            block_ids=[get_block_ids(request.request_id) for request in requests],
+            total_num_scheduled_tokens=self.max_num_batched_tokens - budget,
+            finished_request_ids=self._finished_request_ids,
+            preempted_request_ids={request.request_id for request in preempted},
+        )
+        self._finished_request_ids = set()
+        num_prefill_tokens = 0
+        for request, num_new_tokens in scheduled.items():
+            computed_after = request.num_computed_tokens + num_new_tokens
+            # The newest sampled token, fed once its prompt is done, is decode work, not prefill.
+            is_decode = computed_after == request.num_tokens and request.output_token_ids
+            num_prefill_tokens += num_new_tokens - 1 if is_decode else num_new_tokens
+            request.num_computed_tokens = computed_after
+        self.num_prefill_tokens_computed += num_prefill_tokens
+        return output
+
+    def _choose_victim(self) -> Request:
+        """fcfs: the newest arrival among running requests; priority: the worst priority (largest value),
+        newest arrival among equals. Ties go to the latest admitted."""
+        by_priority = self.policy == "priority"
+        victim: Request | None = None
+        victim_key: tuple[float, float] = (0, 0.0)
+        for request in self.running:
+            if request.status != _RUNNING:
+                continue
+            key = (request.priority if by_priority else 0, request.arrival_time)
+            if victim is None or key >= victim_key:
+                victim, victim_key = request, key
+        assert victim is not None, "a request that needs blocks is itself running"
+        return victim
+
+    def _preempt(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        request.transition(RequestStatus.PREEMPTED)
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preempted_total += 1
+        self.waiting.prepend(request)
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        was_running = request.status == _RUNNING
+        request.transition(status)
+        if was_running:
+            self._running_has_finished = True
+        else:
+            self.waiting.remove(request)
+        self.kv_cache_manager.free(request)
+        del self.requests[request.request_id]
+        self._finished_request_ids.add(request.request_id)
+
+    def _drop_finished_running(self) -> None:
+        if self._running_has_finished:
+            self.running = [request for request in self.running if not request.is_finished]
+            self._running_has_finished = False
+
+    def _expire_deadlines(self) -> None:
+        now = self.clock()
+        deadlines = self._deadlines
+        while deadlines and deadlines[0][0] <= now:
+            request = heapq.heappop(deadlines)[2]
+            if request.is_finished:
+                continue
+            self._finish(request, RequestStatus.FINISHED_TIMED_OUT)
+            self._timed_out_outputs.append(
+                EngineCoreOutput(
+                    request_id=request.request_id,
+                    new_token_ids=[],
+                    new_logprobs=None,
+                    finish_reason=FinishReason.TIMEOUT,
+                    stop_reason=None,
+                    num_cached_tokens=max(request.num_cached_tokens, 0),
+                )
+            )
+
+
+def _check_stop(request: Request, token_id: int, max_model_len: int) -> RequestStatus | None:
+    """The status a request ends in after emitting token_id, or None if it goes on."""
+    params = request.sampling_params
+    num_output_tokens = len(request.output_token_ids)
+    if num_output_tokens >= params.min_tokens:
+        if token_id == request.eos_token_id and not params.ignore_eos:
+            return RequestStatus.FINISHED_STOPPED
+        if token_id in request.stop_token_id_set:
+            request.stop_reason = token_id
+            return RequestStatus.FINISHED_STOPPED
+    max_tokens = params.max_tokens
+    if len(request.all_token_ids) >= max_model_len or (
+        max_tokens is not None and num_output_tokens >= max_tokens
+    ):
+        return RequestStatus.FINISHED_LENGTH
+    return None
