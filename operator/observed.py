@@ -1,0 +1,91 @@
+"""Compact views of the pods and Deployments the operator watches.
+
+The watch indexes keep these instead of whole objects: a fleet of hundreds of services stays small in
+memory, and status and scaling read only what they need.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+# Container waiting reasons after which a replica will not come up without a change.
+FAILING_WAIT_REASONS = frozenset(
+    {"CrashLoopBackOff", "ImagePullBackOff", "ErrImagePull", "InvalidImageName", "CreateContainerConfigError"}
+)
+
+
+@dataclass(frozen=True)
+class PodView:
+    name: str
+    ip: str | None
+    phase: str
+    ready: bool
+    terminating: bool
+    # The scheduler's message when it found no node for the pod.
+    unschedulable_message: str | None = None
+    # Why a container is not running, when that reason means it will not recover by itself.
+    failure_reason: str | None = None
+    failure_message: str | None = None
+
+    @property
+    def scrapeable(self) -> bool:
+        return self.ready and not self.terminating and self.ip is not None
+
+
+@dataclass(frozen=True)
+class DeploymentView:
+    generation: int
+    observed_generation: int
+    replicas: int
+    status_replicas: int
+    updated_replicas: int
+    ready_replicas: int
+    available_replicas: int
+    progress_deadline_exceeded: bool = False
+    progress_message: str = ""
+
+
+def pod_view(body: Mapping[str, Any]) -> PodView:
+    meta, status = body.get("metadata", {}), body.get("status", {})
+    conditions = {c.get("type"): c for c in status.get("conditions") or []}
+    scheduled = conditions.get("PodScheduled", {})
+    unschedulable = None
+    if scheduled.get("status") == "False" and scheduled.get("reason") == "Unschedulable":
+        unschedulable = scheduled.get("message") or "no node fits the pod"
+    failure_reason = failure_message = None
+    for container in [*(status.get("initContainerStatuses") or []), *(status.get("containerStatuses") or [])]:
+        waiting = (container.get("state") or {}).get("waiting") or {}
+        if waiting.get("reason") in FAILING_WAIT_REASONS:
+            failure_reason = waiting["reason"]
+            failure_message = (
+                f"container {container.get('name')}: {waiting.get('message') or waiting['reason']}"
+            )
+            break
+    return PodView(
+        name=meta.get("name", ""),
+        ip=status.get("podIP") or None,
+        phase=status.get("phase") or "Pending",
+        ready=conditions.get("Ready", {}).get("status") == "True",
+        terminating=meta.get("deletionTimestamp") is not None,
+        unschedulable_message=unschedulable,
+        failure_reason=failure_reason,
+        failure_message=failure_message,
+    )
+
+
+def deployment_view(body: Mapping[str, Any]) -> DeploymentView:
+    meta, spec, status = body.get("metadata", {}), body.get("spec", {}), body.get("status", {})
+    progressing = next((c for c in status.get("conditions") or [] if c.get("type") == "Progressing"), {})
+    return DeploymentView(
+        generation=meta.get("generation", 0),
+        observed_generation=status.get("observedGeneration", 0),
+        replicas=spec.get("replicas", 1),
+        status_replicas=status.get("replicas", 0),
+        updated_replicas=status.get("updatedReplicas", 0),
+        ready_replicas=status.get("readyReplicas", 0),
+        available_replicas=status.get("availableReplicas", 0),
+        progress_deadline_exceeded=progressing.get("reason") == "ProgressDeadlineExceeded",
+        progress_message=progressing.get("message", ""),
+    )

@@ -1,0 +1,168 @@
+"""An InferenceService's children, rendered from its spec alone: Deployment, Service, PDB, ServiceMonitor.
+
+Pure functions: the same inputs give the same manifests, which is what makes server-side apply
+idempotent and the output golden-testable.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from kvfleet.operator.api import (
+    API_VERSION,
+    COMPONENT,
+    HTTP_PORT_NAME,
+    KIND,
+    LABEL_COMPONENT,
+    LABEL_INSTANCE,
+    LABEL_MANAGED_BY,
+    LABEL_NAME,
+    MANAGED_BY,
+    SERVICE_LABEL,
+    TIER_LABEL,
+)
+from kvfleet.operator.render_pod import pod_template
+from kvfleet.operator.spec import InferenceServiceSpec
+
+DEFAULT_RUNTIME_IMAGE = "kvfleet/runtime:0.1.0"
+SERVICE_PORT = 80
+# Room past the startup timeout for image pulls and model downloads before a rollout counts as failed.
+ROLLOUT_SLACK_SECONDS = 600
+
+
+@dataclass(frozen=True)
+class RenderOptions:
+    """Operator-wide settings that shape every service's manifests."""
+
+    runtime_image: str = DEFAULT_RUNTIME_IMAGE
+    cluster_domain: str = "cluster.local"
+    service_monitor: bool = False
+
+
+@dataclass(frozen=True)
+class Owner:
+    """The InferenceService whose children are rendered."""
+
+    name: str
+    namespace: str
+    uid: str
+
+
+def selector_labels(name: str) -> dict[str, str]:
+    return {SERVICE_LABEL: name}
+
+
+def common_labels(owner: Owner, spec: InferenceServiceSpec) -> dict[str, str]:
+    return {
+        LABEL_NAME: "kvfleet",
+        LABEL_INSTANCE: owner.name,
+        LABEL_COMPONENT: COMPONENT,
+        LABEL_MANAGED_BY: MANAGED_BY,
+        TIER_LABEL: spec.sla.tier,
+        **selector_labels(owner.name),
+    }
+
+
+def service_url(owner: Owner, options: RenderOptions) -> str:
+    return f"http://{owner.name}.{owner.namespace}.svc.{options.cluster_domain}"
+
+
+def render_children(
+    owner: Owner, spec: InferenceServiceSpec, replicas: int, options: RenderOptions
+) -> list[dict[str, Any]]:
+    """Every child object, in apply order (the Service first, so the URL resolves once pods are ready)."""
+    children = [
+        render_service(owner, spec),
+        render_deployment(owner, spec, replicas, options),
+        render_disruption_budget(owner, spec),
+    ]
+    if options.service_monitor:
+        children.append(render_service_monitor(owner, spec))
+    return children
+
+
+def render_deployment(
+    owner: Owner, spec: InferenceServiceSpec, replicas: int, options: RenderOptions
+) -> dict[str, Any]:
+    labels = common_labels(owner, spec)
+    image = spec.engine.image or options.runtime_image
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _metadata(owner, labels),
+        "spec": {
+            "replicas": replicas,
+            "selector": {"matchLabels": selector_labels(owner.name)},
+            # Never below current capacity: a new replica must be ready before an old one stops.
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+            "revisionHistoryLimit": 3,
+            "progressDeadlineSeconds": spec.engine.startup_timeout_seconds + ROLLOUT_SLACK_SECONDS,
+            "template": pod_template(spec, labels, image),
+        },
+    }
+
+
+def render_service(owner: Owner, spec: InferenceServiceSpec) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _metadata(owner, common_labels(owner, spec)),
+        "spec": {
+            "type": "ClusterIP",
+            "selector": selector_labels(owner.name),
+            "ports": [
+                {
+                    "name": HTTP_PORT_NAME,
+                    "port": SERVICE_PORT,
+                    "targetPort": HTTP_PORT_NAME,
+                    "protocol": "TCP",
+                }
+            ],
+        },
+    }
+
+
+def render_disruption_budget(owner: Owner, spec: InferenceServiceSpec) -> dict[str, Any]:
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": _metadata(owner, common_labels(owner, spec)),
+        "spec": {
+            "selector": {"matchLabels": selector_labels(owner.name)},
+            # One replica at a time, so node drains proceed without emptying the service.
+            "maxUnavailable": 1,
+            # A replica that is not ready serves nothing: evicting it must not be blocked.
+            "unhealthyPodEvictionPolicy": "AlwaysAllow",
+        },
+    }
+
+
+def render_service_monitor(owner: Owner, spec: InferenceServiceSpec) -> dict[str, Any]:
+    return {
+        "apiVersion": "monitoring.coreos.com/v1",
+        "kind": "ServiceMonitor",
+        "metadata": _metadata(owner, common_labels(owner, spec)),
+        "spec": {
+            "selector": {"matchLabels": selector_labels(owner.name)},
+            "endpoints": [{"port": HTTP_PORT_NAME, "path": "/metrics", "interval": "15s"}],
+        },
+    }
+
+
+def _metadata(owner: Owner, labels: dict[str, str]) -> dict[str, Any]:
+    return {
+        "name": owner.name,
+        "namespace": owner.namespace,
+        "labels": dict(labels),
+        "ownerReferences": [
+            {
+                "apiVersion": API_VERSION,
+                "kind": KIND,
+                "name": owner.name,
+                "uid": owner.uid,
+                "controller": True,
+                "blockOwnerDeletion": True,
+            }
+        ],
+    }

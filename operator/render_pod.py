@@ -1,0 +1,214 @@
+"""The pod template of one InferenceService's replicas: the runtime container, model delivery, probes."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from kvfleet.operator.api import HTTP_PORT, HTTP_PORT_NAME
+from kvfleet.operator.spec import InferenceServiceSpec, ModelSpec
+from kvfleet.operator.tiers import TIERS
+
+MODEL_ROOT = "/mnt/models"
+# Long enough for endpoint controllers and proxies to drop the pod before it stops accepting requests.
+PRESTOP_DELAY_SECONDS = 5
+# Time past the drain for the runtime to exit once its last request finished.
+EXIT_MARGIN_SECONDS = 10
+PROBE_PERIOD_SECONDS = 5
+RUNTIME_USER = 1000
+
+
+def _container_security() -> dict[str, Any]:
+    return {
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "runAsNonRoot": True,
+        "capabilities": {"drop": ["ALL"]},
+    }
+
+
+def model_path(model: ModelSpec) -> str:
+    """Where the runtime finds the weights inside the pod."""
+    source = model.source
+    if source.scheme == "hf":
+        return f"{MODEL_ROOT}/{source.location}"
+    if source.scheme == "pvc":
+        return f"{MODEL_ROOT}/{source.detail}".rstrip("/")
+    return source.location
+
+
+def runtime_args(spec: InferenceServiceSpec) -> list[str]:
+    """`kvfleet serve` flags, in the runtime's own names."""
+    engine, tier = spec.engine, TIERS[spec.sla.tier]
+    args = ["--model", model_path(spec.model), "--served-model-name", spec.model.served_name]
+    args += ["--host", "0.0.0.0", "--port", str(HTTP_PORT)]
+    optional_values: list[tuple[str, object]] = [
+        ("--tokenizer", spec.model.tokenizer),
+        ("--chat-template", spec.model.chat_template),
+        ("--max-num-seqs", engine.max_num_seqs),
+        ("--max-model-len", engine.max_model_len),
+        ("--block-size", engine.block_size),
+    ]
+    args += _flags(optional_values)
+    if engine.enable_prefix_caching is not None:
+        args.append(
+            "--enable-prefix-caching" if engine.enable_prefix_caching else "--no-enable-prefix-caching"
+        )
+    args += ["--scheduling-policy", engine.scheduling_policy or tier.scheduling_policy]
+    args += _flags([("--dtype", engine.dtype)])
+    # Only sent when it matters, so single-GPU and CPU replicas work with runtimes that lack the flag.
+    if engine.tensor_parallel_size > 1:
+        args += ["--tensor-parallel-size", str(engine.tensor_parallel_size)]
+    args += ["--default-priority", tier.name, "--drain-timeout", str(engine.drain_timeout_seconds)]
+    args += _flags([("--max-waiting-requests", engine.max_waiting_requests)])
+    return args + list(engine.extra_args)
+
+
+def termination_grace_seconds(spec: InferenceServiceSpec) -> int:
+    return PRESTOP_DELAY_SECONDS + spec.engine.drain_timeout_seconds + EXIT_MARGIN_SECONDS
+
+
+def pod_template(spec: InferenceServiceSpec, labels: dict[str, str], image: str) -> dict[str, Any]:
+    engine, resources = spec.engine, spec.resources
+    volumes, mounts = _model_volumes(spec.model)
+    volumes = [{"name": "tmp", "emptyDir": {}}, {"name": "dshm", "emptyDir": {"medium": "Memory"}}, *volumes]
+    mounts = [{"name": "tmp", "mountPath": "/tmp"}, {"name": "dshm", "mountPath": "/dev/shm"}, *mounts]
+    container: dict[str, Any] = {
+        "name": "runtime",
+        "image": image,
+        "imagePullPolicy": engine.image_pull_policy,
+        "command": ["kvfleet", "serve"],
+        "args": runtime_args(spec),
+        "ports": [{"name": HTTP_PORT_NAME, "containerPort": HTTP_PORT, "protocol": "TCP"}],
+        "env": _runtime_env(spec),
+        "resources": _container_resources(spec),
+        "startupProbe": _http_probe(
+            "/health", failures=math.ceil(engine.startup_timeout_seconds / PROBE_PERIOD_SECONDS)
+        ),
+        "readinessProbe": _http_probe("/ready", failures=2),
+        "livenessProbe": _http_probe("/health", failures=6),
+        "lifecycle": {"preStop": {"sleep": {"seconds": PRESTOP_DELAY_SECONDS}}},
+        "securityContext": _container_security(),
+        "volumeMounts": mounts,
+    }
+    pod_spec: dict[str, Any] = {
+        "priorityClassName": TIERS[spec.sla.tier].priority_class,
+        "terminationGracePeriodSeconds": termination_grace_seconds(spec),
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": RUNTIME_USER,
+            "runAsGroup": RUNTIME_USER,
+            "fsGroup": RUNTIME_USER,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "containers": [container],
+        "volumes": volumes,
+    }
+    init = _download_container(spec.model, image, engine.image_pull_policy)
+    if init is not None:
+        pod_spec["initContainers"] = [init]
+    if engine.image_pull_secrets:
+        pod_spec["imagePullSecrets"] = [{"name": name} for name in engine.image_pull_secrets]
+    if resources.node_selector:
+        pod_spec["nodeSelector"] = dict(resources.node_selector)
+    tolerations = [dict(toleration) for toleration in resources.tolerations]
+    if resources.gpus > 0:
+        # GPU node pools are commonly tainted with the device's resource name.
+        tolerations.append({"key": resources.gpu_resource_name, "operator": "Exists", "effect": "NoSchedule"})
+    if tolerations:
+        pod_spec["tolerations"] = tolerations
+    if resources.affinity:
+        pod_spec["affinity"] = dict(resources.affinity)
+    return {"metadata": {"labels": labels}, "spec": pod_spec}
+
+
+def _flags(pairs: list[tuple[str, object]]) -> list[str]:
+    args: list[str] = []
+    for flag, value in pairs:
+        if value is not None:
+            args += [flag, str(value)]
+    return args
+
+
+def _runtime_env(spec: InferenceServiceSpec) -> list[dict[str, str]]:
+    # The root filesystem is read-only: caches (kernels, tokenizers) go to the /tmp volume, and the
+    # runtime never reaches for a model hub itself.
+    env = [
+        {"name": "HOME", "value": "/tmp"},
+        {"name": "XDG_CACHE_HOME", "value": "/tmp/.cache"},
+        {"name": "HF_HUB_OFFLINE", "value": "1"},
+    ]
+    return env + [{"name": name, "value": value} for name, value in spec.engine.env]
+
+
+def _container_resources(spec: InferenceServiceSpec) -> dict[str, dict[str, str]]:
+    resources = spec.resources
+    requests: dict[str, str] = {}
+    limits: dict[str, str] = {}
+    if resources.cpu is not None:
+        requests["cpu"] = resources.cpu
+    if resources.memory is not None:
+        # Memory is not compressible: a limit equal to the request keeps the pod out of node OOM kills.
+        requests["memory"] = limits["memory"] = resources.memory
+    if resources.gpus > 0:
+        requests[resources.gpu_resource_name] = limits[resources.gpu_resource_name] = str(resources.gpus)
+    result: dict[str, dict[str, str]] = {}
+    if requests:
+        result["requests"] = requests
+    if limits:
+        result["limits"] = limits
+    return result
+
+
+def _http_probe(path: str, failures: int) -> dict[str, Any]:
+    return {
+        "httpGet": {"path": path, "port": HTTP_PORT_NAME},
+        "periodSeconds": PROBE_PERIOD_SECONDS,
+        "timeoutSeconds": 3,
+        "failureThreshold": failures,
+    }
+
+
+def _model_volumes(model: ModelSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    source = model.source
+    if source.scheme == "hf":
+        empty_dir: dict[str, Any] = {}
+        if model.cache_size_limit is not None:
+            empty_dir["sizeLimit"] = model.cache_size_limit
+        mount = {"name": "model", "mountPath": MODEL_ROOT, "readOnly": True}
+        return [{"name": "model", "emptyDir": empty_dir}], [mount]
+    if source.scheme == "pvc":
+        claim = {"claimName": source.location, "readOnly": True}
+        mount = {"name": "model", "mountPath": MODEL_ROOT, "readOnly": True}
+        return [{"name": "model", "persistentVolumeClaim": claim}], [mount]
+    if model.host_path:
+        host_path = {"path": source.location, "type": "Directory"}
+        mount = {"name": "model", "mountPath": source.location, "readOnly": True}
+        return [{"name": "model", "hostPath": host_path}], [mount]
+    return [], []
+
+
+def _download_container(model: ModelSpec, image: str, pull_policy: str) -> dict[str, Any] | None:
+    source = model.source
+    if source.scheme != "hf":
+        return None
+    args = [source.location]
+    if source.detail is not None:
+        args += ["--revision", source.detail]
+    args += ["--dest", model_path(model)]
+    env: list[dict[str, Any]] = [{"name": "HF_HOME", "value": f"{MODEL_ROOT}/.cache"}]
+    if model.credentials_secret is not None:
+        secret_ref = {"name": model.credentials_secret, "key": "HF_TOKEN"}
+        env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": secret_ref}})
+    return {
+        "name": "model-download",
+        "image": image,
+        "imagePullPolicy": pull_policy,
+        "command": ["kvfleet", "download-model"],
+        "args": args,
+        "env": env,
+        "securityContext": _container_security(),
+        "volumeMounts": [{"name": "model", "mountPath": MODEL_ROOT}, {"name": "tmp", "mountPath": "/tmp"}],
+    }

@@ -1,0 +1,135 @@
+"""Reading queue metrics straight from each ready replica's /metrics (no Prometheus in between).
+
+kvfleet's own metric names are read first; vLLM's names are the fallback, so vLLM pods scale too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import aiohttp
+from kvfleet.operator.autoscaler import PodMetrics
+
+PREFIXES = ("kvfleet:", "vllm:")
+WAITING = "num_requests_waiting"
+RUNNING = "num_requests_running"
+KV_CACHE_USAGE = "kv_cache_usage_perc"
+TTFT_SUM = "time_to_first_token_seconds_sum"
+TTFT_COUNT = "time_to_first_token_seconds_count"
+_WANTED = {
+    prefix + name for prefix in PREFIXES for name in (WAITING, RUNNING, KV_CACHE_USAGE, TTFT_SUM, TTFT_COUNT)
+}
+
+
+@dataclass(frozen=True)
+class ScrapeTarget:
+    pod: str
+    ip: str
+    port: int
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.ip}]" if ipaddress.ip_address(self.ip).version == 6 else self.ip
+        return f"http://{host}:{self.port}/metrics"
+
+
+@dataclass(frozen=True)
+class Exposition:
+    """The values the autoscaler reads from one /metrics page, summed over label sets."""
+
+    waiting: float | None
+    running: float | None
+    kv_cache_usage: float | None
+    ttft_sum: float | None
+    ttft_count: float | None
+
+
+def parse_exposition(text: str) -> Exposition:
+    """Picks the autoscaler's metrics out of Prometheus text format; everything else is skipped unparsed."""
+    totals: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line.startswith(PREFIXES):
+            continue
+        if "{" in line:
+            name, _, rest = line.partition("{")
+            _, _, value_part = rest.rpartition("}")
+        else:
+            name, _, value_part = line.partition(" ")
+        if name not in _WANTED:
+            continue
+        fields = value_part.split()
+        if not fields:
+            continue
+        try:
+            value = float(fields[0])
+        except ValueError:
+            continue
+        if math.isfinite(value):
+            totals[name] = totals.get(name, 0.0) + value
+
+    def read(metric: str) -> float | None:
+        for prefix in PREFIXES:
+            if prefix + metric in totals:
+                return totals[prefix + metric]
+        return None
+
+    # Sum and count must come from the same family, or their ratio means nothing.
+    ttft_prefix = next((p for p in PREFIXES if p + TTFT_SUM in totals and p + TTFT_COUNT in totals), None)
+    return Exposition(
+        waiting=read(WAITING),
+        running=read(RUNNING),
+        kv_cache_usage=read(KV_CACHE_USAGE),
+        ttft_sum=totals[ttft_prefix + TTFT_SUM] if ttft_prefix else None,
+        ttft_count=totals[ttft_prefix + TTFT_COUNT] if ttft_prefix else None,
+    )
+
+
+class FleetScraper:
+    """Scrapes one service's replicas; remembers each replica's TTFT counters to report interval means."""
+
+    def __init__(self, session: aiohttp.ClientSession, timeout_seconds: float) -> None:
+        self._session = session
+        self._timeout = aiohttp.ClientTimeout(total=timeout_seconds)
+        self._ttft_counters: dict[str, tuple[float, float]] = {}
+
+    async def scrape(self, targets: Sequence[ScrapeTarget]) -> list[PodMetrics | None]:
+        pages = await asyncio.gather(*(self._fetch(target) for target in targets))
+        live = {target.pod for target in targets}
+        self._ttft_counters = {pod: value for pod, value in self._ttft_counters.items() if pod in live}
+        return [self._to_metrics(target.pod, page) for target, page in zip(targets, pages, strict=True)]
+
+    async def _fetch(self, target: ScrapeTarget) -> Exposition | None:
+        try:
+            async with self._session.get(target.url, timeout=self._timeout) as response:
+                if response.status != 200:
+                    return None
+                return parse_exposition(await response.text())
+        except (aiohttp.ClientError, TimeoutError, UnicodeDecodeError):
+            return None
+
+    def _to_metrics(self, pod: str, page: Exposition | None) -> PodMetrics | None:
+        if page is None or page.waiting is None or page.running is None:
+            return None
+        return PodMetrics(
+            waiting=page.waiting,
+            running=page.running,
+            kv_cache_usage=page.kv_cache_usage,
+            ttft_seconds=self._interval_ttft(pod, page),
+        )
+
+    def _interval_ttft(self, pod: str, page: Exposition) -> float | None:
+        if page.ttft_sum is None or page.ttft_count is None:
+            return None
+        previous = self._ttft_counters.get(pod)
+        self._ttft_counters[pod] = (page.ttft_sum, page.ttft_count)
+        if previous is None:
+            return None
+        started = page.ttft_count - previous[1]
+        # A restarted replica resets its counters: no interval to measure until the next scrape.
+        if started <= 0 or page.ttft_sum < previous[0]:
+            return None
+        return (page.ttft_sum - previous[0]) / started

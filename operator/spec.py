@@ -1,0 +1,326 @@
+"""The InferenceService spec as typed, defaulted, validated Python values.
+
+The API server defaults and validates through the CRD's schema; this module applies the same defaults
+(a test keeps them equal) and re-checks what rendering relies on, because objects written before a CRD
+upgrade, or by a server without CEL, reach the operator too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal, cast
+
+from kvfleet.operator.model_uri import ModelSource, ModelURIError, parse_model_uri
+from kvfleet.operator.tiers import TIER_NAMES, TierName
+
+PullPolicy = Literal["Always", "IfNotPresent", "Never"]
+PULL_POLICIES: tuple[PullPolicy, ...] = ("Always", "IfNotPresent", "Never")
+SCHEDULING_POLICIES = ("fcfs", "priority")
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+BLOCK_SIZES = (8, 16, 32, 64, 128)
+
+
+class SpecError(ValueError):
+    """A spec the operator cannot render; `reason` becomes the condition and event reason."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.message = message
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    uri: str
+    source: ModelSource
+    served_name: str
+    tokenizer: str | None = None
+    chat_template: str | None = None
+    host_path: bool = False
+    credentials_secret: str | None = None
+    cache_size_limit: str | None = None
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    image: str | None = None
+    image_pull_policy: PullPolicy = "IfNotPresent"
+    image_pull_secrets: tuple[str, ...] = ()
+    max_num_seqs: int | None = None
+    max_model_len: int | None = None
+    block_size: int | None = None
+    enable_prefix_caching: bool | None = None
+    scheduling_policy: str | None = None
+    dtype: str | None = None
+    tensor_parallel_size: int = 1
+    max_waiting_requests: int | None = None
+    drain_timeout_seconds: int = 30
+    startup_timeout_seconds: int = 600
+    extra_args: tuple[str, ...] = ()
+    env: tuple[tuple[str, str], ...] = ()
+
+
+@dataclass(frozen=True)
+class ResourcesSpec:
+    gpus: int = 1
+    gpu_resource_name: str = "nvidia.com/gpu"
+    cpu: str | None = None
+    memory: str | None = None
+    node_selector: Mapping[str, str] = field(default_factory=dict)
+    tolerations: tuple[Mapping[str, Any], ...] = ()
+    affinity: Mapping[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class ScalingSpec:
+    replicas: int | None = None
+    min_replicas: int = 1
+    max_replicas: int = 4
+    target_queue_depth: int = 32
+    stable_window_seconds: int = 60
+    panic_window_seconds: int = 6
+    panic_threshold_percent: int = 200
+    scale_down_delay_seconds: int = 120
+    max_scale_up_step: int = 4
+    max_scale_down_step: int = 1
+    metrics_interval_seconds: int = 2
+
+    @property
+    def autoscaling(self) -> bool:
+        return self.replicas is None
+
+    def clamp(self, replicas: int) -> int:
+        if self.replicas is not None:
+            return self.replicas
+        return max(self.min_replicas, min(self.max_replicas, replicas))
+
+
+@dataclass(frozen=True)
+class SlaSpec:
+    tier: TierName = "standard"
+    ttft_target_milliseconds: int | None = None
+
+
+@dataclass(frozen=True)
+class InferenceServiceSpec:
+    model: ModelSpec
+    engine: EngineSpec
+    resources: ResourcesSpec
+    scaling: ScalingSpec
+    sla: SlaSpec
+
+
+def parse_spec(spec: Mapping[str, Any], *, name: str) -> InferenceServiceSpec:
+    """Typed spec of the resource `name`; raises SpecError with a user-facing message."""
+    root = _Section(spec, "spec")
+    engine = _parse_engine(root.section("engine"))
+    return InferenceServiceSpec(
+        model=_parse_model(root.section("model", required=True), name),
+        engine=engine,
+        resources=_parse_resources(root.section("resources"), engine.tensor_parallel_size),
+        scaling=_parse_scaling(root.section("scaling")),
+        sla=_parse_sla(root.section("sla")),
+    )
+
+
+def _parse_model(section: _Section, name: str) -> ModelSpec:
+    uri = section.required_string("uri")
+    try:
+        source = parse_model_uri(uri)
+    except ModelURIError as error:
+        raise SpecError("InvalidModelURI", f"spec.model.uri {error}") from None
+    host_path = section.boolean("hostPath", False)
+    if host_path and source.scheme != "file":
+        raise SpecError("InvalidSpec", "spec.model.hostPath applies only to file:/// URIs")
+    cache_size_limit = section.quantity("cacheSizeLimit")
+    return ModelSpec(
+        uri=uri,
+        source=source,
+        served_name=section.string("servedName") or name,
+        tokenizer=section.string("tokenizer"),
+        chat_template=section.string("chatTemplate"),
+        host_path=host_path,
+        credentials_secret=section.string("credentialsSecret"),
+        cache_size_limit=cache_size_limit,
+    )
+
+
+def _parse_engine(section: _Section) -> EngineSpec:
+    defaults = EngineSpec()
+    env_items = []
+    for index, item in enumerate(section.list("env")):
+        entry = _Section(item, f"{section.path}.env[{index}]")
+        env_items.append((entry.required_string("name"), entry.string("value") or ""))
+    return EngineSpec(
+        image=section.string("image"),
+        image_pull_policy=cast(
+            PullPolicy, section.choice("imagePullPolicy", PULL_POLICIES, defaults.image_pull_policy)
+        ),
+        image_pull_secrets=tuple(section.strings("imagePullSecrets")),
+        max_num_seqs=section.integer("maxNumSeqs", minimum=1),
+        max_model_len=section.integer("maxModelLen", minimum=1),
+        block_size=section.choice("blockSize", BLOCK_SIZES),
+        enable_prefix_caching=section.optional_boolean("enablePrefixCaching"),
+        scheduling_policy=section.choice("schedulingPolicy", SCHEDULING_POLICIES),
+        dtype=section.choice("dtype", DTYPES),
+        tensor_parallel_size=section.required_integer("tensorParallelSize", defaults.tensor_parallel_size, 1),
+        max_waiting_requests=section.integer("maxWaitingRequests", minimum=1),
+        drain_timeout_seconds=section.required_integer(
+            "drainTimeoutSeconds", defaults.drain_timeout_seconds, 0
+        ),
+        startup_timeout_seconds=section.required_integer(
+            "startupTimeoutSeconds", defaults.startup_timeout_seconds, 30
+        ),
+        extra_args=tuple(section.strings("extraArgs")),
+        env=tuple(env_items),
+    )
+
+
+def _parse_resources(section: _Section, tensor_parallel_size: int) -> ResourcesSpec:
+    gpus = section.required_integer("gpus", tensor_parallel_size, 0)
+    if gpus < tensor_parallel_size and not (gpus == 0 and tensor_parallel_size == 1):
+        raise SpecError(
+            "InvalidSpec",
+            f"spec.resources.gpus ({gpus}) must be at least spec.engine.tensorParallelSize "
+            f"({tensor_parallel_size})",
+        )
+    tolerations = tuple(
+        _Section(item, f"{section.path}.tolerations").raw for item in section.list("tolerations")
+    )
+    affinity = section.mapping("affinity")
+    return ResourcesSpec(
+        gpus=gpus,
+        gpu_resource_name=section.string("gpuResourceName") or ResourcesSpec.gpu_resource_name,
+        cpu=section.quantity("cpu"),
+        memory=section.quantity("memory"),
+        node_selector={key: str(value) for key, value in (section.mapping("nodeSelector") or {}).items()},
+        tolerations=tolerations,
+        affinity=affinity,
+    )
+
+
+def _parse_scaling(section: _Section) -> ScalingSpec:
+    defaults = ScalingSpec()
+    integer = section.required_integer
+    scaling = ScalingSpec(
+        replicas=section.integer("replicas", minimum=0),
+        min_replicas=integer("minReplicas", defaults.min_replicas, 1),
+        max_replicas=integer("maxReplicas", defaults.max_replicas, 1),
+        target_queue_depth=integer("targetQueueDepth", defaults.target_queue_depth, 1),
+        stable_window_seconds=integer("stableWindowSeconds", defaults.stable_window_seconds, 1),
+        panic_window_seconds=integer("panicWindowSeconds", defaults.panic_window_seconds, 1),
+        panic_threshold_percent=integer("panicThresholdPercent", defaults.panic_threshold_percent, 101),
+        scale_down_delay_seconds=integer("scaleDownDelaySeconds", defaults.scale_down_delay_seconds, 0),
+        max_scale_up_step=integer("maxScaleUpStep", defaults.max_scale_up_step, 1),
+        max_scale_down_step=integer("maxScaleDownStep", defaults.max_scale_down_step, 1),
+        metrics_interval_seconds=integer("metricsIntervalSeconds", defaults.metrics_interval_seconds, 1),
+    )
+    if scaling.min_replicas > scaling.max_replicas:
+        raise SpecError(
+            "InvalidSpec",
+            f"spec.scaling.minReplicas ({scaling.min_replicas}) must not exceed "
+            f"spec.scaling.maxReplicas ({scaling.max_replicas})",
+        )
+    if scaling.panic_window_seconds > scaling.stable_window_seconds:
+        raise SpecError("InvalidSpec", "spec.scaling.panicWindowSeconds must not exceed stableWindowSeconds")
+    return scaling
+
+
+def _parse_sla(section: _Section) -> SlaSpec:
+    tier = section.choice("tier", TIER_NAMES, "standard")
+    return SlaSpec(
+        tier=cast(TierName, tier),
+        ttft_target_milliseconds=section.integer("ttftTargetMilliseconds", minimum=1),
+    )
+
+
+class _Section:
+    """Typed reads of one mapping of the spec, with errors that name the field's path."""
+
+    def __init__(self, raw: Any, path: str) -> None:
+        if not isinstance(raw, Mapping):
+            raise SpecError("InvalidSpec", f"{path} must be an object")
+        self.raw: Mapping[str, Any] = raw
+        self.path = path
+
+    def section(self, key: str, *, required: bool = False) -> _Section:
+        value = self.raw.get(key)
+        if value is None:
+            if required:
+                raise SpecError("InvalidSpec", f"{self.path}.{key} is required")
+            value = {}
+        return _Section(value, f"{self.path}.{key}")
+
+    def string(self, key: str) -> str | None:
+        value = self.raw.get(key)
+        if value is not None and not isinstance(value, str):
+            raise SpecError("InvalidSpec", f"{self.path}.{key} must be a string")
+        return value
+
+    def required_string(self, key: str) -> str:
+        value = self.string(key)
+        if not value:
+            raise SpecError("InvalidSpec", f"{self.path}.{key} is required")
+        return value
+
+    def integer(self, key: str, default: int | None = None, *, minimum: int) -> int | None:
+        value = self.raw.get(key, default)
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise SpecError("InvalidSpec", f"{self.path}.{key} must be an integer")
+        if value < minimum:
+            raise SpecError("InvalidSpec", f"{self.path}.{key} must be at least {minimum}")
+        return value
+
+    def required_integer(self, key: str, default: int, minimum: int) -> int:
+        value = self.integer(key, default, minimum=minimum)
+        assert value is not None, "a default is given"
+        return value
+
+    def boolean(self, key: str, default: bool) -> bool:
+        value = self.optional_boolean(key)
+        return default if value is None else value
+
+    def optional_boolean(self, key: str) -> bool | None:
+        value = self.raw.get(key)
+        if value is not None and not isinstance(value, bool):
+            raise SpecError("InvalidSpec", f"{self.path}.{key} must be true or false")
+        return value
+
+    def choice(self, key: str, allowed: tuple[Any, ...], default: Any = None) -> Any:
+        value = self.raw.get(key, default)
+        if value is not None and (isinstance(value, bool) or value not in allowed):
+            raise SpecError(
+                "InvalidSpec", f"{self.path}.{key} must be one of {', '.join(str(a) for a in allowed)}"
+            )
+        return value
+
+    def quantity(self, key: str) -> str | None:
+        value = self.raw.get(key)
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int | str):
+            raise SpecError("InvalidSpec", f"{self.path}.{key} must be a quantity such as 4 or 16Gi")
+        return str(value)
+
+    def list(self, key: str) -> list[Any]:
+        value = self.raw.get(key)
+        if value is None:
+            return []
+        if not isinstance(value, list):
+            raise SpecError("InvalidSpec", f"{self.path}.{key} must be a list")
+        return value
+
+    def strings(self, key: str) -> list[str]:
+        values = self.list(key)
+        if not all(isinstance(value, str) for value in values):
+            raise SpecError("InvalidSpec", f"{self.path}.{key} must be a list of strings")
+        return values
+
+    def mapping(self, key: str) -> Mapping[str, Any] | None:
+        value = self.raw.get(key)
+        if value is not None and not isinstance(value, Mapping):
+            raise SpecError("InvalidSpec", f"{self.path}.{key} must be an object")
+        return value

@@ -1,0 +1,196 @@
+"""The InferenceService status: conditions by Kubernetes conventions, replica counts, the URL.
+
+`Ready` rolls up the rest. Its reason tells tools such as the Argo CD health check what kind of
+not-ready it is: still progressing, failed, or scaled down on purpose.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvfleet.operator.autoscaler import MetricsSample
+from kvfleet.operator.observed import DeploymentView, PodView
+
+# Ready=False reasons that need a person (or a cluster change); the others resolve by waiting.
+FAILURE_REASONS = frozenset(
+    {
+        "InvalidSpec",
+        "InvalidModelURI",
+        "ReconcileFailed",
+        "ProgressDeadlineExceeded",
+        "InsufficientGPU",
+        "Unschedulable",
+        "ReplicaFailing",
+    }
+)
+SCALED_TO_ZERO = "ScaledToZero"
+
+
+@dataclass(frozen=True)
+class Condition:
+    type: str
+    status: str
+    reason: str
+    message: str
+
+
+@dataclass(frozen=True)
+class Observation:
+    """Everything one status update is computed from."""
+
+    generation: int
+    url: str
+    autoscaling: bool
+    desired_replicas: int
+    deployment: DeploymentView | None
+    pods: Sequence[PodView]
+    gpu_resource_name: str
+    # A reason and message when the spec cannot be rendered or applying it failed.
+    blocking_error: tuple[str, str] | None = None
+    latest_sample: MetricsSample | None = None
+    panic: bool = False
+    last_scale_time: str | None = None
+    last_scale_reason: str | None = None
+
+
+def build_status(
+    observation: Observation, previous: Mapping[str, Any], now: datetime.datetime
+) -> dict[str, Any]:
+    workload = workload_condition(observation)
+    conditions = [
+        ready_condition(observation, workload),
+        workload,
+        scheduled_condition(observation),
+        scaling_condition(observation),
+    ]
+    deployment = observation.deployment
+    status: dict[str, Any] = {
+        "observedGeneration": observation.generation,
+        "desiredReplicas": observation.desired_replicas,
+        "replicas": deployment.status_replicas if deployment else 0,
+        "readyReplicas": deployment.ready_replicas if deployment else 0,
+        "url": observation.url,
+        "conditions": merge_conditions(
+            previous.get("conditions") or [], conditions, observation.generation, now
+        ),
+    }
+    if observation.last_scale_time is not None:
+        status["lastScaleTime"] = observation.last_scale_time
+        status["lastScaleReason"] = observation.last_scale_reason or ""
+    sample = observation.latest_sample
+    if observation.autoscaling and sample is not None:
+        autoscaler: dict[str, Any] = {
+            "queueDepth": round(sample.queue_depth, 1),
+            "reportingPods": sample.reporting_pods,
+            "panic": observation.panic,
+        }
+        if sample.kv_cache_usage is not None:
+            autoscaler["kvCacheUsage"] = round(sample.kv_cache_usage, 3)
+        if sample.ttft_seconds is not None:
+            autoscaler["ttftMilliseconds"] = round(sample.ttft_seconds * 1000, 1)
+        status["autoscaler"] = autoscaler
+    return status
+
+
+def workload_condition(observation: Observation) -> Condition:
+    deployment, desired = observation.deployment, observation.desired_replicas
+
+    def condition(status: bool, reason: str, message: str) -> Condition:
+        return Condition("WorkloadReady", "True" if status else "False", reason, message)
+
+    if deployment is None:
+        return condition(False, "DeploymentPending", "the Deployment has not been created yet")
+    if desired == 0:
+        return condition(False, SCALED_TO_ZERO, "spec.scaling.replicas is 0")
+    if deployment.observed_generation < deployment.generation:
+        return condition(False, "RollingOut", "the Deployment controller has not seen the latest template")
+    if deployment.progress_deadline_exceeded:
+        return condition(False, "ProgressDeadlineExceeded", deployment.progress_message)
+    rolled_out = deployment.updated_replicas >= deployment.replicas
+    old_left = deployment.status_replicas - deployment.updated_replicas
+    if not rolled_out or old_left > 0:
+        return condition(
+            False,
+            "RollingOut",
+            f"{deployment.updated_replicas} of {deployment.replicas} replicas updated, {old_left} old left",
+        )
+    if deployment.available_replicas == 0:
+        failing = next((pod for pod in observation.pods if pod.failure_reason), None)
+        if failing is not None:
+            return condition(False, "ReplicaFailing", f"pod {failing.name}: {failing.failure_message}")
+        unschedulable = _unschedulable(observation.pods)
+        if unschedulable:
+            reason, message = _unschedulable_reason(unschedulable, observation.gpu_resource_name)
+            return condition(False, reason, message)
+        return condition(
+            False, "ReplicasStarting", f"0 of {desired} replicas ready; waiting for the model to load"
+        )
+    return condition(True, "Available", f"{deployment.ready_replicas} of {desired} replicas ready")
+
+
+def ready_condition(observation: Observation, workload: Condition) -> Condition:
+    if observation.blocking_error is not None:
+        reason, message = observation.blocking_error
+        return Condition("Ready", "False", reason, message)
+    return Condition("Ready", workload.status, workload.reason, workload.message)
+
+
+def scheduled_condition(observation: Observation) -> Condition:
+    unschedulable = _unschedulable(observation.pods)
+    if not unschedulable:
+        return Condition("Scheduled", "True", "AllReplicasScheduled", "every replica has a node")
+    reason, message = _unschedulable_reason(unschedulable, observation.gpu_resource_name)
+    return Condition("Scheduled", "False", reason, message)
+
+
+def scaling_condition(observation: Observation) -> Condition:
+    if not observation.autoscaling:
+        return Condition("ScalingActive", "False", "AutoscalingDisabled", "spec.scaling.replicas is set")
+    sample = observation.latest_sample
+    if sample is None:
+        return Condition(
+            "ScalingActive", "False", "MetricsUnavailable", "no ready replica has reported metrics"
+        )
+    message = f"{sample.reporting_pods} replica(s) reporting, queue depth {sample.queue_depth:.0f}" + (
+        ", panic mode" if observation.panic else ""
+    )
+    return Condition("ScalingActive", "True", "MetricsAvailable", message)
+
+
+def merge_conditions(
+    previous: Sequence[Mapping[str, Any]],
+    conditions: Sequence[Condition],
+    generation: int,
+    now: datetime.datetime,
+) -> list[dict[str, Any]]:
+    """Conditions as the API expects them; a transition time moves only when the status changes."""
+    before = {c.get("type"): c for c in previous}
+    stamp = now.astimezone(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    merged = []
+    for condition in conditions:
+        old = before.get(condition.type)
+        changed = old is None or old.get("status") != condition.status
+        merged.append(
+            {
+                "type": condition.type,
+                "status": condition.status,
+                "reason": condition.reason,
+                "message": condition.message,
+                "observedGeneration": generation,
+                "lastTransitionTime": stamp if changed else old.get("lastTransitionTime", stamp),
+            }
+        )
+    return merged
+
+
+def _unschedulable(pods: Sequence[PodView]) -> list[PodView]:
+    return [pod for pod in pods if pod.unschedulable_message and not pod.terminating]
+
+
+def _unschedulable_reason(pods: Sequence[PodView], gpu_resource_name: str) -> tuple[str, str]:
+    message = pods[0].unschedulable_message or ""
+    reason = "InsufficientGPU" if f"Insufficient {gpu_resource_name}" in message else "Unschedulable"
+    return reason, f"{len(pods)} replica(s) pending: {message}"

@@ -1,0 +1,221 @@
+"""The autoscaler's decision function, driven by a fake clock and simulated fleets."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from kvfleet.operator.autoscaler import (
+    AutoscalerState,
+    FleetState,
+    MetricsSample,
+    PodMetrics,
+    ScaleDecision,
+    aggregate,
+    decide,
+)
+from kvfleet.operator.spec import ScalingSpec
+
+POLICY = ScalingSpec(
+    min_replicas=1,
+    max_replicas=10,
+    target_queue_depth=10,
+    stable_window_seconds=60,
+    panic_window_seconds=6,
+    panic_threshold_percent=200,
+    scale_down_delay_seconds=120,
+    max_scale_up_step=4,
+    max_scale_down_step=1,
+    metrics_interval_seconds=2,
+)
+
+
+@dataclass
+class SimulatedFleet:
+    """Replicas become ready `startup_seconds` after they are asked for; demand is a function of time."""
+
+    policy: ScalingSpec
+    demand: Callable[[float], float]
+    replicas: int = 1
+    startup_seconds: float = 0.0
+    gpu_capacity: int | None = None
+    now: float = 0.0
+    samples: list[MetricsSample] = field(default_factory=list)
+    state: AutoscalerState = field(default_factory=AutoscalerState)
+    history: list[int] = field(default_factory=list)
+    decisions: list[ScaleDecision] = field(default_factory=list)
+    _asked_at: dict[int, float] = field(default_factory=dict)
+
+    def ready(self) -> int:
+        placed = self.replicas if self.gpu_capacity is None else min(self.replicas, self.gpu_capacity)
+        return sum(
+            1 for index in range(placed) if self.now - self._asked_at.get(index, -1e9) >= self.startup_seconds
+        )
+
+    def tick(self) -> ScaleDecision:
+        ready = self.ready()
+        per_pod = self.demand(self.now) / max(ready, 1)
+        reports = [PodMetrics(waiting=per_pod / 2, running=per_pod / 2) for _ in range(ready)]
+        sample = aggregate(self.now, reports, ready)
+        if sample is not None:
+            self.samples.append(sample)
+        unschedulable = 0 if self.gpu_capacity is None else max(0, self.replicas - self.gpu_capacity)
+        fleet = FleetState(self.replicas, ready, unschedulable)
+        decision = decide(self.policy, self.samples, fleet, self.state, self.now)
+        for index in range(self.replicas, decision.replicas):
+            self._asked_at[index] = self.now
+        self.replicas, self.state = decision.replicas, decision.state
+        self.history.append(self.replicas)
+        self.decisions.append(decision)
+        self.now += self.policy.metrics_interval_seconds
+        return decision
+
+    def run(self, seconds: float) -> None:
+        end = self.now + seconds
+        while self.now < end:
+            self.tick()
+
+
+def direction_changes(history: list[int]) -> int:
+    steps = [b - a for a, b in itertools.pairwise(history) if b != a]
+    return sum(1 for a, b in itertools.pairwise(steps) if (a > 0) != (b > 0))
+
+
+def test_steady_load_holds_the_right_count() -> None:
+    fleet = SimulatedFleet(POLICY, demand=lambda t: 35.0, replicas=4)
+    fleet.run(600)
+    assert set(fleet.history) == {4}
+    assert fleet.decisions[-1].panic is False
+
+
+def test_steady_load_from_minimum_settles_without_overshoot() -> None:
+    fleet = SimulatedFleet(POLICY, demand=lambda t: 35.0, replicas=1, startup_seconds=20)
+    fleet.run(900)
+    assert fleet.history[-1] == 4
+    assert max(fleet.history) <= 4 + POLICY.max_scale_up_step
+    assert fleet.history[-150:] == [4] * 150
+
+
+def test_burst_enters_panic_and_scales_up_within_seconds() -> None:
+    fleet = SimulatedFleet(POLICY, demand=lambda t: 0.0 if t < 100 else 95.0, replicas=1, startup_seconds=30)
+    fleet.run(100)
+    assert set(fleet.history) == {1}
+    first = fleet.tick()
+    assert first.panic and "panic" in first.reason
+    assert 1 < first.replicas <= 1 + POLICY.max_scale_up_step
+    fleet.run(POLICY.panic_window_seconds)
+    assert fleet.replicas >= 1 + POLICY.max_scale_up_step, "the panic window sees the burst within seconds"
+    steps = [b - a for a, b in itertools.pairwise(fleet.history)]
+    assert max(steps) <= POLICY.max_scale_up_step
+    fleet.run(60)
+    assert fleet.replicas == 10
+    assert max(fleet.history) == 10
+
+
+def test_no_scale_down_during_panic() -> None:
+    demand = {"value": 100.0}
+    fleet = SimulatedFleet(POLICY, demand=lambda t: demand["value"], replicas=2)
+    fleet.tick()
+    assert fleet.decisions[-1].panic
+    peak = fleet.replicas
+    demand["value"] = 0.0
+    fleet.run(POLICY.stable_window_seconds - 4)
+    assert all(decision.panic for decision in fleet.decisions)
+    assert min(fleet.history[1:]) >= peak
+
+
+def test_scale_down_waits_for_the_delay_then_steps_down() -> None:
+    policy = ScalingSpec(**{**POLICY.__dict__, "scale_down_delay_seconds": 120})
+    fleet = SimulatedFleet(policy, demand=lambda t: 60.0 if t < 300 else 0.0, replicas=6)
+    fleet.run(300)
+    assert fleet.replicas == 6
+    fleet.run(policy.scale_down_delay_seconds - 2)
+    assert fleet.replicas == 6, "nothing shrinks inside the scale-down delay"
+    fleet.run(20)
+    assert fleet.replicas < 6
+    descent = fleet.history[fleet.history.index(5) - 1 :]
+    assert all(a - b <= policy.max_scale_down_step for a, b in itertools.pairwise(descent))
+    delayed = fleet.decisions[150 : fleet.history.index(5)]
+    assert delayed and all("scale-down delayed (6 wanted" in d.reason for d in delayed[5:])
+    fleet.run(300)
+    assert fleet.replicas == policy.min_replicas
+
+
+def test_flapping_load_does_not_oscillate() -> None:
+    # Demand alternating between about 4 and 9 replicas' worth every 20 s.
+    fleet = SimulatedFleet(POLICY, demand=lambda t: 40.0 if int(t // 20) % 2 else 85.0, replicas=4)
+    fleet.run(1800)
+    settled = fleet.history[len(fleet.history) // 3 :]
+    assert direction_changes(settled) == 0
+    assert len(set(settled)) == 1
+
+
+def test_missing_reports_neither_block_nor_count_as_idle() -> None:
+    reports = [PodMetrics(10, 20), None, PodMetrics(20, 10), None]
+    sample = aggregate(5.0, reports, ready_replicas=4)
+    assert sample is not None
+    assert sample.queue_depth == 120.0, "silent replicas are assumed as busy as the average"
+    assert sample.reporting_pods == 2
+    assert aggregate(5.0, [None, None], ready_replicas=2) is None
+
+
+def test_no_metrics_holds_the_current_count() -> None:
+    decision = decide(POLICY, [], FleetState(3, 0), AutoscalerState(), now=100.0)
+    assert decision.replicas == 3 and "no metrics" in decision.reason
+    stale = [MetricsSample(time=10.0, queue_depth=500.0, reporting_pods=1)]
+    assert decide(POLICY, stale, FleetState(3, 3), AutoscalerState(), now=100.0).replicas == 3
+
+
+def test_unschedulable_replicas_hold_scale_up() -> None:
+    fleet = SimulatedFleet(POLICY, demand=lambda t: 200.0, replicas=2, gpu_capacity=3)
+    fleet.run(300)
+    assert fleet.replicas <= 3 + POLICY.max_scale_up_step
+    stuck = fleet.replicas
+    fleet.run(300)
+    assert fleet.replicas == stuck, "no more replicas while some cannot be placed"
+    assert "cannot be scheduled" in fleet.decisions[-1].reason
+
+
+def test_unschedulable_replicas_do_not_block_scale_down() -> None:
+    samples = [MetricsSample(time=t, queue_depth=0.0, reporting_pods=2) for t in range(0, 300, 2)]
+    state = AutoscalerState()
+    replicas = 6
+    for now in range(200, 300, 2):
+        decision = decide(POLICY, samples, FleetState(replicas, 2, 4), state, float(now))
+        replicas, state = decision.replicas, decision.state
+    assert replicas < 6
+
+
+def test_bounds_are_respected() -> None:
+    policy = ScalingSpec(**{**POLICY.__dict__, "min_replicas": 2, "max_replicas": 3})
+    busy = SimulatedFleet(policy, demand=lambda t: 1000.0, replicas=2)
+    busy.run(300)
+    assert max(busy.history) == 3
+    assert "capped at the maximum" in busy.decisions[-1].reason
+    idle = SimulatedFleet(policy, demand=lambda t: 0.0, replicas=3)
+    idle.run(600)
+    assert idle.replicas == 2 and min(idle.history) == 2
+    below = decide(policy, [], FleetState(1, 1), AutoscalerState(), now=0.0)
+    assert below.replicas == 2 and "minimum" in below.reason
+
+
+def test_panic_threshold_is_relative_to_ready_replicas() -> None:
+    samples = [MetricsSample(time=t, queue_depth=70.0, reporting_pods=4) for t in range(50, 62, 2)]
+    # 7 wanted against 4 ready: 175% is under the 200% threshold, so this is ordinary scaling.
+    calm = decide(POLICY, samples, FleetState(4, 4), AutoscalerState(), now=61.0)
+    assert not calm.panic and calm.replicas == 7
+    hot = decide(POLICY, samples, FleetState(4, 3), AutoscalerState(), now=61.0)
+    assert hot.panic
+
+
+def test_ttft_over_target_adds_one_replica_at_a_time() -> None:
+    samples = [
+        MetricsSample(time=t, queue_depth=10.0, reporting_pods=2, ttft_seconds=0.9) for t in range(0, 60, 2)
+    ]
+    decision = decide(POLICY, samples, FleetState(2, 2), AutoscalerState(), now=59.0, ttft_target_seconds=0.5)
+    assert decision.replicas == 3 and "time to first token" in decision.reason
+    starting = decide(POLICY, samples, FleetState(3, 2), AutoscalerState(), now=59.0, ttft_target_seconds=0.5)
+    assert starting.replicas == 3, "waits for the added replica before adding another"
+    met = decide(POLICY, samples, FleetState(2, 2), AutoscalerState(), now=59.0, ttft_target_seconds=1.0)
+    assert met.replicas == 1 and "time to first token" not in met.reason, "a met target leaves queue scaling"

@@ -1,0 +1,210 @@
+"""Rendering: golden manifests for every example, and the properties every rendering must have.
+
+Regenerate the golden files after an intended change with KVFLEET_UPDATE_GOLDEN=1 and review the diff.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from kvfleet.operator.api import API_VERSION, HTTP_PORT, KIND, SERVICE_LABEL
+from kvfleet.operator.render import Owner, RenderOptions, render_children, service_url
+from kvfleet.operator.render_pod import PRESTOP_DELAY_SECONDS, runtime_args
+from kvfleet.operator.spec import InferenceServiceSpec, parse_spec
+
+GOLDEN = Path(__file__).parent / "golden"
+UID = "6b9c1f5e-0000-4000-8000-000000000001"
+OPTIONS = RenderOptions(runtime_image="kvfleet/runtime:0.1.0", service_monitor=True)
+
+
+def load_service(path: Path) -> dict[str, Any]:
+    return next(d for d in yaml.safe_load_all(path.read_text()) if d and d["kind"] == KIND)
+
+
+def render_example(path: Path, replicas: int = 2) -> tuple[InferenceServiceSpec, list[dict[str, Any]]]:
+    doc = load_service(path)
+    name = doc["metadata"]["name"]
+    spec = parse_spec(doc["spec"], name=name)
+    return spec, render_children(Owner(name, "serving", UID), spec, replicas, OPTIONS)
+
+
+def runtime_container(children: list[dict[str, Any]]) -> dict[str, Any]:
+    deployment = next(c for c in children if c["kind"] == "Deployment")
+    return deployment["spec"]["template"]["spec"]["containers"][0]
+
+
+def test_golden_manifests(example_path: Path) -> None:
+    _, children = render_example(example_path)
+    rendered = yaml.safe_dump_all(children, sort_keys=True)
+    golden = GOLDEN / f"{example_path.stem}.yaml"
+    if os.environ.get("KVFLEET_UPDATE_GOLDEN") == "1":
+        golden.write_text(rendered)
+    assert golden.exists(), f"no golden file {golden.name}: run with KVFLEET_UPDATE_GOLDEN=1"
+    assert rendered == golden.read_text()
+
+
+def test_rendering_is_deterministic(example_path: Path) -> None:
+    assert render_example(example_path) == render_example(example_path)
+
+
+def test_every_child_is_owned_and_labelled(example_path: Path) -> None:
+    _, children = render_example(example_path)
+    assert [c["kind"] for c in children] == ["Service", "Deployment", "PodDisruptionBudget", "ServiceMonitor"]
+    for child in children:
+        (owner,) = child["metadata"]["ownerReferences"]
+        assert owner == {
+            "apiVersion": API_VERSION,
+            "kind": KIND,
+            "name": child["metadata"]["name"],
+            "uid": UID,
+            "controller": True,
+            "blockOwnerDeletion": True,
+        }
+        assert child["metadata"]["namespace"] == "serving"
+        assert child["metadata"]["labels"][SERVICE_LABEL] == child["metadata"]["name"]
+
+
+def test_deployment_never_drops_capacity_and_drains(example_path: Path) -> None:
+    spec, children = render_example(example_path)
+    deployment = next(c for c in children if c["kind"] == "Deployment")
+    assert deployment["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
+    pod = deployment["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    drain = spec.engine.drain_timeout_seconds
+    assert container["args"][container["args"].index("--drain-timeout") + 1] == str(drain)
+    assert pod["terminationGracePeriodSeconds"] > drain + PRESTOP_DELAY_SECONDS
+    assert container["lifecycle"]["preStop"]["sleep"]["seconds"] == PRESTOP_DELAY_SECONDS
+    assert container["readinessProbe"]["httpGet"]["path"] == "/ready"
+    assert container["livenessProbe"]["httpGet"]["path"] == "/health"
+    startup = container["startupProbe"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= spec.engine.startup_timeout_seconds
+
+
+def test_pods_run_locked_down(example_path: Path) -> None:
+    _, children = render_example(example_path)
+    pod = next(c for c in children if c["kind"] == "Deployment")["spec"]["template"]["spec"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["automountServiceAccountToken"] is False
+    for container in pod["containers"] + pod.get("initContainers", []):
+        security = container["securityContext"]
+        assert security["allowPrivilegeEscalation"] is False
+        assert security["readOnlyRootFilesystem"] is True
+        assert security["capabilities"] == {"drop": ["ALL"]}
+
+
+def test_no_registry_host_in_any_image(example_path: Path) -> None:
+    _, children = render_example(example_path)
+    images = re.findall(r"image: (\S+)", yaml.safe_dump_all(children))
+    assert images
+    for image in images:
+        first = image.split("/")[0]
+        assert "." not in first and ":" not in first, image
+
+
+def test_tiny_cpu_example() -> None:
+    _, children = render_example(GOLDEN.parent.parent.parent / "examples" / "tiny-cpu.yaml")
+    container = runtime_container(children)
+    pod = next(c for c in children if c["kind"] == "Deployment")["spec"]["template"]["spec"]
+    assert container["command"] == ["kvfleet", "serve"]
+    assert container["args"][:10] == [
+        "--model",
+        "/var/lib/kvfleet/models/tiny-llama",
+        "--served-model-name",
+        "tiny",
+        "--host",
+        "0.0.0.0",
+        "--port",
+        str(HTTP_PORT),
+        "--max-num-seqs",
+        "16",
+    ]
+    assert "nvidia.com/gpu" not in str(container["resources"])
+    assert "tolerations" not in pod
+    (model_volume,) = [v for v in pod["volumes"] if v["name"] == "model"]
+    assert model_volume["hostPath"] == {"path": "/var/lib/kvfleet/models/tiny-llama", "type": "Directory"}
+    assert "--tensor-parallel-size" not in container["args"]
+
+
+def test_gpu_example_requests_tensor_parallel_gpus() -> None:
+    _, children = render_example(GOLDEN.parent.parent.parent / "examples" / "llama-8b-tp2.yaml")
+    container = runtime_container(children)
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == "2"
+    assert container["resources"]["requests"]["nvidia.com/gpu"] == "2"
+    assert container["args"][container["args"].index("--tensor-parallel-size") + 1] == "2"
+    pod = next(c for c in children if c["kind"] == "Deployment")["spec"]["template"]["spec"]
+    assert pod["priorityClassName"] == "kvfleet-high"
+    (init,) = pod["initContainers"]
+    assert init["command"] == ["kvfleet", "download-model"]
+    assert init["args"] == ["meta-llama/Llama-3.1-8B-Instruct", "--dest", container["args"][1]]
+    secret = next(e for e in init["env"] if e["name"] == "HF_TOKEN")
+    assert secret["valueFrom"]["secretKeyRef"] == {"name": "hf-token", "key": "HF_TOKEN"}
+
+
+def test_batch_example_is_preemptible_fcfs_on_a_claim() -> None:
+    _, children = render_example(GOLDEN.parent.parent.parent / "examples" / "batch-tier.yaml")
+    container = runtime_container(children)
+    pod = next(c for c in children if c["kind"] == "Deployment")["spec"]["template"]["spec"]
+    assert pod["priorityClassName"] == "kvfleet-batch"
+    args = container["args"]
+    assert args[args.index("--scheduling-policy") + 1] == "fcfs"
+    assert args[args.index("--default-priority") + 1] == "batch"
+    assert args[args.index("--model") + 1] == "/mnt/models/qwen3/Qwen3-8B"
+    (volume,) = [v for v in pod["volumes"] if v["name"] == "model"]
+    assert volume["persistentVolumeClaim"] == {"claimName": "model-store", "readOnly": True}
+
+
+@pytest.mark.parametrize(
+    ("engine", "expected"),
+    [
+        ({"enablePrefixCaching": False}, ["--no-enable-prefix-caching"]),
+        ({"enablePrefixCaching": True}, ["--enable-prefix-caching"]),
+        ({"schedulingPolicy": "priority"}, ["--scheduling-policy", "priority"]),
+        ({"blockSize": 32}, ["--block-size", "32"]),
+        ({"dtype": "float16"}, ["--dtype", "float16"]),
+        ({"maxModelLen": 4096}, ["--max-model-len", "4096"]),
+        ({"maxWaitingRequests": 100}, ["--max-waiting-requests", "100"]),
+        ({"extraArgs": ["--seed", "7"]}, ["--seed", "7"]),
+    ],
+)
+def test_engine_options_become_runtime_flags(engine: dict[str, Any], expected: list[str]) -> None:
+    spec = parse_spec({"model": {"uri": "file:///m"}, "engine": engine}, name="svc")
+    args = runtime_args(spec)
+    start = next(i for i in range(len(args)) if args[i : i + len(expected)] == expected)
+    assert args[start : start + len(expected)] == expected
+
+
+def test_tokenizer_and_chat_template_overrides() -> None:
+    model = {"uri": "file:///m", "tokenizer": "/tok", "chatTemplate": "/templates/chat.jinja"}
+    args = runtime_args(parse_spec({"model": model}, name="svc"))
+    assert args[args.index("--tokenizer") + 1] == "/tok"
+    assert args[args.index("--chat-template") + 1] == "/templates/chat.jinja"
+    assert args[args.index("--served-model-name") + 1] == "svc"
+
+
+def test_tier_sets_default_priority_and_policy() -> None:
+    for tier, policy in [
+        ("critical", "priority"),
+        ("high", "priority"),
+        ("standard", "fcfs"),
+        ("batch", "fcfs"),
+    ]:
+        args = runtime_args(parse_spec({"model": {"uri": "file:///m"}, "sla": {"tier": tier}}, name="s"))
+        assert args[args.index("--default-priority") + 1] == tier
+        assert args[args.index("--scheduling-policy") + 1] == policy
+
+
+def test_replicas_and_service_monitor_toggle() -> None:
+    spec = parse_spec({"model": {"uri": "file:///m"}}, name="svc")
+    owner = Owner("svc", "ns", UID)
+    children = render_children(owner, spec, 3, RenderOptions())
+    assert [c["kind"] for c in children] == ["Service", "Deployment", "PodDisruptionBudget"]
+    assert children[1]["spec"]["replicas"] == 3
+    assert children[1]["spec"]["template"]["spec"]["containers"][0]["image"] == "kvfleet/runtime:0.1.0"
+    custom = render_children(owner, spec, 1, RenderOptions(runtime_image="example/runtime:dev"))
+    assert custom[1]["spec"]["template"]["spec"]["containers"][0]["image"] == "example/runtime:dev"
+    assert service_url(owner, RenderOptions()) == "http://svc.ns.svc.cluster.local"
