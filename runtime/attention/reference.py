@@ -1,0 +1,60 @@
+"""Paged attention written for clarity, one request at a time: the yardstick the fast backends are tested
+against, not a serving path."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from kvfleet.runtime.attention.backend import AttentionBackend, AttentionMetadata, AttentionSpec
+
+
+def write_kv_cache(
+    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Store each new token's key and value at its slot (block id * block_size + offset)."""
+    num_kv_heads, head_dim = kv_cache.shape[-2:]
+    kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
+    kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
+
+
+class ReferenceAttentionBackend(AttentionBackend):
+    name = "reference"
+
+    @classmethod
+    def unsupported_reason(cls, spec: AttentionSpec) -> str | None:
+        if spec.num_heads % spec.num_kv_heads:
+            return "num_heads must be a multiple of num_kv_heads"
+        return None
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        plan: Any,
+    ) -> torch.Tensor:
+        metadata: AttentionMetadata = plan
+        write_kv_cache(key, value, kv_cache, metadata.slot_mapping)
+        spec = self.spec
+        group = spec.num_heads // spec.num_kv_heads
+        output = torch.empty_like(query)
+        for i in range(metadata.num_reqs):
+            start, end = metadata.query_start_loc_cpu[i], metadata.query_start_loc_cpu[i + 1]
+            seq_len = metadata.seq_lens_cpu[i]
+            positions = torch.arange(seq_len, device=query.device)
+            slots = metadata.block_tables[i].long()[positions // spec.block_size] * spec.block_size
+            slots += positions % spec.block_size
+            keys = (
+                kv_cache[0].flatten(0, 1)[slots].float().repeat_interleave(group, dim=1)
+            )  # [seq, heads, dim]
+            values = kv_cache[1].flatten(0, 1)[slots].float().repeat_interleave(group, dim=1)
+            q = query[start:end].float()  # [new, heads, dim]
+            scores = torch.einsum("qhd,khd->hqk", q, keys) * spec.scale
+            # The new tokens are the last `end - start` of the context: token j sees positions <= its own.
+            query_positions = torch.arange(seq_len - (end - start), seq_len, device=query.device)
+            visible = positions[None, :] <= query_positions[:, None]
+            scores = scores.masked_fill(~visible, float("-inf"))
+            output[start:end] = torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), values).to(query.dtype)
+        return output

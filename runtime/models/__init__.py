@@ -1,0 +1,1 @@
+"""Llama-family models: config reading, the registry of architectures, weights loading, test-model making."""

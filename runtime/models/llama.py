@@ -1,0 +1,185 @@
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3) over a paged KV cache.
+
+Q/K/V and gate/up projections are fused into one matmul each; checkpoint weights are stacked at load.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from kvfleet.runtime.attention.backend import AttentionBackend
+from kvfleet.runtime.models.layers import RMSNorm, RotaryEmbedding, silu_and_mul
+from kvfleet.runtime.models.model_config import ModelConfig
+from torch import nn
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, attention: AttentionBackend) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(
+            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
+        )
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.attention = attention
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: torch.Tensor,
+        plan: Any,
+    ) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q = self.q_norm(q)[0]
+            k = self.k_norm(k)[0]
+        cos, sin = cos_sin
+        q = RotaryEmbedding.apply(q, cos, sin)
+        k = RotaryEmbedding.apply(k, cos, sin)
+        out = self.attention.forward(q, k, v, kv_cache, plan)
+        return self.o_proj(out.view(num_tokens, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, attention: AttentionBackend) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config, attention)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = LlamaMLP(config)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: torch.Tensor,
+        plan: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, cos_sin, kv_cache, plan)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    """Also serves MistralForCausalLM, Qwen2ForCausalLM and Qwen3ForCausalLM: same graph, config switches."""
+
+    def __init__(self, config: ModelConfig, attention: AttentionBackend, max_position: int) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, attention) for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(config.head_dim, max_position, config.rope)
+        if config.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens]
+        positions: torch.Tensor,  # [num_tokens]
+        kv_caches: list[torch.Tensor],
+        plan: Any,
+    ) -> torch.Tensor:  # [num_tokens, hidden_size]
+        hidden = self.embed_tokens(input_ids)
+        cos_sin = self.rotary_emb.cos_sin(positions, hidden.dtype)
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden, residual = layer(hidden, residual, cos_sin, kv_cache, plan)
+        return self.norm(hidden, residual)[0]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab] float32
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return torch.matmul(hidden, weight.t()).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy Hugging Face checkpoint tensors in, stacking q/k/v and gate/up into their fused projections.
+
+        Raises ValueError naming the tensor for unknown names, wrong shapes, or parameters left unloaded.
+        """
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for hf_name, tensor in weights:
+            if "rotary_emb.inv_freq" in hf_name:
+                continue  # recomputed from the config
+            if self.lm_head is None and hf_name == "lm_head.weight":
+                continue  # tied checkpoints sometimes store the shared matrix twice
+            name, rows = self._place(hf_name)
+            if name not in params:
+                raise ValueError(f"checkpoint tensor {hf_name!r} has no place in {self.config.architecture}")
+            target = params[name].data if rows is None else params[name].data.narrow(0, *rows)
+            if target.shape != tensor.shape:
+                raise ValueError(
+                    f"checkpoint tensor {hf_name!r} has shape {tuple(tensor.shape)}, "
+                    f"expected {tuple(target.shape)}"
+                )
+            target.copy_(tensor)
+            loaded.add(hf_name)
+        missing = sorted(set(self._expected_checkpoint_names()) - loaded)
+        if missing:
+            raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {', '.join(missing[:4])}")
+
+    def _place(self, hf_name: str) -> tuple[str, tuple[int, int] | None]:
+        """Where a checkpoint tensor goes: (parameter name, (first row, rows) of a fused one or None)."""
+        name = hf_name.removeprefix("model.")
+        config = self.config
+        q_rows = config.num_attention_heads * config.head_dim
+        kv_rows = config.num_key_value_heads * config.head_dim
+        stacked = {
+            "self_attn.q_proj": ("self_attn.qkv_proj", 0, q_rows),
+            "self_attn.k_proj": ("self_attn.qkv_proj", q_rows, kv_rows),
+            "self_attn.v_proj": ("self_attn.qkv_proj", q_rows + kv_rows, kv_rows),
+            "mlp.gate_proj": ("mlp.gate_up_proj", 0, config.intermediate_size),
+            "mlp.up_proj": ("mlp.gate_up_proj", config.intermediate_size, config.intermediate_size),
+        }
+        for part, (fused, start, rows) in stacked.items():
+            if f".{part}." in name:
+                return name.replace(part, fused), (start, rows)
+        return name, None
+
+    def _expected_checkpoint_names(self) -> list[str]:
+        config = self.config
+        names = ["model.embed_tokens.weight", "model.norm.weight"]
+        if self.lm_head is not None:
+            names.append("lm_head.weight")
+        projections = ["q_proj", "k_proj", "v_proj"]
+        for i in range(config.num_hidden_layers):
+            prefix = f"model.layers.{i}"
+            names += [f"{prefix}.input_layernorm.weight", f"{prefix}.post_attention_layernorm.weight"]
+            names += [f"{prefix}.mlp.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")]
+            names += [f"{prefix}.self_attn.{p}.weight" for p in [*projections, "o_proj"]]
+            if config.attention_bias:
+                names += [f"{prefix}.self_attn.{p}.bias" for p in projections]
+            if config.o_proj_bias:
+                names.append(f"{prefix}.self_attn.o_proj.bias")
+            if config.qk_norm:
+                names += [f"{prefix}.self_attn.q_norm.weight", f"{prefix}.self_attn.k_norm.weight"]
+        return names

@@ -1,0 +1,290 @@
+"""Write a small, randomly initialised Hugging Face model folder that every loader accepts.
+
+The folder holds config.json (the real architecture name), model.safetensors (seeded random weights under
+the checkpoint's usual tensor names), and a byte-level BPE tokenizer trained on the English prose shipped in
+`data/corpus.txt`, with a chat template in the style of the architecture's family.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+ARCHITECTURES: dict[str, tuple[str, str]] = {
+    "llama": ("LlamaForCausalLM", "llama"),
+    "mistral": ("MistralForCausalLM", "mistral"),
+    "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+    "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+}
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class Preset:
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    intermediate_size: int
+    vocab_size: int
+    max_position_embeddings: int
+
+
+PRESETS: dict[str, Preset] = {
+    "tiny": Preset(64, 2, 4, 2, 176, 1024, 2048),
+    "small": Preset(512, 8, 8, 2, 1408, 8192, 2048),
+}
+
+_INIT_STD = 0.02
+# Standard deviations of attention scores and of logits that the random weights aim for.
+_ATTENTION_SCORE_STD = 2.0
+_LOGIT_STD = 2.5
+# Weight on the constant hidden dimension for ids the tokenizer lacks (see _suppress_unused_ids).
+_UNUSED_ID_WEIGHT = -100.0
+
+_CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+_LLAMA3_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] | trim"
+    " + '<|eot_id|>' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}"
+)
+
+
+@dataclass(frozen=True)
+class TokenizerStyle:
+    special_tokens: tuple[str, ...]
+    bos_token: str | None
+    eos_token: str  # ends a chat turn
+    end_of_text: str
+    chat_template: str
+
+
+_LLAMA_STYLE = TokenizerStyle(
+    special_tokens=(
+        "<|begin_of_text|>",
+        "<|end_of_text|>",
+        "<|start_header_id|>",
+        "<|end_header_id|>",
+        "<|eot_id|>",
+    ),
+    bos_token="<|begin_of_text|>",
+    eos_token="<|eot_id|>",
+    end_of_text="<|end_of_text|>",
+    chat_template=_LLAMA3_TEMPLATE,
+)
+_QWEN_STYLE = TokenizerStyle(
+    special_tokens=("<|endoftext|>", "<|im_start|>", "<|im_end|>"),
+    bos_token=None,
+    eos_token="<|im_end|>",
+    end_of_text="<|endoftext|>",
+    chat_template=_CHATML_TEMPLATE,
+)
+
+
+def make_model(arch: str, preset: str, out_dir: str | Path, *, seed: int = 0, dtype: str = "float32") -> Path:
+    """Write the folder; returns its path. Raises ValueError for unknown choices or a non-empty folder."""
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"unknown arch {arch!r}; choose from {', '.join(ARCHITECTURES)}")
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose from {', '.join(PRESETS)}")
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose from {', '.join(DTYPES)}")
+    out = Path(out_dir)
+    if out.exists() and any(out.iterdir()):
+        raise ValueError(f"{out} exists and is not empty")
+    out.mkdir(parents=True, exist_ok=True)
+
+    style = _QWEN_STYLE if arch.startswith("qwen") else _LLAMA_STYLE
+    spec = PRESETS[preset]
+    tokenizer = _train_tokenizer(style, spec.vocab_size, add_bos=style.bos_token is not None)
+    tokenizer.save(str(out / "tokenizer.json"))
+    special_ids = {token: tokenizer.token_to_id(token) for token in style.special_tokens}
+    config = _config(arch, spec, style, special_ids, dtype)
+    _write_json(out / "config.json", config)
+    _write_json(out / "tokenizer_config.json", _tokenizer_config(style, spec))
+    _write_json(out / "generation_config.json", _generation_config(style, special_ids))
+    _write_weights(out / "model.safetensors", config, seed, num_used_ids=tokenizer.get_vocab_size())
+    return out
+
+
+def _train_tokenizer(style: TokenizerStyle, vocab_size: int, *, add_bos: bool) -> Any:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    corpus = resources.files("kvfleet.runtime.models").joinpath("data/corpus.txt").read_text(encoding="utf-8")
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=1,
+        special_tokens=list(style.special_tokens),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(corpus.split("\n\n"), trainer)
+    if add_bos and style.bos_token is not None:
+        bos = (style.bos_token, tokenizer.token_to_id(style.bos_token))
+        tokenizer.post_processor = processors.TemplateProcessing(
+            single=f"{bos[0]} $A", pair=f"{bos[0]} $A {bos[0]} $B", special_tokens=[bos]
+        )
+    else:
+        tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
+    return tokenizer
+
+
+def _config(
+    arch: str, spec: Preset, style: TokenizerStyle, special_ids: dict[str, int], dtype: str
+) -> dict[str, Any]:
+    architecture, model_type = ARCHITECTURES[arch]
+    head_dim = spec.hidden_size // spec.num_attention_heads
+    if arch == "qwen3" and spec.hidden_size < 256:
+        head_dim *= 2  # Qwen3's head_dim is independent of hidden_size; exercise that on the tiny preset
+    eos_ids = [special_ids[style.eos_token], special_ids[style.end_of_text]]
+    config: dict[str, Any] = {
+        "architectures": [architecture],
+        "model_type": model_type,
+        "vocab_size": spec.vocab_size,
+        "hidden_size": spec.hidden_size,
+        "intermediate_size": spec.intermediate_size,
+        "num_hidden_layers": spec.num_hidden_layers,
+        "num_attention_heads": spec.num_attention_heads,
+        "num_key_value_heads": spec.num_key_value_heads,
+        "head_dim": head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": spec.max_position_embeddings,
+        "initializer_range": _INIT_STD,
+        "rms_norm_eps": 1e-6 if arch.startswith("qwen") else 1e-5,
+        "tie_word_embeddings": False,
+        "attention_dropout": 0.0,
+        "bos_token_id": special_ids.get(style.bos_token) if style.bos_token else None,
+        "eos_token_id": eos_ids[0] if arch.startswith("qwen") else eos_ids,
+        "pad_token_id": None,
+        "use_cache": True,
+        "dtype": dtype,
+    }
+    if arch == "llama":
+        # Llama 3.1 scaling with a short original context, so the scaled band falls inside short prompts too.
+        config["rope_parameters"] = {
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": spec.max_position_embeddings // 8,
+        }
+        config.update(attention_bias=False, mlp_bias=False)
+    else:
+        config["rope_parameters"] = {"rope_type": "default", "rope_theta": 1000000.0}
+    if arch == "mistral":
+        config["sliding_window"] = None
+    if arch.startswith("qwen"):
+        config.update(use_sliding_window=False, sliding_window=None, max_window_layers=spec.num_hidden_layers)
+    if arch == "qwen3":
+        config["attention_bias"] = False
+    return config
+
+
+def _tokenizer_config(style: TokenizerStyle, spec: Preset) -> dict[str, Any]:
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": style.bos_token,
+        "eos_token": style.eos_token,
+        "pad_token": style.end_of_text,
+        "unk_token": None,
+        "additional_special_tokens": [
+            t for t in style.special_tokens if t not in (style.bos_token, style.eos_token)
+        ],
+        "model_max_length": spec.max_position_embeddings,
+        "clean_up_tokenization_spaces": False,
+        "chat_template": style.chat_template,
+    }
+
+
+def _generation_config(style: TokenizerStyle, special_ids: dict[str, int]) -> dict[str, Any]:
+    return {
+        "bos_token_id": special_ids.get(style.bos_token) if style.bos_token else None,
+        "eos_token_id": [special_ids[style.eos_token], special_ids[style.end_of_text]],
+        "pad_token_id": special_ids[style.end_of_text],
+    }
+
+
+def _write_weights(path: Path, config: dict[str, Any], seed: int, *, num_used_ids: int) -> None:
+    """Random weights scaled so that activations stay near unit size, attention is selective (scores of a
+    few units) and logits are peaked: greedy outputs then depend on the whole context, not the last token."""
+    import torch
+    from safetensors.torch import save_file
+
+    generator = torch.Generator().manual_seed(seed)
+    hidden = config["hidden_size"]
+    inter = config["intermediate_size"]
+    vocab = config["vocab_size"]
+    head_dim = config["head_dim"]
+    q_rows = config["num_attention_heads"] * head_dim
+    kv_rows = config["num_key_value_heads"] * head_dim
+
+    def normal(*shape: int, std: float) -> torch.Tensor:
+        return torch.randn(*shape, generator=generator) * std
+
+    query_key_std = (_ATTENTION_SCORE_STD / hidden) ** 0.5
+    tensors: dict[str, torch.Tensor] = {"model.embed_tokens.weight": normal(vocab, hidden, std=1.0)}
+    for i in range(config["num_hidden_layers"]):
+        prefix = f"model.layers.{i}"
+        tensors[f"{prefix}.input_layernorm.weight"] = torch.ones(hidden)
+        tensors[f"{prefix}.post_attention_layernorm.weight"] = torch.ones(hidden)
+        for name, rows, std in (
+            ("q_proj", q_rows, query_key_std),
+            ("k_proj", kv_rows, query_key_std),
+            ("v_proj", kv_rows, hidden**-0.5),
+        ):
+            tensors[f"{prefix}.self_attn.{name}.weight"] = normal(rows, hidden, std=std)
+            if config["model_type"] == "qwen2":
+                tensors[f"{prefix}.self_attn.{name}.bias"] = normal(rows, std=0.1)
+        tensors[f"{prefix}.self_attn.o_proj.weight"] = normal(hidden, q_rows, std=q_rows**-0.5)
+        if config["model_type"] == "qwen3":
+            tensors[f"{prefix}.self_attn.q_norm.weight"] = torch.ones(head_dim)
+            tensors[f"{prefix}.self_attn.k_norm.weight"] = torch.ones(head_dim)
+        tensors[f"{prefix}.mlp.gate_proj.weight"] = normal(inter, hidden, std=hidden**-0.5)
+        tensors[f"{prefix}.mlp.up_proj.weight"] = normal(inter, hidden, std=hidden**-0.5)
+        tensors[f"{prefix}.mlp.down_proj.weight"] = normal(hidden, inter, std=inter**-0.5)
+    tensors["model.norm.weight"] = torch.ones(hidden)
+    tensors["lm_head.weight"] = normal(vocab, hidden, std=_LOGIT_STD * hidden**-0.5)
+    if num_used_ids < vocab:
+        _suppress_unused_ids(tensors, num_used_ids)
+    dtype = getattr(torch, config["dtype"])
+    save_file({k: v.to(dtype).contiguous() for k, v in tensors.items()}, str(path), metadata={"format": "pt"})
+    path.chmod(0o644)
+
+
+def _suppress_unused_ids(tensors: dict[str, Any], num_used_ids: int) -> None:
+    """Make ids past the tokenizer's vocabulary (padding) unlikely, as training would.
+
+    Hidden dimension 0 becomes a constant 1: every embedding holds it and no layer reads or writes that
+    dimension, so after the final norm it is positive for every token (1 / rms of the last hidden state).
+    The lm_head rows of unused ids weigh it negatively, which acts as a large negative bias.
+    """
+    tensors["model.embed_tokens.weight"][:, 0] = 1.0
+    for name, tensor in tensors.items():
+        if name.endswith(
+            ("q_proj.weight", "k_proj.weight", "v_proj.weight", "gate_proj.weight", "up_proj.weight")
+        ):
+            tensor[:, 0] = 0.0
+        elif name.endswith(("o_proj.weight", "down_proj.weight")):
+            tensor[0] = 0.0
+    lm_head = tensors["lm_head.weight"]
+    lm_head[:, 0] = 0.0
+    lm_head[num_used_ids:, 0] = _UNUSED_ID_WEIGHT
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")

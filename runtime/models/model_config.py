@@ -1,0 +1,128 @@
+"""A Hugging Face config.json read into the few numbers a Llama-family model needs."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    rope: dict[str, Any] = field(hash=False)
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    qk_norm: bool = False
+    sliding_window: int | None = None
+    dtype: torch.dtype = torch.float32
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    @classmethod
+    def from_folder(cls, model_dir: str | Path) -> ModelConfig:
+        path = Path(model_dir) / "config.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} does not exist: a model folder needs a Hugging Face config.json")
+        try:
+            raw = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path} is not valid JSON: {exc}") from exc
+        return cls.from_dict(raw, source=str(path))
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> ModelConfig:
+        architectures = raw.get("architectures") or []
+        if len(architectures) != 1:
+            raise ValueError(f"{source}: 'architectures' must name exactly one class, got {architectures!r}")
+
+        def require(key: str) -> Any:
+            if raw.get(key) is None:
+                raise ValueError(f"{source}: missing {key!r}")
+            return raw[key]
+
+        model_type = raw.get("model_type", "")
+        hidden_size = int(require("hidden_size"))
+        num_heads = int(require("num_attention_heads"))
+        head_dim = int(raw.get("head_dim") or hidden_size // num_heads)
+        num_kv_heads = int(raw.get("num_key_value_heads") or num_heads)
+        if num_heads % num_kv_heads:
+            raise ValueError(
+                f"{source}: num_attention_heads {num_heads} is not a multiple of {num_kv_heads} KV heads"
+            )
+        if raw.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"{source}: hidden_act {raw['hidden_act']!r} is not supported (only silu)")
+        dtype_name = raw.get("dtype") or raw.get("torch_dtype") or "float32"
+        if dtype_name not in _DTYPES:
+            raise ValueError(f"{source}: dtype {dtype_name!r} is not one of {', '.join(_DTYPES)}")
+        eos = raw.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        # Qwen2 always has q/k/v biases; Llama may ask for them (and for an o_proj bias, which it shares).
+        attention_bias = model_type == "qwen2" or bool(raw.get("attention_bias", False))
+        if raw.get("mlp_bias"):
+            raise ValueError(f"{source}: mlp_bias is not supported")
+        return cls(
+            architecture=architectures[0],
+            model_type=model_type,
+            vocab_size=int(require("vocab_size")),
+            hidden_size=hidden_size,
+            intermediate_size=int(require("intermediate_size")),
+            num_hidden_layers=int(require("num_hidden_layers")),
+            num_attention_heads=num_heads,
+            num_key_value_heads=num_kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+            rope=_rope_parameters(raw),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            attention_bias=attention_bias,
+            qk_norm=model_type == "qwen3",
+            sliding_window=_sliding_window(raw),
+            dtype=_DTYPES[dtype_name],
+            bos_token_id=raw.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+    @property
+    def o_proj_bias(self) -> bool:
+        return self.model_type != "qwen2" and self.attention_bias
+
+    @property
+    def max_context(self) -> int:
+        """The longest context computed exactly: a sliding window shorter than the positions bounds it."""
+        if self.sliding_window is not None:
+            return min(self.max_position_embeddings, self.sliding_window)
+        return self.max_position_embeddings
+
+
+def _rope_parameters(raw: dict[str, Any]) -> dict[str, Any]:
+    # Transformers 5 writes `rope_parameters`; older checkpoints carry `rope_theta` and `rope_scaling`.
+    rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+    if "type" in rope and "rope_type" not in rope:
+        rope["rope_type"] = rope.pop("type")
+    rope.setdefault("rope_type", "default")
+    rope.setdefault("rope_theta", raw.get("rope_theta", 10000.0))
+    return rope
+
+
+def _sliding_window(raw: dict[str, Any]) -> int | None:
+    window = raw.get("sliding_window")
+    # Qwen2/3 configs carry a window they do not use unless use_sliding_window is set.
+    if window is None or ("use_sliding_window" in raw and not raw["use_sliding_window"]):
+        return None
+    return int(window)

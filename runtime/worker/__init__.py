@@ -1,0 +1,1 @@
+"""The model runner and the sampler: one scheduled step in, sampled tokens out."""

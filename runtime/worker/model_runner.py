@@ -1,0 +1,232 @@
+"""Runs one scheduled step: flattens the batch into input tensors, runs the model over the paged KV cache,
+computes logits for the rows that sample, and samples them."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import numpy as np
+import torch
+from kvfleet.runtime.attention.backend import AttentionBackend, AttentionMetadata, AttentionSpec
+from kvfleet.runtime.attention.registry import load_backend_class
+from kvfleet.runtime.config import EngineConfig
+from kvfleet.runtime.core.outputs import ModelRunnerOutput, SchedulerOutput
+from kvfleet.runtime.models.loader import load_model, resolve_device, resolve_dtype
+from kvfleet.runtime.models.model_config import ModelConfig
+from kvfleet.runtime.worker.sampler import Sampler
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_ATTENTION_BACKEND = "sdpa"
+
+
+class _HostBuffer:
+    """A reusable host array that grows on demand; on CUDA it is pinned so the copy to the device is async."""
+
+    def __init__(self, dtype: torch.dtype, pinned: bool) -> None:
+        self.dtype = dtype
+        self.pinned = pinned
+        self.tensor = torch.empty(0, dtype=dtype)
+        self.array = self.tensor.numpy()
+
+    def get(self, size: int) -> np.ndarray:
+        if size > self.array.shape[0]:
+            capacity = max(size, 2 * self.array.shape[0], 256)
+            self.tensor = torch.empty(capacity, dtype=self.dtype, pin_memory=self.pinned)
+            self.array = self.tensor.numpy()
+        return self.array[:size]
+
+    def to_device(self, size: int, device: torch.device) -> torch.Tensor:
+        return self.tensor[:size].to(device, non_blocking=True)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.model_config = ModelConfig.from_folder(config.model)
+        self.dtype = resolve_dtype(config.dtype, self.model_config, self.device)
+        self.block_size = config.block_size
+        self.vocab_size = self.model_config.vocab_size
+        self.max_model_len = self._max_model_len()
+        self.max_blocks_per_seq = -(-self.max_model_len // self.block_size)
+        if self.device.type == "cpu":
+            _use_all_cpus()
+        self.attention_spec = AttentionSpec(
+            num_heads=self.model_config.num_attention_heads,
+            num_kv_heads=self.model_config.num_key_value_heads,
+            head_dim=self.model_config.head_dim,
+            block_size=self.block_size,
+            dtype=self.dtype,
+            device=self.device,
+        )
+        self.attention_backend = self._make_attention_backend()
+        self.model: nn.Module | None = None
+        self.kv_caches: list[torch.Tensor] = []
+        self.sampler = Sampler(self.device, config.seed)
+        pinned = self.device.type == "cuda"
+        self._input_ids = _HostBuffer(torch.int64, pinned)
+        self._positions = _HostBuffer(torch.int64, pinned)
+        self._slot_mapping = _HostBuffer(torch.int64, pinned)
+        self._query_start_loc = _HostBuffer(torch.int32, pinned)
+        self._seq_lens = _HostBuffer(torch.int32, pinned)
+        self._block_tables = _HostBuffer(torch.int32, pinned)
+        self._logits_indices = _HostBuffer(torch.int64, pinned)
+
+    def _max_model_len(self) -> int:
+        limit = self.model_config.max_context
+        requested = self.config.max_model_len
+        if requested is None:
+            return limit
+        if requested > limit:
+            raise ValueError(
+                f"max_model_len {requested} exceeds what the model supports ({limit} tokens, from its "
+                "max_position_embeddings or sliding window)"
+            )
+        return requested
+
+    def _make_attention_backend(self) -> AttentionBackend:
+        name = self.config.attention_backend or DEFAULT_ATTENTION_BACKEND
+        backend_class = load_backend_class(name)
+        reason = backend_class.unsupported_reason(self.attention_spec)
+        if reason is not None:
+            raise ValueError(f"attention backend {name!r} cannot run this model: {reason}")
+        logger.info("attention backend: %s", name)
+        return backend_class(self.attention_spec)
+
+    def load_model(self) -> None:
+        self.model = load_model(
+            self.config.model,
+            self.model_config,
+            self.attention_backend,
+            dtype=self.dtype,
+            device=self.device,
+            max_position=self.max_model_len,
+        )
+
+    def kv_cache_bytes_per_block(self) -> int:
+        spec = self.attention_spec
+        per_layer = 2 * self.block_size * spec.num_kv_heads * spec.head_dim * self.dtype.itemsize
+        return per_layer * self.model_config.num_hidden_layers
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be positive, got {num_blocks}")
+        spec = self.attention_spec
+        shape = (2, num_blocks, self.block_size, spec.num_kv_heads, spec.head_dim)
+        self.kv_caches = []  # free the old cache before allocating the new one
+        # Zeros, not empty: padded context slots are masked, and masked garbage must not be NaN.
+        self.kv_caches = [
+            torch.zeros(shape, dtype=self.dtype, device=self.device)
+            for _ in range(self.model_config.num_hidden_layers)
+        ]
+        logger.info(
+            "KV cache: %d blocks x %d tokens, %.1f MiB",
+            num_blocks,
+            self.block_size,
+            num_blocks * self.kv_cache_bytes_per_block() / 2**20,
+        )
+
+    @torch.inference_mode()
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        if self.model is None or not self.kv_caches:
+            raise RuntimeError("load_model() and initialize_kv_cache() must run before execute_model()")
+        self.sampler.forget(scheduler_output.finished_request_ids)
+        requests = scheduler_output.requests
+        if not requests:
+            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], logprobs=[])
+        input_ids, positions, metadata, sample_rows = self._prepare_inputs(scheduler_output)
+        plan = self.attention_backend.prepare(metadata)
+        hidden = self.model(input_ids, positions, self.kv_caches, plan)
+
+        sampled: list[list[int]] = [[] for _ in requests]
+        logprobs: list[list[dict[int, float]] | None] = [None for _ in requests]
+        if sample_rows:
+            last_token_rows = self._logits_indices.get(len(sample_rows))
+            last_token_rows[:] = [metadata.query_start_loc_cpu[i + 1] - 1 for i in sample_rows]
+            logits_indices = self._logits_indices.to_device(len(sample_rows), self.device)
+            logits = self.model.compute_logits(hidden.index_select(0, logits_indices))
+            result = self.sampler(logits, [requests[i] for i in sample_rows])
+            for row, i in enumerate(sample_rows):
+                sampled[i] = [result.token_ids[row]]
+                row_logprobs = result.logprobs[row]
+                logprobs[i] = None if row_logprobs is None else [row_logprobs]
+        return ModelRunnerOutput(
+            req_ids=[r.request_id for r in requests], sampled_token_ids=sampled, logprobs=logprobs
+        )
+
+    def _prepare_inputs(
+        self, scheduler_output: SchedulerOutput
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+        requests = scheduler_output.requests
+        num_reqs = len(requests)
+        num_scheduled = np.asarray(scheduler_output.num_scheduled_tokens, dtype=np.int64)
+        num_computed = np.asarray(scheduler_output.num_computed_tokens, dtype=np.int64)
+        num_tokens = int(num_scheduled.sum())
+        if num_tokens != scheduler_output.total_num_scheduled_tokens:
+            raise ValueError(
+                f"total_num_scheduled_tokens is {scheduler_output.total_num_scheduled_tokens}, "
+                f"but the requests add up to {num_tokens}"
+            )
+        seq_lens = num_computed + num_scheduled
+        if int(seq_lens.max()) > self.max_model_len:
+            raise ValueError(f"a request reaches {int(seq_lens.max())} tokens, past max_model_len")
+
+        query_start_loc = self._query_start_loc.get(num_reqs + 1)
+        query_start_loc[0] = 0
+        np.cumsum(num_scheduled, out=query_start_loc[1:])
+        self._seq_lens.get(num_reqs)[:] = seq_lens
+
+        input_ids = self._input_ids.get(num_tokens)
+        sample_rows: list[int] = []
+        for i, request in enumerate(requests):
+            start = int(num_computed[i])
+            end = start + int(num_scheduled[i])
+            input_ids[query_start_loc[i] : query_start_loc[i + 1]] = request.all_token_ids[start:end]
+            if end == request.num_tokens:
+                sample_rows.append(i)
+
+        width = max(len(ids) for ids in scheduler_output.block_ids)
+        block_tables = self._block_tables.get(num_reqs * width).reshape(num_reqs, width)
+        block_tables.fill(0)
+        for i, ids in enumerate(scheduler_output.block_ids):
+            block_tables[i, : len(ids)] = ids
+
+        token_request = np.repeat(np.arange(num_reqs), num_scheduled)
+        positions = self._positions.get(num_tokens)
+        positions[:] = np.arange(num_tokens) + np.repeat(num_computed - query_start_loc[:-1], num_scheduled)
+        block_index = positions // self.block_size
+        if (block_index >= np.asarray([len(ids) for ids in scheduler_output.block_ids])[token_request]).any():
+            raise ValueError("a request's block table is too short for its scheduled tokens")
+        slot_mapping = self._slot_mapping.get(num_tokens)
+        slot_mapping[:] = (
+            block_tables[token_request, block_index] * self.block_size + positions % self.block_size
+        )
+
+        device = self.device
+        query_start_loc_cpu = query_start_loc.tolist()
+        metadata = AttentionMetadata(
+            query_start_loc=self._query_start_loc.to_device(num_reqs + 1, device),
+            seq_lens=self._seq_lens.to_device(num_reqs, device),
+            block_tables=self._block_tables.to_device(num_reqs * width, device).view(num_reqs, width),
+            slot_mapping=self._slot_mapping.to_device(num_tokens, device),
+            max_query_len=int(num_scheduled.max()),
+            max_seq_len=int(seq_lens.max()),
+            query_start_loc_cpu=query_start_loc_cpu,
+            seq_lens_cpu=seq_lens.tolist(),
+        )
+        input_ids_tensor = self._input_ids.to_device(num_tokens, device)
+        positions_tensor = self._positions.to_device(num_tokens, device)
+        return input_ids_tensor, positions_tensor, metadata, sample_rows
+
+
+def _use_all_cpus() -> None:
+    """Give torch every CPU this process may run on (its default counts physical cores of the whole machine,
+    which over- or under-subscribes in containers), unless OMP_NUM_THREADS chose a count."""
+    if "OMP_NUM_THREADS" in os.environ:
+        return
+    threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)

@@ -1,0 +1,204 @@
+"""Turns one step's logits into tokens, for a batch of requests with their own sampling parameters.
+
+Order (vLLM's): log probabilities of the raw logits; min_tokens masking of eos and stop ids; repetition,
+frequency and presence penalties; greedy rows take the argmax; other rows are divided by their temperature,
+then filtered by min_p, top_k and top_p, and sampled. Sampling draws exponential noise and takes
+argmax(probs / noise), which picks token i with probability probs[i]; a request with a seed draws its noise
+from its own generator, so its tokens do not depend on what else is in the batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+from kvfleet.runtime.request import Request
+from kvfleet.runtime.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    # Per row: top-N log probabilities plus the sampled token's, or None when the request did not ask.
+    logprobs: list[dict[int, float] | None]
+
+
+class Sampler:
+    def __init__(self, device: torch.device, seed: int) -> None:
+        self.device = device
+        self.generator = torch.Generator(device=device).manual_seed(seed)
+        self._request_generators: dict[str, torch.Generator] = {}
+
+    def forget(self, request_ids: Iterable[str]) -> None:
+        """Drop the generators of finished requests."""
+        for request_id in request_ids:
+            self._request_generators.pop(request_id, None)
+
+    def __call__(self, logits: torch.Tensor, requests: Sequence[Request]) -> SamplerOutput:
+        """logits: float32 [len(requests), vocab], modified in place."""
+        params = [r.sampling_params for r in requests]
+        raw_logprobs = self._raw_logprobs(logits, params)
+        self._mask_stop_tokens_before_min_tokens(logits, requests)
+        self._apply_penalties(logits, requests)
+        greedy = [p.greedy for p in params]
+        token_ids = logits.argmax(dim=-1) if all(greedy) else self._sample(logits, requests, greedy)
+        token_list = token_ids.tolist()
+        return SamplerOutput(token_list, _gather_logprobs(raw_logprobs, token_ids, token_list, params))
+
+    def _raw_logprobs(self, logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor | None:
+        if all(p.logprobs is None for p in params):
+            return None
+        return torch.log_softmax(logits, dim=-1)
+
+    def _mask_stop_tokens_before_min_tokens(self, logits: torch.Tensor, requests: Sequence[Request]) -> None:
+        rows: list[int] = []
+        columns: list[int] = []
+        for row, request in enumerate(requests):
+            params = request.sampling_params
+            if request.num_output_tokens >= params.min_tokens:
+                continue
+            stop_ids = set(params.stop_token_ids or ())
+            if request.eos_token_id is not None and not params.ignore_eos:
+                stop_ids.add(request.eos_token_id)
+            vocab_size = logits.shape[1]
+            for token_id in stop_ids:
+                if token_id < vocab_size:
+                    rows.append(row)
+                    columns.append(token_id)
+        if rows:
+            index = (torch.tensor(rows, device=logits.device), torch.tensor(columns, device=logits.device))
+            logits.index_put_(index, torch.tensor(float("-inf"), device=logits.device))
+
+    def _apply_penalties(self, logits: torch.Tensor, requests: Sequence[Request]) -> None:
+        rows = [i for i, r in enumerate(requests) if _has_penalties(r.sampling_params)]
+        if not rows:
+            return
+        device = logits.device
+        vocab_size = logits.shape[1]
+        selected = [requests[i] for i in rows]
+        output_counts = _token_counts([r.output_token_ids for r in selected], vocab_size, device)
+        in_prompt = _token_counts([r.prompt_token_ids for r in selected], vocab_size, device) > 0
+        index = torch.tensor(rows, device=device)
+        sub = logits.index_select(0, index)
+
+        def column(name: str) -> torch.Tensor:
+            values = [getattr(r.sampling_params, name) for r in selected]
+            return torch.tensor(values, dtype=logits.dtype, device=device).unsqueeze(1)
+
+        repetition = column("repetition_penalty")
+        seen = in_prompt | (output_counts > 0)
+        penalised = torch.where(sub > 0, sub / repetition, sub * repetition)
+        sub = torch.where(seen, penalised, sub)
+        sub -= column("frequency_penalty") * output_counts
+        sub -= column("presence_penalty") * (output_counts > 0).to(sub.dtype)
+        logits.index_copy_(0, index, sub)
+
+    def _sample(self, logits: torch.Tensor, requests: Sequence[Request], greedy: list[bool]) -> torch.Tensor:
+        device = logits.device
+        params = [r.sampling_params for r in requests]
+        greedy_tokens = logits.argmax(dim=-1) if any(greedy) else None
+        temperatures = [1.0 if g else p.temperature for g, p in zip(greedy, params, strict=True)]
+        if any(t != 1.0 for t in temperatures):
+            logits.div_(torch.tensor(temperatures, dtype=logits.dtype, device=device).unsqueeze(1))
+        min_p_rows = [i for i, p in enumerate(params) if p.min_p > 0 and not greedy[i]]
+        if min_p_rows:
+            _apply_min_p(logits, min_p_rows, [params[i].min_p for i in min_p_rows])
+        filter_rows = [i for i, p in enumerate(params) if (p.top_k > 0 or p.top_p < 1.0) and not greedy[i]]
+        if filter_rows:
+            _apply_top_k_top_p(
+                logits,
+                filter_rows,
+                [params[i].top_k for i in filter_rows],
+                [params[i].top_p for i in filter_rows],
+            )
+        probs = torch.softmax(logits, dim=-1)
+        noise = torch.empty_like(probs)
+        noise.exponential_(generator=self.generator)
+        for row, request in enumerate(requests):
+            if request.sampling_params.seed is not None and not greedy[row]:
+                noise[row].exponential_(generator=self._request_generator(request))
+        sampled = probs.div_(noise).argmax(dim=-1)
+        if greedy_tokens is not None:
+            sampled = torch.where(torch.tensor(greedy, device=device), greedy_tokens, sampled)
+        return sampled
+
+    def _request_generator(self, request: Request) -> torch.Generator:
+        generator = self._request_generators.get(request.request_id)
+        if generator is None:
+            seed = request.sampling_params.seed
+            assert seed is not None
+            generator = torch.Generator(device=self.device).manual_seed(seed)
+            self._request_generators[request.request_id] = generator
+        return generator
+
+
+def _has_penalties(params: SamplingParams) -> bool:
+    return (
+        params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0 or params.presence_penalty != 0.0
+    )
+
+
+def _token_counts(token_lists: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
+    """[len(token_lists), vocab_size] occurrence counts."""
+    longest = max((len(t) for t in token_lists), default=0)
+    # Padding goes to an extra column that is dropped afterwards.
+    padded = torch.full((len(token_lists), longest), vocab_size, dtype=torch.long)
+    for row, tokens in enumerate(token_lists):
+        padded[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+    counts = torch.zeros(len(token_lists), vocab_size + 1, device=device)
+    counts.scatter_add_(1, padded.to(device), torch.ones(padded.shape, device=device))
+    return counts[:, :vocab_size]
+
+
+def _apply_min_p(logits: torch.Tensor, rows: list[int], min_ps: list[float]) -> None:
+    index = torch.tensor(rows, device=logits.device)
+    sub = logits.index_select(0, index)
+    probs = torch.softmax(sub, dim=-1)
+    threshold = probs.amax(dim=-1, keepdim=True) * torch.tensor(min_ps, device=logits.device).unsqueeze(1)
+    logits.index_copy_(0, index, sub.masked_fill_(probs < threshold, float("-inf")))
+
+
+def _apply_top_k_top_p(logits: torch.Tensor, rows: list[int], top_ks: list[int], top_ps: list[float]) -> None:
+    device = logits.device
+    vocab_size = logits.shape[1]
+    index = torch.tensor(rows, device=device)
+    sorted_logits, order = logits.index_select(0, index).sort(dim=-1)  # ascending
+    ks = torch.tensor([k if 0 < k < vocab_size else vocab_size for k in top_ks], device=device)
+    # Ties with the k-th largest value stay in, as in vLLM.
+    kth_largest = sorted_logits.gather(1, (vocab_size - ks).unsqueeze(1))
+    sorted_logits.masked_fill_(sorted_logits < kth_largest, float("-inf"))
+    ps = torch.tensor(top_ps, dtype=logits.dtype, device=device).unsqueeze(1)
+    cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+    outside_top_p = cumulative <= 1 - ps
+    outside_top_p[:, -1] = False  # the most likely token always stays
+    sorted_logits.masked_fill_(outside_top_p, float("-inf"))
+    logits.index_copy_(0, index, sorted_logits.scatter(1, order, sorted_logits))
+
+
+def _gather_logprobs(
+    raw_logprobs: torch.Tensor | None,
+    token_ids: torch.Tensor,
+    token_list: list[int],
+    params: list[SamplingParams],
+) -> list[dict[int, float] | None]:
+    if raw_logprobs is None:
+        return [None] * len(params)
+    max_n = max(p.logprobs or 0 for p in params)
+    top_values, top_ids = raw_logprobs.topk(max_n, dim=-1) if max_n else (None, None)
+    sampled = raw_logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1).tolist()
+    top_values_list = top_values.tolist() if top_values is not None else None
+    top_ids_list = top_ids.tolist() if top_ids is not None else None
+    result: list[dict[int, float] | None] = []
+    for row, p in enumerate(params):
+        if p.logprobs is None:
+            result.append(None)
+            continue
+        entry: dict[int, float] = {}
+        if p.logprobs and top_ids_list is not None and top_values_list is not None:
+            entry = dict(
+                zip(top_ids_list[row][: p.logprobs], top_values_list[row][: p.logprobs], strict=True)
+            )
+        entry[token_list[row]] = sampled[row]
+        result.append(entry)
+    return result
