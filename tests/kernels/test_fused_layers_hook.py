@@ -1,0 +1,91 @@
+"""The fused-kernel entry points the model's layers call on CUDA agree with those layers' torch code."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from kvfleet.runtime.kernels import fused_layers
+from kvfleet.runtime.models import layers
+
+ROPE = {"rope_theta": 10000.0}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_matches_the_model_layer(assert_close, dtype, with_residual) -> None:
+    generator = torch.Generator().manual_seed(1)
+    layer = layers.RMSNorm(96, 1e-5).to(dtype)
+    with torch.no_grad():
+        layer.weight.copy_(1 + 0.1 * torch.randn(96, generator=generator))
+    x = torch.randn(6, 96, generator=generator).to(dtype)
+    residual = torch.randn(6, 96, generator=generator).to(dtype) if with_residual else None
+
+    out, new_residual = fused_layers.rms_norm(x, layer.weight.detach(), layer.eps, residual)
+    expected_out, expected_residual = layer(x, residual)
+
+    assert_close(out, expected_out)
+    assert_close(new_residual, expected_residual)
+
+
+def test_rms_norm_of_per_head_rows_keeps_the_shape(assert_close) -> None:
+    # Qwen3's q/k norm normalises each head of a [tokens, heads, head_dim] view of the QKV output.
+    layer = layers.RMSNorm(64, 1e-6)
+    qkv = torch.randn(5, 3 * 4 * 64)
+    query = qkv[:, : 4 * 64].view(5, 4, 64)
+    out, _ = fused_layers.rms_norm(query, layer.weight.detach(), layer.eps)
+    assert out.shape == query.shape
+    assert_close(out, layer(query)[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_matches_the_model_layer(assert_close, dtype) -> None:
+    generator = torch.Generator().manual_seed(2)
+    rotary = layers.RotaryEmbedding(64, 512, ROPE)
+    qkv = torch.randn(7, (8 + 2 + 2) * 64, generator=generator).to(dtype)
+    query = qkv[:, : 8 * 64].view(7, 8, 64)
+    key = qkv[:, 8 * 64 : 10 * 64].view(7, 2, 64)
+    positions = torch.randint(0, 512, (7,), generator=generator)
+    # The layer rounds cos/sin to the activation dtype; the kernel keeps them float32.
+    cos, sin = rotary.cos_sin(positions, torch.float32)
+    expected_query = layers.RotaryEmbedding.apply(query.float(), cos, sin)
+    expected_key = layers.RotaryEmbedding.apply(key.float(), cos, sin)
+
+    fused_layers.rotary_embedding_(positions, query, key, rotary.cos_sin_cache)
+
+    assert_close(query, expected_query)
+    assert_close(key, expected_key)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_and_mul_matches_the_model_layer(assert_close, dtype) -> None:
+    gate_up = torch.randn(4, 2 * 176, generator=torch.Generator().manual_seed(3)).to(dtype)
+    assert_close(fused_layers.silu_and_mul(gate_up), layers.silu_and_mul(gate_up.clone()))
+
+
+PROBE = """
+import json, sys, torch
+from kvfleet.runtime.kernels import fused_layers
+print(json.dumps({"enabled": fused_layers.enabled(torch.ones(2)), "triton_loaded": "triton" in sys.modules}))
+"""
+
+
+def test_cpu_tensors_never_use_the_kernels_nor_load_triton() -> None:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run(
+        [sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, check=True, timeout=120
+    )
+    assert json.loads(result.stdout) == {"enabled": False, "triton_loaded": False}
+
+
+def test_the_environment_switch_turns_the_kernels_off(monkeypatch) -> None:
+    fused_layers._kernels_available.cache_clear()
+    monkeypatch.setenv(fused_layers.ENV_VAR, "0")
+    try:
+        assert fused_layers._kernels_available() is False
+    finally:
+        fused_layers._kernels_available.cache_clear()
