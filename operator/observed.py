@@ -45,6 +45,8 @@ class DeploymentView:
     available_replicas: int
     progress_deadline_exceeded: bool = False
     progress_message: str = ""
+    # The controlling owner's uid: a Deployment left by a deleted namesake must not count.
+    owner_uid: str | None = None
 
 
 def pod_view(body: Mapping[str, Any]) -> PodView:
@@ -78,6 +80,7 @@ def pod_view(body: Mapping[str, Any]) -> PodView:
 def deployment_view(body: Mapping[str, Any]) -> DeploymentView:
     meta, spec, status = body.get("metadata", {}), body.get("spec", {}), body.get("status", {})
     progressing = next((c for c in status.get("conditions") or [] if c.get("type") == "Progressing"), {})
+    controller = next((ref for ref in meta.get("ownerReferences") or [] if ref.get("controller")), {})
     return DeploymentView(
         generation=meta.get("generation", 0),
         observed_generation=status.get("observedGeneration", 0),
@@ -88,4 +91,5 @@ def deployment_view(body: Mapping[str, Any]) -> DeploymentView:
         available_replicas=status.get("availableReplicas", 0),
         progress_deadline_exceeded=progressing.get("reason") == "ProgressDeadlineExceeded",
         progress_message=progressing.get("message", ""),
+        owner_uid=controller.get("uid"),
     )

@@ -27,6 +27,9 @@ FAILURE_REASONS = frozenset(
     }
 )
 SCALED_TO_ZERO = "ScaledToZero"
+# Failures first seen through Ready; scheduling failures are reported through Scheduled, and spec and
+# apply failures by the reconcile loop itself.
+_READY_WARNINGS = frozenset({"ProgressDeadlineExceeded", "ReplicaFailing"})
 
 
 @dataclass(frozen=True)
@@ -154,10 +157,27 @@ def scaling_condition(observation: Observation) -> Condition:
         return Condition(
             "ScalingActive", "False", "MetricsUnavailable", "no ready replica has reported metrics"
         )
-    message = f"{sample.reporting_pods} replica(s) reporting, queue depth {sample.queue_depth:.0f}" + (
-        ", panic mode" if observation.panic else ""
-    )
+    # No live figures in the message: they would rewrite the status on every scrape.
+    message = f"{sample.reporting_pods} replica(s) reporting" + (", panic mode" if observation.panic else "")
     return Condition("ScalingActive", "True", "MetricsAvailable", message)
+
+
+def transition_events(
+    previous: Sequence[Mapping[str, Any]], current: Sequence[Mapping[str, Any]]
+) -> list[tuple[str, str, str]]:
+    """(type, reason, message) of the Events a change of conditions deserves."""
+    before = {c.get("type"): c for c in previous}
+    events = []
+    for condition in current:
+        old = before.get(condition["type"], {})
+        if (old.get("status"), old.get("reason")) == (condition["status"], condition["reason"]):
+            continue
+        kind, healthy, reason = condition["type"], condition["status"] == "True", condition["reason"]
+        if kind == "Ready" and healthy:
+            events.append(("Normal", "Ready", condition["message"]))
+        elif (kind == "Ready" and reason in _READY_WARNINGS) or (kind == "Scheduled" and not healthy):
+            events.append(("Warning", reason, condition["message"]))
+    return events
 
 
 def merge_conditions(

@@ -1,0 +1,130 @@
+"""`kvfleet operator`: run the operator (kopf) with leader election, metrics and a liveness endpoint."""
+
+from __future__ import annotations
+
+import logging
+import random
+
+import click
+
+logger = logging.getLogger(__name__)
+
+
+@click.command("operator")
+@click.option(
+    "--namespace",
+    "-n",
+    "namespaces",
+    multiple=True,
+    help="Watch only this namespace (repeatable; globs allowed). Default: every namespace.",
+)
+@click.option(
+    "--standalone",
+    is_flag=True,
+    help="Run without peering (no leader election): for a single replica, development and tests.",
+)
+@click.option(
+    "--peering-name", default="kvfleet", show_default=True, help="Peering object replicas elect through."
+)
+@click.option(
+    "--priority", type=int, default=None, help="Peering priority; random by default, so replicas never tie."
+)
+@click.option(
+    "--metrics-port",
+    type=click.IntRange(0, 65535),
+    default=8080,
+    show_default=True,
+    envvar="KVFLEET_METRICS_PORT",
+    help="Port of the operator's Prometheus metrics (0: off).",
+)
+@click.option(
+    "--health-port",
+    type=click.IntRange(0, 65535),
+    default=8081,
+    show_default=True,
+    help="Port of the liveness endpoint /healthz (0: off).",
+)
+@click.option(
+    "--bind", default="0.0.0.0", show_default=True, help="Address of the metrics and health endpoints."
+)
+@click.option(
+    "--runtime-image",
+    envvar="KVFLEET_RUNTIME_IMAGE",
+    default=None,
+    help="Image of the runtime pods when a resource names none.  [default: kvfleet/runtime:0.1.0]",
+)
+@click.option("--cluster-domain", envvar="KVFLEET_CLUSTER_DOMAIN", default="cluster.local", show_default=True)
+@click.option("--kubeconfig", type=click.Path(exists=True, dir_okay=False), default=None)
+@click.option("--context", "kube_context", default=None, help="kubeconfig context.")
+@click.option("--api-threads", type=click.IntRange(1, 256), default=32, show_default=True)
+@click.option("--scrape-timeout", type=click.FloatRange(0.1, 30), default=1.5, show_default=True)
+def operator_command(
+    namespaces: tuple[str, ...],
+    standalone: bool,
+    peering_name: str,
+    priority: int | None,
+    metrics_port: int,
+    health_port: int,
+    bind: str,
+    runtime_image: str | None,
+    cluster_domain: str,
+    kubeconfig: str | None,
+    kube_context: str | None,
+    api_threads: int,
+    scrape_timeout: float,
+) -> None:
+    """Run the kvfleet operator: InferenceServices in, autoscaled runtime fleets out."""
+    import kopf
+    import kubernetes.config
+    import kvfleet.operator.handlers  # noqa: F401  (registers the handlers with kopf)
+    import prometheus_client
+    from kvfleet.operator.context import OperatorContext
+    from kvfleet.operator.kube import KubeApi, KubeError, make_api_client
+    from kvfleet.operator.render import DEFAULT_RUNTIME_IMAGE, RenderOptions
+
+    try:
+        kube = KubeApi(make_api_client(kubeconfig, kube_context, pool_size=api_threads))
+    except kubernetes.config.ConfigException as error:
+        raise click.ClickException(f"no cluster credentials (in-cluster or kubeconfig): {error}") from None
+    options = RenderOptions(
+        runtime_image=runtime_image or DEFAULT_RUNTIME_IMAGE, cluster_domain=cluster_domain
+    )
+    context = OperatorContext(
+        kube=kube, render_options=options, scrape_timeout_seconds=scrape_timeout, api_threads=api_threads
+    )
+    if not standalone:
+        try:
+            if namespaces:
+                for namespace in namespaces:
+                    kube.ensure_namespaced_peering(namespace, peering_name)
+            else:
+                kube.ensure_cluster_peering(peering_name)
+        except KubeError as error:
+            raise click.ClickException(
+                f"cannot set up leader election through peering object {peering_name!r}: {error.message}; "
+                "install the chart's CRDs, or pass --standalone for a single replica"
+            ) from None
+    metrics_server = None
+    if metrics_port:
+        metrics_server, _ = prometheus_client.start_http_server(
+            metrics_port, bind, registry=context.metrics.registry
+        )
+    elected_priority = priority if priority is not None else random.SystemRandom().randint(1, 2**31 - 1)
+    logger.info(
+        "kvfleet operator starting: %s, %s",
+        "namespaces " + ", ".join(namespaces) if namespaces else "all namespaces",
+        "standalone" if standalone else f"peering {peering_name!r} with priority {elected_priority}",
+    )
+    try:
+        kopf.run(
+            standalone=standalone,
+            peering_name=None if standalone else peering_name,
+            priority=elected_priority,
+            namespaces=list(namespaces),
+            clusterwide=not namespaces,
+            liveness_endpoint=f"http://{bind}:{health_port}/healthz" if health_port else None,
+            memo=kopf.Memo(kvfleet=context),
+        )
+    finally:
+        if metrics_server is not None:
+            metrics_server.shutdown()

@@ -1,0 +1,78 @@
+"""What every service loop of one operator process shares: API access, HTTP session, options, metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+from kvfleet.operator.kube import KubeApi, KubeError
+from kvfleet.operator.metrics import OperatorMetrics
+from kvfleet.operator.render import RenderOptions
+
+logger = logging.getLogger(__name__)
+
+# How often to look again whether the cluster serves ServiceMonitors (prometheus-operator installed later).
+CAPABILITY_REFRESH_SECONDS = 300.0
+
+ServiceKey = tuple[str, str]
+
+
+class AsyncCluster:
+    """The blocking API calls, run in worker threads so that hundreds of service loops share them."""
+
+    def __init__(self, kube: KubeApi) -> None:
+        self._kube = kube
+
+    async def apply(self, manifest: Mapping[str, Any]) -> None:
+        await asyncio.to_thread(self._kube.apply, manifest)
+
+    async def patch_status(self, namespace: str, name: str, status: Mapping[str, Any]) -> None:
+        await asyncio.to_thread(self._kube.patch_status, namespace, name, status)
+
+
+@dataclass
+class OperatorContext:
+    kube: KubeApi
+    render_options: RenderOptions
+    scrape_timeout_seconds: float = 1.5
+    api_threads: int = 32
+    metrics: OperatorMetrics = field(default_factory=OperatorMetrics)
+    session: aiohttp.ClientSession | None = None
+    capability_task: asyncio.Task[None] | None = None
+    cluster: AsyncCluster = field(init=False)
+    _wakeups: dict[ServiceKey, asyncio.Event] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.cluster = AsyncCluster(self.kube)
+
+    def wakeup_for(self, key: ServiceKey) -> asyncio.Event:
+        return self._wakeups.setdefault(key, asyncio.Event())
+
+    def wake(self, key: ServiceKey) -> None:
+        event = self._wakeups.get(key)
+        if event is not None:
+            event.set()
+
+    def forget(self, key: ServiceKey) -> None:
+        self._wakeups.pop(key, None)
+        self.metrics.forget(*key)
+
+    async def refresh_capabilities(self) -> None:
+        try:
+            serves = await asyncio.to_thread(self.kube.serves, "monitoring.coreos.com/v1", "servicemonitors")
+        except KubeError as error:
+            logger.warning("could not check for the ServiceMonitor API: %s", error)
+            return
+        if serves != self.render_options.service_monitor:
+            logger.info("ServiceMonitor API %s", "found: rendering ServiceMonitors" if serves else "absent")
+            self.render_options = dataclasses.replace(self.render_options, service_monitor=serves)
+
+    async def watch_capabilities(self) -> None:
+        while True:
+            await self.refresh_capabilities()
+            await asyncio.sleep(CAPABILITY_REFRESH_SECONDS)

@@ -1,0 +1,301 @@
+"""One InferenceService's control loop: render and apply, scrape and scale, report status and events.
+
+A single loop per service is the only writer of its children and status, so the autoscaler and
+spec changes never race. It is level-triggered: every pass recomputes everything from the live
+object and the watched pods and Deployment, and is woken early by any change to them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import hashlib
+import json
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from kvfleet.operator.api import HTTP_PORT
+from kvfleet.operator.autoscaler import (
+    AutoscalerState,
+    FleetState,
+    MetricsSample,
+    PodMetrics,
+    aggregate,
+    decide,
+)
+from kvfleet.operator.kube import KubeError
+from kvfleet.operator.metrics import OperatorMetrics
+from kvfleet.operator.observed import DeploymentView, PodView
+from kvfleet.operator.render import Owner, RenderOptions, render_children, service_url
+from kvfleet.operator.scrape import ScrapeTarget
+from kvfleet.operator.spec import InferenceServiceSpec, SpecError, parse_spec
+from kvfleet.operator.status import Observation, build_status, transition_events
+
+logger = logging.getLogger(__name__)
+
+# Re-apply unchanged children this often, undoing edits made behind the operator's back.
+RESYNC_SECONDS = 300.0
+# Without autoscaling, pass at least this often; watch events wake the loop sooner.
+IDLE_PASS_SECONDS = 30.0
+# Autoscaler figures alone refresh the status at most this often (they change on every scrape).
+STATUS_REFRESH_SECONDS = 15.0
+MAX_BACKOFF_SECONDS = 300.0
+# Status keys the operator writes only sometimes; a merge patch must clear them explicitly.
+_OPTIONAL_STATUS_KEYS = ("autoscaler", "lastScaleTime", "lastScaleReason")
+
+
+class Cluster(Protocol):
+    async def apply(self, manifest: Mapping[str, Any]) -> None: ...
+
+    async def patch_status(self, namespace: str, name: str, status: Mapping[str, Any]) -> None: ...
+
+
+class Scraper(Protocol):
+    async def scrape(self, targets: Sequence[ScrapeTarget]) -> list[PodMetrics | None]: ...
+
+
+# (type, reason, message) -> posted as a Kubernetes Event on the InferenceService.
+EventSink = Callable[[str, str, str], None]
+
+
+def _utc_now() -> datetime.datetime:
+    return datetime.datetime.now(datetime.UTC)
+
+
+@dataclass
+class ServiceController:
+    owner: Owner
+    cluster: Cluster
+    scraper: Scraper
+    events: EventSink
+    metrics: OperatorMetrics
+    options: Callable[[], RenderOptions]
+    clock: Callable[[], float] = time.monotonic
+    wall_clock: Callable[[], datetime.datetime] = _utc_now
+
+    desired: int | None = None
+    samples: list[MetricsSample] = field(default_factory=list)
+    autoscaler_state: AutoscalerState = field(default_factory=AutoscalerState)
+    panic: bool = False
+    last_scale_time: str | None = None
+    last_scale_reason: str | None = None
+    _applied: tuple[str, int] | None = None
+    _spec_digest: str | None = None
+    _last_apply_at: float = float("-inf")
+    _last_scrape_at: float = float("-inf")
+    _last_status: dict[str, Any] | None = None
+    _last_status_at: float = float("-inf")
+    _failures: int = 0
+    _warned: dict[str, str] = field(default_factory=dict)
+
+    async def run(
+        self,
+        body: Mapping[str, Any],
+        observe: Callable[[], tuple[DeploymentView | None, list[PodView]]],
+        wakeup: asyncio.Event,
+        stopped: Callable[[], bool],
+    ) -> None:
+        """Passes until stopped; `body` is the live object, `observe` reads the watch indexes."""
+        while not stopped():
+            wakeup.clear()
+            deployment, pods = observe()
+            try:
+                delay = await self.reconcile(body, deployment, pods)
+            except Exception:
+                # A bug must not kill the loop: log it, count it, back off, try again.
+                logger.exception("reconcile of %s/%s failed", self.owner.namespace, self.owner.name)
+                self.metrics.reconciles.labels("error").inc()
+                self.metrics.reconcile_errors.labels("unexpected").inc()
+                self._failures += 1
+                delay = min(2.0**self._failures, MAX_BACKOFF_SECONDS)
+            try:
+                await asyncio.wait_for(wakeup.wait(), timeout=delay)
+                # Changes come in bursts (a rollout touches many pods): take them in one pass.
+                await asyncio.sleep(0.1)
+            except TimeoutError:
+                pass
+
+    async def reconcile(
+        self, body: Mapping[str, Any], deployment: DeploymentView | None, pods: list[PodView]
+    ) -> float:
+        """One pass; returns the seconds until the next one is due."""
+        started = self.clock()
+        try:
+            delay = await self._reconcile(body, deployment, pods)
+        finally:
+            self.metrics.reconcile_seconds.observe(self.clock() - started)
+        return delay
+
+    async def _reconcile(
+        self, body: Mapping[str, Any], deployment: DeploymentView | None, pods: list[PodView]
+    ) -> float:
+        meta = body.get("metadata", {})
+        generation = meta.get("generation", 0)
+        previous_status = self._last_status or dict(body.get("status") or {})
+        try:
+            spec = parse_spec(body.get("spec") or {}, name=self.owner.name)
+        except SpecError as error:
+            self.metrics.reconciles.labels("invalid").inc()
+            self._warn(error.reason, error.message)
+            observation = self._observation(generation, None, deployment, pods, (error.reason, error.message))
+            await self._write_status(observation, previous_status)
+            return IDLE_PASS_SECONDS
+
+        if self.desired is None:
+            known = deployment.replicas if deployment else previous_status.get("desiredReplicas")
+            self.desired = spec.scaling.clamp(known if isinstance(known, int) else spec.scaling.min_replicas)
+        self.desired = spec.scaling.clamp(self.desired)
+        if spec.scaling.autoscaling:
+            await self._autoscale(spec, pods)
+
+        blocking = None
+        try:
+            await self._apply(spec, generation, deployment)
+            self._failures = 0
+            self._resolve("ReconcileFailed")
+            self.metrics.reconciles.labels("success").inc()
+        except KubeError as error:
+            self._failures += 1
+            message = f"applying the children failed: {error.message}"
+            blocking = ("ReconcileFailed", message)
+            self._warn("ReconcileFailed", message)
+            self.metrics.reconciles.labels("error").inc()
+            self.metrics.reconcile_errors.labels(f"http_{error.status}").inc()
+
+        observation = self._observation(generation, spec, deployment, pods, blocking)
+        await self._write_status(observation, previous_status)
+        if self._failures:
+            return min(2.0**self._failures, MAX_BACKOFF_SECONDS)
+        return float(spec.scaling.metrics_interval_seconds) if spec.scaling.autoscaling else IDLE_PASS_SECONDS
+
+    async def _autoscale(self, spec: InferenceServiceSpec, pods: list[PodView]) -> None:
+        now = self.clock()
+        scaling = spec.scaling
+        if now - self._last_scrape_at < scaling.metrics_interval_seconds:
+            return
+        self._last_scrape_at = now
+        assert self.desired is not None
+        targets = [ScrapeTarget(pod.name, pod.ip, HTTP_PORT) for pod in pods if pod.scrapeable and pod.ip]
+        reports = await self.scraper.scrape(targets) if targets else []
+        failed = sum(1 for report in reports if report is None)
+        if failed:
+            self.metrics.scrape_failures.labels(self.owner.namespace, self.owner.name).inc(failed)
+        sample = aggregate(now, reports, len(targets))
+        if sample is not None:
+            self.samples.append(sample)
+            self.metrics.queue_depth.labels(self.owner.namespace, self.owner.name).set(sample.queue_depth)
+        self.samples = [s for s in self.samples if now - s.time < scaling.stable_window_seconds]
+
+        unschedulable = sum(1 for pod in pods if pod.unschedulable_message and not pod.terminating)
+        fleet = FleetState(self.desired, len(targets), unschedulable)
+        target = spec.sla.ttft_target_milliseconds
+        ttft_target = target / 1000 if target is not None else None
+        decision = decide(scaling, self.samples, fleet, self.autoscaler_state, now, ttft_target)
+        self.autoscaler_state, self.panic = decision.state, decision.panic
+        if decision.replicas != self.desired:
+            direction = "up" if decision.replicas > self.desired else "down"
+            message = f"Scaled from {self.desired} to {decision.replicas}: {decision.reason}"
+            self.events("Normal", "ScaledUp" if direction == "up" else "ScaledDown", message)
+            self.metrics.scale_events.labels(self.owner.namespace, self.owner.name, direction).inc()
+            self.last_scale_time = _timestamp(self.wall_clock())
+            self.last_scale_reason = decision.reason
+            self.desired = decision.replicas
+
+    async def _apply(
+        self, spec: InferenceServiceSpec, generation: int, deployment: DeploymentView | None
+    ) -> None:
+        assert self.desired is not None
+        options = self.options()
+        children = render_children(self.owner, spec, self.desired, options)
+        spec_digest = _digest(render_children(self.owner, spec, 0, options))
+        now = self.clock()
+        drifted = deployment is None or deployment.replicas != self.desired
+        fresh = now - self._last_apply_at < RESYNC_SECONDS
+        if self._applied == (spec_digest, self.desired) and not drifted and fresh:
+            return
+        for child in children:
+            await self.cluster.apply(child)
+            self.metrics.applies.labels(child["kind"]).inc()
+        kinds = ", ".join(child["kind"] for child in children)
+        if deployment is None and self._applied is None:
+            self.events("Normal", "Created", f"Applied {kinds} for {spec.model.uri}")
+        elif self._spec_digest is not None and spec_digest != self._spec_digest:
+            self.events("Normal", "Updated", f"Applied generation {generation}: rolling out the new template")
+        self._applied, self._spec_digest, self._last_apply_at = (spec_digest, self.desired), spec_digest, now
+
+    def _observation(
+        self,
+        generation: int,
+        spec: InferenceServiceSpec | None,
+        deployment: DeploymentView | None,
+        pods: list[PodView],
+        blocking: tuple[str, str] | None,
+    ) -> Observation:
+        series = (self.owner.namespace, self.owner.name)
+        if deployment is not None:
+            self.metrics.ready_replicas.labels(*series).set(deployment.ready_replicas)
+        desired = self.desired if self.desired is not None else (deployment.replicas if deployment else 0)
+        self.metrics.desired_replicas.labels(*series).set(desired)
+        autoscaling = spec.scaling.autoscaling if spec is not None else False
+        recent = self.samples[-1] if self.samples else None
+        return Observation(
+            generation=generation,
+            url=service_url(self.owner, self.options()),
+            autoscaling=autoscaling,
+            desired_replicas=desired,
+            deployment=deployment,
+            pods=[pod for pod in pods if not pod.terminating],
+            gpu_resource_name=spec.resources.gpu_resource_name if spec else "nvidia.com/gpu",
+            blocking_error=blocking,
+            latest_sample=recent,
+            panic=self.panic,
+            last_scale_time=self.last_scale_time,
+            last_scale_reason=self.last_scale_reason,
+        )
+
+    async def _write_status(self, observation: Observation, previous: Mapping[str, Any]) -> None:
+        status = build_status(observation, previous, self.wall_clock())
+        now = self.clock()
+        if status == previous:
+            return
+        only_figures = _without_figures(status) == _without_figures(previous)
+        if only_figures and now - self._last_status_at < STATUS_REFRESH_SECONDS:
+            return
+        patch: dict[str, Any] = dict(status)
+        for key in _OPTIONAL_STATUS_KEYS:
+            if key in previous and key not in status:
+                patch[key] = None
+        try:
+            await self.cluster.patch_status(self.owner.namespace, self.owner.name, patch)
+        except KubeError as error:
+            # The object may be gone (deletion races the loop); the next pass retries otherwise.
+            logger.warning("status of %s/%s not written: %s", self.owner.namespace, self.owner.name, error)
+            return
+        changes = transition_events(previous.get("conditions") or [], status["conditions"])
+        for event_type, reason, message in changes:
+            self.events(event_type, reason, message)
+        self._last_status, self._last_status_at = status, now
+
+    def _warn(self, reason: str, message: str) -> None:
+        # The same failure every pass would flood the event stream: post it once per distinct message.
+        if self._warned.get(reason) != message:
+            self._warned[reason] = message
+            self.events("Warning", reason, message)
+
+    def _resolve(self, reason: str) -> None:
+        self._warned.pop(reason, None)
+
+
+def _digest(children: list[dict[str, Any]]) -> str:
+    return hashlib.sha256(json.dumps(children, sort_keys=True).encode()).hexdigest()
+
+
+def _timestamp(moment: datetime.datetime) -> str:
+    return moment.astimezone(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _without_figures(status: Mapping[str, Any]) -> dict[str, Any]:
+    return {key: value for key, value in status.items() if key != "autoscaler"}

@@ -1,0 +1,127 @@
+"""kopf registrations: thin glue between watch events and the per-service control loops.
+
+- Indexes keep compact views of the managed pods and Deployments (no API calls per pass).
+- Any change to an InferenceService, its pods or its Deployment wakes that service's loop.
+- One daemon per InferenceService runs its ServiceController; kopf stops it when the object is
+  deleted and when peering pauses this replica in favour of another (leader election).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import aiohttp
+import kopf
+from kvfleet.operator.api import (
+    FIELD_MANAGER,
+    GROUP,
+    LABEL_MANAGED_BY,
+    MANAGED_BY,
+    PLURAL,
+    SERVICE_LABEL,
+    VERSION,
+)
+from kvfleet.operator.context import OperatorContext
+from kvfleet.operator.controller import ServiceController
+from kvfleet.operator.kube import connection_info
+from kvfleet.operator.observed import DeploymentView, PodView, deployment_view, pod_view
+from kvfleet.operator.render import Owner
+from kvfleet.operator.scrape import FleetScraper
+
+MANAGED = {LABEL_MANAGED_BY: MANAGED_BY, SERVICE_LABEL: kopf.PRESENT}
+FINALIZER = f"{GROUP}/fleet-loop"
+
+
+def _context(memo: kopf.Memo) -> OperatorContext:
+    return memo["kvfleet"]
+
+
+@kopf.on.startup()
+async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+    context = _context(memo)
+    settings.persistence.finalizer = FINALIZER
+    settings.posting.level = logging.INFO
+    settings.networking.request_timeout = 60
+    # Every service loop's API calls run in these threads; the default pool is sized for CPU work.
+    pool = ThreadPoolExecutor(max_workers=context.api_threads, thread_name_prefix="kube-api")
+    asyncio.get_running_loop().set_default_executor(pool)
+    context.session = aiohttp.ClientSession(headers={"User-Agent": FIELD_MANAGER})
+    context.capability_task = asyncio.create_task(context.watch_capabilities(), name="kvfleet-capabilities")
+
+
+@kopf.on.login()
+def login(memo: kopf.Memo, **_: Any) -> kopf.ConnectionInfo:
+    # The credentials the operator's own calls use (kubeconfig, context or service account).
+    return connection_info(_context(memo).kube.configuration)
+
+
+@kopf.on.cleanup()
+async def shut_down(memo: kopf.Memo, **_: Any) -> None:
+    context = _context(memo)
+    if context.capability_task is not None:
+        context.capability_task.cancel()
+    if context.session is not None:
+        await context.session.close()
+
+
+@kopf.index("pods", labels=MANAGED)
+def kvfleet_pods(namespace: str, labels: kopf.Labels, body: kopf.Body, **_: Any) -> dict[Any, PodView]:
+    return {(namespace, labels[SERVICE_LABEL]): pod_view(body)}
+
+
+@kopf.index("apps", "v1", "deployments", labels=MANAGED)
+def kvfleet_deployments(
+    namespace: str, labels: kopf.Labels, body: kopf.Body, **_: Any
+) -> dict[Any, DeploymentView]:
+    return {(namespace, labels[SERVICE_LABEL]): deployment_view(body)}
+
+
+@kopf.on.event("pods", labels=MANAGED)
+@kopf.on.event("apps", "v1", "deployments", labels=MANAGED)
+def wake_owner(namespace: str, labels: kopf.Labels, memo: kopf.Memo, **_: Any) -> None:
+    _context(memo).wake((namespace, labels[SERVICE_LABEL]))
+
+
+@kopf.on.event(GROUP, VERSION, PLURAL)
+def wake_service(namespace: str, name: str, memo: kopf.Memo, **_: Any) -> None:
+    _context(memo).wake((namespace, name))
+
+
+@kopf.daemon(GROUP, VERSION, PLURAL, cancellation_timeout=10.0)
+async def fleet_loop(
+    body: kopf.Body,
+    namespace: str,
+    name: str,
+    uid: str,
+    stopped: kopf.DaemonStopped,
+    memo: kopf.Memo,
+    kvfleet_pods: kopf.Index[Any, PodView],
+    kvfleet_deployments: kopf.Index[Any, DeploymentView],
+    **_: Any,
+) -> None:
+    context = _context(memo)
+    key = (namespace, name)
+    assert context.session is not None, "the startup handler creates the session"
+
+    def post_event(event_type: str, reason: str, message: str) -> None:
+        kopf.event(body, type=event_type, reason=reason, message=message)
+
+    def observe() -> tuple[DeploymentView | None, list[PodView]]:
+        owned = [view for view in kvfleet_deployments.get(key, []) if view.owner_uid == uid]
+        return (owned[0] if owned else None), list(kvfleet_pods.get(key, []))
+
+    controller = ServiceController(
+        owner=Owner(name, namespace, uid),
+        cluster=context.cluster,
+        scraper=FleetScraper(context.session, context.scrape_timeout_seconds),
+        events=post_event,
+        metrics=context.metrics,
+        options=lambda: context.render_options,
+    )
+    try:
+        await controller.run(body, observe, context.wakeup_for(key), lambda: bool(stopped))
+    finally:
+        context.forget(key)

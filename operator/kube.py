@@ -1,0 +1,160 @@
+"""The few Kubernetes API calls the operator makes itself (kopf does the watching).
+
+Children are written with server-side apply under one field manager; the status with a merge patch
+on the status subresource. Calls are blocking (the official client); the controller runs them in
+worker threads.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+import kopf
+import urllib3
+from kubernetes import client, config
+from kubernetes.client.exceptions import ApiException
+from kvfleet.operator.api import FIELD_MANAGER, GROUP, PLURAL, VERSION
+
+# kind -> plural, for every kind the operator applies.
+PLURALS = {
+    "Deployment": "deployments",
+    "Service": "services",
+    "PodDisruptionBudget": "poddisruptionbudgets",
+    "ServiceMonitor": "servicemonitors",
+}
+REQUEST_TIMEOUT_SECONDS = 30
+
+
+class KubeError(Exception):
+    """A refused or failed API call, with the server's own message."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(f"{status}: {message}")
+        self.status = status
+        self.message = message
+
+
+def make_api_client(kubeconfig: str | None, context: str | None, pool_size: int) -> client.ApiClient:
+    """An API client from a kubeconfig, or the pod's service account when running in a cluster."""
+    configuration = client.Configuration()
+    if kubeconfig is None and context is None:
+        try:
+            config.load_incluster_config(client_configuration=configuration)
+        except config.ConfigException:
+            config.load_kube_config(client_configuration=configuration)
+    else:
+        config.load_kube_config(config_file=kubeconfig, context=context, client_configuration=configuration)
+    configuration.connection_pool_maxsize = pool_size
+    return client.ApiClient(configuration)
+
+
+def connection_info(configuration: client.Configuration) -> kopf.ConnectionInfo:
+    """The same credentials for kopf's own watch connections."""
+    # Reading the key runs the client's refresh hook, so expiring tokens are renewed on each login.
+    header = configuration.get_api_key_with_prefix("BearerToken") or ""
+    scheme, _, token = header.partition(" ") if " " in header else (None, "", header)
+    return kopf.ConnectionInfo(
+        server=configuration.host,
+        ca_path=configuration.ssl_ca_cert,
+        insecure=not configuration.verify_ssl,
+        username=configuration.username or None,
+        password=configuration.password or None,
+        scheme=scheme,
+        token=token or None,
+        certificate_path=configuration.cert_file,
+        private_key_path=configuration.key_file,
+    )
+
+
+def resource_path(api_version: str, kind: str, namespace: str, name: str | None = None) -> str:
+    prefix = "/api/v1" if api_version == "v1" else f"/apis/{api_version}"
+    path = f"{prefix}/namespaces/{namespace}/{PLURALS[kind]}"
+    return f"{path}/{name}" if name is not None else path
+
+
+class KubeApi:
+    def __init__(self, api_client: client.ApiClient, field_manager: str = FIELD_MANAGER) -> None:
+        self._client = api_client
+        self.field_manager = field_manager
+
+    @property
+    def configuration(self) -> client.Configuration:
+        return self._client.configuration
+
+    def apply(self, manifest: Mapping[str, Any]) -> dict[str, Any]:
+        """Server-side apply of one namespaced object; taking over fields other managers set."""
+        meta = manifest["metadata"]
+        path = resource_path(manifest["apiVersion"], manifest["kind"], meta["namespace"], meta["name"])
+        query = [("fieldManager", self.field_manager), ("force", "true")]
+        return self._request("PATCH", path, query, manifest, "application/apply-patch+yaml")
+
+    def patch_status(self, namespace: str, name: str, status: Mapping[str, Any]) -> dict[str, Any]:
+        path = f"/apis/{GROUP}/{VERSION}/namespaces/{namespace}/{PLURAL}/{name}/status"
+        return self._request("PATCH", path, [], {"status": status}, "application/merge-patch+json")
+
+    def serves(self, group_version: str, plural: str) -> bool:
+        """Whether the server knows a resource (e.g. ServiceMonitor once prometheus-operator is installed)."""
+        try:
+            listing = self._request("GET", f"/apis/{group_version}", [], None, None)
+        except KubeError as error:
+            if error.status == 404:
+                return False
+            raise
+        return any(resource.get("name") == plural for resource in listing.get("resources", []))
+
+    def ensure_cluster_peering(self, name: str) -> None:
+        """Creates the kopf peering object through which operator replicas elect an active one."""
+        body = {"apiVersion": "kopf.dev/v1", "kind": "ClusterKopfPeering", "metadata": {"name": name}}
+        self._create_if_missing("/apis/kopf.dev/v1/clusterkopfpeerings", body)
+
+    def ensure_namespaced_peering(self, namespace: str, name: str) -> None:
+        body = {"apiVersion": "kopf.dev/v1", "kind": "KopfPeering", "metadata": {"name": name}}
+        self._create_if_missing(f"/apis/kopf.dev/v1/namespaces/{namespace}/kopfpeerings", body)
+
+    def _create_if_missing(self, collection: str, body: Mapping[str, Any]) -> None:
+        try:
+            self._request("POST", collection, [], body, "application/json")
+        except KubeError as error:
+            if error.status != 409:
+                raise
+
+    def _request(
+        self,
+        method: str,
+        path: str,
+        query: list[tuple[str, str]],
+        body: Mapping[str, Any] | None,
+        content_type: str | None,
+    ) -> dict[str, Any]:
+        headers = {"Accept": "application/json"}
+        if content_type is not None:
+            headers["Content-Type"] = content_type
+        request = self._client.param_serialize(
+            method=method,
+            resource_path=path,
+            query_params=query,
+            header_params=headers,
+            body=body,
+            auth_settings=["BearerToken"],
+        )
+        try:
+            response = self._client.call_api(*request, _request_timeout=REQUEST_TIMEOUT_SECONDS)
+            response.read()
+        except ApiException as error:
+            raise KubeError(error.status or 0, str(error.reason)) from error
+        except urllib3.exceptions.HTTPError as error:
+            raise KubeError(0, f"the API server did not answer: {error}") from error
+        text = response.data.decode("utf-8") if response.data else ""
+        if not 200 <= response.status < 300:
+            raise KubeError(response.status, _server_message(text) or str(response.reason))
+        return json.loads(text) if text else {}
+
+
+def _server_message(text: str) -> str | None:
+    try:
+        status = json.loads(text)
+    except ValueError:
+        return text.strip() or None
+    return status.get("message") if isinstance(status, dict) else None

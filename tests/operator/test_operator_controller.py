@@ -1,0 +1,286 @@
+"""The per-service control loop against a recording fake cluster, scraper and clock."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import datetime
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+from kvfleet.operator.autoscaler import PodMetrics
+from kvfleet.operator.controller import IDLE_PASS_SECONDS, ServiceController
+from kvfleet.operator.kube import KubeError
+from kvfleet.operator.metrics import OperatorMetrics
+from kvfleet.operator.observed import DeploymentView, PodView
+from kvfleet.operator.render import Owner, RenderOptions
+from kvfleet.operator.scrape import ScrapeTarget
+
+UID = "uid-1"
+
+
+@dataclass
+class FakeCluster:
+    applied: list[dict[str, Any]] = field(default_factory=list)
+    statuses: list[dict[str, Any]] = field(default_factory=list)
+    fail_with: KubeError | None = None
+
+    async def apply(self, manifest: Mapping[str, Any]) -> None:
+        if self.fail_with is not None:
+            raise self.fail_with
+        self.applied.append(copy.deepcopy(dict(manifest)))
+
+    async def patch_status(self, namespace: str, name: str, status: Mapping[str, Any]) -> None:
+        self.statuses.append(copy.deepcopy(dict(status)))
+
+
+@dataclass
+class FakeScraper:
+    per_pod: PodMetrics | None = None
+    calls: list[list[str]] = field(default_factory=list)
+
+    async def scrape(self, targets: Sequence[ScrapeTarget]) -> list[PodMetrics | None]:
+        self.calls.append([target.url for target in targets])
+        return [self.per_pod for _ in targets]
+
+
+@dataclass
+class Clock:
+    now: float = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@dataclass
+class Harness:
+    body: dict[str, Any]
+    cluster: FakeCluster = field(default_factory=FakeCluster)
+    scraper: FakeScraper = field(default_factory=FakeScraper)
+    clock: Clock = field(default_factory=Clock)
+    events: list[tuple[str, str, str]] = field(default_factory=list)
+    metrics: OperatorMetrics = field(default_factory=OperatorMetrics)
+    controller: ServiceController = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.controller = self.new_controller()
+
+    def new_controller(self) -> ServiceController:
+        return ServiceController(
+            owner=Owner("svc", "ns", UID),
+            cluster=self.cluster,
+            scraper=self.scraper,
+            events=lambda *event: self.events.append(event),
+            metrics=self.metrics,
+            options=lambda: RenderOptions(),
+            clock=self.clock,
+            wall_clock=lambda: (
+                datetime.datetime(2025, 1, 1, tzinfo=datetime.UTC)
+                + datetime.timedelta(seconds=self.clock.now)
+            ),
+        )
+
+    def run(self, deployment: DeploymentView | None = None, pods: list[PodView] | None = None) -> float:
+        delay = asyncio.run(self.controller.reconcile(self.body, deployment, pods or []))
+        if self.cluster.statuses:
+            self.body["status"] = {k: v for k, v in self.cluster.statuses[-1].items() if v is not None}
+        return delay
+
+    def deployments(self) -> list[dict[str, Any]]:
+        return [m for m in self.cluster.applied if m["kind"] == "Deployment"]
+
+    def reasons(self) -> list[str]:
+        return [reason for _, reason, _ in self.events]
+
+
+def service(**spec: Any) -> dict[str, Any]:
+    base = {"model": {"uri": "file:///models/tiny"}, "resources": {"gpus": 0}}
+    return {
+        "metadata": {"name": "svc", "namespace": "ns", "uid": UID, "generation": 1},
+        "spec": {**base, **spec},
+    }
+
+
+def deployment_at(replicas: int, ready: int | None = None, generation: int = 1) -> DeploymentView:
+    ready = replicas if ready is None else ready
+    return DeploymentView(generation, generation, replicas, replicas, replicas, ready, ready, owner_uid=UID)
+
+
+def ready_pods(count: int) -> list[PodView]:
+    return [PodView(f"svc-{i}", f"127.1.0.{i + 1}", "Running", True, False) for i in range(count)]
+
+
+def test_first_pass_creates_children_and_reports() -> None:
+    harness = Harness(service())
+    delay = harness.run()
+    assert [m["kind"] for m in harness.cluster.applied] == ["Service", "Deployment", "PodDisruptionBudget"]
+    assert harness.deployments()[0]["spec"]["replicas"] == 1
+    assert harness.reasons() == ["Created"]
+    status = harness.cluster.statuses[-1]
+    assert status["observedGeneration"] == 1 and status["desiredReplicas"] == 1
+    ready = next(c for c in status["conditions"] if c["type"] == "Ready")
+    assert (ready["status"], ready["reason"]) == ("False", "DeploymentPending")
+    assert delay == 2.0, "autoscaled services pass at the metrics interval"
+
+
+def test_unchanged_passes_write_nothing() -> None:
+    harness = Harness(service())
+    harness.run()
+    harness.run(deployment_at(1), ready_pods(1))
+    applies, statuses = len(harness.cluster.applied), len(harness.cluster.statuses)
+    assert harness.reasons() == ["Created", "Ready"]
+    for _ in range(5):
+        harness.clock.now += 1
+        harness.run(deployment_at(1), ready_pods(1))
+    assert len(harness.cluster.applied) == applies, "idempotent: nothing re-applied"
+    assert len(harness.cluster.statuses) == statuses, "idempotent: status unchanged"
+
+
+def test_spec_change_rolls_out_and_drift_is_undone() -> None:
+    harness = Harness(service())
+    harness.run()
+    harness.run(deployment_at(1), ready_pods(1))
+    harness.body["spec"]["engine"] = {"maxNumSeqs": 8}
+    harness.body["metadata"]["generation"] = 2
+    harness.run(deployment_at(1), ready_pods(1))
+    assert "--max-num-seqs" in harness.deployments()[-1]["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert harness.reasons()[-1] == "Updated"
+    applied = len(harness.cluster.applied)
+    harness.run(deployment_at(5, generation=2), ready_pods(1))
+    assert len(harness.cluster.applied) == applied + 3, "someone scaled the Deployment: re-applied"
+    assert harness.deployments()[-1]["spec"]["replicas"] == 1
+
+
+def test_invalid_spec_is_reported_once_and_never_rendered() -> None:
+    harness = Harness(service(model={"uri": "hf://no-org"}))
+    for _ in range(3):
+        assert harness.run() == IDLE_PASS_SECONDS
+    assert harness.cluster.applied == []
+    assert harness.events == [
+        (
+            "Warning",
+            "InvalidModelURI",
+            "spec.model.uri 'hf://no-org': expected hf://<org>/<name>[@<revision>]",
+        )
+    ]
+    ready = next(c for c in harness.cluster.statuses[-1]["conditions"] if c["type"] == "Ready")
+    assert (ready["status"], ready["reason"]) == ("False", "InvalidModelURI")
+
+
+def test_apply_failures_back_off_and_recover() -> None:
+    harness = Harness(service())
+    harness.cluster.fail_with = KubeError(403, "deployments.apps is forbidden")
+    delays = [harness.run() for _ in range(3)]
+    assert delays == [2.0, 4.0, 8.0]
+    assert harness.reasons() == ["ReconcileFailed"], "one event per distinct failure"
+    ready = next(c for c in harness.cluster.statuses[-1]["conditions"] if c["type"] == "Ready")
+    assert ready["reason"] == "ReconcileFailed" and "forbidden" in ready["message"]
+    harness.cluster.fail_with = None
+    assert harness.run() == 2.0
+    assert len(harness.deployments()) == 1
+
+
+def test_load_scales_up_with_an_event_and_status() -> None:
+    harness = Harness(service(scaling={"targetQueueDepth": 4, "maxReplicas": 6}))
+    harness.run()
+    harness.scraper.per_pod = PodMetrics(waiting=10, running=4)
+    harness.clock.now += 2
+    harness.run(deployment_at(1), ready_pods(1))
+    assert harness.scraper.calls[-1] == ["http://127.1.0.1:8000/metrics"]
+    assert harness.deployments()[-1]["spec"]["replicas"] == 4
+    scaled = next(event for event in harness.events if event[1] == "ScaledUp")
+    assert scaled[0] == "Normal" and scaled[2].startswith("Scaled from 1 to 4: panic: queue depth 14.0")
+    status = harness.cluster.statuses[-1]
+    assert status["desiredReplicas"] == 4 and status["lastScaleReason"].startswith("panic")
+    assert status["autoscaler"]["queueDepth"] == 14.0 and status["autoscaler"]["panic"] is True
+    assert harness.metrics.desired_replicas.labels("ns", "svc")._value.get() == 4
+
+
+def test_pods_that_cannot_report_are_not_scraped() -> None:
+    harness = Harness(service())
+    pods = [
+        PodView("a", "127.1.0.1", "Running", False, False),
+        PodView("b", None, "Pending", False, False),
+        PodView("c", "127.1.0.3", "Running", True, True),
+        PodView("d", "127.1.0.4", "Running", True, False),
+    ]
+    harness.run(deployment_at(4, ready=1), pods)
+    assert harness.scraper.calls == [["http://127.1.0.4:8000/metrics"]]
+
+
+def test_fixed_replicas_never_scrape() -> None:
+    harness = Harness(service(scaling={"replicas": 3}))
+    assert harness.run() == IDLE_PASS_SECONDS
+    harness.run(deployment_at(3), ready_pods(3))
+    assert harness.scraper.calls == []
+    assert harness.deployments()[-1]["spec"]["replicas"] == 3
+
+
+def test_restart_keeps_the_current_replica_count() -> None:
+    harness = Harness(service(scaling={"maxReplicas": 8}))
+    harness.run(deployment_at(5), ready_pods(5))
+    assert harness.deployments()[-1]["spec"]["replicas"] == 5
+    assert "Created" not in harness.reasons(), "an existing Deployment is adopted, not announced"
+
+
+def test_figures_alone_refresh_the_status_at_most_every_15_seconds() -> None:
+    harness = Harness(service(scaling={"targetQueueDepth": 100}))
+    harness.run(deployment_at(1), ready_pods(1))
+    written = len(harness.cluster.statuses)
+    for depth in range(1, 6):
+        harness.scraper.per_pod = PodMetrics(waiting=0, running=depth)
+        harness.clock.now += 2
+        harness.run(deployment_at(1), ready_pods(1))
+    assert len(harness.cluster.statuses) == written + 1, "first figures change the condition, the rest wait"
+    harness.clock.now += 16
+    harness.scraper.per_pod = PodMetrics(waiting=0, running=9)
+    harness.run(deployment_at(1), ready_pods(1))
+    assert len(harness.cluster.statuses) == written + 2
+
+
+def test_insufficient_gpu_is_announced_once() -> None:
+    harness = Harness(service())
+    harness.run()
+    pending = PodView(
+        "svc-x",
+        None,
+        "Pending",
+        False,
+        False,
+        unschedulable_message="0/4 nodes are available: 4 Insufficient nvidia.com/gpu.",
+    )
+    for _ in range(3):
+        harness.run(deployment_at(1, ready=0), [pending])
+    assert harness.reasons().count("InsufficientGPU") == 1
+
+
+def test_unexpected_errors_do_not_end_the_loop() -> None:
+    harness = Harness(service())
+    calls = {"count": 0}
+
+    def broken_observe() -> tuple[DeploymentView | None, list[PodView]]:
+        calls["count"] += 1
+        wakeup.set()  # skip the back-off wait; the loop must still come round
+        if calls["count"] >= 2:
+            stop.set()
+        return None, [PodView("weird", "not-an-ip", "Running", True, False)]
+
+    stop = asyncio.Event()
+    wakeup = asyncio.Event()
+
+    async def scenario() -> None:
+        await asyncio.wait_for(harness.controller.run(harness.body, broken_observe, wakeup, stop.is_set), 10)
+
+    asyncio.run(scenario())
+    assert calls["count"] == 2
+    assert harness.metrics.reconcile_errors.labels("unexpected")._value.get() >= 1
+
+
+@pytest.mark.parametrize("tier", ["critical", "batch"])
+def test_tier_reaches_the_pods(tier: str) -> None:
+    harness = Harness(service(sla={"tier": tier}))
+    harness.run()
+    pod = harness.deployments()[-1]["spec"]["template"]["spec"]
+    assert pod["priorityClassName"] == f"kvfleet-{tier}"
