@@ -1,0 +1,474 @@
+"""A real Kubernetes control plane on loopback, with kwok's fake GPU nodes and the pod runner.
+
+    with LocalCluster(state_dir) as cluster:
+        cluster.kubectl("get", "nodes")
+
+etcd, kube-apiserver (token auth, RBAC), kube-controller-manager and kube-scheduler run as local processes
+from the binaries build.sh made; kwok plays the kubelets of N fake nodes that advertise nvidia.com/gpu. Every
+process is stopped by its PID when the context exits, including after a failed start.
+"""
+
+from __future__ import annotations
+
+import base64
+import fcntl
+import json
+import logging
+import os
+import secrets
+import shutil
+import socket
+import ssl
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import IO, Any
+
+import yaml
+
+from .binaries import ensure_binaries
+from .fake_nodes import KWOK_NODE_SELECTOR, NodeShape, fake_node, fake_node_names
+from .kube_api import ApiError, KubeAPI
+from .kwok_stages import kwok_stages
+from .pki import make_pki
+from .pod_runner import DEFAULT_IMAGE_PATTERN, PodRunner
+from .processes import Ledger, ManagedProcess, start_process, tail
+
+log = logging.getLogger("kvfleet.e2e.cluster")
+
+ADMIN_USER = "kvfleet-admin"
+SERVICE_CLUSTER_IP_RANGE = "10.0.0.0/24"
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("KVFLEET_CACHE", Path.home() / ".cache" / "kvfleet"))
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    nodes: int = 4
+    node_shape: NodeShape = field(default_factory=NodeShape)
+    # Run pods whose image matches runner_image_pattern as real processes; off: kwok fakes every pod.
+    pod_runner: bool = True
+    runner_image_pattern: str = DEFAULT_IMAGE_PATTERN
+    # Client rate limits of the controller manager and scheduler (upstream's 20/30 throttle fleets of
+    # hundreds of Deployments long before the API server is busy).
+    kube_api_qps: int = 100
+    kube_api_burst: int = 200
+    start_timeout: float = 120.0
+
+    def __post_init__(self) -> None:
+        fake_node_names(self.nodes)  # validates the count
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def claim_pod_subnet(lock_dir: Path) -> tuple[str, IO[str]]:
+    """A 127.N.0.0/16 range no other local cluster on this machine uses, held by a lock until released.
+
+    Pods bind their server to their own IP, so two clusters handing out the same IPs would collide.
+    """
+    lock_dir.mkdir(parents=True, exist_ok=True)
+    for second_octet in range(1, 255):
+        handle = (lock_dir / f"127.{second_octet}.lock").open("w")
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.close()
+            continue
+        return f"127.{second_octet}.0.0/16", handle
+    raise RuntimeError(f"every 127.N.0.0/16 pod range is held by another local cluster (locks in {lock_dir})")
+
+
+def _wait_until(
+    what: str,
+    check: Callable[[], bool],
+    timeout: float,
+    watched: Sequence[ManagedProcess] = (),
+    interval: float = 0.2,
+) -> None:
+    """Polls check() until it returns True; fails early, with its log, if a watched process exits."""
+    deadline = time.monotonic() + timeout
+    last_error: Exception | None = None
+    while True:
+        for process in watched:
+            if not process.running():
+                raise RuntimeError(f"while waiting for {what}: {process.describe_exit()}")
+        try:
+            if check():
+                return
+            last_error = None
+        except (OSError, ApiError, ValueError, KeyError) as error:
+            last_error = error
+        if time.monotonic() > deadline:
+            logs = "".join(f"\n--- {p.log_path}:\n{tail(p.log_path)}" for p in watched)
+            raise TimeoutError(f"{what} not reached within {timeout:.0f}s (last error: {last_error}){logs}")
+        time.sleep(interval)
+
+
+def _http_ok(url: str, context: ssl.SSLContext | None = None, token: str | None = None) -> bool:
+    request = urllib.request.Request(url)
+    if token:
+        request.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(request, context=context, timeout=2) as response:
+            return response.status == 200
+    except urllib.error.HTTPError:
+        return False
+
+
+class LocalCluster:
+    """Starts the control plane on entry (or start()), stops every process it started on exit (or stop())."""
+
+    def __init__(
+        self,
+        state_dir: Path,
+        config: ClusterConfig | None = None,
+        bin_dir: Path | None = None,
+        runner_env: dict[str, str] | None = None,
+        runner_programs: dict[str, str] | None = None,
+    ) -> None:
+        self.state_dir = Path(state_dir).resolve()
+        self.config = config or ClusterConfig()
+        self._bin_dir = bin_dir
+        self._runner_env = dict(runner_env or {})
+        self._runner_programs = dict(runner_programs or {})
+        self.log_dir = self.state_dir / "logs"
+        self.kubeconfig = self.state_dir / "admin.kubeconfig"
+        self.token = ""
+        self.server = ""
+        self.pod_cidr = ""
+        self.ca_cert = self.state_dir / "pki" / "ca.crt"
+        self.pod_runner: PodRunner | None = None
+        self._ledger = Ledger(self.state_dir / "processes.json")
+        self._processes: list[ManagedProcess] = []
+        self._subnet_lock: IO[str] | None = None
+        self._api: KubeAPI | None = None
+
+    # -- public interface -------------------------------------------------------------------------------
+
+    @property
+    def api(self) -> KubeAPI:
+        if self._api is None:
+            raise RuntimeError("the cluster is not started")
+        return self._api
+
+    @property
+    def bin_dir(self) -> Path:
+        if self._bin_dir is None:
+            self._bin_dir = ensure_binaries()
+        return self._bin_dir
+
+    def binary(self, name: str) -> str:
+        return str(self.bin_dir / name)
+
+    def env(self) -> dict[str, str]:
+        """This process's environment pointed at the cluster (KUBECONFIG) with the binaries on PATH."""
+        return {
+            **os.environ,
+            "KUBECONFIG": str(self.kubeconfig),
+            "PATH": f"{self.bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",
+        }
+
+    def kubectl(
+        self, *args: str, check: bool = True, input: str | None = None
+    ) -> subprocess.CompletedProcess[str]:
+        return self._run_tool("kubectl", args, check, input)
+
+    def helm(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        return self._run_tool("helm", args, check, None)
+
+    def __enter__(self) -> LocalCluster:
+        self.start()
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        started = time.monotonic()
+        try:
+            self._start()
+        except BaseException:
+            self.stop()
+            raise
+        log.info(
+            "local cluster ready in %.1fs: %d nodes x %d GPUs, kubeconfig %s",
+            time.monotonic() - started,
+            self.config.nodes,
+            self.config.node_shape.gpus,
+            self.kubeconfig,
+        )
+
+    def stop(self) -> None:
+        """Stops the pod runner, then each component in reverse start order; safe to call more than once."""
+        errors: list[str] = []
+        if self.pod_runner is not None:
+            try:
+                self.pod_runner.stop()
+            except Exception as error:
+                errors.append(f"pod runner: {error}")
+            self.pod_runner = None
+        while self._processes:
+            process = self._processes.pop()
+            try:
+                process.stop()
+            except Exception as error:
+                errors.append(f"{process.name}: {error}")
+        leftovers = self._ledger.stop_all()
+        if leftovers:
+            errors.append(f"stopped leftover processes: {', '.join(leftovers)}")
+        shutil.rmtree(self.state_dir / "etcd-data", ignore_errors=True)
+        if self._subnet_lock is not None:
+            self._subnet_lock.close()
+            self._subnet_lock = None
+        self._api = None
+        if errors:
+            raise RuntimeError("stopping the local cluster: " + "; ".join(errors))
+
+    # -- start-up ---------------------------------------------------------------------------------------
+
+    def _start(self) -> None:
+        bin_dir = self.bin_dir  # builds on first use, before anything is started
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        leftovers = self._ledger.stop_all()
+        if leftovers:
+            log.warning("stopped processes a previous run in %s left behind: %s", self.state_dir, leftovers)
+        self.pod_cidr, self._subnet_lock = claim_pod_subnet(default_cache_dir() / "clusters" / "subnets")
+        pki = make_pki(self.state_dir / "pki")
+        self.token = secrets.token_hex(24)
+        tokens = self.state_dir / "tokens.csv"
+        tokens.write_text(f'{self.token},{ADMIN_USER},{ADMIN_USER},"system:masters"\n')
+        tokens.chmod(0o600)
+
+        etcd_port, etcd_peer_port, api_port = free_port(), free_port(), free_port()
+        self.server = f"https://127.0.0.1:{api_port}"
+        self._write_kubeconfig()
+        timeout = self.config.start_timeout
+
+        etcd_url = f"http://127.0.0.1:{etcd_port}"
+        etcd = self._launch("etcd", [
+            str(bin_dir / "etcd"),
+            "--name=default",
+            f"--data-dir={self.state_dir / 'etcd-data'}",
+            f"--listen-client-urls={etcd_url}",
+            f"--advertise-client-urls={etcd_url}",
+            f"--listen-peer-urls=http://127.0.0.1:{etcd_peer_port}",
+            f"--initial-advertise-peer-urls=http://127.0.0.1:{etcd_peer_port}",
+            f"--initial-cluster=default=http://127.0.0.1:{etcd_peer_port}",
+            "--unsafe-no-fsync",  # a throwaway test database: durability costs seconds per start
+            "--log-level=warn",
+        ])  # fmt: skip
+        _wait_until("etcd healthy", lambda: _http_ok(f"{etcd_url}/health"), timeout, [etcd])
+
+        apiserver = self._launch("kube-apiserver", [
+            str(bin_dir / "kube-apiserver"),
+            f"--etcd-servers={etcd_url}",
+            "--bind-address=127.0.0.1",
+            "--advertise-address=127.0.0.1",
+            f"--secure-port={api_port}",
+            f"--tls-cert-file={pki.serving_cert}",
+            f"--tls-private-key-file={pki.serving_key}",
+            f"--client-ca-file={pki.ca_cert}",
+            f"--token-auth-file={tokens}",
+            "--authorization-mode=RBAC",
+            "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
+            f"--service-account-key-file={pki.service_account_public_key}",
+            f"--service-account-signing-key-file={pki.service_account_key}",
+            f"--service-cluster-ip-range={SERVICE_CLUSTER_IP_RANGE}",
+            "--allow-privileged=true",
+            # The kubernetes Service's endpoints would be 127.0.0.1, which Endpoints reject.
+            "--endpoint-reconciler-type=none",
+            "--profiling=false",
+        ])  # fmt: skip
+        self._api = KubeAPI(self.server, self.token, str(pki.ca_cert))
+        verified = ssl.create_default_context(cafile=str(pki.ca_cert))
+        _wait_until(
+            "kube-apiserver ready",
+            lambda: _http_ok(f"{self.server}/readyz", verified, self.token),
+            timeout,
+            [etcd, apiserver],
+        )
+
+        controller_manager_port = free_port()
+        controller_manager = self._launch("kube-controller-manager", [
+            str(bin_dir / "kube-controller-manager"),
+            f"--kubeconfig={self.kubeconfig}",
+            f"--authentication-kubeconfig={self.kubeconfig}",
+            f"--authorization-kubeconfig={self.kubeconfig}",
+            "--leader-elect=false",
+            "--bind-address=127.0.0.1",
+            f"--secure-port={controller_manager_port}",
+            f"--service-account-private-key-file={pki.service_account_key}",
+            f"--root-ca-file={pki.ca_cert}",
+            f"--kube-api-qps={self.config.kube_api_qps}",
+            f"--kube-api-burst={self.config.kube_api_burst}",
+            "--profiling=false",
+        ])  # fmt: skip
+
+        scheduler_port = free_port()
+        scheduler_config = self.state_dir / "scheduler.yaml"
+        scheduler_config.write_text(
+            yaml.safe_dump(
+                {
+                    "apiVersion": "kubescheduler.config.k8s.io/v1",
+                    "kind": "KubeSchedulerConfiguration",
+                    "clientConnection": {
+                        "kubeconfig": str(self.kubeconfig),
+                        "qps": self.config.kube_api_qps,
+                        "burst": self.config.kube_api_burst,
+                    },
+                    "leaderElection": {"leaderElect": False},
+                }
+            )
+        )
+        scheduler = self._launch("kube-scheduler", [
+            str(bin_dir / "kube-scheduler"),
+            f"--config={scheduler_config}",
+            f"--authentication-kubeconfig={self.kubeconfig}",
+            f"--authorization-kubeconfig={self.kubeconfig}",
+            "--bind-address=127.0.0.1",
+            f"--secure-port={scheduler_port}",
+        ])  # fmt: skip
+
+        kwok_port = free_port()
+        kwok_config = self.state_dir / "kwok.yaml"
+        image_pattern = self.config.runner_image_pattern if self.config.pod_runner else None
+        kwok_config.write_text(yaml.safe_dump_all(kwok_stages(image_pattern), sort_keys=False))
+        kwok = self._launch("kwok", [
+            str(bin_dir / "kwok"),
+            f"--config={kwok_config}",
+            f"--kubeconfig={self.kubeconfig}",
+            f"--manage-nodes-with-annotation-selector={KWOK_NODE_SELECTOR}",
+            f"--cidr={self.pod_cidr}",
+            "--node-ip=127.0.0.1",
+            "--node-lease-duration-seconds=40",
+            f"--server-address=127.0.0.1:{kwok_port}",
+        ])  # fmt: skip
+
+        # Their serving certificates are self-signed; only liveness of local processes is read here.
+        unverified = ssl._create_unverified_context()
+        for name, url, process in [
+            (
+                "kube-controller-manager",
+                f"https://127.0.0.1:{controller_manager_port}/healthz",
+                controller_manager,
+            ),
+            ("kube-scheduler", f"https://127.0.0.1:{scheduler_port}/healthz", scheduler),
+            ("kwok", f"http://127.0.0.1:{kwok_port}/healthz", kwok),
+        ]:
+            _wait_until(f"{name} healthy", lambda url=url: _http_ok(url, unverified), timeout, [process])
+
+        # Pods can only be created once the controller manager has made the namespace's default account.
+        _wait_until(
+            "the default ServiceAccount",
+            lambda: bool(self.api.get("/api/v1/namespaces/default/serviceaccounts/default")),
+            timeout,
+            self._processes,
+        )
+        self._create_nodes()
+        if self.config.pod_runner:
+            self.pod_runner = PodRunner(
+                api=self.api,
+                work_dir=self.state_dir / "pods",
+                image_pattern=self.config.runner_image_pattern,
+                server=self.server,
+                ca_cert=pki.ca_cert,
+                extra_env=self._runner_env,
+                ledger=self._ledger,
+                programs=self._runner_programs,
+            )
+            self.pod_runner.start()
+        self._write_state()
+
+    def _launch(self, name: str, argv: list[str]) -> ManagedProcess:
+        process = start_process(name, argv, self.log_dir / f"{name}.log", self._ledger)
+        self._processes.append(process)
+        log.info("started %s (pid %d)", name, process.pid)
+        return process
+
+    def _create_nodes(self) -> None:
+        names = fake_node_names(self.config.nodes)
+        for name in names:
+            self.api.create("/api/v1/nodes", fake_node(name, self.config.node_shape))
+
+        def all_ready() -> bool:
+            nodes = self.api.get("/api/v1/nodes", labelSelector="type=kwok")["items"]
+            ready = {
+                node["metadata"]["name"]
+                for node in nodes
+                for condition in node.get("status", {}).get("conditions", [])
+                if condition["type"] == "Ready" and condition["status"] == "True"
+            }
+            return ready >= set(names)
+
+        _wait_until(f"{len(names)} fake nodes Ready", all_ready, self.config.start_timeout, self._processes)
+
+    def _write_kubeconfig(self) -> None:
+        ca_data = base64.b64encode(self.ca_cert.read_bytes()).decode()
+        config = {
+            "apiVersion": "v1",
+            "kind": "Config",
+            "clusters": [
+                {
+                    "name": "kvfleet-local",
+                    "cluster": {"server": self.server, "certificate-authority-data": ca_data},
+                }
+            ],
+            "users": [{"name": ADMIN_USER, "user": {"token": self.token}}],
+            "contexts": [
+                {"name": "kvfleet-local", "context": {"cluster": "kvfleet-local", "user": ADMIN_USER}}
+            ],
+            "current-context": "kvfleet-local",
+        }
+        self.kubeconfig.write_text(yaml.safe_dump(config, sort_keys=False))
+        self.kubeconfig.chmod(0o600)
+
+    def _write_state(self) -> None:
+        state = {
+            "server": self.server,
+            "kubeconfig": str(self.kubeconfig),
+            "pod_cidr": self.pod_cidr,
+            "bin_dir": str(self.bin_dir),
+            "pids": {process.name: process.pid for process in self._processes},
+        }
+        (self.state_dir / "cluster.json").write_text(json.dumps(state, indent=1))
+
+    def _run_tool(
+        self, tool: str, args: Sequence[str], check: bool, input: str | None
+    ) -> subprocess.CompletedProcess[str]:
+        result = subprocess.run(
+            [self.binary(tool), *args],
+            env=self.env(),
+            capture_output=True,
+            text=True,
+            input=input,
+            check=False,
+        )
+        if check and result.returncode != 0:
+            raise RuntimeError(
+                f"{tool} {' '.join(args)} failed with {result.returncode}:\n{result.stdout}{result.stderr}"
+            )
+        return result
+
+
+def describe(cluster: LocalCluster) -> dict[str, Any]:
+    """What a person needs to use a running cluster."""
+    return {
+        "kubeconfig": str(cluster.kubeconfig),
+        "server": cluster.server,
+        "pod_cidr": cluster.pod_cidr,
+        "logs": str(cluster.log_dir),
+        "binaries": str(cluster.bin_dir),
+    }

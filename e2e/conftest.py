@@ -1,0 +1,98 @@
+"""Fixtures for the end-to-end tests: one real local cluster per test session, a namespace per test.
+
+The cluster's binaries are built (with progress shown) before the first test that needs them, outside any
+test's timeout; a cold build takes tens of minutes, later sessions reuse the cache.
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+from e2e.cluster import ApiError, ClusterConfig, LocalCluster, ensure_binaries  # noqa: E402
+
+PROBE_TARGET = REPO_ROOT / "e2e" / "support" / "probe_target.py"
+CLUSTER_FIXTURES = {"local_cluster", "cluster_bin_dir", "namespace"}
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    if any(CLUSTER_FIXTURES & set(getattr(item, "fixturenames", ())) for item in session.items):
+        capture = session.config.pluginmanager.getplugin("capturemanager")
+        with capture.global_and_fixture_disabled():
+            print("\nbuilding the local control plane's binaries (first run only)", flush=True)
+            session.config.stash[_BIN_DIR] = ensure_binaries()
+
+
+_BIN_DIR = pytest.StashKey[Path]()
+
+
+@pytest.fixture(scope="session")
+def cluster_bin_dir(pytestconfig: pytest.Config) -> Path:
+    if _BIN_DIR not in pytestconfig.stash:
+        pytestconfig.stash[_BIN_DIR] = ensure_binaries()
+    return pytestconfig.stash[_BIN_DIR]
+
+
+@pytest.fixture(scope="session")
+def probe_target_program(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The `probe-target` command the runner's own tests put in pods (see support/probe_target.py)."""
+    path = tmp_path_factory.mktemp("programs") / "probe-target"
+    path.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{PROBE_TARGET}" "$@"\n')
+    path.chmod(0o755)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def local_cluster(
+    tmp_path_factory: pytest.TempPathFactory, cluster_bin_dir: Path, probe_target_program: str
+) -> Iterator[LocalCluster]:
+    state_dir = tmp_path_factory.mktemp("local-cluster")
+    cluster = LocalCluster(
+        state_dir,
+        ClusterConfig(),
+        bin_dir=cluster_bin_dir,
+        runner_programs={"probe-target": probe_target_program},
+    )
+    with cluster:
+        yield cluster
+
+
+def _namespace_name(test_name: str) -> str:
+    slug = re.sub(r"[^a-z0-9-]+", "-", test_name.lower()).strip("-")[:40].strip("-")
+    return f"{slug}-{secrets.token_hex(3)}"
+
+
+@pytest.fixture
+def namespace(local_cluster: LocalCluster, request: pytest.FixtureRequest) -> Iterator[str]:
+    """A fresh namespace, deleted afterwards; waits until its pods (and their processes) are gone."""
+    name = _namespace_name(request.node.name)
+    api = local_cluster.api
+    api.create("/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}})
+    deadline = time.monotonic() + 30
+    while True:  # pods are rejected until the controller manager made the namespace's default account
+        try:
+            api.get(f"/api/v1/namespaces/{name}/serviceaccounts/default")
+            break
+        except ApiError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+    yield name
+    # Deleting the pods directly (each gracefully) is faster than waiting for the namespace controller.
+    api.delete(f"/api/v1/namespaces/{name}/pods")
+    api.delete(f"/api/v1/namespaces/{name}")
+    deadline = time.monotonic() + 120
+    while api.get(f"/api/v1/namespaces/{name}/pods")["items"]:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"pods of namespace {name} still exist 120s after its deletion")
+        time.sleep(0.2)
