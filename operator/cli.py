@@ -82,6 +82,10 @@ def operator_command(
     from kvfleet.operator.kube import KubeApi, KubeError, make_api_client
     from kvfleet.operator.render import DEFAULT_RUNTIME_IMAGE, RenderOptions
 
+    if not logging.getLogger().isEnabledFor(logging.DEBUG):
+        # kopf logs every handler call and the health endpoint every probe; keep warnings only.
+        logging.getLogger("kopf.objects").setLevel(logging.WARNING)
+        logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
     try:
         kube = KubeApi(make_api_client(kubeconfig, kube_context, pool_size=api_threads))
     except kubernetes.config.ConfigException as error:

@@ -121,7 +121,16 @@ async def fleet_loop(
         metrics=context.metrics,
         options=lambda: context.render_options,
     )
+    wakeup = context.wakeup_for(key)
+
+    async def wake_when_stopped() -> None:
+        await stopped.wait()
+        wakeup.set()
+
+    # Deletion and peering pauses set `stopped`; the loop must notice at once, not at its next pass.
+    stop_watch = asyncio.create_task(wake_when_stopped(), name=f"kvfleet-stop-{namespace}/{name}")
     try:
-        await controller.run(body, observe, context.wakeup_for(key), lambda: bool(stopped))
+        await controller.run(body, observe, wakeup, lambda: bool(stopped))
     finally:
+        stop_watch.cancel()
         context.forget(key)

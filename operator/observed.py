@@ -45,6 +45,8 @@ class DeploymentView:
     available_replicas: int
     progress_deadline_exceeded: bool = False
     progress_message: str = ""
+    # Why the Deployment could not create pods (a missing PriorityClass, an exhausted quota...).
+    replica_failure: str | None = None
     # The controlling owner's uid: a Deployment left by a deleted namesake must not count.
     owner_uid: str | None = None
 
@@ -80,6 +82,14 @@ def pod_view(body: Mapping[str, Any]) -> PodView:
 def deployment_view(body: Mapping[str, Any]) -> DeploymentView:
     meta, spec, status = body.get("metadata", {}), body.get("spec", {}), body.get("status", {})
     progressing = next((c for c in status.get("conditions") or [] if c.get("type") == "Progressing"), {})
+    failure = next(
+        (
+            c
+            for c in status.get("conditions") or []
+            if c.get("type") == "ReplicaFailure" and c.get("status") == "True"
+        ),
+        None,
+    )
     controller = next((ref for ref in meta.get("ownerReferences") or [] if ref.get("controller")), {})
     return DeploymentView(
         generation=meta.get("generation", 0),
@@ -91,5 +101,6 @@ def deployment_view(body: Mapping[str, Any]) -> DeploymentView:
         available_replicas=status.get("availableReplicas", 0),
         progress_deadline_exceeded=progressing.get("reason") == "ProgressDeadlineExceeded",
         progress_message=progressing.get("message", ""),
+        replica_failure=(failure.get("message") or failure.get("reason") or "") if failure else None,
         owner_uid=controller.get("uid"),
     )

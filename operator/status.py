@@ -24,12 +24,13 @@ FAILURE_REASONS = frozenset(
         "InsufficientGPU",
         "Unschedulable",
         "ReplicaFailing",
+        "PodCreationFailed",
     }
 )
 SCALED_TO_ZERO = "ScaledToZero"
 # Failures first seen through Ready; scheduling failures are reported through Scheduled, and spec and
 # apply failures by the reconcile loop itself.
-_READY_WARNINGS = frozenset({"ProgressDeadlineExceeded", "ReplicaFailing"})
+_READY_WARNINGS = frozenset({"ProgressDeadlineExceeded", "ReplicaFailing", "PodCreationFailed"})
 
 
 @dataclass(frozen=True)
@@ -110,6 +111,8 @@ def workload_condition(observation: Observation) -> Condition:
         return condition(False, SCALED_TO_ZERO, "spec.scaling.replicas is 0")
     if deployment.observed_generation < deployment.generation:
         return condition(False, "RollingOut", "the Deployment controller has not seen the latest template")
+    if deployment.replica_failure is not None and deployment.available_replicas < desired:
+        return condition(False, "PodCreationFailed", deployment.replica_failure)
     if deployment.progress_deadline_exceeded:
         return condition(False, "ProgressDeadlineExceeded", deployment.progress_message)
     rolled_out = deployment.updated_replicas >= deployment.replicas

@@ -46,6 +46,21 @@ class CRDValidator:
         self._validate(defaulted, self.schema, "", errors)
         return defaulted, errors
 
+    def default_errors(self) -> list[str]:
+        """Errors of the schema's own defaults: the server checks each one, as written, against its schema."""
+        errors: list[str] = []
+
+        def walk(schema: dict[str, Any], path: str) -> None:
+            if "default" in schema:
+                self._validate(copy.deepcopy(schema["default"]), schema, f"{path}(default)", errors)
+            for key, sub in schema.get("properties", {}).items():
+                walk(sub, f"{path}.{key}")
+            if "items" in schema:
+                walk(schema["items"], f"{path}[]")
+
+        walk(self.schema, "")
+        return errors
+
     def _default(self, value: Any, schema: dict[str, Any]) -> Any:
         if isinstance(value, dict) and "properties" in schema:
             for key, sub in schema["properties"].items():
@@ -95,7 +110,12 @@ class CRDValidator:
                     errors.append(f"{path}.{key}: unknown field")
         if not errors:
             for rule in schema.get("x-kubernetes-validations", []):
-                if not self._evaluate(rule["rule"], value):
+                try:
+                    passed = self._evaluate(rule["rule"], value)
+                except celpy.CELEvalError as error:
+                    errors.append(f"{where}: Invalid value: {error.args[0]} evaluating rule: {rule['rule']}")
+                    continue
+                if not passed:
                     errors.append(f"{where}: Invalid value: {rule.get('message', rule['rule'])}")
 
     @staticmethod

@@ -54,6 +54,10 @@ def test_printer_columns_point_at_schema_fields(crd: dict[str, Any]) -> None:
                 node = node["items"]
 
 
+def test_defaults_pass_their_own_validation(crd_validator: Any) -> None:
+    assert crd_validator.default_errors() == []
+
+
 def test_every_example_is_admitted(example_path: Path, crd_validator: Any) -> None:
     for doc in yaml.safe_load_all(example_path.read_text()):
         if doc and doc["kind"] == KIND:

@@ -151,6 +151,26 @@ def test_starting_failing_and_stuck_replicas() -> None:
     assert conditions(status)["Ready"]["reason"] == "ProgressDeadlineExceeded"
 
 
+def test_pods_the_deployment_cannot_create() -> None:
+    message = 'pods "svc-1" is forbidden: no PriorityClass with name kvfleet-standard was found'
+    view = deployment(
+        updated_replicas=0, status_replicas=0, ready_replicas=0, available_replicas=0, replica_failure=message
+    )
+    ready = conditions(build_status(observe(deployment=view), {}, NOW))["Ready"]
+    assert (ready["status"], ready["reason"], ready["message"]) == ("False", "PodCreationFailed", message)
+    assert ready["reason"] in FAILURE_REASONS
+    raw = {
+        "metadata": {"generation": 1},
+        "spec": {"replicas": 1},
+        "status": {
+            "conditions": [
+                {"type": "ReplicaFailure", "status": "True", "reason": "FailedCreate", "message": message}
+            ]
+        },
+    }
+    assert deployment_view(raw).replica_failure == message
+
+
 def test_blocking_errors_and_fixed_replicas() -> None:
     status = build_status(observe(blocking_error=("InvalidModelURI", "spec.model.uri 'x': bad")), {}, NOW)
     ready = conditions(status)["Ready"]
