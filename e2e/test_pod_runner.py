@@ -16,7 +16,7 @@ from e2e.cluster import ApiError, LocalCluster
 from e2e.cluster.processes import process_start_ticks
 from e2e.support.waits import condition, wait_for
 
-IMAGE = "ghcr.io/example/kvfleet:e2e"
+IMAGE = "registry.example/kvfleet:e2e"
 PORT = 8000
 
 

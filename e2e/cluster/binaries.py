@@ -18,7 +18,7 @@ def binary_dir() -> Path:
 def ensure_binaries(names: Sequence[str] = ()) -> Path:
     """Builds whatever of names (default: all) is missing or stale, showing build.sh's progress on stderr.
 
-    Returns the folder holding the binaries. A cold build takes tens of minutes; an up-to-date check seconds.
+    Returns the folder holding the binaries. A cold build takes about ten minutes; a check, about a second.
     """
     result = subprocess.run([str(BUILD_SCRIPT), *names], check=False)
     if result.returncode != 0:

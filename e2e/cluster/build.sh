@@ -8,7 +8,7 @@
 #
 # Environment: KVFLEET_CACHE (default ~/.cache/kvfleet), KVFLEET_K8S_BIN (overrides the binary folder),
 # KVFLEET_BUILD_JOBS (packages compiled at once, default 2), KVFLEET_BUILD_NICE (default 10).
-# A cold build downloads about 1 GB of modules and compiles for tens of minutes on 2 cores; a link needs
+# A cold build downloads about 1.8 GB of modules and compiles for about ten minutes on 2 cores; a link needs
 # about 2 GB of memory, so binaries are built one at a time. Re-running it after a success costs seconds.
 set -euo pipefail
 

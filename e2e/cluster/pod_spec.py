@@ -212,8 +212,13 @@ def container_argv(
     )
 
 
+_ANY_ADDRESS = re.compile(r"(?<![0-9.])0\.0\.0\.0(?![0-9.])")
+
+
 def bind_to_pod_ip(argv: list[str], pod_ip: str) -> list[str]:
-    """argv with its --host set to the pod's IP (added for `serve`), as if the pod had its own network."""
+    """argv as if the pod had its own network: --host is the pod's IP (added for `serve`), and so is any
+    0.0.0.0 (all interfaces of a pod are its one IP; on a shared host two pods would claim the same port)."""
+    argv = [argv[0], *(_ANY_ADDRESS.sub(pod_ip, part) for part in argv[1:])]
     result: list[str] = []
     replaced = False
     skip_next = False
