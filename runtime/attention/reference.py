@@ -13,9 +13,10 @@ def write_kv_cache(
     key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
     """Store each new token's key and value at its slot (block id * block_size + offset)."""
-    num_kv_heads, head_dim = kv_cache.shape[-2:]
-    kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
-    kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
+    # Two-dimensional views: torch copies whole rows then, several times faster than with more dimensions.
+    row = kv_cache.shape[-2] * kv_cache.shape[-1]
+    kv_cache[0].view(-1, row).index_copy_(0, slot_mapping, key.reshape(-1, row))
+    kv_cache[1].view(-1, row).index_copy_(0, slot_mapping, value.reshape(-1, row))
 
 
 class ReferenceAttentionBackend(AttentionBackend):
@@ -51,10 +52,11 @@ class ReferenceAttentionBackend(AttentionBackend):
             )  # [seq, heads, dim]
             values = kv_cache[1].flatten(0, 1)[slots].float().repeat_interleave(group, dim=1)
             q = query[start:end].float()  # [new, heads, dim]
-            scores = torch.einsum("qhd,khd->hqk", q, keys) * spec.scale
+            scores = torch.matmul(q.transpose(0, 1), keys.permute(1, 2, 0)) * spec.scale  # [heads, new, seq]
             # The new tokens are the last `end - start` of the context: token j sees positions <= its own.
             query_positions = torch.arange(seq_len - (end - start), seq_len, device=query.device)
             visible = positions[None, :] <= query_positions[:, None]
             scores = scores.masked_fill(~visible, float("-inf"))
-            output[start:end] = torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), values).to(query.dtype)
+            attended = torch.matmul(scores.softmax(dim=-1), values.transpose(0, 1))  # [heads, new, dim]
+            output[start:end] = attended.transpose(0, 1).to(query.dtype)
         return output

@@ -2,8 +2,8 @@
 
 Order (vLLM's): log probabilities of the raw logits; min_tokens masking of eos and stop ids; repetition,
 frequency and presence penalties; greedy rows take the argmax; other rows are divided by their temperature,
-then filtered by min_p, top_k and top_p, and sampled. Sampling draws exponential noise and takes
-argmax(probs / noise), which picks token i with probability probs[i]; a request with a seed draws its noise
+then filtered by min_p, top_k and top_p, and sampled by inverting their cumulative distribution at one
+uniform draw per row (cheaper on a CPU than noise over the whole vocabulary). A request with a seed draws
 from its own generator, so its tokens do not depend on what else is in the batch.
 """
 
@@ -112,13 +112,14 @@ class Sampler:
                 [params[i].top_k for i in filter_rows],
                 [params[i].top_p for i in filter_rows],
             )
-        probs = torch.softmax(logits, dim=-1)
-        noise = torch.empty_like(probs)
-        noise.exponential_(generator=self.generator)
+        uniform = torch.rand(len(requests), 1, generator=self.generator, device=device)
         for row, request in enumerate(requests):
             if request.sampling_params.seed is not None and not greedy[row]:
-                noise[row].exponential_(generator=self._request_generator(request))
-        sampled = probs.div_(noise).argmax(dim=-1)
+                uniform[row] = torch.rand(1, generator=self._request_generator(request), device=device)
+        cumulative = torch.softmax(logits, dim=-1).cumsum_(dim=-1)
+        # The first token whose cumulative probability exceeds the draw; zero-probability tokens never are.
+        sampled = torch.searchsorted(cumulative, uniform * cumulative[:, -1:], right=True)
+        sampled = sampled.clamp_(max=logits.shape[1] - 1).squeeze(1)
         if greedy_tokens is not None:
             sampled = torch.where(torch.tensor(greedy, device=device), greedy_tokens, sampled)
         return sampled
@@ -160,6 +161,32 @@ def _apply_min_p(logits: torch.Tensor, rows: list[int], min_ps: list[float]) -> 
 
 
 def _apply_top_k_top_p(logits: torch.Tensor, rows: list[int], top_ks: list[int], top_ps: list[float]) -> None:
+    # Sorting the vocabulary is slow on a CPU, so rows without top_p use topk.
+    top_k_only = [j for j, p in enumerate(top_ps) if p >= 1.0]
+    if top_k_only:
+        _apply_top_k(logits, [rows[j] for j in top_k_only], [top_ks[j] for j in top_k_only])
+    with_top_p = [j for j, p in enumerate(top_ps) if p < 1.0]
+    if with_top_p:
+        _apply_top_p(
+            logits,
+            [rows[j] for j in with_top_p],
+            [top_ks[j] for j in with_top_p],
+            [top_ps[j] for j in with_top_p],
+        )
+
+
+def _apply_top_k(logits: torch.Tensor, rows: list[int], top_ks: list[int]) -> None:
+    device = logits.device
+    index = torch.tensor(rows, device=device)
+    sub = logits.index_select(0, index)
+    ks = [min(k, logits.shape[1]) for k in top_ks]
+    top_values = sub.topk(max(ks), dim=-1).values
+    # Ties with the k-th largest value stay in, as in vLLM.
+    kth_largest = top_values.gather(1, torch.tensor(ks, device=device).unsqueeze(1) - 1)
+    logits.index_copy_(0, index, sub.masked_fill_(sub < kth_largest, float("-inf")))
+
+
+def _apply_top_p(logits: torch.Tensor, rows: list[int], top_ks: list[int], top_ps: list[float]) -> None:
     device = logits.device
     vocab_size = logits.shape[1]
     index = torch.tensor(rows, device=device)

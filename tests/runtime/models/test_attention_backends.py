@@ -1,0 +1,173 @@
+"""The reference and SDPA paged-attention backends against dense causal attention on random inputs.
+
+Each case mixes, in one step: decodes, prefills with nothing cached, prefill chunks after a cached prefix,
+and requests whose first blocks are shared (a prefix-cache hit); block tables are shuffled across the pool.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import pytest
+import torch
+from kvfleet.runtime.attention.backend import AttentionMetadata, AttentionSpec
+from kvfleet.runtime.attention.reference import ReferenceAttentionBackend
+from kvfleet.runtime.attention.sdpa import SdpaAttentionBackend
+
+NUM_HEADS = 8
+HEAD_DIM = 16
+BLOCK_SIZE = 4
+NUM_BLOCKS = 4096
+
+
+@dataclass
+class Sequence:
+    """One request: K/V of its whole context (cached part + new tokens) and its new tokens' queries."""
+
+    keys: torch.Tensor  # [seq_len, kv_heads, dim]
+    values: torch.Tensor
+    queries: torch.Tensor  # [new, heads, dim]
+    block_ids: list[int]
+
+    @property
+    def seq_len(self) -> int:
+        return self.keys.shape[0]
+
+    @property
+    def num_new(self) -> int:
+        return self.queries.shape[0]
+
+
+def _spec(num_kv_heads: int) -> AttentionSpec:
+    return AttentionSpec(NUM_HEADS, num_kv_heads, HEAD_DIM, BLOCK_SIZE, torch.float32, torch.device("cpu"))
+
+
+def _make_step(
+    num_kv_heads: int, shapes: list[tuple[int, int]], seed: int, shared_prefix_blocks: int = 0
+) -> tuple[list[Sequence], torch.Tensor]:
+    """shapes: (cached tokens, new tokens) per request. Returns the sequences and a KV cache holding every
+    request's cached tokens at its (shuffled) blocks. With shared_prefix_blocks, the first two requests
+    share that many leading blocks (same K/V, same physical blocks)."""
+    gen = torch.Generator().manual_seed(seed)
+    free = list(range(NUM_BLOCKS))
+    random.Random(seed).shuffle(free)
+    cache = torch.randn(2, NUM_BLOCKS, BLOCK_SIZE, num_kv_heads, HEAD_DIM, generator=gen)  # garbage elsewhere
+    sequences: list[Sequence] = []
+    for i, (cached, new) in enumerate(shapes):
+        seq_len = cached + new
+        keys = torch.randn(seq_len, num_kv_heads, HEAD_DIM, generator=gen)
+        values = torch.randn(seq_len, num_kv_heads, HEAD_DIM, generator=gen)
+        num_blocks = -(-seq_len // BLOCK_SIZE)
+        if i == 1 and shared_prefix_blocks:
+            shared = shared_prefix_blocks * BLOCK_SIZE
+            assert cached >= shared and sequences[0].seq_len - sequences[0].num_new >= shared
+            keys[:shared] = sequences[0].keys[:shared]
+            values[:shared] = sequences[0].values[:shared]
+            block_ids = sequences[0].block_ids[:shared_prefix_blocks]
+            block_ids += [free.pop() for _ in range(num_blocks - shared_prefix_blocks)]
+        else:
+            block_ids = [free.pop() for _ in range(num_blocks)]
+        positions = torch.arange(cached)
+        slots = torch.tensor(block_ids)[positions // BLOCK_SIZE] * BLOCK_SIZE + positions % BLOCK_SIZE
+        flat = cache.view(2, -1, num_kv_heads, HEAD_DIM)
+        flat[0, slots] = keys[:cached]
+        flat[1, slots] = values[:cached]
+        queries = torch.randn(new, NUM_HEADS, HEAD_DIM, generator=gen)
+        sequences.append(Sequence(keys, values, queries, block_ids))
+    return sequences, cache
+
+
+def _metadata(sequences: list[Sequence]) -> AttentionMetadata:
+    starts = [0]
+    for s in sequences:
+        starts.append(starts[-1] + s.num_new)
+    width = max(len(s.block_ids) for s in sequences) + 2  # padding past every table's end
+    tables = torch.zeros(len(sequences), width, dtype=torch.int32)
+    slots = []
+    for i, s in enumerate(sequences):
+        tables[i, : len(s.block_ids)] = torch.tensor(s.block_ids, dtype=torch.int32)
+        for position in range(s.seq_len - s.num_new, s.seq_len):
+            slots.append(s.block_ids[position // BLOCK_SIZE] * BLOCK_SIZE + position % BLOCK_SIZE)
+    seq_lens = [s.seq_len for s in sequences]
+    return AttentionMetadata(
+        query_start_loc=torch.tensor(starts, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=tables,
+        slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        max_query_len=max(s.num_new for s in sequences),
+        max_seq_len=max(seq_lens),
+        query_start_loc_cpu=starts,
+        seq_lens_cpu=seq_lens,
+    )
+
+
+def _dense_causal(sequences: list[Sequence], num_kv_heads: int) -> torch.Tensor:
+    """Plain softmax(QK^T / sqrt(d)) V in float64 over each whole context, query j seeing keys <= its own."""
+    outputs = []
+    group = NUM_HEADS // num_kv_heads
+    for s in sequences:
+        keys = s.keys.double().repeat_interleave(group, dim=1)
+        values = s.values.double().repeat_interleave(group, dim=1)
+        scores = torch.matmul(s.queries.double().transpose(0, 1), keys.permute(1, 2, 0)) / HEAD_DIM**0.5
+        query_positions = torch.arange(s.seq_len - s.num_new, s.seq_len)
+        visible = torch.arange(s.seq_len)[None, :] <= query_positions[:, None]
+        scores = scores.masked_fill(~visible, float("-inf"))
+        outputs.append(torch.matmul(scores.softmax(-1), values.transpose(0, 1)).transpose(0, 1))
+    return torch.cat(outputs).float()
+
+
+def _run(backend_class, sequences: list[Sequence], cache: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    backend = backend_class(_spec(num_kv_heads))
+    metadata = _metadata(sequences)
+    plan = backend.prepare(metadata)
+    query = torch.cat([s.queries for s in sequences])
+    new_keys = torch.cat([s.keys[s.seq_len - s.num_new :] for s in sequences])
+    new_values = torch.cat([s.values[s.seq_len - s.num_new :] for s in sequences])
+    output = backend.forward(query, new_keys, new_values, cache, plan)
+    # The new tokens' K/V are in the cache at their slots afterwards.
+    flat = cache.view(2, -1, num_kv_heads, HEAD_DIM)
+    torch.testing.assert_close(flat[0, metadata.slot_mapping], new_keys)
+    torch.testing.assert_close(flat[1, metadata.slot_mapping], new_values)
+    return output
+
+
+MIXED_STEP = [(12, 1), (16, 4), (0, 9), (20, 6), (7, 1), (0, 1), (33, 1), (5, 11)]
+
+
+@pytest.mark.parametrize("num_kv_heads", [8, 2, 1])  # GQA ratios 1, 4, 8
+@pytest.mark.parametrize("backend_class", [ReferenceAttentionBackend, SdpaAttentionBackend])
+def test_mixed_step_matches_dense_attention(backend_class, num_kv_heads: int) -> None:
+    sequences, cache = _make_step(num_kv_heads, MIXED_STEP, seed=num_kv_heads, shared_prefix_blocks=3)
+    expected = _dense_causal(sequences, num_kv_heads)
+    output = _run(backend_class, sequences, cache.clone(), num_kv_heads)
+    torch.testing.assert_close(output, expected, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("num_kv_heads", [8, 2, 1])
+def test_backends_agree_on_many_decodes_of_varied_length(num_kv_heads: int) -> None:
+    # Context lengths from 1 to ~300 make the SDPA backend split decodes into several padded buckets.
+    rng = random.Random(num_kv_heads)
+    shapes = [(rng.randrange(0, 300), 1) for _ in range(48)] + [(0, 13), (9, 8)]
+    sequences, cache = _make_step(num_kv_heads, shapes, seed=100 + num_kv_heads)
+    plan = SdpaAttentionBackend(_spec(num_kv_heads)).prepare(_metadata(sequences))
+    assert len(plan.decode_buckets) > 1
+    assert sorted(int(i) for b in plan.decode_buckets for i in b.token_indices) == list(range(48))
+    reference = _run(ReferenceAttentionBackend, sequences, cache.clone(), num_kv_heads)
+    fast = _run(SdpaAttentionBackend, sequences, cache.clone(), num_kv_heads)
+    torch.testing.assert_close(fast, reference, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(fast, _dense_causal(sequences, num_kv_heads), atol=2e-5, rtol=1e-4)
+
+
+def test_only_prefills_and_only_decodes() -> None:
+    for shapes in ([(0, 5), (0, 17), (8, 3)], [(3, 1), (0, 1), (40, 1)]):
+        sequences, cache = _make_step(2, shapes, seed=len(shapes[0]))
+        output = _run(SdpaAttentionBackend, sequences, cache, 2)
+        torch.testing.assert_close(output, _dense_causal(sequences, 2), atol=2e-5, rtol=1e-4)
+
+
+def test_unsupported_head_layout_is_reported() -> None:
+    spec = AttentionSpec(6, 4, HEAD_DIM, BLOCK_SIZE, torch.float32, torch.device("cpu"))
+    assert SdpaAttentionBackend.unsupported_reason(spec) is not None
+    assert ReferenceAttentionBackend.unsupported_reason(spec) is not None
+    assert SdpaAttentionBackend.unsupported_reason(_spec(2)) is None

@@ -1,0 +1,209 @@
+"""The Sampler on hand-made logits: greedy, filters, penalties, min_tokens, seeds and logprobs."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import pytest
+import torch
+from kvfleet.runtime.request import Request
+from kvfleet.runtime.sampling_params import SamplingParams
+from kvfleet.runtime.worker.sampler import Sampler
+
+VOCAB = 16
+EOS = 15
+
+
+def _request(
+    request_id: str = "r", prompt: list[int] | None = None, outputs: list[int] | None = None, **params: object
+) -> Request:
+    request = Request(request_id, prompt or [1, 2], SamplingParams(**params), eos_token_id=EOS)  # type: ignore[arg-type]
+    if outputs:
+        request.append_output_token_ids(outputs)
+    return request
+
+
+def _logits(*rows: list[float]) -> torch.Tensor:
+    """Rows of (token, logit) pairs on top of a floor of -5 for every other token."""
+    logits = torch.full((len(rows), VOCAB), -5.0)
+    for i, row in enumerate(rows):
+        for token, value in zip(row[::2], row[1::2], strict=True):
+            logits[i, int(token)] = value
+    return logits
+
+
+def _frequencies(sampler: Sampler, logits_row: torch.Tensor, n: int, **params: object) -> Counter[int]:
+    requests = [_request(f"r{i}", **params) for i in range(n)]
+    result = sampler(logits_row.expand(n, -1).clone(), requests)
+    return Counter(result.token_ids)
+
+
+def test_greedy_takes_the_argmax() -> None:
+    logits = torch.randn(6, VOCAB, generator=torch.Generator().manual_seed(0))
+    result = Sampler(torch.device("cpu"), seed=0)(
+        logits.clone(), [_request(f"r{i}", temperature=0.0) for i in range(6)]
+    )
+    assert result.token_ids == logits.argmax(-1).tolist()
+    assert result.logprobs == [None] * 6
+
+
+def test_top_k_keeps_the_k_most_likely_in_proportion() -> None:
+    probs = torch.tensor([0.4, 0.3, 0.2, 0.1] + [0.0] * (VOCAB - 4))
+    counts = _frequencies(Sampler(torch.device("cpu"), 1), probs.log(), 6000, top_k=2)
+    assert set(counts) == {0, 1}
+    assert counts[0] / 6000 == pytest.approx(0.4 / 0.7, abs=0.03)
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p() -> None:
+    logits = torch.tensor([0.5, 0.3, 0.15, 0.05] + [1e-9] * (VOCAB - 4)).log()
+    counts = _frequencies(Sampler(torch.device("cpu"), 2), logits, 6000, top_p=0.75)
+    assert set(counts) == {0, 1}
+    assert counts[0] / 6000 == pytest.approx(0.5 / 0.8, abs=0.03)
+    counts = _frequencies(Sampler(torch.device("cpu"), 3), logits, 6000, top_p=0.85)
+    assert set(counts) == {0, 1, 2}
+
+
+def test_top_k_and_top_p_together() -> None:
+    logits = torch.tensor([0.3, 0.3, 0.2, 0.2] + [1e-9] * (VOCAB - 4)).log()
+    counts = _frequencies(Sampler(torch.device("cpu"), 4), logits, 3000, top_k=3, top_p=0.5)
+    assert set(counts) == {0, 1}
+
+
+def test_min_p_drops_tokens_below_a_fraction_of_the_most_likely() -> None:
+    logits = torch.tensor([0.5, 0.3, 0.15, 0.05] + [1e-9] * (VOCAB - 4)).log()
+    counts = _frequencies(Sampler(torch.device("cpu"), 5), logits, 6000, min_p=0.2)
+    assert set(counts) == {0, 1, 2}
+    assert counts[2] / 6000 == pytest.approx(0.15 / 0.95, abs=0.03)
+
+
+def test_temperature_flattens_the_distribution() -> None:
+    logits = torch.tensor([0.0, math.log(3.0)] + [-1e9] * (VOCAB - 2))
+    counts = _frequencies(Sampler(torch.device("cpu"), 6), logits, 8000, temperature=2.0)
+    expected = math.sqrt(3) / (1 + math.sqrt(3))  # softmax([0, ln 3] / 2)[1]
+    assert counts[1] / 8000 == pytest.approx(expected, abs=0.03)
+
+
+def test_repetition_penalty_divides_positive_and_multiplies_negative_logits() -> None:
+    sampler = Sampler(torch.device("cpu"), 0)
+    # Token 3 is in the prompt: 2.0 / 1.5 = 1.33 loses to 1.5; 2.0 / 1.2 = 1.67 wins.
+    assert sampler(
+        _logits([3, 2.0, 4, 1.5]), [_request(prompt=[3], temperature=0, repetition_penalty=1.5)]
+    ).token_ids == [4]
+    assert sampler(
+        _logits([3, 2.0, 4, 1.5]), [_request(prompt=[3], temperature=0, repetition_penalty=1.2)]
+    ).token_ids == [3]
+    # Token 3 was generated: -1.0 * 1.5 = -1.5 loses to -1.4.
+    logits = _logits([3, -1.0, 4, -1.4])
+    assert sampler(logits, [_request(outputs=[3], temperature=0, repetition_penalty=1.5)]).token_ids == [4]
+
+
+def test_frequency_and_presence_penalties_count_output_tokens_only() -> None:
+    sampler = Sampler(torch.device("cpu"), 0)
+    three_times = [3, 3, 3]
+    # frequency: 2.0 - 0.1 * 3 = 1.7 > 1.5, 2.0 - 0.2 * 3 = 1.4 < 1.5.
+    assert sampler(
+        _logits([3, 2.0, 4, 1.5]), [_request(outputs=three_times, temperature=0, frequency_penalty=0.1)]
+    ).token_ids == [3]
+    assert sampler(
+        _logits([3, 2.0, 4, 1.5]), [_request(outputs=three_times, temperature=0, frequency_penalty=0.2)]
+    ).token_ids == [4]
+    # presence: once, whatever the count: 2.0 - 0.4 = 1.6 > 1.5, 2.0 - 0.6 = 1.4 < 1.5.
+    assert sampler(
+        _logits([3, 2.0, 4, 1.5]), [_request(outputs=three_times, temperature=0, presence_penalty=0.4)]
+    ).token_ids == [3]
+    assert sampler(
+        _logits([3, 2.0, 4, 1.5]), [_request(outputs=three_times, temperature=0, presence_penalty=0.6)]
+    ).token_ids == [4]
+    # A prompt token is not penalised by either.
+    assert sampler(
+        _logits([3, 2.0, 4, 1.5]), [_request(prompt=[3], temperature=0, frequency_penalty=2.0)]
+    ).token_ids == [3]
+
+
+def test_penalties_apply_only_to_their_own_row() -> None:
+    sampler = Sampler(torch.device("cpu"), 0)
+    rows = [
+        _request("a", outputs=[3], temperature=0, presence_penalty=1.0),
+        _request("b", outputs=[3], temperature=0),
+    ]
+    assert sampler(_logits([3, 2.0, 4, 1.5], [3, 2.0, 4, 1.5]), rows).token_ids == [4, 3]
+
+
+def test_min_tokens_masks_eos_and_stop_ids_until_reached() -> None:
+    sampler = Sampler(torch.device("cpu"), 0)
+    logits = _logits([EOS, 3.0, 7, 2.0, 2, 1.0])
+    assert sampler(logits.clone(), [_request(temperature=0, min_tokens=2, outputs=[1])]).token_ids == [7]
+    assert sampler(logits.clone(), [_request(temperature=0, min_tokens=2, outputs=[1, 1])]).token_ids == [EOS]
+    stop_too = _request(temperature=0, min_tokens=1, stop_token_ids=[7])
+    assert sampler(logits.clone(), [stop_too]).token_ids == [2]
+    # With ignore_eos the eos token is an ordinary token.
+    assert sampler(logits.clone(), [_request(temperature=0, min_tokens=2, ignore_eos=True)]).token_ids == [
+        EOS
+    ]
+
+
+def test_seeded_request_samples_the_same_whatever_the_batch() -> None:
+    gen = torch.Generator().manual_seed(9)
+    steps = [torch.randn(VOCAB, generator=gen) for _ in range(5)]
+
+    def run(batch_size: int, position: int, engine_seed: int) -> list[int]:
+        sampler = Sampler(torch.device("cpu"), engine_seed)
+        seeded = _request("seeded", seed=1234, temperature=0.9, top_p=0.95)
+        tokens = []
+        for step in steps:
+            others = [_request(f"o{i}", temperature=1.0, top_k=5) for i in range(batch_size - 1)]
+            others += [_request("other-seeded", seed=99)]
+            batch = [*others[:position], seeded, *others[position:]]
+            logits = torch.randn(len(batch), VOCAB, generator=gen)
+            logits[position] = step
+            token = sampler(logits, batch).token_ids[position]
+            seeded.append_output_token_ids(token)
+            tokens.append(token)
+        return tokens
+
+    alone = run(1, 0, engine_seed=0)
+    assert run(7, 3, engine_seed=1) == alone
+    assert run(30, 29, engine_seed=2) == alone
+    assert len(set(alone)) > 1
+
+
+def test_unseeded_sampling_follows_the_engine_seed() -> None:
+    logits = torch.randn(32, VOCAB, generator=torch.Generator().manual_seed(4))
+    requests = [_request(f"r{i}") for i in range(32)]
+    first = Sampler(torch.device("cpu"), 5)(logits.clone(), requests).token_ids
+    assert Sampler(torch.device("cpu"), 5)(logits.clone(), requests).token_ids == first
+    assert Sampler(torch.device("cpu"), 6)(logits.clone(), requests).token_ids != first
+
+
+def test_forget_drops_a_finished_request_generator() -> None:
+    sampler = Sampler(torch.device("cpu"), 0)
+    logits = torch.zeros(1, VOCAB)
+    first = [sampler(logits.clone(), [_request("x", seed=3)]).token_ids[0] for _ in range(6)]
+    sampler.forget(["x"])
+    again = [sampler(logits.clone(), [_request("x", seed=3)]).token_ids[0] for _ in range(6)]
+    assert again == first
+
+
+def test_logprobs_are_of_the_raw_logits_with_top_n_and_the_sampled_token() -> None:
+    sampler = Sampler(torch.device("cpu"), 0)
+    logits = _logits([3, 2.0, 4, 1.5, 5, 1.0, 6, 0.5], [3, 2.0, 4, 1.5])
+    raw = torch.log_softmax(logits, dim=-1)
+    requests = [
+        _request("top3", temperature=0, logprobs=3, outputs=[3], presence_penalty=2.0),
+        _request("none", temperature=0),
+    ]
+    result = sampler(logits.clone(), requests)
+    assert result.token_ids == [4, 3]
+    entry = result.logprobs[0]
+    assert entry is not None and set(entry) == {3, 4, 5}
+    for token, value in entry.items():
+        assert value == pytest.approx(raw[0, token].item(), abs=1e-6)  # before the penalty
+    assert result.logprobs[1] is None
+    only_sampled = sampler(logits[:1].clone(), [_request(temperature=0, logprobs=0)]).logprobs[0]
+    assert only_sampled == {3: pytest.approx(raw[0, 3].item(), abs=1e-6)}
+    # The sampled token is included even when it is outside the top-N.
+    low = sampler(
+        logits[:1].clone(), [_request(temperature=0, logprobs=1, outputs=[3], presence_penalty=2.0)]
+    )
+    assert set(low.logprobs[0] or {}) == {3, 4}
