@@ -35,7 +35,8 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path
 
 
 def make_runner(model_dir: Path, *, num_blocks: int = 128, **options: object) -> ModelRunner:
-    config = EngineConfig(model=str(model_dir), dtype="float32", block_size=4, **options)  # type: ignore[arg-type]
+    settings: dict[str, object] = {"dtype": "float32", "block_size": 4, **options}
+    config = EngineConfig(model=str(model_dir), **settings)  # type: ignore[arg-type]
     runner = ModelRunner(config)
     runner.load_model()
     runner.initialize_kv_cache(num_blocks)

@@ -1,0 +1,150 @@
+"""`kvfleet make-model` writes folders that Transformers loads as the named architecture, with a working
+tokenizer and chat template, and random weights whose greedy outputs are not degenerate."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+from kvfleet.runtime.models.make_model import make_model
+from safetensors import safe_open
+from tokenizers import Tokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+from kvfleet.cli import cli
+
+EXPECTED = {
+    "llama": ("LlamaForCausalLM", "llama"),
+    "mistral": ("MistralForCausalLM", "mistral"),
+    "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+    "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+}
+TEXT = "Clouds drift over the harbour while the soup simmers, and the server answers 42 requests."
+
+
+@pytest.mark.parametrize("arch", list(EXPECTED))
+def test_transformers_loads_the_folder(arch: str, tiny_model: Callable[[str], Path]) -> None:
+    folder = tiny_model(arch)
+    assert {p.name for p in folder.iterdir()} == {
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "generation_config.json",
+    }
+    config = AutoConfig.from_pretrained(folder)
+    assert (config.architectures[0], config.model_type) == EXPECTED[arch]
+    model, info = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, output_loading_info=True)
+    assert type(model).__name__ == EXPECTED[arch][0]
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    raw = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    ids = tokenizer.encode(TEXT, add_special_tokens=False)
+    assert ids == raw.encode(TEXT, add_special_tokens=False).ids
+    assert tokenizer.decode(ids) == TEXT
+    assert len(ids) < len(TEXT) / 2  # merges learned from the corpus, not bytes
+    assert tokenizer.eos_token_id is not None and tokenizer.eos_token_id < config.vocab_size
+    assert len(tokenizer) <= config.vocab_size
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_chat_template_renders_the_family_format(arch: str, tiny_model: Callable[[str], Path]) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model(arch))
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    if arch == "llama":
+        assert text == (
+            "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nBe brief.<|eot_id|>"
+            "<|start_header_id|>user<|end_header_id|>\n\nHi there<|eot_id|>"
+            "<|start_header_id|>assistant<|end_header_id|>\n\n"
+        )
+        assert tokenizer.eos_token == "<|eot_id|>"
+        assert tokenizer.encode("Hi")[0] == tokenizer.bos_token_id
+    else:
+        assert text == (
+            "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi there<|im_end|>\n"
+            "<|im_start|>assistant\n"
+        )
+        assert tokenizer.eos_token == "<|im_end|>"
+        assert tokenizer.bos_token is None
+    # Each special token of the template encodes as one id.
+    header = "<|start_header_id|>" if arch == "llama" else "<|im_start|>"
+    assert tokenizer.convert_ids_to_tokens(tokenizer.encode(header, add_special_tokens=False)) == [header]
+
+
+def test_greedy_outputs_depend_on_the_whole_prompt(tiny_model: Callable[[str], Path]) -> None:
+    folder = tiny_model("llama")
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    questions = ["How long should soup simmer?", "Why is the sky blue?", "What is a cache?", "Will it rain?"]
+    outputs = []
+    for question in questions:
+        # Chat prompts all end with the same assistant header: only attention can tell them apart.
+        prompt = tokenizer.apply_chat_template(
+            [{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True
+        )
+        ids = torch.tensor([tokenizer.encode(prompt, add_special_tokens=False)])
+        with torch.inference_mode():
+            out = model.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=0)
+        tokens = out[0, ids.shape[1] :].tolist()
+        assert len(set(tokens)) > 3, f"greedy output collapsed: {tokens}"
+        outputs.append(tuple(tokens))
+    assert len(set(outputs)) == len(questions)
+
+
+def test_small_preset_is_about_30m_parameters_and_never_emits_padding_ids(tmp_path: Path) -> None:
+    folder = make_model("qwen3", "small", tmp_path / "small", seed=3)
+    config = json.loads((folder / "config.json").read_text())
+    assert (config["hidden_size"], config["num_hidden_layers"], config["num_key_value_heads"]) == (512, 8, 2)
+    with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
+        num_params = sum(math.prod(f.get_slice(name).get_shape()) for name in f.keys())  # noqa: SIM118
+    assert 28e6 < num_params < 34e6
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    assert len(tokenizer) < config["vocab_size"]  # the corpus yields fewer tokens than the padded vocabulary
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        logits = model(torch.tensor([tokenizer.encode(TEXT)])).logits[0]
+    used, padding = logits[:, : len(tokenizer)], logits[:, len(tokenizer) :]
+    assert (padding.max(dim=-1).values < used.max(dim=-1).values - 20).all()
+
+
+def test_the_cli_writes_a_folder_and_rejects_bad_input(tmp_path: Path) -> None:
+    runner = CliRunner()
+    out = tmp_path / "m"
+    result = runner.invoke(
+        cli, ["make-model", "--arch", "mistral", "--preset", "tiny", "--seed", "5", str(out)]
+    )
+    assert result.exit_code == 0, result.output
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["MistralForCausalLM"]
+    again = runner.invoke(cli, ["make-model", "--arch", "mistral", str(out)])
+    assert again.exit_code != 0 and "not empty" in again.output
+    bad = runner.invoke(cli, ["make-model", "--arch", "gpt2", str(tmp_path / "x")])
+    assert bad.exit_code != 0
+
+
+def test_same_seed_same_weights_other_seed_other_weights(tmp_path: Path) -> None:
+    def weights(seed: int, name: str) -> torch.Tensor:
+        folder = make_model("llama", "tiny", tmp_path / name, seed=seed)
+        with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
+            return f.get_tensor("model.layers.0.self_attn.q_proj.weight")
+
+    first = weights(1, "a")
+    assert torch.equal(first, weights(1, "b"))
+    assert not torch.equal(first, weights(2, "c"))
+
+
+def test_bfloat16_weights_and_bad_choices(tmp_path: Path) -> None:
+    folder = make_model("qwen2", "tiny", tmp_path / "bf16", dtype="bfloat16")
+    assert json.loads((folder / "config.json").read_text())["dtype"] == "bfloat16"
+    with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
+        assert f.get_tensor("model.embed_tokens.weight").dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="unknown arch"):
+        make_model("gpt2", "tiny", tmp_path / "x")
+    with pytest.raises(ValueError, match="unknown preset"):
+        make_model("llama", "huge", tmp_path / "y")
