@@ -1,0 +1,166 @@
+"""OpenAI-shaped errors: `{"error": {"message", "type", "param", "code"}}` with the matching HTTP status.
+
+Every failure a handler can meet is one of these, so clients (the openai SDKs retry 408, 429 and 5xx on
+their own) see the status they expect and never a bare 500 for bad input.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import JSONResponse
+
+logger = logging.getLogger(__name__)
+
+# Seconds a shed or refused client should wait before trying again.
+RETRY_AFTER_OVERLOADED_S = 1
+RETRY_AFTER_UNAVAILABLE_S = 5
+
+
+class OpenAIError(Exception):
+    status_code = 500
+    error_type = "internal_error"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.error_type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+    def to_response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status_code, headers=self.headers)
+
+    def to_sse(self) -> str:
+        """The error as the last event of a stream that has already sent its 200 headers."""
+        return f"data: {json.dumps(self.body())}\n\n"
+
+
+class BadRequestError(OpenAIError):
+    status_code = 400
+    error_type = "invalid_request_error"
+
+
+class AuthenticationError(OpenAIError):
+    status_code = 401
+    error_type = "authentication_error"
+
+
+class NotFoundError(OpenAIError):
+    status_code = 404
+    error_type = "invalid_request_error"
+
+
+class RequestTimeoutError(OpenAIError):
+    status_code = 408
+    error_type = "timeout_error"
+
+
+class PayloadTooLargeError(OpenAIError):
+    status_code = 413
+    error_type = "invalid_request_error"
+
+
+class OverloadedError(OpenAIError):
+    """The waiting queue is full (or a higher tier took this request's place)."""
+
+    status_code = 429
+    error_type = "server_overloaded"
+
+    def __init__(self, message: str, *, code: str = "overloaded") -> None:
+        super().__init__(message, code=code, headers={"Retry-After": str(RETRY_AFTER_OVERLOADED_S)})
+
+
+class ServiceUnavailableError(OpenAIError):
+    """Loading, draining, or the engine has stopped."""
+
+    status_code = 503
+    error_type = "service_unavailable"
+
+    def __init__(self, message: str, *, code: str = "unavailable") -> None:
+        super().__init__(message, code=code, headers={"Retry-After": str(RETRY_AFTER_UNAVAILABLE_S)})
+
+
+class InternalServerError(OpenAIError):
+    status_code = 500
+    error_type = "internal_error"
+
+
+class ClientDisconnectedError(Exception):
+    """The client went away; nobody is left to answer."""
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    app.add_exception_handler(OpenAIError, _openai_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(Exception, _unexpected_error)
+
+
+async def _openai_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, OpenAIError)
+    return exc.to_response()
+
+
+async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, RequestValidationError)
+    return validation_error(exc.errors()).to_response()
+
+
+def validation_error(errors: Any) -> BadRequestError:
+    """Pydantic's error list -> one readable message naming the first bad field."""
+    errors = list(errors)
+    if not errors:
+        return BadRequestError("invalid request body")
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        return BadRequestError(
+            f"the body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}"
+        )
+    location = [str(part) for part in first.get("loc", ()) if part != "body"]
+    param = ".".join(location) or None
+    if first.get("type") == "missing":
+        message = f"missing required field {param!r}" if param else "the request body is missing"
+    else:
+        message = f"{param}: {first['msg']}" if param else first["msg"]
+    if len(errors) > 1:
+        message += f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})"
+    return BadRequestError(message, param=param)
+
+
+async def _http_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, StarletteHTTPException)
+    error_class = {404: NotFoundError, 413: PayloadTooLargeError}.get(exc.status_code, BadRequestError)
+    error = error_class(str(exc.detail))
+    response = error.to_response()
+    response.status_code = exc.status_code
+    if exc.headers:
+        response.headers.update(exc.headers)
+    return response
+
+
+async def _unexpected_error(request: Request, exc: Exception) -> JSONResponse:
+    logger.exception("unexpected error serving %s %s", request.method, request.url.path)
+    return InternalServerError(f"internal error: {type(exc).__name__}").to_response()
