@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
 import click
+from kvfleet.runtime.config import engine_config_from_options, engine_options
 
 
 @click.command("make-model")
@@ -24,3 +30,100 @@ def make_model(arch: str, preset: str, seed: int, dtype: str, out_dir: str) -> N
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc
     click.echo(f"wrote {arch} ({preset}) to {path}")
+
+
+@click.command()
+@click.option("--model", required=True, type=click.Path(exists=True, file_okay=False), help="Model folder.")
+@click.option("--prompt", "prompts", multiple=True, required=True, help="A prompt; repeat for several.")
+@click.option("--chat", is_flag=True, help="Send each prompt as a user message through the chat template.")
+@click.option("--max-tokens", type=int, default=64, show_default=True)
+@click.option("--temperature", type=float, default=0.0, show_default=True)
+@click.option("--top-p", type=float, default=1.0, show_default=True)
+@engine_options
+def generate(
+    model: str,
+    prompts: tuple[str, ...],
+    chat: bool,
+    max_tokens: int,
+    temperature: float,
+    top_p: float,
+    **options,
+) -> None:
+    """Run the engine offline on a few prompts and print what it generates."""
+    from kvfleet.runtime import LLM, SamplingParams
+
+    try:
+        params = SamplingParams(temperature=temperature, top_p=top_p, max_tokens=max_tokens)
+        llm = LLM(model, **engine_config_from_options(model, options).as_options())
+        if chat:
+            outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
+        else:
+            outputs = llm.generate(list(prompts), params)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from exc
+    for prompt, output in zip(prompts, outputs, strict=True):
+        completion = output.outputs[0]
+        click.echo(f"{prompt!r} -> {completion.text!r} ({completion.finish_reason})")
+
+
+@click.command()
+@click.option(
+    "--workdir",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="Where the demo model is written; a temporary folder by default.",
+)
+def demo(workdir: str | None) -> None:
+    """Make a tiny model, run the engine on a few prompts, print the outputs and throughput."""
+    from kvfleet.runtime.demo import run_demo
+
+    run_demo(workdir)
+
+
+@click.group()
+def bench() -> None:
+    """Benchmarks (their results go in docs/benchmarks.md)."""
+
+
+@bench.command("throughput")
+@click.option(
+    "--model", type=click.Path(exists=True, file_okay=False), default=None, help="Default: make `small`."
+)
+@click.option("--num-requests", type=int, default=128, show_default=True)
+@click.option("--batch-sizes", default="1,16,64", show_default=True, help="Transformers static batch sizes.")
+@click.option("--bench-seed", type=int, default=0, show_default=True, help="Seed of the synthetic workload.")
+@engine_options
+def bench_throughput(
+    model: str | None, num_requests: int, batch_sizes: str, bench_seed: int, **options
+) -> None:
+    """Offline throughput of kvfleet against Transformers `generate` with static batches, same workload."""
+    from kvfleet.runtime.bench.report import print_throughput_report
+    from kvfleet.runtime.bench.throughput import run_all
+
+    with _model_or_small(model) as model_dir:
+        config = engine_config_from_options(model_dir, options)
+        results, prefix = run_all(
+            model_dir,
+            num_requests=num_requests,
+            batch_sizes=[int(b) for b in batch_sizes.split(",")],
+            engine_options=config.as_options(),
+            seed=bench_seed,
+            log=lambda line: click.echo(line, err=True),
+        )
+    print_throughput_report(results, prefix)
+
+
+@contextlib.contextmanager
+def _model_or_small(model: str | None) -> Iterator[str]:
+    """The given folder, or the `small` benchmark model, made once into the cache and reused."""
+    if model is not None:
+        yield model
+        return
+    from kvfleet.runtime.models.make_model import make_model as build
+
+    cache = Path(os.environ.get("KVFLEET_CACHE", Path.home() / ".cache" / "kvfleet"))
+    folder = cache / "models" / "llama-small-seed0"
+    if not (folder / "config.json").exists():
+        click.echo(f"making the small benchmark model in {folder}", err=True)
+        build("llama", "small", str(folder), seed=0, dtype="float32")
+    yield str(folder)

@@ -75,6 +75,10 @@ class EngineConfig:
     def replace(self, **changes: Any) -> EngineConfig:
         return dataclasses.replace(self, **changes)
 
+    def as_options(self) -> dict[str, Any]:
+        """Every option but the model, as `LLM(model, **options)` keywords."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "model"}
+
 
 _FIELD_TYPES = {"dtype": DType, "device": Device, "scheduling_policy": SchedulingPolicy}
 _CLICK_TYPES: dict[str, Any] = {"int | None": int, "str | None": str, "int": int, "float": float, "str": str}

@@ -1,0 +1,109 @@
+"""Offline inference: `LLM(model=PATH).generate(prompts, sampling_params)`, as in vLLM."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from kvfleet.runtime.config import EngineConfig
+from kvfleet.runtime.engine.llm_engine import LLMEngine
+from kvfleet.runtime.engine.outputs import RequestOutput
+from kvfleet.runtime.sampling_params import SamplingParams
+from tqdm import tqdm
+
+Prompt = str | list[int]
+ChatMessages = list[dict[str, Any]]
+
+
+class LLM:
+    def __init__(self, model: str, **engine_options: Any) -> None:
+        self.llm_engine = LLMEngine(EngineConfig(model=model, **engine_options))
+        self._request_counter = itertools.count()
+
+    def get_tokenizer(self) -> Any:
+        return self.llm_engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        priority: Sequence[int] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; one output per prompt, in the order given."""
+        prompt_list = _as_prompt_list(prompts)
+        params_list = _broadcast(sampling_params or SamplingParams(), len(prompt_list), "sampling_params")
+        priorities = list(priority) if priority is not None else [0] * len(prompt_list)
+        if len(priorities) != len(prompt_list):
+            raise ValueError(f"priority has {len(priorities)} entries for {len(prompt_list)} prompts")
+
+        engine = self.llm_engine
+        # Validate everything before queueing anything, so bad input leaves the engine untouched.
+        token_lists = [engine.tokenize(prompt) for prompt in prompt_list]
+        for token_ids, params in zip(token_lists, params_list, strict=True):
+            engine.validate_prompt(token_ids, params)
+        ids = [str(next(self._request_counter)) for _ in prompt_list]
+        try:
+            for request_id, prompt, token_ids, params, prio in zip(
+                ids, prompt_list, token_lists, params_list, priorities, strict=True
+            ):
+                engine.add_request(request_id, prompt, params, priority=prio, prompt_token_ids=token_ids)
+            return self._run(ids, use_tqdm)
+        except BaseException:
+            engine.abort_request(ids)
+            raise
+
+    def chat(
+        self,
+        messages: ChatMessages | Sequence[ChatMessages],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        add_generation_prompt: bool = True,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to each conversation, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [
+            self.apply_chat_template(c, add_generation_prompt=add_generation_prompt) for c in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def apply_chat_template(self, messages: ChatMessages, *, add_generation_prompt: bool = True) -> list[int]:
+        tokenizer = self.llm_engine.tokenizer
+        if not tokenizer.chat_template:
+            raise ValueError("the model folder has no chat template (tokenizer_config.json: chat_template)")
+        text = tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+        # The template already writes the special tokens it wants.
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        results: dict[str, RequestOutput] = {}
+        with tqdm(total=len(ids), disable=not use_tqdm, desc="requests", unit="req") as progress:
+            while engine.has_unfinished_requests():
+                for output in engine.step():
+                    if output.finished:
+                        results[output.request_id] = output
+                        progress.update(1)
+        return [results[request_id] for request_id in ids]
+
+
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]  # one prompt given as token ids
+    return prompts
+
+
+def _broadcast(value: Any, count: int, name: str) -> list[Any]:
+    if isinstance(value, Sequence):
+        if len(value) != count:
+            raise ValueError(f"{name} has {len(value)} entries for {count} prompts")
+        return list(value)
+    return [value] * count

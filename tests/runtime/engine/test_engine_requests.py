@@ -1,0 +1,204 @@
+"""Engine behaviour around requests: bad input, aborts, timeouts, stop strings, n > 1, seeds, chat."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+from kvfleet.runtime import LLM, SamplingParams
+from kvfleet.runtime.engine.outputs import OutputKind
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama: Path) -> LLM:
+    return LLM(
+        str(tiny_llama),
+        dtype="float32",
+        num_kv_blocks=64,
+        block_size=8,
+        max_model_len=512,
+        max_num_batched_tokens=64,
+    )
+
+
+def _assert_all_blocks_released(llm: LLM) -> None:
+    engine = llm.llm_engine
+    assert not engine.has_unfinished_requests()
+    assert engine.stats.kv_cache_usage == 0.0, "blocks still held by a request"
+
+
+def _greedy(max_tokens: int = 8, **kwargs) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("prompt", "params", "message"),
+    [
+        ("", None, "empty"),
+        ([[]], None, "empty"),
+        ([1, 2, 10**9], None, "outside the vocabulary"),
+        ([1, -3], None, "outside the vocabulary"),
+        ("word " * 5000, None, "context"),
+    ],
+)
+def test_bad_prompts_are_rejected_and_engine_keeps_working(llm: LLM, prompt, params, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        llm.generate(prompt, params or _greedy())
+    assert not llm.llm_engine.has_unfinished_requests()
+    assert len(llm.generate("hello there", _greedy())[0].outputs[0].token_ids) == 8
+
+
+def test_bad_request_in_a_batch_queues_nothing(llm: LLM) -> None:
+    with pytest.raises(ValueError):
+        llm.generate(["fine prompt", ""], _greedy())
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"temperature": -0.5}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+    ],
+)
+def test_bad_sampling_params_name_the_field(kwargs: dict, field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_abort_mid_generation_frees_blocks_at_once(llm: LLM) -> None:
+    engine = llm.llm_engine
+    for i in range(4):
+        engine.add_request(f"abort-{i}", [5 + i] * 20, _greedy(max_tokens=50))
+    for _ in range(4):
+        engine.step()
+    usage_before = engine.stats.kv_cache_usage
+    assert usage_before > 0
+    engine.abort_request(["abort-0", "abort-1"])
+    assert engine.stats.kv_cache_usage < usage_before
+    engine.abort_request("abort-2")
+    engine.abort_request("no-such-request")  # unknown ids are ignored
+    finished = []
+    while engine.has_unfinished_requests():
+        finished += [o.request_id for o in engine.step() if o.finished]
+    assert finished == ["abort-3"]
+    _assert_all_blocks_released(llm)
+
+
+def test_abort_of_waiting_request(llm: LLM) -> None:
+    engine = llm.llm_engine
+    engine.add_request("waiting", [7] * 30, _greedy())
+    engine.abort_request("waiting")
+    assert not engine.has_unfinished_requests()
+    _assert_all_blocks_released(llm)
+
+
+def test_timeout_ends_request_as_timed_out(llm: LLM) -> None:
+    engine = llm.llm_engine
+    engine.add_request("slow", [9] * 12, _greedy(max_tokens=200), timeout=0.05)
+    engine.add_request("fast", [9] * 12, _greedy(max_tokens=4))
+    outputs = {}
+    deadline = time.monotonic() + 60
+    while engine.has_unfinished_requests() and time.monotonic() < deadline:
+        for output in engine.step():
+            if output.finished:
+                outputs[output.request_id] = output
+        time.sleep(0.01)
+    assert outputs["slow"].outputs[0].finish_reason == "timeout"
+    assert len(outputs["slow"].outputs[0].token_ids) < 200
+    assert outputs["fast"].outputs[0].finish_reason == "length"
+    _assert_all_blocks_released(llm)
+
+
+def test_stop_string_cuts_text(llm: LLM) -> None:
+    free_run = llm.generate("the weather today", _greedy(max_tokens=16))[0].outputs[0]
+    text = free_run.text
+    assert len(text) >= 4
+    stop = text[len(text) // 2 : len(text) // 2 + 2]
+    cut = llm.generate("the weather today", _greedy(max_tokens=16, stop=[stop]))[0].outputs[0]
+    assert cut.finish_reason == "stop"
+    assert cut.stop_reason == stop
+    assert cut.text == text[: text.index(stop)]
+    kept = llm.generate(
+        "the weather today", _greedy(max_tokens=16, stop=[stop], include_stop_str_in_output=True)
+    )
+    assert kept[0].outputs[0].text == text[: text.index(stop) + len(stop)]
+    _assert_all_blocks_released(llm)
+
+
+def test_stop_token_ids_and_max_tokens(llm: LLM) -> None:
+    free_run = llm.generate([11, 12, 13], _greedy(max_tokens=10))[0].outputs[0]
+    assert free_run.finish_reason == "length"
+    stop_id = free_run.token_ids[3]
+    first = free_run.token_ids.index(stop_id)
+    out = llm.generate([11, 12, 13], _greedy(max_tokens=10, stop_token_ids=[stop_id]))[0].outputs[0]
+    assert out.finish_reason == "stop"
+    assert out.stop_reason == stop_id
+    assert out.token_ids == free_run.token_ids[: first + 1]
+
+
+def test_min_tokens_holds_back_stop_tokens(llm: LLM) -> None:
+    free_run = llm.generate([21, 22], _greedy(max_tokens=10))[0].outputs[0]
+    stop_id = free_run.token_ids[0]
+    out = llm.generate([21, 22], _greedy(max_tokens=10, stop_token_ids=[stop_id], min_tokens=5))[0]
+    tokens = out.outputs[0].token_ids
+    assert len(tokens) >= 5
+    assert stop_id not in tokens[:5]
+
+
+def test_n_samples_and_seeds(llm: LLM) -> None:
+    params = SamplingParams(temperature=1.0, max_tokens=12, n=3, seed=42, ignore_eos=True)
+    first = llm.generate("once upon a time", params)[0]
+    assert [c.index for c in first.outputs] == [0, 1, 2]
+    assert len({tuple(c.token_ids) for c in first.outputs}) > 1, "n samples should differ"
+    # The same seed gives the same samples, whatever else shares the batch.
+    noise = [SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)] * 5
+    batch = llm.generate(["a", "b", "once upon a time", "c", "d", "e"], [*noise[:2], params, *noise[2:]])
+    assert [c.token_ids for c in batch[2].outputs] == [c.token_ids for c in first.outputs]
+    _assert_all_blocks_released(llm)
+
+
+def test_logprobs_cover_top_n_and_sampled_token(llm: LLM) -> None:
+    out = llm.generate("logprobs please", SamplingParams(temperature=1.0, max_tokens=6, logprobs=3, seed=1))[
+        0
+    ]
+    completion = out.outputs[0]
+    assert len(completion.logprobs) == len(completion.token_ids)
+    total = 0.0
+    for token_id, step in zip(completion.token_ids, completion.logprobs, strict=True):
+        assert token_id in step
+        assert len(step) in (3, 4)
+        assert all(v <= 0.0 for v in step.values())
+        total += step[token_id]
+    assert completion.cumulative_logprob == pytest.approx(total)
+
+
+def test_chat_applies_template(llm: LLM) -> None:
+    messages = [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Say something."},
+    ]
+    ids = llm.apply_chat_template(messages)
+    text = llm.get_tokenizer().decode(ids)
+    assert "You are terse." in text and "Say something." in text
+    out = llm.chat(messages, _greedy(max_tokens=5))
+    assert out[0].prompt_token_ids == ids
+    assert len(out[0].outputs[0].token_ids) == 5
+
+
+def test_streaming_deltas_add_up_to_the_final_text(llm: LLM) -> None:
+    engine = llm.llm_engine
+    engine.add_request("stream", "streaming text", _greedy(max_tokens=10), output_kind=OutputKind.DELTA)
+    text, tokens, finished = "", [], False
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            text += output.outputs[0].text
+            tokens += output.outputs[0].token_ids
+            finished = output.finished
+    assert finished and len(tokens) == 10
+    final = llm.generate("streaming text", _greedy(max_tokens=10))[0].outputs[0]
+    assert tokens == final.token_ids
+    assert text == final.text

@@ -1,0 +1,105 @@
+"""kvfleet's greedy outputs against Hugging Face Transformers on the same folder (float32, CPU).
+
+The criterion is vLLM's own for model tests: tokens equal, or at the first difference each side's token is
+in the other's top-5 (two near-tied logits may legitimately swap under a different summation order), after
+which the sequences are no longer comparable.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from kvfleet.runtime import LLM, SamplingParams
+from transformers import AutoModelForCausalLM
+
+ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+MAX_TOKENS = 12
+TOP_N = 5
+
+
+def _prompts(vocab_size: int) -> list[list[int]]:
+    """16 prompts of mixed lengths; half share a 40-token prefix so prefix caching has something to hit."""
+    rng = random.Random(1234)
+    shared = [rng.randrange(16, vocab_size) for _ in range(40)]
+    prompts = []
+    for i in range(16):
+        own = [rng.randrange(16, vocab_size) for _ in range(rng.choice([1, 3, 9, 17, 30, 55]))]
+        prompts.append(shared + own if i % 2 else own)
+    return prompts
+
+
+def _reference(model_dir: Path, prompts: list[list[int]]) -> list[tuple[list[int], list[set[int]]]]:
+    """Greedy tokens and the top-5 at each step, one prompt at a time (no padding in the reference)."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    results = []
+    with torch.inference_mode():
+        for prompt in prompts:
+            out = model.generate(
+                torch.tensor([prompt]),
+                max_new_tokens=MAX_TOKENS,
+                min_new_tokens=MAX_TOKENS,
+                do_sample=False,
+                output_logits=True,
+                return_dict_in_generate=True,
+                pad_token_id=0,
+            )
+            tokens = out.sequences[0, len(prompt) :].tolist()
+            tops = [set(step[0].topk(TOP_N).indices.tolist()) for step in out.logits]
+            results.append((tokens, tops))
+    return results
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def arch_case(request: pytest.FixtureRequest, make_model: Callable[..., Path]):
+    model_dir = make_model(request.param, "tiny")
+    llm = LLM(str(model_dir), dtype="float32", num_kv_blocks=256, max_model_len=256)
+    prompts = _prompts(llm.llm_engine.vocab_size)
+    del llm
+    return model_dir, prompts, _reference(model_dir, prompts)
+
+
+def _assert_close(outputs, reference) -> None:
+    assert len(outputs) == len(reference)
+    for i, (output, (ref_tokens, ref_tops)) in enumerate(zip(outputs, reference, strict=True)):
+        tokens = output.outputs[0].token_ids
+        logprobs = output.outputs[0].logprobs
+        assert len(tokens) == MAX_TOKENS, f"prompt {i}: {len(tokens)} tokens"
+        for step, (ours, theirs) in enumerate(zip(tokens, ref_tokens, strict=True)):
+            if ours == theirs:
+                continue
+            our_top = set(sorted(logprobs[step], key=logprobs[step].get, reverse=True)[:TOP_N])
+            assert ours in ref_tops[step] and theirs in our_top, (
+                f"prompt {i} step {step}: kvfleet {ours} vs transformers {theirs}; "
+                f"top-5 kvfleet {our_top}, transformers {ref_tops[step]}"
+            )
+            break
+
+
+ENGINE_VARIANTS = {
+    "prefix-caching": dict(enable_prefix_caching=True),
+    "no-prefix-caching": dict(enable_prefix_caching=False),
+    "chunked-prefill": dict(max_num_batched_tokens=24, enable_prefix_caching=True),
+    # 16 requests of up to ~110 tokens need far more than 14 blocks of 8: forces preemption by recompute.
+    "preemption": dict(num_kv_blocks=14, block_size=8, max_model_len=112, max_num_batched_tokens=64),
+}
+
+
+@pytest.mark.parametrize("variant", list(ENGINE_VARIANTS))
+def test_greedy_matches_transformers(arch_case, variant: str) -> None:
+    model_dir, prompts, reference = arch_case
+    options = {"num_kv_blocks": 256, "max_model_len": 256, **ENGINE_VARIANTS[variant]}
+    llm = LLM(str(model_dir), dtype="float32", **options)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=TOP_N)
+    outputs = llm.generate(prompts, params)
+    _assert_close(outputs, reference)
+    stats = llm.llm_engine.stats
+    if variant == "preemption":
+        assert stats.num_preempted_total > 0, "the pool was meant to be too small for the batch"
+    if variant == "prefix-caching":
+        assert stats.prefix_cache_hits > 0
+    if variant == "no-prefix-caching":
+        assert stats.prefix_cache_hits == 0
