@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import click
+from kvfleet.runtime.bench.serve import bench_serve
 from kvfleet.runtime.config import engine_config_from_options, engine_options
 
 
@@ -83,6 +84,9 @@ def demo(workdir: str | None) -> None:
 @click.group()
 def bench() -> None:
     """Benchmarks (their results go in docs/benchmarks.md)."""
+
+
+bench.add_command(bench_serve)
 
 
 @bench.command("throughput")

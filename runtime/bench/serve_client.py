@@ -1,0 +1,150 @@
+"""The load generator of `kvfleet bench serve`: builds the seeded workload, sends it, times every chunk."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import random
+import time
+from dataclasses import dataclass
+
+import click
+import httpx
+from kvfleet.runtime.bench.serve import BenchSettings
+from kvfleet.runtime.bench.serve_report import RequestResult
+from kvfleet.runtime.bench.workloads import random_requests
+
+TIER_HEADER = "x-kvfleet-priority"
+
+
+@dataclass(frozen=True)
+class ServeRequest:
+    prompt_token_ids: list[int]
+    output_len: int
+    tier: str | None
+    # Seconds after the start at which it is sent.
+    send_at: float
+
+
+def build_workload(settings: BenchSettings, vocab_size: int) -> list[ServeRequest]:
+    """Lengths uniform within range_ratio of the means; arrivals a Poisson process; all from the seed."""
+    spread = settings.range_ratio
+
+    def bounds(mean: int) -> tuple[int, int]:
+        return max(1, round(mean * (1 - spread))), max(1, round(mean * (1 + spread)))
+
+    base = random_requests(
+        settings.num_prompts,
+        bounds(settings.input_len),
+        bounds(settings.output_len),
+        vocab_size,
+        seed=settings.seed,
+    )
+    rng = random.Random(settings.seed + 1)
+    tiers = list(settings.tier_mix)
+    weights = [settings.tier_mix[t] for t in tiers]
+    requests, clock = [], 0.0
+    for item in base:
+        tier = rng.choices(tiers, weights)[0] if tiers else None
+        requests.append(ServeRequest(item.prompt_token_ids, item.output_len, tier, clock))
+        if math.isfinite(settings.request_rate):
+            clock += rng.expovariate(settings.request_rate)
+    return requests
+
+
+async def _send(client: httpx.AsyncClient, model: str, request: ServeRequest) -> RequestResult:
+    body = {
+        "model": model,
+        "prompt": request.prompt_token_ids,
+        "max_tokens": request.output_len,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    headers = {TIER_HEADER: request.tier} if request.tier else {}
+    result = RequestResult(tier=request.tier or "-", prompt_len=len(request.prompt_token_ids))
+    start = last = time.perf_counter()
+    try:
+        async with client.stream("POST", "/v1/completions", json=body, headers=headers) as response:
+            if response.status_code != 200:
+                await response.aread()
+                result.error = _error_code(response)
+                return result
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[len("data: ") :])
+                if "error" in chunk:
+                    result.error = chunk["error"].get("code") or chunk["error"].get("type") or "error"
+                    return result
+                if chunk.get("usage"):
+                    result.output_tokens = chunk["usage"]["completion_tokens"]
+                if any(choice.get("text") for choice in chunk["choices"]):
+                    now = time.perf_counter()
+                    if result.ttft is None:
+                        result.ttft = now - start
+                    else:
+                        result.itl.append(now - last)
+                    last = now
+    except httpx.HTTPError as exc:
+        result.error = type(exc).__name__
+        return result
+    result.latency = time.perf_counter() - start
+    return result
+
+
+def _error_code(response: httpx.Response) -> str:
+    try:
+        error = response.json()["error"]
+        return str(error.get("code") or error.get("type") or response.status_code)
+    except (ValueError, KeyError, TypeError):
+        return str(response.status_code)
+
+
+async def _server_model(client: httpx.AsyncClient, settings: BenchSettings) -> tuple[str, int]:
+    response = await client.get("/v1/models")
+    response.raise_for_status()
+    cards = response.json()["data"]
+    card = cards[0] if settings.model is None else next((c for c in cards if c["id"] == settings.model), None)
+    if card is None:
+        served = ", ".join(c["id"] for c in cards)
+        raise click.UsageError(f"the server does not serve {settings.model!r}; it serves {served}")
+    vocab_size = settings.vocab_size or card.get("vocab_size")
+    if not vocab_size:
+        raise click.UsageError("the server does not report its vocab_size; pass --vocab-size")
+    return card["id"], int(vocab_size)
+
+
+async def run_benchmark(settings: BenchSettings) -> tuple[list[RequestResult], float]:
+    """Returns each request's result (in workload order) and the wall time of the whole run."""
+    connections = settings.max_concurrency or settings.num_prompts
+    headers = {"Authorization": f"Bearer {settings.api_key}"} if settings.api_key else {}
+    async with httpx.AsyncClient(
+        base_url=settings.url.rstrip("/"),
+        headers=headers,
+        timeout=settings.request_timeout,
+        limits=httpx.Limits(max_connections=connections, max_keepalive_connections=connections),
+    ) as client:
+        model, vocab_size = await _server_model(client, settings)
+        workload = build_workload(settings, vocab_size)
+        for request in workload[: settings.warmup]:
+            await _send(client, model, ServeRequest(request.prompt_token_ids, 4, None, 0.0))
+        limit = asyncio.Semaphore(settings.max_concurrency) if settings.max_concurrency else None
+
+        async def one(request: ServeRequest) -> RequestResult:
+            if limit is None:
+                return await _send(client, model, request)
+            async with limit:
+                return await _send(client, model, request)
+
+        start = time.perf_counter()
+        tasks = []
+        for request in workload:
+            delay = start + request.send_at - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(one(request)))
+        results = await asyncio.gather(*tasks)
+        return list(results), time.perf_counter() - start

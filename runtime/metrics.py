@@ -1,0 +1,261 @@
+"""Prometheus metrics of a serving process, under kvfleet's names and, as aliases, under vLLM's.
+
+The aliases let existing vLLM dashboards, KEDA triggers and autoscalers work unchanged. Engine-wide state
+(queue depths, KV usage, cumulative scheduler counters) is read from the engine's latest snapshot at scrape
+time; per-request observations (tokens, latencies) are recorded as outputs arrive, labelled by SLA tier
+under kvfleet's names (vLLM's names keep vLLM's labels).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from kvfleet.runtime.core.outputs import SchedulerStats
+from kvfleet.runtime.engine.outputs import RequestOutput
+from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_TTFT_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0,
+    160.0, 640.0,
+)  # fmt: skip
+_ITL_BUCKETS = (
+    0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 80.0,
+)  # fmt: skip
+_REQUEST_BUCKETS = (
+    0.1, 0.3, 0.5, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0,
+    7680.0,
+)  # fmt: skip
+_TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000, 200000)
+
+# Most urgent first: the reason a multi-sequence request is counted under.
+_FINISH_REASON_ORDER = ("error", "timeout", "abort", "length", "stop")
+
+
+@dataclass(frozen=True)
+class _Pair:
+    """One observation recorded under kvfleet's name (with the tier) and vLLM's (without)."""
+
+    kvfleet: Counter | Histogram
+    vllm: tuple[Counter | Histogram, ...]
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str, *, registry: CollectorRegistry | None = None) -> None:
+        self.model_name = model_name
+        self.registry = registry or CollectorRegistry()
+        self._stats_source: Callable[[], SchedulerStats | None] = lambda: None
+        self.registry.register(_EngineStatsCollector(model_name, lambda: self._stats_source()))
+        ProcessCollector(registry=self.registry)
+
+        self._prompt_tokens = self._counter(
+            "prompt_tokens", "Prompt tokens of requests whose prefill finished."
+        )
+        self._generation_tokens = self._counter("generation_tokens", "Generated tokens.")
+        self._ttft = self._histogram("time_to_first_token_seconds", "Time to first token.", _TTFT_BUCKETS)
+        self._itl = self._histogram(
+            "inter_token_latency_seconds",
+            "Time between successive output tokens of a request.",
+            _ITL_BUCKETS,
+            extra_vllm=("time_per_output_token_seconds",),
+        )
+        self._tpot = self._histogram(
+            "request_time_per_output_token_seconds",
+            "Mean time per output token after the first.",
+            _ITL_BUCKETS,
+        )
+        self._e2e = self._histogram(
+            "e2e_request_latency_seconds", "Arrival to last token of finished requests.", _REQUEST_BUCKETS
+        )
+        self._queue_time = self._histogram(
+            "request_queue_time_seconds", "Arrival to first scheduling.", _REQUEST_BUCKETS
+        )
+        self._prefill_time = self._histogram(
+            "request_prefill_time_seconds", "First scheduling to first token.", _REQUEST_BUCKETS
+        )
+        self._decode_time = self._histogram(
+            "request_decode_time_seconds", "First token to last token.", _REQUEST_BUCKETS
+        )
+        self._request_prompt_tokens = self._histogram(
+            "request_prompt_tokens", "Prompt length of finished requests.", _TOKEN_BUCKETS
+        )
+        self._request_generation_tokens = self._histogram(
+            "request_generation_tokens", "Generated tokens of finished requests.", _TOKEN_BUCKETS
+        )
+        self._finished_kvfleet = Counter(
+            "kvfleet:requests_finished",
+            "Finished requests by finish reason (stop, length, abort, timeout, error).",
+            ["model_name", "finished_reason", "tier"],
+            registry=self.registry,
+        )
+        self._finished_vllm = Counter(
+            "vllm:request_success",
+            "Finished requests by finish reason.",
+            ["model_name", "finished_reason"],
+            registry=self.registry,
+        )
+        self._rejected = Counter(
+            "kvfleet:requests_rejected",
+            "Requests refused before running: overloaded (queue full), shed (displaced by a higher tier), "
+            "draining, unavailable.",
+            ["model_name", "reason", "tier"],
+            registry=self.registry,
+        )
+
+    def _counter(self, name: str, documentation: str) -> _Pair:
+        return _Pair(
+            Counter(f"kvfleet:{name}", documentation, ["model_name", "tier"], registry=self.registry),
+            (Counter(f"vllm:{name}", documentation, ["model_name"], registry=self.registry),),
+        )
+
+    def _histogram(
+        self, name: str, documentation: str, buckets: tuple[float, ...], extra_vllm: tuple[str, ...] = ()
+    ) -> _Pair:
+        kvfleet = Histogram(
+            f"kvfleet:{name}", documentation, ["model_name", "tier"], buckets=buckets, registry=self.registry
+        )
+        vllm = tuple(
+            Histogram(f"vllm:{alias}", documentation, ["model_name"], buckets=buckets, registry=self.registry)
+            for alias in (name, *extra_vllm)
+        )
+        return _Pair(kvfleet, vllm)
+
+    def _record(self, pair: _Pair, tier: str, value: float) -> None:
+        kvfleet = pair.kvfleet.labels(model_name=self.model_name, tier=tier)
+        vllm = [metric.labels(model_name=self.model_name) for metric in pair.vllm]
+        if isinstance(pair.kvfleet, Counter):
+            kvfleet.inc(value)  # type: ignore[union-attr]
+            for child in vllm:
+                child.inc(value)  # type: ignore[union-attr]
+        else:
+            kvfleet.observe(value)  # type: ignore[union-attr]
+            for child in vllm:
+                child.observe(value)  # type: ignore[union-attr]
+
+    # ---- engine state ------------------------------------------------------------------------------
+
+    def set_stats_source(self, source: Callable[[], SchedulerStats | None]) -> None:
+        """Where scrapes read the engine's current queue depths, KV usage and cumulative counters."""
+        self._stats_source = source
+
+    # ---- requests ------------------------------------------------------------------------------------
+
+    def track(self, tier: str, num_prompt_tokens: int) -> RequestTracker:
+        return RequestTracker(self, tier, num_prompt_tokens)
+
+    def record_rejected(self, reason: str, tier: str) -> None:
+        self._rejected.labels(model_name=self.model_name, reason=reason, tier=tier).inc()
+
+    def _record_finished(self, reason: str, tier: str) -> None:
+        self._finished_kvfleet.labels(model_name=self.model_name, finished_reason=reason, tier=tier).inc()
+        self._finished_vllm.labels(model_name=self.model_name, finished_reason=reason).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class RequestTracker:
+    """Turns one request's stream of delta outputs into observations."""
+
+    def __init__(self, metrics: ServerMetrics, tier: str, num_prompt_tokens: int) -> None:
+        self._metrics = metrics
+        self._tier = tier
+        self._num_prompt_tokens = num_prompt_tokens
+        self._num_generated = 0
+        self._last_token_time: float | None = None
+        self._done = False
+
+    def observe(self, output: RequestOutput) -> None:
+        if self._done:
+            return
+        metrics, tier, record = self._metrics, self._tier, self._metrics._record
+        new_tokens = sum(len(completion.token_ids) for completion in output.outputs)
+        if new_tokens:
+            self._num_generated += new_tokens
+            record(metrics._generation_tokens, tier, new_tokens)
+        times = output.metrics
+        if times is not None and times.last_token_time is not None:
+            if self._last_token_time is None:
+                record(metrics._prompt_tokens, tier, self._num_prompt_tokens)
+                if times.first_token_time is not None:
+                    record(metrics._ttft, tier, times.first_token_time - times.arrival_time)
+                    if times.first_scheduled_time is not None:
+                        record(metrics._queue_time, tier, times.first_scheduled_time - times.arrival_time)
+                        record(
+                            metrics._prefill_time, tier, times.first_token_time - times.first_scheduled_time
+                        )
+            elif times.last_token_time > self._last_token_time:
+                record(metrics._itl, tier, times.last_token_time - self._last_token_time)
+            self._last_token_time = times.last_token_time
+        if output.finished:
+            reasons = {completion.finish_reason for completion in output.outputs}
+            reason = next((r for r in _FINISH_REASON_ORDER if r in reasons), "stop")
+            self._finish(reason, output)
+
+    def aborted(self) -> None:
+        """The request was stopped from outside (client gone, drain timeout) and will send nothing more."""
+        if not self._done:
+            self._done = True
+            self._metrics._record_finished("abort", self._tier)
+
+    def _finish(self, reason: str, output: RequestOutput) -> None:
+        self._done = True
+        metrics, tier, record = self._metrics, self._tier, self._metrics._record
+        metrics._record_finished(reason, tier)
+        times = output.metrics
+        if reason in ("stop", "length") and times is not None and times.finished_time is not None:
+            record(metrics._e2e, tier, times.finished_time - times.arrival_time)
+            record(metrics._request_prompt_tokens, tier, self._num_prompt_tokens)
+            record(metrics._request_generation_tokens, tier, self._num_generated)
+            if times.first_token_time is not None and times.last_token_time is not None:
+                decode = times.last_token_time - times.first_token_time
+                record(metrics._decode_time, tier, decode)
+                per_sequence = self._num_generated / max(len(output.outputs), 1)
+                if per_sequence > 1:
+                    record(metrics._tpot, tier, decode / (per_sequence - 1))
+
+
+class _EngineStatsCollector(Collector):
+    """Queue depths, KV usage and the scheduler's cumulative counters, read at scrape time."""
+
+    def __init__(self, model_name: str, source: Callable[[], SchedulerStats | None]) -> None:
+        self._model_name = model_name
+        self._source = source
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._source() or SchedulerStats(0, 0, 0, 0.0, 0, 0, 0)
+        gauges = {
+            "num_requests_running": ("Requests in the running batch.", stats.num_running),
+            "num_requests_waiting": (
+                "Requests waiting to be scheduled (the queue depth to scale on).",
+                stats.num_waiting,
+            ),
+            "kv_cache_usage_perc": ("Fraction of KV cache blocks in use (0 to 1).", stats.kv_cache_usage),
+        }
+        counters = {
+            "num_preemptions": ("Preemptions by recompute.", stats.num_preempted_total),
+            "prefix_cache_queries": (
+                "Prompt tokens looked up in the prefix cache.",
+                stats.prefix_cache_queries,
+            ),
+            "prefix_cache_hits": ("Prompt tokens found in the prefix cache.", stats.prefix_cache_hits),
+        }
+        aliases = {"kv_cache_usage_perc": ("gpu_cache_usage_perc",)}
+        for name, (documentation, value) in gauges.items():
+            for full_name in _names(name, aliases.get(name, ())):
+                family = GaugeMetricFamily(full_name, documentation, labels=["model_name"])
+                family.add_metric([self._model_name], float(value))
+                yield family
+        for name, (documentation, value) in counters.items():
+            for full_name in _names(name, ()):
+                family = CounterMetricFamily(full_name, documentation, labels=["model_name"])
+                family.add_metric([self._model_name], float(value))
+                yield family
+
+
+def _names(name: str, vllm_aliases: tuple[str, ...]) -> list[str]:
+    return [f"kvfleet:{name}", f"vllm:{name}", *(f"vllm:{alias}" for alias in vllm_aliases)]

@@ -1,0 +1,32 @@
+"""Optional bearer-token auth, checked before anything else reads the request; probes and metrics stay open
+so that Kubernetes and Prometheus need no secret."""
+
+from __future__ import annotations
+
+import hmac
+
+from kvfleet.runtime.server.errors import AuthenticationError
+from kvfleet.runtime.server.middleware import PROBE_PATHS
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+
+class ApiKeyAuth:
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self._expected = api_key.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in PROBE_PATHS or self._authorized(scope):
+            await self.app(scope, receive, send)
+            return
+        error = AuthenticationError(
+            "invalid or missing API key: send it as `Authorization: Bearer <key>`",
+            code="invalid_api_key",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+        await error.to_response()(scope, receive, send)
+
+    def _authorized(self, scope: Scope) -> bool:
+        header = dict(scope["headers"]).get(b"authorization", b"")
+        scheme, _, token = header.partition(b" ")
+        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self._expected)

@@ -1,0 +1,65 @@
+"""Plain ASGI middleware (not BaseHTTPMiddleware, which would hide the client's disconnect from handlers)."""
+
+from __future__ import annotations
+
+from kvfleet.runtime.server.errors import PayloadTooLargeError
+from kvfleet.runtime.server.state import ServerState
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+# Probes and scrapes: never counted as work in flight, never held back by a drain.
+PROBE_PATHS = frozenset({"/health", "/ready", "/metrics"})
+
+
+class BodySizeLimit:
+    """Refuses bodies over the limit with 413: at once when Content-Length says so, otherwise as soon as
+    the bytes received pass it, so an endless chunked upload cannot tie up memory."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            response = PayloadTooLargeError(self._message(), code="request_too_large").to_response()
+            response.headers["Connection"] = "close"
+            await response(scope, receive, send)
+            return
+        received = 0
+
+        async def counting_receive() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    raise HTTPException(413, self._message())
+            return message
+
+        await self.app(scope, counting_receive, send)
+
+    def _message(self) -> str:
+        return f"the request body is larger than the server's limit of {self.max_bytes} bytes"
+
+
+class InFlightCounter:
+    """Counts requests that are not probes, from arrival until their response is fully sent: what a drain
+    waits for."""
+
+    def __init__(self, app: ASGIApp, state: ServerState) -> None:
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in PROBE_PATHS:
+            await self.app(scope, receive, send)
+            return
+        self.state.in_flight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.state.in_flight -= 1

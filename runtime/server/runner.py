@@ -1,0 +1,99 @@
+"""Runs the app under uvicorn with kvfleet's shutdown: SIGTERM drains instead of cutting requests off.
+
+Drain: /ready turns false and new requests get 503 (the listener stays open so probes see it), requests
+in flight run to completion for up to the drain timeout, the rest are then failed with 503, and the
+process exits 0. A second SIGINT or SIGTERM exits at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import time
+from collections.abc import Generator
+from types import FrameType
+
+import uvicorn
+from kvfleet.runtime.server.errors import ServiceUnavailableError
+from kvfleet.runtime.server.state import ServerState
+
+logger = logging.getLogger(__name__)
+
+_DRAIN_POLL_S = 0.05
+# After the drain timeout, how long failed requests get to send their error before the process exits.
+_ABORT_GRACE_S = 5.0
+# Uvicorn's own wait for connections after the drain: only idle keep-alive ones are left by then.
+GRACEFUL_SHUTDOWN_TIMEOUT_S = 5
+
+
+class DrainingServer(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
+        super().__init__(config)
+        self.state = state
+        self.failed = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def serve(self, sockets: list | None = None) -> None:  # type: ignore[override]
+        self._loop = asyncio.get_running_loop()
+        self._spawn(self._exit_if_load_fails())
+        await super().serve(sockets)
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        # Uvicorn's version re-raises the signal after shutting down, which would end the process with
+        # the signal's status instead of 0 after a clean drain.
+        handled = (signal.SIGINT, signal.SIGTERM)
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in handled}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self.state.draining:
+            logger.warning("second %s: exiting without waiting for requests", signal.Signals(sig).name)
+            self.should_exit = self.force_exit = True
+            return
+        logger.info("%s: draining", signal.Signals(sig).name)
+        self.state.draining = True
+        # A signal handler may run in the middle of the event loop's own code: hand over, do nothing here.
+        assert self._loop is not None
+        self._loop.call_soon_threadsafe(self._spawn, self._drain())
+
+    def _spawn(self, coroutine: object) -> None:
+        task = asyncio.ensure_future(coroutine)  # type: ignore[arg-type]
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _drain(self) -> None:
+        state = self.state
+        deadline = time.monotonic() + state.settings.drain_timeout
+        while state.in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(_DRAIN_POLL_S)
+        if state.in_flight:
+            logger.warning(
+                "drain timeout (%.1f s) passed with %d requests in flight; failing them",
+                state.settings.drain_timeout,
+                state.in_flight,
+            )
+            state.engine.abort_all(
+                lambda: ServiceUnavailableError(
+                    "the server shut down before the request finished", code="draining"
+                )
+            )
+            grace = time.monotonic() + _ABORT_GRACE_S
+            while state.in_flight and time.monotonic() < grace:
+                await asyncio.sleep(_DRAIN_POLL_S)
+        logger.info("drained; shutting down")
+        self.should_exit = True
+
+    async def _exit_if_load_fails(self) -> None:
+        await self.state.loaded.wait()
+        if self.state.load_error is not None:
+            logger.error("the model could not be loaded: %s", self.state.load_error)
+            self.failed = True
+            self.should_exit = True

@@ -1,0 +1,224 @@
+"""What the completion and chat handlers share: admission checks, prompt validation, running requests."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvfleet.runtime.engine.outputs import CompletionOutput, RequestOutput
+from kvfleet.runtime.sampling_params import SamplingParams
+from kvfleet.runtime.server.errors import (
+    BadRequestError,
+    InternalServerError,
+    NotFoundError,
+    OpenAIError,
+    RequestTimeoutError,
+    ServiceUnavailableError,
+)
+from kvfleet.runtime.server.priorities import PRIORITY_HEADER, parse_priority, tier_of
+from kvfleet.runtime.server.protocol import ChatMessage
+from kvfleet.runtime.server.state import ServerState
+from kvfleet.runtime.server.streaming import merge_streams, unless_disconnected
+from starlette.requests import Request
+
+
+@dataclass
+class PreparedRequest:
+    request_id: str
+    created: int
+    prompt_token_ids: list[list[int]]
+    params: SamplingParams
+    priority: int
+    timeout: float | None
+    arrival_time: float
+
+
+@dataclass
+class Choice:
+    """One generated sequence, accumulated from delta outputs."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] | None = None
+    finish_reason: str | None = None
+
+    def add(self, completion: CompletionOutput) -> None:
+        self.text += completion.text
+        self.token_ids.extend(completion.token_ids)
+        if completion.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + completion.logprobs
+        if completion.finish_reason is not None:
+            self.finish_reason = completion.finish_reason
+
+
+def finish_error(finish_reason: str | None) -> OpenAIError | None:
+    """Finish reasons that are failures, not answers."""
+    if finish_reason == "timeout":
+        return RequestTimeoutError("the request did not finish within its timeout", code="timeout")
+    if finish_reason == "error":
+        return InternalServerError("the model failed while running this request")
+    if finish_reason == "abort":
+        return ServiceUnavailableError("the request was stopped by the server", code="aborted")
+    return None
+
+
+class OpenAIServing:
+    id_prefix = "cmpl"
+
+    def __init__(self, state: ServerState) -> None:
+        self.state = state
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.state.tokenizer
+
+    @property
+    def model_name(self) -> str:
+        return self.state.settings.served_model_name
+
+    # ---- checks ----------------------------------------------------------------------------------
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise NotFoundError(
+                f"the model {model!r} does not exist; this server serves {self.model_name!r}",
+                param="model",
+                code="model_not_found",
+            )
+
+    def check_accepting(self, priority: int) -> None:
+        state = self.state
+        if not state.ready:
+            reason = "draining" if state.draining else "unavailable"
+            state.metrics.record_rejected(reason, tier_of(priority))
+            raise ServiceUnavailableError(state.not_ready_reason(), code=reason)
+
+    def resolve_priority(self, body_priority: int | str | None, raw_request: Request) -> int:
+        """The body's field, else the header, else the server's default."""
+        if body_priority is not None:
+            source, value = "priority", body_priority
+        elif PRIORITY_HEADER in raw_request.headers:
+            source, value = PRIORITY_HEADER, raw_request.headers[PRIORITY_HEADER]
+        else:
+            return self.state.settings.default_priority
+        try:
+            return parse_priority(value)
+        except ValueError as exc:
+            raise BadRequestError(str(exc), param=source) from None
+
+    def check_prompt(self, token_ids: list[int], params: SamplingParams, param: str) -> None:
+        engine = self.state.engine.engine
+        max_model_len = engine.max_model_len
+        if len(token_ids) >= max_model_len:
+            raise BadRequestError(
+                f"This model's maximum context length is {max_model_len} tokens, but the prompt has "
+                f"{len(token_ids)} tokens, leaving no room for output",
+                param=param,
+                code="context_length_exceeded",
+            )
+        if params.max_tokens is not None and len(token_ids) + params.max_tokens > max_model_len:
+            raise BadRequestError(
+                f"This model's maximum context length is {max_model_len} tokens, but "
+                f"{len(token_ids) + params.max_tokens} were requested ({len(token_ids)} in the prompt, "
+                f"{params.max_tokens} for the completion); lower max_tokens or shorten the prompt",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
+        try:
+            engine.validate_prompt(token_ids, params)
+        except ValueError as exc:
+            raise BadRequestError(str(exc), param=param) from None
+
+    def apply_chat_template(self, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
+        tokenizer = self.tokenizer
+        if not tokenizer.chat_template:
+            raise BadRequestError("the model has no chat template; use /v1/completions", param="messages")
+        conversation = [message.as_template_input(index) for index, message in enumerate(messages)]
+        try:
+            text = tokenizer.apply_chat_template(
+                conversation, tokenize=False, add_generation_prompt=add_generation_prompt
+            )
+        except Exception as exc:
+            # Templates reject conversations they cannot render (role order, unknown roles) by raising.
+            raise BadRequestError(
+                f"the chat template rejected the messages: {exc}", param="messages"
+            ) from None
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    def prepare(
+        self,
+        prompt_token_ids: list[list[int]],
+        params: SamplingParams,
+        *,
+        priority: int,
+        timeout: float | None,
+        arrival_time: float,
+    ) -> PreparedRequest:
+        return PreparedRequest(
+            request_id=f"{self.id_prefix}-{uuid.uuid4().hex}",
+            created=int(time.time()),
+            prompt_token_ids=prompt_token_ids,
+            params=params,
+            priority=priority,
+            timeout=timeout if timeout is not None else self.state.settings.request_timeout,
+            arrival_time=arrival_time,
+        )
+
+    # ---- running ---------------------------------------------------------------------------------
+
+    def outputs(self, request: PreparedRequest) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(prompt index, delta output) of every prompt of the request, merged."""
+        engine = self.state.engine
+        streams = [
+            engine.generate(
+                f"{request.request_id}-{index}",
+                token_ids,
+                request.params,
+                priority=request.priority,
+                timeout=request.timeout,
+                arrival_time=request.arrival_time,
+            )
+            for index, token_ids in enumerate(request.prompt_token_ids)
+        ]
+        return merge_streams(streams)
+
+    async def collect(self, raw_request: Request, request: PreparedRequest) -> list[list[Choice]]:
+        """Run to the end (or the client's disconnect); choices per prompt, n per prompt."""
+        choices = [[Choice() for _ in range(request.params.n)] for _ in request.prompt_token_ids]
+
+        async def run() -> None:
+            async with contextlib.aclosing(self.outputs(request)) as outputs:
+                async for prompt_index, output in outputs:
+                    for completion in output.outputs:
+                        choices[prompt_index][completion.index].add(completion)
+
+        await unless_disconnected(raw_request, run())
+        for per_prompt in choices:
+            for choice in per_prompt:
+                error = finish_error(choice.finish_reason)
+                if error is not None:
+                    raise error
+        return choices
+
+    async def first_output(
+        self, raw_request: Request, outputs: AsyncIterator[tuple[int, RequestOutput]]
+    ) -> tuple[int, RequestOutput] | None:
+        """Wait for the first output before committing to a 200 stream, so that a request shed, timed out or
+        refused while queued still gets its proper status code."""
+        try:
+            return await unless_disconnected(raw_request, anext(outputs))
+        except StopAsyncIteration:
+            return None
+
+    # ---- formatting ------------------------------------------------------------------------------
+
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    def top_logprobs(self, logprobs: dict[int, float], limit: int) -> list[tuple[str, float]]:
+        best = sorted(logprobs.items(), key=lambda item: item[1], reverse=True)[:limit]
+        return [(self.token_text(token_id), logprob) for token_id, logprob in best]

@@ -1,0 +1,169 @@
+"""The async engine in-process on the tiny model: aborts, static batching, idling, load shedding."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from kvfleet.runtime.config import EngineConfig
+from kvfleet.runtime.engine.outputs import RequestOutput
+from kvfleet.runtime.metrics import ServerMetrics
+from kvfleet.runtime.sampling_params import SamplingParams
+from kvfleet.runtime.server.async_engine import AsyncLLMEngine
+from kvfleet.runtime.server.errors import ClientDisconnectedError, OverloadedError
+from kvfleet.runtime.server.priorities import TIERS
+
+
+def _params(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def _run(model: Path, body: Callable[[AsyncLLMEngine], Awaitable[Any]], **options: Any) -> Any:
+    engine_options = {"num_kv_blocks": 256, "max_model_len": 512, "dtype": "float32"}
+    engine_options.update(
+        {k: options.pop(k) for k in list(options) if k in EngineConfig.__dataclass_fields__}
+    )
+    config = EngineConfig(model=str(model), **engine_options)
+
+    async def main() -> Any:
+        engine = AsyncLLMEngine(config, metrics=ServerMetrics("tiny"), **options)
+        engine.start()
+        await engine.wait_loaded()
+        assert engine.ready, engine.error
+        try:
+            return await body(engine)
+        finally:
+            await engine.shutdown()
+
+    return asyncio.run(main())
+
+
+async def _until(condition: Callable[[], bool], timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached"
+        await asyncio.sleep(0.001)
+
+
+async def _collect(engine: AsyncLLMEngine, request_id: str, max_tokens: int, **kwargs: Any) -> list[float]:
+    """Arrival times (monotonic) of each output of a request."""
+    times = []
+    async for _ in engine.generate(request_id, [5, 6, 7, 8], _params(max_tokens), **kwargs):
+        times.append(time.monotonic())
+    return times
+
+
+def test_abort_frees_blocks_before_the_next_step(tiny_llama: Path) -> None:
+    async def body(engine: AsyncLLMEngine) -> None:
+        outputs: list[RequestOutput] = []
+
+        async def consume() -> None:
+            async for output in engine.generate("long", [5, 6, 7], _params(400)):
+                outputs.append(output)
+
+        task = asyncio.create_task(consume())
+        await _until(lambda: len(outputs) >= 3)
+        assert engine.stats.kv_cache_usage > 0
+        steps_at_abort = engine.engine.num_steps
+        engine.abort("long")
+        await _until(lambda: engine.stats.kv_cache_usage == 0 and engine.stats.num_running == 0)
+        # At most the step already running when the abort came.
+        assert engine.engine.num_steps - steps_at_abort <= 1
+        with pytest.raises(ClientDisconnectedError):
+            await task
+        assert not engine.engine.has_unfinished_requests()
+        assert engine.num_in_flight == 0
+
+        # Leaving the iteration early (what a cancelled handler does) aborts the request just the same.
+        stream = engine.generate("left", [5, 6, 7], _params(400))
+        async with contextlib.aclosing(stream):
+            async for _ in stream:
+                break
+        await _until(lambda: not engine.engine.has_unfinished_requests())
+        assert engine.stats.kv_cache_usage == 0
+
+    _run(tiny_llama, body)
+
+
+def test_engine_thread_sleeps_when_idle(tiny_llama: Path) -> None:
+    async def body(engine: AsyncLLMEngine) -> None:
+        await _collect(engine, "one", 4)
+        steps = engine.engine.num_steps
+        await asyncio.sleep(0.3)
+        assert engine.engine.num_steps == steps
+        # And wakes up for the next request.
+        assert len(await _collect(engine, "two", 4)) == 4
+
+    _run(tiny_llama, body)
+
+
+@pytest.mark.parametrize("continuous", [True, False], ids=["continuous", "static"])
+def test_static_batching_admits_the_next_batch_only_when_idle(tiny_llama: Path, continuous: bool) -> None:
+    async def body(engine: AsyncLLMEngine) -> tuple[list[float], list[float], list[float]]:
+        first = asyncio.create_task(_collect(engine, "a", 30))
+        second = asyncio.create_task(_collect(engine, "b", 30))
+        await _until(lambda: engine.stats.num_running == 2)
+        late = await _collect(engine, "c", 3)
+        return await first, await second, late
+
+    a, b, late = _run(tiny_llama, body, max_num_seqs=4, continuous_batching=continuous)
+    if continuous:
+        # Joins the running batch: done while the long ones still run.
+        assert late[-1] < min(a[-1], b[-1])
+    else:
+        # Held back although there were free sequence slots, until the whole batch had finished.
+        assert late[0] > max(a[-1], b[-1])
+
+
+def test_static_batch_size_is_max_num_seqs(tiny_llama: Path) -> None:
+    async def body(engine: AsyncLLMEngine) -> list[list[float]]:
+        return await asyncio.gather(*(_collect(engine, f"r{i}", 6) for i in range(5)))
+
+    runs = _run(tiny_llama, body, max_num_seqs=2, continuous_batching=False)
+    ends = sorted(run[-1] for run in runs)
+    starts = sorted(run[0] for run in runs)
+    # Three batches (2, 2, 1): each starts after the previous one has ended.
+    assert starts[2] > ends[1] and starts[4] > ends[3]
+
+
+def test_shedding_displaces_the_lowest_tier_first(tiny_llama: Path) -> None:
+    async def body(engine: AsyncLLMEngine) -> dict[str, Any]:
+        results: dict[str, Any] = {}
+
+        async def submit(request_id: str, tier: str, max_tokens: int) -> None:
+            try:
+                await _collect(engine, request_id, max_tokens, priority=TIERS[tier])
+                results[request_id] = "done"
+            except OverloadedError as exc:
+                results[request_id] = exc.code
+
+        running = asyncio.create_task(submit("running", "batch", 60))
+        await _until(lambda: engine.stats.num_running == 1)
+        tasks = [running]
+        for request_id, tier in (("batch-1", "batch"), ("batch-2", "batch"), ("standard", "standard")):
+            tasks.append(asyncio.create_task(submit(request_id, tier, 2)))
+            await asyncio.sleep(0.05)
+        await _until(lambda: "batch-2" in results)
+        tasks.append(asyncio.create_task(submit("batch-3", "batch", 2)))
+        await _until(lambda: "batch-3" in results)
+        tasks.append(asyncio.create_task(submit("critical", "critical", 2)))
+        await asyncio.gather(*tasks)
+        return results
+
+    results = _run(tiny_llama, body, max_num_seqs=1, max_waiting_requests=2, scheduling_policy="priority")
+    assert results == {
+        # The newest batch request gives way to the standard one...
+        "batch-2": "shed",
+        # ...a batch request cannot displace another batch request...
+        "batch-3": "overloaded",
+        # ...and critical displaces the remaining batch request, not the standard one.
+        "batch-1": "shed",
+        "running": "done",
+        "standard": "done",
+        "critical": "done",
+    }

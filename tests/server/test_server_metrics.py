@@ -1,0 +1,54 @@
+"""Metric names (kvfleet's and vLLM's) and what one request's outputs record."""
+
+from __future__ import annotations
+
+import pytest
+from kvfleet.runtime.core.outputs import SchedulerStats
+from kvfleet.runtime.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from kvfleet.runtime.metrics import ServerMetrics
+
+
+def _output(tokens: int, *, first: float, last: float, finished: str | None = None) -> RequestOutput:
+    times = RequestMetrics(
+        arrival_time=0.0, first_scheduled_time=0.1, first_token_time=first, last_token_time=last
+    )
+    if finished:
+        times.finished_time = last
+    completion = CompletionOutput(0, "x" * tokens, list(range(tokens)), None, None, finished)
+    return RequestOutput("r", None, [1, 2, 3], [completion], finished is not None, metrics=times)
+
+
+def _sample(text: str, line_start: str) -> float:
+    return next(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(line_start))
+
+
+def test_metrics_names_and_observations() -> None:
+    metrics = ServerMetrics("m")
+    metrics.set_stats_source(lambda: SchedulerStats(3, 7, 2, 0.25, 100, 40, 500))
+    tracker = metrics.track("critical", num_prompt_tokens=3)
+    tracker.observe(_output(1, first=0.5, last=0.5))
+    tracker.observe(_output(1, first=0.5, last=0.6))
+    tracker.observe(_output(1, first=0.5, last=0.8, finished="length"))
+    metrics.track("batch", 10).aborted()
+    metrics.record_rejected("shed", "batch")
+    text = metrics.render().decode()
+
+    for prefix in ("kvfleet", "vllm"):
+        assert _sample(text, f'{prefix}:num_requests_running{{model_name="m"}}') == 3
+        assert _sample(text, f'{prefix}:num_requests_waiting{{model_name="m"}}') == 7
+        assert _sample(text, f'{prefix}:kv_cache_usage_perc{{model_name="m"}}') == 0.25
+        assert _sample(text, f'{prefix}:num_preemptions_total{{model_name="m"}}') == 2
+        assert _sample(text, f'{prefix}:prefix_cache_hits_total{{model_name="m"}}') == 40
+    assert _sample(text, 'vllm:gpu_cache_usage_perc{model_name="m"}') == 0.25
+    assert _sample(text, 'vllm:prompt_tokens_total{model_name="m"}') == 3
+    assert _sample(text, 'kvfleet:generation_tokens_total{model_name="m",tier="critical"}') == 3
+    assert _sample(text, 'vllm:time_to_first_token_seconds_sum{model_name="m"}') == pytest.approx(0.5)
+    assert _sample(text, 'kvfleet:time_to_first_token_seconds_count{model_name="m",tier="critical"}') == 1
+    assert _sample(text, 'vllm:inter_token_latency_seconds_count{model_name="m"}') == 2
+    assert _sample(text, 'vllm:inter_token_latency_seconds_sum{model_name="m"}') == pytest.approx(0.3)
+    assert _sample(text, 'vllm:time_per_output_token_seconds_count{model_name="m"}') == 2
+    assert _sample(text, 'vllm:e2e_request_latency_seconds_sum{model_name="m"}') == pytest.approx(0.8)
+    assert _sample(text, 'vllm:request_queue_time_seconds_sum{model_name="m"}') == pytest.approx(0.1)
+    assert _sample(text, 'vllm:request_success_total{finished_reason="length",model_name="m"}') == 1
+    assert _sample(text, 'vllm:request_success_total{finished_reason="abort",model_name="m"}') == 1
+    assert _sample(text, 'kvfleet:requests_rejected_total{model_name="m",reason="shed",tier="batch"}') == 1
