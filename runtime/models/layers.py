@@ -1,13 +1,61 @@
-"""The per-token operations of Llama-family models, kept apart so that fused kernels can replace them."""
+"""The per-token operations of Llama-family models, kept apart so that fused kernels can replace them.
+
+The modules here are plain torch; the model calls the fused Triton versions instead on CUDA
+(`kvfleet.runtime.kernels.fused_layers`), and on the CPU runs its projections through oneDNN.
+"""
 
 from __future__ import annotations
 
+import logging
 import math
+import os
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+logger = logging.getLogger(__name__)
+
+# KVFLEET_ONEDNN_LINEAR=0 keeps CPU projections on torch's default BLAS, e.g. to compare the two.
+ONEDNN_ENV_VAR = "KVFLEET_ONEDNN_LINEAR"
+
+
+class Linear(nn.Linear):
+    """nn.Linear whose weight can be repacked into oneDNN's blocked layout for CPU inference.
+
+    On x86 CPUs oneDNN's float32 GEMM is two to three times faster than the default BLAS for the
+    matrix shapes of a serving step (and it still accumulates in float32).
+    """
+
+    packed_weight: torch.Tensor | None = None
+
+    def pack_for_cpu(self) -> None:
+        """Replace the dense weight by its packed copy; afterwards the layer is inference-only."""
+        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), None)
+        self.weight = None  # type: ignore[assignment]  # the packed copy replaces it, not doubles it
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed_weight is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
+
+
+def pack_linears_for_cpu(model: nn.Module) -> int:
+    """Pack every `Linear` of a CPU model for oneDNN when this torch build has it; returns how many."""
+    if os.environ.get(ONEDNN_ENV_VAR, "1") == "0":
+        logger.info("oneDNN projections are off (%s=0)", ONEDNN_ENV_VAR)
+        return 0
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
+        logger.info("oneDNN is not available in this torch build; projections use the default BLAS")
+        return 0
+    linears = [m for m in model.modules() if isinstance(m, Linear) and m.weight.device.type == "cpu"]
+    if any(m.weight.dtype not in (torch.float32, torch.bfloat16) for m in linears):
+        return 0
+    for module in linears:
+        module.pack_for_cpu()
+    return len(linears)
 
 
 class RMSNorm(nn.Module):
@@ -84,8 +132,20 @@ class RotaryEmbedding(nn.Module):
         cos, sin = self.cos_sin_cache.index_select(0, positions).to(dtype).unsqueeze(1).chunk(2, dim=-1)
         return cos, sin
 
+    def prepare(self, positions: torch.Tensor, dtype: torch.dtype, fused: bool) -> RotaryStep:
+        """One step's rotation, shared by every layer: the fused kernel reads the cache by position itself."""
+        cos_sin = None if fused else self.cos_sin(positions, dtype)
+        return RotaryStep(positions, self.cos_sin_cache, cos_sin)
+
     @staticmethod
     def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x: [num_tokens, num_heads, head_dim] -> rotated copy."""
         x1, x2 = x.chunk(2, dim=-1)
         return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+@dataclass
+class RotaryStep:
+    positions: torch.Tensor
+    cos_sin_cache: torch.Tensor
+    cos_sin: tuple[torch.Tensor, torch.Tensor] | None  # None when the fused kernel rotates

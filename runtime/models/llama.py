@@ -10,7 +10,8 @@ from typing import Any
 
 import torch
 from kvfleet.runtime.attention.backend import AttentionBackend
-from kvfleet.runtime.models.layers import RMSNorm, RotaryEmbedding, silu_and_mul
+from kvfleet.runtime.kernels import fused_layers
+from kvfleet.runtime.models.layers import Linear, RMSNorm, RotaryEmbedding, RotaryStep, silu_and_mul
 from kvfleet.runtime.models.model_config import ModelConfig
 from torch import nn
 
@@ -23,20 +24,14 @@ class LlamaAttention(nn.Module):
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(
-            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
-        )
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.attention = attention
 
     def forward(
-        self,
-        hidden: torch.Tensor,
-        cos_sin: tuple[torch.Tensor, torch.Tensor],
-        kv_cache: torch.Tensor,
-        plan: Any,
+        self, hidden: torch.Tensor, rotary: RotaryStep, kv_cache: torch.Tensor, plan: Any
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -44,11 +39,14 @@ class LlamaAttention(nn.Module):
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
-            q = self.q_norm(q)[0]
-            k = self.k_norm(k)[0]
-        cos, sin = cos_sin
-        q = RotaryEmbedding.apply(q, cos, sin)
-        k = RotaryEmbedding.apply(k, cos, sin)
+            q = _rms_norm(self.q_norm, q)[0]
+            k = _rms_norm(self.k_norm, k)[0]
+        if rotary.cos_sin is None:
+            fused_layers.rotary_embedding_(rotary.positions, q, k, rotary.cos_sin_cache)
+        else:
+            cos, sin = rotary.cos_sin
+            q = RotaryEmbedding.apply(q, cos, sin)
+            k = RotaryEmbedding.apply(k, cos, sin)
         out = self.attention.forward(q, k, v, kv_cache, plan)
         return self.o_proj(out.view(num_tokens, self.q_size))
 
@@ -56,11 +54,15 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj(x)
+        activated = (
+            fused_layers.silu_and_mul(gate_up) if fused_layers.enabled(gate_up) else silu_and_mul(gate_up)
+        )
+        return self.down_proj(activated)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -75,13 +77,13 @@ class LlamaDecoderLayer(nn.Module):
         self,
         hidden: torch.Tensor,
         residual: torch.Tensor | None,
-        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        rotary: RotaryStep,
         kv_cache: torch.Tensor,
         plan: Any,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(hidden, cos_sin, kv_cache, plan)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        hidden, residual = _rms_norm(self.input_layernorm, hidden, residual)
+        hidden = self.self_attn(hidden, rotary, kv_cache, plan)
+        hidden, residual = _rms_norm(self.post_attention_layernorm, hidden, residual)
         return self.mlp(hidden), residual
 
 
@@ -100,7 +102,7 @@ class LlamaForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head = None
         else:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
 
     def forward(
         self,
@@ -110,15 +112,16 @@ class LlamaForCausalLM(nn.Module):
         plan: Any,
     ) -> torch.Tensor:  # [num_tokens, hidden_size]
         hidden = self.embed_tokens(input_ids)
-        cos_sin = self.rotary_emb.cos_sin(positions, hidden.dtype)
+        rotary = self.rotary_emb.prepare(positions, hidden.dtype, fused=fused_layers.enabled(hidden))
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden, residual = layer(hidden, residual, cos_sin, kv_cache, plan)
-        return self.norm(hidden, residual)[0]
+            hidden, residual = layer(hidden, residual, rotary, kv_cache, plan)
+        return _rms_norm(self.norm, hidden, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab] float32
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.matmul(hidden, weight.t()).float()
+        if self.lm_head is None:
+            return torch.matmul(hidden, self.embed_tokens.weight.t()).float()
+        return self.lm_head(hidden).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face checkpoint tensors in, stacking q/k/v and gate/up into their fused projections.
@@ -183,3 +186,11 @@ class LlamaForCausalLM(nn.Module):
             if config.qk_norm:
                 names += [f"{prefix}.self_attn.q_norm.weight", f"{prefix}.self_attn.k_norm.weight"]
         return names
+
+
+def _rms_norm(
+    layer: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if fused_layers.enabled(x):
+        return fused_layers.rms_norm(x, layer.weight, layer.eps, residual)
+    return layer(x, residual)

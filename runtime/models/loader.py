@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 from kvfleet.runtime.attention.backend import AttentionBackend
+from kvfleet.runtime.models.layers import pack_linears_for_cpu
 from kvfleet.runtime.models.model_config import ModelConfig
 from kvfleet.runtime.models.registry import ModelRegistry
 from safetensors import safe_open
@@ -87,12 +88,15 @@ def load_model(
         torch.set_default_dtype(default_dtype)
     with torch.no_grad():
         model.load_weights(iterate_weights(files))
+    num_parameters = sum(p.numel() for p in model.parameters())
+    packed = pack_linears_for_cpu(model) if device.type == "cpu" else 0
     logger.info(
-        "loaded %s from %s: %.1fM parameters, %s on %s",
+        "loaded %s from %s: %.1fM parameters, %s on %s%s",
         model_config.architecture,
         model_dir,
-        sum(p.numel() for p in model.parameters()) / 1e6,
+        num_parameters / 1e6,
         str(dtype).removeprefix("torch."),
         device,
+        f", {packed} projections packed for oneDNN" if packed else "",
     )
     return model.eval()
