@@ -270,6 +270,39 @@ class TestPreemption:
         assert output.total_num_scheduled_tokens == 1
         assert scheduler.requests["low"].status == RequestStatus.PREEMPTED
 
+    def test_a_victim_scheduled_earlier_in_the_step_leaves_no_unwritten_block_in_the_cache(
+        self, runner_factory: Callable
+    ) -> None:
+        scheduler = make_scheduler(
+            block_size=2, num_kv_blocks=16, max_model_len=32, max_num_batched_tokens=12, policy="priority"
+        )
+        runner = runner_factory(scheduler)
+        victim = make_request("victim", [11, 12, 13], arrival_time=1.0, priority=3, max_tokens=20)
+        scheduler.add_request(victim)
+        step(scheduler, runner)
+        scheduler.add_request(make_request("steady", [21], arrival_time=2.0, priority=0, max_tokens=20))
+        scheduler.add_request(make_request("big", 30, arrival_time=3.0, priority=2))
+        step(scheduler, runner)
+        step(scheduler, runner)
+        # Step 4: victim's token fills its third block, then big's 5-block chunk finds 1 free block, preempts
+        # victim (scheduled before it in this step) and then itself, as steady outranks it.
+        third_block = scheduler.kv_cache_manager.req_to_blocks["victim"][2]
+        output, _ = step(scheduler, runner)
+        assert output.preempted_request_ids == {"victim", "big"}
+        assert scheduled(output) == {"steady": 1}
+        assert third_block.block_hash is None, "a block whose token never ran must not be findable"
+        # A request sharing victim's tokens must recompute that block rather than read it.
+        scheduler.add_request(
+            make_request("reader", [*victim.all_token_ids, 99], arrival_time=4.0, priority=0)
+        )
+        output, _ = step(scheduler, runner)
+        assert (
+            dict(zip([r.request_id for r in output.requests], output.num_computed_tokens, strict=True))[
+                "reader"
+            ]
+            == 4
+        )
+
     def test_a_request_that_is_its_own_victim_is_not_scheduled(self, runner_factory: Callable) -> None:
         scheduler = make_scheduler(num_kv_blocks=2, max_model_len=8)
         runner = runner_factory(scheduler)
