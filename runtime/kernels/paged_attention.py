@@ -287,6 +287,8 @@ def paged_attention(
     block_q = tiling.block_q(queries_per_kv)
     if out is None:
         out = torch.empty_like(query)
+    if num_tokens == 0:
+        return out
     head_dim_padded = triton.next_power_of_2(head_dim)
     key_cache, value_cache = kv_cache[0], kv_cache[1]
     if tiling.num_splits > 1:

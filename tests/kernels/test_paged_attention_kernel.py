@@ -56,6 +56,7 @@ def run_kernel(
         (4, 2, 64, 4, torch.float32, AttentionTiling(block_m=16, block_n=16)),
         (8, 1, 128, 16, torch.float32, AttentionTiling(block_m=64, block_n=32)),
         (4, 1, 96, 16, torch.float32, None),
+        (3, 2, 64, 16, torch.float32, None),  # a group that does not fill a power of two
         (4, 2, 64, 16, torch.bfloat16, None),
         (8, 1, 128, 16, torch.bfloat16, AttentionTiling(block_m=32, block_n=16)),
         (1, 2, 64, 32, torch.float16, None),
@@ -170,6 +171,21 @@ def test_split_count_fills_the_device_only_when_it_is_short_of_programs() -> Non
     assert choose_num_splits(num_programs=8, max_seq_len=32768, block_n=64, num_sms=132) == 16
     assert choose_num_splits(num_programs=64, max_seq_len=8192, block_n=64, num_sms=132) == 4
     assert choose_num_splits(num_programs=8, max_seq_len=200, block_n=64, num_sms=132) == 1
+
+
+def test_an_empty_step_launches_nothing() -> None:
+    query = torch.empty(0, 4, 64)
+    out = paged_attention(
+        query,
+        torch.zeros(2, 1, 16, 2, 64),
+        block_tables=torch.zeros(0, 1, dtype=torch.int32),
+        seq_lens=torch.zeros(0, dtype=torch.int32),
+        query_start_loc=torch.zeros(1, dtype=torch.int32),
+        tile_map=build_tile_map([0], block_q=4, device=torch.device("cpu")),
+        tiling=AttentionTiling(block_m=16, block_n=16),
+        scale=0.125,
+    )
+    assert out.shape == (0, 4, 64)
 
 
 def test_mismatched_shapes_are_refused(make_paged_batch) -> None:
