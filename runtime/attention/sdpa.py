@@ -1,10 +1,12 @@
 """Batched paged attention on torch's scaled_dot_product_attention: the fast path on CPU, portable to GPU.
 
-Decodes (one new token) run as a few padded batches: their context blocks are gathered whole, and the query
-heads that share a KV head are laid out as that head's queries, so grouped-query attention needs no copies of
-K/V. Prefill chunks run one SDPA call each: plain causal when nothing is cached before them, else over their
-gathered context with a causal mask shifted by the cached length. All index tensors and masks are built once
-per step in `prepare` and reused by every layer.
+Decodes (one new token) are sorted by context length and cut into groups whose gathered K/V fit in the
+CPU's cache: each group gathers its context blocks whole (padded to the group's longest context, which
+sorting keeps short) and runs one SDPA call, with the query heads that share a KV head laid out as that
+head's queries, so grouped-query attention needs no copies of K/V. Prefill chunks run one SDPA call each:
+plain causal when nothing is cached before them, else over their gathered context with a causal mask
+shifted by the cached length. All index tensors and masks are built once per step in `prepare` and reused by
+every layer.
 """
 
 from __future__ import annotations
@@ -16,18 +18,18 @@ import torch.nn.functional as F
 from kvfleet.runtime.attention.backend import AttentionBackend, AttentionMetadata, AttentionSpec
 from kvfleet.runtime.attention.reference import write_kv_cache
 
-# Decodes are split into at most this many length buckets, each padded to its own longest context.
-_MAX_DECODE_BUCKETS = 4
-# A bucket split must save at least this many padded context tokens: about what the extra gather and SDPA
-# calls of a bucket cost on a CPU core, per layer.
-_MIN_TOKENS_SAVED_PER_SPLIT = 512
+# Gathered K+V bytes per decode group. On a CPU, a group that stays in L2/L3 between the gather and the
+# SDPA call runs several times faster than one big padded batch; on a GPU, fewer launches matter more.
+_CPU_DECODE_GROUP_BYTES = 2 << 20
+_GPU_DECODE_GROUP_BYTES = 1 << 30
 
 
 @dataclass
-class DecodeBucket:
-    token_indices: torch.Tensor  # int64 [n]: rows of the step's query
-    block_ids: torch.Tensor  # int64 [n * num_blocks]: each request's blocks, padded
-    mask: torch.Tensor  # [n, 1, 1, num_blocks * block_size]: 0 where visible, -inf past seq_len
+class DecodeGroup:
+    start: int  # rows [start, end) of the step's decodes in context-length order
+    end: int
+    block_ids: torch.Tensor  # int64 [rows * num_blocks]: each request's blocks, padded
+    mask: torch.Tensor  # [rows, 1, 1, num_blocks * block_size]: 0 where visible, -inf past seq_len
     num_blocks: int
 
 
@@ -43,12 +45,19 @@ class PrefillChunk:
 @dataclass
 class SdpaPlan:
     slot_mapping: torch.Tensor
-    decode_buckets: list[DecodeBucket]
+    decode_token_indices: torch.Tensor | None  # int64: query rows of the decodes, in context-length order
+    decode_groups: list[DecodeGroup]
     prefill_chunks: list[PrefillChunk]
 
 
 class SdpaAttentionBackend(AttentionBackend):
     name = "sdpa"
+
+    def __init__(self, spec: AttentionSpec) -> None:
+        super().__init__(spec)
+        bytes_per_token = 2 * spec.num_kv_heads * spec.head_dim * spec.dtype.itemsize
+        group_bytes = _GPU_DECODE_GROUP_BYTES if spec.device.type == "cuda" else _CPU_DECODE_GROUP_BYTES
+        self.decode_group_tokens = max(group_bytes // bytes_per_token, spec.block_size)
 
     @classmethod
     def unsupported_reason(cls, spec: AttentionSpec) -> str | None:
@@ -59,37 +68,54 @@ class SdpaAttentionBackend(AttentionBackend):
     def prepare(self, metadata: AttentionMetadata) -> SdpaPlan:
         starts = metadata.query_start_loc_cpu
         seq_lens = metadata.seq_lens_cpu
-        decodes = [i for i in range(metadata.num_reqs) if starts[i + 1] - starts[i] == 1]
+        decodes = sorted(
+            (i for i in range(metadata.num_reqs) if starts[i + 1] - starts[i] == 1), key=seq_lens.__getitem__
+        )
         prefills = [i for i in range(metadata.num_reqs) if starts[i + 1] - starts[i] > 1]
         block_tables = metadata.block_tables.long()
+        device = block_tables.device
+        decode_token_indices = None
+        groups: list[DecodeGroup] = []
+        if decodes:
+            decode_token_indices = torch.tensor([starts[i] for i in decodes], dtype=torch.long, device=device)
+            decode_block_tables = block_tables.index_select(0, torch.tensor(decodes, device=device))
+            decode_lens = torch.tensor([seq_lens[i] for i in decodes], device=device)
+            groups = [
+                self._decode_group(start, end, decode_block_tables, decode_lens, seq_lens[decodes[end - 1]])
+                for start, end in self._group_bounds([seq_lens[i] for i in decodes])
+            ]
         return SdpaPlan(
             slot_mapping=metadata.slot_mapping,
-            decode_buckets=[
-                self._decode_bucket(bucket, starts, seq_lens, block_tables)
-                for bucket in _split_by_length(decodes, seq_lens, self.spec.block_size)
-            ],
+            decode_token_indices=decode_token_indices,
+            decode_groups=groups,
             prefill_chunks=[self._prefill_chunk(i, starts, seq_lens, block_tables) for i in prefills],
         )
 
-    def _decode_bucket(
-        self, reqs: list[int], starts: list[int], seq_lens: list[int], block_tables: torch.Tensor
-    ) -> DecodeBucket:
+    def _group_bounds(self, sorted_lens: list[int]) -> list[tuple[int, int]]:
+        """Cut ascending context lengths into runs whose padded size stays within the group budget."""
+        block_size = self.spec.block_size
+        bounds = []
+        start = 0
+        for end in range(1, len(sorted_lens) + 1):
+            padded = -(-sorted_lens[end - 1] // block_size) * block_size
+            if end - start > 1 and (end - start) * padded > self.decode_group_tokens:
+                bounds.append((start, end - 1))
+                start = end - 1
+        bounds.append((start, len(sorted_lens)))
+        return bounds
+
+    def _decode_group(
+        self, start: int, end: int, block_tables: torch.Tensor, lens: torch.Tensor, longest: int
+    ) -> DecodeGroup:
         spec = self.spec
-        device = block_tables.device
-        num_blocks = -(-max(seq_lens[i] for i in reqs) // spec.block_size)
-        req_index = torch.tensor(reqs, dtype=torch.long, device=device)
-        block_ids = block_tables.index_select(0, req_index)[:, :num_blocks].reshape(-1)
-        lens = torch.tensor([seq_lens[i] for i in reqs], device=device)
-        visible = torch.arange(num_blocks * spec.block_size, device=device)[None, :] < lens[:, None]
-        mask = torch.zeros(visible.shape, dtype=spec.dtype, device=device).masked_fill_(
-            ~visible, float("-inf")
+        num_blocks = -(-longest // spec.block_size)
+        block_ids = block_tables[start:end, :num_blocks].reshape(-1)
+        context = torch.arange(num_blocks * spec.block_size, device=lens.device)
+        hidden = context[None, :] >= lens[start:end, None]
+        mask = torch.zeros(hidden.shape, dtype=spec.dtype, device=lens.device).masked_fill_(
+            hidden, float("-inf")
         )
-        return DecodeBucket(
-            token_indices=torch.tensor([starts[i] for i in reqs], dtype=torch.long, device=device),
-            block_ids=block_ids,
-            mask=mask[:, None, None, :],
-            num_blocks=num_blocks,
-        )
+        return DecodeGroup(start, end, block_ids, mask[:, None, None, :], num_blocks)
 
     def _prefill_chunk(
         self, i: int, starts: list[int], seq_lens: list[int], block_tables: torch.Tensor
@@ -114,28 +140,28 @@ class SdpaAttentionBackend(AttentionBackend):
     ) -> torch.Tensor:
         write_kv_cache(key, value, kv_cache, plan.slot_mapping)
         output = torch.empty_like(query)
-        for bucket in plan.decode_buckets:
-            output.index_copy_(0, bucket.token_indices, self._decode(query, kv_cache, bucket))
+        if plan.decode_token_indices is not None:
+            decode_query = query.index_select(0, plan.decode_token_indices)
+            decode_output = torch.empty_like(decode_query)
+            for group in plan.decode_groups:
+                decode_output[group.start : group.end] = self._decode(decode_query, kv_cache, group)
+            output.index_copy_(0, plan.decode_token_indices, decode_output)
         for chunk in plan.prefill_chunks:
             output[chunk.start : chunk.end] = self._prefill(query, key, value, kv_cache, chunk)
         return output
 
-    def _decode(self, query: torch.Tensor, kv_cache: torch.Tensor, bucket: DecodeBucket) -> torch.Tensor:
+    def _decode(self, decode_query: torch.Tensor, kv_cache: torch.Tensor, group: DecodeGroup) -> torch.Tensor:
         spec = self.spec
-        num_reqs = bucket.token_indices.shape[0]
-        group = spec.num_heads // spec.num_kv_heads
-        context = bucket.num_blocks * spec.block_size
-        # [n, kv_heads, group, dim]: a KV head's query heads act as that head's queries.
-        q = query.index_select(0, bucket.token_indices).view(
-            num_reqs, spec.num_kv_heads, group, spec.head_dim
-        )
-        shape = (num_reqs, context, spec.num_kv_heads, spec.head_dim)
-        k = _gather_blocks(kv_cache[0], bucket.block_ids).view(shape)
-        v = _gather_blocks(kv_cache[1], bucket.block_ids).view(shape)
+        rows = group.end - group.start
+        # [rows, kv_heads, group, dim]: a KV head's query heads act as that head's queries.
+        q = decode_query[group.start : group.end].view(rows, spec.num_kv_heads, -1, spec.head_dim)
+        shape = (rows, group.num_blocks * spec.block_size, spec.num_kv_heads, spec.head_dim)
+        k = _gather_blocks(kv_cache[0], group.block_ids).view(shape)
+        v = _gather_blocks(kv_cache[1], group.block_ids).view(shape)
         out = F.scaled_dot_product_attention(
-            q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=bucket.mask, scale=spec.scale
+            q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=group.mask, scale=spec.scale
         )
-        return out.reshape(num_reqs, spec.num_heads, spec.head_dim)
+        return out.reshape(rows, spec.num_heads, spec.head_dim)
 
     def _prefill(
         self,
@@ -172,30 +198,3 @@ def _gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor
     Indexing a two-dimensional view copies whole blocks at once, several times faster than the 4-D tensor.
     """
     return cache.view(cache.shape[0], -1).index_select(0, block_ids)
-
-
-def _split_by_length(reqs: list[int], seq_lens: list[int], block_size: int) -> list[list[int]]:
-    """Sort decodes by context length and cut where padding to one bucket's longest would waste most.
-
-    Each cut is placed greedily where it saves the most padded tokens, and kept only if the saving pays for
-    another round of kernel calls in every layer.
-    """
-    if not reqs:
-        return []
-    ordered = sorted(reqs, key=lambda i: seq_lens[i])
-    padded = [-(-seq_lens[i] // block_size) * block_size for i in ordered]
-    buckets = [(0, len(ordered))]
-    while len(buckets) < _MAX_DECODE_BUCKETS:
-        best_saving, best_cut = 0, None
-        for b, (lo, hi) in enumerate(buckets):
-            whole = (hi - lo) * padded[hi - 1]
-            for cut in range(lo + 1, hi):
-                saving = whole - (cut - lo) * padded[cut - 1] - (hi - cut) * padded[hi - 1]
-                if saving > best_saving:
-                    best_saving, best_cut = saving, (b, cut)
-        if best_cut is None or best_saving < _MIN_TOKENS_SAVED_PER_SPLIT:
-            break
-        b, cut = best_cut
-        lo, hi = buckets[b]
-        buckets[b : b + 1] = [(lo, cut), (cut, hi)]
-    return [ordered[lo:hi] for lo, hi in buckets]

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from kvfleet.runtime.attention.backend import AttentionMetadata, AttentionSpec
+from kvfleet.runtime.attention.backend import AttentionBackend, AttentionMetadata, AttentionSpec
 from kvfleet.runtime.attention.reference import ReferenceAttentionBackend
 from kvfleet.runtime.attention.sdpa import SdpaAttentionBackend
 
@@ -117,8 +117,8 @@ def _dense_causal(sequences: list[Sequence], num_kv_heads: int) -> torch.Tensor:
     return torch.cat(outputs).float()
 
 
-def _run(backend_class, sequences: list[Sequence], cache: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
-    backend = backend_class(_spec(num_kv_heads))
+def _run(backend: AttentionBackend, sequences: list[Sequence], cache: torch.Tensor) -> torch.Tensor:
+    num_kv_heads = backend.spec.num_kv_heads
     metadata = _metadata(sequences)
     plan = backend.prepare(metadata)
     query = torch.cat([s.queries for s in sequences])
@@ -140,21 +140,25 @@ MIXED_STEP = [(12, 1), (16, 4), (0, 9), (20, 6), (7, 1), (0, 1), (33, 1), (5, 11
 def test_mixed_step_matches_dense_attention(backend_class, num_kv_heads: int) -> None:
     sequences, cache = _make_step(num_kv_heads, MIXED_STEP, seed=num_kv_heads, shared_prefix_blocks=3)
     expected = _dense_causal(sequences, num_kv_heads)
-    output = _run(backend_class, sequences, cache.clone(), num_kv_heads)
+    output = _run(backend_class(_spec(num_kv_heads)), sequences, cache.clone())
     torch.testing.assert_close(output, expected, atol=2e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("num_kv_heads", [8, 2, 1])
 def test_backends_agree_on_many_decodes_of_varied_length(num_kv_heads: int) -> None:
-    # Context lengths from 1 to ~300 make the SDPA backend split decodes into several padded buckets.
+    # Context lengths from 1 to ~300 make the SDPA backend split decodes into several padded groups.
     rng = random.Random(num_kv_heads)
     shapes = [(rng.randrange(0, 300), 1) for _ in range(48)] + [(0, 13), (9, 8)]
     sequences, cache = _make_step(num_kv_heads, shapes, seed=100 + num_kv_heads)
-    plan = SdpaAttentionBackend(_spec(num_kv_heads)).prepare(_metadata(sequences))
-    assert len(plan.decode_buckets) > 1
-    assert sorted(int(i) for b in plan.decode_buckets for i in b.token_indices) == list(range(48))
-    reference = _run(ReferenceAttentionBackend, sequences, cache.clone(), num_kv_heads)
-    fast = _run(SdpaAttentionBackend, sequences, cache.clone(), num_kv_heads)
+    backend = SdpaAttentionBackend(_spec(num_kv_heads))
+    backend.decode_group_tokens = 1024  # several groups even with few KV heads
+    plan = backend.prepare(_metadata(sequences))
+    assert len(plan.decode_groups) > 2
+    assert [(g.start, g.end) for g in plan.decode_groups][-1][1] == 48
+    assert plan.decode_token_indices is not None
+    assert sorted(plan.decode_token_indices.tolist()) == list(range(48))
+    reference = _run(ReferenceAttentionBackend(_spec(num_kv_heads)), sequences, cache.clone())
+    fast = _run(backend, sequences, cache.clone())
     torch.testing.assert_close(fast, reference, atol=2e-5, rtol=1e-4)
     torch.testing.assert_close(fast, _dense_causal(sequences, num_kv_heads), atol=2e-5, rtol=1e-4)
 
@@ -162,7 +166,7 @@ def test_backends_agree_on_many_decodes_of_varied_length(num_kv_heads: int) -> N
 def test_only_prefills_and_only_decodes() -> None:
     for shapes in ([(0, 5), (0, 17), (8, 3)], [(3, 1), (0, 1), (40, 1)]):
         sequences, cache = _make_step(2, shapes, seed=len(shapes[0]))
-        output = _run(SdpaAttentionBackend, sequences, cache, 2)
+        output = _run(SdpaAttentionBackend(_spec(2)), sequences, cache)
         torch.testing.assert_close(output, _dense_causal(sequences, 2), atol=2e-5, rtol=1e-4)
 
 
