@@ -9,7 +9,9 @@ important cases against a real one.
 from __future__ import annotations
 
 import copy
+import os
 import re
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -138,6 +140,29 @@ class CRDValidator:
 @pytest.fixture(scope="session")
 def repo() -> Path:
     return REPO
+
+
+def find_helm() -> Path | None:
+    """A helm binary: $KVFLEET_HELM, then PATH, then the project's build cache (~/.cache/kvfleet)."""
+    explicit = os.environ.get("KVFLEET_HELM")
+    if explicit:
+        return Path(explicit)
+    on_path = shutil.which("helm")
+    if on_path:
+        return Path(on_path)
+    cache = Path(os.environ.get("KVFLEET_CACHE", Path.home() / ".cache" / "kvfleet"))
+    built = sorted(cache.glob("*/*/bin/helm")) + sorted(cache.glob("*/bin/helm"))
+    return built[-1] if built else None
+
+
+@pytest.fixture(scope="session")
+def helm() -> Path:
+    binary = find_helm()
+    if binary is None:
+        pytest.skip(
+            "no helm binary (PATH, $KVFLEET_HELM or the ~/.cache/kvfleet build): helm lint/template not run"
+        )
+    return binary
 
 
 @pytest.fixture(scope="session")
