@@ -69,37 +69,39 @@ class KVCacheManager:
             raise ValueError(f"num_new_tokens must be positive, got {num_new_tokens}")
         request_id = request.request_id
         block_size = self.block_size
-        hits: Sequence[KVCacheBlock] = new_computed_blocks or ()
-        blocks = self.req_to_blocks.get(request_id)
-        if hits and blocks is not None:
-            raise ValueError(
-                f"request {request_id!r} already holds blocks; prefix hits apply to a first allocation"
-            )
-        num_held = 0 if blocks is None else len(blocks)
-        num_tokens_after = request.num_computed_tokens + len(hits) * block_size + num_new_tokens
-        num_required = -(-num_tokens_after // block_size) - num_held - len(hits)
         pool = self.block_pool
-        # Hits on free blocks leave the free queue when touched, so they cannot also serve as new blocks.
-        num_free_hits = sum(1 for block in hits if block.ref_cnt == 0)
-        if num_required > pool.get_num_free_blocks() - num_free_hits:
-            return None
-
+        blocks = self.req_to_blocks.get(request_id)
         if blocks is None:
-            blocks = self.req_to_blocks[request_id] = []
-            self.req_to_block_ids[request_id] = []
+            hits: Sequence[KVCacheBlock] = new_computed_blocks or ()
+            num_tokens_after = len(hits) * block_size + num_new_tokens
+            num_required = -(-num_tokens_after // block_size) - len(hits)
+            # Hits on free blocks leave the free queue when touched, so they cannot also serve as new blocks.
+            num_free_hits = sum(1 for block in hits if block.ref_cnt == 0)
+            if num_required > pool.get_num_free_blocks() - num_free_hits:
+                return None
+            pool.touch(hits)
+            blocks = self.req_to_blocks[request_id] = list(hits)
+            self.req_to_block_ids[request_id] = [block.block_id for block in hits]
             if self.enable_caching:
                 self.num_cached_blocks[request_id] = len(hits)
                 self.prefix_cache_queries += request.num_tokens
                 self.prefix_cache_hits += len(hits) * block_size
-        block_ids = self.req_to_block_ids[request_id]
-        if hits:
-            pool.touch(hits)
-            blocks.extend(hits)
-            block_ids.extend(block.block_id for block in hits)
-        new_blocks = pool.get_new_blocks(num_required) if num_required > 0 else []
-        blocks.extend(new_blocks)
-        block_ids.extend(block.block_id for block in new_blocks)
-        if not delay_cache_blocks:
+        else:
+            if new_computed_blocks:
+                raise ValueError(
+                    f"request {request_id!r} already holds blocks; prefix hits apply to a first allocation"
+                )
+            num_tokens_after = request.num_computed_tokens + num_new_tokens
+            num_required = -(-num_tokens_after // block_size) - len(blocks)
+            if num_required > pool.get_num_free_blocks():
+                return None
+        if num_required > 0:
+            new_blocks = pool.get_new_blocks(num_required)
+            blocks.extend(new_blocks)
+            self.req_to_block_ids[request_id].extend(block.block_id for block in new_blocks)
+        else:  # the usual decode step: the last block still has room
+            new_blocks = []
+        if self.enable_caching and not delay_cache_blocks:
             self.cache_blocks(request, num_tokens_after)
         return new_blocks
 

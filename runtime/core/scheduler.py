@@ -118,10 +118,12 @@ class Scheduler:
             self.kv_cache_manager.reset_prefix_cache()
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+        """Also true while a timed-out request's end is still to be reported by update_from_output(), so
+        that a loop stepping until this is false delivers every request's end."""
+        return bool(self.requests) or bool(self._timed_out_outputs)
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self.requests)
+        return len(self.requests) + len(self._timed_out_outputs)
 
     def reset_prefix_cache(self) -> None:
         self.kv_cache_manager.reset_prefix_cache()
@@ -157,7 +159,7 @@ class Scheduler:
                 break
             if request.status != _RUNNING:  # preempted earlier in this loop
                 continue
-            num_new_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new_tokens = min(len(request.all_token_ids) - request.num_computed_tokens, budget)
             if num_new_tokens <= 0:  # its previous step's output has not been applied yet
                 continue
             while True:
@@ -177,8 +179,13 @@ class Scheduler:
 
         if preempted:
             self.running = [request for request in self.running if request.status == _RUNNING]
-        for request, num_new_tokens in scheduled.items():
-            kv.cache_blocks(request, request.num_computed_tokens + num_new_tokens)
+        if kv.enable_caching:
+            block_size = kv.block_size
+            for request, num_new_tokens in scheduled.items():
+                computed = request.num_computed_tokens
+                # Only a step that completes a block has anything to register.
+                if (computed + num_new_tokens) // block_size > computed // block_size:
+                    kv.cache_blocks(request, computed + num_new_tokens)
 
         # Admitting new work in a step that had to preempt would only thrash.
         if not preempted:
@@ -199,22 +206,20 @@ class Scheduler:
                 f"the model runner returned {len(sampled_token_ids)} results for {len(requests)} requests"
             )
         all_logprobs = runner_output.logprobs
+        req_ids = runner_output.req_ids
         max_model_len = self.max_model_len
         for index, request in enumerate(requests):
             new_token_ids = sampled_token_ids[index]
             # Requests finished from outside after schedule() lose their last tokens.
-            if not new_token_ids or request.is_finished:
+            if not new_token_ids or request.status != _RUNNING:
                 continue
-            if runner_output.req_ids[index] != request.request_id:
-                raise ValueError(
-                    f"model runner result {index} is for {runner_output.req_ids[index]!r}, "
-                    f"not {request.request_id!r}"
-                )
-            if request.num_computed_tokens != request.num_tokens:
-                raise ValueError(
-                    f"the model runner sampled for {request.request_id!r} before its prefill ended"
-                )
+            request_id = request.request_id
+            if req_ids[index] != request_id:
+                raise ValueError(f"model runner result {index} is for {req_ids[index]!r}, not {request_id!r}")
+            if request.num_computed_tokens != len(request.all_token_ids):
+                raise ValueError(f"the model runner sampled for {request_id!r} before its prefill ended")
             new_logprobs = all_logprobs[index] if all_logprobs else None
+            finish_reason = None
             for position, token_id in enumerate(new_token_ids):
                 request.output_token_ids.append(token_id)
                 request.all_token_ids.append(token_id)
@@ -225,15 +230,16 @@ class Scheduler:
                         if new_logprobs is not None:
                             new_logprobs = new_logprobs[: position + 1]
                     self._finish(request, status)
+                    finish_reason = request.finish_reason
                     break
             outputs.append(
                 EngineCoreOutput(
-                    request_id=request.request_id,
-                    new_token_ids=new_token_ids,
-                    new_logprobs=new_logprobs,
-                    finish_reason=request.finish_reason,
-                    stop_reason=request.stop_reason,
-                    num_cached_tokens=max(request.num_cached_tokens, 0),
+                    request_id,
+                    new_token_ids,
+                    new_logprobs,
+                    finish_reason,
+                    request.stop_reason,
+                    max(request.num_cached_tokens, 0),
                 )
             )
         self._drop_finished_running()
@@ -270,28 +276,30 @@ class Scheduler:
     def _build_output(
         self, scheduled: dict[Request, int], budget: int, preempted: list[Request]
     ) -> SchedulerOutput:
-        requests = list(scheduled)
-        num_scheduled_tokens = list(scheduled.values())
-        num_computed_tokens = [request.num_computed_tokens for request in requests]
-        get_block_ids = self.kv_cache_manager.get_block_ids
+        block_ids = self.kv_cache_manager.req_to_block_ids
+        num_computed_tokens = []
+        block_tables = []
+        num_prefill_tokens = 0
+        for request, num_new_tokens in scheduled.items():
+            computed = request.num_computed_tokens
+            num_computed_tokens.append(computed)
+            block_tables.append(block_ids[request.request_id])
+            computed_after = computed + num_new_tokens
+            # The newest sampled token, fed once its prompt is done, is decode work, not prefill.
+            is_decode = computed_after == len(request.all_token_ids) and request.output_token_ids
+            num_prefill_tokens += num_new_tokens - 1 if is_decode else num_new_tokens
+            request.num_computed_tokens = computed_after
+        self.num_prefill_tokens_computed += num_prefill_tokens
         output = SchedulerOutput(
-            requests=requests,
-            num_scheduled_tokens=num_scheduled_tokens,
+            requests=list(scheduled),
+            num_scheduled_tokens=list(scheduled.values()),
             num_computed_tokens=num_computed_tokens,
-            block_ids=[get_block_ids(request.request_id) for request in requests],
+            block_ids=block_tables,
             total_num_scheduled_tokens=self.max_num_batched_tokens - budget,
             finished_request_ids=self._finished_request_ids,
             preempted_request_ids={request.request_id for request in preempted},
         )
         self._finished_request_ids = set()
-        num_prefill_tokens = 0
-        for request, num_new_tokens in scheduled.items():
-            computed_after = request.num_computed_tokens + num_new_tokens
-            # The newest sampled token, fed once its prompt is done, is decode work, not prefill.
-            is_decode = computed_after == request.num_tokens and request.output_token_ids
-            num_prefill_tokens += num_new_tokens - 1 if is_decode else num_new_tokens
-            request.num_computed_tokens = computed_after
-        self.num_prefill_tokens_computed += num_prefill_tokens
         return output
 
     def _choose_victim(self) -> Request:

@@ -578,6 +578,22 @@ class TestDeadlines:
         assert request.status == RequestStatus.FINISHED_TIMED_OUT
         assert not scheduler.has_unfinished_requests()
 
+    def test_a_timeout_counts_as_unfinished_until_reported(self, runner_factory: Callable) -> None:
+        clock = Clock()
+        scheduler = make_scheduler(clock=clock)
+        runner = runner_factory(scheduler)
+        scheduler.add_request(make_request("a", 5, deadline=clock.now + 1))
+        step(scheduler, runner)
+        clock.now += 2
+        # The step fails (the engine finishes its requests and skips update_from_output) ...
+        scheduler.schedule()
+        assert scheduler.has_unfinished_requests()
+        assert scheduler.get_num_unfinished_requests() == 1
+        # ... so the next step still reports the timeout.
+        _, outputs = step(scheduler, runner)
+        assert [(out.request_id, out.finish_reason) for out in outputs] == [("a", FinishReason.TIMEOUT)]
+        assert not scheduler.has_unfinished_requests()
+
     def test_requests_that_finished_first_leave_no_timeout(self, runner_factory: Callable) -> None:
         clock = Clock()
         scheduler = make_scheduler(clock=clock)
