@@ -10,6 +10,8 @@ from kvfleet.operator.spec import InferenceServiceSpec, ModelSpec
 from kvfleet.operator.tiers import TIERS
 
 MODEL_ROOT = "/mnt/models"
+# The one writable path besides the model volume: HOME, caches and temporary files.
+SCRATCH = "/scratch"
 # Long enough for endpoint controllers and proxies to drop the pod before it stops accepting requests.
 PRESTOP_DELAY_SECONDS = 5
 # Time past the drain for the runtime to exit once its last request finished.
@@ -71,8 +73,12 @@ def termination_grace_seconds(spec: InferenceServiceSpec) -> int:
 def pod_template(spec: InferenceServiceSpec, labels: dict[str, str], image: str) -> dict[str, Any]:
     engine, resources = spec.engine, spec.resources
     volumes, mounts = _model_volumes(spec.model)
-    volumes = [{"name": "tmp", "emptyDir": {}}, {"name": "dshm", "emptyDir": {"medium": "Memory"}}, *volumes]
-    mounts = [{"name": "tmp", "mountPath": "/tmp"}, {"name": "dshm", "mountPath": "/dev/shm"}, *mounts]
+    volumes = [
+        {"name": "scratch", "emptyDir": {}},
+        {"name": "dshm", "emptyDir": {"medium": "Memory"}},
+        *volumes,
+    ]
+    mounts = [{"name": "scratch", "mountPath": SCRATCH}, {"name": "dshm", "mountPath": "/dev/shm"}, *mounts]
     container: dict[str, Any] = {
         "name": "runtime",
         "image": image,
@@ -133,14 +139,18 @@ def _flags(pairs: list[tuple[str, object]]) -> list[str]:
 
 
 def _runtime_env(spec: InferenceServiceSpec) -> list[dict[str, str]]:
-    # The root filesystem is read-only: caches (kernels, tokenizers) go to the /tmp volume, and the
-    # runtime never reaches for a model hub itself.
-    env = [
-        {"name": "HOME", "value": "/tmp"},
-        {"name": "XDG_CACHE_HOME", "value": "/tmp/.cache"},
-        {"name": "HF_HUB_OFFLINE", "value": "1"},
-    ]
+    # The root filesystem is read-only: caches (kernels, tokenizers) and temporary files go to the
+    # scratch volume, and the runtime never reaches for a model hub itself.
+    env = [*_scratch_env(), {"name": "HF_HUB_OFFLINE", "value": "1"}]
     return env + [{"name": name, "value": value} for name, value in spec.engine.env]
+
+
+def _scratch_env() -> list[dict[str, str]]:
+    return [
+        {"name": "HOME", "value": SCRATCH},
+        {"name": "XDG_CACHE_HOME", "value": f"{SCRATCH}/.cache"},
+        {"name": "TMPDIR", "value": SCRATCH},
+    ]
 
 
 def _container_resources(spec: InferenceServiceSpec) -> dict[str, dict[str, str]]:
@@ -198,7 +208,7 @@ def _download_container(model: ModelSpec, image: str, pull_policy: str) -> dict[
     if source.detail is not None:
         args += ["--revision", source.detail]
     args += ["--dest", model_path(model)]
-    env: list[dict[str, Any]] = [{"name": "HF_HOME", "value": f"{MODEL_ROOT}/.cache"}]
+    env: list[dict[str, Any]] = [*_scratch_env(), {"name": "HF_HOME", "value": f"{MODEL_ROOT}/.cache"}]
     if model.credentials_secret is not None:
         secret_ref = {"name": model.credentials_secret, "key": "HF_TOKEN"}
         env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": secret_ref}})
@@ -210,5 +220,8 @@ def _download_container(model: ModelSpec, image: str, pull_policy: str) -> dict[
         "args": args,
         "env": env,
         "securityContext": _container_security(),
-        "volumeMounts": [{"name": "model", "mountPath": MODEL_ROOT}, {"name": "tmp", "mountPath": "/tmp"}],
+        "volumeMounts": [
+            {"name": "model", "mountPath": MODEL_ROOT},
+            {"name": "scratch", "mountPath": SCRATCH},
+        ],
     }
