@@ -17,6 +17,7 @@ COMMANDS: dict[str, str] = {
     "generate": "kvfleet.runtime.cli:generate",
     "demo": "kvfleet.runtime.cli:demo",
     "bench": "kvfleet.runtime.cli:bench",
+    "operator": "kvfleet.operator.cli:operator_command",
     "serve": "kvfleet.runtime.server.cli:serve",
 }
 
