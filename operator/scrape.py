@@ -122,9 +122,11 @@ class FleetScraper:
         )
 
     def _interval_ttft(self, pod: str, page: Exposition) -> float | None:
-        if page.ttft_sum is None or page.ttft_count is None:
-            return None
         previous = self._ttft_counters.get(pod)
+        if page.ttft_sum is None or page.ttft_count is None:
+            # A labelled histogram appears with its first request: until then it is at zero.
+            self._ttft_counters[pod] = (0.0, 0.0)
+            return None
         self._ttft_counters[pod] = (page.ttft_sum, page.ttft_count)
         if previous is None:
             return None

@@ -6,6 +6,7 @@ import asyncio
 import socket
 
 import aiohttp
+import pytest
 from aiohttp import web
 from kvfleet.operator.scrape import FleetScraper, ScrapeTarget, parse_exposition
 
@@ -119,6 +120,41 @@ async def _scrape_fleet() -> None:
             ttft["sum"], ttft["count"] = 0.2, 1.0
             restarted = await scraper.scrape(targets[:1])
             assert restarted[0] is not None and restarted[0].ttft_seconds is None
+
     finally:
         for runner in runners:
             await runner.cleanup()
+
+
+def test_a_histogram_that_appears_later_counts_from_zero() -> None:
+    asyncio.run(_late_histogram())
+
+
+async def _late_histogram() -> None:
+    page = {"text": "kvfleet:num_requests_waiting 0\nkvfleet:num_requests_running 0\n"}
+
+    async def metrics(_: web.Request) -> web.Response:
+        return web.Response(text=page["text"])
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    await web.SockSite(runner, listener).start()
+    target = ScrapeTarget("pod", "127.0.0.1", listener.getsockname()[1])
+    try:
+        async with aiohttp.ClientSession() as session:
+            scraper = FleetScraper(session, timeout_seconds=1)
+            (first,) = await scraper.scrape([target])
+            assert first is not None and first.ttft_seconds is None
+            # A labelled histogram has no series until the replica's first request.
+            page["text"] += (
+                'kvfleet:time_to_first_token_seconds_sum{tier="standard"} 0.6\n'
+                'kvfleet:time_to_first_token_seconds_count{tier="standard"} 2\n'
+            )
+            (second,) = await scraper.scrape([target])
+            assert second is not None and second.ttft_seconds == pytest.approx(0.3)
+    finally:
+        await runner.cleanup()

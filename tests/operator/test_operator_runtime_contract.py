@@ -1,0 +1,92 @@
+"""The rendered runtime command line against the real `kvfleet serve`: it starts, becomes ready, reports
+the metrics the autoscaler reads, and drains and exits within the grace period the pod gets.
+
+The operator never imports the runtime; this test runs it as a separate process, as a pod would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import aiohttp
+import httpx
+import pytest
+import yaml
+from kvfleet.operator.render_pod import runtime_args, termination_grace_seconds
+from kvfleet.operator.scrape import FleetScraper, ScrapeTarget
+from kvfleet.operator.spec import parse_spec
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tiny-cpu.yaml"
+READY_TIMEOUT_SECONDS = 180
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def wait_ready(base: str, process: subprocess.Popen[bytes]) -> None:
+    deadline = time.monotonic() + READY_TIMEOUT_SECONDS
+    while time.monotonic() < deadline:
+        assert process.poll() is None, "the runtime exited before it was ready"
+        try:
+            if httpx.get(f"{base}/ready", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    raise AssertionError(f"not ready within {READY_TIMEOUT_SECONDS}s")
+
+
+async def scrape_twice_around_requests(target: ScrapeTarget, base: str) -> tuple[object, object]:
+    async with aiohttp.ClientSession() as session:
+        scraper = FleetScraper(session, timeout_seconds=5)
+        (before,) = await scraper.scrape([target])
+        async with httpx.AsyncClient(base_url=base, timeout=60) as client:
+            body = {"model": "tiny", "prompt": "hello there", "max_tokens": 8}
+            replies = await asyncio.gather(*(client.post("/v1/completions", json=body) for _ in range(4)))
+        assert all(reply.status_code == 200 for reply in replies)
+        (after,) = await scraper.scrape([target])
+    return before, after
+
+
+@pytest.mark.slow
+def test_rendered_command_runs_the_real_runtime(make_model: Callable[..., Path], tmp_path: Path) -> None:
+    spec = parse_spec(yaml.safe_load(EXAMPLE.read_text())["spec"], name="tiny")
+    args = runtime_args(spec)
+    port = free_port()
+    # What a pod would get, with the model where this machine has it and a port of its own.
+    args[args.index("--model") + 1] = str(make_model("llama", "tiny", 0))
+    args[args.index("--host") + 1] = "127.0.0.1"
+    args[args.index("--port") + 1] = str(port)
+    log = (tmp_path / "serve.log").open("wb")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "kvfleet", "serve", *args], stdout=log, stderr=subprocess.STDOUT
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(base, process)
+        assert httpx.get(f"{base}/health", timeout=5).status_code == 200
+        before, after = asyncio.run(
+            scrape_twice_around_requests(ScrapeTarget("tiny-0", "127.0.0.1", port), base)
+        )
+        assert before is not None and (before.waiting, before.running) == (0.0, 0.0)
+        assert before.kv_cache_usage is not None
+        assert after is not None and after.ttft_seconds is not None and after.ttft_seconds > 0
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=termination_grace_seconds(spec)) == 0, (
+            "drained and exited within the grace"
+        )
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        log.close()
