@@ -115,6 +115,15 @@ def workload_condition(observation: Observation) -> Condition:
         return condition(False, "PodCreationFailed", deployment.replica_failure)
     if deployment.progress_deadline_exceeded:
         return condition(False, "ProgressDeadlineExceeded", deployment.progress_message)
+    if deployment.available_replicas == 0:
+        # Nothing serves: say why, even mid-rollout, since waiting will not fix a failing or unplaceable pod.
+        failing = next((pod for pod in observation.pods if pod.failure_reason), None)
+        if failing is not None:
+            return condition(False, "ReplicaFailing", f"pod {failing.name}: {failing.failure_message}")
+        unschedulable = _unschedulable(observation.pods)
+        if unschedulable:
+            reason, message = _unschedulable_reason(unschedulable, observation.gpu_resource_name)
+            return condition(False, reason, message)
     rolled_out = deployment.updated_replicas >= deployment.replicas
     old_left = deployment.status_replicas - deployment.updated_replicas
     if not rolled_out or old_left > 0:
@@ -124,13 +133,6 @@ def workload_condition(observation: Observation) -> Condition:
             f"{deployment.updated_replicas} of {deployment.replicas} replicas updated, {old_left} old left",
         )
     if deployment.available_replicas == 0:
-        failing = next((pod for pod in observation.pods if pod.failure_reason), None)
-        if failing is not None:
-            return condition(False, "ReplicaFailing", f"pod {failing.name}: {failing.failure_message}")
-        unschedulable = _unschedulable(observation.pods)
-        if unschedulable:
-            reason, message = _unschedulable_reason(unschedulable, observation.gpu_resource_name)
-            return condition(False, reason, message)
         return condition(
             False, "ReplicasStarting", f"0 of {desired} replicas ready; waiting for the model to load"
         )

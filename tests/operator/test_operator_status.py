@@ -113,6 +113,18 @@ def test_nothing_placed_is_a_failure() -> None:
     assert ready["reason"] in FAILURE_REASONS
 
 
+def test_a_rollout_that_cannot_place_anything_is_a_failure() -> None:
+    # A claim that does not exist: old and new replicas both pending, nothing serving.
+    message = '0/2 nodes are available: persistentvolumeclaim "model-store" not found.'
+    pods = [
+        PodView(name, None, "Pending", False, False, unschedulable_message=message) for name in ("old", "new")
+    ]
+    stuck = deployment(updated_replicas=1, status_replicas=2, ready_replicas=0, available_replicas=0)
+    ready = conditions(build_status(observe(pods=pods, deployment=stuck), {}, NOW))["Ready"]
+    assert (ready["status"], ready["reason"]) == ("False", "Unschedulable")
+    assert "persistentvolumeclaim" in ready["message"]
+
+
 def test_other_unschedulable_reasons() -> None:
     pods = [
         PodView("svc-a", None, "Pending", False, False, unschedulable_message="0/4 nodes: node(s) had taint")
