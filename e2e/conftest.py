@@ -6,8 +6,10 @@ test's timeout; a cold build takes about ten minutes on 2 cores, later runs reus
 
 from __future__ import annotations
 
+import contextlib
 import re
 import secrets
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -19,10 +21,12 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from e2e.cluster import ApiError, ClusterConfig, LocalCluster, ensure_binaries  # noqa: E402
+from e2e.cluster import ApiError, ClusterConfig, KubeAPI, LocalCluster, ensure_binaries  # noqa: E402
+from e2e.fleet.chart import OperatorRelease, install_chart, uninstall_chart  # noqa: E402
+from e2e.fleet.manifests import services_path  # noqa: E402
 
 PROBE_TARGET = REPO_ROOT / "e2e" / "support" / "probe_target.py"
-CLUSTER_FIXTURES = {"local_cluster", "cluster_bin_dir", "namespace"}
+CLUSTER_FIXTURES = {"local_cluster", "cluster_bin_dir", "namespace", "module_namespace", "kvfleet_release"}
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
@@ -72,11 +76,49 @@ def _namespace_name(test_name: str) -> str:
     return f"{slug}-{secrets.token_hex(3)}"
 
 
-@pytest.fixture
-def namespace(local_cluster: LocalCluster, request: pytest.FixtureRequest) -> Iterator[str]:
-    """A fresh namespace, deleted afterwards; waits until its pods (and their processes) are gone."""
-    name = _namespace_name(request.node.name)
-    api = local_cluster.api
+@pytest.fixture(scope="session")
+def kvfleet_release(local_cluster: LocalCluster) -> Iterator[OperatorRelease]:
+    """charts/kvfleet installed with Helm (CRDs, RBAC, PriorityClasses, the operator as a pod that the pod
+    runner runs with its ServiceAccount's rights); uninstalled after the last test."""
+    release = install_chart(local_cluster)
+    yield release
+    uninstall_chart(release)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Llama with its tokenizer, made by `kvfleet make-model` (a few seconds)."""
+    path = tmp_path_factory.mktemp("models") / "tiny-llama"
+    kvfleet = Path(sys.executable).parent / "kvfleet"
+    subprocess.run(
+        [str(kvfleet), "make-model", "--arch", "llama", "--preset", "tiny", str(path)],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    return path
+
+
+def _delete_inference_services(api: KubeAPI, namespace: str, timeout: float) -> None:
+    """Deletes the namespace's InferenceServices and waits for them (the operator removes its finalizer),
+    so no Deployment is re-created while the namespace is emptied."""
+    try:
+        api.delete(services_path(namespace))
+    except ApiError as error:
+        if error.status == 404:  # the CRD is not installed
+            return
+        raise
+    deadline = time.monotonic() + timeout
+    while api.get(services_path(namespace))["items"]:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"InferenceServices of {namespace} still exist {timeout:.0f}s after deletion")
+        time.sleep(0.2)
+
+
+@contextlib.contextmanager
+def fresh_namespace(cluster: LocalCluster, name: str) -> Iterator[str]:
+    """A new namespace, deleted afterwards; waits until its pods (and their processes) are gone."""
+    api = cluster.api
     api.create("/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}})
     deadline = time.monotonic() + 30
     while True:  # pods are rejected until the controller manager made the namespace's default account
@@ -87,12 +129,34 @@ def namespace(local_cluster: LocalCluster, request: pytest.FixtureRequest) -> It
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.1)
-    yield name
-    # Deleting the pods directly (each gracefully) is faster than waiting for the namespace controller.
-    api.delete(f"/api/v1/namespaces/{name}/pods")
-    api.delete(f"/api/v1/namespaces/{name}")
-    deadline = time.monotonic() + 120
-    while api.get(f"/api/v1/namespaces/{name}/pods")["items"]:
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"pods of namespace {name} still exist 120s after its deletion")
-        time.sleep(0.2)
+    try:
+        yield name
+    finally:
+        try:
+            _delete_inference_services(api, name, timeout=60)
+        finally:
+            # Deleting the workloads and pods directly (each pod gracefully) is faster than waiting for the
+            # garbage collector and the namespace controller.
+            api.delete(f"/apis/apps/v1/namespaces/{name}/deployments")
+            api.delete(f"/apis/apps/v1/namespaces/{name}/replicasets")
+            api.delete(f"/api/v1/namespaces/{name}/pods")
+            api.delete(f"/api/v1/namespaces/{name}")
+            deadline = time.monotonic() + 120
+            while api.get(f"/api/v1/namespaces/{name}/pods")["items"]:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"pods of namespace {name} still exist 120s after its deletion")
+                time.sleep(0.2)
+
+
+@pytest.fixture
+def namespace(local_cluster: LocalCluster, request: pytest.FixtureRequest) -> Iterator[str]:
+    """A fresh namespace for one test."""
+    with fresh_namespace(local_cluster, _namespace_name(request.node.name)) as name:
+        yield name
+
+
+@pytest.fixture(scope="module")
+def module_namespace(local_cluster: LocalCluster, request: pytest.FixtureRequest) -> Iterator[str]:
+    """A fresh namespace shared by the tests of one module (what they set up costs a model load)."""
+    with fresh_namespace(local_cluster, _namespace_name(request.module.__name__.rpartition(".")[2])) as name:
+        yield name

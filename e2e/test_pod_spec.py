@@ -40,6 +40,9 @@ POD = {
         ("kvfleet:0.1.0", True),
         ("registry.example/acme/kvfleet:v1", True),
         ("registry.local:5000/kvfleet@sha256:" + "a" * 64, True),
+        ("kvfleet/operator:0.1.0", True),
+        ("registry.example/kvfleet/runtime:0.1.0", True),
+        ("kvfleet/other:1", False),
         ("registry.example/acme/kvfleet-operator:v1", False),
         ("notkvfleet:1", False),
         ("busybox", False),
@@ -131,12 +134,14 @@ def test_argv_maps_the_image_commands_and_rejects_others() -> None:
         ),
         (["k", "serve", "--host=0.0.0.0"], ["k", "serve", "--host=127.1.0.7"]),
         (["k", "serve", "--port", "8000"], ["k", "serve", "--port", "8000", "--host", "127.1.0.7"]),
-        (["k", "operator", "--namespace", "x"], ["k", "operator", "--namespace", "x"]),
+        (["k", "operator", "--namespace", "x"], ["k", "operator", "--namespace", "x", "--bind", "127.1.0.7"]),
+        (["k", "operator", "--bind=0.0.0.0"], ["k", "operator", "--bind=127.1.0.7"]),
+        (["k", "operator", "--bind", "127.0.0.1"], ["k", "operator", "--bind", "127.1.0.7"]),
         (
-            ["k", "operator", "--liveness=http://0.0.0.0:8080/healthz", "--metrics", "0.0.0.0:9090"],
-            ["k", "operator", "--liveness=http://127.1.0.7:8080/healthz", "--metrics", "127.1.0.7:9090"],
+            ["k", "sidecar", "--liveness=http://0.0.0.0:8080/healthz", "--metrics", "0.0.0.0:9090"],
+            ["k", "sidecar", "--liveness=http://127.1.0.7:8080/healthz", "--metrics", "127.1.0.7:9090"],
         ),
-        (["k", "operator", "--peer", "10.0.0.0.1"], ["k", "operator", "--peer", "10.0.0.0.1"]),
+        (["k", "sidecar", "--peer", "10.0.0.0.1"], ["k", "sidecar", "--peer", "10.0.0.0.1"]),
     ],
 )
 def test_servers_bind_to_the_pod_ip(argv: list[str], expected: list[str]) -> None:

@@ -503,6 +503,20 @@ class PodRunner:
     def log_path(self, namespace: str, pod_name: str, container: str) -> Path:
         return self.work_dir / namespace / pod_name / f"{container}.log"
 
+    def process_id(self, namespace: str, pod_name: str, container: str) -> int | None:
+        """The PID of a container's running process (None when it is not running), e.g. to kill it as a
+        crash would: the runner then restarts it as the pod's restart policy says."""
+        with self._lock:
+            workers = list(self._workers.values())
+        for worker in workers:
+            if (worker.namespace, worker.pod_name) != (namespace, pod_name):
+                continue
+            for candidate in worker.containers:
+                process = candidate.process
+                if candidate.name == container and process is not None and process.running():
+                    return process.pid
+        return None
+
     def start(self) -> None:
         missing = {name: path for name, path in self.programs.items() if not Path(path).exists()}
         if missing:

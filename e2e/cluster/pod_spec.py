@@ -15,8 +15,9 @@ from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
-# The repository name of the image is kvfleet, with any registry, tag or digest.
-DEFAULT_IMAGE_PATTERN = r"(^|/)kvfleet(:[A-Za-z0-9_.-]+)?(@sha256:[0-9a-f]+)?$"
+# kvfleet's images: the repository kvfleet, kvfleet/operator or kvfleet/runtime (the chart's and the
+# operator's defaults), with any registry, tag or digest. Go's RE2 reads it too (kwok's stage selectors).
+DEFAULT_IMAGE_PATTERN = r"(^|/)kvfleet(/(operator|runtime))?(:[A-Za-z0-9_.-]+)?(@sha256:[0-9a-f]+)?$"
 
 # Reads a ConfigMap or Secret: (kind, namespace, name) -> its string data, or None when it does not exist.
 ObjectLookup = Callable[[str, str, str], "dict[str, str] | None"]
@@ -213,29 +214,35 @@ def container_argv(
 
 
 _ANY_ADDRESS = re.compile(r"(?<![0-9.])0\.0\.0\.0(?![0-9.])")
+# The subcommands of the kvfleet image that listen, and the flag of their listen address.
+_LISTEN_FLAGS = {"serve": "--host", "operator": "--bind"}
 
 
 def bind_to_pod_ip(argv: list[str], pod_ip: str) -> list[str]:
-    """argv as if the pod had its own network: --host is the pod's IP (added for `serve`), and so is any
-    0.0.0.0 (all interfaces of a pod are its one IP; on a shared host two pods would claim the same port)."""
+    """argv as if the pod had its own network: any 0.0.0.0 becomes the pod's IP (all interfaces of a pod are
+    its one IP; on a shared host two pods would claim the same port), and so does the listen address of the
+    kvfleet servers (`serve --host`, `operator --bind`), added when the arguments leave it to the default."""
     argv = [argv[0], *(_ANY_ADDRESS.sub(pod_ip, part) for part in argv[1:])]
-    result: list[str] = []
-    replaced = False
+    flags = {_LISTEN_FLAGS[part] for part in argv[1:] if part in _LISTEN_FLAGS}
+    result: list[str] = [argv[0]]
+    replaced: set[str] = set()
     skip_next = False
-    for index, part in enumerate(argv):
+    for index, part in enumerate(argv[1:], start=1):
         if skip_next:
             skip_next = False
             continue
-        if part == "--host" and index + 1 < len(argv):
-            result += ["--host", pod_ip]
-            skip_next = replaced = True
-        elif part.startswith("--host="):
-            result.append(f"--host={pod_ip}")
-            replaced = True
+        flag = part.split("=", 1)[0]
+        if flag in flags and "=" in part:
+            result.append(f"{flag}={pod_ip}")
+            replaced.add(flag)
+        elif flag in flags and index + 1 < len(argv):
+            result += [flag, pod_ip]
+            replaced.add(flag)
+            skip_next = True
         else:
             result.append(part)
-    if not replaced and "serve" in argv[1:]:
-        result += ["--host", pod_ip]
+    for flag in sorted(flags - replaced):
+        result += [flag, pod_ip]
     return result
 
 

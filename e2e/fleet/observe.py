@@ -1,0 +1,128 @@
+"""Reading an InferenceService and its children from the API: readiness, conditions, replica history."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+from e2e.cluster import ApiError, KubeAPI
+from e2e.fleet.manifests import deployment_path, service_selector, services_path
+from e2e.support.waits import condition, wait_for
+
+
+def is_ready(service: dict[str, Any]) -> bool:
+    """Ready=True for the object's current generation."""
+    ready = condition(service, "Ready")
+    generation = service["metadata"].get("generation")
+    return (
+        ready is not None
+        and ready["status"] == "True"
+        and service.get("status", {}).get("observedGeneration") == generation
+    )
+
+
+def wait_ready(api: KubeAPI, namespace: str, name: str, timeout: float = 120.0) -> dict[str, Any]:
+    def ready() -> dict[str, Any] | None:
+        service = api.get(services_path(namespace, name))
+        return service if is_ready(service) else None
+
+    return wait_for(f"InferenceService {namespace}/{name} Ready", ready, timeout=timeout, interval=0.25)
+
+
+def wait_condition(
+    api: KubeAPI,
+    namespace: str,
+    name: str,
+    kind: str,
+    status: str,
+    reason: str | None = None,
+    timeout: float = 60.0,
+) -> dict[str, Any]:
+    """Waits until the condition `kind` has that status (and reason); returns the object."""
+
+    def matches() -> dict[str, Any] | None:
+        service = api.get(services_path(namespace, name))
+        found = condition(service, kind)
+        if found and found["status"] == status and (reason is None or found.get("reason") == reason):
+            return service
+        return None
+
+    return wait_for(
+        f"{kind}={status} ({reason}) on {namespace}/{name}", matches, timeout=timeout, interval=0.25
+    )
+
+
+def service_pods(api: KubeAPI, namespace: str, name: str) -> list[dict[str, Any]]:
+    return api.get(f"/api/v1/namespaces/{namespace}/pods", labelSelector=service_selector(name))["items"]
+
+
+def events_for(
+    api: KubeAPI, namespace: str, name: str, kind: str = "InferenceService"
+) -> list[dict[str, Any]]:
+    selector = f"involvedObject.kind={kind},involvedObject.name={name}"
+    return api.get(f"/api/v1/namespaces/{namespace}/events", fieldSelector=selector)["items"]
+
+
+@dataclass(frozen=True)
+class ReplicaSample:
+    at: float  # monotonic seconds
+    desired: int
+    ready: int
+
+
+class ReplicaHistory:
+    """Records a Deployment's desired (spec.replicas) and ready replicas whenever either changes."""
+
+    def __init__(self, api: KubeAPI, namespace: str, name: str, interval: float = 0.2) -> None:
+        self._api = api
+        self._path = deployment_path(namespace, name)
+        self._interval = interval
+        self.samples: list[ReplicaSample] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, name=f"replicas-{name}", daemon=True)
+
+    def __enter__(self) -> ReplicaHistory:
+        self._sample()
+        self._thread.start()
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    def desired_counts(self) -> list[int]:
+        """The distinct desired counts in the order they were set (repeats collapsed)."""
+        counts: list[int] = []
+        for sample in self.snapshot():
+            if not counts or counts[-1] != sample.desired:
+                counts.append(sample.desired)
+        return counts
+
+    def snapshot(self) -> list[ReplicaSample]:
+        with self._lock:
+            return list(self.samples)
+
+    def first(self, predicate: Any) -> ReplicaSample | None:
+        return next((sample for sample in self.snapshot() if predicate(sample)), None)
+
+    def _sample(self) -> None:
+        try:
+            deployment = self._api.get(self._path)
+        except ApiError:
+            return
+        desired = deployment["spec"].get("replicas", 1)
+        ready = deployment.get("status", {}).get("readyReplicas", 0)
+        with self._lock:
+            last = self.samples[-1] if self.samples else None
+            if last is None or (last.desired, last.ready) != (desired, ready):
+                self.samples.append(ReplicaSample(time.monotonic(), desired, ready))
+
+    def _poll(self) -> None:
+        while not self._stop.wait(self._interval):
+            self._sample()
