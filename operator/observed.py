@@ -20,7 +20,6 @@ FAILING_WAIT_REASONS = frozenset(
 class PodView:
     name: str
     ip: str | None
-    phase: str
     ready: bool
     terminating: bool
     # The scheduler's message when it found no node for the pod.
@@ -70,7 +69,6 @@ def pod_view(body: Mapping[str, Any]) -> PodView:
     return PodView(
         name=meta.get("name", ""),
         ip=status.get("podIP") or None,
-        phase=status.get("phase") or "Pending",
         ready=conditions.get("Ready", {}).get("status") == "True",
         terminating=meta.get("deletionTimestamp") is not None,
         unschedulable_message=unschedulable,

@@ -22,14 +22,11 @@ class Tier:
     # Batch pods wait for free GPUs rather than evicting anyone.
     preempts: bool
     scheduling_policy: Literal["fcfs", "priority"]
-    description: str
 
 
 TIERS: dict[TierName, Tier] = {
-    "critical": Tier(
-        "critical", "kvfleet-critical", 1_000_000, True, "priority", "kvfleet: latency-critical inference"
-    ),
-    "high": Tier("high", "kvfleet-high", 100_000, True, "priority", "kvfleet: interactive inference"),
-    "standard": Tier("standard", "kvfleet-standard", 10_000, True, "fcfs", "kvfleet: default inference tier"),
-    "batch": Tier("batch", "kvfleet-batch", 1_000, False, "fcfs", "kvfleet: preemptible batch inference"),
+    "critical": Tier("critical", "kvfleet-critical", 1_000_000, True, "priority"),
+    "high": Tier("high", "kvfleet-high", 100_000, True, "priority"),
+    "standard": Tier("standard", "kvfleet-standard", 10_000, True, "fcfs"),
+    "batch": Tier("batch", "kvfleet-batch", 1_000, False, "fcfs"),
 }

@@ -82,7 +82,7 @@ def observation(**changes: Any) -> Observation:
 
 def test_statuses_the_operator_writes() -> None:
     pending = PodView(
-        "p", None, "Pending", False, False, unschedulable_message="0/4 nodes: 4 Insufficient nvidia.com/gpu"
+        "p", None, False, False, unschedulable_message="0/4 nodes: 4 Insufficient nvidia.com/gpu"
     )
     cases = {
         "Healthy": observation(),

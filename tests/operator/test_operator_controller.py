@@ -109,7 +109,7 @@ def deployment_at(replicas: int, ready: int | None = None, generation: int = 1) 
 
 
 def ready_pods(count: int) -> list[PodView]:
-    return [PodView(f"svc-{i}", f"127.1.0.{i + 1}", "Running", True, False) for i in range(count)]
+    return [PodView(f"svc-{i}", f"127.1.0.{i + 1}", True, False) for i in range(count)]
 
 
 def test_first_pass_creates_children_and_reports() -> None:
@@ -201,10 +201,10 @@ def test_load_scales_up_with_an_event_and_status() -> None:
 def test_pods_that_cannot_report_are_not_scraped() -> None:
     harness = Harness(service())
     pods = [
-        PodView("a", "127.1.0.1", "Running", False, False),
-        PodView("b", None, "Pending", False, False),
-        PodView("c", "127.1.0.3", "Running", True, True),
-        PodView("d", "127.1.0.4", "Running", True, False),
+        PodView("a", "127.1.0.1", False, False),
+        PodView("b", None, False, False),
+        PodView("c", "127.1.0.3", True, True),
+        PodView("d", "127.1.0.4", True, False),
     ]
     harness.run(deployment_at(4, ready=1), pods)
     assert harness.scraper.calls == [["http://127.1.0.4:8000/metrics"]]
@@ -243,14 +243,8 @@ def test_figures_alone_refresh_the_status_at_most_every_15_seconds() -> None:
 def test_insufficient_gpu_is_announced_once() -> None:
     harness = Harness(service())
     harness.run()
-    pending = PodView(
-        "svc-x",
-        None,
-        "Pending",
-        False,
-        False,
-        unschedulable_message="0/4 nodes are available: 4 Insufficient nvidia.com/gpu.",
-    )
+    message = "0/4 nodes are available: 4 Insufficient nvidia.com/gpu."
+    pending = PodView("svc-x", None, False, False, unschedulable_message=message)
     for _ in range(3):
         harness.run(deployment_at(1, ready=0), [pending])
     assert harness.reasons().count("InsufficientGPU") == 1
@@ -265,7 +259,7 @@ def test_unexpected_errors_do_not_end_the_loop() -> None:
         wakeup.set()  # skip the back-off wait; the loop must still come round
         if calls["count"] >= 2:
             stop.set()
-        return None, [PodView("weird", "not-an-ip", "Running", True, False)]
+        return None, [PodView("weird", "not-an-ip", True, False)]
 
     stop = asyncio.Event()
     wakeup = asyncio.Event()

@@ -36,8 +36,8 @@ def observe(**changes: Any) -> Observation:
         desired_replicas=2,
         deployment=deployment(),
         pods=[
-            PodView("svc-a", "10.0.0.1", "Running", True, False),
-            PodView("svc-b", "10.0.0.2", "Running", True, False),
+            PodView("svc-a", "10.0.0.1", True, False),
+            PodView("svc-b", "10.0.0.2", True, False),
         ],
         gpu_resource_name="nvidia.com/gpu",
         latest_sample=MetricsSample(time=1.0, queue_depth=12.34, reporting_pods=2, kv_cache_usage=0.5),
@@ -92,7 +92,7 @@ def test_transition_time_moves_only_when_status_changes() -> None:
 
 
 def test_pending_for_gpus() -> None:
-    pending = PodView("svc-c", None, "Pending", False, False, unschedulable_message=GPU_MESSAGE)
+    pending = PodView("svc-c", None, False, False, unschedulable_message=GPU_MESSAGE)
     observation = observe(
         desired_replicas=3, deployment=deployment(replicas=3, status_replicas=3, updated_replicas=3)
     )
@@ -104,7 +104,7 @@ def test_pending_for_gpus() -> None:
 
 
 def test_nothing_placed_is_a_failure() -> None:
-    pods = [PodView("svc-a", None, "Pending", False, False, unschedulable_message=GPU_MESSAGE)]
+    pods = [PodView("svc-a", None, False, False, unschedulable_message=GPU_MESSAGE)]
     status = build_status(
         observe(pods=pods, deployment=deployment(ready_replicas=0, available_replicas=0)), {}, NOW
     )
@@ -116,9 +116,7 @@ def test_nothing_placed_is_a_failure() -> None:
 def test_a_rollout_that_cannot_place_anything_is_a_failure() -> None:
     # A claim that does not exist: old and new replicas both pending, nothing serving.
     message = '0/2 nodes are available: persistentvolumeclaim "model-store" not found.'
-    pods = [
-        PodView(name, None, "Pending", False, False, unschedulable_message=message) for name in ("old", "new")
-    ]
+    pods = [PodView(name, None, False, False, unschedulable_message=message) for name in ("old", "new")]
     stuck = deployment(updated_replicas=1, status_replicas=2, ready_replicas=0, available_replicas=0)
     ready = conditions(build_status(observe(pods=pods, deployment=stuck), {}, NOW))["Ready"]
     assert (ready["status"], ready["reason"]) == ("False", "Unschedulable")
@@ -126,9 +124,7 @@ def test_a_rollout_that_cannot_place_anything_is_a_failure() -> None:
 
 
 def test_other_unschedulable_reasons() -> None:
-    pods = [
-        PodView("svc-a", None, "Pending", False, False, unschedulable_message="0/4 nodes: node(s) had taint")
-    ]
+    pods = [PodView("svc-a", None, False, False, unschedulable_message="0/4 nodes: node(s) had taint")]
     status = build_status(observe(pods=pods), {}, NOW)
     assert conditions(status)["Scheduled"]["reason"] == "Unschedulable"
 
@@ -148,12 +144,10 @@ def test_rollout_and_stale_deployment_are_progressing() -> None:
 def test_starting_failing_and_stuck_replicas() -> None:
     none_ready = deployment(ready_replicas=0, available_replicas=0)
     starting = build_status(
-        observe(deployment=none_ready, pods=[PodView("a", "10.0.0.1", "Running", False, False)]), {}, NOW
+        observe(deployment=none_ready, pods=[PodView("a", "10.0.0.1", False, False)]), {}, NOW
     )
     assert conditions(starting)["Ready"]["reason"] == "ReplicasStarting"
-    crashing = PodView(
-        "a", "10.0.0.1", "Running", False, False, failure_reason="CrashLoopBackOff", failure_message="x"
-    )
+    crashing = PodView("a", "10.0.0.1", False, False, failure_reason="CrashLoopBackOff", failure_message="x")
     failing = build_status(observe(deployment=none_ready, pods=[crashing]), {}, NOW)
     assert conditions(failing)["Ready"]["reason"] == "ReplicaFailing"
     stuck = deployment(

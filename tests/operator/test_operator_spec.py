@@ -1,0 +1,78 @@
+"""Spec parsing: defaults, derived values, and the messages a user sees for what the schema let through."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from kvfleet.operator.metrics import OperatorMetrics
+from kvfleet.operator.spec import ScalingSpec, SpecError, parse_spec
+
+
+def spec(**sections: Any) -> dict[str, Any]:
+    return {"model": {"uri": "file:///m"}, **sections}
+
+
+def test_defaults_and_derived_values() -> None:
+    parsed = parse_spec(spec(), name="svc")
+    assert parsed.model.served_name == "svc" and parsed.model.source.location == "/m"
+    assert parsed.resources.gpus == 1, "one GPU per replica unless told otherwise"
+    assert parsed.scaling == ScalingSpec() and parsed.scaling.autoscaling
+    assert parsed.sla.tier == "standard" and parsed.sla.ttft_target_milliseconds is None
+    tp = parse_spec(spec(engine={"tensorParallelSize": 4}), name="svc")
+    assert tp.resources.gpus == 4, "GPUs default to the tensor-parallel size"
+
+
+def test_engine_env_and_lists() -> None:
+    parsed = parse_spec(
+        spec(engine={"env": [{"name": "A", "value": "1"}, {"name": "B"}], "imagePullSecrets": ["regcred"]}),
+        name="svc",
+    )
+    assert parsed.engine.env == (("A", "1"), ("B", ""))
+    assert parsed.engine.image_pull_secrets == ("regcred",)
+
+
+def test_fixed_replicas_bypass_the_bounds() -> None:
+    scaling = parse_spec(spec(scaling={"replicas": 7, "maxReplicas": 2}), name="svc").scaling
+    assert not scaling.autoscaling and scaling.clamp(1) == 7
+    bounded = parse_spec(spec(scaling={"minReplicas": 2, "maxReplicas": 5}), name="svc").scaling
+    assert [bounded.clamp(n) for n in (0, 3, 9)] == [2, 3, 5]
+
+
+@pytest.mark.parametrize(
+    ("raw", "reason", "message"),
+    [
+        ({}, "InvalidSpec", "spec.model is required"),
+        ({"model": "hf://a/b"}, "InvalidSpec", "spec.model must be an object"),
+        (spec(model={"uri": 5}), "InvalidSpec", "spec.model.uri must be a string"),
+        (spec(model={"uri": "s3://b/m"}), "InvalidModelURI", "scheme must be"),
+        (spec(engine={"tensorParallelSize": True}), "InvalidSpec", "tensorParallelSize must be an integer"),
+        (spec(engine={"dtype": "int8"}), "InvalidSpec", "spec.engine.dtype must be one of auto, float32"),
+        (spec(engine={"env": [{"value": "x"}]}), "InvalidSpec", "spec.engine.env[0].name is required"),
+        (spec(engine={"extraArgs": ["--a", 1]}), "InvalidSpec", "extraArgs must be a list of strings"),
+        (spec(resources={"cpu": 1.5}), "InvalidSpec", "spec.resources.cpu must be a quantity"),
+        (spec(resources={"tolerations": ["x"]}), "InvalidSpec", "tolerations must be an object"),
+        (spec(scaling={"maxReplicas": 0}), "InvalidSpec", "spec.scaling.maxReplicas must be at least 1"),
+        (spec(sla={"tier": "gold"}), "InvalidSpec", "spec.sla.tier must be one of critical, high"),
+    ],
+)
+def test_errors_name_the_field(raw: dict[str, Any], reason: str, message: str) -> None:
+    with pytest.raises(SpecError) as raised:
+        parse_spec(raw, name="svc")
+    assert raised.value.reason == reason
+    assert message in raised.value.message
+
+
+def test_metrics_of_a_deleted_service_are_dropped() -> None:
+    metrics = OperatorMetrics()
+    metrics.desired_replicas.labels("ns", "svc").set(3)
+    metrics.scale_events.labels("ns", "svc", "up").inc()
+    metrics.desired_replicas.labels("ns", "other").set(1)
+    metrics.forget("ns", "svc")
+    names = {
+        (s.name, tuple(sorted(s.labels.items())))
+        for family in metrics.registry.collect()
+        for s in family.samples
+    }
+    assert not any(("name", "svc") in labels for _, labels in names)
+    assert ("kvfleet_operator_desired_replicas", (("name", "other"), ("namespace", "ns"))) in names
