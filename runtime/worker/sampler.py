@@ -16,6 +16,9 @@ import torch
 from kvfleet.runtime.request import Request
 from kvfleet.runtime.sampling_params import SamplingParams
 
+# Top-p looks for its cut among this many most likely tokens first, and sorts a row only when it is wider.
+_TOP_P_CANDIDATES = 256
+
 
 @dataclass
 class SamplerOutput:
@@ -161,18 +164,14 @@ def _apply_min_p(logits: torch.Tensor, rows: list[int], min_ps: list[float]) -> 
 
 
 def _apply_top_k_top_p(logits: torch.Tensor, rows: list[int], top_ks: list[int], top_ps: list[float]) -> None:
-    # Sorting the vocabulary is slow on a CPU, so rows without top_p use topk.
-    top_k_only = [j for j, p in enumerate(top_ps) if p >= 1.0]
-    if top_k_only:
-        _apply_top_k(logits, [rows[j] for j in top_k_only], [top_ks[j] for j in top_k_only])
-    with_top_p = [j for j, p in enumerate(top_ps) if p < 1.0]
-    if with_top_p:
-        _apply_top_p(
-            logits,
-            [rows[j] for j in with_top_p],
-            [top_ks[j] for j in with_top_p],
-            [top_ps[j] for j in with_top_p],
-        )
+    """Top-k, then top-p over what is left. Sorting the whole vocabulary is slow on a CPU, so neither does
+    unless a row's nucleus is wider than the _TOP_P_CANDIDATES most likely tokens."""
+    k_rows = [j for j, k in enumerate(top_ks) if k > 0]
+    if k_rows:
+        _apply_top_k(logits, [rows[j] for j in k_rows], [top_ks[j] for j in k_rows])
+    p_rows = [j for j, p in enumerate(top_ps) if p < 1.0]
+    if p_rows:
+        _apply_top_p(logits, [rows[j] for j in p_rows], [top_ps[j] for j in p_rows])
 
 
 def _apply_top_k(logits: torch.Tensor, rows: list[int], top_ks: list[int]) -> None:
@@ -186,21 +185,31 @@ def _apply_top_k(logits: torch.Tensor, rows: list[int], top_ks: list[int]) -> No
     logits.index_copy_(0, index, sub.masked_fill_(sub < kth_largest, float("-inf")))
 
 
-def _apply_top_p(logits: torch.Tensor, rows: list[int], top_ks: list[int], top_ps: list[float]) -> None:
+def _apply_top_p(logits: torch.Tensor, rows: list[int], top_ps: list[float]) -> None:
+    """Keep the smallest set of most likely tokens whose probability reaches p (and tokens tied with the
+    least likely of them)."""
     device = logits.device
-    vocab_size = logits.shape[1]
     index = torch.tensor(rows, device=device)
-    sorted_logits, order = logits.index_select(0, index).sort(dim=-1)  # ascending
-    ks = torch.tensor([k if 0 < k < vocab_size else vocab_size for k in top_ks], device=device)
-    # Ties with the k-th largest value stay in, as in vLLM.
-    kth_largest = sorted_logits.gather(1, (vocab_size - ks).unsqueeze(1))
-    sorted_logits.masked_fill_(sorted_logits < kth_largest, float("-inf"))
-    ps = torch.tensor(top_ps, dtype=logits.dtype, device=device).unsqueeze(1)
-    cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-    outside_top_p = cumulative <= 1 - ps
-    outside_top_p[:, -1] = False  # the most likely token always stays
-    sorted_logits.masked_fill_(outside_top_p, float("-inf"))
-    logits.index_copy_(0, index, sorted_logits.scatter(1, order, sorted_logits))
+    sub = logits.index_select(0, index)
+    probs = sub.softmax(dim=-1)
+    ps = torch.tensor(top_ps, dtype=probs.dtype, device=device).unsqueeze(1)
+    candidates = min(_TOP_P_CANDIDATES, logits.shape[1])
+    threshold = _nucleus_threshold(probs.topk(candidates, dim=-1).values, ps)
+    wide = (threshold < 0).squeeze(1).nonzero().squeeze(1)
+    if wide.numel():
+        everything = probs.index_select(0, wide).sort(dim=-1, descending=True).values
+        threshold[wide] = _nucleus_threshold(everything, ps.index_select(0, wide)).clamp_(min=0)
+    logits.index_copy_(0, index, sub.masked_fill_(probs < threshold, float("-inf")))
+
+
+def _nucleus_threshold(descending_probs: torch.Tensor, ps: torch.Tensor) -> torch.Tensor:
+    """[rows, 1]: the probability of the token at which the running mass first reaches p, or -1 where the
+    given tokens do not reach p."""
+    cumulative = descending_probs.cumsum(dim=-1)
+    cut = (cumulative < ps).sum(dim=-1, keepdim=True)
+    found = cut < descending_probs.shape[1]
+    threshold = descending_probs.gather(1, cut.clamp(max=descending_probs.shape[1] - 1))
+    return torch.where(found, threshold, torch.full_like(threshold, -1.0))
 
 
 def _gather_logprobs(

@@ -207,3 +207,14 @@ def test_logprobs_are_of_the_raw_logits_with_top_n_and_the_sampled_token() -> No
         logits[:1].clone(), [_request(temperature=0, logprobs=1, outputs=[3], presence_penalty=2.0)]
     )
     assert set(low.logprobs[0] or {}) == {3, 4}
+
+
+def test_top_p_wider_than_the_candidate_shortlist_is_exact() -> None:
+    vocab = 1000
+    logits = -torch.arange(vocab, dtype=torch.float32) / 300  # distinct, slowly falling probabilities
+    probs = logits.softmax(-1)
+    last_kept = int((probs.cumsum(-1) < 0.9).sum())  # the nucleus ends at this token (descending order)
+    assert last_kept > 256
+    requests = [_request(f"r{i}", top_p=0.9) for i in range(3000)]
+    tokens = Sampler(torch.device("cpu"), 7)(logits.expand(3000, -1).clone(), requests).token_ids
+    assert last_kept - 20 < max(tokens) <= last_kept  # the nucleus's tail is reached but never passed
