@@ -25,6 +25,9 @@ def _option(help: str, **kwargs: Any) -> Any:
 class EngineConfig:
     model: str = _option("Path of a Hugging Face model folder (config.json, safetensors weights, tokenizer).")
     tokenizer: str | None = _option("Tokenizer folder, if not the model's.", default=None)
+    chat_template: str | None = _option(
+        "Chat template replacing the tokenizer's: a file path or the Jinja text itself.", default=None
+    )
     dtype: DType = _option("Weights and activations dtype; auto follows config.json.", default="auto")
     device: Device = _option("Where the model runs; auto picks cuda when present.", default="auto")
     block_size: int = _option("Tokens per KV cache block.", default=16)

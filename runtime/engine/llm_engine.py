@@ -10,6 +10,7 @@ import dataclasses
 import logging
 import math
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -31,12 +32,24 @@ _CUDA_ACTIVATION_RESERVE_BYTES = 2 * GiB
 _DEFAULT_CHUNKED_TOKEN_BUDGET = 2048
 
 
+def _read_chat_template(value: str) -> str:
+    """A path to a template file, or the template itself (as vLLM's --chat-template takes it)."""
+    if "{" in value:
+        return value
+    path = Path(value)
+    if not path.is_file():
+        raise ValueError(f"chat template {value!r} is neither a readable file nor a Jinja template")
+    return path.read_text()
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(
             config.tokenizer or config.model
         )
+        if config.chat_template is not None:
+            self.tokenizer.chat_template = _read_chat_template(config.chat_template)
         self.runner = ModelRunner(config)
         self.runner.load_model()
         self.max_model_len: int = self.runner.max_model_len

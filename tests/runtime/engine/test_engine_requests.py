@@ -202,3 +202,16 @@ def test_streaming_deltas_add_up_to_the_final_text(llm: LLM) -> None:
     final = llm.generate("streaming text", _greedy(max_tokens=10))[0].outputs[0]
     assert tokens == final.token_ids
     assert text == final.text
+
+
+def test_chat_template_override_from_text_and_file(tiny_llama: Path, tmp_path: Path) -> None:
+    template = "{% for m in messages %}<<{{ m['role'] }}>>{{ m['content'] }}{% endfor %}"
+    inline = LLM(str(tiny_llama), num_kv_blocks=64, max_model_len=256, chat_template=template)
+    ids = inline.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert inline.get_tokenizer().decode(ids) == "<<user>>hi"
+    path = tmp_path / "template.jinja"
+    path.write_text(template)
+    from_file = LLM(str(tiny_llama), num_kv_blocks=64, max_model_len=256, chat_template=str(path))
+    assert from_file.apply_chat_template([{"role": "user", "content": "hi"}]) == ids
+    with pytest.raises(ValueError, match="neither a readable file"):
+        LLM(str(tiny_llama), num_kv_blocks=64, max_model_len=256, chat_template=str(tmp_path / "missing"))

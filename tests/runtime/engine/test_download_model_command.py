@@ -1,0 +1,30 @@
+"""`kvfleet download-model`, the init container of hf:// models: its failures must be clear and non-zero.
+
+(No hub is reachable from CI, so the successful download path is exercised only where one is.)
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+
+def _run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "kvfleet", "download-model", *args], capture_output=True, text=True, env=env
+    )
+
+
+def test_rejects_a_malformed_repository_id(tmp_path: Path) -> None:
+    result = _run("not-a-repo", "--dest", str(tmp_path / "m"))
+    assert result.returncode == 2
+    assert "org/name" in result.stderr
+
+
+def test_unreachable_hub_fails_with_the_reason(tmp_path: Path) -> None:
+    env = {"PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
+    result = _run("org/model", "--revision", "v1", "--dest", str(tmp_path / "m"), env=env)
+    assert result.returncode == 1
+    assert "cannot download org/model" in result.stderr
+    assert not (tmp_path / "m" / "config.json").exists()
