@@ -74,6 +74,8 @@ class ModelRunner:
         self._seq_lens = _HostBuffer(torch.int32, pinned)
         self._block_tables = _HostBuffer(torch.int32, pinned)
         self._logits_indices = _HostBuffer(torch.int64, pinned)
+        # Marks when the device has read the host buffers (their copies are asynchronous on CUDA).
+        self._inputs_copied: torch.cuda.Event | None = None
 
     def _max_model_len(self) -> int:
         limit = self.model_config.max_context
@@ -137,6 +139,8 @@ class ModelRunner:
         requests = scheduler_output.requests
         if not requests:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], logprobs=[])
+        if self._inputs_copied is not None:
+            self._inputs_copied.synchronize()  # the previous step's copies must be done before refilling
         input_ids, positions, metadata, sample_rows = self._prepare_inputs(scheduler_output)
         plan = self.attention_backend.prepare(metadata)
         hidden = self.model(input_ids, positions, self.kv_caches, plan)
@@ -147,6 +151,7 @@ class ModelRunner:
             last_token_rows = self._logits_indices.get(len(sample_rows))
             last_token_rows[:] = [metadata.query_start_loc_cpu[i + 1] - 1 for i in sample_rows]
             logits_indices = self._logits_indices.to_device(len(sample_rows), self.device)
+            self._mark_inputs_copied()
             logits = self.model.compute_logits(hidden.index_select(0, logits_indices))
             result = self.sampler(logits, [requests[i] for i in sample_rows])
             for row, i in enumerate(sample_rows):
@@ -219,7 +224,13 @@ class ModelRunner:
         )
         input_ids_tensor = self._input_ids.to_device(num_tokens, device)
         positions_tensor = self._positions.to_device(num_tokens, device)
+        self._mark_inputs_copied()
         return input_ids_tensor, positions_tensor, metadata, sample_rows
+
+    def _mark_inputs_copied(self) -> None:
+        if self.device.type == "cuda":
+            self._inputs_copied = torch.cuda.Event()
+            self._inputs_copied.record()
 
 
 def _use_all_cpus() -> None:
