@@ -10,7 +10,7 @@ from __future__ import annotations
 import http.server
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -50,18 +50,16 @@ class QueueMetrics(http.server.BaseHTTPRequestHandler):
 
 
 @pytest.fixture
-def busy_replica_metrics() -> Iterator[list[str]]:
-    """Call start(ip) through the yielded list: serves QueueMetrics on ip:8000 until the test ends."""
+def busy_replica_metrics() -> Iterator[Callable[[str], None]]:
+    """A function that serves QueueMetrics on a pod IP's runtime port, until the test ends."""
     servers: list[http.server.ThreadingHTTPServer] = []
-    addresses: list[str] = []
 
     def start(ip: str) -> None:
         server = http.server.ThreadingHTTPServer((ip, RUNTIME_PORT), QueueMetrics)
         threading.Thread(target=server.serve_forever, name=f"metrics-{ip}", daemon=True).start()
         servers.append(server)
-        addresses.append(ip)
 
-    yield start  # type: ignore[misc]
+    yield start
     for server in servers:
         server.shutdown()
         server.server_close()
@@ -81,7 +79,10 @@ def free_gpu_node(local_cluster: LocalCluster) -> str:
 
 
 def test_replicas_beyond_the_gpus_stay_pending_and_hold_scaling(
-    local_cluster: LocalCluster, kvfleet_release: OperatorRelease, namespace: str, busy_replica_metrics: Any
+    local_cluster: LocalCluster,
+    kvfleet_release: OperatorRelease,
+    namespace: str,
+    busy_replica_metrics: Callable[[str], None],
 ) -> None:
     api = local_cluster.api
     node = free_gpu_node(local_cluster)
