@@ -125,7 +125,6 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
         # [max_position, head_dim]: cos then sin of each frequency; positions' rows are gathered once a step.
         self.register_buffer("cos_sin_cache", torch.cat([freqs.cos(), freqs.sin()], dim=-1), persistent=False)
-        self.max_position = max_position
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """[num_tokens, 1, head_dim / 2] cos and sin, computed once per step and shared by every layer."""

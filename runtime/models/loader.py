@@ -10,14 +10,13 @@ from pathlib import Path
 import torch
 from kvfleet.runtime.attention.backend import AttentionBackend
 from kvfleet.runtime.models.layers import pack_linears_for_cpu
-from kvfleet.runtime.models.model_config import ModelConfig
+from kvfleet.runtime.models.model_config import DTYPES, ModelConfig
 from kvfleet.runtime.models.registry import ModelRegistry
 from safetensors import safe_open
 from torch import nn
 
 logger = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _INDEX_FILE = "model.safetensors.index.json"
 
 
@@ -32,9 +31,9 @@ def resolve_device(device: str) -> torch.device:
 def resolve_dtype(dtype: str, model_config: ModelConfig, device: torch.device) -> torch.dtype:
     """`auto` follows config.json, except that half precision on the CPU runs in float32 (faster there)."""
     if dtype != "auto":
-        if dtype not in _DTYPES:
-            raise ValueError(f"dtype {dtype!r} is not one of auto, {', '.join(_DTYPES)}")
-        return _DTYPES[dtype]
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype {dtype!r} is not one of auto, {', '.join(DTYPES)}")
+        return DTYPES[dtype]
     if device.type == "cpu" and model_config.dtype != torch.float32:
         return torch.float32
     return model_config.dtype

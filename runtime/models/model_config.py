@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 @dataclass(frozen=True)
@@ -31,8 +31,6 @@ class ModelConfig:
     qk_norm: bool = False
     sliding_window: int | None = None
     dtype: torch.dtype = torch.float32
-    bos_token_id: int | None = None
-    eos_token_ids: tuple[int, ...] = ()
 
     @classmethod
     def from_folder(cls, model_dir: str | Path) -> ModelConfig:
@@ -68,10 +66,8 @@ class ModelConfig:
         if raw.get("hidden_act", "silu") != "silu":
             raise ValueError(f"{source}: hidden_act {raw['hidden_act']!r} is not supported (only silu)")
         dtype_name = raw.get("dtype") or raw.get("torch_dtype") or "float32"
-        if dtype_name not in _DTYPES:
-            raise ValueError(f"{source}: dtype {dtype_name!r} is not one of {', '.join(_DTYPES)}")
-        eos = raw.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        if dtype_name not in DTYPES:
+            raise ValueError(f"{source}: dtype {dtype_name!r} is not one of {', '.join(DTYPES)}")
         # Qwen2 always has q/k/v biases; Llama may ask for them (and for an o_proj bias, which it shares).
         attention_bias = model_type == "qwen2" or bool(raw.get("attention_bias", False))
         if raw.get("mlp_bias"):
@@ -93,9 +89,7 @@ class ModelConfig:
             attention_bias=attention_bias,
             qk_norm=model_type == "qwen3",
             sliding_window=_sliding_window(raw),
-            dtype=_DTYPES[dtype_name],
-            bos_token_id=raw.get("bos_token_id"),
-            eos_token_ids=eos_ids,
+            dtype=DTYPES[dtype_name],
         )
 
     @property

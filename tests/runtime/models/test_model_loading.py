@@ -200,6 +200,9 @@ def test_registry_resolves_builtins_and_plugins_and_names_what_it_supports(monke
     assert "MyForCausalLM" in with_plugins.supported_architectures
     with pytest.raises(ValueError, match="cannot load the class for 'BrokenForCausalLM'"):
         with_plugins.resolve("BrokenForCausalLM")
+    # Classes can also be registered in code, under any name.
+    with_plugins.register("BrokenForCausalLM", LlamaForCausalLM)
+    assert with_plugins.resolve("BrokenForCausalLM") is LlamaForCausalLM
 
 
 def test_weight_problems_are_reported_by_name(
