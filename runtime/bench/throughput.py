@@ -121,12 +121,18 @@ def run_all(
     requests = random_requests(num_requests, (16, 256), (16, 128), vocab_size, seed=seed)
     log(f"warming up kvfleet ({llm.llm_engine.runner.device}, {torch.get_num_threads()} threads)")
     run_kvfleet(llm, requests[:8])
+    results: list[ThroughputResult] = []
+
+    def record(result: ThroughputResult) -> None:
+        results.append(result)
+        log(f"{result.name}: {result.tokens_per_second:.1f} output tokens/s ({result.seconds:.1f} s)")
+
     log("running kvfleet")
-    results = [run_kvfleet(llm, requests)]
+    record(run_kvfleet(llm, requests))
     del llm
     for batch_size in batch_sizes:
         log(f"running transformers generate, batch {batch_size}")
-        results.append(run_transformers(model_path, requests, batch_size))
+        record(run_transformers(model_path, requests, batch_size))
     log("running the shared-prefix workload with prefix caching on and off")
     prefix = run_prefix_sharing(model_path, vocab_size, engine_options, seed=seed)
     return results, prefix
