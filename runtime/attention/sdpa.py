@@ -22,6 +22,8 @@ from kvfleet.runtime.attention.reference import write_kv_cache
 # SDPA call runs several times faster than one big padded batch; on a GPU, fewer launches matter more.
 _CPU_DECODE_GROUP_BYTES = 2 << 20
 _GPU_DECODE_GROUP_BYTES = 1 << 30
+# Long contexts still share a group with a few others, so that per-call overhead stays small next to the work.
+_MIN_DECODE_GROUP_ROWS = 4
 
 
 @dataclass
@@ -98,7 +100,7 @@ class SdpaAttentionBackend(AttentionBackend):
         start = 0
         for end in range(1, len(sorted_lens) + 1):
             padded = -(-sorted_lens[end - 1] // block_size) * block_size
-            if end - start > 1 and (end - start) * padded > self.decode_group_tokens:
+            if end - start > _MIN_DECODE_GROUP_ROWS and (end - start) * padded > self.decode_group_tokens:
                 bounds.append((start, end - 1))
                 start = end - 1
         bounds.append((start, len(sorted_lens)))
