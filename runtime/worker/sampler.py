@@ -34,7 +34,8 @@ class Sampler:
         self._request_generators: dict[str, torch.Generator] = {}
 
     def forget(self, request_ids: Iterable[str]) -> None:
-        """Drop the generators of finished requests."""
+        """Drop the generators of finished requests. Preempted requests keep theirs: when one resumes, its
+        random stream continues where it stopped, so its tokens are those of an uninterrupted run."""
         for request_id in request_ids:
             self._request_generators.pop(request_id, None)
 
