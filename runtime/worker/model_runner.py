@@ -9,7 +9,7 @@ import os
 import numpy as np
 import torch
 from kvfleet.runtime.attention.backend import AttentionBackend, AttentionMetadata, AttentionSpec
-from kvfleet.runtime.attention.registry import load_backend_class
+from kvfleet.runtime.attention.selector import select_attention_backend
 from kvfleet.runtime.config import EngineConfig
 from kvfleet.runtime.core.outputs import ModelRunnerOutput, SchedulerOutput
 from kvfleet.runtime.models.loader import load_model, resolve_device, resolve_dtype
@@ -18,8 +18,6 @@ from kvfleet.runtime.worker.sampler import Sampler
 from torch import nn
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_ATTENTION_BACKEND = "sdpa"
 
 
 class _HostBuffer:
@@ -90,12 +88,9 @@ class ModelRunner:
         return requested
 
     def _make_attention_backend(self) -> AttentionBackend:
-        name = self.config.attention_backend or DEFAULT_ATTENTION_BACKEND
-        backend_class = load_backend_class(name)
-        reason = backend_class.unsupported_reason(self.attention_spec)
-        if reason is not None:
-            raise ValueError(f"attention backend {name!r} cannot run this model: {reason}")
-        logger.info("attention backend: %s", name)
+        backend_class, self.attention_backend_reason = select_attention_backend(
+            self.attention_spec, self.config.attention_backend, num_layers=self.model_config.num_hidden_layers
+        )
         return backend_class(self.attention_spec)
 
     def load_model(self) -> None:
