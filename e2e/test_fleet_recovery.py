@@ -97,8 +97,13 @@ def test_operator_killed_mid_reconcile_leaves_no_duplicates_or_orphans(
         )["items"]
         assert len(replica_sets) == 1, name
         assert len(service_pods(api, namespace, name)) == 1, name
-    ready = condition(kvfleet_release.operator_pod(), "Ready")
-    assert ready is not None and ready["status"] == "True"
+
+    def operator_ready() -> bool:
+        ready = condition(kvfleet_release.operator_pod(), "Ready")
+        return ready is not None and ready["status"] == "True"
+
+    # The restarted container passes its readiness probe again (the chart probes every 10 s).
+    wait_for("the restarted operator Ready", operator_ready, 30)
 
 
 def test_runtime_pod_deleted_under_load_is_replaced(

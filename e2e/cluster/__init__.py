@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from .attached import AttachedCluster
 from .binaries import ensure_binaries
 from .cluster import ClusterConfig, LocalCluster
 from .fake_nodes import GPU_RESOURCE, NodeShape
@@ -11,6 +12,7 @@ from .pod_runner import PodRunner
 __all__ = [
     "GPU_RESOURCE",
     "ApiError",
+    "AttachedCluster",
     "ClusterConfig",
     "KubeAPI",
     "LocalCluster",

@@ -18,12 +18,12 @@ import time
 from pathlib import Path
 from types import FrameType
 
+from .attached import READY_MARKER
 from .binaries import ensure_binaries
 from .cluster import ClusterConfig, LocalCluster, default_cache_dir, describe
 from .fake_nodes import NodeShape
 from .processes import Ledger, process_start_ticks, stop_group
 
-READY_MARKER = "ready.json"
 SUPERVISOR_FILE = "supervisor.json"
 
 

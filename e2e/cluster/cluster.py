@@ -126,6 +126,34 @@ def _http_ok(url: str, context: ssl.SSLContext | None = None, token: str | None 
         return False
 
 
+def tool_env(kubeconfig: Path, bin_dir: Path) -> dict[str, str]:
+    """This process's environment pointed at a cluster (KUBECONFIG) with the binaries on PATH."""
+    return {
+        **os.environ,
+        "KUBECONFIG": str(kubeconfig),
+        "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",
+    }
+
+
+def run_tool(
+    bin_dir: Path, kubeconfig: Path, tool: str, args: Sequence[str], check: bool, input: str | None
+) -> subprocess.CompletedProcess[str]:
+    """kubectl or helm against a cluster; check: fail with the tool's output on a non-zero exit."""
+    result = subprocess.run(
+        [str(bin_dir / tool), *args],
+        env=tool_env(kubeconfig, bin_dir),
+        capture_output=True,
+        text=True,
+        input=input,
+        check=False,
+    )
+    if check and result.returncode != 0:
+        raise RuntimeError(
+            f"{tool} {' '.join(args)} failed with {result.returncode}:\n{result.stdout}{result.stderr}"
+        )
+    return result
+
+
 class LocalCluster:
     """Starts the control plane on entry (or start()), stops every process it started on exit (or stop())."""
 
@@ -173,19 +201,15 @@ class LocalCluster:
 
     def env(self) -> dict[str, str]:
         """This process's environment pointed at the cluster (KUBECONFIG) with the binaries on PATH."""
-        return {
-            **os.environ,
-            "KUBECONFIG": str(self.kubeconfig),
-            "PATH": f"{self.bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",
-        }
+        return tool_env(self.kubeconfig, self.bin_dir)
 
     def kubectl(
         self, *args: str, check: bool = True, input: str | None = None
     ) -> subprocess.CompletedProcess[str]:
-        return self._run_tool("kubectl", args, check, input)
+        return run_tool(self.bin_dir, self.kubeconfig, "kubectl", args, check, input)
 
     def helm(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-        return self._run_tool("helm", args, check, None)
+        return run_tool(self.bin_dir, self.kubeconfig, "helm", args, check, None)
 
     def __enter__(self) -> LocalCluster:
         self.start()
@@ -444,23 +468,6 @@ class LocalCluster:
             "pids": {process.name: process.pid for process in self._processes},
         }
         (self.state_dir / "cluster.json").write_text(json.dumps(state, indent=1))
-
-    def _run_tool(
-        self, tool: str, args: Sequence[str], check: bool, input: str | None
-    ) -> subprocess.CompletedProcess[str]:
-        result = subprocess.run(
-            [self.binary(tool), *args],
-            env=self.env(),
-            capture_output=True,
-            text=True,
-            input=input,
-            check=False,
-        )
-        if check and result.returncode != 0:
-            raise RuntimeError(
-                f"{tool} {' '.join(args)} failed with {result.returncode}:\n{result.stdout}{result.stderr}"
-            )
-        return result
 
 
 def describe(cluster: LocalCluster) -> dict[str, Any]:

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+import subprocess
 import time
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from e2e.cluster import ApiError, LocalCluster
+from e2e.cluster import ApiError, KubeAPI, PodRunner
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CHART_DIR = REPO_ROOT / "charts" / "kvfleet"
@@ -23,11 +24,22 @@ OPERATOR_METRICS_PORT = 8080  # the chart's metrics.port
 OPERATOR_SELECTOR = "app.kubernetes.io/name=kvfleet,app.kubernetes.io/component=operator"
 
 
+class ClusterAccess(Protocol):
+    """What the chart needs of a cluster: a LocalCluster, or an AttachedCluster another process runs."""
+
+    pod_runner: PodRunner | None
+
+    @property
+    def api(self) -> KubeAPI: ...
+
+    def helm(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]: ...
+
+
 @dataclass(frozen=True)
 class OperatorRelease:
     """An installed release of the chart; its operator runs as a pod the pod runner runs."""
 
-    cluster: LocalCluster
+    cluster: ClusterAccess
     namespace: str = OPERATOR_NAMESPACE
     release: str = RELEASE
 
@@ -73,7 +85,7 @@ class OperatorRelease:
 
 
 def install_chart(
-    cluster: LocalCluster,
+    cluster: ClusterAccess,
     values: dict[str, str] | None = None,
     namespace: str = OPERATOR_NAMESPACE,
     release: str = RELEASE,

@@ -1,0 +1,231 @@
+"""`make demo`: the whole product on this machine, on a real Kubernetes control plane.
+
+    python -m e2e.demo            # from the repository root, in the project's environment
+    KEEP=1 python -m e2e.demo     # leave the cluster running afterwards (its kubeconfig is printed)
+
+Builds the control plane's binaries on first use (progress shown), starts a local cluster (kwok's fake GPU
+nodes, kvfleet pods run as real processes), installs the Helm chart, applies examples/tiny-cpu.yaml with a
+tiny model made on the spot, waits for it, chats with it through the openai SDK, runs a short burst of
+requests while showing the replicas scale with `kubectl get`, and tears everything down.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import yaml
+
+from e2e.cluster import AttachedCluster, ensure_binaries
+from e2e.cluster.cluster import default_cache_dir
+from e2e.fleet.chart import OPERATOR_NAMESPACE, RELEASE, install_chart
+from e2e.fleet.manifests import deployment_path, tiny_example
+from e2e.fleet.observe import wait_ready
+from e2e.fleet.traffic import ChatLoad, ReadyEndpoints, chat
+
+CLUSTER_NAME = "demo"
+NAMESPACE = "demo"
+QUESTIONS = (
+    "What does a fleet of inference servers need?",
+    "Say hello in three words.",
+    "Why scale on queue depth?",
+)
+# The example wants 4 requests per replica and runs 16 at a time: 12 clients ask for 3 replicas.
+BURST_CLIENTS = 12
+BURST_SECONDS = 25.0
+SETTLE_TIMEOUT_SECONDS = 150.0
+
+
+def step(number: int, total: int, text: str) -> None:
+    print(f"\n\033[1m[{number}/{total}] {text}\033[0m", flush=True)
+
+
+def show(result: subprocess.CompletedProcess[str], indent: str = "    ") -> None:
+    for line in result.stdout.rstrip().splitlines():
+        print(f"{indent}{line}", flush=True)
+
+
+def python_module(*args: str) -> list[str]:
+    return [sys.executable, "-m", *args]
+
+
+def start_cluster(directory: Path, nodes: int, gpus_per_node: int) -> AttachedCluster:
+    """The cluster runs in a supervisor process (`python -m e2e.cluster up --detach`): KEEP=1 can leave it."""
+    command = python_module("e2e.cluster", "up", "--detach", "--dir", str(directory))
+    command += ["--nodes", str(nodes), "--gpus-per-node", str(gpus_per_node)]
+    subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
+    return AttachedCluster(directory)
+
+
+def stop_cluster(directory: Path) -> None:
+    subprocess.run(python_module("e2e.cluster", "down", "--dir", str(directory)), check=False)
+
+
+def make_model(directory: Path) -> Path:
+    path = directory / "models" / "tiny-llama"
+    if not (path / "config.json").exists():
+        kvfleet = Path(sys.executable).parent / "kvfleet"
+        subprocess.run(
+            [str(kvfleet), "make-model", "--arch", "llama", "--preset", "tiny", str(path)], check=True
+        )
+    return path
+
+
+def replicas_line(cluster: AttachedCluster, name: str) -> tuple[int, int]:
+    deployment = cluster.api.get(deployment_path(NAMESPACE, name))
+    return deployment["spec"].get("replicas", 1), deployment.get("status", {}).get("readyReplicas", 0)
+
+
+def watch_replicas(
+    cluster: AttachedCluster, name: str, seconds: float, until: Callable[[tuple[int, int]], bool]
+) -> None:
+    """Prints `kubectl get inferenceservice` and the pods whenever the desired or ready count changes, for
+    `seconds` or until `until((desired, ready))` holds."""
+    started = time.monotonic()
+    last: tuple[int, int] | None = None
+    while time.monotonic() - started < seconds:
+        current = replicas_line(cluster, name)
+        if current != last:
+            print(
+                f"  t={time.monotonic() - started:4.0f}s  desired {current[0]}, ready {current[1]}",
+                flush=True,
+            )
+            show(cluster.kubectl("get", "inferenceservice", name, "-n", NAMESPACE))
+            show(cluster.kubectl("get", "pods", "-n", NAMESPACE, "-o", "wide"), indent="      ")
+            last = current
+        if until(current):
+            return
+        time.sleep(1.0)
+
+
+def run_demo(directory: Path, keep: bool, nodes: int, gpus_per_node: int) -> None:
+    total = 8
+    step(1, total, "building the control plane's binaries (first run only: about 10 minutes on 2 cores)")
+    ensure_binaries()
+
+    step(
+        2,
+        total,
+        f"starting a local cluster: {nodes} fake GPU nodes x {gpus_per_node} GPUs, pods as processes",
+    )
+    try:
+        cluster = start_cluster(directory, nodes, gpus_per_node)
+        print(f"    kubeconfig: {cluster.kubeconfig}", flush=True)
+        show(cluster.kubectl("get", "nodes", "-L", "nvidia.com/gpu.count"))
+
+        step(3, total, f"helm install {RELEASE} charts/kvfleet --namespace {OPERATOR_NAMESPACE}")
+        started = time.monotonic()
+        install_chart(cluster)
+        print(f"    installed in {time.monotonic() - started:.0f}s", flush=True)
+        show(cluster.kubectl("get", "pods", "-n", OPERATOR_NAMESPACE))
+
+        step(4, total, "a tiny model (kvfleet make-model) and kubectl apply -f examples/tiny-cpu.yaml")
+        model = make_model(directory)
+        manifest = tiny_example(model)
+        name = manifest["metadata"]["name"]
+        print(f"    model.uri: {manifest['spec']['model']['uri']}", flush=True)
+        cluster.kubectl("create", "namespace", NAMESPACE)
+        show(cluster.kubectl("apply", "-n", NAMESPACE, "-f", "-", input=yaml.safe_dump(manifest)))
+
+        step(5, total, "waiting for the InferenceService to be Ready")
+        started = time.monotonic()
+        wait_ready(cluster.api, NAMESPACE, name, timeout=180)
+        print(f"    Ready after {time.monotonic() - started:.0f}s", flush=True)
+        show(cluster.kubectl("get", "inferenceservices", "-n", NAMESPACE))
+
+        step(6, total, "chat completions through the openai SDK")
+        with ReadyEndpoints(cluster.api, NAMESPACE, name) as endpoints:
+            endpoint = endpoints.current()[0]
+        print(f"    openai.OpenAI(base_url={endpoint.base_url!r})  # pod {endpoint.pod}", flush=True)
+        for question in QUESTIONS:
+            answer = chat(endpoint, question, max_tokens=24, model=manifest["spec"]["model"]["servedName"])
+            print(f"    > {question}\n      {answer.strip()!r}", flush=True)
+        print("    (a tiny model with random weights: the words are noise, the serving is real)", flush=True)
+
+        step(
+            7,
+            total,
+            f"a {BURST_SECONDS:.0f}s burst from {BURST_CLIENTS} clients: the autoscaler adds replicas",
+        )
+        with ReadyEndpoints(cluster.api, NAMESPACE, name) as endpoints:
+            with ChatLoad(endpoints, BURST_CLIENTS, max_tokens=128) as load:
+                watch_replicas(cluster, name, BURST_SECONDS, until=lambda replicas: False)
+            print(
+                f"    {len(load.successes())} requests answered, {len(load.failures())} failed; "
+                f"served by {len({o.pod for o in load.successes()})} replicas",
+                flush=True,
+            )
+
+        step(
+            8,
+            total,
+            "idle: back to minReplicas after the example's windows (stable 30s, scale-down delay 30s)",
+        )
+        watch_replicas(cluster, name, SETTLE_TIMEOUT_SECONDS, until=lambda replicas: replicas == (1, 1))
+        selector = f"involvedObject.kind=InferenceService,involvedObject.name={name}"
+        columns = "custom-columns=REASON:.reason,MESSAGE:.message"
+        events = cluster.kubectl(
+            "get",
+            "events",
+            "-n",
+            NAMESPACE,
+            "--field-selector",
+            selector,
+            "--sort-by=.lastTimestamp",
+            "-o",
+            columns,
+        )
+        show(events)
+        show(cluster.kubectl("get", "inferenceservices", "-n", NAMESPACE))
+    except BaseException:
+        if keep:
+            print(f"\nthe demo failed; KEEP=1 leaves the cluster for a look: {directory}", file=sys.stderr)
+            print(f"stop it with: {sys.executable} -m e2e.cluster down --dir {directory}", file=sys.stderr)
+        else:
+            print("\nthe demo failed; stopping the cluster", file=sys.stderr, flush=True)
+            stop_cluster(directory)
+        raise
+    if keep:
+        print(
+            f"\nKEEP=1: the cluster keeps running.\n"
+            f"    export KUBECONFIG={cluster.kubeconfig}\n"
+            f"    export PATH={cluster.bin_dir}:$PATH   # kubectl and helm\n"
+            f"    kubectl get inferenceservices -A\n"
+            f"  pod logs: {directory / 'pods'}\n"
+            f"  stop it:  {sys.executable} -m e2e.cluster down --dir {directory}",
+            flush=True,
+        )
+        return
+    print("\ntearing down", flush=True)
+    stop_cluster(directory)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m e2e.demo", description=__doc__.split("\n")[0])
+    parser.add_argument(
+        "--keep",
+        action="store_true",
+        default=os.environ.get("KEEP", "") not in ("", "0"),
+        help="leave the cluster running (also KEEP=1)",
+    )
+    parser.add_argument(
+        "--dir", default=None, help=f"cluster folder (default: $KVFLEET_CACHE/clusters/{CLUSTER_NAME})"
+    )
+    parser.add_argument("--nodes", type=int, default=2)
+    parser.add_argument("--gpus-per-node", type=int, default=8)
+    args = parser.parse_args(argv)
+    directory = Path(args.dir) if args.dir else default_cache_dir() / "clusters" / CLUSTER_NAME
+    try:
+        run_demo(directory.resolve(), args.keep, args.nodes, args.gpus_per_node)
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
