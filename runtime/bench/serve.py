@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -98,6 +99,8 @@ def parse_tier_mix(text: str | None) -> dict[str, float]:
 @click.option("--result-json", type=click.Path(dir_okay=False, path_type=Path), default=None)
 def bench_serve(result_json: Path | None, tier_mix: str | None, **options: object) -> None:
     """Benchmark a running OpenAI-compatible server (kvfleet or vLLM) with a seeded synthetic workload."""
+    # One log line per request would drown the report.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     # Imported here so that listing the commands does not load an HTTP client.
     from kvfleet.runtime.bench.serve_client import run_benchmark
     from kvfleet.runtime.bench.serve_report import print_report, summarize

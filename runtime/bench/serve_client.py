@@ -129,8 +129,10 @@ async def run_benchmark(settings: BenchSettings) -> tuple[list[RequestResult], f
     ) as client:
         model, vocab_size = await _server_model(client, settings)
         workload = build_workload(settings, vocab_size)
-        for request in workload[: settings.warmup]:
-            await _send(client, model, ServeRequest(request.prompt_token_ids, 4, None, 0.0))
+        # Prompts of their own: reusing the workload's would hand it prefix-cache hits.
+        warmup = random_requests(settings.warmup, (16, 16), (4, 4), vocab_size, seed=settings.seed + 2)
+        for request in warmup:
+            await _send(client, model, ServeRequest(request.prompt_token_ids, request.output_len, None, 0.0))
         limit = asyncio.Semaphore(settings.max_concurrency) if settings.max_concurrency else None
 
         async def one(request: ServeRequest) -> RequestResult:

@@ -8,6 +8,7 @@ from typing import Any
 
 from kvfleet.runtime.metrics import ServerMetrics
 from kvfleet.runtime.server.async_engine import AsyncLLMEngine
+from kvfleet.runtime.server.priorities import DEFAULT_TIER, TIERS
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 8 << 20
 
@@ -16,7 +17,7 @@ DEFAULT_MAX_REQUEST_BODY_BYTES = 8 << 20
 class ServerSettings:
     served_model_name: str
     api_key: str | None = None
-    default_priority: int = 2
+    default_priority: int = TIERS[DEFAULT_TIER]
     # Seconds; None = requests may run as long as they need.
     request_timeout: float | None = None
     drain_timeout: float = 30.0

@@ -104,20 +104,34 @@ def test_engine_thread_sleeps_when_idle(tiny_llama: Path) -> None:
 
 @pytest.mark.parametrize("continuous", [True, False], ids=["continuous", "static"])
 def test_static_batching_admits_the_next_batch_only_when_idle(tiny_llama: Path, continuous: bool) -> None:
-    async def body(engine: AsyncLLMEngine) -> tuple[list[float], list[float], list[float]]:
-        first = asyncio.create_task(_collect(engine, "a", 30))
-        second = asyncio.create_task(_collect(engine, "b", 30))
-        await _until(lambda: engine.stats.num_running == 2)
-        late = await _collect(engine, "c", 3)
-        return await first, await second, late
+    async def body(engine: AsyncLLMEngine) -> None:
+        long_outputs: list[float] = []
 
-    a, b, late = _run(tiny_llama, body, max_num_seqs=4, continuous_batching=continuous)
-    if continuous:
-        # Joins the running batch: done while the long ones still run.
-        assert late[-1] < min(a[-1], b[-1])
-    else:
-        # Held back although there were free sequence slots, until the whole batch had finished.
-        assert late[0] > max(a[-1], b[-1])
+        async def long(request_id: str) -> None:
+            async for _ in engine.generate(request_id, [5, 6, 7, 8], _params(500)):
+                long_outputs.append(time.monotonic())
+
+        running = [asyncio.create_task(long("a")), asyncio.create_task(long("b"))]
+        await _until(lambda: engine.stats.num_running == 2)
+        late = asyncio.create_task(_collect(engine, "c", 3))
+        if continuous:
+            # Joins the running batch (there are free sequence slots) and is done while the long ones run.
+            await late
+            assert not any(task.done() for task in running)
+        else:
+            # Held back while the batch makes progress (20 steps), although there are free slots...
+            progress = len(long_outputs) + 2 * 20
+            await _until(lambda: len(long_outputs) >= progress)
+            assert not late.done() and engine.stats.num_waiting == 1 and engine.stats.num_running == 2
+        batch_ended = time.monotonic()
+        for task in running:
+            task.cancel()
+        await asyncio.gather(*running, return_exceptions=True)
+        if not continuous:
+            # ...and admitted once the engine is idle.
+            assert (await late)[0] > batch_ended
+
+    _run(tiny_llama, body, max_num_seqs=4, continuous_batching=continuous)
 
 
 def test_static_batch_size_is_max_num_seqs(tiny_llama: Path) -> None:
@@ -142,17 +156,22 @@ def test_shedding_displaces_the_lowest_tier_first(tiny_llama: Path) -> None:
             except OverloadedError as exc:
                 results[request_id] = exc.code
 
-        running = asyncio.create_task(submit("running", "batch", 60))
+        # Runs for the whole test (it is cancelled at the end), so that everything else queues.
+        running = asyncio.create_task(submit("running", "batch", 500))
         await _until(lambda: engine.stats.num_running == 1)
-        tasks = [running]
-        for request_id, tier in (("batch-1", "batch"), ("batch-2", "batch"), ("standard", "standard")):
-            tasks.append(asyncio.create_task(submit(request_id, tier, 2)))
-            await asyncio.sleep(0.05)
+        queued = []
+        for waiting, (request_id, tier) in enumerate((("batch-1", "batch"), ("batch-2", "batch")), start=1):
+            queued.append(asyncio.create_task(submit(request_id, tier, 2)))
+            await _until(lambda waiting=waiting: engine.stats.num_waiting == waiting)
+        # The queue is full (2): each newcomer sheds the newest request of the lowest tier below its own.
+        queued.append(asyncio.create_task(submit("standard", "standard", 2)))
         await _until(lambda: "batch-2" in results)
-        tasks.append(asyncio.create_task(submit("batch-3", "batch", 2)))
-        await _until(lambda: "batch-3" in results)
-        tasks.append(asyncio.create_task(submit("critical", "critical", 2)))
-        await asyncio.gather(*tasks)
+        await submit("batch-3", "batch", 2)
+        queued.append(asyncio.create_task(submit("critical", "critical", 2)))
+        await _until(lambda: "batch-1" in results)
+        assert engine.stats.num_waiting == 2
+        running.cancel()
+        await asyncio.gather(*queued)
         return results
 
     results = _run(tiny_llama, body, max_num_seqs=1, max_waiting_requests=2, scheduling_policy="priority")
@@ -163,7 +182,6 @@ def test_shedding_displaces_the_lowest_tier_first(tiny_llama: Path) -> None:
         "batch-3": "overloaded",
         # ...and critical displaces the remaining batch request, not the standard one.
         "batch-1": "shed",
-        "running": "done",
         "standard": "done",
         "critical": "done",
     }

@@ -1,0 +1,54 @@
+"""`kvfleet serve` refuses what it cannot do, and a model that fails to load ends the process."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+
+def _serve(*args: str) -> list[str]:
+    return [sys.executable, "-m", "kvfleet", "serve", *args]
+
+
+def _run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(_serve(*args), capture_output=True, text=True, timeout=120, check=False)
+
+
+def test_tensor_parallelism_above_one_is_refused(tiny_llama: Path) -> None:
+    completed = _run("--model", str(tiny_llama), "--tensor-parallel-size", "2")
+    assert completed.returncode == 2
+    assert "--tensor-parallel-size" in completed.stderr and "only 1 is supported" in completed.stderr
+
+
+def test_bad_engine_option_is_a_usage_error(tiny_llama: Path) -> None:
+    completed = _run("--model", str(tiny_llama), "--block-size", "12")
+    assert completed.returncode == 2
+    assert "block_size must be a power of two" in completed.stderr
+
+
+def test_a_model_that_cannot_load_ends_the_process(tmp_path: Path) -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    process = subprocess.Popen(
+        _serve("--model", str(tmp_path / "missing"), "--host", "127.0.0.1", "--port", str(port)),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        output, _ = process.communicate(timeout=180)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert process.returncode == 1, output
+    assert "the model could not be loaded" in output
+    # Nothing is left listening.
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)
