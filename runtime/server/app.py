@@ -64,11 +64,14 @@ def _lifespan(state: ServerState) -> Any:
     return lifespan
 
 
-def _load_tokenizer(path: str) -> Any:
+def _load_tokenizer(path: str, chat_template: str | None) -> Any:
     # Imported here, on a worker thread: importing transformers takes seconds the event loop cannot spare.
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(path)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
+    return tokenizer
 
 
 async def _finish_loading(state: ServerState) -> None:
@@ -78,7 +81,8 @@ async def _finish_loading(state: ServerState) -> None:
         await state.engine.wait_loaded()
         state.load_error = state.engine.error
         if state.load_error is None:
-            state.tokenizer = await asyncio.to_thread(_load_tokenizer, config.tokenizer or config.model)
+            path, template = config.tokenizer or config.model, state.settings.chat_template
+            state.tokenizer = await asyncio.to_thread(_load_tokenizer, path, template)
     except Exception as exc:
         logger.exception("loading the tokenizer failed")
         state.load_error = exc

@@ -5,10 +5,15 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 import pytest
+
+if TYPE_CHECKING:
+    from conftest import ServerProcess
 
 
 def _serve(*args: str) -> list[str]:
@@ -52,3 +57,23 @@ def test_a_model_that_cannot_load_ends_the_process(tmp_path: Path) -> None:
     # Nothing is left listening.
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)
+
+
+def test_chat_template_flag_replaces_the_model_folders(
+    start_server: Callable[..., ServerProcess], tmp_path: Path
+) -> None:
+    template = tmp_path / "template.jinja"
+    template.write_text("{% for m in messages %}<<{{ m['role'] }}>>{{ m['content'] }}{% endfor %}")
+    server = start_server("--chat-template", str(template))
+    messages = [{"role": "user", "content": "hi"}]
+    chat = httpx.post(f"{server.url}/tokenize", json={"messages": messages}, timeout=30).json()
+    rendered = httpx.post(
+        f"{server.url}/tokenize", json={"prompt": "<<user>>hi", "add_special_tokens": False}, timeout=30
+    ).json()
+    assert chat["tokens"] == rendered["tokens"]
+
+
+def test_chat_template_that_is_neither_file_nor_template(tiny_llama: Path) -> None:
+    completed = _run("--model", str(tiny_llama), "--chat-template", "no-such-file.jinja")
+    assert completed.returncode == 2
+    assert "neither a file nor a Jinja template" in completed.stderr
