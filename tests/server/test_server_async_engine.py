@@ -11,11 +11,17 @@ from typing import Any
 
 import pytest
 from kvfleet.runtime.config import EngineConfig
+from kvfleet.runtime.core.outputs import SchedulerStats
 from kvfleet.runtime.engine.outputs import RequestOutput
 from kvfleet.runtime.metrics import ServerMetrics
 from kvfleet.runtime.sampling_params import SamplingParams
 from kvfleet.runtime.server.async_engine import AsyncLLMEngine
-from kvfleet.runtime.server.errors import ClientDisconnectedError, OverloadedError
+from kvfleet.runtime.server.errors import (
+    ClientDisconnectedError,
+    InternalServerError,
+    OverloadedError,
+    ServiceUnavailableError,
+)
 from kvfleet.runtime.server.priorities import TIERS
 
 
@@ -185,3 +191,56 @@ def test_shedding_displaces_the_lowest_tier_first(tiny_llama: Path) -> None:
         "standard": "done",
         "critical": "done",
     }
+
+
+class _BrokenEngine:
+    """Accepts requests, then fails its first step the way a bug would."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.pending = False
+
+    @property
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(int(self.pending), 0, 0, 0.0, 0, 0, 0)
+
+    def add_request(self, request_id: str, *args: Any, **kwargs: Any) -> list[int]:
+        self.pending = True
+        return []
+
+    def abort_request(self, request_ids: str | list[str]) -> None:
+        self.pending = False
+
+    def has_unfinished_requests(self) -> bool:
+        return self.pending
+
+    def step(self) -> list[RequestOutput]:
+        raise RuntimeError("scheduler bug")
+
+
+def test_a_dead_engine_loop_fails_requests_and_turns_unhealthy(tmp_path: Path) -> None:
+    async def main() -> None:
+        engine = AsyncLLMEngine(EngineConfig(model=str(tmp_path)), engine_factory=_BrokenEngine)
+        engine.start()
+        await engine.wait_loaded()
+        assert engine.ready and engine.alive
+        with pytest.raises(InternalServerError):
+            async for _ in engine.generate("r", [1, 2], _params(4)):
+                pass
+        assert not engine.alive and not engine.ready
+        with pytest.raises(ServiceUnavailableError):
+            async for _ in engine.generate("s", [1, 2], _params(4)):
+                pass
+        await engine.shutdown()
+
+    asyncio.run(main())
+
+
+def test_an_engine_that_fails_to_load_is_reported(tmp_path: Path) -> None:
+    async def main() -> None:
+        engine = AsyncLLMEngine(EngineConfig(model=str(tmp_path / "missing")))
+        engine.start()
+        await engine.wait_loaded()
+        assert not engine.ready and not engine.alive and engine.error is not None
+        await engine.shutdown()
+
+    asyncio.run(main())
