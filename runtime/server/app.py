@@ -69,8 +69,7 @@ def _load_tokenizer(path: str, chat_template: str | None) -> Any:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(path)
-    if chat_template is not None:
-        tokenizer.chat_template = chat_template
+    tokenizer.chat_template = chat_template
     return tokenizer
 
 
@@ -81,8 +80,11 @@ async def _finish_loading(state: ServerState) -> None:
         await state.engine.wait_loaded()
         state.load_error = state.engine.error
         if state.load_error is None:
-            path, template = config.tokenizer or config.model, state.settings.chat_template
-            state.tokenizer = await asyncio.to_thread(_load_tokenizer, path, template)
+            # The template the engine settled on (--chat-template, else the model folder's).
+            template = state.engine.engine.tokenizer.chat_template
+            state.tokenizer = await asyncio.to_thread(
+                _load_tokenizer, config.tokenizer or config.model, template
+            )
     except Exception as exc:
         logger.exception("loading the tokenizer failed")
         state.load_error = exc

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import sys
-from pathlib import Path
 from typing import Any
 
 import click
@@ -58,11 +57,6 @@ from kvfleet.runtime.server.state import DEFAULT_MAX_REQUEST_BODY_BYTES
     is_flag=True,
     help="Static batching: admit a new batch only when the previous one has fully finished (for comparison).",
 )
-@click.option(
-    "--chat-template",
-    default=None,
-    help="Chat template replacing the model folder's: a Jinja file, or the template text itself.",
-)
 @click.option("--tensor-parallel-size", type=int, default=1, show_default=True, help="Only 1 is supported.")
 @click.option("--access-log/--no-access-log", default=False, show_default=True)
 @engine_options
@@ -78,7 +72,6 @@ def serve(
     request_timeout: float | None,
     max_request_body_bytes: int,
     disable_continuous_batching: bool,
-    chat_template: str | None,
     tensor_parallel_size: int,
     access_log: bool,
     **options: Any,
@@ -88,7 +81,6 @@ def serve(
         raise click.BadParameter(
             "only 1 is supported: kvfleet runs each model on one device", param_hint="--tensor-parallel-size"
         )
-    template = _read_chat_template(chat_template) if chat_template is not None else None
     try:
         config = engine_config_from_options(model, options)
     except ValueError as exc:
@@ -110,7 +102,6 @@ def serve(
         request_timeout=request_timeout,
         drain_timeout=drain_timeout,
         max_request_body_bytes=max_request_body_bytes,
-        chat_template=template,
     )
     # One `_created` series per counter and histogram doubles what Prometheus stores, for nothing it uses.
     prometheus_client.disable_created_metrics()
@@ -135,15 +126,3 @@ def serve(
     server.run()
     if server.failed or not server.started:
         sys.exit(1)
-
-
-def _read_chat_template(value: str) -> str:
-    """As vLLM: text with Jinja markup is the template itself; anything else names a file holding it."""
-    if "{{" in value or "{%" in value:
-        return value
-    path = Path(value)
-    if not path.is_file():
-        raise click.BadParameter(
-            f"{value!r} is neither a file nor a Jinja template", param_hint="--chat-template"
-        )
-    return path.read_text()

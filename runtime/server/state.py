@@ -22,8 +22,6 @@ class ServerSettings:
     request_timeout: float | None = None
     drain_timeout: float = 30.0
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
-    # Jinja chat template replacing the model folder's, if given.
-    chat_template: str | None = None
 
 
 @dataclass
