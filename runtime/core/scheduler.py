@@ -150,6 +150,8 @@ class Scheduler:
         self._drop_finished_running()
         kv = self.kv_cache_manager
         budget = self.max_num_batched_tokens
+        # Decided before anything is allocated this step, so the victims have no blocks in flight.
+        displaced = self._make_room_for_higher_priority()
         # Insertion ordered: the batch order. A request preempted after being scheduled is popped out.
         scheduled: dict[Request, int] = {}
         preempted: list[Request] = []
@@ -191,7 +193,7 @@ class Scheduler:
         if not preempted:
             budget = self._admit_waiting(scheduled, budget)
 
-        return self._build_output(scheduled, budget, preempted)
+        return self._build_output(scheduled, budget, displaced + preempted)
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
@@ -301,6 +303,31 @@ class Scheduler:
         )
         self._finished_request_ids = set()
         return output
+
+    def _make_room_for_higher_priority(self) -> list[Request]:
+        """Under the priority policy, a waiting request that outranks running ones takes their place when
+        the sequence slots or the free blocks would otherwise keep it waiting (the worst-ranked, newest
+        request goes first). Equal priorities never displace each other, so this cannot thrash."""
+        if self.policy != "priority":
+            return []
+        kv = self.kv_cache_manager
+        displaced: list[Request] = []
+        while self.running:
+            head = self.waiting.peek()
+            if head is None:
+                break
+            slots_full = len(self.running) >= self.max_num_seqs
+            # Conservative: prefix-cache hits on blocks other requests hold are not counted.
+            blocks_short = kv.num_free_blocks * kv.block_size < head.num_tokens
+            if not (slots_full or blocks_short):
+                break
+            victim = self._choose_victim()
+            if victim.priority <= head.priority:
+                break
+            self._preempt(victim)
+            self.running.remove(victim)
+            displaced.append(victim)
+        return displaced
 
     def _choose_victim(self) -> Request:
         """fcfs: the newest arrival among running requests; priority: the worst priority (largest value),

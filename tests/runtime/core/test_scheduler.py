@@ -270,6 +270,44 @@ class TestPreemption:
         assert output.total_num_scheduled_tokens == 1
         assert scheduler.requests["low"].status == RequestStatus.PREEMPTED
 
+    @pytest.mark.parametrize("policy", ["priority", "fcfs"])
+    def test_a_higher_tier_takes_a_full_batchs_slot_only_under_priority(
+        self, runner_factory: Callable, policy: str
+    ) -> None:
+        scheduler = make_scheduler(max_num_seqs=2, policy=policy)
+        runner = runner_factory(scheduler)
+        self._fill(
+            scheduler,
+            runner,
+            [
+                make_request("batch-old", 4, arrival_time=1.0, priority=3, max_tokens=8),
+                make_request("batch-new", 4, arrival_time=2.0, priority=3, max_tokens=8),
+            ],
+        )
+        scheduler.add_request(make_request("critical", 4, arrival_time=3.0, priority=0, max_tokens=2))
+        output, _ = step(scheduler, runner)
+        if policy == "fcfs":
+            assert output.preempted_request_ids == set()
+            assert set(scheduled(output)) == {"batch-old", "batch-new"}
+            return
+        assert output.preempted_request_ids == {"batch-new"}
+        assert scheduled(output) == {"batch-old": 1, "critical": 4}
+        # Equal priorities never displace each other: batch-new waits for a free slot.
+        step(scheduler, runner)
+        assert scheduler.requests["batch-new"].status == RequestStatus.PREEMPTED
+        tokens = run_to_completion(scheduler, runner)
+        assert set(tokens) >= {"batch-old", "batch-new"}
+        assert scheduler.stats.kv_cache_usage == 0.0
+
+    def test_a_higher_tier_displaces_lower_ones_when_blocks_run_short(self, runner_factory: Callable) -> None:
+        scheduler = make_scheduler(num_kv_blocks=4, max_model_len=16, policy="priority")
+        runner = runner_factory(scheduler)
+        self._fill(scheduler, runner, [make_request("batch", 12, arrival_time=1.0, priority=3, max_tokens=4)])
+        scheduler.add_request(make_request("critical", 8, arrival_time=2.0, priority=0, max_tokens=2))
+        output, _ = step(scheduler, runner)
+        assert output.preempted_request_ids == {"batch"}
+        assert scheduled(output) == {"critical": 8}
+
     def test_a_victim_scheduled_earlier_in_the_step_leaves_no_unwritten_block_in_the_cache(
         self, runner_factory: Callable
     ) -> None:
