@@ -13,7 +13,7 @@ REQ_HASH := $(shell cat $(REQUIREMENTS) pyproject.toml | sha256sum | cut -c1-16)
 STAMP := $(VENV)/.kvfleet-$(REQ_HASH)
 PYTEST_ARGS ?=
 
-.PHONY: setup test test-fast lint demo clean-venv
+.PHONY: setup test test-unit test-e2e lint demo demo-runtime clean-venv
 
 setup: $(STAMP)
 	@# The editable install points at this checkout; re-pointing it is cheap and keeps clones independent.
@@ -29,10 +29,23 @@ lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
+# The end-to-end suite builds the control plane from Go modules on first use (about 10 minutes on 2 cores),
+# into $(KVFLEET_CACHE)/k8s, and reuses it afterwards.
 test: setup lint
+	$(PY) -m pytest tests e2e $(PYTEST_ARGS)
+
+test-unit: setup
 	$(PY) -m pytest tests $(PYTEST_ARGS)
 
+test-e2e: setup
+	$(PY) -m pytest e2e $(PYTEST_ARGS)
+
+# The whole product on a local Kubernetes control plane: KEEP=1 leaves the cluster running.
 demo: setup
+	$(PY) -m e2e.demo
+
+# The engine alone: a tiny model, a few prompts, outputs and throughput.
+demo-runtime: setup
 	$(VENV)/bin/kvfleet demo
 
 clean-venv:
