@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from kvfleet.runtime.core.outputs import SchedulerStats
 from kvfleet.runtime.engine.outputs import RequestOutput
-from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -137,6 +137,15 @@ class ServerMetrics:
                 child.observe(value)  # type: ignore[union-attr]
 
     # ---- engine state ------------------------------------------------------------------------------
+
+    def set_engine_info(self, *, attention_backend: str, device: str, dtype: str) -> None:
+        """What the engine settled on at start (the attention backend comes from a benchmark), as labels."""
+        Gauge(
+            "kvfleet:engine_info",
+            "The engine's configuration as labels; the value is always 1.",
+            ["model_name", "attention_backend", "device", "dtype"],
+            registry=self.registry,
+        ).labels(self.model_name, attention_backend, device, dtype).set(1)
 
     def set_stats_source(self, source: Callable[[], SchedulerStats | None]) -> None:
         """Where scrapes read the engine's current queue depths, KV usage and cumulative counters."""

@@ -267,6 +267,13 @@ class AsyncLLMEngine:
             return
         self.engine = engine
         self._latest_stats = engine.stats
+        if self._metrics is not None:
+            runner = engine.runner
+            self._metrics.set_engine_info(
+                attention_backend=runner.attention_backend.name,
+                device=runner.device.type,
+                dtype=str(runner.dtype).removeprefix("torch."),
+            )
         self._call_soon(self._on_loaded, None)
         try:
             self._step_loop(engine)

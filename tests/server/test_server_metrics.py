@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+import httpx
 import pytest
 from kvfleet.runtime.core.outputs import SchedulerStats
 from kvfleet.runtime.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvfleet.runtime.metrics import ServerMetrics
+
+if TYPE_CHECKING:
+    from conftest import ServerProcess
 
 
 def _output(tokens: int, *, first: float, last: float, finished: str | None = None) -> RequestOutput:
@@ -52,3 +58,12 @@ def test_metrics_names_and_observations() -> None:
     assert _sample(text, 'vllm:request_success_total{finished_reason="length",model_name="m"}') == 1
     assert _sample(text, 'vllm:request_success_total{finished_reason="abort",model_name="m"}') == 1
     assert _sample(text, 'kvfleet:requests_rejected_total{model_name="m",reason="shed",tier="batch"}') == 1
+
+
+def test_engine_info_names_the_chosen_attention_backend(api_server: ServerProcess) -> None:
+    text = httpx.get(f"{api_server.url}/metrics", timeout=10).text
+    line = next(line for line in text.splitlines() if line.startswith("kvfleet:engine_info{"))
+    # On a machine without a GPU the selector must settle on the torch backend.
+    assert 'attention_backend="sdpa"' in line
+    assert 'device="cpu"' in line
+    assert line.endswith(" 1.0")
