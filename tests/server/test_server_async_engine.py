@@ -162,8 +162,9 @@ def test_shedding_displaces_the_lowest_tier_first(tiny_llama: Path) -> None:
             except OverloadedError as exc:
                 results[request_id] = exc.code
 
-        # Runs for the whole test (it is cancelled at the end), so that everything else queues.
-        running = asyncio.create_task(submit("running", "batch", 500))
+        # Runs for the whole test (it is cancelled at the end), so that everything else queues; critical, so
+        # that no newcomer outranks it and takes its slot.
+        running = asyncio.create_task(submit("running", "critical", 500))
         await _until(lambda: engine.stats.num_running == 1)
         queued = []
         for waiting, (request_id, tier) in enumerate((("batch-1", "batch"), ("batch-2", "batch")), start=1):
