@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from kvfleet.runtime.core.outputs import EngineCoreOutput
@@ -127,11 +128,12 @@ class OutputProcessor:
 
         outputs = []
         for request_id, state in touched.items():
+            if state.finished:
+                state.metrics.finished_time = now
             output = self._make_output(state)
             if output is not None:
                 outputs.append(output)
             if state.finished:
-                state.metrics.finished_time = now
                 self.remove(request_id)
         return outputs, stopped
 
@@ -193,7 +195,8 @@ class OutputProcessor:
             outputs=completions,
             finished=state.finished,
             num_cached_tokens=state.num_cached_tokens,
-            metrics=state.metrics,
+            # A snapshot: the state's own copy keeps changing, and outputs may be read on another thread.
+            metrics=dataclasses.replace(state.metrics),
         )
 
     @staticmethod

@@ -305,9 +305,6 @@ class AsyncLLMEngine:
             if engine.has_unfinished_requests():
                 for output in engine.step():
                     state.unstarted.pop(output.request_id, None)
-                    # The engine keeps updating its metrics object; hand the event loop a frozen copy.
-                    if output.metrics is not None:
-                        output.metrics = dataclasses.replace(output.metrics)
                     deliveries.append((output.request_id, output))
             self._latest_stats = self._current_stats(engine)
             if deliveries:

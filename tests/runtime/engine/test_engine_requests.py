@@ -215,3 +215,16 @@ def test_chat_template_override_from_text_and_file(tiny_llama: Path, tmp_path: P
     assert from_file.apply_chat_template([{"role": "user", "content": "hi"}]) == ids
     with pytest.raises(ValueError, match="neither a readable file"):
         LLM(str(tiny_llama), num_kv_blocks=64, max_model_len=256, chat_template=str(tmp_path / "missing"))
+
+
+def test_outputs_carry_a_snapshot_of_the_request_times(llm: LLM) -> None:
+    engine = llm.llm_engine
+    engine.add_request("timed", "time me", _greedy(max_tokens=3), output_kind=OutputKind.DELTA)
+    seen = []
+    while engine.has_unfinished_requests():
+        seen += engine.step()
+    first, last = seen[0].metrics, seen[-1].metrics
+    assert first is not last
+    assert first.finished_time is None, "an earlier output must not change after it was handed out"
+    times = [last.arrival_time, last.first_scheduled_time, last.first_token_time, last.finished_time]
+    assert None not in times and times == sorted(times)
