@@ -134,13 +134,19 @@ def test_crashing_container_is_restarted_with_backoff(local_cluster: LocalCluste
         target_pod("crashes", "--exit-after", "0.5", "--exit-code", "3"),
     )
 
-    def restarted_twice() -> dict | None:
-        statuses = api.get(pod_path(namespace, "crashes"))["status"].get("containerStatuses", [])
-        return statuses[0] if statuses and statuses[0]["restartCount"] >= 2 else None
+    def backing_off_after_two_restarts() -> dict | None:
+        # One snapshot of the pod: between restarts the process lives 0.5 s and may be Ready for a moment.
+        pod = api.get(pod_path(namespace, "crashes"))
+        statuses = pod["status"].get("containerStatuses", [])
+        if statuses and statuses[0]["restartCount"] >= 2 and "waiting" in statuses[0]["state"]:
+            return pod
+        return None
 
-    status = wait_for("two restarts", restarted_twice, timeout=30)
+    pod = wait_for("a back-off after two restarts", backing_off_after_two_restarts, timeout=30)
+    status = pod["status"]["containerStatuses"][0]
+    assert status["state"]["waiting"]["reason"] == "CrashLoopBackOff"
     assert status["lastState"]["terminated"]["exitCode"] == 3
-    assert not is_ready(api.get(pod_path(namespace, "crashes")))
+    assert not status["ready"] and not is_ready(pod)
     events = api.get(f"/api/v1/namespaces/{namespace}/events")["items"]
     assert any(e["reason"] == "BackOff" and e["involvedObject"]["name"] == "crashes" for e in events)
 

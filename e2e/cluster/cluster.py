@@ -42,7 +42,13 @@ from .processes import Ledger, ManagedProcess, start_process, tail
 log = logging.getLogger("kvfleet.e2e.cluster")
 
 ADMIN_USER = "kvfleet-admin"
-SERVICE_CLUSTER_IP_RANGE = "10.0.0.0/24"
+NO_ENDPOINT_CONTROLLERS = (
+    "endpoints-controller",
+    "endpointslice-controller",
+    "endpointslice-mirroring-controller",
+)
+# Room for a fleet of thousands of Services (a /24 ran out at 253 in the fleet benchmark).
+SERVICE_CLUSTER_IP_RANGE = "10.96.0.0/16"
 
 
 def default_cache_dir() -> Path:
@@ -282,7 +288,7 @@ class LocalCluster:
         timeout = self.config.start_timeout
 
         etcd_url = f"http://127.0.0.1:{etcd_port}"
-        etcd = self._launch("etcd", [
+        etcd = self.launch("etcd", [
             str(bin_dir / "etcd"),
             "--name=default",
             f"--data-dir={self.state_dir / 'etcd-data'}",
@@ -296,7 +302,7 @@ class LocalCluster:
         ])  # fmt: skip
         _wait_until("etcd healthy", lambda: _http_ok(f"{etcd_url}/health"), timeout, [etcd])
 
-        apiserver = self._launch("kube-apiserver", [
+        apiserver = self.launch("kube-apiserver", [
             str(bin_dir / "kube-apiserver"),
             f"--etcd-servers={etcd_url}",
             "--bind-address=127.0.0.1",
@@ -326,7 +332,7 @@ class LocalCluster:
         )
 
         controller_manager_port = free_port()
-        controller_manager = self._launch("kube-controller-manager", [
+        controller_manager = self.launch("kube-controller-manager", [
             str(bin_dir / "kube-controller-manager"),
             f"--kubeconfig={self.kubeconfig}",
             f"--authentication-kubeconfig={self.kubeconfig}",
@@ -338,6 +344,9 @@ class LocalCluster:
             f"--root-ca-file={pki.ca_cert}",
             f"--kube-api-qps={self.config.kube_api_qps}",
             f"--kube-api-burst={self.config.kube_api_burst}",
+            # Pod IPs are loopback addresses, which Endpoints and EndpointSlices reject: these controllers
+            # would only retry failing writes and post a Warning per Service and attempt.
+            f"--controllers=*,{','.join('-' + name for name in NO_ENDPOINT_CONTROLLERS)}",
             "--profiling=false",
         ])  # fmt: skip
 
@@ -357,7 +366,7 @@ class LocalCluster:
                 }
             )
         )
-        scheduler = self._launch("kube-scheduler", [
+        scheduler = self.launch("kube-scheduler", [
             str(bin_dir / "kube-scheduler"),
             f"--config={scheduler_config}",
             f"--authentication-kubeconfig={self.kubeconfig}",
@@ -370,7 +379,7 @@ class LocalCluster:
         kwok_config = self.state_dir / "kwok.yaml"
         image_pattern = self.config.runner_image_pattern if self.config.pod_runner else None
         kwok_config.write_text(yaml.safe_dump_all(kwok_stages(image_pattern), sort_keys=False))
-        kwok = self._launch("kwok", [
+        kwok = self.launch("kwok", [
             str(bin_dir / "kwok"),
             f"--config={kwok_config}",
             f"--kubeconfig={self.kubeconfig}",
@@ -416,8 +425,11 @@ class LocalCluster:
             self.pod_runner.start()
         self._write_state()
 
-    def _launch(self, name: str, argv: list[str]) -> ManagedProcess:
-        process = start_process(name, argv, self.log_dir / f"{name}.log", self._ledger)
+    def launch(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> ManagedProcess:
+        """Starts a process that belongs with the cluster (log: logs/<name>.log). It is stopped by its PID in
+        reverse start order (a process started after the control plane, before it), and a crashed run's
+        leftover by the next start in this folder."""
+        process = start_process(name, argv, self.log_dir / f"{name}.log", self._ledger, env=env)
         self._processes.append(process)
         log.info("started %s (pid %d)", name, process.pid)
         return process
