@@ -67,6 +67,8 @@ def finish_error(finish_reason: str | None) -> OpenAIError | None:
 
 
 class OpenAIServing:
+    # The "object" of a streamed chunk in the OpenAI API.
+    chunk_object: str
     id_prefix = "cmpl"
 
     def __init__(self, state: ServerState) -> None:
@@ -222,3 +224,17 @@ class OpenAIServing:
     def top_logprobs(self, logprobs: dict[int, float], limit: int) -> list[tuple[str, float]]:
         best = sorted(logprobs.items(), key=lambda item: item[1], reverse=True)[:limit]
         return [(self.token_text(token_id), logprob) for token_id, logprob in best]
+
+    def _chunk(
+        self, request: PreparedRequest, choice: dict[str, Any] | None, usage_: dict[str, int] | None = None
+    ) -> dict[str, Any]:
+        chunk: dict[str, Any] = {
+            "id": request.request_id,
+            "object": self.chunk_object,
+            "created": request.created,
+            "model": self.model_name,
+            "choices": [choice] if choice is not None else [],
+        }
+        if usage_ is not None:
+            chunk["usage"] = usage_
+        return chunk

@@ -17,6 +17,7 @@ from starlette.responses import JSONResponse, Response
 
 
 class OpenAIServingChat(OpenAIServing):
+    chunk_object = "chat.completion.chunk"
     id_prefix = "chatcmpl"
 
     async def create_chat_completion(self, body: ChatCompletionRequest, raw_request: Request) -> Response:
@@ -117,17 +118,3 @@ class OpenAIServingChat(OpenAIServing):
                 self._chunk(request, None, usage(len(request.prompt_token_ids[0]), completion_tokens))
             )
         yield SSE_DONE
-
-    def _chunk(
-        self, request: PreparedRequest, choice: dict[str, Any] | None, usage_: dict[str, int] | None = None
-    ) -> dict[str, Any]:
-        chunk: dict[str, Any] = {
-            "id": request.request_id,
-            "object": "chat.completion.chunk",
-            "created": request.created,
-            "model": self.model_name,
-            "choices": [choice] if choice is not None else [],
-        }
-        if usage_ is not None:
-            chunk["usage"] = usage_
-        return chunk

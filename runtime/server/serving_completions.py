@@ -17,6 +17,7 @@ from starlette.responses import JSONResponse, Response
 
 
 class OpenAIServingCompletion(OpenAIServing):
+    chunk_object = "text_completion"
     id_prefix = "cmpl"
 
     async def create_completion(self, body: CompletionRequest, raw_request: Request) -> Response:
@@ -150,17 +151,3 @@ class OpenAIServingCompletion(OpenAIServing):
             prompt_tokens = sum(len(ids) for ids in request.prompt_token_ids)
             yield sse_event(self._chunk(request, None, usage(prompt_tokens, completion_tokens)))
         yield SSE_DONE
-
-    def _chunk(
-        self, request: PreparedRequest, choice: dict[str, Any] | None, usage_: dict[str, int] | None = None
-    ) -> dict[str, Any]:
-        chunk: dict[str, Any] = {
-            "id": request.request_id,
-            "object": "text_completion",
-            "created": request.created,
-            "model": self.model_name,
-            "choices": [choice] if choice is not None else [],
-        }
-        if usage_ is not None:
-            chunk["usage"] = usage_
-        return chunk
