@@ -12,8 +12,9 @@ import secrets
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -38,6 +39,23 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
 
 _BIN_DIR = pytest.StashKey[Path]()
+_MEASUREMENTS = pytest.StashKey[list[str]]()
+
+
+@pytest.fixture(scope="session")
+def measurements(pytestconfig: pytest.Config) -> Callable[[str], None]:
+    """Records a figure a test measured (reaction times, recovery times); all of them are printed in an
+    "end-to-end measurements" section at the end of the run, passed or not, captured output or not."""
+    lines = pytestconfig.stash.setdefault(_MEASUREMENTS, [])
+    return lines.append
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    lines = config.stash.get(_MEASUREMENTS, [])
+    if lines:
+        terminalreporter.section("end-to-end measurements")
+        for line in lines:
+            terminalreporter.write_line(line)
 
 
 @pytest.fixture(scope="session")

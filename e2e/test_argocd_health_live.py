@@ -6,7 +6,7 @@ when Ready, Degraded when its node is lost and no replica can be placed, Suspend
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -72,6 +72,7 @@ def test_health_follows_the_live_object(
     kvfleet_release: OperatorRelease,
     namespace: str,
     lost_node: dict[str, str],
+    measurements: Callable[[str], None],
 ) -> None:
     api = local_cluster.api
     operator_node = kvfleet_release.operator_pod()["spec"]["nodeName"]
@@ -118,7 +119,7 @@ def test_health_follows_the_live_object(
     assert suspended.message == "spec.scaling.replicas is 0"
 
     statuses = timeline.statuses()
-    print(f"\nArgo CD health over the object's life: {' -> '.join(statuses)}")
+    measurements(f"Argo CD health over the object's life: {' -> '.join(statuses)}")
     assert statuses[:2] == ["Progressing", "Healthy"]
     # Changes pass through Progressing for as long as the operator takes to see them (if seen at all).
     settled = [status for status in statuses[1:] if status != "Progressing"]

@@ -6,6 +6,7 @@ after the scale-down delay without flapping. Short windows from the spec keep th
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from e2e.cluster import LocalCluster
@@ -33,7 +34,11 @@ NEW_REPLICA_READY_BOUND_SECONDS = 90.0
 
 
 def test_burst_scales_up_and_idle_scales_back_without_flapping(
-    local_cluster: LocalCluster, kvfleet_release: OperatorRelease, namespace: str, tiny_model_dir: Path
+    local_cluster: LocalCluster,
+    kvfleet_release: OperatorRelease,
+    namespace: str,
+    tiny_model_dir: Path,
+    measurements: Callable[[str], None],
 ) -> None:
     api = local_cluster.api
     manifest = tiny_service("burst", tiny_model_dir, engine={"maxNumSeqs": 2}, scaling=SCALING)
@@ -60,8 +65,8 @@ def test_burst_scales_up_and_idle_scales_back_without_flapping(
             )
         idle_since = time.monotonic()
         scale_up_seconds = decided.at - burst_began
-        print(
-            f"\nscale-up reaction: replicas 1 -> 2 decided {scale_up_seconds:.1f}s after the burst began, "
+        measurements(
+            f"scale-up reaction: replicas 1 -> 2 decided {scale_up_seconds:.1f}s after the burst began, "
             f"new replica Ready after {ready.at - burst_began:.1f}s; "
             f"{len(load.successes())} requests answered, {len(load.failures())} failed"
         )
@@ -70,7 +75,7 @@ def test_burst_scales_up_and_idle_scales_back_without_flapping(
         scaled_down = wait_for(
             "back to minReplicas", lambda: history.first(lambda s: s.at > idle_since and s.desired == 1), 90
         )
-        print(f"back to 1 replica {scaled_down.at - idle_since:.1f}s after the load stopped")
+        measurements(f"back to 1 replica {scaled_down.at - idle_since:.1f}s after the load stopped")
         # No flapping: it stays at minReplicas through several more autoscaler passes.
         time.sleep(3 * SCALING["metricsIntervalSeconds"] + 2)
     assert history.desired_counts() == [1, 2, 1], history.snapshot()

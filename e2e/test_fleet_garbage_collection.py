@@ -4,6 +4,7 @@ the operator sets are what the real controller manager follows."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import pytest
 
@@ -33,7 +34,11 @@ def children(cluster: LocalCluster, namespace: str, name: str) -> dict[str, list
 
 @pytest.mark.parametrize("cascade", ["background", "foreground"])
 def test_deleting_the_service_removes_every_child(
-    local_cluster: LocalCluster, kvfleet_release: OperatorRelease, namespace: str, cascade: str
+    local_cluster: LocalCluster,
+    kvfleet_release: OperatorRelease,
+    namespace: str,
+    cascade: str,
+    measurements: Callable[[str], None],
 ) -> None:
     api = local_cluster.api
     created = api.create(
@@ -70,5 +75,7 @@ def test_deleting_the_service_removes_every_child(
         return not any(children(local_cluster, namespace, "doomed").values())
 
     wait_for("every child of the deleted service gone", all_gone, timeout=60, interval=0.2)
-    print(f"\n{cascade} deletion: every child gone {time.monotonic() - started:.1f}s after kubectl delete")
+    measurements(
+        f"{cascade} deletion: every child gone {time.monotonic() - started:.1f}s after kubectl delete"
+    )
     assert api.get(services_path(namespace))["items"] == []

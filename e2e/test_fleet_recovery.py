@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +42,10 @@ def owned_children(api: KubeAPI, namespace: str) -> dict[str, list[dict[str, Any
 
 
 def test_operator_killed_mid_reconcile_leaves_no_duplicates_or_orphans(
-    local_cluster: LocalCluster, kvfleet_release: OperatorRelease, namespace: str
+    local_cluster: LocalCluster,
+    kvfleet_release: OperatorRelease,
+    namespace: str,
+    measurements: Callable[[str], None],
 ) -> None:
     api = local_cluster.api
     restarts_before = restart_count(kvfleet_release)
@@ -66,8 +70,8 @@ def test_operator_killed_mid_reconcile_leaves_no_duplicates_or_orphans(
         return all(is_ready(service) for service in api.get(services_path(namespace))["items"])
 
     wait_for("every service Ready", all_ready, RECOVERY_BOUND_SECONDS, interval=0.5)
-    print(
-        f"\noperator killed with {done_at_kill} of {len(SERVICES)} Deployments applied; "
+    measurements(
+        f"operator killed with {done_at_kill} of {len(SERVICES)} Deployments applied; "
         f"every service Ready {time.monotonic() - killed:.1f}s later"
     )
 
@@ -107,7 +111,11 @@ def test_operator_killed_mid_reconcile_leaves_no_duplicates_or_orphans(
 
 
 def test_runtime_pod_deleted_under_load_is_replaced(
-    local_cluster: LocalCluster, kvfleet_release: OperatorRelease, namespace: str, tiny_model_dir: Path
+    local_cluster: LocalCluster,
+    kvfleet_release: OperatorRelease,
+    namespace: str,
+    tiny_model_dir: Path,
+    measurements: Callable[[str], None],
 ) -> None:
     api = local_cluster.api
     api.create(services_path(namespace), tiny_service("resilient", tiny_model_dir))
@@ -135,8 +143,8 @@ def test_runtime_pod_deleted_under_load_is_replaced(
         )
 
     after = [outcome for outcome in load.outcomes if outcome.started >= first.started]
-    print(
-        f"\ntraffic recovered {first.finished - deleted:.1f}s after the pod was deleted "
+    measurements(
+        f"traffic recovered {first.finished - deleted:.1f}s after the pod was deleted "
         f"({load.seconds_without_endpoints:.1f} client-seconds without a serving pod, "
         f"{len(load.failures())} failed requests)"
     )

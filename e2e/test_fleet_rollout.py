@@ -5,6 +5,7 @@ client request fails."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from e2e.cluster import LocalCluster
@@ -19,7 +20,11 @@ ROLLOUT_BOUND_SECONDS = 120.0
 
 
 def test_engine_change_rolls_out_without_failed_requests(
-    local_cluster: LocalCluster, kvfleet_release: OperatorRelease, namespace: str, tiny_model_dir: Path
+    local_cluster: LocalCluster,
+    kvfleet_release: OperatorRelease,
+    namespace: str,
+    tiny_model_dir: Path,
+    measurements: Callable[[str], None],
 ) -> None:
     api = local_cluster.api
     api.create(services_path(namespace), tiny_service("rolling", tiny_model_dir, engine={"maxNumSeqs": 4}))
@@ -55,8 +60,8 @@ def test_engine_change_rolls_out_without_failed_requests(
         )
 
     served_by = {outcome.pod for outcome in load.successes()}
-    print(
-        f"\nrollout finished {rollout_seconds:.1f}s after the spec change; {len(load.outcomes)} requests "
+    measurements(
+        f"rollout finished {rollout_seconds:.1f}s after the spec change; {len(load.outcomes)} requests "
         f"({len(load.failures())} failed, {load.seconds_without_endpoints:.1f}s without a serving pod)"
     )
     assert not load.failures(), load.failures()[:3]

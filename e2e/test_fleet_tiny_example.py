@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,7 +35,11 @@ class AppliedExample:
 
 @pytest.fixture(scope="module")
 def tiny(
-    local_cluster: LocalCluster, kvfleet_release: OperatorRelease, module_namespace: str, tiny_model_dir: Path
+    local_cluster: LocalCluster,
+    kvfleet_release: OperatorRelease,
+    module_namespace: str,
+    tiny_model_dir: Path,
+    measurements: Callable[[str], None],
 ) -> AppliedExample:
     manifest = tiny_example(tiny_model_dir)
     started = time.monotonic()
@@ -42,7 +47,7 @@ def tiny(
     name = manifest["metadata"]["name"]
     ready = wait_ready(local_cluster.api, module_namespace, name, timeout=READY_BOUND_SECONDS)
     seconds = time.monotonic() - started
-    print(f"\ntiny example Ready {seconds:.1f}s after kubectl apply")
+    measurements(f"tiny example Ready {seconds:.1f}s after kubectl apply")
     return AppliedExample(module_namespace, name, seconds, ready)
 
 
