@@ -90,7 +90,8 @@ def wake_service(namespace: str, name: str, memo: kopf.Memo, **_: Any) -> None:
     _context(memo).wake((namespace, name))
 
 
-@kopf.daemon(GROUP, VERSION, PLURAL, cancellation_timeout=10.0)
+# The loop exits by itself once `stopped` is set; the backoff gives it that chance before kopf cancels it.
+@kopf.daemon(GROUP, VERSION, PLURAL, cancellation_backoff=2.0, cancellation_timeout=10.0)
 async def fleet_loop(
     body: kopf.Body,
     namespace: str,

@@ -71,10 +71,12 @@ def service_url(owner: Owner, options: RenderOptions) -> str:
 def render_children(
     owner: Owner, spec: InferenceServiceSpec, replicas: int, options: RenderOptions
 ) -> list[dict[str, Any]]:
-    """Every child object, in apply order (the Service first, so the URL resolves once pods are ready)."""
+    """Every child object, in apply order: the Deployment first, because its pods take longest to become
+    ready (and under a burst of new services each apply waits in line behind the others); the Service is
+    in place long before any pod is ready."""
     children = [
-        render_service(owner, spec),
         render_deployment(owner, spec, replicas, options),
+        render_service(owner, spec),
         render_disruption_budget(owner, spec),
     ]
     if options.service_monitor:

@@ -115,7 +115,7 @@ def ready_pods(count: int) -> list[PodView]:
 def test_first_pass_creates_children_and_reports() -> None:
     harness = Harness(service())
     delay = harness.run()
-    assert [m["kind"] for m in harness.cluster.applied] == ["Service", "Deployment", "PodDisruptionBudget"]
+    assert [m["kind"] for m in harness.cluster.applied] == ["Deployment", "Service", "PodDisruptionBudget"]
     assert harness.deployments()[0]["spec"]["replicas"] == 1
     assert harness.reasons() == ["Created"]
     status = harness.cluster.statuses[-1]

@@ -54,7 +54,7 @@ def test_rendering_is_deterministic(example_path: Path) -> None:
 
 def test_every_child_is_owned_and_labelled(example_path: Path) -> None:
     _, children = render_example(example_path)
-    assert [c["kind"] for c in children] == ["Service", "Deployment", "PodDisruptionBudget", "ServiceMonitor"]
+    assert [c["kind"] for c in children] == ["Deployment", "Service", "PodDisruptionBudget", "ServiceMonitor"]
     for child in children:
         (owner,) = child["metadata"]["ownerReferences"]
         assert owner == {
@@ -202,9 +202,9 @@ def test_replicas_and_service_monitor_toggle() -> None:
     spec = parse_spec({"model": {"uri": "file:///m"}}, name="svc")
     owner = Owner("svc", "ns", UID)
     children = render_children(owner, spec, 3, RenderOptions())
-    assert [c["kind"] for c in children] == ["Service", "Deployment", "PodDisruptionBudget"]
-    assert children[1]["spec"]["replicas"] == 3
-    assert children[1]["spec"]["template"]["spec"]["containers"][0]["image"] == "kvfleet/runtime:0.1.0"
+    assert [c["kind"] for c in children] == ["Deployment", "Service", "PodDisruptionBudget"]
+    assert children[0]["spec"]["replicas"] == 3
+    assert children[0]["spec"]["template"]["spec"]["containers"][0]["image"] == "kvfleet/runtime:0.1.0"
     custom = render_children(owner, spec, 1, RenderOptions(runtime_image="example/runtime:dev"))
-    assert custom[1]["spec"]["template"]["spec"]["containers"][0]["image"] == "example/runtime:dev"
+    assert custom[0]["spec"]["template"]["spec"]["containers"][0]["image"] == "example/runtime:dev"
     assert service_url(owner, RenderOptions()) == "http://svc.ns.svc.cluster.local"
