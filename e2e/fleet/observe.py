@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import threading
 import time
 from dataclasses import dataclass
-from types import TracebackType
 from typing import Any
 
 from e2e.cluster import ApiError, KubeAPI
 from e2e.fleet.manifests import deployment_path, service_selector, services_path
+from e2e.support.polling import BackgroundPoller
 from e2e.support.waits import condition, wait_for
 
 
@@ -73,28 +72,14 @@ class ReplicaSample:
     ready: int
 
 
-class ReplicaHistory:
+class ReplicaHistory(BackgroundPoller):
     """Records a Deployment's desired (spec.replicas) and ready replicas whenever either changes."""
 
     def __init__(self, api: KubeAPI, namespace: str, name: str, interval: float = 0.2) -> None:
+        super().__init__(f"replicas-{name}", interval)
         self._api = api
         self._path = deployment_path(namespace, name)
-        self._interval = interval
         self.samples: list[ReplicaSample] = []
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._poll, name=f"replicas-{name}", daemon=True)
-
-    def __enter__(self) -> ReplicaHistory:
-        self._sample()
-        self._thread.start()
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self._stop.set()
-        self._thread.join(timeout=10)
 
     def desired_counts(self) -> list[int]:
         """The distinct desired counts in the order they were set (repeats collapsed)."""
@@ -111,7 +96,7 @@ class ReplicaHistory:
     def first(self, predicate: Any) -> ReplicaSample | None:
         return next((sample for sample in self.snapshot() if predicate(sample)), None)
 
-    def _sample(self) -> None:
+    def poll(self) -> None:
         try:
             deployment = self._api.get(self._path)
         except ApiError:
@@ -122,7 +107,3 @@ class ReplicaHistory:
             last = self.samples[-1] if self.samples else None
             if last is None or (last.desired, last.ready) != (desired, ready):
                 self.samples.append(ReplicaSample(time.monotonic(), desired, ready))
-
-    def _poll(self) -> None:
-        while not self._stop.wait(self._interval):
-            self._sample()

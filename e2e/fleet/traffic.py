@@ -17,8 +17,9 @@ from typing import Any
 
 import openai
 
-from e2e.cluster import ApiError, KubeAPI
+from e2e.cluster import KubeAPI
 from e2e.fleet.manifests import RUNTIME_PORT, service_selector
+from e2e.support.polling import BackgroundPoller
 from e2e.support.waits import condition
 
 
@@ -43,29 +44,18 @@ def serving_endpoints(pods: list[dict[str, Any]]) -> list[Endpoint]:
     return sorted(endpoints, key=lambda endpoint: endpoint.pod)
 
 
-class ReadyEndpoints:
+class ReadyEndpoints(BackgroundPoller):
     """The serving pods of one InferenceService, refreshed every `interval` seconds in a thread."""
 
     def __init__(self, api: KubeAPI, namespace: str, service: str, interval: float = 0.2) -> None:
+        super().__init__(f"endpoints-{service}", interval)
         self._api = api
         self._path = f"/api/v1/namespaces/{namespace}/pods"
         self._selector = service_selector(service)
-        self._interval = interval
         self._endpoints: list[Endpoint] = []
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._poll, name=f"endpoints-{service}", daemon=True)
 
-    def __enter__(self) -> ReadyEndpoints:
+    def poll(self) -> None:
         self.refresh()
-        self._thread.start()
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self._stop.set()
-        self._thread.join(timeout=10)
 
     def refresh(self) -> list[Endpoint]:
         pods = self._api.get(self._path, labelSelector=self._selector)["items"]
@@ -77,13 +67,6 @@ class ReadyEndpoints:
     def current(self) -> list[Endpoint]:
         with self._lock:
             return list(self._endpoints)
-
-    def _poll(self) -> None:
-        while not self._stop.wait(self._interval):
-            try:
-                self.refresh()
-            except (ApiError, OSError):
-                continue  # the previous view stays, as a Service's endpoints do while the API is away
 
 
 @dataclass(frozen=True)
