@@ -11,11 +11,10 @@ import logging
 import math
 import time
 from pathlib import Path
-from typing import Any
 
 import torch
 from kvfleet.runtime.config import EngineConfig
-from kvfleet.runtime.core.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
+from kvfleet.runtime.core.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput, SchedulerStats
 from kvfleet.runtime.core.scheduler import Scheduler
 from kvfleet.runtime.engine.output_processor import OutputProcessor
 from kvfleet.runtime.engine.outputs import OutputKind, RequestOutput
@@ -246,5 +245,5 @@ class LLMEngine:
     # ---- introspection ----------------------------------------------------------------------------
 
     @property
-    def stats(self) -> Any:
+    def stats(self) -> SchedulerStats:
         return self.scheduler.stats

@@ -58,9 +58,6 @@ class OutputProcessor:
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._requests
 
-    def __len__(self) -> int:
-        return len(self._requests)
-
     def add_request(
         self,
         request_id: str,
