@@ -4,19 +4,18 @@ and helm from its folder. Its pod runner lives in that process, so the cluster o
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 
 import yaml
 
-from .cluster import run_tool, tool_env
+from .cluster import ClusterTools
 from .kube_api import KubeAPI
 from .pod_runner import PodRunner
 
 READY_MARKER = "ready.json"
 
 
-class AttachedCluster:
+class AttachedCluster(ClusterTools):
     def __init__(self, directory: Path) -> None:
         self.state_dir = Path(directory).resolve()
         marker = self.state_dir / READY_MARKER
@@ -31,17 +30,6 @@ class AttachedCluster:
         config = yaml.safe_load(self.kubeconfig.read_text())
         token = config["users"][0]["user"]["token"]
         self.api = KubeAPI(self.server, token, str(self.state_dir / "pki" / "ca.crt"))
-
-    def env(self) -> dict[str, str]:
-        return tool_env(self.kubeconfig, self.bin_dir)
-
-    def kubectl(
-        self, *args: str, check: bool = True, input: str | None = None
-    ) -> subprocess.CompletedProcess[str]:
-        return run_tool(self.bin_dir, self.kubeconfig, "kubectl", args, check, input)
-
-    def helm(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-        return run_tool(self.bin_dir, self.kubeconfig, "helm", args, check, None)
 
     def pod_log(self, namespace: str, pod: str, container: str) -> Path:
         """Where the runner writes a container's output (kubectl logs needs a kubelet)."""

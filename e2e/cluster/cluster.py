@@ -132,35 +132,48 @@ def _http_ok(url: str, context: ssl.SSLContext | None = None, token: str | None 
         return False
 
 
-def tool_env(kubeconfig: Path, bin_dir: Path) -> dict[str, str]:
-    """This process's environment pointed at a cluster (KUBECONFIG) with the binaries on PATH."""
-    return {
-        **os.environ,
-        "KUBECONFIG": str(kubeconfig),
-        "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",
-    }
+class ClusterTools:
+    """kubectl, helm and an environment pointed at a cluster, given its kubeconfig and binaries."""
 
+    kubeconfig: Path
+    bin_dir: Path
 
-def run_tool(
-    bin_dir: Path, kubeconfig: Path, tool: str, args: Sequence[str], check: bool, input: str | None
-) -> subprocess.CompletedProcess[str]:
-    """kubectl or helm against a cluster; check: fail with the tool's output on a non-zero exit."""
-    result = subprocess.run(
-        [str(bin_dir / tool), *args],
-        env=tool_env(kubeconfig, bin_dir),
-        capture_output=True,
-        text=True,
-        input=input,
-        check=False,
-    )
-    if check and result.returncode != 0:
-        raise RuntimeError(
-            f"{tool} {' '.join(args)} failed with {result.returncode}:\n{result.stdout}{result.stderr}"
+    def env(self) -> dict[str, str]:
+        """This process's environment pointed at the cluster (KUBECONFIG) with the binaries on PATH."""
+        return {
+            **os.environ,
+            "KUBECONFIG": str(self.kubeconfig),
+            "PATH": f"{self.bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",
+        }
+
+    def kubectl(
+        self, *args: str, check: bool = True, input: str | None = None
+    ) -> subprocess.CompletedProcess[str]:
+        return self._run("kubectl", args, check, input)
+
+    def helm(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        return self._run("helm", args, check, None)
+
+    def _run(
+        self, tool: str, args: Sequence[str], check: bool, input: str | None
+    ) -> subprocess.CompletedProcess[str]:
+        """check: fail with the tool's output on a non-zero exit."""
+        result = subprocess.run(
+            [str(self.bin_dir / tool), *args],
+            env=self.env(),
+            capture_output=True,
+            text=True,
+            input=input,
+            check=False,
         )
-    return result
+        if check and result.returncode != 0:
+            raise RuntimeError(
+                f"{tool} {' '.join(args)} failed with {result.returncode}:\n{result.stdout}{result.stderr}"
+            )
+        return result
 
 
-class LocalCluster:
+class LocalCluster(ClusterTools):
     """Starts the control plane on entry (or start()), stops every process it started on exit (or stop())."""
 
     def __init__(
@@ -204,18 +217,6 @@ class LocalCluster:
 
     def binary(self, name: str) -> str:
         return str(self.bin_dir / name)
-
-    def env(self) -> dict[str, str]:
-        """This process's environment pointed at the cluster (KUBECONFIG) with the binaries on PATH."""
-        return tool_env(self.kubeconfig, self.bin_dir)
-
-    def kubectl(
-        self, *args: str, check: bool = True, input: str | None = None
-    ) -> subprocess.CompletedProcess[str]:
-        return run_tool(self.bin_dir, self.kubeconfig, "kubectl", args, check, input)
-
-    def helm(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-        return run_tool(self.bin_dir, self.kubeconfig, "helm", args, check, None)
 
     def __enter__(self) -> LocalCluster:
         self.start()
