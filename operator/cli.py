@@ -56,7 +56,13 @@ logger = logging.getLogger(__name__)
 @click.option("--cluster-domain", envvar="KVFLEET_CLUSTER_DOMAIN", default="cluster.local", show_default=True)
 @click.option("--kubeconfig", type=click.Path(exists=True, dir_okay=False), default=None)
 @click.option("--context", "kube_context", default=None, help="kubeconfig context.")
-@click.option("--api-threads", type=click.IntRange(1, 256), default=32, show_default=True)
+@click.option(
+    "--api-concurrency",
+    type=click.IntRange(1, 256),
+    default=32,
+    show_default=True,
+    help="API calls of the service loops in flight at once; the others wait, Deployment applies first.",
+)
 @click.option("--scrape-timeout", type=click.FloatRange(0.1, 30), default=1.5, show_default=True)
 def operator_command(
     namespaces: tuple[str, ...],
@@ -70,7 +76,7 @@ def operator_command(
     cluster_domain: str,
     kubeconfig: str | None,
     kube_context: str | None,
-    api_threads: int,
+    api_concurrency: int,
     scrape_timeout: float,
 ) -> None:
     """Run the kvfleet operator: InferenceServices in, autoscaled runtime fleets out."""
@@ -87,14 +93,17 @@ def operator_command(
         logging.getLogger("kopf.objects").setLevel(logging.WARNING)
         logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
     try:
-        kube = KubeApi(make_api_client(kubeconfig, kube_context, pool_size=api_threads))
+        kube = KubeApi(make_api_client(kubeconfig, kube_context, pool_size=api_concurrency))
     except kubernetes.config.ConfigException as error:
         raise click.ClickException(f"no cluster credentials (in-cluster or kubeconfig): {error}") from None
     options = RenderOptions(
         runtime_image=runtime_image or DEFAULT_RUNTIME_IMAGE, cluster_domain=cluster_domain
     )
     context = OperatorContext(
-        kube=kube, render_options=options, scrape_timeout_seconds=scrape_timeout, api_threads=api_threads
+        kube=kube,
+        render_options=options,
+        scrape_timeout_seconds=scrape_timeout,
+        api_concurrency=api_concurrency,
     )
     if not standalone:
         try:

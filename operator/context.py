@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
+from kvfleet.operator.dispatch import PriorityDispatcher, Urgency
 from kvfleet.operator.kube import KubeApi, KubeError
 from kvfleet.operator.metrics import OperatorMetrics
 from kvfleet.operator.render import RenderOptions
@@ -23,16 +25,19 @@ ServiceKey = tuple[str, str]
 
 
 class AsyncCluster:
-    """The blocking API calls, run in worker threads so that hundreds of service loops share them."""
+    """The service loops' API calls, shared by all of them through one dispatcher, Deployments first."""
 
-    def __init__(self, kube: KubeApi) -> None:
+    def __init__(self, kube: KubeApi, dispatcher: PriorityDispatcher) -> None:
         self._kube = kube
+        self._dispatcher = dispatcher
 
     async def apply(self, manifest: Mapping[str, Any]) -> None:
-        await asyncio.to_thread(self._kube.apply, manifest)
+        urgency = Urgency.DEPLOYMENT if manifest["kind"] == "Deployment" else Urgency.CHILD
+        await self._dispatcher.call(urgency, functools.partial(self._kube.apply, manifest))
 
     async def patch_status(self, namespace: str, name: str, status: Mapping[str, Any]) -> None:
-        await asyncio.to_thread(self._kube.patch_status, namespace, name, status)
+        patch = functools.partial(self._kube.patch_status, namespace, name, status)
+        await self._dispatcher.call(Urgency.STATUS, patch)
 
 
 @dataclass
@@ -40,15 +45,17 @@ class OperatorContext:
     kube: KubeApi
     render_options: RenderOptions
     scrape_timeout_seconds: float = 1.5
-    api_threads: int = 32
+    api_concurrency: int = 32
     metrics: OperatorMetrics = field(default_factory=OperatorMetrics)
     session: aiohttp.ClientSession | None = None
     capability_task: asyncio.Task[None] | None = None
+    dispatcher: PriorityDispatcher = field(init=False)
     cluster: AsyncCluster = field(init=False)
     _wakeups: dict[ServiceKey, asyncio.Event] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self.cluster = AsyncCluster(self.kube)
+        self.dispatcher = PriorityDispatcher(self.api_concurrency)
+        self.cluster = AsyncCluster(self.kube, self.dispatcher)
 
     def wakeup_for(self, key: ServiceKey) -> asyncio.Event:
         return self._wakeups.setdefault(key, asyncio.Event())

@@ -84,6 +84,7 @@ class ServiceController:
     last_scale_reason: str | None = None
     _applied: tuple[str, int] | None = None
     _spec_digest: str | None = None
+    _template: tuple[tuple[int, RenderOptions], str] | None = None
     _last_apply_at: float = float("-inf")
     _last_scrape_at: float = float("-inf")
     _last_status: dict[str, Any] | None = None
@@ -209,13 +210,13 @@ class ServiceController:
     ) -> None:
         assert self.desired is not None
         options = self.options()
-        children = render_children(self.owner, spec, self.desired, options)
-        spec_digest = _digest(render_children(self.owner, spec, 0, options))
+        spec_digest = self._template_digest(spec, generation, options)
         now = self.clock()
         drifted = deployment is None or deployment.replicas != self.desired
         fresh = now - self._last_apply_at < RESYNC_SECONDS
         if self._applied == (spec_digest, self.desired) and not drifted and fresh:
             return
+        children = render_children(self.owner, spec, self.desired, options)
         for child in children:
             await self.cluster.apply(child)
             self.metrics.applies.labels(child["kind"]).inc()
@@ -225,6 +226,13 @@ class ServiceController:
         elif self._spec_digest is not None and spec_digest != self._spec_digest:
             self.events("Normal", "Updated", f"Applied generation {generation}: rolling out the new template")
         self._applied, self._spec_digest, self._last_apply_at = (spec_digest, self.desired), spec_digest, now
+
+    def _template_digest(self, spec: InferenceServiceSpec, generation: int, options: RenderOptions) -> str:
+        """What the children would be at any replica count; rendered once per generation and options."""
+        key = (generation, options)
+        if self._template is None or self._template[0] != key:
+            self._template = key, _digest(render_children(self.owner, spec, 0, options))
+        return self._template[1]
 
     def _observation(
         self,

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import aiohttp
@@ -45,9 +44,6 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) 
     settings.persistence.finalizer = FINALIZER
     settings.posting.level = logging.INFO
     settings.networking.request_timeout = 60
-    # Every service loop's API calls run in these threads; the default pool is sized for CPU work.
-    pool = ThreadPoolExecutor(max_workers=context.api_threads, thread_name_prefix="kube-api")
-    asyncio.get_running_loop().set_default_executor(pool)
     context.session = aiohttp.ClientSession(headers={"User-Agent": FIELD_MANAGER})
     context.capability_task = asyncio.create_task(context.watch_capabilities(), name="kvfleet-capabilities")
 
@@ -65,15 +61,17 @@ async def shut_down(memo: kopf.Memo, **_: Any) -> None:
         context.capability_task.cancel()
     if context.session is not None:
         await context.session.close()
+    context.dispatcher.close()
 
 
+# Handlers are coroutines although they never wait: kopf runs plain functions in a thread, a hop per event.
 @kopf.index("pods", labels=MANAGED)
-def kvfleet_pods(namespace: str, labels: kopf.Labels, body: kopf.Body, **_: Any) -> dict[Any, PodView]:
+async def kvfleet_pods(namespace: str, labels: kopf.Labels, body: kopf.Body, **_: Any) -> dict[Any, PodView]:
     return {(namespace, labels[SERVICE_LABEL]): pod_view(body)}
 
 
 @kopf.index("apps", "v1", "deployments", labels=MANAGED)
-def kvfleet_deployments(
+async def kvfleet_deployments(
     namespace: str, labels: kopf.Labels, body: kopf.Body, **_: Any
 ) -> dict[Any, DeploymentView]:
     return {(namespace, labels[SERVICE_LABEL]): deployment_view(body)}
@@ -81,12 +79,12 @@ def kvfleet_deployments(
 
 @kopf.on.event("pods", labels=MANAGED)
 @kopf.on.event("apps", "v1", "deployments", labels=MANAGED)
-def wake_owner(namespace: str, labels: kopf.Labels, memo: kopf.Memo, **_: Any) -> None:
+async def wake_owner(namespace: str, labels: kopf.Labels, memo: kopf.Memo, **_: Any) -> None:
     _context(memo).wake((namespace, labels[SERVICE_LABEL]))
 
 
 @kopf.on.event(GROUP, VERSION, PLURAL)
-def wake_service(namespace: str, name: str, memo: kopf.Memo, **_: Any) -> None:
+async def wake_service(namespace: str, name: str, memo: kopf.Memo, **_: Any) -> None:
     _context(memo).wake((namespace, name))
 
 

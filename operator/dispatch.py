@@ -1,0 +1,86 @@
+"""The service loops' blocking API calls, run on a fixed set of threads, the most urgent first.
+
+When a fleet is applied at once, hundreds of service loops call the API server together, and its
+throughput decides how long each call waits. What users wait for is the Deployment (it creates the
+pods); a Service, a budget or a status report can wait behind it. So the line is kept here rather than
+in the server: at most `workers` calls are in flight, and a call starts only while no more urgent call
+waits or runs. During a burst the server's whole share goes to Deployments; the rest follows them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import heapq
+import itertools
+from collections import Counter
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+class Urgency(enum.IntEnum):
+    DEPLOYMENT = 0
+    CHILD = 1
+    STATUS = 2
+
+
+@dataclass(order=True)
+class _Call:
+    urgency: Urgency
+    sequence: int
+    function: Callable[[], Any] = field(compare=False)
+    result: asyncio.Future[Any] = field(compare=False)
+
+
+class PriorityDispatcher:
+    def __init__(self, workers: int) -> None:
+        self.workers = workers
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kube-api")
+        self._waiting: list[_Call] = []
+        self._sequence = itertools.count()
+        self._running: Counter[Urgency] = Counter()
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    async def call(self, urgency: Urgency, function: Callable[[], T]) -> T:
+        """Runs `function` on a worker thread once no more urgent call waits or runs; returns its result."""
+        result: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+        heapq.heappush(self._waiting, _Call(urgency, next(self._sequence), function, result))
+        self._start_next()
+        return await result
+
+    def close(self) -> None:
+        for waiting in self._waiting:
+            waiting.result.cancel()
+        self._waiting.clear()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _start_next(self) -> None:
+        loop = asyncio.get_running_loop()
+        while self._waiting and self._running.total() < self.workers:
+            call = self._waiting[0]
+            if any(self._running[urgency] for urgency in Urgency if urgency < call.urgency):
+                return
+            heapq.heappop(self._waiting)
+            if call.result.cancelled():  # its caller stopped waiting (a loop shut down)
+                continue
+            self._running[call.urgency] += 1
+            running = loop.run_in_executor(self._pool, call.function)
+            running.add_done_callback(lambda done, call=call: self._finished(call, done))
+
+    def _finished(self, call: _Call, done: asyncio.Future[Any]) -> None:
+        self._running[call.urgency] -= 1
+        if not call.result.cancelled():
+            if done.cancelled():
+                call.result.cancel()
+            elif (error := done.exception()) is not None:
+                call.result.set_exception(error)
+            else:
+                call.result.set_result(done.result())
+        self._start_next()

@@ -1,0 +1,137 @@
+"""The API call dispatcher: urgency before arrival, bounded concurrency, errors and cancellation."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterator
+
+import pytest
+from kvfleet.operator.dispatch import PriorityDispatcher, Urgency
+
+
+@pytest.fixture
+def dispatcher() -> Iterator[PriorityDispatcher]:
+    dispatcher = PriorityDispatcher(workers=1)
+    yield dispatcher
+    dispatcher.close()
+
+
+async def _occupy(dispatcher: PriorityDispatcher) -> tuple[asyncio.Task[None], threading.Event]:
+    """A call that holds the only worker until the returned event is set."""
+    release = threading.Event()
+    started = threading.Event()
+
+    def hold() -> None:
+        started.set()
+        release.wait(timeout=10)
+
+    task = asyncio.create_task(dispatcher.call(Urgency.STATUS, hold))
+    while not started.is_set():
+        await asyncio.sleep(0.001)
+    return task, release
+
+
+def test_urgent_calls_overtake_waiting_ones_and_equal_ones_keep_their_order(
+    dispatcher: PriorityDispatcher,
+) -> None:
+    async def scenario() -> list[str]:
+        order: list[str] = []
+        holder, release = await _occupy(dispatcher)
+        queued = [
+            ("status-1", Urgency.STATUS),
+            ("service-1", Urgency.CHILD),
+            ("deployment-1", Urgency.DEPLOYMENT),
+            ("status-2", Urgency.STATUS),
+            ("deployment-2", Urgency.DEPLOYMENT),
+        ]
+        tasks = [
+            asyncio.create_task(dispatcher.call(urgency, lambda name=name: order.append(name)))
+            for name, urgency in queued
+        ]
+        await asyncio.sleep(0.01)
+        assert order == [] and dispatcher.waiting == len(queued), "one worker, held: everything waits"
+        release.set()
+        await asyncio.gather(holder, *tasks)
+        return order
+
+    assert asyncio.run(scenario()) == ["deployment-1", "deployment-2", "service-1", "status-1", "status-2"]
+
+
+def test_never_more_calls_in_flight_than_workers() -> None:
+    dispatcher = PriorityDispatcher(workers=3)
+    in_flight = 0
+    peak = 0
+    lock = threading.Lock()
+
+    def work() -> int:
+        nonlocal in_flight, peak
+        with lock:
+            in_flight += 1
+            peak = max(peak, in_flight)
+        threading.Event().wait(0.005)
+        with lock:
+            in_flight -= 1
+        return 7
+
+    async def scenario() -> list[int]:
+        return await asyncio.gather(*(dispatcher.call(Urgency.CHILD, work) for _ in range(30)))
+
+    try:
+        assert asyncio.run(scenario()) == [7] * 30
+    finally:
+        dispatcher.close()
+    assert peak == 3
+
+
+def test_an_error_reaches_its_caller_and_the_next_call_still_runs(dispatcher: PriorityDispatcher) -> None:
+    def refuse() -> None:
+        raise ValueError("refused")
+
+    async def scenario() -> str:
+        with pytest.raises(ValueError, match="refused"):
+            await dispatcher.call(Urgency.DEPLOYMENT, refuse)
+        return await dispatcher.call(Urgency.DEPLOYMENT, lambda: "served")
+
+    assert asyncio.run(scenario()) == "served"
+
+
+def test_a_call_whose_caller_gave_up_while_waiting_never_runs(dispatcher: PriorityDispatcher) -> None:
+    ran: list[str] = []
+
+    async def scenario() -> None:
+        holder, release = await _occupy(dispatcher)
+        abandoned = asyncio.create_task(dispatcher.call(Urgency.DEPLOYMENT, lambda: ran.append("abandoned")))
+        kept = asyncio.create_task(dispatcher.call(Urgency.STATUS, lambda: ran.append("kept")))
+        await asyncio.sleep(0.01)
+        abandoned.cancel()
+        release.set()
+        await asyncio.gather(holder, kept)
+        with pytest.raises(asyncio.CancelledError):
+            await abandoned
+
+    asyncio.run(scenario())
+    assert ran == ["kept"]
+
+
+def test_a_less_urgent_call_waits_while_a_more_urgent_one_runs_even_with_workers_free() -> None:
+    dispatcher = PriorityDispatcher(workers=4)
+    ran: list[str] = []
+
+    async def scenario() -> None:
+        release = threading.Event()
+        deployment = asyncio.create_task(
+            dispatcher.call(Urgency.DEPLOYMENT, lambda: (release.wait(timeout=10), ran.append("deployment")))
+        )
+        await asyncio.sleep(0.01)
+        status = asyncio.create_task(dispatcher.call(Urgency.STATUS, lambda: ran.append("status")))
+        await asyncio.sleep(0.05)
+        assert ran == [] and dispatcher.waiting == 1, "the status patch is held behind the Deployment"
+        release.set()
+        await asyncio.gather(deployment, status)
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        dispatcher.close()
+    assert ran == ["deployment", "status"]
