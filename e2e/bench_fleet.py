@@ -117,7 +117,7 @@ class FleetResult:
     reconcile_p90_seconds: float
     reconcile_p99_seconds: float
     reconcile_max_seconds: float
-    # create -> the operator's first write to the object (its finalizer), the first part of the latency
+    # create -> the operator's first write to the object (its finalizer): when kopf took it up
     pickup_p50_seconds: float
     pickup_p99_seconds: float
     all_deployments_seconds: float
@@ -203,7 +203,7 @@ def run(args: argparse.Namespace, state_dir: Path) -> FleetResult:
         operator = cluster.launch("kvfleet-operator", [
             str(args.operator_program), "--log-level", "info", "operator",
             f"--kubeconfig={kubeconfig}", "--bind=127.0.0.1",
-            f"--metrics-port={free_port()}", f"--health-port={free_port()}",
+            f"--metrics-port={free_port()}", f"--health-port={free_port()}", *args.operator_arg,
         ])  # fmt: skip
         time.sleep(args.settle_seconds)  # start-up (imports, peering, first lists) is not reconcile latency
         if not operator.running():
@@ -353,7 +353,7 @@ def report(result: FleetResult) -> str:
         ("create calls", f"{result.apply_seconds:.2f} s"),
         ("reconcile latency p50 / p90 / p99 / max", f"{latency} s"),
         (
-            "  of which: create -> finalizer p50 / p99",
+            "pick-up: create -> finalizer p50 / p99",
             f"{result.pickup_p50_seconds:.3f} / {result.pickup_p99_seconds:.3f} s",
         ),
         ("every Deployment exists", f"{result.all_deployments_seconds:.1f} s after the first create"),
@@ -401,6 +401,12 @@ def main(argv: list[str] | None = None) -> int:
         type=Path,
         default=Path(sys.executable).parent / "kvfleet",
         help="the kvfleet command to run the operator with (e.g. a build under test)",
+    )
+    parser.add_argument(
+        "--operator-arg",
+        action="append",
+        default=[],
+        help="an extra option for `kvfleet operator` (repeatable), e.g. --operator-arg=--api-concurrency=8",
     )
     parser.add_argument("--top-requests", type=int, default=12, help="request kinds to list")
     parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
