@@ -55,6 +55,7 @@ class OperatorContext:
 
     def __post_init__(self) -> None:
         self.dispatcher = PriorityDispatcher(self.api_concurrency)
+        self.metrics.watch_dispatcher(self.dispatcher)
         self.cluster = AsyncCluster(self.kube, self.dispatcher)
 
     def wakeup_for(self, key: ServiceKey) -> asyncio.Event:

@@ -42,16 +42,21 @@ class PriorityDispatcher:
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kube-api")
         self._waiting: list[_Call] = []
         self._sequence = itertools.count()
+        # Kept as counts (not read off the queue) so that the metrics thread can read them at any time.
+        self._waiting_count: Counter[Urgency] = Counter()
         self._running: Counter[Urgency] = Counter()
 
-    @property
-    def waiting(self) -> int:
-        return len(self._waiting)
+    def waiting(self, urgency: Urgency) -> int:
+        return self._waiting_count[urgency]
+
+    def in_flight(self, urgency: Urgency) -> int:
+        return self._running[urgency]
 
     async def call(self, urgency: Urgency, function: Callable[[], T]) -> T:
         """Runs `function` on a worker thread once no more urgent call waits or runs; returns its result."""
         result: asyncio.Future[T] = asyncio.get_running_loop().create_future()
         heapq.heappush(self._waiting, _Call(urgency, next(self._sequence), function, result))
+        self._waiting_count[urgency] += 1
         self._start_next()
         return await result
 
@@ -59,6 +64,7 @@ class PriorityDispatcher:
         for waiting in self._waiting:
             waiting.result.cancel()
         self._waiting.clear()
+        self._waiting_count.clear()
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     def _start_next(self) -> None:
@@ -68,6 +74,7 @@ class PriorityDispatcher:
             if any(self._running[urgency] for urgency in Urgency if urgency < call.urgency):
                 return
             heapq.heappop(self._waiting)
+            self._waiting_count[call.urgency] -= 1
             if call.result.cancelled():  # its caller stopped waiting (a loop shut down)
                 continue
             self._running[call.urgency] += 1

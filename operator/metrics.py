@@ -1,9 +1,11 @@
-"""The operator's own Prometheus metrics: reconciles, errors, durations, replicas per service."""
+"""The operator's own Prometheus metrics: reconciles, errors, durations, API calls, replicas per service."""
 
 from __future__ import annotations
 
 import contextlib
+import functools
 
+from kvfleet.operator.dispatch import PriorityDispatcher, Urgency
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 _SERVICE = ("namespace", "name")
@@ -56,6 +58,27 @@ class OperatorMetrics:
             _SERVICE,
             registry=self.registry,
         )
+
+        self.api_calls_waiting = Gauge(
+            "kvfleet_operator_api_calls_waiting",
+            "The service loops' API calls waiting for their turn, by urgency.",
+            ["urgency"],
+            registry=self.registry,
+        )
+        self.api_calls_in_flight = Gauge(
+            "kvfleet_operator_api_calls_in_flight",
+            "The service loops' API calls sent and not yet answered, by urgency.",
+            ["urgency"],
+            registry=self.registry,
+        )
+
+    def watch_dispatcher(self, dispatcher: PriorityDispatcher) -> None:
+        for urgency in Urgency:
+            label = urgency.name.lower()
+            self.api_calls_waiting.labels(label).set_function(functools.partial(dispatcher.waiting, urgency))
+            self.api_calls_in_flight.labels(label).set_function(
+                functools.partial(dispatcher.in_flight, urgency)
+            )
 
     def forget(self, namespace: str, name: str) -> None:
         """Drops a deleted service's series."""

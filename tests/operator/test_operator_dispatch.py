@@ -1,4 +1,4 @@
-"""The API call dispatcher: urgency before arrival, bounded concurrency, errors and cancellation."""
+"""The API call dispatcher: urgency before arrival, bounded concurrency, errors, cancellation, metrics."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 from kvfleet.operator.dispatch import PriorityDispatcher, Urgency
+from kvfleet.operator.metrics import OperatorMetrics
 
 
 @pytest.fixture
@@ -35,6 +36,12 @@ async def _occupy(dispatcher: PriorityDispatcher) -> tuple[asyncio.Task[None], t
 def test_urgent_calls_overtake_waiting_ones_and_equal_ones_keep_their_order(
     dispatcher: PriorityDispatcher,
 ) -> None:
+    metrics = OperatorMetrics()
+    metrics.watch_dispatcher(dispatcher)
+
+    def exported(name: str, urgency: str) -> float | None:
+        return metrics.registry.get_sample_value(f"kvfleet_operator_api_calls_{name}", {"urgency": urgency})
+
     async def scenario() -> list[str]:
         order: list[str] = []
         holder, release = await _occupy(dispatcher)
@@ -50,9 +57,13 @@ def test_urgent_calls_overtake_waiting_ones_and_equal_ones_keep_their_order(
             for name, urgency in queued
         ]
         await asyncio.sleep(0.01)
-        assert order == [] and dispatcher.waiting == len(queued), "one worker, held: everything waits"
+        assert order == [], "one worker, held: everything waits"
+        assert [dispatcher.waiting(urgency) for urgency in Urgency] == [2, 1, 2]
+        assert [dispatcher.in_flight(urgency) for urgency in Urgency] == [0, 0, 1]
+        assert exported("waiting", "deployment") == 2 and exported("in_flight", "status") == 1
         release.set()
         await asyncio.gather(holder, *tasks)
+        assert exported("waiting", "status") == 0 and exported("in_flight", "status") == 0
         return order
 
     assert asyncio.run(scenario()) == ["deployment-1", "deployment-2", "service-1", "status-1", "status-2"]
@@ -126,7 +137,8 @@ def test_a_less_urgent_call_waits_while_a_more_urgent_one_runs_even_with_workers
         await asyncio.sleep(0.01)
         status = asyncio.create_task(dispatcher.call(Urgency.STATUS, lambda: ran.append("status")))
         await asyncio.sleep(0.05)
-        assert ran == [] and dispatcher.waiting == 1, "the status patch is held behind the Deployment"
+        assert ran == [], "the status patch is held behind the Deployment"
+        assert dispatcher.waiting(Urgency.STATUS) == 1 and dispatcher.in_flight(Urgency.DEPLOYMENT) == 1
         release.set()
         await asyncio.gather(deployment, status)
 
