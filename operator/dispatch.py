@@ -45,6 +45,7 @@ class PriorityDispatcher:
         # Kept as counts (not read off the queue) so that the metrics thread can read them at any time.
         self._waiting_count: Counter[Urgency] = Counter()
         self._running: Counter[Urgency] = Counter()
+        self._closed = False
 
     def waiting(self, urgency: Urgency) -> int:
         return self._waiting_count[urgency]
@@ -54,6 +55,8 @@ class PriorityDispatcher:
 
     async def call(self, urgency: Urgency, function: Callable[[], T]) -> T:
         """Runs `function` on a worker thread once no more urgent call waits or runs; returns its result."""
+        if self._closed:
+            raise RuntimeError("the API call dispatcher is closed (the operator is shutting down)")
         result: asyncio.Future[T] = asyncio.get_running_loop().create_future()
         heapq.heappush(self._waiting, _Call(urgency, next(self._sequence), function, result))
         self._waiting_count[urgency] += 1
@@ -61,6 +64,8 @@ class PriorityDispatcher:
         return await result
 
     def close(self) -> None:
+        """Cancels the waiting calls; those in flight finish, and nothing starts after them."""
+        self._closed = True
         for waiting in self._waiting:
             waiting.result.cancel()
         self._waiting.clear()
@@ -69,7 +74,7 @@ class PriorityDispatcher:
 
     def _start_next(self) -> None:
         loop = asyncio.get_running_loop()
-        while self._waiting and self._running.total() < self.workers:
+        while not self._closed and self._waiting and self._running.total() < self.workers:
             call = self._waiting[0]
             if any(self._running[urgency] for urgency in Urgency if urgency < call.urgency):
                 return

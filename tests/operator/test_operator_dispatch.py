@@ -147,3 +147,23 @@ def test_a_less_urgent_call_waits_while_a_more_urgent_one_runs_even_with_workers
     finally:
         dispatcher.close()
     assert ran == ["deployment", "status"]
+
+
+def test_close_cancels_waiting_calls_lets_running_ones_finish_and_refuses_new_ones() -> None:
+    dispatcher = PriorityDispatcher(workers=1)
+    ran: list[str] = []
+
+    async def scenario() -> None:
+        holder, release = await _occupy(dispatcher)
+        waiting = asyncio.create_task(dispatcher.call(Urgency.DEPLOYMENT, lambda: ran.append("waiting")))
+        await asyncio.sleep(0.01)
+        dispatcher.close()
+        release.set()
+        await holder
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        with pytest.raises(RuntimeError, match="closed"):
+            await dispatcher.call(Urgency.STATUS, lambda: ran.append("late"))
+
+    asyncio.run(scenario())
+    assert ran == []
