@@ -10,12 +10,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
+from kvfleet.operator import controller as controller_module
 from kvfleet.operator.autoscaler import PodMetrics
 from kvfleet.operator.controller import IDLE_PASS_SECONDS, ServiceController
 from kvfleet.operator.kube import KubeError
 from kvfleet.operator.metrics import OperatorMetrics
 from kvfleet.operator.observed import DeploymentView, PodView
-from kvfleet.operator.render import Owner, RenderOptions
+from kvfleet.operator.render import Owner, RenderOptions, render_children
 from kvfleet.operator.scrape import ScrapeTarget
 
 UID = "uid-1"
@@ -125,17 +126,25 @@ def test_first_pass_creates_children_and_reports() -> None:
     assert delay == 2.0, "autoscaled services pass at the metrics interval"
 
 
-def test_unchanged_passes_write_nothing() -> None:
+def test_unchanged_passes_write_nothing_and_render_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    renders: list[int] = []
+
+    def counting_render(*args: Any) -> list[dict[str, Any]]:
+        renders.append(args[2])  # the replica count
+        return render_children(*args)
+
+    monkeypatch.setattr(controller_module, "render_children", counting_render)
     harness = Harness(service())
     harness.run()
     harness.run(deployment_at(1), ready_pods(1))
-    applies, statuses = len(harness.cluster.applied), len(harness.cluster.statuses)
+    applies, statuses, rendered = len(harness.cluster.applied), len(harness.cluster.statuses), len(renders)
     assert harness.reasons() == ["Created", "Ready"]
     for _ in range(5):
         harness.clock.now += 1
         harness.run(deployment_at(1), ready_pods(1))
     assert len(harness.cluster.applied) == applies, "idempotent: nothing re-applied"
     assert len(harness.cluster.statuses) == statuses, "idempotent: status unchanged"
+    assert len(renders) == rendered == 2, "rendered once to compare, once to apply; never again unchanged"
 
 
 def test_spec_change_rolls_out_and_drift_is_undone() -> None:
