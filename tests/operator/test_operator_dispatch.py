@@ -167,3 +167,28 @@ def test_close_cancels_waiting_calls_lets_running_ones_finish_and_refuses_new_on
 
     asyncio.run(scenario())
     assert ran == []
+
+
+def test_a_hanging_call_holds_less_urgent_ones_for_the_hold_time_only() -> None:
+    dispatcher = PriorityDispatcher(workers=2, hold_seconds=0.2)
+    ran: list[str] = []
+
+    async def scenario() -> None:
+        release = threading.Event()
+        hanging = asyncio.create_task(
+            dispatcher.call(Urgency.DEPLOYMENT, lambda: (release.wait(timeout=10), ran.append("deployment")))
+        )
+        await asyncio.sleep(0.01)
+        status = asyncio.create_task(dispatcher.call(Urgency.STATUS, lambda: ran.append("status")))
+        await asyncio.sleep(0.05)
+        assert ran == [], "held while the Deployment apply is young"
+        await asyncio.wait_for(status, timeout=2)
+        assert ran == ["status"] and dispatcher.in_flight(Urgency.DEPLOYMENT) == 1
+        release.set()
+        await hanging
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        dispatcher.close()
+    assert ran == ["status", "deployment"]
