@@ -58,7 +58,6 @@ class OperatorMetrics:
             _SERVICE,
             registry=self.registry,
         )
-
         self.api_calls_waiting = Gauge(
             "kvfleet_operator_api_calls_waiting",
             "The service loops' API calls waiting for their turn, by urgency.",
