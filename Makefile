@@ -15,14 +15,16 @@ PYTEST_ARGS ?=
 
 .PHONY: setup test test-unit test-e2e lint demo demo-runtime clean-venv
 
+# -P keeps the checkout off sys.path: its operator/ package would shadow the standard library's `operator`
+# for any `python -m` run here before the editable install exists.
 setup: $(STAMP)
 	@# The editable install points at this checkout; re-pointing it is cheap and keeps clones independent.
 	@$(PY) -I -c 'import kvfleet.runtime as r, pathlib, sys; sys.exit(pathlib.Path(r.__file__).parent != pathlib.Path("runtime").resolve())' 2>/dev/null \
-		|| $(PY) -m pip install -q --no-deps --no-build-isolation -e .
+		|| $(PY) -P -m pip install -q --no-deps --no-build-isolation -e .
 
 $(STAMP): $(REQUIREMENTS) pyproject.toml
-	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --disable-pip-version-check $(addprefix -r ,$(REQUIREMENTS)) setuptools==80.9.0 wheel
+	@test -x $(PY) || $(PYTHON) -P -m venv $(VENV)
+	$(PY) -P -m pip install -q --disable-pip-version-check $(addprefix -r ,$(REQUIREMENTS)) setuptools==80.9.0 wheel
 	@rm -f $(VENV)/.kvfleet-* && touch $@
 
 lint: setup
