@@ -55,9 +55,7 @@ def _imported_distributions(folder: str) -> dict[str, set[str]]:
                 if top in sys.stdlib_module_names or top in LOCAL:
                     continue
                 for distribution in distributions.get(top, [top]):
-                    found.setdefault(canonicalize_name(distribution), set()).add(
-                        str(path.relative_to(ROOT))
-                    )
+                    found.setdefault(canonicalize_name(distribution), set()).add(str(path.relative_to(ROOT)))
     return found
 
 
