@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import ast
 import importlib.metadata
+import shutil
+import subprocess
 import sys
 import tomllib
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -79,3 +82,59 @@ def test_every_declared_dependency_is_pinned_in_the_requirements() -> None:
     declared = _declared(*PYPROJECT["optional-dependencies"])
     unpinned = sorted(declared - set(pins))
     assert not unpinned, f"declared in pyproject.toml but not pinned under requirements/: {unpinned}"
+
+
+# Runs `kvfleet operator --help` and imports the kopf handlers with the runtime's dependencies unimportable.
+_OPERATOR_ONLY = """
+import importlib.abc, sys
+
+RUNTIME_ONLY = {"torch", "triton", "transformers", "tokenizers", "safetensors", "numpy", "fastapi", "uvicorn"}
+
+class Refuse(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in RUNTIME_ONLY:
+            raise ImportError(f"{name} is not installed in the operator's image")
+        return None
+
+sys.meta_path.insert(0, Refuse())
+import kvfleet.operator.handlers
+from kvfleet.cli import cli
+cli.main(["operator", "--help"], standalone_mode=False)
+"""
+
+
+def test_the_operator_runs_without_the_runtime_dependencies() -> None:
+    result = subprocess.run(
+        [sys.executable, "-P", "-c", _OPERATOR_ONLY], capture_output=True, text=True, timeout=120, cwd="/"
+    )
+    assert result.returncode == 0, result.stderr
+    assert "Run the kvfleet operator" in result.stdout
+
+
+# What a wheel (or an image) is built from; building a copy leaves no build/ in the checkout.
+PACKAGE_SOURCES = ("pyproject.toml", "setup.py", "README.md", "kvfleet", "runtime", "operator")
+
+
+def test_the_wheel_holds_every_part_and_the_command(tmp_path: Path) -> None:
+    source = tmp_path / "source"
+    source.mkdir()
+    for name in PACKAGE_SOURCES:
+        if (ROOT / name).is_dir():
+            shutil.copytree(ROOT / name, source / name, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy2(ROOT / name, source / name)
+    pip_wheel = [sys.executable, "-P", "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation"]
+    subprocess.run([*pip_wheel, "-w", tmp_path, source], check=True, timeout=300, cwd=tmp_path)
+    (wheel,) = tmp_path.glob("kvfleet-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    for folder, package in (
+        ("kvfleet", "kvfleet"),
+        ("runtime", "kvfleet/runtime"),
+        ("operator", "kvfleet/operator"),
+    ):
+        for module in (ROOT / folder).rglob("*.py"):
+            assert f"{package}/{module.relative_to(ROOT / folder).as_posix()}" in names
+    assert "kvfleet/runtime/models/data/corpus.txt" in names, "the tokenizer corpus of make-model"
+    (entry_points,) = [name for name in names if name.endswith(".dist-info/entry_points.txt")]
+    assert "kvfleet = kvfleet.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
+    assert not any(name.startswith(("tests/", "e2e/", "bench/")) for name in names)
