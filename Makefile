@@ -9,7 +9,7 @@ KVFLEET_CACHE ?= $(HOME)/.cache/kvfleet
 VENV ?= $(KVFLEET_CACHE)/venv
 PY := $(VENV)/bin/python
 REQUIREMENTS := requirements/runtime.txt requirements/operator.txt requirements/test.txt
-REQ_HASH := $(shell cat $(REQUIREMENTS) pyproject.toml | sha256sum | cut -c1-16)
+REQ_HASH := $(shell cat requirements/*.txt pyproject.toml | sha256sum | cut -c1-16)
 STAMP := $(VENV)/.kvfleet-$(REQ_HASH)
 PYTEST_ARGS ?=
 
@@ -22,7 +22,7 @@ setup: $(STAMP)
 	@$(PY) -I -c 'import kvfleet.runtime as r, pathlib, sys; sys.exit(pathlib.Path(r.__file__).parent != pathlib.Path("runtime").resolve())' 2>/dev/null \
 		|| $(PY) -P -m pip install -q --no-deps --no-build-isolation -e .
 
-$(STAMP): $(REQUIREMENTS) pyproject.toml
+$(STAMP): $(wildcard requirements/*.txt) pyproject.toml
 	@test -x $(PY) || $(PYTHON) -P -m venv $(VENV)
 	$(PY) -P -m pip install -q --disable-pip-version-check $(addprefix -r ,$(REQUIREMENTS)) setuptools==80.9.0 wheel
 	@rm -f $(VENV)/.kvfleet-* && touch $@
