@@ -106,7 +106,7 @@ def bench_throughput(
 
     with _model_or_small(model) as model_dir:
         config = engine_config_from_options(model_dir, options)
-        results, prefix = run_all(
+        report = run_all(
             model_dir,
             num_requests=num_requests,
             batch_sizes=[int(b) for b in batch_sizes.split(",")],
@@ -114,7 +114,7 @@ def bench_throughput(
             seed=bench_seed,
             log=lambda line: click.echo(line, err=True),
         )
-    print_throughput_report(results, prefix)
+    print_throughput_report(report)
 
 
 @contextlib.contextmanager

@@ -5,7 +5,7 @@ from __future__ import annotations
 import platform
 
 import torch
-from kvfleet.runtime.bench.throughput import PrefixResult, ThroughputResult
+from kvfleet.runtime.bench.throughput import ThroughputReport
 
 
 def machine_line() -> str:
@@ -17,27 +17,33 @@ def machine_line() -> str:
     return f"{platform.machine()} {device}, torch {torch.__version__}"
 
 
-def print_throughput_report(results: list[ThroughputResult], prefix: list[PrefixResult]) -> None:
-    kvfleet, *baselines = results
-    best = max(baselines, key=lambda r: r.tokens_per_second)
+def print_throughput_report(report: ThroughputReport) -> None:
+    best = max(report.transformers, key=lambda r: r.tokens_per_second)
     print(f"machine: {machine_line()}\n")
     print("| engine | seconds | output tokens | output tokens/s |")
     print("| --- | ---: | ---: | ---: |")
-    for result in results:
+    for result in [report.kvfleet, *report.transformers]:
         print(
             f"| {result.name} | {result.seconds:.1f} | {result.output_tokens} "
             f"| {result.tokens_per_second:.1f} |"
         )
     print(
         f"\nkvfleet / best transformers ({best.name}): "
-        f"{kvfleet.tokens_per_second / best.tokens_per_second:.2f}x\n"
+        f"{report.kvfleet.tokens_per_second / best.tokens_per_second:.2f}x\n"
     )
     print("| shared-prefix workload | seconds | prefill tokens computed | prefix hit rate |")
     print("| --- | ---: | ---: | ---: |")
-    for run in prefix:
+    for run in report.prefix_sharing:
         label = "prefix caching on" if run.prefix_caching else "prefix caching off"
         print(f"| {label} | {run.seconds:.1f} | {run.prefill_tokens_computed} | {run.hit_rate:.1%} |")
-    on, off = (next(r for r in prefix if r.prefix_caching is flag) for flag in (True, False))
+    on, off = (next(r for r in report.prefix_sharing if r.prefix_caching is flag) for flag in (True, False))
     if off.prefill_tokens_computed:
         saved = 1 - on.prefill_tokens_computed / off.prefill_tokens_computed
         print(f"\nprefill tokens saved by prefix caching: {saved:.1%}")
+    cost = 1 - report.caching_on.tokens_per_second / report.caching_off.tokens_per_second
+    print(
+        f"\nworkloads like the main one (nothing shared; hit rate {report.caching_hit_rate:.1%}), "
+        f"fastest of the rounds: prefix caching on {report.caching_on.tokens_per_second:.1f}, "
+        f"off {report.caching_off.tokens_per_second:.1f} output tokens/s; "
+        f"cost of prefix caching: {cost:.1%}"
+    )

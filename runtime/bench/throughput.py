@@ -35,6 +35,17 @@ class PrefixResult:
     hit_rate: float
 
 
+@dataclass
+class ThroughputReport:
+    kvfleet: ThroughputResult
+    transformers: list[ThroughputResult]
+    prefix_sharing: list[PrefixResult]
+    # Workloads like the main one share no prefix: what prefix caching costs when it (almost) never hits.
+    caching_on: ThroughputResult
+    caching_off: ThroughputResult
+    caching_hit_rate: float
+
+
 def _params(output_len: int) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
 
@@ -107,6 +118,27 @@ def run_prefix_sharing(
     return results
 
 
+def run_caching_cost(
+    model_path: str, workloads: list[list[BenchRequest]], engine_options: dict
+) -> tuple[ThroughputResult, ThroughputResult, float]:
+    """Prefix caching on and off, interleaved so that load drifts hit both, one fresh workload per round
+    (a repeated one would hit the blocks the last round cached). Returns the fastest run of each and the
+    hit rate with caching on."""
+    engines = {
+        caching: LLM(model_path, **{**engine_options, "enable_prefix_caching": caching})
+        for caching in (True, False)
+    }
+    fastest: dict[bool, ThroughputResult] = {}
+    for requests in workloads:
+        for caching, llm in engines.items():
+            run = run_kvfleet(llm, requests, f"kvfleet, prefix caching {'on' if caching else 'off'}")
+            if caching not in fastest or run.seconds < fastest[caching].seconds:
+                fastest[caching] = run
+    stats = engines[True].llm_engine.stats
+    hit_rate = stats.prefix_cache_hits / stats.prefix_cache_queries if stats.prefix_cache_queries else 0.0
+    return fastest[True], fastest[False], hit_rate
+
+
 def run_all(
     model_path: str,
     *,
@@ -115,10 +147,15 @@ def run_all(
     engine_options: dict,
     seed: int,
     log: Callable[[str], None],
-) -> tuple[list[ThroughputResult], list[PrefixResult]]:
+    caching_rounds: int = 2,
+) -> ThroughputReport:
     llm = LLM(model_path, **engine_options)
     vocab_size = llm.llm_engine.vocab_size
-    requests = random_requests(num_requests, (16, 256), (16, 128), vocab_size, seed=seed)
+
+    def workload(round_seed: int) -> list[BenchRequest]:
+        return random_requests(num_requests, (16, 256), (16, 128), vocab_size, seed=round_seed)
+
+    requests = workload(seed)
     log(f"warming up kvfleet ({llm.llm_engine.runner.device}, {torch.get_num_threads()} threads)")
     run_kvfleet(llm, requests[:8])
     results: list[ThroughputResult] = []
@@ -135,4 +172,8 @@ def run_all(
         record(run_transformers(model_path, requests, batch_size))
     log("running the shared-prefix workload with prefix caching on and off")
     prefix = run_prefix_sharing(model_path, vocab_size, engine_options, seed=seed)
-    return results, prefix
+    log(f"running workloads like the main one with prefix caching on and off, {caching_rounds} rounds")
+    workloads = [workload(seed + 1 + round_index) for round_index in range(caching_rounds)]
+    caching_on, caching_off, hit_rate = run_caching_cost(model_path, workloads, engine_options)
+    kvfleet, *transformers = results
+    return ThroughputReport(kvfleet, transformers, prefix, caching_on, caching_off, hit_rate)
