@@ -1,4 +1,4 @@
-"""Names the operator and its manifests share: the API group, labels, the field manager, ports."""
+"""Names the operator and its manifests share: the API group, labels, the field manager, ports, env."""
 
 from __future__ import annotations
 
@@ -22,3 +22,5 @@ COMPONENT = "inference-server"
 
 HTTP_PORT = 8000
 HTTP_PORT_NAME = "http"
+# `kvfleet serve` reads its API key from this variable; the pods set it from the apiKeySecret.
+API_KEY_ENV = "KVFLEET_API_KEY"

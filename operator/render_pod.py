@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from kvfleet.operator.api import HTTP_PORT, HTTP_PORT_NAME
+from kvfleet.operator.api import API_KEY_ENV, HTTP_PORT, HTTP_PORT_NAME
 from kvfleet.operator.spec import InferenceServiceSpec, ModelSpec
 from kvfleet.operator.tiers import TIERS
 
@@ -138,10 +138,13 @@ def _flags(pairs: list[tuple[str, object]]) -> list[str]:
     return args
 
 
-def _runtime_env(spec: InferenceServiceSpec) -> list[dict[str, str]]:
+def _runtime_env(spec: InferenceServiceSpec) -> list[dict[str, Any]]:
     # The root filesystem is read-only: caches (kernels, tokenizers) and temporary files go to the
     # scratch volume, and the runtime never reaches for a model hub itself.
-    env = [*_scratch_env(), {"name": "HF_HUB_OFFLINE", "value": "1"}]
+    env: list[dict[str, Any]] = [*_scratch_env(), {"name": "HF_HUB_OFFLINE", "value": "1"}]
+    if spec.engine.api_key_secret is not None:
+        secret_ref = {"name": spec.engine.api_key_secret, "key": API_KEY_ENV}
+        env.append({"name": API_KEY_ENV, "valueFrom": {"secretKeyRef": secret_ref}})
     return env + [{"name": name, "value": value} for name, value in spec.engine.env]
 
 

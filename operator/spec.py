@@ -57,6 +57,7 @@ class EngineSpec:
     max_waiting_requests: int | None = None
     drain_timeout_seconds: int = 30
     startup_timeout_seconds: int = 600
+    api_key_secret: str | None = None
     extra_args: tuple[str, ...] = ()
     env: tuple[tuple[str, str], ...] = ()
 
@@ -172,6 +173,7 @@ def _parse_engine(section: _Section) -> EngineSpec:
         startup_timeout_seconds=section.required_integer(
             "startupTimeoutSeconds", defaults.startup_timeout_seconds, 30
         ),
+        api_key_secret=section.string("apiKeySecret"),
         extra_args=tuple(section.strings("extraArgs")),
         env=tuple(env_items),
     )

@@ -143,6 +143,11 @@ def test_gpu_example_requests_tensor_parallel_gpus() -> None:
     assert init["args"] == ["meta-llama/Llama-3.1-8B-Instruct", "--dest", container["args"][1]]
     secret = next(e for e in init["env"] if e["name"] == "HF_TOKEN")
     assert secret["valueFrom"]["secretKeyRef"] == {"name": "hf-token", "key": "HF_TOKEN"}
+    api_key = next(e for e in container["env"] if e["name"] == "KVFLEET_API_KEY")
+    assert api_key["valueFrom"]["secretKeyRef"] == {"name": "llama-8b-api-key", "key": "KVFLEET_API_KEY"}
+    assert all("secretKeyRef" not in str(e) for e in init["env"] if e["name"] != "HF_TOKEN"), (
+        "each container gets only the secret it uses"
+    )
 
 
 def test_batch_example_is_preemptible_fcfs_on_a_claim() -> None:

@@ -1,5 +1,6 @@
 """The rendered runtime command line against the real `kvfleet serve`: it starts, becomes ready, reports
-the metrics the autoscaler reads, and drains and exits within the grace period the pod gets.
+the metrics the autoscaler reads (without the API key the pods guard their routes with), and drains and
+exits within the grace period the pod gets.
 
 The operator never imports the runtime; this test runs it as a separate process, as a pod would.
 """
@@ -7,6 +8,7 @@ The operator never imports the runtime; this test runs it as a separate process,
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import socket
 import subprocess
@@ -19,11 +21,13 @@ import aiohttp
 import httpx
 import pytest
 import yaml
-from kvfleet.operator.render_pod import runtime_args, termination_grace_seconds
+from kvfleet.operator.api import API_KEY_ENV
+from kvfleet.operator.render_pod import pod_template, runtime_args, termination_grace_seconds
 from kvfleet.operator.scrape import FleetScraper, ScrapeTarget
 from kvfleet.operator.spec import parse_spec
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tiny-cpu.yaml"
+API_KEY = "contract-test-key"
 READY_TIMEOUT_SECONDS = 180
 
 
@@ -47,10 +51,12 @@ def wait_ready(base: str, process: subprocess.Popen[bytes]) -> None:
 
 
 async def scrape_twice_around_requests(target: ScrapeTarget, base: str) -> tuple[object, object]:
+    """Scrapes with no key (as the operator does), and sends the requests with the API key."""
     async with aiohttp.ClientSession() as session:
         scraper = FleetScraper(session, timeout_seconds=5)
         (before,) = await scraper.scrape([target])
-        async with httpx.AsyncClient(base_url=base, timeout=60) as client:
+        headers = {"Authorization": f"Bearer {API_KEY}"}
+        async with httpx.AsyncClient(base_url=base, timeout=60, headers=headers) as client:
             body = {"model": "tiny", "prompt": "hello there", "max_tokens": 8}
             replies = await asyncio.gather(*(client.post("/v1/completions", json=body) for _ in range(4)))
         assert all(reply.status_code == 200 for reply in replies)
@@ -60,21 +66,31 @@ async def scrape_twice_around_requests(target: ScrapeTarget, base: str) -> tuple
 
 @pytest.mark.slow
 def test_rendered_command_runs_the_real_runtime(make_model: Callable[..., Path], tmp_path: Path) -> None:
-    spec = parse_spec(yaml.safe_load(EXAMPLE.read_text())["spec"], name="tiny")
+    raw_spec = yaml.safe_load(EXAMPLE.read_text())["spec"]
+    raw_spec.setdefault("engine", {})["apiKeySecret"] = "tiny-api-key"
+    spec = parse_spec(raw_spec, name="tiny")
     args = runtime_args(spec)
+    (container,) = pod_template(spec, {}, "kvfleet/runtime")["spec"]["containers"]
+    (api_key,) = [entry for entry in container["env"] if "valueFrom" in entry]
+    secret_ref = {"name": "tiny-api-key", "key": API_KEY_ENV}
+    assert api_key == {"name": API_KEY_ENV, "valueFrom": {"secretKeyRef": secret_ref}}
     port = free_port()
     # What a pod would get, with the model where this machine has it and a port of its own.
     args[args.index("--model") + 1] = str(make_model("llama", "tiny", 0))
     args[args.index("--host") + 1] = "127.0.0.1"
     args[args.index("--port") + 1] = str(port)
     log = (tmp_path / "serve.log").open("wb")
+    # The kubelet resolves the secretKeyRef into the variable; here the test plays the Secret.
+    env = {**os.environ, API_KEY_ENV: API_KEY}
     process = subprocess.Popen(
-        [sys.executable, "-m", "kvfleet", "serve", *args], stdout=log, stderr=subprocess.STDOUT
+        [sys.executable, "-m", "kvfleet", "serve", *args], stdout=log, stderr=subprocess.STDOUT, env=env
     )
     base = f"http://127.0.0.1:{port}"
     try:
         wait_ready(base, process)
         assert httpx.get(f"{base}/health", timeout=5).status_code == 200
+        refused = httpx.post(f"{base}/v1/completions", json={"model": "tiny", "prompt": "hi"}, timeout=5)
+        assert refused.status_code == 401, "the API key from the Secret guards the OpenAI routes"
         before, after = asyncio.run(
             scrape_twice_around_requests(ScrapeTarget("tiny-0", "127.0.0.1", port), base)
         )
