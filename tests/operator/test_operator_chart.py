@@ -183,4 +183,6 @@ def test_helm_template_namespaced(helm: Path) -> None:
     ]
     assert "--namespace=team-a" in container["args"] and "--namespace=team-b" in container["args"]
     assert {"name": "KVFLEET_RUNTIME_IMAGE", "value": "example/runtime:dev"} in container["env"]
-    assert any(d["kind"] == "ServiceMonitor" for d in docs)
+    (monitor,) = [d for d in docs if d["kind"] == "ServiceMonitor"]
+    (endpoint,) = monitor["spec"]["endpoints"]
+    assert endpoint["honorLabels"] is True, "per-service series keep their InferenceService's namespace"
