@@ -143,7 +143,7 @@ def test_helm_template_cluster_wide(helm: Path) -> None:
     assert {"ClusterRole", "ClusterRoleBinding", "ClusterKopfPeering", "Deployment", "ServiceAccount"} <= set(
         kinds
     )
-    assert "Role" not in kinds and "ServiceMonitor" not in kinds
+    assert "Role" not in kinds and "ServiceMonitor" not in kinds and "PrometheusRule" not in kinds
     deployment = next(d for d in docs if d["kind"] == "Deployment")
     container = deployment["spec"]["template"]["spec"]["containers"][0]
     assert container["image"] == "kvfleet/operator:0.1.0"
@@ -169,6 +169,10 @@ def test_helm_template_namespaced(helm: Path) -> None:
         "--set",
         "metrics.serviceMonitor.enabled=true",
         "--set",
+        "metrics.prometheusRule.enabled=true",
+        "--set",
+        "metrics.prometheusRule.labels.release=prometheus",
+        "--set",
         "runtime.image=example/runtime:dev",
     )
     docs = [d for d in yaml.safe_load_all(out) if d]
@@ -186,3 +190,6 @@ def test_helm_template_namespaced(helm: Path) -> None:
     (monitor,) = [d for d in docs if d["kind"] == "ServiceMonitor"]
     (endpoint,) = monitor["spec"]["endpoints"]
     assert endpoint["honorLabels"] is True, "per-service series keep their InferenceService's namespace"
+    (rule,) = [d for d in docs if d["kind"] == "PrometheusRule"]
+    assert rule["metadata"]["labels"]["release"] == "prometheus", "the label Prometheus selects rules by"
+    assert rule["spec"]["groups"] == yaml.safe_load((CHART / "files" / "alerts.yaml").read_text())

@@ -1,4 +1,4 @@
-"""The shipped Grafana dashboards only query metrics the runtime and the operator really export."""
+"""The shipped Grafana dashboards and alert rules only query metrics the runtime and the operator export."""
 
 from __future__ import annotations
 
@@ -7,11 +7,14 @@ import re
 from pathlib import Path
 
 import pytest
+import yaml
 from kvfleet.operator.metrics import OperatorMetrics
 from kvfleet.runtime.metrics import ServerMetrics
 from prometheus_client import CollectorRegistry
 
-DOCS = Path(__file__).resolve().parents[1] / "docs"
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+ALERTS = ROOT / "charts" / "kvfleet" / "files" / "alerts.yaml"
 _SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "gauge": ("",)}
 
 # dashboard -> (the registry its metrics come from, how its metric names look, one metric it must chart,
@@ -51,3 +54,15 @@ def test_dashboard_queries_exported_metrics(file_name: str) -> None:
     ids = [panel["id"] for panel in dashboard["panels"]]
     assert len(ids) == len(set(ids))
     assert {variable["name"] for variable in dashboard["templating"]["list"]} == variables
+
+
+def test_alert_rules_query_exported_operator_metrics_and_say_what_fires() -> None:
+    exported = _exported_sample_names(OperatorMetrics().registry)
+    (group,) = yaml.safe_load(ALERTS.read_text())
+    names = [rule["alert"] for rule in group["rules"]]
+    assert len(names) == len(set(names)) and names
+    for rule in group["rules"]:
+        used = set(re.findall(r"kvfleet_operator_[a-z0-9_]+", rule["expr"]))
+        assert used and not used - exported, f"{rule['alert']} queries metrics the operator does not export"
+        assert rule["labels"]["severity"] in {"critical", "warning"}
+        assert rule["annotations"]["summary"] and rule["annotations"]["description"]
