@@ -191,7 +191,7 @@ class Scheduler:
 
         # Admitting new work in a step that had to preempt would only thrash.
         if not preempted:
-            budget = self._admit_waiting(scheduled, budget)
+            budget = self._admit_waiting(scheduled, budget, displaced)
 
         return self._build_output(scheduled, budget, displaced + preempted)
 
@@ -249,13 +249,16 @@ class Scheduler:
 
     # Internals.
 
-    def _admit_waiting(self, scheduled: dict[Request, int], budget: int) -> int:
+    def _admit_waiting(self, scheduled: dict[Request, int], budget: int, displaced: list[Request]) -> int:
         kv = self.kv_cache_manager
         waiting = self.waiting
         running = self.running
         while budget > 0 and len(running) < self.max_num_seqs:
             request = waiting.peek()
-            if request is None:
+            # A request displaced this step waits at least one step: taking it back at once (its blocks
+            # may suffice after prefix hits the displacement could not foresee) would recompute it for
+            # nothing, and it would be both preempted and scheduled in one output.
+            if request is None or request in displaced:
                 break
             computed_blocks, num_cached_tokens = kv.get_computed_blocks(request)
             num_new_tokens = request.num_tokens - num_cached_tokens

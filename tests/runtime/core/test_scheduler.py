@@ -308,6 +308,33 @@ class TestPreemption:
         assert output.preempted_request_ids == {"batch"}
         assert scheduled(output) == {"critical": 8}
 
+    def test_a_displaced_request_is_not_readmitted_in_the_step_that_displaced_it(
+        self, runner_factory: Callable
+    ) -> None:
+        scheduler = make_scheduler(num_kv_blocks=4, max_model_len=16, policy="priority")
+        runner = runner_factory(scheduler)
+        shared = [7, 7, 7, 7]
+        self._fill(
+            scheduler,
+            runner,
+            [
+                make_request("anchor", [*shared, 8], arrival_time=1.0, priority=0, max_tokens=2),
+                make_request("low", 1, arrival_time=2.0, priority=3, max_tokens=8),
+            ],
+        )
+        # anchor holds 2 blocks (its next token fits in them) and low 1: the one free block looks short for
+        # high's 8 tokens, so low is displaced; high then hits anchor's cached first block and needs only one
+        # more, which leaves the block low would fit in again.
+        scheduler.add_request(make_request("high", [*shared, 1, 2, 3, 4], arrival_time=3.0, priority=0))
+        output, _ = step(scheduler, runner)
+        assert output.preempted_request_ids == {"low"}
+        assert scheduled(output) == {"anchor": 1, "high": 4}
+        assert scheduler.requests["low"].status == RequestStatus.PREEMPTED
+        output, _ = step(scheduler, runner)
+        assert "low" in scheduled(output), "re-admitted in the next step, once it is not the one displaced"
+        run_to_completion(scheduler, runner)
+        assert_all_blocks_free(scheduler)
+
     def test_a_victim_scheduled_earlier_in_the_step_leaves_no_unwritten_block_in_the_cache(
         self, runner_factory: Callable
     ) -> None:
