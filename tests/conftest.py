@@ -1,4 +1,8 @@
-"""Fixtures shared by every test folder: model folders made by `kvfleet make-model`, once per session."""
+"""Fixtures shared by every test folder: model folders made by `kvfleet make-model`, once per session.
+
+Tests start the command as `python -P -m kvfleet`: -P keeps the checkout off `sys.path`, where its
+operator/ folder would shadow the standard library's `operator` module in an environment without the
+editable install."""
 
 from __future__ import annotations
 
@@ -24,7 +28,7 @@ def make_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
             out = root / f"{arch}-{preset}-{seed}"
             command = ["make-model", "--arch", arch, "--preset", preset, "--seed", str(seed), str(out)]
             subprocess.run(
-                [sys.executable, "-m", "kvfleet", *command], check=True, capture_output=True, text=True
+                [sys.executable, "-P", "-m", "kvfleet", *command], check=True, capture_output=True, text=True
             )
             made[key] = out
         return made[key]

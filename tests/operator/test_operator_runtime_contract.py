@@ -83,7 +83,7 @@ def test_rendered_command_runs_the_real_runtime(make_model: Callable[..., Path],
     # The kubelet resolves the secretKeyRef into the variable; here the test plays the Secret.
     env = {**os.environ, API_KEY_ENV: API_KEY}
     process = subprocess.Popen(
-        [sys.executable, "-m", "kvfleet", "serve", *args], stdout=log, stderr=subprocess.STDOUT, env=env
+        [sys.executable, "-P", "-m", "kvfleet", "serve", *args], stdout=log, stderr=subprocess.STDOUT, env=env
     )
     base = f"http://127.0.0.1:{port}"
     try:

@@ -93,7 +93,7 @@ def start_server(
 
     def start(*extra_args: str, api_key: str | None = None, wait: bool = True) -> ServerProcess:
         port = free_port()
-        args = [sys.executable, "-m", "kvfleet", "serve", "--model", str(tiny_llama), *BASE_ARGS]
+        args = [sys.executable, "-P", "-m", "kvfleet", "serve", "--model", str(tiny_llama), *BASE_ARGS]
         args += ["--host", "127.0.0.1", "--port", str(port), *extra_args]
         if api_key is not None:
             args += ["--api-key", api_key]

@@ -73,7 +73,7 @@ def test_summary_statistics() -> None:
 
 def test_bench_serve_against_a_server(api_server: ServerProcess, tmp_path: Path) -> None:
     result_json = tmp_path / "result.json"
-    args = [sys.executable, "-m", "kvfleet", "bench", "serve", "--url", api_server.url]
+    args = [sys.executable, "-P", "-m", "kvfleet", "bench", "serve", "--url", api_server.url]
     args += [
         "--api-key",
         api_server.api_key,

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 
 
 def _serve(*args: str) -> list[str]:
-    return [sys.executable, "-m", "kvfleet", "serve", *args]
+    return [sys.executable, "-P", "-m", "kvfleet", "serve", *args]
 
 
 def _run(*args: str) -> subprocess.CompletedProcess[str]:

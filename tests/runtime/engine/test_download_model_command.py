@@ -11,9 +11,8 @@ from pathlib import Path
 
 
 def _run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "kvfleet", "download-model", *args], capture_output=True, text=True, env=env
-    )
+    command = [sys.executable, "-P", "-m", "kvfleet", "download-model", *args]
+    return subprocess.run(command, capture_output=True, text=True, env=env)
 
 
 def test_rejects_a_malformed_repository_id(tmp_path: Path) -> None:
