@@ -1,11 +1,12 @@
-"""What the completion and chat handlers share: admission checks, prompt validation, running requests."""
+"""What the completion and chat handlers share: admission checks, prompt validation, running requests,
+the event stream."""
 
 from __future__ import annotations
 
 import contextlib
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,9 +21,9 @@ from kvfleet.runtime.server.errors import (
     ServiceUnavailableError,
 )
 from kvfleet.runtime.server.priorities import PRIORITY_HEADER, parse_priority, tier_of
-from kvfleet.runtime.server.protocol import ChatMessage
+from kvfleet.runtime.server.protocol import ChatMessage, usage
 from kvfleet.runtime.server.state import ServerState
-from kvfleet.runtime.server.streaming import merge_streams, unless_disconnected
+from kvfleet.runtime.server.streaming import SSE_DONE, merge_streams, prepend, sse_event, unless_disconnected
 from starlette.requests import Request
 
 
@@ -53,6 +54,10 @@ class Choice:
             self.logprobs = (self.logprobs or []) + completion.logprobs
         if completion.finish_reason is not None:
             self.finish_reason = completion.finish_reason
+
+
+# (prompt index, delta, whether it finished the sequence) -> the choice to stream, or None to send nothing.
+ChoiceBuilder = Callable[[int, CompletionOutput, bool], dict[str, Any] | None]
 
 
 def finish_error(finish_reason: str | None) -> OpenAIError | None:
@@ -215,6 +220,44 @@ class OpenAIServing:
             return await unless_disconnected(raw_request, anext(outputs))
         except StopAsyncIteration:
             return None
+
+    async def event_stream(
+        self,
+        request: PreparedRequest,
+        outputs: AsyncIterator[tuple[int, RequestOutput]],
+        first: tuple[int, RequestOutput] | None,
+        choice_of: ChoiceBuilder,
+        *,
+        include_usage: bool,
+        preamble: Iterable[dict[str, Any]] = (),
+    ) -> AsyncIterator[str]:
+        """The SSE events of a streamed request: `preamble` choices first, then a choice per delta that
+        `choice_of` builds (None: nothing to send) with its finish reason set here; a failed request ends
+        the stream with an error event; usage comes last when asked for."""
+        completion_tokens = 0
+        async with contextlib.aclosing(outputs):
+            try:
+                for choice in preamble:
+                    yield sse_event(self._chunk(request, choice))
+                async for prompt_index, output in prepend(first, outputs):
+                    for completion in output.outputs:
+                        completion_tokens += len(completion.token_ids)
+                        error = finish_error(completion.finish_reason)
+                        finished = error is None and completion.finish_reason is not None
+                        choice = choice_of(prompt_index, completion, finished)
+                        if choice is not None:
+                            finish_reason = completion.finish_reason if finished else None
+                            yield sse_event(self._chunk(request, {**choice, "finish_reason": finish_reason}))
+                        if error is not None:
+                            raise error
+            except OpenAIError as error:
+                yield error.to_sse()
+                yield SSE_DONE
+                return
+        if include_usage:
+            prompt_tokens = sum(len(ids) for ids in request.prompt_token_ids)
+            yield sse_event(self._chunk(request, None, usage(prompt_tokens, completion_tokens)))
+        yield SSE_DONE
 
     # ---- formatting ------------------------------------------------------------------------------
 

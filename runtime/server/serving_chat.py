@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from kvfleet.runtime.engine.outputs import RequestOutput
-from kvfleet.runtime.server.errors import OpenAIError
+from kvfleet.runtime.engine.outputs import CompletionOutput, RequestOutput
 from kvfleet.runtime.server.protocol import ChatCompletionRequest, usage
-from kvfleet.runtime.server.serving_base import Choice, OpenAIServing, PreparedRequest, finish_error
-from kvfleet.runtime.server.streaming import SSE_DONE, EventStreamResponse, prepend, sse_event
+from kvfleet.runtime.server.serving_base import Choice, OpenAIServing, PreparedRequest
+from kvfleet.runtime.server.streaming import EventStreamResponse
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -79,42 +77,32 @@ class OpenAIServingChat(OpenAIServing):
             )
         return {"content": content}
 
-    async def _events(
+    def _events(
         self,
         body: ChatCompletionRequest,
         request: PreparedRequest,
         outputs: AsyncIterator[tuple[int, RequestOutput]],
         first: tuple[int, RequestOutput] | None,
     ) -> AsyncIterator[str]:
-        completion_tokens = 0
-        async with contextlib.aclosing(outputs):
-            try:
-                for index in range(request.params.n):
-                    role = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None}
-                    yield sse_event(self._chunk(request, {**role, "finish_reason": None}))
-                async for _, output in prepend(first, outputs):
-                    for completion in output.outputs:
-                        completion_tokens += len(completion.token_ids)
-                        error = finish_error(completion.finish_reason)
-                        finished = error is None and completion.finish_reason is not None
-                        if completion.text or finished or completion.logprobs:
-                            choice = {
-                                "index": completion.index,
-                                "delta": {"content": completion.text} if completion.text else {},
-                                "logprobs": self._logprobs(
-                                    completion.token_ids, completion.logprobs, body.top_logprobs or 0
-                                ),
-                                "finish_reason": None if error else completion.finish_reason,
-                            }
-                            yield sse_event(self._chunk(request, choice))
-                        if error is not None:
-                            raise error
-            except OpenAIError as error:
-                yield error.to_sse()
-                yield SSE_DONE
-                return
-        if body.include_usage:
-            yield sse_event(
-                self._chunk(request, None, usage(len(request.prompt_token_ids[0]), completion_tokens))
-            )
-        yield SSE_DONE
+        roles = [
+            {
+                "index": index,
+                "delta": {"role": "assistant", "content": ""},
+                "logprobs": None,
+                "finish_reason": None,
+            }
+            for index in range(request.params.n)
+        ]
+
+        def choice_of(_: int, completion: CompletionOutput, finished: bool) -> dict[str, Any] | None:
+            if not (completion.text or finished or completion.logprobs):
+                return None
+            return {
+                "index": completion.index,
+                "delta": {"content": completion.text} if completion.text else {},
+                "logprobs": self._logprobs(completion.token_ids, completion.logprobs, body.top_logprobs or 0),
+            }
+
+        return self.event_stream(
+            request, outputs, first, choice_of, include_usage=body.include_usage, preamble=roles
+        )

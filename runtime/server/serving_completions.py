@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from kvfleet.runtime.engine.outputs import RequestOutput
-from kvfleet.runtime.server.errors import OpenAIError
+from kvfleet.runtime.engine.outputs import CompletionOutput, RequestOutput
 from kvfleet.runtime.server.protocol import CompletionRequest, usage
-from kvfleet.runtime.server.serving_base import Choice, OpenAIServing, PreparedRequest, finish_error
-from kvfleet.runtime.server.streaming import SSE_DONE, EventStreamResponse, prepend, sse_event
+from kvfleet.runtime.server.serving_base import Choice, OpenAIServing, PreparedRequest
+from kvfleet.runtime.server.streaming import EventStreamResponse
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -39,7 +37,9 @@ class OpenAIServingCompletion(OpenAIServing):
         )
         echoes = [self._echo_text(prompt) for prompt in prompts] if body.echo else None
         if body.stream:
-            return await self._stream(body, raw_request, request, echoes)
+            outputs = self.outputs(request)
+            first = await self.first_output(raw_request, outputs)
+            return EventStreamResponse(self._events(body, request, outputs, first, echoes))
         choices = await self.collect(raw_request, request)
         return JSONResponse(self._response(body, request, choices, echoes))
 
@@ -96,18 +96,7 @@ class OpenAIServingCompletion(OpenAIServing):
             "text_offset": offsets,
         }
 
-    async def _stream(
-        self,
-        body: CompletionRequest,
-        raw_request: Request,
-        request: PreparedRequest,
-        echoes: list[str] | None,
-    ) -> Response:
-        outputs = self.outputs(request)
-        first = await self.first_output(raw_request, outputs)
-        return EventStreamResponse(self._events(body, request, outputs, first, echoes))
-
-    async def _events(
+    def _events(
         self,
         body: CompletionRequest,
         request: PreparedRequest,
@@ -117,37 +106,19 @@ class OpenAIServingCompletion(OpenAIServing):
     ) -> AsyncIterator[str]:
         n = request.params.n
         text_offsets: dict[int, int] = {}
-        completion_tokens = 0
-        async with contextlib.aclosing(outputs):
-            try:
-                async for prompt_index, output in prepend(first, outputs):
-                    for completion in output.outputs:
-                        index = prompt_index * n + completion.index
-                        completion_tokens += len(completion.token_ids)
-                        text = completion.text
-                        if echoes and index not in text_offsets:
-                            text = echoes[prompt_index] + text
-                        offset = text_offsets.get(index, 0)
-                        text_offsets[index] = offset + len(text)
-                        error = finish_error(completion.finish_reason)
-                        finished = error is None and completion.finish_reason is not None
-                        if text or finished or completion.logprobs:
-                            choice = {
-                                "index": index,
-                                "text": text,
-                                "logprobs": self._logprobs(
-                                    completion.token_ids, completion.logprobs, body.logprobs, offset
-                                ),
-                                "finish_reason": None if error else completion.finish_reason,
-                            }
-                            yield sse_event(self._chunk(request, choice))
-                        if error is not None:
-                            raise error
-            except OpenAIError as error:
-                yield error.to_sse()
-                yield SSE_DONE
-                return
-        if body.include_usage:
-            prompt_tokens = sum(len(ids) for ids in request.prompt_token_ids)
-            yield sse_event(self._chunk(request, None, usage(prompt_tokens, completion_tokens)))
-        yield SSE_DONE
+
+        def choice_of(
+            prompt_index: int, completion: CompletionOutput, finished: bool
+        ) -> dict[str, Any] | None:
+            index = prompt_index * n + completion.index
+            text = completion.text
+            if echoes and index not in text_offsets:
+                text = echoes[prompt_index] + text
+            offset = text_offsets.get(index, 0)
+            text_offsets[index] = offset + len(text)
+            if not (text or finished or completion.logprobs):
+                return None
+            logprobs = self._logprobs(completion.token_ids, completion.logprobs, body.logprobs, offset)
+            return {"index": index, "text": text, "logprobs": logprobs}
+
+        return self.event_stream(request, outputs, first, choice_of, include_usage=body.include_usage)
