@@ -82,8 +82,8 @@ class ServiceController:
     panic: bool = False
     last_scale_time: str | None = None
     last_scale_reason: str | None = None
+    # (template digest, replicas) last applied.
     _applied: tuple[str, int] | None = None
-    _spec_digest: str | None = None
     _template: tuple[tuple[int, RenderOptions], str] | None = None
     _last_apply_at: float = float("-inf")
     _last_scrape_at: float = float("-inf")
@@ -223,9 +223,9 @@ class ServiceController:
         kinds = ", ".join(child["kind"] for child in children)
         if deployment is None and self._applied is None:
             self.events("Normal", "Created", f"Applied {kinds} for {spec.model.uri}")
-        elif self._spec_digest is not None and spec_digest != self._spec_digest:
+        elif self._applied is not None and spec_digest != self._applied[0]:
             self.events("Normal", "Updated", f"Applied generation {generation}: rolling out the new template")
-        self._applied, self._spec_digest, self._last_apply_at = (spec_digest, self.desired), spec_digest, now
+        self._applied, self._last_apply_at = (spec_digest, self.desired), now
 
     def _template_digest(self, spec: InferenceServiceSpec, generation: int, options: RenderOptions) -> str:
         """What the children would be at any replica count; rendered once per generation and options."""
