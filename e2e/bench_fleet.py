@@ -26,11 +26,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from e2e.cluster import ApiError, ClusterConfig, KubeAPI, LocalCluster, NodeShape
 from e2e.cluster.cluster import free_port
+from e2e.cluster.kube_api import write_kubeconfig
 from e2e.fleet.chart import OPERATOR_NAMESPACE, RELEASE, install_chart
 from e2e.fleet.manifests import API_VERSION, fake_gpu_service, services_path
 from e2e.fleet.observe import is_ready
@@ -150,22 +150,7 @@ def operator_kubeconfig(cluster: LocalCluster, path: Path) -> Path:
     token = cluster.api.create(
         f"/api/v1/namespaces/{OPERATOR_NAMESPACE}/serviceaccounts/{RELEASE}/token", request
     )["status"]["token"]
-    config = {
-        "apiVersion": "v1",
-        "kind": "Config",
-        "clusters": [
-            {
-                "name": "local",
-                "cluster": {"server": cluster.server, "certificate-authority": str(cluster.ca_cert)},
-            }
-        ],
-        "users": [{"name": "operator", "user": {"token": token}}],
-        "contexts": [{"name": "local", "context": {"cluster": "local", "user": "operator"}}],
-        "current-context": "local",
-    }
-    path.write_text(yaml.safe_dump(config, sort_keys=False))
-    path.chmod(0o600)
-    return path
+    return write_kubeconfig(path, cluster.server, cluster.ca_cert, "operator", token)
 
 
 def api_requests(api: KubeAPI) -> Counter[str]:

@@ -10,7 +10,6 @@ process is stopped by its PID when the context exits, including after a failed s
 
 from __future__ import annotations
 
-import base64
 import fcntl
 import json
 import logging
@@ -33,7 +32,7 @@ import yaml
 
 from .binaries import ensure_binaries
 from .fake_nodes import KWOK_NODE_SELECTOR, NodeShape, fake_node, fake_node_names
-from .kube_api import ApiError, KubeAPI
+from .kube_api import ApiError, KubeAPI, write_kubeconfig
 from .kwok_stages import kwok_stages
 from .pki import make_pki
 from .pod_runner import DEFAULT_IMAGE_PATTERN, PodRunner
@@ -285,7 +284,7 @@ class LocalCluster(ClusterTools):
 
         etcd_port, etcd_peer_port, api_port = free_port(), free_port(), free_port()
         self.server = f"https://127.0.0.1:{api_port}"
-        self._write_kubeconfig()
+        write_kubeconfig(self.kubeconfig, self.server, self.ca_cert, ADMIN_USER, self.token)
         timeout = self.config.start_timeout
 
         etcd_url = f"http://127.0.0.1:{etcd_port}"
@@ -451,26 +450,6 @@ class LocalCluster(ClusterTools):
             return ready >= set(names)
 
         _wait_until(f"{len(names)} fake nodes Ready", all_ready, self.config.start_timeout, self._processes)
-
-    def _write_kubeconfig(self) -> None:
-        ca_data = base64.b64encode(self.ca_cert.read_bytes()).decode()
-        config = {
-            "apiVersion": "v1",
-            "kind": "Config",
-            "clusters": [
-                {
-                    "name": "kvfleet-local",
-                    "cluster": {"server": self.server, "certificate-authority-data": ca_data},
-                }
-            ],
-            "users": [{"name": ADMIN_USER, "user": {"token": self.token}}],
-            "contexts": [
-                {"name": "kvfleet-local", "context": {"cluster": "kvfleet-local", "user": ADMIN_USER}}
-            ],
-            "current-context": "kvfleet-local",
-        }
-        self.kubeconfig.write_text(yaml.safe_dump(config, sort_keys=False))
-        self.kubeconfig.chmod(0o600)
 
     def _write_state(self) -> None:
         state = {

@@ -6,6 +6,7 @@ to share between threads.
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import http.client
 import json
@@ -15,7 +16,10 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Iterator, Mapping
+from pathlib import Path
 from typing import Any
+
+import yaml
 
 STRATEGIC_MERGE = "application/strategic-merge-patch+json"
 MERGE_PATCH = "application/merge-patch+json"
@@ -143,4 +147,28 @@ def pods_path(namespace: str | None = None, name: str | None = None, subresource
         path += f"/{name}"
     if subresource:
         path += f"/{subresource}"
+    return path
+
+
+def write_kubeconfig(
+    path: Path, server: str, ca_cert: Path, user: str, token: str, namespace: str | None = None
+) -> Path:
+    """A kubeconfig that reaches `server` as `user` with a bearer token; only its owner may read it."""
+    context = {"cluster": "kvfleet-local", "user": user}
+    if namespace is not None:
+        context["namespace"] = namespace
+    ca_data = base64.b64encode(ca_cert.read_bytes()).decode()
+    config = {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [
+            {"name": "kvfleet-local", "cluster": {"server": server, "certificate-authority-data": ca_data}}
+        ],
+        "users": [{"name": user, "user": {"token": token}}],
+        "contexts": [{"name": "kvfleet-local", "context": context}],
+        "current-context": "kvfleet-local",
+    }
+    path.touch(mode=0o600)
+    path.chmod(0o600)  # touch leaves an existing file's mode alone
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
     return path

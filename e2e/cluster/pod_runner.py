@@ -21,9 +21,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from .kube_api import ApiError, KubeAPI, WatchStream, pods_path
+from .kube_api import ApiError, KubeAPI, WatchStream, pods_path, write_kubeconfig
 from .pod_spec import (
     DEFAULT_IMAGE_PATTERN,
     ContainerConfigError,
@@ -664,30 +662,8 @@ class PodRunner:
             return None
         path = pod_dir / "kubeconfig"
         if not path.exists():
-            config = {
-                "apiVersion": "v1",
-                "kind": "Config",
-                "clusters": [
-                    {
-                        "name": "local",
-                        "cluster": {"server": self.server, "certificate-authority": str(self.ca_cert)},
-                    }
-                ],
-                "users": [{"name": "pod", "user": {"token": self.service_account_token(pod)}}],
-                "contexts": [
-                    {
-                        "name": "local",
-                        "context": {
-                            "cluster": "local",
-                            "user": "pod",
-                            "namespace": pod["metadata"]["namespace"],
-                        },
-                    }
-                ],
-                "current-context": "local",
-            }
-            path.write_text(yaml.safe_dump(config, sort_keys=False))
-            path.chmod(0o600)
+            token = self.service_account_token(pod)
+            write_kubeconfig(path, self.server, self.ca_cert, "pod", token, pod["metadata"]["namespace"])
         return path
 
     def materialize_volumes(self, pod: Mapping[str, Any], root: Path) -> dict[str, Path]:
