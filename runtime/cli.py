@@ -89,6 +89,18 @@ def bench() -> None:
 bench.add_command(bench_serve)
 
 
+@bench.command("static-server", context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
+@click.pass_context
+def bench_static_server(context: click.Context) -> None:
+    """`kvfleet serve` with static batching, the baseline continuous batching is measured against.
+
+    Takes every option of `kvfleet serve`."""
+    from kvfleet.runtime.bench.static_batching import StaticBatchingEngineCore
+    from kvfleet.runtime.server.cli import serve
+
+    serve.main(context.args, prog_name="kvfleet bench static-server", obj=StaticBatchingEngineCore)
+
+
 @bench.command("throughput")
 @click.option(
     "--model", type=click.Path(exists=True, file_okay=False), default=None, help="Default: make `small`."

@@ -8,16 +8,27 @@ under kvfleet's names (vLLM's names keep vLLM's labels).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from kvfleet.runtime.core.outputs import SchedulerStats
 from kvfleet.runtime.engine.outputs import RequestOutput
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    ProcessCollector,
+    generate_latest,
+    multiprocess,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+# Set (by `kvfleet serve --api-server-count N`) when several processes record metrics together.
+MULTIPROCESS_DIR = "PROMETHEUS_MULTIPROC_DIR"
 
 _TTFT_BUCKETS = (
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0,
@@ -49,7 +60,8 @@ class ServerMetrics:
         self.model_name = model_name
         self.registry = registry or CollectorRegistry()
         self._stats_source: Callable[[], SchedulerStats | None] = lambda: None
-        self.registry.register(_EngineStatsCollector(model_name, lambda: self._stats_source()))
+        self._engine_stats = _EngineStatsCollector(model_name, lambda: self._stats_source())
+        self.registry.register(self._engine_stats)
         ProcessCollector(registry=self.registry)
 
         self._prompt_tokens = self._counter(
@@ -145,6 +157,7 @@ class ServerMetrics:
             "The engine's configuration as labels; the value is always 1.",
             ["model_name", "attention_backend", "device", "dtype"],
             registry=self.registry,
+            multiprocess_mode="max",
         ).labels(self.model_name, attention_backend, device, dtype).set(1)
 
     def set_stats_source(self, source: Callable[[], SchedulerStats | None]) -> None:
@@ -164,7 +177,14 @@ class ServerMetrics:
         self._finished_vllm.labels(model_name=self.model_name, finished_reason=reason).inc()
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        if MULTIPROCESS_DIR not in os.environ:
+            return generate_latest(self.registry)
+        # Several API servers: the request metrics of all of them, from their shared files, and the engine's
+        # stats, which every one of them receives.
+        registry = CollectorRegistry()
+        multiprocess.MultiProcessCollector(registry)
+        registry.register(self._engine_stats)
+        return generate_latest(registry)
 
 
 class RequestTracker:

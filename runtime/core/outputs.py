@@ -28,6 +28,19 @@ class SchedulerOutput:
     def num_reqs(self) -> int:
         return len(self.requests)
 
+    def subset(self, indices: list[int]) -> SchedulerOutput:
+        """The same step for some of its requests only (finished and preempted ids go along)."""
+        num_scheduled = [self.num_scheduled_tokens[i] for i in indices]
+        return SchedulerOutput(
+            requests=[self.requests[i] for i in indices],
+            num_scheduled_tokens=num_scheduled,
+            num_computed_tokens=[self.num_computed_tokens[i] for i in indices],
+            block_ids=[self.block_ids[i] for i in indices],
+            total_num_scheduled_tokens=sum(num_scheduled),
+            finished_request_ids=self.finished_request_ids,
+            preempted_request_ids=self.preempted_request_ids,
+        )
+
 
 @dataclass
 class ModelRunnerOutput:

@@ -92,6 +92,9 @@ class OutputProcessor:
             request_id, prompt, prompt_token_ids, params, output_kind, sequences, RequestMetrics(arrival_time)
         )
 
+    def request_of(self, sequence_id: str) -> str | None:
+        return self._parent_of.get(sequence_id)
+
     def sequence_ids(self, request_id: str) -> list[str]:
         state = self._requests.get(request_id)
         return list(state.sequences) if state else []

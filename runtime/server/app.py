@@ -10,12 +10,12 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request
+from kvfleet.runtime.engine.messages import EngineInfo
 from kvfleet.runtime.metrics import CONTENT_TYPE
 from kvfleet.runtime.server.auth import ApiKeyAuth
 from kvfleet.runtime.server.errors import (
     BadRequestError,
     ClientDisconnectedError,
-    ServiceUnavailableError,
     install_error_handlers,
 )
 from kvfleet.runtime.server.middleware import BodySizeLimit, InFlightCounter
@@ -53,45 +53,17 @@ def build_app(state: ServerState) -> FastAPI:
 def _lifespan(state: ServerState) -> Any:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        state.engine.start()
-        loader = asyncio.create_task(_finish_loading(state))
+        # The port opens at once: /health answers while the model loads, and requests wait for it.
+        loader = asyncio.create_task(state.engine.start())
         try:
             yield
         finally:
             loader.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await loader
             await state.engine.shutdown()
 
     return lifespan
-
-
-def _load_tokenizer(path: str, chat_template: str | None) -> Any:
-    # Imported here, on a worker thread: importing transformers takes seconds the event loop cannot spare.
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    tokenizer.chat_template = chat_template
-    return tokenizer
-
-
-async def _finish_loading(state: ServerState) -> None:
-    config = state.engine.config
-    try:
-        # After the engine, never alongside it: transformers' lazy imports are not thread-safe.
-        await state.engine.wait_loaded()
-        state.load_error = state.engine.error
-        if state.load_error is None:
-            # The template the engine settled on (--chat-template, else the model folder's).
-            template = state.engine.engine.tokenizer.chat_template
-            state.tokenizer = await asyncio.to_thread(
-                _load_tokenizer, config.tokenizer or config.model, template
-            )
-    except Exception as exc:
-        logger.exception("loading the tokenizer failed")
-        state.load_error = exc
-    finally:
-        state.loaded.set()
-    if state.load_error is None:
-        logger.info("ready: serving %r", state.settings.served_model_name)
 
 
 async def _client_gone(request: Request, exc: Exception) -> Response:
@@ -105,8 +77,8 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/health")
     async def health() -> Response:
-        if state.load_error is not None or not state.engine.alive:
-            return JSONResponse({"status": "failed"}, status_code=503)
+        if state.engine.error is not None:
+            return JSONResponse({"status": "failed", "reason": str(state.engine.error)}, status_code=503)
         return JSONResponse({"status": "alive"})
 
     @app.get("/ready")
@@ -121,16 +93,16 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/v1/models")
     async def models() -> Response:
-        engine = state.engine.engine
+        info = state.engine.info
         card = {
             "id": state.settings.served_model_name,
             "object": "model",
             "created": started,
             "owned_by": "kvfleet",
             "root": state.engine.config.model,
-            "max_model_len": engine.max_model_len if engine is not None else None,
+            "max_model_len": info.max_model_len if info is not None else None,
             # kvfleet's addition: what `kvfleet bench serve` draws random token-id prompts from.
-            "vocab_size": engine.vocab_size if engine is not None else None,
+            "vocab_size": info.vocab_size if info is not None else None,
         }
         return JSONResponse({"object": "list", "data": [card]})
 
@@ -145,29 +117,32 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> Response:
         body.check()
-        _require_loaded(state)
         completions.check_model(body.model)
         if body.messages is not None:
-            token_ids = completions.apply_chat_template(body.messages, body.add_generation_prompt)
+            token_ids = await completions.apply_chat_template(body.messages, body.add_generation_prompt)
         else:
             add_special = True if body.add_special_tokens is None else body.add_special_tokens
-            token_ids = state.tokenizer.encode(body.prompt, add_special_tokens=add_special)
-        max_model_len = state.engine.engine.max_model_len
-        return JSONResponse({"count": len(token_ids), "max_model_len": max_model_len, "tokens": token_ids})
+            token_ids = await completions.encode(body.prompt, add_special_tokens=add_special)
+        info = _engine_info(state)
+        return JSONResponse(
+            {"count": len(token_ids), "max_model_len": info.max_model_len, "tokens": token_ids}
+        )
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> Response:
-        _require_loaded(state)
         completions.check_model(body.model)
-        vocab_size = state.engine.engine.vocab_size
+        await state.engine.wait_ready(state.engine.startup_request_timeout)
+        vocab_size = _engine_info(state).vocab_size
         bad = [token for token in body.tokens if not 0 <= token < vocab_size]
         if bad:
             raise BadRequestError(
                 f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})", param="tokens"
             )
-        return JSONResponse({"prompt": state.tokenizer.decode(body.tokens)})
+        text = await state.engine.run_tokenizer(lambda tokenizer: tokenizer.decode(body.tokens))
+        return JSONResponse({"prompt": text})
 
 
-def _require_loaded(state: ServerState) -> None:
-    if state.tokenizer is None or not state.engine.ready:
-        raise ServiceUnavailableError(state.not_ready_reason(), code="unavailable")
+def _engine_info(state: ServerState) -> EngineInfo:
+    info = state.engine.info
+    assert info is not None, "called once the engine is ready"
+    return info

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import sys
 from typing import Any
 
@@ -53,9 +52,18 @@ from kvfleet.runtime.server.state import DEFAULT_MAX_REQUEST_BODY_BYTES
     show_default=True,
 )
 @click.option(
-    "--disable-continuous-batching",
-    is_flag=True,
-    help="Static batching: admit a new batch only when the previous one has fully finished (for comparison).",
+    "--startup-request-timeout",
+    type=click.FloatRange(min=0),
+    default=600.0,
+    show_default=True,
+    help="Seconds a request that arrives while the model loads waits for it before a 503.",
+)
+@click.option(
+    "--api-server-count",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="HTTP server processes sharing the port and the one engine core process.",
 )
 @click.option("--tensor-parallel-size", type=int, default=1, show_default=True, help="Only 1 is supported.")
 @click.option("--access-log/--no-access-log", default=False, show_default=True)
@@ -71,7 +79,8 @@ def serve(
     max_waiting_requests: int | None,
     request_timeout: float | None,
     max_request_body_bytes: int,
-    disable_continuous_batching: bool,
+    startup_request_timeout: float,
+    api_server_count: int,
     tensor_parallel_size: int,
     access_log: bool,
     **options: Any,
@@ -86,14 +95,8 @@ def serve(
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc
 
-    # Heavy imports only once the arguments are known to be good.
-    import prometheus_client
-    import uvicorn
-    from kvfleet.runtime.metrics import ServerMetrics
-    from kvfleet.runtime.server.app import build_app
-    from kvfleet.runtime.server.async_engine import AsyncLLMEngine
-    from kvfleet.runtime.server.runner import GRACEFUL_SHUTDOWN_TIMEOUT_S, DrainingServer
-    from kvfleet.runtime.server.state import ServerSettings, ServerState
+    from kvfleet.runtime.server.launcher import ServeOptions, run_server
+    from kvfleet.runtime.server.state import ServerSettings
 
     settings = ServerSettings(
         served_model_name=served_model_name or model,
@@ -103,26 +106,15 @@ def serve(
         drain_timeout=drain_timeout,
         max_request_body_bytes=max_request_body_bytes,
     )
-    # One `_created` series per counter and histogram doubles what Prometheus stores, for nothing it uses.
-    prometheus_client.disable_created_metrics()
-    metrics = ServerMetrics(settings.served_model_name)
-    engine = AsyncLLMEngine(
-        config,
-        continuous_batching=not disable_continuous_batching,
-        max_waiting_requests=max_waiting_requests,
-        metrics=metrics,
-    )
-    state = ServerState(settings=settings, engine=engine, metrics=metrics)
-    uvicorn_config = uvicorn.Config(
-        build_app(state),
+    options = ServeOptions(
+        settings=settings,
         host=host,
         port=port,
-        log_level=logging.getLogger().getEffectiveLevel(),
-        log_config=None,
         access_log=access_log,
-        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_TIMEOUT_S,
+        max_waiting_requests=max_waiting_requests,
+        startup_request_timeout=startup_request_timeout,
+        api_server_count=api_server_count,
+        # `kvfleet bench static-server` passes its own EngineCore class as the context object.
+        core_class=click.get_current_context().obj,
     )
-    server = DrainingServer(uvicorn_config, state)
-    server.run()
-    if server.failed or not server.started:
-        sys.exit(1)
+    sys.exit(run_server(config, options))

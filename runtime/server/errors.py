@@ -12,6 +12,15 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from kvfleet.runtime.engine.errors import (
+    EngineDeadError,
+    EngineError,
+    EngineNotReadyError,
+    EngineOverloadedError,
+    EngineShutdownError,
+    InvalidRequestError,
+    RequestShedError,
+)
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse
 
@@ -112,8 +121,27 @@ class ClientDisconnectedError(Exception):
     """The client went away; nobody is left to answer."""
 
 
+def from_engine_error(error: EngineError) -> OpenAIError:
+    """The OpenAI error a client sees for an error of the engine."""
+    message = str(error)
+    if isinstance(error, InvalidRequestError):
+        return BadRequestError(message)
+    if isinstance(error, RequestShedError):
+        return OverloadedError(message, code="shed")
+    if isinstance(error, EngineOverloadedError):
+        return OverloadedError(message)
+    if isinstance(error, EngineNotReadyError):
+        return ServiceUnavailableError(message, code="not_ready")
+    if isinstance(error, EngineShutdownError):
+        return ServiceUnavailableError(message, code="shutting_down")
+    if isinstance(error, EngineDeadError):
+        return InternalServerError(message, code="engine_dead")
+    return InternalServerError(message)
+
+
 def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(OpenAIError, _openai_error)
+    app.add_exception_handler(EngineError, _engine_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(Exception, _unexpected_error)
@@ -122,6 +150,11 @@ def install_error_handlers(app: FastAPI) -> None:
 async def _openai_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, OpenAIError)
     return exc.to_response()
+
+
+async def _engine_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, EngineError)
+    return from_engine_error(exc).to_response()
 
 
 async def _validation_error(request: Request, exc: Exception) -> JSONResponse:

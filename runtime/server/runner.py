@@ -1,5 +1,8 @@
 """Runs the app under uvicorn with kvfleet's shutdown: SIGTERM drains instead of cutting requests off.
 
+If the engine core fails to load or dies, requests in flight fail with a 500 naming the cause, /health
+fails, and the process exits non-zero.
+
 Drain: /ready turns false and new requests get 503 (the listener stays open so probes see it), requests
 in flight run to completion for up to the drain timeout, the rest are then failed with 503, and the
 process exits 0. A second SIGINT or SIGTERM exits at once.
@@ -38,7 +41,7 @@ class DrainingServer(uvicorn.Server):
 
     async def serve(self, sockets: list | None = None) -> None:  # type: ignore[override]
         self._loop = asyncio.get_running_loop()
-        self._spawn(self._exit_if_load_fails())
+        self._spawn(self._exit_when_engine_dies())
         await super().serve(sockets)
 
     @contextlib.contextmanager
@@ -91,9 +94,17 @@ class DrainingServer(uvicorn.Server):
         logger.info("drained; shutting down")
         self.should_exit = True
 
-    async def _exit_if_load_fails(self) -> None:
-        await self.state.loaded.wait()
-        if self.state.load_error is not None:
-            logger.error("the model could not be loaded: %s", self.state.load_error)
-            self.failed = True
-            self.should_exit = True
+    async def _exit_when_engine_dies(self) -> None:
+        """A core that failed to load or died will not come back: the process exits non-zero, so that the
+        pod restarts. Requests in flight have been failed; they get a moment to send their error."""
+        engine = self.state.engine
+        await engine.dead.wait()
+        if engine.info is None:
+            logger.error("the model could not be loaded: %s", engine.error)
+        else:
+            logger.error("exiting, the engine can no longer serve: %s", engine.error)
+        self.failed = True
+        grace = time.monotonic() + _ABORT_GRACE_S
+        while self.state.in_flight and time.monotonic() < grace:
+            await asyncio.sleep(_DRAIN_POLL_S)
+        self.should_exit = True

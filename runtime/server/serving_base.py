@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvfleet.runtime.engine.errors import EngineError, InvalidRequestError
 from kvfleet.runtime.engine.outputs import CompletionOutput, RequestOutput
 from kvfleet.runtime.sampling_params import SamplingParams
 from kvfleet.runtime.server.errors import (
@@ -19,6 +20,7 @@ from kvfleet.runtime.server.errors import (
     OpenAIError,
     RequestTimeoutError,
     ServiceUnavailableError,
+    from_engine_error,
 )
 from kvfleet.runtime.server.priorities import PRIORITY_HEADER, parse_priority, tier_of
 from kvfleet.runtime.server.protocol import ChatMessage, usage
@@ -81,7 +83,7 @@ class OpenAIServing:
 
     @property
     def tokenizer(self) -> Any:
-        return self.state.tokenizer
+        return self.state.engine.tokenizer
 
     @property
     def model_name(self) -> str:
@@ -98,11 +100,14 @@ class OpenAIServing:
             )
 
     def check_accepting(self, priority: int) -> None:
+        """New requests are refused while draining, and fail at once if the engine cannot serve any more.
+        While the model loads they are accepted and wait for it."""
         state = self.state
-        if not state.ready:
-            reason = "draining" if state.draining else "unavailable"
-            state.metrics.record_rejected(reason, tier_of(priority))
-            raise ServiceUnavailableError(state.not_ready_reason(), code=reason)
+        if state.draining:
+            state.metrics.record_rejected("draining", tier_of(priority))
+            raise ServiceUnavailableError(state.not_ready_reason(), code="draining")
+        if state.engine.error is not None:
+            raise from_engine_error(state.engine.error)
 
     def resolve_priority(self, body_priority: int | str | None, raw_request: Request) -> int:
         """The body's field, else the header, else the server's default."""
@@ -118,8 +123,9 @@ class OpenAIServing:
             raise BadRequestError(str(exc), param=source) from None
 
     def check_prompt(self, token_ids: list[int], params: SamplingParams, param: str) -> None:
-        engine = self.state.engine.engine
-        max_model_len = engine.max_model_len
+        engine = self.state.engine
+        assert engine.info is not None, "prompts are checked once the engine is ready"
+        max_model_len = engine.info.max_model_len
         if len(token_ids) >= max_model_len:
             raise BadRequestError(
                 f"This model's maximum context length is {max_model_len} tokens, but the prompt has "
@@ -137,24 +143,48 @@ class OpenAIServing:
             )
         try:
             engine.validate_prompt(token_ids, params)
-        except ValueError as exc:
+        except InvalidRequestError as exc:
             raise BadRequestError(str(exc), param=param) from None
 
-    def apply_chat_template(self, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
-        tokenizer = self.tokenizer
-        if not tokenizer.chat_template:
-            raise BadRequestError("the model has no chat template; use /v1/completions", param="messages")
-        conversation = [message.as_template_input(index) for index, message in enumerate(messages)]
-        try:
-            text = tokenizer.apply_chat_template(
-                conversation, tokenize=False, add_generation_prompt=add_generation_prompt
-            )
-        except Exception as exc:
-            # Templates reject conversations they cannot render (role order, unknown roles) by raising.
+    async def encode(self, text: str, *, add_special_tokens: bool, param: str = "prompt") -> list[int]:
+        """Token ids of a text, computed off the event loop (once the engine is ready)."""
+        return await self.state.engine.run_tokenizer(
+            lambda tokenizer: self._encode_within_context(tokenizer, text, add_special_tokens, param)
+        )
+
+    def _encode_within_context(self, tokenizer: Any, text: str, add_special_tokens: bool, param: str) -> list[int]:
+        """Token ids of a text no longer than the model's context; a longer one is refused from its token
+        count alone. Both for the event loop's sake: the Rust tokenizer's batch call releases the interpreter
+        lock while it encodes (its single-text call does not), but building a list of millions of ids would
+        hold the lock for as long as that takes."""
+        info = self.state.engine.info
+        assert info is not None
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        if backend is None:
+            token_ids = tokenizer.encode(text, add_special_tokens=add_special_tokens)
+            num_tokens = len(token_ids)
+        else:
+            encoding = backend.encode_batch([text], add_special_tokens=add_special_tokens)[0]
+            num_tokens = len(encoding)
+        if num_tokens > info.max_model_len:
             raise BadRequestError(
-                f"the chat template rejected the messages: {exc}", param="messages"
-            ) from None
-        return tokenizer.encode(text, add_special_tokens=False)
+                f"This model's maximum context length is {info.max_model_len} tokens, but the {param} has "
+                f"{num_tokens} tokens",
+                param=param,
+                code="context_length_exceeded",
+            )
+        return token_ids if backend is None else encoding.ids
+
+    async def apply_chat_template(
+        self, messages: list[ChatMessage], add_generation_prompt: bool
+    ) -> list[int]:
+        """The prompt of a conversation, rendered and tokenized off the event loop."""
+        conversation = [message.as_template_input(index) for index, message in enumerate(messages)]
+        text = await self.state.engine.run_tokenizer(
+            lambda tokenizer: render_chat_template(tokenizer, conversation, add_generation_prompt)
+        )
+        # The template already writes the special tokens it wants.
+        return await self.encode(text, add_special_tokens=False, param="messages")
 
     def prepare(
         self,
@@ -250,7 +280,8 @@ class OpenAIServing:
                             yield sse_event(self._chunk(request, {**choice, "finish_reason": finish_reason}))
                         if error is not None:
                             raise error
-            except OpenAIError as error:
+            except (OpenAIError, EngineError) as raised:
+                error = from_engine_error(raised) if isinstance(raised, EngineError) else raised
                 yield error.to_sse()
                 yield SSE_DONE
                 return
@@ -281,3 +312,18 @@ class OpenAIServing:
         if usage_ is not None:
             chunk["usage"] = usage_
         return chunk
+
+
+def render_chat_template(
+    tokenizer: Any, conversation: list[dict[str, Any]], add_generation_prompt: bool
+) -> str:
+    """The model's chat template applied to a conversation."""
+    if not tokenizer.chat_template:
+        raise BadRequestError("the model has no chat template; use /v1/completions", param="messages")
+    try:
+        return tokenizer.apply_chat_template(
+            conversation, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+    except Exception as exc:
+        # Templates reject conversations they cannot render (role order, unknown roles) by raising.
+        raise BadRequestError(f"the chat template rejected the messages: {exc}", param="messages") from None

@@ -24,7 +24,7 @@ class OpenAIServingChat(OpenAIServing):
         params = body.sampling_params()
         priority = self.resolve_priority(body.priority, raw_request)
         self.check_accepting(priority)
-        token_ids = self.apply_chat_template(body.messages, body.add_generation_prompt)
+        token_ids = await self.apply_chat_template(body.messages, body.add_generation_prompt)
         self.check_prompt(token_ids, params, "messages")
         request = self.prepare(
             [token_ids], params, priority=priority, timeout=body.timeout, arrival_time=arrival_time

@@ -27,10 +27,13 @@ class OpenAIServingCompletion(OpenAIServing):
         prompts = body.prompts()
         token_lists = []
         for index, prompt in enumerate(prompts):
-            token_ids = (
-                self.tokenizer.encode(prompt, add_special_tokens=True) if isinstance(prompt, str) else prompt
-            )
-            self.check_prompt(token_ids, params, "prompt" if len(prompts) == 1 else f"prompt.{index}")
+            param = "prompt" if len(prompts) == 1 else f"prompt.{index}"
+            if isinstance(prompt, str):
+                token_ids = await self.encode(prompt, add_special_tokens=True, param=param)
+            else:
+                token_ids = prompt
+                await self.state.engine.wait_ready(self.state.engine.startup_request_timeout)
+            self.check_prompt(token_ids, params, param)
             token_lists.append(token_ids)
         request = self.prepare(
             token_lists, params, priority=priority, timeout=body.timeout, arrival_time=arrival_time

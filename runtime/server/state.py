@@ -1,13 +1,11 @@
-"""What one serving process knows: its settings, the engine, the metrics and whether it is draining."""
+"""What one API server process knows: its settings, the engine, the metrics and whether it is draining."""
 
 from __future__ import annotations
 
-import asyncio
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
+from kvfleet.runtime.engine.async_llm import AsyncLLM
 from kvfleet.runtime.metrics import ServerMetrics
-from kvfleet.runtime.server.async_engine import AsyncLLMEngine
 from kvfleet.runtime.server.priorities import DEFAULT_TIER, TIERS
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 8 << 20
@@ -27,24 +25,19 @@ class ServerSettings:
 @dataclass
 class ServerState:
     settings: ServerSettings
-    engine: AsyncLLMEngine
+    engine: AsyncLLM
     metrics: ServerMetrics
-    # The front end's own tokenizer: the engine thread uses the engine's, and the two never share one.
-    tokenizer: Any = None
     draining: bool = False
     # HTTP requests on generation routes that have not finished sending their response.
     in_flight: int = 0
-    # Set once loading has ended, well or not (then `load_error` says why).
-    loaded: asyncio.Event = field(default_factory=asyncio.Event)
-    load_error: BaseException | None = None
 
     @property
     def ready(self) -> bool:
-        return self.tokenizer is not None and self.engine.ready and not self.draining
+        return self.engine.ready and not self.draining
 
     def not_ready_reason(self) -> str:
-        if self.load_error is not None or not self.engine.alive:
-            return "the engine has failed"
+        if self.engine.error is not None:
+            return f"the engine has failed: {self.engine.error}"
         if self.draining:
             return "the server is draining"
         return "the model is loading"

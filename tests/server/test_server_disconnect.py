@@ -1,6 +1,6 @@
 """A client that goes away aborts its request at once: generation stops and its KV blocks are freed.
 
-That the blocks are freed before the engine's next step is checked in-process (test_server_async_engine.py);
+That the blocks are freed at once is checked on the engine core (tests/runtime/engine/test_engine_core.py);
 here, through a real server, the request must stop far short of where it was going.
 """
 

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from kvfleet.runtime.engine.load_shedding import QueuedRequest, choose_victim
 from kvfleet.runtime.server.errors import BadRequestError, validation_error
-from kvfleet.runtime.server.load_shedding import QueuedRequest, choose_victim
 from kvfleet.runtime.server.priorities import parse_priority, tier_of
 from kvfleet.runtime.server.protocol import ChatCompletionRequest, CompletionRequest
 

@@ -1,0 +1,262 @@
+"""The EngineCore: owns the scheduler, the KV cache and the model runner, and steps them.
+
+One `step()` = schedule -> run the model -> update requests -> the step's outputs. It takes token ids and
+gives token ids: tokenization, detokenization and stop strings belong to the front end (the offline
+LLMEngine in-process, or the API server processes on the other side of a socket).
+
+Failures stay with the request that caused them: a request the core cannot admit is answered with a
+RequestError, and when a batch fails the core runs its requests again one by one, so that only those that
+fail alone are finished with an error.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+
+import torch
+from kvfleet.runtime.config import EngineConfig
+from kvfleet.runtime.core.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
+from kvfleet.runtime.core.scheduler import Scheduler
+from kvfleet.runtime.engine.errors import (
+    EngineOverloadedError,
+    InvalidRequestError,
+    RequestFailedError,
+    RequestShedError,
+)
+from kvfleet.runtime.engine.load_shedding import QueuedRequest, choose_victim
+from kvfleet.runtime.engine.messages import AddRequest, EngineCoreOutputs, EngineInfo, RequestError
+from kvfleet.runtime.request import Request, RequestStatus
+from kvfleet.runtime.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+GiB = 1 << 30
+# Room for activations, logits and allocator slack when the KV pool is sized from GPU memory.
+_CUDA_ACTIVATION_RESERVE_BYTES = 2 * GiB
+_DEFAULT_CHUNKED_TOKEN_BUDGET = 2048
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, *, max_waiting_requests: int | None = None) -> None:
+        if max_waiting_requests is not None and max_waiting_requests < 1:
+            raise ValueError("max_waiting_requests must be at least 1")
+        self.config = config
+        self.max_waiting_requests = max_waiting_requests
+        self.runner = ModelRunner(config)
+        self.runner.load_model()
+        self.max_model_len: int = self.runner.max_model_len
+        self.vocab_size: int = self.runner.vocab_size
+        self.num_kv_blocks = self._num_kv_blocks()
+        self.runner.initialize_kv_cache(self.num_kv_blocks)
+        self.max_num_batched_tokens = self._token_budget()
+        self.scheduler = Scheduler(
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            block_size=config.block_size,
+            num_kv_blocks=self.num_kv_blocks,
+            enable_prefix_caching=config.enable_prefix_caching,
+            enable_chunked_prefill=config.enable_chunked_prefill,
+            policy=config.scheduling_policy,
+        )
+        # Admitted requests never scheduled yet: the ones load shedding may displace, and whose first
+        # scheduling the front end hears of (its queue-time metric).
+        self._unstarted: dict[str, AddRequest] = {}
+        self._errors: list[RequestError] = []
+        self.num_steps = 0
+        logger.info(
+            "engine core ready: model=%s device=%s max_model_len=%d kv_blocks=%d x %d tokens, budget %d",
+            config.model,
+            self.runner.device,
+            self.max_model_len,
+            self.num_kv_blocks,
+            config.block_size,
+            self.max_num_batched_tokens,
+        )
+
+    @property
+    def info(self) -> EngineInfo:
+        runner = self.runner
+        return EngineInfo(
+            max_model_len=self.max_model_len,
+            vocab_size=self.vocab_size,
+            num_kv_blocks=self.num_kv_blocks,
+            block_size=self.config.block_size,
+            attention_backend=runner.attention_backend.name,
+            device=runner.device.type,
+            dtype=str(runner.dtype).removeprefix("torch."),
+        )
+
+    def _num_kv_blocks(self) -> int:
+        config = self.config
+        blocks_per_sequence = math.ceil(self.max_model_len / config.block_size)
+        if config.num_kv_blocks is not None:
+            num_blocks = config.num_kv_blocks
+        else:
+            per_block = self.runner.kv_cache_bytes_per_block()
+            if self.runner.device.type == "cuda":
+                free, total = torch.cuda.mem_get_info(self.runner.device)
+                used_by_others = total - free
+                budget = (
+                    total * config.gpu_memory_utilization - used_by_others - _CUDA_ACTIVATION_RESERVE_BYTES
+                )
+            else:
+                budget = config.cpu_kv_cache_space * GiB
+            num_blocks = int(budget // per_block)
+        if num_blocks < 1:
+            raise ValueError("no memory left for the KV cache; raise the memory budget or shrink the model")
+        if num_blocks < blocks_per_sequence:
+            raise ValueError(
+                f"the KV cache holds {num_blocks * config.block_size} tokens, less than one sequence of "
+                f"max_model_len={self.max_model_len} tokens: lower max_model_len or enlarge the cache"
+            )
+        return num_blocks
+
+    def _token_budget(self) -> int:
+        config = self.config
+        if config.max_num_batched_tokens is not None:
+            if not config.enable_chunked_prefill and config.max_num_batched_tokens < self.max_model_len:
+                raise ValueError(
+                    f"max_num_batched_tokens ({config.max_num_batched_tokens}) must reach max_model_len "
+                    f"({self.max_model_len}) when chunked prefill is off, or long prompts could never run"
+                )
+            return config.max_num_batched_tokens
+        if config.enable_chunked_prefill:
+            return max(_DEFAULT_CHUNKED_TOKEN_BUDGET, config.max_num_seqs)
+        return max(self.max_model_len, config.max_num_seqs)
+
+    # ---- requests -------------------------------------------------------------------------------
+
+    def validate_prompt(self, prompt_token_ids: list[int], stop_token_ids: list[int]) -> None:
+        """Raises InvalidRequestError for input the engine cannot serve."""
+        if not prompt_token_ids:
+            raise InvalidRequestError("the prompt is empty")
+        vocab_size = self.vocab_size
+        bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab_size]
+        if bad:
+            raise InvalidRequestError(
+                f"prompt token id {bad[0]!r} is outside the vocabulary [0, {vocab_size})"
+            )
+        bad_stop = [t for t in stop_token_ids if not 0 <= t < vocab_size]
+        if bad_stop:
+            raise InvalidRequestError(
+                f"stop token id {bad_stop[0]} is outside the vocabulary [0, {vocab_size})"
+            )
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                f"the prompt has {len(prompt_token_ids)} tokens, but the model's context is "
+                f"{self.max_model_len} tokens, leaving no room for output"
+            )
+
+    def add_request(self, add: AddRequest) -> None:
+        """Admit a sequence, or answer it with a RequestError in the next step's outputs."""
+        try:
+            self.validate_prompt(add.prompt_token_ids, add.sampling_params.stop_token_ids or [])
+            self._make_room(add)
+            request = Request(
+                add.request_id,
+                add.prompt_token_ids,
+                add.sampling_params,
+                eos_token_id=add.eos_token_id,
+                arrival_time=add.arrival_time,
+                priority=add.priority,
+                deadline=add.deadline,
+            )
+            self.scheduler.add_request(request)
+        except (InvalidRequestError, EngineOverloadedError) as error:
+            self._errors.append(RequestError(add.request_id, error.kind, str(error)))
+            return
+        except ValueError as error:
+            self._errors.append(RequestError(add.request_id, InvalidRequestError.kind, str(error)))
+            return
+        self._unstarted[add.request_id] = add
+
+    def _make_room(self, add: AddRequest) -> None:
+        """Under --max-waiting-requests, shed a waiting request of a lower tier, or refuse this one."""
+        limit = self.max_waiting_requests
+        if limit is None or self.scheduler.stats.num_waiting < limit:
+            return
+        queued = [QueuedRequest(a.request_id, a.priority, a.arrival_time) for a in self._unstarted.values()]
+        victim = choose_victim(queued, add.priority)
+        if victim is None:
+            raise EngineOverloadedError(f"the server is overloaded: {limit} requests are waiting")
+        self.abort_requests([victim])
+        message = "the server is overloaded: a request of a higher tier took this place"
+        self._errors.append(RequestError(victim, RequestShedError.kind, message))
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        """Stop requests wherever they are; their KV blocks are freed at once. Unknown ids are ignored."""
+        for request_id in request_ids:
+            self._unstarted.pop(request_id, None)
+        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests() or bool(self._errors)
+
+    # ---- stepping -------------------------------------------------------------------------------
+
+    def step(self) -> EngineCoreOutputs:
+        errors, self._errors = self._errors, []
+        step_time = time.monotonic()
+        scheduler_output = self.scheduler.schedule()
+        started = [r.request_id for r in scheduler_output.requests if r.request_id in self._unstarted]
+        for request_id in started:
+            del self._unstarted[request_id]
+        outputs = self._execute(scheduler_output, errors)
+        for output in outputs:
+            if output.finish_reason is not None:
+                self._unstarted.pop(output.request_id, None)
+        self.num_steps += 1
+        return EngineCoreOutputs(
+            stats=self.scheduler.stats, outputs=outputs, errors=errors, started=started, step_time=step_time
+        )
+
+    def _execute(
+        self, scheduler_output: SchedulerOutput, errors: list[RequestError]
+    ) -> list[EngineCoreOutput]:
+        if scheduler_output.total_num_scheduled_tokens == 0:
+            return self.scheduler.update_from_output(scheduler_output, ModelRunnerOutput([], [], []))
+        try:
+            runner_output = self.runner.execute_model(scheduler_output)
+        except Exception as exc:
+            if scheduler_output.num_reqs == 1:
+                request = scheduler_output.requests[0]
+                self._fail(request, exc, errors)
+                return self.scheduler.update_from_output(
+                    scheduler_output, ModelRunnerOutput([request.request_id], [[]], [None])
+                )
+            logger.warning(
+                "model step failed for a batch of %d (%s); running its requests one by one",
+                scheduler_output.num_reqs,
+                exc,
+            )
+            runner_output = self._execute_one_by_one(scheduler_output, errors)
+        return self.scheduler.update_from_output(scheduler_output, runner_output)
+
+    def _execute_one_by_one(
+        self, scheduler_output: SchedulerOutput, errors: list[RequestError]
+    ) -> ModelRunnerOutput:
+        """The batch's results, each request run alone. Those that fail alone are finished with an error,
+        which update_from_output then skips. Rewriting the KV slots of a step gives the same values."""
+        merged = ModelRunnerOutput(req_ids=[], sampled_token_ids=[], logprobs=[])
+        for index, request in enumerate(scheduler_output.requests):
+            sampled: list[int] = []
+            logprobs = None
+            try:
+                single = self.runner.execute_model(scheduler_output.subset([index]))
+                sampled, logprobs = single.sampled_token_ids[0], single.logprobs[0]
+            except Exception as exc:
+                self._fail(request, exc, errors)
+            merged.req_ids.append(request.request_id)
+            merged.sampled_token_ids.append(sampled)
+            merged.logprobs.append(logprobs)
+        return merged
+
+    def _fail(self, request: Request, exc: Exception, errors: list[RequestError]) -> None:
+        logger.error("request %s failed in the model step", request.request_id, exc_info=exc)
+        self.scheduler.finish_requests(request.request_id, RequestStatus.FINISHED_ERROR)
+        self._unstarted.pop(request.request_id, None)
+        message = f"the engine failed while running this request: {type(exc).__name__}: {exc}"
+        errors.append(RequestError(request.request_id, RequestFailedError.kind, message))

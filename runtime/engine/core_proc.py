@@ -1,0 +1,152 @@
+"""The EngineCore process: the core's busy loop behind a ZeroMQ ROUTER socket.
+
+Why a process: the Python parts of a step (scheduling, input preparation, sampling) then never wait for the
+API server's interpreter lock, nor it for theirs (HTTP parsing, tokenization, detokenization, SSE).
+
+The loop: with requests to run, take whatever messages have arrived without waiting, then step and send
+each API server one message with its outputs; with nothing to run, sleep until a message arrives. The
+process ends when its parent does, so a killed API server never leaves a core holding the accelerator.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+import zmq
+from kvfleet.runtime.child_process import child_arguments
+from kvfleet.runtime.config import EngineConfig
+from kvfleet.runtime.engine.messages import (
+    AbortRequests,
+    AddRequest,
+    EngineCoreOutputs,
+    Failed,
+    Hello,
+    Ready,
+    to_core_decoder,
+)
+
+if TYPE_CHECKING:
+    from kvfleet.runtime.engine.core import EngineCore
+
+logger = logging.getLogger(__name__)
+
+# How long a failed core waits for its Failed message to leave before it exits.
+_FAILED_LINGER_MS = 2000
+
+
+def run_engine_core(
+    config: EngineConfig,
+    address: str,
+    parent_pid: int,
+    log_level: int,
+    core_class: type[EngineCore] | None = None,
+    core_options: dict[str, Any] | None = None,
+) -> None:
+    """The process's target. Binds `address` first, so API servers can connect while the model loads."""
+    from kvfleet.runtime.engine.core import EngineCore
+
+    # Ctrl-C in a terminal reaches the whole process group: the API server decides when the core stops.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s [core]: %(message)s")
+    parent = os.pidfd_open(parent_pid)
+    context = zmq.Context()
+    socket = context.socket(zmq.ROUTER)
+    socket.bind(address)
+    try:
+        core = (core_class or EngineCore)(config, **(core_options or {}))
+    except Exception as exc:
+        logger.exception("the engine core failed to load")
+        _answer_hellos(socket, Failed(f"{type(exc).__name__}: {exc}"))
+        socket.close(linger=_FAILED_LINGER_MS)
+        raise SystemExit(1) from None
+    try:
+        EngineCoreProc(core, socket, parent).run()
+    finally:
+        socket.close(linger=0)
+        context.term()
+
+
+def _answer_hellos(socket: zmq.Socket, reply: Failed) -> None:
+    decoder = to_core_decoder()
+    encoder = msgspec.msgpack.Encoder()
+    while socket.poll(0):
+        identity, payload = socket.recv_multipart()
+        if isinstance(decoder.decode(payload), Hello):
+            socket.send_multipart((identity, encoder.encode(reply)))
+
+
+class EngineCoreProc:
+    def __init__(self, core: EngineCore, socket: zmq.Socket, parent_fd: int) -> None:
+        self.core = core
+        self.socket = socket
+        self.parent_fd = parent_fd
+        self.decoder = to_core_decoder()
+        self.encoder = msgspec.msgpack.Encoder()
+        # The API servers (DEALER identities) that said hello, and which one sent each sequence.
+        self.clients: list[bytes] = []
+        self.client_of: dict[str, bytes] = {}
+
+    def run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.socket, zmq.POLLIN)
+        poller.register(self.parent_fd, zmq.POLLIN)
+        while True:
+            busy = self.core.has_unfinished_requests()
+            events = dict(poller.poll(0 if busy else None))
+            if self.parent_fd in events:
+                logger.info("the API server has exited; stopping the engine core")
+                return
+            received = self.socket in events and self._receive()
+            if self.core.has_unfinished_requests():
+                self._send(self.core.step())
+            elif received:
+                # Nothing to step, but aborts changed the queues: the front ends' metrics should see it.
+                self._send(EngineCoreOutputs(stats=self.core.scheduler.stats))
+
+    def _receive(self) -> bool:
+        socket, core = self.socket, self.core
+        while socket.poll(0):
+            identity, payload = socket.recv_multipart(copy=False)
+            message = self.decoder.decode(payload.buffer)
+            if isinstance(message, AddRequest):
+                self.client_of[message.request_id] = identity.bytes
+                core.add_request(message)
+            elif isinstance(message, AbortRequests):
+                core.abort_requests(message.request_ids)
+                for request_id in message.request_ids:
+                    self.client_of.pop(request_id, None)
+            elif isinstance(message, Hello):
+                self.clients.append(identity.bytes)
+                socket.send_multipart((identity.bytes, self.encoder.encode(Ready(core.info))))
+        return True
+
+    def _send(self, step: EngineCoreOutputs) -> None:
+        """One message per API server: its own outputs and errors, and everyone's stats."""
+        per_client = {
+            client: EngineCoreOutputs(stats=step.stats, step_time=step.step_time) for client in self.clients
+        }
+        client_of = self.client_of
+        for output in step.outputs:
+            client = client_of.get(output.request_id)
+            if client is not None:
+                per_client[client].outputs.append(output)
+                if output.finish_reason is not None:
+                    del client_of[output.request_id]
+        for error in step.errors:
+            client = client_of.pop(error.request_id, None)
+            if client is not None:
+                per_client[client].errors.append(error)
+        for request_id in step.started:
+            client = client_of.get(request_id)
+            if client is not None:
+                per_client[client].started.append(request_id)
+        for client, message in per_client.items():
+            self.socket.send_multipart((client, self.encoder.encode(message)), copy=False)
+
+
+if __name__ == "__main__":
+    run_engine_core(*child_arguments())

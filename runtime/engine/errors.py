@@ -1,0 +1,75 @@
+"""What the engine raises to its callers. It knows nothing of HTTP: the server maps each to an OpenAI error.
+
+Errors about one request finish that request alone; EngineDeadError means the engine core is gone and
+nothing more will be served.
+"""
+
+from __future__ import annotations
+
+
+class EngineError(Exception):
+    """Base of the engine's errors. `kind` names the class on the wire between processes."""
+
+    kind = "internal"
+
+
+class InvalidRequestError(EngineError, ValueError):
+    """The request cannot be served as asked (bad token ids, too long, ...)."""
+
+    kind = "invalid"
+
+
+class EngineOverloadedError(EngineError):
+    """The waiting queue is full, and nothing of a lower tier could give way."""
+
+    kind = "overloaded"
+
+
+class RequestShedError(EngineOverloadedError):
+    """A request of a higher tier took this request's place in the waiting queue."""
+
+    kind = "shed"
+
+
+class RequestFailedError(EngineError):
+    """The engine failed while running this request; the others go on."""
+
+    kind = "failed"
+
+
+class EngineNotReadyError(EngineError):
+    """The engine did not become ready in time for this request."""
+
+    kind = "not_ready"
+
+
+class EngineShutdownError(EngineError):
+    """The engine is shutting down; the request was stopped before it finished."""
+
+    kind = "shutdown"
+
+
+class EngineDeadError(EngineError):
+    """The engine core process has died or could not start; nothing more can be served."""
+
+    kind = "dead"
+
+
+_BY_KIND: dict[str, type[EngineError]] = {
+    cls.kind: cls
+    for cls in (
+        EngineError,
+        InvalidRequestError,
+        EngineOverloadedError,
+        RequestShedError,
+        RequestFailedError,
+        EngineNotReadyError,
+        EngineShutdownError,
+        EngineDeadError,
+    )
+}
+
+
+def error_of_kind(kind: str, message: str) -> EngineError:
+    """Rebuild an error sent by the engine core process."""
+    return _BY_KIND.get(kind, EngineError)(message)

@@ -1,0 +1,82 @@
+"""What crosses the socket between API server processes and the EngineCore process.
+
+Each side sends msgpack-encoded tagged structs over one ZeroMQ ROUTER/DEALER pair: an API server (a DEALER
+whose identity is its client index) sends Hello once, then AddRequest and AbortRequests; the core answers
+Hello with Ready (or Failed, if the model could not be loaded) and after every step sends each client one
+EngineCoreOutputs with that client's outputs and the scheduler's stats.
+"""
+
+from __future__ import annotations
+
+import msgspec
+from kvfleet.runtime.core.outputs import EngineCoreOutput, SchedulerStats
+from kvfleet.runtime.sampling_params import SamplingParams
+
+
+class Hello(msgspec.Struct, tag="hello", array_like=True):
+    client_index: int
+
+
+class AddRequest(msgspec.Struct, tag="add", array_like=True, omit_defaults=True):
+    """One sequence to generate: a request with n > 1 arrives as n of these, with their own ids."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_id: int | None
+    arrival_time: float
+    priority: int = 0
+    deadline: float | None = None
+
+
+class AbortRequests(msgspec.Struct, tag="abort", array_like=True):
+    request_ids: list[str]
+
+
+class EngineInfo(msgspec.Struct, array_like=True):
+    """What the front end needs to know about the loaded engine."""
+
+    max_model_len: int
+    vocab_size: int
+    num_kv_blocks: int
+    block_size: int
+    attention_backend: str
+    device: str
+    dtype: str
+
+
+class Ready(msgspec.Struct, tag="ready", array_like=True):
+    info: EngineInfo
+
+
+class Failed(msgspec.Struct, tag="failed", array_like=True):
+    message: str
+
+
+class RequestError(msgspec.Struct, array_like=True):
+    """A request the core finished without an answer; `kind` is an EngineError kind (see errors.py)."""
+
+    request_id: str
+    kind: str
+    message: str
+
+
+class EngineCoreOutputs(msgspec.Struct, tag="outputs", array_like=True, omit_defaults=True):
+    stats: SchedulerStats
+    outputs: list[EngineCoreOutput] = []
+    errors: list[RequestError] = []
+    # Requests scheduled for the first time in this step, and when the step was scheduled (monotonic).
+    started: list[str] = []
+    step_time: float = 0.0
+
+
+ToCore = Hello | AddRequest | AbortRequests
+FromCore = Ready | Failed | EngineCoreOutputs
+
+
+def to_core_decoder() -> msgspec.msgpack.Decoder[ToCore]:
+    return msgspec.msgpack.Decoder(ToCore)
+
+
+def from_core_decoder() -> msgspec.msgpack.Decoder[FromCore]:
+    return msgspec.msgpack.Decoder(FromCore)

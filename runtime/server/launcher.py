@@ -1,0 +1,182 @@
+"""The processes of `kvfleet serve`.
+
+With one API server (the default) the command's own process serves HTTP and starts the EngineCore process:
+two processes. With `--api-server-count N`, the command's process supervises: it binds the port, starts the
+core, then N API server processes that accept on the same socket and share the core. SIGTERM drains them
+all; if the core or an API server dies, the rest are stopped and the command exits non-zero.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import socket
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from kvfleet.runtime.child_process import child_arguments, describe_exit, start_child
+from kvfleet.runtime.config import EngineConfig
+from kvfleet.runtime.metrics import MULTIPROCESS_DIR
+from kvfleet.runtime.server.state import ServerSettings
+
+if TYPE_CHECKING:
+    from kvfleet.runtime.engine.core import EngineCore
+    from kvfleet.runtime.engine.core_client import EngineCoreAddress
+
+logger = logging.getLogger(__name__)
+
+# How often the supervisor looks at its children.
+_SUPERVISE_POLL_S = 0.2
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    """Everything `kvfleet serve` was asked for beyond the engine's own options."""
+
+    settings: ServerSettings
+    host: str = "0.0.0.0"
+    port: int = 8000
+    access_log: bool = False
+    max_waiting_requests: int | None = None
+    startup_request_timeout: float | None = None
+    api_server_count: int = 1
+    # The EngineCore class to run (the static-batching baseline of the benchmarks brings its own).
+    core_class: type[EngineCore] | None = field(default=None)
+
+
+def run_server(config: EngineConfig, options: ServeOptions) -> int:
+    """Serve until drained (0) or failed (1); returns the exit status."""
+    if options.api_server_count == 1:
+        return run_api_server(config, options, client_index=0)
+    return _supervise(config, options)
+
+
+def run_api_server(
+    config: EngineConfig,
+    options: ServeOptions,
+    *,
+    client_index: int,
+    core_address: EngineCoreAddress | None = None,
+    listen_socket: socket.socket | None = None,
+) -> int:
+    """One API server process; with no `core_address` it starts its own EngineCore process."""
+    import prometheus_client
+    import uvicorn
+    from kvfleet.runtime.engine.async_llm import AsyncLLM
+    from kvfleet.runtime.metrics import ServerMetrics
+    from kvfleet.runtime.server.app import build_app
+    from kvfleet.runtime.server.priorities import tier_of
+    from kvfleet.runtime.server.runner import GRACEFUL_SHUTDOWN_TIMEOUT_S, DrainingServer
+    from kvfleet.runtime.server.state import ServerState
+
+    settings = options.settings
+    # One `_created` series per counter and histogram doubles what Prometheus stores, for nothing it uses.
+    prometheus_client.disable_created_metrics()
+    metrics = ServerMetrics(settings.served_model_name)
+    engine = AsyncLLM(
+        config,
+        core_address=core_address,
+        client_index=client_index,
+        metrics=metrics,
+        tier_of=tier_of,
+        startup_request_timeout=options.startup_request_timeout,
+        core_class=options.core_class,
+        core_options={"max_waiting_requests": options.max_waiting_requests},
+    )
+    state = ServerState(settings=settings, engine=engine, metrics=metrics)
+    uvicorn_config = uvicorn.Config(
+        build_app(state),
+        host=options.host,
+        port=options.port,
+        log_level=logging.getLogger().getEffectiveLevel(),
+        log_config=None,
+        access_log=options.access_log,
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_TIMEOUT_S,
+    )
+    server = DrainingServer(uvicorn_config, state)
+    server.run(sockets=[listen_socket] if listen_socket is not None else None)
+    return 1 if server.failed or not server.started else 0
+
+
+def _api_server_main(
+    config: EngineConfig,
+    options: ServeOptions,
+    client_index: int,
+    core_address: EngineCoreAddress,
+    listen_fd: int,
+    log_level: int,
+) -> None:
+    logging.basicConfig(
+        level=log_level, format=f"%(asctime)s %(levelname)s %(name)s [api {client_index}]: %(message)s"
+    )
+    listen_socket = socket.socket(fileno=listen_fd)
+    raise SystemExit(
+        run_api_server(
+            config, options, client_index=client_index, core_address=core_address, listen_socket=listen_socket
+        )
+    )
+
+
+def _supervise(config: EngineConfig, options: ServeOptions) -> int:
+    from kvfleet.runtime.engine.core_client import EngineCoreProcess
+
+    listen_socket = socket.create_server((options.host, options.port), backlog=2048)
+    metrics_dir = tempfile.mkdtemp(prefix="kvfleet-metrics-")
+    # Every API server records its request metrics there, and each one's /metrics adds them all up.
+    os.environ[MULTIPROCESS_DIR] = metrics_dir
+    core = EngineCoreProcess(
+        config,
+        core_class=options.core_class,
+        core_options={"max_waiting_requests": options.max_waiting_requests},
+    )
+    log_level = logging.getLogger().getEffectiveLevel()
+    listen_fd = listen_socket.fileno()
+    api_servers = [
+        start_child(
+            "kvfleet.runtime.server.launcher",
+            (config, options, index, core.address, listen_fd, log_level),
+            pass_fds=(listen_fd,),
+        )
+        for index in range(options.api_server_count)
+    ]
+    listen_socket.close()
+    stopping = False
+
+    def stop_api_servers(sig: int, _frame: Any = None) -> None:
+        # They drain on SIGTERM (a second signal makes them exit at once); the core is stopped after them.
+        nonlocal stopping
+        stopping = True
+        for process in api_servers:
+            if process.poll() is None:
+                process.send_signal(sig)
+
+    previous = {sig: signal.signal(sig, stop_api_servers) for sig in (signal.SIGTERM, signal.SIGINT)}
+    status = 0
+    try:
+        while any(process.poll() is None for process in api_servers):
+            time.sleep(_SUPERVISE_POLL_S)
+            failed = [process for process in api_servers if process.poll() not in (None, 0)]
+            if core.process.poll() is not None or failed:
+                # A dead core is noticed by the API servers themselves, which fail their requests and exit.
+                status = 1
+                if failed and not stopping:
+                    logger.error("an API server %s; stopping the others", describe_exit(failed[0].returncode))
+                    stop_api_servers(signal.SIGTERM)
+        return status
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        for process in api_servers:
+            if process.poll() is None:
+                process.kill()
+            process.wait()
+        core.stop()
+        shutil.rmtree(metrics_dir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    _api_server_main(*child_arguments())

@@ -1,0 +1,159 @@
+"""The EngineCore in-process on the tiny model: aborts, shedding, per-request failures, static batching."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from kvfleet.runtime.bench.static_batching import StaticBatchingEngineCore
+from kvfleet.runtime.config import EngineConfig
+from kvfleet.runtime.core.outputs import SchedulerOutput
+from kvfleet.runtime.engine.core import EngineCore
+from kvfleet.runtime.engine.messages import AddRequest, EngineCoreOutputs
+from kvfleet.runtime.sampling_params import SamplingParams
+
+PROMPT = [5, 6, 7, 8]
+
+
+def _core(model: Path, core_class: type[EngineCore] = EngineCore, **options: Any) -> EngineCore:
+    engine_options = {"num_kv_blocks": 256, "max_model_len": 512, "dtype": "float32"}
+    engine_options.update(
+        {k: options.pop(k) for k in list(options) if k in EngineConfig.__dataclass_fields__}
+    )
+    return core_class(EngineConfig(model=str(model), **engine_options), **options)
+
+
+def _add(
+    request_id: str, max_tokens: int, *, priority: int = 0, prompt: list[int] = PROMPT, **params: Any
+) -> AddRequest:
+    sampling = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **params)
+    return AddRequest(
+        request_id, prompt, sampling, eos_token_id=None, arrival_time=time.monotonic(), priority=priority
+    )
+
+
+def _run_to_end(core: EngineCore) -> tuple[dict[str, list[int]], dict[str, tuple[str, str]]]:
+    """Tokens of every request and the errors (kind, message), stepping until nothing is left."""
+    tokens: dict[str, list[int]] = {}
+    errors: dict[str, tuple[str, str]] = {}
+    while core.has_unfinished_requests():
+        step = core.step()
+        for output in step.outputs:
+            tokens.setdefault(output.request_id, []).extend(output.new_token_ids)
+        errors.update({e.request_id: (e.kind, e.message) for e in step.errors})
+    return tokens, errors
+
+
+def test_abort_frees_blocks_at_once(tiny_llama: Path) -> None:
+    core = _core(tiny_llama)
+    core.add_request(_add("long", 400))
+    for _ in range(3):
+        core.step()
+    assert core.scheduler.stats.kv_cache_usage > 0
+    core.abort_requests(["long", "unknown"])
+    assert core.scheduler.stats.kv_cache_usage == 0
+    assert not core.has_unfinished_requests()
+
+
+def test_bad_requests_are_answered_alone(tiny_llama: Path) -> None:
+    core = _core(tiny_llama)
+    core.add_request(_add("good", 4))
+    core.add_request(_add("outside", 4, prompt=[1, 10**9]))
+    core.add_request(_add("too-long", 4, prompt=[1] * 512))
+    tokens, errors = _run_to_end(core)
+    assert len(tokens["good"]) == 4
+    assert errors["outside"][0] == "invalid" and "vocabulary" in errors["outside"][1]
+    assert errors["too-long"][0] == "invalid" and "context" in errors["too-long"][1]
+
+
+def test_a_request_that_fails_the_step_fails_alone(tiny_llama: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    reference = _core(tiny_llama)
+    for index in range(3):
+        reference.add_request(_add(f"good-{index}", 12, prompt=[5 + index, 6, 7]))
+    expected, _ = _run_to_end(reference)
+
+    core = _core(tiny_llama)
+    execute: Callable[[SchedulerOutput], Any] = core.runner.execute_model
+
+    def fail_with_the_poisoned_request(scheduler_output: SchedulerOutput) -> Any:
+        if any(request.request_id == "poisoned" for request in scheduler_output.requests):
+            raise RuntimeError("poisoned input")
+        return execute(scheduler_output)
+
+    monkeypatch.setattr(core.runner, "execute_model", fail_with_the_poisoned_request)
+    for index in range(3):
+        core.add_request(_add(f"good-{index}", 12, prompt=[5 + index, 6, 7]))
+    core.add_request(_add("poisoned", 12))
+    tokens, errors = _run_to_end(core)
+    assert errors == {
+        "poisoned": ("failed", "the engine failed while running this request: RuntimeError: poisoned input")
+    }
+    # The others ran in the batch with it, and still produced exactly their tokens.
+    assert {rid: ids for rid, ids in tokens.items() if rid != "poisoned"} == expected
+    assert core.scheduler.stats.kv_cache_usage == 0
+
+
+def test_shedding_displaces_the_lowest_tier_first(tiny_llama: Path) -> None:
+    critical, standard, batch = 0, 2, 3
+    core = _core(tiny_llama, max_num_seqs=1, max_waiting_requests=2, scheduling_policy="priority")
+    core.add_request(_add("running", 500, priority=critical))
+    core.step()
+    errors: dict[str, str] = {}
+
+    def add(request_id: str, priority: int) -> None:
+        core.add_request(_add(request_id, 2, priority=priority))
+        errors.update({e.request_id: e.kind for e in core.step().errors})
+
+    add("batch-1", batch)
+    add("batch-2", batch)
+    assert core.scheduler.stats.num_waiting == 2 and not errors
+    # The queue is full: each newcomer sheds the newest request of the lowest tier below its own...
+    add("standard", standard)
+    assert errors == {"batch-2": "shed"}
+    # ...a batch request cannot displace another batch request...
+    add("batch-3", batch)
+    assert errors["batch-3"] == "overloaded"
+    # ...and critical displaces the remaining batch request, not the standard one.
+    add("critical", critical)
+    assert errors["batch-1"] == "shed"
+    assert core.scheduler.stats.num_waiting == 2
+    assert set(core.scheduler.requests) == {"running", "standard", "critical"}
+
+
+def _held_while_the_batch_runs(core: EngineCore, steps: int) -> EngineCoreOutputs:
+    step = core.step()
+    for _ in range(steps - 1):
+        step = core.step()
+    return step
+
+
+def test_static_batching_admits_the_next_batch_only_when_idle(tiny_llama: Path) -> None:
+    core = _core(tiny_llama, StaticBatchingEngineCore, max_num_seqs=4)
+    core.add_request(_add("a", 500))
+    core.add_request(_add("b", 500))
+    core.step()
+    core.add_request(_add("late", 3))
+    # Held back while the batch makes progress, although there are free sequence slots...
+    step = _held_while_the_batch_runs(core, 20)
+    assert "late" not in step.started
+    assert (step.stats.num_running, step.stats.num_waiting) == (2, 1)
+    # ...and admitted once the engine is idle.
+    core.abort_requests(["a", "b"])
+    assert core.step().started == ["late"]
+
+
+def test_static_batch_size_is_max_num_seqs(tiny_llama: Path) -> None:
+    core = _core(tiny_llama, StaticBatchingEngineCore, max_num_seqs=2)
+    for index in range(5):
+        core.add_request(_add(f"r{index}", 6))
+    batches = []
+    while core.has_unfinished_requests():
+        step = core.step()
+        if step.started:
+            batches.append(sorted(step.started))
+            # A new batch starts only once every request of the previous one has finished.
+            assert step.stats.num_running == len(step.started)
+    assert batches == [["r0", "r1"], ["r2", "r3"], ["r4"]]

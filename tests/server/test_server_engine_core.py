@@ -1,0 +1,246 @@
+"""`kvfleet serve` as processes: the API server and its EngineCore, several API servers over one core, what a
+dead core does to requests and to the server, requests sent while the model loads, and huge prompts."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import httpx
+import pytest
+
+if TYPE_CHECKING:
+    from conftest import ServerProcess
+
+CORE_MODULE = "kvfleet.runtime.engine.core_proc"
+API_SERVER_MODULE = "kvfleet.runtime.server.launcher"
+
+
+def _children(pid: int) -> dict[int, str]:
+    """Child processes of pid, with their command lines."""
+    children = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        if parent == pid:
+            children[int(entry.name)] = command
+    return children
+
+
+def _one_child_running(pid: int, module: str) -> int:
+    found = [child for child, command in _children(pid).items() if module in command]
+    assert len(found) == 1, _children(pid)
+    return found[0]
+
+
+def _completion(server: ServerProcess, **body: object) -> httpx.Response:
+    request = {"model": server.model_name, "prompt": "hello", "max_tokens": 4, **body}
+    return httpx.post(f"{server.url}/v1/completions", json=request, headers=server.headers(), timeout=120)
+
+
+def _wait_exit(server: ServerProcess, timeout: float) -> int:
+    return server.process.wait(timeout)
+
+
+def test_serve_runs_an_api_server_and_an_engine_core(start_server: Callable[..., ServerProcess]) -> None:
+    server = start_server()
+    children = _children(server.pid)
+    assert len(children) == 1 and CORE_MODULE in next(iter(children.values())), children
+    assert _completion(server).status_code == 200
+
+
+def test_a_killed_core_fails_requests_with_500_and_ends_the_server(
+    start_server: Callable[..., ServerProcess],
+) -> None:
+    server = start_server()
+    core = _one_child_running(server.pid, CORE_MODULE)
+    results: dict[str, object] = {}
+
+    def long_request() -> None:
+        results["plain"] = _completion(server, max_tokens=2000, ignore_eos=True)
+
+    def long_stream() -> None:
+        body = {"model": "tiny", "prompt": "x", "max_tokens": 2000, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=120) as response:
+            results["stream_status"] = response.status_code
+            results["events"] = [line for line in response.iter_lines() if line.startswith("data: ")]
+
+    threads = [threading.Thread(target=long_request), threading.Thread(target=long_stream)]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + 60
+    while server.metrics().get("kvfleet:num_requests_running", 0) < 2:
+        assert time.monotonic() < deadline, server.log_tail()
+        time.sleep(0.05)
+    killed_at = time.monotonic()
+    os.kill(core, signal.SIGKILL)
+    for thread in threads:
+        thread.join(30)
+
+    plain = results["plain"]
+    assert isinstance(plain, httpx.Response) and plain.status_code == 500
+    error = plain.json()["error"]
+    assert error["code"] == "engine_dead" and "killed by SIGKILL" in error["message"]
+    # The stream had already answered 200: it ends with the error event.
+    assert results["stream_status"] == 200
+    events = results["events"]
+    assert isinstance(events, list)
+    last_error = json.loads(events[-2].removeprefix("data: "))["error"]
+    assert last_error["code"] == "engine_dead" and events[-1] == "data: [DONE]"
+    # The server goes down, non-zero, so that Kubernetes restarts the pod.
+    assert _wait_exit(server, 10) != 0
+    assert time.monotonic() - killed_at < 10
+    assert "killed by SIGKILL" in server.log_tail(80)
+
+
+def test_health_fails_once_the_core_is_gone(start_server: Callable[..., ServerProcess]) -> None:
+    # A long drain keeps the process up a little after the failure is known, long enough to look at it.
+    server = start_server()
+    core = _one_child_running(server.pid, CORE_MODULE)
+    blocker = threading.Thread(
+        target=_completion, args=(server,), kwargs={"max_tokens": 2000, "ignore_eos": True}
+    )
+    blocker.start()
+    time.sleep(0.5)
+    os.kill(core, signal.SIGKILL)
+    statuses = []
+    deadline = time.monotonic() + 10
+    while server.process.poll() is None and time.monotonic() < deadline:
+        try:
+            statuses.append(httpx.get(f"{server.url}/health", timeout=2).status_code)
+        except httpx.TransportError:
+            break
+        time.sleep(0.01)
+    blocker.join(30)
+    assert 503 in statuses, statuses
+    assert _wait_exit(server, 10) != 0
+
+
+def test_requests_sent_while_the_model_loads_wait_for_it(start_server: Callable[..., ServerProcess]) -> None:
+    server = start_server(wait=False)
+    # As vLLM's users do: wait for /health, then send at once.
+    deadline = time.monotonic() + 120
+    while True:
+        assert time.monotonic() < deadline, server.log_tail()
+        try:
+            if httpx.get(f"{server.url}/health", timeout=2).status_code == 200:
+                break
+        except httpx.TransportError:
+            time.sleep(0.02)
+    loading = httpx.get(f"{server.url}/ready", timeout=5).status_code
+    chat = httpx.post(
+        f"{server.url}/v1/chat/completions",
+        json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3},
+        timeout=120,
+    )
+    completion = _completion(server)
+    assert (chat.status_code, completion.status_code) == (200, 200), (chat.text, completion.text)
+    assert completion.json()["usage"]["completion_tokens"] == 4
+    # The port opened before the model was loaded (else the test proves nothing).
+    assert loading == 503
+    server.wait_ready()
+
+
+def test_a_request_waits_for_loading_no_longer_than_the_startup_timeout(
+    start_server: Callable[..., ServerProcess],
+) -> None:
+    server = start_server("--startup-request-timeout", "0", wait=False)
+    deadline = time.monotonic() + 120
+    while True:
+        assert time.monotonic() < deadline, server.log_tail()
+        try:
+            response = _completion(server)
+            break
+        except httpx.TransportError:
+            time.sleep(0.02)
+    assert response.status_code == 503 and response.json()["error"]["code"] == "not_ready"
+    server.wait_ready()
+    assert _completion(server).status_code == 200
+
+
+def test_health_answers_while_a_10mb_prompt_is_tokenized(start_server: Callable[..., ServerProcess]) -> None:
+    server = start_server("--max-request-body-bytes", str(32 << 20))
+    prompt = ("The quick brown fox jumps over the lazy dog. " * 250_000)[: 10 << 20]
+    answers: dict[str, httpx.Response] = {}
+
+    def send(route: str, body: dict) -> None:
+        answers[route] = httpx.post(f"{server.url}{route}", json=body, timeout=120)
+
+    senders = [
+        threading.Thread(target=send, args=("/v1/completions", {"model": "tiny", "prompt": prompt})),
+        threading.Thread(target=send, args=("/tokenize", {"model": "tiny", "prompt": prompt})),
+        threading.Thread(
+            target=send,
+            args=(
+                "/v1/chat/completions",
+                {"model": "tiny", "messages": [{"role": "user", "content": prompt}]},
+            ),
+        ),
+    ]
+    for sender in senders:
+        sender.start()
+    slowest = 0.0
+    while any(sender.is_alive() for sender in senders):
+        started = time.monotonic()
+        assert httpx.get(f"{server.url}/health", timeout=5).status_code == 200
+        slowest = max(slowest, time.monotonic() - started)
+        time.sleep(0.05)
+    assert slowest < 1.0
+    for route, response in answers.items():
+        assert response.status_code == 400, (route, response.text)
+        assert response.json()["error"]["code"] == "context_length_exceeded"
+    # And the server is as good as before.
+    assert _completion(server).status_code == 200
+
+
+def test_several_api_servers_share_one_core(start_server: Callable[..., ServerProcess]) -> None:
+    server = start_server("--api-server-count", "2")
+    children = _children(server.pid)
+    assert sorted(API_SERVER_MODULE in c or CORE_MODULE in c for c in children.values()) == [True] * 3, (
+        children
+    )
+    assert sum(CORE_MODULE in command for command in children.values()) == 1
+    api_servers = [pid for pid, command in children.items() if API_SERVER_MODULE in command]
+
+    # Fresh connections land on either process; every request is served, and /metrics adds them all up.
+    responses = []
+    threads = [threading.Thread(target=lambda: responses.append(_completion(server))) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert [response.status_code for response in responses] == [200] * 8
+    finished = [
+        float(line.rsplit(" ", 1)[1])
+        for line in httpx.get(f"{server.url}/metrics", timeout=10).text.splitlines()
+        if line.startswith("kvfleet:requests_finished_total{")
+    ]
+    assert sum(finished) == 8
+
+    os.kill(server.pid, signal.SIGTERM)
+    assert _wait_exit(server, 60) == 0
+    for pid in (*api_servers, *children):
+        assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]
+
+
+@pytest.mark.parametrize("victim", ["core", "api server"])
+def test_with_several_api_servers_a_death_ends_them_all(
+    start_server: Callable[..., ServerProcess], victim: str
+) -> None:
+    server = start_server("--api-server-count", "2")
+    module = CORE_MODULE if victim == "core" else API_SERVER_MODULE
+    target = next(pid for pid, command in _children(server.pid).items() if module in command)
+    os.kill(target, signal.SIGKILL)
+    assert _wait_exit(server, 30) != 0
+    assert not _children(server.pid)
