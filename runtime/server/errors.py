@@ -152,7 +152,9 @@ def validation_error(errors: Any) -> BadRequestError:
 
 async def _http_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, StarletteHTTPException)
-    error_class = {404: NotFoundError, 413: PayloadTooLargeError}.get(exc.status_code, BadRequestError)
+    error_class = {404: NotFoundError, 408: RequestTimeoutError, 413: PayloadTooLargeError}.get(
+        exc.status_code, BadRequestError
+    )
     error = error_class(str(exc.detail))
     response = error.to_response()
     response.status_code = exc.status_code
