@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvfleet.runtime.chat_prompt import chat_prompt_token_ids
 from kvfleet.runtime.engine.outputs import CompletionOutput, RequestOutput
 from kvfleet.runtime.sampling_params import SamplingParams
 from kvfleet.runtime.server.errors import (
@@ -17,11 +18,18 @@ from kvfleet.runtime.server.errors import (
     InternalServerError,
     NotFoundError,
     OpenAIError,
+    PermissionDeniedError,
     RequestTimeoutError,
     ServiceUnavailableError,
 )
 from kvfleet.runtime.server.priorities import PRIORITY_HEADER, parse_priority, tier_of
-from kvfleet.runtime.server.protocol import ChatMessage, usage
+from kvfleet.runtime.server.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    template_messages,
+    usage,
+)
 from kvfleet.runtime.server.state import ServerState
 from kvfleet.runtime.server.streaming import SSE_DONE, merge_streams, prepend, sse_event, unless_disconnected
 from starlette.requests import Request
@@ -113,9 +121,24 @@ class OpenAIServing:
         else:
             return self.state.settings.default_priority
         try:
-            return parse_priority(value)
+            priority = parse_priority(value)
         except ValueError as exc:
             raise BadRequestError(str(exc), param=source) from None
+        allowed = self.state.settings.max_priority_tier
+        if priority < allowed:
+            raise PermissionDeniedError(
+                f"requests may not claim the {tier_of(priority)!r} tier here; the most urgent one they may "
+                f"claim is {tier_of(allowed)!r}",
+                param=source,
+            )
+        return priority
+
+    def sampling_params(self, body: CompletionRequest | ChatCompletionRequest) -> SamplingParams:
+        params = body.sampling_params()
+        max_n = self.state.settings.max_n
+        if params.n > max_n:
+            raise BadRequestError(f"n must be at most {max_n} on this server, got {params.n}", param="n")
+        return params
 
     def check_prompt(self, token_ids: list[int], params: SamplingParams, param: str) -> None:
         engine = self.state.engine.engine
@@ -135,26 +158,27 @@ class OpenAIServing:
                 param="max_tokens",
                 code="context_length_exceeded",
             )
+        max_tokens = params.max_tokens if params.max_tokens is not None else max_model_len - len(token_ids)
+        limit = self.state.settings.max_completion_tokens_per_prompt
+        if params.n * max_tokens > limit:
+            budget = "max_tokens" if params.max_tokens is not None else "the room left (max_tokens unset)"
+            raise BadRequestError(
+                f"n x {budget} = {params.n} x {max_tokens} = {params.n * max_tokens} tokens to generate for "
+                f"one prompt, more than this server's limit of {limit}; lower n or max_tokens",
+                param="n" if params.n > 1 else "max_tokens",
+            )
         try:
             engine.validate_prompt(token_ids, params)
         except ValueError as exc:
             raise BadRequestError(str(exc), param=param) from None
 
-    def apply_chat_template(self, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
-        tokenizer = self.tokenizer
-        if not tokenizer.chat_template:
-            raise BadRequestError("the model has no chat template; use /v1/completions", param="messages")
-        conversation = [message.as_template_input(index) for index, message in enumerate(messages)]
+    def chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
         try:
-            text = tokenizer.apply_chat_template(
-                conversation, tokenize=False, add_generation_prompt=add_generation_prompt
+            return chat_prompt_token_ids(
+                self.tokenizer, template_messages(messages), add_generation_prompt=add_generation_prompt
             )
-        except Exception as exc:
-            # Templates reject conversations they cannot render (role order, unknown roles) by raising.
-            raise BadRequestError(
-                f"the chat template rejected the messages: {exc}", param="messages"
-            ) from None
-        return tokenizer.encode(text, add_special_tokens=False)
+        except ValueError as exc:
+            raise BadRequestError(str(exc), param="messages") from None
 
     def prepare(
         self,

@@ -21,14 +21,16 @@ class OpenAIServingCompletion(OpenAIServing):
     async def create_completion(self, body: CompletionRequest, raw_request: Request) -> Response:
         arrival_time = time.monotonic()
         self.check_model(body.model)
-        params = body.sampling_params()
+        params = self.sampling_params(body)
         priority = self.resolve_priority(body.priority, raw_request)
         self.check_accepting(priority)
         prompts = body.prompts()
         token_lists = []
         for index, prompt in enumerate(prompts):
             token_ids = (
-                self.tokenizer.encode(prompt, add_special_tokens=True) if isinstance(prompt, str) else prompt
+                self.tokenizer.encode(prompt, add_special_tokens=body.add_special_tokens)
+                if isinstance(prompt, str)
+                else prompt
             )
             self.check_prompt(token_ids, params, "prompt" if len(prompts) == 1 else f"prompt.{index}")
             token_lists.append(token_ids)
