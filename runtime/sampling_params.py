@@ -6,6 +6,12 @@ import math
 from dataclasses import dataclass
 
 MAX_LOGPROBS = 20
+# Temperatures below this sample greedily: dividing logits by less overflows them to inf, and the NaN
+# probabilities that follow would pick the last token id every time (vLLM's threshold).
+GREEDY_TEMPERATURE = 1e-5
+# Seeds seed torch generators, which take 64-bit integers; vLLM accepts the signed range. A request with n
+# sequences seeds them with seed, seed + 1, ..., seed + n - 1, all of which must be in it.
+SEED_RANGE = (-(2**63), 2**63 - 1)
 
 
 @dataclass
@@ -47,7 +53,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_TEMPERATURE
 
     def _validate(self) -> None:
         _require_int("n", self.n)
@@ -71,6 +77,13 @@ class SamplingParams:
         _require(0 <= self.min_p <= 1, "min_p", f"must be in [0, 1], got {self.min_p}")
         if self.seed is not None:
             _require_int("seed", self.seed)
+            low, high = SEED_RANGE
+            _require(
+                low <= self.seed and self.seed + self.n - 1 <= high,
+                "seed",
+                f"must be in [{low}, {high - self.n + 1}] for n={self.n} (each sequence i is seeded with "
+                f"seed + i), got {self.seed}",
+            )
         for stop in self.stop:
             _require(
                 isinstance(stop, str) and stop != "", "stop", f"must hold non-empty strings, got {stop!r}"
@@ -113,5 +126,5 @@ def _require_int(name: str, value: object) -> int:
 
 def _require_number(name: str, value: object) -> float:
     is_number = isinstance(value, int | float) and not isinstance(value, bool)
-    _require(is_number and not math.isnan(value), name, f"must be a number, got {value!r}")  # type: ignore[arg-type]
+    _require(is_number and math.isfinite(value), name, f"must be a finite number, got {value!r}")  # type: ignore[arg-type]
     return value  # type: ignore[return-value]

@@ -23,8 +23,8 @@ from packaging.utils import canonicalize_name
 ROOT = Path(__file__).resolve().parents[1]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 # folder -> the extras that install what it needs, beyond the core dependencies
-# The project's own top-level names (test modules import conftest and test_packaging by name).
-LOCAL = {"kvfleet", "e2e", "tests", "conftest", "test_packaging"}
+# The project's own top-level names (test modules import conftest, test_packaging and server_checks by name).
+LOCAL = {"kvfleet", "e2e", "tests", "conftest", "test_packaging", "server_checks"}
 PARTS = {
     "kvfleet": (),
     "operator": ("operator",),

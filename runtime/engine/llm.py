@@ -6,6 +6,7 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
+from kvfleet.runtime.chat_prompt import chat_prompt_token_ids
 from kvfleet.runtime.config import EngineConfig
 from kvfleet.runtime.engine.llm_engine import LLMEngine
 from kvfleet.runtime.engine.outputs import RequestOutput
@@ -71,14 +72,10 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def apply_chat_template(self, messages: ChatMessages, *, add_generation_prompt: bool = True) -> list[int]:
-        tokenizer = self.llm_engine.tokenizer
-        if not tokenizer.chat_template:
-            raise ValueError("the model folder has no chat template (tokenizer_config.json: chat_template)")
-        text = tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt
+        """The conversation's prompt: the template's markup with its special tokens, message text as text."""
+        return chat_prompt_token_ids(
+            self.llm_engine.tokenizer, messages, add_generation_prompt=add_generation_prompt
         )
-        # The template already writes the special tokens it wants.
-        return tokenizer.encode(text, add_special_tokens=False)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine

@@ -18,7 +18,7 @@ from kvfleet.runtime.server.errors import (
     ClientDisconnectedError,
     install_error_handlers,
 )
-from kvfleet.runtime.server.middleware import BodySizeLimit, InFlightCounter
+from kvfleet.runtime.server.middleware import BodyReadTimeout, BodySizeLimit, InFlightCounter
 from kvfleet.runtime.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -37,13 +37,21 @@ _CLIENT_CLOSED_REQUEST = 499
 
 
 def build_app(state: ServerState) -> FastAPI:
-    app = FastAPI(title="kvfleet", lifespan=_lifespan(state), docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(
+        title="kvfleet",
+        summary="An OpenAI-compatible inference server",
+        lifespan=_lifespan(state),
+        docs_url=None,
+        redoc_url=None,
+        openapi_url="/openapi.json",
+    )
     app.state.server = state
     install_error_handlers(app)
     app.add_exception_handler(ClientDisconnectedError, _client_gone)
-    # Outermost last: auth first, then the size limit, then in-flight counting for drains.
+    # Outermost last: auth first, then the body's time and size limits, then in-flight counting for drains.
     app.add_middleware(InFlightCounter, state=state)
     app.add_middleware(BodySizeLimit, max_bytes=state.settings.max_request_body_bytes)
+    app.add_middleware(BodyReadTimeout, timeout=state.settings.body_read_timeout)
     if state.settings.api_key is not None:
         app.add_middleware(ApiKeyAuth, api_key=state.settings.api_key)
     _add_routes(app, state)
@@ -99,7 +107,9 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
             "object": "model",
             "created": started,
             "owned_by": "kvfleet",
-            "root": state.engine.config.model,
+            # vLLM's fields; never the model's path on disk, which clients have no business knowing.
+            "root": state.settings.served_model_name,
+            "parent": None,
             "max_model_len": info.max_model_len if info is not None else None,
             # kvfleet's addition: what `kvfleet bench serve` draws random token-id prompts from.
             "vocab_size": info.vocab_size if info is not None else None,
@@ -119,7 +129,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         body.check()
         completions.check_model(body.model)
         if body.messages is not None:
-            token_ids = await completions.apply_chat_template(body.messages, body.add_generation_prompt)
+            token_ids = await completions.chat_prompt(body.messages, body.add_generation_prompt)
         else:
             add_special = True if body.add_special_tokens is None else body.add_special_tokens
             token_ids = await completions.encode(body.prompt, add_special_tokens=add_special)

@@ -2,13 +2,38 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Any
 
 import click
 from kvfleet.runtime.config import engine_config_from_options, engine_options
 from kvfleet.runtime.server.priorities import DEFAULT_TIER, TIER_NAMES, TIERS
-from kvfleet.runtime.server.state import DEFAULT_MAX_REQUEST_BODY_BYTES
+from kvfleet.runtime.server.state import (
+    DEFAULT_BODY_READ_TIMEOUT_S,
+    DEFAULT_HEADER_READ_TIMEOUT_S,
+    DEFAULT_MAX_COMPLETION_TOKENS_PER_PROMPT,
+    DEFAULT_MAX_N,
+    DEFAULT_MAX_REQUEST_BODY_BYTES,
+    DEFAULT_SEND_TIMEOUT_S,
+)
+
+_API_KEY_ENV = "KVFLEET_API_KEY"
+_SECONDS = click.FloatRange(min=0, min_open=True)
+
+
+def _api_key(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    # Click reads an empty variable as unset, which would turn auth off without a word.
+    if value is None and os.environ.get(_API_KEY_ENV) is not None:
+        value = os.environ[_API_KEY_ENV]
+    if value is not None and not value.strip():
+        raise click.BadParameter(
+            f"the API key is empty (from --api-key or {_API_KEY_ENV}); give a key, or unset both to serve "
+            "without one",
+            ctx=ctx,
+            param=param,
+        )
+    return value
 
 
 @click.command("serve")
@@ -17,7 +42,11 @@ from kvfleet.runtime.server.state import DEFAULT_MAX_REQUEST_BODY_BYTES
 @click.option("--host", default="0.0.0.0", show_default=True)
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
 @click.option(
-    "--api-key", default=None, envvar="KVFLEET_API_KEY", help="Require `Authorization: Bearer KEY`."
+    "--api-key",
+    default=None,
+    envvar=_API_KEY_ENV,
+    callback=_api_key,
+    help="Require `Authorization: Bearer KEY`.",
 )
 @click.option(
     "--default-priority",
@@ -25,6 +54,14 @@ from kvfleet.runtime.server.state import DEFAULT_MAX_REQUEST_BODY_BYTES
     default=DEFAULT_TIER,
     show_default=True,
     help="SLA tier of requests that name none (body `priority` or header x-kvfleet-priority).",
+)
+@click.option(
+    "--max-priority-tier",
+    type=click.Choice(TIER_NAMES),
+    default=TIER_NAMES[0],
+    show_default=True,
+    help="The most urgent tier a request may claim; claims above it get 403 (to keep `critical` for the "
+    "platform's own traffic).",
 )
 @click.option(
     "--drain-timeout",
@@ -52,6 +89,43 @@ from kvfleet.runtime.server.state import DEFAULT_MAX_REQUEST_BODY_BYTES
     show_default=True,
 )
 @click.option(
+    "--max-n",
+    type=click.IntRange(min=1),
+    default=DEFAULT_MAX_N,
+    show_default=True,
+    help="The largest n (sequences per prompt) a request may ask for.",
+)
+@click.option(
+    "--max-completion-tokens-per-prompt",
+    type=click.IntRange(min=1),
+    default=DEFAULT_MAX_COMPLETION_TOKENS_PER_PROMPT,
+    show_default=True,
+    help="The most tokens a request may ask to generate for one prompt: n x max_tokens, where an unset "
+    "max_tokens counts as the room the prompt leaves in the context.",
+)
+@click.option(
+    "--header-read-timeout",
+    type=_SECONDS,
+    default=DEFAULT_HEADER_READ_TIMEOUT_S,
+    show_default=True,
+    help="Seconds a client has to send a request's headers (from connecting, or the previous response).",
+)
+@click.option(
+    "--body-read-timeout",
+    type=_SECONDS,
+    default=DEFAULT_BODY_READ_TIMEOUT_S,
+    show_default=True,
+    help="Seconds a client has to send a request's whole body (408 after).",
+)
+@click.option(
+    "--send-timeout",
+    type=_SECONDS,
+    default=DEFAULT_SEND_TIMEOUT_S,
+    show_default=True,
+    help="Seconds a response may wait for a client that has stopped reading; then the connection is dropped "
+    "and the request aborted.",
+)
+@click.option(
     "--startup-request-timeout",
     type=click.FloatRange(min=0),
     default=600.0,
@@ -75,10 +149,16 @@ def serve(
     port: int,
     api_key: str | None,
     default_priority: str,
+    max_priority_tier: str,
     drain_timeout: float,
     max_waiting_requests: int | None,
     request_timeout: float | None,
     max_request_body_bytes: int,
+    max_n: int,
+    max_completion_tokens_per_prompt: int,
+    header_read_timeout: float,
+    body_read_timeout: float,
+    send_timeout: float,
     startup_request_timeout: float,
     api_server_count: int,
     tensor_parallel_size: int,
@@ -89,6 +169,11 @@ def serve(
     if tensor_parallel_size != 1:
         raise click.BadParameter(
             "only 1 is supported: kvfleet runs each model on one device", param_hint="--tensor-parallel-size"
+        )
+    if TIERS[default_priority] < TIERS[max_priority_tier]:
+        raise click.BadParameter(
+            f"{default_priority!r} is more urgent than --max-priority-tier {max_priority_tier!r}",
+            param_hint="--default-priority",
         )
     try:
         config = engine_config_from_options(model, options)
@@ -105,6 +190,12 @@ def serve(
         request_timeout=request_timeout,
         drain_timeout=drain_timeout,
         max_request_body_bytes=max_request_body_bytes,
+        max_n=max_n,
+        max_completion_tokens_per_prompt=max_completion_tokens_per_prompt,
+        max_priority_tier=TIERS[max_priority_tier],
+        header_read_timeout=header_read_timeout,
+        body_read_timeout=body_read_timeout,
+        send_timeout=send_timeout,
     )
     options = ServeOptions(
         settings=settings,

@@ -77,6 +77,16 @@ class AuthenticationError(OpenAIError):
     error_type = "authentication_error"
 
 
+class PermissionDeniedError(OpenAIError):
+    """The request is well formed but claims what clients may not have (openai.PermissionDeniedError)."""
+
+    status_code = 403
+    error_type = "permission_error"
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message, param=param, code="permission_denied")
+
+
 class NotFoundError(OpenAIError):
     status_code = 404
     error_type = "invalid_request_error"
@@ -163,29 +173,55 @@ async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
 
 
 def validation_error(errors: Any) -> BadRequestError:
-    """Pydantic's error list -> one readable message naming the first bad field."""
+    """Pydantic's error list -> one readable message naming the bad field.
+
+    A field that takes several shapes (a prompt is text, texts, token ids or lists of token ids) fails once
+    per shape; the message reports the shapes that got furthest, under the field's own name.
+    """
     errors = list(errors)
     if not errors:
         return BadRequestError("invalid request body")
-    first = errors[0]
-    if first.get("type") == "json_invalid":
+    if errors[0].get("type") == "json_invalid":
         return BadRequestError(
-            f"the body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}"
+            f"the body is not valid JSON: {errors[0].get('ctx', {}).get('error', errors[0]['msg'])}"
         )
-    location = [str(part) for part in first.get("loc", ()) if part != "body"]
-    param = ".".join(location) or None
+    located = [(_field_path(error), error) for error in errors]
+    deepest = max(len(path) for path, _ in located)
+    path, first = next((path, error) for path, error in located if len(path) == deepest)
+    param = ".".join(path) or None
     if first.get("type") == "missing":
         message = f"missing required field {param!r}" if param else "the request body is missing"
     else:
-        message = f"{param}: {first['msg']}" if param else first["msg"]
-    if len(errors) > 1:
-        message += f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})"
+        reasons = " or ".join(dict.fromkeys(error["msg"] for where, error in located if where == path))
+        message = f"{param}: {reasons}" if param else reasons
+    other_fields = {where[:1] for where, _ in located} - {path[:1]}
+    if other_fields:
+        message += f" (and {len(other_fields)} more field{'s' if len(other_fields) > 1 else ''})"
     return BadRequestError(message, param=param)
+
+
+# What pydantic calls the members of a union in an error's location ('str', 'list[int]', 'TextPart', ...).
+_UNION_MEMBER_NAMES = frozenset({"str", "int", "float", "bool", "none"})
+
+
+def _field_path(error: dict[str, Any]) -> tuple[str, ...]:
+    """The error's location as the client wrote the field: without "body" and union members' names."""
+    return tuple(
+        str(part)
+        for part in error.get("loc", ())
+        if part != "body"
+        and not (
+            isinstance(part, str)
+            and (part in _UNION_MEMBER_NAMES or part[:1].isupper() or any(c in part for c in "[]-"))
+        )
+    )
 
 
 async def _http_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, StarletteHTTPException)
-    error_class = {404: NotFoundError, 413: PayloadTooLargeError}.get(exc.status_code, BadRequestError)
+    error_class = {404: NotFoundError, 408: RequestTimeoutError, 413: PayloadTooLargeError}.get(
+        exc.status_code, BadRequestError
+    )
     error = error_class(str(exc.detail))
     response = error.to_response()
     response.status_code = exc.status_code

@@ -69,6 +69,7 @@ def run_api_server(
     from kvfleet.runtime.engine.async_llm import AsyncLLM
     from kvfleet.runtime.metrics import ServerMetrics
     from kvfleet.runtime.server.app import build_app
+    from kvfleet.runtime.server.http_protocol import TimedH11Protocol
     from kvfleet.runtime.server.priorities import tier_of
     from kvfleet.runtime.server.runner import GRACEFUL_SHUTDOWN_TIMEOUT_S, DrainingServer
     from kvfleet.runtime.server.state import ServerState
@@ -96,6 +97,9 @@ def run_api_server(
         log_config=None,
         access_log=options.access_log,
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_TIMEOUT_S,
+        http=TimedH11Protocol.with_timeouts(
+            header_read_timeout=settings.header_read_timeout, send_timeout=settings.send_timeout
+        ),
     )
     server = DrainingServer(uvicorn_config, state)
     server.run(sockets=[listen_socket] if listen_socket is not None else None)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from kvfleet.runtime.server.errors import PayloadTooLargeError
 from kvfleet.runtime.server.state import ServerState
 from starlette.exceptions import HTTPException
@@ -44,6 +46,41 @@ class BodySizeLimit:
 
     def _message(self) -> str:
         return f"the request body is larger than the server's limit of {self.max_bytes} bytes"
+
+
+class BodyReadTimeout:
+    """Gives a request's body `timeout` seconds to arrive whole, counted from when the app starts on the
+    request; a client trickling it (slowloris) gets 408 and the connection is closed."""
+
+    def __init__(self, app: ASGIApp, timeout: float) -> None:
+        self.app = app
+        self.timeout = timeout
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        deadline = asyncio.get_running_loop().time() + self.timeout
+        body_done = False
+
+        async def timed_receive() -> Message:
+            nonlocal body_done
+            if body_done:
+                # Past the body, receive() only waits for the client to leave, however long that takes.
+                return await receive()
+            try:
+                async with asyncio.timeout_at(deadline):
+                    message = await receive()
+            except TimeoutError:
+                raise HTTPException(
+                    408,
+                    f"the request body did not arrive within {self.timeout:g} s",
+                    headers={"Connection": "close"},
+                ) from None
+            body_done = message["type"] != "http.request" or not message.get("more_body", False)
+            return message
+
+        await self.app(scope, timed_receive, send)
 
 
 class InFlightCounter:

@@ -1,55 +1,154 @@
 """Request bodies of the OpenAI API (plus vLLM's sampling extras), and their translation to SamplingParams.
 
-Unknown fields are ignored, as OpenAI clients send fields (`store`, `metadata`, ...) that change nothing
-here. Fields that would change the output but are not supported are refused, never silently dropped.
+Types are strict: a boolean or a float is not an integer, a number is not a boolean, floats are finite
+(Python's JSON parser accepts Infinity and NaN), and integers stay allowed where a float is expected (clients
+send `temperature: 1`). Text must be valid Unicode: JSON's \\ud800 escapes can carry lone surrogates, which no
+tokenizer or encoder takes.
+
+Fields that change nothing here (`store`, `metadata`, `user`, ...) are accepted and ignored. Fields that
+would change the output but are not implemented are refused, never silently dropped: UNSUPPORTED_FIELDS.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from kvfleet.runtime.sampling_params import SamplingParams
 from kvfleet.runtime.server.errors import BadRequestError
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AllowInfNan, BaseModel, ConfigDict, Field, Strict, StrictBool, StrictInt, field_validator
+from pydantic_core import PydanticCustomError
+
+FiniteFloat = Annotated[float, Strict(), AllowInfNan(False)]
+
+# Output-changing fields a client may send (OpenAI's and vLLM's) that are not implemented, with the values
+# that leave the output as it is. A request model that implements one declares it as a field, which takes it
+# off this list for that route.
+UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
+    # OpenAI
+    "response_format": (None, {"type": "text"}),
+    "tools": (None, []),
+    "tool_choice": (None, "none", "auto"),
+    "functions": (None, []),
+    "function_call": (None, "none", "auto"),
+    "logit_bias": (None, {}),
+    "suffix": (None, ""),
+    "prediction": (None,),
+    "audio": (None,),
+    "modalities": (None, ["text"]),
+    "reasoning_effort": (None,),
+    "verbosity": (None,),
+    "web_search_options": (None,),
+    "top_logprobs": (None, 0),
+    "max_completion_tokens": (None,),
+    "best_of": (None, 1),
+    "echo": (None, False),
+    # vLLM
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None,),
+    "guided_grammar": (None,),
+    "structural_tag": (None,),
+    "structured_outputs": (None,),
+    "use_beam_search": (None, False),
+    "allowed_token_ids": (None,),
+    "bad_words": (None, []),
+    "prompt_logprobs": (None,),
+    "truncate_prompt_tokens": (None,),
+    "spaces_between_special_tokens": (None, True),
+    "logits_processors": (None, []),
+    "return_tokens_as_token_ids": (None, False),
+    "return_token_ids": (None, False),
+    "return_token_strs": (None, False),
+    "prompt_embeds": (None,),
+    "continue_final_message": (None, False),
+    "add_special_tokens": (None, False),
+    "chat_template": (None,),
+    "chat_template_kwargs": (None, {}),
+    "documents": (None,),
+}
+
+
+def _lone_surrogate(value: Any) -> str | None:
+    """Where in `value` (text, or lists and dicts holding text) a lone surrogate is: '' for the value
+    itself, a path like '[2]' or '.key' below it, None if there is none."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return ""
+        return None
+    if isinstance(value, list):
+        items = [(f"[{index}]", item) for index, item in enumerate(value)]
+    elif isinstance(value, dict):
+        items = [(".<key>", key) for key in value] + [(f".{key}", item) for key, item in value.items()]
+    else:
+        return None
+    for where, item in items:
+        below = _lone_surrogate(item)
+        if below is not None:
+            return where + below
+    return None
 
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
+    @field_validator("*")
+    @classmethod
+    def _valid_unicode(cls, value: Any) -> Any:
+        where = _lone_surrogate(value)
+        if where is not None:
+            raise PydanticCustomError(
+                "invalid_unicode",
+                "must be valid Unicode text, but holds a lone surrogate{where}",
+                {"where": f" at {where}" if where else ""},
+            )
+        return value
+
+
+class _Request(_Body):
+    """A route's body: unknown fields are kept, so that unsupported ones can be refused."""
+
+    model_config = ConfigDict(extra="allow")
+
+    def refuse_unsupported(self) -> None:
+        for name, value in (self.model_extra or {}).items():
+            inert = UNSUPPORTED_FIELDS.get(name)
+            if inert is not None and value not in inert:
+                raise BadRequestError(f"{name} is not supported on this endpoint", param=name)
+
 
 class StreamOptions(_Body):
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
-class _GenerationRequest(_Body):
+class _GenerationRequest(_Request):
     model: str | None = None
-    n: int = 1
-    temperature: float | None = None
-    top_p: float | None = None
+    n: StrictInt = 1
+    temperature: FiniteFloat | None = None
+    top_p: FiniteFloat | None = None
     stop: str | list[str] | None = None
-    stream: bool = False
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    seed: int | None = None
+    presence_penalty: FiniteFloat | None = None
+    frequency_penalty: FiniteFloat | None = None
+    seed: StrictInt | None = None
     user: str | None = None
-    logit_bias: dict[str, float] | None = None
     # vLLM's extras.
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    min_tokens: int = 0
-    ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
-    skip_special_tokens: bool = True
-    include_stop_str_in_output: bool = False
-    # kvfleet's: an SLA tier name or an integer (lower = served first), and a deadline in seconds.
-    priority: int | str | None = None
-    timeout: float | None = Field(default=None, gt=0)
+    top_k: StrictInt | None = None
+    min_p: FiniteFloat | None = None
+    repetition_penalty: FiniteFloat | None = None
+    min_tokens: StrictInt = 0
+    ignore_eos: StrictBool = False
+    stop_token_ids: list[StrictInt] | None = None
+    skip_special_tokens: StrictBool = True
+    include_stop_str_in_output: StrictBool = False
+    # kvfleet's: an SLA tier name or its integer (lower = served first), and a deadline in seconds.
+    priority: StrictInt | str | None = None
+    timeout: Annotated[FiniteFloat, Field(gt=0)] | None = None
 
     def _check_common(self) -> None:
-        if self.logit_bias:
-            raise BadRequestError("logit_bias is not supported", param="logit_bias")
+        self.refuse_unsupported()
         if self.stream_options is not None and not self.stream:
             raise BadRequestError(
                 "stream_options is only allowed when stream is true", param="stream_options"
@@ -91,17 +190,15 @@ class _GenerationRequest(_Body):
 
 
 class CompletionRequest(_GenerationRequest):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
-    echo: bool = False
-    logprobs: int | None = None
-    best_of: int | None = None
-    suffix: str | None = None
+    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
+    max_tokens: StrictInt | None = 16
+    echo: StrictBool = False
+    logprobs: StrictInt | None = None
+    best_of: StrictInt | None = None
+    add_special_tokens: StrictBool = True
 
     def sampling_params(self) -> SamplingParams:
         self._check_common()
-        if self.suffix:
-            raise BadRequestError("suffix is not supported", param="suffix")
         if self.best_of is not None and self.best_of != self.n:
             raise BadRequestError("best_of different from n is not supported", param="best_of")
         if self.echo and self.logprobs is not None:
@@ -120,9 +217,14 @@ class CompletionRequest(_GenerationRequest):
         return list(prompt)  # type: ignore[arg-type]
 
 
+class TextPart(_Body):
+    type: str
+    text: str | None = None
+
+
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[dict[str, Any]] | None = None
+    content: str | list[TextPart] | None = None
     name: str | None = None
 
     def as_template_input(self, index: int) -> dict[str, Any]:
@@ -138,58 +240,62 @@ class ChatMessage(_Body):
             return self.content
         parts = []
         for part_index, part in enumerate(self.content):
-            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+            if part.type != "text" or part.text is None:
                 raise BadRequestError(
-                    f"only text content parts are supported, got type {part.get('type')!r}",
+                    f"only text content parts are supported, got type {part.type!r}",
                     param=f"messages.{index}.content.{part_index}",
                 )
-            parts.append(part["text"])
+            parts.append(part.text)
         return "".join(parts)
+
+
+def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """The messages as a chat template takes them."""
+    if not messages:
+        raise BadRequestError("messages must not be empty", param="messages")
+    return [message.as_template_input(index) for index, message in enumerate(messages)]
 
 
 class ChatCompletionRequest(_GenerationRequest):
     messages: list[ChatMessage]
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = None
-    response_format: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
-    add_generation_prompt: bool = True
+    max_tokens: StrictInt | None = None
+    max_completion_tokens: StrictInt | None = None
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = None
+    add_generation_prompt: StrictBool = True
 
     def sampling_params(self) -> SamplingParams:
         self._check_common()
-        if not self.messages:
-            raise BadRequestError("messages must not be empty", param="messages")
-        if self.tools:
-            raise BadRequestError("tool calling is not supported", param="tools")
-        if self.response_format is not None and self.response_format.get("type", "text") != "text":
-            raise BadRequestError("only the text response_format is supported", param="response_format")
         if self.top_logprobs is not None and not self.logprobs:
             raise BadRequestError("top_logprobs requires logprobs to be true", param="top_logprobs")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         return self._sampling_params(max_tokens, logprobs)
 
-    def template_messages(self) -> list[dict[str, Any]]:
-        return [message.as_template_input(index) for index, message in enumerate(self.messages)]
 
-
-class TokenizeRequest(_Body):
+class TokenizeRequest(_Request):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    add_special_tokens: bool | None = None
-    add_generation_prompt: bool = True
+    # For `prompt` only: a chat template already writes the special tokens its model needs.
+    add_special_tokens: StrictBool | None = None
+    add_generation_prompt: StrictBool = True
 
     def check(self) -> None:
+        self.refuse_unsupported()
         if (self.prompt is None) == (self.messages is None):
             raise BadRequestError("give exactly one of prompt and messages", param="prompt")
+        if self.messages is not None and self.add_special_tokens:
+            raise BadRequestError(
+                "add_special_tokens applies to prompt only; the chat template adds the special tokens "
+                "the model needs",
+                param="add_special_tokens",
+            )
 
 
 class DetokenizeRequest(_Body):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[StrictInt]
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:

@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvfleet.runtime.chat_prompt import chat_prompt_token_ids, longest_token_characters, text_fields
 from kvfleet.runtime.engine.errors import EngineError, InvalidRequestError
 from kvfleet.runtime.engine.outputs import CompletionOutput, RequestOutput
 from kvfleet.runtime.sampling_params import SamplingParams
@@ -18,12 +19,19 @@ from kvfleet.runtime.server.errors import (
     InternalServerError,
     NotFoundError,
     OpenAIError,
+    PermissionDeniedError,
     RequestTimeoutError,
     ServiceUnavailableError,
     from_engine_error,
 )
 from kvfleet.runtime.server.priorities import PRIORITY_HEADER, parse_priority, tier_of
-from kvfleet.runtime.server.protocol import ChatMessage, usage
+from kvfleet.runtime.server.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    template_messages,
+    usage,
+)
 from kvfleet.runtime.server.state import ServerState
 from kvfleet.runtime.server.streaming import SSE_DONE, merge_streams, prepend, sse_event, unless_disconnected
 from starlette.requests import Request
@@ -118,9 +126,24 @@ class OpenAIServing:
         else:
             return self.state.settings.default_priority
         try:
-            return parse_priority(value)
+            priority = parse_priority(value)
         except ValueError as exc:
             raise BadRequestError(str(exc), param=source) from None
+        allowed = self.state.settings.max_priority_tier
+        if priority < allowed:
+            raise PermissionDeniedError(
+                f"requests may not claim the {tier_of(priority)!r} tier here; the most urgent one they may "
+                f"claim is {tier_of(allowed)!r}",
+                param=source,
+            )
+        return priority
+
+    def sampling_params(self, body: CompletionRequest | ChatCompletionRequest) -> SamplingParams:
+        params = body.sampling_params()
+        max_n = self.state.settings.max_n
+        if params.n > max_n:
+            raise BadRequestError(f"n must be at most {max_n} on this server, got {params.n}", param="n")
+        return params
 
     def check_prompt(self, token_ids: list[int], params: SamplingParams, param: str) -> None:
         engine = self.state.engine
@@ -141,50 +164,80 @@ class OpenAIServing:
                 param="max_tokens",
                 code="context_length_exceeded",
             )
+        max_tokens = params.max_tokens if params.max_tokens is not None else max_model_len - len(token_ids)
+        limit = self.state.settings.max_completion_tokens_per_prompt
+        if params.n * max_tokens > limit:
+            budget = "max_tokens" if params.max_tokens is not None else "the room left (max_tokens unset)"
+            raise BadRequestError(
+                f"n x {budget} = {params.n} x {max_tokens} = {params.n * max_tokens} tokens to generate for "
+                f"one prompt, more than this server's limit of {limit}; lower n or max_tokens",
+                param="n" if params.n > 1 else "max_tokens",
+            )
         try:
             engine.validate_prompt(token_ids, params)
         except InvalidRequestError as exc:
             raise BadRequestError(str(exc), param=param) from None
 
     async def encode(self, text: str, *, add_special_tokens: bool, param: str = "prompt") -> list[int]:
-        """Token ids of a text, computed off the event loop (once the engine is ready)."""
-        return await self.state.engine.run_tokenizer(
-            lambda tokenizer: self._encode_within_context(tokenizer, text, add_special_tokens, param)
-        )
+        """Token ids of a text that fits the model's context, computed off the event loop."""
 
-    def _encode_within_context(self, tokenizer: Any, text: str, add_special_tokens: bool, param: str) -> list[int]:
-        """Token ids of a text no longer than the model's context; a longer one is refused from its token
-        count alone. Both for the event loop's sake: the Rust tokenizer's batch call releases the interpreter
-        lock while it encodes (its single-text call does not), but building a list of millions of ids would
-        hold the lock for as long as that takes."""
-        info = self.state.engine.info
-        assert info is not None
-        backend = getattr(tokenizer, "backend_tokenizer", None)
-        if backend is None:
-            token_ids = tokenizer.encode(text, add_special_tokens=add_special_tokens)
-            num_tokens = len(token_ids)
-        else:
-            encoding = backend.encode_batch([text], add_special_tokens=add_special_tokens)[0]
-            num_tokens = len(encoding)
-        if num_tokens > info.max_model_len:
+        def work(tokenizer: Any) -> list[int]:
+            self._refuse_beyond_context(tokenizer, len(text), param)
+            # The batch call releases the interpreter lock while it encodes; the single-text one does not.
+            encoding = tokenizer.backend_tokenizer.encode_batch(
+                [text], add_special_tokens=add_special_tokens
+            )[0]
+            self._check_context(len(encoding), param)
+            return encoding.ids
+
+        return await self.state.engine.run_tokenizer(work)
+
+    async def chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
+        """The prompt of a conversation, rendered and tokenized off the event loop."""
+        conversation = template_messages(messages)
+        characters = sum(len(text) for text in text_fields(conversation))
+
+        def work(tokenizer: Any) -> list[int]:
+            self._refuse_beyond_context(tokenizer, characters, "messages")
+            try:
+                token_ids = chat_prompt_token_ids(
+                    tokenizer, conversation, add_generation_prompt=add_generation_prompt
+                )
+            except ValueError as exc:
+                raise BadRequestError(str(exc), param="messages") from None
+            self._check_context(len(token_ids), "messages")
+            return token_ids
+
+        return await self.state.engine.run_tokenizer(work)
+
+    def _refuse_beyond_context(self, tokenizer: Any, characters: int, param: str) -> None:
+        """Refuse, without tokenizing it, a text longer than the whole context could hold even in the
+        vocabulary's longest tokens (twice over, for normalizers that shorten text). Tokenizing millions of
+        tokens would take seconds only to refuse them, and building their list would hold the interpreter
+        lock, and so the event loop, all that time."""
+        max_model_len = self._max_model_len
+        if characters > 2 * longest_token_characters(tokenizer) * max_model_len:
             raise BadRequestError(
-                f"This model's maximum context length is {info.max_model_len} tokens, but the {param} has "
+                f"This model's maximum context length is {max_model_len} tokens, but the {param} has "
+                f"{characters} characters, more than that many tokens can hold",
+                param=param,
+                code="context_length_exceeded",
+            )
+
+    def _check_context(self, num_tokens: int, param: str) -> None:
+        if num_tokens > self._max_model_len:
+            raise BadRequestError(
+                f"This model's maximum context length is {self._max_model_len} tokens, but the {param} has "
                 f"{num_tokens} tokens",
                 param=param,
                 code="context_length_exceeded",
             )
-        return token_ids if backend is None else encoding.ids
 
-    async def apply_chat_template(
-        self, messages: list[ChatMessage], add_generation_prompt: bool
-    ) -> list[int]:
-        """The prompt of a conversation, rendered and tokenized off the event loop."""
-        conversation = [message.as_template_input(index) for index, message in enumerate(messages)]
-        text = await self.state.engine.run_tokenizer(
-            lambda tokenizer: render_chat_template(tokenizer, conversation, add_generation_prompt)
-        )
-        # The template already writes the special tokens it wants.
-        return await self.encode(text, add_special_tokens=False, param="messages")
+    @property
+    def _max_model_len(self) -> int:
+        info = self.state.engine.info
+        assert info is not None, "called once the engine is ready"
+        return info.max_model_len
 
     def prepare(
         self,
@@ -312,18 +365,3 @@ class OpenAIServing:
         if usage_ is not None:
             chunk["usage"] = usage_
         return chunk
-
-
-def render_chat_template(
-    tokenizer: Any, conversation: list[dict[str, Any]], add_generation_prompt: bool
-) -> str:
-    """The model's chat template applied to a conversation."""
-    if not tokenizer.chat_template:
-        raise BadRequestError("the model has no chat template; use /v1/completions", param="messages")
-    try:
-        return tokenizer.apply_chat_template(
-            conversation, tokenize=False, add_generation_prompt=add_generation_prompt
-        )
-    except Exception as exc:
-        # Templates reject conversations they cannot render (role order, unknown roles) by raising.
-        raise BadRequestError(f"the chat template rejected the messages: {exc}", param="messages") from None

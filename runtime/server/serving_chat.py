@@ -21,10 +21,10 @@ class OpenAIServingChat(OpenAIServing):
     async def create_chat_completion(self, body: ChatCompletionRequest, raw_request: Request) -> Response:
         arrival_time = time.monotonic()
         self.check_model(body.model)
-        params = body.sampling_params()
+        params = self.sampling_params(body)
         priority = self.resolve_priority(body.priority, raw_request)
         self.check_accepting(priority)
-        token_ids = await self.apply_chat_template(body.messages, body.add_generation_prompt)
+        token_ids = await self.chat_prompt(body.messages, body.add_generation_prompt)
         self.check_prompt(token_ids, params, "messages")
         request = self.prepare(
             [token_ids], params, priority=priority, timeout=body.timeout, arrival_time=arrival_time

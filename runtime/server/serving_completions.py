@@ -21,7 +21,7 @@ class OpenAIServingCompletion(OpenAIServing):
     async def create_completion(self, body: CompletionRequest, raw_request: Request) -> Response:
         arrival_time = time.monotonic()
         self.check_model(body.model)
-        params = body.sampling_params()
+        params = self.sampling_params(body)
         priority = self.resolve_priority(body.priority, raw_request)
         self.check_accepting(priority)
         prompts = body.prompts()
@@ -29,7 +29,7 @@ class OpenAIServingCompletion(OpenAIServing):
         for index, prompt in enumerate(prompts):
             param = "prompt" if len(prompts) == 1 else f"prompt.{index}"
             if isinstance(prompt, str):
-                token_ids = await self.encode(prompt, add_special_tokens=True, param=param)
+                token_ids = await self.encode(prompt, add_special_tokens=body.add_special_tokens, param=param)
             else:
                 token_ids = prompt
                 await self.state.engine.wait_ready(self.state.engine.startup_request_timeout)

@@ -6,9 +6,16 @@ from dataclasses import dataclass
 
 from kvfleet.runtime.engine.async_llm import AsyncLLM
 from kvfleet.runtime.metrics import ServerMetrics
-from kvfleet.runtime.server.priorities import DEFAULT_TIER, TIERS
+from kvfleet.runtime.server.priorities import DEFAULT_TIER, TIER_NAMES, TIERS
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 8 << 20
+# OpenAI's own limit on n.
+DEFAULT_MAX_N = 128
+# n = 128 sequences of a 2048-token context.
+DEFAULT_MAX_COMPLETION_TOKENS_PER_PROMPT = 1 << 18
+DEFAULT_HEADER_READ_TIMEOUT_S = 30.0
+DEFAULT_BODY_READ_TIMEOUT_S = 60.0
+DEFAULT_SEND_TIMEOUT_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -20,6 +27,16 @@ class ServerSettings:
     request_timeout: float | None = None
     drain_timeout: float = 30.0
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
+    max_n: int = DEFAULT_MAX_N
+    # n x max_tokens for one prompt; a max_tokens of None counts as the room the prompt leaves in the context.
+    max_completion_tokens_per_prompt: int = DEFAULT_MAX_COMPLETION_TOKENS_PER_PROMPT
+    # The most urgent tier (its engine priority) a request may claim; more urgent claims get 403.
+    max_priority_tier: int = TIERS[TIER_NAMES[0]]
+    # Seconds a connection has to send a request's headers (from its opening, or the previous response),
+    # the whole body, and how long a response may wait on a client that has stopped reading.
+    header_read_timeout: float = DEFAULT_HEADER_READ_TIMEOUT_S
+    body_read_timeout: float = DEFAULT_BODY_READ_TIMEOUT_S
+    send_timeout: float = DEFAULT_SEND_TIMEOUT_S
 
 
 @dataclass

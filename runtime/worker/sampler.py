@@ -1,10 +1,11 @@
 """Turns one step's logits into tokens, for a batch of requests with their own sampling parameters.
 
 Order (vLLM's): log probabilities of the raw logits; min_tokens masking of eos and stop ids; repetition,
-frequency and presence penalties; greedy rows take the argmax; other rows are divided by their temperature,
-then filtered by min_p, top_k and top_p, and sampled by inverting their cumulative distribution at one
-uniform draw per row (cheaper on a CPU than noise over the whole vocabulary). A request with a seed draws
-from its own generator, so its tokens do not depend on what else is in the batch.
+frequency and presence penalties; greedy rows (temperature below GREEDY_TEMPERATURE) take the argmax; other
+rows are divided by their temperature, then filtered by min_p, top_k and top_p, and sampled by inverting
+their cumulative distribution at one uniform draw per row (cheaper on a CPU than noise over the whole
+vocabulary). A request with a seed draws from its own generator, so its tokens do not depend on what else is
+in the batch.
 """
 
 from __future__ import annotations

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -20,8 +21,8 @@ def _serve(*args: str) -> list[str]:
     return [sys.executable, "-P", "-m", "kvfleet", "serve", *args]
 
 
-def _run(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(_serve(*args), capture_output=True, text=True, timeout=120, check=False)
+def _run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(_serve(*args), capture_output=True, text=True, timeout=120, check=False, env=env)
 
 
 def test_tensor_parallelism_above_one_is_refused(tiny_llama: Path) -> None:
@@ -34,6 +35,28 @@ def test_bad_engine_option_is_a_usage_error(tiny_llama: Path) -> None:
     completed = _run("--model", str(tiny_llama), "--block-size", "12")
     assert completed.returncode == 2
     assert "block_size must be a power of two" in completed.stderr
+
+
+def test_a_default_tier_above_what_clients_may_claim_is_refused(tiny_llama: Path) -> None:
+    completed = _run(
+        "--model", str(tiny_llama), "--default-priority", "critical", "--max-priority-tier", "high"
+    )
+    assert completed.returncode == 2
+    assert "--default-priority" in completed.stderr and "more urgent than" in completed.stderr
+
+
+@pytest.mark.parametrize("source", ["flag", "environment"])
+def test_an_empty_api_key_is_refused(tiny_llama: Path, source: str) -> None:
+    # An empty key used to turn auth off without a word.
+    env = {key: value for key, value in os.environ.items() if key != "KVFLEET_API_KEY"}
+    args = ["--model", str(tiny_llama), "--port", "0"]
+    if source == "flag":
+        args += ["--api-key", " "]
+    else:
+        env["KVFLEET_API_KEY"] = ""
+    completed = _run(*args, env=env)
+    assert completed.returncode == 2, completed.stderr
+    assert "the API key is empty" in completed.stderr and "--api-key" in completed.stderr
 
 
 def test_a_model_that_cannot_load_ends_the_process(tmp_path: Path) -> None:

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 import pytest
+from server_checks import openai_error as _error
 
 if TYPE_CHECKING:
     from conftest import ServerProcess
@@ -18,16 +19,6 @@ if TYPE_CHECKING:
 def http(api_server: ServerProcess) -> Iterator[httpx.Client]:
     with httpx.Client(base_url=api_server.url, headers=api_server.headers(), timeout=30) as client:
         yield client
-
-
-def _error(response: httpx.Response, status: int) -> dict[str, Any]:
-    assert response.status_code == status, response.text
-    body = response.json()
-    assert set(body) == {"error"}
-    error = body["error"]
-    assert set(error) == {"message", "type", "param", "code"}
-    assert isinstance(error["message"], str) and error["message"]
-    return error
 
 
 def _completion(**fields: Any) -> dict[str, Any]:

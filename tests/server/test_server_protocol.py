@@ -6,13 +6,13 @@ import pytest
 from kvfleet.runtime.engine.load_shedding import QueuedRequest, choose_victim
 from kvfleet.runtime.server.errors import BadRequestError, validation_error
 from kvfleet.runtime.server.priorities import parse_priority, tier_of
-from kvfleet.runtime.server.protocol import ChatCompletionRequest, CompletionRequest
+from kvfleet.runtime.server.protocol import ChatCompletionRequest, CompletionRequest, template_messages
 
 
 def test_tiers_and_integers() -> None:
     assert [parse_priority(name) for name in ("critical", "high", "standard", "batch")] == [0, 1, 2, 3]
     assert parse_priority(" Batch ") == 3
-    assert parse_priority("7") == 7 and parse_priority(-4) == -4
+    assert parse_priority("2") == 2 and parse_priority(0) == 0 and parse_priority(3) == 3
     assert [tier_of(p) for p in (-10, 0, 1, 2, 3, 99)] == [
         "critical",
         "critical",
@@ -21,8 +21,9 @@ def test_tiers_and_integers() -> None:
         "batch",
         "batch",
     ]
-    for bad in ("urgent", "", True):
-        with pytest.raises(ValueError, match="tier name"):
+    # Only the integers of the tiers: anything else would jump the most urgent tier or mean nothing.
+    for bad in ("urgent", "", True, -1, 4, -(10**18), "7", "-4"):
+        with pytest.raises(ValueError, match=r"tier name .* or an integer in \[0, 3\]"):
             parse_priority(bad)
 
 
@@ -68,7 +69,7 @@ def test_chat_request_token_limits_and_logprobs() -> None:
     )
     assert ChatCompletionRequest(messages=messages).sampling_params().logprobs is None
     parts = ChatCompletionRequest(messages=[{"role": "user", "content": [{"type": "text", "text": "a"}] * 2}])
-    assert parts.template_messages() == [{"role": "user", "content": "aa"}]
+    assert template_messages(parts.messages) == [{"role": "user", "content": "aa"}]
 
 
 def test_validation_errors_name_the_field() -> None:

@@ -31,9 +31,12 @@ def test_normalises_stop_and_top_k() -> None:
     assert SamplingParams(top_k=5).top_k == 5
 
 
-def test_greedy_means_temperature_zero() -> None:
+def test_greedy_means_temperature_below_vllms_epsilon() -> None:
     assert SamplingParams(temperature=0).greedy
     assert SamplingParams(temperature=0.0).greedy
+    assert SamplingParams(temperature=1e-50).greedy
+    assert SamplingParams(temperature=9.9e-6).greedy
+    assert not SamplingParams(temperature=1e-5).greedy
     assert not SamplingParams(temperature=1e-3).greedy
 
 
@@ -43,6 +46,9 @@ def test_accepts_edges_of_ranges() -> None:
     )
     SamplingParams(logprobs=0, min_tokens=16, max_tokens=16, seed=-3)
     SamplingParams(max_tokens=None, min_tokens=1000)
+    SamplingParams(seed=-(2**63))
+    SamplingParams(seed=2**63 - 1)
+    SamplingParams(seed=2**63 - 4, n=4)
 
 
 @pytest.mark.parametrize(
@@ -66,6 +72,10 @@ def test_accepts_edges_of_ranges() -> None:
         ("min_p", 1.1),
         ("min_tokens", -1),
         ("seed", "7"),
+        ("seed", 2**63),
+        ("seed", -(2**63) - 1),
+        ("temperature", math.inf),
+        ("top_p", -math.inf),
         ("stop", [""]),
         ("stop_token_ids", [-1]),
         ("stop_token_ids", ["a"]),
@@ -74,6 +84,12 @@ def test_accepts_edges_of_ranges() -> None:
 def test_rejects_bad_values_naming_the_field(field: str, value: Any) -> None:
     with pytest.raises(ValueError, match=rf"^{field} "):
         SamplingParams(**{field: value})
+
+
+def test_seed_covers_every_sequence_of_n() -> None:
+    # Sequence i of n is seeded with seed + i: the last one must still fit a torch generator.
+    with pytest.raises(ValueError, match=r"^seed .*n=4"):
+        SamplingParams(seed=2**63 - 3, n=4)
 
 
 def test_rejects_min_tokens_above_max_tokens() -> None:

@@ -1,0 +1,136 @@
+"""A chat conversation as prompt token ids: the template's markup with its special tokens, message text as
+plain text.
+
+Rendering the template to one string and tokenizing that would turn any special-token string a user typed
+(`<|eot_id|>`, the bos or eos token, ...) into a real turn marker or end of text. So every special-token
+string in the messages is swapped for a private-use character before rendering, the special tokens left in
+the rendering are the template's own, and the text between them (with the swapped strings put back) is
+tokenized with special-token strings read as text, as OpenAI does with message content. For messages without
+special-token strings, the result is exactly `tokenizer.apply_chat_template(..., tokenize=True)`.
+
+A pure function of the tokenizer and the messages, safe to call from any thread: it never changes the
+tokenizer's state (Transformers' `split_special_tokens=True` would, on the shared tokenizer).
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from dataclasses import dataclass
+from typing import Any
+
+# Supplementary Private Use Area-A: characters no tokenizer gives meaning to, and no template strips.
+_PRIVATE_USE = range(0xF0000, 0xFFFFE)
+
+
+@dataclass(frozen=True)
+class _SpecialTokens:
+    ids: dict[str, int]
+    # Matches any special token, longest first; None when the tokenizer has none.
+    pattern: re.Pattern[str] | None
+    # The tokenizer's backend, reading special-token strings as text.
+    text_encoder: Any
+
+
+@functools.lru_cache(maxsize=8)
+def _special_tokens(tokenizer: Any) -> _SpecialTokens:
+    from tokenizers import Tokenizer
+
+    added = tokenizer.added_tokens_decoder.items()
+    ids = {token.content: token_id for token_id, token in added if token.special}
+    longest_first = sorted(ids, key=len, reverse=True)
+    pattern = re.compile("|".join(map(re.escape, longest_first))) if ids else None
+    text_encoder = Tokenizer.from_str(tokenizer.backend_tokenizer.to_str())
+    text_encoder.encode_special_tokens = True
+    return _SpecialTokens(ids, pattern, text_encoder)
+
+
+def chat_prompt_token_ids(
+    tokenizer: Any, messages: list[dict[str, Any]], *, add_generation_prompt: bool
+) -> list[int]:
+    """Token ids of `messages` (role/content dicts) rendered by the tokenizer's chat template.
+
+    Raises ValueError when the tokenizer has no chat template or the template rejects the messages.
+    """
+    if not tokenizer.chat_template:
+        raise ValueError("the model has no chat template")
+    special = _special_tokens(tokenizer)
+    if special.pattern is None:
+        text = _render(tokenizer, messages, add_generation_prompt)
+        return _encode(special.text_encoder, text)
+    free = _free_characters(len(special.ids), messages, tokenizer.chat_template)
+    stand_ins = dict(zip(special.ids, free, strict=True))
+    pattern = special.pattern
+
+    def escape(value: Any) -> Any:
+        if isinstance(value, str):
+            return pattern.sub(lambda match: stand_ins[match.group()], value)
+        if isinstance(value, list):
+            return [escape(item) for item in value]
+        if isinstance(value, dict):
+            return {key: escape(item) for key, item in value.items()}
+        return value
+
+    text = _render(tokenizer, escape(messages), add_generation_prompt)
+    restore = {ord(stand_in): token for token, stand_in in stand_ins.items()}
+    token_ids: list[int] = []
+    position = 0
+    for match in pattern.finditer(text):
+        token_ids += _encode_text(special, text[position : match.start()], restore)
+        token_ids.append(special.ids[match.group()])
+        position = match.end()
+    token_ids += _encode_text(special, text[position:], restore)
+    return token_ids
+
+
+def _render(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
+    try:
+        return tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+    except Exception as exc:
+        # Templates refuse conversations they cannot render (role order, unknown roles) by raising.
+        raise ValueError(f"the chat template rejected the messages: {exc}") from None
+
+
+def _encode_text(special: _SpecialTokens, text: str, restore: dict[int, str]) -> list[int]:
+    if not text:
+        return []
+    return _encode(special.text_encoder, text.translate(restore))
+
+
+def _encode(encoder: Any, text: str) -> list[int]:
+    # The batch call releases the interpreter lock while it encodes; the single-text one does not.
+    return encoder.encode_batch([text], add_special_tokens=False)[0].ids
+
+
+@functools.lru_cache(maxsize=8)
+def longest_token_characters(tokenizer: Any) -> int:
+    """The most characters of text one token can stand for: its vocabulary's longest entry (byte-level
+    vocabularies spell a byte as one character, so this bounds bytes too)."""
+    return max(len(token) for token in tokenizer.get_vocab())
+
+
+def _free_characters(count: int, messages: list[dict[str, Any]], template: str) -> list[str]:
+    """`count` consecutive private-use characters found neither in the messages nor in the template."""
+    texts = [*text_fields(messages), template]
+    used = {ord(char) for text in texts for char in text if ord(char) in _PRIVATE_USE}
+    start = _PRIVATE_USE.start
+    for code in sorted(used):
+        if code - start >= count:
+            break
+        start = code + 1
+    if start + count > _PRIVATE_USE.stop:
+        raise ValueError("the messages use too many private-use characters")
+    return [chr(code) for code in range(start, start + count)]
+
+
+def text_fields(value: Any) -> list[str]:
+    """Every string in a structure of lists and dicts (a conversation)."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list):
+        return [text for item in value for text in text_fields(item)]
+    if isinstance(value, dict):
+        return [text for item in value.values() for text in text_fields(item)]
+    return []

@@ -1,0 +1,122 @@
+"""What the server tests share: OpenAI-shaped errors, and a request that must run on unharmed beside them."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+import httpx
+
+if TYPE_CHECKING:
+    from conftest import ServerProcess
+
+# Long enough to outlast the bad requests of a test, short enough to keep the tests quick.
+BESIDE_MAX_TOKENS = 1000
+WAIT_S = 180.0
+
+
+def openai_error(response: httpx.Response, status: int) -> dict[str, Any]:
+    """The error of an OpenAI-shaped error response with the given status."""
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert set(body) == {"error"}
+    error = body["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert isinstance(error["message"], str) and error["message"]
+    return error
+
+
+def wait_idle(server: ServerProcess, timeout: float = 20.0) -> dict[str, float]:
+    """Waits until nothing runs or waits and every KV block is free; the metrics then."""
+    deadline = time.monotonic() + timeout
+    while True:
+        metrics = server.metrics()
+        idle = metrics["kvfleet:num_requests_running"] == 0 and metrics["kvfleet:num_requests_waiting"] == 0
+        if idle and metrics["kvfleet:kv_cache_usage_perc"] == 0:
+            return metrics
+        if time.monotonic() > deadline:
+            raise AssertionError(f"requests are still running: {metrics}")
+        time.sleep(0.01)
+
+
+def finished_count(server: ServerProcess, reason: str) -> float:
+    """How many requests have finished for `reason` (stop, length, abort, ...)."""
+    text = httpx.get(f"{server.url}/metrics").text
+    prefix = f'vllm:request_success_total{{finished_reason="{reason}",model_name="{server.model_name}"}} '
+    return next((float(line[len(prefix) :]) for line in text.splitlines() if line.startswith(prefix)), 0.0)
+
+
+@dataclass
+class RequestBeside:
+    """A streamed completion running beside a test's bad requests: it has produced its first tokens before
+    the `with` block runs, and must then end normally, with every token it asked for.
+
+    `running` says whether it is still being served; a test checks it once its bad requests are answered,
+    which shows they were handled while it ran.
+    """
+
+    server: ServerProcess
+    max_tokens: int = BESIDE_MAX_TOKENS
+    status: int | None = None
+    events: list[dict] = field(default_factory=list)
+    last_line: str = ""
+    _error: BaseException | None = None
+    _started: threading.Event = field(default_factory=threading.Event)
+    _done: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def running(self) -> bool:
+        return not self._done.is_set()
+
+    def __enter__(self) -> RequestBeside:
+        self._thread = threading.Thread(target=self._stream, daemon=True)
+        self._thread.start()
+        self._started.wait(WAIT_S)
+        if self._error is not None:
+            raise self._error
+        assert self.running, f"it ended before any test request was sent: {self.status} {self.events[-2:]}"
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self._thread.join(WAIT_S)
+        if kind is not None:
+            return
+        assert not self._thread.is_alive(), "the request beside never finished"
+        if self._error is not None:
+            raise self._error
+        assert self.status == 200, self.events
+        assert self.last_line == "data: [DONE]", self.last_line
+        assert all("error" not in event for event in self.events), self.events
+        finish_reasons = [choice["finish_reason"] for event in self.events for choice in event["choices"]]
+        assert finish_reasons[-1] == "length" and not any(finish_reasons[:-1]), finish_reasons[-3:]
+        assert self.events[-1]["usage"]["completion_tokens"] == self.max_tokens
+
+    def _stream(self) -> None:
+        body = {
+            "model": self.server.model_name,
+            "prompt": "go on",
+            "max_tokens": self.max_tokens,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        url = f"{self.server.url}/v1/completions"
+        try:
+            with httpx.stream("POST", url, json=body, headers=self.server.headers(), timeout=120) as response:
+                self.status = response.status_code
+                for line in response.iter_lines():
+                    self.last_line = line or self.last_line
+                    if line.startswith("data: {"):
+                        self.events.append(json.loads(line[len("data: ") :]))
+                        self._started.set()
+        except BaseException as error:
+            self._error = error
+        finally:
+            self._done.set()
+            self._started.set()

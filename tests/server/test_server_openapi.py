@@ -1,0 +1,71 @@
+"""The server describes its routes in /openapi.json, and schemathesis, generating requests from that
+description (valid and not), gets no 5xx from a real server."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import httpx
+import pytest
+
+if TYPE_CHECKING:
+    from conftest import ServerProcess
+
+# Generation stays short whatever the fuzzer asks for: a 64-token context, few sequences, few tokens each.
+FUZZED_SERVER_ARGS = ("--max-model-len", "64", "--max-n", "4", "--max-completion-tokens-per-prompt", "64")
+# Per operation; about 250 cases in all.
+MAX_EXAMPLES = 60
+ROUTES = {
+    ("post", "/v1/completions"),
+    ("post", "/v1/chat/completions"),
+    ("post", "/tokenize"),
+    ("post", "/detokenize"),
+    ("get", "/v1/models"),
+    ("get", "/health"),
+    ("get", "/ready"),
+    ("get", "/metrics"),
+}
+
+
+@pytest.fixture(scope="module")
+def fuzzed_server(start_server: Callable[..., ServerProcess]) -> ServerProcess:
+    return start_server(*FUZZED_SERVER_ARGS)
+
+
+def test_openapi_documents_every_route_with_its_body(fuzzed_server: ServerProcess) -> None:
+    document = httpx.get(f"{fuzzed_server.url}/openapi.json", timeout=30).json()
+    routes = {(method, path) for path, methods in document["paths"].items() for method in methods}
+    assert routes == ROUTES
+    schemas = document["components"]["schemas"]
+    for path, model in [
+        ("/v1/completions", "CompletionRequest"),
+        ("/v1/chat/completions", "ChatCompletionRequest"),
+        ("/tokenize", "TokenizeRequest"),
+        ("/detokenize", "DetokenizeRequest"),
+    ]:
+        body = document["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+        assert body == {"$ref": f"#/components/schemas/{model}"}
+    assert {"prompt", "max_tokens", "n", "seed", "priority"} <= set(
+        schemas["CompletionRequest"]["properties"]
+    )
+    assert schemas["CompletionRequest"]["required"] == ["prompt"]
+    assert schemas["ChatCompletionRequest"]["required"] == ["messages"]
+
+
+def test_fuzzed_requests_get_no_server_error(fuzzed_server: ServerProcess, tmp_path: Path) -> None:
+    # The schemathesis command, as a user runs it; a fixed seed keeps the cases the same from run to run.
+    command = [sys.executable, "-P", "-m", "schemathesis.cli", "run", f"{fuzzed_server.url}/openapi.json"]
+    command += ["--checks", "not_a_server_error", "--phases", "fuzzing", "--max-examples", str(MAX_EXAMPLES)]
+    command += ["--workers", "1", "--seed", "0", "--no-color"]
+    completed = subprocess.run(
+        command, cwd=tmp_path, capture_output=True, text=True, timeout=600, check=False
+    )
+    assert completed.returncode == 0, completed.stdout[-4000:] + completed.stderr[-2000:]
+    generated = re.search(r"(\d+) generated, (\d+) passed", completed.stdout)
+    assert generated is not None and generated[1] == generated[2], completed.stdout[-2000:]
+    assert 100 <= int(generated[1]) <= 400, "a few hundred cases"
