@@ -119,18 +119,18 @@ class AsyncLLM:
             loading = asyncio.get_running_loop().run_in_executor(
                 self._tokenizer_pool, _load_tokenizer, self.config
             )
-            info, tokenizer = await asyncio.gather(self._client.connect(), loading, return_exceptions=True)
-            for outcome in (info, tokenizer):
+            outcomes = await asyncio.gather(self._client.connect(), loading, return_exceptions=True)
+            for outcome in outcomes:
                 if isinstance(outcome, BaseException):
                     raise outcome
-            self.tokenizer = tokenizer
+            self.info, self.tokenizer = outcomes
         except EngineError as exc:
             self.error = exc
         except Exception as exc:
             logger.exception("the engine failed to start")
             self.error = EngineDeadError(f"the engine failed to start: {type(exc).__name__}: {exc}")
         if self.error is None:
-            self.info = info
+            info = self.info
             self.eos_token_id = self.tokenizer.eos_token_id
             self.output_processor = OutputProcessor(self.tokenizer)
             if self._metrics is not None:
@@ -144,11 +144,6 @@ class AsyncLLM:
     @property
     def ready(self) -> bool:
         return self._loaded.is_set() and self.error is None
-
-    @property
-    def loaded(self) -> bool:
-        """Loading has ended, well or not."""
-        return self._loaded.is_set()
 
     @property
     def stats(self) -> SchedulerStats | None:
@@ -190,20 +185,6 @@ class AsyncLLM:
         return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, work, self.tokenizer)
 
     # ---- requests --------------------------------------------------------------------------------
-
-    def validate_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Raises InvalidRequestError for a prompt the engine cannot serve. Call once ready."""
-        assert self.info is not None
-        info = self.info
-        if not prompt_token_ids:
-            raise InvalidRequestError("the prompt is empty")
-        for name, ids in (
-            ("prompt token id", prompt_token_ids),
-            ("stop token id", params.stop_token_ids or []),
-        ):
-            bad = [t for t in ids if not 0 <= t < info.vocab_size]
-            if bad:
-                raise InvalidRequestError(f"{name} {bad[0]} is outside the vocabulary [0, {info.vocab_size})")
 
     async def generate(
         self,

@@ -25,6 +25,7 @@ from kvfleet.runtime.engine.errors import (
     RequestFailedError,
     RequestShedError,
 )
+from kvfleet.runtime.engine.input_checks import check_prompt_token_ids
 from kvfleet.runtime.engine.load_shedding import QueuedRequest, choose_victim
 from kvfleet.runtime.engine.messages import AddRequest, EngineCoreOutputs, EngineInfo, RequestError
 from kvfleet.runtime.request import Request, RequestStatus
@@ -131,24 +132,9 @@ class EngineCore:
 
     def validate_prompt(self, prompt_token_ids: list[int], stop_token_ids: list[int]) -> None:
         """Raises InvalidRequestError for input the engine cannot serve."""
-        if not prompt_token_ids:
-            raise InvalidRequestError("the prompt is empty")
-        vocab_size = self.vocab_size
-        bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab_size]
-        if bad:
-            raise InvalidRequestError(
-                f"prompt token id {bad[0]!r} is outside the vocabulary [0, {vocab_size})"
-            )
-        bad_stop = [t for t in stop_token_ids if not 0 <= t < vocab_size]
-        if bad_stop:
-            raise InvalidRequestError(
-                f"stop token id {bad_stop[0]} is outside the vocabulary [0, {vocab_size})"
-            )
-        if len(prompt_token_ids) >= self.max_model_len:
-            raise InvalidRequestError(
-                f"the prompt has {len(prompt_token_ids)} tokens, but the model's context is "
-                f"{self.max_model_len} tokens, leaving no room for output"
-            )
+        check_prompt_token_ids(
+            prompt_token_ids, stop_token_ids, vocab_size=self.vocab_size, max_model_len=self.max_model_len
+        )
 
     def add_request(self, add: AddRequest) -> None:
         """Admit a sequence, or answer it with a RequestError in the next step's outputs."""

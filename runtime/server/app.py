@@ -10,7 +10,6 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request
-from kvfleet.runtime.engine.messages import EngineInfo
 from kvfleet.runtime.metrics import CONTENT_TYPE
 from kvfleet.runtime.server.auth import ApiKeyAuth
 from kvfleet.runtime.server.errors import (
@@ -133,7 +132,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         else:
             add_special = True if body.add_special_tokens is None else body.add_special_tokens
             token_ids = await completions.encode(body.prompt, add_special_tokens=add_special)
-        info = _engine_info(state)
+        info = completions.engine_info
         return JSONResponse(
             {"count": len(token_ids), "max_model_len": info.max_model_len, "tokens": token_ids}
         )
@@ -142,7 +141,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     async def detokenize(body: DetokenizeRequest) -> Response:
         completions.check_model(body.model)
         await state.engine.wait_ready(state.engine.startup_request_timeout)
-        vocab_size = _engine_info(state).vocab_size
+        vocab_size = completions.engine_info.vocab_size
         bad = [token for token in body.tokens if not 0 <= token < vocab_size]
         if bad:
             raise BadRequestError(
@@ -150,9 +149,3 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
             )
         text = await state.engine.run_tokenizer(lambda tokenizer: tokenizer.decode(body.tokens))
         return JSONResponse({"prompt": text})
-
-
-def _engine_info(state: ServerState) -> EngineInfo:
-    info = state.engine.info
-    assert info is not None, "called once the engine is ready"
-    return info

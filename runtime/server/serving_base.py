@@ -12,6 +12,8 @@ from typing import Any
 
 from kvfleet.runtime.chat_prompt import chat_prompt_token_ids, longest_token_characters, text_fields
 from kvfleet.runtime.engine.errors import EngineError, InvalidRequestError
+from kvfleet.runtime.engine.input_checks import check_prompt_token_ids
+from kvfleet.runtime.engine.messages import EngineInfo
 from kvfleet.runtime.engine.outputs import CompletionOutput, RequestOutput
 from kvfleet.runtime.sampling_params import SamplingParams
 from kvfleet.runtime.server.errors import (
@@ -146,9 +148,7 @@ class OpenAIServing:
         return params
 
     def check_prompt(self, token_ids: list[int], params: SamplingParams, param: str) -> None:
-        engine = self.state.engine
-        assert engine.info is not None, "prompts are checked once the engine is ready"
-        max_model_len = engine.info.max_model_len
+        max_model_len = self.engine_info.max_model_len
         if len(token_ids) >= max_model_len:
             raise BadRequestError(
                 f"This model's maximum context length is {max_model_len} tokens, but the prompt has "
@@ -164,6 +164,15 @@ class OpenAIServing:
                 param="max_tokens",
                 code="context_length_exceeded",
             )
+        try:
+            check_prompt_token_ids(
+                token_ids,
+                params.stop_token_ids or [],
+                vocab_size=self.engine_info.vocab_size,
+                max_model_len=max_model_len,
+            )
+        except InvalidRequestError as exc:
+            raise BadRequestError(str(exc), param=param) from None
         max_tokens = params.max_tokens if params.max_tokens is not None else max_model_len - len(token_ids)
         limit = self.state.settings.max_completion_tokens_per_prompt
         if params.n * max_tokens > limit:
@@ -173,10 +182,6 @@ class OpenAIServing:
                 f"one prompt, more than this server's limit of {limit}; lower n or max_tokens",
                 param="n" if params.n > 1 else "max_tokens",
             )
-        try:
-            engine.validate_prompt(token_ids, params)
-        except InvalidRequestError as exc:
-            raise BadRequestError(str(exc), param=param) from None
 
     async def encode(self, text: str, *, add_special_tokens: bool, param: str = "prompt") -> list[int]:
         """Token ids of a text that fits the model's context, computed off the event loop."""
@@ -215,7 +220,7 @@ class OpenAIServing:
         vocabulary's longest tokens (twice over, for normalizers that shorten text). Tokenizing millions of
         tokens would take seconds only to refuse them, and building their list would hold the interpreter
         lock, and so the event loop, all that time."""
-        max_model_len = self._max_model_len
+        max_model_len = self.engine_info.max_model_len
         if characters > 2 * longest_token_characters(tokenizer) * max_model_len:
             raise BadRequestError(
                 f"This model's maximum context length is {max_model_len} tokens, but the {param} has "
@@ -225,19 +230,20 @@ class OpenAIServing:
             )
 
     def _check_context(self, num_tokens: int, param: str) -> None:
-        if num_tokens > self._max_model_len:
+        max_model_len = self.engine_info.max_model_len
+        if num_tokens > max_model_len:
             raise BadRequestError(
-                f"This model's maximum context length is {self._max_model_len} tokens, but the {param} has "
+                f"This model's maximum context length is {max_model_len} tokens, but the {param} has "
                 f"{num_tokens} tokens",
                 param=param,
                 code="context_length_exceeded",
             )
 
     @property
-    def _max_model_len(self) -> int:
+    def engine_info(self) -> EngineInfo:
         info = self.state.engine.info
         assert info is not None, "called once the engine is ready"
-        return info.max_model_len
+        return info
 
     def prepare(
         self,
