@@ -68,7 +68,8 @@ class EngineCore:
         self._errors: list[RequestError] = []
         self.num_steps = 0
         logger.info(
-            "engine core ready: model=%s device=%s max_model_len=%d kv_blocks=%d x %d tokens, budget %d",
+            "%s ready: model=%s device=%s max_model_len=%d kv_blocks=%d x %d tokens, budget %d",
+            type(self).__name__,
             config.model,
             self.runner.device,
             self.max_model_len,

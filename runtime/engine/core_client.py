@@ -154,11 +154,18 @@ class EngineCoreClient:
             self._exited.set_result(None)
 
     async def _receive(self) -> None:
-        while True:
-            payload = await self._socket.recv(copy=False)
-            message = self._decoder.decode(payload.buffer)
-            if isinstance(message, EngineCoreOutputs):
-                self._on_outputs(message)
+        try:
+            while True:
+                payload = await self._socket.recv(copy=False)
+                message = self._decoder.decode(payload.buffer)
+                if isinstance(message, EngineCoreOutputs):
+                    self._on_outputs(message)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            # Outputs that cannot be read would leave every request waiting forever.
+            logger.exception("reading the engine core's outputs failed")
+            self._died(f"could not be read from: {type(exc).__name__}: {exc}")
 
     def add_requests(self, requests: list[AddRequest]) -> None:
         for request in requests:

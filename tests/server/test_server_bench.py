@@ -6,10 +6,13 @@ import json
 import math
 import subprocess
 import sys
+import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import click
+import httpx
 import pytest
 from kvfleet.runtime.bench.serve import OVERLOAD_MIX, BenchSettings, parse_tier_mix
 from kvfleet.runtime.bench.serve_client import build_workload
@@ -99,3 +102,23 @@ def test_bench_serve_against_a_server(api_server: ServerProcess, tmp_path: Path)
     expected_tiers = {r.tier for r in workload}
     assert set(result["per_tier"]) == expected_tiers
     assert sum(tier["completed"] for tier in result["per_tier"].values()) == 12
+
+
+def test_static_server_serves_with_the_static_batching_core(
+    start_server: Callable[..., ServerProcess],
+) -> None:
+    # What static batching admits when is proven on the core itself (tests/runtime/engine/test_engine_core.py).
+    server = start_server("--max-num-seqs", "2", command=("bench", "static-server"))
+    assert "StaticBatchingEngineCore ready" in server.log_tail(80)
+    replies = []
+
+    def complete() -> None:
+        body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 20, "ignore_eos": True}
+        replies.append(httpx.post(f"{server.url}/v1/completions", json=body, timeout=120))
+
+    threads = [threading.Thread(target=complete) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert [reply.json()["usage"]["completion_tokens"] for reply in replies] == [20, 20, 20]
