@@ -107,7 +107,7 @@ def test_bench_serve_against_a_server(api_server: ServerProcess, tmp_path: Path)
 def test_static_server_serves_with_the_static_batching_core(
     start_server: Callable[..., ServerProcess],
 ) -> None:
-    # What static batching admits when is proven on the core itself (tests/runtime/engine/test_engine_core.py).
+    # When static batching admits what is proven on the core (tests/runtime/engine/test_engine_core.py).
     server = start_server("--max-num-seqs", "2", command=("bench", "static-server"))
     assert "StaticBatchingEngineCore ready" in server.log_tail(80)
     replies = []
