@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import yaml
 from kvfleet.operator.kube import PLURALS
+from kvfleet.operator.scrape import DEFAULT_MAX_PAGE_BYTES
 from kvfleet.operator.tiers import TIERS
 
 CHART = Path(__file__).resolve().parents[2] / "charts" / "kvfleet"
@@ -148,6 +149,7 @@ def test_helm_template_cluster_wide(helm: Path) -> None:
     container = deployment["spec"]["template"]["spec"]["containers"][0]
     assert container["image"] == "kvfleet/operator:0.1.0"
     assert container["command"] == ["kvfleet", "--log-level", "info", "operator"]
+    assert f"--scrape-max-bytes={DEFAULT_MAX_PAGE_BYTES}" in container["args"]
     assert "--peering-name=kvfleet" in container["args"] and not any(
         "--namespace" in a for a in container["args"]
     )
