@@ -119,6 +119,16 @@ INVALID: list[tuple[str, dict[str, Any], list[str]]] = [
         [IS_INVALID, "spec.scaling.minReplicas", "should be greater than or equal to 1"],
     ),
     (
+        "api-key-in-env",
+        {**VALID_SPEC, "engine": {"apiKeySecret": "key", "env": [{"name": "KVFLEET_API_KEY", "value": "x"}]}},
+        [IS_INVALID, "spec.engine.env[0]", "engine.env must not set KVFLEET_API_KEY"],
+    ),
+    (
+        "api-key-flag",
+        {**VALID_SPEC, "engine": {"apiKeySecret": "key", "extraArgs": ["--api-key", "x"]}},
+        [IS_INVALID, "spec.engine.extraArgs[0]", "engine.extraArgs must not pass --api-key"],
+    ),
+    (
         # kubectl asks the server for strict field validation: a typo is an error, not silently pruned.
         "unknown-field",
         {**VALID_SPEC, "scaling": {"maxReplica": 3}},

@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, cast
 
+from kvfleet.operator.api import API_KEY_ENV, API_KEY_FLAG
 from kvfleet.operator.model_uri import ModelSource, ModelURIError, parse_model_uri
 from kvfleet.operator.tiers import TIER_NAMES, TierName
 
@@ -19,6 +20,8 @@ PULL_POLICIES: tuple[PullPolicy, ...] = ("Always", "IfNotPresent", "Never")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 BLOCK_SIZES = (8, 16, 32, 64, 128)
+# Whoever may edit a service but not read its Secret must not be able to choose the key clients need.
+_API_KEY_SOURCE = "the key comes from the Secret named in spec.engine.apiKeySecret"
 
 
 class SpecError(ValueError):
@@ -153,6 +156,15 @@ def _parse_engine(section: _Section) -> EngineSpec:
     for index, item in enumerate(section.list("env")):
         entry = _Section(item, f"{section.path}.env[{index}]")
         env_items.append((entry.required_string("name"), entry.string("value") or ""))
+        if env_items[-1][0] == API_KEY_ENV:
+            raise SpecError("InvalidSpec", f"{entry.path} must not set {API_KEY_ENV}: {_API_KEY_SOURCE}")
+    extra_args = section.strings("extraArgs")
+    for index, arg in enumerate(extra_args):
+        if arg == API_KEY_FLAG or arg.startswith(f"{API_KEY_FLAG}="):
+            raise SpecError(
+                "InvalidSpec",
+                f"{section.path}.extraArgs[{index}] must not pass {API_KEY_FLAG}: {_API_KEY_SOURCE}",
+            )
     return EngineSpec(
         image=section.string("image"),
         image_pull_policy=cast(
@@ -174,7 +186,7 @@ def _parse_engine(section: _Section) -> EngineSpec:
             "startupTimeoutSeconds", defaults.startup_timeout_seconds, 30
         ),
         api_key_secret=section.string("apiKeySecret"),
-        extra_args=tuple(section.strings("extraArgs")),
+        extra_args=tuple(extra_args),
         env=tuple(env_items),
     )
 

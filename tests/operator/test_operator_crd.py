@@ -118,6 +118,23 @@ INVALID = {
     "unknown field": (with_spec(engine={"maxBatchSize": 8}), ".spec.engine.maxBatchSize: unknown field"),
     "bad quantity": (with_spec(resources={"memory": "lots"}), ".spec.resources.memory: should match"),
     "missing model": ({**MINIMAL, "spec": {}}, ".spec.model: Required value"),
+    "api key in env": (
+        with_spec(
+            engine={
+                "apiKeySecret": "m-key",
+                "env": [{"name": "OMP_NUM_THREADS", "value": "1"}, {"name": "KVFLEET_API_KEY", "value": "k"}],
+            }
+        ),
+        ".spec.engine.env[1]: Invalid value: engine.env must not set KVFLEET_API_KEY",
+    ),
+    "api key flag": (
+        with_spec(engine={"extraArgs": ["--seed", "1", "--api-key", "k"]}),
+        ".spec.engine.extraArgs[2]: Invalid value: engine.extraArgs must not pass --api-key",
+    ),
+    "api key flag with its value": (
+        with_spec(engine={"extraArgs": ["--api-key=k"]}),
+        ".spec.engine.extraArgs[0]: Invalid value: engine.extraArgs must not pass --api-key",
+    ),
 }
 
 
@@ -130,7 +147,17 @@ def test_invalid_objects_are_rejected(case: tuple[dict[str, Any], str], crd_vali
 
 
 @pytest.mark.parametrize(
-    "name", ["min over max", "unknown tier", "gpus as string", "hf without name", "fewer gpus than tp"]
+    "name",
+    [
+        "min over max",
+        "unknown tier",
+        "gpus as string",
+        "hf without name",
+        "fewer gpus than tp",
+        "api key in env",
+        "api key flag",
+        "api key flag with its value",
+    ],
 )
 def test_operator_rejects_what_the_schema_rejects(name: str) -> None:
     # Objects that predate a CRD upgrade skip the server's checks; the operator must not render them.
@@ -142,3 +169,15 @@ def test_operator_rejects_what_the_schema_rejects(name: str) -> None:
 def test_fixed_replicas_may_be_zero(crd_validator: Any) -> None:
     _, errors = crd_validator.admit(with_spec(scaling={"replicas": 0}))
     assert errors == []
+
+
+def test_variables_and_flags_near_the_api_key_are_admitted(crd_validator: Any) -> None:
+    engine = {
+        "apiKeySecret": "m-key",
+        "env": [{"name": "KVFLEET_API_KEY_FILE", "value": "x"}, {"name": "OMP_NUM_THREADS", "value": "1"}],
+        "extraArgs": ["--api-key-header", "--seed", "7"],
+    }
+    obj = with_spec(engine=engine)
+    _, errors = crd_validator.admit(obj)
+    assert errors == []
+    assert parse_spec(obj["spec"], name="m").engine.api_key_secret == "m-key"
