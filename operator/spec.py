@@ -7,6 +7,7 @@ upgrade, or by a server without CEL, reach the operator too.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, cast
@@ -20,6 +21,10 @@ PULL_POLICIES: tuple[PullPolicy, ...] = ("Always", "IfNotPresent", "Never")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 BLOCK_SIZES = (8, 16, 32, 64, 128)
+# The children take the resource's name: a Service's must be a DNS-1035 label, and a label value is at most
+# 63 characters.
+MAX_NAME_LENGTH = 63
+_DNS_1035_LABEL = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
 # Whoever may edit a service but not read its Secret must not be able to choose the key clients need.
 _API_KEY_SOURCE = "the key comes from the Secret named in spec.engine.apiKeySecret"
 
@@ -117,6 +122,13 @@ class InferenceServiceSpec:
 
 def parse_spec(spec: Mapping[str, Any], *, name: str) -> InferenceServiceSpec:
     """Typed spec of the resource `name`; raises SpecError with a user-facing message."""
+    if len(name) > MAX_NAME_LENGTH or not _DNS_1035_LABEL.fullmatch(name):
+        raise SpecError(
+            "InvalidSpec",
+            f"metadata.name must be a DNS-1035 label of at most {MAX_NAME_LENGTH} characters (lowercase "
+            "letters, digits and '-', starting with a letter and ending with a letter or digit): the Service "
+            "and the labels of the pods take the name",
+        )
     root = _Section(spec, "spec")
     engine = _parse_engine(root.section("engine"))
     return InferenceServiceSpec(
