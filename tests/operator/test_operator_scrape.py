@@ -6,6 +6,7 @@ import asyncio
 import socket
 import subprocess
 import sys
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import aiohttp
@@ -71,6 +72,21 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+async def serve_replica(pod: str, handler: Handler) -> tuple[web.AppRunner, ScrapeTarget]:
+    """A real HTTP server on loopback answering /metrics with `handler`; clean the runner up when done."""
+    app = web.Application()
+    app.router.add_get("/metrics", handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    await web.SockSite(runner, listener).start()
+    return runner, ScrapeTarget(pod, "127.0.0.1", listener.getsockname()[1])
+
+
 def test_scrapes_a_fleet_with_failing_replicas() -> None:
     asyncio.run(_scrape_fleet())
 
@@ -98,18 +114,12 @@ async def _scrape_fleet() -> None:
         await asyncio.sleep(1)
         return web.Response(text="kvfleet:num_requests_waiting 1\nkvfleet:num_requests_running 1\n")
 
-    runners = []
-    targets = []
-    for index, handler in enumerate([healthy, broken, no_queue_metrics, slow]):
-        app = web.Application()
-        app.router.add_get("/metrics", handler)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        listener = socket.socket()
-        listener.bind(("127.0.0.1", 0))
-        await web.SockSite(runner, listener).start()
-        runners.append(runner)
-        targets.append(ScrapeTarget(f"pod-{index}", "127.0.0.1", listener.getsockname()[1]))
+    served = [
+        await serve_replica(f"pod-{index}", handler)
+        for index, handler in enumerate([healthy, broken, no_queue_metrics, slow])
+    ]
+    runners = [runner for runner, _ in served]
+    targets = [target for _, target in served]
     targets.append(ScrapeTarget("pod-gone", "127.0.0.1", _free_port()))
     try:
         async with aiohttp.ClientSession() as session:
@@ -141,14 +151,7 @@ async def _late_histogram() -> None:
     async def metrics(_: web.Request) -> web.Response:
         return web.Response(text=page["text"])
 
-    app = web.Application()
-    app.router.add_get("/metrics", metrics)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    await web.SockSite(runner, listener).start()
-    target = ScrapeTarget("pod", "127.0.0.1", listener.getsockname()[1])
+    runner, target = await serve_replica("pod", metrics)
     try:
         async with aiohttp.ClientSession() as session:
             scraper = FleetScraper(session, timeout_seconds=1)
@@ -194,18 +197,14 @@ async def _capped_pages() -> None:
     async def just_within(_: web.Request) -> web.Response:
         return web.Response(text=within)
 
-    runners = []
-    targets = []
-    for index, handler in enumerate([declared_too_long, chunked_too_long, compressed_too_long, just_within]):
-        app = web.Application()
-        app.router.add_get("/metrics", handler)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        listener = socket.socket()
-        listener.bind(("127.0.0.1", 0))
-        await web.SockSite(runner, listener).start()
-        runners.append(runner)
-        targets.append(ScrapeTarget(f"pod-{index}", "127.0.0.1", listener.getsockname()[1]))
+    served = [
+        await serve_replica(f"pod-{index}", handler)
+        for index, handler in enumerate(
+            [declared_too_long, chunked_too_long, compressed_too_long, just_within]
+        )
+    ]
+    runners = [runner for runner, _ in served]
+    targets = [target for _, target in served]
     try:
         async with aiohttp.ClientSession() as session:
             scraper = FleetScraper(session, timeout_seconds=10, max_page_bytes=cap)
