@@ -238,15 +238,8 @@ def _join(items: celpy.celtypes.ListType, separator: celpy.celtypes.StringType) 
     return celpy.celtypes.StringType(separator.join(items))
 
 
-POLICY_VALUES = {
-    "admissionPolicy": {
-        "enabled": True,
-        "hostPath": {"namespaces": ["ml-lab"], "pathPrefixes": ["/var/lib/kvfleet/models/"]},
-        "imagePrefixes": ["registry.example.com/kvfleet/"],
-        "tierNamespaces": {"critical": ["serving-prod"], "high": ["serving-prod", "ml-lab"]},
-        "tolerationKeys": ["nvidia.com/gpu", "dedicated"],
-    }
-}
+# The example a platform team starts from: the cases below are its decisions.
+POLICY_VALUES = yaml.safe_load((CHART.parents[1] / "examples" / "admission-policy-values.yaml").read_text())
 
 
 def render_policy(helm: Path, tmp_path: Path, settings: dict[str, Any]) -> list[dict[str, Any]]:
