@@ -25,8 +25,8 @@ TTFT_COUNT = "time_to_first_token_seconds_count"
 _WANTED = {
     prefix + name for prefix in PREFIXES for name in (WAITING, RUNNING, KV_CACHE_USAGE, TTFT_SUM, TTFT_COUNT)
 }
-# A kvfleet replica's page with every SLA tier and finish reason in use is about 150 KB (vLLM's pages are of
-# the same order): room to spare, while a pod that answers without end costs the operator 1 MiB a scrape.
+# A kvfleet replica's page with every SLA tier and finish reason in use is about 150 KB: room to spare, while
+# a pod that answers without end costs the operator 1 MiB a scrape.
 DEFAULT_MAX_PAGE_BYTES = 1024 * 1024
 
 

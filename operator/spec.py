@@ -23,7 +23,7 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")
 BLOCK_SIZES = (8, 16, 32, 64, 128)
 # The children take the resource's name: a Service's must be a DNS-1035 label, and a label value is at most
 # 63 characters.
-MAX_NAME_LENGTH = 63
+_MAX_NAME_LENGTH = 63
 _DNS_1035_LABEL = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
 # Whoever may edit a service but not read its Secret must not be able to choose the key clients need.
 _API_KEY_SOURCE = "the key comes from the Secret named in spec.engine.apiKeySecret"
@@ -122,10 +122,10 @@ class InferenceServiceSpec:
 
 def parse_spec(spec: Mapping[str, Any], *, name: str) -> InferenceServiceSpec:
     """Typed spec of the resource `name`; raises SpecError with a user-facing message."""
-    if len(name) > MAX_NAME_LENGTH or not _DNS_1035_LABEL.fullmatch(name):
+    if len(name) > _MAX_NAME_LENGTH or not _DNS_1035_LABEL.fullmatch(name):
         raise SpecError(
             "InvalidSpec",
-            f"metadata.name must be a DNS-1035 label of at most {MAX_NAME_LENGTH} characters (lowercase "
+            f"metadata.name must be a DNS-1035 label of at most {_MAX_NAME_LENGTH} characters (lowercase "
             "letters, digits and '-', starting with a letter and ending with a letter or digit): the Service "
             "and the labels of the pods take the name",
         )
@@ -167,9 +167,10 @@ def _parse_engine(section: _Section) -> EngineSpec:
     env_items = []
     for index, item in enumerate(section.list("env")):
         entry = _Section(item, f"{section.path}.env[{index}]")
-        env_items.append((entry.required_string("name"), entry.string("value") or ""))
-        if env_items[-1][0] == API_KEY_ENV:
+        env_name = entry.required_string("name")
+        if env_name == API_KEY_ENV:
             raise SpecError("InvalidSpec", f"{entry.path} must not set {API_KEY_ENV}: {_API_KEY_SOURCE}")
+        env_items.append((env_name, entry.string("value") or ""))
     extra_args = section.strings("extraArgs")
     for index, arg in enumerate(extra_args):
         if arg == API_KEY_FLAG or arg.startswith(f"{API_KEY_FLAG}="):
