@@ -12,7 +12,8 @@ import yaml
 
 from e2e.cluster import ApiError, LocalCluster
 from e2e.fleet.chart import EXAMPLES_DIR, OperatorRelease
-from e2e.fleet.manifests import KIND, inference_service, services_path
+from e2e.fleet.manifests import KIND, fake_gpu_service, inference_service, services_path
+from e2e.fleet.observe import service_pods, wait_ready
 
 VALID_SPEC: dict[str, Any] = {"model": {"uri": "hf://acme/model"}}
 
@@ -119,6 +120,16 @@ INVALID: list[tuple[str, dict[str, Any], list[str]]] = [
         [IS_INVALID, "spec.scaling.minReplicas", "should be greater than or equal to 1"],
     ),
     (
+        "api-key-in-env",
+        {**VALID_SPEC, "engine": {"apiKeySecret": "key", "env": [{"name": "KVFLEET_API_KEY", "value": "x"}]}},
+        [IS_INVALID, "spec.engine.env[0]", "engine.env must not set KVFLEET_API_KEY"],
+    ),
+    (
+        "api-key-flag",
+        {**VALID_SPEC, "engine": {"apiKeySecret": "key", "extraArgs": ["--api-key", "x"]}},
+        [IS_INVALID, "spec.engine.extraArgs[0]", "engine.extraArgs must not pass --api-key"],
+    ),
+    (
         # kubectl asks the server for strict field validation: a typo is an error, not silently pruned.
         "unknown-field",
         {**VALID_SPEC, "scaling": {"maxReplica": 3}},
@@ -159,3 +170,52 @@ def test_rejection_is_a_422_with_the_causes(
     assert raised.value.status == 422 and raised.value.reason == "Invalid"
     message = str(raised.value)
     assert "spec.sla.tier" in message and "spec.scaling.minReplicas" in message
+
+
+@pytest.mark.parametrize(
+    ("name", "fragment"),
+    [
+        ("a" * 64, "metadata.name must be at most 63 characters"),
+        ("llama.8b", "metadata.name must be a DNS-1035 label"),
+        ("8b-llama", "metadata.name must be a DNS-1035 label"),
+    ],
+    ids=["too-long", "dotted", "leading-digit"],
+)
+def test_the_server_rejects_names_the_children_cannot_take(
+    local_cluster: LocalCluster,
+    kvfleet_release: OperatorRelease,
+    module_namespace: str,
+    name: str,
+    fragment: str,
+) -> None:
+    """Each is a valid name for a custom resource, but not for the Service the operator would make."""
+    manifest = inference_service(name, VALID_SPEC)
+    result = local_cluster.kubectl(
+        "apply", "-n", module_namespace, "-f", "-", input=yaml.safe_dump(manifest), check=False
+    )
+    assert result.returncode != 0, f"{name} was accepted: {result.stdout}"
+    assert IS_INVALID.format(name=name) in result.stderr and fragment in result.stderr, result.stderr
+
+
+# 63 characters: the longest name a Service (a DNS-1035 label) and a label value can take.
+LONGEST_NAME = "llama-3-1-8b-instruct-" + "x" * 40 + "9"
+
+
+def test_the_longest_name_gets_valid_children(
+    local_cluster: LocalCluster, kvfleet_release: OperatorRelease, namespace: str
+) -> None:
+    """The operator applies every child under the longest allowed name, and the Deployment's ReplicaSet and
+    pod (whose names the controllers derive from it) come up Ready."""
+    assert len(LONGEST_NAME) == 63
+    api = local_cluster.api
+    local_cluster.kubectl(
+        "apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(fake_gpu_service(LONGEST_NAME))
+    )
+    wait_ready(api, namespace, LONGEST_NAME)
+    assert (
+        api.get(f"/api/v1/namespaces/{namespace}/services/{LONGEST_NAME}")["metadata"]["name"] == LONGEST_NAME
+    )
+    budget = api.get(f"/apis/policy/v1/namespaces/{namespace}/poddisruptionbudgets/{LONGEST_NAME}")
+    assert budget["metadata"]["name"] == LONGEST_NAME
+    (pod,) = service_pods(api, namespace, LONGEST_NAME)
+    assert pod["status"]["phase"] == "Running"

@@ -24,3 +24,5 @@ HTTP_PORT = 8000
 HTTP_PORT_NAME = "http"
 # `kvfleet serve` reads its API key from this variable; the pods set it from the apiKeySecret.
 API_KEY_ENV = "KVFLEET_API_KEY"
+# ...or from this flag, which beats the variable: a spec may pass neither itself.
+API_KEY_FLAG = "--api-key"

@@ -64,6 +64,14 @@ logger = logging.getLogger(__name__)
     help="API calls of the service loops in flight at once; the others wait, Deployment applies first.",
 )
 @click.option("--scrape-timeout", type=click.FloatRange(0.1, 30), default=1.5, show_default=True)
+@click.option(
+    "--scrape-max-bytes",
+    type=click.IntRange(min=4096),
+    envvar="KVFLEET_SCRAPE_MAX_BYTES",
+    default=None,
+    help="Bytes of a replica's /metrics page read at most; a larger page is cut off there and counts as a "
+    "failed scrape.  [default: 1048576 (1 MiB)]",
+)
 def operator_command(
     namespaces: tuple[str, ...],
     standalone: bool,
@@ -78,6 +86,7 @@ def operator_command(
     kube_context: str | None,
     api_concurrency: int,
     scrape_timeout: float,
+    scrape_max_bytes: int | None,
 ) -> None:
     """Run the kvfleet operator: InferenceServices in, autoscaled runtime fleets out."""
     import kopf
@@ -87,6 +96,7 @@ def operator_command(
     from kvfleet.operator.context import OperatorContext
     from kvfleet.operator.kube import KubeApi, KubeError, make_api_client
     from kvfleet.operator.render import DEFAULT_RUNTIME_IMAGE, RenderOptions
+    from kvfleet.operator.scrape import DEFAULT_MAX_PAGE_BYTES
 
     if not logging.getLogger().isEnabledFor(logging.DEBUG):
         # kopf logs every handler call and the health endpoint every probe; keep warnings only.
@@ -103,6 +113,7 @@ def operator_command(
         kube=kube,
         render_options=options,
         scrape_timeout_seconds=scrape_timeout,
+        scrape_max_page_bytes=DEFAULT_MAX_PAGE_BYTES if scrape_max_bytes is None else scrape_max_bytes,
         api_concurrency=api_concurrency,
     )
     if not standalone:

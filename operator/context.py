@@ -15,6 +15,7 @@ from kvfleet.operator.dispatch import PriorityDispatcher, Urgency
 from kvfleet.operator.kube import KubeApi, KubeError
 from kvfleet.operator.metrics import OperatorMetrics
 from kvfleet.operator.render import RenderOptions
+from kvfleet.operator.scrape import DEFAULT_MAX_PAGE_BYTES
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +46,7 @@ class OperatorContext:
     kube: KubeApi
     render_options: RenderOptions
     scrape_timeout_seconds: float = 1.5
+    scrape_max_page_bytes: int = DEFAULT_MAX_PAGE_BYTES
     api_concurrency: int = 32
     metrics: OperatorMetrics = field(default_factory=OperatorMetrics)
     session: aiohttp.ClientSession | None = None

@@ -30,7 +30,7 @@ from kvfleet.operator.kube import KubeError
 from kvfleet.operator.metrics import OperatorMetrics
 from kvfleet.operator.observed import DeploymentView, PodView
 from kvfleet.operator.render import Owner, RenderOptions, render_children, service_url
-from kvfleet.operator.scrape import ScrapeTarget
+from kvfleet.operator.scrape import ScrapeFailure, ScrapeTarget
 from kvfleet.operator.spec import InferenceServiceSpec, SpecError, parse_spec
 from kvfleet.operator.status import Observation, build_status, transition_events
 
@@ -43,6 +43,8 @@ IDLE_PASS_SECONDS = 30.0
 # Autoscaler figures alone refresh the status at most this often (they change on every scrape).
 STATUS_REFRESH_SECONDS = 15.0
 MAX_BACKOFF_SECONDS = 300.0
+# The Warning event posted while replicas answer /metrics with more than the operator reads.
+PAGE_TOO_LARGE_REASON = "MetricsPageTooLarge"
 # Status keys the operator writes only sometimes; a merge patch must clear them explicitly.
 _OPTIONAL_STATUS_KEYS = ("autoscaler", "lastScaleTime", "lastScaleReason")
 
@@ -54,7 +56,7 @@ class Cluster(Protocol):
 
 
 class Scraper(Protocol):
-    async def scrape(self, targets: Sequence[ScrapeTarget]) -> list[PodMetrics | None]: ...
+    async def scrape(self, targets: Sequence[ScrapeTarget]) -> list[PodMetrics | ScrapeFailure]: ...
 
 
 # (type, reason, message) -> posted as a Kubernetes Event on the InferenceService.
@@ -180,10 +182,17 @@ class ServiceController:
         self._last_scrape_at = now
         assert self.desired is not None
         targets = [ScrapeTarget(pod.name, pod.ip, HTTP_PORT) for pod in pods if pod.scrapeable and pod.ip]
-        reports = await self.scraper.scrape(targets) if targets else []
-        failed = sum(1 for report in reports if report is None)
+        results = await self.scraper.scrape(targets) if targets else []
+        reports = [result if isinstance(result, PodMetrics) else None for result in results]
+        failed = reports.count(None)
         if failed:
             self.metrics.scrape_failures.labels(self.owner.namespace, self.owner.name).inc(failed)
+        too_large = [
+            target.pod
+            for target, result in zip(targets, results, strict=True)
+            if result is ScrapeFailure.PAGE_TOO_LARGE
+        ]
+        self._report_pages_too_large(too_large)
         sample = aggregate(now, reports, len(targets))
         if sample is not None:
             self.samples.append(sample)
@@ -204,6 +213,18 @@ class ServiceController:
             self.last_scale_time = _timestamp(self.wall_clock())
             self.last_scale_reason = decision.reason
             self.desired = decision.replicas
+
+    def _report_pages_too_large(self, pods: list[str]) -> None:
+        if not pods:
+            self._resolve(PAGE_TOO_LARGE_REASON)
+            return
+        self.metrics.scrape_pages_too_large.labels(self.owner.namespace, self.owner.name).inc(len(pods))
+        message = (
+            "/metrics pages over the operator's byte cap (--scrape-max-bytes) from "
+            f"{', '.join(sorted(pods))}: counted as failed scrapes, read no further than the cap"
+        )
+        if self._warn(PAGE_TOO_LARGE_REASON, message):
+            logger.warning("%s/%s: %s", self.owner.namespace, self.owner.name, message)
 
     async def _apply(
         self, spec: InferenceServiceSpec, generation: int, deployment: DeploymentView | None
@@ -287,11 +308,13 @@ class ServiceController:
             self.events(event_type, reason, message)
         self._last_status, self._last_status_at = status, now
 
-    def _warn(self, reason: str, message: str) -> None:
-        # The same failure every pass would flood the event stream: post it once per distinct message.
-        if self._warned.get(reason) != message:
-            self._warned[reason] = message
-            self.events("Warning", reason, message)
+    def _warn(self, reason: str, message: str) -> bool:
+        """Posts a Warning event; False when the same one was posted last (it would flood the stream)."""
+        if self._warned.get(reason) == message:
+            return False
+        self._warned[reason] = message
+        self.events("Warning", reason, message)
+        return True
 
     def _resolve(self, reason: str) -> None:
         self._warned.pop(reason, None)

@@ -115,7 +115,7 @@ async def fleet_loop(
     controller = ServiceController(
         owner=Owner(name, namespace, uid),
         cluster=context.cluster,
-        scraper=FleetScraper(context.session, context.scrape_timeout_seconds),
+        scraper=FleetScraper(context.session, context.scrape_timeout_seconds, context.scrape_max_page_bytes),
         events=post_event,
         metrics=context.metrics,
         options=lambda: context.render_options,

@@ -58,6 +58,12 @@ class OperatorMetrics:
             _SERVICE,
             registry=self.registry,
         )
+        self.scrape_pages_too_large = Counter(
+            "kvfleet_operator_scrape_pages_too_large",
+            "Replicas whose metrics page passed the operator's byte cap (also counted as scrape failures).",
+            _SERVICE,
+            registry=self.registry,
+        )
         self.api_calls_waiting = Gauge(
             "kvfleet_operator_api_calls_waiting",
             "The service loops' API calls waiting for their turn, by urgency.",
@@ -81,9 +87,16 @@ class OperatorMetrics:
 
     def forget(self, namespace: str, name: str) -> None:
         """Drops a deleted service's series."""
-        for gauge in (self.desired_replicas, self.ready_replicas, self.queue_depth, self.scrape_failures):
+        per_service = (
+            self.desired_replicas,
+            self.ready_replicas,
+            self.queue_depth,
+            self.scrape_failures,
+            self.scrape_pages_too_large,
+        )
+        for metric in per_service:
             with contextlib.suppress(KeyError):
-                gauge.remove(namespace, name)
+                metric.remove(namespace, name)
         for direction in ("up", "down"):
             with contextlib.suppress(KeyError):
                 self.scale_events.remove(namespace, name, direction)

@@ -142,10 +142,13 @@ def _runtime_env(spec: InferenceServiceSpec) -> list[dict[str, Any]]:
     # The root filesystem is read-only: caches (kernels, tokenizers) and temporary files go to the
     # scratch volume, and the runtime never reaches for a model hub itself.
     env: list[dict[str, Any]] = [*_scratch_env(), {"name": "HF_HUB_OFFLINE", "value": "1"}]
+    env += [{"name": name, "value": value} for name, value in spec.engine.env]
     if spec.engine.api_key_secret is not None:
+        # Last, so that the Secret's key wins over any entry of the same name before it (the schema and
+        # parse_spec refuse such entries; this holds however the spec was made).
         secret_ref = {"name": spec.engine.api_key_secret, "key": API_KEY_ENV}
         env.append({"name": API_KEY_ENV, "valueFrom": {"secretKeyRef": secret_ref}})
-    return env + [{"name": name, "value": value} for name, value in spec.engine.env]
+    return env
 
 
 def _scratch_env() -> list[dict[str, str]]:

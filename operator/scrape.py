@@ -1,11 +1,13 @@
 """Reading queue metrics straight from each ready replica's /metrics (no Prometheus in between).
 
 kvfleet's own metric names are read first; vLLM's names are the fallback, so vLLM pods scale too.
+A page is read up to a byte cap and no further: whatever a pod answers, one scrape holds at most that much.
 """
 
 from __future__ import annotations
 
 import asyncio
+import enum
 import ipaddress
 import math
 from collections.abc import Sequence
@@ -23,6 +25,19 @@ TTFT_COUNT = "time_to_first_token_seconds_count"
 _WANTED = {
     prefix + name for prefix in PREFIXES for name in (WAITING, RUNNING, KV_CACHE_USAGE, TTFT_SUM, TTFT_COUNT)
 }
+# A kvfleet replica's page with every SLA tier and finish reason in use is about 150 KB: room to spare, while
+# a pod that answers without end costs the operator 1 MiB a scrape.
+DEFAULT_MAX_PAGE_BYTES = 1024 * 1024
+
+
+class ScrapeFailure(enum.Enum):
+    """Why a replica gave the autoscaler no figures; each one counts as a failed scrape."""
+
+    # Refused, timed out, an error status or a page that is not text.
+    NO_ANSWER = "no answer"
+    NO_QUEUE_METRICS = "no queue metrics"
+    # The page passed the operator's byte cap (--scrape-max-bytes); the rest was never read.
+    PAGE_TOO_LARGE = "page too large"
 
 
 @dataclass(frozen=True)
@@ -91,29 +106,54 @@ def parse_exposition(text: str) -> Exposition:
 class FleetScraper:
     """Scrapes one service's replicas; remembers each replica's TTFT counters to report interval means."""
 
-    def __init__(self, session: aiohttp.ClientSession, timeout_seconds: float) -> None:
+    def __init__(
+        self,
+        session: aiohttp.ClientSession,
+        timeout_seconds: float,
+        max_page_bytes: int = DEFAULT_MAX_PAGE_BYTES,
+    ) -> None:
         self._session = session
         self._timeout = aiohttp.ClientTimeout(total=timeout_seconds)
+        self._max_page_bytes = max_page_bytes
         self._ttft_counters: dict[str, tuple[float, float]] = {}
 
-    async def scrape(self, targets: Sequence[ScrapeTarget]) -> list[PodMetrics | None]:
+    async def scrape(self, targets: Sequence[ScrapeTarget]) -> list[PodMetrics | ScrapeFailure]:
         pages = await asyncio.gather(*(self._fetch(target) for target in targets))
         live = {target.pod for target in targets}
         self._ttft_counters = {pod: value for pod, value in self._ttft_counters.items() if pod in live}
         return [self._to_metrics(target.pod, page) for target, page in zip(targets, pages, strict=True)]
 
-    async def _fetch(self, target: ScrapeTarget) -> Exposition | None:
+    async def _fetch(self, target: ScrapeTarget) -> Exposition | ScrapeFailure:
         try:
             async with self._session.get(target.url, timeout=self._timeout) as response:
                 if response.status != 200:
-                    return None
-                return parse_exposition(await response.text())
-        except (aiohttp.ClientError, TimeoutError, UnicodeDecodeError):
-            return None
+                    return ScrapeFailure.NO_ANSWER
+                body = await self._read_capped(response)
+                if body is None:
+                    return ScrapeFailure.PAGE_TOO_LARGE
+                # The text format is UTF-8; a charset the page names is honoured, as aiohttp's text() does.
+                return parse_exposition(body.decode(response.charset or "utf-8"))
+        except (aiohttp.ClientError, TimeoutError, UnicodeDecodeError, LookupError):
+            return ScrapeFailure.NO_ANSWER
 
-    def _to_metrics(self, pod: str, page: Exposition | None) -> PodMetrics | None:
-        if page is None or page.waiting is None or page.running is None:
+    async def _read_capped(self, response: aiohttp.ClientResponse) -> bytes | None:
+        """The body, read as it arrives; None once it passes the cap, when the connection is closed unread."""
+        if response.content_length is not None and response.content_length > self._max_page_bytes:
+            response.close()
             return None
+        body = bytearray()
+        async for chunk in response.content.iter_any():
+            body += chunk
+            if len(body) > self._max_page_bytes:
+                response.close()
+                return None
+        return bytes(body)
+
+    def _to_metrics(self, pod: str, page: Exposition | ScrapeFailure) -> PodMetrics | ScrapeFailure:
+        if isinstance(page, ScrapeFailure):
+            return page
+        if page.waiting is None or page.running is None:
+            return ScrapeFailure.NO_QUEUE_METRICS
         return PodMetrics(
             waiting=page.waiting,
             running=page.running,

@@ -7,10 +7,12 @@ upgrade, or by a server without CEL, reach the operator too.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, cast
 
+from kvfleet.operator.api import API_KEY_ENV, API_KEY_FLAG
 from kvfleet.operator.model_uri import ModelSource, ModelURIError, parse_model_uri
 from kvfleet.operator.tiers import TIER_NAMES, TierName
 
@@ -19,6 +21,12 @@ PULL_POLICIES: tuple[PullPolicy, ...] = ("Always", "IfNotPresent", "Never")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 BLOCK_SIZES = (8, 16, 32, 64, 128)
+# The children take the resource's name: a Service's must be a DNS-1035 label, and a label value is at most
+# 63 characters.
+_MAX_NAME_LENGTH = 63
+_DNS_1035_LABEL = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
+# Whoever may edit a service but not read its Secret must not be able to choose the key clients need.
+_API_KEY_SOURCE = "the key comes from the Secret named in spec.engine.apiKeySecret"
 
 
 class SpecError(ValueError):
@@ -114,6 +122,13 @@ class InferenceServiceSpec:
 
 def parse_spec(spec: Mapping[str, Any], *, name: str) -> InferenceServiceSpec:
     """Typed spec of the resource `name`; raises SpecError with a user-facing message."""
+    if len(name) > _MAX_NAME_LENGTH or not _DNS_1035_LABEL.fullmatch(name):
+        raise SpecError(
+            "InvalidSpec",
+            f"metadata.name must be a DNS-1035 label of at most {_MAX_NAME_LENGTH} characters (lowercase "
+            "letters, digits and '-', starting with a letter and ending with a letter or digit): the Service "
+            "and the labels of the pods take the name",
+        )
     root = _Section(spec, "spec")
     engine = _parse_engine(root.section("engine"))
     return InferenceServiceSpec(
@@ -152,7 +167,17 @@ def _parse_engine(section: _Section) -> EngineSpec:
     env_items = []
     for index, item in enumerate(section.list("env")):
         entry = _Section(item, f"{section.path}.env[{index}]")
-        env_items.append((entry.required_string("name"), entry.string("value") or ""))
+        env_name = entry.required_string("name")
+        if env_name == API_KEY_ENV:
+            raise SpecError("InvalidSpec", f"{entry.path} must not set {API_KEY_ENV}: {_API_KEY_SOURCE}")
+        env_items.append((env_name, entry.string("value") or ""))
+    extra_args = section.strings("extraArgs")
+    for index, arg in enumerate(extra_args):
+        if arg == API_KEY_FLAG or arg.startswith(f"{API_KEY_FLAG}="):
+            raise SpecError(
+                "InvalidSpec",
+                f"{section.path}.extraArgs[{index}] must not pass {API_KEY_FLAG}: {_API_KEY_SOURCE}",
+            )
     return EngineSpec(
         image=section.string("image"),
         image_pull_policy=cast(
@@ -174,7 +199,7 @@ def _parse_engine(section: _Section) -> EngineSpec:
             "startupTimeoutSeconds", defaults.startup_timeout_seconds, 30
         ),
         api_key_secret=section.string("apiKeySecret"),
-        extra_args=tuple(section.strings("extraArgs")),
+        extra_args=tuple(extra_args),
         env=tuple(env_items),
     )
 

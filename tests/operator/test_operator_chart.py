@@ -8,9 +8,11 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+import celpy
 import pytest
 import yaml
 from kvfleet.operator.kube import PLURALS
+from kvfleet.operator.scrape import DEFAULT_MAX_PAGE_BYTES
 from kvfleet.operator.tiers import TIERS
 
 CHART = Path(__file__).resolve().parents[2] / "charts" / "kvfleet"
@@ -148,6 +150,7 @@ def test_helm_template_cluster_wide(helm: Path) -> None:
     container = deployment["spec"]["template"]["spec"]["containers"][0]
     assert container["image"] == "kvfleet/operator:0.1.0"
     assert container["command"] == ["kvfleet", "--log-level", "info", "operator"]
+    assert f"--scrape-max-bytes={DEFAULT_MAX_PAGE_BYTES}" in container["args"]
     assert "--peering-name=kvfleet" in container["args"] and not any(
         "--namespace" in a for a in container["args"]
     )
@@ -193,3 +196,216 @@ def test_helm_template_namespaced(helm: Path) -> None:
     (rule,) = [d for d in docs if d["kind"] == "PrometheusRule"]
     assert rule["metadata"]["labels"]["release"] == "prometheus", "the label Prometheus selects rules by"
     assert rule["spec"]["groups"] == yaml.safe_load((CHART / "files" / "alerts.yaml").read_text())
+
+
+class AdmissionPolicy:
+    """A rendered ValidatingAdmissionPolicy evaluated as the API server does: its match conditions, then its
+    variables in order, then each validation, whose message expression is evaluated when it fails."""
+
+    def __init__(self, policy: dict[str, Any]) -> None:
+        self.spec = policy["spec"]
+        self._cel = celpy.Environment()
+
+    def review(self, obj: dict[str, Any], namespace: str, old: dict[str, Any] | None = None) -> list[str]:
+        """The messages of the validations the object fails; empty when it is admitted."""
+        request = {"operation": "CREATE" if old is None else "UPDATE", "namespace": namespace}
+        activation = {
+            "object": celpy.json_to_cel(obj),
+            "oldObject": celpy.json_to_cel(old),
+            "request": celpy.json_to_cel(request),
+        }
+        if not all(self._evaluate(c["expression"], activation) for c in self.spec.get("matchConditions", [])):
+            return []
+        variables: dict[str, Any] = {}
+        for variable in self.spec.get("variables", []):
+            variables[variable["name"]] = self._evaluate(
+                variable["expression"], {**activation, "variables": celpy.celtypes.MapType(variables)}
+            )
+        activation["variables"] = celpy.celtypes.MapType(variables)
+        return [
+            str(self._evaluate(check["messageExpression"], activation))
+            for check in self.spec["validations"]
+            if not self._evaluate(check["expression"], activation)
+        ]
+
+    def _evaluate(self, expression: str, activation: dict[str, Any]) -> Any:
+        program = self._cel.program(self._cel.compile(expression), functions={"join": _join})
+        return program.evaluate(activation)
+
+
+def _join(items: celpy.celtypes.ListType, separator: celpy.celtypes.StringType) -> celpy.celtypes.StringType:
+    """CEL's strings extension (which Kubernetes enables): list(string).join(separator)."""
+    return celpy.celtypes.StringType(separator.join(items))
+
+
+# The example a platform team starts from: the cases below are its decisions.
+POLICY_VALUES = yaml.safe_load((CHART.parents[1] / "examples" / "admission-policy-values.yaml").read_text())
+
+
+def render_policy(helm: Path, tmp_path: Path, settings: dict[str, Any]) -> list[dict[str, Any]]:
+    values = tmp_path / "values.yaml"
+    values.write_text(yaml.safe_dump(settings))
+    out = run_helm(helm, "template", "kv", str(CHART), "-n", "ops", "-f", str(values))
+    return [d for d in yaml.safe_load_all(out) if d and d["kind"].startswith("ValidatingAdmissionPolicy")]
+
+
+def service_in(crd_validator: Any, **spec: Any) -> dict[str, Any]:
+    """An InferenceService as admission sees it: after the schema's defaults."""
+    obj = {"apiVersion": "kvfleet.dev/v1alpha1", "kind": "InferenceService", "metadata": {"name": "m"}}
+    defaulted, errors = crd_validator.admit({**obj, "spec": {"model": {"uri": "hf://org/model"}, **spec}})
+    assert errors == []
+    return defaulted
+
+
+def test_the_admission_policy_is_off_by_default(helm: Path, tmp_path: Path) -> None:
+    assert render_policy(helm, tmp_path, {}) == []
+
+
+def test_the_admission_policy_and_its_binding(helm: Path, tmp_path: Path) -> None:
+    policy, binding = render_policy(helm, tmp_path, POLICY_VALUES)
+    assert (policy["apiVersion"], binding["apiVersion"]) == ("admissionregistration.k8s.io/v1",) * 2
+    assert binding["spec"] == {"policyName": policy["metadata"]["name"], "validationActions": ["Deny"]}
+    assert policy["spec"]["failurePolicy"] == "Fail"
+    (rule,) = policy["spec"]["matchConstraints"]["resourceRules"]
+    assert (rule["apiGroups"], rule["resources"]) == (["kvfleet.dev"], ["inferenceservices"])
+    # The allowed values stand in the policy itself, as literals; a trailing "/" of a path is dropped.
+    variables = {v["name"]: v["expression"] for v in policy["spec"]["variables"]}
+    assert variables["hostPathPrefixes"] == '["/var/lib/kvfleet/models"]'
+    assert variables["tierNamespaces"] == '{"critical":["serving-prod"],"high":["serving-prod","ml-lab"]}'
+
+
+HOST_PATH_MODEL = {"uri": "file:///var/lib/kvfleet/models/tiny", "hostPath": True}
+# (what, namespace, spec, the message of the refusal or None when admitted)
+POLICY_CASES: list[tuple[str, str, dict[str, Any], str | None]] = [
+    ("plain service", "team-a", {}, None),
+    ("hostPath where allowed", "ml-lab", {"model": HOST_PATH_MODEL}, None),
+    (
+        "the allowed folder itself",
+        "ml-lab",
+        {"model": {"uri": "file:///var/lib/kvfleet/models", "hostPath": True}},
+        None,
+    ),
+    ("a path in the image, not the node", "team-a", {"model": {"uri": "file:///etc/passwd"}}, None),
+    (
+        "hostPath in another namespace",
+        "team-a",
+        {"model": HOST_PATH_MODEL},
+        "spec.model.hostPath: InferenceServices in namespace team-a may not mount a node path; allowed only"
+        " in: ml-lab",
+    ),
+    (
+        "hostPath outside the prefixes",
+        "ml-lab",
+        {"model": {"uri": "file:///etc/kubernetes", "hostPath": True}},
+        "spec.model.uri: file:///etc/kubernetes would mount a node path outside the allowed ones"
+        " (/var/lib/kvfleet/models)",
+    ),
+    (
+        "a sibling folder that shares the prefix",
+        "ml-lab",
+        {"model": {"uri": "file:///var/lib/kvfleet/models-private/x", "hostPath": True}},
+        "would mount a node path outside the allowed ones",
+    ),
+    (
+        "climbing out of the prefix",
+        "ml-lab",
+        {"model": {"uri": "file:///var/lib/kvfleet/models/../../../etc", "hostPath": True}},
+        "would mount a node path outside the allowed ones",
+    ),
+    ("critical where allowed", "serving-prod", {"sla": {"tier": "critical"}}, None),
+    ("high where allowed", "ml-lab", {"sla": {"tier": "high"}}, None),
+    ("an unrestricted tier", "team-a", {"sla": {"tier": "batch"}}, None),
+    (
+        "critical elsewhere",
+        "team-a",
+        {"sla": {"tier": "critical"}},
+        "spec.sla.tier: the critical tier (PriorityClass kvfleet-critical) may not be claimed in namespace"
+        " team-a; allowed only in: serving-prod",
+    ),
+    ("an allowed image", "team-a", {"engine": {"image": "registry.example.com/kvfleet/runtime:1"}}, None),
+    (
+        "another registry",
+        "team-a",
+        {"engine": {"image": "docker.io/someone/miner:latest"}},
+        "spec.engine.image: docker.io/someone/miner:latest is not allowed; an image must start with one of:"
+        " registry.example.com/kvfleet/",
+    ),
+    (
+        "a look-alike repository",
+        "team-a",
+        {"engine": {"image": "registry.example.com/kvfleet-other/runtime:1"}},
+        "is not allowed",
+    ),
+    (
+        "allowed tolerations",
+        "team-a",
+        {
+            "resources": {
+                "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists"}, {"key": "dedicated"}]
+            }
+        },
+        None,
+    ),
+    (
+        "a toleration of every taint",
+        "team-a",
+        {"resources": {"tolerations": [{"operator": "Exists"}]}},
+        "spec.resources.tolerations: a toleration without a key (every taint) not allowed; the taint keys"
+        " allowed: nvidia.com/gpu, dedicated",
+    ),
+    (
+        "a control-plane toleration",
+        "team-a",
+        {"resources": {"tolerations": [{"key": "node-role.kubernetes.io/control-plane"}]}},
+        "spec.resources.tolerations: key node-role.kubernetes.io/control-plane not allowed",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("namespace", "spec", "refusal"),
+    [case[1:] for case in POLICY_CASES],
+    ids=[case[0] for case in POLICY_CASES],
+)
+def test_the_admission_policy_decides(
+    helm: Path,
+    tmp_path: Path,
+    crd_validator: Any,
+    namespace: str,
+    spec: dict[str, Any],
+    refusal: str | None,
+) -> None:
+    policy, _ = render_policy(helm, tmp_path, POLICY_VALUES)
+    messages = AdmissionPolicy(policy).review(service_in(crd_validator, **spec), namespace)
+    if refusal is None:
+        assert messages == []
+    else:
+        (message,) = messages
+        assert refusal in message
+
+
+def test_the_admission_policy_defaults_refuse_host_paths_and_the_critical_tier(
+    helm: Path, tmp_path: Path, crd_validator: Any
+) -> None:
+    policy, _ = render_policy(helm, tmp_path, {"admissionPolicy": {"enabled": True}})
+    review = AdmissionPolicy(policy).review
+    assert len(policy["spec"]["validations"]) == 3, "images and tolerations are not checked unless listed"
+    assert review(service_in(crd_validator, model=HOST_PATH_MODEL), "default") == [
+        "spec.model.hostPath: InferenceServices in namespace default may not mount a node path; allowed only"
+        " in: no namespace",
+        "spec.model.uri: file:///var/lib/kvfleet/models/tiny would mount a node path outside the allowed ones"
+        " (none)",
+    ]
+    assert review(service_in(crd_validator, sla={"tier": "critical"}), "default") != []
+    assert review(service_in(crd_validator, sla={"tier": "high"}, engine={"image": "x/y:1"}), "default") == []
+
+
+def test_updates_that_keep_the_spec_are_not_judged(helm: Path, tmp_path: Path, crd_validator: Any) -> None:
+    """An object made before the policy keeps working: the operator's finalizer comes and goes."""
+    policy, _ = render_policy(helm, tmp_path, POLICY_VALUES)
+    old = service_in(crd_validator, sla={"tier": "critical"})
+    finalized = {**old, "metadata": {**old["metadata"], "finalizers": ["kvfleet.dev/fleet-loop"]}}
+    review = AdmissionPolicy(policy).review
+    assert review(finalized, "team-a", old=old) == []
+    changed = {**finalized, "spec": {**old["spec"], "engine": {**old["spec"]["engine"], "maxNumSeqs": 8}}}
+    assert review(changed, "team-a", old=finalized) != []

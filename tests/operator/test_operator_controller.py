@@ -17,7 +17,7 @@ from kvfleet.operator.kube import KubeError
 from kvfleet.operator.metrics import OperatorMetrics
 from kvfleet.operator.observed import DeploymentView, PodView
 from kvfleet.operator.render import Owner, RenderOptions, render_children
-from kvfleet.operator.scrape import ScrapeTarget
+from kvfleet.operator.scrape import ScrapeFailure, ScrapeTarget
 
 UID = "uid-1"
 
@@ -39,12 +39,14 @@ class FakeCluster:
 
 @dataclass
 class FakeScraper:
-    per_pod: PodMetrics | None = None
+    per_pod: PodMetrics | ScrapeFailure = ScrapeFailure.NO_ANSWER
+    # Outcomes of particular pods, by name; the others get per_pod.
+    by_pod: dict[str, PodMetrics | ScrapeFailure] = field(default_factory=dict)
     calls: list[list[str]] = field(default_factory=list)
 
-    async def scrape(self, targets: Sequence[ScrapeTarget]) -> list[PodMetrics | None]:
+    async def scrape(self, targets: Sequence[ScrapeTarget]) -> list[PodMetrics | ScrapeFailure]:
         self.calls.append([target.url for target in targets])
-        return [self.per_pod for _ in targets]
+        return [self.by_pod.get(target.pod, self.per_pod) for target in targets]
 
 
 @dataclass
@@ -205,6 +207,38 @@ def test_load_scales_up_with_an_event_and_status() -> None:
     assert status["desiredReplicas"] == 4 and status["lastScaleReason"].startswith("panic")
     assert status["autoscaler"]["queueDepth"] == 14.0 and status["autoscaler"]["panic"] is True
     assert harness.metrics.desired_replicas.labels("ns", "svc")._value.get() == 4
+
+
+def test_pages_over_the_cap_are_failed_scrapes_announced_once() -> None:
+    harness = Harness(service(scaling={"targetQueueDepth": 4, "maxReplicas": 6}))
+    harness.scraper.per_pod = PodMetrics(waiting=2, running=2)
+    harness.scraper.by_pod = {"svc-1": ScrapeFailure.PAGE_TOO_LARGE, "svc-2": ScrapeFailure.PAGE_TOO_LARGE}
+    for _ in range(3):
+        harness.clock.now += 2
+        harness.run(deployment_at(3), ready_pods(3))
+    registry = harness.metrics.registry
+    series = {"namespace": "ns", "name": "svc"}
+    assert registry.get_sample_value("kvfleet_operator_scrape_failures_total", series) == 6
+    assert registry.get_sample_value("kvfleet_operator_scrape_pages_too_large_total", series) == 6
+    warnings = [event for event in harness.events if event[1] == "MetricsPageTooLarge"]
+    assert warnings == [
+        (
+            "Warning",
+            "MetricsPageTooLarge",
+            "/metrics pages over the operator's byte cap (--scrape-max-bytes) from svc-1, svc-2: counted as "
+            "failed scrapes, read no further than the cap",
+        )
+    ], "posted once while the same pods stay over the cap"
+    status = harness.cluster.statuses[-1]
+    assert status["autoscaler"]["reportingPods"] == 1, "only the replica that answered within the cap"
+    # Once the pages fit again the warning is cleared, so a later relapse is announced anew.
+    harness.scraper.by_pod = {}
+    harness.clock.now += 2
+    harness.run(deployment_at(3), ready_pods(3))
+    harness.scraper.by_pod = {"svc-1": ScrapeFailure.PAGE_TOO_LARGE, "svc-2": ScrapeFailure.PAGE_TOO_LARGE}
+    harness.clock.now += 2
+    harness.run(deployment_at(3), ready_pods(3))
+    assert harness.reasons().count("MetricsPageTooLarge") == 2
 
 
 def test_pods_that_cannot_report_are_not_scraped() -> None:

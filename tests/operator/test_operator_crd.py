@@ -19,6 +19,14 @@ MINIMAL: dict[str, Any] = {
 }
 
 
+def named(name: str) -> dict[str, Any]:
+    return {**copy.deepcopy(MINIMAL), "metadata": {"name": name}}
+
+
+# The longest name the children can take: a Service name is a DNS-1035 label of 63 characters at most.
+LONGEST_NAME = "llama-3-1-8b-instruct-" + "x" * 40 + "9"
+
+
 def with_spec(**sections: Any) -> dict[str, Any]:
     obj = copy.deepcopy(MINIMAL)
     for name, value in sections.items():
@@ -118,6 +126,26 @@ INVALID = {
     "unknown field": (with_spec(engine={"maxBatchSize": 8}), ".spec.engine.maxBatchSize: unknown field"),
     "bad quantity": (with_spec(resources={"memory": "lots"}), ".spec.resources.memory: should match"),
     "missing model": ({**MINIMAL, "spec": {}}, ".spec.model: Required value"),
+    "name too long": (named(LONGEST_NAME + "a"), "metadata.name must be at most 63 characters"),
+    "name with a dot": (named("llama.8b"), "metadata.name must be a DNS-1035 label"),
+    "name starting with a digit": (named("8b-llama"), "metadata.name must be a DNS-1035 label"),
+    "api key in env": (
+        with_spec(
+            engine={
+                "apiKeySecret": "m-key",
+                "env": [{"name": "OMP_NUM_THREADS", "value": "1"}, {"name": "KVFLEET_API_KEY", "value": "k"}],
+            }
+        ),
+        ".spec.engine.env[1]: Invalid value: engine.env must not set KVFLEET_API_KEY",
+    ),
+    "api key flag": (
+        with_spec(engine={"extraArgs": ["--seed", "1", "--api-key", "k"]}),
+        ".spec.engine.extraArgs[2]: Invalid value: engine.extraArgs must not pass --api-key",
+    ),
+    "api key flag with its value": (
+        with_spec(engine={"extraArgs": ["--api-key=k"]}),
+        ".spec.engine.extraArgs[0]: Invalid value: engine.extraArgs must not pass --api-key",
+    ),
 }
 
 
@@ -130,15 +158,48 @@ def test_invalid_objects_are_rejected(case: tuple[dict[str, Any], str], crd_vali
 
 
 @pytest.mark.parametrize(
-    "name", ["min over max", "unknown tier", "gpus as string", "hf without name", "fewer gpus than tp"]
+    "name",
+    [
+        "min over max",
+        "unknown tier",
+        "gpus as string",
+        "hf without name",
+        "fewer gpus than tp",
+        "name too long",
+        "name with a dot",
+        "name starting with a digit",
+        "api key in env",
+        "api key flag",
+        "api key flag with its value",
+    ],
 )
 def test_operator_rejects_what_the_schema_rejects(name: str) -> None:
     # Objects that predate a CRD upgrade skip the server's checks; the operator must not render them.
     obj, _ = INVALID[name]
     with pytest.raises(SpecError):
-        parse_spec(obj["spec"], name="m")
+        parse_spec(obj["spec"], name=obj["metadata"]["name"])
 
 
 def test_fixed_replicas_may_be_zero(crd_validator: Any) -> None:
     _, errors = crd_validator.admit(with_spec(scaling={"replicas": 0}))
     assert errors == []
+
+
+def test_variables_and_flags_near_the_api_key_are_admitted(crd_validator: Any) -> None:
+    engine = {
+        "apiKeySecret": "m-key",
+        "env": [{"name": "KVFLEET_API_KEY_FILE", "value": "x"}, {"name": "OMP_NUM_THREADS", "value": "1"}],
+        "extraArgs": ["--api-key-header", "--seed", "7"],
+    }
+    obj = with_spec(engine=engine)
+    _, errors = crd_validator.admit(obj)
+    assert errors == []
+    assert parse_spec(obj["spec"], name="m").engine.api_key_secret == "m-key"
+
+
+def test_the_longest_name_is_admitted(crd_validator: Any) -> None:
+    assert len(LONGEST_NAME) == 63
+    for name in (LONGEST_NAME, "a", "x-1"):
+        _, errors = crd_validator.admit(named(name))
+        assert errors == [], name
+        assert parse_spec(MINIMAL["spec"], name=name).model.served_name == name

@@ -5,6 +5,7 @@ Regenerate the golden files after an intended change with KVFLEET_UPDATE_GOLDEN=
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 from pathlib import Path
@@ -12,7 +13,7 @@ from typing import Any
 
 import pytest
 import yaml
-from kvfleet.operator.api import API_VERSION, HTTP_PORT, KIND, SERVICE_LABEL
+from kvfleet.operator.api import API_KEY_ENV, API_VERSION, HTTP_PORT, KIND, SERVICE_LABEL
 from kvfleet.operator.render import Owner, RenderOptions, render_children, service_url
 from kvfleet.operator.render_pod import PRESTOP_DELAY_SECONDS, runtime_args
 from kvfleet.operator.spec import InferenceServiceSpec, parse_spec
@@ -213,3 +214,26 @@ def test_replicas_and_service_monitor_toggle() -> None:
     custom = render_children(owner, spec, 1, RenderOptions(runtime_image="example/runtime:dev"))
     assert custom[0]["spec"]["template"]["spec"]["containers"][0]["image"] == "example/runtime:dev"
     assert service_url(owner, RenderOptions()) == "http://svc.ns.svc.cluster.local"
+
+
+def test_the_api_key_secret_comes_after_every_user_variable() -> None:
+    """The schema and parse_spec refuse a user KVFLEET_API_KEY; should one reach the renderer all the same,
+    the Secret's entry is the later one, which is the value a container gets."""
+    spec = parse_spec(
+        {
+            "model": {"uri": "file:///m"},
+            "engine": {"apiKeySecret": "svc-key", "env": [{"name": "OMP_NUM_THREADS", "value": "1"}]},
+        },
+        name="svc",
+    )
+    smuggled = dataclasses.replace(
+        spec.engine, env=((API_KEY_ENV, "chosen-by-the-spec"), *spec.engine.env, ("TZ", "UTC"))
+    )
+    for engine in (spec.engine, smuggled):
+        env = runtime_container(
+            render_children(Owner("svc", "ns", UID), dataclasses.replace(spec, engine=engine), 1, OPTIONS)
+        )["env"]
+        assert env[-1] == {
+            "name": API_KEY_ENV,
+            "valueFrom": {"secretKeyRef": {"name": "svc-key", "key": API_KEY_ENV}},
+        }

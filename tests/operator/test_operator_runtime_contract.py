@@ -22,6 +22,7 @@ import httpx
 import pytest
 import yaml
 from kvfleet.operator.api import API_KEY_ENV
+from kvfleet.operator.autoscaler import PodMetrics
 from kvfleet.operator.render_pod import pod_template, runtime_args, termination_grace_seconds
 from kvfleet.operator.scrape import FleetScraper, ScrapeTarget
 from kvfleet.operator.spec import parse_spec
@@ -94,9 +95,9 @@ def test_rendered_command_runs_the_real_runtime(make_model: Callable[..., Path],
         before, after = asyncio.run(
             scrape_twice_around_requests(ScrapeTarget("tiny-0", "127.0.0.1", port), base)
         )
-        assert before is not None and (before.waiting, before.running) == (0.0, 0.0)
+        assert isinstance(before, PodMetrics) and (before.waiting, before.running) == (0.0, 0.0)
         assert before.kv_cache_usage is not None
-        assert after is not None and after.ttft_seconds is not None and after.ttft_seconds > 0
+        assert isinstance(after, PodMetrics) and after.ttft_seconds is not None and after.ttft_seconds > 0
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=termination_grace_seconds(spec)) == 0, (
             "drained and exited within the grace"

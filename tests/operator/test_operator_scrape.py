@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import subprocess
+import sys
+from collections.abc import Awaitable, Callable
+from pathlib import Path
 
 import aiohttp
 import pytest
 from aiohttp import web
-from kvfleet.operator.scrape import FleetScraper, ScrapeTarget, parse_exposition
+from kvfleet.operator.autoscaler import PodMetrics
+from kvfleet.operator.scrape import FleetScraper, ScrapeFailure, ScrapeTarget, parse_exposition
 
 KVFLEET_PAGE = """\
 # HELP kvfleet:num_requests_waiting Requests waiting for a batch slot.
@@ -67,6 +72,21 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+async def serve_replica(pod: str, handler: Handler) -> tuple[web.AppRunner, ScrapeTarget]:
+    """A real HTTP server on loopback answering /metrics with `handler`; clean the runner up when done."""
+    app = web.Application()
+    app.router.add_get("/metrics", handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    await web.SockSite(runner, listener).start()
+    return runner, ScrapeTarget(pod, "127.0.0.1", listener.getsockname()[1])
+
+
 def test_scrapes_a_fleet_with_failing_replicas() -> None:
     asyncio.run(_scrape_fleet())
 
@@ -94,32 +114,27 @@ async def _scrape_fleet() -> None:
         await asyncio.sleep(1)
         return web.Response(text="kvfleet:num_requests_waiting 1\nkvfleet:num_requests_running 1\n")
 
-    runners = []
-    targets = []
-    for index, handler in enumerate([healthy, broken, no_queue_metrics, slow]):
-        app = web.Application()
-        app.router.add_get("/metrics", handler)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        listener = socket.socket()
-        listener.bind(("127.0.0.1", 0))
-        await web.SockSite(runner, listener).start()
-        runners.append(runner)
-        targets.append(ScrapeTarget(f"pod-{index}", "127.0.0.1", listener.getsockname()[1]))
+    served = [
+        await serve_replica(f"pod-{index}", handler)
+        for index, handler in enumerate([healthy, broken, no_queue_metrics, slow])
+    ]
+    runners = [runner for runner, _ in served]
+    targets = [target for _, target in served]
     targets.append(ScrapeTarget("pod-gone", "127.0.0.1", _free_port()))
     try:
         async with aiohttp.ClientSession() as session:
             scraper = FleetScraper(session, timeout_seconds=0.3)
             first = await scraper.scrape(targets)
-            assert first[0] is not None and (first[0].waiting, first[0].running) == (4.0, 6.0)
+            assert isinstance(first[0], PodMetrics) and (first[0].waiting, first[0].running) == (4.0, 6.0)
             assert first[0].ttft_seconds is None, "a first scrape has no interval yet"
-            assert first[1:] == [None, None, None, None]
+            no_answer, no_queue = ScrapeFailure.NO_ANSWER, ScrapeFailure.NO_QUEUE_METRICS
+            assert first[1:] == [no_answer, no_queue, no_answer, no_answer]
             ttft["sum"], ttft["count"] = 3.5, 13.0
             second = await scraper.scrape(targets[:1])
-            assert second[0] is not None and second[0].ttft_seconds == 0.5
+            assert isinstance(second[0], PodMetrics) and second[0].ttft_seconds == 0.5
             ttft["sum"], ttft["count"] = 0.2, 1.0
             restarted = await scraper.scrape(targets[:1])
-            assert restarted[0] is not None and restarted[0].ttft_seconds is None
+            assert isinstance(restarted[0], PodMetrics) and restarted[0].ttft_seconds is None
 
     finally:
         for runner in runners:
@@ -136,25 +151,137 @@ async def _late_histogram() -> None:
     async def metrics(_: web.Request) -> web.Response:
         return web.Response(text=page["text"])
 
-    app = web.Application()
-    app.router.add_get("/metrics", metrics)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    await web.SockSite(runner, listener).start()
-    target = ScrapeTarget("pod", "127.0.0.1", listener.getsockname()[1])
+    runner, target = await serve_replica("pod", metrics)
     try:
         async with aiohttp.ClientSession() as session:
             scraper = FleetScraper(session, timeout_seconds=1)
             (first,) = await scraper.scrape([target])
-            assert first is not None and first.ttft_seconds is None
+            assert isinstance(first, PodMetrics) and first.ttft_seconds is None
             # A labelled histogram has no series until the replica's first request.
             page["text"] += (
                 'kvfleet:time_to_first_token_seconds_sum{tier="standard"} 0.6\n'
                 'kvfleet:time_to_first_token_seconds_count{tier="standard"} 2\n'
             )
             (second,) = await scraper.scrape([target])
-            assert second is not None and second.ttft_seconds == pytest.approx(0.3)
+            assert isinstance(second, PodMetrics) and second.ttft_seconds == pytest.approx(0.3)
     finally:
         await runner.cleanup()
+
+
+def test_a_page_over_the_cap_fails_and_the_other_replicas_still_report() -> None:
+    asyncio.run(_capped_pages())
+
+
+async def _capped_pages() -> None:
+    cap = 64 * 1024
+    line = 'kvfleet:num_requests_waiting{model_name="m"} 1\nkvfleet:num_requests_running{model_name="m"} 1\n'
+    within = line * ((cap - 1) // len(line))
+    over = line * (cap // len(line) + 1)
+
+    async def declared_too_long(_: web.Request) -> web.Response:
+        return web.Response(text=over)
+
+    async def chunked_too_long(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse()
+        await response.prepare(request)
+        for start in range(0, len(over), 4096):
+            await response.write(over[start : start + 4096].encode())
+        return response
+
+    async def compressed_too_long(_: web.Request) -> web.Response:
+        # A few KB on the wire: the cap counts what the page holds, not what was sent.
+        response = web.Response(text=over * 16)
+        response.enable_compression()
+        return response
+
+    async def just_within(_: web.Request) -> web.Response:
+        return web.Response(text=within)
+
+    served = [
+        await serve_replica(f"pod-{index}", handler)
+        for index, handler in enumerate(
+            [declared_too_long, chunked_too_long, compressed_too_long, just_within]
+        )
+    ]
+    runners = [runner for runner, _ in served]
+    targets = [target for _, target in served]
+    try:
+        async with aiohttp.ClientSession() as session:
+            scraper = FleetScraper(session, timeout_seconds=10, max_page_bytes=cap)
+            *too_large, fitting = await scraper.scrape(targets)
+            assert too_large == [ScrapeFailure.PAGE_TOO_LARGE] * 3
+            assert isinstance(fitting, PodMetrics) and fitting.waiting == within.count("waiting")
+    finally:
+        for runner in runners:
+            await runner.cleanup()
+
+
+SUPPORT = Path(__file__).parent / "support"
+# What an uncapped scrape would hold of one endless answer: far past the allowance below.
+ENDLESS_ANSWER_BYTES = 1 << 30
+MEMORY_ALLOWANCE_KB = 100 * 1024
+ENDLESS_ROUNDS = 20
+
+
+def proc_status_kb(pid: int, field: str) -> int:
+    """A memory figure (VmRSS, VmHWM) of a live process, in kB, from /proc/PID/status."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(f"{field}:"):
+            return int(line.split()[1])
+    raise AssertionError(f"no {field} in /proc/{pid}/status")
+
+
+def stop(process: subprocess.Popen[str]) -> None:
+    if process.poll() is None:
+        process.kill()
+    process.wait(timeout=30)
+
+
+def test_an_endless_page_is_cut_off_at_the_cap_and_memory_stays_flat() -> None:
+    """The scrape path the operator runs, in its own process, against a replica whose /metrics never ends:
+    every scrape of it fails as too large while the healthy replica next to it reports, and the process's
+    peak RSS stays within 100 MB of what it was before."""
+    server_command = [sys.executable, "-P", str(SUPPORT / "endless_metrics_server.py")]
+    server = subprocess.Popen(
+        [*server_command, f"--answer-bytes={ENDLESS_ANSWER_BYTES}", "--lifetime=600"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    scraper: subprocess.Popen[str] | None = None
+    try:
+        assert server.stdout is not None
+        label, normal_port, endless_port = server.stdout.readline().split()
+        assert label == "ports"
+        options = [f"--normal-port={normal_port}", f"--endless-port={endless_port}", "--timeout=120"]
+        scraper = subprocess.Popen(
+            [sys.executable, "-P", str(SUPPORT / "scrape_loop.py"), *options, f"--scrapes={ENDLESS_ROUNDS}"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert scraper.stdout is not None and scraper.stdin is not None
+        assert scraper.stdout.readline().strip() == "baseline"
+        baseline_kb = proc_status_kb(scraper.pid, "VmRSS")
+        scraper.stdin.write("go\n")
+        scraper.stdin.flush()
+        rounds = []
+        for line in scraper.stdout:
+            if line.strip() == "done":
+                break
+            rounds.append(line.split())
+        # The peak over the whole run, read while the process still lives.
+        peak_kb = proc_status_kb(scraper.pid, "VmHWM")
+        scraper.stdin.close()
+        assert scraper.wait(timeout=30) == 0
+        assert rounds == [["round", "metrics", "PAGE_TOO_LARGE"]] * ENDLESS_ROUNDS
+        assert peak_kb < baseline_kb + MEMORY_ALLOWANCE_KB, (baseline_kb, peak_kb)
+        output, _ = server.communicate(timeout=30)  # closes its stdin: it stops
+        sent = [int(line.split()[1]) for line in output.splitlines() if line.startswith("sent ")]
+        assert len(sent) == ENDLESS_ROUNDS
+        # Each answer ended when the scraper hung up, not at the server's bound: it was never read whole.
+        assert max(sent) < ENDLESS_ANSWER_BYTES // 16, sent
+    finally:
+        if scraper is not None:
+            stop(scraper)
+        stop(server)
