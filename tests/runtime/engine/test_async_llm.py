@@ -74,6 +74,19 @@ async def _until(condition: Callable[[], bool], timeout: float = 60.0) -> None:
         await asyncio.sleep(0.005)
 
 
+async def _long_request_under_way(engine: AsyncLLM) -> asyncio.Task[None]:
+    """A 400-token request that has produced its first outputs."""
+    outputs: list[RequestOutput] = []
+
+    async def consume() -> None:
+        async for output in engine.generate("long", PROMPT, _params(400)):
+            outputs.append(output)
+
+    task = asyncio.create_task(consume())
+    await _until(lambda: len(outputs) >= 2)
+    return task
+
+
 def _cpu_ticks(pid: int) -> int:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return int(fields[11]) + int(fields[12])  # utime + stime
@@ -93,14 +106,7 @@ def test_concurrent_requests_match_transformers(tiny_llama: Path) -> None:
 
 def test_abort_frees_blocks_and_the_idle_core_sleeps(tiny_llama: Path) -> None:
     async def body(engine: AsyncLLM) -> None:
-        outputs: list[RequestOutput] = []
-
-        async def consume() -> None:
-            async for output in engine.generate("long", PROMPT, _params(400)):
-                outputs.append(output)
-
-        task = asyncio.create_task(consume())
-        await _until(lambda: len(outputs) >= 3)
+        task = await _long_request_under_way(engine)
         assert engine.stats is not None and engine.stats.kv_cache_usage > 0
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
@@ -146,14 +152,7 @@ def test_a_request_waits_no_longer_than_the_startup_timeout(tiny_llama: Path) ->
 
 def test_a_killed_core_fails_every_request_and_marks_the_engine_dead(tiny_llama: Path) -> None:
     async def body(engine: AsyncLLM) -> None:
-        outputs: list[RequestOutput] = []
-
-        async def consume() -> None:
-            async for output in engine.generate("long", PROMPT, _params(400)):
-                outputs.append(output)
-
-        task = asyncio.create_task(consume())
-        await _until(lambda: len(outputs) >= 2)
+        task = await _long_request_under_way(engine)
         assert engine._core_address is not None
         os.kill(engine._core_address.pid, signal.SIGKILL)
         with pytest.raises(EngineDeadError, match=r"engine core process \(pid \d+\) was killed by SIGKILL"):
