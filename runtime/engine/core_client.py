@@ -40,6 +40,23 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _STOP_TIMEOUT_S = 10.0
+_SOCKET_NAME = "engine-core.sock"
+_SOCKET_DIR_PREFIX = "kvfleet-core-"
+
+
+def _private_socket_dir() -> str:
+    """A new directory only this user can enter, for the core's socket. A socket's path is limited to about
+    a hundred bytes, and containers often point TMPDIR at a volume deep in the file system, so the temporary
+    directory is used only where the path fits, else /dev/shm or /tmp."""
+    # mkdtemp adds 8 characters to the prefix.
+    suffix = len(f"/{_SOCKET_DIR_PREFIX}12345678/{_SOCKET_NAME}")
+    for base in (tempfile.gettempdir(), "/dev/shm", "/tmp"):
+        if len(base.encode()) + suffix <= zmq.IPC_PATH_MAX_LEN and os.access(base, os.W_OK | os.X_OK):
+            return tempfile.mkdtemp(prefix=_SOCKET_DIR_PREFIX, dir=base)
+    raise RuntimeError(
+        f"no writable directory with a path short enough for the engine core's socket "
+        f"(at most {zmq.IPC_PATH_MAX_LEN - suffix} bytes): set TMPDIR to one"
+    )
 
 
 @dataclass(frozen=True)
@@ -60,8 +77,8 @@ class EngineCoreProcess:
         core_class: type[EngineCore] | None = None,
         core_options: dict[str, Any] | None = None,
     ) -> None:
-        self._socket_dir = tempfile.mkdtemp(prefix="kvfleet-core-")
-        address = f"ipc://{self._socket_dir}/engine-core.sock"
+        self._socket_dir = _private_socket_dir()
+        address = f"ipc://{self._socket_dir}/{_SOCKET_NAME}"
         log_level = logging.getLogger().getEffectiveLevel()
         self.process = start_child(
             "kvfleet.runtime.engine.core_proc",

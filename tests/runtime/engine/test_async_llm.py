@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import os
 import signal
+import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -175,3 +176,17 @@ def test_a_core_that_cannot_load_the_model_is_reported(tmp_path: Path) -> None:
             await _tokens(engine, "r", _params(4))
 
     _run(_engine(tmp_path), body, start=False)
+
+
+def test_the_core_starts_when_the_temporary_directory_has_a_long_path(
+    tiny_llama: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # As in a container whose TMPDIR is a volume deep in the file system: longer than a socket path may be.
+    deep = tmp_path / ("d" * 60) / ("e" * 60)
+    deep.mkdir(parents=True)
+    monkeypatch.setattr(tempfile, "tempdir", str(deep))
+
+    async def body(engine: AsyncLLM) -> list[list[int]]:
+        return await _tokens(engine, "r", _params(3))
+
+    assert len(_run(_engine(tiny_llama), body)[0]) == 3
