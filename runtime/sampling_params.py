@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 MAX_LOGPROBS = 20
 # Temperatures below this sample greedily: dividing logits by less overflows them to inf, and the NaN
@@ -12,6 +13,53 @@ GREEDY_TEMPERATURE = 1e-5
 # Seeds seed torch generators, which take 64-bit integers; vLLM accepts the signed range. A request with n
 # sequences seeds them with seed, seed + 1, ..., seed + n - 1, all of which must be in it.
 SEED_RANGE = (-(2**63), 2**63 - 1)
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Constrains the output to a language (vLLM's names); exactly one of the fields is set.
+
+    json: a JSON schema (a dict, or its JSON text); regex: a regular expression the whole output matches;
+    choice: the output is exactly one of these strings; grammar: an EBNF grammar (GBNF style, with a `root`
+    rule); json_object: any JSON object.
+    """
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def __post_init__(self) -> None:
+        given = [name for name in _STRUCTURED_OUTPUT_KINDS if getattr(self, name) not in (None, False)]
+        _require(
+            len(given) == 1,
+            "structured_outputs",
+            f"must set exactly one of {', '.join(_STRUCTURED_OUTPUT_KINDS)}, got {given or 'none'}",
+        )
+        if self.choice is not None:
+            _require(
+                bool(self.choice) and all(isinstance(item, str) and item for item in self.choice),
+                "structured_outputs",
+                "choice must be a non-empty list of non-empty strings",
+            )
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            _require(
+                value is None or (isinstance(value, str) and value != ""),
+                "structured_outputs",
+                f"{name} must be a non-empty string",
+            )
+        _require(
+            self.json_object in (None, True), "structured_outputs", "json_object must be true when given"
+        )
+
+    @property
+    def kind(self) -> str:
+        return next(name for name in _STRUCTURED_OUTPUT_KINDS if getattr(self, name) not in (None, False))
+
+
+_STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
 
 @dataclass
@@ -38,6 +86,7 @@ class SamplingParams:
     logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if self.stop is None:

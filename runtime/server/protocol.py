@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from kvfleet.runtime.sampling_params import SamplingParams
+from kvfleet.runtime.sampling_params import SamplingParams, StructuredOutputsParams
 from kvfleet.runtime.server.errors import BadRequestError
 from pydantic import AllowInfNan, BaseModel, ConfigDict, Field, Strict, StrictBool, StrictInt, field_validator
 from pydantic_core import PydanticCustomError
@@ -25,7 +25,6 @@ FiniteFloat = Annotated[float, Strict(), AllowInfNan(False)]
 # off this list for that route.
 UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
     # OpenAI
-    "response_format": (None, {"type": "text"}),
     "tools": (None, []),
     "tool_choice": (None, "none", "auto"),
     "functions": (None, []),
@@ -48,7 +47,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
     "guided_choice": (None,),
     "guided_grammar": (None,),
     "structural_tag": (None,),
-    "structured_outputs": (None,),
     "use_beam_search": (None, False),
     "allowed_token_ids": (None,),
     "bad_words": (None, []),
@@ -122,6 +120,34 @@ class StreamOptions(_Body):
     include_usage: StrictBool = False
 
 
+class JsonSchemaFormat(_Body):
+    model_config = ConfigDict(populate_by_name=True)
+
+    name: str
+    description: str | None = None
+    # Aliased: `schema` is a BaseModel method.
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: StrictBool | None = None
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsBody(_Body):
+    """vLLM's `structured_outputs` field: exactly one of these."""
+
+    model_config = ConfigDict(populate_by_name=True)
+
+    # Aliased: `json` is a BaseModel method.
+    json_value: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: StrictBool | None = None
+
+
 class _GenerationRequest(_Request):
     model: str | None = None
     n: StrictInt = 1
@@ -146,6 +172,8 @@ class _GenerationRequest(_Request):
     # kvfleet's: an SLA tier name or its integer (lower = served first), and a deadline in seconds.
     priority: StrictInt | str | None = None
     timeout: Annotated[FiniteFloat, Field(gt=0)] | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsBody | None = None
 
     def _check_common(self) -> None:
         self.refuse_unsupported()
@@ -172,6 +200,7 @@ class _GenerationRequest(_Request):
             "skip_special_tokens": self.skip_special_tokens,
             "include_stop_str_in_output": self.include_stop_str_in_output,
             "logprobs": logprobs,
+            "structured_outputs": self._structured_outputs(),
         }
         # Absent fields keep SamplingParams' defaults (which are OpenAI's).
         kwargs = {name: value for name, value in given.items() if value is not None}
@@ -183,6 +212,37 @@ class _GenerationRequest(_Request):
             raise BadRequestError(
                 message, param=param if param in given or param == "max_tokens" else None
             ) from None
+
+    def _structured_outputs(self) -> StructuredOutputsParams | None:
+        """The constraint of `response_format` or `structured_outputs` (not both), shape-checked; whether
+        its schema, regex or grammar is valid is checked later, off the event loop."""
+        response_format = self.response_format
+        if response_format is not None and response_format.type != "text":
+            if self.structured_outputs is not None:
+                raise BadRequestError(
+                    "give either response_format or structured_outputs, not both", param="response_format"
+                )
+            if response_format.type == "json_object":
+                return StructuredOutputsParams(json_object=True)
+            if response_format.json_schema is None or response_format.json_schema.json_schema is None:
+                raise BadRequestError(
+                    "response_format of type json_schema needs json_schema.schema",
+                    param="response_format.json_schema",
+                )
+            return StructuredOutputsParams(json=response_format.json_schema.json_schema)
+        body = self.structured_outputs
+        if body is None:
+            return None
+        try:
+            return StructuredOutputsParams(
+                json=body.json_value,
+                regex=body.regex,
+                choice=body.choice,
+                grammar=body.grammar,
+                json_object=body.json_object,
+            )
+        except ValueError as exc:
+            raise BadRequestError(str(exc), param="structured_outputs") from None
 
     @property
     def include_usage(self) -> bool:

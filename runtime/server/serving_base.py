@@ -15,7 +15,7 @@ from kvfleet.runtime.engine.errors import EngineError, InvalidRequestError
 from kvfleet.runtime.engine.input_checks import check_prompt_token_ids
 from kvfleet.runtime.engine.messages import EngineInfo
 from kvfleet.runtime.engine.outputs import CompletionOutput, RequestOutput
-from kvfleet.runtime.sampling_params import SamplingParams
+from kvfleet.runtime.sampling_params import SamplingParams, StructuredOutputsParams
 from kvfleet.runtime.server.errors import (
     BadRequestError,
     InternalServerError,
@@ -36,6 +36,7 @@ from kvfleet.runtime.server.protocol import (
 )
 from kvfleet.runtime.server.state import ServerState
 from kvfleet.runtime.server.streaming import SSE_DONE, merge_streams, prepend, sse_event, unless_disconnected
+from kvfleet.runtime.structured_outputs.grammars import GrammarError, build_grammar, grammar_key
 from starlette.requests import Request
 
 
@@ -140,12 +141,28 @@ class OpenAIServing:
             )
         return priority
 
-    def sampling_params(self, body: CompletionRequest | ChatCompletionRequest) -> SamplingParams:
+    async def sampling_params(self, body: CompletionRequest | ChatCompletionRequest) -> SamplingParams:
         params = body.sampling_params()
         max_n = self.state.settings.max_n
         if params.n > max_n:
             raise BadRequestError(f"n must be at most {max_n} on this server, got {params.n}", param="n")
+        structured = params.structured_outputs
+        if structured is not None:
+            await self._check_grammar(
+                structured, "structured_outputs" if body.structured_outputs else "response_format"
+            )
         return params
+
+    async def _check_grammar(self, structured: StructuredOutputsParams, param: str) -> None:
+        """A 400 for a schema, regex or grammar that the engine could not compile, before it is queued."""
+
+        def work(_: Any) -> None:
+            try:
+                build_grammar(*grammar_key(structured))
+            except GrammarError as exc:
+                raise BadRequestError(str(exc), param=param) from None
+
+        await self.state.engine.run_tokenizer(work)
 
     def check_prompt(self, token_ids: list[int], params: SamplingParams, param: str) -> None:
         max_model_len = self.engine_info.max_model_len

@@ -21,7 +21,7 @@ class OpenAIServingChat(OpenAIServing):
     async def create_chat_completion(self, body: ChatCompletionRequest, raw_request: Request) -> Response:
         arrival_time = time.monotonic()
         self.check_model(body.model)
-        params = self.sampling_params(body)
+        params = await self.sampling_params(body)
         priority = self.resolve_priority(body.priority, raw_request)
         self.check_accepting(priority)
         token_ids = await self.chat_prompt(body.messages, body.add_generation_prompt)

@@ -1,0 +1,147 @@
+"""From StructuredOutputsParams to an xgrammar Grammar, refusing what xgrammar would not enforce.
+
+The API server calls `build_grammar` to answer a bad schema, regex or grammar with a 400 before the request
+is queued (building a Grammar needs no tokenizer and is cheap); the engine core builds it again to compile it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import jsonschema
+import xgrammar
+from kvfleet.runtime.sampling_params import StructuredOutputsParams
+
+# JSON Schema keywords that xgrammar accepts but does not enforce: a schema using them would get a looser
+# grammar than it asks for, so it is refused instead.
+UNENFORCED_KEYWORDS = frozenset(
+    {
+        "not",
+        "allOf",
+        "oneOf",
+        "if",
+        "then",
+        "else",
+        "uniqueItems",
+        "contains",
+        "minContains",
+        "maxContains",
+        "maxProperties",
+        "propertyNames",
+        "dependentRequired",
+        "dependentSchemas",
+        "dependencies",
+        "unevaluatedProperties",
+        "unevaluatedItems",
+    }
+)
+# Keywords whose values are schemas, lists of schemas, or maps of names to schemas.
+_SCHEMA_KEYWORDS = frozenset(
+    {"items", "additionalProperties", "additionalItems", "not", "if", "then", "else"}
+)
+_SCHEMA_LIST_KEYWORDS = frozenset({"anyOf", "allOf", "oneOf", "prefixItems"})
+_SCHEMA_MAP_KEYWORDS = frozenset({"properties", "patternProperties", "$defs", "definitions"})
+# The schema of json_object: any JSON object.
+JSON_OBJECT_SCHEMA: dict[str, Any] = {"type": "object"}
+# xgrammar prefixes its messages with a timestamp and a C++ source location.
+_XGRAMMAR_MESSAGE_PREFIX = re.compile(r"^\[[0-9:]+\] [^ ]+:[0-9]+: ")
+
+
+class GrammarError(ValueError):
+    """The constraint is not valid, or asks for something that cannot be enforced."""
+
+
+def grammar_key(params: StructuredOutputsParams) -> tuple[str, str]:
+    """(kind, canonical text): equal for constraints that compile to the same grammar."""
+    kind = params.kind
+    if kind == "json":
+        return kind, _canonical_json(params.json)
+    if kind == "json_object":
+        return "json", _canonical_json(JSON_OBJECT_SCHEMA)
+    if kind == "choice":
+        return kind, json.dumps(params.choice)
+    value = params.regex if kind == "regex" else params.grammar
+    assert value is not None
+    return kind, value
+
+
+def build_grammar(kind: str, text: str) -> xgrammar.Grammar:
+    """The grammar of a `grammar_key`, or GrammarError saying what is wrong with it."""
+    try:
+        if kind == "json":
+            schema = json.loads(text)
+            check_json_schema(schema)
+            # Compact separators: with any whitespace allowed, a model could pad its output forever.
+            return xgrammar.Grammar.from_json_schema(text, any_whitespace=False, strict_mode=True)
+        if kind == "regex":
+            return xgrammar.Grammar.from_regex(text)
+        if kind == "choice":
+            return xgrammar.Grammar.from_ebnf(
+                "root ::= " + " | ".join(_ebnf_literal(c) for c in json.loads(text))
+            )
+        return xgrammar.Grammar.from_ebnf(text)
+    except RuntimeError as exc:
+        message = _XGRAMMAR_MESSAGE_PREFIX.sub("", str(exc).strip())
+        raise GrammarError(f"invalid {kind}: {message}") from None
+
+
+def check_json_schema(schema: Any) -> None:
+    """Raises GrammarError unless `schema` is a valid JSON Schema whose every keyword can be enforced."""
+    if not isinstance(schema, dict | bool):
+        raise GrammarError(f"invalid json: a JSON schema is an object, got {type(schema).__name__}")
+    validator = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+    try:
+        validator.check_schema(schema)
+    except jsonschema.SchemaError as exc:
+        where = "/".join(str(part) for part in exc.path)
+        raise GrammarError(f"invalid json: schema at '/{where}': {exc.message}") from None
+    for path, keyword in _keywords(schema, ""):
+        if keyword in UNENFORCED_KEYWORDS:
+            raise GrammarError(
+                f"unsupported json: the keyword {keyword!r} (at '{path or '/'}') is not supported"
+            )
+
+
+def _keywords(schema: Any, path: str) -> Iterator[tuple[str, str]]:
+    """(path, keyword) of every keyword of a schema and of its subschemas."""
+    if not isinstance(schema, dict):
+        return
+    for keyword, value in schema.items():
+        yield path, keyword
+        where = f"{path}/{keyword}"
+        if keyword in _SCHEMA_KEYWORDS:
+            yield from _keywords(value, where)
+        elif keyword in _SCHEMA_LIST_KEYWORDS and isinstance(value, list):
+            for index, item in enumerate(value):
+                yield from _keywords(item, f"{where}/{index}")
+        elif keyword in _SCHEMA_MAP_KEYWORDS and isinstance(value, dict):
+            for name, item in value.items():
+                yield from _keywords(item, f"{where}/{name}")
+
+
+def _canonical_json(schema: str | dict[str, Any] | None) -> str:
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as exc:
+            raise GrammarError(f"invalid json: the schema is not JSON: {exc}") from None
+    return json.dumps(schema, separators=(",", ":"))
+
+
+def _ebnf_literal(text: str) -> str:
+    """`text` as an EBNF string literal: quotes and backslashes escaped, other characters as \\u escapes
+    where they are not printable."""
+    escaped = []
+    for character in text:
+        if character in '"\\':
+            escaped.append("\\" + character)
+        elif character.isprintable():
+            escaped.append(character)
+        else:
+            escaped.append(
+                f"\\u{ord(character):04x}" if ord(character) <= 0xFFFF else f"\\U{ord(character):08x}"
+            )
+    return '"' + "".join(escaped) + '"'

@@ -1,0 +1,142 @@
+"""Structured outputs in the engine: constrained requests follow their regex, choice or grammar whatever the
+random model would say, fail alone when their grammar is bad, and leave unconstrained requests untouched."""
+
+from __future__ import annotations
+
+import json
+import re
+from concurrent.futures import Future
+from pathlib import Path
+
+import jsonschema
+import pytest
+from kvfleet.runtime import LLM, SamplingParams, StructuredOutputsParams
+from kvfleet.runtime.core.scheduler import Scheduler
+from kvfleet.runtime.request import Request
+from kvfleet.runtime.structured_outputs.compiler import RequestGrammar
+
+PROMPTS = ["The weather today", "Write a list:", "1 2 3", "Hello there, my friend"]
+REGEX = r"[A-Z][a-z]{2,5}-[0-9]{1,3}( [xy])?"
+CHOICES = ["red", "green", "light blue", 'say "hi"']
+# EBNF: a sum of one to three single-digit numbers, then "=" and one to two digits.
+GRAMMAR = 'root ::= term (" + " term){0,2} " = " digit digit?\nterm ::= digit\ndigit ::= [0-9]'
+GRAMMAR_AS_REGEX = r"[0-9]( \+ [0-9]){0,2} = [0-9]{1,2}"
+LONG_REGEX = r"[a-z]{80,100}\."
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama: Path) -> LLM:
+    return LLM(str(tiny_llama), dtype="float32", num_kv_blocks=128, block_size=8, max_model_len=256)
+
+
+def _constrained(seed: int, max_tokens: int = 64, **structured: object) -> SamplingParams:
+    return SamplingParams(
+        temperature=1.0,
+        seed=seed,
+        max_tokens=max_tokens,
+        structured_outputs=StructuredOutputsParams(**structured),
+    )
+
+
+@pytest.mark.parametrize(
+    ("structured", "matches"),
+    [
+        ({"regex": REGEX}, lambda text: re.fullmatch(REGEX, text) is not None),
+        ({"choice": CHOICES}, lambda text: text in CHOICES),
+        ({"grammar": GRAMMAR}, lambda text: re.fullmatch(GRAMMAR_AS_REGEX, text) is not None),
+    ],
+    ids=["regex", "choice", "grammar"],
+)
+def test_constrained_outputs_always_match(llm: LLM, structured: dict, matches) -> None:
+    params = [_constrained(seed, **structured) for seed in range(12)]
+    outputs = llm.generate([PROMPTS[i % len(PROMPTS)] for i in range(len(params))], params)
+    for output in outputs:
+        completion = output.outputs[0]
+        assert completion.finish_reason == "stop", completion
+        assert matches(completion.text), completion.text
+
+
+def test_json_schema_output_validates(llm: LLM) -> None:
+    schema = {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string", "maxLength": 10},
+            "days": {"type": "array", "items": {"enum": ["mon", "tue"]}, "maxItems": 3},
+            "rain": {"type": "boolean"},
+        },
+        "required": ["city", "days", "rain"],
+        "additionalProperties": False,
+    }
+    outputs = llm.generate(PROMPTS * 2, [_constrained(seed, 128, json=schema) for seed in range(8)])
+    for output in outputs:
+        completion = output.outputs[0]
+        assert completion.finish_reason == "stop", completion
+        jsonschema.validate(json.loads(completion.text), schema)
+
+
+def test_unconstrained_requests_get_the_tokens_they_get_alone(llm: LLM) -> None:
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    seeded = SamplingParams(temperature=0.9, seed=7, max_tokens=12, ignore_eos=True)
+    alone = [output.outputs[0].token_ids for output in llm.generate(PROMPTS[:2], [greedy, seeded])]
+    mixed = llm.generate(
+        [PROMPTS[0], PROMPTS[2], PROMPTS[1], PROMPTS[3]],
+        [greedy, _constrained(1, regex=REGEX), seeded, _constrained(2, choice=CHOICES)],
+    )
+    assert [mixed[0].outputs[0].token_ids, mixed[2].outputs[0].token_ids] == alone
+    assert re.fullmatch(REGEX, mixed[1].outputs[0].text)
+    assert mixed[3].outputs[0].text in CHOICES
+
+
+def test_a_bad_grammar_fails_its_request_alone(llm: LLM) -> None:
+    outputs = llm.generate(
+        PROMPTS[:3],
+        [
+            _constrained(0, regex=REGEX),
+            _constrained(0, grammar="root ::= undefined_rule"),
+            SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True),
+        ],
+    )
+    assert outputs[1].outputs[0].finish_reason == "error"
+    assert outputs[1].outputs[0].token_ids == []
+    assert re.fullmatch(REGEX, outputs[0].outputs[0].text)
+    assert outputs[2].outputs[0].finish_reason == "length"
+    assert len(outputs[2].outputs[0].token_ids) == 5
+
+
+def test_max_tokens_inside_the_grammar_finishes_with_length(llm: LLM) -> None:
+    # Any number of "ab" pairs: the output can never end before max_tokens.
+    outputs = llm.generate(PROMPTS[:2], [_constrained(seed, 6, regex="(ab)+c") for seed in range(2)])
+    for output in outputs:
+        completion = output.outputs[0]
+        assert completion.finish_reason == "length"
+        assert len(completion.token_ids) == 6
+        assert re.fullmatch(r"(ab)*a?", completion.text), completion.text
+
+
+def test_preempted_requests_resume_their_grammar(tiny_llama: Path, llm: LLM) -> None:
+    """With a cache too small for all of them, requests are preempted and recomputed; seeded, each gives
+    the output it gives with room to spare, so its grammar state survived the preemptions."""
+    params = [_constrained(seed, 110, regex=LONG_REGEX) for seed in range(6)]
+    roomy = [output.outputs[0].text for output in llm.generate(PROMPTS[:3] * 2, params)]
+    cramped_llm = LLM(str(tiny_llama), dtype="float32", num_kv_blocks=16, block_size=8, max_model_len=128)
+    cramped = cramped_llm.generate(PROMPTS[:3] * 2, params)
+    assert cramped_llm.llm_engine.stats.num_preempted_total > 0
+    assert [output.outputs[0].text for output in cramped] == roomy
+    assert all(re.fullmatch(LONG_REGEX, text) for text in roomy)
+
+
+def test_a_request_whose_grammar_compiles_waits_without_blocking_others() -> None:
+    scheduler = Scheduler(
+        max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64, block_size=8, num_kv_blocks=32
+    )
+    compiled: Future = Future()
+    constrained = Request("constrained", [1, 2, 3], SamplingParams(), grammar=RequestGrammar(compiled))
+    plain = Request("plain", [4, 5, 6], SamplingParams())
+    scheduler.add_request(constrained)
+    scheduler.add_request(plain)
+    first = scheduler.schedule()
+    assert [request.request_id for request in first.requests] == ["plain"]
+    assert scheduler.waiting.peek() is constrained
+    compiled.set_result(object())
+    second = scheduler.schedule()
+    assert [request.request_id for request in second.requests] == ["constrained"]
