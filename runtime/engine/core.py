@@ -18,7 +18,7 @@ import time
 
 import torch
 from kvfleet.runtime.config import EngineConfig
-from kvfleet.runtime.core.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
+from kvfleet.runtime.core.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput, SchedulerStats
 from kvfleet.runtime.core.scheduler import Scheduler
 from kvfleet.runtime.engine.errors import (
     EngineOverloadedError,
@@ -177,7 +177,7 @@ class EngineCore:
     def _make_room(self, add: AddRequest) -> None:
         """Under --max-waiting-requests, shed a waiting request of a lower tier, or refuse this one."""
         limit = self.max_waiting_requests
-        if limit is None or self.scheduler.stats.num_waiting < limit:
+        if limit is None or len(self.scheduler.waiting) < limit:
             return
         queued = [QueuedRequest(a.request_id, a.priority, a.arrival_time) for a in self._unstarted.values()]
         victim = choose_victim(queued, add.priority)
@@ -193,6 +193,17 @@ class EngineCore:
             self._unstarted.pop(request_id, None)
             self._compiling.pop(request_id, None)
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    @property
+    def stats(self) -> SchedulerStats:
+        """The scheduler's, with the structured outputs' counters."""
+        stats = self.scheduler.stats
+        masks = self.runner.sampler.grammar_masks
+        stats.grammars_compiled = self.grammar_compiler.num_compiled
+        stats.grammar_compile_seconds = self.grammar_compiler.compile_seconds
+        stats.grammar_mask_steps = masks.num_steps
+        stats.grammar_mask_seconds = masks.seconds
+        return stats
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or bool(self._errors)
@@ -220,7 +231,7 @@ class EngineCore:
                 self._unstarted.pop(output.request_id, None)
         self.num_steps += 1
         return EngineCoreOutputs(
-            stats=self.scheduler.stats, outputs=outputs, errors=errors, started=started, step_time=step_time
+            stats=self.stats, outputs=outputs, errors=errors, started=started, step_time=step_time
         )
 
     def _settle_compiled_grammars(self) -> None:

@@ -54,8 +54,9 @@ class GrammarCompiler:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-compiler")
         self._cache: OrderedDict[tuple[str, str], Future[CompiledConstraint]] = OrderedDict()
         self._lock = threading.Lock()
-        # Seconds each compilation took since the last drain (cache hits are not compilations).
-        self._compile_seconds: list[float] = []
+        # Cache hits are not compilations.
+        self.num_compiled = 0
+        self.compile_seconds = 0.0
 
     def compile(self, params: StructuredOutputsParams) -> Future[CompiledConstraint]:
         """The compiled grammar, soon. Raises GrammarError at once for a constraint that is not JSON."""
@@ -71,14 +72,6 @@ class GrammarCompiler:
                 self._cache.popitem(last=False)
             return future
 
-    def drain_compile_seconds(self) -> list[float]:
-        with self._lock:
-            seconds, self._compile_seconds = self._compile_seconds, []
-        return seconds
-
-    def shutdown(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)
-
     def _compile(self, kind: str, text: str) -> CompiledConstraint:
         start = time.perf_counter()
         grammar = build_grammar(kind, text)
@@ -88,7 +81,8 @@ class GrammarCompiler:
         compiled = CompiledConstraint(compiler.compile_grammar(grammar), token_filter)
         elapsed = time.perf_counter() - start
         with self._lock:
-            self._compile_seconds.append(elapsed)
+            self.num_compiled += 1
+            self.compile_seconds += elapsed
         logger.debug("compiled a %s grammar in %.3f s", kind, elapsed)
         return compiled
 

@@ -6,6 +6,7 @@ call; a batch without constrained rows costs one pass over its requests.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import torch
@@ -17,12 +18,16 @@ class GrammarMasks:
     def __init__(self) -> None:
         # Reused from step to step, grown when a batch is larger.
         self._bitmask = torch.empty(0, 0, dtype=torch.int32)
+        # Steps that had constrained rows, and the time spent masking them.
+        self.num_steps = 0
+        self.seconds = 0.0
 
     def apply(self, logits: torch.Tensor, requests: Sequence[Request]) -> None:
         """logits: [len(requests), vocab], modified in place: tokens a row's grammar forbids get -inf."""
         rows = [row for row, request in enumerate(requests) if request.grammar is not None]
         if not rows:
             return
+        start = time.perf_counter()
         bitmask = self._bitmask_for(len(requests), logits.shape[1])
         for row in rows:
             grammar = requests[row].grammar
@@ -32,6 +37,8 @@ class GrammarMasks:
         xgrammar.apply_token_bitmask_inplace(
             logits, bitmask.to(logits.device, non_blocking=True), indices=rows
         )
+        self.num_steps += 1
+        self.seconds += time.perf_counter() - start
 
     def _bitmask_for(self, num_rows: int, vocab_size: int) -> torch.Tensor:
         width = xgrammar.get_bitmask_shape(1, vocab_size)[1]

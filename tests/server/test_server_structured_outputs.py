@@ -429,3 +429,32 @@ def test_bad_constraints_are_refused_with_a_400(
     assert error["param"] == param
     if message is not None:
         assert message in error["message"], error["message"]
+
+
+def test_metrics_count_compilations_once_per_grammar_and_masked_steps(
+    client: openai.OpenAI, api_server: ServerProcess
+) -> None:
+    before = api_server.metrics()
+    # A grammar no other test uses, asked for twice: compiled once, then found in the cache.
+    structured = {"regex": "metrics-[0-9]{2}"}
+    sampled = 0
+    for seed in range(2):
+        completion = client.completions.create(
+            model=MODEL_NAME,
+            prompt="x",
+            max_tokens=32,
+            seed=seed,
+            extra_body={"structured_outputs": structured},
+        )
+        assert re.fullmatch("metrics-[0-9]{2}", completion.choices[0].text)
+        sampled += completion.usage.completion_tokens
+    after = api_server.metrics()
+
+    def grew(name: str) -> float:
+        return after[f"kvfleet:{name}_total"] - before.get(f"kvfleet:{name}_total", 0.0)
+
+    assert grew("structured_output_grammars_compiled") == 1
+    assert grew("structured_output_compile_seconds") > 0
+    # One request at a time: a step per token sampled, each through a mask.
+    assert grew("structured_output_mask_steps") == sampled
+    assert grew("structured_output_mask_seconds") > 0
