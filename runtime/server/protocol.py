@@ -11,6 +11,7 @@ would change the output but are not implemented are refused, never silently drop
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from kvfleet.runtime.sampling_params import SamplingParams, StructuredOutputsParams
@@ -25,8 +26,6 @@ FiniteFloat = Annotated[float, Strict(), AllowInfNan(False)]
 # off this list for that route.
 UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
     # OpenAI
-    "tools": (None, []),
-    "tool_choice": (None, "none", "auto"),
     "functions": (None, []),
     "function_call": (None, "none", "auto"),
     "logit_bias": (None, {}),
@@ -282,15 +281,45 @@ class TextPart(_Body):
     text: str | None = None
 
 
+class FunctionCall(_Body):
+    name: str
+    # JSON text, as the model wrote it.
+    arguments: str
+
+
+class ToolCall(_Body):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    # An assistant turn's calls, and a tool turn's answer to one of them.
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
 
     def as_template_input(self, index: int) -> dict[str, Any]:
         message: dict[str, Any] = {"role": self.role, "content": self._text(index)}
         if self.name is not None:
             message["name"] = self.name
+        if self.tool_calls:
+            message["tool_calls"] = [
+                {
+                    "id": call.id,
+                    "type": call.type,
+                    # Chat templates take the arguments as an object, as Transformers documents them.
+                    "function": {
+                        "name": call.function.name,
+                        "arguments": _arguments(call.function.arguments),
+                    },
+                }
+                for call in self.tool_calls
+            ]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
         return message
 
     def _text(self, index: int) -> str:
@@ -309,6 +338,36 @@ class ChatMessage(_Body):
         return "".join(parts)
 
 
+def _arguments(text: str) -> Any:
+    """A call's arguments as an object, or the text itself where it is not a JSON object."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        return text
+    return value if isinstance(value, dict) else text
+
+
+class FunctionDefinition(_Body):
+    name: Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: StrictBool | None = None
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     """The messages as a chat template takes them."""
     if not messages:
@@ -323,6 +382,10 @@ class ChatCompletionRequest(_GenerationRequest):
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = None
     add_generation_prompt: StrictBool = True
+    tools: list[Tool] | None = None
+    # None: "auto" with tools, "none" without (OpenAI's default).
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: StrictBool = True
 
     def sampling_params(self) -> SamplingParams:
         self._check_common()

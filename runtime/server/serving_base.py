@@ -141,16 +141,25 @@ class OpenAIServing:
             )
         return priority
 
-    async def sampling_params(self, body: CompletionRequest | ChatCompletionRequest) -> SamplingParams:
+    async def sampling_params(
+        self,
+        body: CompletionRequest | ChatCompletionRequest,
+        tool_constraint: StructuredOutputsParams | None = None,
+    ) -> SamplingParams:
+        """The body's sampling parameters; `tool_constraint` is what tool_choice constrains the output to."""
         params = body.sampling_params()
         max_n = self.state.settings.max_n
         if params.n > max_n:
             raise BadRequestError(f"n must be at most {max_n} on this server, got {params.n}", param="n")
-        structured = params.structured_outputs
-        if structured is not None:
-            await self._check_grammar(
-                structured, "structured_outputs" if body.structured_outputs else "response_format"
-            )
+        param = "structured_outputs" if body.structured_outputs else "response_format"
+        if tool_constraint is not None:
+            if params.structured_outputs is not None:
+                raise BadRequestError(
+                    f"{param} cannot be combined with a tool_choice that forces a call", param=param
+                )
+            params.structured_outputs, param = tool_constraint, "tools"
+        if params.structured_outputs is not None:
+            await self._check_grammar(params.structured_outputs, param)
         return params
 
     async def _check_grammar(self, structured: StructuredOutputsParams, param: str) -> None:
@@ -214,16 +223,22 @@ class OpenAIServing:
 
         return await self.state.engine.run_tokenizer(work)
 
-    async def chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
-        """The prompt of a conversation, rendered and tokenized off the event loop."""
+    async def chat_prompt(
+        self,
+        messages: list[ChatMessage],
+        add_generation_prompt: bool,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> list[int]:
+        """The prompt of a conversation (and the tools it may call), rendered and tokenized off the event
+        loop."""
         conversation = template_messages(messages)
-        characters = sum(len(text) for text in text_fields(conversation))
+        characters = sum(len(text) for text in text_fields([conversation, tools]))
 
         def work(tokenizer: Any) -> list[int]:
             self._refuse_beyond_context(tokenizer, characters, "messages")
             try:
                 token_ids = chat_prompt_token_ids(
-                    tokenizer, conversation, add_generation_prompt=add_generation_prompt
+                    tokenizer, conversation, add_generation_prompt=add_generation_prompt, tools=tools
                 )
             except ValueError as exc:
                 raise BadRequestError(str(exc), param="messages") from None
@@ -352,8 +367,9 @@ class OpenAIServing:
                         finished = error is None and completion.finish_reason is not None
                         choice = choice_of(prompt_index, completion, finished)
                         if choice is not None:
+                            # A builder may name its own finish reason (tool calls).
                             finish_reason = completion.finish_reason if finished else None
-                            yield sse_event(self._chunk(request, {**choice, "finish_reason": finish_reason}))
+                            yield sse_event(self._chunk(request, {"finish_reason": finish_reason, **choice}))
                         if error is not None:
                             raise error
             except (OpenAIError, EngineError) as raised:
