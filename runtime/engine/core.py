@@ -26,11 +26,12 @@ from kvfleet.runtime.engine.errors import (
     RequestFailedError,
     RequestShedError,
 )
-from kvfleet.runtime.engine.input_checks import check_prompt_token_ids
+from kvfleet.runtime.engine.input_checks import check_prompt_token_ids, check_sampling_token_ids
 from kvfleet.runtime.engine.load_shedding import QueuedRequest, choose_victim
 from kvfleet.runtime.engine.messages import AddRequest, EngineCoreOutputs, EngineInfo, RequestError
 from kvfleet.runtime.request import Request, RequestStatus
 from kvfleet.runtime.structured_outputs.compiler import GrammarCompiler, RequestGrammar
+from kvfleet.runtime.structured_outputs.token_rules import TokenRules
 from kvfleet.runtime.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -149,10 +150,13 @@ class EngineCore:
         try:
             self.validate_prompt(add.prompt_token_ids, add.sampling_params.stop_token_ids or [])
             self._make_room(add)
-            structured = add.sampling_params.structured_outputs
+            params = add.sampling_params
+            check_sampling_token_ids(params, vocab_size=self.vocab_size)
+            structured = params.structured_outputs
             grammar = (
                 None if structured is None else RequestGrammar(self.grammar_compiler.compile(structured))
             )
+            token_rules = TokenRules.of(params, self.vocab_size, self.grammar_compiler.encode)
             request = Request(
                 add.request_id,
                 add.prompt_token_ids,
@@ -162,6 +166,7 @@ class EngineCore:
                 priority=add.priority,
                 deadline=add.deadline,
                 grammar=grammar,
+                token_rules=token_rules,
             )
             self.scheduler.add_request(request)
         except (InvalidRequestError, EngineOverloadedError) as error:

@@ -26,9 +26,11 @@ FiniteFloat = Annotated[float, Strict(), AllowInfNan(False)]
 # off this list for that route.
 UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
     # OpenAI
+    # Implemented on /v1/chat/completions only.
+    "tools": (None, []),
+    "tool_choice": (None, "none", "auto"),
     "functions": (None, []),
     "function_call": (None, "none", "auto"),
-    "logit_bias": (None, {}),
     "suffix": (None, ""),
     "prediction": (None,),
     "audio": (None,),
@@ -47,8 +49,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
     "guided_grammar": (None,),
     "structural_tag": (None,),
     "use_beam_search": (None, False),
-    "allowed_token_ids": (None,),
-    "bad_words": (None, []),
     "prompt_logprobs": (None,),
     "truncate_prompt_tokens": (None,),
     "spaces_between_special_tokens": (None, True),
@@ -173,6 +173,10 @@ class _GenerationRequest(_Request):
     timeout: Annotated[FiniteFloat, Field(gt=0)] | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsBody | None = None
+    # OpenAI's: token ids as strings (JSON object keys).
+    logit_bias: dict[str, FiniteFloat] | None = None
+    allowed_token_ids: list[StrictInt] | None = None
+    bad_words: list[str] | None = None
 
     def _check_common(self) -> None:
         self.refuse_unsupported()
@@ -200,6 +204,9 @@ class _GenerationRequest(_Request):
             "include_stop_str_in_output": self.include_stop_str_in_output,
             "logprobs": logprobs,
             "structured_outputs": self._structured_outputs(),
+            "logit_bias": self._logit_bias(),
+            "allowed_token_ids": self.allowed_token_ids,
+            "bad_words": self.bad_words,
         }
         # Absent fields keep SamplingParams' defaults (which are OpenAI's).
         kwargs = {name: value for name, value in given.items() if value is not None}
@@ -211,6 +218,16 @@ class _GenerationRequest(_Request):
             raise BadRequestError(
                 message, param=param if param in given or param == "max_tokens" else None
             ) from None
+
+    def _logit_bias(self) -> dict[int, float] | None:
+        if self.logit_bias is None:
+            return None
+        bias = {}
+        for key, value in self.logit_bias.items():
+            if not key.isdigit():
+                raise BadRequestError(f"logit_bias keys must be token ids, got {key!r}", param="logit_bias")
+            bias[int(key)] = value
+        return bias
 
     def _structured_outputs(self) -> StructuredOutputsParams | None:
         """The constraint of `response_format` or `structured_outputs` (not both), shape-checked; whether

@@ -12,7 +12,7 @@ from typing import Any
 
 from kvfleet.runtime.chat_prompt import chat_prompt_token_ids, longest_token_characters, text_fields
 from kvfleet.runtime.engine.errors import EngineError, InvalidRequestError
-from kvfleet.runtime.engine.input_checks import check_prompt_token_ids
+from kvfleet.runtime.engine.input_checks import check_prompt_token_ids, check_sampling_token_ids
 from kvfleet.runtime.engine.messages import EngineInfo
 from kvfleet.runtime.engine.outputs import CompletionOutput, RequestOutput
 from kvfleet.runtime.sampling_params import SamplingParams, StructuredOutputsParams
@@ -199,6 +199,10 @@ class OpenAIServing:
             )
         except InvalidRequestError as exc:
             raise BadRequestError(str(exc), param=param) from None
+        try:
+            check_sampling_token_ids(params, vocab_size=self.engine_info.vocab_size)
+        except InvalidRequestError as exc:
+            raise BadRequestError(str(exc), param=str(exc).split(" ", 1)[0]) from None
         max_tokens = params.max_tokens if params.max_tokens is not None else max_model_len - len(token_ids)
         limit = self.state.settings.max_completion_tokens_per_prompt
         if params.n * max_tokens > limit:

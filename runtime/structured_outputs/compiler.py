@@ -18,8 +18,9 @@ from dataclasses import dataclass
 import torch
 import xgrammar
 from kvfleet.runtime.sampling_params import StructuredOutputsParams
+from kvfleet.runtime.structured_outputs.bitmasks import pack_bits
 from kvfleet.runtime.structured_outputs.grammars import GrammarError, build_grammar, grammar_key
-from transformers import AutoTokenizer
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +42,8 @@ class CompiledConstraint:
 
 
 class GrammarCompiler:
-    """Compiles grammars for one model's vocabulary on a background thread, caching the results."""
+    """Compiles grammars for one model's vocabulary on a background thread, caching the results; holds the
+    tokenizer that bad_words are encoded with."""
 
     def __init__(self, tokenizer_path: str, vocab_size: int) -> None:
         self._tokenizer_path = tokenizer_path
@@ -49,11 +51,13 @@ class GrammarCompiler:
         # embedding, which is often padded past the tokenizer's last id.
         self._vocab_size = vocab_size
         self._compiler: xgrammar.GrammarCompiler | None = None
+        self._tokenizer: PreTrainedTokenizerBase | None = None
         self._text_token_filter: torch.Tensor | None = None
         self._json_token_filter: torch.Tensor | None = None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-compiler")
         self._cache: OrderedDict[tuple[str, str], Future[CompiledConstraint]] = OrderedDict()
         self._lock = threading.Lock()
+        self._tokenizer_lock = threading.Lock()
         # Cache hits are not compilations.
         self.num_compiled = 0
         self.compile_seconds = 0.0
@@ -72,6 +76,18 @@ class GrammarCompiler:
                 self._cache.popitem(last=False)
             return future
 
+    @property
+    def tokenizer(self) -> PreTrainedTokenizerBase:
+        # Loaded at first use, so that servers that never constrain pay nothing.
+        with self._tokenizer_lock:
+            if self._tokenizer is None:
+                self._tokenizer = AutoTokenizer.from_pretrained(self._tokenizer_path)
+            return self._tokenizer
+
+    def encode(self, text: str) -> list[int]:
+        """`text`'s token ids, without special tokens."""
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
     def _compile(self, kind: str, text: str) -> CompiledConstraint:
         start = time.perf_counter()
         grammar = build_grammar(kind, text)
@@ -87,10 +103,9 @@ class GrammarCompiler:
         return compiled
 
     def _vocabulary_compiler(self) -> xgrammar.GrammarCompiler:
-        # Made on the compile thread at first use, so that servers that never constrain pay nothing.
+        # Made on the compile thread at first use.
         if self._compiler is None:
-            tokenizer = AutoTokenizer.from_pretrained(self._tokenizer_path)
-            info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self._vocab_size)
+            info = xgrammar.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self._vocab_size)
             text = torch.ones(self._vocab_size, dtype=torch.bool)
             json_text = torch.ones(self._vocab_size, dtype=torch.bool)
             for token_id, token in enumerate(info.decoded_vocab[: self._vocab_size]):
@@ -98,8 +113,8 @@ class GrammarCompiler:
                     text[token_id] = json_text[token_id] = False
                 elif _CONTROL_BYTES.intersection(token):
                     json_text[token_id] = False
-            self._text_token_filter = _pack_bits(text)
-            self._json_token_filter = _pack_bits(json_text)
+            self._text_token_filter = pack_bits(text)
+            self._json_token_filter = pack_bits(json_text)
             self._compiler = xgrammar.GrammarCompiler(info, max_threads=1)
         return self._compiler
 
@@ -151,13 +166,3 @@ def _may_start_a_surrogate(token: bytes) -> bool:
         if byte == _SURROGATE_LEAD and (index + 1 == len(token) or token[index + 1] in _SURROGATE_SECOND):
             return True
     return False
-
-
-def _pack_bits(allowed: torch.Tensor) -> torch.Tensor:
-    """A [vocab] boolean tensor as one row of xgrammar's bitmask: bit i of int32 word i // 32 per token."""
-    width = xgrammar.get_bitmask_shape(1, allowed.shape[0])[1]
-    padded = torch.zeros(width * 32, dtype=torch.int64)
-    padded[: allowed.shape[0]] = allowed.to(torch.int64)
-    words = (padded.view(width, 32) << torch.arange(32)).sum(dim=1)
-    # Words above 2**31 wrap to the negative int32 of the same bits.
-    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
