@@ -329,7 +329,8 @@ class Scheduler:
         displaced: list[Request] = []
         while self.running:
             head = self.waiting.peek()
-            if head is None:
+            # Displacing anyone for a request whose grammar is still compiling would only thrash.
+            if head is None or (head.grammar is not None and not head.grammar.ready):
                 break
             slots_full = len(self.running) >= self.max_num_seqs
             # Conservative: prefix-cache hits on blocks other requests hold are not counted.

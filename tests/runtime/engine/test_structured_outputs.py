@@ -140,3 +140,27 @@ def test_a_request_whose_grammar_compiles_waits_without_blocking_others() -> Non
     compiled.set_result(object())
     second = scheduler.schedule()
     assert [request.request_id for request in second.requests] == ["constrained"]
+
+
+def test_a_compiling_request_displaces_nobody() -> None:
+    """Under the priority policy a more urgent request takes a running one's place, but not before its
+    grammar has compiled."""
+    scheduler = Scheduler(
+        max_num_seqs=1,
+        max_num_batched_tokens=64,
+        max_model_len=64,
+        block_size=8,
+        num_kv_blocks=32,
+        policy="priority",
+    )
+    running = Request("running", [1, 2, 3], SamplingParams(max_tokens=30), priority=3)
+    scheduler.add_request(running)
+    assert [r.request_id for r in scheduler.schedule().requests] == ["running"]
+    compiled: Future = Future()
+    urgent = Request("urgent", [4, 5, 6], SamplingParams(), priority=0, grammar=RequestGrammar(compiled))
+    scheduler.add_request(urgent)
+    running.append_output_token_ids(7)
+    assert scheduler.schedule().preempted_request_ids == set()
+    compiled.set_result(object())
+    running.append_output_token_ids(8)
+    assert scheduler.schedule().preempted_request_ids == {"running"}
