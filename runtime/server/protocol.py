@@ -26,9 +26,6 @@ FiniteFloat = Annotated[float, Strict(), AllowInfNan(False)]
 # off this list for that route.
 UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
     # OpenAI
-    # Implemented on /v1/chat/completions only.
-    "tools": (None, []),
-    "tool_choice": (None, "none", "auto"),
     "functions": (None, []),
     "function_call": (None, "none", "auto"),
     "suffix": (None, ""),
@@ -62,6 +59,9 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
     "chat_template": (None,),
     "chat_template_kwargs": (None, {}),
     "documents": (None,),
+    # Implemented on /v1/chat/completions only.
+    "tools": (None, []),
+    "tool_choice": (None, "none", "auto"),
 }
 
 
@@ -224,7 +224,7 @@ class _GenerationRequest(_Request):
             return None
         bias = {}
         for key, value in self.logit_bias.items():
-            if not key.isdigit():
+            if not (key.isascii() and key.isdigit()):
                 raise BadRequestError(f"logit_bias keys must be token ids, got {key!r}", param="logit_bias")
             bias[int(key)] = value
         return bias

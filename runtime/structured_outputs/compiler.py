@@ -19,7 +19,7 @@ import torch
 import xgrammar
 from kvfleet.runtime.sampling_params import StructuredOutputsParams
 from kvfleet.runtime.structured_outputs.bitmasks import pack_bits
-from kvfleet.runtime.structured_outputs.grammars import GrammarError, build_grammar, grammar_key
+from kvfleet.runtime.structured_outputs.grammars import JSON_KINDS, GrammarError, build_grammar, grammar_key
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
@@ -92,7 +92,7 @@ class GrammarCompiler:
         start = time.perf_counter()
         grammar = build_grammar(kind, text)
         compiler = self._vocabulary_compiler()
-        token_filter = self._json_token_filter if kind == "json" else self._text_token_filter
+        token_filter = self._json_token_filter if kind in JSON_KINDS else self._text_token_filter
         assert token_filter is not None
         compiled = CompiledConstraint(compiler.compile_grammar(grammar), token_filter)
         elapsed = time.perf_counter() - start

@@ -44,8 +44,10 @@ _SCHEMA_KEYWORDS = frozenset(
 )
 _SCHEMA_LIST_KEYWORDS = frozenset({"anyOf", "allOf", "oneOf", "prefixItems"})
 _SCHEMA_MAP_KEYWORDS = frozenset({"properties", "patternProperties", "$defs", "definitions"})
-# The schema of json_object: any JSON object.
-JSON_OBJECT_SCHEMA: dict[str, Any] = {"type": "object"}
+# The schema of json_object: any JSON object (compiled without strict mode, which would allow only `{}`).
+_JSON_OBJECT_SCHEMA = '{"type":"object"}'
+# The kinds whose output is JSON.
+JSON_KINDS = frozenset({"json", "json_object"})
 # xgrammar prefixes its messages with a timestamp and a C++ source location.
 _XGRAMMAR_MESSAGE_PREFIX = re.compile(r"^\[[0-9:]+\] [^ ]+:[0-9]+: ")
 
@@ -60,7 +62,7 @@ def grammar_key(params: StructuredOutputsParams) -> tuple[str, str]:
     if kind == "json":
         return kind, _canonical_json(params.json)
     if kind == "json_object":
-        return "json", _canonical_json(JSON_OBJECT_SCHEMA)
+        return kind, _JSON_OBJECT_SCHEMA
     if kind == "choice":
         return kind, json.dumps(params.choice)
     value = params.regex if kind == "regex" else params.grammar
@@ -71,11 +73,12 @@ def grammar_key(params: StructuredOutputsParams) -> tuple[str, str]:
 def build_grammar(kind: str, text: str) -> xgrammar.Grammar:
     """The grammar of a `grammar_key`, or GrammarError saying what is wrong with it."""
     try:
-        if kind == "json":
+        if kind in JSON_KINDS:
             schema = json.loads(text)
             check_json_schema(schema)
-            # Compact separators: with any whitespace allowed, a model could pad its output forever.
-            return xgrammar.Grammar.from_json_schema(text, any_whitespace=False, strict_mode=True)
+            # Compact separators: with any whitespace allowed, a model could pad its output forever. Strict
+            # mode allows no properties or items beyond those a schema names (OpenAI's strict outputs).
+            return xgrammar.Grammar.from_json_schema(text, any_whitespace=False, strict_mode=kind == "json")
         if kind == "regex":
             return xgrammar.Grammar.from_regex(text)
         if kind == "choice":

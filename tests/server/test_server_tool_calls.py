@@ -185,6 +185,18 @@ HERMES_CALL = (
 )
 
 
+def _auto_kwargs(regex: str, seed: int) -> dict[str, Any]:
+    """A request under tool_choice auto whose output the regex dictates."""
+    return {
+        "model": MODEL_NAME,
+        "messages": MESSAGES,
+        "tools": TOOLS,
+        "max_tokens": MAX_TOKENS,
+        "seed": seed,
+        "extra_body": {"structured_outputs": {"regex": regex}},
+    }
+
+
 @pytest.mark.parametrize(
     ("parser", "regex", "content"),
     [
@@ -198,14 +210,7 @@ def test_auto_reads_calls_from_the_output(
     auto_server: Callable[[str], ServerProcess], parser: str, regex: str, content: str | None
 ) -> None:
     client = _client(auto_server(parser))
-    kwargs = {
-        "model": MODEL_NAME,
-        "messages": MESSAGES,
-        "tools": TOOLS,
-        "max_tokens": MAX_TOKENS,
-        "seed": 1,
-        "extra_body": {"structured_outputs": {"regex": regex}},
-    }
+    kwargs = _auto_kwargs(regex, seed=1)
     choice = client.chat.completions.create(**kwargs).choices[0]
     assert choice.finish_reason == "tool_calls"
     assert choice.message.content == content
@@ -237,14 +242,7 @@ def test_auto_leaves_malformed_calls_as_content(
     auto_server: Callable[[str], ServerProcess], parser: str, regex: str
 ) -> None:
     client = _client(auto_server(parser))
-    kwargs = {
-        "model": MODEL_NAME,
-        "messages": MESSAGES,
-        "tools": TOOLS,
-        "max_tokens": MAX_TOKENS,
-        "seed": 2,
-        "extra_body": {"structured_outputs": {"regex": regex}},
-    }
+    kwargs = _auto_kwargs(regex, seed=2)
     choice = client.chat.completions.create(**kwargs).choices[0]
     assert choice.finish_reason == "stop"
     assert choice.message.tool_calls is None
