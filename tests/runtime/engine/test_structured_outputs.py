@@ -9,11 +9,16 @@ from concurrent.futures import Future
 from pathlib import Path
 
 import jsonschema
+import msgspec
 import pytest
 from kvfleet.runtime import LLM, SamplingParams, StructuredOutputsParams
+from kvfleet.runtime.config import EngineConfig
 from kvfleet.runtime.core.scheduler import Scheduler
+from kvfleet.runtime.engine.core import EngineCore
+from kvfleet.runtime.engine.messages import AddRequest, to_core_decoder
 from kvfleet.runtime.request import Request
 from kvfleet.runtime.structured_outputs.compiler import RequestGrammar
+from transformers import AutoTokenizer
 
 PROMPTS = ["The weather today", "Write a list:", "1 2 3", "Hello there, my friend"]
 REGEX = r"[A-Z][a-z]{2,5}-[0-9]{1,3}( [xy])?"
@@ -101,6 +106,37 @@ def test_a_bad_grammar_fails_its_request_alone(llm: LLM) -> None:
     assert re.fullmatch(REGEX, outputs[0].outputs[0].text)
     assert outputs[2].outputs[0].finish_reason == "length"
     assert len(outputs[2].outputs[0].token_ids) == 5
+
+
+def test_the_core_answers_a_grammar_that_fails_to_compile_with_an_invalid_error(tiny_llama: Path) -> None:
+    """Through the wire format the API servers use; the other request runs on."""
+    core = EngineCore(
+        EngineConfig(model=str(tiny_llama), num_kv_blocks=64, max_model_len=256, dtype="float32")
+    )
+    encoder, decoder = msgspec.msgpack.Encoder(), to_core_decoder()
+    for request_id, structured in (
+        ("bad", StructuredOutputsParams(grammar='root ::= "a" undefined')),
+        (
+            "good",
+            StructuredOutputsParams(json={"type": "array", "items": {"type": "boolean"}, "maxItems": 2}),
+        ),
+    ):
+        params = SamplingParams(temperature=1.0, seed=0, max_tokens=64, structured_outputs=structured)
+        add = AddRequest(request_id, [5, 6, 7], params, eos_token_id=4, arrival_time=0.0)
+        received = decoder.decode(encoder.encode(add))
+        assert received.sampling_params.structured_outputs == structured
+        core.add_request(received)
+    tokens: list[int] = []
+    errors = {}
+    while core.has_unfinished_requests():
+        step = core.step()
+        tokens += [t for output in step.outputs if output.request_id == "good" for t in output.new_token_ids]
+        errors.update({error.request_id: (error.kind, error.message) for error in step.errors})
+    assert list(errors) == ["bad"]
+    kind, message = errors["bad"]
+    assert kind == "invalid" and message.startswith("invalid grammar:") and "undefined" in message
+    assert tokens[-1] == 4
+    assert isinstance(json.loads(AutoTokenizer.from_pretrained(tiny_llama).decode(tokens[:-1])), list)
 
 
 def test_max_tokens_inside_the_grammar_finishes_with_length(llm: LLM) -> None:
