@@ -36,7 +36,7 @@ from kvfleet.runtime.server.protocol import (
 )
 from kvfleet.runtime.server.state import ServerState
 from kvfleet.runtime.server.streaming import SSE_DONE, merge_streams, prepend, sse_event, unless_disconnected
-from kvfleet.runtime.structured_outputs.grammars import GrammarError, build_grammar, grammar_key
+from kvfleet.runtime.structured_outputs.grammars import GrammarError, check_constraint
 from starlette.requests import Request
 
 
@@ -159,15 +159,15 @@ class OpenAIServing:
                 )
             params.structured_outputs, param = tool_constraint, "tools"
         if params.structured_outputs is not None:
-            await self._check_grammar(params.structured_outputs, param)
+            await self._check_constraint(params.structured_outputs, param)
         return params
 
-    async def _check_grammar(self, structured: StructuredOutputsParams, param: str) -> None:
-        """A 400 for a schema, regex or grammar that the engine could not compile, before it is queued."""
+    async def _check_constraint(self, structured: StructuredOutputsParams, param: str) -> None:
+        """A 400 for a JSON schema the engine could not enforce, before it is queued."""
 
         def work(_: Any) -> None:
             try:
-                build_grammar(*grammar_key(structured))
+                check_constraint(structured)
             except GrammarError as exc:
                 raise BadRequestError(str(exc), param=param) from None
 

@@ -1,19 +1,24 @@
 """From StructuredOutputsParams to an xgrammar Grammar, refusing what xgrammar would not enforce.
 
-The API server calls `build_grammar` to answer a bad schema, regex or grammar with a 400 before the request
-is queued (building a Grammar needs no tokenizer and is cheap); the engine core builds it again to compile it.
+The API server runs `check_constraint` to answer a bad JSON schema with a 400 before the request is queued:
+the checks that need neither xgrammar nor the torch it imports, which API servers never load. The engine core
+runs `build_grammar` to compile the constraint, and answers what only that finds (regex and grammar syntax)
+with an `invalid` error, a 400 too.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import urllib.parse
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jsonschema
-import xgrammar
 from kvfleet.runtime.sampling_params import StructuredOutputsParams
+
+if TYPE_CHECKING:
+    import xgrammar
 
 # JSON Schema keywords that xgrammar accepts but does not enforce: a schema using them would get a looser
 # grammar than it asks for, so it is refused instead.
@@ -70,8 +75,18 @@ def grammar_key(params: StructuredOutputsParams) -> tuple[str, str]:
     return kind, value
 
 
+def check_constraint(params: StructuredOutputsParams) -> None:
+    """Raises GrammarError for a constraint whose JSON text does not parse, or whose schema is invalid,
+    cannot be enforced or refers to what it does not hold."""
+    kind, text = grammar_key(params)
+    if kind in JSON_KINDS:
+        check_json_schema(json.loads(text))
+
+
 def build_grammar(kind: str, text: str) -> xgrammar.Grammar:
     """The grammar of a `grammar_key`, or GrammarError saying what is wrong with it."""
+    import xgrammar  # here: it imports torch, which the API servers (which only check) never load
+
     try:
         if kind in JSON_KINDS:
             schema = json.loads(text)
@@ -101,19 +116,39 @@ def check_json_schema(schema: Any) -> None:
     except jsonschema.SchemaError as exc:
         where = "/".join(str(part) for part in exc.path)
         raise GrammarError(f"invalid json: schema at '/{where}': {exc.message}") from None
-    for path, keyword in _keywords(schema, ""):
+    for path, keyword, value in _keywords(schema, ""):
         if keyword in UNENFORCED_KEYWORDS:
             raise GrammarError(
                 f"unsupported json: the keyword {keyword!r} (at '{path or '/'}') is not supported"
             )
+        if keyword == "$ref":
+            _check_reference(schema, value, path)
 
 
-def _keywords(schema: Any, path: str) -> Iterator[tuple[str, str]]:
-    """(path, keyword) of every keyword of a schema and of its subschemas."""
+def _check_reference(schema: dict[str, Any], reference: str, path: str) -> None:
+    """Only references into the schema itself (JSON pointers) can be followed, and they must lead
+    somewhere."""
+    where = path or "/"
+    if not reference.startswith("#"):
+        raise GrammarError(f"unsupported json: $ref {reference!r} (at '{where}') is not within the schema")
+    target: Any = schema
+    pointer = urllib.parse.unquote(reference[1:])
+    for part in pointer.split("/")[1:] if pointer else ():
+        part = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(target, list) and part.isdigit() and int(part) < len(target):
+            target = target[int(part)]
+        elif isinstance(target, dict) and part in target:
+            target = target[part]
+        else:
+            raise GrammarError(f"invalid json: $ref {reference!r} (at '{where}') leads nowhere in the schema")
+
+
+def _keywords(schema: Any, path: str) -> Iterator[tuple[str, str, Any]]:
+    """(path, keyword, value) of every keyword of a schema and of its subschemas."""
     if not isinstance(schema, dict):
         return
     for keyword, value in schema.items():
-        yield path, keyword
+        yield path, keyword, value
         where = f"{path}/{keyword}"
         if keyword in _SCHEMA_KEYWORDS:
             yield from _keywords(value, where)

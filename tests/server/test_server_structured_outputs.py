@@ -390,8 +390,15 @@ def test_parse_round_trips_a_pydantic_model(client: openai.OpenAI) -> None:
             "schema",
         ),
         ({"response_format": {"type": "xml"}}, "response_format.type", None),
-        ({"structured_outputs": {"regex": "[a-z"}}, "structured_outputs", "invalid regex"),
-        ({"structured_outputs": {"grammar": "root ::= missing"}}, "structured_outputs", "invalid grammar"),
+        # Found by the engine core's compiler: a 400 without a param.
+        ({"structured_outputs": {"regex": "[a-z"}}, None, "invalid regex"),
+        ({"structured_outputs": {"grammar": "root ::= missing"}}, None, "invalid grammar"),
+        ({"structured_outputs": {"regex": "(a"}, "stream": True}, None, "invalid regex"),
+        (
+            {"structured_outputs": {"json": {"$ref": "https://example.com/s.json"}}},
+            "structured_outputs",
+            "$ref",
+        ),
         ({"structured_outputs": {"choice": []}}, "structured_outputs", "choice"),
         ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs", "exactly one"),
         ({"structured_outputs": {"json": "{not json"}}, "structured_outputs", "not JSON"),
@@ -409,6 +416,8 @@ def test_parse_round_trips_a_pydantic_model(client: openai.OpenAI) -> None:
         "unknown format type",
         "bad regex",
         "bad grammar",
+        "bad regex, streamed",
+        "remote $ref",
         "empty choice",
         "two constraints",
         "schema text not JSON",
@@ -416,7 +425,7 @@ def test_parse_round_trips_a_pydantic_model(client: openai.OpenAI) -> None:
     ],
 )
 def test_bad_constraints_are_refused_with_a_400(
-    api_server: ServerProcess, body: dict[str, Any], param: str, message: str | None
+    api_server: ServerProcess, body: dict[str, Any], param: str | None, message: str | None
 ) -> None:
     response = httpx.post(
         f"{api_server.url}/v1/chat/completions",
