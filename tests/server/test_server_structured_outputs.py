@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import subprocess
+import sys
 from typing import TYPE_CHECKING, Any, Literal
 
 import httpx
@@ -467,3 +469,22 @@ def test_metrics_count_compilations_once_per_grammar_and_masked_steps(
     # One request at a time: a step per token sampled, each through a mask.
     assert grew("structured_output_mask_steps") == sampled
     assert grew("structured_output_mask_seconds") > 0
+
+
+_CHECK_WITHOUT_TORCH = """
+import sys
+import kvfleet.runtime.server.app
+from kvfleet.runtime.sampling_params import StructuredOutputsParams
+from kvfleet.runtime.structured_outputs.grammars import check_constraint
+schema = {"type": "array", "items": {"$ref": "#/$defs/x"}, "$defs": {"x": {}}}
+check_constraint(StructuredOutputsParams(json=schema))
+print(sorted(name for name in ("torch", "xgrammar") if name in sys.modules))
+"""
+
+
+def test_api_servers_check_constraints_without_loading_torch() -> None:
+    """API servers start fast and stay small: the checks they run need neither xgrammar nor torch."""
+    result = subprocess.run(
+        [sys.executable, "-P", "-c", _CHECK_WITHOUT_TORCH], capture_output=True, text=True, check=True
+    )
+    assert result.stdout.strip() == "[]", result.stderr
