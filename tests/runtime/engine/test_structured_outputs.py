@@ -92,6 +92,13 @@ def test_unconstrained_requests_get_the_tokens_they_get_alone(llm: LLM) -> None:
     assert mixed[3].outputs[0].text in CHOICES
 
 
+def test_an_unenforceable_schema_is_refused_before_anything_runs(llm: LLM) -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "integer", "not": {"const": 1}}}}
+    with pytest.raises(ValueError, match="'not'"):
+        llm.generate(PROMPTS[:2], [_constrained(0, regex=REGEX), _constrained(1, json=schema)])
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
 def test_a_bad_grammar_fails_its_request_alone(llm: LLM) -> None:
     outputs = llm.generate(
         PROMPTS[:3],

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 from kvfleet.runtime import LLM, SamplingParams
+from kvfleet.runtime.engine.messages import AddRequest
 from transformers import AutoTokenizer
 
 PROMPTS = ["The weather today", "Write a list:", "1 2 3"]
@@ -74,7 +75,19 @@ def test_unconstrained_rows_are_untouched_by_their_neighbours_rules(llm: LLM) ->
     assert [mixed[0], mixed[2]] == alone
 
 
-def test_token_ids_outside_the_vocabulary_fail_the_request(llm: LLM) -> None:
-    outputs = llm.generate(PROMPTS[:2], [_greedy(logit_bias={10**6: 1.0}), _greedy(max_tokens=3)])
-    assert outputs[0].outputs[0].finish_reason == "error"
-    assert len(outputs[1].outputs[0].token_ids) == 3
+def test_token_ids_outside_the_vocabulary_are_refused(llm: LLM, tiny_llama: Path) -> None:
+    for params in (_greedy(logit_bias={10**6: 1.0}), _greedy(allowed_token_ids=[1, 10**6])):
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            llm.generate(PROMPTS[:2], [_greedy(max_tokens=3), params])
+    assert not llm.llm_engine.has_unfinished_requests()
+    # The engine core refuses them too, alone, when a front end lets them through.
+    core = llm.llm_engine.engine_core
+    core.add_request(AddRequest("far", [5, 6], _greedy(logit_bias={10**6: 1.0}), None, 0.0))
+    core.add_request(AddRequest("near", [5, 6], _greedy(max_tokens=3), None, 0.0))
+    errors, tokens = {}, []
+    while core.has_unfinished_requests():
+        step = core.step()
+        errors.update({error.request_id: error.kind for error in step.errors})
+        tokens += [t for output in step.outputs for t in output.new_token_ids]
+    assert errors == {"far": "invalid"}
+    assert len(tokens) == 3
