@@ -43,6 +43,8 @@ UNENFORCED_KEYWORDS = frozenset(
         "unevaluatedItems",
     }
 )
+# JSON nesting a schema may have: checking and compiling recurse, and real schemas stay far below this.
+MAX_SCHEMA_NESTING = 64
 # Keywords whose values are schemas, lists of schemas, or maps of names to schemas.
 _SCHEMA_KEYWORDS = frozenset(
     {"items", "additionalProperties", "additionalItems", "not", "if", "then", "else"}
@@ -110,6 +112,8 @@ def check_json_schema(schema: Any) -> None:
     """Raises GrammarError unless `schema` is a valid JSON Schema whose every keyword can be enforced."""
     if not isinstance(schema, dict | bool):
         raise GrammarError(f"invalid json: a JSON schema is an object, got {type(schema).__name__}")
+    if _nesting(schema) > MAX_SCHEMA_NESTING:
+        raise GrammarError(f"unsupported json: the schema nests deeper than {MAX_SCHEMA_NESTING} levels")
     validator = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
     try:
         validator.check_schema(schema)
@@ -141,6 +145,20 @@ def _check_reference(schema: dict[str, Any], reference: str, path: str) -> None:
             target = target[part]
         else:
             raise GrammarError(f"invalid json: $ref {reference!r} (at '{where}') leads nowhere in the schema")
+
+
+def _nesting(document: Any) -> int:
+    """How deep lists and objects nest in a JSON document, found without recursion."""
+    deepest = 0
+    stack = [(document, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, dict | list):
+            deepest = max(deepest, depth)
+            if depth <= MAX_SCHEMA_NESTING:
+                children = value.values() if isinstance(value, dict) else value
+                stack.extend((child, depth + 1) for child in children)
+    return deepest
 
 
 def _keywords(schema: Any, path: str) -> Iterator[tuple[str, str, Any]]:

@@ -353,6 +353,13 @@ def test_parse_round_trips_a_pydantic_model(client: openai.OpenAI) -> None:
         assert message.parsed == Household.model_validate_json(message.content or "")
 
 
+def _nested_arrays(depth: int) -> dict[str, Any]:
+    schema: dict[str, Any] = {"type": "boolean"}
+    for _ in range(depth):
+        schema = {"type": "array", "items": schema, "maxItems": 1}
+    return schema
+
+
 @pytest.mark.parametrize(
     ("body", "param", "message"),
     [
@@ -401,6 +408,7 @@ def test_parse_round_trips_a_pydantic_model(client: openai.OpenAI) -> None:
             "structured_outputs",
             "$ref",
         ),
+        ({"structured_outputs": {"json": _nested_arrays(400)}}, "structured_outputs", "deeper than 64"),
         ({"structured_outputs": {"choice": []}}, "structured_outputs", "choice"),
         ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs", "exactly one"),
         ({"structured_outputs": {"json": "{not json"}}, "structured_outputs", "not JSON"),
@@ -420,6 +428,7 @@ def test_parse_round_trips_a_pydantic_model(client: openai.OpenAI) -> None:
         "bad grammar",
         "bad regex, streamed",
         "remote $ref",
+        "nested too deep",
         "empty choice",
         "two constraints",
         "schema text not JSON",
