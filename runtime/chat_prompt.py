@@ -46,9 +46,14 @@ def _special_tokens(tokenizer: Any) -> _SpecialTokens:
 
 
 def chat_prompt_token_ids(
-    tokenizer: Any, messages: list[dict[str, Any]], *, add_generation_prompt: bool
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    *,
+    add_generation_prompt: bool,
+    tools: list[dict[str, Any]] | None = None,
 ) -> list[int]:
-    """Token ids of `messages` (role/content dicts) rendered by the tokenizer's chat template.
+    """Token ids of `messages` (role/content dicts) rendered by the tokenizer's chat template, with the
+    `tools` (OpenAI's function definitions) the template shows the model.
 
     Raises ValueError when the tokenizer has no chat template or the template rejects the messages.
     """
@@ -56,9 +61,9 @@ def chat_prompt_token_ids(
         raise ValueError("the model has no chat template")
     special = _special_tokens(tokenizer)
     if special.pattern is None:
-        text = _render(tokenizer, messages, add_generation_prompt)
+        text = _render(tokenizer, messages, add_generation_prompt, tools)
         return _encode(special.text_encoder, text)
-    free = _free_characters(len(special.ids), messages, tokenizer.chat_template)
+    free = _free_characters(len(special.ids), [messages, tools], tokenizer.chat_template)
     stand_ins = dict(zip(special.ids, free, strict=True))
     pattern = special.pattern
 
@@ -71,7 +76,7 @@ def chat_prompt_token_ids(
             return {key: escape(item) for key, item in value.items()}
         return value
 
-    text = _render(tokenizer, escape(messages), add_generation_prompt)
+    text = _render(tokenizer, escape(messages), add_generation_prompt, escape(tools))
     restore = {ord(stand_in): token for token, stand_in in stand_ins.items()}
     token_ids: list[int] = []
     position = 0
@@ -83,10 +88,15 @@ def chat_prompt_token_ids(
     return token_ids
 
 
-def _render(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
+def _render(
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    add_generation_prompt: bool,
+    tools: list[dict[str, Any]] | None,
+) -> str:
     try:
         return tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt
+            messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt
         )
     except Exception as exc:
         # Templates refuse conversations they cannot render (role order, unknown roles) by raising.
@@ -111,9 +121,9 @@ def longest_token_characters(tokenizer: Any) -> int:
     return max(len(token) for token in tokenizer.get_vocab())
 
 
-def _free_characters(count: int, messages: list[dict[str, Any]], template: str) -> list[str]:
-    """`count` consecutive private-use characters found neither in the messages nor in the template."""
-    texts = [*text_fields(messages), template]
+def _free_characters(count: int, conversation: Any, template: str) -> list[str]:
+    """`count` consecutive private-use characters found neither in the conversation nor in the template."""
+    texts = [*text_fields(conversation), template]
     used = {ord(char) for text in texts for char in text if ord(char) in _PRIVATE_USE}
     start = _PRIVATE_USE.start
     for code in sorted(used):

@@ -129,6 +129,30 @@ def bench_throughput(
     print_throughput_report(report)
 
 
+@bench.command("structured")
+@click.option(
+    "--model", type=click.Path(exists=True, file_okay=False), default=None, help="Default: make `small`."
+)
+@click.option("--num-requests", type=int, default=64, show_default=True)
+@click.option("--bench-seed", type=int, default=0, show_default=True, help="Seed of the synthetic workload.")
+@engine_options
+def bench_structured(model: str | None, num_requests: int, bench_seed: int, **options) -> None:
+    """Throughput under JSON-schema constraints against the same requests unconstrained, and compile times."""
+    from kvfleet.runtime.bench.report import print_structured_report
+    from kvfleet.runtime.bench.structured import run_structured
+
+    with _model_or_small(model) as model_dir:
+        config = engine_config_from_options(model_dir, options)
+        report = run_structured(
+            model_dir,
+            num_requests=num_requests,
+            engine_options=config.as_options(),
+            seed=bench_seed,
+            log=lambda line: click.echo(line, err=True),
+        )
+    print_structured_report(report)
+
+
 @contextlib.contextmanager
 def _model_or_small(model: str | None) -> Iterator[str]:
     """The given folder, or the `small` benchmark model, made once into the cache and reused."""

@@ -273,6 +273,25 @@ class _EngineStatsCollector(Collector):
             ),
             "prefix_cache_hits": ("Prompt tokens found in the prefix cache.", stats.prefix_cache_hits),
         }
+        # kvfleet's own: vLLM has no counterparts.
+        structured_outputs = {
+            "structured_output_grammars_compiled": (
+                "Grammars compiled for structured outputs (cache hits are not compilations).",
+                stats.grammars_compiled,
+            ),
+            "structured_output_compile_seconds": (
+                "Time spent compiling those grammars.",
+                stats.grammar_compile_seconds,
+            ),
+            "structured_output_mask_steps": (
+                "Engine steps that masked the logits of structured-output requests.",
+                stats.grammar_mask_steps,
+            ),
+            "structured_output_mask_seconds": (
+                "Time those steps spent filling and applying the grammars' token masks.",
+                stats.grammar_mask_seconds,
+            ),
+        }
         aliases = {"kv_cache_usage_perc": ("gpu_cache_usage_perc",)}
         for name, (documentation, value) in gauges.items():
             for full_name in _names(name, aliases.get(name, ())):
@@ -284,6 +303,10 @@ class _EngineStatsCollector(Collector):
                 family = CounterMetricFamily(full_name, documentation, labels=["model_name"])
                 family.add_metric([self._model_name], float(value))
                 yield family
+        for name, (documentation, value) in structured_outputs.items():
+            family = CounterMetricFamily(f"kvfleet:{name}", documentation, labels=["model_name"])
+            family.add_metric([self._model_name], float(value))
+            yield family
 
 
 def _names(name: str, vllm_aliases: tuple[str, ...]) -> list[str]:

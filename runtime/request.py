@@ -5,8 +5,13 @@ from __future__ import annotations
 import enum
 import time
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from kvfleet.runtime.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from kvfleet.runtime.structured_outputs.compiler import RequestGrammar
+    from kvfleet.runtime.structured_outputs.token_rules import TokenRules
 
 
 class RequestStatus(enum.IntEnum):
@@ -63,6 +68,8 @@ class Request:
         arrival_time: float | None = None,
         priority: int = 0,
         deadline: float | None = None,
+        grammar: RequestGrammar | None = None,
+        token_rules: TokenRules | None = None,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError(f"request {request_id!r}: prompt_token_ids must not be empty")
@@ -73,6 +80,10 @@ class Request:
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.priority = priority
         self.deadline = deadline
+        # The constraint of structured_outputs; the scheduler admits the request once it is compiled.
+        self.grammar = grammar
+        # logit_bias, allowed_token_ids and bad_words, applied with the grammar's mask.
+        self.token_rules = token_rules
 
         self.status = RequestStatus.WAITING
         self.output_token_ids: list[int] = []

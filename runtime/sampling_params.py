@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 MAX_LOGPROBS = 20
 # Temperatures below this sample greedily: dividing logits by less overflows them to inf, and the NaN
@@ -12,6 +13,53 @@ GREEDY_TEMPERATURE = 1e-5
 # Seeds seed torch generators, which take 64-bit integers; vLLM accepts the signed range. A request with n
 # sequences seeds them with seed, seed + 1, ..., seed + n - 1, all of which must be in it.
 SEED_RANGE = (-(2**63), 2**63 - 1)
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Constrains the output to a language (vLLM's names); exactly one of the fields is set.
+
+    json: a JSON schema (a dict, or its JSON text); regex: a regular expression the whole output matches;
+    choice: the output is exactly one of these strings; grammar: an EBNF grammar (GBNF style, with a `root`
+    rule); json_object: any JSON object.
+    """
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def __post_init__(self) -> None:
+        given = [name for name in _STRUCTURED_OUTPUT_KINDS if getattr(self, name) not in (None, False)]
+        _require(
+            len(given) == 1,
+            "structured_outputs",
+            f"must set exactly one of {', '.join(_STRUCTURED_OUTPUT_KINDS)}, got {given or 'none'}",
+        )
+        if self.choice is not None:
+            _require(
+                bool(self.choice) and all(isinstance(item, str) and item for item in self.choice),
+                "structured_outputs",
+                "choice must be a non-empty list of non-empty strings",
+            )
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            _require(
+                value is None or (isinstance(value, str) and value != ""),
+                "structured_outputs",
+                f"{name} must be a non-empty string",
+            )
+        _require(
+            self.json_object in (None, True), "structured_outputs", "json_object must be true when given"
+        )
+
+    @property
+    def kind(self) -> str:
+        return next(name for name in _STRUCTURED_OUTPUT_KINDS if getattr(self, name) not in (None, False))
+
+
+_STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
 
 @dataclass
@@ -38,6 +86,13 @@ class SamplingParams:
     logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
+    # Added to the logits of these token ids (OpenAI's logit_bias), each in [-100, 100].
+    logit_bias: dict[int, float] | None = None
+    # Only these token ids may be sampled.
+    allowed_token_ids: list[int] | None = None
+    # Never generated: a word's last token is banned wherever the output ends with the tokens before it.
+    bad_words: list[str] | None = None
 
     def __post_init__(self) -> None:
         if self.stop is None:
@@ -89,11 +144,7 @@ class SamplingParams:
                 isinstance(stop, str) and stop != "", "stop", f"must hold non-empty strings, got {stop!r}"
             )
         for token_id in self.stop_token_ids:
-            _require(
-                isinstance(token_id, int) and not isinstance(token_id, bool) and token_id >= 0,
-                "stop_token_ids",
-                f"must hold non-negative token ids, got {token_id!r}",
-            )
+            _require_token_id("stop_token_ids", token_id)
         if self.max_tokens is not None:
             _require_int("max_tokens", self.max_tokens)
             _require(self.max_tokens >= 1, "max_tokens", f"must be at least 1, got {self.max_tokens}")
@@ -104,6 +155,21 @@ class SamplingParams:
                 self.min_tokens <= self.max_tokens,
                 "min_tokens",
                 f"must not exceed max_tokens={self.max_tokens}, got {self.min_tokens}",
+            )
+        if self.logit_bias is not None:
+            for token_id, bias in self.logit_bias.items():
+                _require_token_id("logit_bias", token_id)
+                _require_number("logit_bias", bias)
+                _require(-100 <= bias <= 100, "logit_bias", f"values must be in [-100, 100], got {bias}")
+        if self.allowed_token_ids is not None:
+            _require(bool(self.allowed_token_ids), "allowed_token_ids", "must not be empty")
+            for token_id in self.allowed_token_ids:
+                _require_token_id("allowed_token_ids", token_id)
+        for word in self.bad_words or ():
+            _require(
+                isinstance(word, str) and word != "",
+                "bad_words",
+                f"must hold non-empty strings, got {word!r}",
             )
         if self.logprobs is not None:
             _require_int("logprobs", self.logprobs)
@@ -122,6 +188,14 @@ def _require(ok: bool, name: str, message: str) -> None:
 def _require_int(name: str, value: object) -> int:
     _require(isinstance(value, int) and not isinstance(value, bool), name, f"must be an int, got {value!r}")
     return value  # type: ignore[return-value]
+
+
+def _require_token_id(name: str, value: object) -> None:
+    _require(
+        isinstance(value, int) and not isinstance(value, bool) and value >= 0,
+        name,
+        f"must hold non-negative token ids, got {value!r}",
+    )
 
 
 def _require_number(name: str, value: object) -> float:

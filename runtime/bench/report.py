@@ -5,6 +5,7 @@ from __future__ import annotations
 import platform
 
 import torch
+from kvfleet.runtime.bench.structured import StructuredReport
 from kvfleet.runtime.bench.throughput import ThroughputReport
 
 
@@ -47,3 +48,21 @@ def print_throughput_report(report: ThroughputReport) -> None:
         f"off {report.caching_off.tokens_per_second:.1f} output tokens/s; "
         f"cost of prefix caching: {cost:.1%}"
     )
+
+
+def print_structured_report(report: StructuredReport) -> None:
+    print(f"machine: {machine_line()}\n")
+    print("| requests | seconds | output tokens | output tokens/s |")
+    print("| --- | ---: | ---: | ---: |")
+    for result in (report.constrained, report.unconstrained):
+        tokens_per_second = result.tokens_per_second
+        print(f"| {result.name} | {result.seconds:.2f} | {result.output_tokens} | {tokens_per_second:.1f} |")
+    cost = 1 - report.constrained.tokens_per_second / report.unconstrained.tokens_per_second
+    print(
+        f"\ncost of the JSON-schema constraint: {cost:.1%} of the throughput; masks took "
+        f"{report.mask_seconds_per_step * 1000:.2f} ms per step\n"
+    )
+    print("| schema | compile, cold (ms) | compile, cached (ms) |")
+    print("| --- | ---: | ---: |")
+    for entry in report.compile_times:
+        print(f"| {entry.schema} | {entry.cold_seconds * 1000:.1f} | {entry.cached_seconds * 1000:.3f} |")

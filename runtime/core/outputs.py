@@ -76,3 +76,9 @@ class SchedulerStats:
     prefix_cache_hits: int
     # Prompt (and recomputed) tokens actually run through the model; prefix-cache hits are not counted.
     num_prefill_tokens_computed: int
+    # Structured outputs, filled in by the engine core: grammars compiled (cache hits are not compilations)
+    # and their compile time; steps that masked constrained rows and the time filling and applying the masks.
+    grammars_compiled: int = 0
+    grammar_compile_seconds: float = 0.0
+    grammar_mask_steps: int = 0
+    grammar_mask_seconds: float = 0.0

@@ -222,10 +222,15 @@ class Scheduler:
                 raise ValueError(f"the model runner sampled for {request_id!r} before its prefill ended")
             new_logprobs = all_logprobs[index] if all_logprobs else None
             finish_reason = None
+            grammar = request.grammar
             for position, token_id in enumerate(new_token_ids):
                 request.output_token_ids.append(token_id)
                 request.all_token_ids.append(token_id)
-                status = _check_stop(request, token_id, max_model_len)
+                if grammar is not None and not grammar.accept(token_id):
+                    # Sampling masks what the grammar forbids, so only a row with nothing allowed gets here.
+                    status = RequestStatus.FINISHED_ERROR
+                else:
+                    status = _check_stop(request, token_id, max_model_len)
                 if status is not None:
                     if position + 1 < len(new_token_ids):
                         new_token_ids = new_token_ids[: position + 1]
@@ -253,6 +258,8 @@ class Scheduler:
         kv = self.kv_cache_manager
         waiting = self.waiting
         running = self.running
+        # Requests whose grammar is still compiling step aside for the ones behind them, keeping their place.
+        compiling: list[Request] = []
         while budget > 0 and len(running) < self.max_num_seqs:
             request = waiting.peek()
             # A request displaced this step waits at least one step: taking it back at once (its blocks
@@ -260,6 +267,9 @@ class Scheduler:
             # nothing, and it would be both preempted and scheduled in one output.
             if request is None or request in displaced:
                 break
+            if request.grammar is not None and not request.grammar.ready:
+                compiling.append(waiting.pop())
+                continue
             computed_blocks, num_cached_tokens = kv.get_computed_blocks(request)
             num_new_tokens = request.num_tokens - num_cached_tokens
             if num_new_tokens > budget:
@@ -276,6 +286,8 @@ class Scheduler:
             running.append(request)
             scheduled[request] = num_new_tokens
             budget -= num_new_tokens
+        for request in reversed(compiling):
+            waiting.prepend(request)
         return budget
 
     def _build_output(
@@ -317,7 +329,8 @@ class Scheduler:
         displaced: list[Request] = []
         while self.running:
             head = self.waiting.peek()
-            if head is None:
+            # Displacing anyone for a request whose grammar is still compiling would only thrash.
+            if head is None or (head.grammar is not None and not head.grammar.ready):
                 break
             slots_full = len(self.running) >= self.max_num_seqs
             # Conservative: prefix-cache hits on blocks other requests hold are not counted.
@@ -401,6 +414,8 @@ def _check_stop(request: Request, token_id: int, max_model_len: int) -> RequestS
         if token_id in request.stop_token_id_set:
             request.stop_reason = token_id
             return RequestStatus.FINISHED_STOPPED
+    if request.grammar is not None and request.grammar.is_terminated:
+        return RequestStatus.FINISHED_STOPPED
     max_tokens = params.max_tokens
     if len(request.all_token_ids) >= max_model_len or (
         max_tokens is not None and num_output_tokens >= max_tokens

@@ -11,13 +11,14 @@ fail alone are finished with an error.
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import math
 import time
 
 import torch
 from kvfleet.runtime.config import EngineConfig
-from kvfleet.runtime.core.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
+from kvfleet.runtime.core.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput, SchedulerStats
 from kvfleet.runtime.core.scheduler import Scheduler
 from kvfleet.runtime.engine.errors import (
     EngineOverloadedError,
@@ -25,10 +26,12 @@ from kvfleet.runtime.engine.errors import (
     RequestFailedError,
     RequestShedError,
 )
-from kvfleet.runtime.engine.input_checks import check_prompt_token_ids
+from kvfleet.runtime.engine.input_checks import check_prompt_token_ids, check_sampling_token_ids
 from kvfleet.runtime.engine.load_shedding import QueuedRequest, choose_victim
 from kvfleet.runtime.engine.messages import AddRequest, EngineCoreOutputs, EngineInfo, RequestError
 from kvfleet.runtime.request import Request, RequestStatus
+from kvfleet.runtime.structured_outputs.compiler import GrammarCompiler, RequestGrammar
+from kvfleet.runtime.structured_outputs.token_rules import TokenRules
 from kvfleet.runtime.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -37,6 +40,8 @@ GiB = 1 << 30
 # Room for activations, logits and allocator slack when the KV pool is sized from GPU memory.
 _CUDA_ACTIVATION_RESERVE_BYTES = 2 * GiB
 _DEFAULT_CHUNKED_TOKEN_BUDGET = 2048
+# With nothing to run but grammars compiling, a step waits this long for one of them instead of spinning.
+_GRAMMAR_WAIT_S = 0.01
 
 
 class EngineCore:
@@ -66,6 +71,9 @@ class EngineCore:
         # scheduling the front end hears of (its queue-time metric).
         self._unstarted: dict[str, AddRequest] = {}
         self._errors: list[RequestError] = []
+        self.grammar_compiler = GrammarCompiler(config.tokenizer or config.model, self.vocab_size)
+        # Requests whose grammar was still compiling when they were admitted.
+        self._compiling: dict[str, Request] = {}
         self.num_steps = 0
         logger.info(
             "%s ready: model=%s device=%s max_model_len=%d kv_blocks=%d x %d tokens, budget %d",
@@ -142,6 +150,13 @@ class EngineCore:
         try:
             self.validate_prompt(add.prompt_token_ids, add.sampling_params.stop_token_ids or [])
             self._make_room(add)
+            params = add.sampling_params
+            check_sampling_token_ids(params, vocab_size=self.vocab_size)
+            structured = params.structured_outputs
+            grammar = (
+                None if structured is None else RequestGrammar(self.grammar_compiler.compile(structured))
+            )
+            token_rules = TokenRules.of(params, self.vocab_size, self.grammar_compiler.encode)
             request = Request(
                 add.request_id,
                 add.prompt_token_ids,
@@ -150,6 +165,8 @@ class EngineCore:
                 arrival_time=add.arrival_time,
                 priority=add.priority,
                 deadline=add.deadline,
+                grammar=grammar,
+                token_rules=token_rules,
             )
             self.scheduler.add_request(request)
         except (InvalidRequestError, EngineOverloadedError) as error:
@@ -159,11 +176,13 @@ class EngineCore:
             self._errors.append(RequestError(add.request_id, InvalidRequestError.kind, str(error)))
             return
         self._unstarted[add.request_id] = add
+        if grammar is not None and not grammar.ready:
+            self._compiling[add.request_id] = request
 
     def _make_room(self, add: AddRequest) -> None:
         """Under --max-waiting-requests, shed a waiting request of a lower tier, or refuse this one."""
         limit = self.max_waiting_requests
-        if limit is None or self.scheduler.stats.num_waiting < limit:
+        if limit is None or len(self.scheduler.waiting) < limit:
             return
         queued = [QueuedRequest(a.request_id, a.priority, a.arrival_time) for a in self._unstarted.values()]
         victim = choose_victim(queued, add.priority)
@@ -177,7 +196,19 @@ class EngineCore:
         """Stop requests wherever they are; their KV blocks are freed at once. Unknown ids are ignored."""
         for request_id in request_ids:
             self._unstarted.pop(request_id, None)
+            self._compiling.pop(request_id, None)
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    @property
+    def stats(self) -> SchedulerStats:
+        """The scheduler's, with the structured outputs' counters."""
+        stats = self.scheduler.stats
+        masks = self.runner.sampler.grammar_masks
+        stats.grammars_compiled = self.grammar_compiler.num_compiled
+        stats.grammar_compile_seconds = self.grammar_compiler.compile_seconds
+        stats.grammar_mask_steps = masks.num_steps
+        stats.grammar_mask_seconds = masks.seconds
+        return stats
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or bool(self._errors)
@@ -185,9 +216,17 @@ class EngineCore:
     # ---- stepping -------------------------------------------------------------------------------
 
     def step(self) -> EngineCoreOutputs:
+        if self._compiling:
+            self._settle_compiled_grammars()
         errors, self._errors = self._errors, []
         step_time = time.monotonic()
         scheduler_output = self.scheduler.schedule()
+        if scheduler_output.total_num_scheduled_tokens == 0 and self._compiling:
+            concurrent.futures.wait(
+                [request.grammar.compiled for request in self._compiling.values() if request.grammar],
+                timeout=_GRAMMAR_WAIT_S,
+                return_when=concurrent.futures.FIRST_COMPLETED,
+            )
         started = [r.request_id for r in scheduler_output.requests if r.request_id in self._unstarted]
         for request_id in started:
             del self._unstarted[request_id]
@@ -197,8 +236,22 @@ class EngineCore:
                 self._unstarted.pop(output.request_id, None)
         self.num_steps += 1
         return EngineCoreOutputs(
-            stats=self.scheduler.stats, outputs=outputs, errors=errors, started=started, step_time=step_time
+            stats=self.stats, outputs=outputs, errors=errors, started=started, step_time=step_time
         )
+
+    def _settle_compiled_grammars(self) -> None:
+        """Forget requests whose grammar has compiled; finish those whose grammar failed to, alone."""
+        for request_id, request in list(self._compiling.items()):
+            grammar = request.grammar
+            assert grammar is not None
+            if grammar.ready or request.is_finished:
+                del self._compiling[request_id]
+                continue
+            error = grammar.error
+            if error is not None:
+                del self._compiling[request_id]
+                self.abort_requests([request_id])
+                self._errors.append(RequestError(request_id, InvalidRequestError.kind, error))
 
     def _execute(
         self, scheduler_output: SchedulerOutput, errors: list[RequestError]

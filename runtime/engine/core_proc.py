@@ -105,7 +105,7 @@ class EngineCoreProc:
                 self._send(self.core.step())
             elif received:
                 # Nothing to step, but aborts changed the queues: the front ends' metrics should see it.
-                self._send(EngineCoreOutputs(stats=self.core.scheduler.stats))
+                self._send(EngineCoreOutputs(stats=self.core.stats))
 
     def _receive(self) -> bool:
         socket, core = self.socket, self.core

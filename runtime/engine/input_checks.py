@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from kvfleet.runtime.engine.errors import InvalidRequestError
+from kvfleet.runtime.sampling_params import SamplingParams
 
 
 def check_prompt_token_ids(
@@ -22,3 +23,14 @@ def check_prompt_token_ids(
             f"the prompt has {len(prompt_token_ids)} tokens, but the model's context is {max_model_len} "
             "tokens, leaving no room for output"
         )
+
+
+def check_sampling_token_ids(params: SamplingParams, *, vocab_size: int) -> None:
+    """Raises InvalidRequestError for logit_bias or allowed_token_ids outside the vocabulary."""
+    for name, token_ids in (
+        ("logit_bias", params.logit_bias),
+        ("allowed_token_ids", params.allowed_token_ids),
+    ):
+        bad = [t for t in token_ids or () if t >= vocab_size]
+        if bad:
+            raise InvalidRequestError(f"{name} token id {bad[0]} is outside the vocabulary [0, {vocab_size})")

@@ -8,9 +8,11 @@ from typing import Any
 
 from kvfleet.runtime.chat_prompt import chat_prompt_token_ids
 from kvfleet.runtime.config import EngineConfig
+from kvfleet.runtime.engine.input_checks import check_sampling_token_ids
 from kvfleet.runtime.engine.llm_engine import LLMEngine
 from kvfleet.runtime.engine.outputs import RequestOutput
 from kvfleet.runtime.sampling_params import SamplingParams
+from kvfleet.runtime.structured_outputs.grammars import check_constraint
 from tqdm import tqdm
 
 Prompt = str | list[int]
@@ -45,6 +47,9 @@ class LLM:
         token_lists = [engine.tokenize(prompt) for prompt in prompt_list]
         for token_ids, params in zip(token_lists, params_list, strict=True):
             engine.validate_prompt(token_ids, params)
+            check_sampling_token_ids(params, vocab_size=engine.vocab_size)
+            if params.structured_outputs is not None:
+                check_constraint(params.structured_outputs)
         ids = [str(next(self._request_counter)) for _ in prompt_list]
         try:
             for request_id, prompt, token_ids, params, prio in zip(

@@ -45,17 +45,45 @@ _LOGIT_STD = 2.5
 # Weight on the constant hidden dimension for ids the tokenizer lacks (see _suppress_unused_ids).
 _UNUSED_ID_WEIGHT = -100.0
 
+# Both templates show the model the tools it may call and render the calls of earlier assistant turns in the
+# format their --tool-call-parser reads: hermes for ChatML (Qwen's), llama3_json for Llama 3's. Tool results
+# come back as `tool` turns (Llama 3 names that role `ipython`).
 _CHATML_TEMPLATE = (
+    "{% if tools %}"
+    "{{ '<|im_start|>system\\n# Tools\\n\\nYou may call one or more functions. Their signatures are within "
+    "<tools></tools>:\\n<tools>' }}"
+    "{% for tool in tools %}{{ '\\n' + (tool | tojson) }}{% endfor %}"
+    '{{ \'\\n</tools>\\n\\nFor each call, answer with <tool_call>\\n{"name": function name, "arguments": '
+    "arguments object}\\n</tool_call><|im_end|>\\n' }}"
+    "{% endif %}"
     "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] }}"
+    "{% for call in message.get('tool_calls') or [] %}"
+    "{{ '\\n<tool_call>\\n{\"name\": ' + (call['function']['name'] | tojson) + ', \"arguments\": '"
+    " + (call['function']['arguments'] | tojson) + '}\\n</tool_call>' }}"
+    "{% endfor %}"
+    "{{ '<|im_end|>' + '\\n' }}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 _LLAMA3_TEMPLATE = (
     "{{ bos_token }}"
+    "{% if tools %}"
+    "{{ '<|start_header_id|>system<|end_header_id|>\\n\\nYou may call these functions. To call them, answer "
+    'with only {"name": function name, "parameters": arguments object}, calls separated by "; ".\' }}'
+    "{% for tool in tools %}{{ '\\n' + (tool | tojson) }}{% endfor %}"
+    "{{ '<|eot_id|>' }}"
+    "{% endif %}"
     "{% for message in messages %}"
-    "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] | trim"
-    " + '<|eot_id|>' }}"
+    "{{ '<|start_header_id|>' + ('ipython' if message['role'] == 'tool' else message['role'])"
+    " + '<|end_header_id|>\\n\\n' }}"
+    "{% if message.get('tool_calls') %}"
+    "{% for call in message['tool_calls'] %}"
+    "{{ ('' if loop.first else '; ') + '{\"name\": ' + (call['function']['name'] | tojson)"
+    " + ', \"parameters\": ' + (call['function']['arguments'] | tojson) + '}' }}"
+    "{% endfor %}"
+    "{% else %}{{ message['content'] | trim }}{% endif %}"
+    "{{ '<|eot_id|>' }}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}"
 )

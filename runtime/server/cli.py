@@ -139,6 +139,16 @@ def _api_key(ctx: click.Context, param: click.Parameter, value: str | None) -> s
     show_default=True,
     help="HTTP server processes sharing the port and the one engine core process.",
 )
+@click.option(
+    "--enable-auto-tool-choice",
+    is_flag=True,
+    help='Allow tool_choice "auto": the model may call tools in its own format, read by --tool-call-parser.',
+)
+@click.option(
+    "--tool-call-parser",
+    default=None,
+    help="How calls are read from the output under tool_choice auto: hermes or llama3_json.",
+)
 @click.option("--tensor-parallel-size", type=int, default=1, show_default=True, help="Only 1 is supported.")
 @click.option("--access-log/--no-access-log", default=False, show_default=True)
 @engine_options
@@ -161,6 +171,8 @@ def serve(
     send_timeout: float,
     startup_request_timeout: float,
     api_server_count: int,
+    enable_auto_tool_choice: bool,
+    tool_call_parser: str | None,
     tensor_parallel_size: int,
     access_log: bool,
     **options: Any,
@@ -182,6 +194,17 @@ def serve(
 
     from kvfleet.runtime.server.launcher import ServeOptions, run_server
     from kvfleet.runtime.server.state import ServerSettings
+    from kvfleet.runtime.server.tool_calls import TOOL_CALL_PARSERS
+
+    if tool_call_parser is not None and tool_call_parser not in TOOL_CALL_PARSERS:
+        raise click.BadParameter(
+            f"{tool_call_parser!r} is not one of {', '.join(TOOL_CALL_PARSERS)}",
+            param_hint="--tool-call-parser",
+        )
+    if enable_auto_tool_choice and tool_call_parser is None:
+        raise click.BadParameter(
+            "--enable-auto-tool-choice needs --tool-call-parser", param_hint="--enable-auto-tool-choice"
+        )
 
     settings = ServerSettings(
         served_model_name=served_model_name or model,
@@ -196,6 +219,8 @@ def serve(
         header_read_timeout=header_read_timeout,
         body_read_timeout=body_read_timeout,
         send_timeout=send_timeout,
+        enable_auto_tool_choice=enable_auto_tool_choice,
+        tool_call_parser=tool_call_parser,
     )
     options = ServeOptions(
         settings=settings,

@@ -11,9 +11,10 @@ would change the output but are not implemented are refused, never silently drop
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
-from kvfleet.runtime.sampling_params import SamplingParams
+from kvfleet.runtime.sampling_params import SamplingParams, StructuredOutputsParams
 from kvfleet.runtime.server.errors import BadRequestError
 from pydantic import AllowInfNan, BaseModel, ConfigDict, Field, Strict, StrictBool, StrictInt, field_validator
 from pydantic_core import PydanticCustomError
@@ -25,12 +26,8 @@ FiniteFloat = Annotated[float, Strict(), AllowInfNan(False)]
 # off this list for that route.
 UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
     # OpenAI
-    "response_format": (None, {"type": "text"}),
-    "tools": (None, []),
-    "tool_choice": (None, "none", "auto"),
     "functions": (None, []),
     "function_call": (None, "none", "auto"),
-    "logit_bias": (None, {}),
     "suffix": (None, ""),
     "prediction": (None,),
     "audio": (None,),
@@ -48,10 +45,7 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
     "guided_choice": (None,),
     "guided_grammar": (None,),
     "structural_tag": (None,),
-    "structured_outputs": (None,),
     "use_beam_search": (None, False),
-    "allowed_token_ids": (None,),
-    "bad_words": (None, []),
     "prompt_logprobs": (None,),
     "truncate_prompt_tokens": (None,),
     "spaces_between_special_tokens": (None, True),
@@ -65,6 +59,9 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
     "chat_template": (None,),
     "chat_template_kwargs": (None, {}),
     "documents": (None,),
+    # Implemented on /v1/chat/completions only.
+    "tools": (None, []),
+    "tool_choice": (None, "none", "auto"),
 }
 
 
@@ -122,6 +119,34 @@ class StreamOptions(_Body):
     include_usage: StrictBool = False
 
 
+class JsonSchemaFormat(_Body):
+    model_config = ConfigDict(populate_by_name=True)
+
+    name: str
+    description: str | None = None
+    # Aliased: `schema` is a BaseModel method.
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: StrictBool | None = None
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsBody(_Body):
+    """vLLM's `structured_outputs` field: exactly one of these."""
+
+    model_config = ConfigDict(populate_by_name=True)
+
+    # Aliased: `json` is a BaseModel method.
+    json_value: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: StrictBool | None = None
+
+
 class _GenerationRequest(_Request):
     model: str | None = None
     n: StrictInt = 1
@@ -146,6 +171,12 @@ class _GenerationRequest(_Request):
     # kvfleet's: an SLA tier name or its integer (lower = served first), and a deadline in seconds.
     priority: StrictInt | str | None = None
     timeout: Annotated[FiniteFloat, Field(gt=0)] | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsBody | None = None
+    # OpenAI's: token ids as strings (JSON object keys).
+    logit_bias: dict[str, FiniteFloat] | None = None
+    allowed_token_ids: list[StrictInt] | None = None
+    bad_words: list[str] | None = None
 
     def _check_common(self) -> None:
         self.refuse_unsupported()
@@ -172,6 +203,10 @@ class _GenerationRequest(_Request):
             "skip_special_tokens": self.skip_special_tokens,
             "include_stop_str_in_output": self.include_stop_str_in_output,
             "logprobs": logprobs,
+            "structured_outputs": self._structured_outputs(),
+            "logit_bias": self._logit_bias(),
+            "allowed_token_ids": self.allowed_token_ids,
+            "bad_words": self.bad_words,
         }
         # Absent fields keep SamplingParams' defaults (which are OpenAI's).
         kwargs = {name: value for name, value in given.items() if value is not None}
@@ -183,6 +218,47 @@ class _GenerationRequest(_Request):
             raise BadRequestError(
                 message, param=param if param in given or param == "max_tokens" else None
             ) from None
+
+    def _logit_bias(self) -> dict[int, float] | None:
+        if self.logit_bias is None:
+            return None
+        bias = {}
+        for key, value in self.logit_bias.items():
+            if not (key.isascii() and key.isdigit()):
+                raise BadRequestError(f"logit_bias keys must be token ids, got {key!r}", param="logit_bias")
+            bias[int(key)] = value
+        return bias
+
+    def _structured_outputs(self) -> StructuredOutputsParams | None:
+        """The constraint of `response_format` or `structured_outputs` (not both), shape-checked; whether
+        its schema, regex or grammar is valid is checked later, off the event loop."""
+        response_format = self.response_format
+        if response_format is not None and response_format.type != "text":
+            if self.structured_outputs is not None:
+                raise BadRequestError(
+                    "give either response_format or structured_outputs, not both", param="response_format"
+                )
+            if response_format.type == "json_object":
+                return StructuredOutputsParams(json_object=True)
+            if response_format.json_schema is None or response_format.json_schema.json_schema is None:
+                raise BadRequestError(
+                    "response_format of type json_schema needs json_schema.schema",
+                    param="response_format.json_schema",
+                )
+            return StructuredOutputsParams(json=response_format.json_schema.json_schema)
+        body = self.structured_outputs
+        if body is None:
+            return None
+        try:
+            return StructuredOutputsParams(
+                json=body.json_value,
+                regex=body.regex,
+                choice=body.choice,
+                grammar=body.grammar,
+                json_object=body.json_object,
+            )
+        except ValueError as exc:
+            raise BadRequestError(str(exc), param="structured_outputs") from None
 
     @property
     def include_usage(self) -> bool:
@@ -222,15 +298,45 @@ class TextPart(_Body):
     text: str | None = None
 
 
+class FunctionCall(_Body):
+    name: str
+    # JSON text, as the model wrote it.
+    arguments: str
+
+
+class ToolCall(_Body):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    # An assistant turn's calls, and a tool turn's answer to one of them.
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
 
     def as_template_input(self, index: int) -> dict[str, Any]:
         message: dict[str, Any] = {"role": self.role, "content": self._text(index)}
         if self.name is not None:
             message["name"] = self.name
+        if self.tool_calls:
+            message["tool_calls"] = [
+                {
+                    "id": call.id,
+                    "type": call.type,
+                    # Chat templates take the arguments as an object, as Transformers documents them.
+                    "function": {
+                        "name": call.function.name,
+                        "arguments": _arguments(call.function.arguments),
+                    },
+                }
+                for call in self.tool_calls
+            ]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
         return message
 
     def _text(self, index: int) -> str:
@@ -249,6 +355,36 @@ class ChatMessage(_Body):
         return "".join(parts)
 
 
+def _arguments(text: str) -> Any:
+    """A call's arguments as an object, or the text itself where it is not a JSON object."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        return text
+    return value if isinstance(value, dict) else text
+
+
+class FunctionDefinition(_Body):
+    name: Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: StrictBool | None = None
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     """The messages as a chat template takes them."""
     if not messages:
@@ -263,6 +399,10 @@ class ChatCompletionRequest(_GenerationRequest):
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = None
     add_generation_prompt: StrictBool = True
+    tools: list[Tool] | None = None
+    # None: "auto" with tools, "none" without (OpenAI's default).
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: StrictBool = True
 
     def sampling_params(self) -> SamplingParams:
         self._check_common()

@@ -12,10 +12,10 @@ from typing import Any
 
 from kvfleet.runtime.chat_prompt import chat_prompt_token_ids, longest_token_characters, text_fields
 from kvfleet.runtime.engine.errors import EngineError, InvalidRequestError
-from kvfleet.runtime.engine.input_checks import check_prompt_token_ids
+from kvfleet.runtime.engine.input_checks import check_prompt_token_ids, check_sampling_token_ids
 from kvfleet.runtime.engine.messages import EngineInfo
 from kvfleet.runtime.engine.outputs import CompletionOutput, RequestOutput
-from kvfleet.runtime.sampling_params import SamplingParams
+from kvfleet.runtime.sampling_params import SamplingParams, StructuredOutputsParams
 from kvfleet.runtime.server.errors import (
     BadRequestError,
     InternalServerError,
@@ -36,6 +36,7 @@ from kvfleet.runtime.server.protocol import (
 )
 from kvfleet.runtime.server.state import ServerState
 from kvfleet.runtime.server.streaming import SSE_DONE, merge_streams, prepend, sse_event, unless_disconnected
+from kvfleet.runtime.structured_outputs.grammars import GrammarError, check_constraint
 from starlette.requests import Request
 
 
@@ -140,12 +141,37 @@ class OpenAIServing:
             )
         return priority
 
-    def sampling_params(self, body: CompletionRequest | ChatCompletionRequest) -> SamplingParams:
+    async def sampling_params(
+        self,
+        body: CompletionRequest | ChatCompletionRequest,
+        tool_constraint: StructuredOutputsParams | None = None,
+    ) -> SamplingParams:
+        """The body's sampling parameters; `tool_constraint` is what tool_choice constrains the output to."""
         params = body.sampling_params()
         max_n = self.state.settings.max_n
         if params.n > max_n:
             raise BadRequestError(f"n must be at most {max_n} on this server, got {params.n}", param="n")
+        param = "structured_outputs" if body.structured_outputs else "response_format"
+        if tool_constraint is not None:
+            if params.structured_outputs is not None:
+                raise BadRequestError(
+                    f"{param} cannot be combined with a tool_choice that forces a call", param=param
+                )
+            params.structured_outputs, param = tool_constraint, "tools"
+        if params.structured_outputs is not None:
+            await self._check_constraint(params.structured_outputs, param)
         return params
+
+    async def _check_constraint(self, structured: StructuredOutputsParams, param: str) -> None:
+        """A 400 for a JSON schema the engine could not enforce, before it is queued."""
+
+        def work(_: Any) -> None:
+            try:
+                check_constraint(structured)
+            except GrammarError as exc:
+                raise BadRequestError(str(exc), param=param) from None
+
+        await self.state.engine.run_tokenizer(work)
 
     def check_prompt(self, token_ids: list[int], params: SamplingParams, param: str) -> None:
         max_model_len = self.engine_info.max_model_len
@@ -173,6 +199,10 @@ class OpenAIServing:
             )
         except InvalidRequestError as exc:
             raise BadRequestError(str(exc), param=param) from None
+        try:
+            check_sampling_token_ids(params, vocab_size=self.engine_info.vocab_size)
+        except InvalidRequestError as exc:
+            raise BadRequestError(str(exc), param=str(exc).split(" ", 1)[0]) from None
         max_tokens = params.max_tokens if params.max_tokens is not None else max_model_len - len(token_ids)
         limit = self.state.settings.max_completion_tokens_per_prompt
         if params.n * max_tokens > limit:
@@ -197,16 +227,22 @@ class OpenAIServing:
 
         return await self.state.engine.run_tokenizer(work)
 
-    async def chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
-        """The prompt of a conversation, rendered and tokenized off the event loop."""
+    async def chat_prompt(
+        self,
+        messages: list[ChatMessage],
+        add_generation_prompt: bool,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> list[int]:
+        """The prompt of a conversation (and the tools it may call), rendered and tokenized off the event
+        loop."""
         conversation = template_messages(messages)
-        characters = sum(len(text) for text in text_fields(conversation))
+        characters = sum(len(text) for text in text_fields([conversation, tools]))
 
         def work(tokenizer: Any) -> list[int]:
             self._refuse_beyond_context(tokenizer, characters, "messages")
             try:
                 token_ids = chat_prompt_token_ids(
-                    tokenizer, conversation, add_generation_prompt=add_generation_prompt
+                    tokenizer, conversation, add_generation_prompt=add_generation_prompt, tools=tools
                 )
             except ValueError as exc:
                 raise BadRequestError(str(exc), param="messages") from None
@@ -335,8 +371,9 @@ class OpenAIServing:
                         finished = error is None and completion.finish_reason is not None
                         choice = choice_of(prompt_index, completion, finished)
                         if choice is not None:
+                            # A builder may name its own finish reason (tool calls).
                             finish_reason = completion.finish_reason if finished else None
-                            yield sse_event(self._chunk(request, {**choice, "finish_reason": finish_reason}))
+                            yield sse_event(self._chunk(request, {"finish_reason": finish_reason, **choice}))
                         if error is not None:
                             raise error
             except (OpenAIError, EngineError) as raised:

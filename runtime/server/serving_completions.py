@@ -21,7 +21,7 @@ class OpenAIServingCompletion(OpenAIServing):
     async def create_completion(self, body: CompletionRequest, raw_request: Request) -> Response:
         arrival_time = time.monotonic()
         self.check_model(body.model)
-        params = self.sampling_params(body)
+        params = await self.sampling_params(body)
         priority = self.resolve_priority(body.priority, raw_request)
         self.check_accepting(priority)
         prompts = body.prompts()

@@ -37,6 +37,9 @@ class ServerSettings:
     header_read_timeout: float = DEFAULT_HEADER_READ_TIMEOUT_S
     body_read_timeout: float = DEFAULT_BODY_READ_TIMEOUT_S
     send_timeout: float = DEFAULT_SEND_TIMEOUT_S
+    # tool_choice "auto": allowed, and the parser (a TOOL_CALL_PARSERS name) that reads calls from the output.
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
 
 
 @dataclass

@@ -6,6 +6,7 @@ rows are divided by their temperature, then filtered by min_p, top_k and top_p, 
 their cumulative distribution at one uniform draw per row (cheaper on a CPU than noise over the whole
 vocabulary). A request with a seed draws from its own generator, so its tokens do not depend on what else is
 in the batch.
+The tokens that structured outputs' grammars forbid are masked after the penalties.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 import torch
 from kvfleet.runtime.request import Request
 from kvfleet.runtime.sampling_params import SamplingParams
+from kvfleet.runtime.structured_outputs.masks import GrammarMasks
 
 # Top-p looks for its cut among this many most likely tokens first, and sorts a row only when it is wider.
 _TOP_P_CANDIDATES = 256
@@ -33,6 +35,7 @@ class Sampler:
         self.device = device
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self._request_generators: dict[str, torch.Generator] = {}
+        self.grammar_masks = GrammarMasks()
 
     def forget(self, request_ids: Iterable[str]) -> None:
         """Drop the generators of finished requests. Preempted requests keep theirs: when one resumes, its
@@ -46,6 +49,7 @@ class Sampler:
         raw_logprobs = self._raw_logprobs(logits, params)
         self._mask_stop_tokens_before_min_tokens(logits, requests)
         self._apply_penalties(logits, requests)
+        self.grammar_masks.apply(logits, requests)
         greedy = [p.greedy for p in params]
         token_ids = logits.argmax(dim=-1) if all(greedy) else self._sample(logits, requests, greedy)
         token_list = token_ids.tolist()

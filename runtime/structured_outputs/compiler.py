@@ -1,0 +1,168 @@
+"""Grammar compilation in the engine core, off the step loop, and each request's grammar state.
+
+Compiling a grammar against the vocabulary takes from milliseconds to seconds, so it runs on a thread of its
+own: a request whose grammar is not ready yet waits in the queue while the others run, the way vLLM's
+WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR state does. Compiled grammars are cached by their canonical text (the
+compiler belongs to one tokenizer, so that is a key by grammar and tokenizer).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+import xgrammar
+from kvfleet.runtime.sampling_params import StructuredOutputsParams
+from kvfleet.runtime.structured_outputs.bitmasks import pack_bits
+from kvfleet.runtime.structured_outputs.grammars import JSON_KINDS, GrammarError, build_grammar, grammar_key
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+logger = logging.getLogger(__name__)
+
+_CACHED_GRAMMARS = 512
+# Bytes JSON never holds raw: compact JSON has no newlines or tabs, and strings escape control characters.
+_CONTROL_BYTES = frozenset(range(0x20))
+# UTF-8 encodes surrogates (U+D800-DFFF, not characters) as 0xED then 0xA0-0xBF.
+_SURROGATE_LEAD = 0xED
+_SURROGATE_SECOND = range(0xA0, 0xC0)
+
+
+@dataclass(frozen=True)
+class CompiledConstraint:
+    grammar: xgrammar.CompiledGrammar
+    # A bitmask row ANDed into the grammar's own, for what xgrammar lets through: it accepts UTF-8-encoded
+    # surrogates, which are not text, and lets length-bounded JSON strings hold raw control characters,
+    # which JSON forbids.
+    token_filter: torch.Tensor
+
+
+class GrammarCompiler:
+    """Compiles grammars for one model's vocabulary on a background thread, caching the results; holds the
+    tokenizer that bad_words are encoded with."""
+
+    def __init__(self, tokenizer_path: str, vocab_size: int) -> None:
+        self._tokenizer_path = tokenizer_path
+        # The model's, not the tokenizer's: logits rows (and so bitmasks) are as wide as the model's
+        # embedding, which is often padded past the tokenizer's last id.
+        self._vocab_size = vocab_size
+        self._compiler: xgrammar.GrammarCompiler | None = None
+        self._tokenizer: PreTrainedTokenizerBase | None = None
+        self._text_token_filter: torch.Tensor | None = None
+        self._json_token_filter: torch.Tensor | None = None
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-compiler")
+        self._cache: OrderedDict[tuple[str, str], Future[CompiledConstraint]] = OrderedDict()
+        self._lock = threading.Lock()
+        self._tokenizer_lock = threading.Lock()
+        # Cache hits are not compilations.
+        self.num_compiled = 0
+        self.compile_seconds = 0.0
+
+    def compile(self, params: StructuredOutputsParams) -> Future[CompiledConstraint]:
+        """The compiled grammar, soon. Raises GrammarError at once for a constraint that is not JSON."""
+        key = grammar_key(params)
+        with self._lock:
+            future = self._cache.get(key)
+            if future is not None:
+                self._cache.move_to_end(key)
+                return future
+            future = self._executor.submit(self._compile, *key)
+            self._cache[key] = future
+            if len(self._cache) > _CACHED_GRAMMARS:
+                self._cache.popitem(last=False)
+            return future
+
+    @property
+    def tokenizer(self) -> PreTrainedTokenizerBase:
+        # Loaded at first use, so that servers that never constrain pay nothing.
+        with self._tokenizer_lock:
+            if self._tokenizer is None:
+                self._tokenizer = AutoTokenizer.from_pretrained(self._tokenizer_path)
+            return self._tokenizer
+
+    def encode(self, text: str) -> list[int]:
+        """`text`'s token ids, without special tokens."""
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def _compile(self, kind: str, text: str) -> CompiledConstraint:
+        start = time.perf_counter()
+        grammar = build_grammar(kind, text)
+        compiler = self._vocabulary_compiler()
+        token_filter = self._json_token_filter if kind in JSON_KINDS else self._text_token_filter
+        assert token_filter is not None
+        compiled = CompiledConstraint(compiler.compile_grammar(grammar), token_filter)
+        elapsed = time.perf_counter() - start
+        with self._lock:
+            self.num_compiled += 1
+            self.compile_seconds += elapsed
+        logger.debug("compiled a %s grammar in %.3f s", kind, elapsed)
+        return compiled
+
+    def _vocabulary_compiler(self) -> xgrammar.GrammarCompiler:
+        # Made on the compile thread at first use.
+        if self._compiler is None:
+            info = xgrammar.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self._vocab_size)
+            text = torch.ones(self._vocab_size, dtype=torch.bool)
+            json_text = torch.ones(self._vocab_size, dtype=torch.bool)
+            for token_id, token in enumerate(info.decoded_vocab[: self._vocab_size]):
+                if _may_start_a_surrogate(token):
+                    text[token_id] = json_text[token_id] = False
+                elif _CONTROL_BYTES.intersection(token):
+                    json_text[token_id] = False
+            self._text_token_filter = pack_bits(text)
+            self._json_token_filter = pack_bits(json_text)
+            self._compiler = xgrammar.GrammarCompiler(info, max_threads=1)
+        return self._compiler
+
+
+class RequestGrammar:
+    """One request's constraint: its compiled grammar once ready, and a matcher that follows its output."""
+
+    def __init__(self, compiled: Future[CompiledConstraint]) -> None:
+        self.compiled = compiled
+        self._matcher: xgrammar.GrammarMatcher | None = None
+
+    @property
+    def ready(self) -> bool:
+        """Compiled successfully; `error` tells a failure apart from a compilation still running."""
+        return self.compiled.done() and self.compiled.exception() is None
+
+    @property
+    def error(self) -> str | None:
+        """Why the grammar could not be compiled, once it is known."""
+        if not self.compiled.done():
+            return None
+        exc = self.compiled.exception()
+        if exc is None:
+            return None
+        return str(exc) if isinstance(exc, GrammarError) else f"the grammar failed to compile: {exc}"
+
+    @property
+    def matcher(self) -> xgrammar.GrammarMatcher:
+        if self._matcher is None:
+            self._matcher = xgrammar.GrammarMatcher(self.compiled.result().grammar)
+        return self._matcher
+
+    @property
+    def token_filter(self) -> torch.Tensor:
+        return self.compiled.result().token_filter
+
+    def accept(self, token_id: int) -> bool:
+        """Advance past a sampled token; False when the grammar does not allow it."""
+        return self.matcher.accept_token(token_id)
+
+    @property
+    def is_terminated(self) -> bool:
+        return self._matcher is not None and self._matcher.is_terminated()
+
+
+def _may_start_a_surrogate(token: bytes) -> bool:
+    """Whether the token holds a surrogate's first bytes, or ends where one could begin."""
+    for index, byte in enumerate(token):
+        if byte == _SURROGATE_LEAD and (index + 1 == len(token) or token[index + 1] in _SURROGATE_SECOND):
+            return True
+    return False

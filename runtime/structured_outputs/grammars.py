@@ -1,0 +1,203 @@
+"""From StructuredOutputsParams to an xgrammar Grammar, refusing what xgrammar would not enforce.
+
+The API server runs `check_constraint` to answer a bad JSON schema with a 400 before the request is queued:
+the checks that need neither xgrammar nor the torch it imports, which API servers never load. The engine core
+runs `build_grammar` to compile the constraint, and answers what only that finds (regex and grammar syntax)
+with an `invalid` error, a 400 too.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import urllib.parse
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import jsonschema
+from kvfleet.runtime.sampling_params import StructuredOutputsParams
+
+if TYPE_CHECKING:
+    import xgrammar
+
+# JSON Schema keywords that xgrammar accepts but does not enforce: a schema using them would get a looser
+# grammar than it asks for, so it is refused instead.
+UNENFORCED_KEYWORDS = frozenset(
+    {
+        "not",
+        "allOf",
+        "oneOf",
+        "if",
+        "then",
+        "else",
+        "uniqueItems",
+        "contains",
+        "minContains",
+        "maxContains",
+        "maxProperties",
+        "propertyNames",
+        "dependentRequired",
+        "dependentSchemas",
+        "dependencies",
+        "unevaluatedProperties",
+        "unevaluatedItems",
+    }
+)
+# JSON nesting a schema may have: checking and compiling recurse, and real schemas stay far below this.
+MAX_SCHEMA_NESTING = 64
+# Keywords whose values are schemas, lists of schemas, or maps of names to schemas.
+_SCHEMA_KEYWORDS = frozenset(
+    {"items", "additionalProperties", "additionalItems", "not", "if", "then", "else"}
+)
+_SCHEMA_LIST_KEYWORDS = frozenset({"anyOf", "allOf", "oneOf", "prefixItems"})
+_SCHEMA_MAP_KEYWORDS = frozenset({"properties", "patternProperties", "$defs", "definitions"})
+# The schema of json_object: any JSON object (compiled without strict mode, which would allow only `{}`).
+_JSON_OBJECT_SCHEMA = '{"type":"object"}'
+# The kinds whose output is JSON.
+JSON_KINDS = frozenset({"json", "json_object"})
+# xgrammar prefixes its messages with a timestamp and a C++ source location.
+_XGRAMMAR_MESSAGE_PREFIX = re.compile(r"^\[[0-9:]+\] [^ ]+:[0-9]+: ")
+
+
+class GrammarError(ValueError):
+    """The constraint is not valid, or asks for something that cannot be enforced."""
+
+
+def grammar_key(params: StructuredOutputsParams) -> tuple[str, str]:
+    """(kind, canonical text): equal for constraints that compile to the same grammar."""
+    kind = params.kind
+    if kind == "json":
+        return kind, _canonical_json(params.json)
+    if kind == "json_object":
+        return kind, _JSON_OBJECT_SCHEMA
+    if kind == "choice":
+        return kind, json.dumps(params.choice)
+    value = params.regex if kind == "regex" else params.grammar
+    assert value is not None
+    return kind, value
+
+
+def check_constraint(params: StructuredOutputsParams) -> None:
+    """Raises GrammarError for a constraint whose JSON text does not parse, or whose schema is invalid,
+    cannot be enforced or refers to what it does not hold."""
+    kind, text = grammar_key(params)
+    if kind in JSON_KINDS:
+        check_json_schema(json.loads(text))
+
+
+def build_grammar(kind: str, text: str) -> xgrammar.Grammar:
+    """The grammar of a `grammar_key`, or GrammarError saying what is wrong with it."""
+    import xgrammar  # here: it imports torch, which the API servers (which only check) never load
+
+    try:
+        if kind in JSON_KINDS:
+            schema = json.loads(text)
+            check_json_schema(schema)
+            # Compact separators: with any whitespace allowed, a model could pad its output forever. Strict
+            # mode allows no properties or items beyond those a schema names (OpenAI's strict outputs).
+            return xgrammar.Grammar.from_json_schema(text, any_whitespace=False, strict_mode=kind == "json")
+        if kind == "regex":
+            return xgrammar.Grammar.from_regex(text)
+        if kind == "choice":
+            return xgrammar.Grammar.from_ebnf(
+                "root ::= " + " | ".join(_ebnf_literal(c) for c in json.loads(text))
+            )
+        return xgrammar.Grammar.from_ebnf(text)
+    except RuntimeError as exc:
+        message = _XGRAMMAR_MESSAGE_PREFIX.sub("", str(exc).strip())
+        raise GrammarError(f"invalid {kind}: {message}") from None
+
+
+def check_json_schema(schema: Any) -> None:
+    """Raises GrammarError unless `schema` is a valid JSON Schema whose every keyword can be enforced."""
+    if not isinstance(schema, dict | bool):
+        raise GrammarError(f"invalid json: a JSON schema is an object, got {type(schema).__name__}")
+    if _nesting(schema) > MAX_SCHEMA_NESTING:
+        raise GrammarError(f"unsupported json: the schema nests deeper than {MAX_SCHEMA_NESTING} levels")
+    validator = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+    try:
+        validator.check_schema(schema)
+    except jsonschema.SchemaError as exc:
+        where = "/".join(str(part) for part in exc.path)
+        raise GrammarError(f"invalid json: schema at '/{where}': {exc.message}") from None
+    for path, keyword, value in _keywords(schema, ""):
+        if keyword in UNENFORCED_KEYWORDS:
+            raise GrammarError(
+                f"unsupported json: the keyword {keyword!r} (at '{path or '/'}') is not supported"
+            )
+        if keyword == "$ref":
+            _check_reference(schema, value, path)
+
+
+def _check_reference(schema: dict[str, Any], reference: str, path: str) -> None:
+    """Only references into the schema itself (JSON pointers) can be followed, and they must lead
+    somewhere."""
+    where = path or "/"
+    if not reference.startswith("#"):
+        raise GrammarError(f"unsupported json: $ref {reference!r} (at '{where}') is not within the schema")
+    target: Any = schema
+    pointer = urllib.parse.unquote(reference[1:])
+    for part in pointer.split("/")[1:] if pointer else ():
+        part = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(target, list) and part.isdigit() and int(part) < len(target):
+            target = target[int(part)]
+        elif isinstance(target, dict) and part in target:
+            target = target[part]
+        else:
+            raise GrammarError(f"invalid json: $ref {reference!r} (at '{where}') leads nowhere in the schema")
+
+
+def _nesting(document: Any) -> int:
+    """How deep lists and objects nest in a JSON document, found without recursion."""
+    deepest = 0
+    stack = [(document, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, dict | list):
+            deepest = max(deepest, depth)
+            if depth <= MAX_SCHEMA_NESTING:
+                children = value.values() if isinstance(value, dict) else value
+                stack.extend((child, depth + 1) for child in children)
+    return deepest
+
+
+def _keywords(schema: Any, path: str) -> Iterator[tuple[str, str, Any]]:
+    """(path, keyword, value) of every keyword of a schema and of its subschemas."""
+    if not isinstance(schema, dict):
+        return
+    for keyword, value in schema.items():
+        yield path, keyword, value
+        where = f"{path}/{keyword}"
+        if keyword in _SCHEMA_KEYWORDS:
+            yield from _keywords(value, where)
+        elif keyword in _SCHEMA_LIST_KEYWORDS and isinstance(value, list):
+            for index, item in enumerate(value):
+                yield from _keywords(item, f"{where}/{index}")
+        elif keyword in _SCHEMA_MAP_KEYWORDS and isinstance(value, dict):
+            for name, item in value.items():
+                yield from _keywords(item, f"{where}/{name}")
+
+
+def _canonical_json(schema: str | dict[str, Any] | None) -> str:
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as exc:
+            raise GrammarError(f"invalid json: the schema is not JSON: {exc}") from None
+    return json.dumps(schema, separators=(",", ":"))
+
+
+def _ebnf_literal(text: str) -> str:
+    """`text` as an EBNF string literal: quotes and backslashes escaped, other characters as \\u escapes
+    where they are not printable."""
+    escaped = []
+    for character in text:
+        if character in '"\\':
+            escaped.append("\\" + character)
+        elif character.isprintable():
+            escaped.append(character)
+        else:
+            escaped.append(
+                f"\\u{ord(character):04x}" if ord(character) <= 0xFFFF else f"\\U{ord(character):08x}"
+            )
+    return '"' + "".join(escaped) + '"'

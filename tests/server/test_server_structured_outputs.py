@@ -1,0 +1,499 @@
+"""Structured outputs through the official openai SDK against a real server with a random-weight model.
+
+Every schema here bounds its output (string lengths, array sizes, enums, integer ranges), as OpenAI's strict
+mode expects of a schema, so that any output the grammar allows ends within the token budget: each answer
+must then stop on its own (finish_reason "stop", never "length") and validate against its schema, every
+time. Seeds make the sampled outputs, and so the test, repeatable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import subprocess
+import sys
+from typing import TYPE_CHECKING, Any, Literal
+
+import httpx
+import jsonschema
+import openai
+import pydantic
+import pytest
+
+if TYPE_CHECKING:
+    from conftest import ServerProcess
+
+MODEL_NAME = "tiny"
+MAX_TOKENS = 400
+
+_NAME = {"type": "string", "maxLength": 8}
+_SMALL_INT = {"type": "integer", "minimum": -5, "maximum": 120}
+
+SCHEMAS: dict[str, dict[str, Any]] = {
+    "flat": {
+        "type": "object",
+        "properties": {"name": _NAME, "age": _SMALL_INT, "active": {"type": "boolean"}},
+        "required": ["name", "age", "active"],
+        "additionalProperties": False,
+    },
+    "nested objects": {
+        "type": "object",
+        "properties": {
+            "user": {
+                "type": "object",
+                "properties": {"id": _SMALL_INT, "address": {"type": "object", "properties": {"zip": _NAME}}},
+                "required": ["id", "address"],
+            }
+        },
+        "required": ["user"],
+    },
+    "three levels": {
+        "type": "object",
+        "properties": {
+            "a": {"type": "object", "properties": {"b": {"type": "object", "properties": {"c": _SMALL_INT}}}}
+        },
+        "required": ["a"],
+    },
+    "array min and max items": {"type": "array", "items": _SMALL_INT, "minItems": 1, "maxItems": 3},
+    "array of objects": {
+        "type": "object",
+        "properties": {
+            "rows": {
+                "type": "array",
+                "items": {
+                    "type": "object",
+                    "properties": {"k": _NAME, "v": {"type": "boolean"}},
+                    "required": ["k", "v"],
+                },
+                "maxItems": 2,
+            }
+        },
+        "required": ["rows"],
+    },
+    "exact item count": {"type": "array", "items": {"enum": ["x", "y", "z"]}, "minItems": 2, "maxItems": 2},
+    "array of arrays": {
+        "type": "array",
+        "items": {"type": "array", "items": {"type": "boolean"}, "maxItems": 2},
+        "maxItems": 2,
+    },
+    "tuple": {
+        "type": "array",
+        "prefixItems": [_NAME, _SMALL_INT, {"type": "boolean"}],
+        "items": False,
+        "minItems": 3,
+    },
+    "string enum": {
+        "type": "object",
+        "properties": {"color": {"enum": ["red", "green", "blue"]}},
+        "required": ["color"],
+    },
+    "mixed enum": {"enum": [1, "two", None, True, 2.5]},
+    "const": {
+        "type": "object",
+        "properties": {"version": {"const": "v1"}, "n": _SMALL_INT},
+        "required": ["version", "n"],
+    },
+    "anyOf scalars": {
+        "type": "object",
+        "properties": {"value": {"anyOf": [_SMALL_INT, _NAME, {"type": "null"}]}},
+        "required": ["value"],
+    },
+    "anyOf objects": {
+        "anyOf": [
+            {
+                "type": "object",
+                "properties": {"kind": {"const": "cat"}, "lives": _SMALL_INT},
+                "required": ["kind", "lives"],
+            },
+            {
+                "type": "object",
+                "properties": {"kind": {"const": "dog"}, "good": {"type": "boolean"}},
+                "required": ["kind", "good"],
+            },
+        ]
+    },
+    "nullable type list": {
+        "type": "object",
+        "properties": {"nickname": {"type": ["string", "null"], "maxLength": 6}},
+        "required": ["nickname"],
+    },
+    "$ref and $defs": {
+        "type": "object",
+        "properties": {"home": {"$ref": "#/$defs/place"}, "work": {"$ref": "#/$defs/place"}},
+        "required": ["home", "work"],
+        "$defs": {
+            "place": {
+                "type": "object",
+                "properties": {"city": _NAME, "floor": _SMALL_INT},
+                "required": ["city", "floor"],
+            }
+        },
+    },
+    "$ref chain": {
+        "$defs": {
+            "id": {"type": "integer", "minimum": 1, "maximum": 999},
+            "item": {"type": "object", "properties": {"id": {"$ref": "#/$defs/id"}}, "required": ["id"]},
+        },
+        "type": "array",
+        "items": {"$ref": "#/$defs/item"},
+        "maxItems": 3,
+    },
+    "integer bounds": {"type": "integer", "minimum": 10, "maximum": 99},
+    "negative integer bounds": {"type": "integer", "minimum": -1000, "maximum": -10},
+    "exclusive integer bounds": {"type": "integer", "exclusiveMinimum": 0, "exclusiveMaximum": 5},
+    "integer multipleOf": {"type": "integer", "minimum": 0, "maximum": 100, "multipleOf": 5},
+    "number bounds": {
+        "type": "object",
+        "properties": {"ratio": {"type": "number", "minimum": 0, "maximum": 1}},
+        "required": ["ratio"],
+    },
+    "string length bounds": {"type": "string", "minLength": 2, "maxLength": 4},
+    "pattern": {
+        "type": "object",
+        "properties": {"code": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{2}$"}},
+        "required": ["code"],
+    },
+    "format date": {
+        "type": "object",
+        "properties": {"day": {"type": "string", "format": "date"}},
+        "required": ["day"],
+    },
+    "format time": {"type": "string", "format": "time"},
+    "format uuid": {
+        "type": "object",
+        "properties": {"id": {"type": "string", "format": "uuid"}},
+        "required": ["id"],
+    },
+    "format ipv4": {"type": "string", "format": "ipv4"},
+    "additionalProperties false, optional fields": {
+        "type": "object",
+        "properties": {"a": _SMALL_INT, "b": _NAME, "c": {"type": "boolean"}},
+        "required": ["b"],
+        "additionalProperties": False,
+    },
+    "required subset": {
+        "type": "object",
+        "properties": {"x": {"type": "boolean"}, "y": {"type": "null"}},
+        "required": ["y"],
+    },
+    "top-level boolean": {"type": "boolean"},
+    "top-level null": {"type": "null"},
+    "odd property names": {
+        "type": "object",
+        "properties": {
+            "a b": {"type": "boolean"},
+            'quote"d': {"type": "boolean"},
+            "ünï": {"type": "boolean"},
+        },
+        "required": ["a b", 'quote"d', "ünï"],
+    },
+    "annotations": {
+        "title": "Person",
+        "description": "titles, descriptions and examples change nothing",
+        "type": "object",
+        "properties": {"n": {"title": "N", "description": "a number", "examples": [3], **_SMALL_INT}},
+        "required": ["n"],
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def client(api_server: ServerProcess) -> openai.OpenAI:
+    return openai.OpenAI(
+        base_url=f"{api_server.url}/v1", api_key=api_server.api_key, max_retries=0, timeout=120
+    )
+
+
+@pytest.fixture(scope="module")
+def async_client(api_server: ServerProcess) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(
+        base_url=f"{api_server.url}/v1", api_key=api_server.api_key, max_retries=0, timeout=300
+    )
+
+
+def _messages(name: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": f"Reply with JSON ({name})."}]
+
+
+def test_at_least_thirty_schemas_are_covered() -> None:
+    assert len(SCHEMAS) >= 30
+
+
+def test_every_answer_validates_against_its_schema(async_client: openai.AsyncOpenAI) -> None:
+    """Chat with response_format json_schema and completions with structured_outputs, all at once."""
+
+    async def chat(index: int, name: str, schema: dict[str, Any]) -> tuple[str, str, str | None]:
+        completion = await async_client.chat.completions.create(
+            model=MODEL_NAME,
+            messages=_messages(name),
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "answer", "schema": schema, "strict": True},
+            },
+            max_tokens=MAX_TOKENS,
+            temperature=1.0,
+            seed=index,
+        )
+        choice = completion.choices[0]
+        return name, choice.message.content or "", choice.finish_reason
+
+    async def complete(index: int, name: str, schema: dict[str, Any]) -> tuple[str, str, str | None]:
+        completion = await async_client.completions.create(
+            model=MODEL_NAME,
+            prompt=f"JSON for {name}:",
+            max_tokens=MAX_TOKENS,
+            temperature=0.8,
+            seed=1000 + index,
+            extra_body={"structured_outputs": {"json": schema}},
+        )
+        choice = completion.choices[0]
+        return name, choice.text, choice.finish_reason
+
+    async def run_all() -> list[tuple[str, str, str | None]]:
+        calls = [chat(i, name, schema) for i, (name, schema) in enumerate(SCHEMAS.items())]
+        calls += [complete(i, name, schema) for i, (name, schema) in enumerate(SCHEMAS.items())]
+        return await asyncio.gather(*calls)
+
+    failures = []
+    for name, text, finish_reason in asyncio.run(run_all()):
+        try:
+            assert finish_reason == "stop", f"finish_reason {finish_reason}"
+            jsonschema.validate(json.loads(text), SCHEMAS[name])
+        except (AssertionError, ValueError, jsonschema.ValidationError) as exc:
+            failures.append(f"{name}: {text!r}: {str(exc).splitlines()[0]}")
+    assert not failures, "\n".join(failures)
+
+
+def test_json_object_answers_are_json_objects(client: openai.OpenAI) -> None:
+    for seed in range(3):
+        completion = client.chat.completions.create(
+            model=MODEL_NAME,
+            messages=_messages("anything"),
+            response_format={"type": "json_object"},
+            max_tokens=64,
+            temperature=1.0,
+            seed=seed,
+        )
+        choice = completion.choices[0]
+        # json_object bounds nothing: a cut answer is a prefix, a finished one an object.
+        if choice.finish_reason == "stop":
+            assert isinstance(json.loads(choice.message.content or ""), dict)
+        else:
+            assert choice.finish_reason == "length"
+            assert (choice.message.content or "").startswith("{")
+
+
+def test_streamed_answer_validates(client: openai.OpenAI) -> None:
+    schema = SCHEMAS["$ref and $defs"]
+    stream = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=_messages("streamed"),
+        response_format={"type": "json_schema", "json_schema": {"name": "places", "schema": schema}},
+        max_tokens=MAX_TOKENS,
+        seed=5,
+        stream=True,
+    )
+    chunks = list(stream)
+    text = "".join(chunk.choices[0].delta.content or "" for chunk in chunks if chunk.choices)
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(text), schema)
+
+
+@pytest.mark.parametrize(
+    ("structured", "matches"),
+    [
+        ({"regex": r"[a-f]{2,4}@[0-9]{1,3}"}, lambda text: re.fullmatch(r"[a-f]{2,4}@[0-9]{1,3}", text)),
+        ({"choice": ["yes", "no", "maybe not"]}, lambda text: text in ("yes", "no", "maybe not")),
+        (
+            {"grammar": 'root ::= "(" num (", " num)* ")"\nnum ::= [1-9] [0-9]?'},
+            lambda text: re.fullmatch(r"\([1-9][0-9]?(, [1-9][0-9]?)*\)", text),
+        ),
+    ],
+    ids=["regex", "choice", "grammar"],
+)
+def test_regex_choice_and_grammar_always_match(client: openai.OpenAI, structured: dict, matches) -> None:
+    for seed in range(6):
+        completion = client.chat.completions.create(
+            model=MODEL_NAME,
+            messages=_messages("pattern"),
+            max_tokens=MAX_TOKENS,
+            temperature=1.0,
+            seed=seed,
+            extra_body={"structured_outputs": structured},
+        )
+        choice = completion.choices[0]
+        assert choice.finish_reason == "stop"
+        assert matches(choice.message.content), choice.message.content
+
+
+class Pet(pydantic.BaseModel):
+    name: str = pydantic.Field(max_length=8)
+    species: Literal["cat", "dog", "fish"]
+    age: int = pydantic.Field(ge=0, le=30)
+
+
+class Household(pydantic.BaseModel):
+    pets: list[Pet] = pydantic.Field(max_length=2)
+    has_garden: bool
+
+
+def test_parse_round_trips_a_pydantic_model(client: openai.OpenAI) -> None:
+    for seed in range(3):
+        completion = client.chat.completions.parse(
+            model=MODEL_NAME,
+            messages=_messages("household"),
+            response_format=Household,
+            max_tokens=MAX_TOKENS,
+            seed=seed,
+        )
+        message = completion.choices[0].message
+        assert completion.choices[0].finish_reason == "stop"
+        assert isinstance(message.parsed, Household)
+        assert message.parsed == Household.model_validate_json(message.content or "")
+
+
+def _nested_arrays(depth: int) -> dict[str, Any]:
+    schema: dict[str, Any] = {"type": "boolean"}
+    for _ in range(depth):
+        schema = {"type": "array", "items": schema, "maxItems": 1}
+    return schema
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "message"),
+    [
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"type": "bogus"}},
+                }
+            },
+            "response_format",
+            "invalid json: schema at '/type'",
+        ),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"not": {"type": "string"}}},
+                }
+            },
+            "response_format",
+            "the keyword 'not'",
+        ),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"$ref": "#/$defs/missing"}},
+                }
+            },
+            "response_format",
+            "invalid json",
+        ),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+            "response_format.json_schema",
+            "schema",
+        ),
+        ({"response_format": {"type": "xml"}}, "response_format.type", None),
+        # Found by the engine core's compiler: a 400 without a param.
+        ({"structured_outputs": {"regex": "[a-z"}}, None, "invalid regex"),
+        ({"structured_outputs": {"grammar": "root ::= missing"}}, None, "invalid grammar"),
+        ({"structured_outputs": {"regex": "(a"}, "stream": True}, None, "invalid regex"),
+        (
+            {"structured_outputs": {"json": {"$ref": "https://example.com/s.json"}}},
+            "structured_outputs",
+            "$ref",
+        ),
+        ({"structured_outputs": {"json": _nested_arrays(400)}}, "structured_outputs", "deeper than 64"),
+        ({"structured_outputs": {"choice": []}}, "structured_outputs", "choice"),
+        ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs", "exactly one"),
+        ({"structured_outputs": {"json": "{not json"}}, "structured_outputs", "not JSON"),
+        (
+            {"structured_outputs": {"regex": "a"}, "response_format": {"type": "json_object"}},
+            "response_format",
+            "not both",
+        ),
+    ],
+    ids=[
+        "unknown type",
+        "unenforced keyword",
+        "dangling $ref",
+        "json_schema without schema",
+        "unknown format type",
+        "bad regex",
+        "bad grammar",
+        "bad regex, streamed",
+        "remote $ref",
+        "nested too deep",
+        "empty choice",
+        "two constraints",
+        "schema text not JSON",
+        "both fields",
+    ],
+)
+def test_bad_constraints_are_refused_with_a_400(
+    api_server: ServerProcess, body: dict[str, Any], param: str | None, message: str | None
+) -> None:
+    response = httpx.post(
+        f"{api_server.url}/v1/chat/completions",
+        json={"model": MODEL_NAME, "messages": _messages("bad"), "max_tokens": 4, **body},
+        headers=api_server.headers(),
+        timeout=60,
+    )
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param
+    if message is not None:
+        assert message in error["message"], error["message"]
+
+
+def test_metrics_count_compilations_once_per_grammar_and_masked_steps(
+    client: openai.OpenAI, api_server: ServerProcess
+) -> None:
+    before = api_server.metrics()
+    # A grammar no other test uses, asked for twice: compiled once, then found in the cache.
+    structured = {"regex": "metrics-[0-9]{2}"}
+    sampled = 0
+    for seed in range(2):
+        completion = client.completions.create(
+            model=MODEL_NAME,
+            prompt="x",
+            max_tokens=32,
+            seed=seed,
+            extra_body={"structured_outputs": structured},
+        )
+        assert re.fullmatch("metrics-[0-9]{2}", completion.choices[0].text)
+        sampled += completion.usage.completion_tokens
+    after = api_server.metrics()
+
+    def grew(name: str) -> float:
+        return after[f"kvfleet:{name}_total"] - before.get(f"kvfleet:{name}_total", 0.0)
+
+    assert grew("structured_output_grammars_compiled") == 1
+    assert grew("structured_output_compile_seconds") > 0
+    # One request at a time: a step per token sampled, each through a mask.
+    assert grew("structured_output_mask_steps") == sampled
+    assert grew("structured_output_mask_seconds") > 0
+
+
+_CHECK_WITHOUT_TORCH = """
+import sys
+import kvfleet.runtime.server.app
+from kvfleet.runtime.sampling_params import StructuredOutputsParams
+from kvfleet.runtime.structured_outputs.grammars import check_constraint
+schema = {"type": "array", "items": {"$ref": "#/$defs/x"}, "$defs": {"x": {}}}
+check_constraint(StructuredOutputsParams(json=schema))
+print(sorted(name for name in ("torch", "xgrammar") if name in sys.modules))
+"""
+
+
+def test_api_servers_check_constraints_without_loading_torch() -> None:
+    """API servers start fast and stay small: the checks they run need neither xgrammar nor torch."""
+    result = subprocess.run(
+        [sys.executable, "-P", "-c", _CHECK_WITHOUT_TORCH], capture_output=True, text=True, check=True
+    )
+    assert result.stdout.strip() == "[]", result.stderr

@@ -1,0 +1,307 @@
+"""Tool calls on /v1/chat/completions through the official openai SDK against real servers.
+
+`required` and a named function constrain the random model's output, so every answer must parse into calls
+whose arguments validate against their function's schema (jsonschema decides). Under `auto` a random model
+writes no calls of its own, so those tests constrain its text with structured_outputs into the parser's
+format (or a malformed variant of it) and check what the parser makes of it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import httpx
+import jsonschema
+import openai
+import pytest
+from transformers import AutoTokenizer
+
+if TYPE_CHECKING:
+    from conftest import ServerProcess
+
+MODEL_NAME = "tiny"
+MAX_TOKENS = 300
+WEATHER = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 10}, "unit": {"enum": ["c", "f"]}},
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+TIME = {
+    "type": "object",
+    "properties": {"zone": {"type": "integer", "minimum": -12, "maximum": 14}},
+    "required": ["zone"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {
+        "type": "function",
+        "function": {"name": "get_weather", "description": "Weather in a city", "parameters": WEATHER},
+    },
+    {"type": "function", "function": {"name": "get_time", "parameters": TIME}},
+]
+SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
+MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def _client(server: ServerProcess) -> openai.OpenAI:
+    return openai.OpenAI(
+        base_url=f"{server.url}/v1", api_key=server.api_key or "unused", max_retries=0, timeout=120
+    )
+
+
+@pytest.fixture(scope="module")
+def client(api_server: ServerProcess) -> openai.OpenAI:
+    return _client(api_server)
+
+
+@pytest.fixture(scope="module")
+def auto_server(start_server: Callable[..., ServerProcess]) -> Callable[[str], ServerProcess]:
+    """parser name -> a server with tool_choice auto read by that parser."""
+    servers: dict[str, ServerProcess] = {}
+
+    def get(parser: str) -> ServerProcess:
+        if parser not in servers:
+            servers[parser] = start_server("--enable-auto-tool-choice", "--tool-call-parser", parser)
+        return servers[parser]
+
+    return get
+
+
+def _assert_valid_calls(calls: list[Any]) -> None:
+    assert calls
+    for call in calls:
+        assert call.type == "function"
+        assert call.id.startswith("call_")
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_required_answers_are_calls_with_valid_arguments(client: openai.OpenAI, parallel: bool) -> None:
+    for seed in range(6):
+        completion = client.chat.completions.create(
+            model=MODEL_NAME,
+            messages=MESSAGES,
+            tools=TOOLS,
+            tool_choice="required",
+            parallel_tool_calls=parallel,
+            max_tokens=MAX_TOKENS,
+            seed=seed,
+        )
+        choice = completion.choices[0]
+        assert choice.finish_reason == "tool_calls"
+        assert choice.message.content is None
+        _assert_valid_calls(choice.message.tool_calls)
+        if not parallel:
+            assert len(choice.message.tool_calls) == 1
+
+
+def test_a_named_function_is_called(client: openai.OpenAI) -> None:
+    for seed in range(4):
+        completion = client.chat.completions.create(
+            model=MODEL_NAME,
+            messages=MESSAGES,
+            tools=TOOLS,
+            tool_choice={"type": "function", "function": {"name": "get_time"}},
+            max_tokens=MAX_TOKENS,
+            seed=seed,
+        )
+        choice = completion.choices[0]
+        assert choice.finish_reason == "tool_calls"
+        (call,) = choice.message.tool_calls
+        assert call.function.name == "get_time"
+        _assert_valid_calls([call])
+
+
+def test_streamed_required_calls_arrive_as_tool_call_deltas(client: openai.OpenAI) -> None:
+    kwargs = {"model": MODEL_NAME, "messages": MESSAGES, "tools": TOOLS, "tool_choice": "required", "seed": 3}
+    whole = client.chat.completions.create(max_tokens=MAX_TOKENS, **kwargs).choices[0].message.tool_calls
+    chunks = list(client.chat.completions.create(max_tokens=MAX_TOKENS, stream=True, **kwargs))
+    deltas = [call for chunk in chunks if chunk.choices for call in chunk.choices[0].delta.tool_calls or []]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert [delta.index for delta in deltas] == list(range(len(whole)))
+    assert [(d.function.name, d.function.arguments) for d in deltas] == [
+        (c.function.name, c.function.arguments) for c in whole
+    ]
+
+
+def test_tool_choice_none_answers_with_content(client: openai.OpenAI) -> None:
+    completion = client.chat.completions.create(
+        model=MODEL_NAME, messages=MESSAGES, tools=TOOLS, tool_choice="none", max_tokens=8, seed=0
+    )
+    choice = completion.choices[0]
+    assert choice.message.tool_calls is None
+    assert choice.message.content
+    assert choice.finish_reason in ("stop", "length")
+
+
+def test_calls_and_results_in_the_history_are_rendered_by_the_chat_template(
+    client: openai.OpenAI, tiny_llama: Any
+) -> None:
+    history = [
+        *MESSAGES,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "c"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "21 degrees, sunny"},
+    ]
+    completion = client.chat.completions.create(
+        model=MODEL_NAME, messages=history, tools=TOOLS, tool_choice="none", max_tokens=2
+    )
+    # Transformers renders the same conversation (arguments as an object, as its templates take them).
+    rendered = [dict(message) for message in history]
+    rendered[1] = {
+        **history[1],
+        "content": "",
+        "tool_calls": [
+            {
+                **history[1]["tool_calls"][0],
+                "function": {"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}},
+            }
+        ],
+    }
+    expected = AutoTokenizer.from_pretrained(tiny_llama).apply_chat_template(
+        rendered, tools=TOOLS, tokenize=True, add_generation_prompt=True, return_dict=False
+    )
+    assert completion.usage.prompt_tokens == len(expected)
+    without_tools = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=2)
+    assert completion.usage.prompt_tokens > without_tools.usage.prompt_tokens + 40
+
+
+LLAMA3_CALL = r'\{"name": "get_weather", "parameters": \{"city": "[a-z]{2,6}", "unit": "c"\}\}'
+HERMES_CALL = (
+    r'Sure\. <tool_call>\{"name": "get_weather", '
+    r'"arguments": \{"city": "[a-z]{2,6}", "unit": "f"\}\}</tool_call>'
+)
+
+
+def _auto_kwargs(regex: str, seed: int) -> dict[str, Any]:
+    """A request under tool_choice auto whose output the regex dictates."""
+    return {
+        "model": MODEL_NAME,
+        "messages": MESSAGES,
+        "tools": TOOLS,
+        "max_tokens": MAX_TOKENS,
+        "seed": seed,
+        "extra_body": {"structured_outputs": {"regex": regex}},
+    }
+
+
+@pytest.mark.parametrize(
+    ("parser", "regex", "content"),
+    [
+        ("llama3_json", LLAMA3_CALL, None),
+        ("llama3_json", f"{LLAMA3_CALL}; {LLAMA3_CALL}", None),
+        ("hermes", HERMES_CALL, "Sure. "),
+    ],
+    ids=["llama3_json", "llama3_json parallel", "hermes"],
+)
+def test_auto_reads_calls_from_the_output(
+    auto_server: Callable[[str], ServerProcess], parser: str, regex: str, content: str | None
+) -> None:
+    client = _client(auto_server(parser))
+    kwargs = _auto_kwargs(regex, seed=1)
+    choice = client.chat.completions.create(**kwargs).choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content == content
+    assert len(choice.message.tool_calls) == regex.count("get_weather")
+    _assert_valid_calls(choice.message.tool_calls)
+
+    chunks = list(client.chat.completions.create(stream=True, **kwargs))
+    streamed_content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    deltas = [call for c in chunks if c.choices for call in c.choices[0].delta.tool_calls or []]
+    assert streamed_content == (content or "")
+    assert [(d.function.name, d.function.arguments) for d in deltas] == [
+        (c.function.name, c.function.arguments) for c in choice.message.tool_calls
+    ]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+@pytest.mark.parametrize(
+    ("parser", "regex"),
+    [
+        # An unknown function, arguments that are not an object, a call left open.
+        ("llama3_json", r'\{"name": "get_wind", "parameters": \{\}\}'),
+        ("llama3_json", r'\{"name": "get_weather", "parameters": "[a-z]{3}"\}'),
+        ("hermes", r'ok <tool_call>\{"name": "get_weather", "arguments": \{\}\}'),
+        ("hermes", r"[a-z ]{5,20}\."),
+    ],
+    ids=["unknown function", "arguments not an object", "unclosed call", "plain text"],
+)
+def test_auto_leaves_malformed_calls_as_content(
+    auto_server: Callable[[str], ServerProcess], parser: str, regex: str
+) -> None:
+    client = _client(auto_server(parser))
+    kwargs = _auto_kwargs(regex, seed=2)
+    choice = client.chat.completions.create(**kwargs).choices[0]
+    assert choice.finish_reason == "stop"
+    assert choice.message.tool_calls is None
+    chunks = list(client.chat.completions.create(stream=True, **kwargs))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == choice.message.content
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "message"),
+    [
+        ({"tools": TOOLS}, "tool_choice", "--enable-auto-tool-choice"),
+        ({"tools": TOOLS, "tool_choice": "auto"}, "tool_choice", "--enable-auto-tool-choice"),
+        ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+        (
+            {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+            "tool_choice",
+            "not among the tools",
+        ),
+        (
+            {"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
+            "response_format",
+            "cannot be combined",
+        ),
+        (
+            {
+                "tools": [
+                    {
+                        "type": "function",
+                        "function": {"name": "f", "parameters": {"type": "object", "not": {}}},
+                    }
+                ],
+                "tool_choice": "required",
+            },
+            "tools",
+            "'not'",
+        ),
+        ({"tools": [TOOLS[0], TOOLS[0]], "tool_choice": "required"}, "tools", "distinct"),
+    ],
+    ids=[
+        "tools default to auto",
+        "auto",
+        "required without tools",
+        "unknown name",
+        "with response_format",
+        "bad schema",
+        "same name twice",
+    ],
+)
+def test_tool_requests_the_server_cannot_serve_get_a_400(
+    api_server: ServerProcess, body: dict[str, Any], param: str, message: str
+) -> None:
+    response = httpx.post(
+        f"{api_server.url}/v1/chat/completions",
+        json={"model": MODEL_NAME, "messages": MESSAGES, "max_tokens": 4, **body},
+        headers=api_server.headers(),
+        timeout=60,
+    )
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param
+    assert message in error["message"], error["message"]
