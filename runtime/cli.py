@@ -167,6 +167,30 @@ def bench_engine_timing(
     )
 
 
+@bench.command("step-phases")
+@click.option(
+    "--model", type=click.Path(exists=True, file_okay=False), default=None, help="Default: make `small`."
+)
+@click.option("--batch-sizes", default="1,8", show_default=True)
+@click.option("--steps", type=click.IntRange(min=1), default=100, show_default=True)
+@click.option("--rounds", type=click.IntRange(min=1), default=3, show_default=True)
+@engine_options
+def bench_step_phases(model: str | None, batch_sizes: str, steps: int, rounds: int, **options) -> None:
+    """Where a decode step's time goes, phase by phase, at each batch size."""
+    import torch
+    from kvfleet.runtime import LLM
+    from kvfleet.runtime.bench.step_phases import format_table, measure_step_phases
+
+    with _model_or_small(model) as model_dir:
+        llm = LLM(model_dir, **engine_config_from_options(model_dir, options).as_options())
+        results = [
+            measure_step_phases(llm, int(batch), steps=steps, rounds=rounds)
+            for batch in batch_sizes.split(",")
+        ]
+    click.echo(f"{torch.get_num_threads()} torch threads, load average {os.getloadavg()[0]:.2f}\n")
+    click.echo(format_table(results))
+
+
 @bench.command("vs-vllm-report")
 @click.option("--results", required=True, type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.option("--doc", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path))
