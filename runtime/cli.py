@@ -153,6 +153,93 @@ def bench_structured(model: str | None, num_requests: int, bench_seed: int, **op
     print_structured_report(report)
 
 
+@bench.command("engine-timing")
+@click.option("--model", required=True, type=click.Path(exists=True, file_okay=False))
+@click.option(
+    "--plan",
+    "plan_path",
+    required=True,
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Where to write the plan, which vLLM's side (bench/vllm/engine_timing.py) then runs too.",
+)
+@click.option("--result-json", required=True, type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--max-num-seqs", type=click.IntRange(min=1), default=64, show_default=True)
+@click.option(
+    "--cpu-kv-cache-space",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="GiB of KV cache, whole (vLLM's VLLM_CPU_KVCACHE_SPACE takes no fraction).",
+)
+@click.option("--num-requests", type=click.IntRange(min=8), default=64, show_default=True)
+@click.option("--bench-seed", type=int, default=0, show_default=True, help="Seed of the synthetic workload.")
+def bench_engine_timing(
+    model: str,
+    plan_path: Path,
+    result_json: Path,
+    max_num_seqs: int,
+    cpu_kv_cache_space: int,
+    num_requests: int,
+    bench_seed: int,
+) -> None:
+    """kvfleet's offline throughput and decode step time (batch 1 and 8) on a plan vLLM can run too."""
+    from kvfleet.runtime.bench.engine_timing import make_plan, run_kvfleet, write_json
+    from kvfleet.runtime.models.model_config import ModelConfig
+
+    plan = make_plan(
+        str(Path(model).resolve()),
+        vocab_size=ModelConfig.from_folder(model).vocab_size,
+        max_num_seqs=max_num_seqs,
+        cpu_kv_cache_space=cpu_kv_cache_space,
+        num_requests=num_requests,
+        seed=bench_seed,
+    )
+    write_json(plan_path, plan)
+    result = run_kvfleet(plan)
+    write_json(result_json, result)
+    click.echo(
+        f"kvfleet: offline {result['offline']['tokens_per_second']:.1f} output tokens/s; decode step "
+        + ", ".join(f"batch {b} {ms:.2f} ms" for b, ms in result["decode_step_ms"].items())
+    )
+
+
+@bench.command("step-phases")
+@click.option(
+    "--model", type=click.Path(exists=True, file_okay=False), default=None, help="Default: make `small`."
+)
+@click.option("--batch-sizes", default="1,8", show_default=True)
+@click.option("--steps", type=click.IntRange(min=1), default=100, show_default=True)
+@click.option("--rounds", type=click.IntRange(min=1), default=3, show_default=True)
+@engine_options
+def bench_step_phases(model: str | None, batch_sizes: str, steps: int, rounds: int, **options) -> None:
+    """Where a decode step's time goes, phase by phase, at each batch size."""
+    import torch
+    from kvfleet.runtime import LLM
+    from kvfleet.runtime.bench.step_phases import format_table, measure_step_phases
+
+    with _model_or_small(model) as model_dir:
+        llm = LLM(model_dir, **engine_config_from_options(model_dir, options).as_options())
+        results = [
+            measure_step_phases(llm, int(batch), steps=steps, rounds=rounds)
+            for batch in batch_sizes.split(",")
+        ]
+    click.echo(f"{torch.get_num_threads()} torch threads, load average {os.getloadavg()[0]:.2f}\n")
+    click.echo(format_table(results))
+
+
+@bench.command("vs-vllm-report")
+@click.option("--results", required=True, type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--doc", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--commit", required=True, help="The commit the figures were measured at.")
+def bench_vs_vllm_report(results: Path, doc: Path, commit: str) -> None:
+    """Write the table of a `make bench-vs-vllm` run into DOC, replacing the previous one."""
+    from kvfleet.runtime.bench.vs_vllm_report import build_section, replace_section
+
+    section = build_section(results, commit)
+    replace_section(doc, section)
+    click.echo(section)
+
+
 @contextlib.contextmanager
 def _model_or_small(model: str | None) -> Iterator[str]:
     """The given folder, or the `small` benchmark model, made once into the cache and reused."""

@@ -3,10 +3,11 @@
 Decodes (one new token) are sorted by context length and cut into groups whose gathered K/V fit in the
 CPU's cache: each group gathers its context blocks whole (padded to the group's longest context, which
 sorting keeps short) and runs one SDPA call, with the query heads that share a KV head laid out as that
-head's queries, so grouped-query attention needs no copies of K/V. Prefill chunks run one SDPA call each:
-plain causal when nothing is cached before them, else over their gathered context with a causal mask
-shifted by the cached length. All index tensors and masks are built once per step in `prepare` and reused by
-every layer.
+head's queries, so grouped-query attention needs no copies of K/V; a step of decodes alone that fit one
+group (small batches) skips the sorting and takes the query rows as they are. Prefill chunks run one SDPA
+call each: plain causal when nothing is cached before them, else over their gathered context with a causal
+mask shifted by the cached length. All index tensors and masks are built once per step in `prepare` and
+reused by every layer.
 """
 
 from __future__ import annotations
@@ -47,7 +48,9 @@ class PrefillChunk:
 @dataclass
 class SdpaPlan:
     slot_mapping: torch.Tensor
-    decode_token_indices: torch.Tensor | None  # int64: query rows of the decodes, in context-length order
+    # int64: query rows of the decodes, in context-length order; None when the step is only decodes that
+    # share one group, which then takes the query rows as they are.
+    decode_token_indices: torch.Tensor | None
     decode_groups: list[DecodeGroup]
     prefill_chunks: list[PrefillChunk]
 
@@ -78,7 +81,11 @@ class SdpaAttentionBackend(AttentionBackend):
         device = block_tables.device
         decode_token_indices = None
         groups: list[DecodeGroup] = []
-        if decodes:
+        if decodes and not prefills and self._fits_one_group(len(decodes), max(seq_lens)):
+            # Nothing to reorder: the batch's block tables and lengths, in query order, make the one group.
+            lens = metadata.seq_lens.long()
+            groups = [self._decode_group(0, len(decodes), block_tables, lens, max(seq_lens))]
+        elif decodes:
             decode_token_indices = torch.tensor([starts[i] for i in decodes], dtype=torch.long, device=device)
             decode_block_tables = block_tables.index_select(0, torch.tensor(decodes, device=device))
             decode_lens = torch.tensor([seq_lens[i] for i in decodes], device=device)
@@ -93,14 +100,16 @@ class SdpaAttentionBackend(AttentionBackend):
             prefill_chunks=[self._prefill_chunk(i, starts, seq_lens, block_tables) for i in prefills],
         )
 
+    def _fits_one_group(self, rows: int, longest: int) -> bool:
+        padded = -(-longest // self.spec.block_size) * self.spec.block_size
+        return rows <= _MIN_DECODE_GROUP_ROWS or rows * padded <= self.decode_group_tokens
+
     def _group_bounds(self, sorted_lens: list[int]) -> list[tuple[int, int]]:
         """Cut ascending context lengths into runs whose padded size stays within the group budget."""
-        block_size = self.spec.block_size
         bounds = []
         start = 0
         for end in range(1, len(sorted_lens) + 1):
-            padded = -(-sorted_lens[end - 1] // block_size) * block_size
-            if end - start > _MIN_DECODE_GROUP_ROWS and (end - start) * padded > self.decode_group_tokens:
+            if not self._fits_one_group(end - start, sorted_lens[end - 1]):
                 bounds.append((start, end - 1))
                 start = end - 1
         bounds.append((start, len(sorted_lens)))
@@ -141,6 +150,8 @@ class SdpaAttentionBackend(AttentionBackend):
         plan: SdpaPlan,
     ) -> torch.Tensor:
         write_kv_cache(key, value, kv_cache, plan.slot_mapping)
+        if plan.decode_token_indices is None and plan.decode_groups:
+            return self._decode(query, kv_cache, plan.decode_groups[0])
         output = torch.empty_like(query)
         if plan.decode_token_indices is not None:
             decode_query = query.index_select(0, plan.decode_token_indices)

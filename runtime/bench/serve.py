@@ -32,6 +32,7 @@ class BenchSettings:
     input_len: int = 128
     output_len: int = 64
     range_ratio: float = 0.5
+    output_range_ratio: float | None = None  # None: range_ratio
     tier_mix: dict[str, float] = field(default_factory=dict)
     seed: int = 0
     vocab_size: int | None = None
@@ -81,6 +82,12 @@ def parse_tier_mix(text: str | None) -> dict[str, float]:
     default=0.5,
     show_default=True,
     help="Lengths are uniform in [len * (1 - r), len * (1 + r)].",
+)
+@click.option(
+    "--output-range-ratio",
+    type=click.FloatRange(0, 1, max_open=True),
+    default=None,
+    help="The same for output lengths alone; --range-ratio by default.",
 )
 @click.option(
     "--tier-mix",

@@ -29,15 +29,17 @@ class ServeRequest:
 
 def build_workload(settings: BenchSettings, vocab_size: int) -> list[ServeRequest]:
     """Lengths uniform within range_ratio of the means; arrivals a Poisson process; all from the seed."""
-    spread = settings.range_ratio
+    output_spread = (
+        settings.range_ratio if settings.output_range_ratio is None else settings.output_range_ratio
+    )
 
-    def bounds(mean: int) -> tuple[int, int]:
+    def bounds(mean: int, spread: float) -> tuple[int, int]:
         return max(1, round(mean * (1 - spread))), max(1, round(mean * (1 + spread)))
 
     base = random_requests(
         settings.num_prompts,
-        bounds(settings.input_len),
-        bounds(settings.output_len),
+        bounds(settings.input_len, settings.range_ratio),
+        bounds(settings.output_len, output_spread),
         vocab_size,
         seed=settings.seed,
     )

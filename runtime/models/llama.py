@@ -34,7 +34,8 @@ class LlamaAttention(nn.Module):
         self, hidden: torch.Tensor, rotary: RotaryStep, kv_cache: torch.Tensor, plan: Any
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(hidden)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -43,10 +44,13 @@ class LlamaAttention(nn.Module):
             k = _rms_norm(self.k_norm, k)[0]
         if rotary.cos_sin is None:
             fused_layers.rotary_embedding_(rotary.positions, q, k, rotary.cos_sin_cache)
+        elif self.q_norm is None:
+            # Each row of the QKV output holds q's heads then k's: one rotation of that span turns both.
+            qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, self.num_heads + self.num_kv_heads, -1)
+            RotaryEmbedding.rotate_(qk, *rotary.cos_sin)
         else:
-            cos, sin = rotary.cos_sin
-            q = RotaryEmbedding.apply(q, cos, sin)
-            k = RotaryEmbedding.apply(k, cos, sin)
+            RotaryEmbedding.rotate_(q, *rotary.cos_sin)
+            RotaryEmbedding.rotate_(k, *rotary.cos_sin)
         out = self.attention.forward(q, k, v, kv_cache, plan)
         return self.o_proj(out.view(num_tokens, self.q_size))
 

@@ -37,6 +37,8 @@ class _HostBuffer:
         return self.array[:size]
 
     def to_device(self, size: int, device: torch.device) -> torch.Tensor:
+        if device.type == "cpu":
+            return self.tensor[:size]  # the step reads it before the next one refills it
         return self.tensor[:size].to(device, non_blocking=True)
 
 
@@ -143,11 +145,15 @@ class ModelRunner:
         sampled: list[list[int]] = [[] for _ in requests]
         logprobs: list[list[dict[int, float]] | None] = [None for _ in requests]
         if sample_rows:
-            last_token_rows = self._logits_indices.get(len(sample_rows))
-            last_token_rows[:] = [metadata.query_start_loc_cpu[i + 1] - 1 for i in sample_rows]
-            logits_indices = self._logits_indices.to_device(len(sample_rows), self.device)
-            self._mark_inputs_copied()
-            logits = self.model.compute_logits(hidden.index_select(0, logits_indices))
+            if len(sample_rows) == metadata.num_tokens:
+                sampled_hidden = hidden  # one token per request, all sampling: every row, in order
+            else:
+                last_token_rows = self._logits_indices.get(len(sample_rows))
+                last_token_rows[:] = [metadata.query_start_loc_cpu[i + 1] - 1 for i in sample_rows]
+                logits_indices = self._logits_indices.to_device(len(sample_rows), self.device)
+                self._mark_inputs_copied()
+                sampled_hidden = hidden.index_select(0, logits_indices)
+            logits = self.model.compute_logits(sampled_hidden)
             result = self.sampler(logits, [requests[i] for i in sample_rows])
             for row, i in enumerate(sample_rows):
                 sampled[i] = [result.token_ids[row]]
@@ -171,8 +177,10 @@ class ModelRunner:
                 f"but the requests add up to {num_tokens}"
             )
         seq_lens = num_computed + num_scheduled
-        if int(seq_lens.max()) > self.max_model_len:
-            raise ValueError(f"a request reaches {int(seq_lens.max())} tokens, past max_model_len")
+        seq_lens_cpu = seq_lens.tolist()
+        max_seq_len = max(seq_lens_cpu)
+        if max_seq_len > self.max_model_len:
+            raise ValueError(f"a request reaches {max_seq_len} tokens, past max_model_len")
 
         query_start_loc = self._query_start_loc.get(num_reqs + 1)
         query_start_loc[0] = 0
@@ -192,14 +200,15 @@ class ModelRunner:
         block_tables = self._block_tables.get(num_reqs * width).reshape(num_reqs, width)
         block_tables.fill(0)
         for i, ids in enumerate(scheduler_output.block_ids):
+            # Its scheduled tokens are the last of its seq_len: the last one's block must be in the table.
+            if len(ids) * self.block_size < seq_lens_cpu[i]:
+                raise ValueError("a request's block table is too short for its scheduled tokens")
             block_tables[i, : len(ids)] = ids
 
         token_request = np.repeat(np.arange(num_reqs), num_scheduled)
         positions = self._positions.get(num_tokens)
         positions[:] = np.arange(num_tokens) + np.repeat(num_computed - query_start_loc[:-1], num_scheduled)
         block_index = positions // self.block_size
-        if (block_index >= np.asarray([len(ids) for ids in scheduler_output.block_ids])[token_request]).any():
-            raise ValueError("a request's block table is too short for its scheduled tokens")
         slot_mapping = self._slot_mapping.get(num_tokens)
         slot_mapping[:] = (
             block_tables[token_request, block_index] * self.block_size + positions % self.block_size
@@ -213,9 +222,9 @@ class ModelRunner:
             block_tables=self._block_tables.to_device(num_reqs * width, device).view(num_reqs, width),
             slot_mapping=self._slot_mapping.to_device(num_tokens, device),
             max_query_len=int(num_scheduled.max()),
-            max_seq_len=int(seq_lens.max()),
+            max_seq_len=max_seq_len,
             query_start_loc_cpu=query_start_loc_cpu,
-            seq_lens_cpu=seq_lens.tolist(),
+            seq_lens_cpu=seq_lens_cpu,
         )
         input_ids_tensor = self._input_ids.to_device(num_tokens, device)
         positions_tensor = self._positions.to_device(num_tokens, device)

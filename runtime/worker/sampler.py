@@ -45,6 +45,8 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, requests: Sequence[Request]) -> SamplerOutput:
         """logits: float32 [len(requests), vocab], modified in place."""
+        if all(_plain_greedy(r) for r in requests):  # the common case, decided without building anything
+            return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(requests))
         params = [r.sampling_params for r in requests]
         raw_logprobs = self._raw_logprobs(logits, params)
         self._mask_stop_tokens_before_min_tokens(logits, requests)
@@ -141,6 +143,17 @@ class Sampler:
             generator = torch.Generator(device=self.device).manual_seed(seed)
             self._request_generators[request.request_id] = generator
         return generator
+
+
+def _plain_greedy(request: Request) -> bool:
+    """Greedy with nothing to apply first: no logprobs, no penalties, min_tokens already reached."""
+    params = request.sampling_params
+    return (
+        params.greedy
+        and params.logprobs is None
+        and request.num_output_tokens >= params.min_tokens
+        and not _has_penalties(params)
+    )
 
 
 def _has_penalties(params: SamplingParams) -> bool:

@@ -51,9 +51,10 @@ def test_rotary_matches_the_model_layer(assert_close, dtype) -> None:
     key = qkv[:, 8 * 64 : 10 * 64].view(7, 2, 64)
     positions = torch.randint(0, 512, (7,), generator=generator)
     # The layer rounds cos/sin to the activation dtype; the kernel keeps them float32.
-    cos, sin = rotary.cos_sin(positions, torch.float32)
-    expected_query = layers.RotaryEmbedding.apply(query.float(), cos, sin)
-    expected_key = layers.RotaryEmbedding.apply(key.float(), cos, sin)
+    cos, signed_sin = rotary.cos_sin(positions, torch.float32)
+    expected_query, expected_key = query.float().clone(), key.float().clone()
+    layers.RotaryEmbedding.rotate_(expected_query, cos, signed_sin)
+    layers.RotaryEmbedding.rotate_(expected_key, cos, signed_sin)
 
     fused_layers.rotary_embedding_(positions, query, key, rotary.cos_sin_cache)
 

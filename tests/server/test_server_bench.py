@@ -37,6 +37,12 @@ def test_workload_is_seeded_and_follows_the_settings() -> None:
     assert sorted(r.send_at for r in workload) == [r.send_at for r in workload]
     critical_share = sum(r.tier == "critical" for r in workload) / len(workload)
     assert 0.18 < critical_share < 0.32
+    # The workload of `make bench-vs-vllm`: prompts 16-256 tokens, outputs 16-128, each range reached.
+    wide = BenchSettings(url="-", num_prompts=2000, input_len=136, output_len=72, range_ratio=0.8824)
+    wide.output_range_ratio = 0.7778
+    prompt_lens = [len(r.prompt_token_ids) for r in build_workload(wide, vocab_size=100)]
+    output_lens = [r.output_len for r in build_workload(wide, vocab_size=100)]
+    assert (min(prompt_lens), max(prompt_lens), min(output_lens), max(output_lens)) == (16, 256, 16, 128)
     burst = build_workload(BenchSettings(url="-", num_prompts=5), vocab_size=100)
     assert {r.send_at for r in burst} == {0.0} and {r.tier for r in burst} == {None}
 

@@ -170,6 +170,21 @@ def test_only_prefills_and_only_decodes() -> None:
         torch.testing.assert_close(output, _dense_causal(sequences, 2), atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("num_decodes", [3, 40])
+def test_decode_only_steps_in_one_group_keep_the_query_order(num_decodes: int) -> None:
+    rng = random.Random(num_decodes)
+    sequences, cache = _make_step(2, [(rng.randrange(0, 300), 1) for _ in range(num_decodes)], seed=7)
+    backend = SdpaAttentionBackend(_spec(2))
+    backend.decode_group_tokens = 1024  # 3 decodes fit one group, 40 do not
+    plan = backend.prepare(_metadata(sequences))
+    if num_decodes == 3:
+        assert len(plan.decode_groups) == 1 and plan.decode_token_indices is None
+    else:
+        assert len(plan.decode_groups) > 1 and plan.decode_token_indices is not None
+    output = _run(backend, sequences, cache)
+    torch.testing.assert_close(output, _dense_causal(sequences, 2), atol=2e-5, rtol=1e-4)
+
+
 def test_unsupported_head_layout_is_reported() -> None:
     spec = AttentionSpec(6, 4, HEAD_DIM, BLOCK_SIZE, torch.float32, torch.device("cpu"))
     assert SdpaAttentionBackend.unsupported_reason(spec) is not None

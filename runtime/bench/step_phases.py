@@ -1,0 +1,175 @@
+"""Where a decode step's time goes: each phase of `LLMEngine.step()` timed at a fixed batch size.
+
+The engine is stepped as it serves: `b` requests with short prompts are admitted and prefilled, then every
+step is a decode of the whole batch. The timers wrap the engine's own objects (the scheduler's methods,
+the runner's pieces, the model's projections and attention backend) for the length of the measurement;
+nothing in the engine knows about them. Each phase's time per step is the median over the measured steps,
+and of several rounds the one with the fastest whole step is kept, so that a burst of other work on the
+machine distorts the figures as little as possible.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from kvfleet.runtime.engine.llm import LLM
+from kvfleet.runtime.models.layers import Linear
+from kvfleet.runtime.sampling_params import SamplingParams
+
+# Phases in the order of a step; "model, other" and "runner, other" are what is left of their parent.
+PHASES = (
+    "schedule",
+    "input preparation",
+    "embedding, norms, rotary, activation",
+    "projections",
+    "attention",
+    "logits",
+    "sampling",
+    "runner, other",
+    "update from output",
+    "output processing",
+)
+
+
+@dataclass
+class StepPhases:
+    batch_size: int
+    step_ms: float
+    phase_ms: dict[str, float]
+
+
+class _Timers:
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+
+    def wrap(self, owner: Any, attribute: str, phase: str) -> None:
+        """Time every call of owner.attribute under `phase`, through an attribute on the instance."""
+        function = getattr(owner, attribute)
+        seconds = self.seconds  # cleared, never replaced, between steps
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                seconds[phase] += time.perf_counter() - start
+
+        setattr(owner, attribute, timed)
+
+
+class _TimedCallable:
+    """Stands in for a callable object (the sampler) whose other attributes the runner also uses."""
+
+    def __init__(self, target: Any, timers: _Timers, phase: str) -> None:
+        self._target = target
+        self._call = target.__call__
+        timers.wrap(self, "_call", phase)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._call(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._target, name)
+
+
+def _instrument(llm: LLM, timers: _Timers) -> Callable[[], None]:
+    """Put the timers in; returns what takes them out again."""
+    engine = llm.llm_engine
+    runner = engine.runner
+    model = runner.model
+    assert model is not None
+    wrapped: list[tuple[Any, str]] = []
+
+    def wrap(owner: Any, attribute: str, phase: str) -> None:
+        timers.wrap(owner, attribute, phase)
+        wrapped.append((owner, attribute))
+
+    wrap(engine, "step", "step")
+    wrap(engine.scheduler, "schedule", "schedule")
+    wrap(engine.scheduler, "update_from_output", "update from output")
+    wrap(runner, "execute_model", "execute")
+    wrap(runner, "_prepare_inputs", "input preparation")
+    wrap(runner.attention_backend, "prepare", "input preparation")
+    wrap(runner.attention_backend, "forward", "attention")
+    wrap(model, "forward", "model")
+    wrap(model, "compute_logits", "logits")
+    for module in model.modules():
+        if isinstance(module, Linear) and module is not getattr(model, "lm_head", None):
+            wrap(module, "forward", "projections")
+    sampler = runner.sampler
+    runner.sampler = _TimedCallable(sampler, timers, "sampling")  # type: ignore[assignment]
+
+    def remove() -> None:
+        for owner, attribute in wrapped:
+            delattr(owner, attribute)
+        runner.sampler = sampler
+
+    return remove
+
+
+def _phases_per_step(seconds: dict[str, float]) -> dict[str, float]:
+    ms = {phase: value * 1e3 for phase, value in seconds.items()}
+    measured_inside_runner = ms["input preparation"] + ms["model"] + ms["logits"] + ms["sampling"]
+    return {
+        "schedule": ms["schedule"],
+        "input preparation": ms["input preparation"],
+        "embedding, norms, rotary, activation": ms["model"] - ms["projections"] - ms["attention"],
+        "projections": ms["projections"],
+        "attention": ms["attention"],
+        "logits": ms["logits"],
+        "sampling": ms["sampling"],
+        "runner, other": ms["execute"] - measured_inside_runner,
+        "update from output": ms["update from output"],
+        "output processing": ms["step"] - ms["schedule"] - ms["execute"] - ms["update from output"],
+    }
+
+
+def measure_step_phases(
+    llm: LLM, batch_size: int, *, steps: int = 100, rounds: int = 3, prompt_len: int = 32
+) -> StepPhases:
+    """Phases of a decode step of `batch_size` requests; contexts grow from `prompt_len` tokens."""
+    engine = llm.llm_engine
+    if engine.has_unfinished_requests():
+        raise RuntimeError("the engine must be idle")
+    best: StepPhases | None = None
+    for round_index in range(rounds):
+        params = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
+        ids = [f"step-phases-{round_index}-{i}" for i in range(batch_size)]
+        for i, request_id in enumerate(ids):
+            # Distinct prompts: no prefix-cache hits between the requests or the rounds.
+            first = 16 + (round_index * batch_size + i) * prompt_len
+            prompt = [(first + j) % (engine.vocab_size - 16) + 16 for j in range(prompt_len)]
+            engine.add_request(request_id, prompt, params)
+        for _ in range(4):  # the prefill, then a few decodes to settle
+            engine.step()
+        per_step: list[dict[str, float]] = []
+        timers = _Timers()
+        remove = _instrument(llm, timers)
+        try:
+            for _ in range(steps):
+                engine.step()
+                per_step.append(_phases_per_step(timers.seconds) | {"step": timers.seconds["step"] * 1e3})
+                timers.seconds.clear()
+        finally:
+            remove()
+        engine.abort_request(ids)
+        medians = {key: statistics.median(step[key] for step in per_step) for key in per_step[0]}
+        phases = StepPhases(batch_size, medians.pop("step"), medians)
+        if best is None or phases.step_ms < best.step_ms:
+            best = phases
+    assert best is not None
+    return best
+
+
+def format_table(results: list[StepPhases]) -> str:
+    header = "| phase (ms per step) | " + " | ".join(f"batch {r.batch_size}" for r in results) + " |"
+    lines = [header, "| --- | " + " | ".join("---:" for _ in results) + " |"]
+    for phase in PHASES:
+        lines.append(f"| {phase} | " + " | ".join(f"{r.phase_ms[phase]:.3f}" for r in results) + " |")
+    lines.append("| **whole step** | " + " | ".join(f"**{r.step_ms:.3f}**" for r in results) + " |")
+    return "\n".join(lines)
