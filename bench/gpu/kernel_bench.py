@@ -494,11 +494,11 @@ def fused_rows(bench: Bench) -> list[Row]:
     rotary_embedding_(positions, work_query, work_key, rotary.cos_sin_cache)
     check = check_result(work_query, expected_query) + " / " + check_result(work_key, expected_key)
 
-    cos, sin = rotary.cos_sin(positions, dtype)  # once per step in the model, shared by every layer
+    cos, signed_sin = rotary.cos_sin(positions, dtype)  # once per step in the model, shared by every layer
 
     def torch_rotary() -> None:
-        layers.RotaryEmbedding.apply(query, cos, sin)
-        layers.RotaryEmbedding.apply(key, cos, sin)
+        layers.RotaryEmbedding.rotate_(query, cos, signed_sin)
+        layers.RotaryEmbedding.rotate_(key, cos, signed_sin)
 
     moved = 2 * (query.numel() + key.numel()) * query.element_size() + tokens * head_dim * 4
     row(

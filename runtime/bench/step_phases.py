@@ -90,8 +90,8 @@ def _instrument(llm: LLM, timers: _Timers) -> Callable[[], None]:
         wrapped.append((owner, attribute))
 
     wrap(engine, "step", "step")
-    wrap(engine.scheduler, "schedule", "schedule")
-    wrap(engine.scheduler, "update_from_output", "update from output")
+    wrap(engine.engine_core.scheduler, "schedule", "schedule")
+    wrap(engine.engine_core.scheduler, "update_from_output", "update from output")
     wrap(runner, "execute_model", "execute")
     wrap(runner, "_prepare_inputs", "input preparation")
     wrap(runner.attention_backend, "prepare", "input preparation")

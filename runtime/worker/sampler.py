@@ -146,10 +146,13 @@ class Sampler:
 
 
 def _plain_greedy(request: Request) -> bool:
-    """Greedy with nothing to apply first: no logprobs, no penalties, min_tokens already reached."""
+    """Greedy with nothing to apply first: no logprobs, penalties, grammar or token rules, and min_tokens
+    already reached."""
     params = request.sampling_params
     return (
         params.greedy
+        and request.grammar is None
+        and request.token_rules is None
         and params.logprobs is None
         and request.num_output_tokens >= params.min_tokens
         and not _has_penalties(params)
