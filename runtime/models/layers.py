@@ -21,7 +21,7 @@ logger = logging.getLogger(__name__)
 # KVFLEET_ONEDNN_LINEAR=0 keeps CPU projections on torch's default BLAS, e.g. to compare the two.
 ONEDNN_ENV_VAR = "KVFLEET_ONEDNN_LINEAR"
 # Fewer rows are padded to this many: oneDNN's kernel for one to three rows streams the weights from memory
-# more slowly than its kernel for four (at batch 1 the projections take 4 to 10% less time, padding included).
+# more slowly than its kernel for four (at batch 1 the projections took 5 to 10% less time, padding included).
 _ONEDNN_MIN_ROWS = 4
 
 
