@@ -21,7 +21,8 @@ from kvfleet.runtime.engine.llm import LLM
 from kvfleet.runtime.models.layers import Linear
 from kvfleet.runtime.sampling_params import SamplingParams
 
-# Phases in the order of a step; "model, other" and "runner, other" are what is left of their parent.
+# Phases in the order of a step. "embedding, norms, rotary, activation" is the model's time less its
+# projections and attention; "runner, other" and "output processing" are what is left of their parent.
 PHASES = (
     "schedule",
     "input preparation",
