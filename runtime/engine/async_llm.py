@@ -149,10 +149,6 @@ class AsyncLLM:
     def stats(self) -> SchedulerStats | None:
         return self._stats
 
-    @property
-    def num_in_flight(self) -> int:
-        return len(self._streams)
-
     async def wait_ready(self, timeout: float | None) -> None:
         """Returns once the engine can serve; raises EngineNotReadyError after `timeout` seconds, or the
         error that keeps it from ever serving."""

@@ -15,7 +15,7 @@ import signal
 import socket
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvfleet.runtime.child_process import child_arguments, describe_exit, start_child
@@ -45,7 +45,7 @@ class ServeOptions:
     startup_request_timeout: float | None = None
     api_server_count: int = 1
     # The EngineCore class to run (the static-batching baseline of the benchmarks brings its own).
-    core_class: type[EngineCore] | None = field(default=None)
+    core_class: type[EngineCore] | None = None
 
 
 def run_server(config: EngineConfig, options: ServeOptions) -> int:
