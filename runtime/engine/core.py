@@ -45,12 +45,15 @@ _GRAMMAR_WAIT_S = 0.01
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, *, max_waiting_requests: int | None = None) -> None:
+    def __init__(
+        self, config: EngineConfig, *, max_waiting_requests: int | None = None, reserved_cpus: int = 0
+    ) -> None:
+        """`reserved_cpus`: CPUs left to the API servers in small steps, when the core runs beside them."""
         if max_waiting_requests is not None and max_waiting_requests < 1:
             raise ValueError("max_waiting_requests must be at least 1")
         self.config = config
         self.max_waiting_requests = max_waiting_requests
-        self.runner = ModelRunner(config)
+        self.runner = ModelRunner(config, reserved_cpus=reserved_cpus)
         self.runner.load_model()
         self.max_model_len: int = self.runner.max_model_len
         self.vocab_size: int = self.runner.vocab_size

@@ -86,7 +86,7 @@ def run_api_server(
         tier_of=tier_of,
         startup_request_timeout=options.startup_request_timeout,
         core_class=options.core_class,
-        core_options={"max_waiting_requests": options.max_waiting_requests},
+        core_options=_core_options(options),
     )
     state = ServerState(settings=settings, engine=engine, metrics=metrics)
     uvicorn_config = uvicorn.Config(
@@ -104,6 +104,11 @@ def run_api_server(
     server = DrainingServer(uvicorn_config, state)
     server.run(sockets=[listen_socket] if listen_socket is not None else None)
     return 1 if server.failed or not server.started else 0
+
+
+def _core_options(options: ServeOptions) -> dict[str, Any]:
+    # Each API server process needs a CPU while the core steps (HTTP, detokenization, SSE).
+    return {"max_waiting_requests": options.max_waiting_requests, "reserved_cpus": options.api_server_count}
 
 
 def _api_server_main(
@@ -135,7 +140,7 @@ def _supervise(config: EngineConfig, options: ServeOptions) -> int:
     core = EngineCoreProcess(
         config,
         core_class=options.core_class,
-        core_options={"max_waiting_requests": options.max_waiting_requests},
+        core_options=_core_options(options),
     )
     log_level = logging.getLogger().getEffectiveLevel()
     listen_fd = listen_socket.fileno()

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from kvfleet.runtime.bench.static_batching import StaticBatchingEngineCore
 from kvfleet.runtime.config import EngineConfig
 from kvfleet.runtime.core.outputs import SchedulerOutput
@@ -157,3 +159,21 @@ def test_static_batch_size_is_max_num_seqs(tiny_llama: Path) -> None:
             # A new batch starts only once every request of the previous one has finished.
             assert step.stats.num_running == len(step.started)
     assert batches == [["r0", "r1"], ["r2", "r3"], ["r4"]]
+
+
+def test_small_steps_leave_the_reserved_cpus_to_the_front_end(
+    tiny_llama: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Decode steps run on the CPUs left after the API servers' share; a long prefill on all of them."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    threads_before = torch.get_num_threads()
+    available = len(os.sched_getaffinity(0))
+    try:
+        core = _core(tiny_llama, reserved_cpus=1)
+        core.add_request(_add("long-prompt", 2, prompt=list(range(5, 45))))
+        core.step()  # the 40-token prefill
+        assert torch.get_num_threads() == available
+        core.step()  # one decode
+        assert torch.get_num_threads() == max(1, available - 1)
+    finally:
+        torch.set_num_threads(threads_before)
