@@ -36,9 +36,16 @@ def _api_key(ctx: click.Context, param: click.Parameter, value: str | None) -> s
     return value
 
 
+# Shared with `kvfleet run-batch`, which answers requests naming the model the same way.
+model_option = click.option("--model", required=True, help="Hugging Face model folder.")
+served_model_name_option = click.option(
+    "--served-model-name", default=None, help="Model name clients use; defaults to --model."
+)
+
+
 @click.command("serve")
-@click.option("--model", required=True, help="Hugging Face model folder to serve.")
-@click.option("--served-model-name", default=None, help="Model name clients use; defaults to --model.")
+@model_option
+@served_model_name_option
 @click.option("--host", default="0.0.0.0", show_default=True)
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
 @click.option(
