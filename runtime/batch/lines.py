@@ -8,12 +8,16 @@ from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 CHAT_COMPLETIONS_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
 SUPPORTED_URLS = (CHAT_COMPLETIONS_URL, COMPLETIONS_URL)
+
+# How a line is answered: (url, body) -> (HTTP status, response body), failures in OpenAI's error shape.
+Answer = Callable[[str, dict[str, Any]], Awaitable[tuple[int, dict[str, Any]]]]
 
 
 @dataclass(frozen=True)

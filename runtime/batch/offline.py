@@ -17,7 +17,7 @@ import csv
 import json
 import os
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol
@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 from kvfleet.runtime.batch.lines import (
     CHAT_COMPLETIONS_URL,
     COMPLETIONS_URL,
+    Answer,
     BatchLine,
     MalformedLineError,
     error_record,
@@ -351,9 +352,6 @@ def output_columns(record: dict[str, Any]) -> dict[str, Any]:
 
 
 # ---- running -------------------------------------------------------------------------------------------
-
-# (url, body) -> (HTTP status, response body): how a line is answered.
-Answer = Callable[[str, dict[str, Any]], Awaitable[tuple[int, dict[str, Any]]]]
 
 
 @dataclass

@@ -13,16 +13,12 @@ import collections
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
 from typing import Any
 
-from kvfleet.runtime.batch.lines import BatchLine, error_record, response_record
+from kvfleet.runtime.batch.lines import Answer, BatchLine, error_record, response_record
 from kvfleet.runtime.batch.store import Batch, BatchStore
 
 logger = logging.getLogger(__name__)
-
-# (url, body) -> (HTTP status, response body).
-Answer = Callable[[str, dict[str, Any]], Awaitable[tuple[int, dict[str, Any]]]]
 
 # Answers that say "not now" about the server rather than anything about the request: a full queue, a
 # higher tier taking the line's place, a server loading or draining, an engine gone (the server exits, and
