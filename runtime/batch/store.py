@@ -1,8 +1,8 @@
 """The OpenAI Batch API's state: files and batches in an embedded SQLite database, file bytes in a folder.
 
 Knows nothing of HTTP: a server (or a gateway spreading batches over replicas) maps its calls to routes and
-its BatchApiError to status codes. Every answered line is a row keyed by (batch, line number), written in
-the same transaction as nothing else, so a crash at any point loses only the lines in flight and never
+its BatchApiError to status codes. Every answered line is a row keyed by (batch, line number), committed
+on its own as soon as it is answered, so a crash at any point loses only the lines in flight and never
 records one twice; the output and error files are written from those rows when the batch ends.
 """
 
