@@ -20,6 +20,7 @@ COMMANDS: dict[str, str] = {
     "bench": "kvfleet.runtime.cli:bench",
     "operator": "kvfleet.operator.cli:operator_command",
     "serve": "kvfleet.runtime.server.cli:serve",
+    "run-batch": "kvfleet.runtime.batch.cli:run_batch",
 }
 
 

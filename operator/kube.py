@@ -23,6 +23,7 @@ PLURALS = {
     "Service": "services",
     "PodDisruptionBudget": "poddisruptionbudgets",
     "ServiceMonitor": "servicemonitors",
+    "PersistentVolumeClaim": "persistentvolumeclaims",
 }
 REQUEST_TIMEOUT_SECONDS = 30
 

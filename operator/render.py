@@ -22,7 +22,7 @@ from kvfleet.operator.api import (
     SERVICE_LABEL,
     TIER_LABEL,
 )
-from kvfleet.operator.render_pod import pod_template
+from kvfleet.operator.render_pod import batch_claim_name, pod_template
 from kvfleet.operator.spec import InferenceServiceSpec
 
 DEFAULT_RUNTIME_IMAGE = "kvfleet/runtime:0.1.0"
@@ -73,12 +73,15 @@ def render_children(
 ) -> list[dict[str, Any]]:
     """Every child object, in apply order: the Deployment first, because its pods take longest to become
     ready (and under a burst of new services each apply waits in line behind the others); the Service is
-    in place long before any pod is ready."""
+    in place long before any pod is ready. A Batch API claim goes before the Deployment whose pods mount
+    it."""
     children = [
         render_deployment(owner, spec, replicas, options),
         render_service(owner, spec),
         render_disruption_budget(owner, spec),
     ]
+    if spec.batch is not None and spec.batch.storage == "PersistentVolumeClaim":
+        children.insert(0, render_batch_claim(owner, spec))
     if options.service_monitor:
         children.append(render_service_monitor(owner, spec))
     return children
@@ -89,6 +92,12 @@ def render_deployment(
 ) -> dict[str, Any]:
     labels = common_labels(owner, spec)
     image = spec.engine.image or options.runtime_image
+    if spec.batch is not None:
+        # One store, one writer: the old pod stops before the new one opens the store.
+        strategy: dict[str, Any] = {"type": "Recreate"}
+    else:
+        # Never below current capacity: a new replica must be ready before an old one stops.
+        strategy = {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -96,13 +105,27 @@ def render_deployment(
         "spec": {
             "replicas": replicas,
             "selector": {"matchLabels": selector_labels(owner.name)},
-            # Never below current capacity: a new replica must be ready before an old one stops.
-            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+            "strategy": strategy,
             "revisionHistoryLimit": 3,
             "progressDeadlineSeconds": spec.engine.startup_timeout_seconds + ROLLOUT_SLACK_SECONDS,
-            "template": pod_template(spec, labels, image),
+            "template": pod_template(spec, labels, image, owner.name),
         },
     }
+
+
+def render_batch_claim(owner: Owner, spec: InferenceServiceSpec) -> dict[str, Any]:
+    """The Batch API's store: owned by the service, so deleting the service deletes its batches."""
+    batch = spec.batch
+    assert batch is not None
+    claim: dict[str, Any] = {
+        "accessModes": ["ReadWriteOnce"],
+        "resources": {"requests": {"storage": batch.claim_size}},
+    }
+    if batch.storage_class_name is not None:
+        claim["storageClassName"] = batch.storage_class_name
+    metadata = _metadata(owner, common_labels(owner, spec))
+    metadata["name"] = batch_claim_name(owner.name)
+    return {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": metadata, "spec": claim}
 
 
 def render_service(owner: Owner, spec: InferenceServiceSpec) -> dict[str, Any]:

@@ -10,6 +10,8 @@ from kvfleet.operator.spec import InferenceServiceSpec, ModelSpec
 from kvfleet.operator.tiers import TIERS
 
 MODEL_ROOT = "/mnt/models"
+# The Batch API's database and files.
+BATCH_STORE = "/var/lib/kvfleet/batch"
 # The one writable path besides the model volume: HOME, caches and temporary files.
 SCRATCH = "/scratch"
 # Long enough for endpoint controllers and proxies to drop the pod before it stops accepting requests.
@@ -63,6 +65,9 @@ def runtime_args(spec: InferenceServiceSpec) -> list[str]:
         args += ["--tensor-parallel-size", str(engine.tensor_parallel_size)]
     args += ["--default-priority", tier.name, "--drain-timeout", str(engine.drain_timeout_seconds)]
     args += _flags([("--max-waiting-requests", engine.max_waiting_requests)])
+    if spec.batch is not None:
+        args += ["--batch-store", BATCH_STORE]
+        args += _flags([("--max-batch-file-bytes", spec.batch.max_file_bytes)])
     return args + list(engine.extra_args)
 
 
@@ -70,7 +75,13 @@ def termination_grace_seconds(spec: InferenceServiceSpec) -> int:
     return PRESTOP_DELAY_SECONDS + spec.engine.drain_timeout_seconds + EXIT_MARGIN_SECONDS
 
 
-def pod_template(spec: InferenceServiceSpec, labels: dict[str, str], image: str) -> dict[str, Any]:
+def batch_claim_name(service_name: str) -> str:
+    return f"{service_name}-batch"
+
+
+def pod_template(
+    spec: InferenceServiceSpec, labels: dict[str, str], image: str, service_name: str
+) -> dict[str, Any]:
     engine, resources = spec.engine, spec.resources
     volumes, mounts = _model_volumes(spec.model)
     volumes = [
@@ -79,6 +90,9 @@ def pod_template(spec: InferenceServiceSpec, labels: dict[str, str], image: str)
         *volumes,
     ]
     mounts = [{"name": "scratch", "mountPath": SCRATCH}, {"name": "dshm", "mountPath": "/dev/shm"}, *mounts]
+    if spec.batch is not None:
+        volumes.append(_batch_volume(spec, service_name))
+        mounts.append({"name": "batch", "mountPath": BATCH_STORE})
     container: dict[str, Any] = {
         "name": "runtime",
         "image": image,
@@ -185,6 +199,14 @@ def _http_probe(path: str, failures: int) -> dict[str, Any]:
         "timeoutSeconds": 3,
         "failureThreshold": failures,
     }
+
+
+def _batch_volume(spec: InferenceServiceSpec, service_name: str) -> dict[str, Any]:
+    batch = spec.batch
+    assert batch is not None
+    if batch.storage == "EmptyDir":
+        return {"name": "batch", "emptyDir": {"sizeLimit": batch.size} if batch.size else {}}
+    return {"name": "batch", "persistentVolumeClaim": {"claimName": batch_claim_name(service_name)}}
 
 
 def _model_volumes(model: ModelSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:

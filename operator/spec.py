@@ -111,6 +111,26 @@ class SlaSpec:
     ttft_target_milliseconds: int | None = None
 
 
+BatchStorage = Literal["PersistentVolumeClaim", "EmptyDir"]
+BATCH_STORAGES: tuple[BatchStorage, ...] = ("PersistentVolumeClaim", "EmptyDir")
+DEFAULT_BATCH_CLAIM_SIZE = "10Gi"
+
+
+@dataclass(frozen=True)
+class BatchSpec:
+    """The OpenAI Batch API's store: a claim of its own by default, or a pod-lifetime emptyDir."""
+
+    storage: BatchStorage = "PersistentVolumeClaim"
+    # The claim's request, or the emptyDir's limit (none when unset).
+    size: str | None = None
+    storage_class_name: str | None = None
+    max_file_bytes: int | None = None
+
+    @property
+    def claim_size(self) -> str:
+        return self.size or DEFAULT_BATCH_CLAIM_SIZE
+
+
 @dataclass(frozen=True)
 class InferenceServiceSpec:
     model: ModelSpec
@@ -118,6 +138,7 @@ class InferenceServiceSpec:
     resources: ResourcesSpec
     scaling: ScalingSpec
     sla: SlaSpec
+    batch: BatchSpec | None = None
 
 
 def parse_spec(spec: Mapping[str, Any], *, name: str) -> InferenceServiceSpec:
@@ -131,12 +152,14 @@ def parse_spec(spec: Mapping[str, Any], *, name: str) -> InferenceServiceSpec:
         )
     root = _Section(spec, "spec")
     engine = _parse_engine(root.section("engine"))
+    scaling = _parse_scaling(root.section("scaling"))
     return InferenceServiceSpec(
         model=_parse_model(root.section("model", required=True), name),
         engine=engine,
         resources=_parse_resources(root.section("resources"), engine.tensor_parallel_size),
-        scaling=_parse_scaling(root.section("scaling")),
+        scaling=scaling,
         sla=_parse_sla(root.section("sla")),
+        batch=_parse_batch(root, scaling),
     )
 
 
@@ -252,6 +275,26 @@ def _parse_scaling(section: _Section) -> ScalingSpec:
     if scaling.panic_window_seconds > scaling.stable_window_seconds:
         raise SpecError("InvalidSpec", "spec.scaling.panicWindowSeconds must not exceed stableWindowSeconds")
     return scaling
+
+
+def _parse_batch(root: _Section, scaling: ScalingSpec) -> BatchSpec | None:
+    if root.raw.get("batch") is None:
+        return None
+    section = root.section("batch")
+    # One replica runs the batches of its store: replicas sharing one would each run every batch.
+    most = scaling.replicas if scaling.replicas is not None else scaling.max_replicas
+    if most > 1:
+        raise SpecError(
+            "InvalidSpec",
+            "spec.batch needs a single replica (spec.scaling.replicas or maxReplicas at most 1): the Batch "
+            "API's store belongs to one replica",
+        )
+    return BatchSpec(
+        storage=cast(BatchStorage, section.choice("storage", BATCH_STORAGES, BatchSpec.storage)),
+        size=section.quantity("size"),
+        storage_class_name=section.string("storageClassName"),
+        max_file_bytes=section.integer("maxFileBytes", minimum=1),
+    )
 
 
 def _parse_sla(section: _Section) -> SlaSpec:

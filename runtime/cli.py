@@ -153,6 +153,74 @@ def bench_structured(model: str | None, num_requests: int, bench_seed: int, **op
     print_structured_report(report)
 
 
+@bench.command("batch")
+@click.option(
+    "--model", type=click.Path(exists=True, file_okay=False), default=None, help="Default: make `small`."
+)
+@click.option("--num-rows", type=click.IntRange(min=1), default=256, show_default=True)
+@click.option("--input-len", type=click.IntRange(min=1), default=128, show_default=True)
+@click.option("--output-len", type=click.IntRange(min=1), default=64, show_default=True)
+@click.option(
+    "--concurrency",
+    default="16,64,256",
+    show_default=True,
+    help="Client concurrencies the same rows are sent to `kvfleet serve` with; the best one is compared.",
+)
+@click.option(
+    "--interactive-rate",
+    type=click.FloatRange(min=0, min_open=True),
+    default=1.0,
+    show_default=True,
+    help="Requests per second of the interactive load whose TTFT is measured.",
+)
+@click.option("--interactive-prompts", type=click.IntRange(min=2), default=30, show_default=True)
+@click.option("--bench-seed", type=int, default=0, show_default=True, help="Seed of the synthetic workload.")
+@engine_options
+def bench_batch(
+    model: str | None,
+    num_rows: int,
+    input_len: int,
+    output_len: int,
+    concurrency: str,
+    interactive_rate: float,
+    interactive_prompts: int,
+    bench_seed: int,
+    **options,
+) -> None:
+    """`kvfleet run-batch` against the same rows through `kvfleet serve`, and interactive TTFT with and
+    without a Batch API batch beside it (serve with --scheduling-policy priority to see the batch tier)."""
+    import logging
+
+    from kvfleet.runtime.bench.batch import format_report, run_batch_bench
+    from kvfleet.runtime.bench.serve import BenchSettings
+    from kvfleet.runtime.models.model_config import ModelConfig
+
+    # One log line per request would drown the report.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    with _model_or_small(model) as model_dir:
+        config = engine_config_from_options(model_dir, options)
+        settings = BenchSettings(
+            url="", num_prompts=num_rows, input_len=input_len, output_len=output_len, seed=bench_seed
+        )
+        interactive = BenchSettings(
+            url="",
+            num_prompts=interactive_prompts,
+            request_rate=interactive_rate,
+            input_len=input_len,
+            output_len=output_len,
+            seed=bench_seed + 100,
+        )
+        report = run_batch_bench(
+            config,
+            settings=settings,
+            concurrencies=[int(c) for c in concurrency.split(",")],
+            interactive=interactive,
+            vocab_size=ModelConfig.from_folder(model_dir).vocab_size,
+            log=lambda line: click.echo(line, err=True),
+        )
+    click.echo(format_report(report))
+
+
 @bench.command("engine-timing")
 @click.option("--model", required=True, type=click.Path(exists=True, file_okay=False))
 @click.option(

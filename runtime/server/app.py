@@ -7,11 +7,14 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
+from kvfleet.runtime.batch.store import BatchStore
 from kvfleet.runtime.metrics import CONTENT_TYPE
 from kvfleet.runtime.server.auth import ApiKeyAuth
+from kvfleet.runtime.server.batch_routes import FILES_PATH, BatchService, add_batch_routes
 from kvfleet.runtime.server.errors import (
     BadRequestError,
     ClientDisconnectedError,
@@ -33,13 +36,15 @@ logger = logging.getLogger(__name__)
 
 # What a client that has gone away is "answered" with; nobody reads it (nginx's convention).
 _CLIENT_CLOSED_REQUEST = 499
+_MULTIPART_FRAMING_BYTES = 64 << 10
 
 
 def build_app(state: ServerState) -> FastAPI:
+    batches = _batch_service(state)
     app = FastAPI(
         title="kvfleet",
         summary="An OpenAI-compatible inference server",
-        lifespan=_lifespan(state),
+        lifespan=_lifespan(state, batches),
         docs_url=None,
         redoc_url=None,
         openapi_url="/openapi.json",
@@ -49,21 +54,42 @@ def build_app(state: ServerState) -> FastAPI:
     app.add_exception_handler(ClientDisconnectedError, _client_gone)
     # Outermost last: auth first, then the body's time and size limits, then in-flight counting for drains.
     app.add_middleware(InFlightCounter, state=state)
-    app.add_middleware(BodySizeLimit, max_bytes=state.settings.max_request_body_bytes)
+    upload_limits = {}
+    if batches is not None:
+        # Room for the multipart framing around the file; the file itself is held to its limit exactly.
+        upload_limits[FILES_PATH] = state.settings.max_batch_file_bytes + _MULTIPART_FRAMING_BYTES
+    app.add_middleware(
+        BodySizeLimit, max_bytes=state.settings.max_request_body_bytes, path_limits=upload_limits
+    )
     app.add_middleware(BodyReadTimeout, timeout=state.settings.body_read_timeout)
     if state.settings.api_key is not None:
         app.add_middleware(ApiKeyAuth, api_key=state.settings.api_key)
     _add_routes(app, state)
+    if batches is not None:
+        add_batch_routes(app, batches)
     return app
 
 
-def _lifespan(state: ServerState) -> Any:
+def _batch_service(state: ServerState) -> BatchService | None:
+    settings = state.settings
+    if settings.batch_store is None:
+        return None
+    store = BatchStore(Path(settings.batch_store), max_file_bytes=settings.max_batch_file_bytes)
+    return BatchService(state, store)
+
+
+def _lifespan(state: ServerState, batches: BatchService | None) -> Any:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         # The port opens at once: /health answers while the model loads, and requests wait for it.
         loader = asyncio.create_task(state.engine.start())
         try:
-            yield
+            if batches is None:
+                yield
+            else:
+                # Stopped before the engine: lines in flight then are run again by the next start.
+                async with batches.running():
+                    yield
         finally:
             loader.cancel()
             with contextlib.suppress(asyncio.CancelledError):

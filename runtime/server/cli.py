@@ -7,6 +7,7 @@ import sys
 from typing import Any
 
 import click
+from kvfleet.runtime.batch.store import DEFAULT_MAX_BATCH_FILE_BYTES
 from kvfleet.runtime.config import engine_config_from_options, engine_options
 from kvfleet.runtime.server.priorities import DEFAULT_TIER, TIER_NAMES, TIERS
 from kvfleet.runtime.server.state import (
@@ -36,9 +37,16 @@ def _api_key(ctx: click.Context, param: click.Parameter, value: str | None) -> s
     return value
 
 
+# Shared with `kvfleet run-batch`, which answers requests naming the model the same way.
+model_option = click.option("--model", required=True, help="Hugging Face model folder.")
+served_model_name_option = click.option(
+    "--served-model-name", default=None, help="Model name clients use; defaults to --model."
+)
+
+
 @click.command("serve")
-@click.option("--model", required=True, help="Hugging Face model folder to serve.")
-@click.option("--served-model-name", default=None, help="Model name clients use; defaults to --model.")
+@model_option
+@served_model_name_option
 @click.option("--host", default="0.0.0.0", show_default=True)
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
 @click.option(
@@ -149,6 +157,19 @@ def _api_key(ctx: click.Context, param: click.Parameter, value: str | None) -> s
     default=None,
     help="How calls are read from the output under tool_choice auto: hermes or llama3_json.",
 )
+@click.option(
+    "--batch-store",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="Folder of the Batch API's database and files; serves /v1/files and /v1/batches when given.",
+)
+@click.option(
+    "--max-batch-file-bytes",
+    type=click.IntRange(min=1),
+    default=DEFAULT_MAX_BATCH_FILE_BYTES,
+    show_default=True,
+    help="The largest batch input file an upload may bring.",
+)
 @click.option("--tensor-parallel-size", type=int, default=1, show_default=True, help="Only 1 is supported.")
 @click.option("--access-log/--no-access-log", default=False, show_default=True)
 @engine_options
@@ -173,6 +194,8 @@ def serve(
     api_server_count: int,
     enable_auto_tool_choice: bool,
     tool_call_parser: str | None,
+    batch_store: str | None,
+    max_batch_file_bytes: int,
     tensor_parallel_size: int,
     access_log: bool,
     **options: Any,
@@ -186,6 +209,10 @@ def serve(
         raise click.BadParameter(
             f"{default_priority!r} is more urgent than --max-priority-tier {max_priority_tier!r}",
             param_hint="--default-priority",
+        )
+    if batch_store is not None and api_server_count > 1:
+        raise click.BadParameter(
+            "the Batch API runs in a single API server process", param_hint="--api-server-count"
         )
     try:
         config = engine_config_from_options(model, options)
@@ -221,6 +248,8 @@ def serve(
         send_timeout=send_timeout,
         enable_auto_tool_choice=enable_auto_tool_choice,
         tool_call_parser=tool_call_parser,
+        batch_store=batch_store,
+        max_batch_file_bytes=max_batch_file_bytes,
     )
     options = ServeOptions(
         settings=settings,

@@ -97,6 +97,13 @@ class RequestTimeoutError(OpenAIError):
     error_type = "timeout_error"
 
 
+class ConflictError(OpenAIError):
+    """The object's state does not allow the operation (cancelling a finished batch, ...)."""
+
+    status_code = 409
+    error_type = "invalid_request_error"
+
+
 class PayloadTooLargeError(OpenAIError):
     status_code = 413
     error_type = "invalid_request_error"

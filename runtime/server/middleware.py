@@ -17,17 +17,21 @@ class BodySizeLimit:
     """Refuses bodies over the limit with 413: at once when Content-Length says so, otherwise as soon as
     the bytes received pass it, so an endless chunked upload cannot tie up memory."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, path_limits: dict[str, int] | None = None) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        # Paths with a limit of their own (file uploads).
+        self.path_limits = path_limits or {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        max_bytes = self.path_limits.get(scope["path"], self.max_bytes)
+        message = f"the request body is larger than the server's limit of {max_bytes} bytes"
         declared = dict(scope["headers"]).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            response = PayloadTooLargeError(self._message(), code="request_too_large").to_response()
+        if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+            response = PayloadTooLargeError(message, code="request_too_large").to_response()
             response.headers["Connection"] = "close"
             await response(scope, receive, send)
             return
@@ -35,17 +39,14 @@ class BodySizeLimit:
 
         async def counting_receive() -> Message:
             nonlocal received
-            message = await receive()
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > self.max_bytes:
-                    raise HTTPException(413, self._message())
-            return message
+            event = await receive()
+            if event["type"] == "http.request":
+                received += len(event.get("body", b""))
+                if received > max_bytes:
+                    raise HTTPException(413, message)
+            return event
 
         await self.app(scope, counting_receive, send)
-
-    def _message(self) -> str:
-        return f"the request body is larger than the server's limit of {self.max_bytes} bytes"
 
 
 class BodyReadTimeout:

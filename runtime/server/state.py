@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvfleet.runtime.batch.store import DEFAULT_MAX_BATCH_FILE_BYTES
 from kvfleet.runtime.engine.async_llm import AsyncLLM
 from kvfleet.runtime.metrics import ServerMetrics
 from kvfleet.runtime.server.priorities import DEFAULT_TIER, TIER_NAMES, TIERS
@@ -40,6 +41,9 @@ class ServerSettings:
     # tool_choice "auto": allowed, and the parser (a TOOL_CALL_PARSERS name) that reads calls from the output.
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
+    # The Batch API's folder (its database and files); None: no /v1/files or /v1/batches.
+    batch_store: str | None = None
+    max_batch_file_bytes: int = DEFAULT_MAX_BATCH_FILE_BYTES
 
 
 @dataclass

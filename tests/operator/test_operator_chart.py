@@ -95,6 +95,7 @@ def test_rbac_grants_what_the_operator_does_and_no_more() -> None:
         "Service": "",
         "PodDisruptionBudget": "policy",
         "ServiceMonitor": "monitoring.coreos.com",
+        "PersistentVolumeClaim": "",
     }
     for kind, plural in PLURALS.items():
         # Server-side apply creates through PATCH, which the server authorizes as create for new objects.

@@ -142,6 +142,18 @@ INVALID = {
         with_spec(engine={"extraArgs": ["--seed", "1", "--api-key", "k"]}),
         ".spec.engine.extraArgs[2]: Invalid value: engine.extraArgs must not pass --api-key",
     ),
+    "batch with several replicas": (
+        with_spec(batch={}),
+        "batch needs a single replica",
+    ),
+    "batch with fixed replicas": (
+        with_spec(batch={}, scaling={"replicas": 2}),
+        "batch needs a single replica",
+    ),
+    "batch storage unknown": (
+        with_spec(batch={"storage": "HostPath"}, scaling={"replicas": 1}),
+        "unsupported value 'HostPath'",
+    ),
     "api key flag with its value": (
         with_spec(engine={"extraArgs": ["--api-key=k"]}),
         ".spec.engine.extraArgs[0]: Invalid value: engine.extraArgs must not pass --api-key",
@@ -171,6 +183,9 @@ def test_invalid_objects_are_rejected(case: tuple[dict[str, Any], str], crd_vali
         "api key in env",
         "api key flag",
         "api key flag with its value",
+        "batch with several replicas",
+        "batch with fixed replicas",
+        "batch storage unknown",
     ],
 )
 def test_operator_rejects_what_the_schema_rejects(name: str) -> None:
@@ -203,3 +218,12 @@ def test_the_longest_name_is_admitted(crd_validator: Any) -> None:
         _, errors = crd_validator.admit(named(name))
         assert errors == [], name
         assert parse_spec(MINIMAL["spec"], name=name).model.served_name == name
+
+
+def test_batch_on_one_replica_is_admitted_with_its_defaults(crd_validator: Any) -> None:
+    for scaling in ({"replicas": 1}, {"maxReplicas": 1}, {"replicas": 0}):
+        obj = with_spec(batch={}, scaling=scaling)
+        defaulted, errors = crd_validator.admit(obj)
+        assert errors == []
+        assert defaulted["spec"]["batch"] == {"storage": "PersistentVolumeClaim"}
+        assert parse_spec(defaulted["spec"], name="m") == parse_spec(obj["spec"], name="m")

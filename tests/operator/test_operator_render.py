@@ -54,26 +54,34 @@ def test_rendering_is_deterministic(example_path: Path) -> None:
 
 
 def test_every_child_is_owned_and_labelled(example_path: Path) -> None:
-    _, children = render_example(example_path)
-    assert [c["kind"] for c in children] == ["Deployment", "Service", "PodDisruptionBudget", "ServiceMonitor"]
+    spec, children = render_example(example_path)
+    kinds = ["Deployment", "Service", "PodDisruptionBudget", "ServiceMonitor"]
+    if spec.batch is not None and spec.batch.storage == "PersistentVolumeClaim":
+        kinds.insert(0, "PersistentVolumeClaim")
+    assert [c["kind"] for c in children] == kinds
+    name = load_service(example_path)["metadata"]["name"]
     for child in children:
         (owner,) = child["metadata"]["ownerReferences"]
         assert owner == {
             "apiVersion": API_VERSION,
             "kind": KIND,
-            "name": child["metadata"]["name"],
+            "name": name,
             "uid": UID,
             "controller": True,
             "blockOwnerDeletion": True,
         }
         assert child["metadata"]["namespace"] == "serving"
-        assert child["metadata"]["labels"][SERVICE_LABEL] == child["metadata"]["name"]
+        assert child["metadata"]["labels"][SERVICE_LABEL] == name
 
 
 def test_deployment_never_drops_capacity_and_drains(example_path: Path) -> None:
     spec, children = render_example(example_path)
     deployment = next(c for c in children if c["kind"] == "Deployment")
-    assert deployment["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
+    if spec.batch is not None:
+        # The Batch API's single replica: its store has one writer, even during a rollout.
+        assert deployment["spec"]["strategy"] == {"type": "Recreate"}
+    else:
+        assert deployment["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
     pod = deployment["spec"]["template"]["spec"]
     container = pod["containers"][0]
     drain = spec.engine.drain_timeout_seconds
@@ -237,3 +245,56 @@ def test_the_api_key_secret_comes_after_every_user_variable() -> None:
             "name": API_KEY_ENV,
             "valueFrom": {"secretKeyRef": {"name": "svc-key", "key": API_KEY_ENV}},
         }
+
+
+def test_batch_api_store_is_a_claim_mounted_and_passed_to_the_runtime() -> None:
+    _, children = render_example(GOLDEN.parent.parent.parent / "examples" / "batch-api.yaml", replicas=1)
+    claim = children[0]
+    assert claim["kind"] == "PersistentVolumeClaim"
+    assert claim["metadata"]["name"] == "batch-api-demo-batch"
+    assert claim["spec"] == {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "50Gi"}}}
+    pod = next(c for c in children if c["kind"] == "Deployment")["spec"]["template"]["spec"]
+    (volume,) = [v for v in pod["volumes"] if v["name"] == "batch"]
+    assert volume == {"name": "batch", "persistentVolumeClaim": {"claimName": "batch-api-demo-batch"}}
+    container = runtime_container(children)
+    (mount,) = [m for m in container["volumeMounts"] if m["name"] == "batch"]
+    args = container["args"]
+    assert args[args.index("--batch-store") + 1] == mount["mountPath"]
+    assert args[args.index("--max-batch-file-bytes") + 1] == "209715200"
+
+
+@pytest.mark.parametrize(
+    ("batch", "volume", "claim"),
+    [
+        ({}, {"persistentVolumeClaim": {"claimName": "svc-batch"}}, {"storage": "10Gi"}),
+        (
+            {"storageClassName": "fast", "size": "1Ti"},
+            {"persistentVolumeClaim": {"claimName": "svc-batch"}},
+            {"storage": "1Ti", "storageClassName": "fast"},
+        ),
+        ({"storage": "EmptyDir"}, {"emptyDir": {}}, None),
+        ({"storage": "EmptyDir", "size": "5Gi"}, {"emptyDir": {"sizeLimit": "5Gi"}}, None),
+    ],
+)
+def test_batch_store_volume(
+    batch: dict[str, Any], volume: dict[str, Any], claim: dict[str, str] | None
+) -> None:
+    raw = {"model": {"uri": "file:///m"}, "scaling": {"replicas": 1}, "batch": batch}
+    spec = parse_spec(raw, name="svc")
+    children = render_children(Owner("svc", "serving", UID), spec, 1, OPTIONS)
+    claims = [c for c in children if c["kind"] == "PersistentVolumeClaim"]
+    if claim is None:
+        assert claims == []
+    else:
+        (rendered,) = claims
+        assert rendered["spec"]["resources"]["requests"]["storage"] == claim["storage"]
+        assert rendered["spec"].get("storageClassName") == claim.get("storageClassName")
+    pod = next(c for c in children if c["kind"] == "Deployment")["spec"]["template"]["spec"]
+    assert {"name": "batch", **volume} in pod["volumes"]
+    assert "--max-batch-file-bytes" not in runtime_args(spec)
+
+
+def test_services_without_batch_get_no_batch_api() -> None:
+    spec = parse_spec({"model": {"uri": "file:///m"}}, name="svc")
+    assert spec.batch is None
+    assert "--batch-store" not in runtime_args(spec)

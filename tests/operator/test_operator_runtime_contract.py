@@ -71,7 +71,7 @@ def test_rendered_command_runs_the_real_runtime(make_model: Callable[..., Path],
     raw_spec.setdefault("engine", {})["apiKeySecret"] = "tiny-api-key"
     spec = parse_spec(raw_spec, name="tiny")
     args = runtime_args(spec)
-    (container,) = pod_template(spec, {}, "kvfleet/runtime")["spec"]["containers"]
+    (container,) = pod_template(spec, {}, "kvfleet/runtime", "m")["spec"]["containers"]
     (api_key,) = [entry for entry in container["env"] if "valueFrom" in entry]
     secret_ref = {"name": "tiny-api-key", "key": API_KEY_ENV}
     assert api_key == {"name": API_KEY_ENV, "valueFrom": {"secretKeyRef": secret_ref}}
@@ -107,3 +107,21 @@ def test_rendered_command_runs_the_real_runtime(make_model: Callable[..., Path],
             process.kill()
             process.wait()
         log.close()
+
+
+# Parses a command line as `kvfleet serve` does, without starting it.
+_PARSE_SERVE_ARGS = (
+    "import sys; from kvfleet.runtime.server.cli import serve; serve.make_context('serve', sys.argv[1:])"
+)
+
+
+def test_rendered_batch_api_flags_are_runtime_options(tmp_path: Path) -> None:
+    raw_spec = yaml.safe_load(EXAMPLE.read_text())["spec"]
+    raw_spec["batch"] = {"storage": "EmptyDir", "maxFileBytes": 1 << 20}
+    raw_spec["scaling"] = {"replicas": 1}
+    args = runtime_args(parse_spec(raw_spec, name="tiny"))
+    assert "--batch-store" in args and "--max-batch-file-bytes" in args
+    result = subprocess.run(
+        [sys.executable, "-P", "-c", _PARSE_SERVE_ARGS, *args], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr

@@ -50,6 +50,10 @@ app.kubernetes.io/component: operator
 - apiGroups: [""]
   resources: ["services"]
   verbs: ["create", "patch"]
+# The Batch API's store (spec.batch).
+- apiGroups: [""]
+  resources: ["persistentvolumeclaims"]
+  verbs: ["create", "patch"]
 - apiGroups: ["policy"]
   resources: ["poddisruptionbudgets"]
   verbs: ["create", "patch"]

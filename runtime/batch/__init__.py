@@ -1,0 +1,1 @@
+"""Batch inference: OpenAI batch files run offline (`kvfleet run-batch`) or through the Batch API."""
