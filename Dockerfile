@@ -11,6 +11,7 @@ COPY pyproject.toml setup.py README.md ./
 COPY kvfleet kvfleet
 COPY runtime runtime
 COPY operator operator
+COPY gateway gateway
 # -P: the source tree's operator/ must not shadow the standard library's operator module.
 RUN python -P -m pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
 

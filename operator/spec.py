@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, cast
 
+from kvfleet.gateway.routing import POLICY_NAMES, PolicyName
 from kvfleet.operator.api import API_KEY_ENV, API_KEY_FLAG
 from kvfleet.operator.model_uri import ModelSource, ModelURIError, parse_model_uri
 from kvfleet.operator.tiers import TIER_NAMES, TierName
@@ -112,12 +113,22 @@ class SlaSpec:
 
 
 @dataclass(frozen=True)
+class RoutingSpec:
+    """How the fleet gateway spreads the service's requests; unset fields take the gateway's defaults."""
+
+    policy: PolicyName | None = None
+    prefix_characters: int | None = None
+    load_bound_percent: int | None = None
+
+
+@dataclass(frozen=True)
 class InferenceServiceSpec:
     model: ModelSpec
     engine: EngineSpec
     resources: ResourcesSpec
     scaling: ScalingSpec
     sla: SlaSpec
+    routing: RoutingSpec = RoutingSpec()
 
 
 def parse_spec(spec: Mapping[str, Any], *, name: str) -> InferenceServiceSpec:
@@ -137,6 +148,7 @@ def parse_spec(spec: Mapping[str, Any], *, name: str) -> InferenceServiceSpec:
         resources=_parse_resources(root.section("resources"), engine.tensor_parallel_size),
         scaling=_parse_scaling(root.section("scaling")),
         sla=_parse_sla(root.section("sla")),
+        routing=_parse_routing(root.section("routing")),
     )
 
 
@@ -259,6 +271,14 @@ def _parse_sla(section: _Section) -> SlaSpec:
     return SlaSpec(
         tier=cast(TierName, tier),
         ttft_target_milliseconds=section.integer("ttftTargetMilliseconds", minimum=1),
+    )
+
+
+def _parse_routing(section: _Section) -> RoutingSpec:
+    return RoutingSpec(
+        policy=cast(PolicyName | None, section.choice("policy", POLICY_NAMES)),
+        prefix_characters=section.integer("prefixCharacters", minimum=1),
+        load_bound_percent=section.integer("loadBoundPercent", minimum=100),
     )
 
 

@@ -104,6 +104,8 @@ INVALID = {
     "replicas as string": (with_spec(scaling={"maxReplicas": "4"}), ".spec.scaling.maxReplicas: wrong type"),
     "prefix caching as string": (with_spec(engine={"enablePrefixCaching": "yes"}), "wrong type"),
     "zero min replicas": (with_spec(scaling={"minReplicas": 0}), "greater than or equal to 1"),
+    "unknown routing policy": (with_spec(routing={"policy": "random"}), "unsupported value 'random'"),
+    "load bound under 100": (with_spec(routing={"loadBoundPercent": 99}), "greater than or equal to 100"),
     "negative replicas": (with_spec(scaling={"replicas": -1}), "greater than or equal to 0"),
     "block size not allowed": (with_spec(engine={"blockSize": 12}), "unsupported value 12"),
     "bad dtype": (with_spec(engine={"dtype": "int4"}), "unsupported value 'int4'"),
@@ -162,6 +164,8 @@ def test_invalid_objects_are_rejected(case: tuple[dict[str, Any], str], crd_vali
     [
         "min over max",
         "unknown tier",
+        "unknown routing policy",
+        "load bound under 100",
         "gpus as string",
         "hf without name",
         "fewer gpus than tp",
@@ -178,6 +182,20 @@ def test_operator_rejects_what_the_schema_rejects(name: str) -> None:
     obj, _ = INVALID[name]
     with pytest.raises(SpecError):
         parse_spec(obj["spec"], name=obj["metadata"]["name"])
+
+
+def test_routing_is_admitted_and_read_as_written(crd_validator: Any) -> None:
+    routing = {"policy": "prefix-hash", "prefixCharacters": 512, "loadBoundPercent": 150}
+    defaulted, errors = crd_validator.admit(with_spec(routing=routing))
+    assert errors == []
+    spec = parse_spec(defaulted["spec"], name="m")
+    assert (spec.routing.policy, spec.routing.prefix_characters, spec.routing.load_bound_percent) == (
+        "prefix-hash",
+        512,
+        150,
+    )
+    plain, _ = crd_validator.admit(MINIMAL)
+    assert "routing" not in plain["spec"], "unset routing takes the gateway's defaults"
 
 
 def test_fixed_replicas_may_be_zero(crd_validator: Any) -> None:
