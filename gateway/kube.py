@@ -67,7 +67,7 @@ def model_configs(
             )
             continue
         owners[served] = key
-        routing = spec.routing
+        routing, scaling = spec.routing, spec.scaling
         models[served] = dataclasses.replace(
             defaults,
             name=served,
@@ -78,6 +78,7 @@ def model_configs(
             if routing.load_bound_percent
             else defaults.load_bound,
             max_in_flight=spec.engine.max_num_seqs or defaults.max_in_flight,
+            hold_seconds=float(scaling.activation_timeout_seconds or defaults.hold_seconds),
             default_priority=TIERS[spec.sla.tier],
         )
     return models

@@ -95,6 +95,10 @@ class ScalingSpec:
     max_scale_up_step: int = 4
     max_scale_down_step: int = 1
     metrics_interval_seconds: int = 2
+    # With min_replicas 0: idle this long (nothing running, waiting or held by the gateway), it goes to 0.
+    scale_to_zero_after_seconds: int = 300
+    # How long the gateway holds a request for a service with no ready replica; None: the gateway's default.
+    activation_timeout_seconds: int | None = None
 
     @property
     def autoscaling(self) -> bool:
@@ -244,7 +248,7 @@ def _parse_scaling(section: _Section) -> ScalingSpec:
     integer = section.required_integer
     scaling = ScalingSpec(
         replicas=section.integer("replicas", minimum=0),
-        min_replicas=integer("minReplicas", defaults.min_replicas, 1),
+        min_replicas=integer("minReplicas", defaults.min_replicas, 0),
         max_replicas=integer("maxReplicas", defaults.max_replicas, 1),
         target_queue_depth=integer("targetQueueDepth", defaults.target_queue_depth, 1),
         stable_window_seconds=integer("stableWindowSeconds", defaults.stable_window_seconds, 1),
@@ -254,6 +258,10 @@ def _parse_scaling(section: _Section) -> ScalingSpec:
         max_scale_up_step=integer("maxScaleUpStep", defaults.max_scale_up_step, 1),
         max_scale_down_step=integer("maxScaleDownStep", defaults.max_scale_down_step, 1),
         metrics_interval_seconds=integer("metricsIntervalSeconds", defaults.metrics_interval_seconds, 1),
+        scale_to_zero_after_seconds=integer(
+            "scaleToZeroAfterSeconds", defaults.scale_to_zero_after_seconds, 0
+        ),
+        activation_timeout_seconds=section.integer("activationTimeoutSeconds", minimum=1),
     )
     if scaling.min_replicas > scaling.max_replicas:
         raise SpecError(
