@@ -42,7 +42,12 @@ def endpoint_slice(
 def test_ready_endpoints_of_each_service_become_its_models_replicas() -> None:
     services = [
         service("chat", model={"uri": "hf://org/model", "servedName": "llama"}, engine={"maxNumSeqs": 8}),
-        service("batchy", sla={"tier": "batch"}, routing={"policy": "prefix-hash", "loadBoundPercent": 150}),
+        service(
+            "batchy",
+            sla={"tier": "batch"},
+            routing={"policy": "prefix-hash", "loadBoundPercent": 150},
+            scaling={"minReplicas": 0, "activationTimeoutSeconds": 240},
+        ),
     ]
     slices = [
         endpoint_slice(
@@ -60,8 +65,10 @@ def test_ready_endpoints_of_each_service_become_its_models_replicas() -> None:
     llama = models["llama"]
     assert llama.endpoints == ("http://10.0.0.1:8000", "http://10.0.0.4:8000")
     assert (llama.policy, llama.max_in_flight, llama.default_priority) == ("least-request", 8, 2)
+    assert llama.hold_seconds == DEFAULTS.hold_seconds
     batchy = models["batchy"]
     assert batchy.endpoints == ("http://[fd00::5]:8000",)
+    assert batchy.hold_seconds == 240, "a model at zero is held as long as its service allows"
     assert (batchy.policy, batchy.load_bound, batchy.max_in_flight, batchy.default_priority) == (
         "prefix-hash",
         1.5,
