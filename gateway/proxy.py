@@ -38,6 +38,8 @@ DEFAULT_MAX_ATTEMPTS = 3
 # The request line and each header line at most, and how many headers; past them aiohttp answers 400/431.
 MAX_HEADER_BYTES = 16 * 1024
 MAX_HEADERS = 100
+# A body of known length up to this size is read whole and sent in one write; larger ones and SSE stream.
+WHOLE_BODY_BYTES = 256 * 1024
 CONNECT_TIMEOUT_S = 5.0
 # Headers that describe one hop, not the message (RFC 9110 section 7.6.1), and the ones aiohttp sets itself.
 _HOP_BY_HOP = frozenset(
@@ -210,14 +212,24 @@ class Gateway:
 
 
 async def _relay(request: web.Request, upstream: aiohttp.ClientResponse, model: str) -> web.StreamResponse:
-    """Streams the replica's response to the client as it arrives."""
-    response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
-    for name, value in upstream.headers.items():
-        if name.lower() not in _HOP_BY_HOP:
-            response.headers.add(name, value)
-    if upstream.content_length is not None:
-        response.content_length = upstream.content_length
+    """The replica's response, streamed to the client as it arrives; a small whole body (a non-streamed
+    completion, which a replica sends only once it is done) goes out in one piece."""
+    headers = [(name, value) for name, value in upstream.headers.items() if name.lower() not in _HOP_BY_HOP]
     event_stream = upstream.content_type == "text/event-stream"
+    length = upstream.content_length
+    if not event_stream and length is not None and length <= WHOLE_BODY_BYTES:
+        try:
+            body = await upstream.read()
+        except aiohttp.ClientError as error:
+            raise UnavailableError(
+                f"the replica serving model {model!r} failed mid-response: {error}",
+                code="upstream_failed",
+                retry_after=RETRY_AFTER_UNAVAILABLE_S,
+            ) from None
+        return web.Response(status=upstream.status, reason=upstream.reason, body=body, headers=headers)
+    response = web.StreamResponse(status=upstream.status, reason=upstream.reason, headers=headers)
+    if length is not None:
+        response.content_length = length
     await response.prepare(request)
     try:
         async for chunk in upstream.content.iter_any():
