@@ -17,16 +17,14 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from kvfleet.gateway.discovery import ModelConfig
-from kvfleet.gateway.errors import (
-    RETRY_AFTER_OVERLOADED_S,
-    RETRY_AFTER_UNAVAILABLE_S,
-    GatewayError,
-    NotFoundError,
-    OverloadedError,
-    UnavailableError,
-)
 from kvfleet.gateway.metrics import GatewayMetrics
 from kvfleet.gateway.routing import Policy, Replica, make_policy
+from kvfleet.runtime.server.openai_errors import (
+    NotFoundError,
+    OpenAIError,
+    OverloadedError,
+    ServiceUnavailableError,
+)
 from kvfleet.runtime.server.priorities import tier_of
 
 DEFAULT_MAX_QUEUE = 1024
@@ -142,14 +140,12 @@ class ModelPool:
                     f"the queue of model {self.config.name!r} is full ({self.max_queue} requests), "
                     "none of them less urgent than this one",
                     code="queue_full",
-                    retry_after=RETRY_AFTER_OVERLOADED_S,
                 )
             self.metrics.rejected.labels(self.config.name, "shed", tier_of(victim.priority)).inc()
             victim.future.set_exception(
                 OverloadedError(
                     f"shed from the full queue of model {self.config.name!r} for a more urgent request",
                     code="shed",
-                    retry_after=RETRY_AFTER_OVERLOADED_S,
                 )
             )
             self._set_waiting(self._waiting - 1)
@@ -184,14 +180,13 @@ class ModelPool:
             self._heap = [waiter for waiter in self._heap if not waiter.future.done()]
             heapq.heapify(self._heap)
 
-    def _timed_out(self, priority: int, tried: frozenset[str], deadline_binding: bool) -> GatewayError:
+    def _timed_out(self, priority: int, tried: frozenset[str], deadline_binding: bool) -> OpenAIError:
         name, tier = self.config.name, tier_of(priority)
         if not self._usable(tried) and all(replica.url in tried for replica in self.replicas):
             self.metrics.rejected.labels(name, "unavailable", tier).inc()
-            return UnavailableError(
+            return ServiceUnavailableError(
                 f"no replica of model {name!r} could serve the request within {self.config.hold_seconds:g} s",
                 code="no_ready_replica",
-                retry_after=RETRY_AFTER_UNAVAILABLE_S,
             )
         reason = "deadline" if deadline_binding else "hold_time"
         self.metrics.rejected.labels(name, reason, tier).inc()
@@ -203,7 +198,6 @@ class ModelPool:
         return OverloadedError(
             f"{message} while every replica of model {name!r} was busy",
             code="deadline_exceeded" if deadline_binding else "queue_timeout",
-            retry_after=RETRY_AFTER_OVERLOADED_S,
         )
 
     def _set_waiting(self, count: int) -> None:

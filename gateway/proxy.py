@@ -19,16 +19,15 @@ from collections.abc import AsyncIterator, Mapping
 import aiohttp
 from aiohttp import web
 from kvfleet.gateway.discovery import Discovery
-from kvfleet.gateway.errors import (
-    RETRY_AFTER_UNAVAILABLE_S,
-    GatewayError,
-    NotFoundError,
-    PayloadTooLargeError,
-    UnavailableError,
-)
 from kvfleet.gateway.flow import DEFAULT_MAX_QUEUE, Fleet, ModelPool
 from kvfleet.gateway.metrics import GatewayMetrics
 from kvfleet.gateway.requests import CHAT_PATH, COMPLETIONS_PATH, RoutedRequest, parse_request
+from kvfleet.runtime.server.openai_errors import (
+    NotFoundError,
+    OpenAIError,
+    PayloadTooLargeError,
+    ServiceUnavailableError,
+)
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 logger = logging.getLogger(__name__)
@@ -142,7 +141,8 @@ class Gateway:
                 body = await request.read()
             except web.HTTPRequestEntityTooLarge:
                 raise PayloadTooLargeError(
-                    f"the request body is larger than the gateway's limit of {self.max_body_bytes} bytes"
+                    f"the request body is larger than the gateway's limit of {self.max_body_bytes} bytes",
+                    code="request_too_large",
                 ) from None
             routed = parse_request(request.path, body, request.headers)
             pool = self.fleet.pools.get(routed.model)
@@ -152,9 +152,9 @@ class Gateway:
                 )
             model_label = routed.model
             response = await self._forward(request, body, routed, pool)
-        except GatewayError as error:
-            self.metrics.requests.labels(model_label, str(error.status)).inc()
-            return error.response()
+        except OpenAIError as error:
+            self.metrics.requests.labels(model_label, str(error.status_code)).inc()
+            return _error_response(error)
         self.metrics.requests.labels(model_label, str(response.status)).inc()
         return response
 
@@ -204,10 +204,9 @@ class Gateway:
                 else:
                     upstream.close()
                 pool.release(replica)
-        raise UnavailableError(
+        raise ServiceUnavailableError(
             f"every replica of model {model!r} tried ({self.max_attempts} attempts) failed before answering",
             code="upstream_unavailable",
-            retry_after=RETRY_AFTER_UNAVAILABLE_S,
         )
 
 
@@ -221,10 +220,9 @@ async def _relay(request: web.Request, upstream: aiohttp.ClientResponse, model: 
         try:
             body = await upstream.read()
         except aiohttp.ClientError as error:
-            raise UnavailableError(
+            raise ServiceUnavailableError(
                 f"the replica serving model {model!r} failed mid-response: {error}",
                 code="upstream_failed",
-                retry_after=RETRY_AFTER_UNAVAILABLE_S,
             ) from None
         return web.Response(status=upstream.status, reason=upstream.reason, body=body, headers=headers)
     response = web.StreamResponse(status=upstream.status, reason=upstream.reason, headers=headers)
@@ -242,12 +240,18 @@ async def _relay(request: web.Request, upstream: aiohttp.ClientResponse, model: 
                 request.transport.close()
             return response
         await response.write(
-            UnavailableError(
+            ServiceUnavailableError(
                 f"the replica serving model {model!r} failed mid-stream", code="upstream_failed"
-            ).sse_event()
+            )
+            .to_sse()
+            .encode()
         )
     await response.write_eof()
     return response
+
+
+def _error_response(error: OpenAIError) -> web.Response:
+    return web.json_response(error.body(), status=error.status_code, headers=error.headers)
 
 
 def _forward_headers(headers: Mapping[str, str]) -> list[tuple[str, str]]:

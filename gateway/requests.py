@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvfleet.gateway.errors import BadRequestError
+from kvfleet.runtime.server.openai_errors import BadRequestError
 from kvfleet.runtime.server.priorities import PRIORITY_HEADER, parse_priority
 
 # The relative deadline a client may give: milliseconds the request may wait in the gateway for a replica.
