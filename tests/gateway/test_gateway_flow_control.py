@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 import aiohttp
@@ -39,14 +41,24 @@ async def queue(gateway: Gateway, url: str, tag: str, tier: str | None, **header
     return task
 
 
+@asynccontextmanager
+async def one_busy_replica(
+    **options: Any,
+) -> AsyncIterator[tuple[Gateway, str, FakeReplica, asyncio.Task[Any]]]:
+    """A gateway in front of one replica that takes one request at a time and holds the request "first"
+    until the test releases it: (gateway, its URL, the replica, the request in flight)."""
+    async with (
+        replicas(FakeReplica("r", gated=True)) as (replica,),
+        running_gateway({"m": model("m", replica, max_in_flight=1)}, **options) as (gateway, _, url),
+    ):
+        busy = asyncio.create_task(post(url, "first", None))
+        await wait_until(lambda: len(replica.received) == 1)
+        yield gateway, url, replica, busy
+
+
 def test_queued_requests_go_out_by_tier_then_in_arrival_order() -> None:
     async def scenario() -> None:
-        async with (
-            replicas(FakeReplica("r", gated=True)) as (replica,),
-            running_gateway({"m": model("m", replica, max_in_flight=1)}) as (gateway, _, url),
-        ):
-            busy = asyncio.create_task(post(url, "first", None))
-            await wait_until(lambda: len(replica.received) == 1)
+        async with one_busy_replica() as (gateway, url, replica, busy):
             order = [
                 ("b1", "batch"),
                 ("s1", "standard"),
@@ -67,27 +79,23 @@ def test_queued_requests_go_out_by_tier_then_in_arrival_order() -> None:
 
 def test_a_full_queue_sheds_its_lowest_tier_first_and_refuses_with_429() -> None:
     async def scenario() -> None:
-        async with replicas(FakeReplica("r", gated=True)) as (replica,):
-            config = {"m": model("m", replica, max_in_flight=1)}
-            async with running_gateway(config, max_queue=2) as (gateway, _, url):
-                busy = asyncio.create_task(post(url, "first", None))
-                await wait_until(lambda: len(replica.received) == 1)
-                batch = await queue(gateway, url, "b1", "batch")
-                standard = await queue(gateway, url, "s1", "standard")
-                # Full: a critical arrival takes the batch request's place.
-                critical = asyncio.create_task(post(url, "c1", "critical"))
-                status, body, retry_after = await asyncio.wait_for(batch, WAIT_S)
-                assert (status, body["error"]["code"]) == (429, "shed") and int(retry_after) > 0
-                # Still full, with nothing less urgent than a new standard request: refused at once.
-                status, body, retry_after = await post(url, "s2", "standard")
-                assert (status, body["error"]["code"]) == (429, "queue_full") and int(retry_after) > 0
-                for _ in range(3):
-                    replica.permits.release()
-                results = await asyncio.wait_for(asyncio.gather(busy, standard, critical), WAIT_S)
-                assert [status for status, _, _ in results] == [200, 200, 200]
-                assert tags(replica) == ["first", "c1", "s1"]
-                async with aiohttp.ClientSession() as session, session.get(f"{url}/metrics") as answer:
-                    metrics = await answer.text()
+        async with one_busy_replica(max_queue=2) as (gateway, url, replica, busy):
+            batch = await queue(gateway, url, "b1", "batch")
+            standard = await queue(gateway, url, "s1", "standard")
+            # Full: a critical arrival takes the batch request's place.
+            critical = asyncio.create_task(post(url, "c1", "critical"))
+            status, body, retry_after = await asyncio.wait_for(batch, WAIT_S)
+            assert (status, body["error"]["code"]) == (429, "shed") and int(retry_after) > 0
+            # Still full, with nothing less urgent than a new standard request: refused at once.
+            status, body, retry_after = await post(url, "s2", "standard")
+            assert (status, body["error"]["code"]) == (429, "queue_full") and int(retry_after) > 0
+            for _ in range(3):
+                replica.permits.release()
+            results = await asyncio.wait_for(asyncio.gather(busy, standard, critical), WAIT_S)
+            assert [status for status, _, _ in results] == [200, 200, 200]
+            assert tags(replica) == ["first", "c1", "s1"]
+            async with aiohttp.ClientSession() as session, session.get(f"{url}/metrics") as answer:
+                metrics = await answer.text()
         assert 'kvfleet_gateway_rejected_total{model="m",reason="shed",tier="batch"} 1.0' in metrics
         assert 'kvfleet_gateway_rejected_total{model="m",reason="queue_full",tier="standard"} 1.0' in metrics
 
@@ -96,12 +104,7 @@ def test_a_full_queue_sheds_its_lowest_tier_first_and_refuses_with_429() -> None
 
 def test_a_request_past_its_deadline_in_the_queue_gets_429() -> None:
     async def scenario() -> None:
-        async with (
-            replicas(FakeReplica("r", gated=True)) as (replica,),
-            running_gateway({"m": model("m", replica, max_in_flight=1)}) as (gateway, _, url),
-        ):
-            busy = asyncio.create_task(post(url, "first", None))
-            await wait_until(lambda: len(replica.received) == 1)
+        async with one_busy_replica() as (gateway, url, replica, busy):
             status, body, retry_after = await post(url, "late", None, **{"x-kvfleet-deadline-ms": "50"})
             assert (status, body["error"]["code"]) == (429, "deadline_exceeded") and int(retry_after) > 0
             assert gateway.fleet.pools["m"].queue_depth == 0
@@ -114,12 +117,7 @@ def test_a_request_past_its_deadline_in_the_queue_gets_429() -> None:
 
 def test_a_client_that_leaves_the_queue_frees_its_place() -> None:
     async def scenario() -> None:
-        async with (
-            replicas(FakeReplica("r", gated=True)) as (replica,),
-            running_gateway({"m": model("m", replica, max_in_flight=1)}) as (gateway, _, url),
-        ):
-            busy = asyncio.create_task(post(url, "first", None))
-            await wait_until(lambda: len(replica.received) == 1)
+        async with one_busy_replica() as (gateway, url, replica, busy):
             leaving = await queue(gateway, url, "gone", "critical")
             staying = await queue(gateway, url, "kept", "batch")
             leaving.cancel()
