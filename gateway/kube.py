@@ -132,7 +132,8 @@ class KubernetesDiscovery:
         watches = [_Watch(*resource, namespace) for resource in resources for namespace in self._namespaces]
 
         def notify() -> None:
-            loop.call_soon_threadsafe(changed.set)
+            if not stop.is_set():  # once stopped, the loop may be gone
+                loop.call_soon_threadsafe(changed.set)
 
         for watched in watches:
             thread = threading.Thread(
@@ -166,10 +167,11 @@ class KubernetesDiscovery:
             scope = {"namespace": watched.namespace}
         if watched.label_selector:
             scope["label_selector"] = watched.label_selector
-        resource = (watched.group, watched.version, watched.plural)
+        # By keyword: the namespaced call takes the namespace between the version and the plural.
+        scope.update(group=watched.group, version=watched.version, plural=watched.plural)
         while not stop.is_set():
             try:
-                listing = list_call(*resource, **scope)
+                listing = list_call(**scope)
                 fresh = {_key(item): item for item in listing.get("items", [])}
                 with lock:
                     watched.store.clear()
@@ -180,7 +182,6 @@ class KubernetesDiscovery:
                 while not stop.is_set():
                     stream = watch.Watch().stream(
                         list_call,
-                        *resource,
                         **scope,
                         resource_version=version_seen,
                         timeout_seconds=WATCH_SECONDS,
