@@ -52,10 +52,6 @@ class ModelPool:
         self._waiting = 0
         self._sequence = itertools.count()
 
-    @property
-    def queue_depth(self) -> int:
-        return self._waiting
-
     def reconfigure(self, config: ModelConfig) -> None:
         """New endpoints or settings; replicas that stay keep their in-flight counts."""
         known = {replica.url: replica for replica in self.replicas}

@@ -70,14 +70,12 @@ class Gateway:
         max_queue: int = DEFAULT_MAX_QUEUE,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
         max_attempts: int = DEFAULT_MAX_ATTEMPTS,
-        connections_per_replica: int = 0,
     ) -> None:
         self.discovery = discovery
         self.metrics = GatewayMetrics()
         self.fleet = Fleet(max_queue, self.metrics)
         self.max_attempts = max_attempts
         self.max_body_bytes = max_body_bytes
-        self.connections_per_replica = connections_per_replica
         self.session: aiohttp.ClientSession | None = None
         self.app = web.Application(client_max_size=max_body_bytes)
         self.app.router.add_post(CHAT_PATH, self.completion)
@@ -102,10 +100,10 @@ class Gateway:
         return runner
 
     async def _lifetime(self, app: web.Application) -> AsyncIterator[None]:
-        connector = aiohttp.TCPConnector(limit=0, limit_per_host=self.connections_per_replica)
-        # Bodies pass through as the replica encoded them.
+        # No connection limit of its own: the in-flight cap per replica bounds the connections. Bodies pass
+        # through as the replica encoded them.
         self.session = aiohttp.ClientSession(
-            connector=connector,
+            connector=aiohttp.TCPConnector(limit=0),
             auto_decompress=False,
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT_S),
         )

@@ -166,6 +166,12 @@ async def wait_until(condition: Any) -> None:
         await asyncio.sleep(0.01)
 
 
+def queued(gateway: Gateway, model_name: str) -> float:
+    """The requests the gateway holds for a model, as its /metrics page reports them."""
+    value = gateway.metrics.registry.get_sample_value("kvfleet_gateway_queue_depth", {"model": model_name})
+    return 0.0 if value is None else value
+
+
 def model(name: str, *replicas: FakeReplica | str, **settings: Any) -> ModelConfig:
     urls = tuple(replica if isinstance(replica, str) else replica.url for replica in replicas)
     return ModelConfig(name=name, endpoints=urls, **settings)

@@ -8,7 +8,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import aiohttp
-from gateway_harness import WAIT_S, FakeReplica, model, replicas, running_gateway, wait_until
+from gateway_harness import WAIT_S, FakeReplica, model, queued, replicas, running_gateway, wait_until
 from kvfleet.gateway.proxy import Gateway
 
 CHAT = [{"role": "user", "content": "hello"}]
@@ -34,10 +34,9 @@ def tags(replica: FakeReplica) -> list[str]:
 
 async def queue(gateway: Gateway, url: str, tag: str, tier: str | None, **headers: str) -> asyncio.Task[Any]:
     """Sends a request and returns once it waits in the model's queue."""
-    pool = gateway.fleet.pools["m"]
-    before = pool.queue_depth
+    before = queued(gateway, "m")
     task = asyncio.create_task(post(url, tag, tier, **headers))
-    await wait_until(lambda: pool.queue_depth == before + 1 or task.done())
+    await wait_until(lambda: queued(gateway, "m") == before + 1 or task.done())
     return task
 
 
@@ -107,7 +106,7 @@ def test_a_request_past_its_deadline_in_the_queue_gets_429() -> None:
         async with one_busy_replica() as (gateway, url, replica, busy):
             status, body, retry_after = await post(url, "late", None, **{"x-kvfleet-deadline-ms": "50"})
             assert (status, body["error"]["code"]) == (429, "deadline_exceeded") and int(retry_after) > 0
-            assert gateway.fleet.pools["m"].queue_depth == 0
+            assert queued(gateway, "m") == 0
             replica.permits.release()
             assert (await asyncio.wait_for(busy, WAIT_S))[0] == 200
             assert tags(replica) == ["first"]
@@ -121,7 +120,7 @@ def test_a_client_that_leaves_the_queue_frees_its_place() -> None:
             leaving = await queue(gateway, url, "gone", "critical")
             staying = await queue(gateway, url, "kept", "batch")
             leaving.cancel()
-            await wait_until(lambda: gateway.fleet.pools["m"].queue_depth == 1)
+            await wait_until(lambda: queued(gateway, "m") == 1)
             replica.permits.release()
             replica.permits.release()
             results = await asyncio.wait_for(asyncio.gather(busy, staying), WAIT_S)

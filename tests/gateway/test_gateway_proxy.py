@@ -10,7 +10,7 @@ from typing import Any
 import aiohttp
 import openai
 import pytest
-from gateway_harness import WAIT_S, FakeReplica, model, replicas, running_gateway, wait_until
+from gateway_harness import WAIT_S, FakeReplica, model, queued, replicas, running_gateway, wait_until
 
 CHAT = [{"role": "user", "content": "hello"}]
 
@@ -249,7 +249,7 @@ def test_a_request_for_a_model_at_zero_is_held_until_a_replica_is_ready() -> Non
             running_gateway({"m": model("m", hold_seconds=WAIT_S)}) as (gateway, discovery, url),
         ):
             request = asyncio.create_task(client(url).chat.completions.create(model="m", messages=CHAT))
-            await wait_until(lambda: gateway.fleet.pools["m"].queue_depth == 1)
+            await wait_until(lambda: queued(gateway, "m") == 1)
             assert not request.done()
             discovery.publish({"m": model("m", late, hold_seconds=WAIT_S)})
             chat = await asyncio.wait_for(request, WAIT_S)

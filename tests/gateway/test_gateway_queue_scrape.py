@@ -6,7 +6,7 @@ import asyncio
 from urllib.parse import urlsplit
 
 import aiohttp
-from gateway_harness import WAIT_S, model, running_gateway, wait_until
+from gateway_harness import WAIT_S, model, queued, running_gateway, wait_until
 from kvfleet.operator.scrape import GatewayQueues, ScrapeTarget
 
 
@@ -28,8 +28,8 @@ def test_the_operator_sums_the_requests_every_gateway_holds_per_model() -> None:
                 asyncio.create_task(hold(url)),
                 asyncio.create_task(hold(url)),
             ]
-            await wait_until(lambda: first.fleet.pools["cold"].queue_depth == 1)
-            await wait_until(lambda: second.fleet.pools["cold"].queue_depth == 2)
+            await wait_until(lambda: queued(first, "cold") == 1)
+            await wait_until(lambda: queued(second, "cold") == 2)
             targets = [
                 ScrapeTarget(f"gateway-{index}", urlsplit(base).hostname or "", urlsplit(base).port or 0)
                 for index, base in enumerate((first_url, url))
