@@ -56,8 +56,6 @@ _HOP_BY_HOP = frozenset(
         "content-length",
     }
 )
-_FLEET_KEY = web.AppKey("fleet", Fleet)
-_SESSION_KEY = web.AppKey("session", aiohttp.ClientSession)
 
 
 class Gateway:
