@@ -1,6 +1,6 @@
 # The two images the chart runs:
 #   docker build --target runtime  -t kvfleet/runtime:0.1.0 .    # `kvfleet serve`, `kvfleet download-model`
-#   docker build --target operator -t kvfleet/operator:0.1.0 .   # `kvfleet operator`, no torch
+#   docker build --target operator -t kvfleet/operator:0.1.0 .   # `kvfleet operator` and `kvfleet gateway`, no torch
 # Both run as uid/gid 1000, the user the chart and the rendered pods ask for.
 
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
@@ -11,6 +11,7 @@ COPY pyproject.toml setup.py README.md ./
 COPY kvfleet kvfleet
 COPY runtime runtime
 COPY operator operator
+COPY gateway gateway
 # -P: the source tree's operator/ must not shadow the standard library's operator module.
 RUN python -P -m pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
 
@@ -38,8 +39,8 @@ ENTRYPOINT ["kvfleet"]
 CMD ["serve", "--help"]
 
 FROM base AS operator
-COPY requirements/core.txt requirements/operator.txt /tmp/requirements/
-RUN pip install --requirement /tmp/requirements/operator.txt
+COPY requirements/core.txt requirements/operator.txt requirements/gateway.txt /tmp/requirements/
+RUN pip install --requirement /tmp/requirements/operator.txt --requirement /tmp/requirements/gateway.txt
 COPY --from=wheel /wheels /tmp/wheels
 RUN pip install --no-deps /tmp/wheels/*.whl && rm -rf /tmp/wheels /tmp/requirements
 USER 1000:1000

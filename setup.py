@@ -7,4 +7,11 @@ def mapped(import_name: str, folder: str) -> list[str]:
     return [import_name] + [f"{import_name}.{sub}" for sub in find_packages(folder)]
 
 
-setup(packages=["kvfleet", *mapped("kvfleet.runtime", "runtime"), *mapped("kvfleet.operator", "operator")])
+setup(
+    packages=[
+        "kvfleet",
+        *mapped("kvfleet.runtime", "runtime"),
+        *mapped("kvfleet.operator", "operator"),
+        *mapped("kvfleet.gateway", "gateway"),
+    ]
+)

@@ -19,6 +19,7 @@ COMMANDS: dict[str, str] = {
     "demo": "kvfleet.runtime.cli:demo",
     "bench": "kvfleet.runtime.cli:bench",
     "operator": "kvfleet.operator.cli:operator_command",
+    "gateway": "kvfleet.gateway.cli:gateway_command",
     "serve": "kvfleet.runtime.server.cli:serve",
     "run-batch": "kvfleet.runtime.batch.cli:run_batch",
 }

@@ -19,6 +19,8 @@ LABEL_INSTANCE = "app.kubernetes.io/instance"
 LABEL_COMPONENT = "app.kubernetes.io/component"
 LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 COMPONENT = "inference-server"
+# The chart labels its fleet gateway pods with this component.
+GATEWAY_COMPONENT = "gateway"
 
 HTTP_PORT = 8000
 HTTP_PORT_NAME = "http"

@@ -63,6 +63,8 @@ class AutoscalerState:
     panic_until: float | None = None
     # (time, wanted replicas) of recent decisions, for the scale-down delay.
     recommendations: tuple[tuple[float, int], ...] = ()
+    # Since when the latest samples have shown no demand at all, for scaling to zero.
+    idle_since: float | None = None
 
 
 @dataclass(frozen=True)
@@ -73,8 +75,11 @@ class ScaleDecision:
     state: AutoscalerState
 
 
-def aggregate(time: float, reports: Sequence[PodMetrics | None], ready_replicas: int) -> MetricsSample | None:
-    """One fleet sample from the ready replicas' reports; None when none answered.
+def aggregate(
+    time: float, reports: Sequence[PodMetrics | None], ready_replicas: int, held: float = 0.0
+) -> MetricsSample | None:
+    """One fleet sample from the ready replicas' reports and the requests the gateway holds for the service;
+    None when no replica answered.
 
     A replica that failed to report is assumed as busy as the average of those that did: it neither
     blocks scaling nor counts as idle.
@@ -88,7 +93,7 @@ def aggregate(time: float, reports: Sequence[PodMetrics | None], ready_replicas:
     ttft = [report.ttft_seconds for report in answered if report.ttft_seconds is not None]
     return MetricsSample(
         time=time,
-        queue_depth=mean_depth * replicas,
+        queue_depth=mean_depth * replicas + held,
         reporting_pods=len(answered),
         kv_cache_usage=sum(kv) / len(kv) if kv else None,
         ttft_seconds=sum(ttft) / len(ttft) if ttft else None,
@@ -165,8 +170,24 @@ def decide(
             replicas = min(replicas, current + policy.max_scale_up_step)
 
     bounded = policy.clamp(replicas)
-    new_state = replace(state, panic_until=panic_until, recommendations=recommendations)
-    return ScaleDecision(bounded, _bounded_reason(bounded, replicas, reason), panic, new_state)
+    reason = _bounded_reason(bounded, replicas, reason)
+    idle_since = (
+        None if stable[-1].queue_depth > 0 else (state.idle_since if state.idle_since is not None else now)
+    )
+    if bounded == 0 and current > 0:
+        # The last replica goes only after a whole idle period: the next request would wait for a cold start.
+        idle_for = now - idle_since if idle_since is not None else 0.0
+        if idle_for < policy.scale_to_zero_after_seconds:
+            bounded = 1
+            reason += (
+                f"; idle {idle_for:.0f}s of the {policy.scale_to_zero_after_seconds}s before scaling to zero"
+            )
+        else:
+            reason = f"idle for {idle_for:.0f}s: scaled to zero"
+    new_state = replace(
+        state, panic_until=panic_until, recommendations=recommendations, idle_since=idle_since
+    )
+    return ScaleDecision(bounded, reason, panic, new_state)
 
 
 def _bounded_reason(replicas: int, unbounded: int, reason: str) -> str:

@@ -94,7 +94,8 @@ def operator_command(
     import kvfleet.operator.handlers  # noqa: F401  (registers the handlers with kopf)
     import prometheus_client
     from kvfleet.operator.context import OperatorContext
-    from kvfleet.operator.kube import KubeApi, KubeError, make_api_client
+    from kvfleet.operator.kube import KubeApi, KubeError
+    from kvfleet.operator.kube_client import make_api_client
     from kvfleet.operator.render import DEFAULT_RUNTIME_IMAGE, RenderOptions
     from kvfleet.operator.scrape import DEFAULT_MAX_PAGE_BYTES
 

@@ -15,7 +15,7 @@ from kvfleet.operator.dispatch import PriorityDispatcher, Urgency
 from kvfleet.operator.kube import KubeApi, KubeError
 from kvfleet.operator.metrics import OperatorMetrics
 from kvfleet.operator.render import RenderOptions
-from kvfleet.operator.scrape import DEFAULT_MAX_PAGE_BYTES
+from kvfleet.operator.scrape import DEFAULT_MAX_PAGE_BYTES, GatewayQueues
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +51,7 @@ class OperatorContext:
     metrics: OperatorMetrics = field(default_factory=OperatorMetrics)
     session: aiohttp.ClientSession | None = None
     capability_task: asyncio.Task[None] | None = None
+    gateway_queues: GatewayQueues | None = None
     dispatcher: PriorityDispatcher = field(init=False)
     cluster: AsyncCluster = field(init=False)
     _wakeups: dict[ServiceKey, asyncio.Event] = field(default_factory=dict)

@@ -13,7 +13,7 @@ import hashlib
 import json
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -61,6 +61,12 @@ class Scraper(Protocol):
 
 # (type, reason, message) -> posted as a Kubernetes Event on the InferenceService.
 EventSink = Callable[[str, str, str], None]
+# A served model name -> the requests the fleet gateway holds for it; None when no gateway answers.
+GatewayQueue = Callable[[str], Awaitable[float | None]]
+
+
+async def _no_gateway(model: str) -> float | None:
+    return None
 
 
 def _utc_now() -> datetime.datetime:
@@ -75,6 +81,7 @@ class ServiceController:
     events: EventSink
     metrics: OperatorMetrics
     options: Callable[[], RenderOptions]
+    gateway_queue: GatewayQueue = _no_gateway
     clock: Callable[[], float] = time.monotonic
     wall_clock: Callable[[], datetime.datetime] = _utc_now
 
@@ -149,7 +156,9 @@ class ServiceController:
 
         if self.desired is None:
             known = deployment.replicas if deployment else previous_status.get("desiredReplicas")
-            self.desired = spec.scaling.clamp(known if isinstance(known, int) else spec.scaling.min_replicas)
+            # A new service starts with a replica even when it may scale to zero: it proves the model loads.
+            initial = known if isinstance(known, int) else max(spec.scaling.min_replicas, 1)
+            self.desired = spec.scaling.clamp(initial)
         self.desired = spec.scaling.clamp(self.desired)
         if spec.scaling.autoscaling:
             await self._autoscale(spec, pods)
@@ -193,7 +202,11 @@ class ServiceController:
             if result is ScrapeFailure.PAGE_TOO_LARGE
         ]
         self._report_pages_too_large(too_large)
-        sample = aggregate(now, reports, len(targets))
+        held = await self.gateway_queue(spec.model.served_name)
+        sample = aggregate(now, reports, len(targets), held or 0.0)
+        if sample is None and not targets and scaling.min_replicas == 0 and held is not None:
+            # No replica to ask (at zero, or the first one starting): the gateway's queue is the demand.
+            sample = MetricsSample(time=now, queue_depth=held, reporting_pods=0)
         if sample is not None:
             self.samples.append(sample)
             self.metrics.queue_depth.labels(self.owner.namespace, self.owner.name).set(sample.queue_depth)

@@ -16,8 +16,12 @@ import aiohttp
 import kopf
 from kvfleet.operator.api import (
     FIELD_MANAGER,
+    GATEWAY_COMPONENT,
     GROUP,
+    HTTP_PORT_NAME,
+    LABEL_COMPONENT,
     LABEL_MANAGED_BY,
+    LABEL_NAME,
     MANAGED_BY,
     PLURAL,
     SERVICE_LABEL,
@@ -28,9 +32,11 @@ from kvfleet.operator.controller import ServiceController
 from kvfleet.operator.kube import connection_info
 from kvfleet.operator.observed import DeploymentView, PodView, deployment_view, pod_view
 from kvfleet.operator.render import Owner
-from kvfleet.operator.scrape import FleetScraper
+from kvfleet.operator.scrape import FleetScraper, GatewayQueues, ScrapeTarget
 
 MANAGED = {LABEL_MANAGED_BY: MANAGED_BY, SERVICE_LABEL: kopf.PRESENT}
+# The chart's fleet gateway pods, whose queues the autoscaler reads.
+GATEWAY_PODS = {LABEL_NAME: "kvfleet", LABEL_COMPONENT: GATEWAY_COMPONENT}
 FINALIZER = f"{GROUP}/fleet-loop"
 
 
@@ -45,6 +51,9 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) 
     settings.posting.level = logging.INFO
     settings.networking.request_timeout = 60
     context.session = aiohttp.ClientSession(headers={"User-Agent": FIELD_MANAGER})
+    context.gateway_queues = GatewayQueues(
+        context.session, context.scrape_timeout_seconds, context.scrape_max_page_bytes
+    )
     context.capability_task = asyncio.create_task(context.watch_capabilities(), name="kvfleet-capabilities")
 
 
@@ -77,6 +86,16 @@ async def kvfleet_deployments(
     return {(namespace, labels[SERVICE_LABEL]): deployment_view(body)}
 
 
+@kopf.index("pods", labels=GATEWAY_PODS)
+async def kvfleet_gateways(name: str, body: kopf.Body, **_: Any) -> dict[Any, ScrapeTarget]:
+    view = pod_view(body)
+    containers = body.get("spec", {}).get("containers", [])
+    ports = [p for c in containers for p in c.get("ports", []) if p.get("name") == HTTP_PORT_NAME]
+    if not view.scrapeable or not ports or view.ip is None:
+        return {}
+    return {GATEWAY_COMPONENT: ScrapeTarget(name, view.ip, ports[0]["containerPort"])}
+
+
 @kopf.on.event("pods", labels=MANAGED)
 @kopf.on.event("apps", "v1", "deployments", labels=MANAGED)
 async def wake_owner(namespace: str, labels: kopf.Labels, memo: kopf.Memo, **_: Any) -> None:
@@ -99,6 +118,7 @@ async def fleet_loop(
     memo: kopf.Memo,
     kvfleet_pods: kopf.Index[Any, PodView],
     kvfleet_deployments: kopf.Index[Any, DeploymentView],
+    kvfleet_gateways: kopf.Index[Any, ScrapeTarget],
     **_: Any,
 ) -> None:
     context = _context(memo)
@@ -112,6 +132,14 @@ async def fleet_loop(
         owned = [view for view in kvfleet_deployments.get(key, []) if view.owner_uid == uid]
         return (owned[0] if owned else None), list(kvfleet_pods.get(key, []))
 
+    gateway_queues = context.gateway_queues
+    assert gateway_queues is not None, "the startup handler creates it"
+
+    async def gateway_queue(model: str) -> float | None:
+        targets = list(kvfleet_gateways.get(GATEWAY_COMPONENT, []))
+        depths = await gateway_queues.depths(targets) if targets else None
+        return None if depths is None else depths.get(model, 0.0)
+
     controller = ServiceController(
         owner=Owner(name, namespace, uid),
         cluster=context.cluster,
@@ -119,6 +147,7 @@ async def fleet_loop(
         events=post_event,
         metrics=context.metrics,
         options=lambda: context.render_options,
+        gateway_queue=gateway_queue,
     )
     wakeup = context.wakeup_for(key)
 

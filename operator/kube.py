@@ -13,7 +13,7 @@ from typing import Any
 
 import kopf
 import urllib3
-from kubernetes import client, config
+from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 from kvfleet.operator.api import FIELD_MANAGER, GROUP, PLURAL, VERSION
 
@@ -35,20 +35,6 @@ class KubeError(Exception):
         super().__init__(f"{status}: {message}")
         self.status = status
         self.message = message
-
-
-def make_api_client(kubeconfig: str | None, context: str | None, pool_size: int) -> client.ApiClient:
-    """An API client from a kubeconfig, or the pod's service account when running in a cluster."""
-    configuration = client.Configuration()
-    if kubeconfig is None and context is None:
-        try:
-            config.load_incluster_config(client_configuration=configuration)
-        except config.ConfigException:
-            config.load_kube_config(client_configuration=configuration)
-    else:
-        config.load_kube_config(config_file=kubeconfig, context=context, client_configuration=configuration)
-    configuration.connection_pool_maxsize = pool_size
-    return client.ApiClient(configuration)
 
 
 def connection_info(configuration: client.Configuration) -> kopf.ConnectionInfo:

@@ -10,10 +10,12 @@ import asyncio
 import enum
 import ipaddress
 import math
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import aiohttp
+from kvfleet.gateway.metrics import QUEUE_DEPTH as GATEWAY_QUEUE_DEPTH
 from kvfleet.operator.autoscaler import PodMetrics
 
 PREFIXES = ("kvfleet:", "vllm:")
@@ -103,6 +105,37 @@ def parse_exposition(text: str) -> Exposition:
     )
 
 
+async def fetch_page(
+    session: aiohttp.ClientSession, url: str, timeout: aiohttp.ClientTimeout, max_page_bytes: int
+) -> str | ScrapeFailure:
+    """A /metrics page as text, read no further than the byte cap."""
+    try:
+        async with session.get(url, timeout=timeout) as response:
+            if response.status != 200:
+                return ScrapeFailure.NO_ANSWER
+            body = await _read_capped(response, max_page_bytes)
+            if body is None:
+                return ScrapeFailure.PAGE_TOO_LARGE
+            # The text format is UTF-8; a charset the page names is honoured, as aiohttp's text() does.
+            return body.decode(response.charset or "utf-8")
+    except (aiohttp.ClientError, TimeoutError, UnicodeDecodeError, LookupError):
+        return ScrapeFailure.NO_ANSWER
+
+
+async def _read_capped(response: aiohttp.ClientResponse, max_page_bytes: int) -> bytes | None:
+    """The body, read as it arrives; None once it passes the cap, when the connection is closed unread."""
+    if response.content_length is not None and response.content_length > max_page_bytes:
+        response.close()
+        return None
+    body = bytearray()
+    async for chunk in response.content.iter_any():
+        body += chunk
+        if len(body) > max_page_bytes:
+            response.close()
+            return None
+    return bytes(body)
+
+
 class FleetScraper:
     """Scrapes one service's replicas; remembers each replica's TTFT counters to report interval means."""
 
@@ -124,30 +157,8 @@ class FleetScraper:
         return [self._to_metrics(target.pod, page) for target, page in zip(targets, pages, strict=True)]
 
     async def _fetch(self, target: ScrapeTarget) -> Exposition | ScrapeFailure:
-        try:
-            async with self._session.get(target.url, timeout=self._timeout) as response:
-                if response.status != 200:
-                    return ScrapeFailure.NO_ANSWER
-                body = await self._read_capped(response)
-                if body is None:
-                    return ScrapeFailure.PAGE_TOO_LARGE
-                # The text format is UTF-8; a charset the page names is honoured, as aiohttp's text() does.
-                return parse_exposition(body.decode(response.charset or "utf-8"))
-        except (aiohttp.ClientError, TimeoutError, UnicodeDecodeError, LookupError):
-            return ScrapeFailure.NO_ANSWER
-
-    async def _read_capped(self, response: aiohttp.ClientResponse) -> bytes | None:
-        """The body, read as it arrives; None once it passes the cap, when the connection is closed unread."""
-        if response.content_length is not None and response.content_length > self._max_page_bytes:
-            response.close()
-            return None
-        body = bytearray()
-        async for chunk in response.content.iter_any():
-            body += chunk
-            if len(body) > self._max_page_bytes:
-                response.close()
-                return None
-        return bytes(body)
+        page = await fetch_page(self._session, target.url, self._timeout, self._max_page_bytes)
+        return page if isinstance(page, ScrapeFailure) else parse_exposition(page)
 
     def _to_metrics(self, pod: str, page: Exposition | ScrapeFailure) -> PodMetrics | ScrapeFailure:
         if isinstance(page, ScrapeFailure):
@@ -175,3 +186,61 @@ class FleetScraper:
         if started <= 0 or page.ttft_sum < previous[0]:
             return None
         return (page.ttft_sum - previous[0]) / started
+
+
+def parse_gateway_queues(text: str) -> dict[str, float]:
+    """The fleet gateway's queue depth per model from its /metrics page."""
+    depths: dict[str, float] = {}
+    prefix = f'{GATEWAY_QUEUE_DEPTH}{{model="'
+    for line in text.splitlines():
+        if not line.startswith(prefix):
+            continue
+        model, _, rest = line[len(prefix) :].partition('"}')
+        try:
+            value = float(rest.split()[0])
+        except (IndexError, ValueError):
+            continue
+        if math.isfinite(value):
+            depths[model] = value
+    return depths
+
+
+class GatewayQueues:
+    """The requests the gateway replicas hold per model, summed over them.
+
+    Every service loop asks for its own model; one scrape of the gateways serves all of them for
+    `max_age_seconds`.
+    """
+
+    def __init__(
+        self,
+        session: aiohttp.ClientSession,
+        timeout_seconds: float,
+        max_page_bytes: int = DEFAULT_MAX_PAGE_BYTES,
+        max_age_seconds: float = 1.0,
+    ) -> None:
+        self._session = session
+        self._timeout = aiohttp.ClientTimeout(total=timeout_seconds)
+        self._max_page_bytes = max_page_bytes
+        self._max_age = max_age_seconds
+        self._lock = asyncio.Lock()
+        self._cached: tuple[float, dict[str, float] | None] | None = None
+
+    async def depths(self, targets: Sequence[ScrapeTarget]) -> dict[str, float] | None:
+        """Model -> held requests; None when no gateway answered (or none runs)."""
+        async with self._lock:
+            now = time.monotonic()
+            if self._cached is not None and now - self._cached[0] < self._max_age:
+                return self._cached[1]
+            pages = await asyncio.gather(
+                *(fetch_page(self._session, t.url, self._timeout, self._max_page_bytes) for t in targets)
+            )
+            answered = [parse_gateway_queues(page) for page in pages if not isinstance(page, ScrapeFailure)]
+            totals: dict[str, float] | None = None
+            if answered:
+                totals = {}
+                for depths in answered:
+                    for model, depth in depths.items():
+                        totals[model] = totals.get(model, 0.0) + depth
+            self._cached = (now, totals)
+            return totals

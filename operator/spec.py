@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, cast
 
+from kvfleet.gateway.routing import POLICY_NAMES, PolicyName
 from kvfleet.operator.api import API_KEY_ENV, API_KEY_FLAG
 from kvfleet.operator.model_uri import ModelSource, ModelURIError, parse_model_uri
 from kvfleet.operator.tiers import TIER_NAMES, TierName
@@ -94,6 +95,10 @@ class ScalingSpec:
     max_scale_up_step: int = 4
     max_scale_down_step: int = 1
     metrics_interval_seconds: int = 2
+    # With min_replicas 0: idle this long (nothing running, waiting or held by the gateway), it goes to 0.
+    scale_to_zero_after_seconds: int = 300
+    # How long the gateway holds a request for a service with no ready replica; None: the gateway's default.
+    activation_timeout_seconds: int | None = None
 
     @property
     def autoscaling(self) -> bool:
@@ -132,6 +137,15 @@ class BatchSpec:
 
 
 @dataclass(frozen=True)
+class RoutingSpec:
+    """How the fleet gateway spreads the service's requests; unset fields take the gateway's defaults."""
+
+    policy: PolicyName | None = None
+    prefix_characters: int | None = None
+    load_bound_percent: int | None = None
+
+
+@dataclass(frozen=True)
 class InferenceServiceSpec:
     model: ModelSpec
     engine: EngineSpec
@@ -139,6 +153,7 @@ class InferenceServiceSpec:
     scaling: ScalingSpec
     sla: SlaSpec
     batch: BatchSpec | None = None
+    routing: RoutingSpec = RoutingSpec()
 
 
 def parse_spec(spec: Mapping[str, Any], *, name: str) -> InferenceServiceSpec:
@@ -160,6 +175,7 @@ def parse_spec(spec: Mapping[str, Any], *, name: str) -> InferenceServiceSpec:
         scaling=scaling,
         sla=_parse_sla(root.section("sla")),
         batch=_parse_batch(root, scaling),
+        routing=_parse_routing(root.section("routing")),
     )
 
 
@@ -255,7 +271,7 @@ def _parse_scaling(section: _Section) -> ScalingSpec:
     integer = section.required_integer
     scaling = ScalingSpec(
         replicas=section.integer("replicas", minimum=0),
-        min_replicas=integer("minReplicas", defaults.min_replicas, 1),
+        min_replicas=integer("minReplicas", defaults.min_replicas, 0),
         max_replicas=integer("maxReplicas", defaults.max_replicas, 1),
         target_queue_depth=integer("targetQueueDepth", defaults.target_queue_depth, 1),
         stable_window_seconds=integer("stableWindowSeconds", defaults.stable_window_seconds, 1),
@@ -265,6 +281,10 @@ def _parse_scaling(section: _Section) -> ScalingSpec:
         max_scale_up_step=integer("maxScaleUpStep", defaults.max_scale_up_step, 1),
         max_scale_down_step=integer("maxScaleDownStep", defaults.max_scale_down_step, 1),
         metrics_interval_seconds=integer("metricsIntervalSeconds", defaults.metrics_interval_seconds, 1),
+        scale_to_zero_after_seconds=integer(
+            "scaleToZeroAfterSeconds", defaults.scale_to_zero_after_seconds, 0
+        ),
+        activation_timeout_seconds=section.integer("activationTimeoutSeconds", minimum=1),
     )
     if scaling.min_replicas > scaling.max_replicas:
         raise SpecError(
@@ -302,6 +322,14 @@ def _parse_sla(section: _Section) -> SlaSpec:
     return SlaSpec(
         tier=cast(TierName, tier),
         ttft_target_milliseconds=section.integer("ttftTargetMilliseconds", minimum=1),
+    )
+
+
+def _parse_routing(section: _Section) -> RoutingSpec:
+    return RoutingSpec(
+        policy=cast(PolicyName | None, section.choice("policy", POLICY_NAMES)),
+        prefix_characters=section.integer("prefixCharacters", minimum=1),
+        load_bound_percent=section.integer("loadBoundPercent", minimum=100),
     )
 
 

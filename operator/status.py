@@ -107,6 +107,13 @@ def workload_condition(observation: Observation) -> Condition:
 
     if deployment is None:
         return condition(False, "DeploymentPending", "the Deployment has not been created yet")
+    if desired == 0 and observation.autoscaling:
+        # Idle on purpose and ready to serve: the gateway holds the next request while a replica starts.
+        return condition(
+            True,
+            SCALED_TO_ZERO,
+            "scaled to zero while idle; the next request through the gateway scales it up",
+        )
     if desired == 0:
         return condition(False, SCALED_TO_ZERO, "spec.scaling.replicas is 0")
     if deployment.observed_generation < deployment.generation:

@@ -64,13 +64,19 @@ def test_the_wheel_is_built_from_the_package_sources() -> None:
 
 def test_the_runtime_image_installs_the_runtime_pins_and_the_operator_image_never_does() -> None:
     assert _copied_sources("runtime") == ["requirements/core.txt", "requirements/runtime.txt"]
-    assert _copied_sources("operator") == ["requirements/core.txt", "requirements/operator.txt"]
-    for target in ("runtime", "operator"):
+    # The operator's image also runs the fleet gateway.
+    operator = ["requirements/core.txt", "requirements/operator.txt", "requirements/gateway.txt"]
+    assert _copied_sources("operator") == operator
+    for target, parts in (("runtime", ["runtime"]), ("operator", ["operator", "gateway"])):
         runs = " ".join(_arguments(target, "RUN"))
-        assert f"--requirement /tmp/requirements/{target}.txt" in runs
+        for part in parts:
+            assert f"--requirement /tmp/requirements/{part}.txt" in runs
         assert "--no-deps /tmp/wheels/*.whl" in runs, "the package itself adds no unpinned dependency"
-    included = re.findall(r"^-r (\S+)$", (ROOT / "requirements" / "runtime.txt").read_text(), re.MULTILINE)
-    assert included == ["core.txt"], "a requirements file includes only what the image copies beside it"
+    for part in ("runtime", "operator", "gateway"):
+        included = re.findall(
+            r"^-r (\S+)$", (ROOT / "requirements" / f"{part}.txt").read_text(), re.MULTILINE
+        )
+        assert included == ["core.txt"], "a requirements file includes only what the image copies beside it"
 
 
 def test_the_images_expose_the_ports_the_pods_use() -> None:

@@ -23,14 +23,16 @@ from packaging.utils import canonicalize_name
 ROOT = Path(__file__).resolve().parents[1]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 # folder -> the extras that install what it needs, beyond the core dependencies
-# The project's own top-level names (test modules import conftest, test_packaging and server_checks by name).
-LOCAL = {"kvfleet", "e2e", "tests", "conftest", "test_packaging", "server_checks"}
+# The project's own top-level names (test modules import conftest, test_packaging, server_checks and
+# gateway_harness by name).
+LOCAL = {"kvfleet", "e2e", "tests", "conftest", "test_packaging", "server_checks", "gateway_harness"}
 PARTS = {
     "kvfleet": (),
     "operator": ("operator",),
+    "gateway": ("gateway",),
     "runtime": ("runtime",),
-    "tests": ("runtime", "operator", "test"),
-    "e2e": ("runtime", "operator", "test"),
+    "tests": ("runtime", "operator", "gateway", "test"),
+    "e2e": ("runtime", "operator", "gateway", "test"),
 }
 
 
@@ -84,7 +86,8 @@ def test_every_declared_dependency_is_pinned_in_the_requirements() -> None:
     assert not unpinned, f"declared in pyproject.toml but not pinned under requirements/: {unpinned}"
 
 
-# Runs `kvfleet operator --help` and imports the kopf handlers with the runtime's dependencies unimportable.
+# Runs `kvfleet operator --help` and `kvfleet gateway --help` and imports the kopf handlers and the gateway
+# with the runtime's dependencies unimportable.
 _OPERATOR_ONLY = """
 import importlib.abc, sys
 
@@ -98,21 +101,24 @@ class Refuse(importlib.abc.MetaPathFinder):
 
 sys.meta_path.insert(0, Refuse())
 import kvfleet.operator.handlers
+import kvfleet.gateway.cli, kvfleet.gateway.kube
 from kvfleet.cli import cli
 cli.main(["operator", "--help"], standalone_mode=False)
+cli.main(["gateway", "--help"], standalone_mode=False)
 """
 
 
-def test_the_operator_runs_without_the_runtime_dependencies() -> None:
+def test_the_operator_and_gateway_run_without_the_runtime_dependencies() -> None:
     result = subprocess.run(
         [sys.executable, "-P", "-c", _OPERATOR_ONLY], capture_output=True, text=True, timeout=120, cwd="/"
     )
     assert result.returncode == 0, result.stderr
     assert "Run the kvfleet operator" in result.stdout
+    assert "Run the kvfleet fleet gateway" in result.stdout
 
 
 # What a wheel (or an image) is built from; building a copy leaves no build/ in the checkout.
-PACKAGE_SOURCES = ("pyproject.toml", "setup.py", "README.md", "kvfleet", "runtime", "operator")
+PACKAGE_SOURCES = ("pyproject.toml", "setup.py", "README.md", "kvfleet", "runtime", "operator", "gateway")
 
 
 def test_the_wheel_holds_every_part_and_the_command(tmp_path: Path) -> None:
@@ -131,6 +137,7 @@ def test_the_wheel_holds_every_part_and_the_command(tmp_path: Path) -> None:
         ("kvfleet", "kvfleet"),
         ("runtime", "kvfleet/runtime"),
         ("operator", "kvfleet/operator"),
+        ("gateway", "kvfleet/gateway"),
     ):
         for module in (ROOT / folder).rglob("*.py"):
             assert f"{package}/{module.relative_to(ROOT / folder).as_posix()}" in names

@@ -1,4 +1,4 @@
-"""OpenAI-shaped errors: `{"error": {"message", "type", "param", "code"}}` with the matching HTTP status.
+"""OpenAI-shaped errors (kvfleet.runtime.server.openai_errors) as the API server raises and answers them.
 
 Every failure a handler can meet is one of these, so clients (the openai SDKs retry 408, 429 and 5xx on
 their own) see the status they expect and never a bare 500 for bad input.
@@ -6,7 +6,6 @@ their own) see the status they expect and never a bare 500 for bad input.
 
 from __future__ import annotations
 
-import json
 import logging
 from typing import Any
 
@@ -21,117 +20,42 @@ from kvfleet.runtime.engine.errors import (
     InvalidRequestError,
     RequestShedError,
 )
+from kvfleet.runtime.server.openai_errors import (
+    AuthenticationError,
+    BadRequestError,
+    ConflictError,
+    InternalServerError,
+    NotFoundError,
+    OpenAIError,
+    OverloadedError,
+    PayloadTooLargeError,
+    PermissionDeniedError,
+    RequestTimeoutError,
+    ServiceUnavailableError,
+)
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse
 
+# The error classes are imported from here by the server's modules.
+__all__ = [
+    "AuthenticationError",
+    "BadRequestError",
+    "ClientDisconnectedError",
+    "ConflictError",
+    "InternalServerError",
+    "NotFoundError",
+    "OpenAIError",
+    "OverloadedError",
+    "PayloadTooLargeError",
+    "PermissionDeniedError",
+    "RequestTimeoutError",
+    "ServiceUnavailableError",
+    "from_engine_error",
+    "install_error_handlers",
+    "validation_error",
+]
+
 logger = logging.getLogger(__name__)
-
-# Seconds a shed or refused client should wait before trying again.
-RETRY_AFTER_OVERLOADED_S = 1
-RETRY_AFTER_UNAVAILABLE_S = 5
-
-
-class OpenAIError(Exception):
-    status_code = 500
-    error_type = "internal_error"
-
-    def __init__(
-        self,
-        message: str,
-        *,
-        param: str | None = None,
-        code: str | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.message = message
-        self.param = param
-        self.code = code
-        self.headers = headers or {}
-
-    def body(self) -> dict[str, Any]:
-        return {
-            "error": {
-                "message": self.message,
-                "type": self.error_type,
-                "param": self.param,
-                "code": self.code,
-            }
-        }
-
-    def to_response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status_code, headers=self.headers)
-
-    def to_sse(self) -> str:
-        """The error as the last event of a stream that has already sent its 200 headers."""
-        return f"data: {json.dumps(self.body())}\n\n"
-
-
-class BadRequestError(OpenAIError):
-    status_code = 400
-    error_type = "invalid_request_error"
-
-
-class AuthenticationError(OpenAIError):
-    status_code = 401
-    error_type = "authentication_error"
-
-
-class PermissionDeniedError(OpenAIError):
-    """The request is well formed but claims what clients may not have (openai.PermissionDeniedError)."""
-
-    status_code = 403
-    error_type = "permission_error"
-
-    def __init__(self, message: str, *, param: str | None = None) -> None:
-        super().__init__(message, param=param, code="permission_denied")
-
-
-class NotFoundError(OpenAIError):
-    status_code = 404
-    error_type = "invalid_request_error"
-
-
-class RequestTimeoutError(OpenAIError):
-    status_code = 408
-    error_type = "timeout_error"
-
-
-class ConflictError(OpenAIError):
-    """The object's state does not allow the operation (cancelling a finished batch, ...)."""
-
-    status_code = 409
-    error_type = "invalid_request_error"
-
-
-class PayloadTooLargeError(OpenAIError):
-    status_code = 413
-    error_type = "invalid_request_error"
-
-
-class OverloadedError(OpenAIError):
-    """The waiting queue is full (or a higher tier took this request's place)."""
-
-    status_code = 429
-    error_type = "server_overloaded"
-
-    def __init__(self, message: str, *, code: str = "overloaded") -> None:
-        super().__init__(message, code=code, headers={"Retry-After": str(RETRY_AFTER_OVERLOADED_S)})
-
-
-class ServiceUnavailableError(OpenAIError):
-    """Loading, draining, or the engine has stopped."""
-
-    status_code = 503
-    error_type = "service_unavailable"
-
-    def __init__(self, message: str, *, code: str = "unavailable") -> None:
-        super().__init__(message, code=code, headers={"Retry-After": str(RETRY_AFTER_UNAVAILABLE_S)})
-
-
-class InternalServerError(OpenAIError):
-    status_code = 500
-    error_type = "internal_error"
 
 
 class ClientDisconnectedError(Exception):

@@ -219,3 +219,58 @@ def test_ttft_over_target_adds_one_replica_at_a_time() -> None:
     assert starting.replicas == 3, "waits for the added replica before adding another"
     met = decide(POLICY, samples, FleetState(2, 2), AutoscalerState(), now=59.0, ttft_target_seconds=1.0)
     assert met.replicas == 1 and "time to first token" not in met.reason, "a met target leaves queue scaling"
+
+
+ZERO = ScalingSpec(min_replicas=0, max_replicas=4, target_queue_depth=10, scale_to_zero_after_seconds=300)
+
+
+def run_decisions(
+    policy: ScalingSpec, demand: Callable[[float], float], replicas: int, until: float, step: float = 2.0
+) -> list[tuple[float, ScaleDecision]]:
+    """Decisions every `step` seconds with the given fleet demand (replicas ready at once)."""
+    samples: list[MetricsSample] = []
+    state = AutoscalerState()
+    decisions = []
+    now = 0.0
+    while now <= until:
+        samples = [s for s in samples if now - s.time < policy.stable_window_seconds]
+        samples.append(MetricsSample(now, demand(now), max(replicas, 1)))
+        decision = decide(policy, samples, FleetState(replicas, replicas), state, now)
+        state, replicas = decision.state, decision.replicas
+        decisions.append((now, decision))
+        now += step
+    return decisions
+
+
+def test_an_idle_fleet_scales_to_zero_only_after_the_idle_period() -> None:
+    decisions = run_decisions(ZERO, lambda now: 5.0 if now < 100 else 0.0, replicas=1, until=700)
+    zero_at = next(now for now, decision in decisions if decision.replicas == 0)
+    # Idle from 100 s: not before 400 s, and at the first decision after it.
+    assert 400 <= zero_at < 404
+    (_, first_zero) = next((now, d) for now, d in decisions if d.replicas == 0)
+    assert "scaled to zero" in first_zero.reason
+    assert all(decision.replicas == 0 for now, decision in decisions if now >= zero_at)
+
+
+def test_demand_during_the_idle_period_starts_it_again() -> None:
+    def demand(now: float) -> float:
+        return 1.0 if 200 <= now < 202 else 0.0
+
+    decisions = run_decisions(ZERO, demand, replicas=1, until=600)
+    zero_at = next(now for now, decision in decisions if decision.replicas == 0)
+    assert zero_at >= 502, "idle since 202 s, not since 0 s"
+
+
+def test_held_requests_scale_a_fleet_at_zero_to_one() -> None:
+    samples = [MetricsSample(float(t), 0.0, 0) for t in range(0, 58, 2)] + [MetricsSample(58.0, 1.0, 0)]
+    decision = decide(ZERO, samples, FleetState(0, 0), AutoscalerState(idle_since=0.0), 58.0)
+    assert decision.replicas == 1
+    assert decision.state.idle_since is None
+    idle = decide(ZERO, samples[:-1], FleetState(0, 0), AutoscalerState(idle_since=0.0), 56.0)
+    assert idle.replicas == 0
+
+
+def test_the_gateway_queue_adds_to_the_replicas_demand() -> None:
+    sample = aggregate(0.0, [PodMetrics(waiting=2, running=3), None], 2, held=7.0)
+    assert sample is not None and sample.queue_depth == 2 * 5 + 7
+    assert aggregate(0.0, [None], 1, held=7.0) is None, "no replica answered: no sample from the replicas"

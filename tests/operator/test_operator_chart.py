@@ -11,6 +11,7 @@ from typing import Any
 import celpy
 import pytest
 import yaml
+from kvfleet.gateway.cli import gateway_command
 from kvfleet.operator.kube import PLURALS
 from kvfleet.operator.scrape import DEFAULT_MAX_PAGE_BYTES
 from kvfleet.operator.tiers import TIERS
@@ -147,7 +148,7 @@ def test_helm_template_cluster_wide(helm: Path) -> None:
         kinds
     )
     assert "Role" not in kinds and "ServiceMonitor" not in kinds and "PrometheusRule" not in kinds
-    deployment = next(d for d in docs if d["kind"] == "Deployment")
+    deployment = next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "kv-kvfleet")
     container = deployment["spec"]["template"]["spec"]["containers"][0]
     assert container["image"] == "kvfleet/operator:0.1.0"
     assert container["command"] == ["kvfleet", "--log-level", "info", "operator"]
@@ -180,15 +181,14 @@ def test_helm_template_namespaced(helm: Path) -> None:
         "runtime.image=example/runtime:dev",
     )
     docs = [d for d in yaml.safe_load_all(out) if d]
-    roles = [d for d in docs if d["kind"] == "Role"]
+    roles = [d for d in docs if d["kind"] == "Role" and d["metadata"]["name"] == "kv-kvfleet"]
     assert sorted(r["metadata"]["namespace"] for r in roles) == ["team-a", "team-b"]
     peerings = [d for d in docs if d["kind"] == "KopfPeering"]
     assert sorted(p["metadata"]["namespace"] for p in peerings) == ["team-a", "team-b"]
     cluster_roles = [d for d in docs if d["kind"] == "ClusterRole"]
     assert [c["metadata"]["name"] for c in cluster_roles] == ["kv-kvfleet-crd-reader"]
-    container = next(d for d in docs if d["kind"] == "Deployment")["spec"]["template"]["spec"]["containers"][
-        0
-    ]
+    operator = next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "kv-kvfleet")
+    container = operator["spec"]["template"]["spec"]["containers"][0]
     assert "--namespace=team-a" in container["args"] and "--namespace=team-b" in container["args"]
     assert {"name": "KVFLEET_RUNTIME_IMAGE", "value": "example/runtime:dev"} in container["env"]
     (monitor,) = [d for d in docs if d["kind"] == "ServiceMonitor"]
@@ -410,3 +410,85 @@ def test_updates_that_keep_the_spec_are_not_judged(helm: Path, tmp_path: Path, c
     assert review(finalized, "team-a", old=old) == []
     changed = {**finalized, "spec": {**old["spec"], "engine": {**old["spec"]["engine"], "maxNumSeqs": 8}}}
     assert review(changed, "team-a", old=finalized) != []
+
+
+# The fleet gateway: rendered, its flags accepted by the real `kvfleet gateway` command, read-only access to
+# exactly what its discovery watches.
+
+
+def render(helm: Path, *settings: str) -> list[dict[str, Any]]:
+    out = run_helm(helm, "template", "kv", str(CHART), "-n", "ops", *settings)
+    return [d for d in yaml.safe_load_all(out) if d]
+
+
+def gateway_objects(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [d for d in docs if d["metadata"]["name"] == "kv-kvfleet-gateway"]
+
+
+ENABLED = ("--set", "gateway.enabled=true")
+READ_ONLY_RULES = [
+    {"apiGroups": ["kvfleet.dev"], "resources": ["inferenceservices"], "verbs": ["list", "watch"]},
+    {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["list", "watch"]},
+]
+
+
+def test_the_gateway_has_two_replicas_a_service_and_read_only_access(helm: Path) -> None:
+    objects = gateway_objects(render(helm, *ENABLED))
+    kinds = sorted(d["kind"] for d in objects)
+    assert kinds == [
+        "ClusterRole",
+        "ClusterRoleBinding",
+        "Deployment",
+        "PodDisruptionBudget",
+        "Service",
+        "ServiceAccount",
+    ]
+    by_kind = {d["kind"]: d for d in objects}
+    deployment = by_kind["Deployment"]
+    assert deployment["spec"]["replicas"] == 2
+    pod = deployment["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == "kv-kvfleet-gateway"
+    (container,) = pod["containers"]
+    assert container["image"] == "kvfleet/operator:0.1.0"
+    assert container["command"] == ["kvfleet", "--log-level", "info", "gateway"]
+    # The flags are the real command's: click parses them as the container would.
+    context = gateway_command.make_context("gateway", list(container["args"]))
+    assert context.params["port"] == container["ports"][0]["containerPort"] == 8080
+    assert (context.params["policy"], context.params["max_in_flight"]) == ("least-request", 32)
+    assert context.params["namespaces"] == ()
+    selector = deployment["spec"]["selector"]["matchLabels"]
+    service = by_kind["Service"]
+    assert service["spec"]["selector"] == selector
+    assert service["spec"]["ports"] == [{"name": "http", "port": 80, "targetPort": "http", "protocol": "TCP"}]
+    assert by_kind["ClusterRole"]["rules"] == READ_ONLY_RULES
+    assert by_kind["ClusterRoleBinding"]["subjects"] == [
+        {"kind": "ServiceAccount", "name": "kv-kvfleet-gateway", "namespace": "ops"}
+    ]
+    operator = next(
+        d
+        for d in render(helm, *ENABLED)
+        if d["kind"] == "Deployment" and d["metadata"]["name"] == "kv-kvfleet"
+    )
+    assert operator["spec"]["selector"]["matchLabels"] != selector, (
+        "the operator's pods are not the gateway's"
+    )
+
+
+def test_the_gateway_watches_only_the_operators_namespaces_with_roles_there(helm: Path) -> None:
+    objects = gateway_objects(
+        render(
+            helm, *ENABLED, "--set", "watchNamespaces={team-a,team-b}", "--set", "gateway.policy=prefix-hash"
+        )
+    )
+    roles = [d for d in objects if d["kind"] == "Role"]
+    assert sorted(role["metadata"]["namespace"] for role in roles) == ["team-a", "team-b"]
+    assert all(role["rules"] == READ_ONLY_RULES for role in roles)
+    assert not [d for d in objects if d["kind"].startswith("Cluster")]
+    (deployment,) = [d for d in objects if d["kind"] == "Deployment"]
+    args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+    params = gateway_command.make_context("gateway", list(args)).params
+    assert params["namespaces"] == ("team-a", "team-b") and params["policy"] == "prefix-hash"
+
+
+def test_the_gateway_is_off_by_default(helm: Path) -> None:
+    assert gateway_objects(render(helm)) == []

@@ -321,3 +321,33 @@ def test_tier_reaches_the_pods(tier: str) -> None:
     harness.run()
     pod = harness.deployments()[-1]["spec"]["template"]["spec"]
     assert pod["priorityClassName"] == f"kvfleet-{tier}"
+
+
+def test_requests_held_by_the_gateway_scale_a_fleet_at_zero_to_one() -> None:
+    harness = Harness(
+        service(scaling={"minReplicas": 0}, model={"uri": "file:///models/tiny", "servedName": "m"})
+    )
+    held = {"m": 0.0}
+    asked: list[str] = []
+
+    async def gateway_queue(model: str) -> float | None:
+        asked.append(model)
+        return held[model]
+
+    harness.controller.gateway_queue = gateway_queue
+    harness.run(deployment_at(0), [])
+    assert harness.deployments()[-1]["spec"]["replicas"] == 0 and asked == ["m"]
+    ready = next(c for c in harness.cluster.statuses[-1]["conditions"] if c["type"] == "Ready")
+    assert (ready["status"], ready["reason"]) == ("True", "ScaledToZero")
+    held["m"] = 2.0
+    harness.clock.now += 2
+    harness.run(deployment_at(0), [])
+    assert harness.deployments()[-1]["spec"]["replicas"] == 1
+    assert any(reason == "ScaledUp" for reason in harness.reasons())
+    assert harness.scraper.calls == [], "nothing to scrape at zero"
+
+
+def test_a_new_service_that_may_scale_to_zero_starts_with_one_replica() -> None:
+    harness = Harness(service(scaling={"minReplicas": 0}))
+    harness.run()
+    assert harness.deployments()[-1]["spec"]["replicas"] == 1

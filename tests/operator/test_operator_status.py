@@ -258,3 +258,15 @@ def test_views_from_raw_objects() -> None:
         }
     )
     assert view == DeploymentView(4, 4, 3, 3, 3, 2, 2, False, "ok")
+
+
+def test_a_fleet_the_autoscaler_scaled_to_zero_stays_ready() -> None:
+    status = build_status(
+        observe(autoscaling=True, desired_replicas=0, deployment=deployment(replicas=0)), {}, NOW
+    )
+    ready = conditions(status)["Ready"]
+    assert (ready["status"], ready["reason"]) == ("True", "ScaledToZero")
+    suspended = build_status(
+        observe(autoscaling=False, desired_replicas=0, deployment=deployment(replicas=0)), {}, NOW
+    )
+    assert conditions(suspended)["Ready"]["status"] == "False", "spec.scaling.replicas: 0 is a suspension"

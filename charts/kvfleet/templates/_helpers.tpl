@@ -64,3 +64,18 @@ app.kubernetes.io/component: operator
   resources: ["events"]
   verbs: ["create"]
 {{- end -}}
+
+{{- define "kvfleet.gatewayLabels" -}}
+app.kubernetes.io/name: kvfleet
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: gateway
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
+{{- end -}}
+
+{{- define "kvfleet.gatewaySelectorLabels" -}}
+app.kubernetes.io/name: kvfleet
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: gateway
+{{- end -}}

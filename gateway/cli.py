@@ -1,0 +1,145 @@
+"""`kvfleet gateway`: the fleet gateway over a static list of replicas or the cluster's InferenceServices."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import signal
+
+import click
+from kvfleet.gateway.discovery import (
+    DEFAULT_HOLD_SECONDS,
+    DEFAULT_MAX_IN_FLIGHT,
+    Discovery,
+    ModelConfig,
+    StaticDiscovery,
+)
+from kvfleet.gateway.flow import DEFAULT_MAX_QUEUE
+from kvfleet.gateway.proxy import DEFAULT_MAX_ATTEMPTS, DEFAULT_MAX_BODY_BYTES, Gateway
+from kvfleet.gateway.routing import DEFAULT_LOAD_BOUND, DEFAULT_POLICY, DEFAULT_PREFIX_CHARS, POLICY_NAMES
+
+logger = logging.getLogger(__name__)
+
+
+def _static_models(options: tuple[str, ...], defaults: ModelConfig) -> dict[str, ModelConfig]:
+    models: dict[str, ModelConfig] = {}
+    for option in options:
+        name, _, urls = option.partition("=")
+        endpoints = tuple(url.strip().rstrip("/") for url in urls.split(",") if url.strip())
+        if not name or not endpoints or not all(url.startswith(("http://", "https://")) for url in endpoints):
+            raise click.BadParameter(
+                f"{option!r} is not NAME=URL[,URL...] with http(s) URLs", param_hint="--model"
+            )
+        if name in models:
+            raise click.BadParameter(f"the model {name!r} is given twice", param_hint="--model")
+        models[name] = dataclasses.replace(defaults, name=name, endpoints=endpoints)
+    return models
+
+
+@click.command("gateway")
+@click.option("--host", default="0.0.0.0", show_default=True)
+@click.option("--port", type=click.IntRange(1, 65535), default=8080, show_default=True)
+@click.option(
+    "--model",
+    "models",
+    multiple=True,
+    metavar="NAME=URL[,URL...]",
+    help="Route NAME to these replicas (repeatable). Without it, the cluster's InferenceServices are "
+    "watched.",
+)
+@click.option(
+    "--namespace",
+    "-n",
+    "namespaces",
+    multiple=True,
+    help="Watch only this namespace (repeatable). Default: every namespace.",
+)
+@click.option("--kubeconfig", type=click.Path(exists=True, dir_okay=False), default=None)
+@click.option("--context", "kube_context", default=None, help="kubeconfig context.")
+@click.option(
+    "--policy",
+    type=click.Choice(POLICY_NAMES),
+    default=DEFAULT_POLICY,
+    show_default=True,
+    help="Routing policy of models whose InferenceService names none.",
+)
+@click.option("--prefix-chars", type=click.IntRange(min=1), default=DEFAULT_PREFIX_CHARS, show_default=True)
+@click.option("--load-bound", type=click.FloatRange(min=1.0), default=DEFAULT_LOAD_BOUND, show_default=True)
+@click.option(
+    "--max-in-flight",
+    type=click.IntRange(min=1),
+    default=DEFAULT_MAX_IN_FLIGHT,
+    show_default=True,
+    help="Requests in flight per replica at most, unless its service sets engine.maxNumSeqs; more wait here.",
+)
+@click.option(
+    "--hold-seconds",
+    type=click.FloatRange(min=0),
+    default=DEFAULT_HOLD_SECONDS,
+    show_default=True,
+    help="How long a request waits for a usable replica, unless its service sets activationTimeoutSeconds.",
+)
+@click.option("--max-queue", type=click.IntRange(min=1), default=DEFAULT_MAX_QUEUE, show_default=True)
+@click.option(
+    "--max-body-bytes", type=click.IntRange(min=1024), default=DEFAULT_MAX_BODY_BYTES, show_default=True
+)
+@click.option("--max-attempts", type=click.IntRange(min=1), default=DEFAULT_MAX_ATTEMPTS, show_default=True)
+def gateway_command(
+    host: str,
+    port: int,
+    models: tuple[str, ...],
+    namespaces: tuple[str, ...],
+    kubeconfig: str | None,
+    kube_context: str | None,
+    policy: str,
+    prefix_chars: int,
+    load_bound: float,
+    max_in_flight: int,
+    hold_seconds: float,
+    max_queue: int,
+    max_body_bytes: int,
+    max_attempts: int,
+) -> None:
+    """Run the kvfleet fleet gateway: one OpenAI endpoint for every model."""
+    defaults = ModelConfig(
+        name="",
+        endpoints=(),
+        policy=policy,  # type: ignore[arg-type]  (click checked the choice)
+        prefix_chars=prefix_chars,
+        load_bound=load_bound,
+        max_in_flight=max_in_flight,
+        hold_seconds=hold_seconds,
+    )
+    discovery: Discovery
+    if models:
+        discovery = StaticDiscovery(_static_models(models, defaults))
+    else:
+        import kubernetes.config
+        from kvfleet.gateway.kube import KubernetesDiscovery
+        from kvfleet.operator.kube_client import make_api_client
+
+        try:
+            api_client = make_api_client(kubeconfig, kube_context, pool_size=4)
+        except kubernetes.config.ConfigException as error:
+            raise click.ClickException(
+                f"no cluster credentials (in-cluster or kubeconfig): {error}"
+            ) from None
+        discovery = KubernetesDiscovery(api_client, namespaces, defaults)
+    gateway = Gateway(
+        discovery, max_queue=max_queue, max_body_bytes=max_body_bytes, max_attempts=max_attempts
+    )
+    asyncio.run(_serve(gateway, host, port))
+
+
+async def _serve(gateway: Gateway, host: str, port: int) -> None:
+    stopping = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stopping.set)
+    runner = await gateway.start(host, port)
+    logger.info("kvfleet gateway listening on %s:%d", host, port)
+    try:
+        await stopping.wait()
+    finally:
+        await runner.cleanup()

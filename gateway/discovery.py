@@ -1,0 +1,57 @@
+"""Where the gateway learns which models exist and which replicas serve them.
+
+A discovery source publishes the whole fleet as a mapping of model name to ModelConfig each time it changes;
+the static source does it once (local use and tests), the Kubernetes one on every change of an
+InferenceService or EndpointSlice (kvfleet.gateway.kube).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Protocol
+
+from kvfleet.gateway.routing import DEFAULT_LOAD_BOUND, DEFAULT_POLICY, DEFAULT_PREFIX_CHARS, PolicyName
+from kvfleet.runtime.server.priorities import DEFAULT_TIER, TIERS
+
+DEFAULT_MAX_IN_FLIGHT = 32
+DEFAULT_HOLD_SECONDS = 60.0
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """One model as the gateway routes it."""
+
+    name: str
+    # Base URLs of the ready replicas, e.g. http://10.0.0.7:8000; empty while the model is at zero.
+    endpoints: tuple[str, ...]
+    policy: PolicyName = DEFAULT_POLICY
+    prefix_chars: int = DEFAULT_PREFIX_CHARS
+    load_bound: float = DEFAULT_LOAD_BOUND
+    # Requests the gateway sends one replica at most; the rest wait in the gateway's tier-ordered queue.
+    max_in_flight: int = DEFAULT_MAX_IN_FLIGHT
+    # How long a request may wait for a usable replica (a model at zero: for one to start).
+    hold_seconds: float = DEFAULT_HOLD_SECONDS
+    # The priority of requests that name no tier: the service's own tier.
+    default_priority: int = TIERS[DEFAULT_TIER]
+
+
+Publish = Callable[[Mapping[str, ModelConfig]], None]
+
+
+class Discovery(Protocol):
+    async def run(self, publish: Publish) -> None:
+        """Publishes the fleet now and on every change, until cancelled."""
+        ...
+
+
+class StaticDiscovery:
+    """A fixed fleet, e.g. from `--model NAME=URL[,URL...]` options."""
+
+    def __init__(self, models: Mapping[str, ModelConfig]) -> None:
+        self._models = dict(models)
+
+    async def run(self, publish: Publish) -> None:
+        publish(self._models)
+        await asyncio.Event().wait()

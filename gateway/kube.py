@@ -1,0 +1,218 @@
+"""Discovery from the cluster: InferenceServices and the EndpointSlices of their Services.
+
+Each resource is listed, then watched from the list's resourceVersion, in a thread of its own (the official
+client blocks); an expired or broken watch lists again. Every change republishes the fleet, computed by the
+pure `model_configs` from the objects as they are.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import threading
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kubernetes import client, watch
+from kvfleet.gateway.discovery import ModelConfig, Publish
+from kvfleet.operator.api import GROUP, HTTP_PORT_NAME, LABEL_MANAGED_BY, MANAGED_BY, PLURAL, VERSION
+from kvfleet.operator.spec import SpecError, parse_spec
+from kvfleet.runtime.server.priorities import TIERS
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME_LABEL = "kubernetes.io/service-name"
+# A watch ends after this long and is resumed, so a stopped discovery's threads notice within it.
+WATCH_SECONDS = 30
+RELIST_BACKOFF_SECONDS = 2.0
+
+ObjectKey = tuple[str, str]
+
+
+def model_configs(
+    services: Iterable[Mapping[str, Any]], slices: Iterable[Mapping[str, Any]], defaults: ModelConfig
+) -> dict[str, ModelConfig]:
+    """The fleet as the gateway routes it: one entry per served model name, with its ready endpoints.
+
+    Two services serving the same name: the first by namespace and name wins, the other is logged.
+    """
+    endpoints: dict[ObjectKey, list[str]] = {}
+    for endpoint_slice in slices:
+        meta = endpoint_slice.get("metadata") or {}
+        service = (meta.get("labels") or {}).get(SERVICE_NAME_LABEL)
+        if service is None:
+            continue
+        urls = endpoints.setdefault((meta.get("namespace", ""), service), [])
+        urls.extend(_ready_urls(endpoint_slice))
+    models: dict[str, ModelConfig] = {}
+    owners: dict[str, ObjectKey] = {}
+    for service in sorted(services, key=_key):
+        key = _key(service)
+        namespace, name = key
+        try:
+            spec = parse_spec(service.get("spec") or {}, name=name)
+        except SpecError as error:
+            logger.warning("%s/%s is not routed: %s", namespace, name, error.message)
+            continue
+        served = spec.model.served_name
+        if served in owners:
+            logger.warning(
+                "%s/%s serves %r, which %s/%s already serves: not routed",
+                namespace,
+                name,
+                served,
+                *owners[served],
+            )
+            continue
+        owners[served] = key
+        routing, scaling = spec.routing, spec.scaling
+        models[served] = dataclasses.replace(
+            defaults,
+            name=served,
+            endpoints=tuple(sorted(set(endpoints.get(key, ())))),
+            policy=routing.policy or defaults.policy,
+            prefix_chars=routing.prefix_characters or defaults.prefix_chars,
+            load_bound=(routing.load_bound_percent / 100)
+            if routing.load_bound_percent
+            else defaults.load_bound,
+            max_in_flight=spec.engine.max_num_seqs or defaults.max_in_flight,
+            hold_seconds=float(scaling.activation_timeout_seconds or defaults.hold_seconds),
+            default_priority=TIERS[spec.sla.tier],
+        )
+    return models
+
+
+def _key(obj: Mapping[str, Any]) -> ObjectKey:
+    meta = obj.get("metadata") or {}
+    return meta.get("namespace", ""), meta.get("name", "")
+
+
+def _ready_urls(endpoint_slice: Mapping[str, Any]) -> list[str]:
+    ports = [
+        port.get("port") for port in endpoint_slice.get("ports") or [] if port.get("name") == HTTP_PORT_NAME
+    ]
+    if not ports or ports[0] is None:
+        return []
+    ipv6 = endpoint_slice.get("addressType") == "IPv6"
+    urls = []
+    for endpoint in endpoint_slice.get("endpoints") or []:
+        conditions = endpoint.get("conditions") or {}
+        # An unknown readiness counts as ready (the API's own rule); a terminating endpoint takes no more.
+        if conditions.get("ready") is False or conditions.get("terminating") is True:
+            continue
+        for address in (endpoint.get("addresses") or [])[:1]:
+            host = f"[{address}]" if ipv6 else address
+            urls.append(f"http://{host}:{ports[0]}")
+    return urls
+
+
+class KubernetesDiscovery:
+    """Watches InferenceServices and the EndpointSlices of the operator's Services, in every namespace or
+    in the given ones."""
+
+    def __init__(
+        self, api_client: client.ApiClient, namespaces: Sequence[str], defaults: ModelConfig
+    ) -> None:
+        self._objects = client.CustomObjectsApi(api_client)
+        self._namespaces: Sequence[str | None] = list(namespaces) or [None]
+        self._defaults = defaults
+
+    async def run(self, publish: Publish) -> None:
+        loop = asyncio.get_running_loop()
+        changed = asyncio.Event()
+        stop = threading.Event()
+        # The watcher threads write the stores while the event loop reads them.
+        lock = threading.Lock()
+        resources = [
+            (GROUP, VERSION, PLURAL, None),
+            ("discovery.k8s.io", "v1", "endpointslices", f"{LABEL_MANAGED_BY}={MANAGED_BY}"),
+        ]
+        watches = [_Watch(*resource, namespace) for resource in resources for namespace in self._namespaces]
+
+        def notify() -> None:
+            if not stop.is_set():  # once stopped, the loop may be gone
+                loop.call_soon_threadsafe(changed.set)
+
+        for watched in watches:
+            thread = threading.Thread(
+                target=self._list_and_watch,
+                args=(watched, lock, notify, stop),
+                name=f"kvfleet-gateway-{watched.plural}",
+                daemon=True,
+            )
+            thread.start()
+        try:
+            while True:
+                await changed.wait()
+                changed.clear()
+                if all(watched.synced.is_set() for watched in watches):
+                    with lock:
+                        services = [obj for w in watches if w.plural == PLURAL for obj in w.store.values()]
+                        slices = [obj for w in watches if w.plural != PLURAL for obj in w.store.values()]
+                    publish(model_configs(services, slices, self._defaults))
+        finally:
+            stop.set()
+
+    def _list_and_watch(
+        self, watched: _Watch, lock: threading.Lock, notify: Callable[[], None], stop: threading.Event
+    ) -> None:
+        """Runs in its own thread until `stop`: keeps the watch's store equal to the cluster's objects."""
+        if watched.namespace is None:
+            list_call: Callable[..., Any] = self._objects.list_cluster_custom_object
+            scope: dict[str, Any] = {}
+        else:
+            list_call = self._objects.list_namespaced_custom_object
+            scope = {"namespace": watched.namespace}
+        if watched.label_selector:
+            scope["label_selector"] = watched.label_selector
+        # By keyword: the namespaced call takes the namespace between the version and the plural.
+        scope.update(group=watched.group, version=watched.version, plural=watched.plural)
+        while not stop.is_set():
+            try:
+                listing = list_call(**scope)
+                fresh = {_key(item): item for item in listing.get("items", [])}
+                with lock:
+                    watched.store.clear()
+                    watched.store.update(fresh)
+                watched.synced.set()
+                notify()
+                version_seen = listing["metadata"]["resourceVersion"]
+                while not stop.is_set():
+                    stream = watch.Watch().stream(
+                        list_call,
+                        **scope,
+                        resource_version=version_seen,
+                        timeout_seconds=WATCH_SECONDS,
+                        allow_watch_bookmarks=True,
+                    )
+                    for event in stream:
+                        obj = event["object"]
+                        if event["type"] == "ERROR":
+                            raise RuntimeError(f"watch error: {obj.get('message', obj)}")
+                        version_seen = obj["metadata"]["resourceVersion"]
+                        with lock:
+                            if event["type"] == "DELETED":
+                                watched.store.pop(_key(obj), None)
+                            elif event["type"] != "BOOKMARK":
+                                watched.store[_key(obj)] = obj
+                        notify()
+                        if stop.is_set():
+                            return
+            except Exception as error:  # any failure: list again, after a pause, so the fleet is never stale
+                logger.warning("watching %s failed, listing again: %s", watched.plural, error)
+                stop.wait(RELIST_BACKOFF_SECONDS)
+
+
+@dataclass
+class _Watch:
+    """One resource in one namespace (None: all), and what the cluster holds of it."""
+
+    group: str
+    version: str
+    plural: str
+    label_selector: str | None
+    namespace: str | None
+    store: dict[ObjectKey, Mapping[str, Any]] = field(default_factory=dict)
+    synced: threading.Event = field(default_factory=threading.Event)

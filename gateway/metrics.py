@@ -1,0 +1,83 @@
+"""The gateway's Prometheus metrics, per model, in a registry of its own.
+
+`kvfleet_gateway_queue_depth` is what the operator's autoscaler reads beside the replicas' own queues: a
+model scaled to zero with requests held here is scaled back to one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+QUEUE_DEPTH = "kvfleet_gateway_queue_depth"
+# Upstream waits span a cached short answer to a model starting from zero.
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+
+class GatewayMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.queue_depth = Gauge(
+            QUEUE_DEPTH,
+            "Requests held in the gateway waiting for a replica.",
+            ["model"],
+            registry=self.registry,
+        )
+        self.ready_replicas = Gauge(
+            "kvfleet_gateway_ready_replicas",
+            "Ready replicas the gateway routes to.",
+            ["model"],
+            registry=self.registry,
+        )
+        self.requests = Counter(
+            "kvfleet_gateway_requests",
+            "Requests answered, by HTTP status.",
+            ["model", "status"],
+            registry=self.registry,
+        )
+        self.routing_decisions = Counter(
+            "kvfleet_gateway_routing_decisions",
+            "Requests sent to a replica (retries included), by policy and replica.",
+            ["model", "policy", "endpoint"],
+            registry=self.registry,
+        )
+        self.retries = Counter(
+            "kvfleet_gateway_retries",
+            "Requests sent again to another replica before their first byte, by reason.",
+            ["model", "reason"],
+            registry=self.registry,
+        )
+        self.rejected = Counter(
+            "kvfleet_gateway_rejected",
+            "Requests the gateway's flow control refused, by reason and tier.",
+            ["model", "reason", "tier"],
+            registry=self.registry,
+        )
+        self.queue_wait = Histogram(
+            "kvfleet_gateway_queue_wait_seconds",
+            "Time from arrival until a replica was chosen.",
+            ["model"],
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.upstream_latency = Histogram(
+            "kvfleet_gateway_upstream_latency_seconds",
+            "Time from sending a request to a replica until its response headers arrived.",
+            ["model"],
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.activation = Histogram(
+            "kvfleet_gateway_activation_seconds",
+            "Time from a request for a model with no ready replica until its response began.",
+            ["model"],
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+
+    def forget(self, model: str) -> None:
+        """Drops a removed model's gauges, so a dashboard does not show it forever."""
+        for gauge in (self.queue_depth, self.ready_replicas):
+            with contextlib.suppress(KeyError):
+                gauge.remove(model)

@@ -1,0 +1,177 @@
+"""Replicas and gateways on real loopback sockets, in the test's own event loop, for the gateway's tests.
+
+The replicas are small aiohttp servers that answer like `kvfleet serve` does (OpenAI JSON, SSE ending with
+[DONE]) and record what reached them; the gateway under test is the real one, fed by a discovery source the
+test publishes through.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+from kvfleet.gateway.discovery import ModelConfig, Publish
+from kvfleet.gateway.proxy import Gateway
+
+# Safety limits of waits that succeed at once when the code is right; never timed assertions.
+WAIT_S = 30.0
+
+
+class PublishedDiscovery:
+    """A discovery source the test drives: what it publishes is what the gateway routes."""
+
+    def __init__(self, models: Mapping[str, ModelConfig]) -> None:
+        self.models = dict(models)
+        self._publish: Publish | None = None
+
+    async def run(self, publish: Publish) -> None:
+        self._publish = publish
+        publish(self.models)
+        await asyncio.Event().wait()
+
+    def publish(self, models: Mapping[str, ModelConfig]) -> None:
+        assert self._publish is not None, "the gateway is running"
+        self.models = dict(models)
+        self._publish(self.models)
+
+
+@dataclass
+class FakeReplica:
+    """A replica: answers completions after a permit (when `gated`), optionally streaming in chunks."""
+
+    name: str
+    status: int = 200
+    gated: bool = False
+    # Streams stop after the first chunk until `resume` is set.
+    pause_after_first_chunk: bool = False
+    # Streams break off (connection dropped) after the first chunk.
+    die_after_first_chunk: bool = False
+    received: list[dict[str, Any]] = field(default_factory=list)
+    headers: list[Mapping[str, str]] = field(default_factory=list)
+    permits: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(0))
+    resume: asyncio.Event = field(default_factory=asyncio.Event)
+    disconnected: asyncio.Event = field(default_factory=asyncio.Event)
+    url: str = ""
+    _runner: web.AppRunner | None = None
+
+    async def start(self) -> str:
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", self._complete)
+        app.router.add_post("/v1/completions", self._complete)
+        self._runner = web.AppRunner(app, handler_cancellation=True)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        self.url = f"http://127.0.0.1:{port}"
+        return self.url
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    async def _complete(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.received.append(body)
+        self.headers.append(dict(request.headers))
+        if self.status != 200:
+            return web.json_response(
+                {"error": {"message": "busy", "type": "service_unavailable", "param": None, "code": None}},
+                status=self.status,
+            )
+        try:
+            if self.gated:
+                await self.permits.acquire()
+            if not body.get("stream"):
+                return web.json_response(_completion(self.name, body), headers={"x-replica": self.name})
+            response = web.StreamResponse(
+                headers={"Content-Type": "text/event-stream", "x-replica": self.name}
+            )
+            await response.prepare(request)
+            for index in range(3):
+                await response.write(f"data: {json.dumps(_chunk(self.name, body, index))}\n\n".encode())
+                if index == 0 and self.die_after_first_chunk:
+                    assert request.transport is not None
+                    request.transport.abort()
+                    return response
+                if index == 0 and self.pause_after_first_chunk:
+                    await self.resume.wait()
+            await response.write(b"data: [DONE]\n\n")
+            await response.write_eof()
+            return response
+        except asyncio.CancelledError:
+            self.disconnected.set()
+            raise
+
+
+def _completion(name: str, body: dict[str, Any]) -> dict[str, Any]:
+    created = int(time.time())
+    usage = {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}
+    if "messages" in body:
+        message = {"role": "assistant", "content": name}
+        choice = {"index": 0, "message": message, "finish_reason": "stop", "logprobs": None}
+        return {"id": f"chatcmpl-{name}", "object": "chat.completion", "created": created,
+                "model": body["model"], "choices": [choice], "usage": usage}  # fmt: skip
+    choice = {"index": 0, "text": name, "finish_reason": "stop", "logprobs": None}
+    return {"id": f"cmpl-{name}", "object": "text_completion", "created": created, "model": body["model"],
+            "choices": [choice], "usage": usage}  # fmt: skip
+
+
+def _chunk(name: str, body: dict[str, Any], index: int) -> dict[str, Any]:
+    delta = {"role": "assistant", "content": f"{name}-{index}"}
+    choice = {"index": 0, "delta": delta, "finish_reason": None, "logprobs": None}
+    return {"id": f"chatcmpl-{name}", "object": "chat.completion.chunk", "created": int(time.time()),
+            "model": body["model"], "choices": [choice]}  # fmt: skip
+
+
+@asynccontextmanager
+async def replicas(*specs: FakeReplica) -> AsyncIterator[list[FakeReplica]]:
+    for replica in specs:
+        await replica.start()
+    try:
+        yield list(specs)
+    finally:
+        for replica in specs:
+            replica.resume.set()
+            await replica.stop()
+
+
+@asynccontextmanager
+async def running_gateway(
+    models: Mapping[str, ModelConfig], **options: Any
+) -> AsyncIterator[tuple[Gateway, PublishedDiscovery, str]]:
+    """A gateway serving `models` on a free loopback port: (gateway, its discovery, its base URL)."""
+    discovery = PublishedDiscovery(models)
+    gateway = Gateway(discovery, **options)
+    runner = await gateway.start("127.0.0.1", 0)
+    port = runner.addresses[0][1]
+    try:
+        await wait_until(lambda: set(gateway.fleet.pools) == set(models))
+        yield gateway, discovery, f"http://127.0.0.1:{port}"
+    finally:
+        await runner.cleanup()
+
+
+async def wait_until(condition: Any) -> None:
+    """Polls `condition` until true; fails the test (not a timed assertion) if it never becomes true."""
+    deadline = time.monotonic() + WAIT_S
+    while not condition():
+        assert time.monotonic() < deadline, "the condition never became true"
+        await asyncio.sleep(0.01)
+
+
+def queued(gateway: Gateway, model_name: str) -> float:
+    """The requests the gateway holds for a model, as its /metrics page reports them."""
+    value = gateway.metrics.registry.get_sample_value("kvfleet_gateway_queue_depth", {"model": model_name})
+    return 0.0 if value is None else value
+
+
+def model(name: str, *replicas: FakeReplica | str, **settings: Any) -> ModelConfig:
+    urls = tuple(replica if isinstance(replica, str) else replica.url for replica in replicas)
+    return ModelConfig(name=name, endpoints=urls, **settings)

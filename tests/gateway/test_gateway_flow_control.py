@@ -1,0 +1,130 @@
+"""Flow control through the real gateway: one replica held busy, requests queued by tier, shed and refused."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import aiohttp
+from gateway_harness import WAIT_S, FakeReplica, model, queued, replicas, running_gateway, wait_until
+from kvfleet.gateway.proxy import Gateway
+
+CHAT = [{"role": "user", "content": "hello"}]
+
+
+async def post(
+    url: str, tag: str, tier: str | None = None, **headers: str
+) -> tuple[int, dict[str, Any], str]:
+    """(status, JSON body, Retry-After) of one chat request; `tag` is the prompt, to tell requests apart."""
+    body: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": tag}]}
+    if tier is not None:
+        body["priority"] = tier
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(f"{url}/v1/chat/completions", json=body, headers=headers) as answer,
+    ):
+        return answer.status, await answer.json(), answer.headers.get("Retry-After", "")
+
+
+def tags(replica: FakeReplica) -> list[str]:
+    return [body["messages"][0]["content"] for body in replica.received]
+
+
+async def queue(gateway: Gateway, url: str, tag: str, tier: str | None, **headers: str) -> asyncio.Task[Any]:
+    """Sends a request and returns once it waits in the model's queue."""
+    before = queued(gateway, "m")
+    task = asyncio.create_task(post(url, tag, tier, **headers))
+    await wait_until(lambda: queued(gateway, "m") == before + 1 or task.done())
+    return task
+
+
+@asynccontextmanager
+async def one_busy_replica(
+    **options: Any,
+) -> AsyncIterator[tuple[Gateway, str, FakeReplica, asyncio.Task[Any]]]:
+    """A gateway in front of one replica that takes one request at a time and holds the request "first"
+    until the test releases it: (gateway, its URL, the replica, the request in flight)."""
+    async with (
+        replicas(FakeReplica("r", gated=True)) as (replica,),
+        running_gateway({"m": model("m", replica, max_in_flight=1)}, **options) as (gateway, _, url),
+    ):
+        busy = asyncio.create_task(post(url, "first", None))
+        await wait_until(lambda: len(replica.received) == 1)
+        yield gateway, url, replica, busy
+
+
+def test_queued_requests_go_out_by_tier_then_in_arrival_order() -> None:
+    async def scenario() -> None:
+        async with one_busy_replica() as (gateway, url, replica, busy):
+            order = [
+                ("b1", "batch"),
+                ("s1", "standard"),
+                ("c1", "critical"),
+                ("s2", None),
+                ("h1", "high"),
+            ]
+            waiting = [await queue(gateway, url, tag, tier) for tag, tier in order]
+            for _ in range(len(order) + 1):
+                replica.permits.release()
+            results = await asyncio.wait_for(asyncio.gather(busy, *waiting), WAIT_S)
+            assert [status for status, _, _ in results] == [200] * 6
+            # A request without a tier is the service's default (standard), queued after s1.
+            assert tags(replica) == ["first", "c1", "h1", "s1", "s2", "b1"]
+
+    asyncio.run(scenario())
+
+
+def test_a_full_queue_sheds_its_lowest_tier_first_and_refuses_with_429() -> None:
+    async def scenario() -> None:
+        async with one_busy_replica(max_queue=2) as (gateway, url, replica, busy):
+            batch = await queue(gateway, url, "b1", "batch")
+            standard = await queue(gateway, url, "s1", "standard")
+            # Full: a critical arrival takes the batch request's place.
+            critical = asyncio.create_task(post(url, "c1", "critical"))
+            status, body, retry_after = await asyncio.wait_for(batch, WAIT_S)
+            assert (status, body["error"]["code"]) == (429, "shed") and int(retry_after) > 0
+            # Still full, with nothing less urgent than a new standard request: refused at once.
+            status, body, retry_after = await post(url, "s2", "standard")
+            assert (status, body["error"]["code"]) == (429, "queue_full") and int(retry_after) > 0
+            for _ in range(3):
+                replica.permits.release()
+            results = await asyncio.wait_for(asyncio.gather(busy, standard, critical), WAIT_S)
+            assert [status for status, _, _ in results] == [200, 200, 200]
+            assert tags(replica) == ["first", "c1", "s1"]
+            async with aiohttp.ClientSession() as session, session.get(f"{url}/metrics") as answer:
+                metrics = await answer.text()
+        assert 'kvfleet_gateway_rejected_total{model="m",reason="shed",tier="batch"} 1.0' in metrics
+        assert 'kvfleet_gateway_rejected_total{model="m",reason="queue_full",tier="standard"} 1.0' in metrics
+
+    asyncio.run(scenario())
+
+
+def test_a_request_past_its_deadline_in_the_queue_gets_429() -> None:
+    async def scenario() -> None:
+        async with one_busy_replica() as (gateway, url, replica, busy):
+            status, body, retry_after = await post(url, "late", None, **{"x-kvfleet-deadline-ms": "50"})
+            assert (status, body["error"]["code"]) == (429, "deadline_exceeded") and int(retry_after) > 0
+            assert queued(gateway, "m") == 0
+            replica.permits.release()
+            assert (await asyncio.wait_for(busy, WAIT_S))[0] == 200
+            assert tags(replica) == ["first"]
+
+    asyncio.run(scenario())
+
+
+def test_a_client_that_leaves_the_queue_frees_its_place() -> None:
+    async def scenario() -> None:
+        async with one_busy_replica() as (gateway, url, replica, busy):
+            leaving = await queue(gateway, url, "gone", "critical")
+            staying = await queue(gateway, url, "kept", "batch")
+            leaving.cancel()
+            await wait_until(lambda: queued(gateway, "m") == 1)
+            replica.permits.release()
+            replica.permits.release()
+            results = await asyncio.wait_for(asyncio.gather(busy, staying), WAIT_S)
+            assert [status for status, _, _ in results] == [200, 200]
+            assert tags(replica) == ["first", "kept"]
+
+    asyncio.run(scenario())

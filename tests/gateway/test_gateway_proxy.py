@@ -1,0 +1,261 @@
+"""The gateway proxy end to end: the official openai SDK (or raw HTTP) -> the real gateway -> replicas on
+real sockets."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import aiohttp
+import openai
+import pytest
+from gateway_harness import WAIT_S, FakeReplica, model, queued, replicas, running_gateway, wait_until
+
+CHAT = [{"role": "user", "content": "hello"}]
+
+
+def client(url: str, **options: Any) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, **options)
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    """The value of one sample of a Prometheus text page (0 when absent)."""
+    wanted = ",".join(f'{key}="{value}"' for key, value in sorted(labels.items()))
+    for line in text.splitlines():
+        if line.startswith(f"{name}{{"):
+            series, value = line.rsplit(" ", 1)
+            found = ",".join(sorted(series[len(name) + 1 : -1].split(",")))
+            if found == wanted:
+                return float(value)
+    return 0.0
+
+
+async def page(url: str) -> str:
+    async with aiohttp.ClientSession() as session, session.get(f"{url}/metrics") as response:
+        return await response.text()
+
+
+def test_requests_reach_their_model_and_models_lists_the_fleet() -> None:
+    async def scenario() -> None:
+        async with replicas(FakeReplica("a1"), FakeReplica("a2"), FakeReplica("b1")) as (a1, a2, b1):
+            models = {"alpha": model("alpha", a1, a2), "beta": model("beta", b1)}
+            async with running_gateway(models) as (_, _, url):
+                sdk = client(url)
+                listed = await sdk.models.list()
+                assert sorted(entry.id for entry in listed.data) == ["alpha", "beta"]
+                for _ in range(4):
+                    chat = await sdk.chat.completions.create(model="alpha", messages=CHAT)
+                    assert chat.choices[0].message.content in {"a1", "a2"}
+                text = await sdk.completions.create(model="beta", prompt="hi")
+                assert text.choices[0].text == "b1"
+                assert len(a1.received) + len(a2.received) == 4 and len(b1.received) == 1
+                assert all(body["model"] == "alpha" for body in a1.received + a2.received)
+
+    asyncio.run(scenario())
+
+
+def test_the_body_and_headers_reach_the_replica_unchanged() -> None:
+    async def scenario() -> None:
+        async with (
+            replicas(FakeReplica("r")) as (replica,),
+            running_gateway({"m": model("m", replica)}) as (_, _, url),
+        ):
+            body = {"model": "m", "messages": CHAT, "max_tokens": 3, "priority": "high", "extra": [1, 2]}
+            async with aiohttp.ClientSession() as session:
+                headers = {"Authorization": "Bearer secret", "x-kvfleet-priority": "batch"}
+                async with session.post(f"{url}/v1/chat/completions", json=body, headers=headers) as answer:
+                    assert answer.status == 200
+                    assert answer.headers["x-replica"] == "r"
+            assert replica.received == [body]
+            assert replica.headers[0]["Authorization"] == "Bearer secret"
+            assert replica.headers[0]["x-kvfleet-priority"] == "batch"
+
+    asyncio.run(scenario())
+
+
+def test_an_unknown_model_is_404_without_an_upstream_call() -> None:
+    async def scenario() -> None:
+        async with (
+            replicas(FakeReplica("r")) as (replica,),
+            running_gateway({"m": model("m", replica)}) as (_, _, url),
+        ):
+            with pytest.raises(openai.NotFoundError) as raised:
+                await client(url).chat.completions.create(model="other", messages=CHAT)
+            assert raised.value.body["code"] == "model_not_found"  # type: ignore[index]
+            assert raised.value.body["param"] == "model"  # type: ignore[index]
+            assert replica.received == []
+
+    asyncio.run(scenario())
+
+
+MALFORMED = [
+    ("/v1/chat/completions", b"{not json", {}),
+    ("/v1/chat/completions", b"[1, 2]", {}),
+    ("/v1/chat/completions", json.dumps({"messages": CHAT}).encode(), {}),
+    ("/v1/chat/completions", json.dumps({"model": "", "messages": CHAT}).encode(), {}),
+    ("/v1/chat/completions", json.dumps({"model": "m", "messages": "hi"}).encode(), {}),
+    ("/v1/chat/completions", json.dumps({"model": "m", "messages": [{"content": "x"}]}).encode(), {}),
+    ("/v1/chat/completions", json.dumps({"model": "m", "messages": CHAT, "stream": "yes"}).encode(), {}),
+    ("/v1/chat/completions", json.dumps({"model": "m", "messages": CHAT, "priority": "urgent"}).encode(), {}),
+    (
+        "/v1/chat/completions",
+        json.dumps({"model": "m", "messages": CHAT}).encode(),
+        {"x-kvfleet-priority": "9"},
+    ),
+    (
+        "/v1/chat/completions",
+        json.dumps({"model": "m", "messages": CHAT}).encode(),
+        {"x-kvfleet-deadline-ms": "0"},
+    ),
+    ("/v1/completions", json.dumps({"model": "m"}).encode(), {}),
+    ("/v1/completions", json.dumps({"model": "m", "prompt": {"text": "x"}}).encode(), {}),
+    ("/v1/completions", b"\xff\xfe", {}),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "headers"), MALFORMED)
+def test_a_malformed_body_is_refused_before_routing(path: str, body: bytes, headers: dict[str, str]) -> None:
+    async def scenario() -> None:
+        async with (
+            replicas(FakeReplica("r")) as (replica,),
+            running_gateway({"m": model("m", replica)}) as (_, _, url),
+            aiohttp.ClientSession() as session,
+        ):
+            headers["Content-Type"] = "application/json"
+            async with session.post(f"{url}{path}", data=body, headers=headers) as answer:
+                assert answer.status == 400
+                error = (await answer.json())["error"]
+            assert set(error) == {"message", "type", "param", "code"}
+            assert error["type"] == "invalid_request_error" and error["message"]
+            assert replica.received == []
+
+    asyncio.run(scenario())
+
+
+def test_bodies_and_headers_are_bounded() -> None:
+    async def scenario() -> None:
+        async with (
+            replicas(FakeReplica("r")) as (replica,),
+            running_gateway({"m": model("m", replica)}, max_body_bytes=4096) as (_, _, url),
+            aiohttp.ClientSession() as session,
+        ):
+            big = {"model": "m", "messages": [{"role": "user", "content": "x" * 5000}]}
+            async with session.post(f"{url}/v1/chat/completions", json=big) as answer:
+                assert answer.status == 413
+                assert (await answer.json())["error"]["type"] == "invalid_request_error"
+            small = {"model": "m", "messages": CHAT}
+            huge_header = {"x-filler": "y" * 20_000}
+            async with session.post(f"{url}/v1/chat/completions", json=small, headers=huge_header) as answer:
+                assert 400 <= answer.status < 500
+            assert replica.received == []
+
+    asyncio.run(scenario())
+
+
+def test_server_sent_events_pass_through_unbuffered() -> None:
+    async def scenario() -> None:
+        async with (
+            replicas(FakeReplica("r", pause_after_first_chunk=True)) as (replica,),
+            running_gateway({"m": model("m", replica)}) as (_, _, url),
+        ):
+            stream = await client(url).chat.completions.create(model="m", messages=CHAT, stream=True)
+            chunks = aiter(stream)
+            # The replica holds its second chunk back: the first arrives only if nothing buffers it.
+            first = await asyncio.wait_for(anext(chunks), WAIT_S)
+            assert first.choices[0].delta.content == "r-0"
+            replica.resume.set()
+            rest = [chunk.choices[0].delta.content async for chunk in chunks]
+            assert rest == ["r-1", "r-2"]
+
+    asyncio.run(scenario())
+
+
+def test_a_client_disconnect_reaches_the_replica() -> None:
+    async def scenario() -> None:
+        async with (
+            replicas(FakeReplica("r", pause_after_first_chunk=True)) as (replica,),
+            running_gateway({"m": model("m", replica)}) as (gateway, _, url),
+            aiohttp.ClientSession() as session,
+        ):
+            body = {"model": "m", "messages": CHAT, "stream": True}
+            answer = await session.post(f"{url}/v1/chat/completions", json=body)
+            assert (await answer.content.readuntil(b"\n\n")).startswith(b"data: ")
+            answer.close()  # the client goes away mid-stream
+            await asyncio.wait_for(replica.disconnected.wait(), WAIT_S)
+            pool = gateway.fleet.pools["m"]
+            await wait_until(lambda: pool.replicas[0].in_flight == 0)
+
+    asyncio.run(scenario())
+
+
+def test_connection_errors_and_503s_are_retried_on_another_replica() -> None:
+    async def scenario() -> None:
+        async with replicas(FakeReplica("busy", status=503), FakeReplica("good")) as (busy, good):
+            dead = "http://127.0.0.1:9"  # the discard port: nothing listens, the connection is refused
+            config = model("m", dead, busy, good, policy="round-robin")
+            async with running_gateway({"m": config}) as (_, _, url):
+                sdk = client(url)
+                for _ in range(6):
+                    chat = await sdk.chat.completions.create(model="m", messages=CHAT)
+                    assert chat.choices[0].message.content == "good"
+                metrics = await page(url)
+        assert len(good.received) == 6 and busy.received
+        assert metric(metrics, "kvfleet_gateway_retries_total", model="m", reason="connection_error") >= 1
+        assert metric(metrics, "kvfleet_gateway_retries_total", model="m", reason="unavailable") >= 1
+
+    asyncio.run(scenario())
+
+
+def test_a_stream_that_breaks_after_its_first_byte_is_not_retried() -> None:
+    async def scenario() -> None:
+        async with replicas(FakeReplica("a", die_after_first_chunk=True), FakeReplica("b")) as (
+            broken,
+            other,
+        ):
+            config = model("m", broken, other, policy="round-robin")
+            async with running_gateway({"m": config}) as (_, _, url), aiohttp.ClientSession() as session:
+                body = {"model": "m", "messages": CHAT, "stream": True}
+                async with session.post(f"{url}/v1/chat/completions", json=body) as answer:
+                    assert answer.status == 200
+                    events = (await answer.read()).decode().split("\n\n")
+                assert json.loads(events[0].removeprefix("data: "))["choices"][0]["delta"]["content"] == "a-0"
+                assert json.loads(events[1].removeprefix("data: "))["error"]["code"] == "upstream_failed"
+                assert other.received == []
+
+    asyncio.run(scenario())
+
+
+def test_a_model_with_no_usable_replica_is_503_with_retry_after_once_the_hold_time_passes() -> None:
+    async def scenario() -> None:
+        dead = "http://127.0.0.1:9"
+        models = {"zero": model("zero", hold_seconds=0.2), "down": model("down", dead, hold_seconds=0.2)}
+        async with running_gateway(models) as (_, _, url):
+            sdk = client(url)
+            for name in models:
+                with pytest.raises(openai.APIStatusError) as raised:
+                    await sdk.chat.completions.create(model=name, messages=CHAT)
+                assert raised.value.status_code == 503
+                assert int(raised.value.response.headers["Retry-After"]) > 0
+                assert raised.value.body["type"] == "service_unavailable"  # type: ignore[index]
+
+    asyncio.run(scenario())
+
+
+def test_a_request_for_a_model_at_zero_is_held_until_a_replica_is_ready() -> None:
+    async def scenario() -> None:
+        async with (
+            replicas(FakeReplica("late")) as (late,),
+            running_gateway({"m": model("m", hold_seconds=WAIT_S)}) as (gateway, discovery, url),
+        ):
+            request = asyncio.create_task(client(url).chat.completions.create(model="m", messages=CHAT))
+            await wait_until(lambda: queued(gateway, "m") == 1)
+            assert not request.done()
+            discovery.publish({"m": model("m", late, hold_seconds=WAIT_S)})
+            chat = await asyncio.wait_for(request, WAIT_S)
+            assert chat.choices[0].message.content == "late"
+            metrics = await page(url)
+        assert metric(metrics, "kvfleet_gateway_activation_seconds_count", model="m") == 1
+        assert metric(metrics, "kvfleet_gateway_queue_depth", model="m") == 0
+
+    asyncio.run(scenario())

@@ -1,0 +1,110 @@
+"""The routing policies, on their own and through the real gateway."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections import Counter
+
+import openai
+from gateway_harness import FakeReplica, model, replicas, running_gateway
+from hypothesis import given
+from hypothesis import strategies as st
+from kvfleet.gateway.routing import LeastRequest, PrefixHash, Replica, RoundRobin
+
+
+def fleet(*loads: int) -> list[Replica]:
+    return [Replica(f"http://10.0.0.{index}:8000", load) for index, load in enumerate(loads)]
+
+
+def anyone(replica: Replica) -> bool:
+    return True
+
+
+def test_round_robin_takes_usable_replicas_in_turn() -> None:
+    replicas_ = fleet(0, 0, 0)
+    policy = RoundRobin()
+    picks = [policy.choose(replicas_, "", anyone) for _ in range(6)]
+    assert picks == replicas_ + replicas_
+    skip_middle = [policy.choose(replicas_, "", lambda r: r is not replicas_[1]) for _ in range(4)]
+    assert skip_middle == [replicas_[0], replicas_[2], replicas_[0], replicas_[2]]
+    assert policy.choose(replicas_, "", lambda r: False) is None
+
+
+def test_least_request_takes_the_fewest_in_flight_and_spreads_ties() -> None:
+    replicas_ = fleet(3, 1, 2)
+    policy = LeastRequest()
+    assert policy.choose(replicas_, "", anyone) is replicas_[1]
+    assert policy.choose(replicas_, "", lambda r: r is not replicas_[1]) is replicas_[2]
+    tied = fleet(0, 0, 0)
+    assert {id(policy.choose(tied, "", anyone)) for _ in range(3)} == {id(r) for r in tied}
+
+
+def test_prefix_hash_keeps_a_prefix_on_one_replica_and_spreads_prefixes() -> None:
+    replicas_ = fleet(0, 0, 0, 0)
+    policy = PrefixHash(prefix_chars=16)
+    tenants = [f"tenant {index:04d} system prompt" for index in range(200)]
+    homes = {tenant: policy.choose(replicas_, tenant + " question A", anyone) for tenant in tenants}
+    # Only the first 16 characters count: a different question keeps the tenant's replica.
+    assert all(
+        policy.choose(replicas_, tenant + " question B", anyone) is homes[tenant] for tenant in tenants
+    )
+    spread = Counter(id(replica) for replica in homes.values())
+    assert len(spread) == 4 and min(spread.values()) >= 20
+
+
+def test_prefix_hash_moves_only_the_keys_of_a_removed_replica() -> None:
+    replicas_ = fleet(0, 0, 0, 0)
+    policy = PrefixHash()
+    keys = [f"prompt {index}" for index in range(300)]
+    before = {key: policy.choose(replicas_, key, anyone) for key in keys}
+    remaining = replicas_[:3]
+    after = {key: policy.choose(remaining, key, anyone) for key in keys}
+    moved = [key for key in keys if after[key] is not before[key]]
+    assert moved and all(before[key] is replicas_[3] for key in moved)
+
+
+@given(
+    loads=st.lists(st.integers(0, 50), min_size=1, max_size=8),
+    bound_percent=st.integers(100, 300),
+    key=st.text(max_size=40),
+)
+def test_prefix_hash_never_exceeds_its_load_bound(loads: list[int], bound_percent: int, key: str) -> None:
+    replicas_ = fleet(*loads)
+    bound = bound_percent / 100
+    chosen = PrefixHash(load_bound=bound).choose(replicas_, key, anyone)
+    assert chosen is not None
+    assert chosen.in_flight + 1 <= math.ceil(bound * (sum(loads) + 1) / len(loads))
+
+
+def test_prefix_hash_passes_over_a_loaded_home_replica() -> None:
+    replicas_ = fleet(0, 0, 0)
+    policy = PrefixHash(load_bound=1.25)
+    home = policy.choose(replicas_, "shared prefix", anyone)
+    assert home is not None
+    home.in_flight = 5  # the others hold none: 1.25 * 6 / 3 rounds up to 3 < 6
+    elsewhere = policy.choose(replicas_, "shared prefix", anyone)
+    assert elsewhere is not home and elsewhere is not None
+    assert policy.choose(replicas_, "shared prefix", lambda r: r is home) is home, "the only usable replica"
+
+
+def test_the_gateway_routes_a_shared_prefix_to_one_replica_under_prefix_hash() -> None:
+    async def scenario() -> None:
+        async with replicas(FakeReplica("r0"), FakeReplica("r1"), FakeReplica("r2")) as fleet_:
+            # The hashed text is "system\nYou are the assistant of tenant NNN.\nuser\n...": 48 characters end
+            # before the question.
+            config = model("m", *fleet_, policy="prefix-hash", prefix_chars=48)
+            async with running_gateway({"m": config}) as (_, _, url):
+                sdk = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+                answered: dict[str, set[str]] = {}
+                for tenant in range(12):
+                    system = {"role": "system", "content": f"You are the assistant of tenant {tenant:03d}."}
+                    for question in range(4):
+                        chat = await sdk.chat.completions.create(
+                            model="m", messages=[system, {"role": "user", "content": f"question {question}"}]
+                        )
+                        answered.setdefault(str(tenant), set()).add(chat.choices[0].message.content or "")
+        assert all(len(served_by) == 1 for served_by in answered.values())
+        assert len({replica for served_by in answered.values() for replica in served_by}) > 1
+
+    asyncio.run(scenario())
