@@ -33,6 +33,37 @@ def make_model(arch: str, preset: str, seed: int, dtype: str, out_dir: str) -> N
     click.echo(f"wrote {arch} ({preset}) to {path}")
 
 
+@click.command("make-adapter")
+@click.option(
+    "--base", required=True, type=click.Path(exists=True, file_okay=False), help="Base model folder."
+)
+@click.option("--rank", type=click.IntRange(min=1), default=8, show_default=True)
+@click.option("--alpha", type=float, default=None, help="lora_alpha; by default the rank (scaling 1).")
+@click.option(
+    "--target-modules",
+    default="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
+    show_default=True,
+    help="Comma-separated projections to adapt.",
+)
+@click.option("--use-rslora", is_flag=True, help="Scale by alpha / sqrt(rank) instead of alpha / rank.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random weights.")
+@click.argument("out_dir", type=click.Path(file_okay=False))
+def make_adapter(
+    base: str, rank: int, alpha: float | None, target_modules: str, use_rslora: bool, seed: int, out_dir: str
+) -> None:
+    """Write a PEFT LoRA adapter with random weights for the model at --base to OUT_DIR."""
+    from kvfleet.runtime.lora.make_adapter import make_adapter as build
+
+    targets = tuple(t.strip() for t in target_modules.split(",") if t.strip())
+    try:
+        path = build(
+            base, out_dir, rank=rank, alpha=alpha, target_modules=targets, use_rslora=use_rslora, seed=seed
+        )
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from exc
+    click.echo(f"wrote a rank-{rank} adapter to {path}")
+
+
 @click.command()
 @click.option("--model", required=True, type=click.Path(exists=True, file_okay=False), help="Model folder.")
 @click.option("--prompt", "prompts", multiple=True, required=True, help="A prompt; repeat for several.")
