@@ -444,3 +444,17 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
     }
+
+
+class LoadLoRAAdapterRequest(_Body):
+    """vLLM's body for POST /v1/load_lora_adapter."""
+
+    lora_name: Annotated[str, Strict()]
+    lora_path: Annotated[str, Strict()]
+
+
+class UnloadLoRAAdapterRequest(_Body):
+    """vLLM's body for POST /v1/unload_lora_adapter (its lora_int_id is accepted and not needed)."""
+
+    lora_name: Annotated[str, Strict()]
+    lora_int_id: StrictInt | None = None

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from kvfleet.runtime.engine.async_llm import AsyncLLM
 from kvfleet.runtime.metrics import ServerMetrics
+from kvfleet.runtime.server.lora_adapters import LoRAAdapters
 from kvfleet.runtime.server.priorities import DEFAULT_TIER, TIER_NAMES, TIERS
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 8 << 20
@@ -40,6 +41,8 @@ class ServerSettings:
     # tool_choice "auto": allowed, and the parser (a TOOL_CALL_PARSERS name) that reads calls from the output.
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
+    # POST /v1/load_lora_adapter and /v1/unload_lora_adapter are served.
+    allow_runtime_lora_updates: bool = False
 
 
 @dataclass
@@ -50,6 +53,8 @@ class ServerState:
     draining: bool = False
     # HTTP requests on generation routes that have not finished sending their response.
     in_flight: int = 0
+    # The LoRA adapters served by name; None when LoRA is off.
+    lora_adapters: LoRAAdapters | None = None
 
     @property
     def ready(self) -> bool:
