@@ -184,6 +184,36 @@ def bench_structured(model: str | None, num_requests: int, bench_seed: int, **op
     print_structured_report(report)
 
 
+@bench.command("lora")
+@click.option(
+    "--model", type=click.Path(exists=True, file_okay=False), default=None, help="Default: make `small`."
+)
+@click.option("--num-requests", type=int, default=64, show_default=True)
+@click.option("--num-adapters", type=click.IntRange(min=1), default=4, show_default=True)
+@click.option("--rank", type=click.IntRange(min=1), default=16, show_default=True)
+@click.option("--bench-seed", type=int, default=0, show_default=True, help="Seed of the synthetic workload.")
+@engine_options
+def bench_lora(
+    model: str | None, num_requests: int, num_adapters: int, rank: int, bench_seed: int, **options
+) -> None:
+    """Throughput of requests spread over LoRA adapters against the same requests on the base model."""
+    from kvfleet.runtime.bench.lora import run_lora
+    from kvfleet.runtime.bench.report import print_lora_report
+
+    with _model_or_small(model) as model_dir:
+        config = engine_config_from_options(model_dir, options)
+        results = run_lora(
+            model_dir,
+            num_requests=num_requests,
+            num_adapters=num_adapters,
+            rank=rank,
+            engine_options=config.as_options(),
+            seed=bench_seed,
+            log=lambda line: click.echo(line, err=True),
+        )
+    print_lora_report(*results)
+
+
 @bench.command("engine-timing")
 @click.option("--model", required=True, type=click.Path(exists=True, file_okay=False))
 @click.option(

@@ -3,8 +3,8 @@
 A PEFT adapter holds, per adapted projection, `lora_A` [r, in] and `lora_B` [out, r]; the model adds
 `scaling * x @ A.T @ B.T` to the projection's output (scaling = alpha / r, or alpha / sqrt(r) for rsLoRA).
 The model fuses q/k/v and gate/up into one matmul each, so their adapters are stacked the same way: the
-slices' A matrices one above the other, and their B matrices block-diagonal, which gives every slice its own
-update from one pair of matmuls. Scaling is folded into B.
+slices' A matrices one above the other, and their B matrices one above the other too (each slice's rows of
+the fused output take its own B). Scaling is folded into B.
 """
 
 from __future__ import annotations
@@ -42,8 +42,9 @@ class LoRAAdapterError(ValueError):
 
 @dataclass
 class LoRAWeights:
-    """One adapter, ready for the model: per layer, per fused projection, (A stacked, B block-diagonal),
-    each slice padded with zeros to `max_rank` rows so that every adapter fits the same slots."""
+    """One adapter, ready for the model: per layer, per fused projection, A [slices * max_rank, in] and
+    B [out, max_rank], each slice's rank padded with zeros to `max_rank` so that every adapter fits the same
+    slots."""
 
     rank: int
     layers: list[dict[str, tuple[torch.Tensor, torch.Tensor]]]
@@ -107,7 +108,7 @@ def load_lora_weights(
             in_features = sizes[slices[0]][0]
             out_total = sum(sizes[part][1] for part in slices)
             a = torch.zeros(len(slices) * max_rank, in_features)
-            b = torch.zeros(out_total, len(slices) * max_rank)
+            b = torch.zeros(out_total, max_rank)
             row = 0
             for position, part in enumerate(slices):
                 out_features = sizes[part][1]
@@ -115,7 +116,7 @@ def load_lora_weights(
                     lora_a, lora_b = tensors[(index, part)]
                     first = position * max_rank
                     a[first : first + rank] = lora_a
-                    b[row : row + out_features, first : first + rank] = lora_b * scaling
+                    b[row : row + out_features, :rank] = lora_b * scaling
                 row += out_features
             fused[fused_name] = (a.to(dtype), b.to(dtype))
         layers.append(fused)

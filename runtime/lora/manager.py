@@ -35,7 +35,13 @@ class LoRAManager:
         self.device = device
         self.batch = LoRABatch()
         self.layers = add_lora_layers(
-            model, self.batch, max_loras=max_loras, max_rank=max_rank, dtype=dtype, device=device
+            model,
+            model_config,
+            self.batch,
+            max_loras=max_loras,
+            max_rank=max_rank,
+            dtype=dtype,
+            device=device,
         )
         self._host: OrderedDict[int, LoRAWeights] = OrderedDict()
         # Which adapter each slot holds, least recently used first.
@@ -58,23 +64,21 @@ class LoRAManager:
             self._host.popitem(last=False)
 
     def prepare(self, loras: list[LoRARequest | None], query_start_loc: Sequence[int]) -> None:
-        """Put the step's adapters in slots and say which token rows each one runs on."""
+        """Put the step's adapters in slots and mark which tokens run with which slot."""
+        if all(lora is None for lora in loras):
+            self.batch.mask = None
+            return
         for lora in loras:
             # Adapters already in slots first: the slots this step uses are then the most recently used.
             if lora is not None and lora.lora_int_id in self._slots:
                 self._slots.move_to_end(lora.lora_int_id)
-        rows_of: dict[int, list[np.ndarray]] = {}
+        token_slots = np.full(int(query_start_loc[len(loras)]), -1, dtype=np.int64)
         for index, lora in enumerate(loras):
-            if lora is None:
-                continue
-            slot = self._slot_for(lora)
-            rows_of.setdefault(slot, []).append(np.arange(query_start_loc[index], query_start_loc[index + 1]))
-        num_tokens = int(query_start_loc[len(loras)])
-        groups: list[tuple[int, torch.Tensor | None]] = []
-        for slot, parts in rows_of.items():
-            rows = np.concatenate(parts)
-            groups.append((slot, None if len(rows) == num_tokens else torch.from_numpy(rows).to(self.device)))
-        self.batch.groups = groups
+            if lora is not None:
+                token_slots[query_start_loc[index] : query_start_loc[index + 1]] = self._slot_for(lora)
+        slots = torch.from_numpy(token_slots).to(self.device)[:, None]
+        slot_of_column = torch.arange(self.max_loras * self.max_rank, device=self.device) // self.max_rank
+        self.batch.mask = (slot_of_column == slots).to(self.dtype)
 
     def _slot_for(self, lora: LoRARequest) -> int:
         slot = self._slots.get(lora.lora_int_id)
@@ -88,12 +92,6 @@ class LoRAManager:
         weights = self._host[lora.lora_int_id]
         for wrapped, adapted in zip(self.layers, weights.layers, strict=True):
             for name, module in wrapped.items():
-                if name in adapted:
-                    a, b = adapted[name]
-                    module.lora_a[slot].copy_(a, non_blocking=True)
-                    module.lora_b[slot].copy_(b, non_blocking=True)
-                else:
-                    module.lora_a[slot].zero_()
-                    module.lora_b[slot].zero_()
+                module.set_slot(slot, *adapted.get(name, (None, None)))
         self._slots[lora.lora_int_id] = slot
         return slot
