@@ -14,6 +14,7 @@ import click
 # name -> "module:attribute" of a click command or group.
 COMMANDS: dict[str, str] = {
     "make-model": "kvfleet.runtime.cli:make_model",
+    "make-adapter": "kvfleet.runtime.cli:make_adapter",
     "download-model": "kvfleet.runtime.cli:download_model",
     "generate": "kvfleet.runtime.cli:generate",
     "demo": "kvfleet.runtime.cli:demo",

@@ -12,13 +12,15 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 if TYPE_CHECKING:
     from kvfleet.runtime.config import EngineConfig
     from kvfleet.runtime.engine.llm import LLM
+    from kvfleet.runtime.lora.request import LoRARequest
     from kvfleet.runtime.sampling_params import SamplingParams, StructuredOutputsParams
 
-__all__ = ["LLM", "EngineConfig", "SamplingParams", "StructuredOutputsParams"]
+__all__ = ["LLM", "EngineConfig", "LoRARequest", "SamplingParams", "StructuredOutputsParams"]
 
 _EXPORTS = {
     "LLM": "kvfleet.runtime.engine.llm",
     "EngineConfig": "kvfleet.runtime.config",
+    "LoRARequest": "kvfleet.runtime.lora.request",
     "SamplingParams": "kvfleet.runtime.sampling_params",
     "StructuredOutputsParams": "kvfleet.runtime.sampling_params",
 }

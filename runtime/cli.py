@@ -33,6 +33,37 @@ def make_model(arch: str, preset: str, seed: int, dtype: str, out_dir: str) -> N
     click.echo(f"wrote {arch} ({preset}) to {path}")
 
 
+@click.command("make-adapter")
+@click.option(
+    "--base", required=True, type=click.Path(exists=True, file_okay=False), help="Base model folder."
+)
+@click.option("--rank", type=click.IntRange(min=1), default=8, show_default=True)
+@click.option("--alpha", type=float, default=None, help="lora_alpha; by default the rank (scaling 1).")
+@click.option(
+    "--target-modules",
+    default="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
+    show_default=True,
+    help="Comma-separated projections to adapt.",
+)
+@click.option("--use-rslora", is_flag=True, help="Scale by alpha / sqrt(rank) instead of alpha / rank.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random weights.")
+@click.argument("out_dir", type=click.Path(file_okay=False))
+def make_adapter(
+    base: str, rank: int, alpha: float | None, target_modules: str, use_rslora: bool, seed: int, out_dir: str
+) -> None:
+    """Write a PEFT LoRA adapter with random weights for the model at --base to OUT_DIR."""
+    from kvfleet.runtime.lora.make_adapter import make_adapter as build
+
+    targets = tuple(t.strip() for t in target_modules.split(",") if t.strip())
+    try:
+        path = build(
+            base, out_dir, rank=rank, alpha=alpha, target_modules=targets, use_rslora=use_rslora, seed=seed
+        )
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from exc
+    click.echo(f"wrote a rank-{rank} adapter to {path}")
+
+
 @click.command()
 @click.option("--model", required=True, type=click.Path(exists=True, file_okay=False), help="Model folder.")
 @click.option("--prompt", "prompts", multiple=True, required=True, help="A prompt; repeat for several.")
@@ -219,6 +250,36 @@ def bench_batch(
             log=lambda line: click.echo(line, err=True),
         )
     click.echo(format_report(report))
+
+
+@bench.command("lora")
+@click.option(
+    "--model", type=click.Path(exists=True, file_okay=False), default=None, help="Default: make `small`."
+)
+@click.option("--num-requests", type=int, default=64, show_default=True)
+@click.option("--num-adapters", type=click.IntRange(min=1), default=4, show_default=True)
+@click.option("--rank", type=click.IntRange(min=1), default=16, show_default=True)
+@click.option("--bench-seed", type=int, default=0, show_default=True, help="Seed of the synthetic workload.")
+@engine_options
+def bench_lora(
+    model: str | None, num_requests: int, num_adapters: int, rank: int, bench_seed: int, **options
+) -> None:
+    """Throughput of requests spread over LoRA adapters against the same requests on the base model."""
+    from kvfleet.runtime.bench.lora import run_lora
+    from kvfleet.runtime.bench.report import print_lora_report
+
+    with _model_or_small(model) as model_dir:
+        config = engine_config_from_options(model_dir, options)
+        results = run_lora(
+            model_dir,
+            num_requests=num_requests,
+            num_adapters=num_adapters,
+            rank=rank,
+            engine_options=config.as_options(),
+            seed=bench_seed,
+            log=lambda line: click.echo(line, err=True),
+        )
+    print_lora_report(*results)
 
 
 @bench.command("engine-timing")

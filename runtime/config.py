@@ -50,6 +50,12 @@ class EngineConfig:
         "Attention backend by name; by default the fastest supported one is chosen.", default=None
     )
     seed: int = _option("Seed of the engine's random generator (requests may bring their own).", default=0)
+    enable_lora: bool = _option("Serve LoRA adapters on top of the model.", default=False)
+    max_loras: int = _option("Most LoRA adapters in one step's batch.", default=1)
+    max_lora_rank: int = _option("Highest LoRA rank an adapter may have.", default=16)
+    max_cpu_loras: int | None = _option(
+        "LoRA adapters kept in host memory (least recently used dropped); by default max_loras.", default=None
+    )
 
     def __post_init__(self) -> None:
         self.validate()
@@ -74,6 +80,12 @@ class EngineConfig:
             "max_num_batched_tokens must be positive",
         )
         require(self.max_model_len is None or self.max_model_len > 0, "max_model_len must be positive")
+        require(self.max_loras > 0, "max_loras must be positive")
+        require(self.max_lora_rank > 0, "max_lora_rank must be positive")
+        require(
+            self.max_cpu_loras is None or self.max_cpu_loras >= self.max_loras,
+            "max_cpu_loras must be at least max_loras",
+        )
 
     def replace(self, **changes: Any) -> EngineConfig:
         return dataclasses.replace(self, **changes)

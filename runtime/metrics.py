@@ -110,6 +110,25 @@ class ServerMetrics:
             ["model_name", "finished_reason"],
             registry=self.registry,
         )
+        self._lora_requests = Counter(
+            "kvfleet:lora_requests",
+            "Requests per LoRA adapter.",
+            ["model_name", "lora_name"],
+            registry=self.registry,
+        )
+        self._lora_generation_tokens = Counter(
+            "kvfleet:lora_generation_tokens",
+            "Tokens generated per LoRA adapter.",
+            ["model_name", "lora_name"],
+            registry=self.registry,
+        )
+        self._lora_adapters = Gauge(
+            "kvfleet:lora_adapters_loaded",
+            "LoRA adapters this server serves by name.",
+            ["model_name"],
+            registry=self.registry,
+            multiprocess_mode="max",
+        )
         self._rejected = Counter(
             "kvfleet:requests_rejected",
             "Requests refused before running: overloaded (queue full), shed (displaced by a higher tier), "
@@ -166,8 +185,13 @@ class ServerMetrics:
 
     # ---- requests ------------------------------------------------------------------------------------
 
-    def track(self, tier: str, num_prompt_tokens: int) -> RequestTracker:
-        return RequestTracker(self, tier, num_prompt_tokens)
+    def track(self, tier: str, num_prompt_tokens: int, lora_name: str | None = None) -> RequestTracker:
+        if lora_name is not None:
+            self._lora_requests.labels(model_name=self.model_name, lora_name=lora_name).inc()
+        return RequestTracker(self, tier, num_prompt_tokens, lora_name)
+
+    def set_lora_adapters_loaded(self, count: int) -> None:
+        self._lora_adapters.labels(model_name=self.model_name).set(count)
 
     def record_rejected(self, reason: str, tier: str) -> None:
         self._rejected.labels(model_name=self.model_name, reason=reason, tier=tier).inc()
@@ -190,9 +214,16 @@ class ServerMetrics:
 class RequestTracker:
     """Turns one request's stream of delta outputs into observations."""
 
-    def __init__(self, metrics: ServerMetrics, tier: str, num_prompt_tokens: int) -> None:
+    def __init__(
+        self, metrics: ServerMetrics, tier: str, num_prompt_tokens: int, lora_name: str | None = None
+    ) -> None:
         self._metrics = metrics
         self._tier = tier
+        self._lora_tokens = (
+            metrics._lora_generation_tokens.labels(model_name=metrics.model_name, lora_name=lora_name)
+            if lora_name is not None
+            else None
+        )
         self._num_prompt_tokens = num_prompt_tokens
         self._num_generated = 0
         self._last_token_time: float | None = None
@@ -206,6 +237,8 @@ class RequestTracker:
         if new_tokens:
             self._num_generated += new_tokens
             record(metrics._generation_tokens, tier, new_tokens)
+            if self._lora_tokens is not None:
+                self._lora_tokens.inc(new_tokens)
         times = output.metrics
         if times is not None and times.last_token_time is not None:
             if self._last_token_time is None:

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from kvfleet.runtime.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from kvfleet.runtime.lora.request import LoRARequest
     from kvfleet.runtime.structured_outputs.compiler import RequestGrammar
     from kvfleet.runtime.structured_outputs.token_rules import TokenRules
 
@@ -70,6 +71,7 @@ class Request:
         deadline: float | None = None,
         grammar: RequestGrammar | None = None,
         token_rules: TokenRules | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError(f"request {request_id!r}: prompt_token_ids must not be empty")
@@ -84,6 +86,7 @@ class Request:
         self.grammar = grammar
         # logit_bias, allowed_token_ids and bad_words, applied with the grammar's mask.
         self.token_rules = token_rules
+        self.lora_request = lora_request
 
         self.status = RequestStatus.WAITING
         self.output_token_ids: list[int] = []
@@ -102,6 +105,11 @@ class Request:
             f"Request({self.request_id!r}, status={self.status.name}, tokens={self.num_tokens}, "
             f"computed={self.num_computed_tokens})"
         )
+
+    @property
+    def lora_int_id(self) -> int:
+        """The adapter this request runs with; 0 for the base model."""
+        return self.lora_request.lora_int_id if self.lora_request is not None else 0
 
     @property
     def num_tokens(self) -> int:

@@ -20,6 +20,7 @@ from kvfleet.runtime.engine.errors import EngineDeadError, EngineError, InvalidR
 from kvfleet.runtime.engine.llm_engine import LLMEngine
 from kvfleet.runtime.engine.messages import EngineInfo
 from kvfleet.runtime.engine.outputs import OutputKind, RequestOutput
+from kvfleet.runtime.lora.request import LoRARequest
 from kvfleet.runtime.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -71,6 +72,7 @@ class InProcessEngine:
         priority: int = 0,
         timeout: float | None = None,
         arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """The request's delta outputs until the finished one; leaving early aborts it."""
         await self.wait_ready(None)
@@ -89,6 +91,7 @@ class InProcessEngine:
                     output_kind=OutputKind.DELTA,
                     arrival_time=arrival,
                     prompt_token_ids=prompt_token_ids,
+                    lora_request=lora_request,
                 )
             except ValueError as exc:
                 queue.put_nowait(InvalidRequestError(str(exc)))

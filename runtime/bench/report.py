@@ -6,7 +6,7 @@ import platform
 
 import torch
 from kvfleet.runtime.bench.structured import StructuredReport
-from kvfleet.runtime.bench.throughput import ThroughputReport
+from kvfleet.runtime.bench.throughput import ThroughputReport, ThroughputResult
 
 
 def machine_line() -> str:
@@ -50,13 +50,17 @@ def print_throughput_report(report: ThroughputReport) -> None:
     )
 
 
-def print_structured_report(report: StructuredReport) -> None:
+def _print_requests_table(results: list[ThroughputResult]) -> None:
     print(f"machine: {machine_line()}\n")
     print("| requests | seconds | output tokens | output tokens/s |")
     print("| --- | ---: | ---: | ---: |")
-    for result in (report.constrained, report.unconstrained):
+    for result in results:
         tokens_per_second = result.tokens_per_second
         print(f"| {result.name} | {result.seconds:.2f} | {result.output_tokens} | {tokens_per_second:.1f} |")
+
+
+def print_structured_report(report: StructuredReport) -> None:
+    _print_requests_table([report.constrained, report.unconstrained])
     cost = 1 - report.constrained.tokens_per_second / report.unconstrained.tokens_per_second
     print(
         f"\ncost of the JSON-schema constraint: {cost:.1%} of the throughput; masks took "
@@ -66,3 +70,9 @@ def print_structured_report(report: StructuredReport) -> None:
     print("| --- | ---: | ---: |")
     for entry in report.compile_times:
         print(f"| {entry.schema} | {entry.cold_seconds * 1000:.1f} | {entry.cached_seconds * 1000:.3f} |")
+
+
+def print_lora_report(base: ThroughputResult, with_adapters: ThroughputResult) -> None:
+    _print_requests_table([base, with_adapters])
+    share = with_adapters.tokens_per_second / base.tokens_per_second
+    print(f"\nwith adapters: {share:.1%} of the base model's throughput")

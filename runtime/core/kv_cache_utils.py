@@ -19,6 +19,10 @@ def hash_block_tokens(parent_block_hash: BlockHash | None, token_ids: Sequence[i
     return hasher.digest()
 
 
+def _chain_start(lora_int_id: int) -> BlockHash | None:
+    return hashlib.sha256(b"lora:%d" % lora_int_id).digest() if lora_int_id else None
+
+
 def extend_block_hashes(request: Request, block_size: int, num_full_blocks: int) -> list[BlockHash]:
     """Make request.block_hashes cover its first num_full_blocks blocks, hashing only the missing ones."""
     hashes = request.block_hashes
@@ -30,7 +34,8 @@ def extend_block_hashes(request: Request, block_size: int, num_full_blocks: int)
         raise ValueError(
             f"request {request.request_id!r} has {len(tokens)} tokens: not {num_full_blocks} full blocks"
         )
-    parent = hashes[-1] if hashes else None
+    # An adapter's KV differs from the base model's for the same tokens: its chain starts from its id.
+    parent = hashes[-1] if hashes else _chain_start(request.lora_int_id)
     for index in range(start, num_full_blocks):
         parent = hash_block_tokens(parent, tokens[index * block_size : (index + 1) * block_size])
         hashes.append(parent)

@@ -34,6 +34,7 @@ class Scheduler:
         enable_prefix_caching: bool = True,
         enable_chunked_prefill: bool = True,
         policy: str = "fcfs",
+        max_loras: int | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         for name, value in (
@@ -62,6 +63,8 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.enable_chunked_prefill = enable_chunked_prefill
+        # Adapters one step may run (the model runner's slots); None without LoRA.
+        self.max_loras = max_loras
         self.clock = clock
         self.kv_cache_manager = KVCacheManager(num_kv_blocks, block_size, enable_prefix_caching)
 
@@ -258,8 +261,10 @@ class Scheduler:
         kv = self.kv_cache_manager
         waiting = self.waiting
         running = self.running
-        # Requests whose grammar is still compiling step aside for the ones behind them, keeping their place.
-        compiling: list[Request] = []
+        # Requests whose grammar is still compiling, or whose adapter would be one too many for this step,
+        # step aside for the ones behind them, keeping their place.
+        stepped_aside: list[Request] = []
+        loras = {r.lora_int_id for r in running if r.lora_int_id} if self.max_loras is not None else set()
         while budget > 0 and len(running) < self.max_num_seqs:
             request = waiting.peek()
             # A request displaced this step waits at least one step: taking it back at once (its blocks
@@ -268,7 +273,11 @@ class Scheduler:
             if request is None or request in displaced:
                 break
             if request.grammar is not None and not request.grammar.ready:
-                compiling.append(waiting.pop())
+                stepped_aside.append(waiting.pop())
+                continue
+            lora = request.lora_int_id
+            if lora and lora not in loras and self.max_loras is not None and len(loras) >= self.max_loras:
+                stepped_aside.append(waiting.pop())
                 continue
             computed_blocks, num_cached_tokens = kv.get_computed_blocks(request)
             num_new_tokens = request.num_tokens - num_cached_tokens
@@ -286,7 +295,9 @@ class Scheduler:
             running.append(request)
             scheduled[request] = num_new_tokens
             budget -= num_new_tokens
-        for request in reversed(compiling):
+            if lora:
+                loras.add(lora)
+        for request in reversed(stepped_aside):
             waiting.prepend(request)
         return budget
 

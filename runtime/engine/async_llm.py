@@ -34,6 +34,7 @@ from kvfleet.runtime.engine.messages import EngineCoreOutputs, EngineInfo
 from kvfleet.runtime.engine.output_processor import OutputProcessor
 from kvfleet.runtime.engine.outputs import OutputKind, RequestOutput
 from kvfleet.runtime.engine.sequences import sequence_ids, sequence_requests
+from kvfleet.runtime.lora.request import LoRARequest
 from kvfleet.runtime.metrics import RequestTracker, ServerMetrics
 from kvfleet.runtime.sampling_params import SamplingParams
 
@@ -191,6 +192,7 @@ class AsyncLLM:
         priority: int = 0,
         timeout: float | None = None,
         arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yields the request's delta outputs until the finished one; raises an EngineError when the
         request fails. Leaving the iteration early (the caller cancelled, the client gone) aborts the
@@ -201,7 +203,10 @@ class AsyncLLM:
         if request_id in self._streams:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         tier = self._tier_of(priority)
-        tracker = self._metrics.track(tier, len(prompt_token_ids)) if self._metrics is not None else None
+        lora_name = lora_request.lora_name if lora_request is not None else None
+        tracker = (
+            self._metrics.track(tier, len(prompt_token_ids), lora_name) if self._metrics is not None else None
+        )
         stream = _Stream(asyncio.Queue(), tier, tracker)
         self._streams[request_id] = stream
         self.output_processor.add_request(
@@ -222,6 +227,7 @@ class AsyncLLM:
                 arrival_time=arrival,
                 priority=priority,
                 timeout=timeout,
+                lora_request=lora_request,
             )
         )
         try:

@@ -29,6 +29,8 @@ from kvfleet.runtime.engine.errors import (
 from kvfleet.runtime.engine.input_checks import check_prompt_token_ids, check_sampling_token_ids
 from kvfleet.runtime.engine.load_shedding import QueuedRequest, choose_victim
 from kvfleet.runtime.engine.messages import AddRequest, EngineCoreOutputs, EngineInfo, RequestError
+from kvfleet.runtime.lora.adapter import LoRAAdapterError
+from kvfleet.runtime.lora.request import LoRARequest
 from kvfleet.runtime.request import Request, RequestStatus
 from kvfleet.runtime.structured_outputs.compiler import GrammarCompiler, RequestGrammar
 from kvfleet.runtime.structured_outputs.token_rules import TokenRules
@@ -69,6 +71,7 @@ class EngineCore:
             enable_prefix_caching=config.enable_prefix_caching,
             enable_chunked_prefill=config.enable_chunked_prefill,
             policy=config.scheduling_policy,
+            max_loras=config.max_loras if config.enable_lora else None,
         )
         # Admitted requests never scheduled yet: the ones load shedding may displace, and whose first
         # scheduling the front end hears of (its queue-time metric).
@@ -160,6 +163,8 @@ class EngineCore:
                 None if structured is None else RequestGrammar(self.grammar_compiler.compile(structured))
             )
             token_rules = TokenRules.of(params, self.vocab_size, self.grammar_compiler.encode)
+            if add.lora_request is not None:
+                self.add_lora(add.lora_request)
             request = Request(
                 add.request_id,
                 add.prompt_token_ids,
@@ -170,6 +175,7 @@ class EngineCore:
                 deadline=add.deadline,
                 grammar=grammar,
                 token_rules=token_rules,
+                lora_request=add.lora_request,
             )
             self.scheduler.add_request(request)
         except (InvalidRequestError, EngineOverloadedError) as error:
@@ -181,6 +187,16 @@ class EngineCore:
         self._unstarted[add.request_id] = add
         if grammar is not None and not grammar.ready:
             self._compiling[add.request_id] = request
+
+    def add_lora(self, lora: LoRARequest) -> None:
+        """Have the adapter ready to run; raises InvalidRequestError when it cannot run on this model."""
+        lora_manager = self.runner.lora_manager
+        if lora_manager is None:
+            raise InvalidRequestError(f"LoRA adapter {lora.lora_name!r} requested, but LoRA is not enabled")
+        try:
+            lora_manager.add(lora)
+        except LoRAAdapterError as error:
+            raise InvalidRequestError(f"LoRA adapter {lora.lora_name!r}: {error}") from None
 
     def _make_room(self, add: AddRequest) -> None:
         """Under --max-waiting-requests, shed a waiting request of a lower tier, or refuse this one."""

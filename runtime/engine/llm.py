@@ -11,6 +11,7 @@ from kvfleet.runtime.config import EngineConfig
 from kvfleet.runtime.engine.input_checks import check_sampling_token_ids
 from kvfleet.runtime.engine.llm_engine import LLMEngine
 from kvfleet.runtime.engine.outputs import RequestOutput
+from kvfleet.runtime.lora.request import LoRARequest
 from kvfleet.runtime.sampling_params import SamplingParams
 from kvfleet.runtime.structured_outputs.grammars import check_constraint
 from tqdm import tqdm
@@ -34,10 +35,13 @@ class LLM:
         *,
         priority: Sequence[int] | None = None,
         use_tqdm: bool = False,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion; one output per prompt, in the order given."""
+        """Run every prompt to completion; one output per prompt, in the order given. `lora_request`: the
+        adapter of every prompt, or one per prompt (None for the base model)."""
         prompt_list = _as_prompt_list(prompts)
         params_list = _broadcast(sampling_params or SamplingParams(), len(prompt_list), "sampling_params")
+        lora_list = _broadcast(lora_request, len(prompt_list), "lora_request")
         priorities = list(priority) if priority is not None else [0] * len(prompt_list)
         if len(priorities) != len(prompt_list):
             raise ValueError(f"priority has {len(priorities)} entries for {len(prompt_list)} prompts")
@@ -50,12 +54,16 @@ class LLM:
             check_sampling_token_ids(params, vocab_size=engine.vocab_size)
             if params.structured_outputs is not None:
                 check_constraint(params.structured_outputs)
+        for lora in {lora for lora in lora_list if lora is not None}:
+            engine.engine_core.add_lora(lora)
         ids = [str(next(self._request_counter)) for _ in prompt_list]
         try:
-            for request_id, prompt, token_ids, params, prio in zip(
-                ids, prompt_list, token_lists, params_list, priorities, strict=True
+            for request_id, prompt, token_ids, params, prio, lora in zip(
+                ids, prompt_list, token_lists, params_list, priorities, lora_list, strict=True
             ):
-                engine.add_request(request_id, prompt, params, priority=prio, prompt_token_ids=token_ids)
+                engine.add_request(
+                    request_id, prompt, params, priority=prio, prompt_token_ids=token_ids, lora_request=lora
+                )
             return self._run(ids, use_tqdm)
         except BaseException:
             engine.abort_request(ids)
@@ -68,13 +76,14 @@ class LLM:
         *,
         add_generation_prompt: bool = True,
         use_tqdm: bool = False,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to each conversation, then generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [
             self.apply_chat_template(c, add_generation_prompt=add_generation_prompt) for c in conversations
         ]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def apply_chat_template(self, messages: ChatMessages, *, add_generation_prompt: bool = True) -> list[int]:
         """The conversation's prompt: the template's markup with its special tokens, message text as text."""

@@ -17,6 +17,7 @@ from kvfleet.runtime.engine.output_processor import OutputProcessor
 from kvfleet.runtime.engine.outputs import OutputKind, RequestOutput
 from kvfleet.runtime.engine.sequences import sequence_ids, sequence_requests
 from kvfleet.runtime.engine.tokenizer import load_tokenizer
+from kvfleet.runtime.lora.request import LoRARequest
 from kvfleet.runtime.request import FinishReason
 from kvfleet.runtime.sampling_params import SamplingParams
 
@@ -62,6 +63,7 @@ class LLMEngine:
         output_kind: OutputKind = OutputKind.FINAL_ONLY,
         arrival_time: float | None = None,
         prompt_token_ids: list[int] | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> list[int]:
         """Queue a request; returns its prompt token ids. Raises ValueError on bad input.
 
@@ -93,6 +95,7 @@ class LLMEngine:
             arrival_time=arrival_time,
             priority=priority,
             timeout=timeout,
+            lora_request=lora_request,
         ):
             self.engine_core.add_request(add)
         return prompt_token_ids

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import msgspec
 from kvfleet.runtime.core.outputs import EngineCoreOutput, SchedulerStats
+from kvfleet.runtime.lora.request import LoRARequest
 from kvfleet.runtime.sampling_params import SamplingParams
 
 
@@ -27,6 +28,7 @@ class AddRequest(msgspec.Struct, tag="add", array_like=True, omit_defaults=True)
     arrival_time: float
     priority: int = 0
     deadline: float | None = None
+    lora_request: LoRARequest | None = None
 
 
 class AbortRequests(msgspec.Struct, tag="abort", array_like=True):

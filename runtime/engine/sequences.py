@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from kvfleet.runtime.engine.messages import AddRequest
+from kvfleet.runtime.lora.request import LoRARequest
 from kvfleet.runtime.sampling_params import SamplingParams
 
 
@@ -21,6 +22,7 @@ def sequence_requests(
     arrival_time: float,
     priority: int = 0,
     timeout: float | None = None,
+    lora_request: LoRARequest | None = None,
 ) -> list[AddRequest]:
     """One AddRequest per sequence; sequence i of a seeded request draws from seed + i."""
     deadline = arrival_time + timeout if timeout is not None else None
@@ -39,6 +41,7 @@ def sequence_requests(
                 arrival_time=arrival_time,
                 priority=priority,
                 deadline=deadline,
+                lora_request=lora_request,
             )
         )
     return requests

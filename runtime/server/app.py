@@ -25,12 +25,15 @@ from kvfleet.runtime.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    LoadLoRAAdapterRequest,
     TokenizeRequest,
+    UnloadLoRAAdapterRequest,
 )
 from kvfleet.runtime.server.serving_chat import OpenAIServingChat
 from kvfleet.runtime.server.serving_completions import OpenAIServingCompletion
+from kvfleet.runtime.server.serving_lora import OpenAIServingLoRA
 from kvfleet.runtime.server.state import ServerState
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 logger = logging.getLogger(__name__)
 
@@ -106,6 +109,7 @@ async def _client_gone(request: Request, exc: Exception) -> Response:
 def _add_routes(app: FastAPI, state: ServerState) -> None:
     completions = OpenAIServingCompletion(state)
     chat = OpenAIServingChat(state)
+    lora = OpenAIServingLoRA(state)
     started = int(time.time())
 
     @app.get("/health")
@@ -139,7 +143,15 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
             # kvfleet's addition: what `kvfleet bench serve` draws random token-id prompts from.
             "vocab_size": info.vocab_size if info is not None else None,
         }
-        return JSONResponse({"object": "list", "data": [card]})
+        return JSONResponse({"object": "list", "data": [card, *lora.model_cards(started)]})
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> Response:
+        return PlainTextResponse(await lora.load(body))
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> Response:
+        return PlainTextResponse(await lora.unload(body))
 
     @app.post("/v1/completions")
     async def create_completion(body: CompletionRequest, raw_request: Request) -> Response:

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 from kvfleet.runtime.batch.store import DEFAULT_MAX_BATCH_FILE_BYTES
-from kvfleet.runtime.config import engine_config_from_options, engine_options
+from kvfleet.runtime.config import EngineConfig, engine_config_from_options, engine_options
 from kvfleet.runtime.server.priorities import DEFAULT_TIER, TIER_NAMES, TIERS
 from kvfleet.runtime.server.state import (
     DEFAULT_BODY_READ_TIMEOUT_S,
@@ -18,6 +18,9 @@ from kvfleet.runtime.server.state import (
     DEFAULT_MAX_REQUEST_BODY_BYTES,
     DEFAULT_SEND_TIMEOUT_S,
 )
+
+if TYPE_CHECKING:
+    from kvfleet.runtime.server.lora_adapters import LoRAAdapters
 
 _API_KEY_ENV = "KVFLEET_API_KEY"
 _SECONDS = click.FloatRange(min=0, min_open=True)
@@ -170,6 +173,17 @@ served_model_name_option = click.option(
     show_default=True,
     help="The largest batch input file an upload may bring.",
 )
+@click.option(
+    "--lora-modules",
+    multiple=True,
+    metavar="NAME=PATH",
+    help="A PEFT LoRA adapter clients call by NAME as their model (needs --enable-lora); repeat for several.",
+)
+@click.option(
+    "--allow-runtime-lora-updates",
+    is_flag=True,
+    help="Serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (needs --enable-lora).",
+)
 @click.option("--tensor-parallel-size", type=int, default=1, show_default=True, help="Only 1 is supported.")
 @click.option("--access-log/--no-access-log", default=False, show_default=True)
 @engine_options
@@ -196,6 +210,8 @@ def serve(
     tool_call_parser: str | None,
     batch_store: str | None,
     max_batch_file_bytes: int,
+    lora_modules: tuple[str, ...],
+    allow_runtime_lora_updates: bool,
     tensor_parallel_size: int,
     access_log: bool,
     **options: Any,
@@ -233,6 +249,9 @@ def serve(
             "--enable-auto-tool-choice needs --tool-call-parser", param_hint="--enable-auto-tool-choice"
         )
 
+    lora_adapters = _lora_adapters(
+        config, served_model_name or model, lora_modules, allow_runtime_lora_updates, api_server_count
+    )
     settings = ServerSettings(
         served_model_name=served_model_name or model,
         api_key=api_key,
@@ -250,6 +269,7 @@ def serve(
         tool_call_parser=tool_call_parser,
         batch_store=batch_store,
         max_batch_file_bytes=max_batch_file_bytes,
+        allow_runtime_lora_updates=allow_runtime_lora_updates,
     )
     options = ServeOptions(
         settings=settings,
@@ -259,7 +279,41 @@ def serve(
         max_waiting_requests=max_waiting_requests,
         startup_request_timeout=startup_request_timeout,
         api_server_count=api_server_count,
+        lora_adapters=lora_adapters,
         # `kvfleet bench static-server` passes its own EngineCore class as the context object.
         core_class=click.get_current_context().obj,
     )
     sys.exit(run_server(config, options))
+
+
+def _lora_adapters(
+    config: EngineConfig,
+    served_model_name: str,
+    lora_modules: tuple[str, ...],
+    allow_runtime_updates: bool,
+    api_server_count: int,
+) -> LoRAAdapters | None:
+    """The adapters to serve from the start, each checked against the model; None without --enable-lora."""
+    from kvfleet.runtime.server.lora_adapters import LoRAAdapters, LoRAModule
+
+    if not config.enable_lora:
+        for flag, given in (
+            ("--lora-modules", lora_modules),
+            ("--allow-runtime-lora-updates", allow_runtime_updates),
+        ):
+            if given:
+                raise click.BadParameter("needs --enable-lora", param_hint=flag)
+        return None
+    if allow_runtime_updates and api_server_count > 1:
+        # Each API server process keeps its own list: one would not know an adapter loaded through another.
+        raise click.BadParameter(
+            "runtime adapter updates need --api-server-count 1", param_hint="--allow-runtime-lora-updates"
+        )
+    adapters = LoRAAdapters(config.model, served_model_name, max_rank=config.max_lora_rank)
+    for value in lora_modules:
+        try:
+            module = LoRAModule.parse(value)
+            adapters.add(module.name, module.path)
+        except ValueError as exc:  # LoRAAdapterError included
+            raise click.BadParameter(str(exc), param_hint="--lora-modules") from None
+    return adapters

@@ -26,6 +26,7 @@ from kvfleet.runtime.server.state import ServerSettings
 if TYPE_CHECKING:
     from kvfleet.runtime.engine.core import EngineCore
     from kvfleet.runtime.engine.core_client import EngineCoreAddress
+    from kvfleet.runtime.server.lora_adapters import LoRAAdapters
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +45,7 @@ class ServeOptions:
     max_waiting_requests: int | None = None
     startup_request_timeout: float | None = None
     api_server_count: int = 1
+    lora_adapters: LoRAAdapters | None = None
     # The EngineCore class to run (the static-batching baseline of the benchmarks brings its own).
     core_class: type[EngineCore] | None = None
 
@@ -88,7 +90,11 @@ def run_api_server(
         core_class=options.core_class,
         core_options=_core_options(options),
     )
-    state = ServerState(settings=settings, engine=engine, metrics=metrics)
+    state = ServerState(
+        settings=settings, engine=engine, metrics=metrics, lora_adapters=options.lora_adapters
+    )
+    if options.lora_adapters is not None:
+        metrics.set_lora_adapters_loaded(len(options.lora_adapters.loaded))
     uvicorn_config = uvicorn.Config(
         build_app(state),
         host=options.host,

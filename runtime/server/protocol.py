@@ -451,3 +451,17 @@ class BatchCreateRequest(_Body):
     endpoint: str
     completion_window: str = "24h"
     metadata: dict[str, str] | None = None
+
+
+class LoadLoRAAdapterRequest(_Body):
+    """vLLM's body for POST /v1/load_lora_adapter."""
+
+    lora_name: Annotated[str, Strict()]
+    lora_path: Annotated[str, Strict()]
+
+
+class UnloadLoRAAdapterRequest(_Body):
+    """vLLM's body for POST /v1/unload_lora_adapter (its lora_int_id is accepted and not needed)."""
+
+    lora_name: Annotated[str, Strict()]
+    lora_int_id: StrictInt | None = None

@@ -15,6 +15,7 @@ from kvfleet.runtime.engine.errors import EngineError, InvalidRequestError
 from kvfleet.runtime.engine.input_checks import check_prompt_token_ids, check_sampling_token_ids
 from kvfleet.runtime.engine.messages import EngineInfo
 from kvfleet.runtime.engine.outputs import CompletionOutput, RequestOutput
+from kvfleet.runtime.lora.request import LoRARequest
 from kvfleet.runtime.sampling_params import SamplingParams, StructuredOutputsParams
 from kvfleet.runtime.server.errors import (
     BadRequestError,
@@ -44,11 +45,14 @@ from starlette.requests import Request
 class PreparedRequest:
     request_id: str
     created: int
+    # The model name responses carry: the served model's, or the LoRA adapter's.
+    model: str
     prompt_token_ids: list[list[int]]
     params: SamplingParams
     priority: int
     timeout: float | None
     arrival_time: float
+    lora_request: LoRARequest | None
 
 
 @dataclass
@@ -102,13 +106,22 @@ class OpenAIServing:
 
     # ---- checks ----------------------------------------------------------------------------------
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
+    def check_model(self, model: str | None) -> LoRARequest | None:
+        """The LoRA adapter the request names as its model, or None for the served model itself."""
+        if model is None or model == self.model_name:
+            return None
+        adapters = self.state.lora_adapters
+        lora = adapters.get(model) if adapters is not None else None
+        if lora is None:
+            names = (
+                [self.model_name, *(a.lora_name for a in adapters.loaded)] if adapters else [self.model_name]
+            )
             raise NotFoundError(
-                f"the model {model!r} does not exist; this server serves {self.model_name!r}",
+                f"the model {model!r} does not exist; this server serves {', '.join(map(repr, names))}",
                 param="model",
                 code="model_not_found",
             )
+        return lora
 
     def check_accepting(self, priority: int) -> None:
         """New requests are refused while draining, and fail at once if the engine cannot serve any more.
@@ -289,15 +302,18 @@ class OpenAIServing:
         priority: int,
         timeout: float | None,
         arrival_time: float,
+        lora_request: LoRARequest | None,
     ) -> PreparedRequest:
         return PreparedRequest(
             request_id=f"{self.id_prefix}-{uuid.uuid4().hex}",
             created=int(time.time()),
+            model=lora_request.lora_name if lora_request is not None else self.model_name,
             prompt_token_ids=prompt_token_ids,
             params=params,
             priority=priority,
             timeout=timeout if timeout is not None else self.state.settings.request_timeout,
             arrival_time=arrival_time,
+            lora_request=lora_request,
         )
 
     # ---- running ---------------------------------------------------------------------------------
@@ -313,6 +329,7 @@ class OpenAIServing:
                 priority=request.priority,
                 timeout=request.timeout,
                 arrival_time=request.arrival_time,
+                lora_request=request.lora_request,
             )
             for index, token_ids in enumerate(request.prompt_token_ids)
         ]
@@ -402,7 +419,7 @@ class OpenAIServing:
             "id": request.request_id,
             "object": self.chunk_object,
             "created": request.created,
-            "model": self.model_name,
+            "model": request.model,
             "choices": [choice] if choice is not None else [],
         }
         if usage_ is not None:

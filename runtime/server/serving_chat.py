@@ -21,7 +21,7 @@ class OpenAIServingChat(OpenAIServing):
 
     async def create_chat_completion(self, body: ChatCompletionRequest, raw_request: Request) -> Response:
         arrival_time = time.monotonic()
-        self.check_model(body.model)
+        lora_request = self.check_model(body.model)
         settings = self.state.settings
         tool_calling = ToolCalling.of(body, settings.tool_call_parser, settings.enable_auto_tool_choice)
         params = await self.sampling_params(body, tool_calling.constraint() if tool_calling else None)
@@ -31,7 +31,12 @@ class OpenAIServingChat(OpenAIServing):
         token_ids = await self.chat_prompt(body.messages, body.add_generation_prompt, tools)
         self.check_prompt(token_ids, params, "messages")
         request = self.prepare(
-            [token_ids], params, priority=priority, timeout=body.timeout, arrival_time=arrival_time
+            [token_ids],
+            params,
+            priority=priority,
+            timeout=body.timeout,
+            arrival_time=arrival_time,
+            lora_request=lora_request,
         )
         if body.stream:
             outputs = self.outputs(request)
@@ -68,7 +73,7 @@ class OpenAIServingChat(OpenAIServing):
             "id": request.request_id,
             "object": "chat.completion",
             "created": request.created,
-            "model": self.model_name,
+            "model": request.model,
             "choices": entries,
             "usage": usage(
                 len(request.prompt_token_ids[0]), sum(len(choice.token_ids) for choice in choices)

@@ -20,7 +20,7 @@ class OpenAIServingCompletion(OpenAIServing):
 
     async def create_completion(self, body: CompletionRequest, raw_request: Request) -> Response:
         arrival_time = time.monotonic()
-        self.check_model(body.model)
+        lora_request = self.check_model(body.model)
         params = await self.sampling_params(body)
         priority = self.resolve_priority(body.priority, raw_request)
         self.check_accepting(priority)
@@ -36,7 +36,12 @@ class OpenAIServingCompletion(OpenAIServing):
             self.check_prompt(token_ids, params, param)
             token_lists.append(token_ids)
         request = self.prepare(
-            token_lists, params, priority=priority, timeout=body.timeout, arrival_time=arrival_time
+            token_lists,
+            params,
+            priority=priority,
+            timeout=body.timeout,
+            arrival_time=arrival_time,
+            lora_request=lora_request,
         )
         echoes = [self._echo_text(prompt) for prompt in prompts] if body.echo else None
         if body.stream:
@@ -76,7 +81,7 @@ class OpenAIServingCompletion(OpenAIServing):
             "id": request.request_id,
             "object": "text_completion",
             "created": request.created,
-            "model": self.model_name,
+            "model": request.model,
             "choices": entries,
             "usage": usage(sum(len(ids) for ids in request.prompt_token_ids), completion_tokens),
         }

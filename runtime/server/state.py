@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from kvfleet.runtime.batch.store import DEFAULT_MAX_BATCH_FILE_BYTES
 from kvfleet.runtime.engine.async_llm import AsyncLLM
 from kvfleet.runtime.metrics import ServerMetrics
+from kvfleet.runtime.server.lora_adapters import LoRAAdapters
 from kvfleet.runtime.server.priorities import DEFAULT_TIER, TIER_NAMES, TIERS
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 8 << 20
@@ -44,6 +45,8 @@ class ServerSettings:
     # The Batch API's folder (its database and files); None: no /v1/files or /v1/batches.
     batch_store: str | None = None
     max_batch_file_bytes: int = DEFAULT_MAX_BATCH_FILE_BYTES
+    # POST /v1/load_lora_adapter and /v1/unload_lora_adapter are served.
+    allow_runtime_lora_updates: bool = False
 
 
 @dataclass
@@ -54,6 +57,8 @@ class ServerState:
     draining: bool = False
     # HTTP requests on generation routes that have not finished sending their response.
     in_flight: int = 0
+    # The LoRA adapters served by name; None when LoRA is off.
+    lora_adapters: LoRAAdapters | None = None
 
     @property
     def ready(self) -> bool:

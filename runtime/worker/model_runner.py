@@ -12,6 +12,7 @@ from kvfleet.runtime.attention.backend import AttentionBackend, AttentionMetadat
 from kvfleet.runtime.attention.selector import select_attention_backend
 from kvfleet.runtime.config import EngineConfig
 from kvfleet.runtime.core.outputs import ModelRunnerOutput, SchedulerOutput
+from kvfleet.runtime.lora.manager import LoRAManager
 from kvfleet.runtime.models.loader import load_model, resolve_device, resolve_dtype
 from kvfleet.runtime.models.model_config import ModelConfig
 from kvfleet.runtime.worker.sampler import Sampler
@@ -69,6 +70,7 @@ class ModelRunner:
         )
         self.attention_backend = self._make_attention_backend()
         self.model: nn.Module | None = None
+        self.lora_manager: LoRAManager | None = None
         self.kv_caches: list[torch.Tensor] = []
         self.sampler = Sampler(self.device, config.seed)
         pinned = self.device.type == "cuda"
@@ -109,6 +111,17 @@ class ModelRunner:
             device=self.device,
             max_position=self.max_model_len,
         )
+        config = self.config
+        if config.enable_lora:
+            self.lora_manager = LoRAManager(
+                self.model,
+                self.model_config,
+                max_loras=config.max_loras,
+                max_rank=config.max_lora_rank,
+                max_cpu_loras=config.max_cpu_loras or config.max_loras,
+                dtype=self.dtype,
+                device=self.device,
+            )
 
     def kv_cache_bytes_per_block(self) -> int:
         spec = self.attention_spec
@@ -147,6 +160,8 @@ class ModelRunner:
             self._cpu_threads.use_for(scheduler_output.total_num_scheduled_tokens)
         input_ids, positions, metadata, sample_rows = self._prepare_inputs(scheduler_output)
         plan = self.attention_backend.prepare(metadata)
+        if self.lora_manager is not None:
+            self.lora_manager.prepare([r.lora_request for r in requests], metadata.query_start_loc_cpu)
         hidden = self.model(input_ids, positions, self.kv_caches, plan)
 
         sampled: list[list[int]] = [[] for _ in requests]

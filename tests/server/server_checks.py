@@ -61,6 +61,8 @@ class RequestBeside:
 
     server: ServerProcess
     max_tokens: int = BESIDE_MAX_TOKENS
+    # The model it names: the served one by default, or a LoRA adapter.
+    model: str | None = None
     status: int | None = None
     events: list[dict] = field(default_factory=list)
     last_line: str = ""
@@ -99,7 +101,7 @@ class RequestBeside:
 
     def _stream(self) -> None:
         body = {
-            "model": self.server.model_name,
+            "model": self.model or self.server.model_name,
             "prompt": "go on",
             "max_tokens": self.max_tokens,
             "ignore_eos": True,

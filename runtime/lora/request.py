@@ -1,0 +1,19 @@
+"""Which LoRA adapter a request runs with (vLLM's LoRARequest), light enough for the engine's messages."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class LoRARequest:
+    """vLLM's: which adapter a request runs with. `lora_int_id` identifies the adapter's weights: two
+    requests with the same id share them and their prefix cache, so a new adapter needs a new id."""
+
+    lora_name: str
+    lora_int_id: int
+    lora_path: str
+
+    def __post_init__(self) -> None:
+        if self.lora_int_id < 1:
+            raise ValueError("lora_int_id must be at least 1 (0 is the base model)")

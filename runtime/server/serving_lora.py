@@ -1,0 +1,65 @@
+"""LoRA adapters by name: their cards in /v1/models, and loading and unloading them at run time (vLLM's
+/v1/load_lora_adapter and /v1/unload_lora_adapter, served only with --allow-runtime-lora-updates)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from kvfleet.runtime.lora.adapter import LoRAAdapterError
+from kvfleet.runtime.server.errors import BadRequestError, NotFoundError, PermissionDeniedError
+from kvfleet.runtime.server.lora_adapters import LoRAAdapters
+from kvfleet.runtime.server.protocol import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
+from kvfleet.runtime.server.state import ServerState
+
+
+class OpenAIServingLoRA:
+    def __init__(self, state: ServerState) -> None:
+        self.state = state
+        # One update at a time: a name checked free must still be free when the adapter is added.
+        self._updating = asyncio.Lock()
+
+    def model_cards(self, created: int) -> list[dict[str, Any]]:
+        adapters = self.state.lora_adapters
+        if adapters is None:
+            return []
+        parent = self.state.settings.served_model_name
+        return [
+            {
+                "id": lora.lora_name,
+                "object": "model",
+                "created": created,
+                "owned_by": "kvfleet",
+                "root": lora.lora_name,
+                "parent": parent,
+            }
+            for lora in adapters.loaded
+        ]
+
+    async def load(self, body: LoadLoRAAdapterRequest) -> str:
+        adapters = self._updatable()
+        async with self._updating:
+            try:
+                # Reading and checking the weights takes a while: not on the event loop.
+                await asyncio.to_thread(adapters.add, body.lora_name, body.lora_path)
+            except LoRAAdapterError as exc:
+                raise BadRequestError(str(exc), param="lora_path") from None
+        self.state.metrics.set_lora_adapters_loaded(len(adapters.loaded))
+        return f"Success: LoRA adapter '{body.lora_name}' added successfully."
+
+    async def unload(self, body: UnloadLoRAAdapterRequest) -> str:
+        adapters = self._updatable()
+        async with self._updating:
+            if adapters.remove(body.lora_name) is None:
+                raise NotFoundError(f"the LoRA adapter {body.lora_name!r} is not loaded", param="lora_name")
+        self.state.metrics.set_lora_adapters_loaded(len(adapters.loaded))
+        return f"Success: LoRA adapter '{body.lora_name}' removed successfully."
+
+    def _updatable(self) -> LoRAAdapters:
+        adapters = self.state.lora_adapters
+        if adapters is None or not self.state.settings.allow_runtime_lora_updates:
+            raise PermissionDeniedError(
+                "loading and unloading LoRA adapters at run time is off on this server "
+                "(kvfleet serve --enable-lora --allow-runtime-lora-updates turns it on)"
+            )
+        return adapters
