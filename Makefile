@@ -29,6 +29,8 @@ setup: $(STAMP)
 $(STAMP): $(wildcard requirements/*.txt) pyproject.toml
 	@test -x $(PY) || $(PYTHON) -P -m venv $(VENV)
 	$(PY) -P -m pip install -q --disable-pip-version-check $(addprefix -r ,$(REQUIREMENTS)) setuptools==80.9.0 wheel
+	@# pyproject.toml may have new packages, which an older editable install does not map.
+	$(PY) -P -m pip install -q --no-deps --no-build-isolation -e .
 	@rm -f $(VENV)/.kvfleet-* && touch $@
 
 lint: setup

@@ -29,7 +29,7 @@ from kvfleet.runtime.engine.errors import (
 from kvfleet.runtime.engine.input_checks import check_prompt_token_ids, check_sampling_token_ids
 from kvfleet.runtime.engine.load_shedding import QueuedRequest, choose_victim
 from kvfleet.runtime.engine.messages import AddRequest, EngineCoreOutputs, EngineInfo, RequestError
-from kvfleet.runtime.lora.adapter import LoRAAdapterError
+from kvfleet.runtime.lora.errors import LoRAAdapterError
 from kvfleet.runtime.lora.request import LoRARequest
 from kvfleet.runtime.request import Request, RequestStatus
 from kvfleet.runtime.structured_outputs.compiler import GrammarCompiler, RequestGrammar

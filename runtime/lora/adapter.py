@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from kvfleet.runtime.lora.errors import LoRAAdapterError
 from kvfleet.runtime.models.model_config import ModelConfig
 from safetensors import SafetensorError, safe_open
 
@@ -34,10 +35,6 @@ _PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", 
 _TENSOR_NAME = re.compile(
     r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$"
 )
-
-
-class LoRAAdapterError(ValueError):
-    """The adapter cannot be served on this model: the message says why."""
 
 
 @dataclass

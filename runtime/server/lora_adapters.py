@@ -12,7 +12,8 @@ import re
 from dataclasses import dataclass
 
 import torch
-from kvfleet.runtime.lora.adapter import LoRAAdapterError, adapter_digest, load_lora_weights
+from kvfleet.runtime.lora.adapter import adapter_digest, load_lora_weights
+from kvfleet.runtime.lora.errors import LoRAAdapterError
 from kvfleet.runtime.lora.request import LoRARequest
 from kvfleet.runtime.models.model_config import ModelConfig
 

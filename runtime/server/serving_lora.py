@@ -4,13 +4,15 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from kvfleet.runtime.lora.adapter import LoRAAdapterError
+from kvfleet.runtime.lora.errors import LoRAAdapterError
 from kvfleet.runtime.server.errors import BadRequestError, NotFoundError, PermissionDeniedError
-from kvfleet.runtime.server.lora_adapters import LoRAAdapters
 from kvfleet.runtime.server.protocol import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 from kvfleet.runtime.server.state import ServerState
+
+if TYPE_CHECKING:
+    from kvfleet.runtime.server.lora_adapters import LoRAAdapters
 
 
 class OpenAIServingLoRA:

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kvfleet.runtime.batch.store import DEFAULT_MAX_BATCH_FILE_BYTES
 from kvfleet.runtime.engine.async_llm import AsyncLLM
 from kvfleet.runtime.metrics import ServerMetrics
-from kvfleet.runtime.server.lora_adapters import LoRAAdapters
 from kvfleet.runtime.server.priorities import DEFAULT_TIER, TIER_NAMES, TIERS
+
+if TYPE_CHECKING:
+    # Checking adapters loads torch: API servers import it only with --enable-lora.
+    from kvfleet.runtime.server.lora_adapters import LoRAAdapters
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 8 << 20
 # OpenAI's own limit on n.
