@@ -115,9 +115,9 @@ INVALID: list[tuple[str, dict[str, Any], list[str]]] = [
         [IS_INVALID, "scaling.panicWindowSeconds must not exceed scaling.stableWindowSeconds"],
     ),
     (
-        "zero-min-replicas",
-        {**VALID_SPEC, "scaling": {"minReplicas": 0}},
-        [IS_INVALID, "spec.scaling.minReplicas", "should be greater than or equal to 1"],
+        "negative-min-replicas",
+        {**VALID_SPEC, "scaling": {"minReplicas": -1}},
+        [IS_INVALID, "spec.scaling.minReplicas", "should be greater than or equal to 0"],
     ),
     (
         "api-key-in-env",
@@ -163,7 +163,7 @@ def test_rejection_is_a_422_with_the_causes(
 ) -> None:
     """What API clients (the kubernetes library, Argo CD) get: HTTP 422 Invalid, one cause per field."""
     manifest = inference_service(
-        "two-faults", {**VALID_SPEC, "sla": {"tier": "gold"}, "scaling": {"minReplicas": 0}}
+        "two-faults", {**VALID_SPEC, "sla": {"tier": "gold"}, "scaling": {"minReplicas": -1}}
     )
     with pytest.raises(ApiError) as raised:
         local_cluster.api.create(services_path(module_namespace), manifest)
