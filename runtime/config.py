@@ -50,6 +50,10 @@ class EngineConfig:
         "Attention backend by name; by default the fastest supported one is chosen.", default=None
     )
     seed: int = _option("Seed of the engine's random generator (requests may bring their own).", default=0)
+    structured_outputs_compile_timeout: float = _option(
+        "Seconds a structured-output grammar may take to compile; past them its request alone fails (a 400).",
+        default=30.0,
+    )
 
     def __post_init__(self) -> None:
         self.validate()
@@ -74,6 +78,9 @@ class EngineConfig:
             "max_num_batched_tokens must be positive",
         )
         require(self.max_model_len is None or self.max_model_len > 0, "max_model_len must be positive")
+        require(
+            self.structured_outputs_compile_timeout > 0, "structured_outputs_compile_timeout must be positive"
+        )
 
     def replace(self, **changes: Any) -> EngineConfig:
         return dataclasses.replace(self, **changes)

@@ -13,6 +13,7 @@ import json
 import re
 import subprocess
 import sys
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal
 
 import httpx
@@ -478,6 +479,58 @@ def test_metrics_count_compilations_once_per_grammar_and_masked_steps(
     # One request at a time: a step per token sampled, each through a mask.
     assert grew("structured_output_mask_steps") == sampled
     assert grew("structured_output_mask_seconds") > 0
+
+
+def _slow_to_compile(repeats: int) -> dict[str, Any]:
+    """A pattern whose grammar takes seconds to build (about 8 s for 1600 repeats on one core, growing faster
+    than their square): xgrammar writes the bounded repetition out in full."""
+    return {"type": "string", "pattern": f"^([a-z]{{1,30}}-){{{repeats}}}$"}
+
+
+def test_a_grammar_that_compiles_too_long_fails_alone(start_server: Callable[..., ServerProcess]) -> None:
+    """Two grammars that take seconds to compile hold both compile places until each runs out of its time
+    limit: their requests fail with a 400 and give their places to a grammar asked for after them, whose
+    request is served, as is an unconstrained one; asked again, a grammar that ran out fails at once."""
+    server = start_server("--structured-outputs-compile-timeout", "1")
+    slow = [_slow_to_compile(1500), _slow_to_compile(1501)]
+
+    async def ask(client: openai.AsyncOpenAI, structured: dict[str, Any] | None) -> str | openai.APIError:
+        try:
+            completion = await client.completions.create(
+                model=MODEL_NAME,
+                prompt="x",
+                max_tokens=16,
+                seed=0,
+                extra_body={"structured_outputs": structured} if structured else None,
+            )
+        except openai.APIError as error:
+            return error
+        return completion.choices[0].text
+
+    async def run() -> tuple[list[str | openai.APIError], list[str | openai.APIError]]:
+        async with openai.AsyncOpenAI(
+            base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120
+        ) as client:
+            compiling = [asyncio.create_task(ask(client, {"json": schema})) for schema in slow]
+            await asyncio.sleep(0.5)  # so that the slow grammars take the compile places first
+            quick = [ask(client, {"regex": "quick-[0-9]{3}"}), ask(client, None)]
+            first = await asyncio.gather(*compiling, *quick)
+            again = await asyncio.gather(
+                ask(client, {"json": slow[0]}), ask(client, {"regex": "again-[a-z]"})
+            )
+            return first, again
+
+    try:
+        (*timed_out, constrained, free), (timed_out_again, constrained_again) = asyncio.run(run())
+    finally:
+        server.stop()  # the slow compilations run on to their end in it
+    for error in [*timed_out, timed_out_again]:
+        assert isinstance(error, openai.BadRequestError), error
+        assert error.code == "grammar_compile_timeout"
+        assert "took longer than 1 s to compile" in error.message
+    assert isinstance(constrained, str) and re.fullmatch("quick-[0-9]{3}", constrained), constrained
+    assert isinstance(free, str) and free, free
+    assert isinstance(constrained_again, str) and re.fullmatch("again-[a-z]", constrained_again)
 
 
 _CHECK_WITHOUT_TORCH = """
