@@ -1,4 +1,7 @@
-"""Structured outputs through the official openai SDK against a real server with a random-weight model.
+"""Structured outputs through the official openai SDK against real servers with random-weight models.
+
+Every schema is asked for on each supported architecture (one server each), greedy and sampled, streamed and
+not, all of an architecture's requests at once.
 
 Every schema here bounds its output (string lengths, array sizes, enums, integer ranges), as OpenAI's strict
 mode expects of a schema, so that any output the grammar allows ends within the token budget: each answer
@@ -13,7 +16,8 @@ import json
 import re
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import httpx
@@ -21,6 +25,7 @@ import jsonschema
 import openai
 import pydantic
 import pytest
+from kvfleet.runtime.models.make_model import ARCHITECTURES
 
 if TYPE_CHECKING:
     from conftest import ServerProcess
@@ -206,11 +211,19 @@ def client(api_server: ServerProcess) -> openai.OpenAI:
     )
 
 
-@pytest.fixture(scope="module")
-def async_client(api_server: ServerProcess) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(
-        base_url=f"{api_server.url}/v1", api_key=api_server.api_key, max_retries=0, timeout=300
-    )
+@pytest.fixture(scope="module", params=ARCHITECTURES)
+def server_of_each_architecture(
+    request: pytest.FixtureRequest,
+    make_model: Callable[..., Path],
+    start_server: Callable[..., ServerProcess],
+) -> Iterator[ServerProcess]:
+    """A server of each supported architecture in turn (llama's is the shared one), stopped once done with."""
+    if request.param == "llama":
+        yield request.getfixturevalue("api_server")
+        return
+    server = start_server(model=make_model(request.param))
+    yield server
+    server.stop()
 
 
 def _messages(name: str) -> list[dict[str, str]]:
@@ -221,48 +234,62 @@ def test_at_least_thirty_schemas_are_covered() -> None:
     assert len(SCHEMAS) >= 30
 
 
-def test_every_answer_validates_against_its_schema(async_client: openai.AsyncOpenAI) -> None:
-    """Chat with response_format json_schema and completions with structured_outputs, all at once."""
-
-    async def chat(index: int, name: str, schema: dict[str, Any]) -> tuple[str, str, str | None]:
-        completion = await async_client.chat.completions.create(
-            model=MODEL_NAME,
-            messages=_messages(name),
-            response_format={
-                "type": "json_schema",
-                "json_schema": {"name": "answer", "schema": schema, "strict": True},
-            },
-            max_tokens=MAX_TOKENS,
-            temperature=1.0,
-            seed=index,
+async def _answer(
+    client: openai.AsyncOpenAI, index: int, name: str, decoding: str, stream: bool
+) -> tuple[str, str | None]:
+    """(text, finish_reason) of one request for a schema's JSON: on chat with response_format json_schema for
+    even-numbered schemas, on completions with structured_outputs for the others."""
+    schema = SCHEMAS[name]
+    options: dict[str, Any] = {"model": MODEL_NAME, "max_tokens": MAX_TOKENS, "seed": index, "stream": stream}
+    options["temperature"] = 0.0 if decoding == "greedy" else 1.0
+    chat = index % 2 == 0
+    if chat:
+        response_format = {
+            "type": "json_schema",
+            "json_schema": {"name": "answer", "schema": schema, "strict": True},
+        }
+        response = await client.chat.completions.create(
+            messages=_messages(name), response_format=response_format, **options
         )
-        choice = completion.choices[0]
-        return name, choice.message.content or "", choice.finish_reason
-
-    async def complete(index: int, name: str, schema: dict[str, Any]) -> tuple[str, str, str | None]:
-        completion = await async_client.completions.create(
-            model=MODEL_NAME,
-            prompt=f"JSON for {name}:",
-            max_tokens=MAX_TOKENS,
-            temperature=0.8,
-            seed=1000 + index,
-            extra_body={"structured_outputs": {"json": schema}},
+    else:
+        response = await client.completions.create(
+            prompt=f"JSON for {name}:", extra_body={"structured_outputs": {"json": schema}}, **options
         )
-        choice = completion.choices[0]
-        return name, choice.text, choice.finish_reason
+    if not stream:
+        choice = response.choices[0]
+        return (choice.message.content or "" if chat else choice.text), choice.finish_reason
+    text, finish_reason = "", None
+    async for chunk in response:
+        for choice in chunk.choices:
+            text += (choice.delta.content or "") if chat else choice.text
+            finish_reason = choice.finish_reason or finish_reason
+    return text, finish_reason
 
-    async def run_all() -> list[tuple[str, str, str | None]]:
-        calls = [chat(i, name, schema) for i, (name, schema) in enumerate(SCHEMAS.items())]
-        calls += [complete(i, name, schema) for i, (name, schema) in enumerate(SCHEMAS.items())]
-        return await asyncio.gather(*calls)
+
+def test_every_answer_validates_against_its_schema(server_of_each_architecture: ServerProcess) -> None:
+    """Every schema, greedy and sampled, streamed and not, all at once, on each architecture."""
+    server = server_of_each_architecture
+    cases = [
+        (index, name, decoding, stream)
+        for index, name in enumerate(SCHEMAS)
+        for decoding in ("greedy", "sampled")
+        for stream in (False, True)
+    ]
+
+    async def run_all() -> list[tuple[str, str | None]]:
+        async with openai.AsyncOpenAI(
+            base_url=f"{server.url}/v1", api_key=server.api_key or "unused", max_retries=0, timeout=300
+        ) as client:
+            return await asyncio.gather(*(_answer(client, *case) for case in cases))
 
     failures = []
-    for name, text, finish_reason in asyncio.run(run_all()):
+    for (_, name, decoding, stream), (text, finish_reason) in zip(cases, asyncio.run(run_all()), strict=True):
         try:
             assert finish_reason == "stop", f"finish_reason {finish_reason}"
             jsonschema.validate(json.loads(text), SCHEMAS[name])
         except (AssertionError, ValueError, jsonschema.ValidationError) as exc:
-            failures.append(f"{name}: {text!r}: {str(exc).splitlines()[0]}")
+            label = f"{name}, {decoding}{', streamed' if stream else ''}"
+            failures.append(f"{label}: {text!r}: {str(exc).splitlines()[0]}")
     assert not failures, "\n".join(failures)
 
 
