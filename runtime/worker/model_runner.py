@@ -139,6 +139,8 @@ class ModelRunner:
         if self._inputs_copied is not None:
             self._inputs_copied.synchronize()  # the previous step's copies must be done before refilling
         input_ids, positions, metadata, sample_rows = self._prepare_inputs(scheduler_output)
+        sampling = [requests[i] for i in sample_rows]
+        self.sampler.prepare(sampling)  # with an accelerator, grammar masks fill during the forward pass
         plan = self.attention_backend.prepare(metadata)
         hidden = self.model(input_ids, positions, self.kv_caches, plan)
 
@@ -154,7 +156,7 @@ class ModelRunner:
                 self._mark_inputs_copied()
                 sampled_hidden = hidden.index_select(0, logits_indices)
             logits = self.model.compute_logits(sampled_hidden)
-            result = self.sampler(logits, [requests[i] for i in sample_rows])
+            result = self.sampler(logits, sampling)
             for row, i in enumerate(sample_rows):
                 sampled[i] = [result.token_ids[row]]
                 row_logprobs = result.logprobs[row]
