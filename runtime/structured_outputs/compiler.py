@@ -52,8 +52,8 @@ class CompiledConstraint:
 
 
 class GrammarCompiler:
-    """Compiles grammars for one model's vocabulary on a background thread, caching the results; holds the
-    tokenizer that bad_words are encoded with."""
+    """Compiles grammars for one model's vocabulary on threads of their own, within a time limit, caching
+    the results; holds the tokenizer that bad_words are encoded with."""
 
     def __init__(self, tokenizer_path: str, vocab_size: int, timeout: float) -> None:
         self._tokenizer_path = tokenizer_path
