@@ -165,9 +165,16 @@ def bench_throughput(
     "--model", type=click.Path(exists=True, file_okay=False), default=None, help="Default: make `small`."
 )
 @click.option("--num-requests", type=int, default=64, show_default=True)
+@click.option(
+    "--rounds",
+    type=click.IntRange(min=1),
+    default=3,
+    show_default=True,
+    help="Alternating constrained and unconstrained runs; each mode's fastest counts.",
+)
 @click.option("--bench-seed", type=int, default=0, show_default=True, help="Seed of the synthetic workload.")
 @engine_options
-def bench_structured(model: str | None, num_requests: int, bench_seed: int, **options) -> None:
+def bench_structured(model: str | None, num_requests: int, rounds: int, bench_seed: int, **options) -> None:
     """Throughput under JSON-schema constraints against the same requests unconstrained, and compile times."""
     from kvfleet.runtime.bench.report import print_structured_report
     from kvfleet.runtime.bench.structured import run_structured
@@ -177,6 +184,7 @@ def bench_structured(model: str | None, num_requests: int, bench_seed: int, **op
         report = run_structured(
             model_dir,
             num_requests=num_requests,
+            rounds=rounds,
             engine_options=config.as_options(),
             seed=bench_seed,
             log=lambda line: click.echo(line, err=True),

@@ -56,6 +56,10 @@ class EngineConfig:
     max_cpu_loras: int | None = _option(
         "LoRA adapters kept in host memory (least recently used dropped); by default max_loras.", default=None
     )
+    structured_outputs_compile_timeout: float = _option(
+        "Seconds a structured-output grammar may take to compile; past them its request alone fails (a 400).",
+        default=30.0,
+    )
 
     def __post_init__(self) -> None:
         self.validate()
@@ -85,6 +89,9 @@ class EngineConfig:
         require(
             self.max_cpu_loras is None or self.max_cpu_loras >= self.max_loras,
             "max_cpu_loras must be at least max_loras",
+        )
+        require(
+            self.structured_outputs_compile_timeout > 0, "structured_outputs_compile_timeout must be positive"
         )
 
     def replace(self, **changes: Any) -> EngineConfig:

@@ -77,7 +77,9 @@ class EngineCore:
         # scheduling the front end hears of (its queue-time metric).
         self._unstarted: dict[str, AddRequest] = {}
         self._errors: list[RequestError] = []
-        self.grammar_compiler = GrammarCompiler(config.tokenizer or config.model, self.vocab_size)
+        self.grammar_compiler = GrammarCompiler(
+            config.tokenizer or config.model, self.vocab_size, config.structured_outputs_compile_timeout
+        )
         # Requests whose grammar was still compiling when they were admitted.
         self._compiling: dict[str, Request] = {}
         self.num_steps = 0
@@ -270,7 +272,7 @@ class EngineCore:
             if error is not None:
                 del self._compiling[request_id]
                 self.abort_requests([request_id])
-                self._errors.append(RequestError(request_id, InvalidRequestError.kind, error))
+                self._errors.append(RequestError(request_id, error.kind, str(error)))
 
     def _execute(
         self, scheduler_output: SchedulerOutput, errors: list[RequestError]

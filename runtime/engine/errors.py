@@ -19,6 +19,12 @@ class InvalidRequestError(EngineError, ValueError):
     kind = "invalid"
 
 
+class GrammarTimeoutError(InvalidRequestError):
+    """The request's grammar (JSON schema, regex, ...) took longer to compile than the engine allows."""
+
+    kind = "grammar_timeout"
+
+
 class EngineOverloadedError(EngineError):
     """The waiting queue is full, and nothing of a lower tier could give way."""
 
@@ -60,6 +66,7 @@ _BY_KIND: dict[str, type[EngineError]] = {
     for cls in (
         EngineError,
         InvalidRequestError,
+        GrammarTimeoutError,
         EngineOverloadedError,
         RequestShedError,
         RequestFailedError,

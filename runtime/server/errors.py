@@ -17,6 +17,7 @@ from kvfleet.runtime.engine.errors import (
     EngineNotReadyError,
     EngineOverloadedError,
     EngineShutdownError,
+    GrammarTimeoutError,
     InvalidRequestError,
     RequestShedError,
 )
@@ -65,6 +66,8 @@ class ClientDisconnectedError(Exception):
 def from_engine_error(error: EngineError) -> OpenAIError:
     """The OpenAI error a client sees for an error of the engine."""
     message = str(error)
+    if isinstance(error, GrammarTimeoutError):
+        return BadRequestError(message, code="grammar_compile_timeout")
     if isinstance(error, InvalidRequestError):
         return BadRequestError(message)
     if isinstance(error, RequestShedError):

@@ -73,8 +73,9 @@ class Choice:
             self.finish_reason = completion.finish_reason
 
 
-# (prompt index, delta, whether it finished the sequence) -> the choice to stream, or None to send nothing.
-ChoiceBuilder = Callable[[int, CompletionOutput, bool], dict[str, Any] | None]
+# (prompt index, delta, whether it finished the sequence) -> the choices to stream, one chunk each (none: send
+# nothing).
+ChoiceBuilder = Callable[[int, CompletionOutput, bool], list[dict[str, Any]]]
 
 
 def finish_error(finish_reason: str | None) -> OpenAIError | None:
@@ -373,9 +374,9 @@ class OpenAIServing:
         include_usage: bool,
         preamble: Iterable[dict[str, Any]] = (),
     ) -> AsyncIterator[str]:
-        """The SSE events of a streamed request: `preamble` choices first, then a choice per delta that
-        `choice_of` builds (None: nothing to send) with its finish reason set here; a failed request ends
-        the stream with an error event; usage comes last when asked for."""
+        """The SSE events of a streamed request: `preamble` choices first, then the choices `choice_of` builds
+        for each delta, the last one's finish reason set here; a failed request ends the stream with an error
+        event; usage comes last when asked for."""
         completion_tokens = 0
         async with contextlib.aclosing(outputs):
             try:
@@ -386,10 +387,12 @@ class OpenAIServing:
                         completion_tokens += len(completion.token_ids)
                         error = finish_error(completion.finish_reason)
                         finished = error is None and completion.finish_reason is not None
-                        choice = choice_of(prompt_index, completion, finished)
-                        if choice is not None:
-                            # A builder may name its own finish reason (tool calls).
-                            finish_reason = completion.finish_reason if finished else None
+                        choices = choice_of(prompt_index, completion, finished)
+                        for number, choice in enumerate(choices, start=1):
+                            # The last choice finishes; a builder may name its own reason (tool calls).
+                            finish_reason = (
+                                completion.finish_reason if finished and number == len(choices) else None
+                            )
                             yield sse_event(self._chunk(request, {"finish_reason": finish_reason, **choice}))
                         if error is not None:
                             raise error

@@ -10,7 +10,7 @@ from kvfleet.runtime.engine.outputs import CompletionOutput, RequestOutput
 from kvfleet.runtime.server.protocol import ChatCompletionRequest, usage
 from kvfleet.runtime.server.serving_base import Choice, OpenAIServing, PreparedRequest
 from kvfleet.runtime.server.streaming import EventStreamResponse
-from kvfleet.runtime.server.tool_calls import ParsedCall, ToolCalling
+from kvfleet.runtime.server.tool_calls import OutputReading, ParsedCall, ToolCalling, new_call_id
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -119,14 +119,18 @@ class OpenAIServingChat(OpenAIServing):
             for index in range(request.params.n)
         ]
 
-        def choice_of(_: int, completion: CompletionOutput, finished: bool) -> dict[str, Any] | None:
+        def choice_of(_: int, completion: CompletionOutput, finished: bool) -> list[dict[str, Any]]:
             if not (completion.text or finished or completion.logprobs):
-                return None
-            return {
-                "index": completion.index,
-                "delta": {"content": completion.text} if completion.text else {},
-                "logprobs": self._logprobs(completion.token_ids, completion.logprobs, body.top_logprobs or 0),
-            }
+                return []
+            return [
+                {
+                    "index": completion.index,
+                    "delta": {"content": completion.text} if completion.text else {},
+                    "logprobs": self._logprobs(
+                        completion.token_ids, completion.logprobs, body.top_logprobs or 0
+                    ),
+                }
+            ]
 
         builder = choice_of if tool_calling is None else _ToolCallStream(tool_calling, request.params.n)
         return self.event_stream(
@@ -145,32 +149,76 @@ def _calls(
 
 
 class _ToolCallStream:
-    """Streams an answer that may hold calls: text that cannot be part of a call goes out as content as it
-    comes; the rest waits for the end, when it is read into tool_calls deltas (or sent as content, if it
-    holds no well-formed call). Log probabilities are not streamed."""
+    """Streams an answer that may hold calls. Text that cannot be part of a call goes out as content as it
+    comes. A call is announced (index, id, type, name, arguments "") once its name is written, then its
+    arguments follow as the model writes them. What a parser cannot yet place is held back: with `hermes`,
+    text from `<tool_call>` (or a tail that may begin one) until the call's name is read; with `llama3_json`,
+    an output that begins with `{` until the name is read; content after a call waits for the end.
+
+    A call announced cannot be taken back: if the output then strays from the format, the text not yet sent
+    as content follows as content, and the answer finishes as a plain one. A call cut short (max_tokens)
+    keeps the arguments sent, as OpenAI's streams do. Log probabilities are not streamed."""
 
     def __init__(self, tool_calling: ToolCalling, n: int) -> None:
         self.tool_calling = tool_calling
         self.texts = [""] * n
-        self.sent = [0] * n
+        self.sent_content = [0] * n
+        # Per choice, the calls announced: how much of each one's arguments has been sent.
+        self.sent_arguments: list[list[int]] = [[] for _ in range(n)]
 
-    def __call__(self, _: int, completion: CompletionOutput, finished: bool) -> dict[str, Any] | None:
+    def __call__(self, _: int, completion: CompletionOutput, finished: bool) -> list[dict[str, Any]]:
         index = completion.index
         self.texts[index] += completion.text
-        text, sent = self.texts[index], self.sent[index]
+        text = self.texts[index]
+        reading = self.tool_calling.read(text)
+        if reading.malformed:
+            return self._finishing(index, self._content(index, text), None, text, finished)
         if not finished:
-            ready = self.tool_calling.streamable(text)
-            if ready <= sent:
-                return None
-            self.sent[index] = ready
-            return {"index": index, "delta": {"content": text[sent:ready]}, "logprobs": None}
+            return self._choices(index, self._content(index, text[: reading.content_end]), reading, text)
         calls = _calls(self.tool_calling, text, completion.finish_reason)
-        if calls is None:
-            rest = text[sent:]
-            return {"index": index, "delta": {"content": rest} if rest else {}, "logprobs": None}
-        content, parsed = calls
-        delta: dict[str, Any] = {"tool_calls": [call.as_openai(i) for i, call in enumerate(parsed)]}
-        # The content streamed so far is the start of the answer's content; the rest goes with the calls.
-        if content is not None and len(content) > sent:
-            delta["content"] = content[sent:]
-        return {"index": index, "delta": delta, "logprobs": None, "finish_reason": "tool_calls"}
+        if calls is not None:
+            content, _ = calls
+            choices = self._finishing(index, self._content(index, content or ""), reading, text, True)
+            return [*choices[:-1], {**choices[-1], "finish_reason": "tool_calls"}]
+        if completion.finish_reason != "stop" and self.sent_arguments[index]:
+            return self._finishing(index, self._content(index, reading.content), reading, text, True)
+        return self._finishing(index, self._content(index, text), None, text, True)
+
+    def _finishing(
+        self, index: int, content: str, reading: OutputReading | None, text: str, finished: bool
+    ) -> list[dict[str, Any]]:
+        """The choices to send, with an empty one to carry the finish reason when there is nothing else."""
+        choices = self._choices(index, content, reading, text)
+        return choices or ([{"index": index, "delta": {}, "logprobs": None}] if finished else [])
+
+    def _content(self, index: int, content: str) -> str:
+        """What of `content` (the answer's content so far) has not been sent."""
+        unsent = content[self.sent_content[index] :]
+        self.sent_content[index] = max(self.sent_content[index], len(content))
+        return unsent
+
+    def _choices(
+        self, index: int, content: str, reading: OutputReading | None, text: str
+    ) -> list[dict[str, Any]]:
+        deltas: list[dict[str, Any]] = [{"content": content}] if content else []
+        sent = self.sent_arguments[index]
+        for number, call in enumerate(reading.calls if reading is not None else ()):
+            if call.name is None:
+                break  # calls are announced in order
+            if number == len(sent):
+                announced = {"name": call.name, "arguments": ""}
+                deltas.append(
+                    {
+                        "tool_calls": [
+                            {"index": number, "id": new_call_id(), "type": "function", "function": announced}
+                        ]
+                    }
+                )
+                sent.append(0)
+            arguments = call.arguments(text)
+            if len(arguments) > sent[number]:
+                deltas.append(
+                    {"tool_calls": [{"index": number, "function": {"arguments": arguments[sent[number] :]}}]}
+                )
+                sent[number] = len(arguments)
+        return [{"index": index, "delta": delta, "logprobs": None} for delta in deltas]

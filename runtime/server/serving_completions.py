@@ -117,7 +117,7 @@ class OpenAIServingCompletion(OpenAIServing):
 
         def choice_of(
             prompt_index: int, completion: CompletionOutput, finished: bool
-        ) -> dict[str, Any] | None:
+        ) -> list[dict[str, Any]]:
             index = prompt_index * n + completion.index
             text = completion.text
             if echoes and index not in text_offsets:
@@ -125,8 +125,8 @@ class OpenAIServingCompletion(OpenAIServing):
             offset = text_offsets.get(index, 0)
             text_offsets[index] = offset + len(text)
             if not (text or finished or completion.logprobs):
-                return None
+                return []
             logprobs = self._logprobs(completion.token_ids, completion.logprobs, body.logprobs, offset)
-            return {"index": index, "text": text, "logprobs": logprobs}
+            return [{"index": index, "text": text, "logprobs": logprobs}]
 
         return self.event_stream(request, outputs, first, choice_of, include_usage=body.include_usage)

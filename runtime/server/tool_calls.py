@@ -10,15 +10,18 @@
 Parsers: `hermes` (Qwen's and Hermes' format, `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`)
 and `llama3_json` (Llama 3's: the whole output is `{"name": ..., "parameters": {...}}`, calls separated by
 `;`).
+
+Outputs are read as they grow (`read`), so that streaming can announce a call once its name is written and
+send its arguments as they come; a call's arguments are the model's own text, streamed or not.
 """
 
 from __future__ import annotations
 
 import json
-import re
 import uuid
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from collections.abc import Collection
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvfleet.runtime.sampling_params import StructuredOutputsParams
@@ -27,21 +30,76 @@ from kvfleet.runtime.server.protocol import ChatCompletionRequest, Tool
 
 # A function without parameters takes an empty object.
 _NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
+_JSON_WHITESPACE = " \t\n\r"
 
 
 @dataclass(frozen=True)
 class ParsedCall:
     name: str
-    # The arguments as JSON text.
+    # The arguments as JSON text, as the model wrote them.
     arguments: str
 
-    def as_openai(self, index: int | None = None) -> dict[str, Any]:
-        call: dict[str, Any] = {
-            "id": f"call_{uuid.uuid4().hex[:24]}",
+    def as_openai(self) -> dict[str, Any]:
+        return {
+            "id": new_call_id(),
             "type": "function",
             "function": {"name": self.name, "arguments": self.arguments},
         }
-        return call if index is None else {"index": index, **call}
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+@dataclass
+class CallReading:
+    """A call in an output, as far as it is written: the span of its JSON object and of its arguments."""
+
+    start: int
+    name: str | None = None
+    arguments_start: int | None = None
+    # None while unfinished.
+    arguments_end: int | None = None
+    end: int | None = None
+
+    def arguments(self, text: str) -> str:
+        """The arguments written so far (all of them once `arguments_end` is known)."""
+        if self.arguments_start is None:
+            return ""
+        return text[
+            self.arguments_start : self.arguments_end if self.arguments_end is not None else len(text)
+        ]
+
+
+@dataclass
+class OutputReading:
+    """What an output holds, read as far as it goes."""
+
+    # The text before this index is content, whatever follows it.
+    content_end: int = 0
+    # The text outside calls so far.
+    content: str = ""
+    calls: list[CallReading] = field(default_factory=list)
+    # The output strays from the format (which more text cannot mend): all of it is content.
+    malformed: bool = False
+    # The output ends inside a call.
+    inside_call: bool = False
+
+    def parsed(self, text: str) -> tuple[str | None, list[ParsedCall]]:
+        """(content, calls) of a finished output; the text whole as content, and no calls, unless every call
+        is well formed (its object valid JSON: reading only matches brackets) and closed."""
+        if self.malformed or self.inside_call or not self.calls:
+            return text, []
+        calls = []
+        for call in self.calls:
+            assert call.name is not None and call.end is not None
+            try:
+                json.loads(text[call.start : call.end])
+            except json.JSONDecodeError:
+                return text, []
+            calls.append(ParsedCall(call.name, call.arguments(text)))
+        # Not stripped: what came before the first call may have been streamed already, as it is.
+        return (self.content if self.content.strip() else None), calls
 
 
 class ToolCallParser(ABC):
@@ -51,45 +109,38 @@ class ToolCallParser(ABC):
         self.function_names = function_names
 
     @abstractmethod
-    def parse(self, text: str) -> tuple[str | None, list[ParsedCall]]:
-        """(content, calls); the text whole as content, and no calls, when any call is malformed."""
-
-    @abstractmethod
-    def streamable(self, text: str) -> int:
-        """How much of an unfinished output can be streamed as content: what follows may be a call."""
-
-    def _call(self, value: Any, arguments_key: str) -> ParsedCall | None:
-        if not isinstance(value, dict) or set(value) != {"name", arguments_key}:
-            return None
-        name, arguments = value["name"], value[arguments_key]
-        if name not in self.function_names or not isinstance(arguments, dict):
-            return None
-        return ParsedCall(name, json.dumps(arguments, ensure_ascii=False))
+    def read(self, text: str) -> OutputReading:
+        """The calls and content of an output, finished or not."""
 
 
 class HermesToolCallParser(ToolCallParser):
     START, END = "<tool_call>", "</tool_call>"
-    _BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 
-    def parse(self, text: str) -> tuple[str | None, list[ParsedCall]]:
-        if self.START not in text:
-            return text, []
-        calls = []
-        for body in self._BLOCK.findall(text):
-            try:
-                call = self._call(json.loads(body), "arguments")
-            except json.JSONDecodeError:
-                call = None
+    def read(self, text: str) -> OutputReading:
+        reading = OutputReading(content_end=self._content_end(text))
+        position = 0
+        while True:
+            start = text.find(self.START, position)
+            if start < 0:
+                reading.content += text[position:]
+                return reading
+            reading.content += text[position:start]
+            call = _read_call(
+                text, _skip_whitespace(text, start + len(self.START)), ("arguments",), self.function_names
+            )
             if call is None:
-                return text, []
-            calls.append(call)
-        content = self._BLOCK.sub("", text)
-        if self.START in content:  # a call left open
-            return text, []
-        # Not stripped: what came before the first call may have been streamed already, as it is.
-        return (content if content.strip() else None), calls
+                reading.malformed = True
+                return reading
+            reading.calls.append(call)
+            after = len(text) if call.end is None else _skip_whitespace(text, call.end)
+            if not text.startswith(self.END, after):
+                reading.inside_call = self.END.startswith(text[after:])
+                reading.malformed = not reading.inside_call
+                return reading
+            position = after + len(self.END)
 
-    def streamable(self, text: str) -> int:
+    def _content_end(self, text: str) -> int:
+        """Content may be streamed up to the first call, and short of a tail that may begin one."""
         start = text.find(self.START)
         if start >= 0:
             return start
@@ -100,30 +151,31 @@ class HermesToolCallParser(ToolCallParser):
 
 
 class Llama3JsonToolCallParser(ToolCallParser):
-    def parse(self, text: str) -> tuple[str | None, list[ParsedCall]]:
-        decoder = json.JSONDecoder()
-        stripped = text.strip()
-        position = 0
-        calls = []
-        while position < len(stripped):
-            try:
-                value, position = decoder.raw_decode(stripped, position)
-            except json.JSONDecodeError:
-                return text, []
+    def read(self, text: str) -> OutputReading:
+        position = _skip_whitespace(text, 0)
+        if position == len(text):
+            return OutputReading()
+        if text[position] != "{":
+            return OutputReading(content_end=len(text), content=text, malformed=True)
+        reading = OutputReading()
+        while position < len(text):
             # Llama's format names the arguments "parameters"; some of its fine-tunes write "arguments".
-            call = self._call(value, "parameters") or self._call(value, "arguments")
+            call = _read_call(text, position, ("parameters", "arguments"), self.function_names)
             if call is None:
-                return text, []
-            calls.append(call)
-            rest = stripped[position:].lstrip()
-            if rest.startswith(";"):
-                rest = rest[1:].lstrip()
-            position = len(stripped) - len(rest)
-        return (None, calls) if calls else (text, [])
-
-    def streamable(self, text: str) -> int:
-        stripped = text.lstrip()
-        return 0 if not stripped or stripped.startswith("{") else len(text)
+                reading.malformed = True
+                return reading
+            reading.calls.append(call)
+            if call.end is None:
+                reading.inside_call = True
+                return reading
+            # Calls are separated by ";" (or only by whitespace).
+            position = _skip_whitespace(text, call.end)
+            if text.startswith(";", position):
+                position = _skip_whitespace(text, position + 1)
+            if position < len(text) and text[position] != "{":
+                reading.malformed = True
+                return reading
+        return reading
 
 
 TOOL_CALL_PARSERS: dict[str, type[ToolCallParser]] = {
@@ -194,28 +246,148 @@ class ToolCalling:
             schema["maxItems"] = 1
         return StructuredOutputsParams(json=schema)
 
-    def extract(self, text: str) -> tuple[str | None, list[ParsedCall]]:
-        """(content, calls) of a finished output. A constrained output that did not finish (max_tokens) is
-        not JSON, and stays content."""
+    def read(self, text: str) -> OutputReading:
+        """The calls and content of an output, finished or not."""
         if self.parser is not None:
-            content, calls = self.parser.parse(text)
-            if not self.parallel and len(calls) > 1:
-                return text, []
-            return content, calls
-        try:
-            value = json.loads(text)
-        except json.JSONDecodeError:
-            return text, []
-        if self.mode == "required":
-            return None, [
-                ParsedCall(call["name"], json.dumps(call["parameters"], ensure_ascii=False)) for call in value
-            ]
-        return None, [ParsedCall(self.mode, text)]
+            reading = self.parser.read(text)
+            # A second call where parallel calls are not allowed makes the whole output content.
+            reading.malformed |= not self.parallel and len(reading.calls) > 1
+            return reading
+        if self.mode != "required":
+            # The whole output is the named function's arguments.
+            return OutputReading(calls=[CallReading(0, self.mode, 0, len(text), len(text))])
+        # The grammar writes `[call, call, ...]`.
+        reading = OutputReading()
+        position = _skip_whitespace(text, 1)
+        while position < len(text) and text[position] != "]":
+            call = _read_call(text, position, ("parameters",), self.tools)
+            assert call is not None, "the grammar only lets calls through"
+            reading.calls.append(call)
+            if call.end is None:
+                break
+            position = _skip_whitespace(text, call.end)
+            if text.startswith(",", position):
+                position = _skip_whitespace(text, position + 1)
+        reading.inside_call = not text.endswith("]")
+        return reading
 
-    def streamable(self, text: str) -> int:
-        """How much of an unfinished output may be streamed as content now."""
-        return 0 if self.parser is None else self.parser.streamable(text)
+    def extract(self, text: str) -> tuple[str | None, list[ParsedCall]]:
+        """(content, calls) of an output that finished with "stop". A constrained output that did not finish
+        (a stop string) is not JSON, and stays content."""
+        return self.read(text).parsed(text)
 
     def _parameters(self, name: str) -> dict[str, Any]:
         parameters = self.tools[name].function.parameters
         return parameters if parameters is not None else _NO_PARAMETERS
+
+
+def _read_call(
+    text: str, start: int, arguments_keys: tuple[str, ...], function_names: Collection[str]
+) -> CallReading | None:
+    """Reads `{"name": ..., "<one of arguments_keys>": {...}}` (members in either order) from `start`, as far
+    as the text goes; None where it strays from that shape: other members, a function not among
+    `function_names`, arguments that are not an object. The arguments' brackets are matched, not checked:
+    finished outputs are parsed whole (OutputReading.parsed)."""
+    call = CallReading(start)
+    if start == len(text):
+        return call
+    if text[start] != "{":
+        return None
+    position = start + 1
+    first = True
+    while True:
+        position = _skip_whitespace(text, position)
+        if position == len(text):
+            return call
+        if text[position] == "}" and call.name is not None and call.arguments_end is not None:
+            call.end = position + 1
+            return call
+        if not first:
+            if text[position] != ",":
+                return None
+            position = _skip_whitespace(text, position + 1)
+            if position == len(text):
+                return call
+        first = False
+        key_end = _string_end(text, position)
+        if key_end is None:
+            return call if position < len(text) and text[position] == '"' else None
+        key = _string_value(text[position:key_end])
+        position = _skip_whitespace(text, key_end)
+        if position == len(text):
+            return call
+        if text[position] != ":":
+            return None
+        position = _skip_whitespace(text, position + 1)
+        if position == len(text):
+            return call
+        if key == "name" and call.name is None:
+            name_end = _string_end(text, position)
+            if name_end is None:
+                return call if text[position] == '"' else None
+            name = _string_value(text[position:name_end])
+            if name not in function_names:
+                return None
+            call.name, position = name, name_end
+        elif key in arguments_keys and call.arguments_start is None:
+            if text[position] != "{":
+                return None
+            call.arguments_start = position
+            call.arguments_end = _object_end(text, position)
+            if call.arguments_end is None:
+                return call
+            position = call.arguments_end
+        else:
+            return None
+
+
+def _skip_whitespace(text: str, position: int) -> int:
+    while position < len(text) and text[position] in _JSON_WHITESPACE:
+        position += 1
+    return position
+
+
+def _string_end(text: str, start: int) -> int | None:
+    """The index after the JSON string opening at `start`; None where none opens there or it is unfinished."""
+    if start >= len(text) or text[start] != '"':
+        return None
+    position = start + 1
+    while position < len(text):
+        character = text[position]
+        if character == "\\":
+            position += 2
+        elif character == '"':
+            return position + 1
+        else:
+            position += 1
+    return None
+
+
+def _string_value(literal: str) -> str | None:
+    try:
+        return json.loads(literal)
+    except json.JSONDecodeError:
+        return None
+
+
+def _object_end(text: str, start: int) -> int | None:
+    """The index after the JSON object opening at `start`, found by matching brackets outside strings; None
+    while it is unfinished."""
+    depth = 0
+    position = start
+    while position < len(text):
+        character = text[position]
+        if character == '"':
+            string_end = _string_end(text, position)
+            if string_end is None:
+                return None
+            position = string_end
+            continue
+        if character in "{[":
+            depth += 1
+        elif character in "}]":
+            depth -= 1
+            if depth == 0:
+                return position + 1
+        position += 1
+    return None

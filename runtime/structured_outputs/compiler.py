@@ -1,9 +1,15 @@
 """Grammar compilation in the engine core, off the step loop, and each request's grammar state.
 
-Compiling a grammar against the vocabulary takes from milliseconds to seconds, so it runs on a thread of its
+Compiling a grammar against the vocabulary takes from milliseconds to seconds, so it runs on threads of its
 own: a request whose grammar is not ready yet waits in the queue while the others run, the way vLLM's
 WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR state does. Compiled grammars are cached by their canonical text (the
 compiler belongs to one tokenizer, so that is a key by grammar and tokenizer).
+
+Some grammars take minutes or more (large bounded repetitions, say). A compilation gets a time limit, past
+which its requests fail with GrammarTimeoutError. xgrammar cannot interrupt a compilation, so that one runs
+on to its end on its thread, but gives up its place to the next: at most `_CONCURRENT_COMPILATIONS` run
+within their limit at once. Its failure stays cached, so asking for the same grammar again fails at once
+instead of starting it over.
 """
 
 from __future__ import annotations
@@ -12,11 +18,13 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass
 
 import torch
 import xgrammar
+from kvfleet.runtime.engine.errors import EngineError, GrammarTimeoutError, InvalidRequestError
 from kvfleet.runtime.sampling_params import StructuredOutputsParams
 from kvfleet.runtime.structured_outputs.bitmasks import pack_bits
 from kvfleet.runtime.structured_outputs.grammars import JSON_KINDS, GrammarError, build_grammar, grammar_key
@@ -25,6 +33,8 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 logger = logging.getLogger(__name__)
 
 _CACHED_GRAMMARS = 512
+# Compilations running within their time limit at once; compiling is CPU-bound, and the engine needs a core.
+_CONCURRENT_COMPILATIONS = 2
 # Bytes JSON never holds raw: compact JSON has no newlines or tabs, and strings escape control characters.
 _CONTROL_BYTES = frozenset(range(0x20))
 # UTF-8 encodes surrogates (U+D800-DFFF, not characters) as 0xED then 0xA0-0xBF.
@@ -42,11 +52,13 @@ class CompiledConstraint:
 
 
 class GrammarCompiler:
-    """Compiles grammars for one model's vocabulary on a background thread, caching the results; holds the
-    tokenizer that bad_words are encoded with."""
+    """Compiles grammars for one model's vocabulary on threads of their own, within a time limit, caching
+    the results; holds the tokenizer that bad_words are encoded with."""
 
-    def __init__(self, tokenizer_path: str, vocab_size: int) -> None:
+    def __init__(self, tokenizer_path: str, vocab_size: int, timeout: float) -> None:
         self._tokenizer_path = tokenizer_path
+        # Seconds a compilation may take, counted from its start (not from its wait for a free place).
+        self._timeout = timeout
         # The model's, not the tokenizer's: logits rows (and so bitmasks) are as wide as the model's
         # embedding, which is often padded past the tokenizer's last id.
         self._vocab_size = vocab_size
@@ -54,7 +66,9 @@ class GrammarCompiler:
         self._tokenizer: PreTrainedTokenizerBase | None = None
         self._text_token_filter: torch.Tensor | None = None
         self._json_token_filter: torch.Tensor | None = None
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-compiler")
+        self._places = threading.Semaphore(_CONCURRENT_COMPILATIONS)
+        # The vocabulary is prepared once, by the first compilation.
+        self._vocabulary_lock = threading.Lock()
         self._cache: OrderedDict[tuple[str, str], Future[CompiledConstraint]] = OrderedDict()
         self._lock = threading.Lock()
         self._tokenizer_lock = threading.Lock()
@@ -70,7 +84,10 @@ class GrammarCompiler:
             if future is not None:
                 self._cache.move_to_end(key)
                 return future
-            future = self._executor.submit(self._compile, *key)
+            future: Future[CompiledConstraint] = Future()
+            threading.Thread(
+                target=self._run, args=(*key, future), name="grammar-compiler", daemon=True
+            ).start()
             self._cache[key] = future
             if len(self._cache) > _CACHED_GRAMMARS:
                 self._cache.popitem(last=False)
@@ -88,10 +105,35 @@ class GrammarCompiler:
         """`text`'s token ids, without special tokens."""
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    def _compile(self, kind: str, text: str) -> CompiledConstraint:
+    def _run(self, kind: str, text: str, future: Future[CompiledConstraint]) -> None:
+        self._places.acquire()
+        give_place = _once(self._places.release)
+        timer = threading.Timer(self._timeout, self._time_out, (kind, future, give_place))
+        timer.daemon = True
+        try:
+            # Once per engine, and not the grammar's doing: outside its time limit.
+            compiler = self._vocabulary_compiler()
+            timer.start()
+            compiled = self._compile(compiler, kind, text)
+        except Exception as exc:  # anything: the requests waiting for it fail, the engine goes on
+            _settle(future, exc)
+        else:
+            _settle(future, compiled)
+        finally:
+            timer.cancel()
+            give_place()
+
+    def _time_out(
+        self, kind: str, future: Future[CompiledConstraint], give_place: Callable[[], None]
+    ) -> None:
+        message = f"the {kind} grammar took longer than {self._timeout:g} s to compile; simplify it"
+        if _settle(future, GrammarTimeoutError(message)):
+            logger.warning("a %s grammar ran out of its %g s to compile", kind, self._timeout)
+        give_place()
+
+    def _compile(self, compiler: xgrammar.GrammarCompiler, kind: str, text: str) -> CompiledConstraint:
         start = time.perf_counter()
         grammar = build_grammar(kind, text)
-        compiler = self._vocabulary_compiler()
         token_filter = self._json_token_filter if kind in JSON_KINDS else self._text_token_filter
         assert token_filter is not None
         compiled = CompiledConstraint(compiler.compile_grammar(grammar), token_filter)
@@ -103,20 +145,23 @@ class GrammarCompiler:
         return compiled
 
     def _vocabulary_compiler(self) -> xgrammar.GrammarCompiler:
-        # Made on the compile thread at first use.
-        if self._compiler is None:
-            info = xgrammar.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self._vocab_size)
-            text = torch.ones(self._vocab_size, dtype=torch.bool)
-            json_text = torch.ones(self._vocab_size, dtype=torch.bool)
-            for token_id, token in enumerate(info.decoded_vocab[: self._vocab_size]):
-                if _may_start_a_surrogate(token):
-                    text[token_id] = json_text[token_id] = False
-                elif _CONTROL_BYTES.intersection(token):
-                    json_text[token_id] = False
-            self._text_token_filter = pack_bits(text)
-            self._json_token_filter = pack_bits(json_text)
-            self._compiler = xgrammar.GrammarCompiler(info, max_threads=1)
-        return self._compiler
+        with self._vocabulary_lock:
+            if self._compiler is None:
+                self._compiler = self._prepare_vocabulary()
+            return self._compiler
+
+    def _prepare_vocabulary(self) -> xgrammar.GrammarCompiler:
+        info = xgrammar.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self._vocab_size)
+        text = torch.ones(self._vocab_size, dtype=torch.bool)
+        json_text = torch.ones(self._vocab_size, dtype=torch.bool)
+        for token_id, token in enumerate(info.decoded_vocab[: self._vocab_size]):
+            if _may_start_a_surrogate(token):
+                text[token_id] = json_text[token_id] = False
+            elif _CONTROL_BYTES.intersection(token):
+                json_text[token_id] = False
+        self._text_token_filter = pack_bits(text)
+        self._json_token_filter = pack_bits(json_text)
+        return xgrammar.GrammarCompiler(info, max_threads=1)
 
 
 class RequestGrammar:
@@ -132,14 +177,16 @@ class RequestGrammar:
         return self.compiled.done() and self.compiled.exception() is None
 
     @property
-    def error(self) -> str | None:
+    def error(self) -> EngineError | None:
         """Why the grammar could not be compiled, once it is known."""
         if not self.compiled.done():
             return None
         exc = self.compiled.exception()
-        if exc is None:
-            return None
-        return str(exc) if isinstance(exc, GrammarError) else f"the grammar failed to compile: {exc}"
+        if exc is None or isinstance(exc, GrammarTimeoutError):
+            return exc
+        return InvalidRequestError(
+            str(exc) if isinstance(exc, GrammarError) else f"the grammar failed to compile: {exc}"
+        )
 
     @property
     def matcher(self) -> xgrammar.GrammarMatcher:
@@ -166,3 +213,29 @@ def _may_start_a_surrogate(token: bytes) -> bool:
         if byte == _SURROGATE_LEAD and (index + 1 == len(token) or token[index + 1] in _SURROGATE_SECOND):
             return True
     return False
+
+
+def _settle(future: Future[CompiledConstraint], outcome: CompiledConstraint | Exception) -> bool:
+    """Sets a future's outcome unless it has one (a compilation and its time limit race); whether it did."""
+    try:
+        if isinstance(outcome, Exception):
+            future.set_exception(outcome)
+        else:
+            future.set_result(outcome)
+    except InvalidStateError:
+        return False
+    return True
+
+
+def _once(action: Callable[[], None]) -> Callable[[], None]:
+    lock = threading.Lock()
+    done = False
+
+    def run() -> None:
+        nonlocal done
+        with lock:
+            if not done:
+                done = True
+                action()
+
+    return run

@@ -8,6 +8,7 @@ with an `invalid` error, a 400 too.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import urllib.parse
@@ -82,7 +83,13 @@ def check_constraint(params: StructuredOutputsParams) -> None:
     cannot be enforced or refers to what it does not hold."""
     kind, text = grammar_key(params)
     if kind in JSON_KINDS:
-        check_json_schema(json.loads(text))
+        _check_json_schema_text(text)
+
+
+# Many requests share a schema, and checking one takes milliseconds; only schemas that pass are cached.
+@functools.lru_cache(maxsize=512)
+def _check_json_schema_text(text: str) -> None:
+    check_json_schema(json.loads(text))
 
 
 def build_grammar(kind: str, text: str) -> xgrammar.Grammar:

@@ -1,69 +1,152 @@
-"""Applies the grammars and token rules (logit_bias, allowed_token_ids, bad_words) of a step's constrained
+"""Applies the grammars and token rules (logit_bias, allowed_token_ids and bad_words) of a step's constrained
 rows to their logits, before sampling.
 
 One token bitmask (a bit per vocabulary entry) is filled for the rows that mask tokens and applied in one
-call; a batch without constrained rows costs one pass over its requests.
+call; xgrammar fills every grammar row in one call. Filling does not need the logits, so when the model runs
+on an accelerator the model runner starts it (`prepare`) before the forward pass, on a thread of its own
+(xgrammar releases the GIL), and sampling only waits for it, if at all. On a CPU the forward pass keeps every
+core busy, and a thread beside it slows it down more than the fill costs: there the fill runs at sampling
+time. A batch without constrained rows costs one pass over its requests.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 import xgrammar
 from kvfleet.runtime.request import Request
 from kvfleet.runtime.structured_outputs.bitmasks import clear_bits
 
+if TYPE_CHECKING:
+    from kvfleet.runtime.structured_outputs.compiler import RequestGrammar
+
 
 class GrammarMasks:
-    def __init__(self) -> None:
+    def __init__(self, fill_during_forward: bool) -> None:
         # Reused from step to step, grown when a batch is larger.
         self._bitmask = torch.empty(0, 0, dtype=torch.int32)
-        # Steps that had constrained rows, and the time spent masking them.
+        self._matchers = xgrammar.BatchGrammarMatcher()
+        self._filler = (
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-masks")
+            if fill_during_forward
+            else None
+        )
+        # The fill started for the next sampling: its requests, and the rows it masks once done.
+        self._prepared: tuple[Sequence[Request], Future[list[int]]] | None = None
+        # Steps that had constrained rows, and the time spent filling and applying their masks.
         self.num_steps = 0
         self.seconds = 0.0
 
+    def prepare(self, requests: Sequence[Request]) -> None:
+        """Start filling the grammar masks of the rows about to be sampled, in this order, on the filling
+        thread (with an accelerator)."""
+        if self._filler is None:
+            return
+        if self._prepared is not None:
+            # A fill nobody sampled after (its step failed) ends before the bitmask is reused.
+            self._prepared[1].exception()
+            self._prepared = None
+        matchers = _matchers(requests)
+        if matchers:
+            self._prepared = (requests, self._filler.submit(self._fill_grammars, requests, matchers))
+
     def apply(self, logits: torch.Tensor, requests: Sequence[Request]) -> None:
         """logits: [len(requests), vocab], modified in place: tokens a row's grammar, allowed_token_ids or
-        bad_words forbid get -inf, then logit_bias is added."""
-        rows = [row for row, r in enumerate(requests) if r.grammar is not None or r.token_rules is not None]
-        if not rows:
+        bad_words forbid get -inf, then logit_bias is added. Fills the grammar masks now if `prepare` was not
+        called for these requests."""
+        prepared, self._prepared = self._prepared, None
+        if prepared is not None and prepared[0] is requests:
+            masked = prepared[1].result()
+        else:
+            if prepared is not None:
+                prepared[1].exception()
+            matchers = _matchers(requests)
+            masked = self._fill_grammars(requests, matchers) if matchers else []
+        rule_rows = [row for row, request in enumerate(requests) if request.token_rules is not None]
+        if not masked and not rule_rows:
             return
         start = time.perf_counter()
-        masked = []
-        bitmask = self._bitmask_for(len(requests), logits.shape[1])
-        for row in rows:
+        # As wide as the grammars' rows: the model's vocabulary, which the logits span too.
+        bitmask = self._bitmask_for(len(requests), xgrammar.get_bitmask_shape(1, logits.shape[1])[1])
+        for row in rule_rows:
             request = requests[row]
-            grammar, rules = request.grammar, request.token_rules
-            if grammar is not None:
-                grammar.matcher.fill_next_token_bitmask(bitmask, row)
-                bitmask[row] &= grammar.token_filter
-            elif rules is not None and rules.masks:
-                bitmask[row] = -1  # every bit set: all allowed
-            else:
+            rules = request.token_rules
+            assert rules is not None
+            if not rules.masks:
                 continue
-            if rules is not None:
-                if rules.allowed is not None:
-                    bitmask[row] &= rules.allowed
-                clear_bits(bitmask[row], rules.banned(request.output_token_ids))
-            masked.append(row)
-        if masked:
+            if request.grammar is None:
+                bitmask[row] = -1  # every bit set: all allowed
+                masked.append(row)
+            if rules.allowed is not None:
+                bitmask[row] &= rules.allowed
+            clear_bits(bitmask[row], rules.banned(request.output_token_ids))
+        if masked and logits.device.type == "cpu":
+            _apply_on_cpu(logits, bitmask, masked)
+        elif masked:
             xgrammar.apply_token_bitmask_inplace(
                 logits, bitmask.to(logits.device, non_blocking=True), indices=masked
             )
-        for row in rows:
+        for row in rule_rows:
             rules = requests[row].token_rules
-            if rules is not None and rules.bias_token_ids is not None and rules.bias_values is not None:
+            assert rules is not None
+            if rules.bias_token_ids is not None and rules.bias_values is not None:
                 ids = rules.bias_token_ids.to(logits.device)
                 logits[row].index_add_(0, ids, rules.bias_values.to(logits.device, logits.dtype))
         self.num_steps += 1
         self.seconds += time.perf_counter() - start
 
-    def _bitmask_for(self, num_rows: int, vocab_size: int) -> torch.Tensor:
-        width = xgrammar.get_bitmask_shape(1, vocab_size)[1]
+    def _fill_grammars(
+        self, requests: Sequence[Request], matchers: list[tuple[int, xgrammar.GrammarMatcher]]
+    ) -> list[int]:
+        """Fills the bitmask rows of the requests with grammars, in one xgrammar call, and ANDs in their
+        token filters, one operation for the rows that share one; returns those rows."""
+        start = time.perf_counter()
+        rows = [row for row, _ in matchers]
+        filters = [_grammar(requests[row]).token_filter for row in rows]
+        bitmask = self._bitmask_for(len(requests), filters[0].shape[0])
+        self._matchers.batch_fill_next_token_bitmask([matcher for _, matcher in matchers], bitmask, rows)
+        by_filter: dict[int, tuple[torch.Tensor, list[int]]] = {}
+        for row, token_filter in zip(rows, filters, strict=True):
+            by_filter.setdefault(id(token_filter), (token_filter, []))[1].append(row)
+        for token_filter, filtered in by_filter.values():
+            index = torch.tensor(filtered)
+            bitmask.index_copy_(0, index, bitmask.index_select(0, index) & token_filter)
+        self.seconds += time.perf_counter() - start
+        return rows
+
+    def _bitmask_for(self, num_rows: int, width: int) -> torch.Tensor:
         if self._bitmask.shape[0] < num_rows or self._bitmask.shape[1] != width:
-            self._bitmask = xgrammar.allocate_token_bitmask(
-                max(num_rows, 2 * self._bitmask.shape[0]), vocab_size
-            )
+            self._bitmask = torch.empty(max(num_rows, 2 * self._bitmask.shape[0]), width, dtype=torch.int32)
         return self._bitmask[:num_rows]
+
+
+def _grammar(request: Request) -> RequestGrammar:
+    assert request.grammar is not None
+    return request.grammar
+
+
+def _matchers(requests: Sequence[Request]) -> list[tuple[int, xgrammar.GrammarMatcher]]:
+    """(row, matcher) of the requests with grammars. Made on the caller's thread, the one that advances
+    them."""
+    return [
+        (row, request.grammar.matcher) for row, request in enumerate(requests) if request.grammar is not None
+    ]
+
+
+def _apply_on_cpu(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+    """xgrammar's CPU kernel tests tokens one at a time; numpy unpacks the forbidden bits of all the rows at
+    once, and one masked_fill_ applies them: several times faster."""
+    if len(rows) < len(bitmask):
+        unmasked = torch.ones(len(bitmask), dtype=torch.bool)
+        unmasked[rows] = False
+        bitmask[unmasked] = -1  # every bit set: all allowed
+    # Little-endian int32 words as bytes, each unpacked least significant bit first: token order.
+    forbidden = np.unpackbits(
+        (~bitmask).numpy().view(np.uint8), axis=1, count=logits.shape[1], bitorder="little"
+    )
+    logits.masked_fill_(torch.from_numpy(forbidden.view(np.bool_)), float("-inf"))

@@ -159,6 +159,8 @@ class ModelRunner:
         if self._cpu_threads is not None:
             self._cpu_threads.use_for(scheduler_output.total_num_scheduled_tokens)
         input_ids, positions, metadata, sample_rows = self._prepare_inputs(scheduler_output)
+        sampling = [requests[i] for i in sample_rows]
+        self.sampler.prepare(sampling)  # with an accelerator, grammar masks fill during the forward pass
         plan = self.attention_backend.prepare(metadata)
         if self.lora_manager is not None:
             self.lora_manager.prepare([r.lora_request for r in requests], metadata.query_start_loc_cpu)
@@ -176,7 +178,7 @@ class ModelRunner:
                 self._mark_inputs_copied()
                 sampled_hidden = hidden.index_select(0, logits_indices)
             logits = self.model.compute_logits(sampled_hidden)
-            result = self.sampler(logits, [requests[i] for i in sample_rows])
+            result = self.sampler(logits, sampling)
             for row, i in enumerate(sample_rows):
                 sampled[i] = [result.token_ids[row]]
                 row_logprobs = result.logprobs[row]

@@ -35,13 +35,19 @@ class Sampler:
         self.device = device
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self._request_generators: dict[str, torch.Generator] = {}
-        self.grammar_masks = GrammarMasks()
+        self.grammar_masks = GrammarMasks(fill_during_forward=device.type != "cpu")
 
     def forget(self, request_ids: Iterable[str]) -> None:
         """Drop the generators of finished requests. Preempted requests keep theirs: when one resumes, its
         random stream continues where it stopped, so its tokens are those of an uninterrupted run."""
         for request_id in request_ids:
             self._request_generators.pop(request_id, None)
+
+    def prepare(self, requests: Sequence[Request]) -> None:
+        """What can be done for these requests' sampling before their logits exist, started on a thread
+        while the model runs on an accelerator: filling their grammars' masks. Pass the same sequence to the
+        call."""
+        self.grammar_masks.prepare(requests)
 
     def __call__(self, logits: torch.Tensor, requests: Sequence[Request]) -> SamplerOutput:
         """logits: float32 [len(requests), vocab], modified in place."""

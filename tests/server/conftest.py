@@ -87,16 +87,29 @@ def free_port() -> int:
 def start_server(
     tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Callable[..., ServerProcess]]:
-    """Returns start(*extra_args, api_key=None, command=("serve",)) -> a ready ServerProcess; every one is
-    stopped at the end."""
+    """Returns start(*extra_args, api_key=None, command=("serve",), model=None) -> a ready ServerProcess of
+    `model` (the tiny llama by default); every one is stopped at the end."""
     started: list[ServerProcess] = []
     logs = tmp_path_factory.mktemp("server-logs")
 
     def start(
-        *extra_args: str, api_key: str | None = None, wait: bool = True, command: tuple[str, ...] = ("serve",)
+        *extra_args: str,
+        api_key: str | None = None,
+        wait: bool = True,
+        command: tuple[str, ...] = ("serve",),
+        model: Path | None = None,
     ) -> ServerProcess:
         port = free_port()
-        args = [sys.executable, "-P", "-m", "kvfleet", *command, "--model", str(tiny_llama), *BASE_ARGS]
+        args = [
+            sys.executable,
+            "-P",
+            "-m",
+            "kvfleet",
+            *command,
+            "--model",
+            str(model or tiny_llama),
+            *BASE_ARGS,
+        ]
         args += ["--host", "127.0.0.1", "--port", str(port), *extra_args]
         if api_key is not None:
             args += ["--api-key", api_key]

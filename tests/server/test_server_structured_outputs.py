@@ -1,4 +1,7 @@
-"""Structured outputs through the official openai SDK against a real server with a random-weight model.
+"""Structured outputs through the official openai SDK against real servers with random-weight models.
+
+Every schema is asked for on each supported architecture (one server each), greedy and sampled, streamed and
+not, all of an architecture's requests at once.
 
 Every schema here bounds its output (string lengths, array sizes, enums, integer ranges), as OpenAI's strict
 mode expects of a schema, so that any output the grammar allows ends within the token budget: each answer
@@ -13,6 +16,8 @@ import json
 import re
 import subprocess
 import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import httpx
@@ -20,6 +25,7 @@ import jsonschema
 import openai
 import pydantic
 import pytest
+from kvfleet.runtime.models.make_model import ARCHITECTURES
 
 if TYPE_CHECKING:
     from conftest import ServerProcess
@@ -205,11 +211,19 @@ def client(api_server: ServerProcess) -> openai.OpenAI:
     )
 
 
-@pytest.fixture(scope="module")
-def async_client(api_server: ServerProcess) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(
-        base_url=f"{api_server.url}/v1", api_key=api_server.api_key, max_retries=0, timeout=300
-    )
+@pytest.fixture(scope="module", params=ARCHITECTURES)
+def server_of_each_architecture(
+    request: pytest.FixtureRequest,
+    make_model: Callable[..., Path],
+    start_server: Callable[..., ServerProcess],
+) -> Iterator[ServerProcess]:
+    """A server of each supported architecture in turn (llama's is the shared one), stopped once done with."""
+    if request.param == "llama":
+        yield request.getfixturevalue("api_server")
+        return
+    server = start_server(model=make_model(request.param))
+    yield server
+    server.stop()
 
 
 def _messages(name: str) -> list[dict[str, str]]:
@@ -220,48 +234,62 @@ def test_at_least_thirty_schemas_are_covered() -> None:
     assert len(SCHEMAS) >= 30
 
 
-def test_every_answer_validates_against_its_schema(async_client: openai.AsyncOpenAI) -> None:
-    """Chat with response_format json_schema and completions with structured_outputs, all at once."""
-
-    async def chat(index: int, name: str, schema: dict[str, Any]) -> tuple[str, str, str | None]:
-        completion = await async_client.chat.completions.create(
-            model=MODEL_NAME,
-            messages=_messages(name),
-            response_format={
-                "type": "json_schema",
-                "json_schema": {"name": "answer", "schema": schema, "strict": True},
-            },
-            max_tokens=MAX_TOKENS,
-            temperature=1.0,
-            seed=index,
+async def _answer(
+    client: openai.AsyncOpenAI, index: int, name: str, decoding: str, stream: bool
+) -> tuple[str, str | None]:
+    """(text, finish_reason) of one request for a schema's JSON: on chat with response_format json_schema for
+    even-numbered schemas, on completions with structured_outputs for the others."""
+    schema = SCHEMAS[name]
+    options: dict[str, Any] = {"model": MODEL_NAME, "max_tokens": MAX_TOKENS, "seed": index, "stream": stream}
+    options["temperature"] = 0.0 if decoding == "greedy" else 1.0
+    chat = index % 2 == 0
+    if chat:
+        response_format = {
+            "type": "json_schema",
+            "json_schema": {"name": "answer", "schema": schema, "strict": True},
+        }
+        response = await client.chat.completions.create(
+            messages=_messages(name), response_format=response_format, **options
         )
-        choice = completion.choices[0]
-        return name, choice.message.content or "", choice.finish_reason
-
-    async def complete(index: int, name: str, schema: dict[str, Any]) -> tuple[str, str, str | None]:
-        completion = await async_client.completions.create(
-            model=MODEL_NAME,
-            prompt=f"JSON for {name}:",
-            max_tokens=MAX_TOKENS,
-            temperature=0.8,
-            seed=1000 + index,
-            extra_body={"structured_outputs": {"json": schema}},
+    else:
+        response = await client.completions.create(
+            prompt=f"JSON for {name}:", extra_body={"structured_outputs": {"json": schema}}, **options
         )
-        choice = completion.choices[0]
-        return name, choice.text, choice.finish_reason
+    if not stream:
+        choice = response.choices[0]
+        return (choice.message.content or "" if chat else choice.text), choice.finish_reason
+    text, finish_reason = "", None
+    async for chunk in response:
+        for choice in chunk.choices:
+            text += (choice.delta.content or "") if chat else choice.text
+            finish_reason = choice.finish_reason or finish_reason
+    return text, finish_reason
 
-    async def run_all() -> list[tuple[str, str, str | None]]:
-        calls = [chat(i, name, schema) for i, (name, schema) in enumerate(SCHEMAS.items())]
-        calls += [complete(i, name, schema) for i, (name, schema) in enumerate(SCHEMAS.items())]
-        return await asyncio.gather(*calls)
+
+def test_every_answer_validates_against_its_schema(server_of_each_architecture: ServerProcess) -> None:
+    """Every schema, greedy and sampled, streamed and not, all at once, on each architecture."""
+    server = server_of_each_architecture
+    cases = [
+        (index, name, decoding, stream)
+        for index, name in enumerate(SCHEMAS)
+        for decoding in ("greedy", "sampled")
+        for stream in (False, True)
+    ]
+
+    async def run_all() -> list[tuple[str, str | None]]:
+        async with openai.AsyncOpenAI(
+            base_url=f"{server.url}/v1", api_key=server.api_key or "unused", max_retries=0, timeout=300
+        ) as client:
+            return await asyncio.gather(*(_answer(client, *case) for case in cases))
 
     failures = []
-    for name, text, finish_reason in asyncio.run(run_all()):
+    for (_, name, decoding, stream), (text, finish_reason) in zip(cases, asyncio.run(run_all()), strict=True):
         try:
             assert finish_reason == "stop", f"finish_reason {finish_reason}"
             jsonschema.validate(json.loads(text), SCHEMAS[name])
         except (AssertionError, ValueError, jsonschema.ValidationError) as exc:
-            failures.append(f"{name}: {text!r}: {str(exc).splitlines()[0]}")
+            label = f"{name}, {decoding}{', streamed' if stream else ''}"
+            failures.append(f"{label}: {text!r}: {str(exc).splitlines()[0]}")
     assert not failures, "\n".join(failures)
 
 
@@ -478,6 +506,58 @@ def test_metrics_count_compilations_once_per_grammar_and_masked_steps(
     # One request at a time: a step per token sampled, each through a mask.
     assert grew("structured_output_mask_steps") == sampled
     assert grew("structured_output_mask_seconds") > 0
+
+
+def _slow_to_compile(repeats: int) -> dict[str, Any]:
+    """A pattern whose grammar takes seconds to build (about 8 s for 1600 repeats on one core, growing faster
+    than their square): xgrammar writes the bounded repetition out in full."""
+    return {"type": "string", "pattern": f"^([a-z]{{1,30}}-){{{repeats}}}$"}
+
+
+def test_a_grammar_that_compiles_too_long_fails_alone(start_server: Callable[..., ServerProcess]) -> None:
+    """Two grammars that take seconds to compile hold both compile places until each runs out of its time
+    limit: their requests fail with a 400 and give their places to a grammar asked for after them, whose
+    request is served, as is an unconstrained one; asked again, a grammar that ran out fails at once."""
+    server = start_server("--structured-outputs-compile-timeout", "1")
+    slow = [_slow_to_compile(1500), _slow_to_compile(1501)]
+
+    async def ask(client: openai.AsyncOpenAI, structured: dict[str, Any] | None) -> str | openai.APIError:
+        try:
+            completion = await client.completions.create(
+                model=MODEL_NAME,
+                prompt="x",
+                max_tokens=16,
+                seed=0,
+                extra_body={"structured_outputs": structured} if structured else None,
+            )
+        except openai.APIError as error:
+            return error
+        return completion.choices[0].text
+
+    async def run() -> tuple[list[str | openai.APIError], list[str | openai.APIError]]:
+        async with openai.AsyncOpenAI(
+            base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120
+        ) as client:
+            compiling = [asyncio.create_task(ask(client, {"json": schema})) for schema in slow]
+            await asyncio.sleep(0.5)  # so that the slow grammars take the compile places first
+            quick = [ask(client, {"regex": "quick-[0-9]{3}"}), ask(client, None)]
+            first = await asyncio.gather(*compiling, *quick)
+            again = await asyncio.gather(
+                ask(client, {"json": slow[0]}), ask(client, {"regex": "again-[a-z]"})
+            )
+            return first, again
+
+    try:
+        (*timed_out, constrained, free), (timed_out_again, constrained_again) = asyncio.run(run())
+    finally:
+        server.stop()  # the slow compilations run on to their end in it
+    for error in [*timed_out, timed_out_again]:
+        assert isinstance(error, openai.BadRequestError), error
+        assert error.code == "grammar_compile_timeout"
+        assert "took longer than 1 s to compile" in error.message
+    assert isinstance(constrained, str) and re.fullmatch("quick-[0-9]{3}", constrained), constrained
+    assert isinstance(free, str) and free, free
+    assert isinstance(constrained_again, str) and re.fullmatch("again-[a-z]", constrained_again)
 
 
 _CHECK_WITHOUT_TORCH = """

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import httpx
@@ -115,16 +116,62 @@ def test_a_named_function_is_called(client: openai.OpenAI) -> None:
         _assert_valid_calls([call])
 
 
-def test_streamed_required_calls_arrive_as_tool_call_deltas(client: openai.OpenAI) -> None:
-    kwargs = {"model": MODEL_NAME, "messages": MESSAGES, "tools": TOOLS, "tool_choice": "required", "seed": 3}
-    whole = client.chat.completions.create(max_tokens=MAX_TOKENS, **kwargs).choices[0].message.tool_calls
-    chunks = list(client.chat.completions.create(max_tokens=MAX_TOKENS, stream=True, **kwargs))
-    deltas = [call for chunk in chunks if chunk.choices for call in chunk.choices[0].delta.tool_calls or []]
-    assert chunks[-1].choices[0].finish_reason == "tool_calls"
-    assert [delta.index for delta in deltas] == list(range(len(whole)))
-    assert [(d.function.name, d.function.arguments) for d in deltas] == [
-        (c.function.name, c.function.arguments) for c in whole
-    ]
+@dataclass
+class StreamedCall:
+    id: str
+    name: str
+    arguments: str = ""
+    fragments: int = 0
+
+
+def _streamed_calls(chunks: list[Any]) -> list[StreamedCall]:
+    """The calls of a streamed answer, put together from its deltas the way OpenAI's streams are read: each
+    call is announced first (index, id, type and name, arguments ""), then its argument fragments follow."""
+    calls: list[StreamedCall] = []
+    for chunk in chunks:
+        for delta in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
+            if delta.index == len(calls):
+                assert delta.type == "function"
+                assert delta.id.startswith("call_")
+                assert delta.function.arguments == ""
+                calls.append(StreamedCall(delta.id, delta.function.name))
+            else:
+                assert delta.index < len(calls)
+                assert delta.id is None and delta.function.name is None
+                call = calls[delta.index]
+                call.arguments += delta.function.arguments
+                call.fragments += 1
+    return calls
+
+
+@pytest.mark.parametrize(
+    "tool_choice",
+    ["required", {"type": "function", "function": {"name": "get_weather"}}],
+    ids=["required", "named"],
+)
+def test_streamed_calls_send_their_arguments_as_they_are_written(
+    client: openai.OpenAI, tool_choice: Any
+) -> None:
+    for seed in range(3):
+        kwargs = {
+            "model": MODEL_NAME,
+            "messages": MESSAGES,
+            "tools": TOOLS,
+            "tool_choice": tool_choice,
+            "max_tokens": MAX_TOKENS,
+            "seed": seed,
+        }
+        whole = client.chat.completions.create(**kwargs).choices[0].message.tool_calls
+        chunks = list(client.chat.completions.create(stream=True, **kwargs))
+        assert chunks[-1].choices[0].finish_reason == "tool_calls"
+        streamed = _streamed_calls(chunks)
+        assert [(call.name, call.arguments) for call in streamed] == [
+            (call.function.name, call.function.arguments) for call in whole
+        ]
+        for call in streamed:
+            jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
+            # Every call's arguments hold at least two members: they cannot come in one token.
+            assert call.fragments > 1, call
 
 
 def test_tool_choice_none_answers_with_content(client: openai.OpenAI) -> None:
@@ -219,11 +266,12 @@ def test_auto_reads_calls_from_the_output(
 
     chunks = list(client.chat.completions.create(stream=True, **kwargs))
     streamed_content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    deltas = [call for c in chunks if c.choices for call in c.choices[0].delta.tool_calls or []]
     assert streamed_content == (content or "")
-    assert [(d.function.name, d.function.arguments) for d in deltas] == [
+    streamed = _streamed_calls(chunks)
+    assert [(call.name, call.arguments) for call in streamed] == [
         (c.function.name, c.function.arguments) for c in choice.message.tool_calls
     ]
+    assert all(call.fragments > 1 for call in streamed)
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 

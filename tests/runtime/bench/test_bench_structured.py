@@ -12,12 +12,14 @@ from kvfleet.cli import cli
 
 
 def test_bench_structured_reports_throughput_and_compile_times(tiny_llama: Path) -> None:
-    args = ["bench", "structured", "--model", str(tiny_llama), "--num-requests", "6"]
+    args = ["bench", "structured", "--model", str(tiny_llama), "--num-requests", "6", "--rounds", "2"]
     result = CliRunner().invoke(cli, args, catch_exceptions=False)
     assert result.exit_code == 0, result.output
     output = result.stdout
-    constrained = re.search(r"^\| JSON schema \| [\d.]+ \| (\d+) \| [\d.]+ \|$", output, re.MULTILINE)
-    unconstrained = re.search(r"^\| unconstrained \| [\d.]+ \| (\d+) \| [\d.]+ \|$", output, re.MULTILINE)
+    assert "the fastest of 2 alternating rounds" in output
+    row = r"\| [\d.]+ \| [\d.]+ \| (\d+) \| [\d.]+ \|$"
+    constrained = re.search(r"^\| JSON schema " + row, output, re.MULTILINE)
+    unconstrained = re.search(r"^\| unconstrained " + row, output, re.MULTILINE)
     assert constrained and unconstrained
     assert constrained.group(1) == unconstrained.group(1)
     assert re.search(r"masks took [\d.]+ ms per step", output)

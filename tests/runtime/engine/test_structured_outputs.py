@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from kvfleet.runtime.engine.core import EngineCore
 from kvfleet.runtime.engine.messages import AddRequest, to_core_decoder
 from kvfleet.runtime.request import Request
 from kvfleet.runtime.structured_outputs.compiler import RequestGrammar
+from kvfleet.runtime.structured_outputs.masks import GrammarMasks
 from transformers import AutoTokenizer
 
 PROMPTS = ["The weather today", "Write a list:", "1 2 3", "Hello there, my friend"]
@@ -90,6 +92,23 @@ def test_unconstrained_requests_get_the_tokens_they_get_alone(llm: LLM) -> None:
     assert [mixed[0].outputs[0].token_ids, mixed[2].outputs[0].token_ids] == alone
     assert re.fullmatch(REGEX, mixed[1].outputs[0].text)
     assert mixed[3].outputs[0].text in CHOICES
+
+
+def test_masks_filled_during_the_forward_pass_give_the_same_tokens(tiny_llama: Path, llm: LLM) -> None:
+    """With an accelerator the masks are filled on a thread while the model runs. Run that way on the CPU, a
+    batch of grammars, token rules and free rows gets the tokens it gets with the masks filled at sampling."""
+    params = [
+        _constrained(1, regex=REGEX),
+        SamplingParams(temperature=0.9, seed=3, max_tokens=12, bad_words=["the"]),
+        _constrained(2, choice=CHOICES),
+        SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
+    ]
+    at_sampling = [output.outputs[0].token_ids for output in llm.generate(PROMPTS, params)]
+    overlapping = LLM(str(tiny_llama), dtype="float32", num_kv_blocks=128, block_size=8, max_model_len=256)
+    overlapping.llm_engine.engine_core.runner.sampler.grammar_masks = GrammarMasks(fill_during_forward=True)
+    during_forward = [output.outputs[0].token_ids for output in overlapping.generate(PROMPTS, params)]
+    assert any(thread.name.startswith("grammar-masks") for thread in threading.enumerate())
+    assert during_forward == at_sampling
 
 
 def test_an_unenforceable_schema_is_refused_before_anything_runs(llm: LLM) -> None:
