@@ -20,6 +20,9 @@ from kvfleet.runtime.core.request_queue import create_request_queue
 from kvfleet.runtime.request import FinishReason, Request, RequestStatus
 
 _RUNNING = RequestStatus.RUNNING
+# Tokens a step gives background requests while other requests run or wait: a few decodes, so that a step
+# stays about as short as the others' own (on a CPU a step's time grows with every token in it).
+_BACKGROUND_TOKENS_BESIDE_FOREGROUND = 8
 
 
 class Scheduler:
@@ -35,6 +38,7 @@ class Scheduler:
         enable_chunked_prefill: bool = True,
         policy: str = "fcfs",
         max_loras: int | None = None,
+        background_priority: int | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         for name, value in (
@@ -65,6 +69,10 @@ class Scheduler:
         self.enable_chunked_prefill = enable_chunked_prefill
         # Adapters one step may run (the model runner's slots); None without LoRA.
         self.max_loras = max_loras
+        # Under the priority policy, requests of this priority or less urgent (the batch tier) only take
+        # capacity the others leave: while any other request runs or waits, they come after it in a step,
+        # get at most _BACKGROUND_TOKENS_BESIDE_FOREGROUND tokens, and none of them is admitted.
+        self.background_priority = background_priority if policy == "priority" else None
         self.clock = clock
         self.kv_cache_manager = KVCacheManager(num_kv_blocks, block_size, enable_prefix_caching)
 
@@ -158,14 +166,21 @@ class Scheduler:
         # Insertion ordered: the batch order. A request preempted after being scheduled is popped out.
         scheduled: dict[Request, int] = {}
         preempted: list[Request] = []
+        background_budget = self._background_budget()
+        running = self.running
+        if background_budget is not None:
+            running = sorted(running, key=self._is_background)  # stable: admission order within each
 
-        for request in self.running:
+        for request in running:
             if budget <= 0:
                 break
             if request.status != _RUNNING:  # preempted earlier in this loop
                 continue
             num_new_tokens = min(len(request.all_token_ids) - request.num_computed_tokens, budget)
-            if num_new_tokens <= 0:  # its previous step's output has not been applied yet
+            is_background = background_budget is not None and self._is_background(request)
+            if is_background:
+                num_new_tokens = min(num_new_tokens, background_budget)
+            if num_new_tokens <= 0:  # its previous step's output has not been applied yet, or no share left
                 continue
             while True:
                 # Caching waits until every preemption of this step is decided: a victim scheduled earlier in
@@ -173,6 +188,8 @@ class Scheduler:
                 if kv.allocate_slots(request, num_new_tokens, delay_cache_blocks=True) is not None:
                     scheduled[request] = num_new_tokens
                     budget -= num_new_tokens
+                    if is_background:
+                        background_budget -= num_new_tokens
                     break
                 victim = self._choose_victim()
                 self._preempt(victim)
@@ -194,7 +211,7 @@ class Scheduler:
 
         # Admitting new work in a step that had to preempt would only thrash.
         if not preempted:
-            budget = self._admit_waiting(scheduled, budget, displaced)
+            budget = self._admit_waiting(scheduled, budget, displaced, background_budget is not None)
 
         return self._build_output(scheduled, budget, displaced + preempted)
 
@@ -257,7 +274,21 @@ class Scheduler:
 
     # Internals.
 
-    def _admit_waiting(self, scheduled: dict[Request, int], budget: int, displaced: list[Request]) -> int:
+    def _is_background(self, request: Request) -> bool:
+        return self.background_priority is not None and request.priority >= self.background_priority
+
+    def _background_budget(self) -> int | None:
+        """Background requests' tokens this step when other requests are present; None when they are not
+        held back (no background tier, or nothing else to run)."""
+        if self.background_priority is None:
+            return None
+        if all(self._is_background(request) for request in self.requests.values()):
+            return None
+        return _BACKGROUND_TOKENS_BESIDE_FOREGROUND
+
+    def _admit_waiting(
+        self, scheduled: dict[Request, int], budget: int, displaced: list[Request], hold_background: bool
+    ) -> int:
         kv = self.kv_cache_manager
         waiting = self.waiting
         running = self.running
@@ -270,7 +301,7 @@ class Scheduler:
             # A request displaced this step waits at least one step: taking it back at once (its blocks
             # may suffice after prefix hits the displacement could not foresee) would recompute it for
             # nothing, and it would be both preempted and scheduled in one output.
-            if request is None or request in displaced:
+            if request is None or request in displaced or (hold_background and self._is_background(request)):
                 break
             if request.grammar is not None and not request.grammar.ready:
                 stepped_aside.append(waiting.pop())

@@ -48,9 +48,16 @@ _GRAMMAR_WAIT_S = 0.01
 
 class EngineCore:
     def __init__(
-        self, config: EngineConfig, *, max_waiting_requests: int | None = None, reserved_cpus: int = 0
+        self,
+        config: EngineConfig,
+        *,
+        max_waiting_requests: int | None = None,
+        reserved_cpus: int = 0,
+        background_priority: int | None = None,
     ) -> None:
-        """`reserved_cpus`: CPUs left to the API servers in small steps, when the core runs beside them."""
+        """`reserved_cpus`: CPUs left to the API servers in small steps, when the core runs beside them.
+        `background_priority`: under the priority policy, requests this urgent or less (the batch tier) only
+        take the capacity the others leave."""
         if max_waiting_requests is not None and max_waiting_requests < 1:
             raise ValueError("max_waiting_requests must be at least 1")
         self.config = config
@@ -72,6 +79,7 @@ class EngineCore:
             enable_chunked_prefill=config.enable_chunked_prefill,
             policy=config.scheduling_policy,
             max_loras=config.max_loras if config.enable_lora else None,
+            background_priority=background_priority,
         )
         # Admitted requests never scheduled yet: the ones load shedding may displace, and whose first
         # scheduling the front end hears of (its queue-time metric).

@@ -10,7 +10,7 @@ from typing import Any, TypeVar
 from kvfleet.runtime.batch.lines import CHAT_COMPLETIONS_URL, COMPLETIONS_URL
 from kvfleet.runtime.engine.errors import EngineError
 from kvfleet.runtime.server.errors import BadRequestError, OpenAIError, from_engine_error, validation_error
-from kvfleet.runtime.server.priorities import TIERS
+from kvfleet.runtime.server.priorities import BACKGROUND_TIER, TIERS
 from kvfleet.runtime.server.protocol import ChatCompletionRequest, CompletionRequest
 from kvfleet.runtime.server.serving_chat import OpenAIServingChat
 from kvfleet.runtime.server.serving_completions import OpenAIServingCompletion
@@ -18,7 +18,7 @@ from kvfleet.runtime.server.state import ServerState
 from pydantic import ValidationError
 from starlette.requests import Request
 
-BATCH_PRIORITY = TIERS["batch"]
+BATCH_PRIORITY = TIERS[BACKGROUND_TIER]
 
 Body = TypeVar("Body", ChatCompletionRequest, CompletionRequest)
 

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from kvfleet.runtime.child_process import child_arguments, describe_exit, start_child
 from kvfleet.runtime.config import EngineConfig
 from kvfleet.runtime.metrics import MULTIPROCESS_DIR
+from kvfleet.runtime.server.priorities import BACKGROUND_TIER, TIERS
 from kvfleet.runtime.server.state import ServerSettings
 
 if TYPE_CHECKING:
@@ -113,8 +114,13 @@ def run_api_server(
 
 
 def _core_options(options: ServeOptions) -> dict[str, Any]:
-    # Each API server process needs a CPU while the core steps (HTTP, detokenization, SSE).
-    return {"max_waiting_requests": options.max_waiting_requests, "reserved_cpus": options.api_server_count}
+    return {
+        "max_waiting_requests": options.max_waiting_requests,
+        # Each API server process needs a CPU while the core steps (HTTP, detokenization, SSE).
+        "reserved_cpus": options.api_server_count,
+        # The batch tier (and the Batch API, which runs at it) takes only the capacity others leave.
+        "background_priority": TIERS[BACKGROUND_TIER],
+    }
 
 
 def _api_server_main(

@@ -769,3 +769,50 @@ def test_stats(runner_factory: Callable) -> None:
     assert (stats.num_running, stats.num_waiting, stats.num_preempted_total) == (1, 1, 0)
     assert stats.kv_cache_usage == pytest.approx(2 / 16)
     assert scheduler.get_num_unfinished_requests() == 2
+
+
+class TestBackgroundTier:
+    """Under the priority policy, the background tier runs on what the other tiers leave."""
+
+    BACKGROUND = 3
+
+    def test_foreground_work_holds_the_background_to_a_few_tokens_after_it(
+        self, runner_factory: Callable
+    ) -> None:
+        scheduler = make_scheduler(
+            policy="priority", max_num_seqs=32, num_kv_blocks=256, background_priority=self.BACKGROUND
+        )
+        runner = runner_factory(scheduler)
+        for index in range(12):
+            scheduler.add_request(make_request(f"bg{index}", 3, priority=self.BACKGROUND, max_tokens=30))
+        output, _ = step(scheduler, runner)
+        assert len(scheduled(output)) == 12  # alone, the background runs at full width
+        step(scheduler, runner)
+        scheduler.add_request(make_request("late-bg", 3, priority=self.BACKGROUND, max_tokens=30))
+        scheduler.add_request(make_request("user", 20, priority=2, max_tokens=3))
+        output, _ = step(scheduler, runner)
+        batch = scheduled(output)
+        assert batch["user"] == 20
+        background = {rid: n for rid, n in batch.items() if rid != "user"}
+        assert sum(background.values()) == 8 and "late-bg" not in background
+        # The background's share goes round in admission order, and nobody loses blocks or tokens.
+        assert list(background) == [f"bg{index}" for index in range(8)]
+        assert output.preempted_request_ids == set()
+        while "user" in scheduler.requests:
+            output, _ = step(scheduler, runner)
+            assert sum(n for r, n in scheduled(output).items() if r != "user") <= 8
+        # Once the foreground is gone, the background is whole again, latecomer included.
+        output, _ = step(scheduler, runner)
+        assert len(scheduled(output)) == 13
+        run_to_completion(scheduler, runner)
+        assert_all_blocks_free(scheduler)
+
+    def test_without_the_priority_policy_nothing_is_held(self, runner_factory: Callable) -> None:
+        scheduler = make_scheduler(max_num_seqs=32, num_kv_blocks=256, background_priority=self.BACKGROUND)
+        runner = runner_factory(scheduler)
+        for index in range(12):
+            scheduler.add_request(make_request(f"bg{index}", 3, priority=self.BACKGROUND, max_tokens=30))
+        step(scheduler, runner)
+        scheduler.add_request(make_request("user", 20, priority=2, max_tokens=3))
+        output, _ = step(scheduler, runner)
+        assert len(scheduled(output)) == 13
