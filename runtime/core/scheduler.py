@@ -20,8 +20,11 @@ from kvfleet.runtime.core.request_queue import create_request_queue
 from kvfleet.runtime.request import FinishReason, Request, RequestStatus
 
 _RUNNING = RequestStatus.RUNNING
-# Tokens a step gives background requests while other requests run or wait: a few decodes, so that a step
-# stays about as short as the others' own (on a CPU a step's time grows with every token in it).
+# Tokens a step gives background requests: alone, enough for full-speed prefill chunks and a wide batch of
+# decodes, while a step stays short enough that a request of another tier arriving does not wait long for
+# it; beside other requests, a few decodes, so that a step stays about as short as theirs would be (on a
+# CPU a step's time grows with every token in it).
+_BACKGROUND_TOKENS_ALONE = 256
 _BACKGROUND_TOKENS_BESIDE_FOREGROUND = 8
 
 
@@ -70,8 +73,9 @@ class Scheduler:
         # Adapters one step may run (the model runner's slots); None without LoRA.
         self.max_loras = max_loras
         # Under the priority policy, requests of this priority or less urgent (the batch tier) only take
-        # capacity the others leave: while any other request runs or waits, they come after it in a step,
-        # get at most _BACKGROUND_TOKENS_BESIDE_FOREGROUND tokens, and none of them is admitted.
+        # capacity the others leave: a step gives them at most _BACKGROUND_TOKENS_ALONE tokens; while any
+        # other request runs or waits, they come after it, get _BACKGROUND_TOKENS_BESIDE_FOREGROUND, and
+        # none of them is admitted.
         self.background_priority = background_priority if policy == "priority" else None
         self.clock = clock
         self.kv_cache_manager = KVCacheManager(num_kv_blocks, block_size, enable_prefix_caching)
@@ -166,9 +170,9 @@ class Scheduler:
         # Insertion ordered: the batch order. A request preempted after being scheduled is popped out.
         scheduled: dict[Request, int] = {}
         preempted: list[Request] = []
-        background_budget = self._background_budget()
+        background_budget, hold_background = self._background_share()
         running = self.running
-        if background_budget is not None:
+        if hold_background:
             running = sorted(running, key=self._is_background)  # stable: admission order within each
 
         for request in running:
@@ -211,7 +215,7 @@ class Scheduler:
 
         # Admitting new work in a step that had to preempt would only thrash.
         if not preempted:
-            budget = self._admit_waiting(scheduled, budget, displaced, background_budget is not None)
+            budget = self._admit_waiting(scheduled, budget, displaced, background_budget, hold_background)
 
         return self._build_output(scheduled, budget, displaced + preempted)
 
@@ -277,17 +281,22 @@ class Scheduler:
     def _is_background(self, request: Request) -> bool:
         return self.background_priority is not None and request.priority >= self.background_priority
 
-    def _background_budget(self) -> int | None:
-        """Background requests' tokens this step when other requests are present; None when they are not
-        held back (no background tier, or nothing else to run)."""
+    def _background_share(self) -> tuple[int | None, bool]:
+        """(tokens background requests may take this step, None without a background tier; whether they
+        are held back for other requests, which then also keeps new ones from starting)."""
         if self.background_priority is None:
-            return None
+            return None, False
         if all(self._is_background(request) for request in self.requests.values()):
-            return None
-        return _BACKGROUND_TOKENS_BESIDE_FOREGROUND
+            return _BACKGROUND_TOKENS_ALONE, False
+        return _BACKGROUND_TOKENS_BESIDE_FOREGROUND, True
 
     def _admit_waiting(
-        self, scheduled: dict[Request, int], budget: int, displaced: list[Request], hold_background: bool
+        self,
+        scheduled: dict[Request, int],
+        budget: int,
+        displaced: list[Request],
+        background_budget: int | None,
+        hold_background: bool,
     ) -> int:
         kv = self.kv_cache_manager
         waiting = self.waiting
@@ -312,10 +321,15 @@ class Scheduler:
                 continue
             computed_blocks, num_cached_tokens = kv.get_computed_blocks(request)
             num_new_tokens = request.num_tokens - num_cached_tokens
-            if num_new_tokens > budget:
-                if not self.enable_chunked_prefill:
+            # Without chunked prefill a prompt runs whole or not at all: the background share cannot cut it.
+            is_background = (
+                background_budget is not None and self.enable_chunked_prefill and self._is_background(request)
+            )
+            limit = min(budget, background_budget) if is_background else budget
+            if num_new_tokens > limit:
+                if not self.enable_chunked_prefill or limit <= 0:
                     break
-                num_new_tokens = budget
+                num_new_tokens = limit
             if kv.allocate_slots(request, num_new_tokens, computed_blocks) is None:
                 break
             waiting.pop()
@@ -326,6 +340,8 @@ class Scheduler:
             running.append(request)
             scheduled[request] = num_new_tokens
             budget -= num_new_tokens
+            if is_background:
+                background_budget -= num_new_tokens
             if lora:
                 loras.add(lora)
         for request in reversed(stepped_aside):

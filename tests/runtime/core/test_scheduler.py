@@ -816,3 +816,24 @@ class TestBackgroundTier:
         scheduler.add_request(make_request("user", 20, priority=2, max_tokens=3))
         output, _ = step(scheduler, runner)
         assert len(scheduled(output)) == 13
+
+    def test_alone_the_background_takes_a_bounded_share_of_each_step(self, runner_factory: Callable) -> None:
+        """So that a request of another tier arriving waits for a short step, not a full 2048-token one."""
+        scheduler = make_scheduler(
+            policy="priority",
+            max_num_batched_tokens=2048,
+            max_model_len=512,
+            num_kv_blocks=1024,
+            background_priority=self.BACKGROUND,
+        )
+        runner = runner_factory(scheduler)
+        for index in range(4):
+            scheduler.add_request(make_request(f"bg{index}", 200, priority=self.BACKGROUND, max_tokens=2))
+        first, _ = step(scheduler, runner)
+        assert scheduled(first) == {"bg0": 200, "bg1": 56}
+        assert run_to_completion(scheduler, runner).keys() == {f"bg{index}" for index in range(4)}
+        assert_all_blocks_free(scheduler)
+        # A foreground request alone is not bounded.
+        scheduler.add_request(make_request("user", 400, priority=2, max_tokens=2))
+        output, _ = step(scheduler, runner)
+        assert scheduled(output) == {"user": 400}
