@@ -72,11 +72,11 @@ class Scheduler:
         self.enable_chunked_prefill = enable_chunked_prefill
         # Adapters one step may run (the model runner's slots); None without LoRA.
         self.max_loras = max_loras
-        # Under the priority policy, requests of this priority or less urgent (the batch tier) only take
+        # Requests of this priority or less urgent (the batch tier), under either policy, only take the
         # capacity the others leave: a step gives them at most _BACKGROUND_TOKENS_ALONE tokens; while any
         # other request runs or waits, they come after it, get _BACKGROUND_TOKENS_BESIDE_FOREGROUND, and
         # none of them is admitted.
-        self.background_priority = background_priority if policy == "priority" else None
+        self.background_priority = background_priority
         self.clock = clock
         self.kv_cache_manager = KVCacheManager(num_kv_blocks, block_size, enable_prefix_caching)
 
@@ -301,8 +301,9 @@ class Scheduler:
         kv = self.kv_cache_manager
         waiting = self.waiting
         running = self.running
-        # Requests whose grammar is still compiling, or whose adapter would be one too many for this step,
-        # step aside for the ones behind them, keeping their place.
+        # Requests whose grammar is still compiling, whose adapter would be one too many for this step, or
+        # that are background while other requests are present, step aside for the ones behind them,
+        # keeping their place.
         stepped_aside: list[Request] = []
         loras = {r.lora_int_id for r in running if r.lora_int_id} if self.max_loras is not None else set()
         while budget > 0 and len(running) < self.max_num_seqs:
@@ -310,8 +311,13 @@ class Scheduler:
             # A request displaced this step waits at least one step: taking it back at once (its blocks
             # may suffice after prefix hits the displacement could not foresee) would recompute it for
             # nothing, and it would be both preempted and scheduled in one output.
-            if request is None or request in displaced or (hold_background and self._is_background(request)):
+            if request is None or request in displaced:
                 break
+            if hold_background and self._is_background(request):
+                if self.policy == "priority":
+                    break  # the queue is in priority order: only background requests are left
+                stepped_aside.append(waiting.pop())
+                continue
             if request.grammar is not None and not request.grammar.ready:
                 stepped_aside.append(waiting.pop())
                 continue

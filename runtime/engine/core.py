@@ -56,8 +56,8 @@ class EngineCore:
         background_priority: int | None = None,
     ) -> None:
         """`reserved_cpus`: CPUs left to the API servers in small steps, when the core runs beside them.
-        `background_priority`: under the priority policy, requests this urgent or less (the batch tier) only
-        take the capacity the others leave."""
+        `background_priority`: requests this urgent or less (the batch tier) only take the capacity the
+        others leave."""
         if max_waiting_requests is not None and max_waiting_requests < 1:
             raise ValueError("max_waiting_requests must be at least 1")
         self.config = config

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 TIERS: dict[str, int] = {"critical": 0, "high": 1, "standard": 2, "batch": 3}
 TIER_NAMES: tuple[str, ...] = tuple(TIERS)
-# Runs on the capacity the other tiers leave (under the priority scheduling policy).
+# Runs on the capacity the other tiers leave, under either scheduling policy.
 BACKGROUND_TIER = "batch"
 PRIORITY_RANGE = (min(TIERS.values()), max(TIERS.values()))
 DEFAULT_TIER = "standard"

@@ -807,15 +807,23 @@ class TestBackgroundTier:
         run_to_completion(scheduler, runner)
         assert_all_blocks_free(scheduler)
 
-    def test_without_the_priority_policy_nothing_is_held(self, runner_factory: Callable) -> None:
+    def test_under_fcfs_the_background_steps_aside_for_later_foreground_requests(
+        self, runner_factory: Callable
+    ) -> None:
+        """First come, first served among the others; the background still only takes what they leave."""
         scheduler = make_scheduler(max_num_seqs=32, num_kv_blocks=256, background_priority=self.BACKGROUND)
         runner = runner_factory(scheduler)
         for index in range(12):
             scheduler.add_request(make_request(f"bg{index}", 3, priority=self.BACKGROUND, max_tokens=30))
         step(scheduler, runner)
-        scheduler.add_request(make_request("user", 20, priority=2, max_tokens=3))
+        scheduler.add_request(make_request("late-bg", 3, priority=self.BACKGROUND, arrival_time=1.0))
+        scheduler.add_request(make_request("user", 20, priority=2, max_tokens=3, arrival_time=2.0))
         output, _ = step(scheduler, runner)
-        assert len(scheduled(output)) == 13
+        batch = scheduled(output)
+        assert batch["user"] == 20 and "late-bg" not in batch
+        assert sum(n for rid, n in batch.items() if rid != "user") == 8
+        run_to_completion(scheduler, runner)
+        assert_all_blocks_free(scheduler)
 
     def test_alone_the_background_takes_a_bounded_share_of_each_step(self, runner_factory: Callable) -> None:
         """So that a request of another tier arriving waits for a short step, not a full 2048-token one."""
