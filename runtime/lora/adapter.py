@@ -43,12 +43,7 @@ class LoRAWeights:
     B [out, max_rank], each slice's rank padded with zeros to `max_rank` so that every adapter fits the same
     slots."""
 
-    rank: int
     layers: list[dict[str, tuple[torch.Tensor, torch.Tensor]]]
-
-    @property
-    def num_bytes(self) -> int:
-        return sum(a.nbytes + b.nbytes for layer in self.layers for a, b in layer.values())
 
 
 def projection_sizes(config: ModelConfig) -> dict[str, tuple[int, int]]:
@@ -117,7 +112,7 @@ def load_lora_weights(
                 row += out_features
             fused[fused_name] = (a.to(dtype), b.to(dtype))
         layers.append(fused)
-    return LoRAWeights(rank, layers)
+    return LoRAWeights(layers)
 
 
 def _read_config(folder: Path) -> dict:

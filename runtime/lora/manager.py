@@ -48,10 +48,6 @@ class LoRAManager:
         self._slots: OrderedDict[int, int] = OrderedDict()  # lora_int_id -> slot
         self._free_slots = list(range(max_loras))
 
-    @property
-    def num_loaded(self) -> int:
-        return len(self._host)
-
     def add(self, lora: LoRARequest) -> None:
         """Have the adapter in host memory; raises LoRAAdapterError when it cannot run on this model."""
         if lora.lora_int_id in self._host:
