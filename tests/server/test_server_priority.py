@@ -82,19 +82,19 @@ class Overload:
     critical_wait_steps: float
 
 
-async def _overload(server: ServerProcess, *, limited_queue: bool) -> Overload:
-    batch = {"x-kvfleet-priority": "batch"}
+async def _overload(server: ServerProcess, *, limited_queue: bool, tier: str) -> Overload:
+    tier_header = {"x-kvfleet-priority": tier}
     holding, critical, extra = Outcome(), Outcome(), Outcome()
     queued = [Outcome() for _ in range(WAITING_LIMIT)]
     async with httpx.AsyncClient(base_url=server.url, timeout=120) as client:
-        holder = asyncio.create_task(_stream(client, {"max_tokens": HOLDING_TOKENS}, batch, holding))
+        holder = asyncio.create_task(_stream(client, {"max_tokens": HOLDING_TOKENS}, tier_header, holding))
         await _wait_for(server, running=1, waiting=0)
         short = {"max_tokens": QUEUED_TOKENS}
-        tasks = [asyncio.create_task(_stream(client, short, batch, outcome)) for outcome in queued]
+        tasks = [asyncio.create_task(_stream(client, short, tier_header, outcome)) for outcome in queued]
         await _wait_for(server, running=1, waiting=WAITING_LIMIT)
         if limited_queue:
             # Refused at once: the queue is at its limit and nothing queued is below the batch tier.
-            await _stream(client, short, batch, extra)
+            await _stream(client, short, tier_header, extra)
         urgent = asyncio.create_task(_stream(client, {"max_tokens": 4, "priority": "critical"}, {}, critical))
         if limited_queue:
             # Admitted by shedding a queued batch request: the queue stays at its limit.
@@ -132,7 +132,7 @@ def fcfs_server(start_server: Callable[..., ServerProcess]) -> ServerProcess:
 
 
 def test_critical_overtakes_the_queue_under_priority(priority_server: ServerProcess) -> None:
-    run = asyncio.run(_overload(priority_server, limited_queue=True))
+    run = asyncio.run(_overload(priority_server, limited_queue=True, tier="batch"))
     # The queue was full: another batch request is refused outright, with a hint when to come back.
     assert run.extra.status == 429 and run.extra.error_code == "overloaded" and run.extra.retry_after
     # The critical request got in by shedding one queued batch request (lowest tier first)...
@@ -146,7 +146,8 @@ def test_critical_overtakes_the_queue_under_priority(priority_server: ServerProc
 
 
 def test_critical_waits_behind_the_queue_under_fcfs(fcfs_server: ServerProcess) -> None:
-    run = asyncio.run(_overload(fcfs_server, limited_queue=False))
+    # Standard requests: the batch tier would step aside for the critical one under either policy.
+    run = asyncio.run(_overload(fcfs_server, limited_queue=False, tier="standard"))
     assert run.critical.status == 200
     # Every request queued before it starts first, so it waits for their tokens too.
     assert all(o.status == 200 and o.first_token is not None for o in run.queued)
