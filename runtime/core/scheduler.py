@@ -80,8 +80,9 @@ class Scheduler:
         self.clock = clock
         self.kv_cache_manager = KVCacheManager(num_kv_blocks, block_size, enable_prefix_caching)
 
-        # Every unfinished request, by id.
+        # Every unfinished request, by id, and how many of them are not background.
         self.requests: dict[str, Request] = {}
+        self._num_foreground = 0
         # Admission order. Finished requests are dropped lazily (see _drop_finished_running).
         self.running: list[Request] = []
         self._running_has_finished = False
@@ -108,6 +109,7 @@ class Scheduler:
                 f"max_model_len ({self.max_model_len})"
             )
         self.requests[request.request_id] = request
+        self._num_foreground += not self._is_background(request)
         self.waiting.add(request)
         if request.deadline is not None:
             if len(self._deadlines) > 2 * len(self.requests) + 64:
@@ -286,7 +288,7 @@ class Scheduler:
         are held back for other requests, which then also keeps new ones from starting)."""
         if self.background_priority is None:
             return None, False
-        if all(self._is_background(request) for request in self.requests.values()):
+        if self._num_foreground == 0:
             return _BACKGROUND_TOKENS_ALONE, False
         return _BACKGROUND_TOKENS_BESIDE_FOREGROUND, True
 
@@ -441,6 +443,7 @@ class Scheduler:
             self.waiting.remove(request)
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
+        self._num_foreground -= not self._is_background(request)
         self._finished_request_ids.add(request.request_id)
 
     def _drop_finished_running(self) -> None:
