@@ -11,6 +11,14 @@ import click
 from kvfleet.runtime.bench.serve import bench_serve
 from kvfleet.runtime.config import engine_config_from_options, engine_options
 
+# The options the benchmark commands share.
+small_model_option = click.option(
+    "--model", type=click.Path(exists=True, file_okay=False), default=None, help="Default: make `small`."
+)
+bench_seed_option = click.option(
+    "--bench-seed", type=int, default=0, show_default=True, help="Seed of the synthetic workload."
+)
+
 
 @click.command("make-model")
 @click.option(
@@ -133,12 +141,10 @@ def bench_static_server(context: click.Context) -> None:
 
 
 @bench.command("throughput")
-@click.option(
-    "--model", type=click.Path(exists=True, file_okay=False), default=None, help="Default: make `small`."
-)
+@small_model_option
 @click.option("--num-requests", type=int, default=128, show_default=True)
 @click.option("--batch-sizes", default="1,16,64", show_default=True, help="Transformers static batch sizes.")
-@click.option("--bench-seed", type=int, default=0, show_default=True, help="Seed of the synthetic workload.")
+@bench_seed_option
 @engine_options
 def bench_throughput(
     model: str | None, num_requests: int, batch_sizes: str, bench_seed: int, **options
@@ -161,9 +167,7 @@ def bench_throughput(
 
 
 @bench.command("structured")
-@click.option(
-    "--model", type=click.Path(exists=True, file_okay=False), default=None, help="Default: make `small`."
-)
+@small_model_option
 @click.option("--num-requests", type=int, default=64, show_default=True)
 @click.option(
     "--rounds",
@@ -172,7 +176,7 @@ def bench_throughput(
     show_default=True,
     help="Alternating constrained and unconstrained runs; each mode's fastest counts.",
 )
-@click.option("--bench-seed", type=int, default=0, show_default=True, help="Seed of the synthetic workload.")
+@bench_seed_option
 @engine_options
 def bench_structured(model: str | None, num_requests: int, rounds: int, bench_seed: int, **options) -> None:
     """Throughput under JSON-schema constraints against the same requests unconstrained, and compile times."""
@@ -193,9 +197,7 @@ def bench_structured(model: str | None, num_requests: int, rounds: int, bench_se
 
 
 @bench.command("batch")
-@click.option(
-    "--model", type=click.Path(exists=True, file_okay=False), default=None, help="Default: make `small`."
-)
+@small_model_option
 @click.option("--num-rows", type=click.IntRange(min=1), default=256, show_default=True)
 @click.option("--input-len", type=click.IntRange(min=1), default=128, show_default=True)
 @click.option("--output-len", type=click.IntRange(min=1), default=64, show_default=True)
@@ -213,7 +215,7 @@ def bench_structured(model: str | None, num_requests: int, rounds: int, bench_se
     help="Requests per second of the interactive load whose TTFT is measured.",
 )
 @click.option("--interactive-prompts", type=click.IntRange(min=2), default=30, show_default=True)
-@click.option("--bench-seed", type=int, default=0, show_default=True, help="Seed of the synthetic workload.")
+@bench_seed_option
 @engine_options
 def bench_batch(
     model: str | None,
@@ -261,13 +263,11 @@ def bench_batch(
 
 
 @bench.command("lora")
-@click.option(
-    "--model", type=click.Path(exists=True, file_okay=False), default=None, help="Default: make `small`."
-)
+@small_model_option
 @click.option("--num-requests", type=int, default=64, show_default=True)
 @click.option("--num-adapters", type=click.IntRange(min=1), default=4, show_default=True)
 @click.option("--rank", type=click.IntRange(min=1), default=16, show_default=True)
-@click.option("--bench-seed", type=int, default=0, show_default=True, help="Seed of the synthetic workload.")
+@bench_seed_option
 @engine_options
 def bench_lora(
     model: str | None, num_requests: int, num_adapters: int, rank: int, bench_seed: int, **options
@@ -309,7 +309,7 @@ def bench_lora(
     help="GiB of KV cache, whole (vLLM's VLLM_CPU_KVCACHE_SPACE takes no fraction).",
 )
 @click.option("--num-requests", type=click.IntRange(min=8), default=64, show_default=True)
-@click.option("--bench-seed", type=int, default=0, show_default=True, help="Seed of the synthetic workload.")
+@bench_seed_option
 def bench_engine_timing(
     model: str,
     plan_path: Path,
@@ -341,9 +341,7 @@ def bench_engine_timing(
 
 
 @bench.command("step-phases")
-@click.option(
-    "--model", type=click.Path(exists=True, file_okay=False), default=None, help="Default: make `small`."
-)
+@small_model_option
 @click.option("--batch-sizes", default="1,8", show_default=True)
 @click.option("--steps", type=click.IntRange(min=1), default=100, show_default=True)
 @click.option("--rounds", type=click.IntRange(min=1), default=3, show_default=True)
