@@ -13,10 +13,10 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
+from kvfleet.runtime.hub import HubError, parse_hf_uri
+
 Scheme = Literal["hf", "pvc", "file"]
 
-_HF_PART = r"[A-Za-z0-9][A-Za-z0-9._-]*"
-_HF = re.compile(rf"^hf://(?P<org>{_HF_PART})/(?P<name>{_HF_PART})(@(?P<revision>[A-Za-z0-9._/-]+))?$")
 _PVC = re.compile(r"^pvc://(?P<claim>[a-z0-9]([-a-z0-9]*[a-z0-9])?)(?P<path>/.*)?$")
 _MAX_CLAIM_NAME = 253
 
@@ -36,12 +36,11 @@ class ModelSource:
 
 def parse_model_uri(uri: str) -> ModelSource:
     if uri.startswith("hf://"):
-        match = _HF.match(uri)
-        if match is None:
-            raise ModelURIError(f"{uri!r}: expected hf://<org>/<name>[@<revision>]")
-        if ".." in (match["org"], match["name"]):
-            raise ModelURIError(f"{uri!r}: '..' is not a repository name")
-        return ModelSource("hf", f"{match['org']}/{match['name']}", match["revision"])
+        try:
+            repository = parse_hf_uri(uri)
+        except HubError as error:
+            raise ModelURIError(str(error)) from None
+        return ModelSource("hf", repository.repo_id, repository.revision)
     if uri.startswith("pvc://"):
         match = _PVC.match(uri)
         if match is None or len(match["claim"]) > _MAX_CLAIM_NAME:

@@ -391,10 +391,6 @@ def _model_or_small(model: str | None) -> Iterator[str]:
     yield str(folder)
 
 
-# Weights, configs and tokenizer files: what loading a model reads, without the training leftovers.
-_MODEL_FILE_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "*.txt", "*.model", "*.tiktoken"]
-
-
 @click.command("download-model")
 @click.argument("repo_id")
 @click.option("--revision", default=None, help="Branch, tag or commit; the default branch if omitted.")
@@ -404,17 +400,12 @@ def download_model(repo_id: str, revision: str | None, dest: str) -> None:
 
     Honours HF_TOKEN, HF_HOME and HF_ENDPOINT; an already complete DEST is left as it is.
     """
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+    from kvfleet.runtime.hub import HubError, HubRepository, download
 
     if "/" not in repo_id or repo_id.startswith("/"):
         raise click.UsageError(f"{repo_id!r} is not a repository id of the form org/name")
     try:
-        path = snapshot_download(
-            repo_id, revision=revision, local_dir=dest, allow_patterns=_MODEL_FILE_PATTERNS
-        )
-    except (HfHubHTTPError, LocalEntryNotFoundError, OSError) as exc:
-        raise click.ClickException(f"cannot download {repo_id}: {exc}") from exc
-    if not (Path(path) / "config.json").is_file():
-        raise click.ClickException(f"{repo_id} has no config.json: not a model repository")
+        path = download(HubRepository(repo_id, revision), dest, must_contain="config.json")
+    except HubError as exc:
+        raise click.ClickException(str(exc)) from exc
     click.echo(f"downloaded {repo_id} to {path}")

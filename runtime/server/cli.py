@@ -184,6 +184,12 @@ served_model_name_option = click.option(
     is_flag=True,
     help="Serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (needs --enable-lora).",
 )
+@click.option(
+    "--lora-download-dir",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="Where adapters loaded from hf://org/name[@revision] URIs are fetched to (needs --enable-lora).",
+)
 @click.option("--tensor-parallel-size", type=int, default=1, show_default=True, help="Only 1 is supported.")
 @click.option("--access-log/--no-access-log", default=False, show_default=True)
 @engine_options
@@ -212,6 +218,7 @@ def serve(
     max_batch_file_bytes: int,
     lora_modules: tuple[str, ...],
     allow_runtime_lora_updates: bool,
+    lora_download_dir: str | None,
     tensor_parallel_size: int,
     access_log: bool,
     **options: Any,
@@ -250,7 +257,12 @@ def serve(
         )
 
     lora_adapters = _lora_adapters(
-        config, served_model_name or model, lora_modules, allow_runtime_lora_updates, api_server_count
+        config,
+        served_model_name or model,
+        lora_modules,
+        allow_runtime_lora_updates,
+        lora_download_dir,
+        api_server_count,
     )
     settings = ServerSettings(
         served_model_name=served_model_name or model,
@@ -291,6 +303,7 @@ def _lora_adapters(
     served_model_name: str,
     lora_modules: tuple[str, ...],
     allow_runtime_updates: bool,
+    download_dir: str | None,
     api_server_count: int,
 ) -> LoRAAdapters | None:
     """The adapters to serve from the start, each checked against the model; None without --enable-lora."""
@@ -300,6 +313,7 @@ def _lora_adapters(
         for flag, given in (
             ("--lora-modules", lora_modules),
             ("--allow-runtime-lora-updates", allow_runtime_updates),
+            ("--lora-download-dir", download_dir),
         ):
             if given:
                 raise click.BadParameter("needs --enable-lora", param_hint=flag)
@@ -309,7 +323,9 @@ def _lora_adapters(
         raise click.BadParameter(
             "runtime adapter updates need --api-server-count 1", param_hint="--allow-runtime-lora-updates"
         )
-    adapters = LoRAAdapters(config.model, served_model_name, max_rank=config.max_lora_rank)
+    adapters = LoRAAdapters(
+        config.model, served_model_name, max_rank=config.max_lora_rank, download_dir=download_dir
+    )
     for value in lora_modules:
         try:
             module = LoRAModule.parse(value)

@@ -1,6 +1,9 @@
 """The LoRA adapters an API server serves by name: from --lora-modules at start, and loaded or unloaded at run
 time through /v1/load_lora_adapter and /v1/unload_lora_adapter.
 
+An adapter's source is a folder, or with --lora-download-dir an `hf://org/name[@revision]` URI that is
+fetched into that folder first (how the operator delivers hub adapters to running replicas).
+
 An adapter is checked against the base model when it is registered, so a bad one is refused with a 400 and
 never reaches the engine. Its `lora_int_id` comes from a digest of its files: every API server process gives
 the same adapter the same id, and an adapter replaced on disk gets a new one (and never the old one's KV).
@@ -8,10 +11,13 @@ the same adapter the same id, and an adapter replaced on disk gets a new one (an
 
 from __future__ import annotations
 
+import hashlib
 import re
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
+from kvfleet.runtime.hub import HubError, download, parse_hf_uri
 from kvfleet.runtime.lora.adapter import adapter_digest, load_lora_weights
 from kvfleet.runtime.lora.errors import LoRAAdapterError
 from kvfleet.runtime.lora.request import LoRARequest
@@ -36,21 +42,32 @@ class LoRAModule:
         return cls(name, path)
 
 
+@dataclass(frozen=True)
+class ServedAdapter:
+    lora: LoRARequest
+    # As it was given: a folder, or the hf:// URI that `lora.lora_path` was fetched from.
+    source: str
+
+
 class LoRAAdapters:
-    def __init__(self, model: str, served_model_name: str, *, max_rank: int) -> None:
+    def __init__(
+        self, model: str, served_model_name: str, *, max_rank: int, download_dir: str | None = None
+    ) -> None:
         self.model_config = ModelConfig.from_folder(model)
         self.served_model_name = served_model_name
         self.max_rank = max_rank
-        self._by_name: dict[str, LoRARequest] = {}
+        self.download_dir = Path(download_dir) if download_dir is not None else None
+        self._by_name: dict[str, ServedAdapter] = {}
 
     @property
-    def loaded(self) -> list[LoRARequest]:
+    def loaded(self) -> list[ServedAdapter]:
         return list(self._by_name.values())
 
     def get(self, name: str) -> LoRARequest | None:
-        return self._by_name.get(name)
+        served = self._by_name.get(name)
+        return served.lora if served is not None else None
 
-    def add(self, name: str, path: str) -> LoRARequest:
+    def add(self, name: str, source: str) -> LoRARequest:
         """Check the adapter and serve it under `name`; raises LoRAAdapterError saying what is wrong."""
         if not _NAME.match(name):
             raise LoRAAdapterError(
@@ -58,12 +75,25 @@ class LoRAAdapters:
             )
         if name == self.served_model_name or name in self._by_name:
             raise LoRAAdapterError(f"the name {name!r} is already in use")
+        path = self._fetch(source) if source.startswith("hf://") else source
         digest = adapter_digest(path)
         load_lora_weights(path, self.model_config, max_rank=self.max_rank, dtype=torch.float32)
         lora = LoRARequest(name, int(digest[:15], 16) + 1, path)
-        self._by_name[name] = lora
+        self._by_name[name] = ServedAdapter(lora, source)
         return lora
 
     def remove(self, name: str) -> LoRARequest | None:
         """Stop serving `name`; requests already running with it finish with it."""
-        return self._by_name.pop(name, None)
+        served = self._by_name.pop(name, None)
+        return served.lora if served is not None else None
+
+    def _fetch(self, uri: str) -> str:
+        if self.download_dir is None:
+            raise LoRAAdapterError(f"{uri}: adapters from the hub need kvfleet serve --lora-download-dir")
+        try:
+            repository = parse_hf_uri(uri)
+            # One folder per URI: fetching the same one again finds it complete.
+            folder = self.download_dir / hashlib.sha256(uri.encode()).hexdigest()[:16]
+            return str(download(repository, folder, must_contain="adapter_config.json"))
+        except HubError as exc:
+            raise LoRAAdapterError(str(exc)) from None

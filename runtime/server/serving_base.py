@@ -115,7 +115,9 @@ class OpenAIServing:
         lora = adapters.get(model) if adapters is not None else None
         if lora is None:
             names = (
-                [self.model_name, *(a.lora_name for a in adapters.loaded)] if adapters else [self.model_name]
+                [self.model_name, *(served.lora.lora_name for served in adapters.loaded)]
+                if adapters
+                else [self.model_name]
             )
             raise NotFoundError(
                 f"the model {model!r} does not exist; this server serves {', '.join(map(repr, names))}",

@@ -28,14 +28,15 @@ class OpenAIServingLoRA:
         parent = self.state.settings.served_model_name
         return [
             {
-                "id": lora.lora_name,
+                "id": served.lora.lora_name,
                 "object": "model",
                 "created": created,
                 "owned_by": "kvfleet",
-                "root": lora.lora_name,
+                # vLLM's: where the adapter came from; the operator compares it with the spec's URI.
+                "root": served.source,
                 "parent": parent,
             }
-            for lora in adapters.loaded
+            for served in adapters.loaded
         ]
 
     async def load(self, body: LoadLoRAAdapterRequest) -> str:

@@ -83,10 +83,13 @@ def _post(server: ServerProcess, route: str, body: dict, *, key: str | None = "u
     return httpx.post(f"{server.url}/v1/{route}", json=body, headers=headers, timeout=60)
 
 
-def test_models_lists_adapters_with_their_parent(client: openai.OpenAI) -> None:
+def test_models_lists_adapters_with_their_parent_and_source(
+    client: openai.OpenAI, adapters: dict[str, Path]
+) -> None:
     cards = {model.id: model for model in client.models.list().data}
     assert set(cards) == {"tiny", "first"}
     assert cards["first"].model_extra["parent"] == "tiny"
+    assert cards["first"].model_extra["root"] == str(adapters["first"])
 
 
 def test_adapter_and_base_answers_match_peft(
@@ -136,6 +139,7 @@ def test_bad_loads_get_4xx_while_a_request_runs(
                 "not a valid adapter name",
             ),
             ({"lora_name": 3, "lora_path": str(adapters["second"])}, 400, "lora_name"),
+            ({"lora_name": "hub", "lora_path": "hf://org/adapter"}, 400, "--lora-download-dir"),
         ]
         for body, status, words in cases:
             error = openai_error(_post(lora_server, "load_lora_adapter", body), status)
