@@ -40,6 +40,10 @@ class AsyncCluster:
         patch = functools.partial(self._kube.patch_status, namespace, name, status)
         await self._dispatcher.call(Urgency.STATUS, patch)
 
+    async def secret_value(self, namespace: str, name: str, key: str) -> str | None:
+        read = functools.partial(self._kube.secret_value, namespace, name, key)
+        return await self._dispatcher.call(Urgency.CHILD, read)
+
 
 @dataclass
 class OperatorContext:

@@ -17,7 +17,8 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from kvfleet.operator.api import HTTP_PORT
+from kvfleet.operator.adapters import AdapterStatus, AdapterSync, DesiredAdapter
+from kvfleet.operator.api import API_KEY_ENV, HTTP_PORT
 from kvfleet.operator.autoscaler import (
     AutoscalerState,
     FleetState,
@@ -30,6 +31,7 @@ from kvfleet.operator.kube import KubeError
 from kvfleet.operator.metrics import OperatorMetrics
 from kvfleet.operator.observed import DeploymentView, PodView
 from kvfleet.operator.render import Owner, RenderOptions, render_children, service_url
+from kvfleet.operator.render_pod import adapter_source
 from kvfleet.operator.scrape import ScrapeFailure, ScrapeTarget
 from kvfleet.operator.spec import InferenceServiceSpec, SpecError, parse_spec
 from kvfleet.operator.status import Observation, build_status, transition_events
@@ -46,13 +48,15 @@ MAX_BACKOFF_SECONDS = 300.0
 # The Warning event posted while replicas answer /metrics with more than the operator reads.
 PAGE_TOO_LARGE_REASON = "MetricsPageTooLarge"
 # Status keys the operator writes only sometimes; a merge patch must clear them explicitly.
-_OPTIONAL_STATUS_KEYS = ("autoscaler", "lastScaleTime", "lastScaleReason")
+_OPTIONAL_STATUS_KEYS = ("autoscaler", "lastScaleTime", "lastScaleReason", "adapters")
 
 
 class Cluster(Protocol):
     async def apply(self, manifest: Mapping[str, Any]) -> None: ...
 
     async def patch_status(self, namespace: str, name: str, status: Mapping[str, Any]) -> None: ...
+
+    async def secret_value(self, namespace: str, name: str, key: str) -> str | None: ...
 
 
 class Scraper(Protocol):
@@ -81,6 +85,7 @@ class ServiceController:
     events: EventSink
     metrics: OperatorMetrics
     options: Callable[[], RenderOptions]
+    adapter_sync: AdapterSync
     gateway_queue: GatewayQueue = _no_gateway
     clock: Callable[[], float] = time.monotonic
     wall_clock: Callable[[], datetime.datetime] = _utc_now
@@ -177,7 +182,8 @@ class ServiceController:
             self.metrics.reconciles.labels("error").inc()
             self.metrics.reconcile_errors.labels(f"http_{error.status}").inc()
 
-        observation = self._observation(generation, spec, deployment, pods, blocking)
+        adapters = await self._sync_adapters(spec, pods) if spec.lora_enabled else None
+        observation = self._observation(generation, spec, deployment, pods, blocking, adapters)
         await self._write_status(observation, previous_status)
         if self._failures:
             return min(2.0**self._failures, MAX_BACKOFF_SECONDS)
@@ -227,6 +233,19 @@ class ServiceController:
             self.last_scale_reason = decision.reason
             self.desired = decision.replicas
 
+    async def _sync_adapters(self, spec: InferenceServiceSpec, pods: list[PodView]) -> list[AdapterStatus]:
+        desired = [DesiredAdapter(adapter.name, adapter_source(adapter)) for adapter in spec.adapters]
+        api_key = None
+        secret = spec.engine.api_key_secret
+        if secret is not None:
+            try:
+                api_key = await self.cluster.secret_value(self.owner.namespace, secret, API_KEY_ENV)
+            except KubeError as error:
+                message = f"cannot read the API key from Secret {secret}: {error.message}"
+                return [AdapterStatus(adapter.name, "Failed", 0, message) for adapter in desired]
+        targets = [ScrapeTarget(pod.name, pod.ip, HTTP_PORT) for pod in pods if pod.scrapeable and pod.ip]
+        return await self.adapter_sync.sync(desired, targets, api_key)
+
     def _report_pages_too_large(self, pods: list[str]) -> None:
         if not pods:
             self._resolve(PAGE_TOO_LARGE_REASON)
@@ -275,6 +294,7 @@ class ServiceController:
         deployment: DeploymentView | None,
         pods: list[PodView],
         blocking: tuple[str, str] | None,
+        adapters: list[AdapterStatus] | None = None,
     ) -> Observation:
         series = (self.owner.namespace, self.owner.name)
         if deployment is not None:
@@ -296,6 +316,7 @@ class ServiceController:
             panic=self.panic,
             last_scale_time=self.last_scale_time,
             last_scale_reason=self.last_scale_reason,
+            adapters=adapters,
         )
 
     async def _write_status(self, observation: Observation, previous: Mapping[str, Any]) -> None:

@@ -14,6 +14,7 @@ from typing import Any
 
 import aiohttp
 import kopf
+from kvfleet.operator.adapters import AdapterSync, RuntimeAdapterClient
 from kvfleet.operator.api import (
     FIELD_MANAGER,
     GATEWAY_COMPONENT,
@@ -147,6 +148,7 @@ async def fleet_loop(
         events=post_event,
         metrics=context.metrics,
         options=lambda: context.render_options,
+        adapter_sync=AdapterSync(RuntimeAdapterClient(context.session)),
         gateway_queue=gateway_queue,
     )
     wakeup = context.wakeup_for(key)

@@ -7,6 +7,7 @@ worker threads.
 
 from __future__ import annotations
 
+import base64
 import json
 from collections.abc import Mapping
 from typing import Any
@@ -80,6 +81,12 @@ class KubeApi:
     def patch_status(self, namespace: str, name: str, status: Mapping[str, Any]) -> dict[str, Any]:
         path = f"/apis/{GROUP}/{VERSION}/namespaces/{namespace}/{PLURAL}/{name}/status"
         return self._request("PATCH", path, [], {"status": status}, "application/merge-patch+json")
+
+    def secret_value(self, namespace: str, name: str, key: str) -> str | None:
+        """One key of a Secret, decoded; None when the Secret lacks it."""
+        secret = self._request("GET", f"/api/v1/namespaces/{namespace}/secrets/{name}", [], None, None)
+        value = (secret.get("data") or {}).get(key)
+        return base64.b64decode(value).decode("utf-8") if value is not None else None
 
     def serves(self, group_version: str, plural: str) -> bool:
         """Whether the server knows a resource (e.g. ServiceMonitor once prometheus-operator is installed)."""

@@ -6,10 +6,13 @@ import math
 from typing import Any
 
 from kvfleet.operator.api import API_KEY_ENV, HTTP_PORT, HTTP_PORT_NAME
-from kvfleet.operator.spec import InferenceServiceSpec, ModelSpec
+from kvfleet.operator.spec import AdapterSpec, InferenceServiceSpec, ModelSpec
 from kvfleet.operator.tiers import TIERS
 
 MODEL_ROOT = "/mnt/models"
+# LoRA adapters the replica fetches from the hub; claims holding adapters are mounted under ADAPTER_CLAIMS.
+ADAPTER_DOWNLOADS = "/mnt/adapters"
+ADAPTER_CLAIMS = "/mnt/adapter-claims"
 # The Batch API's database and files.
 BATCH_STORE = "/var/lib/kvfleet/batch"
 # The one writable path besides the model volume: HOME, caches and temporary files.
@@ -41,6 +44,20 @@ def model_path(model: ModelSpec) -> str:
     return source.location
 
 
+def adapter_source(adapter: AdapterSpec) -> str:
+    """What the replica is asked to load: a path in the pod, or the hf:// URI it fetches itself."""
+    source = adapter.source
+    if source.scheme == "hf":
+        return adapter.uri
+    if source.scheme == "pvc":
+        return f"{ADAPTER_CLAIMS}/{source.location}/{source.detail}".rstrip("/")
+    return source.location
+
+
+def _adapter_claims(spec: InferenceServiceSpec) -> list[str]:
+    return sorted({a.source.location for a in spec.adapters if a.source.scheme == "pvc"})
+
+
 def runtime_args(spec: InferenceServiceSpec) -> list[str]:
     """`kvfleet serve` flags, in the runtime's own names."""
     engine, tier = spec.engine, TIERS[spec.sla.tier]
@@ -68,6 +85,10 @@ def runtime_args(spec: InferenceServiceSpec) -> list[str]:
     if spec.batch is not None:
         args += ["--batch-store", BATCH_STORE]
         args += _flags([("--max-batch-file-bytes", spec.batch.max_file_bytes)])
+    if spec.lora_enabled:
+        # The adapters themselves are not flags: the operator loads them into running replicas.
+        args += ["--enable-lora", "--allow-runtime-lora-updates", "--lora-download-dir", ADAPTER_DOWNLOADS]
+        args += _flags([("--max-loras", engine.max_loras), ("--max-lora-rank", engine.max_lora_rank)])
     return args + list(engine.extra_args)
 
 
@@ -93,6 +114,13 @@ def pod_template(
     if spec.batch is not None:
         volumes.append(_batch_volume(spec, service_name))
         mounts.append({"name": "batch", "mountPath": BATCH_STORE})
+    if spec.lora_enabled:
+        volumes.append({"name": "adapters", "emptyDir": {}})
+        mounts.append({"name": "adapters", "mountPath": ADAPTER_DOWNLOADS})
+    for index, claim in enumerate(_adapter_claims(spec)):
+        volume = f"adapter-claim-{index}"
+        volumes.append({"name": volume, "persistentVolumeClaim": {"claimName": claim, "readOnly": True}})
+        mounts.append({"name": volume, "mountPath": f"{ADAPTER_CLAIMS}/{claim}", "readOnly": True})
     container: dict[str, Any] = {
         "name": "runtime",
         "image": image,
@@ -154,8 +182,12 @@ def _flags(pairs: list[tuple[str, object]]) -> list[str]:
 
 def _runtime_env(spec: InferenceServiceSpec) -> list[dict[str, Any]]:
     # The root filesystem is read-only: caches (kernels, tokenizers) and temporary files go to the
-    # scratch volume, and the runtime never reaches for a model hub itself.
-    env: list[dict[str, Any]] = [*_scratch_env(), {"name": "HF_HUB_OFFLINE", "value": "1"}]
+    # scratch volume. The runtime reaches for the hub only to fetch hf:// adapters, with the model's token.
+    env: list[dict[str, Any]] = _scratch_env()
+    if not spec.lora_enabled:
+        env.append({"name": "HF_HUB_OFFLINE", "value": "1"})
+    elif spec.model.credentials_secret is not None:
+        env.append(_hf_token(spec.model.credentials_secret))
     env += [{"name": name, "value": value} for name, value in spec.engine.env]
     if spec.engine.api_key_secret is not None:
         # Last, so that the Secret's key wins over any entry of the same name before it (the schema and
@@ -228,6 +260,10 @@ def _model_volumes(model: ModelSpec) -> tuple[list[dict[str, Any]], list[dict[st
     return [], []
 
 
+def _hf_token(secret: str) -> dict[str, Any]:
+    return {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": secret, "key": "HF_TOKEN"}}}
+
+
 def _download_container(model: ModelSpec, image: str, pull_policy: str) -> dict[str, Any] | None:
     source = model.source
     if source.scheme != "hf":
@@ -238,8 +274,7 @@ def _download_container(model: ModelSpec, image: str, pull_policy: str) -> dict[
     args += ["--dest", model_path(model)]
     env: list[dict[str, Any]] = [*_scratch_env(), {"name": "HF_HOME", "value": f"{MODEL_ROOT}/.cache"}]
     if model.credentials_secret is not None:
-        secret_ref = {"name": model.credentials_secret, "key": "HF_TOKEN"}
-        env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": secret_ref}})
+        env.append(_hf_token(model.credentials_secret))
     return {
         "name": "model-download",
         "image": image,

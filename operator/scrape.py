@@ -49,9 +49,13 @@ class ScrapeTarget:
     port: int
 
     @property
-    def url(self) -> str:
+    def base_url(self) -> str:
         host = f"[{self.ip}]" if ipaddress.ip_address(self.ip).version == 6 else self.ip
-        return f"http://{host}:{self.port}/metrics"
+        return f"http://{host}:{self.port}"
+
+    @property
+    def url(self) -> str:
+        return f"{self.base_url}/metrics"
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ from kvfleet.gateway.routing import POLICY_NAMES, PolicyName
 from kvfleet.operator.api import API_KEY_ENV, API_KEY_FLAG
 from kvfleet.operator.model_uri import ModelSource, ModelURIError, parse_model_uri
 from kvfleet.operator.tiers import TIER_NAMES, TierName
+from kvfleet.runtime.lora.request import ADAPTER_NAME, ADAPTER_NAME_RULE
 
 PullPolicy = Literal["Always", "IfNotPresent", "Never"]
 PULL_POLICIES: tuple[PullPolicy, ...] = ("Always", "IfNotPresent", "Never")
@@ -67,6 +68,10 @@ class EngineSpec:
     drain_timeout_seconds: int = 30
     startup_timeout_seconds: int = 600
     api_key_secret: str | None = None
+    # LoRA stays on without adapters, so that adding the first one does not restart the replicas.
+    enable_lora: bool = False
+    max_loras: int | None = None
+    max_lora_rank: int | None = None
     extra_args: tuple[str, ...] = ()
     env: tuple[tuple[str, str], ...] = ()
 
@@ -146,6 +151,15 @@ class RoutingSpec:
 
 
 @dataclass(frozen=True)
+class AdapterSpec:
+    """A LoRA adapter of the base model, served under `name`."""
+
+    name: str
+    uri: str
+    source: ModelSource
+
+
+@dataclass(frozen=True)
 class InferenceServiceSpec:
     model: ModelSpec
     engine: EngineSpec
@@ -154,6 +168,11 @@ class InferenceServiceSpec:
     sla: SlaSpec
     batch: BatchSpec | None = None
     routing: RoutingSpec = RoutingSpec()
+    adapters: tuple[AdapterSpec, ...] = ()
+
+    @property
+    def lora_enabled(self) -> bool:
+        return self.engine.enable_lora or bool(self.adapters)
 
 
 def parse_spec(spec: Mapping[str, Any], *, name: str) -> InferenceServiceSpec:
@@ -168,14 +187,16 @@ def parse_spec(spec: Mapping[str, Any], *, name: str) -> InferenceServiceSpec:
     root = _Section(spec, "spec")
     engine = _parse_engine(root.section("engine"))
     scaling = _parse_scaling(root.section("scaling"))
+    model = _parse_model(root.section("model", required=True), name)
     return InferenceServiceSpec(
-        model=_parse_model(root.section("model", required=True), name),
+        model=model,
         engine=engine,
         resources=_parse_resources(root.section("resources"), engine.tensor_parallel_size),
         scaling=scaling,
         sla=_parse_sla(root.section("sla")),
         batch=_parse_batch(root, scaling),
         routing=_parse_routing(root.section("routing")),
+        adapters=_parse_adapters(root, model.served_name),
     )
 
 
@@ -238,6 +259,9 @@ def _parse_engine(section: _Section) -> EngineSpec:
             "startupTimeoutSeconds", defaults.startup_timeout_seconds, 30
         ),
         api_key_secret=section.string("apiKeySecret"),
+        enable_lora=section.boolean("enableLora", defaults.enable_lora),
+        max_loras=section.integer("maxLoras", minimum=1),
+        max_lora_rank=section.integer("maxLoraRank", minimum=1),
         extra_args=tuple(extra_args),
         env=tuple(env_items),
     )
@@ -323,6 +347,29 @@ def _parse_sla(section: _Section) -> SlaSpec:
         tier=cast(TierName, tier),
         ttft_target_milliseconds=section.integer("ttftTargetMilliseconds", minimum=1),
     )
+
+
+def _parse_adapters(root: _Section, served_name: str) -> tuple[AdapterSpec, ...]:
+    adapters: list[AdapterSpec] = []
+    taken = {served_name}
+    for index, item in enumerate(root.list("adapters")):
+        entry = _Section(item, f"spec.adapters[{index}]")
+        name, uri = entry.required_string("name"), entry.required_string("uri")
+        if not ADAPTER_NAME.match(name):
+            raise SpecError(
+                "InvalidSpec", f"{entry.path}.name {name!r} is not a valid name ({ADAPTER_NAME_RULE})"
+            )
+        if name in taken:
+            raise SpecError(
+                "InvalidSpec", f"{entry.path}.name {name!r} is already the model's or another adapter's name"
+            )
+        taken.add(name)
+        try:
+            source = parse_model_uri(uri)
+        except ModelURIError as error:
+            raise SpecError("InvalidModelURI", f"{entry.path}.uri {error}") from None
+        adapters.append(AdapterSpec(name, uri, source))
+    return tuple(adapters)
 
 
 def _parse_routing(section: _Section) -> RoutingSpec:

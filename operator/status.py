@@ -11,6 +11,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvfleet.operator.adapters import AdapterStatus
 from kvfleet.operator.autoscaler import MetricsSample
 from kvfleet.operator.observed import DeploymentView, PodView
 
@@ -58,6 +59,8 @@ class Observation:
     panic: bool = False
     last_scale_time: str | None = None
     last_scale_reason: str | None = None
+    # Each LoRA adapter's state; None when the service serves none.
+    adapters: Sequence[AdapterStatus] | None = None
 
 
 def build_status(
@@ -70,6 +73,8 @@ def build_status(
         scheduled_condition(observation),
         scaling_condition(observation),
     ]
+    if observation.adapters is not None:
+        conditions.append(adapters_condition(observation.adapters))
     deployment = observation.deployment
     status: dict[str, Any] = {
         "observedGeneration": observation.generation,
@@ -81,6 +86,16 @@ def build_status(
             previous.get("conditions") or [], conditions, observation.generation, now
         ),
     }
+    if observation.adapters is not None:
+        status["adapters"] = [
+            {
+                "name": adapter.name,
+                "state": adapter.state,
+                "readyReplicas": adapter.ready_replicas,
+                **({"message": adapter.message} if adapter.message else {}),
+            }
+            for adapter in observation.adapters
+        ]
     if observation.last_scale_time is not None:
         status["lastScaleTime"] = observation.last_scale_time
         status["lastScaleReason"] = observation.last_scale_reason or ""
@@ -174,6 +189,23 @@ def scaling_condition(observation: Observation) -> Condition:
     return Condition("ScalingActive", "True", "MetricsAvailable", message)
 
 
+def adapters_condition(adapters: Sequence[AdapterStatus]) -> Condition:
+    def condition(ready: bool, reason: str, message: str) -> Condition:
+        return Condition("AdaptersReady", "True" if ready else "False", reason, message)
+
+    failed = [adapter for adapter in adapters if adapter.state == "Failed"]
+    if failed:
+        return condition(
+            False, "AdapterLoadFailed", "; ".join(f"{adapter.name}: {adapter.message}" for adapter in failed)
+        )
+    waiting = [adapter.name for adapter in adapters if adapter.state != "Ready"]
+    if waiting:
+        return condition(
+            False, "AdaptersLoading", f"not yet served by every ready replica: {', '.join(waiting)}"
+        )
+    return condition(True, "AdaptersLoaded", f"{len(adapters)} adapter(s) served by every ready replica")
+
+
 def transition_events(
     previous: Sequence[Mapping[str, Any]], current: Sequence[Mapping[str, Any]]
 ) -> list[tuple[str, str, str]]:
@@ -187,7 +219,11 @@ def transition_events(
         kind, healthy, reason = condition["type"], condition["status"] == "True", condition["reason"]
         if kind == "Ready" and healthy:
             events.append(("Normal", "Ready", condition["message"]))
-        elif (kind == "Ready" and reason in _READY_WARNINGS) or (kind == "Scheduled" and not healthy):
+        elif (
+            (kind == "Ready" and reason in _READY_WARNINGS)
+            or (kind == "Scheduled" and not healthy)
+            or reason == "AdapterLoadFailed"
+        ):
             events.append(("Warning", reason, condition["message"]))
     return events
 

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
+
+# What an adapter's name may look like: it travels in JSON bodies, URLs of clients and metric labels.
+ADAPTER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$")
+ADAPTER_NAME_RULE = "letters, digits and . _ : / -, up to 128 characters"
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,6 @@ the same adapter the same id, and an adapter replaced on disk gets a new one (an
 from __future__ import annotations
 
 import hashlib
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,11 +19,8 @@ import torch
 from kvfleet.runtime.hub import HubError, download, parse_hf_uri
 from kvfleet.runtime.lora.adapter import adapter_digest, load_lora_weights
 from kvfleet.runtime.lora.errors import LoRAAdapterError
-from kvfleet.runtime.lora.request import LoRARequest
+from kvfleet.runtime.lora.request import ADAPTER_NAME, ADAPTER_NAME_RULE, LoRARequest
 from kvfleet.runtime.models.model_config import ModelConfig
-
-# What a model name may look like: it travels in JSON bodies, URLs of clients and metric labels.
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$")
 
 
 @dataclass(frozen=True)
@@ -69,10 +65,8 @@ class LoRAAdapters:
 
     def add(self, name: str, source: str) -> LoRARequest:
         """Check the adapter and serve it under `name`; raises LoRAAdapterError saying what is wrong."""
-        if not _NAME.match(name):
-            raise LoRAAdapterError(
-                f"{name!r} is not a valid adapter name (letters, digits and . _ : / -, up to 128 characters)"
-            )
+        if not ADAPTER_NAME.match(name):
+            raise LoRAAdapterError(f"{name!r} is not a valid adapter name ({ADAPTER_NAME_RULE})")
         if name == self.served_model_name or name in self._by_name:
             raise LoRAAdapterError(f"the name {name!r} is already in use")
         path = self._fetch(source) if source.startswith("hf://") else source

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 from kvfleet.operator import controller as controller_module
+from kvfleet.operator.adapters import AdapterLoadError, AdapterSync, DesiredAdapter, ReplicaUnavailable
 from kvfleet.operator.autoscaler import PodMetrics
 from kvfleet.operator.controller import IDLE_PASS_SECONDS, ServiceController
 from kvfleet.operator.kube import KubeError
@@ -27,6 +28,8 @@ class FakeCluster:
     applied: list[dict[str, Any]] = field(default_factory=list)
     statuses: list[dict[str, Any]] = field(default_factory=list)
     fail_with: KubeError | None = None
+    # (namespace, name, key) -> value; None: reading Secrets is forbidden.
+    secrets: dict[tuple[str, str, str], str] | None = field(default_factory=dict)
 
     async def apply(self, manifest: Mapping[str, Any]) -> None:
         if self.fail_with is not None:
@@ -35,6 +38,11 @@ class FakeCluster:
 
     async def patch_status(self, namespace: str, name: str, status: Mapping[str, Any]) -> None:
         self.statuses.append(copy.deepcopy(dict(status)))
+
+    async def secret_value(self, namespace: str, name: str, key: str) -> str | None:
+        if self.secrets is None:
+            raise KubeError(403, "secrets is forbidden")
+        return self.secrets.get((namespace, name, key))
 
 
 @dataclass
@@ -50,6 +58,32 @@ class FakeScraper:
 
 
 @dataclass
+class FakeReplicas:
+    """Replicas' adapters by pod, as the runtime's API would report and change them."""
+
+    served_by_pod: dict[str, dict[str, str]] = field(default_factory=dict)
+    # Source -> the runtime's reason for refusing it.
+    refuse: dict[str, str] = field(default_factory=dict)
+    silent: set[str] = field(default_factory=set)
+    calls: list[tuple[str, str, str, str | None]] = field(default_factory=list)
+
+    async def served(self, target: ScrapeTarget, api_key: str | None) -> dict[str, str]:
+        if target.pod in self.silent:
+            raise ReplicaUnavailable(f"{target.pod}: /v1/models did not answer")
+        return dict(self.served_by_pod.get(target.pod, {}))
+
+    async def load(self, target: ScrapeTarget, adapter: DesiredAdapter, api_key: str | None) -> None:
+        self.calls.append(("load", target.pod, adapter.name, api_key))
+        if adapter.source in self.refuse:
+            raise AdapterLoadError(self.refuse[adapter.source])
+        self.served_by_pod.setdefault(target.pod, {})[adapter.name] = adapter.source
+
+    async def unload(self, target: ScrapeTarget, name: str, api_key: str | None) -> None:
+        self.calls.append(("unload", target.pod, name, api_key))
+        self.served_by_pod.get(target.pod, {}).pop(name, None)
+
+
+@dataclass
 class Clock:
     now: float = 1000.0
 
@@ -62,6 +96,7 @@ class Harness:
     body: dict[str, Any]
     cluster: FakeCluster = field(default_factory=FakeCluster)
     scraper: FakeScraper = field(default_factory=FakeScraper)
+    replicas: FakeReplicas = field(default_factory=FakeReplicas)
     clock: Clock = field(default_factory=Clock)
     events: list[tuple[str, str, str]] = field(default_factory=list)
     metrics: OperatorMetrics = field(default_factory=OperatorMetrics)
@@ -78,6 +113,7 @@ class Harness:
             events=lambda *event: self.events.append(event),
             metrics=self.metrics,
             options=lambda: RenderOptions(),
+            adapter_sync=AdapterSync(self.replicas, clock=self.clock),
             clock=self.clock,
             wall_clock=lambda: (
                 datetime.datetime(2025, 1, 1, tzinfo=datetime.UTC)
@@ -351,3 +387,84 @@ def test_a_new_service_that_may_scale_to_zero_starts_with_one_replica() -> None:
     harness = Harness(service(scaling={"minReplicas": 0}))
     harness.run()
     assert harness.deployments()[-1]["spec"]["replicas"] == 1
+
+
+def _adapter_states(harness: Harness) -> dict[str, tuple[str, int]]:
+    return {a["name"]: (a["state"], a["readyReplicas"]) for a in harness.cluster.statuses[-1]["adapters"]}
+
+
+def _condition(harness: Harness, kind: str) -> dict[str, Any]:
+    return next(c for c in harness.cluster.statuses[-1]["conditions"] if c["type"] == kind)
+
+
+def test_adapters_are_loaded_into_ready_replicas_and_removed_ones_unloaded_without_a_rollout() -> None:
+    adapters = [{"name": "sql", "uri": "pvc://adapters/sql"}, {"name": "chat", "uri": "file:///lora/chat"}]
+    harness = Harness(service(adapters=adapters, engine={"apiKeySecret": "keys"}))
+    harness.cluster.secrets = {("ns", "keys", "KVFLEET_API_KEY"): "s3cret"}
+    harness.run()
+    assert _adapter_states(harness) == {"sql": ("Pending", 0), "chat": ("Pending", 0)}
+    harness.run(deployment_at(2), ready_pods(2))
+    assert harness.replicas.served_by_pod == {
+        pod: {"sql": "/mnt/adapter-claims/adapters/sql", "chat": "/lora/chat"} for pod in ("svc-0", "svc-1")
+    }
+    assert {call[3] for call in harness.replicas.calls} == {"s3cret"}, "the Secret's key authenticates"
+    assert _adapter_states(harness) == {"sql": ("Ready", 2), "chat": ("Ready", 2)}
+    assert _condition(harness, "AdaptersReady")["status"] == "True"
+    template = harness.deployments()[-1]["spec"]["template"]
+
+    harness.body["spec"]["adapters"] = [adapters[0], {"name": "new", "uri": "pvc://adapters/new"}]
+    harness.body["metadata"]["generation"] = 2
+    harness.run(deployment_at(2), ready_pods(2))
+    assert harness.deployments()[-1]["spec"]["template"] == template, "no new template: no pod restarts"
+    assert set(harness.replicas.served_by_pod["svc-0"]) == {"sql", "new"}
+    assert ("unload", "svc-1", "chat", "s3cret") in harness.replicas.calls
+    assert _adapter_states(harness) == {"sql": ("Ready", 2), "new": ("Ready", 2)}
+
+
+def test_a_refused_adapter_fails_with_the_runtime_reason_and_is_retried_later() -> None:
+    harness = Harness(service(adapters=[{"name": "big", "uri": "file:///lora/big"}]))
+    harness.replicas.refuse["/lora/big"] = "rank 64 is above --max-lora-rank 16"
+    harness.run()
+    harness.run(deployment_at(1), ready_pods(1))
+    assert _adapter_states(harness) == {"big": ("Failed", 0)}
+    condition = _condition(harness, "AdaptersReady")
+    assert (condition["status"], condition["reason"]) == ("False", "AdapterLoadFailed")
+    assert "big: rank 64 is above --max-lora-rank 16" in condition["message"]
+    assert ("Warning", "AdapterLoadFailed", condition["message"]) in harness.events
+    loads = len(harness.replicas.calls)
+    harness.clock.now += 5
+    harness.run(deployment_at(1), ready_pods(1))
+    assert len(harness.replicas.calls) == loads, "not retried on every pass"
+    del harness.replicas.refuse["/lora/big"]
+    harness.clock.now += 60
+    harness.run(deployment_at(1), ready_pods(1))
+    assert _adapter_states(harness) == {"big": ("Ready", 1)}
+
+
+def test_adapter_states_while_replicas_are_missing_or_silent() -> None:
+    harness = Harness(service(adapters=[{"name": "a", "uri": "file:///lora/a"}]))
+    harness.replicas.silent.add("svc-1")
+    harness.run()
+    harness.run(deployment_at(2), ready_pods(2))
+    assert _adapter_states(harness) == {"a": ("Loading", 1)}
+    assert "svc-1: /v1/models did not answer" in harness.cluster.statuses[-1]["adapters"][0]["message"]
+    assert _condition(harness, "AdaptersReady")["reason"] == "AdaptersLoading"
+
+
+def test_an_unreadable_api_key_fails_every_adapter() -> None:
+    harness = Harness(
+        service(adapters=[{"name": "a", "uri": "file:///lora/a"}], engine={"apiKeySecret": "k"})
+    )
+    harness.cluster.secrets = None
+    harness.run(deployment_at(1), ready_pods(1))
+    assert _adapter_states(harness) == {"a": ("Failed", 0)}
+    assert "cannot read the API key from Secret k" in _condition(harness, "AdaptersReady")["message"]
+    assert harness.replicas.calls == []
+
+
+def test_services_without_lora_report_no_adapters() -> None:
+    harness = Harness(service())
+    harness.run(deployment_at(1), ready_pods(1))
+    status = harness.cluster.statuses[-1]
+    assert "adapters" not in status
+    assert "AdaptersReady" not in {c["type"] for c in status["conditions"]}

@@ -15,7 +15,7 @@ import pytest
 import yaml
 from kvfleet.operator.api import API_KEY_ENV, API_VERSION, HTTP_PORT, KIND, SERVICE_LABEL
 from kvfleet.operator.render import Owner, RenderOptions, render_children, service_url
-from kvfleet.operator.render_pod import PRESTOP_DELAY_SECONDS, runtime_args
+from kvfleet.operator.render_pod import PRESTOP_DELAY_SECONDS, adapter_source, runtime_args
 from kvfleet.operator.spec import InferenceServiceSpec, parse_spec
 
 GOLDEN = Path(__file__).parent / "golden"
@@ -298,3 +298,39 @@ def test_services_without_batch_get_no_batch_api() -> None:
     spec = parse_spec({"model": {"uri": "file:///m"}}, name="svc")
     assert spec.batch is None
     assert "--batch-store" not in runtime_args(spec)
+
+
+def test_lora_is_served_without_adapter_flags_and_claims_are_mounted_read_only() -> None:
+    adapters = [
+        {"name": "a", "uri": "pvc://loras/team/a"},
+        {"name": "b", "uri": "hf://org/b@v1"},
+        {"name": "c", "uri": "pvc://loras/c"},
+    ]
+    spec = parse_spec({"model": {"uri": "file:///m"}, "adapters": adapters}, name="svc")
+    container = runtime_container(render_children(Owner("svc", "ns", UID), spec, 1, OPTIONS))
+    args = container["args"]
+    assert args[args.index("--enable-lora") : args.index("--enable-lora") + 4] == [
+        "--enable-lora",
+        "--allow-runtime-lora-updates",
+        "--lora-download-dir",
+        "/mnt/adapters",
+    ]
+    assert not any("lora-modules" in arg for arg in args), "adapters are loaded at run time, not flags"
+    mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
+    assert mounts["/mnt/adapter-claims/loras"]["readOnly"] is True
+    assert "/mnt/adapters" in mounts
+    assert "HF_HUB_OFFLINE" not in {e["name"] for e in container["env"]}, "the replica fetches hf:// adapters"
+    assert [adapter_source(a) for a in spec.adapters] == [
+        "/mnt/adapter-claims/loras/team/a",
+        "hf://org/b@v1",
+        "/mnt/adapter-claims/loras/c",
+    ]
+
+
+def test_enable_lora_keeps_the_template_when_adapters_come_and_go() -> None:
+    def template(adapters: list[dict[str, str]]) -> dict[str, Any]:
+        raw = {"model": {"uri": "file:///m"}, "engine": {"enableLora": True}, "adapters": adapters}
+        children = render_children(Owner("svc", "ns", UID), parse_spec(raw, name="svc"), 1, OPTIONS)
+        return next(c for c in children if c["kind"] == "Deployment")["spec"]["template"]
+
+    assert template([]) == template([{"name": "x", "uri": "file:///loras/x"}])

@@ -54,6 +54,16 @@ def test_fixed_replicas_bypass_the_bounds() -> None:
         (spec(resources={"tolerations": ["x"]}), "InvalidSpec", "tolerations must be an object"),
         (spec(scaling={"maxReplicas": 0}), "InvalidSpec", "spec.scaling.maxReplicas must be at least 1"),
         (spec(sla={"tier": "gold"}), "InvalidSpec", "spec.sla.tier must be one of critical, high"),
+        (spec(adapters=[{"name": "a"}]), "InvalidSpec", "spec.adapters[0].uri is required"),
+        (spec(adapters=[{"name": "a b", "uri": "file:///x"}]), "InvalidSpec", "'a b' is not a valid name"),
+        (
+            spec(adapters=[{"name": "a", "uri": "file:///x"}, {"name": "a", "uri": "file:///y"}]),
+            "InvalidSpec",
+            "spec.adapters[1].name 'a' is already the model's or another adapter's name",
+        ),
+        (spec(adapters=[{"name": "svc", "uri": "file:///x"}]), "InvalidSpec", "already the model's"),
+        (spec(adapters=[{"name": "a", "uri": "s3://b/a"}]), "InvalidModelURI", "spec.adapters[0].uri"),
+        (spec(engine={"maxLoraRank": 0}), "InvalidSpec", "spec.engine.maxLoraRank must be at least 1"),
     ],
 )
 def test_errors_name_the_field(raw: dict[str, Any], reason: str, message: str) -> None:

@@ -50,6 +50,10 @@ app.kubernetes.io/component: operator
 - apiGroups: [""]
   resources: ["services"]
   verbs: ["create", "patch"]
+# The API key (spec.engine.apiKeySecret) with which it loads LoRA adapters into the replicas.
+- apiGroups: [""]
+  resources: ["secrets"]
+  verbs: ["get"]
 # The Batch API's store (spec.batch).
 - apiGroups: [""]
   resources: ["persistentvolumeclaims"]
