@@ -1,9 +1,8 @@
 """The gateway's Kubernetes discovery against the real API server: it lists and then watches
-InferenceServices and EndpointSlices and publishes the fleet the gateway routes to.
+InferenceServices and their replicas' pods and publishes the fleet the gateway routes to.
 
-The local cluster runs no EndpointSlice controller (pod IPs are loopback addresses, which the API server
-refuses in EndpointSlices), so the test writes the slice a controller would write, with other addresses.
-The service has `replicas: 0`, so the operator starts no runtime pod for it.
+The pods are the operator's own, on kwok's fake GPU nodes (kwok marks them Running and Ready with an IP; no
+process runs), so the test follows a fleet scaling without starting a model.
 """
 
 from __future__ import annotations
@@ -22,7 +21,9 @@ from kvfleet.operator.kube_client import make_api_client
 from e2e.cluster import LocalCluster
 from e2e.cluster.kube_api import MERGE_PATCH
 from e2e.fleet.chart import OperatorRelease
-from e2e.fleet.manifests import inference_service, services_path
+from e2e.fleet.manifests import fake_gpu_service, services_path
+from e2e.fleet.observe import service_pods
+from e2e.support.waits import condition
 
 DEFAULTS = ModelConfig(name="", endpoints=(), policy="least-request", hold_seconds=30)
 WAIT_SECONDS = 60.0
@@ -75,60 +76,43 @@ def discovering(cluster: LocalCluster, namespace: str) -> Iterator[Published]:
         loop.close()
 
 
-def endpoint_slice(namespace: str, service: str, ready: dict[str, bool]) -> dict[str, object]:
-    return {
-        "apiVersion": "discovery.k8s.io/v1",
-        "kind": "EndpointSlice",
-        "metadata": {
-            "name": f"{service}-manual",
-            "namespace": namespace,
-            "labels": {
-                "kubernetes.io/service-name": service,
-                "app.kubernetes.io/managed-by": "kvfleet-operator",
-            },
-        },
-        "addressType": "IPv4",
-        "ports": [{"name": "http", "port": 8000, "protocol": "TCP"}],
-        "endpoints": [
-            {"addresses": [ip], "conditions": {"ready": is_ready}} for ip, is_ready in ready.items()
-        ],
-    }
-
-
-def test_the_gateway_follows_services_and_their_ready_endpoints(
+def test_the_gateway_follows_services_and_their_ready_pods(
     local_cluster: LocalCluster, kvfleet_release: OperatorRelease, namespace: str
 ) -> None:
     api = local_cluster.api
-    spec = {
-        "model": {"uri": "hf://acme/model", "servedName": "alpha-model"},
-        "scaling": {"replicas": 0, "activationTimeoutSeconds": 90},
-        "routing": {"policy": "prefix-hash", "loadBoundPercent": 150},
-        "resources": {"gpus": 0},
-    }
-    slices = f"/apis/discovery.k8s.io/v1/namespaces/{namespace}/endpointslices"
-    api.create(services_path(namespace), inference_service("alpha", spec))
-    api.create(slices, endpoint_slice(namespace, "alpha", {"10.77.0.1": True, "10.77.0.2": False}))
+    alpha = fake_gpu_service(
+        "alpha",
+        model={"uri": "hf://acme/model", "servedName": "alpha-model"},
+        scaling={"replicas": 2, "activationTimeoutSeconds": 90},
+        routing={"policy": "prefix-hash", "loadBoundPercent": 150},
+    )
+    api.create(services_path(namespace), alpha)
     with discovering(local_cluster, namespace) as published:
-        models = published.wait_for("alpha-model with its ready endpoint", lambda m: "alpha-model" in m)
-        alpha = models["alpha-model"]
-        assert alpha.endpoints == ("http://10.77.0.1:8000",)
-        assert (alpha.policy, alpha.load_bound, alpha.hold_seconds) == ("prefix-hash", 1.5, 90.0)
-        # Changes arrive through the watch.
+        models = published.wait_for(
+            "alpha-model with its 2 ready replicas",
+            lambda m: "alpha-model" in m and len(m["alpha-model"].endpoints) == 2,
+        )
+        model = models["alpha-model"]
+        ips = sorted(
+            pod["status"]["podIP"] for pod in service_pods(api, namespace, "alpha") if is_pod_ready(pod)
+        )
+        assert model.endpoints == tuple(f"http://{ip}:8000" for ip in ips)
+        assert (model.policy, model.load_bound, model.hold_seconds) == ("prefix-hash", 1.5, 90.0)
+        # Changes arrive through the watch: a replica fewer, then another service at zero.
         api.patch(
-            f"{slices}/alpha-manual",
-            {
-                "endpoints": [
-                    {"addresses": [ip], "conditions": {"ready": True}} for ip in ("10.77.0.1", "10.77.0.2")
-                ]
-            },
+            services_path(namespace, "alpha"),
+            {"spec": {"scaling": {"replicas": 1}}},
             content_type=MERGE_PATCH,
         )
-        published.wait_for(
-            "both endpoints", lambda m: m.get("alpha-model") and len(m["alpha-model"].endpoints) == 2
-        )
-        beta = {**spec, "model": {"uri": "hf://acme/other"}, "routing": {}}
-        api.create(services_path(namespace), inference_service("beta", beta))
+        published.wait_for("one replica", lambda m: len(m["alpha-model"].endpoints) == 1)
+        beta = fake_gpu_service("beta", model={"uri": "hf://acme/other"}, scaling={"replicas": 0})
+        api.create(services_path(namespace), beta)
         models = published.wait_for("beta at zero", lambda m: "beta" in m)
         assert models["beta"].endpoints == () and models["beta"].policy == "least-request"
         api.delete(services_path(namespace, "alpha"))
         published.wait_for("alpha gone", lambda m: "alpha-model" not in m and "beta" in m)
+
+
+def is_pod_ready(pod: dict[str, object]) -> bool:
+    ready = condition(pod, "Ready")
+    return ready is not None and ready["status"] == "True"

@@ -2,7 +2,7 @@
 
 A discovery source publishes the whole fleet as a mapping of model name to ModelConfig each time it changes;
 the static source does it once (local use and tests), the Kubernetes one on every change of an
-InferenceService or EndpointSlice (kvfleet.gateway.kube).
+InferenceService or of its replicas' pods (kvfleet.gateway.kube).
 """
 
 from __future__ import annotations

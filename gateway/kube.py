@@ -1,8 +1,11 @@
-"""Discovery from the cluster: InferenceServices and the EndpointSlices of their Services.
+"""Discovery from the cluster: InferenceServices and their replicas' pods.
 
-Each resource is listed, then watched from the list's resourceVersion, in a thread of its own (the official
-client blocks); an expired or broken watch lists again. Every change republishes the fleet, computed by the
-pure `model_configs` from the objects as they are.
+The gateway reads the pods themselves, as the Gateway API inference extension's endpoint picker does, not
+the EndpointSlices of the services' Services: a pod's readiness is seen as soon as the kubelet reports it,
+without an endpoints controller in between, and the pod's name travels with its address. Each resource is
+listed, then watched from the list's resourceVersion, in a thread of its own (the official client blocks);
+an expired or broken watch lists again. Every change republishes the fleet, computed by the pure
+`model_configs` from the objects as they are.
 """
 
 from __future__ import annotations
@@ -17,13 +20,12 @@ from typing import Any
 
 from kubernetes import client, watch
 from kvfleet.gateway.discovery import ModelConfig, Publish
-from kvfleet.operator.api import GROUP, HTTP_PORT_NAME, LABEL_MANAGED_BY, MANAGED_BY, PLURAL, VERSION
+from kvfleet.operator.api import GROUP, HTTP_PORT_NAME, PLURAL, SERVICE_LABEL, VERSION
 from kvfleet.operator.spec import SpecError, parse_spec
 from kvfleet.runtime.server.priorities import TIERS
 
 logger = logging.getLogger(__name__)
 
-SERVICE_NAME_LABEL = "kubernetes.io/service-name"
 # A watch ends after this long and is resumed, so a stopped discovery's threads notice within it.
 WATCH_SECONDS = 30
 RELIST_BACKOFF_SECONDS = 2.0
@@ -32,20 +34,19 @@ ObjectKey = tuple[str, str]
 
 
 def model_configs(
-    services: Iterable[Mapping[str, Any]], slices: Iterable[Mapping[str, Any]], defaults: ModelConfig
+    services: Iterable[Mapping[str, Any]], pods: Iterable[Mapping[str, Any]], defaults: ModelConfig
 ) -> dict[str, ModelConfig]:
-    """The fleet as the gateway routes it: one entry per served model name, with its ready endpoints.
+    """The fleet as the gateway routes it: one entry per served model name, with its ready replicas.
 
     Two services serving the same name: the first by namespace and name wins, the other is logged.
     """
     endpoints: dict[ObjectKey, list[str]] = {}
-    for endpoint_slice in slices:
-        meta = endpoint_slice.get("metadata") or {}
-        service = (meta.get("labels") or {}).get(SERVICE_NAME_LABEL)
-        if service is None:
-            continue
-        urls = endpoints.setdefault((meta.get("namespace", ""), service), [])
-        urls.extend(_ready_urls(endpoint_slice))
+    for pod in pods:
+        meta = pod.get("metadata") or {}
+        service = (meta.get("labels") or {}).get(SERVICE_LABEL)
+        url = _ready_url(pod)
+        if service is not None and url is not None:
+            endpoints.setdefault((meta.get("namespace", ""), service), []).append(url)
     models: dict[str, ModelConfig] = {}
     owners: dict[str, ObjectKey] = {}
     for service in sorted(services, key=_key):
@@ -89,33 +90,37 @@ def _key(obj: Mapping[str, Any]) -> ObjectKey:
     return meta.get("namespace", ""), meta.get("name", "")
 
 
-def _ready_urls(endpoint_slice: Mapping[str, Any]) -> list[str]:
+def _ready_url(pod: Mapping[str, Any]) -> str | None:
+    """The replica's base URL while it is Ready and not terminating; None otherwise."""
+    status = pod.get("status") or {}
+    ready = any(
+        condition.get("type") == "Ready" and condition.get("status") == "True"
+        for condition in status.get("conditions") or []
+    )
+    address = status.get("podIP")
+    if not ready or not address or (pod.get("metadata") or {}).get("deletionTimestamp"):
+        return None
     ports = [
-        port.get("port") for port in endpoint_slice.get("ports") or [] if port.get("name") == HTTP_PORT_NAME
+        port.get("containerPort")
+        for container in (pod.get("spec") or {}).get("containers") or []
+        for port in container.get("ports") or []
+        if port.get("name") == HTTP_PORT_NAME
     ]
-    if not ports or ports[0] is None:
-        return []
-    ipv6 = endpoint_slice.get("addressType") == "IPv6"
-    urls = []
-    for endpoint in endpoint_slice.get("endpoints") or []:
-        conditions = endpoint.get("conditions") or {}
-        # An unknown readiness counts as ready (the API's own rule); a terminating endpoint takes no more.
-        if conditions.get("ready") is False or conditions.get("terminating") is True:
-            continue
-        for address in (endpoint.get("addresses") or [])[:1]:
-            host = f"[{address}]" if ipv6 else address
-            urls.append(f"http://{host}:{ports[0]}")
-    return urls
+    if not ports:
+        return None
+    host = f"[{address}]" if ":" in address else address
+    return f"http://{host}:{ports[0]}"
 
 
 class KubernetesDiscovery:
-    """Watches InferenceServices and the EndpointSlices of the operator's Services, in every namespace or
-    in the given ones."""
+    """Watches InferenceServices and their replicas' pods, in every namespace or in the given ones."""
 
     def __init__(
         self, api_client: client.ApiClient, namespaces: Sequence[str], defaults: ModelConfig
     ) -> None:
         self._objects = client.CustomObjectsApi(api_client)
+        self._core = client.CoreV1Api(api_client)
+        self._serialize = api_client.sanitize_for_serialization
         self._namespaces: Sequence[str | None] = list(namespaces) or [None]
         self._defaults = defaults
 
@@ -125,10 +130,7 @@ class KubernetesDiscovery:
         stop = threading.Event()
         # The watcher threads write the stores while the event loop reads them.
         lock = threading.Lock()
-        resources = [
-            (GROUP, VERSION, PLURAL, None),
-            ("discovery.k8s.io", "v1", "endpointslices", f"{LABEL_MANAGED_BY}={MANAGED_BY}"),
-        ]
+        resources = [(GROUP, VERSION, PLURAL, None), ("", "v1", "pods", SERVICE_LABEL)]
         watches = [_Watch(*resource, namespace) for resource in resources for namespace in self._namespaces]
 
         def notify() -> None:
@@ -150,8 +152,8 @@ class KubernetesDiscovery:
                 if all(watched.synced.is_set() for watched in watches):
                     with lock:
                         services = [obj for w in watches if w.plural == PLURAL for obj in w.store.values()]
-                        slices = [obj for w in watches if w.plural != PLURAL for obj in w.store.values()]
-                    publish(model_configs(services, slices, self._defaults))
+                        pods = [obj for w in watches if w.plural != PLURAL for obj in w.store.values()]
+                    publish(model_configs(services, pods, self._defaults))
         finally:
             stop.set()
 
@@ -159,19 +161,24 @@ class KubernetesDiscovery:
         self, watched: _Watch, lock: threading.Lock, notify: Callable[[], None], stop: threading.Event
     ) -> None:
         """Runs in its own thread until `stop`: keeps the watch's store equal to the cluster's objects."""
-        if watched.namespace is None:
-            list_call: Callable[..., Any] = self._objects.list_cluster_custom_object
-            scope: dict[str, Any] = {}
-        else:
-            list_call = self._objects.list_namespaced_custom_object
-            scope = {"namespace": watched.namespace}
+        scope: dict[str, Any] = {} if watched.namespace is None else {"namespace": watched.namespace}
         if watched.label_selector:
             scope["label_selector"] = watched.label_selector
-        # By keyword: the namespaced call takes the namespace between the version and the plural.
-        scope.update(group=watched.group, version=watched.version, plural=watched.plural)
+        list_call: Callable[..., Any]
+        if watched.group:
+            # By keyword: the namespaced call takes the namespace between the version and the plural.
+            scope.update(group=watched.group, version=watched.version, plural=watched.plural)
+            namespaced, cluster_wide = (
+                self._objects.list_namespaced_custom_object,
+                self._objects.list_cluster_custom_object,
+            )
+        else:
+            namespaced, cluster_wide = self._core.list_namespaced_pod, self._core.list_pod_for_all_namespaces
+        list_call = cluster_wide if watched.namespace is None else namespaced
         while not stop.is_set():
             try:
-                listing = list_call(**scope)
+                # Typed lists (pods) become the API's JSON shape, as custom objects already are.
+                listing = self._serialize(list_call(**scope))
                 fresh = {_key(item): item for item in listing.get("items", [])}
                 with lock:
                     watched.store.clear()
@@ -188,7 +195,7 @@ class KubernetesDiscovery:
                         allow_watch_bookmarks=True,
                     )
                     for event in stream:
-                        obj = event["object"]
+                        obj = event.get("raw_object") or event["object"]
                         if event["type"] == "ERROR":
                             raise RuntimeError(f"watch error: {obj.get('message', obj)}")
                         version_seen = obj["metadata"]["resourceVersion"]

@@ -1,5 +1,5 @@
-"""What the Kubernetes discovery makes of InferenceServices and EndpointSlices as the API server returns
-them."""
+"""What the Kubernetes discovery makes of InferenceServices and their replicas' pods as the API server
+returns them."""
 
 from __future__ import annotations
 
@@ -20,22 +20,31 @@ def service(name: str, namespace: str = "default", **spec: Any) -> dict[str, Any
     }
 
 
-def endpoint_slice(
-    service_name: str, *endpoints: tuple[str, dict[str, bool]], **extra: Any
+def pod(
+    service_name: str,
+    ip: str | None,
+    *,
+    ready: bool = True,
+    terminating: bool = False,
+    port_name: str = "http",
+    namespace: str = "default",
 ) -> dict[str, Any]:
+    metadata: dict[str, Any] = {
+        "name": f"{service_name}-{ip}",
+        "namespace": namespace,
+        "labels": {"kvfleet.dev/inference-service": service_name},
+    }
+    if terminating:
+        metadata["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+    status: dict[str, Any] = {"conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}
+    if ip is not None:
+        status["podIP"] = ip
     return {
-        "apiVersion": "discovery.k8s.io/v1",
-        "kind": "EndpointSlice",
-        "metadata": {
-            "name": f"{service_name}-abcde",
-            "namespace": "default",
-            "labels": {"kubernetes.io/service-name": service_name},
-        },
-        "addressType": extra.get("address_type", "IPv4"),
-        "ports": [{"name": "http", "port": 8000, "protocol": "TCP"}],
-        "endpoints": [
-            {"addresses": [address], "conditions": conditions} for address, conditions in endpoints
-        ],
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": metadata,
+        "spec": {"containers": [{"name": "runtime", "ports": [{"name": port_name, "containerPort": 8000}]}]},
+        "status": status,
     }
 
 
@@ -49,21 +58,21 @@ def test_ready_endpoints_of_each_service_become_its_models_replicas() -> None:
             scaling={"minReplicas": 0, "activationTimeoutSeconds": 240},
         ),
     ]
-    slices = [
-        endpoint_slice(
-            "chat",
-            ("10.0.0.1", {"ready": True}),
-            ("10.0.0.2", {"ready": False}),
-            ("10.0.0.3", {"ready": True, "terminating": True}),
-            ("10.0.0.4", {}),
-        ),
-        endpoint_slice("batchy", ("fd00::5", {"ready": True}), address_type="IPv6"),
-        endpoint_slice("unrelated", ("10.0.0.9", {"ready": True})),
+    pods = [
+        pod("chat", "10.0.0.1"),
+        pod("chat", "10.0.0.2", ready=False),
+        pod("chat", "10.0.0.3", terminating=True),
+        pod("chat", None),
+        pod("chat", "10.0.0.4", port_name="metrics"),
+        pod("chat", "10.0.0.5"),
+        pod("chat", "10.0.0.6", namespace="elsewhere"),
+        pod("batchy", "fd00::5"),
+        pod("unrelated", "10.0.0.9"),
     ]
-    models = model_configs(services, slices, DEFAULTS)
+    models = model_configs(services, pods, DEFAULTS)
     assert set(models) == {"llama", "batchy"}
     llama = models["llama"]
-    assert llama.endpoints == ("http://10.0.0.1:8000", "http://10.0.0.4:8000")
+    assert llama.endpoints == ("http://10.0.0.1:8000", "http://10.0.0.5:8000")
     assert (llama.policy, llama.max_in_flight, llama.default_priority) == ("least-request", 8, 2)
     assert llama.hold_seconds == DEFAULTS.hold_seconds
     batchy = models["batchy"]
@@ -86,11 +95,8 @@ def test_a_service_without_endpoints_is_a_model_at_zero_and_invalid_or_duplicate
         service("broken", model={"uri": "ftp://nowhere"}),
         service("idle"),
     ]
-    slices = [
-        endpoint_slice("a", ("10.0.0.1", {"ready": True})),
-        endpoint_slice("b", ("10.0.0.2", {"ready": True})),
-    ]
-    models = model_configs(services, slices, DEFAULTS)
+    pods = [pod("a", "10.0.0.1"), pod("b", "10.0.0.2")]
+    models = model_configs(services, pods, DEFAULTS)
     assert sorted(models) == ["idle", "same"]
     assert models["same"].endpoints == ("http://10.0.0.1:8000",), "the first service by name wins"
     assert models["idle"].endpoints == ()

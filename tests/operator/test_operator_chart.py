@@ -429,7 +429,7 @@ def gateway_objects(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 ENABLED = ("--set", "gateway.enabled=true")
 READ_ONLY_RULES = [
     {"apiGroups": ["kvfleet.dev"], "resources": ["inferenceservices"], "verbs": ["list", "watch"]},
-    {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["list", "watch"]},
+    {"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "watch"]},
 ]
 
 
