@@ -138,6 +138,10 @@ def test_argv_maps_the_image_commands_and_rejects_others() -> None:
         (["k", "operator", "--bind=0.0.0.0"], ["k", "operator", "--bind=127.1.0.7"]),
         (["k", "operator", "--bind", "127.0.0.1"], ["k", "operator", "--bind", "127.1.0.7"]),
         (
+            ["k", "--log-level", "info", "gateway"],
+            ["k", "--log-level", "info", "gateway", "--host", "127.1.0.7"],
+        ),
+        (
             ["k", "sidecar", "--liveness=http://0.0.0.0:8080/healthz", "--metrics", "0.0.0.0:9090"],
             ["k", "sidecar", "--liveness=http://127.1.0.7:8080/healthz", "--metrics", "127.1.0.7:9090"],
         ),

@@ -215,13 +215,14 @@ def container_argv(
 
 _ANY_ADDRESS = re.compile(r"(?<![0-9.])0\.0\.0\.0(?![0-9.])")
 # The subcommands of the kvfleet image that listen, and the flag of their listen address.
-_LISTEN_FLAGS = {"serve": "--host", "operator": "--bind"}
+_LISTEN_FLAGS = {"serve": "--host", "operator": "--bind", "gateway": "--host"}
 
 
 def bind_to_pod_ip(argv: list[str], pod_ip: str) -> list[str]:
     """argv as if the pod had its own network: any 0.0.0.0 becomes the pod's IP (all interfaces of a pod are
     its one IP; on a shared host two pods would claim the same port), and so does the listen address of the
-    kvfleet servers (`serve --host`, `operator --bind`), added when the arguments leave it to the default."""
+    kvfleet servers (`serve --host`, `operator --bind`, `gateway --host`), added when the arguments leave it
+    to the default."""
     argv = [argv[0], *(_ANY_ADDRESS.sub(pod_ip, part) for part in argv[1:])]
     flags = {_LISTEN_FLAGS[part] for part in argv[1:] if part in _LISTEN_FLAGS}
     result: list[str] = [argv[0]]

@@ -27,31 +27,43 @@ from e2e.support.waits import condition
 class Endpoint:
     pod: str
     ip: str
+    port: int = RUNTIME_PORT
 
     @property
     def base_url(self) -> str:
-        return f"http://{self.ip}:{RUNTIME_PORT}/v1"
+        return f"http://{self.ip}:{self.port}/v1"
 
 
-def serving_endpoints(pods: list[dict[str, Any]]) -> list[Endpoint]:
+def serving_endpoints(pods: list[dict[str, Any]], port: int = RUNTIME_PORT) -> list[Endpoint]:
     """The pods a Service would send traffic to: Ready, with an IP, and not terminating."""
     endpoints = []
     for pod in pods:
         ready = condition(pod, "Ready")
         ip = pod.get("status", {}).get("podIP")
         if ready and ready["status"] == "True" and ip and not pod["metadata"].get("deletionTimestamp"):
-            endpoints.append(Endpoint(pod["metadata"]["name"], ip))
+            endpoints.append(Endpoint(pod["metadata"]["name"], ip, port))
     return sorted(endpoints, key=lambda endpoint: endpoint.pod)
 
 
 class ReadyEndpoints(BackgroundPoller):
-    """The serving pods of one InferenceService, refreshed every `interval` seconds in a thread."""
+    """The serving pods of one InferenceService (or of any `selector` answering on `port`), refreshed every
+    `interval` seconds in a thread."""
 
-    def __init__(self, api: KubeAPI, namespace: str, service: str, interval: float = 0.2) -> None:
+    def __init__(
+        self,
+        api: KubeAPI,
+        namespace: str,
+        service: str,
+        interval: float = 0.2,
+        *,
+        selector: str | None = None,
+        port: int = RUNTIME_PORT,
+    ) -> None:
         super().__init__(f"endpoints-{service}", interval)
         self._api = api
         self._path = f"/api/v1/namespaces/{namespace}/pods"
-        self._selector = service_selector(service)
+        self._selector = selector or service_selector(service)
+        self._port = port
         self._endpoints: list[Endpoint] = []
 
     def poll(self) -> None:
@@ -59,7 +71,7 @@ class ReadyEndpoints(BackgroundPoller):
 
     def refresh(self) -> list[Endpoint]:
         pods = self._api.get(self._path, labelSelector=self._selector)["items"]
-        endpoints = serving_endpoints(pods)
+        endpoints = serving_endpoints(pods, self._port)
         with self._lock:
             self._endpoints = endpoints
         return endpoints

@@ -1,0 +1,182 @@
+"""The fleet gateway on the local control plane, in front of real `kvfleet serve` pods: the chart's two
+gateway replicas route by model through the openai SDK; a service at zero is woken by a request that the
+gateway holds and then serves, and goes back to zero when idle; a runtime replica killed under load costs no
+non-streamed request (the gateway retries it on the other replica); a gateway replica killed leaves the other
+carrying the traffic."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import openai
+import pytest
+import yaml
+
+from e2e.cluster import LocalCluster
+from e2e.fleet.chart import OperatorRelease
+from e2e.fleet.manifests import tiny_service
+from e2e.fleet.observe import service_pods, wait_condition, wait_ready
+from e2e.fleet.traffic import ChatLoad, Endpoint, ReadyEndpoints
+from e2e.support.waits import wait_for
+
+GATEWAY_PORT = 8080  # the chart's gateway.port
+GATEWAY_SELECTOR = "app.kubernetes.io/name=kvfleet,app.kubernetes.io/component=gateway"
+GATEWAY_CONTAINER = "gateway"
+
+
+@pytest.fixture(scope="module")
+def gateway(local_cluster: LocalCluster, kvfleet_release: OperatorRelease) -> Iterator[ReadyEndpoints]:
+    """The release's gateway turned on (two replicas) for this module, and off again after it."""
+
+    def upgrade(enabled: bool) -> None:
+        local_cluster.helm(
+            "upgrade",
+            kvfleet_release.release,
+            str(Path(__file__).parents[1] / "charts" / "kvfleet"),
+            "--namespace",
+            kvfleet_release.namespace,
+            "--reuse-values",
+            f"--set=gateway.enabled={str(enabled).lower()}",
+            "--wait",
+            "--timeout=180s",
+        )
+
+    upgrade(True)
+    try:
+        endpoints = ReadyEndpoints(
+            local_cluster.api,
+            kvfleet_release.namespace,
+            "gateway",
+            selector=GATEWAY_SELECTOR,
+            port=GATEWAY_PORT,
+        )
+        with endpoints:
+            wait_for("2 ready gateway replicas", lambda: len(endpoints.refresh()) == 2, 60)
+            yield endpoints
+    finally:
+        upgrade(False)
+
+
+def _metric(endpoint: Endpoint, name: str) -> float:
+    """The sum of a gateway metric's samples."""
+    with urllib.request.urlopen(f"http://{endpoint.ip}:{endpoint.port}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
+
+
+def test_a_service_at_zero_is_woken_by_a_held_request_and_goes_back_to_zero(
+    local_cluster: LocalCluster,
+    gateway: ReadyEndpoints,
+    namespace: str,
+    tiny_model_dir: Path,
+    measurements: Callable[[str], None],
+) -> None:
+    api = local_cluster.api
+    scaling = {
+        "replicas": None,
+        "minReplicas": 0,
+        "maxReplicas": 1,
+        "scaleToZeroAfterSeconds": 5,
+        "scaleDownDelaySeconds": 0,
+        "activationTimeoutSeconds": 120,
+    }
+    manifest = tiny_service("wake", tiny_model_dir, scaling=scaling)
+    manifest["spec"]["model"]["servedName"] = "wake-model"
+    local_cluster.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(manifest))
+    # A new service proves its model loads on one replica, then idles down to zero.
+    wait_condition(api, namespace, "wake", "Ready", "True", "ScaledToZero", timeout=180)
+    wait_for("no replica left", lambda: not service_pods(api, namespace, "wake"), 60)
+
+    endpoint = gateway.current()[0]
+    activations = _metric(endpoint, "kvfleet_gateway_activation_seconds_count")
+    client = openai.OpenAI(base_url=endpoint.base_url, api_key="unused", max_retries=0, timeout=180)
+    sent = time.monotonic()
+    stream = client.chat.completions.create(
+        model="wake-model",
+        messages=[{"role": "user", "content": "Wake up."}],
+        max_tokens=8,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    first_token = None
+    text = ""
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            first_token = first_token or time.monotonic() - sent
+            text += chunk.choices[0].delta.content
+    assert first_token is not None and text, "the held request was served"
+    assert _metric(endpoint, "kvfleet_gateway_activation_seconds_count") == activations + 1
+    measurements(f"scale from zero: first token {first_token:.1f}s after the request reached the gateway")
+
+    wait_condition(api, namespace, "wake", "Ready", "True", "ScaledToZero", timeout=120)
+    wait_for("back to no replica", lambda: not service_pods(api, namespace, "wake"), 60)
+
+
+def test_a_runtime_replica_killed_under_load_fails_no_request(
+    local_cluster: LocalCluster,
+    gateway: ReadyEndpoints,
+    namespace: str,
+    tiny_model_dir: Path,
+    measurements: Callable[[str], None],
+) -> None:
+    api, runner = local_cluster.api, local_cluster.pod_runner
+    assert runner is not None
+    manifest = tiny_service("pair", tiny_model_dir, scaling={"replicas": 2})
+    manifest["spec"]["model"]["servedName"] = "pair-model"
+    local_cluster.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(manifest))
+    wait_ready(api, namespace, "pair", timeout=180)
+    wait_for(
+        "both replicas ready",
+        lambda: len([p for p in service_pods(api, namespace, "pair") if p["status"].get("podIP")]) == 2,
+        60,
+    )
+    with ChatLoad(gateway, 3, 48, model="pair-model") as load:
+        wait_for("requests served", lambda: len(load.successes()) >= 6, 60)
+        victim = service_pods(api, namespace, "pair")[0]["metadata"]["name"]
+        pid = runner.process_id(namespace, victim, "runtime")
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        served_at_kill = len(load.successes())
+        wait_for("requests served after the kill", lambda: len(load.successes()) >= served_at_kill + 12, 90)
+    assert not load.failures(), load.failures()[:3]
+    measurements(
+        f"runtime replica killed under load through the gateway: {len(load.successes())} requests, 0 failed"
+    )
+
+
+def test_a_gateway_replica_killed_leaves_the_other_carrying_the_traffic(
+    local_cluster: LocalCluster,
+    kvfleet_release: OperatorRelease,
+    gateway: ReadyEndpoints,
+    namespace: str,
+    tiny_model_dir: Path,
+) -> None:
+    api, runner = local_cluster.api, local_cluster.pod_runner
+    assert runner is not None
+    manifest = tiny_service("solo", tiny_model_dir)
+    manifest["spec"]["model"]["servedName"] = "solo-model"
+    local_cluster.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(manifest))
+    wait_ready(api, namespace, "solo", timeout=180)
+    victim, survivor = gateway.refresh()
+    pid = runner.process_id(kvfleet_release.namespace, victim.pod, GATEWAY_CONTAINER)
+    assert pid is not None
+    os.kill(pid, signal.SIGKILL)
+    client = openai.OpenAI(base_url=survivor.base_url, api_key="unused", max_retries=0, timeout=60)
+    for number in range(5):
+        completion = client.completions.create(model="solo-model", prompt=f"Request {number}", max_tokens=4)
+        assert completion.choices[0].text is not None
+    # The killed one comes back (the pod's restart policy) and takes traffic again.
+    wait_for("both gateways ready again", lambda: len(gateway.refresh()) == 2, 90)
+    restarted = next(e for e in gateway.current() if e.pod == victim.pod)
+    with openai.OpenAI(base_url=restarted.base_url, api_key="unused", max_retries=0, timeout=60) as again:
+        wait_for(
+            "the restarted gateway to know the model",
+            lambda: "solo-model" in {m.id for m in again.models.list().data},
+            30,
+        )
+        assert again.completions.create(model="solo-model", prompt="back", max_tokens=4).choices
