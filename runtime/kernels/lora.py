@@ -84,6 +84,18 @@ def choose_split_k(num_programs: int, in_features: int, num_sms: int) -> int:
 
 
 @triton.jit
+def _tile_tokens(tile_map_ptr, sorted_tokens_ptr, tile, BLOCK_M: tl.constexpr):
+    """(slot, token indices, which of the BLOCK_M rows are tokens) of one tile."""
+    slot = tl.load(tile_map_ptr + 3 * tile)
+    first = tl.load(tile_map_ptr + 3 * tile + 1)
+    count = tl.load(tile_map_ptr + 3 * tile + 2)
+    rows = tl.arange(0, BLOCK_M)
+    row_valid = rows < count
+    tokens = tl.load(sorted_tokens_ptr + first + rows, mask=row_valid, other=0).to(tl.int64)
+    return slot, tokens, row_valid
+
+
+@triton.jit
 def _lora_shrink_kernel(
     shrunk_ptr,
     x_ptr,
@@ -104,16 +116,9 @@ def _lora_shrink_kernel(
     ATOMIC: tl.constexpr,
     UPCAST_DOTS: tl.constexpr,
 ):
-    tile = tl.program_id(0)
     lora_slice = tl.program_id(1)
     split = tl.program_id(2)
-    slot = tl.load(tile_map_ptr + 3 * tile)
-    first = tl.load(tile_map_ptr + 3 * tile + 1)
-    count = tl.load(tile_map_ptr + 3 * tile + 2)
-
-    rows = tl.arange(0, BLOCK_M)
-    row_valid = rows < count
-    tokens = tl.load(sorted_tokens_ptr + first + rows, mask=row_valid, other=0).to(tl.int64)
+    slot, tokens, row_valid = _tile_tokens(tile_map_ptr, sorted_tokens_ptr, tl.program_id(0), BLOCK_M)
     ranks = tl.arange(0, BLOCK_R)
     rank_valid = ranks < RANK
     a_rows = (lora_slice * slot_rows + slot * RANK + ranks).to(tl.int64)
@@ -167,18 +172,11 @@ def _lora_expand_kernel(
     BLOCK_N: tl.constexpr,
     UPCAST_DOTS: tl.constexpr,
 ):
-    tile = tl.program_id(0)
     column_block = tl.program_id(1)
     lora_slice = tl.program_id(2)
-    slot = tl.load(tile_map_ptr + 3 * tile)
-    first = tl.load(tile_map_ptr + 3 * tile + 1)
-    count = tl.load(tile_map_ptr + 3 * tile + 2)
+    slot, tokens, row_valid = _tile_tokens(tile_map_ptr, sorted_tokens_ptr, tl.program_id(0), BLOCK_M)
     slice_start = tl.load(slice_starts_ptr + lora_slice)
     slice_end = tl.load(slice_starts_ptr + lora_slice + 1)
-
-    rows = tl.arange(0, BLOCK_M)
-    row_valid = rows < count
-    tokens = tl.load(sorted_tokens_ptr + first + rows, mask=row_valid, other=0).to(tl.int64)
     ranks = tl.arange(0, BLOCK_R)
     rank_valid = ranks < RANK
     # Blocks past the end of a narrower slice (k and v beside q) have no valid column and do nothing.
