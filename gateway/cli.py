@@ -8,6 +8,7 @@ import logging
 import signal
 
 import click
+from kvfleet.gateway.adapters import DEFAULT_ADAPTER_POLL_SECONDS
 from kvfleet.gateway.discovery import (
     DEFAULT_HOLD_SECONDS,
     DEFAULT_MAX_IN_FLIGHT,
@@ -85,6 +86,13 @@ def _static_models(options: tuple[str, ...], defaults: ModelConfig) -> dict[str,
     "--max-body-bytes", type=click.IntRange(min=1024), default=DEFAULT_MAX_BODY_BYTES, show_default=True
 )
 @click.option("--max-attempts", type=click.IntRange(min=1), default=DEFAULT_MAX_ATTEMPTS, show_default=True)
+@click.option(
+    "--adapter-poll-seconds",
+    type=click.FloatRange(min=0.1),
+    default=DEFAULT_ADAPTER_POLL_SECONDS,
+    show_default=True,
+    help="How often each replica is asked which LoRA adapters it serves (its /metrics).",
+)
 def gateway_command(
     host: str,
     port: int,
@@ -100,6 +108,7 @@ def gateway_command(
     max_queue: int,
     max_body_bytes: int,
     max_attempts: int,
+    adapter_poll_seconds: float,
 ) -> None:
     """Run the kvfleet fleet gateway: one OpenAI endpoint for every model."""
     defaults = ModelConfig(
@@ -127,7 +136,11 @@ def gateway_command(
             ) from None
         discovery = KubernetesDiscovery(api_client, namespaces, defaults)
     gateway = Gateway(
-        discovery, max_queue=max_queue, max_body_bytes=max_body_bytes, max_attempts=max_attempts
+        discovery,
+        max_queue=max_queue,
+        max_body_bytes=max_body_bytes,
+        max_attempts=max_attempts,
+        adapter_poll_seconds=adapter_poll_seconds,
     )
     asyncio.run(_serve(gateway, host, port))
 

@@ -2,7 +2,8 @@
 
 A discovery source publishes the whole fleet as a mapping of model name to ModelConfig each time it changes;
 the static source does it once (local use and tests), the Kubernetes one on every change of an
-InferenceService or of its replicas' pods (kvfleet.gateway.kube).
+InferenceService or of its replicas' pods (kvfleet.gateway.kube). The LoRA adapters each replica serves are
+learnt from the replicas themselves (kvfleet.gateway.adapters).
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ class ModelConfig:
     hold_seconds: float = DEFAULT_HOLD_SECONDS
     # The priority of requests that name no tier: the service's own tier.
     default_priority: int = TIERS[DEFAULT_TIER]
+    # For a LoRA adapter: the base model whose replicas serve it (its endpoints are those that hold it).
+    adapter_of: str | None = None
 
 
 Publish = Callable[[Mapping[str, ModelConfig]], None]

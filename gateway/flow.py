@@ -6,19 +6,27 @@ first) and FIFO within a tier, and is handed a replica as soon as one frees up o
 zero holds its requests until a replica is ready. The wait is bounded by the hold time and the request's own
 deadline. A full queue sheds its newest request of the lowest tier for a more urgent arrival, and refuses an
 arrival that is no more urgent than everything queued.
+
+A LoRA adapter is a model of its own whose replicas are those of its base model that serve it. A replica is
+one object shared by every model routed to it, so its in-flight cap counts the requests of all of them, and a
+place it frees is offered to the queue of each of those models. An adapter's requests go first to the
+replicas already running requests of it (the adapter is in their GPU slots: nothing has to be swapped in),
+as long as those stay within the load bound.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import heapq
 import itertools
-from collections.abc import Iterable, Mapping
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from kvfleet.gateway.discovery import ModelConfig
 from kvfleet.gateway.metrics import GatewayMetrics
-from kvfleet.gateway.routing import Policy, Replica, make_policy
+from kvfleet.gateway.routing import Policy, Replica, bounded_load, make_policy
 from kvfleet.runtime.server.openai_errors import (
     NotFoundError,
     OpenAIError,
@@ -42,11 +50,23 @@ class _Waiter:
 class ModelPool:
     """A model's replicas, its routing policy and its queue."""
 
-    def __init__(self, config: ModelConfig, max_queue: int, metrics: GatewayMetrics) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        max_queue: int,
+        metrics: GatewayMetrics,
+        replica_for: Callable[[str], Replica] = Replica,
+    ) -> None:
+        """`replica_for(url)`: the replica at url, shared with the other models routed to it."""
         self.config = config
         self.max_queue = max_queue
         self.metrics = metrics
-        self.replicas = [Replica(url) for url in config.endpoints]
+        self._replica_for = replica_for
+        self.replicas = [replica_for(url) for url in config.endpoints]
+        # This model's own requests in flight, by replica URL (a replica's in_flight counts every model's).
+        self._running: Counter[str] = Counter()
+        # Told of every place a replica of this model frees; the fleet offers it to every model routed there.
+        self.on_release: Callable[[Replica], None] = lambda replica: self.dispatch()
         self.policy: Policy = make_policy(config.policy, config.prefix_chars, config.load_bound)
         self._heap: list[_Waiter] = []
         self._waiting = 0
@@ -55,7 +75,7 @@ class ModelPool:
     def reconfigure(self, config: ModelConfig) -> None:
         """New endpoints or settings; replicas that stay keep their in-flight counts."""
         known = {replica.url: replica for replica in self.replicas}
-        self.replicas = [known.get(url) or Replica(url) for url in config.endpoints]
+        self.replicas = [known.get(url) or self._replica_for(url) for url in config.endpoints]
         routing = (config.policy, config.prefix_chars, config.load_bound)
         if routing != (self.config.policy, self.config.prefix_chars, self.config.load_bound):
             self.policy = make_policy(*routing)
@@ -84,7 +104,7 @@ class ModelPool:
         if self._waiting == 0:
             replica = self._choose(prompt_text, tried)
             if replica is not None:
-                replica.in_flight += 1
+                self._take(replica)
                 return replica
         waiter = _Waiter(
             priority, next(self._sequence), prompt_text, tried, asyncio.get_running_loop().create_future()
@@ -112,8 +132,19 @@ class ModelPool:
 
     def release(self, replica: Replica) -> None:
         replica.in_flight -= 1
+        self._running[replica.url] -= 1
+        if not self._running[replica.url]:
+            del self._running[replica.url]
+        self.on_release(replica)
+
+    def dispatch(self) -> None:
+        """Hands free replicas to the queue, if anyone waits."""
         if self._waiting:
             self._dispatch()
+
+    def _take(self, replica: Replica) -> None:
+        replica.in_flight += 1
+        self._running[replica.url] += 1
 
     def _usable(self, tried: frozenset[str]) -> tuple[Replica, ...]:
         cap = self.config.max_in_flight
@@ -121,9 +152,20 @@ class ModelPool:
 
     def _choose(self, prompt_text: str, tried: frozenset[str]) -> Replica | None:
         cap = self.config.max_in_flight
-        return self.policy.choose(
-            self.replicas, prompt_text, lambda replica: replica.in_flight < cap and replica.url not in tried
-        )
+
+        def usable(replica: Replica) -> bool:
+            return replica.in_flight < cap and replica.url not in tried
+
+        if self.config.adapter_of is not None and self._running:
+            bound = bounded_load(self.replicas, self.config.load_bound)
+
+            def running_it(replica: Replica) -> bool:
+                return usable(replica) and replica.url in self._running and replica.in_flight < bound
+
+            replica = self.policy.choose(self.replicas, prompt_text, running_it)
+            if replica is not None:
+                return replica
+        return self.policy.choose(self.replicas, prompt_text, usable)
 
     def _admit(self, waiter: _Waiter) -> None:
         """Queues the waiter, shedding the least urgent one queued if the queue is full."""
@@ -164,7 +206,7 @@ class ModelPool:
                     continue
                 break
             heapq.heappop(self._heap)
-            replica.in_flight += 1
+            self._take(replica)
             waiter.future.set_result(replica)
             self._set_waiting(self._waiting - 1)
         for waiter in parked:
@@ -202,14 +244,56 @@ class ModelPool:
 
 
 class Fleet:
-    """Every model's pool, kept in step with what discovery publishes."""
+    """Every model's pool, kept in step with what discovery publishes and with the LoRA adapters each replica
+    serves."""
 
     def __init__(self, max_queue: int, metrics: GatewayMetrics) -> None:
         self.max_queue = max_queue
         self.metrics = metrics
         self.pools: dict[str, ModelPool] = {}
+        # The base models, as discovery published them.
+        self.models: dict[str, ModelConfig] = {}
+        # The adapter names each replica serves, by URL, as last learnt.
+        self._adapters: dict[str, frozenset[str]] = {}
+        self._replicas: dict[str, Replica] = {}
 
     def update(self, models: Mapping[str, ModelConfig]) -> None:
+        self.models = dict(models)
+        self._apply()
+
+    def update_adapters(self, adapters: Mapping[str, frozenset[str]]) -> None:
+        """The adapters of the replicas just asked, by URL; the others keep what was last learnt."""
+        if any(self._adapters.get(url) != names for url, names in adapters.items()):
+            self._adapters.update(adapters)
+            self._apply()
+
+    def replica_urls(self) -> list[str]:
+        """Every replica of a base model."""
+        return sorted({url for config in self.models.values() for url in config.endpoints})
+
+    def routed_models(self) -> dict[str, ModelConfig]:
+        """The base models and, under its own name, each adapter that some of a base model's replicas serve,
+        routed to those replicas with its base model's settings. A base model's name is never taken by an
+        adapter, and an adapter that the replicas of several base models serve goes with the first by name."""
+        routed = dict(self.models)
+        for base_name in sorted(self.models):
+            base = self.models[base_name]
+            holders: dict[str, list[str]] = {}
+            for url in base.endpoints:
+                for adapter in self._adapters.get(url, ()):
+                    holders.setdefault(adapter, []).append(url)
+            for adapter, urls in sorted(holders.items()):
+                if adapter not in routed:
+                    routed[adapter] = dataclasses.replace(
+                        base, name=adapter, endpoints=tuple(urls), adapter_of=base_name
+                    )
+        return routed
+
+    def _apply(self) -> None:
+        models = self.routed_models()
+        urls = set(self.replica_urls())
+        self._adapters = {url: names for url, names in self._adapters.items() if url in urls}
+        self._replicas = {url: replica for url, replica in self._replicas.items() if url in urls}
         for name in list(self.pools):
             if name not in models:
                 self.pools.pop(name).close()
@@ -217,8 +301,20 @@ class Fleet:
         for name, config in models.items():
             pool = self.pools.get(name)
             if pool is None:
-                self.pools[name] = ModelPool(config, self.max_queue, self.metrics)
+                pool = self.pools[name] = ModelPool(config, self.max_queue, self.metrics, self._replica)
+                pool.on_release = self._released
                 self.metrics.queue_depth.labels(name).set(0)
             elif pool.config != config:
                 pool.reconfigure(config)
             self.metrics.ready_replicas.labels(name).set(len(config.endpoints))
+
+    def _replica(self, url: str) -> Replica:
+        replica = self._replicas.get(url)
+        if replica is None:
+            replica = self._replicas[url] = Replica(url)
+        return replica
+
+    def _released(self, replica: Replica) -> None:
+        for pool in list(self.pools.values()):
+            if replica in pool.replicas:
+                pool.dispatch()

@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Mapping
 
 import aiohttp
 from aiohttp import web
+from kvfleet.gateway.adapters import DEFAULT_ADAPTER_POLL_SECONDS, poll_adapters
 from kvfleet.gateway.discovery import Discovery
 from kvfleet.gateway.flow import DEFAULT_MAX_QUEUE, Fleet, ModelPool
 from kvfleet.gateway.metrics import GatewayMetrics
@@ -68,8 +69,10 @@ class Gateway:
         max_queue: int = DEFAULT_MAX_QUEUE,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
         max_attempts: int = DEFAULT_MAX_ATTEMPTS,
+        adapter_poll_seconds: float = DEFAULT_ADAPTER_POLL_SECONDS,
     ) -> None:
         self.discovery = discovery
+        self.adapter_poll_seconds = adapter_poll_seconds
         self.metrics = GatewayMetrics()
         self.fleet = Fleet(max_queue, self.metrics)
         self.max_attempts = max_attempts
@@ -105,13 +108,21 @@ class Gateway:
             auto_decompress=False,
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT_S),
         )
-        watcher = asyncio.create_task(self.discovery.run(self.fleet.update), name="kvfleet-gateway-discovery")
+        watchers = [
+            asyncio.create_task(self.discovery.run(self.fleet.update), name="kvfleet-gateway-discovery"),
+            asyncio.create_task(
+                poll_adapters(self.fleet, self.session, self.adapter_poll_seconds),
+                name="kvfleet-gateway-adapters",
+            ),
+        ]
         try:
             yield
         finally:
-            watcher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await watcher
+            for watcher in watchers:
+                watcher.cancel()
+            for watcher in watchers:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await watcher
             await self.session.close()
 
     async def health(self, request: web.Request) -> web.Response:
@@ -123,9 +134,16 @@ class Gateway:
         return response
 
     async def models(self, request: web.Request) -> web.Response:
+        # An adapter's card names its base model as `parent`, as a replica's own /v1/models does.
         data = [
-            {"id": name, "object": "model", "created": 0, "owned_by": "kvfleet"}
-            for name in sorted(self.fleet.pools)
+            {
+                "id": name,
+                "object": "model",
+                "created": 0,
+                "owned_by": "kvfleet",
+                "parent": pool.config.adapter_of,
+            }
+            for name, pool in sorted(self.fleet.pools.items())
         ]
         return web.json_response({"object": "list", "data": data})
 

@@ -91,7 +91,7 @@ class PrefixHash:
             return None
         by_url = {replica.url: replica for replica in replicas}
         self._build_ring(tuple(sorted(by_url)))
-        capacity = self.capacity(replicas)
+        capacity = bounded_load(replicas, self.load_bound)
         start = bisect.bisect(self._points, _hash(prompt_text[: self.prefix_chars]))
         seen: set[str] = set()
         for offset in range(len(self._points)):
@@ -108,11 +108,6 @@ class PrefixHash:
         candidates = [replica for replica in replicas if usable(replica)]
         return min(candidates, key=lambda replica: replica.in_flight) if candidates else None
 
-    def capacity(self, replicas: Sequence[Replica]) -> int:
-        """The most requests one replica may hold, counting the one being placed."""
-        total = sum(replica.in_flight for replica in replicas) + 1
-        return math.ceil(self.load_bound * total / len(replicas))
-
     def _build_ring(self, urls: tuple[str, ...]) -> None:
         if urls == self._ring_of:
             return
@@ -122,6 +117,12 @@ class PrefixHash:
         self._ring_of = urls
         self._points = [point for point, _ in points]
         self._owners = [url for _, url in points]
+
+
+def bounded_load(replicas: Sequence[Replica], load_bound: float) -> int:
+    """The most requests one of `replicas` may hold under the load bound, counting the one being placed."""
+    total = sum(replica.in_flight for replica in replicas) + 1
+    return math.ceil(load_bound * total / len(replicas))
 
 
 def make_policy(name: PolicyName, prefix_chars: int, load_bound: float) -> Policy:

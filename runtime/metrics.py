@@ -27,6 +27,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+# One series per served LoRA adapter, labelled with its name.
+LORA_ADAPTER_INFO = "kvfleet:lora_adapter_info"
 # Set (by `kvfleet serve --api-server-count N`) when several processes record metrics together.
 MULTIPROCESS_DIR = "PROMETHEUS_MULTIPROC_DIR"
 
@@ -62,6 +64,9 @@ class ServerMetrics:
         self._stats_source: Callable[[], SchedulerStats | None] = lambda: None
         self._engine_stats = _EngineStatsCollector(model_name, lambda: self._stats_source())
         self.registry.register(self._engine_stats)
+        self._lora_names_source: Callable[[], list[str]] = list
+        self._lora_adapters = _LoRAAdaptersCollector(model_name, lambda: self._lora_names_source())
+        self.registry.register(self._lora_adapters)
         ProcessCollector(registry=self.registry)
 
         self._prompt_tokens = self._counter(
@@ -121,13 +126,6 @@ class ServerMetrics:
             "Tokens generated per LoRA adapter.",
             ["model_name", "lora_name"],
             registry=self.registry,
-        )
-        self._lora_adapters = Gauge(
-            "kvfleet:lora_adapters_loaded",
-            "LoRA adapters this server serves by name.",
-            ["model_name"],
-            registry=self.registry,
-            multiprocess_mode="max",
         )
         self._rejected = Counter(
             "kvfleet:requests_rejected",
@@ -190,8 +188,9 @@ class ServerMetrics:
             self._lora_requests.labels(model_name=self.model_name, lora_name=lora_name).inc()
         return RequestTracker(self, tier, num_prompt_tokens, lora_name)
 
-    def set_lora_adapters_loaded(self, count: int) -> None:
-        self._lora_adapters.labels(model_name=self.model_name).set(count)
+    def set_lora_adapters_source(self, source: Callable[[], list[str]]) -> None:
+        """Where scrapes read the names of the LoRA adapters this server serves."""
+        self._lora_names_source = source
 
     def record_rejected(self, reason: str, tier: str) -> None:
         self._rejected.labels(model_name=self.model_name, reason=reason, tier=tier).inc()
@@ -208,6 +207,8 @@ class ServerMetrics:
         registry = CollectorRegistry()
         multiprocess.MultiProcessCollector(registry)
         registry.register(self._engine_stats)
+        # Every API server serves the same adapters: several processes exclude run-time updates.
+        registry.register(self._lora_adapters)
         return generate_latest(registry)
 
 
@@ -340,6 +341,31 @@ class _EngineStatsCollector(Collector):
             family = CounterMetricFamily(f"kvfleet:{name}", documentation, labels=["model_name"])
             family.add_metric([self._model_name], float(value))
             yield family
+
+
+class _LoRAAdaptersCollector(Collector):
+    """The LoRA adapters served, read at scrape time: how many, and one series per adapter name, which is
+    how the gateway learns where each adapter can run (/metrics needs no API key, /v1/models does)."""
+
+    def __init__(self, model_name: str, source: Callable[[], list[str]]) -> None:
+        self._model_name = model_name
+        self._source = source
+
+    def collect(self) -> Iterator[Metric]:
+        names = self._source()
+        count = GaugeMetricFamily(
+            "kvfleet:lora_adapters_loaded", "LoRA adapters this server serves by name.", labels=["model_name"]
+        )
+        count.add_metric([self._model_name], float(len(names)))
+        yield count
+        info = GaugeMetricFamily(
+            LORA_ADAPTER_INFO,
+            "One series per LoRA adapter this server serves (its name in lora_name); the value is always 1.",
+            labels=["model_name", "lora_name"],
+        )
+        for name in names:
+            info.add_metric([self._model_name, name], 1.0)
+        yield info
 
 
 def _names(name: str, vllm_aliases: tuple[str, ...]) -> list[str]:

@@ -9,12 +9,14 @@ interpreter) at toy sizes.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from kvfleet.runtime.attention.backend import AttentionMetadata, AttentionSpec
 from kvfleet.runtime.attention.sdpa import SdpaAttentionBackend
@@ -22,6 +24,7 @@ from kvfleet.runtime.attention.triton_backend import TritonAttentionBackend
 from kvfleet.runtime.kernels import torch_reference
 from kvfleet.runtime.kernels.activation import silu_and_mul
 from kvfleet.runtime.kernels.kv_cache_write import write_kv_cache
+from kvfleet.runtime.kernels.lora import plan_lora_tokens
 from kvfleet.runtime.kernels.paged_attention import (
     AttentionTiling,
     build_tile_map,
@@ -32,6 +35,7 @@ from kvfleet.runtime.kernels.paged_attention import (
 from kvfleet.runtime.kernels.rms_norm import rms_norm
 from kvfleet.runtime.kernels.rotary import rotary_embedding_
 from kvfleet.runtime.kernels.triton_utils import is_interpreting
+from kvfleet.runtime.lora.layers import LoRABatch, LoRALinear
 from kvfleet.runtime.models import layers
 
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 1e-2}
@@ -537,4 +541,76 @@ def fused_rows(bench: Bench) -> list[Row]:
         measure(lambda: torch_reference.write_kv_cache(key, value, expected_cache, slots)),
         check,
     )
+    return rows
+
+
+LORA_ADAPTERS = 4
+LORA_RANK = 16
+
+
+def lora_rows(bench: Bench) -> list[Row]:
+    """The batched LoRA update of an adapted q/k/v projection, tokens spread over four rank-16 adapters,
+    against the dense torch path the CPU runs; checked against that path in float64."""
+    scale, device, dtype = bench.scale, bench.device, bench.dtype
+    q_size = scale.llama_heads * scale.head_dim
+    kv_size = scale.llama_kv_heads * scale.head_dim
+    slice_sizes = [q_size, kv_size, kv_size]
+    base = layers.Linear(scale.hidden, sum(slice_sizes), bias=False)
+    generator = torch.Generator().manual_seed(4)
+    slot_a = [torch.randn(3 * LORA_RANK, scale.hidden, generator=generator) / 8 for _ in range(LORA_ADAPTERS)]
+    slot_b = [torch.randn(sum(slice_sizes), LORA_RANK, generator=generator) / 8 for _ in range(LORA_ADAPTERS)]
+
+    def layer(layer_dtype: torch.dtype, use_triton: bool) -> LoRALinear:
+        module = LoRALinear(
+            base,
+            slice_sizes,
+            LoRABatch(),
+            max_loras=LORA_ADAPTERS,
+            max_rank=LORA_RANK,
+            dtype=layer_dtype,
+            device=device,
+            use_triton=use_triton,
+        )
+        for slot in range(LORA_ADAPTERS):
+            module.set_slot(slot, slot_a[slot].to(dtype), slot_b[slot].to(dtype))
+        return module
+
+    kernel_layer, dense_layer, reference = (
+        layer(dtype, True),
+        layer(dtype, False),
+        layer(torch.float64, False),
+    )
+    rows = []
+    for label, num_tokens in (("decode", scale.decode_batch), ("prefill", scale.tokens)):
+        token_slots = np.arange(num_tokens) % LORA_ADAPTERS
+        slots = torch.from_numpy(token_slots).to(device)[:, None]
+        slot_of_column = torch.arange(LORA_ADAPTERS * LORA_RANK, device=device) // LORA_RANK
+        kernel_layer.batch.plan = plan_lora_tokens(token_slots, device)
+        dense_layer.batch.mask = (slot_of_column == slots).to(dtype)
+        reference.batch.mask = (slot_of_column == slots).double()
+        x = torch.randn(num_tokens, scale.hidden, dtype=dtype, device=device)
+        output = torch.randn(num_tokens, sum(slice_sizes), dtype=dtype, device=device)
+        result = output.clone()
+        kernel_layer.add_lora(x, result)
+        expected = output.double()
+        reference.add_lora(x.double(), expected)
+        check = check_result(result, expected)
+        seconds = bench.measure(functools.partial(kernel_layer.add_lora, x, output))
+        dense_seconds = bench.measure(functools.partial(dense_layer.add_lora, x, output))
+        # Each adapter's A and B read once, the activations read once and the output read and written.
+        moved = (
+            LORA_ADAPTERS * (slot_a[0].numel() + slot_b[0].numel()) + x.numel() + 2 * output.numel()
+        ) * x.element_size()
+        rate = moved / seconds
+        rows.append(
+            Row(
+                f"batched LoRA, {label}",
+                f"{num_tokens} tokens over {LORA_ADAPTERS} adapters of rank {LORA_RANK}, "
+                f"{scale.hidden} -> {q_size}+{kv_size}+{kv_size}",
+                seconds * 1e6,
+                f"{rate / 1e12:.2f} TB/s ({bench.percent_of_copy(rate)})",
+                f"{dense_seconds / seconds:.1f}x torch (dense)",
+                check,
+            )
+        )
     return rows

@@ -32,7 +32,12 @@ def _kernels_available() -> bool:
 
 def enabled(x: torch.Tensor) -> bool:
     """Whether the fused kernels should replace the torch layer ops for this activation tensor."""
-    return x.is_cuda and _kernels_available()
+    return enabled_on(x.device)
+
+
+def enabled_on(device: torch.device) -> bool:
+    """Whether the fused kernels replace the torch layer ops on this device."""
+    return device.type == "cuda" and _kernels_available()
 
 
 def rms_norm(

@@ -1,30 +1,44 @@
 """Batched LoRA on the model's projections: one forward pass serves the base model and several adapters.
 
-The slots of every adapter sit side by side, `max_rank` columns each. Each adapted projection runs, for the
-whole batch, one shrink matmul (x @ A.T: every token's input under every slot, per slice of a fused
-projection), keeps each token's own slot with a mask (nothing for base-model tokens), and one expand matmul
-per slice into that slice's rows of the output. This is Punica's gather, shrink and expand done densely:
-the LoRA matmuls are small next to the base one, so a few times their FLOPs costs less than indexing each
-adapter's tokens apart in every layer, and the number of operations per step does not grow with the number
-of adapters.
+The slots of every adapter sit side by side, `max_rank` columns each. A layer binds one of two
+implementations when it is built:
+
+- dense torch (the CPU): for the whole batch, one shrink matmul (x @ A.T: every token's input under every
+  slot, per slice of a fused projection), a mask that keeps each token's own slot (nothing for base-model
+  tokens), and one expand matmul per slice into that slice's rows of the output. This is Punica's gather,
+  shrink and expand done densely: the LoRA matmuls are small next to the base one, so a few times their
+  FLOPs costs less than indexing each adapter's tokens apart in every layer;
+- the Triton kernels (`kvfleet.runtime.kernels.lora`, on CUDA): each adapter's tokens gathered, shrunk with
+  its own A and expanded with its own B, so the work grows with the tokens, not with tokens times slots.
+
+Either way the number of operations per step does not grow with the number of adapters.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from kvfleet.runtime.lora.adapter import FUSED_SLICES, projection_sizes
 from kvfleet.runtime.models.model_config import ModelConfig
 from torch import nn
 
+if TYPE_CHECKING:
+    from kvfleet.runtime.kernels.lora import LoRATokenPlan
+
 
 @dataclass
 class LoRABatch:
-    """This step's token mask [num_tokens, slots * max_rank]: 1 on the columns of each token's own slot;
-    None when no token of the step uses an adapter."""
+    """This step's adapter layout, built once and read by every layer; both None when no token of the step
+    uses an adapter.
+
+    `mask` [num_tokens, slots * max_rank], for the dense path: 1 on the columns of each token's own slot.
+    `plan`, for the Triton kernels: the tokens grouped by slot.
+    """
 
     mask: torch.Tensor | None = None
+    plan: LoRATokenPlan | None = None
 
 
 class LoRALinear(nn.Module):
@@ -40,17 +54,32 @@ class LoRALinear(nn.Module):
         max_rank: int,
         dtype: torch.dtype,
         device: torch.device,
+        use_triton: bool,
     ) -> None:
         super().__init__()
         self.base = base
         self.batch = batch
         self.max_rank = max_rank
+        self.slice_sizes = slice_sizes
         # Each slice's rows of the fused output.
         self.slice_rows: list[slice] = []
         start = 0
         for size in slice_sizes:
             self.slice_rows.append(slice(start, start + size))
             start += size
+        self.slice_starts = torch.tensor([0, *(rows.stop for rows in self.slice_rows)], dtype=torch.int32).to(
+            device
+        )
+        # add_lora(x, output): adds this step's LoRA update into output in place, by the implementation bound
+        # here for the layer's life.
+        if use_triton:
+            # Imported here: Triton is loaded only by the processes that run its kernels.
+            from kvfleet.runtime.kernels.lora import add_lora_
+
+            self._triton_add_lora = add_lora_
+            self.add_lora = self._add_lora_triton
+        else:
+            self.add_lora = self._add_lora_dense
         self.slot_columns = max_loras * max_rank
         # A: slice-major, then slot; B: the slot's columns.
         self.lora_a = torch.zeros(
@@ -75,14 +104,25 @@ class LoRALinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         output = self.base(x)
+        self.add_lora(x, output)
+        return output
+
+    def _add_lora_dense(self, x: torch.Tensor, output: torch.Tensor) -> None:
         mask = self.batch.mask
         if mask is None:
-            return output
+            return
         shrunk = (x @ self.lora_a.t()).view(x.shape[0], len(self.slice_rows), self.slot_columns)
         shrunk.mul_(mask[:, None, :])
         for index, rows in enumerate(self.slice_rows):
             output[:, rows].addmm_(shrunk[:, index], self.lora_b[rows].t())
-        return output
+
+    def _add_lora_triton(self, x: torch.Tensor, output: torch.Tensor) -> None:
+        plan = self.batch.plan
+        if plan is None:
+            return
+        self._triton_add_lora(
+            output, x, self.lora_a, self.lora_b, plan, self.slice_sizes, self.slice_starts, rank=self.max_rank
+        )
 
 
 def add_lora_layers(
@@ -94,9 +134,10 @@ def add_lora_layers(
     max_rank: int,
     dtype: torch.dtype,
     device: torch.device,
+    use_triton: bool,
 ) -> list[dict[str, LoRALinear]]:
     """Wrap every adaptable projection of a Llama-family model; returns each layer's wrapped projections,
-    whose slots start empty (zeros: no update)."""
+    whose slots start empty (zeros: no update). `use_triton` binds the Triton kernels instead of torch."""
     sizes = projection_sizes(model_config)
     wrapped: list[dict[str, LoRALinear]] = []
     for layer in model.layers:
@@ -116,6 +157,7 @@ def add_lora_layers(
                 max_rank=max_rank,
                 dtype=dtype,
                 device=device,
+                use_triton=use_triton,
             )
             setattr(owner, name, module)
             layer_wrapped[name] = module

@@ -26,7 +26,9 @@ class LoRAManager:
         max_cpu_loras: int,
         dtype: torch.dtype,
         device: torch.device,
+        use_triton: bool,
     ) -> None:
+        """`use_triton`: run the Triton kernels instead of the dense torch path."""
         self.model_config = model_config
         self.max_loras = max_loras
         self.max_rank = max_rank
@@ -42,7 +44,9 @@ class LoRAManager:
             max_rank=max_rank,
             dtype=dtype,
             device=device,
+            use_triton=use_triton,
         )
+        self.use_triton = use_triton
         self._host: OrderedDict[int, LoRAWeights] = OrderedDict()
         # Which adapter each slot holds, least recently used first.
         self._slots: OrderedDict[int, int] = OrderedDict()  # lora_int_id -> slot
@@ -61,8 +65,8 @@ class LoRAManager:
 
     def prepare(self, loras: list[LoRARequest | None], query_start_loc: Sequence[int]) -> None:
         """Put the step's adapters in slots and mark which tokens run with which slot."""
+        self.batch.mask = self.batch.plan = None
         if all(lora is None for lora in loras):
-            self.batch.mask = None
             return
         for lora in loras:
             # Adapters already in slots first: the slots this step uses are then the most recently used.
@@ -72,6 +76,11 @@ class LoRAManager:
         for index, lora in enumerate(loras):
             if lora is not None:
                 token_slots[query_start_loc[index] : query_start_loc[index + 1]] = self._slot_for(lora)
+        if self.use_triton:
+            from kvfleet.runtime.kernels.lora import plan_lora_tokens
+
+            self.batch.plan = plan_lora_tokens(token_slots, self.device)
+            return
         slots = torch.from_numpy(token_slots).to(self.device)[:, None]
         slot_of_column = torch.arange(self.max_loras * self.max_rank, device=self.device) // self.max_rank
         self.batch.mask = (slot_of_column == slots).to(self.dtype)

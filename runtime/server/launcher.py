@@ -95,7 +95,8 @@ def run_api_server(
         settings=settings, engine=engine, metrics=metrics, lora_adapters=options.lora_adapters
     )
     if options.lora_adapters is not None:
-        metrics.set_lora_adapters_loaded(len(options.lora_adapters.loaded))
+        adapters = options.lora_adapters
+        metrics.set_lora_adapters_source(lambda: [lora.lora_name for lora in adapters.loaded])
     uvicorn_config = uvicorn.Config(
         build_app(state),
         host=options.host,

@@ -47,7 +47,6 @@ class OpenAIServingLoRA:
                 await asyncio.to_thread(adapters.add, body.lora_name, body.lora_path)
             except LoRAAdapterError as exc:
                 raise BadRequestError(str(exc), param="lora_path") from None
-        self.state.metrics.set_lora_adapters_loaded(len(adapters.loaded))
         return f"Success: LoRA adapter '{body.lora_name}' added successfully."
 
     async def unload(self, body: UnloadLoRAAdapterRequest) -> str:
@@ -55,7 +54,6 @@ class OpenAIServingLoRA:
         async with self._updating:
             if adapters.remove(body.lora_name) is None:
                 raise NotFoundError(f"the LoRA adapter {body.lora_name!r} is not loaded", param="lora_name")
-        self.state.metrics.set_lora_adapters_loaded(len(adapters.loaded))
         return f"Success: LoRA adapter '{body.lora_name}' removed successfully."
 
     def _updatable(self) -> LoRAAdapters:

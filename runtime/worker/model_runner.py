@@ -12,6 +12,7 @@ from kvfleet.runtime.attention.backend import AttentionBackend, AttentionMetadat
 from kvfleet.runtime.attention.selector import select_attention_backend
 from kvfleet.runtime.config import EngineConfig
 from kvfleet.runtime.core.outputs import ModelRunnerOutput, SchedulerOutput
+from kvfleet.runtime.kernels import fused_layers
 from kvfleet.runtime.lora.manager import LoRAManager
 from kvfleet.runtime.models.loader import load_model, resolve_device, resolve_dtype
 from kvfleet.runtime.models.model_config import ModelConfig
@@ -121,6 +122,9 @@ class ModelRunner:
                 max_cpu_loras=config.max_cpu_loras or config.max_loras,
                 dtype=self.dtype,
                 device=self.device,
+                # Triton's kernels where the model's own fused kernels run, and wherever the Triton
+                # attention backend was chosen (on the CPU only through Triton's interpreter).
+                use_triton=fused_layers.enabled_on(self.device) or self.attention_backend.name == "triton",
             )
 
     def kv_cache_bytes_per_block(self) -> int:

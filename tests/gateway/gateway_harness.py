@@ -1,8 +1,8 @@
 """Replicas and gateways on real loopback sockets, in the test's own event loop, for the gateway's tests.
 
 The replicas are small aiohttp servers that answer like `kvfleet serve` does (OpenAI JSON, SSE ending with
-[DONE]) and record what reached them; the gateway under test is the real one, fed by a discovery source the
-test publishes through.
+[DONE], the LoRA adapters they serve on /metrics) and record what reached them; the gateway under test is the
+real one, fed by a discovery source the test publishes through.
 """
 
 from __future__ import annotations
@@ -57,6 +57,8 @@ class FakeReplica:
     permits: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(0))
     resume: asyncio.Event = field(default_factory=asyncio.Event)
     disconnected: asyncio.Event = field(default_factory=asyncio.Event)
+    # The LoRA adapters its /metrics page lists.
+    adapters: list[str] = field(default_factory=list)
     url: str = ""
     _runner: web.AppRunner | None = None
 
@@ -64,6 +66,7 @@ class FakeReplica:
         app = web.Application()
         app.router.add_post("/v1/chat/completions", self._complete)
         app.router.add_post("/v1/completions", self._complete)
+        app.router.add_get("/metrics", self._metrics)
         self._runner = web.AppRunner(app, handler_cancellation=True)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", 0)
@@ -75,6 +78,13 @@ class FakeReplica:
     async def stop(self) -> None:
         if self._runner is not None:
             await self._runner.cleanup()
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        lines = ["# TYPE kvfleet:lora_adapter_info gauge"]
+        lines += [
+            f'kvfleet:lora_adapter_info{{model_name="m",lora_name="{name}"}} 1.0' for name in self.adapters
+        ]
+        return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
 
     async def _complete(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()

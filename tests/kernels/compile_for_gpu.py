@@ -18,11 +18,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import triton
 from kvfleet.runtime.kernels import (
     activation,
     kv_cache_write,
+    lora,
     paged_attention,
     rms_norm,
     rotary,
@@ -39,6 +41,7 @@ KERNELS = {
     rms_norm: ["_rms_norm_kernel"],
     rotary: ["_rotary_kernel"],
     activation: ["_silu_and_mul_kernel"],
+    lora: ["_lora_shrink_kernel", "_lora_expand_kernel"],
 }
 
 
@@ -172,7 +175,32 @@ def launches_to_compile() -> list[tuple[str, Callable[[], Any]]]:
         ("rotary bf16", lambda: rotary.rotary_embedding_(torch.arange(8), query, key, torch.randn(64, 128))),
         ("silu and mul bf16", lambda: activation.silu_and_mul(torch.randn(8, 2 * 14336, dtype=bf16))),
     ]
+    calls += [
+        (f"lora {label} bf16 rank 16", lora_call(token_slots, split_k))
+        for label, token_slots, split_k in (
+            ("decode, 4 adapters, split input", np.arange(64) % 4, 8),
+            ("prefill", np.repeat(np.arange(4), 512), 1),
+        )
+    ]
     return calls
+
+
+def lora_call(token_slots: np.ndarray, split_k: int) -> Callable[[], Any]:
+    """An adapted q/k/v projection of Llama-3-8B's shape, four rank-16 slots."""
+
+    def call() -> Any:
+        bf16, slots, rank, slice_sizes = torch.bfloat16, 4, 16, [4096, 1024, 1024]
+        x = torch.randn(len(token_slots), 4096, dtype=bf16)
+        output = torch.randn(len(token_slots), sum(slice_sizes), dtype=bf16)
+        lora_a = torch.randn(len(slice_sizes) * slots * rank, 4096, dtype=bf16)
+        lora_b = torch.randn(sum(slice_sizes), slots * rank, dtype=bf16)
+        plan = lora.plan_lora_tokens(token_slots, torch.device("cpu"))
+        starts = torch.tensor([0, 4096, 5120, 6144], dtype=torch.int32)
+        return lora.add_lora_(
+            output, x, lora_a, lora_b, plan, slice_sizes, starts, rank=rank, split_k=split_k
+        )
+
+    return call
 
 
 def main() -> None:

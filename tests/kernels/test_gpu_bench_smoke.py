@@ -36,7 +36,9 @@ def test_benchmark_script_smoke_run(tmp_path: Path) -> None:
         "rotary embedding, in place",
         "SiLU and mul",
         "KV cache write",
+        "batched LoRA, decode",
+        "batched LoRA, prefill",
     ):
         assert f"| {kernel}" in report
     assert "FAIL" not in report
-    assert report.count("| ok (") >= 8
+    assert report.count("| ok (") >= 10

@@ -1,132 +1,16 @@
-"""Real `kvfleet serve` processes on loopback, started for the tests and always stopped by their PID."""
+"""The shared API server of the server tests (`start_server`, in the conftest above, starts the others)."""
 
 from __future__ import annotations
 
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from pathlib import Path
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-import httpx
 import pytest
 
+if TYPE_CHECKING:
+    from conftest import ServerProcess
+
 API_KEY = "test-key"
-MODEL_NAME = "tiny"
-READY_TIMEOUT_S = 180.0
-STOP_TIMEOUT_S = 30.0
-# Enough KV blocks for every test's requests, few enough that the pool allocates in a blink.
-BASE_ARGS = ("--served-model-name", MODEL_NAME, "--num-kv-blocks", "512", "--dtype", "float32")
-
-
-@dataclass
-class ServerProcess:
-    process: subprocess.Popen[bytes]
-    url: str
-    log_path: Path
-    api_key: str | None
-    model_name: str = MODEL_NAME
-
-    @property
-    def pid(self) -> int:
-        return self.process.pid
-
-    def headers(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-
-    def log_tail(self, lines: int = 40) -> str:
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-
-    def metrics(self) -> dict[str, float]:
-        """Samples of the /metrics page whose labels are only model_name, by metric name."""
-        text = httpx.get(f"{self.url}/metrics", timeout=10).text
-        samples = {}
-        for line in text.splitlines():
-            if line.startswith("#") or "{" not in line:
-                continue
-            name, rest = line.split("{", 1)
-            labels, value = rest.rsplit("} ", 1)
-            if labels == f'model_name="{self.model_name}"':
-                samples[name] = float(value)
-        return samples
-
-    def wait_ready(self) -> None:
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"the server exited with {self.process.returncode}:\n{self.log_tail()}")
-            try:
-                if httpx.get(f"{self.url}/ready", timeout=2).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-        raise TimeoutError(f"the server was not ready within {READY_TIMEOUT_S} s:\n{self.log_tail()}")
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            os.kill(self.pid, signal.SIGTERM)
-            try:
-                self.process.wait(STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                os.kill(self.pid, signal.SIGKILL)
-                self.process.wait(STOP_TIMEOUT_S)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-@pytest.fixture(scope="session")
-def start_server(
-    tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Callable[..., ServerProcess]]:
-    """Returns start(*extra_args, api_key=None, command=("serve",), model=None) -> a ready ServerProcess of
-    `model` (the tiny llama by default); every one is stopped at the end."""
-    started: list[ServerProcess] = []
-    logs = tmp_path_factory.mktemp("server-logs")
-
-    def start(
-        *extra_args: str,
-        api_key: str | None = None,
-        wait: bool = True,
-        command: tuple[str, ...] = ("serve",),
-        model: Path | None = None,
-    ) -> ServerProcess:
-        port = free_port()
-        args = [
-            sys.executable,
-            "-P",
-            "-m",
-            "kvfleet",
-            *command,
-            "--model",
-            str(model or tiny_llama),
-            *BASE_ARGS,
-        ]
-        args += ["--host", "127.0.0.1", "--port", str(port), *extra_args]
-        if api_key is not None:
-            args += ["--api-key", api_key]
-        log_path = logs / f"server-{port}.log"
-        with log_path.open("wb") as log:
-            process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
-        server = ServerProcess(process, f"http://127.0.0.1:{port}", log_path, api_key)
-        started.append(server)
-        if wait:
-            server.wait_ready()
-        return server
-
-    try:
-        yield start
-    finally:
-        for server in started:
-            server.stop()
 
 
 @pytest.fixture(scope="session")

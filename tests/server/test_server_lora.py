@@ -16,6 +16,7 @@ import pytest
 import torch
 from kvfleet.runtime.lora.make_adapter import make_adapter
 from peft import PeftModel
+from prometheus_client.parser import text_string_to_metric_families
 from server_checks import RequestBeside, openai_error
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -173,6 +174,31 @@ def test_adapter_requests_are_counted(lora_server: ServerProcess, client: openai
     before = count("first")
     _complete(client, "first")
     assert count("first") == before + 1
+
+
+def test_metrics_list_each_served_adapter_without_the_api_key(
+    lora_server: ServerProcess, adapters: dict[str, Path]
+) -> None:
+    """What the gateway reads to learn where an adapter runs: /metrics needs no key, /v1/models does."""
+
+    def listed() -> set[str]:
+        text = httpx.get(f"{lora_server.url}/metrics").text
+        return {
+            sample.labels["lora_name"]
+            for family in text_string_to_metric_families(text)
+            if family.name == "kvfleet:lora_adapter_info"
+            for sample in family.samples
+        }
+
+    assert httpx.get(f"{lora_server.url}/v1/models").status_code == 401
+    assert "first" in listed() and "listed" not in listed()
+    loaded = _post(
+        lora_server, "load_lora_adapter", {"lora_name": "listed", "lora_path": str(adapters["second"])}
+    )
+    assert loaded.status_code == 200
+    assert {"first", "listed"} <= listed()
+    assert _post(lora_server, "unload_lora_adapter", {"lora_name": "listed"}).status_code == 200
+    assert "listed" not in listed() and "first" in listed()
 
 
 def test_runtime_updates_are_refused_unless_allowed(

@@ -1,0 +1,64 @@
+"""Which LoRA adapters each replica serves, learnt by polling the replicas' /metrics.
+
+A replica lists its adapters in two places: `/v1/models` (each with its `parent`) and the
+`kvfleet:lora_adapter_info` series of `/metrics`, one per adapter name. The gateway reads /metrics: it needs
+no API key, whereas /v1/models does on a replica started with one, and the gateway holds no keys (it passes
+each client's own Authorization header through and checks none). A replica that does not answer keeps the
+adapters last learnt from it until discovery removes it; one that answers without the series serves none.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import aiohttp
+from kvfleet.gateway.flow import Fleet
+from kvfleet.runtime.metrics import LORA_ADAPTER_INFO
+from prometheus_client.parser import text_string_to_metric_families
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_ADAPTER_POLL_SECONDS = 2.0
+# A replica's /metrics page is rendered at once; a slower answer is one from a replica in trouble.
+POLL_TIMEOUT_S = 2.0
+
+
+def adapter_names(metrics_text: str) -> frozenset[str]:
+    """The adapter names a replica's /metrics page lists."""
+    return frozenset(
+        sample.labels["lora_name"]
+        for family in text_string_to_metric_families(metrics_text)
+        if family.name == LORA_ADAPTER_INFO
+        for sample in family.samples
+        if "lora_name" in sample.labels
+    )
+
+
+async def poll_adapters(fleet: Fleet, session: aiohttp.ClientSession, interval: float) -> None:
+    """Asks every replica of the fleet for its adapters every `interval` seconds, until cancelled."""
+    while True:
+        urls = fleet.replica_urls()
+        found = await asyncio.gather(*(_adapters_of(session, url) for url in urls))
+        fleet.update_adapters(
+            {url: names for url, names in zip(urls, found, strict=True) if names is not None}
+        )
+        await asyncio.sleep(interval)
+
+
+async def _adapters_of(session: aiohttp.ClientSession, url: str) -> frozenset[str] | None:
+    """None when the replica cannot say."""
+    try:
+        # Identity encoding: the gateway's session passes bodies through undecoded.
+        async with session.get(
+            f"{url}/metrics",
+            headers={"Accept-Encoding": "identity"},
+            timeout=aiohttp.ClientTimeout(total=POLL_TIMEOUT_S),
+        ) as response:
+            if response.status != 200:
+                logger.info("%s/metrics answered %d; its adapters stay as last learnt", url, response.status)
+                return None
+            return adapter_names(await response.text())
+    except (aiohttp.ClientError, TimeoutError, ValueError) as error:
+        logger.info("could not read the adapters of %s (%s); they stay as last learnt", url, error)
+        return None

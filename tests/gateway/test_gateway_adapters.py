@@ -1,0 +1,180 @@
+"""Routing by LoRA adapter: the gateway learns from each replica which adapters it serves, routes an adapter's
+requests only there, prefers the replicas already running it, and shares each replica's cap between its base
+model and its adapters. First with the harness's replicas, then with real `kvfleet serve` processes through
+the openai SDK."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import httpx
+import openai
+import pytest
+from gateway_harness import FakeReplica, model, queued, replicas, running_gateway, wait_until
+from kvfleet.gateway.adapters import adapter_names
+from kvfleet.gateway.proxy import Gateway
+from kvfleet.runtime.lora.make_adapter import make_adapter
+
+if TYPE_CHECKING:
+    from conftest import ServerProcess
+
+CHAT = [{"role": "user", "content": "hello"}]
+POLL_S = 0.05
+
+
+def client(url: str, api_key: str = "unused") -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=api_key, max_retries=0, timeout=60)
+
+
+def ready_replicas(gateway: Gateway, name: str) -> float:
+    value = gateway.metrics.registry.get_sample_value("kvfleet_gateway_ready_replicas", {"model": name})
+    return 0.0 if value is None else value
+
+
+def test_adapter_names_are_read_from_a_metrics_page() -> None:
+    page = """# HELP kvfleet:lora_adapter_info One series per LoRA adapter.
+# TYPE kvfleet:lora_adapter_info gauge
+kvfleet:lora_adapter_info{model_name="tiny",lora_name="sql"} 1.0
+kvfleet:lora_adapter_info{lora_name="chat/v2",model_name="tiny"} 1.0
+# TYPE kvfleet:lora_requests counter
+kvfleet:lora_requests_total{lora_name="old",model_name="tiny"} 3.0
+"""
+    assert adapter_names(page) == {"sql", "chat/v2"}
+    assert adapter_names("# no adapters\n") == frozenset()
+
+
+def test_an_adapter_routes_only_to_the_replicas_that_serve_it() -> None:
+    async def scenario() -> None:
+        async with (
+            replicas(FakeReplica("a", adapters=["sql"]), FakeReplica("b")) as (a, b),
+            running_gateway({"m": model("m", a, b)}, adapter_poll_seconds=POLL_S) as (gateway, _, url),
+        ):
+            await wait_until(lambda: "sql" in gateway.fleet.pools)
+            sdk = client(url)
+            listed = {entry.id: entry.model_extra for entry in (await sdk.models.list()).data}
+            assert listed == {"m": {"parent": None}, "sql": {"parent": "m"}}
+            for _ in range(4):
+                reply = await sdk.chat.completions.create(model="sql", messages=CHAT)
+                assert reply.choices[0].message.content == "a"
+            with pytest.raises(openai.NotFoundError):
+                await sdk.chat.completions.create(model="other", messages=CHAT)
+            assert [body["model"] for body in a.received] == ["sql"] * 4 and b.received == []
+
+            b.adapters = ["sql"]
+            await wait_until(lambda: ready_replicas(gateway, "sql") == 2)
+            for _ in range(4):
+                await sdk.chat.completions.create(model="sql", messages=CHAT)
+            assert len(a.received) == 6 and len(b.received) == 2
+
+            a.adapters = b.adapters = []
+            await wait_until(lambda: "sql" not in gateway.fleet.pools)
+            with pytest.raises(openai.NotFoundError):
+                await sdk.chat.completions.create(model="sql", messages=CHAT)
+
+    asyncio.run(scenario())
+
+
+def test_an_adapter_prefers_replicas_running_it_within_the_load_bound() -> None:
+    async def scenario() -> None:
+        async with replicas(
+            FakeReplica("a", gated=True, adapters=["sql"]), FakeReplica("b", gated=True, adapters=["sql"])
+        ) as (a, b):
+            models = {"m": model("m", a, b, load_bound=1.25)}
+            async with running_gateway(models, adapter_poll_seconds=POLL_S) as (gateway, _, url):
+                await wait_until(lambda: ready_replicas(gateway, "sql") == 2)
+                sdk = client(url)
+                sent = []
+                # The first request takes either replica; the second joins it there (1 of 2 allowed by the
+                # bound, ceil(1.25 * 2 / 2)); the third would exceed the bound there and goes to the other.
+                for count in (1, 2, 3):
+                    sent.append(asyncio.create_task(sdk.chat.completions.create(model="sql", messages=CHAT)))
+                    await wait_until(lambda count=count: len(a.received) + len(b.received) == count)
+                first = a if a.received else b
+                other = b if first is a else a
+                assert len(first.received) == 2 and len(other.received) == 1
+                for replica in (a, b):
+                    for _ in replica.received:
+                        replica.permits.release()
+                await asyncio.gather(*sent)
+
+    asyncio.run(scenario())
+
+
+def test_a_replica_cap_counts_its_base_model_and_adapter_requests_together() -> None:
+    async def scenario() -> None:
+        async with replicas(FakeReplica("a", gated=True, adapters=["sql"])) as (a,):
+            models = {"m": model("m", a, max_in_flight=1)}
+            async with running_gateway(models, adapter_poll_seconds=POLL_S) as (gateway, _, url):
+                await wait_until(lambda: "sql" in gateway.fleet.pools)
+                sdk = client(url)
+                base = asyncio.create_task(sdk.chat.completions.create(model="m", messages=CHAT))
+                await wait_until(lambda: len(a.received) == 1)
+                adapter = asyncio.create_task(sdk.chat.completions.create(model="sql", messages=CHAT))
+                await wait_until(lambda: queued(gateway, "sql") == 1)
+                assert len(a.received) == 1
+                # The base request's end frees the place the adapter's request waits for.
+                a.permits.release()
+                a.permits.release()
+                await base
+                await adapter
+                assert [body["model"] for body in a.received] == ["m", "sql"]
+
+    asyncio.run(scenario())
+
+
+@pytest.fixture(scope="module")
+def sql_adapter(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_adapter(tiny_llama, tmp_path_factory.mktemp("adapters") / "sql", rank=8, seed=1)
+
+
+def _lora_requests(server: ServerProcess, name: str) -> float:
+    """What the replica itself counts of an adapter's requests."""
+    prefix = f'kvfleet:lora_requests_total{{lora_name="{name}",model_name="{server.model_name}"}} '
+    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    return next((float(line[len(prefix) :]) for line in text.splitlines() if line.startswith(prefix)), 0.0)
+
+
+@pytest.mark.slow
+def test_real_replicas_serve_an_adapter_where_it_is_loaded(
+    start_server: Callable[..., ServerProcess], sql_adapter: Path
+) -> None:
+    """Two `kvfleet serve` replicas behind an API key, the adapter on one: all its requests land there; once
+    the other loads it too, both serve it."""
+    options = ("--enable-lora", "--max-lora-rank", "8", "--allow-runtime-lora-updates")
+    holder = start_server(*options, "--lora-modules", f"sql={sql_adapter}", api_key="fleet-key")
+    other = start_server(*options, api_key="fleet-key")
+    fleet = {"tiny": model("tiny", holder.url, other.url)}
+
+    async def complete(sdk: openai.AsyncOpenAI, **body: Any) -> str:
+        reply = await sdk.completions.create(prompt="Once upon a time", max_tokens=3, temperature=0.0, **body)
+        return reply.model
+
+    async def scenario() -> None:
+        async with running_gateway(fleet, adapter_poll_seconds=0.2) as (gateway, _, url):
+            await wait_until(lambda: "sql" in gateway.fleet.pools)
+            sdk = client(url, api_key="fleet-key")
+            listed = {entry.id: entry.model_extra for entry in (await sdk.models.list()).data}
+            assert listed == {"tiny": {"parent": None}, "sql": {"parent": "tiny"}}
+            for _ in range(4):
+                assert await complete(sdk, model="sql") == "sql"
+            assert (_lora_requests(holder, "sql"), _lora_requests(other, "sql")) == (4, 0)
+            with pytest.raises(openai.NotFoundError):
+                await complete(sdk, model="nope")
+
+            loaded = httpx.post(
+                f"{other.url}/v1/load_lora_adapter",
+                json={"lora_name": "sql", "lora_path": str(sql_adapter)},
+                headers=other.headers(),
+                timeout=60,
+            )
+            assert loaded.status_code == 200, loaded.text
+            await wait_until(lambda: ready_replicas(gateway, "sql") == 2)
+            for _ in range(4):
+                assert await complete(sdk, model="sql") == "sql"
+            assert _lora_requests(holder, "sql") > 4 and _lora_requests(other, "sql") > 0
+            assert _lora_requests(holder, "sql") + _lora_requests(other, "sql") == 8
+
+    asyncio.run(scenario())
