@@ -96,7 +96,7 @@ def run_api_server(
     )
     if options.lora_adapters is not None:
         adapters = options.lora_adapters
-        metrics.set_lora_adapters_source(lambda: [lora.lora_name for lora in adapters.loaded])
+        metrics.set_lora_adapters_source(lambda: [served.lora.lora_name for served in adapters.loaded])
     uvicorn_config = uvicorn.Config(
         build_app(state),
         host=options.host,
