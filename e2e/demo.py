@@ -4,9 +4,11 @@
     KEEP=1 python -m e2e.demo     # leave the cluster running afterwards (its kubeconfig is printed)
 
 Builds the control plane's binaries on first use (progress shown), starts a local cluster (kwok's fake GPU
-nodes, kvfleet pods run as real processes), installs the Helm chart, applies examples/tiny-cpu.yaml with a
-tiny model made on the spot, waits for it, chats with it through the openai SDK, runs a short burst of
-requests while showing the replicas scale with `kubectl get`, and tears everything down.
+nodes, kvfleet pods run as real processes), installs the Helm chart with its fleet gateway, applies
+examples/tiny-cpu.yaml with a tiny model made on the spot, waits for it, chats with it through the gateway
+with the openai SDK, runs a short burst of requests while showing the replicas scale with `kubectl get` and
+the gateway's routing decisions, scales a second service from zero with a request the gateway holds, and
+tears everything down.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import os
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
@@ -26,7 +29,7 @@ from e2e.cluster.cluster import default_cache_dir
 from e2e.fleet.chart import OPERATOR_NAMESPACE, RELEASE, install_chart
 from e2e.fleet.manifests import deployment_path, tiny_example
 from e2e.fleet.observe import wait_ready
-from e2e.fleet.traffic import ChatLoad, ReadyEndpoints, chat
+from e2e.fleet.traffic import ChatLoad, Endpoint, ReadyEndpoints, chat
 
 CLUSTER_NAME = "demo"
 NAMESPACE = "demo"
@@ -39,6 +42,12 @@ QUESTIONS = (
 BURST_CLIENTS = 12
 BURST_SECONDS = 25.0
 SETTLE_TIMEOUT_SECONDS = 150.0
+GATEWAY_PORT = 8080  # the chart's gateway.port
+GATEWAY_SELECTOR = "app.kubernetes.io/name=kvfleet,app.kubernetes.io/component=gateway"
+ROUTING_METRIC = "kvfleet_gateway_routing_decisions_total"
+# The second service: idle this long, it goes to zero; the gateway then holds its next request.
+ZERO_NAME = "tiny-at-zero"
+ZERO_IDLE_SECONDS = 10
 
 
 def step(number: int, total: int, text: str) -> None:
@@ -103,8 +112,46 @@ def watch_replicas(
         time.sleep(1.0)
 
 
+def gateways(cluster: AttachedCluster) -> ReadyEndpoints:
+    """The ready gateway pods (a Service would pick one; this cluster's pods have loopback IPs)."""
+    return ReadyEndpoints(
+        cluster.api, OPERATOR_NAMESPACE, "gateway", selector=GATEWAY_SELECTOR, port=GATEWAY_PORT
+    )
+
+
+def routing_decisions(cluster: AttachedCluster, model: str) -> dict[str, float]:
+    """Requests each replica got from the gateways, summed over them: replica URL -> count."""
+    counts: dict[str, float] = {}
+    for gateway in gateways(cluster).refresh():
+        with urllib.request.urlopen(f"http://{gateway.ip}:{gateway.port}/metrics", timeout=5) as page:
+            for line in page.read().decode().splitlines():
+                if line.startswith(ROUTING_METRIC) and f'model="{model}"' in line:
+                    replica = line.split('endpoint="', 1)[1].split('"', 1)[0]
+                    counts[replica] = counts.get(replica, 0.0) + float(line.rsplit(" ", 1)[1])
+    return counts
+
+
+def scale_from_zero(cluster: AttachedCluster, model: Path, gateway: Endpoint) -> None:
+    manifest = tiny_example(model, name=ZERO_NAME)
+    manifest["spec"]["model"]["servedName"] = ZERO_NAME
+    manifest["spec"]["scaling"] = {
+        "minReplicas": 0,
+        "maxReplicas": 1,
+        "scaleToZeroAfterSeconds": ZERO_IDLE_SECONDS,
+        "scaleDownDelaySeconds": 0,
+    }
+    show(cluster.kubectl("apply", "-n", NAMESPACE, "-f", "-", input=yaml.safe_dump(manifest)))
+    print(f"    minReplicas 0: it loads once, then goes to zero after {ZERO_IDLE_SECONDS}s idle", flush=True)
+    watch_replicas(cluster, ZERO_NAME, SETTLE_TIMEOUT_SECONDS, until=lambda replicas: replicas == (0, 0))
+    print(f"    > a request for {ZERO_NAME} through the gateway, which holds it while a replica starts")
+    sent = time.monotonic()
+    answer = chat(gateway, "Are you awake?", max_tokens=8, model=ZERO_NAME)
+    print(f"      {answer.strip()!r} after {time.monotonic() - sent:.1f}s", flush=True)
+    show(cluster.kubectl("get", "inferenceservice", ZERO_NAME, "-n", NAMESPACE))
+
+
 def run_demo(directory: Path, keep: bool, nodes: int, gpus_per_node: int) -> None:
-    total = 8
+    total = 9
     step(1, total, "building the control plane's binaries (first run only: about 10 minutes on 2 cores)")
     ensure_binaries()
 
@@ -118,9 +165,10 @@ def run_demo(directory: Path, keep: bool, nodes: int, gpus_per_node: int) -> Non
         print(f"    kubeconfig: {cluster.kubeconfig}", flush=True)
         show(cluster.kubectl("get", "nodes", "-L", "nvidia.com/gpu.count"))
 
-        step(3, total, f"helm install {RELEASE} charts/kvfleet --namespace {OPERATOR_NAMESPACE}")
+        install = f"helm install {RELEASE} charts/kvfleet --namespace {OPERATOR_NAMESPACE}"
+        step(3, total, f"{install} --set gateway.enabled=true")
         started = time.monotonic()
-        install_chart(cluster)
+        install_chart(cluster, {"gateway.enabled": "true"})
         print(f"    installed in {time.monotonic() - started:.0f}s", flush=True)
         show(cluster.kubectl("get", "pods", "-n", OPERATOR_NAMESPACE))
 
@@ -138,28 +186,27 @@ def run_demo(directory: Path, keep: bool, nodes: int, gpus_per_node: int) -> Non
         print(f"    Ready after {time.monotonic() - started:.0f}s", flush=True)
         show(cluster.kubectl("get", "inferenceservices", "-n", NAMESPACE))
 
-        step(6, total, "chat completions through the openai SDK")
-        with ReadyEndpoints(cluster.api, NAMESPACE, name) as endpoints:
-            endpoint = endpoints.current()[0]
-        print(f"    openai.OpenAI(base_url={endpoint.base_url!r})  # pod {endpoint.pod}", flush=True)
+        step(6, total, "chat completions through the fleet gateway with the openai SDK")
+        gateway = gateways(cluster).refresh()[0]
+        print(f"    openai.OpenAI(base_url={gateway.base_url!r})  # gateway pod {gateway.pod}", flush=True)
+        served_name = manifest["spec"]["model"]["servedName"]
         for question in QUESTIONS:
-            answer = chat(endpoint, question, max_tokens=24, model=manifest["spec"]["model"]["servedName"])
+            answer = chat(gateway, question, max_tokens=24, model=served_name)
             print(f"    > {question}\n      {answer.strip()!r}", flush=True)
         print("    (a tiny model with random weights: the words are noise, the serving is real)", flush=True)
 
         step(
             7,
             total,
-            f"a {BURST_SECONDS:.0f}s burst from {BURST_CLIENTS} clients: the autoscaler adds replicas",
+            f"a {BURST_SECONDS:.0f}s burst from {BURST_CLIENTS} clients through the gateways: "
+            "the autoscaler adds replicas",
         )
-        with ReadyEndpoints(cluster.api, NAMESPACE, name) as endpoints:
-            with ChatLoad(endpoints, BURST_CLIENTS, max_tokens=128) as load:
-                watch_replicas(cluster, name, BURST_SECONDS, until=lambda replicas: False)
-            print(
-                f"    {len(load.successes())} requests answered, {len(load.failures())} failed; "
-                f"served by {len({o.pod for o in load.successes()})} replicas",
-                flush=True,
-            )
+        with gateways(cluster) as spread, ChatLoad(spread, BURST_CLIENTS, 128, model=served_name) as load:
+            watch_replicas(cluster, name, BURST_SECONDS, until=lambda replicas: False)
+        print(f"    {len(load.successes())} requests answered, {len(load.failures())} failed", flush=True)
+        print("    the gateways' routing decisions (least-request), requests per replica:", flush=True)
+        for replica, count in sorted(routing_decisions(cluster, served_name).items()):
+            print(f"      {replica}  {count:.0f}", flush=True)
 
         step(
             8,
@@ -182,6 +229,9 @@ def run_demo(directory: Path, keep: bool, nodes: int, gpus_per_node: int) -> Non
         )
         show(events)
         show(cluster.kubectl("get", "inferenceservices", "-n", NAMESPACE))
+
+        step(9, total, "scale from zero: a second service, idle at zero until a request arrives")
+        scale_from_zero(cluster, model, gateway)
     except BaseException:
         if keep:
             print(f"\nthe demo failed; KEEP=1 leaves the cluster for a look: {directory}", file=sys.stderr)
