@@ -8,6 +8,13 @@ pool decides that, the policy only picks among usable replicas.
 - `prefix-hash`: consistent hashing with bounded loads (Mirrokni et al., 2018) over the first characters of
   the prompt, so requests sharing a prefix land where that prefix is cached; a replica holding more than
   `load_bound` times the mean load (counting the new request) is passed over for the next one on the ring.
+- `cache-aware`: the replica whose prefix cache most likely holds the longest start of the prompt, within the
+  same load bound; with no such replica, the least loaded. Each replica's cache is modelled by the prompts
+  this gateway sent it, as chained hashes of fixed-size text chunks in a least-recently-used index of
+  CACHE_CHARS characters per replica, so prompts that only share a system prompt still meet where it is
+  cached, and prompts a replica must long have evicted stop attracting more. It is the approximate
+  prefix-cache scoring of llm-d's endpoint picker: a replica's real cache is not read, and each gateway
+  replica keeps its own index.
 """
 
 from __future__ import annotations
@@ -15,17 +22,23 @@ from __future__ import annotations
 import bisect
 import hashlib
 import math
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
-PolicyName = Literal["round-robin", "least-request", "prefix-hash"]
-POLICY_NAMES: tuple[PolicyName, ...] = ("round-robin", "least-request", "prefix-hash")
+PolicyName = Literal["round-robin", "least-request", "prefix-hash", "cache-aware"]
+POLICY_NAMES: tuple[PolicyName, ...] = ("round-robin", "least-request", "prefix-hash", "cache-aware")
 DEFAULT_POLICY: PolicyName = "least-request"
 DEFAULT_PREFIX_CHARS = 256
 DEFAULT_LOAD_BOUND = 1.25
 # Points per replica on the hash ring: enough that keys spread evenly over a handful of replicas.
 RING_POINTS_PER_REPLICA = 160
+# cache-aware: prompts are matched in chunks of this many characters (about 16 tokens of English text)...
+CACHE_CHUNK_CHARS = 64
+# ...up to this many characters of each prompt, and each replica's cache is taken to hold this many.
+CACHE_PROMPT_CHARS = 64 * 1024
+CACHE_CHARS = 4 * 1024 * 1024
 
 
 @dataclass(eq=False)
@@ -78,10 +91,8 @@ class PrefixHash:
     def __init__(
         self, prefix_chars: int = DEFAULT_PREFIX_CHARS, load_bound: float = DEFAULT_LOAD_BOUND
     ) -> None:
-        if load_bound < 1.0:
-            raise ValueError("the load bound must be at least 1.0: below it no replica could take a request")
         self.prefix_chars = prefix_chars
-        self.load_bound = load_bound
+        self.load_bound = _checked(load_bound)
         self._ring_of: tuple[str, ...] = ()
         self._points: list[int] = []
         self._owners: list[str] = []
@@ -119,6 +130,64 @@ class PrefixHash:
         self._owners = [url for _, url in points]
 
 
+class CacheAware:
+    def __init__(self, load_bound: float = DEFAULT_LOAD_BOUND, cache_chars: int = CACHE_CHARS) -> None:
+        self.load_bound = _checked(load_bound)
+        self.capacity_chunks = max(1, cache_chars // CACHE_CHUNK_CHARS)
+        # Replica URL -> chunk hashes of prompts sent there, least recently used first.
+        self._cached: dict[str, OrderedDict[int, None]] = {}
+
+    def choose(self, replicas: Sequence[Replica], prompt_text: str, usable: Usable) -> Replica | None:
+        present = {replica.url for replica in replicas}
+        for gone in [url for url in self._cached if url not in present]:
+            del self._cached[gone]
+        candidates = [replica for replica in replicas if usable(replica)]
+        if not candidates:
+            return None
+        chunks = _chunk_hashes(prompt_text)
+        capacity = bounded_load(replicas, self.load_bound)
+        within = [replica for replica in candidates if replica.in_flight + 1 <= capacity] or candidates
+        # Longest cached start first; among equals (no match at all included), the least loaded.
+        chosen = max(within, key=lambda replica: (self._matched(replica.url, chunks), -replica.in_flight))
+        self._remember(chosen.url, chunks)
+        return chosen
+
+    def _matched(self, url: str, chunks: list[int]) -> int:
+        cached = self._cached.get(url)
+        if cached is None:
+            return 0
+        for index, chunk in enumerate(chunks):
+            if chunk not in cached:
+                return index
+        return len(chunks)
+
+    def _remember(self, url: str, chunks: list[int]) -> None:
+        cached = self._cached.setdefault(url, OrderedDict())
+        for chunk in chunks:
+            cached[chunk] = None
+            cached.move_to_end(chunk)
+        while len(cached) > self.capacity_chunks:
+            cached.popitem(last=False)
+
+
+def _chunk_hashes(prompt_text: str) -> list[int]:
+    """Chained hashes of the prompt's whole chunks: equal hashes mean equal text from the start."""
+    hashes: list[int] = []
+    previous = b""
+    text = prompt_text[:CACHE_PROMPT_CHARS]
+    for start in range(0, len(text) - CACHE_CHUNK_CHARS + 1, CACHE_CHUNK_CHARS):
+        digest = hashlib.blake2b(previous + text[start : start + CACHE_CHUNK_CHARS].encode(), digest_size=8)
+        previous = digest.digest()
+        hashes.append(int.from_bytes(previous, "big"))
+    return hashes
+
+
+def _checked(load_bound: float) -> float:
+    if load_bound < 1.0:
+        raise ValueError("the load bound must be at least 1.0: below it no replica could take a request")
+    return load_bound
+
+
 def bounded_load(replicas: Sequence[Replica], load_bound: float) -> int:
     """The most requests one of `replicas` may hold under the load bound, counting the one being placed."""
     total = sum(replica.in_flight for replica in replicas) + 1
@@ -130,6 +199,8 @@ def make_policy(name: PolicyName, prefix_chars: int, load_bound: float) -> Polic
         return RoundRobin()
     if name == "least-request":
         return LeastRequest()
+    if name == "cache-aware":
+        return CacheAware(load_bound)
     return PrefixHash(prefix_chars, load_bound)
 
 

@@ -10,7 +10,14 @@ import openai
 from gateway_harness import FakeReplica, model, replicas, running_gateway
 from hypothesis import given
 from hypothesis import strategies as st
-from kvfleet.gateway.routing import LeastRequest, PrefixHash, Replica, RoundRobin
+from kvfleet.gateway.routing import (
+    CACHE_CHUNK_CHARS,
+    CacheAware,
+    LeastRequest,
+    PrefixHash,
+    Replica,
+    RoundRobin,
+)
 
 
 def fleet(*loads: int) -> list[Replica]:
@@ -86,6 +93,50 @@ def test_prefix_hash_passes_over_a_loaded_home_replica() -> None:
     elsewhere = policy.choose(replicas_, "shared prefix", anyone)
     assert elsewhere is not home and elsewhere is not None
     assert policy.choose(replicas_, "shared prefix", lambda r: r is home) is home, "the only usable replica"
+
+
+def _system_prompt(tenant: int) -> str:
+    # Several chunks long, as system prompts are; tenants differ from the first chunk on.
+    return f"tenant {tenant:03d} " + "You answer questions about this tenant's documents. " * 8
+
+
+def test_cache_aware_follows_the_longest_cached_start_and_otherwise_the_load() -> None:
+    replicas_ = fleet(0, 0, 0)
+    policy = CacheAware()
+    homes = {}
+    for tenant in range(6):
+        homes[tenant] = policy.choose(replicas_, _system_prompt(tenant) + "first question", anyone)
+        assert homes[tenant] is not None
+        homes[tenant].in_flight += 1  # each new tenant, matching nothing, goes to the least loaded
+    assert sorted(replica.in_flight for replica in replicas_) == [2, 2, 2]
+    for replica in replicas_:
+        replica.in_flight = 0
+    for tenant in range(6):
+        # Another question after the same system prompt: its start is cached where the first one went.
+        assert policy.choose(replicas_, _system_prompt(tenant) + "another question", anyone) is homes[tenant]
+    # Unusable or over the load bound, the home is passed over for the least loaded.
+    home = homes[0]
+    assert policy.choose(replicas_, _system_prompt(0), lambda r: r is not home) is not home
+    home.in_flight = 9
+    assert policy.choose(replicas_, _system_prompt(0), anyone) is not home
+
+
+def test_cache_aware_forgets_least_recent_prompts_and_removed_replicas() -> None:
+    replicas_ = fleet(0, 0)
+    chunks_per_prompt = len(_system_prompt(0)) // CACHE_CHUNK_CHARS
+    policy = CacheAware(cache_chars=2 * chunks_per_prompt * CACHE_CHUNK_CHARS)
+    first = policy.choose(replicas_, _system_prompt(0), anyone)
+    assert first is replicas_[0]
+    first.in_flight = 1
+    for tenant in (1, 2):  # two more prompts on the first replica push tenant 0 out of its index
+        assert policy.choose(replicas_, _system_prompt(tenant), lambda r: r is first) is first
+    other = replicas_[1]
+    # Still loaded by one request, the first replica would take tenant 2 (cached there), not tenant 0.
+    assert policy.choose(replicas_, _system_prompt(2), anyone) is first
+    assert policy.choose(replicas_, _system_prompt(0), anyone) is other, "tenant 0 was evicted"
+    assert policy.choose([other], _system_prompt(2), anyone) is other
+    first.in_flight = 0
+    assert policy.choose(replicas_, _system_prompt(2), anyone) is other, "the removed replica was forgotten"
 
 
 def test_the_gateway_routes_a_shared_prefix_to_one_replica_under_prefix_hash() -> None:
