@@ -47,6 +47,9 @@ STATUS_REFRESH_SECONDS = 15.0
 MAX_BACKOFF_SECONDS = 300.0
 # The Warning event posted while replicas answer /metrics with more than the operator reads.
 PAGE_TOO_LARGE_REASON = "MetricsPageTooLarge"
+# How long a service's API key, read from its Secret to load adapters, is reused: a rotated key is seen
+# within it.
+API_KEY_REFRESH_SECONDS = 60.0
 # Status keys the operator writes only sometimes; a merge patch must clear them explicitly.
 _OPTIONAL_STATUS_KEYS = ("autoscaler", "lastScaleTime", "lastScaleReason", "adapters")
 
@@ -105,6 +108,8 @@ class ServiceController:
     _last_status_at: float = float("-inf")
     _failures: int = 0
     _warned: dict[str, str] = field(default_factory=dict)
+    # (Secret name, when read, its key).
+    _api_key: tuple[str, float, str | None] | None = None
 
     async def run(
         self,
@@ -235,16 +240,23 @@ class ServiceController:
 
     async def _sync_adapters(self, spec: InferenceServiceSpec, pods: list[PodView]) -> list[AdapterStatus]:
         desired = [DesiredAdapter(adapter.name, adapter_source(adapter)) for adapter in spec.adapters]
-        api_key = None
-        secret = spec.engine.api_key_secret
-        if secret is not None:
-            try:
-                api_key = await self.cluster.secret_value(self.owner.namespace, secret, API_KEY_ENV)
-            except KubeError as error:
-                message = f"cannot read the API key from Secret {secret}: {error.message}"
-                return [AdapterStatus(adapter.name, "Failed", 0, message) for adapter in desired]
+        try:
+            api_key = await self._read_api_key(spec.engine.api_key_secret)
+        except KubeError as error:
+            message = f"cannot read the API key from Secret {spec.engine.api_key_secret}: {error.message}"
+            return [AdapterStatus(adapter.name, "Failed", 0, message) for adapter in desired]
         targets = [ScrapeTarget(pod.name, pod.ip, HTTP_PORT) for pod in pods if pod.scrapeable and pod.ip]
         return await self.adapter_sync.sync(desired, targets, api_key)
+
+    async def _read_api_key(self, secret: str | None) -> str | None:
+        if secret is None:
+            return None
+        now = self.clock()
+        cached = self._api_key
+        if cached is None or cached[0] != secret or now - cached[1] >= API_KEY_REFRESH_SECONDS:
+            value = await self.cluster.secret_value(self.owner.namespace, secret, API_KEY_ENV)
+            self._api_key = cached = (secret, now, value)
+        return cached[2]
 
     def _report_pages_too_large(self, pods: list[str]) -> None:
         if not pods:

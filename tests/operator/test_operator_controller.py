@@ -30,6 +30,7 @@ class FakeCluster:
     fail_with: KubeError | None = None
     # (namespace, name, key) -> value; None: reading Secrets is forbidden.
     secrets: dict[tuple[str, str, str], str] | None = field(default_factory=dict)
+    secret_reads: int = 0
 
     async def apply(self, manifest: Mapping[str, Any]) -> None:
         if self.fail_with is not None:
@@ -40,6 +41,7 @@ class FakeCluster:
         self.statuses.append(copy.deepcopy(dict(status)))
 
     async def secret_value(self, namespace: str, name: str, key: str) -> str | None:
+        self.secret_reads += 1
         if self.secrets is None:
             raise KubeError(403, "secrets is forbidden")
         return self.secrets.get((namespace, name, key))
@@ -408,6 +410,7 @@ def test_adapters_are_loaded_into_ready_replicas_and_removed_ones_unloaded_witho
         pod: {"sql": "/mnt/adapter-claims/adapters/sql", "chat": "/lora/chat"} for pod in ("svc-0", "svc-1")
     }
     assert {call[3] for call in harness.replicas.calls} == {"s3cret"}, "the Secret's key authenticates"
+    assert harness.cluster.secret_reads == 1, "read once a minute, not on every pass"
     assert _adapter_states(harness) == {"sql": ("Ready", 2), "chat": ("Ready", 2)}
     assert _condition(harness, "AdaptersReady")["status"] == "True"
     template = harness.deployments()[-1]["spec"]["template"]
@@ -419,6 +422,11 @@ def test_adapters_are_loaded_into_ready_replicas_and_removed_ones_unloaded_witho
     assert set(harness.replicas.served_by_pod["svc-0"]) == {"sql", "new"}
     assert ("unload", "svc-1", "chat", "s3cret") in harness.replicas.calls
     assert _adapter_states(harness) == {"sql": ("Ready", 2), "new": ("Ready", 2)}
+    harness.clock.now += 60
+    harness.cluster.secrets[("ns", "keys", "KVFLEET_API_KEY")] = "rotated"
+    harness.body["spec"]["adapters"] = [adapters[0]]
+    harness.run(deployment_at(2), ready_pods(2))
+    assert harness.replicas.calls[-1][3] == "rotated", "a rotated key is used within a minute"
 
 
 def test_a_refused_adapter_fails_with_the_runtime_reason_and_is_retried_later() -> None:
