@@ -40,7 +40,8 @@ QUESTIONS = (
 )
 # The example wants 4 requests per replica and runs 16 at a time: 12 clients ask for 3 replicas.
 BURST_CLIENTS = 12
-BURST_SECONDS = 25.0
+# Long enough for the replicas the autoscaler adds to load their model and take a share.
+BURST_SECONDS = 45.0
 SETTLE_TIMEOUT_SECONDS = 150.0
 GATEWAY_PORT = 8080  # the chart's gateway.port
 GATEWAY_SELECTOR = "app.kubernetes.io/name=kvfleet,app.kubernetes.io/component=gateway"
@@ -142,6 +143,7 @@ def scale_from_zero(cluster: AttachedCluster, model: Path, gateway: Endpoint) ->
     }
     show(cluster.kubectl("apply", "-n", NAMESPACE, "-f", "-", input=yaml.safe_dump(manifest)))
     print(f"    minReplicas 0: it loads once, then goes to zero after {ZERO_IDLE_SECONDS}s idle", flush=True)
+    wait_ready(cluster.api, NAMESPACE, ZERO_NAME, timeout=180)
     watch_replicas(cluster, ZERO_NAME, SETTLE_TIMEOUT_SECONDS, until=lambda replicas: replicas == (0, 0))
     print(f"    > a request for {ZERO_NAME} through the gateway, which holds it while a replica starts")
     sent = time.monotonic()
