@@ -21,6 +21,14 @@ DEFAULT_HOLD_SECONDS = 60.0
 
 
 @dataclass(frozen=True)
+class ClientKey:
+    """The API key a model's clients must send (its service's Secret), kept as a SHA-256 digest; a None digest
+    means the Secret could not be read, and the model's requests are refused until it can."""
+
+    sha256: bytes | None
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """One model as the gateway routes it."""
 
@@ -38,6 +46,8 @@ class ModelConfig:
     default_priority: int = TIERS[DEFAULT_TIER]
     # For a LoRA adapter: the base model whose replicas serve it (its endpoints are those that hold it).
     adapter_of: str | None = None
+    # The key clients must send, checked before a request is queued (so none can wake a model at zero).
+    client_key: ClientKey | None = None
 
 
 Publish = Callable[[Mapping[str, ModelConfig]], None]

@@ -11,16 +11,21 @@ an expired or broken watch lists again. Every change republishes the fleet, comp
 from __future__ import annotations
 
 import asyncio
+import base64
+import contextlib
 import dataclasses
+import hashlib
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from kubernetes import client, watch
-from kvfleet.gateway.discovery import ModelConfig, Publish
-from kvfleet.operator.api import GROUP, HTTP_PORT_NAME, PLURAL, SERVICE_LABEL, VERSION
+from kubernetes.client.exceptions import ApiException
+from kvfleet.gateway.discovery import ClientKey, ModelConfig, Publish
+from kvfleet.operator.api import API_KEY_ENV, GROUP, HTTP_PORT_NAME, PLURAL, SERVICE_LABEL, VERSION
 from kvfleet.operator.spec import SpecError, parse_spec
 from kvfleet.runtime.server.priorities import TIERS
 
@@ -29,16 +34,23 @@ logger = logging.getLogger(__name__)
 # A watch ends after this long and is resumed, so a stopped discovery's threads notice within it.
 WATCH_SECONDS = 30
 RELIST_BACKOFF_SECONDS = 2.0
+# The services' API keys are read again this often (a rotated key is honoured within it), and the fleet
+# republished.
+KEY_REFRESH_SECONDS = 60.0
 
 ObjectKey = tuple[str, str]
 
 
 def model_configs(
-    services: Iterable[Mapping[str, Any]], pods: Iterable[Mapping[str, Any]], defaults: ModelConfig
+    services: Iterable[Mapping[str, Any]],
+    pods: Iterable[Mapping[str, Any]],
+    defaults: ModelConfig,
+    keys: Mapping[ObjectKey, ClientKey] | None = None,
 ) -> dict[str, ModelConfig]:
     """The fleet as the gateway routes it: one entry per served model name, with its ready replicas.
 
-    Two services serving the same name: the first by namespace and name wins, the other is logged.
+    `keys` holds the API keys read from the services' Secrets, by (namespace, Secret name). Two services
+    serving the same name: the first by namespace and name wins, the other is logged.
     """
     endpoints: dict[ObjectKey, list[str]] = {}
     for pod in pods:
@@ -81,8 +93,27 @@ def model_configs(
             max_in_flight=spec.engine.max_num_seqs or defaults.max_in_flight,
             hold_seconds=float(scaling.activation_timeout_seconds or defaults.hold_seconds),
             default_priority=TIERS[spec.sla.tier],
+            client_key=_client_key(namespace, spec.engine.api_key_secret, keys or {}),
         )
     return models
+
+
+def _client_key(namespace: str, secret: str | None, keys: Mapping[ObjectKey, ClientKey]) -> ClientKey | None:
+    if secret is None:
+        return None
+    # Not read (yet): refused rather than open.
+    return keys.get((namespace, secret), ClientKey(None))
+
+
+def key_secrets(services: Iterable[Mapping[str, Any]]) -> set[ObjectKey]:
+    """The (namespace, Secret name) of every service's API key."""
+    found = set()
+    for service in services:
+        engine = (service.get("spec") or {}).get("engine") or {}
+        secret = engine.get("apiKeySecret") if isinstance(engine, Mapping) else None
+        if isinstance(secret, str) and secret:
+            found.add((_key(service)[0], secret))
+    return found
 
 
 def _key(obj: Mapping[str, Any]) -> ObjectKey:
@@ -121,6 +152,8 @@ class KubernetesDiscovery:
         self._objects = client.CustomObjectsApi(api_client)
         self._core = client.CoreV1Api(api_client)
         self._serialize = api_client.sanitize_for_serialization
+        # (namespace, Secret name) -> (when read, the key).
+        self._keys: dict[ObjectKey, tuple[float, ClientKey]] = {}
         self._namespaces: Sequence[str | None] = list(namespaces) or [None]
         self._defaults = defaults
 
@@ -147,15 +180,34 @@ class KubernetesDiscovery:
             thread.start()
         try:
             while True:
-                await changed.wait()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(changed.wait(), KEY_REFRESH_SECONDS)
                 changed.clear()
                 if all(watched.synced.is_set() for watched in watches):
                     with lock:
                         services = [obj for w in watches if w.plural == PLURAL for obj in w.store.values()]
                         pods = [obj for w in watches if w.plural != PLURAL for obj in w.store.values()]
-                    publish(model_configs(services, pods, self._defaults))
+                    keys = await asyncio.to_thread(self._read_keys, key_secrets(services))
+                    publish(model_configs(services, pods, self._defaults, keys))
         finally:
             stop.set()
+
+    def _read_keys(self, secrets: set[ObjectKey]) -> dict[ObjectKey, ClientKey]:
+        """The API keys of the given Secrets, each read again once it is KEY_REFRESH_SECONDS old."""
+        now = time.monotonic()
+        self._keys = {secret: read for secret, read in self._keys.items() if secret in secrets}
+        for namespace, name in secrets - {
+            s for s, (at, _) in self._keys.items() if now - at < KEY_REFRESH_SECONDS
+        }:
+            try:
+                data = self._core.read_namespaced_secret(name, namespace).data or {}
+                value = data.get(API_KEY_ENV)
+                digest = hashlib.sha256(base64.b64decode(value)).digest() if value else None
+            except ApiException as error:
+                logger.warning("cannot read the API key Secret %s/%s: %s", namespace, name, error.reason)
+                digest = None
+            self._keys[(namespace, name)] = (now, ClientKey(digest))
+        return {secret: key for secret, (_, key) in self._keys.items()}
 
     def _list_and_watch(
         self, watched: _Watch, lock: threading.Lock, notify: Callable[[], None], stop: threading.Event

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import hmac
 import logging
 import time
 from collections.abc import AsyncIterator, Mapping
@@ -19,11 +21,13 @@ from collections.abc import AsyncIterator, Mapping
 import aiohttp
 from aiohttp import web
 from kvfleet.gateway.adapters import DEFAULT_ADAPTER_POLL_SECONDS, poll_adapters
-from kvfleet.gateway.discovery import Discovery
+from kvfleet.gateway.discovery import Discovery, ModelConfig
 from kvfleet.gateway.flow import DEFAULT_MAX_QUEUE, Fleet, ModelPool
 from kvfleet.gateway.metrics import GatewayMetrics
 from kvfleet.gateway.requests import CHAT_PATH, COMPLETIONS_PATH, RoutedRequest, parse_request
 from kvfleet.runtime.server.openai_errors import (
+    INVALID_API_KEY_MESSAGE,
+    AuthenticationError,
     NotFoundError,
     OpenAIError,
     PayloadTooLargeError,
@@ -165,6 +169,7 @@ class Gateway:
                     f"the model {routed.model!r} does not exist", param="model", code="model_not_found"
                 )
             model_label = routed.model
+            _authenticate(request.headers, pool.config)
             response = await self._forward(request, body, routed, pool)
         except OpenAIError as error:
             self.metrics.requests.labels(model_label, str(error.status_code)).inc()
@@ -262,6 +267,25 @@ async def _relay(request: web.Request, upstream: aiohttp.ClientResponse, model: 
         )
     await response.write_eof()
     return response
+
+
+def _authenticate(headers: Mapping[str, str], config: ModelConfig) -> None:
+    """Checks the client's key against its model's service before the request is queued or wakes anything
+    (the replica checks it again: the gateway passes the header through)."""
+    key = config.client_key
+    if key is None:
+        return
+    if key.sha256 is None:
+        raise ServiceUnavailableError(
+            f"the gateway cannot read the API key of model {config.name!r} from its Secret",
+            code="api_key_unavailable",
+        )
+    scheme, _, token = headers.get("Authorization", "").partition(" ")
+    presented = hashlib.sha256(token.strip().encode()).digest()
+    if scheme.lower() != "bearer" or not hmac.compare_digest(presented, key.sha256):
+        raise AuthenticationError(
+            INVALID_API_KEY_MESSAGE, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"}
+        )
 
 
 def _error_response(error: OpenAIError) -> web.Response:

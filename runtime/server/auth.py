@@ -7,6 +7,7 @@ import hmac
 
 from kvfleet.runtime.server.errors import AuthenticationError
 from kvfleet.runtime.server.middleware import PROBE_PATHS
+from kvfleet.runtime.server.openai_errors import INVALID_API_KEY_MESSAGE
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 
@@ -20,7 +21,7 @@ class ApiKeyAuth:
             await self.app(scope, receive, send)
             return
         error = AuthenticationError(
-            "invalid or missing API key: send it as `Authorization: Bearer <key>`",
+            INVALID_API_KEY_MESSAGE,
             code="invalid_api_key",
             headers={"WWW-Authenticate": "Bearer"},
         )

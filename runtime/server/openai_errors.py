@@ -66,6 +66,10 @@ class AuthenticationError(OpenAIError):
     error_type = "authentication_error"
 
 
+# What a request without the right bearer token is told, by a server and by the gateway alike.
+INVALID_API_KEY_MESSAGE = "invalid or missing API key: send it as `Authorization: Bearer <key>`"
+
+
 class PermissionDeniedError(OpenAIError):
     """The request is well formed but claims what clients may not have (openai.PermissionDeniedError)."""
 

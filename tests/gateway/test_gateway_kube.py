@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvfleet.gateway.discovery import ModelConfig
-from kvfleet.gateway.kube import model_configs
+from kvfleet.gateway.discovery import ClientKey, ModelConfig
+from kvfleet.gateway.kube import key_secrets, model_configs
 
 DEFAULTS = ModelConfig(name="", endpoints=(), policy="least-request", max_in_flight=16, hold_seconds=30)
 
@@ -100,3 +100,23 @@ def test_a_service_without_endpoints_is_a_model_at_zero_and_invalid_or_duplicate
     assert sorted(models) == ["idle", "same"]
     assert models["same"].endpoints == ("http://10.0.0.1:8000",), "the first service by name wins"
     assert models["idle"].endpoints == ()
+
+
+def test_services_with_an_api_key_carry_the_key_read_from_their_secret() -> None:
+    services = [
+        service("open"),
+        service("keyed", engine={"apiKeySecret": "keyed-key"}),
+        service("unread", engine={"apiKeySecret": "other-key"}),
+        service("elsewhere", namespace="team", engine={"apiKeySecret": "keyed-key"}),
+    ]
+    assert key_secrets(services) == {
+        ("default", "keyed-key"),
+        ("default", "other-key"),
+        ("team", "keyed-key"),
+    }
+    digest = ClientKey(b"\x01" * 32)
+    models = model_configs(services, [], DEFAULTS, {("default", "keyed-key"): digest})
+    assert models["open"].client_key is None
+    assert models["keyed"].client_key == digest
+    assert models["unread"].client_key == ClientKey(None), "a key not read refuses requests, never opens"
+    assert models["elsewhere"].client_key == ClientKey(None), "Secrets are read in the service's namespace"

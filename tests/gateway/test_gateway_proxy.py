@@ -4,6 +4,7 @@ real sockets."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 from typing import Any
 
@@ -11,12 +12,13 @@ import aiohttp
 import openai
 import pytest
 from gateway_harness import WAIT_S, FakeReplica, model, queued, replicas, running_gateway, wait_until
+from kvfleet.gateway.discovery import ClientKey
 
 CHAT = [{"role": "user", "content": "hello"}]
 
 
-def client(url: str, **options: Any) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, **options)
+def client(url: str, api_key: str = "unused", **options: Any) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=api_key, max_retries=0, **options)
 
 
 def metric(text: str, name: str, **labels: str) -> float:
@@ -257,5 +259,39 @@ def test_a_request_for_a_model_at_zero_is_held_until_a_replica_is_ready() -> Non
             metrics = await page(url)
         assert metric(metrics, "kvfleet_gateway_activation_seconds_count", model="m") == 1
         assert metric(metrics, "kvfleet_gateway_queue_depth", model="m") == 0
+
+    asyncio.run(scenario())
+
+
+def test_a_service_key_is_checked_before_the_request_is_queued_or_wakes_anything() -> None:
+    key = ClientKey(hashlib.sha256(b"tenant-key").digest())
+
+    async def scenario() -> None:
+        async with replicas(FakeReplica("r1")) as (r1,):
+            models = {
+                "keyed": model("keyed", r1, client_key=key),
+                "asleep": model("asleep", client_key=key, hold_seconds=30),
+                "unreadable": model("unreadable", r1, client_key=ClientKey(None)),
+            }
+            async with running_gateway(models) as (gateway, _, url):
+                for api_key in ("unused", "tenant-key-but-longer"):
+                    with pytest.raises(openai.AuthenticationError) as refused:
+                        await client(url, api_key=api_key).chat.completions.create(
+                            model="keyed", messages=CHAT
+                        )
+                    assert refused.value.code == "invalid_api_key"
+                assert r1.received == [], "refused before any replica saw it"
+                chat = await client(url, api_key="tenant-key").chat.completions.create(
+                    model="keyed", messages=CHAT
+                )
+                assert chat.choices[0].message.content == "r1"
+                # A model at zero: a wrong key is refused at once, not held while a replica would start.
+                with pytest.raises(openai.AuthenticationError):
+                    await client(url, timeout=5).completions.create(model="asleep", prompt="wake up")
+                assert queued(gateway, "asleep") == 0
+                with pytest.raises(openai.APIStatusError) as unavailable:
+                    await client(url, api_key="tenant-key").completions.create(model="unreadable", prompt="x")
+                assert unavailable.value.status_code == 503
+                assert "cannot read the API key" in unavailable.value.message
 
     asyncio.run(scenario())

@@ -430,6 +430,7 @@ ENABLED = ("--set", "gateway.enabled=true")
 READ_ONLY_RULES = [
     {"apiGroups": ["kvfleet.dev"], "resources": ["inferenceservices"], "verbs": ["list", "watch"]},
     {"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "watch"]},
+    {"apiGroups": [""], "resources": ["secrets"], "verbs": ["get"]},
 ]
 
 
