@@ -23,9 +23,9 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 if str(REPO_ROOT) not in sys.path:
     sys.path.append(str(REPO_ROOT))
 
+from e2e.cluster.pod_container import container_command, image_config, podman_run_options  # noqa: E402
 from e2e.cluster.pod_spec import container_env  # noqa: E402
 from images.build import image_name, podman, run_limits  # noqa: E402
-from images.pod_container import container_command, image_config, podman_run_options  # noqa: E402
 
 
 def podman_output(*args: str) -> str:
@@ -60,7 +60,7 @@ def no_objects(kind: str, namespace: str, name: str) -> None:
 
 
 class PodContainer:
-    """One container of a pod, run with podman as a kubelet would run it (see images/pod_container.py)."""
+    """One container of a pod, run with podman as a kubelet would run it (e2e/cluster/pod_container.py)."""
 
     def __init__(
         self,

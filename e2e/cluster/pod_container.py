@@ -13,8 +13,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from e2e.cluster.pod_spec import bind_to_pod_ip, expand_references, parse_quantity
 from images.build import podman
+
+from .pod_spec import bind_to_pod_ip, expand_references, parse_quantity
 
 
 class UnsupportedPodSpec(ValueError):
