@@ -101,9 +101,9 @@ def podman(*args: str) -> list[str]:
 def run_limits() -> list[str]:
     """`podman run` options giving the container this host's hard limits on open files and processes.
 
-    podman's defaults ask for more (1048576 files, 4194304 processes) than a host without CAP_SYS_RESOURCE
-    may grant, and the runtime then refuses to start the container; the process limit is also capped at the
-    kernel's PID space, which the runtime checks it against.
+    podman's defaults (1048576 open files) ask for more than a host without CAP_SYS_RESOURCE may grant, and
+    runc then refuses to start the container; process limits above the kernel's PID space (kernel.pid_max)
+    were refused the same way, so that caps the process limit.
     """
     files = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
     processes = resource.getrlimit(resource.RLIMIT_NPROC)[1]
@@ -116,8 +116,10 @@ def say(text: str) -> None:
     print(f"==> {text}", flush=True)
 
 
-def run(argv: list[str], **kwargs: object) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(argv, check=True, text=True, **kwargs)  # type: ignore[call-overload]
+def run(
+    argv: list[str], env: dict[str, str] | None = None, capture_output: bool = False
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(argv, check=True, text=True, env=env, capture_output=capture_output)
 
 
 def ensure_tools() -> None:
