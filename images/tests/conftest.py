@@ -18,6 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from kvfleet.operator.render import Owner, RenderOptions, render_deployment
+from kvfleet.operator.spec import parse_spec
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 if str(REPO_ROOT) not in sys.path:
@@ -25,6 +27,7 @@ if str(REPO_ROOT) not in sys.path:
 
 from e2e.cluster.pod_container import container_command, image_config, podman_run_options  # noqa: E402
 from e2e.cluster.pod_spec import container_env  # noqa: E402
+from e2e.fleet.manifests import tiny_example  # noqa: E402
 from images.build import image_name, podman, run_limits  # noqa: E402
 
 
@@ -126,6 +129,19 @@ class PodContainer:
             if time.monotonic() > deadline:
                 pytest.fail(f"{url} did not answer 200 within {timeout:.0f}s:\n{self.logs()}")
             time.sleep(1.0)
+
+
+def runtime_pod(image: str, model_dir: Path) -> dict[str, Any]:
+    """The pod of the tiny example's Deployment, as the operator renders it, with an IP."""
+    manifest = tiny_example(model_dir)
+    name = manifest["metadata"]["name"]
+    spec = parse_spec(manifest["spec"], name=name)
+    deployment = render_deployment(
+        Owner(name, "images", "0" * 8), spec, 1, RenderOptions(runtime_image=image)
+    )
+    template = deployment["spec"]["template"]
+    metadata = {**template["metadata"], "name": f"{name}-0", "namespace": "images", "uid": "0" * 8}
+    return {"metadata": metadata, "spec": template["spec"], "status": {"podIP": loopback_address()}}
 
 
 def host_volumes(pod_spec: Mapping[str, Any], root: Path) -> dict[str, Path]:

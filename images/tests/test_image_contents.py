@@ -9,8 +9,7 @@ import tomllib
 from pathlib import Path
 
 import pytest
-from conftest import REPO_ROOT, PodContainer, host_volumes, image_config, podman_output
-from test_runtime_image import runtime_pod
+from conftest import REPO_ROOT, PodContainer, host_volumes, image_config, podman_output, runtime_pod
 
 from images.build import (
     HOST_CA_BUNDLE,

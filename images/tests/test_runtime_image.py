@@ -8,33 +8,17 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import openai
 import pytest
-from conftest import PodContainer, host_volumes, loopback_address
+from conftest import PodContainer, host_volumes, runtime_pod
 from kvfleet.operator.api import HTTP_PORT
-from kvfleet.operator.render import Owner, RenderOptions, render_deployment
 from kvfleet.operator.render_pod import RUNTIME_USER
-from kvfleet.operator.spec import parse_spec
 
 from e2e.fleet.manifests import tiny_example
 
 # Loading torch and the model on 2 busy cores.
 STARTUP_SECONDS = 300.0
-
-
-def runtime_pod(image: str, model_dir: Path) -> dict[str, Any]:
-    """The pod of the tiny example's Deployment, as the operator renders it, with an IP."""
-    manifest = tiny_example(model_dir)
-    name = manifest["metadata"]["name"]
-    spec = parse_spec(manifest["spec"], name=name)
-    deployment = render_deployment(
-        Owner(name, "images", "0" * 8), spec, 1, RenderOptions(runtime_image=image)
-    )
-    template = deployment["spec"]["template"]
-    metadata = {**template["metadata"], "name": f"{name}-0", "namespace": "images", "uid": "0" * 8}
-    return {"metadata": metadata, "spec": template["spec"], "status": {"podIP": loopback_address()}}
 
 
 @pytest.fixture(scope="module")
