@@ -50,7 +50,7 @@ test-e2e: setup
 
 # The runtime and operator images, built from the Dockerfile with podman (no daemon) on a base made from
 # Debian's packages; exported as OCI archives with their SBOMs under $(KVFLEET_CACHE)/images (docs/images.md).
-# Needs root; installs podman, runc, skopeo and mmdebstrap with apt-get when they are missing.
+# Needs root; installs podman, runc, skopeo, mmdebstrap and docker-registry with apt-get when missing.
 images:
 	KVFLEET_CACHE=$(KVFLEET_CACHE) $(PYTHON) images/build.py
 

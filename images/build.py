@@ -2,7 +2,7 @@
 
     python3 images/build.py            # from the repository root; needs root (apt-get, podman's storage)
 
-1. Installs podman, runc, skopeo and mmdebstrap through apt-get when one is missing, and says so.
+1. Installs podman, runc, skopeo, mmdebstrap and docker-registry (for the tests) with apt-get when missing.
 2. Makes the base image from Debian bookworm's own packages with mmdebstrap (Python 3.11 as `python` and
    `pip`, the parts of `python:3.11-slim` the images use), once per recipe, and passes it as `BASE_IMAGE`.
 3. Builds both targets with podman's layer cache: the layer that installs torch is built once per set of pins.
@@ -65,8 +65,14 @@ BASE_CONFIG = (
     'CMD ["python3"]',
 )
 
-# Debian package of each command the build uses.
-TOOLS = {"podman": "podman", "runc": "runc", "skopeo": "skopeo", "mmdebstrap": "mmdebstrap"}
+# Debian package of each command the build uses, and of the local registry the image tests push to.
+TOOLS = {
+    "podman": "podman",
+    "runc": "runc",
+    "skopeo": "skopeo",
+    "mmdebstrap": "mmdebstrap",
+    "docker-registry": "docker-registry",
+}
 # crun 1.8 (Debian bookworm's) refuses to start containers on a hybrid cgroup hierarchy (v1 controllers with
 # some on the v2 mount); runc runs on v1, hybrid and v2 alike.
 OCI_RUNTIME = "runc"

@@ -5,11 +5,23 @@ from __future__ import annotations
 
 import json
 import subprocess
+import time
 import tomllib
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import REPO_ROOT, PodContainer, host_volumes, image_config, podman_output, runtime_pod
+from conftest import (
+    REPO_ROOT,
+    PodContainer,
+    host_volumes,
+    image_config,
+    loopback_address,
+    podman_output,
+    runtime_pod,
+)
 
 from images.build import (
     HOST_CA_BUNDLE,
@@ -173,3 +185,55 @@ def test_the_sbom_lists_the_packages_installed_in_the_image(target: str) -> None
         )
     assert ("torch" in listed) == (target == "runtime")
     assert "cyclonedx-bom" not in listed, "the SBOM tool itself is never in the image"
+
+
+@pytest.fixture
+def registry(tmp_path: Path) -> Iterator[str]:
+    """A local registry (Debian's docker-registry, which `make images` installs) on a loopback address."""
+    address = f"{loopback_address()}:5000"
+    config = tmp_path / "registry.yml"
+    storage = {"filesystem": {"rootdirectory": str(tmp_path / "blobs")}}
+    config.write_text(
+        json.dumps({"version": 0.1, "log": {"level": "warn"}, "storage": storage, "http": {"addr": address}})
+    )
+    process = subprocess.Popen(
+        ["docker-registry", "serve", str(config)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://{address}/v2/", timeout=2):
+                    break
+            except (urllib.error.URLError, OSError):
+                assert process.poll() is None, process.stderr.read() if process.stderr else ""
+                assert time.monotonic() < deadline, "the registry did not answer within 30s"
+                time.sleep(0.2)
+        yield address
+    finally:
+        process.terminate()
+        process.wait(10)
+
+
+def test_the_archive_is_pushed_to_a_registry_with_skopeo_as_documented(registry: str) -> None:
+    """docs/images.md's `skopeo copy oci-archive:... docker://REGISTRY/...` (this registry is plain HTTP)."""
+    archive = oci_archive("operator")
+    destination = f"docker://{registry}/kvfleet/operator:{image_name('operator').rpartition(':')[2]}"
+    subprocess.run(
+        ["skopeo", "copy", "--quiet", "--dest-tls-verify=false", f"oci-archive:{archive}", destination],
+        check=True,
+    )
+    pushed = subprocess.run(
+        ["skopeo", "inspect", "--tls-verify=false", "--config", destination],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    assert json.loads(pushed.stdout)["config"]["Labels"] == image_config(image_name("operator"))["Labels"]
+    local = subprocess.run(
+        ["skopeo", "inspect", "--config", f"oci-archive:{archive}"],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    assert json.loads(pushed.stdout)["rootfs"] == json.loads(local.stdout)["rootfs"], "the same layers"
