@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 
 import pytest
+import yaml
 from kvfleet.operator.render import Owner, RenderOptions, render_deployment
 from kvfleet.operator.spec import parse_spec
 
@@ -14,6 +16,7 @@ from e2e.cluster.pod_container import (
     podman_run_options,
     security_options,
 )
+from e2e.fleet.chart import CHART_DIR, OPERATOR_CONTAINER
 from e2e.fleet.manifests import tiny_example
 
 RESTRICTED = {
@@ -97,3 +100,20 @@ def test_a_volume_without_a_host_folder_is_refused() -> None:
     container = {"volumeMounts": [{"name": "data", "mountPath": "/data"}]}
     with pytest.raises(UnsupportedPodSpec, match="data"):
         podman_run_options(pod_spec, container, {}, {}, image_user="1000")
+
+
+def test_the_chart_operator_pod_becomes_podman_options(cluster_bin_dir: Path) -> None:
+    """The chart's securityContext as `helm template` renders it: every field has its podman option."""
+    rendered = subprocess.run(
+        [str(cluster_bin_dir / "helm"), "template", "kv", str(CHART_DIR), "--namespace", "ops"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
+    (deployment,) = [d for d in yaml.safe_load_all(rendered) if d and d["kind"] == "Deployment"]
+    pod_spec = deployment["spec"]["template"]["spec"]
+    (container,) = [c for c in pod_spec["containers"] if c["name"] == OPERATOR_CONTAINER]
+    options = security_options(pod_spec, container, image_user="1000:1000")
+    assert options[options.index("--user") + 1] == "1000:1000"
+    for option in ("--read-only", "--read-only-tmpfs=false", "no-new-privileges", "--cap-drop=all"):
+        assert option in options
