@@ -92,6 +92,14 @@ def pod_images() -> dict[str, str]:
     return {image_name(target).removeprefix("localhost/"): image_name(target) for target in TARGETS}
 
 
+def missing_images() -> list[str]:
+    """The local images that are not built (all of them where podman is not installed)."""
+    images = list(pod_images().values())
+    if shutil.which("podman") is None:
+        return images
+    return [image for image in images if subprocess.run(podman("image", "exists", image)).returncode != 0]
+
+
 def oci_archive(target: str) -> Path:
     return cache_dir() / "oci" / f"kvfleet-{target}-{VERSION}.tar"
 

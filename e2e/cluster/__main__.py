@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from types import FrameType
 
-from images.build import pod_images
+from images.build import missing_images, pod_images
 
 from .attached import READY_MARKER
 from .binaries import ensure_binaries
@@ -39,6 +39,10 @@ def _stop_requested(signum: int, frame: FrameType | None) -> None:
 
 def up(args: argparse.Namespace) -> int:
     directory = cluster_dir(args)
+    missing = missing_images() if args.images else []
+    if missing:
+        print(f"not built: {', '.join(missing)}; run `make images` first", file=sys.stderr)
+        return 1
     if args.detach:
         return detach(args, directory)
     config = ClusterConfig(
