@@ -11,7 +11,6 @@ from typing import Any
 
 import pytest
 import yaml
-from conftest import podman_output
 from kvfleet.operator.render_pod import RUNTIME_USER
 
 from e2e.cluster import ClusterConfig, LocalCluster, ensure_binaries
@@ -21,6 +20,7 @@ from e2e.fleet.observe import service_pods, wait_ready
 from e2e.fleet.traffic import ReadyEndpoints, chat
 from e2e.support.waits import wait_for
 from images.build import image_name, pod_images
+from images.tests.conftest import podman_output
 
 NAMESPACE = "fleet-on-images"
 # The operator and the runtime load in containers on 2 busy cores.

@@ -13,15 +13,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import (
-    REPO_ROOT,
-    PodContainer,
-    host_volumes,
-    image_config,
-    loopback_address,
-    podman_output,
-    runtime_pod,
-)
 
 from images.build import (
     HOST_CA_BUNDLE,
@@ -34,6 +25,15 @@ from images.build import (
     podman,
     run_limits,
     sbom_path,
+)
+from images.tests.conftest import (
+    REPO_ROOT,
+    PodContainer,
+    host_volumes,
+    image_config,
+    loopback_address,
+    podman_output,
+    runtime_pod,
 )
 
 COMPILERS = ("gcc", "cc", "c++", "g++", "clang", "tcc", "as", "ld")

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import openai
 import pytest
-from conftest import PodContainer, host_volumes, runtime_pod
 from kvfleet.operator.api import HTTP_PORT
 from kvfleet.operator.render_pod import RUNTIME_USER
 
 from e2e.fleet.manifests import tiny_example
+from images.tests.conftest import PodContainer, host_volumes, runtime_pod
 
 # Loading torch and the model on 2 busy cores.
 STARTUP_SECONDS = 300.0
