@@ -2,10 +2,12 @@
 #   docker build --target runtime  -t kvfleet/runtime:0.1.0 .    # `kvfleet serve`, `kvfleet download-model`
 #   docker build --target operator -t kvfleet/operator:0.1.0 .   # `kvfleet operator` and `kvfleet gateway`, no torch
 # Both run as uid/gid 1000, the user the chart and the rendered pods ask for.
+# BASE_IMAGE: any Debian bookworm with Python 3.11 as `python` and `pip`; `make images` builds one from Debian's
+# packages and builds both images on it with podman, no daemon (docs/images.md).
 
-ARG PYTHON_IMAGE=python:3.11-slim-bookworm
+ARG BASE_IMAGE=python:3.11-slim-bookworm
 
-FROM ${PYTHON_IMAGE} AS wheel
+FROM ${BASE_IMAGE} AS wheel
 WORKDIR /src
 COPY pyproject.toml setup.py README.md ./
 COPY kvfleet kvfleet
@@ -15,7 +17,7 @@ COPY gateway gateway
 # -P: the source tree's operator/ must not shadow the standard library's operator module.
 RUN python -P -m pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
 
-FROM ${PYTHON_IMAGE} AS base
+FROM ${BASE_IMAGE} AS base
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \

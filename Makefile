@@ -17,7 +17,7 @@ VLLM_VENV ?= $(KVFLEET_CACHE)/vllm-venv
 VLLM_TORCH := torch==2.13.0
 VLLM_STAMP := $(VLLM_VENV)/.vllm-$(shell echo $(VLLM_TORCH) | cat - bench/vllm/requirements.txt | sha256sum | cut -c1-16)
 
-.PHONY: setup test test-unit test-e2e lint demo demo-runtime bench-vs-vllm clean-venv
+.PHONY: setup test test-unit test-e2e lint demo demo-runtime bench-vs-vllm clean-venv images test-images
 
 # -P keeps the checkout off sys.path: its operator/ package would shadow the standard library's `operator`
 # for any `python -m` run here before the editable install exists.
@@ -47,6 +47,18 @@ test-unit: setup
 
 test-e2e: setup
 	$(PY) -m pytest e2e $(PYTEST_ARGS)
+
+# The runtime and operator images, built from the Dockerfile with podman (no daemon) on a base made from
+# Debian's packages; exported as OCI archives with their SBOMs under $(KVFLEET_CACHE)/images (docs/images.md).
+# Needs root; installs podman, runc, skopeo, mmdebstrap and docker-registry with apt-get when missing.
+images:
+	KVFLEET_CACHE=$(KVFLEET_CACHE) $(PYTHON) images/build.py
+
+# The built images run as the chart's and the operator's pods run them. Not part of `make test`: a cold
+# `make images` downloads and installs torch's CUDA wheels (several GB) and outlasts CI's budget beside the
+# suite (docs/images.md has the times).
+test-images: setup
+	KVFLEET_CACHE=$(KVFLEET_CACHE) $(PY) -m pytest images/tests $(PYTEST_ARGS)
 
 # The whole product on a local Kubernetes control plane: KEEP=1 leaves the cluster running.
 demo: setup

@@ -2,6 +2,7 @@
 
     python -m e2e.demo            # from the repository root, in the project's environment
     KEEP=1 python -m e2e.demo     # leave the cluster running afterwards (its kubeconfig is printed)
+    IMAGES=1 python -m e2e.demo   # the pods run from the images `make images` built (podman)
 
 Builds the control plane's binaries on first use (progress shown), starts a local cluster (kwok's fake GPU
 nodes, kvfleet pods run as real processes), installs the Helm chart with its fleet gateway, applies
@@ -64,10 +65,12 @@ def python_module(*args: str) -> list[str]:
     return [sys.executable, "-m", *args]
 
 
-def start_cluster(directory: Path, nodes: int, gpus_per_node: int) -> AttachedCluster:
+def start_cluster(directory: Path, nodes: int, gpus_per_node: int, images: bool) -> AttachedCluster:
     """The cluster runs in a supervisor process (`python -m e2e.cluster up --detach`): KEEP=1 can leave it."""
     command = python_module("e2e.cluster", "up", "--detach", "--dir", str(directory))
-    command += ["--nodes", str(nodes), "--gpus-per-node", str(gpus_per_node)]
+    command += ["--nodes", str(nodes), "--gpus-per-node", str(gpus_per_node)] + (
+        ["--images"] if images else []
+    )
     subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
     return AttachedCluster(directory)
 
@@ -152,18 +155,15 @@ def scale_from_zero(cluster: AttachedCluster, model: Path, gateway: Endpoint) ->
     show(cluster.kubectl("get", "inferenceservice", ZERO_NAME, "-n", NAMESPACE))
 
 
-def run_demo(directory: Path, keep: bool, nodes: int, gpus_per_node: int) -> None:
+def run_demo(directory: Path, keep: bool, nodes: int, gpus_per_node: int, images: bool) -> None:
     total = 9
     step(1, total, "building the control plane's binaries (first run only: about 10 minutes on 2 cores)")
     ensure_binaries()
 
-    step(
-        2,
-        total,
-        f"starting a local cluster: {nodes} fake GPU nodes x {gpus_per_node} GPUs, pods as processes",
-    )
+    pods = "pods as containers of the built images" if images else "pods as processes"
+    step(2, total, f"starting a local cluster: {nodes} fake GPU nodes x {gpus_per_node} GPUs, {pods}")
     try:
-        cluster = start_cluster(directory, nodes, gpus_per_node)
+        cluster = start_cluster(directory, nodes, gpus_per_node, images)
         print(f"    kubeconfig: {cluster.kubeconfig}", flush=True)
         show(cluster.kubectl("get", "nodes", "-L", "nvidia.com/gpu.count"))
 
@@ -268,12 +268,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--dir", default=None, help=f"cluster folder (default: $KVFLEET_CACHE/clusters/{CLUSTER_NAME})"
     )
+    parser.add_argument(
+        "--images",
+        action="store_true",
+        default=os.environ.get("IMAGES", "") not in ("", "0"),
+        help="run the pods from the images `make images` built (also IMAGES=1)",
+    )
     parser.add_argument("--nodes", type=int, default=2)
     parser.add_argument("--gpus-per-node", type=int, default=8)
     args = parser.parse_args(argv)
     directory = Path(args.dir) if args.dir else default_cache_dir() / "clusters" / CLUSTER_NAME
     try:
-        run_demo(directory.resolve(), args.keep, args.nodes, args.gpus_per_node)
+        run_demo(directory.resolve(), args.keep, args.nodes, args.gpus_per_node, args.images)
     except KeyboardInterrupt:
         return 130
     return 0

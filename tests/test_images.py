@@ -1,7 +1,7 @@
 """The Dockerfile against what the chart, the rendered pods and the package expect of the images.
 
-No container engine runs in CI, so the build itself is not exercised here; these checks keep the file in
-step with the rest of the project: sources, requirements, user, ports and commands.
+`make test` builds no image (`make images` and `make test-images` do: docs/images.md); these checks keep
+the file in step with the rest of the project: sources, requirements, user, ports, commands and base.
 """
 
 from __future__ import annotations
@@ -105,3 +105,11 @@ def test_the_build_context_admits_every_copied_source() -> None:
         assert (ROOT / source).exists(), source
         assert admitted(source), f".dockerignore leaves {source} out of the build context"
     assert not admitted("tests/test_images.py") and not admitted("runtime/__pycache__/x.pyc")
+
+
+def test_every_stage_starts_from_the_base_image_argument() -> None:
+    """`docker build` uses the public Python image; `make images` passes a base made from Debian packages."""
+    text = (ROOT / "Dockerfile").read_text()
+    assert re.findall(r"^ARG BASE_IMAGE=(\S+)$", text, re.MULTILINE) == ["python:3.11-slim-bookworm"]
+    parents = re.findall(r"^FROM (\S+) AS", text, re.MULTILINE)
+    assert set(parents) - set(_stages()) == {"${BASE_IMAGE}"}, "a stage starts from the base or another stage"

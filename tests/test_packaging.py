@@ -25,7 +25,16 @@ PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 # folder -> the extras that install what it needs, beyond the core dependencies
 # The project's own top-level names (test modules import conftest, test_packaging, server_checks and
 # gateway_harness by name).
-LOCAL = {"kvfleet", "e2e", "tests", "conftest", "test_packaging", "server_checks", "gateway_harness"}
+LOCAL = {
+    "kvfleet",
+    "e2e",
+    "images",
+    "tests",
+    "conftest",
+    "test_packaging",
+    "server_checks",
+    "gateway_harness",
+}
 PARTS = {
     "kvfleet": (),
     "operator": ("operator",),
@@ -33,6 +42,7 @@ PARTS = {
     "runtime": ("runtime",),
     "tests": ("runtime", "operator", "gateway", "test"),
     "e2e": ("runtime", "operator", "gateway", "test"),
+    "images": ("runtime", "operator", "gateway", "test"),
 }
 
 

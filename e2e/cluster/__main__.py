@@ -18,6 +18,8 @@ import time
 from pathlib import Path
 from types import FrameType
 
+from images.build import missing_images, pod_images
+
 from .attached import READY_MARKER
 from .binaries import ensure_binaries
 from .cluster import ClusterConfig, LocalCluster, default_cache_dir, describe
@@ -37,12 +39,17 @@ def _stop_requested(signum: int, frame: FrameType | None) -> None:
 
 def up(args: argparse.Namespace) -> int:
     directory = cluster_dir(args)
+    missing = missing_images() if args.images else []
+    if missing:
+        print(f"not built: {', '.join(missing)}; run `make images` first", file=sys.stderr)
+        return 1
     if args.detach:
         return detach(args, directory)
     config = ClusterConfig(
         nodes=args.nodes,
         node_shape=NodeShape(gpus=args.gpus_per_node),
         pod_runner=not args.no_pod_runner,
+        container_images=pod_images() if args.images else {},
     )
     (directory / READY_MARKER).unlink(missing_ok=True)
     signal.signal(signal.SIGTERM, _stop_requested)
@@ -70,6 +77,7 @@ def detach(args: argparse.Namespace, directory: Path) -> int:
     ensure_binaries()  # shows build progress here rather than in the background log
     argv = [sys.executable, "-m", "e2e.cluster", "up", "--dir", str(directory), "--nodes", str(args.nodes)]
     argv += ["--gpus-per-node", str(args.gpus_per_node)] + (["--no-pod-runner"] if args.no_pod_runner else [])
+    argv += ["--images"] if args.images else []
     log_path = directory / "supervisor.log"
     with log_path.open("ab") as log:
         process = subprocess.Popen(
@@ -134,6 +142,11 @@ def main(argv: list[str] | None = None) -> int:
             sub.add_argument("--nodes", type=int, default=4)
             sub.add_argument("--gpus-per-node", type=int, default=8)
             sub.add_argument("--no-pod-runner", action="store_true", help="kwok fakes every pod, none runs")
+            sub.add_argument(
+                "--images",
+                action="store_true",
+                help="run kvfleet's pods from the images `make images` built (podman), not as processes",
+            )
             sub.add_argument("--detach", action="store_true", help="run in the background until `down`")
             sub.add_argument(
                 "--timeout", type=float, default=300.0, help="seconds --detach waits for readiness"

@@ -22,7 +22,7 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -61,6 +61,8 @@ class ClusterConfig:
     # Run pods whose image matches runner_image_pattern as real processes; off: kwok fakes every pod.
     pod_runner: bool = True
     runner_image_pattern: str = DEFAULT_IMAGE_PATTERN
+    # Pod images the runner runs from local images with podman (pod image -> local image), not as processes.
+    container_images: Mapping[str, str] = field(default_factory=dict)
     # Client rate limits of the controller manager and scheduler (upstream's 20/30 throttle fleets of
     # hundreds of Deployments long before the API server is busy).
     kube_api_qps: int = 100
@@ -421,6 +423,7 @@ class LocalCluster(ClusterTools):
                 extra_env=self._runner_env,
                 ledger=self._ledger,
                 programs=self._runner_programs,
+                container_images=self.config.container_images,
             )
             self.pod_runner.start()
         self._write_state()

@@ -6,6 +6,10 @@ kubeconfig for the pod's ServiceAccount), reports container states and the Ready
 own probes, restarts containers as the restart policy says, and on deletion runs preStop, sends SIGTERM,
 waits out the grace period, and only then removes the pod. Process output goes to one log file per
 container under the runner's work folder.
+
+With container_images (pod image -> a local image that `make images` built), those containers run from the
+image with podman instead, as a kubelet would run them (pod_container.py): their securityContext,
+volumes, environment and limits, on the host network bound to the pod's IP, with in-cluster configuration.
 """
 
 from __future__ import annotations
@@ -14,14 +18,19 @@ import contextlib
 import logging
 import os
 import shutil
+import subprocess
 import sys
 import threading
 import time
+import urllib.parse
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from images.build import podman, run_limits
+
 from .kube_api import ApiError, KubeAPI, WatchStream, pods_path, write_kubeconfig
+from .pod_container import container_command, image_config, podman_run_options
 from .pod_spec import (
     DEFAULT_IMAGE_PATTERN,
     ContainerConfigError,
@@ -67,6 +76,8 @@ class Container:
         self.real = real
         self.init = init
         self.argv: list[str] = []
+        # The podman container's name when the container runs from an image, else None (a local process).
+        self.podman_name: str | None = None
         self.env: dict[str, str] = {}
         self.cwd: Path | None = None
         self.process: ManagedProcess | None = None
@@ -211,6 +222,52 @@ class PodWorker(threading.Thread):
         spec = container.spec
         node_allocatable = self.runner.node_allocatable(self.pod["spec"].get("nodeName", ""))
         env = container_env(self.pod, spec, self.runner.lookup, node_allocatable)
+        local_image = self.runner.container_images.get(container.image)
+        if local_image is not None:
+            self._configure_image(container, local_image, env, volumes)
+        else:
+            self._configure_process(container, env, volumes)
+        container.startup = self._tracker(spec.get("startupProbe"), spec, healthy=False)
+        container.readiness = self._tracker(spec.get("readinessProbe"), spec, healthy=False)
+        container.liveness = self._tracker(spec.get("livenessProbe"), spec, healthy=True)
+
+    def _configure_image(
+        self, container: Container, image: str, env: dict[str, str], volumes: Mapping[str, Path]
+    ) -> None:
+        spec, pod_spec = container.spec, self.pod["spec"]
+        # In-cluster configuration as a kubelet gives it: the ServiceAccount's token, CA and namespace in the
+        # projected volume the API server added to the pod, and the API server's address (here its own, since
+        # Service IPs lead nowhere on this host).
+        api_server = urllib.parse.urlsplit(self.runner.server)
+        env = {
+            "KUBERNETES_SERVICE_HOST": str(api_server.hostname),
+            "KUBERNETES_SERVICE_PORT": str(api_server.port),
+            **env,
+        }
+        config = image_config(image)
+        options = podman_run_options(pod_spec, spec, env, volumes, config.get("User", ""))
+        entrypoint, args = container_command(spec, env, self.pod_ip, config.get("Entrypoint") or [])
+        container.podman_name = f"kvfleet-pod-{self.uid[:13]}-{container.name}"
+        # The labels a kubelet's container runtime puts on a pod's containers.
+        labels = {
+            "io.kubernetes.pod.uid": self.uid,
+            "io.kubernetes.pod.namespace": self.namespace,
+            "io.kubernetes.pod.name": self.pod_name,
+            "io.kubernetes.container.name": container.name,
+        }
+        container.argv = podman(
+            "run", "--rm", "--replace", "--name", container.podman_name, "--network", "host", *run_limits(),
+            *(f"--label={key}={value}" for key, value in labels.items()),
+            *options, *entrypoint, image, *args,
+        )  # fmt: skip
+        # The podman client's own environment; the container's is in its options.
+        container.env = {"PATH": SYSTEM_PATH, "LANG": "C.UTF-8"}
+        container.cwd = self.dir
+
+    def _configure_process(
+        self, container: Container, env: dict[str, str], volumes: Mapping[str, Path]
+    ) -> None:
+        spec = container.spec
         mounts = container_mounts(spec, volumes)
         argv = container_argv(spec, env, self.runner.programs)
         argv = [argv[0], *(host_path(part, mounts) for part in argv[1:])]
@@ -237,9 +294,6 @@ class PodWorker(threading.Thread):
         working_dir = spec.get("workingDir")
         container.cwd = Path(host_path(working_dir, mounts)) if working_dir else self.dir
         container.cwd.mkdir(parents=True, exist_ok=True)
-        container.startup = self._tracker(spec.get("startupProbe"), spec, healthy=False)
-        container.readiness = self._tracker(spec.get("readinessProbe"), spec, healthy=False)
-        container.liveness = self._tracker(spec.get("livenessProbe"), spec, healthy=True)
 
     def _tracker(self, probe_spec: Any, spec: Mapping[str, Any], healthy: bool) -> ProbeTracker | None:
         probe = parse_probe(probe_spec, spec, self.pod_ip)
@@ -321,8 +375,7 @@ class PodWorker(threading.Thread):
             "startedAt": container.started_at,
             "finishedAt": _now(),
         }
-        container.process.stop()
-        container.process = None
+        self._stop(container, grace_seconds=10.0)
         container.ready = container.started = False
         container.terminated = finished
         return code
@@ -395,7 +448,7 @@ class PodWorker(threading.Thread):
     def _run_probe(self, container: Container, tracker: ProbeTracker) -> bool:
         exec_argv: list[str] = []
         if tracker.probe.kind == "exec":
-            exec_argv = self.runner.exec_argv(tracker.probe.command)
+            exec_argv = self._exec_argv(container, tracker.probe.command)
         succeeded, message = run_probe(tracker.probe, exec_argv, container.env)
         changed = tracker.record(succeeded, message, time.monotonic())
         if not succeeded and tracker.failures == 1:
@@ -441,16 +494,30 @@ class PodWorker(threading.Thread):
             return
         probe = parse_probe({**hook, "timeoutSeconds": max(1, int(remaining))}, container.spec, self.pod_ip)
         if probe is not None:
-            exec_argv = self.runner.exec_argv(probe.command) if probe.kind == "exec" else []
+            exec_argv = self._exec_argv(container, probe.command) if probe.kind == "exec" else []
             succeeded, message = run_probe(probe, exec_argv, container.env)
             if not succeeded:
                 self.status.event("Warning", "FailedPreStopHook", message, container.name)
 
+    def _exec_argv(self, container: Container, command: tuple[str, ...] | list[str]) -> list[str]:
+        """An exec probe's or hook's command: inside the container when it runs from an image."""
+        if container.podman_name is not None:
+            return podman("exec", container.podman_name, *command)
+        return self.runner.exec_argv(command)
+
     def _kill_all(self, grace_seconds: float) -> None:
         for container in self.init_containers + self.containers:
             if container.process is not None:
-                container.process.stop(grace_seconds)
-                container.process = None
+                self._stop(container, grace_seconds)
+
+    def _stop(self, container: Container, grace_seconds: float) -> None:
+        """Stops the container's process; one run from an image is also removed, since a podman client killed
+        after the grace period leaves its container running."""
+        assert container.process is not None
+        container.process.stop(grace_seconds)
+        container.process = None
+        if container.podman_name is not None:
+            subprocess.run(podman("rm", "--force", "--time", "0", container.podman_name), capture_output=True)
 
     def _finalize_deletion(self) -> None:
         with contextlib.suppress(ApiError):
@@ -477,6 +544,7 @@ class PodRunner:
         extra_env: Mapping[str, str] | None = None,
         ledger: Ledger | None = None,
         programs: Mapping[str, str] | None = None,
+        container_images: Mapping[str, str] | None = None,
     ) -> None:
         self.api = api
         self.work_dir = work_dir
@@ -487,6 +555,8 @@ class PodRunner:
         self.ledger = ledger
         # The commands the image provides: name -> executable on this host.
         self.programs = {"kvfleet": default_kvfleet_executable(), **(programs or {})}
+        # Pod images whose containers run from a local image with podman: pod image -> local image.
+        self.container_images = dict(container_images or {})
         self._workers: dict[str, PodWorker] = {}
         self._finished: set[str] = set()
         self._lock = threading.Lock()
@@ -680,6 +750,7 @@ class PodRunner:
                 continue
             if "emptyDir" in volume:
                 target.mkdir(parents=True, exist_ok=True)
+                target.chmod(0o777)  # as a kubelet makes it: any container user writes it
             elif "configMap" in volume or "secret" in volume:
                 kind, source = (
                     ("ConfigMap", volume["configMap"])
