@@ -98,8 +98,9 @@ class EngineConfig:
             self.max_cpu_loras is None or self.max_cpu_loras >= self.max_loras,
             "max_cpu_loras must be at least max_loras",
         )
-        if self.speculative_config is not None:
-            self.speculative()  # raises ValueError naming what is wrong
+        speculative = self.speculative()  # raises ValueError naming what is wrong
+        if speculative is not None and speculative.method == "draft_model":
+            speculative.check_draft_tokenizer(self.tokenizer or self.model)
         require(
             self.structured_outputs_compile_timeout > 0, "structured_outputs_compile_timeout must be positive"
         )

@@ -76,6 +76,30 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config.model: {model!r} is not a model folder (no config.json)")
         return cls(method, num_tokens, model=model, disable_by_batch_size=disable_by_batch_size)
 
+    def check_draft_tokenizer(self, target_tokenizer: str) -> None:
+        """Raises ValueError unless the draft model's tokenizer maps every token as the target's does."""
+        from transformers import AutoTokenizer  # only when a draft model is configured: a heavy import
+
+        assert self.model is not None
+        try:
+            draft = AutoTokenizer.from_pretrained(self.model)
+        except (OSError, ValueError) as error:
+            raise ValueError(
+                f"speculative_config.model: cannot load the draft model's tokenizer: {error}"
+            ) from None
+        try:
+            target = AutoTokenizer.from_pretrained(target_tokenizer)
+        except (OSError, ValueError) as error:
+            raise ValueError(
+                f"cannot load the tokenizer to compare the draft model's with: {error}"
+            ) from None
+        if draft.get_vocab() != target.get_vocab():
+            raise ValueError(
+                "speculative_config.model: the draft model's tokenizer differs from the target's "
+                f"({len(draft.get_vocab())} tokens against {len(target.get_vocab())}, or as many mapped "
+                "otherwise); draft and target must share one tokenizer"
+            )
+
 
 def _positive_int(value: dict[str, Any], key: str, *, required: bool) -> int | None:
     number = value.get(key)

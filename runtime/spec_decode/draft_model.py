@@ -17,7 +17,6 @@ from kvfleet.runtime.core.outputs import SchedulerOutput
 from kvfleet.runtime.request import Request
 from kvfleet.runtime.spec_decode.config import SpeculativeConfig
 from kvfleet.runtime.worker.model_runner import ModelRunner
-from transformers import AutoTokenizer
 
 
 @dataclass
@@ -36,7 +35,6 @@ class DraftModelProposer:
         self, config: SpeculativeConfig, engine_config: EngineConfig, target: ModelRunner, num_blocks: int
     ) -> None:
         assert config.model is not None
-        check_same_tokenizer(engine_config.tokenizer or engine_config.model, config.model)
         draft_config = engine_config.replace(
             model=config.model,
             tokenizer=None,
@@ -137,20 +135,3 @@ class DraftModelProposer:
     def _drop(self, state: _DraftState) -> None:
         self.block_pool.free_blocks(state.blocks)
         del self._states[state.request.request_id]
-
-
-def check_same_tokenizer(target_tokenizer: str, draft_model: str) -> None:
-    """Raises ValueError unless the draft model's tokenizer maps every token as the target's does."""
-    try:
-        draft = AutoTokenizer.from_pretrained(draft_model)
-    except (OSError, ValueError) as error:
-        raise ValueError(
-            f"speculative_config.model: cannot load the draft model's tokenizer: {error}"
-        ) from None
-    target = AutoTokenizer.from_pretrained(target_tokenizer)
-    if draft.get_vocab() != target.get_vocab():
-        raise ValueError(
-            "speculative_config.model: the draft model's tokenizer differs from the target's "
-            f"({len(draft.get_vocab())} tokens against {len(target.get_vocab())}, or the same count mapped "
-            "differently); draft and target must share one tokenizer"
-        )
