@@ -175,8 +175,7 @@ def _train(folder: Path, tokenizer: Any, steps: int, seed: int) -> None:
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
-    text = resources.files("kvfleet.runtime.models").joinpath("data/corpus.txt").read_text(encoding="utf-8")
-    corpus = torch.tensor(tokenizer.encode(text, add_special_tokens=False).ids)
+    corpus = torch.tensor(tokenizer.encode(corpus_text(), add_special_tokens=False).ids)
     window = min(_TRAIN_WINDOW, len(corpus) - 1)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     model.train()
@@ -200,10 +199,15 @@ def _train(folder: Path, tokenizer: Any, steps: int, seed: int) -> None:
     weights.chmod(0o644)
 
 
+def corpus_text() -> str:
+    """The English prose the tokenizers (and, with train_steps, the weights) are trained on."""
+    return resources.files("kvfleet.runtime.models").joinpath("data/corpus.txt").read_text(encoding="utf-8")
+
+
 def _train_tokenizer(style: TokenizerStyle, vocab_size: int, *, add_bos: bool) -> Any:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-    corpus = resources.files("kvfleet.runtime.models").joinpath("data/corpus.txt").read_text(encoding="utf-8")
+    corpus = corpus_text()
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
