@@ -147,8 +147,8 @@ class KVCacheManager:
         self.block_pool.free_blocks(reversed(blocks))
 
     def get_block_ids(self, request_id: str) -> list[int]:
-        """The request's block table. The list is only ever appended to while the request holds its blocks,
-        so callers may keep it for the step but must not change it."""
+        """The request's block table. Within a step the list is only ever appended to (rejected drafts'
+        blocks leave it after the step ran), so callers may keep it for the step but must not change it."""
         return self.req_to_block_ids[request_id]
 
     def reset_prefix_cache(self) -> None:

@@ -13,8 +13,8 @@ class SchedulerOutput:
     c .. c + n - 1 (c = num_computed_tokens[i], n = num_scheduled_tokens[i]) and samples a token only when
     c + n == request.num_tokens, i.e. when the request's prompt (or recomputed prefix) is complete.
     A request in scheduled_spec_decode_tokens has its tokens continued by those draft tokens: the runner
-    feeds (all_token_ids + drafts)[c : c + n], samples when c + n == request.num_tokens + len(drafts), and
-    then samples one row per draft token it fed plus one, to verify them."""
+    feeds (all_token_ids + drafts)[c : c + n] and, when c + n == request.num_tokens + len(drafts), verifies
+    the drafts: one sampled row per draft token, plus one."""
 
     requests: list[Request]
     num_scheduled_tokens: list[int]
