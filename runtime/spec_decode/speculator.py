@@ -25,8 +25,8 @@ class Speculator:
         self.max_model_len = max_model_len
 
     def propose(self, running: list[Request]) -> None:
-        """Set the draft tokens of the running requests that decode. Requests with a grammar do not speculate:
-        their next token's mask depends on the tokens before it. A large batch does not speculate at all."""
+        """Set the draft tokens of the running requests that decode; those of requests with a grammar stop
+        before the first token it forbids. A large batch does not speculate at all."""
         limit = self.config.disable_by_batch_size
         if limit is not None and len(running) >= limit:
             return
@@ -35,7 +35,6 @@ class Speculator:
         for request in running:
             if (
                 request.status != RequestStatus.RUNNING
-                or request.grammar is not None
                 or request.num_computed_tokens != request.num_tokens - 1
             ):
                 continue
@@ -48,10 +47,10 @@ class Speculator:
                 candidates.append(request)
                 num_tokens.append(min(room, self.config.num_speculative_tokens))
         if candidates:
-            for request, drafts in zip(
-                candidates, self.proposer.propose(candidates, num_tokens), strict=True
-            ):
-                request.spec_token_ids = drafts
+            proposals = self.proposer.propose(candidates, num_tokens)
+            for request, drafts in zip(candidates, proposals, strict=True):
+                grammar = request.grammar
+                request.spec_token_ids = drafts if grammar is None else grammar.allowed_prefix(drafts)
 
 
 def make_proposer(

@@ -32,7 +32,8 @@ _TOP_P_CANDIDATES = 256
 
 class DraftPosition:
     """A speculating request as the target sees it at a drafted position: its output followed by the draft
-    tokens before that position. Speculating requests have no grammar (see EngineCore)."""
+    tokens before that position. Its grammar's mask, which depends on those tokens, is applied apart (see
+    GrammarMasks.apply_after_drafts); `grammar` is None here so that the batch's own masking skips it."""
 
     __slots__ = (
         "eos_token_id",
@@ -71,11 +72,19 @@ class SpeculativeBatch:
     def of(cls, requests: list[Request], draft_token_ids: list[list[int]]) -> SpeculativeBatch:
         rows: list[Request | DraftPosition] = []
         for request, drafts in zip(requests, draft_token_ids, strict=True):
-            if drafts and request.grammar is not None:
-                raise ValueError(f"request {request.request_id!r} has a grammar and cannot speculate")
             rows.append(request)
             rows.extend(DraftPosition(request, drafts[:position]) for position in range(1, len(drafts) + 1))
         return cls(requests, draft_token_ids, rows)
+
+    def constrained_drafts(self) -> list[tuple[int, Request, list[int]]]:
+        """(first row, request, drafts) of the requests with a grammar and drafts."""
+        constrained = []
+        row = 0
+        for request, drafts in zip(self.requests, self.draft_token_ids, strict=True):
+            if drafts and request.grammar is not None:
+                constrained.append((row, request, drafts))
+            row += len(drafts) + 1
+        return constrained
 
 
 @dataclass
@@ -139,6 +148,7 @@ class Sampler:
         self._mask_stop_tokens_before_min_tokens(logits, rows)
         self._apply_penalties(logits, rows)
         self.grammar_masks.apply(logits, rows)
+        self.grammar_masks.apply_after_drafts(logits, batch.constrained_drafts())
         greedy = [p.greedy for p in params]
         targets = logits.argmax(dim=-1).tolist() if any(greedy) else []
         probs = None

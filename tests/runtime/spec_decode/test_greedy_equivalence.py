@@ -9,11 +9,12 @@ tokens were rejected.
 from __future__ import annotations
 
 import random
+import re
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from kvfleet.runtime import LLM, SamplingParams
+from kvfleet.runtime import LLM, SamplingParams, StructuredOutputsParams
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 NUM_KV_BLOCKS = 20
@@ -98,3 +99,27 @@ def test_draft_model_that_disagrees(
     outputs, llm = _generate(make_model(arch, "tiny"), prompts, speculative_config=config)
     counts = _check(llm, outputs, reference)
     assert counts["accepted"] < counts["drafts"]
+
+
+def test_structured_outputs_speculate_within_their_grammar(make_model: Callable[..., Path]) -> None:
+    model = make_model("llama", "tiny")
+    pattern = "(ab|cd|e){4,40}"
+    params = SamplingParams(
+        temperature=0.0, max_tokens=40, structured_outputs=StructuredOutputsParams(regex=pattern)
+    )
+    prompts = [[30 + i, 31, 32] for i in range(4)]
+
+    def run(**options: object) -> tuple[list[list[int]], LLM]:
+        llm = LLM(str(model), dtype="float32", num_kv_blocks=64, max_model_len=256, **options)  # type: ignore[arg-type]
+        outputs = llm.generate(prompts, params)
+        assert all(re.fullmatch(pattern, output.outputs[0].text) for output in outputs)
+        return [list(output.outputs[0].token_ids) for output in outputs], llm
+
+    reference, _ = run()
+    # Constrained outputs repeat a few tokens, which prompt lookup proposes; the grammar cuts the drafts
+    # where it forbids them and masks each verified position after the drafts before it.
+    config = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    outputs, llm = run(speculative_config=config)
+    assert outputs == reference
+    stats = llm.llm_engine.engine_core.stats
+    assert stats.spec_decode_num_accepted_tokens > 0
