@@ -24,7 +24,9 @@ bench_seed_option = click.option(
 @click.option(
     "--arch", type=click.Choice(["llama", "mistral", "qwen2", "qwen3"]), default="llama", show_default=True
 )
-@click.option("--preset", type=click.Choice(["tiny", "small"]), default="tiny", show_default=True)
+@click.option(
+    "--preset", type=click.Choice(["tiny", "small", "small-draft"]), default="tiny", show_default=True
+)
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random weights.")
 @click.option(
     "--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True
