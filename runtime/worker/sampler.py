@@ -233,10 +233,15 @@ class Sampler:
             weights = probs.index_select(0, torch.tensor(final_rows, device=device))
             rejected = [i for i, token in enumerate(excluded) if token >= 0]
             if rejected:
-                weights[
+                index = (
                     torch.tensor(rejected, device=device),
                     torch.tensor([excluded[i] for i in rejected], device=device),
-                ] = 0.0
+                )
+                draft_weights = weights[index]
+                weights[index] = 0.0
+                # A draft the target gives all its mass to was rejected only by rounding (p(d) just under
+                # 1): the residual is empty, and the draft is what p - q's limit leaves.
+                weights[index] = torch.where(weights[index[0]].sum(dim=-1) > 0, 0.0, draft_weights)
             uniform = torch.tensor(final_uniforms, dtype=weights.dtype, device=device).unsqueeze(1)
             for index, token in zip(drawing, _invert_cdf(weights, uniform).tolist(), strict=True):
                 token_ids[index].append(token)
