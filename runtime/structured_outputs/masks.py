@@ -115,6 +115,8 @@ class GrammarMasks:
             matcher = grammar.matcher
             for offset, token_id in enumerate(drafts, start=1):
                 if not matcher.accept_token(token_id):
+                    if offset > 1:
+                        matcher.rollback(offset - 1)
                     raise ValueError(f"request {request.request_id!r} drafted a token its grammar forbids")
                 matcher.fill_next_token_bitmask(bitmask, first_row + offset)
                 bitmask[first_row + offset] &= grammar.token_filter
