@@ -6,11 +6,13 @@ Names follow vLLM's engine arguments so that users can carry their settings over
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar, get_args
 
 import click
+from kvfleet.runtime.spec_decode.config import SpeculativeConfig
 
 SchedulingPolicy = Literal["fcfs", "priority"]
 DType = Literal["auto", "float32", "float16", "bfloat16"]
@@ -56,6 +58,12 @@ class EngineConfig:
     max_cpu_loras: int | None = _option(
         "LoRA adapters kept in host memory (least recently used dropped); by default max_loras.", default=None
     )
+    speculative_config: dict[str, Any] | None = _option(
+        'Speculative decoding, as vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": k, '
+        '"prompt_lookup_min": a, "prompt_lookup_max": b} or {"method": "draft_model", '
+        '"model": DIR, "num_speculative_tokens": k}; optional "disable_by_batch_size".',
+        default=None,
+    )
     structured_outputs_compile_timeout: float = _option(
         "Seconds a structured-output grammar may take to compile; past them its request alone fails (a 400).",
         default=30.0,
@@ -90,9 +98,18 @@ class EngineConfig:
             self.max_cpu_loras is None or self.max_cpu_loras >= self.max_loras,
             "max_cpu_loras must be at least max_loras",
         )
+        speculative = self.speculative()  # raises ValueError naming what is wrong
+        if speculative is not None and speculative.method == "draft_model":
+            speculative.check_draft_tokenizer(self.tokenizer or self.model)
         require(
             self.structured_outputs_compile_timeout > 0, "structured_outputs_compile_timeout must be positive"
         )
+
+    def speculative(self) -> SpeculativeConfig | None:
+        """The parsed speculative_config, or None when speculation is off."""
+        if self.speculative_config is None:
+            return None
+        return SpeculativeConfig.parse(self.speculative_config)
 
     def replace(self, **changes: Any) -> EngineConfig:
         return dataclasses.replace(self, **changes)
@@ -103,7 +120,31 @@ class EngineConfig:
 
 
 _FIELD_TYPES = {"dtype": DType, "device": Device, "scheduling_policy": SchedulingPolicy}
-_CLICK_TYPES: dict[str, Any] = {"int | None": int, "str | None": str, "int": int, "float": float, "str": str}
+
+
+class _JsonObject(click.ParamType):
+    name = "json"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> dict[str, Any]:
+        if isinstance(value, dict):
+            return value
+        try:
+            parsed = json.loads(value)
+        except json.JSONDecodeError as error:
+            self.fail(f"not valid JSON: {error}", param, ctx)
+        if not isinstance(parsed, dict):
+            self.fail("must be a JSON object", param, ctx)
+        return parsed
+
+
+_CLICK_TYPES: dict[str, Any] = {
+    "dict[str, Any] | None": _JsonObject(),
+    "int | None": int,
+    "str | None": str,
+    "int": int,
+    "float": float,
+    "str": str,
+}
 
 F = TypeVar("F", bound=Callable[..., Any])
 

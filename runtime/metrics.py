@@ -306,6 +306,18 @@ class _EngineStatsCollector(Collector):
                 stats.prefix_cache_queries,
             ),
             "prefix_cache_hits": ("Prompt tokens found in the prefix cache.", stats.prefix_cache_hits),
+            "spec_decode_num_drafts": (
+                "Speculative decoding: times a request verified draft tokens.",
+                stats.spec_decode_num_drafts,
+            ),
+            "spec_decode_num_draft_tokens": (
+                "Speculative decoding: draft tokens verified.",
+                stats.spec_decode_num_draft_tokens,
+            ),
+            "spec_decode_num_accepted_tokens": (
+                "Speculative decoding: draft tokens accepted.",
+                stats.spec_decode_num_accepted_tokens,
+            ),
         }
         # kvfleet's own: vLLM has no counterparts.
         structured_outputs = {
@@ -337,6 +349,31 @@ class _EngineStatsCollector(Collector):
                 family = CounterMetricFamily(full_name, documentation, labels=["model_name"])
                 family.add_metric([self._model_name], float(value))
                 yield family
+        for full_name in _names("spec_decode_num_accepted_tokens_per_pos", ()):
+            family = CounterMetricFamily(
+                full_name,
+                "Speculative decoding: draft tokens accepted at each draft position (0: the first).",
+                labels=["model_name", "position"],
+            )
+            for position, count in enumerate(stats.spec_decode_num_accepted_tokens_per_pos):
+                family.add_metric([self._model_name, str(position)], float(count))
+            yield family
+        # kvfleet's own, from the counters above: vLLM logs these instead.
+        drafts, draft_tokens = stats.spec_decode_num_drafts, stats.spec_decode_num_draft_tokens
+        spec_decode_ratios = {
+            "spec_decode_draft_acceptance_rate": (
+                "Speculative decoding: accepted draft tokens per draft token verified, since start.",
+                stats.spec_decode_num_accepted_tokens / draft_tokens if draft_tokens else 0.0,
+            ),
+            "spec_decode_mean_acceptance_length": (
+                "Speculative decoding: tokens each verification emits on average (accepted drafts + 1).",
+                1 + stats.spec_decode_num_accepted_tokens / drafts if drafts else 0.0,
+            ),
+        }
+        for name, (documentation, value) in spec_decode_ratios.items():
+            family = GaugeMetricFamily(f"kvfleet:{name}", documentation, labels=["model_name"])
+            family.add_metric([self._model_name], value)
+            yield family
         for name, (documentation, value) in structured_outputs.items():
             family = CounterMetricFamily(f"kvfleet:{name}", documentation, labels=["model_name"])
             family.add_metric([self._model_name], float(value))

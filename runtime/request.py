@@ -95,6 +95,9 @@ class Request:
         self.num_cached_tokens = -1
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
+        # Tokens a proposer guessed to follow all_token_ids, for the next step to verify (speculative
+        # decoding).
+        self.spec_token_ids: list[int] = []
         # Prefix-caching hash of each full block of all_token_ids, extended as needed by the KV cache manager.
         self.block_hashes: list[bytes] = []
         # A set, so that the per-token stop check is O(1) whatever the number of stop ids.

@@ -36,6 +36,8 @@ class BenchSettings:
     tier_mix: dict[str, float] = field(default_factory=dict)
     seed: int = 0
     vocab_size: int | None = None
+    dataset_name: str = "random"
+    tokenizer: str | None = None
     request_timeout: float = 600.0
     warmup: int = 2
     label: str = ""
@@ -98,6 +100,16 @@ def parse_tier_mix(text: str | None) -> dict[str, float]:
 @click.option(
     "--vocab-size", type=click.IntRange(min=17), default=None, help="If the server does not report it."
 )
+@click.option(
+    "--dataset-name",
+    type=click.Choice(["random", "corpus"]),
+    default="random",
+    show_default=True,
+    help="random token ids, or passages of the corpus `kvfleet make-model` trains on (needs --tokenizer).",
+)
+@click.option(
+    "--tokenizer", default=None, help="The served model's tokenizer folder, for --dataset-name corpus."
+)
 @click.option("--request-timeout", type=float, default=600.0, show_default=True)
 @click.option(
     "--warmup", type=click.IntRange(min=0), default=2, show_default=True, help="Short untimed requests first."
@@ -113,6 +125,8 @@ def bench_serve(result_json: Path | None, tier_mix: str | None, **options: objec
     from kvfleet.runtime.bench.serve_report import print_report, summarize
 
     settings = BenchSettings(tier_mix=parse_tier_mix(tier_mix), **options)  # type: ignore[arg-type]
+    if settings.dataset_name == "corpus" and settings.tokenizer is None:
+        raise click.BadParameter("--dataset-name corpus needs --tokenizer", param_hint="--tokenizer")
     results, duration = asyncio.run(run_benchmark(settings))
     summary = summarize(results, duration)
     print_report(settings.label, summary)

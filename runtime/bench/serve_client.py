@@ -13,7 +13,7 @@ import click
 import httpx
 from kvfleet.runtime.bench.serve import BenchSettings
 from kvfleet.runtime.bench.serve_report import RequestResult
-from kvfleet.runtime.bench.workloads import random_requests
+from kvfleet.runtime.bench.workloads import corpus_requests, random_requests
 
 TIER_HEADER = "x-kvfleet-priority"
 
@@ -36,13 +36,14 @@ def build_workload(settings: BenchSettings, vocab_size: int) -> list[ServeReques
     def bounds(mean: int, spread: float) -> tuple[int, int]:
         return max(1, round(mean * (1 - spread))), max(1, round(mean * (1 + spread)))
 
-    base = random_requests(
-        settings.num_prompts,
-        bounds(settings.input_len, settings.range_ratio),
-        bounds(settings.output_len, output_spread),
-        vocab_size,
-        seed=settings.seed,
-    )
+    prompt_lens = bounds(settings.input_len, settings.range_ratio)
+    output_lens = bounds(settings.output_len, output_spread)
+    if settings.dataset_name == "corpus":
+        assert settings.tokenizer is not None
+        corpus = corpus_token_ids(settings.tokenizer)
+        base = corpus_requests(settings.num_prompts, prompt_lens, output_lens, corpus, seed=settings.seed)
+    else:
+        base = random_requests(settings.num_prompts, prompt_lens, output_lens, vocab_size, seed=settings.seed)
     rng = random.Random(settings.seed + 1)
     tiers = list(settings.tier_mix)
     weights = [settings.tier_mix[t] for t in tiers]
@@ -53,6 +54,13 @@ def build_workload(settings: BenchSettings, vocab_size: int) -> list[ServeReques
         if math.isfinite(settings.request_rate):
             clock += rng.expovariate(settings.request_rate)
     return requests
+
+
+def corpus_token_ids(tokenizer: str) -> list[int]:
+    from kvfleet.runtime.models.make_model import corpus_text
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tokenizer).encode(corpus_text(), add_special_tokens=False)
 
 
 async def _send(client: httpx.AsyncClient, model: str, request: ServeRequest) -> RequestResult:

@@ -1,4 +1,6 @@
-"""Seeded synthetic workloads: random token prompts, as vLLM's benchmarks use, so no dataset is needed."""
+"""Seeded synthetic workloads: random token prompts, as vLLM's benchmarks use, so no dataset is needed; or
+passages of the English corpus bundled for the tokenizers, for models trained on it (speculative decoding
+needs text that a draft model can predict)."""
 
 from __future__ import annotations
 
@@ -30,6 +32,24 @@ def random_requests(
         )
         for _ in range(num_requests)
     ]
+
+
+def corpus_requests(
+    num_requests: int,
+    prompt_len: tuple[int, int],
+    output_len: tuple[int, int],
+    corpus_token_ids: list[int],
+    *,
+    seed: int = 0,
+) -> list[BenchRequest]:
+    """Prompts are passages of the corpus (its tokens under the model's tokenizer) at random places."""
+    rng = random.Random(seed)
+    requests = []
+    for _ in range(num_requests):
+        length = min(rng.randint(*prompt_len), len(corpus_token_ids))
+        start = rng.randrange(len(corpus_token_ids) - length + 1)
+        requests.append(BenchRequest(corpus_token_ids[start : start + length], rng.randint(*output_len)))
+    return requests
 
 
 def shared_prefix_requests(

@@ -122,6 +122,19 @@ class KVCacheManager:
         )
         self.num_cached_blocks[request_id] = num_full_blocks
 
+    def free_blocks_past(self, request: Request, num_tokens: int) -> None:
+        """Return the request's blocks that hold none of its first num_tokens tokens (the KV slots of
+        rejected draft tokens). Those blocks were never registered in the prefix cache."""
+        request_id = request.request_id
+        blocks = self.req_to_blocks[request_id]
+        num_kept = -(-num_tokens // self.block_size)
+        if num_kept >= len(blocks):
+            return
+        surplus = blocks[num_kept:]
+        del blocks[num_kept:]
+        del self.req_to_block_ids[request_id][num_kept:]
+        self.block_pool.free_blocks(reversed(surplus))
+
     def free(self, request: Request) -> None:
         """Release every block of the request; cached ones stay findable until reused."""
         request_id = request.request_id
@@ -134,8 +147,8 @@ class KVCacheManager:
         self.block_pool.free_blocks(reversed(blocks))
 
     def get_block_ids(self, request_id: str) -> list[int]:
-        """The request's block table. The list is only ever appended to while the request holds its blocks,
-        so callers may keep it for the step but must not change it."""
+        """The request's block table. Within a step the list is only ever appended to (rejected drafts'
+        blocks leave it after the step ran), so callers may keep it for the step but must not change it."""
         return self.req_to_block_ids[request_id]
 
     def reset_prefix_cache(self) -> None:

@@ -11,7 +11,10 @@ from kvfleet.runtime.request import FinishReason, Request
 class SchedulerOutput:
     """One step's batch. For request i the runner feeds request.all_token_ids[c : c + n] at positions
     c .. c + n - 1 (c = num_computed_tokens[i], n = num_scheduled_tokens[i]) and samples a token only when
-    c + n == request.num_tokens, i.e. when the request's prompt (or recomputed prefix) is complete."""
+    c + n == request.num_tokens, i.e. when the request's prompt (or recomputed prefix) is complete.
+    A request in scheduled_spec_decode_tokens has its tokens continued by those draft tokens: the runner
+    feeds (all_token_ids + drafts)[c : c + n] and, when c + n == request.num_tokens + len(drafts), verifies
+    the drafts: one sampled row per draft token, plus one."""
 
     requests: list[Request]
     num_scheduled_tokens: list[int]
@@ -23,6 +26,8 @@ class SchedulerOutput:
     finished_request_ids: set[str] = field(default_factory=set)
     # Preempted this step: the runner drops their state; they come back later as if new.
     preempted_request_ids: set[str] = field(default_factory=set)
+    # Draft tokens fed after a request's own, by request id; only requests that speculate this step.
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def num_reqs(self) -> int:
@@ -31,6 +36,7 @@ class SchedulerOutput:
     def subset(self, indices: list[int]) -> SchedulerOutput:
         """The same step for some of its requests only (finished and preempted ids go along)."""
         num_scheduled = [self.num_scheduled_tokens[i] for i in indices]
+        request_ids = {self.requests[i].request_id for i in indices}
         return SchedulerOutput(
             requests=[self.requests[i] for i in indices],
             num_scheduled_tokens=num_scheduled,
@@ -39,6 +45,11 @@ class SchedulerOutput:
             total_num_scheduled_tokens=sum(num_scheduled),
             finished_request_ids=self.finished_request_ids,
             preempted_request_ids=self.preempted_request_ids,
+            scheduled_spec_decode_tokens={
+                request_id: tokens
+                for request_id, tokens in self.scheduled_spec_decode_tokens.items()
+                if request_id in request_ids
+            },
         )
 
 
@@ -82,3 +93,9 @@ class SchedulerStats:
     grammar_compile_seconds: float = 0.0
     grammar_mask_steps: int = 0
     grammar_mask_seconds: float = 0.0
+    # Speculative decoding, cumulative: steps in which a request verified drafts, the draft tokens verified,
+    # those accepted, and those accepted at each draft position (index 0: the first draft token).
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)

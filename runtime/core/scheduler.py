@@ -5,6 +5,9 @@ num_tokens, and each step gives the token budget first to running requests (in a
 to waiting ones while budget, sequence slots and KV blocks last. When a running request cannot get a
 block, the scheduler preempts by recompute: the victim drops its blocks (cached ones stay findable),
 goes back to the front of the waiting queue and, when readmitted, reuses its cached prefix.
+
+Speculative decoding: a running request's draft tokens (request.spec_token_ids) are scheduled after its own
+like prompt tokens, taking budget and KV slots; the ones the model rejects give their slots back.
 """
 
 from __future__ import annotations
@@ -95,6 +98,10 @@ class Scheduler:
 
         self.num_preempted_total = 0
         self.num_prefill_tokens_computed = 0
+        self.spec_decode_num_drafts = 0
+        self.spec_decode_num_draft_tokens = 0
+        self.spec_decode_num_accepted_tokens = 0
+        self.spec_decode_num_accepted_tokens_per_pos: list[int] = []
 
     # Requests in and out.
 
@@ -157,6 +164,10 @@ class Scheduler:
             prefix_cache_queries=kv.prefix_cache_queries,
             prefix_cache_hits=kv.prefix_cache_hits,
             num_prefill_tokens_computed=self.num_prefill_tokens_computed,
+            spec_decode_num_drafts=self.spec_decode_num_drafts,
+            spec_decode_num_draft_tokens=self.spec_decode_num_draft_tokens,
+            spec_decode_num_accepted_tokens=self.spec_decode_num_accepted_tokens,
+            spec_decode_num_accepted_tokens_per_pos=list(self.spec_decode_num_accepted_tokens_per_pos),
         )
 
     # One step.
@@ -182,7 +193,11 @@ class Scheduler:
                 break
             if request.status != _RUNNING:  # preempted earlier in this loop
                 continue
-            num_new_tokens = min(len(request.all_token_ids) - request.num_computed_tokens, budget)
+            # Draft tokens are budgeted like prompt tokens; those past the budget are simply not verified.
+            num_pending = (
+                len(request.all_token_ids) + len(request.spec_token_ids) - request.num_computed_tokens
+            )
+            num_new_tokens = min(num_pending, budget)
             is_background = background_budget is not None and self._is_background(request)
             if is_background:
                 num_new_tokens = min(num_new_tokens, background_budget)
@@ -229,6 +244,7 @@ class Scheduler:
         self._timed_out_outputs = []
         requests = scheduler_output.requests
         sampled_token_ids = runner_output.sampled_token_ids
+        spec_decode_tokens = scheduler_output.scheduled_spec_decode_tokens
         if len(sampled_token_ids) != len(requests) or len(runner_output.req_ids) != len(requests):
             raise ValueError(
                 f"the model runner returned {len(sampled_token_ids)} results for {len(requests)} requests"
@@ -244,8 +260,11 @@ class Scheduler:
             request_id = request.request_id
             if req_ids[index] != request_id:
                 raise ValueError(f"model runner result {index} is for {req_ids[index]!r}, not {request_id!r}")
-            if request.num_computed_tokens != len(request.all_token_ids):
+            draft_token_ids = spec_decode_tokens.get(request_id, ())
+            if request.num_computed_tokens != len(request.all_token_ids) + len(draft_token_ids):
                 raise ValueError(f"the model runner sampled for {request_id!r} before its prefill ended")
+            if draft_token_ids:
+                self._roll_back_rejected_drafts(request, draft_token_ids, new_token_ids)
             new_logprobs = all_logprobs[index] if all_logprobs else None
             finish_reason = None
             grammar = request.grammar
@@ -279,6 +298,29 @@ class Scheduler:
         return outputs
 
     # Internals.
+
+    def _roll_back_rejected_drafts(
+        self, request: Request, draft_token_ids: list[int], new_token_ids: list[int]
+    ) -> None:
+        """new_token_ids: the accepted draft tokens and one token of the target's own. The rejected drafts'
+        KV slots hold keys of tokens the request never had: they count as not computed, and blocks that only
+        they used go back to the pool (caching never registered them: it stops at the request's tokens)."""
+        num_accepted = len(new_token_ids) - 1
+        if (
+            not 0 <= num_accepted <= len(draft_token_ids)
+            or new_token_ids[:num_accepted] != draft_token_ids[:num_accepted]
+        ):
+            raise ValueError(f"the model runner's tokens for {request.request_id!r} do not extend its drafts")
+        request.num_computed_tokens -= len(draft_token_ids) - num_accepted
+        self.kv_cache_manager.free_blocks_past(request, request.num_computed_tokens)
+        self.spec_decode_num_drafts += 1
+        self.spec_decode_num_draft_tokens += len(draft_token_ids)
+        self.spec_decode_num_accepted_tokens += num_accepted
+        per_position = self.spec_decode_num_accepted_tokens_per_pos
+        if len(per_position) < len(draft_token_ids):
+            per_position.extend([0] * (len(draft_token_ids) - len(per_position)))
+        for position in range(num_accepted):
+            per_position[position] += 1
 
     def _is_background(self, request: Request) -> bool:
         return self.background_priority is not None and request.priority >= self.background_priority
@@ -363,14 +405,21 @@ class Scheduler:
         num_computed_tokens = []
         block_tables = []
         num_prefill_tokens = 0
+        spec_decode_tokens: dict[str, list[int]] = {}
         for request, num_new_tokens in scheduled.items():
             computed = request.num_computed_tokens
             num_computed_tokens.append(computed)
             block_tables.append(block_ids[request.request_id])
             computed_after = computed + num_new_tokens
-            # The newest sampled token, fed once its prompt is done, is decode work, not prefill.
-            is_decode = computed_after == len(request.all_token_ids) and request.output_token_ids
-            num_prefill_tokens += num_new_tokens - 1 if is_decode else num_new_tokens
+            num_drafts = max(computed_after - len(request.all_token_ids), 0)
+            if num_drafts:
+                spec_decode_tokens[request.request_id] = request.spec_token_ids[:num_drafts]
+            # Each step verifies the drafts proposed for it, or none.
+            request.spec_token_ids = []
+            # The newest sampled token, fed once its prompt is done, is decode work, not prefill; so are
+            # drafts.
+            is_decode = computed_after - num_drafts == len(request.all_token_ids) and request.output_token_ids
+            num_prefill_tokens += num_new_tokens - num_drafts - 1 if is_decode else num_new_tokens
             request.num_computed_tokens = computed_after
         self.num_prefill_tokens_computed += num_prefill_tokens
         output = SchedulerOutput(
@@ -381,6 +430,7 @@ class Scheduler:
             total_num_scheduled_tokens=self.max_num_batched_tokens - budget,
             finished_request_ids=self._finished_request_ids,
             preempted_request_ids={request.request_id for request in preempted},
+            scheduled_spec_decode_tokens=spec_decode_tokens,
         )
         self._finished_request_ids = set()
         return output
@@ -430,6 +480,7 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         request.transition(RequestStatus.PREEMPTED)
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         request.num_preemptions += 1
         self.num_preempted_total += 1
         self.waiting.prepend(request)

@@ -32,6 +32,7 @@ from kvfleet.runtime.engine.messages import AddRequest, EngineCoreOutputs, Engin
 from kvfleet.runtime.lora.errors import LoRAAdapterError
 from kvfleet.runtime.lora.request import LoRARequest
 from kvfleet.runtime.request import Request, RequestStatus
+from kvfleet.runtime.spec_decode.speculator import Speculator, make_proposer
 from kvfleet.runtime.structured_outputs.compiler import GrammarCompiler, RequestGrammar
 from kvfleet.runtime.structured_outputs.token_rules import TokenRules
 from kvfleet.runtime.worker.model_runner import ModelRunner
@@ -80,6 +81,16 @@ class EngineCore:
             policy=config.scheduling_policy,
             max_loras=config.max_loras if config.enable_lora else None,
             background_priority=background_priority,
+        )
+        speculative = config.speculative()
+        self.speculator = (
+            None
+            if speculative is None
+            else Speculator(
+                speculative,
+                make_proposer(speculative, config, self.runner, self.num_kv_blocks),
+                self.max_model_len,
+            )
         )
         # Admitted requests never scheduled yet: the ones load shedding may displace, and whose first
         # scheduling the front end hears of (its queue-time metric).
@@ -249,6 +260,8 @@ class EngineCore:
             self._settle_compiled_grammars()
         errors, self._errors = self._errors, []
         step_time = time.monotonic()
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running)
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.total_num_scheduled_tokens == 0 and self._compiling:
             concurrent.futures.wait(

@@ -206,6 +206,19 @@ class RequestGrammar:
     def is_terminated(self) -> bool:
         return self._matcher is not None and self._matcher.is_terminated()
 
+    def allowed_prefix(self, token_ids: list[int]) -> list[int]:
+        """The longest prefix of token_ids (draft tokens) that the grammar allows from its current state, up
+        to where it terminates; the matcher is rolled back to where it was."""
+        matcher = self.matcher
+        accepted = 0
+        for token_id in token_ids:
+            if matcher.is_terminated() or not matcher.accept_token(token_id):
+                break
+            accepted += 1
+        if accepted:
+            matcher.rollback(accepted)
+        return token_ids[:accepted]
+
 
 def _may_start_a_surrogate(token: bytes) -> bool:
     """Whether the token holds a surrogate's first bytes, or ends where one could begin."""

@@ -100,6 +100,36 @@ class GrammarMasks:
         self.num_steps += 1
         self.seconds += time.perf_counter() - start
 
+    def apply_after_drafts(self, logits: torch.Tensor, drafted: list[tuple[int, Request, list[int]]]) -> None:
+        """Speculative decoding: for each (row, request, drafts), mask the logits rows row + 1 to
+        row + len(drafts) as the request's grammar allows after its first 1, 2, ... draft tokens (which it
+        allows: see RequestGrammar.allowed_prefix). Each matcher is rolled back to where it was."""
+        if not drafted:
+            return
+        start = time.perf_counter()
+        width = _grammar(drafted[0][1]).token_filter.shape[0]
+        bitmask = self._bitmask_for(logits.shape[0], width)
+        rows: list[int] = []
+        for first_row, request, drafts in drafted:
+            grammar = _grammar(request)
+            matcher = grammar.matcher
+            for offset, token_id in enumerate(drafts, start=1):
+                if not matcher.accept_token(token_id):
+                    if offset > 1:
+                        matcher.rollback(offset - 1)
+                    raise ValueError(f"request {request.request_id!r} drafted a token its grammar forbids")
+                matcher.fill_next_token_bitmask(bitmask, first_row + offset)
+                bitmask[first_row + offset] &= grammar.token_filter
+                rows.append(first_row + offset)
+            matcher.rollback(len(drafts))
+        if logits.device.type == "cpu":
+            _apply_on_cpu(logits, bitmask, rows)
+        else:
+            xgrammar.apply_token_bitmask_inplace(
+                logits, bitmask.to(logits.device, non_blocking=True), indices=rows
+            )
+        self.seconds += time.perf_counter() - start
+
     def _fill_grammars(
         self, requests: Sequence[Request], matchers: list[tuple[int, xgrammar.GrammarMatcher]]
     ) -> list[int]:

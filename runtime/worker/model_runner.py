@@ -1,5 +1,6 @@
 """Runs one scheduled step: flattens the batch into input tensors, runs the model over the paged KV cache,
-computes logits for the rows that sample, and samples them."""
+computes logits for the rows that sample, and samples them. A request that feeds draft tokens (speculative
+decoding) gets logits at its last real token and at each draft token, and the sampler verifies the drafts."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from kvfleet.runtime.kernels import fused_layers
 from kvfleet.runtime.lora.manager import LoRAManager
 from kvfleet.runtime.models.loader import load_model, resolve_device, resolve_dtype
 from kvfleet.runtime.models.model_config import ModelConfig
-from kvfleet.runtime.worker.sampler import Sampler
+from kvfleet.runtime.request import Request
+from kvfleet.runtime.worker.sampler import Sampler, SpeculativeBatch
 from torch import nn
 
 logger = logging.getLogger(__name__)
@@ -158,30 +160,36 @@ class ModelRunner:
         requests = scheduler_output.requests
         if not requests:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], logprobs=[])
-        if self._inputs_copied is not None:
-            self._inputs_copied.synchronize()  # the previous step's copies must be done before refilling
-        if self._cpu_threads is not None:
-            self._cpu_threads.use_for(scheduler_output.total_num_scheduled_tokens)
-        input_ids, positions, metadata, sample_rows = self._prepare_inputs(scheduler_output)
+        input_ids, positions, metadata, sample_rows = self._prepare_step(scheduler_output)
         sampling = [requests[i] for i in sample_rows]
-        self.sampler.prepare(sampling)  # with an accelerator, grammar masks fill during the forward pass
-        plan = self.attention_backend.prepare(metadata)
-        if self.lora_manager is not None:
-            self.lora_manager.prepare([r.lora_request for r in requests], metadata.query_start_loc_cpu)
-        hidden = self.model(input_ids, positions, self.kv_caches, plan)
+        spec_decode_tokens = scheduler_output.scheduled_spec_decode_tokens
+        speculative = None
+        if spec_decode_tokens:
+            drafts = [spec_decode_tokens.get(request.request_id, []) for request in sampling]
+            speculative = SpeculativeBatch.of(sampling, drafts)
+        # With an accelerator, grammar masks fill during the forward pass.
+        self.sampler.prepare(sampling if speculative is None else speculative.rows)
+        hidden = self._forward(input_ids, positions, metadata, requests)
 
         sampled: list[list[int]] = [[] for _ in requests]
         logprobs: list[list[dict[int, float]] | None] = [None for _ in requests]
-        if sample_rows:
-            if len(sample_rows) == metadata.num_tokens:
-                sampled_hidden = hidden  # one token per request, all sampling: every row, in order
-            else:
-                last_token_rows = self._logits_indices.get(len(sample_rows))
-                last_token_rows[:] = [metadata.query_start_loc_cpu[i + 1] - 1 for i in sample_rows]
-                logits_indices = self._logits_indices.to_device(len(sample_rows), self.device)
-                self._mark_inputs_copied()
-                sampled_hidden = hidden.index_select(0, logits_indices)
-            logits = self.model.compute_logits(sampled_hidden)
+        if speculative is not None:
+            ends = [metadata.query_start_loc_cpu[i + 1] for i in sample_rows]
+            rows = [
+                row
+                for end, drafts in zip(ends, speculative.draft_token_ids, strict=True)
+                for row in range(end - len(drafts) - 1, end)
+            ]
+            logits = self.model.compute_logits(self._select_rows(hidden, rows, metadata.num_tokens))
+            verified = self.sampler.verify(logits, speculative)
+            for row, i in enumerate(sample_rows):
+                sampled[i] = verified.token_ids[row]
+                logprobs[i] = verified.logprobs[row]
+        elif sample_rows:
+            last_token_rows = [metadata.query_start_loc_cpu[i + 1] - 1 for i in sample_rows]
+            logits = self.model.compute_logits(
+                self._select_rows(hidden, last_token_rows, metadata.num_tokens)
+            )
             result = self.sampler(logits, sampling)
             for row, i in enumerate(sample_rows):
                 sampled[i] = [result.token_ids[row]]
@@ -190,6 +198,49 @@ class ModelRunner:
         return ModelRunnerOutput(
             req_ids=[r.request_id for r in requests], sampled_token_ids=sampled, logprobs=logprobs
         )
+
+    @torch.inference_mode()
+    def greedy_last_tokens(self, scheduler_output: SchedulerOutput, vocab_size: int) -> list[int]:
+        """Run the step and return each request's most likely next token after its last fed token, among the
+        first vocab_size ids (a draft model proposing for a target of that vocabulary)."""
+        if self.model is None or not self.kv_caches:
+            raise RuntimeError("load_model() and initialize_kv_cache() must run before greedy_last_tokens()")
+        input_ids, positions, metadata, _ = self._prepare_step(scheduler_output)
+        hidden = self._forward(input_ids, positions, metadata, scheduler_output.requests)
+        last_token_rows = [end - 1 for end in metadata.query_start_loc_cpu[1:]]
+        logits = self.model.compute_logits(self._select_rows(hidden, last_token_rows, metadata.num_tokens))
+        return logits[:, :vocab_size].argmax(dim=-1).tolist()
+
+    def _prepare_step(
+        self, scheduler_output: SchedulerOutput
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+        if self._inputs_copied is not None:
+            self._inputs_copied.synchronize()  # the previous step's copies must be done before refilling
+        if self._cpu_threads is not None:
+            self._cpu_threads.use_for(scheduler_output.total_num_scheduled_tokens)
+        return self._prepare_inputs(scheduler_output)
+
+    def _forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        metadata: AttentionMetadata,
+        requests: list[Request],
+    ) -> torch.Tensor:
+        assert self.model is not None
+        plan = self.attention_backend.prepare(metadata)
+        if self.lora_manager is not None:
+            self.lora_manager.prepare([r.lora_request for r in requests], metadata.query_start_loc_cpu)
+        return self.model(input_ids, positions, self.kv_caches, plan)
+
+    def _select_rows(self, hidden: torch.Tensor, rows: list[int], num_tokens: int) -> torch.Tensor:
+        if len(rows) == num_tokens:
+            return hidden  # every row, in order (rows are increasing)
+        indices = self._logits_indices.get(len(rows))
+        indices[:] = rows
+        selected = hidden.index_select(0, self._logits_indices.to_device(len(rows), self.device))
+        self._mark_inputs_copied()
+        return selected
 
     def _prepare_inputs(
         self, scheduler_output: SchedulerOutput
@@ -216,12 +267,17 @@ class ModelRunner:
         self._seq_lens.get(num_reqs)[:] = seq_lens
 
         input_ids = self._input_ids.get(num_tokens)
+        spec_decode_tokens = scheduler_output.scheduled_spec_decode_tokens
         sample_rows: list[int] = []
         for i, request in enumerate(requests):
             start = int(num_computed[i])
             end = start + int(num_scheduled[i])
-            input_ids[query_start_loc[i] : query_start_loc[i + 1]] = request.all_token_ids[start:end]
-            if end == request.num_tokens:
+            drafts = spec_decode_tokens.get(request.request_id, ())
+            tokens = request.all_token_ids[start:end]
+            if drafts:  # the request's tokens continue with its drafts
+                tokens += drafts[max(start - request.num_tokens, 0) : end - request.num_tokens]
+            input_ids[query_start_loc[i] : query_start_loc[i + 1]] = tokens
+            if end == request.num_tokens + len(drafts):
                 sample_rows.append(i)
 
         width = max(len(ids) for ids in scheduler_output.block_ids)

@@ -7,6 +7,13 @@ their cumulative distribution at one uniform draw per row (cheaper on a CPU than
 vocabulary). A request with a seed draws from its own generator, so its tokens do not depend on what else is
 in the batch.
 The tokens that structured outputs' grammars forbid are masked after the penalties.
+
+Speculative decoding verifies draft tokens against the target's distribution at each drafted position,
+processed as above with the drafts before it counted as output. Greedy rows accept the longest prefix of the
+drafts that matches the argmax. Sampled rows use rejection sampling (Leviathan et al., Chen et al.): the
+proposers' drafts are deterministic given the context, so draft token d is accepted with probability p(d),
+and at the first rejection the token comes from p with d removed, renormalised; after all drafts, one more
+token comes from p. Each emitted token is thus distributed exactly as the target's own sample would be.
 """
 
 from __future__ import annotations
@@ -21,6 +28,71 @@ from kvfleet.runtime.structured_outputs.masks import GrammarMasks
 
 # Top-p looks for its cut among this many most likely tokens first, and sorts a row only when it is wider.
 _TOP_P_CANDIDATES = 256
+
+
+class DraftPosition:
+    """A speculating request as the target sees it at a drafted position: its output followed by the draft
+    tokens before that position. Its grammar's mask, which depends on those tokens, is applied apart (see
+    GrammarMasks.apply_after_drafts); `grammar` is None here so that the batch's own masking skips it."""
+
+    __slots__ = (
+        "eos_token_id",
+        "grammar",
+        "output_token_ids",
+        "prompt_token_ids",
+        "request_id",
+        "sampling_params",
+        "token_rules",
+    )
+
+    def __init__(self, request: Request, drafted: list[int]) -> None:
+        self.request_id = request.request_id
+        self.sampling_params = request.sampling_params
+        self.eos_token_id = request.eos_token_id
+        self.prompt_token_ids = request.prompt_token_ids
+        self.output_token_ids = request.output_token_ids + drafted
+        self.token_rules = request.token_rules
+        self.grammar = None
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+
+@dataclass
+class SpeculativeBatch:
+    """The sampled requests of a step in which some verify draft tokens: one row per verified position,
+    drafts + 1 rows for each request, in order."""
+
+    requests: list[Request]
+    draft_token_ids: list[list[int]]
+    rows: list[Request | DraftPosition]
+
+    @classmethod
+    def of(cls, requests: list[Request], draft_token_ids: list[list[int]]) -> SpeculativeBatch:
+        rows: list[Request | DraftPosition] = []
+        for request, drafts in zip(requests, draft_token_ids, strict=True):
+            rows.append(request)
+            rows.extend(DraftPosition(request, drafts[:position]) for position in range(1, len(drafts) + 1))
+        return cls(requests, draft_token_ids, rows)
+
+    def constrained_drafts(self) -> list[tuple[int, Request, list[int]]]:
+        """(first row, request, drafts) of the requests with a grammar and drafts."""
+        constrained = []
+        row = 0
+        for request, drafts in zip(self.requests, self.draft_token_ids, strict=True):
+            if drafts and request.grammar is not None:
+                constrained.append((row, request, drafts))
+            row += len(drafts) + 1
+        return constrained
+
+
+@dataclass
+class VerifiedTokens:
+    # Per request: its accepted draft tokens and one token of the target's.
+    token_ids: list[list[int]]
+    # Per request: one dict per token (as SamplerOutput's), or None when the request did not ask.
+    logprobs: list[list[dict[int, float]] | None]
 
 
 @dataclass
@@ -62,6 +134,125 @@ class Sampler:
         token_ids = logits.argmax(dim=-1) if all(greedy) else self._sample(logits, requests, greedy)
         token_list = token_ids.tolist()
         return SamplerOutput(token_list, _gather_logprobs(raw_logprobs, token_ids, token_list, params))
+
+    def verify(self, logits: torch.Tensor, batch: SpeculativeBatch) -> VerifiedTokens:
+        """logits: float32 [len(batch.rows), vocab], modified in place."""
+        rows = batch.rows
+        if all(_plain_greedy(r) for r in rows):
+            targets = logits.argmax(dim=-1).tolist()
+            return VerifiedTokens(
+                _accept_greedy(batch.draft_token_ids, targets), [None] * len(batch.requests)
+            )
+        params = [r.sampling_params for r in rows]
+        raw_logprobs = self._raw_logprobs(logits, params)
+        self._mask_stop_tokens_before_min_tokens(logits, rows)
+        self._apply_penalties(logits, rows)
+        self.grammar_masks.apply(logits, rows)
+        self.grammar_masks.apply_after_drafts(logits, batch.constrained_drafts())
+        greedy = [p.greedy for p in params]
+        targets = logits.argmax(dim=-1).tolist() if any(greedy) else []
+        probs = None
+        if not all(greedy):
+            _apply_temperature_and_filters(logits, params, greedy)
+            probs = torch.softmax(logits, dim=-1)
+        token_ids = self._accept_sampled(probs, batch, greedy, targets)
+        if raw_logprobs is None:
+            return VerifiedTokens(token_ids, [None] * len(batch.requests))
+        # The rows of the emitted tokens: each request's first rows, one per token.
+        emitted_rows: list[int] = []
+        start = 0
+        for tokens, drafts in zip(token_ids, batch.draft_token_ids, strict=True):
+            emitted_rows.extend(range(start, start + len(tokens)))
+            start += len(drafts) + 1
+        flat_tokens = [token for tokens in token_ids for token in tokens]
+        device = logits.device
+        flat_logprobs = _gather_logprobs(
+            raw_logprobs.index_select(0, torch.tensor(emitted_rows, device=device)),
+            torch.tensor(flat_tokens, device=device),
+            flat_tokens,
+            [params[row] for row in emitted_rows],
+        )
+        logprobs: list[list[dict[int, float]] | None] = []
+        start = 0
+        for request, tokens in zip(batch.requests, token_ids, strict=True):
+            entries = flat_logprobs[start : start + len(tokens)]
+            start += len(tokens)
+            logprobs.append(None if request.sampling_params.logprobs is None else entries)  # type: ignore[misc]
+        return VerifiedTokens(token_ids, logprobs)
+
+    def _accept_sampled(
+        self,
+        probs: torch.Tensor | None,
+        batch: SpeculativeBatch,
+        greedy: list[bool],
+        targets: list[int],
+    ) -> list[list[int]]:
+        """Each request's accepted drafts and its own last token; greedy rows by argmax (targets), the
+        others by rejection sampling on probs (the processed target distribution of each row)."""
+        draft_rows: list[int] = []
+        draft_columns: list[int] = []
+        start = 0
+        for drafts in batch.draft_token_ids:
+            if not greedy[start]:
+                draft_rows.extend(range(start, start + len(drafts)))
+                draft_columns.extend(drafts)
+            start += len(drafts) + 1
+        draft_probs: dict[int, float] = {}
+        if draft_rows:
+            assert probs is not None
+            index = (
+                torch.tensor(draft_rows, device=probs.device),
+                torch.tensor(draft_columns, device=probs.device),
+            )
+            draft_probs = dict(zip(draft_rows, probs[index].tolist(), strict=True))
+        token_ids: list[list[int]] = []
+        # The requests whose last token is drawn from the target, the row it is drawn from, the draft token
+        # it excludes (-1: none), and the uniform draw for it.
+        drawing: list[int] = []
+        final_rows: list[int] = []
+        excluded: list[int] = []
+        final_uniforms: list[float] = []
+        start = 0
+        for request, drafts in zip(batch.requests, batch.draft_token_ids, strict=True):
+            if greedy[start]:  # one request's rows share its parameters
+                token_ids.append(_accept_greedy([drafts], targets[start : start + len(drafts) + 1])[0])
+            else:
+                uniforms = self._uniforms(request, len(drafts) + 1)
+                accepted = 0
+                while accepted < len(drafts) and uniforms[accepted] < draft_probs[start + accepted]:
+                    accepted += 1
+                drawing.append(len(token_ids))
+                final_rows.append(start + accepted)
+                excluded.append(drafts[accepted] if accepted < len(drafts) else -1)
+                final_uniforms.append(uniforms[-1])
+                token_ids.append(drafts[:accepted])
+            start += len(drafts) + 1
+        if final_rows:
+            assert probs is not None
+            device = probs.device
+            weights = probs.index_select(0, torch.tensor(final_rows, device=device))
+            rejected = [i for i, token in enumerate(excluded) if token >= 0]
+            if rejected:
+                index = (
+                    torch.tensor(rejected, device=device),
+                    torch.tensor([excluded[i] for i in rejected], device=device),
+                )
+                draft_weights = weights[index]
+                weights[index] = 0.0
+                # A draft the target gives all its mass to was rejected only by rounding (p(d) just under
+                # 1): the residual is empty, and the draft is what p - q's limit leaves.
+                weights[index] = torch.where(weights[index[0]].sum(dim=-1) > 0, 0.0, draft_weights)
+            uniform = torch.tensor(final_uniforms, dtype=weights.dtype, device=device).unsqueeze(1)
+            for index, token in zip(drawing, _invert_cdf(weights, uniform).tolist(), strict=True):
+                token_ids[index].append(token)
+        return token_ids
+
+    def _uniforms(self, request: Request, count: int) -> list[float]:
+        """count uniform draws for the request: from its own generator when it has a seed."""
+        generator = (
+            self._request_generator(request) if request.sampling_params.seed is not None else self.generator
+        )
+        return torch.rand(count, generator=generator, device=self.device).tolist()
 
     def _raw_logprobs(self, logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor | None:
         if all(p.logprobs is None for p in params):
@@ -115,28 +306,12 @@ class Sampler:
         device = logits.device
         params = [r.sampling_params for r in requests]
         greedy_tokens = logits.argmax(dim=-1) if any(greedy) else None
-        temperatures = [1.0 if g else p.temperature for g, p in zip(greedy, params, strict=True)]
-        if any(t != 1.0 for t in temperatures):
-            logits.div_(torch.tensor(temperatures, dtype=logits.dtype, device=device).unsqueeze(1))
-        min_p_rows = [i for i, p in enumerate(params) if p.min_p > 0 and not greedy[i]]
-        if min_p_rows:
-            _apply_min_p(logits, min_p_rows, [params[i].min_p for i in min_p_rows])
-        filter_rows = [i for i, p in enumerate(params) if (p.top_k > 0 or p.top_p < 1.0) and not greedy[i]]
-        if filter_rows:
-            _apply_top_k_top_p(
-                logits,
-                filter_rows,
-                [params[i].top_k for i in filter_rows],
-                [params[i].top_p for i in filter_rows],
-            )
+        _apply_temperature_and_filters(logits, params, greedy)
         uniform = torch.rand(len(requests), 1, generator=self.generator, device=device)
         for row, request in enumerate(requests):
             if request.sampling_params.seed is not None and not greedy[row]:
                 uniform[row] = torch.rand(1, generator=self._request_generator(request), device=device)
-        cumulative = torch.softmax(logits, dim=-1).cumsum_(dim=-1)
-        # The first token whose cumulative probability exceeds the draw; zero-probability tokens never are.
-        sampled = torch.searchsorted(cumulative, uniform * cumulative[:, -1:], right=True)
-        sampled = sampled.clamp_(max=logits.shape[1] - 1).squeeze(1)
+        sampled = _invert_cdf(torch.softmax(logits, dim=-1), uniform)
         if greedy_tokens is not None:
             sampled = torch.where(torch.tensor(greedy, device=device), greedy_tokens, sampled)
         return sampled
@@ -151,7 +326,49 @@ class Sampler:
         return generator
 
 
-def _plain_greedy(request: Request) -> bool:
+def _apply_temperature_and_filters(
+    logits: torch.Tensor, params: list[SamplingParams], greedy: list[bool]
+) -> None:
+    """Divide the sampled rows by their temperature, then apply their min_p, top_k and top_p."""
+    temperatures = [1.0 if g else p.temperature for g, p in zip(greedy, params, strict=True)]
+    if any(t != 1.0 for t in temperatures):
+        logits.div_(torch.tensor(temperatures, dtype=logits.dtype, device=logits.device).unsqueeze(1))
+    min_p_rows = [i for i, p in enumerate(params) if p.min_p > 0 and not greedy[i]]
+    if min_p_rows:
+        _apply_min_p(logits, min_p_rows, [params[i].min_p for i in min_p_rows])
+    filter_rows = [i for i, p in enumerate(params) if (p.top_k > 0 or p.top_p < 1.0) and not greedy[i]]
+    if filter_rows:
+        _apply_top_k_top_p(
+            logits,
+            filter_rows,
+            [params[i].top_k for i in filter_rows],
+            [params[i].top_p for i in filter_rows],
+        )
+
+
+def _invert_cdf(weights: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """[rows]: per row, the first token whose cumulative weight exceeds uniform [rows, 1] times the row's
+    total (weights need not be normalised); zero-weight tokens are never drawn."""
+    cumulative = weights.cumsum(dim=-1)
+    sampled = torch.searchsorted(cumulative, uniform * cumulative[:, -1:], right=True)
+    return sampled.clamp_(max=weights.shape[1] - 1).squeeze(1)
+
+
+def _accept_greedy(draft_token_ids: list[list[int]], targets: list[int]) -> list[list[int]]:
+    """Per request, the drafts that match the target's argmax up to the first mismatch, and the target's
+    token there. targets: one per verified row, drafts + 1 per request, in order."""
+    token_ids = []
+    start = 0
+    for drafts in draft_token_ids:
+        accepted = 0
+        while accepted < len(drafts) and drafts[accepted] == targets[start + accepted]:
+            accepted += 1
+        token_ids.append([*drafts[:accepted], targets[start + accepted]])
+        start += len(drafts) + 1
+    return token_ids
+
+
+def _plain_greedy(request: Request | DraftPosition) -> bool:
     """Greedy with nothing to apply first: no logprobs, penalties, grammar or token rules, and min_tokens
     already reached."""
     params = request.sampling_params
