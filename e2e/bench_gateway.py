@@ -308,37 +308,41 @@ def main(argv: list[str] | None = None) -> int:
                 cluster.api, OPERATOR_NAMESPACE, "gateway", selector=GATEWAY_SELECTOR, port=GATEWAY_PORT
             )
             gateway_url = wait_for("a ready gateway", gateways.refresh, 120)[0].base_url
+            # Each row is printed as it is measured: a run cut short keeps what it measured.
             if args.scenario in ("policies", "all"):
+                print("| policy | replicas | requests | failed | TTFT p50 ms | TTFT p99 ms | hit rate |")
+                print("|---|---|---|---|---|---|---|", flush=True)
                 # One replica alone first, with the whole fleet's cache: the hit rate to measure against.
                 runs = [("least-request", 1, args.kv_blocks * args.replicas)]
                 runs += [(policy, args.replicas, args.kv_blocks) for policy in POLICIES]
                 for policy, replicas, kv_blocks in runs:
-                    policies.append(
-                        run_policy(cluster, gateway_url, small_dir, policy, replicas, kv_blocks, requests)
+                    result = run_policy(
+                        cluster, gateway_url, small_dir, policy, replicas, kv_blocks, requests
+                    )
+                    policies.append(result)
+                    print(
+                        f"| {result.policy} | {result.replicas} | {result.requests} | {result.failed} | "
+                        f"{result.ttft_p50_ms} | {result.ttft_p99_ms} | {result.hit_rate:.1%} |",
+                        flush=True,
                     )
             if args.scenario in ("overload", "all"):
                 overload = run_overload(
                     cluster, gateway_url, small_dir, args.overload_requests, args.overload_rate, args.seed
                 )
-    if policies:
-        print("| policy | replicas | requests | failed | TTFT p50 ms | TTFT p99 ms | prefix-cache hit rate |")
-        print("|---|---|---|---|---|---|---|")
-        for result in policies:
-            print(
-                f"| {result.policy} | {result.replicas} | {result.requests} | {result.failed} | "
-                f"{result.ttft_p50_ms} | {result.ttft_p99_ms} | {result.hit_rate:.1%} |"
-            )
-    if overload:
-        print("\n| mode | tier | requests | shed (429) | failed | TTFT p50 ms | TTFT p99 ms |")
-        print("|---|---|---|---|---|---|---|")
-        for row in overload:
-            print(
-                f"| {row.mode} | {row.tier} | {row.requests} | {row.shed} | {row.failed} | "
-                f"{row.ttft_p50_ms} | {row.ttft_p99_ms} |"
-            )
-    if args.json is not None:
-        document = {"policies": [asdict(r) for r in policies], "overload": [asdict(r) for r in overload]}
-        args.json.write_text(json.dumps(document, indent=1))
+                print("\n| mode | tier | requests | shed (429) | failed | TTFT p50 ms | TTFT p99 ms |")
+                print("|---|---|---|---|---|---|---|")
+                for row in overload:
+                    print(
+                        f"| {row.mode} | {row.tier} | {row.requests} | {row.shed} | {row.failed} | "
+                        f"{row.ttft_p50_ms} | {row.ttft_p99_ms} |",
+                        flush=True,
+                    )
+            if args.json is not None:
+                document = {
+                    "policies": [asdict(r) for r in policies],
+                    "overload": [asdict(r) for r in overload],
+                }
+                args.json.write_text(json.dumps(document, indent=1))
     return 0
 
 
