@@ -62,7 +62,7 @@ PII_DETECTORS: dict[str, _Detector] = {
         0.6,
         re.compile(
             # International (+CC ...) with 8-15 digits, or North American (NXX) NXX-XXXX.
-            r"(?<![\w+])(?:\+\d{1,3}[ .-]?(?:\(\d{1,4}\)[ .-]?)?\d{2,4}(?:[ .-]?\d{2,4}){1,4}"
+            r"(?<![\w+])(?:\+\d{1,3}[ .-]?(?:\(\d{1,4}\)[ .-]?)?\d{1,4}(?:[ .-]?\d{2,4}){1,4}"
             r"|\(?\b[2-9]\d{2}\)?[ .-]\d{3}[ .-]\d{4})\b"
         ),
         lambda text: 8 <= sum(c.isdigit() for c in text) <= 15,
