@@ -30,6 +30,7 @@ from kvfleet.operator.kube import KubeError
 from kvfleet.operator.metrics import OperatorMetrics
 from kvfleet.operator.observed import DeploymentView, PodView
 from kvfleet.operator.render import Owner, RenderOptions, render_children, service_url
+from kvfleet.operator.safety import GUARD_UNAVAILABLE_REASON, GuardState, check_loosening, guard_service
 from kvfleet.operator.scrape import ScrapeFailure, ScrapeTarget
 from kvfleet.operator.spec import InferenceServiceSpec, SpecError, parse_spec
 from kvfleet.operator.status import Observation, build_status, transition_events
@@ -46,7 +47,7 @@ MAX_BACKOFF_SECONDS = 300.0
 # The Warning event posted while replicas answer /metrics with more than the operator reads.
 PAGE_TOO_LARGE_REASON = "MetricsPageTooLarge"
 # Status keys the operator writes only sometimes; a merge patch must clear them explicitly.
-_OPTIONAL_STATUS_KEYS = ("autoscaler", "lastScaleTime", "lastScaleReason")
+_OPTIONAL_STATUS_KEYS = ("autoscaler", "lastScaleTime", "lastScaleReason", "safety")
 
 
 class Cluster(Protocol):
@@ -63,6 +64,12 @@ class Scraper(Protocol):
 EventSink = Callable[[str, str, str], None]
 # A served model name -> the requests the fleet gateway holds for it; None when no gateway answers.
 GatewayQueue = Callable[[str], Awaitable[float | None]]
+# The name of an InferenceService of the same namespace -> whether it can serve as a guard.
+GuardStateOf = Callable[[str], GuardState]
+
+
+def _guard_unknown(service: str) -> GuardState:
+    return GuardState.NOT_FOUND
 
 
 async def _no_gateway(model: str) -> float | None:
@@ -82,6 +89,7 @@ class ServiceController:
     metrics: OperatorMetrics
     options: Callable[[], RenderOptions]
     gateway_queue: GatewayQueue = _no_gateway
+    guard_state: GuardStateOf = _guard_unknown
     clock: Callable[[], float] = time.monotonic
     wall_clock: Callable[[], datetime.datetime] = _utc_now
 
@@ -147,6 +155,7 @@ class ServiceController:
         previous_status = self._last_status or dict(body.get("status") or {})
         try:
             spec = parse_spec(body.get("spec") or {}, name=self.owner.name)
+            check_loosening(self.options().safety, spec.safety)
         except SpecError as error:
             self.metrics.reconciles.labels("invalid").inc()
             self._warn(error.reason, error.message)
@@ -177,7 +186,7 @@ class ServiceController:
             self.metrics.reconciles.labels("error").inc()
             self.metrics.reconcile_errors.labels(f"http_{error.status}").inc()
 
-        observation = self._observation(generation, spec, deployment, pods, blocking)
+        observation = self._observation(generation, spec, deployment, pods, blocking, self._guard(spec))
         await self._write_status(observation, previous_status)
         if self._failures:
             return min(2.0**self._failures, MAX_BACKOFF_SECONDS)
@@ -268,6 +277,26 @@ class ServiceController:
             self._template = key, _digest(render_children(self.owner, spec, 0, options))
         return self._template[1]
 
+    def _guard(self, spec: InferenceServiceSpec) -> tuple[str, GuardState] | None:
+        """The guard service and its state; a Warning event while it cannot serve, a Normal one once it
+        can again."""
+        service = guard_service(self.options().safety, spec.safety)
+        if service is None:
+            self._resolve(GUARD_UNAVAILABLE_REASON)
+            return None
+        state = self.guard_state(service)
+        if state is GuardState.READY:
+            if GUARD_UNAVAILABLE_REASON in self._warned:
+                self.events("Normal", "GuardAvailable", f"the guard service {service!r} serves again")
+            self._resolve(GUARD_UNAVAILABLE_REASON)
+        else:
+            self._warn(
+                GUARD_UNAVAILABLE_REASON,
+                f"the guard service {service!r} is {state.value}: checks that need it fail open or closed as "
+                "spec.safety.guard.failOpen says",
+            )
+        return service, state
+
     def _observation(
         self,
         generation: int,
@@ -275,6 +304,7 @@ class ServiceController:
         deployment: DeploymentView | None,
         pods: list[PodView],
         blocking: tuple[str, str] | None,
+        guard: tuple[str, GuardState] | None = None,
     ) -> Observation:
         series = (self.owner.namespace, self.owner.name)
         if deployment is not None:
@@ -296,6 +326,7 @@ class ServiceController:
             panic=self.panic,
             last_scale_time=self.last_scale_time,
             last_scale_reason=self.last_scale_reason,
+            guard=(guard[0], guard[1].value) if guard is not None else None,
         )
 
     async def _write_status(self, observation: Observation, previous: Mapping[str, Any]) -> None:

@@ -32,6 +32,7 @@ from kvfleet.operator.controller import ServiceController
 from kvfleet.operator.kube import connection_info
 from kvfleet.operator.observed import DeploymentView, PodView, deployment_view, pod_view
 from kvfleet.operator.render import Owner
+from kvfleet.operator.safety import GuardState
 from kvfleet.operator.scrape import FleetScraper, GatewayQueues, ScrapeTarget
 
 MANAGED = {LABEL_MANAGED_BY: MANAGED_BY, SERVICE_LABEL: kopf.PRESENT}
@@ -140,6 +141,12 @@ async def fleet_loop(
         depths = await gateway_queues.depths(targets) if targets else None
         return None if depths is None else depths.get(model, 0.0)
 
+    def guard_state(service: str) -> GuardState:
+        views = kvfleet_deployments.get((namespace, service), [])
+        if not views:
+            return GuardState.NOT_FOUND
+        return GuardState.READY if any(view.ready_replicas > 0 for view in views) else GuardState.UNAVAILABLE
+
     controller = ServiceController(
         owner=Owner(name, namespace, uid),
         cluster=context.cluster,
@@ -148,6 +155,7 @@ async def fleet_loop(
         metrics=context.metrics,
         options=lambda: context.render_options,
         gateway_queue=gateway_queue,
+        guard_state=guard_state,
     )
     wakeup = context.wakeup_for(key)
 

@@ -41,8 +41,8 @@ def model_path(model: ModelSpec) -> str:
     return source.location
 
 
-def runtime_args(spec: InferenceServiceSpec) -> list[str]:
-    """`kvfleet serve` flags, in the runtime's own names."""
+def runtime_args(spec: InferenceServiceSpec, safety_config: str | None = None) -> list[str]:
+    """`kvfleet serve` flags, in the runtime's own names; `safety_config` is the merged safety policy."""
     engine, tier = spec.engine, TIERS[spec.sla.tier]
     args = ["--model", model_path(spec.model), "--served-model-name", spec.model.served_name]
     args += ["--host", "0.0.0.0", "--port", str(HTTP_PORT)]
@@ -68,6 +68,7 @@ def runtime_args(spec: InferenceServiceSpec) -> list[str]:
     if spec.batch is not None:
         args += ["--batch-store", BATCH_STORE]
         args += _flags([("--max-batch-file-bytes", spec.batch.max_file_bytes)])
+    args += _flags([("--safety-config", safety_config)])
     return args + list(engine.extra_args)
 
 
@@ -80,7 +81,11 @@ def batch_claim_name(service_name: str) -> str:
 
 
 def pod_template(
-    spec: InferenceServiceSpec, labels: dict[str, str], image: str, service_name: str
+    spec: InferenceServiceSpec,
+    labels: dict[str, str],
+    image: str,
+    service_name: str,
+    safety_config: str | None = None,
 ) -> dict[str, Any]:
     engine, resources = spec.engine, spec.resources
     volumes, mounts = _model_volumes(spec.model)
@@ -98,7 +103,7 @@ def pod_template(
         "image": image,
         "imagePullPolicy": engine.image_pull_policy,
         "command": ["kvfleet", "serve"],
-        "args": runtime_args(spec),
+        "args": runtime_args(spec, safety_config),
         "ports": [{"name": HTTP_PORT_NAME, "containerPort": HTTP_PORT, "protocol": "TCP"}],
         "env": _runtime_env(spec),
         "resources": _container_resources(spec),

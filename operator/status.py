@@ -25,6 +25,7 @@ FAILURE_REASONS = frozenset(
         "Unschedulable",
         "ReplicaFailing",
         "PodCreationFailed",
+        "SafetyLoosened",
     }
 )
 SCALED_TO_ZERO = "ScaledToZero"
@@ -58,6 +59,8 @@ class Observation:
     panic: bool = False
     last_scale_time: str | None = None
     last_scale_reason: str | None = None
+    # The guard model's InferenceService (spec.safety.guard.service) and its state.
+    guard: tuple[str, str] | None = None
 
 
 def build_status(
@@ -81,6 +84,9 @@ def build_status(
             previous.get("conditions") or [], conditions, observation.generation, now
         ),
     }
+    if observation.guard is not None:
+        service, state = observation.guard
+        status["safety"] = {"guard": {"service": service, "state": state}}
     if observation.last_scale_time is not None:
         status["lastScaleTime"] = observation.last_scale_time
         status["lastScaleReason"] = observation.last_scale_reason or ""

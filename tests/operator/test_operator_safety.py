@@ -1,0 +1,177 @@
+"""spec.safety: merged over the platform's defaults, loosening refused unless allowed, the guard service
+resolved to its URL, rendered into an argument the runtime itself accepts, and the guard's state in the
+status and events."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import pytest
+from kvfleet.operator.controller import ServiceController
+from kvfleet.operator.metrics import OperatorMetrics
+from kvfleet.operator.render import Owner, RenderOptions, render_deployment
+from kvfleet.operator.safety import GuardState, SafetyPlatform, check_loosening
+from kvfleet.operator.spec import SpecError, parse_spec
+from kvfleet.runtime.safety.config import parse_safety_config
+from test_operator_controller import FakeCluster, FakeScraper, service
+
+PLATFORM = SafetyPlatform.parse(
+    json.dumps(
+        {
+            "level": "medium",
+            "input": ["rules"],
+            "output": ["rules"],
+            "rules": {"blocklist": ["forbidden"]},
+            "guard": {"endpoint": "self", "failOpen": False},
+            "tiers": {"batch": {"action": "flag"}},
+        }
+    ),
+    "",
+)
+
+
+def _safety_arg(spec: dict[str, Any], platform: SafetyPlatform = PLATFORM) -> dict[str, Any] | None:
+    parsed = parse_spec({"model": {"uri": "file:///m"}, **spec}, name="svc")
+    options = RenderOptions(safety=platform)
+    deployment = render_deployment(Owner("svc", "team-a", "uid"), parsed, 1, options)
+    args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+    if "--safety-config" not in args:
+        return None
+    text = args[args.index("--safety-config") + 1]
+    parse_safety_config(text)  # the runtime accepts what the operator renders
+    return json.loads(text)
+
+
+def test_no_policy_anywhere_renders_no_flag() -> None:
+    assert _safety_arg({}, SafetyPlatform()) is None
+
+
+def test_the_platforms_defaults_apply_to_a_service_without_safety() -> None:
+    assert _safety_arg({}) == PLATFORM.defaults
+
+
+def test_a_service_tightens_and_names_another_service_as_its_guard() -> None:
+    config = _safety_arg(
+        {
+            "safety": {
+                "level": "high",
+                "output": ["rules", "guard"],
+                "rules": {"pii": ["email"]},
+                "guard": {"service": "llama-guard", "timeout": 3},
+            }
+        }
+    )
+    assert config is not None
+    assert config["level"] == "high"
+    assert config["output"] == ["rules", "guard"]
+    # Objects merge field by field: the platform's blocklist stays beside the service's detectors.
+    assert config["rules"] == {"blocklist": ["forbidden"], "pii": ["email"]}
+    assert config["guard"] == {
+        "endpoint": "http://llama-guard.team-a.svc.cluster.local/v1",
+        "failOpen": False,
+        "timeout": 3,
+    }
+
+
+@pytest.mark.parametrize(
+    ("safety", "complaint"),
+    [
+        ({"level": "low"}, "spec.safety.level 'low' is below the platform's 'medium'"),
+        ({"action": "flag"}, "spec.safety.action 'flag' is weaker than the platform's 'block'"),
+        ({"input": []}, "spec.safety.input drops the platform's rules"),
+        ({"tiers": {"standard": {"level": "off"}}}, "spec.safety.tiers.standard.level 'off'"),
+        (
+            {"tiers": {"batch": {"output": ["guard"]}}},
+            "spec.safety.tiers.batch.output drops the platform's rules",
+        ),
+        ({"guard": {"failOpen": True}}, "spec.safety.guard.failOpen lets text through"),
+        ({"audit": {"logContent": True}}, "spec.safety.audit.logContent would log text"),
+    ],
+)
+def test_loosening_is_refused_unless_the_platform_allows_it(safety: dict[str, Any], complaint: str) -> None:
+    with pytest.raises(SpecError) as raised:
+        check_loosening(PLATFORM, safety)
+    assert raised.value.reason == "SafetyLoosened"
+    assert complaint in raised.value.message
+    allow_all = SafetyPlatform.parse(PLATFORM.defaults_json, "level,action,checkers,failOpen,logContent")
+    check_loosening(allow_all, safety)
+
+
+def test_tightening_needs_no_permission() -> None:
+    check_loosening(
+        PLATFORM,
+        {
+            "level": "high",
+            "action": "block",
+            "input": ["rules", "hook"],
+            "hook": {"url": "http://moderation.platform/check"},
+            "tiers": {"batch": {"action": "redact"}},
+        },
+    )
+
+
+@pytest.mark.parametrize(
+    ("safety", "message"),
+    [
+        ("strict", "spec.safety must be an object"),
+        ({"guard": {}}, "spec.safety.guard needs one of service and endpoint"),
+        ({"guard": {"service": "g", "endpoint": "self"}}, "needs one of service and endpoint"),
+        ({"guard": {"service": "Guard_1"}}, "spec.safety.guard.service must name an InferenceService"),
+        ({"guard": {"service": "svc"}}, "names this service itself"),
+    ],
+)
+def test_bad_safety_specs(safety: Any, message: str) -> None:
+    with pytest.raises(SpecError, match=message):
+        parse_spec({"model": {"uri": "file:///m"}, "safety": safety}, name="svc")
+
+
+@pytest.mark.parametrize(
+    ("defaults", "allow", "message"),
+    [("[1]", "", "must be a JSON object"), ("{", "", "not valid JSON"), ("{}", "level,volume", "'volume'")],
+)
+def test_bad_platform_settings(defaults: str, allow: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        SafetyPlatform.parse(defaults, allow)
+
+
+def _controller(
+    cluster: FakeCluster, events: list[tuple[str, str, str]], guard: list[GuardState]
+) -> ServiceController:
+    return ServiceController(
+        owner=Owner("svc", "ns", "uid-1"),
+        cluster=cluster,
+        scraper=FakeScraper(),
+        events=lambda *event: events.append(event),
+        metrics=OperatorMetrics(),
+        options=lambda: RenderOptions(safety=PLATFORM),
+        guard_state=lambda name: guard[0],
+    )
+
+
+def test_a_loosening_service_is_not_rendered_and_says_why() -> None:
+    cluster, events = FakeCluster(), []
+    controller = _controller(cluster, events, [GuardState.READY])
+    asyncio.run(controller.reconcile(service(safety={"level": "off"}), None, []))
+    assert cluster.applied == []
+    (ready,) = [c for c in cluster.statuses[-1]["conditions"] if c["type"] == "Ready"]
+    assert (ready["status"], ready["reason"]) == ("False", "SafetyLoosened")
+    assert ("Warning", "SafetyLoosened") in [(kind, reason) for kind, reason, _ in events]
+
+
+def test_the_guards_state_is_in_the_status_with_an_event_while_it_is_unavailable() -> None:
+    cluster, events, guard = FakeCluster(), [], [GuardState.NOT_FOUND]
+    controller = _controller(cluster, events, guard)
+    body = service(safety={"guard": {"service": "llama-guard"}})
+    asyncio.run(controller.reconcile(body, None, []))
+    assert cluster.statuses[-1]["safety"] == {"guard": {"service": "llama-guard", "state": "NotFound"}}
+    warnings = [message for kind, reason, message in events if reason == "GuardUnavailable"]
+    assert warnings == [
+        "the guard service 'llama-guard' is NotFound: checks that need it fail open or closed as "
+        "spec.safety.guard.failOpen says"
+    ]
+    guard[0] = GuardState.READY
+    asyncio.run(controller.reconcile(body, None, []))
+    assert cluster.statuses[-1]["safety"]["guard"]["state"] == "Ready"
+    assert [reason for _, reason, _ in events].count("GuardAvailable") == 1
