@@ -26,19 +26,24 @@ from kvfleet.runtime.bench.serve import BenchSettings
 from kvfleet.runtime.config import EngineConfig
 
 
-def policies(model: str, hook_url: str, window: int) -> list[tuple[str, dict[str, Any] | None]]:
-    """(name, --safety-config) of every policy measured; the first is the baseline."""
+def logit_bias_against(model: str | Path, first_characters: str) -> dict[str, float]:
+    """logit_bias ruling out every token of the model's vocabulary that begins with one of
+    `first_characters`. Under the guard's grammar that leaves one way at a branch: against "u", only "safe"
+    remains."""
     from tokenizers import Tokenizer
 
     tokenizer = Tokenizer.from_file(str(Path(model) / "tokenizer.json"))
-    # Under the guard's grammar, ruling out every token that begins with "u" leaves only "safe".
-    never_unsafe = {
+    return {
         str(token_id): -100.0
         for token_id in range(tokenizer.get_vocab_size())
-        if tokenizer.decode([token_id]).startswith("u")
+        if tokenizer.decode([token_id]).startswith(tuple(first_characters))
     }
+
+
+def policies(model: str, hook_url: str, window: int) -> list[tuple[str, dict[str, Any] | None]]:
+    """(name, --safety-config) of every policy measured; the first is the baseline."""
     rules = {"blocklist": ["bomb recipe"]}
-    guard = {"endpoint": "self", "extraBody": {"logit_bias": never_unsafe}}
+    guard = {"endpoint": "self", "extraBody": {"logit_bias": logit_bias_against(model, "u")}}
     hook = {"url": hook_url}
     return [
         ("none", None),
@@ -53,23 +58,28 @@ def policies(model: str, hook_url: str, window: int) -> list[tuple[str, dict[str
     ]
 
 
-class _NotFlagged(BaseHTTPRequestHandler):
-    def do_POST(self) -> None:
-        self.rfile.read(int(self.headers["Content-Length"]))
-        body = b'{"flagged": false, "categories": {}}'
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args: object) -> None:
-        pass
+# A hook's request body -> its answer.
+HookJudge = Callable[[dict[str, Any]], dict[str, Any]]
 
 
 @contextmanager
-def _hook_server() -> Iterator[str]:
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _NotFlagged)
+def local_hook(judge: HookJudge) -> Iterator[str]:
+    """A safety hook on loopback that answers each request with `judge(body)`; yields its URL."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            answer = json.dumps(judge(body)).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(answer)))
+            self.end_headers()
+            self.wfile.write(answer)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
@@ -90,7 +100,8 @@ def run_safety_bench(
 ) -> dict[str, Any]:
     config = config.replace(enable_prefix_caching=False)
     report: dict[str, Any] = {"load_average": os.getloadavg()[0], "runs": []}
-    with tempfile.TemporaryDirectory(prefix="kvfleet-bench-safety-") as temp, _hook_server() as hook_url:
+    not_flagged = local_hook(lambda body: {"flagged": False, "categories": {}})
+    with tempfile.TemporaryDirectory(prefix="kvfleet-bench-safety-") as temp, not_flagged as hook_url:
         for name, policy in policies(config.model, hook_url, window):
             args = ["--safety-config", json.dumps(policy)] if policy is not None else []
             server = ServeProcess(config, Path(temp), args)

@@ -19,9 +19,6 @@ PiiDetector = Literal["email", "phone", "card", "iban", "api_key"]
 
 # The lowest score a finding needs to count at each level (None: nothing counts).
 LEVEL_THRESHOLDS: dict[str, float | None] = {"off": None, "low": 0.9, "medium": 0.5, "high": 0.2}
-LEVELS: tuple[str, ...] = tuple(LEVEL_THRESHOLDS)
-# From the most lenient to the strictest: what "loosening" means for the operator.
-ACTIONS_BY_STRICTNESS: tuple[str, ...] = ("flag", "redact", "block")
 GUARD_SELF = "self"
 DEFAULT_REFUSAL = (
     "I can't help with that: the request or its answer goes against this service's safety policy."
@@ -144,10 +141,6 @@ class SafetyConfig(Policy):
         if override is None:
             return base
         return base.model_copy(update=override.model_dump(exclude_none=True))
-
-    @property
-    def checks_anything(self) -> bool:
-        return any(p.level != "off" and (p.input or p.output) for p in map(self.policy, [None, *TIER_NAMES]))
 
 
 def parse_safety_config(value: str) -> SafetyConfig:

@@ -111,12 +111,12 @@ def _engine_guard_completion(config: GuardConfig, engine: AsyncLLM) -> GuardComp
 
 @dataclass
 class RequestSafety:
-    """The guardrails of one request: its tier's policy, its input's verdict (pending while the request
-    queues), and the user's text that outputs are judged against."""
+    """The guardrails of one request: its tier's policy, the user's text that outputs are judged against,
+    and its input's verdict (pending while the request queues)."""
 
     guardrails: Guardrails
     policy: Policy
-    prompt: str | None
+    prompt: str | None = None
     input_verdict: asyncio.Task[Decision] | None = None
 
     @property
@@ -158,18 +158,21 @@ class RequestSafety:
             first = asyncio.ensure_future(anext(outputs))
             try:
                 decision = await verdict
-            finally:
-                if not verdict.done():
-                    verdict.cancel()
-            if decision.blocked:
-                first.cancel()
-                with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration, EngineError):
-                    await first
-                raise ContentFilterError(decision, self.policy.refusal)
-            try:
+                if decision.blocked:
+                    raise ContentFilterError(decision, self.policy.refusal)
                 item = await first
             except StopAsyncIteration:
                 return
+            finally:
+                # Blocked, failed or cancelled (the client gone): the engine request is aborted by the
+                # cancelled wait, before `outputs` is closed.
+                verdict.cancel()
+                if not first.done():
+                    first.cancel()
+                    with contextlib.suppress(asyncio.CancelledError, EngineError):
+                        await first
+                elif not first.cancelled():
+                    first.exception()  # an engine error of a request refused anyway is not news
             yield item
             async for item in outputs:
                 yield item

@@ -158,13 +158,12 @@ class OpenAIServing:
             )
         return priority
 
-    def request_safety(self, priority: int, prompt: str | None) -> RequestSafety | None:
-        """The guardrails of a request of this priority's tier (None when its policy checks nothing);
-        `prompt` is the user's text that outputs are judged against."""
+    def request_safety(self, priority: int) -> RequestSafety | None:
+        """The guardrails of a request of this priority's tier; None when its policy checks nothing."""
         guardrails = self.state.guardrails
         if guardrails is None:
             return None
-        safety = RequestSafety(guardrails, guardrails.policy(tier_of(priority)), prompt)
+        safety = RequestSafety(guardrails, guardrails.policy(tier_of(priority)))
         return safety if safety.checks_input or safety.checks_output else None
 
     async def sampling_params(

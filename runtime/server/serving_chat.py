@@ -31,9 +31,11 @@ class OpenAIServingChat(OpenAIServing):
         self.check_accepting(priority)
         tools = [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None
         messages = body.messages
-        safety = self.request_safety(priority, _last_user_text(messages))
-        if safety is not None and safety.redacts_input:
-            messages = await _redacted(safety, messages)
+        safety = self.request_safety(priority)
+        if safety is not None:
+            safety.prompt = _last_user_text(messages)
+            if safety.redacts_input:
+                messages = await _redacted(safety, messages)
         token_ids = await self.chat_prompt(messages, body.add_generation_prompt, tools)
         self.check_prompt(token_ids, params, "messages")
         if safety is not None and not safety.redacts_input:

@@ -28,7 +28,7 @@ class OpenAIServingCompletion(OpenAIServing):
         priority = self.resolve_priority(body.priority, raw_request)
         self.check_accepting(priority)
         prompts = body.prompts()
-        safety = self.request_safety(priority, None)
+        safety = self.request_safety(priority)
         if safety is not None and safety.redacts_input:
             prompts = await self._redacted(safety, prompts)
         token_lists = []
@@ -63,6 +63,9 @@ class OpenAIServingCompletion(OpenAIServing):
     async def _redacted(self, safety: RequestSafety, prompts: list[str | list[int]]) -> list[str | list[int]]:
         """The prompts with what the input checkers found redacted; token-id prompts cannot be, so one
         that would need it is refused."""
+        if not all(isinstance(prompt, str) for prompt in prompts):
+            # Token ids are read as text with the tokenizer, which comes with the model.
+            await self.state.engine.wait_ready(self.state.engine.startup_request_timeout)
         texts = [self._echo_text(prompt) for prompt in prompts]
         redacted = await asyncio.gather(*(safety.redacted_input(text) for text in texts))
         for index, (prompt, old, new) in enumerate(zip(prompts, texts, redacted, strict=True)):

@@ -6,15 +6,23 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import Any
+from typing import Any, get_args
 
 import pytest
 from kvfleet.operator.controller import ServiceController
 from kvfleet.operator.metrics import OperatorMetrics
 from kvfleet.operator.render import Owner, RenderOptions, render_deployment
-from kvfleet.operator.safety import GuardState, SafetyPlatform, check_loosening
+from kvfleet.operator.safety import (
+    ACTIONS,
+    DEFAULT_ACTION,
+    DEFAULT_LEVEL,
+    LEVELS,
+    GuardState,
+    SafetyPlatform,
+    check_loosening,
+)
 from kvfleet.operator.spec import SpecError, parse_spec
-from kvfleet.runtime.safety.config import parse_safety_config
+from kvfleet.runtime.safety.config import LEVEL_THRESHOLDS, Action, Policy, parse_safety_config
 from test_operator_controller import FakeCluster, FakeScraper, service
 
 PLATFORM = SafetyPlatform.parse(
@@ -175,3 +183,12 @@ def test_the_guards_state_is_in_the_status_with_an_event_while_it_is_unavailable
     asyncio.run(controller.reconcile(body, None, []))
     assert cluster.statuses[-1]["safety"]["guard"]["state"] == "Ready"
     assert [reason for _, reason, _ in events].count("GuardAvailable") == 1
+
+
+def test_the_operator_ranks_the_runtimes_levels_and_actions() -> None:
+    # Strictest last: a level counts ever lower scores, an action lets ever less through.
+    thresholds = [LEVEL_THRESHOLDS[level] for level in LEVELS]
+    assert thresholds[0] is None and thresholds[1:] == sorted(thresholds[1:], reverse=True)
+    assert set(LEVELS) == set(LEVEL_THRESHOLDS)
+    assert set(ACTIONS) == set(get_args(Action))
+    assert (Policy().level, Policy().action) == (DEFAULT_LEVEL, DEFAULT_ACTION)

@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import json
 import re
-import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -17,8 +16,8 @@ import httpx
 import openai
 import pytest
 from conftest import free_port
+from kvfleet.runtime.bench.safety import local_hook, logit_bias_against
 from server_checks import finished_count, wait_idle
-from tokenizers import Tokenizer
 
 if TYPE_CHECKING:
     from conftest import ServerProcess
@@ -29,27 +28,18 @@ WINDOW = 4
 REFUSAL = "Refused by policy."
 MARKER_CATEGORY = "test/marker"
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
-
-
-def _biased_away(model: Path, first_characters: str) -> dict[str, float]:
-    """logit_bias that rules out every token beginning with one of `first_characters`: under the guard's
-    grammar, that leaves one way at each of its branches, so the verdict is forced whatever the weights."""
-    tokenizer = Tokenizer.from_file(str(model / "tokenizer.json"))
-    return {
-        str(token_id): -100.0
-        for token_id in range(tokenizer.get_vocab_size())
-        if tokenizer.decode([token_id]).startswith(tuple(first_characters))
-    }
+# How long the hook takes over a text that asks for it ("slowly").
+HOOK_DELAY_S = 3.0
 
 
 # "safe": nothing may begin with "u". "unsafe\nS9": nothing with "s" (so "un..." at the first branch), no
 # digit but 9 after "S", and no "," after it: the verdict ends there.
 def _safe_bias(model: Path) -> dict[str, float]:
-    return _biased_away(model, "u")
+    return logit_bias_against(model, "u")
 
 
 def _unsafe_s9_bias(model: Path) -> dict[str, float]:
-    return _biased_away(model, "s12345678,")
+    return logit_bias_against(model, "s12345678,")
 
 
 def _chat(server: ServerProcess, tier: str = "standard", **body: Any) -> httpx.Response:
@@ -180,30 +170,17 @@ def guarded(
     return start_server("--safety-config", json.dumps(config))
 
 
-class _Hook(BaseHTTPRequestHandler):
-    def do_POST(self) -> None:
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        flagged = "forbidden" in body["text"]
-        answer = json.dumps({"flagged": flagged, "categories": {"hook/custom": 1.0 if flagged else 0.0}})
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.end_headers()
-        self.wfile.write(answer.encode())
-
-    def log_message(self, *args: object) -> None:
-        pass
+def _judge(body: dict[str, Any]) -> dict[str, Any]:
+    if "slowly" in body["text"]:
+        time.sleep(HOOK_DELAY_S)
+    flagged = "forbidden" in body["text"]
+    return {"flagged": flagged, "categories": {"hook/custom": 1.0 if flagged else 0.0}}
 
 
 @pytest.fixture(scope="module")
 def hook_url() -> Iterator[str]:
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _Hook)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}/check"
-    finally:
-        server.shutdown()
-        thread.join()
+    with local_hook(_judge) as url:
+        yield url
 
 
 def _guard_down_config(fail_open: bool, **extra: Any) -> str:
@@ -354,18 +331,33 @@ def test_a_flagging_tier_lets_the_guarded_output_through(
 # ---- the guard down, and a hook ----------------------------------------------------------------------
 
 
-def test_guard_down_fails_open_and_the_hook_still_judges(
-    start_server: Callable[..., ServerProcess], hook_url: str
-) -> None:
-    server = start_server(
+@pytest.fixture(scope="module")
+def hooked(start_server: Callable[..., ServerProcess], hook_url: str) -> ServerProcess:
+    """Input judged by a guard that is down (failing open) and by the hook (failing closed)."""
+    return start_server(
         "--safety-config",
         _guard_down_config(True, input=["guard", "hook"], hook={"url": hook_url, "failOpen": False}),
     )
-    assert _chat(server, max_tokens=2).status_code == 200
-    refused = _chat(server, messages=[{"role": "user", "content": "something forbidden"}], max_tokens=2)
+
+
+def test_guard_down_fails_open_and_the_hook_still_judges(hooked: ServerProcess) -> None:
+    assert _chat(hooked, max_tokens=2).status_code == 200
+    refused = _chat(hooked, messages=[{"role": "user", "content": "something forbidden"}], max_tokens=2)
     assert refused.status_code == 400
     assert refused.json()["error"]["categories"] == ["hook/custom"]
-    assert 'checker="guard",model_name="tiny",outcome="open"' in httpx.get(f"{server.url}/metrics").text
+    assert 'checker="guard",model_name="tiny",outcome="open"' in httpx.get(f"{hooked.url}/metrics").text
+
+
+def test_a_client_gone_while_its_input_is_checked_frees_its_request(hooked: ServerProcess) -> None:
+    # The request runs while the hook takes its time; the client leaves before the verdict.
+    aborted, finished = finished_count(hooked, "abort"), finished_count(hooked, "length")
+    slow = {"messages": [{"role": "user", "content": "answer slowly"}], "max_tokens": 1900, "stream": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{hooked.url}/v1/chat/completions", json={**slow, **GREEDY}, timeout=1.0)
+    wait_idle(hooked, timeout=HOOK_DELAY_S + 20)
+    assert (finished_count(hooked, "abort"), finished_count(hooked, "length")) == (aborted + 1, finished)
+    assert _chat(hooked, max_tokens=2).status_code == 200
+    assert "Traceback" not in hooked.log_path.read_text()
 
 
 def test_guard_down_fails_closed(start_server: Callable[..., ServerProcess]) -> None:
