@@ -5,7 +5,8 @@ Each policy runs on a `kvfleet serve` of its own (same model, same seeded token-
 off): first one request at a time (the TTFT that input checks add beside queueing and prefill), then many at
 once (output tokens per second). The guard runs on the same server's model, its verdict forced to "safe"
 with logit_bias so that every request runs to its end; the hook is a local HTTP server answering "not
-flagged" at once, so its figure is the cost of the round trip.
+flagged" at once, so its figure is the cost of the round trip. The last column counts the requests
+answered: refused ones (a guard that timed out and failed closed) are in no figure.
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ def logit_bias_against(model: str | Path, first_characters: str) -> dict[str, fl
 def policies(model: str, hook_url: str, window: int) -> list[tuple[str, dict[str, Any] | None]]:
     """(name, --safety-config) of every policy measured; the first is the baseline."""
     rules = {"blocklist": ["bomb recipe"]}
-    guard = {"endpoint": "self", "extraBody": {"logit_bias": logit_bias_against(model, "u")}}
+    # A timeout long enough for a loaded server: the figures are the guard's cost, not its failures.
+    guard = {"endpoint": "self", "timeout": 120, "extraBody": {"logit_bias": logit_bias_against(model, "u")}}
     hook = {"url": hook_url}
     return [
         ("none", None),
