@@ -4,26 +4,21 @@ status and events."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 from typing import Any, get_args
 
 import pytest
-from kvfleet.operator.controller import ServiceController
-from kvfleet.operator.metrics import OperatorMetrics
 from kvfleet.operator.render import Owner, RenderOptions, render_deployment
 from kvfleet.operator.safety import (
     ACTIONS,
     DEFAULT_ACTION,
     DEFAULT_LEVEL,
     LEVELS,
-    GuardState,
     SafetyPlatform,
     check_loosening,
 )
 from kvfleet.operator.spec import SpecError, parse_spec
 from kvfleet.runtime.safety.config import LEVEL_THRESHOLDS, Action, Policy, parse_safety_config
-from test_operator_controller import FakeCluster, FakeScraper, service
 
 PLATFORM = SafetyPlatform.parse(
     json.dumps(
@@ -142,47 +137,6 @@ def test_bad_safety_specs(safety: Any, message: str) -> None:
 def test_bad_platform_settings(defaults: str, allow: str, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         SafetyPlatform.parse(defaults, allow)
-
-
-def _controller(
-    cluster: FakeCluster, events: list[tuple[str, str, str]], guard: list[GuardState]
-) -> ServiceController:
-    return ServiceController(
-        owner=Owner("svc", "ns", "uid-1"),
-        cluster=cluster,
-        scraper=FakeScraper(),
-        events=lambda *event: events.append(event),
-        metrics=OperatorMetrics(),
-        options=lambda: RenderOptions(safety=PLATFORM),
-        guard_state=lambda name: guard[0],
-    )
-
-
-def test_a_loosening_service_is_not_rendered_and_says_why() -> None:
-    cluster, events = FakeCluster(), []
-    controller = _controller(cluster, events, [GuardState.READY])
-    asyncio.run(controller.reconcile(service(safety={"level": "off"}), None, []))
-    assert cluster.applied == []
-    (ready,) = [c for c in cluster.statuses[-1]["conditions"] if c["type"] == "Ready"]
-    assert (ready["status"], ready["reason"]) == ("False", "SafetyLoosened")
-    assert ("Warning", "SafetyLoosened") in [(kind, reason) for kind, reason, _ in events]
-
-
-def test_the_guards_state_is_in_the_status_with_an_event_while_it_is_unavailable() -> None:
-    cluster, events, guard = FakeCluster(), [], [GuardState.NOT_FOUND]
-    controller = _controller(cluster, events, guard)
-    body = service(safety={"guard": {"service": "llama-guard"}})
-    asyncio.run(controller.reconcile(body, None, []))
-    assert cluster.statuses[-1]["safety"] == {"guard": {"service": "llama-guard", "state": "NotFound"}}
-    warnings = [message for kind, reason, message in events if reason == "GuardUnavailable"]
-    assert warnings == [
-        "the guard service 'llama-guard' is NotFound: checks that need it fail open or closed as "
-        "spec.safety.guard.failOpen says"
-    ]
-    guard[0] = GuardState.READY
-    asyncio.run(controller.reconcile(body, None, []))
-    assert cluster.statuses[-1]["safety"]["guard"]["state"] == "Ready"
-    assert [reason for _, reason, _ in events].count("GuardAvailable") == 1
 
 
 def test_the_operator_ranks_the_runtimes_levels_and_actions() -> None:
