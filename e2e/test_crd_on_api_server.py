@@ -130,6 +130,21 @@ INVALID: list[tuple[str, dict[str, Any], list[str]]] = [
         [IS_INVALID, "spec.engine.extraArgs[0]", "engine.extraArgs must not pass --api-key"],
     ),
     (
+        "safety-guard-service-and-endpoint",
+        {**VALID_SPEC, "safety": {"guard": {"service": "guard", "endpoint": "self"}}},
+        [IS_INVALID, "spec.safety.guard", "give one of service and endpoint"],
+    ),
+    (
+        "safety-unknown-tier",
+        {**VALID_SPEC, "safety": {"tiers": {"gold": {"action": "flag"}}}},
+        [IS_INVALID, "spec.safety.tiers", "tiers are critical, high, standard and batch"],
+    ),
+    (
+        "safety-unknown-level",
+        {**VALID_SPEC, "safety": {"level": "extreme"}},
+        [IS_INVALID, "spec.safety.level", "Unsupported value"],
+    ),
+    (
         # kubectl asks the server for strict field validation: a typo is an error, not silently pruned.
         "unknown-field",
         {**VALID_SPEC, "scaling": {"maxReplica": 3}},

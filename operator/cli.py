@@ -72,6 +72,21 @@ logger = logging.getLogger(__name__)
     help="Bytes of a replica's /metrics page read at most; a larger page is cut off there and counts as a "
     "failed scrape.  [default: 1048576 (1 MiB)]",
 )
+@click.option(
+    "--safety-defaults",
+    envvar="KVFLEET_SAFETY_DEFAULTS",
+    default="{}",
+    show_default=True,
+    help="The platform's safety policy (JSON, the runtime's --safety-config shape) under every service's "
+    "spec.safety.",
+)
+@click.option(
+    "--safety-allow-loosen",
+    envvar="KVFLEET_SAFETY_ALLOW_LOOSEN",
+    default="",
+    help="What spec.safety may loosen of the defaults, comma-separated: level, action, checkers, failOpen, "
+    "logContent.",
+)
 def operator_command(
     namespaces: tuple[str, ...],
     standalone: bool,
@@ -87,6 +102,8 @@ def operator_command(
     api_concurrency: int,
     scrape_timeout: float,
     scrape_max_bytes: int | None,
+    safety_defaults: str,
+    safety_allow_loosen: str,
 ) -> None:
     """Run the kvfleet operator: InferenceServices in, autoscaled runtime fleets out."""
     import kopf
@@ -97,6 +114,7 @@ def operator_command(
     from kvfleet.operator.kube import KubeApi, KubeError
     from kvfleet.operator.kube_client import make_api_client
     from kvfleet.operator.render import DEFAULT_RUNTIME_IMAGE, RenderOptions
+    from kvfleet.operator.safety import SafetyPlatform
     from kvfleet.operator.scrape import DEFAULT_MAX_PAGE_BYTES
 
     if not logging.getLogger().isEnabledFor(logging.DEBUG):
@@ -107,8 +125,12 @@ def operator_command(
         kube = KubeApi(make_api_client(kubeconfig, kube_context, pool_size=api_concurrency))
     except kubernetes.config.ConfigException as error:
         raise click.ClickException(f"no cluster credentials (in-cluster or kubeconfig): {error}") from None
+    try:
+        safety = SafetyPlatform.parse(safety_defaults, safety_allow_loosen)
+    except ValueError as error:
+        raise click.BadParameter(str(error), param_hint="--safety-defaults/--safety-allow-loosen") from None
     options = RenderOptions(
-        runtime_image=runtime_image or DEFAULT_RUNTIME_IMAGE, cluster_domain=cluster_domain
+        runtime_image=runtime_image or DEFAULT_RUNTIME_IMAGE, cluster_domain=cluster_domain, safety=safety
     )
     context = OperatorContext(
         kube=kube,

@@ -32,6 +32,7 @@ from kvfleet.operator.metrics import OperatorMetrics
 from kvfleet.operator.observed import DeploymentView, PodView
 from kvfleet.operator.render import Owner, RenderOptions, render_children, service_url
 from kvfleet.operator.render_pod import adapter_source
+from kvfleet.operator.safety import GUARD_UNAVAILABLE_REASON, GuardState, check_loosening, guard_service
 from kvfleet.operator.scrape import ScrapeFailure, ScrapeTarget
 from kvfleet.operator.spec import InferenceServiceSpec, SpecError, parse_spec
 from kvfleet.operator.status import Observation, build_status, transition_events
@@ -51,7 +52,7 @@ PAGE_TOO_LARGE_REASON = "MetricsPageTooLarge"
 # within it.
 API_KEY_REFRESH_SECONDS = 60.0
 # Status keys the operator writes only sometimes; a merge patch must clear them explicitly.
-_OPTIONAL_STATUS_KEYS = ("autoscaler", "lastScaleTime", "lastScaleReason", "adapters")
+_OPTIONAL_STATUS_KEYS = ("autoscaler", "lastScaleTime", "lastScaleReason", "adapters", "safety")
 
 
 class Cluster(Protocol):
@@ -70,6 +71,12 @@ class Scraper(Protocol):
 EventSink = Callable[[str, str, str], None]
 # A served model name -> the requests the fleet gateway holds for it; None when no gateway answers.
 GatewayQueue = Callable[[str], Awaitable[float | None]]
+# The name of an InferenceService of the same namespace -> whether it can serve as a guard.
+GuardStateOf = Callable[[str], GuardState]
+
+
+def _guard_unknown(service: str) -> GuardState:
+    return GuardState.NOT_FOUND
 
 
 async def _no_gateway(model: str) -> float | None:
@@ -90,6 +97,7 @@ class ServiceController:
     options: Callable[[], RenderOptions]
     adapter_sync: AdapterSync
     gateway_queue: GatewayQueue = _no_gateway
+    guard_state: GuardStateOf = _guard_unknown
     clock: Callable[[], float] = time.monotonic
     wall_clock: Callable[[], datetime.datetime] = _utc_now
 
@@ -157,6 +165,7 @@ class ServiceController:
         previous_status = self._last_status or dict(body.get("status") or {})
         try:
             spec = parse_spec(body.get("spec") or {}, name=self.owner.name)
+            check_loosening(self.options().safety, spec.safety)
         except SpecError as error:
             self.metrics.reconciles.labels("invalid").inc()
             self._warn(error.reason, error.message)
@@ -188,7 +197,9 @@ class ServiceController:
             self.metrics.reconcile_errors.labels(f"http_{error.status}").inc()
 
         adapters = await self._sync_adapters(spec, pods) if spec.lora_enabled else None
-        observation = self._observation(generation, spec, deployment, pods, blocking, adapters)
+        observation = self._observation(
+            generation, spec, deployment, pods, blocking, adapters=adapters, guard=self._guard(spec)
+        )
         await self._write_status(observation, previous_status)
         if self._failures:
             return min(2.0**self._failures, MAX_BACKOFF_SECONDS)
@@ -299,6 +310,26 @@ class ServiceController:
             self._template = key, _digest(render_children(self.owner, spec, 0, options))
         return self._template[1]
 
+    def _guard(self, spec: InferenceServiceSpec) -> tuple[str, GuardState] | None:
+        """The guard service and its state; a Warning event while it cannot serve, a Normal one once it
+        can again."""
+        service = guard_service(self.options().safety, spec.safety)
+        if service is None:
+            self._resolve(GUARD_UNAVAILABLE_REASON)
+            return None
+        state = self.guard_state(service)
+        if state is GuardState.READY:
+            if GUARD_UNAVAILABLE_REASON in self._warned:
+                self.events("Normal", "GuardAvailable", f"the guard service {service!r} serves again")
+            self._resolve(GUARD_UNAVAILABLE_REASON)
+        else:
+            self._warn(
+                GUARD_UNAVAILABLE_REASON,
+                f"the guard service {service!r} is {state.value}: checks that need it fail open or closed as "
+                "spec.safety.guard.failOpen says",
+            )
+        return service, state
+
     def _observation(
         self,
         generation: int,
@@ -307,6 +338,7 @@ class ServiceController:
         pods: list[PodView],
         blocking: tuple[str, str] | None,
         adapters: list[AdapterStatus] | None = None,
+        guard: tuple[str, GuardState] | None = None,
     ) -> Observation:
         series = (self.owner.namespace, self.owner.name)
         if deployment is not None:
@@ -329,6 +361,7 @@ class ServiceController:
             last_scale_time=self.last_scale_time,
             last_scale_reason=self.last_scale_reason,
             adapters=adapters,
+            guard=(guard[0], guard[1].value) if guard is not None else None,
         )
 
     async def _write_status(self, observation: Observation, previous: Mapping[str, Any]) -> None:

@@ -33,6 +33,7 @@ from kvfleet.operator.controller import ServiceController
 from kvfleet.operator.kube import connection_info
 from kvfleet.operator.observed import DeploymentView, PodView, deployment_view, pod_view
 from kvfleet.operator.render import Owner
+from kvfleet.operator.safety import GuardState
 from kvfleet.operator.scrape import FleetScraper, GatewayQueues, ScrapeTarget
 
 MANAGED = {LABEL_MANAGED_BY: MANAGED_BY, SERVICE_LABEL: kopf.PRESENT}
@@ -141,6 +142,12 @@ async def fleet_loop(
         depths = await gateway_queues.depths(targets) if targets else None
         return None if depths is None else depths.get(model, 0.0)
 
+    def guard_state(service: str) -> GuardState:
+        views = kvfleet_deployments.get((namespace, service), [])
+        if not views:
+            return GuardState.NOT_FOUND
+        return GuardState.READY if any(view.ready_replicas > 0 for view in views) else GuardState.UNAVAILABLE
+
     controller = ServiceController(
         owner=Owner(name, namespace, uid),
         cluster=context.cluster,
@@ -150,6 +157,7 @@ async def fleet_loop(
         options=lambda: context.render_options,
         adapter_sync=AdapterSync(RuntimeAdapterClient(context.session)),
         gateway_queue=gateway_queue,
+        guard_state=guard_state,
     )
     wakeup = context.wakeup_for(key)
 

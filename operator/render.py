@@ -6,7 +6,7 @@ idempotent and the output golden-testable.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvfleet.operator.api import (
@@ -23,6 +23,7 @@ from kvfleet.operator.api import (
     TIER_LABEL,
 )
 from kvfleet.operator.render_pod import batch_claim_name, pod_template
+from kvfleet.operator.safety import SafetyPlatform, safety_config
 from kvfleet.operator.spec import InferenceServiceSpec
 
 DEFAULT_RUNTIME_IMAGE = "kvfleet/runtime:0.1.0"
@@ -38,6 +39,8 @@ class RenderOptions:
     runtime_image: str = DEFAULT_RUNTIME_IMAGE
     cluster_domain: str = "cluster.local"
     service_monitor: bool = False
+    # The platform's safety defaults and what services may loosen (chart values safety.*).
+    safety: SafetyPlatform = field(default_factory=SafetyPlatform)
 
 
 @dataclass(frozen=True)
@@ -108,7 +111,13 @@ def render_deployment(
             "strategy": strategy,
             "revisionHistoryLimit": 3,
             "progressDeadlineSeconds": spec.engine.startup_timeout_seconds + ROLLOUT_SLACK_SECONDS,
-            "template": pod_template(spec, labels, image, owner.name),
+            "template": pod_template(
+                spec,
+                labels,
+                image,
+                owner.name,
+                safety_config(options.safety, spec.safety, owner.namespace, options.cluster_domain),
+            ),
         },
     }
 

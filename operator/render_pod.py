@@ -58,8 +58,8 @@ def _adapter_claims(spec: InferenceServiceSpec) -> list[str]:
     return sorted({a.source.location for a in spec.adapters if a.source.scheme == "pvc"})
 
 
-def runtime_args(spec: InferenceServiceSpec) -> list[str]:
-    """`kvfleet serve` flags, in the runtime's own names."""
+def runtime_args(spec: InferenceServiceSpec, safety_config: str | None = None) -> list[str]:
+    """`kvfleet serve` flags, in the runtime's own names; `safety_config` is the merged safety policy."""
     engine, tier = spec.engine, TIERS[spec.sla.tier]
     args = ["--model", model_path(spec.model), "--served-model-name", spec.model.served_name]
     args += ["--host", "0.0.0.0", "--port", str(HTTP_PORT)]
@@ -89,6 +89,7 @@ def runtime_args(spec: InferenceServiceSpec) -> list[str]:
         # The adapters themselves are not flags: the operator loads them into running replicas.
         args += ["--enable-lora", "--allow-runtime-lora-updates", "--lora-download-dir", ADAPTER_DOWNLOADS]
         args += _flags([("--max-loras", engine.max_loras), ("--max-lora-rank", engine.max_lora_rank)])
+    args += _flags([("--safety-config", safety_config)])
     return args + list(engine.extra_args)
 
 
@@ -101,7 +102,11 @@ def batch_claim_name(service_name: str) -> str:
 
 
 def pod_template(
-    spec: InferenceServiceSpec, labels: dict[str, str], image: str, service_name: str
+    spec: InferenceServiceSpec,
+    labels: dict[str, str],
+    image: str,
+    service_name: str,
+    safety_config: str | None = None,
 ) -> dict[str, Any]:
     engine, resources = spec.engine, spec.resources
     volumes, mounts = _model_volumes(spec.model)
@@ -126,7 +131,7 @@ def pod_template(
         "image": image,
         "imagePullPolicy": engine.image_pull_policy,
         "command": ["kvfleet", "serve"],
-        "args": runtime_args(spec),
+        "args": runtime_args(spec, safety_config),
         "ports": [{"name": HTTP_PORT_NAME, "containerPort": HTTP_PORT, "protocol": "TCP"}],
         "env": _runtime_env(spec),
         "resources": _container_resources(spec),

@@ -168,6 +168,8 @@ class InferenceServiceSpec:
     sla: SlaSpec
     batch: BatchSpec | None = None
     routing: RoutingSpec = RoutingSpec()
+    # spec.safety as given (kvfleet.operator.safety merges it with the platform's defaults).
+    safety: Mapping[str, Any] | None = None
     adapters: tuple[AdapterSpec, ...] = ()
 
     @property
@@ -184,6 +186,8 @@ def parse_spec(spec: Mapping[str, Any], *, name: str) -> InferenceServiceSpec:
             "letters, digits and '-', starting with a letter and ending with a letter or digit): the Service "
             "and the labels of the pods take the name",
         )
+    from kvfleet.operator.safety import parse_safety  # it raises this module's SpecError
+
     root = _Section(spec, "spec")
     engine = _parse_engine(root.section("engine"))
     scaling = _parse_scaling(root.section("scaling"))
@@ -197,6 +201,7 @@ def parse_spec(spec: Mapping[str, Any], *, name: str) -> InferenceServiceSpec:
         batch=_parse_batch(root, scaling),
         routing=_parse_routing(root.section("routing")),
         adapters=_parse_adapters(root, model.served_name),
+        safety=parse_safety(root.raw.get("safety"), name=name),
     )
 
 

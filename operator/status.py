@@ -26,6 +26,7 @@ FAILURE_REASONS = frozenset(
         "Unschedulable",
         "ReplicaFailing",
         "PodCreationFailed",
+        "SafetyLoosened",
     }
 )
 SCALED_TO_ZERO = "ScaledToZero"
@@ -61,6 +62,8 @@ class Observation:
     last_scale_reason: str | None = None
     # Each LoRA adapter's state; None when the service serves none.
     adapters: Sequence[AdapterStatus] | None = None
+    # The guard model's InferenceService (spec.safety.guard.service) and its state.
+    guard: tuple[str, str] | None = None
 
 
 def build_status(
@@ -96,6 +99,9 @@ def build_status(
             }
             for adapter in observation.adapters
         ]
+    if observation.guard is not None:
+        service, state = observation.guard
+        status["safety"] = {"guard": {"service": service, "state": state}}
     if observation.last_scale_time is not None:
         status["lastScaleTime"] = observation.last_scale_time
         status["lastScaleReason"] = observation.last_scale_reason or ""

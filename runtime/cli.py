@@ -206,6 +206,48 @@ def bench_structured(model: str | None, num_requests: int, rounds: int, bench_se
     print_structured_report(report)
 
 
+@bench.command("safety")
+@small_model_option
+@click.option("--num-prompts", type=click.IntRange(min=2), default=40, show_default=True, help="For TTFT.")
+@click.option("--throughput-prompts", type=click.IntRange(min=1), default=64, show_default=True)
+@click.option("--concurrency", type=click.IntRange(min=1), default=16, show_default=True)
+@click.option("--input-len", type=click.IntRange(min=1), default=128, show_default=True)
+@click.option("--output-len", type=click.IntRange(min=1), default=64, show_default=True)
+@click.option("--window-tokens", type=click.IntRange(min=1), default=16, show_default=True)
+@bench_seed_option
+@engine_options
+def bench_safety(
+    model: str | None,
+    num_prompts: int,
+    throughput_prompts: int,
+    concurrency: int,
+    input_len: int,
+    output_len: int,
+    window_tokens: int,
+    bench_seed: int,
+    **options,
+) -> None:
+    """TTFT added by each safety checker on input, and throughput with output checking on against off."""
+    import logging
+
+    from kvfleet.runtime.bench.safety import format_report, run_safety_bench
+    from kvfleet.runtime.bench.serve import BenchSettings
+
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    with _model_or_small(model) as model_dir:
+        config = engine_config_from_options(model_dir, options)
+        lengths = {"input_len": input_len, "output_len": output_len, "seed": bench_seed}
+        report = run_safety_bench(
+            config,
+            ttft=BenchSettings(url="", num_prompts=num_prompts, **lengths),
+            throughput=BenchSettings(url="", num_prompts=throughput_prompts, **lengths),
+            concurrency=concurrency,
+            window=window_tokens,
+            log=lambda line: click.echo(line, err=True),
+        )
+    click.echo(format_report(report))
+
+
 @bench.command("batch")
 @small_model_option
 @click.option("--num-rows", type=click.IntRange(min=1), default=256, show_default=True)

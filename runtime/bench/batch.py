@@ -79,10 +79,10 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
-class _Server:
-    """`kvfleet serve` on loopback with a Batch API store, stopped by its PID."""
+class ServeProcess:
+    """`kvfleet serve` of `config` on loopback with `extra_args`, stopped by its PID; its log in `workdir`."""
 
-    def __init__(self, config: EngineConfig, workdir: Path) -> None:
+    def __init__(self, config: EngineConfig, workdir: Path, extra_args: list[str]) -> None:
         self.url = f"http://127.0.0.1:{_free_port()}"
         flags = [
             arg
@@ -99,8 +99,8 @@ class _Server:
             "--port",
             self.url.rsplit(":", 1)[1],
         ]
-        command += ["--batch-store", str(workdir / "store"), *flags]
-        self.log = (workdir / "server.log").open("wb")
+        command += [*extra_args, *flags]
+        self.log = (workdir / "server.log").open("ab")
         self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT)
 
     def wait_ready(self) -> None:
@@ -148,7 +148,7 @@ def interactive_ttft(settings: BenchSettings) -> dict[str, Any]:
 
 
 def ttft_beside_a_batch(
-    server: _Server, interactive: BenchSettings, rows: list[dict[str, Any]], mean_output_len: float
+    server: ServeProcess, interactive: BenchSettings, rows: list[dict[str, Any]], mean_output_len: float
 ) -> dict[str, Any]:
     """The interactive run while a batch of `rows` runs on the same server; the batch's throughput over the
     same time (answered lines x their mean output length)."""
@@ -214,7 +214,7 @@ def run_batch_bench(
         rows_path.write_text("".join(json.dumps(row) + "\n" for row in rows))
         log(f"run-batch: {len(rows)} rows")
         report["run_batch"] = run_batch_throughput(rows_path, config, workdir)
-        server = _Server(config, workdir)
+        server = ServeProcess(config, workdir, ["--batch-store", str(workdir / "store")])
         try:
             server.wait_ready()
             url_settings = replace(settings, url=server.url, model=MODEL_NAME)

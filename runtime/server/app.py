@@ -26,12 +26,14 @@ from kvfleet.runtime.server.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     LoadLoRAAdapterRequest,
+    ModerationRequest,
     TokenizeRequest,
     UnloadLoRAAdapterRequest,
 )
 from kvfleet.runtime.server.serving_chat import OpenAIServingChat
 from kvfleet.runtime.server.serving_completions import OpenAIServingCompletion
 from kvfleet.runtime.server.serving_lora import OpenAIServingLoRA
+from kvfleet.runtime.server.serving_moderations import OpenAIServingModeration
 from kvfleet.runtime.server.state import ServerState
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
@@ -98,6 +100,8 @@ def _lifespan(state: ServerState, batches: BatchService | None) -> Any:
             with contextlib.suppress(asyncio.CancelledError):
                 await loader
             await state.engine.shutdown()
+            if state.guardrails is not None:
+                await state.guardrails.aclose()
 
     return lifespan
 
@@ -110,6 +114,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     completions = OpenAIServingCompletion(state)
     chat = OpenAIServingChat(state)
     lora = OpenAIServingLoRA(state)
+    moderations = OpenAIServingModeration(state)
     started = int(time.time())
 
     @app.get("/health")
@@ -160,6 +165,10 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/chat/completions")
     async def create_chat_completion(body: ChatCompletionRequest, raw_request: Request) -> Response:
         return await chat.create_chat_completion(body, raw_request)
+
+    @app.post("/v1/moderations")
+    async def create_moderation(body: ModerationRequest) -> Response:
+        return JSONResponse(await moderations.create_moderation(body))
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> Response:

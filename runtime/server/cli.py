@@ -20,6 +20,7 @@ from kvfleet.runtime.server.state import (
 )
 
 if TYPE_CHECKING:
+    from kvfleet.runtime.safety.config import SafetyConfig
     from kvfleet.runtime.server.lora_adapters import LoRAAdapters
 
 _API_KEY_ENV = "KVFLEET_API_KEY"
@@ -190,6 +191,13 @@ served_model_name_option = click.option(
     default=None,
     help="Where adapters loaded from hf://org/name[@revision] URIs are fetched to (needs --enable-lora).",
 )
+@click.option(
+    "--safety-config",
+    default=None,
+    metavar="JSON|FILE",
+    help="Input and output guardrails: a JSON policy, or the path of a JSON file holding one (see "
+    "docs/safety.md).",
+)
 @click.option("--tensor-parallel-size", type=int, default=1, show_default=True, help="Only 1 is supported.")
 @click.option("--access-log/--no-access-log", default=False, show_default=True)
 @engine_options
@@ -219,6 +227,7 @@ def serve(
     lora_modules: tuple[str, ...],
     allow_runtime_lora_updates: bool,
     lora_download_dir: str | None,
+    safety_config: str | None,
     tensor_parallel_size: int,
     access_log: bool,
     **options: Any,
@@ -256,6 +265,7 @@ def serve(
             "--enable-auto-tool-choice needs --tool-call-parser", param_hint="--enable-auto-tool-choice"
         )
 
+    safety = _safety(safety_config)
     lora_adapters = _lora_adapters(
         config,
         served_model_name or model,
@@ -282,6 +292,7 @@ def serve(
         batch_store=batch_store,
         max_batch_file_bytes=max_batch_file_bytes,
         allow_runtime_lora_updates=allow_runtime_lora_updates,
+        safety=safety,
     )
     options = ServeOptions(
         settings=settings,
@@ -296,6 +307,17 @@ def serve(
         core_class=click.get_current_context().obj,
     )
     sys.exit(run_server(config, options))
+
+
+def _safety(value: str | None) -> SafetyConfig | None:
+    if value is None:
+        return None
+    from kvfleet.runtime.safety.config import parse_safety_config
+
+    try:
+        return parse_safety_config(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--safety-config") from None
 
 
 def _lora_adapters(

@@ -94,6 +94,10 @@ def run_api_server(
     state = ServerState(
         settings=settings, engine=engine, metrics=metrics, lora_adapters=options.lora_adapters
     )
+    if settings.safety is not None:
+        from kvfleet.runtime.server.safety import ServerGuardrails
+
+        state.guardrails = ServerGuardrails(settings.safety, metrics, engine)
     if options.lora_adapters is not None:
         adapters = options.lora_adapters
         metrics.set_lora_adapters_source(lambda: [served.lora.lora_name for served in adapters.loaded])

@@ -413,6 +413,25 @@ class ChatCompletionRequest(_GenerationRequest):
         return self._sampling_params(max_tokens, logprobs)
 
 
+class ModerationTextInput(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ModerationRequest(_Request):
+    """OpenAI's moderation request: one text or several (as strings or text parts)."""
+
+    input: str | list[str] | list[ModerationTextInput]
+    model: str | None = None
+
+    def texts(self) -> list[str]:
+        if isinstance(self.input, str):
+            return [self.input]
+        if not self.input:
+            raise BadRequestError("input must not be empty", param="input")
+        return [item if isinstance(item, str) else item.text for item in self.input]
+
+
 class TokenizeRequest(_Request):
     model: str | None = None
     prompt: str | None = None

@@ -3,6 +3,7 @@ the event stream."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 import uuid
@@ -35,6 +36,7 @@ from kvfleet.runtime.server.protocol import (
     template_messages,
     usage,
 )
+from kvfleet.runtime.server.safety import RequestSafety
 from kvfleet.runtime.server.state import ServerState
 from kvfleet.runtime.server.streaming import SSE_DONE, merge_streams, prepend, sse_event, unless_disconnected
 from kvfleet.runtime.structured_outputs.grammars import GrammarError, check_constraint
@@ -53,6 +55,7 @@ class PreparedRequest:
     timeout: float | None
     arrival_time: float
     lora_request: LoRARequest | None
+    safety: RequestSafety | None = None
 
 
 @dataclass
@@ -156,6 +159,14 @@ class OpenAIServing:
                 param=source,
             )
         return priority
+
+    def request_safety(self, priority: int) -> RequestSafety | None:
+        """The guardrails of a request of this priority's tier; None when its policy checks nothing."""
+        guardrails = self.state.guardrails
+        if guardrails is None:
+            return None
+        safety = RequestSafety(guardrails, guardrails.policy(tier_of(priority)))
+        return safety if safety.checks_input or safety.checks_output else None
 
     async def sampling_params(
         self,
@@ -306,6 +317,7 @@ class OpenAIServing:
         timeout: float | None,
         arrival_time: float,
         lora_request: LoRARequest | None,
+        safety: RequestSafety | None = None,
     ) -> PreparedRequest:
         return PreparedRequest(
             request_id=f"{self.id_prefix}-{uuid.uuid4().hex}",
@@ -317,12 +329,16 @@ class OpenAIServing:
             timeout=timeout if timeout is not None else self.state.settings.request_timeout,
             arrival_time=arrival_time,
             lora_request=lora_request,
+            safety=safety,
         )
 
     # ---- running ---------------------------------------------------------------------------------
 
-    def outputs(self, request: PreparedRequest) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """(prompt index, delta output) of every prompt of the request, merged."""
+    def outputs(
+        self, request: PreparedRequest, *, stream: bool = False
+    ) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(prompt index, delta output) of every prompt of the request, merged; behind the request's input
+        check, and when streamed its output checked window by window."""
         engine = self.state.engine
         streams = [
             engine.generate(
@@ -336,7 +352,14 @@ class OpenAIServing:
             )
             for index, token_ids in enumerate(request.prompt_token_ids)
         ]
-        return merge_streams(streams)
+        merged = merge_streams(streams)
+        safety = request.safety
+        if safety is None:
+            return merged
+        merged = safety.after_input_check(merged)
+        if stream and safety.checks_output:
+            merged = safety.output_windows(merged, len(request.prompt_token_ids), request.params.n)
+        return merged
 
     async def collect(self, raw_request: Request, request: PreparedRequest) -> list[list[Choice]]:
         """Run to the end (or the client's disconnect); choices per prompt, n per prompt."""
@@ -354,7 +377,19 @@ class OpenAIServing:
                 error = finish_error(choice.finish_reason)
                 if error is not None:
                     raise error
+        if request.safety is not None and request.safety.checks_output:
+            await self._check_outputs(
+                request.safety, [choice for per_prompt in choices for choice in per_prompt]
+            )
         return choices
+
+    async def _check_outputs(self, safety: RequestSafety, choices: list[Choice]) -> None:
+        """Whole answers checked at once: a blocked one becomes the refusal, finished by content_filter."""
+        checked = await asyncio.gather(*(safety.checked_text(choice.text) for choice in choices))
+        for choice, (text, finish_reason) in zip(choices, checked, strict=True):
+            choice.text = text
+            if finish_reason is not None:
+                choice.finish_reason = finish_reason
 
     async def first_output(
         self, raw_request: Request, outputs: AsyncIterator[tuple[int, RequestOutput]]

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 from kvfleet.runtime.engine.outputs import CompletionOutput, RequestOutput
-from kvfleet.runtime.server.protocol import ChatCompletionRequest, usage
+from kvfleet.runtime.server.protocol import ChatCompletionRequest, ChatMessage, template_messages, usage
+from kvfleet.runtime.server.safety import RequestSafety
 from kvfleet.runtime.server.serving_base import Choice, OpenAIServing, PreparedRequest
 from kvfleet.runtime.server.streaming import EventStreamResponse
 from kvfleet.runtime.server.tool_calls import OutputReading, ParsedCall, ToolCalling, new_call_id
@@ -28,8 +30,16 @@ class OpenAIServingChat(OpenAIServing):
         priority = self.resolve_priority(body.priority, raw_request)
         self.check_accepting(priority)
         tools = [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None
-        token_ids = await self.chat_prompt(body.messages, body.add_generation_prompt, tools)
+        messages = body.messages
+        safety = self.request_safety(priority)
+        if safety is not None:
+            safety.prompt = _last_user_text(messages)
+            if safety.redacts_input:
+                messages = await _redacted(safety, messages)
+        token_ids = await self.chat_prompt(messages, body.add_generation_prompt, tools)
         self.check_prompt(token_ids, params, "messages")
+        if safety is not None and not safety.redacts_input:
+            safety.start_input_check("\n".join(message["content"] for message in template_messages(messages)))
         request = self.prepare(
             [token_ids],
             params,
@@ -37,9 +47,10 @@ class OpenAIServingChat(OpenAIServing):
             timeout=body.timeout,
             arrival_time=arrival_time,
             lora_request=lora_request,
+            safety=safety,
         )
         if body.stream:
-            outputs = self.outputs(request)
+            outputs = self.outputs(request, stream=True)
             first = await self.first_output(raw_request, outputs)
             return EventStreamResponse(self._events(body, request, outputs, first, tool_calling))
         choices = (await self.collect(raw_request, request))[0]
@@ -136,6 +147,21 @@ class OpenAIServingChat(OpenAIServing):
         return self.event_stream(
             request, outputs, first, builder, include_usage=body.include_usage, preamble=roles
         )
+
+
+def _last_user_text(messages: list[ChatMessage]) -> str | None:
+    conversation = template_messages(messages)
+    return next((message["content"] for message in reversed(conversation) if message["role"] == "user"), None)
+
+
+async def _redacted(safety: RequestSafety, messages: list[ChatMessage]) -> list[ChatMessage]:
+    """The messages with what the input checkers found redacted, each checked on its own."""
+    texts = [message["content"] for message in template_messages(messages)]
+    redacted = await asyncio.gather(*(safety.redacted_input(text) for text in texts))
+    return [
+        message if new == old else message.model_copy(update={"content": new})
+        for message, old, new in zip(messages, texts, redacted, strict=True)
+    ]
 
 
 def _calls(

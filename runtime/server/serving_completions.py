@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 from kvfleet.runtime.engine.outputs import CompletionOutput, RequestOutput
+from kvfleet.runtime.server.errors import BadRequestError
 from kvfleet.runtime.server.protocol import CompletionRequest, usage
+from kvfleet.runtime.server.safety import RequestSafety
 from kvfleet.runtime.server.serving_base import Choice, OpenAIServing, PreparedRequest
 from kvfleet.runtime.server.streaming import EventStreamResponse
 from starlette.requests import Request
@@ -25,6 +28,9 @@ class OpenAIServingCompletion(OpenAIServing):
         priority = self.resolve_priority(body.priority, raw_request)
         self.check_accepting(priority)
         prompts = body.prompts()
+        safety = self.request_safety(priority)
+        if safety is not None and safety.redacts_input:
+            prompts = await self._redacted(safety, prompts)
         token_lists = []
         for index, prompt in enumerate(prompts):
             param = "prompt" if len(prompts) == 1 else f"prompt.{index}"
@@ -35,6 +41,8 @@ class OpenAIServingCompletion(OpenAIServing):
                 await self.state.engine.wait_ready(self.state.engine.startup_request_timeout)
             self.check_prompt(token_ids, params, param)
             token_lists.append(token_ids)
+        if safety is not None and not safety.redacts_input:
+            safety.start_input_check("\n".join(map(self._echo_text, prompts)))
         request = self.prepare(
             token_lists,
             params,
@@ -42,14 +50,34 @@ class OpenAIServingCompletion(OpenAIServing):
             timeout=body.timeout,
             arrival_time=arrival_time,
             lora_request=lora_request,
+            safety=safety,
         )
         echoes = [self._echo_text(prompt) for prompt in prompts] if body.echo else None
         if body.stream:
-            outputs = self.outputs(request)
+            outputs = self.outputs(request, stream=True)
             first = await self.first_output(raw_request, outputs)
             return EventStreamResponse(self._events(body, request, outputs, first, echoes))
         choices = await self.collect(raw_request, request)
         return JSONResponse(self._response(body, request, choices, echoes))
+
+    async def _redacted(self, safety: RequestSafety, prompts: list[str | list[int]]) -> list[str | list[int]]:
+        """The prompts with what the input checkers found redacted; token-id prompts cannot be, so one
+        that would need it is refused."""
+        if not all(isinstance(prompt, str) for prompt in prompts):
+            # Token ids are read as text with the tokenizer, which comes with the model.
+            await self.state.engine.wait_ready(self.state.engine.startup_request_timeout)
+        texts = [self._echo_text(prompt) for prompt in prompts]
+        redacted = await asyncio.gather(*(safety.redacted_input(text) for text in texts))
+        for index, (prompt, old, new) in enumerate(zip(prompts, texts, redacted, strict=True)):
+            if not isinstance(prompt, str) and new != old:
+                raise BadRequestError(
+                    "this prompt of token ids holds text the safety policy redacts; send it as text",
+                    param="prompt" if len(prompts) == 1 else f"prompt.{index}",
+                    code="content_filter",
+                )
+        return [
+            new if isinstance(prompt, str) else prompt for prompt, new in zip(prompts, redacted, strict=True)
+        ]
 
     def _echo_text(self, prompt: str | list[int]) -> str:
         return prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt)

@@ -12,7 +12,9 @@ from kvfleet.runtime.server.priorities import DEFAULT_TIER, TIER_NAMES, TIERS
 
 if TYPE_CHECKING:
     # Checking adapters loads torch: API servers import it only with --enable-lora.
+    from kvfleet.runtime.safety.config import SafetyConfig
     from kvfleet.runtime.server.lora_adapters import LoRAAdapters
+    from kvfleet.runtime.server.safety import ServerGuardrails
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 8 << 20
 # OpenAI's own limit on n.
@@ -51,6 +53,8 @@ class ServerSettings:
     max_batch_file_bytes: int = DEFAULT_MAX_BATCH_FILE_BYTES
     # POST /v1/load_lora_adapter and /v1/unload_lora_adapter are served.
     allow_runtime_lora_updates: bool = False
+    # Input and output guardrails (docs/safety.md); None: none.
+    safety: SafetyConfig | None = None
 
 
 @dataclass
@@ -63,6 +67,8 @@ class ServerState:
     in_flight: int = 0
     # The LoRA adapters served by name; None when LoRA is off.
     lora_adapters: LoRAAdapters | None = None
+    # The checkers of settings.safety; None without it.
+    guardrails: ServerGuardrails | None = None
 
     @property
     def ready(self) -> bool:

@@ -18,6 +18,7 @@ from kvfleet.operator.kube import KubeError
 from kvfleet.operator.metrics import OperatorMetrics
 from kvfleet.operator.observed import DeploymentView, PodView
 from kvfleet.operator.render import Owner, RenderOptions, render_children
+from kvfleet.operator.safety import GuardState, SafetyPlatform
 from kvfleet.operator.scrape import ScrapeFailure, ScrapeTarget
 
 UID = "uid-1"
@@ -476,3 +477,48 @@ def test_services_without_lora_report_no_adapters() -> None:
     status = harness.cluster.statuses[-1]
     assert "adapters" not in status
     assert "AdaptersReady" not in {c["type"] for c in status["conditions"]}
+# ---- spec.safety -------------------------------------------------------------------------------
+
+SAFETY_PLATFORM = SafetyPlatform.parse('{"input": ["rules"], "rules": {}}', "")
+
+
+def _controller(
+    cluster: FakeCluster, events: list[tuple[str, str, str]], guard: list[GuardState]
+) -> ServiceController:
+    return ServiceController(
+        owner=Owner("svc", "ns", "uid-1"),
+        cluster=cluster,
+        scraper=FakeScraper(),
+        events=lambda *event: events.append(event),
+        metrics=OperatorMetrics(),
+        options=lambda: RenderOptions(safety=SAFETY_PLATFORM),
+        adapter_sync=AdapterSync(FakeReplicas()),
+        guard_state=lambda name: guard[0],
+    )
+
+
+def test_a_loosening_service_is_not_rendered_and_says_why() -> None:
+    cluster, events = FakeCluster(), []
+    controller = _controller(cluster, events, [GuardState.READY])
+    asyncio.run(controller.reconcile(service(safety={"level": "off"}), None, []))
+    assert cluster.applied == []
+    (ready,) = [c for c in cluster.statuses[-1]["conditions"] if c["type"] == "Ready"]
+    assert (ready["status"], ready["reason"]) == ("False", "SafetyLoosened")
+    assert ("Warning", "SafetyLoosened") in [(kind, reason) for kind, reason, _ in events]
+
+
+def test_the_guards_state_is_in_the_status_with_an_event_while_it_is_unavailable() -> None:
+    cluster, events, guard = FakeCluster(), [], [GuardState.NOT_FOUND]
+    controller = _controller(cluster, events, guard)
+    body = service(safety={"guard": {"service": "llama-guard"}})
+    asyncio.run(controller.reconcile(body, None, []))
+    assert cluster.statuses[-1]["safety"] == {"guard": {"service": "llama-guard", "state": "NotFound"}}
+    warnings = [message for kind, reason, message in events if reason == "GuardUnavailable"]
+    assert warnings == [
+        "the guard service 'llama-guard' is NotFound: checks that need it fail open or closed as "
+        "spec.safety.guard.failOpen says"
+    ]
+    guard[0] = GuardState.READY
+    asyncio.run(controller.reconcile(body, None, []))
+    assert cluster.statuses[-1]["safety"]["guard"]["state"] == "Ready"
+    assert [reason for _, reason, _ in events].count("GuardAvailable") == 1

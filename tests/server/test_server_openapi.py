@@ -17,7 +17,11 @@ if TYPE_CHECKING:
     from conftest import ServerProcess
 
 # Generation stays short whatever the fuzzer asks for: a 64-token context, few sequences, few tokens each.
-FUZZED_SERVER_ARGS = ("--max-model-len", "64", "--max-n", "4", "--max-completion-tokens-per-prompt", "64")
+# Rules check input and output, so that the fuzzer meets the guardrails and /v1/moderations too.
+FUZZED_SERVER_ARGS = (
+    *("--max-model-len", "64", "--max-n", "4", "--max-completion-tokens-per-prompt", "64"),
+    *("--safety-config", '{"level": "high", "input": ["rules"], "output": ["rules"], "rules": {}}'),
+)
 # Per operation; about 350 cases in all.
 MAX_EXAMPLES = 60
 ROUTES = {
@@ -31,6 +35,7 @@ ROUTES = {
     ("get", "/metrics"),
     ("post", "/v1/load_lora_adapter"),
     ("post", "/v1/unload_lora_adapter"),
+    ("post", "/v1/moderations"),
 }
 
 
@@ -51,6 +56,7 @@ def test_openapi_documents_every_route_with_its_body(fuzzed_server: ServerProces
         ("/detokenize", "DetokenizeRequest"),
         ("/v1/load_lora_adapter", "LoadLoRAAdapterRequest"),
         ("/v1/unload_lora_adapter", "UnloadLoRAAdapterRequest"),
+        ("/v1/moderations", "ModerationRequest"),
     ]:
         body = document["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
         assert body == {"$ref": f"#/components/schemas/{model}"}

@@ -13,6 +13,7 @@ local failures = {
   Unschedulable = true,
   ReplicaFailing = true,
   PodCreationFailed = true,
+  SafetyLoosened = true,
 }
 
 local health = {}

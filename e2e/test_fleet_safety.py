@@ -1,0 +1,75 @@
+"""Safety through the fleet: a service whose spec.safety.guard.service names another InferenceService. Its
+status shows the guard missing (with a GuardUnavailable event), then Ready once the guard serves; its
+replicas run the merged policy with the guard's in-cluster URL, and refuse a blocked input through the
+openai SDK while answering others.
+
+The local control plane runs no cluster DNS, so the replicas cannot reach the guard's Service URL: the guard
+fails open here, as configured. The guard-model path itself runs against real servers in
+tests/server/test_server_safety.py.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+
+from e2e.cluster import LocalCluster
+from e2e.fleet.chart import OperatorRelease
+from e2e.fleet.manifests import deployment_path, services_path, tiny_service
+from e2e.fleet.observe import events_for, wait_ready
+from e2e.fleet.traffic import ReadyEndpoints, chat
+from e2e.support.waits import wait_for
+
+# The guarded service's loop passes every 30 s when nothing of its own changes.
+GUARD_STATE_SECONDS = 90.0
+
+
+def test_a_service_guarded_by_another_inference_service(
+    local_cluster: LocalCluster, kvfleet_release: OperatorRelease, namespace: str, tiny_model_dir: Path
+) -> None:
+    api = local_cluster.api
+    safety = {
+        "input": ["rules", "guard"],
+        "rules": {"blocklist": ["forbidden phrase"]},
+        "guard": {"service": "guard", "failOpen": True, "timeout": 2},
+    }
+    api.create(services_path(namespace), tiny_service("guarded", tiny_model_dir, safety=safety))
+
+    def guard_state() -> str | None:
+        status = api.get(services_path(namespace, "guarded")).get("status", {})
+        return status.get("safety", {}).get("guard", {}).get("state")
+
+    wait_for("the guard reported missing", lambda: guard_state() == "NotFound", GUARD_STATE_SECONDS)
+    warnings = [e for e in events_for(api, namespace, "guarded") if e["reason"] == "GuardUnavailable"]
+    assert warnings and "the guard service 'guard' is NotFound" in warnings[0]["message"]
+
+    api.create(services_path(namespace), tiny_service("guard", tiny_model_dir))
+    wait_ready(api, namespace, "guard")
+    wait_ready(api, namespace, "guarded")
+    wait_for("the guard reported Ready", lambda: guard_state() == "Ready", GUARD_STATE_SECONDS)
+    reasons = [e["reason"] for e in events_for(api, namespace, "guarded")]
+    assert "GuardAvailable" in reasons
+
+    deployment = api.get(deployment_path(namespace, "guarded"))
+    args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+    policy: dict[str, Any] = json.loads(args[args.index("--safety-config") + 1])
+    assert policy["guard"] == {
+        "endpoint": f"http://guard.{namespace}.svc.cluster.local/v1",
+        "failOpen": True,
+        "timeout": 2,
+    }
+
+    with ReadyEndpoints(api, namespace, "guarded") as endpoints:
+        (endpoint,) = endpoints.current()
+    client = openai.OpenAI(base_url=endpoint.base_url, api_key="unused", max_retries=0, timeout=60)
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "say the forbidden phrase"}], max_tokens=4
+        )
+    assert raised.value.code == "content_filter"
+    assert raised.value.body["categories"] == ["blocklist"]  # type: ignore[index]
+    assert chat(endpoint, "Say hello to the fleet.", max_tokens=8).strip()

@@ -1,0 +1,192 @@
+"""`spec.safety`: the platform's default policy (chart values) under a service's own, checked so that a
+service loosens the platform's policy only where the platform allows it, and rendered into the runtime's
+`--safety-config`.
+
+The policy's shape is the runtime's (`kvfleet serve --safety-config`, docs/safety.md); the CRD's schema and
+the runtime validate it. Here: the merge, what counts as loosening, and `guard.service`, another
+InferenceService of the namespace serving the guard model, resolved to its in-cluster URL.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kvfleet.operator.spec import SpecError
+
+# From the most lenient; the runtime's defaults are "medium" and "block".
+LEVELS = ("off", "low", "medium", "high")
+ACTIONS = ("flag", "redact", "block")
+DEFAULT_LEVEL = "medium"
+DEFAULT_ACTION = "block"
+# What the platform may let services loosen (chart value safety.allowLoosen).
+LOOSENABLE = ("level", "action", "checkers", "failOpen", "logContent")
+LOOSENED_REASON = "SafetyLoosened"
+GUARD_UNAVAILABLE_REASON = "GuardUnavailable"
+_DNS_1035_LABEL = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
+
+
+class GuardState(enum.Enum):
+    READY = "Ready"
+    # The InferenceService exists but none of its replicas is ready.
+    UNAVAILABLE = "Unavailable"
+    NOT_FOUND = "NotFound"
+
+
+@dataclass(frozen=True)
+class SafetyPlatform:
+    """The platform's defaults, as canonical JSON (so that render options stay hashable), and what a
+    service may loosen."""
+
+    defaults_json: str = "{}"
+    allow_loosen: frozenset[str] = frozenset()
+
+    @classmethod
+    def parse(cls, defaults: str, allow_loosen: str) -> SafetyPlatform:
+        """From the operator's flags: a JSON policy and a comma-separated list. ValueError says why not."""
+        try:
+            value = json.loads(defaults or "{}")
+        except json.JSONDecodeError as error:
+            raise ValueError(f"the safety defaults are not valid JSON: {error}") from None
+        if not isinstance(value, dict):
+            raise ValueError("the safety defaults must be a JSON object")
+        allowed = frozenset(item.strip() for item in allow_loosen.split(",") if item.strip())
+        unknown = sorted(allowed - set(LOOSENABLE))
+        if unknown:
+            raise ValueError(
+                f"cannot allow loosening {unknown[0]!r}; the choices are {', '.join(LOOSENABLE)}"
+            )
+        return cls(json.dumps(value, sort_keys=True, separators=(",", ":")), allowed)
+
+    @property
+    def defaults(self) -> dict[str, Any]:
+        return json.loads(self.defaults_json)
+
+
+def parse_safety(raw: Any, *, name: str) -> Mapping[str, Any] | None:
+    """spec.safety as given, after the checks rendering relies on."""
+    if raw is None:
+        return None
+    if not isinstance(raw, Mapping):
+        raise SpecError("InvalidSpec", "spec.safety must be an object")
+    guard = raw.get("guard")
+    if guard is not None:
+        if not isinstance(guard, Mapping):
+            raise SpecError("InvalidSpec", "spec.safety.guard must be an object")
+        service, endpoint = guard.get("service"), guard.get("endpoint")
+        if (service is None) == (endpoint is None):
+            raise SpecError("InvalidSpec", "spec.safety.guard needs one of service and endpoint")
+        if service is not None and (not isinstance(service, str) or not _DNS_1035_LABEL.fullmatch(service)):
+            raise SpecError("InvalidSpec", "spec.safety.guard.service must name an InferenceService")
+        if service == name:
+            raise SpecError(
+                "InvalidSpec",
+                'spec.safety.guard.service names this service itself; use endpoint: "self" to judge with '
+                "its own model",
+            )
+    return raw
+
+
+def merged(platform: SafetyPlatform, service: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The service's policy over the platform's: objects merge field by field, anything else replaces; a
+    guard the service names (service or endpoint) replaces the platform's."""
+    base = platform.defaults
+    guard = (service or {}).get("guard")
+    if guard is not None and "guard" in base:
+        base["guard"] = {k: v for k, v in base["guard"].items() if k not in ("service", "endpoint")}
+    return _merge(base, service or {})
+
+
+def check_loosening(platform: SafetyPlatform, service: Mapping[str, Any] | None) -> None:
+    """Raises SpecError(SafetyLoosened) when the service's policy is more lenient than the platform's in a
+    way the platform does not allow; the message names each field."""
+    base, effective = platform.defaults, merged(platform, service)
+    problems = []
+    allowed = platform.allow_loosen
+    tiers = {None, *(base.get("tiers") or {}), *(effective.get("tiers") or {})}
+    for tier in sorted(tiers, key=lambda t: t or ""):
+        was, now = _policy(base, tier), _policy(effective, tier)
+        where = "spec.safety" if tier is None else f"spec.safety.tiers.{tier}"
+        if _rank(LEVELS, now["level"]) < _rank(LEVELS, was["level"]) and "level" not in allowed:
+            problems.append(f"{where}.level {now['level']!r} is below the platform's {was['level']!r}")
+        if _rank(ACTIONS, now["action"]) < _rank(ACTIONS, was["action"]) and "action" not in allowed:
+            problems.append(
+                f"{where}.action {now['action']!r} is weaker than the platform's {was['action']!r}"
+            )
+        for direction in ("input", "output"):
+            dropped = sorted(set(was[direction]) - set(now[direction]))
+            if dropped and "checkers" not in allowed:
+                problems.append(f"{where}.{direction} drops the platform's {', '.join(dropped)}")
+    for checker in ("guard", "hook"):
+        opened = _flag(effective, checker, "failOpen") and not _flag(base, checker, "failOpen")
+        if opened and checker in base and "failOpen" not in allowed:
+            problems.append(
+                f"spec.safety.{checker}.failOpen lets text through where the platform fails closed"
+            )
+    logs = _flag(effective, "audit", "logContent") and not _flag(base, "audit", "logContent")
+    if logs and "logContent" not in allowed:
+        problems.append("spec.safety.audit.logContent would log text the platform keeps out of logs")
+    if problems:
+        raise SpecError(
+            LOOSENED_REASON,
+            f"the safety policy loosens the platform's where it does not allow: {'; '.join(problems)}",
+        )
+
+
+def guard_service(platform: SafetyPlatform, service: Mapping[str, Any] | None) -> str | None:
+    """The InferenceService the guard model runs as, if the effective policy names one."""
+    guard = merged(platform, service).get("guard") or {}
+    return guard.get("service")
+
+
+def safety_config(
+    platform: SafetyPlatform, service: Mapping[str, Any] | None, namespace: str, cluster_domain: str
+) -> str | None:
+    """The runtime's --safety-config (compact JSON), or None when neither the platform nor the service has
+    a policy. A guard service becomes the URL of its Service (port 80)."""
+    policy = merged(platform, service)
+    if not policy:
+        return None
+    guard = policy.get("guard")
+    if guard is not None and guard.get("service") is not None:
+        guard = dict(guard)
+        guard["endpoint"] = f"http://{guard.pop('service')}.{namespace}.svc.{cluster_domain}/v1"
+        policy["guard"] = guard
+    return json.dumps(policy, sort_keys=True, separators=(",", ":"))
+
+
+def _merge(base: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
+    result = dict(base)
+    for key, value in over.items():
+        if isinstance(value, Mapping) and isinstance(result.get(key), Mapping):
+            result[key] = _merge(result[key], value)
+        else:
+            result[key] = value
+    return result
+
+
+def _policy(config: Mapping[str, Any], tier: str | None) -> dict[str, Any]:
+    policy = {
+        "level": config.get("level", DEFAULT_LEVEL),
+        "action": config.get("action", DEFAULT_ACTION),
+        "input": list(config.get("input") or []),
+        "output": list(config.get("output") or []),
+    }
+    override = (config.get("tiers") or {}).get(tier) if tier is not None else None
+    for key in policy:
+        if override and override.get(key) is not None:
+            policy[key] = override[key]
+    return policy
+
+
+def _flag(config: Mapping[str, Any], section: str, key: str) -> bool:
+    return bool((config.get(section) or {}).get(key, False))
+
+
+def _rank(order: tuple[str, ...], value: str) -> int:
+    # An unknown value is refused by the CRD's schema and the runtime; here it ranks as the strictest.
+    return order.index(value) if value in order else len(order)

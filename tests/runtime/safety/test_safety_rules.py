@@ -1,0 +1,128 @@
+"""The rule checker on a labelled set of inputs and outputs (rule_cases.json): every unsafe text found with
+exactly its categories, and the false-positive rate on the safe half reported."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from pathlib import Path
+
+import pytest
+from kvfleet.runtime.safety.checker import Direction
+from kvfleet.runtime.safety.config import SafetyConfig, parse_safety_config
+from kvfleet.runtime.safety.guardrails import Decision, Guardrails, SafetyMetrics, redact
+from kvfleet.runtime.safety.rules import RuleChecker
+from prometheus_client import CollectorRegistry
+
+CASES = json.loads((Path(__file__).parent / "rule_cases.json").read_text())
+# The most safe texts the rules may flag: 2%.
+MAX_FALSE_POSITIVE_RATE = 0.02
+
+
+def _guardrails(config: SafetyConfig) -> Guardrails:
+    assert config.rules is not None
+    metrics = SafetyMetrics("tiny", CollectorRegistry())
+    return Guardrails(config, {"rules": RuleChecker(config.rules)}, metrics)
+
+
+def _decide(guardrails: Guardrails, text: str, direction: str) -> Decision:
+    policy = guardrails.policy(None)
+    return asyncio.run(guardrails.check(policy, text, Direction(direction)))
+
+
+def test_the_set_is_large_and_balanced() -> None:
+    unsafe = [case for case in CASES["cases"] if case["categories"]]
+    safe = [case for case in CASES["cases"] if not case["categories"]]
+    assert len(CASES["cases"]) >= 100
+    assert len(unsafe) >= 50 and len(safe) >= 50
+    assert {case["direction"] for case in unsafe} == {"input", "output"}
+
+
+def test_every_unsafe_text_is_found_with_its_categories(capsys: pytest.CaptureFixture[str]) -> None:
+    guardrails = _guardrails(SafetyConfig.model_validate(CASES["config"]))
+    missed, false_positives, safe = [], [], 0
+    for case in CASES["cases"]:
+        decision = _decide(guardrails, case["text"], case["direction"])
+        if case["categories"]:
+            if decision.categories != sorted(case["categories"]) or not decision.blocked:
+                missed.append((case["text"], decision.categories))
+        else:
+            safe += 1
+            if decision.flagged:
+                false_positives.append((case["text"], decision.categories))
+    rate = len(false_positives) / safe
+    with capsys.disabled():
+        print(f"\nrules: false-positive rate {rate:.1%} ({len(false_positives)} of {safe} safe texts)")
+    assert not missed
+    assert rate <= MAX_FALSE_POSITIVE_RATE, false_positives
+
+
+@pytest.mark.parametrize(
+    ("level", "expected"),
+    [
+        ("off", []),
+        ("low", ["pii/card"]),
+        ("medium", ["pii/card", "pii/email"]),
+        ("high", ["pii/card", "pii/email", "review"]),
+    ],
+)
+def test_the_level_sets_which_scores_count(level: str, expected: list[str]) -> None:
+    config = SafetyConfig.model_validate(
+        {
+            "level": level,
+            "input": ["rules"],
+            "rules": {"patterns": [{"category": "review", "regex": "refund", "score": 0.3}]},
+        }
+    )
+    decision = _decide(
+        guardrails=_guardrails(config), text="refund a@b.io on 4111111111111111", direction="input"
+    )
+    assert decision.categories == expected
+
+
+def test_redaction_replaces_exactly_the_findings() -> None:
+    config = SafetyConfig.model_validate({"action": "redact", "input": ["rules"], "rules": {}})
+    text = "mail jane@example.com or pay 4111 1111 1111 1111 today"
+    decision = _decide(_guardrails(config), text, "input")
+    assert not decision.blocked
+    assert decision.text == "mail [REDACTED:pii/email] or pay [REDACTED:pii/card] today"
+
+
+def test_overlapping_spans_redact_once() -> None:
+    checker = RuleChecker(SafetyConfig.model_validate({"rules": {"blocklist": ["ab", "abc d"]}}).rules)  # type: ignore[arg-type]
+    findings = list(checker.findings("x abc d ab y"))
+    assert redact("x abc d ab y", findings) == "x [REDACTED:blocklist] [REDACTED:blocklist] y"
+
+
+def test_flag_lets_the_text_through() -> None:
+    config = SafetyConfig.model_validate({"action": "flag", "input": ["rules"], "rules": {}})
+    decision = _decide(_guardrails(config), "jane@example.com", "input")
+    assert decision.flagged and not decision.blocked and decision.text == "jane@example.com"
+
+
+def test_a_tier_override_changes_only_what_it_names() -> None:
+    config = parse_safety_config(
+        '{"input": ["rules"], "rules": {}, "refusal": "No.", "tiers": {"batch": {"action": "flag"}}}'
+    )
+    assert config.policy("batch").action == "flag"
+    assert config.policy("batch").refusal == "No."
+    assert config.policy("standard").action == "block"
+
+
+@pytest.mark.parametrize(
+    ("text", "reason"),
+    [
+        ('{"input": ["guard"]}', "runs the 'guard' checker, which is not configured"),
+        ('{"levle": "low"}', "levle: Extra inputs are not permitted"),
+        ('{"level": "extreme"}', "level: Input should be 'off', 'low', 'medium' or 'high'"),
+        ('{"tiers": {"gold": {}}}', "unknown tier 'gold'"),
+        ('{"rules": {"patterns": [{"category": "x", "regex": "("}]}}', "not a valid regular expression"),
+        ('{"guard": {"endpoint": "guard:8000"}}', "must be 'self' or an http(s) URL"),
+        ("{not json", "not valid JSON"),
+        ("/nonexistent/safety.json", "cannot read the safety config file"),
+    ],
+)
+def test_a_bad_config_is_refused_with_its_reason(text: str, reason: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(reason)):
+        parse_safety_config(text)

@@ -1,0 +1,377 @@
+"""Guardrails through real servers: rules, a guard model (another server, and the same one) whose verdict is
+forced with logit_bias, a hook, the guard down; block, redact and flag; streamed windows on the wire; the
+openai SDK's moderations and content_filter errors."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import httpx
+import openai
+import pytest
+from conftest import free_port
+from kvfleet.runtime.bench.safety import local_hook, logit_bias_against
+from server_checks import finished_count, wait_idle
+
+if TYPE_CHECKING:
+    from conftest import ServerProcess
+
+PROMPT = [{"role": "user", "content": "Tell me a story about the sea."}]
+MAX_TOKENS = 48
+WINDOW = 4
+REFUSAL = "Refused by policy."
+MARKER_CATEGORY = "test/marker"
+GREEDY = {"temperature": 0.0, "ignore_eos": True}
+# How long the hook takes over a text that asks for it ("slowly").
+HOOK_DELAY_S = 3.0
+
+
+# "safe": nothing may begin with "u". "unsafe\nS9": nothing with "s" (so "un..." at the first branch), no
+# digit but 9 after "S", and no "," after it: the verdict ends there.
+def _safe_bias(model: Path) -> dict[str, float]:
+    return logit_bias_against(model, "u")
+
+
+def _unsafe_s9_bias(model: Path) -> dict[str, float]:
+    return logit_bias_against(model, "s12345678,")
+
+
+def _chat(server: ServerProcess, tier: str = "standard", **body: Any) -> httpx.Response:
+    payload = {"messages": PROMPT, "max_tokens": MAX_TOKENS, **GREEDY, **body}
+    headers = {**server.headers(), "x-kvfleet-priority": tier}
+    return httpx.post(f"{server.url}/v1/chat/completions", json=payload, headers=headers, timeout=120)
+
+
+def _stream(server: ServerProcess, tier: str = "standard", **body: Any) -> list[dict[str, Any]]:
+    """The events of a streamed chat, read raw off the wire."""
+    payload = {
+        "messages": PROMPT,
+        "max_tokens": MAX_TOKENS,
+        **GREEDY,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        **body,
+    }
+    headers = {**server.headers(), "x-kvfleet-priority": tier}
+    events = []
+    url = f"{server.url}/v1/chat/completions"
+    with httpx.stream("POST", url, json=payload, headers=headers, timeout=120) as response:
+        assert response.status_code == 200, response.read()
+        lines = [line for line in response.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    for line in lines[:-1]:
+        events.append(json.loads(line.removeprefix("data: ")))
+    return events
+
+
+def _content(events: list[dict[str, Any]]) -> str:
+    return "".join(choice["delta"].get("content") or "" for e in events for choice in e["choices"])
+
+
+def _finish_reason(events: list[dict[str, Any]]) -> str | None:
+    reasons = [choice["finish_reason"] for e in events for choice in e["choices"] if choice["finish_reason"]]
+    assert len(reasons) == 1, reasons
+    return reasons[0]
+
+
+def _findings(server: ServerProcess, checker: str, category: str, direction: str, action: str) -> float:
+    labels = (
+        f'action="{action}",category="{category}",checker="{checker}",direction="{direction}",'
+        f'model_name="{server.model_name}"'
+    )
+    prefix = f"kvfleet:safety_findings_total{{{labels}}} "
+    text = httpx.get(f"{server.url}/metrics").text
+    return next((float(line[len(prefix) :]) for line in text.splitlines() if line.startswith(prefix)), 0.0)
+
+
+@pytest.fixture(scope="module")
+def guard(start_server: Callable[..., ServerProcess]) -> ServerProcess:
+    """A plain server of the tiny model: the guard model of the guarded servers, and the unguarded
+    reference."""
+    return start_server()
+
+
+@dataclass(frozen=True)
+class Reference:
+    """The unguarded greedy answer to PROMPT, and a marker: the text of one of its tokens, past the first two
+    windows, that appears nowhere before that token."""
+
+    text: str
+    marker: str
+    marker_token: int
+
+    @property
+    def released_before_marker(self) -> int:
+        """Tokens of the windows before the one that holds the marker."""
+        return self.marker_token // WINDOW * WINDOW
+
+
+@pytest.fixture(scope="module")
+def reference(guard: ServerProcess) -> Reference:
+    answer = _chat(guard, logprobs=True).json()["choices"][0]
+    tokens = [entry["token"] for entry in answer["logprobs"]["content"]]
+    for index in range(2 * WINDOW, len(tokens) - WINDOW):
+        candidate = tokens[index].strip()
+        before = "".join(tokens[:index])
+        if (
+            re.fullmatch(r"[A-Za-z]{3,}", candidate)
+            and candidate not in before
+            and "\ufffd" not in before + tokens[index]
+        ):
+            return Reference(answer["message"]["content"], candidate, index)
+    raise AssertionError(f"no token of the answer can serve as a marker: {tokens}")
+
+
+@pytest.fixture(scope="module")
+def ruled(
+    start_server: Callable[..., ServerProcess], tiny_llama: Path, reference: Reference
+) -> ServerProcess:
+    """Rules (a blocklist, PII, and the marker as the platform's own pattern) and the server's own model as
+    the guard, forced to answer "safe". Standard requests are blocked, critical ones redacted, batch ones
+    flagged."""
+    config = {
+        "input": ["rules", "guard"],
+        "output": ["rules", "guard"],
+        "windowTokens": WINDOW,
+        "refusal": REFUSAL,
+        "rules": {
+            "blocklist": ["bomb recipe"],
+            "patterns": [{"category": MARKER_CATEGORY, "regex": re.escape(reference.marker)}],
+        },
+        "guard": {"endpoint": "self", "extraBody": {"logit_bias": _safe_bias(tiny_llama)}},
+        "tiers": {"critical": {"action": "redact"}, "batch": {"action": "flag"}},
+    }
+    return start_server("--safety-config", json.dumps(config))
+
+
+@pytest.fixture(scope="module")
+def guarded(
+    start_server: Callable[..., ServerProcess], tiny_llama: Path, guard: ServerProcess
+) -> ServerProcess:
+    """Output judged by the guard server, forced to answer "unsafe" in S9 (Indiscriminate Weapons). Inputs of
+    the high tier are judged instead; batch requests are only flagged, critical ones redacted."""
+    config = {
+        "output": ["guard"],
+        "windowTokens": WINDOW,
+        "refusal": REFUSAL,
+        "guard": {"endpoint": f"{guard.url}/v1", "extraBody": {"logit_bias": _unsafe_s9_bias(tiny_llama)}},
+        "tiers": {
+            "high": {"input": ["guard"], "output": []},
+            "batch": {"action": "flag"},
+            "critical": {"action": "redact"},
+        },
+    }
+    return start_server("--safety-config", json.dumps(config))
+
+
+def _judge(body: dict[str, Any]) -> dict[str, Any]:
+    if "slowly" in body["text"]:
+        time.sleep(HOOK_DELAY_S)
+    flagged = "forbidden" in body["text"]
+    return {"flagged": flagged, "categories": {"hook/custom": 1.0 if flagged else 0.0}}
+
+
+@pytest.fixture(scope="module")
+def hook_url() -> Iterator[str]:
+    with local_hook(_judge) as url:
+        yield url
+
+
+def _guard_down_config(fail_open: bool, **extra: Any) -> str:
+    # Nothing listens on a fresh free port: the guard is down.
+    guard = {"endpoint": f"http://127.0.0.1:{free_port()}/v1", "failOpen": fail_open, "timeout": 2}
+    return json.dumps({"input": ["guard"], "guard": guard, **extra})
+
+
+# ---- rules and the same server as guard -------------------------------------------------------------
+
+
+def test_a_blocked_input_raises_the_sdks_bad_request_with_content_filter(ruled: ServerProcess) -> None:
+    client = openai.OpenAI(base_url=f"{ruled.url}/v1", api_key="unused", max_retries=0)
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.chat.completions.create(
+            model=ruled.model_name, messages=[{"role": "user", "content": "Give me a bomb recipe"}]
+        )
+    assert raised.value.code == "content_filter"
+    error = raised.value.body
+    assert isinstance(error, dict)
+    assert error["categories"] == ["blocklist"]
+    assert error["message"].startswith(REFUSAL) and "blocklist (rules)" in error["message"]
+    wait_idle(ruled)
+
+
+def test_moderations_through_the_sdk(ruled: ServerProcess) -> None:
+    client = openai.OpenAI(base_url=f"{ruled.url}/v1", api_key="unused", max_retries=0)
+    moderation = client.moderations.create(
+        model=ruled.model_name, input=["write to jane@example.com", "a calm sea at dawn"]
+    )
+    flagged, clean = moderation.results
+    assert flagged.flagged and not clean.flagged
+    # OpenAI's categories are the SDK's fields; kvfleet's own come as extra ones.
+    assert flagged.categories.model_extra["pii/email"] is True
+    assert flagged.category_scores.model_extra["pii/email"] == 0.6
+    assert clean.categories.model_extra.get("pii/email") is None
+    assert flagged.categories.violence is False and flagged.category_scores.violence == 0.0
+    assert moderation.id.startswith("modr-")
+
+
+def test_streamed_output_stops_before_the_window_that_holds_the_marker(
+    ruled: ServerProcess, reference: Reference
+) -> None:
+    aborted = finished_count(ruled, "abort")
+    events = _stream(ruled)
+    sent = _content(events)
+    assert reference.marker not in sent
+    # Nothing of the flagged window went out: only whole windows before it, then the refusal.
+    assert sent.endswith(REFUSAL)
+    answer = sent.removesuffix(REFUSAL)
+    assert reference.text.startswith(answer)
+    assert events[-1]["usage"]["completion_tokens"] == reference.released_before_marker
+    assert _finish_reason(events) == "content_filter"
+    wait_idle(ruled)
+    assert finished_count(ruled, "abort") == aborted + 1
+
+
+def test_streamed_windows_hold_back_at_most_the_window(ruled: ServerProcess, reference: Reference) -> None:
+    # Flagged only (batch): every window goes out, each at most WINDOW tokens after it was generated.
+    events = _stream(ruled, tier="batch")
+    assert _content(events) == reference.text
+    assert _finish_reason(events) == "length"
+    deltas = [
+        choice["delta"]["content"]
+        for e in events
+        for choice in e["choices"]
+        if choice["delta"].get("content")
+    ]
+    assert len(deltas) == MAX_TOKENS // WINDOW
+    assert _findings(ruled, "rules", MARKER_CATEGORY, "output", "flag") >= 1
+
+
+def test_an_unstreamed_output_is_checked_whole(ruled: ServerProcess, reference: Reference) -> None:
+    choice = _chat(ruled).json()["choices"][0]
+    assert choice["message"]["content"] == REFUSAL
+    assert choice["finish_reason"] == "content_filter"
+    flagged = _chat(ruled, tier="batch").json()["choices"][0]
+    assert flagged["message"]["content"] == reference.text
+    assert flagged["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_redaction_of_output(ruled: ServerProcess, reference: Reference, stream: bool) -> None:
+    expected = reference.text.replace(reference.marker, f"[REDACTED:{MARKER_CATEGORY}]")
+    if stream:
+        events = _stream(ruled, tier="critical")
+        text, finish_reason = _content(events), _finish_reason(events)
+    else:
+        choice = _chat(ruled, tier="critical").json()["choices"][0]
+        text, finish_reason = choice["message"]["content"], choice["finish_reason"]
+    assert text == expected
+    assert finish_reason == "length"
+
+
+def test_redaction_of_input_is_what_the_model_sees(ruled: ServerProcess) -> None:
+    said = [{"role": "user", "content": "Card 4111 1111 1111 1111, mail jane@example.com. Hi!"}]
+    seen = [{"role": "user", "content": "Card [REDACTED:pii/card], mail [REDACTED:pii/email]. Hi!"}]
+    usage = _chat(ruled, tier="critical", messages=said, max_tokens=1).json()["usage"]
+    tokenized = httpx.post(f"{ruled.url}/tokenize", json={"messages": seen}).json()
+    assert usage["prompt_tokens"] == tokenized["count"]
+    assert _chat(ruled, messages=said, max_tokens=1).status_code == 400
+
+
+def test_logs_and_metrics_hold_no_text(ruled: ServerProcess) -> None:
+    _chat(ruled, messages=[{"role": "user", "content": "bomb recipe for jane@example.com"}], max_tokens=1)
+    assert "jane@example.com" not in ruled.log_path.read_text()
+    metrics = httpx.get(f"{ruled.url}/metrics").text
+    assert "jane@example.com" not in metrics and "bomb" not in metrics
+    assert _findings(ruled, "rules", "pii/email", "input", "block") >= 1
+
+
+# ---- another server as guard -----------------------------------------------------------------------
+
+
+def test_the_guard_blocks_an_input_with_its_category(guarded: ServerProcess) -> None:
+    client = openai.OpenAI(base_url=f"{guarded.url}/v1", api_key="unused", max_retries=0)
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.chat.completions.create(
+            model=guarded.model_name, messages=PROMPT, extra_headers={"x-kvfleet-priority": "high"}
+        )
+    assert raised.value.code == "content_filter"
+    assert raised.value.body["categories"] == ["illicit/violent"]  # type: ignore[index]
+    assert _findings(guarded, "guard", "illicit/violent", "input", "block") == 1
+    wait_idle(guarded)
+
+
+@pytest.mark.parametrize("tier", ["standard", "critical"])
+def test_the_guard_blocks_output_before_any_token(guarded: ServerProcess, tier: str) -> None:
+    # Redaction (critical) cannot take out a verdict on the whole text: it blocks too.
+    events = _stream(guarded, tier=tier)
+    assert _content(events) == REFUSAL
+    assert _finish_reason(events) == "content_filter"
+    assert events[-1]["usage"]["completion_tokens"] == 0
+    choice = _chat(guarded, tier=tier).json()["choices"][0]
+    assert (choice["message"]["content"], choice["finish_reason"]) == (REFUSAL, "content_filter")
+    wait_idle(guarded)
+
+
+def test_a_flagging_tier_lets_the_guarded_output_through(
+    guarded: ServerProcess, reference: Reference
+) -> None:
+    before = _findings(guarded, "guard", "illicit/violent", "output", "flag")
+    assert _content(_stream(guarded, tier="batch")) == reference.text
+    assert _chat(guarded, tier="batch").json()["choices"][0]["message"]["content"] == reference.text
+    assert _findings(guarded, "guard", "illicit/violent", "output", "flag") > before
+
+
+# ---- the guard down, and a hook ----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def hooked(start_server: Callable[..., ServerProcess], hook_url: str) -> ServerProcess:
+    """Input judged by a guard that is down (failing open) and by the hook (failing closed)."""
+    return start_server(
+        "--safety-config",
+        _guard_down_config(True, input=["guard", "hook"], hook={"url": hook_url, "failOpen": False}),
+    )
+
+
+def test_guard_down_fails_open_and_the_hook_still_judges(hooked: ServerProcess) -> None:
+    assert _chat(hooked, max_tokens=2).status_code == 200
+    refused = _chat(hooked, messages=[{"role": "user", "content": "something forbidden"}], max_tokens=2)
+    assert refused.status_code == 400
+    assert refused.json()["error"]["categories"] == ["hook/custom"]
+    assert 'checker="guard",model_name="tiny",outcome="open"' in httpx.get(f"{hooked.url}/metrics").text
+
+
+def test_a_client_gone_while_its_input_is_checked_frees_its_request(hooked: ServerProcess) -> None:
+    # The request runs while the hook takes its time; the client leaves before the verdict.
+    aborted, finished = finished_count(hooked, "abort"), finished_count(hooked, "length")
+    slow = {"messages": [{"role": "user", "content": "answer slowly"}], "max_tokens": 1900, "stream": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{hooked.url}/v1/chat/completions", json={**slow, **GREEDY}, timeout=1.0)
+    wait_idle(hooked, timeout=HOOK_DELAY_S + 20)
+    assert (finished_count(hooked, "abort"), finished_count(hooked, "length")) == (aborted + 1, finished)
+    assert _chat(hooked, max_tokens=2).status_code == 200
+    assert "Traceback" not in hooked.log_path.read_text()
+
+
+def test_guard_down_fails_closed(start_server: Callable[..., ServerProcess]) -> None:
+    server = start_server("--safety-config", _guard_down_config(False))
+    refused = _chat(server, max_tokens=2)
+    assert refused.status_code == 400
+    assert refused.json()["error"]["code"] == "content_filter"
+    assert refused.json()["error"]["categories"] == ["checker_unavailable"]
+    wait_idle(server)
+
+
+def test_a_bad_safety_config_stops_the_server_with_its_reason(
+    start_server: Callable[..., ServerProcess],
+) -> None:
+    server = start_server("--safety-config", '{"input": ["hook"]}', wait=False)
+    assert server.process.wait(60) == 2
+    assert "runs the 'hook' checker, which is not configured" in server.log_path.read_text()
