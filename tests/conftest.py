@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from ports import free_port
 
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 MODEL_NAME = "tiny"
@@ -105,12 +105,6 @@ class ServerProcess:
             except subprocess.TimeoutExpired:
                 os.kill(self.pid, signal.SIGKILL)
                 self.process.wait(STOP_TIMEOUT_S)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="session")

@@ -477,6 +477,8 @@ def test_services_without_lora_report_no_adapters() -> None:
     status = harness.cluster.statuses[-1]
     assert "adapters" not in status
     assert "AdaptersReady" not in {c["type"] for c in status["conditions"]}
+
+
 # ---- spec.safety -------------------------------------------------------------------------------
 
 SAFETY_PLATFORM = SafetyPlatform.parse('{"input": ["rules"], "rules": {}}', "")

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,16 +25,11 @@ from kvfleet.operator.autoscaler import PodMetrics
 from kvfleet.operator.render_pod import pod_template, runtime_args, termination_grace_seconds
 from kvfleet.operator.scrape import FleetScraper, ScrapeTarget
 from kvfleet.operator.spec import parse_spec
+from ports import free_port
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tiny-cpu.yaml"
 API_KEY = "contract-test-key"
 READY_TIMEOUT_SECONDS = 180
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def wait_ready(base: str, process: subprocess.Popen[bytes]) -> None:

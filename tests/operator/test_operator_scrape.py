@@ -14,6 +14,7 @@ import pytest
 from aiohttp import web
 from kvfleet.operator.autoscaler import PodMetrics
 from kvfleet.operator.scrape import FleetScraper, ScrapeFailure, ScrapeTarget, parse_exposition
+from ports import free_port
 
 KVFLEET_PAGE = """\
 # HELP kvfleet:num_requests_waiting Requests waiting for a batch slot.
@@ -66,12 +67,6 @@ def test_ipv6_targets_are_bracketed() -> None:
     assert ScrapeTarget("p", "127.1.0.7", 8000).url == "http://127.1.0.7:8000/metrics"
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -120,7 +115,7 @@ async def _scrape_fleet() -> None:
     ]
     runners = [runner for runner, _ in served]
     targets = [target for _, target in served]
-    targets.append(ScrapeTarget("pod-gone", "127.0.0.1", _free_port()))
+    targets.append(ScrapeTarget("pod-gone", "127.0.0.1", free_port()))
     try:
         async with aiohttp.ClientSession() as session:
             scraper = FleetScraper(session, timeout_seconds=0.3)

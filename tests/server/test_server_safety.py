@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Any
 import httpx
 import openai
 import pytest
-from conftest import free_port
 from kvfleet.runtime.bench.safety import local_hook, logit_bias_against
+from ports import free_port
 from server_checks import finished_count, wait_idle
 
 if TYPE_CHECKING:
