@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,13 +30,43 @@ bench_seed_option = click.option(
 @click.option(
     "--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True
 )
+@click.option(
+    "--max-position-embeddings", type=click.IntRange(min=1), default=None, help="Default: the preset's."
+)
+@click.option(
+    "--rope-parameters",
+    default=None,
+    help='rope_parameters of config.json as JSON, e.g. \'{"rope_type": "linear", "factor": 4}\'',
+)
 @click.argument("out_dir", type=click.Path(file_okay=False))
-def make_model(arch: str, preset: str, seed: int, dtype: str, out_dir: str) -> None:
+def make_model(
+    arch: str,
+    preset: str,
+    seed: int,
+    dtype: str,
+    max_position_embeddings: int | None,
+    rope_parameters: str | None,
+    out_dir: str,
+) -> None:
     """Write a Hugging Face model folder with random weights and a trained tokenizer to OUT_DIR."""
     from kvfleet.runtime.models.make_model import make_model as build
 
     try:
-        path = build(arch, preset, out_dir, seed=seed, dtype=dtype)
+        rope = None if rope_parameters is None else json.loads(rope_parameters)
+    except json.JSONDecodeError as exc:
+        raise click.BadParameter(f"not JSON: {exc}", param_hint="--rope-parameters") from exc
+    if rope is not None and not isinstance(rope, dict):
+        raise click.BadParameter("must be a JSON object", param_hint="--rope-parameters")
+    try:
+        path = build(
+            arch,
+            preset,
+            out_dir,
+            seed=seed,
+            dtype=dtype,
+            max_position_embeddings=max_position_embeddings,
+            rope_parameters=rope,
+        )
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc
     click.echo(f"wrote {arch} ({preset}) to {path}")

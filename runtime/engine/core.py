@@ -31,6 +31,7 @@ from kvfleet.runtime.engine.load_shedding import QueuedRequest, choose_victim
 from kvfleet.runtime.engine.messages import AddRequest, EngineCoreOutputs, EngineInfo, RequestError
 from kvfleet.runtime.lora.errors import LoRAAdapterError
 from kvfleet.runtime.lora.request import LoRARequest
+from kvfleet.runtime.models.layers import rope_cache_salt
 from kvfleet.runtime.request import Request, RequestStatus
 from kvfleet.runtime.structured_outputs.compiler import GrammarCompiler, RequestGrammar
 from kvfleet.runtime.structured_outputs.token_rules import TokenRules
@@ -186,6 +187,7 @@ class EngineCore:
                 grammar=grammar,
                 token_rules=token_rules,
                 lora_request=add.lora_request,
+                cache_salt=rope_cache_salt(self.runner.model_config.rope, len(add.prompt_token_ids)),
             )
             self.scheduler.add_request(request)
         except (InvalidRequestError, EngineOverloadedError) as error:

@@ -43,7 +43,7 @@ class LlamaAttention(nn.Module):
             q = _rms_norm(self.q_norm, q)[0]
             k = _rms_norm(self.k_norm, k)[0]
         if rotary.cos_sin is None:
-            fused_layers.rotary_embedding_(rotary.positions, q, k, rotary.cos_sin_cache)
+            fused_layers.rotary_embedding_(rotary.rows, q, k, rotary.cos_sin_cache)
         elif self.q_norm is None:
             # Each row of the QKV output holds q's heads then k's: one rotation of that span turns both.
             qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, self.num_heads + self.num_kv_heads, -1)
@@ -114,9 +114,12 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,  # [num_tokens]
         kv_caches: list[torch.Tensor],
         plan: Any,
+        sequence_lengths: torch.Tensor | None = None,  # [num_tokens], for rope types that read it
     ) -> torch.Tensor:  # [num_tokens, hidden_size]
         hidden = self.embed_tokens(input_ids)
-        rotary = self.rotary_emb.prepare(positions, hidden.dtype, fused=fused_layers.enabled(hidden))
+        rotary = self.rotary_emb.prepare(
+            positions, hidden.dtype, fused=fused_layers.enabled(hidden), sequence_lengths=sequence_lengths
+        )
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden, residual = layer(hidden, residual, rotary, kv_cache, plan)

@@ -8,7 +8,7 @@ the checkpoint's usual tensor names), and a byte-level BPE tokenizer trained on 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -120,8 +120,20 @@ _QWEN_STYLE = TokenizerStyle(
 )
 
 
-def make_model(arch: str, preset: str, out_dir: str | Path, *, seed: int = 0, dtype: str = "float32") -> Path:
-    """Write the folder; returns its path. Raises ValueError for unknown choices or a non-empty folder."""
+def make_model(
+    arch: str,
+    preset: str,
+    out_dir: str | Path,
+    *,
+    seed: int = 0,
+    dtype: str = "float32",
+    max_position_embeddings: int | None = None,
+    rope_parameters: dict[str, Any] | None = None,
+) -> Path:
+    """Write the folder; returns its path. Raises ValueError for unknown choices or a non-empty folder.
+
+    max_position_embeddings and rope_parameters (Transformers' `rope_parameters`, rope_theta included)
+    replace the preset's and the architecture's, e.g. to make a model with another RoPE scaling."""
     if arch not in ARCHITECTURES:
         raise ValueError(f"unknown arch {arch!r}; choose from {', '.join(ARCHITECTURES)}")
     if preset not in PRESETS:
@@ -135,10 +147,16 @@ def make_model(arch: str, preset: str, out_dir: str | Path, *, seed: int = 0, dt
 
     style = _QWEN_STYLE if arch.startswith("qwen") else _LLAMA_STYLE
     spec = PRESETS[preset]
+    if max_position_embeddings is not None:
+        if max_position_embeddings < 1:
+            raise ValueError(f"max_position_embeddings must be positive, got {max_position_embeddings}")
+        spec = replace(spec, max_position_embeddings=max_position_embeddings)
     tokenizer = _train_tokenizer(style, spec.vocab_size, add_bos=style.bos_token is not None)
     tokenizer.save(str(out / "tokenizer.json"))
     special_ids = {token: tokenizer.token_to_id(token) for token in style.special_tokens}
     config = _config(arch, spec, style, special_ids, dtype)
+    if rope_parameters is not None:
+        config["rope_parameters"] = rope_parameters
     _write_json(out / "config.json", config)
     _write_json(out / "tokenizer_config.json", _tokenizer_config(style, spec))
     _write_json(out / "generation_config.json", _generation_config(style, special_ids))

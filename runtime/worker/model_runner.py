@@ -13,6 +13,7 @@ from kvfleet.runtime.attention.selector import select_attention_backend
 from kvfleet.runtime.config import EngineConfig
 from kvfleet.runtime.core.outputs import ModelRunnerOutput, SchedulerOutput
 from kvfleet.runtime.lora.manager import LoRAManager
+from kvfleet.runtime.models.layers import LENGTH_DEPENDENT_ROPE_TYPES
 from kvfleet.runtime.models.loader import load_model, resolve_device, resolve_dtype
 from kvfleet.runtime.models.model_config import ModelConfig
 from kvfleet.runtime.worker.sampler import Sampler
@@ -81,6 +82,12 @@ class ModelRunner:
         self._seq_lens = _HostBuffer(torch.int32, pinned)
         self._block_tables = _HostBuffer(torch.int32, pinned)
         self._logits_indices = _HostBuffer(torch.int64, pinned)
+        # Each token's sequence length, for the rope types whose angles depend on it.
+        self._rope_sequence_lengths = (
+            _HostBuffer(torch.int64, pinned)
+            if self.model_config.rope["rope_type"] in LENGTH_DEPENDENT_ROPE_TYPES
+            else None
+        )
         # Marks when the device has read the host buffers (their copies are asynchronous on CUDA).
         self._inputs_copied: torch.cuda.Event | None = None
 
@@ -164,7 +171,10 @@ class ModelRunner:
         plan = self.attention_backend.prepare(metadata)
         if self.lora_manager is not None:
             self.lora_manager.prepare([r.lora_request for r in requests], metadata.query_start_loc_cpu)
-        hidden = self.model(input_ids, positions, self.kv_caches, plan)
+        rope_inputs = {}
+        if self._rope_sequence_lengths is not None:
+            rope_inputs["sequence_lengths"] = self._prepare_rope_sequence_lengths(scheduler_output)
+        hidden = self.model(input_ids, positions, self.kv_caches, plan, **rope_inputs)
 
         sampled: list[list[int]] = [[] for _ in requests]
         logprobs: list[list[dict[int, float]] | None] = [None for _ in requests]
@@ -254,6 +264,21 @@ class ModelRunner:
         positions_tensor = self._positions.to_device(num_tokens, device)
         self._mark_inputs_copied()
         return input_ids_tensor, positions_tensor, metadata, sample_rows
+
+    def _prepare_rope_sequence_lengths(self, scheduler_output: SchedulerOutput) -> torch.Tensor:
+        """max(prompt length, position + 1) for each token of the step: the sequence length that Transformers
+        rotates it for during generation (the whole prompt at once, then one token at a time)."""
+        assert self._rope_sequence_lengths is not None
+        num_tokens = scheduler_output.total_num_scheduled_tokens
+        prompt_lengths = np.repeat(
+            [request.num_prompt_tokens for request in scheduler_output.requests],
+            scheduler_output.num_scheduled_tokens,
+        )
+        lengths = self._rope_sequence_lengths.get(num_tokens)
+        np.maximum(prompt_lengths, self._positions.get(num_tokens) + 1, out=lengths)
+        tensor = self._rope_sequence_lengths.to_device(num_tokens, self.device)
+        self._mark_inputs_copied()
+        return tensor
 
     def _mark_inputs_copied(self) -> None:
         if self.device.type == "cuda":

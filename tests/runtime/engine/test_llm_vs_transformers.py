@@ -7,6 +7,7 @@ which the sequences are no longer comparable.
 
 from __future__ import annotations
 
+import json
 import random
 from collections.abc import Callable
 from pathlib import Path
@@ -33,11 +34,13 @@ def _prompts(vocab_size: int) -> list[list[int]]:
 
 
 def _reference(model_dir: Path, prompts: list[list[int]]) -> list[tuple[list[int], list[set[int]]]]:
-    """Greedy tokens and the top-5 at each step, one prompt at a time (no padding in the reference)."""
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    """Greedy tokens and the top-5 at each step, one prompt at a time (no padding in the reference), each on
+    a fresh model: `dynamic` RoPE keeps the longest length it has seen across generate() calls, which would
+    make a prompt's reference depend on the prompts before it."""
     results = []
     with torch.inference_mode():
         for prompt in prompts:
+            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
             out = model.generate(
                 torch.tensor([prompt]),
                 max_new_tokens=MAX_TOKENS,
@@ -103,3 +106,86 @@ def test_greedy_matches_transformers(arch_case, variant: str) -> None:
         assert stats.prefix_cache_hits > 0
     if variant == "no-prefix-caching":
         assert stats.prefix_cache_hits == 0
+
+
+# RoPE scaling past the original context, chunked prefill forced. Each case is a tiny model whose
+# config.json asks for one rope_type, pretrained (max_position_embeddings or original_max_position_embeddings)
+# for 64 positions; two prompts run past that, one stays under it and crosses it while decoding.
+ORIGINAL = 64
+MAX_MODEL_LEN = 4 * ORIGINAL
+# Prompt lengths: two past the original context, one under it that crosses it while decoding.
+PROMPT_LENGTHS = (150, 90, 60)
+
+
+def _head_dim(arch: str) -> int:
+    return 32 if arch == "qwen3" else 16  # the tiny preset's (make_model doubles Qwen3's)
+
+
+def _rope_case(rope_type: str, arch: str) -> tuple[int, dict]:
+    """(max_position_embeddings, rope_parameters) of the case's model."""
+    theta = {"rope_theta": 10000.0}
+    if rope_type == "linear":
+        return ORIGINAL, {"rope_type": "linear", "factor": 4.0, **theta}
+    if rope_type == "dynamic":
+        return ORIGINAL, {"rope_type": "dynamic", "factor": 4.0, **theta}
+    if rope_type == "yarn":
+        return ORIGINAL, {
+            "rope_type": "yarn",
+            "factor": 4.0,
+            "original_max_position_embeddings": ORIGINAL,
+            "beta_fast": 8.0,
+            **theta,
+        }
+    if rope_type == "llama3":
+        return MAX_MODEL_LEN, {
+            "rope_type": "llama3",
+            "factor": 4.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": ORIGINAL,
+            **theta,
+        }
+    half = _head_dim(arch) // 2
+    return MAX_MODEL_LEN, {
+        "rope_type": "longrope",
+        "short_factor": [1.0 + 0.1 * i for i in range(half)],
+        "long_factor": [1.0 + 0.8 * i for i in range(half)],
+        "original_max_position_embeddings": ORIGINAL,
+        **theta,
+    }
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("rope_type", ["linear", "dynamic", "yarn", "longrope", "llama3"])
+def test_rope_scaling_past_the_original_context_matches_transformers(
+    rope_type: str, arch: str, make_model: Callable[..., Path]
+) -> None:
+    max_positions, rope = _rope_case(rope_type, arch)
+    model_dir = make_model(
+        arch,
+        "tiny",
+        0,
+        "--max-position-embeddings",
+        str(max_positions),
+        "--rope-parameters",
+        json.dumps(rope),
+    )
+    rng = random.Random(17)
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    prompts = [[rng.randrange(16, vocab) for _ in range(n)] for n in PROMPT_LENGTHS]
+    # The others start like the first, so their first blocks are prefix-cache candidates: right for the
+    # position-only rope types, wrong where the first prompt's length changed its rotation.
+    prompts[1][:80] = prompts[0][:80]
+    prompts[2][:48] = prompts[0][:48]
+    llm = LLM(
+        str(model_dir),
+        dtype="float32",
+        max_model_len=MAX_MODEL_LEN,
+        max_num_batched_tokens=32,
+        num_kv_blocks=256,
+        enable_prefix_caching=True,
+    )
+    assert llm.llm_engine.max_model_len == MAX_MODEL_LEN
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=TOP_N)
+    outputs = [llm.generate([prompt], params)[0] for prompt in prompts]
+    _assert_close(outputs, _reference(model_dir, prompts))
