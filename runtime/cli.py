@@ -321,6 +321,49 @@ def bench_lora(
     print_lora_report(*results)
 
 
+@bench.command("multi-turn")
+@small_model_option
+@click.option("--num-users", type=click.IntRange(min=1), default=32, show_default=True)
+@click.option("--num-turns", type=click.IntRange(min=1), default=10, show_default=True)
+@click.option("--system-prompt-len", type=click.IntRange(min=0), default=64, show_default=True)
+@click.option("--user-message-len", type=click.IntRange(min=1), default=48, show_default=True)
+@click.option("--answer-len", type=click.IntRange(min=1), default=32, show_default=True)
+@bench_seed_option
+@engine_options
+def bench_multi_turn(
+    model: str | None,
+    num_users: int,
+    num_turns: int,
+    system_prompt_len: int,
+    user_message_len: int,
+    answer_len: int,
+    bench_seed: int,
+    **options,
+) -> None:
+    """Chats whose every request carries the whole history: prefill computed and TTFT by turn, with
+    prefix caching on and off."""
+    from kvfleet.runtime.bench.multi_turn import MultiTurnSettings, run_multi_turn
+    from kvfleet.runtime.bench.report import print_multi_turn_report
+
+    settings = MultiTurnSettings(
+        num_users=num_users,
+        num_turns=num_turns,
+        system_prompt_len=system_prompt_len,
+        user_message_len=user_message_len,
+        answer_len=answer_len,
+        seed=bench_seed,
+    )
+    with _model_or_small(model) as model_dir:
+        config = engine_config_from_options(model_dir, options)
+        report = run_multi_turn(
+            model_dir,
+            settings,
+            engine_options=config.as_options(),
+            log=lambda line: click.echo(line, err=True),
+        )
+    print_multi_turn_report(report)
+
+
 @bench.command("engine-timing")
 @click.option("--model", required=True, type=click.Path(exists=True, file_okay=False))
 @click.option(
