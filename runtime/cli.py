@@ -38,6 +38,14 @@ bench_seed_option = click.option(
     default=None,
     help='rope_parameters of config.json as JSON, e.g. \'{"rope_type": "linear", "factor": 4}\'',
 )
+@click.option("--sliding-window", type=click.IntRange(min=1), default=None, help="Mistral and Qwen only.")
+@click.option(
+    "--max-window-layers",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="Qwen: the layers from this one on slide.",
+)
 @click.argument("out_dir", type=click.Path(file_okay=False))
 def make_model(
     arch: str,
@@ -46,6 +54,8 @@ def make_model(
     dtype: str,
     max_position_embeddings: int | None,
     rope_parameters: str | None,
+    sliding_window: int | None,
+    max_window_layers: int,
     out_dir: str,
 ) -> None:
     """Write a Hugging Face model folder with random weights and a trained tokenizer to OUT_DIR."""
@@ -66,6 +76,8 @@ def make_model(
             dtype=dtype,
             max_position_embeddings=max_position_embeddings,
             rope_parameters=rope,
+            sliding_window=sliding_window,
+            max_window_layers=max_window_layers,
         )
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc

@@ -42,6 +42,7 @@ class Scheduler:
         policy: str = "fcfs",
         max_loras: int | None = None,
         background_priority: int | None = None,
+        sliding_window: int | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         for name, value in (
@@ -78,7 +79,10 @@ class Scheduler:
         # none of them is admitted.
         self.background_priority = background_priority
         self.clock = clock
-        self.kv_cache_manager = KVCacheManager(num_kv_blocks, block_size, enable_prefix_caching)
+        # The model's sliding window when every layer has one: blocks before it are freed as requests grow.
+        self.kv_cache_manager = KVCacheManager(
+            num_kv_blocks, block_size, enable_prefix_caching, sliding_window=sliding_window
+        )
 
         # Every unfinished request, by id, and how many of them are not background.
         self.requests: dict[str, Request] = {}

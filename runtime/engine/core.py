@@ -81,6 +81,7 @@ class EngineCore:
             policy=config.scheduling_policy,
             max_loras=config.max_loras if config.enable_lora else None,
             background_priority=background_priority,
+            sliding_window=self.runner.model_config.sliding_window,
         )
         # Admitted requests never scheduled yet: the ones load shedding may displace, and whose first
         # scheduling the front end hears of (its queue-time metric).

@@ -129,11 +129,15 @@ def make_model(
     dtype: str = "float32",
     max_position_embeddings: int | None = None,
     rope_parameters: dict[str, Any] | None = None,
+    sliding_window: int | None = None,
+    max_window_layers: int = 0,
 ) -> Path:
     """Write the folder; returns its path. Raises ValueError for unknown choices or a non-empty folder.
 
     max_position_embeddings and rope_parameters (Transformers' `rope_parameters`, rope_theta included)
-    replace the preset's and the architecture's, e.g. to make a model with another RoPE scaling."""
+    replace the preset's and the architecture's, e.g. to make a model with another RoPE scaling.
+    sliding_window gives Mistral a window on every layer, and Qwen one on the layers from
+    max_window_layers on (Llama has none)."""
     if arch not in ARCHITECTURES:
         raise ValueError(f"unknown arch {arch!r}; choose from {', '.join(ARCHITECTURES)}")
     if preset not in PRESETS:
@@ -157,6 +161,14 @@ def make_model(
     config = _config(arch, spec, style, special_ids, dtype)
     if rope_parameters is not None:
         config["rope_parameters"] = rope_parameters
+    if sliding_window is not None:
+        if arch == "llama" or sliding_window < 1:
+            raise ValueError(
+                f"sliding_window needs a positive window on mistral or qwen, got {arch} {sliding_window}"
+            )
+        config["sliding_window"] = sliding_window
+        if arch.startswith("qwen"):
+            config.update(use_sliding_window=True, max_window_layers=max_window_layers)
     _write_json(out / "config.json", config)
     _write_json(out / "tokenizer_config.json", _tokenizer_config(style, spec))
     _write_json(out / "generation_config.json", _generation_config(style, special_ids))

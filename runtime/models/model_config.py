@@ -30,7 +30,9 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     qk_norm: bool = False
-    sliding_window: int | None = None
+    # Each layer's attention window (a query sees the `window` latest positions, its own included), or None
+    # where a layer attends to the whole context.
+    layer_windows: tuple[int | None, ...] = ()
     dtype: torch.dtype = torch.float32
 
     @classmethod
@@ -89,7 +91,7 @@ class ModelConfig:
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             attention_bias=attention_bias,
             qk_norm=model_type == "qwen3",
-            sliding_window=_sliding_window(raw),
+            layer_windows=_layer_windows(raw, int(require("num_hidden_layers")), source),
             dtype=DTYPES[dtype_name],
         )
 
@@ -99,19 +101,22 @@ class ModelConfig:
 
     @property
     def max_context(self) -> int:
-        """The longest context computed exactly: the positions RoPE scaling reaches (vLLM's rule: `linear`
-        and `dynamic` stretch max_position_embeddings by their factor, `yarn` the original length; the
-        others declare the scaled length as max_position_embeddings), bounded by a sliding window."""
+        """The longest context: the positions RoPE scaling reaches (vLLM's rule: `linear` and `dynamic`
+        stretch max_position_embeddings by their factor, `yarn` the original length; the others declare the
+        scaled length as max_position_embeddings)."""
         rope_type = self.rope["rope_type"]
         if rope_type in ("linear", "dynamic"):
-            positions = int(self.max_position_embeddings * float(self.rope["factor"]))
-        elif rope_type == "yarn":
-            positions = int(self.rope["original_max_position_embeddings"] * float(self.rope["factor"]))
-        else:
-            positions = self.max_position_embeddings
-        if self.sliding_window is not None:
-            return min(positions, self.sliding_window)
-        return positions
+            return int(self.max_position_embeddings * float(self.rope["factor"]))
+        if rope_type == "yarn":
+            return int(self.rope["original_max_position_embeddings"] * float(self.rope["factor"]))
+        return self.max_position_embeddings
+
+    @property
+    def sliding_window(self) -> int | None:
+        """The window that bounds what a request needs kept: the widest, when every layer has one."""
+        if not self.layer_windows or None in self.layer_windows:
+            return None
+        return max(w for w in self.layer_windows if w is not None)
 
 
 def _rope_parameters(raw: dict[str, Any], source: str) -> dict[str, Any]:
@@ -149,9 +154,21 @@ def _rope_parameters(raw: dict[str, Any], source: str) -> dict[str, Any]:
     return rope
 
 
-def _sliding_window(raw: dict[str, Any]) -> int | None:
+def _layer_windows(raw: dict[str, Any], num_layers: int, source: str) -> tuple[int | None, ...]:
+    """Mistral slides every layer over `sliding_window`; Qwen2/3 only with use_sliding_window, and then the
+    layers from max_window_layers on, unless `layer_types` names each layer's kind (as Transformers reads)."""
     window = raw.get("sliding_window")
-    # Qwen2/3 configs carry a window they do not use unless use_sliding_window is set.
     if window is None or ("use_sliding_window" in raw and not raw["use_sliding_window"]):
-        return None
-    return int(window)
+        return (None,) * num_layers
+    window = int(window)
+    if window < 1:
+        raise ValueError(f"{source}: sliding_window must be positive, got {window}")
+    layer_types = raw.get("layer_types")
+    if layer_types is not None:
+        if len(layer_types) != num_layers:
+            raise ValueError(f"{source}: layer_types names {len(layer_types)} layers, not {num_layers}")
+        return tuple(window if kind == "sliding_attention" else None for kind in layer_types)
+    if "max_window_layers" in raw:
+        first_sliding = int(raw["max_window_layers"])
+        return tuple(window if i >= first_sliding else None for i in range(num_layers))
+    return (window,) * num_layers

@@ -99,7 +99,7 @@ class ModelRunner:
         if requested > limit:
             raise ValueError(
                 f"max_model_len {requested} exceeds what the model supports ({limit} tokens, from its "
-                "max_position_embeddings or sliding window)"
+                "max_position_embeddings and RoPE scaling)"
             )
         return requested
 

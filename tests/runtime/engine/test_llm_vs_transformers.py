@@ -189,3 +189,66 @@ def test_rope_scaling_past_the_original_context_matches_transformers(
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=TOP_N)
     outputs = [llm.generate([prompt], params)[0] for prompt in prompts]
     _assert_close(outputs, _reference(model_dir, prompts))
+
+
+# Sliding windows: Mistral's on every layer, Qwen's from max_window_layers on (layer 0 attends to everything,
+# layer 1 to its window). Prompts run well past the 24-token window, in chunks, sharing a prefix.
+WINDOW = 24
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "reference"])
+@pytest.mark.parametrize("arch", ["mistral", "qwen2", "qwen3"])
+def test_sliding_window_past_the_window_matches_transformers(
+    arch: str, backend: str, make_model: Callable[..., Path]
+) -> None:
+    options = ["--sliding-window", str(WINDOW)]
+    if arch != "mistral":
+        options += ["--max-window-layers", "1"]
+    model_dir = make_model(arch, "tiny", 0, *options)
+    rng = random.Random(23)
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    prompts = [[rng.randrange(16, vocab) for _ in range(n)] for n in (110, 75, 20)]
+    prompts[1][:64] = prompts[0][:64]
+    llm = LLM(
+        str(model_dir),
+        dtype="float32",
+        max_model_len=256,
+        max_num_batched_tokens=32,
+        num_kv_blocks=256,
+        block_size=8,
+        enable_prefix_caching=True,
+        attention_backend=backend,
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=TOP_N)
+    outputs = [llm.generate([prompt], params)[0] for prompt in prompts]
+    _assert_close(outputs, _reference(model_dir, prompts))
+    assert llm.llm_engine.stats.prefix_cache_hits > 0
+
+
+def test_blocks_out_of_the_window_are_freed_as_requests_grow(make_model: Callable[..., Path]) -> None:
+    # 4 requests of 150 tokens need 600 tokens of KV at full length; the cache holds 160, so keeping every
+    # block would run them one at a time. With every layer sliding over 24 tokens, each keeps only its
+    # window's blocks and a chunk's, and all four run side by side.
+    model_dir = make_model("mistral", "tiny", 0, "--sliding-window", str(WINDOW))
+    rng = random.Random(29)
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    prompts = [[rng.randrange(16, vocab) for _ in range(150 - MAX_TOKENS)] for _ in range(4)]
+    llm = LLM(
+        str(model_dir),
+        dtype="float32",
+        max_model_len=160,
+        max_num_batched_tokens=32,
+        num_kv_blocks=20,
+        block_size=8,
+    )
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=TOP_N)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, params)
+    finished, most_running = {}, 0
+    while engine.has_unfinished_requests():
+        finished.update((output.request_id, output) for output in engine.step() if output.finished)
+        most_running = max(most_running, engine.stats.num_running)
+    assert most_running == 4
+    assert engine.stats.num_preempted_total == 0
+    _assert_close([finished[str(i)] for i in range(4)], _reference(model_dir, prompts))

@@ -216,20 +216,28 @@ def test_bad_configs_are_rejected_with_the_reason(change: dict, message: str) ->
         ModelConfig.from_dict({**raw, **change})
 
 
-def test_sliding_window_bounds_the_context() -> None:
+def test_sliding_windows_per_layer_as_transformers_reads_them() -> None:
     base = {
         "architectures": ["MistralForCausalLM"],
         "vocab_size": 100,
         "hidden_size": 64,
         "intermediate_size": 128,
-        "num_hidden_layers": 1,
+        "num_hidden_layers": 3,
         "num_attention_heads": 4,
         "max_position_embeddings": 8192,
     }
-    assert ModelConfig.from_dict({**base, "sliding_window": 4096}).max_context == 4096
-    assert ModelConfig.from_dict({**base, "sliding_window": None}).max_context == 8192
-    unused = {**base, "sliding_window": 1024, "use_sliding_window": False}
-    assert ModelConfig.from_dict(unused).max_context == 8192
+    mistral = ModelConfig.from_dict({**base, "sliding_window": 4096})
+    assert (mistral.layer_windows, mistral.sliding_window, mistral.max_context) == ((4096,) * 3, 4096, 8192)
+    assert ModelConfig.from_dict({**base, "sliding_window": None}).layer_windows == (None,) * 3
+    qwen = {**base, "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "sliding_window": 1024}
+    assert ModelConfig.from_dict({**qwen, "use_sliding_window": False}).layer_windows == (None,) * 3
+    upper = ModelConfig.from_dict({**qwen, "use_sliding_window": True, "max_window_layers": 1})
+    assert (upper.layer_windows, upper.sliding_window) == ((None, 1024, 1024), None)
+    named = {**qwen, "use_sliding_window": True, "layer_types": ["sliding_attention", "full_attention"] * 2}
+    with pytest.raises(ValueError, match="names 4 layers, not 3"):
+        ModelConfig.from_dict(named)
+    named["layer_types"] = named["layer_types"][:3]
+    assert ModelConfig.from_dict(named).layer_windows == (1024, None, 1024)
 
 
 def test_registry_resolves_builtins_and_plugins_and_names_what_it_supports(monkeypatch) -> None:
