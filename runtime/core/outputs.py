@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvfleet.runtime.core.host_kv_tier import TierCopies
 from kvfleet.runtime.request import FinishReason, Request
 
 
@@ -23,6 +24,9 @@ class SchedulerOutput:
     finished_request_ids: set[str] = field(default_factory=set)
     # Preempted this step: the runner drops their state; they come back later as if new.
     preempted_request_ids: set[str] = field(default_factory=set)
+    # Blocks to copy between the device cache and the host tier before the step runs (see HostKVTier).
+    # A subset of the step leaves them out: they are made once, by the whole step.
+    tier_copies: TierCopies = field(default_factory=TierCopies)
 
     @property
     def num_reqs(self) -> int:
@@ -82,3 +86,9 @@ class SchedulerStats:
     grammar_compile_seconds: float = 0.0
     grammar_mask_steps: int = 0
     grammar_mask_seconds: float = 0.0
+    # The host-memory KV tier: blocks copied there and back, and the preempted requests that resumed from it
+    # or had to recompute.
+    kv_offload_blocks_offloaded: int = 0
+    kv_offload_blocks_reloaded: int = 0
+    kv_offload_resumed_from_host: int = 0
+    kv_offload_resumed_by_recompute: int = 0

@@ -14,6 +14,7 @@ import itertools
 import time
 from collections.abc import Callable, Iterable
 
+from kvfleet.runtime.core.host_kv_tier import HostKVTier
 from kvfleet.runtime.core.kv_cache_manager import KVCacheManager
 from kvfleet.runtime.core.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput, SchedulerStats
 from kvfleet.runtime.core.request_queue import create_request_queue
@@ -43,6 +44,7 @@ class Scheduler:
         max_loras: int | None = None,
         background_priority: int | None = None,
         sliding_window: int | None = None,
+        host_kv_tier: HostKVTier | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         for name, value in (
@@ -83,6 +85,8 @@ class Scheduler:
         self.kv_cache_manager = KVCacheManager(
             num_kv_blocks, block_size, enable_prefix_caching, sliding_window=sliding_window
         )
+        # Where preempted requests' KV waits for them, instead of being recomputed; None without one.
+        self.host_kv_tier = host_kv_tier
 
         # Every unfinished request, by id, and how many of them are not background.
         self.requests: dict[str, Request] = {}
@@ -161,7 +165,19 @@ class Scheduler:
             prefix_cache_queries=kv.prefix_cache_queries,
             prefix_cache_hits=kv.prefix_cache_hits,
             num_prefill_tokens_computed=self.num_prefill_tokens_computed,
+            **self._host_tier_stats(),
         )
+
+    def _host_tier_stats(self) -> dict[str, int]:
+        tier = self.host_kv_tier
+        if tier is None:
+            return {}
+        return {
+            "kv_offload_blocks_offloaded": tier.blocks_offloaded,
+            "kv_offload_blocks_reloaded": tier.blocks_reloaded,
+            "kv_offload_resumed_from_host": tier.resumed_from_host,
+            "kv_offload_resumed_by_recompute": tier.resumed_by_recompute,
+        }
 
     # One step.
 
@@ -332,6 +348,15 @@ class Scheduler:
                 stepped_aside.append(waiting.pop())
                 continue
             computed_blocks, num_cached_tokens = kv.get_computed_blocks(request)
+            # A preempted request's KV saved in the host tier beats a shorter prefix-cache hit. As with a
+            # hit, the last token runs again, to give logits.
+            num_saved_tokens = (
+                0 if self.host_kv_tier is None else self.host_kv_tier.saved_tokens(request.request_id)
+            )
+            num_saved_tokens = min(num_saved_tokens, request.num_tokens - 1)
+            num_reloaded = num_saved_tokens if num_saved_tokens > num_cached_tokens else 0
+            if num_reloaded:
+                computed_blocks, num_cached_tokens = [], num_reloaded
             num_new_tokens = request.num_tokens - num_cached_tokens
             # Without chunked prefill a prompt runs whole or not at all: the background share cannot cut it.
             is_background = (
@@ -342,8 +367,10 @@ class Scheduler:
                 if not self.enable_chunked_prefill or limit <= 0:
                     break
                 num_new_tokens = limit
-            if kv.allocate_slots(request, num_new_tokens, computed_blocks) is None:
+            if kv.allocate_slots(request, num_reloaded + num_new_tokens, computed_blocks) is None:
                 break
+            if self.host_kv_tier is not None and request.num_preemptions:
+                self._resume_from_tier(request, reload=num_reloaded > 0)
             waiting.pop()
             request.transition(_RUNNING)
             request.num_computed_tokens = num_cached_tokens
@@ -359,6 +386,17 @@ class Scheduler:
         for request in reversed(stepped_aside):
             waiting.prepend(request)
         return budget
+
+    def _resume_from_tier(self, request: Request, reload: bool) -> None:
+        """Copy back the saved KV of a preempted request just given blocks, or count its recompute."""
+        tier = self.host_kv_tier
+        assert tier is not None
+        if reload:
+            num_blocks = -(-tier.saved_tokens(request.request_id) // self.kv_cache_manager.block_size)
+            block_ids = self.kv_cache_manager.get_block_ids(request.request_id)
+            tier.restore(request.request_id, block_ids[:num_blocks])
+        else:
+            tier.resume_by_recompute(request.request_id)
 
     def _build_output(
         self, scheduled: dict[Request, int], budget: int, preempted: list[Request]
@@ -386,6 +424,8 @@ class Scheduler:
             finished_request_ids=self._finished_request_ids,
             preempted_request_ids={request.request_id for request in preempted},
         )
+        if self.host_kv_tier is not None:
+            output.tier_copies = self.host_kv_tier.take_copies()
         self._finished_request_ids = set()
         return output
 
@@ -431,7 +471,17 @@ class Scheduler:
         return victim
 
     def _preempt(self, request: Request) -> None:
-        self.kv_cache_manager.free(request)
+        kv = self.kv_cache_manager
+        num_computed = request.num_computed_tokens
+        # KV that a sliding window already gave back in part cannot be saved whole: it is recomputed.
+        if (
+            self.host_kv_tier is not None
+            and num_computed
+            and not kv.num_released_blocks.get(request.request_id)
+        ):
+            block_ids = kv.get_block_ids(request.request_id)[: -(-num_computed // kv.block_size)]
+            self.host_kv_tier.save(request.request_id, block_ids, num_computed)
+        kv.free(request)
         request.transition(RequestStatus.PREEMPTED)
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -446,6 +496,8 @@ class Scheduler:
         else:
             self.waiting.remove(request)
         self.kv_cache_manager.free(request)
+        if self.host_kv_tier is not None:
+            self.host_kv_tier.discard(request.request_id)
         del self.requests[request.request_id]
         self._num_foreground -= not self._is_background(request)
         self._finished_request_ids.add(request.request_id)

@@ -14,10 +14,12 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import math
+import os
 import time
 
 import torch
 from kvfleet.runtime.config import EngineConfig
+from kvfleet.runtime.core.host_kv_tier import HostKVTier
 from kvfleet.runtime.core.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput, SchedulerStats
 from kvfleet.runtime.core.scheduler import Scheduler
 from kvfleet.runtime.engine.errors import (
@@ -69,6 +71,7 @@ class EngineCore:
         self.vocab_size: int = self.runner.vocab_size
         self.num_kv_blocks = self._num_kv_blocks()
         self.runner.initialize_kv_cache(self.num_kv_blocks)
+        host_kv_tier = self._host_kv_tier()
         self.max_num_batched_tokens = self._token_budget()
         self.scheduler = Scheduler(
             max_num_seqs=config.max_num_seqs,
@@ -82,6 +85,7 @@ class EngineCore:
             max_loras=config.max_loras if config.enable_lora else None,
             background_priority=background_priority,
             sliding_window=self.runner.model_config.sliding_window,
+            host_kv_tier=host_kv_tier,
         )
         # Admitted requests never scheduled yet: the ones load shedding may displace, and whose first
         # scheduling the front end hears of (its queue-time metric).
@@ -141,6 +145,23 @@ class EngineCore:
                 f"max_model_len={self.max_model_len} tokens: lower max_model_len or enlarge the cache"
             )
         return num_blocks
+
+    def _host_kv_tier(self) -> HostKVTier | None:
+        """The host-memory KV tier kv_offloading_size asks for; refused if the host cannot hold it."""
+        size = self.config.kv_offloading_size
+        if size is None:
+            return None
+        available = _available_host_memory()
+        if size * GiB > available:
+            raise ValueError(
+                f"kv_offloading_size {size:g} GiB is more than the host's available memory "
+                f"({available / GiB:.1f} GiB)"
+            )
+        num_blocks = int(size * GiB // self.runner.kv_cache_bytes_per_block())
+        if num_blocks < 1:
+            raise ValueError(f"kv_offloading_size {size:g} GiB holds no KV block of this model")
+        self.runner.initialize_host_kv_tier(num_blocks)
+        return HostKVTier(num_blocks)
 
     def _token_budget(self) -> int:
         config = self.config
@@ -332,3 +353,15 @@ class EngineCore:
         self._unstarted.pop(request.request_id, None)
         message = f"the engine failed while running this request: {type(exc).__name__}: {exc}"
         errors.append(RequestError(request.request_id, RequestFailedError.kind, message))
+
+
+def _available_host_memory() -> int:
+    """Bytes the host can still give without swapping: MemAvailable on Linux, else the free pages."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

@@ -11,6 +11,7 @@ import torch
 from kvfleet.runtime.attention.backend import AttentionBackend, AttentionMetadata, AttentionSpec
 from kvfleet.runtime.attention.selector import select_attention_backend
 from kvfleet.runtime.config import EngineConfig
+from kvfleet.runtime.core.host_kv_tier import TierCopies
 from kvfleet.runtime.core.outputs import ModelRunnerOutput, SchedulerOutput
 from kvfleet.runtime.lora.manager import LoRAManager
 from kvfleet.runtime.models.layers import LENGTH_DEPENDENT_ROPE_TYPES
@@ -73,6 +74,8 @@ class ModelRunner:
         self.model: nn.Module | None = None
         self.lora_manager: LoRAManager | None = None
         self.kv_caches: list[torch.Tensor] = []
+        # The host-memory tier's blocks, in the device cache's layout (pinned on CUDA); empty without one.
+        self.host_kv_caches: list[torch.Tensor] = []
         self.sampler = Sampler(self.device, config.seed)
         pinned = self.device.type == "cuda"
         self._input_ids = _HostBuffer(torch.int64, pinned)
@@ -153,10 +156,39 @@ class ModelRunner:
             num_blocks * self.kv_cache_bytes_per_block() / 2**20,
         )
 
+    def initialize_host_kv_tier(self, num_blocks: int) -> None:
+        if not self.kv_caches:
+            raise RuntimeError("initialize_kv_cache() must run before initialize_host_kv_tier()")
+        shape = (2, num_blocks, *self.kv_caches[0].shape[2:])
+        pinned = self.device.type == "cuda"
+        self.host_kv_caches = [
+            torch.zeros(shape, dtype=self.dtype, pin_memory=pinned) for _ in range(len(self.kv_caches))
+        ]
+        logger.info(
+            "host KV tier: %d blocks, %.1f MiB",
+            num_blocks,
+            num_blocks * self.kv_cache_bytes_per_block() / 2**20,
+        )
+
+    def _copy_between_tiers(self, copies: TierCopies) -> None:
+        """Device blocks to the host tier first (a preempted request's blocks, which this step may reuse),
+        then host blocks back into the device blocks of the requests resuming."""
+        if copies.to_host:
+            device_ids = torch.tensor([d for d, _ in copies.to_host], device=self.device)
+            host_ids = torch.tensor([h for _, h in copies.to_host])
+            for device_cache, host_cache in zip(self.kv_caches, self.host_kv_caches, strict=True):
+                host_cache[:, host_ids] = device_cache[:, device_ids].cpu()
+        if copies.to_device:
+            host_ids = torch.tensor([h for h, _ in copies.to_device])
+            device_ids = torch.tensor([d for _, d in copies.to_device], device=self.device)
+            for device_cache, host_cache in zip(self.kv_caches, self.host_kv_caches, strict=True):
+                device_cache[:, device_ids] = host_cache[:, host_ids].to(self.device)
+
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         if self.model is None or not self.kv_caches:
             raise RuntimeError("load_model() and initialize_kv_cache() must run before execute_model()")
+        self._copy_between_tiers(scheduler_output.tier_copies)
         self.sampler.forget(scheduler_output.finished_request_ids)
         requests = scheduler_output.requests
         if not requests:
@@ -171,7 +203,7 @@ class ModelRunner:
         plan = self.attention_backend.prepare(metadata)
         if self.lora_manager is not None:
             self.lora_manager.prepare([r.lora_request for r in requests], metadata.query_start_loc_cpu)
-        rope_inputs = {}
+        rope_inputs: dict[str, torch.Tensor] = {}
         if self._rope_sequence_lengths is not None:
             rope_inputs["sequence_lengths"] = self._prepare_rope_sequence_lengths(scheduler_output)
         hidden = self.model(input_ids, positions, self.kv_caches, plan, **rope_inputs)

@@ -88,6 +88,10 @@ ENGINE_VARIANTS = {
     "chunked-prefill": dict(max_num_batched_tokens=24, enable_prefix_caching=True),
     # 16 requests of up to ~110 tokens need far more than 14 blocks of 8: forces preemption by recompute.
     "preemption": dict(num_kv_blocks=14, block_size=8, max_model_len=112, max_num_batched_tokens=64),
+    # The same, with preempted requests' KV saved in a host-memory tier and copied back on resume.
+    "preemption-host-tier": dict(
+        num_kv_blocks=14, block_size=8, max_model_len=112, max_num_batched_tokens=64, kv_offloading_size=0.01
+    ),
 }
 
 
@@ -100,8 +104,10 @@ def test_greedy_matches_transformers(arch_case, variant: str) -> None:
     outputs = llm.generate(prompts, params)
     _assert_close(outputs, reference)
     stats = llm.llm_engine.stats
-    if variant == "preemption":
+    if variant.startswith("preemption"):
         assert stats.num_preempted_total > 0, "the pool was meant to be too small for the batch"
+    if variant == "preemption-host-tier":
+        assert stats.kv_offload_resumed_from_host > 0
     if variant == "prefix-caching":
         assert stats.prefix_cache_hits > 0
     if variant == "no-prefix-caching":
