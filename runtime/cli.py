@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -39,13 +40,57 @@ bench_seed_option = click.option(
     help="Then train the weights this many steps on the tokenizer's corpus (on the CPU; about 1 s a step for "
     "the small preset), so that outputs are predictable and draft models agree with their targets.",
 )
+@click.option(
+    "--max-position-embeddings", type=click.IntRange(min=1), default=None, help="Default: the preset's."
+)
+@click.option(
+    "--rope-parameters",
+    default=None,
+    help='rope_parameters of config.json as JSON, e.g. \'{"rope_type": "linear", "factor": 4}\'',
+)
+@click.option("--sliding-window", type=click.IntRange(min=1), default=None, help="Mistral and Qwen only.")
+@click.option(
+    "--max-window-layers",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="Qwen: the layers from this one on slide.",
+)
 @click.argument("out_dir", type=click.Path(file_okay=False))
-def make_model(arch: str, preset: str, seed: int, dtype: str, train_steps: int, out_dir: str) -> None:
+def make_model(
+    arch: str,
+    preset: str,
+    seed: int,
+    dtype: str,
+    train_steps: int,
+    max_position_embeddings: int | None,
+    rope_parameters: str | None,
+    sliding_window: int | None,
+    max_window_layers: int,
+    out_dir: str,
+) -> None:
     """Write a Hugging Face model folder with random weights and a trained tokenizer to OUT_DIR."""
     from kvfleet.runtime.models.make_model import make_model as build
 
     try:
-        path = build(arch, preset, out_dir, seed=seed, dtype=dtype, train_steps=train_steps)
+        rope = None if rope_parameters is None else json.loads(rope_parameters)
+    except json.JSONDecodeError as exc:
+        raise click.BadParameter(f"not JSON: {exc}", param_hint="--rope-parameters") from exc
+    if rope is not None and not isinstance(rope, dict):
+        raise click.BadParameter("must be a JSON object", param_hint="--rope-parameters")
+    try:
+        path = build(
+            arch,
+            preset,
+            out_dir,
+            seed=seed,
+            dtype=dtype,
+            max_position_embeddings=max_position_embeddings,
+            rope_parameters=rope,
+            sliding_window=sliding_window,
+            max_window_layers=max_window_layers,
+            train_steps=train_steps,
+        )
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc
     click.echo(f"wrote {arch} ({preset}) to {path}")
@@ -340,6 +385,49 @@ def bench_lora(
             log=lambda line: click.echo(line, err=True),
         )
     print_lora_report(*results)
+
+
+@bench.command("multi-turn")
+@small_model_option
+@click.option("--num-users", type=click.IntRange(min=1), default=32, show_default=True)
+@click.option("--num-turns", type=click.IntRange(min=1), default=10, show_default=True)
+@click.option("--system-prompt-len", type=click.IntRange(min=0), default=64, show_default=True)
+@click.option("--user-message-len", type=click.IntRange(min=1), default=48, show_default=True)
+@click.option("--answer-len", type=click.IntRange(min=1), default=32, show_default=True)
+@bench_seed_option
+@engine_options
+def bench_multi_turn(
+    model: str | None,
+    num_users: int,
+    num_turns: int,
+    system_prompt_len: int,
+    user_message_len: int,
+    answer_len: int,
+    bench_seed: int,
+    **options,
+) -> None:
+    """Chats whose every request carries the whole history: prefill computed and TTFT by turn, with
+    prefix caching on and off."""
+    from kvfleet.runtime.bench.multi_turn import MultiTurnSettings, run_multi_turn
+    from kvfleet.runtime.bench.report import print_multi_turn_report
+
+    settings = MultiTurnSettings(
+        num_users=num_users,
+        num_turns=num_turns,
+        system_prompt_len=system_prompt_len,
+        user_message_len=user_message_len,
+        answer_len=answer_len,
+        seed=bench_seed,
+    )
+    with _model_or_small(model) as model_dir:
+        config = engine_config_from_options(model_dir, options)
+        report = run_multi_turn(
+            model_dir,
+            settings,
+            engine_options=config.as_options(),
+            log=lambda line: click.echo(line, err=True),
+        )
+    print_multi_turn_report(report)
 
 
 @bench.command("engine-timing")

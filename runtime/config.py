@@ -40,6 +40,11 @@ class EngineConfig:
         "Fraction of GPU memory the engine may use (weights, activations, KV cache).", default=0.9
     )
     cpu_kv_cache_space: float = _option("GiB of host memory for the KV cache on CPU.", default=1.0)
+    kv_offloading_size: float | None = _option(
+        "GiB of host memory for a second tier of KV blocks: preempted requests' KV waits there instead of "
+        "being recomputed.",
+        default=None,
+    )
     max_num_seqs: int = _option("Most requests in one step's batch.", default=256)
     max_num_batched_tokens: int | None = _option(
         "Token budget of one step (prefill chunks and decodes together).", default=None
@@ -86,6 +91,10 @@ class EngineConfig:
         require(self.num_kv_blocks is None or self.num_kv_blocks > 0, "num_kv_blocks must be positive")
         require(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization must be in (0, 1]")
         require(self.cpu_kv_cache_space > 0, "cpu_kv_cache_space must be positive")
+        require(
+            self.kv_offloading_size is None or self.kv_offloading_size > 0,
+            "kv_offloading_size must be positive",
+        )
         require(self.max_num_seqs > 0, "max_num_seqs must be positive")
         require(
             self.max_num_batched_tokens is None or self.max_num_batched_tokens > 0,
@@ -141,6 +150,7 @@ _CLICK_TYPES: dict[str, Any] = {
     "dict[str, Any] | None": _JsonObject(),
     "int | None": int,
     "str | None": str,
+    "float | None": float,
     "int": int,
     "float": float,
     "str": str,

@@ -320,7 +320,23 @@ class _EngineStatsCollector(Collector):
             ),
         }
         # kvfleet's own: vLLM has no counterparts.
-        structured_outputs = {
+        own_counters = {
+            "kv_offload_blocks_offloaded": (
+                "KV blocks of preempted requests copied to the host tier.",
+                stats.kv_offload_blocks_offloaded,
+            ),
+            "kv_offload_blocks_reloaded": (
+                "KV blocks copied back from the host tier.",
+                stats.kv_offload_blocks_reloaded,
+            ),
+            "kv_offload_resumed_from_host": (
+                "Preempted requests that resumed from the host tier.",
+                stats.kv_offload_resumed_from_host,
+            ),
+            "kv_offload_resumed_by_recompute": (
+                "Preempted requests that resumed by recompute.",
+                stats.kv_offload_resumed_by_recompute,
+            ),
             "structured_output_grammars_compiled": (
                 "Grammars compiled for structured outputs (cache hits are not compilations).",
                 stats.grammars_compiled,
@@ -374,7 +390,7 @@ class _EngineStatsCollector(Collector):
             family = GaugeMetricFamily(f"kvfleet:{name}", documentation, labels=["model_name"])
             family.add_metric([self._model_name], value)
             yield family
-        for name, (documentation, value) in structured_outputs.items():
+        for name, (documentation, value) in own_counters.items():
             family = CounterMetricFamily(f"kvfleet:{name}", documentation, labels=["model_name"])
             family.add_metric([self._model_name], float(value))
             yield family

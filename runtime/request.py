@@ -72,6 +72,7 @@ class Request:
         grammar: RequestGrammar | None = None,
         token_rules: TokenRules | None = None,
         lora_request: LoRARequest | None = None,
+        cache_salt: bytes | None = None,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError(f"request {request_id!r}: prompt_token_ids must not be empty")
@@ -87,6 +88,8 @@ class Request:
         # logit_bias, allowed_token_ids and bad_words, applied with the grammar's mask.
         self.token_rules = token_rules
         self.lora_request = lora_request
+        # Besides the adapter, what makes this request's KV differ from another's for the same tokens.
+        self.cache_salt = cache_salt
 
         self.status = RequestStatus.WAITING
         self.output_token_ids: list[int] = []

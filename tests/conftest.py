@@ -30,15 +30,26 @@ BASE_ARGS = ("--served-model-name", MODEL_NAME, "--num-kv-blocks", "512", "--dty
 
 @pytest.fixture(scope="session")
 def make_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
-    """Returns a function (arch, preset, seed) -> model folder, built through the real CLI and cached."""
-    made: dict[tuple[str, str, int], Path] = {}
+    """Returns a function (arch, preset, seed, *make-model options) -> model folder, built through the real
+    CLI and cached."""
+    made: dict[tuple[str, ...], Path] = {}
     root = tmp_path_factory.mktemp("models")
 
-    def build(arch: str = "llama", preset: str = "tiny", seed: int = 0) -> Path:
-        key = (arch, preset, seed)
+    def build(arch: str = "llama", preset: str = "tiny", seed: int = 0, *options: str) -> Path:
+        key = (arch, preset, str(seed), *options)
         if key not in made:
-            out = root / f"{arch}-{preset}-{seed}"
-            command = ["make-model", "--arch", arch, "--preset", preset, "--seed", str(seed), str(out)]
+            out = root / f"{arch}-{preset}-{seed}-{len(made)}"
+            command = [
+                "make-model",
+                "--arch",
+                arch,
+                "--preset",
+                preset,
+                "--seed",
+                str(seed),
+                *options,
+                str(out),
+            ]
             subprocess.run(
                 [sys.executable, "-P", "-m", "kvfleet", *command], check=True, capture_output=True, text=True
             )

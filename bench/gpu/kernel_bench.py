@@ -498,7 +498,8 @@ def fused_rows(bench: Bench) -> list[Row]:
     rotary_embedding_(positions, work_query, work_key, rotary.cos_sin_cache)
     check = check_result(work_query, expected_query) + " / " + check_result(work_key, expected_key)
 
-    cos, signed_sin = rotary.cos_sin(positions, dtype)  # once per step in the model, shared by every layer
+    # Once per step in the model, shared by every layer.
+    cos, signed_sin = rotary.prepare(positions, dtype, fused=False).cos_sin  # type: ignore[misc]
 
     def torch_rotary() -> None:
         layers.RotaryEmbedding.rotate_(query, cos, signed_sin)

@@ -61,7 +61,9 @@ class AttentionMetadata:
 
 
 class AttentionBackend(ABC):
-    """Writes a step's new K/V into the paged cache, then attends causally over each request's context."""
+    """Writes a step's new K/V into the paged cache, then attends causally over each request's context, or
+    over its `sliding_window` latest positions (the query's own included) for layers that have one. Blocks
+    wholly before every query's window may have been freed: their block table entries must not be read."""
 
     name: ClassVar[str]
 
@@ -85,5 +87,6 @@ class AttentionBackend(ABC):
         value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         plan: Any,  # what `prepare` returned for this step
+        sliding_window: int | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         """Store key/value at the step's slots, then return the attention output for every query token."""

@@ -35,6 +35,7 @@ class ReferenceAttentionBackend(AttentionBackend):
         value: torch.Tensor,
         kv_cache: torch.Tensor,
         plan: Any,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
         metadata: AttentionMetadata = plan
         write_kv_cache(key, value, kv_cache, metadata.slot_mapping)
@@ -44,7 +45,11 @@ class ReferenceAttentionBackend(AttentionBackend):
         for i in range(metadata.num_reqs):
             start, end = metadata.query_start_loc_cpu[i], metadata.query_start_loc_cpu[i + 1]
             seq_len = metadata.seq_lens_cpu[i]
-            positions = torch.arange(seq_len, device=query.device)
+            # The context this request's queries may see: from the first query's window on.
+            first_visible = (
+                0 if sliding_window is None else max(0, seq_len - (end - start) - sliding_window + 1)
+            )
+            positions = torch.arange(first_visible, seq_len, device=query.device)
             slots = metadata.block_tables[i].long()[positions // spec.block_size] * spec.block_size
             slots += positions % spec.block_size
             keys = (
@@ -56,6 +61,8 @@ class ReferenceAttentionBackend(AttentionBackend):
             # The new tokens are the last `end - start` of the context: token j sees positions <= its own.
             query_positions = torch.arange(seq_len - (end - start), seq_len, device=query.device)
             visible = positions[None, :] <= query_positions[:, None]
+            if sliding_window is not None:
+                visible &= positions[None, :] > query_positions[:, None] - sliding_window
             scores = scores.masked_fill(~visible, float("-inf"))
             attended = torch.matmul(scores.softmax(dim=-1), values.transpose(0, 1))  # [heads, new, dim]
             output[start:end] = attended.transpose(0, 1).to(query.dtype)

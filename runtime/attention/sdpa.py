@@ -7,12 +7,12 @@ head's queries, so grouped-query attention needs no copies of K/V; a step of dec
 group (small batches) skips the sorting and takes the query rows as they are. Prefill chunks run one SDPA
 call each: plain causal when nothing is cached before them, else over their gathered context with a causal
 mask shifted by the cached length. All index tensors and masks are built once per step in `prepare` and
-reused by every layer.
+reused by every layer; layers with a sliding window share another set, built by the first of them.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -53,6 +53,9 @@ class SdpaPlan:
     decode_token_indices: torch.Tensor | None
     decode_groups: list[DecodeGroup]
     prefill_chunks: list[PrefillChunk]
+    metadata: AttentionMetadata
+    # The same step's plans for sliding-window layers, by window.
+    windowed: dict[int, SdpaPlan] = field(default_factory=dict)
 
 
 class SdpaAttentionBackend(AttentionBackend):
@@ -71,6 +74,9 @@ class SdpaAttentionBackend(AttentionBackend):
         return None
 
     def prepare(self, metadata: AttentionMetadata) -> SdpaPlan:
+        return self._plan(metadata, None)
+
+    def _plan(self, metadata: AttentionMetadata, window: int | None) -> SdpaPlan:
         starts = metadata.query_start_loc_cpu
         seq_lens = metadata.seq_lens_cpu
         decodes = sorted(
@@ -84,20 +90,23 @@ class SdpaAttentionBackend(AttentionBackend):
         if decodes and not prefills and self._fits_one_group(len(decodes), max(seq_lens)):
             # Nothing to reorder: the batch's block tables and lengths, in query order, make the one group.
             lens = metadata.seq_lens.long()
-            groups = [self._decode_group(0, len(decodes), block_tables, lens, max(seq_lens))]
+            groups = [self._decode_group(0, len(decodes), block_tables, lens, max(seq_lens), window)]
         elif decodes:
             decode_token_indices = torch.tensor([starts[i] for i in decodes], dtype=torch.long, device=device)
             decode_block_tables = block_tables.index_select(0, torch.tensor(decodes, device=device))
             decode_lens = torch.tensor([seq_lens[i] for i in decodes], device=device)
             groups = [
-                self._decode_group(start, end, decode_block_tables, decode_lens, seq_lens[decodes[end - 1]])
+                self._decode_group(
+                    start, end, decode_block_tables, decode_lens, seq_lens[decodes[end - 1]], window
+                )
                 for start, end in self._group_bounds([seq_lens[i] for i in decodes])
             ]
         return SdpaPlan(
             slot_mapping=metadata.slot_mapping,
             decode_token_indices=decode_token_indices,
             decode_groups=groups,
-            prefill_chunks=[self._prefill_chunk(i, starts, seq_lens, block_tables) for i in prefills],
+            prefill_chunks=[self._prefill_chunk(i, starts, seq_lens, block_tables, window) for i in prefills],
+            metadata=metadata,
         )
 
     def _fits_one_group(self, rows: int, longest: int) -> bool:
@@ -116,29 +125,41 @@ class SdpaAttentionBackend(AttentionBackend):
         return bounds
 
     def _decode_group(
-        self, start: int, end: int, block_tables: torch.Tensor, lens: torch.Tensor, longest: int
+        self,
+        start: int,
+        end: int,
+        block_tables: torch.Tensor,
+        lens: torch.Tensor,
+        longest: int,
+        window: int | None,
     ) -> DecodeGroup:
         spec = self.spec
         num_blocks = -(-longest // spec.block_size)
         block_ids = block_tables[start:end, :num_blocks].reshape(-1)
         context = torch.arange(num_blocks * spec.block_size, device=lens.device)
         hidden = context[None, :] >= lens[start:end, None]
+        if window is not None:
+            hidden |= context[None, :] < lens[start:end, None] - window
         mask = torch.zeros(hidden.shape, dtype=spec.dtype, device=lens.device).masked_fill_(
             hidden, float("-inf")
         )
         return DecodeGroup(start, end, block_ids, mask[:, None, None, :], num_blocks)
 
     def _prefill_chunk(
-        self, i: int, starts: list[int], seq_lens: list[int], block_tables: torch.Tensor
+        self, i: int, starts: list[int], seq_lens: list[int], block_tables: torch.Tensor, window: int | None
     ) -> PrefillChunk:
         start, end, seq_len = starts[i], starts[i + 1], seq_lens[i]
         query_len = end - start
-        if seq_len == query_len:
+        windowed = window is not None and window < seq_len
+        if seq_len == query_len and not windowed:
             return PrefillChunk(start, end, seq_len, None, None)
         device = block_tables.device
-        block_ids = block_tables[i, : -(-seq_len // self.spec.block_size)]
-        query_positions = torch.arange(seq_len - query_len, seq_len, device=device)
-        mask = torch.arange(seq_len, device=device)[None, :] <= query_positions[:, None]
+        block_ids = None if seq_len == query_len else block_tables[i, : -(-seq_len // self.spec.block_size)]
+        query_positions = torch.arange(seq_len - query_len, seq_len, device=device)[:, None]
+        key_positions = torch.arange(seq_len, device=device)[None, :]
+        mask = key_positions <= query_positions
+        if windowed:
+            mask &= key_positions > query_positions - window
         return PrefillChunk(start, end, seq_len, block_ids, mask)
 
     def forward(
@@ -148,8 +169,13 @@ class SdpaAttentionBackend(AttentionBackend):
         value: torch.Tensor,
         kv_cache: torch.Tensor,
         plan: SdpaPlan,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
         write_kv_cache(key, value, kv_cache, plan.slot_mapping)
+        if sliding_window is not None:
+            if sliding_window not in plan.windowed:
+                plan.windowed[sliding_window] = self._plan(plan.metadata, sliding_window)
+            plan = plan.windowed[sliding_window]
         if plan.decode_token_indices is None and plan.decode_groups:
             return self._decode(query, kv_cache, plan.decode_groups[0])
         output = torch.empty_like(query)

@@ -90,6 +90,7 @@ class TritonAttentionBackend(AttentionBackend):
         value: torch.Tensor,
         kv_cache: torch.Tensor,
         plan: TritonAttentionPlan,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
         metadata = plan.metadata
         write_kv_cache(key, value, kv_cache, metadata.slot_mapping)
@@ -102,4 +103,5 @@ class TritonAttentionBackend(AttentionBackend):
             tile_map=plan.tile_map,
             tiling=plan.tiling,
             scale=self.spec.scale,
+            sliding_window=sliding_window,
         )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import platform
 
 import torch
+from kvfleet.runtime.bench.multi_turn import MultiTurnReport
 from kvfleet.runtime.bench.structured import StructuredReport
 from kvfleet.runtime.bench.throughput import ThroughputReport, ThroughputResult
 
@@ -86,3 +87,29 @@ def print_lora_report(base: ThroughputResult, with_adapters: ThroughputResult) -
     _print_requests_table([base, with_adapters])
     share = with_adapters.tokens_per_second / base.tokens_per_second
     print(f"\nwith adapters: {share:.1%} of the base model's throughput")
+
+
+def print_multi_turn_report(report: MultiTurnReport) -> None:
+    settings = report.settings
+    cached, uncached = report.cached, report.uncached
+    print(
+        f"machine: {machine_line()}; {settings.num_users} users x {settings.num_turns} turns, system prompt "
+        f"{settings.system_prompt_len}, messages {settings.user_message_len}, answers {settings.answer_len} "
+        "tokens\n"
+    )
+    print("| prefix caching | seconds | prompt tokens | prefill tokens computed |")
+    print("| --- | ---: | ---: | ---: |")
+    for label, run in (("on", cached), ("off", uncached)):
+        print(f"| {label} | {run.seconds:.1f} | {run.prompt_tokens} | {run.prefill_tokens_computed} |")
+    print(f"\nprefill tokens saved by prefix caching: {report.prefill_saved:.1%}\n")
+    print("| turn | median TTFT, caching on (ms) | median TTFT, caching off (ms) |")
+    print("| ---: | ---: | ---: |")
+    for turn in range(settings.num_turns):
+        print(
+            f"| {turn + 1} | {cached.median_ttft(turn) * 1e3:.0f} | {uncached.median_ttft(turn) * 1e3:.0f} |"
+        )
+    last = settings.num_turns - 1
+    print(
+        f"\nTTFT at turn {last + 1} / turn 1: {cached.median_ttft(last) / cached.median_ttft(0):.2f}x with "
+        f"caching, {uncached.median_ttft(last) / uncached.median_ttft(0):.2f}x without"
+    )

@@ -10,17 +10,25 @@ from kvfleet.runtime.request import Request
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_caching: bool, sliding_window: int | None = None
+    ) -> None:
+        """`sliding_window`: the model's attention window when every layer has one (the widest); a request's
+        blocks that fall wholly before it then go back to the pool as the request grows."""
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.block_size = block_size
         self.enable_caching = enable_caching
+        self.sliding_window = sliding_window
         self.block_pool = BlockPool(num_blocks, enable_caching)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         # Kept alongside req_to_blocks so a step's block tables cost nothing to hand to the model runner.
         self.req_to_block_ids: dict[str, list[int]] = {}
         # How many of a request's leading blocks are registered in the prefix cache.
         self.num_cached_blocks: dict[str, int] = {}
+        # How many of a request's leading blocks fell out of the sliding window and went back to the pool.
+        # They keep their places in the block table, which attention never reads there.
+        self.num_released_blocks: dict[str, int] = {}
         # In tokens, counted once per admission (not per scheduling attempt).
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
@@ -91,6 +99,8 @@ class KVCacheManager:
                 raise ValueError(
                     f"request {request_id!r} already holds blocks; prefix hits apply to a first allocation"
                 )
+            if self.sliding_window is not None:
+                self._release_blocks_before_window(request, blocks)
             num_tokens_after = request.num_computed_tokens + num_new_tokens
             num_required = -(-num_tokens_after // block_size) - len(blocks)
             if num_required > pool.get_num_free_blocks():
@@ -104,6 +114,20 @@ class KVCacheManager:
         if self.enable_caching and not delay_cache_blocks:
             self.cache_blocks(request, num_tokens_after)
         return new_blocks
+
+    def _release_blocks_before_window(self, request: Request, blocks: list[KVCacheBlock]) -> None:
+        """Free the blocks wholly before the window of the request's next token: no later token sees them.
+        They stay in the prefix cache until evicted, so a prefix hit on them is still a whole prefix."""
+        assert self.sliding_window is not None
+        request_id = request.request_id
+        first_visible = max(0, request.num_computed_tokens - self.sliding_window + 1)
+        first_kept = first_visible // self.block_size
+        if self.enable_caching:
+            first_kept = min(first_kept, self.num_cached_blocks[request_id])  # registered before freed
+        released = self.num_released_blocks.get(request_id, 0)
+        if first_kept > released:
+            self.block_pool.free_blocks(reversed(blocks[released:first_kept]))
+            self.num_released_blocks[request_id] = first_kept
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Register the request's blocks that are full once its first num_computed_tokens tokens have run."""
@@ -143,8 +167,9 @@ class KVCacheManager:
             return
         del self.req_to_block_ids[request_id]
         self.num_cached_blocks.pop(request_id, None)
+        released = self.num_released_blocks.pop(request_id, 0)
         # Last blocks first: a prompt's tail is the part least likely to be shared, so it is evicted first.
-        self.block_pool.free_blocks(reversed(blocks))
+        self.block_pool.free_blocks(reversed(blocks[released:]))
 
     def get_block_ids(self, request_id: str) -> list[int]:
         """The request's block table. Within a step the list is only ever appended to (rejected drafts'

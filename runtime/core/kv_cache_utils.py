@@ -19,8 +19,15 @@ def hash_block_tokens(parent_block_hash: BlockHash | None, token_ids: Sequence[i
     return hasher.digest()
 
 
-def _chain_start(lora_int_id: int) -> BlockHash | None:
-    return hashlib.sha256(b"lora:%d" % lora_int_id).digest() if lora_int_id else None
+def _chain_start(request: Request) -> BlockHash | None:
+    # An adapter's KV differs from the base model's for the same tokens, and so does KV salted by the model
+    # (see Request.cache_salt): such chains start from their own seed.
+    if not request.lora_int_id and request.cache_salt is None:
+        return None
+    hasher = hashlib.sha256(b"lora:%d" % request.lora_int_id)
+    if request.cache_salt is not None:
+        hasher.update(b"salt:" + request.cache_salt)
+    return hasher.digest()
 
 
 def extend_block_hashes(request: Request, block_size: int, num_full_blocks: int) -> list[BlockHash]:
@@ -34,8 +41,7 @@ def extend_block_hashes(request: Request, block_size: int, num_full_blocks: int)
         raise ValueError(
             f"request {request.request_id!r} has {len(tokens)} tokens: not {num_full_blocks} full blocks"
         )
-    # An adapter's KV differs from the base model's for the same tokens: its chain starts from its id.
-    parent = hashes[-1] if hashes else _chain_start(request.lora_int_id)
+    parent = hashes[-1] if hashes else _chain_start(request)
     for index in range(start, num_full_blocks):
         parent = hash_block_tokens(parent, tokens[index * block_size : (index + 1) * block_size])
         hashes.append(parent)

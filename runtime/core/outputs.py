@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvfleet.runtime.core.host_kv_tier import TierCopies
 from kvfleet.runtime.request import FinishReason, Request
 
 
@@ -28,6 +29,9 @@ class SchedulerOutput:
     preempted_request_ids: set[str] = field(default_factory=set)
     # Draft tokens fed after a request's own, by request id; only requests that speculate this step.
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # Blocks to copy between the device cache and the host tier before the step runs (see HostKVTier).
+    # A subset of the step leaves them out: they are made once, by the whole step.
+    tier_copies: TierCopies = field(default_factory=TierCopies)
 
     @property
     def num_reqs(self) -> int:
@@ -99,3 +103,9 @@ class SchedulerStats:
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
     spec_decode_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+    # The host-memory KV tier: blocks copied there and back, and the preempted requests that resumed from it
+    # or had to recompute.
+    kv_offload_blocks_offloaded: int = 0
+    kv_offload_blocks_reloaded: int = 0
+    kv_offload_resumed_from_host: int = 0
+    kv_offload_resumed_by_recompute: int = 0

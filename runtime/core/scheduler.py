@@ -17,6 +17,7 @@ import itertools
 import time
 from collections.abc import Callable, Iterable
 
+from kvfleet.runtime.core.host_kv_tier import HostKVTier
 from kvfleet.runtime.core.kv_cache_manager import KVCacheManager
 from kvfleet.runtime.core.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput, SchedulerStats
 from kvfleet.runtime.core.request_queue import create_request_queue
@@ -45,6 +46,8 @@ class Scheduler:
         policy: str = "fcfs",
         max_loras: int | None = None,
         background_priority: int | None = None,
+        sliding_window: int | None = None,
+        host_kv_tier: HostKVTier | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         for name, value in (
@@ -81,7 +84,12 @@ class Scheduler:
         # none of them is admitted.
         self.background_priority = background_priority
         self.clock = clock
-        self.kv_cache_manager = KVCacheManager(num_kv_blocks, block_size, enable_prefix_caching)
+        # The model's sliding window when every layer has one: blocks before it are freed as requests grow.
+        self.kv_cache_manager = KVCacheManager(
+            num_kv_blocks, block_size, enable_prefix_caching, sliding_window=sliding_window
+        )
+        # Where preempted requests' KV waits for them, instead of being recomputed; None without one.
+        self.host_kv_tier = host_kv_tier
 
         # Every unfinished request, by id, and how many of them are not background.
         self.requests: dict[str, Request] = {}
@@ -168,7 +176,19 @@ class Scheduler:
             spec_decode_num_draft_tokens=self.spec_decode_num_draft_tokens,
             spec_decode_num_accepted_tokens=self.spec_decode_num_accepted_tokens,
             spec_decode_num_accepted_tokens_per_pos=list(self.spec_decode_num_accepted_tokens_per_pos),
+            **self._host_tier_stats(),
         )
+
+    def _host_tier_stats(self) -> dict[str, int]:
+        tier = self.host_kv_tier
+        if tier is None:
+            return {}
+        return {
+            "kv_offload_blocks_offloaded": tier.blocks_offloaded,
+            "kv_offload_blocks_reloaded": tier.blocks_reloaded,
+            "kv_offload_resumed_from_host": tier.resumed_from_host,
+            "kv_offload_resumed_by_recompute": tier.resumed_by_recompute,
+        }
 
     # One step.
 
@@ -370,6 +390,15 @@ class Scheduler:
                 stepped_aside.append(waiting.pop())
                 continue
             computed_blocks, num_cached_tokens = kv.get_computed_blocks(request)
+            # A preempted request's KV saved in the host tier beats a shorter prefix-cache hit. As with a
+            # hit, the last token runs again, to give logits.
+            num_saved_tokens = (
+                0 if self.host_kv_tier is None else self.host_kv_tier.saved_tokens(request.request_id)
+            )
+            num_saved_tokens = min(num_saved_tokens, request.num_tokens - 1)
+            num_reloaded = num_saved_tokens if num_saved_tokens > num_cached_tokens else 0
+            if num_reloaded:
+                computed_blocks, num_cached_tokens = [], num_reloaded
             num_new_tokens = request.num_tokens - num_cached_tokens
             # Without chunked prefill a prompt runs whole or not at all: the background share cannot cut it.
             is_background = (
@@ -380,8 +409,10 @@ class Scheduler:
                 if not self.enable_chunked_prefill or limit <= 0:
                     break
                 num_new_tokens = limit
-            if kv.allocate_slots(request, num_new_tokens, computed_blocks) is None:
+            if kv.allocate_slots(request, num_reloaded + num_new_tokens, computed_blocks) is None:
                 break
+            if self.host_kv_tier is not None and request.num_preemptions:
+                self._resume_from_tier(request, reload=num_reloaded > 0)
             waiting.pop()
             request.transition(_RUNNING)
             request.num_computed_tokens = num_cached_tokens
@@ -397,6 +428,17 @@ class Scheduler:
         for request in reversed(stepped_aside):
             waiting.prepend(request)
         return budget
+
+    def _resume_from_tier(self, request: Request, reload: bool) -> None:
+        """Copy back the saved KV of a preempted request just given blocks, or count its recompute."""
+        tier = self.host_kv_tier
+        assert tier is not None
+        if reload:
+            num_blocks = -(-tier.saved_tokens(request.request_id) // self.kv_cache_manager.block_size)
+            block_ids = self.kv_cache_manager.get_block_ids(request.request_id)
+            tier.restore(request.request_id, block_ids[:num_blocks])
+        else:
+            tier.resume_by_recompute(request.request_id)
 
     def _build_output(
         self, scheduled: dict[Request, int], budget: int, preempted: list[Request]
@@ -432,6 +474,8 @@ class Scheduler:
             preempted_request_ids={request.request_id for request in preempted},
             scheduled_spec_decode_tokens=spec_decode_tokens,
         )
+        if self.host_kv_tier is not None:
+            output.tier_copies = self.host_kv_tier.take_copies()
         self._finished_request_ids = set()
         return output
 
@@ -477,7 +521,17 @@ class Scheduler:
         return victim
 
     def _preempt(self, request: Request) -> None:
-        self.kv_cache_manager.free(request)
+        kv = self.kv_cache_manager
+        num_computed = request.num_computed_tokens
+        # KV that a sliding window already gave back in part cannot be saved whole: it is recomputed.
+        if (
+            self.host_kv_tier is not None
+            and num_computed
+            and not kv.num_released_blocks.get(request.request_id)
+        ):
+            block_ids = kv.get_block_ids(request.request_id)[: -(-num_computed // kv.block_size)]
+            self.host_kv_tier.save(request.request_id, block_ids, num_computed)
+        kv.free(request)
         request.transition(RequestStatus.PREEMPTED)
         request.num_computed_tokens = 0
         request.spec_token_ids = []
@@ -493,6 +547,8 @@ class Scheduler:
         else:
             self.waiting.remove(request)
         self.kv_cache_manager.free(request)
+        if self.host_kv_tier is not None:
+            self.host_kv_tier.discard(request.request_id)
         del self.requests[request.request_id]
         self._num_foreground -= not self._is_background(request)
         self._finished_request_ids.add(request.request_id)

@@ -14,10 +14,12 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import math
+import os
 import time
 
 import torch
 from kvfleet.runtime.config import EngineConfig
+from kvfleet.runtime.core.host_kv_tier import HostKVTier
 from kvfleet.runtime.core.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput, SchedulerStats
 from kvfleet.runtime.core.scheduler import Scheduler
 from kvfleet.runtime.engine.errors import (
@@ -31,6 +33,7 @@ from kvfleet.runtime.engine.load_shedding import QueuedRequest, choose_victim
 from kvfleet.runtime.engine.messages import AddRequest, EngineCoreOutputs, EngineInfo, RequestError
 from kvfleet.runtime.lora.errors import LoRAAdapterError
 from kvfleet.runtime.lora.request import LoRARequest
+from kvfleet.runtime.models.layers import rope_cache_salt
 from kvfleet.runtime.request import Request, RequestStatus
 from kvfleet.runtime.spec_decode.speculator import Speculator, make_proposer
 from kvfleet.runtime.structured_outputs.compiler import GrammarCompiler, RequestGrammar
@@ -69,6 +72,7 @@ class EngineCore:
         self.vocab_size: int = self.runner.vocab_size
         self.num_kv_blocks = self._num_kv_blocks()
         self.runner.initialize_kv_cache(self.num_kv_blocks)
+        host_kv_tier = self._host_kv_tier()
         self.max_num_batched_tokens = self._token_budget()
         self.scheduler = Scheduler(
             max_num_seqs=config.max_num_seqs,
@@ -81,6 +85,8 @@ class EngineCore:
             policy=config.scheduling_policy,
             max_loras=config.max_loras if config.enable_lora else None,
             background_priority=background_priority,
+            sliding_window=self.runner.model_config.sliding_window,
+            host_kv_tier=host_kv_tier,
         )
         speculative = config.speculative()
         self.speculator = (
@@ -151,6 +157,23 @@ class EngineCore:
             )
         return num_blocks
 
+    def _host_kv_tier(self) -> HostKVTier | None:
+        """The host-memory KV tier kv_offloading_size asks for; refused if the host cannot hold it."""
+        size = self.config.kv_offloading_size
+        if size is None:
+            return None
+        available = _available_host_memory()
+        if size * GiB > available:
+            raise ValueError(
+                f"kv_offloading_size {size:g} GiB is more than the host's available memory "
+                f"({available / GiB:.1f} GiB)"
+            )
+        num_blocks = int(size * GiB // self.runner.kv_cache_bytes_per_block())
+        if num_blocks < 1:
+            raise ValueError(f"kv_offloading_size {size:g} GiB holds no KV block of this model")
+        self.runner.initialize_host_kv_tier(num_blocks)
+        return HostKVTier(num_blocks)
+
     def _token_budget(self) -> int:
         config = self.config
         if config.max_num_batched_tokens is not None:
@@ -197,6 +220,7 @@ class EngineCore:
                 grammar=grammar,
                 token_rules=token_rules,
                 lora_request=add.lora_request,
+                cache_salt=rope_cache_salt(self.runner.model_config.rope, len(add.prompt_token_ids)),
             )
             self.scheduler.add_request(request)
         except (InvalidRequestError, EngineOverloadedError) as error:
@@ -342,3 +366,15 @@ class EngineCore:
         self._unstarted.pop(request.request_id, None)
         message = f"the engine failed while running this request: {type(exc).__name__}: {exc}"
         errors.append(RequestError(request.request_id, RequestFailedError.kind, message))
+
+
+def _available_host_memory() -> int:
+    """Bytes the host can still give without swapping: MemAvailable on Linux, else the free pages."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

@@ -89,6 +89,10 @@ def build_tile_map(query_start_loc_cpu: list[int], block_q: int, device: torch.d
     return tile_map.to(device, non_blocking=True)
 
 
+# A window wider than any context: every position at or before the query's is visible.
+_NO_WINDOW = 2**30
+
+
 @triton.jit
 def _paged_attention_kernel(
     out_ptr,
@@ -102,6 +106,7 @@ def _paged_attention_kernel(
     query_start_loc_ptr,
     tile_map_ptr,
     scale_log2,
+    sliding_window,
     stride_q_token,
     stride_q_head,
     stride_o_token,
@@ -151,16 +156,19 @@ def _paged_attention_kernel(
     if UPCAST_DOTS:
         q = q.to(tl.float32)
 
-    # Keys past the last position any row of this tile attends to are never loaded.
+    # Keys past the last position any row of this tile attends to are never loaded, nor keys before the
+    # window of its first row (their blocks may have been freed).
     last_token_of_tile = tl.minimum(query_len, (query_tile + 1) * BLOCK_Q)
     kv_len = cached_len + last_token_of_tile
+    first_key = tl.maximum(cached_len + query_tile * BLOCK_Q - sliding_window + 1, 0)
     num_kv_tiles = tl.cdiv(kv_len, BLOCK_N)
+    skipped_kv_tiles = first_key // BLOCK_N
     if NUM_SPLITS == 1:
-        first_kv_tile = 0
+        first_kv_tile = skipped_kv_tiles
         end_kv_tile = num_kv_tiles
     else:
-        tiles_per_split = tl.cdiv(num_kv_tiles, NUM_SPLITS)
-        first_kv_tile = split * tiles_per_split
+        tiles_per_split = tl.cdiv(num_kv_tiles - skipped_kv_tiles, NUM_SPLITS)
+        first_kv_tile = skipped_kv_tiles + split * tiles_per_split
         end_kv_tile = tl.minimum(first_kv_tile + tiles_per_split, num_kv_tiles)
 
     # A finite floor instead of -inf keeps exp2(m_old - m_new) defined for rows with no visible key yet.
@@ -170,7 +178,7 @@ def _paged_attention_kernel(
     table_row = block_tables_ptr + request.to(tl.int64) * stride_table_request
     for kv_tile in range(first_kv_tile, end_kv_tile):
         keys = kv_tile * BLOCK_N + tl.arange(0, BLOCK_N)
-        key_valid = keys < kv_len
+        key_valid = (keys < kv_len) & (keys >= first_key)
         block_ids = tl.load(table_row + keys // KV_BLOCK_SIZE, mask=key_valid, other=0)
         slot_offsets = (
             block_ids.to(tl.int64) * stride_cache_block
@@ -193,7 +201,8 @@ def _paged_attention_kernel(
             v = v.to(tl.float32)
 
         scores = tl.dot(q, k_t, input_precision="ieee") * scale_log2
-        visible = (keys[None, :] <= position[:, None]) & key_valid[None, :]
+        visible = (keys[None, :] <= position[:, None]) & (keys[None, :] > position[:, None] - sliding_window)
+        visible &= key_valid[None, :]
         scores = tl.where(visible, scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
         alpha = tl.exp2(m_i - m_new)
@@ -263,9 +272,12 @@ def paged_attention(
     tile_map: torch.Tensor,
     tiling: AttentionTiling,
     scale: float,
+    sliding_window: int | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Causal attention of every new token over its request's context in the paged cache.
+    """Causal attention of every new token over its request's context in the paged cache, or over its
+    `sliding_window` latest positions (its own included); block table entries before the window of a
+    tile's first query are never read.
 
     query [num_tokens, num_heads, head_dim]; kv_cache [2, num_blocks, block_size, num_kv_heads, head_dim]
     already holding this step's keys and values; tile_map from `build_tile_map` with
@@ -315,6 +327,7 @@ def paged_attention(
         query_start_loc,
         tile_map,
         scale * math.log2(math.e),
+        _NO_WINDOW if sliding_window is None else sliding_window,
         query.stride(0),
         query.stride(1),
         out.stride(0),

@@ -25,17 +25,21 @@ def paged_attention(
     seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor,
     scale: float,
+    sliding_window: int | None = None,
     compute_dtype: torch.dtype = torch.float64,
 ) -> torch.Tensor:
-    """One request at a time: gather its context through the block table, then causal softmax attention
-    with the new tokens at the end of the context. Computed in `compute_dtype`, returned in query's dtype."""
+    """One request at a time: gather its context through the block table (from the first new token's
+    window on), then causal softmax attention with the new tokens at the end of the context, each over its
+    `sliding_window` latest positions if given. Computed in `compute_dtype`, returned in query's dtype."""
     num_heads = query.shape[1]
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
     out = torch.empty_like(query)
     starts = query_start_loc.tolist()
     for request, seq_len in enumerate(seq_lens.tolist()):
         begin, end = starts[request], starts[request + 1]
-        positions = torch.arange(seq_len, device=query.device)
+        first_query_position = seq_len - (end - begin)
+        first = 0 if sliding_window is None else max(0, first_query_position - sliding_window + 1)
+        positions = torch.arange(first, seq_len, device=query.device)
         blocks = block_tables[request, positions // block_size].long()
         keys = kv_cache[0, blocks, positions % block_size].to(compute_dtype)
         values = kv_cache[1, blocks, positions % block_size].to(compute_dtype)
@@ -44,7 +48,10 @@ def paged_attention(
         q = query[begin:end].to(compute_dtype)
         scores = torch.einsum("qhd,khd->hqk", q, keys) * scale
         query_positions = torch.arange(seq_len - (end - begin), seq_len, device=query.device)
-        scores = scores.masked_fill(positions[None, None, :] > query_positions[None, :, None], float("-inf"))
+        hidden = positions[None, :] > query_positions[:, None]
+        if sliding_window is not None:
+            hidden |= positions[None, :] <= query_positions[:, None] - sliding_window
+        scores = scores.masked_fill(hidden[None], float("-inf"))
         out[begin:end] = torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), values).to(query.dtype)
     return out
 

@@ -98,19 +98,40 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate).mul_(up)
 
 
-def rope_inverse_frequencies(head_dim: int, rope: dict[str, Any]) -> torch.Tensor:
-    """Inverse frequencies of the rotary embedding for the `rope_type`s Llama-family checkpoints use."""
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")
+# Their angles depend on the sequence's length as well as on the position (see RotaryEmbedding).
+LENGTH_DEPENDENT_ROPE_TYPES = ("dynamic", "longrope")
+
+
+def rope_cache_salt(rope: dict[str, Any], num_prompt_tokens: int) -> bytes | None:
+    """What besides the tokens a prompt's KV depends on, for the prefix cache: with a length-dependent rope
+    type, a prompt past the original length is rotated for its own length (`dynamic`) or with the long
+    factors (`longrope`), so its blocks must not meet those of shorter prompts. None: only tokens count."""
+    rope_type = rope.get("rope_type", "default")
+    if rope_type not in LENGTH_DEPENDENT_ROPE_TYPES:
+        return None
+    if num_prompt_tokens <= rope["original_max_position_embeddings"]:
+        return None
+    return b"longrope:long" if rope_type == "longrope" else b"dynamic:%d" % num_prompt_tokens
+
+
+def rope_inverse_frequencies(head_dim: int, rope: dict[str, Any]) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies of the rotary embedding and the factor that scales its cos and sin, for the static
+    `rope_type`s (those whose angles depend on the position alone). `rope` is ModelConfig.rope, whose
+    defaults (original length, factor) are already filled in."""
     theta = float(rope["rope_theta"])
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
     inv_freq = 1.0 / (theta**exponents)
     rope_type = rope.get("rope_type", "default")
     if rope_type == "default":
-        return inv_freq
+        return inv_freq, 1.0
     if rope_type == "linear":
-        return inv_freq / float(rope["factor"])
+        return inv_freq / float(rope["factor"]), 1.0
     if rope_type == "llama3":
-        return _llama3_inverse_frequencies(inv_freq, rope)
-    raise ValueError(f"unsupported rope_type {rope_type!r}; supported: default, linear, llama3")
+        return _llama3_inverse_frequencies(inv_freq, rope), 1.0
+    if rope_type == "yarn":
+        return _yarn_inverse_frequencies(head_dim, rope)
+    raise ValueError(f"rope_type {rope_type!r} has no position-only frequencies")
 
 
 def _llama3_inverse_frequencies(inv_freq: torch.Tensor, rope: dict[str, Any]) -> torch.Tensor:
@@ -129,26 +150,144 @@ def _llama3_inverse_frequencies(inv_freq: torch.Tensor, rope: dict[str, Any]) ->
     return torch.where(is_medium, smoothed, scaled)
 
 
+def _yarn_inverse_frequencies(head_dim: int, rope: dict[str, Any]) -> tuple[torch.Tensor, float]:
+    # YaRN keeps the dimensions that turn many times over the original context (beta_fast rotations or more),
+    # interpolates those that turn less than beta_slow times by `factor`, ramps linearly in between, and
+    # sharpens attention by scaling cos and sin.
+    theta = float(rope["rope_theta"])
+    factor = float(rope["factor"])
+    original_context = float(rope["original_max_position_embeddings"])
+    beta_fast = float(rope.get("beta_fast") or 32)
+    beta_slow = float(rope.get("beta_slow") or 1)
+
+    def dimension_turning(rotations: float) -> float:
+        return head_dim * math.log(original_context / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dimension_turning(beta_fast), dimension_turning(beta_slow)
+    if rope.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # a ramp of no width would divide by zero
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    position_frequencies = theta ** (torch.arange(0, head_dim, 2).float() / head_dim)
+    kept = 1 - ramp
+    inv_freq = (1.0 / (factor * position_frequencies)) * (1 - kept) + (1.0 / position_frequencies) * kept
+    attention_factor = rope.get("attention_factor")
+    if attention_factor is None:
+        mscale, mscale_all_dim = rope.get("mscale"), rope.get("mscale_all_dim")
+        if mscale and mscale_all_dim:
+            attention_factor = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+        else:
+            attention_factor = _yarn_mscale(factor, 1.0)
+    return inv_freq, float(attention_factor)
+
+
+def _yarn_mscale(factor: float, mscale: float) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _longrope_attention_factor(rope: dict[str, Any]) -> float:
+    if rope.get("attention_factor") is not None:
+        return float(rope["attention_factor"])
+    factor = float(rope["factor"])
+    if factor <= 1.0:
+        return 1.0
+    return math.sqrt(1 + math.log(factor) / math.log(rope["original_max_position_embeddings"]))
+
+
+def _signed_cos_sin(
+    cache: torch.Tensor, rows: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """[num_tokens, 1, head_dim] cos and signed sin for `rotate_`, computed once per step and shared by every
+    layer: cos twice over, and sin negated on the first half (where rotate-half subtracts)."""
+    cos, sin = cache.index_select(0, rows).to(dtype).unsqueeze(1).chunk(2, dim=-1)
+    return torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)
+
+
+def _cos_sin_rows(angles: torch.Tensor, scale: float) -> torch.Tensor:
+    """[n, head_dim / 2] angles -> [n, head_dim] rows cat(cos, sin), each scaled."""
+    rows = torch.cat([angles.cos(), angles.sin()], dim=-1)
+    return rows * scale if scale != 1.0 else rows
+
+
 class RotaryEmbedding(nn.Module):
-    """Rotates query and key heads by position (the "rotate half" layout of Hugging Face checkpoints)."""
+    """Rotates query and key heads by position (the "rotate half" layout of Hugging Face checkpoints).
+
+    `dynamic` and `longrope` angles depend on the length of the sequence as well, as Transformers computes
+    them during generation: the whole prompt is rotated for the prompt's length, and each later token for the
+    length it brings the sequence to (`dynamic` only scales past the original length; `longrope` switches from
+    its short to its long factors there). A step then needs each token's `sequence_lengths`:
+    max(prompt length, position + 1).
+    """
 
     def __init__(self, head_dim: int, max_position: int, rope: dict[str, Any]) -> None:
         super().__init__()
-        inv_freq = rope_inverse_frequencies(head_dim, rope)
-        freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
-        # [max_position, head_dim]: cos then sin of each frequency; positions' rows are gathered once a step.
-        self.register_buffer("cos_sin_cache", torch.cat([freqs.cos(), freqs.sin()], dim=-1), persistent=False)
+        self.rope_type = rope.get("rope_type", "default")
+        self.original_max_position = int(rope.get("original_max_position_embeddings") or max_position)
+        positions = torch.arange(max_position, dtype=torch.float32)
+        exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+        if self.rope_type == "longrope":
+            # Rows [0, max_position) with the short factors, then the same positions with the long ones.
+            base_frequencies = float(rope["rope_theta"]) ** exponents
+            scale = _longrope_attention_factor(rope)
+            cache = torch.cat(
+                [
+                    _cos_sin_rows(
+                        torch.outer(positions, 1.0 / (torch.tensor(factors) * base_frequencies)), scale
+                    )
+                    for factors in (rope["short_factor"], rope["long_factor"])
+                ]
+            )
+        elif self.rope_type == "dynamic":
+            # Rows past the original length are computed per step; this cache serves the original frequencies.
+            self.theta = float(rope["rope_theta"])
+            self.factor = float(rope["factor"])
+            self.head_dim = head_dim
+            self.register_buffer("exponents", exponents, persistent=False)
+            cache = _cos_sin_rows(torch.outer(positions, 1.0 / (self.theta**exponents)), 1.0)
+        else:
+            inv_freq, scale = rope_inverse_frequencies(head_dim, rope)
+            cache = _cos_sin_rows(torch.outer(positions, inv_freq), scale)
+        self.max_position = max_position
+        # [rows, head_dim]: cos then sin of each frequency; the step's rows are gathered once a step.
+        self.register_buffer("cos_sin_cache", cache, persistent=False)
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """[num_tokens, 1, head_dim] cos and signed sin for `rotate_`, computed once per step and shared by
-        every layer: cos twice over, and sin negated on the first half (where rotate-half subtracts)."""
-        cos, sin = self.cos_sin_cache.index_select(0, positions).to(dtype).unsqueeze(1).chunk(2, dim=-1)
-        return torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)
+    @property
+    def needs_sequence_lengths(self) -> bool:
+        return self.rope_type in LENGTH_DEPENDENT_ROPE_TYPES
 
-    def prepare(self, positions: torch.Tensor, dtype: torch.dtype, fused: bool) -> RotaryStep:
-        """One step's rotation, shared by every layer: the fused kernel reads the cache by position itself."""
-        cos_sin = None if fused else self.cos_sin(positions, dtype)
-        return RotaryStep(positions, self.cos_sin_cache, cos_sin)
+    def prepare(
+        self,
+        positions: torch.Tensor,
+        dtype: torch.dtype,
+        fused: bool,
+        sequence_lengths: torch.Tensor | None = None,
+    ) -> RotaryStep:
+        """One step's rotation, shared by every layer: the fused kernel reads the cache by row itself."""
+        rows, cache = positions, self.cos_sin_cache
+        if self.needs_sequence_lengths:
+            if sequence_lengths is None:
+                raise ValueError(f"rope_type {self.rope_type!r} needs each token's sequence length")
+            past_original = sequence_lengths > self.original_max_position
+            if self.rope_type == "longrope":
+                rows = positions + past_original * self.max_position
+            elif bool(past_original.any()):
+                rows, cache = self._dynamic_rows(positions, sequence_lengths)
+        cos_sin = None if fused else _signed_cos_sin(cache, rows, dtype)
+        return RotaryStep(rows, cache, cos_sin)
+
+    def _dynamic_rows(
+        self, positions: torch.Tensor, sequence_lengths: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dynamic NTK: each token's own cos/sin row, with theta raised for its sequence length (float32, in
+        the order of operations Transformers uses, so that long positions agree to the last bits)."""
+        lengths = torch.clamp(sequence_lengths, min=self.original_max_position)
+        growth = (self.factor * lengths / self.original_max_position) - (self.factor - 1)
+        theta = self.theta * growth ** (self.head_dim / (self.head_dim - 2))
+        inv_freq = 1.0 / (theta.unsqueeze(1) ** self.exponents)
+        table = _cos_sin_rows(positions.float().unsqueeze(1) * inv_freq, 1.0)
+        return torch.arange(len(positions), device=positions.device), table
 
     @staticmethod
     def rotate_(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> None:
@@ -160,6 +299,6 @@ class RotaryEmbedding(nn.Module):
 
 @dataclass
 class RotaryStep:
-    positions: torch.Tensor
+    rows: torch.Tensor  # each token's row of cos_sin_cache: its position, unless the rope type needs more
     cos_sin_cache: torch.Tensor
     cos_sin: tuple[torch.Tensor, torch.Tensor] | None  # (cos, signed sin); None when the fused kernel rotates

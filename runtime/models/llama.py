@@ -17,7 +17,7 @@ from torch import nn
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, attention: AttentionBackend) -> None:
+    def __init__(self, config: ModelConfig, attention: AttentionBackend, sliding_window: int | None) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -29,6 +29,7 @@ class LlamaAttention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.attention = attention
+        self.sliding_window = sliding_window
 
     def forward(
         self, hidden: torch.Tensor, rotary: RotaryStep, kv_cache: torch.Tensor, plan: Any
@@ -43,7 +44,7 @@ class LlamaAttention(nn.Module):
             q = _rms_norm(self.q_norm, q)[0]
             k = _rms_norm(self.k_norm, k)[0]
         if rotary.cos_sin is None:
-            fused_layers.rotary_embedding_(rotary.positions, q, k, rotary.cos_sin_cache)
+            fused_layers.rotary_embedding_(rotary.rows, q, k, rotary.cos_sin_cache)
         elif self.q_norm is None:
             # Each row of the QKV output holds q's heads then k's: one rotation of that span turns both.
             qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, self.num_heads + self.num_kv_heads, -1)
@@ -51,7 +52,7 @@ class LlamaAttention(nn.Module):
         else:
             RotaryEmbedding.rotate_(q, *rotary.cos_sin)
             RotaryEmbedding.rotate_(k, *rotary.cos_sin)
-        out = self.attention.forward(q, k, v, kv_cache, plan)
+        out = self.attention.forward(q, k, v, kv_cache, plan, sliding_window=self.sliding_window)
         return self.o_proj(out.view(num_tokens, self.q_size))
 
 
@@ -70,10 +71,10 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, attention: AttentionBackend) -> None:
+    def __init__(self, config: ModelConfig, attention: AttentionBackend, sliding_window: int | None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, attention)
+        self.self_attn = LlamaAttention(config, attention, sliding_window)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config)
 
@@ -99,7 +100,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, attention) for _ in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, attention, window) for window in config.layer_windows
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config.head_dim, max_position, config.rope)
@@ -114,9 +115,12 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,  # [num_tokens]
         kv_caches: list[torch.Tensor],
         plan: Any,
+        sequence_lengths: torch.Tensor | None = None,  # [num_tokens], for rope types that read it
     ) -> torch.Tensor:  # [num_tokens, hidden_size]
         hidden = self.embed_tokens(input_ids)
-        rotary = self.rotary_emb.prepare(positions, hidden.dtype, fused=fused_layers.enabled(hidden))
+        rotary = self.rotary_emb.prepare(
+            positions, hidden.dtype, fused=fused_layers.enabled(hidden), sequence_lengths=sequence_lengths
+        )
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden, residual = layer(hidden, residual, rotary, kv_cache, plan)

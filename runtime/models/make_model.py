@@ -12,7 +12,7 @@ the corpus alike, which gives speculative decoding's draft models something real
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -134,9 +134,18 @@ def make_model(
     *,
     seed: int = 0,
     dtype: str = "float32",
+    max_position_embeddings: int | None = None,
+    rope_parameters: dict[str, Any] | None = None,
+    sliding_window: int | None = None,
+    max_window_layers: int = 0,
     train_steps: int = 0,
 ) -> Path:
-    """Write the folder; returns its path. Raises ValueError for unknown choices or a non-empty folder."""
+    """Write the folder; returns its path. Raises ValueError for unknown choices or a non-empty folder.
+
+    max_position_embeddings and rope_parameters (Transformers' `rope_parameters`, rope_theta included)
+    replace the preset's and the architecture's, e.g. to make a model with another RoPE scaling.
+    sliding_window gives Mistral a window on every layer, and Qwen one on the layers from
+    max_window_layers on (Llama has none). train_steps then trains the weights on the tokenizer's corpus."""
     if arch not in ARCHITECTURES:
         raise ValueError(f"unknown arch {arch!r}; choose from {', '.join(ARCHITECTURES)}")
     if preset not in PRESETS:
@@ -152,10 +161,24 @@ def make_model(
 
     style = _QWEN_STYLE if arch.startswith("qwen") else _LLAMA_STYLE
     spec = PRESETS[preset]
+    if max_position_embeddings is not None:
+        if max_position_embeddings < 1:
+            raise ValueError(f"max_position_embeddings must be positive, got {max_position_embeddings}")
+        spec = replace(spec, max_position_embeddings=max_position_embeddings)
     tokenizer = _train_tokenizer(style, spec.vocab_size, add_bos=style.bos_token is not None)
     tokenizer.save(str(out / "tokenizer.json"))
     special_ids = {token: tokenizer.token_to_id(token) for token in style.special_tokens}
     config = _config(arch, spec, style, special_ids, dtype)
+    if rope_parameters is not None:
+        config["rope_parameters"] = rope_parameters
+    if sliding_window is not None:
+        if arch == "llama" or sliding_window < 1:
+            raise ValueError(
+                f"sliding_window needs a positive window on mistral or qwen, got {arch} {sliding_window}"
+            )
+        config["sliding_window"] = sliding_window
+        if arch.startswith("qwen"):
+            config.update(use_sliding_window=True, max_window_layers=max_window_layers)
     _write_json(out / "config.json", config)
     _write_json(out / "tokenizer_config.json", _tokenizer_config(style, spec))
     _write_json(out / "generation_config.json", _generation_config(style, special_ids))

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from kvfleet.runtime.models.layers import SUPPORTED_ROPE_TYPES
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -29,7 +30,9 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     qk_norm: bool = False
-    sliding_window: int | None = None
+    # Each layer's attention window (a query sees the `window` latest positions, its own included), or None
+    # where a layer attends to the whole context.
+    layer_windows: tuple[int | None, ...] = ()
     dtype: torch.dtype = torch.float32
 
     @classmethod
@@ -84,11 +87,11 @@ class ModelConfig:
             head_dim=head_dim,
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
-            rope=_rope_parameters(raw),
+            rope=_rope_parameters(raw, source),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             attention_bias=attention_bias,
             qk_norm=model_type == "qwen3",
-            sliding_window=_sliding_window(raw),
+            layer_windows=_layer_windows(raw, int(require("num_hidden_layers")), source),
             dtype=DTYPES[dtype_name],
         )
 
@@ -98,25 +101,74 @@ class ModelConfig:
 
     @property
     def max_context(self) -> int:
-        """The longest context computed exactly: a sliding window shorter than the positions bounds it."""
-        if self.sliding_window is not None:
-            return min(self.max_position_embeddings, self.sliding_window)
+        """The longest context: the positions RoPE scaling reaches (vLLM's rule: `linear` and `dynamic`
+        stretch max_position_embeddings by their factor, `yarn` the original length; the others declare the
+        scaled length as max_position_embeddings)."""
+        rope_type = self.rope["rope_type"]
+        if rope_type in ("linear", "dynamic"):
+            return int(self.max_position_embeddings * float(self.rope["factor"]))
+        if rope_type == "yarn":
+            return int(self.rope["original_max_position_embeddings"] * float(self.rope["factor"]))
         return self.max_position_embeddings
 
+    @property
+    def sliding_window(self) -> int | None:
+        """The window that bounds what a request needs kept: the widest, when every layer has one."""
+        if not self.layer_windows or None in self.layer_windows:
+            return None
+        return max(w for w in self.layer_windows if w is not None)
 
-def _rope_parameters(raw: dict[str, Any]) -> dict[str, Any]:
+
+def _rope_parameters(raw: dict[str, Any], source: str) -> dict[str, Any]:
+    """The rope settings with Transformers' defaults filled in, so that the layers read them directly."""
     # Transformers 5 writes `rope_parameters`; older checkpoints carry `rope_theta` and `rope_scaling`.
     rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
     if "type" in rope and "rope_type" not in rope:
         rope["rope_type"] = rope.pop("type")
     rope.setdefault("rope_type", "default")
     rope.setdefault("rope_theta", raw.get("rope_theta", 10000.0))
+    rope_type = rope["rope_type"]
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        supported = ", ".join(SUPPORTED_ROPE_TYPES)
+        raise ValueError(f"{source}: rope_type {rope_type!r} is not supported; supported: {supported}")
+    max_positions = int(raw.get("max_position_embeddings", 2048))
+    if rope_type == "dynamic":
+        # Transformers scales dynamic NTK from max_position_embeddings, whatever the parameters say.
+        rope["original_max_position_embeddings"] = max_positions
+    elif rope_type in ("yarn", "longrope", "llama3"):
+        # Phi-3 style configs keep the pretraining length beside the rope parameters; it then wins.
+        if raw.get("original_max_position_embeddings") is not None:
+            rope["original_max_position_embeddings"] = int(raw["original_max_position_embeddings"])
+        rope.setdefault("original_max_position_embeddings", max_positions)
+    if rope_type in ("yarn", "longrope") and rope.get("factor") is None:
+        rope["factor"] = max_positions / rope["original_max_position_embeddings"]
+    required = {
+        "linear": ("factor",),
+        "dynamic": ("factor",),
+        "llama3": ("factor", "low_freq_factor", "high_freq_factor"),
+        "longrope": ("short_factor", "long_factor"),
+    }.get(rope_type, ())
+    missing = [key for key in required if rope.get(key) is None]
+    if missing:
+        raise ValueError(f"{source}: rope_type {rope_type!r} needs {', '.join(missing)}")
     return rope
 
 
-def _sliding_window(raw: dict[str, Any]) -> int | None:
+def _layer_windows(raw: dict[str, Any], num_layers: int, source: str) -> tuple[int | None, ...]:
+    """Mistral slides every layer over `sliding_window`; Qwen2/3 only with use_sliding_window, and then the
+    layers from max_window_layers on, unless `layer_types` names each layer's kind (as Transformers reads)."""
     window = raw.get("sliding_window")
-    # Qwen2/3 configs carry a window they do not use unless use_sliding_window is set.
     if window is None or ("use_sliding_window" in raw and not raw["use_sliding_window"]):
-        return None
-    return int(window)
+        return (None,) * num_layers
+    window = int(window)
+    if window < 1:
+        raise ValueError(f"{source}: sliding_window must be positive, got {window}")
+    layer_types = raw.get("layer_types")
+    if layer_types is not None:
+        if len(layer_types) != num_layers:
+            raise ValueError(f"{source}: layer_types names {len(layer_types)} layers, not {num_layers}")
+        return tuple(window if kind == "sliding_attention" else None for kind in layer_types)
+    if "max_window_layers" in raw:
+        first_sliding = int(raw["max_window_layers"])
+        return tuple(window if i >= first_sliding else None for i in range(num_layers))
+    return (window,) * num_layers

@@ -12,12 +12,13 @@ import torch
 from kvfleet.runtime.attention.backend import AttentionBackend, AttentionMetadata, AttentionSpec
 from kvfleet.runtime.attention.selector import select_attention_backend
 from kvfleet.runtime.config import EngineConfig
+from kvfleet.runtime.core.host_kv_tier import TierCopies
 from kvfleet.runtime.core.outputs import ModelRunnerOutput, SchedulerOutput
 from kvfleet.runtime.kernels import fused_layers
 from kvfleet.runtime.lora.manager import LoRAManager
+from kvfleet.runtime.models.layers import LENGTH_DEPENDENT_ROPE_TYPES
 from kvfleet.runtime.models.loader import load_model, resolve_device, resolve_dtype
 from kvfleet.runtime.models.model_config import ModelConfig
-from kvfleet.runtime.request import Request
 from kvfleet.runtime.worker.sampler import Sampler, SpeculativeBatch
 from torch import nn
 
@@ -75,6 +76,8 @@ class ModelRunner:
         self.model: nn.Module | None = None
         self.lora_manager: LoRAManager | None = None
         self.kv_caches: list[torch.Tensor] = []
+        # The host-memory tier's blocks, in the device cache's layout (pinned on CUDA); empty without one.
+        self.host_kv_caches: list[torch.Tensor] = []
         self.sampler = Sampler(self.device, config.seed)
         pinned = self.device.type == "cuda"
         self._input_ids = _HostBuffer(torch.int64, pinned)
@@ -84,6 +87,12 @@ class ModelRunner:
         self._seq_lens = _HostBuffer(torch.int32, pinned)
         self._block_tables = _HostBuffer(torch.int32, pinned)
         self._logits_indices = _HostBuffer(torch.int64, pinned)
+        # Each token's sequence length, for the rope types whose angles depend on it.
+        self._rope_sequence_lengths = (
+            _HostBuffer(torch.int64, pinned)
+            if self.model_config.rope["rope_type"] in LENGTH_DEPENDENT_ROPE_TYPES
+            else None
+        )
         # Marks when the device has read the host buffers (their copies are asynchronous on CUDA).
         self._inputs_copied: torch.cuda.Event | None = None
 
@@ -95,7 +104,7 @@ class ModelRunner:
         if requested > limit:
             raise ValueError(
                 f"max_model_len {requested} exceeds what the model supports ({limit} tokens, from its "
-                "max_position_embeddings or sliding window)"
+                "max_position_embeddings and RoPE scaling)"
             )
         return requested
 
@@ -152,10 +161,39 @@ class ModelRunner:
             num_blocks * self.kv_cache_bytes_per_block() / 2**20,
         )
 
+    def initialize_host_kv_tier(self, num_blocks: int) -> None:
+        if not self.kv_caches:
+            raise RuntimeError("initialize_kv_cache() must run before initialize_host_kv_tier()")
+        shape = (2, num_blocks, *self.kv_caches[0].shape[2:])
+        pinned = self.device.type == "cuda"
+        self.host_kv_caches = [
+            torch.zeros(shape, dtype=self.dtype, pin_memory=pinned) for _ in range(len(self.kv_caches))
+        ]
+        logger.info(
+            "host KV tier: %d blocks, %.1f MiB",
+            num_blocks,
+            num_blocks * self.kv_cache_bytes_per_block() / 2**20,
+        )
+
+    def _copy_between_tiers(self, copies: TierCopies) -> None:
+        """Device blocks to the host tier first (a preempted request's blocks, which this step may reuse),
+        then host blocks back into the device blocks of the requests resuming."""
+        if copies.to_host:
+            device_ids = torch.tensor([d for d, _ in copies.to_host], device=self.device)
+            host_ids = torch.tensor([h for _, h in copies.to_host])
+            for device_cache, host_cache in zip(self.kv_caches, self.host_kv_caches, strict=True):
+                host_cache[:, host_ids] = device_cache[:, device_ids].cpu()
+        if copies.to_device:
+            host_ids = torch.tensor([h for h, _ in copies.to_device])
+            device_ids = torch.tensor([d for _, d in copies.to_device], device=self.device)
+            for device_cache, host_cache in zip(self.kv_caches, self.host_kv_caches, strict=True):
+                device_cache[:, device_ids] = host_cache[:, host_ids].to(self.device)
+
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         if self.model is None or not self.kv_caches:
             raise RuntimeError("load_model() and initialize_kv_cache() must run before execute_model()")
+        self._copy_between_tiers(scheduler_output.tier_copies)
         self.sampler.forget(scheduler_output.finished_request_ids)
         requests = scheduler_output.requests
         if not requests:
@@ -169,7 +207,7 @@ class ModelRunner:
             speculative = SpeculativeBatch.of(sampling, drafts)
         # With an accelerator, grammar masks fill during the forward pass.
         self.sampler.prepare(sampling if speculative is None else speculative.rows)
-        hidden = self._forward(input_ids, positions, metadata, requests)
+        hidden = self._forward(input_ids, positions, metadata, scheduler_output)
 
         sampled: list[list[int]] = [[] for _ in requests]
         logprobs: list[list[dict[int, float]] | None] = [None for _ in requests]
@@ -206,7 +244,7 @@ class ModelRunner:
         if self.model is None or not self.kv_caches:
             raise RuntimeError("load_model() and initialize_kv_cache() must run before greedy_last_tokens()")
         input_ids, positions, metadata, _ = self._prepare_step(scheduler_output)
-        hidden = self._forward(input_ids, positions, metadata, scheduler_output.requests)
+        hidden = self._forward(input_ids, positions, metadata, scheduler_output)
         last_token_rows = [end - 1 for end in metadata.query_start_loc_cpu[1:]]
         logits = self.model.compute_logits(self._select_rows(hidden, last_token_rows, metadata.num_tokens))
         return logits[:, :vocab_size].argmax(dim=-1).tolist()
@@ -225,13 +263,17 @@ class ModelRunner:
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         metadata: AttentionMetadata,
-        requests: list[Request],
+        scheduler_output: SchedulerOutput,
     ) -> torch.Tensor:
         assert self.model is not None
         plan = self.attention_backend.prepare(metadata)
         if self.lora_manager is not None:
+            requests = scheduler_output.requests
             self.lora_manager.prepare([r.lora_request for r in requests], metadata.query_start_loc_cpu)
-        return self.model(input_ids, positions, self.kv_caches, plan)
+        rope_inputs: dict[str, torch.Tensor] = {}
+        if self._rope_sequence_lengths is not None:
+            rope_inputs["sequence_lengths"] = self._prepare_rope_sequence_lengths(scheduler_output)
+        return self.model(input_ids, positions, self.kv_caches, plan, **rope_inputs)
 
     def _select_rows(self, hidden: torch.Tensor, rows: list[int], num_tokens: int) -> torch.Tensor:
         if len(rows) == num_tokens:
@@ -314,6 +356,21 @@ class ModelRunner:
         positions_tensor = self._positions.to_device(num_tokens, device)
         self._mark_inputs_copied()
         return input_ids_tensor, positions_tensor, metadata, sample_rows
+
+    def _prepare_rope_sequence_lengths(self, scheduler_output: SchedulerOutput) -> torch.Tensor:
+        """max(prompt length, position + 1) for each token of the step: the sequence length that Transformers
+        rotates it for during generation (the whole prompt at once, then one token at a time)."""
+        assert self._rope_sequence_lengths is not None
+        num_tokens = scheduler_output.total_num_scheduled_tokens
+        prompt_lengths = np.repeat(
+            [request.num_prompt_tokens for request in scheduler_output.requests],
+            scheduler_output.num_scheduled_tokens,
+        )
+        lengths = self._rope_sequence_lengths.get(num_tokens)
+        np.maximum(prompt_lengths, self._positions.get(num_tokens) + 1, out=lengths)
+        tensor = self._rope_sequence_lengths.to_device(num_tokens, self.device)
+        self._mark_inputs_copied()
+        return tensor
 
     def _mark_inputs_copied(self) -> None:
         if self.device.type == "cuda":

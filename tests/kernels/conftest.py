@@ -43,7 +43,7 @@ class PagedBatch:
     def write_new_tokens(self) -> None:
         torch_reference.write_kv_cache(self.key, self.value, self.kv_cache, self.metadata.slot_mapping)
 
-    def reference_attention(self, scale: float) -> torch.Tensor:
+    def reference_attention(self, scale: float, sliding_window: int | None = None) -> torch.Tensor:
         metadata = self.metadata
         return torch_reference.paged_attention(
             self.query,
@@ -52,7 +52,22 @@ class PagedBatch:
             seq_lens=metadata.seq_lens,
             query_start_loc=metadata.query_start_loc,
             scale=scale,
+            sliding_window=sliding_window,
         )
+
+    def poison_blocks_before_windows(self, window: int) -> int:
+        """Fill with NaN each block that lies wholly before every window of its request's new tokens, as a
+        freed and reused block would hold anything; returns how many."""
+        metadata = self.metadata
+        block_size = self.kv_cache.shape[2]
+        poisoned = 0
+        for request, seq_len in enumerate(metadata.seq_lens_cpu):
+            query_len = metadata.query_start_loc_cpu[request + 1] - metadata.query_start_loc_cpu[request]
+            first_visible = max(0, seq_len - query_len - window + 1)
+            for block in range(first_visible // block_size):
+                self.kv_cache[:, int(metadata.block_tables[request, block])] = float("nan")
+                poisoned += 1
+        return poisoned
 
 
 @pytest.fixture

@@ -42,21 +42,38 @@ def test_rms_norm_of_per_head_rows_keeps_the_shape(assert_close) -> None:
     assert_close(out, layer(query)[0])
 
 
+LENGTH_DEPENDENT_ROPES = {
+    "dynamic": {"rope_type": "dynamic", "factor": 4.0, "original_max_position_embeddings": 128},
+    "longrope": {
+        "rope_type": "longrope",
+        "short_factor": [1.0 + i / 32 for i in range(32)],
+        "long_factor": [1.0 + i / 4 for i in range(32)],
+        "factor": 4.0,
+        "original_max_position_embeddings": 128,
+    },
+}
+
+
+@pytest.mark.parametrize("rope_type", ["default", *LENGTH_DEPENDENT_ROPES])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rotary_matches_the_model_layer(assert_close, dtype) -> None:
+def test_rotary_matches_the_model_layer(assert_close, dtype, rope_type: str) -> None:
     generator = torch.Generator().manual_seed(2)
-    rotary = layers.RotaryEmbedding(64, 512, ROPE)
+    rotary = layers.RotaryEmbedding(64, 512, {**ROPE, **LENGTH_DEPENDENT_ROPES.get(rope_type, {})})
     qkv = torch.randn(7, (8 + 2 + 2) * 64, generator=generator).to(dtype)
     query = qkv[:, : 8 * 64].view(7, 8, 64)
     key = qkv[:, 8 * 64 : 10 * 64].view(7, 2, 64)
     positions = torch.randint(0, 512, (7,), generator=generator)
+    # Some tokens belong to sequences past the original length, some do not.
+    lengths = positions + 1 + torch.randint(0, 100, (7,), generator=generator)
     # The layer rounds cos/sin to the activation dtype; the kernel keeps them float32.
-    cos, signed_sin = rotary.cos_sin(positions, torch.float32)
+    cos_sin = rotary.prepare(positions, torch.float32, fused=False, sequence_lengths=lengths).cos_sin
+    assert cos_sin is not None
     expected_query, expected_key = query.float().clone(), key.float().clone()
-    layers.RotaryEmbedding.rotate_(expected_query, cos, signed_sin)
-    layers.RotaryEmbedding.rotate_(expected_key, cos, signed_sin)
+    layers.RotaryEmbedding.rotate_(expected_query, *cos_sin)
+    layers.RotaryEmbedding.rotate_(expected_key, *cos_sin)
 
-    fused_layers.rotary_embedding_(positions, query, key, rotary.cos_sin_cache)
+    fused = rotary.prepare(positions, dtype, fused=True, sequence_lengths=lengths)
+    fused_layers.rotary_embedding_(fused.rows, query, key, fused.cos_sin_cache)
 
     assert_close(query, expected_query)
     assert_close(key, expected_key)

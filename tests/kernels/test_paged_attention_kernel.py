@@ -18,7 +18,10 @@ DECODE_STEP = [(45, 1), (100, 1), (3, 1), (64, 1)]
 
 
 def run_kernel(
-    batch, tiling: AttentionTiling | None = None, query: torch.Tensor | None = None
+    batch,
+    tiling: AttentionTiling | None = None,
+    query: torch.Tensor | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     query = batch.query if query is None else query
     num_heads, head_dim = query.shape[1:]
@@ -41,6 +44,7 @@ def run_kernel(
         tile_map=build_tile_map(metadata.query_start_loc_cpu, tiling.block_q(queries_per_kv), query.device),
         tiling=tiling,
         scale=head_dim**-0.5,
+        sliding_window=sliding_window,
         out=out,
     )
     assert returned is out
@@ -104,6 +108,22 @@ def test_split_kv_on_prefill_tiles_matches_reference(make_paged_batch, assert_cl
     batch.write_new_tokens()
     tiling = AttentionTiling(block_m=16, block_n=16, num_splits=4)
     assert_close(run_kernel(batch, tiling), batch.reference_attention(64**-0.5))
+
+
+@pytest.mark.parametrize("window", [1, 5, 16, 33, 200])
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_sliding_window_never_reads_blocks_before_it(
+    make_paged_batch, assert_close, window: int, num_splits: int
+) -> None:
+    batch = make_paged_batch(
+        MIXED_STEP, num_kv_heads=2, queries_per_kv=2, head_dim=64, block_size=4, dtype=torch.float32, seed=9
+    )
+    poisoned = batch.poison_blocks_before_windows(window)
+    assert (poisoned > 0) == (window < 60)
+    batch.write_new_tokens()
+    tiling = AttentionTiling(block_m=16, block_n=16, num_splits=num_splits)
+    out = run_kernel(batch, tiling, sliding_window=window)
+    assert_close(out, batch.reference_attention(64**-0.5, sliding_window=window))
 
 
 def test_prefix_blocks_shared_between_requests(make_paged_batch, assert_close) -> None:

@@ -16,8 +16,14 @@ PROMPTS = [
 
 
 @pytest.mark.slow
-def test_triton_backend_generates_the_sdpa_backends_greedy_tokens(make_model) -> None:
-    model = str(make_model("llama", "tiny"))
+@pytest.mark.parametrize(
+    "model_options",
+    [("llama",), ("mistral", "--sliding-window", "12")],
+    ids=["llama", "mistral-sliding-window"],
+)
+def test_triton_backend_generates_the_sdpa_backends_greedy_tokens(make_model, model_options) -> None:
+    arch, *options = model_options
+    model = str(make_model(arch, "tiny", 0, *options))
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     # A 24-token step budget splits the long prompts into chunks that share steps with decodes, and the
     # second long prompt reuses the first one's cached prefix blocks.

@@ -7,6 +7,7 @@ which the sequences are no longer comparable.
 
 from __future__ import annotations
 
+import json
 import random
 from collections.abc import Callable
 from pathlib import Path
@@ -33,11 +34,13 @@ def _prompts(vocab_size: int) -> list[list[int]]:
 
 
 def _reference(model_dir: Path, prompts: list[list[int]]) -> list[tuple[list[int], list[set[int]]]]:
-    """Greedy tokens and the top-5 at each step, one prompt at a time (no padding in the reference)."""
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    """Greedy tokens and the top-5 at each step, one prompt at a time (no padding in the reference), each on
+    a fresh model: `dynamic` RoPE keeps the longest length it has seen across generate() calls, which would
+    make a prompt's reference depend on the prompts before it."""
     results = []
     with torch.inference_mode():
         for prompt in prompts:
+            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
             out = model.generate(
                 torch.tensor([prompt]),
                 max_new_tokens=MAX_TOKENS,
@@ -85,6 +88,10 @@ ENGINE_VARIANTS = {
     "chunked-prefill": dict(max_num_batched_tokens=24, enable_prefix_caching=True),
     # 16 requests of up to ~110 tokens need far more than 14 blocks of 8: forces preemption by recompute.
     "preemption": dict(num_kv_blocks=14, block_size=8, max_model_len=112, max_num_batched_tokens=64),
+    # The same, with preempted requests' KV saved in a host-memory tier and copied back on resume.
+    "preemption-host-tier": dict(
+        num_kv_blocks=14, block_size=8, max_model_len=112, max_num_batched_tokens=64, kv_offloading_size=0.01
+    ),
 }
 
 
@@ -97,9 +104,157 @@ def test_greedy_matches_transformers(arch_case, variant: str) -> None:
     outputs = llm.generate(prompts, params)
     _assert_close(outputs, reference)
     stats = llm.llm_engine.stats
-    if variant == "preemption":
+    if variant.startswith("preemption"):
         assert stats.num_preempted_total > 0, "the pool was meant to be too small for the batch"
+    if variant == "preemption-host-tier":
+        assert stats.kv_offload_resumed_from_host > 0
     if variant == "prefix-caching":
         assert stats.prefix_cache_hits > 0
     if variant == "no-prefix-caching":
         assert stats.prefix_cache_hits == 0
+
+
+# RoPE scaling past the original context, chunked prefill forced. Each case is a tiny model whose
+# config.json asks for one rope_type, pretrained (max_position_embeddings or original_max_position_embeddings)
+# for 64 positions; two prompts run past that, one stays under it and crosses it while decoding.
+ORIGINAL = 64
+MAX_MODEL_LEN = 4 * ORIGINAL
+# Prompt lengths: two past the original context, one under it that crosses it while decoding.
+PROMPT_LENGTHS = (150, 90, 60)
+
+
+def _head_dim(arch: str) -> int:
+    return 32 if arch == "qwen3" else 16  # the tiny preset's (make_model doubles Qwen3's)
+
+
+def _rope_case(rope_type: str, arch: str) -> tuple[int, dict]:
+    """(max_position_embeddings, rope_parameters) of the case's model."""
+    theta = {"rope_theta": 10000.0}
+    if rope_type == "linear":
+        return ORIGINAL, {"rope_type": "linear", "factor": 4.0, **theta}
+    if rope_type == "dynamic":
+        return ORIGINAL, {"rope_type": "dynamic", "factor": 4.0, **theta}
+    if rope_type == "yarn":
+        return ORIGINAL, {
+            "rope_type": "yarn",
+            "factor": 4.0,
+            "original_max_position_embeddings": ORIGINAL,
+            "beta_fast": 8.0,
+            **theta,
+        }
+    if rope_type == "llama3":
+        return MAX_MODEL_LEN, {
+            "rope_type": "llama3",
+            "factor": 4.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": ORIGINAL,
+            **theta,
+        }
+    half = _head_dim(arch) // 2
+    return MAX_MODEL_LEN, {
+        "rope_type": "longrope",
+        "short_factor": [1.0 + 0.1 * i for i in range(half)],
+        "long_factor": [1.0 + 0.8 * i for i in range(half)],
+        "original_max_position_embeddings": ORIGINAL,
+        **theta,
+    }
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("rope_type", ["linear", "dynamic", "yarn", "longrope", "llama3"])
+def test_rope_scaling_past_the_original_context_matches_transformers(
+    rope_type: str, arch: str, make_model: Callable[..., Path]
+) -> None:
+    max_positions, rope = _rope_case(rope_type, arch)
+    model_dir = make_model(
+        arch,
+        "tiny",
+        0,
+        "--max-position-embeddings",
+        str(max_positions),
+        "--rope-parameters",
+        json.dumps(rope),
+    )
+    rng = random.Random(17)
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    prompts = [[rng.randrange(16, vocab) for _ in range(n)] for n in PROMPT_LENGTHS]
+    # The others start like the first, so their first blocks are prefix-cache candidates: right for the
+    # position-only rope types, wrong where the first prompt's length changed its rotation.
+    prompts[1][:80] = prompts[0][:80]
+    prompts[2][:48] = prompts[0][:48]
+    llm = LLM(
+        str(model_dir),
+        dtype="float32",
+        max_model_len=MAX_MODEL_LEN,
+        max_num_batched_tokens=32,
+        num_kv_blocks=256,
+        enable_prefix_caching=True,
+    )
+    assert llm.llm_engine.max_model_len == MAX_MODEL_LEN
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=TOP_N)
+    outputs = [llm.generate([prompt], params)[0] for prompt in prompts]
+    _assert_close(outputs, _reference(model_dir, prompts))
+
+
+# Sliding windows: Mistral's on every layer, Qwen's from max_window_layers on (layer 0 attends to everything,
+# layer 1 to its window). Prompts run well past the 24-token window, in chunks, sharing a prefix.
+WINDOW = 24
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "reference"])
+@pytest.mark.parametrize("arch", ["mistral", "qwen2", "qwen3"])
+def test_sliding_window_past_the_window_matches_transformers(
+    arch: str, backend: str, make_model: Callable[..., Path]
+) -> None:
+    options = ["--sliding-window", str(WINDOW)]
+    if arch != "mistral":
+        options += ["--max-window-layers", "1"]
+    model_dir = make_model(arch, "tiny", 0, *options)
+    rng = random.Random(23)
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    prompts = [[rng.randrange(16, vocab) for _ in range(n)] for n in (110, 75, 20)]
+    prompts[1][:64] = prompts[0][:64]
+    llm = LLM(
+        str(model_dir),
+        dtype="float32",
+        max_model_len=256,
+        max_num_batched_tokens=32,
+        num_kv_blocks=256,
+        block_size=8,
+        enable_prefix_caching=True,
+        attention_backend=backend,
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=TOP_N)
+    outputs = [llm.generate([prompt], params)[0] for prompt in prompts]
+    _assert_close(outputs, _reference(model_dir, prompts))
+    assert llm.llm_engine.stats.prefix_cache_hits > 0
+
+
+def test_blocks_out_of_the_window_are_freed_as_requests_grow(make_model: Callable[..., Path]) -> None:
+    # 4 requests of 150 tokens need 600 tokens of KV at full length; the cache holds 160, so keeping every
+    # block would run them one at a time. With every layer sliding over 24 tokens, each keeps only its
+    # window's blocks and a chunk's, and all four run side by side.
+    model_dir = make_model("mistral", "tiny", 0, "--sliding-window", str(WINDOW))
+    rng = random.Random(29)
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    prompts = [[rng.randrange(16, vocab) for _ in range(150 - MAX_TOKENS)] for _ in range(4)]
+    llm = LLM(
+        str(model_dir),
+        dtype="float32",
+        max_model_len=160,
+        max_num_batched_tokens=32,
+        num_kv_blocks=20,
+        block_size=8,
+    )
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=TOP_N)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, params)
+    finished, most_running = {}, 0
+    while engine.has_unfinished_requests():
+        finished.update((output.request_id, output) for output in engine.step() if output.finished)
+        most_running = max(most_running, engine.stats.num_running)
+    assert most_running == 4
+    assert engine.stats.num_preempted_total == 0
+    _assert_close([finished[str(i)] for i in range(4)], _reference(model_dir, prompts))

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from kvfleet.runtime import LLM
 from kvfleet.runtime.config import EngineConfig
 from kvfleet.runtime.core.outputs import SchedulerOutput
 from kvfleet.runtime.models import registry as registry_module
@@ -107,20 +108,70 @@ def test_tied_embeddings_match_transformers(
     )
 
 
-def test_llama3_rope_scaling_matches_transformers() -> None:
-    rope = {
-        "rope_type": "llama3",
-        "rope_theta": 500000.0,
-        "factor": 8.0,
-        "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 64,
-    }
+@pytest.mark.parametrize(
+    "rope",
+    [
+        {
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+        {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64},
+        {
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 40.0,
+            "original_max_position_embeddings": 4096,
+            "beta_fast": 16,
+            "mscale": 0.707,
+            "mscale_all_dim": 0.707,
+            "truncate": False,
+        },
+    ],
+    ids=["llama3", "yarn", "yarn-mscale-untruncated"],
+)
+def test_static_rope_scaling_matches_transformers(rope: dict) -> None:
     config = LlamaConfig(hidden_size=256, num_attention_heads=4, rope_parameters=rope)
-    expected, _ = ROPE_INIT_FUNCTIONS["llama3"](config, torch.device("cpu"))
-    torch.testing.assert_close(rope_inverse_frequencies(64, rope), expected)
-    with pytest.raises(ValueError, match="unsupported rope_type"):
-        rope_inverse_frequencies(64, {"rope_type": "yarn", "rope_theta": 1e4})
+    expected, expected_scale = ROPE_INIT_FUNCTIONS[rope["rope_type"]](config, torch.device("cpu"))
+    inv_freq, scale = rope_inverse_frequencies(64, rope)
+    torch.testing.assert_close(inv_freq, expected)
+    assert scale == pytest.approx(expected_scale)
+
+
+def test_unsupported_rope_type_is_named_at_load(tiny_model: Callable[[str], Path], tmp_path: Path) -> None:
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_model("mistral"), folder)
+    _edit_config(folder, rope_parameters={"rope_type": "proportional", "rope_theta": 1e4, "factor": 2.0})
+    with pytest.raises(ValueError, match="rope_type 'proportional' is not supported; supported: default, "):
+        LLM(str(folder), dtype="float32", num_kv_blocks=16)
+
+
+@pytest.mark.parametrize(
+    ("rope", "max_context"),
+    [
+        ({"rope_type": "default"}, 512),
+        ({"rope_type": "linear", "factor": 4.0}, 2048),
+        ({"rope_type": "dynamic", "factor": 2.0}, 1024),
+        ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}, 512),
+        ({"rope_type": "yarn", "factor": 4.0}, 2048),
+        ({"rope_type": "longrope", "short_factor": [1.0], "long_factor": [2.0]}, 512),
+    ],
+)
+def test_rope_scaling_sets_the_longest_context(rope: dict, max_context: int) -> None:
+    raw = {
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": 100,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 4,
+        "max_position_embeddings": 512,
+        "rope_parameters": {"rope_theta": 1e4, **rope},
+    }
+    assert ModelConfig.from_dict(raw).max_context == max_context
 
 
 def test_old_style_rope_keys_are_read() -> None:
@@ -165,20 +216,28 @@ def test_bad_configs_are_rejected_with_the_reason(change: dict, message: str) ->
         ModelConfig.from_dict({**raw, **change})
 
 
-def test_sliding_window_bounds_the_context() -> None:
+def test_sliding_windows_per_layer_as_transformers_reads_them() -> None:
     base = {
         "architectures": ["MistralForCausalLM"],
         "vocab_size": 100,
         "hidden_size": 64,
         "intermediate_size": 128,
-        "num_hidden_layers": 1,
+        "num_hidden_layers": 3,
         "num_attention_heads": 4,
         "max_position_embeddings": 8192,
     }
-    assert ModelConfig.from_dict({**base, "sliding_window": 4096}).max_context == 4096
-    assert ModelConfig.from_dict({**base, "sliding_window": None}).max_context == 8192
-    unused = {**base, "sliding_window": 1024, "use_sliding_window": False}
-    assert ModelConfig.from_dict(unused).max_context == 8192
+    mistral = ModelConfig.from_dict({**base, "sliding_window": 4096})
+    assert (mistral.layer_windows, mistral.sliding_window, mistral.max_context) == ((4096,) * 3, 4096, 8192)
+    assert ModelConfig.from_dict({**base, "sliding_window": None}).layer_windows == (None,) * 3
+    qwen = {**base, "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "sliding_window": 1024}
+    assert ModelConfig.from_dict({**qwen, "use_sliding_window": False}).layer_windows == (None,) * 3
+    upper = ModelConfig.from_dict({**qwen, "use_sliding_window": True, "max_window_layers": 1})
+    assert (upper.layer_windows, upper.sliding_window) == ((None, 1024, 1024), None)
+    named = {**qwen, "use_sliding_window": True, "layer_types": ["sliding_attention", "full_attention"] * 2}
+    with pytest.raises(ValueError, match="names 4 layers, not 3"):
+        ModelConfig.from_dict(named)
+    named["layer_types"] = named["layer_types"][:3]
+    assert ModelConfig.from_dict(named).layer_windows == (1024, None, 1024)
 
 
 def test_registry_resolves_builtins_and_plugins_and_names_what_it_supports(monkeypatch) -> None:
