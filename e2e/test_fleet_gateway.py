@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -117,6 +118,38 @@ def test_a_service_at_zero_is_woken_by_a_held_request_and_goes_back_to_zero(
     wait_for("back to no replica", lambda: not service_pods(api, namespace, "wake"), 60)
 
 
+class Streams:
+    """Streamed completions through the gateway, each in a thread, recording how it ended."""
+
+    def __init__(self, endpoint: Endpoint, model: str, count: int) -> None:
+        self.client = openai.OpenAI(base_url=endpoint.base_url, api_key="unused", max_retries=0, timeout=120)
+        self.model = model
+        self.started = threading.Semaphore(0)
+        self.endings: list[str] = []
+        self.threads = [threading.Thread(target=self._run, daemon=True) for _ in range(count)]
+        for thread in self.threads:
+            thread.start()
+
+    def _run(self) -> None:
+        ending = "cut off without an error"
+        try:
+            stream = self.client.completions.create(
+                model=self.model,
+                prompt="A long story:",
+                max_tokens=400,
+                stream=True,
+                extra_body={"ignore_eos": True},
+            )
+            for number, chunk in enumerate(stream):
+                if number == 0:
+                    self.started.release()
+                if chunk.choices and chunk.choices[0].finish_reason is not None:
+                    ending = "complete"
+        except openai.APIError as error:
+            ending = f"error: {type(error).__name__}"
+        self.endings.append(ending)
+
+
 def test_a_runtime_replica_killed_under_load_fails_no_request(
     local_cluster: LocalCluster,
     gateway: ReadyEndpoints,
@@ -137,6 +170,10 @@ def test_a_runtime_replica_killed_under_load_fails_no_request(
     )
     with ChatLoad(gateway, 3, 48, model="pair-model") as load:
         wait_for("requests served", lambda: len(load.successes()) >= 6, 60)
+        # Streams in flight on both replicas when one dies: each must end, with its answer or an error.
+        streams = Streams(gateway.current()[0], "pair-model", 4)
+        for _ in streams.threads:
+            assert streams.started.acquire(timeout=60), "every stream had started"
         victim = service_pods(api, namespace, "pair")[0]["metadata"]["name"]
         pid = runner.process_id(namespace, victim, "runtime")
         assert pid is not None
@@ -144,8 +181,15 @@ def test_a_runtime_replica_killed_under_load_fails_no_request(
         served_at_kill = len(load.successes())
         wait_for("requests served after the kill", lambda: len(load.successes()) >= served_at_kill + 12, 90)
     assert not load.failures(), load.failures()[:3]
+    for thread in streams.threads:
+        thread.join(timeout=120)
+    assert not any(thread.is_alive() for thread in streams.threads), "a stream hung"
+    assert all(ending == "complete" or ending.startswith("error:") for ending in streams.endings), (
+        streams.endings
+    )
     measurements(
-        f"runtime replica killed under load through the gateway: {len(load.successes())} requests, 0 failed"
+        f"runtime replica killed under load through the gateway: {len(load.successes())} requests, 0 failed; "
+        f"streams in flight: {sorted(streams.endings)}"
     )
 
 

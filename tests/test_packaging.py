@@ -34,6 +34,7 @@ LOCAL = {
     "test_packaging",
     "server_checks",
     "gateway_harness",
+    "ports",
 }
 PARTS = {
     "kvfleet": (),
