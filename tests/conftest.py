@@ -7,6 +7,7 @@ editable install."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -118,14 +119,11 @@ class ServerProcess:
                 self.process.wait(STOP_TIMEOUT_S)
 
 
-@pytest.fixture(scope="session")
-def start_server(
-    tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Callable[..., ServerProcess]]:
-    """Returns start(*extra_args, api_key=None, command=("serve",), model=None) -> a ready ServerProcess of
-    `model` (the tiny llama by default); every one is stopped at the end."""
+@contextlib.contextmanager
+def running_servers(tiny_llama: Path, logs: Path) -> Iterator[Callable[..., ServerProcess]]:
+    """start(*extra_args, api_key=None, command=("serve",), model=None) -> a ready ServerProcess of `model`
+    (the tiny llama by default); every one started is stopped on exit."""
     started: list[ServerProcess] = []
-    logs = tmp_path_factory.mktemp("server-logs")
 
     def start(
         *extra_args: str,
@@ -162,3 +160,25 @@ def start_server(
     finally:
         for server in started:
             server.stop()
+
+
+@pytest.fixture(scope="module")
+def start_server(
+    tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Callable[..., ServerProcess]]:
+    """Starts servers for one test module, all stopped when the module is done: each is some 400 MB, so a
+    session's worth of them at once would not fit in memory."""
+    with running_servers(tiny_llama, tmp_path_factory.mktemp("server-logs")) as start:
+        yield start
+
+
+# The shared server's key (tests/server).
+API_KEY = "test-key"
+
+
+@pytest.fixture(scope="session")
+def api_server(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """The server tests' shared server: priority scheduling, an API key, and a small body limit to test
+    against."""
+    with running_servers(tiny_llama, tmp_path_factory.mktemp("shared-server-logs")) as start:
+        yield start("--scheduling-policy", "priority", "--max-request-body-bytes", "65536", api_key=API_KEY)

@@ -375,7 +375,7 @@ class PodWorker(threading.Thread):
             "startedAt": container.started_at,
             "finishedAt": _now(),
         }
-        self._stop(container, grace_seconds=10.0)
+        self._stop_container(container, grace_seconds=10.0)
         container.ready = container.started = False
         container.terminated = finished
         return code
@@ -508,9 +508,9 @@ class PodWorker(threading.Thread):
     def _kill_all(self, grace_seconds: float) -> None:
         for container in self.init_containers + self.containers:
             if container.process is not None:
-                self._stop(container, grace_seconds)
+                self._stop_container(container, grace_seconds)
 
-    def _stop(self, container: Container, grace_seconds: float) -> None:
+    def _stop_container(self, container: Container, grace_seconds: float) -> None:
         """Stops the container's process; one run from an image is also removed, since a podman client killed
         after the grace period leaves its container running."""
         assert container.process is not None
