@@ -207,6 +207,13 @@ def test_a_gateway_replica_killed_leaves_the_other_carrying_the_traffic(
     local_cluster.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(manifest))
     wait_ready(api, namespace, "solo", timeout=180)
     victim, survivor = gateway.refresh()
+    victim_path = f"/api/v1/namespaces/{kvfleet_release.namespace}/pods/{victim.pod}"
+
+    def restarts() -> int:
+        statuses = api.get(victim_path)["status"].get("containerStatuses", [])
+        return sum(status["restartCount"] for status in statuses)
+
+    restarts_before = restarts()
     pid = runner.process_id(kvfleet_release.namespace, victim.pod, GATEWAY_CONTAINER)
     assert pid is not None
     os.kill(pid, signal.SIGKILL)
@@ -215,6 +222,8 @@ def test_a_gateway_replica_killed_leaves_the_other_carrying_the_traffic(
         completion = client.completions.create(model="solo-model", prompt=f"Request {number}", max_tokens=4)
         assert completion.choices[0].text is not None
     # The killed one comes back (the pod's restart policy) and takes traffic again.
+    # Ready again only counts once the restart is seen: until then the pod may still show its old Ready.
+    wait_for("the killed gateway restarted", lambda: restarts() > restarts_before, 90)
     wait_for("both gateways ready again", lambda: len(gateway.refresh()) == 2, 90)
     restarted = next(e for e in gateway.current() if e.pod == victim.pod)
     with openai.OpenAI(base_url=restarted.base_url, api_key="unused", max_retries=0, timeout=60) as again:
