@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 import aiohttp
-from kvfleet.operator.scrape import ScrapeTarget
+from kvfleet.operator.scrape import ScrapeTarget, read_capped
 
 AdapterState = Literal["Pending", "Loading", "Ready", "Failed"]
 RETRY_SECONDS = 60.0
@@ -93,9 +93,10 @@ class RuntimeAdapterClient:
             async with self._session.request(
                 method, url, json=body, headers=headers, timeout=self._timeout
             ) as response:
-                if response.content_length is not None and response.content_length > MAX_MODELS_PAGE_BYTES:
+                raw = await read_capped(response, MAX_MODELS_PAGE_BYTES)
+                if raw is None:
                     raise ReplicaUnavailable(f"{target.pod}: {path} answered more than the operator reads")
-                text = (await response.content.read(MAX_MODELS_PAGE_BYTES)).decode("utf-8", "replace")
+                text = raw.decode("utf-8", "replace")
                 status = response.status
         except (aiohttp.ClientError, TimeoutError) as error:
             raise ReplicaUnavailable(f"{target.pod}: {path} did not answer: {error}") from error

@@ -117,7 +117,7 @@ async def fetch_page(
         async with session.get(url, timeout=timeout) as response:
             if response.status != 200:
                 return ScrapeFailure.NO_ANSWER
-            body = await _read_capped(response, max_page_bytes)
+            body = await read_capped(response, max_page_bytes)
             if body is None:
                 return ScrapeFailure.PAGE_TOO_LARGE
             # The text format is UTF-8; a charset the page names is honoured, as aiohttp's text() does.
@@ -126,7 +126,7 @@ async def fetch_page(
         return ScrapeFailure.NO_ANSWER
 
 
-async def _read_capped(response: aiohttp.ClientResponse, max_page_bytes: int) -> bytes | None:
+async def read_capped(response: aiohttp.ClientResponse, max_page_bytes: int) -> bytes | None:
     """The body, read as it arrives; None once it passes the cap, when the connection is closed unread."""
     if response.content_length is not None and response.content_length > max_page_bytes:
         response.close()
