@@ -73,7 +73,11 @@ def discovering(cluster: LocalCluster, namespace: str) -> Iterator[Published]:
     finally:
         loop.call_soon_threadsafe(task.cancel)
         thread.join(timeout=10)
-        loop.close()
+        stopped = not thread.is_alive()
+        if stopped:
+            loop.close()
+    # Reached only when the test passed; a failure above propagates as it is.
+    assert stopped, "the discovery was cancelled but still runs 10 s later"
 
 
 def test_the_gateway_follows_services_and_their_ready_pods(

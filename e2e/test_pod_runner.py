@@ -51,6 +51,18 @@ def is_ready(pod: dict) -> bool:
     return ready is not None and ready["status"] == "True"
 
 
+def ready_pod(cluster: LocalCluster, namespace: str, name: str) -> dict:
+    """The pod once it is Ready; on a timeout the failure shows its container statuses and log."""
+    path = pod_path(namespace, name)
+    try:
+        return wait_for("Ready", lambda: (p := cluster.api.get(path)) and is_ready(p) and p)
+    except AssertionError as error:
+        statuses = cluster.api.get(path)["status"].get("containerStatuses")
+        log = cluster.pod_runner.log_path(namespace, name, "server")
+        tail = log.read_text()[-2000:] if log.exists() else "(no log)"
+        raise AssertionError(f"{error}; container statuses: {statuses}; log: {tail}") from None
+
+
 def http_json(url: str, method: str = "GET") -> dict:
     with urllib.request.urlopen(urllib.request.Request(url, method=method), timeout=5) as response:
         return json.loads(response.read())
@@ -83,11 +95,9 @@ def test_pod_becomes_ready_only_when_its_process_is(local_cluster: LocalCluster,
     assert not is_ready(api.get(pod_path(namespace, "slow-start"))), "Ready before the process said so"
 
     started = time.monotonic()
-    ready_pod = wait_for(
-        "Ready", lambda: (p := api.get(pod_path(namespace, "slow-start"))) and is_ready(p) and p
-    )
+    ready = ready_pod(local_cluster, namespace, "slow-start")
     assert time.monotonic() - started < 10
-    status = ready_pod["status"]["containerStatuses"][0]
+    status = ready["status"]["containerStatuses"][0]
     assert status["ready"] is True and "running" in status["state"]
 
     # Readiness follows the process both ways.
@@ -102,7 +112,7 @@ def test_pod_becomes_ready_only_when_its_process_is(local_cluster: LocalCluster,
 def test_deleting_a_pod_drains_and_stops_its_process(local_cluster: LocalCluster, namespace: str) -> None:
     api = local_cluster.api
     api.create(f"/api/v1/namespaces/{namespace}/pods", target_pod("drains", "--drain-seconds", "2"))
-    pod = wait_for("Ready", lambda: (p := api.get(pod_path(namespace, "drains"))) and is_ready(p) and p)
+    pod = ready_pod(local_cluster, namespace, "drains")
     pid = process_info(pod["status"]["podIP"])["pid"]
     assert process_start_ticks(pid) is not None
 
@@ -177,7 +187,7 @@ def test_container_gets_the_env_args_and_account_its_pod_describes(
         volumes=[{"name": "models", "emptyDir": {}}],
     )
     api.create(f"/api/v1/namespaces/{namespace}/pods", pod)
-    ready = wait_for("Ready", lambda: (p := api.get(pod_path(namespace, "env"))) and is_ready(p) and p)
+    ready = ready_pod(local_cluster, namespace, "env")
     pod_ip = ready["status"]["podIP"]
     info = process_info(pod_ip)
     argv, env = info["argv"], info["env"]

@@ -113,7 +113,8 @@ class ModelPool:
         hold = self.config.hold_seconds
         limit = hold if deadline_seconds is None else min(hold, deadline_seconds)
         try:
-            return await asyncio.wait_for(asyncio.shield(waiter.future), limit)
+            async with asyncio.timeout(limit):
+                return await asyncio.shield(waiter.future)
         except TimeoutError:
             if waiter.future.done() and not waiter.future.cancelled():
                 return waiter.future.result()

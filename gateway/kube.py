@@ -181,7 +181,8 @@ class KubernetesDiscovery:
         try:
             while True:
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(changed.wait(), KEY_REFRESH_SECONDS)
+                    async with asyncio.timeout(KEY_REFRESH_SECONDS):
+                        await changed.wait()
                 changed.clear()
                 if all(watched.synced.is_set() for watched in watches):
                     with lock:

@@ -140,7 +140,8 @@ class ServiceController:
                 self._failures += 1
                 delay = min(2.0**self._failures, MAX_BACKOFF_SECONDS)
             try:
-                await asyncio.wait_for(wakeup.wait(), timeout=delay)
+                async with asyncio.timeout(delay):
+                    await wakeup.wait()
                 # Changes come in bursts (a rollout touches many pods): take them in one pass.
                 await asyncio.sleep(0.1)
             except TimeoutError:

@@ -128,9 +128,13 @@ class WatchStream:
             for line in response:
                 if line.strip():
                     yield json.loads(line)
-        except (OSError, ValueError, http.client.HTTPException):
-            if not self._closed:
-                raise
+        except (OSError, ValueError, http.client.HTTPException) as error:
+            if self._closed:
+                return
+            if isinstance(error, http.client.HTTPException):
+                # A broken stream (a truncated chunk): the same to callers as a dropped connection.
+                raise ConnectionError(f"watch stream broken: {error!r}") from error
+            raise
         finally:
             self._connection.close()
 

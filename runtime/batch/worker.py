@@ -52,7 +52,8 @@ class BatchWorker:
                     logger.exception("batch %s failed", batch.id)
                     await asyncio.to_thread(self.store.finalize, batch, "failed")
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), _POLL_S)
+                async with asyncio.timeout(_POLL_S):
+                    await self._wake.wait()
 
     async def _advance(self, batch: Batch) -> None:
         """Take the batch as far as it goes now: run its lines, or finish it as it has ended."""

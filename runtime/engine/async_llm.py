@@ -155,7 +155,8 @@ class AsyncLLM:
         error that keeps it from ever serving."""
         if not self._loaded.is_set():
             try:
-                await asyncio.wait_for(self._loaded.wait(), timeout)
+                async with asyncio.timeout(timeout):
+                    await self._loaded.wait()
             except TimeoutError:
                 raise EngineNotReadyError(
                     "the model did not finish loading within the startup request timeout "

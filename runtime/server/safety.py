@@ -102,7 +102,8 @@ def _engine_guard_completion(config: GuardConfig, engine: AsyncLLM) -> GuardComp
             return "".join(pieces)
 
         try:
-            return await asyncio.wait_for(run(), config.timeout)
+            async with asyncio.timeout(config.timeout):
+                return await run()
         except (EngineError, TimeoutError) as exc:
             raise CheckerUnavailableError(f"this server's model could not judge: {exc!r}") from None
 
