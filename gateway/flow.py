@@ -7,6 +7,10 @@ zero holds its requests until a replica is ready. The wait is bounded by the hol
 deadline. A full queue sheds its newest request of the lowest tier for a more urgent arrival, and refuses an
 arrival that is no more urgent than everything queued.
 
+A request counts against a replica's cap only the requests in flight there that are at least as urgent as
+itself: the replica's scheduler preempts less urgent ones to run it, so holding a critical request behind
+batch work would only delay it.
+
 A LoRA adapter is a model of its own whose replicas are those of its base model that serve it. A replica is
 one object shared by every model routed to it, so its in-flight cap counts the requests of all of them, and a
 place it frees is offered to the queue of each of those models. An adapter's requests go first to the
@@ -102,14 +106,16 @@ class ModelPool:
         """A replica with one more request in flight on it; the caller must `release` it."""
         tried = frozenset(tried)
         if self._waiting == 0:
-            replica = self._choose(prompt_text, tried)
+            replica = self._choose(priority, prompt_text, tried)
             if replica is not None:
-                self._take(replica)
+                self._take(replica, priority)
                 return replica
         waiter = _Waiter(
             priority, next(self._sequence), prompt_text, tried, asyncio.get_running_loop().create_future()
         )
         self._admit(waiter)
+        # Those waiting may all be less urgent, with no room for them but room for this one.
+        self._dispatch()
         hold = self.config.hold_seconds
         limit = hold if deadline_seconds is None else min(hold, deadline_seconds)
         try:
@@ -123,7 +129,7 @@ class ModelPool:
         except asyncio.CancelledError:
             # The client left: a replica handed over meanwhile goes back.
             if waiter.future.done() and not waiter.future.cancelled() and waiter.future.exception() is None:
-                self.release(waiter.future.result())
+                self.release(waiter.future.result(), priority)
             raise
         finally:
             if not waiter.future.done():
@@ -131,8 +137,11 @@ class ModelPool:
                 self._set_waiting(self._waiting - 1)
                 self._compact()
 
-    def release(self, replica: Replica) -> None:
+    def release(self, replica: Replica, priority: int) -> None:
         replica.in_flight -= 1
+        replica.by_priority[priority] -= 1
+        if not replica.by_priority[priority]:
+            del replica.by_priority[priority]
         self._running[replica.url] -= 1
         if not self._running[replica.url]:
             del self._running[replica.url]
@@ -143,19 +152,20 @@ class ModelPool:
         if self._waiting:
             self._dispatch()
 
-    def _take(self, replica: Replica) -> None:
+    def _take(self, replica: Replica, priority: int) -> None:
         replica.in_flight += 1
+        replica.by_priority[priority] += 1
         self._running[replica.url] += 1
 
-    def _usable(self, tried: frozenset[str]) -> tuple[Replica, ...]:
-        cap = self.config.max_in_flight
-        return tuple(r for r in self.replicas if r.in_flight < cap and r.url not in tried)
+    def _usable(self, priority: int, tried: frozenset[str]) -> tuple[Replica, ...]:
+        return tuple(r for r in self.replicas if self._has_room(r, priority) and r.url not in tried)
 
-    def _choose(self, prompt_text: str, tried: frozenset[str]) -> Replica | None:
-        cap = self.config.max_in_flight
+    def _has_room(self, replica: Replica, priority: int) -> bool:
+        return replica.in_flight_before(priority) < self.config.max_in_flight
 
+    def _choose(self, priority: int, prompt_text: str, tried: frozenset[str]) -> Replica | None:
         def usable(replica: Replica) -> bool:
-            return replica.in_flight < cap and replica.url not in tried
+            return self._has_room(replica, priority) and replica.url not in tried
 
         if self.config.adapter_of is not None and self._running:
             bound = bounded_load(self.replicas, self.config.load_bound)
@@ -199,15 +209,15 @@ class ModelPool:
             if waiter.future.done():
                 heapq.heappop(self._heap)
                 continue
-            replica = self._choose(waiter.prompt_text, waiter.tried)
+            replica = self._choose(waiter.priority, waiter.prompt_text, waiter.tried)
             if replica is None:
-                if waiter.tried and self._usable(frozenset()):
+                if waiter.tried and self._usable(waiter.priority, frozenset()):
                     # Only replicas this request already failed on are free: the next waiter may take one.
                     parked.append(heapq.heappop(self._heap))
                     continue
                 break
             heapq.heappop(self._heap)
-            self._take(replica)
+            self._take(replica, waiter.priority)
             waiter.future.set_result(replica)
             self._set_waiting(self._waiting - 1)
         for waiter in parked:
@@ -221,7 +231,7 @@ class ModelPool:
 
     def _timed_out(self, priority: int, tried: frozenset[str], deadline_binding: bool) -> OpenAIError:
         name, tier = self.config.name, tier_of(priority)
-        if not self._usable(tried) and all(replica.url in tried for replica in self.replicas):
+        if not self._usable(priority, tried) and all(replica.url in tried for replica in self.replicas):
             self.metrics.rejected.labels(name, "unavailable", tier).inc()
             return ServiceUnavailableError(
                 f"no replica of model {name!r} could serve the request within {self.config.hold_seconds:g} s",

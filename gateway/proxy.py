@@ -196,7 +196,7 @@ class Gateway:
             try:
                 upstream = await self.session.post(f"{replica.url}{request.path}", data=body, headers=headers)
             except (aiohttp.ClientError, TimeoutError) as error:
-                pool.release(replica)
+                pool.release(replica, priority)
                 tried.append(replica.url)
                 self.metrics.retries.labels(model, "connection_error").inc()
                 logger.info(
@@ -204,7 +204,7 @@ class Gateway:
                 )
                 continue
             except BaseException:
-                pool.release(replica)  # the client left while the replica had not answered yet
+                pool.release(replica, priority)  # the client left while the replica had not answered yet
                 raise
             try:
                 self.metrics.upstream_latency.labels(model).observe(time.monotonic() - sent)
@@ -222,7 +222,7 @@ class Gateway:
                     upstream.release()
                 else:
                     upstream.close()
-                pool.release(replica)
+                pool.release(replica, priority)
         raise ServiceUnavailableError(
             f"every replica of model {model!r} tried ({self.max_attempts} attempts) failed before answering",
             code="upstream_unavailable",

@@ -9,12 +9,12 @@ pool decides that, the policy only picks among usable replicas.
   the prompt, so requests sharing a prefix land where that prefix is cached; a replica holding more than
   `load_bound` times the mean load (counting the new request) is passed over for the next one on the ring.
 - `cache-aware`: the replica whose prefix cache most likely holds the longest start of the prompt, within the
-  same load bound; with no such replica, the least loaded. Each replica's cache is modelled by the prompts
-  this gateway sent it, as chained hashes of fixed-size text chunks in a least-recently-used index of
-  CACHE_CHARS characters per replica, so prompts that only share a system prompt still meet where it is
-  cached, and prompts a replica must long have evicted stop attracting more. It is the approximate
-  prefix-cache scoring of llm-d's endpoint picker: a replica's real cache is not read, and each gateway
-  replica keeps its own index.
+  same load bound; with no such replica, the least loaded, then the one holding least. Each replica's cache
+  is modelled by the prompts this gateway sent it, as chained hashes of fixed-size text chunks in a
+  least-recently-used index of CACHE_CHARS characters per replica, so prompts that only share a system
+  prompt still meet where it is cached, and prompts a replica must long have evicted stop attracting more.
+  It is the approximate prefix-cache scoring of llm-d's endpoint picker: a replica's real cache is not read,
+  and each gateway replica keeps its own index.
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ from __future__ import annotations
 import bisect
 import hashlib
 import math
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
 PolicyName = Literal["round-robin", "least-request", "prefix-hash", "cache-aware"]
@@ -47,6 +47,13 @@ class Replica:
 
     url: str
     in_flight: int = 0
+    # The same requests by priority (smaller: more urgent).
+    by_priority: Counter[int] = field(default_factory=Counter)
+
+    def in_flight_before(self, priority: int) -> int:
+        """The requests in flight that are at least as urgent as `priority`: those the replica would not
+        preempt for a request of that priority."""
+        return sum(count for held, count in self.by_priority.items() if held <= priority)
 
 
 Usable = Callable[[Replica], bool]
@@ -147,8 +154,16 @@ class CacheAware:
         chunks = _chunk_hashes(prompt_text)
         capacity = bounded_load(replicas, self.load_bound)
         within = [replica for replica in candidates if replica.in_flight + 1 <= capacity] or candidates
-        # Longest cached start first; among equals (no match at all included), the least loaded.
-        chosen = max(within, key=lambda replica: (self._matched(replica.url, chunks), -replica.in_flight))
+        # Longest cached start first; among equals (no match at all included), the least loaded, then the one
+        # whose cache holds least, so that new prefixes spread over the fleet's caches.
+        chosen = max(
+            within,
+            key=lambda replica: (
+                self._matched(replica.url, chunks),
+                -replica.in_flight,
+                -len(self._cached.get(replica.url, ())),
+            ),
+        )
         self._remember(chosen.url, chunks)
         return chosen
 

@@ -42,15 +42,16 @@ async def queue(gateway: Gateway, url: str, tag: str, tier: str | None, **header
 
 @asynccontextmanager
 async def one_busy_replica(
-    **options: Any,
+    tier: str = "critical", **options: Any
 ) -> AsyncIterator[tuple[Gateway, str, FakeReplica, asyncio.Task[Any]]]:
-    """A gateway in front of one replica that takes one request at a time and holds the request "first"
-    until the test releases it: (gateway, its URL, the replica, the request in flight)."""
+    """A gateway in front of one replica that takes one request at a time and holds the request "first", of
+    `tier` (by default the most urgent, so that every other request waits), until the test releases it:
+    (gateway, its URL, the replica, the request in flight)."""
     async with (
         replicas(FakeReplica("r", gated=True)) as (replica,),
         running_gateway({"m": model("m", replica, max_in_flight=1)}, **options) as (gateway, _, url),
     ):
-        busy = asyncio.create_task(post(url, "first", None))
+        busy = asyncio.create_task(post(url, "first", tier))
         await wait_until(lambda: len(replica.received) == 1)
         yield gateway, url, replica, busy
 
@@ -72,6 +73,25 @@ def test_queued_requests_go_out_by_tier_then_in_arrival_order() -> None:
             assert [status for status, _, _ in results] == [200] * 6
             # A request without a tier is the service's default (standard), queued after s1.
             assert tags(replica) == ["first", "c1", "h1", "s1", "s2", "b1"]
+
+    asyncio.run(scenario())
+
+
+def test_a_more_urgent_request_is_not_held_behind_less_urgent_ones_in_flight() -> None:
+    # The replica preempts less urgent work to run it: the cap counts only requests at least as urgent.
+    async def scenario() -> None:
+        async with one_busy_replica("batch") as (gateway, url, replica, busy):
+            critical = asyncio.create_task(post(url, "c1", "critical"))
+            await wait_until(lambda: len(replica.received) == 2)
+            assert queued(gateway, "m") == 0
+            # One request of each is in flight: another batch one waits for both, another critical one for c1.
+            batch = await queue(gateway, url, "b2", "batch")
+            second_critical = await queue(gateway, url, "c2", "critical")
+            for _ in range(4):
+                replica.permits.release()
+            results = await asyncio.wait_for(asyncio.gather(busy, critical, batch, second_critical), WAIT_S)
+            assert [status for status, _, _ in results] == [200] * 4
+            assert tags(replica) == ["first", "c1", "c2", "b2"]
 
     asyncio.run(scenario())
 

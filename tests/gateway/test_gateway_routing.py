@@ -121,6 +121,14 @@ def test_cache_aware_follows_the_longest_cached_start_and_otherwise_the_load() -
     assert policy.choose(replicas_, _system_prompt(0), anyone) is not home
 
 
+def test_cache_aware_spreads_new_prefixes_over_the_caches_of_an_idle_fleet() -> None:
+    replicas_ = fleet(0, 0, 0)
+    policy = CacheAware()
+    # Nothing in flight anywhere: each new tenant goes where the cache holds least, not to the first replica.
+    homes = [policy.choose(replicas_, _system_prompt(tenant) + "a question", anyone) for tenant in range(6)]
+    assert sorted(replicas_.index(home) for home in homes if home is not None) == [0, 0, 1, 1, 2, 2]
+
+
 def test_cache_aware_forgets_least_recent_prompts_and_removed_replicas() -> None:
     replicas_ = fleet(0, 0)
     chunks_per_prompt = len(_system_prompt(0)) // CACHE_CHUNK_CHARS
