@@ -322,7 +322,7 @@ class _EngineStatsCollector(Collector):
         # kvfleet's own: vLLM has no counterparts.
         own_counters = {
             "kv_offload_blocks_offloaded": (
-                "KV blocks of preempted requests copied to the host tier.",
+                "KV blocks copied to the host tier (of preempted requests, and evicted prefix-cache blocks).",
                 stats.kv_offload_blocks_offloaded,
             ),
             "kv_offload_blocks_reloaded": (
@@ -336,6 +336,14 @@ class _EngineStatsCollector(Collector):
             "kv_offload_resumed_by_recompute": (
                 "Preempted requests that resumed by recompute.",
                 stats.kv_offload_resumed_by_recompute,
+            ),
+            "kv_offload_prefix_blocks_spilled": (
+                "Prefix-cache blocks evicted from the device and kept in the host tier.",
+                stats.kv_offload_prefix_blocks_spilled,
+            ),
+            "kv_offload_prefix_blocks_loaded": (
+                "Prefix-cache hits in the host tier, in blocks copied back to the device.",
+                stats.kv_offload_prefix_blocks_loaded,
             ),
             "structured_output_grammars_compiled": (
                 "Grammars compiled for structured outputs (cache hits are not compilations).",

@@ -6,7 +6,7 @@ finished request's prefix serves later requests for as long as memory allows (LR
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from kvfleet.runtime.core.kv_cache_utils import BlockHash
 
@@ -80,7 +80,14 @@ class FreeKVCacheBlockQueue:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, enable_caching: bool) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        enable_caching: bool,
+        on_evict: Callable[[int, BlockHash], None] | None = None,
+    ) -> None:
+        """`on_evict(block_id, block_hash)`: told of each cached block about to be reused, while its KV is
+        still intact (the host tier keeps a copy)."""
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -89,6 +96,7 @@ class BlockPool:
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
         # One block per hash: a second block computed with the same content is simply not registered.
         self.cached_block_hash_to_block: dict[BlockHash, KVCacheBlock] = {}
+        self._on_evict = on_evict
 
     def get_num_free_blocks(self) -> int:
         return self.free_block_queue.num_free_blocks
@@ -155,4 +163,6 @@ class BlockPool:
     def _evict(self, block: KVCacheBlock) -> None:
         assert block.block_hash is not None
         del self.cached_block_hash_to_block[block.block_hash]
+        if self._on_evict is not None:
+            self._on_evict(block.block_id, block.block_hash)
         block.block_hash = None

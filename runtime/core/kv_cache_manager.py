@@ -2,25 +2,31 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from kvfleet.runtime.core.block_pool import BlockPool, KVCacheBlock
-from kvfleet.runtime.core.kv_cache_utils import extend_block_hashes
+from kvfleet.runtime.core.kv_cache_utils import BlockHash, extend_block_hashes
 from kvfleet.runtime.request import Request
 
 
 class KVCacheManager:
     def __init__(
-        self, num_blocks: int, block_size: int, enable_caching: bool, sliding_window: int | None = None
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool,
+        sliding_window: int | None = None,
+        on_evict: Callable[[int, BlockHash], None] | None = None,
     ) -> None:
         """`sliding_window`: the model's attention window when every layer has one (the widest); a request's
-        blocks that fall wholly before it then go back to the pool as the request grows."""
+        blocks that fall wholly before it then go back to the pool as the request grows. `on_evict`: see
+        BlockPool."""
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.sliding_window = sliding_window
-        self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.block_pool = BlockPool(num_blocks, enable_caching, on_evict)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         # Kept alongside req_to_blocks so a step's block tables cost nothing to hand to the model runner.
         self.req_to_block_ids: dict[str, list[int]] = {}

@@ -103,9 +103,12 @@ class SchedulerStats:
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
     spec_decode_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
-    # The host-memory KV tier: blocks copied there and back, and the preempted requests that resumed from it
-    # or had to recompute.
+    # The host-memory KV tier: blocks copied there and back, the preempted requests that resumed from it or
+    # had to recompute, and the prefix-cache blocks evicted from the device into it and loaded back (its
+    # hits, as the prefix-cache hit and query counters are the device's).
     kv_offload_blocks_offloaded: int = 0
     kv_offload_blocks_reloaded: int = 0
     kv_offload_resumed_from_host: int = 0
     kv_offload_resumed_by_recompute: int = 0
+    kv_offload_prefix_blocks_spilled: int = 0
+    kv_offload_prefix_blocks_loaded: int = 0

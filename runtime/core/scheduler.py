@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable
 
 from kvfleet.runtime.core.host_kv_tier import HostKVTier
 from kvfleet.runtime.core.kv_cache_manager import KVCacheManager
+from kvfleet.runtime.core.kv_cache_utils import BlockHash
 from kvfleet.runtime.core.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput, SchedulerStats
 from kvfleet.runtime.core.request_queue import create_request_queue
 from kvfleet.runtime.request import FinishReason, Request, RequestStatus
@@ -85,11 +86,13 @@ class Scheduler:
         self.background_priority = background_priority
         self.clock = clock
         # The model's sliding window when every layer has one: blocks before it are freed as requests grow.
-        self.kv_cache_manager = KVCacheManager(
-            num_kv_blocks, block_size, enable_prefix_caching, sliding_window=sliding_window
-        )
-        # Where preempted requests' KV waits for them, instead of being recomputed; None without one.
+        # Where preempted requests' KV waits for them instead of being recomputed, and where evicted prefix
+        # blocks go; None without one.
         self.host_kv_tier = host_kv_tier
+        spill = host_kv_tier.spill if host_kv_tier is not None and enable_prefix_caching else None
+        self.kv_cache_manager = KVCacheManager(
+            num_kv_blocks, block_size, enable_prefix_caching, sliding_window=sliding_window, on_evict=spill
+        )
 
         # Every unfinished request, by id, and how many of them are not background.
         self.requests: dict[str, Request] = {}
@@ -147,7 +150,7 @@ class Scheduler:
                 finished_any = True
         if finished_any and status == RequestStatus.FINISHED_ERROR:
             # A failed step may have left blocks registered in the prefix cache but never written.
-            self.kv_cache_manager.reset_prefix_cache()
+            self.reset_prefix_cache()
 
     def has_unfinished_requests(self) -> bool:
         """Also true while a timed-out request's end is still to be reported by update_from_output(), so
@@ -159,6 +162,8 @@ class Scheduler:
 
     def reset_prefix_cache(self) -> None:
         self.kv_cache_manager.reset_prefix_cache()
+        if self.host_kv_tier is not None:
+            self.host_kv_tier.reset_prefixes()
 
     @property
     def stats(self) -> SchedulerStats:
@@ -188,6 +193,8 @@ class Scheduler:
             "kv_offload_blocks_reloaded": tier.blocks_reloaded,
             "kv_offload_resumed_from_host": tier.resumed_from_host,
             "kv_offload_resumed_by_recompute": tier.resumed_by_recompute,
+            "kv_offload_prefix_blocks_spilled": tier.prefix_blocks_spilled,
+            "kv_offload_prefix_blocks_loaded": tier.prefix_blocks_loaded,
         }
 
     # One step.
@@ -397,8 +404,16 @@ class Scheduler:
             )
             num_saved_tokens = min(num_saved_tokens, request.num_tokens - 1)
             num_reloaded = num_saved_tokens if num_saved_tokens > num_cached_tokens else 0
-            if num_reloaded:
+            resume_saved = num_reloaded > 0
+            host_prefix: list[BlockHash] = []
+            if resume_saved:
                 computed_blocks, num_cached_tokens = [], num_reloaded
+            else:
+                # The prefix may go on in the host tier, past the device's hits: those blocks are allocated
+                # like new ones and copied in before the step runs.
+                host_prefix = self._host_prefix(request, len(computed_blocks))
+                num_reloaded = len(host_prefix) * kv.block_size
+                num_cached_tokens += num_reloaded
             num_new_tokens = request.num_tokens - num_cached_tokens
             # Without chunked prefill a prompt runs whole or not at all: the background share cannot cut it.
             is_background = (
@@ -412,7 +427,12 @@ class Scheduler:
             if kv.allocate_slots(request, num_reloaded + num_new_tokens, computed_blocks) is None:
                 break
             if self.host_kv_tier is not None and request.num_preemptions:
-                self._resume_from_tier(request, reload=num_reloaded > 0)
+                self._resume_from_tier(request, reload=resume_saved)
+            if host_prefix:
+                assert self.host_kv_tier is not None
+                first = len(computed_blocks)
+                block_ids = kv.get_block_ids(request.request_id)[first : first + len(host_prefix)]
+                self.host_kv_tier.load_prefix(host_prefix, block_ids)
             waiting.pop()
             request.transition(_RUNNING)
             request.num_computed_tokens = num_cached_tokens
@@ -428,6 +448,15 @@ class Scheduler:
         for request in reversed(stepped_aside):
             waiting.prepend(request)
         return budget
+
+    def _host_prefix(self, request: Request, num_device_hits: int) -> list[BlockHash]:
+        """The hashes of the blocks the host tier holds right after the device's prefix hits (never the
+        block of the request's last token, which must run to give logits), claimed for this step."""
+        kv = self.kv_cache_manager
+        if self.host_kv_tier is None or not kv.enable_caching:
+            return []
+        hashes = request.block_hashes[num_device_hits : (request.num_tokens - 1) // kv.block_size]
+        return hashes[: self.host_kv_tier.claim_prefix(hashes)]
 
     def _resume_from_tier(self, request: Request, reload: bool) -> None:
         """Copy back the saved KV of a preempted request just given blocks, or count its recompute."""

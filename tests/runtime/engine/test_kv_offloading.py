@@ -36,7 +36,9 @@ def test_preempted_requests_resume_from_the_host_tier(make_model, without_tier) 
     assert tokens == reference_tokens
     assert stats.kv_offload_resumed_from_host == stats.num_preempted_total
     assert stats.kv_offload_resumed_by_recompute == 0
-    assert stats.kv_offload_blocks_reloaded == stats.kv_offload_blocks_offloaded > 0
+    # Every block saved for a preempted request came back (the others are evicted prefix blocks).
+    saved = stats.kv_offload_blocks_offloaded - stats.kv_offload_prefix_blocks_spilled
+    assert stats.kv_offload_blocks_reloaded - stats.kv_offload_prefix_blocks_loaded == saved > 0
     # Only the prompts are computed: nothing preempted is computed twice.
     assert stats.num_prefill_tokens_computed <= 0.5 * reference_stats.num_prefill_tokens_computed
 
@@ -46,7 +48,33 @@ def test_a_full_tier_drops_its_oldest_saves_which_are_recomputed(make_model, wit
     tokens, stats = _run(make_model("llama", "tiny"), 20 / 2**20)
     assert tokens == without_tier[0]
     assert stats.kv_offload_resumed_from_host > 0 and stats.kv_offload_resumed_by_recompute > 0
-    assert stats.kv_offload_blocks_reloaded < stats.kv_offload_blocks_offloaded
+    saved = stats.kv_offload_blocks_offloaded - stats.kv_offload_prefix_blocks_spilled
+    assert stats.kv_offload_blocks_reloaded - stats.kv_offload_prefix_blocks_loaded < saved
+
+
+def _conversations(model_dir: Path, kv_offloading_size: float | None) -> tuple[list[list[int]], object]:
+    """Eight conversations of three turns, each request carrying its whole history: together the histories
+    need several times the device cache, so each turn finds its history evicted from the device."""
+    rng = random.Random(7)
+    histories = [[rng.randrange(16, 1000) for _ in range(40)] for _ in range(8)]
+    llm = LLM(str(model_dir), kv_offloading_size=kv_offloading_size, **OPTIONS)
+    answers = []
+    for _ in range(3):
+        outputs = llm.generate(histories, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+        for history, output in zip(histories, outputs, strict=True):
+            answers.append(output.outputs[0].token_ids)
+            history += [*output.outputs[0].token_ids, *(rng.randrange(16, 1000) for _ in range(4))]
+    return answers, llm.llm_engine.stats
+
+
+def test_evicted_history_is_loaded_back_from_the_host_tier(make_model) -> None:
+    model_dir = make_model("llama", "tiny")
+    reference_tokens, reference_stats = _conversations(model_dir, None)
+    tokens, stats = _conversations(model_dir, 0.01)
+    assert tokens == reference_tokens
+    assert stats.kv_offload_prefix_blocks_spilled > 0 and stats.kv_offload_prefix_blocks_loaded > 0
+    # Turns 2 and 3 compute only what is new since the last turn; without the tier, most of each history.
+    assert stats.num_prefill_tokens_computed <= 0.6 * reference_stats.num_prefill_tokens_computed
 
 
 def test_a_tier_larger_than_the_host_memory_is_refused(make_model) -> None:
