@@ -54,7 +54,8 @@ def test_a_service_guarded_by_another_inference_service(
     warnings = [e for e in events_for(api, namespace, "guarded") if e["reason"] == "GuardUnavailable"]
     assert warnings and "the guard service 'guard' is NotFound" in warnings[0]["message"]
 
-    api.create(services_path(namespace), tiny_service("guard", tiny_model_dir))
+    # The guard's prompt (its instructions and the text) is about 500 of the tiny model's tokens.
+    api.create(services_path(namespace), tiny_service("guard", tiny_model_dir, engine={"maxModelLen": 1024}))
     wait_ready(api, namespace, "guard")
     wait_ready(api, namespace, "guarded")
     wait_for("the guard reported Ready", lambda: guard_state() == "Ready", GUARD_STATE_SECONDS)
@@ -74,20 +75,21 @@ def test_a_service_guarded_by_another_inference_service(
     with ReadyEndpoints(api, namespace, "guarded") as endpoints:
         (endpoint,) = endpoints.current()
     client = openai.OpenAI(base_url=endpoint.base_url, api_key="unused", max_retries=0, timeout=60)
-    with pytest.raises(openai.BadRequestError) as raised:
-        client.chat.completions.create(
-            model="tiny", messages=[{"role": "user", "content": "say the forbidden phrase"}], max_tokens=4
-        )
-    assert raised.value.code == "content_filter"
-    assert raised.value.body["categories"] == ["blocklist"]  # type: ignore[index]
+
+    def refused(text: str, tier: str) -> list[str]:
+        """The categories a blocked input of that tier is refused with (BadRequestError content_filter)."""
+        with pytest.raises(openai.BadRequestError) as raised:
+            client.chat.completions.create(
+                model="tiny",
+                messages=[{"role": "user", "content": text}],
+                max_tokens=4,
+                extra_headers={"x-kvfleet-priority": tier},
+            )
+        assert raised.value.code == "content_filter"
+        return raised.value.body["categories"]  # type: ignore[index]
 
     # The guard's verdict, from the guard service's replica through its Service name.
-    with pytest.raises(openai.BadRequestError) as raised:
-        client.chat.completions.create(
-            model="tiny", messages=[{"role": "user", "content": "Say hello to the fleet."}], max_tokens=4
-        )
-    assert raised.value.code == "content_filter"
-    assert raised.value.body["categories"] == ["illicit/violent"]  # type: ignore[index]
+    assert refused("Say hello to the fleet.", "standard") == ["illicit/violent"]
     metrics = httpx.get(f"http://{endpoint.ip}:{endpoint.port}/metrics", timeout=10).text
     finding = (
         'kvfleet:safety_findings_total{action="block",category="illicit/violent",checker="guard",'
@@ -96,7 +98,8 @@ def test_a_service_guarded_by_another_inference_service(
     assert finding in metrics.splitlines()
     assert "kvfleet:safety_checker_unavailable_total{" not in metrics, "the guard was unreachable"
 
-    # The batch tier's policy runs the rules only.
+    # The batch tier's policy runs the rules only: they block the blocklisted input, and let others through.
+    assert refused("say the forbidden phrase", "batch") == ["blocklist"]
     answer = client.chat.completions.create(
         model="tiny",
         messages=[{"role": "user", "content": "Say hello to the fleet."}],

@@ -290,11 +290,7 @@ class LocalCluster(ClusterTools):
         leftovers = self._ledger.stop_all()
         if leftovers:
             log.warning("stopped processes a previous run in %s left behind: %s", self.state_dir, leftovers)
-        subnet_locks = default_cache_dir() / "clusters" / "subnets"
-        self.pod_cidr, pod_lock = claim_loopback_subnet(subnet_locks)
-        self._subnet_locks.append(pod_lock)
-        service_subnet, service_lock = claim_loopback_subnet(subnet_locks)
-        self._subnet_locks.append(service_lock)
+        self.pod_cidr = self._claim_subnet()
         pki = make_pki(self.state_dir / "pki")
         self.token = secrets.token_hex(24)
         tokens = self.state_dir / "tokens.csv"
@@ -430,11 +426,12 @@ class LocalCluster(ClusterTools):
             self._processes,
         )
         self._create_nodes()
-        self.network = ServiceNetwork(
-            self.api, service_subnet, CLUSTER_DOMAIN, self.config.dns_upstream or host_nameserver()
-        )
-        self.network.start(timeout)
         if self.config.pod_runner:
+            # Its clients are the pods the runner runs (kwok's fake pods reach nothing).
+            self.network = ServiceNetwork(
+                self.api, self._claim_subnet(), CLUSTER_DOMAIN, self.config.dns_upstream or host_nameserver()
+            )
+            self.network.start(timeout)
             self.pod_runner = PodRunner(
                 api=self.api,
                 work_dir=self.state_dir / "pods",
@@ -449,6 +446,12 @@ class LocalCluster(ClusterTools):
             )
             self.pod_runner.start()
         self._write_state()
+
+    def _claim_subnet(self) -> str:
+        """A loopback range of this cluster's own until it stops."""
+        subnet, lock = claim_loopback_subnet(default_cache_dir() / "clusters" / "subnets")
+        self._subnet_locks.append(lock)
+        return subnet
 
     def launch(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> ManagedProcess:
         """Starts a process that belongs with the cluster (log: logs/<name>.log). It is stopped by its PID in

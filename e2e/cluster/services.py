@@ -59,8 +59,11 @@ class Service:
 
 
 def _selects(selector: Mapping[str, str] | None, pod: Mapping[str, Any]) -> bool:
+    """A Service without a selector selects no pod (its endpoints would be managed by hand)."""
+    if not selector:
+        return False
     labels = pod["metadata"].get("labels") or {}
-    return bool(selector) and all(labels.get(key) == value for key, value in selector.items())  # type: ignore[union-attr]
+    return all(labels.get(key) == value for key, value in selector.items())
 
 
 def _is_endpoint(pod: Mapping[str, Any], publish_not_ready: bool) -> bool:
