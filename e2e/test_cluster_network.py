@@ -143,11 +143,13 @@ def workloads(cluster: LocalCluster) -> Iterator[Workloads]:
             },
         }
         api.create(f"/apis/apps/v1/namespaces/{namespace}/statefulsets", statefulset)
-        for name in ("web-a", "web-b", "db-0"):
-            ready_pod(cluster, namespace, name)
-        client = ready_pod(cluster, namespace, "client")
-        yield Workloads(namespace, client["status"]["podIP"])
-        api.delete(f"/apis/apps/v1/namespaces/{namespace}/statefulsets/db")
+        try:
+            for name in ("web-a", "web-b", "db-0"):
+                ready_pod(cluster, namespace, name)
+            client = ready_pod(cluster, namespace, "client")
+            yield Workloads(namespace, client["status"]["podIP"])
+        finally:  # before the namespace's pods go, or it would make db-0 again
+            api.delete(f"/apis/apps/v1/namespaces/{namespace}/statefulsets/db")
 
 
 def _pod_ip(cluster: LocalCluster, namespace: str, name: str) -> str:
