@@ -41,8 +41,10 @@ class ServiceNetwork:
 
     def stop(self) -> None:
         """Stops answering, watching and relaying (each thread joined); safe to call more than once."""
-        if self._dns is not None:
-            self._dns.stop()
-            self._dns = None
-        self.services.stop()
-        self._proxy.stop()
+        try:
+            if self._dns is not None:
+                self._dns.stop()
+                self._dns = None
+            self.services.stop()
+        finally:
+            self._proxy.stop()

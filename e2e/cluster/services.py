@@ -13,6 +13,7 @@ from __future__ import annotations
 import ipaddress
 import logging
 import threading
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -244,13 +245,18 @@ class ServiceTable:
             if not watch.synced.wait(timeout):
                 raise TimeoutError(f"{watch.name}: no first list within {timeout:.0f}s")
 
-    def stop(self) -> None:
+    def stop(self, timeout: float = 10.0) -> None:
+        """Ends both watches and joins their threads; raises if one is still alive after `timeout`."""
         self._stopping.set()
+        deadline = time.monotonic() + timeout
         for watch in self._watches:
-            watch.close()
-        for watch in self._watches:
-            if watch.is_alive():
-                watch.join(timeout=10)
+            # Closed again until it ends: a close can come before the watch's connection is made.
+            while watch.is_alive() and time.monotonic() < deadline:
+                watch.close()
+                watch.join(timeout=0.1)
+        alive = [watch.name for watch in self._watches if watch.is_alive()]
+        if alive:
+            raise RuntimeError(f"watches did not stop: {alive}")
 
     def get(self, namespace: str, name: str) -> Service | None:
         return self._services.get((namespace, name))
