@@ -91,7 +91,9 @@ def cluster(
     assert not leftovers, f"threads left running: {leftovers}"
     for kind in (socket.SOCK_DGRAM, socket.SOCK_STREAM):
         with socket.socket(type=kind) as probe:
-            probe.bind((dns_address, 53))  # fails if the DNS server still held the port
+            if kind == socket.SOCK_STREAM:  # past the TIME_WAIT of the TCP queries, as a listener binds
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind((dns_address, 53))  # fails while the DNS server holds the port
 
 
 @dataclass(frozen=True)
@@ -157,7 +159,7 @@ def _pod_ip(cluster: LocalCluster, namespace: str, name: str) -> str:
 
 
 def _from_pod(pod_ip: str, path: str, **query: str) -> dict[str, Any]:
-    return http_json(f"http://{pod_ip}:{PORT}{path}?{urllib.parse.urlencode(query)}")
+    return http_json(f"http://{pod_ip}:{PORT}{path}" + (f"?{urllib.parse.urlencode(query)}" if query else ""))
 
 
 def _resolved(pod_ip: str, name: str) -> list[str] | None:
