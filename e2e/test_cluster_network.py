@@ -36,7 +36,7 @@ OUTSIDE_ADDRESS = "192.0.2.7"
 SERVICE_PORT = 80
 
 
-class OneNameResolver(BaseResolver):  # type: ignore[misc]
+class OneNameResolver(BaseResolver):
     """The upstream: OUTSIDE_NAME's address, NXDOMAIN for anything else."""
 
     def resolve(self, request: DNSRecord, handler: Any) -> DNSRecord:

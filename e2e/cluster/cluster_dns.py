@@ -38,7 +38,7 @@ def host_nameserver(resolv_conf: Path = Path("/etc/resolv.conf")) -> tuple[str, 
     raise RuntimeError(f"{resolv_conf} names no nameserver to forward names outside the cluster to")
 
 
-class ClusterResolver(BaseResolver):  # type: ignore[misc]
+class ClusterResolver(BaseResolver):
     def __init__(self, services: ServiceTable, domain: str, upstream: tuple[str, int]) -> None:
         self._services = services
         self._domain = tuple(domain.split("."))
@@ -86,7 +86,7 @@ class ClusterResolver(BaseResolver):  # type: ignore[misc]
             return reply
 
 
-class _ErrorsToLog(DNSLogger):  # type: ignore[misc]
+class _ErrorsToLog(DNSLogger):
     """dnslib's logger prints to stdout; only malformed queries are worth a line, in the cluster's log."""
 
     def __init__(self) -> None:

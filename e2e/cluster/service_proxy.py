@@ -131,9 +131,8 @@ class ServiceProxy:
         for offset in range(len(targets)):
             ip, target_port = targets[(first + offset) % len(targets)]
             try:
-                return await asyncio.wait_for(
-                    asyncio.open_connection(ip, target_port), CONNECT_TIMEOUT_SECONDS
-                )
+                async with asyncio.timeout(CONNECT_TIMEOUT_SECONDS):
+                    return await asyncio.open_connection(ip, target_port)
             except (OSError, TimeoutError) as error:
                 log.info(
                     "service %s/%s: endpoint %s:%d failed: %s",

@@ -120,8 +120,8 @@ def is_headless(service: Mapping[str, Any]) -> bool:
 
 
 class LoopbackAddresses:
-    """The Service addresses of a loopback range, one per Service (by uid), lowest free first; `reserved`
-    are never handed out."""
+    """The Service addresses of a loopback range, one per Service (by uid): a released one is handed out
+    again before a new one; `reserved` are never handed out."""
 
     def __init__(self, subnet: str, reserved: frozenset[str]) -> None:
         self._hosts = ipaddress.ip_network(subnet).hosts()
@@ -295,16 +295,17 @@ class ServiceTable:
 
     def _refresh(self, key: ObjectKey) -> None:
         service = self._service_objects[key]
-        supported = service["spec"].get("type", "ClusterIP") != "ExternalName"
+        # An ExternalName Service (a CNAME to a name elsewhere) is not served: no address, no endpoints.
+        external = service["spec"].get("type") == "ExternalName"
         address = None
-        if supported and not is_headless(service):
+        if not external and not is_headless(service):
             address = self._addresses.address(service["metadata"]["uid"])
         entry = Service(
             namespace=key[0],
             name=key[1],
             address=address,
             ports=service_ports(service["spec"]),
-            endpoints=endpoints_of(service, self._pods.get(key[0], {})) if supported else (),
+            endpoints=() if external else endpoints_of(service, self._pods.get(key[0], {})),
         )
         if self._services.get(key) != entry:
             self._publish(key, entry)
