@@ -5,7 +5,8 @@
 
 etcd, kube-apiserver (token auth, RBAC), kube-controller-manager and kube-scheduler run as local processes
 from the binaries build.sh made; kwok plays the kubelets of N fake nodes that advertise nvidia.com/gpu. Every
-process is stopped by its PID when the context exits, including after a failed start.
+process is stopped by its PID when the context exits, including after a failed start. A cluster DNS server
+and a Service proxy (service_network.py) give pods Service names and routing.
 """
 
 from __future__ import annotations
@@ -31,12 +32,14 @@ from typing import IO, Any
 import yaml
 
 from .binaries import ensure_binaries
+from .cluster_dns import CLUSTER_DOMAIN, host_nameserver
 from .fake_nodes import KWOK_NODE_SELECTOR, NodeShape, fake_node, fake_node_names
 from .kube_api import ApiError, KubeAPI, write_kubeconfig
 from .kwok_stages import kwok_stages
 from .pki import make_pki
 from .pod_runner import DEFAULT_IMAGE_PATTERN, PodRunner
 from .processes import Ledger, ManagedProcess, start_process, tail
+from .service_network import ServiceNetwork
 
 log = logging.getLogger("kvfleet.e2e.cluster")
 
@@ -68,6 +71,9 @@ class ClusterConfig:
     kube_api_qps: int = 100
     kube_api_burst: int = 200
     start_timeout: float = 120.0
+    # The nameserver (address, port) the cluster DNS forwards names outside the cluster to; None: the host's
+    # own, from /etc/resolv.conf.
+    dns_upstream: tuple[str, int] | None = None
 
     def __post_init__(self) -> None:
         fake_node_names(self.nodes)  # validates the count
@@ -79,10 +85,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def claim_pod_subnet(lock_dir: Path) -> tuple[str, IO[str]]:
+def claim_loopback_subnet(lock_dir: Path) -> tuple[str, IO[str]]:
     """A 127.N.0.0/16 range no other local cluster on this machine uses, held by a lock until released.
 
-    Pods bind their server to their own IP, so two clusters handing out the same IPs would collide.
+    Pods bind their server to their own IP, and Service addresses are listened on, so two clusters handing
+    out the same addresses would collide.
     """
     lock_dir.mkdir(parents=True, exist_ok=True)
     for second_octet in range(1, 255):
@@ -195,11 +202,12 @@ class LocalCluster(ClusterTools):
         self.token = ""
         self.server = ""
         self.pod_cidr = ""
+        self.network: ServiceNetwork | None = None
         self.ca_cert = self.state_dir / "pki" / "ca.crt"
         self.pod_runner: PodRunner | None = None
         self._ledger = Ledger(self.state_dir / "processes.json")
         self._processes: list[ManagedProcess] = []
-        self._subnet_lock: IO[str] | None = None
+        self._subnet_locks: list[IO[str]] = []
         self._api: KubeAPI | None = None
 
     # -- public interface -------------------------------------------------------------------------------
@@ -252,6 +260,12 @@ class LocalCluster(ClusterTools):
             except Exception as error:
                 errors.append(f"pod runner: {error}")
             self.pod_runner = None
+        if self.network is not None:
+            try:
+                self.network.stop()
+            except Exception as error:
+                errors.append(f"service network: {error}")
+            self.network = None
         while self._processes:
             process = self._processes.pop()
             try:
@@ -262,9 +276,8 @@ class LocalCluster(ClusterTools):
         if leftovers:
             errors.append(f"stopped leftover processes: {', '.join(leftovers)}")
         shutil.rmtree(self.state_dir / "etcd-data", ignore_errors=True)
-        if self._subnet_lock is not None:
-            self._subnet_lock.close()
-            self._subnet_lock = None
+        while self._subnet_locks:
+            self._subnet_locks.pop().close()
         self._api = None
         if errors:
             raise RuntimeError("stopping the local cluster: " + "; ".join(errors))
@@ -277,7 +290,7 @@ class LocalCluster(ClusterTools):
         leftovers = self._ledger.stop_all()
         if leftovers:
             log.warning("stopped processes a previous run in %s left behind: %s", self.state_dir, leftovers)
-        self.pod_cidr, self._subnet_lock = claim_pod_subnet(default_cache_dir() / "clusters" / "subnets")
+        self.pod_cidr = self._claim_subnet()
         pki = make_pki(self.state_dir / "pki")
         self.token = secrets.token_hex(24)
         tokens = self.state_dir / "tokens.csv"
@@ -414,6 +427,11 @@ class LocalCluster(ClusterTools):
         )
         self._create_nodes()
         if self.config.pod_runner:
+            # Its clients are the pods the runner runs (kwok's fake pods reach nothing).
+            self.network = ServiceNetwork(
+                self.api, self._claim_subnet(), CLUSTER_DOMAIN, self.config.dns_upstream or host_nameserver()
+            )
+            self.network.start(timeout)
             self.pod_runner = PodRunner(
                 api=self.api,
                 work_dir=self.state_dir / "pods",
@@ -424,9 +442,16 @@ class LocalCluster(ClusterTools):
                 ledger=self._ledger,
                 programs=self._runner_programs,
                 container_images=self.config.container_images,
+                dns=self.network.pod_dns,
             )
             self.pod_runner.start()
         self._write_state()
+
+    def _claim_subnet(self) -> str:
+        """A loopback range of this cluster's own until it stops."""
+        subnet, lock = claim_loopback_subnet(default_cache_dir() / "clusters" / "subnets")
+        self._subnet_locks.append(lock)
+        return subnet
 
     def launch(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> ManagedProcess:
         """Starts a process that belongs with the cluster (log: logs/<name>.log). It is stopped by its PID in
@@ -459,6 +484,7 @@ class LocalCluster(ClusterTools):
             "server": self.server,
             "kubeconfig": str(self.kubeconfig),
             "pod_cidr": self.pod_cidr,
+            "cluster_dns": self.network.dns_address if self.network else None,
             "bin_dir": str(self.bin_dir),
             "pids": {process.name: process.pid for process in self._processes},
         }
@@ -471,6 +497,7 @@ def describe(cluster: LocalCluster) -> dict[str, Any]:
         "kubeconfig": str(cluster.kubeconfig),
         "server": cluster.server,
         "pod_cidr": cluster.pod_cidr,
+        "cluster_dns": cluster.network.dns_address if cluster.network else None,
         "logs": str(cluster.log_dir),
         "binaries": str(cluster.bin_dir),
     }

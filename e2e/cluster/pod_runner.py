@@ -31,6 +31,7 @@ from images.build import podman, run_limits
 
 from .kube_api import ApiError, KubeAPI, WatchStream, pods_path, write_kubeconfig
 from .pod_container import container_command, image_config, podman_run_options
+from .pod_dns import PodDNS
 from .pod_spec import (
     DEFAULT_IMAGE_PATTERN,
     ContainerConfigError,
@@ -246,6 +247,8 @@ class PodWorker(threading.Thread):
         }
         config = image_config(image)
         options = podman_run_options(pod_spec, spec, env, volumes, config.get("User", ""))
+        if self.runner.dns is not None and self.runner.dns.applies(self.pod):
+            options += self.runner.dns.podman_options(self.pod)
         entrypoint, args = container_command(spec, env, self.pod_ip, config.get("Entrypoint") or [])
         container.podman_name = f"kvfleet-pod-{self.uid[:13]}-{container.name}"
         # The labels a kubelet's container runtime puts on a pod's containers.
@@ -272,6 +275,8 @@ class PodWorker(threading.Thread):
         argv = container_argv(spec, env, self.runner.programs)
         argv = [argv[0], *(host_path(part, mounts) for part in argv[1:])]
         container.argv = bind_to_pod_ip(argv, self.pod_ip)
+        if self.runner.dns is not None and self.runner.dns.applies(self.pod):
+            container.argv = self.runner.dns.process_argv(self.pod, self.dir, container.argv)
         base = {
             "PATH": f"{Path(self.runner.programs['kvfleet']).parent}{os.pathsep}{SYSTEM_PATH}",
             "HOME": str(self.runner.work_dir / "home"),
@@ -545,6 +550,7 @@ class PodRunner:
         ledger: Ledger | None = None,
         programs: Mapping[str, str] | None = None,
         container_images: Mapping[str, str] | None = None,
+        dns: PodDNS | None = None,
     ) -> None:
         self.api = api
         self.work_dir = work_dir
@@ -557,6 +563,8 @@ class PodRunner:
         self.programs = {"kvfleet": default_kvfleet_executable(), **(programs or {})}
         # Pod images whose containers run from a local image with podman: pod image -> local image.
         self.container_images = dict(container_images or {})
+        # The cluster DNS that pods' resolvers are pointed at; None: pods use the host's resolver.
+        self.dns = dns
         self._workers: dict[str, PodWorker] = {}
         self._finished: set[str] = set()
         self._lock = threading.Lock()

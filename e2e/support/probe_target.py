@@ -1,7 +1,10 @@
 """A small HTTP server the pod runner's own tests run in pods, in place of `kvfleet serve`.
 
 It lets a test steer what a kubelet would see (readiness delay, readiness flips, crashes, slow drains) and
-read back what the process was given (argv, environment, its view of the API with the pod's account).
+read back what the process was given (argv, environment, hostname, its view of the API with the pod's
+account) and what it sees of the cluster's network: a name resolved, a URL fetched, from inside the pod. A
+stream of server-sent events holds back its last event until released, to show a proxy passes each event
+on as it comes.
 
     probe_target.py --host H --port P [--ready-after S] [--exit-after S --exit-code N] [--drain-seconds S]
 """
@@ -13,12 +16,14 @@ import base64
 import json
 import os
 import signal
+import socket
 import ssl
 import sys
 import tempfile
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -31,6 +36,7 @@ class State:
         self.ready_at = time.monotonic() + ready_after
         self.forced_unready = False
         self.draining = False
+        self.stream_released = threading.Event()
 
 
 def api_status(path: str) -> int:
@@ -53,6 +59,26 @@ def api_status(path: str) -> int:
         return error.code
 
 
+def resolve(name: str) -> dict[str, Any]:
+    """The IPv4 addresses the pod's resolver gives for name, or why it gave none."""
+    try:
+        found = socket.getaddrinfo(name, None, socket.AF_INET, socket.SOCK_STREAM)
+    except socket.gaierror as error:
+        return {"error": str(error)}
+    return {"addresses": sorted({entry[4][0] for entry in found})}
+
+
+def fetch(url: str) -> dict[str, Any]:
+    """GET url from inside the pod: its status and body, or why it failed."""
+    try:
+        with urllib.request.urlopen(url, timeout=10) as response:
+            return {"status": response.status, "body": response.read().decode()}
+    except urllib.error.HTTPError as error:
+        return {"status": error.code, "body": error.read().decode()}
+    except OSError as error:
+        return {"error": str(error)}
+
+
 def make_handler(state: State) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         def _reply(self, code: int, body: Any) -> None:
@@ -63,16 +89,43 @@ def make_handler(state: State) -> type[BaseHTTPRequestHandler]:
             self.end_headers()
             self.wfile.write(data)
 
+        def _stream(self) -> None:
+            """Two server-sent events; the second only after POST /release-stream."""
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            self.wfile.write(b"data: first\n\n")
+            self.wfile.flush()
+            state.stream_released.wait()
+            self.wfile.write(b"data: second\n\n")
+            self.wfile.flush()
+            self.close_connection = True
+
         def do_GET(self) -> None:
+            url = urllib.parse.urlsplit(self.path)
+            query = dict(urllib.parse.parse_qsl(url.query))
             if self.path == "/health":
                 self._reply(200, {"status": "ok"})
             elif self.path == "/ready":
                 ready = time.monotonic() >= state.ready_at and not state.forced_unready and not state.draining
                 self._reply(200 if ready else 503, {"ready": ready})
             elif self.path == "/info":
-                self._reply(
-                    200, {"argv": sys.argv, "env": dict(os.environ), "cwd": os.getcwd(), "pid": os.getpid()}
-                )
+                info = {
+                    "argv": sys.argv,
+                    "env": dict(os.environ),
+                    "cwd": os.getcwd(),
+                    "pid": os.getpid(),
+                    "hostname": socket.gethostname(),
+                }
+                self._reply(200, info)
+            elif url.path in ("/resolve", "/fetch") and len(query) != 1:
+                self._reply(400, {"error": "give exactly one of ?name= (resolve) or ?url= (fetch)"})
+            elif url.path == "/resolve":
+                self._reply(200, resolve(query["name"]))
+            elif url.path == "/fetch":
+                self._reply(200, fetch(query["url"]))
+            elif self.path == "/stream":
+                self._stream()
             elif self.path.startswith("/api-status"):
                 self._reply(200, {"status": api_status(self.path[len("/api-status") :])})
             else:
@@ -82,6 +135,9 @@ def make_handler(state: State) -> type[BaseHTTPRequestHandler]:
             if self.path in ("/unready", "/ready"):
                 state.forced_unready = self.path == "/unready"
                 self._reply(200, {"forced_unready": state.forced_unready})
+            elif self.path == "/release-stream":
+                state.stream_released.set()
+                self._reply(200, {"released": True})
             else:
                 self._reply(404, {"error": "not found"})
 
