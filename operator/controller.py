@@ -178,7 +178,7 @@ class ServiceController:
             return IDLE_PASS_SECONDS
 
         # For a model that spans nodes, the workload is the groups, read as a Deployment of groups.
-        deployment = _workload(spec, observed)
+        deployment = _workload(spec, observed, applied=self._applied is not None)
         if self.desired is None:
             known = deployment.replicas if deployment else previous_status.get("desiredReplicas")
             # A new service starts with a replica even when it may scale to zero: it proves the model loads.
@@ -472,16 +472,17 @@ class ServiceController:
         self._warned.pop(reason, None)
 
 
-def _workload(spec: InferenceServiceSpec, observed: Observed) -> DeploymentView | None:
+def _workload(spec: InferenceServiceSpec, observed: Observed, applied: bool) -> DeploymentView | None:
     """The service's workload as a Deployment of replicas: the Deployment itself, the LeaderWorkerSet, or
-    the group StatefulSets summed up (a group counts as ready when every rank is)."""
+    the group StatefulSets summed up (a group counts as ready when every rank is). `applied`: whether this
+    loop applied the children, after which no StatefulSet means zero groups rather than none created yet."""
     if not spec.grouped:
         return observed.deployment
     if spec.scaling.group_backend == "leaderworkerset":
         return observed.leader_worker_set
     groups = [view for view in observed.stateful_sets if view.group is not None]
     if not groups:
-        return None
+        return DeploymentView(1, 1, 0, 0, 0, 0, 0) if applied else None
     ready = sum(1 for view in groups if view.ready_replicas >= view.replicas)
     seen = all(view.observed_generation >= view.generation for view in groups)
     return DeploymentView(

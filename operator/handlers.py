@@ -178,10 +178,15 @@ async def fleet_loop(
         return None if depths is None else depths.get(model, 0.0)
 
     def guard_state(service: str) -> GuardState:
-        views = kvfleet_deployments.get((namespace, service), [])
-        if not views:
+        guard = (namespace, service)
+        views = [*kvfleet_deployments.get(guard, []), *kvfleet_leader_worker_sets.get(guard, [])]
+        groups = list(kvfleet_stateful_sets.get(guard, []))
+        if not views and not groups:
             return GuardState.NOT_FOUND
-        return GuardState.READY if any(view.ready_replicas > 0 for view in views) else GuardState.UNAVAILABLE
+        serving = any(view.ready_replicas > 0 for view in views) or any(
+            group.ready_replicas >= group.replicas for group in groups
+        )
+        return GuardState.READY if serving else GuardState.UNAVAILABLE
 
     controller = ServiceController(
         owner=Owner(name, namespace, uid),

@@ -639,3 +639,13 @@ def test_a_group_that_serves_nothing_restarts_at_once() -> None:
         None, pods, (group_set(0, updated=0, revision="r2"), group_set(1, 1, updated=0, revision="r2"))
     )
     assert harness.cluster.deleted_pods == [{SERVICE_LABEL: "svc", GROUP_LABEL: "1"}]
+
+
+def test_groups_suspended_at_zero_are_scaled_to_zero_not_pending() -> None:
+    harness = Harness(grouped_service(replicas=0))
+    harness.run()
+    harness.run()
+    assert not [m for m in harness.cluster.applied if m["kind"] == "StatefulSet"]
+    ready = next(c for c in harness.cluster.statuses[-1]["conditions"] if c["type"] == "Ready")
+    assert (ready["status"], ready["reason"]) == ("False", "ScaledToZero")
+    assert harness.cluster.statuses[-1]["groups"] == []
