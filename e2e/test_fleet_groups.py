@@ -1,6 +1,6 @@
 """A model split over nodes on a real control plane: tensor parallel 2 with one GPU per node forms a group of
-two pods (a StatefulSet), the service reports its ranks ready, and a rank's pod deleted is replaced while the
-group recovers.
+two pods (a StatefulSet), the service reports its ranks ready, a rank's pod deleted is replaced while the
+group recovers, and a new template restarts the group's pods together.
 
 The pods are kwok's (no process runs): what is tested is what Kubernetes and the operator do with the group,
 not the runtime's collectives.
@@ -11,9 +11,10 @@ from __future__ import annotations
 from typing import Any
 
 from e2e.cluster import GPU_RESOURCE, LocalCluster
+from e2e.cluster.kube_api import MERGE_PATCH
 from e2e.fleet.chart import OperatorRelease
 from e2e.fleet.manifests import SERVICE_LABEL, fake_gpu_service, services_path
-from e2e.fleet.observe import service_pods, wait_ready
+from e2e.fleet.observe import events_for, service_pods, wait_ready
 from e2e.support.waits import condition, wait_for
 
 POD_INDEX_LABEL = "apps.kubernetes.io/pod-index"
@@ -96,3 +97,32 @@ def test_tensor_parallel_over_two_nodes_forms_a_group_that_recovers_a_lost_rank(
     wait_for("the lost rank's pod to be replaced", replaced, 60)
     service = wait_for("the group whole again", lambda: groups_whole(api, namespace, "split"), 60)
     assert service["status"]["readyReplicas"] == 1
+
+    # A new template: the StatefulSet waits (OnDelete) and the operator deletes both ranks' pods together.
+    old = {pod["metadata"]["uid"] for pod in live_pods(api, namespace, "split")}
+    old_revision = api.get(statefulset_path(namespace, "split-0"))["status"]["updateRevision"]
+    patch = {"spec": {"engine": {"maxNumSeqs": 8}}}
+    api.patch(services_path(namespace, "split"), patch, content_type=MERGE_PATCH)
+
+    def restarted() -> list[dict[str, Any]] | None:
+        revision = api.get(statefulset_path(namespace, "split-0"))["status"].get("updateRevision")
+        pods = live_pods(api, namespace, "split")
+        fresh = [
+            pod
+            for pod in pods
+            if pod["metadata"]["uid"] not in old
+            and pod["metadata"]["labels"].get("controller-revision-hash") == revision
+        ]
+        return fresh if revision != old_revision and len(fresh) == 2 else None
+
+    for pod in wait_for("both ranks restarted on the new template", restarted, 60):
+        args = pod["spec"]["containers"][0]["args"]
+        assert args[args.index("--max-num-seqs") + 1] == "8"
+    wait_for("the group whole on the new template", lambda: groups_whole(api, namespace, "split"), 60)
+
+    def restart_events() -> list[str] | None:
+        events = events_for(api, namespace, "split")
+        return [event["message"] for event in events if event["reason"] == "GroupRestarted"] or None
+
+    restarts = wait_for("the GroupRestarted event", restart_events, 30)
+    assert restarts == ["Restarting group split-0 on the current template"], "one restart per template"
