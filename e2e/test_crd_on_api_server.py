@@ -107,7 +107,24 @@ INVALID: list[tuple[str, dict[str, Any], list[str]]] = [
     (
         "fewer-gpus-than-tensor-parallel",
         {**VALID_SPEC, "engine": {"tensorParallelSize": 2}, "resources": {"gpus": 1}},
-        [IS_INVALID, "resources.gpus must be at least engine.tensorParallelSize"],
+        [IS_INVALID, "resources.gpus must be at least engine.tensorParallelSize × pipelineParallelSize"],
+    ),
+    (
+        "ranks-not-a-multiple-of-gpus-per-node",
+        {**VALID_SPEC, "engine": {"tensorParallelSize": 3}, "resources": {"gpusPerNode": 2}},
+        [
+            IS_INVALID,
+            "engine.tensorParallelSize × pipelineParallelSize must be a multiple of resources.gpusPerNode",
+        ],
+    ),
+    (
+        "group-pod-gpus-other-than-gpus-per-node",
+        {
+            **VALID_SPEC,
+            "engine": {"tensorParallelSize": 2, "pipelineParallelSize": 2},
+            "resources": {"gpusPerNode": 2, "gpus": 4},
+        },
+        [IS_INVALID, "resources.gpus must equal resources.gpusPerNode when the model spans nodes"],
     ),
     (
         "panic-window-over-stable-window",

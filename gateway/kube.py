@@ -25,7 +25,15 @@ from typing import Any
 from kubernetes import client, watch
 from kubernetes.client.exceptions import ApiException
 from kvfleet.gateway.discovery import ClientKey, ModelConfig, Publish
-from kvfleet.operator.api import API_KEY_ENV, GROUP, HTTP_PORT_NAME, PLURAL, SERVICE_LABEL, VERSION
+from kvfleet.operator.api import (
+    API_KEY_ENV,
+    GROUP,
+    HTTP_PORT_NAME,
+    PLURAL,
+    SERVICE_LABEL,
+    VERSION,
+    serves_api,
+)
 from kvfleet.operator.spec import SpecError, parse_spec
 from kvfleet.runtime.server.priorities import TIERS
 
@@ -55,9 +63,11 @@ def model_configs(
     endpoints: dict[ObjectKey, list[str]] = {}
     for pod in pods:
         meta = pod.get("metadata") or {}
-        service = (meta.get("labels") or {}).get(SERVICE_LABEL)
+        labels = meta.get("labels") or {}
+        service = labels.get(SERVICE_LABEL)
         url = _ready_url(pod)
-        if service is not None and url is not None:
+        # Of a group spanning nodes, only rank 0 serves the API.
+        if service is not None and url is not None and serves_api(labels):
             endpoints.setdefault((meta.get("namespace", ""), service), []).append(url)
     models: dict[str, ModelConfig] = {}
     owners: dict[str, ObjectKey] = {}

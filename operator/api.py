@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 GROUP = "kvfleet.dev"
 VERSION = "v1alpha1"
 API_VERSION = f"{GROUP}/{VERSION}"
@@ -28,3 +30,35 @@ HTTP_PORT_NAME = "http"
 API_KEY_ENV = "KVFLEET_API_KEY"
 # ...or from this flag, which beats the variable: a spec may pass neither itself.
 API_KEY_FLAG = "--api-key"
+
+# A replica split over several nodes is a group of pods, one per node rank. The StatefulSet of a group labels
+# its pods with their ordinal, which is the rank; a LeaderWorkerSet labels its pods with their worker index.
+# Only rank 0 serves the OpenAI API; the others answer GET /health alone.
+GROUP_LABEL = f"{GROUP}/group"
+POD_INDEX_LABEL = "apps.kubernetes.io/pod-index"
+LWS_GROUP_INDEX_LABEL = "leaderworkerset.sigs.k8s.io/group-index"
+LWS_WORKER_INDEX_LABEL = "leaderworkerset.sigs.k8s.io/worker-index"
+# The port the ranks of a group meet on (torch.distributed's TCP store on rank 0).
+RENDEZVOUS_PORT = 29500
+
+
+def node_rank(labels: Mapping[str, str]) -> int | None:
+    """The rank of a group's pod from its labels; None for a pod that is a whole replica by itself."""
+    if GROUP_LABEL in labels:
+        value = labels.get(POD_INDEX_LABEL)
+    elif LWS_GROUP_INDEX_LABEL in labels:
+        value = labels.get(LWS_WORKER_INDEX_LABEL)
+    else:
+        return None
+    return int(value) if value is not None and value.isdigit() else None
+
+
+def group_index(labels: Mapping[str, str]) -> int | None:
+    """Which replica group a pod belongs to; None outside groups."""
+    value = labels.get(GROUP_LABEL, labels.get(LWS_GROUP_INDEX_LABEL))
+    return int(value) if value is not None and value.isdigit() else None
+
+
+def serves_api(labels: Mapping[str, str]) -> bool:
+    """Whether the pod serves requests: a whole replica, or rank 0 of a group."""
+    return node_rank(labels) in (None, 0)

@@ -23,6 +23,8 @@ logger = logging.getLogger(__name__)
 CAPABILITY_REFRESH_SECONDS = 300.0
 
 ServiceKey = tuple[str, str]
+# The children that create pods: applied before the others.
+WORKLOAD_KINDS = frozenset({"Deployment", "StatefulSet", "LeaderWorkerSet"})
 
 
 class AsyncCluster:
@@ -33,8 +35,17 @@ class AsyncCluster:
         self._dispatcher = dispatcher
 
     async def apply(self, manifest: Mapping[str, Any]) -> None:
-        urgency = Urgency.DEPLOYMENT if manifest["kind"] == "Deployment" else Urgency.CHILD
+        urgency = Urgency.DEPLOYMENT if manifest["kind"] in WORKLOAD_KINDS else Urgency.CHILD
         await self._dispatcher.call(urgency, functools.partial(self._kube.apply, manifest))
+
+    async def delete(self, api_version: str, kind: str, namespace: str, name: str) -> None:
+        delete = functools.partial(self._kube.delete, api_version, kind, namespace, name)
+        await self._dispatcher.call(Urgency.CHILD, delete)
+
+    async def delete_pods(self, namespace: str, labels: Mapping[str, str]) -> None:
+        await self._dispatcher.call(
+            Urgency.CHILD, functools.partial(self._kube.delete_pods, namespace, labels)
+        )
 
     async def patch_status(self, namespace: str, name: str, status: Mapping[str, Any]) -> None:
         patch = functools.partial(self._kube.patch_status, namespace, name, status)

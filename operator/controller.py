@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from kvfleet.operator.adapters import AdapterStatus, AdapterSync, DesiredAdapter
-from kvfleet.operator.api import API_KEY_ENV, HTTP_PORT
+from kvfleet.operator.api import API_KEY_ENV, GROUP_LABEL, HTTP_PORT, SERVICE_LABEL
 from kvfleet.operator.autoscaler import (
     AutoscalerState,
     FleetState,
@@ -29,13 +29,13 @@ from kvfleet.operator.autoscaler import (
 )
 from kvfleet.operator.kube import KubeError
 from kvfleet.operator.metrics import OperatorMetrics
-from kvfleet.operator.observed import DeploymentView, PodView
-from kvfleet.operator.render import Owner, RenderOptions, render_children, service_url
+from kvfleet.operator.observed import DeploymentView, Observed, PodView, StatefulSetView
+from kvfleet.operator.render import LWS_API_VERSION, Owner, RenderOptions, render_children, service_url
 from kvfleet.operator.render_pod import adapter_source
 from kvfleet.operator.safety import GUARD_UNAVAILABLE_REASON, GuardState, check_loosening, guard_service
 from kvfleet.operator.scrape import ScrapeFailure, ScrapeTarget
-from kvfleet.operator.spec import InferenceServiceSpec, SpecError, parse_spec
-from kvfleet.operator.status import Observation, build_status, transition_events
+from kvfleet.operator.spec import InferenceServiceSpec, SpecError, group_name, parse_spec, rendezvous_name
+from kvfleet.operator.status import GroupStatus, Observation, build_status, transition_events
 
 logger = logging.getLogger(__name__)
 
@@ -52,11 +52,15 @@ PAGE_TOO_LARGE_REASON = "MetricsPageTooLarge"
 # within it.
 API_KEY_REFRESH_SECONDS = 60.0
 # Status keys the operator writes only sometimes; a merge patch must clear them explicitly.
-_OPTIONAL_STATUS_KEYS = ("autoscaler", "lastScaleTime", "lastScaleReason", "adapters", "safety")
+_OPTIONAL_STATUS_KEYS = ("autoscaler", "lastScaleTime", "lastScaleReason", "adapters", "safety", "groups")
 
 
 class Cluster(Protocol):
     async def apply(self, manifest: Mapping[str, Any]) -> None: ...
+
+    async def delete(self, api_version: str, kind: str, namespace: str, name: str) -> None: ...
+
+    async def delete_pods(self, namespace: str, labels: Mapping[str, str]) -> None: ...
 
     async def patch_status(self, namespace: str, name: str, status: Mapping[str, Any]) -> None: ...
 
@@ -118,20 +122,21 @@ class ServiceController:
     _warned: dict[str, str] = field(default_factory=dict)
     # (Secret name, when read, its key).
     _api_key: tuple[str, float, str | None] | None = None
+    # (StatefulSet, revision) of the groups whose pods were deleted to start them on that revision.
+    _restarted: set[tuple[str, str]] = field(default_factory=set)
 
     async def run(
         self,
         body: Mapping[str, Any],
-        observe: Callable[[], tuple[DeploymentView | None, list[PodView]]],
+        observe: Callable[[], Observed],
         wakeup: asyncio.Event,
         stopped: Callable[[], bool],
     ) -> None:
         """Passes until stopped; `body` is the live object, `observe` reads the watch indexes."""
         while not stopped():
             wakeup.clear()
-            deployment, pods = observe()
             try:
-                delay = await self.reconcile(body, deployment, pods)
+                delay = await self.reconcile(body, observe())
             except Exception:
                 # A bug must not kill the loop: log it, count it, back off, try again.
                 logger.exception("reconcile of %s/%s failed", self.owner.namespace, self.owner.name)
@@ -147,20 +152,18 @@ class ServiceController:
             except TimeoutError:
                 pass
 
-    async def reconcile(
-        self, body: Mapping[str, Any], deployment: DeploymentView | None, pods: list[PodView]
-    ) -> float:
+    async def reconcile(self, body: Mapping[str, Any], observed: Observed) -> float:
         """One pass; returns the seconds until the next one is due."""
         started = self.clock()
         try:
-            delay = await self._reconcile(body, deployment, pods)
+            delay = await self._reconcile(body, observed)
         finally:
             self.metrics.reconcile_seconds.observe(self.clock() - started)
         return delay
 
-    async def _reconcile(
-        self, body: Mapping[str, Any], deployment: DeploymentView | None, pods: list[PodView]
-    ) -> float:
+    async def _reconcile(self, body: Mapping[str, Any], observed: Observed) -> float:
+        pods = observed.pods
+        deployment = observed.deployment
         meta = body.get("metadata", {})
         generation = meta.get("generation", 0)
         previous_status = self._last_status or dict(body.get("status") or {})
@@ -174,6 +177,8 @@ class ServiceController:
             await self._write_status(observation, previous_status)
             return IDLE_PASS_SECONDS
 
+        # For a model that spans nodes, the workload is the groups, read as a Deployment of groups.
+        deployment = _workload(spec, observed, applied=self._applied is not None)
         if self.desired is None:
             known = deployment.replicas if deployment else previous_status.get("desiredReplicas")
             # A new service starts with a replica even when it may scale to zero: it proves the model loads.
@@ -186,6 +191,8 @@ class ServiceController:
         blocking = None
         try:
             await self._apply(spec, generation, deployment)
+            await self._remove_other_workloads(spec, observed)
+            await self._restart_outdated_groups(spec, observed)
             self._failures = 0
             self._resolve("ReconcileFailed")
             self.metrics.reconciles.labels("success").inc()
@@ -199,7 +206,14 @@ class ServiceController:
 
         adapters = await self._sync_adapters(spec, pods) if spec.lora_enabled else None
         observation = self._observation(
-            generation, spec, deployment, pods, blocking, adapters=adapters, guard=self._guard(spec)
+            generation,
+            spec,
+            deployment,
+            pods,
+            blocking,
+            adapters=adapters,
+            guard=self._guard(spec),
+            groups=self._group_statuses(spec, pods) if spec.grouped else None,
         )
         await self._write_status(observation, previous_status)
         if self._failures:
@@ -305,11 +319,67 @@ class ServiceController:
         self._applied, self._last_apply_at = (spec_digest, self.desired), now
 
     def _template_digest(self, spec: InferenceServiceSpec, generation: int, options: RenderOptions) -> str:
-        """What the children would be at any replica count; rendered once per generation and options."""
+        """What the children would be at any replica count (one replica: a group is a child of its own);
+        rendered once per generation and options."""
         key = (generation, options)
         if self._template is None or self._template[0] != key:
-            self._template = key, _digest(render_children(self.owner, spec, 0, options))
+            self._template = key, _digest(render_children(self.owner, spec, 1, options))
         return self._template[1]
+
+    async def _remove_other_workloads(self, spec: InferenceServiceSpec, observed: Observed) -> None:
+        """Deletes what no longer serves the spec: groups above the desired count (scaling down), and the
+        workload of another shape after the model moved between one pod and groups, or between backends."""
+        assert self.desired is not None
+        namespace = self.owner.namespace
+        stateful_sets = spec.grouped and spec.scaling.group_backend == "statefulset"
+        leader_worker_set = spec.grouped and spec.scaling.group_backend == "leaderworkerset"
+        for view in observed.stateful_sets:
+            if not stateful_sets or view.group is None or view.group >= self.desired:
+                await self.cluster.delete("apps/v1", "StatefulSet", namespace, view.name)
+        if spec.grouped and observed.deployment is not None:
+            await self.cluster.delete("apps/v1", "Deployment", namespace, self.owner.name)
+        if not leader_worker_set and observed.leader_worker_set is not None:
+            await self.cluster.delete(
+                LWS_API_VERSION, "LeaderWorkerSet", namespace, rendezvous_name(self.owner.name)
+            )
+
+    async def _restart_outdated_groups(self, spec: InferenceServiceSpec, observed: Observed) -> None:
+        """Starts groups on a new template by deleting their pods together (their StatefulSets wait for
+        that: OnDelete). A group that is not serving goes at once; a serving one only while every other
+        group serves, so that one group at most is down for the rollout."""
+        if not spec.grouped or spec.scaling.group_backend != "statefulset":
+            return
+        assert self.desired is not None
+        current = [
+            view for view in observed.stateful_sets if view.group is not None and view.group < self.desired
+        ]
+        serving = {view.name for view in current if _group_serving(view, observed.pods)}
+        for view in sorted(current, key=lambda view: view.group or 0):
+            seen = view.observed_generation >= view.generation
+            if not seen or view.rolled_out or (view.name, view.update_revision) in self._restarted:
+                continue
+            if view.name in serving and len(serving) < len(current):
+                continue
+            await self.cluster.delete_pods(
+                self.owner.namespace, {SERVICE_LABEL: self.owner.name, GROUP_LABEL: str(view.group)}
+            )
+            self._restarted.add((view.name, view.update_revision))
+            self.events("Normal", "GroupRestarted", f"Restarting group {view.name} on the current template")
+            serving.discard(view.name)
+
+    def _group_statuses(self, spec: InferenceServiceSpec, pods: list[PodView]) -> list[GroupStatus]:
+        assert self.desired is not None
+        statuses = []
+        for index in range(self.desired):
+            members = [pod for pod in pods if pod.group == index and not pod.terminating]
+            statuses.append(
+                GroupStatus(
+                    name=group_name(self.owner.name, spec.scaling.group_backend, index),
+                    ranks=spec.resources.nodes,
+                    ranks_ready=sum(1 for pod in members if pod.ready),
+                )
+            )
+        return statuses
 
     def _guard(self, spec: InferenceServiceSpec) -> tuple[str, GuardState] | None:
         """The guard service and its state; a Warning event while it cannot serve, a Normal one once it
@@ -340,6 +410,7 @@ class ServiceController:
         blocking: tuple[str, str] | None,
         adapters: list[AdapterStatus] | None = None,
         guard: tuple[str, GuardState] | None = None,
+        groups: list[GroupStatus] | None = None,
     ) -> Observation:
         series = (self.owner.namespace, self.owner.name)
         if deployment is not None:
@@ -363,6 +434,7 @@ class ServiceController:
             last_scale_reason=self.last_scale_reason,
             adapters=adapters,
             guard=(guard[0], guard[1].value) if guard is not None else None,
+            groups=groups,
         )
 
     async def _write_status(self, observation: Observation, previous: Mapping[str, Any]) -> None:
@@ -398,6 +470,35 @@ class ServiceController:
 
     def _resolve(self, reason: str) -> None:
         self._warned.pop(reason, None)
+
+
+def _workload(spec: InferenceServiceSpec, observed: Observed, applied: bool) -> DeploymentView | None:
+    """The service's workload as a Deployment of replicas: the Deployment itself, the LeaderWorkerSet, or
+    the group StatefulSets summed up (a group counts as ready when every rank is). `applied`: whether this
+    loop applied the children, after which no StatefulSet means zero groups rather than none created yet."""
+    if not spec.grouped:
+        return observed.deployment
+    if spec.scaling.group_backend == "leaderworkerset":
+        return observed.leader_worker_set
+    groups = [view for view in observed.stateful_sets if view.group is not None]
+    if not groups:
+        return DeploymentView(1, 1, 0, 0, 0, 0, 0) if applied else None
+    ready = sum(1 for view in groups if view.ready_replicas >= view.replicas)
+    seen = all(view.observed_generation >= view.generation for view in groups)
+    return DeploymentView(
+        generation=1,
+        observed_generation=1 if seen else 0,
+        replicas=len(groups),
+        status_replicas=len(groups),
+        updated_replicas=sum(1 for view in groups if view.rolled_out),
+        ready_replicas=ready,
+        available_replicas=ready,
+    )
+
+
+def _group_serving(view: StatefulSetView, pods: list[PodView]) -> bool:
+    ready = [pod for pod in pods if pod.group == view.group and pod.ready and not pod.terminating]
+    return len(ready) >= view.replicas
 
 
 def _digest(children: list[dict[str, Any]]) -> str:

@@ -31,7 +31,16 @@ from kvfleet.operator.api import (
 from kvfleet.operator.context import OperatorContext
 from kvfleet.operator.controller import ServiceController
 from kvfleet.operator.kube import connection_info
-from kvfleet.operator.observed import DeploymentView, PodView, deployment_view, pod_view
+from kvfleet.operator.observed import (
+    DeploymentView,
+    Observed,
+    PodView,
+    StatefulSetView,
+    deployment_view,
+    leader_worker_set_view,
+    pod_view,
+    stateful_set_view,
+)
 from kvfleet.operator.render import Owner
 from kvfleet.operator.safety import GuardState
 from kvfleet.operator.scrape import FleetScraper, GatewayQueues, ScrapeTarget
@@ -88,6 +97,21 @@ async def kvfleet_deployments(
     return {(namespace, labels[SERVICE_LABEL]): deployment_view(body)}
 
 
+@kopf.index("apps", "v1", "statefulsets", labels=MANAGED)
+async def kvfleet_stateful_sets(
+    namespace: str, labels: kopf.Labels, body: kopf.Body, **_: Any
+) -> dict[Any, StatefulSetView]:
+    return {(namespace, labels[SERVICE_LABEL]): stateful_set_view(body)}
+
+
+# Watched only where the LeaderWorkerSet API is installed; kopf leaves a resource the cluster lacks unwatched.
+@kopf.index("leaderworkerset.x-k8s.io", "v1", "leaderworkersets", labels=MANAGED)
+async def kvfleet_leader_worker_sets(
+    namespace: str, labels: kopf.Labels, body: kopf.Body, **_: Any
+) -> dict[Any, DeploymentView]:
+    return {(namespace, labels[SERVICE_LABEL]): leader_worker_set_view(body)}
+
+
 @kopf.index("pods", labels=GATEWAY_PODS)
 async def kvfleet_gateways(name: str, body: kopf.Body, **_: Any) -> dict[Any, ScrapeTarget]:
     view = pod_view(body)
@@ -100,6 +124,8 @@ async def kvfleet_gateways(name: str, body: kopf.Body, **_: Any) -> dict[Any, Sc
 
 @kopf.on.event("pods", labels=MANAGED)
 @kopf.on.event("apps", "v1", "deployments", labels=MANAGED)
+@kopf.on.event("apps", "v1", "statefulsets", labels=MANAGED)
+@kopf.on.event("leaderworkerset.x-k8s.io", "v1", "leaderworkersets", labels=MANAGED)
 async def wake_owner(namespace: str, labels: kopf.Labels, memo: kopf.Memo, **_: Any) -> None:
     _context(memo).wake((namespace, labels[SERVICE_LABEL]))
 
@@ -120,6 +146,8 @@ async def fleet_loop(
     memo: kopf.Memo,
     kvfleet_pods: kopf.Index[Any, PodView],
     kvfleet_deployments: kopf.Index[Any, DeploymentView],
+    kvfleet_stateful_sets: kopf.Index[Any, StatefulSetView],
+    kvfleet_leader_worker_sets: kopf.Index[Any, DeploymentView],
     kvfleet_gateways: kopf.Index[Any, ScrapeTarget],
     **_: Any,
 ) -> None:
@@ -130,9 +158,16 @@ async def fleet_loop(
     def post_event(event_type: str, reason: str, message: str) -> None:
         kopf.event(body, type=event_type, reason=reason, message=message)
 
-    def observe() -> tuple[DeploymentView | None, list[PodView]]:
-        owned = [view for view in kvfleet_deployments.get(key, []) if view.owner_uid == uid]
-        return (owned[0] if owned else None), list(kvfleet_pods.get(key, []))
+    def observe() -> Observed:
+        # Objects left by a deleted namesake must not count.
+        deployments = [view for view in kvfleet_deployments.get(key, []) if view.owner_uid == uid]
+        group_sets = [view for view in kvfleet_leader_worker_sets.get(key, []) if view.owner_uid == uid]
+        return Observed(
+            deployment=deployments[0] if deployments else None,
+            pods=list(kvfleet_pods.get(key, [])),
+            stateful_sets=tuple(view for view in kvfleet_stateful_sets.get(key, []) if view.owner_uid == uid),
+            leader_worker_set=group_sets[0] if group_sets else None,
+        )
 
     gateway_queues = context.gateway_queues
     assert gateway_queues is not None, "the startup handler creates it"
@@ -143,10 +178,15 @@ async def fleet_loop(
         return None if depths is None else depths.get(model, 0.0)
 
     def guard_state(service: str) -> GuardState:
-        views = kvfleet_deployments.get((namespace, service), [])
-        if not views:
+        guard = (namespace, service)
+        views = [*kvfleet_deployments.get(guard, []), *kvfleet_leader_worker_sets.get(guard, [])]
+        groups = list(kvfleet_stateful_sets.get(guard, []))
+        if not views and not groups:
             return GuardState.NOT_FOUND
-        return GuardState.READY if any(view.ready_replicas > 0 for view in views) else GuardState.UNAVAILABLE
+        serving = any(view.ready_replicas > 0 for view in views) or any(
+            group.ready_replicas >= group.replicas for group in groups
+        )
+        return GuardState.READY if serving else GuardState.UNAVAILABLE
 
     controller = ServiceController(
         owner=Owner(name, namespace, uid),

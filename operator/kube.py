@@ -18,13 +18,16 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 from kvfleet.operator.api import FIELD_MANAGER, GROUP, PLURAL, VERSION
 
-# kind -> plural, for every kind the operator applies.
+# kind -> plural, for every kind the operator applies or deletes.
 PLURALS = {
     "Deployment": "deployments",
     "Service": "services",
     "PodDisruptionBudget": "poddisruptionbudgets",
     "ServiceMonitor": "servicemonitors",
     "PersistentVolumeClaim": "persistentvolumeclaims",
+    "StatefulSet": "statefulsets",
+    "LeaderWorkerSet": "leaderworkersets",
+    "Pod": "pods",
 }
 REQUEST_TIMEOUT_SECONDS = 30
 
@@ -77,6 +80,23 @@ class KubeApi:
         path = resource_path(manifest["apiVersion"], manifest["kind"], meta["namespace"], meta["name"])
         query = [("fieldManager", self.field_manager), ("force", "true")]
         return self._request("PATCH", path, query, manifest, "application/apply-patch+yaml")
+
+    def delete(self, api_version: str, kind: str, namespace: str, name: str) -> None:
+        """Deletes one object and, in the background, what it owns; one already gone is no error."""
+        path = resource_path(api_version, kind, namespace, name)
+        self._delete(path, [("propagationPolicy", "Background")])
+
+    def delete_pods(self, namespace: str, labels: Mapping[str, str]) -> None:
+        """Deletes every pod with all of these labels."""
+        selector = ",".join(f"{key}={value}" for key, value in sorted(labels.items()))
+        self._delete(resource_path("v1", "Pod", namespace), [("labelSelector", selector)])
+
+    def _delete(self, path: str, query: list[tuple[str, str]]) -> None:
+        try:
+            self._request("DELETE", path, query, None, None)
+        except KubeError as error:
+            if error.status != 404:
+                raise
 
     def patch_status(self, namespace: str, name: str, status: Mapping[str, Any]) -> dict[str, Any]:
         path = f"/apis/{GROUP}/{VERSION}/namespaces/{namespace}/{PLURAL}/{name}/status"

@@ -10,6 +10,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from kvfleet.operator.api import group_index, node_rank
+
 # Container waiting reasons after which a replica will not come up without a change.
 FAILING_WAIT_REASONS = frozenset(
     {"CrashLoopBackOff", "ImagePullBackOff", "ErrImagePull", "InvalidImageName", "CreateContainerConfigError"}
@@ -27,10 +29,14 @@ class PodView:
     # Why a container is not running, when that reason means it will not recover by itself.
     failure_reason: str | None = None
     failure_message: str | None = None
+    # For a pod of a replica group (a model that spans nodes): which group, and its node rank there.
+    group: int | None = None
+    rank: int | None = None
 
     @property
     def scrapeable(self) -> bool:
-        return self.ready and not self.terminating and self.ip is not None
+        """Ready to answer metrics and adapter calls: whole replicas, and rank 0 of groups, serve the API."""
+        return self.ready and not self.terminating and self.ip is not None and self.rank in (None, 0)
 
 
 @dataclass(frozen=True)
@@ -50,8 +56,30 @@ class DeploymentView:
     owner_uid: str | None = None
 
 
+@dataclass(frozen=True)
+class StatefulSetView:
+    """A replica group's StatefulSet."""
+
+    name: str
+    # The group's index (its label); None for a StatefulSet the operator did not label as a group.
+    group: int | None
+    generation: int
+    observed_generation: int
+    replicas: int
+    ready_replicas: int
+    # Pods at the current template's revision.
+    updated_replicas: int
+    update_revision: str
+    owner_uid: str | None = None
+
+    @property
+    def rolled_out(self) -> bool:
+        return self.observed_generation >= self.generation and self.updated_replicas >= self.replicas
+
+
 def pod_view(body: Mapping[str, Any]) -> PodView:
     meta, status = body.get("metadata", {}), body.get("status", {})
+    labels = meta.get("labels") or {}
     conditions = {c.get("type"): c for c in status.get("conditions") or []}
     scheduled = conditions.get("PodScheduled", {})
     unschedulable = None
@@ -74,6 +102,8 @@ def pod_view(body: Mapping[str, Any]) -> PodView:
         unschedulable_message=unschedulable,
         failure_reason=failure_reason,
         failure_message=failure_message,
+        group=group_index(labels),
+        rank=node_rank(labels),
     )
 
 
@@ -88,7 +118,6 @@ def deployment_view(body: Mapping[str, Any]) -> DeploymentView:
         ),
         None,
     )
-    controller = next((ref for ref in meta.get("ownerReferences") or [] if ref.get("controller")), {})
     return DeploymentView(
         generation=meta.get("generation", 0),
         observed_generation=status.get("observedGeneration", 0),
@@ -100,5 +129,52 @@ def deployment_view(body: Mapping[str, Any]) -> DeploymentView:
         progress_deadline_exceeded=progressing.get("reason") == "ProgressDeadlineExceeded",
         progress_message=progressing.get("message", ""),
         replica_failure=(failure.get("message") or failure.get("reason") or "") if failure else None,
-        owner_uid=controller.get("uid"),
+        owner_uid=_controller_uid(meta),
     )
+
+
+def leader_worker_set_view(body: Mapping[str, Any]) -> DeploymentView:
+    """A LeaderWorkerSet read as a Deployment of groups: its counts are groups, as the operator's replicas."""
+    meta, spec, status = body.get("metadata", {}), body.get("spec", {}), body.get("status", {})
+    return DeploymentView(
+        generation=meta.get("generation", 0),
+        # Its status carries no observedGeneration: a status at all means its controller has seen it.
+        observed_generation=meta.get("generation", 0) if status else 0,
+        replicas=spec.get("replicas", 1),
+        status_replicas=status.get("replicas", 0),
+        updated_replicas=status.get("updatedReplicas", 0),
+        ready_replicas=status.get("readyReplicas", 0),
+        available_replicas=status.get("readyReplicas", 0),
+        owner_uid=_controller_uid(meta),
+    )
+
+
+def stateful_set_view(body: Mapping[str, Any]) -> StatefulSetView:
+    meta, spec, status = body.get("metadata", {}), body.get("spec", {}), body.get("status", {})
+    return StatefulSetView(
+        name=meta.get("name", ""),
+        group=group_index(meta.get("labels") or {}),
+        generation=meta.get("generation", 0),
+        observed_generation=status.get("observedGeneration", 0),
+        replicas=spec.get("replicas", 1),
+        ready_replicas=status.get("readyReplicas", 0),
+        updated_replicas=status.get("updatedReplicas", 0),
+        update_revision=status.get("updateRevision", ""),
+        owner_uid=_controller_uid(meta),
+    )
+
+
+def _controller_uid(meta: Mapping[str, Any]) -> str | None:
+    controller = next((ref for ref in meta.get("ownerReferences") or [] if ref.get("controller")), {})
+    return controller.get("uid")
+
+
+@dataclass(frozen=True)
+class Observed:
+    """What the watch indexes hold for one service: its workload objects and pods."""
+
+    deployment: DeploymentView | None
+    pods: list[PodView]
+    # The groups of a model that spans nodes: a StatefulSet each, or one LeaderWorkerSet.
+    stateful_sets: tuple[StatefulSetView, ...] = ()
+    leader_worker_set: DeploymentView | None = None

@@ -1,5 +1,8 @@
 """An InferenceService's children, rendered from its spec alone: Deployment, Service, PDB, ServiceMonitor.
 
+A model that spans nodes runs each replica as a group of pods instead of a Deployment's pod: a StatefulSet per
+group with a headless Service through which the ranks find rank 0, or one LeaderWorkerSet.
+
 Pure functions: the same inputs give the same manifests, which is what makes server-side apply
 idempotent and the output golden-testable.
 """
@@ -12,21 +15,31 @@ from typing import Any
 from kvfleet.operator.api import (
     API_VERSION,
     COMPONENT,
+    GROUP_LABEL,
     HTTP_PORT_NAME,
     KIND,
     LABEL_COMPONENT,
     LABEL_INSTANCE,
     LABEL_MANAGED_BY,
     LABEL_NAME,
+    LWS_WORKER_INDEX_LABEL,
     MANAGED_BY,
+    POD_INDEX_LABEL,
+    RENDEZVOUS_PORT,
     SERVICE_LABEL,
     TIER_LABEL,
 )
-from kvfleet.operator.render_pod import batch_claim_name, pod_template
+from kvfleet.operator.render_pod import (
+    RENDEZVOUS_PORT_NAME,
+    GroupPlacement,
+    batch_claim_name,
+    pod_template,
+)
 from kvfleet.operator.safety import SafetyPlatform, safety_config
-from kvfleet.operator.spec import InferenceServiceSpec
+from kvfleet.operator.spec import InferenceServiceSpec, group_name, rendezvous_name
 
 DEFAULT_RUNTIME_IMAGE = "kvfleet/runtime:0.1.0"
+LWS_API_VERSION = "leaderworkerset.x-k8s.io/v1"
 SERVICE_PORT = 80
 # Room past the startup timeout for image pulls and model downloads before a rollout counts as failed.
 ROLLOUT_SLACK_SECONDS = 600
@@ -56,6 +69,14 @@ def selector_labels(name: str) -> dict[str, str]:
     return {SERVICE_LABEL: name}
 
 
+def serving_selector(name: str, spec: InferenceServiceSpec) -> dict[str, str]:
+    """The pods that serve the OpenAI API: every replica's pod, or rank 0 of every group."""
+    if not spec.grouped:
+        return selector_labels(name)
+    rank_label = POD_INDEX_LABEL if spec.scaling.group_backend == "statefulset" else LWS_WORKER_INDEX_LABEL
+    return {**selector_labels(name), rank_label: "0"}
+
+
 def common_labels(owner: Owner, spec: InferenceServiceSpec) -> dict[str, str]:
     return {
         LABEL_NAME: "kvfleet",
@@ -77,12 +98,15 @@ def render_children(
     """Every child object, in apply order: the Deployment first, because its pods take longest to become
     ready (and under a burst of new services each apply waits in line behind the others); the Service is
     in place long before any pod is ready. A Batch API claim goes before the Deployment whose pods mount
-    it."""
-    children = [
-        render_deployment(owner, spec, replicas, options),
-        render_service(owner, spec),
-        render_disruption_budget(owner, spec),
-    ]
+    it. For a model that spans nodes, `replicas` counts groups."""
+    if not spec.grouped:
+        workload = [render_deployment(owner, spec, replicas, options)]
+    elif spec.scaling.group_backend == "statefulset":
+        groups = [render_group(owner, spec, index, options) for index in range(replicas)]
+        workload = [*groups, render_rendezvous_service(owner, spec)]
+    else:
+        workload = [render_leader_worker_set(owner, spec, replicas, options)]
+    children = [*workload, render_service(owner, spec), render_disruption_budget(owner, spec)]
     if spec.batch is not None and spec.batch.storage == "PersistentVolumeClaim":
         children.insert(0, render_batch_claim(owner, spec))
     if options.service_monitor:
@@ -94,7 +118,6 @@ def render_deployment(
     owner: Owner, spec: InferenceServiceSpec, replicas: int, options: RenderOptions
 ) -> dict[str, Any]:
     labels = common_labels(owner, spec)
-    image = spec.engine.image or options.runtime_image
     if spec.batch is not None:
         # One store, one writer: the old pod stops before the new one opens the store.
         strategy: dict[str, Any] = {"type": "Recreate"}
@@ -111,15 +134,110 @@ def render_deployment(
             "strategy": strategy,
             "revisionHistoryLimit": 3,
             "progressDeadlineSeconds": spec.engine.startup_timeout_seconds + ROLLOUT_SLACK_SECONDS,
-            "template": pod_template(
-                spec,
-                labels,
-                image,
-                owner.name,
-                safety_config(options.safety, spec.safety, owner.namespace, options.cluster_domain),
-            ),
+            "template": _pod_template(owner, spec, labels, options),
         },
     }
+
+
+def render_group(
+    owner: Owner, spec: InferenceServiceSpec, index: int, options: RenderOptions
+) -> dict[str, Any]:
+    """One replica group: a StatefulSet whose pod ordinals are the node ranks.
+
+    Its pods start together (Parallel) and find rank 0 by its stable name under the headless Service. The
+    operator, not the StatefulSet, replaces a group's pods when the template changes (OnDelete): a rolling
+    update pod by pod would pair ranks of two templates in one group.
+    """
+    name = group_name(owner.name, "statefulset", index)
+    group_labels = {GROUP_LABEL: str(index)}
+    labels = {**common_labels(owner, spec), **group_labels}
+    master = f"{name}-0.{rendezvous_name(owner.name)}.{owner.namespace}.svc.{options.cluster_domain}"
+    placement = GroupPlacement(spec.resources.nodes, master, POD_INDEX_LABEL)
+    metadata = _metadata(owner, labels)
+    metadata["name"] = name
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
+        "metadata": metadata,
+        "spec": {
+            "replicas": spec.resources.nodes,
+            "serviceName": rendezvous_name(owner.name),
+            "podManagementPolicy": "Parallel",
+            "updateStrategy": {"type": "OnDelete"},
+            "selector": {"matchLabels": {**selector_labels(owner.name), **group_labels}},
+            "revisionHistoryLimit": 3,
+            "template": _pod_template(owner, spec, labels, options, placement),
+        },
+    }
+
+
+def render_rendezvous_service(owner: Owner, spec: InferenceServiceSpec) -> dict[str, Any]:
+    """The headless Service that gives each group's pods stable DNS names; it lists pods before they are
+    ready, since the ranks meet before any of them is."""
+    metadata = _metadata(owner, common_labels(owner, spec))
+    metadata["name"] = rendezvous_name(owner.name)
+    port = {"name": RENDEZVOUS_PORT_NAME, "port": RENDEZVOUS_PORT, "targetPort": RENDEZVOUS_PORT_NAME}
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": metadata,
+        "spec": {
+            "clusterIP": "None",
+            "publishNotReadyAddresses": True,
+            "selector": selector_labels(owner.name),
+            "ports": [{**port, "protocol": "TCP"}],
+        },
+    }
+
+
+def render_leader_worker_set(
+    owner: Owner, spec: InferenceServiceSpec, replicas: int, options: RenderOptions
+) -> dict[str, Any]:
+    """Every group as one LeaderWorkerSet: its controller starts, restarts and rolls groups as a whole, and
+    tells each pod its leader's address (LWS_LEADER_ADDRESS)."""
+    labels = common_labels(owner, spec)
+    metadata = _metadata(owner, labels)
+    metadata["name"] = rendezvous_name(owner.name)
+
+    def template(readiness_path: str) -> dict[str, Any]:
+        placement = GroupPlacement(
+            spec.resources.nodes, "$(LWS_LEADER_ADDRESS)", LWS_WORKER_INDEX_LABEL, readiness_path
+        )
+        return _pod_template(owner, spec, labels, options, placement)
+
+    return {
+        "apiVersion": LWS_API_VERSION,
+        "kind": "LeaderWorkerSet",
+        "metadata": metadata,
+        "spec": {
+            "replicas": replicas,
+            "startupPolicy": "LeaderCreated",
+            # Never below current capacity, as the Deployment's rollouts.
+            "rolloutStrategy": {
+                "type": "RollingUpdate",
+                "rollingUpdateConfiguration": {"maxSurge": 1, "maxUnavailable": 0},
+            },
+            "leaderWorkerTemplate": {
+                "size": spec.resources.nodes,
+                # A rank lost breaks the group's collectives: every pod of the group starts again.
+                "restartPolicy": "RecreateGroupOnPodRestart",
+                "leaderTemplate": template("/ready"),
+                "workerTemplate": template("/health"),
+            },
+        },
+    }
+
+
+def _pod_template(
+    owner: Owner,
+    spec: InferenceServiceSpec,
+    labels: dict[str, str],
+    options: RenderOptions,
+    group: GroupPlacement | None = None,
+) -> dict[str, Any]:
+    image = spec.engine.image or options.runtime_image
+    safety = safety_config(options.safety, spec.safety, owner.namespace, options.cluster_domain)
+    return pod_template(spec, labels, image, owner.name, safety, group)
 
 
 def render_batch_claim(owner: Owner, spec: InferenceServiceSpec) -> dict[str, Any]:
@@ -144,7 +262,7 @@ def render_service(owner: Owner, spec: InferenceServiceSpec) -> dict[str, Any]:
         "metadata": _metadata(owner, common_labels(owner, spec)),
         "spec": {
             "type": "ClusterIP",
-            "selector": selector_labels(owner.name),
+            "selector": serving_selector(owner.name, spec),
             "ports": [
                 {
                     "name": HTTP_PORT_NAME,

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
-from kvfleet.operator.api import API_KEY_ENV, HTTP_PORT, HTTP_PORT_NAME
+from kvfleet.operator.api import API_KEY_ENV, HTTP_PORT, HTTP_PORT_NAME, RENDEZVOUS_PORT
 from kvfleet.operator.spec import AdapterSpec, InferenceServiceSpec, ModelSpec
 from kvfleet.operator.tiers import TIERS
 
@@ -23,6 +24,50 @@ PRESTOP_DELAY_SECONDS = 5
 EXIT_MARGIN_SECONDS = 10
 PROBE_PERIOD_SECONDS = 5
 RUNTIME_USER = 1000
+# A group's pod reads its rank from one of its labels (downward API) into this variable, which its flags use.
+NODE_RANK_ENV = "KVFLEET_NODE_RANK"
+# The pod's own address, where the readiness probe of a group's pod asks (the server listens on every
+# interface of the pod).
+POD_IP_ENV = "KVFLEET_POD_IP"
+RENDEZVOUS_PORT_NAME = "rendezvous"
+# The pods of a StatefulSet share one template, yet only rank 0 serves /ready (ready to take requests); the
+# other ranks answer /health alone (200 once they joined the group and loaded their shard). An HTTP probe has
+# one path, so this probe picks it by rank.
+RANK_READINESS_SCRIPT = (
+    "import http.client, os, sys\n"
+    f"path = '/ready' if os.environ['{NODE_RANK_ENV}'] == '0' else '/health'\n"
+    f"connection = http.client.HTTPConnection(os.environ['{POD_IP_ENV}'], {HTTP_PORT}, timeout=3)\n"
+    "connection.request('GET', path)\n"
+    "sys.exit(connection.getresponse().status != 200)\n"
+)
+
+
+@dataclass(frozen=True)
+class GroupPlacement:
+    """Where a group's pod stands: how many nodes share the model, where rank 0 listens, and where the pod
+    finds its own rank."""
+
+    nodes: int
+    master_address: str
+    # The pod label that holds the rank (the StatefulSet's pod index, or the LeaderWorkerSet's worker index).
+    rank_label: str
+    # The readiness path when the template is for one role only (a LeaderWorkerSet's leader or workers);
+    # None: the template serves every rank and the probe picks the path by rank.
+    readiness_path: str | None = None
+
+
+def group_args(placement: GroupPlacement) -> list[str]:
+    """The flags that join a pod to its group; the rank comes from the pod's label, through NODE_RANK_ENV."""
+    return [
+        "--nnodes",
+        str(placement.nodes),
+        "--node-rank",
+        f"$({NODE_RANK_ENV})",
+        "--master-addr",
+        placement.master_address,
+        "--master-port",
+        str(RENDEZVOUS_PORT),
+    ]
 
 
 def _container_security() -> dict[str, Any]:
@@ -80,6 +125,8 @@ def runtime_args(spec: InferenceServiceSpec, safety_config: str | None = None) -
     # Only sent when it matters, so single-GPU and CPU replicas work with runtimes that lack the flag.
     if engine.tensor_parallel_size > 1:
         args += ["--tensor-parallel-size", str(engine.tensor_parallel_size)]
+    if engine.pipeline_parallel_size > 1:
+        args += ["--pipeline-parallel-size", str(engine.pipeline_parallel_size)]
     args += ["--default-priority", tier.name, "--drain-timeout", str(engine.drain_timeout_seconds)]
     args += _flags([("--max-waiting-requests", engine.max_waiting_requests)])
     if spec.batch is not None:
@@ -107,7 +154,9 @@ def pod_template(
     image: str,
     service_name: str,
     safety_config: str | None = None,
+    group: GroupPlacement | None = None,
 ) -> dict[str, Any]:
+    """`group`: where the pod stands in a replica group, for a model that spans nodes."""
     engine, resources = spec.engine, spec.resources
     volumes, mounts = _model_volumes(spec.model)
     volumes = [
@@ -126,19 +175,32 @@ def pod_template(
         volume = f"adapter-claim-{index}"
         volumes.append({"name": volume, "persistentVolumeClaim": {"claimName": claim, "readOnly": True}})
         mounts.append({"name": volume, "mountPath": f"{ADAPTER_CLAIMS}/{claim}", "readOnly": True})
+    ports = [{"name": HTTP_PORT_NAME, "containerPort": HTTP_PORT, "protocol": "TCP"}]
+    args, env = runtime_args(spec, safety_config), _runtime_env(spec)
+    readiness = _http_probe("/ready", failures=2)
+    if group is not None:
+        args += group_args(group)
+        rank = {"fieldRef": {"fieldPath": f"metadata.labels['{group.rank_label}']"}}
+        env.insert(0, {"name": NODE_RANK_ENV, "valueFrom": rank})
+        ports.append({"name": RENDEZVOUS_PORT_NAME, "containerPort": RENDEZVOUS_PORT, "protocol": "TCP"})
+        if group.readiness_path is not None:
+            readiness = _http_probe(group.readiness_path, failures=2)
+        else:
+            env.insert(1, {"name": POD_IP_ENV, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}})
+            readiness = _probe({"exec": {"command": ["python", "-c", RANK_READINESS_SCRIPT]}}, failures=2)
     container: dict[str, Any] = {
         "name": "runtime",
         "image": image,
         "imagePullPolicy": engine.image_pull_policy,
         "command": ["kvfleet", "serve"],
-        "args": runtime_args(spec, safety_config),
-        "ports": [{"name": HTTP_PORT_NAME, "containerPort": HTTP_PORT, "protocol": "TCP"}],
-        "env": _runtime_env(spec),
+        "args": args,
+        "ports": ports,
+        "env": env,
         "resources": _container_resources(spec),
         "startupProbe": _http_probe(
             "/health", failures=math.ceil(engine.startup_timeout_seconds / PROBE_PERIOD_SECONDS)
         ),
-        "readinessProbe": _http_probe("/ready", failures=2),
+        "readinessProbe": readiness,
         "livenessProbe": _http_probe("/health", failures=6),
         "lifecycle": {"preStop": {"sleep": {"seconds": PRESTOP_DELAY_SECONDS}}},
         "securityContext": _container_security(),
@@ -230,8 +292,12 @@ def _container_resources(spec: InferenceServiceSpec) -> dict[str, dict[str, str]
 
 
 def _http_probe(path: str, failures: int) -> dict[str, Any]:
+    return _probe({"httpGet": {"path": path, "port": HTTP_PORT_NAME}}, failures)
+
+
+def _probe(handler: dict[str, Any], failures: int) -> dict[str, Any]:
     return {
-        "httpGet": {"path": path, "port": HTTP_PORT_NAME},
+        **handler,
         "periodSeconds": PROBE_PERIOD_SECONDS,
         "timeoutSeconds": 3,
         "failureThreshold": failures,

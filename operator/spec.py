@@ -23,9 +23,14 @@ PULL_POLICIES: tuple[PullPolicy, ...] = ("Always", "IfNotPresent", "Never")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 BLOCK_SIZES = (8, 16, 32, 64, 128)
+GroupBackend = Literal["statefulset", "leaderworkerset"]
+GROUP_BACKENDS: tuple[GroupBackend, ...] = ("statefulset", "leaderworkerset")
 # The children take the resource's name: a Service's must be a DNS-1035 label, and a label value is at most
 # 63 characters.
 _MAX_NAME_LENGTH = 63
+# A group's StatefulSet is `<name>-<group>` and labels its pods with `<statefulset>-<10-character revision>`,
+# a label value of at most 63 characters: the StatefulSet's name is at most 52.
+_MAX_GROUP_OBJECT_NAME = 52
 _DNS_1035_LABEL = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
 # Whoever may edit a service but not read its Secret must not be able to choose the key clients need.
 _API_KEY_SOURCE = "the key comes from the Secret named in spec.engine.apiKeySecret"
@@ -64,6 +69,7 @@ class EngineSpec:
     scheduling_policy: str | None = None
     dtype: str | None = None
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
     max_waiting_requests: int | None = None
     drain_timeout_seconds: int = 30
     startup_timeout_seconds: int = 600
@@ -75,10 +81,20 @@ class EngineSpec:
     extra_args: tuple[str, ...] = ()
     env: tuple[tuple[str, str], ...] = ()
 
+    @property
+    def world_size(self) -> int:
+        """The ranks the model is split over: tensor parallel times pipeline parallel."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
 
 @dataclass(frozen=True)
 class ResourcesSpec:
+    # GPUs per pod: all the ranks' on one pod, or one node's share of a group.
     gpus: int = 1
+    # The most GPUs one node (one pod) can take; unset: a replica's ranks always fit one pod.
+    gpus_per_node: int | None = None
+    # Pods per replica: 1, or the nodes of a group that share the model.
+    nodes: int = 1
     gpu_resource_name: str = "nvidia.com/gpu"
     cpu: str | None = None
     memory: str | None = None
@@ -104,6 +120,8 @@ class ScalingSpec:
     scale_to_zero_after_seconds: int = 300
     # How long the gateway holds a request for a service with no ready replica; None: the gateway's default.
     activation_timeout_seconds: int | None = None
+    # What runs a replica that spans nodes: a StatefulSet per group, or one LeaderWorkerSet.
+    group_backend: GroupBackend = "statefulset"
 
     @property
     def autoscaling(self) -> bool:
@@ -176,6 +194,11 @@ class InferenceServiceSpec:
     def lora_enabled(self) -> bool:
         return self.engine.enable_lora or bool(self.adapters)
 
+    @property
+    def grouped(self) -> bool:
+        """Whether each replica is a group of pods on several nodes."""
+        return self.resources.nodes > 1
+
 
 def parse_spec(spec: Mapping[str, Any], *, name: str) -> InferenceServiceSpec:
     """Typed spec of the resource `name`; raises SpecError with a user-facing message."""
@@ -192,17 +215,43 @@ def parse_spec(spec: Mapping[str, Any], *, name: str) -> InferenceServiceSpec:
     engine = _parse_engine(root.section("engine"))
     scaling = _parse_scaling(root.section("scaling"))
     model = _parse_model(root.section("model", required=True), name)
+    resources = _parse_resources(root.section("resources"), engine)
+    if resources.nodes > 1:
+        _check_group_names(name, scaling)
     return InferenceServiceSpec(
         model=model,
         engine=engine,
-        resources=_parse_resources(root.section("resources"), engine.tensor_parallel_size),
+        resources=resources,
         scaling=scaling,
         sla=_parse_sla(root.section("sla")),
-        batch=_parse_batch(root, scaling),
+        batch=_parse_batch(root, scaling, resources),
         routing=_parse_routing(root.section("routing")),
         adapters=_parse_adapters(root, model.served_name),
         safety=parse_safety(root.raw.get("safety"), name=name),
     )
+
+
+def rendezvous_name(service: str) -> str:
+    """The headless Service through which a group's ranks find rank 0, and the LeaderWorkerSet's name."""
+    return f"{service}-ranks"
+
+
+def group_name(service: str, backend: GroupBackend, index: int) -> str:
+    """A replica group's name: its StatefulSet, or the LeaderWorkerSet's worker StatefulSet of the group."""
+    prefix = service if backend == "statefulset" else rendezvous_name(service)
+    return f"{prefix}-{index}"
+
+
+def _check_group_names(name: str, scaling: ScalingSpec) -> None:
+    most_groups = scaling.replicas if scaling.replicas is not None else scaling.max_replicas
+    longest = group_name(name, scaling.group_backend, max(most_groups - 1, 0))
+    if len(longest) > _MAX_GROUP_OBJECT_NAME:
+        raise SpecError(
+            "InvalidSpec",
+            f"metadata.name ({len(name)} characters) is too long for a model that spans nodes: the group "
+            f"{longest} must be at most {_MAX_GROUP_OBJECT_NAME} characters, since its StatefulSet labels "
+            "its pods with its name and a revision",
+        )
 
 
 def _parse_model(section: _Section, name: str) -> ModelSpec:
@@ -256,6 +305,9 @@ def _parse_engine(section: _Section) -> EngineSpec:
         scheduling_policy=section.choice("schedulingPolicy", SCHEDULING_POLICIES),
         dtype=section.choice("dtype", DTYPES),
         tensor_parallel_size=section.required_integer("tensorParallelSize", defaults.tensor_parallel_size, 1),
+        pipeline_parallel_size=section.required_integer(
+            "pipelineParallelSize", defaults.pipeline_parallel_size, 1
+        ),
         max_waiting_requests=section.integer("maxWaitingRequests", minimum=1),
         drain_timeout_seconds=section.required_integer(
             "drainTimeoutSeconds", defaults.drain_timeout_seconds, 0
@@ -272,20 +324,50 @@ def _parse_engine(section: _Section) -> EngineSpec:
     )
 
 
-def _parse_resources(section: _Section, tensor_parallel_size: int) -> ResourcesSpec:
-    gpus = section.required_integer("gpus", tensor_parallel_size, 0)
-    if gpus < tensor_parallel_size and not (gpus == 0 and tensor_parallel_size == 1):
-        raise SpecError(
-            "InvalidSpec",
-            f"spec.resources.gpus ({gpus}) must be at least spec.engine.tensorParallelSize "
-            f"({tensor_parallel_size})",
-        )
+def _parse_resources(section: _Section, engine: EngineSpec) -> ResourcesSpec:
+    world = engine.world_size
+    ranks = (
+        f"spec.engine.tensorParallelSize × pipelineParallelSize "
+        f"({engine.tensor_parallel_size} × {engine.pipeline_parallel_size} = {world})"
+    )
+    gpus_per_node = section.integer("gpusPerNode", minimum=1)
+    nodes = 1
+    if gpus_per_node is None or gpus_per_node >= world:
+        gpus = section.required_integer("gpus", world, 0)
+        if gpus < world and not (gpus == 0 and world == 1):
+            raise SpecError(
+                "InvalidSpec",
+                f"spec.resources.gpus ({gpus}) must be at least {ranks}; set spec.resources.gpusPerNode "
+                "to split the model over several nodes",
+            )
+        if gpus_per_node is not None and gpus > gpus_per_node:
+            raise SpecError(
+                "InvalidSpec",
+                f"spec.resources.gpus ({gpus}) must not exceed spec.resources.gpusPerNode ({gpus_per_node})",
+            )
+    else:
+        if world % gpus_per_node:
+            raise SpecError(
+                "InvalidSpec",
+                f"{ranks} must be a multiple of spec.resources.gpusPerNode ({gpus_per_node}): every node "
+                "of a group takes the same share of the ranks",
+            )
+        nodes = world // gpus_per_node
+        gpus = section.required_integer("gpus", gpus_per_node, 0)
+        if gpus != gpus_per_node:
+            raise SpecError(
+                "InvalidSpec",
+                f"spec.resources.gpus ({gpus}) must equal spec.resources.gpusPerNode ({gpus_per_node}) when "
+                f"the model spans nodes ({world} ranks over {nodes} nodes of {gpus_per_node} GPUs)",
+            )
     tolerations = tuple(
         _Section(item, f"{section.path}.tolerations").raw for item in section.list("tolerations")
     )
     affinity = section.mapping("affinity")
     return ResourcesSpec(
         gpus=gpus,
+        gpus_per_node=gpus_per_node,
+        nodes=nodes,
         gpu_resource_name=section.string("gpuResourceName") or ResourcesSpec.gpu_resource_name,
         cpu=section.quantity("cpu"),
         memory=section.quantity("memory"),
@@ -314,6 +396,9 @@ def _parse_scaling(section: _Section) -> ScalingSpec:
             "scaleToZeroAfterSeconds", defaults.scale_to_zero_after_seconds, 0
         ),
         activation_timeout_seconds=section.integer("activationTimeoutSeconds", minimum=1),
+        group_backend=cast(
+            GroupBackend, section.choice("groupBackend", GROUP_BACKENDS, defaults.group_backend)
+        ),
     )
     if scaling.min_replicas > scaling.max_replicas:
         raise SpecError(
@@ -326,10 +411,16 @@ def _parse_scaling(section: _Section) -> ScalingSpec:
     return scaling
 
 
-def _parse_batch(root: _Section, scaling: ScalingSpec) -> BatchSpec | None:
+def _parse_batch(root: _Section, scaling: ScalingSpec, resources: ResourcesSpec) -> BatchSpec | None:
     if root.raw.get("batch") is None:
         return None
     section = root.section("batch")
+    if resources.nodes > 1:
+        raise SpecError(
+            "InvalidSpec",
+            f"spec.batch needs a replica on one node; this model spans {resources.nodes} nodes "
+            "(spec.resources.gpusPerNode)",
+        )
     # One replica runs the batches of its store: replicas sharing one would each run every batch.
     most = scaling.replicas if scaling.replicas is not None else scaling.max_replicas
     if most > 1:

@@ -44,6 +44,15 @@ class Condition:
 
 
 @dataclass(frozen=True)
+class GroupStatus:
+    """One replica group of a model that spans nodes: its pods ready out of its ranks (one pod per node)."""
+
+    name: str
+    ranks: int
+    ranks_ready: int
+
+
+@dataclass(frozen=True)
 class Observation:
     """Everything one status update is computed from."""
 
@@ -64,6 +73,8 @@ class Observation:
     adapters: Sequence[AdapterStatus] | None = None
     # The guard model's InferenceService (spec.safety.guard.service) and its state.
     guard: tuple[str, str] | None = None
+    # Each replica group's ranks, for a model that spans nodes; None for one pod per replica.
+    groups: Sequence[GroupStatus] | None = None
 
 
 def build_status(
@@ -78,6 +89,8 @@ def build_status(
     ]
     if observation.adapters is not None:
         conditions.append(adapters_condition(observation.adapters))
+    if observation.groups is not None:
+        conditions.append(groups_condition(observation.groups))
     deployment = observation.deployment
     status: dict[str, Any] = {
         "observedGeneration": observation.generation,
@@ -98,6 +111,11 @@ def build_status(
                 **({"message": adapter.message} if adapter.message else {}),
             }
             for adapter in observation.adapters
+        ]
+    if observation.groups is not None:
+        status["groups"] = [
+            {"name": group.name, "ranks": group.ranks, "ranksReady": group.ranks_ready}
+            for group in observation.groups
         ]
     if observation.guard is not None:
         service, state = observation.guard
@@ -210,6 +228,20 @@ def adapters_condition(adapters: Sequence[AdapterStatus]) -> Condition:
             False, "AdaptersLoading", f"not yet served by every ready replica: {', '.join(waiting)}"
         )
     return condition(True, "AdaptersLoaded", f"{len(adapters)} adapter(s) served by every ready replica")
+
+
+def groups_condition(groups: Sequence[GroupStatus]) -> Condition:
+    def condition(ready: bool, reason: str, message: str) -> Condition:
+        return Condition("GroupsReady", "True" if ready else "False", reason, message)
+
+    waiting = [group for group in groups if group.ranks_ready < group.ranks]
+    if waiting:
+        return condition(
+            False,
+            "RanksStarting",
+            "; ".join(f"{group.name}: {group.ranks_ready} of {group.ranks} ranks ready" for group in waiting),
+        )
+    return condition(True, "AllRanksReady", f"{len(groups)} group(s), every rank ready")
 
 
 def transition_events(

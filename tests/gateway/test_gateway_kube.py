@@ -120,3 +120,22 @@ def test_services_with_an_api_key_carry_the_key_read_from_their_secret() -> None
     assert models["keyed"].client_key == digest
     assert models["unread"].client_key == ClientKey(None), "a key not read refuses requests, never opens"
     assert models["elsewhere"].client_key == ClientKey(None), "Secrets are read in the service's namespace"
+
+
+def test_only_rank_zero_of_a_group_is_routed_to() -> None:
+    """A model that spans nodes: every rank of a group is Ready, but only rank 0 serves the API."""
+    ranks = [pod("big", f"10.0.3.{rank + 1}") for rank in range(2)]
+    for rank, rank_pod in enumerate(ranks):
+        rank_pod["metadata"]["labels"] |= {
+            "kvfleet.dev/group": "0",
+            "apps.kubernetes.io/pod-index": str(rank),
+        }
+    leader, worker = pod("lws", "10.0.4.1"), pod("lws", "10.0.4.2")
+    for index, lws_pod in enumerate([leader, worker]):
+        lws_pod["metadata"]["labels"] |= {
+            "leaderworkerset.sigs.k8s.io/group-index": "0",
+            "leaderworkerset.sigs.k8s.io/worker-index": str(index),
+        }
+    models = model_configs([service("big"), service("lws")], [*ranks, leader, worker], DEFAULTS)
+    assert models["big"].endpoints == ("http://10.0.3.1:8000",)
+    assert models["lws"].endpoints == ("http://10.0.4.1:8000",)

@@ -118,7 +118,7 @@ class CRDValidator:
                     errors.append(f"{where}: Invalid value: {error.args[0]} evaluating rule: {rule['rule']}")
                     continue
                 if not passed:
-                    errors.append(f"{where}: Invalid value: {rule.get('message', rule['rule'])}")
+                    errors.append(f"{where}: Invalid value: {self._message(rule, value)}")
 
     @staticmethod
     def _type_ok(value: Any, schema: dict[str, Any]) -> bool:
@@ -131,10 +131,18 @@ class CRDValidator:
             return False
         return isinstance(value, _TYPES[kind])
 
+    def _message(self, rule: dict[str, Any], value: Any) -> str:
+        if "messageExpression" in rule:
+            return str(self._run(rule["messageExpression"], value))
+        return rule.get("message", rule["rule"])
+
     def _evaluate(self, rule: str, value: Any) -> bool:
-        if rule not in self._programs:
-            self._programs[rule] = self._cel.program(self._cel.compile(rule))
-        return bool(self._programs[rule].evaluate({"self": celpy.json_to_cel(value)}))
+        return bool(self._run(rule, value))
+
+    def _run(self, expression: str, value: Any) -> Any:
+        if expression not in self._programs:
+            self._programs[expression] = self._cel.program(self._cel.compile(expression))
+        return self._programs[expression].evaluate({"self": celpy.json_to_cel(value)})
 
 
 @pytest.fixture(scope="session")

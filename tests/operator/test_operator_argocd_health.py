@@ -10,7 +10,7 @@ from typing import Any
 import lupa
 import pytest
 from kvfleet.operator.observed import DeploymentView, PodView
-from kvfleet.operator.status import FAILURE_REASONS, SCALED_TO_ZERO, Observation, build_status
+from kvfleet.operator.status import FAILURE_REASONS, SCALED_TO_ZERO, GroupStatus, Observation, build_status
 
 LUA = (Path(__file__).resolve().parents[2] / "charts" / "kvfleet" / "files" / "argocd-health.lua").read_text()
 NOW = datetime.datetime(2025, 1, 1, tzinfo=datetime.UTC)
@@ -95,3 +95,21 @@ def test_statuses_the_operator_writes() -> None:
         assert health(service(status=status))["status"] == expected, status["conditions"][0]
     invalid = build_status(observation(blocking_error=("InvalidModelURI", "bad uri")), {}, NOW)
     assert health(service(status=invalid)) == {"status": "Degraded", "message": "bad uri"}
+
+
+def test_a_service_of_groups_is_healthy_only_with_a_whole_group() -> None:
+    groups = [GroupStatus("svc-0", 2, 2), GroupStatus("svc-1", 2, 1)]
+    crashing = PodView(
+        "svc-0-1", "10.0.0.2", False, False, failure_reason="CrashLoopBackOff", failure_message="rank 1 exits"
+    )
+    cases = {
+        # One group whole: it serves while the other's ranks come up.
+        "Healthy": observation(deployment=DeploymentView(1, 1, 2, 2, 2, 1, 1), groups=groups),
+        "Progressing": observation(deployment=DeploymentView(1, 1, 2, 2, 2, 0, 0), groups=groups),
+        "Degraded": observation(
+            deployment=DeploymentView(1, 1, 2, 2, 2, 0, 0), groups=groups, pods=[crashing]
+        ),
+    }
+    for expected, case in cases.items():
+        status = build_status(case, {}, NOW)
+        assert health(service(status=status))["status"] == expected, status["conditions"][0]

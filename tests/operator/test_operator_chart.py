@@ -97,16 +97,31 @@ def test_rbac_grants_what_the_operator_does_and_no_more() -> None:
         "PodDisruptionBudget": "policy",
         "ServiceMonitor": "monitoring.coreos.com",
         "PersistentVolumeClaim": "",
+        "StatefulSet": "apps",
+        "LeaderWorkerSet": "leaderworkerset.x-k8s.io",
     }
     for kind, plural in PLURALS.items():
+        if kind == "Pod":
+            continue
         # Server-side apply creates through PATCH, which the server authorizes as create for new objects.
         assert {"create", "patch"} <= verbs_for(rules, groups[kind], plural), kind
-    assert verbs_for(rules, "apps", "deployments") == {"list", "watch", "create", "patch"}
-    assert verbs_for(rules, "", "pods") == {"list", "watch"}
+    workload = {"list", "watch", "create", "patch", "delete"}
+    assert verbs_for(rules, "apps", "deployments") == workload
+    assert verbs_for(rules, "apps", "statefulsets") == workload
+    assert verbs_for(rules, "leaderworkerset.x-k8s.io", "leaderworkersets") == workload
+    # Pods are never created, only deleted together to restart a group.
+    assert verbs_for(rules, "", "pods") == {"list", "watch", "deletecollection"}
     assert verbs_for(rules, "kvfleet.dev", "inferenceservices/status") == {"patch"}
     assert verbs_for(rules, "", "events") == {"create"}
+    deleting = [rule for rule in rules if {"delete", "deletecollection"} & set(rule["verbs"])]
+    assert {resource for rule in deleting for resource in rule["resources"]} == {
+        "pods",
+        "deployments",
+        "statefulsets",
+        "leaderworkersets",
+    }, "owners delete the other children"
     everything = {verb for rule in rules for verb in rule["verbs"]}
-    assert everything == {"get", "list", "watch", "create", "patch", "update"}, "never delete: owners do that"
+    assert everything == {"get", "list", "watch", "create", "patch", "update", "delete", "deletecollection"}
     assert verbs_for(rules, "kvfleet.dev", "inferenceservices/finalizers") == {"update"}
     assert [r for r in rules if "update" in r["verbs"]] == [
         {"apiGroups": ["kvfleet.dev"], "resources": ["inferenceservices/finalizers"], "verbs": ["update"]}

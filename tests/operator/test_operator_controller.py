@@ -12,11 +12,12 @@ from typing import Any
 import pytest
 from kvfleet.operator import controller as controller_module
 from kvfleet.operator.adapters import AdapterLoadError, AdapterSync, DesiredAdapter, ReplicaUnavailable
+from kvfleet.operator.api import GROUP_LABEL, SERVICE_LABEL
 from kvfleet.operator.autoscaler import PodMetrics
 from kvfleet.operator.controller import IDLE_PASS_SECONDS, ServiceController
 from kvfleet.operator.kube import KubeError
 from kvfleet.operator.metrics import OperatorMetrics
-from kvfleet.operator.observed import DeploymentView, PodView
+from kvfleet.operator.observed import DeploymentView, Observed, PodView, StatefulSetView
 from kvfleet.operator.render import Owner, RenderOptions, render_children
 from kvfleet.operator.safety import GuardState, SafetyPlatform
 from kvfleet.operator.scrape import ScrapeFailure, ScrapeTarget
@@ -32,11 +33,20 @@ class FakeCluster:
     # (namespace, name, key) -> value; None: reading Secrets is forbidden.
     secrets: dict[tuple[str, str, str], str] | None = field(default_factory=dict)
     secret_reads: int = 0
+    # (kind, name) of deleted objects; the label sets of deleted pods.
+    deleted: list[tuple[str, str]] = field(default_factory=list)
+    deleted_pods: list[dict[str, str]] = field(default_factory=list)
 
     async def apply(self, manifest: Mapping[str, Any]) -> None:
         if self.fail_with is not None:
             raise self.fail_with
         self.applied.append(copy.deepcopy(dict(manifest)))
+
+    async def delete(self, api_version: str, kind: str, namespace: str, name: str) -> None:
+        self.deleted.append((kind, name))
+
+    async def delete_pods(self, namespace: str, labels: Mapping[str, str]) -> None:
+        self.deleted_pods.append(dict(labels))
 
     async def patch_status(self, namespace: str, name: str, status: Mapping[str, Any]) -> None:
         self.statuses.append(copy.deepcopy(dict(status)))
@@ -124,8 +134,14 @@ class Harness:
             ),
         )
 
-    def run(self, deployment: DeploymentView | None = None, pods: list[PodView] | None = None) -> float:
-        delay = asyncio.run(self.controller.reconcile(self.body, deployment, pods or []))
+    def run(
+        self,
+        deployment: DeploymentView | None = None,
+        pods: list[PodView] | None = None,
+        stateful_sets: tuple[StatefulSetView, ...] = (),
+    ) -> float:
+        observed = Observed(deployment, pods or [], stateful_sets)
+        delay = asyncio.run(self.controller.reconcile(self.body, observed))
         if self.cluster.statuses:
             self.body["status"] = {k: v for k, v in self.cluster.statuses[-1].items() if v is not None}
         return delay
@@ -336,12 +352,12 @@ def test_unexpected_errors_do_not_end_the_loop() -> None:
     harness = Harness(service())
     calls = {"count": 0}
 
-    def broken_observe() -> tuple[DeploymentView | None, list[PodView]]:
+    def broken_observe() -> Observed:
         calls["count"] += 1
         wakeup.set()  # skip the back-off wait; the loop must still come round
         if calls["count"] >= 2:
             stop.set()
-        return None, [PodView("weird", "not-an-ip", True, False)]
+        return Observed(None, [PodView("weird", "not-an-ip", True, False)])
 
     stop = asyncio.Event()
     wakeup = asyncio.Event()
@@ -502,7 +518,7 @@ def _controller(
 def test_a_loosening_service_is_not_rendered_and_says_why() -> None:
     cluster, events = FakeCluster(), []
     controller = _controller(cluster, events, [GuardState.READY])
-    asyncio.run(controller.reconcile(service(safety={"level": "off"}), None, []))
+    asyncio.run(controller.reconcile(service(safety={"level": "off"}), Observed(None, [])))
     assert cluster.applied == []
     (ready,) = [c for c in cluster.statuses[-1]["conditions"] if c["type"] == "Ready"]
     assert (ready["status"], ready["reason"]) == ("False", "SafetyLoosened")
@@ -513,7 +529,7 @@ def test_the_guards_state_is_in_the_status_with_an_event_while_it_is_unavailable
     cluster, events, guard = FakeCluster(), [], [GuardState.NOT_FOUND]
     controller = _controller(cluster, events, guard)
     body = service(safety={"guard": {"service": "llama-guard"}})
-    asyncio.run(controller.reconcile(body, None, []))
+    asyncio.run(controller.reconcile(body, Observed(None, [])))
     assert cluster.statuses[-1]["safety"] == {"guard": {"service": "llama-guard", "state": "NotFound"}}
     warnings = [message for kind, reason, message in events if reason == "GuardUnavailable"]
     assert warnings == [
@@ -521,6 +537,115 @@ def test_the_guards_state_is_in_the_status_with_an_event_while_it_is_unavailable
         "spec.safety.guard.failOpen says"
     ]
     guard[0] = GuardState.READY
-    asyncio.run(controller.reconcile(body, None, []))
+    asyncio.run(controller.reconcile(body, Observed(None, [])))
     assert cluster.statuses[-1]["safety"]["guard"]["state"] == "Ready"
     assert [reason for _, reason, _ in events].count("GuardAvailable") == 1
+
+
+def grouped_service(**scaling: Any) -> dict[str, Any]:
+    """Tensor parallel 2 on nodes of one GPU: each replica is a group of two pods."""
+    body = service(engine={"tensorParallelSize": 2}, resources={"gpusPerNode": 1})
+    body["spec"]["scaling"] = scaling
+    return body
+
+
+def group_set(group: int, ready: int = 2, updated: int = 2, revision: str = "r1") -> StatefulSetView:
+    return StatefulSetView(f"svc-{group}", group, 1, 1, 2, ready, updated, revision, owner_uid=UID)
+
+
+def group_pods(group: int, ready: int = 2) -> list[PodView]:
+    return [
+        PodView(
+            f"svc-{group}-{rank}", f"127.2.{group}.{rank + 1}", rank < ready, False, group=group, rank=rank
+        )
+        for rank in range(2)
+    ]
+
+
+def test_groups_are_stateful_sets_with_ranks_in_status() -> None:
+    harness = Harness(grouped_service(replicas=2))
+    harness.run()
+    kinds = [m["kind"] for m in harness.cluster.applied]
+    assert kinds == ["StatefulSet", "StatefulSet", "Service", "Service", "PodDisruptionBudget"]
+    assert [m["metadata"]["name"] for m in harness.cluster.applied[:3]] == ["svc-0", "svc-1", "svc-ranks"]
+    harness.run(None, [*group_pods(0), *group_pods(1, ready=1)], (group_set(0), group_set(1, ready=1)))
+    status = harness.cluster.statuses[-1]
+    assert status["groups"] == [
+        {"name": "svc-0", "ranks": 2, "ranksReady": 2},
+        {"name": "svc-1", "ranks": 2, "ranksReady": 1},
+    ]
+    assert (status["replicas"], status["readyReplicas"]) == (2, 1), "replicas count groups"
+    groups_ready = next(c for c in status["conditions"] if c["type"] == "GroupsReady")
+    assert (groups_ready["status"], groups_ready["reason"]) == ("False", "RanksStarting")
+    assert groups_ready["message"] == "svc-1: 1 of 2 ranks ready"
+    ready = next(c for c in status["conditions"] if c["type"] == "Ready")
+    assert ready["status"] == "True", "one whole group serves"
+    harness.run(None, [*group_pods(0), *group_pods(1)], (group_set(0), group_set(1)))
+    groups_ready = next(c for c in harness.cluster.statuses[-1]["conditions"] if c["type"] == "GroupsReady")
+    assert (groups_ready["status"], groups_ready["reason"]) == ("True", "AllRanksReady")
+
+
+def test_the_autoscaler_scrapes_rank_zero_and_adds_whole_groups() -> None:
+    harness = Harness(grouped_service(minReplicas=1, maxReplicas=3, targetQueueDepth=4, panicWindowSeconds=1))
+    harness.scraper.per_pod = PodMetrics(waiting=10, running=2)
+    harness.run()
+    harness.clock.now += 5
+    harness.run(None, group_pods(0), (group_set(0),))
+    assert harness.scraper.calls[-1] == ["http://127.2.0.1:8000/metrics"], "rank 1 serves no metrics"
+    groups = [m["metadata"]["name"] for m in harness.cluster.applied if m["kind"] == "StatefulSet"]
+    assert groups[-3:] == ["svc-0", "svc-1", "svc-2"]
+    assert all(m["spec"]["replicas"] == 2 for m in harness.cluster.applied if m["kind"] == "StatefulSet")
+    assert harness.controller.desired == 3
+
+
+def test_scaling_down_deletes_the_highest_groups() -> None:
+    harness = Harness(grouped_service(replicas=1))
+    harness.run(None, [*group_pods(0), *group_pods(1)], (group_set(0), group_set(1)))
+    assert harness.cluster.deleted == [("StatefulSet", "svc-1")]
+    applied = [m["metadata"]["name"] for m in harness.cluster.applied if m["kind"] == "StatefulSet"]
+    assert applied == ["svc-0"]
+
+
+def test_changing_shape_deletes_the_old_workload() -> None:
+    harness = Harness(grouped_service(replicas=1))
+    harness.run(deployment_at(1), ready_pods(1))
+    assert ("Deployment", "svc") in harness.cluster.deleted
+    harness = Harness(service(scaling={"replicas": 1}))
+    harness.run(deployment_at(1), ready_pods(1), (group_set(0),))
+    assert harness.cluster.deleted == [("StatefulSet", "svc-0")]
+
+
+def test_a_new_template_restarts_one_serving_group_at_a_time() -> None:
+    harness = Harness(grouped_service(replicas=2))
+    pods = [*group_pods(0), *group_pods(1)]
+    outdated = (group_set(0, updated=0, revision="r2"), group_set(1, updated=0, revision="r2"))
+    harness.run(None, pods, outdated)
+    assert harness.cluster.deleted_pods == [{SERVICE_LABEL: "svc", GROUP_LABEL: "0"}]
+    assert harness.reasons()[-1] == "GroupRestarted"
+    # Group 0 is coming back on the new revision: group 1 keeps serving meanwhile.
+    restarting = [*group_pods(0, ready=0), *group_pods(1)]
+    harness.run(None, restarting, (group_set(0, ready=0, updated=2, revision="r2"), outdated[1]))
+    assert len(harness.cluster.deleted_pods) == 1
+    harness.run(None, pods, (group_set(0, revision="r2"), outdated[1]))
+    assert harness.cluster.deleted_pods[-1] == {SERVICE_LABEL: "svc", GROUP_LABEL: "1"}
+    harness.run(None, pods, (group_set(0, revision="r2"), outdated[1]))
+    assert len(harness.cluster.deleted_pods) == 2, "a group is restarted once per revision"
+
+
+def test_a_group_that_serves_nothing_restarts_at_once() -> None:
+    harness = Harness(grouped_service(replicas=2))
+    pods = [*group_pods(0), *group_pods(1, ready=1)]
+    harness.run(
+        None, pods, (group_set(0, updated=0, revision="r2"), group_set(1, 1, updated=0, revision="r2"))
+    )
+    assert harness.cluster.deleted_pods == [{SERVICE_LABEL: "svc", GROUP_LABEL: "1"}]
+
+
+def test_groups_suspended_at_zero_are_scaled_to_zero_not_pending() -> None:
+    harness = Harness(grouped_service(replicas=0))
+    harness.run()
+    harness.run()
+    assert not [m for m in harness.cluster.applied if m["kind"] == "StatefulSet"]
+    ready = next(c for c in harness.cluster.statuses[-1]["conditions"] if c["type"] == "Ready")
+    assert (ready["status"], ready["reason"]) == ("False", "ScaledToZero")
+    assert harness.cluster.statuses[-1]["groups"] == []

@@ -115,11 +115,37 @@ INVALID = {
     "hostPath with hf": (with_spec(model={"hostPath": True}), "hostPath applies only to file"),
     "fewer gpus than tp": (
         with_spec(engine={"tensorParallelSize": 2}, resources={"gpus": 1}),
-        "must be at least engine.tensorParallelSize",
+        "resources.gpus must be at least engine.tensorParallelSize × pipelineParallelSize",
+    ),
+    "fewer gpus than the ranks": (
+        with_spec(engine={"tensorParallelSize": 2, "pipelineParallelSize": 2}, resources={"gpus": 2}),
+        "resources.gpus must be at least engine.tensorParallelSize × pipelineParallelSize",
+    ),
+    "ranks not a multiple of the gpus per node": (
+        with_spec(engine={"tensorParallelSize": 3}, resources={"gpusPerNode": 2}),
+        "engine.tensorParallelSize × pipelineParallelSize must be a multiple of resources.gpusPerNode",
+    ),
+    "group pods with other than the gpus per node": (
+        with_spec(engine={"tensorParallelSize": 4}, resources={"gpusPerNode": 2, "gpus": 1}),
+        "resources.gpus must equal resources.gpusPerNode when the model spans nodes",
+    ),
+    "one pod with more gpus than a node has": (
+        with_spec(engine={"tensorParallelSize": 2}, resources={"gpusPerNode": 4, "gpus": 8}),
+        "resources.gpus must not exceed resources.gpusPerNode",
+    ),
+    "batch over nodes": (
+        with_spec(
+            engine={"tensorParallelSize": 2}, resources={"gpusPerNode": 1}, batch={}, scaling={"replicas": 1}
+        ),
+        "batch needs a replica on one node",
+    ),
+    "unknown group backend": (
+        with_spec(scaling={"groupBackend": "jobset"}),
+        "unsupported value 'jobset'",
     ),
     "cpu with tp": (
         with_spec(engine={"tensorParallelSize": 2}, resources={"gpus": 0}),
-        "must be at least engine.tensorParallelSize",
+        "resources.gpus must be at least engine.tensorParallelSize × pipelineParallelSize (0 only for",
     ),
     "panic window over stable": (
         with_spec(scaling={"panicWindowSeconds": 30, "stableWindowSeconds": 20}),
@@ -182,6 +208,12 @@ def test_invalid_objects_are_rejected(case: tuple[dict[str, Any], str], crd_vali
         "gpus as string",
         "hf without name",
         "fewer gpus than tp",
+        "fewer gpus than the ranks",
+        "ranks not a multiple of the gpus per node",
+        "group pods with other than the gpus per node",
+        "one pod with more gpus than a node has",
+        "batch over nodes",
+        "unknown group backend",
         "name too long",
         "name with a dot",
         "name starting with a digit",

@@ -44,7 +44,7 @@ class Recorder(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(payload)
 
-    do_GET = do_POST = do_PATCH = _handle
+    do_GET = do_POST = do_PATCH = do_DELETE = _handle
 
     def log_message(self, *args: Any) -> None:
         pass
@@ -95,6 +95,31 @@ def test_paths_of_every_child_kind() -> None:
     assert resource_path("monitoring.coreos.com/v1", "ServiceMonitor", "ns") == (
         "/apis/monitoring.coreos.com/v1/namespaces/ns/servicemonitors"
     )
+
+
+def test_deletes_take_what_the_object_owns_and_pass_over_what_is_gone(
+    api: tuple[KubeApi, type[Recorder]],
+) -> None:
+    kube, recorder = api
+    recorder.replies[("DELETE", "/apis/apps/v1/namespaces/ns/statefulsets/gone")] = (404, {"message": "gone"})
+    kube.delete("apps/v1", "StatefulSet", "ns", "svc-1")
+    kube.delete("apps/v1", "StatefulSet", "ns", "gone")
+    kube.delete("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet", "ns", "svc-ranks")
+    first, _, lws = recorder.requests
+    assert (first["method"], first["path"]) == ("DELETE", "/apis/apps/v1/namespaces/ns/statefulsets/svc-1")
+    assert first["query"] == {"propagationPolicy": "Background"}
+    assert lws["path"] == "/apis/leaderworkerset.x-k8s.io/v1/namespaces/ns/leaderworkersets/svc-ranks"
+    recorder.replies[("DELETE", "/apis/apps/v1/namespaces/ns/statefulsets/denied")] = (403, {"message": "no"})
+    with pytest.raises(KubeError):
+        kube.delete("apps/v1", "StatefulSet", "ns", "denied")
+
+
+def test_a_group_is_restarted_by_deleting_its_pods_together(api: tuple[KubeApi, type[Recorder]]) -> None:
+    kube, recorder = api
+    kube.delete_pods("ns", {"kvfleet.dev/inference-service": "svc", "kvfleet.dev/group": "1"})
+    (request,) = recorder.requests
+    assert (request["method"], request["path"]) == ("DELETE", "/api/v1/namespaces/ns/pods")
+    assert request["query"] == {"labelSelector": "kvfleet.dev/group=1,kvfleet.dev/inference-service=svc"}
 
 
 def test_status_is_a_merge_patch_on_the_subresource(api: tuple[KubeApi, type[Recorder]]) -> None:

@@ -34,6 +34,18 @@ def render_example(path: Path, replicas: int = 2) -> tuple[InferenceServiceSpec,
     return spec, render_children(Owner(name, "serving", UID), spec, replicas, OPTIONS)
 
 
+def pod_specs(children: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The pod specs of every workload child: the Deployment, group StatefulSets, a LeaderWorkerSet."""
+    specs = []
+    for child in children:
+        if child["kind"] in ("Deployment", "StatefulSet"):
+            specs.append(child["spec"]["template"]["spec"])
+        elif child["kind"] == "LeaderWorkerSet":
+            template = child["spec"]["leaderWorkerTemplate"]
+            specs += [template["leaderTemplate"]["spec"], template["workerTemplate"]["spec"]]
+    return specs
+
+
 def runtime_container(children: list[dict[str, Any]]) -> dict[str, Any]:
     deployment = next(c for c in children if c["kind"] == "Deployment")
     return deployment["spec"]["template"]["spec"]["containers"][0]
@@ -56,6 +68,8 @@ def test_rendering_is_deterministic(example_path: Path) -> None:
 def test_every_child_is_owned_and_labelled(example_path: Path) -> None:
     spec, children = render_example(example_path)
     kinds = ["Deployment", "Service", "PodDisruptionBudget", "ServiceMonitor"]
+    if spec.grouped:
+        kinds[:1] = ["StatefulSet", "StatefulSet", "Service"]
     if spec.batch is not None and spec.batch.storage == "PersistentVolumeClaim":
         kinds.insert(0, "PersistentVolumeClaim")
     assert [c["kind"] for c in children] == kinds
@@ -76,34 +90,40 @@ def test_every_child_is_owned_and_labelled(example_path: Path) -> None:
 
 def test_deployment_never_drops_capacity_and_drains(example_path: Path) -> None:
     spec, children = render_example(example_path)
-    deployment = next(c for c in children if c["kind"] == "Deployment")
-    if spec.batch is not None:
+    deployment = next((c for c in children if c["kind"] == "Deployment"), None)
+    if spec.grouped:
+        # Groups roll one at a time through the operator (test_operator_controller.py).
+        assert deployment is None
+    elif spec.batch is not None:
         # The Batch API's single replica: its store has one writer, even during a rollout.
-        assert deployment["spec"]["strategy"] == {"type": "Recreate"}
+        assert deployment is not None and deployment["spec"]["strategy"] == {"type": "Recreate"}
     else:
-        assert deployment["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
-    pod = deployment["spec"]["template"]["spec"]
-    container = pod["containers"][0]
-    drain = spec.engine.drain_timeout_seconds
-    assert container["args"][container["args"].index("--drain-timeout") + 1] == str(drain)
-    assert pod["terminationGracePeriodSeconds"] > drain + PRESTOP_DELAY_SECONDS
-    assert container["lifecycle"]["preStop"]["sleep"]["seconds"] == PRESTOP_DELAY_SECONDS
-    assert container["readinessProbe"]["httpGet"]["path"] == "/ready"
-    assert container["livenessProbe"]["httpGet"]["path"] == "/health"
-    startup = container["startupProbe"]
-    assert startup["periodSeconds"] * startup["failureThreshold"] >= spec.engine.startup_timeout_seconds
+        assert (
+            deployment is not None and deployment["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
+        )
+    for pod in pod_specs(children):
+        container = pod["containers"][0]
+        drain = spec.engine.drain_timeout_seconds
+        assert container["args"][container["args"].index("--drain-timeout") + 1] == str(drain)
+        assert pod["terminationGracePeriodSeconds"] > drain + PRESTOP_DELAY_SECONDS
+        assert container["lifecycle"]["preStop"]["sleep"]["seconds"] == PRESTOP_DELAY_SECONDS
+        if not spec.grouped:
+            assert container["readinessProbe"]["httpGet"]["path"] == "/ready"
+        assert container["livenessProbe"]["httpGet"]["path"] == "/health"
+        startup = container["startupProbe"]
+        assert startup["periodSeconds"] * startup["failureThreshold"] >= spec.engine.startup_timeout_seconds
 
 
 def test_pods_run_locked_down(example_path: Path) -> None:
     _, children = render_example(example_path)
-    pod = next(c for c in children if c["kind"] == "Deployment")["spec"]["template"]["spec"]
-    assert pod["securityContext"]["runAsNonRoot"] is True
-    assert pod["automountServiceAccountToken"] is False
-    for container in pod["containers"] + pod.get("initContainers", []):
-        security = container["securityContext"]
-        assert security["allowPrivilegeEscalation"] is False
-        assert security["readOnlyRootFilesystem"] is True
-        assert security["capabilities"] == {"drop": ["ALL"]}
+    for pod in pod_specs(children):
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        assert pod["automountServiceAccountToken"] is False
+        for container in pod["containers"] + pod.get("initContainers", []):
+            security = container["securityContext"]
+            assert security["allowPrivilegeEscalation"] is False
+            assert security["readOnlyRootFilesystem"] is True
+            assert security["capabilities"] == {"drop": ["ALL"]}
 
 
 def test_no_registry_host_in_any_image(example_path: Path) -> None:

@@ -7,8 +7,15 @@ from dataclasses import replace
 from typing import Any
 
 from kvfleet.operator.autoscaler import MetricsSample
-from kvfleet.operator.observed import DeploymentView, PodView, deployment_view, pod_view
-from kvfleet.operator.status import FAILURE_REASONS, Observation, build_status
+from kvfleet.operator.observed import (
+    DeploymentView,
+    PodView,
+    StatefulSetView,
+    deployment_view,
+    pod_view,
+    stateful_set_view,
+)
+from kvfleet.operator.status import FAILURE_REASONS, GroupStatus, Observation, build_status
 
 NOW = datetime.datetime(2025, 1, 2, 3, 4, 5, tzinfo=datetime.UTC)
 LATER = NOW + datetime.timedelta(minutes=5)
@@ -270,3 +277,44 @@ def test_a_fleet_the_autoscaler_scaled_to_zero_stays_ready() -> None:
         observe(autoscaling=False, desired_replicas=0, deployment=deployment(replicas=0)), {}, NOW
     )
     assert conditions(suspended)["Ready"]["status"] == "False", "spec.scaling.replicas: 0 is a suspension"
+
+
+def test_groups_report_their_ranks_and_roll_up_in_a_condition() -> None:
+    groups = [GroupStatus("svc-0", 4, 4), GroupStatus("svc-1", 4, 1)]
+    status = build_status(observe(groups=groups), {}, NOW)
+    assert status["groups"] == [
+        {"name": "svc-0", "ranks": 4, "ranksReady": 4},
+        {"name": "svc-1", "ranks": 4, "ranksReady": 1},
+    ]
+    grouped = conditions(status)["GroupsReady"]
+    assert (grouped["status"], grouped["reason"], grouped["message"]) == (
+        "False",
+        "RanksStarting",
+        "svc-1: 1 of 4 ranks ready",
+    )
+    whole = build_status(observe(groups=[GroupStatus("svc-0", 4, 4)]), {}, NOW)
+    assert conditions(whole)["GroupsReady"]["status"] == "True"
+    single = build_status(observe(), {}, NOW)
+    assert "groups" not in single and "GroupsReady" not in conditions(single)
+
+
+def test_a_group_statefulset_is_read_with_its_revision() -> None:
+    view = stateful_set_view(
+        {
+            "metadata": {
+                "name": "svc-1",
+                "generation": 3,
+                "labels": {"kvfleet.dev/group": "1"},
+                "ownerReferences": [{"uid": "u", "controller": True}],
+            },
+            "spec": {"replicas": 2},
+            "status": {
+                "observedGeneration": 3,
+                "readyReplicas": 2,
+                "updatedReplicas": 1,
+                "updateRevision": "r2",
+            },
+        }
+    )
+    assert view == StatefulSetView("svc-1", 1, 3, 3, 2, 2, 1, "r2", owner_uid="u")
+    assert not view.rolled_out, "one pod still runs the old template"

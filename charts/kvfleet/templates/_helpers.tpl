@@ -41,12 +41,18 @@ app.kubernetes.io/component: operator
 - apiGroups: ["kvfleet.dev"]
   resources: ["inferenceservices/finalizers"]
   verbs: ["update"]
+# deletecollection: a model that spans nodes starts a group on a new template by deleting its pods together.
 - apiGroups: [""]
   resources: ["pods"]
-  verbs: ["list", "watch"]
+  verbs: ["list", "watch", "deletecollection"]
+# delete: groups above the desired count, and the workload of another shape after the spec changed shape
+# (one pod per replica, a StatefulSet per group, a LeaderWorkerSet).
 - apiGroups: ["apps"]
-  resources: ["deployments"]
-  verbs: ["list", "watch", "create", "patch"]
+  resources: ["deployments", "statefulsets"]
+  verbs: ["list", "watch", "create", "patch", "delete"]
+- apiGroups: ["leaderworkerset.x-k8s.io"]
+  resources: ["leaderworkersets"]
+  verbs: ["list", "watch", "create", "patch", "delete"]
 - apiGroups: [""]
   resources: ["services"]
   verbs: ["create", "patch"]
