@@ -37,6 +37,9 @@ class MultiTurnRun:
     seconds: float
     prompt_tokens: int
     prefill_tokens_computed: int
+    # Where the cached tokens came from: the device's prefix cache, and the host tier (in tokens).
+    device_hit_tokens: int
+    host_hit_tokens: int
     # Per turn (index 0 is turn 1): each user's time to first token, in seconds.
     ttft_by_turn: list[list[float]]
     answers: dict[tuple[int, int], list[int]] = field(repr=False)
@@ -79,7 +82,7 @@ def run_conversations(llm: LLM, settings: MultiTurnSettings, *, prefix_caching: 
     ttft_by_turn: list[list[float]] = [[] for _ in range(settings.num_turns)]
     answers: dict[tuple[int, int], list[int]] = {}
     prompt_tokens = 0
-    computed_before = engine.stats.num_prefill_tokens_computed
+    before = engine.stats
 
     def send(user: int, turn: int) -> None:
         nonlocal prompt_tokens
@@ -101,11 +104,15 @@ def run_conversations(llm: LLM, settings: MultiTurnSettings, *, prefix_caching: 
             histories[user] += answer
             if turn + 1 < settings.num_turns:
                 send(user, turn + 1)
+    after = engine.stats
+    host_blocks = after.kv_offload_prefix_blocks_loaded - before.kv_offload_prefix_blocks_loaded
     return MultiTurnRun(
         prefix_caching=prefix_caching,
         seconds=time.monotonic() - start,
         prompt_tokens=prompt_tokens,
-        prefill_tokens_computed=engine.stats.num_prefill_tokens_computed - computed_before,
+        prefill_tokens_computed=after.num_prefill_tokens_computed - before.num_prefill_tokens_computed,
+        device_hit_tokens=after.prefix_cache_hits - before.prefix_cache_hits,
+        host_hit_tokens=host_blocks * engine.config.block_size,
         ttft_by_turn=ttft_by_turn,
         answers=answers,
     )

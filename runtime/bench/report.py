@@ -97,10 +97,16 @@ def print_multi_turn_report(report: MultiTurnReport) -> None:
         f"{settings.system_prompt_len}, messages {settings.user_message_len}, answers {settings.answer_len} "
         "tokens\n"
     )
-    print("| prefix caching | seconds | prompt tokens | prefill tokens computed |")
-    print("| --- | ---: | ---: | ---: |")
+    print(
+        "| prefix caching | seconds | prompt tokens | prefill tokens computed | device cache hits | "
+        "host tier hits |"
+    )
+    print("| --- | ---: | ---: | ---: | ---: | ---: |")
     for label, run in (("on", cached), ("off", uncached)):
-        print(f"| {label} | {run.seconds:.1f} | {run.prompt_tokens} | {run.prefill_tokens_computed} |")
+        print(
+            f"| {label} | {run.seconds:.1f} | {run.prompt_tokens} | {run.prefill_tokens_computed} | "
+            f"{run.device_hit_tokens} | {run.host_hit_tokens} |"
+        )
     print(f"\nprefill tokens saved by prefix caching: {report.prefill_saved:.1%}\n")
     print("| turn | median TTFT, caching on (ms) | median TTFT, caching off (ms) |")
     print("| ---: | ---: | ---: |")

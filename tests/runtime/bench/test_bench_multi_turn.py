@@ -40,7 +40,7 @@ def test_multi_turn_reuses_every_earlier_turn_including_answers(tiny_llama: Path
     result = CliRunner().invoke(cli, args, catch_exceptions=False)
     assert result.exit_code == 0, result.output
     output = result.stdout
-    rows = dict(re.findall(r"^\| (on|off) \| [\d.]+ \| \d+ \| (\d+) \|$", output, re.MULTILINE))
+    rows = dict(re.findall(r"^\| (on|off) \| [\d.]+ \| \d+ \| (\d+) \| \d+ \| 0 \|$", output, re.MULTILINE))
     prompts = [SYSTEM + MESSAGE + turn * (ANSWER + MESSAGE) for turn in range(TURNS)]
     assert int(rows["off"]) == USERS * sum(prompts)
     assert int(rows["on"]) == _expected_prefill_with_caching()
