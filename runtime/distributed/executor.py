@@ -33,8 +33,8 @@ import zmq
 from kvfleet.runtime.child_process import describe_exit, start_child
 from kvfleet.runtime.config import EngineConfig
 from kvfleet.runtime.core.outputs import ModelRunnerOutput, SchedulerOutput
+from kvfleet.runtime.distributed.messages import StepDone, WorkerCommand, WorkerReady, WorkerSpec
 from kvfleet.runtime.distributed.parallel import check_devices, check_model_fits
-from kvfleet.runtime.distributed.worker_proc import StepDone, WorkerCommand, WorkerReady, WorkerSpec
 from kvfleet.runtime.models.loader import resolve_device
 from kvfleet.runtime.models.model_config import ModelConfig
 from kvfleet.runtime.worker.model_runner import ModelRunner

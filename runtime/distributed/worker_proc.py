@@ -20,13 +20,12 @@ import pickle
 import select
 import signal
 import threading
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import zmq
 from kvfleet.runtime.child_process import child_arguments
-from kvfleet.runtime.config import EngineConfig
+from kvfleet.runtime.distributed.messages import StepDone, WorkerReady, WorkerSpec
 from kvfleet.runtime.distributed.parallel import COLLECTIVE_TIMEOUT, ParallelContext, set_parallel_context
 from kvfleet.runtime.worker.model_runner import ModelRunner
 from kvfleet.runtime.worker.step_inputs import StepInputs
@@ -35,41 +34,6 @@ logger = logging.getLogger(__name__)
 
 # How long ranks wait for each other to join the group (nodes start at different times).
 _JOIN_TIMEOUT = datetime.timedelta(minutes=15)
-
-
-@dataclass(frozen=True)
-class WorkerSpec:
-    """What a worker process is started with."""
-
-    config: EngineConfig
-    rank: int
-    local_rank: int
-    core_address: str
-    log_level: int
-
-
-@dataclass
-class WorkerReady:
-    rank: int
-    kv_cache_bytes_per_block: int
-    # Bytes of memory the KV cache may take on this rank.
-    kv_cache_budget_bytes: float
-    # What loading held: the rank's parameters, and the largest slice read from the checkpoint at once.
-    parameter_bytes: int
-    peak_load_buffer_bytes: int
-
-
-@dataclass
-class StepDone:
-    rank: int
-    # Why the step failed on this rank, or None.
-    error: str | None = None
-    # The step's logits (float32), from the rank that sends them.
-    logits_shape: tuple[int, ...] | None = None
-
-
-# What the core sends: ("kv_cache", blocks), ("host_kv_tier", blocks) or ("step", StepInputs).
-WorkerCommand = tuple[str, object]
 
 
 def run_worker(spec: WorkerSpec, parent_pid: int, ready_fd: int | None) -> None:

@@ -19,6 +19,7 @@ import httpx
 import openai
 from kvfleet.runtime import LLM, SamplingParams
 from ports import free_port
+from server_checks import child_processes
 
 if TYPE_CHECKING:
     from conftest import ServerProcess
@@ -28,25 +29,9 @@ WORKER_MODULE = "kvfleet.runtime.distributed.worker_proc"
 PROMPT = "The quick brown fox"
 
 
-def _children(pid: int) -> dict[int, str]:
-    """Child processes of pid, with their command lines."""
-    children = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
-        except (FileNotFoundError, ProcessLookupError):
-            continue
-        if parent == pid:
-            children[int(entry.name)] = command
-    return children
-
-
 def _descendants(pid: int) -> dict[int, str]:
     found = {}
-    for child, command in _children(pid).items():
+    for child, command in child_processes(pid).items():
         found[child] = command
         found.update(_descendants(child))
     return found
@@ -81,7 +66,7 @@ def test_killing_a_worker_fails_every_request_and_ends_the_server(
     server = start_server("--tensor-parallel-size", "2")
     processes = _descendants(server.pid)
     (core,) = [pid for pid, command in processes.items() if CORE_MODULE in command]
-    workers = [pid for pid, command in _children(core).items() if WORKER_MODULE in command]
+    workers = [pid for pid, command in child_processes(core).items() if WORKER_MODULE in command]
     assert len(workers) == 2, processes
     client = _client(server)
     outcomes: dict[int, str] = {}
@@ -203,7 +188,7 @@ def test_two_nodes_form_one_group_and_a_broken_group_ends_node_one(
             str(master_port),
         )
         assert len([c for c in _descendants(node0.pid).values() if WORKER_MODULE in c]) == 1
-        assert len([c for c in _children(node1.pid).values() if WORKER_MODULE in c]) == 1
+        assert len([c for c in child_processes(node1.pid).values() if WORKER_MODULE in c]) == 1
         assert httpx.get(f"{node1_url}/health", timeout=2).status_code == 200
 
         completion = _client(node0).completions.create(
