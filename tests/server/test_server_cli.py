@@ -38,8 +38,8 @@ def _run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedP
         ),
         (["--pipeline-parallel-size", "3"], "pipeline_parallel_size 3 does not divide the model's 2 layers"),
         (
-            ["--tensor-parallel-size", "2", "--pipeline-parallel-size", "3", "--nnodes", "2"],
-            "6 ranks do not split evenly over nnodes=2",
+            ["--pipeline-parallel-size", "3", "--nnodes", "2"],
+            "pipeline_parallel_size = 3 ranks do not split evenly over nnodes=2",
         ),
         (["--nnodes", "2", "--node-rank", "2"], "node_rank must be in [0, 2) for nnodes=2"),
         (["--tensor-parallel-size", "2", "--distributed-executor-backend", "ray"], "the only backend is mp"),
