@@ -73,6 +73,25 @@ class EngineConfig:
         "Seconds a structured-output grammar may take to compile; past them its request alone fails (a 400).",
         default=30.0,
     )
+    tensor_parallel_size: int = _option(
+        "Ranks that split every layer (attention heads, MLP columns, vocabulary) between them.", default=1
+    )
+    pipeline_parallel_size: int = _option("Stages that split the layers between them.", default=1)
+    distributed_executor_backend: str | None = _option(
+        "How ranks run when tensor_parallel_size x pipeline_parallel_size > 1: mp (one worker process per "
+        "rank, the default).",
+        default=None,
+    )
+    nnodes: int = _option("Nodes the ranks are spread over, evenly.", default=1)
+    node_rank: int = _option(
+        "This node's index; node 0 serves the API, the others only their workers and GET /health.", default=0
+    )
+    master_addr: str = _option("Address of node 0, where the ranks meet.", default="127.0.0.1")
+    master_port: int = _option(
+        "Port of torch.distributed's rendezvous on node 0; the engine core also listens on the next one "
+        "when nnodes > 1.",
+        default=29501,
+    )
 
     def __post_init__(self) -> None:
         self.validate()
@@ -113,6 +132,33 @@ class EngineConfig:
         require(
             self.structured_outputs_compile_timeout > 0, "structured_outputs_compile_timeout must be positive"
         )
+        require(self.tensor_parallel_size > 0, "tensor_parallel_size must be positive")
+        require(self.pipeline_parallel_size > 0, "pipeline_parallel_size must be positive")
+        require(
+            self.distributed_executor_backend in (None, "mp"),
+            f"distributed_executor_backend {self.distributed_executor_backend!r} is not supported; the only "
+            "backend is mp (one worker process per rank)",
+        )
+        require(self.nnodes > 0, "nnodes must be positive")
+        require(
+            0 <= self.node_rank < self.nnodes,
+            f"node_rank must be in [0, {self.nnodes}) for nnodes={self.nnodes}",
+        )
+        require(
+            self.world_size % self.nnodes == 0,
+            f"tensor_parallel_size x pipeline_parallel_size = {self.world_size} ranks do not split evenly "
+            f"over nnodes={self.nnodes}",
+        )
+        require(0 < self.master_port < 65535, "master_port must be a TCP port below 65535")
+        require(
+            not (self.enable_lora and self.world_size > 1),
+            "enable_lora needs tensor_parallel_size = pipeline_parallel_size = 1 (adapters are not sharded)",
+        )
+
+    @property
+    def world_size(self) -> int:
+        """Ranks that run the model: tensor_parallel_size x pipeline_parallel_size."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
     def speculative(self) -> SpeculativeConfig | None:
         """The parsed speculative_config, or None when speculation is off."""

@@ -113,6 +113,8 @@ def run_kvfleet(args: argparse.Namespace) -> dict[str, Any]:
     }
     if args.attention_backend:
         options["attention_backend"] = args.attention_backend
+    if args.tensor_parallel_size > 1:
+        options["tensor_parallel_size"] = args.tensor_parallel_size
     start = time.perf_counter()
     llm = LLM(args.model, **options)
     load_seconds = time.perf_counter() - start
@@ -184,6 +186,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--attention-backend", default=None)
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, help="worker processes, one GPU each")
     parser.add_argument("--device", default="cuda", help="cpu only to check this script on toy sizes")
     return parser.parse_args(argv)
 

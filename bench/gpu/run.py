@@ -1,5 +1,6 @@
 """kvfleet GPU benchmark: kernels checked and timed against the card's copy bandwidth, then end-to-end output
-tokens/s of kvfleet against Transformers `generate`, written as a markdown section.
+tokens/s of kvfleet against Transformers `generate`, and with two GPUs or more tensor parallel (TP=2 against
+one GPU), written as a markdown section.
 
 Runs from a clean checkout with the machine's own torch, Triton and Transformers (nothing installed):
 
@@ -37,6 +38,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--no-sweep", action="store_true", help="skip the decode tiling sweep")
     parser.add_argument("--no-engine", action="store_true", help="skip the end-to-end section")
     parser.add_argument("--no-8b", action="store_true", help="end to end on the small model only")
+    parser.add_argument("--no-tp", action="store_true", help="skip the tensor parallel section (2+ GPUs)")
     parser.add_argument("--requests", type=int, default=256, help="concurrent requests end to end")
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
@@ -178,6 +180,43 @@ def engine_section(args: argparse.Namespace, clock: Clock) -> list[str]:
     return lines
 
 
+def tensor_parallel_section(args: argparse.Namespace, clock: Clock) -> list[str]:
+    """The small preset on one GPU and split over two (one worker process per GPU, NCCL): throughput, and
+    whether the greedy first tokens agree with one GPU's."""
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        return [f"Skipped: tensor parallelism needs 2 GPUs, this machine has {torch.cuda.device_count()}."]
+    lines = [
+        f"Small preset, {args.requests} concurrent requests, {args.prompt_len} prompt and {args.output_len} "
+        "output tokens each, bfloat16.",
+        "",
+        "| tensor_parallel_size | out tok/s | load s | first tokens agree with 1 GPU |",
+        "| ---: | ---: | ---: | ---: |",
+    ]
+    workload = ["--requests", str(args.requests), "--prompt-len", str(args.prompt_len)]
+    workload += ["--output-len", str(args.output_len)]
+    with tempfile.TemporaryDirectory(prefix="kvfleet-bench-tp-") as scratch:
+        folder = str(Path(scratch) / "small")
+        try:
+            run_child(["make-small", folder], clock.left())
+            results = {
+                tp: run_child(["kvfleet", folder, *workload, "--tensor-parallel-size", str(tp)], clock.left())
+                for tp in (1, 2)
+            }
+        except (RuntimeError, subprocess.TimeoutExpired) as exc:
+            log(f"tensor parallel: {exc}")
+            return [f"Failed: {str(exc).splitlines()[0][:200]}"]
+    for tp, result in results.items():
+        agree = agreement(result["first_tokens"], results[1]["first_tokens"])
+        lines.append(
+            f"| {tp} | {result['output_tokens'] / result['seconds']:,.0f} | {result['load_seconds']:.1f} | "
+            f"{100 * agree:.0f}% |"
+        )
+        log(lines[-1])
+    return lines
+
+
 def main() -> None:
     args = parse_args()
     if args.smoke:
@@ -197,6 +236,8 @@ def main() -> None:
     lines += ["### Kernels", "", *kernel_lines, ""]
     if not args.smoke and not args.no_engine:
         lines += ["### End to end", "", *engine_section(args, clock), ""]
+    if not args.smoke and not args.no_tp:
+        lines += ["### Tensor parallel", "", *tensor_parallel_section(args, clock), ""]
     lines.append(f"Whole run: {clock.elapsed():.0f} s.")
     report = "\n".join(lines) + "\n"
     print(report)

@@ -17,11 +17,11 @@ import math
 import os
 import time
 
-import torch
 from kvfleet.runtime.config import EngineConfig
 from kvfleet.runtime.core.host_kv_tier import HostKVTier
 from kvfleet.runtime.core.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput, SchedulerStats
 from kvfleet.runtime.core.scheduler import Scheduler
+from kvfleet.runtime.distributed.executor import WorkerFailedError, make_executor
 from kvfleet.runtime.engine.errors import (
     EngineOverloadedError,
     InvalidRequestError,
@@ -38,13 +38,10 @@ from kvfleet.runtime.request import Request, RequestStatus
 from kvfleet.runtime.spec_decode.speculator import Speculator, make_proposer
 from kvfleet.runtime.structured_outputs.compiler import GrammarCompiler, RequestGrammar
 from kvfleet.runtime.structured_outputs.token_rules import TokenRules
-from kvfleet.runtime.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
 GiB = 1 << 30
-# Room for activations, logits and allocator slack when the KV pool is sized from GPU memory.
-_CUDA_ACTIVATION_RESERVE_BYTES = 2 * GiB
 _DEFAULT_CHUNKED_TOKEN_BUDGET = 2048
 # With nothing to run but grammars compiling, a step waits this long for one of them instead of spinning.
 _GRAMMAR_WAIT_S = 0.01
@@ -66,12 +63,19 @@ class EngineCore:
             raise ValueError("max_waiting_requests must be at least 1")
         self.config = config
         self.max_waiting_requests = max_waiting_requests
-        self.runner = ModelRunner(config, reserved_cpus=reserved_cpus)
-        self.runner.load_model()
+        self.executor = make_executor(config, reserved_cpus=reserved_cpus)
+        try:
+            self._start(config, background_priority)
+        except BaseException:
+            self.executor.shutdown()
+            raise
+
+    def _start(self, config: EngineConfig, background_priority: int | None) -> None:
+        self.runner = self.executor.runner
         self.max_model_len: int = self.runner.max_model_len
         self.vocab_size: int = self.runner.vocab_size
         self.num_kv_blocks = self._num_kv_blocks()
-        self.runner.initialize_kv_cache(self.num_kv_blocks)
+        self.executor.initialize_kv_cache(self.num_kv_blocks)
         host_kv_tier = self._host_kv_tier()
         self.max_num_batched_tokens = self._token_budget()
         self.scheduler = Scheduler(
@@ -119,6 +123,10 @@ class EngineCore:
             self.max_num_batched_tokens,
         )
 
+    def shutdown(self) -> None:
+        """Stop the worker processes, if the executor runs any."""
+        self.executor.shutdown()
+
     @property
     def info(self) -> EngineInfo:
         runner = self.runner
@@ -138,16 +146,9 @@ class EngineCore:
         if config.num_kv_blocks is not None:
             num_blocks = config.num_kv_blocks
         else:
-            per_block = self.runner.kv_cache_bytes_per_block()
-            if self.runner.device.type == "cuda":
-                free, total = torch.cuda.mem_get_info(self.runner.device)
-                used_by_others = total - free
-                budget = (
-                    total * config.gpu_memory_utilization - used_by_others - _CUDA_ACTIVATION_RESERVE_BYTES
-                )
-            else:
-                budget = config.cpu_kv_cache_space * GiB
-            num_blocks = int(budget // per_block)
+            num_blocks = int(
+                self.executor.kv_cache_budget_bytes() // self.executor.kv_cache_bytes_per_block()
+            )
         if num_blocks < 1:
             raise ValueError("no memory left for the KV cache; raise the memory budget or shrink the model")
         if num_blocks < blocks_per_sequence:
@@ -168,10 +169,10 @@ class EngineCore:
                 f"kv_offloading_size {size:g} GiB is more than the host's available memory "
                 f"({available / GiB:.1f} GiB)"
             )
-        num_blocks = int(size * GiB // self.runner.kv_cache_bytes_per_block())
+        num_blocks = int(size * GiB // self.executor.kv_cache_bytes_per_block())
         if num_blocks < 1:
             raise ValueError(f"kv_offloading_size {size:g} GiB holds no KV block of this model")
-        self.runner.initialize_host_kv_tier(num_blocks)
+        self.executor.initialize_host_kv_tier(num_blocks)
         return HostKVTier(num_blocks)
 
     def _token_budget(self) -> int:
@@ -325,7 +326,9 @@ class EngineCore:
         if scheduler_output.total_num_scheduled_tokens == 0:
             return self.scheduler.update_from_output(scheduler_output, ModelRunnerOutput([], [], []))
         try:
-            runner_output = self.runner.execute_model(scheduler_output)
+            runner_output = self.executor.execute_model(scheduler_output)
+        except WorkerFailedError:
+            raise  # the group is broken: nothing can run any more
         except Exception as exc:
             if scheduler_output.num_reqs == 1:
                 request = scheduler_output.requests[0]
@@ -351,8 +354,10 @@ class EngineCore:
             sampled: list[int] = []
             logprobs = None
             try:
-                single = self.runner.execute_model(scheduler_output.subset([index]))
+                single = self.executor.execute_model(scheduler_output.subset([index]))
                 sampled, logprobs = single.sampled_token_ids[0], single.logprobs[0]
+            except WorkerFailedError:
+                raise
             except Exception as exc:
                 self._fail(request, exc, errors)
             merged.req_ids.append(request.request_id)

@@ -19,6 +19,7 @@ import msgspec
 import zmq
 from kvfleet.runtime.child_process import child_arguments
 from kvfleet.runtime.config import EngineConfig
+from kvfleet.runtime.distributed.executor import WorkerFailedError
 from kvfleet.runtime.engine.messages import (
     AbortRequests,
     AddRequest,
@@ -65,7 +66,11 @@ def run_engine_core(
         raise SystemExit(1) from None
     try:
         EngineCoreProc(core, socket, parent).run()
+    except WorkerFailedError as exc:
+        logger.error("stopping the engine core: %s", exc)
+        raise SystemExit(1) from None
     finally:
+        core.shutdown()
         socket.close(linger=0)
         context.term()
 
@@ -94,12 +99,18 @@ class EngineCoreProc:
         poller = zmq.Poller()
         poller.register(self.socket, zmq.POLLIN)
         poller.register(self.parent_fd, zmq.POLLIN)
+        # Worker processes (tensor and pipeline parallelism): one that exits, even while idle, ends the core.
+        worker_fds = self.core.executor.worker_fds
+        for fd in worker_fds:
+            poller.register(fd, zmq.POLLIN)
         while True:
             busy = self.core.has_unfinished_requests()
             events = dict(poller.poll(0 if busy else None))
             if self.parent_fd in events:
                 logger.info("the API server has exited; stopping the engine core")
                 return
+            if any(fd in events for fd in worker_fds):
+                self.core.executor.check_workers()
             received = self.socket in events and self._receive()
             if self.core.has_unfinished_requests():
                 self._send(self.core.step())

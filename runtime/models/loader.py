@@ -5,10 +5,12 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from kvfleet.runtime.attention.backend import AttentionBackend
+from kvfleet.runtime.distributed.parallel import parallel_context
 from kvfleet.runtime.models.layers import pack_linears_for_cpu
 from kvfleet.runtime.models.model_config import DTYPES, ModelConfig
 from kvfleet.runtime.models.registry import ModelRegistry
@@ -57,11 +59,34 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     return found
 
 
-def iterate_weights(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+@dataclass
+class LoadStats:
+    """What loading held in memory: the model's parameters, and the largest tensor read from the checkpoint
+    at once (the load buffer: with parallelism, the largest slice this rank reads)."""
+
+    parameter_bytes: int = 0
+    peak_buffer_bytes: int = 0
+
+
+def iterate_weights(
+    files: list[Path], model: nn.Module, stats: LoadStats
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's tensors, or just the slices the model holds when it says which
+    (`checkpoint_slice(name, shape)`, None for a tensor it holds none of): only those bytes are read."""
+    choose = getattr(model, "checkpoint_slice", None)
     for path in files:
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open handles are not iterable)
-                yield name, f.get_tensor(name)
+                if choose is None:
+                    tensor = f.get_tensor(name)
+                else:
+                    handle = f.get_slice(name)
+                    part = choose(name, handle.get_shape())
+                    if part is None:
+                        continue
+                    tensor = handle[part]
+                stats.peak_buffer_bytes = max(stats.peak_buffer_bytes, tensor.numel() * tensor.element_size())
+                yield name, tensor
 
 
 def load_model(
@@ -73,10 +98,18 @@ def load_model(
     device: torch.device,
     max_position: int,
     registry: ModelRegistry | None = None,
+    stats: LoadStats | None = None,
 ) -> nn.Module:
-    """Build the registered class for the config's architecture and fill it from the folder's weights."""
+    """Build the registered class for the config's architecture and fill it from the folder's weights.
+    `stats`, when given, is filled with what loading held in memory."""
     model_dir = Path(model_dir)
     model_class = (registry or ModelRegistry()).resolve(model_config.architecture)
+    parallel = parallel_context()
+    if parallel.tp_size * parallel.pp_size > 1 and not hasattr(model_class, "checkpoint_slice"):
+        raise ValueError(
+            f"{model_config.architecture} ({model_class.__name__}) cannot be split between ranks: it does "
+            "not say which slice of each checkpoint tensor a rank holds (checkpoint_slice)"
+        )
     files = safetensors_files(model_dir)
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
@@ -85,9 +118,11 @@ def load_model(
             model = model_class(model_config, attention, max_position)
     finally:
         torch.set_default_dtype(default_dtype)
+    stats = stats or LoadStats()
     with torch.no_grad():
-        model.load_weights(iterate_weights(files))
+        model.load_weights(iterate_weights(files, model, stats))
     num_parameters = sum(p.numel() for p in model.parameters())
+    stats.parameter_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     packed = pack_linears_for_cpu(model) if device.type == "cpu" else 0
     logger.info(
         "loaded %s from %s: %.1fM parameters, %s on %s%s",

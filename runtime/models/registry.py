@@ -6,7 +6,9 @@ A plugin package declares, e.g. in its pyproject.toml:
 
 A model class is built as `cls(model_config, attention_backend, max_position)` and provides
 `forward(input_ids, positions, kv_caches, plan) -> hidden`, `compute_logits(hidden) -> float32 logits` and
-`load_weights(iterable of (checkpoint name, tensor))`, like `LlamaForCausalLM`.
+`load_weights(iterable of (checkpoint name, tensor))`, like `LlamaForCausalLM`. To run split between
+tensor- or pipeline-parallel ranks it also provides `checkpoint_slice(name, shape)` and builds its shard from
+`kvfleet.runtime.distributed.parallel.parallel_context()`.
 """
 
 from __future__ import annotations

@@ -198,7 +198,6 @@ served_model_name_option = click.option(
     help="Input and output guardrails: a JSON policy, or the path of a JSON file holding one (see "
     "docs/safety.md).",
 )
-@click.option("--tensor-parallel-size", type=int, default=1, show_default=True, help="Only 1 is supported.")
 @click.option("--access-log/--no-access-log", default=False, show_default=True)
 @engine_options
 def serve(
@@ -228,15 +227,11 @@ def serve(
     allow_runtime_lora_updates: bool,
     lora_download_dir: str | None,
     safety_config: str | None,
-    tensor_parallel_size: int,
     access_log: bool,
     **options: Any,
 ) -> None:
-    """Serve MODEL over an OpenAI-compatible HTTP API."""
-    if tensor_parallel_size != 1:
-        raise click.BadParameter(
-            "only 1 is supported: kvfleet runs each model on one device", param_hint="--tensor-parallel-size"
-        )
+    """Serve MODEL over an OpenAI-compatible HTTP API; with --node-rank above 0, run only this node's share of
+    the ranks and serve GET /health."""
     if TIERS[default_priority] < TIERS[max_priority_tier]:
         raise click.BadParameter(
             f"{default_priority!r} is more urgent than --max-priority-tier {max_priority_tier!r}",
@@ -248,8 +243,16 @@ def serve(
         )
     try:
         config = engine_config_from_options(model, options)
+        if config.world_size > 1:
+            from kvfleet.runtime.distributed.executor import check_parallel_config
+
+            check_parallel_config(config)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc
+    if config.node_rank > 0:
+        from kvfleet.runtime.distributed.node import run_node
+
+        sys.exit(run_node(config, host, port))
 
     from kvfleet.runtime.server.launcher import ServeOptions, run_server
     from kvfleet.runtime.server.state import ServerSettings

@@ -9,17 +9,20 @@ import os
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from kvfleet.runtime.attention.backend import AttentionBackend, AttentionMetadata, AttentionSpec
 from kvfleet.runtime.attention.selector import select_attention_backend
 from kvfleet.runtime.config import EngineConfig
 from kvfleet.runtime.core.host_kv_tier import TierCopies
 from kvfleet.runtime.core.outputs import ModelRunnerOutput, SchedulerOutput
+from kvfleet.runtime.distributed.parallel import local_kv_heads, parallel_context
 from kvfleet.runtime.kernels import fused_layers
 from kvfleet.runtime.lora.manager import LoRAManager
 from kvfleet.runtime.models.layers import LENGTH_DEPENDENT_ROPE_TYPES
-from kvfleet.runtime.models.loader import load_model, resolve_device, resolve_dtype
+from kvfleet.runtime.models.loader import LoadStats, load_model, resolve_device, resolve_dtype
 from kvfleet.runtime.models.model_config import ModelConfig
 from kvfleet.runtime.worker.sampler import Sampler, SpeculativeBatch
+from kvfleet.runtime.worker.step_inputs import StepInputs
 from torch import nn
 
 logger = logging.getLogger(__name__)
@@ -47,6 +50,10 @@ class _HostBuffer:
         return self.tensor[:size].to(device, non_blocking=True)
 
 
+GiB = 1 << 30
+# Room for activations, logits and allocator slack when the KV pool is sized from GPU memory.
+_CUDA_ACTIVATION_RESERVE_BYTES = 2 * GiB
+
 # A CPU step of at least this many tokens is compute-bound (prefill chunks, large batches) and runs on every
 # thread; a smaller one is bound by reading the weights and leaves the reserved CPUs to the front end.
 _CPU_PARALLEL_STEP_TOKENS = 16
@@ -64,9 +71,12 @@ class ModelRunner:
         self.max_model_len = self._max_model_len()
         self.max_blocks_per_seq = -(-self.max_model_len // self.block_size)
         self._cpu_threads = _cpu_threads(reserved_cpus) if self.device.type == "cpu" else None
+        # This rank's share of the model (all of it outside a tensor- or pipeline-parallel worker).
+        self.parallel = parallel = parallel_context()
+        self.num_layers = self.model_config.num_hidden_layers // parallel.pp_size
         self.attention_spec = AttentionSpec(
-            num_heads=self.model_config.num_attention_heads,
-            num_kv_heads=self.model_config.num_key_value_heads,
+            num_heads=self.model_config.num_attention_heads // parallel.tp_size,
+            num_kv_heads=local_kv_heads(self.model_config, parallel.tp_size),
             head_dim=self.model_config.head_dim,
             block_size=self.block_size,
             dtype=self.dtype,
@@ -74,6 +84,7 @@ class ModelRunner:
         )
         self.attention_backend = self._make_attention_backend()
         self.model: nn.Module | None = None
+        self.load_stats = LoadStats()
         self.lora_manager: LoRAManager | None = None
         self.kv_caches: list[torch.Tensor] = []
         # The host-memory tier's blocks, in the device cache's layout (pinned on CUDA); empty without one.
@@ -122,6 +133,7 @@ class ModelRunner:
             dtype=self.dtype,
             device=self.device,
             max_position=self.max_model_len,
+            stats=self.load_stats,
         )
         config = self.config
         if config.enable_lora:
@@ -138,10 +150,20 @@ class ModelRunner:
                 use_triton=fused_layers.enabled_on(self.device) or self.attention_backend.name == "triton",
             )
 
+    def kv_cache_budget_bytes(self) -> float:
+        """Memory the KV cache may take: on CUDA what gpu_memory_utilization leaves after the weights and
+        everyone else's use, less room for activations; on the CPU cpu_kv_cache_space."""
+        config = self.config
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            used_by_others = total - free
+            return total * config.gpu_memory_utilization - used_by_others - _CUDA_ACTIVATION_RESERVE_BYTES
+        return config.cpu_kv_cache_space * GiB
+
     def kv_cache_bytes_per_block(self) -> int:
         spec = self.attention_spec
         per_layer = 2 * self.block_size * spec.num_kv_heads * spec.head_dim * self.dtype.itemsize
-        return per_layer * self.model_config.num_hidden_layers
+        return per_layer * self.num_layers
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         if num_blocks < 1:
@@ -151,8 +173,7 @@ class ModelRunner:
         self.kv_caches = []  # free the old cache before allocating the new one
         # Zeros, not empty: padded context slots are masked, and masked garbage must not be NaN.
         self.kv_caches = [
-            torch.zeros(shape, dtype=self.dtype, device=self.device)
-            for _ in range(self.model_config.num_hidden_layers)
+            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)
         ]
         logger.info(
             "KV cache: %d blocks x %d tokens, %.1f MiB",
@@ -193,43 +214,89 @@ class ModelRunner:
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         if self.model is None or not self.kv_caches:
             raise RuntimeError("load_model() and initialize_kv_cache() must run before execute_model()")
-        self._copy_between_tiers(scheduler_output.tier_copies)
+        step = StepInputs.of(scheduler_output)
+        speculative = self.prepare_sampling(scheduler_output, step)
+        return self.sample(scheduler_output, step, speculative, self.compute_logits(step))
+
+    def prepare_sampling(
+        self, scheduler_output: SchedulerOutput, step: StepInputs
+    ) -> SpeculativeBatch | None:
+        """Before the forward pass: forget finished requests, and start the sampler's work that does not need
+        the logits (grammar masks fill during the forward pass with an accelerator). Returns the drafts to
+        verify, if any request speculates."""
         self.sampler.forget(scheduler_output.finished_request_ids)
-        requests = scheduler_output.requests
-        if not requests:
-            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], logprobs=[])
-        input_ids, positions, metadata, sample_rows = self._prepare_step(scheduler_output)
-        sampling = [requests[i] for i in sample_rows]
-        spec_decode_tokens = scheduler_output.scheduled_spec_decode_tokens
+        sampling = [scheduler_output.requests[i] for i in step.sample_rows]
         speculative = None
+        spec_decode_tokens = scheduler_output.scheduled_spec_decode_tokens
         if spec_decode_tokens:
             drafts = [spec_decode_tokens.get(request.request_id, []) for request in sampling]
             speculative = SpeculativeBatch.of(sampling, drafts)
-        # With an accelerator, grammar masks fill during the forward pass.
         self.sampler.prepare(sampling if speculative is None else speculative.rows)
-        hidden = self._forward(input_ids, positions, metadata, scheduler_output)
+        return speculative
 
+    @torch.inference_mode()
+    def compute_logits(self, step: StepInputs) -> torch.Tensor | None:
+        """Run the model over the step; the logits of its logit rows, or None when no request samples. On a
+        pipeline stage before the last, the stage's output goes to the next stage and None comes back."""
+        if self.model is None or not self.kv_caches:
+            raise RuntimeError("load_model() and initialize_kv_cache() must run before compute_logits()")
+        self._copy_between_tiers(step.tier_copies)
+        if not step.request_ids:
+            return None
+        if self.parallel.pp_size > 1:
+            return self._pipeline_logits(step)
+        input_ids, positions, metadata = self._prepare_step(step)
+        hidden = self._forward(input_ids, positions, metadata, step)
+        if not step.logit_rows:
+            return None
+        return self.model.compute_logits(self._select_rows(hidden, step.logit_rows, metadata.num_tokens))
+
+    def _pipeline_logits(self, step: StepInputs) -> torch.Tensor | None:
+        """This stage's part of the step, as one micro-batch per stage: a stage sends a micro-batch's output
+        on (without waiting for it to be received) and starts the next micro-batch, so that while the next
+        stage runs micro-batch i this one runs i + 1. The last stage returns the logits of all of them."""
+        assert self.model is not None
+        parallel = self.parallel
+        sends: list[tuple[dist.Work, torch.Tensor]] = []
+        logits: list[torch.Tensor] = []
+        for micro_batch in step.split(parallel.pp_size):
+            input_ids, positions, metadata = self._prepare_step(micro_batch)
+            stage_input = None
+            if not parallel.is_first_stage:
+                shape = (2, metadata.num_tokens, self.model_config.hidden_size)
+                stage_input = torch.empty(shape, dtype=self.dtype, device=self.device)
+                dist.recv(stage_input, src=parallel.previous_stage_rank, group=parallel.world_group)
+            output = self._forward(input_ids, positions, metadata, micro_batch, stage_input)
+            if not parallel.is_last_stage:
+                # The tensor is kept until its send completes.
+                work = dist.isend(output, dst=parallel.next_stage_rank, group=parallel.world_group)
+                sends.append((work, output))
+            elif micro_batch.logit_rows:
+                rows = self._select_rows(output, micro_batch.logit_rows, metadata.num_tokens)
+                logits.append(self.model.compute_logits(rows))
+        for work, _ in sends:
+            work.wait()
+        return torch.cat(logits) if logits else None
+
+    def sample(
+        self,
+        scheduler_output: SchedulerOutput,
+        step: StepInputs,
+        speculative: SpeculativeBatch | None,
+        logits: torch.Tensor | None,
+    ) -> ModelRunnerOutput:
+        """The step's tokens from its logits (one row per entry of step.logit_rows)."""
+        requests = scheduler_output.requests
         sampled: list[list[int]] = [[] for _ in requests]
         logprobs: list[list[dict[int, float]] | None] = [None for _ in requests]
-        if speculative is not None:
-            ends = [metadata.query_start_loc_cpu[i + 1] for i in sample_rows]
-            rows = [
-                row
-                for end, drafts in zip(ends, speculative.draft_token_ids, strict=True)
-                for row in range(end - len(drafts) - 1, end)
-            ]
-            logits = self.model.compute_logits(self._select_rows(hidden, rows, metadata.num_tokens))
+        if logits is not None and speculative is not None:
             verified = self.sampler.verify(logits, speculative)
-            for row, i in enumerate(sample_rows):
+            for row, i in enumerate(step.sample_rows):
                 sampled[i] = verified.token_ids[row]
                 logprobs[i] = verified.logprobs[row]
-        elif sample_rows:
-            last_token_rows = [metadata.query_start_loc_cpu[i + 1] - 1 for i in sample_rows]
-            logits = self.model.compute_logits(
-                self._select_rows(hidden, last_token_rows, metadata.num_tokens)
-            )
-            result = self.sampler(logits, sampling)
-            for row, i in enumerate(sample_rows):
+        elif logits is not None:
+            result = self.sampler(logits, [requests[i] for i in step.sample_rows])
+            for row, i in enumerate(step.sample_rows):
                 sampled[i] = [result.token_ids[row]]
                 row_logprobs = result.logprobs[row]
                 logprobs[i] = None if row_logprobs is None else [row_logprobs]
@@ -243,37 +310,38 @@ class ModelRunner:
         first vocab_size ids (a draft model proposing for a target of that vocabulary)."""
         if self.model is None or not self.kv_caches:
             raise RuntimeError("load_model() and initialize_kv_cache() must run before greedy_last_tokens()")
-        input_ids, positions, metadata, _ = self._prepare_step(scheduler_output)
-        hidden = self._forward(input_ids, positions, metadata, scheduler_output)
+        step = StepInputs.of(scheduler_output)
+        input_ids, positions, metadata = self._prepare_step(step)
+        hidden = self._forward(input_ids, positions, metadata, step)
         last_token_rows = [end - 1 for end in metadata.query_start_loc_cpu[1:]]
         logits = self.model.compute_logits(self._select_rows(hidden, last_token_rows, metadata.num_tokens))
         return logits[:, :vocab_size].argmax(dim=-1).tolist()
 
-    def _prepare_step(
-        self, scheduler_output: SchedulerOutput
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+    def _prepare_step(self, step: StepInputs) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         if self._inputs_copied is not None:
             self._inputs_copied.synchronize()  # the previous step's copies must be done before refilling
         if self._cpu_threads is not None:
-            self._cpu_threads.use_for(scheduler_output.total_num_scheduled_tokens)
-        return self._prepare_inputs(scheduler_output)
+            self._cpu_threads.use_for(step.total_num_scheduled_tokens)
+        return self._prepare_inputs(step)
 
     def _forward(
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         metadata: AttentionMetadata,
-        scheduler_output: SchedulerOutput,
+        step: StepInputs,
+        stage_input: torch.Tensor | None = None,
     ) -> torch.Tensor:
         assert self.model is not None
         plan = self.attention_backend.prepare(metadata)
         if self.lora_manager is not None:
-            requests = scheduler_output.requests
-            self.lora_manager.prepare([r.lora_request for r in requests], metadata.query_start_loc_cpu)
-        rope_inputs: dict[str, torch.Tensor] = {}
+            self.lora_manager.prepare(step.lora_requests, metadata.query_start_loc_cpu)
+        model_inputs: dict[str, torch.Tensor] = {}
         if self._rope_sequence_lengths is not None:
-            rope_inputs["sequence_lengths"] = self._prepare_rope_sequence_lengths(scheduler_output)
-        return self.model(input_ids, positions, self.kv_caches, plan, **rope_inputs)
+            model_inputs["sequence_lengths"] = self._prepare_rope_sequence_lengths(step)
+        if stage_input is not None:
+            model_inputs["stage_input"] = stage_input
+        return self.model(input_ids, positions, self.kv_caches, plan, **model_inputs)
 
     def _select_rows(self, hidden: torch.Tensor, rows: list[int], num_tokens: int) -> torch.Tensor:
         if len(rows) == num_tokens:
@@ -284,19 +352,11 @@ class ModelRunner:
         self._mark_inputs_copied()
         return selected
 
-    def _prepare_inputs(
-        self, scheduler_output: SchedulerOutput
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
-        requests = scheduler_output.requests
-        num_reqs = len(requests)
-        num_scheduled = np.asarray(scheduler_output.num_scheduled_tokens, dtype=np.int64)
-        num_computed = np.asarray(scheduler_output.num_computed_tokens, dtype=np.int64)
+    def _prepare_inputs(self, step: StepInputs) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        num_reqs = step.num_reqs
+        num_scheduled = np.asarray(step.num_scheduled_tokens, dtype=np.int64)
+        num_computed = np.asarray(step.num_computed_tokens, dtype=np.int64)
         num_tokens = int(num_scheduled.sum())
-        if num_tokens != scheduler_output.total_num_scheduled_tokens:
-            raise ValueError(
-                f"total_num_scheduled_tokens is {scheduler_output.total_num_scheduled_tokens}, "
-                f"but the requests add up to {num_tokens}"
-            )
         seq_lens = num_computed + num_scheduled
         seq_lens_cpu = seq_lens.tolist()
         max_seq_len = max(seq_lens_cpu)
@@ -309,23 +369,13 @@ class ModelRunner:
         self._seq_lens.get(num_reqs)[:] = seq_lens
 
         input_ids = self._input_ids.get(num_tokens)
-        spec_decode_tokens = scheduler_output.scheduled_spec_decode_tokens
-        sample_rows: list[int] = []
-        for i, request in enumerate(requests):
-            start = int(num_computed[i])
-            end = start + int(num_scheduled[i])
-            drafts = spec_decode_tokens.get(request.request_id, ())
-            tokens = request.all_token_ids[start:end]
-            if drafts:  # the request's tokens continue with its drafts
-                tokens += drafts[max(start - request.num_tokens, 0) : end - request.num_tokens]
+        for i, tokens in enumerate(step.token_ids):
             input_ids[query_start_loc[i] : query_start_loc[i + 1]] = tokens
-            if end == request.num_tokens + len(drafts):
-                sample_rows.append(i)
 
-        width = max(len(ids) for ids in scheduler_output.block_ids)
+        width = max(len(ids) for ids in step.block_ids)
         block_tables = self._block_tables.get(num_reqs * width).reshape(num_reqs, width)
         block_tables.fill(0)
-        for i, ids in enumerate(scheduler_output.block_ids):
+        for i, ids in enumerate(step.block_ids):
             # Its scheduled tokens are the last of its seq_len: the last one's block must be in the table.
             if len(ids) * self.block_size < seq_lens_cpu[i]:
                 raise ValueError("a request's block table is too short for its scheduled tokens")
@@ -355,17 +405,14 @@ class ModelRunner:
         input_ids_tensor = self._input_ids.to_device(num_tokens, device)
         positions_tensor = self._positions.to_device(num_tokens, device)
         self._mark_inputs_copied()
-        return input_ids_tensor, positions_tensor, metadata, sample_rows
+        return input_ids_tensor, positions_tensor, metadata
 
-    def _prepare_rope_sequence_lengths(self, scheduler_output: SchedulerOutput) -> torch.Tensor:
+    def _prepare_rope_sequence_lengths(self, step: StepInputs) -> torch.Tensor:
         """max(prompt length, position + 1) for each token of the step: the sequence length that Transformers
         rotates it for during generation (the whole prompt at once, then one token at a time)."""
         assert self._rope_sequence_lengths is not None
-        num_tokens = scheduler_output.total_num_scheduled_tokens
-        prompt_lengths = np.repeat(
-            [request.num_prompt_tokens for request in scheduler_output.requests],
-            scheduler_output.num_scheduled_tokens,
-        )
+        num_tokens = step.total_num_scheduled_tokens
+        prompt_lengths = np.repeat(step.num_prompt_tokens, step.num_scheduled_tokens)
         lengths = self._rope_sequence_lengths.get(num_tokens)
         np.maximum(prompt_lengths, self._positions.get(num_tokens) + 1, out=lengths)
         tensor = self._rope_sequence_lengths.to_device(num_tokens, self.device)

@@ -6,6 +6,7 @@ import json
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
@@ -17,6 +18,22 @@ if TYPE_CHECKING:
 # Long enough to outlast the bad requests of a test, short enough to keep the tests quick.
 BESIDE_MAX_TOKENS = 1000
 WAIT_S = 180.0
+
+
+def child_processes(pid: int) -> dict[int, str]:
+    """Child processes of pid, with their command lines."""
+    children = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        if parent == pid:
+            children[int(entry.name)] = command
+    return children
 
 
 def openai_error(response: httpx.Response, status: int) -> dict[str, Any]:

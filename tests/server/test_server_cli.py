@@ -25,10 +25,33 @@ def _run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedP
     return subprocess.run(_serve(*args), capture_output=True, text=True, timeout=120, check=False, env=env)
 
 
-def test_tensor_parallelism_above_one_is_refused(tiny_llama: Path) -> None:
-    completed = _run("--model", str(tiny_llama), "--tensor-parallel-size", "2")
-    assert completed.returncode == 2
-    assert "--tensor-parallel-size" in completed.stderr and "only 1 is supported" in completed.stderr
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (
+            ["--tensor-parallel-size", "3"],
+            "tensor_parallel_size 3 does not divide the model's 4 attention heads",
+        ),
+        (
+            ["--tensor-parallel-size", "8"],
+            "tensor_parallel_size 8 does not divide the model's 4 attention heads",
+        ),
+        (["--pipeline-parallel-size", "3"], "pipeline_parallel_size 3 does not divide the model's 2 layers"),
+        (
+            ["--pipeline-parallel-size", "3", "--nnodes", "2"],
+            "pipeline_parallel_size = 3 ranks do not split evenly over nnodes=2",
+        ),
+        (["--nnodes", "2", "--node-rank", "2"], "node_rank must be in [0, 2) for nnodes=2"),
+        (["--tensor-parallel-size", "2", "--distributed-executor-backend", "ray"], "the only backend is mp"),
+        (["--tensor-parallel-size", "2", "--enable-lora"], "enable_lora needs tensor_parallel_size"),
+    ],
+)
+def test_a_split_the_model_or_the_nodes_cannot_take_is_refused_at_start(
+    tiny_llama: Path, flags: list[str], message: str
+) -> None:
+    completed = _run("--model", str(tiny_llama), "--port", "0", *flags)
+    assert completed.returncode == 2, completed.stderr
+    assert message in " ".join(completed.stderr.split())
 
 
 def test_bad_engine_option_is_a_usage_error(tiny_llama: Path) -> None:

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import httpx
 import pytest
+from server_checks import child_processes
 
 if TYPE_CHECKING:
     from conftest import ServerProcess
@@ -22,25 +23,9 @@ CORE_MODULE = "kvfleet.runtime.engine.core_proc"
 API_SERVER_MODULE = "kvfleet.runtime.server.launcher"
 
 
-def _children(pid: int) -> dict[int, str]:
-    """Child processes of pid, with their command lines."""
-    children = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
-        except (FileNotFoundError, ProcessLookupError):
-            continue
-        if parent == pid:
-            children[int(entry.name)] = command
-    return children
-
-
 def _one_child_running(pid: int, module: str) -> int:
-    found = [child for child, command in _children(pid).items() if module in command]
-    assert len(found) == 1, _children(pid)
+    found = [child for child, command in child_processes(pid).items() if module in command]
+    assert len(found) == 1, child_processes(pid)
     return found[0]
 
 
@@ -55,7 +40,7 @@ def _wait_exit(server: ServerProcess, timeout: float) -> int:
 
 def test_serve_runs_an_api_server_and_an_engine_core(start_server: Callable[..., ServerProcess]) -> None:
     server = start_server()
-    children = _children(server.pid)
+    children = child_processes(server.pid)
     assert len(children) == 1 and CORE_MODULE in next(iter(children.values())), children
     assert _completion(server).status_code == 200
 
@@ -206,7 +191,7 @@ def test_health_answers_while_a_10mb_prompt_is_tokenized(start_server: Callable[
 
 def test_several_api_servers_share_one_core(start_server: Callable[..., ServerProcess]) -> None:
     server = start_server("--api-server-count", "2")
-    children = _children(server.pid)
+    children = child_processes(server.pid)
     assert sorted(API_SERVER_MODULE in c or CORE_MODULE in c for c in children.values()) == [True] * 3, (
         children
     )
@@ -240,7 +225,7 @@ def test_with_several_api_servers_a_death_ends_them_all(
 ) -> None:
     server = start_server("--api-server-count", "2")
     module = CORE_MODULE if victim == "core" else API_SERVER_MODULE
-    target = next(pid for pid, command in _children(server.pid).items() if module in command)
+    target = next(pid for pid, command in child_processes(server.pid).items() if module in command)
     os.kill(target, signal.SIGKILL)
     assert _wait_exit(server, 30) != 0
-    assert not _children(server.pid)
+    assert not child_processes(server.pid)

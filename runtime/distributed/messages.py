@@ -1,0 +1,43 @@
+"""What the engine core and its worker processes send each other (pickled: the classes live here, not in the
+worker's __main__ module, so that both sides name them alike)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvfleet.runtime.config import EngineConfig
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What a worker process is started with."""
+
+    config: EngineConfig
+    rank: int
+    local_rank: int
+    core_address: str
+    log_level: int
+
+
+@dataclass
+class WorkerReady:
+    rank: int
+    kv_cache_bytes_per_block: int
+    # Bytes of memory the KV cache may take on this rank.
+    kv_cache_budget_bytes: float
+    # What loading held: the rank's parameters, and the largest slice read from the checkpoint at once.
+    parameter_bytes: int
+    peak_load_buffer_bytes: int
+
+
+@dataclass
+class StepDone:
+    rank: int
+    # Why the step failed on this rank, or None.
+    error: str | None = None
+    # The step's logits (float32), from the rank that sends them.
+    logits_shape: tuple[int, ...] | None = None
+
+
+# What the core sends: ("kv_cache", blocks), ("host_kv_tier", blocks) or ("step", StepInputs).
+WorkerCommand = tuple[str, object]

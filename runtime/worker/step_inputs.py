@@ -1,0 +1,105 @@
+"""One step as the model sees it: the tokens to feed and where their KV goes, without the scheduler's request
+objects. The in-process runner builds it from the SchedulerOutput; with worker processes the engine core sends
+it to every rank (it is small and picklable), and each builds its input tensors from it."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+from kvfleet.runtime.core.host_kv_tier import TierCopies
+from kvfleet.runtime.core.outputs import SchedulerOutput
+from kvfleet.runtime.lora.request import LoRARequest
+
+
+@dataclass
+class StepInputs:
+    request_ids: list[str]
+    # The tokens each request feeds this step (its draft tokens included).
+    token_ids: list[list[int]]
+    num_computed_tokens: list[int]
+    num_prompt_tokens: list[int]
+    block_ids: list[list[int]]
+    # Requests that sample this step (their prompt, or recomputed prefix, is complete).
+    sample_rows: list[int]
+    # Rows of the flattened batch whose logits are needed: each sampling request's last token, or with
+    # drafts its last real token and each draft token.
+    logit_rows: list[int]
+    lora_requests: list[LoRARequest | None]
+    tier_copies: TierCopies = field(default_factory=TierCopies)
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.request_ids)
+
+    @property
+    def num_scheduled_tokens(self) -> list[int]:
+        return [len(tokens) for tokens in self.token_ids]
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(len(tokens) for tokens in self.token_ids)
+
+    @classmethod
+    def of(cls, scheduler_output: SchedulerOutput) -> StepInputs:
+        num_tokens = sum(scheduler_output.num_scheduled_tokens)
+        if num_tokens != scheduler_output.total_num_scheduled_tokens:
+            raise ValueError(
+                f"total_num_scheduled_tokens is {scheduler_output.total_num_scheduled_tokens}, "
+                f"but the requests add up to {num_tokens}"
+            )
+        spec_decode_tokens = scheduler_output.scheduled_spec_decode_tokens
+        token_ids, sample_rows, logit_rows = [], [], []
+        end_row = 0
+        for i, request in enumerate(scheduler_output.requests):
+            start = scheduler_output.num_computed_tokens[i]
+            end = start + scheduler_output.num_scheduled_tokens[i]
+            drafts = spec_decode_tokens.get(request.request_id, ())
+            tokens = request.all_token_ids[start:end]
+            if drafts:  # the request's tokens continue with its drafts
+                tokens += drafts[max(start - request.num_tokens, 0) : end - request.num_tokens]
+            token_ids.append(tokens)
+            end_row += len(tokens)
+            if end == request.num_tokens + len(drafts):
+                sample_rows.append(i)
+                logit_rows.extend(range(end_row - len(drafts) - 1, end_row))
+        return cls(
+            request_ids=[request.request_id for request in scheduler_output.requests],
+            token_ids=token_ids,
+            num_computed_tokens=list(scheduler_output.num_computed_tokens),
+            num_prompt_tokens=[request.num_prompt_tokens for request in scheduler_output.requests],
+            block_ids=scheduler_output.block_ids,
+            sample_rows=sample_rows,
+            logit_rows=logit_rows,
+            lora_requests=[request.lora_request for request in scheduler_output.requests],
+            tier_copies=scheduler_output.tier_copies,
+        )
+
+    def split(self, parts: int) -> list[StepInputs]:
+        """The step as up to `parts` micro-batches of consecutive requests (about equal in tokens), whose
+        logit rows, concatenated, are this step's in order. Tier copies go with the first."""
+        if parts <= 1 or self.num_reqs <= 1:
+            return [self]
+        total = self.total_num_scheduled_tokens
+        bounds, fed = [0], 0
+        for i, tokens in enumerate(self.token_ids[:-1]):
+            fed += len(tokens)
+            if len(bounds) < parts and fed * parts >= total * len(bounds):
+                bounds.append(i + 1)
+        bounds.append(self.num_reqs)
+        return [self._slice(first, last, copies=first == 0) for first, last in itertools.pairwise(bounds)]
+
+    def _slice(self, first: int, last: int, *, copies: bool) -> StepInputs:
+        offset = sum(len(tokens) for tokens in self.token_ids[:first])
+        end = offset + sum(len(tokens) for tokens in self.token_ids[first:last])
+        return StepInputs(
+            request_ids=self.request_ids[first:last],
+            token_ids=self.token_ids[first:last],
+            num_computed_tokens=self.num_computed_tokens[first:last],
+            num_prompt_tokens=self.num_prompt_tokens[first:last],
+            block_ids=self.block_ids[first:last],
+            sample_rows=[i - first for i in self.sample_rows if first <= i < last],
+            logit_rows=[row - offset for row in self.logit_rows if offset <= row < end],
+            lora_requests=self.lora_requests[first:last],
+            tier_copies=self.tier_copies if copies else TierCopies(),
+        )

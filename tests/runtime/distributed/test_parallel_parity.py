@@ -1,0 +1,108 @@
+"""Tensor- and pipeline-parallel engines (worker processes over gloo) give the one-process engine's tokens.
+
+For every architecture and TP=2, TP=4, PP=2 and TP=2 x PP=2: greedy outputs of a mixed batch (prompts of many
+lengths, shared prefixes, a token budget that chunks prefills beside decodes, and a KV cache too small for all
+of them, so that requests are preempted and recomputed) equal the TP=1 engine's. Each rank reports what
+loading held, measured on its own parameters and on the slices it read: at most 1/tp of the weights (plus
+what every rank keeps whole) and a load buffer no larger than a slice of the largest tensor.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from kvfleet.runtime import LLM, SamplingParams
+from kvfleet.runtime.distributed.executor import MultiprocExecutor
+from kvfleet.runtime.models.model_config import ModelConfig
+from safetensors import safe_open
+
+ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+SPLITS = [(2, 1), (4, 1), (1, 2), (2, 2)]
+NUM_KV_BLOCKS = 12
+ENGINE_OPTIONS = {
+    "dtype": "float32",
+    "num_kv_blocks": NUM_KV_BLOCKS,
+    "block_size": 8,
+    "max_model_len": 96,
+    "max_num_batched_tokens": 32,
+    "enable_prefix_caching": True,
+}
+PARAMS = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+def _prompts(seed: int) -> list[list[int]]:
+    """Prompts of many lengths, half of them sharing a two-block prefix (prefix-cache hits)."""
+    rng = random.Random(seed)
+    shared = [rng.randrange(16, 500) for _ in range(16)]
+    prompts = []
+    for i in range(8):
+        own = [rng.randrange(16, 500) for _ in range(rng.choice([2, 9, 20, 30]))]
+        prompts.append(shared + own if i % 2 else own)
+    return prompts
+
+
+def _generate(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    return [list(output.outputs[0].token_ids) for output in llm.generate(prompts, PARAMS)]
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def reference(request: pytest.FixtureRequest, make_model: Callable[..., Path]) -> tuple[Path, list, list]:
+    model = make_model(request.param, "tiny")
+    prompts = _prompts(len(request.param))
+    llm = LLM(str(model), **ENGINE_OPTIONS)
+    outputs = _generate(llm, prompts)
+    scheduler = llm.llm_engine.engine_core.scheduler
+    assert scheduler.num_preempted_total > 0, "the batch must preempt"
+    assert scheduler.stats.prefix_cache_hits > 0, "the batch must hit the prefix cache"
+    return model, prompts, outputs
+
+
+def _checkpoint_bytes(model: Path) -> tuple[int, int, int]:
+    """(all tensors, those every rank keeps whole: the norms, the largest tensor), read from the file."""
+    total = whole = largest = 0
+    with safe_open(str(model / "model.safetensors"), framework="pt") as f:
+        for name in f.keys():  # noqa: SIM118
+            tensor = f.get_tensor(name)
+            size = tensor.numel() * tensor.element_size()
+            total += size
+            largest = max(largest, size)
+            if "norm" in name:
+                whole += size
+    return total, whole, largest
+
+
+@pytest.mark.parametrize(("tp", "pp"), SPLITS, ids=[f"tp{tp}-pp{pp}" for tp, pp in SPLITS])
+def test_greedy_tokens_equal_one_rank(reference: tuple[Path, list, list], tp: int, pp: int) -> None:
+    model, prompts, expected = reference
+    llm = LLM(str(model), tensor_parallel_size=tp, pipeline_parallel_size=pp, **ENGINE_OPTIONS)
+    core = llm.llm_engine.engine_core
+    executor = core.executor
+    assert isinstance(executor, MultiprocExecutor)
+    workers = list(executor.workers)
+    assert len(workers) == tp * pp
+    try:
+        outputs = _generate(llm, prompts)
+        assert outputs == expected
+        assert core.scheduler.num_preempted_total > 0
+        assert core.scheduler.kv_cache_manager.num_free_blocks == NUM_KV_BLOCKS
+
+        total, whole, largest = _checkpoint_bytes(model)
+        config = ModelConfig.from_folder(model)
+        # With fewer KV heads than ranks, each rank keeps one whole KV head of k_proj and v_proj.
+        kv_bytes = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim
+        kv_bytes *= config.hidden_size * 4
+        replicated_kv = kv_bytes * max(0.0, 1 / config.num_key_value_heads - 1 / tp)
+        for ready in executor.ready:
+            share = total / tp + whole + replicated_kv
+            assert ready.parameter_bytes <= share, (ready.rank, ready.parameter_bytes, share)
+            assert ready.peak_load_buffer_bytes <= largest / tp, (ready.rank, ready.peak_load_buffer_bytes)
+    finally:
+        core.shutdown()
+    for worker in workers:
+        assert worker.poll() is not None, f"worker {worker.pid} is still running"
+        with pytest.raises(ProcessLookupError):
+            os.kill(worker.pid, 0)
