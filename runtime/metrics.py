@@ -337,6 +337,14 @@ class _EngineStatsCollector(Collector):
                 "Preempted requests that resumed by recompute.",
                 stats.kv_offload_resumed_by_recompute,
             ),
+            "mm_encoder_runs": (
+                "Multimodal items (images) run through their encoder; repeats are served from the cache.",
+                stats.encoder_runs,
+            ),
+            "mm_encoder_cache_hits": (
+                "Multimodal item lookups the encoder cache answered.",
+                stats.encoder_cache_hits,
+            ),
             "structured_output_grammars_compiled": (
                 "Grammars compiled for structured outputs (cache hits are not compilations).",
                 stats.grammars_compiled,

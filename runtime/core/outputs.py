@@ -109,3 +109,7 @@ class SchedulerStats:
     kv_offload_blocks_reloaded: int = 0
     kv_offload_resumed_from_host: int = 0
     kv_offload_resumed_by_recompute: int = 0
+    # Multimodal models, filled in by the engine core: items (images) encoded, and item lookups the encoder
+    # cache answered instead.
+    encoder_runs: int = 0
+    encoder_cache_hits: int = 0

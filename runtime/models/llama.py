@@ -116,8 +116,9 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[torch.Tensor],
         plan: Any,
         sequence_lengths: torch.Tensor | None = None,  # [num_tokens], for rope types that read it
+        inputs_embeds: torch.Tensor | None = None,  # [num_tokens, hidden_size], instead of input_ids'
     ) -> torch.Tensor:  # [num_tokens, hidden_size]
-        hidden = self.embed_tokens(input_ids)
+        hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         rotary = self.rotary_emb.prepare(
             positions, hidden.dtype, fused=fused_layers.enabled(hidden), sequence_lengths=sequence_lengths
         )

@@ -26,6 +26,7 @@ _BUILTIN: dict[str, str] = {
     "MistralForCausalLM": "kvfleet.runtime.models.llama:LlamaForCausalLM",
     "Qwen2ForCausalLM": "kvfleet.runtime.models.llama:LlamaForCausalLM",
     "Qwen3ForCausalLM": "kvfleet.runtime.models.llama:LlamaForCausalLM",
+    "LlavaForConditionalGeneration": "kvfleet.runtime.models.llava:LlavaForConditionalGeneration",
 }
 
 

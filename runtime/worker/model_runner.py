@@ -19,6 +19,7 @@ from kvfleet.runtime.lora.manager import LoRAManager
 from kvfleet.runtime.models.layers import LENGTH_DEPENDENT_ROPE_TYPES
 from kvfleet.runtime.models.loader import load_model, resolve_device, resolve_dtype
 from kvfleet.runtime.models.model_config import ModelConfig
+from kvfleet.runtime.multimodal.encoder_runner import EncoderRunner
 from kvfleet.runtime.worker.sampler import Sampler, SpeculativeBatch
 from torch import nn
 
@@ -75,6 +76,8 @@ class ModelRunner:
         self.attention_backend = self._make_attention_backend()
         self.model: nn.Module | None = None
         self.lora_manager: LoRAManager | None = None
+        # A multimodal model's encoders and their cache; None for text-only models.
+        self.encoder_runner: EncoderRunner | None = None
         self.kv_caches: list[torch.Tensor] = []
         # The host-memory tier's blocks, in the device cache's layout (pinned on CUDA); empty without one.
         self.host_kv_caches: list[torch.Tensor] = []
@@ -123,6 +126,8 @@ class ModelRunner:
             device=self.device,
             max_position=self.max_model_len,
         )
+        if hasattr(self.model, "embed_images"):
+            self.encoder_runner = EncoderRunner(self.model, self.device)
         config = self.config
         if config.enable_lora:
             self.lora_manager = LoRAManager(
@@ -270,10 +275,16 @@ class ModelRunner:
         if self.lora_manager is not None:
             requests = scheduler_output.requests
             self.lora_manager.prepare([r.lora_request for r in requests], metadata.query_start_loc_cpu)
-        rope_inputs: dict[str, torch.Tensor] = {}
+        inputs: dict[str, torch.Tensor] = {}
         if self._rope_sequence_lengths is not None:
-            rope_inputs["sequence_lengths"] = self._prepare_rope_sequence_lengths(scheduler_output)
-        return self.model(input_ids, positions, self.kv_caches, plan, **rope_inputs)
+            inputs["sequence_lengths"] = self._prepare_rope_sequence_lengths(scheduler_output)
+        if self.encoder_runner is not None:
+            embeddings = self.encoder_runner.input_embeddings(
+                input_ids, scheduler_output, metadata.query_start_loc_cpu
+            )
+            if embeddings is not None:
+                inputs["inputs_embeds"] = embeddings
+        return self.model(input_ids, positions, self.kv_caches, plan, **inputs)
 
     def _select_rows(self, hidden: torch.Tensor, rows: list[int], num_tokens: int) -> torch.Tensor:
         if len(rows) == num_tokens:
