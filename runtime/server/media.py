@@ -8,6 +8,7 @@ import asyncio
 import base64
 import binascii
 import functools
+from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 import httpx
@@ -40,14 +41,26 @@ def image_urls(messages: list[ChatMessage]) -> list[tuple[str, str]]:
     return found
 
 
-async def chat_images(
-    config: EngineConfig, messages: list[ChatMessage], prompt_token_ids: list[int]
-) -> tuple[list[int], list[MultiModalFeature]]:
-    """The prompt with its image placeholders expanded and the images' features; the prompt unchanged and
-    no features for a conversation without images."""
+@dataclass(frozen=True)
+class ChatImages:
+    """A conversation's images, decoded, and the model's way of preparing them."""
+
+    images_of_model: PromptImages
+    images: list[Image.Image]
+
+    async def expand(self, prompt_token_ids: list[int]) -> tuple[list[int], list[MultiModalFeature]]:
+        """The rendered prompt with its image placeholders expanded, and the images' features."""
+        try:
+            return await asyncio.to_thread(self.images_of_model.prepare, prompt_token_ids, self.images)
+        except ValueError as exc:
+            raise BadRequestError(str(exc), param="messages") from None
+
+
+async def load_chat_images(config: EngineConfig, messages: list[ChatMessage]) -> ChatImages | None:
+    """The conversation's images, checked and decoded; None without any."""
     urls = image_urls(messages)
     if not urls:
-        return prompt_token_ids, []
+        return None
     images_of_model = prompt_images(config.model, config.mm_limit("image"))
     if images_of_model is None:
         raise BadRequestError("this model takes text only, not images", param=urls[0][0])
@@ -57,11 +70,7 @@ async def chat_images(
             "(--limit-mm-per-prompt)",
             param=urls[images_of_model.max_images][0],
         )
-    images = [await _load(config, param, url) for param, url in urls]
-    try:
-        return await asyncio.to_thread(images_of_model.prepare, prompt_token_ids, images)
-    except ValueError as exc:
-        raise BadRequestError(str(exc), param="messages") from None
+    return ChatImages(images_of_model, [await _load(config, param, url) for param, url in urls])
 
 
 async def _load(config: EngineConfig, param: str, url: str) -> Image.Image:

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from kvfleet.runtime.engine.outputs import CompletionOutput, RequestOutput
-from kvfleet.runtime.server.media import chat_images
+from kvfleet.runtime.server.media import load_chat_images
 from kvfleet.runtime.server.protocol import (
     ChatCompletionRequest,
     ChatMessage,
@@ -43,8 +43,11 @@ class OpenAIServingChat(OpenAIServing):
             safety.prompt = _last_user_text(messages)
             if safety.redacts_input:
                 messages = await _redacted(safety, messages)
+        images = await load_chat_images(self.state.engine.config, messages)
         token_ids = await self.chat_prompt(messages, body.add_generation_prompt, tools)
-        token_ids, mm_features = await chat_images(self.state.engine.config, messages, token_ids)
+        mm_features = []
+        if images is not None:
+            token_ids, mm_features = await images.expand(token_ids)
         self.check_prompt(token_ids, params, "messages")
         if safety is not None and not safety.redacts_input:
             safety.start_input_check("\n".join(map(message_text, template_messages(messages))))
