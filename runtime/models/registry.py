@@ -6,7 +6,9 @@ A plugin package declares, e.g. in its pyproject.toml:
 
 A model class is built as `cls(model_config, attention_backend, max_position)` and provides
 `forward(input_ids, positions, kv_caches, plan) -> hidden`, `compute_logits(hidden) -> float32 logits` and
-`load_weights(iterable of (checkpoint name, tensor))`, like `LlamaForCausalLM`.
+`load_weights(iterable of (checkpoint name, tensor))`, like `LlamaForCausalLM`. A model that takes images
+also provides `embed_images(pixel_values) -> [images, tokens, hidden]` and `embed_input_ids(input_ids)`, and
+its forward accepts `inputs_embeds` (see `LlavaForConditionalGeneration`).
 """
 
 from __future__ import annotations

@@ -60,7 +60,7 @@ def decode_image(data: bytes, *, max_pixels: int) -> Image.Image:
         image = Image.open(io.BytesIO(data), formats=IMAGE_FORMATS)
     except UnidentifiedImageError:
         raise ImageInputError(f"the image is not a {', '.join(IMAGE_FORMATS)} image") from None
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, Image.DecompressionBombError) as exc:
         raise ImageInputError(f"the image cannot be decoded: {exc}") from None
     width, height = image.size
     if width * height > max_pixels:
