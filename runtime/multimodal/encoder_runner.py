@@ -78,7 +78,8 @@ class EncoderRunner:
                 outputs[identifier] = cached
                 self.num_cache_hits += 1
         for batch in missing.values():  # one encoder run per input shape
-            pixels = torch.stack([torch.from_numpy(feature.array()) for feature in batch]).to(self.device)
+            # Copies: the arrays are views of the messages' read-only bytes.
+            pixels = torch.stack([torch.tensor(feature.array()) for feature in batch]).to(self.device)
             encoded = self.model.embed_images(pixels)
             for feature, output in zip(batch, encoded, strict=True):
                 if output.shape[0] != feature.length:

@@ -122,7 +122,8 @@ def _transformers_answer(
         for message in messages
     ]
     text = processor.apply_chat_template(conversation, add_generation_prompt=True)
-    inputs = processor(text=text, images=images or None, return_tensors="pt")
+    # The rendered template holds the BOS token already.
+    inputs = processor(text=text, images=images or None, return_tensors="pt", add_special_tokens=False)
     with torch.inference_mode():
         out = model.generate(**inputs, max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS, do_sample=False)
     prompt_length = inputs["input_ids"].shape[1]

@@ -76,7 +76,10 @@ def reference(llava: Path) -> list[tuple[list[int], tuple[list[int], list[set[in
     with torch.inference_mode():
         for conversation, images in CASES:
             text = processor.apply_chat_template(conversation, add_generation_prompt=True)
-            inputs = processor(text=text, images=images or None, return_tensors="pt")
+            # The rendered template holds the BOS token already.
+            inputs = processor(
+                text=text, images=images or None, return_tensors="pt", add_special_tokens=False
+            )
             out = model.generate(
                 **inputs,
                 max_new_tokens=MAX_TOKENS,
@@ -143,10 +146,10 @@ def test_same_image_is_encoded_once_and_other_images_miss_the_prefix_cache(llava
     image_offset = prompt["prompt_token_ids"].index(engine.engine_core.vision.image_token_id)
     short = SamplingParams(temperature=0.0, max_tokens=2)
 
-    def run(image: Image.Image) -> tuple[int, int]:
+    def run(image: Image.Image, request: dict = prompt) -> tuple[int, int]:
         """(encoder runs, prefix-cache hit tokens) that one request added."""
         before = engine.engine_core.stats
-        (output,) = llm.generate({**prompt, "multi_modal_data": {"image": image}}, short)
+        (output,) = llm.generate({**request, "multi_modal_data": {"image": image}}, short)
         after = engine.engine_core.stats
         assert len(output.outputs[0].token_ids) == 2
         return after.encoder_runs - before.encoder_runs, after.prefix_cache_hits - before.prefix_cache_hits
@@ -159,7 +162,11 @@ def test_same_image_is_encoded_once_and_other_images_miss_the_prefix_cache(llava
     # The same text with another image: encoded, and no block holding an image placeholder is a hit.
     runs, hits = run(IMAGES[1])
     assert runs == 1 and hits == image_offset // 8 * 8
-    assert engine.engine_core.stats.encoder_cache_hits >= 1
+    # The first image behind other text: the prefix cache has none of it, the encoder cache has the image.
+    assert engine.engine_core.stats.encoder_cache_hits == 0
+    other_text = _prompts(llm)[4]  # "What is here?" after IMAGES[0]
+    assert run(IMAGES[0], other_text) == (0, 0)
+    assert engine.engine_core.stats.encoder_cache_hits == 1
 
 
 def test_encoder_budget_spreads_images_over_steps_while_text_decodes(llava: Path) -> None:
