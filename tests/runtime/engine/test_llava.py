@@ -20,7 +20,7 @@ from kvfleet.runtime.engine.outputs import OutputKind
 from kvfleet.runtime.multimodal.image_processor import ImageProcessor
 from PIL import Image
 from test_llm_vs_transformers import MAX_TOKENS, TOP_N, _assert_close
-from transformers import AutoProcessor, LlavaForConditionalGeneration
+from transformers import AutoConfig, AutoProcessor, LlavaForConditionalGeneration
 
 DELTA = OutputKind.DELTA
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=TOP_N)
@@ -101,6 +101,16 @@ def _prompts(llm: LLM) -> list[dict]:
         {"prompt_token_ids": llm.apply_chat_template(conversation), "multi_modal_data": {"image": images}}
         for conversation, images in CASES
     ]
+
+
+def test_transformers_loads_every_tensor_of_the_folder(llava: Path) -> None:
+    _, info = LlavaForConditionalGeneration.from_pretrained(
+        llava, dtype=torch.float32, output_loading_info=True
+    )
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    processor = AutoProcessor.from_pretrained(llava)
+    assert type(processor).__name__ == "LlavaProcessor"
+    assert processor.image_token_id == AutoConfig.from_pretrained(llava).image_token_id
 
 
 def test_pixels_match_the_transformers_image_processor(llava: Path) -> None:
