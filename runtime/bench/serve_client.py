@@ -128,6 +128,8 @@ async def _send(client: httpx.AsyncClient, model: str, request: ServeRequest) ->
                     return result
                 if chunk.get("usage"):
                     result.output_tokens = chunk["usage"]["completion_tokens"]
+                    # The server's count: an image's placeholders are part of its prompt.
+                    result.prompt_len = chunk["usage"]["prompt_tokens"]
                 if _chunk_text(chunk):
                     now = time.perf_counter()
                     if result.ttft is None:
