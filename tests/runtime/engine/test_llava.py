@@ -19,7 +19,7 @@ from kvfleet.runtime.engine.llm_engine import LLMEngine
 from kvfleet.runtime.engine.outputs import OutputKind
 from kvfleet.runtime.multimodal.image_processor import ImageProcessor
 from PIL import Image
-from test_llm_vs_transformers import MAX_TOKENS, TOP_N, _assert_close
+from test_llm_vs_transformers import MAX_TOKENS, TOP_N, _assert_close, greedy_reference
 from transformers import AutoConfig, AutoProcessor, LlavaForConditionalGeneration
 
 DELTA = OutputKind.DELTA
@@ -73,26 +73,11 @@ def reference(llava: Path) -> list[tuple[list[int], tuple[list[int], list[set[in
     processor = AutoProcessor.from_pretrained(llava)
     model = LlavaForConditionalGeneration.from_pretrained(llava, dtype=torch.float32).eval()
     results = []
-    with torch.inference_mode():
-        for conversation, images in CASES:
-            text = processor.apply_chat_template(conversation, add_generation_prompt=True)
-            # The rendered template holds the BOS token already.
-            inputs = processor(
-                text=text, images=images or None, return_tensors="pt", add_special_tokens=False
-            )
-            out = model.generate(
-                **inputs,
-                max_new_tokens=MAX_TOKENS,
-                min_new_tokens=MAX_TOKENS,
-                do_sample=False,
-                output_logits=True,
-                return_dict_in_generate=True,
-                pad_token_id=0,
-            )
-            prompt = inputs["input_ids"][0].tolist()
-            tokens = out.sequences[0, len(prompt) :].tolist()
-            tops = [set(step[0].topk(TOP_N).indices.tolist()) for step in out.logits]
-            results.append((prompt, (tokens, tops)))
+    for conversation, images in CASES:
+        text = processor.apply_chat_template(conversation, add_generation_prompt=True)
+        # The rendered template holds the BOS token already.
+        inputs = processor(text=text, images=images or None, return_tensors="pt", add_special_tokens=False)
+        results.append((inputs["input_ids"][0].tolist(), greedy_reference(model, **inputs)))
     return results
 
 
