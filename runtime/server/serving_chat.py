@@ -12,6 +12,7 @@ from kvfleet.runtime.server.media import load_chat_images
 from kvfleet.runtime.server.protocol import (
     ChatCompletionRequest,
     ChatMessage,
+    ContentPart,
     message_text,
     template_messages,
     usage,
@@ -173,9 +174,17 @@ async def _redacted(safety: RequestSafety, messages: list[ChatMessage]) -> list[
     texts = [message_text(message) for message in template_messages(messages)]
     redacted = await asyncio.gather(*(safety.redacted_input(text) for text in texts))
     return [
-        message if new == old else message.model_copy(update={"content": new})
+        message if new == old else _with_text(message, new)
         for message, old, new in zip(messages, texts, redacted, strict=True)
     ]
+
+
+def _with_text(message: ChatMessage, text: str) -> ChatMessage:
+    """The message with `text` for its text; its images, if any, follow that text."""
+    if not isinstance(message.content, list):
+        return message.model_copy(update={"content": text})
+    images = [part for part in message.content if part.type != "text"]
+    return message.model_copy(update={"content": [ContentPart(type="text", text=text), *images]})
 
 
 def _calls(
