@@ -23,7 +23,10 @@ bench_seed_option = click.option(
 
 @click.command("make-model")
 @click.option(
-    "--arch", type=click.Choice(["llama", "mistral", "qwen2", "qwen3"]), default="llama", show_default=True
+    "--arch",
+    type=click.Choice(["llama", "mistral", "qwen2", "qwen3", "llava"]),
+    default="llama",
+    show_default=True,
 )
 @click.option(
     "--preset", type=click.Choice(["tiny", "small", "small-draft"]), default="tiny", show_default=True

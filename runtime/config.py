@@ -17,6 +17,8 @@ from kvfleet.runtime.spec_decode.config import SpeculativeConfig
 SchedulingPolicy = Literal["fcfs", "priority"]
 DType = Literal["auto", "float32", "float16", "bfloat16"]
 Device = Literal["auto", "cpu", "cuda"]
+MODALITIES = ("image",)
+DEFAULT_IMAGES_PER_PROMPT = 4
 
 
 def _option(help: str, **kwargs: Any) -> Any:
@@ -67,6 +69,24 @@ class EngineConfig:
         'Speculative decoding, as vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": k, '
         '"prompt_lookup_min": a, "prompt_lookup_max": b} or {"method": "draft_model", '
         '"model": DIR, "num_speculative_tokens": k}; optional "disable_by_batch_size".',
+        default=None,
+    )
+    limit_mm_per_prompt: dict[str, Any] | None = _option(
+        "Most multimodal items of each modality in one prompt, as JSON, e.g. '{\"image\": 2}'; by default "
+        f"{DEFAULT_IMAGES_PER_PROMPT} images.",
+        default=None,
+    )
+    max_image_pixels: int = _option(
+        "Most pixels (width x height) of an image a request sends.", default=4096 * 4096
+    )
+    max_num_encoder_input_tokens: int | None = _option(
+        "Encoder budget of one step, in placeholder tokens of the items encoded (images); by default the "
+        "step's token budget. Items past it wait for a later step, so that many images cannot stall decodes.",
+        default=None,
+    )
+    allowed_media_domains: str | None = _option(
+        "Comma-separated hosts whose http(s) image URLs the server fetches; by default none (data: URLs "
+        "only).",
         default=None,
     )
     structured_outputs_compile_timeout: float = _option(
@@ -129,6 +149,15 @@ class EngineConfig:
         speculative = self.speculative()  # raises ValueError naming what is wrong
         if speculative is not None and speculative.method == "draft_model":
             speculative.check_draft_tokenizer(self.tokenizer or self.model)
+        limits = self.limit_mm_per_prompt or {}
+        for modality, limit in limits.items():
+            require(modality in MODALITIES, f"limit_mm_per_prompt: {modality!r} is not one of {MODALITIES}")
+            require(isinstance(limit, int) and limit >= 0, f"limit_mm_per_prompt: {modality} needs a count")
+        require(self.max_image_pixels > 0, "max_image_pixels must be positive")
+        require(
+            self.max_num_encoder_input_tokens is None or self.max_num_encoder_input_tokens > 0,
+            "max_num_encoder_input_tokens must be positive",
+        )
         require(
             self.structured_outputs_compile_timeout > 0, "structured_outputs_compile_timeout must be positive"
         )
@@ -165,6 +194,16 @@ class EngineConfig:
         if self.speculative_config is None:
             return None
         return SpeculativeConfig.parse(self.speculative_config)
+
+    def mm_limit(self, modality: str) -> int:
+        """How many items of `modality` one prompt may carry."""
+        limits = self.limit_mm_per_prompt or {}
+        return int(limits.get(modality, DEFAULT_IMAGES_PER_PROMPT if modality == "image" else 0))
+
+    def media_domains(self) -> frozenset[str]:
+        """The hosts of allowed_media_domains, lower case."""
+        hosts = (self.allowed_media_domains or "").replace(" ", ",").split(",")
+        return frozenset(host.strip().lower() for host in hosts if host.strip())
 
     def replace(self, **changes: Any) -> EngineConfig:
         return dataclasses.replace(self, **changes)

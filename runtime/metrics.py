@@ -345,6 +345,14 @@ class _EngineStatsCollector(Collector):
                 "Prefix-cache hits in the host tier, in blocks copied back to the device.",
                 stats.kv_offload_prefix_blocks_loaded,
             ),
+            "mm_encoder_runs": (
+                "Multimodal items (images) run through their encoder; repeats are served from the cache.",
+                stats.encoder_runs,
+            ),
+            "mm_encoder_cache_hits": (
+                "Multimodal item lookups the encoder cache answered.",
+                stats.encoder_cache_hits,
+            ),
             "structured_output_grammars_compiled": (
                 "Grammars compiled for structured outputs (cache hits are not compilations).",
                 stats.grammars_compiled,

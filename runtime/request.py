@@ -11,6 +11,7 @@ from kvfleet.runtime.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from kvfleet.runtime.lora.request import LoRARequest
+    from kvfleet.runtime.multimodal.inputs import MultiModalFeature
     from kvfleet.runtime.structured_outputs.compiler import RequestGrammar
     from kvfleet.runtime.structured_outputs.token_rules import TokenRules
 
@@ -73,6 +74,7 @@ class Request:
         token_rules: TokenRules | None = None,
         lora_request: LoRARequest | None = None,
         cache_salt: bytes | None = None,
+        mm_features: list[MultiModalFeature] | None = None,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError(f"request {request_id!r}: prompt_token_ids must not be empty")
@@ -90,6 +92,8 @@ class Request:
         self.lora_request = lora_request
         # Besides the adapter, what makes this request's KV differ from another's for the same tokens.
         self.cache_salt = cache_salt
+        # The prompt's images in prompt order, each over its run of placeholder tokens.
+        self.mm_features: list[MultiModalFeature] = mm_features or []
 
         self.status = RequestStatus.WAITING
         self.output_token_ids: list[int] = []

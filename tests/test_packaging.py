@@ -23,8 +23,8 @@ from packaging.utils import canonicalize_name
 ROOT = Path(__file__).resolve().parents[1]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 # folder -> the extras that install what it needs, beyond the core dependencies
-# The project's own top-level names (test modules import conftest, test_packaging, server_checks and
-# gateway_harness by name).
+# The project's own top-level names (test modules import conftest, test_packaging, server_checks,
+# gateway_harness and test_llm_vs_transformers by name).
 LOCAL = {
     "kvfleet",
     "e2e",
@@ -32,6 +32,7 @@ LOCAL = {
     "tests",
     "conftest",
     "test_packaging",
+    "test_llm_vs_transformers",
     "server_checks",
     "gateway_harness",
     "ports",

@@ -21,6 +21,7 @@ from kvfleet.runtime.engine.llm_engine import LLMEngine
 from kvfleet.runtime.engine.messages import EngineInfo
 from kvfleet.runtime.engine.outputs import OutputKind, RequestOutput
 from kvfleet.runtime.lora.request import LoRARequest
+from kvfleet.runtime.multimodal.inputs import MultiModalFeature
 from kvfleet.runtime.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -33,6 +34,7 @@ _TOKENIZER_THREADS = 2
 class InProcessEngine:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
+        self.config = engine.config
         self.tokenizer: Any = engine.tokenizer
         self.info: EngineInfo = engine.engine_core.info
         # What the handlers read; the engine is loaded before any request arrives, and never waits for it.
@@ -73,6 +75,7 @@ class InProcessEngine:
         timeout: float | None = None,
         arrival_time: float | None = None,
         lora_request: LoRARequest | None = None,
+        mm_features: list[MultiModalFeature] | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """The request's delta outputs until the finished one; leaving early aborts it."""
         await self.wait_ready(None)
@@ -92,6 +95,7 @@ class InProcessEngine:
                     arrival_time=arrival,
                     prompt_token_ids=prompt_token_ids,
                     lora_request=lora_request,
+                    mm_features=mm_features,
                 )
             except ValueError as exc:
                 queue.put_nowait(InvalidRequestError(str(exc)))

@@ -4,6 +4,8 @@ Like vLLM's `bench serve`: seeded random token-id prompts and output lengths, Po
 rate (or all at once) optionally capped by a maximum concurrency, streamed completions timed per chunk.
 Requests may carry SLA tiers (the x-kvfleet-priority header) drawn from a seeded mix, and results are
 broken down per tier, so that the same workload run against a FCFS and a priority server compares them.
+With --image-ratio, that share of the requests are chat requests with one image each (a seeded PNG of its own,
+so that the encoder cache never answers) and a short question, for a vision model.
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ class BenchSettings:
     request_timeout: float = 600.0
     warmup: int = 2
     label: str = ""
+    image_ratio: float = 0.0
+    image_size: int = 336
 
 
 def parse_tier_mix(text: str | None) -> dict[str, float]:
@@ -113,6 +117,16 @@ def parse_tier_mix(text: str | None) -> dict[str, float]:
 @click.option("--request-timeout", type=float, default=600.0, show_default=True)
 @click.option(
     "--warmup", type=click.IntRange(min=0), default=2, show_default=True, help="Short untimed requests first."
+)
+@click.option(
+    "--image-ratio",
+    type=click.FloatRange(0, 1),
+    default=0.0,
+    show_default=True,
+    help="Share of requests that are chat requests with one image (a vision model's).",
+)
+@click.option(
+    "--image-size", type=click.IntRange(min=1), default=336, show_default=True, help="Their images' side."
 )
 @click.option("--label", default="", help="Name of this run in the report and the JSON.")
 @click.option("--result-json", type=click.Path(dir_okay=False, path_type=Path), default=None)

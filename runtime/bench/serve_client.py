@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import base64
+import io
 import json
 import math
 import random
@@ -25,6 +27,9 @@ class ServeRequest:
     tier: str | None
     # Seconds after the start at which it is sent.
     send_at: float
+    # A chat request with a fixed question and this image (a data URL, made before the run so that encoding
+    # it never delays another request's timing); None: a completion of prompt_token_ids.
+    image_url: str | None = None
 
 
 def build_workload(settings: BenchSettings, vocab_size: int) -> list[ServeRequest]:
@@ -48,9 +53,12 @@ def build_workload(settings: BenchSettings, vocab_size: int) -> list[ServeReques
     tiers = list(settings.tier_mix)
     weights = [settings.tier_mix[t] for t in tiers]
     requests, clock = [], 0.0
-    for item in base:
+    for index, item in enumerate(base):
         tier = rng.choices(tiers, weights)[0] if tiers else None
-        requests.append(ServeRequest(item.prompt_token_ids, item.output_len, tier, clock))
+        image_url = None
+        if rng.random() < settings.image_ratio:
+            image_url = _image_url(settings.seed * 1_000_003 + index, settings.image_size)
+        requests.append(ServeRequest(item.prompt_token_ids, item.output_len, tier, clock, image_url))
         if math.isfinite(settings.request_rate):
             clock += rng.expovariate(settings.request_rate)
     return requests
@@ -63,21 +71,50 @@ def corpus_token_ids(tokenizer: str) -> list[int]:
     return AutoTokenizer.from_pretrained(tokenizer).encode(corpus_text(), add_special_tokens=False)
 
 
-async def _send(client: httpx.AsyncClient, model: str, request: ServeRequest) -> RequestResult:
+def _image_url(seed: int, size: int) -> str:
+    """A PNG of seeded noise, as a data URL."""
+    import numpy as np
+    from PIL import Image
+
+    pixels = np.random.default_rng(seed).integers(0, 256, size=(size, size, 3), dtype=np.uint8)
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def _body(model: str, request: ServeRequest) -> tuple[str, dict]:
+    """(route, body) of a request."""
     body = {
         "model": model,
-        "prompt": request.prompt_token_ids,
         "max_tokens": request.output_len,
         "temperature": 0.0,
         "ignore_eos": True,
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+    if request.image_url is None:
+        return "/v1/completions", {**body, "prompt": request.prompt_token_ids}
+    content = [
+        {"type": "text", "text": "What does this picture show?"},
+        {"type": "image_url", "image_url": {"url": request.image_url}},
+    ]
+    return "/v1/chat/completions", {**body, "messages": [{"role": "user", "content": content}]}
+
+
+def _chunk_text(chunk: dict) -> bool:
+    """Whether a streamed chunk of either route carries text."""
+    return any(
+        choice.get("text") or (choice.get("delta") or {}).get("content") for choice in chunk["choices"]
+    )
+
+
+async def _send(client: httpx.AsyncClient, model: str, request: ServeRequest) -> RequestResult:
+    route, body = _body(model, request)
     headers = {TIER_HEADER: request.tier} if request.tier else {}
     result = RequestResult(tier=request.tier or "-", prompt_len=len(request.prompt_token_ids))
     start = last = time.perf_counter()
     try:
-        async with client.stream("POST", "/v1/completions", json=body, headers=headers) as response:
+        async with client.stream("POST", route, json=body, headers=headers) as response:
             if response.status_code != 200:
                 await response.aread()
                 result.error = _error_code(response)
@@ -91,7 +128,9 @@ async def _send(client: httpx.AsyncClient, model: str, request: ServeRequest) ->
                     return result
                 if chunk.get("usage"):
                     result.output_tokens = chunk["usage"]["completion_tokens"]
-                if any(choice.get("text") for choice in chunk["choices"]):
+                    # The server's count: an image's placeholders are part of its prompt.
+                    result.prompt_len = chunk["usage"]["prompt_tokens"]
+                if _chunk_text(chunk):
                     now = time.perf_counter()
                     if result.ttft is None:
                         result.ttft = now - start

@@ -13,9 +13,14 @@ from kvfleet.runtime.request import Request
 BlockHash = bytes
 
 
-def hash_block_tokens(parent_block_hash: BlockHash | None, token_ids: Sequence[int]) -> BlockHash:
+def hash_block_tokens(
+    parent_block_hash: BlockHash | None, token_ids: Sequence[int], extra_keys: bytes = b""
+) -> BlockHash:
+    """`extra_keys`: what else decides the block's KV besides its tokens (the content hashes of the images
+    whose placeholders it holds: the same placeholder tokens stand for any image)."""
     hasher = hashlib.sha256(parent_block_hash or b"")
     hasher.update(array("q", token_ids).tobytes())
+    hasher.update(extra_keys)
     return hasher.digest()
 
 
@@ -42,7 +47,10 @@ def extend_block_hashes(request: Request, block_size: int, num_full_blocks: int)
             f"request {request.request_id!r} has {len(tokens)} tokens: not {num_full_blocks} full blocks"
         )
     parent = hashes[-1] if hashes else _chain_start(request)
+    features = request.mm_features
     for index in range(start, num_full_blocks):
-        parent = hash_block_tokens(parent, tokens[index * block_size : (index + 1) * block_size])
+        first, end = index * block_size, (index + 1) * block_size
+        extra_keys = b"".join(f.identifier for f in features if f.offset < end and f.end > first)
+        parent = hash_block_tokens(parent, tokens[first:end], extra_keys)
         hashes.append(parent)
     return hashes

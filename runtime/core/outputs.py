@@ -112,3 +112,7 @@ class SchedulerStats:
     kv_offload_resumed_by_recompute: int = 0
     kv_offload_prefix_blocks_spilled: int = 0
     kv_offload_prefix_blocks_loaded: int = 0
+    # Multimodal models, filled in by the engine core: items (images) encoded, and item lookups the encoder
+    # cache answered instead.
+    encoder_runs: int = 0
+    encoder_cache_hits: int = 0

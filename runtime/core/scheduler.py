@@ -8,6 +8,10 @@ goes back to the front of the waiting queue and, when readmitted, reuses its cac
 
 Speculative decoding: a running request's draft tokens (request.spec_token_ids) are scheduled after its own
 like prompt tokens, taking budget and KV slots; the ones the model rejects give their slots back.
+
+Multimodal prompts: the images whose placeholder tokens a step starts feeding are encoded in that step, and
+their placeholders count against the step's encoder budget (vLLM's max_num_encoder_input_tokens). A request
+whose next image does not fit is cut before it and goes on in a later step; decodes never wait for images.
 """
 
 from __future__ import annotations
@@ -49,8 +53,10 @@ class Scheduler:
         background_priority: int | None = None,
         sliding_window: int | None = None,
         host_kv_tier: HostKVTier | None = None,
+        max_num_encoder_input_tokens: int | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """`max_num_encoder_input_tokens`: the encoder budget of a step; by default the token budget."""
         for name, value in (
             ("max_num_seqs", max_num_seqs),
             ("max_num_batched_tokens", max_num_batched_tokens),
@@ -77,6 +83,9 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.enable_chunked_prefill = enable_chunked_prefill
+        self.max_num_encoder_input_tokens = max_num_encoder_input_tokens or max_num_batched_tokens
+        # What this step's encoder budget has left.
+        self._encoder_budget = self.max_num_encoder_input_tokens
         # Adapters one step may run (the model runner's slots); None without LoRA.
         self.max_loras = max_loras
         # Requests of this priority or less urgent (the batch tier), under either policy, only take the
@@ -205,6 +214,7 @@ class Scheduler:
         self._drop_finished_running()
         kv = self.kv_cache_manager
         budget = self.max_num_batched_tokens
+        self._encoder_budget = self.max_num_encoder_input_tokens
         # Decided before anything is allocated this step, so the victims have no blocks in flight.
         displaced = self._make_room_for_higher_priority()
         # Insertion ordered: the batch order. A request preempted after being scheduled is popped out.
@@ -228,7 +238,13 @@ class Scheduler:
             is_background = background_budget is not None and self._is_background(request)
             if is_background:
                 num_new_tokens = min(num_new_tokens, background_budget)
-            if num_new_tokens <= 0:  # its previous step's output has not been applied yet, or no share left
+            encoder_cost = 0
+            if request.mm_features:
+                num_new_tokens, encoder_cost = self._fit_encoder_budget(
+                    request, request.num_computed_tokens, num_new_tokens, admitting=False
+                )
+            # Its previous step's output has not been applied yet, no share is left, or its next image waits.
+            if num_new_tokens <= 0:
                 continue
             while True:
                 # Caching waits until every preemption of this step is decided: a victim scheduled earlier in
@@ -236,6 +252,7 @@ class Scheduler:
                 if kv.allocate_slots(request, num_new_tokens, delay_cache_blocks=True) is not None:
                     scheduled[request] = num_new_tokens
                     budget -= num_new_tokens
+                    self._encoder_budget -= encoder_cost
                     if is_background:
                         background_budget -= num_new_tokens
                     break
@@ -424,6 +441,14 @@ class Scheduler:
                 if not self.enable_chunked_prefill or limit <= 0:
                     break
                 num_new_tokens = limit
+            encoder_cost = 0
+            if request.mm_features:
+                wanted = num_new_tokens
+                num_new_tokens, encoder_cost = self._fit_encoder_budget(
+                    request, num_cached_tokens, num_new_tokens, admitting=True
+                )
+                if num_new_tokens <= 0 or (num_new_tokens < wanted and not self.enable_chunked_prefill):
+                    break
             if kv.allocate_slots(request, num_reloaded + num_new_tokens, computed_blocks) is None:
                 break
             if self.host_kv_tier is not None and request.num_preemptions:
@@ -441,6 +466,7 @@ class Scheduler:
             running.append(request)
             scheduled[request] = num_new_tokens
             budget -= num_new_tokens
+            self._encoder_budget -= encoder_cost
             if is_background:
                 background_budget -= num_new_tokens
             if lora:
@@ -457,6 +483,24 @@ class Scheduler:
             return []
         hashes = request.block_hashes[num_device_hits : (request.num_tokens - 1) // kv.block_size]
         return hashes[: self.host_kv_tier.claim_prefix(hashes)]
+
+    def _fit_encoder_budget(
+        self, request: Request, num_computed: int, num_new_tokens: int, *, admitting: bool
+    ) -> tuple[int, int]:
+        """(num_new_tokens cut before the first item the step's encoder budget cannot take, the budget the
+        items fed use). An item begun in an earlier step is encoded already; one that a prefix-cache hit
+        ends inside, at admission, is not."""
+        end = num_computed + num_new_tokens
+        cost = 0
+        for feature in request.mm_features:  # in prompt order
+            if feature.offset >= end:
+                break
+            if feature.end <= num_computed or (feature.offset < num_computed and not admitting):
+                continue
+            if cost + feature.length > self._encoder_budget:
+                return max(feature.offset - num_computed, 0), cost
+            cost += feature.length
+        return num_new_tokens, cost
 
     def _resume_from_tier(self, request: Request, reload: bool) -> None:
         """Copy back the saved KV of a preempted request just given blocks, or count its recompute."""

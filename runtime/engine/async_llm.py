@@ -36,6 +36,7 @@ from kvfleet.runtime.engine.outputs import OutputKind, RequestOutput
 from kvfleet.runtime.engine.sequences import sequence_ids, sequence_requests
 from kvfleet.runtime.lora.request import LoRARequest
 from kvfleet.runtime.metrics import RequestTracker, ServerMetrics
+from kvfleet.runtime.multimodal.inputs import MultiModalFeature
 from kvfleet.runtime.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -194,6 +195,7 @@ class AsyncLLM:
         timeout: float | None = None,
         arrival_time: float | None = None,
         lora_request: LoRARequest | None = None,
+        mm_features: list[MultiModalFeature] | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yields the request's delta outputs until the finished one; raises an EngineError when the
         request fails. Leaving the iteration early (the caller cancelled, the client gone) aborts the
@@ -229,6 +231,7 @@ class AsyncLLM:
                 priority=priority,
                 timeout=timeout,
                 lora_request=lora_request,
+                mm_features=mm_features,
             )
         )
         try:

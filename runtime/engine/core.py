@@ -34,6 +34,8 @@ from kvfleet.runtime.engine.messages import AddRequest, EngineCoreOutputs, Engin
 from kvfleet.runtime.lora.errors import LoRAAdapterError
 from kvfleet.runtime.lora.request import LoRARequest
 from kvfleet.runtime.models.layers import rope_cache_salt
+from kvfleet.runtime.multimodal.image_processor import VisionSettings, vision_settings
+from kvfleet.runtime.multimodal.inputs import check_features
 from kvfleet.runtime.request import Request, RequestStatus
 from kvfleet.runtime.spec_decode.speculator import Speculator, make_proposer
 from kvfleet.runtime.structured_outputs.compiler import GrammarCompiler, RequestGrammar
@@ -78,6 +80,9 @@ class EngineCore:
         self.executor.initialize_kv_cache(self.num_kv_blocks)
         host_kv_tier = self._host_kv_tier()
         self.max_num_batched_tokens = self._token_budget()
+        multimodal = self.runner.model_config.multimodal
+        # What the model's images look like; None for a text-only model.
+        self.vision: VisionSettings | None = None if multimodal is None else vision_settings(multimodal)
         self.scheduler = Scheduler(
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
@@ -91,6 +96,7 @@ class EngineCore:
             background_priority=background_priority,
             sliding_window=self.runner.model_config.sliding_window,
             host_kv_tier=host_kv_tier,
+            max_num_encoder_input_tokens=self._encoder_budget(),
         )
         speculative = config.speculative()
         self.speculator = (
@@ -188,6 +194,19 @@ class EngineCore:
             return max(_DEFAULT_CHUNKED_TOKEN_BUDGET, config.max_num_seqs)
         return max(self.max_model_len, config.max_num_seqs)
 
+    def _encoder_budget(self) -> int:
+        """max_num_encoder_input_tokens, by default the token budget or one image, whichever is more (as
+        vLLM's); an image must fit in one step's budget."""
+        requested = self.config.max_num_encoder_input_tokens
+        per_image = 0 if self.vision is None else self.vision.tokens_per_image
+        if requested is None:
+            return max(self.max_num_batched_tokens, per_image)
+        if requested < per_image:
+            raise ValueError(
+                f"max_num_encoder_input_tokens ({requested}) is less than one image's {per_image} embeddings"
+            )
+        return requested
+
     # ---- requests -------------------------------------------------------------------------------
 
     def validate_prompt(self, prompt_token_ids: list[int], stop_token_ids: list[int]) -> None:
@@ -210,6 +229,7 @@ class EngineCore:
             token_rules = TokenRules.of(params, self.vocab_size, self.grammar_compiler.encode)
             if add.lora_request is not None:
                 self.add_lora(add.lora_request)
+            self._check_mm_features(add)
             request = Request(
                 add.request_id,
                 add.prompt_token_ids,
@@ -222,6 +242,7 @@ class EngineCore:
                 token_rules=token_rules,
                 lora_request=add.lora_request,
                 cache_salt=rope_cache_salt(self.runner.model_config.rope, len(add.prompt_token_ids)),
+                mm_features=add.mm_features,
             )
             self.scheduler.add_request(request)
         except (InvalidRequestError, EngineOverloadedError) as error:
@@ -233,6 +254,26 @@ class EngineCore:
         self._unstarted[add.request_id] = add
         if grammar is not None and not grammar.ready:
             self._compiling[add.request_id] = request
+
+    def _check_mm_features(self, add: AddRequest) -> None:
+        """Raises InvalidRequestError for images a text-only model is sent, or that do not fit the model."""
+        vision = self.vision
+        if vision is None:
+            if add.mm_features:
+                raise InvalidRequestError("this model takes text only, not images")
+            return
+        size = int(self.runner.model_config.multimodal["vision_config"]["image_size"])
+        try:
+            check_features(
+                add.prompt_token_ids,
+                add.mm_features,
+                placeholder_id=vision.image_token_id,
+                tokens_per_item=vision.tokens_per_image,
+                item_shape=[3, size, size],
+                max_item_tokens=self.scheduler.max_num_encoder_input_tokens,
+            )
+        except ValueError as error:
+            raise InvalidRequestError(str(error)) from None
 
     def add_lora(self, lora: LoRARequest) -> None:
         """Have the adapter ready to run; raises InvalidRequestError when it cannot run on this model."""
@@ -273,6 +314,10 @@ class EngineCore:
         stats.grammar_compile_seconds = self.grammar_compiler.compile_seconds
         stats.grammar_mask_steps = masks.num_steps
         stats.grammar_mask_seconds = masks.seconds
+        encoders = self.runner.encoder_runner
+        if encoders is not None:
+            stats.encoder_runs = encoders.num_encoder_runs
+            stats.encoder_cache_hits = encoders.num_cache_hits
         return stats
 
     def has_unfinished_requests(self) -> bool:

@@ -12,11 +12,15 @@ from kvfleet.runtime.engine.input_checks import check_sampling_token_ids
 from kvfleet.runtime.engine.llm_engine import LLMEngine
 from kvfleet.runtime.engine.outputs import RequestOutput
 from kvfleet.runtime.lora.request import LoRARequest
+from kvfleet.runtime.multimodal.inputs import MultiModalFeature
 from kvfleet.runtime.sampling_params import SamplingParams
 from kvfleet.runtime.structured_outputs.grammars import check_constraint
 from tqdm import tqdm
 
-Prompt = str | list[int]
+# A text or token-id prompt, or vLLM's dict: {"prompt": text} or {"prompt_token_ids": ids}, with
+# "multi_modal_data": {"image": a PIL image or a list of them} for a vision model (one image placeholder token
+# in the prompt per image).
+Prompt = str | list[int] | dict[str, Any]
 ChatMessages = list[dict[str, Any]]
 
 
@@ -48,7 +52,8 @@ class LLM:
 
         engine = self.llm_engine
         # Validate everything before queueing anything, so bad input leaves the engine untouched.
-        token_lists = [engine.tokenize(prompt) for prompt in prompt_list]
+        prepared = [self._prepare(prompt) for prompt in prompt_list]
+        token_lists = [token_ids for token_ids, _ in prepared]
         for token_ids, params in zip(token_lists, params_list, strict=True):
             engine.validate_prompt(token_ids, params)
             check_sampling_token_ids(params, vocab_size=engine.vocab_size)
@@ -58,16 +63,39 @@ class LLM:
             engine.engine_core.add_lora(lora)
         ids = [str(next(self._request_counter)) for _ in prompt_list]
         try:
-            for request_id, prompt, token_ids, params, prio, lora in zip(
-                ids, prompt_list, token_lists, params_list, priorities, lora_list, strict=True
+            for request_id, prompt, (token_ids, features), params, prio, lora in zip(
+                ids, prompt_list, prepared, params_list, priorities, lora_list, strict=True
             ):
                 engine.add_request(
-                    request_id, prompt, params, priority=prio, prompt_token_ids=token_ids, lora_request=lora
+                    request_id,
+                    prompt.get("prompt", token_ids) if isinstance(prompt, dict) else prompt,
+                    params,
+                    priority=prio,
+                    prompt_token_ids=token_ids,
+                    lora_request=lora,
+                    mm_features=features,
                 )
             return self._run(ids, use_tqdm)
         except BaseException:
             engine.abort_request(ids)
             raise
+
+    def _prepare(self, prompt: Prompt) -> tuple[list[int], list[MultiModalFeature]]:
+        """The prompt's token ids (image placeholders expanded) and its images' features."""
+        engine = self.llm_engine
+        if not isinstance(prompt, dict):
+            return engine.tokenize(prompt), []
+        if "prompt_token_ids" in prompt:
+            token_ids = list(prompt["prompt_token_ids"])
+        else:
+            token_ids = engine.tokenize(prompt["prompt"])
+        images = (prompt.get("multi_modal_data") or {}).get("image", [])
+        images = images if isinstance(images, list) else [images]
+        if not images:
+            return token_ids, []
+        if engine.prompt_images is None:
+            raise ValueError("this model takes text only, not images")
+        return engine.prompt_images.prepare(token_ids, images)
 
     def chat(
         self,
@@ -105,6 +133,8 @@ class LLM:
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     if isinstance(prompts, str):
+        return [prompts]
+    if isinstance(prompts, dict):
         return [prompts]
     prompts = list(prompts)
     if prompts and all(isinstance(t, int) for t in prompts):

@@ -18,6 +18,8 @@ from kvfleet.runtime.engine.outputs import OutputKind, RequestOutput
 from kvfleet.runtime.engine.sequences import sequence_ids, sequence_requests
 from kvfleet.runtime.engine.tokenizer import load_tokenizer
 from kvfleet.runtime.lora.request import LoRARequest
+from kvfleet.runtime.multimodal.inputs import MultiModalFeature
+from kvfleet.runtime.multimodal.prompt_images import PromptImages
 from kvfleet.runtime.request import FinishReason
 from kvfleet.runtime.sampling_params import SamplingParams
 
@@ -34,6 +36,7 @@ class LLMEngine:
         self.vocab_size: int = self.engine_core.vocab_size
         self.output_processor = OutputProcessor(self.tokenizer)
         self.eos_token_id: int | None = self.tokenizer.eos_token_id
+        self.prompt_images = PromptImages.for_model(config.model, config.mm_limit("image"))
 
     @property
     def num_steps(self) -> int:
@@ -64,11 +67,12 @@ class LLMEngine:
         arrival_time: float | None = None,
         prompt_token_ids: list[int] | None = None,
         lora_request: LoRARequest | None = None,
+        mm_features: list[MultiModalFeature] | None = None,
     ) -> list[int]:
         """Queue a request; returns its prompt token ids. Raises ValueError on bad input.
 
         `prompt_token_ids`, when the caller has already tokenized (and validated) a text prompt, saves doing
-        it twice.
+        it twice; with images, they are the expanded ones PromptImages.prepare gave with `mm_features`.
         """
         if request_id in self.output_processor:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -96,6 +100,7 @@ class LLMEngine:
             priority=priority,
             timeout=timeout,
             lora_request=lora_request,
+            mm_features=mm_features,
         ):
             self.engine_core.add_request(add)
         return prompt_token_ids

@@ -11,6 +11,7 @@ from __future__ import annotations
 import msgspec
 from kvfleet.runtime.core.outputs import EngineCoreOutput, SchedulerStats
 from kvfleet.runtime.lora.request import LoRARequest
+from kvfleet.runtime.multimodal.inputs import MultiModalFeature
 from kvfleet.runtime.sampling_params import SamplingParams
 
 
@@ -29,6 +30,8 @@ class AddRequest(msgspec.Struct, tag="add", array_like=True, omit_defaults=True)
     priority: int = 0
     deadline: float | None = None
     lora_request: LoRARequest | None = None
+    # The prompt's images, preprocessed, in prompt order; their placeholder tokens are in prompt_token_ids.
+    mm_features: list[MultiModalFeature] = []
 
 
 class AbortRequests(msgspec.Struct, tag="abort", array_like=True):

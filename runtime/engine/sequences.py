@@ -6,6 +6,7 @@ import dataclasses
 
 from kvfleet.runtime.engine.messages import AddRequest
 from kvfleet.runtime.lora.request import LoRARequest
+from kvfleet.runtime.multimodal.inputs import MultiModalFeature
 from kvfleet.runtime.sampling_params import SamplingParams
 
 
@@ -23,6 +24,7 @@ def sequence_requests(
     priority: int = 0,
     timeout: float | None = None,
     lora_request: LoRARequest | None = None,
+    mm_features: list[MultiModalFeature] | None = None,
 ) -> list[AddRequest]:
     """One AddRequest per sequence; sequence i of a seeded request draws from seed + i."""
     deadline = arrival_time + timeout if timeout is not None else None
@@ -42,6 +44,7 @@ def sequence_requests(
                 priority=priority,
                 deadline=deadline,
                 lora_request=lora_request,
+                mm_features=mm_features or [],
             )
         )
     return requests

@@ -184,14 +184,17 @@ class LlamaForCausalLM(nn.Module):
         plan: Any,
         sequence_lengths: torch.Tensor | None = None,  # [num_tokens], for rope types that read it
         stage_input: torch.Tensor | None = None,  # [2, num_tokens, hidden]: the previous stage's output
+        inputs_embeds: torch.Tensor | None = None,  # [num_tokens, hidden_size], instead of input_ids'
     ) -> torch.Tensor:
         """The last stage's normalised hidden states [num_tokens, hidden_size]; an earlier stage's output
         for the next one, (hidden, residual) stacked into [2, num_tokens, hidden_size]."""
-        if stage_input is None:
+        if stage_input is not None:
+            hidden, residual = stage_input[0], stage_input[1]
+        elif inputs_embeds is not None:
+            hidden, residual = inputs_embeds, None
+        else:
             assert self.embed_tokens is not None
             hidden, residual = self.embed_tokens(input_ids), None
-        else:
-            hidden, residual = stage_input[0], stage_input[1]
         rotary = self.rotary_emb.prepare(
             positions, hidden.dtype, fused=fused_layers.enabled(hidden), sequence_lengths=sequence_lengths
         )

@@ -22,6 +22,8 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "mistral": ("MistralForCausalLM", "mistral"),
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+    # A CLIP vision tower and a projector in front of a Llama language model.
+    "llava": ("LlavaForConditionalGeneration", "llava"),
 }
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -118,6 +120,20 @@ _LLAMA_STYLE = TokenizerStyle(
     end_of_text="<|end_of_text|>",
     chat_template=_LLAMA3_TEMPLATE,
 )
+# LLaVA's template renders an image content part as the image token, which the processor (or the engine)
+# then repeats once per image embedding.
+_LLAVA_TEMPLATE = _LLAMA3_TEMPLATE.replace(
+    "{% else %}{{ message['content'] | trim }}{% endif %}",
+    "{% elif message['content'] is string %}{{ message['content'] | trim }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'text' %}{{ part['text'] }}"
+    "{% elif part['type'] == 'image' %}{{ '<image>' }}{% endif %}"
+    "{% endfor %}{% endif %}",
+)
+IMAGE_TOKEN = "<image>"
+_LLAVA_STYLE = replace(
+    _LLAMA_STYLE, special_tokens=(*_LLAMA_STYLE.special_tokens, IMAGE_TOKEN), chat_template=_LLAVA_TEMPLATE
+)
 _QWEN_STYLE = TokenizerStyle(
     special_tokens=("<|endoftext|>", "<|im_start|>", "<|im_end|>"),
     bos_token=None,
@@ -159,7 +175,7 @@ def make_model(
         raise ValueError(f"{out} exists and is not empty")
     out.mkdir(parents=True, exist_ok=True)
 
-    style = _QWEN_STYLE if arch.startswith("qwen") else _LLAMA_STYLE
+    style = {"llava": _LLAVA_STYLE}.get(arch, _QWEN_STYLE if arch.startswith("qwen") else _LLAMA_STYLE)
     spec = PRESETS[preset]
     if max_position_embeddings is not None:
         if max_position_embeddings < 1:
@@ -168,7 +184,7 @@ def make_model(
     tokenizer = _train_tokenizer(style, spec.vocab_size, add_bos=style.bos_token is not None)
     tokenizer.save(str(out / "tokenizer.json"))
     special_ids = {token: tokenizer.token_to_id(token) for token in style.special_tokens}
-    config = _config(arch, spec, style, special_ids, dtype)
+    config = _config("llama" if arch == "llava" else arch, spec, style, special_ids, dtype)
     if rope_parameters is not None:
         config["rope_parameters"] = rope_parameters
     if sliding_window is not None:
@@ -179,10 +195,17 @@ def make_model(
         config["sliding_window"] = sliding_window
         if arch.startswith("qwen"):
             config.update(use_sliding_window=True, max_window_layers=max_window_layers)
-    _write_json(out / "config.json", config)
     _write_json(out / "tokenizer_config.json", _tokenizer_config(style, spec))
     _write_json(out / "generation_config.json", _generation_config(style, special_ids))
-    _write_weights(out / "model.safetensors", config, seed, num_used_ids=tokenizer.get_vocab_size())
+    tensors = _random_weights(config, seed, num_used_ids=tokenizer.get_vocab_size())
+    if arch == "llava":
+        if train_steps:
+            raise ValueError("train_steps trains text-only models; llava's are not trained")
+        config = _llava_config(config, VISION_PRESETS[preset], special_ids[IMAGE_TOKEN])
+        tensors = _llava_weights(tensors, config, seed)
+        _write_llava_processor(out, config)
+    _write_json(out / "config.json", config)
+    _save_weights(out / "model.safetensors", tensors, config["dtype"])
     if train_steps:
         _train(out, tokenizer, train_steps, seed)
     return out
@@ -331,11 +354,10 @@ def _generation_config(style: TokenizerStyle, special_ids: dict[str, int]) -> di
     }
 
 
-def _write_weights(path: Path, config: dict[str, Any], seed: int, *, num_used_ids: int) -> None:
+def _random_weights(config: dict[str, Any], seed: int, *, num_used_ids: int) -> dict[str, Any]:
     """Random weights scaled so that activations stay near unit size, attention is selective (scores of a
     few units) and logits are peaked: greedy outputs then depend on the whole context, not the last token."""
     import torch
-    from safetensors.torch import save_file
 
     generator = torch.Generator().manual_seed(seed)
     hidden = config["hidden_size"]
@@ -373,7 +395,14 @@ def _write_weights(path: Path, config: dict[str, Any], seed: int, *, num_used_id
     tensors["lm_head.weight"] = normal(vocab, hidden, std=_LOGIT_STD * hidden**-0.5)
     if num_used_ids < vocab:
         _suppress_unused_ids(tensors, num_used_ids)
-    dtype = getattr(torch, config["dtype"])
+    return tensors
+
+
+def _save_weights(path: Path, tensors: dict[str, Any], dtype_name: str) -> None:
+    import torch
+    from safetensors.torch import save_file
+
+    dtype = getattr(torch, dtype_name)
     save_file({k: v.to(dtype).contiguous() for k, v in tensors.items()}, str(path), metadata={"format": "pt"})
     path.chmod(0o644)
 
@@ -396,6 +425,150 @@ def _suppress_unused_ids(tensors: dict[str, Any], num_used_ids: int) -> None:
     lm_head = tensors["lm_head.weight"]
     lm_head[:, 0] = 0.0
     lm_head[num_used_ids:, 0] = _UNUSED_ID_WEIGHT
+
+
+@dataclass(frozen=True)
+class VisionPreset:
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    image_size: int
+    patch_size: int
+
+
+# The CLIP tower of each preset: (image_size / patch_size)^2 image tokens, 25 for tiny and 256 for small
+# (LLaVA 1.5's 336 / 14 gives 576).
+VISION_PRESETS: dict[str, VisionPreset] = {
+    "tiny": VisionPreset(32, 64, 2, 2, 30, 6),
+    "small": VisionPreset(256, 1024, 4, 4, 224, 14),
+    "small-draft": VisionPreset(32, 64, 2, 2, 30, 6),
+}
+# OpenAI CLIP's normalisation, which LLaVA's image processor keeps.
+_CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
+_CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
+
+
+def _llava_config(text_config: dict[str, Any], vision: VisionPreset, image_token_id: int) -> dict[str, Any]:
+    text = {key: value for key, value in text_config.items() if key not in ("architectures", "dtype")}
+    return {
+        "architectures": ["LlavaForConditionalGeneration"],
+        "model_type": "llava",
+        "image_token_index": image_token_id,
+        "image_seq_length": (vision.image_size // vision.patch_size) ** 2,
+        "projector_hidden_act": "gelu",
+        "vision_feature_select_strategy": "default",
+        "vision_feature_layer": -2,
+        "multimodal_projector_bias": True,
+        "tie_word_embeddings": False,
+        "text_config": text,
+        "vision_config": {
+            "model_type": "clip_vision_model",
+            "hidden_size": vision.hidden_size,
+            "intermediate_size": vision.intermediate_size,
+            "num_hidden_layers": vision.num_hidden_layers,
+            "num_attention_heads": vision.num_attention_heads,
+            "image_size": vision.image_size,
+            "patch_size": vision.patch_size,
+            "num_channels": 3,
+            "hidden_act": "quick_gelu",
+            "layer_norm_eps": 1e-5,
+            "projection_dim": text_config["hidden_size"],
+        },
+        "dtype": text_config["dtype"],
+    }
+
+
+def _llava_weights(text_tensors: dict[str, Any], config: dict[str, Any], seed: int) -> dict[str, Any]:
+    """The language model's tensors under LLaVA's names, plus a random CLIP tower and projector scaled so
+    that image embeddings have the size of token embeddings (and the constant dimension 0 that
+    _suppress_unused_ids gives every token)."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed + 1)
+    vision = config["vision_config"]
+    width = vision["hidden_size"]
+    inner = vision["intermediate_size"]
+    text_hidden = config["text_config"]["hidden_size"]
+    num_patches = (vision["image_size"] // vision["patch_size"]) ** 2
+
+    def normal(*shape: int, std: float) -> torch.Tensor:
+        return torch.randn(*shape, generator=generator) * std
+
+    tensors = {
+        (
+            "lm_head.weight"
+            if name == "lm_head.weight"
+            else "model.language_model." + name.removeprefix("model.")
+        ): tensor
+        for name, tensor in text_tensors.items()
+    }
+    tower = "model.vision_tower.vision_model"
+    patch_inputs = 3 * vision["patch_size"] ** 2
+    tensors[f"{tower}.embeddings.class_embedding"] = normal(width, std=1.0)
+    tensors[f"{tower}.embeddings.patch_embedding.weight"] = normal(
+        width, 3, vision["patch_size"], vision["patch_size"], std=patch_inputs**-0.5
+    )
+    tensors[f"{tower}.embeddings.position_embedding.weight"] = normal(num_patches + 1, width, std=0.5)
+    for norm in ("pre_layrnorm", "post_layernorm"):
+        tensors[f"{tower}.{norm}.weight"] = torch.ones(width)
+        tensors[f"{tower}.{norm}.bias"] = torch.zeros(width)
+    for i in range(vision["num_hidden_layers"]):
+        prefix = f"{tower}.encoder.layers.{i}"
+        for norm in ("layer_norm1", "layer_norm2"):
+            tensors[f"{prefix}.{norm}.weight"] = torch.ones(width)
+            tensors[f"{prefix}.{norm}.bias"] = torch.zeros(width)
+        for name in ("q_proj", "k_proj", "v_proj", "out_proj"):
+            tensors[f"{prefix}.self_attn.{name}.weight"] = normal(width, width, std=width**-0.5)
+            tensors[f"{prefix}.self_attn.{name}.bias"] = normal(width, std=0.02)
+        tensors[f"{prefix}.mlp.fc1.weight"] = normal(inner, width, std=width**-0.5)
+        tensors[f"{prefix}.mlp.fc1.bias"] = normal(inner, std=0.02)
+        tensors[f"{prefix}.mlp.fc2.weight"] = normal(width, inner, std=inner**-0.5)
+        tensors[f"{prefix}.mlp.fc2.bias"] = normal(width, std=0.02)
+    projector = "model.multi_modal_projector"
+    tensors[f"{projector}.linear_1.weight"] = normal(text_hidden, width, std=width**-0.5)
+    tensors[f"{projector}.linear_1.bias"] = normal(text_hidden, std=0.02)
+    tensors[f"{projector}.linear_2.weight"] = normal(text_hidden, text_hidden, std=2 * text_hidden**-0.5)
+    tensors[f"{projector}.linear_2.bias"] = normal(text_hidden, std=0.02)
+    tensors[f"{projector}.linear_2.weight"][0] = 0.0
+    tensors[f"{projector}.linear_2.bias"][0] = 1.0
+    return tensors
+
+
+def _write_llava_processor(out: Path, config: dict[str, Any]) -> None:
+    """preprocessor_config.json and processor_config.json, as LLaVA 1.5 ships them (CLIP's resize to the
+    shortest edge, centre crop and normalisation), for Transformers' LlavaProcessor and the engine alike."""
+    vision = config["vision_config"]
+    size = vision["image_size"]
+    _write_json(
+        out / "preprocessor_config.json",
+        {
+            "image_processor_type": "CLIPImageProcessor",
+            "processor_class": "LlavaProcessor",
+            "do_resize": True,
+            "size": {"shortest_edge": size},
+            "resample": 3,
+            "do_center_crop": True,
+            "crop_size": {"height": size, "width": size},
+            "do_rescale": True,
+            "rescale_factor": 1 / 255,
+            "do_normalize": True,
+            "image_mean": _CLIP_MEAN,
+            "image_std": _CLIP_STD,
+            "do_convert_rgb": True,
+        },
+    )
+    _write_json(
+        out / "processor_config.json",
+        {
+            "processor_class": "LlavaProcessor",
+            "image_token": IMAGE_TOKEN,
+            "patch_size": vision["patch_size"],
+            "vision_feature_select_strategy": config["vision_feature_select_strategy"],
+            "num_additional_image_tokens": 1,
+        },
+    )
+    (out / "chat_template.jinja").write_text(_LLAVA_TEMPLATE, encoding="utf-8")
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +34,9 @@ class ModelConfig:
     # where a layer attends to the whole context.
     layer_windows: tuple[int | None, ...] = ()
     dtype: torch.dtype = torch.float32
+    # A multimodal model's whole config.json (its encoders' settings); the fields above describe its language
+    # model. None for text-only models.
+    multimodal: dict[str, Any] | None = field(default=None, hash=False, compare=False)
 
     @classmethod
     def from_folder(cls, model_dir: str | Path) -> ModelConfig:
@@ -51,6 +54,15 @@ class ModelConfig:
         architectures = raw.get("architectures") or []
         if len(architectures) != 1:
             raise ValueError(f"{source}: 'architectures' must name exactly one class, got {architectures!r}")
+        if isinstance(raw.get("text_config"), dict):
+            # A multimodal model (LLaVA): the language model's numbers, under the model's own architecture.
+            text = {
+                "model_type": "llama",
+                "dtype": raw.get("dtype") or raw.get("torch_dtype"),
+                **raw["text_config"],
+            }
+            text["architectures"] = architectures
+            return replace(cls.from_dict(text, f"{source} text_config"), multimodal=raw)
 
         def require(key: str) -> Any:
             if raw.get(key) is None:

@@ -293,9 +293,15 @@ class CompletionRequest(_GenerationRequest):
         return list(prompt)  # type: ignore[arg-type]
 
 
-class TextPart(_Body):
+class ImageURL(_Body):
+    url: str
+    detail: str | None = None
+
+
+class ContentPart(_Body):
     type: str
     text: str | None = None
+    image_url: ImageURL | None = None
 
 
 class FunctionCall(_Body):
@@ -312,14 +318,14 @@ class ToolCall(_Body):
 
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[ContentPart] | None = None
     name: str | None = None
     # An assistant turn's calls, and a tool turn's answer to one of them.
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
 
     def as_template_input(self, index: int) -> dict[str, Any]:
-        message: dict[str, Any] = {"role": self.role, "content": self._text(index)}
+        message: dict[str, Any] = {"role": self.role, "content": self._content(index)}
         if self.name is not None:
             message["name"] = self.name
         if self.tool_calls:
@@ -339,20 +345,27 @@ class ChatMessage(_Body):
             message["tool_call_id"] = self.tool_call_id
         return message
 
-    def _text(self, index: int) -> str:
+    def _content(self, index: int) -> str | list[dict[str, str]]:
+        """The text; with images, the parts in order ({"type": "text", "text": ...} and {"type": "image"},
+        which a vision model's template renders as its image token)."""
         if self.content is None:
             return ""
         if isinstance(self.content, str):
             return self.content
-        parts = []
+        parts: list[dict[str, str]] = []
         for part_index, part in enumerate(self.content):
-            if part.type != "text" or part.text is None:
+            if part.type == "text" and part.text is not None:
+                parts.append({"type": "text", "text": part.text})
+            elif part.type == "image_url" and part.image_url is not None:
+                parts.append({"type": "image"})
+            else:
                 raise BadRequestError(
-                    f"only text content parts are supported, got type {part.type!r}",
+                    f"content parts are text or image_url, got type {part.type!r}",
                     param=f"messages.{index}.content.{part_index}",
                 )
-            parts.append(part.text)
-        return "".join(parts)
+        if any(part["type"] == "image" for part in parts):
+            return parts
+        return "".join(part["text"] for part in parts)
 
 
 def _arguments(text: str) -> Any:
@@ -383,6 +396,14 @@ class NamedFunction(_Body):
 class NamedToolChoice(_Body):
     type: Literal["function"]
     function: NamedFunction
+
+
+def message_text(message: dict[str, Any]) -> str:
+    """A template message's text, its image parts left out."""
+    content = message["content"]
+    if isinstance(content, str):
+        return content
+    return "".join(part["text"] for part in content if part["type"] == "text")
 
 
 def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:

@@ -17,6 +17,7 @@ from kvfleet.runtime.engine.input_checks import check_prompt_token_ids, check_sa
 from kvfleet.runtime.engine.messages import EngineInfo
 from kvfleet.runtime.engine.outputs import CompletionOutput, RequestOutput
 from kvfleet.runtime.lora.request import LoRARequest
+from kvfleet.runtime.multimodal.inputs import MultiModalFeature
 from kvfleet.runtime.sampling_params import SamplingParams, StructuredOutputsParams
 from kvfleet.runtime.server.errors import (
     BadRequestError,
@@ -56,6 +57,8 @@ class PreparedRequest:
     arrival_time: float
     lora_request: LoRARequest | None
     safety: RequestSafety | None = None
+    # The images of a chat request's one prompt.
+    mm_features: list[MultiModalFeature] = field(default_factory=list)
 
 
 @dataclass
@@ -318,6 +321,7 @@ class OpenAIServing:
         arrival_time: float,
         lora_request: LoRARequest | None,
         safety: RequestSafety | None = None,
+        mm_features: list[MultiModalFeature] | None = None,
     ) -> PreparedRequest:
         return PreparedRequest(
             request_id=f"{self.id_prefix}-{uuid.uuid4().hex}",
@@ -330,6 +334,7 @@ class OpenAIServing:
             arrival_time=arrival_time,
             lora_request=lora_request,
             safety=safety,
+            mm_features=mm_features or [],
         )
 
     # ---- running ---------------------------------------------------------------------------------
@@ -349,6 +354,7 @@ class OpenAIServing:
                 timeout=request.timeout,
                 arrival_time=request.arrival_time,
                 lora_request=request.lora_request,
+                mm_features=request.mm_features,
             )
             for index, token_ids in enumerate(request.prompt_token_ids)
         ]

@@ -8,7 +8,15 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from kvfleet.runtime.engine.outputs import CompletionOutput, RequestOutput
-from kvfleet.runtime.server.protocol import ChatCompletionRequest, ChatMessage, template_messages, usage
+from kvfleet.runtime.server.media import load_chat_images
+from kvfleet.runtime.server.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    ContentPart,
+    message_text,
+    template_messages,
+    usage,
+)
 from kvfleet.runtime.server.safety import RequestSafety
 from kvfleet.runtime.server.serving_base import Choice, OpenAIServing, PreparedRequest
 from kvfleet.runtime.server.streaming import EventStreamResponse
@@ -36,10 +44,14 @@ class OpenAIServingChat(OpenAIServing):
             safety.prompt = _last_user_text(messages)
             if safety.redacts_input:
                 messages = await _redacted(safety, messages)
+        images = await load_chat_images(self.state.engine.config, messages)
         token_ids = await self.chat_prompt(messages, body.add_generation_prompt, tools)
+        mm_features = []
+        if images is not None:
+            token_ids, mm_features = await images.expand(token_ids)
         self.check_prompt(token_ids, params, "messages")
         if safety is not None and not safety.redacts_input:
-            safety.start_input_check("\n".join(message["content"] for message in template_messages(messages)))
+            safety.start_input_check("\n".join(map(message_text, template_messages(messages))))
         request = self.prepare(
             [token_ids],
             params,
@@ -48,6 +60,7 @@ class OpenAIServingChat(OpenAIServing):
             arrival_time=arrival_time,
             lora_request=lora_request,
             safety=safety,
+            mm_features=mm_features,
         )
         if body.stream:
             outputs = self.outputs(request, stream=True)
@@ -151,17 +164,27 @@ class OpenAIServingChat(OpenAIServing):
 
 def _last_user_text(messages: list[ChatMessage]) -> str | None:
     conversation = template_messages(messages)
-    return next((message["content"] for message in reversed(conversation) if message["role"] == "user"), None)
+    return next(
+        (message_text(message) for message in reversed(conversation) if message["role"] == "user"), None
+    )
 
 
 async def _redacted(safety: RequestSafety, messages: list[ChatMessage]) -> list[ChatMessage]:
     """The messages with what the input checkers found redacted, each checked on its own."""
-    texts = [message["content"] for message in template_messages(messages)]
+    texts = [message_text(message) for message in template_messages(messages)]
     redacted = await asyncio.gather(*(safety.redacted_input(text) for text in texts))
     return [
-        message if new == old else message.model_copy(update={"content": new})
+        message if new == old else _with_text(message, new)
         for message, old, new in zip(messages, texts, redacted, strict=True)
     ]
+
+
+def _with_text(message: ChatMessage, text: str) -> ChatMessage:
+    """The message with `text` for its text; its images, if any, follow that text."""
+    if not isinstance(message.content, list):
+        return message.model_copy(update={"content": text})
+    images = [part for part in message.content if part.type != "text"]
+    return message.model_copy(update={"content": [ContentPart(type="text", text=text), *images]})
 
 
 def _calls(

@@ -21,6 +21,7 @@ from kvfleet.runtime.lora.manager import LoRAManager
 from kvfleet.runtime.models.layers import LENGTH_DEPENDENT_ROPE_TYPES
 from kvfleet.runtime.models.loader import LoadStats, load_model, resolve_device, resolve_dtype
 from kvfleet.runtime.models.model_config import ModelConfig
+from kvfleet.runtime.multimodal.encoder_runner import EncoderRunner
 from kvfleet.runtime.worker.sampler import Sampler, SpeculativeBatch
 from kvfleet.runtime.worker.step_inputs import StepInputs
 from torch import nn
@@ -86,6 +87,8 @@ class ModelRunner:
         self.model: nn.Module | None = None
         self.load_stats = LoadStats()
         self.lora_manager: LoRAManager | None = None
+        # A multimodal model's encoders and their cache; None for text-only models.
+        self.encoder_runner: EncoderRunner | None = None
         self.kv_caches: list[torch.Tensor] = []
         # The host-memory tier's blocks, in the device cache's layout (pinned on CUDA); empty without one.
         self.host_kv_caches: list[torch.Tensor] = []
@@ -135,6 +138,8 @@ class ModelRunner:
             max_position=self.max_model_len,
             stats=self.load_stats,
         )
+        if hasattr(self.model, "embed_images"):
+            self.encoder_runner = EncoderRunner(self.model, self.device)
         config = self.config
         if config.enable_lora:
             self.lora_manager = LoRAManager(
@@ -341,6 +346,10 @@ class ModelRunner:
             model_inputs["sequence_lengths"] = self._prepare_rope_sequence_lengths(step)
         if stage_input is not None:
             model_inputs["stage_input"] = stage_input
+        elif self.encoder_runner is not None:
+            embeddings = self.encoder_runner.input_embeddings(input_ids, step, metadata.query_start_loc_cpu)
+            if embeddings is not None:
+                model_inputs["inputs_embeds"] = embeddings
         return self.model(input_ids, positions, self.kv_caches, plan, **model_inputs)
 
     def _select_rows(self, hidden: torch.Tensor, rows: list[int], num_tokens: int) -> torch.Tensor:

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from kvfleet.runtime.core.host_kv_tier import TierCopies
 from kvfleet.runtime.core.outputs import SchedulerOutput
 from kvfleet.runtime.lora.request import LoRARequest
+from kvfleet.runtime.multimodal.inputs import MultiModalFeature
 
 
 @dataclass
@@ -26,6 +27,8 @@ class StepInputs:
     # drafts its last real token and each draft token.
     logit_rows: list[int]
     lora_requests: list[LoRARequest | None]
+    # Each request's images (or other items), in prompt order; empty for text.
+    mm_features: list[list[MultiModalFeature]]
     tier_copies: TierCopies = field(default_factory=TierCopies)
 
     @property
@@ -72,6 +75,7 @@ class StepInputs:
             sample_rows=sample_rows,
             logit_rows=logit_rows,
             lora_requests=[request.lora_request for request in scheduler_output.requests],
+            mm_features=[list(request.mm_features) for request in scheduler_output.requests],
             tier_copies=scheduler_output.tier_copies,
         )
 
@@ -101,5 +105,6 @@ class StepInputs:
             sample_rows=[i - first for i in self.sample_rows if first <= i < last],
             logit_rows=[row - offset for row in self.logit_rows if offset <= row < end],
             lora_requests=self.lora_requests[first:last],
+            mm_features=self.mm_features[first:last],
             tier_copies=self.tier_copies if copies else TierCopies(),
         )

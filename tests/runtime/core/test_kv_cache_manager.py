@@ -133,9 +133,9 @@ def test_hashes_only_newly_full_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[tuple[int, ...]] = []
     real_hash = kv_cache_utils.hash_block_tokens
 
-    def counting_hash(parent: bytes | None, token_ids: list[int]) -> bytes:
+    def counting_hash(parent: bytes | None, token_ids: list[int], extra_keys: bytes = b"") -> bytes:
         calls.append(tuple(token_ids))
-        return real_hash(parent, token_ids)
+        return real_hash(parent, token_ids, extra_keys)
 
     monkeypatch.setattr(kv_cache_utils, "hash_block_tokens", counting_hash)
     manager = KVCacheManager(10, BLOCK, enable_caching=True)

@@ -11,6 +11,7 @@ import json
 import random
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -38,22 +39,26 @@ def _reference(model_dir: Path, prompts: list[list[int]]) -> list[tuple[list[int
     a fresh model: `dynamic` RoPE keeps the longest length it has seen across generate() calls, which would
     make a prompt's reference depend on the prompts before it."""
     results = []
-    with torch.inference_mode():
-        for prompt in prompts:
-            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-            out = model.generate(
-                torch.tensor([prompt]),
-                max_new_tokens=MAX_TOKENS,
-                min_new_tokens=MAX_TOKENS,
-                do_sample=False,
-                output_logits=True,
-                return_dict_in_generate=True,
-                pad_token_id=0,
-            )
-            tokens = out.sequences[0, len(prompt) :].tolist()
-            tops = [set(step[0].topk(TOP_N).indices.tolist()) for step in out.logits]
-            results.append((tokens, tops))
+    for prompt in prompts:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        results.append(greedy_reference(model, input_ids=torch.tensor([prompt])))
     return results
+
+
+def greedy_reference(model: Any, **inputs: Any) -> tuple[list[int], list[set[int]]]:
+    """A Transformers model's MAX_TOKENS greedy tokens after one prompt, and its top-5 at each step."""
+    with torch.inference_mode():
+        out = model.generate(
+            **inputs,
+            max_new_tokens=MAX_TOKENS,
+            min_new_tokens=MAX_TOKENS,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+            pad_token_id=0,
+        )
+    tokens = out.sequences[0, inputs["input_ids"].shape[1] :].tolist()
+    return tokens, [set(step[0].topk(TOP_N).indices.tolist()) for step in out.logits]
 
 
 @pytest.fixture(scope="module", params=ARCHS)

@@ -244,7 +244,8 @@ def test_registry_resolves_builtins_and_plugins_and_names_what_it_supports(monke
     registry = ModelRegistry()
     for name in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"):
         assert registry.resolve(name) is LlamaForCausalLM
-    with pytest.raises(ValueError, match="not supported; supported: LlamaForCausalLM, MistralForCausalLM"):
+    supported = "LlamaForCausalLM, LlavaForConditionalGeneration, MistralForCausalLM"
+    with pytest.raises(ValueError, match=f"not supported; supported: {supported}"):
         registry.resolve("GPT2LMHeadModel")
 
     plugin = EntryPoint(name="MyForCausalLM", value="collections:OrderedDict", group="kvfleet.models")

@@ -1,0 +1,139 @@
+"""Images as a vision model reads them: decoding (Pillow), and the resize, centre crop and normalisation that
+the folder's preprocessor_config.json describes, with the meaning Transformers' CLIP image processor gives
+those settings; and how many placeholder tokens each image takes in the prompt."""
+
+from __future__ import annotations
+
+import io
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from PIL import Image, UnidentifiedImageError
+
+# What Pillow may decode: the formats content parts take (PNG, JPEG, WebP), nothing else it can read.
+IMAGE_FORMATS = ("PNG", "JPEG", "WEBP")
+
+
+class ImageInputError(ValueError):
+    """An image the engine cannot take: undecodable, of another format, or too large."""
+
+
+@dataclass(frozen=True)
+class VisionSettings:
+    """What a LLaVA config.json says about its images."""
+
+    image_token_id: int
+    # The vision layers that run: LLaVA reads this layer's output (hidden_states[feature_layer] in CLIP).
+    feature_layer: int
+    # `full` keeps CLIP's class token among an image's embeddings, `default` drops it.
+    keep_class_token: bool
+    tokens_per_image: int
+
+
+def vision_settings(config: dict[str, Any]) -> VisionSettings:
+    vision = config["vision_config"]
+    num_layers = int(vision["num_hidden_layers"])
+    layer = config.get("vision_feature_layer", -2)
+    if not isinstance(layer, int) or not -num_layers - 1 <= layer <= num_layers:
+        raise ValueError(f"vision_feature_layer {layer!r} is not supported (one layer index)")
+    strategy = config.get("vision_feature_select_strategy", "default")
+    if strategy not in ("default", "full"):
+        raise ValueError(f"vision_feature_select_strategy {strategy!r} is not default or full")
+    num_patches = (int(vision["image_size"]) // int(vision["patch_size"])) ** 2
+    token_id = config.get("image_token_index", config.get("image_token_id"))
+    if token_id is None:
+        raise ValueError("config.json names no image_token_index")
+    return VisionSettings(
+        image_token_id=int(token_id),
+        feature_layer=layer if layer >= 0 else num_layers + 1 + layer,
+        keep_class_token=strategy == "full",
+        tokens_per_image=num_patches + (strategy == "full"),
+    )
+
+
+def decode_image(data: bytes, *, max_pixels: int) -> Image.Image:
+    """The RGB image in `data`; raises ImageInputError for anything else, before decoding one too large."""
+    try:
+        image = Image.open(io.BytesIO(data), formats=IMAGE_FORMATS)
+    except UnidentifiedImageError:
+        raise ImageInputError(f"the image is not a {', '.join(IMAGE_FORMATS)} image") from None
+    except (OSError, ValueError, Image.DecompressionBombError) as exc:
+        raise ImageInputError(f"the image cannot be decoded: {exc}") from None
+    width, height = image.size
+    if width * height > max_pixels:
+        raise ImageInputError(f"the image has {width}x{height} pixels, more than the limit of {max_pixels}")
+    try:
+        image.load()
+    except (OSError, ValueError, Image.DecompressionBombError) as exc:
+        raise ImageInputError(f"the image cannot be decoded: {exc}") from None
+    return image.convert("RGB")
+
+
+@dataclass(frozen=True)
+class ImageProcessor:
+    """preprocessor_config.json's CLIP-style steps: resize (shortest edge, or height and width), centre crop,
+    rescale, normalise; channels first, float32."""
+
+    resize: dict[str, int] | None
+    resample: int
+    crop: tuple[int, int] | None
+    rescale_factor: float | None
+    mean: np.ndarray | None
+    std: np.ndarray | None
+
+    @classmethod
+    def from_folder(cls, model_dir: str | Path) -> ImageProcessor:
+        path = Path(model_dir) / "preprocessor_config.json"
+        if not path.is_file():
+            raise ValueError(f"{path} does not exist: a vision model folder needs its image processor config")
+        raw = json.loads(path.read_text())
+        crop = raw.get("crop_size") if raw.get("do_center_crop", True) else None
+        if isinstance(crop, int):
+            crop = {"height": crop, "width": crop}
+        size = raw.get("size") if raw.get("do_resize", True) else None
+        if isinstance(size, int):
+            size = {"shortest_edge": size}
+        normalize = raw.get("do_normalize", True)
+        return cls(
+            resize=size,
+            resample=int(raw.get("resample", Image.Resampling.BICUBIC)),
+            crop=None if crop is None else (int(crop["height"]), int(crop["width"])),
+            rescale_factor=float(raw.get("rescale_factor", 1 / 255)) if raw.get("do_rescale", True) else None,
+            mean=np.asarray(raw["image_mean"], dtype=np.float32).reshape(-1, 1, 1) if normalize else None,
+            std=np.asarray(raw["image_std"], dtype=np.float32).reshape(-1, 1, 1) if normalize else None,
+        )
+
+    def __call__(self, image: Image.Image) -> np.ndarray:  # -> [3, H, W] float32
+        if self.resize is not None:
+            image = image.resize(self._resized_size(*image.size), resample=self.resample)
+        pixels = np.asarray(image).transpose(2, 0, 1)
+        if self.crop is not None:
+            pixels = _center_crop(pixels, *self.crop)
+        values = pixels.astype(np.float32)
+        if self.rescale_factor is not None:
+            values = (pixels.astype(np.float64) * self.rescale_factor).astype(np.float32)
+        if self.mean is not None and self.std is not None:
+            values = (values - self.mean) / self.std
+        return np.ascontiguousarray(values, dtype=np.float32)
+
+    def _resized_size(self, width: int, height: int) -> tuple[int, int]:
+        size = self.resize
+        assert size is not None
+        if "shortest_edge" in size:
+            short, long = sorted((width, height))
+            new_short, new_long = size["shortest_edge"], int(size["shortest_edge"] * long / short)
+            return (new_short, new_long) if width <= height else (new_long, new_short)
+        return int(size["width"]), int(size["height"])
+
+
+def _center_crop(pixels: np.ndarray, height: int, width: int) -> np.ndarray:
+    """The centre height x width of a [C, H, W] array, zero-padded where the image is smaller."""
+    channels, image_height, image_width = pixels.shape
+    out = np.zeros((channels, max(height, image_height), max(width, image_width)), dtype=pixels.dtype)
+    top_pad, left_pad = (out.shape[1] - image_height) // 2, (out.shape[2] - image_width) // 2
+    out[:, top_pad : top_pad + image_height, left_pad : left_pad + image_width] = pixels
+    top, left = (out.shape[1] - height) // 2, (out.shape[2] - width) // 2
+    return out[:, top : top + height, left : left + width]

@@ -1,0 +1,228 @@
+"""Images in chat requests, through the official openai SDK against a real server of a tiny LLaVA: answers
+equal to Transformers' greedy ones, the encoder cache by the server's metrics, images fetched from an
+allowed host only, and a clear 400 for each kind of bad image, after which the server keeps serving."""
+
+from __future__ import annotations
+
+import base64
+import http.server
+import io
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import httpx
+import numpy as np
+import openai
+import pytest
+import torch
+from PIL import Image
+from transformers import AutoProcessor, LlavaForConditionalGeneration
+
+if TYPE_CHECKING:
+    from conftest import ServerProcess
+
+MODEL_NAME = "tiny"
+MAX_TOKENS = 6
+GREEDY: dict[str, Any] = {"temperature": 0.0, "max_tokens": MAX_TOKENS, "extra_body": {"ignore_eos": True}}
+MAX_IMAGE_PIXELS = 100 * 100
+
+
+def _image(seed: int, height: int = 36, width: int = 44) -> Image.Image:
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, size=(height, width, 3), dtype=np.uint8))
+
+
+def _encoded(image: Image.Image, image_format: str = "PNG") -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format=image_format)
+    return buffer.getvalue()
+
+
+def _data_url(data: bytes, media_type: str = "image/png") -> str:
+    return f"data:{media_type};base64,{base64.b64encode(data).decode()}"
+
+
+def _image_part(url: str) -> dict[str, Any]:
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def _user(*parts: dict[str, Any] | str) -> dict[str, Any]:
+    content = [{"type": "text", "text": part} if isinstance(part, str) else part for part in parts]
+    return {"role": "user", "content": content}
+
+
+@pytest.fixture(scope="module")
+def llava(make_model: Callable[..., Path]) -> Path:
+    return make_model("llava", "tiny")
+
+
+@pytest.fixture(scope="module")
+def image_host() -> Iterator[str]:
+    """An HTTP server on loopback that serves one PNG at /cat.png."""
+    body = _encoded(_image(7))
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200 if self.path == "/cat.png" else 404)
+            self.send_header("Content-Type", "image/png")
+            self.end_headers()
+            if self.path == "/cat.png":
+                self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        thread.join()
+
+
+@pytest.fixture(scope="module")
+def llava_server(start_server: Callable[..., ServerProcess], llava: Path) -> ServerProcess:
+    return start_server(
+        "--limit-mm-per-prompt",
+        '{"image": 2}',
+        "--max-image-pixels",
+        str(MAX_IMAGE_PIXELS),
+        "--allowed-media-domains",
+        "127.0.0.1",
+        "--max-num-batched-tokens",
+        "16",
+        model=llava,
+    )
+
+
+@pytest.fixture(scope="module")
+def client(llava_server: ServerProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{llava_server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def _transformers_answer(
+    llava: Path, messages: list[dict[str, Any]], images: list[Image.Image]
+) -> tuple[str, int]:
+    """(greedy answer text, prompt tokens) of Transformers' processor and model."""
+    processor = AutoProcessor.from_pretrained(llava)
+    model = LlavaForConditionalGeneration.from_pretrained(llava, dtype=torch.float32).eval()
+    conversation = [
+        {
+            "role": message["role"],
+            "content": [
+                {"type": "image"} if part["type"] == "image_url" else part for part in message["content"]
+            ]
+            if isinstance(message["content"], list)
+            else [{"type": "text", "text": message["content"]}],
+        }
+        for message in messages
+    ]
+    text = processor.apply_chat_template(conversation, add_generation_prompt=True)
+    # The rendered template holds the BOS token already.
+    inputs = processor(text=text, images=images or None, return_tensors="pt", add_special_tokens=False)
+    with torch.inference_mode():
+        out = model.generate(**inputs, max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS, do_sample=False)
+    prompt_length = inputs["input_ids"].shape[1]
+    answer = processor.tokenizer.decode(out[0, prompt_length:], skip_special_tokens=True)
+    return answer, prompt_length
+
+
+def _encoder_runs(server: ServerProcess) -> float:
+    return next(
+        value for name, value in server.metrics().items() if name.startswith("kvfleet:mm_encoder_runs")
+    )
+
+
+def test_base64_images_in_a_conversation_match_transformers(client: openai.OpenAI, llava: Path) -> None:
+    first, second = _image(1), _image(2, 50, 30)
+    messages = [
+        _user("What is in ", _image_part(_data_url(_encoded(first))), "?"),
+        {"role": "assistant", "content": "A picture."},
+        _user(
+            "Compare it with ",
+            _image_part(_data_url(_encoded(second, "WEBP"), "image/webp")),
+            " please.",
+        ),
+    ]
+    chat = client.chat.completions.create(model=MODEL_NAME, messages=messages, **GREEDY)
+    decoded_second = Image.open(io.BytesIO(_encoded(second, "WEBP"))).convert("RGB")
+    answer, prompt_tokens = _transformers_answer(llava, messages, [first, decoded_second])
+    assert chat.usage.prompt_tokens == prompt_tokens
+    assert chat.choices[0].message.content == answer
+
+
+def test_the_same_image_is_encoded_once(client: openai.OpenAI, llava_server: ServerProcess) -> None:
+    url = _data_url(_encoded(_image(3), "JPEG"), "image/jpeg")
+    before = _encoder_runs(llava_server)
+    answers = [
+        client.chat.completions.create(
+            model=MODEL_NAME, messages=[_user("Look: ", _image_part(url))], **GREEDY
+        )
+        .choices[0]
+        .message.content
+        for _ in range(2)
+    ]
+    assert answers[0] == answers[1]
+    assert _encoder_runs(llava_server) - before == 1
+
+
+def test_an_allowed_host_is_fetched(client: openai.OpenAI, image_host: str, llava: Path) -> None:
+    messages = [_user("Look: ", _image_part(f"{image_host}/cat.png"))]
+    chat = client.chat.completions.create(model=MODEL_NAME, messages=messages, **GREEDY)
+    answer, _ = _transformers_answer(llava, messages, [_image(7)])
+    assert chat.choices[0].message.content == answer
+
+
+BAD_IMAGES = {
+    "truncated": (_data_url(_encoded(_image(4))[:100]), "cannot be decoded"),
+    "gif": (_data_url(_encoded(_image(4), "GIF"), "image/gif"), "not a PNG, JPEG, WEBP image"),
+    "not base64": ("data:image/png;base64,@@@", "not valid base64"),
+    "not an image": (_data_url(b"hello", "text/plain"), "not an image"),
+    "too many pixels": (_data_url(_encoded(_image(5, 101, 100))), "more than the limit"),
+    "host not allowed": ("http://localhost:9/cat.png", "not allowed"),
+    "scheme": ("file:///etc/hostname", "data: URL or an http(s) URL"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_IMAGES))
+def test_bad_images_are_400s(client: openai.OpenAI, case: str) -> None:
+    url, message = BAD_IMAGES[case]
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(
+            model=MODEL_NAME, messages=[_user("Look: ", _image_part(url))], **GREEDY
+        )
+    error = caught.value.body
+    assert message in error["message"], error
+    assert error["param"] == "messages.0.content.1", error
+    # The server keeps serving.
+    chat = client.chat.completions.create(model=MODEL_NAME, messages=[_user("Hello")], **GREEDY)
+    assert chat.usage.completion_tokens == MAX_TOKENS
+
+
+def test_too_many_images_is_a_400(client: openai.OpenAI) -> None:
+    url = _data_url(_encoded(_image(6)))
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(
+            model=MODEL_NAME,
+            messages=[_user(_image_part(url), _image_part(url), _image_part(url))],
+            **GREEDY,
+        )
+    assert "limit of 2" in caught.value.body["message"]
+    assert caught.value.body["param"] == "messages.0.content.2"
+
+
+def test_an_image_to_a_text_only_model_is_a_400(api_server: ServerProcess) -> None:
+    client = openai.OpenAI(base_url=f"{api_server.url}/v1", api_key=api_server.api_key, max_retries=0)
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(
+            model=MODEL_NAME,
+            messages=[_user("Look: ", _image_part(_data_url(_encoded(_image(8)))))],
+            **GREEDY,
+        )
+    assert "text only" in caught.value.body["message"]
+    response = httpx.get(f"{api_server.url}/ready", timeout=10)
+    assert response.status_code == 200
