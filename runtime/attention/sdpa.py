@@ -8,6 +8,12 @@ group (small batches) skips the sorting and takes the query rows as they are. Pr
 call each: plain causal when nothing is cached before them, else over their gathered context with a causal
 mask shifted by the cached length. All index tensors and masks are built once per step in `prepare` and
 reused by every layer; layers with a sliding window share another set, built by the first of them.
+
+A request whose context is longer than `long_context_tokens` (a decode or a prefill chunk) never gathers its
+whole context: its queries attend over the context in KV tiles of `kv_tile_tokens`, gathered one at a time
+and merged with an online softmax (running maximum, running sum, rescaled output, in float32), so its memory
+per step is O(query tokens x tile) whatever the context's length. Tiles wholly before the window are skipped
+and only tiles that some query may not wholly see carry a mask.
 """
 
 from __future__ import annotations
@@ -25,6 +31,10 @@ _CPU_DECODE_GROUP_BYTES = 2 << 20
 _GPU_DECODE_GROUP_BYTES = 1 << 30
 # Long contexts still share a group with a few others, so that per-call overhead stays small next to the work.
 _MIN_DECODE_GROUP_ROWS = 4
+# Contexts up to this many tokens take the one-call SDPA paths, which are faster there (docs/long-context.md
+# gives the measurement); longer ones attend in KV tiles of _KV_TILE_TOKENS.
+_LONG_CONTEXT_TOKENS = 16384
+_KV_TILE_TOKENS = 4096
 
 
 @dataclass
@@ -46,6 +56,21 @@ class PrefillChunk:
 
 
 @dataclass
+class KvTile:
+    block_ids: torch.Tensor  # int64: the tile's blocks, in context order
+    num_tokens: int  # the tile's context positions (its last block may be partly filled)
+    # bool [q_len, num_tokens]: True where a query may not see a key; None when every query sees every key.
+    hidden: torch.Tensor | None
+
+
+@dataclass
+class TiledRequest:
+    start: int  # the request's query rows [start, end)
+    end: int
+    tiles: list[KvTile]
+
+
+@dataclass
 class SdpaPlan:
     slot_mapping: torch.Tensor
     # int64: query rows of the decodes, in context-length order; None when the step is only decodes that
@@ -53,6 +78,8 @@ class SdpaPlan:
     decode_token_indices: torch.Tensor | None
     decode_groups: list[DecodeGroup]
     prefill_chunks: list[PrefillChunk]
+    # Requests whose context is longer than long_context_tokens, decodes and prefill chunks alike.
+    tiled_requests: list[TiledRequest]
     metadata: AttentionMetadata
     # The same step's plans for sliding-window layers, by window.
     windowed: dict[int, SdpaPlan] = field(default_factory=dict)
@@ -66,6 +93,8 @@ class SdpaAttentionBackend(AttentionBackend):
         bytes_per_token = 2 * spec.num_kv_heads * spec.head_dim * spec.dtype.itemsize
         group_bytes = _GPU_DECODE_GROUP_BYTES if spec.device.type == "cuda" else _CPU_DECODE_GROUP_BYTES
         self.decode_group_tokens = max(group_bytes // bytes_per_token, spec.block_size)
+        self.long_context_tokens = _LONG_CONTEXT_TOKENS
+        self.kv_tile_tokens = _KV_TILE_TOKENS
 
     @classmethod
     def unsupported_reason(cls, spec: AttentionSpec) -> str | None:
@@ -79,15 +108,15 @@ class SdpaAttentionBackend(AttentionBackend):
     def _plan(self, metadata: AttentionMetadata, window: int | None) -> SdpaPlan:
         starts = metadata.query_start_loc_cpu
         seq_lens = metadata.seq_lens_cpu
-        decodes = sorted(
-            (i for i in range(metadata.num_reqs) if starts[i + 1] - starts[i] == 1), key=seq_lens.__getitem__
-        )
-        prefills = [i for i in range(metadata.num_reqs) if starts[i + 1] - starts[i] > 1]
+        long = [i for i in range(metadata.num_reqs) if seq_lens[i] > self.long_context_tokens]
+        short = [i for i in range(metadata.num_reqs) if seq_lens[i] <= self.long_context_tokens]
+        decodes = sorted((i for i in short if starts[i + 1] - starts[i] == 1), key=seq_lens.__getitem__)
+        prefills = [i for i in short if starts[i + 1] - starts[i] > 1]
         block_tables = metadata.block_tables.long()
         device = block_tables.device
         decode_token_indices = None
         groups: list[DecodeGroup] = []
-        if decodes and not prefills and self._fits_one_group(len(decodes), max(seq_lens)):
+        if decodes and not prefills and not long and self._fits_one_group(len(decodes), max(seq_lens)):
             # Nothing to reorder: the batch's block tables and lengths, in query order, make the one group.
             lens = metadata.seq_lens.long()
             groups = [self._decode_group(0, len(decodes), block_tables, lens, max(seq_lens), window)]
@@ -106,6 +135,7 @@ class SdpaAttentionBackend(AttentionBackend):
             decode_token_indices=decode_token_indices,
             decode_groups=groups,
             prefill_chunks=[self._prefill_chunk(i, starts, seq_lens, block_tables, window) for i in prefills],
+            tiled_requests=[self._tiled_request(i, starts, seq_lens, block_tables, window) for i in long],
             metadata=metadata,
         )
 
@@ -162,6 +192,33 @@ class SdpaAttentionBackend(AttentionBackend):
             mask &= key_positions > query_positions - window
         return PrefillChunk(start, end, seq_len, block_ids, mask)
 
+    def _tiled_request(
+        self, i: int, starts: list[int], seq_lens: list[int], block_tables: torch.Tensor, window: int | None
+    ) -> TiledRequest:
+        start, end, seq_len = starts[i], starts[i + 1], seq_lens[i]
+        first_query = seq_len - (end - start)
+        block_size = self.spec.block_size
+        tile_blocks = max(self.kv_tile_tokens // block_size, 1)
+        # The first block any query may see: blocks before it may already be freed and are never read.
+        first_block = 0 if window is None else max(0, first_query - window + 1) // block_size
+        num_blocks = -(-seq_len // block_size)
+        device = block_tables.device
+        query_positions = torch.arange(first_query, seq_len, device=device)[:, None]
+        tiles = []
+        for tile_start in range(first_block, num_blocks, tile_blocks):
+            tile_end = min(tile_start + tile_blocks, num_blocks)
+            first_key, end_key = tile_start * block_size, min(tile_end * block_size, seq_len)
+            hidden = None
+            # Every query sees the whole tile when its last key precedes the first query and (with a window)
+            # its first key lies within the last query's window.
+            if end_key - 1 > first_query or (window is not None and first_key <= seq_len - 1 - window):
+                key_positions = torch.arange(first_key, end_key, device=device)[None, :]
+                hidden = key_positions > query_positions
+                if window is not None:
+                    hidden |= key_positions <= query_positions - window
+            tiles.append(KvTile(block_tables[i, tile_start:tile_end], end_key - first_key, hidden))
+        return TiledRequest(start, end, tiles)
+
     def forward(
         self,
         query: torch.Tensor,
@@ -187,6 +244,8 @@ class SdpaAttentionBackend(AttentionBackend):
             output.index_copy_(0, plan.decode_token_indices, decode_output)
         for chunk in plan.prefill_chunks:
             output[chunk.start : chunk.end] = self._prefill(query, key, value, kv_cache, chunk)
+        for request in plan.tiled_requests:
+            output[request.start : request.end] = self._attend_in_tiles(query, kv_cache, request)
         return output
 
     def _decode(self, decode_query: torch.Tensor, kv_cache: torch.Tensor, group: DecodeGroup) -> torch.Tensor:
@@ -229,6 +288,38 @@ class SdpaAttentionBackend(AttentionBackend):
             enable_gqa=spec.num_heads != spec.num_kv_heads,
         )
         return out[0].transpose(0, 1)
+
+    def _attend_in_tiles(
+        self, query: torch.Tensor, kv_cache: torch.Tensor, request: TiledRequest
+    ) -> torch.Tensor:
+        spec = self.spec
+        kv_heads, dim = spec.num_kv_heads, spec.head_dim
+        q_len = request.end - request.start
+        # [kv_heads, group * q_len, dim]: a KV head's query heads, each with every query row, as one matrix.
+        q = query[request.start : request.end].view(q_len, kv_heads, -1, dim).permute(1, 2, 0, 3)
+        group = q.shape[1]
+        q = q.reshape(kv_heads, group * q_len, dim).float() * spec.scale
+        output = torch.zeros_like(q)
+        running_max = torch.full((kv_heads, group * q_len, 1), float("-inf"), device=q.device)
+        running_sum = torch.zeros_like(running_max)
+        for tile in request.tiles:
+            k = _gather_blocks(kv_cache[0], tile.block_ids).view(-1, kv_heads, dim)[: tile.num_tokens]
+            v = _gather_blocks(kv_cache[1], tile.block_ids).view(-1, kv_heads, dim)[: tile.num_tokens]
+            scores = torch.bmm(q, k.float().permute(1, 2, 0))  # [kv_heads, group * q_len, tokens]
+            if tile.hidden is not None:
+                scores.view(kv_heads, group, q_len, -1).masked_fill_(tile.hidden, float("-inf"))
+            tile_max = torch.maximum(running_max, scores.amax(-1, keepdim=True))
+            # A row that has seen no visible key yet keeps a maximum of -inf; shift it by 0 instead (its
+            # exponentials are all 0 then) so that no -inf - -inf turns into NaN.
+            shift = tile_max.masked_fill(tile_max == float("-inf"), 0.0)
+            probabilities = scores.sub_(shift).exp_()
+            rescale = (running_max - shift).exp_()
+            running_sum.mul_(rescale).add_(probabilities.sum(-1, keepdim=True))
+            output.mul_(rescale).baddbmm_(probabilities, v.float().transpose(0, 1))
+            running_max = tile_max
+        output.div_(running_sum)
+        output = output.view(kv_heads, group, q_len, dim).permute(2, 0, 1, 3)
+        return output.reshape(q_len, -1, dim).to(query.dtype)
 
 
 def _gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
