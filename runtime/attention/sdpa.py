@@ -10,10 +10,11 @@ mask shifted by the cached length. All index tensors and masks are built once pe
 reused by every layer; layers with a sliding window share another set, built by the first of them.
 
 A request whose context is longer than `long_context_tokens` (a decode or a prefill chunk) never gathers its
-whole context: its queries attend over the context in KV tiles of `kv_tile_tokens`, gathered one at a time
-and merged with an online softmax (running maximum, running sum, rescaled output, in float32), so its memory
-per step is O(query tokens x tile) whatever the context's length. Tiles wholly before the window are skipped
-and only tiles that some query may not wholly see carry a mask.
+whole context: its queries attend over the context in KV tiles of `kv_tile_tokens`, gathered one at a time;
+each tile's output and log-sum-exp are merged into running ones (split-KV, in float32), so the memory per
+step is O(query tokens x tile) whatever the context's length. A tile is attended only by the queries that
+see some of its keys, tiles wholly before the window are skipped, and only tiles that some of their queries
+may not wholly see carry a mask.
 """
 
 from __future__ import annotations
@@ -59,8 +60,10 @@ class PrefillChunk:
 class KvTile:
     block_ids: torch.Tensor  # int64: the tile's blocks, in context order
     num_tokens: int  # the tile's context positions (its last block may be partly filled)
-    # bool [q_len, num_tokens]: True where a query may not see a key; None when every query sees every key.
-    hidden: torch.Tensor | None
+    first_row: int  # the request's query rows [first_row, end_row) see some of the tile's keys
+    end_row: int
+    # [end_row - first_row, num_tokens]: 0 where a query sees a key, -inf where not; None when all see all.
+    mask: torch.Tensor | None
 
 
 @dataclass
@@ -95,6 +98,9 @@ class SdpaAttentionBackend(AttentionBackend):
         self.decode_group_tokens = max(group_bytes // bytes_per_token, spec.block_size)
         self.long_context_tokens = _LONG_CONTEXT_TOKENS
         self.kv_tile_tokens = _KV_TILE_TOKENS
+        self._attention_with_lse = (
+            _fused_attention_with_lse if spec.device.type == "cpu" else _attention_with_lse
+        )
 
     @classmethod
     def unsupported_reason(cls, spec: AttentionSpec) -> str | None:
@@ -196,27 +202,44 @@ class SdpaAttentionBackend(AttentionBackend):
         self, i: int, starts: list[int], seq_lens: list[int], block_tables: torch.Tensor, window: int | None
     ) -> TiledRequest:
         start, end, seq_len = starts[i], starts[i + 1], seq_lens[i]
-        first_query = seq_len - (end - start)
+        query_len = end - start
+        first_query = seq_len - query_len
         block_size = self.spec.block_size
         tile_blocks = max(self.kv_tile_tokens // block_size, 1)
         # The first block any query may see: blocks before it may already be freed and are never read.
         first_block = 0 if window is None else max(0, first_query - window + 1) // block_size
         num_blocks = -(-seq_len // block_size)
         device = block_tables.device
-        query_positions = torch.arange(first_query, seq_len, device=device)[:, None]
         tiles = []
         for tile_start in range(first_block, num_blocks, tile_blocks):
             tile_end = min(tile_start + tile_blocks, num_blocks)
             first_key, end_key = tile_start * block_size, min(tile_end * block_size, seq_len)
-            hidden = None
-            # Every query sees the whole tile when its last key precedes the first query and (with a window)
-            # its first key lies within the last query's window.
-            if end_key - 1 > first_query or (window is not None and first_key <= seq_len - 1 - window):
+            # The queries that see at least one of the tile's keys: a contiguous run of rows, so that no row
+            # of a tile's attention is wholly masked (its log-sum-exp would be -inf).
+            first_row = max(0, first_key - first_query)
+            end_row = query_len if window is None else min(query_len, end_key - 1 + window - first_query)
+            if first_row >= end_row:
+                continue
+            mask = None
+            # Every one of those rows sees the whole tile when the tile ends at or before the first of them
+            # and (with a window) starts within the last one's window.
+            last_query = first_query + end_row - 1
+            if end_key - 1 > first_query + first_row or (
+                window is not None and first_key <= last_query - window
+            ):
+                query_positions = torch.arange(first_query + first_row, last_query + 1, device=device)[
+                    :, None
+                ]
                 key_positions = torch.arange(first_key, end_key, device=device)[None, :]
                 hidden = key_positions > query_positions
                 if window is not None:
                     hidden |= key_positions <= query_positions - window
-            tiles.append(KvTile(block_tables[i, tile_start:tile_end], end_key - first_key, hidden))
+                mask = torch.zeros(hidden.shape, dtype=self.spec.dtype, device=device).masked_fill_(
+                    hidden, float("-inf")
+                )
+            tiles.append(
+                KvTile(block_tables[i, tile_start:tile_end], end_key - first_key, first_row, end_row, mask)
+            )
         return TiledRequest(start, end, tiles)
 
     def forward(
@@ -292,34 +315,64 @@ class SdpaAttentionBackend(AttentionBackend):
     def _attend_in_tiles(
         self, query: torch.Tensor, kv_cache: torch.Tensor, request: TiledRequest
     ) -> torch.Tensor:
+        """Each tile's attention with its log-sum-exp, merged into a running output and log-sum-exp: the
+        output of rows r is the tiles' outputs weighted by exp(tile's lse - merged lse)."""
         spec = self.spec
-        kv_heads, dim = spec.num_kv_heads, spec.head_dim
-        q_len = request.end - request.start
-        # [kv_heads, group * q_len, dim]: a KV head's query heads, each with every query row, as one matrix.
-        q = query[request.start : request.end].view(q_len, kv_heads, -1, dim).permute(1, 2, 0, 3)
-        group = q.shape[1]
-        q = q.reshape(kv_heads, group * q_len, dim).float() * spec.scale
-        output = torch.zeros_like(q)
-        running_max = torch.full((kv_heads, group * q_len, 1), float("-inf"), device=q.device)
-        running_sum = torch.zeros_like(running_max)
+        q = query[request.start : request.end].transpose(0, 1).unsqueeze(0)  # [1, heads, q_len, dim]
+        output = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        log_sum_exp = torch.full(q.shape[:-1], float("-inf"), device=q.device)
+        shape = (-1, spec.num_kv_heads, spec.head_dim)
         for tile in request.tiles:
-            k = _gather_blocks(kv_cache[0], tile.block_ids).view(-1, kv_heads, dim)[: tile.num_tokens]
-            v = _gather_blocks(kv_cache[1], tile.block_ids).view(-1, kv_heads, dim)[: tile.num_tokens]
-            scores = torch.bmm(q, k.float().permute(1, 2, 0))  # [kv_heads, group * q_len, tokens]
-            if tile.hidden is not None:
-                scores.view(kv_heads, group, q_len, -1).masked_fill_(tile.hidden, float("-inf"))
-            tile_max = torch.maximum(running_max, scores.amax(-1, keepdim=True))
-            # A row that has seen no visible key yet keeps a maximum of -inf; shift it by 0 instead (its
-            # exponentials are all 0 then) so that no -inf - -inf turns into NaN.
-            shift = tile_max.masked_fill(tile_max == float("-inf"), 0.0)
-            probabilities = scores.sub_(shift).exp_()
-            rescale = (running_max - shift).exp_()
-            running_sum.mul_(rescale).add_(probabilities.sum(-1, keepdim=True))
-            output.mul_(rescale).baddbmm_(probabilities, v.float().transpose(0, 1))
-            running_max = tile_max
-        output.div_(running_sum)
-        output = output.view(kv_heads, group, q_len, dim).permute(2, 0, 1, 3)
-        return output.reshape(q_len, -1, dim).to(query.dtype)
+            k = _gather_blocks(kv_cache[0], tile.block_ids).view(shape)[: tile.num_tokens]
+            v = _gather_blocks(kv_cache[1], tile.block_ids).view(shape)[: tile.num_tokens]
+            rows = slice(tile.first_row, tile.end_row)
+            tile_output, tile_lse = self._attention_with_lse(
+                q[:, :, rows],
+                k.transpose(0, 1).unsqueeze(0),
+                v.transpose(0, 1).unsqueeze(0),
+                tile.mask,
+                spec.scale,
+            )
+            previous_lse = log_sum_exp[:, :, rows]
+            merged_lse = torch.logaddexp(previous_lse, tile_lse)
+            output[:, :, rows] = output[:, :, rows] * (previous_lse - merged_lse).exp_().unsqueeze(
+                -1
+            ) + tile_output.float() * (tile_lse - merged_lse).exp_().unsqueeze(-1)
+            log_sum_exp[:, :, rows] = merged_lse
+        return output[0].transpose(0, 1).to(query.dtype)
+
+
+def _fused_attention_with_lse(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """softmax(q k^T * scale + mask) v and the rows' float32 log-sum-exp of those scores, for q
+    [1, heads, rows, dim] and k, v [1, kv_heads, tokens, dim] (a KV head serves consecutive query heads).
+    Every row must see at least one key.
+
+    This is torch's fused CPU flash-attention kernel, the one scaled_dot_product_attention runs on the CPU
+    (which returns the log-sum-exp too), several times faster there than the same sums as separate operations.
+    """
+    output, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, 0.0, False, attn_mask=mask, scale=scale
+    )
+    return output, lse
+
+
+def _attention_with_lse(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """What _fused_attention_with_lse computes, written out in float32 for devices other than the CPU."""
+    heads, rows, dim = q.shape[1:]
+    # [1, kv_heads, group, rows, tokens]: each KV head's query heads broadcast against it, without copies.
+    scores = torch.matmul(
+        q.float().view(1, k.shape[1], -1, rows, dim), k.float().unsqueeze(2).transpose(-1, -2)
+    )
+    scores.mul_(scale)
+    if mask is not None:
+        scores.add_(mask.float())
+    lse = scores.logsumexp(-1)
+    output = torch.matmul(scores.sub_(lse.unsqueeze(-1)).exp_(), v.float().unsqueeze(2))
+    return output.view(1, heads, rows, dim), lse.view(1, heads, rows)
 
 
 def _gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,11 @@ import pytest
 import torch
 from kvfleet.runtime.attention.backend import AttentionBackend, AttentionMetadata, AttentionSpec
 from kvfleet.runtime.attention.reference import ReferenceAttentionBackend
-from kvfleet.runtime.attention.sdpa import SdpaAttentionBackend
+from kvfleet.runtime.attention.sdpa import (
+    SdpaAttentionBackend,
+    _attention_with_lse,
+    _fused_attention_with_lse,
+)
 
 NUM_HEADS = 8
 HEAD_DIM = 16
@@ -208,9 +212,28 @@ def test_long_contexts_attend_in_kv_tiles(num_kv_heads: int, window: int | None)
     if window is None:
         # 151 tokens in tiles of 12: 13 tiles, of which only the last may hide anything from a decode.
         assert len(plan.tiled_requests[0].tiles) == 13
-        assert all(tile.hidden is None for tile in plan.tiled_requests[0].tiles)
+        assert all(tile.mask is None for tile in plan.tiled_requests[0].tiles)
     output = _run(backend, sequences, cache, window)
     torch.testing.assert_close(output, _dense_causal(sequences, num_kv_heads, window), atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("num_kv_heads", [4, 1])
+def test_written_out_tile_attention_matches_the_fused_kernel(num_kv_heads: int) -> None:
+    # The CPU runs the fused kernel; other devices the written-out sums: both give the same output and lse.
+    gen = torch.Generator().manual_seed(num_kv_heads)
+    q = torch.randn(1, NUM_HEADS, 9, HEAD_DIM, generator=gen)
+    k = torch.randn(1, num_kv_heads, 21, HEAD_DIM, generator=gen)
+    v = torch.randn(1, num_kv_heads, 21, HEAD_DIM, generator=gen)
+    hidden = torch.arange(21)[None, :] > torch.arange(12, 21)[:, None]
+    mask = torch.zeros(9, 21).masked_fill_(hidden, float("-inf"))
+    for tile_mask in (None, mask):
+        fused = _fused_attention_with_lse(q, k, v, tile_mask, 0.3)
+        written_out = _attention_with_lse(q, k, v, tile_mask, 0.3)
+        torch.testing.assert_close(written_out, fused, atol=2e-5, rtol=1e-4)
+        scores = q @ k.repeat_interleave(NUM_HEADS // num_kv_heads, 1).transpose(-1, -2) * 0.3
+        if tile_mask is not None:
+            scores = scores + tile_mask
+        torch.testing.assert_close(written_out[1], scores.logsumexp(-1), atol=2e-5, rtol=1e-4)
 
 
 def test_tiles_before_the_window_are_never_read() -> None:
