@@ -34,7 +34,7 @@ _GPU_DECODE_GROUP_BYTES = 1 << 30
 _MIN_DECODE_GROUP_ROWS = 4
 # Contexts up to this many tokens take the one-call SDPA paths, which are faster there (docs/long-context.md
 # gives the measurement); longer ones attend in KV tiles of _KV_TILE_TOKENS.
-_LONG_CONTEXT_TOKENS = 16384
+_LONG_CONTEXT_TOKENS = 8192
 _KV_TILE_TOKENS = 4096
 
 
