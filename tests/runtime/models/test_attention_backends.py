@@ -236,6 +236,37 @@ def test_written_out_tile_attention_matches_the_fused_kernel(num_kv_heads: int) 
         torch.testing.assert_close(written_out[1], scores.logsumexp(-1), atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("window", [None, 4096])
+def test_a_chunk_against_a_128k_context_needs_memory_of_its_tiles_only(window: int | None) -> None:
+    # A 2048-token prefill chunk ending at 131072 tokens: every tile gathers at most kv_tile_tokens of KV, and
+    # the masks cover the chunk's diagonal (and window edge) only, not the context.
+    chunk, context = 2048, 131072
+    spec = AttentionSpec(NUM_HEADS, 2, HEAD_DIM, 16, torch.float32, torch.device("cpu"))
+    backend = SdpaAttentionBackend(spec)
+    tables = torch.arange(context // 16, dtype=torch.int32)[None]
+    metadata = AttentionMetadata(
+        query_start_loc=torch.tensor([0, chunk], dtype=torch.int32),
+        seq_lens=torch.tensor([context], dtype=torch.int32),
+        block_tables=tables,
+        slot_mapping=torch.arange(context - chunk, context),
+        max_query_len=chunk,
+        max_seq_len=context,
+        query_start_loc_cpu=[0, chunk],
+        seq_lens_cpu=[context],
+    )
+    plan = backend.prepare(metadata)
+    if window is not None:
+        plan = backend._plan(metadata, window)
+    assert not plan.prefill_chunks and len(plan.tiled_requests) == 1
+    tiles = plan.tiled_requests[0].tiles
+    assert all(tile.num_tokens <= backend.kv_tile_tokens for tile in tiles)
+    # With a window, the tiles start at the block of the chunk's first visible key.
+    first_key = 0 if window is None else (context - chunk - window + 1) // 16 * 16
+    assert sum(tile.num_tokens for tile in tiles) == context - first_key
+    masked = [tile.mask.numel() for tile in tiles if tile.mask is not None]
+    assert len(masked) <= 2 and sum(masked) <= chunk * backend.kv_tile_tokens * 2
+
+
 def test_tiles_before_the_window_are_never_read() -> None:
     # The decode's blocks before its window hold NaN, as freed blocks may hold anything.
     sequences, cache = _make_step(2, [(300, 1)], seed=3)
