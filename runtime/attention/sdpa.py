@@ -32,8 +32,9 @@ _CPU_DECODE_GROUP_BYTES = 2 << 20
 _GPU_DECODE_GROUP_BYTES = 1 << 30
 # Long contexts still share a group with a few others, so that per-call overhead stays small next to the work.
 _MIN_DECODE_GROUP_ROWS = 4
-# Contexts up to this many tokens take the one-call SDPA paths, which are faster there (docs/long-context.md
-# gives the measurement); longer ones attend in KV tiles of _KV_TILE_TOKENS.
+# Contexts up to this many tokens take the one-call SDPA paths, which batch many decodes in one call and whose
+# masks (chunk x context) stay small there; longer ones attend in KV tiles of _KV_TILE_TOKENS, as fast on the
+# CPU in measurements from 4K to 32K tokens (docs/long-context.md).
 _LONG_CONTEXT_TOKENS = 8192
 _KV_TILE_TOKENS = 4096
 
@@ -335,9 +336,9 @@ class SdpaAttentionBackend(AttentionBackend):
             )
             previous_lse = log_sum_exp[:, :, rows]
             merged_lse = torch.logaddexp(previous_lse, tile_lse)
-            output[:, :, rows] = output[:, :, rows] * (previous_lse - merged_lse).exp_().unsqueeze(
-                -1
-            ) + tile_output.float() * (tile_lse - merged_lse).exp_().unsqueeze(-1)
+            previous_weight = (previous_lse - merged_lse).exp_().unsqueeze(-1)
+            tile_weight = (tile_lse - merged_lse).exp_().unsqueeze(-1)
+            output[:, :, rows] = output[:, :, rows] * previous_weight + tile_output.float() * tile_weight
             log_sum_exp[:, :, rows] = merged_lse
         return output[0].transpose(0, 1).to(query.dtype)
 
@@ -352,10 +353,9 @@ def _fused_attention_with_lse(
     This is torch's fused CPU flash-attention kernel, the one scaled_dot_product_attention runs on the CPU
     (which returns the log-sum-exp too), several times faster there than the same sums as separate operations.
     """
-    output, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         q, k, v, 0.0, False, attn_mask=mask, scale=scale
     )
-    return output, lse
 
 
 def _attention_with_lse(
@@ -365,7 +365,7 @@ def _attention_with_lse(
     heads, rows, dim = q.shape[1:]
     # [1, kv_heads, group, rows, tokens]: each KV head's query heads broadcast against it, without copies.
     scores = torch.matmul(
-        q.float().view(1, k.shape[1], -1, rows, dim), k.float().unsqueeze(2).transpose(-1, -2)
+        q.float().reshape(1, k.shape[1], -1, rows, dim), k.float().unsqueeze(2).transpose(-1, -2)
     )
     scores.mul_(scale)
     if mask is not None:

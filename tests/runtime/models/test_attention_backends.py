@@ -221,7 +221,8 @@ def test_long_contexts_attend_in_kv_tiles(num_kv_heads: int, window: int | None)
 def test_written_out_tile_attention_matches_the_fused_kernel(num_kv_heads: int) -> None:
     # The CPU runs the fused kernel; other devices the written-out sums: both give the same output and lse.
     gen = torch.Generator().manual_seed(num_kv_heads)
-    q = torch.randn(1, NUM_HEADS, 9, HEAD_DIM, generator=gen)
+    # Query rows as the backend passes them: a slice of the step's [tokens, heads, dim] query, transposed.
+    q = torch.randn(12, NUM_HEADS, HEAD_DIM, generator=gen).transpose(0, 1).unsqueeze(0)[:, :, 3:]
     k = torch.randn(1, num_kv_heads, 21, HEAD_DIM, generator=gen)
     v = torch.randn(1, num_kv_heads, 21, HEAD_DIM, generator=gen)
     hidden = torch.arange(21)[None, :] > torch.arange(12, 21)[:, None]
