@@ -12,8 +12,8 @@ from __future__ import annotations
 import multiprocessing
 import random
 import resource
-import time
 from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -56,8 +56,8 @@ def run_long_context(
     runs = []
     for context_len in settings.context_lens:
         log(f"context {context_len} tokens ...")
-        with spawn.Pool(1) as pool:
-            run = pool.apply(_measure, (model_dir, settings, context_len, engine_options))
+        with ProcessPoolExecutor(max_workers=1, mp_context=spawn) as pool:
+            run = pool.submit(_measure, model_dir, settings, context_len, engine_options).result()
         log(
             f"  {run.seconds:.1f} s, peak RSS {run.peak_rss_mib:.0f} MiB"
             + (f"; {run.parity}" if run.parity else "")
@@ -90,23 +90,16 @@ def _measure(
     rng = random.Random(settings.seed)
     prompt = [rng.randrange(16, engine.vocab_size) for _ in range(prompt_len)]
     params = SamplingParams(temperature=0.0, max_tokens=settings.output_len, ignore_eos=True, logprobs=TOP_N)
-    start = time.perf_counter()
-    engine.add_request("long", prompt, params)
-    ttft = None
-    output = None
-    while engine.has_unfinished_requests():
-        for step_output in engine.step():
-            if ttft is None and step_output.outputs[0].token_ids:
-                ttft = time.perf_counter() - start
-            output = step_output
-    seconds = time.perf_counter() - start
+    output = llm.generate([prompt], params)[0]
     peak_rss = _peak_rss_mib()
-    assert output is not None and output.finished and ttft is not None
+    metrics = output.metrics
+    if metrics is None or metrics.first_token_time is None or metrics.finished_time is None:
+        raise RuntimeError(f"the {context_len}-token request finished without its times: {output}")
     completion = output.outputs[0]
     core = engine.engine_core
     kv_cache_mib = sum(cache.numel() * cache.element_size() for cache in core.runner.kv_caches) / 2**20
     chunk_tokens = core.max_num_batched_tokens
-    del llm, engine
+    del llm, engine, core  # free the KV pool before Transformers loads
     parity = None
     if context_len == settings.parity_len:
         ours_top = [set(sorted(step, key=step.get, reverse=True)[:TOP_N]) for step in completion.logprobs]
@@ -114,7 +107,15 @@ def _measure(
             model_dir, prompt, completion.token_ids, ours_top, options["dtype"]
         )
     return LongContextRun(
-        context_len, prompt_len, chunk_tokens, ttft, seconds, loaded_rss, peak_rss, kv_cache_mib, parity
+        context_len,
+        prompt_len,
+        chunk_tokens,
+        ttft_seconds=metrics.first_token_time - metrics.arrival_time,
+        seconds=metrics.finished_time - metrics.arrival_time,
+        loaded_rss_mib=loaded_rss,
+        peak_rss_mib=peak_rss,
+        kv_cache_mib=kv_cache_mib,
+        parity=parity,
     )
 
 
