@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -431,6 +432,51 @@ def bench_multi_turn(
             log=lambda line: click.echo(line, err=True),
         )
     print_multi_turn_report(report)
+
+
+@bench.command("long-context")
+@click.option(
+    "--model",
+    type=click.Path(exists=True, file_okay=False),
+    default=None,
+    help="Default: make a tiny Llama whose max_position_embeddings reach the longest context.",
+)
+@click.option(
+    "--context-lens",
+    default="16384,32768,65536,131072",
+    show_default=True,
+    help="Prompt + output tokens of each run, comma-separated.",
+)
+@click.option("--output-len", type=click.IntRange(min=1), default=64, show_default=True)
+@click.option(
+    "--parity-len",
+    type=click.IntRange(min=0),
+    default=32768,
+    show_default=True,
+    help="The context length whose greedy tokens are checked against Transformers (0: none).",
+)
+@bench_seed_option
+@engine_options
+def bench_long_context(
+    model: str | None, context_lens: str, output_len: int, parity_len: int, bench_seed: int, **options
+) -> None:
+    """One long prompt per context length through chunked prefill: time, peak RSS, and tokens against
+    Transformers at one length. Each length runs in a process of its own with a KV pool of its size."""
+    from kvfleet.runtime.bench.long_context import LongContextSettings, format_report, run_long_context
+    from kvfleet.runtime.bench.report import machine_line
+    from kvfleet.runtime.models.make_model import make_model
+
+    lens = tuple(int(n) for n in context_lens.split(","))
+    settings = LongContextSettings(lens, output_len, parity_len or None, bench_seed)
+    with contextlib.ExitStack() as stack:
+        if model is None:
+            folder = Path(stack.enter_context(tempfile.TemporaryDirectory())) / "model"
+            model = str(make_model("llama", "tiny", folder, max_position_embeddings=max(lens)))
+        config = engine_config_from_options(model, options)
+        runs = run_long_context(
+            Path(model), settings, config.as_options(), log=lambda line: click.echo(line, err=True)
+        )
+    click.echo(format_report(runs, machine_line()))
 
 
 @bench.command("engine-timing")

@@ -263,3 +263,31 @@ def test_blocks_out_of_the_window_are_freed_as_requests_grow(make_model: Callabl
     assert most_running == 4
     assert engine.stats.num_preempted_total == 0
     _assert_close([finished[str(i)] for i in range(4)], _reference(model_dir, prompts))
+
+
+# Long prompts on the torch backend: contexts past its long-context threshold attend in KV tiles. A 10K-token
+# prompt in 1K-token chunks, with YaRN past a 4K original context, and with a 4K sliding window.
+LONG_PROMPT = 10_000
+YARN_4K = json.dumps({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096})
+LONG_CASES = {
+    "llama-yarn": ("llama", ["--max-position-embeddings", "4096", "--rope-parameters", YARN_4K]),
+    "mistral-window": ("mistral", ["--max-position-embeddings", "16384", "--sliding-window", "4096"]),
+}
+
+
+@pytest.mark.parametrize("case", list(LONG_CASES))
+def test_long_prompt_in_kv_tiles_matches_transformers(case: str, make_model: Callable[..., Path]) -> None:
+    arch, options = LONG_CASES[case]
+    model_dir = make_model(arch, "tiny", 0, *options)
+    rng = random.Random(31)
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    prompt = [rng.randrange(16, vocab) for _ in range(LONG_PROMPT)]
+    llm = LLM(
+        str(model_dir),
+        dtype="float32",
+        max_model_len=16384,
+        max_num_batched_tokens=1024,
+        attention_backend="sdpa",
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=TOP_N)
+    _assert_close(llm.generate([prompt], params), _reference(model_dir, [prompt]))

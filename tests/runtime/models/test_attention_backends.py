@@ -13,7 +13,11 @@ import pytest
 import torch
 from kvfleet.runtime.attention.backend import AttentionBackend, AttentionMetadata, AttentionSpec
 from kvfleet.runtime.attention.reference import ReferenceAttentionBackend
-from kvfleet.runtime.attention.sdpa import SdpaAttentionBackend
+from kvfleet.runtime.attention.sdpa import (
+    SdpaAttentionBackend,
+    _attention_with_lse,
+    _fused_attention_with_lse,
+)
 
 NUM_HEADS = 8
 HEAD_DIM = 16
@@ -102,8 +106,9 @@ def _metadata(sequences: list[Sequence]) -> AttentionMetadata:
     )
 
 
-def _dense_causal(sequences: list[Sequence], num_kv_heads: int) -> torch.Tensor:
-    """Plain softmax(QK^T / sqrt(d)) V in float64 over each whole context, query j seeing keys <= its own."""
+def _dense_causal(sequences: list[Sequence], num_kv_heads: int, window: int | None = None) -> torch.Tensor:
+    """Plain softmax(QK^T / sqrt(d)) V in float64 over each whole context, query j seeing keys <= its own
+    (and, with a window, only the `window` latest of them)."""
     outputs = []
     group = NUM_HEADS // num_kv_heads
     for s in sequences:
@@ -111,20 +116,25 @@ def _dense_causal(sequences: list[Sequence], num_kv_heads: int) -> torch.Tensor:
         values = s.values.double().repeat_interleave(group, dim=1)
         scores = torch.matmul(s.queries.double().transpose(0, 1), keys.permute(1, 2, 0)) / HEAD_DIM**0.5
         query_positions = torch.arange(s.seq_len - s.num_new, s.seq_len)
-        visible = torch.arange(s.seq_len)[None, :] <= query_positions[:, None]
+        key_positions = torch.arange(s.seq_len)[None, :]
+        visible = key_positions <= query_positions[:, None]
+        if window is not None:
+            visible &= key_positions > query_positions[:, None] - window
         scores = scores.masked_fill(~visible, float("-inf"))
         outputs.append(torch.matmul(scores.softmax(-1), values.transpose(0, 1)).transpose(0, 1))
     return torch.cat(outputs).float()
 
 
-def _run(backend: AttentionBackend, sequences: list[Sequence], cache: torch.Tensor) -> torch.Tensor:
+def _run(
+    backend: AttentionBackend, sequences: list[Sequence], cache: torch.Tensor, window: int | None = None
+) -> torch.Tensor:
     num_kv_heads = backend.spec.num_kv_heads
     metadata = _metadata(sequences)
     plan = backend.prepare(metadata)
     query = torch.cat([s.queries for s in sequences])
     new_keys = torch.cat([s.keys[s.seq_len - s.num_new :] for s in sequences])
     new_values = torch.cat([s.values[s.seq_len - s.num_new :] for s in sequences])
-    output = backend.forward(query, new_keys, new_values, cache, plan)
+    output = backend.forward(query, new_keys, new_values, cache, plan, sliding_window=window)
     # The new tokens' K/V are in the cache at their slots afterwards.
     flat = cache.view(2, -1, num_kv_heads, HEAD_DIM)
     torch.testing.assert_close(flat[0, metadata.slot_mapping], new_keys)
@@ -183,6 +193,91 @@ def test_decode_only_steps_in_one_group_keep_the_query_order(num_decodes: int) -
         assert len(plan.decode_groups) > 1 and plan.decode_token_indices is not None
     output = _run(backend, sequences, cache)
     torch.testing.assert_close(output, _dense_causal(sequences, 2), atol=2e-5, rtol=1e-4)
+
+
+# Long contexts against short tiles: decodes and prefill chunks (cached or not) whose
+# contexts end mid-tile and mid-block, beside short requests that keep the one-call paths.
+LONG_STEP = [(150, 1), (45, 1), (90, 23), (0, 61), (3, 1), (7, 5), (120, 1)]
+
+
+@pytest.mark.parametrize("window", [None, 13, 40])
+@pytest.mark.parametrize("num_kv_heads", [8, 2, 1])
+def test_long_contexts_attend_in_kv_tiles(num_kv_heads: int, window: int | None) -> None:
+    sequences, cache = _make_step(num_kv_heads, LONG_STEP, seed=50 + num_kv_heads, shared_prefix_blocks=2)
+    backend = SdpaAttentionBackend(_spec(num_kv_heads))
+    backend.long_context_tokens = 40
+    backend.kv_tile_tokens = 12
+    plan = backend.prepare(_metadata(sequences))
+    assert [(r.start, r.end) for r in plan.tiled_requests] == [(0, 1), (1, 2), (2, 25), (25, 86), (92, 93)]
+    if window is None:
+        # 151 tokens in tiles of 12: 13 tiles, of which only the last may hide anything from a decode.
+        assert len(plan.tiled_requests[0].tiles) == 13
+        assert all(tile.mask is None for tile in plan.tiled_requests[0].tiles)
+    output = _run(backend, sequences, cache, window)
+    torch.testing.assert_close(output, _dense_causal(sequences, num_kv_heads, window), atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("num_kv_heads", [4, 1])
+def test_written_out_tile_attention_matches_the_fused_kernel(num_kv_heads: int) -> None:
+    # The CPU runs the fused kernel; other devices the written-out sums: both give the same output and lse.
+    gen = torch.Generator().manual_seed(num_kv_heads)
+    # Query rows as the backend passes them: a slice of the step's [tokens, heads, dim] query, transposed.
+    q = torch.randn(12, NUM_HEADS, HEAD_DIM, generator=gen).transpose(0, 1).unsqueeze(0)[:, :, 3:]
+    k = torch.randn(1, num_kv_heads, 21, HEAD_DIM, generator=gen)
+    v = torch.randn(1, num_kv_heads, 21, HEAD_DIM, generator=gen)
+    hidden = torch.arange(21)[None, :] > torch.arange(12, 21)[:, None]
+    mask = torch.zeros(9, 21).masked_fill_(hidden, float("-inf"))
+    for tile_mask in (None, mask):
+        fused = _fused_attention_with_lse(q, k, v, tile_mask, 0.3)
+        written_out = _attention_with_lse(q, k, v, tile_mask, 0.3)
+        torch.testing.assert_close(written_out, fused, atol=2e-5, rtol=1e-4)
+        scores = q @ k.repeat_interleave(NUM_HEADS // num_kv_heads, 1).transpose(-1, -2) * 0.3
+        if tile_mask is not None:
+            scores = scores + tile_mask
+        torch.testing.assert_close(written_out[1], scores.logsumexp(-1), atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("window", [None, 4096])
+def test_a_chunk_against_a_128k_context_needs_memory_of_its_tiles_only(window: int | None) -> None:
+    # A 2048-token prefill chunk ending at 131072 tokens: every tile gathers at most kv_tile_tokens of KV, and
+    # the masks cover the chunk's diagonal (and window edge) only, not the context.
+    chunk, context = 2048, 131072
+    spec = AttentionSpec(NUM_HEADS, 2, HEAD_DIM, 16, torch.float32, torch.device("cpu"))
+    backend = SdpaAttentionBackend(spec)
+    tables = torch.arange(context // 16, dtype=torch.int32)[None]
+    metadata = AttentionMetadata(
+        query_start_loc=torch.tensor([0, chunk], dtype=torch.int32),
+        seq_lens=torch.tensor([context], dtype=torch.int32),
+        block_tables=tables,
+        slot_mapping=torch.arange(context - chunk, context),
+        max_query_len=chunk,
+        max_seq_len=context,
+        query_start_loc_cpu=[0, chunk],
+        seq_lens_cpu=[context],
+    )
+    plan = backend.prepare(metadata)
+    if window is not None:
+        plan = backend._plan(metadata, window)
+    assert not plan.prefill_chunks and len(plan.tiled_requests) == 1
+    tiles = plan.tiled_requests[0].tiles
+    assert all(tile.num_tokens <= backend.kv_tile_tokens for tile in tiles)
+    # With a window, the tiles start at the block of the chunk's first visible key.
+    first_key = 0 if window is None else (context - chunk - window + 1) // 16 * 16
+    assert sum(tile.num_tokens for tile in tiles) == context - first_key
+    masked = [tile.mask.numel() for tile in tiles if tile.mask is not None]
+    assert len(masked) <= 2 and sum(masked) <= chunk * backend.kv_tile_tokens * 2
+
+
+def test_tiles_before_the_window_are_never_read() -> None:
+    # The decode's blocks before its window hold NaN, as freed blocks may hold anything.
+    sequences, cache = _make_step(2, [(300, 1)], seed=3)
+    for block in sequences[0].block_ids[: 250 // BLOCK_SIZE]:
+        cache[:, block] = float("nan")
+    backend = SdpaAttentionBackend(_spec(2))
+    backend.long_context_tokens = 40
+    backend.kv_tile_tokens = 16
+    output = _run(backend, sequences, cache, window=32)
+    torch.testing.assert_close(output, _dense_causal(sequences, 2, window=32), atol=2e-5, rtol=1e-4)
 
 
 def test_unsupported_head_layout_is_reported() -> None:
