@@ -202,7 +202,8 @@ class MultiprocExecutor(Executor):
                 raise WorkerFailedError(f"worker process {worker.pid} {describe_exit(worker.returncode)}")
         if self._disconnects is not None and self._disconnects.poll(0):
             event = recv_monitor_message(self._disconnects)
-            raise WorkerFailedError(f"a worker's connection from {event['endpoint'].decode()} was lost")
+            endpoint = event["endpoint"].decode()
+            raise WorkerFailedError(f"a worker's connection to {endpoint} dropped: a rank is gone")
 
     def _receive(self) -> tuple[object, list[bytes]]:
         """The next message from a rank (its header, unpickled, and any further frames). Raises

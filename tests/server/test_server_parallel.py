@@ -235,7 +235,7 @@ def test_node_one_stopped_ends_an_idle_node_zero(
         node1.send_signal(signal.SIGTERM)
         assert node1.wait(30) == 0
         assert node0.process.wait(30) != 0
-        assert "connection from tcp://" in node0.log_tail(200), node0.log_tail(200)
+        assert "connection to tcp://" in node0.log_tail(200), node0.log_tail(200)
         assert _wait_gone(node0_processes, 30) == []
     finally:
         if node1.poll() is None:
