@@ -207,7 +207,7 @@ class MultiprocExecutor(Executor):
 
     def _receive(self) -> tuple[object, list[bytes]]:
         """The next message from a rank (its header, unpickled, and any further frames). Raises
-        WorkerFailedError when a local worker exits first."""
+        WorkerFailedError when a worker is lost first."""
         poller = zmq.Poller()
         poller.register(self._socket, zmq.POLLIN)
         for watch in self.worker_watches:
