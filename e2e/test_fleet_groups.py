@@ -13,50 +13,26 @@ from typing import Any
 from e2e.cluster import GPU_RESOURCE, LocalCluster
 from e2e.cluster.kube_api import MERGE_PATCH
 from e2e.fleet.chart import OperatorRelease
-from e2e.fleet.manifests import SERVICE_LABEL, fake_gpu_service, services_path
-from e2e.fleet.observe import events_for, service_pods, wait_ready
-from e2e.support.waits import condition, wait_for
+from e2e.fleet.manifests import (
+    fake_gpu_service,
+    one_node_per_pod,
+    services_path,
+    statefulset_path,
+)
+from e2e.fleet.observe import events_for, groups_whole, live_pods, wait_ready
+from e2e.support.waits import wait_for
 
 POD_INDEX_LABEL = "apps.kubernetes.io/pod-index"
-
-
-def statefulset_path(namespace: str, name: str) -> str:
-    return f"/apis/apps/v1/namespaces/{namespace}/statefulsets/{name}"
-
-
-def groups_whole(api: Any, namespace: str, name: str) -> dict[str, Any] | None:
-    """The service once its only group has both ranks ready and it is Ready, else None."""
-    service = api.get(services_path(namespace, name))
-    grouped, ready = condition(service, "GroupsReady"), condition(service, "Ready")
-    whole = service.get("status", {}).get("groups") == [{"name": f"{name}-0", "ranks": 2, "ranksReady": 2}]
-    if whole and grouped and grouped["status"] == "True" and ready and ready["status"] == "True":
-        return service
-    return None
-
-
-def live_pods(api: Any, namespace: str, name: str) -> list[dict[str, Any]]:
-    return [pod for pod in service_pods(api, namespace, name) if not pod["metadata"].get("deletionTimestamp")]
 
 
 def test_tensor_parallel_over_two_nodes_forms_a_group_that_recovers_a_lost_rank(
     local_cluster: LocalCluster, kvfleet_release: OperatorRelease, namespace: str
 ) -> None:
     api = local_cluster.api
-    # Each rank's pod on a node of its own, as nodes of one GPU would force.
-    spread = {
-        "podAntiAffinity": {
-            "requiredDuringSchedulingIgnoredDuringExecution": [
-                {
-                    "labelSelector": {"matchLabels": {SERVICE_LABEL: "split"}},
-                    "topologyKey": "kubernetes.io/hostname",
-                }
-            ]
-        }
-    }
     manifest = fake_gpu_service(
         "split",
         engine={"tensorParallelSize": 2},
-        resources={"gpus": None, "gpusPerNode": 1, "affinity": spread},
+        resources={"gpus": None, "gpusPerNode": 1, "affinity": one_node_per_pod("split")},
     )
     api.create(services_path(namespace), manifest)
     wait_ready(api, namespace, "split")

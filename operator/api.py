@@ -36,9 +36,12 @@ API_KEY_FLAG = "--api-key"
 # Only rank 0 serves the OpenAI API; the others answer GET /health alone.
 GROUP_LABEL = f"{GROUP}/group"
 POD_INDEX_LABEL = "apps.kubernetes.io/pod-index"
+# The StatefulSet controller labels each pod with the revision of the template it was made from.
+REVISION_LABEL = "controller-revision-hash"
 LWS_GROUP_INDEX_LABEL = "leaderworkerset.sigs.k8s.io/group-index"
 LWS_WORKER_INDEX_LABEL = "leaderworkerset.sigs.k8s.io/worker-index"
-# The port the ranks of a group meet on (torch.distributed's TCP store on rank 0).
+# The port the ranks of a group meet on (torch.distributed's TCP store on rank 0; the engine core's socket for
+# the other nodes' workers is the port after it).
 RENDEZVOUS_PORT = 29500
 
 

@@ -356,7 +356,9 @@ class ServiceController:
         serving = {view.name for view in current if _group_serving(view, observed.pods)}
         for view in sorted(current, key=lambda view: view.group or 0):
             seen = view.observed_generation >= view.generation
-            if not seen or view.rolled_out or (view.name, view.update_revision) in self._restarted:
+            if not seen or (view.name, view.update_revision) in self._restarted:
+                continue
+            if not _group_outdated(view, observed.pods):
                 continue
             if view.name in serving and len(serving) < len(current):
                 continue
@@ -493,6 +495,16 @@ def _workload(spec: InferenceServiceSpec, observed: Observed, applied: bool) -> 
         updated_replicas=sum(1 for view in groups if view.rolled_out),
         ready_replicas=ready,
         available_replicas=ready,
+    )
+
+
+def _group_outdated(view: StatefulSetView, pods: list[PodView]) -> bool:
+    """Whether a pod of the group runs an older template. Not merely fewer pods on the current one than
+    ranks: a lost rank's pod, terminating or not yet recreated, comes back on the current template by
+    itself, and its group restarts through the runtime (the other ranks exit), not through the operator."""
+    return any(
+        pod.group == view.group and not pod.terminating and pod.revision != view.update_revision
+        for pod in pods
     )
 
 

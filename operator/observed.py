@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvfleet.operator.api import group_index, node_rank
+from kvfleet.operator.api import REVISION_LABEL, group_index, node_rank
 
 # Container waiting reasons after which a replica will not come up without a change.
 FAILING_WAIT_REASONS = frozenset(
@@ -32,6 +32,8 @@ class PodView:
     # For a pod of a replica group (a model that spans nodes): which group, and its node rank there.
     group: int | None = None
     rank: int | None = None
+    # The revision of the StatefulSet template a group's pod was made from.
+    revision: str | None = None
 
     @property
     def scrapeable(self) -> bool:
@@ -104,6 +106,7 @@ def pod_view(body: Mapping[str, Any]) -> PodView:
         failure_message=failure_message,
         group=group_index(labels),
         rank=node_rank(labels),
+        revision=labels.get(REVISION_LABEL),
     )
 
 

@@ -30,6 +30,10 @@ def deployment_path(namespace: str, name: str) -> str:
     return f"/apis/apps/v1/namespaces/{namespace}/deployments/{name}"
 
 
+def statefulset_path(namespace: str, name: str) -> str:
+    return f"/apis/apps/v1/namespaces/{namespace}/statefulsets/{name}"
+
+
 def service_selector(name: str) -> str:
     return f"{SERVICE_LABEL}={name}"
 
@@ -52,6 +56,13 @@ def inference_service(name: str, spec: Mapping[str, Any], namespace: str | None 
     if namespace is not None:
         metadata["namespace"] = namespace
     return {"apiVersion": API_VERSION, "kind": KIND, "metadata": metadata, "spec": copy.deepcopy(dict(spec))}
+
+
+def one_node_per_pod(name: str) -> dict[str, Any]:
+    """An affinity that puts each pod of the service on a node of its own, as nodes of one GPU would."""
+    selector = {"matchLabels": {SERVICE_LABEL: name}}
+    term = {"labelSelector": selector, "topologyKey": "kubernetes.io/hostname"}
+    return {"podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [term]}}
 
 
 def tiny_example(model_dir: Path, name: str | None = None) -> dict[str, Any]:

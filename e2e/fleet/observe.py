@@ -58,6 +58,22 @@ def service_pods(api: KubeAPI, namespace: str, name: str) -> list[dict[str, Any]
     return api.get(f"/api/v1/namespaces/{namespace}/pods", labelSelector=service_selector(name))["items"]
 
 
+def live_pods(api: KubeAPI, namespace: str, name: str) -> list[dict[str, Any]]:
+    """The service's pods that are not being deleted."""
+    return [pod for pod in service_pods(api, namespace, name) if not pod["metadata"].get("deletionTimestamp")]
+
+
+def groups_whole(api: KubeAPI, namespace: str, name: str, ranks: int = 2) -> dict[str, Any] | None:
+    """The service once its only replica group has all its ranks ready and it is Ready, else None."""
+    service = api.get(services_path(namespace, name))
+    grouped, ready = condition(service, "GroupsReady"), condition(service, "Ready")
+    expected = [{"name": f"{name}-0", "ranks": ranks, "ranksReady": ranks}]
+    whole = service.get("status", {}).get("groups") == expected
+    if whole and grouped and grouped["status"] == "True" and ready and ready["status"] == "True":
+        return service
+    return None
+
+
 def events_for(
     api: KubeAPI, namespace: str, name: str, kind: str = "InferenceService"
 ) -> list[dict[str, Any]]:

@@ -13,7 +13,9 @@ copies on every rank nor a protocol for ranks to agree, and every sampling featu
 size; the price is the sampled rows' logits crossing a socket once a step (rows x vocabulary x 4 bytes).
 
 The core watches its local workers through pidfds: a worker that exits (killed, or ended by a failed or
-timed-out collective) fails the step with WorkerFailedError, which ends the core, and with it the server.
+timed-out collective) fails the step with WorkerFailedError, which ends the core, and with it the server. Over
+several nodes it also watches the connections of the other nodes' workers: one that drops (its node stopped or
+died) ends the core the same way, even while idle, when no collective would notice.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from kvfleet.runtime.models.loader import resolve_device
 from kvfleet.runtime.models.model_config import ModelConfig
 from kvfleet.runtime.worker.model_runner import ModelRunner
 from kvfleet.runtime.worker.step_inputs import StepInputs
+from zmq.utils.monitor import recv_monitor_message
 
 logger = logging.getLogger(__name__)
 
@@ -72,8 +75,9 @@ class Executor(ABC):
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
 
     @property
-    def worker_fds(self) -> list[int]:
-        """File descriptors that become readable when a worker process exits (pidfds); none in-process."""
+    def worker_watches(self) -> list[int | zmq.Socket]:
+        """What becomes readable when a worker is lost, for a zmq.Poller: pidfds of local worker processes,
+        the monitor of other nodes' connections; none in-process."""
         return []
 
     def check_workers(self) -> None:  # noqa: B027 (nothing to check in-process)
@@ -124,6 +128,10 @@ class MultiprocExecutor(Executor):
         self._socket = self._context.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.bind(bind)
+        # A dropped connection is a lost rank: another node's workers never reconnect (they exit with it).
+        self._disconnects = (
+            self._socket.get_monitor_socket(zmq.EVENT_DISCONNECTED) if config.nnodes > 1 else None
+        )
         self.workers = start_workers(config, range(local_ranks), address)
         self._pidfds = {os.pidfd_open(worker.pid): worker for worker in self.workers}
         # Stops the workers however this object goes (garbage, interpreter exit) unless shutdown() ran.
@@ -182,21 +190,28 @@ class MultiprocExecutor(Executor):
         return logits
 
     @property
-    def worker_fds(self) -> list[int]:
-        return list(self._pidfds)
+    def worker_watches(self) -> list[int | zmq.Socket]:
+        watches: list[int | zmq.Socket] = list(self._pidfds)
+        if self._disconnects is not None:
+            watches.append(self._disconnects)
+        return watches
 
     def check_workers(self) -> None:
         for worker in self._pidfds.values():
             if worker.poll() is not None:
                 raise WorkerFailedError(f"worker process {worker.pid} {describe_exit(worker.returncode)}")
+        if self._disconnects is not None and self._disconnects.poll(0):
+            event = recv_monitor_message(self._disconnects)
+            endpoint = event["endpoint"].decode()
+            raise WorkerFailedError(f"a worker's connection to {endpoint} dropped: a rank is gone")
 
     def _receive(self) -> tuple[object, list[bytes]]:
         """The next message from a rank (its header, unpickled, and any further frames). Raises
-        WorkerFailedError when a local worker exits first."""
+        WorkerFailedError when a worker is lost first."""
         poller = zmq.Poller()
         poller.register(self._socket, zmq.POLLIN)
-        for pidfd in self._pidfds:
-            poller.register(pidfd, zmq.POLLIN)
+        for watch in self.worker_watches:
+            poller.register(watch, zmq.POLLIN)
         events = dict(poller.poll())
         if self._socket not in events:
             self.check_workers()
@@ -208,6 +223,10 @@ class MultiprocExecutor(Executor):
             os.close(pidfd)
         self._pidfds = {}
         self._finalizer()
+        if self._disconnects is not None:
+            self._socket.disable_monitor()
+            self._disconnects.close(linger=0)
+            self._disconnects = None
         self._socket.close(linger=0)
         self._context.term()
 

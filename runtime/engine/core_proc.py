@@ -99,17 +99,17 @@ class EngineCoreProc:
         poller = zmq.Poller()
         poller.register(self.socket, zmq.POLLIN)
         poller.register(self.parent_fd, zmq.POLLIN)
-        # Worker processes (tensor and pipeline parallelism): one that exits, even while idle, ends the core.
-        worker_fds = self.core.executor.worker_fds
-        for fd in worker_fds:
-            poller.register(fd, zmq.POLLIN)
+        # Worker processes (tensor and pipeline parallelism): one lost, even while idle, ends the core.
+        worker_watches = self.core.executor.worker_watches
+        for watch in worker_watches:
+            poller.register(watch, zmq.POLLIN)
         while True:
             busy = self.core.has_unfinished_requests()
             events = dict(poller.poll(0 if busy else None))
             if self.parent_fd in events:
                 logger.info("the API server has exited; stopping the engine core")
                 return
-            if any(fd in events for fd in worker_fds):
+            if any(watch in events for watch in worker_watches):
                 self.core.executor.check_workers()
             received = self.socket in events and self._receive()
             if self.core.has_unfinished_requests():

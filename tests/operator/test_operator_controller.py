@@ -553,10 +553,16 @@ def group_set(group: int, ready: int = 2, updated: int = 2, revision: str = "r1"
     return StatefulSetView(f"svc-{group}", group, 1, 1, 2, ready, updated, revision, owner_uid=UID)
 
 
-def group_pods(group: int, ready: int = 2) -> list[PodView]:
+def group_pods(group: int, ready: int = 2, revision: str = "r1") -> list[PodView]:
     return [
         PodView(
-            f"svc-{group}-{rank}", f"127.2.{group}.{rank + 1}", rank < ready, False, group=group, rank=rank
+            f"svc-{group}-{rank}",
+            f"127.2.{group}.{rank + 1}",
+            rank < ready,
+            False,
+            group=group,
+            rank=rank,
+            revision=revision,
         )
         for rank in range(2)
     ]
@@ -630,6 +636,21 @@ def test_a_new_template_restarts_one_serving_group_at_a_time() -> None:
     assert harness.cluster.deleted_pods[-1] == {SERVICE_LABEL: "svc", GROUP_LABEL: "1"}
     harness.run(None, pods, (group_set(0, revision="r2"), outdated[1]))
     assert len(harness.cluster.deleted_pods) == 2, "a group is restarted once per revision"
+
+
+def test_a_lost_rank_on_the_current_template_is_no_reason_to_restart_its_group() -> None:
+    """A rank's pod deleted: the StatefulSet counts one pod fewer on its revision until the new one exists,
+    yet no pod runs an older template (the runtime's other ranks restart themselves)."""
+    harness = Harness(grouped_service(replicas=1))
+    rank0, rank1 = group_pods(0)
+    replacing = PodView(rank1.name, rank1.ip, False, True, group=0, rank=1, revision="r1")
+    harness.run(None, [rank0, replacing], (group_set(0, ready=1, updated=1),))
+    harness.run(None, [rank0], (group_set(0, ready=1, updated=1),))
+    assert harness.cluster.deleted_pods == []
+    assert "GroupRestarted" not in harness.reasons()
+    # A pod of an older template left in the group still restarts it.
+    harness.run(None, [rank0, *group_pods(0, revision="r0")[1:]], (group_set(0, ready=1, updated=1),))
+    assert harness.cluster.deleted_pods == [{SERVICE_LABEL: "svc", GROUP_LABEL: "0"}]
 
 
 def test_a_group_that_serves_nothing_restarts_at_once() -> None:

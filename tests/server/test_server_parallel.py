@@ -1,6 +1,6 @@
 """`kvfleet serve` with worker processes: a killed worker ends every request with an error and the whole
 server, and two `kvfleet serve` processes on one machine form a two-node group (node 1 serves only
-GET /health)."""
+GET /health); losing either node ends the other."""
 
 from __future__ import annotations
 
@@ -151,16 +151,34 @@ def _free_port_pair() -> int:
             continue
 
 
+def _start_node1(model: Path, log_path: Path, master_port: int) -> tuple[subprocess.Popen[bytes], str]:
+    """Node 1's `kvfleet serve` and the URL of its /health."""
+    port = free_port()
+    with log_path.open("wb") as log:
+        node1 = subprocess.Popen(_serve(model, port, 1, master_port), stdout=log, stderr=subprocess.STDOUT)
+    return node1, f"http://127.0.0.1:{port}"
+
+
+def _start_node0(start_server: Callable[..., ServerProcess], master_port: int) -> ServerProcess:
+    return start_server(
+        "--tensor-parallel-size",
+        "2",
+        "--nnodes",
+        "2",
+        "--node-rank",
+        "0",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(master_port),
+    )
+
+
 def test_two_nodes_form_one_group_and_a_broken_group_ends_node_one(
     tiny_llama: Path, tmp_path: Path, start_server: Callable[..., ServerProcess]
 ) -> None:
     master_port = _free_port_pair()
-    node1_port = free_port()
-    node1_url = f"http://127.0.0.1:{node1_port}"
-    with (tmp_path / "node1.log").open("wb") as log:
-        node1 = subprocess.Popen(
-            _serve(tiny_llama, node1_port, 1, master_port), stdout=log, stderr=subprocess.STDOUT
-        )
+    node1, node1_url = _start_node1(tiny_llama, tmp_path / "node1.log", master_port)
     try:
         # Node 1 alone cannot form the group: it answers 503 until node 0 is up.
         deadline = time.monotonic() + 60
@@ -175,18 +193,7 @@ def test_two_nodes_form_one_group_and_a_broken_group_ends_node_one(
         assert status == 503
         assert httpx.get(f"{node1_url}/v1/models", timeout=2).status_code == 404
 
-        node0 = start_server(
-            "--tensor-parallel-size",
-            "2",
-            "--nnodes",
-            "2",
-            "--node-rank",
-            "0",
-            "--master-addr",
-            "127.0.0.1",
-            "--master-port",
-            str(master_port),
-        )
+        node0 = _start_node0(start_server, master_port)
         assert len([c for c in _descendants(node0.pid).values() if WORKER_MODULE in c]) == 1
         assert len([c for c in child_processes(node1.pid).values() if WORKER_MODULE in c]) == 1
         assert httpx.get(f"{node1_url}/health", timeout=2).status_code == 200
@@ -208,6 +215,28 @@ def test_two_nodes_form_one_group_and_a_broken_group_ends_node_one(
         os.kill(node0.pid, signal.SIGKILL)
         assert node1.wait(30) != 0
         assert _wait_gone(node0_processes + node1_processes, 30) == []
+    finally:
+        if node1.poll() is None:
+            node1.kill()
+            node1.wait()
+
+
+def test_node_one_stopped_ends_an_idle_node_zero(
+    tiny_llama: Path, tmp_path: Path, start_server: Callable[..., ServerProcess]
+) -> None:
+    """No collective runs while idle, yet node 0 sees the other node's workers go and exits, so that the
+    group starts again whole (a Kubernetes pod of the group deleted, its container restarted)."""
+    master_port = _free_port_pair()
+    node1, node1_url = _start_node1(tiny_llama, tmp_path / "node1.log", master_port)
+    try:
+        node0 = _start_node0(start_server, master_port)
+        assert httpx.get(f"{node1_url}/health", timeout=2).status_code == 200
+        node0_processes = list(_descendants(node0.pid))
+        node1.send_signal(signal.SIGTERM)
+        assert node1.wait(30) == 0
+        assert node0.process.wait(30) != 0
+        assert "connection to tcp://" in node0.log_tail(200), node0.log_tail(200)
+        assert _wait_gone(node0_processes, 30) == []
     finally:
         if node1.poll() is None:
             node1.kill()
