@@ -82,12 +82,18 @@ def cluster(
         bin_dir=cluster_bin_dir,
         runner_programs={"probe-target": probe_target_program},
     )
+    # Another cluster (the session's) may run its own network threads beside this one's.
+    running_before = set(threading.enumerate())
     with cluster:
         assert cluster.network is not None
         dns_address = cluster.network.dns_address
         yield cluster
     # Stopped with the cluster: the DNS server's sockets, and every watch, proxy and DNS thread.
-    leftovers = [t.name for t in threading.enumerate() if t.name.startswith(("watch-", "service-proxy"))]
+    leftovers = [
+        t.name
+        for t in set(threading.enumerate()) - running_before
+        if t.name.startswith(("watch-", "service-proxy"))
+    ]
     assert not leftovers, f"threads left running: {leftovers}"
     for kind in (socket.SOCK_DGRAM, socket.SOCK_STREAM):
         with socket.socket(type=kind) as probe:
