@@ -55,6 +55,15 @@ class Linear(nn.Linear):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
 
+def copy_checkpoint_tensor(target: torch.Tensor, tensor: torch.Tensor, hf_name: str) -> None:
+    """Copy a checkpoint tensor into its place in the model, refusing one of another shape."""
+    if target.shape != tensor.shape:
+        raise ValueError(
+            f"checkpoint tensor {hf_name!r} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}"
+        )
+    target.copy_(tensor)
+
+
 def pack_linears_for_cpu(model: nn.Module) -> int:
     """Pack every `Linear` of a CPU model for oneDNN when this torch build has it; returns how many."""
     if os.environ.get(ONEDNN_ENV_VAR, "1") == "0":

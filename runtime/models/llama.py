@@ -27,7 +27,14 @@ from kvfleet.runtime.distributed.parallel import (
     vocab_shard,
 )
 from kvfleet.runtime.kernels import fused_layers
-from kvfleet.runtime.models.layers import Linear, RMSNorm, RotaryEmbedding, RotaryStep, silu_and_mul
+from kvfleet.runtime.models.layers import (
+    Linear,
+    RMSNorm,
+    RotaryEmbedding,
+    RotaryStep,
+    copy_checkpoint_tensor,
+    silu_and_mul,
+)
 from kvfleet.runtime.models.model_config import ModelConfig
 from torch import nn
 
@@ -269,12 +276,7 @@ class LlamaForCausalLM(nn.Module):
             target = params[name].data if rows is None else params[name].data.narrow(0, *rows)
             if name.startswith(("embed_tokens.", "lm_head.")):
                 target = target[: tensor.shape[0]]  # the last vocabulary slice may be padded
-            if target.shape != tensor.shape:
-                raise ValueError(
-                    f"checkpoint tensor {hf_name!r} has shape {tuple(tensor.shape)}, "
-                    f"expected {tuple(target.shape)}"
-                )
-            target.copy_(tensor)
+            copy_checkpoint_tensor(target, tensor, hf_name)
             loaded.add(hf_name)
         missing = sorted(set(self._expected_checkpoint_names()) - loaded)
         if missing:

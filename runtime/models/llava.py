@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 from kvfleet.runtime.attention.backend import AttentionBackend
+from kvfleet.runtime.models.layers import copy_checkpoint_tensor
 from kvfleet.runtime.models.llama import LlamaForCausalLM
 from kvfleet.runtime.models.model_config import ModelConfig
 from kvfleet.runtime.multimodal.image_processor import vision_settings
@@ -186,10 +187,5 @@ class LlavaForConditionalGeneration(nn.Module):
         if name not in params:
             raise ValueError(f"checkpoint tensor {hf_name!r} has no place in {self.config.architecture}")
         target = params[name].data
-        if target.shape != tensor.shape:
-            raise ValueError(
-                f"checkpoint tensor {hf_name!r} has shape {tuple(tensor.shape)}, "
-                f"expected {tuple(target.shape)}"
-            )
-        target.copy_(tensor)
+        copy_checkpoint_tensor(target, tensor, hf_name)
         loaded.add(name)
