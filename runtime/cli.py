@@ -45,6 +45,13 @@ bench_seed_option = click.option(
     "the small preset), so that outputs are predictable and draft models agree with their targets.",
 )
 @click.option(
+    "--teacher",
+    type=click.Path(exists=True, file_okay=False),
+    default=None,
+    help="With --train-steps: learn this model folder's next-token distributions on the corpus instead of "
+    "the corpus's next tokens (knowledge distillation, how a draft model is fitted to its target).",
+)
+@click.option(
     "--max-position-embeddings", type=click.IntRange(min=1), default=None, help="Default: the preset's."
 )
 @click.option(
@@ -67,6 +74,7 @@ def make_model(
     seed: int,
     dtype: str,
     train_steps: int,
+    teacher: str | None,
     max_position_embeddings: int | None,
     rope_parameters: str | None,
     sliding_window: int | None,
@@ -94,6 +102,7 @@ def make_model(
             sliding_window=sliding_window,
             max_window_layers=max_window_layers,
             train_steps=train_steps,
+            teacher=teacher,
         )
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc

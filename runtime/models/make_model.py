@@ -155,13 +155,16 @@ def make_model(
     sliding_window: int | None = None,
     max_window_layers: int = 0,
     train_steps: int = 0,
+    teacher: str | Path | None = None,
 ) -> Path:
     """Write the folder; returns its path. Raises ValueError for unknown choices or a non-empty folder.
 
     max_position_embeddings and rope_parameters (Transformers' `rope_parameters`, rope_theta included)
     replace the preset's and the architecture's, e.g. to make a model with another RoPE scaling.
     sliding_window gives Mistral a window on every layer, and Qwen one on the layers from
-    max_window_layers on (Llama has none). train_steps then trains the weights on the tokenizer's corpus."""
+    max_window_layers on (Llama has none). train_steps then trains the weights on the tokenizer's corpus:
+    to predict its next tokens, or, given a teacher model folder of the same tokenizer, to predict the
+    teacher's next-token distributions (knowledge distillation, as draft models are made)."""
     if arch not in ARCHITECTURES:
         raise ValueError(f"unknown arch {arch!r}; choose from {', '.join(ARCHITECTURES)}")
     if preset not in PRESETS:
@@ -170,6 +173,8 @@ def make_model(
         raise ValueError(f"unknown dtype {dtype!r}; choose from {', '.join(DTYPES)}")
     if train_steps < 0:
         raise ValueError(f"train_steps must not be negative, got {train_steps}")
+    if teacher is not None and not train_steps:
+        raise ValueError("a teacher is learnt from in training: give train_steps too")
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()):
         raise ValueError(f"{out} exists and is not empty")
@@ -207,7 +212,7 @@ def make_model(
     _write_json(out / "config.json", config)
     _save_weights(out / "model.safetensors", tensors, config["dtype"])
     if train_steps:
-        _train(out, tokenizer, train_steps, seed)
+        _train(out, tokenizer, train_steps, seed, None if teacher is None else _teacher(Path(teacher), out))
     return out
 
 
@@ -218,9 +223,27 @@ _TRAIN_LEARNING_RATE = 3e-3
 _TRAIN_WARMUP_STEPS = 20
 
 
-def _train(folder: Path, tokenizer: Any, steps: int, seed: int) -> None:
-    """Train the folder's weights for `steps` steps on the corpus and write them back in their dtype."""
+def _teacher(teacher: Path, student: Path) -> Any:
+    """The teacher folder's model, in inference mode, once its tokenizer is the student's."""
     import torch
+    from transformers import AutoModelForCausalLM
+
+    if not (teacher / "tokenizer.json").is_file():
+        raise ValueError(f"the teacher {teacher} has no tokenizer.json")
+    if (teacher / "tokenizer.json").read_bytes() != (student / "tokenizer.json").read_bytes():
+        raise ValueError(f"the teacher {teacher} has another tokenizer than this preset's")
+    model = AutoModelForCausalLM.from_pretrained(teacher, dtype=torch.float32).eval()
+    vocab_size = json.loads((student / "config.json").read_text())["vocab_size"]
+    if model.config.vocab_size != vocab_size:
+        raise ValueError(f"the teacher has {model.config.vocab_size} token ids, this preset {vocab_size}")
+    return model
+
+
+def _train(folder: Path, tokenizer: Any, steps: int, seed: int, teacher: Any | None) -> None:
+    """Train the folder's weights for `steps` steps on the corpus and write them back in their dtype: toward
+    the corpus's next tokens, or toward the teacher's next-token distributions when a teacher is given."""
+    import torch
+    import torch.nn.functional as F
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
@@ -235,8 +258,14 @@ def _train(folder: Path, tokenizer: Any, steps: int, seed: int) -> None:
     generator = torch.Generator().manual_seed(seed)
     for _ in range(steps):
         starts = torch.randint(0, len(corpus) - window, (_TRAIN_BATCH,), generator=generator)
-        batch = torch.stack([corpus[start : start + window + 1] for start in starts.tolist()])
-        loss = model(input_ids=batch[:, :-1], labels=batch[:, :-1].clone()).loss
+        inputs = torch.stack([corpus[start : start + window] for start in starts.tolist()])
+        if teacher is None:
+            loss = model(input_ids=inputs, labels=inputs.clone()).loss
+        else:
+            with torch.no_grad():
+                target = F.log_softmax(teacher(input_ids=inputs).logits.flatten(0, 1), dim=-1)
+            predicted = F.log_softmax(model(input_ids=inputs).logits.flatten(0, 1), dim=-1)
+            loss = F.kl_div(predicted, target, log_target=True, reduction="batchmean")
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()

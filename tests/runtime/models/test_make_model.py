@@ -162,3 +162,44 @@ def test_train_steps_fit_the_weights_to_the_corpus(tmp_path: Path) -> None:
     trained = corpus_loss(make_model("qwen3", "tiny", tmp_path / "trained", train_steps=40))
     # The untrained model is near uniform over the vocabulary (log 1024 = 6.9); training learns the text.
     assert trained < untrained - 2.0, (untrained, trained)
+
+
+def test_a_student_trained_with_a_teacher_learns_the_teachers_distributions(tmp_path: Path) -> None:
+    teacher = make_model("llama", "tiny", tmp_path / "teacher", train_steps=20)
+    tokenizer = AutoTokenizer.from_pretrained(teacher)
+    # Corpus text the training below also draws from: what is compared is the two models' outputs on it.
+    ids = torch.tensor([tokenizer.encode(corpus_text(), add_special_tokens=False)[:512]])
+    with torch.inference_mode():
+        teacher_model = AutoModelForCausalLM.from_pretrained(teacher, dtype=torch.float32).eval()
+        teacher_logits = teacher_model(input_ids=ids).logits
+
+    def divergence_and_agreement(folder: Path) -> tuple[float, float]:
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        with torch.inference_mode():
+            logits = model(input_ids=ids).logits
+        kl = torch.nn.functional.kl_div(
+            logits.log_softmax(-1)[0],
+            teacher_logits.log_softmax(-1)[0],
+            log_target=True,
+            reduction="batchmean",
+        )
+        agreement = (logits.argmax(-1) == teacher_logits.argmax(-1)).float().mean()
+        return float(kl), float(agreement)
+
+    untrained = divergence_and_agreement(make_model("llama", "tiny", tmp_path / "untrained", seed=1))
+    on_corpus = divergence_and_agreement(
+        make_model("llama", "tiny", tmp_path / "corpus", seed=1, train_steps=40)
+    )
+    distilled = divergence_and_agreement(
+        make_model("llama", "tiny", tmp_path / "distilled", seed=1, train_steps=40, teacher=teacher)
+    )
+    assert distilled[0] < on_corpus[0] and distilled[0] < untrained[0] / 2, (untrained, on_corpus, distilled)
+    assert distilled[1] > on_corpus[1], (on_corpus, distilled)
+
+
+def test_a_teacher_needs_training_steps_and_the_same_tokenizer(tmp_path: Path) -> None:
+    teacher = make_model("qwen2", "tiny", tmp_path / "teacher")
+    with pytest.raises(ValueError, match="give train_steps"):
+        make_model("qwen2", "tiny", tmp_path / "a", teacher=teacher)
+    with pytest.raises(ValueError, match="another tokenizer"):
+        make_model("llama", "tiny", tmp_path / "b", train_steps=1, teacher=teacher)
