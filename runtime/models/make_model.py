@@ -540,17 +540,14 @@ def _llava_weights(text_tensors: dict[str, Any], config: dict[str, Any], seed: i
         tensors[f"{tower}.{norm}.weight"] = torch.ones(width)
         tensors[f"{tower}.{norm}.bias"] = torch.zeros(width)
     for i in range(vision["num_hidden_layers"]):
-        prefix = f"{tower}.encoder.layers.{i}"
-        for norm in ("layer_norm1", "layer_norm2"):
-            tensors[f"{prefix}.{norm}.weight"] = torch.ones(width)
-            tensors[f"{prefix}.{norm}.bias"] = torch.zeros(width)
-        for name in ("q_proj", "k_proj", "v_proj", "out_proj"):
-            tensors[f"{prefix}.self_attn.{name}.weight"] = normal(width, width, std=width**-0.5)
-            tensors[f"{prefix}.self_attn.{name}.bias"] = normal(width, std=0.02)
-        tensors[f"{prefix}.mlp.fc1.weight"] = normal(inner, width, std=width**-0.5)
-        tensors[f"{prefix}.mlp.fc1.bias"] = normal(inner, std=0.02)
-        tensors[f"{prefix}.mlp.fc2.weight"] = normal(width, inner, std=inner**-0.5)
-        tensors[f"{prefix}.mlp.fc2.bias"] = normal(width, std=0.02)
+        tensors |= _encoder_layer_weights(
+            f"{tower}.encoder.layers.{i}",
+            width,
+            inner,
+            normal,
+            norms=("layer_norm1", "layer_norm2"),
+            mlp="mlp.",
+        )
     projector = "model.multi_modal_projector"
     tensors[f"{projector}.linear_1.weight"] = normal(text_hidden, width, std=width**-0.5)
     tensors[f"{projector}.linear_1.bias"] = normal(text_hidden, std=0.02)
@@ -558,6 +555,35 @@ def _llava_weights(text_tensors: dict[str, Any], config: dict[str, Any], seed: i
     tensors[f"{projector}.linear_2.bias"] = normal(text_hidden, std=0.02)
     tensors[f"{projector}.linear_2.weight"][0] = 0.0
     tensors[f"{projector}.linear_2.bias"][0] = 1.0
+    return tensors
+
+
+def _encoder_layer_weights(
+    prefix: str,
+    width: int,
+    inner: int,
+    normal: Any,
+    *,
+    norms: tuple[str, str],
+    mlp: str,
+    key_bias: bool = True,
+) -> dict[str, Any]:
+    """A random pre-norm encoder layer (CLIP's or Whisper's): its two norms' names, and the prefix of its
+    MLP's fc1 and fc2."""
+    import torch
+
+    tensors = {}
+    for norm in norms:
+        tensors[f"{prefix}.{norm}.weight"] = torch.ones(width)
+        tensors[f"{prefix}.{norm}.bias"] = torch.zeros(width)
+    for name in ("q_proj", "k_proj", "v_proj", "out_proj"):
+        tensors[f"{prefix}.self_attn.{name}.weight"] = normal(width, width, std=width**-0.5)
+        if key_bias or name != "k_proj":
+            tensors[f"{prefix}.self_attn.{name}.bias"] = normal(width, std=0.02)
+    tensors[f"{prefix}.{mlp}fc1.weight"] = normal(inner, width, std=width**-0.5)
+    tensors[f"{prefix}.{mlp}fc1.bias"] = normal(inner, std=0.02)
+    tensors[f"{prefix}.{mlp}fc2.weight"] = normal(width, inner, std=inner**-0.5)
+    tensors[f"{prefix}.{mlp}fc2.bias"] = normal(width, std=0.02)
     return tensors
 
 
@@ -688,18 +714,16 @@ def _qwen2_audio_weights(text_tensors: dict[str, Any], config: dict[str, Any], s
     tensors[f"{tower}.conv2.bias"] = normal(width, std=0.02)
     tensors[f"{tower}.embed_positions.weight"] = normal(audio["max_source_positions"], width, std=0.5)
     for i in range(audio["encoder_layers"]):
-        prefix = f"{tower}.layers.{i}"
-        for norm in ("self_attn_layer_norm", "final_layer_norm"):
-            tensors[f"{prefix}.{norm}.weight"] = torch.ones(width)
-            tensors[f"{prefix}.{norm}.bias"] = torch.zeros(width)
-        for name in ("q_proj", "k_proj", "v_proj", "out_proj"):
-            tensors[f"{prefix}.self_attn.{name}.weight"] = normal(width, width, std=width**-0.5)
-            if name != "k_proj":  # Whisper's keys have no bias
-                tensors[f"{prefix}.self_attn.{name}.bias"] = normal(width, std=0.02)
-        tensors[f"{prefix}.fc1.weight"] = normal(inner, width, std=width**-0.5)
-        tensors[f"{prefix}.fc1.bias"] = normal(inner, std=0.02)
-        tensors[f"{prefix}.fc2.weight"] = normal(width, inner, std=inner**-0.5)
-        tensors[f"{prefix}.fc2.bias"] = normal(width, std=0.02)
+        # Whisper's names, and its keys have no bias.
+        tensors |= _encoder_layer_weights(
+            f"{tower}.layers.{i}",
+            width,
+            inner,
+            normal,
+            norms=("self_attn_layer_norm", "final_layer_norm"),
+            mlp="",
+            key_bias=False,
+        )
     tensors[f"{tower}.layer_norm.weight"] = torch.ones(width)
     tensors[f"{tower}.layer_norm.bias"] = torch.zeros(width)
     projector = "model.multi_modal_projector.linear"

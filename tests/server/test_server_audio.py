@@ -16,9 +16,9 @@ import numpy as np
 import openai
 import pytest
 import soundfile
-import torch
 from PIL import Image
-from transformers import AutoProcessor, Qwen2AudioForConditionalGeneration
+from server_checks import encoder_runs, transformers_chat_answer
+from transformers import Qwen2AudioForConditionalGeneration
 
 if TYPE_CHECKING:
     from conftest import ServerProcess
@@ -91,38 +91,6 @@ def client(audio_server: ServerProcess) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{audio_server.url}/v1", api_key="unused", max_retries=0, timeout=60)
 
 
-def _transformers_answer(
-    qwen2_audio: Path, messages: list[dict[str, Any]], clip: np.ndarray
-) -> tuple[str, int]:
-    """(greedy answer text, prompt tokens) of Transformers' processor and model."""
-    processor = AutoProcessor.from_pretrained(qwen2_audio)
-    model = Qwen2AudioForConditionalGeneration.from_pretrained(qwen2_audio, dtype=torch.float32).eval()
-    conversation = [
-        {
-            "role": message["role"],
-            "content": [
-                {"type": "audio"} if part["type"] == "input_audio" else part for part in message["content"]
-            ]
-            if isinstance(message["content"], list)
-            else [{"type": "text", "text": message["content"]}],
-        }
-        for message in messages
-    ]
-    text = processor.apply_chat_template(conversation, add_generation_prompt=True)
-    inputs = processor(text=text, audio=[clip], sampling_rate=RATE, return_tensors="pt")
-    with torch.inference_mode():
-        out = model.generate(**inputs, max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS, do_sample=False)
-    prompt_length = inputs["input_ids"].shape[1]
-    answer = processor.tokenizer.decode(out[0, prompt_length:], skip_special_tokens=True)
-    return answer, prompt_length
-
-
-def _encoder_runs(server: ServerProcess) -> float:
-    return next(
-        value for name, value in server.metrics().items() if name.startswith("kvfleet:mm_encoder_runs")
-    )
-
-
 def test_an_audio_clip_in_a_conversation_matches_transformers(
     client: openai.OpenAI, qwen2_audio: Path
 ) -> None:
@@ -134,14 +102,21 @@ def test_an_audio_clip_in_a_conversation_matches_transformers(
         _user("What is in this clip: ", _audio_part(_wav(waveform)), "?"),
     ]
     chat = client.chat.completions.create(model=MODEL_NAME, messages=messages, **GREEDY)
-    answer, prompt_tokens = _transformers_answer(qwen2_audio, messages, _pcm16(waveform))
+    answer, prompt_tokens = transformers_chat_answer(
+        Qwen2AudioForConditionalGeneration,
+        qwen2_audio,
+        messages,
+        MAX_TOKENS,
+        audio=[_pcm16(waveform)],
+        sampling_rate=RATE,
+    )
     assert chat.usage.prompt_tokens == prompt_tokens
     assert chat.choices[0].message.content == answer
 
 
 def test_the_same_clip_is_encoded_once(client: openai.OpenAI, audio_server: ServerProcess) -> None:
     part = _audio_part(_wav(_waveform(3, 0.8)))
-    before = _encoder_runs(audio_server)
+    before = encoder_runs(audio_server)
     answers = [
         client.chat.completions.create(model=MODEL_NAME, messages=[_user("Listen: ", part)], **GREEDY)
         .choices[0]
@@ -149,7 +124,7 @@ def test_the_same_clip_is_encoded_once(client: openai.OpenAI, audio_server: Serv
         for _ in range(2)
     ]
     assert answers[0] == answers[1]
-    assert _encoder_runs(audio_server) - before == 1
+    assert encoder_runs(audio_server) - before == 1
 
 
 def _prompt_tokens(client: openai.OpenAI, part: dict[str, Any]) -> int:

@@ -13,6 +13,10 @@ import numpy as np
 import pytest
 import torch
 from kvfleet.runtime import LLM, SamplingParams
+from kvfleet.runtime.chat_prompt import chat_prompt_token_ids
+from kvfleet.runtime.config import EngineConfig
+from kvfleet.runtime.engine.llm_engine import LLMEngine
+from kvfleet.runtime.engine.outputs import OutputKind
 from kvfleet.runtime.multimodal.inputs import MediaInputError
 from test_llm_vs_transformers import MAX_TOKENS, TOP_N, _assert_close, greedy_reference
 from transformers import AutoConfig, AutoProcessor, Qwen2AudioForConditionalGeneration
@@ -147,6 +151,45 @@ def test_same_clip_is_encoded_once_and_other_clips_miss_the_prefix_cache(qwen2_a
     # The same text with another clip: encoded, and no block holding an audio placeholder is a hit.
     runs, hits = run(CLIPS[2])
     assert runs == 1 and hits == audio_offset // 8 * 8
+
+
+def test_encoder_budget_spreads_clips_over_steps_while_text_decodes(qwen2_audio: Path) -> None:
+    """A budget of one 30 s clip (750 tokens) per step: a prompt of two 16 s clips (400 tokens each) encodes
+    one a step, and a text request running beside it gets a token in every step."""
+    config = EngineConfig(
+        model=str(qwen2_audio),
+        dtype="float32",
+        num_kv_blocks=256,
+        max_model_len=1024,
+        max_num_batched_tokens=1024,
+        max_num_encoder_input_tokens=750,
+    )
+    engine = LLMEngine(config)
+
+    def prompt(conversation: list[dict]) -> list[int]:
+        return chat_prompt_token_ids(engine.tokenizer, conversation, add_generation_prompt=True)
+
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    delta = OutputKind.DELTA
+    engine.add_request(
+        "text", "", params, prompt_token_ids=prompt(_conversation("A story.", 0)), output_kind=delta
+    )
+    engine.step()
+    clips = [(_clip(3, 16.0), RATE), (_clip(4, 16.0), RATE)]
+    token_ids, features = engine.prompt_media.prepare(prompt(_conversation("Two:", 2)), {"audio": clips})
+    assert [feature.length for feature in features] == [400, 400]
+    engine.add_request(
+        "audio", "", params, prompt_token_ids=token_ids, mm_features=features, output_kind=delta
+    )
+    runs = []
+    text_tokens = []
+    while len(runs) < 3:
+        before = engine.engine_core.stats.encoder_runs
+        outputs = {output.request_id: output for output in engine.step()}
+        runs.append(engine.engine_core.stats.encoder_runs - before)
+        text_tokens.append(len(outputs["text"].outputs[0].token_ids) if "text" in outputs else 0)
+    assert runs == [1, 1, 0]
+    assert all(count >= 1 for count in text_tokens)
 
 
 def test_a_clip_at_another_rate_is_resampled(qwen2_audio: Path) -> None:
