@@ -197,3 +197,20 @@ def test_an_image_to_a_text_only_model_is_a_400(api_server: ServerProcess) -> No
     assert "text only" in caught.value.body["message"]
     response = httpx.get(f"{api_server.url}/ready", timeout=10)
     assert response.status_code == 200
+
+
+def test_an_audio_clip_beside_an_image_is_a_400_naming_the_clip(client: openai.OpenAI) -> None:
+    """No model here takes both: LLaVA refuses the audio part of a conversation that has both."""
+    image = _image_part(_data_url(_encoded(_image(9))))
+    audio = {
+        "type": "input_audio",
+        "input_audio": {"data": base64.b64encode(b"RIFF").decode(), "format": "wav"},
+    }
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(
+            model=MODEL_NAME, messages=[_user("See ", image, " and hear ", audio)], **GREEDY
+        )
+    assert "takes text and image, not audio" in caught.value.body["message"]
+    assert caught.value.body["param"] == "messages.0.content.3"
+    chat = client.chat.completions.create(model=MODEL_NAME, messages=[_user("See ", image)], **GREEDY)
+    assert chat.usage.completion_tokens == MAX_TOKENS
