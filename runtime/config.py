@@ -17,8 +17,8 @@ from kvfleet.runtime.spec_decode.config import SpeculativeConfig
 SchedulingPolicy = Literal["fcfs", "priority"]
 DType = Literal["auto", "float32", "float16", "bfloat16"]
 Device = Literal["auto", "cpu", "cuda"]
-MODALITIES = ("image",)
-DEFAULT_IMAGES_PER_PROMPT = 4
+MODALITIES = ("image", "audio")
+DEFAULT_ITEMS_PER_PROMPT = 4
 
 
 def _option(help: str, **kwargs: Any) -> Any:
@@ -72,16 +72,22 @@ class EngineConfig:
         default=None,
     )
     limit_mm_per_prompt: dict[str, Any] | None = _option(
-        "Most multimodal items of each modality in one prompt, as JSON, e.g. '{\"image\": 2}'; by default "
-        f"{DEFAULT_IMAGES_PER_PROMPT} images.",
+        'Most multimodal items of each modality in one prompt, as JSON, e.g. \'{"image": 2, "audio": 1}\'; '
+        f"by default {DEFAULT_ITEMS_PER_PROMPT} of each.",
         default=None,
     )
     max_image_pixels: int = _option(
         "Most pixels (width x height) of an image a request sends.", default=4096 * 4096
     )
+    max_audio_clip_s: float | None = _option(
+        "Longest audio clip, in seconds, a request may send; by default, and at most, the audio encoder's "
+        "window (the feature extractor's chunk_length, 30 s for Whisper-style encoders).",
+        default=None,
+    )
     max_num_encoder_input_tokens: int | None = _option(
-        "Encoder budget of one step, in placeholder tokens of the items encoded (images); by default the "
-        "step's token budget. Items past it wait for a later step, so that many images cannot stall decodes.",
+        "Encoder budget of one step, in placeholder tokens of the items encoded (images, audio clips); by "
+        "default the step's token budget. Items past it wait for a later step, so that many items cannot "
+        "stall decodes.",
         default=None,
     )
     allowed_media_domains: str | None = _option(
@@ -155,6 +161,9 @@ class EngineConfig:
             require(isinstance(limit, int) and limit >= 0, f"limit_mm_per_prompt: {modality} needs a count")
         require(self.max_image_pixels > 0, "max_image_pixels must be positive")
         require(
+            self.max_audio_clip_s is None or self.max_audio_clip_s > 0, "max_audio_clip_s must be positive"
+        )
+        require(
             self.max_num_encoder_input_tokens is None or self.max_num_encoder_input_tokens > 0,
             "max_num_encoder_input_tokens must be positive",
         )
@@ -195,10 +204,10 @@ class EngineConfig:
             return None
         return SpeculativeConfig.parse(self.speculative_config)
 
-    def mm_limit(self, modality: str) -> int:
-        """How many items of `modality` one prompt may carry."""
+    def mm_limits(self) -> dict[str, int]:
+        """How many items of each modality one prompt may carry."""
         limits = self.limit_mm_per_prompt or {}
-        return int(limits.get(modality, DEFAULT_IMAGES_PER_PROMPT if modality == "image" else 0))
+        return {modality: int(limits.get(modality, DEFAULT_ITEMS_PER_PROMPT)) for modality in MODALITIES}
 
     def media_domains(self) -> frozenset[str]:
         """The hosts of allowed_media_domains, lower case."""

@@ -16,8 +16,8 @@ BlockHash = bytes
 def hash_block_tokens(
     parent_block_hash: BlockHash | None, token_ids: Sequence[int], extra_keys: bytes = b""
 ) -> BlockHash:
-    """`extra_keys`: what else decides the block's KV besides its tokens (the content hashes of the images
-    whose placeholders it holds: the same placeholder tokens stand for any image)."""
+    """`extra_keys`: what else decides the block's KV besides its tokens (the content hashes of the items
+    whose placeholders it holds: the same placeholder tokens stand for any image or audio clip)."""
     hasher = hashlib.sha256(parent_block_hash or b"")
     hasher.update(array("q", token_ids).tobytes())
     hasher.update(extra_keys)

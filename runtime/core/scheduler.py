@@ -9,9 +9,10 @@ goes back to the front of the waiting queue and, when readmitted, reuses its cac
 Speculative decoding: a running request's draft tokens (request.spec_token_ids) are scheduled after its own
 like prompt tokens, taking budget and KV slots; the ones the model rejects give their slots back.
 
-Multimodal prompts: the images whose placeholder tokens a step starts feeding are encoded in that step, and
-their placeholders count against the step's encoder budget (vLLM's max_num_encoder_input_tokens). A request
-whose next image does not fit is cut before it and goes on in a later step; decodes never wait for images.
+Multimodal prompts: the items (images, audio clips) whose placeholder tokens a step starts feeding are encoded
+in that step, and their placeholders count against the step's encoder budget (vLLM's
+max_num_encoder_input_tokens). A request whose next item does not fit is cut before it and goes on in a later
+step; decodes never wait for items.
 """
 
 from __future__ import annotations
@@ -243,7 +244,7 @@ class Scheduler:
                 num_new_tokens, encoder_cost = self._fit_encoder_budget(
                     request, request.num_computed_tokens, num_new_tokens, admitting=False
                 )
-            # Its previous step's output has not been applied yet, no share is left, or its next image waits.
+            # Its previous step's output has not been applied yet, no share is left, or its next item waits.
             if num_new_tokens <= 0:
                 continue
             while True:

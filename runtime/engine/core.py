@@ -34,8 +34,8 @@ from kvfleet.runtime.engine.messages import AddRequest, EngineCoreOutputs, Engin
 from kvfleet.runtime.lora.errors import LoRAAdapterError
 from kvfleet.runtime.lora.request import LoRARequest
 from kvfleet.runtime.models.layers import rope_cache_salt
-from kvfleet.runtime.multimodal.image_processor import VisionSettings, vision_settings
-from kvfleet.runtime.multimodal.inputs import check_features
+from kvfleet.runtime.multimodal.inputs import ModalitySpec, check_features
+from kvfleet.runtime.multimodal.prompt_media import modality_specs
 from kvfleet.runtime.request import Request, RequestStatus
 from kvfleet.runtime.spec_decode.speculator import Speculator, make_proposer
 from kvfleet.runtime.structured_outputs.compiler import GrammarCompiler, RequestGrammar
@@ -81,8 +81,8 @@ class EngineCore:
         host_kv_tier = self._host_kv_tier()
         self.max_num_batched_tokens = self._token_budget()
         multimodal = self.runner.model_config.multimodal
-        # What the model's images look like; None for a text-only model.
-        self.vision: VisionSettings | None = None if multimodal is None else vision_settings(multimodal)
+        # What the model takes besides text, by modality; empty for a text-only model.
+        self.modalities: dict[str, ModalitySpec] = {} if multimodal is None else modality_specs(multimodal)
         self.scheduler = Scheduler(
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
@@ -195,15 +195,16 @@ class EngineCore:
         return max(self.max_model_len, config.max_num_seqs)
 
     def _encoder_budget(self) -> int:
-        """max_num_encoder_input_tokens, by default the token budget or one image, whichever is more (as
-        vLLM's); an image must fit in one step's budget."""
+        """max_num_encoder_input_tokens, by default the token budget or the largest item, whichever is more
+        (as vLLM's); every item must fit in one step's budget."""
         requested = self.config.max_num_encoder_input_tokens
-        per_image = 0 if self.vision is None else self.vision.tokens_per_image
+        largest = max((spec.max_item_tokens for spec in self.modalities.values()), default=0)
         if requested is None:
-            return max(self.max_num_batched_tokens, per_image)
-        if requested < per_image:
+            return max(self.max_num_batched_tokens, largest)
+        if requested < largest:
             raise ValueError(
-                f"max_num_encoder_input_tokens ({requested}) is less than one image's {per_image} embeddings"
+                f"max_num_encoder_input_tokens ({requested}) is less than the largest item's {largest} "
+                f"embeddings ({' or '.join(self.modalities)})"
             )
         return requested
 
@@ -256,20 +257,15 @@ class EngineCore:
             self._compiling[add.request_id] = request
 
     def _check_mm_features(self, add: AddRequest) -> None:
-        """Raises InvalidRequestError for images a text-only model is sent, or that do not fit the model."""
-        vision = self.vision
-        if vision is None:
-            if add.mm_features:
-                raise InvalidRequestError("this model takes text only, not images")
+        """Raises InvalidRequestError for items of a modality the model does not take, or that do not fit
+        the model."""
+        if not self.modalities and not add.mm_features:
             return
-        size = int(self.runner.model_config.multimodal["vision_config"]["image_size"])
         try:
             check_features(
                 add.prompt_token_ids,
                 add.mm_features,
-                placeholder_id=vision.image_token_id,
-                tokens_per_item=vision.tokens_per_image,
-                item_shape=[3, size, size],
+                self.modalities,
                 max_item_tokens=self.scheduler.max_num_encoder_input_tokens,
             )
         except ValueError as error:

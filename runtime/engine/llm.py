@@ -18,8 +18,8 @@ from kvfleet.runtime.structured_outputs.grammars import check_constraint
 from tqdm import tqdm
 
 # A text or token-id prompt, or vLLM's dict: {"prompt": text} or {"prompt_token_ids": ids}, with
-# "multi_modal_data": {"image": a PIL image or a list of them} for a vision model (one image placeholder token
-# in the prompt per image).
+# "multi_modal_data": {"image": a PIL image or a list of them} for a vision model, {"audio": (waveform,
+# sampling rate) or a list of them} for an audio model (one placeholder token in the prompt per item).
 Prompt = str | list[int] | dict[str, Any]
 ChatMessages = list[dict[str, Any]]
 
@@ -81,7 +81,7 @@ class LLM:
             raise
 
     def _prepare(self, prompt: Prompt) -> tuple[list[int], list[MultiModalFeature]]:
-        """The prompt's token ids (image placeholders expanded) and its images' features."""
+        """The prompt's token ids (placeholders expanded) and its images' and audio clips' features."""
         engine = self.llm_engine
         if not isinstance(prompt, dict):
             return engine.tokenize(prompt), []
@@ -89,13 +89,11 @@ class LLM:
             token_ids = list(prompt["prompt_token_ids"])
         else:
             token_ids = engine.tokenize(prompt["prompt"])
-        images = (prompt.get("multi_modal_data") or {}).get("image", [])
-        images = images if isinstance(images, list) else [images]
-        if not images:
+        data = prompt.get("multi_modal_data") or {}
+        items = {modality: value if isinstance(value, list) else [value] for modality, value in data.items()}
+        if not any(items.values()):
             return token_ids, []
-        if engine.prompt_images is None:
-            raise ValueError("this model takes text only, not images")
-        return engine.prompt_images.prepare(token_ids, images)
+        return engine.prompt_media.prepare(token_ids, items)
 
     def chat(
         self,

@@ -19,7 +19,7 @@ from kvfleet.runtime.engine.sequences import sequence_ids, sequence_requests
 from kvfleet.runtime.engine.tokenizer import load_tokenizer
 from kvfleet.runtime.lora.request import LoRARequest
 from kvfleet.runtime.multimodal.inputs import MultiModalFeature
-from kvfleet.runtime.multimodal.prompt_images import PromptImages
+from kvfleet.runtime.multimodal.prompt_media import PromptMedia
 from kvfleet.runtime.request import FinishReason
 from kvfleet.runtime.sampling_params import SamplingParams
 
@@ -36,7 +36,7 @@ class LLMEngine:
         self.vocab_size: int = self.engine_core.vocab_size
         self.output_processor = OutputProcessor(self.tokenizer)
         self.eos_token_id: int | None = self.tokenizer.eos_token_id
-        self.prompt_images = PromptImages.for_model(config.model, config.mm_limit("image"))
+        self.prompt_media = PromptMedia.for_model(config.model, config.mm_limits(), config.max_audio_clip_s)
 
     @property
     def num_steps(self) -> int:
@@ -72,7 +72,8 @@ class LLMEngine:
         """Queue a request; returns its prompt token ids. Raises ValueError on bad input.
 
         `prompt_token_ids`, when the caller has already tokenized (and validated) a text prompt, saves doing
-        it twice; with images, they are the expanded ones PromptImages.prepare gave with `mm_features`.
+        it twice; with images or audio clips, they are the expanded ones that PromptMedia.prepare gave
+        with `mm_features`.
         """
         if request_id in self.output_processor:
             raise ValueError(f"request id {request_id!r} is already in use")

@@ -30,7 +30,8 @@ class AddRequest(msgspec.Struct, tag="add", array_like=True, omit_defaults=True)
     priority: int = 0
     deadline: float | None = None
     lora_request: LoRARequest | None = None
-    # The prompt's images, preprocessed, in prompt order; their placeholder tokens are in prompt_token_ids.
+    # The prompt's images and audio clips, preprocessed, in prompt order; their placeholder tokens are in
+    # prompt_token_ids.
     mm_features: list[MultiModalFeature] = []
 
 

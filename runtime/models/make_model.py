@@ -24,7 +24,11 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
     # A CLIP vision tower and a projector in front of a Llama language model.
     "llava": ("LlavaForConditionalGeneration", "llava"),
+    # A Whisper-style audio encoder and a projector in front of a Qwen2 language model.
+    "qwen2-audio": ("Qwen2AudioForConditionalGeneration", "qwen2_audio"),
 }
+# The language model of each multimodal architecture.
+_TEXT_ARCHITECTURES = {"llava": "llama", "qwen2-audio": "qwen2"}
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -141,6 +145,28 @@ _QWEN_STYLE = TokenizerStyle(
     end_of_text="<|endoftext|>",
     chat_template=_CHATML_TEMPLATE,
 )
+# Qwen2-Audio's template renders an audio content part as the audio token between its begin and end
+# markers; the processor (or the engine) then repeats the audio token once per audio embedding.
+AUDIO_TOKEN = "<|AUDIO|>"
+_AUDIO_MARKERS = ("<|audio_bos|>", "<|audio_eos|>")  # a clip's begin and end
+_QWEN2_AUDIO_TEMPLATE = _CHATML_TEMPLATE.replace(
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] }}",
+    "{{ '<|im_start|>' + message['role'] + '\\n' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'text' %}{{ part['text'] }}"
+    "{% elif part['type'] == 'audio' %}{{ '"
+    + _AUDIO_MARKERS[0]
+    + AUDIO_TOKEN
+    + _AUDIO_MARKERS[1]
+    + "' }}{% endif %}"
+    "{% endfor %}{% endif %}",
+)
+_QWEN2_AUDIO_STYLE = replace(
+    _QWEN_STYLE,
+    special_tokens=(*_QWEN_STYLE.special_tokens, AUDIO_TOKEN, *_AUDIO_MARKERS),
+    chat_template=_QWEN2_AUDIO_TEMPLATE,
+)
 
 
 def make_model(
@@ -175,12 +201,16 @@ def make_model(
         raise ValueError(f"train_steps must not be negative, got {train_steps}")
     if teacher is not None and not train_steps:
         raise ValueError("a teacher is learnt from in training: give train_steps too")
+    if arch in _TEXT_ARCHITECTURES and train_steps:
+        raise ValueError(f"train_steps trains text-only models; {arch}'s are not trained")
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()):
         raise ValueError(f"{out} exists and is not empty")
     out.mkdir(parents=True, exist_ok=True)
 
-    style = {"llava": _LLAVA_STYLE}.get(arch, _QWEN_STYLE if arch.startswith("qwen") else _LLAMA_STYLE)
+    style = {"llava": _LLAVA_STYLE, "qwen2-audio": _QWEN2_AUDIO_STYLE}.get(
+        arch, _QWEN_STYLE if arch.startswith("qwen") else _LLAMA_STYLE
+    )
     spec = PRESETS[preset]
     if max_position_embeddings is not None:
         if max_position_embeddings < 1:
@@ -189,26 +219,29 @@ def make_model(
     tokenizer = _train_tokenizer(style, spec.vocab_size, add_bos=style.bos_token is not None)
     tokenizer.save(str(out / "tokenizer.json"))
     special_ids = {token: tokenizer.token_to_id(token) for token in style.special_tokens}
-    config = _config("llama" if arch == "llava" else arch, spec, style, special_ids, dtype)
+    text_arch = _TEXT_ARCHITECTURES.get(arch, arch)
+    config = _config(text_arch, spec, style, special_ids, dtype)
     if rope_parameters is not None:
         config["rope_parameters"] = rope_parameters
     if sliding_window is not None:
-        if arch == "llama" or sliding_window < 1:
+        if text_arch == "llama" or sliding_window < 1:
             raise ValueError(
                 f"sliding_window needs a positive window on mistral or qwen, got {arch} {sliding_window}"
             )
         config["sliding_window"] = sliding_window
-        if arch.startswith("qwen"):
+        if text_arch.startswith("qwen"):
             config.update(use_sliding_window=True, max_window_layers=max_window_layers)
     _write_json(out / "tokenizer_config.json", _tokenizer_config(style, spec))
     _write_json(out / "generation_config.json", _generation_config(style, special_ids))
     tensors = _random_weights(config, seed, num_used_ids=tokenizer.get_vocab_size())
     if arch == "llava":
-        if train_steps:
-            raise ValueError("train_steps trains text-only models; llava's are not trained")
         config = _llava_config(config, VISION_PRESETS[preset], special_ids[IMAGE_TOKEN])
         tensors = _llava_weights(tensors, config, seed)
         _write_llava_processor(out, config)
+    elif arch == "qwen2-audio":
+        config = _qwen2_audio_config(config, AUDIO_PRESETS[preset], special_ids[AUDIO_TOKEN])
+        tensors = _qwen2_audio_weights(tensors, config, seed)
+        _write_qwen2_audio_processor(out, config)
     _write_json(out / "config.json", config)
     _save_weights(out / "model.safetensors", tensors, config["dtype"])
     if train_steps:
@@ -524,14 +557,7 @@ def _llava_weights(text_tensors: dict[str, Any], config: dict[str, Any], seed: i
     def normal(*shape: int, std: float) -> torch.Tensor:
         return torch.randn(*shape, generator=generator) * std
 
-    tensors = {
-        (
-            "lm_head.weight"
-            if name == "lm_head.weight"
-            else "model.language_model." + name.removeprefix("model.")
-        ): tensor
-        for name, tensor in text_tensors.items()
-    }
+    tensors = _language_model_tensors(text_tensors)
     tower = "model.vision_tower.vision_model"
     patch_inputs = 3 * vision["patch_size"] ** 2
     tensors[f"{tower}.embeddings.class_embedding"] = normal(width, std=1.0)
@@ -543,17 +569,14 @@ def _llava_weights(text_tensors: dict[str, Any], config: dict[str, Any], seed: i
         tensors[f"{tower}.{norm}.weight"] = torch.ones(width)
         tensors[f"{tower}.{norm}.bias"] = torch.zeros(width)
     for i in range(vision["num_hidden_layers"]):
-        prefix = f"{tower}.encoder.layers.{i}"
-        for norm in ("layer_norm1", "layer_norm2"):
-            tensors[f"{prefix}.{norm}.weight"] = torch.ones(width)
-            tensors[f"{prefix}.{norm}.bias"] = torch.zeros(width)
-        for name in ("q_proj", "k_proj", "v_proj", "out_proj"):
-            tensors[f"{prefix}.self_attn.{name}.weight"] = normal(width, width, std=width**-0.5)
-            tensors[f"{prefix}.self_attn.{name}.bias"] = normal(width, std=0.02)
-        tensors[f"{prefix}.mlp.fc1.weight"] = normal(inner, width, std=width**-0.5)
-        tensors[f"{prefix}.mlp.fc1.bias"] = normal(inner, std=0.02)
-        tensors[f"{prefix}.mlp.fc2.weight"] = normal(width, inner, std=inner**-0.5)
-        tensors[f"{prefix}.mlp.fc2.bias"] = normal(width, std=0.02)
+        tensors |= _encoder_layer_weights(
+            f"{tower}.encoder.layers.{i}",
+            width,
+            inner,
+            normal,
+            norms=("layer_norm1", "layer_norm2"),
+            mlp="mlp.",
+        )
     projector = "model.multi_modal_projector"
     tensors[f"{projector}.linear_1.weight"] = normal(text_hidden, width, std=width**-0.5)
     tensors[f"{projector}.linear_1.bias"] = normal(text_hidden, std=0.02)
@@ -562,6 +585,47 @@ def _llava_weights(text_tensors: dict[str, Any], config: dict[str, Any], seed: i
     tensors[f"{projector}.linear_2.weight"][0] = 0.0
     tensors[f"{projector}.linear_2.bias"][0] = 1.0
     return tensors
+
+
+def _encoder_layer_weights(
+    prefix: str,
+    width: int,
+    inner: int,
+    normal: Any,
+    *,
+    norms: tuple[str, str],
+    mlp: str,
+    key_bias: bool = True,
+) -> dict[str, Any]:
+    """A random pre-norm encoder layer (CLIP's or Whisper's): its two norms' names, and the prefix of its
+    MLP's fc1 and fc2."""
+    import torch
+
+    tensors = {}
+    for norm in norms:
+        tensors[f"{prefix}.{norm}.weight"] = torch.ones(width)
+        tensors[f"{prefix}.{norm}.bias"] = torch.zeros(width)
+    for name in ("q_proj", "k_proj", "v_proj", "out_proj"):
+        tensors[f"{prefix}.self_attn.{name}.weight"] = normal(width, width, std=width**-0.5)
+        if key_bias or name != "k_proj":
+            tensors[f"{prefix}.self_attn.{name}.bias"] = normal(width, std=0.02)
+    tensors[f"{prefix}.{mlp}fc1.weight"] = normal(inner, width, std=width**-0.5)
+    tensors[f"{prefix}.{mlp}fc1.bias"] = normal(inner, std=0.02)
+    tensors[f"{prefix}.{mlp}fc2.weight"] = normal(width, inner, std=inner**-0.5)
+    tensors[f"{prefix}.{mlp}fc2.bias"] = normal(width, std=0.02)
+    return tensors
+
+
+def _language_model_tensors(text_tensors: dict[str, Any]) -> dict[str, Any]:
+    """A text model's tensors under a multimodal model's names (Transformers 5's layout)."""
+    return {
+        (
+            "lm_head.weight"
+            if name == "lm_head.weight"
+            else "model.language_model." + name.removeprefix("model.")
+        ): tensor
+        for name, tensor in text_tensors.items()
+    }
 
 
 def _write_llava_processor(out: Path, config: dict[str, Any]) -> None:
@@ -602,3 +666,133 @@ def _write_llava_processor(out: Path, config: dict[str, Any]) -> None:
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:
     path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+@dataclass(frozen=True)
+class AudioPreset:
+    d_model: int
+    encoder_ffn_dim: int
+    encoder_layers: int
+    encoder_attention_heads: int
+    num_mel_bins: int
+
+
+# The audio encoder of each preset. Every one takes Whisper's 30 s window (3000 mel frames, 750 audio tokens
+# at most; a second of audio gives 25); Qwen2-Audio's own is 1280 wide, 32 layers deep, on 128 mel bins.
+AUDIO_PRESETS: dict[str, AudioPreset] = {
+    "tiny": AudioPreset(32, 64, 2, 2, 80),
+    "small": AudioPreset(256, 1024, 4, 4, 128),
+    "small-draft": AudioPreset(32, 64, 2, 2, 80),
+}
+_AUDIO_SAMPLING_RATE = 16000
+_AUDIO_HOP_LENGTH = 160  # samples per mel frame
+_AUDIO_WINDOW_S = 30
+_AUDIO_MAX_SOURCE_POSITIONS = _AUDIO_WINDOW_S * _AUDIO_SAMPLING_RATE // _AUDIO_HOP_LENGTH // 2
+
+
+def _qwen2_audio_config(
+    text_config: dict[str, Any], audio: AudioPreset, audio_token_id: int
+) -> dict[str, Any]:
+    text = {key: value for key, value in text_config.items() if key not in ("architectures", "dtype")}
+    return {
+        "architectures": ["Qwen2AudioForConditionalGeneration"],
+        "model_type": "qwen2_audio",
+        "audio_token_index": audio_token_id,
+        "tie_word_embeddings": False,
+        "text_config": text,
+        "audio_config": {
+            "model_type": "qwen2_audio_encoder",
+            "d_model": audio.d_model,
+            "encoder_ffn_dim": audio.encoder_ffn_dim,
+            "encoder_layers": audio.encoder_layers,
+            "encoder_attention_heads": audio.encoder_attention_heads,
+            "num_mel_bins": audio.num_mel_bins,
+            "max_source_positions": _AUDIO_MAX_SOURCE_POSITIONS,
+            "activation_function": "gelu",
+            "scale_embedding": False,
+            "dropout": 0.0,
+            "attention_dropout": 0.0,
+            "activation_dropout": 0.0,
+            "encoder_layerdrop": 0.0,
+        },
+        "dtype": text_config["dtype"],
+    }
+
+
+def _qwen2_audio_weights(text_tensors: dict[str, Any], config: dict[str, Any], seed: int) -> dict[str, Any]:
+    """The language model's tensors under Qwen2-Audio's names, plus a random audio encoder and projector
+    scaled so that audio embeddings have the size of token embeddings (and the constant dimension 0 that
+    _suppress_unused_ids gives every token)."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed + 1)
+    audio = config["audio_config"]
+    width = audio["d_model"]
+    inner = audio["encoder_ffn_dim"]
+    mel_bins = audio["num_mel_bins"]
+    text_hidden = config["text_config"]["hidden_size"]
+
+    def normal(*shape: int, std: float) -> torch.Tensor:
+        return torch.randn(*shape, generator=generator) * std
+
+    tensors = _language_model_tensors(text_tensors)
+    tower = "model.audio_tower"
+    tensors[f"{tower}.conv1.weight"] = normal(width, mel_bins, 3, std=(3 * mel_bins) ** -0.5)
+    tensors[f"{tower}.conv1.bias"] = normal(width, std=0.02)
+    tensors[f"{tower}.conv2.weight"] = normal(width, width, 3, std=(3 * width) ** -0.5)
+    tensors[f"{tower}.conv2.bias"] = normal(width, std=0.02)
+    tensors[f"{tower}.embed_positions.weight"] = normal(audio["max_source_positions"], width, std=0.5)
+    for i in range(audio["encoder_layers"]):
+        # Whisper's names, and its keys have no bias.
+        tensors |= _encoder_layer_weights(
+            f"{tower}.layers.{i}",
+            width,
+            inner,
+            normal,
+            norms=("self_attn_layer_norm", "final_layer_norm"),
+            mlp="",
+            key_bias=False,
+        )
+    tensors[f"{tower}.layer_norm.weight"] = torch.ones(width)
+    tensors[f"{tower}.layer_norm.bias"] = torch.zeros(width)
+    projector = "model.multi_modal_projector.linear"
+    tensors[f"{projector}.weight"] = normal(text_hidden, width, std=width**-0.5)
+    tensors[f"{projector}.bias"] = normal(text_hidden, std=0.02)
+    tensors[f"{projector}.weight"][0] = 0.0
+    tensors[f"{projector}.bias"][0] = 1.0
+    return tensors
+
+
+def _write_qwen2_audio_processor(out: Path, config: dict[str, Any]) -> None:
+    """preprocessor_config.json (Whisper's log-mel features, as Qwen2-Audio ships them) and
+    processor_config.json, for Transformers' Qwen2AudioProcessor and the engine alike."""
+    audio = config["audio_config"]
+    num_frames = 2 * audio["max_source_positions"]
+    _write_json(
+        out / "preprocessor_config.json",
+        {
+            "feature_extractor_type": "WhisperFeatureExtractor",
+            "processor_class": "Qwen2AudioProcessor",
+            "feature_size": audio["num_mel_bins"],
+            "sampling_rate": _AUDIO_SAMPLING_RATE,
+            "hop_length": _AUDIO_HOP_LENGTH,
+            "chunk_length": _AUDIO_WINDOW_S,
+            "n_fft": 400,
+            "n_samples": num_frames * _AUDIO_HOP_LENGTH,
+            "nb_max_frames": num_frames,
+            "padding_side": "right",
+            "padding_value": 0.0,
+            "dither": 0.0,
+            "return_attention_mask": True,
+        },
+    )
+    _write_json(
+        out / "processor_config.json",
+        {
+            "processor_class": "Qwen2AudioProcessor",
+            "audio_token": AUDIO_TOKEN,
+            "audio_bos_token": _AUDIO_MARKERS[0],
+            "audio_eos_token": _AUDIO_MARKERS[1],
+        },
+    )
+    (out / "chat_template.jinja").write_text(_QWEN2_AUDIO_TEMPLATE, encoding="utf-8")

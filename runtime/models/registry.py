@@ -8,9 +8,9 @@ A model class is built as `cls(model_config, attention_backend, max_position)` a
 `forward(input_ids, positions, kv_caches, plan) -> hidden`, `compute_logits(hidden) -> float32 logits` and
 `load_weights(iterable of (checkpoint name, tensor))`, like `LlamaForCausalLM`. To run split between
 tensor- or pipeline-parallel ranks it also provides `checkpoint_slice(name, shape)` and builds its shard from
-`kvfleet.runtime.distributed.parallel.parallel_context()`. A model that takes images also provides
-`embed_images(pixel_values) -> [images, tokens, hidden]` and `embed_input_ids(input_ids)`, and its forward
-accepts `inputs_embeds` (see `LlavaForConditionalGeneration`).
+`kvfleet.runtime.distributed.parallel.parallel_context()`. A model that takes images or audio also provides
+`embed_multimodal(modality, data, unpadded_lengths) -> one [tokens, hidden] tensor per item` and
+`embed_input_ids(input_ids)`, and its forward accepts `inputs_embeds` (see `ConditionalGeneration`).
 """
 
 from __future__ import annotations
@@ -31,6 +31,9 @@ _BUILTIN: dict[str, str] = {
     "Qwen2ForCausalLM": "kvfleet.runtime.models.llama:LlamaForCausalLM",
     "Qwen3ForCausalLM": "kvfleet.runtime.models.llama:LlamaForCausalLM",
     "LlavaForConditionalGeneration": "kvfleet.runtime.models.llava:LlavaForConditionalGeneration",
+    "Qwen2AudioForConditionalGeneration": (
+        "kvfleet.runtime.models.qwen2_audio:Qwen2AudioForConditionalGeneration"
+    ),
 }
 
 

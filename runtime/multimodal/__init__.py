@@ -1,1 +1,2 @@
-"""Multimodal input: images decoded and preprocessed in the front end, encoded and cached in the engine."""
+"""Multimodal input: images and audio clips decoded and preprocessed in the front end, encoded and cached in
+the engine."""

@@ -13,7 +13,7 @@ from kvfleet.runtime.worker.step_inputs import StepInputs
 from torch import nn
 
 # Encoder outputs kept, in embeddings (placeholder tokens), least recently used dropped first: enough for a
-# prompt's images to survive while it prefills in chunks, and for the same image in requests close in time.
+# prompt's items to survive while it prefills in chunks, and for the same item in requests close in time.
 ENCODER_CACHE_TOKENS = 16384
 
 
@@ -68,19 +68,22 @@ class EncoderRunner:
 
     def _encode(self, features: dict[bytes, MultiModalFeature]) -> dict[bytes, torch.Tensor]:
         outputs: dict[bytes, torch.Tensor] = {}
-        missing: dict[tuple[int, ...], list[MultiModalFeature]] = {}
+        missing: dict[tuple[str, tuple[int, ...]], list[MultiModalFeature]] = {}
         for identifier, feature in features.items():
             cached = self._cache.get(identifier)
             if cached is None:
-                missing.setdefault(tuple(feature.shape), []).append(feature)
+                missing.setdefault((feature.modality, tuple(feature.shape)), []).append(feature)
             else:
                 self._cache.move_to_end(identifier)
                 outputs[identifier] = cached
                 self.num_cache_hits += 1
-        for batch in missing.values():  # one encoder run per input shape
+        for (modality, _), batch in missing.items():  # one encoder run per modality and input shape
             # Copies: the arrays are views of the messages' read-only bytes.
-            pixels = torch.stack([torch.tensor(feature.array()) for feature in batch]).to(self.device)
-            encoded = self.model.embed_images(pixels)
+            data = torch.stack([torch.tensor(feature.array()) for feature in batch]).to(self.device)
+            unpadded_lengths = torch.tensor(
+                [feature.unpadded_length for feature in batch], device=self.device
+            )
+            encoded = self.model.embed_multimodal(modality, data, unpadded_lengths)
             for feature, output in zip(batch, encoded, strict=True):
                 if output.shape[0] != feature.length:
                     raise ValueError(

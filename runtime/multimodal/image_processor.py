@@ -11,14 +11,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from kvfleet.runtime.multimodal.inputs import MediaInputError, ModalitySpec
 from PIL import Image, UnidentifiedImageError
 
 # What Pillow may decode: the formats content parts take (PNG, JPEG, WebP), nothing else it can read.
 IMAGE_FORMATS = ("PNG", "JPEG", "WEBP")
-
-
-class ImageInputError(ValueError):
-    """An image the engine cannot take: undecodable, of another format, or too large."""
 
 
 @dataclass(frozen=True)
@@ -31,6 +28,16 @@ class VisionSettings:
     # `full` keeps CLIP's class token among an image's embeddings, `default` drops it.
     keep_class_token: bool
     tokens_per_image: int
+    image_size: int
+
+    def modality_spec(self) -> ModalitySpec:
+        tokens = self.tokens_per_image
+        return ModalitySpec(
+            placeholder_id=self.image_token_id,
+            item_shape=(3, self.image_size, self.image_size),
+            num_tokens=lambda _: tokens,
+            max_item_tokens=tokens,
+        )
 
 
 def vision_settings(config: dict[str, Any]) -> VisionSettings:
@@ -51,24 +58,25 @@ def vision_settings(config: dict[str, Any]) -> VisionSettings:
         feature_layer=layer if layer >= 0 else num_layers + 1 + layer,
         keep_class_token=strategy == "full",
         tokens_per_image=num_patches + (strategy == "full"),
+        image_size=int(vision["image_size"]),
     )
 
 
 def decode_image(data: bytes, *, max_pixels: int) -> Image.Image:
-    """The RGB image in `data`; raises ImageInputError for anything else, before decoding one too large."""
+    """The RGB image in `data`; raises MediaInputError for anything else, before decoding one too large."""
     try:
         image = Image.open(io.BytesIO(data), formats=IMAGE_FORMATS)
     except UnidentifiedImageError:
-        raise ImageInputError(f"the image is not a {', '.join(IMAGE_FORMATS)} image") from None
+        raise MediaInputError(f"the image is not a {', '.join(IMAGE_FORMATS)} image") from None
     except (OSError, ValueError, Image.DecompressionBombError) as exc:
-        raise ImageInputError(f"the image cannot be decoded: {exc}") from None
+        raise MediaInputError(f"the image cannot be decoded: {exc}") from None
     width, height = image.size
     if width * height > max_pixels:
-        raise ImageInputError(f"the image has {width}x{height} pixels, more than the limit of {max_pixels}")
+        raise MediaInputError(f"the image has {width}x{height} pixels, more than the limit of {max_pixels}")
     try:
         image.load()
     except (OSError, ValueError, Image.DecompressionBombError) as exc:
-        raise ImageInputError(f"the image cannot be decoded: {exc}") from None
+        raise MediaInputError(f"the image cannot be decoded: {exc}") from None
     return image.convert("RGB")
 
 

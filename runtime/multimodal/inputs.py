@@ -1,26 +1,36 @@
 """A prompt's multimodal items as the engine receives them: each one's preprocessed data, content hash and
-the run of placeholder tokens its encoder output replaces."""
+the run of placeholder tokens its encoder output replaces; and what a model takes of each modality."""
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 
 import msgspec
 import numpy as np
 
 
+class MediaInputError(ValueError):
+    """An item the engine cannot take: undecodable, of another format, too large or too many."""
+
+
 class MultiModalFeature(msgspec.Struct, array_like=True, frozen=True):
     """One item of a prompt. `offset` is the index of its first placeholder token, `length` how many there
-    are; `identifier` (SHA-256 of the data and its shape) keys the encoder cache and the prefix cache."""
+    are; `identifier` (SHA-256 of the data, its shape and unpadded_length) keys the encoder cache and the
+    prefix cache."""
 
     modality: str
     identifier: bytes
     offset: int
     length: int
-    # The preprocessed input, float32 in C order, of this shape (an image: channels, height, width).
+    # The preprocessed input, float32 in C order, of this shape (an image: channels, height, width; an audio
+    # clip: mel bins, frames).
     data: bytes
     shape: list[int]
+    # How much of the data's last axis is the item's own; the encoder masks the rest, which is padding (an
+    # audio clip's frames past its end). The whole axis for images.
+    unpadded_length: int
 
     @property
     def end(self) -> int:
@@ -30,78 +40,117 @@ class MultiModalFeature(msgspec.Struct, array_like=True, frozen=True):
         return np.frombuffer(self.data, dtype=np.float32).reshape(self.shape)
 
 
-def content_hash(array: np.ndarray) -> bytes:
-    hasher = hashlib.sha256(np.asarray(array.shape, dtype=np.int64).tobytes())
+@dataclass(frozen=True)
+class ModalitySpec:
+    """What a model takes of one modality, from its config.json."""
+
+    placeholder_id: int
+    # The shape of one item's preprocessed input.
+    item_shape: tuple[int, ...]
+    # The placeholder tokens (encoder embeddings) of an item, from its unpadded_length.
+    num_tokens: Callable[[int], int]
+    # The most placeholder tokens one item can have.
+    max_item_tokens: int
+
+
+@dataclass(frozen=True)
+class PreparedItem:
+    """An item preprocessed by the front end, before its placeholders are placed."""
+
+    data: np.ndarray
+    unpadded_length: int
+    num_tokens: int
+
+
+def content_hash(array: np.ndarray, unpadded_length: int) -> bytes:
+    hasher = hashlib.sha256(np.asarray([*array.shape, unpadded_length], dtype=np.int64).tobytes())
     hasher.update(np.ascontiguousarray(array, dtype=np.float32).tobytes())
     return hasher.digest()
 
 
 def expand_placeholders(
     prompt_token_ids: Sequence[int],
-    placeholder_id: int,
-    tokens_per_item: int,
-    items: Sequence[np.ndarray],
-    modality: str,
+    items: Mapping[str, Sequence[PreparedItem]],
+    specs: Mapping[str, ModalitySpec],
 ) -> tuple[list[int], list[MultiModalFeature]]:
-    """The prompt with each placeholder token repeated tokens_per_item times, and its items' features in
-    prompt order. Raises ValueError when the prompt's placeholders and the items do not pair up."""
-    num_placeholders = sum(1 for token in prompt_token_ids if token == placeholder_id)
-    if num_placeholders != len(items):
-        raise ValueError(
-            f"the prompt has {num_placeholders} {modality} placeholders for {len(items)} {modality}s"
-        )
+    """The prompt with each placeholder token repeated as many times as its item has embeddings (the items of
+    each modality in prompt order), and the items' features in prompt order. Raises ValueError when a
+    modality's placeholders and items do not pair up."""
+    modality_of = {specs[modality].placeholder_id: modality for modality in items}
+    for modality, placeholder_id in ((m, specs[m].placeholder_id) for m in items):
+        num_placeholders = sum(1 for token in prompt_token_ids if token == placeholder_id)
+        if num_placeholders != len(items[modality]):
+            raise ValueError(
+                f"the prompt has {num_placeholders} {modality} placeholders for {len(items[modality])} "
+                f"{modality} items"
+            )
+    used = dict.fromkeys(items, 0)
     expanded: list[int] = []
     features: list[MultiModalFeature] = []
     for token in prompt_token_ids:
-        if token == placeholder_id:
-            array = items[len(features)]
-            features.append(
-                MultiModalFeature(
-                    modality=modality,
-                    identifier=content_hash(array),
-                    offset=len(expanded),
-                    length=tokens_per_item,
-                    data=np.ascontiguousarray(array, dtype=np.float32).tobytes(),
-                    shape=list(array.shape),
-                )
-            )
-            expanded.extend([placeholder_id] * tokens_per_item)
-        else:
+        modality = modality_of.get(token)
+        if modality is None:
             expanded.append(token)
+            continue
+        item = items[modality][used[modality]]
+        used[modality] += 1
+        features.append(
+            MultiModalFeature(
+                modality=modality,
+                identifier=content_hash(item.data, item.unpadded_length),
+                offset=len(expanded),
+                length=item.num_tokens,
+                data=np.ascontiguousarray(item.data, dtype=np.float32).tobytes(),
+                shape=list(item.data.shape),
+                unpadded_length=item.unpadded_length,
+            )
+        )
+        expanded.extend([token] * item.num_tokens)
     return expanded, features
 
 
 def check_features(
     prompt_token_ids: Sequence[int],
     features: Sequence[MultiModalFeature],
+    specs: Mapping[str, ModalitySpec],
     *,
-    placeholder_id: int,
-    tokens_per_item: int,
-    item_shape: Sequence[int],
     max_item_tokens: int,
 ) -> None:
-    """Raises ValueError unless the features are images of the model's input shape, in prompt order, each
-    over a run of exactly its placeholder tokens, and the prompt has no other placeholder token."""
+    """Raises ValueError unless every feature is of a modality the model takes, of its input shape, in
+    prompt order, each over a run of exactly its placeholder tokens, and the prompt has no other
+    placeholder token."""
     previous_end = 0
     for index, feature in enumerate(features):
-        if feature.modality != "image":
-            raise ValueError(f"item {index} is {feature.modality!r}; this model takes images")
-        if list(feature.shape) != list(item_shape) or len(feature.data) != 4 * int(np.prod(item_shape)):
-            raise ValueError(f"image {index} has shape {feature.shape}, the model takes {list(item_shape)}")
-        if feature.length != tokens_per_item:
-            raise ValueError(
-                f"image {index} has {feature.length} placeholders, the model gives {tokens_per_item}"
-            )
+        spec = specs.get(feature.modality)
+        if spec is None:
+            raise ValueError(modality_refusal(feature.modality, specs))
+        name = f"{feature.modality} item {index}"
+        shape = list(spec.item_shape)
+        if list(feature.shape) != shape or len(feature.data) != 4 * int(np.prod(shape)):
+            raise ValueError(f"{name} has shape {feature.shape}, the model takes {shape}")
+        if not 0 < feature.unpadded_length <= shape[-1]:
+            raise ValueError(f"{name} has unpadded length {feature.unpadded_length} of {shape[-1]}")
+        expected = spec.num_tokens(feature.unpadded_length)
+        if feature.length != expected:
+            raise ValueError(f"{name} has {feature.length} placeholders, the model gives {expected}")
         if feature.length > max_item_tokens:
             raise ValueError(
-                f"image {index} needs {feature.length} encoder tokens, more than a step's encoder budget "
+                f"{name} needs {feature.length} encoder tokens, more than a step's encoder budget "
                 f"({max_item_tokens}, max_num_encoder_input_tokens)"
             )
         if feature.offset < previous_end or feature.end > len(prompt_token_ids):
-            raise ValueError(f"image {index} is out of order or past the prompt")
-        if any(token != placeholder_id for token in prompt_token_ids[feature.offset : feature.end]):
-            raise ValueError(f"image {index} does not lie on its placeholder tokens")
+            raise ValueError(f"{name} is out of order or past the prompt")
+        if any(token != spec.placeholder_id for token in prompt_token_ids[feature.offset : feature.end]):
+            raise ValueError(f"{name} does not lie on its placeholder tokens")
         previous_end = feature.end
-    num_placeholders = sum(1 for token in prompt_token_ids if token == placeholder_id)
-    if num_placeholders != tokens_per_item * len(features):
-        raise ValueError("the prompt has image placeholder tokens without an image")
+    for modality, spec in specs.items():
+        num_placeholders = sum(1 for token in prompt_token_ids if token == spec.placeholder_id)
+        expected = sum(feature.length for feature in features if feature.modality == modality)
+        if num_placeholders != expected:
+            raise ValueError(f"the prompt has {modality} placeholder tokens without a {modality} item")
+
+
+def modality_refusal(modality: str, specs: Mapping[str, ModalitySpec]) -> str:
+    """What to tell a request that sends a model items of a modality it does not take."""
+    taken = " and ".join(["text", *specs]) if specs else "text only"
+    return f"this model takes {taken}, not {modality} input"

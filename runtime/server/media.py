@@ -1,6 +1,7 @@
-"""Images of chat content parts: `data:` URLs decoded, http(s) URLs fetched only from the hosts
---allowed-media-domains lists (with a size cap and a timeout), all decoded by Pillow off the event loop, then
-preprocessed into the engine's features. Every problem is a 400 naming the content part."""
+"""Images and audio clips of chat content parts. Images: `data:` URLs decoded, http(s) URLs fetched only from
+the hosts --allowed-media-domains lists (with a size cap and a timeout); audio: `input_audio` parts, base64
+WAV or MP3. All are decoded and preprocessed into the engine's features off the event loop, each checked
+against the model and the limits first. Every problem is a 400 naming the content part."""
 
 from __future__ import annotations
 
@@ -8,17 +9,18 @@ import asyncio
 import base64
 import binascii
 import functools
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 import httpx
 from kvfleet.runtime.config import EngineConfig
-from kvfleet.runtime.multimodal.image_processor import ImageInputError, decode_image
-from kvfleet.runtime.multimodal.inputs import MultiModalFeature
-from kvfleet.runtime.multimodal.prompt_images import PromptImages
+from kvfleet.runtime.multimodal.audio import decode_audio
+from kvfleet.runtime.multimodal.image_processor import decode_image
+from kvfleet.runtime.multimodal.inputs import MediaInputError, MultiModalFeature, PreparedItem
+from kvfleet.runtime.multimodal.prompt_media import PromptMedia
 from kvfleet.runtime.server.openai_errors import BadRequestError
-from kvfleet.runtime.server.protocol import ChatMessage
-from PIL import Image
+from kvfleet.runtime.server.protocol import ChatMessage, ContentPart
 
 # A fetched image may be this large, and its server this slow, before the request is refused.
 MAX_FETCHED_IMAGE_BYTES = 20 << 20
@@ -26,62 +28,110 @@ FETCH_TIMEOUT_S = 10.0
 
 
 @functools.lru_cache(maxsize=4)
-def prompt_images(model: str, max_images: int) -> PromptImages | None:
-    return PromptImages.for_model(model, max_images)
+def _prompt_media(
+    model: str, limits: tuple[tuple[str, int], ...], max_audio_clip_s: float | None
+) -> PromptMedia:
+    return PromptMedia.for_model(model, dict(limits), max_audio_clip_s)
 
 
-def image_urls(messages: list[ChatMessage]) -> list[tuple[str, str]]:
-    """(param, url) of every image part, in conversation order."""
+async def prompt_media(config: EngineConfig) -> PromptMedia:
+    """The model's handling of its media, made once (on a thread: it may import Transformers)."""
+    limits = tuple(sorted(config.mm_limits().items()))
+    return await asyncio.to_thread(_prompt_media, config.model, limits, config.max_audio_clip_s)
+
+
+# The content part types that carry media, and the modality of each.
+_PART_MODALITIES = {"image_url": "image", "input_audio": "audio"}
+
+
+def media_parts(messages: list[ChatMessage]) -> list[tuple[str, str, ContentPart]]:
+    """(param, modality, part) of every image and audio part, in conversation order."""
     found = []
     for index, message in enumerate(messages):
         if isinstance(message.content, list):
             for part_index, part in enumerate(message.content):
-                if part.type == "image_url" and part.image_url is not None:
-                    found.append((f"messages.{index}.content.{part_index}", part.image_url.url))
+                if part.type in _PART_MODALITIES:
+                    found.append(
+                        (f"messages.{index}.content.{part_index}", _PART_MODALITIES[part.type], part)
+                    )
     return found
 
 
 @dataclass(frozen=True)
-class ChatImages:
-    """A conversation's images, decoded, and the model's way of preparing them."""
+class ChatMedia:
+    """A conversation's items, preprocessed, by modality, and the model's way of placing them."""
 
-    images_of_model: PromptImages
-    images: list[Image.Image]
+    media: PromptMedia
+    items: dict[str, list[PreparedItem]]
 
     async def expand(self, prompt_token_ids: list[int]) -> tuple[list[int], list[MultiModalFeature]]:
-        """The rendered prompt with its image placeholders expanded, and the images' features."""
+        """The rendered prompt with its placeholders expanded, and the items' features."""
         try:
-            return await asyncio.to_thread(self.images_of_model.prepare, prompt_token_ids, self.images)
+            return await asyncio.to_thread(self.media.place, prompt_token_ids, self.items)
         except ValueError as exc:
             raise BadRequestError(str(exc), param="messages") from None
 
 
-async def load_chat_images(config: EngineConfig, messages: list[ChatMessage]) -> ChatImages | None:
-    """The conversation's images, checked and decoded; None without any."""
-    urls = image_urls(messages)
-    if not urls:
+async def load_chat_media(config: EngineConfig, messages: list[ChatMessage]) -> ChatMedia | None:
+    """The conversation's images and audio clips, checked, decoded and preprocessed; None without any."""
+    parts = media_parts(messages)
+    if not parts:
         return None
-    images_of_model = prompt_images(config.model, config.mm_limit("image"))
-    if images_of_model is None:
-        raise BadRequestError("this model takes text only, not images", param=urls[0][0])
-    if len(urls) > images_of_model.max_images:
-        raise BadRequestError(
-            f"the conversation has {len(urls)} images, more than the limit of {images_of_model.max_images} "
-            "(--limit-mm-per-prompt)",
-            param=urls[images_of_model.max_images][0],
-        )
-    return ChatImages(images_of_model, [await _load(config, param, url) for param, url in urls])
+    media = await prompt_media(config)
+    counts: dict[str, int] = {}
+    for param, modality, _ in parts:  # refuse before decoding anything
+        counts[modality] = counts.get(modality, 0) + 1
+        try:
+            media.check_count(modality, counts[modality])
+        except MediaInputError as exc:
+            raise BadRequestError(str(exc), param=param) from None
+    items: dict[str, list[PreparedItem]] = {}
+    for param, modality, part in parts:
+        item = await _LOADERS[modality](config, media, param, part)
+        items.setdefault(modality, []).append(item)
+    return ChatMedia(media, items)
 
 
-async def _load(config: EngineConfig, param: str, url: str) -> Image.Image:
-    if url.startswith("data:"):
-        data = _data_url_bytes(url, param)
-    else:
-        data = await _fetch(config, url, param)
+async def _load_image(
+    config: EngineConfig, media: PromptMedia, param: str, part: ContentPart
+) -> PreparedItem:
+    assert part.image_url is not None
+    url = part.image_url.url
+    data = _data_url_bytes(url, param) if url.startswith("data:") else await _fetch(config, url, param)
+
+    def decode() -> PreparedItem:
+        return media.preprocess("image", decode_image(data, max_pixels=config.max_image_pixels))
+
+    return await _in_thread(decode, param)
+
+
+async def _load_audio(
+    config: EngineConfig, media: PromptMedia, param: str, part: ContentPart
+) -> PreparedItem:
+    assert part.input_audio is not None and media.audio is not None
+    audio, max_seconds = part.input_audio, media.audio.max_seconds
     try:
-        return await asyncio.to_thread(decode_image, data, max_pixels=config.max_image_pixels)
-    except ImageInputError as exc:
+        data = base64.b64decode(audio.data, validate=True)
+    except (binascii.Error, ValueError):
+        raise BadRequestError("the audio data is not valid base64", param=param) from None
+
+    def decode() -> PreparedItem:
+        return media.preprocess("audio", decode_audio(data, audio.format, max_seconds=max_seconds))
+
+    return await _in_thread(decode, param)
+
+
+async def _in_thread(decode: Callable[[], PreparedItem], param: str) -> PreparedItem:
+    try:
+        return await asyncio.to_thread(decode)
+    except MediaInputError as exc:
         raise BadRequestError(str(exc), param=param) from None
+
+
+_LOADERS: dict[str, Callable[[EngineConfig, PromptMedia, str, ContentPart], Awaitable[PreparedItem]]] = {
+    "image": _load_image,
+    "audio": _load_audio,
+}
 
 
 def _data_url_bytes(url: str, param: str) -> bytes:

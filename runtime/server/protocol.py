@@ -298,10 +298,16 @@ class ImageURL(_Body):
     detail: str | None = None
 
 
+class InputAudio(_Body):
+    data: str  # base64
+    format: str
+
+
 class ContentPart(_Body):
     type: str
     text: str | None = None
     image_url: ImageURL | None = None
+    input_audio: InputAudio | None = None
 
 
 class FunctionCall(_Body):
@@ -346,8 +352,9 @@ class ChatMessage(_Body):
         return message
 
     def _content(self, index: int) -> str | list[dict[str, str]]:
-        """The text; with images, the parts in order ({"type": "text", "text": ...} and {"type": "image"},
-        which a vision model's template renders as its image token)."""
+        """The text; with images or audio, the parts in order ({"type": "text", "text": ...},
+        {"type": "image"} and {"type": "audio"}, which a multimodal model's template renders as its
+        placeholder tokens)."""
         if self.content is None:
             return ""
         if isinstance(self.content, str):
@@ -358,12 +365,14 @@ class ChatMessage(_Body):
                 parts.append({"type": "text", "text": part.text})
             elif part.type == "image_url" and part.image_url is not None:
                 parts.append({"type": "image"})
+            elif part.type == "input_audio" and part.input_audio is not None:
+                parts.append({"type": "audio"})
             else:
                 raise BadRequestError(
-                    f"content parts are text or image_url, got type {part.type!r}",
+                    f"content parts are text, image_url or input_audio, got type {part.type!r}",
                     param=f"messages.{index}.content.{part_index}",
                 )
-        if any(part["type"] == "image" for part in parts):
+        if any(part["type"] != "text" for part in parts):
             return parts
         return "".join(part["text"] for part in parts)
 
@@ -399,7 +408,7 @@ class NamedToolChoice(_Body):
 
 
 def message_text(message: dict[str, Any]) -> str:
-    """A template message's text, its image parts left out."""
+    """A template message's text, its image and audio parts left out."""
     content = message["content"]
     if isinstance(content, str):
         return content

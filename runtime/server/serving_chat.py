@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from kvfleet.runtime.engine.outputs import CompletionOutput, RequestOutput
-from kvfleet.runtime.server.media import load_chat_images
+from kvfleet.runtime.server.media import load_chat_media
 from kvfleet.runtime.server.protocol import (
     ChatCompletionRequest,
     ChatMessage,
@@ -44,11 +44,11 @@ class OpenAIServingChat(OpenAIServing):
             safety.prompt = _last_user_text(messages)
             if safety.redacts_input:
                 messages = await _redacted(safety, messages)
-        images = await load_chat_images(self.state.engine.config, messages)
+        media = await load_chat_media(self.state.engine.config, messages)
         token_ids = await self.chat_prompt(messages, body.add_generation_prompt, tools)
         mm_features = []
-        if images is not None:
-            token_ids, mm_features = await images.expand(token_ids)
+        if media is not None:
+            token_ids, mm_features = await media.expand(token_ids)
         self.check_prompt(token_ids, params, "messages")
         if safety is not None and not safety.redacts_input:
             safety.start_input_check("\n".join(map(message_text, template_messages(messages))))
@@ -180,11 +180,11 @@ async def _redacted(safety: RequestSafety, messages: list[ChatMessage]) -> list[
 
 
 def _with_text(message: ChatMessage, text: str) -> ChatMessage:
-    """The message with `text` for its text; its images, if any, follow that text."""
+    """The message with `text` for its text; its images and audio clips, if any, follow that text."""
     if not isinstance(message.content, list):
         return message.model_copy(update={"content": text})
-    images = [part for part in message.content if part.type != "text"]
-    return message.model_copy(update={"content": [ContentPart(type="text", text=text), *images]})
+    media = [part for part in message.content if part.type != "text"]
+    return message.model_copy(update={"content": [ContentPart(type="text", text=text), *media]})
 
 
 def _calls(

@@ -138,7 +138,7 @@ class ModelRunner:
             max_position=self.max_model_len,
             stats=self.load_stats,
         )
-        if hasattr(self.model, "embed_images"):
+        if hasattr(self.model, "embed_multimodal"):
             self.encoder_runner = EncoderRunner(self.model, self.device)
         config = self.config
         if config.enable_lora:

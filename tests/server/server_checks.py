@@ -139,3 +139,44 @@ class RequestBeside:
         finally:
             self._done.set()
             self._started.set()
+
+
+# A chat content part that carries media -> the part a processor's chat template takes in its place.
+_TEMPLATE_PARTS = {"image_url": {"type": "image"}, "input_audio": {"type": "audio"}}
+
+
+def transformers_chat_answer(
+    model_class: Any, folder: Path, messages: list[dict[str, Any]], max_tokens: int, **media: Any
+) -> tuple[str, int]:
+    """(greedy answer text, prompt tokens) of Transformers' processor and model (`model_class`) for the
+    chat messages, whose media parts' decoded contents `media` holds (images=..., or audio=... and
+    sampling_rate=...)."""
+    import torch
+    from transformers import AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(folder)
+    model = model_class.from_pretrained(folder, dtype=torch.float32).eval()
+    conversation = [
+        {
+            "role": message["role"],
+            "content": [_TEMPLATE_PARTS.get(part["type"], part) for part in message["content"]]
+            if isinstance(message["content"], list)
+            else [{"type": "text", "text": message["content"]}],
+        }
+        for message in messages
+    ]
+    text = processor.apply_chat_template(conversation, add_generation_prompt=True)
+    # The rendered template holds any BOS token already.
+    inputs = processor(text=text, return_tensors="pt", add_special_tokens=False, **media)
+    with torch.inference_mode():
+        out = model.generate(**inputs, max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False)
+    prompt_length = inputs["input_ids"].shape[1]
+    answer = processor.tokenizer.decode(out[0, prompt_length:], skip_special_tokens=True)
+    return answer, prompt_length
+
+
+def encoder_runs(server: ServerProcess) -> float:
+    """The server's kvfleet:mm_encoder_runs."""
+    return next(
+        value for name, value in server.metrics().items() if name.startswith("kvfleet:mm_encoder_runs")
+    )

@@ -16,9 +16,9 @@ import httpx
 import numpy as np
 import openai
 import pytest
-import torch
 from PIL import Image
-from transformers import AutoProcessor, LlavaForConditionalGeneration
+from server_checks import encoder_runs, transformers_chat_answer
+from transformers import LlavaForConditionalGeneration
 
 if TYPE_CHECKING:
     from conftest import ServerProcess
@@ -104,39 +104,6 @@ def client(llava_server: ServerProcess) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{llava_server.url}/v1", api_key="unused", max_retries=0, timeout=60)
 
 
-def _transformers_answer(
-    llava: Path, messages: list[dict[str, Any]], images: list[Image.Image]
-) -> tuple[str, int]:
-    """(greedy answer text, prompt tokens) of Transformers' processor and model."""
-    processor = AutoProcessor.from_pretrained(llava)
-    model = LlavaForConditionalGeneration.from_pretrained(llava, dtype=torch.float32).eval()
-    conversation = [
-        {
-            "role": message["role"],
-            "content": [
-                {"type": "image"} if part["type"] == "image_url" else part for part in message["content"]
-            ]
-            if isinstance(message["content"], list)
-            else [{"type": "text", "text": message["content"]}],
-        }
-        for message in messages
-    ]
-    text = processor.apply_chat_template(conversation, add_generation_prompt=True)
-    # The rendered template holds the BOS token already.
-    inputs = processor(text=text, images=images or None, return_tensors="pt", add_special_tokens=False)
-    with torch.inference_mode():
-        out = model.generate(**inputs, max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS, do_sample=False)
-    prompt_length = inputs["input_ids"].shape[1]
-    answer = processor.tokenizer.decode(out[0, prompt_length:], skip_special_tokens=True)
-    return answer, prompt_length
-
-
-def _encoder_runs(server: ServerProcess) -> float:
-    return next(
-        value for name, value in server.metrics().items() if name.startswith("kvfleet:mm_encoder_runs")
-    )
-
-
 def test_base64_images_in_a_conversation_match_transformers(client: openai.OpenAI, llava: Path) -> None:
     first, second = _image(1), _image(2, 50, 30)
     messages = [
@@ -150,14 +117,16 @@ def test_base64_images_in_a_conversation_match_transformers(client: openai.OpenA
     ]
     chat = client.chat.completions.create(model=MODEL_NAME, messages=messages, **GREEDY)
     decoded_second = Image.open(io.BytesIO(_encoded(second, "WEBP"))).convert("RGB")
-    answer, prompt_tokens = _transformers_answer(llava, messages, [first, decoded_second])
+    answer, prompt_tokens = transformers_chat_answer(
+        LlavaForConditionalGeneration, llava, messages, MAX_TOKENS, images=[first, decoded_second]
+    )
     assert chat.usage.prompt_tokens == prompt_tokens
     assert chat.choices[0].message.content == answer
 
 
 def test_the_same_image_is_encoded_once(client: openai.OpenAI, llava_server: ServerProcess) -> None:
     url = _data_url(_encoded(_image(3), "JPEG"), "image/jpeg")
-    before = _encoder_runs(llava_server)
+    before = encoder_runs(llava_server)
     answers = [
         client.chat.completions.create(
             model=MODEL_NAME, messages=[_user("Look: ", _image_part(url))], **GREEDY
@@ -167,13 +136,15 @@ def test_the_same_image_is_encoded_once(client: openai.OpenAI, llava_server: Ser
         for _ in range(2)
     ]
     assert answers[0] == answers[1]
-    assert _encoder_runs(llava_server) - before == 1
+    assert encoder_runs(llava_server) - before == 1
 
 
 def test_an_allowed_host_is_fetched(client: openai.OpenAI, image_host: str, llava: Path) -> None:
     messages = [_user("Look: ", _image_part(f"{image_host}/cat.png"))]
     chat = client.chat.completions.create(model=MODEL_NAME, messages=messages, **GREEDY)
-    answer, _ = _transformers_answer(llava, messages, [_image(7)])
+    answer, _ = transformers_chat_answer(
+        LlavaForConditionalGeneration, llava, messages, MAX_TOKENS, images=[_image(7)]
+    )
     assert chat.choices[0].message.content == answer
 
 
@@ -226,3 +197,20 @@ def test_an_image_to_a_text_only_model_is_a_400(api_server: ServerProcess) -> No
     assert "text only" in caught.value.body["message"]
     response = httpx.get(f"{api_server.url}/ready", timeout=10)
     assert response.status_code == 200
+
+
+def test_an_audio_clip_beside_an_image_is_a_400_naming_the_clip(client: openai.OpenAI) -> None:
+    """No model here takes both: LLaVA refuses the audio part of a conversation that has both."""
+    image = _image_part(_data_url(_encoded(_image(9))))
+    audio = {
+        "type": "input_audio",
+        "input_audio": {"data": base64.b64encode(b"RIFF").decode(), "format": "wav"},
+    }
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(
+            model=MODEL_NAME, messages=[_user("See ", image, " and hear ", audio)], **GREEDY
+        )
+    assert "takes text and image, not audio" in caught.value.body["message"]
+    assert caught.value.body["param"] == "messages.0.content.3"
+    chat = client.chat.completions.create(model=MODEL_NAME, messages=[_user("See ", image)], **GREEDY)
+    assert chat.usage.completion_tokens == MAX_TOKENS

@@ -138,7 +138,7 @@ def test_same_image_is_encoded_once_and_other_images_miss_the_prefix_cache(llava
     llm = LLM(str(llava), dtype="float32", num_kv_blocks=256, max_model_len=256, block_size=8)
     engine = llm.llm_engine
     prompt = _prompts(llm)[1]  # "Describe this picture:" with IMAGES[0]
-    image_offset = prompt["prompt_token_ids"].index(engine.engine_core.vision.image_token_id)
+    image_offset = prompt["prompt_token_ids"].index(engine.engine_core.modalities["image"].placeholder_id)
     short = SamplingParams(temperature=0.0, max_tokens=2)
 
     def run(image: Image.Image, request: dict = prompt) -> tuple[int, int]:
@@ -175,7 +175,6 @@ def test_encoder_budget_spreads_images_over_steps_while_text_decodes(llava: Path
         max_num_encoder_input_tokens=25,
     )
     engine = LLMEngine(config)
-    assert engine.prompt_images is not None
 
     def prompt(conversation: list[dict]) -> list[int]:
         return chat_prompt_token_ids(engine.tokenizer, conversation, add_generation_prompt=True)
@@ -186,7 +185,7 @@ def test_encoder_budget_spreads_images_over_steps_while_text_decodes(llava: Path
     )
     engine.step()
     images = [IMAGES[0], IMAGES[1], IMAGES[2], _image(3, 33, 33)]
-    token_ids, features = engine.prompt_images.prepare(prompt(_conversation("Four:", 4)), images)
+    token_ids, features = engine.prompt_media.prepare(prompt(_conversation("Four:", 4)), {"image": images})
     engine.add_request(
         "images", "", params, prompt_token_ids=token_ids, mm_features=features, output_kind=DELTA
     )

@@ -1,0 +1,110 @@
+"""The front end's half of multimodal input: a prompt's items checked against the model and the limits,
+preprocessed for the model (images resized and normalised, audio clips turned into log-mel features), and
+their placeholders expanded, ready for the engine (which never decodes, resizes or resamples anything)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from kvfleet.runtime.multimodal.audio import AudioProcessor, audio_settings
+from kvfleet.runtime.multimodal.image_processor import ImageProcessor, vision_settings
+from kvfleet.runtime.multimodal.inputs import (
+    MediaInputError,
+    ModalitySpec,
+    MultiModalFeature,
+    PreparedItem,
+    expand_placeholders,
+    modality_refusal,
+)
+
+
+def modality_specs(config: dict[str, Any]) -> dict[str, ModalitySpec]:
+    """What a model's config.json says it takes besides text: empty for a text-only model."""
+    specs = {}
+    if "vision_config" in config:
+        specs["image"] = vision_settings(config).modality_spec()
+    if "audio_config" in config:
+        specs["audio"] = audio_settings(config).modality_spec()
+    return specs
+
+
+class PromptMedia:
+    def __init__(
+        self,
+        specs: dict[str, ModalitySpec],
+        preprocessors: dict[str, Callable[[Any], PreparedItem]],
+        limits: dict[str, int],
+        audio: AudioProcessor | None,
+    ) -> None:
+        self.specs = specs
+        self.preprocessors = preprocessors
+        self.limits = limits
+        # The model's audio handling (its clip length limit included); None when it takes no audio.
+        self.audio = audio
+
+    @classmethod
+    def for_model(
+        cls, model_dir: str | Path, limits: Mapping[str, int], max_audio_clip_s: float | None
+    ) -> PromptMedia:
+        """The model folder's handling of each modality it takes, under the limits (limit_mm_per_prompt's
+        counts, max_audio_clip_s)."""
+        model_dir = Path(model_dir)
+        model_config = json.loads((model_dir / "config.json").read_text())
+        specs = modality_specs(model_config)
+        preprocessors: dict[str, Callable[[Any], PreparedItem]] = {}
+        audio = None
+        if "image" in specs:
+            preprocessors["image"] = _image_preprocessor(
+                ImageProcessor.from_folder(model_dir), specs["image"]
+            )
+        if "audio" in specs:
+            audio = AudioProcessor.from_folder(model_dir, audio_settings(model_config), max_audio_clip_s)
+            preprocessors["audio"] = audio
+        return cls(specs, preprocessors, {modality: limits[modality] for modality in specs}, audio)
+
+    def check_count(self, modality: str, count: int) -> None:
+        """Raises MediaInputError unless the model takes `count` items of `modality` in one prompt."""
+        if modality not in self.specs:
+            raise MediaInputError(modality_refusal(modality, self.specs))
+        if count > self.limits[modality]:
+            raise MediaInputError(
+                f"more than the limit of {self.limits[modality]} {modality} items per prompt "
+                "(limit_mm_per_prompt)"
+            )
+
+    def preprocess(self, modality: str, item: Any) -> PreparedItem:
+        """One item as its encoder takes it; raises MediaInputError for one the model cannot take."""
+        return self.preprocessors[modality](item)
+
+    def place(
+        self, prompt_token_ids: Sequence[int], items: Mapping[str, Sequence[PreparedItem]]
+    ) -> tuple[list[int], list[MultiModalFeature]]:
+        """The prompt with each placeholder token expanded to its item's embeddings, and the items' features.
+        Raises ValueError when placeholders and items do not pair up."""
+        return expand_placeholders(prompt_token_ids, items, self.specs)
+
+    def prepare(
+        self, prompt_token_ids: Sequence[int], items: Mapping[str, Sequence[Any]]
+    ) -> tuple[list[int], list[MultiModalFeature]]:
+        """check_count, preprocess and place for a prompt's items (by modality, in prompt order)."""
+        items = {modality: values for modality, values in items.items() if values}
+        for modality, values in items.items():
+            self.check_count(modality, len(values))
+        prepared = {
+            modality: [self.preprocess(modality, value) for value in values]
+            for modality, values in items.items()
+        }
+        return self.place(prompt_token_ids, prepared)
+
+
+def _image_preprocessor(processor: ImageProcessor, spec: ModalitySpec) -> Callable[[Any], PreparedItem]:
+    tokens = spec.max_item_tokens
+
+    def preprocess(image: Any) -> PreparedItem:
+        pixels = processor(image.convert("RGB"))
+        return PreparedItem(pixels, pixels.shape[-1], tokens)
+
+    return preprocess
