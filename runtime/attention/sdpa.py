@@ -10,8 +10,8 @@ mask shifted by the cached length. All index tensors and masks are built once pe
 reused by every layer; layers with a sliding window share another set, built by the first of them.
 
 On the CPU, decodes take a C++ kernel instead when it builds (cpu_decode.py): it reads each decode's
-context from the paged cache in place, with no gathered copy and no padding, three or more times faster
-on decode batches of tens of requests (docs/benchmarks.md).
+context from the paged cache in place, with no gathered copy and no padding, two to three times as fast
+per layer on decode batches of 8 to 36 requests (docs/benchmarks.md).
 
 A request whose context is longer than `long_context_tokens` (a decode or a prefill chunk) never gathers its
 whole context: its queries attend over the context in KV tiles of `kv_tile_tokens`, gathered one at a time;
