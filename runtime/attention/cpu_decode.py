@@ -2,7 +2,7 @@
 
 The kernel attends each decode's one query token over its context straight from the paged KV cache, where
 the portable path gathers the blocks into a padded copy first. It is built with torch's C++ extension
-loader (gcc and ninja) for this host's instruction set, about ten seconds the first time, into torch's
+loader (g++ and ninja) for this host's instruction set, about ten seconds the first time, into torch's
 extension cache (TORCH_EXTENSIONS_DIR, by default ~/.cache/torch_extensions), which later processes reuse.
 A host that cannot build it logs why once and keeps the portable path.
 """
