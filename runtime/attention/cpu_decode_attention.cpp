@@ -157,8 +157,8 @@ inline void tile_rows(RowWalker& walker, int64_t tile_start, int64_t first, int6
 }
 
 // Keys and values are requested this many tiles ahead of their use, into L2 (prefetcht1): measured on an
-// AVX-512 EPYC with the cache in DRAM, a decode batch of 36 took 0.7 ms per layer with it against 1.0 ms without, and
-// prefetching into L1 (prefetcht0) gained nothing.
+// AVX-512 EPYC with the cache in DRAM, a decode batch of 36 took 0.7 ms per layer with it against 1.0 ms
+// without, and prefetching into L1 (prefetcht0) gained nothing.
 constexpr int64_t kPrefetchTiles = 4;
 
 // Requests the key and value rows of the walker's next `count` positions.
