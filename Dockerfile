@@ -27,9 +27,10 @@ RUN groupadd --gid 1000 kvfleet \
 WORKDIR /home/kvfleet
 
 FROM base AS runtime
-# Triton compiles a small launcher module with the C compiler the first time a kernel runs.
+# Triton compiles a small launcher module with the C compiler the first time a kernel runs, and the CPU decode
+# attention kernel is compiled with the C++ compiler on first use.
 RUN apt-get update \
-    && apt-get install --yes --no-install-recommends gcc libc6-dev \
+    && apt-get install --yes --no-install-recommends gcc g++ libc6-dev \
     && rm -rf /var/lib/apt/lists/*
 COPY requirements/core.txt requirements/runtime.txt /tmp/requirements/
 RUN pip install --requirement /tmp/requirements/runtime.txt

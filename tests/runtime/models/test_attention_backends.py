@@ -1,5 +1,8 @@
 """The reference and SDPA paged-attention backends against dense causal attention on random inputs.
 
+The SDPA backend runs its decodes through the CPU decode kernel unless a test switches to its gather path
+(the path of hosts that cannot build the kernel, and of GPUs).
+
 Each case mixes, in one step: decodes, prefills with nothing cached, prefill chunks after a cached prefix,
 and requests whose first blocks are shared (a prefix-cache hit); block tables are shuffled across the pool.
 """
@@ -125,6 +128,12 @@ def _dense_causal(sequences: list[Sequence], num_kv_heads: int, window: int | No
     return torch.cat(outputs).float()
 
 
+def _sdpa_gathering_decodes(spec: AttentionSpec) -> SdpaAttentionBackend:
+    backend = SdpaAttentionBackend(spec)
+    backend.decode_kernel = None
+    return backend
+
+
 def _run(
     backend: AttentionBackend, sequences: list[Sequence], cache: torch.Tensor, window: int | None = None
 ) -> torch.Tensor:
@@ -146,7 +155,9 @@ MIXED_STEP = [(12, 1), (16, 4), (0, 9), (20, 6), (7, 1), (0, 1), (33, 1), (5, 11
 
 
 @pytest.mark.parametrize("num_kv_heads", [8, 2, 1])  # GQA ratios 1, 4, 8
-@pytest.mark.parametrize("backend_class", [ReferenceAttentionBackend, SdpaAttentionBackend])
+@pytest.mark.parametrize(
+    "backend_class", [ReferenceAttentionBackend, SdpaAttentionBackend, _sdpa_gathering_decodes]
+)
 def test_mixed_step_matches_dense_attention(backend_class, num_kv_heads: int) -> None:
     sequences, cache = _make_step(num_kv_heads, MIXED_STEP, seed=num_kv_heads, shared_prefix_blocks=3)
     expected = _dense_causal(sequences, num_kv_heads)
@@ -160,7 +171,7 @@ def test_backends_agree_on_many_decodes_of_varied_length(num_kv_heads: int) -> N
     rng = random.Random(num_kv_heads)
     shapes = [(rng.randrange(0, 300), 1) for _ in range(48)] + [(0, 13), (9, 8)]
     sequences, cache = _make_step(num_kv_heads, shapes, seed=100 + num_kv_heads)
-    backend = SdpaAttentionBackend(_spec(num_kv_heads))
+    backend = _sdpa_gathering_decodes(_spec(num_kv_heads))
     backend.decode_group_tokens = 1024  # several groups even with few KV heads
     plan = backend.prepare(_metadata(sequences))
     assert len(plan.decode_groups) > 2
@@ -184,7 +195,7 @@ def test_only_prefills_and_only_decodes() -> None:
 def test_decode_only_steps_in_one_group_keep_the_query_order(num_decodes: int) -> None:
     rng = random.Random(num_decodes)
     sequences, cache = _make_step(2, [(rng.randrange(0, 300), 1) for _ in range(num_decodes)], seed=7)
-    backend = SdpaAttentionBackend(_spec(2))
+    backend = _sdpa_gathering_decodes(_spec(2))
     backend.decode_group_tokens = 1024  # 3 decodes fit one group, 40 do not
     plan = backend.prepare(_metadata(sequences))
     if num_decodes == 3:
@@ -200,11 +211,12 @@ def test_decode_only_steps_in_one_group_keep_the_query_order(num_decodes: int) -
 LONG_STEP = [(150, 1), (45, 1), (90, 23), (0, 61), (3, 1), (7, 5), (120, 1)]
 
 
+@pytest.mark.parametrize("backend_class", [SdpaAttentionBackend, _sdpa_gathering_decodes])
 @pytest.mark.parametrize("window", [None, 13, 40])
 @pytest.mark.parametrize("num_kv_heads", [8, 2, 1])
-def test_long_contexts_attend_in_kv_tiles(num_kv_heads: int, window: int | None) -> None:
+def test_long_contexts_attend_in_kv_tiles(backend_class, num_kv_heads: int, window: int | None) -> None:
     sequences, cache = _make_step(num_kv_heads, LONG_STEP, seed=50 + num_kv_heads, shared_prefix_blocks=2)
-    backend = SdpaAttentionBackend(_spec(num_kv_heads))
+    backend = backend_class(_spec(num_kv_heads))
     backend.long_context_tokens = 40
     backend.kv_tile_tokens = 12
     plan = backend.prepare(_metadata(sequences))
