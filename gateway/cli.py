@@ -81,6 +81,15 @@ def _static_models(options: tuple[str, ...], defaults: ModelConfig) -> dict[str,
     show_default=True,
     help="How long a request waits for a usable replica, unless its service sets activationTimeoutSeconds.",
 )
+@click.option(
+    "--scheduling-policy",
+    type=click.Choice(("fcfs", "priority")),
+    default="fcfs",
+    show_default=True,
+    help="The --model replicas' own `kvfleet serve --scheduling-policy`: `priority` replicas preempt less "
+    "urgent requests for urgent ones; for `fcfs` ones the gateway keeps places free for urgent requests. "
+    "An InferenceService's replicas run the policy its spec gives.",
+)
 @click.option("--max-queue", type=click.IntRange(min=1), default=DEFAULT_MAX_QUEUE, show_default=True)
 @click.option(
     "--max-body-bytes", type=click.IntRange(min=1024), default=DEFAULT_MAX_BODY_BYTES, show_default=True
@@ -105,6 +114,7 @@ def gateway_command(
     load_bound: float,
     max_in_flight: int,
     hold_seconds: float,
+    scheduling_policy: str,
     max_queue: int,
     max_body_bytes: int,
     max_attempts: int,
@@ -119,6 +129,7 @@ def gateway_command(
         load_bound=load_bound,
         max_in_flight=max_in_flight,
         hold_seconds=hold_seconds,
+        replicas_preempt=scheduling_policy == "priority",
     )
     discovery: Discovery
     if models:

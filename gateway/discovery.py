@@ -40,6 +40,9 @@ class ModelConfig:
     load_bound: float = DEFAULT_LOAD_BOUND
     # Requests the gateway sends one replica at most; the rest wait in the gateway's tier-ordered queue.
     max_in_flight: int = DEFAULT_MAX_IN_FLIGHT
+    # Whether the replicas preempt less urgent requests to run a more urgent one (the `priority` scheduling
+    # policy), or run what they are sent in arrival order (`fcfs`, the runtime's default).
+    replicas_preempt: bool = False
     # How long a request may wait for a usable replica (a model at zero: for one to start).
     hold_seconds: float = DEFAULT_HOLD_SECONDS
     # The priority of requests that name no tier: the service's own tier.

@@ -7,9 +7,14 @@ zero holds its requests until a replica is ready. The wait is bounded by the hol
 deadline. A full queue sheds its newest request of the lowest tier for a more urgent arrival, and refuses an
 arrival that is no more urgent than everything queued.
 
-A request counts against a replica's cap only the requests in flight there that are at least as urgent as
-itself: the replica's scheduler preempts less urgent ones to run it, so holding a critical request behind
-batch work would only delay it.
+How a replica's cap is counted depends on its scheduling policy. A replica that preempts (`priority`) makes
+room for an urgent request itself, so a request counts only the requests in flight there that are at least as
+urgent: holding a critical request behind batch work would only delay it. A first-come, first-served replica
+never makes room, so every request in flight counts, and the less urgent tiers leave places free for the more
+urgent ones (an eighth of the cap per tier of difference from the most urgent, at least one, never all): the
+gateway's queue is then the only place where requests wait, and a critical request finds a place at once.
+Background (batch) requests go there only while no other request is in flight, as the replica itself would
+start them only then.
 
 A LoRA adapter is a model of its own whose replicas are those of its base model that serve it. A replica is
 one object shared by every model routed to it, so its in-flight cap counts the requests of all of them, and a
@@ -24,6 +29,7 @@ import asyncio
 import dataclasses
 import heapq
 import itertools
+import math
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -37,9 +43,10 @@ from kvfleet.runtime.server.openai_errors import (
     OverloadedError,
     ServiceUnavailableError,
 )
-from kvfleet.runtime.server.priorities import tier_of
+from kvfleet.runtime.server.priorities import BACKGROUND_TIER, PRIORITY_RANGE, TIERS, tier_of
 
 DEFAULT_MAX_QUEUE = 1024
+BACKGROUND_PRIORITY = TIERS[BACKGROUND_TIER]
 
 
 @dataclass(order=True)
@@ -49,6 +56,15 @@ class _Waiter:
     prompt_text: str = field(compare=False)
     tried: frozenset[str] = field(compare=False)
     future: asyncio.Future[Replica] = field(compare=False)
+
+
+def places_kept_for_more_urgent(priority: int, cap: int) -> int:
+    """The places of a first-come, first-served replica that a request of `priority` leaves free for more
+    urgent ones."""
+    rank = priority - PRIORITY_RANGE[0]
+    if rank <= 0:
+        return 0
+    return min(cap - 1, max(1, math.ceil(cap * rank / 8)))
 
 
 class ModelPool:
@@ -161,7 +177,14 @@ class ModelPool:
         return tuple(r for r in self.replicas if self._has_room(r, priority) and r.url not in tried)
 
     def _has_room(self, replica: Replica, priority: int) -> bool:
-        return replica.in_flight_before(priority) < self.config.max_in_flight
+        cap = self.config.max_in_flight
+        if self.config.replicas_preempt:
+            return replica.in_flight_before(priority) < cap
+        if priority >= BACKGROUND_PRIORITY and replica.in_flight_before(BACKGROUND_PRIORITY - 1):
+            # The replica runs background requests only when no other is present: sent now, it would hold
+            # this one in its own queue, where it would count against the cap and keep out urgent requests.
+            return False
+        return replica.in_flight < cap - places_kept_for_more_urgent(priority, cap)
 
     def _choose(self, priority: int, prompt_text: str, tried: frozenset[str]) -> Replica | None:
         def usable(replica: Replica) -> bool:

@@ -101,6 +101,7 @@ def model_configs(
             if routing.load_bound_percent
             else defaults.load_bound,
             max_in_flight=spec.engine.max_num_seqs or defaults.max_in_flight,
+            replicas_preempt=spec.scheduling_policy == "priority",
             hold_seconds=float(scaling.activation_timeout_seconds or defaults.hold_seconds),
             default_priority=TIERS[spec.sla.tier],
             client_key=_client_key(namespace, spec.engine.api_key_secret, keys or {}),

@@ -120,7 +120,7 @@ def runtime_args(spec: InferenceServiceSpec, safety_config: str | None = None) -
         args.append(
             "--enable-prefix-caching" if engine.enable_prefix_caching else "--no-enable-prefix-caching"
         )
-    args += ["--scheduling-policy", engine.scheduling_policy or tier.scheduling_policy]
+    args += ["--scheduling-policy", spec.scheduling_policy]
     args += _flags([("--dtype", engine.dtype)])
     # Only sent when it matters, so single-GPU and CPU replicas work with runtimes that lack the flag.
     if engine.tensor_parallel_size > 1:

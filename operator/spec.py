@@ -15,12 +15,12 @@ from typing import Any, Literal, cast
 from kvfleet.gateway.routing import POLICY_NAMES, PolicyName
 from kvfleet.operator.api import API_KEY_ENV, API_KEY_FLAG
 from kvfleet.operator.model_uri import ModelSource, ModelURIError, parse_model_uri
-from kvfleet.operator.tiers import TIER_NAMES, TierName
+from kvfleet.operator.tiers import TIER_NAMES, TIERS, SchedulingPolicy, TierName
 from kvfleet.runtime.lora.request import ADAPTER_NAME, ADAPTER_NAME_RULE
 
 PullPolicy = Literal["Always", "IfNotPresent", "Never"]
 PULL_POLICIES: tuple[PullPolicy, ...] = ("Always", "IfNotPresent", "Never")
-SCHEDULING_POLICIES = ("fcfs", "priority")
+SCHEDULING_POLICIES: tuple[SchedulingPolicy, ...] = ("fcfs", "priority")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 BLOCK_SIZES = (8, 16, 32, 64, 128)
 GroupBackend = Literal["statefulset", "leaderworkerset"]
@@ -66,7 +66,7 @@ class EngineSpec:
     max_model_len: int | None = None
     block_size: int | None = None
     enable_prefix_caching: bool | None = None
-    scheduling_policy: str | None = None
+    scheduling_policy: SchedulingPolicy | None = None
     dtype: str | None = None
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
@@ -198,6 +198,11 @@ class InferenceServiceSpec:
     def grouped(self) -> bool:
         """Whether each replica is a group of pods on several nodes."""
         return self.resources.nodes > 1
+
+    @property
+    def scheduling_policy(self) -> SchedulingPolicy:
+        """How the replicas order their requests: as the spec says, else as its tier does."""
+        return self.engine.scheduling_policy or TIERS[self.sla.tier].scheduling_policy
 
 
 def parse_spec(spec: Mapping[str, Any], *, name: str) -> InferenceServiceSpec:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 TierName = Literal["critical", "high", "standard", "batch"]
+SchedulingPolicy = Literal["fcfs", "priority"]
 TIER_NAMES: tuple[TierName, ...] = ("critical", "high", "standard", "batch")
 
 
@@ -21,7 +22,7 @@ class Tier:
     priority_value: int
     # Batch pods wait for free GPUs rather than evicting anyone.
     preempts: bool
-    scheduling_policy: Literal["fcfs", "priority"]
+    scheduling_policy: SchedulingPolicy
 
 
 TIERS: dict[TierName, Tier] = {

@@ -42,14 +42,15 @@ async def queue(gateway: Gateway, url: str, tag: str, tier: str | None, **header
 
 @asynccontextmanager
 async def one_busy_replica(
-    tier: str = "critical", **options: Any
+    tier: str = "critical", replicas_preempt: bool = False, **options: Any
 ) -> AsyncIterator[tuple[Gateway, str, FakeReplica, asyncio.Task[Any]]]:
     """A gateway in front of one replica that takes one request at a time and holds the request "first", of
     `tier` (by default the most urgent, so that every other request waits), until the test releases it:
     (gateway, its URL, the replica, the request in flight)."""
+    settings = {"max_in_flight": 1, "replicas_preempt": replicas_preempt}
     async with (
         replicas(FakeReplica("r", gated=True)) as (replica,),
-        running_gateway({"m": model("m", replica, max_in_flight=1)}, **options) as (gateway, _, url),
+        running_gateway({"m": model("m", replica, **settings)}, **options) as (gateway, _, url),
     ):
         busy = asyncio.create_task(post(url, "first", tier))
         await wait_until(lambda: len(replica.received) == 1)
@@ -80,7 +81,7 @@ def test_queued_requests_go_out_by_tier_then_in_arrival_order() -> None:
 def test_a_more_urgent_request_is_not_held_behind_less_urgent_ones_in_flight() -> None:
     # The replica preempts less urgent work to run it: the cap counts only requests at least as urgent.
     async def scenario() -> None:
-        async with one_busy_replica("batch") as (gateway, url, replica, busy):
+        async with one_busy_replica("batch", replicas_preempt=True) as (gateway, url, replica, busy):
             critical = asyncio.create_task(post(url, "c1", "critical"))
             await wait_until(lambda: len(replica.received) == 2)
             assert queued(gateway, "m") == 0
@@ -92,6 +93,53 @@ def test_a_more_urgent_request_is_not_held_behind_less_urgent_ones_in_flight() -
             results = await asyncio.wait_for(asyncio.gather(busy, critical, batch, second_critical), WAIT_S)
             assert [status for status, _, _ in results] == [200] * 4
             assert tags(replica) == ["first", "c1", "c2", "b2"]
+
+    asyncio.run(scenario())
+
+
+def test_less_urgent_tiers_leave_places_for_more_urgent_ones_on_a_first_come_first_served_replica() -> None:
+    # Such a replica runs its requests in arrival order, so the gateway keeps its last places for urgent ones.
+    async def scenario() -> None:
+        async with (
+            replicas(FakeReplica("r", gated=True)) as (replica,),
+            running_gateway({"m": model("m", replica, max_in_flight=4)}) as (gateway, _, url),
+        ):
+            in_flight = []
+            # Of 4 places, batch requests take 2 at most and standard ones 3 in all.
+            for tag, tier in (("b1", "batch"), ("b2", "batch"), ("s1", "standard")):
+                in_flight.append(asyncio.create_task(post(url, tag, tier)))
+                await wait_until(lambda: len(replica.received) == len(in_flight))
+            waiting = [await queue(gateway, url, "b3", "batch"), await queue(gateway, url, "s2", "standard")]
+            # The last place is the critical request's, at once.
+            in_flight.append(asyncio.create_task(post(url, "c1", "critical")))
+            await wait_until(lambda: len(replica.received) == 4)
+            assert queued(gateway, "m") == 2
+            for _ in range(6):
+                replica.permits.release()
+            results = await asyncio.wait_for(asyncio.gather(*in_flight, *waiting), WAIT_S)
+            assert [status for status, _, _ in results] == [200] * 6
+            assert tags(replica) == ["b1", "b2", "s1", "c1", "s2", "b3"]
+
+    asyncio.run(scenario())
+
+
+def test_batch_requests_wait_while_others_are_in_flight_on_a_first_come_first_served_replica() -> None:
+    # Such a replica starts background requests only when no other is present: the gateway holds them.
+    async def scenario() -> None:
+        async with (
+            replicas(FakeReplica("r", gated=True)) as (replica,),
+            running_gateway({"m": model("m", replica, max_in_flight=4)}) as (gateway, _, url),
+        ):
+            standard = asyncio.create_task(post(url, "s1", "standard"))
+            await wait_until(lambda: len(replica.received) == 1)
+            batch = await queue(gateway, url, "b1", "batch")
+            assert tags(replica) == ["s1"]
+            replica.permits.release()
+            await wait_until(lambda: len(replica.received) == 2)
+            replica.permits.release()
+            results = await asyncio.wait_for(asyncio.gather(standard, batch), WAIT_S)
+            assert [status for status, _, _ in results] == [200, 200]
+            assert tags(replica) == ["s1", "b1"]
 
     asyncio.run(scenario())
 

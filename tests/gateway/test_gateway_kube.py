@@ -86,6 +86,24 @@ def test_ready_endpoints_of_each_service_become_its_models_replicas() -> None:
     )
 
 
+def test_replicas_preempt_when_their_tier_or_spec_gives_them_the_priority_policy() -> None:
+    services = [
+        service("by-tier", model={"uri": "hf://org/model", "servedName": "a"}, sla={"tier": "critical"}),
+        service("standard", model={"uri": "hf://org/model", "servedName": "b"}),
+        service(
+            "by-spec",
+            model={"uri": "hf://org/model", "servedName": "c"},
+            engine={"schedulingPolicy": "priority"},
+        ),
+    ]
+    models = model_configs(services, [], DEFAULTS)
+    assert {name: config.replicas_preempt for name, config in models.items()} == {
+        "a": True,
+        "b": False,
+        "c": True,
+    }
+
+
 def test_a_service_without_endpoints_is_a_model_at_zero_and_invalid_or_duplicate_ones_are_not_routed() -> (
     None
 ):
