@@ -11,7 +11,8 @@ How a replica's cap is counted depends on its scheduling policy. A replica that 
 room for an urgent request itself, so a request counts only the requests in flight there that are at least as
 urgent: holding a critical request behind batch work would only delay it. A first-come, first-served replica
 never makes room, so every request in flight counts, and the less urgent tiers leave places free for the more
-urgent ones (an eighth of the cap per tier of difference from the most urgent, at least one, never all): the
+urgent tiers that sent requests in the last minute (an eighth of the cap per tier of difference from the most
+urgent of them, at least one, never all; a model whose requests are all of one tier keeps nothing): the
 gateway's queue is then the only place where requests wait, and a critical request finds a place at once.
 Background (batch) requests go there only while no other request is in flight, as the replica itself would
 start them only then.
@@ -30,6 +31,7 @@ import dataclasses
 import heapq
 import itertools
 import math
+import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -47,6 +49,7 @@ from kvfleet.runtime.server.priorities import BACKGROUND_TIER, PRIORITY_RANGE, T
 
 DEFAULT_MAX_QUEUE = 1024
 BACKGROUND_PRIORITY = TIERS[BACKGROUND_TIER]
+URGENT_TIER_MEMORY_S = 60.0
 
 
 @dataclass(order=True)
@@ -58,13 +61,11 @@ class _Waiter:
     future: asyncio.Future[Replica] = field(compare=False)
 
 
-def places_kept_for_more_urgent(priority: int, cap: int) -> int:
-    """The places of a first-come, first-served replica that a request of `priority` leaves free for more
-    urgent ones."""
-    rank = priority - PRIORITY_RANGE[0]
-    if rank <= 0:
+def places_kept_for_more_urgent(tiers_below_most_urgent: int, cap: int) -> int:
+    """The places of a first-come, first-served replica that a request leaves free for more urgent ones."""
+    if tiers_below_most_urgent <= 0:
         return 0
-    return min(cap - 1, max(1, math.ceil(cap * rank / 8)))
+    return min(cap - 1, max(1, math.ceil(cap * tiers_below_most_urgent / 8)))
 
 
 class ModelPool:
@@ -89,6 +90,8 @@ class ModelPool:
         self.on_release: Callable[[Replica], None] = lambda replica: self.dispatch()
         self.policy: Policy = make_policy(config.policy, config.prefix_chars, config.load_bound)
         self._heap: list[_Waiter] = []
+        # When a request of each priority last arrived: places are kept only for tiers still asking.
+        self._last_seen: dict[int, float] = {}
         self._waiting = 0
         self._sequence = itertools.count()
 
@@ -121,6 +124,7 @@ class ModelPool:
     ) -> Replica:
         """A replica with one more request in flight on it; the caller must `release` it."""
         tried = frozenset(tried)
+        self._last_seen[priority] = time.monotonic()
         if self._waiting == 0:
             replica = self._choose(priority, prompt_text, tried)
             if replica is not None:
@@ -184,7 +188,14 @@ class ModelPool:
             # The replica runs background requests only when no other is present: sent now, it would hold
             # this one in its own queue, where it would count against the cap and keep out urgent requests.
             return False
-        return replica.in_flight < cap - places_kept_for_more_urgent(priority, cap)
+        return replica.in_flight < cap - places_kept_for_more_urgent(
+            priority - self._most_urgent_recent(), cap
+        )
+
+    def _most_urgent_recent(self) -> int:
+        """The most urgent priority among this model's requests of the last URGENT_TIER_MEMORY_S."""
+        since = time.monotonic() - URGENT_TIER_MEMORY_S
+        return min((p for p, seen in self._last_seen.items() if seen >= since), default=PRIORITY_RANGE[1])
 
     def _choose(self, priority: int, prompt_text: str, tried: frozenset[str]) -> Replica | None:
         def usable(replica: Replica) -> bool:

@@ -104,21 +104,44 @@ def test_less_urgent_tiers_leave_places_for_more_urgent_ones_on_a_first_come_fir
             replicas(FakeReplica("r", gated=True)) as (replica,),
             running_gateway({"m": model("m", replica, max_in_flight=4)}) as (gateway, _, url),
         ):
+            # Critical requests come now and then, so their places are kept.
+            earlier = asyncio.create_task(post(url, "c0", "critical"))
+            await wait_until(lambda: len(replica.received) == 1)
+            replica.permits.release()
+            assert (await asyncio.wait_for(earlier, WAIT_S))[0] == 200
             in_flight = []
             # Of 4 places, batch requests take 2 at most and standard ones 3 in all.
             for tag, tier in (("b1", "batch"), ("b2", "batch"), ("s1", "standard")):
                 in_flight.append(asyncio.create_task(post(url, tag, tier)))
-                await wait_until(lambda: len(replica.received) == len(in_flight))
+                await wait_until(lambda: len(replica.received) == len(in_flight) + 1)
             waiting = [await queue(gateway, url, "b3", "batch"), await queue(gateway, url, "s2", "standard")]
             # The last place is the critical request's, at once.
             in_flight.append(asyncio.create_task(post(url, "c1", "critical")))
-            await wait_until(lambda: len(replica.received) == 4)
+            await wait_until(lambda: len(replica.received) == 5)
             assert queued(gateway, "m") == 2
             for _ in range(6):
                 replica.permits.release()
             results = await asyncio.wait_for(asyncio.gather(*in_flight, *waiting), WAIT_S)
             assert [status for status, _, _ in results] == [200] * 6
-            assert tags(replica) == ["b1", "b2", "s1", "c1", "s2", "b3"]
+            assert tags(replica) == ["c0", "b1", "b2", "s1", "c1", "s2", "b3"]
+
+    asyncio.run(scenario())
+
+
+def test_requests_of_one_tier_take_every_place_of_a_first_come_first_served_replica() -> None:
+    # No more urgent tier has asked: keeping places for one would only leave them idle.
+    async def scenario() -> None:
+        async with (
+            replicas(FakeReplica("r", gated=True)) as (replica,),
+            running_gateway({"m": model("m", replica, max_in_flight=4)}) as (gateway, _, url),
+        ):
+            in_flight = [asyncio.create_task(post(url, f"b{number}", "batch")) for number in range(4)]
+            await wait_until(lambda: len(replica.received) == 4)
+            fifth = await queue(gateway, url, "b4", "batch")
+            for _ in range(5):
+                replica.permits.release()
+            results = await asyncio.wait_for(asyncio.gather(*in_flight, fifth), WAIT_S)
+            assert [status for status, _, _ in results] == [200] * 5
 
     asyncio.run(scenario())
 
