@@ -15,7 +15,7 @@ from torch import nn
 from torch.nn import functional
 
 # Whisper's names of an encoder layer's parts -> EncoderLayer's (CLIP's).
-_LAYER_NAMES = {
+WHISPER_LAYER_NAMES = {
     "self_attn_layer_norm.": "layer_norm1.",
     "final_layer_norm.": "layer_norm2.",
     "fc1.": "mlp.fc1.",
@@ -86,7 +86,7 @@ class Qwen2AudioForConditionalGeneration(ConditionalGeneration):
 
     def _encoder_parameter(self, name: str) -> str:
         if name.startswith("audio_tower.layers."):
-            for whisper, ours in _LAYER_NAMES.items():
+            for whisper, ours in WHISPER_LAYER_NAMES.items():
                 name = name.replace(f".{whisper}", f".{ours}")
             return name
         return name.removeprefix("multi_modal_projector.")

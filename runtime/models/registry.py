@@ -34,6 +34,17 @@ _BUILTIN: dict[str, str] = {
     "Qwen2AudioForConditionalGeneration": (
         "kvfleet.runtime.models.qwen2_audio:Qwen2AudioForConditionalGeneration"
     ),
+    "Qwen2_5OmniThinkerForConditionalGeneration": (
+        "kvfleet.runtime.models.qwen2_5_omni:Qwen2_5OmniThinkerForConditionalGeneration"
+    ),
+}
+# Architectures refused with the reason, where another one is what to serve.
+REFUSED_ARCHITECTURES: dict[str, str] = {
+    "Qwen2_5OmniForConditionalGeneration": (
+        "a whole Qwen2.5-Omni (thinker, talker and speech decoder) is not served: kvfleet answers in text, "
+        "which is the thinker's part; serve a folder of its thinker alone "
+        "(Qwen2_5OmniThinkerForConditionalGeneration)"
+    ),
 }
 
 
