@@ -669,6 +669,29 @@ def _encoder_layer_weights(
     return tensors
 
 
+def _whisper_weights(tower: str, audio: dict[str, Any], normal: Any) -> dict[str, Any]:
+    """A random Whisper-style audio encoder's convolutions and layers (Whisper's names; its keys have no
+    bias)."""
+    width, mel_bins = audio["d_model"], audio["num_mel_bins"]
+    tensors = {
+        f"{tower}.conv1.weight": normal(width, mel_bins, 3, std=(3 * mel_bins) ** -0.5),
+        f"{tower}.conv1.bias": normal(width, std=0.02),
+        f"{tower}.conv2.weight": normal(width, width, 3, std=(3 * width) ** -0.5),
+        f"{tower}.conv2.bias": normal(width, std=0.02),
+    }
+    for i in range(audio["encoder_layers"]):
+        tensors |= _encoder_layer_weights(
+            f"{tower}.layers.{i}",
+            width,
+            audio["encoder_ffn_dim"],
+            normal,
+            norms=("self_attn_layer_norm", "final_layer_norm"),
+            mlp="",
+            key_bias=False,
+        )
+    return tensors
+
+
 def _language_model_tensors(text_tensors: dict[str, Any]) -> dict[str, Any]:
     """A text model's tensors under a multimodal model's names (Transformers 5's layout)."""
     return {
@@ -781,8 +804,6 @@ def _qwen2_audio_weights(text_tensors: dict[str, Any], config: dict[str, Any], s
     generator = torch.Generator().manual_seed(seed + 1)
     audio = config["audio_config"]
     width = audio["d_model"]
-    inner = audio["encoder_ffn_dim"]
-    mel_bins = audio["num_mel_bins"]
     text_hidden = config["text_config"]["hidden_size"]
 
     def normal(*shape: int, std: float) -> torch.Tensor:
@@ -790,22 +811,8 @@ def _qwen2_audio_weights(text_tensors: dict[str, Any], config: dict[str, Any], s
 
     tensors = _language_model_tensors(text_tensors)
     tower = "model.audio_tower"
-    tensors[f"{tower}.conv1.weight"] = normal(width, mel_bins, 3, std=(3 * mel_bins) ** -0.5)
-    tensors[f"{tower}.conv1.bias"] = normal(width, std=0.02)
-    tensors[f"{tower}.conv2.weight"] = normal(width, width, 3, std=(3 * width) ** -0.5)
-    tensors[f"{tower}.conv2.bias"] = normal(width, std=0.02)
+    tensors |= _whisper_weights(tower, audio, normal)
     tensors[f"{tower}.embed_positions.weight"] = normal(audio["max_source_positions"], width, std=0.5)
-    for i in range(audio["encoder_layers"]):
-        # Whisper's names, and its keys have no bias.
-        tensors |= _encoder_layer_weights(
-            f"{tower}.layers.{i}",
-            width,
-            inner,
-            normal,
-            norms=("self_attn_layer_norm", "final_layer_norm"),
-            mlp="",
-            key_bias=False,
-        )
     tensors[f"{tower}.layer_norm.weight"] = torch.ones(width)
     tensors[f"{tower}.layer_norm.bias"] = torch.zeros(width)
     projector = "model.multi_modal_projector.linear"
@@ -975,23 +982,10 @@ def _omni_weights(text_tensors: dict[str, Any], config: dict[str, Any], seed: in
     tensors["visual.merger.mlp.2.bias"] = normal(hidden, std=0.02)
 
     audio = config["audio_config"]
-    width, inner, mel_bins = audio["d_model"], audio["encoder_ffn_dim"], audio["num_mel_bins"]
+    width = audio["d_model"]
     tower = "audio_tower"
-    tensors[f"{tower}.conv1.weight"] = normal(width, mel_bins, 3, std=(3 * mel_bins) ** -0.5)
-    tensors[f"{tower}.conv1.bias"] = normal(width, std=0.02)
-    tensors[f"{tower}.conv2.weight"] = normal(width, width, 3, std=(3 * width) ** -0.5)
-    tensors[f"{tower}.conv2.bias"] = normal(width, std=0.02)
+    tensors |= _whisper_weights(tower, audio, normal)
     tensors[f"{tower}.audio_bos_eos_token.weight"] = normal(2, hidden, std=1.0)
-    for i in range(audio["encoder_layers"]):
-        tensors |= _encoder_layer_weights(
-            f"{tower}.layers.{i}",
-            width,
-            inner,
-            normal,
-            norms=("self_attn_layer_norm", "final_layer_norm"),
-            mlp="",
-            key_bias=False,
-        )
     tensors[f"{tower}.ln_post.weight"] = torch.ones(width)
     tensors[f"{tower}.ln_post.bias"] = torch.zeros(width)
     tensors[f"{tower}.proj.weight"] = normal(hidden, width, std=width**-0.5)

@@ -14,10 +14,10 @@ from typing import Any
 
 import torch
 from kvfleet.runtime.attention.backend import AttentionBackend
-from kvfleet.runtime.models.encoders import ConditionalGeneration, EncoderLayer
+from kvfleet.runtime.models.encoders import ConditionalGeneration
 from kvfleet.runtime.models.layers import RMSNorm
 from kvfleet.runtime.models.model_config import ModelConfig
-from kvfleet.runtime.models.qwen2_audio import WHISPER_LAYER_NAMES
+from kvfleet.runtime.models.qwen2_audio import WHISPER_LAYER_NAMES, WhisperStyleEncoder
 from torch import nn
 from torch.nn import functional
 
@@ -163,30 +163,14 @@ class VisionTransformer(nn.Module):
         return torch.cat(order), windows
 
 
-class AudioEncoder(nn.Module):
+class AudioEncoder(WhisperStyleEncoder):
     """Whisper's convolutions and layers, run on windows of 2 x n_window mel frames of each clip (attention
     within a window), then average pooling by 2 over the clip, a norm and a projection."""
 
     def __init__(self, audio: dict[str, Any]) -> None:
-        super().__init__()
+        super().__init__(audio)
         width = int(audio["d_model"])
-        num_mel_bins = int(audio.get("num_mel_bins", 128))
-        if audio.get("scale_embedding", False):
-            raise ValueError("audio_config.scale_embedding is not supported")
         self.window_frames = 2 * int(audio.get("n_window", 100))
-        self.conv1 = nn.Conv1d(num_mel_bins, width, kernel_size=3, padding=1)
-        self.conv2 = nn.Conv1d(width, width, kernel_size=3, stride=2, padding=1)
-        self.layers = nn.ModuleList(
-            EncoderLayer(
-                width,
-                int(audio["encoder_ffn_dim"]),
-                int(audio["encoder_attention_heads"]),
-                1e-5,
-                audio.get("activation_function", "gelu"),
-                key_bias=False,
-            )
-            for _ in range(int(audio["encoder_layers"]))
-        )
         self.ln_post = nn.LayerNorm(width)
         self.proj = nn.Linear(width, int(audio["output_dim"]))
         # Whisper's fixed sinusoids over a window's positions (after the stride-2 convolution).
