@@ -766,6 +766,24 @@ _AUDIO_WINDOW_S = 30
 _AUDIO_MAX_SOURCE_POSITIONS = _AUDIO_WINDOW_S * _AUDIO_SAMPLING_RATE // _AUDIO_HOP_LENGTH // 2
 
 
+def _whisper_audio_config(audio: AudioPreset) -> dict[str, Any]:
+    """A Whisper-style audio encoder's settings (Qwen2-Audio's and Qwen2.5-Omni's)."""
+    return {
+        "d_model": audio.d_model,
+        "encoder_ffn_dim": audio.encoder_ffn_dim,
+        "encoder_layers": audio.encoder_layers,
+        "encoder_attention_heads": audio.encoder_attention_heads,
+        "num_mel_bins": audio.num_mel_bins,
+        "max_source_positions": _AUDIO_MAX_SOURCE_POSITIONS,
+        "activation_function": "gelu",
+        "scale_embedding": False,
+        "dropout": 0.0,
+        "attention_dropout": 0.0,
+        "activation_dropout": 0.0,
+        "encoder_layerdrop": 0.0,
+    }
+
+
 def _qwen2_audio_config(
     text_config: dict[str, Any], audio: AudioPreset, audio_token_id: int
 ) -> dict[str, Any]:
@@ -776,21 +794,7 @@ def _qwen2_audio_config(
         "audio_token_index": audio_token_id,
         "tie_word_embeddings": False,
         "text_config": text,
-        "audio_config": {
-            "model_type": "qwen2_audio_encoder",
-            "d_model": audio.d_model,
-            "encoder_ffn_dim": audio.encoder_ffn_dim,
-            "encoder_layers": audio.encoder_layers,
-            "encoder_attention_heads": audio.encoder_attention_heads,
-            "num_mel_bins": audio.num_mel_bins,
-            "max_source_positions": _AUDIO_MAX_SOURCE_POSITIONS,
-            "activation_function": "gelu",
-            "scale_embedding": False,
-            "dropout": 0.0,
-            "attention_dropout": 0.0,
-            "activation_dropout": 0.0,
-            "encoder_layerdrop": 0.0,
-        },
+        "audio_config": {**_whisper_audio_config(audio), "model_type": "qwen2_audio_encoder"},
         "dtype": text_config["dtype"],
     }
 
@@ -922,20 +926,10 @@ def _omni_config(
             "out_hidden_size": hidden,
         },
         "audio_config": {
+            **_whisper_audio_config(audio),
             "model_type": "qwen2_5_omni_audio_encoder",
-            "d_model": audio.d_model,
-            "encoder_ffn_dim": audio.encoder_ffn_dim,
-            "encoder_layers": audio.encoder_layers,
-            "encoder_attention_heads": audio.encoder_attention_heads,
-            "num_mel_bins": audio.num_mel_bins,
-            "max_source_positions": _AUDIO_MAX_SOURCE_POSITIONS,
             "n_window": 100,
             "output_dim": hidden,
-            "activation_function": "gelu",
-            "scale_embedding": False,
-            "dropout": 0.0,
-            "attention_dropout": 0.0,
-            "activation_dropout": 0.0,
         },
         "dtype": text_config["dtype"],
     }
