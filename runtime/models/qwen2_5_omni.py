@@ -28,7 +28,7 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class VisionBlock(nn.Module):
-    """Pre-RMSNorm attention (q, k and v rotated by each patch's row and column) and a gated MLP."""
+    """Pre-RMSNorm attention (queries and keys rotated by each patch's row and column) and a gated MLP."""
 
     def __init__(self, vision: dict[str, Any]) -> None:
         super().__init__()
