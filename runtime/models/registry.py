@@ -8,10 +8,10 @@ A model class is built as `cls(model_config, attention_backend, max_position)` a
 `forward(input_ids, positions, kv_caches, plan) -> hidden` (positions [3, num_tokens] when the config's
 rope has an `mrope_section`: the engine computes them per request), `compute_logits(hidden) -> float32
 logits` and `load_weights(iterable of (checkpoint name, tensor))`, like `LlamaForCausalLM`. To run split
-between tensor- or pipeline-parallel ranks it also provides `checkpoint_slice(name, shape)` and builds its shard from
-`kvfleet.runtime.distributed.parallel.parallel_context()`. A model that takes images or audio also provides
-`embed_multimodal(modality, data, unpadded_lengths) -> one [tokens, hidden] tensor per item` and
-`embed_input_ids(input_ids)`, and its forward accepts `inputs_embeds` (see `ConditionalGeneration`).
+between tensor- or pipeline-parallel ranks it also provides `checkpoint_slice(name, shape)` and builds its
+shard from `kvfleet.runtime.distributed.parallel.parallel_context()`. A model that takes images or audio
+also provides `embed_multimodal(modality, data, unpadded_lengths) -> one [tokens, hidden] tensor per item`
+and `embed_input_ids(input_ids)`, and its forward accepts `inputs_embeds` (see `ConditionalGeneration`).
 """
 
 from __future__ import annotations
