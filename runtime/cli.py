@@ -25,7 +25,7 @@ bench_seed_option = click.option(
 @click.command("make-model")
 @click.option(
     "--arch",
-    type=click.Choice(["llama", "mistral", "qwen2", "qwen3", "llava", "qwen2-audio"]),
+    type=click.Choice(["llama", "mistral", "qwen2", "qwen3", "llava", "qwen2-audio", "qwen2.5-omni"]),
     default="llama",
     show_default=True,
 )

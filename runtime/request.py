@@ -12,6 +12,7 @@ from kvfleet.runtime.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from kvfleet.runtime.lora.request import LoRARequest
     from kvfleet.runtime.multimodal.inputs import MultiModalFeature
+    from kvfleet.runtime.multimodal.mrope import MRopePositions
     from kvfleet.runtime.structured_outputs.compiler import RequestGrammar
     from kvfleet.runtime.structured_outputs.token_rules import TokenRules
 
@@ -75,6 +76,7 @@ class Request:
         lora_request: LoRARequest | None = None,
         cache_salt: bytes | None = None,
         mm_features: list[MultiModalFeature] | None = None,
+        mrope_positions: MRopePositions | None = None,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError(f"request {request_id!r}: prompt_token_ids must not be empty")
@@ -94,6 +96,8 @@ class Request:
         self.cache_salt = cache_salt
         # The prompt's images in prompt order, each over its run of placeholder tokens.
         self.mm_features: list[MultiModalFeature] = mm_features or []
+        # Its three-dimensional positions, on a model with M-RoPE; None on others.
+        self.mrope_positions = mrope_positions
 
         self.status = RequestStatus.WAITING
         self.output_token_ids: list[int] = []

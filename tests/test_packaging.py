@@ -33,6 +33,7 @@ LOCAL = {
     "conftest",
     "test_packaging",
     "test_llm_vs_transformers",
+    "test_server_audio",
     "server_checks",
     "gateway_harness",
     "ports",

@@ -35,6 +35,7 @@ from kvfleet.runtime.lora.errors import LoRAAdapterError
 from kvfleet.runtime.lora.request import LoRARequest
 from kvfleet.runtime.models.layers import rope_cache_salt
 from kvfleet.runtime.multimodal.inputs import ModalitySpec, check_features
+from kvfleet.runtime.multimodal.mrope import MRopePositions
 from kvfleet.runtime.multimodal.prompt_media import modality_specs
 from kvfleet.runtime.request import Request, RequestStatus
 from kvfleet.runtime.spec_decode.speculator import Speculator, make_proposer
@@ -82,7 +83,11 @@ class EngineCore:
         self.max_num_batched_tokens = self._token_budget()
         multimodal = self.runner.model_config.multimodal
         # What the model takes besides text, by modality; empty for a text-only model.
-        self.modalities: dict[str, ModalitySpec] = {} if multimodal is None else modality_specs(multimodal)
+        self.modalities: dict[str, ModalitySpec] = (
+            {} if multimodal is None else modality_specs(multimodal, config.model)
+        )
+        # Whether the model positions tokens by M-RoPE: each request's positions are then computed once.
+        self.uses_mrope = "mrope_section" in self.runner.model_config.rope
         self.scheduler = Scheduler(
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
@@ -244,6 +249,11 @@ class EngineCore:
                 lora_request=add.lora_request,
                 cache_salt=rope_cache_salt(self.runner.model_config.rope, len(add.prompt_token_ids)),
                 mm_features=add.mm_features,
+                mrope_positions=(
+                    MRopePositions.of(len(add.prompt_token_ids), add.mm_features, self.modalities)
+                    if self.uses_mrope
+                    else None
+                ),
             )
             self.scheduler.add_request(request)
         except (InvalidRequestError, EngineOverloadedError) as error:

@@ -8,7 +8,7 @@ each item's embeddings in place of its placeholder tokens and hands the decoder 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -112,21 +112,10 @@ class ConditionalGeneration(nn.Module, ABC):
         params = dict(self.named_parameters())
         encoder_loaded: set[str] = set()
 
-        def language_weights() -> Iterator[tuple[str, torch.Tensor]]:
-            for hf_name, tensor in weights:
-                name = hf_name.removeprefix("model.")
-                if name.startswith("language_model."):
-                    inner = name.removeprefix("language_model.")
-                    yield (
-                        (inner if inner.startswith("lm_head.") else "model." + inner.removeprefix("model.")),
-                        tensor,
-                    )
-                elif name.startswith("lm_head."):
-                    yield name, tensor
-                else:
-                    self._load_encoder_tensor(hf_name, name, tensor, params, encoder_loaded)
+        def encoder_tensor(hf_name: str, name: str, tensor: torch.Tensor) -> None:
+            self._load_encoder_tensor(hf_name, name, tensor, params, encoder_loaded)
 
-        self.language_model.load_weights(language_weights())
+        self.language_model.load_weights(self._language_weights(weights, encoder_tensor))
         missing = sorted(
             name for name in params if not name.startswith("language_model.") and name not in encoder_loaded
         )
@@ -134,6 +123,26 @@ class ConditionalGeneration(nn.Module, ABC):
             raise ValueError(
                 f"checkpoint is missing {len(missing)} encoder tensors, e.g. {', '.join(missing[:4])}"
             )
+
+    def _language_weights(
+        self,
+        weights: Iterable[tuple[str, torch.Tensor]],
+        encoder_tensor: Callable[[str, str, torch.Tensor], None],
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """The language model's tensors under a text model's names; every other tensor goes to
+        encoder_tensor(checkpoint name, name without `model.`, tensor)."""
+        for hf_name, tensor in weights:
+            name = hf_name.removeprefix("model.")
+            if name.startswith("language_model."):
+                inner = name.removeprefix("language_model.")
+                yield (
+                    (inner if inner.startswith("lm_head.") else "model." + inner.removeprefix("model.")),
+                    tensor,
+                )
+            elif name.startswith("lm_head."):
+                yield name, tensor
+            else:
+                encoder_tensor(hf_name, name, tensor)
 
     @abstractmethod
     def _encoder_parameter(self, name: str) -> str | None:

@@ -306,6 +306,36 @@ class RotaryEmbedding(nn.Module):
         x.mul_(cos).add_(swapped)
 
 
+class MRotaryEmbedding(RotaryEmbedding):
+    """M-RoPE (Qwen2-VL's family): each token has three positions (time, row, column: `positions` is
+    [3, num_tokens]) and `mrope_section` says how many of the head's frequencies turn with each, in that
+    order. Text tokens have the same three, which makes this the plain rotation for them."""
+
+    def __init__(self, head_dim: int, max_position: int, rope: dict[str, Any]) -> None:
+        if rope.get("rope_type", "default") != "default":
+            raise ValueError(f"M-RoPE with rope_type {rope['rope_type']!r} is not supported (only default)")
+        super().__init__(head_dim, max_position, rope)
+        section = [int(n) for n in rope["mrope_section"]]
+        if sum(section) != head_dim // 2:
+            raise ValueError(f"mrope_section {section} does not add up to head_dim / 2 = {head_dim // 2}")
+        axis = torch.cat([torch.full((n,), i % 3) for i, n in enumerate(section)])
+        # For each column of a cos_sin_cache row (cos then sin of each frequency): the axis it turns with.
+        self.register_buffer("column_axis", torch.cat([axis, axis])[None, None, :], persistent=False)
+
+    def prepare(
+        self,
+        positions: torch.Tensor,
+        dtype: torch.dtype,
+        fused: bool,
+        sequence_lengths: torch.Tensor | None = None,
+    ) -> RotaryStep:
+        """The step's own cos/sin rows, each column from the row of its axis's position."""
+        by_axis = self.cos_sin_cache[positions]  # [3, num_tokens, head_dim]
+        table = by_axis.gather(0, self.column_axis.expand(1, *by_axis.shape[1:]))[0]
+        rows = torch.arange(table.shape[0], device=table.device)
+        return RotaryStep(rows, table, None if fused else _signed_cos_sin(table, rows, dtype))
+
+
 @dataclass
 class RotaryStep:
     rows: torch.Tensor  # each token's row of cos_sin_cache: its position, unless the rope type needs more

@@ -29,6 +29,7 @@ from kvfleet.runtime.distributed.parallel import (
 from kvfleet.runtime.kernels import fused_layers
 from kvfleet.runtime.models.layers import (
     Linear,
+    MRotaryEmbedding,
     RMSNorm,
     RotaryEmbedding,
     RotaryStep,
@@ -172,7 +173,8 @@ class LlamaForCausalLM(nn.Module):
             LlamaDecoderLayer(config, attention, window, parallel) for window in local_windows
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if parallel.is_last_stage else None
-        self.rotary_emb = RotaryEmbedding(config.head_dim, max_position, config.rope)
+        rotary_class = MRotaryEmbedding if "mrope_section" in config.rope else RotaryEmbedding
+        self.rotary_emb = rotary_class(config.head_dim, max_position, config.rope)
         self.lm_head: Linear | None = None
         if parallel.is_last_stage and not config.tie_word_embeddings:
             _, vocab_rows = vocab_shard(config.vocab_size, parallel.tp_size, parallel.tp_rank)
@@ -186,7 +188,7 @@ class LlamaForCausalLM(nn.Module):
     def forward(
         self,
         input_ids: torch.Tensor,  # [num_tokens]
-        positions: torch.Tensor,  # [num_tokens]
+        positions: torch.Tensor,  # [num_tokens]; with M-RoPE [3, num_tokens]
         kv_caches: list[torch.Tensor],
         plan: Any,
         sequence_lengths: torch.Tensor | None = None,  # [num_tokens], for rope types that read it

@@ -26,9 +26,12 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "llava": ("LlavaForConditionalGeneration", "llava"),
     # A Whisper-style audio encoder and a projector in front of a Qwen2 language model.
     "qwen2-audio": ("Qwen2AudioForConditionalGeneration", "qwen2_audio"),
+    # Qwen2.5-Omni's thinker: a vision transformer and an audio encoder in front of a Qwen2 language model
+    # with M-RoPE.
+    "qwen2.5-omni": ("Qwen2_5OmniThinkerForConditionalGeneration", "qwen2_5_omni_thinker"),
 }
 # The language model of each multimodal architecture.
-_TEXT_ARCHITECTURES = {"llava": "llama", "qwen2-audio": "qwen2"}
+_TEXT_ARCHITECTURES = {"llava": "llama", "qwen2-audio": "qwen2", "qwen2.5-omni": "qwen2"}
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -109,6 +112,8 @@ class TokenizerStyle:
     eos_token: str  # ends a chat turn
     end_of_text: str
     chat_template: str
+    # Special tokens a processor reads from the tokenizer by name (image_token, ...).
+    named_tokens: tuple[tuple[str, str], ...] = ()
 
 
 _LLAMA_STYLE = TokenizerStyle(
@@ -162,6 +167,49 @@ _QWEN2_AUDIO_TEMPLATE = _CHATML_TEMPLATE.replace(
     + "' }}{% endif %}"
     "{% endfor %}{% endif %}",
 )
+# Qwen2.5-Omni's renders an image part as the image token between the vision markers, an audio part as
+# Qwen2-Audio's does (with its own token names).
+OMNI_IMAGE_TOKEN, OMNI_AUDIO_TOKEN, OMNI_VIDEO_TOKEN = "<|IMAGE|>", "<|AUDIO|>", "<|VIDEO|>"
+_VISION_MARKERS = ("<|vision_bos|>", "<|vision_eos|>")
+_OMNI_TEMPLATE = _CHATML_TEMPLATE.replace(
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] }}",
+    "{{ '<|im_start|>' + message['role'] + '\\n' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'text' %}{{ part['text'] }}"
+    "{% elif part['type'] == 'image' %}{{ '"
+    + _VISION_MARKERS[0]
+    + OMNI_IMAGE_TOKEN
+    + _VISION_MARKERS[1]
+    + "' }}"
+    "{% elif part['type'] == 'audio' %}{{ '"
+    + _AUDIO_MARKERS[0]
+    + OMNI_AUDIO_TOKEN
+    + _AUDIO_MARKERS[1]
+    + "' }}{% endif %}"
+    "{% endfor %}{% endif %}",
+)
+_OMNI_STYLE = replace(
+    _QWEN_STYLE,
+    special_tokens=(
+        *_QWEN_STYLE.special_tokens,
+        OMNI_IMAGE_TOKEN,
+        OMNI_AUDIO_TOKEN,
+        OMNI_VIDEO_TOKEN,
+        *_VISION_MARKERS,
+        *_AUDIO_MARKERS,
+    ),
+    chat_template=_OMNI_TEMPLATE,
+    named_tokens=(
+        ("image_token", OMNI_IMAGE_TOKEN),
+        ("audio_token", OMNI_AUDIO_TOKEN),
+        ("video_token", OMNI_VIDEO_TOKEN),
+        ("vision_bos_token", _VISION_MARKERS[0]),
+        ("vision_eos_token", _VISION_MARKERS[1]),
+        ("audio_bos_token", _AUDIO_MARKERS[0]),
+        ("audio_eos_token", _AUDIO_MARKERS[1]),
+    ),
+)
 _QWEN2_AUDIO_STYLE = replace(
     _QWEN_STYLE,
     special_tokens=(*_QWEN_STYLE.special_tokens, AUDIO_TOKEN, *_AUDIO_MARKERS),
@@ -208,7 +256,7 @@ def make_model(
         raise ValueError(f"{out} exists and is not empty")
     out.mkdir(parents=True, exist_ok=True)
 
-    style = {"llava": _LLAVA_STYLE, "qwen2-audio": _QWEN2_AUDIO_STYLE}.get(
+    style = {"llava": _LLAVA_STYLE, "qwen2-audio": _QWEN2_AUDIO_STYLE, "qwen2.5-omni": _OMNI_STYLE}.get(
         arch, _QWEN_STYLE if arch.startswith("qwen") else _LLAMA_STYLE
     )
     spec = PRESETS[preset]
@@ -242,6 +290,10 @@ def make_model(
         config = _qwen2_audio_config(config, AUDIO_PRESETS[preset], special_ids[AUDIO_TOKEN])
         tensors = _qwen2_audio_weights(tensors, config, seed)
         _write_qwen2_audio_processor(out, config)
+    elif arch == "qwen2.5-omni":
+        config = _omni_config(config, OMNI_VISION_PRESETS[preset], AUDIO_PRESETS[preset], special_ids)
+        tensors = _omni_weights(tensors, config, seed)
+        _write_omni_processor(out, config, preset)
     _write_json(out / "config.json", config)
     _save_weights(out / "model.safetensors", tensors, config["dtype"])
     if train_steps:
@@ -405,6 +457,7 @@ def _tokenizer_config(style: TokenizerStyle, spec: Preset) -> dict[str, Any]:
         "model_max_length": spec.max_position_embeddings,
         "clean_up_tokenization_spaces": False,
         "chat_template": style.chat_template,
+        **({"extra_special_tokens": dict(style.named_tokens)} if style.named_tokens else {}),
     }
 
 
@@ -616,6 +669,29 @@ def _encoder_layer_weights(
     return tensors
 
 
+def _whisper_weights(tower: str, audio: dict[str, Any], normal: Any) -> dict[str, Any]:
+    """A random Whisper-style audio encoder's convolutions and layers (Whisper's names; its keys have no
+    bias)."""
+    width, mel_bins = audio["d_model"], audio["num_mel_bins"]
+    tensors = {
+        f"{tower}.conv1.weight": normal(width, mel_bins, 3, std=(3 * mel_bins) ** -0.5),
+        f"{tower}.conv1.bias": normal(width, std=0.02),
+        f"{tower}.conv2.weight": normal(width, width, 3, std=(3 * width) ** -0.5),
+        f"{tower}.conv2.bias": normal(width, std=0.02),
+    }
+    for i in range(audio["encoder_layers"]):
+        tensors |= _encoder_layer_weights(
+            f"{tower}.layers.{i}",
+            width,
+            audio["encoder_ffn_dim"],
+            normal,
+            norms=("self_attn_layer_norm", "final_layer_norm"),
+            mlp="",
+            key_bias=False,
+        )
+    return tensors
+
+
 def _language_model_tensors(text_tensors: dict[str, Any]) -> dict[str, Any]:
     """A text model's tensors under a multimodal model's names (Transformers 5's layout)."""
     return {
@@ -690,6 +766,24 @@ _AUDIO_WINDOW_S = 30
 _AUDIO_MAX_SOURCE_POSITIONS = _AUDIO_WINDOW_S * _AUDIO_SAMPLING_RATE // _AUDIO_HOP_LENGTH // 2
 
 
+def _whisper_audio_config(audio: AudioPreset) -> dict[str, Any]:
+    """A Whisper-style audio encoder's settings (Qwen2-Audio's and Qwen2.5-Omni's)."""
+    return {
+        "d_model": audio.d_model,
+        "encoder_ffn_dim": audio.encoder_ffn_dim,
+        "encoder_layers": audio.encoder_layers,
+        "encoder_attention_heads": audio.encoder_attention_heads,
+        "num_mel_bins": audio.num_mel_bins,
+        "max_source_positions": _AUDIO_MAX_SOURCE_POSITIONS,
+        "activation_function": "gelu",
+        "scale_embedding": False,
+        "dropout": 0.0,
+        "attention_dropout": 0.0,
+        "activation_dropout": 0.0,
+        "encoder_layerdrop": 0.0,
+    }
+
+
 def _qwen2_audio_config(
     text_config: dict[str, Any], audio: AudioPreset, audio_token_id: int
 ) -> dict[str, Any]:
@@ -700,21 +794,7 @@ def _qwen2_audio_config(
         "audio_token_index": audio_token_id,
         "tie_word_embeddings": False,
         "text_config": text,
-        "audio_config": {
-            "model_type": "qwen2_audio_encoder",
-            "d_model": audio.d_model,
-            "encoder_ffn_dim": audio.encoder_ffn_dim,
-            "encoder_layers": audio.encoder_layers,
-            "encoder_attention_heads": audio.encoder_attention_heads,
-            "num_mel_bins": audio.num_mel_bins,
-            "max_source_positions": _AUDIO_MAX_SOURCE_POSITIONS,
-            "activation_function": "gelu",
-            "scale_embedding": False,
-            "dropout": 0.0,
-            "attention_dropout": 0.0,
-            "activation_dropout": 0.0,
-            "encoder_layerdrop": 0.0,
-        },
+        "audio_config": {**_whisper_audio_config(audio), "model_type": "qwen2_audio_encoder"},
         "dtype": text_config["dtype"],
     }
 
@@ -728,8 +808,6 @@ def _qwen2_audio_weights(text_tensors: dict[str, Any], config: dict[str, Any], s
     generator = torch.Generator().manual_seed(seed + 1)
     audio = config["audio_config"]
     width = audio["d_model"]
-    inner = audio["encoder_ffn_dim"]
-    mel_bins = audio["num_mel_bins"]
     text_hidden = config["text_config"]["hidden_size"]
 
     def normal(*shape: int, std: float) -> torch.Tensor:
@@ -737,22 +815,8 @@ def _qwen2_audio_weights(text_tensors: dict[str, Any], config: dict[str, Any], s
 
     tensors = _language_model_tensors(text_tensors)
     tower = "model.audio_tower"
-    tensors[f"{tower}.conv1.weight"] = normal(width, mel_bins, 3, std=(3 * mel_bins) ** -0.5)
-    tensors[f"{tower}.conv1.bias"] = normal(width, std=0.02)
-    tensors[f"{tower}.conv2.weight"] = normal(width, width, 3, std=(3 * width) ** -0.5)
-    tensors[f"{tower}.conv2.bias"] = normal(width, std=0.02)
+    tensors |= _whisper_weights(tower, audio, normal)
     tensors[f"{tower}.embed_positions.weight"] = normal(audio["max_source_positions"], width, std=0.5)
-    for i in range(audio["encoder_layers"]):
-        # Whisper's names, and its keys have no bias.
-        tensors |= _encoder_layer_weights(
-            f"{tower}.layers.{i}",
-            width,
-            inner,
-            normal,
-            norms=("self_attn_layer_norm", "final_layer_norm"),
-            mlp="",
-            key_bias=False,
-        )
     tensors[f"{tower}.layer_norm.weight"] = torch.ones(width)
     tensors[f"{tower}.layer_norm.bias"] = torch.zeros(width)
     projector = "model.multi_modal_projector.linear"
@@ -763,28 +827,31 @@ def _qwen2_audio_weights(text_tensors: dict[str, Any], config: dict[str, Any], s
     return tensors
 
 
+def _whisper_feature_extractor(audio: dict[str, Any]) -> dict[str, Any]:
+    """WhisperFeatureExtractor's settings for the encoder's 30 s window."""
+    num_frames = 2 * audio["max_source_positions"]
+    return {
+        "feature_extractor_type": "WhisperFeatureExtractor",
+        "feature_size": audio["num_mel_bins"],
+        "sampling_rate": _AUDIO_SAMPLING_RATE,
+        "hop_length": _AUDIO_HOP_LENGTH,
+        "chunk_length": _AUDIO_WINDOW_S,
+        "n_fft": 400,
+        "n_samples": num_frames * _AUDIO_HOP_LENGTH,
+        "nb_max_frames": num_frames,
+        "padding_side": "right",
+        "padding_value": 0.0,
+        "dither": 0.0,
+        "return_attention_mask": True,
+    }
+
+
 def _write_qwen2_audio_processor(out: Path, config: dict[str, Any]) -> None:
     """preprocessor_config.json (Whisper's log-mel features, as Qwen2-Audio ships them) and
     processor_config.json, for Transformers' Qwen2AudioProcessor and the engine alike."""
-    audio = config["audio_config"]
-    num_frames = 2 * audio["max_source_positions"]
     _write_json(
         out / "preprocessor_config.json",
-        {
-            "feature_extractor_type": "WhisperFeatureExtractor",
-            "processor_class": "Qwen2AudioProcessor",
-            "feature_size": audio["num_mel_bins"],
-            "sampling_rate": _AUDIO_SAMPLING_RATE,
-            "hop_length": _AUDIO_HOP_LENGTH,
-            "chunk_length": _AUDIO_WINDOW_S,
-            "n_fft": 400,
-            "n_samples": num_frames * _AUDIO_HOP_LENGTH,
-            "nb_max_frames": num_frames,
-            "padding_side": "right",
-            "padding_value": 0.0,
-            "dither": 0.0,
-            "return_attention_mask": True,
-        },
+        {**_whisper_feature_extractor(config["audio_config"]), "processor_class": "Qwen2AudioProcessor"},
     )
     _write_json(
         out / "processor_config.json",
@@ -796,3 +863,161 @@ def _write_qwen2_audio_processor(out: Path, config: dict[str, Any]) -> None:
         },
     )
     (out / "chat_template.jinja").write_text(_QWEN2_AUDIO_TEMPLATE, encoding="utf-8")
+
+
+@dataclass(frozen=True)
+class OmniVisionPreset:
+    hidden_size: int
+    intermediate_size: int
+    depth: int
+    num_heads: int
+    # Blocks that attend over the whole image; the others attend within windows of window_size pixels.
+    fullatt_block_indexes: tuple[int, ...]
+    window_size: int
+    # The largest image, in embeddings (of 28 x 28 pixels each); Qwen2.5-Omni's own takes 16384.
+    max_image_tokens: int
+    # The text model's heads' frequencies that turn with time, rows and columns.
+    mrope_section: tuple[int, int, int]
+
+
+OMNI_VISION_PRESETS: dict[str, OmniVisionPreset] = {
+    "tiny": OmniVisionPreset(32, 64, 2, 2, (1,), 56, 64, (2, 3, 3)),
+    "small": OmniVisionPreset(256, 1024, 4, 4, (1, 3), 112, 256, (8, 12, 12)),
+    "small-draft": OmniVisionPreset(32, 64, 2, 2, (1,), 56, 64, (2, 6, 6)),
+}
+_OMNI_PATCH_SIZE = 14
+_OMNI_MERGE_SIZE = 2
+
+
+def _omni_config(
+    text_config: dict[str, Any], vision: OmniVisionPreset, audio: AudioPreset, special_ids: dict[str, int]
+) -> dict[str, Any]:
+    text = {key: value for key, value in text_config.items() if key not in ("architectures", "dtype")}
+    text["model_type"] = "qwen2_5_omni_text"
+    text["rope_parameters"] = {**text["rope_parameters"], "mrope_section": list(vision.mrope_section)}
+    hidden = text_config["hidden_size"]
+    return {
+        "architectures": ["Qwen2_5OmniThinkerForConditionalGeneration"],
+        "model_type": "qwen2_5_omni_thinker",
+        "image_token_index": special_ids[OMNI_IMAGE_TOKEN],
+        "audio_token_index": special_ids[OMNI_AUDIO_TOKEN],
+        "video_token_index": special_ids[OMNI_VIDEO_TOKEN],
+        "vision_start_token_id": special_ids[_VISION_MARKERS[0]],
+        "vision_end_token_id": special_ids[_VISION_MARKERS[1]],
+        "audio_start_token_id": special_ids[_AUDIO_MARKERS[0]],
+        "audio_end_token_id": special_ids[_AUDIO_MARKERS[1]],
+        "position_id_per_seconds": 25,
+        "seconds_per_chunk": 2,
+        "tie_word_embeddings": False,
+        "text_config": text,
+        "vision_config": {
+            "model_type": "qwen2_5_omni_vision_encoder",
+            "depth": vision.depth,
+            "hidden_size": vision.hidden_size,
+            "intermediate_size": vision.intermediate_size,
+            "num_heads": vision.num_heads,
+            "hidden_act": "silu",
+            "in_channels": 3,
+            "patch_size": _OMNI_PATCH_SIZE,
+            "spatial_merge_size": _OMNI_MERGE_SIZE,
+            "temporal_patch_size": 2,
+            "window_size": vision.window_size,
+            "fullatt_block_indexes": list(vision.fullatt_block_indexes),
+            "out_hidden_size": hidden,
+        },
+        "audio_config": {
+            **_whisper_audio_config(audio),
+            "model_type": "qwen2_5_omni_audio_encoder",
+            "n_window": 100,
+            "output_dim": hidden,
+        },
+        "dtype": text_config["dtype"],
+    }
+
+
+def _omni_weights(text_tensors: dict[str, Any], config: dict[str, Any], seed: int) -> dict[str, Any]:
+    """The language model's tensors (the thinker keeps a text model's names), plus a random vision
+    transformer and audio encoder whose outputs have the size of token embeddings (and the constant
+    dimension 0 that _suppress_unused_ids gives every token)."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed + 1)
+
+    def normal(*shape: int, std: float) -> torch.Tensor:
+        return torch.randn(*shape, generator=generator) * std
+
+    tensors = dict(text_tensors)
+    hidden = config["text_config"]["hidden_size"]
+    vision = config["vision_config"]
+    width, inner = vision["hidden_size"], vision["intermediate_size"]
+    patch = vision["patch_size"]
+    tensors["visual.patch_embed.proj.weight"] = normal(
+        width, 3, vision["temporal_patch_size"], patch, patch, std=(3 * 2 * patch * patch) ** -0.5
+    )
+    for i in range(vision["depth"]):
+        prefix = f"visual.blocks.{i}"
+        tensors[f"{prefix}.norm1.weight"] = torch.ones(width)
+        tensors[f"{prefix}.norm2.weight"] = torch.ones(width)
+        for name in ("q", "k", "v", "proj"):
+            tensors[f"{prefix}.attn.{name}.weight"] = normal(width, width, std=width**-0.5)
+            tensors[f"{prefix}.attn.{name}.bias"] = normal(width, std=0.02)
+        for name, rows, columns in (
+            ("gate_proj", inner, width),
+            ("up_proj", inner, width),
+            ("down_proj", width, inner),
+        ):
+            tensors[f"{prefix}.mlp.{name}.weight"] = normal(rows, columns, std=columns**-0.5)
+            tensors[f"{prefix}.mlp.{name}.bias"] = normal(rows, std=0.02)
+    merged = width * vision["spatial_merge_size"] ** 2
+    tensors["visual.merger.ln_q.weight"] = torch.ones(width)
+    tensors["visual.merger.mlp.0.weight"] = normal(merged, merged, std=merged**-0.5)
+    tensors["visual.merger.mlp.0.bias"] = normal(merged, std=0.02)
+    tensors["visual.merger.mlp.2.weight"] = normal(hidden, merged, std=2 * merged**-0.5)
+    tensors["visual.merger.mlp.2.bias"] = normal(hidden, std=0.02)
+
+    audio = config["audio_config"]
+    width = audio["d_model"]
+    tower = "audio_tower"
+    tensors |= _whisper_weights(tower, audio, normal)
+    tensors[f"{tower}.audio_bos_eos_token.weight"] = normal(2, hidden, std=1.0)
+    tensors[f"{tower}.ln_post.weight"] = torch.ones(width)
+    tensors[f"{tower}.ln_post.bias"] = torch.zeros(width)
+    tensors[f"{tower}.proj.weight"] = normal(hidden, width, std=width**-0.5)
+    tensors[f"{tower}.proj.bias"] = normal(hidden, std=0.02)
+    for projection in ("visual.merger.mlp.2", f"{tower}.proj"):
+        tensors[f"{projection}.weight"][0] = 0.0
+        tensors[f"{projection}.bias"][0] = 1.0
+    return tensors
+
+
+def _write_omni_processor(out: Path, config: dict[str, Any], preset: str) -> None:
+    """preprocessor_config.json (Qwen2-VL's image resizing and Whisper's log-mel features in one file, as
+    Qwen2.5-Omni ships them), processor_config.json and the chat template, for Transformers'
+    Qwen2_5OmniProcessor and the engine alike. The tokens' names are in tokenizer_config.json."""
+    vision = config["vision_config"]
+    pixels_per_token = (vision["patch_size"] * vision["spatial_merge_size"]) ** 2
+    _write_json(
+        out / "preprocessor_config.json",
+        {
+            **_whisper_feature_extractor(config["audio_config"]),
+            "image_processor_type": "Qwen2VLImageProcessor",
+            "processor_class": "Qwen2_5OmniProcessor",
+            "do_resize": True,
+            "resample": 3,
+            "size": {
+                "shortest_edge": 4 * pixels_per_token,
+                "longest_edge": OMNI_VISION_PRESETS[preset].max_image_tokens * pixels_per_token,
+            },
+            "do_rescale": True,
+            "rescale_factor": 1 / 255,
+            "do_normalize": True,
+            "image_mean": _CLIP_MEAN,
+            "image_std": _CLIP_STD,
+            "do_convert_rgb": True,
+            "patch_size": vision["patch_size"],
+            "temporal_patch_size": vision["temporal_patch_size"],
+            "merge_size": vision["spatial_merge_size"],
+        },
+    )
+    _write_json(out / "processor_config.json", {"processor_class": "Qwen2_5OmniProcessor"})
+    (out / "chat_template.jinja").write_text(_OMNI_TEMPLATE, encoding="utf-8")

@@ -9,7 +9,10 @@ from typing import Any
 
 import torch
 from kvfleet.runtime.models.layers import SUPPORTED_ROPE_TYPES
+from kvfleet.runtime.models.registry import REFUSED_ARCHITECTURES
 
+# Language models of Qwen2's graph: q/k/v biases and no o_proj bias (Qwen2.5-Omni's thinker names its own).
+QWEN2_MODEL_TYPES = ("qwen2", "qwen2_5_omni_text")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -54,6 +57,8 @@ class ModelConfig:
         architectures = raw.get("architectures") or []
         if len(architectures) != 1:
             raise ValueError(f"{source}: 'architectures' must name exactly one class, got {architectures!r}")
+        if architectures[0] in REFUSED_ARCHITECTURES:
+            raise ValueError(f"{source}: {REFUSED_ARCHITECTURES[architectures[0]]}")
         if isinstance(raw.get("text_config"), dict):
             # A multimodal model (LLaVA): the language model's numbers, under the model's own architecture.
             text = {
@@ -84,7 +89,7 @@ class ModelConfig:
         if dtype_name not in DTYPES:
             raise ValueError(f"{source}: dtype {dtype_name!r} is not one of {', '.join(DTYPES)}")
         # Qwen2 always has q/k/v biases; Llama may ask for them (and for an o_proj bias, which it shares).
-        attention_bias = model_type == "qwen2" or bool(raw.get("attention_bias", False))
+        attention_bias = model_type in QWEN2_MODEL_TYPES or bool(raw.get("attention_bias", False))
         if raw.get("mlp_bias"):
             raise ValueError(f"{source}: mlp_bias is not supported")
         return cls(
@@ -109,7 +114,7 @@ class ModelConfig:
 
     @property
     def o_proj_bias(self) -> bool:
-        return self.model_type != "qwen2" and self.attention_bias
+        return self.model_type not in QWEN2_MODEL_TYPES and self.attention_bias
 
     @property
     def max_context(self) -> int:

@@ -15,7 +15,7 @@ from torch import nn
 from torch.nn import functional
 
 # Whisper's names of an encoder layer's parts -> EncoderLayer's (CLIP's).
-_LAYER_NAMES = {
+WHISPER_LAYER_NAMES = {
     "self_attn_layer_norm.": "layer_norm1.",
     "final_layer_norm.": "layer_norm2.",
     "fc1.": "mlp.fc1.",
@@ -23,7 +23,10 @@ _LAYER_NAMES = {
 }
 
 
-class Qwen2AudioEncoder(nn.Module):
+class WhisperStyleEncoder(nn.Module):
+    """Whisper's two convolutions (the second of stride 2) and its encoder layers, under Whisper's names
+    (`conv1`, `conv2`, `layers.`), as Qwen's audio encoders build on them."""
+
     def __init__(self, audio: dict[str, Any]) -> None:
         super().__init__()
         width = int(audio["d_model"])
@@ -32,7 +35,6 @@ class Qwen2AudioEncoder(nn.Module):
             raise ValueError("audio_config.scale_embedding is not supported")
         self.conv1 = nn.Conv1d(num_mel_bins, width, kernel_size=3, padding=1)
         self.conv2 = nn.Conv1d(width, width, kernel_size=3, stride=2, padding=1)
-        self.embed_positions = nn.Embedding(int(audio.get("max_source_positions", 1500)), width)
         self.layers = nn.ModuleList(
             EncoderLayer(
                 width,
@@ -44,6 +46,13 @@ class Qwen2AudioEncoder(nn.Module):
             )
             for _ in range(int(audio["encoder_layers"]))
         )
+
+
+class Qwen2AudioEncoder(WhisperStyleEncoder):
+    def __init__(self, audio: dict[str, Any]) -> None:
+        super().__init__(audio)
+        width = int(audio["d_model"])
+        self.embed_positions = nn.Embedding(int(audio.get("max_source_positions", 1500)), width)
         self.layer_norm = nn.LayerNorm(width)
 
     def forward(self, features: torch.Tensor, num_frames: torch.Tensor) -> torch.Tensor:
@@ -86,7 +95,7 @@ class Qwen2AudioForConditionalGeneration(ConditionalGeneration):
 
     def _encoder_parameter(self, name: str) -> str:
         if name.startswith("audio_tower.layers."):
-            for whisper, ours in _LAYER_NAMES.items():
+            for whisper, ours in WHISPER_LAYER_NAMES.items():
                 name = name.replace(f".{whisper}", f".{ours}")
             return name
         return name.removeprefix("multi_modal_projector.")

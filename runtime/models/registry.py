@@ -5,12 +5,13 @@ A plugin package declares, e.g. in its pyproject.toml:
     MyForCausalLM = "my_package.model:MyForCausalLM"
 
 A model class is built as `cls(model_config, attention_backend, max_position)` and provides
-`forward(input_ids, positions, kv_caches, plan) -> hidden`, `compute_logits(hidden) -> float32 logits` and
-`load_weights(iterable of (checkpoint name, tensor))`, like `LlamaForCausalLM`. To run split between
-tensor- or pipeline-parallel ranks it also provides `checkpoint_slice(name, shape)` and builds its shard from
-`kvfleet.runtime.distributed.parallel.parallel_context()`. A model that takes images or audio also provides
-`embed_multimodal(modality, data, unpadded_lengths) -> one [tokens, hidden] tensor per item` and
-`embed_input_ids(input_ids)`, and its forward accepts `inputs_embeds` (see `ConditionalGeneration`).
+`forward(input_ids, positions, kv_caches, plan) -> hidden` (positions [3, num_tokens] when the config's
+rope has an `mrope_section`: the engine computes them per request), `compute_logits(hidden) -> float32
+logits` and `load_weights(iterable of (checkpoint name, tensor))`, like `LlamaForCausalLM`. To run split
+between tensor- or pipeline-parallel ranks it also provides `checkpoint_slice(name, shape)` and builds its
+shard from `kvfleet.runtime.distributed.parallel.parallel_context()`. A model that takes images or audio
+also provides `embed_multimodal(modality, data, unpadded_lengths) -> one [tokens, hidden] tensor per item`
+and `embed_input_ids(input_ids)`, and its forward accepts `inputs_embeds` (see `ConditionalGeneration`).
 """
 
 from __future__ import annotations
@@ -33,6 +34,17 @@ _BUILTIN: dict[str, str] = {
     "LlavaForConditionalGeneration": "kvfleet.runtime.models.llava:LlavaForConditionalGeneration",
     "Qwen2AudioForConditionalGeneration": (
         "kvfleet.runtime.models.qwen2_audio:Qwen2AudioForConditionalGeneration"
+    ),
+    "Qwen2_5OmniThinkerForConditionalGeneration": (
+        "kvfleet.runtime.models.qwen2_5_omni:Qwen2_5OmniThinkerForConditionalGeneration"
+    ),
+}
+# Architectures refused with the reason, where another one is what to serve.
+REFUSED_ARCHITECTURES: dict[str, str] = {
+    "Qwen2_5OmniForConditionalGeneration": (
+        "a whole Qwen2.5-Omni (thinker, talker and speech decoder) is not served: kvfleet answers in text, "
+        "which is the thinker's part; serve a folder of its thinker alone "
+        "(Qwen2_5OmniThinkerForConditionalGeneration)"
     ),
 }
 

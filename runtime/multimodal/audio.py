@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import soundfile
 import soxr
-from kvfleet.runtime.multimodal.inputs import MediaInputError, ModalitySpec, PreparedItem
+from kvfleet.runtime.multimodal.inputs import MediaInputError, ModalitySpec, PreparedItem, fixed_shape
 
 # The formats of OpenAI's input_audio content parts, and the containers libsndfile reports for each.
 AUDIO_FORMATS = {"wav": ("WAV", "WAVEX"), "mp3": ("MP3",)}
@@ -39,8 +39,8 @@ class AudioSettings:
     def modality_spec(self) -> ModalitySpec:
         return ModalitySpec(
             placeholder_id=self.audio_token_id,
-            item_shape=(self.num_mel_bins, self.num_frames),
-            num_tokens=self.num_tokens,
+            shape_error=fixed_shape((self.num_mel_bins, self.num_frames)),
+            num_tokens=lambda _, frames: self.num_tokens(frames),
             max_item_tokens=self.num_tokens(self.num_frames),
         )
 

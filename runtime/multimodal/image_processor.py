@@ -6,14 +6,18 @@ from __future__ import annotations
 
 import io
 import json
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from kvfleet.runtime.multimodal.inputs import MediaInputError, ModalitySpec
+from kvfleet.runtime.multimodal.inputs import MediaInputError, ModalitySpec, fixed_shape
 from PIL import Image, UnidentifiedImageError
 
+# Qwen2-VL's image processor refuses images longer than this many times their width (or the reverse).
+_MAX_ASPECT_RATIO = 200
 # What Pillow may decode: the formats content parts take (PNG, JPEG, WebP), nothing else it can read.
 IMAGE_FORMATS = ("PNG", "JPEG", "WEBP")
 
@@ -34,10 +38,83 @@ class VisionSettings:
         tokens = self.tokens_per_image
         return ModalitySpec(
             placeholder_id=self.image_token_id,
-            item_shape=(3, self.image_size, self.image_size),
-            num_tokens=lambda _: tokens,
+            shape_error=fixed_shape((3, self.image_size, self.image_size)),
+            num_tokens=lambda _shape, _length: tokens,
             max_item_tokens=tokens,
         )
+
+
+@dataclass(frozen=True)
+class GridVisionSettings:
+    """What a Qwen2.5-Omni config.json and its preprocessor_config.json say about images: each resized to
+    multiples of patch_size x merge_size, within [min_pixels, max_pixels] and close to its aspect ratio, cut
+    into patches, and each merge_size x merge_size patches merged into one embedding (so an image's
+    embeddings form a grid, which M-RoPE positions by row and column)."""
+
+    image_token_id: int
+    patch_size: int
+    merge_size: int
+    min_pixels: int
+    max_pixels: int
+
+    @property
+    def factor(self) -> int:
+        return self.patch_size * self.merge_size
+
+    def grid(self, shape: Sequence[int]) -> tuple[int, int]:
+        """Rows and columns of the embeddings of an image of shape [3, height, width]."""
+        return shape[1] // self.factor, shape[2] // self.factor
+
+    def shape_error(self, shape: Sequence[int]) -> str | None:
+        if len(shape) != 3 or shape[0] != 3 or shape[1] % self.factor or shape[2] % self.factor:
+            return f"the model takes [3, height, width], each side a multiple of {self.factor}"
+        if not self.min_pixels <= shape[1] * shape[2] <= self.max_pixels:
+            return f"the model takes {self.min_pixels} to {self.max_pixels} pixels"
+        return None
+
+    def resized_size(self, width: int, height: int) -> tuple[int, int]:
+        """(width, height) an image is resized to, as Qwen2-VL's image processor rounds them."""
+        if max(width, height) / min(width, height) > _MAX_ASPECT_RATIO:
+            raise MediaInputError(f"the image's aspect ratio is more than {_MAX_ASPECT_RATIO}")
+        factor = self.factor
+        new_height, new_width = round(height / factor) * factor, round(width / factor) * factor
+        if new_height * new_width > self.max_pixels:
+            scale = math.sqrt(height * width / self.max_pixels)
+            new_height = max(factor, math.floor(height / scale / factor) * factor)
+            new_width = max(factor, math.floor(width / scale / factor) * factor)
+        elif new_height * new_width < self.min_pixels:
+            scale = math.sqrt(self.min_pixels / (height * width))
+            new_height = math.ceil(height * scale / factor) * factor
+            new_width = math.ceil(width * scale / factor) * factor
+        return new_width, new_height
+
+    def modality_spec(self) -> ModalitySpec:
+        return ModalitySpec(
+            placeholder_id=self.image_token_id,
+            shape_error=self.shape_error,
+            num_tokens=lambda shape, _: math.prod(self.grid(shape)),
+            max_item_tokens=self.max_pixels // self.factor**2,
+            mrope_grid=self.grid,
+        )
+
+
+def grid_vision_settings(config: dict[str, Any], model_dir: str | Path) -> GridVisionSettings:
+    vision = config["vision_config"]
+    path = Path(model_dir) / "preprocessor_config.json"
+    if not path.is_file():
+        raise ValueError(f"{path} does not exist: a vision model folder needs its image processor config")
+    processor = json.loads(path.read_text())
+    size = processor.get("size") or {}
+    token_id = config.get("image_token_index", config.get("image_token_id"))
+    if token_id is None:
+        raise ValueError("config.json names no image_token_index")
+    return GridVisionSettings(
+        image_token_id=int(token_id),
+        patch_size=int(vision.get("patch_size", 14)),
+        merge_size=int(vision.get("spatial_merge_size", 2)),
+        min_pixels=int(processor.get("min_pixels") or size.get("shortest_edge") or 56 * 56),
+        max_pixels=int(processor.get("max_pixels") or size.get("longest_edge") or 28 * 28 * 1280),
+    )
 
 
 def vision_settings(config: dict[str, Any]) -> VisionSettings:

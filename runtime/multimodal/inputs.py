@@ -45,12 +45,24 @@ class ModalitySpec:
     """What a model takes of one modality, from its config.json."""
 
     placeholder_id: int
-    # The shape of one item's preprocessed input.
-    item_shape: tuple[int, ...]
-    # The placeholder tokens (encoder embeddings) of an item, from its unpadded_length.
-    num_tokens: Callable[[int], int]
+    # What is wrong with the shape of an item's preprocessed input, or None when the model takes it.
+    shape_error: Callable[[Sequence[int]], str | None]
+    # The placeholder tokens (encoder embeddings) of an item, from its shape and unpadded_length.
+    num_tokens: Callable[[Sequence[int], int], int]
     # The most placeholder tokens one item can have.
     max_item_tokens: int
+    # The (rows, columns) an item's placeholders form on M-RoPE's grid, from its shape, for a model whose
+    # positions are three-dimensional and items laid out in two; None: its positions run on as text's do.
+    mrope_grid: Callable[[Sequence[int]], tuple[int, int]] | None = None
+
+
+def fixed_shape(item_shape: tuple[int, ...]) -> Callable[[Sequence[int]], str | None]:
+    """ModalitySpec.shape_error for a model that takes items of one shape only."""
+
+    def shape_error(shape: Sequence[int]) -> str | None:
+        return None if tuple(shape) == item_shape else f"the model takes {list(item_shape)}"
+
+    return shape_error
 
 
 @dataclass(frozen=True)
@@ -125,12 +137,15 @@ def check_features(
         if spec is None:
             raise ValueError(modality_refusal(feature.modality, specs))
         name = f"{feature.modality} item {index}"
-        shape = list(spec.item_shape)
-        if list(feature.shape) != shape or len(feature.data) != 4 * int(np.prod(shape)):
-            raise ValueError(f"{name} has shape {feature.shape}, the model takes {shape}")
+        shape = list(feature.shape)
+        problem = spec.shape_error(shape)
+        if problem is not None:
+            raise ValueError(f"{name} has shape {shape}: {problem}")
+        if len(feature.data) != 4 * int(np.prod(shape)):
+            raise ValueError(f"{name} has {len(feature.data)} bytes of data for its shape {shape}")
         if not 0 < feature.unpadded_length <= shape[-1]:
             raise ValueError(f"{name} has unpadded length {feature.unpadded_length} of {shape[-1]}")
-        expected = spec.num_tokens(feature.unpadded_length)
+        expected = spec.num_tokens(shape, feature.unpadded_length)
         if feature.length != expected:
             raise ValueError(f"{name} has {feature.length} placeholders, the model gives {expected}")
         if feature.length > max_item_tokens:

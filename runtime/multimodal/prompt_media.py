@@ -5,12 +5,19 @@ their placeholders expanded, ready for the engine (which never decodes, resizes 
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from kvfleet.runtime.multimodal.audio import AudioProcessor, audio_settings
-from kvfleet.runtime.multimodal.image_processor import ImageProcessor, vision_settings
+from kvfleet.runtime.multimodal.image_processor import (
+    GridVisionSettings,
+    ImageProcessor,
+    grid_vision_settings,
+    vision_settings,
+)
 from kvfleet.runtime.multimodal.inputs import (
     MediaInputError,
     ModalitySpec,
@@ -21,11 +28,16 @@ from kvfleet.runtime.multimodal.inputs import (
 )
 
 
-def modality_specs(config: dict[str, Any]) -> dict[str, ModalitySpec]:
-    """What a model's config.json says it takes besides text: empty for a text-only model."""
+def modality_specs(config: dict[str, Any], model_dir: str | Path) -> dict[str, ModalitySpec]:
+    """What a model's config.json (and for images laid out on a grid, its preprocessor_config.json) says it
+    takes besides text: empty for a text-only model."""
     specs = {}
     if "vision_config" in config:
-        specs["image"] = vision_settings(config).modality_spec()
+        specs["image"] = (
+            grid_vision_settings(config, model_dir).modality_spec()
+            if uses_image_grid(config)
+            else vision_settings(config).modality_spec()
+        )
     if "audio_config" in config:
         specs["audio"] = audio_settings(config).modality_spec()
     return specs
@@ -53,12 +65,15 @@ class PromptMedia:
         counts, max_audio_clip_s)."""
         model_dir = Path(model_dir)
         model_config = json.loads((model_dir / "config.json").read_text())
-        specs = modality_specs(model_config)
+        specs = modality_specs(model_config, model_dir)
         preprocessors: dict[str, Callable[[Any], PreparedItem]] = {}
         audio = None
         if "image" in specs:
-            preprocessors["image"] = _image_preprocessor(
-                ImageProcessor.from_folder(model_dir), specs["image"]
+            image_processor = ImageProcessor.from_folder(model_dir)
+            preprocessors["image"] = (
+                _grid_image_preprocessor(image_processor, grid_vision_settings(model_config, model_dir))
+                if uses_image_grid(model_config)
+                else _image_preprocessor(image_processor, specs["image"])
             )
         if "audio" in specs:
             audio = AudioProcessor.from_folder(model_dir, audio_settings(model_config), max_audio_clip_s)
@@ -106,5 +121,23 @@ def _image_preprocessor(processor: ImageProcessor, spec: ModalitySpec) -> Callab
     def preprocess(image: Any) -> PreparedItem:
         pixels = processor(image.convert("RGB"))
         return PreparedItem(pixels, pixels.shape[-1], tokens)
+
+    return preprocess
+
+
+def uses_image_grid(config: dict[str, Any]) -> bool:
+    """Whether the model's images are resized to their own grid of merged patches (Qwen2.5-Omni's), rather
+    than to one size (LLaVA's)."""
+    return "spatial_merge_size" in config["vision_config"]
+
+
+def _grid_image_preprocessor(
+    processor: ImageProcessor, settings: GridVisionSettings
+) -> Callable[[Any], PreparedItem]:
+    def preprocess(image: Any) -> PreparedItem:
+        image = image.convert("RGB")
+        width, height = settings.resized_size(*image.size)
+        pixels = replace(processor, resize={"width": width, "height": height}, crop=None)(image)
+        return PreparedItem(pixels, pixels.shape[-1], math.prod(settings.grid(pixels.shape)))
 
     return preprocess

@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
+import numpy as np
 from kvfleet.runtime.core.host_kv_tier import TierCopies
 from kvfleet.runtime.core.outputs import SchedulerOutput
 from kvfleet.runtime.lora.request import LoRARequest
@@ -30,6 +31,8 @@ class StepInputs:
     # Each request's images (or other items), in prompt order; empty for text.
     mm_features: list[list[MultiModalFeature]]
     tier_copies: TierCopies = field(default_factory=TierCopies)
+    # On a model with M-RoPE, each request's positions [3, its scheduled tokens]; None on others.
+    mrope_positions: list[np.ndarray] | None = None
 
     @property
     def num_reqs(self) -> int:
@@ -52,6 +55,20 @@ class StepInputs:
                 f"but the requests add up to {num_tokens}"
             )
         spec_decode_tokens = scheduler_output.scheduled_spec_decode_tokens
+        requests = scheduler_output.requests
+        mrope_positions = (
+            [
+                request.mrope_positions.rows(start, start + count)
+                for request, start, count in zip(
+                    requests,
+                    scheduler_output.num_computed_tokens,
+                    scheduler_output.num_scheduled_tokens,
+                    strict=True,
+                )
+            ]
+            if requests and requests[0].mrope_positions is not None
+            else None
+        )
         token_ids, sample_rows, logit_rows = [], [], []
         end_row = 0
         for i, request in enumerate(scheduler_output.requests):
@@ -77,6 +94,7 @@ class StepInputs:
             lora_requests=[request.lora_request for request in scheduler_output.requests],
             mm_features=[list(request.mm_features) for request in scheduler_output.requests],
             tier_copies=scheduler_output.tier_copies,
+            mrope_positions=mrope_positions,
         )
 
     def split(self, parts: int) -> list[StepInputs]:
@@ -107,4 +125,5 @@ class StepInputs:
             lora_requests=self.lora_requests[first:last],
             mm_features=self.mm_features[first:last],
             tier_copies=self.tier_copies if copies else TierCopies(),
+            mrope_positions=None if self.mrope_positions is None else self.mrope_positions[first:last],
         )

@@ -149,12 +149,14 @@ def transformers_chat_answer(
     model_class: Any, folder: Path, messages: list[dict[str, Any]], max_tokens: int, **media: Any
 ) -> tuple[str, int]:
     """(greedy answer text, prompt tokens) of Transformers' processor and model (`model_class`) for the
-    chat messages, whose media parts' decoded contents `media` holds (images=..., or audio=... and
+    chat messages, whose media parts' decoded contents `media` holds (images=..., audio=... and
     sampling_rate=...)."""
     import torch
     from transformers import AutoProcessor
 
-    processor = AutoProcessor.from_pretrained(folder)
+    # The Pillow image processors, which the server's resizing follows (with torchvision installed,
+    # Transformers would pick its torchvision ones).
+    processor = AutoProcessor.from_pretrained(folder, use_fast=False)
     model = model_class.from_pretrained(folder, dtype=torch.float32).eval()
     conversation = [
         {

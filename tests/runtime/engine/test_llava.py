@@ -70,7 +70,9 @@ def llava(make_model: Callable[..., Path]) -> Path:
 @pytest.fixture(scope="module")
 def reference(llava: Path) -> list[tuple[list[int], tuple[list[int], list[set[int]]]]]:
     """Per case: Transformers' expanded prompt, and its greedy tokens with the top-5 at each step."""
-    processor = AutoProcessor.from_pretrained(llava)
+    # The Pillow image processor, which the engine's resizing follows (with torchvision installed,
+    # Transformers would pick its torchvision one).
+    processor = AutoProcessor.from_pretrained(llava, use_fast=False)
     model = LlavaForConditionalGeneration.from_pretrained(llava, dtype=torch.float32).eval()
     results = []
     for conversation, images in CASES:
@@ -93,13 +95,13 @@ def test_transformers_loads_every_tensor_of_the_folder(llava: Path) -> None:
         llava, dtype=torch.float32, output_loading_info=True
     )
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
-    processor = AutoProcessor.from_pretrained(llava)
+    processor = AutoProcessor.from_pretrained(llava, use_fast=False)
     assert type(processor).__name__ == "LlavaProcessor"
     assert processor.image_token_id == AutoConfig.from_pretrained(llava).image_token_id
 
 
 def test_pixels_match_the_transformers_image_processor(llava: Path) -> None:
-    theirs = AutoProcessor.from_pretrained(llava).image_processor
+    theirs = AutoProcessor.from_pretrained(llava, use_fast=False).image_processor
     ours = ImageProcessor.from_folder(llava)
     for image in IMAGES:
         expected = theirs(images=[image], return_tensors="np")["pixel_values"][0]
