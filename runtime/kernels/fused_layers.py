@@ -1,8 +1,9 @@
-"""The switch the model's layers consult before using a fused Triton kernel instead of their torch code.
+"""The switch the model's layers consult before using a fused kernel instead of their torch code: Triton's
+on CUDA, the C++ operations of cpu_layers.cpp for float32 on the CPU.
 
-Importing this module does not import Triton: the kernels are loaded the first time a CUDA tensor asks
-for them, so CPU-only processes never pay for (or depend on) Triton. KVFLEET_FUSED_KERNELS=0 turns the
-kernels off, e.g. to compare against the torch layers.
+Importing this module imports neither: Triton's kernels are loaded the first time a CUDA tensor asks for
+them, so CPU-only processes never pay for (or depend on) Triton, and the C++ operations are built the first
+time a CPU tensor does. KVFLEET_FUSED_KERNELS=0 turns both off, e.g. to compare against the torch layers.
 """
 
 from __future__ import annotations
@@ -11,17 +12,24 @@ import functools
 import importlib.util
 import logging
 import os
+from pathlib import Path
 
 import torch
+from kvfleet.runtime.kernels.cpu_build import build_cpu_ops
 
 logger = logging.getLogger(__name__)
 
 ENV_VAR = "KVFLEET_FUSED_KERNELS"
+_CPU_SOURCE = Path(__file__).with_name("cpu_layers.cpp")
+
+
+def _switched_on() -> bool:
+    return os.environ.get(ENV_VAR, "1") != "0"
 
 
 @functools.cache
 def _kernels_available() -> bool:
-    if os.environ.get(ENV_VAR, "1") == "0":
+    if not _switched_on():
         logger.info("fused layer kernels are off (%s=0)", ENV_VAR)
         return False
     if importlib.util.find_spec("triton") is None:
@@ -30,13 +38,22 @@ def _kernels_available() -> bool:
     return True
 
 
+@functools.cache
+def _cpu_ops_available() -> bool:
+    return _switched_on() and build_cpu_ops("kvfleet_cpu_layers", _CPU_SOURCE, "the CPU layer operations")
+
+
 def enabled(x: torch.Tensor) -> bool:
     """Whether the fused kernels should replace the torch layer ops for this activation tensor."""
-    return enabled_on(x.device)
+    return _runs_on_cpu_ops(x) or enabled_on(x.device)
+
+
+def _runs_on_cpu_ops(x: torch.Tensor) -> bool:
+    return x.device.type == "cpu" and x.dtype == torch.float32 and _cpu_ops_available()
 
 
 def enabled_on(device: torch.device) -> bool:
-    """Whether the fused kernels replace the torch layer ops on this device."""
+    """Whether the fused Triton kernels replace the torch layer ops on this device."""
     return device.type == "cuda" and _kernels_available()
 
 
@@ -45,6 +62,8 @@ def rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(norm(x + residual) * weight, x + residual), or (norm(x) * weight, x) without a residual; x may
     have any number of leading dimensions."""
+    if _runs_on_cpu_ops(x):
+        return torch.ops.kvfleet_cpu_layers.rms_norm(x, residual, weight, eps)
     from kvfleet.runtime.kernels.rms_norm import rms_norm as kernel
 
     shape = x.shape
@@ -59,12 +78,17 @@ def rotary_embedding_(
     positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, cos_sin_cache: torch.Tensor
 ) -> None:
     """Rotates query [tokens, heads, head_dim] and key [tokens, kv_heads, head_dim] in place."""
+    if _runs_on_cpu_ops(query):
+        torch.ops.kvfleet_cpu_layers.rotary_embedding_(positions, query, key, cos_sin_cache)
+        return
     from kvfleet.runtime.kernels.rotary import rotary_embedding_ as kernel
 
     kernel(positions, query, key, cos_sin_cache)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    if _runs_on_cpu_ops(gate_up):
+        return torch.ops.kvfleet_cpu_layers.silu_and_mul(gate_up)
     from kvfleet.runtime.kernels.activation import silu_and_mul as kernel
 
     return kernel(gate_up)
