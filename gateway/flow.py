@@ -61,7 +61,7 @@ class _Waiter:
     future: asyncio.Future[Replica] = field(compare=False)
 
 
-def places_kept_for_more_urgent(tiers_below_most_urgent: int, cap: int) -> int:
+def _places_kept_for_more_urgent(tiers_below_most_urgent: int, cap: int) -> int:
     """The places of a first-come, first-served replica that a request leaves free for more urgent ones."""
     if tiers_below_most_urgent <= 0:
         return 0
@@ -188,7 +188,7 @@ class ModelPool:
             # The replica runs background requests only when no other is present: sent now, it would hold
             # this one in its own queue, where it would count against the cap and keep out urgent requests.
             return False
-        return replica.in_flight < cap - places_kept_for_more_urgent(
+        return replica.in_flight < cap - _places_kept_for_more_urgent(
             priority - self._most_urgent_recent(), cap
         )
 
