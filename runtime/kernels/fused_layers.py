@@ -43,6 +43,13 @@ def _cpu_ops_available() -> bool:
     return _switched_on() and build_cpu_ops("kvfleet_cpu_layers", _CPU_SOURCE, "the CPU layer operations")
 
 
+def prepare(device: torch.device, dtype: torch.dtype) -> None:
+    """Builds (or loads from the cache) the operations that activations of this device and dtype will use,
+    so that a model's first step does not pay for it: an engine calls it while it loads."""
+    if device.type == "cpu" and dtype == torch.float32:
+        _cpu_ops_available()
+
+
 def enabled(x: torch.Tensor) -> bool:
     """Whether the fused kernels should replace the torch layer ops for this activation tensor."""
     return _runs_on_cpu_ops(x) or enabled_on(x.device)

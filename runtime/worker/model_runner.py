@@ -140,6 +140,7 @@ class ModelRunner:
             max_position=self.max_model_len,
             stats=self.load_stats,
         )
+        fused_layers.prepare(self.device, self.dtype)
         if hasattr(self.model, "embed_multimodal"):
             self.encoder_runner = EncoderRunner(self.model, self.device)
         config = self.config
