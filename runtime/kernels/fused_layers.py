@@ -2,8 +2,8 @@
 on CUDA, the C++ operations of cpu_layers.cpp for float32 on the CPU.
 
 Importing this module imports neither: Triton's kernels are loaded the first time a CUDA tensor asks for
-them, so CPU-only processes never pay for (or depend on) Triton, and the C++ operations are built the first
-time a CPU tensor does. KVFLEET_FUSED_KERNELS=0 turns both off, e.g. to compare against the torch layers.
+them, so CPU-only processes never pay for (or depend on) Triton, and the C++ operations are built when an
+engine loads (`prepare`). KVFLEET_FUSED_KERNELS=0 turns both off, e.g. to compare against the torch layers.
 """
 
 from __future__ import annotations
