@@ -86,8 +86,6 @@ class EngineCore:
         self.modalities: dict[str, ModalitySpec] = (
             {} if multimodal is None else modality_specs(multimodal, config.model)
         )
-        # Whether the model positions tokens by M-RoPE: each request's positions are then computed once.
-        self.uses_mrope = "mrope_section" in self.runner.model_config.rope
         self.scheduler = Scheduler(
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
@@ -251,7 +249,7 @@ class EngineCore:
                 mm_features=add.mm_features,
                 mrope_positions=(
                     MRopePositions.of(len(add.prompt_token_ids), add.mm_features, self.modalities)
-                    if self.uses_mrope
+                    if self.runner.model_config.uses_mrope
                     else None
                 ),
             )

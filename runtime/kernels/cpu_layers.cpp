@@ -30,15 +30,19 @@ std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& x, const c10::opti
   const int64_t rows = input.numel() / hidden;
   at::Tensor out = at::empty_like(input);
   at::Tensor summed = input;
+  // Held here, not as temporaries, so that the pointers below stay valid when a copy had to be made.
+  at::Tensor residual_rows;
+  const at::Tensor weight_values = weight.contiguous();
   const float* added = nullptr;
   if (residual.has_value()) {
     TORCH_CHECK(residual->sizes() == x.sizes() && residual->scalar_type() == at::kFloat,
                 "rms_norm: residual must match x");
     summed = at::empty_like(input);
-    added = residual->contiguous().data_ptr<float>();
+    residual_rows = residual->contiguous();
+    added = residual_rows.data_ptr<float>();
   }
   const float* in = input.data_ptr<float>();
-  const float* w = weight.contiguous().data_ptr<float>();
+  const float* w = weight_values.data_ptr<float>();
   float* sum_out = summed.data_ptr<float>();
   float* normed = out.data_ptr<float>();
   const float epsilon = static_cast<float>(eps);

@@ -173,7 +173,7 @@ class LlamaForCausalLM(nn.Module):
             LlamaDecoderLayer(config, attention, window, parallel) for window in local_windows
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if parallel.is_last_stage else None
-        rotary_class = MRotaryEmbedding if "mrope_section" in config.rope else RotaryEmbedding
+        rotary_class = MRotaryEmbedding if config.uses_mrope else RotaryEmbedding
         self.rotary_emb = rotary_class(config.head_dim, max_position, config.rope)
         self.lm_head: Linear | None = None
         if parallel.is_last_stage and not config.tie_word_embeddings:

@@ -113,6 +113,11 @@ class ModelConfig:
         )
 
     @property
+    def uses_mrope(self) -> bool:
+        """Whether tokens are rotated by three positions (M-RoPE), which the engine computes per request."""
+        return "mrope_section" in self.rope
+
+    @property
     def o_proj_bias(self) -> bool:
         return self.model_type not in QWEN2_MODEL_TYPES and self.attention_bias
 

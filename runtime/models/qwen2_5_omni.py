@@ -220,7 +220,7 @@ class Qwen2_5OmniThinkerForConditionalGeneration(ConditionalGeneration):
         super().__init__(config, attention, max_position)
         multimodal = config.multimodal
         assert multimodal is not None
-        if "mrope_section" not in config.rope:
+        if not config.uses_mrope:
             raise ValueError("Qwen2.5-Omni's text_config needs rope_parameters.mrope_section")
         self.visual = VisionTransformer(multimodal["vision_config"])
         self.audio_tower = AudioEncoder(multimodal["audio_config"])

@@ -5,7 +5,6 @@ their placeholders expanded, ready for the engine (which never decodes, resizes 
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -71,7 +70,9 @@ class PromptMedia:
         if "image" in specs:
             image_processor = ImageProcessor.from_folder(model_dir)
             preprocessors["image"] = (
-                _grid_image_preprocessor(image_processor, grid_vision_settings(model_config, model_dir))
+                _grid_image_preprocessor(
+                    image_processor, grid_vision_settings(model_config, model_dir), specs["image"]
+                )
                 if uses_image_grid(model_config)
                 else _image_preprocessor(image_processor, specs["image"])
             )
@@ -132,12 +133,12 @@ def uses_image_grid(config: dict[str, Any]) -> bool:
 
 
 def _grid_image_preprocessor(
-    processor: ImageProcessor, settings: GridVisionSettings
+    processor: ImageProcessor, settings: GridVisionSettings, spec: ModalitySpec
 ) -> Callable[[Any], PreparedItem]:
     def preprocess(image: Any) -> PreparedItem:
         image = image.convert("RGB")
         width, height = settings.resized_size(*image.size)
         pixels = replace(processor, resize={"width": width, "height": height}, crop=None)(image)
-        return PreparedItem(pixels, pixels.shape[-1], math.prod(settings.grid(pixels.shape)))
+        return PreparedItem(pixels, pixels.shape[-1], spec.num_tokens(pixels.shape, pixels.shape[-1]))
 
     return preprocess

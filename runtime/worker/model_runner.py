@@ -107,8 +107,6 @@ class ModelRunner:
             if self.model_config.rope["rope_type"] in LENGTH_DEPENDENT_ROPE_TYPES
             else None
         )
-        # Whether the model rotates by three positions a token (computed by the engine per request).
-        self._uses_mrope = "mrope_section" in self.model_config.rope
         # Marks when the device has read the host buffers (their copies are asynchronous on CUDA).
         self._inputs_copied: torch.cuda.Event | None = None
 
@@ -415,7 +413,7 @@ class ModelRunner:
             seq_lens_cpu=seq_lens_cpu,
         )
         input_ids_tensor = self._input_ids.to_device(num_tokens, device)
-        if not self._uses_mrope:
+        if not self.model_config.uses_mrope:
             positions_tensor = self._positions.to_device(num_tokens, device)
         else:  # M-RoPE rotates by [3, num_tokens]; the KV slots above follow the token's index
             assert step.mrope_positions is not None, "an M-RoPE model's step needs its requests' positions"

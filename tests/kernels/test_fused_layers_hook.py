@@ -34,6 +34,16 @@ def test_rms_norm_matches_the_model_layer(assert_close, dtype, with_residual, ro
     assert_close(new_residual, expected_residual)
 
 
+def test_rms_norm_takes_a_residual_that_is_a_strided_view(assert_close) -> None:
+    layer = layers.RMSNorm(64, 1e-6)
+    x = torch.randn(5, 64)
+    residual = torch.randn(64, 5).t()
+    out, new_residual = fused_layers.rms_norm(x, layer.weight.detach(), layer.eps, residual)
+    expected_out, expected_residual = layer(x, residual)
+    assert_close(out, expected_out)
+    assert_close(new_residual, expected_residual)
+
+
 def test_rms_norm_of_per_head_rows_keeps_the_shape(assert_close) -> None:
     # Qwen3's q/k norm normalises each head of a [tokens, heads, head_dim] view of the QKV output.
     layer = layers.RMSNorm(64, 1e-6)
