@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 
 PROMPT = [{"role": "user", "content": "Tell me a story about the sea."}]
 MAX_TOKENS = 48
+LONG_MAX_TOKENS = 1024
 WINDOW = 4
 REFUSAL = "Refused by policy."
 MARKER_CATEGORY = "test/marker"
@@ -225,7 +226,9 @@ def test_streamed_output_stops_before_the_window_that_holds_the_marker(
     ruled: ServerProcess, reference: Reference
 ) -> None:
     aborted = finished_count(ruled, "abort")
-    events = _stream(ruled)
+    # Far more tokens than the reference: the engine is still generating when the marker's window is
+    # checked, however the guard's calls lag behind it, so the request must end by an abort.
+    events = _stream(ruled, max_tokens=LONG_MAX_TOKENS)
     sent = _content(events)
     assert reference.marker not in sent
     # Nothing of the flagged window went out: only whole windows before it, then the refusal.
