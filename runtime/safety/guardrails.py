@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kvfleet.runtime.safety.checker import Checker, CheckerUnavailableError, Direction, Finding
 from kvfleet.runtime.safety.config import Policy, SafetyConfig
@@ -163,3 +163,20 @@ def redact(text: str, findings: tuple[Finding, ...] | list[Finding]) -> str:
         position = end
     pieces.append(text[position:])
     return "".join(pieces)
+
+
+def redact_pieces(pieces: list[str], findings: tuple[Finding, ...]) -> list[str]:
+    """`redact` over a text that was checked as the concatenation of `pieces`, done piece by piece: each
+    piece gets the markers of the spans that reach into it, so whatever lies between the pieces (a message's
+    images) keeps its place."""
+    redacted, start = [], 0
+    for piece in pieces:
+        end = start + len(piece)
+        inside = [
+            replace(f, span=(max(f.span[0], start) - start, min(f.span[1], end) - start))
+            for f in findings
+            if f.span is not None and f.span[0] < end and f.span[1] > start
+        ]
+        redacted.append(redact(piece, inside))
+        start = end
+    return redacted

@@ -309,6 +309,10 @@ class ContentPart(_Body):
     image_url: ImageURL | None = None
     input_audio: InputAudio | None = None
 
+    @property
+    def is_text(self) -> bool:
+        return self.type == "text" and self.text is not None
+
 
 class FunctionCall(_Body):
     name: str
@@ -361,7 +365,7 @@ class ChatMessage(_Body):
             return self.content
         parts: list[dict[str, str]] = []
         for part_index, part in enumerate(self.content):
-            if part.type == "text" and part.text is not None:
+            if part.is_text:
                 parts.append({"type": "text", "text": part.text})
             elif part.type == "image_url" and part.image_url is not None:
                 parts.append({"type": "image"})

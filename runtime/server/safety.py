@@ -134,12 +134,13 @@ class RequestSafety:
                 self.guardrails.check(self.policy, text, Direction.INPUT)
             )
 
-    async def redacted_input(self, text: str) -> str:
-        """The input as the model may see it, checked before it runs: redacted, or refused."""
+    async def checked_input(self, text: str) -> Decision:
+        """The policy's decision on the input, made before the request runs; a blocked input is refused.
+        Its text is the input as the model may see it, redacted where need be."""
         decision = await self.guardrails.check(self.policy, text, Direction.INPUT)
         if decision.blocked:
             raise ContentFilterError(decision, self.policy.refusal)
-        return decision.text
+        return decision
 
     @property
     def redacts_input(self) -> bool:

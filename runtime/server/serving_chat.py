@@ -8,11 +8,11 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from kvfleet.runtime.engine.outputs import CompletionOutput, RequestOutput
+from kvfleet.runtime.safety.guardrails import Decision, redact_pieces
 from kvfleet.runtime.server.media import load_chat_media
 from kvfleet.runtime.server.protocol import (
     ChatCompletionRequest,
     ChatMessage,
-    ContentPart,
     message_text,
     template_messages,
     usage,
@@ -172,19 +172,24 @@ def _last_user_text(messages: list[ChatMessage]) -> str | None:
 async def _redacted(safety: RequestSafety, messages: list[ChatMessage]) -> list[ChatMessage]:
     """The messages with what the input checkers found redacted, each checked on its own."""
     texts = [message_text(message) for message in template_messages(messages)]
-    redacted = await asyncio.gather(*(safety.redacted_input(text) for text in texts))
+    decisions = await asyncio.gather(*(safety.checked_input(text) for text in texts))
     return [
-        message if new == old else _with_text(message, new)
-        for message, old, new in zip(messages, texts, redacted, strict=True)
+        message if decision.text == text else _with_redactions(message, decision)
+        for message, text, decision in zip(messages, texts, decisions, strict=True)
     ]
 
 
-def _with_text(message: ChatMessage, text: str) -> ChatMessage:
-    """The message with `text` for its text; its images and audio clips, if any, follow that text."""
+def _with_redactions(message: ChatMessage, decision: Decision) -> ChatMessage:
+    """The message with its text redacted; with images or audio, each text part on its own, so that every
+    part stays where the client put it."""
     if not isinstance(message.content, list):
-        return message.model_copy(update={"content": text})
-    media = [part for part in message.content if part.type != "text"]
-    return message.model_copy(update={"content": [ContentPart(type="text", text=text), *media]})
+        return message.model_copy(update={"content": decision.text})
+    texts = [part.text for part in message.content if part.is_text]
+    redacted = iter(redact_pieces(texts, decision.findings))
+    content = [
+        part.model_copy(update={"text": next(redacted)}) if part.is_text else part for part in message.content
+    ]
+    return message.model_copy(update={"content": content})
 
 
 def _calls(

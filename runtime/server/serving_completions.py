@@ -67,7 +67,8 @@ class OpenAIServingCompletion(OpenAIServing):
             # Token ids are read as text with the tokenizer, which comes with the model.
             await self.state.engine.wait_ready(self.state.engine.startup_request_timeout)
         texts = [self._echo_text(prompt) for prompt in prompts]
-        redacted = await asyncio.gather(*(safety.redacted_input(text) for text in texts))
+        decisions = await asyncio.gather(*(safety.checked_input(text) for text in texts))
+        redacted = [decision.text for decision in decisions]
         for index, (prompt, old, new) in enumerate(zip(prompts, texts, redacted, strict=True)):
             if not isinstance(prompt, str) and new != old:
                 raise BadRequestError(

@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import http.server
 import io
+import json
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -214,3 +215,21 @@ def test_an_audio_clip_beside_an_image_is_a_400_naming_the_clip(client: openai.O
     assert caught.value.body["param"] == "messages.0.content.3"
     chat = client.chat.completions.create(model=MODEL_NAME, messages=[_user("See ", image)], **GREEDY)
     assert chat.usage.completion_tokens == MAX_TOKENS
+
+
+def test_redacted_text_keeps_its_place_around_the_image(
+    start_server: Callable[..., ServerProcess], llava: Path
+) -> None:
+    redacting = {"action": "redact", "input": ["rules"], "rules": {}}
+    server = start_server("--safety-config", json.dumps(redacting), model=llava)
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+    image = _image(11)
+    url = _data_url(_encoded(image))
+    said = [_user("Mail jane@example.com about ", _image_part(url), " and this one.")]
+    seen = [_user("Mail [REDACTED:pii/email] about ", _image_part(url), " and this one.")]
+    chat = client.chat.completions.create(model=MODEL_NAME, messages=said, **GREEDY)
+    answer, prompt_tokens = transformers_chat_answer(
+        LlavaForConditionalGeneration, llava, seen, MAX_TOKENS, images=[image]
+    )
+    assert chat.usage.prompt_tokens == prompt_tokens
+    assert chat.choices[0].message.content == answer

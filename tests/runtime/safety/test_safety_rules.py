@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from kvfleet.runtime.safety.checker import Direction
 from kvfleet.runtime.safety.config import SafetyConfig, parse_safety_config
-from kvfleet.runtime.safety.guardrails import Decision, Guardrails, SafetyMetrics, redact
+from kvfleet.runtime.safety.guardrails import Decision, Guardrails, SafetyMetrics, redact, redact_pieces
 from kvfleet.runtime.safety.rules import RuleChecker
 from prometheus_client import CollectorRegistry
 
@@ -126,3 +126,28 @@ def test_a_tier_override_changes_only_what_it_names() -> None:
 def test_a_bad_config_is_refused_with_its_reason(text: str, reason: str) -> None:
     with pytest.raises(ValueError, match=re.escape(reason)):
         parse_safety_config(text)
+
+
+def test_pieces_are_redacted_where_their_spans_fall() -> None:
+    config = SafetyConfig.model_validate({"action": "redact", "input": ["rules"], "rules": {}})
+    pieces = ["mail jane@example.com", " and ", "pay 4111 1111 1111 1111 today"]
+    decision = _decide(_guardrails(config), "".join(pieces), "input")
+    # No span crosses a piece's edge: the pieces put together are the whole text redacted.
+    redacted = redact_pieces(pieces, decision.findings)
+    assert redacted == ["mail [REDACTED:pii/email]", " and ", "pay [REDACTED:pii/card] today"]
+    assert "".join(redacted) == decision.text
+    # A span across an edge leaves a marker on each side of it.
+    split = ["mail jane@exa", "mple.com now"]
+    decision = _decide(_guardrails(config), "".join(split), "input")
+    assert redact_pieces(split, decision.findings) == [
+        "mail [REDACTED:pii/email]",
+        "[REDACTED:pii/email] now",
+    ]
+    # An empty piece inside a span gets no marker of its own.
+    around = ["mail jane@", "", "example.com now"]
+    decision = _decide(_guardrails(config), "".join(around), "input")
+    assert redact_pieces(around, decision.findings) == [
+        "mail [REDACTED:pii/email]",
+        "",
+        "[REDACTED:pii/email] now",
+    ]
