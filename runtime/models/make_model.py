@@ -559,9 +559,16 @@ VISION_PRESETS: dict[str, VisionPreset] = {
     "small": VisionPreset(256, 1024, 4, 4, 224, 14),
     "small-draft": VisionPreset(32, 64, 2, 2, 30, 6),
 }
-# OpenAI CLIP's normalisation, which LLaVA's image processor keeps.
-_CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
-_CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
+# What LLaVA's and Qwen2.5-Omni's image processors do after resizing: scale to [0, 1], then OpenAI CLIP's
+# normalisation.
+_CLIP_PIXEL_STEPS = {
+    "do_rescale": True,
+    "rescale_factor": 1 / 255,
+    "do_normalize": True,
+    "image_mean": [0.48145466, 0.4578275, 0.40821073],
+    "image_std": [0.26862954, 0.26130258, 0.27577711],
+    "do_convert_rgb": True,
+}
 
 
 def _llava_config(text_config: dict[str, Any], vision: VisionPreset, image_token_id: int) -> dict[str, Any]:
@@ -719,12 +726,7 @@ def _write_llava_processor(out: Path, config: dict[str, Any]) -> None:
             "resample": 3,
             "do_center_crop": True,
             "crop_size": {"height": size, "width": size},
-            "do_rescale": True,
-            "rescale_factor": 1 / 255,
-            "do_normalize": True,
-            "image_mean": _CLIP_MEAN,
-            "image_std": _CLIP_STD,
-            "do_convert_rgb": True,
+            **_CLIP_PIXEL_STEPS,
         },
     )
     _write_json(
@@ -1008,12 +1010,7 @@ def _write_omni_processor(out: Path, config: dict[str, Any], preset: str) -> Non
                 "shortest_edge": 4 * pixels_per_token,
                 "longest_edge": OMNI_VISION_PRESETS[preset].max_image_tokens * pixels_per_token,
             },
-            "do_rescale": True,
-            "rescale_factor": 1 / 255,
-            "do_normalize": True,
-            "image_mean": _CLIP_MEAN,
-            "image_std": _CLIP_STD,
-            "do_convert_rgb": True,
+            **_CLIP_PIXEL_STEPS,
             "patch_size": vision["patch_size"],
             "temporal_patch_size": vision["temporal_patch_size"],
             "merge_size": vision["spatial_merge_size"],

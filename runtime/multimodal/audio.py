@@ -15,7 +15,13 @@ from typing import Any
 import numpy as np
 import soundfile
 import soxr
-from kvfleet.runtime.multimodal.inputs import MediaInputError, ModalitySpec, PreparedItem, fixed_shape
+from kvfleet.runtime.multimodal.inputs import (
+    MediaInputError,
+    ModalitySpec,
+    PreparedItem,
+    fixed_shape,
+    placeholder_token_id,
+)
 
 # The formats of OpenAI's input_audio content parts, and the containers libsndfile reports for each.
 AUDIO_FORMATS = {"wav": ("WAV", "WAVEX"), "mp3": ("MP3",)}
@@ -47,12 +53,9 @@ class AudioSettings:
 
 def audio_settings(config: dict[str, Any]) -> AudioSettings:
     audio = config["audio_config"]
-    token_id = config.get("audio_token_index", config.get("audio_token_id"))
-    if token_id is None:
-        raise ValueError("config.json names no audio_token_index")
     # The encoder's position embeddings cover the frames after its stride-2 convolution.
     return AudioSettings(
-        audio_token_id=int(token_id),
+        audio_token_id=placeholder_token_id(config, "audio"),
         num_mel_bins=int(audio.get("num_mel_bins", 128)),
         num_frames=2 * int(audio.get("max_source_positions", 1500)),
     )

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from kvfleet.runtime.multimodal.inputs import MediaInputError, ModalitySpec, fixed_shape
+from kvfleet.runtime.multimodal.inputs import MediaInputError, ModalitySpec, fixed_shape, placeholder_token_id
 from PIL import Image, UnidentifiedImageError
 
 # Qwen2-VL's image processor refuses images longer than this many times their width (or the reverse).
@@ -100,21 +100,22 @@ class GridVisionSettings:
 
 def grid_vision_settings(config: dict[str, Any], model_dir: str | Path) -> GridVisionSettings:
     vision = config["vision_config"]
-    path = Path(model_dir) / "preprocessor_config.json"
-    if not path.is_file():
-        raise ValueError(f"{path} does not exist: a vision model folder needs its image processor config")
-    processor = json.loads(path.read_text())
+    processor = _image_processor_config(model_dir)
     size = processor.get("size") or {}
-    token_id = config.get("image_token_index", config.get("image_token_id"))
-    if token_id is None:
-        raise ValueError("config.json names no image_token_index")
     return GridVisionSettings(
-        image_token_id=int(token_id),
+        image_token_id=placeholder_token_id(config, "image"),
         patch_size=int(vision.get("patch_size", 14)),
         merge_size=int(vision.get("spatial_merge_size", 2)),
         min_pixels=int(processor.get("min_pixels") or size.get("shortest_edge") or 56 * 56),
         max_pixels=int(processor.get("max_pixels") or size.get("longest_edge") or 28 * 28 * 1280),
     )
+
+
+def _image_processor_config(model_dir: str | Path) -> dict[str, Any]:
+    path = Path(model_dir) / "preprocessor_config.json"
+    if not path.is_file():
+        raise ValueError(f"{path} does not exist: a vision model folder needs its image processor config")
+    return json.loads(path.read_text())
 
 
 def vision_settings(config: dict[str, Any]) -> VisionSettings:
@@ -127,11 +128,8 @@ def vision_settings(config: dict[str, Any]) -> VisionSettings:
     if strategy not in ("default", "full"):
         raise ValueError(f"vision_feature_select_strategy {strategy!r} is not default or full")
     num_patches = (int(vision["image_size"]) // int(vision["patch_size"])) ** 2
-    token_id = config.get("image_token_index", config.get("image_token_id"))
-    if token_id is None:
-        raise ValueError("config.json names no image_token_index")
     return VisionSettings(
-        image_token_id=int(token_id),
+        image_token_id=placeholder_token_id(config, "image"),
         feature_layer=layer if layer >= 0 else num_layers + 1 + layer,
         keep_class_token=strategy == "full",
         tokens_per_image=num_patches + (strategy == "full"),
@@ -171,10 +169,7 @@ class ImageProcessor:
 
     @classmethod
     def from_folder(cls, model_dir: str | Path) -> ImageProcessor:
-        path = Path(model_dir) / "preprocessor_config.json"
-        if not path.is_file():
-            raise ValueError(f"{path} does not exist: a vision model folder needs its image processor config")
-        raw = json.loads(path.read_text())
+        raw = _image_processor_config(model_dir)
         crop = raw.get("crop_size") if raw.get("do_center_crop", True) else None
         if isinstance(crop, int):
             crop = {"height": crop, "width": crop}

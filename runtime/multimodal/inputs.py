@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -163,6 +164,15 @@ def check_features(
         expected = sum(feature.length for feature in features if feature.modality == modality)
         if num_placeholders != expected:
             raise ValueError(f"the prompt has {modality} placeholder tokens without a {modality} item")
+
+
+def placeholder_token_id(config: Mapping[str, Any], modality: str) -> int:
+    """The token id config.json gives a modality's placeholder: `image_token_index`, or `image_token_id` as
+    some families name it."""
+    token_id = config.get(f"{modality}_token_index", config.get(f"{modality}_token_id"))
+    if token_id is None:
+        raise ValueError(f"config.json names no {modality}_token_index")
+    return int(token_id)
 
 
 def modality_refusal(modality: str, specs: Mapping[str, ModalitySpec]) -> str:
