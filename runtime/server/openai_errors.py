@@ -122,6 +122,13 @@ class ServiceUnavailableError(OpenAIError):
         super().__init__(message, code=code, headers={"Retry-After": str(RETRY_AFTER_UNAVAILABLE_S)})
 
 
+class GatewayTimeoutError(OpenAIError):
+    """The fleet gateway's replica did not answer in time."""
+
+    status_code = 504
+    error_type = "timeout_error"
+
+
 class InternalServerError(OpenAIError):
     status_code = 500
     error_type = "internal_error"
