@@ -95,7 +95,8 @@ class TimedRequestHandler(web_protocol.RequestHandler):
         self, request: web.BaseRequest, resp: web.StreamResponse, start_time: float | None
     ) -> tuple[web.StreamResponse, bool]:
         finished = await super().finish_response(request, resp, start_time)
-        if not self._messages:  # else the next request has arrived whole already
+        # Unless the connection ends here, or the next request has arrived whole already.
+        if resp.keep_alive and not self._messages:
             self._restart_header_clock()
         return finished
 
