@@ -19,13 +19,12 @@ attributes (pinned in requirements/gateway.txt), as the runtime reads uvicorn's.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web, web_protocol
-from kvfleet.runtime.server.openai_errors import RequestTimeoutError
+from kvfleet.runtime.server.openai_errors import header_timeout_response
 
 logger = logging.getLogger(__name__)
 
@@ -50,18 +49,7 @@ class ClientTimeouts:
 DEFAULT_CLIENT_TIMEOUTS = ClientTimeouts()
 
 
-def _timeout_response() -> bytes:
-    body = json.dumps(
-        RequestTimeoutError("the request headers did not arrive in time", code="header_timeout").body()
-    ).encode()
-    head = (
-        "HTTP/1.1 408 Request Timeout\r\nContent-Type: application/json\r\nConnection: close\r\n"
-        f"Content-Length: {len(body)}\r\n\r\n"
-    )
-    return head.encode() + body
-
-
-_HEADER_TIMEOUT_RESPONSE = _timeout_response()
+_HEADER_TIMEOUT_RESPONSE = header_timeout_response()
 
 
 class TimedRequestHandler(web_protocol.RequestHandler):

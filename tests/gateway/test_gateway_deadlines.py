@@ -10,7 +10,7 @@ import ipaddress
 import json
 import socket
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -68,35 +68,47 @@ def proc_status_kb(field: str) -> int:
     raise AssertionError(f"no {field} in /proc/self/status")
 
 
+async def trickled(url: str, opening: bytes, piece: Callable[[int], bytes]) -> tuple[bytes, float]:
+    """Sends `opening`, then a piece every 0.2 s; the gateway's answer (not the end of the connection, which
+    aiohttp may keep a while, reading what still comes), and how long it took."""
+    reader, writer = await connect(url)
+    writer.write(opening)
+
+    async def trickle() -> None:
+        for index in range(100):
+            writer.write(piece(index))
+            await asyncio.sleep(0.2)
+
+    trickling = asyncio.create_task(trickle())
+    started = time.monotonic()
+    try:
+        answer = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), CUT_OFF_WITHIN_S)
+        length = int(answer.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+        answer += await asyncio.wait_for(reader.readexactly(length), CUT_OFF_WITHIN_S)
+        return answer, time.monotonic() - started
+    finally:
+        trickling.cancel()
+        writer.close()
+
+
+def error_code(answer: bytes) -> str:
+    return json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]["code"]
+
+
 def test_slowloris_headers_get_408_and_idle_connections_are_closed() -> None:
-    async def trickle_headers(url: str) -> tuple[bytes, float]:
-        reader, writer = await connect(url)
-        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: gateway\r\n")
-
-        async def trickle() -> None:
-            for index in range(100):
-                writer.write(f"X-Slow-{index}: y\r\n".encode())
-                await asyncio.sleep(0.2)
-
-        trickling = asyncio.create_task(trickle())
-        try:
-            return await answer_or_eof(reader, CUT_OFF_WITHIN_S)
-        finally:
-            trickling.cancel()
-            writer.close()
-
     async def scenario() -> None:
         async with (
             replicas(FakeReplica("r")) as (replica,),
             running_gateway({"m": model("m", replica)}, client_timeouts=FAST_CLIENTS) as (_, _, url),
         ):
-            slow = asyncio.create_task(trickle_headers(url))
+            opening = b"POST /v1/chat/completions HTTP/1.1\r\nHost: gateway\r\n"
+            slow = asyncio.create_task(
+                trickled(url, opening, lambda index: f"X-Slow-{index}: y\r\n".encode())
+            )
             reader, writer = await connect(url)  # opens and never sends a byte
-            status, _ = await chat(url)
-            assert status == 200
+            assert (await chat(url))[0] == 200
             answer, took = await slow
-            assert answer.startswith(b"HTTP/1.1 408 "), answer
-            assert json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "header_timeout"
+            assert answer.startswith(b"HTTP/1.1 408 ") and error_code(answer) == "header_timeout", answer
             assert took < CUT_OFF_WITHIN_S
             idle, took = await answer_or_eof(reader, CUT_OFF_WITHIN_S)
             assert idle == b"" and took < CUT_OFF_WITHIN_S
@@ -106,37 +118,16 @@ def test_slowloris_headers_get_408_and_idle_connections_are_closed() -> None:
 
 
 def test_a_trickled_body_gets_408() -> None:
-    async def trickle_body(url: str) -> tuple[bytes, float]:
-        reader, writer = await connect(url)
-        writer.write(head("/v1/chat/completions", 10_000))
-
-        async def trickle() -> None:
-            for _ in range(100):
-                writer.write(b" ")
-                await asyncio.sleep(0.2)
-
-        trickling = asyncio.create_task(trickle())
-        started = time.monotonic()
-        try:
-            # The answer, not the end of the connection: aiohttp lingers a while reading what still comes.
-            answer = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), CUT_OFF_WITHIN_S)
-            length = int(answer.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
-            answer += await asyncio.wait_for(reader.readexactly(length), CUT_OFF_WITHIN_S)
-            return answer, time.monotonic() - started
-        finally:
-            trickling.cancel()
-            writer.close()
-
     async def scenario() -> None:
         async with (
             replicas(FakeReplica("r")) as (replica,),
             running_gateway({"m": model("m", replica)}, client_timeouts=FAST_CLIENTS) as (_, _, url),
         ):
-            slow = asyncio.create_task(trickle_body(url))
+            opening = head("/v1/chat/completions", 10_000)
+            slow = asyncio.create_task(trickled(url, opening, lambda _: b" "))
             assert (await chat(url))[0] == 200
             answer, took = await slow
-            assert answer.startswith(b"HTTP/1.1 408 "), answer
-            assert json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "body_timeout"
+            assert answer.startswith(b"HTTP/1.1 408 ") and error_code(answer) == "body_timeout", answer
             assert took < CUT_OFF_WITHIN_S
             assert len(replica.received) == 1
 
