@@ -2,14 +2,14 @@
 
 - Headers: from a connection's opening, and from the end of each response on it, the client has
   `header_read_timeout` seconds to send the next request's headers whole. Partial headers then get a 408;
-  an idle keep-alive connection is closed. aiohttp's own keep-alive clock starts only when a connection
-  opens or a request ends, and ends the connection without a word, however slowly headers are trickling.
+  an idle keep-alive connection is closed. (aiohttp's own keep-alive clock, an hour by default, would close
+  either without a word.)
 - Sending: when a client stops reading, the socket's buffers fill and the transport pauses writing. If it
   stays paused for `send_timeout` seconds, the connection is dropped with whatever it had buffered; the
   handler is cancelled, which closes the upstream connection, so the replica aborts the request and its
   place is freed.
 
-The body's limit is the handler's (Gateway._read_body), which can still answer with a proper 408.
+The body's limit is the handler's (Gateway._body), which can still answer with a proper 408.
 
 aiohttp builds one RequestHandler per connection and has no option for its class: TimedAppRunner hands
 TCPSite a server that builds TimedRequestHandler instead. The handler's state is read from aiohttp's own

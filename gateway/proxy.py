@@ -391,7 +391,9 @@ async def _relay(
             await response.write(chunk)
     except (aiohttp.ClientError, TimeoutError) as error:
         timed_out = not isinstance(error, aiohttp.ClientError)
-        logger.warning("%s: the replica broke off its response (%s)", model, error or "stalled")
+        logger.warning(
+            "%s: the replica broke off its response (%s)", model, "stalled" if timed_out else error
+        )
         if not event_stream:
             # A plain body cut short must not look complete: drop the connection instead of ending it.
             if request.transport is not None:
