@@ -24,6 +24,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import aiohttp
 from aiohttp import web
@@ -44,8 +45,10 @@ from kvfleet.runtime.server.openai_errors import (
     RequestTimeoutError,
     ServiceUnavailableError,
 )
-from multidict import CIMultiDictProxy
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+if TYPE_CHECKING:
+    from multidict import CIMultiDictProxy  # aiohttp's header type
 
 logger = logging.getLogger(__name__)
 
