@@ -9,6 +9,10 @@ goes back to the front of the waiting queue and, when readmitted, reuses its cac
 Speculative decoding: a running request's draft tokens (request.spec_token_ids) are scheduled after its own
 like prompt tokens, taking budget and KV slots; the ones the model rejects give their slots back.
 
+Admission asks small parts in turn (admission.py): gates that may set a waiting request aside (grammar not
+compiled, no LoRA slot, background held), then the sources of its computed prefix (the device's prefix
+cache, the host tier), then the step's budgets, then the KV blocks.
+
 Multimodal prompts: the items (images, audio clips) whose placeholder tokens a step starts feeding are encoded
 in that step, and their placeholders count against the step's encoder budget (vLLM's
 max_num_encoder_input_tokens). A request whose next item does not fit is cut before it and goes on in a later
@@ -22,9 +26,19 @@ import itertools
 import time
 from collections.abc import Callable, Iterable
 
+from kvfleet.runtime.core.admission import (
+    AdmissionGate,
+    BackgroundHold,
+    ComputedPrefix,
+    GrammarReady,
+    LoraSlots,
+    StepBudget,
+    Verdict,
+    find_computed_prefix,
+    grammar_pending,
+)
 from kvfleet.runtime.core.host_kv_tier import HostKVTier
 from kvfleet.runtime.core.kv_cache_manager import KVCacheManager
-from kvfleet.runtime.core.kv_cache_utils import BlockHash
 from kvfleet.runtime.core.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput, SchedulerStats
 from kvfleet.runtime.core.request_queue import create_request_queue
 from kvfleet.runtime.request import FinishReason, Request, RequestStatus
@@ -85,8 +99,6 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.enable_chunked_prefill = enable_chunked_prefill
         self.max_num_encoder_input_tokens = max_num_encoder_input_tokens or max_num_batched_tokens
-        # What this step's encoder budget has left.
-        self._encoder_budget = self.max_num_encoder_input_tokens
         # Adapters one step may run (the model runner's slots); None without LoRA.
         self.max_loras = max_loras
         # Requests of this priority or less urgent (the batch tier), under either policy, only take the
@@ -103,6 +115,12 @@ class Scheduler:
         self.kv_cache_manager = KVCacheManager(
             num_kv_blocks, block_size, enable_prefix_caching, sliding_window=sliding_window, on_evict=spill
         )
+        # What may hold a waiting request back, asked in turn (see admission.py).
+        self._admission_gates: list[AdmissionGate] = [GrammarReady()]
+        if background_priority is not None:
+            self._admission_gates.insert(0, BackgroundHold(self._is_background, policy))
+        if max_loras is not None:
+            self._admission_gates.append(LoraSlots(max_loras))
 
         # Every unfinished request, by id, and how many of them are not background.
         self.requests: dict[str, Request] = {}
@@ -213,73 +231,19 @@ class Scheduler:
         if self._deadlines:
             self._expire_deadlines()
         self._drop_finished_running()
-        kv = self.kv_cache_manager
-        budget = self.max_num_batched_tokens
-        self._encoder_budget = self.max_num_encoder_input_tokens
+        budget = self._step_budget()
         # Decided before anything is allocated this step, so the victims have no blocks in flight.
         displaced = self._make_room_for_higher_priority()
         # Insertion ordered: the batch order. A request preempted after being scheduled is popped out.
         scheduled: dict[Request, int] = {}
-        preempted: list[Request] = []
-        background_budget, hold_background = self._background_share()
-        running = self.running
-        if hold_background:
-            running = sorted(running, key=self._is_background)  # stable: admission order within each
-
-        for request in running:
-            if budget <= 0:
-                break
-            if request.status != _RUNNING:  # preempted earlier in this loop
-                continue
-            # Draft tokens are budgeted like prompt tokens; those past the budget are simply not verified.
-            num_pending = (
-                len(request.all_token_ids) + len(request.spec_token_ids) - request.num_computed_tokens
-            )
-            num_new_tokens = min(num_pending, budget)
-            is_background = background_budget is not None and self._is_background(request)
-            if is_background:
-                num_new_tokens = min(num_new_tokens, background_budget)
-            encoder_cost = 0
-            if request.mm_features:
-                num_new_tokens, encoder_cost = self._fit_encoder_budget(
-                    request, request.num_computed_tokens, num_new_tokens, admitting=False
-                )
-            # Its previous step's output has not been applied yet, no share is left, or its next item waits.
-            if num_new_tokens <= 0:
-                continue
-            while True:
-                # Caching waits until every preemption of this step is decided: a victim scheduled earlier in
-                # this loop never computes its new blocks, which must therefore never become findable.
-                if kv.allocate_slots(request, num_new_tokens, delay_cache_blocks=True) is not None:
-                    scheduled[request] = num_new_tokens
-                    budget -= num_new_tokens
-                    self._encoder_budget -= encoder_cost
-                    if is_background:
-                        background_budget -= num_new_tokens
-                    break
-                victim = self._choose_victim()
-                self._preempt(victim)
-                preempted.append(victim)
-                if victim in scheduled:
-                    budget += scheduled.pop(victim)
-                if victim is request:
-                    break
-
+        preempted = self._schedule_running(scheduled, budget)
         if preempted:
             self.running = [request for request in self.running if request.status == _RUNNING]
-        if kv.enable_caching:
-            block_size = kv.block_size
-            for request, num_new_tokens in scheduled.items():
-                computed = request.num_computed_tokens
-                # Only a step that completes a block has anything to register.
-                if (computed + num_new_tokens) // block_size > computed // block_size:
-                    kv.cache_blocks(request, computed + num_new_tokens)
-
+        self._cache_scheduled_blocks(scheduled)
         # Admitting new work in a step that had to preempt would only thrash.
         if not preempted:
-            budget = self._admit_waiting(scheduled, budget, displaced, background_budget, hold_background)
-
-        return self._build_output(scheduled, budget, displaced + preempted)
+            self._admit_waiting(scheduled, budget, displaced)
+        return self._build_output(scheduled, budget.tokens, displaced + preempted)
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
@@ -370,123 +334,149 @@ class Scheduler:
     def _is_background(self, request: Request) -> bool:
         return self.background_priority is not None and request.priority >= self.background_priority
 
-    def _background_share(self) -> tuple[int | None, bool]:
-        """(tokens background requests may take this step, None without a background tier; whether they
-        are held back for other requests, which then also keeps new ones from starting)."""
-        if self.background_priority is None:
-            return None, False
-        if self._num_foreground == 0:
-            return _BACKGROUND_TOKENS_ALONE, False
-        return _BACKGROUND_TOKENS_BESIDE_FOREGROUND, True
+    def _step_budget(self) -> StepBudget:
+        """A step's budgets. Background requests may take _BACKGROUND_TOKENS_ALONE tokens when nothing else is
+        present, _BACKGROUND_TOKENS_BESIDE_FOREGROUND (and come last) while other requests are."""
+        background, hold = None, False
+        if self.background_priority is not None:
+            hold = self._num_foreground > 0
+            background = _BACKGROUND_TOKENS_BESIDE_FOREGROUND if hold else _BACKGROUND_TOKENS_ALONE
+        return StepBudget(self.max_num_batched_tokens, self.max_num_encoder_input_tokens, background, hold)
+
+    def _schedule_running(self, scheduled: dict[Request, int], budget: StepBudget) -> list[Request]:
+        """Give running requests their tokens, in admission order (background last while held), preempting
+        when blocks run out; returns the preempted."""
+        kv = self.kv_cache_manager
+        preempted: list[Request] = []
+        running = sorted(self.running, key=self._is_background) if budget.hold_background else self.running
+        for request in running:
+            if budget.tokens <= 0:
+                break
+            if request.status != _RUNNING:  # preempted earlier in this loop
+                continue
+            # Draft tokens are budgeted like prompt tokens; those past the budget are simply not verified.
+            num_pending = (
+                len(request.all_token_ids) + len(request.spec_token_ids) - request.num_computed_tokens
+            )
+            background = budget.background is not None and self._is_background(request)
+            limit = min(budget.tokens, budget.background) if background else budget.tokens
+            num_new_tokens, encoder_cost = self._fit_encoder_budget(
+                request, request.num_computed_tokens, min(num_pending, limit), budget.encoder, admitting=False
+            )
+            # Its previous step's output has not been applied yet, no share is left, or its next item waits.
+            if num_new_tokens <= 0:
+                continue
+            # Caching waits until every preemption of this step is decided: a victim scheduled earlier in this
+            # loop never computes its new blocks, which must therefore never become findable.
+            while kv.allocate_slots(request, num_new_tokens, delay_cache_blocks=True) is None:
+                victim = self._choose_victim()
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim in scheduled:
+                    budget.tokens += scheduled.pop(victim)
+                if victim is request:
+                    break
+            else:
+                scheduled[request] = num_new_tokens
+                budget.take(num_new_tokens, encoder_cost, background)
+        return preempted
+
+    def _cache_scheduled_blocks(self, scheduled: dict[Request, int]) -> None:
+        """Make the blocks this step fills findable in the prefix cache."""
+        kv = self.kv_cache_manager
+        if not kv.enable_caching:
+            return
+        for request, num_new_tokens in scheduled.items():
+            computed = request.num_computed_tokens
+            # Only a step that completes a block has anything to register.
+            if (computed + num_new_tokens) // kv.block_size > computed // kv.block_size:
+                kv.cache_blocks(request, computed + num_new_tokens)
 
     def _admit_waiting(
-        self,
-        scheduled: dict[Request, int],
-        budget: int,
-        displaced: list[Request],
-        background_budget: int | None,
-        hold_background: bool,
-    ) -> int:
-        kv = self.kv_cache_manager
+        self, scheduled: dict[Request, int], budget: StepBudget, displaced: list[Request]
+    ) -> None:
+        """Admit waiting requests in queue order while the budgets, the sequence slots and the blocks last.
+        A request a gate sets aside keeps its place for the next step."""
         waiting = self.waiting
-        running = self.running
-        # Requests whose grammar is still compiling, whose adapter would be one too many for this step, or
-        # that are background while other requests are present, step aside for the ones behind them,
-        # keeping their place.
         stepped_aside: list[Request] = []
-        loras = {r.lora_int_id for r in running if r.lora_int_id} if self.max_loras is not None else set()
-        while budget > 0 and len(running) < self.max_num_seqs:
+        for gate in self._admission_gates:
+            gate.start_step(self.running, budget)
+        while budget.tokens > 0 and len(self.running) < self.max_num_seqs:
             request = waiting.peek()
-            # A request displaced this step waits at least one step: taking it back at once (its blocks
-            # may suffice after prefix hits the displacement could not foresee) would recompute it for
-            # nothing, and it would be both preempted and scheduled in one output.
+            # A request displaced this step waits at least one step: taking it back at once (its blocks may
+            # suffice after prefix hits the displacement could not foresee) would recompute it for nothing,
+            # and it would be both preempted and scheduled in one output.
             if request is None or request in displaced:
                 break
-            if hold_background and self._is_background(request):
-                if self.policy == "priority":
-                    break  # the queue is in priority order: only background requests are left
-                stepped_aside.append(waiting.pop())
-                continue
-            if request.grammar is not None and not request.grammar.ready:
-                stepped_aside.append(waiting.pop())
-                continue
-            lora = request.lora_int_id
-            if lora and lora not in loras and self.max_loras is not None and len(loras) >= self.max_loras:
-                stepped_aside.append(waiting.pop())
-                continue
-            computed_blocks, num_cached_tokens = kv.get_computed_blocks(request)
-            # A preempted request's KV saved in the host tier beats a shorter prefix-cache hit. As with a
-            # hit, the last token runs again, to give logits.
-            num_saved_tokens = (
-                0 if self.host_kv_tier is None else self.host_kv_tier.saved_tokens(request.request_id)
+            verdict = next(
+                (v for g in self._admission_gates if (v := g.check(request)) != Verdict.ADMIT), None
             )
-            num_saved_tokens = min(num_saved_tokens, request.num_tokens - 1)
-            num_reloaded = num_saved_tokens if num_saved_tokens > num_cached_tokens else 0
-            resume_saved = num_reloaded > 0
-            host_prefix: list[BlockHash] = []
-            if resume_saved:
-                computed_blocks, num_cached_tokens = [], num_reloaded
-            else:
-                # The prefix may go on in the host tier, past the device's hits: those blocks are allocated
-                # like new ones and copied in before the step runs.
-                host_prefix = self._host_prefix(request, len(computed_blocks))
-                num_reloaded = len(host_prefix) * kv.block_size
-                num_cached_tokens += num_reloaded
-            num_new_tokens = request.num_tokens - num_cached_tokens
-            # Without chunked prefill a prompt runs whole or not at all: the background share cannot cut it.
-            is_background = (
-                background_budget is not None and self.enable_chunked_prefill and self._is_background(request)
-            )
-            limit = min(budget, background_budget) if is_background else budget
-            if num_new_tokens > limit:
-                if not self.enable_chunked_prefill or limit <= 0:
-                    break
-                num_new_tokens = limit
-            encoder_cost = 0
-            if request.mm_features:
-                wanted = num_new_tokens
-                num_new_tokens, encoder_cost = self._fit_encoder_budget(
-                    request, num_cached_tokens, num_new_tokens, admitting=True
-                )
-                if num_new_tokens <= 0 or (num_new_tokens < wanted and not self.enable_chunked_prefill):
-                    break
-            if kv.allocate_slots(request, num_reloaded + num_new_tokens, computed_blocks) is None:
+            if verdict == Verdict.STEP_ASIDE:
+                stepped_aside.append(waiting.pop())
+                continue
+            if verdict == Verdict.STOP or not self._admit(request, scheduled, budget):
                 break
-            if self.host_kv_tier is not None and request.num_preemptions:
-                self._resume_from_tier(request, reload=resume_saved)
-            if host_prefix:
-                assert self.host_kv_tier is not None
-                first = len(computed_blocks)
-                block_ids = kv.get_block_ids(request.request_id)[first : first + len(host_prefix)]
-                self.host_kv_tier.load_prefix(host_prefix, block_ids)
-            waiting.pop()
-            request.transition(_RUNNING)
-            request.num_computed_tokens = num_cached_tokens
-            if request.num_cached_tokens < 0:
-                request.num_cached_tokens = num_cached_tokens
-            running.append(request)
-            scheduled[request] = num_new_tokens
-            budget -= num_new_tokens
-            self._encoder_budget -= encoder_cost
-            if is_background:
-                background_budget -= num_new_tokens
-            if lora:
-                loras.add(lora)
+            for gate in self._admission_gates:
+                gate.admitted(request)
         for request in reversed(stepped_aside):
             waiting.prepend(request)
-        return budget
 
-    def _host_prefix(self, request: Request, num_device_hits: int) -> list[BlockHash]:
-        """The hashes of the blocks the host tier holds right after the device's prefix hits (never the
-        block of the request's last token, which must run to give logits), claimed for this step."""
+    def _admit(self, request: Request, scheduled: dict[Request, int], budget: StepBudget) -> bool:
+        """Start the queue's head if the step's budgets and the blocks can take it (whole, without chunked
+        prefill); whether it started."""
         kv = self.kv_cache_manager
-        if self.host_kv_tier is None or not kv.enable_caching:
-            return []
-        hashes = request.block_hashes[num_device_hits : (request.num_tokens - 1) // kv.block_size]
-        return hashes[: self.host_kv_tier.claim_prefix(hashes)]
+        prefix = find_computed_prefix(request, kv, self.host_kv_tier)
+        num_new_tokens = request.num_tokens - prefix.num_tokens
+        # Without chunked prefill a prompt runs whole or not at all: the background share cannot cut it.
+        background = (
+            budget.background is not None and self.enable_chunked_prefill and self._is_background(request)
+        )
+        limit = min(budget.tokens, budget.background) if background else budget.tokens
+        if num_new_tokens > limit:
+            if not self.enable_chunked_prefill or limit <= 0:
+                return False
+            num_new_tokens = limit
+        wanted = num_new_tokens
+        num_new_tokens, encoder_cost = self._fit_encoder_budget(
+            request, prefix.num_tokens, num_new_tokens, budget.encoder, admitting=True
+        )
+        if num_new_tokens <= 0 or (num_new_tokens < wanted and not self.enable_chunked_prefill):
+            return False
+        if kv.allocate_slots(request, prefix.num_reloaded + num_new_tokens, prefix.device_blocks) is None:
+            return False
+        self._bring_in_from_host_tier(request, prefix)
+        self.waiting.pop()
+        request.transition(_RUNNING)
+        request.num_computed_tokens = prefix.num_tokens
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = prefix.num_tokens
+        self.running.append(request)
+        scheduled[request] = num_new_tokens
+        budget.take(num_new_tokens, encoder_cost, background)
+        return True
+
+    def _bring_in_from_host_tier(self, request: Request, prefix: ComputedPrefix) -> None:
+        """Copy in, before the step runs, the KV a request just given blocks finds in the host tier."""
+        tier = self.host_kv_tier
+        if tier is None:
+            return
+        if request.num_preemptions:
+            self._resume_from_tier(request, reload=prefix.resume_saved)
+        if prefix.host_prefix:
+            first = len(prefix.device_blocks)
+            block_ids = self.kv_cache_manager.get_block_ids(request.request_id)[
+                first : first + len(prefix.host_prefix)
+            ]
+            tier.load_prefix(prefix.host_prefix, block_ids)
 
     def _fit_encoder_budget(
-        self, request: Request, num_computed: int, num_new_tokens: int, *, admitting: bool
+        self,
+        request: Request,
+        num_computed: int,
+        num_new_tokens: int,
+        encoder_budget: int,
+        *,
+        admitting: bool,
     ) -> tuple[int, int]:
         """(num_new_tokens cut before the first item the step's encoder budget cannot take, the budget the
         items fed use). An item begun in an earlier step is encoded already; one that a prefix-cache hit
@@ -498,7 +488,7 @@ class Scheduler:
                 break
             if feature.end <= num_computed or (feature.offset < num_computed and not admitting):
                 continue
-            if cost + feature.length > self._encoder_budget:
+            if cost + feature.length > encoder_budget:
                 return max(feature.offset - num_computed, 0), cost
             cost += feature.length
         return num_new_tokens, cost
@@ -564,7 +554,7 @@ class Scheduler:
         while self.running:
             head = self.waiting.peek()
             # Displacing anyone for a request whose grammar is still compiling would only thrash.
-            if head is None or (head.grammar is not None and not head.grammar.ready):
+            if head is None or grammar_pending(head):
                 break
             slots_full = len(self.running) >= self.max_num_seqs
             # Conservative: prefix-cache hits on blocks other requests hold are not counted.
