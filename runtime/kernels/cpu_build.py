@@ -6,13 +6,21 @@ ten seconds the first time, into torch's extension cache (TORCH_EXTENSIONS_DIR, 
 ~/.cache/torch_extensions), which later processes reuse. Each level has its own entry, so a cache shared by
 hosts of different CPUs, or made where an image was built, only ever loads a build the running CPU can
 execute. A host that cannot build it keeps the torch code the operations replace.
+
+torch marks a build in progress with a `lock` file that stays behind when its process dies (a pod killed
+while it compiles, say), and every later load waits for it forever. Builds here hold a kernel lock beside it
+instead (flock, released with the process that holds it), so whoever holds that lock knows a torch `lock`
+file it finds is a dead builder's, and removes it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import logging
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 from kvfleet.runtime.kernels.cpu_features import cpu_target
@@ -26,20 +34,41 @@ def build_cpu_ops(name: str, source: Path, what: str) -> bool:
     from torch.utils import cpp_extension
 
     target = cpu_target()
+    build_name = f"{name}_{target.cache_tag}"
     try:
         _put_pip_ninja_on_path()
-        cpp_extension.load(
-            name=f"{name}_{target.cache_tag}",
-            sources=[str(source)],
-            extra_cflags=["-O3", f"-march={target.level}", "-fopenmp"],
-            # libgomp resolves to the copy torch has loaded already: the operations run on torch's threads.
-            extra_ldflags=["-fopenmp"],
-            is_python_module=False,
-        )
+        build_directory = Path(cpp_extension._get_build_directory(build_name, verbose=False))
+        with _exclusive_build(build_directory):
+            cpp_extension.load(
+                name=build_name,
+                sources=[str(source)],
+                extra_cflags=["-O3", f"-march={target.level}", "-fopenmp"],
+                # libgomp resolves to the copy torch has loaded already: the operations run on its threads.
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(build_directory),
+                is_python_module=False,
+            )
     except Exception as exc:  # no compiler, no ninja, a read-only cache: the torch code still works
         logger.warning("%s could not be built, the torch code runs instead: %s", what, exc)
         return False
     return True
+
+
+@contextlib.contextmanager
+def _exclusive_build(build_directory: Path) -> Iterator[None]:
+    """Holds the build directory's kernel lock, waiting for a live builder to finish; clears a torch `lock`
+    file that a dead one left."""
+    build_directory.mkdir(parents=True, exist_ok=True)
+    with open(build_directory / "kvfleet.flock", "w") as lock_file:
+        fcntl.flock(lock_file, fcntl.LOCK_EX)
+        try:
+            stale = build_directory / "lock"
+            if stale.exists():
+                logger.warning("removing %s, left by a build that did not finish", stale)
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(lock_file, fcntl.LOCK_UN)
 
 
 def _put_pip_ninja_on_path() -> None:

@@ -143,3 +143,22 @@ def test_the_kernel_tests_pass_on_the_operations_built_for_avx2() -> None:
     )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     assert re.search(r"\b\d+ passed\b", result.stdout) and " failed" not in result.stdout
+
+
+def test_a_build_lock_left_by_a_dead_builder_does_not_stall_later_loads(tmp_path: Path) -> None:
+    # torch's `lock` file outlives a builder killed mid-build, and torch's own loader then waits for it
+    # forever: a load must clear it and go on.
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path)}
+    build = "from kvfleet.runtime.kernels import fused_layers; print(fused_layers._cpu_ops_available())"
+    first = subprocess.run(
+        [sys.executable, "-P", "-c", build], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert first.stdout.strip() == "True", first.stderr[-2000:]
+    (build_dir,) = tmp_path.glob("kvfleet_cpu_layers_*/")
+    (build_dir / "lock").touch()
+    again = subprocess.run(
+        [sys.executable, "-P", "-c", build], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert again.stdout.strip() == "True", again.stderr[-2000:]
+    assert "left by a build that did not finish" in again.stderr
+    assert not (build_dir / "lock").exists()
