@@ -52,8 +52,12 @@ class OpenAIServingLoRA:
     async def unload(self, body: UnloadLoRAAdapterRequest) -> str:
         adapters = self._updatable()
         async with self._updating:
-            if adapters.remove(body.lora_name) is None:
+            removed = adapters.remove(body.lora_name)
+            if removed is None:
                 raise NotFoundError(f"the LoRA adapter {body.lora_name!r} is not loaded", param="lora_name")
+            # The same files served under another name share the weights.
+            if all(served.lora.lora_int_id != removed.lora_int_id for served in adapters.loaded):
+                self.state.engine.remove_lora(removed.lora_int_id)
         return f"Success: LoRA adapter '{body.lora_name}' removed successfully."
 
     def _updatable(self) -> LoRAAdapters:

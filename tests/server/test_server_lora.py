@@ -4,9 +4,11 @@ while other requests run on."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -17,6 +19,7 @@ import torch
 from kvfleet.runtime.lora.make_adapter import make_adapter
 from peft import PeftModel
 from prometheus_client.parser import text_string_to_metric_families
+from safetensors.torch import load_file, save_file
 from server_checks import RequestBeside, openai_error
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -147,6 +150,43 @@ def test_bad_loads_get_4xx_while_a_request_runs(
             assert words in error["message"] or words == error["param"], error
         assert _post(lora_server, "load_lora_adapter", dict(cases[0][0]), key=None).status_code == 401
         assert beside.running
+
+
+def test_non_finite_adapters_are_refused_naming_what_and_base_answers_stay_transformers(
+    lora_server: ServerProcess,
+    client: openai.OpenAI,
+    tiny_llama: Path,
+    adapters: dict[str, Path],
+    tmp_path: Path,
+) -> None:
+    """A NaN in one adapter's weights or config would turn every batch it shares to '' or a 500."""
+    nan_weight = make_adapter(tiny_llama, tmp_path / "nan-weight", rank=8)
+    weights = load_file(nan_weight / "adapter_model.safetensors")
+    poisoned = sorted(weights)[0]
+    weights[poisoned][0, 0] = float("nan")
+    save_file(weights, nan_weight / "adapter_model.safetensors")
+    nan_alpha = make_adapter(tiny_llama, tmp_path / "nan-alpha", rank=8)
+    config = json.loads((nan_alpha / "adapter_config.json").read_text())
+    (nan_alpha / "adapter_config.json").write_text(json.dumps({**config, "lora_alpha": float("nan")}))
+
+    with RequestBeside(lora_server) as beside:
+        cases = [
+            ("nan-weight", nan_weight, f"{poisoned} holds NaN or infinite values"),
+            ("nan-alpha", nan_alpha, "lora_alpha must be a finite number"),
+        ]
+        for name, path, words in cases:
+            error = openai_error(
+                _post(lora_server, "load_lora_adapter", {"lora_name": name, "lora_path": str(path)}), 400
+            )
+            assert words in error["message"], error
+        assert beside.running
+    with ThreadPoolExecutor(3) as pool:
+        answers = list(pool.map(lambda model: _complete(client, model), ["tiny", "first", "tiny"]))
+    assert answers == [
+        _peft_text(tiny_llama, None),
+        _peft_text(tiny_llama, adapters["first"]),
+        _peft_text(tiny_llama, None),
+    ]
 
 
 def test_unloading_lets_running_requests_finish(
