@@ -25,6 +25,11 @@ from kvfleet.runtime.lora.errors import LoRAAdapterError
 from kvfleet.runtime.lora.request import ADAPTER_NAME, ADAPTER_NAME_RULE, LoRARequest
 from kvfleet.runtime.models.model_config import ModelConfig
 
+# The most adapter names one server serves. Each name has its series in /metrics (about 1 KB with the longest
+# names), which the operator reads up to 1 MiB and the gateway reads to route adapters: at this bound the
+# page stays far below that. spec.adapters of an InferenceService has the same bound.
+MAX_SERVED_ADAPTERS = 256
+
 
 @dataclass(frozen=True)
 class LoRAModule:
@@ -109,6 +114,10 @@ class LoRAAdapters:
             raise LoRAAdapterError(f"{name!r} is not a valid adapter name ({ADAPTER_NAME_RULE})")
         if name == self.served_model_name or name in self._by_name:
             raise LoRAAdapterError(f"the name {name!r} is already in use")
+        if len(self._by_name) >= MAX_SERVED_ADAPTERS:
+            raise LoRAAdapterError(
+                f"this server serves {MAX_SERVED_ADAPTERS} adapters already: unload one first"
+            )
         path = self._fetch(source) if source.startswith("hf://") else self.sources.local_folder(source)
         digest = adapter_digest(path)
         load_lora_weights(path, self.model_config, max_rank=self.max_rank, dtype=torch.float32)

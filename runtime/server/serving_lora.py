@@ -58,6 +58,7 @@ class OpenAIServingLoRA:
             removed = adapters.remove(body.lora_name)
             if removed is None:
                 raise NotFoundError(f"the LoRA adapter {body.lora_name!r} is not loaded", param="lora_name")
+            self.state.metrics.forget_lora(body.lora_name)
             # The same files served under another name share the weights.
             if all(served.lora.lora_int_id != removed.lora_int_id for served in adapters.loaded):
                 self.state.engine.remove_lora(removed.lora_int_id)
