@@ -41,7 +41,12 @@ def _apply(cluster: LocalCluster, namespace: str, manifest: dict[str, Any]) -> N
 
 def _service(model_dir: Path, uris: dict[str, str], names: list[str]) -> dict[str, Any]:
     adapters = [{"name": name, "uri": uris[name]} for name in names]
-    return tiny_service(NAME, model_dir, adapters=adapters, engine={"apiKeySecret": "lora-key"})
+    return tiny_service(
+        NAME,
+        model_dir,
+        adapters=adapters,
+        engine={"apiKeySecret": "lora-key", "allowRuntimeLoraUpdates": True},
+    )
 
 
 def _adapters_ready(cluster: LocalCluster, namespace: str, names: list[str]) -> dict[str, Any]:

@@ -1,10 +1,12 @@
-"""An InferenceService's LoRA adapters in its running replicas: loaded and unloaded through the runtime's own
-API (vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter), so changing them never restarts a pod.
+"""An InferenceService's LoRA adapters in its running replicas. With spec.engine.allowRuntimeLoraUpdates they
+are loaded and unloaded through the runtime's own API (vLLM's /v1/load_lora_adapter and
+/v1/unload_lora_adapter), so changing them never restarts a pod; without it they are the replicas' flags and
+are only read here.
 
-Each pass reads what every ready replica serves from its /v1/models (an adapter's card names its source as
-`root`), unloads what the spec no longer lists or lists from another source, and loads what is missing. An
-adapter that a replica refused is tried again only after RETRY_SECONDS: a bad adapter must not cost a load
-on every pass.
+Each pass reads what every ready replica serves from its /v1/models (an adapter's card gives the digest of
+its source, never the source itself), unloads what the spec no longer lists or lists from another source,
+and loads what is missing. An adapter that a replica refused is tried again only after RETRY_SECONDS: a bad
+adapter must not cost a load on every pass.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any, Literal, Protocol
 
 import aiohttp
 from kvfleet.operator.scrape import ScrapeTarget, read_capped
+from kvfleet.runtime.lora.request import source_digest
 
 AdapterState = Literal["Pending", "Loading", "Ready", "Failed"]
 RETRY_SECONDS = 60.0
@@ -51,7 +54,7 @@ class ReplicaUnavailable(Exception):
 
 class ReplicaAdapters(Protocol):
     async def served(self, target: ScrapeTarget, api_key: str | None) -> dict[str, str]:
-        """Adapter name -> source of what the replica serves; raises ReplicaUnavailable."""
+        """Adapter name -> source_digest() of what the replica serves; raises ReplicaUnavailable."""
         ...
 
     async def load(self, target: ScrapeTarget, adapter: DesiredAdapter, api_key: str | None) -> None: ...
@@ -71,7 +74,7 @@ class RuntimeAdapterClient:
         body = await self._call("GET", target, "/v1/models", None, api_key)
         try:
             cards = body["data"]
-            return {card["id"]: card["root"] for card in cards if card.get("parent") is not None}
+            return {card["id"]: card["source_digest"] for card in cards if card.get("parent") is not None}
         except (KeyError, TypeError) as error:
             raise ReplicaUnavailable(f"{target.pod}: /v1/models is not a model list") from error
 
@@ -129,10 +132,16 @@ class AdapterSync:
     _refused: dict[tuple[str, str], tuple[str, float]] = field(default_factory=dict)
 
     async def sync(
-        self, desired: Sequence[DesiredAdapter], targets: Sequence[ScrapeTarget], api_key: str | None
+        self,
+        desired: Sequence[DesiredAdapter],
+        targets: Sequence[ScrapeTarget],
+        api_key: str | None,
+        *,
+        update: bool,
     ) -> list[AdapterStatus]:
-        """Converges every ready replica on `desired`; the state of each desired adapter afterwards."""
-        outcomes = await asyncio.gather(*(self._converge(t, desired, api_key) for t in targets))
+        """Converges every ready replica on `desired`, or with `update` off (replicas that serve their
+        adapters from their flags) only reads what they serve; each desired adapter's state afterwards."""
+        outcomes = await asyncio.gather(*(self._converge(t, desired, api_key, update) for t in targets))
         answered = [names for names in outcomes if isinstance(names, set)]
         problems = [problem for problem in outcomes if isinstance(problem, str)]
         wanted = {(adapter.name, adapter.source) for adapter in desired}
@@ -140,12 +149,14 @@ class AdapterSync:
         return [self._status(adapter, answered, len(targets), problems) for adapter in desired]
 
     async def _converge(
-        self, target: ScrapeTarget, desired: Sequence[DesiredAdapter], api_key: str | None
+        self, target: ScrapeTarget, desired: Sequence[DesiredAdapter], api_key: str | None, update: bool
     ) -> set[str] | str:
         """The names the replica serves from the wanted source once done, or why it could not be asked."""
         try:
             served = await self.client.served(target, api_key)
-            wanted = {adapter.name: adapter.source for adapter in desired}
+            wanted = {adapter.name: source_digest(adapter.source) for adapter in desired}
+            if not update:
+                return {name for name, source in served.items() if wanted.get(name) == source}
             for name, source in served.items():
                 if wanted.get(name) != source:
                     await self.client.unload(target, name, api_key)

@@ -272,7 +272,9 @@ class ServiceController:
             message = f"cannot read the API key from Secret {spec.engine.api_key_secret}: {error.message}"
             return [AdapterStatus(adapter.name, "Failed", 0, message) for adapter in desired]
         targets = [ScrapeTarget(pod.name, pod.ip, HTTP_PORT) for pod in pods if pod.scrapeable and pod.ip]
-        return await self.adapter_sync.sync(desired, targets, api_key)
+        return await self.adapter_sync.sync(
+            desired, targets, api_key, update=spec.engine.allow_runtime_lora_updates
+        )
 
     async def _read_api_key(self, secret: str | None) -> str | None:
         if secret is None:

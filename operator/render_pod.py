@@ -133,9 +133,14 @@ def runtime_args(spec: InferenceServiceSpec, safety_config: str | None = None) -
         args += ["--batch-store", BATCH_STORE]
         args += _flags([("--max-batch-file-bytes", spec.batch.max_file_bytes)])
     if spec.lora_enabled:
-        # The adapters themselves are not flags: the operator loads them into running replicas.
-        args += ["--enable-lora", "--allow-runtime-lora-updates", "--lora-download-dir", ADAPTER_DOWNLOADS]
+        args += ["--enable-lora", "--lora-download-dir", ADAPTER_DOWNLOADS]
         args += _flags([("--max-loras", engine.max_loras), ("--max-lora-rank", engine.max_lora_rank)])
+        if engine.allow_runtime_lora_updates:
+            # The adapters are not flags: the operator loads them into running replicas.
+            args.append("--allow-runtime-lora-updates")
+        else:
+            for adapter in spec.adapters:
+                args += ["--lora-modules", f"{adapter.name}={adapter_source(adapter)}"]
     args += _flags([("--safety-config", safety_config)])
     return args + list(engine.extra_args)
 

@@ -78,6 +78,9 @@ class EngineSpec:
     enable_lora: bool = False
     max_loras: int | None = None
     max_lora_rank: int | None = None
+    # Off: the adapters are the replicas' flags, and no client can load one. On: the operator loads them into
+    # running replicas (no restart), through the API that any holder of the service's key may call too.
+    allow_runtime_lora_updates: bool = False
     extra_args: tuple[str, ...] = ()
     env: tuple[tuple[str, str], ...] = ()
 
@@ -324,6 +327,9 @@ def _parse_engine(section: _Section) -> EngineSpec:
         enable_lora=section.boolean("enableLora", defaults.enable_lora),
         max_loras=section.integer("maxLoras", minimum=1),
         max_lora_rank=section.integer("maxLoraRank", minimum=1),
+        allow_runtime_lora_updates=section.boolean(
+            "allowRuntimeLoraUpdates", defaults.allow_runtime_lora_updates
+        ),
         extra_args=tuple(extra_args),
         env=tuple(env_items),
     )

@@ -8,6 +8,7 @@ under kvfleet's names (vLLM's names keep vLLM's labels).
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -191,6 +192,13 @@ class ServerMetrics:
     def set_lora_adapters_source(self, source: Callable[[], list[str]]) -> None:
         """Where scrapes read the names of the LoRA adapters this server serves."""
         self._lora_names_source = source
+
+    def forget_lora(self, lora_name: str) -> None:
+        """Drop an unloaded adapter's series: only served adapters have them, so loading and unloading names
+        cannot grow /metrics past what the operator reads."""
+        for counter in (self._lora_requests, self._lora_generation_tokens):
+            with contextlib.suppress(KeyError):
+                counter.remove(self.model_name, lora_name)
 
     def record_rejected(self, reason: str, tier: str) -> None:
         self._rejected.labels(model_name=self.model_name, reason=reason, tier=tier).inc()

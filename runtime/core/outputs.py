@@ -32,6 +32,9 @@ class SchedulerOutput:
     # Blocks to copy between the device cache and the host tier before the step runs (see HostKVTier).
     # A subset of the step leaves them out: they are made once, by the whole step.
     tier_copies: TierCopies = field(default_factory=TierCopies)
+    # Adapters unloaded that no request runs with any more: the runner drops them and zeroes their slots
+    # before the step runs (idempotent, so every subset of the step carries them).
+    removed_lora_ids: list[int] = field(default_factory=list)
 
     @property
     def num_reqs(self) -> int:
@@ -54,6 +57,7 @@ class SchedulerOutput:
                 for request_id, tokens in self.scheduled_spec_decode_tokens.items()
                 if request_id in request_ids
             },
+            removed_lora_ids=self.removed_lora_ids,
         )
 
 

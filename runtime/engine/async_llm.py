@@ -265,6 +265,11 @@ class AsyncLLM:
         stream.queue.put_nowait(error)
         self._forget(request_id)
 
+    def remove_lora(self, lora_int_id: int) -> None:
+        """vLLM's: the engine drops the adapter's weights once the requests running with it end."""
+        if self._client is not None:
+            self._client.remove_lora(lora_int_id)
+
     def abort_all(self, make_error: Callable[[], BaseException]) -> None:
         for request_id in list(self._streams):
             self.abort(request_id, make_error())

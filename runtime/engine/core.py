@@ -115,6 +115,8 @@ class EngineCore:
         # scheduling the front end hears of (its queue-time metric).
         self._unstarted: dict[str, AddRequest] = {}
         self._errors: list[RequestError] = []
+        # Adapters unloaded by their API server, dropped from the runner once no request runs with them.
+        self._lora_removals: set[int] = set()
         self.grammar_compiler = GrammarCompiler(
             config.tokenizer or config.model, self.vocab_size, config.structured_outputs_compile_timeout
         )
@@ -288,6 +290,20 @@ class EngineCore:
             lora_manager.add(lora)
         except LoRAAdapterError as error:
             raise InvalidRequestError(f"LoRA adapter {lora.lora_name!r}: {error}") from None
+        # Loaded again (the same files under a name) before its removal was done.
+        self._lora_removals.discard(lora.lora_int_id)
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        """Drop an unloaded adapter's weights and zero its slot, once the requests running with it end."""
+        self._lora_removals.add(lora_int_id)
+
+    def _take_lora_removals(self) -> list[int]:
+        if not self._lora_removals:
+            return []
+        in_use = {request.lora_int_id for request in self.scheduler.requests.values()}
+        done = sorted(self._lora_removals - in_use)
+        self._lora_removals.difference_update(done)
+        return done
 
     def _make_room(self, add: AddRequest) -> None:
         """Under --max-waiting-requests, shed a waiting request of a lower tier, or refuse this one."""
@@ -374,6 +390,7 @@ class EngineCore:
     ) -> list[EngineCoreOutput]:
         if scheduler_output.total_num_scheduled_tokens == 0:
             return self.scheduler.update_from_output(scheduler_output, ModelRunnerOutput([], [], []))
+        scheduler_output.removed_lora_ids = self._take_lora_removals()
         try:
             runner_output = self.executor.execute_model(scheduler_output)
         except WorkerFailedError:

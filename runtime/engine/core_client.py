@@ -31,6 +31,8 @@ from kvfleet.runtime.engine.messages import (
     Failed,
     Hello,
     Ready,
+    RemoveLoRA,
+    ToCore,
     from_core_decoder,
 )
 
@@ -192,7 +194,10 @@ class EngineCoreClient:
         if request_ids:
             self._send(AbortRequests(request_ids))
 
-    def _send(self, message: Hello | AddRequest | AbortRequests) -> None:
+    def remove_lora(self, lora_int_id: int) -> None:
+        self._send(RemoveLoRA(lora_int_id))
+
+    def _send(self, message: ToCore) -> None:
         # With no high-water mark a send never waits, so it completes here, in call order.
         if self.dead is None:
             self._socket.send(self._encoder.encode(message), copy=False)

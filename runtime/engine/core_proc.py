@@ -27,6 +27,7 @@ from kvfleet.runtime.engine.messages import (
     Failed,
     Hello,
     Ready,
+    RemoveLoRA,
     to_core_decoder,
 )
 
@@ -130,6 +131,8 @@ class EngineCoreProc:
                 core.abort_requests(message.request_ids)
                 for request_id in message.request_ids:
                     self.client_of.pop(request_id, None)
+            elif isinstance(message, RemoveLoRA):
+                core.remove_lora(message.lora_int_id)
             elif isinstance(message, Hello):
                 self.clients.append(identity.bytes)
                 socket.send_multipart((identity.bytes, self.encoder.encode(Ready(core.info))))

@@ -115,6 +115,10 @@ class LLMEngine:
         for rid in ids:
             self.output_processor.remove(rid)
 
+    def remove_lora(self, lora_int_id: int) -> None:
+        """vLLM's: drop the adapter's weights (its slot zeroed) once the requests running with it end."""
+        self.engine_core.remove_lora(lora_int_id)
+
     def has_unfinished_requests(self) -> bool:
         return self.engine_core.has_unfinished_requests()
 

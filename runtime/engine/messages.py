@@ -1,9 +1,9 @@
 """What crosses the socket between API server processes and the EngineCore process.
 
 Each side sends msgpack-encoded tagged structs over one ZeroMQ ROUTER/DEALER pair: an API server (a DEALER
-whose identity is its client index) sends Hello once, then AddRequest and AbortRequests; the core answers
-Hello with Ready (or Failed, if the model could not be loaded) and after every step sends each client one
-EngineCoreOutputs with that client's outputs and the scheduler's stats.
+whose identity is its client index) sends Hello once, then AddRequest, AbortRequests and RemoveLoRA; the core
+answers Hello with Ready (or Failed, if the model could not be loaded) and after every step sends each client
+one EngineCoreOutputs with that client's outputs and the scheduler's stats.
 """
 
 from __future__ import annotations
@@ -37,6 +37,12 @@ class AddRequest(msgspec.Struct, tag="add", array_like=True, omit_defaults=True)
 
 class AbortRequests(msgspec.Struct, tag="abort", array_like=True):
     request_ids: list[str]
+
+
+class RemoveLoRA(msgspec.Struct, tag="remove_lora", array_like=True):
+    """An adapter its API server no longer serves: its weights leave the engine."""
+
+    lora_int_id: int
 
 
 class EngineInfo(msgspec.Struct, array_like=True):
@@ -76,7 +82,7 @@ class EngineCoreOutputs(msgspec.Struct, tag="outputs", array_like=True, omit_def
     step_time: float = 0.0
 
 
-ToCore = Hello | AddRequest | AbortRequests
+ToCore = Hello | AddRequest | AbortRequests | RemoveLoRA
 FromCore = Ready | Failed | EngineCoreOutputs
 
 

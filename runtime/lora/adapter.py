@@ -110,21 +110,53 @@ def load_lora_weights(
                     a[first : first + rank] = lora_a
                     b[row : row + out_features, :rank] = lora_b * scaling
                 row += out_features
-            fused[fused_name] = (a.to(dtype), b.to(dtype))
+            fused[fused_name] = (
+                _finite(a.to(dtype), f"layer {index} {fused_name} lora_A"),
+                _finite(b.to(dtype), f"layer {index} {fused_name} lora_B (scaled by lora_alpha / r)"),
+            )
         layers.append(fused)
     return LoRAWeights(layers)
+
+
+def _finite(tensor: torch.Tensor, what: str) -> torch.Tensor:
+    """The tensor, if its values are still finite in the serving dtype: an adapter's update is added to the
+    model's output, so a NaN or an infinity there would turn its tokens' text to nothing, and in the batched
+    matmuls a value that is not finite times the zeros of other slots is NaN as well."""
+    if not torch.isfinite(tensor).all():
+        raise LoRAAdapterError(f"{WEIGHTS_FILE}: {what} overflows {tensor.dtype} (NaN or infinite values)")
+    return tensor
+
+
+def _non_finite_number(value: object, where: str) -> str | None:
+    """The first key of a JSON value that holds NaN or an infinity (Python's json reads NaN, Infinity and
+    numbers like 1e999 as floats), or None."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return where
+    children = (
+        value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    )
+    for key, child in children:
+        found = _non_finite_number(child, f"{where}.{key}" if where else str(key))
+        if found is not None:
+            return found
+    return None
 
 
 def _read_config(folder: Path) -> dict:
     path = folder / CONFIG_FILE
     try:
         raw = json.loads(path.read_text())
+        non_finite = _non_finite_number(raw, "")
     except OSError as exc:
         raise LoRAAdapterError(f"cannot read {path}: {exc.strerror}") from None
     except json.JSONDecodeError as exc:
         raise LoRAAdapterError(f"{path} is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise LoRAAdapterError(f"{path} nests too deeply") from None
     if not isinstance(raw, dict):
         raise LoRAAdapterError(f"{path} must hold a JSON object")
+    if non_finite is not None:
+        raise LoRAAdapterError(f"adapter_config.json: {non_finite} must be a finite number")
     if raw.get("peft_type", "LORA") != "LORA":
         raise LoRAAdapterError(f"the adapter is {raw.get('peft_type')!r}; only LORA adapters are served")
     rank = raw.get("r")
@@ -166,7 +198,10 @@ def _read_tensors(
                         f"{WEIGHTS_FILE}: layer {layer} does not exist (the model has "
                         f"{config.num_hidden_layers})"
                     )
-                found.setdefault((layer, part), {})[which] = weights.get_tensor(name).float()
+                tensor = weights.get_tensor(name).float()
+                if not torch.isfinite(tensor).all():
+                    raise LoRAAdapterError(f"{WEIGHTS_FILE}: {name} holds NaN or infinite values")
+                found.setdefault((layer, part), {})[which] = tensor
     except FileNotFoundError:
         raise LoRAAdapterError(f"{path} does not exist") from None
     except (SafetensorError, OSError) as exc:

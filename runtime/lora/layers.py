@@ -33,11 +33,13 @@ class LoRABatch:
     """This step's adapter layout, built once and read by every layer; both None when no token of the step
     uses an adapter.
 
-    `mask` [num_tokens, slots * max_rank], for the dense path: 1 on the columns of each token's own slot.
+    `other_columns` [num_tokens, slots * max_rank], for the dense path: True on the columns of every slot but
+    the token's own (all of them for base-model tokens). They are filled with zeros rather than multiplied by
+    them, so that what another slot computes, even an overflow in half precision, never reaches the token.
     `plan`, for the Triton kernels: the tokens grouped by slot.
     """
 
-    mask: torch.Tensor | None = None
+    other_columns: torch.Tensor | None = None
     plan: LoRATokenPlan | None = None
 
 
@@ -108,11 +110,11 @@ class LoRALinear(nn.Module):
         return output
 
     def _add_lora_dense(self, x: torch.Tensor, output: torch.Tensor) -> None:
-        mask = self.batch.mask
-        if mask is None:
+        other_columns = self.batch.other_columns
+        if other_columns is None:
             return
         shrunk = (x @ self.lora_a.t()).view(x.shape[0], len(self.slice_rows), self.slot_columns)
-        shrunk.mul_(mask[:, None, :])
+        shrunk.masked_fill_(other_columns[:, None, :], 0)
         for index, rows in enumerate(self.slice_rows):
             output[:, rows].addmm_(shrunk[:, index], self.lora_b[rows].t())
 

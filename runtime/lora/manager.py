@@ -63,9 +63,22 @@ class LoRAManager:
         while len(self._host) > self.max_cpu_loras:
             self._host.popitem(last=False)
 
+    def remove(self, lora_int_ids: list[int]) -> None:
+        """Forget unloaded adapters: their host copy, and their slots, zeroed so that no later step computes
+        with what they held."""
+        for lora_int_id in lora_int_ids:
+            self._host.pop(lora_int_id, None)
+            slot = self._slots.pop(lora_int_id, None)
+            if slot is None:
+                continue
+            for wrapped in self.layers:
+                for module in wrapped.values():
+                    module.set_slot(slot, None, None)
+            self._free_slots.append(slot)
+
     def prepare(self, loras: list[LoRARequest | None], query_start_loc: Sequence[int]) -> None:
         """Put the step's adapters in slots and mark which tokens run with which slot."""
-        self.batch.mask = self.batch.plan = None
+        self.batch.other_columns = self.batch.plan = None
         if all(lora is None for lora in loras):
             return
         for lora in loras:
@@ -83,7 +96,7 @@ class LoRAManager:
             return
         slots = torch.from_numpy(token_slots).to(self.device)[:, None]
         slot_of_column = torch.arange(self.max_loras * self.max_rank, device=self.device) // self.max_rank
-        self.batch.mask = (slot_of_column == slots).to(self.dtype)
+        self.batch.other_columns = slot_of_column != slots
 
     def _slot_for(self, lora: LoRARequest) -> int:
         slot = self._slots.get(lora.lora_int_id)

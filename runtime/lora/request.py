@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import re
 from dataclasses import dataclass
 
@@ -22,3 +23,9 @@ class LoRARequest:
     def __post_init__(self) -> None:
         if self.lora_int_id < 1:
             raise ValueError("lora_int_id must be at least 1 (0 is the base model)")
+
+
+def source_digest(source: str) -> str:
+    """What an adapter's card in /v1/models shows of its source (a folder or an hf:// URI): the operator
+    compares it with the digest of the source it asks for, and clients see no path."""
+    return hashlib.sha256(source.encode()).hexdigest()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import click
@@ -192,6 +193,19 @@ served_model_name_option = click.option(
     help="Where adapters loaded from hf://org/name[@revision] URIs are fetched to (needs --enable-lora).",
 )
 @click.option(
+    "--allowed-local-lora-path",
+    type=click.Path(exists=True, file_okay=False),
+    default=None,
+    help="Read local adapters only from under this folder (relative paths are taken from it; symlinks that "
+    "lead out are refused). Default: any folder the server can read.",
+)
+@click.option(
+    "--allowed-lora-hub-orgs",
+    default=None,
+    metavar="ORG[,ORG...]",
+    help="Fetch hf:// adapters only from these hub organisations. Default: any.",
+)
+@click.option(
     "--safety-config",
     default=None,
     metavar="JSON|FILE",
@@ -226,6 +240,8 @@ def serve(
     lora_modules: tuple[str, ...],
     allow_runtime_lora_updates: bool,
     lora_download_dir: str | None,
+    allowed_local_lora_path: str | None,
+    allowed_lora_hub_orgs: str | None,
     safety_config: str | None,
     access_log: bool,
     **options: Any,
@@ -275,6 +291,7 @@ def serve(
         lora_modules,
         allow_runtime_lora_updates,
         lora_download_dir,
+        (allowed_local_lora_path, allowed_lora_hub_orgs),
         api_server_count,
     )
     settings = ServerSettings(
@@ -329,16 +346,21 @@ def _lora_adapters(
     lora_modules: tuple[str, ...],
     allow_runtime_updates: bool,
     download_dir: str | None,
+    allowed_sources: tuple[str | None, str | None],
     api_server_count: int,
 ) -> LoRAAdapters | None:
-    """The adapters to serve from the start, each checked against the model; None without --enable-lora."""
-    from kvfleet.runtime.server.lora_adapters import LoRAAdapters, LoRAModule
+    """The adapters to serve from the start, each checked against the model; None without --enable-lora.
+    `allowed_sources`: --allowed-local-lora-path and --allowed-lora-hub-orgs."""
+    from kvfleet.runtime.server.lora_adapters import AdapterSources, LoRAAdapters, LoRAModule
 
+    local_path, hub_orgs = allowed_sources
     if not config.enable_lora:
         for flag, given in (
             ("--lora-modules", lora_modules),
             ("--allow-runtime-lora-updates", allow_runtime_updates),
             ("--lora-download-dir", download_dir),
+            ("--allowed-local-lora-path", local_path),
+            ("--allowed-lora-hub-orgs", hub_orgs),
         ):
             if given:
                 raise click.BadParameter("needs --enable-lora", param_hint=flag)
@@ -348,8 +370,18 @@ def _lora_adapters(
         raise click.BadParameter(
             "runtime adapter updates need --api-server-count 1", param_hint="--allow-runtime-lora-updates"
         )
+    sources = AdapterSources(
+        local_root=Path(local_path) if local_path is not None else None,
+        hub_orgs=frozenset(org.strip() for org in hub_orgs.split(",") if org.strip())
+        if hub_orgs is not None
+        else None,
+    )
     adapters = LoRAAdapters(
-        config.model, served_model_name, max_rank=config.max_lora_rank, download_dir=download_dir
+        config.model,
+        served_model_name,
+        max_rank=config.max_lora_rank,
+        download_dir=download_dir,
+        sources=sources,
     )
     for value in lora_modules:
         try:

@@ -2,7 +2,10 @@
 time through /v1/load_lora_adapter and /v1/unload_lora_adapter.
 
 An adapter's source is a folder, or with --lora-download-dir an `hf://org/name[@revision]` URI that is
-fetched into that folder first (how the operator delivers hub adapters to running replicas).
+fetched into that folder first (how the operator delivers hub adapters to running replicas). The platform
+may bound both (AdapterSources): folders to those under --allowed-local-lora-path, hub adapters to the
+organisations of --allowed-lora-hub-orgs. Sources are never shown to clients: an adapter's card gives the
+digest of its source, which is how the operator tells whether a replica serves the source it wants.
 
 An adapter is checked against the base model when it is registered, so a bad one is refused with a 400 and
 never reaches the engine. Its `lora_int_id` comes from a digest of its files: every API server process gives
@@ -16,11 +19,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from kvfleet.runtime.hub import HubError, download, parse_hf_uri
-from kvfleet.runtime.lora.adapter import adapter_digest, load_lora_weights
+from kvfleet.runtime.hub import HubError, HubRepository, download, parse_hf_uri
+from kvfleet.runtime.lora.adapter import CONFIG_FILE, WEIGHTS_FILE, adapter_digest, load_lora_weights
 from kvfleet.runtime.lora.errors import LoRAAdapterError
 from kvfleet.runtime.lora.request import ADAPTER_NAME, ADAPTER_NAME_RULE, LoRARequest
 from kvfleet.runtime.models.model_config import ModelConfig
+
+# The most adapter names one server serves. Each name has its series in /metrics (about 1 KB with the longest
+# names), which the operator reads up to 1 MiB and the gateway reads to route adapters: at this bound the
+# page stays far below that. spec.adapters of an InferenceService has the same bound.
+MAX_SERVED_ADAPTERS = 256
 
 
 @dataclass(frozen=True)
@@ -39,20 +47,57 @@ class LoRAModule:
 
 
 @dataclass(frozen=True)
+class AdapterSources:
+    """Where adapters may come from; None leaves that kind unbounded (vLLM's behaviour)."""
+
+    # Local adapters: folders under it, their files too once symlinks are followed; a relative path is
+    # taken from here.
+    local_root: Path | None = None
+    # Hub adapters: repositories of these organisations only.
+    hub_orgs: frozenset[str] | None = None
+
+    def local_folder(self, source: str) -> str:
+        """The folder to read; raises LoRAAdapterError for one outside local_root."""
+        if self.local_root is None:
+            return source
+        root = self.local_root.resolve()
+        folder = (root / source).resolve()
+        for path in (folder, folder / CONFIG_FILE, folder / WEIGHTS_FILE):
+            if not path.resolve().is_relative_to(root):
+                raise LoRAAdapterError(
+                    f"{source}: adapters are read only from under --allowed-local-lora-path"
+                )
+        return str(folder)
+
+    def check_hub(self, uri: str, repository: HubRepository) -> None:
+        """Raises LoRAAdapterError for a repository of an organisation that is not allowed."""
+        org = repository.repo_id.partition("/")[0]
+        if self.hub_orgs is not None and org not in self.hub_orgs:
+            raise LoRAAdapterError(f"{uri}: hub adapters are fetched only from --allowed-lora-hub-orgs")
+
+
+@dataclass(frozen=True)
 class ServedAdapter:
     lora: LoRARequest
-    # As it was given: a folder, or the hf:// URI that `lora.lora_path` was fetched from.
+    # As it was given: a folder, or the hf:// URI that `lora.lora_path` was fetched from. Never shown.
     source: str
 
 
 class LoRAAdapters:
     def __init__(
-        self, model: str, served_model_name: str, *, max_rank: int, download_dir: str | None = None
+        self,
+        model: str,
+        served_model_name: str,
+        *,
+        max_rank: int,
+        download_dir: str | None = None,
+        sources: AdapterSources = AdapterSources(),
     ) -> None:
         self.model_config = ModelConfig.from_folder(model)
         self.served_model_name = served_model_name
         self.max_rank = max_rank
         self.download_dir = Path(download_dir) if download_dir is not None else None
+        self.sources = sources
         self._by_name: dict[str, ServedAdapter] = {}
 
     @property
@@ -69,7 +114,11 @@ class LoRAAdapters:
             raise LoRAAdapterError(f"{name!r} is not a valid adapter name ({ADAPTER_NAME_RULE})")
         if name == self.served_model_name or name in self._by_name:
             raise LoRAAdapterError(f"the name {name!r} is already in use")
-        path = self._fetch(source) if source.startswith("hf://") else source
+        if len(self._by_name) >= MAX_SERVED_ADAPTERS:
+            raise LoRAAdapterError(
+                f"this server serves {MAX_SERVED_ADAPTERS} adapters already: unload one first"
+            )
+        path = self._fetch(source) if source.startswith("hf://") else self.sources.local_folder(source)
         digest = adapter_digest(path)
         load_lora_weights(path, self.model_config, max_rank=self.max_rank, dtype=torch.float32)
         lora = LoRARequest(name, int(digest[:15], 16) + 1, path)
@@ -86,6 +135,7 @@ class LoRAAdapters:
             raise LoRAAdapterError(f"{uri}: adapters from the hub need kvfleet serve --lora-download-dir")
         try:
             repository = parse_hf_uri(uri)
+            self.sources.check_hub(uri, repository)
             # One folder per URI: fetching the same one again finds it complete.
             folder = self.download_dir / hashlib.sha256(uri.encode()).hexdigest()[:16]
             return str(download(repository, folder, must_contain="adapter_config.json"))

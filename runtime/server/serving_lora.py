@@ -7,6 +7,7 @@ import asyncio
 from typing import TYPE_CHECKING, Any
 
 from kvfleet.runtime.lora.errors import LoRAAdapterError
+from kvfleet.runtime.lora.request import source_digest
 from kvfleet.runtime.server.errors import BadRequestError, NotFoundError, PermissionDeniedError
 from kvfleet.runtime.server.protocol import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 from kvfleet.runtime.server.state import ServerState
@@ -32,9 +33,11 @@ class OpenAIServingLoRA:
                 "object": "model",
                 "created": created,
                 "owned_by": "kvfleet",
-                # vLLM's: where the adapter came from; the operator compares it with the spec's URI.
-                "root": served.source,
+                # vLLM's root is the adapter's path; like the base model's card, this one names no path.
+                "root": served.lora.lora_name,
                 "parent": parent,
+                # The operator compares it with the digest of the source it asks for.
+                "source_digest": source_digest(served.source),
             }
             for served in adapters.loaded
         ]
@@ -52,8 +55,13 @@ class OpenAIServingLoRA:
     async def unload(self, body: UnloadLoRAAdapterRequest) -> str:
         adapters = self._updatable()
         async with self._updating:
-            if adapters.remove(body.lora_name) is None:
+            removed = adapters.remove(body.lora_name)
+            if removed is None:
                 raise NotFoundError(f"the LoRA adapter {body.lora_name!r} is not loaded", param="lora_name")
+            self.state.metrics.forget_lora(body.lora_name)
+            # The same files served under another name share the weights.
+            if all(served.lora.lora_int_id != removed.lora_int_id for served in adapters.loaded):
+                self.state.engine.remove_lora(removed.lora_int_id)
         return f"Success: LoRA adapter '{body.lora_name}' removed successfully."
 
     def _updatable(self) -> LoRAAdapters:

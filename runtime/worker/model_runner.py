@@ -341,6 +341,7 @@ class ModelRunner:
         assert self.model is not None
         plan = self.attention_backend.prepare(metadata)
         if self.lora_manager is not None:
+            self.lora_manager.remove(step.removed_lora_ids)
             self.lora_manager.prepare(step.lora_requests, metadata.query_start_loc_cpu)
         model_inputs: dict[str, torch.Tensor] = {}
         if self._rope_sequence_lengths is not None:

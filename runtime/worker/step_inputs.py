@@ -33,6 +33,8 @@ class StepInputs:
     tier_copies: TierCopies = field(default_factory=TierCopies)
     # On a model with M-RoPE, each request's positions [3, its scheduled tokens]; None on others.
     mrope_positions: list[np.ndarray] | None = None
+    # See SchedulerOutput.removed_lora_ids.
+    removed_lora_ids: list[int] = field(default_factory=list)
 
     @property
     def num_reqs(self) -> int:
@@ -95,6 +97,7 @@ class StepInputs:
             mm_features=[list(request.mm_features) for request in scheduler_output.requests],
             tier_copies=scheduler_output.tier_copies,
             mrope_positions=mrope_positions,
+            removed_lora_ids=scheduler_output.removed_lora_ids,
         )
 
     def split(self, parts: int) -> list[StepInputs]:
@@ -126,4 +129,5 @@ class StepInputs:
             mm_features=self.mm_features[first:last],
             tier_copies=self.tier_copies if copies else TierCopies(),
             mrope_positions=None if self.mrope_positions is None else self.mrope_positions[first:last],
+            removed_lora_ids=self.removed_lora_ids,
         )

@@ -68,11 +68,11 @@ def _expected(
     return expected
 
 
-def _prepare(batch: LoRABatch, token_slots: np.ndarray, dtype: torch.dtype) -> None:
+def _prepare(batch: LoRABatch, token_slots: np.ndarray) -> None:
     """The step's layout for both paths (the manager builds only the one its layers use)."""
     slots = torch.from_numpy(token_slots)[:, None]
     slot_of_column = torch.arange(len(RANKS) * MAX_RANK) // MAX_RANK
-    batch.mask = (slot_of_column == slots).to(dtype)
+    batch.other_columns = slot_of_column != slots
     batch.plan = plan_lora_tokens(token_slots, torch.device("cpu"))
 
 
@@ -86,7 +86,7 @@ def test_kernel_matches_the_dense_path_and_each_adapter_alone(assert_close, shap
     # with base-model tokens in no order.
     token_slots = np.concatenate([np.full(70, 1), rng.integers(-1, len(RANKS), size=21)])
     x = torch.randn(len(token_slots), IN_FEATURES, generator=torch.Generator().manual_seed(3)).to(dtype)
-    _prepare(dense.batch, token_slots, dtype)
+    _prepare(dense.batch, token_slots)
     base_out = dense.base(x)
 
     kernel_out = triton(x)

@@ -21,6 +21,7 @@ from kvfleet.operator.observed import DeploymentView, Observed, PodView, Statefu
 from kvfleet.operator.render import Owner, RenderOptions, render_children
 from kvfleet.operator.safety import GuardState, SafetyPlatform
 from kvfleet.operator.scrape import ScrapeFailure, ScrapeTarget
+from kvfleet.runtime.lora.request import source_digest
 
 UID = "uid-1"
 
@@ -83,7 +84,9 @@ class FakeReplicas:
     async def served(self, target: ScrapeTarget, api_key: str | None) -> dict[str, str]:
         if target.pod in self.silent:
             raise ReplicaUnavailable(f"{target.pod}: /v1/models did not answer")
-        return dict(self.served_by_pod.get(target.pod, {}))
+        return {
+            name: source_digest(source) for name, source in self.served_by_pod.get(target.pod, {}).items()
+        }
 
     async def load(self, target: ScrapeTarget, adapter: DesiredAdapter, api_key: str | None) -> None:
         self.calls.append(("load", target.pod, adapter.name, api_key))
@@ -408,6 +411,9 @@ def test_a_new_service_that_may_scale_to_zero_starts_with_one_replica() -> None:
     assert harness.deployments()[-1]["spec"]["replicas"] == 1
 
 
+RUNTIME_UPDATES = {"allowRuntimeLoraUpdates": True}
+
+
 def _adapter_states(harness: Harness) -> dict[str, tuple[str, int]]:
     return {a["name"]: (a["state"], a["readyReplicas"]) for a in harness.cluster.statuses[-1]["adapters"]}
 
@@ -418,7 +424,7 @@ def _condition(harness: Harness, kind: str) -> dict[str, Any]:
 
 def test_adapters_are_loaded_into_ready_replicas_and_removed_ones_unloaded_without_a_rollout() -> None:
     adapters = [{"name": "sql", "uri": "pvc://adapters/sql"}, {"name": "chat", "uri": "file:///lora/chat"}]
-    harness = Harness(service(adapters=adapters, engine={"apiKeySecret": "keys"}))
+    harness = Harness(service(adapters=adapters, engine={"apiKeySecret": "keys", **RUNTIME_UPDATES}))
     harness.cluster.secrets = {("ns", "keys", "KVFLEET_API_KEY"): "s3cret"}
     harness.run()
     assert _adapter_states(harness) == {"sql": ("Pending", 0), "chat": ("Pending", 0)}
@@ -447,7 +453,7 @@ def test_adapters_are_loaded_into_ready_replicas_and_removed_ones_unloaded_witho
 
 
 def test_a_refused_adapter_fails_with_the_runtime_reason_and_is_retried_later() -> None:
-    harness = Harness(service(adapters=[{"name": "big", "uri": "file:///lora/big"}]))
+    harness = Harness(service(adapters=[{"name": "big", "uri": "file:///lora/big"}], engine=RUNTIME_UPDATES))
     harness.replicas.refuse["/lora/big"] = "rank 64 is above --max-lora-rank 16"
     harness.run()
     harness.run(deployment_at(1), ready_pods(1))
@@ -467,7 +473,7 @@ def test_a_refused_adapter_fails_with_the_runtime_reason_and_is_retried_later() 
 
 
 def test_adapter_states_while_replicas_are_missing_or_silent() -> None:
-    harness = Harness(service(adapters=[{"name": "a", "uri": "file:///lora/a"}]))
+    harness = Harness(service(adapters=[{"name": "a", "uri": "file:///lora/a"}], engine=RUNTIME_UPDATES))
     harness.replicas.silent.add("svc-1")
     harness.run()
     harness.run(deployment_at(2), ready_pods(2))
@@ -485,6 +491,15 @@ def test_an_unreadable_api_key_fails_every_adapter() -> None:
     assert _adapter_states(harness) == {"a": ("Failed", 0)}
     assert "cannot read the API key from Secret k" in _condition(harness, "AdaptersReady")["message"]
     assert harness.replicas.calls == []
+
+
+def test_without_runtime_updates_adapters_are_only_read_from_the_replicas() -> None:
+    """Their flags serve them: the operator neither loads nor unloads, and a client key cannot either."""
+    harness = Harness(service(adapters=[{"name": "a", "uri": "file:///lora/a"}]))
+    harness.replicas.served_by_pod = {"svc-0": {"a": "/lora/a", "stray": "/elsewhere"}, "svc-1": {}}
+    harness.run(deployment_at(2), ready_pods(2))
+    assert [call[0] for call in harness.replicas.calls] == []
+    assert _adapter_states(harness) == {"a": ("Loading", 1)}
 
 
 def test_services_without_lora_report_no_adapters() -> None:

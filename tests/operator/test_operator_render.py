@@ -320,21 +320,40 @@ def test_services_without_batch_get_no_batch_api() -> None:
     assert "--batch-store" not in runtime_args(spec)
 
 
-def test_lora_is_served_without_adapter_flags_and_claims_are_mounted_read_only() -> None:
-    adapters = [
-        {"name": "a", "uri": "pvc://loras/team/a"},
-        {"name": "b", "uri": "hf://org/b@v1"},
-        {"name": "c", "uri": "pvc://loras/c"},
+LORA_ADAPTERS = [
+    {"name": "a", "uri": "pvc://loras/team/a"},
+    {"name": "b", "uri": "hf://org/b@v1"},
+    {"name": "c", "uri": "pvc://loras/c"},
+]
+
+
+def test_lora_adapters_are_flags_and_clients_cannot_load_any_unless_the_spec_allows_runtime_updates() -> None:
+    spec = parse_spec({"model": {"uri": "file:///m"}, "adapters": LORA_ADAPTERS}, name="svc")
+    args = runtime_args(spec)
+    assert "--allow-runtime-lora-updates" not in args
+    modules = [args[i + 1] for i, arg in enumerate(args) if arg == "--lora-modules"]
+    assert modules == [
+        "a=/mnt/adapter-claims/loras/team/a",
+        "b=hf://org/b@v1",
+        "c=/mnt/adapter-claims/loras/c",
     ]
-    spec = parse_spec({"model": {"uri": "file:///m"}, "adapters": adapters}, name="svc")
+
+
+def test_lora_with_runtime_updates_has_no_adapter_flags_and_claims_are_mounted_read_only() -> None:
+    raw = {
+        "model": {"uri": "file:///m"},
+        "engine": {"allowRuntimeLoraUpdates": True},
+        "adapters": LORA_ADAPTERS,
+    }
+    spec = parse_spec(raw, name="svc")
     container = runtime_container(render_children(Owner("svc", "ns", UID), spec, 1, OPTIONS))
     args = container["args"]
-    assert args[args.index("--enable-lora") : args.index("--enable-lora") + 4] == [
+    assert args[args.index("--enable-lora") : args.index("--enable-lora") + 3] == [
         "--enable-lora",
-        "--allow-runtime-lora-updates",
         "--lora-download-dir",
         "/mnt/adapters",
     ]
+    assert "--allow-runtime-lora-updates" in args
     assert not any("lora-modules" in arg for arg in args), "adapters are loaded at run time, not flags"
     mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
     assert mounts["/mnt/adapter-claims/loras"]["readOnly"] is True
@@ -349,7 +368,8 @@ def test_lora_is_served_without_adapter_flags_and_claims_are_mounted_read_only()
 
 def test_enable_lora_keeps_the_template_when_adapters_come_and_go() -> None:
     def template(adapters: list[dict[str, str]]) -> dict[str, Any]:
-        raw = {"model": {"uri": "file:///m"}, "engine": {"enableLora": True}, "adapters": adapters}
+        engine = {"enableLora": True, "allowRuntimeLoraUpdates": True}
+        raw = {"model": {"uri": "file:///m"}, "engine": engine, "adapters": adapters}
         children = render_children(Owner("svc", "ns", UID), parse_spec(raw, name="svc"), 1, OPTIONS)
         return next(c for c in children if c["kind"] == "Deployment")["spec"]["template"]
 

@@ -16,18 +16,22 @@ import pytest
 from kvfleet.operator.adapters import AdapterStatus, AdapterSync, DesiredAdapter, RuntimeAdapterClient
 from kvfleet.operator.scrape import ScrapeTarget
 from kvfleet.runtime.lora.make_adapter import make_adapter
+from kvfleet.runtime.lora.request import source_digest
 
 if TYPE_CHECKING:
     from conftest import ServerProcess
 
 
-def _sync(server: ServerProcess, desired: list[DesiredAdapter], api_key: str | None) -> list[AdapterStatus]:
+def _sync(
+    server: ServerProcess, desired: list[DesiredAdapter], api_key: str | None, *, update: bool = True
+) -> list[AdapterStatus]:
     address = urlparse(server.url)
     target = ScrapeTarget("replica-0", address.hostname or "", address.port or 0)
 
     async def run() -> list[AdapterStatus]:
         async with aiohttp.ClientSession() as session:
-            return await AdapterSync(RuntimeAdapterClient(session)).sync(desired, [target], api_key)
+            sync = AdapterSync(RuntimeAdapterClient(session))
+            return await sync.sync(desired, [target], api_key, update=update)
 
     return asyncio.run(run())
 
@@ -69,7 +73,16 @@ def test_sync_loads_unloads_and_reports_refusals(
     moved = DesiredAdapter("second", first.source)
     assert _sync(replica, [moved], "replica-key") == [AdapterStatus("second", "Ready", 1)]
     cards = {model.id: model for model in client.models.list().data}
-    assert cards["second"].model_extra["root"] == first.source
+    assert cards["second"].model_extra["source_digest"] == source_digest(first.source)
+    assert first.source not in client.models.list().model_dump_json(), "clients see no adapter path"
+
+    # Replicas that serve their adapters from flags are only read.
+    unloaded = DesiredAdapter("unloaded", second.source)
+    assert _sync(replica, [moved, unloaded], "replica-key", update=False) == [
+        AdapterStatus("second", "Ready", 1),
+        AdapterStatus("unloaded", "Loading", 0, "served by 0 of 1 ready replicas"),
+    ]
+    assert served() == {"tiny", "second"}
 
     wrong_key = _sync(replica, [moved], "not-the-key")
     assert wrong_key[0].state == "Loading" and "HTTP 401" in wrong_key[0].message

@@ -4,9 +4,11 @@ while other requests run on."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -15,8 +17,10 @@ import openai
 import pytest
 import torch
 from kvfleet.runtime.lora.make_adapter import make_adapter
+from kvfleet.runtime.lora.request import source_digest
 from peft import PeftModel
 from prometheus_client.parser import text_string_to_metric_families
+from safetensors.torch import load_file, save_file
 from server_checks import RequestBeside, openai_error
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -50,6 +54,8 @@ def lora_server(start_server: Callable[..., ServerProcess], adapters: dict[str, 
         "--lora-modules",
         f"first={adapters['first']}",
         "--allow-runtime-lora-updates",
+        "--allowed-local-lora-path",
+        str(adapters["first"].parent),
         api_key="lora-key",
     )
 
@@ -84,13 +90,16 @@ def _post(server: ServerProcess, route: str, body: dict, *, key: str | None = "u
     return httpx.post(f"{server.url}/v1/{route}", json=body, headers=headers, timeout=60)
 
 
-def test_models_lists_adapters_with_their_parent_and_source(
+def test_models_lists_adapters_with_their_parent_and_no_path(
     client: openai.OpenAI, adapters: dict[str, Path]
 ) -> None:
-    cards = {model.id: model for model in client.models.list().data}
+    models = client.models.list()
+    cards = {model.id: model for model in models.data}
     assert set(cards) == {"tiny", "first"}
     assert cards["first"].model_extra["parent"] == "tiny"
-    assert cards["first"].model_extra["root"] == str(adapters["first"])
+    assert cards["first"].model_extra["root"] == "first"
+    assert cards["first"].model_extra["source_digest"] == source_digest(str(adapters["first"]))
+    assert adapters["first"].parent.name not in models.model_dump_json()
 
 
 def test_adapter_and_base_answers_match_peft(
@@ -126,12 +135,14 @@ def test_load_use_unload_then_404(
 
 
 def test_bad_loads_get_4xx_while_a_request_runs(
-    lora_server: ServerProcess, adapters: dict[str, Path]
+    lora_server: ServerProcess, tiny_llama: Path, adapters: dict[str, Path]
 ) -> None:
     with RequestBeside(lora_server) as beside:
         cases = [
             ({"lora_name": "big", "lora_path": str(adapters["too-big"])}, 400, "--max-lora-rank"),
-            ({"lora_name": "nowhere", "lora_path": "/nonexistent/adapter"}, 400, "cannot read"),
+            ({"lora_name": "nowhere", "lora_path": "missing"}, 400, "cannot read"),
+            ({"lora_name": "outside", "lora_path": str(tiny_llama)}, 400, "--allowed-local-lora-path"),
+            ({"lora_name": "up", "lora_path": "../first"}, 400, "--allowed-local-lora-path"),
             ({"lora_name": "first", "lora_path": str(adapters["second"])}, 400, "already in use"),
             ({"lora_name": "tiny", "lora_path": str(adapters["second"])}, 400, "already in use"),
             (
@@ -147,6 +158,43 @@ def test_bad_loads_get_4xx_while_a_request_runs(
             assert words in error["message"] or words == error["param"], error
         assert _post(lora_server, "load_lora_adapter", dict(cases[0][0]), key=None).status_code == 401
         assert beside.running
+
+
+def test_non_finite_adapters_are_refused_naming_what_and_base_answers_stay_transformers(
+    lora_server: ServerProcess,
+    client: openai.OpenAI,
+    tiny_llama: Path,
+    adapters: dict[str, Path],
+) -> None:
+    """A NaN in one adapter's weights or config would turn every batch it shares to '' or a 500."""
+    root = adapters["first"].parent
+    nan_weight = make_adapter(tiny_llama, root / "nan-weight", rank=8)
+    weights = load_file(nan_weight / "adapter_model.safetensors")
+    poisoned = sorted(weights)[0]
+    weights[poisoned][0, 0] = float("nan")
+    save_file(weights, nan_weight / "adapter_model.safetensors")
+    nan_alpha = make_adapter(tiny_llama, root / "nan-alpha", rank=8)
+    config = json.loads((nan_alpha / "adapter_config.json").read_text())
+    (nan_alpha / "adapter_config.json").write_text(json.dumps({**config, "lora_alpha": float("nan")}))
+
+    with RequestBeside(lora_server) as beside:
+        cases = [
+            ("nan-weight", nan_weight, f"{poisoned} holds NaN or infinite values"),
+            ("nan-alpha", nan_alpha, "lora_alpha must be a finite number"),
+        ]
+        for name, path, words in cases:
+            error = openai_error(
+                _post(lora_server, "load_lora_adapter", {"lora_name": name, "lora_path": str(path)}), 400
+            )
+            assert words in error["message"], error
+        assert beside.running
+    with ThreadPoolExecutor(3) as pool:
+        answers = list(pool.map(lambda model: _complete(client, model), ["tiny", "first", "tiny"]))
+    assert answers == [
+        _peft_text(tiny_llama, None),
+        _peft_text(tiny_llama, adapters["first"]),
+        _peft_text(tiny_llama, None),
+    ]
 
 
 def test_unloading_lets_running_requests_finish(
@@ -218,6 +266,7 @@ def test_runtime_updates_are_refused_unless_allowed(
     ("args", "words"),
     [
         (["--lora-modules", "a=/tmp"], "needs --enable-lora"),
+        (["--allowed-lora-hub-orgs", "acme"], "needs --enable-lora"),
         (["--enable-lora", "--lora-modules", "no-equals-sign"], "name=path"),
         (
             ["--enable-lora", "--allow-runtime-lora-updates", "--api-server-count", "2"],

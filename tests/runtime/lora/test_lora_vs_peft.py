@@ -14,6 +14,7 @@ import torch
 from kvfleet.runtime import LLM, LoRARequest, SamplingParams
 from kvfleet.runtime.lora.make_adapter import make_adapter
 from peft import PeftModel
+from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 PROMPTS = [[5, 6, 7, 8, 9], [100, 200, 300], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20], [42, 7]]
@@ -147,3 +148,65 @@ def test_make_adapter_command_writes_what_peft_loads(make_model: Callable[..., P
         "up_proj",
         "down_proj",
     }
+
+
+def _poison(adapter: Path, value: float) -> str:
+    """Set one weight of the adapter to `value`; returns the tensor's name."""
+    weights_file = adapter / "adapter_model.safetensors"
+    tensors = load_file(weights_file)
+    name = sorted(tensors)[0]
+    tensors[name][0, 0] = value
+    save_file(tensors, weights_file)
+    return name
+
+
+def test_non_finite_adapters_are_refused_and_base_requests_beside_them_match(
+    make_model: Callable[..., Path], tmp_path: Path
+) -> None:
+    """NaN or infinite weights, config numbers, or a scaling that overflows, each named; the base request of
+    the same batch gives Transformers' tokens."""
+    base = make_model("llama", "tiny")
+    nan_weight = make_adapter(base, tmp_path / "nan-weight", rank=4)
+    nan_name = _poison(nan_weight, float("nan"))
+    inf_weight = make_adapter(base, tmp_path / "inf-weight", rank=4)
+    inf_name = _poison(inf_weight, float("-inf"))
+    nan_alpha = make_adapter(base, tmp_path / "nan-alpha", rank=4)
+    config = json.loads((nan_alpha / "adapter_config.json").read_text())
+    (nan_alpha / "adapter_config.json").write_text(json.dumps({**config, "lora_alpha": float("nan")}))
+    overflow = make_adapter(base, tmp_path / "overflow", rank=4)
+    (overflow / "adapter_config.json").write_text(json.dumps({**config, "lora_alpha": 1e308}))
+    cases = {
+        nan_weight: f"{nan_name} holds NaN or infinite values",
+        inf_weight: f"{inf_name} holds NaN or infinite values",
+        nan_alpha: "lora_alpha must be a finite number",
+        overflow: "lora_B .scaled by lora_alpha / r. overflows torch.float32",
+    }
+    expected = _peft_tokens(base, None, [PROMPTS[0]])[0]
+    llm = LLM(str(base), dtype="float32", enable_lora=True, max_lora_rank=4, num_kv_blocks=256)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    for index, (path, message) in enumerate(cases.items()):
+        with pytest.raises(ValueError, match=message):
+            llm.generate(
+                [PROMPTS[0], PROMPTS[0]],
+                params,
+                lora_request=[None, LoRARequest("bad", index + 1, str(path))],
+            )
+        outputs = llm.generate([PROMPTS[0]], params)
+        assert outputs[0].outputs[0].token_ids == expected, path.name
+
+
+def test_a_removed_adapter_leaves_its_slot_zeroed(make_model: Callable[..., Path], tmp_path: Path) -> None:
+    base = make_model("llama", "tiny")
+    adapter = make_adapter(base, tmp_path / "adapter", rank=4)
+    llm = LLM(str(base), dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=4, num_kv_blocks=256)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    manager = llm.llm_engine.runner.lora_manager
+    projections = [module for layer in manager.layers for module in layer.values()]
+
+    llm.generate([PROMPTS[0]], params, lora_request=LoRARequest("adapter", 1, str(adapter)))
+    assert any(module.lora_b.any() for module in projections)
+    llm.llm_engine.remove_lora(1)
+    outputs = llm.generate([PROMPTS[0]], params)
+
+    assert not any(module.lora_a.any() or module.lora_b.any() for module in projections)
+    assert outputs[0].outputs[0].token_ids == _peft_tokens(base, None, [PROMPTS[0]])[0]
