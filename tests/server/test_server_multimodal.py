@@ -19,6 +19,7 @@ import httpx
 import numpy as np
 import openai
 import pytest
+from memory import proc_status_kb, reset_peak_rss
 from PIL import Image
 from server_checks import encoder_runs, transformers_chat_answer
 from transformers import LlavaForConditionalGeneration
@@ -237,14 +238,6 @@ def test_a_host_that_drips_is_cut_at_the_deadline(client: openai.OpenAI, image_h
     assert f"took more than {FETCH_TIMEOUT_S} s" in outcome["error"]["message"], outcome
 
 
-def proc_status_kb(pid: int, field: str) -> int:
-    """A memory figure (VmRSS, VmHWM) of a live process, in kB, from /proc/PID/status."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith(f"{field}:"):
-            return int(line.split()[1])
-    raise AssertionError(f"no {field} in /proc/{pid}/status")
-
-
 # A 1 x 40000 PNG (within the pixel limit) resized to the model's 30-pixel side first would be 30 x 1.2M
 # pixels, some 360 MiB in the resize and its copies; refused, it costs the API server next to nothing.
 THIN_IMAGE_SIDE = MAX_IMAGE_PIXELS
@@ -256,9 +249,7 @@ def test_a_thin_image_is_refused_before_it_costs_memory(
 ) -> None:
     thin = Image.fromarray(np.full((THIN_IMAGE_SIDE, 1, 3), 128, dtype=np.uint8))
     url = _data_url(_encoded(thin))
-    # Peak RSS since now (Linux's clear_refs "5" resets VmHWM to the current RSS).
-    Path(f"/proc/{llava_server.pid}/clear_refs").write_text("5")
-    baseline_kb = proc_status_kb(llava_server.pid, "VmHWM")
+    baseline_kb = reset_peak_rss(llava_server.pid)
     with pytest.raises(openai.BadRequestError) as caught:
         client.chat.completions.create(
             model=MODEL_NAME, messages=[_user("Look: ", _image_part(url))], **GREEDY

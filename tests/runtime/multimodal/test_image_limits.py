@@ -16,6 +16,7 @@ import pytest
 from kvfleet.runtime.multimodal.image_processor import MAX_ASPECT_RATIO, ImageProcessor, decode_image
 from kvfleet.runtime.multimodal.inputs import MediaInputError
 from kvfleet.runtime.multimodal.prompt_media import PromptMedia
+from memory import proc_status_kb, reset_peak_rss
 from PIL import Image
 
 # LLaVA 1.5's CLIP steps: shortest edge to 336, centre crop of 336 x 336.
@@ -42,20 +43,11 @@ def _gradient(height: int, width: int) -> Image.Image:
     return Image.fromarray(np.stack(channels, axis=-1).astype(np.uint8))
 
 
-def _status_kb(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(f"{field}:"):
-            return int(line.split()[1])
-    raise AssertionError(f"no {field} in /proc/self/status")
-
-
 @pytest.fixture
 def peak_rss_growth_kb() -> Iterator[Callable[[], int]]:
-    """A function giving how far this process's peak RSS has risen since the fixture began (Linux's
-    clear_refs "5" resets VmHWM to the current RSS)."""
-    Path("/proc/self/clear_refs").write_text("5")
-    baseline_kb = _status_kb("VmHWM")
-    yield lambda: _status_kb("VmHWM") - baseline_kb
+    """A function giving how far this process's peak RSS has risen since the fixture began."""
+    baseline_kb = reset_peak_rss("self")
+    yield lambda: proc_status_kb("self", "VmHWM") - baseline_kb
 
 
 def test_a_thin_image_is_refused_before_it_is_decoded() -> None:
