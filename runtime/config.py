@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar, get_args
 
 import click
+from kvfleet.runtime.multimodal.media_sources import IPNetwork, MediaOrigin, parse_networks, parse_origins
 from kvfleet.runtime.spec_decode.config import SpeculativeConfig
 
 SchedulingPolicy = Literal["fcfs", "priority"]
@@ -91,8 +92,19 @@ class EngineConfig:
         default=None,
     )
     allowed_media_domains: str | None = _option(
-        "Comma-separated hosts whose http(s) image URLs the server fetches; by default none (data: URLs "
-        "only).",
+        "Comma-separated origins whose http(s) image URLs the server fetches: host (http and https on their "
+        "default ports), host:port or http(s)://host[:port]; by default none (data: URLs only).",
+        default=None,
+    )
+    media_fetch_timeout: float = _option(
+        "Seconds a media URL's fetch may take in all (name lookup, connection, headers and body) before its "
+        "request is refused.",
+        default=10.0,
+    )
+    allowed_media_networks: str | None = _option(
+        "Comma-separated networks (CIDRs or addresses) that the hosts of fetched media URLs may resolve to "
+        "besides public addresses; by default none, so a host that resolves to a private, loopback, "
+        "link-local or other non-public address is refused.",
         default=None,
     )
     structured_outputs_compile_timeout: float = _option(
@@ -160,6 +172,9 @@ class EngineConfig:
             require(modality in MODALITIES, f"limit_mm_per_prompt: {modality!r} is not one of {MODALITIES}")
             require(isinstance(limit, int) and limit >= 0, f"limit_mm_per_prompt: {modality} needs a count")
         require(self.max_image_pixels > 0, "max_image_pixels must be positive")
+        require(self.media_fetch_timeout > 0, "media_fetch_timeout must be positive")
+        self.media_origins()  # raise ValueErrors naming the entry that is wrong
+        self.media_networks()
         require(
             self.max_audio_clip_s is None or self.max_audio_clip_s > 0, "max_audio_clip_s must be positive"
         )
@@ -209,10 +224,13 @@ class EngineConfig:
         limits = self.limit_mm_per_prompt or {}
         return {modality: int(limits.get(modality, DEFAULT_ITEMS_PER_PROMPT)) for modality in MODALITIES}
 
-    def media_domains(self) -> frozenset[str]:
-        """The hosts of allowed_media_domains, lower case."""
-        hosts = (self.allowed_media_domains or "").replace(" ", ",").split(",")
-        return frozenset(host.strip().lower() for host in hosts if host.strip())
+    def media_origins(self) -> tuple[MediaOrigin, ...]:
+        """The origins of allowed_media_domains."""
+        return parse_origins(self.allowed_media_domains)
+
+    def media_networks(self) -> tuple[IPNetwork, ...]:
+        """The networks of allowed_media_networks."""
+        return parse_networks(self.allowed_media_networks)
 
     def replace(self, **changes: Any) -> EngineConfig:
         return dataclasses.replace(self, **changes)

@@ -16,8 +16,14 @@ import numpy as np
 from kvfleet.runtime.multimodal.inputs import MediaInputError, ModalitySpec, fixed_shape, placeholder_token_id
 from PIL import Image, UnidentifiedImageError
 
-# Qwen2-VL's image processor refuses images longer than this many times their width (or the reverse).
-_MAX_ASPECT_RATIO = 200
+# No image may be longer than this many times its width (or the reverse), as Qwen2-VL's image processor
+# rules: resizing a thin image's short side up to a model's size multiplies its pixels by as much.
+MAX_ASPECT_RATIO = 200
+# An image whose resized whole would hold more than this many times the pixels its centre crop keeps is
+# cropped before it is resized (only the kept part resampled). Smaller ones are resized whole, as
+# Transformers does: Pillow picks the order of its two passes from the sizes, so resizing only a part may
+# round some noisy pixels differently.
+_MAX_RESIZED_PER_KEPT = 4
 # What Pillow may decode: the formats content parts take (PNG, JPEG, WebP), nothing else it can read.
 IMAGE_FORMATS = ("PNG", "JPEG", "WEBP")
 
@@ -74,8 +80,6 @@ class GridVisionSettings:
 
     def resized_size(self, width: int, height: int) -> tuple[int, int]:
         """(width, height) an image is resized to, as Qwen2-VL's image processor rounds them."""
-        if max(width, height) / min(width, height) > _MAX_ASPECT_RATIO:
-            raise MediaInputError(f"the image's aspect ratio is more than {_MAX_ASPECT_RATIO}")
         factor = self.factor
         new_height, new_width = round(height / factor) * factor, round(width / factor) * factor
         if new_height * new_width > self.max_pixels:
@@ -137,8 +141,17 @@ def vision_settings(config: dict[str, Any]) -> VisionSettings:
     )
 
 
+def check_aspect_ratio(width: int, height: int) -> None:
+    """Raises MediaInputError for an image longer than MAX_ASPECT_RATIO times its width, or the reverse."""
+    if max(width, height) > MAX_ASPECT_RATIO * min(width, height):
+        raise MediaInputError(
+            f"the image is {width}x{height}: its aspect ratio is more than the limit of {MAX_ASPECT_RATIO}"
+        )
+
+
 def decode_image(data: bytes, *, max_pixels: int) -> Image.Image:
-    """The RGB image in `data`; raises MediaInputError for anything else, before decoding one too large."""
+    """The RGB image in `data`; raises MediaInputError for anything else, before decoding one too large or
+    too thin."""
     try:
         image = Image.open(io.BytesIO(data), formats=IMAGE_FORMATS)
     except UnidentifiedImageError:
@@ -148,6 +161,7 @@ def decode_image(data: bytes, *, max_pixels: int) -> Image.Image:
     width, height = image.size
     if width * height > max_pixels:
         raise MediaInputError(f"the image has {width}x{height} pixels, more than the limit of {max_pixels}")
+    check_aspect_ratio(width, height)
     try:
         image.load()
     except (OSError, ValueError, Image.DecompressionBombError) as exc:
@@ -186,9 +200,17 @@ class ImageProcessor:
             std=np.asarray(raw["image_std"], dtype=np.float32).reshape(-1, 1, 1) if normalize else None,
         )
 
+    def output_shape(self, width: int, height: int) -> tuple[int, int, int]:
+        """The shape [3, H, W] of what an image of this size becomes, known before any pixel is touched."""
+        if self.resize is not None:
+            width, height = self._resized_size(width, height)
+        if self.crop is not None:
+            height, width = self.crop
+        return 3, height, width
+
     def __call__(self, image: Image.Image) -> np.ndarray:  # -> [3, H, W] float32
         if self.resize is not None:
-            image = image.resize(self._resized_size(*image.size), resample=self.resample)
+            image = self._resized(image)
         pixels = np.asarray(image).transpose(2, 0, 1)
         if self.crop is not None:
             pixels = _center_crop(pixels, *self.crop)
@@ -199,6 +221,19 @@ class ImageProcessor:
             values = (values - self.mean) / self.std
         return np.ascontiguousarray(values, dtype=np.float32)
 
+    def _resized(self, image: Image.Image) -> Image.Image:
+        """The image resized; when a crop follows that keeps a small part of it, only that part."""
+        width, height = self._resized_size(*image.size)
+        if self.crop is None or width * height <= _MAX_RESIZED_PER_KEPT * math.prod(self.crop):
+            return image.resize((width, height), resample=self.resample)
+        (top, bottom), (left, right) = (
+            _kept_span(height, self.crop[0]),
+            _kept_span(width, self.crop[1]),
+        )
+        scale_x, scale_y = image.width / width, image.height / height
+        box = (left * scale_x, top * scale_y, right * scale_x, bottom * scale_y)
+        return image.resize((right - left, bottom - top), resample=self.resample, box=box)
+
     def _resized_size(self, width: int, height: int) -> tuple[int, int]:
         size = self.resize
         assert size is not None
@@ -207,6 +242,12 @@ class ImageProcessor:
             new_short, new_long = size["shortest_edge"], int(size["shortest_edge"] * long / short)
             return (new_short, new_long) if width <= height else (new_long, new_short)
         return int(size["width"]), int(size["height"])
+
+
+def _kept_span(resized: int, crop: int) -> tuple[int, int]:
+    """[start, end) of a side of `resized` pixels that its centre crop to `crop` keeps."""
+    start = max(0, (resized - crop) // 2)
+    return start, min(resized, start + crop)
 
 
 def _center_crop(pixels: np.ndarray, height: int, width: int) -> np.ndarray:

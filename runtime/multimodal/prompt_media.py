@@ -10,10 +10,12 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from kvfleet.runtime.multimodal.audio import AudioProcessor, audio_settings
 from kvfleet.runtime.multimodal.image_processor import (
     GridVisionSettings,
     ImageProcessor,
+    check_aspect_ratio,
     grid_vision_settings,
     vision_settings,
 )
@@ -120,10 +122,24 @@ def _image_preprocessor(processor: ImageProcessor, spec: ModalitySpec) -> Callab
     tokens = spec.max_item_tokens
 
     def preprocess(image: Any) -> PreparedItem:
-        pixels = processor(image.convert("RGB"))
+        pixels = _checked_pixels(processor, spec, image.convert("RGB"))
         return PreparedItem(pixels, pixels.shape[-1], tokens)
 
     return preprocess
+
+
+def _checked_pixels(processor: ImageProcessor, spec: ModalitySpec, image: Any) -> np.ndarray:
+    """The image through the processor, refused before any resizing when it is too thin or would become
+    pixels of a shape the model does not take: so that no image costs more memory than its own pixels and
+    the model's input."""
+    check_aspect_ratio(*image.size)
+    shape = processor.output_shape(*image.size)
+    problem = spec.shape_error(shape)
+    if problem is not None:
+        raise MediaInputError(
+            f"the image ({image.width}x{image.height}) would become {list(shape)}: {problem}"
+        )
+    return processor(image)
 
 
 def uses_image_grid(config: dict[str, Any]) -> bool:
@@ -138,7 +154,8 @@ def _grid_image_preprocessor(
     def preprocess(image: Any) -> PreparedItem:
         image = image.convert("RGB")
         width, height = settings.resized_size(*image.size)
-        pixels = replace(processor, resize={"width": width, "height": height}, crop=None)(image)
+        resizing = replace(processor, resize={"width": width, "height": height}, crop=None)
+        pixels = _checked_pixels(resizing, spec, image)
         return PreparedItem(pixels, pixels.shape[-1], spec.num_tokens(pixels.shape, pixels.shape[-1]))
 
     return preprocess

@@ -1,5 +1,6 @@
 """Images and audio clips of chat content parts. Images: `data:` URLs decoded, http(s) URLs fetched only from
-the hosts --allowed-media-domains lists (with a size cap and a timeout); audio: `input_audio` parts, base64
+the origins --allowed-media-domains lists and the addresses media_sources allows (with a size cap and one
+deadline for the whole fetch); audio: `input_audio` parts, base64
 WAV or MP3. All are decoded and preprocessed into the engine's features off the event loop, each checked
 against the model and the limits first. Every problem is a 400 naming the content part."""
 
@@ -9,22 +10,24 @@ import asyncio
 import base64
 import binascii
 import functools
+import ipaddress
+import socket
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from urllib.parse import urlsplit
+from urllib.parse import SplitResult, urlsplit, urlunsplit
 
 import httpx
 from kvfleet.runtime.config import EngineConfig
 from kvfleet.runtime.multimodal.audio import decode_audio
 from kvfleet.runtime.multimodal.image_processor import decode_image
 from kvfleet.runtime.multimodal.inputs import MediaInputError, MultiModalFeature, PreparedItem
+from kvfleet.runtime.multimodal.media_sources import DEFAULT_PORTS, IPAddress, IPNetwork, address_allowed
 from kvfleet.runtime.multimodal.prompt_media import PromptMedia
 from kvfleet.runtime.server.openai_errors import BadRequestError
 from kvfleet.runtime.server.protocol import ChatMessage, ContentPart
 
-# A fetched image may be this large, and its server this slow, before the request is refused.
-MAX_FETCHED_IMAGE_BYTES = 20 << 20
-FETCH_TIMEOUT_S = 10.0
+# A fetched image may be this large before the request is refused.
+MAX_FETCHED_MEDIA_BYTES = 20 << 20
 
 
 @functools.lru_cache(maxsize=4)
@@ -150,30 +153,89 @@ def _data_url_bytes(url: str, param: str) -> bytes:
 
 
 async def _fetch(config: EngineConfig, url: str, param: str) -> bytes:
+    """The body at an http(s) URL of an allowed origin, from an allowed address: fetched within
+    media_fetch_timeout in all (name lookup, connection, headers and body), of MAX_FETCHED_MEDIA_BYTES at
+    most."""
     parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
+    origin = _origin(parts)
+    if origin is None:
         raise BadRequestError("an image URL must be a data: URL or an http(s) URL", param=param)
-    allowed = config.media_domains()
-    if parts.hostname.lower() not in allowed:
+    scheme, host, port = origin
+    if not any(allowed.allows(scheme, host, port) for allowed in config.media_origins()):
         raise BadRequestError(
-            f"image URLs from {parts.hostname!r} are not allowed (--allowed-media-domains)", param=param
+            f"image URLs from {scheme}://{host}:{port} are not allowed (--allowed-media-domains)", param=param
         )
+    deadline_s = config.media_fetch_timeout
     try:
-        async with (
-            httpx.AsyncClient(timeout=FETCH_TIMEOUT_S, follow_redirects=False) as client,
-            client.stream("GET", url) as response,
-        ):
-            if response.status_code != 200:
-                raise BadRequestError(f"fetching the image gave HTTP {response.status_code}", param=param)
-            data = bytearray()
-            async for chunk in response.aiter_bytes():
-                data += chunk
-                if len(data) > MAX_FETCHED_IMAGE_BYTES:
-                    raise BadRequestError(
-                        f"the image at the URL is larger than {MAX_FETCHED_IMAGE_BYTES} bytes", param=param
-                    )
-            return bytes(data)
+        async with asyncio.timeout(deadline_s):
+            address = await _allowed_address(host, port, config.media_networks())
+            return await _get(parts, address, port, deadline_s)
+    except TimeoutError:
+        raise BadRequestError(
+            f"fetching the image URL took more than {deadline_s:g} s (--media-fetch-timeout)", param=param
+        ) from None
+    except MediaInputError as exc:
+        raise BadRequestError(str(exc), param=param) from None
     except httpx.HTTPError as exc:
         raise BadRequestError(
             f"the image URL could not be fetched: {type(exc).__name__}", param=param
         ) from None
+
+
+def _origin(parts: SplitResult) -> tuple[str, str, int] | None:
+    """(scheme, host, port) of an http(s) URL, the port the scheme's default where it names none; None for
+    any other URL."""
+    scheme = parts.scheme.lower()
+    try:
+        port = parts.port
+    except ValueError:  # not a number, or out of range
+        return None
+    if scheme not in DEFAULT_PORTS or not parts.hostname:
+        return None
+    return scheme, parts.hostname, DEFAULT_PORTS[scheme] if port is None else port
+
+
+async def _allowed_address(host: str, port: int, networks: tuple[IPNetwork, ...]) -> IPAddress:
+    """The address to fetch from: the host's, when every address it resolves to is allowed (one that is
+    not would otherwise be reachable whenever the lookup answers it)."""
+    try:
+        infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError:
+        raise MediaInputError(f"the image URL's host {host!r} does not resolve") from None
+    addresses = [ipaddress.ip_address(info[4][0]) for info in infos]
+    for address in addresses:
+        if not address_allowed(address, networks):
+            raise MediaInputError(
+                f"the image URL's host {host!r} resolves to {address}, not a public address "
+                "(--allowed-media-networks)"
+            )
+    return addresses[0]
+
+
+async def _get(parts: SplitResult, address: IPAddress, port: int, timeout_s: float) -> bytes:
+    """GET the URL from the address checked (not from a second lookup, which could answer another), with
+    the URL's host in the Host header and TLS checked against it; the body unencoded, so that what is
+    counted is what is kept."""
+    literal = f"[{address}]" if address.version == 6 else str(address)
+    pinned = urlunsplit(parts._replace(netloc=f"{literal}:{port}"))
+    headers = {"Host": parts.netloc.rpartition("@")[2], "Accept-Encoding": "identity"}
+    async with (
+        httpx.AsyncClient(timeout=timeout_s, follow_redirects=False, trust_env=False) as client,
+        client.stream(
+            "GET", pinned, headers=headers, extensions={"sni_hostname": parts.hostname}
+        ) as response,
+    ):
+        if response.status_code != 200:
+            raise MediaInputError(f"fetching the image gave HTTP {response.status_code}")
+        encoding = response.headers.get("Content-Encoding", "identity").lower()
+        if encoding != "identity":
+            raise MediaInputError(f"the image came {encoding}-encoded; it is fetched unencoded only")
+        too_large = MediaInputError(f"the image at the URL is larger than {MAX_FETCHED_MEDIA_BYTES} bytes")
+        if int(response.headers.get("Content-Length") or 0) > MAX_FETCHED_MEDIA_BYTES:
+            raise too_large
+        data = bytearray()
+        async for chunk in response.aiter_raw():
+            data += chunk
+            if len(data) > MAX_FETCHED_MEDIA_BYTES:
+                raise too_large
+        return bytes(data)

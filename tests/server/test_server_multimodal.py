@@ -1,6 +1,7 @@
 """Images in chat requests, through the official openai SDK against a real server of a tiny LLaVA: answers
 equal to Transformers' greedy ones, the encoder cache by the server's metrics, images fetched from an
-allowed host only, and a clear 400 for each kind of bad image, after which the server keeps serving."""
+allowed origin and address only and within one deadline, and a clear 400 for each kind of bad image (a thin
+one before it costs memory), after which the server keeps serving."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import http.server
 import io
 import json
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -17,6 +19,7 @@ import httpx
 import numpy as np
 import openai
 import pytest
+from memory import proc_status_kb, reset_peak_rss
 from PIL import Image
 from server_checks import encoder_runs, transformers_chat_answer
 from transformers import LlavaForConditionalGeneration
@@ -27,7 +30,11 @@ if TYPE_CHECKING:
 MODEL_NAME = "tiny"
 MAX_TOKENS = 6
 GREEDY: dict[str, Any] = {"temperature": 0.0, "max_tokens": MAX_TOKENS, "extra_body": {"ignore_eos": True}}
-MAX_IMAGE_PIXELS = 100 * 100
+MAX_IMAGE_PIXELS = 200 * 200
+# The whole fetch of an image URL, and what a slow host gets past it on a loaded machine.
+FETCH_TIMEOUT_S = 3
+FETCH_MARGIN_S = 5
+DRIP_SECONDS = 30
 
 
 def _image(seed: int, height: int = 36, width: int = 44) -> Image.Image:
@@ -61,16 +68,22 @@ def llava(make_model: Callable[..., Path]) -> Path:
 
 @pytest.fixture(scope="module")
 def image_host() -> Iterator[str]:
-    """An HTTP server on loopback that serves one PNG at /cat.png."""
+    """An HTTP server on loopback that serves one PNG at /cat.png, and at /drip the start of one at a byte a
+    second for DRIP_SECONDS (each read well within any per-read timeout)."""
     body = _encoded(_image(7))
 
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_GET(self) -> None:
-            self.send_response(200 if self.path == "/cat.png" else 404)
+            self.send_response(200 if self.path in ("/cat.png", "/drip") else 404)
             self.send_header("Content-Type", "image/png")
             self.end_headers()
             if self.path == "/cat.png":
                 self.wfile.write(body)
+            elif self.path == "/drip":
+                for byte in body[:DRIP_SECONDS]:
+                    self.wfile.write(bytes([byte]))
+                    self.wfile.flush()
+                    time.sleep(1)
 
         def log_message(self, *args: Any) -> None:
             pass
@@ -86,14 +99,18 @@ def image_host() -> Iterator[str]:
 
 
 @pytest.fixture(scope="module")
-def llava_server(start_server: Callable[..., ServerProcess], llava: Path) -> ServerProcess:
+def llava_server(start_server: Callable[..., ServerProcess], llava: Path, image_host: str) -> ServerProcess:
     return start_server(
         "--limit-mm-per-prompt",
         '{"image": 2}',
         "--max-image-pixels",
         str(MAX_IMAGE_PIXELS),
         "--allowed-media-domains",
+        image_host.removeprefix("http://"),
+        "--allowed-media-networks",
         "127.0.0.1",
+        "--media-fetch-timeout",
+        str(FETCH_TIMEOUT_S),
         "--max-num-batched-tokens",
         "16",
         model=llava,
@@ -154,8 +171,10 @@ BAD_IMAGES = {
     "gif": (_data_url(_encoded(_image(4), "GIF"), "image/gif"), "not a PNG, JPEG, WEBP image"),
     "not base64": ("data:image/png;base64,@@@", "not valid base64"),
     "not an image": (_data_url(b"hello", "text/plain"), "not an image"),
-    "too many pixels": (_data_url(_encoded(_image(5, 101, 100))), "more than the limit"),
+    "too many pixels": (_data_url(_encoded(_image(5, 201, 200))), "more than the limit"),
     "host not allowed": ("http://localhost:9/cat.png", "not allowed"),
+    # The allowed host, on the scheme's default port rather than the one allowed.
+    "port not allowed": ("http://127.0.0.1/cat.png", "not allowed"),
     "scheme": ("file:///etc/hostname", "data: URL or an http(s) URL"),
 }
 
@@ -173,6 +192,73 @@ def test_bad_images_are_400s(client: openai.OpenAI, case: str) -> None:
     # The server keeps serving.
     chat = client.chat.completions.create(model=MODEL_NAME, messages=[_user("Hello")], **GREEDY)
     assert chat.usage.completion_tokens == MAX_TOKENS
+
+
+def _assert_still_serving(client: openai.OpenAI) -> None:
+    chat = client.chat.completions.create(
+        model=MODEL_NAME, messages=[_user("Look: ", _image_part(_data_url(_encoded(_image(12)))))], **GREEDY
+    )
+    assert chat.usage.completion_tokens == MAX_TOKENS
+
+
+def test_the_allowed_host_on_another_port_is_refused(
+    client: openai.OpenAI, llava_server: ServerProcess
+) -> None:
+    """Only the allowed origin's port: not, say, the model server's own API on the same host."""
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(
+            model=MODEL_NAME,
+            messages=[_user("Look: ", _image_part(f"{llava_server.url}/v1/models"))],
+            **GREEDY,
+        )
+    assert "not allowed (--allowed-media-domains)" in caught.value.body["message"]
+    _assert_still_serving(client)
+
+
+def test_a_host_that_drips_is_cut_at_the_deadline(client: openai.OpenAI, image_host: str) -> None:
+    """A byte a second never trips a per-read timeout; the fetch as a whole ends at --media-fetch-timeout,
+    and a normal image request beside it completes meanwhile."""
+    outcome: dict[str, Any] = {}
+
+    def fetch_dripping() -> None:
+        started = time.monotonic()
+        try:
+            client.chat.completions.create(
+                model=MODEL_NAME, messages=[_user("Look: ", _image_part(f"{image_host}/drip"))], **GREEDY
+            )
+        except openai.BadRequestError as exc:
+            outcome["error"] = exc.body
+        outcome["seconds"] = time.monotonic() - started
+
+    dripping = threading.Thread(target=fetch_dripping)
+    dripping.start()
+    _assert_still_serving(client)
+    dripping.join(timeout=DRIP_SECONDS + FETCH_MARGIN_S)
+    assert FETCH_TIMEOUT_S - 0.5 <= outcome["seconds"] <= FETCH_TIMEOUT_S + FETCH_MARGIN_S, outcome
+    assert f"took more than {FETCH_TIMEOUT_S} s" in outcome["error"]["message"], outcome
+
+
+# A 1 x 40000 PNG (within the pixel limit) resized to the model's 30-pixel side first would be 30 x 1.2M
+# pixels, some 360 MiB in the resize and its copies; refused, it costs the API server next to nothing.
+THIN_IMAGE_SIDE = MAX_IMAGE_PIXELS
+MEMORY_ALLOWANCE_KB = 48 * 1024
+
+
+def test_a_thin_image_is_refused_before_it_costs_memory(
+    client: openai.OpenAI, llava_server: ServerProcess
+) -> None:
+    thin = Image.fromarray(np.full((THIN_IMAGE_SIDE, 1, 3), 128, dtype=np.uint8))
+    url = _data_url(_encoded(thin))
+    baseline_kb = reset_peak_rss(llava_server.pid)
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(
+            model=MODEL_NAME, messages=[_user("Look: ", _image_part(url))], **GREEDY
+        )
+    growth_kb = proc_status_kb(llava_server.pid, "VmHWM") - baseline_kb
+    assert "aspect ratio is more than the limit of 200" in caught.value.body["message"]
+    assert caught.value.body["param"] == "messages.0.content.1"
+    assert growth_kb < MEMORY_ALLOWANCE_KB, f"the API server's peak RSS grew by {growth_kb} kB"
+    _assert_still_serving(client)
 
 
 def test_too_many_images_is_a_400(client: openai.OpenAI) -> None:
