@@ -36,15 +36,19 @@ def gateway_account(local_cluster: LocalCluster, namespace: str, module_namespac
         "--show-only=templates/gateway.yaml",
     ).stdout
     access = yaml.safe_dump_all([d for d in yaml.safe_load_all(rendered) if d and d["kind"] in RBAC_KINDS])
-    local_cluster.kubectl("apply", "-n", namespace, "-f", "-", input=access)
+    local_cluster.kubectl("apply", "-f", "-", input=access)
     try:
         yield f"system:serviceaccount:{namespace}:rbac-test-kvfleet-gateway"
     finally:
-        local_cluster.kubectl("delete", "-n", namespace, "-f", "-", input=access)
+        local_cluster.kubectl("delete", "-f", "-", input=access)
 
 
 def test_the_gateway_reads_keys_only_where_it_is_allowed(
-    local_cluster: LocalCluster, gateway_account: str, namespace: str, module_namespace: str
+    local_cluster: LocalCluster,
+    kvfleet_release: OperatorRelease,  # its CRDs: InferenceServices are a resource the server knows
+    gateway_account: str,
+    namespace: str,
+    module_namespace: str,
 ) -> None:
     assert can(local_cluster, gateway_account, "get", "secrets", "-n", module_namespace)
     for elsewhere in (namespace, "kube-system", "default"):
