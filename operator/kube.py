@@ -94,6 +94,8 @@ class KubeApi:
         return self._request("PATCH", path, query, manifest, "application/apply-patch+yaml")
 
     def _refuse_adoption(self, path: str, manifest: Mapping[str, Any]) -> None:
+        # An object made between this read and the apply would still be taken over: that window is one
+        # round trip, against the standing object that a name clash otherwise is.
         try:
             existing = self._request("GET", path, [], None, None, accept=_METADATA_ONLY)
         except KubeError as error:
