@@ -1,6 +1,8 @@
-"""The chart's optional ValidatingAdmissionPolicy on the real API server: rendered from the chart's values,
-applied, then `kubectl apply` of a forbidden node path, tier or image is refused with the policy's message,
-while the same asks in the namespace allowed them are accepted. The policy is removed afterwards."""
+"""The chart's ValidatingAdmissionPolicy on the real API server. The installed release's policy (on by
+default) refuses environment variables that load code, runtime flags outside its allowlist and tolerations
+of every taint. A second one, rendered from other values and applied beside it, refuses a forbidden node
+path, tier or image with its message, while the same asks in the namespace allowed them are accepted; it is
+removed afterwards."""
 
 from __future__ import annotations
 
@@ -58,7 +60,8 @@ def policy(
             }
         )
     )
-    template = ("template", "kvfleet", str(CHART_DIR), "-f", str(values))
+    # Another release name than the installed one's, so that its policy stands beside the release's.
+    template = ("template", "policy-test", str(CHART_DIR), "-f", str(values))
     rendered = local_cluster.helm(*template, "--show-only", "templates/admissionpolicy.yaml").stdout
     name = next(d for d in yaml.safe_load_all(rendered) if d)["metadata"]["name"]
     local_cluster.kubectl("apply", "-f", "-", input=rendered)
@@ -112,4 +115,46 @@ def test_the_policy_refuses_what_the_values_forbid(
     # Elsewhere, what the policy leaves alone is accepted: a tier it does not name, an image it allows.
     plain = fake_gpu_service("plain", sla={"tier": "high"}, scaling={"replicas": 0})
     result = kubectl_apply(local_cluster, other, plain)
+    assert result.returncode == 0, result.stderr
+
+
+# The installed release's policy: the chart's defaults, less the node path, tier and image checks
+# (LOCAL_CLUSTER_POLICY).
+RELEASE_POLICY = "kvfleet-inferenceservice-limits"
+
+
+def test_the_release_refuses_code_loading_env_unlisted_flags_and_every_taint(
+    local_cluster: LocalCluster, kvfleet_release: OperatorRelease, namespace: str
+) -> None:
+    forbidden = [
+        (
+            fake_gpu_service("preload", engine={"env": [{"name": "LD_PRELOAD", "value": "/tmp/hook.so"}]}),
+            "spec.engine.env: LD_PRELOAD may not be set (the platform denies: LD_*, PYTHON*,",
+        ),
+        (
+            fake_gpu_service(
+                "hub", engine={"env": [{"name": "HF_ENDPOINT", "value": "https://hub.invalid"}]}
+            ),
+            "spec.engine.env: HF_ENDPOINT may not be set",
+        ),
+        (
+            fake_gpu_service("unsafe", engine={"extraArgs": ["--safety-config", "{}"]}),
+            "spec.engine.extraArgs: --safety-config not allowed; the flags allowed: --max-num-batched-tokens",
+        ),
+        (
+            fake_gpu_service("anywhere", resources={"tolerations": [{"operator": "Exists"}]}),
+            "spec.resources.tolerations: a toleration without a key (every taint) not allowed",
+        ),
+    ]
+    for manifest, message in forbidden:
+        result = kubectl_apply(local_cluster, namespace, manifest, "--dry-run=server")
+        assert result.returncode != 0, f"{manifest['metadata']['name']} was accepted: {result.stdout}"
+        assert f"ValidatingAdmissionPolicy '{RELEASE_POLICY}'" in result.stderr, result.stderr
+        assert message in result.stderr, result.stderr
+    tuned = fake_gpu_service(
+        "tuned",
+        engine={"env": [{"name": "OMP_NUM_THREADS", "value": "1"}], "extraArgs": ["--num-kv-blocks", "64"]},
+        resources={"tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists"}]},
+    )
+    result = kubectl_apply(local_cluster, namespace, tuned, "--dry-run=server")
     assert result.returncode == 0, result.stderr

@@ -77,7 +77,7 @@ def test_adapters_follow_the_spec_without_pod_restarts(
     secret = {
         "apiVersion": "v1",
         "kind": "Secret",
-        "metadata": {"name": "lora-key"},
+        "metadata": {"name": "lora-key", "labels": {"kvfleet.dev/secret": "true"}},
         "data": {"KVFLEET_API_KEY": base64.b64encode(API_KEY.encode()).decode()},
     }
     _apply(local_cluster, namespace, secret)

@@ -55,6 +55,10 @@ class AsyncCluster:
         read = functools.partial(self._kube.secret_value, namespace, name, key)
         return await self._dispatcher.call(Urgency.CHILD, read)
 
+    async def secret_labels(self, namespace: str, name: str) -> Mapping[str, str]:
+        read = functools.partial(self._kube.secret_labels, namespace, name)
+        return await self._dispatcher.call(Urgency.CHILD, read)
+
 
 @dataclass
 class OperatorContext:

@@ -27,13 +27,14 @@ from kvfleet.operator.autoscaler import (
     aggregate,
     decide,
 )
-from kvfleet.operator.kube import KubeError
+from kvfleet.operator.kube import ChildNotOwned, KubeError
 from kvfleet.operator.metrics import OperatorMetrics
 from kvfleet.operator.observed import DeploymentView, Observed, PodView, StatefulSetView
 from kvfleet.operator.render import LWS_API_VERSION, Owner, RenderOptions, render_children, service_url
 from kvfleet.operator.render_pod import adapter_source
 from kvfleet.operator.safety import GUARD_UNAVAILABLE_REASON, GuardState, check_loosening, guard_service
 from kvfleet.operator.scrape import ScrapeFailure, ScrapeTarget
+from kvfleet.operator.secret_refs import check_labelled, secret_references, unreadable
 from kvfleet.operator.spec import InferenceServiceSpec, SpecError, group_name, parse_spec, rendezvous_name
 from kvfleet.operator.status import GroupStatus, Observation, build_status, transition_events
 
@@ -48,9 +49,11 @@ STATUS_REFRESH_SECONDS = 15.0
 MAX_BACKOFF_SECONDS = 300.0
 # The Warning event posted while replicas answer /metrics with more than the operator reads.
 PAGE_TOO_LARGE_REASON = "MetricsPageTooLarge"
-# How long a service's API key, read from its Secret to load adapters, is reused: a rotated key is seen
-# within it.
+# How long a service's API key, read from its Secret to load adapters, and the labels of the Secrets it
+# names are reused: a rotated key, or a Secret's label removed, is seen within it.
 API_KEY_REFRESH_SECONDS = 60.0
+# The condition reason while an object of a child's name belongs to something else.
+CHILD_NOT_OWNED_REASON = "ChildNotOwned"
 # Status keys the operator writes only sometimes; a merge patch must clear them explicitly.
 _OPTIONAL_STATUS_KEYS = ("autoscaler", "lastScaleTime", "lastScaleReason", "adapters", "safety", "groups")
 
@@ -65,6 +68,8 @@ class Cluster(Protocol):
     async def patch_status(self, namespace: str, name: str, status: Mapping[str, Any]) -> None: ...
 
     async def secret_value(self, namespace: str, name: str, key: str) -> str | None: ...
+
+    async def secret_labels(self, namespace: str, name: str) -> Mapping[str, str]: ...
 
 
 class Scraper(Protocol):
@@ -122,6 +127,8 @@ class ServiceController:
     _warned: dict[str, str] = field(default_factory=dict)
     # (Secret name, when read, its key).
     _api_key: tuple[str, float, str | None] | None = None
+    # Secret name -> (when read, its labels).
+    _secret_labels: dict[str, tuple[float, Mapping[str, str]]] = field(default_factory=dict)
     # (StatefulSet, revision) of the groups whose pods were deleted to start them on that revision.
     _restarted: set[tuple[str, str]] = field(default_factory=set)
 
@@ -170,6 +177,7 @@ class ServiceController:
         try:
             spec = parse_spec(body.get("spec") or {}, name=self.owner.name)
             check_loosening(self.options().safety, spec.safety)
+            await self._check_secrets(spec)
         except SpecError as error:
             self.metrics.reconciles.labels("invalid").inc()
             self._warn(error.reason, error.message)
@@ -195,7 +203,14 @@ class ServiceController:
             await self._restart_outdated_groups(spec, observed)
             self._failures = 0
             self._resolve("ReconcileFailed")
+            self._resolve(CHILD_NOT_OWNED_REASON)
             self.metrics.reconciles.labels("success").inc()
+        except ChildNotOwned as error:
+            self._failures += 1
+            blocking = (CHILD_NOT_OWNED_REASON, error.message)
+            self._warn(CHILD_NOT_OWNED_REASON, error.message)
+            self.metrics.reconciles.labels("error").inc()
+            self.metrics.reconcile_errors.labels("child_not_owned").inc()
         except KubeError as error:
             self._failures += 1
             message = f"applying the children failed: {error.message}"
@@ -275,6 +290,27 @@ class ServiceController:
         return await self.adapter_sync.sync(
             desired, targets, api_key, update=spec.engine.allow_runtime_lora_updates
         )
+
+    async def _check_secrets(self, spec: InferenceServiceSpec) -> None:
+        """Raises SpecError for the first Secret the spec names that is not labelled for kvfleet."""
+        namespace = self.owner.namespace
+        references = secret_references(spec)
+        named = {reference.name for reference in references}
+        self._secret_labels = {name: read for name, read in self._secret_labels.items() if name in named}
+        for reference in references:
+            try:
+                labels = await self._labels_of(reference.name)
+            except KubeError as error:
+                raise unreadable(reference, namespace, error.message) from None
+            check_labelled(reference, namespace, labels)
+
+    async def _labels_of(self, secret: str) -> Mapping[str, str]:
+        now = self.clock()
+        cached = self._secret_labels.get(secret)
+        if cached is None or now - cached[0] >= API_KEY_REFRESH_SECONDS:
+            labels = await self.cluster.secret_labels(self.owner.namespace, secret)
+            self._secret_labels[secret] = cached = (now, labels)
+        return cached[1]
 
     async def _read_api_key(self, secret: str | None) -> str | None:
         if secret is None:

@@ -1,8 +1,8 @@
 """The few Kubernetes API calls the operator makes itself (kopf does the watching).
 
-Children are written with server-side apply under one field manager; the status with a merge patch
-on the status subresource. Calls are blocking (the official client); the controller runs them in
-worker threads.
+Children are written with server-side apply under one field manager, and only into objects that are new
+or already controlled by the child's owner; the status with a merge patch on the status subresource.
+Calls are blocking (the official client); the controller runs them in worker threads.
 """
 
 from __future__ import annotations
@@ -30,6 +30,8 @@ PLURALS = {
     "Pod": "pods",
 }
 REQUEST_TIMEOUT_SECONDS = 30
+# An object's metadata without the rest (the API server's PartialObjectMetadata), JSON as a fallback.
+_METADATA_ONLY = "application/json;as=PartialObjectMetadata;g=meta.k8s.io;v=v1,application/json"
 
 
 class KubeError(Exception):
@@ -39,6 +41,14 @@ class KubeError(Exception):
         super().__init__(f"{status}: {message}")
         self.status = status
         self.message = message
+
+
+class ChildNotOwned(KubeError):
+    """An object with a child's name exists, controlled by something else or by nothing. Applying would
+    take it over, and deleting the InferenceService would then delete it: it is left alone instead."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(409, message)
 
 
 def connection_info(configuration: client.Configuration) -> kopf.ConnectionInfo:
@@ -75,11 +85,36 @@ class KubeApi:
         return self._client.configuration
 
     def apply(self, manifest: Mapping[str, Any]) -> dict[str, Any]:
-        """Server-side apply of one namespaced object; taking over fields other managers set."""
+        """Server-side apply of one namespaced object, taking over fields other managers set; only where
+        no object of its name exists or that object's controller is the manifest's (ChildNotOwned)."""
         meta = manifest["metadata"]
         path = resource_path(manifest["apiVersion"], manifest["kind"], meta["namespace"], meta["name"])
+        self._refuse_adoption(path, manifest)
         query = [("fieldManager", self.field_manager), ("force", "true")]
         return self._request("PATCH", path, query, manifest, "application/apply-patch+yaml")
+
+    def _refuse_adoption(self, path: str, manifest: Mapping[str, Any]) -> None:
+        # An object made between this read and the apply would still be taken over: that window is one
+        # round trip, against the standing object that a name clash otherwise is.
+        try:
+            existing = self._request("GET", path, [], None, None, accept=_METADATA_ONLY)
+        except KubeError as error:
+            if error.status == 404:
+                return
+            raise
+        controller = _controller(existing)
+        if controller is not None and controller.get("uid") == (_controller(manifest) or {}).get("uid"):
+            return
+        meta = manifest["metadata"]
+        held = (
+            f"is controlled by {controller.get('kind')} {controller.get('name')}"
+            if controller is not None
+            else "has no controller"
+        )
+        raise ChildNotOwned(
+            f"{manifest['kind']} {meta['namespace']}/{meta['name']} already exists and {held}: it is not"
+            " taken over; delete or rename it, or rename the InferenceService"
+        )
 
     def delete(self, api_version: str, kind: str, namespace: str, name: str) -> None:
         """Deletes one object and, in the background, what it owns; one already gone is no error."""
@@ -104,9 +139,14 @@ class KubeApi:
 
     def secret_value(self, namespace: str, name: str, key: str) -> str | None:
         """One key of a Secret, decoded; None when the Secret lacks it."""
-        secret = self._request("GET", f"/api/v1/namespaces/{namespace}/secrets/{name}", [], None, None)
+        secret = self._request("GET", _secret_path(namespace, name), [], None, None)
         value = (secret.get("data") or {}).get(key)
         return base64.b64decode(value).decode("utf-8") if value is not None else None
+
+    def secret_labels(self, namespace: str, name: str) -> dict[str, str]:
+        """A Secret's labels, read as its metadata alone (the data does not leave the API server)."""
+        metadata = self._request("GET", _secret_path(namespace, name), [], None, None, accept=_METADATA_ONLY)
+        return dict((metadata.get("metadata") or {}).get("labels") or {})
 
     def serves(self, group_version: str, plural: str) -> bool:
         """Whether the server knows a resource (e.g. ServiceMonitor once prometheus-operator is installed)."""
@@ -141,8 +181,9 @@ class KubeApi:
         query: list[tuple[str, str]],
         body: Mapping[str, Any] | None,
         content_type: str | None,
+        accept: str = "application/json",
     ) -> dict[str, Any]:
-        headers = {"Accept": "application/json"}
+        headers = {"Accept": accept}
         if content_type is not None:
             headers["Content-Type"] = content_type
         request = self._client.param_serialize(
@@ -164,6 +205,16 @@ class KubeApi:
         if not 200 <= response.status < 300:
             raise KubeError(response.status, _server_message(text) or str(response.reason))
         return json.loads(text) if text else {}
+
+
+def _controller(obj: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    """The owner reference marked as the object's controller."""
+    references = (obj.get("metadata") or {}).get("ownerReferences") or []
+    return next((reference for reference in references if reference.get("controller")), None)
+
+
+def _secret_path(namespace: str, name: str) -> str:
+    return f"/api/v1/namespaces/{namespace}/secrets/{name}"
 
 
 def _server_message(text: str) -> str | None:

@@ -22,6 +22,15 @@ RELEASE = "kvfleet"
 OPERATOR_CONTAINER = "operator"
 OPERATOR_METRICS_PORT = 8080  # the chart's metrics.port
 OPERATOR_SELECTOR = "app.kubernetes.io/name=kvfleet,app.kubernetes.io/component=operator"
+# The local cluster's tests make a namespace each and their models in temporary folders, claim every tier
+# and run fake images; e2e/test_admission_policy.py applies a policy of its own for those checks. The
+# installed policy keeps the chart's others (tolerations, env, flags).
+LOCAL_CLUSTER_POLICY = {
+    "admissionPolicy.hostPath.namespaces": "null",
+    "admissionPolicy.hostPath.pathPrefixes": "null",
+    "admissionPolicy.tierNamespaces": "null",
+    "admissionPolicy.imagePrefixes": "null",
+}
 
 
 class ClusterAccess(Protocol):
@@ -91,8 +100,9 @@ def install_chart(
     release: str = RELEASE,
     timeout_seconds: int = 180,
 ) -> OperatorRelease:
-    """`helm install` of charts/kvfleet, waiting until the operator's Deployment is available."""
-    settings = [f"--set={key}={value}" for key, value in (values or {}).items()]
+    """`helm install` of charts/kvfleet, waiting until the operator's Deployment is available; `values`
+    go over LOCAL_CLUSTER_POLICY."""
+    settings = [f"--set={key}={value}" for key, value in (LOCAL_CLUSTER_POLICY | (values or {})).items()]
     cluster.helm(
         "install",
         release,

@@ -103,9 +103,10 @@ def test_rbac_grants_what_the_operator_does_and_no_more() -> None:
     for kind, plural in PLURALS.items():
         if kind == "Pod":
             continue
-        # Server-side apply creates through PATCH, which the server authorizes as create for new objects.
-        assert {"create", "patch"} <= verbs_for(rules, groups[kind], plural), kind
-    workload = {"list", "watch", "create", "patch", "delete"}
+        # Server-side apply creates through PATCH, which the server authorizes as create for new objects;
+        # get reads the object of the child's name first, which is applied only if the service controls it.
+        assert {"get", "create", "patch"} <= verbs_for(rules, groups[kind], plural), kind
+    workload = {"get", "list", "watch", "create", "patch", "delete"}
     assert verbs_for(rules, "apps", "deployments") == workload
     assert verbs_for(rules, "apps", "statefulsets") == workload
     assert verbs_for(rules, "leaderworkerset.x-k8s.io", "leaderworkersets") == workload
@@ -274,8 +275,10 @@ def service_in(crd_validator: Any, **spec: Any) -> dict[str, Any]:
     return defaulted
 
 
-def test_the_admission_policy_is_off_by_default(helm: Path, tmp_path: Path) -> None:
-    assert render_policy(helm, tmp_path, {}) == []
+def test_the_admission_policy_is_on_by_default(helm: Path, tmp_path: Path) -> None:
+    kinds = [d["kind"] for d in render_policy(helm, tmp_path, {})]
+    assert kinds == ["ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"]
+    assert render_policy(helm, tmp_path, {"admissionPolicy": {"enabled": False}}) == []
 
 
 def test_the_admission_policy_and_its_binding(helm: Path, tmp_path: Path) -> None:
@@ -292,6 +295,12 @@ def test_the_admission_policy_and_its_binding(helm: Path, tmp_path: Path) -> Non
 
 
 HOST_PATH_MODEL = {"uri": "file:///var/lib/kvfleet/models/tiny", "hostPath": True}
+
+
+def env(name: str, value: str) -> dict[str, str]:
+    return {"name": name, "value": value}
+
+
 # (what, namespace, spec, the message of the refusal or None when admitted)
 POLICY_CASES: list[tuple[str, str, dict[str, Any], str | None]] = [
     ("plain service", "team-a", {}, None),
@@ -376,6 +385,59 @@ POLICY_CASES: list[tuple[str, str, dict[str, Any], str | None]] = [
         {"resources": {"tolerations": [{"key": "node-role.kubernetes.io/control-plane"}]}},
         "spec.resources.tolerations: key node-role.kubernetes.io/control-plane not allowed",
     ),
+    # The example names no env or flag lists: the chart's defaults hold.
+    ("tuning variables", "team-a", {"engine": {"env": [{"name": "OMP_NUM_THREADS", "value": "1"}]}}, None),
+    (
+        "a preloaded library",
+        "team-a",
+        {"engine": {"env": [{"name": "OMP_NUM_THREADS", "value": "1"}, env("LD_PRELOAD", "/tmp/x.so")]}},
+        "spec.engine.env: LD_PRELOAD may not be set (the platform denies: LD_*, PYTHON*,",
+    ),
+    (
+        "Python start-up code and another hub",
+        "team-a",
+        {"engine": {"env": [env("PYTHONPATH", "/tmp"), env("HF_ENDPOINT", "https://hub.invalid")]}},
+        "spec.engine.env: PYTHONPATH, HF_ENDPOINT may not be set",
+    ),
+    (
+        "the loader's search path",
+        "team-a",
+        {"engine": {"env": [env("LD_LIBRARY_PATH", "/tmp")]}},
+        "LD_LIBRARY_PATH",
+    ),
+    (
+        "the runtime's own settings",
+        "team-a",
+        {"engine": {"env": [env("KVFLEET_LOG_LEVEL", "debug")]}},
+        "KVFLEET_",
+    ),
+    (
+        "tuning flags",
+        "team-a",
+        {"engine": {"extraArgs": ["--cpu-kv-cache-space", "0.0625", "--seed=-1", "--device", "cpu"]}},
+        None,
+    ),
+    (
+        "a flag replacing the platform's safety policy",
+        "team-a",
+        {"engine": {"extraArgs": ["--seed", "1", "--safety-config=/tmp/none.json"]}},
+        "spec.engine.extraArgs: --safety-config=/tmp/none.json not allowed; the flags allowed:"
+        " --max-num-batched-tokens, --num-kv-blocks,",
+    ),
+    (
+        "another model and wider media fetches",
+        "team-a",
+        {"engine": {"extraArgs": ["--model", "/etc", "--allowed-media-domains", "*"]}},
+        "spec.engine.extraArgs: --model, --allowed-media-domains not allowed",
+    ),
+    ("a negative value", "team-a", {"engine": {"extraArgs": ["--seed", "-1"]}}, None),
+    ("a short flag", "team-a", {"engine": {"extraArgs": ["-h"]}}, "spec.engine.extraArgs: -h not allowed"),
+    (
+        "a flag named after an allowed one",
+        "team-a",
+        {"engine": {"extraArgs": ["--num-kv-blocks-x"]}},
+        "spec.engine.extraArgs: --num-kv-blocks-x not allowed",
+    ),
 ]
 
 
@@ -401,12 +463,12 @@ def test_the_admission_policy_decides(
         assert refusal in message
 
 
-def test_the_admission_policy_defaults_refuse_host_paths_and_the_critical_tier(
+def test_the_admission_policy_defaults_refuse_host_paths_images_tiers_tolerations_env_and_flags(
     helm: Path, tmp_path: Path, crd_validator: Any
 ) -> None:
-    policy, _ = render_policy(helm, tmp_path, {"admissionPolicy": {"enabled": True}})
+    policy, _ = render_policy(helm, tmp_path, {})
     review = AdmissionPolicy(policy).review
-    assert len(policy["spec"]["validations"]) == 3, "images and tolerations are not checked unless listed"
+    assert len(policy["spec"]["validations"]) == 7
     assert review(service_in(crd_validator, model=HOST_PATH_MODEL), "default") == [
         "spec.model.hostPath: InferenceServices in namespace default may not mount a node path; allowed only"
         " in: no namespace",
@@ -414,7 +476,40 @@ def test_the_admission_policy_defaults_refuse_host_paths_and_the_critical_tier(
         " (none)",
     ]
     assert review(service_in(crd_validator, sla={"tier": "critical"}), "default") != []
-    assert review(service_in(crd_validator, sla={"tier": "high"}, engine={"image": "x/y:1"}), "default") == []
+    assert review(service_in(crd_validator, engine={"image": "x/y:1"}), "default") == [
+        "spec.engine.image: x/y:1 is not allowed; leave it out to run the operator's runtime image"
+    ]
+    everything = {"tolerations": [{"operator": "Exists"}]}
+    assert review(service_in(crd_validator, resources=everything), "default") == [
+        "spec.resources.tolerations: a toleration without a key (every taint) not allowed; the taint keys"
+        " allowed: nvidia.com/gpu"
+    ]
+    (message,) = review(service_in(crd_validator, engine={"env": [env("LD_PRELOAD", "/x.so")]}), "default")
+    assert message.startswith("spec.engine.env: LD_PRELOAD may not be set")
+    (message,) = review(
+        service_in(crd_validator, engine={"extraArgs": ["--lora-modules", "a=/x"]}), "default"
+    )
+    assert message.startswith("spec.engine.extraArgs: --lora-modules not allowed")
+    # What the examples and the end-to-end services ask for, short of a node path, passes.
+    ordinary = service_in(
+        crd_validator,
+        sla={"tier": "high"},
+        engine={"env": [env("OMP_NUM_THREADS", "1")], "extraArgs": ["--cpu-kv-cache-space", "0.0625"]},
+        resources={"gpus": 1, "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists"}]},
+    )
+    assert review(ordinary, "default") == []
+
+
+def test_each_admission_check_can_be_turned_off(helm: Path, tmp_path: Path, crd_validator: Any) -> None:
+    checks = ["imagePrefixes", "tolerationKeys", "deniedEnv", "allowedExtraArgs"]
+    policy, _ = render_policy(helm, tmp_path, {"admissionPolicy": dict.fromkeys(checks)})
+    assert len(policy["spec"]["validations"]) == 3, "only the node path and tier checks are left"
+    loose = service_in(
+        crd_validator,
+        engine={"image": "x/y:1", "env": [env("LD_PRELOAD", "/x.so")], "extraArgs": ["--model", "/etc"]},
+        resources={"tolerations": [{"operator": "Exists"}]},
+    )
+    assert AdmissionPolicy(policy).review(loose, "default") == []
 
 
 def test_updates_that_keep_the_spec_are_not_judged(helm: Path, tmp_path: Path, crd_validator: Any) -> None:
@@ -445,12 +540,33 @@ ENABLED = ("--set", "gateway.enabled=true")
 READ_ONLY_RULES = [
     {"apiGroups": ["kvfleet.dev"], "resources": ["inferenceservices"], "verbs": ["list", "watch"]},
     {"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "watch"]},
-    {"apiGroups": [""], "resources": ["secrets"], "verbs": ["get"]},
 ]
+KEY_RULES = [{"apiGroups": [""], "resources": ["secrets"], "verbs": ["get"]}]
+
+
+def key_roles(objects: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    """namespace -> the rules of the gateway's Role for API key Secrets there, checked to be bound to it."""
+    roles = {
+        d["metadata"]["namespace"]: d["rules"]
+        for d in objects
+        if d["kind"] == "Role" and "-keys" in d["metadata"]["name"]
+    }
+    bindings = [
+        d
+        for d in objects
+        if d["kind"] == "RoleBinding" and d["metadata"]["name"] == "kv-kvfleet-gateway-keys"
+    ]
+    assert sorted(b["metadata"]["namespace"] for b in bindings) == sorted(roles)
+    for binding in bindings:
+        assert binding["roleRef"]["name"] == "kv-kvfleet-gateway-keys"
+        assert binding["subjects"] == [
+            {"kind": "ServiceAccount", "name": "kv-kvfleet-gateway", "namespace": "ops"}
+        ]
+    return roles
 
 
 def test_the_gateway_has_two_replicas_a_service_and_read_only_access(helm: Path) -> None:
-    objects = gateway_objects(render(helm, *ENABLED))
+    objects = [d for d in render(helm, *ENABLED) if d["metadata"]["name"].startswith("kv-kvfleet-gateway")]
     kinds = sorted(d["kind"] for d in objects)
     assert kinds == [
         "ClusterRole",
@@ -480,6 +596,7 @@ def test_the_gateway_has_two_replicas_a_service_and_read_only_access(helm: Path)
     service = by_kind["Service"]
     assert service["spec"]["selector"] == selector
     assert service["spec"]["ports"] == [{"name": "http", "port": 80, "targetPort": "http", "protocol": "TCP"}]
+    # Serving every namespace: pods and services cluster-wide, and no Secret anywhere.
     assert by_kind["ClusterRole"]["rules"] == READ_ONLY_RULES
     assert by_kind["ClusterRoleBinding"]["subjects"] == [
         {"kind": "ServiceAccount", "name": "kv-kvfleet-gateway", "namespace": "ops"}
@@ -503,11 +620,45 @@ def test_the_gateway_watches_only_the_operators_namespaces_with_roles_there(helm
     roles = [d for d in objects if d["kind"] == "Role"]
     assert sorted(role["metadata"]["namespace"] for role in roles) == ["team-a", "team-b"]
     assert all(role["rules"] == READ_ONLY_RULES for role in roles)
+    everything = render(
+        helm, *ENABLED, "--set", "watchNamespaces={team-a,team-b}", "--set", "gateway.policy=prefix-hash"
+    )
+    assert key_roles(everything) == {"team-a": KEY_RULES, "team-b": KEY_RULES}
     assert not [d for d in objects if d["kind"].startswith("Cluster")]
     (deployment,) = [d for d in objects if d["kind"] == "Deployment"]
     args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
     params = gateway_command.make_context("gateway", list(args)).params
     assert params["namespaces"] == ("team-a", "team-b") and params["policy"] == "prefix-hash"
+
+
+def test_the_gateway_reads_api_keys_only_in_the_namespaces_it_is_given(helm: Path) -> None:
+    """An internet-facing gateway gets no cluster-wide read of Secrets: serving every namespace it reads
+    keys only where keyNamespaces says, and gateway.namespaces narrows it below the operator's reach."""
+    cluster_wide = render(helm, *ENABLED)
+    rules = [rule for d in cluster_wide if d["kind"] in ("ClusterRole", "Role") for rule in d["rules"]]
+    assert key_roles(cluster_wide) == {}
+    assert not [rule for rule in rules if "secrets" in rule["resources"] and rule not in KEY_RULES]
+    assert [
+        r
+        for d in cluster_wide
+        if d["kind"] == "ClusterRole"
+        for r in d["rules"]
+        if "secrets" in r["resources"]
+    ] == [{"apiGroups": [""], "resources": ["secrets"], "verbs": ["get"]}], (
+        "the operator's own, for the Secrets InferenceServices name"
+    )
+    keyed = render(helm, *ENABLED, "--set", "gateway.keyNamespaces={serving-prod}")
+    assert key_roles(keyed) == {"serving-prod": KEY_RULES}
+    narrowed = gateway_objects(render(helm, *ENABLED, "--set", "gateway.namespaces={serving-prod}"))
+    assert not [d for d in narrowed if d["kind"].startswith("Cluster")]
+    (role,) = [d for d in narrowed if d["kind"] == "Role"]
+    assert (role["metadata"]["namespace"], role["rules"]) == ("serving-prod", READ_ONLY_RULES)
+    (deployment,) = [d for d in narrowed if d["kind"] == "Deployment"]
+    args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert gateway_command.make_context("gateway", list(args)).params["namespaces"] == ("serving-prod",)
+    assert key_roles(render(helm, *ENABLED, "--set", "gateway.namespaces={serving-prod}")) == {
+        "serving-prod": KEY_RULES
+    }
 
 
 def test_the_gateway_is_off_by_default(helm: Path) -> None:

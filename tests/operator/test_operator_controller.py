@@ -15,15 +15,17 @@ from kvfleet.operator.adapters import AdapterLoadError, AdapterSync, DesiredAdap
 from kvfleet.operator.api import GROUP_LABEL, SERVICE_LABEL
 from kvfleet.operator.autoscaler import PodMetrics
 from kvfleet.operator.controller import IDLE_PASS_SECONDS, ServiceController
-from kvfleet.operator.kube import KubeError
+from kvfleet.operator.kube import ChildNotOwned, KubeError
 from kvfleet.operator.metrics import OperatorMetrics
 from kvfleet.operator.observed import DeploymentView, Observed, PodView, StatefulSetView
 from kvfleet.operator.render import Owner, RenderOptions, render_children
 from kvfleet.operator.safety import GuardState, SafetyPlatform
 from kvfleet.operator.scrape import ScrapeFailure, ScrapeTarget
+from kvfleet.operator.secret_refs import SECRET_LABEL
 from kvfleet.runtime.lora.request import source_digest
 
 UID = "uid-1"
+FOR_KVFLEET = {SECRET_LABEL: "true"}
 
 
 @dataclass
@@ -34,6 +36,8 @@ class FakeCluster:
     # (namespace, name, key) -> value; None: reading Secrets is forbidden.
     secrets: dict[tuple[str, str, str], str] | None = field(default_factory=dict)
     secret_reads: int = 0
+    # (namespace, name) -> labels, of the Secrets that exist.
+    secret_labels_by_name: dict[tuple[str, str], dict[str, str]] = field(default_factory=dict)
     # (kind, name) of deleted objects; the label sets of deleted pods.
     deleted: list[tuple[str, str]] = field(default_factory=list)
     deleted_pods: list[dict[str, str]] = field(default_factory=list)
@@ -57,6 +61,12 @@ class FakeCluster:
         if self.secrets is None:
             raise KubeError(403, "secrets is forbidden")
         return self.secrets.get((namespace, name, key))
+
+    async def secret_labels(self, namespace: str, name: str) -> Mapping[str, str]:
+        labels = self.secret_labels_by_name.get((namespace, name))
+        if labels is None:
+            raise KubeError(404, f'secrets "{name}" not found')
+        return labels
 
 
 @dataclass
@@ -426,6 +436,7 @@ def test_adapters_are_loaded_into_ready_replicas_and_removed_ones_unloaded_witho
     adapters = [{"name": "sql", "uri": "pvc://adapters/sql"}, {"name": "chat", "uri": "file:///lora/chat"}]
     harness = Harness(service(adapters=adapters, engine={"apiKeySecret": "keys", **RUNTIME_UPDATES}))
     harness.cluster.secrets = {("ns", "keys", "KVFLEET_API_KEY"): "s3cret"}
+    harness.cluster.secret_labels_by_name = {("ns", "keys"): FOR_KVFLEET}
     harness.run()
     assert _adapter_states(harness) == {"sql": ("Pending", 0), "chat": ("Pending", 0)}
     harness.run(deployment_at(2), ready_pods(2))
@@ -487,6 +498,7 @@ def test_an_unreadable_api_key_fails_every_adapter() -> None:
         service(adapters=[{"name": "a", "uri": "file:///lora/a"}], engine={"apiKeySecret": "k"})
     )
     harness.cluster.secrets = None
+    harness.cluster.secret_labels_by_name = {("ns", "k"): FOR_KVFLEET}
     harness.run(deployment_at(1), ready_pods(1))
     assert _adapter_states(harness) == {"a": ("Failed", 0)}
     assert "cannot read the API key from Secret k" in _condition(harness, "AdaptersReady")["message"]
@@ -500,6 +512,60 @@ def test_without_runtime_updates_adapters_are_only_read_from_the_replicas() -> N
     harness.run(deployment_at(2), ready_pods(2))
     assert [call[0] for call in harness.replicas.calls] == []
     assert _adapter_states(harness) == {"a": ("Loading", 1)}
+
+
+def test_only_secrets_labelled_for_kvfleet_may_be_named() -> None:
+    """A service's author need not be able to read a Secret to name it: its pods would get the Secret (as
+    HF_TOKEN, the API key, registry credentials). Until the Secret is labelled nothing is rendered."""
+    spec = {
+        "model": {"uri": "hf://org/model", "credentialsSecret": "db-password"},
+        "engine": {"apiKeySecret": "keys", "imagePullSecrets": ["registry"]},
+    }
+    harness = Harness(service(**spec))
+    labels = harness.cluster.secret_labels_by_name
+    labels.update({("ns", "db-password"): {"app": "billing"}, ("ns", "keys"): FOR_KVFLEET})
+    harness.run()
+    assert harness.cluster.applied == []
+    ready = _condition(harness, "Ready")
+    assert (ready["status"], ready["reason"]) == ("False", "SecretNotLabelled")
+    assert ready["message"].startswith(
+        "spec.model.credentialsSecret: Secret ns/db-password is not labelled kvfleet.dev/secret=true"
+    )
+    labels[("ns", "db-password")] = {**labels[("ns", "db-password")], SECRET_LABEL: "true"}
+    harness.clock.now += 60  # labels are read again once a minute
+    harness.run()
+    ready = _condition(harness, "Ready")
+    assert (ready["reason"], harness.cluster.applied) == ("SecretUnavailable", [])
+    assert ready["message"] == (
+        'spec.engine.imagePullSecrets[0]: cannot read Secret ns/registry: secrets "registry" not found'
+    )
+    labels[("ns", "registry")] = FOR_KVFLEET
+    harness.run()
+    assert [m["kind"] for m in harness.cluster.applied] == ["Deployment", "Service", "PodDisruptionBudget"]
+    # A label taken away stops the next renders; what runs stays as it was.
+    labels[("ns", "keys")] = {}
+    harness.clock.now += 60
+    applied = len(harness.cluster.applied)
+    harness.body["metadata"]["generation"] = 2
+    harness.run(deployment_at(1), ready_pods(1))
+    assert len(harness.cluster.applied) == applied
+    assert _condition(harness, "Ready")["message"].startswith(
+        "spec.engine.apiKeySecret: Secret ns/keys is not"
+    )
+
+
+def test_a_child_whose_name_another_object_holds_is_reported_not_taken_over() -> None:
+    harness = Harness(service())
+    message = "Deployment ns/svc already exists and has no controller: it is not taken over"
+    harness.cluster.fail_with = ChildNotOwned(message)
+    harness.run()
+    ready = _condition(harness, "Ready")
+    assert (ready["status"], ready["reason"], ready["message"]) == ("False", "ChildNotOwned", message)
+    assert ("Warning", "ChildNotOwned", message) in harness.events
+    harness.cluster.fail_with = None
+    harness.clock.now += 300
+    harness.run()
+    assert _condition(harness, "Ready")["reason"] == "DeploymentPending", "applied once the name is free"
 
 
 def test_services_without_lora_report_no_adapters() -> None:

@@ -15,7 +15,7 @@ from urllib.parse import parse_qsl, urlsplit
 
 import pytest
 from kubernetes import client
-from kvfleet.operator.kube import KubeApi, KubeError, connection_info, resource_path
+from kvfleet.operator.kube import ChildNotOwned, KubeApi, KubeError, connection_info, resource_path
 
 
 class Recorder(BaseHTTPRequestHandler):
@@ -33,6 +33,7 @@ class Recorder(BaseHTTPRequestHandler):
                 "query": dict(parse_qsl(url.query)),
                 "content_type": self.headers.get("Content-Type"),
                 "authorization": self.headers.get("Authorization"),
+                "accept": self.headers.get("Accept"),
                 "body": json.loads(body) if body else None,
             }
         )
@@ -69,22 +70,77 @@ def api() -> Iterator[tuple[KubeApi, type[Recorder]]]:
         thread.join()
 
 
+DEPLOYMENT_PATH = "/apis/apps/v1/namespaces/ns/deployments/svc"
+
+
+def owner_reference(uid: str, kind: str = "InferenceService", name: str = "svc") -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": kind, "name": name, "uid": uid, "controller": True}
+
+
+def child(**spec: Any) -> dict[str, Any]:
+    """A Deployment as the operator renders it: controlled by its InferenceService."""
+    metadata = {"name": "svc", "namespace": "ns", "ownerReferences": [owner_reference("uid-1")]}
+    return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": metadata, "spec": spec}
+
+
 def test_apply_is_a_forced_server_side_apply(api: tuple[KubeApi, type[Recorder]]) -> None:
     kube, recorder = api
-    manifest = {
-        "apiVersion": "apps/v1",
-        "kind": "Deployment",
-        "metadata": {"name": "svc", "namespace": "ns"},
-        "spec": {"replicas": 2},
-    }
+    manifest = child(replicas=2)
+    recorder.replies[("GET", DEPLOYMENT_PATH)] = (404, {"message": "not found"})
     assert kube.apply(manifest) == {"kind": "Echo"}
-    (request,) = recorder.requests
+    look, request = recorder.requests
+    assert (look["method"], look["path"]) == ("GET", DEPLOYMENT_PATH), "first: is the name free, or ours?"
     assert request["method"] == "PATCH"
     assert request["path"] == "/apis/apps/v1/namespaces/ns/deployments/svc"
     assert request["query"] == {"fieldManager": "kvfleet-operator", "force": "true"}
     assert request["content_type"] == "application/apply-patch+yaml"
     assert request["authorization"] == "Bearer secret-token"
     assert request["body"] == manifest
+
+
+def test_an_object_of_the_childs_name_is_taken_over_only_when_the_owner_controls_it(
+    api: tuple[KubeApi, type[Recorder]],
+) -> None:
+    """A Deployment someone else made, or one another owner controls, keeps its fields and its owners:
+    applying would add this InferenceService as its controller, and deleting the service would delete it."""
+    kube, recorder = api
+    theirs = {"metadata": {"name": "svc", "namespace": "ns", "labels": {"app": "billing"}}}
+    recorder.replies[("GET", DEPLOYMENT_PATH)] = (200, theirs)
+    with pytest.raises(ChildNotOwned) as raised:
+        kube.apply(child(replicas=1))
+    assert raised.value.message == (
+        "Deployment ns/svc already exists and has no controller: it is not taken over; delete or rename it,"
+        " or rename the InferenceService"
+    )
+    held = {"metadata": {"name": "svc", "ownerReferences": [owner_reference("uid-9", "Rollout", "billing")]}}
+    recorder.replies[("GET", DEPLOYMENT_PATH)] = (200, held)
+    with pytest.raises(ChildNotOwned, match="already exists and is controlled by Rollout billing"):
+        kube.apply(child(replicas=1))
+    # A child of an earlier InferenceService of the same name (another uid) is not this one's either.
+    recorder.replies[("GET", DEPLOYMENT_PATH)] = (
+        200,
+        {"metadata": {"ownerReferences": [owner_reference("uid-0")]}},
+    )
+    with pytest.raises(ChildNotOwned, match="is controlled by InferenceService svc"):
+        kube.apply(child(replicas=1))
+    assert {request["method"] for request in recorder.requests} == {"GET"}, "nothing was written"
+    assert "PartialObjectMetadata" in recorder.requests[0]["accept"], "only the metadata is read"
+    recorder.replies[("GET", DEPLOYMENT_PATH)] = (200, child(replicas=3))
+    kube.apply(child(replicas=1))
+    assert recorder.requests[-1]["method"] == "PATCH", "its own child is applied"
+
+
+def test_a_secrets_labels_are_read_without_its_data(api: tuple[KubeApi, type[Recorder]]) -> None:
+    kube, recorder = api
+    path = "/api/v1/namespaces/ns/secrets/keys"
+    recorder.replies[("GET", path)] = (
+        200,
+        {"metadata": {"name": "keys", "labels": {"kvfleet.dev/secret": "true"}}},
+    )
+    assert kube.secret_labels("ns", "keys") == {"kvfleet.dev/secret": "true"}
+    (request,) = recorder.requests
+    assert request["path"] == path
+    assert request["accept"].startswith("application/json;as=PartialObjectMetadata;g=meta.k8s.io;v=v1")
 
 
 def test_paths_of_every_child_kind() -> None:
@@ -133,14 +189,13 @@ def test_status_is_a_merge_patch_on_the_subresource(api: tuple[KubeApi, type[Rec
 
 def test_server_messages_become_errors(api: tuple[KubeApi, type[Recorder]]) -> None:
     kube, recorder = api
-    path = "/apis/apps/v1/namespaces/ns/deployments/svc"
-    recorder.replies[("PATCH", path)] = (
+    recorder.replies[("GET", DEPLOYMENT_PATH)] = (200, child())
+    recorder.replies[("PATCH", DEPLOYMENT_PATH)] = (
         422,
         {"kind": "Status", "message": "spec.replicas: Invalid value: -1"},
     )
-    manifest = {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "svc", "namespace": "ns"}}
     with pytest.raises(KubeError) as raised:
-        kube.apply(manifest)
+        kube.apply(child(replicas=-1))
     assert raised.value.status == 422
     assert raised.value.message == "spec.replicas: Invalid value: -1"
 

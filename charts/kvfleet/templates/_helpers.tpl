@@ -45,31 +45,35 @@ app.kubernetes.io/component: operator
 - apiGroups: [""]
   resources: ["pods"]
   verbs: ["list", "watch", "deletecollection"]
+# get, on every kind of child: before applying one, the operator reads the object of that name, if any, and
+# applies only when the InferenceService is its controller (it never takes over another object).
 # delete: groups above the desired count, and the workload of another shape after the spec changed shape
 # (one pod per replica, a StatefulSet per group, a LeaderWorkerSet).
 - apiGroups: ["apps"]
   resources: ["deployments", "statefulsets"]
-  verbs: ["list", "watch", "create", "patch", "delete"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
 - apiGroups: ["leaderworkerset.x-k8s.io"]
   resources: ["leaderworkersets"]
-  verbs: ["list", "watch", "create", "patch", "delete"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
 - apiGroups: [""]
   resources: ["services"]
-  verbs: ["create", "patch"]
-# The API key (spec.engine.apiKeySecret) with which it loads LoRA adapters into the replicas.
+  verbs: ["get", "create", "patch"]
+# The Secrets an InferenceService names: their labels (only those labelled kvfleet.dev/secret=true may be
+# used), and the API key (spec.engine.apiKeySecret) with which it loads LoRA adapters into the replicas.
+# Only get, never list or watch: it reads no Secret no InferenceService names.
 - apiGroups: [""]
   resources: ["secrets"]
   verbs: ["get"]
 # The Batch API's store (spec.batch).
 - apiGroups: [""]
   resources: ["persistentvolumeclaims"]
-  verbs: ["create", "patch"]
+  verbs: ["get", "create", "patch"]
 - apiGroups: ["policy"]
   resources: ["poddisruptionbudgets"]
-  verbs: ["create", "patch"]
+  verbs: ["get", "create", "patch"]
 - apiGroups: ["monitoring.coreos.com"]
   resources: ["servicemonitors"]
-  verbs: ["create", "patch"]
+  verbs: ["get", "create", "patch"]
 - apiGroups: [""]
   resources: ["events"]
   verbs: ["create"]
