@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -71,6 +72,8 @@ class GrammarCompiler:
         self._idle_workers: list[CompileWorker] = []
         self._workers: set[CompileWorker] = set()
         self._shut_down = False
+        # Killed when the engine shuts down, or when this compiler is collected (an LLM dropped, say).
+        self._kill_workers = weakref.finalize(self, _kill_all, self._workers)
         # The vocabulary is prepared once, by the first compilation.
         self._vocabulary_lock = threading.Lock()
         self._cache: OrderedDict[tuple[str, str], Future[CompiledConstraint]] = OrderedDict()
@@ -101,9 +104,7 @@ class GrammarCompiler:
         """Stops the compile processes; compilations in progress fail."""
         with self._lock:
             self._shut_down = True
-            workers = list(self._workers)
-        for worker in workers:
-            worker.kill()
+        self._kill_workers()
 
     @property
     def tokenizer(self) -> PreTrainedTokenizerBase:
@@ -155,8 +156,11 @@ class GrammarCompiler:
         with self._lock:
             if self._shut_down:
                 raise RuntimeError("the engine is shutting down")
-            if self._idle_workers:
-                return self._idle_workers.pop()
+            while self._idle_workers:
+                worker = self._idle_workers.pop()
+                if worker.alive:
+                    return worker
+                self._workers.discard(worker)  # killed while idle (the OOM killer, say)
         worker = CompileWorker(tokenizer_info.serialize_json())
         with self._lock:
             self._workers.add(worker)
@@ -254,3 +258,8 @@ def _may_start_a_surrogate(token: bytes) -> bool:
         if byte == _SURROGATE_LEAD and (index + 1 == len(token) or token[index + 1] in _SURROGATE_SECOND):
             return True
     return False
+
+
+def _kill_all(workers: set[CompileWorker]) -> None:
+    for worker in list(workers):
+        worker.kill()
