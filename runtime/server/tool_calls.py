@@ -217,6 +217,15 @@ class OutputReader(ABC):
     def _initial_position(self) -> int:
         return 0
 
+    def _next_call_start(self, position: int, separator: str) -> int:
+        """Where the next call may begin from `position`: past whitespace, and after a call, past one
+        separator and the whitespace after it."""
+        output = self.output
+        position = output.skip_whitespace(position)
+        if self.reading.calls and output.text.startswith(separator, position):
+            position = output.skip_whitespace(position + 1)
+        return position
+
     def _settle(self, position: int) -> None:
         """Everything before `position` is read for good."""
         self._position = position
@@ -272,10 +281,8 @@ class Llama3JsonToolCallParser(OutputReader):
         output, reading = self.output, self.reading
         text = output.text
         while True:
-            position = output.skip_whitespace(position)
             # Calls are separated by ";" (or only by whitespace).
-            if reading.calls and text.startswith(";", position):
-                position = output.skip_whitespace(position + 1)
+            position = self._next_call_start(position, ";")
             if position == len(text):
                 return
             if text[position] != "{":
@@ -304,9 +311,7 @@ class _CallArrayReader(OutputReader):
         output, reading = self.output, self.reading
         text = output.text
         while True:
-            position = output.skip_whitespace(position)
-            if reading.calls and text.startswith(",", position):
-                position = output.skip_whitespace(position + 1)
+            position = self._next_call_start(position, ",")
             if position >= len(text) or text[position] == "]":
                 break
             call = _read_call(output, position, ("parameters",), self.function_names)
