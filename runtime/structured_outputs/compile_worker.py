@@ -21,8 +21,6 @@ import xgrammar
 from kvfleet.runtime.child_process import child_arguments, describe_exit, exit_with_parent, start_child
 from kvfleet.runtime.structured_outputs.grammars import GrammarError, build_grammar
 
-logger = logging.getLogger(__name__)
-
 # What the process sends once its vocabulary is ready, before its first compilation.
 _READY = "ready"
 
