@@ -513,7 +513,7 @@ def test_metrics_count_compilations_once_per_grammar_and_masked_steps(
 
 
 def _slow_to_compile(repeats: int) -> dict[str, Any]:
-    """A pattern whose grammar takes seconds to build (about 8 s for 1500 repeats on one core, growing faster
+    """A pattern whose grammar takes seconds to build (2 s for 900 repeats on one core, growing faster
     than their square): xgrammar writes the bounded repetition out in full (up to some 1600 repeats: from
     1700 on, it takes another path and builds one in a millisecond)."""
     return {"type": "string", "pattern": f"^([a-z]{{1,30}}-){{{repeats}}}$"}
