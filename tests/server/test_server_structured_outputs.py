@@ -28,7 +28,7 @@ import openai
 import pydantic
 import pytest
 from kvfleet.runtime.models.make_model import ARCHITECTURES
-from server_checks import child_processes
+from server_checks import descendants
 
 if TYPE_CHECKING:
     from conftest import ServerProcess
@@ -525,17 +525,6 @@ _IDLE_WINDOW_S = 3.0
 _IDLE_CPU_S = 0.6
 
 
-def _process_tree(pid: int) -> dict[int, str]:
-    """pid and its live descendants, with their command lines."""
-    tree = {pid: ""}
-    pending = [pid]
-    while pending:
-        children = child_processes(pending.pop())
-        tree.update(children)
-        pending.extend(children)
-    return tree
-
-
 def _cpu_seconds(pids: Iterable[int]) -> dict[int, float]:
     """CPU seconds (user and system) of each live process among pids, by pid."""
     ticks = os.sysconf("SC_CLK_TCK")
@@ -573,10 +562,10 @@ def test_a_grammar_that_compiles_too_long_fails_alone(start_server: Callable[...
 
     def burned_cpu_seconds() -> tuple[float, list[str]]:
         """CPU seconds the server's processes burn in a window, and the compile processes alive after it."""
-        before = _cpu_seconds(_process_tree(server.pid))
+        before = _cpu_seconds([server.pid, *descendants(server.pid)])
         time.sleep(_IDLE_WINDOW_S)
-        tree = _process_tree(server.pid)
-        after = _cpu_seconds(tree)
+        tree = descendants(server.pid)
+        after = _cpu_seconds([server.pid, *tree])
         compilers = [command for command in tree.values() if COMPILE_WORKER_MODULE in command]
         return sum(seconds - before.get(pid, 0.0) for pid, seconds in after.items()), compilers
 
