@@ -6,12 +6,18 @@ process, and the process tree should be exactly what `kvfleet serve` says it is.
 
 from __future__ import annotations
 
+import logging
+import os
 import pickle
+import select
 import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Sequence
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 
 def start_child(
@@ -28,6 +34,19 @@ def start_child(
 def child_arguments() -> tuple[Any, ...]:
     """In the child: the arguments its parent passed to start_child."""
     return pickle.load(sys.stdin.buffer)
+
+
+def exit_with_parent(parent_pid: int) -> None:
+    """In the child: a thread that ends the process when its parent exits, even while the main thread is in
+    native code (a collective, a grammar compilation)."""
+    parent = os.pidfd_open(parent_pid)
+
+    def watch() -> None:
+        select.select([parent], [], [])
+        logger.error("the parent process %d has exited; stopping", parent_pid)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
 def describe_exit(returncode: int | None) -> str:

@@ -108,7 +108,8 @@ class EngineConfig:
         default=None,
     )
     structured_outputs_compile_timeout: float = _option(
-        "Seconds a structured-output grammar may take to compile; past them its request alone fails (a 400).",
+        "Seconds a structured-output grammar may take to compile; past them its request alone fails (a 400) "
+        "and its compilation is killed.",
         default=30.0,
     )
     tensor_parallel_size: int = _option(

@@ -17,14 +17,13 @@ import datetime
 import logging
 import os
 import pickle
-import select
 import signal
 import threading
 
 import torch
 import torch.distributed as dist
 import zmq
-from kvfleet.runtime.child_process import child_arguments
+from kvfleet.runtime.child_process import child_arguments, exit_with_parent
 from kvfleet.runtime.distributed.messages import StepDone, WorkerReady, WorkerSpec
 from kvfleet.runtime.distributed.parallel import COLLECTIVE_TIMEOUT, ParallelContext, set_parallel_context
 from kvfleet.runtime.worker.model_runner import ModelRunner
@@ -43,7 +42,7 @@ def run_worker(spec: WorkerSpec, parent_pid: int, ready_fd: int | None) -> None:
     logging.basicConfig(
         level=spec.log_level, format=f"%(asctime)s %(levelname)s %(name)s [rank {spec.rank}]: %(message)s"
     )
-    _exit_with_parent(parent_pid)
+    exit_with_parent(parent_pid)
     context = zmq.Context()
     socket = context.socket(zmq.DEALER)
     socket.setsockopt(zmq.IDENTITY, spec.rank.to_bytes(4, "big"))
@@ -146,18 +145,6 @@ def _join_and_load(spec: WorkerSpec) -> ModelRunner:
         runner.load_stats.peak_buffer_bytes / 2**20,
     )
     return runner
-
-
-def _exit_with_parent(parent_pid: int) -> None:
-    """A thread that ends the process when its parent exits, even while the main thread is in a collective."""
-    parent = os.pidfd_open(parent_pid)
-
-    def watch() -> None:
-        select.select([parent], [], [])
-        logger.error("the parent process %d has exited; stopping", parent_pid)
-        os._exit(1)
-
-    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
 def _exit_on_disconnect(socket: zmq.Socket) -> None:

@@ -135,8 +135,9 @@ class EngineCore:
         )
 
     def shutdown(self) -> None:
-        """Stop the worker processes, if the executor runs any."""
+        """Stop the worker processes, if the executor runs any, and the grammar compile processes."""
         self.executor.shutdown()
+        self.grammar_compiler.shutdown()
 
     @property
     def info(self) -> EngineInfo:

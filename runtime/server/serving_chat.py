@@ -215,27 +215,27 @@ class _ToolCallStream:
 
     def __init__(self, tool_calling: ToolCalling, n: int) -> None:
         self.tool_calling = tool_calling
-        self.texts = [""] * n
+        self.readers = [tool_calling.reader() for _ in range(n)]
         self.sent_content = [0] * n
         # Per choice, the calls announced: how much of each one's arguments has been sent.
         self.sent_arguments: list[list[int]] = [[] for _ in range(n)]
 
     def __call__(self, _: int, completion: CompletionOutput, finished: bool) -> list[dict[str, Any]]:
         index = completion.index
-        self.texts[index] += completion.text
-        text = self.texts[index]
-        reading = self.tool_calling.read(text)
+        reader = self.readers[index]
+        reading = reader.read(completion.text)
+        text = reader.text
         if reading.malformed:
             return self._finishing(index, self._content(index, text), None, text, finished)
         if not finished:
-            return self._choices(index, self._content(index, text[: reading.content_end]), reading, text)
+            return self._choices(index, self._content(index, text, reading.content_end), reading, text)
         calls = _calls(self.tool_calling, text, completion.finish_reason)
         if calls is not None:
             content, _ = calls
             choices = self._finishing(index, self._content(index, content or ""), reading, text, True)
             return [*choices[:-1], {**choices[-1], "finish_reason": "tool_calls"}]
         if completion.finish_reason != "stop" and self.sent_arguments[index]:
-            return self._finishing(index, self._content(index, reading.content), reading, text, True)
+            return self._finishing(index, self._content(index, reading.content(text)), reading, text, True)
         return self._finishing(index, self._content(index, text), None, text, True)
 
     def _finishing(
@@ -245,10 +245,11 @@ class _ToolCallStream:
         choices = self._choices(index, content, reading, text)
         return choices or ([{"index": index, "delta": {}, "logprobs": None}] if finished else [])
 
-    def _content(self, index: int, content: str) -> str:
-        """What of `content` (the answer's content so far) has not been sent."""
-        unsent = content[self.sent_content[index] :]
-        self.sent_content[index] = max(self.sent_content[index], len(content))
+    def _content(self, index: int, content: str, end: int | None = None) -> str:
+        """What of `content[:end]` (the answer's content so far) has not been sent."""
+        end = len(content) if end is None else end
+        unsent = content[self.sent_content[index] : end]
+        self.sent_content[index] = max(self.sent_content[index], end)
         return unsent
 
     def _choices(
@@ -256,7 +257,10 @@ class _ToolCallStream:
     ) -> list[dict[str, Any]]:
         deltas: list[dict[str, Any]] = [{"content": content}] if content else []
         sent = self.sent_arguments[index]
-        for number, call in enumerate(reading.calls if reading is not None else ()):
+        calls = reading.calls if reading is not None else []
+        # The calls before the last one announced have been sent whole.
+        for number in range(max(len(sent) - 1, 0), len(calls)):
+            call = calls[number]
             if call.name is None:
                 break  # calls are announced in order
             if number == len(sent):
@@ -269,10 +273,8 @@ class _ToolCallStream:
                     }
                 )
                 sent.append(0)
-            arguments = call.arguments(text)
-            if len(arguments) > sent[number]:
-                deltas.append(
-                    {"tool_calls": [{"index": number, "function": {"arguments": arguments[sent[number] :]}}]}
-                )
-                sent[number] = len(arguments)
+            arguments = call.arguments(text, sent[number])
+            if arguments:
+                deltas.append({"tool_calls": [{"index": number, "function": {"arguments": arguments}}]})
+                sent[number] += len(arguments)
         return [{"index": index, "delta": delta, "logprobs": None} for delta in deltas]

@@ -1,15 +1,15 @@
 """Grammar compilation in the engine core, off the step loop, and each request's grammar state.
 
-Compiling a grammar against the vocabulary takes from milliseconds to seconds, so it runs on threads of its
-own: a request whose grammar is not ready yet waits in the queue while the others run, the way vLLM's
+Compiling a grammar against the vocabulary takes from milliseconds to seconds, so it runs beside the step
+loop: a request whose grammar is not ready yet waits in the queue while the others run, the way vLLM's
 WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR state does. Compiled grammars are cached by their canonical text (the
 compiler belongs to one tokenizer, so that is a key by grammar and tokenizer).
 
 Some grammars take minutes or more (large bounded repetitions, say). A compilation gets a time limit, past
-which its requests fail with GrammarTimeoutError. xgrammar cannot interrupt a compilation, so that one runs
-on to its end on its thread, but gives up its place to the next: at most `_CONCURRENT_COMPILATIONS` run
-within their limit at once. Its failure stays cached, so asking for the same grammar again fails at once
-instead of starting it over.
+which its requests fail with GrammarTimeoutError. xgrammar cannot interrupt a compilation, so each one runs
+in a compile process (compile_worker), which is killed at the limit: at most `_CONCURRENT_COMPILATIONS`
+compile at once, and nothing runs on past its limit. The failure stays cached, so asking for the same grammar
+again fails at once instead of starting it over.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import weakref
 from collections import OrderedDict
-from collections.abc import Callable
-from concurrent.futures import Future, InvalidStateError
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
@@ -27,13 +27,14 @@ import xgrammar
 from kvfleet.runtime.engine.errors import EngineError, GrammarTimeoutError, InvalidRequestError
 from kvfleet.runtime.sampling_params import StructuredOutputsParams
 from kvfleet.runtime.structured_outputs.bitmasks import pack_bits
-from kvfleet.runtime.structured_outputs.grammars import JSON_KINDS, GrammarError, build_grammar, grammar_key
+from kvfleet.runtime.structured_outputs.compile_worker import CompileTimeoutError, CompileWorker
+from kvfleet.runtime.structured_outputs.grammars import JSON_KINDS, GrammarError, grammar_key
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 
 _CACHED_GRAMMARS = 512
-# Compilations running within their time limit at once; compiling is CPU-bound, and the engine needs a core.
+# Compilations (and so compile processes) at once; compiling is CPU-bound, and the engine needs a core.
 _CONCURRENT_COMPILATIONS = 2
 # Bytes JSON never holds raw: compact JSON has no newlines or tabs, and strings escape control characters.
 _CONTROL_BYTES = frozenset(range(0x20))
@@ -52,8 +53,8 @@ class CompiledConstraint:
 
 
 class GrammarCompiler:
-    """Compiles grammars for one model's vocabulary on threads of their own, within a time limit, caching
-    the results; holds the tokenizer that bad_words are encoded with."""
+    """Compiles grammars for one model's vocabulary in compile processes, within a time limit, caching the
+    results; holds the tokenizer that bad_words are encoded with."""
 
     def __init__(self, tokenizer_path: str, vocab_size: int, timeout: float) -> None:
         self._tokenizer_path = tokenizer_path
@@ -62,11 +63,17 @@ class GrammarCompiler:
         # The model's, not the tokenizer's: logits rows (and so bitmasks) are as wide as the model's
         # embedding, which is often padded past the tokenizer's last id.
         self._vocab_size = vocab_size
-        self._compiler: xgrammar.GrammarCompiler | None = None
+        self._tokenizer_info: xgrammar.TokenizerInfo | None = None
         self._tokenizer: PreTrainedTokenizerBase | None = None
         self._text_token_filter: torch.Tensor | None = None
         self._json_token_filter: torch.Tensor | None = None
         self._places = threading.Semaphore(_CONCURRENT_COMPILATIONS)
+        # Compile processes started at first need, each used by one compilation at a time.
+        self._idle_workers: list[CompileWorker] = []
+        self._workers: set[CompileWorker] = set()
+        self._shut_down = False
+        # Killed when the engine shuts down, or when this compiler is collected (an LLM dropped, say).
+        self._kill_workers = weakref.finalize(self, _kill_all, self._workers)
         # The vocabulary is prepared once, by the first compilation.
         self._vocabulary_lock = threading.Lock()
         self._cache: OrderedDict[tuple[str, str], Future[CompiledConstraint]] = OrderedDict()
@@ -93,6 +100,12 @@ class GrammarCompiler:
                 self._cache.popitem(last=False)
             return future
 
+    def shutdown(self) -> None:
+        """Stops the compile processes; compilations in progress fail."""
+        with self._lock:
+            self._shut_down = True
+        self._kill_workers()
+
     @property
     def tokenizer(self) -> PreTrainedTokenizerBase:
         # Loaded at first use, so that servers that never constrain pay nothing.
@@ -106,51 +119,70 @@ class GrammarCompiler:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def _run(self, kind: str, text: str, future: Future[CompiledConstraint]) -> None:
-        self._places.acquire()
-        give_place = _once(self._places.release)
-        timer = threading.Timer(self._timeout, self._time_out, (kind, future, give_place))
-        timer.daemon = True
-        try:
-            # Once per engine, and not the grammar's doing: outside its time limit.
-            compiler = self._vocabulary_compiler()
-            timer.start()
-            compiled = self._compile(compiler, kind, text)
-        except Exception as exc:  # anything: the requests waiting for it fail, the engine goes on
-            _settle(future, exc)
-        else:
-            _settle(future, compiled)
-        finally:
-            timer.cancel()
-            give_place()
+        with self._places:
+            try:
+                compiled = self._compile(kind, text)
+            except Exception as exc:  # anything: the requests waiting for it fail, the engine goes on
+                future.set_exception(exc)
+            else:
+                future.set_result(compiled)
 
-    def _time_out(
-        self, kind: str, future: Future[CompiledConstraint], give_place: Callable[[], None]
-    ) -> None:
-        message = f"the {kind} grammar took longer than {self._timeout:g} s to compile; simplify it"
-        if _settle(future, GrammarTimeoutError(message)):
-            logger.warning("a %s grammar ran out of its %g s to compile", kind, self._timeout)
-        give_place()
-
-    def _compile(self, compiler: xgrammar.GrammarCompiler, kind: str, text: str) -> CompiledConstraint:
+    def _compile(self, kind: str, text: str) -> CompiledConstraint:
+        # The vocabulary and the compile process: once per engine, and not the grammar's doing, so outside
+        # its time limit.
+        tokenizer_info = self._vocabulary()
+        worker = self._idle_worker(tokenizer_info)
         start = time.perf_counter()
-        grammar = build_grammar(kind, text)
+        try:
+            serialized = worker.compile(kind, text, self._timeout)
+        except CompileTimeoutError:
+            logger.warning("a %s grammar ran out of its %g s to compile", kind, self._timeout)
+            raise GrammarTimeoutError(
+                f"the {kind} grammar took longer than {self._timeout:g} s to compile; simplify it"
+            ) from None
+        finally:
+            self._give_back(worker)
+        grammar = xgrammar.CompiledGrammar.deserialize_json(serialized, tokenizer_info)
         token_filter = self._json_token_filter if kind in JSON_KINDS else self._text_token_filter
         assert token_filter is not None
-        compiled = CompiledConstraint(compiler.compile_grammar(grammar), token_filter)
         elapsed = time.perf_counter() - start
         with self._lock:
             self.num_compiled += 1
             self.compile_seconds += elapsed
         logger.debug("compiled a %s grammar in %.3f s", kind, elapsed)
-        return compiled
+        return CompiledConstraint(grammar, token_filter)
 
-    def _vocabulary_compiler(self) -> xgrammar.GrammarCompiler:
+    def _idle_worker(self, tokenizer_info: xgrammar.TokenizerInfo) -> CompileWorker:
+        with self._lock:
+            if self._shut_down:
+                raise RuntimeError("the engine is shutting down")
+            while self._idle_workers:
+                worker = self._idle_workers.pop()
+                if worker.alive:
+                    return worker
+                self._workers.discard(worker)  # killed while idle (the OOM killer, say)
+        worker = CompileWorker(tokenizer_info.serialize_json())
+        with self._lock:
+            self._workers.add(worker)
+            if self._shut_down:
+                worker.kill()
+        return worker
+
+    def _give_back(self, worker: CompileWorker) -> None:
+        """Back among the idle ones, or forgotten if it has been stopped (a timeout, a crash, shutdown)."""
+        with self._lock:
+            if worker.alive:
+                self._idle_workers.append(worker)
+            else:
+                self._workers.discard(worker)
+
+    def _vocabulary(self) -> xgrammar.TokenizerInfo:
         with self._vocabulary_lock:
-            if self._compiler is None:
-                self._compiler = self._prepare_vocabulary()
-            return self._compiler
+            if self._tokenizer_info is None:
+                self._tokenizer_info = self._prepare_vocabulary()
+            return self._tokenizer_info
 
-    def _prepare_vocabulary(self) -> xgrammar.GrammarCompiler:
+    def _prepare_vocabulary(self) -> xgrammar.TokenizerInfo:
         info = xgrammar.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self._vocab_size)
         text = torch.ones(self._vocab_size, dtype=torch.bool)
         json_text = torch.ones(self._vocab_size, dtype=torch.bool)
@@ -161,7 +193,7 @@ class GrammarCompiler:
                 json_text[token_id] = False
         self._text_token_filter = pack_bits(text)
         self._json_token_filter = pack_bits(json_text)
-        return xgrammar.GrammarCompiler(info, max_threads=1)
+        return info
 
 
 class RequestGrammar:
@@ -228,27 +260,6 @@ def _may_start_a_surrogate(token: bytes) -> bool:
     return False
 
 
-def _settle(future: Future[CompiledConstraint], outcome: CompiledConstraint | Exception) -> bool:
-    """Sets a future's outcome unless it has one (a compilation and its time limit race); whether it did."""
-    try:
-        if isinstance(outcome, Exception):
-            future.set_exception(outcome)
-        else:
-            future.set_result(outcome)
-    except InvalidStateError:
-        return False
-    return True
-
-
-def _once(action: Callable[[], None]) -> Callable[[], None]:
-    lock = threading.Lock()
-    done = False
-
-    def run() -> None:
-        nonlocal done
-        with lock:
-            if not done:
-                done = True
-                action()
-
-    return run
+def _kill_all(workers: set[CompileWorker]) -> None:
+    for worker in list(workers):
+        worker.kill()

@@ -36,6 +36,15 @@ def child_processes(pid: int) -> dict[int, str]:
     return children
 
 
+def descendants(pid: int) -> dict[int, str]:
+    """Descendants of pid, with their command lines."""
+    found = {}
+    for child, command in child_processes(pid).items():
+        found[child] = command
+        found.update(descendants(child))
+    return found
+
+
 def openai_error(response: httpx.Response, status: int) -> dict[str, Any]:
     """The error of an OpenAI-shaped error response with the given status."""
     assert response.status_code == status, response.text

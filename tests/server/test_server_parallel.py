@@ -19,7 +19,7 @@ import httpx
 import openai
 from kvfleet.runtime import LLM, SamplingParams
 from ports import free_port
-from server_checks import child_processes
+from server_checks import child_processes, descendants
 
 if TYPE_CHECKING:
     from conftest import ServerProcess
@@ -27,14 +27,6 @@ if TYPE_CHECKING:
 CORE_MODULE = "kvfleet.runtime.engine.core_proc"
 WORKER_MODULE = "kvfleet.runtime.distributed.worker_proc"
 PROMPT = "The quick brown fox"
-
-
-def _descendants(pid: int) -> dict[int, str]:
-    found = {}
-    for child, command in child_processes(pid).items():
-        found[child] = command
-        found.update(_descendants(child))
-    return found
 
 
 def _running(pid: int) -> bool:
@@ -64,7 +56,7 @@ def test_killing_a_worker_fails_every_request_and_ends_the_server(
     start_server: Callable[..., ServerProcess],
 ) -> None:
     server = start_server("--tensor-parallel-size", "2")
-    processes = _descendants(server.pid)
+    processes = descendants(server.pid)
     (core,) = [pid for pid, command in processes.items() if CORE_MODULE in command]
     workers = [pid for pid, command in child_processes(core).items() if WORKER_MODULE in command]
     assert len(workers) == 2, processes
@@ -194,7 +186,7 @@ def test_two_nodes_form_one_group_and_a_broken_group_ends_node_one(
         assert httpx.get(f"{node1_url}/v1/models", timeout=2).status_code == 404
 
         node0 = _start_node0(start_server, master_port)
-        assert len([c for c in _descendants(node0.pid).values() if WORKER_MODULE in c]) == 1
+        assert len([c for c in descendants(node0.pid).values() if WORKER_MODULE in c]) == 1
         assert len([c for c in child_processes(node1.pid).values() if WORKER_MODULE in c]) == 1
         assert httpx.get(f"{node1_url}/health", timeout=2).status_code == 200
 
@@ -210,8 +202,8 @@ def test_two_nodes_form_one_group_and_a_broken_group_ends_node_one(
         assert completion.choices[0].text == expected[0].outputs[0].text
 
         # Node 0 goes away: node 1's worker loses the group, and node 1 exits non-zero.
-        node0_processes = list(_descendants(node0.pid))
-        node1_processes = list(_descendants(node1.pid))
+        node0_processes = list(descendants(node0.pid))
+        node1_processes = list(descendants(node1.pid))
         os.kill(node0.pid, signal.SIGKILL)
         assert node1.wait(30) != 0
         assert _wait_gone(node0_processes + node1_processes, 30) == []
@@ -231,7 +223,7 @@ def test_node_one_stopped_ends_an_idle_node_zero(
     try:
         node0 = _start_node0(start_server, master_port)
         assert httpx.get(f"{node1_url}/health", timeout=2).status_code == 200
-        node0_processes = list(_descendants(node0.pid))
+        node0_processes = list(descendants(node0.pid))
         node1.send_signal(signal.SIGTERM)
         assert node1.wait(30) == 0
         assert node0.process.wait(30) != 0

@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+import time
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -26,12 +28,14 @@ import openai
 import pydantic
 import pytest
 from kvfleet.runtime.models.make_model import ARCHITECTURES
+from server_checks import descendants
 
 if TYPE_CHECKING:
     from conftest import ServerProcess
 
 MODEL_NAME = "tiny"
 MAX_TOKENS = 400
+COMPILE_WORKER_MODULE = "kvfleet.runtime.structured_outputs.compile_worker"
 
 _NAME = {"type": "string", "maxLength": 8}
 _SMALL_INT = {"type": "integer", "minimum": -5, "maximum": 120}
@@ -509,17 +513,39 @@ def test_metrics_count_compilations_once_per_grammar_and_masked_steps(
 
 
 def _slow_to_compile(repeats: int) -> dict[str, Any]:
-    """A pattern whose grammar takes seconds to build (about 8 s for 1600 repeats on one core, growing faster
-    than their square): xgrammar writes the bounded repetition out in full."""
+    """A pattern whose grammar takes seconds to build (2 s for 900 repeats on one core, growing faster
+    than their square): xgrammar writes the bounded repetition out in full (up to some 1600 repeats: from
+    1700 on, it takes another path and builds one in a millisecond)."""
     return {"type": "string", "pattern": f"^([a-z]{{1,30}}-){{{repeats}}}$"}
 
 
+# What an idle server's processes may burn in the measured window, where compilations left running would
+# burn a core each (about 3 CPU seconds each on an idle machine).
+_IDLE_WINDOW_S = 3.0
+_IDLE_CPU_S = 0.6
+
+
+def _cpu_seconds(pids: Iterable[int]) -> dict[int, float]:
+    """CPU seconds (user and system) of each live process among pids, by pid."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    seconds = {}
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        seconds[pid] = (int(fields[11]) + int(fields[12])) / ticks
+    return seconds
+
+
 def test_a_grammar_that_compiles_too_long_fails_alone(start_server: Callable[..., ServerProcess]) -> None:
-    """Two grammars that take seconds to compile hold both compile places until each runs out of its time
-    limit: their requests fail with a 400 and give their places to a grammar asked for after them, whose
-    request is served, as is an unconstrained one; asked again, a grammar that ran out fails at once."""
+    """Four grammars that take many seconds to compile hold both compile places until each runs out of its
+    time limit: their requests fail with a 400 and give their places to a grammar asked for after them, whose
+    request is served, as is an unconstrained one. Their compilations are stopped, not left to run on: the
+    server then burns next to no CPU, and at most two compile processes exist. Asked again, a grammar that
+    ran out fails at once."""
     server = start_server("--structured-outputs-compile-timeout", "1")
-    slow = [_slow_to_compile(1500), _slow_to_compile(1501)]
+    slow = [_slow_to_compile(repeats) for repeats in range(1500, 1504)]
 
     async def ask(client: openai.AsyncOpenAI, structured: dict[str, Any] | None) -> str | openai.APIError:
         try:
@@ -534,7 +560,18 @@ def test_a_grammar_that_compiles_too_long_fails_alone(start_server: Callable[...
             return error
         return completion.choices[0].text
 
-    async def run() -> tuple[list[str | openai.APIError], list[str | openai.APIError]]:
+    def burned_cpu_seconds() -> tuple[float, list[str]]:
+        """CPU seconds the server's processes burn in a window, and the compile processes alive after it."""
+        before = _cpu_seconds([server.pid, *descendants(server.pid)])
+        time.sleep(_IDLE_WINDOW_S)
+        tree = descendants(server.pid)
+        after = _cpu_seconds([server.pid, *tree])
+        compilers = [command for command in tree.values() if COMPILE_WORKER_MODULE in command]
+        return sum(seconds - before.get(pid, 0.0) for pid, seconds in after.items()), compilers
+
+    async def run() -> tuple[
+        list[str | openai.APIError], tuple[float, list[str]], list[str | openai.APIError]
+    ]:
         async with openai.AsyncOpenAI(
             base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120
         ) as client:
@@ -542,15 +579,18 @@ def test_a_grammar_that_compiles_too_long_fails_alone(start_server: Callable[...
             await asyncio.sleep(0.5)  # so that the slow grammars take the compile places first
             quick = [ask(client, {"regex": "quick-[0-9]{3}"}), ask(client, None)]
             first = await asyncio.gather(*compiling, *quick)
+            burned = await asyncio.to_thread(burned_cpu_seconds)
             again = await asyncio.gather(
                 ask(client, {"json": slow[0]}), ask(client, {"regex": "again-[a-z]"})
             )
-            return first, again
+            return first, burned, again
 
     try:
-        (*timed_out, constrained, free), (timed_out_again, constrained_again) = asyncio.run(run())
+        (*timed_out, constrained, free), (cpu_seconds, compilers), (timed_out_again, constrained_again) = (
+            asyncio.run(run())
+        )
     finally:
-        server.stop()  # the slow compilations run on to their end in it
+        server.stop()
     for error in [*timed_out, timed_out_again]:
         assert isinstance(error, openai.BadRequestError), error
         assert error.code == "grammar_compile_timeout"
@@ -558,6 +598,8 @@ def test_a_grammar_that_compiles_too_long_fails_alone(start_server: Callable[...
     assert isinstance(constrained, str) and re.fullmatch("quick-[0-9]{3}", constrained), constrained
     assert isinstance(free, str) and free, free
     assert isinstance(constrained_again, str) and re.fullmatch("again-[a-z]", constrained_again)
+    assert cpu_seconds < _IDLE_CPU_S, f"{cpu_seconds:.2f} CPU seconds in {_IDLE_WINDOW_S} s of idleness"
+    assert len(compilers) <= 2, compilers
 
 
 _CHECK_WITHOUT_TORCH = """

@@ -9,6 +9,7 @@ format (or a malformed variant of it) and check what the parser makes of it.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -17,6 +18,8 @@ import httpx
 import jsonschema
 import openai
 import pytest
+from kvfleet.runtime.server.protocol import ChatCompletionRequest
+from kvfleet.runtime.server.tool_calls import ToolCalling
 from transformers import AutoTokenizer
 
 if TYPE_CHECKING:
@@ -353,3 +356,52 @@ def test_tool_requests_the_server_cannot_serve_get_a_400(
     error = response.json()["error"]
     assert error["param"] == param
     assert message in error["message"], error["message"]
+
+
+def _long_call(parser: str | None, length: int) -> str:
+    """An output with one call whose arguments are about `length` characters, in the format of `parser`
+    (None: tool_choice `required`)."""
+    arguments = json.dumps({"city": "x" * length, "unit": "c"})
+    if parser == "hermes":
+        return f'Checking. <tool_call>{{"name": "get_weather", "arguments": {arguments}}}</tool_call>'
+    if parser == "llama3_json":
+        return f'{{"name": "get_weather", "parameters": {arguments}}}'
+    return f'[{{"name": "get_weather", "parameters": {arguments}}}]'
+
+
+def _seconds_to_stream(tool_calling: ToolCalling, text: str) -> float:
+    """CPU seconds to read `text` streamed in deltas of 3 characters (about a token each); the streamed
+    reading must end as reading the whole text at once does."""
+    reader = tool_calling.reader()
+    # CPU time, not wall time: on a loaded machine, wall time is mostly how often the test was preempted.
+    start = time.process_time()
+    for position in range(0, len(text), 3):
+        reading = reader.read(text[position : position + 3])
+    seconds = time.process_time() - start
+    assert reader.text == text
+    assert reading.parsed(text) == tool_calling.extract(text)
+    assert tool_calling.extract(text)[1] != []
+    return seconds
+
+
+@pytest.mark.parametrize("parser", ["hermes", "llama3_json", None], ids=["hermes", "llama3_json", "required"])
+def test_streamed_calls_are_read_in_time_linear_in_their_length(parser: str | None) -> None:
+    """Each delta of a streamed output costs about its own length: a call four times as long takes about four
+    times as long to read delta by delta (reading the whole output again at each delta took sixteen), and
+    the streamed reading ends as the reading of the whole output does."""
+    body = ChatCompletionRequest.model_validate(
+        {
+            "model": MODEL_NAME,
+            "messages": MESSAGES,
+            "tools": TOOLS,
+            "tool_choice": "auto" if parser else "required",
+        }
+    )
+    tool_calling = ToolCalling.of(body, parser, auto_enabled=True)
+    assert tool_calling is not None
+    # The best of a few runs.
+    short, long = (
+        min(_seconds_to_stream(tool_calling, _long_call(parser, length)) for _ in range(3))
+        for length in (3000, 12000)
+    )
+    assert long < 8 * short, f"{short * 1000:.1f} ms for 3000 characters, {long * 1000:.1f} ms for 12000"

@@ -4,8 +4,11 @@ random model would say, fail alone when their grammar is bad, and leave unconstr
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import threading
+import time
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -18,7 +21,7 @@ from kvfleet.runtime.core.scheduler import Scheduler
 from kvfleet.runtime.engine.core import EngineCore
 from kvfleet.runtime.engine.messages import AddRequest, to_core_decoder
 from kvfleet.runtime.request import Request
-from kvfleet.runtime.structured_outputs.compiler import RequestGrammar
+from kvfleet.runtime.structured_outputs.compiler import GrammarCompiler, RequestGrammar
 from kvfleet.runtime.structured_outputs.masks import GrammarMasks
 from transformers import AutoTokenizer
 
@@ -29,6 +32,7 @@ CHOICES = ["red", "green", "light blue", 'say "hi"']
 GRAMMAR = 'root ::= term (" + " term){0,2} " = " digit digit?\nterm ::= digit\ndigit ::= [0-9]'
 GRAMMAR_AS_REGEX = r"[0-9]( \+ [0-9]){0,2} = [0-9]{1,2}"
 LONG_REGEX = r"[a-z]{80,100}\."
+COMPILE_WORKER_MODULE = "kvfleet.runtime.structured_outputs.compile_worker"
 
 
 @pytest.fixture(scope="module")
@@ -226,3 +230,48 @@ def test_a_compiling_request_displaces_nobody() -> None:
     compiled.set_result(object())
     running.append_output_token_ids(8)
     assert scheduler.schedule().preempted_request_ids == {"running"}
+
+
+def _compile_processes() -> set[int]:
+    """The pids of this process's grammar compile processes."""
+    children = (
+        int(pid)
+        for task in Path("/proc/self/task").iterdir()
+        for pid in (task / "children").read_text().split()
+    )
+    return {
+        pid for pid in children if COMPILE_WORKER_MODULE.encode() in Path(f"/proc/{pid}/cmdline").read_bytes()
+    }
+
+
+def _new_compile_process(known: set[int], timeout: float = 60.0) -> int:
+    """The pid of a compile process not among `known`, once one has started."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        new = _compile_processes() - known
+        if new:
+            (pid,) = new
+            return pid
+        time.sleep(0.05)
+    raise TimeoutError("no compile process started")
+
+
+def test_a_compile_process_that_dies_fails_only_its_grammar(tiny_llama: Path) -> None:
+    """A compile process killed (a crash, the OOM killer) fails the grammar it was compiling with a message
+    saying so; the next grammar gets a new process and compiles."""
+    vocab_size = json.loads((tiny_llama / "config.json").read_text())["vocab_size"]
+    compiler = GrammarCompiler(str(tiny_llama), vocab_size, timeout=120)
+    try:
+        # Many seconds of compiling (see _slow_to_compile in the server tests).
+        pattern = {"type": "string", "pattern": "^([a-z]{1,30}-){1500}$"}
+        others = _compile_processes()  # other engines' in this process
+        dying = compiler.compile(StructuredOutputsParams(json=pattern))
+        killed = _new_compile_process(others)
+        os.kill(killed, signal.SIGKILL)
+        assert dying.exception(timeout=60) is not None
+        error = RequestGrammar(dying).error
+        assert error is not None and "killed by SIGKILL" in str(error), error
+        assert compiler.compile(StructuredOutputsParams(regex="after-[0-9]")).result(timeout=60)
+        assert _compile_processes() - others, "the next grammar compiled in a new process"
+    finally:
+        compiler.shutdown()
