@@ -38,6 +38,12 @@ def _static_models(options: tuple[str, ...], defaults: ModelConfig) -> dict[str,
     return models
 
 
+def _bare_name_namespace(option: str | None, namespaces: tuple[str, ...]) -> str | None:
+    if option is not None:
+        return option
+    return namespaces[0] if len(namespaces) == 1 else None
+
+
 @click.command("gateway")
 @click.option("--host", default="0.0.0.0", show_default=True)
 @click.option("--port", type=click.IntRange(1, 65535), default=8080, show_default=True)
@@ -55,6 +61,14 @@ def _static_models(options: tuple[str, ...], defaults: ModelConfig) -> dict[str,
     "namespaces",
     multiple=True,
     help="Watch only this namespace (repeatable). Default: every namespace.",
+)
+@click.option(
+    "--bare-name-namespace",
+    default=None,
+    metavar="NAMESPACE",
+    help="The namespace whose InferenceServices clients may also name without it (`llama-8b` for "
+    "`NAMESPACE/llama-8b`). Default: the one --namespace, when exactly one is given; otherwise clients name "
+    "every service's model as NAMESPACE/NAME.",
 )
 @click.option("--kubeconfig", type=click.Path(exists=True, dir_okay=False), default=None)
 @click.option("--context", "kube_context", default=None, help="kubeconfig context.")
@@ -107,6 +121,7 @@ def gateway_command(
     port: int,
     models: tuple[str, ...],
     namespaces: tuple[str, ...],
+    bare_name_namespace: str | None,
     kubeconfig: str | None,
     kube_context: str | None,
     policy: str,
@@ -152,6 +167,7 @@ def gateway_command(
         max_body_bytes=max_body_bytes,
         max_attempts=max_attempts,
         adapter_poll_seconds=adapter_poll_seconds,
+        bare_name_namespace=_bare_name_namespace(bare_name_namespace, namespaces),
     )
     asyncio.run(_serve(gateway, host, port))
 
