@@ -317,7 +317,9 @@ def _renamed_for_replicas(config: ModelConfig, routed: RoutedRequest, body: byte
     """The body with `model` as the replicas know it (`team-prod/llama-8b` is `llama-8b` there)."""
     if routed.model == config.upstream_name:
         return body
-    return json.dumps({**routed.payload, "model": config.upstream_name}).encode()
+    # Compact and in UTF-8, so the body does not outgrow what the client sent by more than the name.
+    renamed = {**routed.payload, "model": config.upstream_name}
+    return json.dumps(renamed, ensure_ascii=False, separators=(",", ":")).encode()
 
 
 def _error_response(error: OpenAIError) -> web.Response:
