@@ -6,6 +6,9 @@ no API key, whereas /v1/models does on a replica started with one, and the gatew
 knows only the digests of the services' keys, to check each client's own). A replica that does not answer
 keeps the adapters last learnt from it until discovery removes it; one that answers without the series serves
 none.
+
+A page is read line by line within a deadline and up to a byte cap, and only the adapter series' lines are
+kept: whatever a replica answers, a poll holds at most that much.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ logger = logging.getLogger(__name__)
 DEFAULT_ADAPTER_POLL_SECONDS = 2.0
 # A replica's /metrics page is rendered at once; a slower answer is one from a replica in trouble.
 POLL_TIMEOUT_S = 2.0
+# A replica's page with every SLA tier in use is about 150 KB, and each adapter adds about 530 B.
+MAX_METRICS_BYTES = 4 * 1024 * 1024
 
 
 def adapter_names(metrics_text: str) -> frozenset[str]:
@@ -59,7 +64,22 @@ async def _adapters_of(session: aiohttp.ClientSession, url: str) -> frozenset[st
             if response.status != 200:
                 logger.info("%s/metrics answered %d; its adapters stay as last learnt", url, response.status)
                 return None
-            return adapter_names(await response.text())
+            return adapter_names(await _adapter_lines(response, url))
     except (aiohttp.ClientError, TimeoutError, ValueError) as error:
         logger.info("could not read the adapters of %s (%s); they stay as last learnt", url, error)
         return None
+
+
+async def _adapter_lines(response: aiohttp.ClientResponse, url: str) -> str:
+    """The adapter series' lines of a /metrics page, read as they arrive; ValueError past the byte cap (or a
+    line longer than the reader's buffer), when the connection is closed unread."""
+    kept: list[str] = []
+    read = 0
+    while line := await response.content.readline():
+        read += len(line)
+        if read > MAX_METRICS_BYTES:
+            response.close()
+            raise ValueError(f"{url}/metrics is larger than {MAX_METRICS_BYTES} bytes")
+        if line.startswith(LORA_ADAPTER_INFO.encode()):
+            kept.append(line.decode())  # the text format is UTF-8
+    return "".join(kept)

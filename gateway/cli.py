@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import ipaddress
 import logging
 import signal
 
@@ -17,10 +18,21 @@ from kvfleet.gateway.discovery import (
     StaticDiscovery,
 )
 from kvfleet.gateway.flow import DEFAULT_MAX_QUEUE
-from kvfleet.gateway.proxy import DEFAULT_MAX_ATTEMPTS, DEFAULT_MAX_BODY_BYTES, Gateway
+from kvfleet.gateway.http_protocol import DEFAULT_CLIENT_TIMEOUTS, ClientTimeouts
+from kvfleet.gateway.proxy import (
+    DEFAULT_MAX_ATTEMPTS,
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_BUFFERED_BODY_BYTES,
+    DEFAULT_UPSTREAM_TIMEOUTS,
+    Gateway,
+    Network,
+    UpstreamTimeouts,
+)
 from kvfleet.gateway.routing import DEFAULT_LOAD_BOUND, DEFAULT_POLICY, DEFAULT_PREFIX_CHARS, POLICY_NAMES
 
 logger = logging.getLogger(__name__)
+
+_SECONDS = click.FloatRange(min=0, min_open=True)
 
 
 def _static_models(options: tuple[str, ...], defaults: ModelConfig) -> dict[str, ModelConfig]:
@@ -36,6 +48,13 @@ def _static_models(options: tuple[str, ...], defaults: ModelConfig) -> dict[str,
             raise click.BadParameter(f"the model {name!r} is given twice", param_hint="--model")
         models[name] = dataclasses.replace(defaults, name=name, endpoints=endpoints)
     return models
+
+
+def _networks(value: str) -> tuple[Network, ...]:
+    try:
+        return tuple(ipaddress.ip_network(part.strip()) for part in value.split(",") if part.strip())
+    except ValueError as error:
+        raise click.BadParameter(str(error), param_hint="--forwarded-allow-ips") from None
 
 
 def _bare_name_namespace(option: str | None, namespaces: tuple[str, ...]) -> str | None:
@@ -108,7 +127,73 @@ def _bare_name_namespace(option: str | None, namespaces: tuple[str, ...]) -> str
 @click.option(
     "--max-body-bytes", type=click.IntRange(min=1024), default=DEFAULT_MAX_BODY_BYTES, show_default=True
 )
+@click.option(
+    "--max-buffered-body-bytes",
+    type=click.IntRange(min=1024),
+    default=DEFAULT_MAX_BUFFERED_BODY_BYTES,
+    show_default=True,
+    help="Bytes of request bodies held at once, all requests together; past them a request gets 429.",
+)
 @click.option("--max-attempts", type=click.IntRange(min=1), default=DEFAULT_MAX_ATTEMPTS, show_default=True)
+@click.option(
+    "--header-read-timeout",
+    type=_SECONDS,
+    default=DEFAULT_CLIENT_TIMEOUTS.header_read,
+    show_default=True,
+    help="Seconds a client has to send a request's headers (from connecting, or the previous response): "
+    "408 after, and an idle connection is closed.",
+)
+@click.option(
+    "--body-read-timeout",
+    type=_SECONDS,
+    default=DEFAULT_CLIENT_TIMEOUTS.body_read,
+    show_default=True,
+    help="Seconds a client has to send a request's whole body (408 after).",
+)
+@click.option(
+    "--send-timeout",
+    type=_SECONDS,
+    default=DEFAULT_CLIENT_TIMEOUTS.send,
+    show_default=True,
+    help="Seconds a response may wait for a client that has stopped reading; then the connection is dropped "
+    "and the replica's request aborted.",
+)
+@click.option(
+    "--upstream-connect-timeout",
+    type=_SECONDS,
+    default=DEFAULT_UPSTREAM_TIMEOUTS.connect,
+    show_default=True,
+    help="Seconds to connect to a replica; past them the request is tried on another.",
+)
+@click.option(
+    "--upstream-first-byte-timeout",
+    type=_SECONDS,
+    default=DEFAULT_UPSTREAM_TIMEOUTS.first_byte,
+    show_default=True,
+    help="Seconds a replica has to answer (a non-streamed completion answers when done); 504 after.",
+)
+@click.option(
+    "--upstream-idle-timeout",
+    type=_SECONDS,
+    default=DEFAULT_UPSTREAM_TIMEOUTS.idle,
+    show_default=True,
+    help="Seconds a replica's response may go without a byte; then it is cut off.",
+)
+@click.option(
+    "--upstream-timeout",
+    type=_SECONDS,
+    default=DEFAULT_UPSTREAM_TIMEOUTS.total,
+    show_default=True,
+    help="Seconds a replica's whole response may take; then it is cut off.",
+)
+@click.option(
+    "--forwarded-allow-ips",
+    "trusted_proxies",
+    default="",
+    metavar="IP[/BITS],...",
+    help="Proxies in front of the gateway whose X-Forwarded-For is kept (the peer is appended). Anyone "
+    "else's is replaced by the peer's address.",
+)
 @click.option(
     "--adapter-poll-seconds",
     type=click.FloatRange(min=0.1),
@@ -132,7 +217,16 @@ def gateway_command(
     scheduling_policy: str,
     max_queue: int,
     max_body_bytes: int,
+    max_buffered_body_bytes: int,
     max_attempts: int,
+    header_read_timeout: float,
+    body_read_timeout: float,
+    send_timeout: float,
+    upstream_connect_timeout: float,
+    upstream_first_byte_timeout: float,
+    upstream_idle_timeout: float,
+    upstream_timeout: float,
+    trusted_proxies: str,
     adapter_poll_seconds: float,
 ) -> None:
     """Run the kvfleet fleet gateway: one OpenAI endpoint for every model."""
@@ -167,6 +261,12 @@ def gateway_command(
         max_body_bytes=max_body_bytes,
         max_attempts=max_attempts,
         adapter_poll_seconds=adapter_poll_seconds,
+        max_buffered_body_bytes=max_buffered_body_bytes,
+        client_timeouts=ClientTimeouts(header_read_timeout, body_read_timeout, send_timeout),
+        upstream_timeouts=UpstreamTimeouts(
+            upstream_connect_timeout, upstream_first_byte_timeout, upstream_idle_timeout, upstream_timeout
+        ),
+        trusted_proxies=_networks(trusted_proxies),
         bare_name_namespace=_bare_name_namespace(bare_name_namespace, namespaces),
     )
     asyncio.run(_serve(gateway, host, port))

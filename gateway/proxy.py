@@ -6,6 +6,11 @@ as the replica writes it, so SSE arrives unbuffered. A connection error or a 503
 replica as long as nothing has been sent to the client; after that a failure ends the stream (with an error
 event when it is SSE). A client that disconnects cancels its handler (handler_cancellation), which closes
 the upstream connection, and the replica aborts the request.
+
+Nothing waits without a deadline. A client has the header, body and send timeouts of
+kvfleet.gateway.http_protocol; a body is read only from a client that presents a key of the fleet (unless a
+model needs none), up to its size limit and within a budget shared by every body held at once. A replica
+has deadlines to connect, to answer, to send each chunk of its body and to finish it (UpstreamTimeouts).
 """
 
 from __future__ import annotations
@@ -14,38 +19,49 @@ import asyncio
 import contextlib
 import hashlib
 import hmac
+import ipaddress
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import aiohttp
 from aiohttp import web
 from kvfleet.gateway.adapters import DEFAULT_ADAPTER_POLL_SECONDS, poll_adapters
 from kvfleet.gateway.discovery import Discovery, ModelConfig
 from kvfleet.gateway.flow import DEFAULT_MAX_QUEUE, Fleet, ModelPool
+from kvfleet.gateway.http_protocol import DEFAULT_CLIENT_TIMEOUTS, ClientTimeouts, TimedAppRunner
 from kvfleet.gateway.metrics import GatewayMetrics
 from kvfleet.gateway.requests import CHAT_PATH, COMPLETIONS_PATH, RoutedRequest, parse_request
 from kvfleet.runtime.server.openai_errors import (
     INVALID_API_KEY_MESSAGE,
     AuthenticationError,
+    GatewayTimeoutError,
     NotFoundError,
     OpenAIError,
+    OverloadedError,
     PayloadTooLargeError,
+    RequestTimeoutError,
     ServiceUnavailableError,
 )
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+if TYPE_CHECKING:
+    from multidict import CIMultiDictProxy  # aiohttp's header type
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
+# Every request body the gateway holds at once, together: 16 bodies of the largest size.
+DEFAULT_MAX_BUFFERED_BODY_BYTES = 16 * DEFAULT_MAX_BODY_BYTES
 DEFAULT_MAX_ATTEMPTS = 3
 # The request line and each header line at most, and how many headers; past them aiohttp answers 400/431.
 MAX_HEADER_BYTES = 16 * 1024
 MAX_HEADERS = 100
 # A body of known length up to this size is read whole and sent in one write; larger ones and SSE stream.
 WHOLE_BODY_BYTES = 256 * 1024
-CONNECT_TIMEOUT_S = 5.0
 # Headers that describe one hop, not the message (RFC 9110 section 7.6.1), and the ones aiohttp sets itself.
 _HOP_BY_HOP = frozenset(
     {
@@ -62,6 +78,44 @@ _HOP_BY_HOP = frozenset(
         "content-length",
     }
 )
+FORWARDED_FOR = "X-Forwarded-For"
+Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+
+@dataclass(frozen=True)
+class UpstreamTimeouts:
+    """Deadlines of a request to a replica, in seconds from when it is sent."""
+
+    connect: float = 5.0
+    # Until the response headers; a replica sends a non-streamed completion's headers when it is done.
+    first_byte: float = 600.0
+    # The longest silence between two chunks of the body (a stream's tokens, a body's bytes).
+    idle: float = 120.0
+    # The whole response, however it trickles.
+    total: float = 3600.0
+
+
+DEFAULT_UPSTREAM_TIMEOUTS = UpstreamTimeouts()
+
+
+class BodyBudget:
+    """The bytes of request bodies the gateway holds at once, across all requests: many uploads at once
+    cannot take more memory than this."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.held = 0
+
+    def take(self, size: int) -> None:
+        if self.held + size > self.max_bytes:
+            raise OverloadedError(
+                f"the gateway holds {self.max_bytes} bytes of request bodies at most, and they are in use",
+                code="bodies_over_budget",
+            )
+        self.held += size
+
+    def give_back(self, size: int) -> None:
+        self.held -= size
 
 
 class Gateway:
@@ -75,14 +129,23 @@ class Gateway:
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
         max_attempts: int = DEFAULT_MAX_ATTEMPTS,
         adapter_poll_seconds: float = DEFAULT_ADAPTER_POLL_SECONDS,
+        max_buffered_body_bytes: int = DEFAULT_MAX_BUFFERED_BODY_BYTES,
+        client_timeouts: ClientTimeouts = DEFAULT_CLIENT_TIMEOUTS,
+        upstream_timeouts: UpstreamTimeouts = DEFAULT_UPSTREAM_TIMEOUTS,
+        trusted_proxies: Sequence[Network] = (),
         bare_name_namespace: str | None = None,
     ) -> None:
+        """`trusted_proxies`: the peers whose X-Forwarded-For is kept (the peer's address is appended)."""
         self.discovery = discovery
         self.adapter_poll_seconds = adapter_poll_seconds
         self.metrics = GatewayMetrics()
         self.fleet = Fleet(max_queue, self.metrics, bare_name_namespace)
         self.max_attempts = max_attempts
         self.max_body_bytes = max_body_bytes
+        self.body_budget = BodyBudget(max_buffered_body_bytes)
+        self.client_timeouts = client_timeouts
+        self.upstream_timeouts = upstream_timeouts
+        self.trusted_proxies = tuple(trusted_proxies)
         self.session: aiohttp.ClientSession | None = None
         self.app = web.Application(client_max_size=max_body_bytes)
         self.app.router.add_post(CHAT_PATH, self.completion)
@@ -94,8 +157,9 @@ class Gateway:
 
     async def start(self, host: str, port: int) -> web.AppRunner:
         """Serves on host:port until the returned runner is cleaned up."""
-        runner = web.AppRunner(
+        runner = TimedAppRunner(
             self.app,
+            timeouts=self.client_timeouts,
             handler_cancellation=True,
             access_log=None,
             max_line_size=MAX_HEADER_BYTES,
@@ -112,7 +176,8 @@ class Gateway:
         self.session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0),
             auto_decompress=False,
-            timeout=aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT_S),
+            # The other deadlines are the gateway's own (_send, _body_chunks), which tell them apart.
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.upstream_timeouts.connect),
         )
         watchers = [
             asyncio.create_task(self.discovery.run(self.fleet.update), name="kvfleet-gateway-discovery"),
@@ -159,27 +224,59 @@ class Gateway:
         # Refused requests count under the model only once it is known to exist: no unbounded label values.
         model_label = ""
         try:
-            try:
-                body = await request.read()
-            except web.HTTPRequestEntityTooLarge:
-                raise PayloadTooLargeError(
-                    f"the request body is larger than the gateway's limit of {self.max_body_bytes} bytes",
-                    code="request_too_large",
-                ) from None
-            routed = parse_request(request.path, body, request.headers)
-            pool = self.fleet.resolve(routed.model)
-            if pool is None:
-                raise NotFoundError(
-                    f"the model {routed.model!r} does not exist", param="model", code="model_not_found"
-                )
-            model_label = pool.config.name
-            _authenticate(request.headers, pool.config)
-            response = await self._forward(request, body, routed, pool)
+            _authenticate_fleet(request.headers, (pool.config for pool in self.fleet.pools.values()))
+            async with self._body(request) as body:
+                routed = parse_request(request.path, body, request.headers)
+                pool = self.fleet.resolve(routed.model)
+                if pool is None:
+                    raise NotFoundError(
+                        f"the model {routed.model!r} does not exist", param="model", code="model_not_found"
+                    )
+                model_label = pool.config.name
+                _authenticate(request.headers, pool.config)
+                response = await self._forward(request, body, routed, pool)
         except OpenAIError as error:
             self.metrics.requests.labels(model_label, str(error.status_code)).inc()
             return _error_response(error)
         self.metrics.requests.labels(model_label, str(response.status)).inc()
         return response
+
+    @contextlib.asynccontextmanager
+    async def _body(self, request: web.Request) -> AsyncIterator[bytes]:
+        """The request's body, read within the body timeout and held within the body budget until the
+        request ends."""
+        declared = request.content_length
+        if declared is not None and declared > self.max_body_bytes:
+            raise self._too_large()
+        held = 0
+        chunks: list[bytes] = []
+        try:
+            try:
+                async with asyncio.timeout(self.client_timeouts.body_read):
+                    async for chunk in request.content.iter_any():
+                        self.body_budget.take(len(chunk))
+                        held += len(chunk)
+                        if held > self.max_body_bytes:
+                            raise self._too_large()
+                        chunks.append(chunk)
+            except TimeoutError:
+                raise RequestTimeoutError(
+                    f"the request body did not arrive within {self.client_timeouts.body_read:g} s",
+                    code="body_timeout",
+                    headers={"Connection": "close"},
+                ) from None
+            body = b"".join(chunks)
+            chunks.clear()
+            yield body
+        finally:
+            self.body_budget.give_back(held)
+
+    def _too_large(self) -> PayloadTooLargeError:
+        return PayloadTooLargeError(
+            f"the request body is larger than the gateway's limit of {self.max_body_bytes} bytes",
+            code="request_too_large",
+            headers={"Connection": "close"},
+        )
 
     async def _forward(
         self, request: web.Request, body: bytes, routed: RoutedRequest, pool: ModelPool
@@ -187,7 +284,9 @@ class Gateway:
         assert self.session is not None, "the session lives as long as the app"
         model, config = pool.config.name, pool.config
         priority = routed.priority if routed.priority is not None else config.default_priority
-        headers = _for_replicas_of(config, _forward_headers(request.headers))
+        headers = _for_replicas_of(
+            config, _forward_headers(request.headers, request.remote, self.trusted_proxies)
+        )
         body = _renamed_for_replicas(config, routed, body)
         arrived = time.monotonic()
         from_zero = not pool.replicas
@@ -198,9 +297,10 @@ class Gateway:
                 self.metrics.queue_wait.labels(model).observe(time.monotonic() - arrived)
             self.metrics.routing_decisions.labels(model, pool.config.policy, replica.url).inc()
             sent = time.monotonic()
+            deadline = asyncio.get_running_loop().time() + self.upstream_timeouts.total
             try:
-                upstream = await self.session.post(f"{replica.url}{request.path}", data=body, headers=headers)
-            except (aiohttp.ClientError, TimeoutError) as error:
+                upstream = await self._send(f"{replica.url}{request.path}", body, headers, deadline)
+            except aiohttp.ClientError as error:
                 pool.release(replica, priority)
                 tried.append(replica.url)
                 self.metrics.retries.labels(model, "connection_error").inc()
@@ -219,7 +319,8 @@ class Gateway:
                     continue
                 if from_zero:
                     self.metrics.activation.labels(model).observe(time.monotonic() - arrived)
-                return await _relay(request, upstream, model)
+                chunks = _body_chunks(upstream, self.upstream_timeouts.idle, deadline)
+                return await _relay(request, upstream, chunks, model)
             finally:
                 # A response read to its end leaves a connection to reuse; any other is closed, which is
                 # how a replica learns that its client left.
@@ -233,20 +334,62 @@ class Gateway:
             code="upstream_unavailable",
         )
 
+    async def _send(
+        self, url: str, body: bytes, headers: list[tuple[str, str]], deadline: float
+    ) -> aiohttp.ClientResponse:
+        """The replica's response headers. A replica that cannot be reached raises aiohttp.ClientError (its
+        connect timeout included), and the request may go to another; one that accepted the request but does
+        not answer within the first-byte timeout is a 504: it may still be working on it, so it is not sent
+        again elsewhere."""
+        assert self.session is not None, "the session lives as long as the app"
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout_at(min(loop.time() + self.upstream_timeouts.first_byte, deadline)):
+                return await self.session.post(url, data=body, headers=headers)
+        except TimeoutError as error:
+            if isinstance(error, aiohttp.ClientError):
+                raise
+            raise GatewayTimeoutError(
+                f"the replica did not answer within {self.upstream_timeouts.first_byte:g} s",
+                code="upstream_timeout",
+            ) from None
 
-async def _relay(request: web.Request, upstream: aiohttp.ClientResponse, model: str) -> web.StreamResponse:
-    """The replica's response, streamed to the client as it arrives; a small whole body (a non-streamed
-    completion, which a replica sends only once it is done) goes out in one piece."""
-    headers = [(name, value) for name, value in upstream.headers.items() if name.lower() not in _HOP_BY_HOP]
+
+async def _body_chunks(
+    upstream: aiohttp.ClientResponse, idle: float, deadline: float
+) -> AsyncIterator[bytes]:
+    """The replica's body as it arrives. TimeoutError once the replica has been silent for `idle` seconds, or
+    at `deadline` (loop time): one that trickles holds the request no longer than the whole-response
+    deadline."""
+    loop = asyncio.get_running_loop()
+    while True:
+        async with asyncio.timeout_at(min(loop.time() + idle, deadline)):
+            chunk = await upstream.content.readany()
+        if not chunk:
+            return
+        yield chunk
+
+
+async def _relay(
+    request: web.Request, upstream: aiohttp.ClientResponse, chunks: AsyncIterator[bytes], model: str
+) -> web.StreamResponse:
+    """The replica's response (its body as `chunks` yields it), streamed to the client as it arrives; a small
+    whole body (a non-streamed completion, which a replica sends only once it is done) goes out in one
+    piece."""
+    headers = _end_to_end(upstream.headers)
     event_stream = upstream.content_type == "text/event-stream"
     length = upstream.content_length
     if not event_stream and length is not None and length <= WHOLE_BODY_BYTES:
         try:
-            body = await upstream.read()
+            body = b"".join([chunk async for chunk in chunks])
         except aiohttp.ClientError as error:
             raise ServiceUnavailableError(
                 f"the replica serving model {model!r} failed mid-response: {error}",
                 code="upstream_failed",
+            ) from None
+        except TimeoutError:
+            raise GatewayTimeoutError(
+                f"the replica serving model {model!r} stopped sending its response", code="upstream_timeout"
             ) from None
         return web.Response(status=upstream.status, reason=upstream.reason, body=body, headers=headers)
     response = web.StreamResponse(status=upstream.status, reason=upstream.reason, headers=headers)
@@ -254,22 +397,28 @@ async def _relay(request: web.Request, upstream: aiohttp.ClientResponse, model: 
         response.content_length = length
     await response.prepare(request)
     try:
-        async for chunk in upstream.content.iter_any():
+        async for chunk in chunks:
             await response.write(chunk)
-    except aiohttp.ClientError as error:
-        logger.warning("%s: the replica failed mid-response: %s", model, error)
+    except (aiohttp.ClientError, TimeoutError) as error:
+        timed_out = not isinstance(error, aiohttp.ClientError)
+        logger.warning(
+            "%s: the replica broke off its response (%s)", model, "stalled" if timed_out else error
+        )
         if not event_stream:
             # A plain body cut short must not look complete: drop the connection instead of ending it.
             if request.transport is not None:
                 request.transport.close()
             return response
-        await response.write(
-            ServiceUnavailableError(
+        failure: OpenAIError = (
+            GatewayTimeoutError(
+                f"the replica serving model {model!r} stopped sending its stream", code="upstream_timeout"
+            )
+            if timed_out
+            else ServiceUnavailableError(
                 f"the replica serving model {model!r} failed mid-stream", code="upstream_failed"
             )
-            .to_sse()
-            .encode()
         )
+        await response.write(failure.to_sse().encode())
     await response.write_eof()
     return response
 
@@ -286,6 +435,26 @@ def _authenticate(headers: Mapping[str, str], config: ModelConfig) -> None:
             code="api_key_unavailable",
         )
     if not _presents(headers, key.sha256):
+        raise AuthenticationError(
+            INVALID_API_KEY_MESSAGE, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"}
+        )
+
+
+def _authenticate_fleet(headers: Mapping[str, str], configs: Iterable[ModelConfig]) -> None:
+    """Before the body is read (and so before the model it names is known): a client must present the key
+    of some service of the fleet, unless a model needs none. A client without one is refused at once, never
+    making the gateway hold its body; its model's own key is checked once the body names the model. While
+    some service's Secret cannot be read, any key may be its key: the check is left to that model's (503)."""
+    digests: set[bytes] = set()
+    for config in configs:
+        if config.client_key is None or config.client_key.sha256 is None:
+            return
+        digests.add(config.client_key.sha256)
+    if not digests:
+        return
+    scheme, _, token = headers.get("Authorization", "").partition(" ")
+    # A set lookup of a SHA-256 digest: its timing tells nothing about the key.
+    if scheme.lower() != "bearer" or hashlib.sha256(token.strip().encode()).digest() not in digests:
         raise AuthenticationError(
             INVALID_API_KEY_MESSAGE, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"}
         )
@@ -323,8 +492,44 @@ def _renamed_for_replicas(config: ModelConfig, routed: RoutedRequest, body: byte
 
 
 def _error_response(error: OpenAIError) -> web.Response:
-    return web.json_response(error.body(), status=error.status_code, headers=error.headers)
+    response = web.json_response(error.body(), status=error.status_code, headers=error.headers)
+    if error.headers.get("Connection") == "close":
+        response.force_close()
+    return response
 
 
-def _forward_headers(headers: Mapping[str, str]) -> list[tuple[str, str]]:
-    return [(name, value) for name, value in headers.items() if name.lower() not in _HOP_BY_HOP]
+def _end_to_end(headers: CIMultiDictProxy[str]) -> list[tuple[str, str]]:
+    """The headers that describe the message, not the hop: neither the hop-by-hop ones nor those that the
+    message's `Connection` header names (RFC 9110 section 7.6.1)."""
+    named = {
+        token.strip().lower() for value in headers.getall("Connection", ()) for token in value.split(",")
+    }
+    return [
+        (name, value)
+        for name, value in headers.items()
+        if name.lower() not in _HOP_BY_HOP and name.lower() not in named
+    ]
+
+
+def _forward_headers(
+    headers: CIMultiDictProxy[str], peer: str | None, trusted_proxies: Sequence[Network]
+) -> list[tuple[str, str]]:
+    """The client's end-to-end headers, with X-Forwarded-For set from the peer's address: a client's own
+    X-Forwarded-For is kept (and the peer appended) only when the peer is a trusted proxy."""
+    forwarded = [(name, value) for name, value in _end_to_end(headers) if name.lower() != "x-forwarded-for"]
+    chain = headers.getall(FORWARDED_FOR, []) if _is_trusted(peer, trusted_proxies) else []
+    if peer is not None:
+        chain.append(peer)
+    if chain:
+        forwarded.append((FORWARDED_FOR, ", ".join(chain)))
+    return forwarded
+
+
+def _is_trusted(peer: str | None, trusted_proxies: Sequence[Network]) -> bool:
+    if peer is None or not trusted_proxies:
+        return False
+    try:
+        address = ipaddress.ip_address(peer)
+    except ValueError:
+        return False
+    return any(address in network for network in trusted_proxies)

@@ -1,18 +1,21 @@
 """Builds the project's C++ CPU operations for this host, on first use.
 
 Each source registers its operations with torch (`torch.ops.<library>.*`). It is compiled with torch's C++
-extension loader (g++ and ninja) for this host's instruction set, about ten seconds the first time, into
-torch's extension cache (TORCH_EXTENSIONS_DIR, by default ~/.cache/torch_extensions), which later processes
-reuse. A host that cannot build it keeps the torch code the operations replace.
+extension loader (g++ and ninja) for the instruction-set level of the CPU it runs on (`cpu_features`), about
+ten seconds the first time, into torch's extension cache (TORCH_EXTENSIONS_DIR, by default
+~/.cache/torch_extensions), which later processes reuse. Each level has its own entry, so a cache shared by
+hosts of different CPUs, or made where an image was built, only ever loads a build the running CPU can
+execute. A host that cannot build it keeps the torch code the operations replace.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import shutil
 from pathlib import Path
+
+from kvfleet.runtime.kernels.cpu_features import cpu_target
 
 logger = logging.getLogger(__name__)
 
@@ -22,13 +25,13 @@ def build_cpu_ops(name: str, source: Path, what: str) -> bool:
     naming `what` the operations are, that they are not used."""
     from torch.utils import cpp_extension
 
+    target = cpu_target()
     try:
         _put_pip_ninja_on_path()
         cpp_extension.load(
-            # One build per instruction set: a cache shared by different hosts never runs another's code.
-            name=f"{name}_{_instruction_set_key()}",
+            name=f"{name}_{target.cache_tag}",
             sources=[str(source)],
-            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            extra_cflags=["-O3", f"-march={target.level}", "-fopenmp"],
             # libgomp resolves to the copy torch has loaded already: the operations run on torch's threads.
             extra_ldflags=["-fopenmp"],
             is_python_module=False,
@@ -47,13 +50,3 @@ def _put_pip_ninja_on_path() -> None:
     import ninja
 
     os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
-
-
-def _instruction_set_key() -> str:
-    """A short digest of the CPU's feature flags, which -march=native compiles for."""
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            flags = next((line for line in cpuinfo if line.startswith("flags")), "")
-    except OSError:
-        flags = ""
-    return hashlib.sha256(f"{os.uname().machine} {flags}".encode()).hexdigest()[:12]

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from kvfleet.runtime.kernels.cpu_features import onednn_packs
 from torch import nn
 
 logger = logging.getLogger(__name__)
@@ -65,7 +66,8 @@ def copy_checkpoint_tensor(target: torch.Tensor, tensor: torch.Tensor, hf_name: 
 
 
 def pack_linears_for_cpu(model: nn.Module) -> int:
-    """Pack every `Linear` of a CPU model for oneDNN when this torch build has it; returns how many."""
+    """Pack every `Linear` of a CPU model for oneDNN when this torch build and this CPU can run it for the
+    weights' dtype; returns how many."""
     if os.environ.get(ONEDNN_ENV_VAR, "1") == "0":
         logger.info("oneDNN projections are off (%s=0)", ONEDNN_ENV_VAR)
         return 0
@@ -73,7 +75,7 @@ def pack_linears_for_cpu(model: nn.Module) -> int:
         logger.info("oneDNN is not available in this torch build; projections use the default BLAS")
         return 0
     linears = [m for m in model.modules() if isinstance(m, Linear) and m.weight.device.type == "cpu"]
-    if any(m.weight.dtype not in (torch.float32, torch.bfloat16) for m in linears):
+    if not all(onednn_packs(dtype) for dtype in {m.weight.dtype for m in linears}):
         return 0
     for module in linears:
         module.pack_for_cpu()

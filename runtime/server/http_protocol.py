@@ -14,28 +14,16 @@ The body's limit is the app's (middleware.BodyReadTimeout), which can still answ
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from typing import ClassVar
 
-from kvfleet.runtime.server.errors import RequestTimeoutError
+from kvfleet.runtime.server.openai_errors import header_timeout_response
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 logger = logging.getLogger(__name__)
 
 
-def _timeout_response() -> bytes:
-    body = json.dumps(
-        RequestTimeoutError("the request headers did not arrive in time", code="header_timeout").body()
-    ).encode()
-    head = (
-        "HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\nconnection: close\r\n"
-        f"content-length: {len(body)}\r\n\r\n"
-    )
-    return head.encode() + body
-
-
-_HEADER_TIMEOUT_RESPONSE = _timeout_response()
+_HEADER_TIMEOUT_RESPONSE = header_timeout_response()
 
 
 class TimedH11Protocol(H11Protocol):

@@ -90,6 +90,19 @@ class RequestTimeoutError(OpenAIError):
     error_type = "timeout_error"
 
 
+def header_timeout_response() -> bytes:
+    """A whole HTTP/1.1 408 response, closing the connection, to write to the socket of a client whose
+    request headers did not arrive in time (before there is a request to answer)."""
+    body = json.dumps(
+        RequestTimeoutError("the request headers did not arrive in time", code="header_timeout").body()
+    ).encode()
+    head = (
+        "HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\nconnection: close\r\n"
+        f"content-length: {len(body)}\r\n\r\n"
+    )
+    return head.encode() + body
+
+
 class ConflictError(OpenAIError):
     """The object's state does not allow the operation (cancelling a finished batch, ...)."""
 
@@ -120,6 +133,13 @@ class ServiceUnavailableError(OpenAIError):
 
     def __init__(self, message: str, *, code: str = "unavailable") -> None:
         super().__init__(message, code=code, headers={"Retry-After": str(RETRY_AFTER_UNAVAILABLE_S)})
+
+
+class GatewayTimeoutError(OpenAIError):
+    """The fleet gateway's replica did not answer in time."""
+
+    status_code = 504
+    error_type = "timeout_error"
 
 
 class InternalServerError(OpenAIError):

@@ -473,6 +473,9 @@ def test_the_gateway_has_two_replicas_a_service_and_read_only_access(helm: Path)
     assert context.params["port"] == container["ports"][0]["containerPort"] == 8080
     assert (context.params["policy"], context.params["max_in_flight"]) == ("least-request", 32)
     assert context.params["namespaces"] == ()
+    deadlines = ("header_read_timeout", "body_read_timeout", "send_timeout", "upstream_first_byte_timeout")
+    assert [context.params[name] for name in deadlines] == [30, 60, 30, 600]
+    assert context.params["trusted_proxies"] == ""
     selector = deployment["spec"]["selector"]["matchLabels"]
     service = by_kind["Service"]
     assert service["spec"]["selector"] == selector

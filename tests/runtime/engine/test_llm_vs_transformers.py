@@ -1,4 +1,5 @@
-"""kvfleet's greedy outputs against Hugging Face Transformers on the same folder (float32, CPU).
+"""kvfleet's greedy outputs against Hugging Face Transformers on the same folder (float32, CPU; and bf16 and
+fp16 in the same dtype on both sides).
 
 The criterion is vLLM's own for model tests: tokens equal, or at the first difference each side's token is
 in the other's top-5 (two near-tied logits may legitimately swap under a different summation order), after
@@ -8,7 +9,10 @@ which the sequences are no longer comparable.
 from __future__ import annotations
 
 import json
+import os
 import random
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -16,6 +20,7 @@ from typing import Any
 import pytest
 import torch
 from kvfleet.runtime import LLM, SamplingParams
+from kvfleet.runtime.kernels import cpu_features
 from transformers import AutoModelForCausalLM
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3")
@@ -73,18 +78,24 @@ def arch_case(request: pytest.FixtureRequest, make_model: Callable[..., Path]):
 def _assert_close(outputs, reference) -> None:
     assert len(outputs) == len(reference)
     for i, (output, (ref_tokens, ref_tops)) in enumerate(zip(outputs, reference, strict=True)):
-        tokens = output.outputs[0].token_ids
         logprobs = output.outputs[0].logprobs
-        assert len(tokens) == MAX_TOKENS, f"prompt {i}: {len(tokens)} tokens"
-        for step, (ours, theirs) in enumerate(zip(tokens, ref_tokens, strict=True)):
-            if ours == theirs:
-                continue
-            our_top = set(sorted(logprobs[step], key=logprobs[step].get, reverse=True)[:TOP_N])
-            assert ours in ref_tops[step] and theirs in our_top, (
-                f"prompt {i} step {step}: kvfleet {ours} vs transformers {theirs}; "
-                f"top-5 kvfleet {our_top}, transformers {ref_tops[step]}"
-            )
-            break
+        our_tops = [set(sorted(step, key=step.get, reverse=True)[:TOP_N]) for step in logprobs]
+        _assert_sequence_close(f"prompt {i}", output.outputs[0].token_ids, our_tops, ref_tokens, ref_tops)
+
+
+def _assert_sequence_close(
+    name: str, tokens: list[int], our_tops: list[set[int]], ref_tokens: list[int], ref_tops: list[set[int]]
+) -> None:
+    """Equal tokens, or at the first difference each side's token in the other's top-5."""
+    assert len(tokens) == MAX_TOKENS, f"{name}: {len(tokens)} tokens"
+    for step, (ours, theirs) in enumerate(zip(tokens, ref_tokens, strict=True)):
+        if ours == theirs:
+            continue
+        assert ours in ref_tops[step] and theirs in our_tops[step], (
+            f"{name} step {step}: kvfleet {ours} vs transformers {theirs}; "
+            f"top-5 kvfleet {our_tops[step]}, transformers {ref_tops[step]}"
+        )
+        break
 
 
 ENGINE_VARIANTS = {
@@ -291,3 +302,45 @@ def test_long_prompt_in_kv_tiles_matches_transformers(case: str, make_model: Cal
     )
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=TOP_N)
     _assert_close(llm.generate([prompt], params), _reference(model_dir, [prompt]))
+
+
+HALF_PRECISION_CHECK = Path(__file__).with_name("support") / "half_precision_greedy.py"
+
+
+@pytest.mark.parametrize("capability", ["host", "avx2"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_matches_transformers_on_this_cpu_and_masked_to_avx2(
+    make_model: Callable[..., Path], capability: str, dtype: str
+) -> None:
+    # Both sides run in one process whose torch sees the CPU as ATEN_CPU_CAPABILITY says, so that `avx2`
+    # takes an AVX2-only CPU's paths on any machine: ATen's AVX2 kernels, and projections left unpacked,
+    # since oneDNN's packed half-precision kernels need AVX-512 (or AVX-NE-CONVERT).
+    env = {k: v for k, v in os.environ.items() if k != cpu_features.CAPABILITY_ENV_VAR}
+    if capability == "avx2":
+        env |= {cpu_features.CAPABILITY_ENV_VAR: "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+    model_dir = make_model("llama", "tiny")
+    prompts = _prompts(json.loads((model_dir / "config.json").read_text())["vocab_size"])[:4]
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-P",
+            str(HALF_PRECISION_CHECK),
+            str(model_dir),
+            dtype,
+            str(MAX_TOKENS),
+            json.dumps(prompts),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    packs_here = capability == "host" and cpu_features.onednn_packs(getattr(torch, dtype))
+    assert ("projections packed for oneDNN" in result.stderr) == packs_here
+    assert (f"{dtype} projections run unpacked" in result.stderr) == (not packs_here)
+    for i, case in enumerate(json.loads(result.stdout)):
+        tops, ref_tops = ([set(top) for top in case[key]] for key in ("tops", "reference_tops"))
+        _assert_sequence_close(
+            f"{dtype} prompt {i}", case["tokens"], tops, case["reference_tokens"], ref_tops
+        )

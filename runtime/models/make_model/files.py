@@ -1,0 +1,20 @@
+"""Writing a made model's files."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+
+def save_weights(path: Path, tensors: dict[str, Any], dtype_name: str) -> None:
+    import torch
+    from safetensors.torch import save_file
+
+    dtype = getattr(torch, dtype_name)
+    save_file({k: v.to(dtype).contiguous() for k, v in tensors.items()}, str(path), metadata={"format": "pt"})
+    path.chmod(0o644)
+
+
+def write_json(path: Path, data: dict[str, Any]) -> None:
+    path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
