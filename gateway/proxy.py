@@ -452,19 +452,23 @@ def _authenticate_fleet(headers: Mapping[str, str], configs: Iterable[ModelConfi
         digests.add(config.client_key.sha256)
     if not digests:
         return
-    scheme, _, token = headers.get("Authorization", "").partition(" ")
     # A set lookup of a SHA-256 digest: its timing tells nothing about the key.
-    if scheme.lower() != "bearer" or hashlib.sha256(token.strip().encode()).digest() not in digests:
+    if _presented_digest(headers) not in digests:
         raise AuthenticationError(
             INVALID_API_KEY_MESSAGE, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"}
         )
 
 
+def _presented_digest(headers: Mapping[str, str]) -> bytes | None:
+    """The SHA-256 digest of the request's bearer token; None without one."""
+    scheme, _, token = headers.get("Authorization", "").partition(" ")
+    return hashlib.sha256(token.strip().encode()).digest() if scheme.lower() == "bearer" else None
+
+
 def _presents(headers: Mapping[str, str], key_sha256: bytes) -> bool:
     """Whether the request carries the key as a bearer token."""
-    scheme, _, token = headers.get("Authorization", "").partition(" ")
-    presented = hashlib.sha256(token.strip().encode()).digest()
-    return scheme.lower() == "bearer" and hmac.compare_digest(presented, key_sha256)
+    presented = _presented_digest(headers)
+    return presented is not None and hmac.compare_digest(presented, key_sha256)
 
 
 def _may_use(headers: Mapping[str, str], config: ModelConfig) -> bool:
