@@ -42,6 +42,7 @@ from typing import Any
 
 import openai
 import yaml
+from kvfleet.operator.api import qualified_name
 from kvfleet.runtime.server.priorities import PRIORITY_HEADER
 
 from e2e.cluster import ClusterConfig, LocalCluster
@@ -176,8 +177,9 @@ def run_policy(
         120,
     )
     client = openai.OpenAI(base_url=gateway_url, api_key="unused", max_retries=0, timeout=300)
+    model = qualified_name(NAMESPACE, name)
     # The gateway learns the service's replicas through its watch: wait until it routes to the model.
-    wait_for("the gateway to know the model", lambda: name in {m.id for m in client.models.list().data}, 60)
+    wait_for("the gateway to know the model", lambda: model in {m.id for m in client.models.list().data}, 60)
     ttfts: list[float] = []
     failures: list[str] = []
     lock = threading.Lock()
@@ -185,7 +187,7 @@ def run_policy(
     def send(system: str, question: str) -> None:
         messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
         try:
-            ttft = stream_ttft(client, name, messages, max_tokens=4, extra_body={"ignore_eos": True})
+            ttft = stream_ttft(client, model, messages, max_tokens=4, extra_body={"ignore_eos": True})
             with lock:
                 ttfts.append(ttft)
         except openai.APIError as error:

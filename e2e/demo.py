@@ -24,6 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import yaml
+from kvfleet.operator.api import qualified_name
 
 from e2e.cluster import AttachedCluster, ensure_binaries
 from e2e.cluster.cluster import default_cache_dir
@@ -150,7 +151,7 @@ def scale_from_zero(cluster: AttachedCluster, model: Path, gateway: Endpoint) ->
     watch_replicas(cluster, ZERO_NAME, SETTLE_TIMEOUT_SECONDS, until=lambda replicas: replicas == (0, 0))
     print(f"    > a request for {ZERO_NAME} through the gateway, which holds it while a replica starts")
     sent = time.monotonic()
-    answer = chat(gateway, "Are you awake?", max_tokens=8, model=ZERO_NAME)
+    answer = chat(gateway, "Are you awake?", max_tokens=8, model=qualified_name(NAMESPACE, ZERO_NAME))
     print(f"      {answer.strip()!r} after {time.monotonic() - sent:.1f}s", flush=True)
     show(cluster.kubectl("get", "inferenceservice", ZERO_NAME, "-n", NAMESPACE))
 
@@ -191,7 +192,8 @@ def run_demo(directory: Path, keep: bool, nodes: int, gpus_per_node: int, images
         step(6, total, "chat completions through the fleet gateway with the openai SDK")
         gateway = gateways(cluster).refresh()[0]
         print(f"    openai.OpenAI(base_url={gateway.base_url!r})  # gateway pod {gateway.pod}", flush=True)
-        served_name = manifest["spec"]["model"]["servedName"]
+        # The gateway watches every namespace: a model is named with its service's.
+        served_name = qualified_name(NAMESPACE, manifest["spec"]["model"]["servedName"])
         for question in QUESTIONS:
             answer = chat(gateway, question, max_tokens=24, model=served_name)
             print(f"    > {question}\n      {answer.strip()!r}", flush=True)

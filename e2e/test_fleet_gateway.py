@@ -2,10 +2,11 @@
 gateway replicas route by model through the openai SDK; a service at zero is woken by a request that the
 gateway holds and then serves, and goes back to zero when idle; a runtime replica killed under load costs no
 non-streamed request (the gateway retries it on the other replica); a gateway replica killed leaves the other
-carrying the traffic."""
+carrying the traffic; two namespaces serving the same name take neither the other's traffic nor its key."""
 
 from __future__ import annotations
 
+import base64
 import os
 import signal
 import threading
@@ -19,11 +20,12 @@ import pytest
 import yaml
 
 from e2e.cluster import LocalCluster
+from e2e.conftest import fresh_namespace
 from e2e.fleet.chart import OperatorRelease
-from e2e.fleet.manifests import tiny_service
+from e2e.fleet.manifests import fake_gpu_service, tiny_service
 from e2e.fleet.observe import service_pods, wait_condition, wait_ready
 from e2e.fleet.traffic import ChatLoad, Endpoint, ReadyEndpoints
-from e2e.support.waits import wait_for
+from e2e.support.waits import condition, wait_for
 
 GATEWAY_PORT = 8080  # the chart's gateway.port
 GATEWAY_SELECTOR = "app.kubernetes.io/name=kvfleet,app.kubernetes.io/component=gateway"
@@ -63,11 +65,15 @@ def gateway(local_cluster: LocalCluster, kvfleet_release: OperatorRelease) -> It
         upgrade(False)
 
 
-def _metric(endpoint: Endpoint, name: str) -> float:
-    """The sum of a gateway metric's samples."""
+def _metric(endpoint: Endpoint, name: str, *labels: str) -> float:
+    """The sum of a gateway metric's samples (those with every label given, e.g. `model="ns/m"`)."""
     with urllib.request.urlopen(f"http://{endpoint.ip}:{endpoint.port}/metrics", timeout=5) as response:
         text = response.read().decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(name) and all(label in line for label in labels)
+    )
 
 
 def test_a_service_at_zero_is_woken_by_a_held_request_and_goes_back_to_zero(
@@ -98,7 +104,7 @@ def test_a_service_at_zero_is_woken_by_a_held_request_and_goes_back_to_zero(
     client = openai.OpenAI(base_url=endpoint.base_url, api_key="unused", max_retries=0, timeout=180)
     sent = time.monotonic()
     stream = client.chat.completions.create(
-        model="wake-model",
+        model=f"{namespace}/wake-model",
         messages=[{"role": "user", "content": "Wake up."}],
         max_tokens=8,
         stream=True,
@@ -168,10 +174,10 @@ def test_a_runtime_replica_killed_under_load_fails_no_request(
         lambda: len([p for p in service_pods(api, namespace, "pair") if p["status"].get("podIP")]) == 2,
         60,
     )
-    with ChatLoad(gateway, 3, 48, model="pair-model") as load:
+    with ChatLoad(gateway, 3, 48, model=f"{namespace}/pair-model") as load:
         wait_for("requests served", lambda: len(load.successes()) >= 6, 60)
         # Streams in flight on both replicas when one dies: each must end, with its answer or an error.
-        streams = Streams(gateway.current()[0], "pair-model", 4)
+        streams = Streams(gateway.current()[0], f"{namespace}/pair-model", 4)
         for _ in streams.threads:
             assert streams.started.acquire(timeout=60), "every stream had started"
         victim = service_pods(api, namespace, "pair")[0]["metadata"]["name"]
@@ -218,8 +224,9 @@ def test_a_gateway_replica_killed_leaves_the_other_carrying_the_traffic(
     assert pid is not None
     os.kill(pid, signal.SIGKILL)
     client = openai.OpenAI(base_url=survivor.base_url, api_key="unused", max_retries=0, timeout=60)
+    model = f"{namespace}/solo-model"
     for number in range(5):
-        completion = client.completions.create(model="solo-model", prompt=f"Request {number}", max_tokens=4)
+        completion = client.completions.create(model=model, prompt=f"Request {number}", max_tokens=4)
         assert completion.choices[0].text is not None
     # The killed one comes back (the pod's restart policy) and takes traffic again.
     # Ready again only counts once the restart is seen: until then the pod may still show its old Ready.
@@ -229,7 +236,69 @@ def test_a_gateway_replica_killed_leaves_the_other_carrying_the_traffic(
     with openai.OpenAI(base_url=restarted.base_url, api_key="unused", max_retries=0, timeout=60) as again:
         wait_for(
             "the restarted gateway to know the model",
-            lambda: "solo-model" in {m.id for m in again.models.list().data},
+            lambda: model in {m.id for m in again.models.list().data},
             30,
         )
-        assert again.completions.create(model="solo-model", prompt="back", max_tokens=4).choices
+        assert again.completions.create(model=model, prompt="back", max_tokens=4).choices
+
+
+def test_two_namespaces_serving_one_name_take_neither_the_others_traffic_nor_its_key(
+    local_cluster: LocalCluster, gateway: ReadyEndpoints, namespace: str, tiny_model_dir: Path
+) -> None:
+    api = local_cluster.api
+    keys: dict[str, str] = {}
+    with fresh_namespace(local_cluster, f"{namespace[:50]}-other") as other:
+        for team in (namespace, other):
+            keys[team] = f"key-of-{team}"
+            secret = {
+                "apiVersion": "v1",
+                "kind": "Secret",
+                "metadata": {"name": "llm-key"},
+                "data": {"KVFLEET_API_KEY": base64.b64encode(keys[team].encode()).decode()},
+            }
+            manifest = tiny_service("llm", tiny_model_dir, engine={"apiKeySecret": "llm-key"})
+            manifest["spec"]["model"]["servedName"] = "shared-model"
+            documents = yaml.safe_dump_all([secret, manifest])
+            local_cluster.kubectl("apply", "-n", team, "-f", "-", input=documents)
+        for team in (namespace, other):
+            wait_ready(api, team, "llm", timeout=180)
+        # A later service of the first namespace claiming the name is refused it, although it sorts first.
+        late = fake_gpu_service("late", scaling={"replicas": 0})
+        late["spec"]["model"]["servedName"] = "shared-model"
+        local_cluster.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(late))
+        refused = wait_condition(
+            api, namespace, "late", "NameConflict", "True", "ServedNameTaken", timeout=60
+        )
+        assert "belongs to 'llm'" in str(condition(refused, "NameConflict"))
+
+        endpoint = gateway.current()[0]
+        clients = {
+            team: openai.OpenAI(base_url=endpoint.base_url, api_key=keys[team], max_retries=0, timeout=60)
+            for team in (namespace, other)
+        }
+        mine, theirs = f"{namespace}/shared-model", f"{other}/shared-model"
+
+        def listed(team: str) -> set[str]:
+            return {m.id for m in clients[team].models.list().data}
+
+        wait_for(
+            "the gateway to list each namespace's model to its key only",
+            lambda: mine in listed(namespace) - listed(other) and theirs in listed(other) - listed(namespace),
+            60,
+        )
+        (pod,) = service_pods(api, namespace, "llm")
+        completion = clients[namespace].completions.create(model=mine, prompt="Hello", max_tokens=4)
+        assert completion.choices[0].text is not None
+        decisions = "kvfleet_gateway_routing_decisions_total"
+        its_replica = f'endpoint="http://{pod["status"]["podIP"]}:'
+        assert _metric(endpoint, decisions, f'model="{mine}"', its_replica) == 1
+        # The first namespace's key, sent for the other's model: refused before any of its replicas sees it.
+        with pytest.raises(openai.AuthenticationError):
+            clients[namespace].completions.create(model=theirs, prompt="Hello", max_tokens=4)
+        with pytest.raises(openai.NotFoundError):  # the gateway watches every namespace: no bare names
+            clients[namespace].completions.create(model="shared-model", prompt="Hello", max_tokens=4)
+        assert _metric(endpoint, decisions, f'model="{theirs}"') == 0, (
+            "nothing was sent to the other's replica"
+        )
+        assert clients[other].completions.create(model=theirs, prompt="Hello", max_tokens=4).choices
+        assert _metric(endpoint, decisions, f'model="{theirs}"') == 1

@@ -91,12 +91,13 @@ def test_the_gateway_follows_services_and_their_ready_pods(
         routing={"policy": "prefix-hash", "loadBoundPercent": 150},
     )
     api.create(services_path(namespace), alpha)
+    alpha_model, beta_model = f"{namespace}/alpha-model", f"{namespace}/beta"
     with discovering(local_cluster, namespace) as published:
         models = published.wait_for(
             "alpha-model with its 2 ready replicas",
-            lambda m: "alpha-model" in m and len(m["alpha-model"].endpoints) == 2,
+            lambda m: alpha_model in m and len(m[alpha_model].endpoints) == 2,
         )
-        model = models["alpha-model"]
+        model = models[alpha_model]
         ips = sorted(
             pod["status"]["podIP"] for pod in service_pods(api, namespace, "alpha") if is_pod_ready(pod)
         )
@@ -108,13 +109,13 @@ def test_the_gateway_follows_services_and_their_ready_pods(
             {"spec": {"scaling": {"replicas": 1}}},
             content_type=MERGE_PATCH,
         )
-        published.wait_for("one replica", lambda m: len(m["alpha-model"].endpoints) == 1)
+        published.wait_for("one replica", lambda m: len(m[alpha_model].endpoints) == 1)
         beta = fake_gpu_service("beta", model={"uri": "hf://acme/other"}, scaling={"replicas": 0})
         api.create(services_path(namespace), beta)
-        models = published.wait_for("beta at zero", lambda m: "beta" in m)
-        assert models["beta"].endpoints == () and models["beta"].policy == "least-request"
+        models = published.wait_for("beta at zero", lambda m: beta_model in m)
+        assert models[beta_model].endpoints == () and models[beta_model].policy == "least-request"
         api.delete(services_path(namespace, "alpha"))
-        published.wait_for("alpha gone", lambda m: "alpha-model" not in m and "beta" in m)
+        published.wait_for("alpha gone", lambda m: alpha_model not in m and beta_model in m)
 
 
 def is_pod_ready(pod: dict[str, object]) -> bool:

@@ -2,9 +2,10 @@
 
 A replica lists its adapters in two places: `/v1/models` (each with its `parent`) and the
 `kvfleet:lora_adapter_info` series of `/metrics`, one per adapter name. The gateway reads /metrics: it needs
-no API key, whereas /v1/models does on a replica started with one, and the gateway holds no keys (it passes
-each client's own Authorization header through and checks none). A replica that does not answer keeps the
-adapters last learnt from it until discovery removes it; one that answers without the series serves none.
+no API key, whereas /v1/models does on a replica started with one, and the gateway holds no key to send (it
+knows only the digests of the services' keys, to check each client's own). A replica that does not answer
+keeps the adapters last learnt from it until discovery removes it; one that answers without the series serves
+none.
 
 A page is read line by line within a deadline and up to a byte cap, and only the adapter series' lines are
 kept: whatever a replica answers, a poll holds at most that much.

@@ -57,6 +57,12 @@ def _networks(value: str) -> tuple[Network, ...]:
         raise click.BadParameter(str(error), param_hint="--forwarded-allow-ips") from None
 
 
+def _bare_name_namespace(option: str | None, namespaces: tuple[str, ...]) -> str | None:
+    if option is not None:
+        return option
+    return namespaces[0] if len(namespaces) == 1 else None
+
+
 @click.command("gateway")
 @click.option("--host", default="0.0.0.0", show_default=True)
 @click.option("--port", type=click.IntRange(1, 65535), default=8080, show_default=True)
@@ -74,6 +80,14 @@ def _networks(value: str) -> tuple[Network, ...]:
     "namespaces",
     multiple=True,
     help="Watch only this namespace (repeatable). Default: every namespace.",
+)
+@click.option(
+    "--bare-name-namespace",
+    default=None,
+    metavar="NAMESPACE",
+    help="The namespace whose InferenceServices clients may also name without it (`llama-8b` for "
+    "`NAMESPACE/llama-8b`). Default: the one --namespace, when exactly one is given; otherwise clients name "
+    "every service's model as NAMESPACE/NAME.",
 )
 @click.option("--kubeconfig", type=click.Path(exists=True, dir_okay=False), default=None)
 @click.option("--context", "kube_context", default=None, help="kubeconfig context.")
@@ -192,6 +206,7 @@ def gateway_command(
     port: int,
     models: tuple[str, ...],
     namespaces: tuple[str, ...],
+    bare_name_namespace: str | None,
     kubeconfig: str | None,
     kube_context: str | None,
     policy: str,
@@ -252,6 +267,7 @@ def gateway_command(
             upstream_connect_timeout, upstream_first_byte_timeout, upstream_idle_timeout, upstream_timeout
         ),
         trusted_proxies=_networks(trusted_proxies),
+        bare_name_namespace=_bare_name_namespace(bare_name_namespace, namespaces),
     )
     asyncio.run(_serve(gateway, host, port))
 

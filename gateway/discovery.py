@@ -32,6 +32,7 @@ class ClientKey:
 class ModelConfig:
     """One model as the gateway routes it."""
 
+    # What clients ask for: an InferenceService's model is `NAMESPACE/SERVED_NAME` (see Fleet.resolve).
     name: str
     # Base URLs of the ready replicas, e.g. http://10.0.0.7:8000; empty while the model is at zero.
     endpoints: tuple[str, ...]
@@ -51,6 +52,18 @@ class ModelConfig:
     adapter_of: str | None = None
     # The key clients must send, checked before a request is queued (so none can wake a model at zero).
     client_key: ClientKey | None = None
+    # Whether the client's Authorization header goes on to the replicas. An InferenceService's replicas get
+    # it only once the gateway checked it is their own key, and those without a key get none; replicas given
+    # with --model check their own key, unknown to the gateway.
+    forward_authorization: bool = True
+    # The namespace of the service it belongs to ("" for --model replicas): its adapters are routed under it.
+    namespace: str = ""
+    # The name its replicas serve it under, when it differs from `name`.
+    served_name: str = ""
+
+    @property
+    def upstream_name(self) -> str:
+        return self.served_name or self.name
 
 
 Publish = Callable[[Mapping[str, ModelConfig]], None]

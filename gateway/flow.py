@@ -22,6 +22,11 @@ one object shared by every model routed to it, so its in-flight cap counts the r
 place it frees is offered to the queue of each of those models. An adapter's requests go first to the
 replicas already running requests of it (the adapter is in their GPU slots: nothing has to be swapped in),
 as long as those stay within the load bound.
+
+Names: an InferenceService's model is routed as `NAMESPACE/SERVED_NAME` and its adapters as
+`NAMESPACE/ADAPTER` (kvfleet.operator.api.qualified_name), so a service in one namespace can take no name of
+another's. A bare name reaches the services of one namespace only, the one the platform names
+(`Fleet.resolve`).
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from dataclasses import dataclass, field
 from kvfleet.gateway.discovery import ModelConfig
 from kvfleet.gateway.metrics import GatewayMetrics
 from kvfleet.gateway.routing import Policy, Replica, bounded_load, make_policy
+from kvfleet.operator.api import qualified_name
 from kvfleet.runtime.server.openai_errors import (
     NotFoundError,
     OpenAIError,
@@ -292,9 +298,12 @@ class Fleet:
     """Every model's pool, kept in step with what discovery publishes and with the LoRA adapters each replica
     serves."""
 
-    def __init__(self, max_queue: int, metrics: GatewayMetrics) -> None:
+    def __init__(
+        self, max_queue: int, metrics: GatewayMetrics, bare_name_namespace: str | None = None
+    ) -> None:
         self.max_queue = max_queue
         self.metrics = metrics
+        self.bare_name_namespace = bare_name_namespace
         self.pools: dict[str, ModelPool] = {}
         # The base models, as discovery published them.
         self.models: dict[str, ModelConfig] = {}
@@ -312,14 +321,26 @@ class Fleet:
             self._adapters.update(adapters)
             self._apply()
 
+    def resolve(self, model: str) -> ModelPool | None:
+        """The pool of the model a request names. With a bare-name namespace, a name is first one of that
+        namespace's (`llama-8b` for `NAMESPACE/llama-8b`, also when a served name holds a slash itself); any
+        name is then looked up as given: `NAMESPACE/NAME`, or a --model name. Without one, bare names of
+        InferenceServices are not routed: nothing else decides between namespaces serving the same name."""
+        if self.bare_name_namespace is not None:
+            pool = self.pools.get(qualified_name(self.bare_name_namespace, model))
+            if pool is not None:
+                return pool
+        return self.pools.get(model)
+
     def replica_urls(self) -> list[str]:
         """Every replica of a base model."""
         return sorted({url for config in self.models.values() for url in config.endpoints})
 
     def routed_models(self) -> dict[str, ModelConfig]:
         """The base models and, under its own name, each adapter that some of a base model's replicas serve,
-        routed to those replicas with its base model's settings. A base model's name is never taken by an
-        adapter, and an adapter that the replicas of several base models serve goes with the first by name."""
+        routed to those replicas with its base model's settings, in its base model's namespace. A base model's
+        name is never taken by an adapter, and an adapter that the replicas of several base models of one
+        namespace serve goes with the first by name."""
         routed = dict(self.models)
         for base_name in sorted(self.models):
             base = self.models[base_name]
@@ -328,9 +349,10 @@ class Fleet:
                 for adapter in self._adapters.get(url, ()):
                     holders.setdefault(adapter, []).append(url)
             for adapter, urls in sorted(holders.items()):
-                if adapter not in routed:
-                    routed[adapter] = dataclasses.replace(
-                        base, name=adapter, endpoints=tuple(urls), adapter_of=base_name
+                name = qualified_name(base.namespace, adapter) if base.namespace else adapter
+                if name not in routed:
+                    routed[name] = dataclasses.replace(
+                        base, name=name, served_name=adapter, endpoints=tuple(urls), adapter_of=base_name
                     )
         return routed
 

@@ -32,6 +32,8 @@ from kvfleet.operator.api import (
     PLURAL,
     SERVICE_LABEL,
     VERSION,
+    claim_order,
+    qualified_name,
     serves_api,
 )
 from kvfleet.operator.spec import SpecError, parse_spec
@@ -55,10 +57,12 @@ def model_configs(
     defaults: ModelConfig,
     keys: Mapping[ObjectKey, ClientKey] | None = None,
 ) -> dict[str, ModelConfig]:
-    """The fleet as the gateway routes it: one entry per served model name, with its ready replicas.
+    """The fleet as the gateway routes it: one entry per service, under its qualified name
+    (`NAMESPACE/SERVED_NAME`), with its ready replicas.
 
-    `keys` holds the API keys read from the services' Secrets, by (namespace, Secret name). Two services
-    serving the same name: the first by namespace and name wins, the other is logged.
+    `keys` holds the API keys read from the services' Secrets, by (namespace, Secret name). Of the services of
+    one namespace serving the same name, the one that `claim_order` puts first owns it; the others are not
+    routed (their operator reports the conflict).
     """
     endpoints: dict[ObjectKey, list[str]] = {}
     for pod in pods:
@@ -70,8 +74,8 @@ def model_configs(
         if service is not None and url is not None and serves_api(labels):
             endpoints.setdefault((meta.get("namespace", ""), service), []).append(url)
     models: dict[str, ModelConfig] = {}
-    owners: dict[str, ObjectKey] = {}
-    for service in sorted(services, key=_key):
+    owners: dict[str, str] = {}
+    for service in sorted(services, key=lambda service: (_key(service)[0], claim_order(_meta(service)))):
         key = _key(service)
         namespace, name = key
         try:
@@ -80,20 +84,21 @@ def model_configs(
             logger.warning("%s/%s is not routed: %s", namespace, name, error.message)
             continue
         served = spec.model.served_name
-        if served in owners:
+        routed = qualified_name(namespace, served)
+        if routed in owners:
+            owner = owners[routed]
             logger.warning(
-                "%s/%s serves %r, which %s/%s already serves: not routed",
-                namespace,
-                name,
-                served,
-                *owners[served],
+                "%s/%s serves %r, which %s/%s owns: not routed", namespace, name, served, namespace, owner
             )
             continue
-        owners[served] = key
+        owners[routed] = name
         routing, scaling = spec.routing, spec.scaling
-        models[served] = dataclasses.replace(
+        secret = spec.engine.api_key_secret
+        models[routed] = dataclasses.replace(
             defaults,
-            name=served,
+            name=routed,
+            namespace=namespace,
+            served_name=served,
             endpoints=tuple(sorted(set(endpoints.get(key, ())))),
             policy=routing.policy or defaults.policy,
             prefix_chars=routing.prefix_characters or defaults.prefix_chars,
@@ -104,7 +109,9 @@ def model_configs(
             replicas_preempt=spec.scheduling_policy == "priority",
             hold_seconds=float(scaling.activation_timeout_seconds or defaults.hold_seconds),
             default_priority=TIERS[spec.sla.tier],
-            client_key=_client_key(namespace, spec.engine.api_key_secret, keys or {}),
+            client_key=_client_key(namespace, secret, keys or {}),
+            # Checked equal to the service's own key before it goes on; a service with none needs none.
+            forward_authorization=secret is not None,
         )
     return models
 
@@ -128,8 +135,12 @@ def key_secrets(services: Iterable[Mapping[str, Any]]) -> set[ObjectKey]:
 
 
 def _key(obj: Mapping[str, Any]) -> ObjectKey:
-    meta = obj.get("metadata") or {}
+    meta = _meta(obj)
     return meta.get("namespace", ""), meta.get("name", "")
+
+
+def _meta(obj: Mapping[str, Any]) -> Mapping[str, Any]:
+    return obj.get("metadata") or {}
 
 
 def _ready_url(pod: Mapping[str, Any]) -> str | None:

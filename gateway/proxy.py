@@ -20,6 +20,7 @@ import contextlib
 import hashlib
 import hmac
 import ipaddress
+import json
 import logging
 import time
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
@@ -132,12 +133,13 @@ class Gateway:
         client_timeouts: ClientTimeouts = DEFAULT_CLIENT_TIMEOUTS,
         upstream_timeouts: UpstreamTimeouts = DEFAULT_UPSTREAM_TIMEOUTS,
         trusted_proxies: Sequence[Network] = (),
+        bare_name_namespace: str | None = None,
     ) -> None:
         """`trusted_proxies`: the peers whose X-Forwarded-For is kept (the peer's address is appended)."""
         self.discovery = discovery
         self.adapter_poll_seconds = adapter_poll_seconds
         self.metrics = GatewayMetrics()
-        self.fleet = Fleet(max_queue, self.metrics)
+        self.fleet = Fleet(max_queue, self.metrics, bare_name_namespace)
         self.max_attempts = max_attempts
         self.max_body_bytes = max_body_bytes
         self.body_budget = BodyBudget(max_buffered_body_bytes)
@@ -203,7 +205,8 @@ class Gateway:
         return response
 
     async def models(self, request: web.Request) -> web.Response:
-        # An adapter's card names its base model as `parent`, as a replica's own /v1/models does.
+        """The models this request's key may use (see `_may_use`). An adapter's card names its base model as
+        `parent`, as a replica's own /v1/models does."""
         data = [
             {
                 "id": name,
@@ -213,6 +216,7 @@ class Gateway:
                 "parent": pool.config.adapter_of,
             }
             for name, pool in sorted(self.fleet.pools.items())
+            if _may_use(request.headers, pool.config)
         ]
         return web.json_response({"object": "list", "data": data})
 
@@ -223,12 +227,12 @@ class Gateway:
             _authenticate_fleet(request.headers, (pool.config for pool in self.fleet.pools.values()))
             async with self._body(request) as body:
                 routed = parse_request(request.path, body, request.headers)
-                pool = self.fleet.pools.get(routed.model)
+                pool = self.fleet.resolve(routed.model)
                 if pool is None:
                     raise NotFoundError(
                         f"the model {routed.model!r} does not exist", param="model", code="model_not_found"
                     )
-                model_label = routed.model
+                model_label = pool.config.name
                 _authenticate(request.headers, pool.config)
                 response = await self._forward(request, body, routed, pool)
         except OpenAIError as error:
@@ -278,9 +282,12 @@ class Gateway:
         self, request: web.Request, body: bytes, routed: RoutedRequest, pool: ModelPool
     ) -> web.StreamResponse:
         assert self.session is not None, "the session lives as long as the app"
-        model, config = routed.model, pool.config
+        model, config = pool.config.name, pool.config
         priority = routed.priority if routed.priority is not None else config.default_priority
-        headers = _forward_headers(request.headers, request.remote, self.trusted_proxies)
+        headers = _for_replicas_of(
+            config, _forward_headers(request.headers, request.remote, self.trusted_proxies)
+        )
+        body = _renamed_for_replicas(config, routed, body)
         arrived = time.monotonic()
         from_zero = not pool.replicas
         tried: list[str] = []
@@ -417,8 +424,8 @@ async def _relay(
 
 
 def _authenticate(headers: Mapping[str, str], config: ModelConfig) -> None:
-    """Checks the client's key against its model's service before the request is queued or wakes anything
-    (the replica checks it again: the gateway passes the header through)."""
+    """Checks the client's key against the service the request is routed to before the request is queued or
+    wakes anything (the replica checks it again)."""
     key = config.client_key
     if key is None:
         return
@@ -427,9 +434,7 @@ def _authenticate(headers: Mapping[str, str], config: ModelConfig) -> None:
             f"the gateway cannot read the API key of model {config.name!r} from its Secret",
             code="api_key_unavailable",
         )
-    scheme, _, token = headers.get("Authorization", "").partition(" ")
-    presented = hashlib.sha256(token.strip().encode()).digest()
-    if scheme.lower() != "bearer" or not hmac.compare_digest(presented, key.sha256):
+    if not _presents(headers, key.sha256):
         raise AuthenticationError(
             INVALID_API_KEY_MESSAGE, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"}
         )
@@ -447,12 +452,47 @@ def _authenticate_fleet(headers: Mapping[str, str], configs: Iterable[ModelConfi
         digests.add(config.client_key.sha256)
     if not digests:
         return
-    scheme, _, token = headers.get("Authorization", "").partition(" ")
     # A set lookup of a SHA-256 digest: its timing tells nothing about the key.
-    if scheme.lower() != "bearer" or hashlib.sha256(token.strip().encode()).digest() not in digests:
+    if _presented_digest(headers) not in digests:
         raise AuthenticationError(
             INVALID_API_KEY_MESSAGE, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"}
         )
+
+
+def _presented_digest(headers: Mapping[str, str]) -> bytes | None:
+    """The SHA-256 digest of the request's bearer token; None without one."""
+    scheme, _, token = headers.get("Authorization", "").partition(" ")
+    return hashlib.sha256(token.strip().encode()).digest() if scheme.lower() == "bearer" else None
+
+
+def _presents(headers: Mapping[str, str], key_sha256: bytes) -> bool:
+    """Whether the request carries the key as a bearer token."""
+    presented = _presented_digest(headers)
+    return presented is not None and hmac.compare_digest(presented, key_sha256)
+
+
+def _may_use(headers: Mapping[str, str], config: ModelConfig) -> bool:
+    """Whether a request with these headers may use the model, for /v1/models: a model needing no key, or
+    one whose key the request carries. A model whose key cannot be read is shown to no one."""
+    key = config.client_key
+    return key is None or (key.sha256 is not None and _presents(headers, key.sha256))
+
+
+def _for_replicas_of(config: ModelConfig, headers: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """The headers without the client's Authorization where the model's replicas are not to get it: a key
+    reaches only the service it was checked for (`_authenticate` ran before)."""
+    if config.forward_authorization:
+        return headers
+    return [(name, value) for name, value in headers if name.lower() != "authorization"]
+
+
+def _renamed_for_replicas(config: ModelConfig, routed: RoutedRequest, body: bytes) -> bytes:
+    """The body with `model` as the replicas know it (`team-prod/llama-8b` is `llama-8b` there)."""
+    if routed.model == config.upstream_name:
+        return body
+    # Compact and in UTF-8, so the body does not outgrow what the client sent by more than the name.
+    renamed = {**routed.payload, "model": config.upstream_name}
+    return json.dumps(renamed, ensure_ascii=False, separators=(",", ":")).encode()
 
 
 def _error_response(error: OpenAIError) -> web.Response:

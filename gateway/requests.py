@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvfleet.runtime.server.openai_errors import BadRequestError
@@ -30,6 +30,8 @@ class RoutedRequest:
     # The prompt as text, in order: the messages' roles and contents, or the completion prompt.
     prompt_text: str
     deadline_seconds: float | None
+    # The body as parsed, for the gateway to rename the model in.
+    payload: dict[str, Any] = field(compare=False, repr=False)
 
 
 def parse_request(path: str, body: bytes, headers: Mapping[str, str]) -> RoutedRequest:
@@ -53,6 +55,7 @@ def parse_request(path: str, body: bytes, headers: Mapping[str, str]) -> RoutedR
         stream=bool(stream),
         prompt_text=prompt_text,
         deadline_seconds=_deadline(headers),
+        payload=payload,
     )
 
 

@@ -1,8 +1,11 @@
-"""Names the operator and its manifests share: the API group, labels, the field manager, ports, env."""
+"""Names the operator and its manifests share: the API group, labels, the field manager, ports, env; and the
+rule that says which service owns a model name, which the operator and the gateway share.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 GROUP = "kvfleet.dev"
 VERSION = "v1alpha1"
@@ -65,3 +68,16 @@ def group_index(labels: Mapping[str, str]) -> int | None:
 def serves_api(labels: Mapping[str, str]) -> bool:
     """Whether the pod serves requests: a whole replica, or rank 0 of a group."""
     return node_rank(labels) in (None, 0)
+
+
+def qualified_name(namespace: str, name: str) -> str:
+    """The name a service's model (or one of its LoRA adapters) is routed and counted under in the fleet
+    gateway: `NAMESPACE/NAME`. A namespace owns the names under it, so no service elsewhere can take them."""
+    return f"{namespace}/{name}"
+
+
+def claim_order(metadata: Mapping[str, Any]) -> tuple[str, str]:
+    """Which of a namespace's services serving the same model name owns it: the one created first (RFC 3339
+    timestamps of one format order as text), then the first by name. A later claimant is never routed; the
+    operator says so in its NameConflict condition."""
+    return str(metadata.get("creationTimestamp") or ""), str(metadata.get("name", ""))

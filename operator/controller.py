@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from kvfleet.operator.adapters import AdapterStatus, AdapterSync, DesiredAdapter
-from kvfleet.operator.api import API_KEY_ENV, GROUP_LABEL, HTTP_PORT, SERVICE_LABEL
+from kvfleet.operator.api import API_KEY_ENV, GROUP_LABEL, HTTP_PORT, SERVICE_LABEL, qualified_name
 from kvfleet.operator.autoscaler import (
     AutoscalerState,
     FleetState,
@@ -36,7 +36,15 @@ from kvfleet.operator.safety import GUARD_UNAVAILABLE_REASON, GuardState, check_
 from kvfleet.operator.scrape import ScrapeFailure, ScrapeTarget
 from kvfleet.operator.secret_refs import check_labelled, secret_references, unreadable
 from kvfleet.operator.spec import InferenceServiceSpec, SpecError, group_name, parse_spec, rendezvous_name
-from kvfleet.operator.status import GroupStatus, Observation, build_status, transition_events
+from kvfleet.operator.status import (
+    NAME_CONFLICT_REASON,
+    Condition,
+    GroupStatus,
+    Observation,
+    build_status,
+    name_conflict_condition,
+    transition_events,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -78,8 +86,12 @@ class Scraper(Protocol):
 
 # (type, reason, message) -> posted as a Kubernetes Event on the InferenceService.
 EventSink = Callable[[str, str, str], None]
-# A served model name -> the requests the fleet gateway holds for it; None when no gateway answers.
+# A model's name in the fleet gateway (kvfleet.operator.api.qualified_name) -> the requests the gateway holds
+# for it; None when no gateway answers.
 GatewayQueue = Callable[[str], Awaitable[float | None]]
+# A served model name -> the InferenceService of the same namespace that owns it (claim_order); None when no
+# service is known to serve it.
+NameOwnerOf = Callable[[str], str | None]
 # The name of an InferenceService of the same namespace -> whether it can serve as a guard.
 GuardStateOf = Callable[[str], GuardState]
 
@@ -89,6 +101,10 @@ def _guard_unknown(service: str) -> GuardState:
 
 
 async def _no_gateway(model: str) -> float | None:
+    return None
+
+
+def _no_claimant_known(served_name: str) -> str | None:
     return None
 
 
@@ -107,6 +123,7 @@ class ServiceController:
     adapter_sync: AdapterSync
     gateway_queue: GatewayQueue = _no_gateway
     guard_state: GuardStateOf = _guard_unknown
+    name_owner: NameOwnerOf = _no_claimant_known
     clock: Callable[[], float] = time.monotonic
     wall_clock: Callable[[], datetime.datetime] = _utc_now
 
@@ -229,6 +246,7 @@ class ServiceController:
             adapters=adapters,
             guard=self._guard(spec),
             groups=self._group_statuses(spec, pods) if spec.grouped else None,
+            name_conflict=self._name_conflict(spec),
         )
         await self._write_status(observation, previous_status)
         if self._failures:
@@ -254,7 +272,8 @@ class ServiceController:
             if result is ScrapeFailure.PAGE_TOO_LARGE
         ]
         self._report_pages_too_large(too_large)
-        held = await self.gateway_queue(spec.model.served_name)
+        # Its own queue: the gateway counts each service's requests under its namespace-qualified name.
+        held = await self.gateway_queue(qualified_name(self.owner.namespace, spec.model.served_name))
         sample = aggregate(now, reports, len(targets), held or 0.0)
         if sample is None and not targets and scaling.min_replicas == 0 and held is not None:
             # No replica to ask (at zero, or the first one starting): the gateway's queue is the demand.
@@ -441,6 +460,17 @@ class ServiceController:
             )
         return service, state
 
+    def _name_conflict(self, spec: InferenceServiceSpec) -> Condition | None:
+        """The NameConflict condition while another service of the namespace owns the served name (the gateway
+        then routes this one nowhere), announced once."""
+        owner = self.name_owner(spec.model.served_name)
+        if owner is None or owner == self.owner.name:
+            self._resolve(NAME_CONFLICT_REASON)
+            return None
+        condition = name_conflict_condition(spec.model.served_name, owner)
+        self._warn(NAME_CONFLICT_REASON, condition.message)
+        return condition
+
     def _observation(
         self,
         generation: int,
@@ -451,6 +481,7 @@ class ServiceController:
         adapters: list[AdapterStatus] | None = None,
         guard: tuple[str, GuardState] | None = None,
         groups: list[GroupStatus] | None = None,
+        name_conflict: Condition | None = None,
     ) -> Observation:
         series = (self.owner.namespace, self.owner.name)
         if deployment is not None:
@@ -475,6 +506,7 @@ class ServiceController:
             adapters=adapters,
             guard=(guard[0], guard[1].value) if guard is not None else None,
             groups=groups,
+            name_conflict=name_conflict,
         )
 
     async def _write_status(self, observation: Observation, previous: Mapping[str, Any]) -> None:

@@ -27,6 +27,7 @@ from kvfleet.operator.api import (
     PLURAL,
     SERVICE_LABEL,
     VERSION,
+    claim_order,
 )
 from kvfleet.operator.context import OperatorContext
 from kvfleet.operator.controller import ServiceController
@@ -44,6 +45,7 @@ from kvfleet.operator.observed import (
 from kvfleet.operator.render import Owner
 from kvfleet.operator.safety import GuardState
 from kvfleet.operator.scrape import FleetScraper, GatewayQueues, ScrapeTarget
+from kvfleet.operator.spec import SpecError, parse_spec
 
 MANAGED = {LABEL_MANAGED_BY: MANAGED_BY, SERVICE_LABEL: kopf.PRESENT}
 # The chart's fleet gateway pods, whose queues the autoscaler reads.
@@ -122,6 +124,18 @@ async def kvfleet_gateways(name: str, body: kopf.Body, **_: Any) -> dict[Any, Sc
     return {GATEWAY_COMPONENT: ScrapeTarget(name, view.ip, ports[0]["containerPort"])}
 
 
+# Who claims which served name in each namespace, for the owner of each name (claim_order).
+@kopf.index(GROUP, VERSION, PLURAL)
+async def kvfleet_served_names(
+    namespace: str, name: str, body: kopf.Body, **_: Any
+) -> dict[Any, tuple[str, str]]:
+    try:
+        served = parse_spec(body.get("spec") or {}, name=name).model.served_name
+    except SpecError:
+        return {}  # not routed, so it claims nothing
+    return {(namespace, served): claim_order(body.get("metadata") or {})}
+
+
 @kopf.on.event("pods", labels=MANAGED)
 @kopf.on.event("apps", "v1", "deployments", labels=MANAGED)
 @kopf.on.event("apps", "v1", "statefulsets", labels=MANAGED)
@@ -149,6 +163,7 @@ async def fleet_loop(
     kvfleet_stateful_sets: kopf.Index[Any, StatefulSetView],
     kvfleet_leader_worker_sets: kopf.Index[Any, DeploymentView],
     kvfleet_gateways: kopf.Index[Any, ScrapeTarget],
+    kvfleet_served_names: kopf.Index[Any, tuple[str, str]],
     **_: Any,
 ) -> None:
     context = _context(memo)
@@ -188,6 +203,10 @@ async def fleet_loop(
         )
         return GuardState.READY if serving else GuardState.UNAVAILABLE
 
+    def name_owner(served_name: str) -> str | None:
+        claims = list(kvfleet_served_names.get((namespace, served_name), []))
+        return min(claims)[1] if claims else None
+
     controller = ServiceController(
         owner=Owner(name, namespace, uid),
         cluster=context.cluster,
@@ -198,6 +217,7 @@ async def fleet_loop(
         adapter_sync=AdapterSync(RuntimeAdapterClient(context.session)),
         gateway_queue=gateway_queue,
         guard_state=guard_state,
+        name_owner=name_owner,
     )
     wakeup = context.wakeup_for(key)
 

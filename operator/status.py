@@ -30,6 +30,7 @@ FAILURE_REASONS = frozenset(
     }
 )
 SCALED_TO_ZERO = "ScaledToZero"
+NAME_CONFLICT_REASON = "ServedNameTaken"
 # Failures first seen through Ready; scheduling failures are reported through Scheduled, and spec and
 # apply failures by the reconcile loop itself.
 _READY_WARNINGS = frozenset({"ProgressDeadlineExceeded", "ReplicaFailing", "PodCreationFailed"})
@@ -75,6 +76,8 @@ class Observation:
     guard: tuple[str, str] | None = None
     # Each replica group's ranks, for a model that spans nodes; None for one pod per replica.
     groups: Sequence[GroupStatus] | None = None
+    # While another service of the namespace owns the served name.
+    name_conflict: Condition | None = None
 
 
 def build_status(
@@ -91,6 +94,8 @@ def build_status(
         conditions.append(adapters_condition(observation.adapters))
     if observation.groups is not None:
         conditions.append(groups_condition(observation.groups))
+    if observation.name_conflict is not None:
+        conditions.append(observation.name_conflict)
     deployment = observation.deployment
     status: dict[str, Any] = {
         "observedGeneration": observation.generation,
@@ -264,6 +269,17 @@ def transition_events(
         ):
             events.append(("Warning", reason, condition["message"]))
     return events
+
+
+def name_conflict_condition(served_name: str, owner: str) -> Condition:
+    """Present only while the service is refused its served name (kvfleet.operator.api.claim_order)."""
+    return Condition(
+        "NameConflict",
+        "True",
+        NAME_CONFLICT_REASON,
+        f"the served name {served_name!r} belongs to {owner!r}, the service of this namespace that claimed "
+        "it first: the fleet gateway does not route this service (its own Service still serves it)",
+    )
 
 
 def merge_conditions(

@@ -2,7 +2,8 @@
 
 The replicas are small aiohttp servers that answer like `kvfleet serve` does (OpenAI JSON, SSE ending with
 [DONE], the LoRA adapters they serve on /metrics) and record what reached them; the gateway under test is the
-real one, fed by a discovery source the test publishes through.
+real one, fed by a discovery source the test publishes through. InferenceServices and pods are built as the
+API server returns them, for the Kubernetes discovery.
 """
 
 from __future__ import annotations
@@ -185,3 +186,52 @@ def queued(gateway: Gateway, model_name: str) -> float:
 def model(name: str, *replicas: FakeReplica | str, **settings: Any) -> ModelConfig:
     urls = tuple(replica if isinstance(replica, str) else replica.url for replica in replicas)
     return ModelConfig(name=name, endpoints=urls, **settings)
+
+
+def service(name: str, namespace: str = "default", created: str | None = None, **spec: Any) -> dict[str, Any]:
+    """An InferenceService; `created` is its creationTimestamp."""
+    metadata = {"name": name, "namespace": namespace}
+    if created is not None:
+        metadata["creationTimestamp"] = created
+    return {
+        "apiVersion": "kvfleet.dev/v1alpha1",
+        "kind": "InferenceService",
+        "metadata": metadata,
+        "spec": {"model": {"uri": "hf://org/model"}, **spec},
+    }
+
+
+def pod(
+    service_name: str,
+    ip: str | None,
+    *,
+    ready: bool = True,
+    terminating: bool = False,
+    port_name: str = "http",
+    namespace: str = "default",
+    port: int = 8000,
+) -> dict[str, Any]:
+    """A pod of the service's replicas."""
+    metadata: dict[str, Any] = {
+        "name": f"{service_name}-{ip}",
+        "namespace": namespace,
+        "labels": {"kvfleet.dev/inference-service": service_name},
+    }
+    if terminating:
+        metadata["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+    status: dict[str, Any] = {"conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}
+    if ip is not None:
+        status["podIP"] = ip
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": metadata,
+        "spec": {"containers": [{"name": "runtime", "ports": [{"name": port_name, "containerPort": port}]}]},
+        "status": status,
+    }
+
+
+def replica_pod(service_name: str, replica: FakeReplica, namespace: str) -> dict[str, Any]:
+    """A ready pod of the service whose address is the fake replica's."""
+    host, _, port = replica.url.removeprefix("http://").rpartition(":")
+    return pod(service_name, host, namespace=namespace, port=int(port))

@@ -6,6 +6,7 @@ the openai SDK."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -13,8 +14,19 @@ from typing import TYPE_CHECKING, Any
 import httpx
 import openai
 import pytest
-from gateway_harness import FakeReplica, model, queued, replicas, running_gateway, wait_until
+from gateway_harness import (
+    FakeReplica,
+    model,
+    queued,
+    replica_pod,
+    replicas,
+    running_gateway,
+    service,
+    wait_until,
+)
 from kvfleet.gateway.adapters import adapter_names
+from kvfleet.gateway.discovery import ClientKey, ModelConfig
+from kvfleet.gateway.kube import model_configs
 from kvfleet.gateway.proxy import Gateway
 from kvfleet.runtime.lora.make_adapter import make_adapter
 
@@ -73,6 +85,40 @@ def test_an_adapter_routes_only_to_the_replicas_that_serve_it() -> None:
             await wait_until(lambda: "sql" not in gateway.fleet.pools)
             with pytest.raises(openai.NotFoundError):
                 await sdk.chat.completions.create(model="sql", messages=CHAT)
+
+    asyncio.run(scenario())
+
+
+def test_an_adapter_name_of_one_namespace_is_not_taken_by_a_replica_of_another() -> None:
+    """aaa/x (first by namespace, no key) loads an adapter of the name team-prod's replicas serve: each
+    namespace's adapter goes to its own replicas, with its own service's key."""
+
+    async def scenario() -> None:
+        async with replicas(
+            FakeReplica("prod", adapters=["sql"]), FakeReplica("other", adapters=["sql"])
+        ) as (
+            prod,
+            other,
+        ):
+            services = [
+                service("llama", "team-prod", engine={"apiKeySecret": "key"}),
+                service("x", "aaa"),
+            ]
+            pods = [replica_pod("llama", prod, "team-prod"), replica_pod("x", other, "aaa")]
+            keys = {("team-prod", "key"): ClientKey(hashlib.sha256(b"prod-key").digest())}
+            models = model_configs(services, pods, ModelConfig(name="", endpoints=()), keys)
+            async with running_gateway(models, adapter_poll_seconds=POLL_S) as (gateway, _, url):
+                await wait_until(lambda: {"team-prod/sql", "aaa/sql"} <= set(gateway.fleet.pools))
+                tenant = client(url, api_key="prod-key")
+                for _ in range(3):
+                    reply = await tenant.chat.completions.create(model="team-prod/sql", messages=CHAT)
+                    assert reply.choices[0].message.content == "prod"
+                with pytest.raises(openai.NotFoundError):
+                    await tenant.chat.completions.create(model="sql", messages=CHAT)
+                reply = await tenant.chat.completions.create(model="aaa/sql", messages=CHAT)
+                assert reply.choices[0].message.content == "other"
+                assert [body["model"] for body in prod.received + other.received] == ["sql"] * 4
+                assert len(other.received) == 1 and "Authorization" not in other.headers[0]
 
     asyncio.run(scenario())
 

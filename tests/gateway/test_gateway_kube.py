@@ -5,47 +5,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from gateway_harness import pod, service
 from kvfleet.gateway.discovery import ClientKey, ModelConfig
 from kvfleet.gateway.kube import key_secrets, model_configs
 
 DEFAULTS = ModelConfig(name="", endpoints=(), policy="least-request", max_in_flight=16, hold_seconds=30)
-
-
-def service(name: str, namespace: str = "default", **spec: Any) -> dict[str, Any]:
-    return {
-        "apiVersion": "kvfleet.dev/v1alpha1",
-        "kind": "InferenceService",
-        "metadata": {"name": name, "namespace": namespace},
-        "spec": {"model": {"uri": "hf://org/model"}, **spec},
-    }
-
-
-def pod(
-    service_name: str,
-    ip: str | None,
-    *,
-    ready: bool = True,
-    terminating: bool = False,
-    port_name: str = "http",
-    namespace: str = "default",
-) -> dict[str, Any]:
-    metadata: dict[str, Any] = {
-        "name": f"{service_name}-{ip}",
-        "namespace": namespace,
-        "labels": {"kvfleet.dev/inference-service": service_name},
-    }
-    if terminating:
-        metadata["deletionTimestamp"] = "2026-01-01T00:00:00Z"
-    status: dict[str, Any] = {"conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}
-    if ip is not None:
-        status["podIP"] = ip
-    return {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": metadata,
-        "spec": {"containers": [{"name": "runtime", "ports": [{"name": port_name, "containerPort": 8000}]}]},
-        "status": status,
-    }
 
 
 def test_ready_endpoints_of_each_service_become_its_models_replicas() -> None:
@@ -70,12 +34,13 @@ def test_ready_endpoints_of_each_service_become_its_models_replicas() -> None:
         pod("unrelated", "10.0.0.9"),
     ]
     models = model_configs(services, pods, DEFAULTS)
-    assert set(models) == {"llama", "batchy"}
-    llama = models["llama"]
+    assert set(models) == {"default/llama", "default/batchy"}
+    llama = models["default/llama"]
+    assert (llama.name, llama.namespace, llama.upstream_name) == ("default/llama", "default", "llama")
     assert llama.endpoints == ("http://10.0.0.1:8000", "http://10.0.0.5:8000")
     assert (llama.policy, llama.max_in_flight, llama.default_priority) == ("least-request", 8, 2)
     assert llama.hold_seconds == DEFAULTS.hold_seconds
-    batchy = models["batchy"]
+    batchy = models["default/batchy"]
     assert batchy.endpoints == ("http://[fd00::5]:8000",)
     assert batchy.hold_seconds == 240, "a model at zero is held as long as its service allows"
     assert (batchy.policy, batchy.load_bound, batchy.max_in_flight, batchy.default_priority) == (
@@ -98,9 +63,9 @@ def test_replicas_preempt_when_their_tier_or_spec_gives_them_the_priority_policy
     ]
     models = model_configs(services, [], DEFAULTS)
     assert {name: config.replicas_preempt for name, config in models.items()} == {
-        "a": True,
-        "b": False,
-        "c": True,
+        "default/a": True,
+        "default/b": False,
+        "default/c": True,
     }
 
 
@@ -108,16 +73,46 @@ def test_a_service_without_endpoints_is_a_model_at_zero_and_invalid_or_duplicate
     None
 ):
     services = [
-        service("b", model={"uri": "hf://org/model", "servedName": "same"}),
-        service("a", model={"uri": "hf://org/model", "servedName": "same"}),
+        service("b", created="2026-01-01T00:00:00Z", model={"uri": "hf://org/model", "servedName": "same"}),
+        service("a", created="2026-01-02T00:00:00Z", model={"uri": "hf://org/model", "servedName": "same"}),
+        service("c", created="2026-01-01T00:00:00Z", model={"uri": "hf://org/model", "servedName": "same"}),
         service("broken", model={"uri": "ftp://nowhere"}),
         service("idle"),
     ]
-    pods = [pod("a", "10.0.0.1"), pod("b", "10.0.0.2")]
+    pods = [pod("a", "10.0.0.1"), pod("b", "10.0.0.2"), pod("c", "10.0.0.3")]
     models = model_configs(services, pods, DEFAULTS)
-    assert sorted(models) == ["idle", "same"]
-    assert models["same"].endpoints == ("http://10.0.0.1:8000",), "the first service by name wins"
-    assert models["idle"].endpoints == ()
+    assert sorted(models) == ["default/idle", "default/same"]
+    assert models["default/same"].endpoints == ("http://10.0.0.2:8000",), (
+        "the service created first owns the name, then the first by name: a newer one takes nothing"
+    )
+    assert models["default/idle"].endpoints == ()
+
+
+def test_services_of_two_namespaces_serving_one_name_each_keep_their_traffic_and_key() -> None:
+    """A service elsewhere that serves the same name (sorting first, created later) takes nothing."""
+    services = [
+        service("llama", namespace="team-prod", created="2026-01-01T00:00:00Z", **SAME_NAME_KEYED),
+        service("x", namespace="aaa", created="2026-02-01T00:00:00Z", **SAME_NAME_KEYED),
+        service("open", namespace="aaa", model={"uri": "hf://org/model", "servedName": "open-model"}),
+    ]
+    pods = [pod("llama", "10.0.1.1", namespace="team-prod"), pod("x", "10.0.2.1", namespace="aaa")]
+    keys = {
+        ("team-prod", "llama-key"): ClientKey(b"\x01" * 32),
+        ("aaa", "llama-key"): ClientKey(b"\x02" * 32),
+    }
+    models = model_configs(services, pods, DEFAULTS, keys)
+    prod, other = models["team-prod/llama-8b"], models["aaa/llama-8b"]
+    assert (prod.endpoints, prod.client_key) == (("http://10.0.1.1:8000",), keys[("team-prod", "llama-key")])
+    assert (other.endpoints, other.client_key) == (("http://10.0.2.1:8000",), keys[("aaa", "llama-key")])
+    assert prod.upstream_name == other.upstream_name == "llama-8b"
+    assert prod.forward_authorization, "its replicas check the key again"
+    assert not models["aaa/open-model"].forward_authorization, "a service without a key gets none"
+
+
+SAME_NAME_KEYED: dict[str, Any] = {
+    "model": {"uri": "hf://org/model", "servedName": "llama-8b"},
+    "engine": {"apiKeySecret": "llama-key"},
+}
 
 
 def test_services_with_an_api_key_carry_the_key_read_from_their_secret() -> None:
@@ -134,10 +129,14 @@ def test_services_with_an_api_key_carry_the_key_read_from_their_secret() -> None
     }
     digest = ClientKey(b"\x01" * 32)
     models = model_configs(services, [], DEFAULTS, {("default", "keyed-key"): digest})
-    assert models["open"].client_key is None
-    assert models["keyed"].client_key == digest
-    assert models["unread"].client_key == ClientKey(None), "a key not read refuses requests, never opens"
-    assert models["elsewhere"].client_key == ClientKey(None), "Secrets are read in the service's namespace"
+    assert models["default/open"].client_key is None
+    assert models["default/keyed"].client_key == digest
+    assert models["default/unread"].client_key == ClientKey(None), (
+        "a key not read refuses requests, never opens"
+    )
+    assert models["team/elsewhere"].client_key == ClientKey(None), (
+        "Secrets are read in the service's namespace"
+    )
 
 
 def test_only_rank_zero_of_a_group_is_routed_to() -> None:
@@ -155,5 +154,5 @@ def test_only_rank_zero_of_a_group_is_routed_to() -> None:
             "leaderworkerset.sigs.k8s.io/worker-index": str(index),
         }
     models = model_configs([service("big"), service("lws")], [*ranks, leader, worker], DEFAULTS)
-    assert models["big"].endpoints == ("http://10.0.3.1:8000",)
-    assert models["lws"].endpoints == ("http://10.0.4.1:8000",)
+    assert models["default/big"].endpoints == ("http://10.0.3.1:8000",)
+    assert models["default/lws"].endpoints == ("http://10.0.4.1:8000",)

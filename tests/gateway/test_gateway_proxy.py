@@ -11,8 +11,19 @@ from typing import Any
 import aiohttp
 import openai
 import pytest
-from gateway_harness import WAIT_S, FakeReplica, model, queued, replicas, running_gateway, wait_until
-from kvfleet.gateway.discovery import ClientKey
+from gateway_harness import (
+    WAIT_S,
+    FakeReplica,
+    model,
+    queued,
+    replica_pod,
+    replicas,
+    running_gateway,
+    service,
+    wait_until,
+)
+from kvfleet.gateway.discovery import ClientKey, ModelConfig
+from kvfleet.gateway.kube import model_configs
 
 CHAT = [{"role": "user", "content": "hello"}]
 
@@ -293,5 +304,89 @@ def test_a_service_key_is_checked_before_the_request_is_queued_or_wakes_anything
                     await client(url, api_key="tenant-key").completions.create(model="unreadable", prompt="x")
                 assert unavailable.value.status_code == 503
                 assert "cannot read the API key" in unavailable.value.message
+
+    asyncio.run(scenario())
+
+
+def digest(key: bytes) -> ClientKey:
+    return ClientKey(hashlib.sha256(key).digest())
+
+
+def llama_8b_in_two_namespaces(
+    *, prod: FakeReplica | None = None, other: FakeReplica | None = None
+) -> dict[str, ModelConfig]:
+    """As the Kubernetes discovery publishes them: team-prod/llama with its key, and aaa/x, created later
+    but first by namespace, with none, both serving `llama-8b`; team-b/llama with a key of its own."""
+    served = {"uri": "hf://org/model", "servedName": "llama-8b"}
+    services = [
+        service("llama", "team-prod", "2026-01-01T00:00:00Z", model=served, engine={"apiKeySecret": "key"}),
+        service("x", "aaa", "2026-02-01T00:00:00Z", model=served),
+        service("llama", "team-b", "2026-01-01T00:00:00Z", model=served, engine={"apiKeySecret": "key"}),
+    ]
+    pods = []
+    if prod is not None:
+        pods.append(replica_pod("llama", prod, "team-prod"))
+    if other is not None:
+        pods.append(replica_pod("x", other, "aaa"))
+    keys = {("team-prod", "key"): digest(b"prod-key"), ("team-b", "key"): digest(b"b-key")}
+    return model_configs(services, pods, ModelConfig(name="", endpoints=()), keys)
+
+
+def test_a_namespace_serving_the_same_name_takes_neither_the_traffic_nor_the_keys_of_another() -> None:
+    async def scenario() -> None:
+        async with replicas(FakeReplica("prod"), FakeReplica("other")) as (prod, other):
+            models = llama_8b_in_two_namespaces(prod=prod, other=other)
+            async with running_gateway(models) as (_, _, url):
+                tenant = client(url, api_key="prod-key")
+                # The attack: the bare name, which aaa/x serves too, with team-prod's key.
+                with pytest.raises(openai.NotFoundError):
+                    await tenant.chat.completions.create(model="llama-8b", messages=CHAT)
+                assert other.received == [], "without a bare-name namespace, no bare name is routed"
+                chat = await tenant.chat.completions.create(model="team-prod/llama-8b", messages=CHAT)
+                assert chat.choices[0].message.content == "prod"
+                assert prod.received[0]["model"] == "llama-8b", "the replica gets the name it serves"
+                assert prod.headers[0]["Authorization"] == "Bearer prod-key"
+                with pytest.raises(openai.AuthenticationError):
+                    await client(url, api_key="b-key").chat.completions.create(
+                        model="team-prod/llama-8b", messages=CHAT
+                    )
+                # aaa's service needs no key, and gets none: the caller's key is not meant for it.
+                text = await tenant.completions.create(model="aaa/llama-8b", prompt="hi")
+                assert text.choices[0].text == "other"
+                assert "Authorization" not in other.headers[0]
+                assert len(prod.received) == 1 and len(other.received) == 1
+
+    asyncio.run(scenario())
+
+
+def test_a_bare_name_reaches_the_bare_name_namespace_only() -> None:
+    async def scenario() -> None:
+        async with replicas(FakeReplica("prod"), FakeReplica("other")) as (prod, other):
+            models = llama_8b_in_two_namespaces(prod=prod, other=other)
+            async with running_gateway(models, bare_name_namespace="team-prod") as (_, _, url):
+                chat = await client(url, api_key="prod-key").chat.completions.create(
+                    model="llama-8b", messages=CHAT
+                )
+                assert chat.choices[0].message.content == "prod" and other.received == []
+                with pytest.raises(openai.NotFoundError):
+                    await client(url).completions.create(model="open-model", prompt="hi")
+                metrics = await page(url)
+        assert (
+            metric(metrics, "kvfleet_gateway_requests_total", model="team-prod/llama-8b", status="200") == 1
+        )
+
+    asyncio.run(scenario())
+
+
+def test_models_lists_only_what_the_callers_key_may_use() -> None:
+    async def scenario() -> None:
+        async with running_gateway(llama_8b_in_two_namespaces()) as (_, _, url):
+            for api_key, listed in (
+                ("prod-key", ["aaa/llama-8b", "team-prod/llama-8b"]),
+                ("b-key", ["aaa/llama-8b", "team-b/llama-8b"]),
+                ("unknown", ["aaa/llama-8b"]),
+            ):
+                models = await client(url, api_key=api_key).models.list()
+                assert [entry.id for entry in models.data] == listed, api_key
 
     asyncio.run(scenario())

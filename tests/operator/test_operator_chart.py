@@ -629,6 +629,14 @@ def test_the_gateway_watches_only_the_operators_namespaces_with_roles_there(helm
     args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
     params = gateway_command.make_context("gateway", list(args)).params
     assert params["namespaces"] == ("team-a", "team-b") and params["policy"] == "prefix-hash"
+    assert params["bare_name_namespace"] is None, "two namespaces: clients qualify every name"
+
+
+def test_the_gateway_takes_bare_names_of_the_namespace_given(helm: Path) -> None:
+    objects = gateway_objects(render(helm, *ENABLED, "--set", "gateway.bareNameNamespace=team-prod"))
+    (deployment,) = [d for d in objects if d["kind"] == "Deployment"]
+    args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert gateway_command.make_context("gateway", list(args)).params["bare_name_namespace"] == "team-prod"
 
 
 def test_the_gateway_reads_api_keys_only_in_the_namespaces_it_is_given(helm: Path) -> None:

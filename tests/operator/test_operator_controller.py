@@ -395,24 +395,41 @@ def test_requests_held_by_the_gateway_scale_a_fleet_at_zero_to_one() -> None:
     harness = Harness(
         service(scaling={"minReplicas": 0}, model={"uri": "file:///models/tiny", "servedName": "m"})
     )
-    held = {"m": 0.0}
+    # Another namespace's service of the same served name has requests held: they are not this one's.
+    held = {"ns/m": 0.0, "elsewhere/m": 5.0}
     asked: list[str] = []
 
     async def gateway_queue(model: str) -> float | None:
         asked.append(model)
-        return held[model]
+        return held.get(model, 0.0)
 
     harness.controller.gateway_queue = gateway_queue
     harness.run(deployment_at(0), [])
-    assert harness.deployments()[-1]["spec"]["replicas"] == 0 and asked == ["m"]
+    assert harness.deployments()[-1]["spec"]["replicas"] == 0 and asked == ["ns/m"]
     ready = next(c for c in harness.cluster.statuses[-1]["conditions"] if c["type"] == "Ready")
     assert (ready["status"], ready["reason"]) == ("True", "ScaledToZero")
-    held["m"] = 2.0
+    held["ns/m"] = 2.0
     harness.clock.now += 2
     harness.run(deployment_at(0), [])
     assert harness.deployments()[-1]["spec"]["replicas"] == 1
     assert any(reason == "ScaledUp" for reason in harness.reasons())
     assert harness.scraper.calls == [], "nothing to scrape at zero"
+
+
+def test_a_service_refused_its_served_name_says_so_until_it_owns_it() -> None:
+    harness = Harness(service(model={"uri": "file:///models/tiny", "servedName": "m"}))
+    owners = {"m": "older"}
+    harness.controller.name_owner = owners.get
+    harness.run()
+    conflict = _condition(harness, "NameConflict")
+    assert (conflict["status"], conflict["reason"]) == ("True", "ServedNameTaken")
+    assert "'m' belongs to 'older'" in conflict["message"]
+    harness.run()
+    assert harness.reasons().count("ServedNameTaken") == 1, "announced once"
+    owners["m"] = "svc"  # the older one was deleted
+    harness.clock.now += 60
+    harness.run()
+    assert "NameConflict" not in {c["type"] for c in harness.cluster.statuses[-1]["conditions"]}
 
 
 def test_a_new_service_that_may_scale_to_zero_starts_with_one_replica() -> None:
