@@ -32,24 +32,28 @@ GATEWAY_SELECTOR = "app.kubernetes.io/name=kvfleet,app.kubernetes.io/component=g
 GATEWAY_CONTAINER = "gateway"
 
 
+CHART = Path(__file__).parents[1] / "charts" / "kvfleet"
+
+
+def _upgrade(local_cluster: LocalCluster, release: OperatorRelease, *values: str) -> None:
+    """helm upgrade of the release with these `--set` values over the ones it has."""
+    local_cluster.helm(
+        "upgrade",
+        release.release,
+        str(CHART),
+        "--namespace",
+        release.namespace,
+        "--reuse-values",
+        *(f"--set={value}" for value in values),
+        "--wait",
+        "--timeout=180s",
+    )
+
+
 @pytest.fixture(scope="module")
 def gateway(local_cluster: LocalCluster, kvfleet_release: OperatorRelease) -> Iterator[ReadyEndpoints]:
     """The release's gateway turned on (two replicas) for this module, and off again after it."""
-
-    def upgrade(enabled: bool) -> None:
-        local_cluster.helm(
-            "upgrade",
-            kvfleet_release.release,
-            str(Path(__file__).parents[1] / "charts" / "kvfleet"),
-            "--namespace",
-            kvfleet_release.namespace,
-            "--reuse-values",
-            f"--set=gateway.enabled={str(enabled).lower()}",
-            "--wait",
-            "--timeout=180s",
-        )
-
-    upgrade(True)
+    _upgrade(local_cluster, kvfleet_release, "gateway.enabled=true")
     try:
         endpoints = ReadyEndpoints(
             local_cluster.api,
@@ -62,7 +66,7 @@ def gateway(local_cluster: LocalCluster, kvfleet_release: OperatorRelease) -> It
             wait_for("2 ready gateway replicas", lambda: len(endpoints.refresh()) == 2, 60)
             yield endpoints
     finally:
-        upgrade(False)
+        _upgrade(local_cluster, kvfleet_release, "gateway.enabled=false")
 
 
 def _metric(endpoint: Endpoint, name: str, *labels: str) -> float:
@@ -243,62 +247,73 @@ def test_a_gateway_replica_killed_leaves_the_other_carrying_the_traffic(
 
 
 def test_two_namespaces_serving_one_name_take_neither_the_others_traffic_nor_its_key(
-    local_cluster: LocalCluster, gateway: ReadyEndpoints, namespace: str, tiny_model_dir: Path
+    local_cluster: LocalCluster,
+    kvfleet_release: OperatorRelease,
+    gateway: ReadyEndpoints,
+    namespace: str,
+    tiny_model_dir: Path,
+) -> None:
+    with fresh_namespace(local_cluster, f"{namespace[:50]}-other") as other:
+        # Serving every namespace, the gateway reads API keys only where the platform lets it.
+        _upgrade(local_cluster, kvfleet_release, f"gateway.keyNamespaces={{{namespace},{other}}}")
+        try:
+            _serve_one_name_from_two_namespaces(local_cluster, gateway, namespace, other, tiny_model_dir)
+        finally:
+            _upgrade(local_cluster, kvfleet_release, "gateway.keyNamespaces=null")
+
+
+def _serve_one_name_from_two_namespaces(
+    local_cluster: LocalCluster, gateway: ReadyEndpoints, namespace: str, other: str, tiny_model_dir: Path
 ) -> None:
     api = local_cluster.api
     keys: dict[str, str] = {}
-    with fresh_namespace(local_cluster, f"{namespace[:50]}-other") as other:
-        for team in (namespace, other):
-            keys[team] = f"key-of-{team}"
-            secret = {
-                "apiVersion": "v1",
-                "kind": "Secret",
-                "metadata": {"name": "llm-key"},
-                "data": {"KVFLEET_API_KEY": base64.b64encode(keys[team].encode()).decode()},
-            }
-            manifest = tiny_service("llm", tiny_model_dir, engine={"apiKeySecret": "llm-key"})
-            manifest["spec"]["model"]["servedName"] = "shared-model"
-            documents = yaml.safe_dump_all([secret, manifest])
-            local_cluster.kubectl("apply", "-n", team, "-f", "-", input=documents)
-        for team in (namespace, other):
-            wait_ready(api, team, "llm", timeout=180)
-        # A later service of the first namespace claiming the name is refused it, although it sorts first.
-        late = fake_gpu_service("late", scaling={"replicas": 0})
-        late["spec"]["model"]["servedName"] = "shared-model"
-        local_cluster.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(late))
-        refused = wait_condition(
-            api, namespace, "late", "NameConflict", "True", "ServedNameTaken", timeout=60
-        )
-        assert "belongs to 'llm'" in str(condition(refused, "NameConflict"))
-
-        endpoint = gateway.current()[0]
-        clients = {
-            team: openai.OpenAI(base_url=endpoint.base_url, api_key=keys[team], max_retries=0, timeout=60)
-            for team in (namespace, other)
+    for team in (namespace, other):
+        keys[team] = f"key-of-{team}"
+        secret = {
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "metadata": {"name": "llm-key", "labels": {"kvfleet.dev/secret": "true"}},
+            "data": {"KVFLEET_API_KEY": base64.b64encode(keys[team].encode()).decode()},
         }
-        mine, theirs = f"{namespace}/shared-model", f"{other}/shared-model"
+        manifest = tiny_service("llm", tiny_model_dir, engine={"apiKeySecret": "llm-key"})
+        manifest["spec"]["model"]["servedName"] = "shared-model"
+        documents = yaml.safe_dump_all([secret, manifest])
+        local_cluster.kubectl("apply", "-n", team, "-f", "-", input=documents)
+    for team in (namespace, other):
+        wait_ready(api, team, "llm", timeout=180)
+    # A later service of the first namespace claiming the name is refused it, although it sorts first.
+    late = fake_gpu_service("late", scaling={"replicas": 0})
+    late["spec"]["model"]["servedName"] = "shared-model"
+    local_cluster.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(late))
+    refused = wait_condition(api, namespace, "late", "NameConflict", "True", "ServedNameTaken", timeout=60)
+    assert "belongs to 'llm'" in str(condition(refused, "NameConflict"))
 
-        def listed(team: str) -> set[str]:
-            return {m.id for m in clients[team].models.list().data}
+    endpoint = gateway.current()[0]
+    clients = {
+        team: openai.OpenAI(base_url=endpoint.base_url, api_key=keys[team], max_retries=0, timeout=60)
+        for team in (namespace, other)
+    }
+    mine, theirs = f"{namespace}/shared-model", f"{other}/shared-model"
 
-        wait_for(
-            "the gateway to list each namespace's model to its key only",
-            lambda: mine in listed(namespace) - listed(other) and theirs in listed(other) - listed(namespace),
-            60,
-        )
-        (pod,) = service_pods(api, namespace, "llm")
-        completion = clients[namespace].completions.create(model=mine, prompt="Hello", max_tokens=4)
-        assert completion.choices[0].text is not None
-        decisions = "kvfleet_gateway_routing_decisions_total"
-        its_replica = f'endpoint="http://{pod["status"]["podIP"]}:'
-        assert _metric(endpoint, decisions, f'model="{mine}"', its_replica) == 1
-        # The first namespace's key, sent for the other's model: refused before any of its replicas sees it.
-        with pytest.raises(openai.AuthenticationError):
-            clients[namespace].completions.create(model=theirs, prompt="Hello", max_tokens=4)
-        with pytest.raises(openai.NotFoundError):  # the gateway watches every namespace: no bare names
-            clients[namespace].completions.create(model="shared-model", prompt="Hello", max_tokens=4)
-        assert _metric(endpoint, decisions, f'model="{theirs}"') == 0, (
-            "nothing was sent to the other's replica"
-        )
-        assert clients[other].completions.create(model=theirs, prompt="Hello", max_tokens=4).choices
-        assert _metric(endpoint, decisions, f'model="{theirs}"') == 1
+    def listed(team: str) -> set[str]:
+        return {m.id for m in clients[team].models.list().data}
+
+    wait_for(
+        "the gateway to list each namespace's model to its key only",
+        lambda: mine in listed(namespace) - listed(other) and theirs in listed(other) - listed(namespace),
+        60,
+    )
+    (pod,) = service_pods(api, namespace, "llm")
+    completion = clients[namespace].completions.create(model=mine, prompt="Hello", max_tokens=4)
+    assert completion.choices[0].text is not None
+    decisions = "kvfleet_gateway_routing_decisions_total"
+    its_replica = f'endpoint="http://{pod["status"]["podIP"]}:'
+    assert _metric(endpoint, decisions, f'model="{mine}"', its_replica) == 1
+    # The first namespace's key, sent for the other's model: refused before any of its replicas sees it.
+    with pytest.raises(openai.AuthenticationError):
+        clients[namespace].completions.create(model=theirs, prompt="Hello", max_tokens=4)
+    with pytest.raises(openai.NotFoundError):  # the gateway watches every namespace: no bare names
+        clients[namespace].completions.create(model="shared-model", prompt="Hello", max_tokens=4)
+    assert _metric(endpoint, decisions, f'model="{theirs}"') == 0, "nothing was sent to the other's replica"
+    assert clients[other].completions.create(model=theirs, prompt="Hello", max_tokens=4).choices
+    assert _metric(endpoint, decisions, f'model="{theirs}"') == 1
