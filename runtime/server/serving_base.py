@@ -37,7 +37,7 @@ from kvfleet.runtime.server.protocol import (
     template_messages,
     usage,
 )
-from kvfleet.runtime.server.safety import RequestSafety
+from kvfleet.runtime.server.safety import CONTENT_FILTER, RequestSafety, sent_tokens
 from kvfleet.runtime.server.state import ServerState
 from kvfleet.runtime.server.streaming import SSE_DONE, merge_streams, prepend, sse_event, unless_disconnected
 from kvfleet.runtime.structured_outputs.grammars import GrammarError, check_constraint
@@ -168,7 +168,8 @@ class OpenAIServing:
         guardrails = self.state.guardrails
         if guardrails is None:
             return None
-        safety = RequestSafety(guardrails, guardrails.policy(tier_of(priority)))
+        default_tier = tier_of(self.state.settings.default_priority)
+        safety = RequestSafety(guardrails, guardrails.config.claimed_policy(tier_of(priority), default_tier))
         return safety if safety.checks_input or safety.checks_output else None
 
     async def sampling_params(
@@ -281,6 +282,10 @@ class OpenAIServing:
 
         return await self.state.engine.run_tokenizer(work)
 
+    async def prompt_text(self, token_ids: list[int]) -> str:
+        """A prompt's text as the model reads it, special tokens included, decoded off the event loop."""
+        return await self.state.engine.run_tokenizer(lambda tokenizer: tokenizer.decode(token_ids))
+
     def _refuse_beyond_context(self, tokenizer: Any, characters: int, param: str) -> None:
         """Refuse, without tokenizing it, a text longer than the whole context could hold even in the
         vocabulary's longest tokens (twice over, for normalizers that shorten text). Tokenizing millions of
@@ -390,12 +395,16 @@ class OpenAIServing:
         return choices
 
     async def _check_outputs(self, safety: RequestSafety, choices: list[Choice]) -> None:
-        """Whole answers checked at once: a blocked one becomes the refusal, finished by content_filter."""
+        """Whole answers checked at once: a blocked one becomes the refusal, finished by content_filter; what
+        is sent of their tokens follows their text."""
         checked = await asyncio.gather(*(safety.checked_text(choice.text) for choice in choices))
-        for choice, (text, finish_reason) in zip(choices, checked, strict=True):
+        for choice, (text, blocked) in zip(choices, checked, strict=True):
+            choice.token_ids, choice.logprobs = sent_tokens(
+                choice.token_ids, choice.logprobs, blocked=blocked, redacted=text != choice.text
+            )
             choice.text = text
-            if finish_reason is not None:
-                choice.finish_reason = finish_reason
+            if blocked:
+                choice.finish_reason = CONTENT_FILTER
 
     async def first_output(
         self, raw_request: Request, outputs: AsyncIterator[tuple[int, RequestOutput]]
