@@ -164,7 +164,8 @@ class OpenAIServing:
         return priority
 
     def request_safety(self, priority: int) -> RequestSafety | None:
-        """The guardrails of a request of this priority's tier; None when its policy checks nothing."""
+        """The guardrails of a request of this priority's tier (the default tier's, where that tier's policy
+        is looser); None when its policy checks nothing."""
         guardrails = self.state.guardrails
         if guardrails is None:
             return None
@@ -283,8 +284,14 @@ class OpenAIServing:
         return await self.state.engine.run_tokenizer(work)
 
     async def prompt_text(self, token_ids: list[int]) -> str:
-        """A prompt's text as the model reads it, special tokens included, decoded off the event loop."""
-        return await self.state.engine.run_tokenizer(lambda tokenizer: tokenizer.decode(token_ids))
+        """A prompt's text as the model reads it, decoded off the event loop. The special tokens left out are
+        the template's turn markers: special-token strings in the messages are text in the prompt, and
+        stay."""
+
+        def work(tokenizer: Any) -> str:
+            return tokenizer.decode(token_ids, skip_special_tokens=True)
+
+        return await self.state.engine.run_tokenizer(work)
 
     def _refuse_beyond_context(self, tokenizer: Any, characters: int, param: str) -> None:
         """Refuse, without tokenizing it, a text longer than the whole context could hold even in the
