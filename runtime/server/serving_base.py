@@ -11,7 +11,12 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvfleet.runtime.chat_prompt import chat_prompt_token_ids, longest_token_characters, text_fields
+from kvfleet.runtime.chat_prompt import (
+    chat_prompt_token_ids,
+    longest_token_characters,
+    prompt_text,
+    text_fields,
+)
 from kvfleet.runtime.engine.errors import EngineError, InvalidRequestError
 from kvfleet.runtime.engine.input_checks import check_prompt_token_ids, check_sampling_token_ids
 from kvfleet.runtime.engine.messages import EngineInfo
@@ -284,14 +289,8 @@ class OpenAIServing:
         return await self.state.engine.run_tokenizer(work)
 
     async def prompt_text(self, token_ids: list[int]) -> str:
-        """A prompt's text as the model reads it, decoded off the event loop. The special tokens left out are
-        the template's turn markers: special-token strings in the messages are text in the prompt, and
-        stay."""
-
-        def work(tokenizer: Any) -> str:
-            return tokenizer.decode(token_ids, skip_special_tokens=True)
-
-        return await self.state.engine.run_tokenizer(work)
+        """A prompt's text as the model reads it, decoded off the event loop."""
+        return await self.state.engine.run_tokenizer(lambda tokenizer: prompt_text(tokenizer, token_ids))
 
     def _refuse_beyond_context(self, tokenizer: Any, characters: int, param: str) -> None:
         """Refuse, without tokenizing it, a text longer than the whole context could hold even in the
