@@ -1,6 +1,8 @@
 """Guardrails through real servers: rules, a guard model (another server, and the same one) whose verdict is
 forced with logit_bias, a hook, the guard down; block, redact and flag; streamed windows on the wire; the
-openai SDK's moderations and content_filter errors."""
+openai SDK's moderations and content_filter errors. And what must not get past them: logprobs of blocked or
+redacted answers, text in tools and tool calls, looser tiers claimed by the client, remote checkers that
+answer a byte at a time or without end."""
 
 from __future__ import annotations
 
