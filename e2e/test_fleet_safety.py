@@ -2,7 +2,7 @@
 status shows the guard missing (with a GuardUnavailable event), then Ready once the guard serves; its
 replicas run the merged policy with the guard's in-cluster URL, which they reach through the cluster's DNS
 and Service proxy. Through the openai SDK: the rules block the blocklisted input, the guard blocks another
-with its category, and a tier whose policy leaves the guard out is answered.
+with its category in the tier whose policy adds it, and the default tier, whose policy leaves it out, answers.
 
 The guard model is the tiny random model, so its verdict is forced with logit_bias (spec.safety.guard
 extraBody), as tests/server/test_server_safety.py does: "unsafe" in S9 (Indiscriminate Weapons), reported as
@@ -39,10 +39,11 @@ def test_a_service_guarded_by_another_inference_service(
     unsafe_s9 = logit_bias_against(tiny_model_dir, "s12345678,")
     guard = {"service": "guard", "failOpen": True, "timeout": 30, "extraBody": {"logit_bias": unsafe_s9}}
     safety = {
-        "input": ["rules", "guard"],
+        "input": ["rules"],
         "rules": {"blocklist": ["forbidden phrase"]},
         "guard": guard,
-        "tiers": {"batch": {"input": ["rules"]}},
+        # A client may claim a tier whose policy is stricter than the default's.
+        "tiers": {"high": {"input": ["rules", "guard"]}},
     }
     api.create(services_path(namespace), tiny_service("guarded", tiny_model_dir, safety=safety))
 
@@ -89,7 +90,7 @@ def test_a_service_guarded_by_another_inference_service(
         return raised.value.body["categories"]  # type: ignore[index]
 
     # The guard's verdict, from the guard service's replica through its Service name.
-    assert refused("Say hello to the fleet.", "standard") == ["illicit/violent"]
+    assert refused("Say hello to the fleet.", "high") == ["illicit/violent"]
     metrics = httpx.get(f"http://{endpoint.ip}:{endpoint.port}/metrics", timeout=10).text
     finding = (
         'kvfleet:safety_findings_total{action="block",category="illicit/violent",checker="guard",'
@@ -98,12 +99,12 @@ def test_a_service_guarded_by_another_inference_service(
     assert finding in metrics.splitlines()
     assert "kvfleet:safety_checker_unavailable_total{" not in metrics, "the guard was unreachable"
 
-    # The batch tier's policy runs the rules only: they block the blocklisted input, and let others through.
-    assert refused("say the forbidden phrase", "batch") == ["blocklist"]
+    # The default tier's policy runs the rules only: they block the blocklisted input, and let others through.
+    assert refused("say the forbidden phrase", "standard") == ["blocklist"]
     answer = client.chat.completions.create(
         model="tiny",
         messages=[{"role": "user", "content": "Say hello to the fleet."}],
         max_tokens=8,
-        extra_headers={"x-kvfleet-priority": "batch"},
+        extra_headers={"x-kvfleet-priority": "standard"},
     )
     assert answer.choices[0].message.content

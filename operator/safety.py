@@ -127,6 +127,11 @@ def check_loosening(platform: SafetyPlatform, service: Mapping[str, Any] | None)
             problems.append(
                 f"spec.safety.{checker}.failOpen lets text through where the platform fails closed"
             )
+    if effective.get("allowLooserTiers") and not base.get("allowLooserTiers"):
+        # Only the platform lets clients pick a looser tier's policy.
+        problems.append(
+            "spec.safety.allowLooserTiers lets clients pick a looser policy than the platform does"
+        )
     logs = _flag(effective, "audit", "logContent") and not _flag(base, "audit", "logContent")
     if logs and "logContent" not in allowed:
         problems.append("spec.safety.audit.logContent would log text the platform keeps out of logs")

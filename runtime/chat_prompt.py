@@ -114,6 +114,19 @@ def _encode(encoder: Any, text: str) -> list[int]:
     return encoder.encode_batch([text], add_special_tokens=False)[0].ids
 
 
+def prompt_text(tokenizer: Any, token_ids: list[int]) -> str:
+    """The text a model reads in prompt token ids, each special token (a template's turn markers) read as a
+    line break: left out, they would run one turn's last word into the next turn's first."""
+    special = set(_special_tokens(tokenizer).ids.values())
+    runs: list[list[int]] = [[]]
+    for token_id in token_ids:
+        if token_id in special:
+            runs.append([])
+        else:
+            runs[-1].append(token_id)
+    return "\n".join(tokenizer.batch_decode([run for run in runs if run]))
+
+
 @functools.lru_cache(maxsize=8)
 def longest_token_characters(tokenizer: Any) -> int:
     """The most characters of text one token can stand for: its vocabulary's longest entry (byte-level

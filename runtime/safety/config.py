@@ -17,6 +17,9 @@ Action = Literal["block", "redact", "flag"]
 CheckerName = Literal["rules", "guard", "hook"]
 PiiDetector = Literal["email", "phone", "card", "iban", "api_key"]
 
+# From the most lenient to the strictest.
+LEVELS: tuple[Level, ...] = ("off", "low", "medium", "high")
+ACTIONS: tuple[Action, ...] = ("flag", "redact", "block")
 # The lowest score a finding needs to count at each level (None: nothing counts).
 LEVEL_THRESHOLDS: dict[str, float | None] = {"off": None, "low": 0.9, "medium": 0.5, "high": 0.2}
 GUARD_SELF = "self"
@@ -102,6 +105,16 @@ class Policy(_Config):
     def threshold(self) -> float | None:
         return LEVEL_THRESHOLDS[self.level]
 
+    def is_at_least_as_strict_as(self, other: Policy) -> bool:
+        """Whether this policy lets through nothing `other` would stop: a level and an action no weaker,
+        and every checker `other` runs on input and output."""
+        return (
+            LEVELS.index(self.level) >= LEVELS.index(other.level)
+            and ACTIONS.index(self.action) >= ACTIONS.index(other.action)
+            and set(self.input) >= set(other.input)
+            and set(self.output) >= set(other.output)
+        )
+
 
 class PolicyOverride(_Config):
     level: Level | None = None
@@ -118,6 +131,8 @@ class SafetyConfig(Policy):
     guard: GuardConfig | None = None
     hook: HookConfig | None = None
     audit: AuditConfig = AuditConfig()
+    # Whether a request may claim a tier whose policy is looser than its default tier's.
+    allow_looser_tiers: bool = False
 
     @model_validator(mode="after")
     def _consistent(self) -> SafetyConfig:
@@ -141,6 +156,16 @@ class SafetyConfig(Policy):
         if override is None:
             return base
         return base.model_copy(update=override.model_dump(exclude_none=True))
+
+    def claimed_policy(self, tier: str, default_tier: str) -> Policy:
+        """The policy of a request that claims `tier` (its `priority` field, the priority header, a Batch API
+        line) where requests that claim none get `default_tier`. A client picks its tier for scheduling, not
+        a weaker policy: a tier whose policy is looser in any way than the default tier's gives the default
+        tier's policy, unless the platform allows looser tiers."""
+        claimed, default = self.policy(tier), self.policy(default_tier)
+        if self.allow_looser_tiers or claimed.is_at_least_as_strict_as(default):
+            return claimed
+        return default
 
 
 def parse_safety_config(value: str) -> SafetyConfig:

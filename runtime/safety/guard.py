@@ -15,6 +15,7 @@ from typing import Any
 import httpx
 from kvfleet.runtime.safety.checker import CheckerUnavailableError, Direction, Finding
 from kvfleet.runtime.safety.config import GuardConfig
+from kvfleet.runtime.safety.remote import post_json
 
 # The hazard taxonomy Llama Guard 3 was trained on: code -> (what the guard is told, the category findings
 # are reported under: OpenAI's moderation name where one fits).
@@ -64,13 +65,15 @@ def guard_prompt(text: str, direction: Direction, prompt: str | None) -> str:
 
 
 def parse_verdict(answer: str) -> list[str]:
-    """The violated category codes of a guard's answer (empty: safe). Raises CheckerUnavailableError for
-    anything that is not exactly a verdict."""
-    if _VERDICT.fullmatch(answer) is None:
+    """The violated category codes of a guard's answer (empty: safe). Whitespace around the verdict is not
+    part of it (a guard served without the regex, or by another server, often ends its answer with a
+    newline); raises CheckerUnavailableError for anything else that is not exactly a verdict."""
+    verdict = answer.strip()
+    if _VERDICT.fullmatch(verdict) is None:
         raise CheckerUnavailableError(f"the guard's answer is not a verdict ({len(answer)} characters)")
-    if answer == "safe":
+    if verdict == "safe":
         return []
-    return list(dict.fromkeys(answer.split("\n", 1)[1].split(",")))
+    return list(dict.fromkeys(verdict.split("\n", 1)[1].split(",")))
 
 
 class GuardModelChecker:
@@ -98,24 +101,21 @@ class GuardModelChecker:
 
 
 def http_guard_completion(config: GuardConfig, client: httpx.AsyncClient) -> GuardCompletion:
-    """Asks an OpenAI-compatible server's /chat/completions; every failure is CheckerUnavailableError."""
+    """Asks an OpenAI-compatible server's /chat/completions, within the guard's timeout in all; every failure
+    is CheckerUnavailableError."""
     headers = {}
     if config.api_key_env is not None and os.environ.get(config.api_key_env):
         headers["Authorization"] = f"Bearer {os.environ[config.api_key_env]}"
     url = f"{config.endpoint}/chat/completions"
+    what = f"the guard at {config.endpoint}"
 
     async def complete(messages: list[dict[str, str]], body: dict[str, Any]) -> str:
+        answer = await post_json(
+            client, url, {**body, "messages": messages}, deadline=config.timeout, what=what, headers=headers
+        )
         try:
-            response = await client.post(
-                url, json={**body, "messages": messages}, headers=headers, timeout=config.timeout
-            )
-        except httpx.HTTPError as exc:
-            raise CheckerUnavailableError(f"the guard at {config.endpoint} did not answer: {exc!r}") from None
-        if response.status_code != 200:
-            raise CheckerUnavailableError(f"the guard at {config.endpoint} answered {response.status_code}")
-        try:
-            return response.json()["choices"][0]["message"]["content"]
-        except (ValueError, KeyError, IndexError, TypeError):
-            raise CheckerUnavailableError(f"the guard at {config.endpoint} sent no chat completion") from None
+            return answer["choices"][0]["message"]["content"]
+        except (KeyError, IndexError, TypeError):
+            raise CheckerUnavailableError(f"{what} sent no chat completion") from None
 
     return complete

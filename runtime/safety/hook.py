@@ -1,8 +1,10 @@
 """A hook: the platform's own HTTP endpoint judges the text.
 
 It receives `{"text", "direction": "input"|"output", "prompt"}` and answers `{"flagged": bool,
-"categories": {name: score in [0, 1]}}`; categories of score 0 are not findings. A hook that fails, answers
-late or answers something else is unavailable, and its `failOpen` setting decides.
+"categories": {name: score in [0, 1]}}`; categories of score 0 are not findings. A flagged text counts at any
+level: the categories it names (score above 0) at score 1, or one finding of category `hook` when it names
+none. A hook that fails, answers late or answers something else is unavailable, and its `failOpen` setting
+decides.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from typing import Any
 import httpx
 from kvfleet.runtime.safety.checker import CheckerUnavailableError, Direction, Finding
 from kvfleet.runtime.safety.config import HookConfig
+from kvfleet.runtime.safety.remote import post_json
 
 
 class HookChecker:
@@ -24,16 +27,9 @@ class HookChecker:
 
     async def check(self, text: str, direction: Direction, prompt: str | None) -> list[Finding]:
         body = {"text": text, "direction": direction.value, "prompt": prompt}
-        try:
-            response = await self._client.post(self._config.url, json=body, timeout=self._config.timeout)
-        except httpx.HTTPError as exc:
-            raise CheckerUnavailableError(f"the hook did not answer: {exc!r}") from None
-        if response.status_code != 200:
-            raise CheckerUnavailableError(f"the hook answered {response.status_code}")
-        try:
-            answer = response.json()
-        except ValueError:
-            raise CheckerUnavailableError("the hook's answer is not JSON") from None
+        answer = await post_json(
+            self._client, self._config.url, body, deadline=self._config.timeout, what="the hook"
+        )
         return _findings(self.name, answer)
 
 
@@ -46,6 +42,8 @@ def _findings(checker: str, answer: Any) -> list[Finding]:
         for score in categories.values()
     ):
         raise CheckerUnavailableError("the hook's 'categories' is not a map of scores in [0, 1]")
-    if answer["flagged"] and not categories:
-        return [Finding(checker, "hook", 1.0)]
-    return [Finding(checker, str(name), float(score)) for name, score in categories.items() if score > 0]
+    named = {str(name): float(score) for name, score in categories.items() if score > 0}
+    if answer["flagged"]:
+        # The hook's own verdict: what it flags counts at any level, whatever scores it gives.
+        return [Finding(checker, name, 1.0) for name in named] or [Finding(checker, "hook", 1.0)]
+    return [Finding(checker, name, score) for name, score in named.items()]

@@ -142,6 +142,18 @@ class RequestSafety:
             raise ContentFilterError(decision, self.policy.refusal)
         return decision
 
+    async def refuse_unredacted(self, rendered: str) -> None:
+        """Refuses a conversation whose rendered prompt, its messages redacted, still holds what the policy
+        redacts: only message text can be redacted, not what else the template puts in (tools, calls)."""
+        decision = await self.checked_input(rendered)
+        if decision.text != rendered:
+            raise BadRequestError(
+                "the conversation holds text the safety policy redacts outside the text of its messages "
+                f"(in tools or tool calls): {', '.join(decision.categories)}",
+                param="messages",
+                code=CONTENT_FILTER,
+            )
+
     @property
     def redacts_input(self) -> bool:
         return self.policy.action == "redact" and self.checks_input
@@ -241,13 +253,26 @@ class RequestSafety:
             for prompt_index, completions in ended.items()
         ]
 
-    async def checked_text(self, text: str) -> tuple[str, str | None]:
-        """A whole (non-streamed) output: the text to answer with, and the finish reason that replaces the
-        model's (None: keep it)."""
+    async def checked_text(self, text: str) -> tuple[str, bool]:
+        """A whole (non-streamed) output: the text to answer with, and whether the output was blocked (the
+        text is then the refusal)."""
         decision = await self.guardrails.check(self.policy, text, Direction.OUTPUT, self.prompt)
         if decision.blocked:
-            return self.policy.refusal, CONTENT_FILTER
-        return decision.text, None
+            return self.policy.refusal, True
+        return decision.text, False
+
+
+def sent_tokens(
+    token_ids: list[int], logprobs: list[dict[int, float]] | None, *, blocked: bool, redacted: bool
+) -> tuple[list[int], list[dict[int, float]] | None]:
+    """What of an output's tokens goes to the client with its checked text. Logprobs spell out their tokens,
+    so they go only with the text as the model wrote it: a redacted text is sent without them (its tokens
+    still count in the usage), and a blocked one, never sent, has no tokens at all."""
+    if blocked:
+        return [], None
+    if redacted:
+        return token_ids, None
+    return token_ids, logprobs
 
 
 @dataclass
@@ -272,16 +297,23 @@ class _Window:
     def release(self, checked_text: str) -> CompletionOutput:
         """The held deltas as one, with the checked (maybe redacted) text of them."""
         held, self.held = self.held, []
-        self.sent_text += "".join(completion.text for completion in held)
+        held_text = "".join(completion.text for completion in held)
+        self.sent_text += held_text
         last = held[-1]
         self.finished = last.finish_reason is not None
         logprobs = (
             [entry for c in held for entry in c.logprobs or ()] if any(c.logprobs for c in held) else None
         )
+        token_ids, logprobs = sent_tokens(
+            [token for c in held for token in c.token_ids],
+            logprobs,
+            blocked=False,
+            redacted=checked_text != held_text,
+        )
         return CompletionOutput(
             last.index,
             checked_text,
-            [token for c in held for token in c.token_ids],
+            token_ids,
             last.cumulative_logprob,
             logprobs,
             last.finish_reason,

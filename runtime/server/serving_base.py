@@ -11,7 +11,12 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvfleet.runtime.chat_prompt import chat_prompt_token_ids, longest_token_characters, text_fields
+from kvfleet.runtime.chat_prompt import (
+    chat_prompt_token_ids,
+    longest_token_characters,
+    prompt_text,
+    text_fields,
+)
 from kvfleet.runtime.engine.errors import EngineError, InvalidRequestError
 from kvfleet.runtime.engine.input_checks import check_prompt_token_ids, check_sampling_token_ids
 from kvfleet.runtime.engine.messages import EngineInfo
@@ -37,7 +42,7 @@ from kvfleet.runtime.server.protocol import (
     template_messages,
     usage,
 )
-from kvfleet.runtime.server.safety import RequestSafety
+from kvfleet.runtime.server.safety import CONTENT_FILTER, RequestSafety, sent_tokens
 from kvfleet.runtime.server.state import ServerState
 from kvfleet.runtime.server.streaming import SSE_DONE, merge_streams, prepend, sse_event, unless_disconnected
 from kvfleet.runtime.structured_outputs.grammars import GrammarError, check_constraint
@@ -164,11 +169,13 @@ class OpenAIServing:
         return priority
 
     def request_safety(self, priority: int) -> RequestSafety | None:
-        """The guardrails of a request of this priority's tier; None when its policy checks nothing."""
+        """The guardrails of a request of this priority's tier (the default tier's, where that tier's policy
+        is looser); None when its policy checks nothing."""
         guardrails = self.state.guardrails
         if guardrails is None:
             return None
-        safety = RequestSafety(guardrails, guardrails.policy(tier_of(priority)))
+        default_tier = tier_of(self.state.settings.default_priority)
+        safety = RequestSafety(guardrails, guardrails.config.claimed_policy(tier_of(priority), default_tier))
         return safety if safety.checks_input or safety.checks_output else None
 
     async def sampling_params(
@@ -281,6 +288,10 @@ class OpenAIServing:
 
         return await self.state.engine.run_tokenizer(work)
 
+    async def prompt_text(self, token_ids: list[int]) -> str:
+        """A prompt's text as the model reads it, decoded off the event loop."""
+        return await self.state.engine.run_tokenizer(lambda tokenizer: prompt_text(tokenizer, token_ids))
+
     def _refuse_beyond_context(self, tokenizer: Any, characters: int, param: str) -> None:
         """Refuse, without tokenizing it, a text longer than the whole context could hold even in the
         vocabulary's longest tokens (twice over, for normalizers that shorten text). Tokenizing millions of
@@ -390,12 +401,16 @@ class OpenAIServing:
         return choices
 
     async def _check_outputs(self, safety: RequestSafety, choices: list[Choice]) -> None:
-        """Whole answers checked at once: a blocked one becomes the refusal, finished by content_filter."""
+        """Whole answers checked at once: a blocked one becomes the refusal, finished by content_filter; what
+        is sent of their tokens follows their text."""
         checked = await asyncio.gather(*(safety.checked_text(choice.text) for choice in choices))
-        for choice, (text, finish_reason) in zip(choices, checked, strict=True):
+        for choice, (text, blocked) in zip(choices, checked, strict=True):
+            choice.token_ids, choice.logprobs = sent_tokens(
+                choice.token_ids, choice.logprobs, blocked=blocked, redacted=text != choice.text
+            )
             choice.text = text
-            if finish_reason is not None:
-                choice.finish_reason = finish_reason
+            if blocked:
+                choice.finish_reason = CONTENT_FILTER
 
     async def first_output(
         self, raw_request: Request, outputs: AsyncIterator[tuple[int, RequestOutput]]

@@ -46,12 +46,17 @@ class OpenAIServingChat(OpenAIServing):
                 messages = await _redacted(safety, messages)
         media = await load_chat_media(self.state.engine.config, messages)
         token_ids = await self.chat_prompt(messages, body.add_generation_prompt, tools)
+        # Checked as the model reads it: the tools, the calls and all else the template puts in.
+        rendered = await self.prompt_text(token_ids) if safety is not None else ""
         mm_features = []
         if media is not None:
             token_ids, mm_features = await media.expand(token_ids)
         self.check_prompt(token_ids, params, "messages")
-        if safety is not None and not safety.redacts_input:
-            safety.start_input_check("\n".join(map(message_text, template_messages(messages))))
+        if safety is not None:
+            if safety.redacts_input:
+                await safety.refuse_unredacted(rendered)
+            else:
+                safety.start_input_check(rendered)
         request = self.prepare(
             [token_ids],
             params,

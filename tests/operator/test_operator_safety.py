@@ -14,11 +14,14 @@ from kvfleet.operator.safety import (
     DEFAULT_ACTION,
     DEFAULT_LEVEL,
     LEVELS,
+    LOOSENABLE,
     SafetyPlatform,
     check_loosening,
 )
 from kvfleet.operator.spec import SpecError, parse_spec
+from kvfleet.runtime.safety.config import ACTIONS as RUNTIME_ACTIONS
 from kvfleet.runtime.safety.config import LEVEL_THRESHOLDS, Action, Policy, parse_safety_config
+from kvfleet.runtime.safety.config import LEVELS as RUNTIME_LEVELS
 
 PLATFORM = SafetyPlatform.parse(
     json.dumps(
@@ -102,6 +105,14 @@ def test_loosening_is_refused_unless_the_platform_allows_it(safety: dict[str, An
     check_loosening(allow_all, safety)
 
 
+def test_only_the_platform_lets_clients_pick_looser_tiers() -> None:
+    allow_all = SafetyPlatform.parse(PLATFORM.defaults_json, ",".join(LOOSENABLE))
+    with pytest.raises(SpecError, match="allowLooserTiers lets clients pick a looser policy"):
+        check_loosening(allow_all, {"allowLooserTiers": True})
+    platform = SafetyPlatform.parse(json.dumps({**PLATFORM.defaults, "allowLooserTiers": True}), "")
+    check_loosening(platform, {"allowLooserTiers": True})
+
+
 def test_tightening_needs_no_permission() -> None:
     check_loosening(
         PLATFORM,
@@ -145,4 +156,5 @@ def test_the_operator_ranks_the_runtimes_levels_and_actions() -> None:
     assert thresholds[0] is None and thresholds[1:] == sorted(thresholds[1:], reverse=True)
     assert set(LEVELS) == set(LEVEL_THRESHOLDS)
     assert set(ACTIONS) == set(get_args(Action))
+    assert (LEVELS, ACTIONS) == (RUNTIME_LEVELS, RUNTIME_ACTIONS)
     assert (Policy().level, Policy().action) == (DEFAULT_LEVEL, DEFAULT_ACTION)

@@ -1,14 +1,19 @@
 """Guardrails through real servers: rules, a guard model (another server, and the same one) whose verdict is
 forced with logit_bias, a hook, the guard down; block, redact and flag; streamed windows on the wire; the
-openai SDK's moderations and content_filter errors."""
+openai SDK's moderations and content_filter errors. And what must not get past them: logprobs of blocked or
+redacted answers, text in tools and tool calls, looser tiers claimed by the client, remote checkers that
+answer a byte at a time or without end."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -51,17 +56,15 @@ def _chat(server: ServerProcess, tier: str = "standard", **body: Any) -> httpx.R
 
 def _stream(server: ServerProcess, tier: str = "standard", **body: Any) -> list[dict[str, Any]]:
     """The events of a streamed chat, read raw off the wire."""
-    payload = {
-        "messages": PROMPT,
-        "max_tokens": MAX_TOKENS,
-        **GREEDY,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-        **body,
-    }
+    return _events(server, "chat/completions", tier, messages=PROMPT, **body)
+
+
+def _events(server: ServerProcess, route: str, tier: str, **body: Any) -> list[dict[str, Any]]:
+    payload = {"max_tokens": MAX_TOKENS, **GREEDY, "stream": True, "stream_options": {"include_usage": True}}
+    payload.update(body)
     headers = {**server.headers(), "x-kvfleet-priority": tier}
     events = []
-    url = f"{server.url}/v1/chat/completions"
+    url = f"{server.url}/v1/{route}"
     with httpx.stream("POST", url, json=payload, headers=headers, timeout=120) as response:
         assert response.status_code == 200, response.read()
         lines = [line for line in response.iter_lines() if line]
@@ -79,6 +82,14 @@ def _finish_reason(events: list[dict[str, Any]]) -> str | None:
     reasons = [choice["finish_reason"] for e in events for choice in e["choices"] if choice["finish_reason"]]
     assert len(reasons) == 1, reasons
     return reasons[0]
+
+
+def _refused(response: httpx.Response) -> dict[str, Any]:
+    """The error of an input the policy refused."""
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["code"] == "content_filter"
+    return error
 
 
 def _findings(server: ServerProcess, checker: str, category: str, direction: str, action: str) -> float:
@@ -135,7 +146,7 @@ def ruled(
 ) -> ServerProcess:
     """Rules (a blocklist, PII, and the marker as the platform's own pattern) and the server's own model as
     the guard, forced to answer "safe". Standard requests are blocked, critical ones redacted, batch ones
-    flagged."""
+    flagged: the platform lets clients pick these looser tiers."""
     config = {
         "input": ["rules", "guard"],
         "output": ["rules", "guard"],
@@ -147,6 +158,7 @@ def ruled(
         },
         "guard": {"endpoint": "self", "extraBody": {"logit_bias": _safe_bias(tiny_llama)}},
         "tiers": {"critical": {"action": "redact"}, "batch": {"action": "flag"}},
+        "allowLooserTiers": True,
     }
     return start_server("--safety-config", json.dumps(config))
 
@@ -167,6 +179,7 @@ def guarded(
             "batch": {"action": "flag"},
             "critical": {"action": "redact"},
         },
+        "allowLooserTiers": True,
     }
     return start_server("--safety-config", json.dumps(config))
 
@@ -174,6 +187,8 @@ def guarded(
 def _judge(body: dict[str, Any]) -> dict[str, Any]:
     if "slowly" in body["text"]:
         time.sleep(HOOK_DELAY_S)
+    if "flag it at zero" in body["text"]:
+        return {"flagged": True, "categories": {"hook/custom": 0.0}}
     flagged = "forbidden" in body["text"]
     return {"flagged": flagged, "categories": {"hook/custom": 1.0 if flagged else 0.0}}
 
@@ -287,6 +302,72 @@ def test_redaction_of_input_is_what_the_model_sees(ruled: ServerProcess) -> None
     assert _chat(ruled, messages=said, max_tokens=1).status_code == 400
 
 
+def _answers(server: ServerProcess, tier: str) -> list[Any]:
+    """The answer to PROMPT with logprobs, as every route gives it: chat and completions (the chat's prompt
+    as token ids), streamed and not."""
+    prompt = httpx.post(f"{server.url}/tokenize", json={"messages": PROMPT}).json()["tokens"]
+    headers = {**server.headers(), "x-kvfleet-priority": tier}
+    completion = {"prompt": prompt, "max_tokens": MAX_TOKENS, **GREEDY, "logprobs": 1}
+    url = f"{server.url}/v1/completions"
+    return [
+        _chat(server, tier=tier, logprobs=True).json(),
+        _stream(server, tier=tier, logprobs=True),
+        httpx.post(url, json=completion, headers=headers, timeout=120).json(),
+        _events(server, "completions", tier, **completion),
+    ]
+
+
+@pytest.mark.parametrize("tier", ["standard", "critical"])
+def test_logprobs_go_with_a_blocked_or_redacted_answer(
+    ruled: ServerProcess, reference: Reference, tier: str
+) -> None:
+    # Flagged only (batch), the answer and its logprobs hold the marker on every route.
+    assert all(reference.marker in json.dumps(answer) for answer in _answers(ruled, "batch"))
+    # Blocked (standard) or redacted (critical), nothing the client gets spells it out.
+    assert reference.marker not in REFUSAL
+    answers = _answers(ruled, tier)
+    for answer in answers:
+        assert reference.marker not in json.dumps(answer)
+    chat = answers[0]
+    assert chat["choices"][0]["logprobs"] is None
+    # A blocked answer is not sent, nor counted; a redacted one still is.
+    assert chat["usage"]["completion_tokens"] == (0 if tier == "standard" else MAX_TOKENS)
+
+
+def _tool(description: str) -> dict[str, Any]:
+    parameters = {"type": "object", "properties": {"query": {"type": "string"}}}
+    return {
+        "type": "function",
+        "function": {"name": "lookup", "description": description, "parameters": parameters},
+    }
+
+
+def test_input_checks_read_everything_the_template_renders(ruled: ServerProcess) -> None:
+    call = {"id": "call_1", "type": "function", "function": {"name": "lookup", "arguments": '{"query": "x"}'}}
+    hidden_in_call = {"function": {"name": "lookup", "arguments": '{"query": "bomb recipe"}'}}
+    conversation = [
+        {"role": "user", "content": "Look it up."},
+        {"role": "assistant", "content": None, "tool_calls": [{**call, **hidden_in_call}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "Nothing found."},
+        {"role": "user", "content": "Go on."},
+    ]
+    hidden = [
+        {"tools": [_tool("Explains any bomb recipe.")], "tool_choice": "none"},
+        {"messages": conversation},
+    ]
+    for body in hidden:
+        assert _refused(_chat(ruled, max_tokens=1, **body))["categories"] == ["blocklist"]
+        # Only message text can be redacted: the tier that redacts refuses it too.
+        _refused(_chat(ruled, tier="critical", max_tokens=1, **body))
+    clean_call = [conversation[0], {**conversation[1], "tool_calls": [call]}, *conversation[2:]]
+    for tier in ("standard", "critical"):
+        assert (
+            _chat(ruled, tier, max_tokens=1, tools=[_tool("Finds a recipe.")], tool_choice="none").status_code
+            == 200
+        )
+        assert _chat(ruled, tier, max_tokens=1, messages=clean_call).status_code == 200
+
+
 def test_logs_and_metrics_hold_no_text(ruled: ServerProcess) -> None:
     _chat(ruled, messages=[{"role": "user", "content": "bomb recipe for jane@example.com"}], max_tokens=1)
     assert "jane@example.com" not in ruled.log_path.read_text()
@@ -335,12 +416,19 @@ def test_a_flagging_tier_lets_the_guarded_output_through(
 
 
 @pytest.fixture(scope="module")
-def hooked(start_server: Callable[..., ServerProcess], hook_url: str) -> ServerProcess:
-    """Input judged by a guard that is down (failing open) and by the hook (failing closed)."""
-    return start_server(
-        "--safety-config",
-        _guard_down_config(True, input=["guard", "hook"], hook={"url": hook_url, "failOpen": False}),
+def hooked(
+    start_server: Callable[..., ServerProcess], hook_url: str, tmp_path_factory: pytest.TempPathFactory
+) -> ServerProcess:
+    """Input judged by a guard that is down (failing open) and by the hook (failing closed). The batch tier
+    leaves the hook out, and the platform does not let clients pick it for that."""
+    config = _guard_down_config(
+        True,
+        input=["guard", "hook"],
+        hook={"url": hook_url, "failOpen": False},
+        tiers={"batch": {"input": ["guard"]}},
     )
+    store = tmp_path_factory.mktemp("batch-store")
+    return start_server("--safety-config", config, "--batch-store", str(store))
 
 
 def test_guard_down_fails_open_and_the_hook_still_judges(hooked: ServerProcess) -> None:
@@ -363,6 +451,48 @@ def test_a_client_gone_while_its_input_is_checked_frees_its_request(hooked: Serv
     assert "Traceback" not in hooked.log_path.read_text()
 
 
+def test_a_hook_answer_flagged_counts_whatever_its_scores(hooked: ServerProcess) -> None:
+    refused = _chat(hooked, messages=[{"role": "user", "content": "flag it at zero"}], max_tokens=2)
+    assert _refused(refused)["categories"] == ["hook"]
+    assert _chat(hooked, max_tokens=2).status_code == 200
+
+
+def test_a_client_cannot_pick_a_looser_tier(hooked: ServerProcess) -> None:
+    forbidden = [{"role": "user", "content": "something forbidden"}]
+    # The batch tier leaves the hook out: claimed by the header or the priority field (name or number), it
+    # still gets the default tier's policy, which runs the hook.
+    assert _refused(_chat(hooked, "batch", messages=forbidden, max_tokens=2))["categories"] == ["hook/custom"]
+    for priority in ("batch", 3):
+        refused = _chat(hooked, messages=forbidden, max_tokens=2, priority=priority)
+        assert _refused(refused)["categories"] == ["hook/custom"]
+    assert _chat(hooked, "batch", max_tokens=2).status_code == 200
+    # Batch API lines run in the batch tier: the same.
+    client = openai.OpenAI(base_url=f"{hooked.url}/v1", api_key="unused", max_retries=0, timeout=60)
+    lines = [
+        {
+            "custom_id": name,
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {"model": hooked.model_name, "messages": messages, "max_tokens": 2},
+        }
+        for name, messages in (("forbidden", forbidden), ("plain", PROMPT))
+    ]
+    upload = "".join(json.dumps(line) + "\n" for line in lines).encode()
+    file_id = client.files.create(file=("lines.jsonl", upload), purpose="batch").id
+    batch = client.batches.create(
+        input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    deadline = time.monotonic() + 120
+    while batch.status not in ("completed", "failed", "expired", "cancelled"):
+        assert time.monotonic() < deadline, batch
+        time.sleep(0.1)
+        batch = client.batches.retrieve(batch.id)
+    assert batch.request_counts.model_dump() == {"total": 2, "completed": 1, "failed": 1}
+    (failed,) = [json.loads(line) for line in client.files.content(batch.error_file_id).text.splitlines()]
+    assert failed["custom_id"] == "forbidden"
+    assert failed["response"]["body"]["error"]["categories"] == ["hook/custom"]
+
+
 def test_guard_down_fails_closed(start_server: Callable[..., ServerProcess]) -> None:
     server = start_server("--safety-config", _guard_down_config(False))
     refused = _chat(server, max_tokens=2)
@@ -378,3 +508,128 @@ def test_a_bad_safety_config_stops_the_server_with_its_reason(
     server = start_server("--safety-config", '{"input": ["hook"]}', wait=False)
     assert server.process.wait(60) == 2
     assert "runs the 'hook' checker, which is not configured" in server.log_path.read_text()
+
+
+# ---- checkers on other servers that drip or flood ---------------------------------------------------------
+
+REMOTE_TIMEOUT_S = 2.0
+# Far longer than any deadline: a drip never ends by itself within a test.
+DRIP_SECONDS = 30.0
+FLOOD_BYTES = 256 << 20
+
+
+# The bytes of each dripped or flooded answer sent, by "<behaviour> <path>".
+_SENT: dict[str, int] = {}
+
+
+class _RemoteCheckers(BaseHTTPRequestHandler):
+    """A guard model's server (`/v1/chat/completions`, answering "safe" and a newline, as servers without the
+    guard's regex do) and a hook (`/hook`, answering "not flagged"). A text that names "drip <path>" gets
+    its answer one byte at a time, every 0.25 s; one that names "flood <path>" gets an endless answer."""
+
+    protocol_version = "HTTP/1.1"
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        is_guard = self.path.endswith("/chat/completions")
+        text = body["messages"][0]["content"] if is_guard else body["text"]
+        behaviour = next((name for name in ("drip", "flood") if f"{name} {self.path}" in text), None)
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        if behaviour is not None:
+            self._send_chunked(
+                f"{behaviour} {self.path}", self._drip() if behaviour == "drip" else self._flood()
+            )
+            return
+        answer = (
+            {"choices": [{"message": {"role": "assistant", "content": "safe\n"}}]}
+            if is_guard
+            else {"flagged": False, "categories": {}}
+        )
+        content = json.dumps(answer).encode()
+        self.send_header("Content-Length", str(len(content)))
+        self.end_headers()
+        self.wfile.write(content)
+
+    def _send_chunked(self, key: str, chunks: Iterator[bytes]) -> None:
+        """Sends `chunks` until they end or the client goes."""
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        self.close_connection = True
+        _SENT[key] = 0
+        with contextlib.suppress(OSError):
+            for chunk in chunks:
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+                self.wfile.flush()
+                _SENT[key] += len(chunk)
+
+    @staticmethod
+    def _drip() -> Iterator[bytes]:
+        started = time.monotonic()
+        while time.monotonic() - started < DRIP_SECONDS:
+            yield b" "
+            time.sleep(0.25)
+
+    @staticmethod
+    def _flood() -> Iterator[bytes]:
+        chunk = b" " * (1 << 20)
+        for _ in range(FLOOD_BYTES // len(chunk)):
+            yield chunk
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def remote_checkers() -> Iterator[str]:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _RemoteCheckers)
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+
+
+@pytest.fixture(scope="module")
+def remote(start_server: Callable[..., ServerProcess], remote_checkers: str) -> ServerProcess:
+    """Input judged by the remote guard (failing closed) and hook (failing open), each within 2 s."""
+    config = {
+        "input": ["guard", "hook"],
+        "guard": {"endpoint": f"{remote_checkers}/v1", "timeout": REMOTE_TIMEOUT_S, "failOpen": False},
+        "hook": {"url": f"{remote_checkers}/hook", "timeout": REMOTE_TIMEOUT_S, "failOpen": True},
+    }
+    return start_server("--safety-config", json.dumps(config))
+
+
+def _timed_chat(server: ServerProcess, text: str) -> tuple[httpx.Response, float]:
+    started = time.monotonic()
+    response = _chat(server, messages=[{"role": "user", "content": text}], max_tokens=2)
+    return response, time.monotonic() - started
+
+
+def test_a_guard_verdict_with_a_trailing_newline_is_one(remote: ServerProcess) -> None:
+    assert _chat(remote, max_tokens=2).status_code == 200
+    assert "kvfleet:safety_checker_unavailable_total{" not in httpx.get(f"{remote.url}/metrics").text
+
+
+@pytest.mark.parametrize("behaviour", ["drip", "flood"])
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/hook"])
+def test_a_remote_checker_is_cut_off_at_its_deadline_and_size(
+    remote: ServerProcess, behaviour: str, path: str
+) -> None:
+    response, seconds = _timed_chat(remote, f"Answer this: {behaviour} {path}")
+    # Within the deadline, with a loaded machine's margin.
+    assert seconds < REMOTE_TIMEOUT_S + 6.0
+    if behaviour == "flood":
+        # Read up to the cap (1 MiB), then dropped: what was sent beyond it is what the sockets buffered.
+        assert _SENT[f"flood {path}"] < 32 << 20
+    # The guard fails closed, the hook open.
+    if path == "/hook":
+        assert response.status_code == 200, response.text
+    else:
+        assert _refused(response)["categories"] == ["checker_unavailable"]
+    assert _chat(remote, max_tokens=2).status_code == 200

@@ -7,6 +7,7 @@ import asyncio
 import json
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 from kvfleet.runtime.safety.checker import Direction
@@ -108,6 +109,29 @@ def test_a_tier_override_changes_only_what_it_names() -> None:
     assert config.policy("batch").action == "flag"
     assert config.policy("batch").refusal == "No."
     assert config.policy("standard").action == "block"
+
+
+@pytest.mark.parametrize(
+    ("tier", "override", "claimed"),
+    [
+        ("high", {"level": "high", "input": ["rules", "hook"]}, True),
+        ("batch", {"action": "flag"}, False),
+        ("critical", {"action": "redact"}, False),
+        ("batch", {"level": "low"}, False),
+        ("batch", {"input": []}, False),
+        ("batch", {"output": ["hook"]}, False),
+        ("batch", {"refusal": "Not in batch.", "windowTokens": 64}, True),
+    ],
+)
+def test_a_claimed_tier_may_only_tighten_the_default_tiers_policy(
+    tier: str, override: dict[str, Any], claimed: bool
+) -> None:
+    policy = {"input": ["rules"], "output": ["rules"], "rules": {}, "hook": {"url": "http://127.0.0.1:9/"}}
+    config = SafetyConfig.model_validate({**policy, "tiers": {tier: override}})
+    expected = config.policy(tier) if claimed else config.policy("standard")
+    assert config.claimed_policy(tier, "standard") == expected
+    allowing = SafetyConfig.model_validate({**policy, "tiers": {tier: override}, "allowLooserTiers": True})
+    assert allowing.claimed_policy(tier, "standard") == config.policy(tier)
 
 
 @pytest.mark.parametrize(
