@@ -587,8 +587,7 @@ def lora_rows(bench: Bench) -> list[Row]:
         slots = torch.from_numpy(token_slots).to(device)[:, None]
         slot_of_column = torch.arange(LORA_ADAPTERS * LORA_RANK, device=device) // LORA_RANK
         kernel_layer.batch.plan = plan_lora_tokens(token_slots, device)
-        dense_layer.batch.mask = (slot_of_column == slots).to(dtype)
-        reference.batch.mask = (slot_of_column == slots).double()
+        dense_layer.batch.other_columns = reference.batch.other_columns = slot_of_column != slots
         x = torch.randn(num_tokens, scale.hidden, dtype=dtype, device=device)
         output = torch.randn(num_tokens, sum(slice_sizes), dtype=dtype, device=device)
         result = output.clone()
