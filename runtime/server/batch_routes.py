@@ -58,8 +58,8 @@ class BatchService:
             yield
         finally:
             task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            # Waited for, not awaited: a worker that has stopped was reported when it did.
+            await asyncio.wait([task])
             self.store.close()
 
     def _worker_ended(self, task: asyncio.Task[None]) -> None:

@@ -17,6 +17,8 @@ import httpx
 import jsonschema
 import openai
 import pytest
+from kvfleet.runtime.json_depth import MAX_JSON_DEPTH
+from kvfleet.runtime.server.tool_calls import TOOL_CALL_PARSERS
 from transformers import AutoTokenizer
 
 if TYPE_CHECKING:
@@ -353,3 +355,22 @@ def test_tool_requests_the_server_cannot_serve_get_a_400(
     error = response.json()["error"]
     assert error["param"] == param
     assert message in error["message"], error["message"]
+
+
+def _nested_call(parser: str, depth: int) -> tuple[str, str]:
+    """(output, arguments) of a call whose arguments hold a list nested `depth` deep: the call's JSON nests
+    two levels more."""
+    arguments = '{"city": ' + "[" * depth + "]" * depth + "}"
+    call = f'{{"name": "get_weather", "{"arguments" if parser == "hermes" else "parameters"}": {arguments}}}'
+    return (f"<tool_call>{call}</tool_call>" if parser == "hermes" else call), arguments
+
+
+@pytest.mark.parametrize("parser", sorted(TOOL_CALL_PARSERS))
+def test_a_call_nested_past_the_json_limit_is_content(parser: str) -> None:
+    read = TOOL_CALL_PARSERS[parser]({"get_weather"}).read
+    text, arguments = _nested_call(parser, MAX_JSON_DEPTH - 2)
+    content, calls = read(text).parsed(text)
+    assert content is None and [call.arguments for call in calls] == [arguments]
+    # Output nested a few thousand deep made reading it raise RecursionError: a 500, or a failed batch line.
+    text, _ = _nested_call(parser, 5000)
+    assert read(text).parsed(text) == (text, [])
