@@ -501,67 +501,83 @@ class BatchStore:
                     "WHERE id = ?",
                     (now, batch.id),
                 )
-        unanswered_code = {"cancelled": "batch_cancelled", "expired": "batch_expired"}.get(final_status)
         answered = {
             row["line"]: (row["failed"], row["record"])
             for row in self._query("SELECT line, failed, record FROM results WHERE batch_id = ?", (batch.id,))
         }
         suffix = batch.id.removeprefix("batch_")
         output_id, error_id = f"file-output-{suffix}", f"file-errors-{suffix}"
-        written = {output_id: 0, error_id: 0}
-        partials = [self.files_dir / f"{file_id}.writing" for file_id in (output_id, error_id)]
         try:
-            with partials[0].open("wb") as output, partials[1].open("wb") as errors:
-                for number, line in self.input_lines(batch.input_file_id, batch.endpoint):
-                    if number in answered:
-                        failed, text = answered[number]
-                        data = text.encode() + b"\n"
-                    else:
-                        failed = True
-                        message = f"the batch was {final_status} before this request ran"
-                        data = record_line(
-                            error_record(line.custom_id, unanswered_code or "batch_failed", message)
-                        )
-                    (errors if failed else output).write(data)
-                    written[error_id if failed else output_id] += 1
-                for handle in (output, errors):
-                    handle.flush()
-                    os.fsync(handle.fileno())
-        except BaseException:
-            # What a full disk let through is dropped: the room it takes is what the next batch needs.
-            for partial in partials:
-                partial.unlink(missing_ok=True)
-            raise
-        for file_id in (output_id, error_id):
-            os.replace(self.files_dir / f"{file_id}.writing", self.files_dir / file_id)
-        with self._transaction() as db:
-            kept = [file_id for file_id in (output_id, error_id) if written[file_id]]
-            for file_id in kept:
+            written = self._write_results(batch, final_status, answered, output_id, error_id)
+            with self._transaction() as db:
+                kept = [file_id for file_id in (output_id, error_id) if written[file_id]]
+                for file_id in kept:
+                    db.execute(
+                        "INSERT OR REPLACE INTO files VALUES (?, ?, ?, ?, ?,"
+                        " (SELECT COALESCE(MAX(seq), 0) + 1 FROM files))",
+                        (
+                            file_id,
+                            f"{batch.id}_{'output' if file_id == output_id else 'error'}.jsonl",
+                            OUTPUT_PURPOSE,
+                            (self.files_dir / file_id).stat().st_size,
+                            now,
+                        ),
+                    )
                 db.execute(
-                    "INSERT OR REPLACE INTO files VALUES (?, ?, ?, ?, ?,"
-                    " (SELECT COALESCE(MAX(seq), 0) + 1 FROM files))",
+                    f"UPDATE batches SET status = ?, {final_status}_at = ?, output_file_id = ?,"
+                    " error_file_id = ? WHERE id = ?",
                     (
-                        file_id,
-                        f"{batch.id}_{'output' if file_id == output_id else 'error'}.jsonl",
-                        OUTPUT_PURPOSE,
-                        (self.files_dir / file_id).stat().st_size,
+                        final_status,
                         now,
+                        output_id if written[output_id] else None,
+                        error_id if written[error_id] else None,
+                        batch.id,
                     ),
                 )
-            db.execute(
-                f"UPDATE batches SET status = ?, {final_status}_at = ?, output_file_id = ?,"
-                " error_file_id = ? WHERE id = ?",
-                (
-                    final_status,
-                    now,
-                    output_id if written[output_id] else None,
-                    error_id if written[error_id] else None,
-                    batch.id,
-                ),
-            )
+        except BaseException:
+            # Nothing of a finalize that failed stays: on a full disk, the room is what the next batch needs.
+            for file_id in (output_id, error_id):
+                for path in (self.files_dir / file_id, self.files_dir / f"{file_id}.writing"):
+                    path.unlink(missing_ok=True)
+            raise
         for file_id in (output_id, error_id):
             if not written[file_id]:
                 (self.files_dir / file_id).unlink(missing_ok=True)
+
+    def _write_results(
+        self,
+        batch: Batch,
+        final_status: str,
+        answered: dict[int, tuple[int, str]],
+        output_id: str,
+        error_id: str,
+    ) -> dict[str, int]:
+        """Writes the output and error files whole, each synced before it takes its name; how many lines
+        each got."""
+        unanswered_code = {"cancelled": "batch_cancelled", "expired": "batch_expired"}.get(final_status)
+        written = {output_id: 0, error_id: 0}
+        with (
+            (self.files_dir / f"{output_id}.writing").open("wb") as output,
+            (self.files_dir / f"{error_id}.writing").open("wb") as errors,
+        ):
+            for number, line in self.input_lines(batch.input_file_id, batch.endpoint):
+                if number in answered:
+                    failed, text = answered[number]
+                    data = text.encode() + b"\n"
+                else:
+                    failed = True
+                    message = f"the batch was {final_status} before this request ran"
+                    data = record_line(
+                        error_record(line.custom_id, unanswered_code or "batch_failed", message)
+                    )
+                (errors if failed else output).write(data)
+                written[error_id if failed else output_id] += 1
+            for handle in (output, errors):
+                handle.flush()
+                os.fsync(handle.fileno())
+        for file_id in (output_id, error_id):
+            os.replace(self.files_dir / f"{file_id}.writing", self.files_dir / file_id)
+        return written
 
     def fail(self, batch: Batch, reason: str) -> None:
         """Ends a batch that met a fault of its own (its input file gone, the disk full) as failed, `reason`
