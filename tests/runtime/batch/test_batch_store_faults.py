@@ -162,6 +162,7 @@ def test_a_batch_whose_files_cannot_be_written_fails_with_the_reason_and_the_nex
         _, task = run_worker(store)
         failed = store.create_batch(input_file_id, "/v1/completions", "24h", None)
         failed = await wait_for_status(store, failed["id"], {"failed", "completed"})
+        left = sorted(path.name for path in disk.files_dir.iterdir())
         disk.broken = None
         beside = store.create_batch(input_file_id, "/v1/completions", "24h", None)
         beside = await wait_for_status(store, beside["id"], {"failed", "completed"})
@@ -173,7 +174,7 @@ def test_a_batch_whose_files_cannot_be_written_fails_with_the_reason_and_the_nex
         assert error["message"] == f"storage error: {os.strerror(fault)}"
         assert str(disk.files_dir) not in error["message"]
         # What the fault let through takes no room.
-        assert not [path.name for path in disk.files_dir.iterdir() if path.suffix == ".writing"]
+        assert left == [input_file_id]
         assert beside["status"] == "completed"
         assert beside["request_counts"] == {"total": 3, "completed": 3, "failed": 0}
         assert answers(store, beside) == ["line 0", "line 1", "line 2"]
