@@ -7,11 +7,11 @@ refused before any replica sees it.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvfleet.runtime import json_depth
 from kvfleet.runtime.server.openai_errors import BadRequestError
 from kvfleet.runtime.server.priorities import PRIORITY_HEADER, parse_priority
 
@@ -37,7 +37,9 @@ class RoutedRequest:
 def parse_request(path: str, body: bytes, headers: Mapping[str, str]) -> RoutedRequest:
     """The routing facts of a completion request; BadRequestError names the field at fault."""
     try:
-        payload = json.loads(body)
+        payload = json_depth.loads(body)
+    except json_depth.JSONTooDeepError as error:
+        raise BadRequestError(f"the request body is refused: {error}") from None
     except (UnicodeDecodeError, ValueError) as error:
         raise BadRequestError(f"the request body is not valid JSON: {error}") from None
     if not isinstance(payload, dict):

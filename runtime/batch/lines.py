@@ -12,6 +12,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from kvfleet.runtime import json_depth
+
 CHAT_COMPLETIONS_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
 SUPPORTED_URLS = (CHAT_COMPLETIONS_URL, COMPLETIONS_URL)
@@ -41,7 +43,9 @@ def parse_line(text: str | bytes, *, endpoint: str | None = None) -> BatchLine:
     """One input line: a JSON object with `custom_id`, `method` POST, `url` (the batch's `endpoint` when
     one is given) and a `body` object naming its `model`."""
     try:
-        value = json.loads(text)
+        value = json_depth.loads(text)
+    except json_depth.JSONTooDeepError as exc:
+        raise MalformedLineError(f"the line is refused: {exc}") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise MalformedLineError(f"the line is not valid JSON: {exc}") from None
     if not isinstance(value, dict):

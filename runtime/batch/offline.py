@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
+from kvfleet.runtime import json_depth
 from kvfleet.runtime.batch.lines import (
     CHAT_COMPLETIONS_URL,
     COMPLETIONS_URL,
@@ -139,8 +140,8 @@ def _cell_value(column: str, cell: str | None) -> Any:
     if column == _PROMPT:
         return cell
     try:
-        return json.loads(cell)
-    except json.JSONDecodeError:
+        return json_depth.loads(cell)
+    except (json.JSONDecodeError, json_depth.JSONTooDeepError):
         return cell
 
 
@@ -158,9 +159,9 @@ def table_line(index: int, values: dict[str, Any], model: str) -> BatchLine:
     messages, prompt = body.get(_MESSAGES), body.get(_PROMPT)
     if isinstance(messages, str):
         try:
-            body[_MESSAGES] = json.loads(messages)
-        except json.JSONDecodeError as exc:
-            raise MalformedLineError(f"messages is not valid JSON: {exc}", param=_MESSAGES) from None
+            body[_MESSAGES] = json_depth.loads(messages)
+        except (json.JSONDecodeError, json_depth.JSONTooDeepError) as exc:
+            raise MalformedLineError(f"messages is not usable JSON: {exc}", param=_MESSAGES) from None
     if messages is not None and prompt is not None:
         raise MalformedLineError("the row has both a prompt and messages; give one", param=_PROMPT)
     if messages is None and prompt is None:

@@ -32,13 +32,24 @@ from kvfleet.runtime.batch.lines import (
 
 # OpenAI's limit on a batch input file.
 DEFAULT_MAX_BATCH_FILE_BYTES = 200 << 20
+# Uploads the store keeps at once (OpenAI's largest page of files, so one page lists them all), and the bytes
+# of every file it holds, outputs included (OpenAI's 100 GB for an organization's files): a full disk would
+# stop every batch, and these keep clients from filling it.
+DEFAULT_MAX_BATCH_FILES = 10000
+DEFAULT_MAX_BATCH_STORE_BYTES = 100 << 30
 BATCH_PURPOSE = "batch"
 OUTPUT_PURPOSE = "batch_output"
 TERMINAL = frozenset({"completed", "failed", "expired", "cancelled"})
 # Statuses of a batch whose lines may still be answered.
 RUNNABLE = ("validating", "in_progress")
-_WINDOW = re.compile(r"^([1-9][0-9]*)([smhd])$")
+_WINDOW = re.compile(r"^([1-9][0-9]{0,5})([smhd])$")
 _UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+# OpenAI's one window; shorter ones are kvfleet's, for batches that must finish sooner.
+MAX_WINDOW_S = 24 * 3600
+# OpenAI's limits on a batch's metadata.
+MAX_METADATA_PAIRS = 16
+MAX_METADATA_KEY_CHARS = 64
+MAX_METADATA_VALUE_CHARS = 512
 _COPY_CHUNK_BYTES = 1 << 20
 # OpenAI allows up to 10000 files per page.
 _LIST_LIMIT = (1, 10000)
@@ -112,12 +123,48 @@ class BatchConflictError(BatchApiError):
 
 def window_seconds(completion_window: str) -> int:
     match = _WINDOW.match(completion_window)
-    if match is None:
+    seconds = int(match.group(1)) * _UNIT_SECONDS[match.group(2)] if match is not None else None
+    if seconds is None or seconds > MAX_WINDOW_S:
         raise BatchApiError(
-            f"completion_window must be a duration like 24h, 30m or 90s, got {completion_window!r}",
+            f"completion_window must be a duration of at most 24h, like 24h, 30m or 90s, "
+            f"got {completion_window!r}",
             param="completion_window",
         )
-    return int(match.group(1)) * _UNIT_SECONDS[match.group(2)]
+    return seconds
+
+
+def check_metadata(metadata: dict[str, str] | None) -> None:
+    """OpenAI's rule for a batch's metadata: up to 16 pairs of text, keys up to 64 characters and values up
+    to 512."""
+    if metadata is None:
+        return
+    if len(metadata) > MAX_METADATA_PAIRS:
+        raise BatchApiError(
+            f"metadata may hold at most {MAX_METADATA_PAIRS} pairs, got {len(metadata)}", param="metadata"
+        )
+    for key, value in metadata.items():
+        if not isinstance(key, str) or not isinstance(value, str):
+            raise BatchApiError("metadata keys and values must be strings", param="metadata")
+        if len(key) > MAX_METADATA_KEY_CHARS:
+            raise BatchApiError(
+                f"metadata keys may be at most {MAX_METADATA_KEY_CHARS} characters long", param="metadata"
+            )
+        if len(value) > MAX_METADATA_VALUE_CHARS:
+            raise BatchApiError(
+                f"metadata values may be at most {MAX_METADATA_VALUE_CHARS} characters long (that of "
+                f"{key!r} has {len(value)})",
+                param="metadata",
+            )
+
+
+def fault_reason(error: BaseException) -> str:
+    """What a batch's errors say of the fault that failed it: the storage's own words (never a path), or
+    only the kind of an unexpected error."""
+    if isinstance(error, OSError) and error.errno is not None:
+        return f"storage error: {os.strerror(error.errno)}"
+    if isinstance(error, sqlite3.Error):
+        return f"storage error: {error}"
+    return f"internal error: {type(error).__name__}"
 
 
 @dataclass(frozen=True)
@@ -134,11 +181,20 @@ class Batch:
 class BatchStore:
     """Thread-safe: the routes may call it from a thread pool while the worker runs on the event loop."""
 
-    def __init__(self, root: Path, *, max_file_bytes: int = DEFAULT_MAX_BATCH_FILE_BYTES) -> None:
+    def __init__(
+        self,
+        root: Path,
+        *,
+        max_file_bytes: int = DEFAULT_MAX_BATCH_FILE_BYTES,
+        max_files: int = DEFAULT_MAX_BATCH_FILES,
+        max_store_bytes: int = DEFAULT_MAX_BATCH_STORE_BYTES,
+    ) -> None:
         self.root = root
         self.files_dir = root / "files"
         self.files_dir.mkdir(parents=True, exist_ok=True)
         self.max_file_bytes = max_file_bytes
+        self.max_files = max_files
+        self.max_store_bytes = max_store_bytes
         self._lock = threading.Lock()
         self._db = sqlite3.connect(root / "batches.sqlite3", check_same_thread=False, isolation_level=None)
         self._db.row_factory = sqlite3.Row
@@ -179,19 +235,49 @@ class BatchStore:
         file_id = _new_id("file")
         partial = self.files_dir / f"{file_id}.uploading"
         try:
-            size = self._copy_limited(source, partial)
+            # Checked before the copy, which may then take only the room left, and again as the file is
+            # recorded, since uploads run side by side.
+            with self._transaction() as db:
+                room = self._room(db)
+            size = self._copy_limited(source, partial, room)
             _check_batch_input(partial)
-            os.replace(partial, self.files_dir / file_id)
+            with self._transaction() as db:
+                if size > self._room(db):
+                    raise self._store_full()
+                db.execute(
+                    "INSERT INTO files VALUES (?, ?, ?, ?, ?, (SELECT COALESCE(MAX(seq), 0) + 1 FROM files))",
+                    (file_id, filename, purpose, size, int(time.time())),
+                )
+                os.replace(partial, self.files_dir / file_id)
         finally:
             partial.unlink(missing_ok=True)
-        with self._transaction() as db:
-            db.execute(
-                "INSERT INTO files VALUES (?, ?, ?, ?, ?, (SELECT COALESCE(MAX(seq), 0) + 1 FROM files))",
-                (file_id, filename, purpose, size, int(time.time())),
-            )
         return self.get_file(file_id)
 
-    def _copy_limited(self, source: IO[bytes], destination: Path) -> int:
+    def _room(self, db: sqlite3.Connection) -> int:
+        """The bytes an upload may bring; refused at once when the store holds its most uploads or bytes.
+        Outputs count as bytes, not as uploads: the worker always writes them."""
+        uploads, used = db.execute(
+            "SELECT COUNT(*) FILTER (WHERE purpose = ?), COALESCE(SUM(bytes), 0) FROM files", (BATCH_PURPOSE,)
+        ).fetchone()
+        if uploads >= self.max_files:
+            raise BatchApiError(
+                f"the store holds {uploads} uploaded files, its limit; delete some to upload more",
+                param="file",
+                code="file_quota_exceeded",
+            )
+        if used >= self.max_store_bytes:
+            raise self._store_full()
+        return self.max_store_bytes - used
+
+    def _store_full(self) -> BatchApiError:
+        return BatchApiError(
+            f"the store's files would pass its limit of {self.max_store_bytes} bytes; "
+            "delete some to upload more",
+            param="file",
+            code="storage_quota_exceeded",
+        )
+
+    def _copy_limited(self, source: IO[bytes], destination: Path, room: int) -> int:
         size = 0
         with destination.open("wb") as target:
             while chunk := source.read(_COPY_CHUNK_BYTES):
@@ -202,6 +288,8 @@ class BatchStore:
                         param="file",
                         code="file_too_large",
                     )
+                if size > room:
+                    raise self._store_full()
                 target.write(chunk)
             target.flush()
             os.fsync(target.fileno())
@@ -215,7 +303,13 @@ class BatchStore:
 
     def file_path(self, file_id: str) -> Path:
         self.get_file(file_id)
-        return self.files_dir / file_id
+        path = self.files_dir / file_id
+        if not path.exists():
+            # A delete that removed the bytes and could not record it (see delete_file).
+            raise BatchNotFoundError(
+                f"file {file_id} has been deleted", param="file_id", code="file_not_found"
+            )
+        return path
 
     def list_files(self, *, purpose: str | None, after: str | None, limit: int, order: str) -> dict[str, Any]:
         clause, args = ("WHERE purpose = ?", (purpose,)) if purpose else ("", ())
@@ -237,8 +331,9 @@ class BatchStore:
                     f"the file is the input of batch {using[0]['id']}, which has not finished",
                     param="file_id",
                 )
+            # The bytes go first: on a full disk, recording the delete needs the room they leave.
+            (self.files_dir / file_id).unlink(missing_ok=True)
             db.execute("DELETE FROM files WHERE id = ?", (file_id,))
-        (self.files_dir / file_id).unlink(missing_ok=True)
         return {"id": file_id, "object": "file", "deleted": True}
 
     # ---- batches ---------------------------------------------------------------------------------
@@ -252,6 +347,7 @@ class BatchStore:
                 f"endpoint must be one of {', '.join(SUPPORTED_URLS)}, got {endpoint!r}", param="endpoint"
             )
         window = window_seconds(completion_window)
+        check_metadata(metadata)
         file = self.get_file(input_file_id)
         if file["purpose"] != BATCH_PURPOSE:
             raise BatchApiError(
@@ -405,13 +501,60 @@ class BatchStore:
                     "WHERE id = ?",
                     (now, batch.id),
                 )
-        unanswered_code = {"cancelled": "batch_cancelled", "expired": "batch_expired"}.get(final_status)
         answered = {
             row["line"]: (row["failed"], row["record"])
             for row in self._query("SELECT line, failed, record FROM results WHERE batch_id = ?", (batch.id,))
         }
         suffix = batch.id.removeprefix("batch_")
         output_id, error_id = f"file-output-{suffix}", f"file-errors-{suffix}"
+        try:
+            written = self._write_results(batch, final_status, answered, output_id, error_id)
+            with self._transaction() as db:
+                kept = [file_id for file_id in (output_id, error_id) if written[file_id]]
+                for file_id in kept:
+                    db.execute(
+                        "INSERT OR REPLACE INTO files VALUES (?, ?, ?, ?, ?,"
+                        " (SELECT COALESCE(MAX(seq), 0) + 1 FROM files))",
+                        (
+                            file_id,
+                            f"{batch.id}_{'output' if file_id == output_id else 'error'}.jsonl",
+                            OUTPUT_PURPOSE,
+                            (self.files_dir / file_id).stat().st_size,
+                            now,
+                        ),
+                    )
+                db.execute(
+                    f"UPDATE batches SET status = ?, {final_status}_at = ?, output_file_id = ?,"
+                    " error_file_id = ? WHERE id = ?",
+                    (
+                        final_status,
+                        now,
+                        output_id if written[output_id] else None,
+                        error_id if written[error_id] else None,
+                        batch.id,
+                    ),
+                )
+        except BaseException:
+            # Nothing of a finalize that failed stays: on a full disk, the room is what the next batch needs.
+            for file_id in (output_id, error_id):
+                for path in (self.files_dir / file_id, self.files_dir / f"{file_id}.writing"):
+                    path.unlink(missing_ok=True)
+            raise
+        for file_id in (output_id, error_id):
+            if not written[file_id]:
+                (self.files_dir / file_id).unlink(missing_ok=True)
+
+    def _write_results(
+        self,
+        batch: Batch,
+        final_status: str,
+        answered: dict[int, tuple[int, str]],
+        output_id: str,
+        error_id: str,
+    ) -> dict[str, int]:
+        """Writes the output and error files whole, each synced before it takes its name; how many lines
+        each got."""
+        unanswered_code = {"cancelled": "batch_cancelled", "expired": "batch_expired"}.get(final_status)
         written = {output_id: 0, error_id: 0}
         with (
             (self.files_dir / f"{output_id}.writing").open("wb") as output,
@@ -434,34 +577,26 @@ class BatchStore:
                 os.fsync(handle.fileno())
         for file_id in (output_id, error_id):
             os.replace(self.files_dir / f"{file_id}.writing", self.files_dir / file_id)
+        return written
+
+    def fail(self, batch: Batch, reason: str) -> None:
+        """Ends a batch that met a fault of its own (its input file gone, the disk full) as failed, `reason`
+        in its errors, with its output and error files where they can still be written. Raises when the
+        database cannot be written either."""
+        errors = {
+            "object": "list",
+            "data": [{"code": "batch_failed", "message": reason, "param": None, "line": None}],
+        }
         with self._transaction() as db:
-            kept = [file_id for file_id in (output_id, error_id) if written[file_id]]
-            for file_id in kept:
+            db.execute("UPDATE batches SET errors = ? WHERE id = ?", (json.dumps(errors), batch.id))
+        try:
+            self.finalize(batch, "failed")
+        except (OSError, sqlite3.Error):
+            with self._transaction() as db:
                 db.execute(
-                    "INSERT OR REPLACE INTO files VALUES (?, ?, ?, ?, ?,"
-                    " (SELECT COALESCE(MAX(seq), 0) + 1 FROM files))",
-                    (
-                        file_id,
-                        f"{batch.id}_{'output' if file_id == output_id else 'error'}.jsonl",
-                        OUTPUT_PURPOSE,
-                        (self.files_dir / file_id).stat().st_size,
-                        now,
-                    ),
+                    "UPDATE batches SET status = 'failed', failed_at = ? WHERE id = ?",
+                    (int(time.time()), batch.id),
                 )
-            db.execute(
-                f"UPDATE batches SET status = ?, {final_status}_at = ?, output_file_id = ?,"
-                " error_file_id = ? WHERE id = ?",
-                (
-                    final_status,
-                    now,
-                    output_id if written[output_id] else None,
-                    error_id if written[error_id] else None,
-                    batch.id,
-                ),
-            )
-        for file_id in (output_id, error_id):
-            if not written[file_id]:
-                (self.files_dir / file_id).unlink(missing_ok=True)
 
 
 def _check_batch_input(path: Path) -> None:

@@ -16,7 +16,7 @@ import time
 from typing import Any
 
 from kvfleet.runtime.batch.lines import Answer, BatchLine, error_record, response_record
-from kvfleet.runtime.batch.store import Batch, BatchStore
+from kvfleet.runtime.batch.store import Batch, BatchStore, fault_reason
 
 logger = logging.getLogger(__name__)
 
@@ -27,6 +27,8 @@ _TRANSIENT_STATUSES = frozenset({429, 503})
 _ENGINE_DEAD = "engine_dead"
 _POLL_S = 0.5
 _RETRY_AFTER_S = 1.0
+# After a pass a fault stopped: long enough not to flood the log while a disk stays full.
+_FAULT_PAUSE_S = 5.0
 
 
 class BatchWorker:
@@ -42,18 +44,36 @@ class BatchWorker:
         self._wake.set()
 
     async def run_forever(self) -> None:
+        """Runs until cancelled, or until the store cannot even list its batches (its database is broken),
+        which its caller must report: a fault of one batch, a full disk included, fails that batch, and
+        one that cannot be recorded pauses the worker, which then tries again."""
         while True:
             self._wake.clear()
-            for batch in self.store.unfinished_batches():
-                try:
-                    await self._advance(batch)
-                except Exception:
-                    # A fault of this batch (its file gone, the disk full) must not stop the others.
-                    logger.exception("batch %s failed", batch.id)
-                    await asyncio.to_thread(self.store.finalize, batch, "failed")
+            faultless = await self._advance_all()
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(_POLL_S):
+                async with asyncio.timeout(_POLL_S if faultless else _FAULT_PAUSE_S):
                     await self._wake.wait()
+
+    async def _advance_all(self) -> bool:
+        """Advances every unfinished batch, oldest first; False if one met a fault that could not even be
+        recorded (it is tried again on the next pass)."""
+        faultless = True
+        for batch in self.store.unfinished_batches():
+            try:
+                await self._advance(batch)
+            except Exception as error:
+                # A fault of this batch (its file gone, the disk full) must not stop the others.
+                logger.exception("batch %s failed", batch.id)
+                faultless = await self._fail(batch, error) and faultless
+        return faultless
+
+    async def _fail(self, batch: Batch, error: Exception) -> bool:
+        try:
+            await asyncio.to_thread(self.store.fail, batch, fault_reason(error))
+        except Exception:
+            logger.exception("batch %s could not be recorded as failed", batch.id)
+            return False
+        return True
 
     async def _advance(self, batch: Batch) -> None:
         """Take the batch as far as it goes now: run its lines, or finish it as it has ended."""

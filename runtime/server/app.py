@@ -20,6 +20,7 @@ from kvfleet.runtime.server.errors import (
     ClientDisconnectedError,
     install_error_handlers,
 )
+from kvfleet.runtime.server.json_bodies import DepthCheckedRoute
 from kvfleet.runtime.server.middleware import BodyReadTimeout, BodySizeLimit, InFlightCounter
 from kvfleet.runtime.server.protocol import (
     ChatCompletionRequest,
@@ -55,6 +56,7 @@ def build_app(state: ServerState) -> FastAPI:
         openapi_url="/openapi.json",
     )
     app.state.server = state
+    app.router.route_class = DepthCheckedRoute
     install_error_handlers(app)
     app.add_exception_handler(ClientDisconnectedError, _client_gone)
     # Outermost last: auth first, then the body's time and size limits, then in-flight counting for drains.
@@ -79,7 +81,12 @@ def _batch_service(state: ServerState) -> BatchService | None:
     settings = state.settings
     if settings.batch_store is None:
         return None
-    store = BatchStore(Path(settings.batch_store), max_file_bytes=settings.max_batch_file_bytes)
+    store = BatchStore(
+        Path(settings.batch_store),
+        max_file_bytes=settings.max_batch_file_bytes,
+        max_files=settings.max_batch_files,
+        max_store_bytes=settings.max_batch_store_bytes,
+    )
     return BatchService(state, store)
 
 
@@ -119,8 +126,8 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/health")
     async def health() -> Response:
-        if state.engine.error is not None:
-            return JSONResponse({"status": "failed", "reason": str(state.engine.error)}, status_code=503)
+        if state.failure is not None:
+            return JSONResponse({"status": "failed", "reason": state.failure}, status_code=503)
         return JSONResponse({"status": "alive"})
 
     @app.get("/ready")

@@ -5,11 +5,18 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from typing import Any, TypeVar
 
 from kvfleet.runtime.batch.lines import CHAT_COMPLETIONS_URL, COMPLETIONS_URL
 from kvfleet.runtime.engine.errors import EngineError
-from kvfleet.runtime.server.errors import BadRequestError, OpenAIError, from_engine_error, validation_error
+from kvfleet.runtime.server.errors import (
+    BadRequestError,
+    InternalServerError,
+    OpenAIError,
+    from_engine_error,
+    validation_error,
+)
 from kvfleet.runtime.server.priorities import BACKGROUND_TIER, TIERS
 from kvfleet.runtime.server.protocol import ChatCompletionRequest, CompletionRequest
 from kvfleet.runtime.server.serving_chat import OpenAIServingChat
@@ -17,6 +24,8 @@ from kvfleet.runtime.server.serving_completions import OpenAIServingCompletion
 from kvfleet.runtime.server.state import ServerState
 from pydantic import ValidationError
 from starlette.requests import Request
+
+logger = logging.getLogger(__name__)
 
 BATCH_PRIORITY = TIERS[BACKGROUND_TIER]
 
@@ -46,6 +55,11 @@ class BatchRequestRunner:
             return exc.status_code, exc.body()
         except EngineError as exc:
             error = from_engine_error(exc)
+            return error.status_code, error.body()
+        except Exception as exc:
+            # A line's unexpected fault is its own answer, as a request's is its own 500: never the batch's.
+            logger.exception("a batch line to %s failed", url)
+            error = InternalServerError(f"internal error: {type(exc).__name__}")
             return error.status_code, error.body()
         return response.status_code, json.loads(bytes(response.body))
 

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import AsyncIterator
 from typing import Annotated
 
 from fastapi import FastAPI, File, Form, Query, Request, UploadFile
-from kvfleet.runtime.batch.store import BatchApiError, BatchStore
+from kvfleet.runtime.batch.store import BatchApiError, BatchStore, fault_reason
 from kvfleet.runtime.batch.worker import BatchWorker
 from kvfleet.runtime.server.batch_requests import BatchRequestRunner
 from kvfleet.runtime.server.errors import (
@@ -22,6 +23,8 @@ from kvfleet.runtime.server.errors import (
 from kvfleet.runtime.server.protocol import BatchCreateRequest
 from kvfleet.runtime.server.state import ServerState
 from starlette.responses import FileResponse, JSONResponse, Response
+
+logger = logging.getLogger(__name__)
 
 FILES_PATH = "/v1/files"
 _ERRORS: dict[str, type[OpenAIError]] = {
@@ -39,6 +42,7 @@ class BatchService:
     """The store and its worker, for the lifetime of the app."""
 
     def __init__(self, state: ServerState, store: BatchStore) -> None:
+        self.state = state
         self.store = store
         runner = BatchRequestRunner(state)
         # Twice the engine's batch: a line is waiting to take the place of each that finishes.
@@ -49,13 +53,24 @@ class BatchService:
     async def running(self) -> AsyncIterator[None]:
         self._loop = asyncio.get_running_loop()
         task = asyncio.create_task(self.worker.run_forever())
+        task.add_done_callback(self._worker_ended)
         try:
             yield
         finally:
             task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            # Waited for, not awaited: a worker that has stopped was reported when it did.
+            await asyncio.wait([task])
             self.store.close()
+
+    def _worker_ended(self, task: asyncio.Task[None]) -> None:
+        """A worker that ends before the app does has met a store it cannot use: /health and /ready say so,
+        so that the pod is restarted rather than left holding batches nobody runs."""
+        if task.cancelled():
+            return
+        error = task.exception()
+        assert error is not None, "the worker only ends by raising"
+        logger.error("the batch worker has stopped", exc_info=error)
+        self.state.batch_worker_failure = f"the batch worker has stopped: {fault_reason(error)}"
 
     def wake_worker(self) -> None:
         """For routes, which run on the thread pool: the worker's event belongs to the event loop."""

@@ -8,7 +8,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import click
-from kvfleet.runtime.batch.store import DEFAULT_MAX_BATCH_FILE_BYTES
+from kvfleet.runtime.batch.store import (
+    DEFAULT_MAX_BATCH_FILE_BYTES,
+    DEFAULT_MAX_BATCH_FILES,
+    DEFAULT_MAX_BATCH_STORE_BYTES,
+)
 from kvfleet.runtime.config import EngineConfig, engine_config_from_options, engine_options
 from kvfleet.runtime.server.priorities import DEFAULT_TIER, TIER_NAMES, TIERS
 from kvfleet.runtime.server.state import (
@@ -176,6 +180,20 @@ served_model_name_option = click.option(
     help="The largest batch input file an upload may bring.",
 )
 @click.option(
+    "--max-batch-files",
+    type=click.IntRange(min=1),
+    default=DEFAULT_MAX_BATCH_FILES,
+    show_default=True,
+    help="The most batch input files the store keeps; uploads past it get 400 until some are deleted.",
+)
+@click.option(
+    "--max-batch-store-bytes",
+    type=click.IntRange(min=1),
+    default=DEFAULT_MAX_BATCH_STORE_BYTES,
+    show_default=True,
+    help="The most bytes the store's files (inputs and outputs) may take; uploads past it get 400.",
+)
+@click.option(
     "--lora-modules",
     multiple=True,
     metavar="NAME=PATH",
@@ -237,6 +255,8 @@ def serve(
     tool_call_parser: str | None,
     batch_store: str | None,
     max_batch_file_bytes: int,
+    max_batch_files: int,
+    max_batch_store_bytes: int,
     lora_modules: tuple[str, ...],
     allow_runtime_lora_updates: bool,
     lora_download_dir: str | None,
@@ -311,6 +331,8 @@ def serve(
         tool_call_parser=tool_call_parser,
         batch_store=batch_store,
         max_batch_file_bytes=max_batch_file_bytes,
+        max_batch_files=max_batch_files,
+        max_batch_store_bytes=max_batch_store_bytes,
         allow_runtime_lora_updates=allow_runtime_lora_updates,
         safety=safety,
     )

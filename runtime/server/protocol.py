@@ -14,9 +14,20 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
+from kvfleet.runtime import json_depth
 from kvfleet.runtime.sampling_params import SamplingParams, StructuredOutputsParams
 from kvfleet.runtime.server.errors import BadRequestError
-from pydantic import AllowInfNan, BaseModel, ConfigDict, Field, Strict, StrictBool, StrictInt, field_validator
+from pydantic import (
+    AllowInfNan,
+    BaseModel,
+    ConfigDict,
+    Field,
+    Strict,
+    StrictBool,
+    StrictInt,
+    field_validator,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError
 
 FiniteFloat = Annotated[float, Strict(), AllowInfNan(False)]
@@ -303,11 +314,21 @@ class InputAudio(_Body):
     format: str
 
 
+_PART_TYPES = ("text", "image_url", "input_audio")
+
+
 class ContentPart(_Body):
     type: str
     text: str | None = None
     image_url: ImageURL | None = None
     input_audio: InputAudio | None = None
+
+    @model_validator(mode="after")
+    def _holds_its_type(self) -> ContentPart:
+        # Each known type carries a field of its own name: a part without it has nothing to render or load.
+        if self.type in _PART_TYPES and getattr(self, self.type) is None:
+            raise ValueError(f"a content part of type {self.type!r} needs its {self.type!r} field")
+        return self
 
     @property
     def is_text(self) -> bool:
@@ -384,8 +405,8 @@ class ChatMessage(_Body):
 def _arguments(text: str) -> Any:
     """A call's arguments as an object, or the text itself where it is not a JSON object."""
     try:
-        value = json.loads(text)
-    except json.JSONDecodeError:
+        value = json_depth.loads(text)
+    except (json.JSONDecodeError, json_depth.JSONTooDeepError):
         return text
     return value if isinstance(value, dict) else text
 

@@ -5,7 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvfleet.runtime.batch.store import DEFAULT_MAX_BATCH_FILE_BYTES
+from kvfleet.runtime.batch.store import (
+    DEFAULT_MAX_BATCH_FILE_BYTES,
+    DEFAULT_MAX_BATCH_FILES,
+    DEFAULT_MAX_BATCH_STORE_BYTES,
+)
 from kvfleet.runtime.engine.async_llm import AsyncLLM
 from kvfleet.runtime.metrics import ServerMetrics
 from kvfleet.runtime.server.priorities import DEFAULT_TIER, TIER_NAMES, TIERS
@@ -51,6 +55,8 @@ class ServerSettings:
     # The Batch API's folder (its database and files); None: no /v1/files or /v1/batches.
     batch_store: str | None = None
     max_batch_file_bytes: int = DEFAULT_MAX_BATCH_FILE_BYTES
+    max_batch_files: int = DEFAULT_MAX_BATCH_FILES
+    max_batch_store_bytes: int = DEFAULT_MAX_BATCH_STORE_BYTES
     # POST /v1/load_lora_adapter and /v1/unload_lora_adapter are served.
     allow_runtime_lora_updates: bool = False
     # Input and output guardrails (docs/safety.md); None: none.
@@ -69,14 +75,23 @@ class ServerState:
     lora_adapters: LoRAAdapters | None = None
     # The checkers of settings.safety; None without it.
     guardrails: ServerGuardrails | None = None
+    # Why the Batch API's worker has stopped (its store broken), once it has: only a restart mends that.
+    batch_worker_failure: str | None = None
 
     @property
     def ready(self) -> bool:
-        return self.engine.ready and not self.draining
+        return self.engine.ready and not self.draining and self.batch_worker_failure is None
 
-    def not_ready_reason(self) -> str:
+    @property
+    def failure(self) -> str | None:
+        """Why this server can no longer do its work, if it cannot."""
         if self.engine.error is not None:
             return f"the engine has failed: {self.engine.error}"
+        return self.batch_worker_failure
+
+    def not_ready_reason(self) -> str:
+        if self.failure is not None:
+            return self.failure
         if self.draining:
             return "the server is draining"
         return "the model is loading"

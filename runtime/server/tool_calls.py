@@ -27,6 +27,7 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvfleet.runtime import json_depth
 from kvfleet.runtime.sampling_params import StructuredOutputsParams
 from kvfleet.runtime.server.errors import BadRequestError
 from kvfleet.runtime.server.protocol import ChatCompletionRequest, Tool
@@ -101,8 +102,8 @@ class OutputReading:
         for call in self.calls:
             assert call.name is not None and call.end is not None
             try:
-                json.loads(text[call.start : call.end])
-            except json.JSONDecodeError:
+                json_depth.loads(text[call.start : call.end])
+            except (json.JSONDecodeError, json_depth.JSONTooDeepError):
                 return text, []
             calls.append(ParsedCall(call.name, call.arguments(text)))
         # Not stripped: what came before the first call may have been streamed already, as it is.

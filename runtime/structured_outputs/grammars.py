@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import jsonschema
+from kvfleet.runtime import json_depth
 from kvfleet.runtime.sampling_params import StructuredOutputsParams
 
 if TYPE_CHECKING:
@@ -44,8 +45,6 @@ UNENFORCED_KEYWORDS = frozenset(
         "unevaluatedItems",
     }
 )
-# JSON nesting a schema may have: checking and compiling recurse, and real schemas stay far below this.
-MAX_SCHEMA_NESTING = 64
 # Keywords whose values are schemas, lists of schemas, or maps of names to schemas.
 _SCHEMA_KEYWORDS = frozenset(
     {"items", "additionalProperties", "additionalItems", "not", "if", "then", "else"}
@@ -119,8 +118,11 @@ def check_json_schema(schema: Any) -> None:
     """Raises GrammarError unless `schema` is a valid JSON Schema whose every keyword can be enforced."""
     if not isinstance(schema, dict | bool):
         raise GrammarError(f"invalid json: a JSON schema is an object, got {type(schema).__name__}")
-    if _nesting(schema) > MAX_SCHEMA_NESTING:
-        raise GrammarError(f"unsupported json: the schema nests deeper than {MAX_SCHEMA_NESTING} levels")
+    if json_depth.value_depth(schema) > json_depth.MAX_JSON_DEPTH:
+        # Checking and compiling recurse.
+        raise GrammarError(
+            f"unsupported json: the schema nests deeper than {json_depth.MAX_JSON_DEPTH} levels"
+        )
     validator = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
     try:
         validator.check_schema(schema)
@@ -154,20 +156,6 @@ def _check_reference(schema: dict[str, Any], reference: str, path: str) -> None:
             raise GrammarError(f"invalid json: $ref {reference!r} (at '{where}') leads nowhere in the schema")
 
 
-def _nesting(document: Any) -> int:
-    """How deep lists and objects nest in a JSON document, found without recursion."""
-    deepest = 0
-    stack = [(document, 1)]
-    while stack:
-        value, depth = stack.pop()
-        if isinstance(value, dict | list):
-            deepest = max(deepest, depth)
-            if depth <= MAX_SCHEMA_NESTING:
-                children = value.values() if isinstance(value, dict) else value
-                stack.extend((child, depth + 1) for child in children)
-    return deepest
-
-
 def _keywords(schema: Any, path: str) -> Iterator[tuple[str, str, Any]]:
     """(path, keyword, value) of every keyword of a schema and of its subschemas."""
     if not isinstance(schema, dict):
@@ -186,11 +174,15 @@ def _keywords(schema: Any, path: str) -> Iterator[tuple[str, str, Any]]:
 
 
 def _canonical_json(schema: str | dict[str, Any] | None) -> str:
-    if isinstance(schema, str):
-        try:
-            schema = json.loads(schema)
-        except json.JSONDecodeError as exc:
-            raise GrammarError(f"invalid json: the schema is not JSON: {exc}") from None
+    try:
+        if isinstance(schema, str):
+            schema = json_depth.loads(schema)
+        else:
+            json_depth.check_value(schema)
+    except json_depth.JSONTooDeepError as exc:
+        raise GrammarError(f"unsupported json: {exc}") from None
+    except json.JSONDecodeError as exc:
+        raise GrammarError(f"invalid json: the schema is not JSON: {exc}") from None
     return json.dumps(schema, separators=(",", ":"))
 
 

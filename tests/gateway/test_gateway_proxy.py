@@ -124,6 +124,9 @@ MALFORMED = [
     ("/v1/completions", json.dumps({"model": "m"}).encode(), {}),
     ("/v1/completions", json.dumps({"model": "m", "prompt": {"text": "x"}}).encode(), {}),
     ("/v1/completions", b"\xff\xfe", {}),
+    # JSON past the nesting limit: thousands deep was a 500 (RecursionError), hundreds deep was forwarded.
+    ("/v1/completions", b'{"model": "m", "prompt": "x", "user": ' + b"[" * 5000 + b"]" * 5000 + b"}", {}),
+    ("/v1/completions", b'{"model": "m", "prompt": "x", "user": ' + b"[" * 300 + b"]" * 300 + b"}", {}),
 ]
 
 

@@ -3,16 +3,23 @@ poll, download; refusals; cancel; expiry; a server killed mid-batch and restarte
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
+import sqlite3
 import time
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 import openai
 import pytest
+from kvfleet.runtime.batch.store import BatchStore
+from kvfleet.runtime.metrics import ServerMetrics
+from kvfleet.runtime.server.batch_routes import BatchService
+from kvfleet.runtime.server.state import ServerSettings, ServerState
 
 if TYPE_CHECKING:
     from conftest import ServerProcess
@@ -168,6 +175,22 @@ def test_bad_requests_get_clear_4xx(client: openai.OpenAI) -> None:
         client.batches.create(input_file_id=file_id, endpoint="/v1/embeddings", completion_window="24h")
     with pytest.raises(openai.BadRequestError, match="completion_window"):
         client.batches.create(input_file_id=file_id, endpoint="/v1/completions", completion_window="soon")
+    # These three were 500s.
+    with pytest.raises(openai.BadRequestError, match="at most 24h"):
+        client.batches.create(
+            input_file_id=file_id, endpoint="/v1/completions", completion_window="99999999999999999999d"
+        )
+    with pytest.raises(openai.BadRequestError, match="at most 16 pairs"):
+        client.batches.create(
+            input_file_id=file_id,
+            endpoint="/v1/completions",
+            completion_window="24h",
+            metadata={f"key{index}": "value" for index in range(17)},
+        )
+    nested = jsonl([request_line("deep", "/v1/completions", {"model": MODEL_NAME, "user": "<deep>"})])
+    nested = nested.replace(b'"<deep>"', b"[" * 5000 + b"]" * 5000)
+    with pytest.raises(openai.BadRequestError, match=r"line 2 of the file: .* nests deeper than 64 levels"):
+        client.files.create(file=("x.jsonl", jsonl(good) + nested), purpose="batch")
     for call in (client.batches.retrieve, client.batches.cancel, client.files.retrieve, client.files.delete):
         with pytest.raises(openai.NotFoundError):
             call("batch_unknown")
@@ -244,3 +267,29 @@ def test_a_killed_server_resumes_the_batch_and_answers_every_line_once(
     assert sorted(r["custom_id"] for r in answered) == sorted(line["custom_id"] for line in lines)
     assert all(r["response"]["body"]["usage"]["completion_tokens"] == 32 for r in answered)
     assert done.error_file_id is None
+
+
+def test_a_worker_that_cannot_read_its_store_fails_the_probes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The worker used to die with /health and /ready still answering OK, and batches stayed validating.
+    engine = SimpleNamespace(ready=True, error=None, config=SimpleNamespace(max_num_seqs=2))
+    state = ServerState(ServerSettings(MODEL_NAME), engine, ServerMetrics(MODEL_NAME))  # type: ignore[arg-type]
+    store = BatchStore(tmp_path)
+    service = BatchService(state, store)
+
+    def unreadable() -> list[Any]:
+        raise sqlite3.DatabaseError("disk I/O error")
+
+    monkeypatch.setattr(store, "unfinished_batches", unreadable)
+
+    async def run() -> None:
+        async with service.running():
+            deadline = time.monotonic() + 10
+            while state.ready:
+                assert time.monotonic() < deadline, "the server stayed ready"
+                await asyncio.sleep(0.01)
+
+    asyncio.run(run())
+    assert state.failure == "the batch worker has stopped: storage error: disk I/O error"
+    assert state.not_ready_reason() == state.failure

@@ -261,6 +261,20 @@ def test_a_thin_image_is_refused_before_it_costs_memory(
     _assert_still_serving(client)
 
 
+@pytest.mark.parametrize("kind", ["image_url", "input_audio", "text"])
+def test_a_part_without_the_field_its_type_names_is_a_400(client: openai.OpenAI, kind: str) -> None:
+    # An image_url part without image_url was a 500 (the media loader took the image for granted).
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(
+            model=MODEL_NAME, messages=[_user("Look: ", {"type": kind, kind: None})], **GREEDY
+        )
+    error = caught.value.body
+    assert f"a content part of type {kind!r} needs its {kind!r} field" in error["message"], error
+    assert error["param"] == "messages.0.content.1", error
+    chat = client.chat.completions.create(model=MODEL_NAME, messages=[_user("Hello")], **GREEDY)
+    assert chat.usage.completion_tokens == MAX_TOKENS
+
+
 def test_too_many_images_is_a_400(client: openai.OpenAI) -> None:
     url = _data_url(_encoded(_image(6)))
     with pytest.raises(openai.BadRequestError) as caught:

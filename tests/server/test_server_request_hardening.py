@@ -375,3 +375,57 @@ def test_special_token_strings_in_messages_stay_text(
     # Exactly the template's own special tokens: those of the same conversation with harmless content.
     template_only = hf_prompt([{"role": "user", "content": "x"}])
     assert [t for t in tokens if t in special_ids] == [t for t in template_only if t in special_ids]
+
+
+def _nested(depth: int) -> str:
+    return "[" * depth + "]" * depth
+
+
+# (route, fields, the refused param, what the message says). In the fields, the value "<deep>" stands for
+# JSON nested 5000 deep, "<shallower>" for 900 deep, and "<deep-text>" in a string for the text of 5000.
+# Each was a 500 (RecursionError) or a bare "error parsing the body"; JSON a few hundred deep used to pass
+# the parse and break whatever walked it next.
+NESTED = {
+    "the body": ("/v1/completions", {"user": "<deep>"}, None, "nests deeper than 64 levels"),
+    "a body a few hundred deep": (
+        "/v1/completions",
+        {"structured_outputs": {"json": {"type": "object", "x": "<shallower>"}}},
+        None,
+        "nests deeper than 64 levels",
+    ),
+    "a schema given as text": (
+        "/v1/completions",
+        {"structured_outputs": {"json": '{"type": "object", "x": <deep-text>}'}},
+        "structured_outputs",
+        "nests deeper than 64 levels",
+    ),
+    # Arguments that are not a JSON object are rendered as text: here, more than the context holds.
+    "an assistant call's arguments": (
+        "/v1/chat/completions",
+        {
+            "messages": [
+                {"role": "user", "content": "hi"},
+                {
+                    "role": "assistant",
+                    "tool_calls": [
+                        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "<deep-text>"}}
+                    ],
+                },
+            ]
+        },
+        "messages",
+        "maximum context length",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(NESTED))
+def test_json_nested_past_the_limit_is_a_400(server: ServerProcess, http: httpx.Client, case: str) -> None:
+    path, fields, param, message = NESTED[case]
+    text = json.dumps(_body(path, **fields)).replace('"<deep>"', _nested(5000))
+    text = text.replace('"<shallower>"', _nested(900)).replace("<deep-text>", _nested(5000))
+    with RequestBeside(server) as beside:
+        response = http.post(path, content=text.encode(), headers={"content-type": "application/json"})
+        error = openai_error(response, 400)
+        assert (error["param"], message in error["message"]) == (param, True), error
+        assert beside.running

@@ -440,7 +440,12 @@ def _nested_arrays(depth: int) -> dict[str, Any]:
             "structured_outputs",
             "$ref",
         ),
-        ({"structured_outputs": {"json": _nested_arrays(400)}}, "structured_outputs", "deeper than 64"),
+        # As text: a body nesting as deep is refused before its fields are read.
+        (
+            {"structured_outputs": {"json": json.dumps(_nested_arrays(400))}},
+            "structured_outputs",
+            "deeper than 64",
+        ),
         ({"structured_outputs": {"choice": []}}, "structured_outputs", "choice"),
         ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs", "exactly one"),
         ({"structured_outputs": {"json": "{not json"}}, "structured_outputs", "not JSON"),

@@ -18,8 +18,9 @@ import httpx
 import jsonschema
 import openai
 import pytest
+from kvfleet.runtime.json_depth import MAX_JSON_DEPTH
 from kvfleet.runtime.server.protocol import ChatCompletionRequest
-from kvfleet.runtime.server.tool_calls import ToolCalling
+from kvfleet.runtime.server.tool_calls import TOOL_CALL_PARSERS, ToolCalling
 from transformers import AutoTokenizer
 
 if TYPE_CHECKING:
@@ -405,3 +406,22 @@ def test_streamed_calls_are_read_in_time_linear_in_their_length(parser: str | No
         for length in (3000, 12000)
     )
     assert long < 8 * short, f"{short * 1000:.1f} ms for 3000 characters, {long * 1000:.1f} ms for 12000"
+
+
+def _nested_call(parser: str, depth: int) -> tuple[str, str]:
+    """(output, arguments) of a call whose arguments hold a list nested `depth` deep: the call's JSON nests
+    two levels more."""
+    arguments = '{"city": ' + "[" * depth + "]" * depth + "}"
+    call = f'{{"name": "get_weather", "{"arguments" if parser == "hermes" else "parameters"}": {arguments}}}'
+    return (f"<tool_call>{call}</tool_call>" if parser == "hermes" else call), arguments
+
+
+@pytest.mark.parametrize("parser", sorted(TOOL_CALL_PARSERS))
+def test_a_call_nested_past_the_json_limit_is_content(parser: str) -> None:
+    read = TOOL_CALL_PARSERS[parser]({"get_weather"}).read
+    text, arguments = _nested_call(parser, MAX_JSON_DEPTH - 2)
+    content, calls = read(text).parsed(text)
+    assert content is None and [call.arguments for call in calls] == [arguments]
+    # Output nested a few thousand deep made reading it raise RecursionError: a 500, or a failed batch line.
+    text, _ = _nested_call(parser, 5000)
+    assert read(text).parsed(text) == (text, [])

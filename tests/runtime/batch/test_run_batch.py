@@ -90,6 +90,10 @@ def test_jsonl_answers_match_the_offline_engine_and_bad_lines_get_error_records(
         batch_line("bad-temperature", "/v1/completions", {"prompt": "x", **sampling, "temperature": "hot"}),
         batch_line("no-messages", "/v1/chat/completions", {"messages": [], **sampling}),
         batch_line("completion-0", "/v1/completions", {"prompt": "repeated id", **sampling}),
+        # It used to end the whole run with RecursionError.
+        json.dumps(
+            batch_line("deep", "/v1/completions", {"prompt": "x", **sampling, "user": "<deep>"})
+        ).replace('"<deep>"', "[" * 5000 + "]" * 5000),
     ]
     source, answers = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     write_jsonl(source, good[:3] + bad + good[3:])
@@ -117,9 +121,10 @@ def test_jsonl_answers_match_the_offline_engine_and_bad_lines_get_error_records(
         assert response["request_id"] == body["id"]
 
     unkeyed = [record for record in records if record["custom_id"] is None]
-    assert [record["error"]["code"] for record in unkeyed] == ["invalid_request", "invalid_request"]
+    assert [record["error"]["code"] for record in unkeyed] == ["invalid_request"] * 3
     assert "not valid JSON" in unkeyed[0]["error"]["message"]
     assert "repeated" in unkeyed[1]["error"]["message"]
+    assert "nests deeper than 64 levels" in unkeyed[2]["error"]["message"]
     assert by_id["bad-url"]["response"] is None
     assert by_id["bad-url"]["error"]["code"] == "invalid_request"
     wrong_model = by_id["wrong-model"]["response"]
