@@ -31,10 +31,11 @@ _X86_LEVELS: tuple[tuple[str, frozenset[str]], ...] = (
 )
 # The highest level each ATEN_CPU_CAPABILITY value lets through.
 _CAPABILITY_LEVELS = {"avx512": "x86-64-v4", "avx2": "x86-64-v3", "default": "x86-64"}
-# What oneDNN's packed half-precision GEMM needs, as torch checks it (any one flag of a dtype suffices).
-_HALF_PRECISION_FLAGS = {
-    torch.bfloat16: ("avx512bw and avx512vl and avx512dq", "avx_ne_convert"),
-    torch.float16: ("avx512_fp16", "amx_fp16", "avx_ne_convert"),
+# For each half-precision dtype: torch's check that oneDNN's packed GEMM runs on this CPU, and what it needs
+# (any one of these).
+_HALF_PRECISION_CHECKS = {
+    torch.bfloat16: ("_is_mkldnn_bf16_supported", ("avx512bw and avx512vl and avx512dq", "avx_ne_convert")),
+    torch.float16: ("_is_mkldnn_fp16_supported", ("avx512_fp16", "amx_fp16", "avx_ne_convert")),
 }
 
 
@@ -85,14 +86,13 @@ def onednn_packs(dtype: torch.dtype) -> bool:
     CPU; half precision needs the instructions torch checks for, and none that ATEN_CPU_CAPABILITY masks."""
     if dtype == torch.float32:
         return True
-    checks = {torch.bfloat16: "_is_mkldnn_bf16_supported", torch.float16: "_is_mkldnn_fp16_supported"}
-    if dtype not in checks:
+    if dtype not in _HALF_PRECISION_CHECKS:
         return False
     target = cpu_target()
     if target.capped_by is not None:
         _log_unpacked(dtype, f"{CAPABILITY_ENV_VAR}={target.capped_by} masks")
         return False
-    if not getattr(torch.ops.mkldnn, checks[dtype])():
+    if not getattr(torch.ops.mkldnn, _HALF_PRECISION_CHECKS[dtype][0])():
         _log_unpacked(dtype, "this CPU lacks")
         return False
     return True
@@ -103,7 +103,7 @@ def _log_unpacked(dtype: torch.dtype, reason: str) -> None:
     logger.warning(
         "%s projections run unpacked (slower): oneDNN's packed kernels for them need %s, which %s",
         str(dtype).removeprefix("torch."),
-        " or ".join(_HALF_PRECISION_FLAGS[dtype]),
+        " or ".join(_HALF_PRECISION_CHECKS[dtype][1]),
         reason,
     )
 
