@@ -14,6 +14,7 @@ COPY kvfleet kvfleet
 COPY runtime runtime
 COPY operator operator
 COPY gateway gateway
+COPY contract contract
 # -P: the source tree's operator/ must not shadow the standard library's operator module.
 RUN python -P -m pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
 

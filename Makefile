@@ -23,7 +23,7 @@ VLLM_STAMP := $(VLLM_VENV)/.vllm-$(shell echo $(VLLM_TORCH) | cat - bench/vllm/r
 # for any `python -m` run here before the editable install exists.
 setup: $(STAMP)
 	@# The editable install points at this checkout; re-pointing it is cheap and keeps clones independent.
-	@$(PY) -I -c 'import kvfleet.runtime as r, pathlib, sys; sys.exit(pathlib.Path(r.__file__).parent != pathlib.Path("runtime").resolve())' 2>/dev/null \
+	@$(PY) -I -c 'import kvfleet.contract, kvfleet.runtime as r, pathlib, sys; sys.exit(pathlib.Path(r.__file__).parent != pathlib.Path("runtime").resolve())' 2>/dev/null \
 		|| $(PY) -P -m pip install -q --no-deps --no-build-isolation -e .
 
 $(STAMP): $(wildcard requirements/*.txt) pyproject.toml

@@ -13,5 +13,6 @@ setup(
         *mapped("kvfleet.runtime", "runtime"),
         *mapped("kvfleet.operator", "operator"),
         *mapped("kvfleet.gateway", "gateway"),
+        *mapped("kvfleet.contract", "contract"),
     ]
 )

@@ -42,8 +42,8 @@ from typing import Any
 
 import openai
 import yaml
+from kvfleet.contract.tiers import PRIORITY_HEADER
 from kvfleet.operator.api import qualified_name
-from kvfleet.runtime.server.priorities import PRIORITY_HEADER
 
 from e2e.cluster import ClusterConfig, LocalCluster
 from e2e.fleet.chart import OPERATOR_NAMESPACE, install_chart

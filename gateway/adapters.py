@@ -17,8 +17,8 @@ import asyncio
 import logging
 
 import aiohttp
+from kvfleet.contract.metrics import LORA_ADAPTER_INFO, LORA_NAME_LABEL
 from kvfleet.gateway.flow import Fleet
-from kvfleet.runtime.metrics import LORA_ADAPTER_INFO
 from prometheus_client.parser import text_string_to_metric_families
 
 logger = logging.getLogger(__name__)
@@ -33,11 +33,11 @@ MAX_METRICS_BYTES = 4 * 1024 * 1024
 def adapter_names(metrics_text: str) -> frozenset[str]:
     """The adapter names a replica's /metrics page lists."""
     return frozenset(
-        sample.labels["lora_name"]
+        sample.labels[LORA_NAME_LABEL]
         for family in text_string_to_metric_families(metrics_text)
         if family.name == LORA_ADAPTER_INFO
         for sample in family.samples
-        if "lora_name" in sample.labels
+        if LORA_NAME_LABEL in sample.labels
     )
 
 

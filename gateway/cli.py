@@ -9,6 +9,7 @@ import logging
 import signal
 
 import click
+from kvfleet.contract.routing import DEFAULT_POLICY, POLICY_NAMES
 from kvfleet.gateway.adapters import DEFAULT_ADAPTER_POLL_SECONDS
 from kvfleet.gateway.discovery import (
     DEFAULT_HOLD_SECONDS,
@@ -28,7 +29,7 @@ from kvfleet.gateway.proxy import (
     Network,
     UpstreamTimeouts,
 )
-from kvfleet.gateway.routing import DEFAULT_LOAD_BOUND, DEFAULT_POLICY, DEFAULT_PREFIX_CHARS, POLICY_NAMES
+from kvfleet.gateway.routing import DEFAULT_LOAD_BOUND, DEFAULT_PREFIX_CHARS
 
 logger = logging.getLogger(__name__)
 

@@ -13,8 +13,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
-from kvfleet.gateway.routing import DEFAULT_LOAD_BOUND, DEFAULT_POLICY, DEFAULT_PREFIX_CHARS, PolicyName
-from kvfleet.runtime.server.priorities import DEFAULT_TIER, TIERS
+from kvfleet.contract.routing import DEFAULT_POLICY, PolicyName
+from kvfleet.contract.tiers import DEFAULT_TIER, TIERS
+from kvfleet.gateway.routing import DEFAULT_LOAD_BOUND, DEFAULT_PREFIX_CHARS
 
 DEFAULT_MAX_IN_FLIGHT = 32
 DEFAULT_HOLD_SECONDS = 60.0

@@ -15,7 +15,8 @@ urgent tiers that sent requests in the last minute (an eighth of the cap per tie
 urgent of them, at least one, never all; a model whose requests are all of one tier keeps nothing): the
 gateway's queue is then the only place where requests wait, and a critical request finds a place at once.
 Background (batch) requests go there only while no other request is in flight, as the replica itself would
-start them only then.
+start them only then. Who displaces whom, the background hold and which request a full queue sheds are the
+replica's own rules (kvfleet.contract.precedence).
 
 A LoRA adapter is a model of its own whose replicas are those of its base model that serve it. A replica is
 one object shared by every model routed to it, so its in-flight cap counts the requests of all of them, and a
@@ -41,6 +42,8 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
+from kvfleet.contract.precedence import QueuedRequest, choose_victim, holds_background, is_background
+from kvfleet.contract.tiers import PRIORITY_RANGE, tier_of
 from kvfleet.gateway.discovery import ModelConfig
 from kvfleet.gateway.metrics import GatewayMetrics
 from kvfleet.gateway.routing import Policy, Replica, bounded_load, make_policy
@@ -51,10 +54,8 @@ from kvfleet.runtime.server.openai_errors import (
     OverloadedError,
     ServiceUnavailableError,
 )
-from kvfleet.runtime.server.priorities import BACKGROUND_TIER, PRIORITY_RANGE, TIERS, tier_of
 
 DEFAULT_MAX_QUEUE = 1024
-BACKGROUND_PRIORITY = TIERS[BACKGROUND_TIER]
 URGENT_TIER_MEMORY_S = 60.0
 
 
@@ -190,7 +191,7 @@ class ModelPool:
         cap = self.config.max_in_flight
         if self.config.replicas_preempt:
             return replica.in_flight_before(priority) < cap
-        if priority >= BACKGROUND_PRIORITY and replica.in_flight_before(BACKGROUND_PRIORITY - 1):
+        if is_background(priority) and holds_background(replica.by_priority):
             # The replica runs background requests only when no other is present: sent now, it would hold
             # this one in its own queue, where it would count against the cap and keep out urgent requests.
             return False
@@ -221,15 +222,17 @@ class ModelPool:
     def _admit(self, waiter: _Waiter) -> None:
         """Queues the waiter, shedding the least urgent one queued if the queue is full."""
         if self._waiting >= self.max_queue:
-            live = [queued for queued in self._heap if not queued.future.done()]
-            victim = max(live)
-            if waiter > victim:
+            live = {str(queued.sequence): queued for queued in self._heap if not queued.future.done()}
+            candidates = (QueuedRequest(key, w.priority, w.sequence) for key, w in live.items())
+            victim_key = choose_victim(candidates, waiter.priority)
+            if victim_key is None:
                 self.metrics.rejected.labels(self.config.name, "queue_full", tier_of(waiter.priority)).inc()
                 raise OverloadedError(
                     f"the queue of model {self.config.name!r} is full ({self.max_queue} requests), "
                     "none of them less urgent than this one",
                     code="queue_full",
                 )
+            victim = live[victim_key]
             self.metrics.rejected.labels(self.config.name, "shed", tier_of(victim.priority)).inc()
             victim.future.set_exception(
                 OverloadedError(

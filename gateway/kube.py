@@ -24,6 +24,7 @@ from typing import Any
 
 from kubernetes import client, watch
 from kubernetes.client.exceptions import ApiException
+from kvfleet.contract.tiers import TIERS
 from kvfleet.gateway.discovery import ClientKey, ModelConfig, Publish
 from kvfleet.operator.api import (
     API_KEY_ENV,
@@ -37,7 +38,6 @@ from kvfleet.operator.api import (
     serves_api,
 )
 from kvfleet.operator.spec import SpecError, parse_spec
-from kvfleet.runtime.server.priorities import TIERS
 
 logger = logging.getLogger(__name__)
 

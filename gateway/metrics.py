@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import contextlib
 
+from kvfleet.contract.metrics import GATEWAY_QUEUE_DEPTH
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-QUEUE_DEPTH = "kvfleet_gateway_queue_depth"
 # Upstream waits span a cached short answer to a model starting from zero.
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
@@ -19,7 +19,7 @@ class GatewayMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         self.queue_depth = Gauge(
-            QUEUE_DEPTH,
+            GATEWAY_QUEUE_DEPTH,
             "Requests held in the gateway waiting for a replica.",
             ["model"],
             registry=self.registry,

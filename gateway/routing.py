@@ -25,11 +25,11 @@ import math
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Protocol
 
-PolicyName = Literal["round-robin", "least-request", "prefix-hash", "cache-aware"]
-POLICY_NAMES: tuple[PolicyName, ...] = ("round-robin", "least-request", "prefix-hash", "cache-aware")
-DEFAULT_POLICY: PolicyName = "least-request"
+from kvfleet.contract.precedence import displaces
+from kvfleet.contract.routing import PolicyName
+
 DEFAULT_PREFIX_CHARS = 256
 DEFAULT_LOAD_BOUND = 1.25
 # Points per replica on the hash ring: enough that keys spread evenly over a handful of replicas.
@@ -53,7 +53,7 @@ class Replica:
     def in_flight_before(self, priority: int) -> int:
         """The requests in flight that are at least as urgent as `priority`: those the replica would not
         preempt for a request of that priority."""
-        return sum(count for held, count in self.by_priority.items() if held <= priority)
+        return sum(count for held, count in self.by_priority.items() if not displaces(priority, held))
 
 
 Usable = Callable[[Replica], bool]

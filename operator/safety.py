@@ -16,13 +16,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from kvfleet.contract.safety import DEFAULT_ACTION, DEFAULT_LEVEL, STRICTNESS_FIELDS, loosened, tier_policy
 from kvfleet.operator.spec import SpecError
 
-# From the most lenient; the runtime's defaults are "medium" and "block".
-LEVELS = ("off", "low", "medium", "high")
-ACTIONS = ("flag", "redact", "block")
-DEFAULT_LEVEL = "medium"
-DEFAULT_ACTION = "block"
 # What the platform may let services loosen (chart value safety.allowLoosen).
 LOOSENABLE = ("level", "action", "checkers", "failOpen", "logContent")
 LOOSENED_REASON = "SafetyLoosened"
@@ -111,16 +107,11 @@ def check_loosening(platform: SafetyPlatform, service: Mapping[str, Any] | None)
     for tier in sorted(tiers, key=lambda t: t or ""):
         was, now = _policy(base, tier), _policy(effective, tier)
         where = "spec.safety" if tier is None else f"spec.safety.tiers.{tier}"
-        if _rank(LEVELS, now["level"]) < _rank(LEVELS, was["level"]) and "level" not in allowed:
-            problems.append(f"{where}.level {now['level']!r} is below the platform's {was['level']!r}")
-        if _rank(ACTIONS, now["action"]) < _rank(ACTIONS, was["action"]) and "action" not in allowed:
-            problems.append(
-                f"{where}.action {now['action']!r} is weaker than the platform's {was['action']!r}"
-            )
-        for direction in ("input", "output"):
-            dropped = sorted(set(was[direction]) - set(now[direction]))
-            if dropped and "checkers" not in allowed:
-                problems.append(f"{where}.{direction} drops the platform's {', '.join(dropped)}")
+        problems += [
+            _loosening(where, key, was, now)
+            for key in loosened(now, was)
+            if (key if key in ("level", "action") else "checkers") not in allowed
+        ]
     for checker in ("guard", "hook"):
         opened = _flag(effective, checker, "failOpen") and not _flag(base, checker, "failOpen")
         if opened and checker in base and "failOpen" not in allowed:
@@ -174,7 +165,17 @@ def _merge(base: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
     return result
 
 
+def _loosening(where: str, key: str, was: Mapping[str, Any], now: Mapping[str, Any]) -> str:
+    if key == "level":
+        return f"{where}.level {now['level']!r} is below the platform's {was['level']!r}"
+    if key == "action":
+        return f"{where}.action {now['action']!r} is weaker than the platform's {was['action']!r}"
+    dropped = sorted(set(was[key]) - set(now[key]))
+    return f"{where}.{key} drops the platform's {', '.join(dropped)}"
+
+
 def _policy(config: Mapping[str, Any], tier: str | None) -> dict[str, Any]:
+    """The strictness of a tier's policy, from the policy as written (camelCase JSON)."""
     policy = {
         "level": config.get("level", DEFAULT_LEVEL),
         "action": config.get("action", DEFAULT_ACTION),
@@ -182,16 +183,9 @@ def _policy(config: Mapping[str, Any], tier: str | None) -> dict[str, Any]:
         "output": list(config.get("output") or []),
     }
     override = (config.get("tiers") or {}).get(tier) if tier is not None else None
-    for key in policy:
-        if override and override.get(key) is not None:
-            policy[key] = override[key]
-    return policy
+    merged_policy = tier_policy(policy, override)
+    return {key: merged_policy[key] for key in STRICTNESS_FIELDS}
 
 
 def _flag(config: Mapping[str, Any], section: str, key: str) -> bool:
     return bool((config.get(section) or {}).get(key, False))
-
-
-def _rank(order: tuple[str, ...], value: str) -> int:
-    # An unknown value is refused by the CRD's schema and the runtime; here it ranks as the strictest.
-    return order.index(value) if value in order else len(order)

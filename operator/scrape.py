@@ -15,15 +15,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import aiohttp
-from kvfleet.gateway.metrics import QUEUE_DEPTH as GATEWAY_QUEUE_DEPTH
+from kvfleet.contract.metrics import GATEWAY_QUEUE_DEPTH, KV_CACHE_USAGE, PREFIXES, RUNNING, TTFT, WAITING
 from kvfleet.operator.autoscaler import PodMetrics
 
-PREFIXES = ("kvfleet:", "vllm:")
-WAITING = "num_requests_waiting"
-RUNNING = "num_requests_running"
-KV_CACHE_USAGE = "kv_cache_usage_perc"
-TTFT_SUM = "time_to_first_token_seconds_sum"
-TTFT_COUNT = "time_to_first_token_seconds_count"
+TTFT_SUM = f"{TTFT}_sum"
+TTFT_COUNT = f"{TTFT}_count"
 _WANTED = {
     prefix + name for prefix in PREFIXES for name in (WAITING, RUNNING, KV_CACHE_USAGE, TTFT_SUM, TTFT_COUNT)
 }

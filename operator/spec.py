@@ -12,16 +12,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, cast
 
-from kvfleet.gateway.routing import POLICY_NAMES, PolicyName
+from kvfleet.contract.engine import DTYPES, SCHEDULING_POLICIES, SchedulingPolicy
+from kvfleet.contract.routing import POLICY_NAMES, PolicyName
+from kvfleet.contract.tiers import DEFAULT_TIER, TIER_NAMES, TierName
 from kvfleet.operator.api import API_KEY_ENV, API_KEY_FLAG
 from kvfleet.operator.model_uri import ModelSource, ModelURIError, parse_model_uri
-from kvfleet.operator.tiers import TIER_NAMES, TIERS, SchedulingPolicy, TierName
+from kvfleet.operator.tiers import TIERS
 from kvfleet.runtime.lora.request import ADAPTER_NAME, ADAPTER_NAME_RULE
 
 PullPolicy = Literal["Always", "IfNotPresent", "Never"]
 PULL_POLICIES: tuple[PullPolicy, ...] = ("Always", "IfNotPresent", "Never")
-SCHEDULING_POLICIES: tuple[SchedulingPolicy, ...] = ("fcfs", "priority")
-DTYPES = ("auto", "float32", "float16", "bfloat16")
 BLOCK_SIZES = (8, 16, 32, 64, 128)
 GroupBackend = Literal["statefulset", "leaderworkerset"]
 GROUP_BACKENDS: tuple[GroupBackend, ...] = ("statefulset", "leaderworkerset")
@@ -138,7 +138,7 @@ class ScalingSpec:
 
 @dataclass(frozen=True)
 class SlaSpec:
-    tier: TierName = "standard"
+    tier: TierName = DEFAULT_TIER
     ttft_target_milliseconds: int | None = None
 
 
@@ -449,7 +449,7 @@ def _parse_batch(root: _Section, scaling: ScalingSpec, resources: ResourcesSpec)
 
 
 def _parse_sla(section: _Section) -> SlaSpec:
-    tier = section.choice("tier", TIER_NAMES, "standard")
+    tier = section.choice("tier", TIER_NAMES, DEFAULT_TIER)
     return SlaSpec(
         tier=cast(TierName, tier),
         ttft_target_milliseconds=section.integer("ttftTargetMilliseconds", minimum=1),

@@ -7,11 +7,9 @@ and, unless the spec names one, its scheduling policy.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
-TierName = Literal["critical", "high", "standard", "batch"]
-SchedulingPolicy = Literal["fcfs", "priority"]
-TIER_NAMES: tuple[TierName, ...] = ("critical", "high", "standard", "batch")
+from kvfleet.contract.engine import SchedulingPolicy
+from kvfleet.contract.tiers import TierName
 
 
 @dataclass(frozen=True)

@@ -12,11 +12,10 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar, get_args
 
 import click
+from kvfleet.contract.engine import DType, SchedulingPolicy
 from kvfleet.runtime.multimodal.media_sources import IPNetwork, MediaOrigin, parse_networks, parse_origins
 from kvfleet.runtime.spec_decode.config import SpeculativeConfig
 
-SchedulingPolicy = Literal["fcfs", "priority"]
-DType = Literal["auto", "float32", "float16", "bfloat16"]
 Device = Literal["auto", "cpu", "cuda"]
 MODALITIES = ("image", "audio")
 DEFAULT_ITEMS_PER_PROMPT = 4

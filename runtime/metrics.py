@@ -12,9 +12,19 @@ import contextlib
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
+from kvfleet.contract.metrics import (
+    KV_CACHE_USAGE,
+    KVFLEET_PREFIX,
+    LORA_ADAPTER_INFO,
+    LORA_NAME_LABEL,
+    RUNNING,
+    TTFT,
+    VLLM_PREFIX,
+    WAITING,
+)
 from kvfleet.runtime.core.outputs import SchedulerStats
-from kvfleet.runtime.engine.outputs import RequestOutput
 from prometheus_client import (
     CollectorRegistry,
     Counter,
@@ -27,9 +37,11 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+if TYPE_CHECKING:
+    # Only annotated: the engine records into these metrics, so importing its outputs would tie the two.
+    from kvfleet.runtime.engine.outputs import RequestOutput
+
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-# One series per served LoRA adapter, labelled with its name.
-LORA_ADAPTER_INFO = "kvfleet:lora_adapter_info"
 # Set (by `kvfleet serve --api-server-count N`) when several processes record metrics together.
 MULTIPROCESS_DIR = "PROMETHEUS_MULTIPROC_DIR"
 
@@ -74,7 +86,7 @@ class ServerMetrics:
             "prompt_tokens", "Prompt tokens of requests whose prefill finished."
         )
         self._generation_tokens = self._counter("generation_tokens", "Generated tokens.")
-        self._ttft = self._histogram("time_to_first_token_seconds", "Time to first token.", _TTFT_BUCKETS)
+        self._ttft = self._histogram(TTFT, "Time to first token.", _TTFT_BUCKETS)
         self._itl = self._histogram(
             "inter_token_latency_seconds",
             "Time between successive output tokens of a request.",
@@ -138,18 +150,24 @@ class ServerMetrics:
 
     def _counter(self, name: str, documentation: str) -> _Pair:
         return _Pair(
-            Counter(f"kvfleet:{name}", documentation, ["model_name", "tier"], registry=self.registry),
-            (Counter(f"vllm:{name}", documentation, ["model_name"], registry=self.registry),),
+            Counter(KVFLEET_PREFIX + name, documentation, ["model_name", "tier"], registry=self.registry),
+            (Counter(VLLM_PREFIX + name, documentation, ["model_name"], registry=self.registry),),
         )
 
     def _histogram(
         self, name: str, documentation: str, buckets: tuple[float, ...], extra_vllm: tuple[str, ...] = ()
     ) -> _Pair:
         kvfleet = Histogram(
-            f"kvfleet:{name}", documentation, ["model_name", "tier"], buckets=buckets, registry=self.registry
+            KVFLEET_PREFIX + name,
+            documentation,
+            ["model_name", "tier"],
+            buckets=buckets,
+            registry=self.registry,
         )
         vllm = tuple(
-            Histogram(f"vllm:{alias}", documentation, ["model_name"], buckets=buckets, registry=self.registry)
+            Histogram(
+                VLLM_PREFIX + alias, documentation, ["model_name"], buckets=buckets, registry=self.registry
+            )
             for alias in (name, *extra_vllm)
         )
         return _Pair(kvfleet, vllm)
@@ -290,6 +308,142 @@ class RequestTracker:
                     record(metrics._tpot, tier, decode / (per_sequence - 1))
 
 
+@dataclass(frozen=True)
+class _StatSeries:
+    """One engine-wide value, read from the scheduler's stats at scrape time."""
+
+    name: str
+    documentation: str
+    value: Callable[[SchedulerStats], float]
+    counter: bool = False
+    # vLLM's names beside `vllm:<name>`; None: kvfleet's own, which vLLM has no counterpart of.
+    vllm_aliases: tuple[str, ...] | None = ()
+
+    def names(self) -> list[str]:
+        if self.vllm_aliases is None:
+            return [KVFLEET_PREFIX + self.name]
+        return [
+            KVFLEET_PREFIX + self.name,
+            *(VLLM_PREFIX + alias for alias in (self.name, *self.vllm_aliases)),
+        ]
+
+
+def _series(
+    name: str,
+    documentation: str,
+    attribute: str | None = None,
+    *,
+    counter: bool = True,
+    vllm_aliases: tuple[str, ...] | None = (),
+) -> _StatSeries:
+    """A series of the stats' field `attribute` (by default, `name`)."""
+    field_name = attribute or name
+    return _StatSeries(name, documentation, lambda stats: getattr(stats, field_name), counter, vllm_aliases)
+
+
+def _draft_acceptance_rate(stats: SchedulerStats) -> float:
+    draft_tokens = stats.spec_decode_num_draft_tokens
+    return stats.spec_decode_num_accepted_tokens / draft_tokens if draft_tokens else 0.0
+
+
+def _mean_acceptance_length(stats: SchedulerStats) -> float:
+    drafts = stats.spec_decode_num_drafts
+    return 1 + stats.spec_decode_num_accepted_tokens / drafts if drafts else 0.0
+
+
+_SHARED_SERIES = (
+    _series(RUNNING, "Requests in the running batch.", "num_running", counter=False),
+    _series(
+        WAITING,
+        "Requests waiting to be scheduled (the queue depth to scale on).",
+        "num_waiting",
+        counter=False,
+    ),
+    _series(
+        KV_CACHE_USAGE,
+        "Fraction of KV cache blocks in use (0 to 1).",
+        "kv_cache_usage",
+        counter=False,
+        vllm_aliases=("gpu_cache_usage_perc",),
+    ),
+    _series("num_preemptions", "Preemptions by recompute.", "num_preempted_total"),
+    _series("prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
+    _series("prefix_cache_hits", "Prompt tokens found in the prefix cache."),
+    _series("spec_decode_num_drafts", "Speculative decoding: times a request verified draft tokens."),
+    _series("spec_decode_num_draft_tokens", "Speculative decoding: draft tokens verified."),
+    _series("spec_decode_num_accepted_tokens", "Speculative decoding: draft tokens accepted."),
+)
+_ACCEPTED_PER_POSITION = "spec_decode_num_accepted_tokens_per_pos"
+# kvfleet's own: vLLM logs the speculative-decoding ratios instead, and has no counterparts of the rest.
+_OWN_SERIES = (
+    _StatSeries(
+        "spec_decode_draft_acceptance_rate",
+        "Speculative decoding: accepted draft tokens per draft token verified, since start.",
+        _draft_acceptance_rate,
+        vllm_aliases=None,
+    ),
+    _StatSeries(
+        "spec_decode_mean_acceptance_length",
+        "Speculative decoding: tokens each verification emits on average (accepted drafts + 1).",
+        _mean_acceptance_length,
+        vllm_aliases=None,
+    ),
+    *(
+        _series(name, documentation, attribute, vllm_aliases=None)
+        for name, documentation, attribute in (
+            (
+                "kv_offload_blocks_offloaded",
+                "KV blocks copied to the host tier (of preempted requests, and evicted prefix-cache blocks).",
+                None,
+            ),
+            ("kv_offload_blocks_reloaded", "KV blocks copied back from the host tier.", None),
+            ("kv_offload_resumed_from_host", "Preempted requests that resumed from the host tier.", None),
+            ("kv_offload_resumed_by_recompute", "Preempted requests that resumed by recompute.", None),
+            (
+                "kv_offload_prefix_blocks_spilled",
+                "Prefix-cache blocks evicted from the device and kept in the host tier.",
+                None,
+            ),
+            (
+                "kv_offload_prefix_blocks_loaded",
+                "Prefix-cache hits in the host tier, in blocks copied back to the device.",
+                None,
+            ),
+            (
+                "mm_encoder_runs",
+                "Multimodal items (images) run through their encoder; repeats are served from the cache.",
+                "encoder_runs",
+            ),
+            (
+                "mm_encoder_cache_hits",
+                "Multimodal item lookups the encoder cache answered.",
+                "encoder_cache_hits",
+            ),
+            (
+                "structured_output_grammars_compiled",
+                "Grammars compiled for structured outputs (cache hits are not compilations).",
+                "grammars_compiled",
+            ),
+            (
+                "structured_output_compile_seconds",
+                "Time spent compiling those grammars.",
+                "grammar_compile_seconds",
+            ),
+            (
+                "structured_output_mask_steps",
+                "Engine steps that masked the logits of structured-output requests.",
+                "grammar_mask_steps",
+            ),
+            (
+                "structured_output_mask_seconds",
+                "Time those steps spent filling and applying the grammars' token masks.",
+                "grammar_mask_seconds",
+            ),
+        )
+    ),
+)
+
+
 class _EngineStatsCollector(Collector):
     """Queue depths, KV usage and the scheduler's cumulative counters, read at scrape time."""
 
@@ -299,97 +453,9 @@ class _EngineStatsCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         stats = self._source() or SchedulerStats(0, 0, 0, 0.0, 0, 0, 0)
-        gauges = {
-            "num_requests_running": ("Requests in the running batch.", stats.num_running),
-            "num_requests_waiting": (
-                "Requests waiting to be scheduled (the queue depth to scale on).",
-                stats.num_waiting,
-            ),
-            "kv_cache_usage_perc": ("Fraction of KV cache blocks in use (0 to 1).", stats.kv_cache_usage),
-        }
-        counters = {
-            "num_preemptions": ("Preemptions by recompute.", stats.num_preempted_total),
-            "prefix_cache_queries": (
-                "Prompt tokens looked up in the prefix cache.",
-                stats.prefix_cache_queries,
-            ),
-            "prefix_cache_hits": ("Prompt tokens found in the prefix cache.", stats.prefix_cache_hits),
-            "spec_decode_num_drafts": (
-                "Speculative decoding: times a request verified draft tokens.",
-                stats.spec_decode_num_drafts,
-            ),
-            "spec_decode_num_draft_tokens": (
-                "Speculative decoding: draft tokens verified.",
-                stats.spec_decode_num_draft_tokens,
-            ),
-            "spec_decode_num_accepted_tokens": (
-                "Speculative decoding: draft tokens accepted.",
-                stats.spec_decode_num_accepted_tokens,
-            ),
-        }
-        # kvfleet's own: vLLM has no counterparts.
-        own_counters = {
-            "kv_offload_blocks_offloaded": (
-                "KV blocks copied to the host tier (of preempted requests, and evicted prefix-cache blocks).",
-                stats.kv_offload_blocks_offloaded,
-            ),
-            "kv_offload_blocks_reloaded": (
-                "KV blocks copied back from the host tier.",
-                stats.kv_offload_blocks_reloaded,
-            ),
-            "kv_offload_resumed_from_host": (
-                "Preempted requests that resumed from the host tier.",
-                stats.kv_offload_resumed_from_host,
-            ),
-            "kv_offload_resumed_by_recompute": (
-                "Preempted requests that resumed by recompute.",
-                stats.kv_offload_resumed_by_recompute,
-            ),
-            "kv_offload_prefix_blocks_spilled": (
-                "Prefix-cache blocks evicted from the device and kept in the host tier.",
-                stats.kv_offload_prefix_blocks_spilled,
-            ),
-            "kv_offload_prefix_blocks_loaded": (
-                "Prefix-cache hits in the host tier, in blocks copied back to the device.",
-                stats.kv_offload_prefix_blocks_loaded,
-            ),
-            "mm_encoder_runs": (
-                "Multimodal items (images) run through their encoder; repeats are served from the cache.",
-                stats.encoder_runs,
-            ),
-            "mm_encoder_cache_hits": (
-                "Multimodal item lookups the encoder cache answered.",
-                stats.encoder_cache_hits,
-            ),
-            "structured_output_grammars_compiled": (
-                "Grammars compiled for structured outputs (cache hits are not compilations).",
-                stats.grammars_compiled,
-            ),
-            "structured_output_compile_seconds": (
-                "Time spent compiling those grammars.",
-                stats.grammar_compile_seconds,
-            ),
-            "structured_output_mask_steps": (
-                "Engine steps that masked the logits of structured-output requests.",
-                stats.grammar_mask_steps,
-            ),
-            "structured_output_mask_seconds": (
-                "Time those steps spent filling and applying the grammars' token masks.",
-                stats.grammar_mask_seconds,
-            ),
-        }
-        aliases = {"kv_cache_usage_perc": ("gpu_cache_usage_perc",)}
-        for name, (documentation, value) in gauges.items():
-            for full_name in _names(name, aliases.get(name, ())):
-                family = GaugeMetricFamily(full_name, documentation, labels=["model_name"])
-                family.add_metric([self._model_name], float(value))
-                yield family
-        for name, (documentation, value) in counters.items():
-            for full_name in _names(name, ()):
-                family = CounterMetricFamily(full_name, documentation, labels=["model_name"])
-                family.add_metric([self._model_name], float(value))
-                yield family
-        for full_name in _names("spec_decode_num_accepted_tokens_per_pos", ()):
+        for series in _SHARED_SERIES:
+            yield from self._families(series, stats)
+        for full_name in (KVFLEET_PREFIX + _ACCEPTED_PER_POSITION, VLLM_PREFIX + _ACCEPTED_PER_POSITION):
             family = CounterMetricFamily(
                 full_name,
                 "Speculative decoding: draft tokens accepted at each draft position (0: the first).",
@@ -398,25 +464,15 @@ class _EngineStatsCollector(Collector):
             for position, count in enumerate(stats.spec_decode_num_accepted_tokens_per_pos):
                 family.add_metric([self._model_name, str(position)], float(count))
             yield family
-        # kvfleet's own, from the counters above: vLLM logs these instead.
-        drafts, draft_tokens = stats.spec_decode_num_drafts, stats.spec_decode_num_draft_tokens
-        spec_decode_ratios = {
-            "spec_decode_draft_acceptance_rate": (
-                "Speculative decoding: accepted draft tokens per draft token verified, since start.",
-                stats.spec_decode_num_accepted_tokens / draft_tokens if draft_tokens else 0.0,
-            ),
-            "spec_decode_mean_acceptance_length": (
-                "Speculative decoding: tokens each verification emits on average (accepted drafts + 1).",
-                1 + stats.spec_decode_num_accepted_tokens / drafts if drafts else 0.0,
-            ),
-        }
-        for name, (documentation, value) in spec_decode_ratios.items():
-            family = GaugeMetricFamily(f"kvfleet:{name}", documentation, labels=["model_name"])
+        for series in _OWN_SERIES:
+            yield from self._families(series, stats)
+
+    def _families(self, series: _StatSeries, stats: SchedulerStats) -> Iterator[Metric]:
+        family_type = CounterMetricFamily if series.counter else GaugeMetricFamily
+        value = float(series.value(stats))
+        for full_name in series.names():
+            family = family_type(full_name, series.documentation, labels=["model_name"])
             family.add_metric([self._model_name], value)
-            yield family
-        for name, (documentation, value) in own_counters.items():
-            family = CounterMetricFamily(f"kvfleet:{name}", documentation, labels=["model_name"])
-            family.add_metric([self._model_name], float(value))
             yield family
 
 
@@ -437,13 +493,10 @@ class _LoRAAdaptersCollector(Collector):
         yield count
         info = GaugeMetricFamily(
             LORA_ADAPTER_INFO,
-            "One series per LoRA adapter this server serves (its name in lora_name); the value is always 1.",
-            labels=["model_name", "lora_name"],
+            f"One series per LoRA adapter this server serves (its name in {LORA_NAME_LABEL}); "
+            "the value is always 1.",
+            labels=["model_name", LORA_NAME_LABEL],
         )
         for name in names:
             info.add_metric([self._model_name, name], 1.0)
         yield info
-
-
-def _names(name: str, vllm_aliases: tuple[str, ...]) -> list[str]:
-    return [f"kvfleet:{name}", f"vllm:{name}", *(f"vllm:{alias}" for alias in vllm_aliases)]

@@ -30,6 +30,7 @@ PARTS = {
     "kvfleet": (),
     "operator": ("operator",),
     "gateway": ("gateway",),
+    "contract": (),
     "runtime": ("runtime",),
     "tests": ("runtime", "operator", "gateway", "test"),
     "e2e": ("runtime", "operator", "gateway", "test"),
@@ -119,7 +120,16 @@ def test_the_operator_and_gateway_run_without_the_runtime_dependencies() -> None
 
 
 # What a wheel (or an image) is built from; building a copy leaves no build/ in the checkout.
-PACKAGE_SOURCES = ("pyproject.toml", "setup.py", "README.md", "kvfleet", "runtime", "operator", "gateway")
+PACKAGE_SOURCES = (
+    "pyproject.toml",
+    "setup.py",
+    "README.md",
+    "kvfleet",
+    "runtime",
+    "operator",
+    "gateway",
+    "contract",
+)
 
 
 def test_the_wheel_holds_every_part_and_the_command(tmp_path: Path) -> None:
@@ -139,6 +149,7 @@ def test_the_wheel_holds_every_part_and_the_command(tmp_path: Path) -> None:
         ("runtime", "kvfleet/runtime"),
         ("operator", "kvfleet/operator"),
         ("gateway", "kvfleet/gateway"),
+        ("contract", "kvfleet/contract"),
     ):
         for module in (ROOT / folder).rglob("*.py"):
             assert f"{package}/{module.relative_to(ROOT / folder).as_posix()}" in names

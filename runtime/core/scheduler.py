@@ -26,6 +26,7 @@ import itertools
 import time
 from collections.abc import Callable, Iterable
 
+from kvfleet.contract.precedence import displaces, is_background
 from kvfleet.runtime.core.admission import (
     AdmissionGate,
     BackgroundHold,
@@ -332,7 +333,7 @@ class Scheduler:
             per_position[position] += 1
 
     def _is_background(self, request: Request) -> bool:
-        return self.background_priority is not None and request.priority >= self.background_priority
+        return is_background(request.priority, self.background_priority)
 
     def _step_budget(self) -> StepBudget:
         """A step's budgets. Background requests may take _BACKGROUND_TOKENS_ALONE tokens when nothing else is
@@ -562,7 +563,7 @@ class Scheduler:
             if not (slots_full or blocks_short):
                 break
             victim = self._choose_victim()
-            if victim.priority <= head.priority:
+            if not displaces(head.priority, victim.priority):
                 break
             self._preempt(victim)
             self.running.remove(victim)

@@ -17,6 +17,7 @@ import math
 import os
 import time
 
+from kvfleet.contract.precedence import QueuedRequest, choose_victim
 from kvfleet.runtime.config import EngineConfig
 from kvfleet.runtime.core.host_kv_tier import HostKVTier
 from kvfleet.runtime.core.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput, SchedulerStats
@@ -29,7 +30,6 @@ from kvfleet.runtime.engine.errors import (
     RequestShedError,
 )
 from kvfleet.runtime.engine.input_checks import check_prompt_token_ids, check_sampling_token_ids
-from kvfleet.runtime.engine.load_shedding import QueuedRequest, choose_victim
 from kvfleet.runtime.engine.messages import AddRequest, EngineCoreOutputs, EngineInfo, RequestError
 from kvfleet.runtime.lora.errors import LoRAAdapterError
 from kvfleet.runtime.lora.request import LoRARequest

@@ -8,20 +8,22 @@ import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from kvfleet.runtime.server.priorities import TIER_NAMES
+from kvfleet.contract.safety import (
+    DEFAULT_ACTION,
+    DEFAULT_LEVEL,
+    LEVEL_THRESHOLDS,
+    Action,
+    Level,
+    loosened,
+    tier_policy,
+)
+from kvfleet.contract.tiers import TIER_NAMES
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
-Level = Literal["off", "low", "medium", "high"]
-Action = Literal["block", "redact", "flag"]
 CheckerName = Literal["rules", "guard", "hook"]
 PiiDetector = Literal["email", "phone", "card", "iban", "api_key"]
 
-# From the most lenient to the strictest.
-LEVELS: tuple[Level, ...] = ("off", "low", "medium", "high")
-ACTIONS: tuple[Action, ...] = ("flag", "redact", "block")
-# The lowest score a finding needs to count at each level (None: nothing counts).
-LEVEL_THRESHOLDS: dict[str, float | None] = {"off": None, "low": 0.9, "medium": 0.5, "high": 0.2}
 GUARD_SELF = "self"
 DEFAULT_REFUSAL = (
     "I can't help with that: the request or its answer goes against this service's safety policy."
@@ -93,8 +95,8 @@ class AuditConfig(_Config):
 class Policy(_Config):
     """What runs on a request of one tier and what its findings do."""
 
-    level: Level = "medium"
-    action: Action = "block"
+    level: Level = DEFAULT_LEVEL
+    action: Action = DEFAULT_ACTION
     input: tuple[CheckerName, ...] = ()
     output: tuple[CheckerName, ...] = ()
     refusal: Annotated[str, Field(min_length=1)] = DEFAULT_REFUSAL
@@ -108,12 +110,7 @@ class Policy(_Config):
     def is_at_least_as_strict_as(self, other: Policy) -> bool:
         """Whether this policy lets through nothing `other` would stop: a level and an action no weaker,
         and every checker `other` runs on input and output."""
-        return (
-            LEVELS.index(self.level) >= LEVELS.index(other.level)
-            and ACTIONS.index(self.action) >= ACTIONS.index(other.action)
-            and set(self.input) >= set(other.input)
-            and set(self.output) >= set(other.output)
-        )
+        return not loosened(self.model_dump(), other.model_dump())
 
 
 class PolicyOverride(_Config):
@@ -151,11 +148,9 @@ class SafetyConfig(Policy):
 
     def policy(self, tier: str | None) -> Policy:
         """The policy of requests of `tier`: the defaults with that tier's overrides."""
-        base = Policy.model_validate(self.model_dump(include=set(Policy.model_fields)))
         override = self.tiers.get(tier) if tier is not None else None
-        if override is None:
-            return base
-        return base.model_copy(update=override.model_dump(exclude_none=True))
+        base = self.model_dump(include=set(Policy.model_fields))
+        return Policy.model_validate(tier_policy(base, override.model_dump() if override else None))
 
     def claimed_policy(self, tier: str, default_tier: str) -> Policy:
         """The policy of a request that claims `tier` (its `priority` field, the priority header, a Batch API

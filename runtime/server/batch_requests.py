@@ -8,6 +8,7 @@ import json
 import logging
 from typing import Any, TypeVar
 
+from kvfleet.contract.tiers import BACKGROUND_TIER, TIERS
 from kvfleet.runtime.batch.lines import CHAT_COMPLETIONS_URL, COMPLETIONS_URL
 from kvfleet.runtime.engine.errors import EngineError
 from kvfleet.runtime.server.errors import (
@@ -17,7 +18,6 @@ from kvfleet.runtime.server.errors import (
     from_engine_error,
     validation_error,
 )
-from kvfleet.runtime.server.priorities import BACKGROUND_TIER, TIERS
 from kvfleet.runtime.server.protocol import ChatCompletionRequest, CompletionRequest
 from kvfleet.runtime.server.serving_chat import OpenAIServingChat
 from kvfleet.runtime.server.serving_completions import OpenAIServingCompletion

@@ -8,13 +8,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import click
+from kvfleet.contract.tiers import DEFAULT_TIER, TIER_NAMES, TIERS
 from kvfleet.runtime.batch.store import (
     DEFAULT_MAX_BATCH_FILE_BYTES,
     DEFAULT_MAX_BATCH_FILES,
     DEFAULT_MAX_BATCH_STORE_BYTES,
 )
 from kvfleet.runtime.config import EngineConfig, engine_config_from_options, engine_options
-from kvfleet.runtime.server.priorities import DEFAULT_TIER, TIER_NAMES, TIERS
 from kvfleet.runtime.server.state import (
     DEFAULT_BODY_READ_TIMEOUT_S,
     DEFAULT_HEADER_READ_TIMEOUT_S,

@@ -18,10 +18,10 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from kvfleet.contract.tiers import BACKGROUND_TIER, TIERS
 from kvfleet.runtime.child_process import child_arguments, describe_exit, start_child
 from kvfleet.runtime.config import EngineConfig
 from kvfleet.runtime.metrics import MULTIPROCESS_DIR
-from kvfleet.runtime.server.priorities import BACKGROUND_TIER, TIERS
 from kvfleet.runtime.server.state import ServerSettings
 
 if TYPE_CHECKING:
@@ -69,11 +69,11 @@ def run_api_server(
     """One API server process; with no `core_address` it starts its own EngineCore process."""
     import prometheus_client
     import uvicorn
+    from kvfleet.contract.tiers import tier_of
     from kvfleet.runtime.engine.async_llm import AsyncLLM
     from kvfleet.runtime.metrics import ServerMetrics
     from kvfleet.runtime.server.app import build_app
     from kvfleet.runtime.server.http_protocol import TimedH11Protocol
-    from kvfleet.runtime.server.priorities import tier_of
     from kvfleet.runtime.server.runner import GRACEFUL_SHUTDOWN_TIMEOUT_S, DrainingServer
     from kvfleet.runtime.server.state import ServerState
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import httpx
+from kvfleet.contract.tiers import TIERS
 from kvfleet.runtime.chat_prompt import chat_prompt_token_ids
 from kvfleet.runtime.engine.errors import EngineError
 from kvfleet.runtime.engine.outputs import CompletionOutput, RequestOutput
@@ -29,7 +30,6 @@ from kvfleet.runtime.safety.guardrails import Decision, Guardrails, SafetyMetric
 from kvfleet.runtime.safety.hook import HookChecker
 from kvfleet.runtime.safety.rules import RuleChecker
 from kvfleet.runtime.server.errors import BadRequestError, OpenAIError
-from kvfleet.runtime.server.priorities import TIERS
 
 if TYPE_CHECKING:
     from kvfleet.runtime.engine.async_llm import AsyncLLM

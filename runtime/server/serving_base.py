@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvfleet.contract.tiers import PRIORITY_HEADER, parse_priority, tier_of
 from kvfleet.runtime.chat_prompt import (
     chat_prompt_token_ids,
     longest_token_characters,
@@ -34,7 +35,6 @@ from kvfleet.runtime.server.errors import (
     ServiceUnavailableError,
     from_engine_error,
 )
-from kvfleet.runtime.server.priorities import PRIORITY_HEADER, parse_priority, tier_of
 from kvfleet.runtime.server.protocol import (
     ChatCompletionRequest,
     ChatMessage,

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from kvfleet.contract.tiers import DEFAULT_TIER, TIER_NAMES, TIERS
 from kvfleet.runtime.batch.store import (
     DEFAULT_MAX_BATCH_FILE_BYTES,
     DEFAULT_MAX_BATCH_FILES,
@@ -12,7 +13,6 @@ from kvfleet.runtime.batch.store import (
 )
 from kvfleet.runtime.engine.async_llm import AsyncLLM
 from kvfleet.runtime.metrics import ServerMetrics
-from kvfleet.runtime.server.priorities import DEFAULT_TIER, TIER_NAMES, TIERS
 
 if TYPE_CHECKING:
     # Checking adapters loads torch: API servers import it only with --enable-lora.

@@ -8,20 +8,13 @@ import json
 from typing import Any, get_args
 
 import pytest
+from kvfleet.contract.safety import ACTIONS, DEFAULT_ACTION, DEFAULT_LEVEL, LEVEL_THRESHOLDS, LEVELS, Action
+from kvfleet.contract.safety import ACTIONS as RUNTIME_ACTIONS
+from kvfleet.contract.safety import LEVELS as RUNTIME_LEVELS
 from kvfleet.operator.render import Owner, RenderOptions, render_deployment
-from kvfleet.operator.safety import (
-    ACTIONS,
-    DEFAULT_ACTION,
-    DEFAULT_LEVEL,
-    LEVELS,
-    LOOSENABLE,
-    SafetyPlatform,
-    check_loosening,
-)
+from kvfleet.operator.safety import LOOSENABLE, SafetyPlatform, check_loosening
 from kvfleet.operator.spec import SpecError, parse_spec
-from kvfleet.runtime.safety.config import ACTIONS as RUNTIME_ACTIONS
-from kvfleet.runtime.safety.config import LEVEL_THRESHOLDS, Action, Policy, parse_safety_config
-from kvfleet.runtime.safety.config import LEVELS as RUNTIME_LEVELS
+from kvfleet.runtime.safety.config import Policy, parse_safety_config
 
 PLATFORM = SafetyPlatform.parse(
     json.dumps(

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from kvfleet.runtime.engine.load_shedding import QueuedRequest, choose_victim
+from kvfleet.contract.precedence import QueuedRequest, choose_victim
+from kvfleet.contract.tiers import parse_priority, tier_of
 from kvfleet.runtime.server.errors import BadRequestError, validation_error
-from kvfleet.runtime.server.priorities import parse_priority, tier_of
 from kvfleet.runtime.server.protocol import ChatCompletionRequest, CompletionRequest, template_messages
 
 

@@ -1,18 +1,22 @@
 """SLA tiers: the names clients and operators use, and the engine priorities they map to.
 
-The engine serves lower priority values first, so the most urgent tier has the smallest number. Clients may
-also send the integer of a tier (as vLLM's `priority` field), within PRIORITY_RANGE: anything more urgent
-than `critical` would jump every tier, and anything past `batch` means nothing more.
+The engine serves lower priority values first, so the most urgent tier has the smallest number: a tier's
+priority is its place in TIER_NAMES. Clients may also send the integer of a tier (as vLLM's `priority`
+field), within PRIORITY_RANGE: anything more urgent than `critical` would jump every tier, and anything past
+`batch` means nothing more.
 """
 
 from __future__ import annotations
 
-TIERS: dict[str, int] = {"critical": 0, "high": 1, "standard": 2, "batch": 3}
-TIER_NAMES: tuple[str, ...] = tuple(TIERS)
+from typing import Literal, get_args
+
+TierName = Literal["critical", "high", "standard", "batch"]
+TIER_NAMES: tuple[TierName, ...] = get_args(TierName)
+TIERS: dict[TierName, int] = {name: priority for priority, name in enumerate(TIER_NAMES)}
 # Runs on the capacity the other tiers leave, under either scheduling policy.
-BACKGROUND_TIER = "batch"
+BACKGROUND_TIER: TierName = "batch"
 PRIORITY_RANGE = (min(TIERS.values()), max(TIERS.values()))
-DEFAULT_TIER = "standard"
+DEFAULT_TIER: TierName = "standard"
 PRIORITY_HEADER = "x-kvfleet-priority"
 
 
@@ -35,7 +39,7 @@ def parse_priority(value: int | str) -> int:
     return value
 
 
-def tier_of(priority: int) -> str:
+def tier_of(priority: int) -> TierName:
     """The tier a priority is reported under: values beyond the ends (possible through the Python API)
     belong to the end tiers."""
     for name in TIER_NAMES[:-1]:

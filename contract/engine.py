@@ -1,0 +1,13 @@
+"""The engine's choices that the operator renders into a replica's flags: `--scheduling-policy` and
+`--dtype` take exactly these values."""
+
+from __future__ import annotations
+
+from typing import Literal, get_args
+
+# fcfs: arrival order; priority: lower priority value first, preempting less urgent requests.
+SchedulingPolicy = Literal["fcfs", "priority"]
+SCHEDULING_POLICIES: tuple[SchedulingPolicy, ...] = get_args(SchedulingPolicy)
+# auto: the dtype of the model's config.json.
+DType = Literal["auto", "float32", "float16", "bfloat16"]
+DTYPES: tuple[DType, ...] = get_args(DType)

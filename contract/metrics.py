@@ -1,0 +1,26 @@
+"""The metric names a replica and the gateway export and that their readers (the operator's autoscaler,
+the gateway's adapter poll, dashboards) look for.
+
+A replica exports each metric under kvfleet's name and, where vLLM has one, under vLLM's, so that vLLM's
+dashboards and autoscalers work unchanged; a reader tries kvfleet's name first, then vLLM's, so that vLLM
+pods scale too. The names below are without their prefix unless they are kvfleet's alone.
+"""
+
+from __future__ import annotations
+
+KVFLEET_PREFIX = "kvfleet:"
+VLLM_PREFIX = "vllm:"
+PREFIXES = (KVFLEET_PREFIX, VLLM_PREFIX)
+# The autoscaler's inputs: the queue depth to scale on, the running batch, the fraction of KV cache blocks
+# in use (0 to 1), and the time to first token (a histogram: its _sum and _count).
+WAITING = "num_requests_waiting"
+RUNNING = "num_requests_running"
+KV_CACHE_USAGE = "kv_cache_usage_perc"
+TTFT = "time_to_first_token_seconds"
+# One series per LoRA adapter a replica serves, its name in the LORA_NAME label: how the gateway learns
+# where each adapter runs (/metrics needs no API key, /v1/models does).
+LORA_ADAPTER_INFO = KVFLEET_PREFIX + "lora_adapter_info"
+LORA_NAME_LABEL = "lora_name"
+# Requests the gateway holds for a model, by its `model` label: the autoscaler scales a model at zero
+# replicas back to one on it.
+GATEWAY_QUEUE_DEPTH = "kvfleet_gateway_queue_depth"
