@@ -8,6 +8,13 @@ from typing import Literal, get_args
 # fcfs: arrival order; priority: lower priority value first, preempting less urgent requests.
 SchedulingPolicy = Literal["fcfs", "priority"]
 SCHEDULING_POLICIES: tuple[SchedulingPolicy, ...] = get_args(SchedulingPolicy)
+
 # auto: the dtype of the model's config.json.
 DType = Literal["auto", "float32", "float16", "bfloat16"]
 DTYPES: tuple[DType, ...] = get_args(DType)
+
+
+def preempts(policy: SchedulingPolicy) -> bool:
+    """Whether a replica under `policy` makes room for an urgent request by preempting less urgent ones
+    (a first-come, first-served replica never does)."""
+    return policy == "priority"

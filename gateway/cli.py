@@ -9,6 +9,7 @@ import logging
 import signal
 
 import click
+from kvfleet.contract.engine import SCHEDULING_POLICIES, SchedulingPolicy, preempts
 from kvfleet.contract.routing import DEFAULT_POLICY, POLICY_NAMES
 from kvfleet.gateway.adapters import DEFAULT_ADAPTER_POLL_SECONDS
 from kvfleet.gateway.discovery import (
@@ -117,7 +118,7 @@ def _bare_name_namespace(option: str | None, namespaces: tuple[str, ...]) -> str
 )
 @click.option(
     "--scheduling-policy",
-    type=click.Choice(("fcfs", "priority")),
+    type=click.Choice(SCHEDULING_POLICIES),
     default="fcfs",
     show_default=True,
     help="The --model replicas' own `kvfleet serve --scheduling-policy`: `priority` replicas preempt less "
@@ -215,7 +216,7 @@ def gateway_command(
     load_bound: float,
     max_in_flight: int,
     hold_seconds: float,
-    scheduling_policy: str,
+    scheduling_policy: SchedulingPolicy,
     max_queue: int,
     max_body_bytes: int,
     max_buffered_body_bytes: int,
@@ -239,7 +240,7 @@ def gateway_command(
         load_bound=load_bound,
         max_in_flight=max_in_flight,
         hold_seconds=hold_seconds,
-        replicas_preempt=scheduling_policy == "priority",
+        replicas_preempt=preempts(scheduling_policy),
     )
     discovery: Discovery
     if models:

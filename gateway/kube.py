@@ -24,6 +24,7 @@ from typing import Any
 
 from kubernetes import client, watch
 from kubernetes.client.exceptions import ApiException
+from kvfleet.contract.engine import preempts
 from kvfleet.contract.tiers import TIERS
 from kvfleet.gateway.discovery import ClientKey, ModelConfig, Publish
 from kvfleet.operator.api import (
@@ -106,7 +107,7 @@ def model_configs(
             if routing.load_bound_percent
             else defaults.load_bound,
             max_in_flight=spec.engine.max_num_seqs or defaults.max_in_flight,
-            replicas_preempt=spec.scheduling_policy == "priority",
+            replicas_preempt=preempts(spec.scheduling_policy),
             hold_seconds=float(scaling.activation_timeout_seconds or defaults.hold_seconds),
             default_priority=TIERS[spec.sla.tier],
             client_key=_client_key(namespace, secret, keys or {}),

@@ -13,11 +13,10 @@ from dataclasses import dataclass
 
 import click
 import httpx
+from kvfleet.contract.tiers import PRIORITY_HEADER
 from kvfleet.runtime.bench.serve import BenchSettings
 from kvfleet.runtime.bench.serve_report import RequestResult
 from kvfleet.runtime.bench.workloads import corpus_requests, random_requests
-
-TIER_HEADER = "x-kvfleet-priority"
 
 
 @dataclass(frozen=True)
@@ -110,7 +109,7 @@ def _chunk_text(chunk: dict) -> bool:
 
 async def _send(client: httpx.AsyncClient, model: str, request: ServeRequest) -> RequestResult:
     route, body = _body(model, request)
-    headers = {TIER_HEADER: request.tier} if request.tier else {}
+    headers = {PRIORITY_HEADER: request.tier} if request.tier else {}
     result = RequestResult(tier=request.tier or "-", prompt_len=len(request.prompt_token_ids))
     start = last = time.perf_counter()
     try:

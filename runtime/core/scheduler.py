@@ -26,6 +26,7 @@ import itertools
 import time
 from collections.abc import Callable, Iterable
 
+from kvfleet.contract.engine import preempts
 from kvfleet.contract.precedence import displaces, is_background
 from kvfleet.runtime.core.admission import (
     AdmissionGate,
@@ -548,7 +549,7 @@ class Scheduler:
         """Under the priority policy, a waiting request that outranks running ones takes their place when
         the sequence slots or the free blocks would otherwise keep it waiting (the worst-ranked, newest
         request goes first). Equal priorities never displace each other, so this cannot thrash."""
-        if self.policy != "priority":
+        if not preempts(self.policy):
             return []
         kv = self.kv_cache_manager
         displaced: list[Request] = []
