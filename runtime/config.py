@@ -14,7 +14,7 @@ from typing import Any, Literal, TypeVar, get_args
 import click
 from kvfleet.contract.engine import DType, SchedulingPolicy
 from kvfleet.runtime.multimodal.media_sources import IPNetwork, MediaOrigin, parse_networks, parse_origins
-from kvfleet.runtime.spec_decode.config import SpeculativeConfig
+from kvfleet.runtime.speculative_config import SpeculativeConfig
 
 Device = Literal["auto", "cpu", "cuda"]
 MODALITIES = ("image", "audio")

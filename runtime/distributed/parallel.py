@@ -9,10 +9,14 @@ from __future__ import annotations
 
 import datetime
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
-from kvfleet.runtime.models.model_config import ModelConfig
+
+if TYPE_CHECKING:
+    # Only read for its shape: the models build their layers on this module, so it imports none of them.
+    from kvfleet.runtime.models.model_config import ModelConfig
 
 # A collective that waits longer than this for a peer fails, and the worker exits: a rank that hangs or dies
 # takes the group down instead of leaving the others waiting forever.

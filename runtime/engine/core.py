@@ -22,7 +22,6 @@ from kvfleet.runtime.config import EngineConfig
 from kvfleet.runtime.core.host_kv_tier import HostKVTier
 from kvfleet.runtime.core.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput, SchedulerStats
 from kvfleet.runtime.core.scheduler import Scheduler
-from kvfleet.runtime.distributed.executor import WorkerFailedError, make_executor
 from kvfleet.runtime.engine.errors import (
     EngineOverloadedError,
     InvalidRequestError,
@@ -31,6 +30,7 @@ from kvfleet.runtime.engine.errors import (
 )
 from kvfleet.runtime.engine.input_checks import check_prompt_token_ids, check_sampling_token_ids
 from kvfleet.runtime.engine.messages import AddRequest, EngineCoreOutputs, EngineInfo, RequestError
+from kvfleet.runtime.executor.executor import WorkerFailedError, make_executor
 from kvfleet.runtime.lora.errors import LoRAAdapterError
 from kvfleet.runtime.lora.request import LoRARequest
 from kvfleet.runtime.models.layers import rope_cache_salt

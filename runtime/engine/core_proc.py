@@ -19,7 +19,6 @@ import msgspec
 import zmq
 from kvfleet.runtime.child_process import child_arguments
 from kvfleet.runtime.config import EngineConfig
-from kvfleet.runtime.distributed.executor import WorkerFailedError
 from kvfleet.runtime.engine.messages import (
     AbortRequests,
     AddRequest,
@@ -30,6 +29,7 @@ from kvfleet.runtime.engine.messages import (
     RemoveLoRA,
     to_core_decoder,
 )
+from kvfleet.runtime.executor.executor import WorkerFailedError
 
 if TYPE_CHECKING:
     from kvfleet.runtime.engine.core import EngineCore

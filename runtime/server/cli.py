@@ -280,13 +280,13 @@ def serve(
     try:
         config = engine_config_from_options(model, options)
         if config.world_size > 1:
-            from kvfleet.runtime.distributed.executor import check_parallel_config
+            from kvfleet.runtime.executor.executor import check_parallel_config
 
             check_parallel_config(config)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc
     if config.node_rank > 0:
-        from kvfleet.runtime.distributed.node import run_node
+        from kvfleet.runtime.executor.node import run_node
 
         sys.exit(run_node(config, host, port))
 

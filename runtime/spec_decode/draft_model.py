@@ -15,7 +15,7 @@ from kvfleet.runtime.config import EngineConfig
 from kvfleet.runtime.core.block_pool import BlockPool, KVCacheBlock
 from kvfleet.runtime.core.outputs import SchedulerOutput
 from kvfleet.runtime.request import Request
-from kvfleet.runtime.spec_decode.config import SpeculativeConfig
+from kvfleet.runtime.speculative_config import SpeculativeConfig
 from kvfleet.runtime.worker.model_runner import ModelRunner
 
 

@@ -6,9 +6,9 @@ from typing import Protocol
 
 from kvfleet.runtime.config import EngineConfig
 from kvfleet.runtime.request import Request, RequestStatus
-from kvfleet.runtime.spec_decode.config import SpeculativeConfig
 from kvfleet.runtime.spec_decode.draft_model import DraftModelProposer
 from kvfleet.runtime.spec_decode.ngram import NgramProposer
+from kvfleet.runtime.speculative_config import SpeculativeConfig
 from kvfleet.runtime.worker.model_runner import ModelRunner
 
 

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from conftest import ServerProcess
 
 CORE_MODULE = "kvfleet.runtime.engine.core_proc"
-WORKER_MODULE = "kvfleet.runtime.distributed.worker_proc"
+WORKER_MODULE = "kvfleet.runtime.executor.worker_proc"
 PROMPT = "The quick brown fox"
 
 

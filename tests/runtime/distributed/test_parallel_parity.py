@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from kvfleet.runtime import LLM, SamplingParams
-from kvfleet.runtime.distributed.executor import MultiprocExecutor
+from kvfleet.runtime.executor.executor import MultiprocExecutor
 from kvfleet.runtime.models.model_config import ModelConfig
 from safetensors import safe_open
 

@@ -35,8 +35,8 @@ import zmq
 from kvfleet.runtime.child_process import describe_exit, start_child
 from kvfleet.runtime.config import EngineConfig
 from kvfleet.runtime.core.outputs import ModelRunnerOutput, SchedulerOutput
-from kvfleet.runtime.distributed.messages import StepDone, WorkerCommand, WorkerReady, WorkerSpec
 from kvfleet.runtime.distributed.parallel import check_devices, check_model_fits
+from kvfleet.runtime.executor.messages import StepDone, WorkerCommand, WorkerReady, WorkerSpec
 from kvfleet.runtime.models.loader import resolve_device
 from kvfleet.runtime.models.model_config import ModelConfig
 from kvfleet.runtime.worker.model_runner import ModelRunner
@@ -250,7 +250,7 @@ def start_workers(
         ready_fd = None if ready_fds is None else ready_fds[local_rank]
         workers.append(
             start_child(
-                "kvfleet.runtime.distributed.worker_proc",
+                "kvfleet.runtime.executor.worker_proc",
                 (spec, os.getpid(), ready_fd),
                 pass_fds=() if ready_fd is None else (ready_fd,),
             )

@@ -19,7 +19,7 @@ from types import FrameType
 
 from kvfleet.runtime.child_process import describe_exit
 from kvfleet.runtime.config import EngineConfig
-from kvfleet.runtime.distributed.executor import start_workers, stop_workers
+from kvfleet.runtime.executor.executor import start_workers, stop_workers
 
 logger = logging.getLogger(__name__)
 

@@ -24,8 +24,8 @@ import torch
 import torch.distributed as dist
 import zmq
 from kvfleet.runtime.child_process import child_arguments, exit_with_parent
-from kvfleet.runtime.distributed.messages import StepDone, WorkerReady, WorkerSpec
 from kvfleet.runtime.distributed.parallel import COLLECTIVE_TIMEOUT, ParallelContext, set_parallel_context
+from kvfleet.runtime.executor.messages import StepDone, WorkerReady, WorkerSpec
 from kvfleet.runtime.worker.model_runner import ModelRunner
 from kvfleet.runtime.worker.step_inputs import StepInputs
 
