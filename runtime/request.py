@@ -10,10 +10,10 @@ from typing import TYPE_CHECKING
 from kvfleet.runtime.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from kvfleet.runtime.engine.grammar_compiler import RequestGrammar
     from kvfleet.runtime.lora.request import LoRARequest
     from kvfleet.runtime.multimodal.inputs import MultiModalFeature
     from kvfleet.runtime.multimodal.mrope import MRopePositions
-    from kvfleet.runtime.structured_outputs.compiler import RequestGrammar
     from kvfleet.runtime.structured_outputs.token_rules import TokenRules
 
 

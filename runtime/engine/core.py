@@ -28,6 +28,7 @@ from kvfleet.runtime.engine.errors import (
     RequestFailedError,
     RequestShedError,
 )
+from kvfleet.runtime.engine.grammar_compiler import GrammarCompiler, RequestGrammar
 from kvfleet.runtime.engine.input_checks import check_prompt_token_ids, check_sampling_token_ids
 from kvfleet.runtime.engine.messages import AddRequest, EngineCoreOutputs, EngineInfo, RequestError
 from kvfleet.runtime.executor.executor import WorkerFailedError, make_executor
@@ -39,7 +40,6 @@ from kvfleet.runtime.multimodal.mrope import MRopePositions
 from kvfleet.runtime.multimodal.prompt_media import modality_specs
 from kvfleet.runtime.request import Request, RequestStatus
 from kvfleet.runtime.spec_decode.speculator import Speculator, make_proposer
-from kvfleet.runtime.structured_outputs.compiler import GrammarCompiler, RequestGrammar
 from kvfleet.runtime.structured_outputs.token_rules import TokenRules
 
 logger = logging.getLogger(__name__)

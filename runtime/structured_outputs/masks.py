@@ -23,7 +23,7 @@ from kvfleet.runtime.request import Request
 from kvfleet.runtime.structured_outputs.bitmasks import clear_bits
 
 if TYPE_CHECKING:
-    from kvfleet.runtime.structured_outputs.compiler import RequestGrammar
+    from kvfleet.runtime.engine.grammar_compiler import RequestGrammar
 
 
 class GrammarMasks:

@@ -19,9 +19,9 @@ from kvfleet.runtime import LLM, SamplingParams, StructuredOutputsParams
 from kvfleet.runtime.config import EngineConfig
 from kvfleet.runtime.core.scheduler import Scheduler
 from kvfleet.runtime.engine.core import EngineCore
+from kvfleet.runtime.engine.grammar_compiler import GrammarCompiler, RequestGrammar
 from kvfleet.runtime.engine.messages import AddRequest, to_core_decoder
 from kvfleet.runtime.request import Request
-from kvfleet.runtime.structured_outputs.compiler import GrammarCompiler, RequestGrammar
 from kvfleet.runtime.structured_outputs.masks import GrammarMasks
 from transformers import AutoTokenizer
 
