@@ -8,17 +8,17 @@ from __future__ import annotations
 
 import ast
 import sys
+import tomllib
 from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-# import name -> the folder it is installed from (pyproject.toml's package-dir)
+# import name -> the folder it is installed from
 FOLDERS = {
-    "kvfleet": ROOT / "kvfleet",
-    "kvfleet.contract": ROOT / "contract",
-    "kvfleet.gateway": ROOT / "gateway",
-    "kvfleet.operator": ROOT / "operator",
-    "kvfleet.runtime": ROOT / "runtime",
+    name: ROOT / folder
+    for name, folder in tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"][
+        "package-dir"
+    ].items()
 }
 # The runtime is several packages in one folder: each subpackage or top-level module of it is one node.
 SPLIT = {"kvfleet.runtime"}
@@ -33,10 +33,7 @@ def _modules() -> dict[str, Path]:
             parts = list(path.relative_to(folder).with_suffix("").parts)
             if parts[-1] == "__init__":
                 parts.pop()
-            name = ".".join([package, *parts])
-            if package == "kvfleet" and parts and f"kvfleet.{parts[0]}" in FOLDERS:
-                continue  # a folder of that name inside kvfleet/ would be shadowed by the mapping
-            modules[name] = path
+            modules[".".join([package, *parts])] = path
     return modules
 
 
