@@ -1,4 +1,4 @@
-"""The words the resource's model is written in, and its OpenAPI v3 schema rendered from that model.
+"""The InferenceService's OpenAPI v3 schema, declared on the spec model and rendered from it.
 
 A field of a spec dataclass is part of the resource when it is declared with `prop()`, which carries the
 field's description and the schema's bounds; its key is the field's name in camelCase. Its type gives the
