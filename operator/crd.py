@@ -33,7 +33,8 @@ def openapi_schema() -> dict[str, Any]:
         {
             "apiVersion": string("The API group and version of the object: kvfleet.dev/v1alpha1."),
             "kind": string("The object's kind: InferenceService."),
-            "metadata": obj("The object's name, namespace, labels and annotations."),
+            # The API server describes metadata itself and refuses a CRD that says more than its type.
+            "metadata": obj(""),
             "spec": dataclass_schema(
                 InferenceServiceSpec, "The model to serve and how to run, scale and route it.", SPEC_RULES
             ),

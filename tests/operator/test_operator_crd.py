@@ -299,11 +299,12 @@ def _properties(schema: dict[str, Any], path: str = "") -> list[tuple[str, dict[
 
 
 def test_every_property_is_described(crd: dict[str, Any]) -> None:
-    # `kubectl explain` shows these; a property without one explains nothing.
+    # `kubectl explain` shows these; a property without one explains nothing. The API server describes
+    # metadata itself and refuses a CRD that says more of it than its type.
     properties = _properties(crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"])
     assert len(properties) > 100
     undescribed = [path for path, schema in properties if not str(schema.get("description", "")).strip()]
-    assert undescribed == []
+    assert undescribed == [".metadata"]
 
 
 def test_checked_in_crds_are_the_rendered_model(repo: Path) -> None:
