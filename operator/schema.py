@@ -71,7 +71,7 @@ def prop(
     return dataclasses.field(default=default, default_factory=default_factory, metadata=metadata)
 
 
-def camel_case(name: str) -> str:
+def _camel_case(name: str) -> str:
     head, *rest = name.split("_")
     return head + "".join(word.capitalize() for word in rest)
 
@@ -84,7 +84,7 @@ def dataclass_schema(cls: type, description: str, rules: Sequence[Rule] = ()) ->
     for spec_field in dataclasses.fields(cls):
         if "description" not in spec_field.metadata:
             continue
-        key = camel_case(spec_field.name)
+        key = _camel_case(spec_field.name)
         properties[key] = _field_schema(spec_field, hints[spec_field.name])
         if spec_field.metadata["required"]:
             required.append(key)
