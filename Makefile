@@ -17,7 +17,7 @@ VLLM_VENV ?= $(KVFLEET_CACHE)/vllm-venv
 VLLM_TORCH := torch==2.13.0
 VLLM_STAMP := $(VLLM_VENV)/.vllm-$(shell echo $(VLLM_TORCH) | cat - bench/vllm/requirements.txt | sha256sum | cut -c1-16)
 
-.PHONY: setup test test-unit test-e2e lint demo demo-runtime bench-vs-vllm clean-venv images test-images
+.PHONY: setup test test-unit test-e2e lint demo demo-runtime bench-vs-vllm clean-venv images test-images crds
 
 # -P keeps the checkout off sys.path: its operator/ package would shadow the standard library's `operator`
 # for any `python -m` run here before the editable install exists.
@@ -36,6 +36,14 @@ $(STAMP): $(wildcard requirements/*.txt) pyproject.toml
 lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+
+# The InferenceService CRD is rendered from the operator's spec and status models (kvfleet.operator.crd):
+# this rewrites crds/ and the chart's copy, which a test keeps equal to the rendering.
+CRD_FILE := kvfleet.dev_inferenceservices.yaml
+crds: setup
+	$(PY) -P -m kvfleet.operator.crd > crds/$(CRD_FILE).tmp
+	mv crds/$(CRD_FILE).tmp crds/$(CRD_FILE)
+	cp crds/$(CRD_FILE) charts/kvfleet/crds/$(CRD_FILE)
 
 # The end-to-end suite builds the control plane from Go modules on first use (about 10 minutes on 2 cores),
 # into $(KVFLEET_CACHE)/k8s, and reuses it afterwards.

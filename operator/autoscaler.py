@@ -116,46 +116,89 @@ def decide(
         return ScaleDecision(replicas, _bounded_reason(replicas, current, "no metrics yet"), False, state)
 
     panic_samples = [s for s in stable if now - policy.panic_window_seconds < s.time] or stable[-1:]
-    target = policy.target_queue_depth
-    stable_demand = _mean(s.queue_depth for s in stable)
-    panic_demand = _mean(s.queue_depth for s in panic_samples)
-    wanted_stable = _ceil(stable_demand / target)
-    wanted_panic = _ceil(panic_demand / target)
-
-    over_threshold = wanted_panic * 100 >= policy.panic_threshold_percent * max(fleet.ready_replicas, 1)
-    panic_until = state.panic_until
-    if over_threshold and wanted_panic > current:
-        panic_until = now + policy.stable_window_seconds
-    panic = panic_until is not None and now < panic_until
-    if panic:
-        wanted = max(wanted_panic, current)
-        reason = f"panic: queue depth {panic_demand:.1f} over the last {policy.panic_window_seconds}s"
-    else:
-        panic_until = None
-        wanted = wanted_stable
-        reason = f"queue depth {stable_demand:.1f} over the last {policy.stable_window_seconds}s"
-    reason += f", target {target} per replica"
-
+    wanted, reason, panic_until = _wanted_for_demand(policy, stable, panic_samples, fleet, state, now)
+    panic = panic_until is not None
     ttft = _mean_or_none(s.ttft_seconds for s in panic_samples)
+    panic_demand = _mean(s.queue_depth for s in panic_samples)
     if (
         ttft_target_seconds is not None
         and ttft is not None
         and ttft > ttft_target_seconds
         and panic_demand > 0
     ):
-        # Latency is missed: never shrink; with every replica up, add one and wait for it before the next.
-        latency = (
-            f"mean time to first token {ttft * 1000:.0f}ms over the {ttft_target_seconds * 1000:.0f}ms target"
-        )
-        if wanted <= current and fleet.ready_replicas >= current:
-            wanted, reason = current + 1, latency
-        elif wanted < current:
-            wanted, reason = current, latency
+        wanted, reason = _latency_floor(wanted, reason, fleet, ttft, ttft_target_seconds)
 
-    delay = policy.scale_down_delay_seconds
-    recent = [(time, count) for time, count in state.recommendations if now - time < delay]
+    recent = [
+        (time, count) for time, count in state.recommendations if now - time < policy.scale_down_delay_seconds
+    ]
     recommendations = (*recent, (now, wanted))
-    replicas = wanted
+    replicas, reason = _stepped(policy, fleet, wanted, reason, recommendations)
+    bounded = policy.clamp(replicas)
+    reason = _bounded_reason(bounded, replicas, reason)
+    idle_since = (
+        None if stable[-1].queue_depth > 0 else (state.idle_since if state.idle_since is not None else now)
+    )
+    if bounded == 0 and current > 0:
+        bounded, reason = _scale_to_zero(policy, reason, now - idle_since if idle_since is not None else 0.0)
+    new_state = replace(
+        state, panic_until=panic_until, recommendations=recommendations, idle_since=idle_since
+    )
+    return ScaleDecision(bounded, reason, panic, new_state)
+
+
+def _wanted_for_demand(
+    policy: ScalingSpec,
+    stable: Sequence[MetricsSample],
+    panic_samples: Sequence[MetricsSample],
+    fleet: FleetState,
+    state: AutoscalerState,
+    now: float,
+) -> tuple[int, str, float | None]:
+    """Replicas the queue depth asks for, why, and until when panic mode lasts (None: not in panic).
+
+    A burst on the short window that wants the panic threshold's share of the ready replicas starts panic
+    mode, which lasts a stable window: meanwhile the fleet follows the short window and never shrinks.
+    """
+    current, target = fleet.current_replicas, policy.target_queue_depth
+    stable_demand = _mean(s.queue_depth for s in stable)
+    panic_demand = _mean(s.queue_depth for s in panic_samples)
+    wanted_panic = _ceil(panic_demand / target)
+    over_threshold = wanted_panic * 100 >= policy.panic_threshold_percent * max(fleet.ready_replicas, 1)
+    panic_until = state.panic_until
+    if over_threshold and wanted_panic > current:
+        panic_until = now + policy.stable_window_seconds
+    if panic_until is not None and now < panic_until:
+        reason = f"panic: queue depth {panic_demand:.1f} over the last {policy.panic_window_seconds}s"
+        return max(wanted_panic, current), f"{reason}, target {target} per replica", panic_until
+    reason = f"queue depth {stable_demand:.1f} over the last {policy.stable_window_seconds}s"
+    return _ceil(stable_demand / target), f"{reason}, target {target} per replica", None
+
+
+def _latency_floor(
+    wanted: int, reason: str, fleet: FleetState, ttft: float, ttft_target_seconds: float
+) -> tuple[int, str]:
+    """Latency is missed: never shrink; with every replica up, add one and wait for it before the next."""
+    current = fleet.current_replicas
+    latency = (
+        f"mean time to first token {ttft * 1000:.0f}ms over the {ttft_target_seconds * 1000:.0f}ms target"
+    )
+    if wanted <= current and fleet.ready_replicas >= current:
+        return current + 1, latency
+    if wanted < current:
+        return current, latency
+    return wanted, reason
+
+
+def _stepped(
+    policy: ScalingSpec,
+    fleet: FleetState,
+    wanted: int,
+    reason: str,
+    recommendations: Sequence[tuple[float, int]],
+) -> tuple[int, str]:
+    """`wanted` within one decision's steps: down only to the most wanted over the scale-down delay, up
+    only while every replica can be scheduled."""
+    current, replicas = fleet.current_replicas, wanted
     if replicas < current:
         held = max(count for _, count in recommendations)
         if held > replicas:
@@ -168,26 +211,15 @@ def decide(
             reason += f"; holding: {fleet.unschedulable_replicas} replica(s) cannot be scheduled"
         else:
             replicas = min(replicas, current + policy.max_scale_up_step)
+    return replicas, reason
 
-    bounded = policy.clamp(replicas)
-    reason = _bounded_reason(bounded, replicas, reason)
-    idle_since = (
-        None if stable[-1].queue_depth > 0 else (state.idle_since if state.idle_since is not None else now)
-    )
-    if bounded == 0 and current > 0:
-        # The last replica goes only after a whole idle period: the next request would wait for a cold start.
-        idle_for = now - idle_since if idle_since is not None else 0.0
-        if idle_for < policy.scale_to_zero_after_seconds:
-            bounded = 1
-            reason += (
-                f"; idle {idle_for:.0f}s of the {policy.scale_to_zero_after_seconds}s before scaling to zero"
-            )
-        else:
-            reason = f"idle for {idle_for:.0f}s: scaled to zero"
-    new_state = replace(
-        state, panic_until=panic_until, recommendations=recommendations, idle_since=idle_since
-    )
-    return ScaleDecision(bounded, reason, panic, new_state)
+
+def _scale_to_zero(policy: ScalingSpec, reason: str, idle_for: float) -> tuple[int, str]:
+    """The last replica goes only after a whole idle period: the next request would wait for a cold start."""
+    if idle_for < policy.scale_to_zero_after_seconds:
+        waiting = f"idle {idle_for:.0f}s of the {policy.scale_to_zero_after_seconds}s before scaling to zero"
+        return 1, f"{reason}; {waiting}"
+    return 0, f"idle for {idle_for:.0f}s: scaled to zero"
 
 
 def _bounded_reason(replicas: int, unbounded: int, reason: str) -> str:

@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import logging
 import random
+from typing import TYPE_CHECKING
 
 import click
+
+if TYPE_CHECKING:
+    from kvfleet.operator.context import OperatorContext
+    from kvfleet.operator.kube import KubeApi
 
 logger = logging.getLogger(__name__)
 
@@ -107,50 +112,26 @@ def operator_command(
 ) -> None:
     """Run the kvfleet operator: InferenceServices in, autoscaled runtime fleets out."""
     import kopf
-    import kubernetes.config
     import kvfleet.operator.handlers  # noqa: F401  (registers the handlers with kopf)
     import prometheus_client
-    from kvfleet.operator.context import OperatorContext
-    from kvfleet.operator.kube import KubeApi, KubeError
-    from kvfleet.operator.kube_client import make_api_client
-    from kvfleet.operator.render import DEFAULT_RUNTIME_IMAGE, RenderOptions
-    from kvfleet.operator.safety import SafetyPlatform
-    from kvfleet.operator.scrape import DEFAULT_MAX_PAGE_BYTES
 
     if not logging.getLogger().isEnabledFor(logging.DEBUG):
         # kopf logs every handler call and the health endpoint every probe; keep warnings only.
         logging.getLogger("kopf.objects").setLevel(logging.WARNING)
         logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
-    try:
-        kube = KubeApi(make_api_client(kubeconfig, kube_context, pool_size=api_concurrency))
-    except kubernetes.config.ConfigException as error:
-        raise click.ClickException(f"no cluster credentials (in-cluster or kubeconfig): {error}") from None
-    try:
-        safety = SafetyPlatform.parse(safety_defaults, safety_allow_loosen)
-    except ValueError as error:
-        raise click.BadParameter(str(error), param_hint="--safety-defaults/--safety-allow-loosen") from None
-    options = RenderOptions(
-        runtime_image=runtime_image or DEFAULT_RUNTIME_IMAGE, cluster_domain=cluster_domain, safety=safety
-    )
-    context = OperatorContext(
-        kube=kube,
-        render_options=options,
-        scrape_timeout_seconds=scrape_timeout,
-        scrape_max_page_bytes=DEFAULT_MAX_PAGE_BYTES if scrape_max_bytes is None else scrape_max_bytes,
+    context = _operator_context(
+        kubeconfig=kubeconfig,
+        kube_context=kube_context,
         api_concurrency=api_concurrency,
+        runtime_image=runtime_image,
+        cluster_domain=cluster_domain,
+        scrape_timeout=scrape_timeout,
+        scrape_max_bytes=scrape_max_bytes,
+        safety_defaults=safety_defaults,
+        safety_allow_loosen=safety_allow_loosen,
     )
     if not standalone:
-        try:
-            if namespaces:
-                for namespace in namespaces:
-                    kube.ensure_namespaced_peering(namespace, peering_name)
-            else:
-                kube.ensure_cluster_peering(peering_name)
-        except KubeError as error:
-            raise click.ClickException(
-                f"cannot set up leader election through peering object {peering_name!r}: {error.message}; "
-                "install the chart's CRDs, or pass --standalone for a single replica"
-            ) from None
+        _ensure_peering(context.kube, namespaces, peering_name)
     metrics_server = None
     if metrics_port:
         metrics_server, _ = prometheus_client.start_http_server(
@@ -175,3 +156,62 @@ def operator_command(
     finally:
         if metrics_server is not None:
             metrics_server.shutdown()
+
+
+def _operator_context(
+    *,
+    kubeconfig: str | None,
+    kube_context: str | None,
+    api_concurrency: int,
+    runtime_image: str | None,
+    cluster_domain: str,
+    scrape_timeout: float,
+    scrape_max_bytes: int | None,
+    safety_defaults: str,
+    safety_allow_loosen: str,
+) -> OperatorContext:
+    """What every handler shares: the cluster's API, the render options and the scrape limits."""
+    import kubernetes.config
+    from kvfleet.operator.context import OperatorContext
+    from kvfleet.operator.kube import KubeApi
+    from kvfleet.operator.kube_client import make_api_client
+    from kvfleet.operator.render import DEFAULT_RUNTIME_IMAGE, RenderOptions
+    from kvfleet.operator.safety import SafetyPlatform
+    from kvfleet.operator.scrape import DEFAULT_MAX_PAGE_BYTES
+
+    try:
+        kube = KubeApi(make_api_client(kubeconfig, kube_context, pool_size=api_concurrency))
+    except kubernetes.config.ConfigException as error:
+        raise click.ClickException(f"no cluster credentials (in-cluster or kubeconfig): {error}") from None
+    try:
+        safety = SafetyPlatform.parse(safety_defaults, safety_allow_loosen)
+    except ValueError as error:
+        raise click.BadParameter(str(error), param_hint="--safety-defaults/--safety-allow-loosen") from None
+    options = RenderOptions(
+        runtime_image=runtime_image or DEFAULT_RUNTIME_IMAGE, cluster_domain=cluster_domain, safety=safety
+    )
+    return OperatorContext(
+        kube=kube,
+        render_options=options,
+        scrape_timeout_seconds=scrape_timeout,
+        scrape_max_page_bytes=DEFAULT_MAX_PAGE_BYTES if scrape_max_bytes is None else scrape_max_bytes,
+        api_concurrency=api_concurrency,
+    )
+
+
+def _ensure_peering(kube: KubeApi, namespaces: tuple[str, ...], peering_name: str) -> None:
+    """The peering objects the replicas elect their leader through: one per namespace, or one for the
+    cluster."""
+    from kvfleet.operator.kube import KubeError
+
+    try:
+        if namespaces:
+            for namespace in namespaces:
+                kube.ensure_namespaced_peering(namespace, peering_name)
+        else:
+            kube.ensure_cluster_peering(peering_name)
+    except KubeError as error:
+        raise click.ClickException(
+            f"cannot set up leader election through peering object {peering_name!r}: {error.message}; "
+            "install the chart's CRDs, or pass --standalone for a single replica"
+        ) from None

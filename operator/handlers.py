@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -149,6 +150,56 @@ async def wake_service(namespace: str, name: str, memo: kopf.Memo, **_: Any) -> 
     _context(memo).wake((namespace, name))
 
 
+@dataclass(frozen=True)
+class _IndexedCluster:
+    """What one service's loop reads of the cluster: kopf's indexes, kept by the watches (no API calls)."""
+
+    namespace: str
+    name: str
+    uid: str
+    pods: kopf.Index[Any, PodView]
+    deployments: kopf.Index[Any, DeploymentView]
+    stateful_sets: kopf.Index[Any, StatefulSetView]
+    leader_worker_sets: kopf.Index[Any, DeploymentView]
+    gateways: kopf.Index[Any, ScrapeTarget]
+    served_names: kopf.Index[Any, tuple[str, str]]
+    gateway_queues: GatewayQueues
+
+    def observe(self) -> Observed:
+        key = (self.namespace, self.name)
+        # Objects left by a deleted namesake must not count.
+        deployments = [view for view in self.deployments.get(key, []) if view.owner_uid == self.uid]
+        group_sets = [view for view in self.leader_worker_sets.get(key, []) if view.owner_uid == self.uid]
+        return Observed(
+            deployment=deployments[0] if deployments else None,
+            pods=list(self.pods.get(key, [])),
+            stateful_sets=tuple(
+                view for view in self.stateful_sets.get(key, []) if view.owner_uid == self.uid
+            ),
+            leader_worker_set=group_sets[0] if group_sets else None,
+        )
+
+    async def gateway_queue(self, model: str) -> float | None:
+        targets = list(self.gateways.get(GATEWAY_COMPONENT, []))
+        depths = await self.gateway_queues.depths(targets) if targets else None
+        return None if depths is None else depths.get(model, 0.0)
+
+    def guard_state(self, service: str) -> GuardState:
+        guard = (self.namespace, service)
+        views = [*self.deployments.get(guard, []), *self.leader_worker_sets.get(guard, [])]
+        groups = list(self.stateful_sets.get(guard, []))
+        if not views and not groups:
+            return GuardState.NOT_FOUND
+        serving = any(view.ready_replicas > 0 for view in views) or any(
+            group.ready_replicas >= group.replicas for group in groups
+        )
+        return GuardState.READY if serving else GuardState.UNAVAILABLE
+
+    def name_owner(self, served_name: str) -> str | None:
+        claims = list(self.served_names.get((self.namespace, served_name), []))
+        return min(claims)[1] if claims else None
+
+
 # The loop exits by itself once `stopped` is set; the backoff gives it that chance before kopf cancels it.
 @kopf.daemon(GROUP, VERSION, PLURAL, cancellation_backoff=2.0, cancellation_timeout=10.0)
 async def fleet_loop(
@@ -169,43 +220,22 @@ async def fleet_loop(
     context = _context(memo)
     key = (namespace, name)
     assert context.session is not None, "the startup handler creates the session"
+    assert context.gateway_queues is not None, "the startup handler creates it"
+    indexed = _IndexedCluster(
+        namespace=namespace,
+        name=name,
+        uid=uid,
+        pods=kvfleet_pods,
+        deployments=kvfleet_deployments,
+        stateful_sets=kvfleet_stateful_sets,
+        leader_worker_sets=kvfleet_leader_worker_sets,
+        gateways=kvfleet_gateways,
+        served_names=kvfleet_served_names,
+        gateway_queues=context.gateway_queues,
+    )
 
     def post_event(event_type: str, reason: str, message: str) -> None:
         kopf.event(body, type=event_type, reason=reason, message=message)
-
-    def observe() -> Observed:
-        # Objects left by a deleted namesake must not count.
-        deployments = [view for view in kvfleet_deployments.get(key, []) if view.owner_uid == uid]
-        group_sets = [view for view in kvfleet_leader_worker_sets.get(key, []) if view.owner_uid == uid]
-        return Observed(
-            deployment=deployments[0] if deployments else None,
-            pods=list(kvfleet_pods.get(key, [])),
-            stateful_sets=tuple(view for view in kvfleet_stateful_sets.get(key, []) if view.owner_uid == uid),
-            leader_worker_set=group_sets[0] if group_sets else None,
-        )
-
-    gateway_queues = context.gateway_queues
-    assert gateway_queues is not None, "the startup handler creates it"
-
-    async def gateway_queue(model: str) -> float | None:
-        targets = list(kvfleet_gateways.get(GATEWAY_COMPONENT, []))
-        depths = await gateway_queues.depths(targets) if targets else None
-        return None if depths is None else depths.get(model, 0.0)
-
-    def guard_state(service: str) -> GuardState:
-        guard = (namespace, service)
-        views = [*kvfleet_deployments.get(guard, []), *kvfleet_leader_worker_sets.get(guard, [])]
-        groups = list(kvfleet_stateful_sets.get(guard, []))
-        if not views and not groups:
-            return GuardState.NOT_FOUND
-        serving = any(view.ready_replicas > 0 for view in views) or any(
-            group.ready_replicas >= group.replicas for group in groups
-        )
-        return GuardState.READY if serving else GuardState.UNAVAILABLE
-
-    def name_owner(served_name: str) -> str | None:
-        claims = list(kvfleet_served_names.get((namespace, served_name), []))
-        return min(claims)[1] if claims else None
 
     controller = ServiceController(
         owner=Owner(name, namespace, uid),
@@ -215,9 +245,9 @@ async def fleet_loop(
         metrics=context.metrics,
         options=lambda: context.render_options,
         adapter_sync=AdapterSync(RuntimeAdapterClient(context.session)),
-        gateway_queue=gateway_queue,
-        guard_state=guard_state,
-        name_owner=name_owner,
+        gateway_queue=indexed.gateway_queue,
+        guard_state=indexed.guard_state,
+        name_owner=indexed.name_owner,
     )
     wakeup = context.wakeup_for(key)
 
@@ -228,7 +258,7 @@ async def fleet_loop(
     # Deletion and peering pauses set `stopped`; the loop must notice at once, not at its next pass.
     stop_watch = asyncio.create_task(wake_when_stopped(), name=f"kvfleet-stop-{namespace}/{name}")
     try:
-        await controller.run(body, observe, wakeup, lambda: bool(stopped))
+        await controller.run(body, indexed.observe, wakeup, lambda: bool(stopped))
     finally:
         stop_watch.cancel()
         context.forget(key)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvfleet.operator.api import API_KEY_ENV, HTTP_PORT, HTTP_PORT_NAME, RENDEZVOUS_PORT
-from kvfleet.operator.spec import AdapterSpec, InferenceServiceSpec, ModelSpec
+from kvfleet.operator.spec import AdapterSpec, InferenceServiceSpec, ModelSpec, ResourcesSpec
 from kvfleet.operator.tiers import TIERS
 
 MODEL_ROOT = "/mnt/models"
@@ -162,7 +162,36 @@ def pod_template(
     group: GroupPlacement | None = None,
 ) -> dict[str, Any]:
     """`group`: where the pod stands in a replica group, for a model that spans nodes."""
-    engine, resources = spec.engine, spec.resources
+    engine = spec.engine
+    volumes, mounts = _pod_volumes(spec, service_name)
+    pod_spec: dict[str, Any] = {
+        "priorityClassName": TIERS[spec.sla.tier].priority_class,
+        "terminationGracePeriodSeconds": termination_grace_seconds(spec),
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": RUNTIME_USER,
+            "runAsGroup": RUNTIME_USER,
+            "fsGroup": RUNTIME_USER,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "containers": [_runtime_container(spec, image, mounts, safety_config, group)],
+        "volumes": volumes,
+    }
+    init = _download_container(spec.model, image, engine.image_pull_policy)
+    if init is not None:
+        pod_spec["initContainers"] = [init]
+    if engine.image_pull_secrets:
+        pod_spec["imagePullSecrets"] = [{"name": name} for name in engine.image_pull_secrets]
+    pod_spec.update(_placement(spec.resources))
+    return {"metadata": {"labels": labels}, "spec": pod_spec}
+
+
+def _pod_volumes(
+    spec: InferenceServiceSpec, service_name: str
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The pod's volumes and the runtime container's mounts of them."""
     volumes, mounts = _model_volumes(spec.model)
     volumes = [
         {"name": "scratch", "emptyDir": {}},
@@ -180,20 +209,23 @@ def pod_template(
         volume = f"adapter-claim-{index}"
         volumes.append({"name": volume, "persistentVolumeClaim": {"claimName": claim, "readOnly": True}})
         mounts.append({"name": volume, "mountPath": f"{ADAPTER_CLAIMS}/{claim}", "readOnly": True})
+    return volumes, mounts
+
+
+def _runtime_container(
+    spec: InferenceServiceSpec,
+    image: str,
+    mounts: list[dict[str, Any]],
+    safety_config: str | None,
+    group: GroupPlacement | None,
+) -> dict[str, Any]:
+    engine = spec.engine
     ports = [{"name": HTTP_PORT_NAME, "containerPort": HTTP_PORT, "protocol": "TCP"}]
     args, env = runtime_args(spec, safety_config), _runtime_env(spec)
     readiness = _http_probe("/ready", failures=2)
     if group is not None:
-        args += group_args(group)
-        rank = {"fieldRef": {"fieldPath": f"metadata.labels['{group.rank_label}']"}}
-        env.insert(0, {"name": NODE_RANK_ENV, "valueFrom": rank})
-        ports.append({"name": RENDEZVOUS_PORT_NAME, "containerPort": RENDEZVOUS_PORT, "protocol": "TCP"})
-        if group.readiness_path is not None:
-            readiness = _http_probe(group.readiness_path, failures=2)
-        else:
-            env.insert(1, {"name": POD_IP_ENV, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}})
-            readiness = _probe({"exec": {"command": ["python", "-c", RANK_READINESS_SCRIPT]}}, failures=2)
-    container: dict[str, Any] = {
+        readiness = _join_group(group, args, env, ports)
+    return {
         "name": "runtime",
         "image": image,
         "imagePullPolicy": engine.image_pull_policy,
@@ -211,37 +243,37 @@ def pod_template(
         "securityContext": _container_security(),
         "volumeMounts": mounts,
     }
-    pod_spec: dict[str, Any] = {
-        "priorityClassName": TIERS[spec.sla.tier].priority_class,
-        "terminationGracePeriodSeconds": termination_grace_seconds(spec),
-        "automountServiceAccountToken": False,
-        "enableServiceLinks": False,
-        "securityContext": {
-            "runAsNonRoot": True,
-            "runAsUser": RUNTIME_USER,
-            "runAsGroup": RUNTIME_USER,
-            "fsGroup": RUNTIME_USER,
-            "seccompProfile": {"type": "RuntimeDefault"},
-        },
-        "containers": [container],
-        "volumes": volumes,
-    }
-    init = _download_container(spec.model, image, engine.image_pull_policy)
-    if init is not None:
-        pod_spec["initContainers"] = [init]
-    if engine.image_pull_secrets:
-        pod_spec["imagePullSecrets"] = [{"name": name} for name in engine.image_pull_secrets]
+
+
+def _join_group(
+    group: GroupPlacement, args: list[str], env: list[dict[str, Any]], ports: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """Adds a group rank's flags, variables and rendezvous port to the container's; returns its readiness
+    probe: the role's path, or for a template that serves every rank a script that picks it by rank."""
+    args += group_args(group)
+    rank = {"fieldRef": {"fieldPath": f"metadata.labels['{group.rank_label}']"}}
+    env.insert(0, {"name": NODE_RANK_ENV, "valueFrom": rank})
+    ports.append({"name": RENDEZVOUS_PORT_NAME, "containerPort": RENDEZVOUS_PORT, "protocol": "TCP"})
+    if group.readiness_path is not None:
+        return _http_probe(group.readiness_path, failures=2)
+    env.insert(1, {"name": POD_IP_ENV, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}})
+    return _probe({"exec": {"command": ["python", "-c", RANK_READINESS_SCRIPT]}}, failures=2)
+
+
+def _placement(resources: ResourcesSpec) -> dict[str, Any]:
+    """Where the pods may run: the spec's node selector, tolerations and affinity."""
+    placement: dict[str, Any] = {}
     if resources.node_selector:
-        pod_spec["nodeSelector"] = dict(resources.node_selector)
+        placement["nodeSelector"] = dict(resources.node_selector)
     tolerations = [dict(toleration) for toleration in resources.tolerations]
     if resources.gpus > 0:
         # GPU node pools are commonly tainted with the device's resource name.
         tolerations.append({"key": resources.gpu_resource_name, "operator": "Exists", "effect": "NoSchedule"})
     if tolerations:
-        pod_spec["tolerations"] = tolerations
+        placement["tolerations"] = tolerations
     if resources.affinity:
-        pod_spec["affinity"] = dict(resources.affinity)
-    return {"metadata": {"labels": labels}, "spec": pod_spec}
+        placement["affinity"] = dict(resources.affinity)
+    return placement
 
 
 def _flags(pairs: list[tuple[str, object]]) -> list[str]:

@@ -16,7 +16,17 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvfleet.contract.safety import DEFAULT_ACTION, DEFAULT_LEVEL, STRICTNESS_FIELDS, loosened, tier_policy
+from kvfleet.contract.safety import (
+    ACTIONS,
+    DEFAULT_ACTION,
+    DEFAULT_LEVEL,
+    LEVELS,
+    STRICTNESS_FIELDS,
+    loosened,
+    tier_policy,
+)
+from kvfleet.contract.tiers import TIER_NAMES
+from kvfleet.operator.schema import Rule, array, boolean, integer, number, obj, string
 from kvfleet.operator.spec import SpecError
 
 # What the platform may let services loosen (chart value safety.allowLoosen).
@@ -24,6 +34,126 @@ LOOSENABLE = ("level", "action", "checkers", "failOpen", "logContent")
 LOOSENED_REASON = "SafetyLoosened"
 GUARD_UNAVAILABLE_REASON = "GuardUnavailable"
 _DNS_1035_LABEL = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
+
+
+_CHECKERS = ["rules", "guard", "hook"]
+_PII_DETECTORS = ["email", "phone", "card", "iban", "api_key"]
+_FAIL_OPEN = (
+    "Let the text through while the {checker} is unavailable (down, slower than timeout, or no verdict); "
+    "otherwise it is a finding of category checker_unavailable."
+)
+_TIMEOUT = number(
+    "Seconds the whole call may take, from connecting to the answer's last byte.",
+    minimum=0,
+    exclusiveMinimum=True,
+)
+# What a policy sets, for every request or (under tiers) for one tier's.
+_POLICY_PROPERTIES = {
+    "level": string(
+        "Which findings count: low counts the surest (score 0.9 and up: card numbers, IBANs, secrets, "
+        "blocklisted words, guard verdicts), medium from 0.5 (adds e-mail addresses and phone numbers), high "
+        "from 0.2; off checks nothing.",
+        enum=list(LEVELS),
+    ),
+    "action": string(
+        "What a finding does: block (a 400 content_filter for input, the refusal and finish_reason "
+        "content_filter for output), redact (replace what rules found; a verdict on the whole text blocks), "
+        "or flag (count it in the metrics and let the text through).",
+        enum=list(ACTIONS),
+    ),
+    "input": array("The checkers run on each request's input.", string("", enum=_CHECKERS)),
+    "output": array(
+        "The checkers run on each answer, in windows of windowTokens while streaming.",
+        string("", enum=_CHECKERS),
+    ),
+    "refusal": string("What a blocked request or answer is told.", minLength=1),
+    "windowTokens": integer(
+        "Tokens of a streamed answer checked (and held back) at a time.", minimum=1, maximum=4096
+    ),
+}
+_RULES = obj(
+    "Blocklisted words, the platform's own patterns, and PII detectors.",
+    {
+        "blocklist": array("Words and phrases found wherever they occur.", string("", minLength=1)),
+        "patterns": array(
+            "Regular expressions, each finding text of its category.",
+            obj(
+                "",
+                {
+                    "category": string(
+                        "The category findings of the pattern are reported under.", minLength=1
+                    ),
+                    "regex": string("A regular expression (Python's syntax) searched for in the text."),
+                    "score": number("How sure a match is, from 0 to 1 (1 when unset).", minimum=0, maximum=1),
+                },
+                required=["category", "regex"],
+            ),
+        ),
+        "pii": array(
+            "The built-in detectors of personal data that run (all of them when unset).",
+            string("", enum=_PII_DETECTORS),
+        ),
+    },
+)
+_GUARD = obj(
+    "A guard model (a classifier prompt in the manner of Llama Guard): another InferenceService of this "
+    'namespace (service), or an OpenAI-compatible URL or "self" (endpoint).',
+    {
+        "service": string("An InferenceService of this namespace serving the guard model."),
+        "endpoint": string(
+            'An OpenAI-compatible base URL (".../v1") of the guard model, or "self": this model.'
+        ),
+        "model": string("The model name sent to the guard; the endpoint's only model when unset."),
+        "timeout": _TIMEOUT,
+        "failOpen": boolean(_FAIL_OPEN.format(checker="guard")),
+        "apiKeyEnv": string("The environment variable of the runtime holding the endpoint's API key."),
+        "categories": obj(
+            "The guard's category codes (S1, ...) mapped to the names findings are reported under.",
+            additionalProperties=string(""),
+        ),
+        "extraBody": obj(
+            "Fields merged into the body of every guard request (sampling options, a priority).",
+            **{"x-kubernetes-preserve-unknown-fields": True},
+        ),
+    },
+    rules=[Rule("has(self.service) != has(self.endpoint)", "give one of service and endpoint")],
+)
+_HOOK = obj(
+    "The platform's own HTTP checker.",
+    {
+        "url": string("Where each text is posted for a verdict."),
+        "timeout": _TIMEOUT,
+        "failOpen": boolean(_FAIL_OPEN.format(checker="hook")),
+    },
+    required=["url"],
+)
+# The CRD's schema of spec.safety.
+POLICY_SCHEMA = obj(
+    "",
+    {
+        **_POLICY_PROPERTIES,
+        "tiers": obj(
+            "Per SLA tier of the request, the fields above that differ.",
+            maxProperties=len(TIER_NAMES),
+            additionalProperties=obj("", _POLICY_PROPERTIES),
+            **{
+                "x-kubernetes-validations": [
+                    Rule(
+                        f"self.all(t, t in [{', '.join(repr(tier) for tier in TIER_NAMES)}])",
+                        f"tiers are {', '.join(TIER_NAMES[:-1])} and {TIER_NAMES[-1]}",
+                    ).render()
+                ]
+            },
+        ),
+        "rules": _RULES,
+        "guard": _GUARD,
+        "hook": _HOOK,
+        "audit": obj(
+            "What the logs may hold.",
+            {"logContent": boolean("Let logs quote the text that was flagged.")},
+        ),
+    },
+)
 
 
 class GuardState(enum.Enum):

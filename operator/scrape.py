@@ -11,18 +11,20 @@ import enum
 import ipaddress
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import aiohttp
 from kvfleet.contract.metrics import GATEWAY_QUEUE_DEPTH, KV_CACHE_USAGE, PREFIXES, RUNNING, TTFT, WAITING
 from kvfleet.operator.autoscaler import PodMetrics
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
 
 TTFT_SUM = f"{TTFT}_sum"
 TTFT_COUNT = f"{TTFT}_count"
-_WANTED = {
+_WANTED = frozenset(
     prefix + name for prefix in PREFIXES for name in (WAITING, RUNNING, KV_CACHE_USAGE, TTFT_SUM, TTFT_COUNT)
-}
+)
 # A kvfleet replica's page with every SLA tier and finish reason in use is about 150 KB: room to spare, while
 # a pod that answers without end costs the operator 1 MiB a scrape.
 DEFAULT_MAX_PAGE_BYTES = 1024 * 1024
@@ -68,25 +70,8 @@ class Exposition:
 def parse_exposition(text: str) -> Exposition:
     """Picks the autoscaler's metrics out of Prometheus text format; everything else is skipped unparsed."""
     totals: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line.startswith(PREFIXES):
-            continue
-        if "{" in line:
-            name, _, rest = line.partition("{")
-            _, _, value_part = rest.rpartition("}")
-        else:
-            name, _, value_part = line.partition(" ")
-        if name not in _WANTED:
-            continue
-        fields = value_part.split()
-        if not fields:
-            continue
-        try:
-            value = float(fields[0])
-        except ValueError:
-            continue
-        if math.isfinite(value):
-            totals[name] = totals.get(name, 0.0) + value
+    for sample in _samples(text, _WANTED):
+        totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
 
     def read(metric: str) -> float | None:
         for prefix in PREFIXES:
@@ -190,19 +175,28 @@ class FleetScraper:
 
 def parse_gateway_queues(text: str) -> dict[str, float]:
     """The fleet gateway's queue depth per model from its /metrics page."""
-    depths: dict[str, float] = {}
-    prefix = f'{GATEWAY_QUEUE_DEPTH}{{model="'
+    return {
+        sample.labels["model"]: sample.value
+        for sample in _samples(text, frozenset({GATEWAY_QUEUE_DEPTH}))
+        if "model" in sample.labels
+    }
+
+
+def _samples(text: str, names: frozenset[str]) -> Iterator[Sample]:
+    """The finite samples of Prometheus text format named in `names`, read by prometheus_client's parser.
+
+    Only lines that start with one of the names are parsed, each on its own: a line the parser refuses is
+    skipped, and the rest of the page is still read.
+    """
+    starts = tuple(names)
     for line in text.splitlines():
-        if not line.startswith(prefix):
+        if not line.startswith(starts):
             continue
-        model, _, rest = line[len(prefix) :].partition('"}')
         try:
-            value = float(rest.split()[0])
-        except (IndexError, ValueError):
+            samples = [sample for family in text_string_to_metric_families(line) for sample in family.samples]
+        except ValueError:
             continue
-        if math.isfinite(value):
-            depths[model] = value
-    return depths
+        yield from (s for s in samples if s.name in names and math.isfinite(s.value))
 
 
 class GatewayQueues:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal, cast
 
 from kvfleet.contract.engine import DTYPES, SCHEDULING_POLICIES, SchedulingPolicy
@@ -17,6 +17,7 @@ from kvfleet.contract.routing import POLICY_NAMES, PolicyName
 from kvfleet.contract.tiers import DEFAULT_TIER, TIER_NAMES, TierName
 from kvfleet.operator.api import API_KEY_ENV, API_KEY_FLAG
 from kvfleet.operator.model_uri import ModelSource, ModelURIError, parse_model_uri
+from kvfleet.operator.schema import QUANTITY, Rule, array, integer, obj, prop, string
 from kvfleet.operator.tiers import TIERS
 from kvfleet.runtime.lora.request import ADAPTER_NAME, ADAPTER_NAME_RULE
 
@@ -45,44 +46,253 @@ class SpecError(ValueError):
         self.message = message
 
 
+# The ranks of one replica, as CEL reads them from a defaulted spec (engine and both sizes default).
+_RANKS = "self.engine.tensorParallelSize * self.engine.pipelineParallelSize"
+# What the server checks of metadata.name, for the same reasons as parse_spec.
+NAME_RULES = (
+    Rule(
+        f"self.metadata.name.size() <= {_MAX_NAME_LENGTH}",
+        f"metadata.name must be at most {_MAX_NAME_LENGTH} characters: the Service and the labels of the "
+        "pods take the name",
+    ),
+    Rule(
+        f"self.metadata.name.matches('^{_DNS_1035_LABEL.pattern}$')",
+        "metadata.name must be a DNS-1035 label (lowercase letters, digits and '-', starting with a letter "
+        "and ending with a letter or digit): the Service takes the name",
+    ),
+)
+# Across sections, as _parse_resources and _parse_batch check them. The messages are fixed: the API server's
+# cost estimate refuses messageExpressions that print the numbers (the operator's own checks name them).
+SPEC_RULES = (
+    Rule(
+        "!has(self.resources.gpus) "
+        f"|| (has(self.resources.gpusPerNode) && self.resources.gpusPerNode < {_RANKS}) "
+        f"|| self.resources.gpus >= {_RANKS} || (self.resources.gpus == 0 && {_RANKS} == 1)",
+        "resources.gpus must be at least engine.tensorParallelSize × pipelineParallelSize (0 only for a CPU "
+        "model of one rank); resources.gpusPerNode splits a model over several nodes",
+    ),
+    Rule(
+        f"!has(self.resources.gpusPerNode) || self.resources.gpusPerNode >= {_RANKS} "
+        f"|| {_RANKS} % self.resources.gpusPerNode == 0",
+        "engine.tensorParallelSize × pipelineParallelSize must be a multiple of resources.gpusPerNode: every "
+        "node of a group takes the same share of the ranks",
+    ),
+    Rule(
+        "!has(self.resources.gpusPerNode) || !has(self.resources.gpus) "
+        f"|| self.resources.gpusPerNode >= {_RANKS} || self.resources.gpus == self.resources.gpusPerNode",
+        "resources.gpus must equal resources.gpusPerNode when the model spans nodes",
+    ),
+    Rule(
+        "!has(self.resources.gpusPerNode) || !has(self.resources.gpus) "
+        f"|| self.resources.gpusPerNode < {_RANKS} || self.resources.gpus <= self.resources.gpusPerNode",
+        "resources.gpus must not exceed resources.gpusPerNode",
+    ),
+    Rule(
+        f"!has(self.batch) || !has(self.resources.gpusPerNode) || self.resources.gpusPerNode >= {_RANKS}",
+        "batch needs a replica on one node (resources.gpusPerNode at least the ranks)",
+    ),
+    # The replica that holds the Batch API's store runs its batches; a second would run them too.
+    Rule(
+        "!has(self.batch) || (has(self.scaling) && (has(self.scaling.replicas) ? self.scaling.replicas <= 1 "
+        ": has(self.scaling.maxReplicas) && self.scaling.maxReplicas <= 1))",
+        "batch needs a single replica (scaling.replicas or scaling.maxReplicas at most 1): the Batch API's "
+        "store belongs to one replica",
+    ),
+)
+_MODEL_URI_RULE = Rule(
+    "self.matches('^hf://[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*(@[A-Za-z0-9._/-]+)?$') "
+    "|| self.matches('^pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/.*)?$') || self.matches('^file:///.+$')",
+    "model.uri must be hf://<org>/<name>[@<revision>], pvc://<claim>/<path> or file:///<absolute path>",
+)
+# Flags beat the variable: an argument would replace the Secret's key.
+_API_KEY_FLAG_RULE = Rule(
+    f"self != '{API_KEY_FLAG}' && !self.startsWith('{API_KEY_FLAG}=')",
+    f"engine.extraArgs must not pass {API_KEY_FLAG}: the key comes from the Secret named in "
+    "engine.apiKeySecret",
+)
+_ENV_SCHEMA = array(
+    "",
+    obj(
+        "",
+        {
+            "name": string("The variable's name.", minLength=1, maxLength=256),
+            "value": string("The variable's value (empty when unset).", maxLength=32768),
+        },
+        required=["name"],
+        rules=[
+            Rule(
+                f"self.name != '{API_KEY_ENV}'",
+                f"engine.env must not set {API_KEY_ENV}: the key comes from the Secret named in "
+                "engine.apiKeySecret",
+            )
+        ],
+    ),
+    maxItems=64,
+)
+_TOLERATIONS_SCHEMA = array(
+    "",
+    obj(
+        "",
+        {
+            "key": string("The taint key the toleration matches; empty matches every key (with Exists)."),
+            "operator": string("Exists matches any value, Equal only `value`.", enum=["Exists", "Equal"]),
+            "value": string("The taint value the toleration matches (with Equal)."),
+            "effect": string(
+                "The taint effect the toleration matches; empty matches every effect.",
+                enum=["NoSchedule", "PreferNoSchedule", "NoExecute"],
+            ),
+            "tolerationSeconds": integer(
+                "With NoExecute, how long the pod stays bound after the taint appears."
+            ),
+        },
+    ),
+    maxItems=32,
+)
+
+
+def _safety_schema() -> Mapping[str, Any]:
+    from kvfleet.operator.safety import POLICY_SCHEMA  # it imports this module's SpecError
+
+    return POLICY_SCHEMA
+
+
 @dataclass(frozen=True)
 class ModelSpec:
-    uri: str
+    uri: str = prop(
+        "Where the weights are: hf://<org>/<name>[@<revision>] (downloaded by an init container), "
+        "pvc://<claim>/<path> (mounted read-only) or file:///<path> (a path inside the pod; see hostPath).",
+        required=True,
+        maxLength=512,
+        rules=[_MODEL_URI_RULE],
+    )
     source: ModelSource
-    served_name: str
-    tokenizer: str | None = None
-    chat_template: str | None = None
-    host_path: bool = False
-    credentials_secret: str | None = None
-    cache_size_limit: str | None = None
+    served_name: str = prop(
+        "Model name clients send in requests (to the fleet gateway as <namespace>/<servedName>); defaults "
+        "to the resource's name. Of the services of a namespace serving one name, the one created first "
+        "owns it.",
+        maxLength=256,
+        minLength=1,
+    )
+    tokenizer: str | None = prop(
+        "Tokenizer folder inside the pod, if not the model's own.", None, maxLength=512
+    )
+    chat_template: str | None = prop(
+        "Chat template (a path inside the pod, or the Jinja text) overriding the model's.",
+        None,
+        maxLength=65536,
+    )
+    host_path: bool = prop(
+        "Mount a file:/// path from the node's filesystem at the same path (read-only). For single-node and "
+        "test clusters; it needs a policy that allows hostPath volumes.",
+        False,
+    )
+    credentials_secret: str | None = prop(
+        "Secret whose HF_TOKEN key authenticates hf:// downloads.", None, maxLength=253
+    )
+    cache_size_limit: str | None = prop(
+        "Size limit of the volume an hf:// model is downloaded into.", None, schema=QUANTITY
+    )
 
 
 @dataclass(frozen=True)
 class EngineSpec:
-    image: str | None = None
-    image_pull_policy: PullPolicy = "IfNotPresent"
-    image_pull_secrets: tuple[str, ...] = ()
-    max_num_seqs: int | None = None
-    max_model_len: int | None = None
-    block_size: int | None = None
-    enable_prefix_caching: bool | None = None
-    scheduling_policy: SchedulingPolicy | None = None
-    dtype: str | None = None
-    tensor_parallel_size: int = 1
-    pipeline_parallel_size: int = 1
-    max_waiting_requests: int | None = None
-    drain_timeout_seconds: int = 30
-    startup_timeout_seconds: int = 600
-    api_key_secret: str | None = None
+    image: str | None = prop(
+        "Runtime image; defaults to the operator's configured image.", None, maxLength=512
+    )
+    image_pull_policy: PullPolicy = prop("When the kubelet pulls the runtime image.", "IfNotPresent")
+    image_pull_secrets: tuple[str, ...] = prop(
+        "Secrets of the namespace that hold the credentials to pull the runtime image with.",
+        (),
+        maxItems=16,
+        items={"maxLength": 253},
+    )
+    max_num_seqs: int | None = prop(
+        "Requests a replica runs at once (the runtime's --max-num-seqs).", None, minimum=1, maximum=65536
+    )
+    max_model_len: int | None = prop(
+        "The longest sequence a replica accepts, prompt and output tokens together (the runtime's "
+        "--max-model-len).",
+        None,
+        minimum=1,
+        maximum=16777216,
+    )
+    block_size: int | None = prop(
+        "Tokens per block of the paged KV cache (the runtime's --block-size).", None, enum=list(BLOCK_SIZES)
+    )
+    enable_prefix_caching: bool | None = prop(
+        "Reuse the KV cache of a prompt's start that earlier requests shared (the runtime's "
+        "--enable-prefix-caching, or --no-enable-prefix-caching when false); the runtime's default when "
+        "unset.",
+        None,
+    )
+    scheduling_policy: SchedulingPolicy | None = prop(
+        "Defaults from the SLA tier (priority for critical and high, fcfs otherwise).", None
+    )
+    dtype: str | None = prop(
+        "The data type of the weights and activations (the runtime's --dtype).", None, enum=list(DTYPES)
+    )
+    tensor_parallel_size: int = prop(
+        "Ranks each layer is split over; a replica's ranks are tensorParallelSize × pipelineParallelSize.",
+        1,
+        minimum=1,
+        maximum=64,
+    )
+    pipeline_parallel_size: int = prop(
+        "Pipeline stages; a replica's ranks are tensorParallelSize × pipelineParallelSize.",
+        1,
+        minimum=1,
+        maximum=64,
+    )
+    max_waiting_requests: int | None = prop(
+        "Requests a replica queues before it sheds load with 503.", None, minimum=1, maximum=1000000
+    )
+    drain_timeout_seconds: int = prop(
+        "How long a stopping replica may finish in-flight requests.", 30, minimum=0, maximum=3600
+    )
+    startup_timeout_seconds: int = prop(
+        "How long a replica may take to load its model before it is restarted.",
+        600,
+        minimum=30,
+        maximum=86400,
+    )
+    api_key_secret: str | None = prop(
+        "Secret whose KVFLEET_API_KEY key clients must send as `Authorization: Bearer <key>` (probes and "
+        "/metrics stay open).",
+        None,
+        maxLength=253,
+    )
     # LoRA stays on without adapters, so that adding the first one does not restart the replicas.
-    enable_lora: bool = False
-    max_loras: int | None = None
-    max_lora_rank: int | None = None
+    enable_lora: bool = prop(
+        "Serve LoRA adapters even while spec.adapters is empty, so that adding the first one does not "
+        "restart the replicas (with adapters listed, LoRA is on regardless).",
+        False,
+    )
+    max_loras: int | None = prop(
+        "Adapters one batch may mix (the runtime's --max-loras).", None, minimum=1, maximum=256
+    )
+    max_lora_rank: int | None = prop(
+        "The largest adapter rank a replica accepts (the runtime's --max-lora-rank).",
+        None,
+        minimum=1,
+        maximum=512,
+    )
     # Off: the adapters are the replicas' flags, and no client can load one. On: the operator loads them into
     # running replicas (no restart), through the API that any holder of the service's key may call too.
-    allow_runtime_lora_updates: bool = False
-    extra_args: tuple[str, ...] = ()
-    env: tuple[tuple[str, str], ...] = ()
+    allow_runtime_lora_updates: bool = prop(
+        "Load and unload spec.adapters in running replicas (no pod restarts) through the runtime's "
+        "/v1/load_lora_adapter, which any holder of the service's API key may call too. Off: the adapters "
+        "are the replicas' --lora-modules, and changing them rolls the pods out.",
+        False,
+    )
+    extra_args: tuple[str, ...] = prop(
+        "More arguments of the runtime's command line, after the ones the operator renders from this spec.",
+        (),
+        maxItems=64,
+        items={"maxLength": 1024, "x-kubernetes-validations": [_API_KEY_FLAG_RULE.render()]},
+    )
+    env: tuple[tuple[str, str], ...] = prop(
+        "More environment variables of the runtime container.", (), schema=_ENV_SCHEMA
+    )
 
     @property
     def world_size(self) -> int:
@@ -93,38 +303,115 @@ class EngineSpec:
 @dataclass(frozen=True)
 class ResourcesSpec:
     # GPUs per pod: all the ranks' on one pod, or one node's share of a group.
-    gpus: int = 1
+    gpus: int = prop(
+        "GPUs per pod; defaults to the replica's ranks (engine.tensorParallelSize × pipelineParallelSize), "
+        "or to gpusPerNode when the model spans nodes.",
+        1,
+        server_default=None,
+        minimum=0,
+        maximum=16,
+    )
     # The most GPUs one node (one pod) can take; unset: a replica's ranks always fit one pod.
-    gpus_per_node: int | None = None
+    gpus_per_node: int | None = prop(
+        "The most GPUs one node (one pod) gives a replica. With fewer than the replica's ranks, each replica "
+        "is a group of ranks/gpusPerNode pods on as many nodes.",
+        None,
+        minimum=1,
+        maximum=16,
+    )
     # Pods per replica: 1, or the nodes of a group that share the model.
     nodes: int = 1
-    gpu_resource_name: str = "nvidia.com/gpu"
-    cpu: str | None = None
-    memory: str | None = None
-    node_selector: Mapping[str, str] = field(default_factory=dict)
-    tolerations: tuple[Mapping[str, Any], ...] = ()
-    affinity: Mapping[str, Any] | None = None
+    gpu_resource_name: str = prop(
+        "The extended resource the pods request their GPUs as (requests and limits alike).",
+        "nvidia.com/gpu",
+        maxLength=253,
+    )
+    cpu: str | None = prop("CPU the runtime container requests.", None, schema=QUANTITY)
+    memory: str | None = prop(
+        "Memory the runtime container requests, and its limit too (memory is not compressible).",
+        None,
+        schema=QUANTITY,
+    )
+    node_selector: Mapping[str, str] = prop("Labels a node must carry to run the pods.", default_factory=dict)
+    tolerations: tuple[Mapping[str, Any], ...] = prop(
+        "Taints the pods tolerate, besides the GPU resource's own NoSchedule taint.",
+        (),
+        schema=_TOLERATIONS_SCHEMA,
+    )
+    affinity: Mapping[str, Any] | None = prop(
+        "A pod affinity block, passed through as written.",
+        None,
+        schema={"type": "object", "x-kubernetes-preserve-unknown-fields": True},
+    )
 
 
 @dataclass(frozen=True)
 class ScalingSpec:
-    replicas: int | None = None
-    min_replicas: int = 1
-    max_replicas: int = 4
-    target_queue_depth: int = 32
-    stable_window_seconds: int = 60
-    panic_window_seconds: int = 6
-    panic_threshold_percent: int = 200
-    scale_down_delay_seconds: int = 120
-    max_scale_up_step: int = 4
-    max_scale_down_step: int = 1
-    metrics_interval_seconds: int = 2
+    replicas: int | None = prop(
+        "A fixed replica count; when set, autoscaling is off (0 suspends the service).",
+        None,
+        minimum=0,
+        maximum=1000,
+    )
+    min_replicas: int = prop(
+        "0 lets the fleet scale to zero when idle; the fleet gateway holds requests meanwhile and the "
+        "operator scales back to one when the gateway's queue for the model fills.",
+        1,
+        minimum=0,
+        maximum=1000,
+    )
+    max_replicas: int = prop("The most replicas the autoscaler runs.", 4, minimum=1, maximum=1000)
+    target_queue_depth: int = prop(
+        "Requests (running plus waiting) each replica should hold on average.", 32, minimum=1, maximum=100000
+    )
+    stable_window_seconds: int = prop(
+        "The window whose mean queue depth sets the replicas wanted; panic mode lasts as long.",
+        60,
+        minimum=6,
+        maximum=3600,
+    )
+    panic_window_seconds: int = prop(
+        "The short window whose mean queue depth detects a burst (see panicThresholdPercent).",
+        6,
+        minimum=1,
+        maximum=600,
+    )
+    panic_threshold_percent: int = prop(
+        "Scale in panic mode when the panic window wants this share of ready replicas.",
+        200,
+        minimum=110,
+        maximum=1000,
+    )
+    scale_down_delay_seconds: int = prop(
+        "Scale down only to the highest replica count wanted over this long.", 120, minimum=0, maximum=3600
+    )
+    max_scale_up_step: int = prop("The most replicas one decision adds.", 4, minimum=1, maximum=1000)
+    max_scale_down_step: int = prop("The most replicas one decision removes.", 1, minimum=1, maximum=1000)
+    metrics_interval_seconds: int = prop(
+        "How often the operator reads the replicas' metrics and decides.", 2, minimum=1, maximum=60
+    )
     # With min_replicas 0: idle this long (nothing running, waiting or held by the gateway), it goes to 0.
-    scale_to_zero_after_seconds: int = 300
+    scale_to_zero_after_seconds: int = prop(
+        "With minReplicas 0: idle this long (nothing running, waiting or held by the gateway), the fleet "
+        "goes to zero.",
+        300,
+        minimum=0,
+        maximum=86400,
+    )
     # How long the gateway holds a request for a service with no ready replica; None: the gateway's default.
-    activation_timeout_seconds: int | None = None
+    activation_timeout_seconds: int | None = prop(
+        "How long the gateway holds a request while no replica is ready (scaled to zero or starting) before "
+        "answering 503; unset, the gateway's --hold-seconds.",
+        None,
+        minimum=1,
+        maximum=3600,
+    )
     # What runs a replica that spans nodes: a StatefulSet per group, or one LeaderWorkerSet.
-    group_backend: GroupBackend = "statefulset"
+    group_backend: GroupBackend = prop(
+        "What runs a replica that spans nodes (resources.gpusPerNode below the ranks): a StatefulSet per "
+        "group, or one LeaderWorkerSet where that API is installed.",
+        "statefulset",
+    )
 
     @property
     def autoscaling(self) -> bool:
@@ -138,8 +425,19 @@ class ScalingSpec:
 
 @dataclass(frozen=True)
 class SlaSpec:
-    tier: TierName = DEFAULT_TIER
-    ttft_target_milliseconds: int | None = None
+    tier: TierName = prop(
+        "The service's tier: its pods' PriorityClass (a higher tier preempts a lower one; batch preempts no "
+        "one), its requests' default priority and, unless engine.schedulingPolicy is set, the replicas' "
+        "scheduling policy.",
+        DEFAULT_TIER,
+    )
+    ttft_target_milliseconds: int | None = prop(
+        "Time to first token the fleet should keep; when replicas report a higher mean, the autoscaler adds "
+        "one.",
+        None,
+        minimum=1,
+        maximum=600000,
+    )
 
 
 BatchStorage = Literal["PersistentVolumeClaim", "EmptyDir"]
@@ -151,11 +449,23 @@ DEFAULT_BATCH_CLAIM_SIZE = "10Gi"
 class BatchSpec:
     """The OpenAI Batch API's store: a claim of its own by default, or a pod-lifetime emptyDir."""
 
-    storage: BatchStorage = "PersistentVolumeClaim"
+    storage: BatchStorage = prop(
+        "A PersistentVolumeClaim named <name>-batch (kept across restarts), or an emptyDir (lost with the "
+        "pod).",
+        "PersistentVolumeClaim",
+    )
     # The claim's request, or the emptyDir's limit (none when unset).
-    size: str | None = None
-    storage_class_name: str | None = None
-    max_file_bytes: int | None = None
+    size: str | None = prop(
+        "The claim's storage request (10Gi when unset), or the emptyDir's size limit.", None, schema=QUANTITY
+    )
+    storage_class_name: str | None = prop(
+        "The claim's storage class; the cluster's default when unset.", None
+    )
+    max_file_bytes: int | None = prop(
+        "The largest batch input file an upload may bring (the runtime's default when unset).",
+        None,
+        minimum=1,
+    )
 
     @property
     def claim_size(self) -> str:
@@ -166,32 +476,107 @@ class BatchSpec:
 class RoutingSpec:
     """How the fleet gateway spreads the service's requests; unset fields take the gateway's defaults."""
 
-    policy: PolicyName | None = None
-    prefix_characters: int | None = None
-    load_bound_percent: int | None = None
+    policy: PolicyName | None = prop(
+        "round-robin; least-request (fewest in flight); prefix-hash (consistent hashing with bounded loads "
+        "over the prompt's first characters, for prefix-cache hits); cache-aware (the replica likely to "
+        "cache the longest start of the prompt, within the load bound).",
+        None,
+    )
+    prefix_characters: int | None = prop(
+        "The prompt characters prefix-hash hashes.", None, minimum=1, maximum=65536
+    )
+    load_bound_percent: int | None = prop(
+        "prefix-hash passes over a replica holding more than this share of the mean load (125 = 1.25x).",
+        None,
+        minimum=100,
+        maximum=1000,
+    )
 
 
 @dataclass(frozen=True)
 class AdapterSpec:
     """A LoRA adapter of the base model, served under `name`."""
 
-    name: str
-    uri: str
+    name: str = prop(
+        "The model name clients send for this adapter.",
+        required=True,
+        maxLength=128,
+        pattern=ADAPTER_NAME.pattern,
+    )
+    uri: str = prop(
+        "Where the PEFT adapter is, with the model's schemes: hf://org/name[@revision] (fetched by the "
+        "replica), pvc://claim/path or file:///path.",
+        required=True,
+        maxLength=2048,
+        pattern="^(hf|pvc|file)://",
+    )
     source: ModelSource
 
 
 @dataclass(frozen=True)
 class InferenceServiceSpec:
-    model: ModelSpec
-    engine: EngineSpec
-    resources: ResourcesSpec
-    scaling: ScalingSpec
-    sla: SlaSpec
-    batch: BatchSpec | None = None
-    routing: RoutingSpec = RoutingSpec()
+    model: ModelSpec = prop(
+        "The model the replicas serve.",
+        required=True,
+        rules=[
+            Rule(
+                "!has(self.hostPath) || !self.hostPath || self.uri.startsWith('file:///')",
+                "model.hostPath applies only to file:/// URIs",
+            )
+        ],
+    )
+    engine: EngineSpec = prop(
+        "Options of the kvfleet runtime (the same names as its command-line flags).", server_default={}
+    )
+    resources: ResourcesSpec = prop(
+        "What each pod asks of its node: GPUs, CPU and memory, and where it may run.", server_default={}
+    )
+    scaling: ScalingSpec = prop(
+        "How many replicas run: a fixed count, or the autoscaler's on queue depth between minReplicas and "
+        "maxReplicas.",
+        server_default={},
+        rules=[
+            # has(): the server also checks the bare default ({}) against these rules.
+            Rule(
+                "!has(self.minReplicas) || !has(self.maxReplicas) || self.minReplicas <= self.maxReplicas",
+                "scaling.minReplicas must not exceed scaling.maxReplicas",
+            ),
+            Rule(
+                "!has(self.panicWindowSeconds) || !has(self.stableWindowSeconds) "
+                "|| self.panicWindowSeconds <= self.stableWindowSeconds",
+                "scaling.panicWindowSeconds must not exceed scaling.stableWindowSeconds",
+            ),
+        ],
+    )
+    sla: SlaSpec = prop("The service level the fleet is run for.", server_default={})
+    batch: BatchSpec | None = prop(
+        "Serve the OpenAI Batch API (/v1/files, /v1/batches) with its store on a volume mounted in the pod: "
+        "a PersistentVolumeClaim named <name>-batch (kept across restarts, so batches resume) or an "
+        "emptyDir (lost with the pod).",
+        None,
+    )
+    routing: RoutingSpec = prop(
+        "How the fleet gateway spreads this service's requests over its replicas; unset fields take the "
+        "gateway's defaults.",
+        RoutingSpec(),
+    )
     # spec.safety as given (kvfleet.operator.safety merges it with the platform's defaults).
-    safety: Mapping[str, Any] | None = None
-    adapters: tuple[AdapterSpec, ...] = ()
+    safety: Mapping[str, Any] | None = prop(
+        "Guardrails on input and output, merged over the platform's defaults (chart values "
+        "safety.defaults); loosening them beyond what the platform allows is refused with SafetyLoosened. "
+        "The shape of `kvfleet serve --safety-config` (docs/safety.md).",
+        None,
+        schema=_safety_schema,
+    )
+    adapters: tuple[AdapterSpec, ...] = prop(
+        "LoRA adapters of the model, each served under its name (a replica serves 256 at most). They are "
+        "the replicas' flags, or with engine.allowRuntimeLoraUpdates the operator loads them into the "
+        "running replicas and unloads removed ones, without restarting a pod (adapters on a claim not yet "
+        "mounted are the exception: the pods roll out to mount it).",
+        (),
+        maxItems=256,
+        **{"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
+    )
 
     @property
     def lora_enabled(self) -> bool:

@@ -7,13 +7,16 @@ not-ready it is: still progressing, failed, or scaled down on purpose.
 from __future__ import annotations
 
 import datetime
+import typing
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvfleet.operator.adapters import AdapterStatus
+from kvfleet.operator.adapters import AdapterState, AdapterStatus
 from kvfleet.operator.autoscaler import MetricsSample
 from kvfleet.operator.observed import DeploymentView, PodView
+from kvfleet.operator.safety import GuardState
+from kvfleet.operator.schema import array, boolean, integer, number, obj, string
 
 # Ready=False reasons that need a person (or a cluster change); the others resolve by waiting.
 FAILURE_REASONS = frozenset(
@@ -34,6 +37,104 @@ NAME_CONFLICT_REASON = "ServedNameTaken"
 # Failures first seen through Ready; scheduling failures are reported through Scheduled, and spec and
 # apply failures by the reconcile loop itself.
 _READY_WARNINGS = frozenset({"ProgressDeadlineExceeded", "ReplicaFailing", "PodCreationFailed"})
+
+
+_TIMESTAMP = {"type": "string", "format": "date-time"}
+_GENERATION = {"type": "integer", "format": "int64"}
+_CONDITION = obj(
+    "",
+    {
+        "type": string(
+            "Ready, WorkloadReady, Scheduled, ScalingActive, AdaptersReady, GroupsReady or NameConflict."
+        ),
+        "status": string("Whether the condition holds.", enum=["True", "False", "Unknown"]),
+        "observedGeneration": {
+            **_GENERATION,
+            "description": "The spec generation the condition was set for.",
+        },
+        "lastTransitionTime": {**_TIMESTAMP, "description": "When the status last changed."},
+        "reason": string(
+            "Why, in one CamelCase word that tools can match (e.g. InsufficientGPU, ScaledToZero)."
+        ),
+        "message": string("Why, for a person."),
+    },
+    required=["type", "status", "lastTransitionTime", "reason", "message"],
+)
+# The CRD's schema of the status build_status writes.
+STATUS_SCHEMA = obj(
+    "What the operator last observed of the service.",
+    {
+        "observedGeneration": {**_GENERATION, "description": "The spec generation this status describes."},
+        "desiredReplicas": integer(
+            "The replicas the operator asks for: the fixed count or the autoscaler's."
+        ),
+        "replicas": integer("The replicas the workload runs, ready or not."),
+        "readyReplicas": integer("The replicas ready to serve."),
+        "url": string("The in-cluster URL of the service's OpenAI-compatible API."),
+        "lastScaleTime": {**_TIMESTAMP, "description": "When the autoscaler last changed the replica count."},
+        "lastScaleReason": string("Why it did, as the autoscaler put it."),
+        "autoscaler": obj(
+            "The metrics the autoscaler last decided on (while autoscaling).",
+            {
+                "queueDepth": number(
+                    "The fleet's demand: requests running and waiting, estimated from the replicas that "
+                    "answered."
+                ),
+                "kvCacheUsage": number("The replicas' mean share of KV cache blocks in use, from 0 to 1."),
+                "ttftMilliseconds": number("The replicas' mean time to first token."),
+                "reportingPods": integer("The replicas whose metrics were read."),
+                "panic": boolean("Whether the autoscaler is in panic mode (a burst on the short window)."),
+            },
+        ),
+        "adapters": array(
+            "Each LoRA adapter of spec.adapters and where it is served.",
+            obj(
+                "",
+                {
+                    "name": string("The adapter's name."),
+                    "state": string(
+                        "Pending (no replica ready), Loading, Ready (served by every ready replica) or "
+                        "Failed.",
+                        enum=list(typing.get_args(AdapterState)),
+                    ),
+                    "readyReplicas": integer("The ready replicas that serve it."),
+                    "message": string("What is still missing or what failed."),
+                },
+            ),
+        ),
+        "safety": obj(
+            "The state of what the safety policy depends on.",
+            {
+                "guard": obj(
+                    "The guard model's InferenceService (spec.safety.guard.service).",
+                    {
+                        "service": string("Its name."),
+                        "state": string(
+                            "Ready, Unavailable (no replica ready) or NotFound.",
+                            enum=[state.value for state in GuardState],
+                        ),
+                    },
+                )
+            },
+        ),
+        "groups": array(
+            "Each replica group of a model that spans nodes, with its ranks ready.",
+            obj(
+                "",
+                {
+                    "name": string("The group's name (its StatefulSet's)."),
+                    "ranks": integer("The group's pods, one per node."),
+                    "ranksReady": integer("Of those, the ready ones."),
+                },
+            ),
+        ),
+        "conditions": array(
+            "The service's conditions, by Kubernetes conventions; Ready rolls up the rest.",
+            _CONDITION,
+            **{"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
+        ),
+    },
+)
 
 
 @dataclass(frozen=True)

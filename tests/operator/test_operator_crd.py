@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import yaml
 from kvfleet.operator.api import API_VERSION, GROUP, KIND, PLURAL, VERSION
+from kvfleet.operator.crd import FILE_NAME, render
 from kvfleet.operator.spec import ScalingSpec, SpecError, parse_spec
 
 MINIMAL: dict[str, Any] = {
@@ -282,3 +283,32 @@ def test_batch_on_one_replica_is_admitted_with_its_defaults(crd_validator: Any) 
         assert errors == []
         assert defaulted["spec"]["batch"] == {"storage": "PersistentVolumeClaim"}
         assert parse_spec(defaulted["spec"], name="m") == parse_spec(obj["spec"], name="m")
+
+
+def _properties(schema: dict[str, Any], path: str = "") -> list[tuple[str, dict[str, Any]]]:
+    """Every property under `schema`, with its path, through objects, arrays' items and maps' values."""
+    found = []
+    for key, sub in schema.get("properties", {}).items():
+        found.append((f"{path}.{key}", sub))
+        found += _properties(sub, f"{path}.{key}")
+    if "items" in schema:
+        found += _properties(schema["items"], f"{path}[]")
+    if isinstance(schema.get("additionalProperties"), dict):
+        found += _properties(schema["additionalProperties"], f"{path}.*")
+    return found
+
+
+def test_every_property_is_described(crd: dict[str, Any]) -> None:
+    # `kubectl explain` shows these; a property without one explains nothing. The API server describes
+    # metadata itself and refuses a CRD that says more of it than its type.
+    properties = _properties(crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"])
+    assert len(properties) > 100
+    undescribed = [path for path, schema in properties if not str(schema.get("description", "")).strip()]
+    assert undescribed == [".metadata"]
+
+
+def test_checked_in_crds_are_the_rendered_model(repo: Path) -> None:
+    # The spec and status models are the one source: `make crds` rewrites both copies.
+    rendered = render()
+    assert (repo / "crds" / FILE_NAME).read_text() == rendered
+    assert (repo / "charts" / "kvfleet" / "crds" / FILE_NAME).read_text() == rendered

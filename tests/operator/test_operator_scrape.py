@@ -12,9 +12,17 @@ from pathlib import Path
 import aiohttp
 import pytest
 from aiohttp import web
+from kvfleet.gateway.metrics import QUEUE_DEPTH, GatewayMetrics
 from kvfleet.operator.autoscaler import PodMetrics
-from kvfleet.operator.scrape import FleetScraper, ScrapeFailure, ScrapeTarget, parse_exposition
+from kvfleet.operator.scrape import (
+    FleetScraper,
+    ScrapeFailure,
+    ScrapeTarget,
+    parse_exposition,
+    parse_gateway_queues,
+)
 from ports import free_port
+from prometheus_client import CollectorRegistry, Gauge, generate_latest
 
 KVFLEET_PAGE = """\
 # HELP kvfleet:num_requests_waiting Requests waiting for a batch slot.
@@ -60,6 +68,40 @@ def test_odd_lines_are_skipped() -> None:
     )
     assert page.waiting == 2.0
     assert page.running is None
+
+
+# Served names the text format must escape: a quote, a backslash, a newline, and a closing brace.
+AWKWARD_NAMES = ['team-a/say "hi"', "team-a/C:\\models\\m", "team-a/two\nlines", "team-a/a} 9"]
+
+
+def test_gateway_queues_read_escaped_model_names() -> None:
+    # The gateway's own exposition is the oracle: what it sets is what the operator must read back.
+    metrics = GatewayMetrics()
+    held = {name: float(index + 1) for index, name in enumerate(AWKWARD_NAMES)}
+    for name, depth in held.items():
+        metrics.queue_depth.labels(name).set(depth)
+    assert parse_gateway_queues(generate_latest(metrics.registry).decode()) == held
+
+
+def test_gateway_queues_read_the_model_label_wherever_it_stands() -> None:
+    page = (
+        f'{QUEUE_DEPTH}{{zone="b",model="team-a/m"}} 3\n'
+        f'{QUEUE_DEPTH}{{model="team-a/n",zone="b"}} 4\n'
+        f'{QUEUE_DEPTH}{{zone="b"}} 5\n'
+    )
+    assert parse_gateway_queues(page) == {"team-a/m": 3.0, "team-a/n": 4.0}
+
+
+def test_replica_pages_with_escaped_labels_in_any_order_are_summed() -> None:
+    registry = CollectorRegistry()
+    waiting = Gauge("kvfleet:num_requests_waiting", "", ["tier", "model_name"], registry=registry)
+    running = Gauge("kvfleet:num_requests_running", "", ["model_name", "tier"], registry=registry)
+    for index, name in enumerate(AWKWARD_NAMES):
+        waiting.labels("batch", name).set(index + 1)
+        running.labels(name, "critical").set(10 * (index + 1))
+    page = parse_exposition(generate_latest(registry).decode())
+    count = len(AWKWARD_NAMES)
+    assert (page.waiting, page.running) == (count * (count + 1) / 2, 10 * count * (count + 1) / 2)
 
 
 def test_ipv6_targets_are_bracketed() -> None:
