@@ -294,20 +294,14 @@ class LocalCluster(ClusterTools):
         pki = self._prepare_state()
         etcd, etcd_url = self._start_etcd(bin_dir)
         self._start_apiserver(bin_dir, pki, etcd, etcd_url)
-        self._wait_healthy(
-            [
-                self._launch_controller_manager(bin_dir, pki),
-                self._launch_scheduler(bin_dir),
-                self._launch_kwok(bin_dir),
-            ]
-        )
-        # Pods can only be created once the controller manager has made the namespace's default account.
-        _wait_until(
-            "the default ServiceAccount",
-            lambda: bool(self.api.get("/api/v1/namespaces/default/serviceaccounts/default")),
-            self.config.start_timeout,
-            self._processes,
-        )
+        # The controller manager, the scheduler and kwok start together, then each is waited for.
+        launched = [
+            self._launch_controller_manager(bin_dir, pki),
+            self._launch_scheduler(bin_dir),
+            self._launch_kwok(bin_dir),
+        ]
+        self._wait_healthy(launched)
+        self._wait_for_default_service_account()
         self._create_nodes()
         if self.config.pod_runner:
             self._start_service_network()
@@ -459,6 +453,15 @@ class LocalCluster(ClusterTools):
                 self.config.start_timeout,
                 [process],
             )
+
+    def _wait_for_default_service_account(self) -> None:
+        """Pods can only be created once the controller manager has made the namespace's default account."""
+        _wait_until(
+            "the default ServiceAccount",
+            lambda: bool(self.api.get("/api/v1/namespaces/default/serviceaccounts/default")),
+            self.config.start_timeout,
+            self._processes,
+        )
 
     def _start_service_network(self) -> None:
         """Cluster DNS and the Service proxy; their clients are the pods the runner runs (kwok's fake pods
