@@ -22,7 +22,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +31,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from e2e.cluster import ApiError, ClusterConfig, KubeAPI, LocalCluster, NodeShape
 from e2e.cluster.cluster import free_port
 from e2e.cluster.kube_api import write_kubeconfig
+from e2e.cluster.processes import ManagedProcess
 from e2e.fleet.chart import OPERATOR_NAMESPACE, RELEASE, install_chart
 from e2e.fleet.manifests import API_VERSION, fake_gpu_service, services_path
 from e2e.fleet.observe import is_ready
@@ -171,149 +172,226 @@ def api_requests(api: KubeAPI) -> Counter[str]:
     return counts
 
 
-def run(args: argparse.Namespace, state_dir: Path) -> FleetResult:
-    config = ClusterConfig(nodes=args.nodes, node_shape=NodeShape(gpus=args.gpus_per_node), pod_runner=False)
-    print(f"starting a cluster with {args.nodes} fake GPU nodes (no pod runner)", flush=True)
-    with LocalCluster(state_dir, config) as cluster:
-        api = cluster.api
-        install_chart(cluster, values={"replicaCount": "0"})
-        namespaces = [f"fleet-{index}" for index in range(args.namespaces)]
-        for namespace in namespaces:
-            api.create(
-                "/api/v1/namespaces",
-                {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}},
-            )
+Key = tuple[str, str]  # an InferenceService: (namespace, name)
 
-        kubeconfig = operator_kubeconfig(cluster, state_dir / "operator.kubeconfig")
-        operator = cluster.launch("kvfleet-operator", [
-            str(args.operator_program), "--log-level", "info", "operator",
-            f"--kubeconfig={kubeconfig}", "--bind=127.0.0.1",
-            f"--metrics-port={free_port()}", f"--health-port={free_port()}", *args.operator_arg,
-        ])  # fmt: skip
-        time.sleep(args.settle_seconds)  # start-up (imports, peering, first lists) is not reconcile latency
-        if not operator.running():
-            raise RuntimeError(operator.describe_exit())
 
-        created: dict[tuple[str, str], float] = {}
-        deployments: dict[tuple[str, str], float] = {}
-        ready: dict[tuple[str, str], float] = {}
-        # The operator's first write to each object (kopf's finalizer): when the operator took it up.
-        noticed: dict[tuple[str, str], float] = {}
-        lock = threading.Lock()
+@dataclass
+class Timeline:
+    """When each InferenceService was created (the create call returned), got its Deployment, was taken up
+    by the operator (its first write, kopf's finalizer) and became Ready: monotonic seconds, as the watches
+    saw them arrive."""
 
-        def on_deployment(kind: str, obj: dict[str, Any], arrived: float) -> None:
-            meta = obj["metadata"]
-            if kind == "ADDED" and meta["namespace"].startswith("fleet-"):
-                with lock:
-                    deployments.setdefault((meta["namespace"], meta["name"]), arrived)
+    created: dict[Key, float] = field(default_factory=dict)
+    deployments: dict[Key, float] = field(default_factory=dict)
+    noticed: dict[Key, float] = field(default_factory=dict)
+    ready: dict[Key, float] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
-        def on_service(kind: str, obj: dict[str, Any], arrived: float) -> None:
-            meta = obj["metadata"]
-            if kind == "MODIFIED" and meta.get("finalizers"):
-                with lock:
-                    noticed.setdefault((meta["namespace"], meta["name"]), arrived)
-            if kind in ("ADDED", "MODIFIED") and is_ready(obj):
-                meta = obj["metadata"]
-                with lock:
-                    ready.setdefault((meta["namespace"], meta["name"]), arrived)
-
+    def watch(self, api: KubeAPI) -> list[TimedWatch]:
+        """Started watches of the Deployments and the InferenceServices, from now on."""
         service_list = f"/apis/{API_VERSION}/inferenceservices"
         watches = [
             TimedWatch(
                 api,
                 "/apis/apps/v1/deployments",
                 api.get("/apis/apps/v1/deployments")["metadata"]["resourceVersion"],
-                on_deployment,
+                self._on_deployment,
             ),
-            TimedWatch(api, service_list, api.get(service_list)["metadata"]["resourceVersion"], on_service),
+            TimedWatch(
+                api, service_list, api.get(service_list)["metadata"]["resourceVersion"], self._on_service
+            ),
         ]
         for watch in watches:
             watch.start()
+        return watches
 
+    def create(self, api: KubeAPI, key: Key) -> None:
+        namespace, name = key
+        manifest = fake_gpu_service(
+            name, gpus=1, scaling={"replicas": None, "minReplicas": 1, "maxReplicas": 2}
+        )
+        api.create(services_path(namespace), manifest)
+        returned = time.monotonic()
+        with self.lock:
+            self.created[key] = returned
+
+    def ready_count(self) -> int:
+        with self.lock:
+            return len(self.ready)
+
+    def _on_deployment(self, kind: str, obj: dict[str, Any], arrived: float) -> None:
+        meta = obj["metadata"]
+        if kind == "ADDED" and meta["namespace"].startswith("fleet-"):
+            with self.lock:
+                self.deployments.setdefault((meta["namespace"], meta["name"]), arrived)
+
+    def _on_service(self, kind: str, obj: dict[str, Any], arrived: float) -> None:
+        meta = obj["metadata"]
+        key = (meta["namespace"], meta["name"])
+        if kind == "MODIFIED" and meta.get("finalizers"):
+            with self.lock:
+                self.noticed.setdefault(key, arrived)
+        if kind in ("ADDED", "MODIFIED") and is_ready(obj):
+            with self.lock:
+                self.ready.setdefault(key, arrived)
+
+
+@dataclass(frozen=True)
+class Usage:
+    """CPU seconds of the operator and of each control-plane component, and the API server's request counts,
+    so far."""
+
+    operator_cpu: float
+    control_plane_cpu: dict[str, float]
+    requests: Counter[str]
+
+    @classmethod
+    def now(cls, api: KubeAPI, operator_pid: int, components: dict[str, int]) -> Usage:
+        operator_cpu = cpu_seconds(operator_pid)
+        control_plane = {name: cpu_seconds(pid) for name, pid in components.items()}
+        return cls(operator_cpu, control_plane, api_requests(api))
+
+    def __sub__(self, before: Usage) -> Usage:
+        return Usage(
+            self.operator_cpu - before.operator_cpu,
+            {
+                name: round(seconds - before.control_plane_cpu[name], 1)
+                for name, seconds in self.control_plane_cpu.items()
+            },
+            self.requests - before.requests,
+        )
+
+
+def create_namespaces(api: KubeAPI, count: int) -> list[str]:
+    namespaces = [f"fleet-{index}" for index in range(count)]
+    for namespace in namespaces:
+        api.create(
+            "/api/v1/namespaces",
+            {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}},
+        )
+    return namespaces
+
+
+def start_operator(cluster: LocalCluster, args: argparse.Namespace, state_dir: Path) -> ManagedProcess:
+    """The operator as a local process with the chart's rights, once past its start-up."""
+    kubeconfig = operator_kubeconfig(cluster, state_dir / "operator.kubeconfig")
+    operator = cluster.launch("kvfleet-operator", [
+        str(args.operator_program), "--log-level", "info", "operator",
+        f"--kubeconfig={kubeconfig}", "--bind=127.0.0.1",
+        f"--metrics-port={free_port()}", f"--health-port={free_port()}", *args.operator_arg,
+    ])  # fmt: skip
+    time.sleep(args.settle_seconds)  # start-up (imports, peering, first lists) is not reconcile latency
+    if not operator.running():
+        raise RuntimeError(operator.describe_exit())
+    return operator
+
+
+def wait_all_ready(
+    timeline: Timeline,
+    count: int,
+    timeout: float,
+    began: float,
+    operator: ManagedProcess,
+    watches: list[TimedWatch],
+) -> None:
+    """Until count services are Ready; fails when the operator exits or a watch fails."""
+    deadline = began + timeout
+    while True:
+        done = timeline.ready_count()
+        if done >= count:
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{done} of {count} Ready after {timeout:.0f}s")
+        if not operator.running():
+            raise RuntimeError(operator.describe_exit())
+        for watch in watches:
+            if watch.error is not None:
+                raise RuntimeError(f"a watch failed: {watch.error}")
+        time.sleep(0.2)
+
+
+def steady_state(operator: ManagedProcess, args: argparse.Namespace) -> tuple[float, dict[str, int]]:
+    """The operator's mean cores once the controllers settled, and its memory after."""
+    print(
+        f"every service Ready; {args.steady_delay:.0f}s for the controllers to settle, "
+        f"then {args.steady_seconds:.0f}s of steady state",
+        flush=True,
+    )
+    time.sleep(args.steady_delay)
+    began, cpu = time.monotonic(), cpu_seconds(operator.pid)
+    time.sleep(args.steady_seconds)
+    cores = (cpu_seconds(operator.pid) - cpu) / (time.monotonic() - began)
+    return cores, memory_kib(operator.pid)
+
+
+def run(args: argparse.Namespace, state_dir: Path) -> FleetResult:
+    config = ClusterConfig(nodes=args.nodes, node_shape=NodeShape(gpus=args.gpus_per_node), pod_runner=False)
+    print(f"starting a cluster with {args.nodes} fake GPU nodes (no pod runner)", flush=True)
+    with LocalCluster(state_dir, config) as cluster:
+        api = cluster.api
+        install_chart(cluster, values={"replicaCount": "0"})
+        namespaces = create_namespaces(api, args.namespaces)
+        operator = start_operator(cluster, args, state_dir)
+        timeline = Timeline()
+        watches = timeline.watch(api)
         components = json.loads((state_dir / "cluster.json").read_text())["pids"]
-        control_plane_before = {name: cpu_seconds(pid) for name, pid in components.items()}
-        requests_before = api_requests(api)
-        cpu_before = cpu_seconds(operator.pid)
+        before = Usage.now(api, operator.pid, components)
         print(f"operator pid {operator.pid}", flush=True)
         keys = [(namespaces[index % len(namespaces)], f"model-{index:04d}") for index in range(args.services)]
-
-        def create(key: tuple[str, str]) -> None:
-            namespace, name = key
-            manifest = fake_gpu_service(
-                name, gpus=1, scaling={"replicas": None, "minReplicas": 1, "maxReplicas": 2}
-            )
-            api.create(services_path(namespace), manifest)
-            returned = time.monotonic()
-            with lock:
-                created[key] = returned
-
         print(
             f"creating {args.services} InferenceServices in {len(namespaces)} namespaces at once", flush=True
         )
         burst_began = time.monotonic()
         with ThreadPoolExecutor(args.create_threads) as pool:
-            list(pool.map(create, keys))
+            list(pool.map(lambda key: timeline.create(api, key), keys))
         apply_seconds = time.monotonic() - burst_began
-
-        deadline = burst_began + args.timeout
-        while True:
-            with lock:
-                done = len(ready)
-            if done >= len(keys):
-                break
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{done} of {len(keys)} Ready after {args.timeout:.0f}s")
-            if not operator.running():
-                raise RuntimeError(operator.describe_exit())
-            for watch in watches:
-                if watch.error is not None:
-                    raise RuntimeError(f"a watch failed: {watch.error}")
-            time.sleep(0.2)
-        all_ready_at = max(ready.values())
-        cpu_to_ready = cpu_seconds(operator.pid) - cpu_before
-        control_plane = {
-            name: round(cpu_seconds(pid) - control_plane_before[name], 1) for name, pid in components.items()
-        }
-        requests = api_requests(api) - requests_before
-
-        print(
-            f"every service Ready; {args.steady_delay:.0f}s for the controllers to settle, "
-            f"then {args.steady_seconds:.0f}s of steady state",
-            flush=True,
-        )
-        time.sleep(args.steady_delay)
-        steady_began, steady_cpu = time.monotonic(), cpu_seconds(operator.pid)
-        time.sleep(args.steady_seconds)
-        steady_cores = (cpu_seconds(operator.pid) - steady_cpu) / (time.monotonic() - steady_began)
-        memory = memory_kib(operator.pid)
+        wait_all_ready(timeline, len(keys), args.timeout, burst_began, operator, watches)
+        to_ready = Usage.now(api, operator.pid, components) - before
+        steady_cores, memory = steady_state(operator, args)
         for watch in watches:
             watch.stop()
-
-        latencies = [deployments[key] - created[key] for key in keys]
-        pickup = [noticed[key] - created[key] for key in keys]
-        load_average = float(Path("/proc/loadavg").read_text().split()[0])
-        return FleetResult(
-            nodes=args.nodes,
-            services=args.services,
-            namespaces=len(namespaces),
-            apply_seconds=round(apply_seconds, 2),
-            reconcile_p50_seconds=round(statistics.median(latencies), 3),
-            reconcile_p90_seconds=round(percentile(latencies, 0.90), 3),
-            reconcile_p99_seconds=round(percentile(latencies, 0.99), 3),
-            reconcile_max_seconds=round(max(latencies), 3),
-            pickup_p50_seconds=round(statistics.median(pickup), 3),
-            pickup_p99_seconds=round(percentile(pickup, 0.99), 3),
-            all_deployments_seconds=round(max(deployments[key] for key in keys) - burst_began, 2),
-            all_ready_seconds=round(all_ready_at - burst_began, 2),
-            operator_cpu_seconds_to_ready=round(cpu_to_ready, 1),
-            operator_mean_cores_to_ready=round(cpu_to_ready / (all_ready_at - burst_began), 2),
-            operator_steady_cores=round(steady_cores, 3),
-            operator_peak_rss_mib=round(memory["VmHWM"] / 1024, 1),
-            operator_rss_after_mib=round(memory["VmRSS"] / 1024, 1),
-            control_plane_cpu_seconds=control_plane,
-            api_requests_to_ready=dict(requests.most_common(args.top_requests)),
-            host_load_average=load_average,
+        return fleet_result(
+            args, len(namespaces), keys, timeline, burst_began, apply_seconds, to_ready, steady_cores, memory
         )
+
+
+def fleet_result(
+    args: argparse.Namespace,
+    namespaces: int,
+    keys: list[Key],
+    timeline: Timeline,
+    burst_began: float,
+    apply_seconds: float,
+    to_ready: Usage,
+    steady_cores: float,
+    memory: dict[str, int],
+) -> FleetResult:
+    latencies = [timeline.deployments[key] - timeline.created[key] for key in keys]
+    pickup = [timeline.noticed[key] - timeline.created[key] for key in keys]
+    all_ready_at = max(timeline.ready.values())
+    load_average = float(Path("/proc/loadavg").read_text().split()[0])
+    return FleetResult(
+        nodes=args.nodes,
+        services=args.services,
+        namespaces=namespaces,
+        apply_seconds=round(apply_seconds, 2),
+        reconcile_p50_seconds=round(statistics.median(latencies), 3),
+        reconcile_p90_seconds=round(percentile(latencies, 0.90), 3),
+        reconcile_p99_seconds=round(percentile(latencies, 0.99), 3),
+        reconcile_max_seconds=round(max(latencies), 3),
+        pickup_p50_seconds=round(statistics.median(pickup), 3),
+        pickup_p99_seconds=round(percentile(pickup, 0.99), 3),
+        all_deployments_seconds=round(max(timeline.deployments[key] for key in keys) - burst_began, 2),
+        all_ready_seconds=round(all_ready_at - burst_began, 2),
+        operator_cpu_seconds_to_ready=round(to_ready.operator_cpu, 1),
+        operator_mean_cores_to_ready=round(to_ready.operator_cpu / (all_ready_at - burst_began), 2),
+        operator_steady_cores=round(steady_cores, 3),
+        operator_peak_rss_mib=round(memory["VmHWM"] / 1024, 1),
+        operator_rss_after_mib=round(memory["VmRSS"] / 1024, 1),
+        control_plane_cpu_seconds=to_ready.control_plane_cpu,
+        api_requests_to_ready=dict(to_ready.requests.most_common(args.top_requests)),
+        host_load_average=load_average,
+    )
 
 
 def report(result: FleetResult) -> str:

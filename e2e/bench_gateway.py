@@ -274,7 +274,7 @@ def _interrupted(signum: int, frame: FrameType | None) -> None:
     raise KeyboardInterrupt
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -307,61 +307,84 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, default=None)
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def make_small_model(directory: Path) -> Path:
+    """The `small` preset's weights, made by the kvfleet command of this environment."""
+    kvfleet = Path(sys.executable).parent / "kvfleet"
+    make = [str(kvfleet), "make-model", "--arch", "llama", "--preset", "small", str(directory)]
+    subprocess.run(make, check=True, capture_output=True)
+    return directory
+
+
+def start_gateway(cluster: LocalCluster) -> str:
+    """Installs the chart with one gateway, and the benchmark's namespace; the gateway's URL once ready."""
+    values = {"gateway.enabled": "true", "gateway.replicaCount": "1"}
+    install_chart(cluster, values | {"gateway.maxQueue": str(OVERLOAD_MAX_QUEUE)})
+    cluster.kubectl("create", "namespace", NAMESPACE)
+    gateways = ReadyEndpoints(
+        cluster.api, OPERATOR_NAMESPACE, "gateway", selector=GATEWAY_SELECTOR, port=GATEWAY_PORT
+    )
+    return wait_for("a ready gateway", gateways.refresh, 120)[0].base_url
+
+
+def run_policies(
+    cluster: LocalCluster,
+    gateway_url: str,
+    model_dir: Path,
+    args: argparse.Namespace,
+    requests: list[tuple[float, str, str]],
+) -> list[PolicyResult]:
+    """Each policy in turn, each row printed as it is measured: a run cut short keeps what it measured."""
+    print("| policy | replicas | requests | failed | TTFT p50 ms | TTFT p99 ms | hit rate |")
+    print("|---|---|---|---|---|---|---|", flush=True)
+    # One replica alone first, with the whole fleet's cache: the hit rate to measure against.
+    runs = [("least-request", 1, args.kv_blocks * args.replicas)]
+    runs += [(policy, args.replicas, args.kv_blocks) for policy in POLICIES]
+    results = []
+    for policy, replicas, kv_blocks in runs:
+        result = run_policy(
+            cluster, gateway_url, model_dir, policy, replicas, kv_blocks, args.load_bound_percent, requests
+        )
+        results.append(result)
+        print(
+            f"| {result.policy} | {result.replicas} | {result.requests} | {result.failed} | "
+            f"{result.ttft_p50_ms} | {result.ttft_p99_ms} | {result.hit_rate:.1%} |",
+            flush=True,
+        )
+    return results
+
+
+def print_overload(rows: list[TierResult]) -> None:
+    print("\n| mode | tier | requests | shed (429) | failed | TTFT p50 ms | TTFT p99 ms |")
+    print("|---|---|---|---|---|---|---|")
+    for row in rows:
+        print(
+            f"| {row.mode} | {row.tier} | {row.requests} | {row.shed} | {row.failed} | "
+            f"{row.ttft_p50_ms} | {row.ttft_p99_ms} |",
+            flush=True,
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     # A stopped benchmark still stops the cluster and every pod process it started.
     signal.signal(signal.SIGTERM, _interrupted)
     requests = workload(args.tenants, args.requests, args.rate, args.seed)
     policies: list[PolicyResult] = []
     overload: list[TierResult] = []
     with tempfile.TemporaryDirectory(prefix="kvfleet-bench-gateway-") as scratch:
-        kvfleet = Path(sys.executable).parent / "kvfleet"
-        small_dir = Path(scratch) / "small"
-        make = [str(kvfleet), "make-model", "--arch", "llama", "--preset", "small", str(small_dir)]
-        subprocess.run(make, check=True, capture_output=True)
+        small_dir = make_small_model(Path(scratch) / "small")
         with LocalCluster(Path(scratch) / "cluster", ClusterConfig()) as cluster:
-            values = {"gateway.enabled": "true", "gateway.replicaCount": "1"}
-            install_chart(cluster, values | {"gateway.maxQueue": str(OVERLOAD_MAX_QUEUE)})
-            cluster.kubectl("create", "namespace", NAMESPACE)
-            gateways = ReadyEndpoints(
-                cluster.api, OPERATOR_NAMESPACE, "gateway", selector=GATEWAY_SELECTOR, port=GATEWAY_PORT
-            )
-            gateway_url = wait_for("a ready gateway", gateways.refresh, 120)[0].base_url
-            # Each row is printed as it is measured: a run cut short keeps what it measured.
+            gateway_url = start_gateway(cluster)
             if args.scenario in ("policies", "all"):
-                print("| policy | replicas | requests | failed | TTFT p50 ms | TTFT p99 ms | hit rate |")
-                print("|---|---|---|---|---|---|---|", flush=True)
-                # One replica alone first, with the whole fleet's cache: the hit rate to measure against.
-                runs = [("least-request", 1, args.kv_blocks * args.replicas)]
-                runs += [(policy, args.replicas, args.kv_blocks) for policy in POLICIES]
-                for policy, replicas, kv_blocks in runs:
-                    result = run_policy(
-                        cluster,
-                        gateway_url,
-                        small_dir,
-                        policy,
-                        replicas,
-                        kv_blocks,
-                        args.load_bound_percent,
-                        requests,
-                    )
-                    policies.append(result)
-                    print(
-                        f"| {result.policy} | {result.replicas} | {result.requests} | {result.failed} | "
-                        f"{result.ttft_p50_ms} | {result.ttft_p99_ms} | {result.hit_rate:.1%} |",
-                        flush=True,
-                    )
+                policies = run_policies(cluster, gateway_url, small_dir, args, requests)
             if args.scenario in ("overload", "all"):
                 overload = run_overload(
                     cluster, gateway_url, small_dir, args.overload_requests, args.overload_rate, args.seed
                 )
-                print("\n| mode | tier | requests | shed (429) | failed | TTFT p50 ms | TTFT p99 ms |")
-                print("|---|---|---|---|---|---|---|")
-                for row in overload:
-                    print(
-                        f"| {row.mode} | {row.tier} | {row.requests} | {row.shed} | {row.failed} | "
-                        f"{row.ttft_p50_ms} | {row.ttft_p99_ms} |",
-                        flush=True,
-                    )
+                print_overload(overload)
             if args.json is not None:
                 document = {
                     "policies": [asdict(r) for r in policies],

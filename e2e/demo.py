@@ -22,6 +22,7 @@ import time
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import yaml
 from kvfleet.operator.api import qualified_name
@@ -156,6 +157,71 @@ def scale_from_zero(cluster: AttachedCluster, model: Path, gateway: Endpoint) ->
     show(cluster.kubectl("get", "inferenceservice", ZERO_NAME, "-n", NAMESPACE))
 
 
+def install_with_gateway(cluster: AttachedCluster) -> None:
+    started = time.monotonic()
+    install_chart(cluster, {"gateway.enabled": "true"})
+    print(f"    installed in {time.monotonic() - started:.0f}s", flush=True)
+    show(cluster.kubectl("get", "pods", "-n", OPERATOR_NAMESPACE))
+
+
+def apply_example(cluster: AttachedCluster, directory: Path) -> tuple[Path, dict[str, Any]]:
+    """examples/tiny-cpu.yaml with a tiny model made on the spot: the model's folder and the manifest."""
+    model = make_model(directory)
+    manifest = tiny_example(model)
+    print(f"    model.uri: {manifest['spec']['model']['uri']}", flush=True)
+    cluster.kubectl("create", "namespace", NAMESPACE)
+    show(cluster.kubectl("apply", "-n", NAMESPACE, "-f", "-", input=yaml.safe_dump(manifest)))
+    return model, manifest
+
+
+def wait_example_ready(cluster: AttachedCluster, name: str) -> None:
+    started = time.monotonic()
+    wait_ready(cluster.api, NAMESPACE, name, timeout=180)
+    print(f"    Ready after {time.monotonic() - started:.0f}s", flush=True)
+    show(cluster.kubectl("get", "inferenceservices", "-n", NAMESPACE))
+
+
+def chat_through_gateway(cluster: AttachedCluster, served_name: str) -> Endpoint:
+    """A few questions to served_name through a gateway; that gateway."""
+    gateway = gateways(cluster).refresh()[0]
+    print(f"    openai.OpenAI(base_url={gateway.base_url!r})  # gateway pod {gateway.pod}", flush=True)
+    for question in QUESTIONS:
+        answer = chat(gateway, question, max_tokens=24, model=served_name)
+        print(f"    > {question}\n      {answer.strip()!r}", flush=True)
+    print("    (a tiny model with random weights: the words are noise, the serving is real)", flush=True)
+    return gateway
+
+
+def burst(cluster: AttachedCluster, name: str, served_name: str) -> None:
+    """Load from many clients while the replicas are shown, then where the gateways sent it."""
+    with gateways(cluster) as spread, ChatLoad(spread, BURST_CLIENTS, 128, model=served_name) as load:
+        watch_replicas(cluster, name, BURST_SECONDS, until=lambda replicas: False)
+    print(f"    {len(load.successes())} requests answered, {len(load.failures())} failed", flush=True)
+    print("    the gateways' routing decisions (least-request), requests per replica:", flush=True)
+    for replica, count in sorted(routing_decisions(cluster, served_name).items()):
+        print(f"      {replica}  {count:.0f}", flush=True)
+
+
+def settle(cluster: AttachedCluster, name: str) -> None:
+    """Back to one replica, then the service's events (the autoscaler's decisions among them)."""
+    watch_replicas(cluster, name, SETTLE_TIMEOUT_SECONDS, until=lambda replicas: replicas == (1, 1))
+    selector = f"involvedObject.kind=InferenceService,involvedObject.name={name}"
+    columns = "custom-columns=REASON:.reason,MESSAGE:.message"
+    events = cluster.kubectl(
+        "get",
+        "events",
+        "-n",
+        NAMESPACE,
+        "--field-selector",
+        selector,
+        "--sort-by=.lastTimestamp",
+        "-o",
+        columns,
+    )
+    show(events)
+    show(cluster.kubectl("get", "inferenceservices", "-n", NAMESPACE))
+
+
 def run_demo(directory: Path, keep: bool, nodes: int, gpus_per_node: int, images: bool) -> None:
     total = 9
     step(1, total, "building the control plane's binaries (first run only: about 10 minutes on 2 cores)")
@@ -170,34 +236,19 @@ def run_demo(directory: Path, keep: bool, nodes: int, gpus_per_node: int, images
 
         install = f"helm install {RELEASE} charts/kvfleet --namespace {OPERATOR_NAMESPACE}"
         step(3, total, f"{install} --set gateway.enabled=true")
-        started = time.monotonic()
-        install_chart(cluster, {"gateway.enabled": "true"})
-        print(f"    installed in {time.monotonic() - started:.0f}s", flush=True)
-        show(cluster.kubectl("get", "pods", "-n", OPERATOR_NAMESPACE))
+        install_with_gateway(cluster)
 
         step(4, total, "a tiny model (kvfleet make-model) and kubectl apply -f examples/tiny-cpu.yaml")
-        model = make_model(directory)
-        manifest = tiny_example(model)
+        model, manifest = apply_example(cluster, directory)
         name = manifest["metadata"]["name"]
-        print(f"    model.uri: {manifest['spec']['model']['uri']}", flush=True)
-        cluster.kubectl("create", "namespace", NAMESPACE)
-        show(cluster.kubectl("apply", "-n", NAMESPACE, "-f", "-", input=yaml.safe_dump(manifest)))
 
         step(5, total, "waiting for the InferenceService to be Ready")
-        started = time.monotonic()
-        wait_ready(cluster.api, NAMESPACE, name, timeout=180)
-        print(f"    Ready after {time.monotonic() - started:.0f}s", flush=True)
-        show(cluster.kubectl("get", "inferenceservices", "-n", NAMESPACE))
+        wait_example_ready(cluster, name)
 
         step(6, total, "chat completions through the fleet gateway with the openai SDK")
-        gateway = gateways(cluster).refresh()[0]
-        print(f"    openai.OpenAI(base_url={gateway.base_url!r})  # gateway pod {gateway.pod}", flush=True)
         # The gateway watches every namespace: a model is named with its service's.
         served_name = qualified_name(NAMESPACE, manifest["spec"]["model"]["servedName"])
-        for question in QUESTIONS:
-            answer = chat(gateway, question, max_tokens=24, model=served_name)
-            print(f"    > {question}\n      {answer.strip()!r}", flush=True)
-        print("    (a tiny model with random weights: the words are noise, the serving is real)", flush=True)
+        gateway = chat_through_gateway(cluster, served_name)
 
         step(
             7,
@@ -205,34 +256,14 @@ def run_demo(directory: Path, keep: bool, nodes: int, gpus_per_node: int, images
             f"a {BURST_SECONDS:.0f}s burst from {BURST_CLIENTS} clients through the gateways: "
             "the autoscaler adds replicas",
         )
-        with gateways(cluster) as spread, ChatLoad(spread, BURST_CLIENTS, 128, model=served_name) as load:
-            watch_replicas(cluster, name, BURST_SECONDS, until=lambda replicas: False)
-        print(f"    {len(load.successes())} requests answered, {len(load.failures())} failed", flush=True)
-        print("    the gateways' routing decisions (least-request), requests per replica:", flush=True)
-        for replica, count in sorted(routing_decisions(cluster, served_name).items()):
-            print(f"      {replica}  {count:.0f}", flush=True)
+        burst(cluster, name, served_name)
 
         step(
             8,
             total,
             "idle: back to minReplicas after the example's windows (stable 30s, scale-down delay 30s)",
         )
-        watch_replicas(cluster, name, SETTLE_TIMEOUT_SECONDS, until=lambda replicas: replicas == (1, 1))
-        selector = f"involvedObject.kind=InferenceService,involvedObject.name={name}"
-        columns = "custom-columns=REASON:.reason,MESSAGE:.message"
-        events = cluster.kubectl(
-            "get",
-            "events",
-            "-n",
-            NAMESPACE,
-            "--field-selector",
-            selector,
-            "--sort-by=.lastTimestamp",
-            "-o",
-            columns,
-        )
-        show(events)
-        show(cluster.kubectl("get", "inferenceservices", "-n", NAMESPACE))
+        settle(cluster, name)
 
         step(9, total, "scale from zero: a second service, idle at zero until a request arrives")
         scale_from_zero(cluster, model, gateway)
@@ -245,18 +276,22 @@ def run_demo(directory: Path, keep: bool, nodes: int, gpus_per_node: int, images
             stop_cluster(directory)
         raise
     if keep:
-        print(
-            f"\nKEEP=1: the cluster keeps running.\n"
-            f"    export KUBECONFIG={cluster.kubeconfig}\n"
-            f"    export PATH={cluster.bin_dir}:$PATH   # kubectl and helm\n"
-            f"    kubectl get inferenceservices -A\n"
-            f"  pod logs: {directory / 'pods'}\n"
-            f"  stop it:  {sys.executable} -m e2e.cluster down --dir {directory}",
-            flush=True,
-        )
+        print_kept(cluster, directory)
         return
     print("\ntearing down", flush=True)
     stop_cluster(directory)
+
+
+def print_kept(cluster: AttachedCluster, directory: Path) -> None:
+    print(
+        f"\nKEEP=1: the cluster keeps running.\n"
+        f"    export KUBECONFIG={cluster.kubeconfig}\n"
+        f"    export PATH={cluster.bin_dir}:$PATH   # kubectl and helm\n"
+        f"    kubectl get inferenceservices -A\n"
+        f"  pod logs: {directory / 'pods'}\n"
+        f"  stop it:  {sys.executable} -m e2e.cluster down --dir {directory}",
+        flush=True,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -22,6 +22,7 @@ import ssl
 import subprocess
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -36,8 +37,9 @@ from .cluster_dns import CLUSTER_DOMAIN, host_nameserver
 from .fake_nodes import KWOK_NODE_SELECTOR, NodeShape, fake_node, fake_node_names
 from .kube_api import ApiError, KubeAPI, write_kubeconfig
 from .kwok_stages import kwok_stages
-from .pki import make_pki
-from .pod_runner import DEFAULT_IMAGE_PATTERN, PodRunner
+from .pki import ClusterPKI, make_pki
+from .pod_runner import PodRunner
+from .pod_spec import DEFAULT_IMAGE_PATTERN
 from .processes import Ledger, ManagedProcess, start_process, tail
 from .service_network import ServiceNetwork
 
@@ -199,6 +201,7 @@ class LocalCluster(ClusterTools):
         self._runner_programs = dict(runner_programs or {})
         self.log_dir = self.state_dir / "logs"
         self.kubeconfig = self.state_dir / "admin.kubeconfig"
+        self._token_file = self.state_dir / "tokens.csv"
         self.token = ""
         self.server = ""
         self.pod_cidr = ""
@@ -285,7 +288,29 @@ class LocalCluster(ClusterTools):
     # -- start-up ---------------------------------------------------------------------------------------
 
     def _start(self) -> None:
+        """Each step waits for what the next one needs; start() stops whatever the steps before a failure
+        started."""
         bin_dir = self.bin_dir  # builds on first use, before anything is started
+        pki = self._prepare_state()
+        etcd, etcd_url = self._start_etcd(bin_dir)
+        self._start_apiserver(bin_dir, pki, etcd, etcd_url)
+        # The controller manager, the scheduler and kwok start together, then each is waited for.
+        launched = [
+            self._launch_controller_manager(bin_dir, pki),
+            self._launch_scheduler(bin_dir),
+            self._launch_kwok(bin_dir),
+        ]
+        self._wait_healthy(launched)
+        self._wait_for_default_service_account()
+        self._create_nodes()
+        if self.config.pod_runner:
+            self._start_service_network()
+            self._start_pod_runner(pki)
+        self._write_state()
+
+    def _prepare_state(self) -> ClusterPKI:
+        """The state folder without a previous run's processes, the pod range, the PKI, the admin token and
+        its kubeconfig."""
         self.state_dir.mkdir(parents=True, exist_ok=True)
         leftovers = self._ledger.stop_all()
         if leftovers:
@@ -293,40 +318,43 @@ class LocalCluster(ClusterTools):
         self.pod_cidr = self._claim_subnet()
         pki = make_pki(self.state_dir / "pki")
         self.token = secrets.token_hex(24)
-        tokens = self.state_dir / "tokens.csv"
-        tokens.write_text(f'{self.token},{ADMIN_USER},{ADMIN_USER},"system:masters"\n')
-        tokens.chmod(0o600)
-
-        etcd_port, etcd_peer_port, api_port = free_port(), free_port(), free_port()
-        self.server = f"https://127.0.0.1:{api_port}"
+        self._token_file.write_text(f'{self.token},{ADMIN_USER},{ADMIN_USER},"system:masters"\n')
+        self._token_file.chmod(0o600)
+        self.server = f"https://127.0.0.1:{free_port()}"
         write_kubeconfig(self.kubeconfig, self.server, self.ca_cert, ADMIN_USER, self.token)
-        timeout = self.config.start_timeout
+        return pki
 
-        etcd_url = f"http://127.0.0.1:{etcd_port}"
+    def _start_etcd(self, bin_dir: Path) -> tuple[ManagedProcess, str]:
+        """etcd, once healthy, and its client URL."""
+        client_port, peer_port = free_port(), free_port()
+        url = f"http://127.0.0.1:{client_port}"
         etcd = self.launch("etcd", [
             str(bin_dir / "etcd"),
             "--name=default",
             f"--data-dir={self.state_dir / 'etcd-data'}",
-            f"--listen-client-urls={etcd_url}",
-            f"--advertise-client-urls={etcd_url}",
-            f"--listen-peer-urls=http://127.0.0.1:{etcd_peer_port}",
-            f"--initial-advertise-peer-urls=http://127.0.0.1:{etcd_peer_port}",
-            f"--initial-cluster=default=http://127.0.0.1:{etcd_peer_port}",
+            f"--listen-client-urls={url}",
+            f"--advertise-client-urls={url}",
+            f"--listen-peer-urls=http://127.0.0.1:{peer_port}",
+            f"--initial-advertise-peer-urls=http://127.0.0.1:{peer_port}",
+            f"--initial-cluster=default=http://127.0.0.1:{peer_port}",
             "--unsafe-no-fsync",  # a throwaway test database: durability costs seconds per start
             "--log-level=warn",
         ])  # fmt: skip
-        _wait_until("etcd healthy", lambda: _http_ok(f"{etcd_url}/health"), timeout, [etcd])
+        _wait_until("etcd healthy", lambda: _http_ok(f"{url}/health"), self.config.start_timeout, [etcd])
+        return etcd, url
 
+    def _start_apiserver(self, bin_dir: Path, pki: ClusterPKI, etcd: ManagedProcess, etcd_url: str) -> None:
+        """kube-apiserver on self.server (token auth, RBAC), once ready, and the client of its API."""
         apiserver = self.launch("kube-apiserver", [
             str(bin_dir / "kube-apiserver"),
             f"--etcd-servers={etcd_url}",
             "--bind-address=127.0.0.1",
             "--advertise-address=127.0.0.1",
-            f"--secure-port={api_port}",
+            f"--secure-port={urllib.parse.urlsplit(self.server).port}",
             f"--tls-cert-file={pki.serving_cert}",
             f"--tls-private-key-file={pki.serving_key}",
             f"--client-ca-file={pki.ca_cert}",
-            f"--token-auth-file={tokens}",
+            f"--token-auth-file={self._token_file}",
             "--authorization-mode=RBAC",
             "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
             f"--service-account-key-file={pki.service_account_public_key}",
@@ -342,19 +370,21 @@ class LocalCluster(ClusterTools):
         _wait_until(
             "kube-apiserver ready",
             lambda: _http_ok(f"{self.server}/readyz", verified, self.token),
-            timeout,
+            self.config.start_timeout,
             [etcd, apiserver],
         )
 
-        controller_manager_port = free_port()
-        controller_manager = self.launch("kube-controller-manager", [
+    def _launch_controller_manager(self, bin_dir: Path, pki: ClusterPKI) -> tuple[ManagedProcess, str]:
+        """kube-controller-manager, and the URL that says it is healthy."""
+        port = free_port()
+        process = self.launch("kube-controller-manager", [
             str(bin_dir / "kube-controller-manager"),
             f"--kubeconfig={self.kubeconfig}",
             f"--authentication-kubeconfig={self.kubeconfig}",
             f"--authorization-kubeconfig={self.kubeconfig}",
             "--leader-elect=false",
             "--bind-address=127.0.0.1",
-            f"--secure-port={controller_manager_port}",
+            f"--secure-port={port}",
             f"--service-account-private-key-file={pki.service_account_key}",
             f"--root-ca-file={pki.ca_cert}",
             f"--kube-api-qps={self.config.kube_api_qps}",
@@ -364,10 +394,13 @@ class LocalCluster(ClusterTools):
             f"--controllers=*,{','.join('-' + name for name in NO_ENDPOINT_CONTROLLERS)}",
             "--profiling=false",
         ])  # fmt: skip
+        return process, f"https://127.0.0.1:{port}/healthz"
 
-        scheduler_port = free_port()
-        scheduler_config = self.state_dir / "scheduler.yaml"
-        scheduler_config.write_text(
+    def _launch_scheduler(self, bin_dir: Path) -> tuple[ManagedProcess, str]:
+        """kube-scheduler, and the URL that says it is healthy."""
+        port = free_port()
+        config = self.state_dir / "scheduler.yaml"
+        config.write_text(
             yaml.safe_dump(
                 {
                     "apiVersion": "kubescheduler.config.k8s.io/v1",
@@ -381,71 +414,77 @@ class LocalCluster(ClusterTools):
                 }
             )
         )
-        scheduler = self.launch("kube-scheduler", [
+        process = self.launch("kube-scheduler", [
             str(bin_dir / "kube-scheduler"),
-            f"--config={scheduler_config}",
+            f"--config={config}",
             f"--authentication-kubeconfig={self.kubeconfig}",
             f"--authorization-kubeconfig={self.kubeconfig}",
             "--bind-address=127.0.0.1",
-            f"--secure-port={scheduler_port}",
+            f"--secure-port={port}",
         ])  # fmt: skip
+        return process, f"https://127.0.0.1:{port}/healthz"
 
-        kwok_port = free_port()
-        kwok_config = self.state_dir / "kwok.yaml"
+    def _launch_kwok(self, bin_dir: Path) -> tuple[ManagedProcess, str]:
+        """kwok, the kubelets of the fake nodes (it leaves the pods the runner runs to the runner), and the
+        URL that says it is healthy."""
+        port = free_port()
+        config = self.state_dir / "kwok.yaml"
         image_pattern = self.config.runner_image_pattern if self.config.pod_runner else None
-        kwok_config.write_text(yaml.safe_dump_all(kwok_stages(image_pattern), sort_keys=False))
-        kwok = self.launch("kwok", [
+        config.write_text(yaml.safe_dump_all(kwok_stages(image_pattern), sort_keys=False))
+        process = self.launch("kwok", [
             str(bin_dir / "kwok"),
-            f"--config={kwok_config}",
+            f"--config={config}",
             f"--kubeconfig={self.kubeconfig}",
             f"--manage-nodes-with-annotation-selector={KWOK_NODE_SELECTOR}",
             f"--cidr={self.pod_cidr}",
             "--node-ip=127.0.0.1",
             "--node-lease-duration-seconds=40",
-            f"--server-address=127.0.0.1:{kwok_port}",
+            f"--server-address=127.0.0.1:{port}",
         ])  # fmt: skip
+        return process, f"http://127.0.0.1:{port}/healthz"
 
+    def _wait_healthy(self, launched: Sequence[tuple[ManagedProcess, str]]) -> None:
         # Their serving certificates are self-signed; only liveness of local processes is read here.
         unverified = ssl._create_unverified_context()
-        for name, url, process in [
-            (
-                "kube-controller-manager",
-                f"https://127.0.0.1:{controller_manager_port}/healthz",
-                controller_manager,
-            ),
-            ("kube-scheduler", f"https://127.0.0.1:{scheduler_port}/healthz", scheduler),
-            ("kwok", f"http://127.0.0.1:{kwok_port}/healthz", kwok),
-        ]:
-            _wait_until(f"{name} healthy", lambda url=url: _http_ok(url, unverified), timeout, [process])
+        for process, url in launched:
+            _wait_until(
+                f"{process.name} healthy",
+                lambda url=url: _http_ok(url, unverified),
+                self.config.start_timeout,
+                [process],
+            )
 
-        # Pods can only be created once the controller manager has made the namespace's default account.
+    def _wait_for_default_service_account(self) -> None:
+        """Pods can only be created once the controller manager has made the namespace's default account."""
         _wait_until(
             "the default ServiceAccount",
             lambda: bool(self.api.get("/api/v1/namespaces/default/serviceaccounts/default")),
-            timeout,
+            self.config.start_timeout,
             self._processes,
         )
-        self._create_nodes()
-        if self.config.pod_runner:
-            # Its clients are the pods the runner runs (kwok's fake pods reach nothing).
-            self.network = ServiceNetwork(
-                self.api, self._claim_subnet(), CLUSTER_DOMAIN, self.config.dns_upstream or host_nameserver()
-            )
-            self.network.start(timeout)
-            self.pod_runner = PodRunner(
-                api=self.api,
-                work_dir=self.state_dir / "pods",
-                image_pattern=self.config.runner_image_pattern,
-                server=self.server,
-                ca_cert=pki.ca_cert,
-                extra_env=self._runner_env,
-                ledger=self._ledger,
-                programs=self._runner_programs,
-                container_images=self.config.container_images,
-                dns=self.network.pod_dns,
-            )
-            self.pod_runner.start()
-        self._write_state()
+
+    def _start_service_network(self) -> None:
+        """Cluster DNS and the Service proxy; their clients are the pods the runner runs (kwok's fake pods
+        reach nothing)."""
+        upstream = self.config.dns_upstream or host_nameserver()
+        self.network = ServiceNetwork(self.api, self._claim_subnet(), CLUSTER_DOMAIN, upstream)
+        self.network.start(self.config.start_timeout)
+
+    def _start_pod_runner(self, pki: ClusterPKI) -> None:
+        assert self.network is not None
+        self.pod_runner = PodRunner(
+            api=self.api,
+            work_dir=self.state_dir / "pods",
+            image_pattern=self.config.runner_image_pattern,
+            server=self.server,
+            ca_cert=pki.ca_cert,
+            extra_env=self._runner_env,
+            ledger=self._ledger,
+            programs=self._runner_programs,
+            container_images=self.config.container_images,
+            dns=self.network.pod_dns,
+        )
+        self.pod_runner.start()
 
     def _claim_subnet(self) -> str:
         """A loopback range of this cluster's own until it stops."""

@@ -12,6 +12,7 @@ import http.client
 import json
 import socket
 import ssl
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -143,6 +144,11 @@ class WatchStream:
         if self._connection.sock is not None:
             with contextlib.suppress(OSError):
                 self._connection.sock.shutdown(socket.SHUT_RDWR)
+
+
+def now_timestamp() -> str:
+    """The current time as the API writes timestamps (RFC 3339, UTC, whole seconds)."""
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
 def pods_path(namespace: str | None = None, name: str | None = None, subresource: str | None = None) -> str:

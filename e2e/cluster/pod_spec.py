@@ -105,9 +105,10 @@ def _resource_value(
     return str(math.ceil(parse_quantity(value) / divisor))
 
 
-def _referenced(
+def referenced_data(
     lookup: ObjectLookup, kind: str, namespace: str, ref: Mapping[str, Any]
 ) -> dict[str, str] | None:
+    """The data of the ConfigMap or Secret ref names; None when it is missing and optional."""
     data = lookup(kind, namespace, ref["name"])
     if data is None and not ref.get("optional", False):
         raise ContainerConfigError(f"{kind} {namespace}/{ref['name']} not found")
@@ -127,7 +128,7 @@ def container_env(
         prefix = source.get("prefix", "")
         for kind, key in (("ConfigMap", "configMapRef"), ("Secret", "secretRef")):
             if key in source:
-                data = _referenced(lookup, kind, namespace, source[key]) or {}
+                data = referenced_data(lookup, kind, namespace, source[key]) or {}
                 env.update({prefix + name: value for name, value in data.items()})
     for variable in container.get("env", []):
         name = variable["name"]
@@ -145,7 +146,7 @@ def container_env(
                 if "configMapKeyRef" in source
                 else ("Secret", source["secretKeyRef"])
             )
-            data = _referenced(lookup, kind, namespace, ref)
+            data = referenced_data(lookup, kind, namespace, ref)
             if data is not None and ref["key"] in data:
                 env[name] = data[ref["key"]]
             elif not ref.get("optional", False):

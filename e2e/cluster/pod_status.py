@@ -3,22 +3,17 @@
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from .kube_api import ApiError, KubeAPI, pods_path
+from .kube_api import ApiError, KubeAPI, now_timestamp, pods_path
 
 if TYPE_CHECKING:
-    from .pod_runner import Container
+    from .container_state import Container
 
 log = logging.getLogger("kvfleet.e2e.pod_runner")
 
 COMPONENT = "kvfleet-pod-runner"
-
-
-def _now() -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
 class PodStatusReporter:
@@ -38,7 +33,7 @@ class PodStatusReporter:
     def _condition(self, kind: str, status: bool, reason: str = "", message: str = "") -> dict[str, Any]:
         previous = self._transitions.get(kind)
         if previous is None or previous[0] != status:
-            self._transitions[kind] = (status, _now())
+            self._transitions[kind] = (status, now_timestamp())
         condition = {"type": kind, "status": str(status), "lastTransitionTime": self._transitions[kind][1]}
         if not status and reason:
             condition |= {"reason": reason, "message": message}
@@ -87,7 +82,7 @@ class PodStatusReporter:
                 log.warning("pod %s/%s: status update failed: %s", self.namespace, self.pod_name, error)
 
     def event(self, kind: str, reason: str, message: str, container: str | None = None) -> None:
-        now = _now()
+        now = now_timestamp()
         involved = {
             "apiVersion": "v1",
             "kind": "Pod",
