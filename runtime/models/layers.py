@@ -330,10 +330,6 @@ class RotaryEmbedding(CustomOp):
         table = _cos_sin_rows(positions.float().unsqueeze(1) * inv_freq, 1.0)
         return torch.arange(len(positions), device=positions.device), table
 
-    # Each rotates query [num_tokens, heads, head_dim] and key [num_tokens, kv_heads, head_dim] in place.
-    # `query_and_key`, when key follows query in one tensor, is the view over both heads: the torch code
-    # then turns them in one rotation; the kernels turn both in one call anyway.
-
     def forward_native(
         self,
         step: RotaryStep,
@@ -341,6 +337,9 @@ class RotaryEmbedding(CustomOp):
         key: torch.Tensor,
         query_and_key: torch.Tensor | None = None,
     ) -> None:
+        """Rotates query [num_tokens, heads, head_dim] and key [num_tokens, kv_heads, head_dim] in place, as
+        the kernels do. `query_and_key`, when key follows query in one tensor, is the view over both: torch
+        then turns them in one rotation (a kernel turns both in one call anyway)."""
         cos, signed_sin = step.cos_sin
         for heads in (query, key) if query_and_key is None else (query_and_key,):
             self.rotate_(heads, cos, signed_sin)
