@@ -470,7 +470,7 @@ def fused_rows(bench: Bench) -> list[Row]:
     norm = layers.RMSNorm(hidden, 1e-5).to(device=device, dtype=dtype)
     weight = norm.weight.detach()
     out, new_residual = rms_norm(x, weight, 1e-5, residual)
-    expected_out, expected_residual = norm(x, residual)
+    expected_out, expected_residual = norm.forward_native(x, residual)
     residual_check = (
         "exact"
         if torch.equal(new_residual, expected_residual)
@@ -482,7 +482,7 @@ def fused_rows(bench: Bench) -> list[Row]:
         f"{tokens} x {hidden}, bf16",
         measure(lambda: rms_norm(x, weight, 1e-5, residual)),
         4 * x.numel() * x.element_size(),
-        measure(lambda: norm(x, residual)),
+        measure(lambda: norm.forward_native(x, residual)),
         check,
     )
 
@@ -499,7 +499,7 @@ def fused_rows(bench: Bench) -> list[Row]:
     check = check_result(work_query, expected_query) + " / " + check_result(work_key, expected_key)
 
     # Once per step in the model, shared by every layer.
-    cos, signed_sin = rotary.prepare(positions, dtype, fused=False).cos_sin  # type: ignore[misc]
+    cos, signed_sin = rotary.prepare(positions, dtype).cos_sin
 
     def torch_rotary() -> None:
         layers.RotaryEmbedding.rotate_(query, cos, signed_sin)
@@ -516,13 +516,14 @@ def fused_rows(bench: Bench) -> list[Row]:
     )
 
     gate_up = torch.randn(tokens, 2 * scale.intermediate, dtype=dtype, device=device)
+    activation = layers.SiluAndMul()
     check = check_result(silu_and_mul(gate_up), torch_reference.silu_and_mul(gate_up.double()))
     row(
         "SiLU and mul",
         f"{tokens} x 2 x {scale.intermediate}",
         measure(lambda: silu_and_mul(gate_up)),
         3 * tokens * scale.intermediate * gate_up.element_size(),
-        measure(lambda: layers.silu_and_mul(gate_up)),
+        measure(lambda: activation.forward_native(gate_up)),
         check,
     )
 

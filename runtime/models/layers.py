@@ -1,11 +1,13 @@
-"""The per-token operations of Llama-family models, kept apart so that fused kernels can replace them.
+"""The per-token operations of Llama-family models.
 
-The modules here are plain torch; the model calls the fused Triton versions instead on CUDA
-(`kvfleet.runtime.kernels.fused_layers`), and on the CPU runs its projections through oneDNN.
+RMSNorm, the rotary embedding and SiLU-and-mul each bind, when built, the C++ operation for float32 on the
+CPU, Triton's kernel on CUDA, or their torch code (`kvfleet.runtime.kernels.fused_layers`); on the CPU the
+projections run through oneDNN.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -15,6 +17,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from kvfleet.runtime.kernels.cpu_features import onednn_packs
+from kvfleet.runtime.kernels.fused_layers import CustomOp
 from torch import nn
 
 logger = logging.getLogger(__name__)
@@ -82,15 +85,16 @@ def pack_linears_for_cpu(model: nn.Module) -> int:
     return len(linears)
 
 
-class RMSNorm(nn.Module):
-    """Root-mean-square norm; with `residual`, adds it first and returns the sum as the new residual."""
+class RMSNorm(CustomOp):
+    """Root-mean-square norm of x's last dimension (x may have any number of leading ones): with `residual`,
+    (norm(x + residual) * weight, x + residual), else (norm(x) * weight, x)."""
 
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
 
-    def forward(
+    def forward_native(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is not None:
@@ -102,11 +106,40 @@ class RMSNorm(nn.Module):
         normed = F.rms_norm(x.float(), self.weight.shape, None, self.eps).to(x.dtype)
         return normed * self.weight, residual
 
+    def forward_cpu(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.ops.kvfleet_cpu_layers.rms_norm(x, residual, self.weight, self.eps)
 
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    def forward_cuda(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        from kvfleet.runtime.kernels.rms_norm import rms_norm
+
+        shape = x.shape
+        rows = x if x.dim() == 2 else x.reshape(-1, shape[-1])
+        out, new_residual = rms_norm(
+            rows, self.weight, self.eps, None if residual is None else residual.reshape(rows.shape)
+        )
+        if residual is None:
+            new_residual = x
+        return out.view(shape), new_residual.view(shape)
+
+
+class SiluAndMul(CustomOp):
     """SwiGLU on a fused [..., 2 * intermediate] projection: silu(gate) * up."""
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate).mul_(up)
+
+    def forward_native(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate).mul_(up)
+
+    def forward_cpu(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return torch.ops.kvfleet_cpu_layers.silu_and_mul(gate_up)
+
+    def forward_cuda(self, gate_up: torch.Tensor) -> torch.Tensor:
+        from kvfleet.runtime.kernels.activation import silu_and_mul
+
+        return silu_and_mul(gate_up)
 
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")
@@ -222,8 +255,10 @@ def _cos_sin_rows(angles: torch.Tensor, scale: float) -> torch.Tensor:
     return rows * scale if scale != 1.0 else rows
 
 
-class RotaryEmbedding(nn.Module):
-    """Rotates query and key heads by position (the "rotate half" layout of Hugging Face checkpoints).
+class RotaryEmbedding(CustomOp):
+    """Rotates query and key heads by position (the "rotate half" layout of Hugging Face checkpoints): once a
+    step `prepare` finds each token's row of the cos/sin table, then each layer calls the embedding on its
+    query and key with that step.
 
     `dynamic` and `longrope` angles depend on the length of the sequence as well, as Transformers computes
     them during generation: the whole prompt is rotated for the prompt's length, and each later token for the
@@ -269,13 +304,9 @@ class RotaryEmbedding(nn.Module):
         return self.rope_type in LENGTH_DEPENDENT_ROPE_TYPES
 
     def prepare(
-        self,
-        positions: torch.Tensor,
-        dtype: torch.dtype,
-        fused: bool,
-        sequence_lengths: torch.Tensor | None = None,
+        self, positions: torch.Tensor, dtype: torch.dtype, sequence_lengths: torch.Tensor | None = None
     ) -> RotaryStep:
-        """One step's rotation, shared by every layer: the fused kernel reads the cache by row itself."""
+        """One step's rotation, shared by every layer; `dtype` is the activations'."""
         rows, cache = positions, self.cos_sin_cache
         if self.needs_sequence_lengths:
             if sequence_lengths is None:
@@ -285,8 +316,7 @@ class RotaryEmbedding(nn.Module):
                 rows = positions + past_original * self.max_position
             elif bool(past_original.any()):
                 rows, cache = self._dynamic_rows(positions, sequence_lengths)
-        cos_sin = None if fused else _signed_cos_sin(cache, rows, dtype)
-        return RotaryStep(rows, cache, cos_sin)
+        return RotaryStep(rows, cache, dtype)
 
     def _dynamic_rows(
         self, positions: torch.Tensor, sequence_lengths: torch.Tensor
@@ -299,6 +329,40 @@ class RotaryEmbedding(nn.Module):
         inv_freq = 1.0 / (theta.unsqueeze(1) ** self.exponents)
         table = _cos_sin_rows(positions.float().unsqueeze(1) * inv_freq, 1.0)
         return torch.arange(len(positions), device=positions.device), table
+
+    def forward_native(
+        self,
+        step: RotaryStep,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        query_and_key: torch.Tensor | None = None,
+    ) -> None:
+        """Rotates query [num_tokens, heads, head_dim] and key [num_tokens, kv_heads, head_dim] in place, as
+        the kernels do. `query_and_key`, when key follows query in one tensor, is the view over both: torch
+        then turns them in one rotation (a kernel turns both in one call anyway)."""
+        cos, signed_sin = step.cos_sin
+        for heads in (query, key) if query_and_key is None else (query_and_key,):
+            self.rotate_(heads, cos, signed_sin)
+
+    def forward_cpu(
+        self,
+        step: RotaryStep,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        query_and_key: torch.Tensor | None = None,
+    ) -> None:
+        torch.ops.kvfleet_cpu_layers.rotary_embedding_(step.rows, query, key, step.cos_sin_cache)
+
+    def forward_cuda(
+        self,
+        step: RotaryStep,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        query_and_key: torch.Tensor | None = None,
+    ) -> None:
+        from kvfleet.runtime.kernels.rotary import rotary_embedding_
+
+        rotary_embedding_(step.rows, query, key, step.cos_sin_cache)
 
     @staticmethod
     def rotate_(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> None:
@@ -325,21 +389,23 @@ class MRotaryEmbedding(RotaryEmbedding):
         self.register_buffer("column_axis", torch.cat([axis, axis])[None, None, :], persistent=False)
 
     def prepare(
-        self,
-        positions: torch.Tensor,
-        dtype: torch.dtype,
-        fused: bool,
-        sequence_lengths: torch.Tensor | None = None,
+        self, positions: torch.Tensor, dtype: torch.dtype, sequence_lengths: torch.Tensor | None = None
     ) -> RotaryStep:
         """The step's own cos/sin rows, each column from the row of its axis's position."""
         by_axis = self.cos_sin_cache[positions]  # [3, num_tokens, head_dim]
         table = by_axis.gather(0, self.column_axis.expand(1, *by_axis.shape[1:]))[0]
         rows = torch.arange(table.shape[0], device=table.device)
-        return RotaryStep(rows, table, None if fused else _signed_cos_sin(table, rows, dtype))
+        return RotaryStep(rows, table, dtype)
 
 
 @dataclass
 class RotaryStep:
     rows: torch.Tensor  # each token's row of cos_sin_cache: its position, unless the rope type needs more
     cos_sin_cache: torch.Tensor
-    cos_sin: tuple[torch.Tensor, torch.Tensor] | None  # (cos, signed sin); None when the fused kernel rotates
+    dtype: torch.dtype  # the activations'
+
+    @functools.cached_property
+    def cos_sin(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, signed sin) of the step's rows for the torch rotation: gathered by the first layer that
+        rotates with torch and shared by the others; the kernels read the table by row themselves."""
+        return _signed_cos_sin(self.cos_sin_cache, self.rows, self.dtype)

@@ -26,15 +26,14 @@ from kvfleet.runtime.distributed.parallel import (
     shard_range,
     vocab_shard,
 )
-from kvfleet.runtime.kernels import fused_layers
 from kvfleet.runtime.models.layers import (
     Linear,
     MRotaryEmbedding,
     RMSNorm,
     RotaryEmbedding,
     RotaryStep,
+    SiluAndMul,
     copy_checkpoint_tensor,
-    silu_and_mul,
 )
 from kvfleet.runtime.models.model_config import ModelConfig
 from torch import nn
@@ -45,6 +44,7 @@ class LlamaAttention(nn.Module):
         self,
         config: ModelConfig,
         attention: AttentionBackend,
+        rotary_emb: RotaryEmbedding,
         sliding_window: int | None,
         parallel: ParallelContext,
     ) -> None:
@@ -59,6 +59,8 @@ class LlamaAttention(nn.Module):
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        # The model's one embedding, shared by every layer.
+        self.rotary_emb = rotary_emb
         self.attention = attention
         self.sliding_window = sliding_window
 
@@ -72,17 +74,13 @@ class LlamaAttention(nn.Module):
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
-            q = _rms_norm(self.q_norm, q)[0]
-            k = _rms_norm(self.k_norm, k)[0]
-        if rotary.cos_sin is None:
-            fused_layers.rotary_embedding_(rotary.rows, q, k, rotary.cos_sin_cache)
-        elif self.q_norm is None:
-            # Each row of the QKV output holds q's heads then k's: one rotation of that span turns both.
-            qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, self.num_heads + self.num_kv_heads, -1)
-            RotaryEmbedding.rotate_(qk, *rotary.cos_sin)
+            q = self.q_norm(q)[0]
+            k = self.k_norm(k)[0]
+            self.rotary_emb(rotary, q, k)
         else:
-            RotaryEmbedding.rotate_(q, *rotary.cos_sin)
-            RotaryEmbedding.rotate_(k, *rotary.cos_sin)
+            # Each row of the QKV output holds q's heads then k's.
+            qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, self.num_heads + self.num_kv_heads, -1)
+            self.rotary_emb(rotary, q, k, qk)
         out = self.attention.forward(q, k, v, kv_cache, plan, sliding_window=self.sliding_window)
         return self.parallel.all_reduce(self.o_proj(out.view(num_tokens, self.q_size)))
 
@@ -94,13 +92,10 @@ class LlamaMLP(nn.Module):
         intermediate = config.intermediate_size // parallel.tp_size
         self.gate_up_proj = Linear(config.hidden_size, 2 * intermediate, bias=False)
         self.down_proj = Linear(intermediate, config.hidden_size, bias=False)
+        self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        activated = (
-            fused_layers.silu_and_mul(gate_up) if fused_layers.enabled(gate_up) else silu_and_mul(gate_up)
-        )
-        return self.parallel.all_reduce(self.down_proj(activated))
+        return self.parallel.all_reduce(self.down_proj(self.act_fn(self.gate_up_proj(x))))
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -129,12 +124,13 @@ class LlamaDecoderLayer(nn.Module):
         self,
         config: ModelConfig,
         attention: AttentionBackend,
+        rotary_emb: RotaryEmbedding,
         sliding_window: int | None,
         parallel: ParallelContext,
     ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, attention, sliding_window, parallel)
+        self.self_attn = LlamaAttention(config, attention, rotary_emb, sliding_window, parallel)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config, parallel)
 
@@ -146,9 +142,9 @@ class LlamaDecoderLayer(nn.Module):
         kv_cache: torch.Tensor,
         plan: Any,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        hidden, residual = _rms_norm(self.input_layernorm, hidden, residual)
+        hidden, residual = self.input_layernorm(hidden, residual)
         hidden = self.self_attn(hidden, rotary, kv_cache, plan)
-        hidden, residual = _rms_norm(self.post_attention_layernorm, hidden, residual)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
 
@@ -169,12 +165,12 @@ class LlamaForCausalLM(nn.Module):
             if needs_embedding
             else None
         )
+        rotary_class = MRotaryEmbedding if config.uses_mrope else RotaryEmbedding
+        self.rotary_emb = rotary = rotary_class(config.head_dim, max_position, config.rope)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, attention, window, parallel) for window in local_windows
+            LlamaDecoderLayer(config, attention, rotary, window, parallel) for window in local_windows
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if parallel.is_last_stage else None
-        rotary_class = MRotaryEmbedding if config.uses_mrope else RotaryEmbedding
-        self.rotary_emb = rotary_class(config.head_dim, max_position, config.rope)
         self.lm_head: Linear | None = None
         if parallel.is_last_stage and not config.tie_word_embeddings:
             _, vocab_rows = vocab_shard(config.vocab_size, parallel.tp_size, parallel.tp_rank)
@@ -204,14 +200,12 @@ class LlamaForCausalLM(nn.Module):
         else:
             assert self.embed_tokens is not None
             hidden, residual = self.embed_tokens(input_ids), None
-        rotary = self.rotary_emb.prepare(
-            positions, hidden.dtype, fused=fused_layers.enabled(hidden), sequence_lengths=sequence_lengths
-        )
+        rotary = self.rotary_emb.prepare(positions, hidden.dtype, sequence_lengths=sequence_lengths)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden, residual = layer(hidden, residual, rotary, kv_cache, plan)
         if self.norm is None:
             return torch.stack((hidden, residual))
-        return _rms_norm(self.norm, hidden, residual)[0]
+        return self.norm(hidden, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab] float32
         if self.lm_head is None:
@@ -333,11 +327,3 @@ class LlamaForCausalLM(nn.Module):
 
 def _rows(everything: tuple[slice, ...], start: int, length: int) -> tuple[slice, ...]:
     return (slice(start, start + length), *everything[1:])
-
-
-def _rms_norm(
-    layer: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    if fused_layers.enabled(x):
-        return fused_layers.rms_norm(x, layer.weight, layer.eps, residual)
-    return layer(x, residual)

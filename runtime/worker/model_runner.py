@@ -16,7 +16,7 @@ from kvfleet.runtime.config import EngineConfig
 from kvfleet.runtime.core.host_kv_tier import TierCopies
 from kvfleet.runtime.core.outputs import ModelRunnerOutput, SchedulerOutput
 from kvfleet.runtime.distributed.parallel import local_kv_heads, parallel_context
-from kvfleet.runtime.kernels import fused_layers
+from kvfleet.runtime.kernels.fused_layers import Implementation, implementation_for
 from kvfleet.runtime.lora.manager import LoRAManager
 from kvfleet.runtime.models.layers import LENGTH_DEPENDENT_ROPE_TYPES
 from kvfleet.runtime.models.loader import LoadStats, load_model, resolve_device, resolve_dtype
@@ -138,7 +138,6 @@ class ModelRunner:
             max_position=self.max_model_len,
             stats=self.load_stats,
         )
-        fused_layers.prepare(self.device, self.dtype)
         if hasattr(self.model, "embed_multimodal"):
             self.encoder_runner = EncoderRunner(self.model, self.device)
         config = self.config
@@ -153,7 +152,8 @@ class ModelRunner:
                 device=self.device,
                 # Triton's kernels where the model's own fused kernels run, and wherever the Triton
                 # attention backend was chosen (on the CPU only through Triton's interpreter).
-                use_triton=fused_layers.enabled_on(self.device) or self.attention_backend.name == "triton",
+                use_triton=implementation_for(self.device, self.dtype) is Implementation.CUDA
+                or self.attention_backend.name == "triton",
             )
 
     def kv_cache_budget_bytes(self) -> float:

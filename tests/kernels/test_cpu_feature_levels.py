@@ -86,14 +86,14 @@ PROBE = """
 import json, torch
 from torch.utils import cpp_extension
 from kvfleet.runtime.attention.cpu_decode import load_paged_decode_attention
-from kvfleet.runtime.kernels import fused_layers
 from kvfleet.runtime.kernels.cpu_features import cpu_target
-fused_layers.prepare(torch.device("cpu"), torch.float32)
+from kvfleet.runtime.kernels.fused_layers import Implementation
+from kvfleet.runtime.models.layers import RMSNorm
+norm = RMSNorm(64, 1e-6)
 assert load_paged_decode_attention() is not None
-x = torch.randn(6, 64)
 print(json.dumps({
     "tag": cpu_target().cache_tag,
-    "fused": fused_layers.enabled(x),
+    "fused": norm.implementation is Implementation.CPU,
     "loaded": sorted({line.split()[-1] for line in open("/proc/self/maps") if "kvfleet_cpu" in line}),
 }))
 """

@@ -15,6 +15,7 @@ import torch
 from kvfleet.runtime import LLM
 from kvfleet.runtime.config import EngineConfig
 from kvfleet.runtime.core.outputs import SchedulerOutput
+from kvfleet.runtime.kernels.fused_layers import CustomOp, Implementation
 from kvfleet.runtime.models import registry as registry_module
 from kvfleet.runtime.models.layers import rope_inverse_frequencies
 from kvfleet.runtime.models.llama import LlamaForCausalLM
@@ -307,6 +308,24 @@ def test_dtype_and_device_resolution(tiny_model: Callable[[str], Path], runner_f
     assert runner.kv_caches[0].dtype == torch.bfloat16
     logits = _greedy_logits(runner, PROMPT)
     assert logits.dtype == torch.float32 and torch.isfinite(logits).all()
+
+
+@pytest.mark.parametrize(
+    ("dtype", "implementation"), [("float32", Implementation.CPU), ("bfloat16", Implementation.NATIVE)]
+)
+def test_each_layer_runs_what_it_bound_for_the_models_dtype(
+    tiny_model: Callable[[str], Path], runner_for, dtype: str, implementation: Implementation
+) -> None:
+    # The C++ operations take float32 only; on the CPU other dtypes keep the torch code.
+    runner = runner_for(tiny_model("qwen3"), dtype=dtype, device="cpu")
+    assert runner.model is not None
+    bound = [module for module in runner.model.modules() if isinstance(module, CustomOp)]
+    assert {type(module).__name__ for module in bound} == {"RMSNorm", "SiluAndMul", "RotaryEmbedding"}
+    for module in bound:
+        assert module.implementation is implementation
+        assert module.forward == getattr(module, f"forward_{implementation.value}")
+    logits = _greedy_logits(runner, PROMPT)
+    assert torch.isfinite(logits).all()
 
 
 def test_runner_cache_size_and_checks(tiny_model: Callable[[str], Path], tmp_path: Path) -> None:
