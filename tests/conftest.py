@@ -1,6 +1,9 @@
 """Fixtures shared by every test folder: model folders made by `kvfleet make-model`, once per session, and
 real `kvfleet serve` processes on loopback, started for the tests and always stopped by their PID.
 
+Under pytest-xdist's `--dist loadfile` (`make test`), a test module is the unit of work: its tests run in one
+worker, one after the other, so that what the module shares (its servers, models and engines) is made once.
+
 Tests start the command as `python -P -m kvfleet`: -P keeps the checkout off `sys.path`, where its
 operator/ folder would shadow the standard library's `operator` module in an environment without the
 editable install."""
@@ -20,6 +23,8 @@ from pathlib import Path
 import httpx
 import pytest
 from ports import free_port
+from xdist.remote import Producer
+from xdist.scheduler import LoadFileScheduling
 
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 MODEL_NAME = "tiny"
@@ -27,6 +32,20 @@ READY_TIMEOUT_S = 180.0
 STOP_TIMEOUT_S = 30.0
 # Enough KV blocks for every test's requests, few enough that the pool allocates in a blink.
 BASE_ARGS = ("--served-model-name", MODEL_NAME, "--num-kv-blocks", "512", "--dtype", "float32")
+
+
+class ModuleScheduling(LoadFileScheduling):
+    """xdist's `--dist loadfile`, a test module to a worker, except that the end-to-end tests are one unit:
+    they share one local cluster, which a second worker would build and start again."""
+
+    def _split_scope(self, nodeid: str) -> str:
+        module = super()._split_scope(nodeid)
+        return "e2e" if module.startswith("e2e/") else module
+
+
+@pytest.hookimpl(tryfirst=True, optionalhook=True)  # before xdist's own choice
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Producer) -> ModuleScheduling | None:
+    return ModuleScheduling(config, log) if config.getvalue("dist") == "loadfile" else None
 
 
 @pytest.fixture(scope="session")
