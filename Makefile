@@ -12,6 +12,11 @@ REQUIREMENTS := requirements/runtime.txt requirements/operator.txt requirements/
 REQ_HASH := $(shell cat requirements/*.txt pyproject.toml | sha256sum | cut -c1-16)
 STAMP := $(VENV)/.kvfleet-$(REQ_HASH)
 PYTEST_ARGS ?=
+# pytest-xdist workers for `make test` and `make test-unit` (0 runs the tests in pytest's own process).
+TEST_WORKERS ?= 2
+# A test module is one unit of work and every end-to-end test is in one unit (one local cluster); scheduled
+# in the order given, so that the longest unit starts first.
+XDIST := -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 # vLLM's CPU build for `make bench-vs-vllm`, in an environment of its own (never the project's).
 VLLM_VENV ?= $(KVFLEET_CACHE)/vllm-venv
 VLLM_TORCH := torch==2.13.0
@@ -46,12 +51,13 @@ crds: setup
 	cp crds/$(CRD_FILE) charts/kvfleet/crds/$(CRD_FILE)
 
 # The end-to-end suite builds the control plane from Go modules on first use (about 10 minutes on 2 cores),
-# into $(KVFLEET_CACHE)/k8s, and reuses it afterwards.
+# into $(KVFLEET_CACHE)/k8s, and reuses it afterwards. One worker runs the end-to-end tests, which mostly wait
+# on the cluster and its pods, while the other runs the unit tests' modules; then both share what is left.
 test: setup lint
-	$(PY) -m pytest tests e2e $(PYTEST_ARGS)
+	$(PY) -m pytest $(XDIST) e2e tests $(PYTEST_ARGS)
 
 test-unit: setup
-	$(PY) -m pytest tests $(PYTEST_ARGS)
+	$(PY) -m pytest $(XDIST) tests $(PYTEST_ARGS)
 
 test-e2e: setup
 	$(PY) -m pytest e2e $(PYTEST_ARGS)

@@ -1,7 +1,9 @@
 """Fixtures for the end-to-end tests: one real local cluster per test session, a namespace per test.
 
 The cluster's binaries are built (with progress shown) before the first test that needs them, outside any
-test's timeout; a cold build takes about ten minutes on 2 cores, later runs reuse the cache.
+test's timeout; a cold build takes about ten minutes on 2 cores, later runs reuse the cache. When the suite
+runs on pytest-xdist workers, every end-to-end test goes to the same worker (tests/conftest.py schedules
+them as one unit), so that one cluster serves them all while the other workers run the unit tests.
 """
 
 from __future__ import annotations
@@ -31,30 +33,40 @@ CLUSTER_FIXTURES = {"local_cluster", "cluster_bin_dir", "namespace", "module_nam
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
-    if any(CLUSTER_FIXTURES & set(getattr(item, "fixturenames", ())) for item in session.items):
+    # Every xdist worker collects every test, and none runs one before all have collected: the first builds.
+    worker = getattr(session.config, "workerinput", {}).get("workerid", "gw0")
+    if worker == "gw0" and any(CLUSTER_FIXTURES & set(getattr(i, "fixturenames", ())) for i in session.items):
         capture = session.config.pluginmanager.getplugin("capturemanager")
         with capture.global_and_fixture_disabled():
-            print("\nbuilding the local control plane's binaries (first run only)", flush=True)
+            # stderr: an xdist worker's stdout goes nowhere.
+            print("\nbuilding the local control plane's binaries (first run only)", file=sys.stderr)
             session.config.stash[_BIN_DIR] = ensure_binaries()
 
 
 _BIN_DIR = pytest.StashKey[Path]()
-_MEASUREMENTS = pytest.StashKey[list[str]]()
+# What the tests measured, in the process that prints the summary.
+_measured: list[str] = []
+# The key of a measurement among a test's user properties, which travel with its reports from an xdist
+# worker to the process that prints the summary.
+_MEASUREMENT = "e2e-measurement"
 
 
-@pytest.fixture(scope="session")
-def measurements(pytestconfig: pytest.Config) -> Callable[[str], None]:
+@pytest.fixture
+def measurements(request: pytest.FixtureRequest) -> Callable[[str], None]:
     """Records a figure a test measured (reaction times, recovery times); all of them are printed in an
     "end-to-end measurements" section at the end of the run, passed or not, captured output or not."""
-    lines = pytestconfig.stash.setdefault(_MEASUREMENTS, [])
-    return lines.append
+    return lambda line: request.node.user_properties.append((_MEASUREMENT, line))
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if report.when == "teardown":
+        _measured.extend(value for key, value in report.user_properties if key == _MEASUREMENT)
 
 
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
-    lines = config.stash.get(_MEASUREMENTS, [])
-    if lines:
+    if _measured:
         terminalreporter.section("end-to-end measurements")
-        for line in lines:
+        for line in _measured:
             terminalreporter.write_line(line)
 
 

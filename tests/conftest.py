@@ -1,6 +1,9 @@
 """Fixtures shared by every test folder: model folders made by `kvfleet make-model`, once per session, and
 real `kvfleet serve` processes on loopback, started for the tests and always stopped by their PID.
 
+Under pytest-xdist's `--dist loadfile` (`make test`), a test module is the unit of work: its tests run in one
+worker, one after the other, so that what the module shares (its servers, models and engines) is made once.
+
 Tests start the command as `python -P -m kvfleet`: -P keeps the checkout off `sys.path`, where its
 operator/ folder would shadow the standard library's `operator` module in an environment without the
 editable install."""
@@ -8,7 +11,10 @@ editable install."""
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import hashlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -20,6 +26,8 @@ from pathlib import Path
 import httpx
 import pytest
 from ports import free_port
+from xdist.remote import Producer
+from xdist.scheduler import LoadFileScheduling
 
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 MODEL_NAME = "tiny"
@@ -29,33 +37,52 @@ STOP_TIMEOUT_S = 30.0
 BASE_ARGS = ("--served-model-name", MODEL_NAME, "--num-kv-blocks", "512", "--dtype", "float32")
 
 
+class ModuleScheduling(LoadFileScheduling):
+    """xdist's `--dist loadfile`, a test module to a worker, except that the end-to-end tests are one unit:
+    they share one local cluster, which a second worker would build and start again."""
+
+    def _split_scope(self, nodeid: str) -> str:
+        module = super()._split_scope(nodeid)
+        return "e2e" if module.startswith("e2e/") else module
+
+
+@pytest.hookimpl(tryfirst=True, optionalhook=True)  # before xdist's own choice
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Producer) -> ModuleScheduling | None:
+    return ModuleScheduling(config, log) if config.getvalue("dist") == "loadfile" else None
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    with path.open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
 @pytest.fixture(scope="session")
-def make_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+def make_model(pytestconfig: pytest.Config, tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
     """Returns a function (arch, preset, seed, *make-model options) -> model folder, built through the real
-    CLI and cached."""
-    made: dict[tuple[str, ...], Path] = {}
-    root = tmp_path_factory.mktemp("models")
+    CLI and cached: for the session, and across xdist workers (in the folder above theirs, which the run's
+    controller made for them), each folder built by whichever worker asks first."""
+    basetemp = tmp_path_factory.getbasetemp()
+    root = (basetemp.parent if hasattr(pytestconfig, "workerinput") else basetemp) / "models"
+    root.mkdir(exist_ok=True)
 
     def build(arch: str = "llama", preset: str = "tiny", seed: int = 0, *options: str) -> Path:
-        key = (arch, preset, str(seed), *options)
-        if key not in made:
-            out = root / f"{arch}-{preset}-{seed}-{len(made)}"
-            command = [
-                "make-model",
-                "--arch",
-                arch,
-                "--preset",
-                preset,
-                "--seed",
-                str(seed),
-                *options,
-                str(out),
-            ]
-            subprocess.run(
-                [sys.executable, "-P", "-m", "kvfleet", *command], check=True, capture_output=True, text=True
-            )
-            made[key] = out
-        return made[key]
+        key = "\0".join((arch, preset, str(seed), *options))
+        out = root / f"{arch}-{preset}-{seed}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+        with _locked(out.with_suffix(".lock")):
+            if not out.exists():
+                command = ["make-model", "--arch", arch, "--preset", preset, "--seed", str(seed), *options]
+                partial = out.with_suffix(".partial")  # a failed build's leftovers are cleared first
+                shutil.rmtree(partial, ignore_errors=True)
+                subprocess.run(
+                    [sys.executable, "-P", "-m", "kvfleet", *command, str(partial)],
+                    check=True,
+                    capture_output=True,
+                    text=True,
+                )
+                partial.rename(out)
+        return out
 
     return build
 

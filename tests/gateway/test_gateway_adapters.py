@@ -190,8 +190,11 @@ def test_real_replicas_serve_an_adapter_where_it_is_loaded(
     """Two `kvfleet serve` replicas behind an API key, the adapter on one: all its requests land there; once
     the other loads it too, both serve it."""
     options = ("--enable-lora", "--max-lora-rank", "8", "--allow-runtime-lora-updates")
-    holder = start_server(*options, "--lora-modules", f"sql={sql_adapter}", api_key="fleet-key")
-    other = start_server(*options, api_key="fleet-key")
+    # Both load at once: a start is mostly one process importing and loading, so two starts overlap.
+    holder = start_server(*options, "--lora-modules", f"sql={sql_adapter}", api_key="fleet-key", wait=False)
+    other = start_server(*options, api_key="fleet-key", wait=False)
+    holder.wait_ready()
+    other.wait_ready()
     fleet = {"tiny": model("tiny", holder.url, other.url)}
 
     async def complete(sdk: openai.AsyncOpenAI, **body: Any) -> str:
