@@ -12,7 +12,8 @@ from pathlib import Path
 import aiohttp
 import pytest
 from aiohttp import web
-from kvfleet.gateway.metrics import QUEUE_DEPTH, GatewayMetrics
+from kvfleet.contract.metrics import GATEWAY_QUEUE_DEPTH
+from kvfleet.gateway.metrics import GatewayMetrics
 from kvfleet.operator.autoscaler import PodMetrics
 from kvfleet.operator.scrape import (
     FleetScraper,
@@ -85,9 +86,9 @@ def test_gateway_queues_read_escaped_model_names() -> None:
 
 def test_gateway_queues_read_the_model_label_wherever_it_stands() -> None:
     page = (
-        f'{QUEUE_DEPTH}{{zone="b",model="team-a/m"}} 3\n'
-        f'{QUEUE_DEPTH}{{model="team-a/n",zone="b"}} 4\n'
-        f'{QUEUE_DEPTH}{{zone="b"}} 5\n'
+        f'{GATEWAY_QUEUE_DEPTH}{{zone="b",model="team-a/m"}} 3\n'
+        f'{GATEWAY_QUEUE_DEPTH}{{model="team-a/n",zone="b"}} 4\n'
+        f'{GATEWAY_QUEUE_DEPTH}{{zone="b"}} 5\n'
     )
     assert parse_gateway_queues(page) == {"team-a/m": 3.0, "team-a/n": 4.0}
 
