@@ -13,20 +13,25 @@ from kvfleet.runtime.batch.store import (
     DEFAULT_MAX_BATCH_FILES,
     DEFAULT_MAX_BATCH_STORE_BYTES,
 )
-from kvfleet.runtime.config import EngineConfig, engine_config_from_options, engine_options
+from kvfleet.runtime.config import (
+    EngineConfig,
+    engine_config_from_options,
+    engine_options,
+    model_option,
+    served_model_name_option,
+)
 from kvfleet.runtime.server.priorities import DEFAULT_TIER, TIER_NAMES, TIERS
 from kvfleet.runtime.server.state import (
     DEFAULT_BODY_READ_TIMEOUT_S,
     DEFAULT_HEADER_READ_TIMEOUT_S,
-    DEFAULT_MAX_COMPLETION_TOKENS_PER_PROMPT,
-    DEFAULT_MAX_N,
     DEFAULT_MAX_REQUEST_BODY_BYTES,
     DEFAULT_SEND_TIMEOUT_S,
 )
+from kvfleet.runtime.serving.service import DEFAULT_MAX_COMPLETION_TOKENS_PER_PROMPT, DEFAULT_MAX_N
 
 if TYPE_CHECKING:
     from kvfleet.runtime.safety.config import SafetyConfig
-    from kvfleet.runtime.server.lora_adapters import LoRAAdapters
+    from kvfleet.runtime.serving.lora_adapters import LoRAAdapters
 
 _API_KEY_ENV = "KVFLEET_API_KEY"
 _SECONDS = click.FloatRange(min=0, min_open=True)
@@ -44,13 +49,6 @@ def _api_key(ctx: click.Context, param: click.Parameter, value: str | None) -> s
             param=param,
         )
     return value
-
-
-# Shared with `kvfleet run-batch`, which answers requests naming the model the same way.
-model_option = click.option("--model", required=True, help="Hugging Face model folder.")
-served_model_name_option = click.option(
-    "--served-model-name", default=None, help="Model name clients use; defaults to --model."
-)
 
 
 @click.command("serve")
@@ -292,7 +290,7 @@ def serve(
 
     from kvfleet.runtime.server.launcher import ServeOptions, run_server
     from kvfleet.runtime.server.state import ServerSettings
-    from kvfleet.runtime.server.tool_calls import TOOL_CALL_PARSERS
+    from kvfleet.runtime.serving.tool_calls import TOOL_CALL_PARSERS
 
     if tool_call_parser is not None and tool_call_parser not in TOOL_CALL_PARSERS:
         raise click.BadParameter(
@@ -373,7 +371,7 @@ def _lora_adapters(
 ) -> LoRAAdapters | None:
     """The adapters to serve from the start, each checked against the model; None without --enable-lora.
     `allowed_sources`: --allowed-local-lora-path and --allowed-lora-hub-orgs."""
-    from kvfleet.runtime.server.lora_adapters import AdapterSources, LoRAAdapters, LoRAModule
+    from kvfleet.runtime.serving.lora_adapters import AdapterSources, LoRAAdapters, LoRAModule
 
     local_path, hub_orgs = allowed_sources
     if not config.enable_lora:
