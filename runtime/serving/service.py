@@ -354,7 +354,7 @@ class OpenAIService:
         else:
             param = "prompt"
             add_special = True if body.add_special_tokens is None else body.add_special_tokens
-            token_ids = await self.encode(body.prompt or "", add_special_tokens=add_special)
+            token_ids = await self.encode(body.prompt, add_special_tokens=add_special)
         max_model_len = self.engine_info.max_model_len
         try:
             check_context_length(len(token_ids), max_model_len, num_output_tokens=0)
@@ -500,9 +500,11 @@ def context_length_error(error: ContextLengthError, param: str) -> BadRequestErr
             param="max_tokens",
             code="context_length_exceeded",
         )
+    # The prompt leaves no room for output; or (tokenizing only) the text has more tokens than the context.
+    counted = "the prompt" if output_tokens else f"the {param}"
     room = ", leaving no room for output" if output_tokens else ""
     return BadRequestError(
-        f"This model's maximum context length is {max_model_len} tokens, but the {param} has {prompt_tokens} "
+        f"This model's maximum context length is {max_model_len} tokens, but {counted} has {prompt_tokens} "
         f"tokens{room}",
         param=param,
         code="context_length_exceeded",
