@@ -290,6 +290,13 @@ def engine_options(func: F) -> F:
     return func
 
 
+# The model of `kvfleet serve` and `kvfleet run-batch`, which answer requests naming it the same way.
+model_option = click.option("--model", required=True, help="Hugging Face model folder.")
+served_model_name_option = click.option(
+    "--served-model-name", default=None, help="Model name clients use; defaults to --model."
+)
+
+
 def engine_config_from_options(model: str, options: dict[str, Any]) -> EngineConfig:
     """Build an EngineConfig from a click command's keyword arguments, ignoring the command's own."""
     names = {f.name for f in dataclasses.fields(EngineConfig)}

@@ -8,8 +8,12 @@ from typing import Any
 
 import click
 from kvfleet.runtime.batch.offline import INPUT_FORMATS
-from kvfleet.runtime.config import engine_config_from_options, engine_options
-from kvfleet.runtime.server.cli import model_option, served_model_name_option
+from kvfleet.runtime.config import (
+    engine_config_from_options,
+    engine_options,
+    model_option,
+    served_model_name_option,
+)
 
 
 @click.command("run-batch")

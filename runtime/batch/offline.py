@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import csv
+import functools
 import json
 import os
 import time
@@ -453,20 +454,14 @@ async def _answer_all(
     total: int | None,
     progress: bool,
 ) -> Summary:
-    from kvfleet.runtime.batch.local_engine import InProcessEngine
-    from kvfleet.runtime.metrics import ServerMetrics
-    from kvfleet.runtime.server.batch_requests import BatchRequestRunner
-    from kvfleet.runtime.server.state import ServerSettings, ServerState
+    from kvfleet.runtime.batch.answers import answer_line
+    from kvfleet.runtime.engine.in_process import InProcessEngine
+    from kvfleet.runtime.serving.service import OpenAIService, ServiceSettings
     from tqdm import tqdm
 
     started = time.monotonic()
     async with InProcessEngine(engine) as in_process:
-        state = ServerState(
-            settings=ServerSettings(served_model_name=served_model_name),
-            engine=in_process,  # type: ignore[arg-type]  # the part of AsyncLLM the handlers use
-            metrics=ServerMetrics(served_model_name),
-        )
-        runner = BatchRequestRunner(state)
+        service = OpenAIService(in_process, ServiceSettings(served_model_name=served_model_name))
         with tqdm(total=total, unit="row", disable=not progress, dynamic_ncols=True) as bar:
 
             def on_row() -> None:
@@ -475,7 +470,11 @@ async def _answer_all(
                 bar.update(1)
 
             answered = await answer_rows(
-                rows, output, runner.run, width=2 * engine.config.max_num_seqs, on_row=on_row
+                rows,
+                output,
+                functools.partial(answer_line, service),
+                width=2 * engine.config.max_num_seqs,
+                on_row=on_row,
             )
         return Summary(
             answered=answered,

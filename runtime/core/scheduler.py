@@ -43,6 +43,7 @@ from kvfleet.runtime.core.host_kv_tier import HostKVTier
 from kvfleet.runtime.core.kv_cache_manager import KVCacheManager
 from kvfleet.runtime.core.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput, SchedulerStats
 from kvfleet.runtime.core.request_queue import create_request_queue
+from kvfleet.runtime.engine.input_checks import check_context_length
 from kvfleet.runtime.request import FinishReason, Request, RequestStatus
 
 _RUNNING = RequestStatus.RUNNING
@@ -151,11 +152,7 @@ class Scheduler:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         if request.status != RequestStatus.WAITING:
             raise ValueError(f"request {request.request_id!r} must be new, not {request.status.name}")
-        if request.num_tokens > self.max_model_len:
-            raise ValueError(
-                f"request {request.request_id!r} has {request.num_tokens} prompt tokens, more than "
-                f"max_model_len ({self.max_model_len})"
-            )
+        check_context_length(request.num_tokens, self.max_model_len, num_output_tokens=0)
         self.requests[request.request_id] = request
         self._num_foreground += not self._is_background(request)
         self.waiting.add(request)

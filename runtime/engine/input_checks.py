@@ -1,4 +1,5 @@
-"""What makes a prompt servable: one rule, applied by the engine core and, earlier, by the API server."""
+"""What makes a prompt servable, each rule written once: the engine core, the scheduler and, earlier, the
+OpenAI service apply them."""
 
 from __future__ import annotations
 
@@ -6,10 +7,47 @@ from kvfleet.runtime.engine.errors import InvalidRequestError
 from kvfleet.runtime.sampling_params import SamplingParams
 
 
+class ContextLengthError(InvalidRequestError):
+    """A prompt and the tokens it asks for do not fit the model's context."""
+
+    def __init__(self, num_prompt_tokens: int, num_output_tokens: int, max_model_len: int) -> None:
+        self.num_prompt_tokens = num_prompt_tokens
+        self.num_output_tokens = num_output_tokens
+        self.max_model_len = max_model_len
+        # Whether the prompt alone leaves room for what every request may ask: one token of output.
+        self.output_too_long = num_prompt_tokens + min(num_output_tokens, 1) <= max_model_len
+        if self.output_too_long:
+            reason = f"and {num_output_tokens} are asked for, more than"
+        elif num_output_tokens:
+            reason = "leaving no room for output in"
+        else:
+            reason = "more than"
+        super().__init__(
+            f"the prompt has {num_prompt_tokens} tokens, {reason} the model's context (max_model_len) of "
+            f"{max_model_len} tokens"
+        )
+
+
+def check_context_length(num_prompt_tokens: int, max_model_len: int, num_output_tokens: int = 1) -> None:
+    """The prompt-length rule: a prompt and the `num_output_tokens` it must be able to generate fit the
+    model's context. A request is served only if it leaves room for at least one token of output (a
+    prompt as long as the context has none); the scheduler, which samples one token from any prompt it
+    holds, asks only that the prompt fit (`num_output_tokens` 0)."""
+    if num_prompt_tokens + num_output_tokens > max_model_len:
+        raise ContextLengthError(num_prompt_tokens, num_output_tokens, max_model_len)
+
+
 def check_prompt_token_ids(
-    prompt_token_ids: list[int], stop_token_ids: list[int], *, vocab_size: int, max_model_len: int
+    prompt_token_ids: list[int],
+    stop_token_ids: list[int],
+    *,
+    vocab_size: int,
+    max_model_len: int,
+    max_tokens: int | None = None,
 ) -> None:
-    """Raises InvalidRequestError for token ids the engine cannot serve."""
+    """Raises InvalidRequestError for token ids the engine cannot serve, ContextLengthError for a prompt
+    that leaves no room for its output: one token, or `max_tokens` where the caller holds a request to it."""
+    check_context_length(len(prompt_token_ids), max_model_len, 1 if max_tokens is None else max_tokens)
     if not prompt_token_ids:
         raise InvalidRequestError("the prompt is empty")
     bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab_size]
@@ -18,11 +56,6 @@ def check_prompt_token_ids(
     bad_stop = [t for t in stop_token_ids if not 0 <= t < vocab_size]
     if bad_stop:
         raise InvalidRequestError(f"stop token id {bad_stop[0]} is outside the vocabulary [0, {vocab_size})")
-    if len(prompt_token_ids) >= max_model_len:
-        raise InvalidRequestError(
-            f"the prompt has {len(prompt_token_ids)} tokens, but the model's context is {max_model_len} "
-            "tokens, leaving no room for output"
-        )
 
 
 def check_sampling_token_ids(params: SamplingParams, *, vocab_size: int) -> None:

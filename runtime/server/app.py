@@ -11,18 +11,22 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
+from kvfleet.contract.tiers import PRIORITY_HEADER
 from kvfleet.runtime.batch.store import BatchStore
 from kvfleet.runtime.metrics import CONTENT_TYPE
 from kvfleet.runtime.server.auth import ApiKeyAuth
 from kvfleet.runtime.server.batch_routes import FILES_PATH, BatchService, add_batch_routes
 from kvfleet.runtime.server.errors import (
-    BadRequestError,
     ClientDisconnectedError,
     install_error_handlers,
 )
 from kvfleet.runtime.server.json_bodies import DepthCheckedRoute
 from kvfleet.runtime.server.middleware import BodyReadTimeout, BodySizeLimit, InFlightCounter
-from kvfleet.runtime.server.protocol import (
+from kvfleet.runtime.server.state import ServerState
+from kvfleet.runtime.server.streaming import respond
+from kvfleet.runtime.serving.lora import OpenAIServingLoRA
+from kvfleet.runtime.serving.moderations import OpenAIServingModeration
+from kvfleet.runtime.serving.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
@@ -31,11 +35,6 @@ from kvfleet.runtime.server.protocol import (
     TokenizeRequest,
     UnloadLoRAAdapterRequest,
 )
-from kvfleet.runtime.server.serving_chat import OpenAIServingChat
-from kvfleet.runtime.server.serving_completions import OpenAIServingCompletion
-from kvfleet.runtime.server.serving_lora import OpenAIServingLoRA
-from kvfleet.runtime.server.serving_moderations import OpenAIServingModeration
-from kvfleet.runtime.server.state import ServerState
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 logger = logging.getLogger(__name__)
@@ -118,10 +117,9 @@ async def _client_gone(request: Request, exc: Exception) -> Response:
 
 
 def _add_routes(app: FastAPI, state: ServerState) -> None:
-    completions = OpenAIServingCompletion(state)
-    chat = OpenAIServingChat(state)
-    lora = OpenAIServingLoRA(state)
-    moderations = OpenAIServingModeration(state)
+    service = state.openai_service()
+    lora = OpenAIServingLoRA(service)
+    moderations = OpenAIServingModeration(service)
     started = int(time.time())
 
     @app.get("/health")
@@ -142,20 +140,8 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/v1/models")
     async def models() -> Response:
-        info = state.engine.info
-        card = {
-            "id": state.settings.served_model_name,
-            "object": "model",
-            "created": started,
-            "owned_by": "kvfleet",
-            # vLLM's fields; never the model's path on disk, which clients have no business knowing.
-            "root": state.settings.served_model_name,
-            "parent": None,
-            "max_model_len": info.max_model_len if info is not None else None,
-            # kvfleet's addition: what `kvfleet bench serve` draws random token-id prompts from.
-            "vocab_size": info.vocab_size if info is not None else None,
-        }
-        return JSONResponse({"object": "list", "data": [card, *lora.model_cards(started)]})
+        cards = [service.model_card(started), *lora.model_cards(started)]
+        return JSONResponse({"object": "list", "data": cards})
 
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> Response:
@@ -167,11 +153,13 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/v1/completions")
     async def create_completion(body: CompletionRequest, raw_request: Request) -> Response:
-        return await completions.create_completion(body, raw_request)
+        request = await service.create_completion(body, raw_request.headers.get(PRIORITY_HEADER))
+        return await respond(raw_request, service, request)
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(body: ChatCompletionRequest, raw_request: Request) -> Response:
-        return await chat.create_chat_completion(body, raw_request)
+        request = await service.create_chat_completion(body, raw_request.headers.get(PRIORITY_HEADER))
+        return await respond(raw_request, service, request)
 
     @app.post("/v1/moderations")
     async def create_moderation(body: ModerationRequest) -> Response:
@@ -179,27 +167,8 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> Response:
-        body.check()
-        completions.check_model(body.model)
-        if body.messages is not None:
-            token_ids = await completions.chat_prompt(body.messages, body.add_generation_prompt)
-        else:
-            add_special = True if body.add_special_tokens is None else body.add_special_tokens
-            token_ids = await completions.encode(body.prompt, add_special_tokens=add_special)
-        info = completions.engine_info
-        return JSONResponse(
-            {"count": len(token_ids), "max_model_len": info.max_model_len, "tokens": token_ids}
-        )
+        return JSONResponse(await service.tokenize(body))
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> Response:
-        completions.check_model(body.model)
-        await state.engine.wait_ready(state.engine.startup_request_timeout)
-        vocab_size = completions.engine_info.vocab_size
-        bad = [token for token in body.tokens if not 0 <= token < vocab_size]
-        if bad:
-            raise BadRequestError(
-                f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})", param="tokens"
-            )
-        text = await state.engine.run_tokenizer(lambda tokenizer: tokenizer.decode(body.tokens))
-        return JSONResponse({"prompt": text})
+        return JSONResponse(await service.detokenize(body))

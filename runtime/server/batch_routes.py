@@ -5,14 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from collections.abc import AsyncIterator
 from typing import Annotated
 
 from fastapi import FastAPI, File, Form, Query, Request, UploadFile
+from kvfleet.runtime.batch.answers import answer_line
 from kvfleet.runtime.batch.store import BatchApiError, BatchStore, fault_reason
 from kvfleet.runtime.batch.worker import BatchWorker
-from kvfleet.runtime.server.batch_requests import BatchRequestRunner
 from kvfleet.runtime.server.errors import (
     BadRequestError,
     ConflictError,
@@ -20,8 +21,8 @@ from kvfleet.runtime.server.errors import (
     OpenAIError,
     PayloadTooLargeError,
 )
-from kvfleet.runtime.server.protocol import BatchCreateRequest
 from kvfleet.runtime.server.state import ServerState
+from kvfleet.runtime.serving.protocol import BatchCreateRequest
 from starlette.responses import FileResponse, JSONResponse, Response
 
 logger = logging.getLogger(__name__)
@@ -44,9 +45,9 @@ class BatchService:
     def __init__(self, state: ServerState, store: BatchStore) -> None:
         self.state = state
         self.store = store
-        runner = BatchRequestRunner(state)
+        answer = functools.partial(answer_line, state.openai_service())
         # Twice the engine's batch: a line is waiting to take the place of each that finishes.
-        self.worker = BatchWorker(store, runner.run, width=2 * state.engine.config.max_num_seqs)
+        self.worker = BatchWorker(store, answer, width=2 * state.engine.config.max_num_seqs)
         self._loop: asyncio.AbstractEventLoop | None = None
 
     @contextlib.asynccontextmanager

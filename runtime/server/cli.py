@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from pathlib import Path
@@ -14,19 +15,25 @@ from kvfleet.runtime.batch.store import (
     DEFAULT_MAX_BATCH_FILES,
     DEFAULT_MAX_BATCH_STORE_BYTES,
 )
-from kvfleet.runtime.config import EngineConfig, engine_config_from_options, engine_options
+from kvfleet.runtime.config import (
+    EngineConfig,
+    engine_config_from_options,
+    engine_options,
+    model_option,
+    served_model_name_option,
+)
 from kvfleet.runtime.server.state import (
     DEFAULT_BODY_READ_TIMEOUT_S,
     DEFAULT_HEADER_READ_TIMEOUT_S,
-    DEFAULT_MAX_COMPLETION_TOKENS_PER_PROMPT,
-    DEFAULT_MAX_N,
     DEFAULT_MAX_REQUEST_BODY_BYTES,
     DEFAULT_SEND_TIMEOUT_S,
 )
+from kvfleet.runtime.serving.service import DEFAULT_MAX_COMPLETION_TOKENS_PER_PROMPT, DEFAULT_MAX_N
 
 if TYPE_CHECKING:
     from kvfleet.runtime.safety.config import SafetyConfig
-    from kvfleet.runtime.server.lora_adapters import LoRAAdapters
+    from kvfleet.runtime.server.state import ServerSettings
+    from kvfleet.runtime.serving.lora_adapters import LoRAAdapters
 
 _API_KEY_ENV = "KVFLEET_API_KEY"
 _SECONDS = click.FloatRange(min=0, min_open=True)
@@ -44,13 +51,6 @@ def _api_key(ctx: click.Context, param: click.Parameter, value: str | None) -> s
             param=param,
         )
     return value
-
-
-# Shared with `kvfleet run-batch`, which answers requests naming the model the same way.
-model_option = click.option("--model", required=True, help="Hugging Face model folder.")
-served_model_name_option = click.option(
-    "--served-model-name", default=None, help="Model name clients use; defaults to --model."
-)
 
 
 @click.command("serve")
@@ -232,48 +232,16 @@ served_model_name_option = click.option(
 )
 @click.option("--access-log/--no-access-log", default=False, show_default=True)
 @engine_options
-def serve(
-    model: str,
-    served_model_name: str | None,
-    host: str,
-    port: int,
-    api_key: str | None,
-    default_priority: str,
-    max_priority_tier: str,
-    drain_timeout: float,
-    max_waiting_requests: int | None,
-    request_timeout: float | None,
-    max_request_body_bytes: int,
-    max_n: int,
-    max_completion_tokens_per_prompt: int,
-    header_read_timeout: float,
-    body_read_timeout: float,
-    send_timeout: float,
-    startup_request_timeout: float,
-    api_server_count: int,
-    enable_auto_tool_choice: bool,
-    tool_call_parser: str | None,
-    batch_store: str | None,
-    max_batch_file_bytes: int,
-    max_batch_files: int,
-    max_batch_store_bytes: int,
-    lora_modules: tuple[str, ...],
-    allow_runtime_lora_updates: bool,
-    lora_download_dir: str | None,
-    allowed_local_lora_path: str | None,
-    allowed_lora_hub_orgs: str | None,
-    safety_config: str | None,
-    access_log: bool,
-    **options: Any,
-) -> None:
+def serve(model: str, host: str, port: int, **options: Any) -> None:
     """Serve MODEL over an OpenAI-compatible HTTP API; with --node-rank above 0, run only this node's share of
     the ranks and serve GET /health."""
-    if TIERS[default_priority] < TIERS[max_priority_tier]:
+    if TIERS[options["default_priority"]] < TIERS[options["max_priority_tier"]]:
         raise click.BadParameter(
-            f"{default_priority!r} is more urgent than --max-priority-tier {max_priority_tier!r}",
+            f"{options['default_priority']!r} is more urgent than --max-priority-tier "
+            f"{options['max_priority_tier']!r}",
             param_hint="--default-priority",
         )
-    if batch_store is not None and api_server_count > 1:
+    if options["batch_store"] is not None and options["api_server_count"] > 1:
         raise click.BadParameter(
             "the Batch API runs in a single API server process", param_hint="--api-server-count"
         )
@@ -291,64 +259,49 @@ def serve(
         sys.exit(run_node(config, host, port))
 
     from kvfleet.runtime.server.launcher import ServeOptions, run_server
-    from kvfleet.runtime.server.state import ServerSettings
-    from kvfleet.runtime.server.tool_calls import TOOL_CALL_PARSERS
 
+    settings = _server_settings(options["served_model_name"] or model, options)
+    serve_options = ServeOptions(
+        settings=settings,
+        host=host,
+        port=port,
+        access_log=options["access_log"],
+        max_waiting_requests=options["max_waiting_requests"],
+        startup_request_timeout=options["startup_request_timeout"],
+        api_server_count=options["api_server_count"],
+        lora_adapters=_lora_adapters(config, settings.served_model_name, options),
+        # `kvfleet bench static-server` passes its own EngineCore class as the context object.
+        core_class=click.get_current_context().obj,
+    )
+    sys.exit(run_server(config, serve_options))
+
+
+def _server_settings(served_model_name: str, options: dict[str, Any]) -> ServerSettings:
+    """The settings of `kvfleet serve`'s options: each option named like a setting gives it, tiers are given
+    by name, the safety policy as a file or text."""
+    from kvfleet.runtime.server.state import ServerSettings
+    from kvfleet.runtime.serving.tool_calls import TOOL_CALL_PARSERS
+
+    tool_call_parser = options["tool_call_parser"]
     if tool_call_parser is not None and tool_call_parser not in TOOL_CALL_PARSERS:
         raise click.BadParameter(
             f"{tool_call_parser!r} is not one of {', '.join(TOOL_CALL_PARSERS)}",
             param_hint="--tool-call-parser",
         )
-    if enable_auto_tool_choice and tool_call_parser is None:
+    if options["enable_auto_tool_choice"] and tool_call_parser is None:
         raise click.BadParameter(
             "--enable-auto-tool-choice needs --tool-call-parser", param_hint="--enable-auto-tool-choice"
         )
-
-    safety = _safety(safety_config)
-    lora_adapters = _lora_adapters(
-        config,
-        served_model_name or model,
-        lora_modules,
-        allow_runtime_lora_updates,
-        lora_download_dir,
-        (allowed_local_lora_path, allowed_lora_hub_orgs),
-        api_server_count,
+    named = {f.name: options[f.name] for f in dataclasses.fields(ServerSettings) if f.name in options}
+    return ServerSettings(
+        **{
+            **named,
+            "served_model_name": served_model_name,
+            "default_priority": TIERS[options["default_priority"]],
+            "max_priority_tier": TIERS[options["max_priority_tier"]],
+            "safety": _safety(options["safety_config"]),
+        }
     )
-    settings = ServerSettings(
-        served_model_name=served_model_name or model,
-        api_key=api_key,
-        default_priority=TIERS[default_priority],
-        request_timeout=request_timeout,
-        drain_timeout=drain_timeout,
-        max_request_body_bytes=max_request_body_bytes,
-        max_n=max_n,
-        max_completion_tokens_per_prompt=max_completion_tokens_per_prompt,
-        max_priority_tier=TIERS[max_priority_tier],
-        header_read_timeout=header_read_timeout,
-        body_read_timeout=body_read_timeout,
-        send_timeout=send_timeout,
-        enable_auto_tool_choice=enable_auto_tool_choice,
-        tool_call_parser=tool_call_parser,
-        batch_store=batch_store,
-        max_batch_file_bytes=max_batch_file_bytes,
-        max_batch_files=max_batch_files,
-        max_batch_store_bytes=max_batch_store_bytes,
-        allow_runtime_lora_updates=allow_runtime_lora_updates,
-        safety=safety,
-    )
-    options = ServeOptions(
-        settings=settings,
-        host=host,
-        port=port,
-        access_log=access_log,
-        max_waiting_requests=max_waiting_requests,
-        startup_request_timeout=startup_request_timeout,
-        api_server_count=api_server_count,
-        lora_adapters=lora_adapters,
-        # `kvfleet bench static-server` passes its own EngineCore class as the context object.
-        core_class=click.get_current_context().obj,
-    )
-    sys.exit(run_server(config, options))
 
 
 def _safety(value: str | None) -> SafetyConfig | None:
@@ -363,19 +316,14 @@ def _safety(value: str | None) -> SafetyConfig | None:
 
 
 def _lora_adapters(
-    config: EngineConfig,
-    served_model_name: str,
-    lora_modules: tuple[str, ...],
-    allow_runtime_updates: bool,
-    download_dir: str | None,
-    allowed_sources: tuple[str | None, str | None],
-    api_server_count: int,
+    config: EngineConfig, served_model_name: str, options: dict[str, Any]
 ) -> LoRAAdapters | None:
-    """The adapters to serve from the start, each checked against the model; None without --enable-lora.
-    `allowed_sources`: --allowed-local-lora-path and --allowed-lora-hub-orgs."""
-    from kvfleet.runtime.server.lora_adapters import AdapterSources, LoRAAdapters, LoRAModule
+    """The adapters to serve from the start, each checked against the model; None without --enable-lora."""
+    from kvfleet.runtime.serving.lora_adapters import AdapterSources, LoRAAdapters, LoRAModule
 
-    local_path, hub_orgs = allowed_sources
+    lora_modules, allow_runtime_updates = options["lora_modules"], options["allow_runtime_lora_updates"]
+    download_dir = options["lora_download_dir"]
+    local_path, hub_orgs = options["allowed_local_lora_path"], options["allowed_lora_hub_orgs"]
     if not config.enable_lora:
         for flag, given in (
             ("--lora-modules", lora_modules),
@@ -387,7 +335,7 @@ def _lora_adapters(
             if given:
                 raise click.BadParameter("needs --enable-lora", param_hint=flag)
         return None
-    if allow_runtime_updates and api_server_count > 1:
+    if allow_runtime_updates and options["api_server_count"] > 1:
         # Each API server process keeps its own list: one would not know an adapter loaded through another.
         raise click.BadParameter(
             "runtime adapter updates need --api-server-count 1", param_hint="--allow-runtime-lora-updates"

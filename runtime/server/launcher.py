@@ -27,7 +27,7 @@ from kvfleet.runtime.server.state import ServerSettings
 if TYPE_CHECKING:
     from kvfleet.runtime.engine.core import EngineCore
     from kvfleet.runtime.engine.core_client import EngineCoreAddress
-    from kvfleet.runtime.server.lora_adapters import LoRAAdapters
+    from kvfleet.runtime.serving.lora_adapters import LoRAAdapters
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +95,7 @@ def run_api_server(
         settings=settings, engine=engine, metrics=metrics, lora_adapters=options.lora_adapters
     )
     if settings.safety is not None:
-        from kvfleet.runtime.server.safety import ServerGuardrails
+        from kvfleet.runtime.serving.safety import ServerGuardrails
 
         state.guardrails = ServerGuardrails(settings.safety, metrics, engine)
     if options.lora_adapters is not None:

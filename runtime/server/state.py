@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvfleet.contract.tiers import DEFAULT_TIER, TIER_NAMES, TIERS
 from kvfleet.runtime.batch.store import (
     DEFAULT_MAX_BATCH_FILE_BYTES,
     DEFAULT_MAX_BATCH_FILES,
@@ -13,52 +12,37 @@ from kvfleet.runtime.batch.store import (
 )
 from kvfleet.runtime.engine.async_llm import AsyncLLM
 from kvfleet.runtime.metrics import ServerMetrics
+from kvfleet.runtime.serving.service import OpenAIService, ServiceSettings
 
 if TYPE_CHECKING:
     # Checking adapters loads torch: API servers import it only with --enable-lora.
     from kvfleet.runtime.safety.config import SafetyConfig
-    from kvfleet.runtime.server.lora_adapters import LoRAAdapters
-    from kvfleet.runtime.server.safety import ServerGuardrails
+    from kvfleet.runtime.serving.lora_adapters import LoRAAdapters
+    from kvfleet.runtime.serving.safety import ServerGuardrails
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 8 << 20
-# OpenAI's own limit on n.
-DEFAULT_MAX_N = 128
-# n = 128 sequences of a 2048-token context.
-DEFAULT_MAX_COMPLETION_TOKENS_PER_PROMPT = 1 << 18
 DEFAULT_HEADER_READ_TIMEOUT_S = 30.0
 DEFAULT_BODY_READ_TIMEOUT_S = 60.0
 DEFAULT_SEND_TIMEOUT_S = 30.0
 
 
 @dataclass(frozen=True)
-class ServerSettings:
-    served_model_name: str
+class ServerSettings(ServiceSettings):
+    """The OpenAI service's settings and the HTTP server's own."""
+
     api_key: str | None = None
-    default_priority: int = TIERS[DEFAULT_TIER]
-    # Seconds; None = requests may run as long as they need.
-    request_timeout: float | None = None
     drain_timeout: float = 30.0
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
-    max_n: int = DEFAULT_MAX_N
-    # n x max_tokens for one prompt; a max_tokens of None counts as the room the prompt leaves in the context.
-    max_completion_tokens_per_prompt: int = DEFAULT_MAX_COMPLETION_TOKENS_PER_PROMPT
-    # The most urgent tier (its engine priority) a request may claim; more urgent claims get 403.
-    max_priority_tier: int = TIERS[TIER_NAMES[0]]
     # Seconds a connection has to send a request's headers (from its opening, or the previous response),
     # the whole body, and how long a response may wait on a client that has stopped reading.
     header_read_timeout: float = DEFAULT_HEADER_READ_TIMEOUT_S
     body_read_timeout: float = DEFAULT_BODY_READ_TIMEOUT_S
     send_timeout: float = DEFAULT_SEND_TIMEOUT_S
-    # tool_choice "auto": allowed, and the parser (a TOOL_CALL_PARSERS name) that reads calls from the output.
-    enable_auto_tool_choice: bool = False
-    tool_call_parser: str | None = None
     # The Batch API's folder (its database and files); None: no /v1/files or /v1/batches.
     batch_store: str | None = None
     max_batch_file_bytes: int = DEFAULT_MAX_BATCH_FILE_BYTES
     max_batch_files: int = DEFAULT_MAX_BATCH_FILES
     max_batch_store_bytes: int = DEFAULT_MAX_BATCH_STORE_BYTES
-    # POST /v1/load_lora_adapter and /v1/unload_lora_adapter are served.
-    allow_runtime_lora_updates: bool = False
     # Input and output guardrails (docs/safety.md); None: none.
     safety: SafetyConfig | None = None
 
@@ -88,6 +72,17 @@ class ServerState:
         if self.engine.error is not None:
             return f"the engine has failed: {self.engine.error}"
         return self.batch_worker_failure
+
+    def openai_service(self) -> OpenAIService:
+        """The OpenAI service over this server's engine, refusing new requests while the server drains."""
+        return OpenAIService(
+            self.engine,
+            self.settings,
+            metrics=self.metrics,
+            lora_adapters=self.lora_adapters,
+            guardrails=self.guardrails,
+            refusal=lambda: self.not_ready_reason() if self.draining else None,
+        )
 
     def not_ready_reason(self) -> str:
         if self.failure is not None:

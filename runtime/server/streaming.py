@@ -1,4 +1,5 @@
-"""Async plumbing of the handlers: racing the client's disconnect, merging request streams, SSE framing."""
+"""The HTTP side of a generating request: racing the client's disconnect, and the service's answer framed as
+JSON or as Server-Sent Events."""
 
 from __future__ import annotations
 
@@ -8,9 +9,12 @@ import json
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any, TypeVar
 
-from kvfleet.runtime.server.errors import ClientDisconnectedError
+from kvfleet.runtime.engine.errors import EngineError
+from kvfleet.runtime.server.errors import ClientDisconnectedError, OpenAIError
+from kvfleet.runtime.serving.errors import from_engine_error
+from kvfleet.runtime.serving.service import OpenAIService, PreparedRequest
 from starlette.requests import Request
-from starlette.responses import StreamingResponse
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 T = TypeVar("T")
@@ -49,49 +53,25 @@ async def unless_disconnected(request: Request, awaitable: Awaitable[T]) -> T:
     return work.result()
 
 
-async def merge_streams(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
-    """Items of several async iterators as (iterator index, item), in arrival order. Closing the merge,
-    or any iterator failing, closes them all."""
-    if len(streams) == 1:
-        async with contextlib.aclosing(streams[0]) as only:  # type: ignore[type-var]
-            async for item in only:
-                yield 0, item
-        return
+async def respond(raw_request: Request, service: OpenAIService, request: PreparedRequest) -> Response:
+    """The service's answer to an admitted request: its JSON body, or its event stream once the first output
+    is in. A client that goes away first aborts the request."""
+    if request.stream:
+        chunks = await unless_disconnected(raw_request, service.stream(request))
+        return EventStreamResponse(sse_events(chunks))
+    return JSONResponse(await unless_disconnected(raw_request, service.complete(request)))
 
-    queue: asyncio.Queue[tuple[int, Any, BaseException | None, bool]] = asyncio.Queue()
 
-    async def pump(index: int, stream: AsyncIterator[T]) -> None:
+async def sse_events(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str]:
+    """The chunks as events, ended by [DONE]; a failure mid-stream is the last event before it."""
+    async with contextlib.aclosing(chunks):  # type: ignore[type-var]
         try:
-            async with contextlib.aclosing(stream) as owned:  # type: ignore[type-var]
-                async for item in owned:
-                    queue.put_nowait((index, item, None, False))
-        except Exception as exc:
-            queue.put_nowait((index, None, exc, True))
-        else:
-            queue.put_nowait((index, None, None, True))
-
-    tasks = [asyncio.ensure_future(pump(index, stream)) for index, stream in enumerate(streams)]
-    try:
-        remaining = len(tasks)
-        while remaining:
-            index, item, error, done = await queue.get()
-            if error is not None:
-                raise error
-            if done:
-                remaining -= 1
-            else:
-                yield index, item
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-
-async def prepend(first: T | None, rest: AsyncIterator[T]) -> AsyncIterator[T]:
-    if first is not None:
-        yield first
-    async for item in rest:
-        yield item
+            async for body in chunks:
+                yield sse_event(body)
+        except (OpenAIError, EngineError) as raised:
+            error = from_engine_error(raised) if isinstance(raised, EngineError) else raised
+            yield error.to_sse()
+    yield SSE_DONE
 
 
 class EventStreamResponse(StreamingResponse):

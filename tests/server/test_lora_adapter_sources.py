@@ -11,7 +11,7 @@ from kvfleet.operator.scrape import DEFAULT_MAX_PAGE_BYTES
 from kvfleet.runtime.lora.errors import LoRAAdapterError
 from kvfleet.runtime.lora.make_adapter import make_adapter
 from kvfleet.runtime.metrics import ServerMetrics
-from kvfleet.runtime.server.lora_adapters import MAX_SERVED_ADAPTERS, AdapterSources, LoRAAdapters
+from kvfleet.runtime.serving.lora_adapters import MAX_SERVED_ADAPTERS, AdapterSources, LoRAAdapters
 
 OUTSIDE = "adapters are read only from under --allowed-local-lora-path"
 

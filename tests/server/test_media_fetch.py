@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 from kvfleet.runtime.config import EngineConfig
 from kvfleet.runtime.multimodal.media_sources import MediaOrigin
-from kvfleet.runtime.server.media import MAX_FETCHED_MEDIA_BYTES, load_chat_media
 from kvfleet.runtime.server.openai_errors import BadRequestError
-from kvfleet.runtime.server.protocol import ChatMessage
+from kvfleet.runtime.serving.media import MAX_FETCHED_MEDIA_BYTES, load_chat_media
+from kvfleet.runtime.serving.protocol import ChatMessage
 from PIL import Image
 
 CHUNK = b"\0" * (1 << 16)

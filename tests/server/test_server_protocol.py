@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 from kvfleet.contract.precedence import QueuedRequest, choose_victim
 from kvfleet.contract.tiers import parse_priority, tier_of
-from kvfleet.runtime.server.errors import BadRequestError, validation_error
-from kvfleet.runtime.server.protocol import ChatCompletionRequest, CompletionRequest, template_messages
+from kvfleet.runtime.server.errors import BadRequestError
+from kvfleet.runtime.serving.errors import validation_error
+from kvfleet.runtime.serving.protocol import ChatCompletionRequest, CompletionRequest, template_messages
 
 
 def test_tiers_and_integers() -> None:

@@ -19,8 +19,8 @@ import jsonschema
 import openai
 import pytest
 from kvfleet.runtime.json_depth import MAX_JSON_DEPTH
-from kvfleet.runtime.server.protocol import ChatCompletionRequest
-from kvfleet.runtime.server.tool_calls import TOOL_CALL_PARSERS, ToolCalling
+from kvfleet.runtime.serving.protocol import ChatCompletionRequest
+from kvfleet.runtime.serving.tool_calls import TOOL_CALL_PARSERS, ToolCalling
 from transformers import AutoTokenizer
 
 if TYPE_CHECKING:

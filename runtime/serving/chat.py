@@ -1,91 +1,81 @@
-"""POST /v1/chat/completions: the model folder's chat template turns the messages into one prompt."""
+"""POST /v1/chat/completions: the model folder's chat template turns the messages into one prompt; the
+answer is a message, with the calls the model made when it may call tools."""
 
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import AsyncIterator
-from typing import Any
+from functools import cached_property
+from typing import TYPE_CHECKING, Any
 
-from kvfleet.runtime.engine.outputs import CompletionOutput, RequestOutput
+from kvfleet.runtime.engine.outputs import CompletionOutput
 from kvfleet.runtime.safety.guardrails import Decision, redact_pieces
-from kvfleet.runtime.server.media import load_chat_media
-from kvfleet.runtime.server.protocol import (
+from kvfleet.runtime.sampling_params import StructuredOutputsParams
+from kvfleet.runtime.serving.media import load_chat_media
+from kvfleet.runtime.serving.protocol import (
     ChatCompletionRequest,
     ChatMessage,
     message_text,
     template_messages,
     usage,
 )
-from kvfleet.runtime.server.safety import RequestSafety
-from kvfleet.runtime.server.serving_base import Choice, OpenAIServing, PreparedRequest
-from kvfleet.runtime.server.streaming import EventStreamResponse
-from kvfleet.runtime.server.tool_calls import OutputReading, ParsedCall, ToolCalling, new_call_id
-from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from kvfleet.runtime.serving.request import PreparedRequest, Prompt
+from kvfleet.runtime.serving.responses import Choice, ChoiceBuilder, token_text, top_logprobs
+from kvfleet.runtime.serving.safety import RequestSafety
+from kvfleet.runtime.serving.tool_calls import OutputReading, ParsedCall, ToolCalling, new_call_id
+
+if TYPE_CHECKING:
+    from kvfleet.runtime.serving.service import OpenAIService, ServiceSettings
 
 
-class OpenAIServingChat(OpenAIServing):
+class ChatRoute:
     chunk_object = "chat.completion.chunk"
     id_prefix = "chatcmpl"
 
-    async def create_chat_completion(self, body: ChatCompletionRequest, raw_request: Request) -> Response:
-        arrival_time = time.monotonic()
-        lora_request = self.check_model(body.model)
-        settings = self.state.settings
-        tool_calling = ToolCalling.of(body, settings.tool_call_parser, settings.enable_auto_tool_choice)
-        params = await self.sampling_params(body, tool_calling.constraint() if tool_calling else None)
-        priority = self.resolve_priority(body.priority, raw_request)
-        self.check_accepting(priority)
+    def __init__(self, body: ChatCompletionRequest, settings: ServiceSettings) -> None:
+        self.body = body
+        self.settings = settings
+        # The prompt as the model reads it, when the input is checked.
+        self.rendered: str | None = None
+
+    @cached_property
+    def tool_calling(self) -> ToolCalling | None:
+        return ToolCalling.of(
+            self.body, self.settings.tool_call_parser, self.settings.enable_auto_tool_choice
+        )
+
+    @property
+    def tool_constraint(self) -> StructuredOutputsParams | None:
+        return self.tool_calling.constraint() if self.tool_calling else None
+
+    async def prompt(self, service: OpenAIService, safety: RequestSafety | None) -> Prompt:
+        """The conversation rendered by the chat template, its media placed."""
+        body = self.body
         tools = [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None
         messages = body.messages
-        safety = self.request_safety(priority)
         if safety is not None:
             safety.prompt = _last_user_text(messages)
             if safety.redacts_input:
                 messages = await _redacted(safety, messages)
-        media = await load_chat_media(self.state.engine.config, messages)
-        token_ids = await self.chat_prompt(messages, body.add_generation_prompt, tools)
+        media = await load_chat_media(service.engine.config, messages)
+        token_ids = await service.chat_prompt(messages, body.add_generation_prompt, tools)
         # Checked as the model reads it: the tools, the calls and all else the template puts in.
-        rendered = await self.prompt_text(token_ids) if safety is not None else ""
+        self.rendered = await service.prompt_text(token_ids) if safety is not None else None
         mm_features = []
         if media is not None:
             token_ids, mm_features = await media.expand(token_ids)
-        self.check_prompt(token_ids, params, "messages")
-        if safety is not None:
-            if safety.redacts_input:
-                await safety.refuse_unredacted(rendered)
-            else:
-                safety.start_input_check(rendered)
-        request = self.prepare(
-            [token_ids],
-            params,
-            priority=priority,
-            timeout=body.timeout,
-            arrival_time=arrival_time,
-            lora_request=lora_request,
-            safety=safety,
-            mm_features=mm_features,
-        )
-        if body.stream:
-            outputs = self.outputs(request, stream=True)
-            first = await self.first_output(raw_request, outputs)
-            return EventStreamResponse(self._events(body, request, outputs, first, tool_calling))
-        choices = (await self.collect(raw_request, request))[0]
-        return JSONResponse(self._response(body, request, choices, tool_calling))
+        return Prompt([token_ids], ["messages"], mm_features)
 
-    def _response(
-        self,
-        body: ChatCompletionRequest,
-        request: PreparedRequest,
-        choices: list[Choice],
-        tool_calling: ToolCalling | None,
-    ) -> dict:
+    def input_text(self, service: OpenAIService, safety: RequestSafety | None) -> str | None:
+        return self.rendered
+
+    def response(
+        self, request: PreparedRequest, choices: list[list[Choice]], tokenizer: Any
+    ) -> dict[str, Any]:
         entries = []
-        for index, choice in enumerate(choices):
+        for index, choice in enumerate(choices[0]):
             message: dict[str, Any] = {"role": "assistant", "content": choice.text}
             finish_reason = choice.finish_reason
-            calls = _calls(tool_calling, choice.text, finish_reason)
+            calls = _calls(self.tool_calling, choice.text, finish_reason)
             if calls is not None:
                 message["content"], parsed = calls
                 message["tool_calls"] = [call.as_openai() for call in parsed]
@@ -94,7 +84,7 @@ class OpenAIServingChat(OpenAIServing):
                 {
                     "index": index,
                     "message": message,
-                    "logprobs": self._logprobs(choice.token_ids, choice.logprobs, body.top_logprobs or 0),
+                    "logprobs": self._logprobs(tokenizer, choice.token_ids, choice.logprobs),
                     "finish_reason": finish_reason,
                 }
             )
@@ -105,18 +95,19 @@ class OpenAIServingChat(OpenAIServing):
             "model": request.model,
             "choices": entries,
             "usage": usage(
-                len(request.prompt_token_ids[0]), sum(len(choice.token_ids) for choice in choices)
+                len(request.prompt_token_ids[0]), sum(len(choice.token_ids) for choice in choices[0])
             ),
         }
 
     def _logprobs(
-        self, token_ids: list[int], logprobs: list[dict[int, float]] | None, limit: int
+        self, tokenizer: Any, token_ids: list[int], logprobs: list[dict[int, float]] | None
     ) -> dict[str, Any] | None:
         if logprobs is None:
             return None
+        limit = self.body.top_logprobs or 0
         content = []
         for token_id, entry in zip(token_ids, logprobs, strict=False):
-            text = self.token_text(token_id)
+            text = token_text(tokenizer, token_id)
             content.append(
                 {
                     "token": text,
@@ -124,21 +115,15 @@ class OpenAIServingChat(OpenAIServing):
                     "bytes": list(text.encode()),
                     "top_logprobs": [
                         {"token": top_text, "logprob": logprob, "bytes": list(top_text.encode())}
-                        for top_text, logprob in self.top_logprobs(entry, limit)
+                        for top_text, logprob in top_logprobs(tokenizer, entry, limit)
                     ],
                 }
             )
         return {"content": content}
 
-    def _events(
-        self,
-        body: ChatCompletionRequest,
-        request: PreparedRequest,
-        outputs: AsyncIterator[tuple[int, RequestOutput]],
-        first: tuple[int, RequestOutput] | None,
-        tool_calling: ToolCalling | None,
-    ) -> AsyncIterator[str]:
-        roles = [
+    def preamble(self, request: PreparedRequest) -> list[dict[str, Any]]:
+        """Every choice's role, first."""
+        return [
             {
                 "index": index,
                 "delta": {"role": "assistant", "content": ""},
@@ -148,6 +133,10 @@ class OpenAIServingChat(OpenAIServing):
             for index in range(request.params.n)
         ]
 
+    def choice_builder(self, request: PreparedRequest, tokenizer: Any) -> ChoiceBuilder:
+        if self.tool_calling is not None:
+            return _ToolCallStream(self.tool_calling, request.params.n)
+
         def choice_of(_: int, completion: CompletionOutput, finished: bool) -> list[dict[str, Any]]:
             if not (completion.text or finished or completion.logprobs):
                 return []
@@ -155,16 +144,11 @@ class OpenAIServingChat(OpenAIServing):
                 {
                     "index": completion.index,
                     "delta": {"content": completion.text} if completion.text else {},
-                    "logprobs": self._logprobs(
-                        completion.token_ids, completion.logprobs, body.top_logprobs or 0
-                    ),
+                    "logprobs": self._logprobs(tokenizer, completion.token_ids, completion.logprobs),
                 }
             ]
 
-        builder = choice_of if tool_calling is None else _ToolCallStream(tool_calling, request.params.n)
-        return self.event_stream(
-            request, outputs, first, builder, include_usage=body.include_usage, preamble=roles
-        )
+        return choice_of
 
 
 def _last_user_text(messages: list[ChatMessage]) -> str | None:

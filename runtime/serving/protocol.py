@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 
 from kvfleet.runtime import json_depth
 from kvfleet.runtime.sampling_params import SamplingParams, StructuredOutputsParams
-from kvfleet.runtime.server.errors import BadRequestError
+from kvfleet.runtime.server.openai_errors import BadRequestError
 from pydantic import (
     AllowInfNan,
     BaseModel,

@@ -8,25 +8,25 @@ from typing import TYPE_CHECKING, Any
 
 from kvfleet.runtime.lora.errors import LoRAAdapterError
 from kvfleet.runtime.lora.request import source_digest
-from kvfleet.runtime.server.errors import BadRequestError, NotFoundError, PermissionDeniedError
-from kvfleet.runtime.server.protocol import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
-from kvfleet.runtime.server.state import ServerState
+from kvfleet.runtime.server.openai_errors import BadRequestError, NotFoundError, PermissionDeniedError
+from kvfleet.runtime.serving.protocol import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 
 if TYPE_CHECKING:
-    from kvfleet.runtime.server.lora_adapters import LoRAAdapters
+    from kvfleet.runtime.serving.lora_adapters import LoRAAdapters
+    from kvfleet.runtime.serving.service import OpenAIService
 
 
 class OpenAIServingLoRA:
-    def __init__(self, state: ServerState) -> None:
-        self.state = state
+    def __init__(self, service: OpenAIService) -> None:
+        self.service = service
         # One update at a time: a name checked free must still be free when the adapter is added.
         self._updating = asyncio.Lock()
 
     def model_cards(self, created: int) -> list[dict[str, Any]]:
-        adapters = self.state.lora_adapters
+        adapters = self.service.lora_adapters
         if adapters is None:
             return []
-        parent = self.state.settings.served_model_name
+        parent = self.service.model_name
         return [
             {
                 "id": served.lora.lora_name,
@@ -58,15 +58,16 @@ class OpenAIServingLoRA:
             removed = adapters.remove(body.lora_name)
             if removed is None:
                 raise NotFoundError(f"the LoRA adapter {body.lora_name!r} is not loaded", param="lora_name")
-            self.state.metrics.forget_lora(body.lora_name)
+            if self.service.metrics is not None:
+                self.service.metrics.forget_lora(body.lora_name)
             # The same files served under another name share the weights.
             if all(served.lora.lora_int_id != removed.lora_int_id for served in adapters.loaded):
-                self.state.engine.remove_lora(removed.lora_int_id)
+                self.service.engine.remove_lora(removed.lora_int_id)
         return f"Success: LoRA adapter '{body.lora_name}' removed successfully."
 
     def _updatable(self) -> LoRAAdapters:
-        adapters = self.state.lora_adapters
-        if adapters is None or not self.state.settings.allow_runtime_lora_updates:
+        adapters = self.service.lora_adapters
+        if adapters is None or not self.service.settings.allow_runtime_lora_updates:
             raise PermissionDeniedError(
                 "loading and unloading LoRA adapters at run time is off on this server "
                 "(kvfleet serve --enable-lora --allow-runtime-lora-updates turns it on)"

@@ -1,4 +1,4 @@
-"""The server's guardrails: input checked beside the request's queueing, output checked in windows while
+"""The service's guardrails: input checked beside the request's queueing, output checked in windows while
 streaming (and whole otherwise), and the errors and finish reasons clients see.
 
 Input checks that block or flag run concurrently with the request: it is queued and prefilled while the
@@ -29,10 +29,10 @@ from kvfleet.runtime.safety.guard import GuardCompletion, GuardModelChecker, htt
 from kvfleet.runtime.safety.guardrails import Decision, Guardrails, SafetyMetrics, redact
 from kvfleet.runtime.safety.hook import HookChecker
 from kvfleet.runtime.safety.rules import RuleChecker
-from kvfleet.runtime.server.errors import BadRequestError, OpenAIError
+from kvfleet.runtime.server.openai_errors import BadRequestError, OpenAIError
 
 if TYPE_CHECKING:
-    from kvfleet.runtime.engine.async_llm import AsyncLLM
+    from kvfleet.runtime.engine.protocol import EngineClient
     from kvfleet.runtime.metrics import ServerMetrics
 
 CONTENT_FILTER = "content_filter"
@@ -52,9 +52,9 @@ class ContentFilterError(BadRequestError):
 
 
 class ServerGuardrails(Guardrails):
-    """Guardrails with the HTTP client their remote checkers share, closed with the server."""
+    """Guardrails with the HTTP client their remote checkers share, closed with the service."""
 
-    def __init__(self, config: SafetyConfig, metrics: ServerMetrics, engine: AsyncLLM) -> None:
+    def __init__(self, config: SafetyConfig, metrics: ServerMetrics, engine: EngineClient) -> None:
         self._client = httpx.AsyncClient()
         checkers: dict[str, Checker] = {}
         if config.rules is not None:
@@ -65,7 +65,7 @@ class ServerGuardrails(Guardrails):
             checkers["hook"] = HookChecker(config.hook, self._client)
         super().__init__(config, checkers, SafetyMetrics(metrics.model_name, metrics.registry))
 
-    def _guard_completion(self, config: GuardConfig, engine: AsyncLLM) -> GuardCompletion:
+    def _guard_completion(self, config: GuardConfig, engine: EngineClient) -> GuardCompletion:
         if config.endpoint == GUARD_SELF:
             return _engine_guard_completion(config, engine)
         return http_guard_completion(config, self._client)
@@ -74,10 +74,10 @@ class ServerGuardrails(Guardrails):
         await self._client.aclose()
 
 
-def _engine_guard_completion(config: GuardConfig, engine: AsyncLLM) -> GuardCompletion:
+def _engine_guard_completion(config: GuardConfig, engine: EngineClient) -> GuardCompletion:
     """The guard prompt run on this server's own model, in the most urgent tier so that it does not queue
     behind the requests it guards."""
-    from kvfleet.runtime.server.protocol import ChatCompletionRequest, template_messages
+    from kvfleet.runtime.serving.protocol import ChatCompletionRequest, template_messages
 
     async def complete(messages: list[dict[str, str]], body: dict[str, Any]) -> str:
         try:
@@ -158,9 +158,7 @@ class RequestSafety:
     def redacts_input(self) -> bool:
         return self.policy.action == "redact" and self.checks_input
 
-    async def after_input_check(
-        self, outputs: AsyncIterator[tuple[int, RequestOutput]]
-    ) -> AsyncIterator[tuple[int, RequestOutput]]:
+    async def after_input_check(self, outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
         """`outputs`, started at once; the first is let through once the input's verdict allows it. A
         blocked input closes `outputs`, which aborts the request."""
         verdict = self.input_verdict
@@ -192,31 +190,29 @@ class RequestSafety:
                 yield item
 
     async def output_windows(
-        self, outputs: AsyncIterator[tuple[int, RequestOutput]], prompts: int, n: int
-    ) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """`outputs` held back per sequence until `window_tokens` tokens (or the end) are checked. A window
-        that is blocked is never sent: every sequence still running ends with finish reason
-        `content_filter`, the blocked one with the refusal text, and the request is aborted (closing
-        `outputs` aborts it)."""
-        windows = {(p, i): _Window() for p in range(prompts) for i in range(n)}
+        self, outputs: AsyncIterator[RequestOutput], request_ids: list[str], n: int
+    ) -> AsyncIterator[RequestOutput]:
+        """`outputs` (of the engine requests `request_ids`, n sequences each) held back per sequence until
+        `window_tokens` tokens (or the end) are checked. A window that is blocked is never sent: every
+        sequence still running ends with finish reason `content_filter`, the blocked one with the refusal
+        text, and the request is aborted (closing `outputs` aborts it)."""
+        windows = {(request_id, i): _Window() for request_id in request_ids for i in range(n)}
         async with contextlib.aclosing(outputs):
-            async for prompt_index, output in outputs:
+            async for output in outputs:
                 released = []
                 for completion in output.outputs:
-                    window = windows[prompt_index, completion.index]
+                    window = windows[output.request_id, completion.index]
                     window.hold(completion)
                     if window.held_tokens < self.policy.window_tokens and completion.finish_reason is None:
                         continue
                     checked = await self._checked_window(window)
                     if checked is None:
-                        for item in self._refusals(
-                            output.request_id, windows, (prompt_index, completion.index)
-                        ):
-                            yield item
+                        for refusal in self._refusals(windows, (output.request_id, completion.index)):
+                            yield refusal
                         return
                     released.append(window.release(checked))
                 if released:
-                    yield prompt_index, _with_outputs(output, released)
+                    yield _with_outputs(output, released)
 
     async def _checked_window(self, window: _Window) -> str | None:
         """The held text to send (redacted if need be), or None when the window is blocked. The checkers
@@ -237,20 +233,20 @@ class RequestSafety:
         return redact(held, spans)
 
     def _refusals(
-        self, request_id: str, windows: dict[tuple[int, int], _Window], blocked: tuple[int, int]
-    ) -> list[tuple[int, RequestOutput]]:
+        self, windows: dict[tuple[str, int], _Window], blocked: tuple[str, int]
+    ) -> list[RequestOutput]:
         """The last outputs of a blocked request: each sequence not yet finished ends here."""
-        ended: dict[int, list[CompletionOutput]] = {}
-        for (prompt_index, index), window in windows.items():
-            if window.finished and (prompt_index, index) != blocked:
+        ended: dict[str, list[CompletionOutput]] = {}
+        for (request_id, index), window in windows.items():
+            if window.finished and (request_id, index) != blocked:
                 continue
-            text = self.policy.refusal if (prompt_index, index) == blocked else ""
-            ended.setdefault(prompt_index, []).append(
+            text = self.policy.refusal if (request_id, index) == blocked else ""
+            ended.setdefault(request_id, []).append(
                 CompletionOutput(index, text, [], None, None, finish_reason=CONTENT_FILTER)
             )
         return [
-            (prompt_index, RequestOutput(request_id, None, [], completions, True))
-            for prompt_index, completions in ended.items()
+            RequestOutput(request_id, None, [], completions, True)
+            for request_id, completions in ended.items()
         ]
 
     async def checked_text(self, text: str) -> tuple[str, bool]:

@@ -1,6 +1,5 @@
-"""The engine as the serving handlers see it (AsyncLLM's request side), over an LLMEngine that runs the
-EngineCore in this process: `kvfleet run-batch` answers lines with the server's own handlers, without HTTP
-and without a second process.
+"""An EngineClient over an LLMEngine that runs the EngineCore in this process: `kvfleet run-batch` answers
+lines with the OpenAI service the server uses, without HTTP and without a second process.
 
 Only the stepping task touches the LLMEngine: requests added or aborted from the event loop are queued and
 applied between steps, while a step itself runs on a thread so that tokenization goes on beside it.
@@ -37,7 +36,7 @@ class InProcessEngine:
         self.config = engine.config
         self.tokenizer: Any = engine.tokenizer
         self.info: EngineInfo = engine.engine_core.info
-        # What the handlers read; the engine is loaded before any request arrives, and never waits for it.
+        # The engine is loaded before any request arrives, and never waits for it.
         self.error: EngineError | None = None
         self.startup_request_timeout: float | None = None
         self._tokenizer_pool = ThreadPoolExecutor(_TOKENIZER_THREADS, thread_name_prefix="kvfleet-tokenizer")
@@ -113,6 +112,14 @@ class InProcessEngine:
             self._queues.pop(request_id, None)
             if not finished:
                 self._change(lambda: self.engine.abort_request(request_id))
+
+    def abort(self, request_id: str, error: BaseException) -> None:
+        queue = self._queues.get(request_id)
+        if queue is not None:
+            queue.put_nowait(error)
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        self._change(lambda: self.engine.remove_lora(lora_int_id))
 
     def _change(self, change: Callable[[], None]) -> None:
         self._changes.append(change)

@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvfleet.runtime.safety.checker import Direction
 from kvfleet.runtime.safety.config import LEVEL_THRESHOLDS
 from kvfleet.runtime.safety.guardrails import UNAVAILABLE_CATEGORY
-from kvfleet.runtime.server.errors import NotFoundError
-from kvfleet.runtime.server.protocol import ModerationRequest
-from kvfleet.runtime.server.state import ServerState
+from kvfleet.runtime.server.openai_errors import NotFoundError
+from kvfleet.runtime.serving.protocol import ModerationRequest
+
+if TYPE_CHECKING:
+    from kvfleet.runtime.serving.service import OpenAIService
 
 # The categories every OpenAI moderation result carries; kvfleet's own (pii/email, blocklist, ...) follow.
 OPENAI_CATEGORIES = (
@@ -32,12 +34,12 @@ OPENAI_CATEGORIES = (
 
 
 class OpenAIServingModeration:
-    def __init__(self, state: ServerState) -> None:
-        self.state = state
+    def __init__(self, service: OpenAIService) -> None:
+        self.service = service
 
     async def create_moderation(self, body: ModerationRequest) -> dict[str, Any]:
         body.refuse_unsupported()
-        guardrails = self.state.guardrails
+        guardrails = self.service.guardrails
         if guardrails is None:
             raise NotFoundError("moderation needs a safety policy on this server (--safety-config)")
         texts = body.texts()
@@ -70,6 +72,6 @@ class OpenAIServingModeration:
             )
         return {
             "id": f"modr-{uuid.uuid4().hex}",
-            "model": body.model or self.state.settings.served_model_name,
+            "model": body.model or self.service.model_name,
             "results": results,
         }

@@ -29,8 +29,8 @@ from typing import Any
 
 from kvfleet.runtime import json_depth
 from kvfleet.runtime.sampling_params import StructuredOutputsParams
-from kvfleet.runtime.server.errors import BadRequestError
-from kvfleet.runtime.server.protocol import ChatCompletionRequest, Tool
+from kvfleet.runtime.server.openai_errors import BadRequestError
+from kvfleet.runtime.serving.protocol import ChatCompletionRequest, Tool
 
 # A function without parameters takes an empty object.
 _NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}

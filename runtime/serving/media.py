@@ -24,7 +24,7 @@ from kvfleet.runtime.multimodal.inputs import MediaInputError, MultiModalFeature
 from kvfleet.runtime.multimodal.media_sources import DEFAULT_PORTS, IPAddress, IPNetwork, address_allowed
 from kvfleet.runtime.multimodal.prompt_media import PromptMedia
 from kvfleet.runtime.server.openai_errors import BadRequestError
-from kvfleet.runtime.server.protocol import ChatMessage, ContentPart
+from kvfleet.runtime.serving.protocol import ChatMessage, ContentPart
 
 # A fetched image may be this large before the request is refused.
 MAX_FETCHED_MEDIA_BYTES = 20 << 20

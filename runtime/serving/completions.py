@@ -1,0 +1,155 @@
+"""POST /v1/completions: each prompt, as text or token ids, continued n times."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING, Any
+
+from kvfleet.runtime.engine.outputs import CompletionOutput
+from kvfleet.runtime.sampling_params import StructuredOutputsParams
+from kvfleet.runtime.server.openai_errors import BadRequestError
+from kvfleet.runtime.serving.protocol import CompletionRequest, usage
+from kvfleet.runtime.serving.request import PreparedRequest, Prompt
+from kvfleet.runtime.serving.responses import Choice, ChoiceBuilder, token_text, top_logprobs
+from kvfleet.runtime.serving.safety import RequestSafety
+
+if TYPE_CHECKING:
+    from kvfleet.runtime.serving.service import OpenAIService
+
+
+class CompletionRoute:
+    chunk_object = "text_completion"
+    id_prefix = "cmpl"
+    tool_constraint: StructuredOutputsParams | None = None
+
+    def __init__(self, body: CompletionRequest) -> None:
+        self.body = body
+        self.prompts: list[str | list[int]] = []
+        # Each prompt's text, which answers begin with when the request asks for echo.
+        self.echoes: list[str] | None = None
+
+    async def prompt(self, service: OpenAIService, safety: RequestSafety | None) -> Prompt:
+        """The prompts tokenized, token-id prompts taken as they are."""
+        body = self.body
+        prompts = body.prompts()
+        if safety is not None and safety.redacts_input:
+            prompts = await _redacted(service, safety, prompts)
+        token_lists, params = [], []
+        for index, prompt in enumerate(prompts):
+            param = "prompt" if len(prompts) == 1 else f"prompt.{index}"
+            if isinstance(prompt, str):
+                token_ids = await service.encode(
+                    prompt, add_special_tokens=body.add_special_tokens, param=param
+                )
+            else:
+                token_ids = prompt
+                await service.engine.wait_ready(service.engine.startup_request_timeout)
+            token_lists.append(token_ids)
+            params.append(param)
+        self.prompts = prompts
+        return Prompt(token_lists, params)
+
+    def input_text(self, service: OpenAIService, safety: RequestSafety | None) -> str | None:
+        """The prompts' texts, joined; here too the echoes are read, from prompts that have passed their
+        checks (token ids are decoded)."""
+        checks_text = safety is not None and not safety.redacts_input
+        texts = [_text(service, prompt) for prompt in self.prompts] if checks_text or self.body.echo else []
+        if self.body.echo:
+            self.echoes = texts
+        return "\n".join(texts) if checks_text else None
+
+    def response(
+        self, request: PreparedRequest, choices: list[list[Choice]], tokenizer: Any
+    ) -> dict[str, Any]:
+        n = request.params.n
+        entries = []
+        for prompt_index, per_prompt in enumerate(choices):
+            for sequence_index, choice in enumerate(per_prompt):
+                prefix = self.echoes[prompt_index] if self.echoes else ""
+                entries.append(
+                    {
+                        "index": prompt_index * n + sequence_index,
+                        "text": prefix + choice.text,
+                        "logprobs": self._logprobs(tokenizer, choice.token_ids, choice.logprobs, len(prefix)),
+                        "finish_reason": choice.finish_reason,
+                    }
+                )
+        completion_tokens = sum(len(choice.token_ids) for per_prompt in choices for choice in per_prompt)
+        return {
+            "id": request.request_id,
+            "object": "text_completion",
+            "created": request.created,
+            "model": request.model,
+            "choices": entries,
+            "usage": usage(sum(len(ids) for ids in request.prompt_token_ids), completion_tokens),
+        }
+
+    def _logprobs(
+        self, tokenizer: Any, token_ids: list[int], logprobs: list[dict[int, float]] | None, offset: int
+    ) -> dict[str, Any] | None:
+        limit = self.body.logprobs
+        if logprobs is None or limit is None:
+            return None
+        tokens, offsets = [], []
+        for token_id in token_ids:
+            text = token_text(tokenizer, token_id)
+            tokens.append(text)
+            offsets.append(offset)
+            offset += len(text)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [entry[token_id] for token_id, entry in zip(token_ids, logprobs, strict=False)],
+            "top_logprobs": [
+                dict(top_logprobs(tokenizer, entry, limit)) if limit else None for entry in logprobs
+            ],
+            "text_offset": offsets,
+        }
+
+    def preamble(self, request: PreparedRequest) -> list[dict[str, Any]]:
+        return []
+
+    def choice_builder(self, request: PreparedRequest, tokenizer: Any) -> ChoiceBuilder:
+        n = request.params.n
+        echoes = self.echoes
+        text_offsets: dict[int, int] = {}
+
+        def choice_of(
+            prompt_index: int, completion: CompletionOutput, finished: bool
+        ) -> list[dict[str, Any]]:
+            index = prompt_index * n + completion.index
+            text = completion.text
+            if echoes and index not in text_offsets:
+                text = echoes[prompt_index] + text
+            offset = text_offsets.get(index, 0)
+            text_offsets[index] = offset + len(text)
+            if not (text or finished or completion.logprobs):
+                return []
+            logprobs = self._logprobs(tokenizer, completion.token_ids, completion.logprobs, offset)
+            return [{"index": index, "text": text, "logprobs": logprobs}]
+
+        return choice_of
+
+
+def _text(service: OpenAIService, prompt: str | list[int]) -> str:
+    return prompt if isinstance(prompt, str) else service.tokenizer.decode(prompt)
+
+
+async def _redacted(
+    service: OpenAIService, safety: RequestSafety, prompts: list[str | list[int]]
+) -> list[str | list[int]]:
+    """The prompts with what the input checkers found redacted; token-id prompts cannot be, so one that
+    would need it is refused."""
+    if not all(isinstance(prompt, str) for prompt in prompts):
+        # Token ids are read as text with the tokenizer, which comes with the model.
+        await service.engine.wait_ready(service.engine.startup_request_timeout)
+    texts = [_text(service, prompt) for prompt in prompts]
+    decisions = await asyncio.gather(*(safety.checked_input(text) for text in texts))
+    redacted = [decision.text for decision in decisions]
+    for index, (prompt, old, new) in enumerate(zip(prompts, texts, redacted, strict=True)):
+        if not isinstance(prompt, str) and new != old:
+            raise BadRequestError(
+                "this prompt of token ids holds text the safety policy redacts; send it as text",
+                param="prompt" if len(prompts) == 1 else f"prompt.{index}",
+                code="content_filter",
+            )
+    return [new if isinstance(prompt, str) else prompt for prompt, new in zip(prompts, redacted, strict=True)]

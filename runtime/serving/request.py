@@ -1,0 +1,86 @@
+"""An admitted request, and what each generating route adds to the admission the service runs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import TYPE_CHECKING, Any, Protocol
+
+from kvfleet.runtime.lora.request import LoRARequest
+from kvfleet.runtime.multimodal.inputs import MultiModalFeature
+from kvfleet.runtime.sampling_params import SamplingParams, StructuredOutputsParams
+from kvfleet.runtime.serving.protocol import ChatCompletionRequest, CompletionRequest
+from kvfleet.runtime.serving.responses import Choice, ChoiceBuilder
+from kvfleet.runtime.serving.safety import RequestSafety
+
+if TYPE_CHECKING:
+    from kvfleet.runtime.serving.service import OpenAIService
+
+
+@dataclass
+class Prompt:
+    """What a route's request asks the model to continue, one token list per prompt."""
+
+    token_ids: list[list[int]]
+    # The request field each prompt came from, named in errors.
+    params: list[str]
+    mm_features: list[MultiModalFeature] = field(default_factory=list)
+
+
+class Route(Protocol):
+    """What a generating route adds to the admission: how its body becomes a prompt, and the shape of its
+    answers."""
+
+    body: ChatCompletionRequest | CompletionRequest
+    chunk_object: str
+    id_prefix: str
+
+    @property
+    def tool_constraint(self) -> StructuredOutputsParams | None: ...
+
+    async def prompt(self, service: OpenAIService, safety: RequestSafety | None) -> Prompt: ...
+
+    def input_text(self, service: OpenAIService, safety: RequestSafety | None) -> str | None:
+        """Once the prompt has passed its checks: what the input checkers read (None: nothing is left to
+        check)."""
+
+    def response(
+        self, request: PreparedRequest, choices: list[list[Choice]], tokenizer: Any
+    ) -> dict[str, Any]: ...
+
+    def preamble(self, request: PreparedRequest) -> list[dict[str, Any]]: ...
+
+    def choice_builder(self, request: PreparedRequest, tokenizer: Any) -> ChoiceBuilder: ...
+
+
+@dataclass
+class PreparedRequest:
+    """An admitted request: what the engine runs, and the route that shapes its answer."""
+
+    route: Route
+    request_id: str
+    created: int
+    # The model name responses carry: the served model's, or the LoRA adapter's.
+    model: str
+    prompt_token_ids: list[list[int]]
+    params: SamplingParams
+    priority: int
+    timeout: float | None
+    arrival_time: float
+    lora_request: LoRARequest | None
+    safety: RequestSafety | None = None
+    # The images and audio of a chat request's one prompt.
+    mm_features: list[MultiModalFeature] = field(default_factory=list)
+
+    @property
+    def stream(self) -> bool:
+        return self.route.body.stream
+
+    @cached_property
+    def engine_request_ids(self) -> list[str]:
+        """One engine request per prompt."""
+        return [f"{self.request_id}-{index}" for index in range(len(self.prompt_token_ids))]
+
+    @cached_property
+    def prompt_index(self) -> dict[str, int]:
+        return {request_id: index for index, request_id in enumerate(self.engine_request_ids)}

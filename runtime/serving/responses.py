@@ -1,0 +1,77 @@
+"""The bodies the service answers with, built from the engine's outputs: pure functions of their inputs."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from kvfleet.runtime.engine.outputs import CompletionOutput
+from kvfleet.runtime.server.openai_errors import (
+    InternalServerError,
+    OpenAIError,
+    RequestTimeoutError,
+    ServiceUnavailableError,
+)
+
+if TYPE_CHECKING:
+    from kvfleet.runtime.serving.request import PreparedRequest
+
+
+@dataclass
+class Choice:
+    """One generated sequence, accumulated from delta outputs."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] | None = None
+    finish_reason: str | None = None
+
+    def add(self, completion: CompletionOutput) -> None:
+        self.text += completion.text
+        self.token_ids.extend(completion.token_ids)
+        if completion.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + completion.logprobs
+        if completion.finish_reason is not None:
+            self.finish_reason = completion.finish_reason
+
+
+# (prompt index, delta, whether it finished the sequence) -> the choices to stream, one chunk each (none: send
+# nothing).
+ChoiceBuilder = Callable[[int, CompletionOutput, bool], list[dict[str, Any]]]
+
+
+def finish_error(finish_reason: str | None) -> OpenAIError | None:
+    """Finish reasons that are failures, not answers."""
+    if finish_reason == "timeout":
+        return RequestTimeoutError("the request did not finish within its timeout", code="timeout")
+    if finish_reason == "error":
+        return InternalServerError("the model failed while running this request")
+    if finish_reason == "abort":
+        return ServiceUnavailableError("the request was stopped by the server", code="aborted")
+    return None
+
+
+def chunk(
+    request: PreparedRequest, choice: dict[str, Any] | None, usage: dict[str, int] | None = None
+) -> dict[str, Any]:
+    """One streamed chunk: a choice's delta, or (with no choice) the usage that ends the stream."""
+    body: dict[str, Any] = {
+        "id": request.request_id,
+        "object": request.route.chunk_object,
+        "created": request.created,
+        "model": request.model,
+        "choices": [choice] if choice is not None else [],
+    }
+    if usage is not None:
+        body["usage"] = usage
+    return body
+
+
+def token_text(tokenizer: Any, token_id: int) -> str:
+    return tokenizer.decode([token_id])
+
+
+def top_logprobs(tokenizer: Any, logprobs: dict[int, float], limit: int) -> list[tuple[str, float]]:
+    best = sorted(logprobs.items(), key=lambda item: item[1], reverse=True)[:limit]
+    return [(token_text(tokenizer, token_id), logprob) for token_id, logprob in best]

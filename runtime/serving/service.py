@@ -1,0 +1,524 @@
+"""The OpenAI service: the one admission every generating route goes through, the run step that yields the
+engine's outputs, and the response body or stream of chunks made of them. It knows no transport: the HTTP
+routes frame what it returns as JSON or SSE, and the batch runners record it."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from kvfleet.contract.tiers import (
+    DEFAULT_TIER,
+    PRIORITY_HEADER,
+    TIER_NAMES,
+    TIERS,
+    parse_priority,
+    tier_of,
+)
+from kvfleet.runtime.chat_prompt import (
+    chat_prompt_token_ids,
+    longest_token_characters,
+    prompt_text,
+    text_fields,
+)
+from kvfleet.runtime.engine.errors import InvalidRequestError
+from kvfleet.runtime.engine.input_checks import (
+    ContextLengthError,
+    check_context_length,
+    check_prompt_token_ids,
+    check_sampling_token_ids,
+)
+from kvfleet.runtime.engine.messages import EngineInfo
+from kvfleet.runtime.engine.outputs import RequestOutput
+from kvfleet.runtime.lora.request import LoRARequest
+from kvfleet.runtime.sampling_params import SamplingParams, StructuredOutputsParams
+from kvfleet.runtime.server.openai_errors import (
+    BadRequestError,
+    NotFoundError,
+    PermissionDeniedError,
+    ServiceUnavailableError,
+)
+from kvfleet.runtime.serving.chat import ChatRoute
+from kvfleet.runtime.serving.completions import CompletionRoute
+from kvfleet.runtime.serving.errors import from_engine_error
+from kvfleet.runtime.serving.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    template_messages,
+    usage,
+)
+from kvfleet.runtime.serving.request import PreparedRequest, Route
+from kvfleet.runtime.serving.responses import Choice, chunk, finish_error
+from kvfleet.runtime.serving.safety import CONTENT_FILTER, RequestSafety, sent_tokens
+from kvfleet.runtime.serving.streams import merge_streams
+from kvfleet.runtime.structured_outputs.grammars import GrammarError, check_constraint
+
+if TYPE_CHECKING:
+    from kvfleet.runtime.engine.protocol import EngineClient
+    from kvfleet.runtime.metrics import ServerMetrics
+    from kvfleet.runtime.serving.lora_adapters import LoRAAdapters
+    from kvfleet.runtime.serving.safety import ServerGuardrails
+
+# OpenAI's own limit on n.
+DEFAULT_MAX_N = 128
+# n = 128 sequences of a 2048-token context.
+DEFAULT_MAX_COMPLETION_TOKENS_PER_PROMPT = 1 << 18
+
+
+@dataclass(frozen=True)
+class ServiceSettings:
+    served_model_name: str
+    default_priority: int = TIERS[DEFAULT_TIER]
+    # Seconds; None = requests may run as long as they need.
+    request_timeout: float | None = None
+    max_n: int = DEFAULT_MAX_N
+    # n x max_tokens for one prompt; a max_tokens of None counts as the room the prompt leaves in the context.
+    max_completion_tokens_per_prompt: int = DEFAULT_MAX_COMPLETION_TOKENS_PER_PROMPT
+    # The most urgent tier (its engine priority) a request may claim; more urgent claims get 403.
+    max_priority_tier: int = TIERS[TIER_NAMES[0]]
+    # tool_choice "auto": allowed, and the parser (a TOOL_CALL_PARSERS name) that reads calls from the output.
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
+    # POST /v1/load_lora_adapter and /v1/unload_lora_adapter are served.
+    allow_runtime_lora_updates: bool = False
+
+
+class OpenAIService:
+    def __init__(
+        self,
+        engine: EngineClient,
+        settings: ServiceSettings,
+        *,
+        metrics: ServerMetrics | None = None,
+        lora_adapters: LoRAAdapters | None = None,
+        guardrails: ServerGuardrails | None = None,
+        refusal: Callable[[], str | None] = lambda: None,
+    ) -> None:
+        """`refusal` says why new requests are refused for now (the server drains), or None."""
+        self.engine = engine
+        self.settings = settings
+        self.metrics = metrics
+        self.lora_adapters = lora_adapters
+        self.guardrails = guardrails
+        self.refusal = refusal
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    @property
+    def model_name(self) -> str:
+        return self.settings.served_model_name
+
+    @property
+    def engine_info(self) -> EngineInfo:
+        info = self.engine.info
+        assert info is not None, "called once the engine is ready"
+        return info
+
+    # ---- admission -------------------------------------------------------------------------------
+
+    async def create_chat_completion(
+        self, body: ChatCompletionRequest, priority_header: str | None = None
+    ) -> PreparedRequest:
+        return await self.admit(ChatRoute(body, self.settings), priority_header)
+
+    async def create_completion(
+        self, body: CompletionRequest, priority_header: str | None = None
+    ) -> PreparedRequest:
+        return await self.admit(CompletionRoute(body), priority_header)
+
+    async def admit(self, route: Route, priority_header: str | None) -> PreparedRequest:
+        """Every check a generating request passes before it runs, in this order, each once."""
+        arrival_time = time.monotonic()
+        body = route.body
+        lora_request = self.check_model(body.model)
+        params = await self.sampling_params(body, route.tool_constraint)
+        priority = self.resolve_priority(body.priority, priority_header)
+        self.check_accepting(priority)
+        safety = self.request_safety(priority)
+        prompt = await route.prompt(self, safety)
+        for token_ids, param in zip(prompt.token_ids, prompt.params, strict=True):
+            self.check_prompt(token_ids, params, param)
+        checked_text = route.input_text(self, safety)
+        if safety is not None and checked_text is not None:
+            if safety.redacts_input:
+                await safety.refuse_unredacted(checked_text)
+            else:
+                safety.start_input_check(checked_text)
+        return PreparedRequest(
+            route=route,
+            request_id=f"{route.id_prefix}-{uuid.uuid4().hex}",
+            created=int(time.time()),
+            model=lora_request.lora_name if lora_request is not None else self.model_name,
+            prompt_token_ids=prompt.token_ids,
+            params=params,
+            priority=priority,
+            timeout=body.timeout if body.timeout is not None else self.settings.request_timeout,
+            arrival_time=arrival_time,
+            lora_request=lora_request,
+            safety=safety,
+            mm_features=prompt.mm_features,
+        )
+
+    def check_model(self, model: str | None) -> LoRARequest | None:
+        """The LoRA adapter the request names as its model, or None for the served model itself."""
+        if model is None or model == self.model_name:
+            return None
+        adapters = self.lora_adapters
+        lora = adapters.get(model) if adapters is not None else None
+        if lora is None:
+            names = (
+                [self.model_name, *(served.lora.lora_name for served in adapters.loaded)]
+                if adapters
+                else [self.model_name]
+            )
+            raise NotFoundError(
+                f"the model {model!r} does not exist; this server serves {', '.join(map(repr, names))}",
+                param="model",
+                code="model_not_found",
+            )
+        return lora
+
+    def check_accepting(self, priority: int) -> None:
+        """New requests are refused while draining, and fail at once if the engine cannot serve any more.
+        While the model loads they are accepted and wait for it."""
+        refusal = self.refusal()
+        if refusal is not None:
+            if self.metrics is not None:
+                self.metrics.record_rejected("draining", tier_of(priority))
+            raise ServiceUnavailableError(refusal, code="draining")
+        if self.engine.error is not None:
+            raise from_engine_error(self.engine.error)
+
+    def resolve_priority(self, body_priority: int | str | None, header: str | None) -> int:
+        """The body's field, else the priority header, else the service's default."""
+        if body_priority is not None:
+            source, value = "priority", body_priority
+        elif header is not None:
+            source, value = PRIORITY_HEADER, header
+        else:
+            return self.settings.default_priority
+        try:
+            priority = parse_priority(value)
+        except ValueError as exc:
+            raise BadRequestError(str(exc), param=source) from None
+        allowed = self.settings.max_priority_tier
+        if priority < allowed:
+            raise PermissionDeniedError(
+                f"requests may not claim the {tier_of(priority)!r} tier here; the most urgent one they may "
+                f"claim is {tier_of(allowed)!r}",
+                param=source,
+            )
+        return priority
+
+    def request_safety(self, priority: int) -> RequestSafety | None:
+        """The guardrails of a request of this priority's tier (the default tier's, where that tier's policy
+        is looser); None when its policy checks nothing."""
+        guardrails = self.guardrails
+        if guardrails is None:
+            return None
+        default_tier = tier_of(self.settings.default_priority)
+        safety = RequestSafety(guardrails, guardrails.config.claimed_policy(tier_of(priority), default_tier))
+        return safety if safety.checks_input or safety.checks_output else None
+
+    async def sampling_params(
+        self,
+        body: CompletionRequest | ChatCompletionRequest,
+        tool_constraint: StructuredOutputsParams | None = None,
+    ) -> SamplingParams:
+        """The body's sampling parameters; `tool_constraint` is what tool_choice constrains the output to."""
+        params = body.sampling_params()
+        max_n = self.settings.max_n
+        if params.n > max_n:
+            raise BadRequestError(f"n must be at most {max_n} on this server, got {params.n}", param="n")
+        param = "structured_outputs" if body.structured_outputs else "response_format"
+        if tool_constraint is not None:
+            if params.structured_outputs is not None:
+                raise BadRequestError(
+                    f"{param} cannot be combined with a tool_choice that forces a call", param=param
+                )
+            params.structured_outputs, param = tool_constraint, "tools"
+        if params.structured_outputs is not None:
+            await self._check_constraint(params.structured_outputs, param)
+        return params
+
+    async def _check_constraint(self, structured: StructuredOutputsParams, param: str) -> None:
+        """A 400 for a JSON schema the engine could not enforce, before it is queued."""
+
+        def work(_: Any) -> None:
+            try:
+                check_constraint(structured)
+            except GrammarError as exc:
+                raise BadRequestError(str(exc), param=param) from None
+
+        await self.engine.run_tokenizer(work)
+
+    def check_prompt(self, token_ids: list[int], params: SamplingParams, param: str) -> None:
+        """The prompt's length, token ids and sampling token ids, and the tokens it may generate."""
+        info = self.engine_info
+        try:
+            check_prompt_token_ids(
+                token_ids,
+                params.stop_token_ids or [],
+                vocab_size=info.vocab_size,
+                max_model_len=info.max_model_len,
+                max_tokens=params.max_tokens,
+            )
+        except ContextLengthError as exc:
+            raise context_length_error(exc, param) from None
+        except InvalidRequestError as exc:
+            raise BadRequestError(str(exc), param=param) from None
+        try:
+            check_sampling_token_ids(params, vocab_size=info.vocab_size)
+        except InvalidRequestError as exc:
+            raise BadRequestError(str(exc), param=str(exc).split(" ", 1)[0]) from None
+        max_tokens = (
+            params.max_tokens if params.max_tokens is not None else info.max_model_len - len(token_ids)
+        )
+        limit = self.settings.max_completion_tokens_per_prompt
+        if params.n * max_tokens > limit:
+            budget = "max_tokens" if params.max_tokens is not None else "the room left (max_tokens unset)"
+            raise BadRequestError(
+                f"n x {budget} = {params.n} x {max_tokens} = {params.n * max_tokens} tokens to generate for "
+                f"one prompt, more than this server's limit of {limit}; lower n or max_tokens",
+                param="n" if params.n > 1 else "max_tokens",
+            )
+
+    # ---- tokenizing (off the event loop) ---------------------------------------------------------
+
+    async def encode(self, text: str, *, add_special_tokens: bool, param: str = "prompt") -> list[int]:
+        """Token ids of a text that the model's context could hold."""
+
+        def work(tokenizer: Any) -> list[int]:
+            self._refuse_beyond_context(tokenizer, len(text), param)
+            # The batch call releases the interpreter lock while it encodes; the single-text one does not.
+            encoding = tokenizer.backend_tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)
+            return encoding[0].ids
+
+        return await self.engine.run_tokenizer(work)
+
+    async def chat_prompt(
+        self,
+        messages: list[ChatMessage],
+        add_generation_prompt: bool,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> list[int]:
+        """The prompt of a conversation (and the tools it may call), rendered and tokenized."""
+        conversation = template_messages(messages)
+        characters = sum(len(text) for text in text_fields([conversation, tools]))
+
+        def work(tokenizer: Any) -> list[int]:
+            self._refuse_beyond_context(tokenizer, characters, "messages")
+            try:
+                return chat_prompt_token_ids(
+                    tokenizer, conversation, add_generation_prompt=add_generation_prompt, tools=tools
+                )
+            except ValueError as exc:
+                raise BadRequestError(str(exc), param="messages") from None
+
+        return await self.engine.run_tokenizer(work)
+
+    async def prompt_text(self, token_ids: list[int]) -> str:
+        """A prompt's text as the model reads it."""
+        return await self.engine.run_tokenizer(lambda tokenizer: prompt_text(tokenizer, token_ids))
+
+    def _refuse_beyond_context(self, tokenizer: Any, characters: int, param: str) -> None:
+        """Refuse, without tokenizing it, a text longer than the whole context could hold even in the
+        vocabulary's longest tokens (twice over, for normalizers that shorten text). Tokenizing millions of
+        tokens would take seconds only to refuse them, and building their list would hold the interpreter
+        lock, and so the event loop, all that time."""
+        max_model_len = self.engine_info.max_model_len
+        if characters > 2 * longest_token_characters(tokenizer) * max_model_len:
+            raise BadRequestError(
+                f"This model's maximum context length is {max_model_len} tokens, but the {param} has "
+                f"{characters} characters, more than that many tokens can hold",
+                param=param,
+                code="context_length_exceeded",
+            )
+
+    async def tokenize(self, body: TokenizeRequest) -> dict[str, Any]:
+        body.check()
+        self.check_model(body.model)
+        if body.messages is not None:
+            param = "messages"
+            token_ids = await self.chat_prompt(body.messages, body.add_generation_prompt)
+        else:
+            param = "prompt"
+            add_special = True if body.add_special_tokens is None else body.add_special_tokens
+            token_ids = await self.encode(body.prompt, add_special_tokens=add_special)
+        max_model_len = self.engine_info.max_model_len
+        try:
+            check_context_length(len(token_ids), max_model_len, num_output_tokens=0)
+        except ContextLengthError as exc:
+            raise context_length_error(exc, param) from None
+        return {"count": len(token_ids), "max_model_len": max_model_len, "tokens": token_ids}
+
+    async def detokenize(self, body: DetokenizeRequest) -> dict[str, Any]:
+        self.check_model(body.model)
+        await self.engine.wait_ready(self.engine.startup_request_timeout)
+        vocab_size = self.engine_info.vocab_size
+        bad = [token for token in body.tokens if not 0 <= token < vocab_size]
+        if bad:
+            raise BadRequestError(
+                f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})", param="tokens"
+            )
+        text = await self.engine.run_tokenizer(lambda tokenizer: tokenizer.decode(body.tokens))
+        return {"prompt": text}
+
+    def model_card(self, created: int) -> dict[str, Any]:
+        info = self.engine.info
+        return {
+            "id": self.model_name,
+            "object": "model",
+            "created": created,
+            "owned_by": "kvfleet",
+            # vLLM's fields; never the model's path on disk, which clients have no business knowing.
+            "root": self.model_name,
+            "parent": None,
+            "max_model_len": info.max_model_len if info is not None else None,
+            # kvfleet's addition: what `kvfleet bench serve` draws random token-id prompts from.
+            "vocab_size": info.vocab_size if info is not None else None,
+        }
+
+    # ---- running ---------------------------------------------------------------------------------
+
+    def outputs(self, request: PreparedRequest, *, stream: bool = False) -> AsyncIterator[RequestOutput]:
+        """The delta outputs of every prompt of the request, in arrival order; behind the request's input
+        check, and when streamed its output checked window by window."""
+        streams = [
+            self.engine.generate(
+                request_id,
+                token_ids,
+                request.params,
+                priority=request.priority,
+                timeout=request.timeout,
+                arrival_time=request.arrival_time,
+                lora_request=request.lora_request,
+                mm_features=request.mm_features,
+            )
+            for request_id, token_ids in zip(
+                request.engine_request_ids, request.prompt_token_ids, strict=True
+            )
+        ]
+        outputs = streams[0] if len(streams) == 1 else merge_streams(streams)
+        safety = request.safety
+        if safety is None:
+            return outputs
+        outputs = safety.after_input_check(outputs)
+        if stream and safety.checks_output:
+            outputs = safety.output_windows(outputs, request.engine_request_ids, request.params.n)
+        return outputs
+
+    async def complete(self, request: PreparedRequest) -> dict[str, Any]:
+        """Runs the request to its end: the response body. Cancelling the call aborts the request."""
+        choices = [[Choice() for _ in range(request.params.n)] for _ in request.prompt_token_ids]
+        async with contextlib.aclosing(self.outputs(request)) as outputs:
+            async for output in outputs:
+                per_prompt = choices[request.prompt_index[output.request_id]]
+                for completion in output.outputs:
+                    per_prompt[completion.index].add(completion)
+        every_choice = [choice for per_prompt in choices for choice in per_prompt]
+        for choice in every_choice:
+            error = finish_error(choice.finish_reason)
+            if error is not None:
+                raise error
+        if request.safety is not None and request.safety.checks_output:
+            await _check_outputs(request.safety, every_choice)
+        return request.route.response(request, choices, self.tokenizer)
+
+    async def stream(self, request: PreparedRequest) -> AsyncIterator[dict[str, Any]]:
+        """The request's chunks, returned once its first output is in, so that a request shed, timed out or
+        refused while queued fails here, before a stream is committed to. The chunks raise the error that
+        ends a failed request early."""
+        outputs = self.outputs(request, stream=True)
+        try:
+            first = await anext(outputs)
+        except StopAsyncIteration:
+            first = None
+        return self._chunks(request, outputs, first)
+
+    async def _chunks(
+        self, request: PreparedRequest, outputs: AsyncIterator[RequestOutput], first: RequestOutput | None
+    ) -> AsyncIterator[dict[str, Any]]:
+        """The route's preamble, then the choices its builder makes of each delta (the last one's finish
+        reason set here), then the usage when asked for."""
+        route = request.route
+        choice_of = route.choice_builder(request, self.tokenizer)
+        completion_tokens = 0
+
+        def chunks_of(output: RequestOutput) -> Iterator[dict[str, Any]]:
+            nonlocal completion_tokens
+            prompt_index = request.prompt_index[output.request_id]
+            for completion in output.outputs:
+                completion_tokens += len(completion.token_ids)
+                error = finish_error(completion.finish_reason)
+                finished = error is None and completion.finish_reason is not None
+                choices = choice_of(prompt_index, completion, finished)
+                for number, choice in enumerate(choices, start=1):
+                    # The last choice finishes; a builder may name its own reason (tool calls).
+                    finish_reason = completion.finish_reason if finished and number == len(choices) else None
+                    yield chunk(request, {"finish_reason": finish_reason, **choice})
+                if error is not None:
+                    raise error
+
+        async with contextlib.aclosing(outputs):
+            for choice in route.preamble(request):
+                yield chunk(request, choice)
+            if first is not None:
+                for body in chunks_of(first):
+                    yield body
+                async for output in outputs:
+                    for body in chunks_of(output):
+                        yield body
+        if route.body.include_usage:
+            prompt_tokens = sum(len(ids) for ids in request.prompt_token_ids)
+            yield chunk(request, None, usage(prompt_tokens, completion_tokens))
+
+
+def context_length_error(error: ContextLengthError, param: str) -> BadRequestError:
+    """OpenAI's answer to a prompt that does not fit: the output asked for is blamed when the prompt alone
+    would have."""
+    max_model_len, prompt_tokens, output_tokens = (
+        error.max_model_len,
+        error.num_prompt_tokens,
+        error.num_output_tokens,
+    )
+    if error.output_too_long:
+        return BadRequestError(
+            f"This model's maximum context length is {max_model_len} tokens, but "
+            f"{prompt_tokens + output_tokens} were requested ({prompt_tokens} in the prompt, {output_tokens} "
+            "for the completion); lower max_tokens or shorten the prompt",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
+    # The prompt leaves no room for output; or (tokenizing only) the text has more tokens than the context.
+    counted = "the prompt" if output_tokens else f"the {param}"
+    room = ", leaving no room for output" if output_tokens else ""
+    return BadRequestError(
+        f"This model's maximum context length is {max_model_len} tokens, but {counted} has {prompt_tokens} "
+        f"tokens{room}",
+        param=param,
+        code="context_length_exceeded",
+    )
+
+
+async def _check_outputs(safety: RequestSafety, choices: list[Choice]) -> None:
+    """Whole answers checked at once: a blocked one becomes the refusal, finished by content_filter; what is
+    sent of their tokens follows their text."""
+    checked = await asyncio.gather(*(safety.checked_text(choice.text) for choice in choices))
+    for choice, (text, blocked) in zip(choices, checked, strict=True):
+        choice.token_ids, choice.logprobs = sent_tokens(
+            choice.token_ids, choice.logprobs, blocked=blocked, redacted=text != choice.text
+        )
+        choice.text = text
+        if blocked:
+            choice.finish_reason = CONTENT_FILTER
