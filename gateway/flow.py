@@ -42,18 +42,18 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
+from kvfleet.contract.errors import (
+    NotFoundError,
+    OpenAIError,
+    OverloadedError,
+    ServiceUnavailableError,
+)
 from kvfleet.contract.precedence import QueuedRequest, choose_victim, holds_background, is_background
 from kvfleet.contract.tiers import PRIORITY_RANGE, tier_of
 from kvfleet.gateway.discovery import ModelConfig
 from kvfleet.gateway.metrics import GatewayMetrics
 from kvfleet.gateway.routing import Policy, Replica, bounded_load, make_policy
 from kvfleet.operator.api import qualified_name
-from kvfleet.runtime.server.openai_errors import (
-    NotFoundError,
-    OpenAIError,
-    OverloadedError,
-    ServiceUnavailableError,
-)
 
 DEFAULT_MAX_QUEUE = 1024
 URGENT_TIER_MEMORY_S = 60.0

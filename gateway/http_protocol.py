@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web, web_protocol
-from kvfleet.runtime.server.openai_errors import header_timeout_response
+from kvfleet.contract.errors import header_timeout_response
 
 logger = logging.getLogger(__name__)
 

@@ -29,13 +29,7 @@ from typing import TYPE_CHECKING
 
 import aiohttp
 from aiohttp import web
-from kvfleet.gateway.adapters import DEFAULT_ADAPTER_POLL_SECONDS, poll_adapters
-from kvfleet.gateway.discovery import Discovery, ModelConfig
-from kvfleet.gateway.flow import DEFAULT_MAX_QUEUE, Fleet, ModelPool
-from kvfleet.gateway.http_protocol import DEFAULT_CLIENT_TIMEOUTS, ClientTimeouts, TimedAppRunner
-from kvfleet.gateway.metrics import GatewayMetrics
-from kvfleet.gateway.requests import CHAT_PATH, COMPLETIONS_PATH, RoutedRequest, parse_request
-from kvfleet.runtime.server.openai_errors import (
+from kvfleet.contract.errors import (
     INVALID_API_KEY_MESSAGE,
     AuthenticationError,
     GatewayTimeoutError,
@@ -46,6 +40,12 @@ from kvfleet.runtime.server.openai_errors import (
     RequestTimeoutError,
     ServiceUnavailableError,
 )
+from kvfleet.gateway.adapters import DEFAULT_ADAPTER_POLL_SECONDS, poll_adapters
+from kvfleet.gateway.discovery import Discovery, ModelConfig
+from kvfleet.gateway.flow import DEFAULT_MAX_QUEUE, Fleet, ModelPool
+from kvfleet.gateway.http_protocol import DEFAULT_CLIENT_TIMEOUTS, ClientTimeouts, TimedAppRunner
+from kvfleet.gateway.metrics import GatewayMetrics
+from kvfleet.gateway.requests import CHAT_PATH, COMPLETIONS_PATH, RoutedRequest, parse_request
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 if TYPE_CHECKING:

@@ -11,9 +11,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvfleet.contract.errors import BadRequestError
 from kvfleet.contract.tiers import PRIORITY_HEADER, parse_priority
 from kvfleet.runtime import json_depth
-from kvfleet.runtime.server.openai_errors import BadRequestError
 
 # The relative deadline a client may give: milliseconds the request may wait in the gateway for a replica.
 DEADLINE_HEADER = "x-kvfleet-deadline-ms"

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import hmac
 
-from kvfleet.runtime.server.errors import AuthenticationError
+from kvfleet.contract.errors import INVALID_API_KEY_MESSAGE
+from kvfleet.runtime.server.errors import AuthenticationError, error_response
 from kvfleet.runtime.server.middleware import PROBE_PATHS
-from kvfleet.runtime.server.openai_errors import INVALID_API_KEY_MESSAGE
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 
@@ -25,7 +25,7 @@ class ApiKeyAuth:
             code="invalid_api_key",
             headers={"WWW-Authenticate": "Bearer"},
         )
-        await error.to_response()(scope, receive, send)
+        await error_response(error)(scope, receive, send)
 
     def _authorized(self, scope: Scope) -> bool:
         header = dict(scope["headers"]).get(b"authorization", b"")

@@ -20,6 +20,7 @@ from kvfleet.runtime.server.errors import (
     NotFoundError,
     OpenAIError,
     PayloadTooLargeError,
+    error_response,
 )
 from kvfleet.runtime.server.state import ServerState
 from kvfleet.runtime.serving.protocol import BatchCreateRequest
@@ -132,4 +133,4 @@ def add_batch_routes(app: FastAPI, service: BatchService) -> None:
 
 async def _batch_api_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, BatchApiError)
-    return _ERRORS[exc.kind](exc.message, param=exc.param, code=exc.code).to_response()
+    return error_response(_ERRORS[exc.kind](exc.message, param=exc.param, code=exc.code))

@@ -1,4 +1,4 @@
-"""OpenAI-shaped errors (kvfleet.runtime.server.openai_errors) as the API server raises and answers them:
+"""OpenAI-shaped errors (kvfleet.contract.errors) as the API server raises and answers them:
 FastAPI's handlers for them, for the engine's errors and for bodies that do not validate.
 
 Every failure a handler can meet is one of these, so clients (the openai SDKs retry 408, 429 and 5xx on
@@ -11,8 +11,7 @@ import logging
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from kvfleet.runtime.engine.errors import EngineError
-from kvfleet.runtime.server.openai_errors import (
+from kvfleet.contract.errors import (
     AuthenticationError,
     BadRequestError,
     ConflictError,
@@ -25,6 +24,7 @@ from kvfleet.runtime.server.openai_errors import (
     RequestTimeoutError,
     ServiceUnavailableError,
 )
+from kvfleet.runtime.engine.errors import EngineError
 from kvfleet.runtime.serving.errors import from_engine_error, validation_error
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse
@@ -49,6 +49,10 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
+def error_response(error: OpenAIError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status_code, headers=error.headers)
+
+
 class ClientDisconnectedError(Exception):
     """The client went away; nobody is left to answer."""
 
@@ -63,17 +67,17 @@ def install_error_handlers(app: FastAPI) -> None:
 
 async def _openai_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, OpenAIError)
-    return exc.to_response()
+    return error_response(exc)
 
 
 async def _engine_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, EngineError)
-    return from_engine_error(exc).to_response()
+    return error_response(from_engine_error(exc))
 
 
 async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
-    return validation_error(exc.errors()).to_response()
+    return error_response(validation_error(exc.errors()))
 
 
 async def _http_error(request: Request, exc: Exception) -> JSONResponse:
@@ -82,7 +86,7 @@ async def _http_error(request: Request, exc: Exception) -> JSONResponse:
         exc.status_code, BadRequestError
     )
     error = error_class(str(exc.detail))
-    response = error.to_response()
+    response = error_response(error)
     response.status_code = exc.status_code
     if exc.headers:
         response.headers.update(exc.headers)
@@ -91,4 +95,4 @@ async def _http_error(request: Request, exc: Exception) -> JSONResponse:
 
 async def _unexpected_error(request: Request, exc: Exception) -> JSONResponse:
     logger.exception("unexpected error serving %s %s", request.method, request.url.path)
-    return InternalServerError(f"internal error: {type(exc).__name__}").to_response()
+    return error_response(InternalServerError(f"internal error: {type(exc).__name__}"))

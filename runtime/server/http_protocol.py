@@ -17,7 +17,7 @@ import asyncio
 import logging
 from typing import ClassVar
 
-from kvfleet.runtime.server.openai_errors import header_timeout_response
+from kvfleet.contract.errors import header_timeout_response
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 logger = logging.getLogger(__name__)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from kvfleet.runtime.server.errors import PayloadTooLargeError
+from kvfleet.runtime.server.errors import PayloadTooLargeError, error_response
 from kvfleet.runtime.server.state import ServerState
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -31,7 +31,7 @@ class BodySizeLimit:
         message = f"the request body is larger than the server's limit of {max_bytes} bytes"
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > max_bytes:
-            response = PayloadTooLargeError(message, code="request_too_large").to_response()
+            response = error_response(PayloadTooLargeError(message, code="request_too_large"))
             response.headers["Connection"] = "close"
             await response(scope, receive, send)
             return

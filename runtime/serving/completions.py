@@ -5,9 +5,9 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING, Any
 
+from kvfleet.contract.errors import BadRequestError
 from kvfleet.runtime.engine.outputs import CompletionOutput
 from kvfleet.runtime.sampling_params import StructuredOutputsParams
-from kvfleet.runtime.server.openai_errors import BadRequestError
 from kvfleet.runtime.serving.protocol import CompletionRequest, usage
 from kvfleet.runtime.serving.request import PreparedRequest, Prompt
 from kvfleet.runtime.serving.responses import Choice, ChoiceBuilder, token_text, top_logprobs

@@ -1,10 +1,17 @@
 """The OpenAI errors the service answers with for what the engine raises and for a body that does not
-validate; the error classes themselves are kvfleet.runtime.server.openai_errors'."""
+validate; the error classes themselves are kvfleet.contract.errors'."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from kvfleet.contract.errors import (
+    BadRequestError,
+    InternalServerError,
+    OpenAIError,
+    OverloadedError,
+    ServiceUnavailableError,
+)
 from kvfleet.runtime.engine.errors import (
     EngineDeadError,
     EngineError,
@@ -14,13 +21,6 @@ from kvfleet.runtime.engine.errors import (
     GrammarTimeoutError,
     InvalidRequestError,
     RequestShedError,
-)
-from kvfleet.runtime.server.openai_errors import (
-    BadRequestError,
-    InternalServerError,
-    OpenAIError,
-    OverloadedError,
-    ServiceUnavailableError,
 )
 
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING, Any
 
+from kvfleet.contract.errors import BadRequestError, NotFoundError, PermissionDeniedError
 from kvfleet.runtime.lora.errors import LoRAAdapterError
 from kvfleet.runtime.lora.request import source_digest
-from kvfleet.runtime.server.openai_errors import BadRequestError, NotFoundError, PermissionDeniedError
 from kvfleet.runtime.serving.protocol import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 
 if TYPE_CHECKING:

@@ -17,13 +17,13 @@ from dataclasses import dataclass
 from urllib.parse import SplitResult, urlsplit, urlunsplit
 
 import httpx
+from kvfleet.contract.errors import BadRequestError
 from kvfleet.runtime.config import EngineConfig
 from kvfleet.runtime.multimodal.audio import decode_audio
 from kvfleet.runtime.multimodal.image_processor import decode_image
 from kvfleet.runtime.multimodal.inputs import MediaInputError, MultiModalFeature, PreparedItem
 from kvfleet.runtime.multimodal.media_sources import DEFAULT_PORTS, IPAddress, IPNetwork, address_allowed
 from kvfleet.runtime.multimodal.prompt_media import PromptMedia
-from kvfleet.runtime.server.openai_errors import BadRequestError
 from kvfleet.runtime.serving.protocol import ChatMessage, ContentPart
 
 # A fetched image may be this large before the request is refused.

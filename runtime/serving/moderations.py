@@ -6,10 +6,10 @@ import asyncio
 import uuid
 from typing import TYPE_CHECKING, Any
 
+from kvfleet.contract.errors import NotFoundError
 from kvfleet.runtime.safety.checker import Direction
 from kvfleet.runtime.safety.config import LEVEL_THRESHOLDS
 from kvfleet.runtime.safety.guardrails import UNAVAILABLE_CATEGORY
-from kvfleet.runtime.server.openai_errors import NotFoundError
 from kvfleet.runtime.serving.protocol import ModerationRequest
 
 if TYPE_CHECKING:

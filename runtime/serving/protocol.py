@@ -14,9 +14,9 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
+from kvfleet.contract.errors import BadRequestError
 from kvfleet.runtime import json_depth
 from kvfleet.runtime.sampling_params import SamplingParams, StructuredOutputsParams
-from kvfleet.runtime.server.openai_errors import BadRequestError
 from pydantic import (
     AllowInfNan,
     BaseModel,

@@ -6,13 +6,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from kvfleet.runtime.engine.outputs import CompletionOutput
-from kvfleet.runtime.server.openai_errors import (
+from kvfleet.contract.errors import (
     InternalServerError,
     OpenAIError,
     RequestTimeoutError,
     ServiceUnavailableError,
 )
+from kvfleet.runtime.engine.outputs import CompletionOutput
 
 if TYPE_CHECKING:
     from kvfleet.runtime.serving.request import PreparedRequest

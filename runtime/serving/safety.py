@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import httpx
+from kvfleet.contract.errors import BadRequestError, OpenAIError
 from kvfleet.contract.tiers import TIERS
 from kvfleet.runtime.chat_prompt import chat_prompt_token_ids
 from kvfleet.runtime.engine.errors import EngineError
@@ -29,7 +30,6 @@ from kvfleet.runtime.safety.guard import GuardCompletion, GuardModelChecker, htt
 from kvfleet.runtime.safety.guardrails import Decision, Guardrails, SafetyMetrics, redact
 from kvfleet.runtime.safety.hook import HookChecker
 from kvfleet.runtime.safety.rules import RuleChecker
-from kvfleet.runtime.server.openai_errors import BadRequestError, OpenAIError
 
 if TYPE_CHECKING:
     from kvfleet.runtime.engine.protocol import EngineClient

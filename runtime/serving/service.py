@@ -12,6 +12,12 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from kvfleet.contract.errors import (
+    BadRequestError,
+    NotFoundError,
+    PermissionDeniedError,
+    ServiceUnavailableError,
+)
 from kvfleet.contract.tiers import (
     DEFAULT_TIER,
     PRIORITY_HEADER,
@@ -37,12 +43,6 @@ from kvfleet.runtime.engine.messages import EngineInfo
 from kvfleet.runtime.engine.outputs import RequestOutput
 from kvfleet.runtime.lora.request import LoRARequest
 from kvfleet.runtime.sampling_params import SamplingParams, StructuredOutputsParams
-from kvfleet.runtime.server.openai_errors import (
-    BadRequestError,
-    NotFoundError,
-    PermissionDeniedError,
-    ServiceUnavailableError,
-)
 from kvfleet.runtime.serving.chat import ChatRoute
 from kvfleet.runtime.serving.completions import CompletionRoute
 from kvfleet.runtime.serving.errors import from_engine_error

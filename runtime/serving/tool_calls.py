@@ -27,9 +27,9 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvfleet.contract.errors import BadRequestError
 from kvfleet.runtime import json_depth
 from kvfleet.runtime.sampling_params import StructuredOutputsParams
-from kvfleet.runtime.server.openai_errors import BadRequestError
 from kvfleet.runtime.serving.protocol import ChatCompletionRequest, Tool
 
 # A function without parameters takes an empty object.

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from kvfleet.contract.errors import BadRequestError
 from kvfleet.runtime.config import EngineConfig
 from kvfleet.runtime.multimodal.media_sources import MediaOrigin
-from kvfleet.runtime.server.openai_errors import BadRequestError
 from kvfleet.runtime.serving.media import MAX_FETCHED_MEDIA_BYTES, load_chat_media
 from kvfleet.runtime.serving.protocol import ChatMessage
 from PIL import Image

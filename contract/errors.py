@@ -1,16 +1,13 @@
 """OpenAI-shaped errors: `{"error": {"message", "type", "param", "code"}}` with the matching HTTP status.
 
 Free of any web framework, so that the fleet gateway (aiohttp) answers with the same errors as the API
-server (FastAPI); kvfleet.runtime.server.errors adds what FastAPI needs.
+server (FastAPI) and the OpenAI service; kvfleet.runtime.server.errors turns them into FastAPI's responses.
 """
 
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from starlette.responses import JSONResponse
+from typing import Any
 
 # Seconds a shed or refused client should wait before trying again.
 RETRY_AFTER_OVERLOADED_S = 1
@@ -44,12 +41,6 @@ class OpenAIError(Exception):
                 "code": self.code,
             }
         }
-
-    def to_response(self) -> JSONResponse:
-        # Imported here: the gateway builds its responses with aiohttp and has no starlette.
-        from starlette.responses import JSONResponse
-
-        return JSONResponse(self.body(), status_code=self.status_code, headers=self.headers)
 
     def to_sse(self) -> str:
         """The error as the last event of a stream that has already sent its 200 headers."""
