@@ -78,14 +78,14 @@ def test_a_request_that_fails_the_step_fails_alone(tiny_llama: Path, monkeypatch
     expected, _ = _run_to_end(reference)
 
     core = _core(tiny_llama)
-    execute: Callable[[SchedulerOutput], Any] = core.runner.execute_model
+    execute: Callable[[SchedulerOutput], Any] = core.executor.execute_model
 
     def fail_with_the_poisoned_request(scheduler_output: SchedulerOutput) -> Any:
         if any(request.request_id == "poisoned" for request in scheduler_output.requests):
             raise RuntimeError("poisoned input")
         return execute(scheduler_output)
 
-    monkeypatch.setattr(core.runner, "execute_model", fail_with_the_poisoned_request)
+    monkeypatch.setattr(core.executor, "execute_model", fail_with_the_poisoned_request)
     for index in range(3):
         core.add_request(_add(f"good-{index}", 12, prompt=[5 + index, 6, 7]))
     core.add_request(_add("poisoned", 12))
