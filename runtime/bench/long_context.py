@@ -97,7 +97,7 @@ def _measure(
         raise RuntimeError(f"the {context_len}-token request finished without its times: {output}")
     completion = output.outputs[0]
     core = engine.engine_core
-    kv_cache_mib = sum(cache.numel() * cache.element_size() for cache in core.runner.kv_caches) / 2**20
+    kv_cache_mib = sum(cache.numel() * cache.element_size() for cache in engine.runner.kv_caches) / 2**20
     chunk_tokens = core.max_num_batched_tokens
     del llm, engine, core  # free the KV pool before Transformers loads
     parity = None

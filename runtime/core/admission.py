@@ -2,22 +2,22 @@
 
 Gates may make a request step aside and keep its place in the queue (its grammar still compiles, its adapter
 would be one too many for the step, it is background while others are present), or end admission for the
-step. Sources of computed tokens say how much of a request's prompt needs no computing, and how it is
-brought in: hits in the device's prefix cache, a preempted request's KV saved in the host tier, or prefix
-blocks the host tier holds. What is left is cut to the step's budgets (StepBudget), then given KV blocks.
+step. Sources of computed tokens say how much of a request's prompt needs no computing past the device's
+prefix-cache hits, and bring it in once the request has blocks: a preempted request's KV saved in the host
+tier, or prefix blocks the host tier holds. What is left is cut to the step's budgets (StepBudget.grant, the
+one rule of how many tokens a request takes in a step), then given KV blocks.
 """
 
 from __future__ import annotations
 
 import enum
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 from kvfleet.runtime.core.block_pool import KVCacheBlock
 from kvfleet.runtime.core.host_kv_tier import HostKVTier
 from kvfleet.runtime.core.kv_cache_manager import KVCacheManager
-from kvfleet.runtime.core.kv_cache_utils import BlockHash
 from kvfleet.runtime.request import Request
 
 
@@ -27,6 +27,16 @@ class Verdict(enum.Enum):
     STEP_ASIDE = enum.auto()
     # No waiting request is admitted this step.
     STOP = enum.auto()
+
+
+@dataclass(frozen=True)
+class Grant:
+    """What a request takes of a step's budgets."""
+
+    num_tokens: int
+    encoder_cost: int = 0
+    # Whether its tokens count against the background tier's share.
+    background: bool = False
 
 
 @dataclass
@@ -40,12 +50,41 @@ class StepBudget:
     background: int | None
     hold_background: bool
 
-    def take(self, num_tokens: int, encoder_cost: int, background: bool) -> None:
-        self.tokens -= num_tokens
-        self.encoder -= encoder_cost
-        if background:
+    def grant(
+        self, request: Request, num_computed: int, num_pending: int, *, background: bool, whole: bool
+    ) -> Grant:
+        """How many of the request's num_pending tokens after num_computed it may take this step: what the
+        token budget leaves (and the background tier's share, for a background request), cut before the
+        first image or audio clip the encoder budget cannot take. `whole`: a prompt admitted without chunked
+        prefill, which runs whole or not at all (the background share cannot cut it either). No tokens: it
+        waits.
+
+        The items fed are encoded in this step, except those an earlier step began (encoded then); at
+        admission, when no step has begun any, also one that a prefix-cache hit ends inside."""
+        background = background and not whole
+        limit = min(self.tokens, self.background or 0) if background else self.tokens
+        num_tokens = max(min(num_pending, limit), 0)
+        end = num_computed + num_tokens
+        cost = 0
+        for feature in request.mm_features:  # in prompt order
+            if feature.offset >= end:
+                break
+            if feature.end <= num_computed or feature.offset < request.num_computed_tokens:
+                continue
+            if cost + feature.length > self.encoder:
+                num_tokens = max(feature.offset - num_computed, 0)
+                break
+            cost += feature.length
+        if num_tokens == 0 or (whole and num_tokens < num_pending):
+            return Grant(0)
+        return Grant(num_tokens, cost, background)
+
+    def take(self, grant: Grant) -> None:
+        self.tokens -= grant.num_tokens
+        self.encoder -= grant.encoder_cost
+        if grant.background:
             assert self.background is not None
-            self.background -= num_tokens
+            self.background -= grant.num_tokens
 
 
 class AdmissionGate(Protocol):
@@ -119,45 +158,114 @@ class LoraSlots:
             self._in_step.add(request.lora_int_id)
 
 
-@dataclass
+@dataclass(frozen=True)
 class ComputedPrefix:
     """The part of a request's prompt that needs no computing this time, and where it comes from."""
 
     # Hits in the device's prefix cache, which the request shares.
     device_blocks: list[KVCacheBlock]
-    # Tokens computed in all: the device's hits, and the tokens copied in from the host tier.
+    # Tokens computed in all: the device's hits, and the tokens a source brings in.
     num_tokens: int
-    # Of those, the tokens copied in from the host tier; their blocks are allocated like new ones.
-    num_reloaded: int = 0
-    # Whether they are a preempted request's own saved KV (else the host tier's prefix blocks, if any).
-    resume_saved: bool = False
-    host_prefix: list[BlockHash] = field(default_factory=list)
+    # Of those, the tokens `source` brings in: they follow the device's hits, in blocks allocated like new
+    # ones.
+    num_loaded: int = 0
+    source: ComputedTokenSource | None = None
+
+
+class ComputedTokenSource(Protocol):
+    def extend(self, request: Request, prefix: ComputedPrefix) -> ComputedPrefix:
+        """The prefix, longer if this source holds more of the request's computed tokens."""
+        ...
+
+    def admitted(self, request: Request, prefix: ComputedPrefix, new_block_ids: list[int]) -> None:
+        """The request got blocks (new_block_ids: those after the device's hits): bring in what this source
+        offered, if the prefix is its own."""
+        ...
 
 
 def find_computed_prefix(
-    request: Request, kv: KVCacheManager, host_tier: HostKVTier | None
+    request: Request, kv: KVCacheManager, sources: list[ComputedTokenSource]
 ) -> ComputedPrefix:
-    """The longest computed prefix the device cache and the host tier offer together. A preempted request's
-    KV saved in the host tier beats a shorter prefix-cache hit; as with a hit, the last token runs again,
-    to give logits."""
+    """The longest computed prefix the device cache and the sources offer together. As with a device hit, the
+    last token runs again, to give logits."""
     device_blocks, num_cached = kv.get_computed_blocks(request)
+    prefix = ComputedPrefix(device_blocks, num_cached)
+    for source in sources:
+        prefix = source.extend(request, prefix)
+    return prefix
+
+
+class SavedKV:
+    """A preempted request's own KV, saved in the host tier: it beats a shorter prefix, and is copied back
+    into fresh blocks. A preempted request resuming otherwise is counted as recomputed, and its save
+    dropped."""
+
+    def __init__(self, tier: HostKVTier, block_size: int) -> None:
+        self._tier = tier
+        self._block_size = block_size
+
+    def extend(self, request: Request, prefix: ComputedPrefix) -> ComputedPrefix:
+        num_saved = min(self._tier.saved_tokens(request.request_id), request.num_tokens - 1)
+        if num_saved <= prefix.num_tokens:
+            return prefix
+        return ComputedPrefix([], num_saved, num_loaded=num_saved, source=self)
+
+    def admitted(self, request: Request, prefix: ComputedPrefix, new_block_ids: list[int]) -> None:
+        if prefix.source is self:
+            num_blocks = -(-self._tier.saved_tokens(request.request_id) // self._block_size)
+            self._tier.restore(request.request_id, new_block_ids[:num_blocks])
+        elif request.num_preemptions:
+            self._tier.resume_by_recompute(request.request_id)
+
+
+class HostPrefixBlocks:
+    """Prefix-cache blocks the device evicted into the host tier: a prefix may go on there past the device's
+    hits (never to the block of the request's last token, which must run to give logits). The blocks found
+    are claimed for the step, and copied into fresh blocks."""
+
+    def __init__(self, tier: HostKVTier, kv: KVCacheManager) -> None:
+        self._tier = tier
+        self._block_size = kv.block_size
+
+    def extend(self, request: Request, prefix: ComputedPrefix) -> ComputedPrefix:
+        if prefix.source is not None:
+            return prefix
+        first = len(prefix.device_blocks)
+        hashes = request.block_hashes[first : (request.num_tokens - 1) // self._block_size]
+        num_loaded = self._tier.claim_prefix(hashes) * self._block_size
+        if not num_loaded:
+            return prefix
+        return ComputedPrefix(prefix.device_blocks, prefix.num_tokens + num_loaded, num_loaded, source=self)
+
+    def admitted(self, request: Request, prefix: ComputedPrefix, new_block_ids: list[int]) -> None:
+        if prefix.source is self:
+            first = len(prefix.device_blocks)
+            num_blocks = prefix.num_loaded // self._block_size
+            self._tier.load_prefix(
+                request.block_hashes[first : first + num_blocks], new_block_ids[:num_blocks]
+            )
+
+
+def admission_gates(
+    *, policy: str, max_loras: int | None, is_background: Callable[[Request], bool] | None
+) -> list[AdmissionGate]:
+    """The gates of a scheduler's features: background hold with a background tier (`is_background`), the
+    grammar, LoRA slots with LoRA."""
+    gates: list[AdmissionGate] = []
+    if is_background is not None:
+        gates.append(BackgroundHold(is_background, policy))
+    gates.append(GrammarReady())
+    if max_loras is not None:
+        gates.append(LoraSlots(max_loras))
+    return gates
+
+
+def computed_token_sources(host_tier: HostKVTier | None, kv: KVCacheManager) -> list[ComputedTokenSource]:
+    """Where computed tokens come from besides the device's prefix cache: the host tier, if there is one (its
+    prefix blocks only with prefix caching)."""
     if host_tier is None:
-        return ComputedPrefix(device_blocks, num_cached)
-    num_saved = min(host_tier.saved_tokens(request.request_id), request.num_tokens - 1)
-    if num_saved > num_cached:
-        return ComputedPrefix([], num_saved, num_reloaded=num_saved, resume_saved=True)
-    # The prefix may go on in the host tier, past the device's hits.
-    host_prefix = _host_prefix(request, len(device_blocks), kv, host_tier)
-    num_reloaded = len(host_prefix) * kv.block_size
-    return ComputedPrefix(device_blocks, num_cached + num_reloaded, num_reloaded, host_prefix=host_prefix)
-
-
-def _host_prefix(
-    request: Request, num_device_hits: int, kv: KVCacheManager, host_tier: HostKVTier
-) -> list[BlockHash]:
-    """The hashes of the blocks the host tier holds right after the device's prefix hits (never the block of
-    the request's last token, which must run to give logits), claimed for this step."""
-    if not kv.enable_caching:
         return []
-    hashes = request.block_hashes[num_device_hits : (request.num_tokens - 1) // kv.block_size]
-    return hashes[: host_tier.claim_prefix(hashes)]
+    sources: list[ComputedTokenSource] = [SavedKV(host_tier, kv.block_size)]
+    if kv.enable_caching:
+        sources.append(HostPrefixBlocks(host_tier, kv))
+    return sources

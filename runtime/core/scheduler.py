@@ -11,7 +11,8 @@ like prompt tokens, taking budget and KV slots; the ones the model rejects give 
 
 Admission asks small parts in turn (admission.py): gates that may set a waiting request aside (grammar not
 compiled, no LoRA slot, background held), then the sources of its computed prefix (the device's prefix
-cache, the host tier), then the step's budgets, then the KV blocks.
+cache, the host tier), then the step's budgets, then the KV blocks. Each is built once, for the features
+the scheduler is given.
 
 Multimodal prompts: the items (images, audio clips) whose placeholder tokens a step starts feeding are encoded
 in that step, and their placeholders count against the step's encoder budget (vLLM's
@@ -25,17 +26,15 @@ import heapq
 import itertools
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 
 from kvfleet.contract.engine import preempts
 from kvfleet.contract.precedence import displaces, is_background
 from kvfleet.runtime.core.admission import (
-    AdmissionGate,
-    BackgroundHold,
-    ComputedPrefix,
-    GrammarReady,
-    LoraSlots,
     StepBudget,
     Verdict,
+    admission_gates,
+    computed_token_sources,
     find_computed_prefix,
     grammar_pending,
 )
@@ -53,6 +52,26 @@ _RUNNING = RequestStatus.RUNNING
 # CPU a step's time grows with every token in it).
 _BACKGROUND_TOKENS_ALONE = 256
 _BACKGROUND_TOKENS_BESIDE_FOREGROUND = 8
+
+
+@dataclass
+class _DraftCounts:
+    """The drafts verified so far (speculative decoding), for the acceptance metrics."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+
+    def count(self, num_draft_tokens: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted
+        per_position = self.num_accepted_tokens_per_pos
+        if len(per_position) < num_draft_tokens:
+            per_position.extend([0] * (num_draft_tokens - len(per_position)))
+        for position in range(num_accepted):
+            per_position[position] += 1
 
 
 class Scheduler:
@@ -74,27 +93,18 @@ class Scheduler:
         max_num_encoder_input_tokens: int | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        """`max_num_encoder_input_tokens`: the encoder budget of a step; by default the token budget."""
-        for name, value in (
-            ("max_num_seqs", max_num_seqs),
-            ("max_num_batched_tokens", max_num_batched_tokens),
-            ("max_model_len", max_model_len),
-            ("block_size", block_size),
-            ("num_kv_blocks", num_kv_blocks),
-        ):
-            if value <= 0:
-                raise ValueError(f"{name} must be positive, got {value}")
-        if max_model_len > num_kv_blocks * block_size:
-            # Otherwise a long request could preempt everything else and still not fit, forever.
-            raise ValueError(
-                f"max_model_len ({max_model_len}) exceeds the KV cache capacity of {num_kv_blocks} blocks of "
-                f"{block_size} tokens ({num_kv_blocks * block_size} tokens)"
-            )
-        if not enable_chunked_prefill and max_num_batched_tokens < max_model_len:
-            raise ValueError(
-                f"without chunked prefill, max_num_batched_tokens ({max_num_batched_tokens}) must be at "
-                f"least max_model_len ({max_model_len}) so that every prompt fits in one step"
-            )
+        """`sliding_window`: the model's, when every layer has one (blocks before it are freed as requests
+        grow). `host_kv_tier`: where preempted requests' KV waits for them instead of being recomputed, and
+        where evicted prefix blocks go. `max_num_encoder_input_tokens`: the encoder budget of a step; by
+        default the token budget."""
+        _check_limits(
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len,
+            block_size=block_size,
+            num_kv_blocks=num_kv_blocks,
+            enable_chunked_prefill=enable_chunked_prefill,
+        )
         self.waiting = create_request_queue(policy)
         self.policy = policy
         self.max_num_seqs = max_num_seqs
@@ -102,28 +112,24 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.enable_chunked_prefill = enable_chunked_prefill
         self.max_num_encoder_input_tokens = max_num_encoder_input_tokens or max_num_batched_tokens
-        # Adapters one step may run (the model runner's slots); None without LoRA.
-        self.max_loras = max_loras
         # Requests of this priority or less urgent (the batch tier), under either policy, only take the
         # capacity the others leave: a step gives them at most _BACKGROUND_TOKENS_ALONE tokens; while any
         # other request runs or waits, they come after it, get _BACKGROUND_TOKENS_BESIDE_FOREGROUND, and
         # none of them is admitted.
         self.background_priority = background_priority
         self.clock = clock
-        # The model's sliding window when every layer has one: blocks before it are freed as requests grow.
-        # Where preempted requests' KV waits for them instead of being recomputed, and where evicted prefix
-        # blocks go; None without one.
         self.host_kv_tier = host_kv_tier
         spill = host_kv_tier.spill if host_kv_tier is not None and enable_prefix_caching else None
         self.kv_cache_manager = KVCacheManager(
             num_kv_blocks, block_size, enable_prefix_caching, sliding_window=sliding_window, on_evict=spill
         )
-        # What may hold a waiting request back, asked in turn (see admission.py).
-        self._admission_gates: list[AdmissionGate] = [GrammarReady()]
-        if background_priority is not None:
-            self._admission_gates.insert(0, BackgroundHold(self._is_background, policy))
-        if max_loras is not None:
-            self._admission_gates.append(LoraSlots(max_loras))
+        # What may hold a waiting request back, and where its computed tokens may come from (admission.py).
+        self._admission_gates = admission_gates(
+            policy=policy,
+            max_loras=max_loras,
+            is_background=None if background_priority is None else self._is_background,
+        )
+        self._computed_token_sources = computed_token_sources(host_kv_tier, self.kv_cache_manager)
 
         # Every unfinished request, by id, and how many of them are not background.
         self.requests: dict[str, Request] = {}
@@ -140,10 +146,7 @@ class Scheduler:
 
         self.num_preempted_total = 0
         self.num_prefill_tokens_computed = 0
-        self.spec_decode_num_drafts = 0
-        self.spec_decode_num_draft_tokens = 0
-        self.spec_decode_num_accepted_tokens = 0
-        self.spec_decode_num_accepted_tokens_per_pos: list[int] = []
+        self._drafts = _DraftCounts()
 
     # Requests in and out.
 
@@ -204,10 +207,10 @@ class Scheduler:
             prefix_cache_queries=kv.prefix_cache_queries,
             prefix_cache_hits=kv.prefix_cache_hits,
             num_prefill_tokens_computed=self.num_prefill_tokens_computed,
-            spec_decode_num_drafts=self.spec_decode_num_drafts,
-            spec_decode_num_draft_tokens=self.spec_decode_num_draft_tokens,
-            spec_decode_num_accepted_tokens=self.spec_decode_num_accepted_tokens,
-            spec_decode_num_accepted_tokens_per_pos=list(self.spec_decode_num_accepted_tokens_per_pos),
+            spec_decode_num_drafts=self._drafts.num_drafts,
+            spec_decode_num_draft_tokens=self._drafts.num_draft_tokens,
+            spec_decode_num_accepted_tokens=self._drafts.num_accepted_tokens,
+            spec_decode_num_accepted_tokens_per_pos=list(self._drafts.num_accepted_tokens_per_pos),
             **self._host_tier_stats(),
         )
 
@@ -321,14 +324,7 @@ class Scheduler:
             raise ValueError(f"the model runner's tokens for {request.request_id!r} do not extend its drafts")
         request.num_computed_tokens -= len(draft_token_ids) - num_accepted
         self.kv_cache_manager.free_blocks_past(request, request.num_computed_tokens)
-        self.spec_decode_num_drafts += 1
-        self.spec_decode_num_draft_tokens += len(draft_token_ids)
-        self.spec_decode_num_accepted_tokens += num_accepted
-        per_position = self.spec_decode_num_accepted_tokens_per_pos
-        if len(per_position) < len(draft_token_ids):
-            per_position.extend([0] * (len(draft_token_ids) - len(per_position)))
-        for position in range(num_accepted):
-            per_position[position] += 1
+        self._drafts.count(len(draft_token_ids), num_accepted)
 
     def _is_background(self, request: Request) -> bool:
         return is_background(request.priority, self.background_priority)
@@ -357,13 +353,16 @@ class Scheduler:
             num_pending = (
                 len(request.all_token_ids) + len(request.spec_token_ids) - request.num_computed_tokens
             )
-            background = budget.background is not None and self._is_background(request)
-            limit = min(budget.tokens, budget.background) if background else budget.tokens
-            num_new_tokens, encoder_cost = self._fit_encoder_budget(
-                request, request.num_computed_tokens, min(num_pending, limit), budget.encoder, admitting=False
+            grant = budget.grant(
+                request,
+                request.num_computed_tokens,
+                num_pending,
+                background=self._is_background(request),
+                whole=False,
             )
+            num_new_tokens = grant.num_tokens
             # Its previous step's output has not been applied yet, no share is left, or its next item waits.
-            if num_new_tokens <= 0:
+            if not num_new_tokens:
                 continue
             # Caching waits until every preemption of this step is decided: a victim scheduled earlier in this
             # loop never computes its new blocks, which must therefore never become findable.
@@ -377,7 +376,7 @@ class Scheduler:
                     break
             else:
                 scheduled[request] = num_new_tokens
-                budget.take(num_new_tokens, encoder_cost, background)
+                budget.take(grant)
         return preempted
 
     def _cache_scheduled_blocks(self, scheduled: dict[Request, int]) -> None:
@@ -424,84 +423,30 @@ class Scheduler:
         """Start the queue's head if the step's budgets and the blocks can take it (whole, without chunked
         prefill); whether it started."""
         kv = self.kv_cache_manager
-        prefix = find_computed_prefix(request, kv, self.host_kv_tier)
-        num_new_tokens = request.num_tokens - prefix.num_tokens
-        # Without chunked prefill a prompt runs whole or not at all: the background share cannot cut it.
-        background = (
-            budget.background is not None and self.enable_chunked_prefill and self._is_background(request)
+        prefix = find_computed_prefix(request, kv, self._computed_token_sources)
+        grant = budget.grant(
+            request,
+            prefix.num_tokens,
+            request.num_tokens - prefix.num_tokens,
+            background=self._is_background(request),
+            whole=not self.enable_chunked_prefill,
         )
-        limit = min(budget.tokens, budget.background) if background else budget.tokens
-        if num_new_tokens > limit:
-            if not self.enable_chunked_prefill or limit <= 0:
-                return False
-            num_new_tokens = limit
-        wanted = num_new_tokens
-        num_new_tokens, encoder_cost = self._fit_encoder_budget(
-            request, prefix.num_tokens, num_new_tokens, budget.encoder, admitting=True
-        )
-        if num_new_tokens <= 0 or (num_new_tokens < wanted and not self.enable_chunked_prefill):
+        if not grant.num_tokens:
             return False
-        if kv.allocate_slots(request, prefix.num_reloaded + num_new_tokens, prefix.device_blocks) is None:
+        if kv.allocate_slots(request, prefix.num_loaded + grant.num_tokens, prefix.device_blocks) is None:
             return False
-        self._bring_in_from_host_tier(request, prefix)
+        new_block_ids = kv.get_block_ids(request.request_id)[len(prefix.device_blocks) :]
+        for source in self._computed_token_sources:
+            source.admitted(request, prefix, new_block_ids)
         self.waiting.pop()
         request.transition(_RUNNING)
         request.num_computed_tokens = prefix.num_tokens
         if request.num_cached_tokens < 0:
             request.num_cached_tokens = prefix.num_tokens
         self.running.append(request)
-        scheduled[request] = num_new_tokens
-        budget.take(num_new_tokens, encoder_cost, background)
+        scheduled[request] = grant.num_tokens
+        budget.take(grant)
         return True
-
-    def _bring_in_from_host_tier(self, request: Request, prefix: ComputedPrefix) -> None:
-        """Copy in, before the step runs, the KV a request just given blocks finds in the host tier."""
-        tier = self.host_kv_tier
-        if tier is None:
-            return
-        if request.num_preemptions:
-            self._resume_from_tier(request, reload=prefix.resume_saved)
-        if prefix.host_prefix:
-            first = len(prefix.device_blocks)
-            block_ids = self.kv_cache_manager.get_block_ids(request.request_id)[
-                first : first + len(prefix.host_prefix)
-            ]
-            tier.load_prefix(prefix.host_prefix, block_ids)
-
-    def _fit_encoder_budget(
-        self,
-        request: Request,
-        num_computed: int,
-        num_new_tokens: int,
-        encoder_budget: int,
-        *,
-        admitting: bool,
-    ) -> tuple[int, int]:
-        """(num_new_tokens cut before the first item the step's encoder budget cannot take, the budget the
-        items fed use). An item begun in an earlier step is encoded already; one that a prefix-cache hit
-        ends inside, at admission, is not."""
-        end = num_computed + num_new_tokens
-        cost = 0
-        for feature in request.mm_features:  # in prompt order
-            if feature.offset >= end:
-                break
-            if feature.end <= num_computed or (feature.offset < num_computed and not admitting):
-                continue
-            if cost + feature.length > encoder_budget:
-                return max(feature.offset - num_computed, 0), cost
-            cost += feature.length
-        return num_new_tokens, cost
-
-    def _resume_from_tier(self, request: Request, reload: bool) -> None:
-        """Copy back the saved KV of a preempted request just given blocks, or count its recompute."""
-        tier = self.host_kv_tier
-        assert tier is not None
-        if reload:
-            num_blocks = -(-tier.saved_tokens(request.request_id) // self.kv_cache_manager.block_size)
-            block_ids = self.kv_cache_manager.get_block_ids(request.request_id)
-            tier.restore(request.request_id, block_ids[:num_blocks])
-        else:
-            tier.resume_by_recompute(request.request_id)
 
     def _build_output(
         self, scheduled: dict[Request, int], budget: int, preempted: list[Request]
@@ -659,3 +604,35 @@ def _check_stop(request: Request, token_id: int, max_model_len: int) -> RequestS
     ):
         return RequestStatus.FINISHED_LENGTH
     return None
+
+
+def _check_limits(
+    *,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    max_model_len: int,
+    block_size: int,
+    num_kv_blocks: int,
+    enable_chunked_prefill: bool,
+) -> None:
+    """Raises ValueError, naming the numbers, for limits no schedule can keep."""
+    for name, value in (
+        ("max_num_seqs", max_num_seqs),
+        ("max_num_batched_tokens", max_num_batched_tokens),
+        ("max_model_len", max_model_len),
+        ("block_size", block_size),
+        ("num_kv_blocks", num_kv_blocks),
+    ):
+        if value <= 0:
+            raise ValueError(f"{name} must be positive, got {value}")
+    if max_model_len > num_kv_blocks * block_size:
+        # Otherwise a long request could preempt everything else and still not fit, forever.
+        raise ValueError(
+            f"max_model_len ({max_model_len}) exceeds the KV cache capacity of {num_kv_blocks} blocks of "
+            f"{block_size} tokens ({num_kv_blocks * block_size} tokens)"
+        )
+    if not enable_chunked_prefill and max_num_batched_tokens < max_model_len:
+        raise ValueError(
+            f"without chunked prefill, max_num_batched_tokens ({max_num_batched_tokens}) must be at "
+            f"least max_model_len ({max_model_len}) so that every prompt fits in one step"
+        )

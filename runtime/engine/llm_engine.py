@@ -31,7 +31,7 @@ class LLMEngine:
         self.config = config
         self.tokenizer = load_tokenizer(config)
         self.engine_core = EngineCore(config)
-        self.runner = self.engine_core.runner
+        self.runner = self.engine_core.executor.runner
         self.max_model_len: int = self.engine_core.max_model_len
         self.vocab_size: int = self.engine_core.vocab_size
         self.output_processor = OutputProcessor(self.tokenizer)

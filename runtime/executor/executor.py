@@ -34,9 +34,10 @@ import torch
 import zmq
 from kvfleet.runtime.child_process import describe_exit, start_child
 from kvfleet.runtime.config import EngineConfig
-from kvfleet.runtime.core.outputs import ModelRunnerOutput, SchedulerOutput
+from kvfleet.runtime.core.outputs import ModelRunnerOutput, SchedulerOutput, SchedulerStats
 from kvfleet.runtime.distributed.parallel import check_devices, check_model_fits
 from kvfleet.runtime.executor.messages import StepDone, WorkerCommand, WorkerReady, WorkerSpec
+from kvfleet.runtime.lora.request import LoRARequest
 from kvfleet.runtime.models.loader import resolve_device
 from kvfleet.runtime.models.model_config import ModelConfig
 from kvfleet.runtime.worker.model_runner import ModelRunner
@@ -53,9 +54,18 @@ class WorkerFailedError(RuntimeError):
 
 
 class Executor(ABC):
+    """The engine core's one way to the model: what it needs to know of the model as loaded, and the calls
+    that size the KV cache, run steps and load adapters. The core never reaches the model runner."""
+
     def __init__(self, runner: ModelRunner) -> None:
         # Samples; with one rank it runs the model as well.
         self.runner = runner
+        self.model_config = runner.model_config
+        self.max_model_len: int = runner.max_model_len
+        self.vocab_size: int = runner.vocab_size
+        self.device = runner.device
+        self.dtype = runner.dtype
+        self.attention_backend: str = runner.attention_backend.name
 
     @abstractmethod
     def kv_cache_bytes_per_block(self) -> int:
@@ -73,6 +83,23 @@ class Executor(ABC):
 
     @abstractmethod
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
+
+    def add_lora(self, lora: LoRARequest) -> None:
+        """Have the adapter ready to run; raises LoRAAdapterError when it cannot run on this model. LoRA runs
+        on one rank, in this process (the config allows no other)."""
+        lora_manager = self.runner.lora_manager
+        assert lora_manager is not None, "LoRA is enabled on one rank only"
+        lora_manager.add(lora)
+
+    def fill_stats(self, stats: SchedulerStats) -> None:
+        """Add the sampler's grammar-mask counters and the encoder runner's to the step's stats."""
+        masks = self.runner.sampler.grammar_masks
+        stats.grammar_mask_steps = masks.num_steps
+        stats.grammar_mask_seconds = masks.seconds
+        encoders = self.runner.encoder_runner
+        if encoders is not None:
+            stats.encoder_runs = encoders.num_encoder_runs
+            stats.encoder_cache_hits = encoders.num_cache_hits
 
     @property
     def worker_watches(self) -> list[int | zmq.Socket]:

@@ -32,7 +32,13 @@ class _DraftState:
 
 class DraftModelProposer:
     def __init__(
-        self, config: SpeculativeConfig, engine_config: EngineConfig, target: ModelRunner, num_blocks: int
+        self,
+        config: SpeculativeConfig,
+        engine_config: EngineConfig,
+        num_blocks: int,
+        *,
+        target_max_model_len: int,
+        target_vocab_size: int,
     ) -> None:
         assert config.model is not None
         draft_config = engine_config.replace(
@@ -43,16 +49,16 @@ class DraftModelProposer:
             speculative_config=None,
         )
         self.runner = ModelRunner(draft_config)
-        if self.runner.max_model_len < target.max_model_len:
+        if self.runner.max_model_len < target_max_model_len:
             raise ValueError(
                 f"speculative_config.model supports {self.runner.max_model_len} tokens of context, less than "
-                f"the target's max_model_len ({target.max_model_len})"
+                f"the target's max_model_len ({target_max_model_len})"
             )
         self.runner.load_model()
         self.runner.initialize_kv_cache(num_blocks)
         self.block_size = self.runner.block_size
         self.block_pool = BlockPool(num_blocks, enable_caching=False)
-        self.target_vocab_size = target.vocab_size
+        self.target_vocab_size = target_vocab_size
         self._states: dict[str, _DraftState] = {}
 
     def propose(self, requests: list[Request], num_tokens: list[int]) -> list[list[int]]:

@@ -9,7 +9,6 @@ from kvfleet.runtime.request import Request, RequestStatus
 from kvfleet.runtime.spec_decode.draft_model import DraftModelProposer
 from kvfleet.runtime.spec_decode.ngram import NgramProposer
 from kvfleet.runtime.speculative_config import SpeculativeConfig
-from kvfleet.runtime.worker.model_runner import ModelRunner
 
 
 class Proposer(Protocol):
@@ -54,9 +53,17 @@ class Speculator:
 
 
 def make_proposer(
-    config: SpeculativeConfig, engine_config: EngineConfig, target: ModelRunner, num_kv_blocks: int
+    config: SpeculativeConfig,
+    engine_config: EngineConfig,
+    num_kv_blocks: int,
+    *,
+    max_model_len: int,
+    vocab_size: int,
 ) -> Proposer:
-    """num_kv_blocks: the target's; a draft model gets as many blocks (of its own, smaller size)."""
+    """num_kv_blocks, max_model_len, vocab_size: the target's; a draft model gets as many blocks (of its own,
+    smaller size), and must reach as far."""
     if config.method == "ngram":
         return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
-    return DraftModelProposer(config, engine_config, target, num_kv_blocks)
+    return DraftModelProposer(
+        config, engine_config, num_kv_blocks, target_max_model_len=max_model_len, target_vocab_size=vocab_size
+    )

@@ -251,7 +251,7 @@ class ModelRunner:
             return None
         if self.parallel.pp_size > 1:
             return self._pipeline_logits(step)
-        input_ids, positions, metadata = self._prepare_step(step)
+        input_ids, positions, metadata = self._prepare_inputs(step)
         hidden = self._forward(input_ids, positions, metadata, step)
         if not step.logit_rows:
             return None
@@ -266,7 +266,7 @@ class ModelRunner:
         sends: list[tuple[dist.Work, torch.Tensor]] = []
         logits: list[torch.Tensor] = []
         for micro_batch in step.split(parallel.pp_size):
-            input_ids, positions, metadata = self._prepare_step(micro_batch)
+            input_ids, positions, metadata = self._prepare_inputs(micro_batch)
             stage_input = None
             if not parallel.is_first_stage:
                 shape = (2, metadata.num_tokens, self.model_config.hidden_size)
@@ -317,18 +317,11 @@ class ModelRunner:
         if self.model is None or not self.kv_caches:
             raise RuntimeError("load_model() and initialize_kv_cache() must run before greedy_last_tokens()")
         step = StepInputs.of(scheduler_output)
-        input_ids, positions, metadata = self._prepare_step(step)
+        input_ids, positions, metadata = self._prepare_inputs(step)
         hidden = self._forward(input_ids, positions, metadata, step)
         last_token_rows = [end - 1 for end in metadata.query_start_loc_cpu[1:]]
         logits = self.model.compute_logits(self._select_rows(hidden, last_token_rows, metadata.num_tokens))
         return logits[:, :vocab_size].argmax(dim=-1).tolist()
-
-    def _prepare_step(self, step: StepInputs) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        if self._inputs_copied is not None:
-            self._inputs_copied.synchronize()  # the previous step's copies must be done before refilling
-        if self._cpu_threads is not None:
-            self._cpu_threads.use_for(step.total_num_scheduled_tokens)
-        return self._prepare_inputs(step)
 
     def _forward(
         self,
@@ -364,6 +357,10 @@ class ModelRunner:
         return selected
 
     def _prepare_inputs(self, step: StepInputs) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        if self._inputs_copied is not None:
+            self._inputs_copied.synchronize()  # the previous step's copies must be done before refilling
+        if self._cpu_threads is not None:
+            self._cpu_threads.use_for(step.total_num_scheduled_tokens)
         num_reqs = step.num_reqs
         num_scheduled = np.asarray(step.num_scheduled_tokens, dtype=np.int64)
         num_computed = np.asarray(step.num_computed_tokens, dtype=np.int64)

@@ -15,7 +15,7 @@ from kvfleet.runtime.config import EngineConfig
 from kvfleet.runtime.core.outputs import SchedulerOutput
 from kvfleet.runtime.engine.core import EngineCore
 from kvfleet.runtime.engine.messages import AddRequest, EngineCoreOutputs
-from kvfleet.runtime.sampling_params import SamplingParams
+from kvfleet.runtime.sampling_params import SamplingParams, StructuredOutputsParams
 
 PROMPT = [5, 6, 7, 8]
 
@@ -71,6 +71,26 @@ def test_bad_requests_are_answered_alone(tiny_llama: Path) -> None:
     assert errors["too-long"][0] == "invalid" and "context" in errors["too-long"][1]
 
 
+def test_a_refused_request_leaves_nothing_behind(tiny_llama: Path) -> None:
+    """A request refused after its grammar was given to it (its id is taken) is answered once; that grammar
+    having failed to compile touches nothing, and the request holding the id runs on."""
+    core = _core(tiny_llama)
+    broken = StructuredOutputsParams(grammar='root ::= "a" undefined')
+    core.add_request(_add("first", 6, structured_outputs=broken))
+    _, errors = _run_to_end(core)
+    assert errors["first"][0] == "invalid"  # the compiler now holds the failure, given at once from here on
+    core.add_request(_add("taken", 6))
+    core.add_request(_add("taken", 6, structured_outputs=broken))
+    tokens: list[int] = []
+    answers = []
+    while core.has_unfinished_requests():
+        step = core.step()
+        tokens += [t for output in step.outputs for t in output.new_token_ids]
+        answers += [(e.request_id, e.kind, e.message) for e in step.errors]
+    assert answers == [("taken", "invalid", "request id 'taken' is already in use")]
+    assert len(tokens) == 6
+
+
 def test_a_request_that_fails_the_step_fails_alone(tiny_llama: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     reference = _core(tiny_llama)
     for index in range(3):
@@ -78,14 +98,14 @@ def test_a_request_that_fails_the_step_fails_alone(tiny_llama: Path, monkeypatch
     expected, _ = _run_to_end(reference)
 
     core = _core(tiny_llama)
-    execute: Callable[[SchedulerOutput], Any] = core.runner.execute_model
+    execute: Callable[[SchedulerOutput], Any] = core.executor.execute_model
 
     def fail_with_the_poisoned_request(scheduler_output: SchedulerOutput) -> Any:
         if any(request.request_id == "poisoned" for request in scheduler_output.requests):
             raise RuntimeError("poisoned input")
         return execute(scheduler_output)
 
-    monkeypatch.setattr(core.runner, "execute_model", fail_with_the_poisoned_request)
+    monkeypatch.setattr(core.executor, "execute_model", fail_with_the_poisoned_request)
     for index in range(3):
         core.add_request(_add(f"good-{index}", 12, prompt=[5 + index, 6, 7]))
     core.add_request(_add("poisoned", 12))

@@ -109,7 +109,7 @@ def test_masks_filled_during_the_forward_pass_give_the_same_tokens(tiny_llama: P
     ]
     at_sampling = [output.outputs[0].token_ids for output in llm.generate(PROMPTS, params)]
     overlapping = LLM(str(tiny_llama), dtype="float32", num_kv_blocks=128, block_size=8, max_model_len=256)
-    overlapping.llm_engine.engine_core.runner.sampler.grammar_masks = GrammarMasks(fill_during_forward=True)
+    overlapping.llm_engine.runner.sampler.grammar_masks = GrammarMasks(fill_during_forward=True)
     during_forward = [output.outputs[0].token_ids for output in overlapping.generate(PROMPTS, params)]
     assert any(thread.name.startswith("grammar-masks") for thread in threading.enumerate())
     assert during_forward == at_sampling

@@ -1,0 +1,198 @@
+"""What the engine core does with a request when it arrives, before the scheduler queues it: handlers with one
+job each, built with the core for the features its config and model have, and asked in turn.
+
+A handler checks the request, refusing it with an InvalidRequestError (or EngineOverloadedError), or
+prepares a part of it: its token rules, its adapter, its prefix-cache salt, its M-RoPE positions, its
+grammar. They run after the prompt's own check, in the order the core registers them: the grammar's compile
+last, so that a request refused by another handler starts none.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from collections.abc import Callable, Mapping, Sized
+from typing import Any, Protocol
+
+from kvfleet.runtime.engine.errors import EngineOverloadedError, InvalidRequestError
+from kvfleet.runtime.engine.grammar_compiler import GrammarCompiler, RequestGrammar
+from kvfleet.runtime.engine.input_checks import check_sampling_token_ids
+from kvfleet.runtime.engine.load_shedding import QueuedRequest, choose_victim
+from kvfleet.runtime.engine.messages import AddRequest, RequestError
+from kvfleet.runtime.lora.errors import LoRAAdapterError
+from kvfleet.runtime.lora.request import LoRARequest
+from kvfleet.runtime.models.layers import rope_cache_salt
+from kvfleet.runtime.multimodal.inputs import ModalitySpec, check_features
+from kvfleet.runtime.multimodal.mrope import MRopePositions
+from kvfleet.runtime.request import Request
+from kvfleet.runtime.structured_outputs.token_rules import TokenRules
+
+# With nothing to run but grammars compiling, a step waits this long for one of them instead of spinning.
+_GRAMMAR_WAIT_S = 0.01
+
+
+class ArrivalHandler(Protocol):
+    def prepare(self, add: AddRequest, request: Request) -> None:
+        """Check the request or fill in its part of it; raises an EngineError to refuse it."""
+        ...
+
+
+class WaitingLimit:
+    """Under --max-waiting-requests, a request that finds the queue full sheds a waiting request of a lower
+    tier (see load_shedding.py), or is refused."""
+
+    def __init__(
+        self,
+        limit: int,
+        waiting: Sized,
+        unstarted: Mapping[str, AddRequest],
+        shed: Callable[[str], None],
+    ) -> None:
+        """`unstarted`: the queued requests never scheduled yet, the only ones that may be shed."""
+        self._limit = limit
+        self._waiting = waiting
+        self._unstarted = unstarted
+        self._shed = shed
+
+    def prepare(self, add: AddRequest, request: Request) -> None:
+        if len(self._waiting) < self._limit:
+            return
+        queued = [QueuedRequest(a.request_id, a.priority, a.arrival_time) for a in self._unstarted.values()]
+        victim = choose_victim(queued, add.priority)
+        if victim is None:
+            raise EngineOverloadedError(f"the server is overloaded: {self._limit} requests are waiting")
+        self._shed(victim)
+
+
+class SamplingTokenRules:
+    """logit_bias, allowed_token_ids and bad_words: checked against the vocabulary, then turned into the
+    request's token rules."""
+
+    def __init__(self, vocab_size: int, tokenize: Callable[[str], list[int]]) -> None:
+        self._vocab_size = vocab_size
+        self._tokenize = tokenize
+
+    def prepare(self, add: AddRequest, request: Request) -> None:
+        params = add.sampling_params
+        check_sampling_token_ids(params, vocab_size=self._vocab_size)
+        request.token_rules = TokenRules.of(params, self._vocab_size, self._tokenize)
+
+
+class LoRAAdapters:
+    """The adapters requests run with: loaded when a request brings one, and dropped from the model runner
+    once their API server unloaded them and no request runs with them. Without LoRA (no `load`), a request
+    with an adapter is refused."""
+
+    def __init__(self, load: Callable[[LoRARequest], None] | None) -> None:
+        """`load`: has an adapter ready to run (Executor.add_lora)."""
+        self._load = load
+        self._removals: set[int] = set()
+
+    def prepare(self, add: AddRequest, request: Request) -> None:
+        if add.lora_request is not None:
+            self.add(add.lora_request)
+
+    def add(self, lora: LoRARequest) -> None:
+        """Have the adapter ready to run; raises InvalidRequestError when it cannot run on this model."""
+        if self._load is None:
+            raise InvalidRequestError(f"LoRA adapter {lora.lora_name!r} requested, but LoRA is not enabled")
+        try:
+            self._load(lora)
+        except LoRAAdapterError as error:
+            raise InvalidRequestError(f"LoRA adapter {lora.lora_name!r}: {error}") from None
+        # Loaded again (the same files under a name) before its removal was done.
+        self._removals.discard(lora.lora_int_id)
+
+    def remove(self, lora_int_id: int) -> None:
+        self._removals.add(lora_int_id)
+
+    def take_removals(self, requests: Mapping[str, Request]) -> list[int]:
+        """The unloaded adapters no request of `requests` runs with any more, now forgotten here."""
+        if not self._removals:
+            return []
+        in_use = {request.lora_int_id for request in requests.values()}
+        done = sorted(self._removals - in_use)
+        self._removals.difference_update(done)
+        return done
+
+
+class MediaItems:
+    """The prompt's images and audio clips must be of a modality the model takes (none, for a text model), of
+    its input shape, on their placeholder tokens, and each fit in a step's encoder budget."""
+
+    def __init__(self, modalities: Mapping[str, ModalitySpec], max_item_tokens: int) -> None:
+        self._modalities = modalities
+        self._max_item_tokens = max_item_tokens
+
+    def prepare(self, add: AddRequest, request: Request) -> None:
+        if not self._modalities and not add.mm_features:
+            return
+        try:
+            check_features(
+                add.prompt_token_ids, add.mm_features, self._modalities, max_item_tokens=self._max_item_tokens
+            )
+        except ValueError as error:
+            raise InvalidRequestError(str(error)) from None
+
+
+class RopeCacheSalt:
+    """With a length-dependent rope type, a long prompt's KV differs from a shorter one's for the same tokens:
+    its salt keeps their prefix-cache blocks apart."""
+
+    def __init__(self, rope: dict[str, Any]) -> None:
+        self._rope = rope
+
+    def prepare(self, add: AddRequest, request: Request) -> None:
+        request.cache_salt = rope_cache_salt(self._rope, len(add.prompt_token_ids))
+
+
+class PromptMRopePositions:
+    """On a model with M-RoPE, the three-dimensional positions of the request's prompt."""
+
+    def __init__(self, modalities: Mapping[str, ModalitySpec]) -> None:
+        self._modalities = modalities
+
+    def prepare(self, add: AddRequest, request: Request) -> None:
+        num_prompt_tokens = len(add.prompt_token_ids)
+        request.mrope_positions = MRopePositions.of(num_prompt_tokens, add.mm_features, self._modalities)
+
+
+class StructuredOutputs:
+    """Starts compiling a request's grammar when it arrives; the request waits in the queue meanwhile (the
+    scheduler's GrammarReady gate). Each step then settles the compiles that ended: a request whose grammar
+    failed is finished alone, with the error."""
+
+    def __init__(self, compiler: GrammarCompiler) -> None:
+        self.compiler = compiler
+        # Requests whose grammar was still compiling when they arrived.
+        self._compiling: dict[str, Request] = {}
+
+    def prepare(self, add: AddRequest, request: Request) -> None:
+        structured = add.sampling_params.structured_outputs
+        if structured is None:
+            return
+        request.grammar = RequestGrammar(self.compiler.compile(structured))
+        if not request.grammar.ready:
+            self._compiling[request.request_id] = request
+
+    def settle(self) -> list[RequestError]:
+        """Forget the requests whose grammar compiled or that ended otherwise (refused, aborted); the errors
+        of those whose grammar failed to compile, for the core to finish them with."""
+        failed = []
+        for request_id, request in list(self._compiling.items()):
+            grammar = request.grammar
+            assert grammar is not None
+            if grammar.ready or request.is_finished:
+                del self._compiling[request_id]
+            elif grammar.error is not None:
+                del self._compiling[request_id]
+                failed.append(RequestError(request_id, grammar.error.kind, str(grammar.error)))
+        return failed
+
+    def wait_for_one(self) -> None:
+        """In a step that had nothing to run, wait a little for a compile to end instead of spinning."""
+        if self._compiling:
+            concurrent.futures.wait(
+                [request.grammar.compiled for request in self._compiling.values() if request.grammar],
+                timeout=_GRAMMAR_WAIT_S,
+                return_when=concurrent.futures.FIRST_COMPLETED,
+            )
