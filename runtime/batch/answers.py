@@ -9,7 +9,7 @@ from typing import Any, TypeVar
 from kvfleet.contract.errors import BadRequestError, InternalServerError, OpenAIError
 from kvfleet.contract.tiers import BACKGROUND_TIER, TIERS
 from kvfleet.runtime.batch.lines import CHAT_COMPLETIONS_URL, COMPLETIONS_URL
-from kvfleet.runtime.engine.errors import EngineError
+from kvfleet.runtime.errors import EngineError
 from kvfleet.runtime.serving.errors import from_engine_error, validation_error
 from kvfleet.runtime.serving.protocol import ChatCompletionRequest, CompletionRequest
 from kvfleet.runtime.serving.service import OpenAIService

@@ -14,8 +14,8 @@ from typing import Any
 from kvfleet.runtime.config import EngineConfig
 from kvfleet.runtime.core.outputs import EngineCoreOutput
 from kvfleet.runtime.engine.core import EngineCore
-from kvfleet.runtime.engine.errors import InvalidRequestError
 from kvfleet.runtime.engine.messages import AddRequest, EngineCoreOutputs, RequestError
+from kvfleet.runtime.errors import InvalidRequestError
 from kvfleet.runtime.request import FinishReason
 
 

@@ -42,7 +42,7 @@ from kvfleet.runtime.core.host_kv_tier import HostKVTier
 from kvfleet.runtime.core.kv_cache_manager import KVCacheManager
 from kvfleet.runtime.core.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput, SchedulerStats
 from kvfleet.runtime.core.request_queue import create_request_queue
-from kvfleet.runtime.engine.input_checks import check_context_length
+from kvfleet.runtime.input_checks import check_context_length
 from kvfleet.runtime.request import FinishReason, Request, RequestStatus
 
 _RUNNING = RequestStatus.RUNNING

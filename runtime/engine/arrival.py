@@ -13,11 +13,11 @@ import concurrent.futures
 from collections.abc import Callable, Mapping, Sized
 from typing import Any, Protocol
 
-from kvfleet.runtime.engine.errors import EngineOverloadedError, InvalidRequestError
+from kvfleet.contract.precedence import QueuedRequest, choose_victim
 from kvfleet.runtime.engine.grammar_compiler import GrammarCompiler, RequestGrammar
-from kvfleet.runtime.engine.input_checks import check_sampling_token_ids
-from kvfleet.runtime.engine.load_shedding import QueuedRequest, choose_victim
 from kvfleet.runtime.engine.messages import AddRequest, RequestError
+from kvfleet.runtime.errors import EngineOverloadedError, InvalidRequestError
+from kvfleet.runtime.input_checks import check_sampling_token_ids
 from kvfleet.runtime.lora.errors import LoRAAdapterError
 from kvfleet.runtime.lora.request import LoRARequest
 from kvfleet.runtime.models.layers import rope_cache_salt
@@ -38,7 +38,7 @@ class ArrivalHandler(Protocol):
 
 class WaitingLimit:
     """Under --max-waiting-requests, a request that finds the queue full sheds a waiting request of a lower
-    tier (see load_shedding.py), or is refused."""
+    tier (see kvfleet.contract.precedence), or is refused."""
 
     def __init__(
         self,

@@ -21,7 +21,11 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from kvfleet.runtime.config import EngineConfig
 from kvfleet.runtime.core.outputs import SchedulerStats
 from kvfleet.runtime.engine.core_client import EngineCoreAddress, EngineCoreClient, EngineCoreProcess
-from kvfleet.runtime.engine.errors import (
+from kvfleet.runtime.engine.messages import EngineCoreOutputs, EngineInfo
+from kvfleet.runtime.engine.output_processor import OutputProcessor
+from kvfleet.runtime.engine.outputs import OutputKind, RequestOutput
+from kvfleet.runtime.engine.sequences import sequence_ids, sequence_requests
+from kvfleet.runtime.errors import (
     EngineDeadError,
     EngineError,
     EngineNotReadyError,
@@ -30,10 +34,6 @@ from kvfleet.runtime.engine.errors import (
     InvalidRequestError,
     error_of_kind,
 )
-from kvfleet.runtime.engine.messages import EngineCoreOutputs, EngineInfo
-from kvfleet.runtime.engine.output_processor import OutputProcessor
-from kvfleet.runtime.engine.outputs import OutputKind, RequestOutput
-from kvfleet.runtime.engine.sequences import sequence_ids, sequence_requests
 from kvfleet.runtime.lora.request import LoRARequest
 from kvfleet.runtime.metrics import RequestTracker, ServerMetrics
 from kvfleet.runtime.multimodal.inputs import MultiModalFeature

@@ -31,16 +31,16 @@ from kvfleet.runtime.engine.arrival import (
     StructuredOutputs,
     WaitingLimit,
 )
-from kvfleet.runtime.engine.errors import (
+from kvfleet.runtime.engine.grammar_compiler import GrammarCompiler
+from kvfleet.runtime.engine.messages import AddRequest, EngineCoreOutputs, EngineInfo, RequestError
+from kvfleet.runtime.errors import (
     EngineOverloadedError,
     InvalidRequestError,
     RequestFailedError,
     RequestShedError,
 )
-from kvfleet.runtime.engine.grammar_compiler import GrammarCompiler
-from kvfleet.runtime.engine.input_checks import check_prompt_token_ids
-from kvfleet.runtime.engine.messages import AddRequest, EngineCoreOutputs, EngineInfo, RequestError
 from kvfleet.runtime.executor.executor import WorkerFailedError, make_executor
+from kvfleet.runtime.input_checks import check_prompt_token_ids
 from kvfleet.runtime.lora.request import LoRARequest
 from kvfleet.runtime.multimodal.inputs import ModalitySpec
 from kvfleet.runtime.multimodal.prompt_media import modality_specs

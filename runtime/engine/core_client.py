@@ -22,7 +22,6 @@ import zmq
 import zmq.asyncio
 from kvfleet.runtime.child_process import describe_exit, start_child
 from kvfleet.runtime.config import EngineConfig
-from kvfleet.runtime.engine.errors import EngineDeadError
 from kvfleet.runtime.engine.messages import (
     AbortRequests,
     AddRequest,
@@ -35,6 +34,7 @@ from kvfleet.runtime.engine.messages import (
     ToCore,
     from_core_decoder,
 )
+from kvfleet.runtime.errors import EngineDeadError
 
 if TYPE_CHECKING:
     from kvfleet.runtime.engine.core import EngineCore

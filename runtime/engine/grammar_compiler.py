@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 import xgrammar
-from kvfleet.runtime.engine.errors import EngineError, GrammarTimeoutError, InvalidRequestError
+from kvfleet.runtime.errors import EngineError, GrammarTimeoutError, InvalidRequestError
 from kvfleet.runtime.sampling_params import StructuredOutputsParams
 from kvfleet.runtime.structured_outputs.bitmasks import pack_bits
 from kvfleet.runtime.structured_outputs.compile_worker import CompileTimeoutError, CompileWorker

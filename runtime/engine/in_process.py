@@ -15,10 +15,10 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from kvfleet.runtime.engine.errors import EngineDeadError, EngineError, InvalidRequestError
 from kvfleet.runtime.engine.llm_engine import LLMEngine
 from kvfleet.runtime.engine.messages import EngineInfo
 from kvfleet.runtime.engine.outputs import OutputKind, RequestOutput
+from kvfleet.runtime.errors import EngineDeadError, EngineError, InvalidRequestError
 from kvfleet.runtime.lora.request import LoRARequest
 from kvfleet.runtime.multimodal.inputs import MultiModalFeature
 from kvfleet.runtime.sampling_params import SamplingParams

@@ -12,11 +12,11 @@ import time
 from kvfleet.runtime.config import EngineConfig
 from kvfleet.runtime.core.outputs import EngineCoreOutput, SchedulerStats
 from kvfleet.runtime.engine.core import EngineCore
-from kvfleet.runtime.engine.errors import InvalidRequestError
 from kvfleet.runtime.engine.output_processor import OutputProcessor
 from kvfleet.runtime.engine.outputs import OutputKind, RequestOutput
 from kvfleet.runtime.engine.sequences import sequence_ids, sequence_requests
 from kvfleet.runtime.engine.tokenizer import load_tokenizer
+from kvfleet.runtime.errors import InvalidRequestError
 from kvfleet.runtime.lora.request import LoRARequest
 from kvfleet.runtime.multimodal.inputs import MultiModalFeature
 from kvfleet.runtime.multimodal.prompt_media import PromptMedia

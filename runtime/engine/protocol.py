@@ -9,9 +9,9 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 if TYPE_CHECKING:
     from kvfleet.runtime.config import EngineConfig
-    from kvfleet.runtime.engine.errors import EngineError
     from kvfleet.runtime.engine.messages import EngineInfo
     from kvfleet.runtime.engine.outputs import RequestOutput
+    from kvfleet.runtime.errors import EngineError
     from kvfleet.runtime.lora.request import LoRARequest
     from kvfleet.runtime.multimodal.inputs import MultiModalFeature
     from kvfleet.runtime.sampling_params import SamplingParams

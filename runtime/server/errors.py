@@ -24,7 +24,7 @@ from kvfleet.contract.errors import (
     RequestTimeoutError,
     ServiceUnavailableError,
 )
-from kvfleet.runtime.engine.errors import EngineError
+from kvfleet.runtime.errors import EngineError
 from kvfleet.runtime.serving.errors import from_engine_error, validation_error
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse

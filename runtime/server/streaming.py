@@ -9,7 +9,7 @@ import json
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any, TypeVar
 
-from kvfleet.runtime.engine.errors import EngineError
+from kvfleet.runtime.errors import EngineError
 from kvfleet.runtime.server.errors import ClientDisconnectedError, OpenAIError
 from kvfleet.runtime.serving.errors import from_engine_error
 from kvfleet.runtime.serving.service import OpenAIService, PreparedRequest

@@ -12,7 +12,7 @@ from kvfleet.contract.errors import (
     OverloadedError,
     ServiceUnavailableError,
 )
-from kvfleet.runtime.engine.errors import (
+from kvfleet.runtime.errors import (
     EngineDeadError,
     EngineError,
     EngineNotReadyError,

@@ -22,8 +22,8 @@ import httpx
 from kvfleet.contract.errors import BadRequestError, OpenAIError
 from kvfleet.contract.tiers import TIERS
 from kvfleet.runtime.chat_prompt import chat_prompt_token_ids
-from kvfleet.runtime.engine.errors import EngineError
 from kvfleet.runtime.engine.outputs import CompletionOutput, RequestOutput
+from kvfleet.runtime.errors import EngineError
 from kvfleet.runtime.safety.checker import Checker, CheckerUnavailableError, Direction
 from kvfleet.runtime.safety.config import GUARD_SELF, GuardConfig, Policy, SafetyConfig
 from kvfleet.runtime.safety.guard import GuardCompletion, GuardModelChecker, http_guard_completion

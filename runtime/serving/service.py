@@ -32,15 +32,15 @@ from kvfleet.runtime.chat_prompt import (
     prompt_text,
     text_fields,
 )
-from kvfleet.runtime.engine.errors import InvalidRequestError
-from kvfleet.runtime.engine.input_checks import (
+from kvfleet.runtime.engine.messages import EngineInfo
+from kvfleet.runtime.engine.outputs import RequestOutput
+from kvfleet.runtime.errors import InvalidRequestError
+from kvfleet.runtime.input_checks import (
     ContextLengthError,
     check_context_length,
     check_prompt_token_ids,
     check_sampling_token_ids,
 )
-from kvfleet.runtime.engine.messages import EngineInfo
-from kvfleet.runtime.engine.outputs import RequestOutput
 from kvfleet.runtime.lora.request import LoRARequest
 from kvfleet.runtime.sampling_params import SamplingParams, StructuredOutputsParams
 from kvfleet.runtime.serving.chat import ChatRoute

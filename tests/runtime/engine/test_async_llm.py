@@ -16,8 +16,8 @@ import pytest
 import torch
 from kvfleet.runtime.config import EngineConfig
 from kvfleet.runtime.engine.async_llm import AsyncLLM
-from kvfleet.runtime.engine.errors import EngineDeadError, EngineNotReadyError
 from kvfleet.runtime.engine.outputs import RequestOutput
+from kvfleet.runtime.errors import EngineDeadError, EngineNotReadyError
 from kvfleet.runtime.sampling_params import SamplingParams
 from transformers import AutoModelForCausalLM
 

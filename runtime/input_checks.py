@@ -3,7 +3,7 @@ OpenAI service apply them."""
 
 from __future__ import annotations
 
-from kvfleet.runtime.engine.errors import InvalidRequestError
+from kvfleet.runtime.errors import InvalidRequestError
 from kvfleet.runtime.sampling_params import SamplingParams
 
 
