@@ -249,12 +249,13 @@ def gateway_command(
         from kvfleet.operator.kube_client import make_api_client
 
         try:
-            api_client = make_api_client(kubeconfig, kube_context, pool_size=4)
+            # Only the credentials are used: the discovery makes its own connections, on the event loop.
+            configuration = make_api_client(kubeconfig, kube_context, pool_size=1).configuration
         except kubernetes.config.ConfigException as error:
             raise click.ClickException(
                 f"no cluster credentials (in-cluster or kubeconfig): {error}"
             ) from None
-        discovery = KubernetesDiscovery(api_client, namespaces, defaults)
+        discovery = KubernetesDiscovery(configuration, namespaces, defaults)
     gateway = Gateway(
         discovery,
         max_queue=max_queue,
