@@ -6,6 +6,7 @@ import logging
 import random
 
 import click
+from kvfleet.operator.kube_client import command_api_client, credential_options
 
 logger = logging.getLogger(__name__)
 
@@ -54,8 +55,7 @@ logger = logging.getLogger(__name__)
     help="Image of the runtime pods when a resource names none.  [default: kvfleet/runtime:0.1.0]",
 )
 @click.option("--cluster-domain", envvar="KVFLEET_CLUSTER_DOMAIN", default="cluster.local", show_default=True)
-@click.option("--kubeconfig", type=click.Path(exists=True, dir_okay=False), default=None)
-@click.option("--context", "kube_context", default=None, help="kubeconfig context.")
+@credential_options
 @click.option(
     "--api-concurrency",
     type=click.IntRange(1, 256),
@@ -107,12 +107,10 @@ def operator_command(
 ) -> None:
     """Run the kvfleet operator: InferenceServices in, autoscaled runtime fleets out."""
     import kopf
-    import kubernetes.config
     import kvfleet.operator.handlers  # noqa: F401  (registers the handlers with kopf)
     import prometheus_client
     from kvfleet.operator.context import OperatorContext
     from kvfleet.operator.kube import KubeApi, KubeError
-    from kvfleet.operator.kube_client import make_api_client
     from kvfleet.operator.render import DEFAULT_RUNTIME_IMAGE, RenderOptions
     from kvfleet.operator.safety import SafetyPlatform
     from kvfleet.operator.scrape import DEFAULT_MAX_PAGE_BYTES
@@ -121,10 +119,7 @@ def operator_command(
         # kopf logs every handler call and the health endpoint every probe; keep warnings only.
         logging.getLogger("kopf.objects").setLevel(logging.WARNING)
         logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
-    try:
-        kube = KubeApi(make_api_client(kubeconfig, kube_context, pool_size=api_concurrency))
-    except kubernetes.config.ConfigException as error:
-        raise click.ClickException(f"no cluster credentials (in-cluster or kubeconfig): {error}") from None
+    kube = KubeApi(command_api_client(kubeconfig, kube_context, pool_size=api_concurrency))
     try:
         safety = SafetyPlatform.parse(safety_defaults, safety_allow_loosen)
     except ValueError as error:
