@@ -113,10 +113,11 @@ class ApiServer:
     async def _request(
         self, path: str, params: Mapping[str, str], timeout: aiohttp.ClientTimeout
     ) -> AsyncIterator[aiohttp.ClientResponse]:
-        # Reading the settings runs the refresh hook, which renews an expiring token.
-        auth = self._configuration.auth_settings().values()
+        # Reading the settings runs the refresh hook, which renews an expiring token; in a thread, as it may
+        # run a kubeconfig's credential plugin.
+        auth = await asyncio.to_thread(self._configuration.auth_settings)
         headers = {"Accept": "application/json"}
-        headers.update({setting["key"]: setting["value"] for setting in auth if setting["in"] == "header"})
+        headers.update({item["key"]: item["value"] for item in auth.values() if item["in"] == "header"})
         async with self._session.get(
             self._base + path,
             params=params,
