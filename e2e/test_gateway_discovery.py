@@ -57,7 +57,7 @@ class Published:
 def discovering(cluster: LocalCluster, namespace: str) -> Iterator[Published]:
     published = Published()
     discovery = KubernetesDiscovery(
-        make_api_client(str(cluster.kubeconfig), None, pool_size=4), [namespace], DEFAULTS
+        make_api_client(str(cluster.kubeconfig), None, pool_size=1).configuration, [namespace], DEFAULTS
     )
     loop = asyncio.new_event_loop()
     task = loop.create_task(discovery.run(published))

@@ -31,6 +31,7 @@ from kvfleet.gateway.proxy import (
     UpstreamTimeouts,
 )
 from kvfleet.gateway.routing import DEFAULT_LOAD_BOUND, DEFAULT_PREFIX_CHARS
+from kvfleet.operator.kube_client import command_api_client, credential_options
 
 logger = logging.getLogger(__name__)
 
@@ -91,8 +92,7 @@ def _bare_name_namespace(option: str | None, namespaces: tuple[str, ...]) -> str
     "`NAMESPACE/llama-8b`). Default: the one --namespace, when exactly one is given; otherwise clients name "
     "every service's model as NAMESPACE/NAME.",
 )
-@click.option("--kubeconfig", type=click.Path(exists=True, dir_okay=False), default=None)
-@click.option("--context", "kube_context", default=None, help="kubeconfig context.")
+@credential_options
 @click.option(
     "--policy",
     type=click.Choice(POLICY_NAMES),
@@ -246,17 +246,11 @@ def gateway_command(
     if models:
         discovery = StaticDiscovery(_static_models(models, defaults))
     else:
-        import kubernetes.config
         from kvfleet.gateway.kube import KubernetesDiscovery
-        from kvfleet.operator.kube_client import make_api_client
 
-        try:
-            api_client = make_api_client(kubeconfig, kube_context, pool_size=4)
-        except kubernetes.config.ConfigException as error:
-            raise click.ClickException(
-                f"no cluster credentials (in-cluster or kubeconfig): {error}"
-            ) from None
-        discovery = KubernetesDiscovery(api_client, namespaces, defaults)
+        # Only the credentials are used: the discovery makes its own connections, on the event loop.
+        configuration = command_api_client(kubeconfig, kube_context, pool_size=1).configuration
+        discovery = KubernetesDiscovery(configuration, namespaces, defaults)
     gateway = Gateway(
         discovery,
         max_queue=max_queue,

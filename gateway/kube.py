@@ -3,9 +3,8 @@
 The gateway reads the pods themselves, as the Gateway API inference extension's endpoint picker does, not
 the EndpointSlices of the services' Services: a pod's readiness is seen as soon as the kubelet reports it,
 without an endpoints controller in between, and the pod's name travels with its address. Each resource is
-listed, then watched from the list's resourceVersion, in a thread of its own (the official client blocks);
-an expired or broken watch lists again. Every change republishes the fleet, computed by the pure
-`model_configs` from the objects as they are.
+listed, then watched from the list's resourceVersion, on the event loop (kvfleet.gateway.kube_watch). Every
+change republishes the fleet, computed by the pure `model_configs` from the objects as they are.
 """
 
 from __future__ import annotations
@@ -16,17 +15,16 @@ import contextlib
 import dataclasses
 import hashlib
 import logging
-import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from kubernetes import client, watch
-from kubernetes.client.exceptions import ApiException
+import aiohttp
+from kubernetes import client
 from kvfleet.contract.engine import preempts
 from kvfleet.contract.tiers import TIERS
 from kvfleet.gateway.discovery import ClientKey, ModelConfig, Publish
+from kvfleet.gateway.kube_watch import ApiError, ApiServer, ObjectKey, ObjectWatch, connect, object_key
 from kvfleet.operator.api import (
     API_KEY_ENV,
     GROUP,
@@ -42,14 +40,9 @@ from kvfleet.operator.spec import SpecError, parse_spec
 
 logger = logging.getLogger(__name__)
 
-# A watch ends after this long and is resumed, so a stopped discovery's threads notice within it.
-WATCH_SECONDS = 30
-RELIST_BACKOFF_SECONDS = 2.0
 # The services' API keys are read again this often (a rotated key is honoured within it), and the fleet
 # republished.
 KEY_REFRESH_SECONDS = 60.0
-
-ObjectKey = tuple[str, str]
 
 
 def model_configs(
@@ -76,8 +69,10 @@ def model_configs(
             endpoints.setdefault((meta.get("namespace", ""), service), []).append(url)
     models: dict[str, ModelConfig] = {}
     owners: dict[str, str] = {}
-    for service in sorted(services, key=lambda service: (_key(service)[0], claim_order(_meta(service)))):
-        key = _key(service)
+    for service in sorted(
+        services, key=lambda service: (object_key(service)[0], claim_order(_meta(service)))
+    ):
+        key = object_key(service)
         namespace, name = key
         try:
             spec = parse_spec(service.get("spec") or {}, name=name)
@@ -131,13 +126,8 @@ def key_secrets(services: Iterable[Mapping[str, Any]]) -> set[ObjectKey]:
         engine = (service.get("spec") or {}).get("engine") or {}
         secret = engine.get("apiKeySecret") if isinstance(engine, Mapping) else None
         if isinstance(secret, str) and secret:
-            found.add((_key(service)[0], secret))
+            found.add((object_key(service)[0], secret))
     return found
-
-
-def _key(obj: Mapping[str, Any]) -> ObjectKey:
-    meta = _meta(obj)
-    return meta.get("namespace", ""), meta.get("name", "")
 
 
 def _meta(obj: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -170,132 +160,71 @@ class KubernetesDiscovery:
     """Watches InferenceServices and their replicas' pods, in every namespace or in the given ones."""
 
     def __init__(
-        self, api_client: client.ApiClient, namespaces: Sequence[str], defaults: ModelConfig
+        self, configuration: client.Configuration, namespaces: Sequence[str], defaults: ModelConfig
     ) -> None:
-        self._objects = client.CustomObjectsApi(api_client)
-        self._core = client.CoreV1Api(api_client)
-        self._serialize = api_client.sanitize_for_serialization
+        self._configuration = configuration
         # (namespace, Secret name) -> (when read, the key).
         self._keys: dict[ObjectKey, tuple[float, ClientKey]] = {}
         self._namespaces: Sequence[str | None] = list(namespaces) or [None]
         self._defaults = defaults
 
     async def run(self, publish: Publish) -> None:
-        loop = asyncio.get_running_loop()
         changed = asyncio.Event()
-        stop = threading.Event()
-        # The watcher threads write the stores while the event loop reads them.
-        lock = threading.Lock()
-        resources = [(GROUP, VERSION, PLURAL, None), ("", "v1", "pods", SERVICE_LABEL)]
-        watches = [_Watch(*resource, namespace) for resource in resources for namespace in self._namespaces]
-
-        def notify() -> None:
-            if not stop.is_set():  # once stopped, the loop may be gone
-                loop.call_soon_threadsafe(changed.set)
-
-        for watched in watches:
-            thread = threading.Thread(
-                target=self._list_and_watch,
-                args=(watched, lock, notify, stop),
-                name=f"kvfleet-gateway-{watched.plural}",
-                daemon=True,
-            )
-            thread.start()
-        try:
+        services = [
+            ObjectWatch(_collection(GROUP, VERSION, PLURAL, namespace)) for namespace in self._namespaces
+        ]
+        pods = [
+            ObjectWatch(_collection("", "v1", "pods", namespace), SERVICE_LABEL)
+            for namespace in self._namespaces
+        ]
+        async with connect(self._configuration) as api, asyncio.TaskGroup() as watches:
+            for watched in [*services, *pods]:
+                watches.create_task(
+                    watched.run(api, changed.set), name=f"kvfleet-gateway-watch {watched.path}"
+                )
             while True:
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(KEY_REFRESH_SECONDS):
-                        await changed.wait()
-                changed.clear()
-                if all(watched.synced.is_set() for watched in watches):
-                    with lock:
-                        services = [obj for w in watches if w.plural == PLURAL for obj in w.store.values()]
-                        pods = [obj for w in watches if w.plural != PLURAL for obj in w.store.values()]
-                    keys = await asyncio.to_thread(self._read_keys, key_secrets(services))
-                    publish(model_configs(services, pods, self._defaults, keys))
-        finally:
-            stop.set()
+                await _woken(changed, KEY_REFRESH_SECONDS)
+                if all(watched.synced for watched in [*services, *pods]):
+                    publish(await self._fleet(api, services, pods))
 
-    def _read_keys(self, secrets: set[ObjectKey]) -> dict[ObjectKey, ClientKey]:
+    async def _fleet(
+        self, api: ApiServer, services: Sequence[ObjectWatch], pods: Sequence[ObjectWatch]
+    ) -> dict[str, ModelConfig]:
+        objects = [obj for watched in services for obj in watched.store.values()]
+        replicas = [obj for watched in pods for obj in watched.store.values()]
+        keys = await self._read_keys(api, key_secrets(objects))
+        return model_configs(objects, replicas, self._defaults, keys)
+
+    async def _read_keys(self, api: ApiServer, secrets: set[ObjectKey]) -> dict[ObjectKey, ClientKey]:
         """The API keys of the given Secrets, each read again once it is KEY_REFRESH_SECONDS old."""
         now = time.monotonic()
         self._keys = {secret: read for secret, read in self._keys.items() if secret in secrets}
         for namespace, name in secrets - {
             s for s, (at, _) in self._keys.items() if now - at < KEY_REFRESH_SECONDS
         }:
-            try:
-                data = self._core.read_namespaced_secret(name, namespace).data or {}
-                value = data.get(API_KEY_ENV)
-                digest = hashlib.sha256(base64.b64decode(value)).digest() if value else None
-            except ApiException as error:
-                logger.warning("cannot read the API key Secret %s/%s: %s", namespace, name, error.reason)
-                digest = None
-            self._keys[(namespace, name)] = (now, ClientKey(digest))
+            self._keys[(namespace, name)] = (now, await _read_key(api, namespace, name))
         return {secret: key for secret, (_, key) in self._keys.items()}
 
-    def _list_and_watch(
-        self, watched: _Watch, lock: threading.Lock, notify: Callable[[], None], stop: threading.Event
-    ) -> None:
-        """Runs in its own thread until `stop`: keeps the watch's store equal to the cluster's objects."""
-        scope: dict[str, Any] = {} if watched.namespace is None else {"namespace": watched.namespace}
-        if watched.label_selector:
-            scope["label_selector"] = watched.label_selector
-        list_call: Callable[..., Any]
-        if watched.group:
-            # By keyword: the namespaced call takes the namespace between the version and the plural.
-            scope.update(group=watched.group, version=watched.version, plural=watched.plural)
-            namespaced, cluster_wide = (
-                self._objects.list_namespaced_custom_object,
-                self._objects.list_cluster_custom_object,
-            )
-        else:
-            namespaced, cluster_wide = self._core.list_namespaced_pod, self._core.list_pod_for_all_namespaces
-        list_call = cluster_wide if watched.namespace is None else namespaced
-        while not stop.is_set():
-            try:
-                # Typed lists (pods) become the API's JSON shape, as custom objects already are.
-                listing = self._serialize(list_call(**scope))
-                fresh = {_key(item): item for item in listing.get("items", [])}
-                with lock:
-                    watched.store.clear()
-                    watched.store.update(fresh)
-                watched.synced.set()
-                notify()
-                version_seen = listing["metadata"]["resourceVersion"]
-                while not stop.is_set():
-                    stream = watch.Watch().stream(
-                        list_call,
-                        **scope,
-                        resource_version=version_seen,
-                        timeout_seconds=WATCH_SECONDS,
-                        allow_watch_bookmarks=True,
-                    )
-                    for event in stream:
-                        obj = event.get("raw_object") or event["object"]
-                        if event["type"] == "ERROR":
-                            raise RuntimeError(f"watch error: {obj.get('message', obj)}")
-                        version_seen = obj["metadata"]["resourceVersion"]
-                        with lock:
-                            if event["type"] == "DELETED":
-                                watched.store.pop(_key(obj), None)
-                            elif event["type"] != "BOOKMARK":
-                                watched.store[_key(obj)] = obj
-                        notify()
-                        if stop.is_set():
-                            return
-            except Exception as error:  # any failure: list again, after a pause, so the fleet is never stale
-                logger.warning("watching %s failed, listing again: %s", watched.plural, error)
-                stop.wait(RELIST_BACKOFF_SECONDS)
+
+async def _woken(changed: asyncio.Event, seconds: float) -> None:
+    """Waits for a change, or `seconds` at most (the API keys are read again then)."""
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(changed.wait(), seconds)
+    changed.clear()
 
 
-@dataclass
-class _Watch:
-    """One resource in one namespace (None: all), and what the cluster holds of it."""
+async def _read_key(api: ApiServer, namespace: str, name: str) -> ClientKey:
+    try:
+        secret = await api.get(f"/api/v1/namespaces/{namespace}/secrets/{name}")
+    except (ApiError, aiohttp.ClientError, TimeoutError) as error:
+        # Refused rather than open until it can be read.
+        logger.warning("cannot read the API key Secret %s/%s: %s", namespace, name, error)
+        return ClientKey(None)
+    value = (secret.get("data") or {}).get(API_KEY_ENV)
+    return ClientKey(hashlib.sha256(base64.b64decode(value)).digest() if value else None)
 
-    group: str
-    version: str
-    plural: str
-    label_selector: str | None
-    namespace: str | None
-    store: dict[ObjectKey, Mapping[str, Any]] = field(default_factory=dict)
-    synced: threading.Event = field(default_factory=threading.Event)
+
+def _collection(group: str, version: str, plural: str, namespace: str | None) -> str:
+    """The API path of a resource's objects in one namespace, or in all (None)."""
+    prefix = f"/apis/{group}/{version}" if group else f"/api/{version}"
+    return f"{prefix}/{plural}" if namespace is None else f"{prefix}/namespaces/{namespace}/{plural}"

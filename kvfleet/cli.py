@@ -18,7 +18,7 @@ COMMANDS: dict[str, str] = {
     "download-model": "kvfleet.runtime.cli:download_model",
     "generate": "kvfleet.runtime.cli:generate",
     "demo": "kvfleet.runtime.cli:demo",
-    "bench": "kvfleet.runtime.cli:bench",
+    "bench": "kvfleet.runtime.bench.cli:bench",
     "operator": "kvfleet.operator.cli:operator_command",
     "gateway": "kvfleet.gateway.cli:gateway_command",
     "serve": "kvfleet.runtime.server.cli:serve",

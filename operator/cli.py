@@ -7,6 +7,7 @@ import random
 from typing import TYPE_CHECKING
 
 import click
+from kvfleet.operator.kube_client import command_api_client, credential_options
 
 if TYPE_CHECKING:
     from kvfleet.operator.context import OperatorContext
@@ -59,8 +60,7 @@ logger = logging.getLogger(__name__)
     help="Image of the runtime pods when a resource names none.  [default: kvfleet/runtime:0.1.0]",
 )
 @click.option("--cluster-domain", envvar="KVFLEET_CLUSTER_DOMAIN", default="cluster.local", show_default=True)
-@click.option("--kubeconfig", type=click.Path(exists=True, dir_okay=False), default=None)
-@click.option("--context", "kube_context", default=None, help="kubeconfig context.")
+@credential_options
 @click.option(
     "--api-concurrency",
     type=click.IntRange(1, 256),
@@ -171,18 +171,13 @@ def _operator_context(
     safety_allow_loosen: str,
 ) -> OperatorContext:
     """What every handler shares: the cluster's API, the render options and the scrape limits."""
-    import kubernetes.config
     from kvfleet.operator.context import OperatorContext
     from kvfleet.operator.kube import KubeApi
-    from kvfleet.operator.kube_client import make_api_client
     from kvfleet.operator.render import DEFAULT_RUNTIME_IMAGE, RenderOptions
     from kvfleet.operator.safety import SafetyPlatform
     from kvfleet.operator.scrape import DEFAULT_MAX_PAGE_BYTES
 
-    try:
-        kube = KubeApi(make_api_client(kubeconfig, kube_context, pool_size=api_concurrency))
-    except kubernetes.config.ConfigException as error:
-        raise click.ClickException(f"no cluster credentials (in-cluster or kubeconfig): {error}") from None
+    kube = KubeApi(command_api_client(kubeconfig, kube_context, pool_size=api_concurrency))
     try:
         safety = SafetyPlatform.parse(safety_defaults, safety_allow_loosen)
     except ValueError as error:

@@ -3,9 +3,12 @@ returns them."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
+from click.testing import CliRunner
 from gateway_harness import pod, service
+from kvfleet.gateway.cli import gateway_command
 from kvfleet.gateway.discovery import ClientKey, ModelConfig
 from kvfleet.gateway.kube import key_secrets, model_configs
 
@@ -156,3 +159,11 @@ def test_only_rank_zero_of_a_group_is_routed_to() -> None:
     models = model_configs([service("big"), service("lws")], [*ranks, leader, worker], DEFAULTS)
     assert models["default/big"].endpoints == ("http://10.0.3.1:8000",)
     assert models["default/lws"].endpoints == ("http://10.0.4.1:8000",)
+
+
+def test_the_gateway_without_cluster_credentials_ends_with_the_reason(tmp_path: Path) -> None:
+    empty = tmp_path / "kubeconfig"
+    empty.write_text("")
+    result = CliRunner().invoke(gateway_command, ["--kubeconfig", str(empty)])
+    assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.exception
+    assert "no cluster credentials (in-cluster or kubeconfig)" in result.output
