@@ -51,11 +51,20 @@ _measured: list[str] = []
 _MEASUREMENT = "e2e-measurement"
 
 
-@pytest.fixture
-def measurements(request: pytest.FixtureRequest) -> Callable[[str], None]:
+# The test this process runs now: a module's fixture records its figures on the first test that needs it.
+_running: list[pytest.Item] = []
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    _running[:] = [item]
+
+
+@pytest.fixture(scope="session")
+def measurements() -> Callable[[str], None]:
     """Records a figure a test measured (reaction times, recovery times); all of them are printed in an
     "end-to-end measurements" section at the end of the run, passed or not, captured output or not."""
-    return lambda line: request.node.user_properties.append((_MEASUREMENT, line))
+    return lambda line: _running[-1].user_properties.append((_MEASUREMENT, line))
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:

@@ -112,7 +112,7 @@ def run_structured(
 ) -> StructuredReport:
     llm = LLM(model_path, **engine_options)
     core = llm.llm_engine.engine_core
-    compiler = core.grammar_compiler
+    compiler = core.structured_outputs.compiler
     log("preparing the vocabulary for grammars")
     compiler.compile(StructuredOutputsParams(regex="warm-up")).result()
     compile_times = []

@@ -156,7 +156,8 @@ def ruled(
             "blocklist": ["bomb recipe"],
             "patterns": [{"category": MARKER_CATEGORY, "regex": re.escape(reference.marker)}],
         },
-        "guard": {"endpoint": "self", "extraBody": {"logit_bias": _safe_bias(tiny_llama)}},
+        # The guard's deadline is not under test here: room for a first call on a busy machine.
+        "guard": {"endpoint": "self", "extraBody": {"logit_bias": _safe_bias(tiny_llama)}, "timeout": 30},
         "tiers": {"critical": {"action": "redact"}, "batch": {"action": "flag"}},
         "allowLooserTiers": True,
     }

@@ -18,6 +18,7 @@ import pytest
 from kvfleet.runtime import LLM, SamplingParams
 from kvfleet.runtime.executor.executor import MultiprocExecutor
 from kvfleet.runtime.models.model_config import ModelConfig
+from ports import free_port
 from safetensors import safe_open
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3")
@@ -78,7 +79,14 @@ def _checkpoint_bytes(model: Path) -> tuple[int, int, int]:
 @pytest.mark.parametrize(("tp", "pp"), SPLITS, ids=[f"tp{tp}-pp{pp}" for tp, pp in SPLITS])
 def test_greedy_tokens_equal_one_rank(reference: tuple[Path, list, list], tp: int, pp: int) -> None:
     model, prompts, expected = reference
-    llm = LLM(str(model), tensor_parallel_size=tp, pipeline_parallel_size=pp, **ENGINE_OPTIONS)
+    # A port of its own: another run's ranks (a concurrent test, a local cluster's pods) may hold the default.
+    llm = LLM(
+        str(model),
+        tensor_parallel_size=tp,
+        pipeline_parallel_size=pp,
+        master_port=free_port(),
+        **ENGINE_OPTIONS,
+    )
     core = llm.llm_engine.engine_core
     executor = core.executor
     assert isinstance(executor, MultiprocExecutor)
