@@ -11,6 +11,10 @@
 # Environment: VLLM_PYTHON (required) the vLLM environment's python; KVFLEET the kvfleet command;
 # BENCH_DIR where the model and the result files go; PORT; RATES; SECONDS_PER_RUN.
 set -euo pipefail
+# Python puts the working directory first on sys.path, and from the checkout its operator/ folder would shadow
+# the standard library's `operator` in every Python process vLLM starts (its model inspection runs
+# `python -m ...`).
+export PYTHONSAFEPATH=1
 
 : "${VLLM_PYTHON:?set VLLM_PYTHON to the python of the vLLM environment}"
 KVFLEET=${KVFLEET:-kvfleet}
