@@ -19,6 +19,8 @@ MANAGED_BY = "kvfleet-operator"
 
 SERVICE_LABEL = f"{GROUP}/inference-service"
 TIER_LABEL = f"{GROUP}/tier"
+# Disaggregated services label each replica with its role (kvfleet.contract.kv_transfer.ROLES).
+ROLE_LABEL = f"{GROUP}/role"
 LABEL_NAME = "app.kubernetes.io/name"
 LABEL_INSTANCE = "app.kubernetes.io/instance"
 LABEL_COMPONENT = "app.kubernetes.io/component"
