@@ -471,6 +471,9 @@ class BlockPuller:
         except (OSError, _WireError) as error:
             written = f"{load.blocks_written} of {len(local_block_ids)} blocks"
             reason = f"the transfer broke off after {written}: {error}"
+        except Exception as error:  # whatever went wrong, the request must learn that its load ended
+            logger.exception("KV load of request %s: unexpected error", load.request_id)
+            reason = f"the load failed: {error!r}"
         self._end(load, reason, len(local_block_ids), time.monotonic() - started)
 
     def _pull(
