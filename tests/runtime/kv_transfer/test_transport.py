@@ -526,3 +526,24 @@ def test_close_stops_every_thread_and_socket(
         assert set(threading.enumerate()) - before <= {fake.thread}
         with pytest.raises(OSError):
             socket.create_connection((HOST, server.port), timeout=1.0)
+
+
+def test_a_load_that_cannot_write_its_blocks_is_reported_failed(
+    server: BlockServer, make_puller: Callable[..., BlockPuller]
+) -> None:
+    """A cache whose token slots alias one another refuses writes: the load ends failed, not silently."""
+    aliased = [cache[:, :, :1].expand(-1, -1, 4, -1, -1) for cache in kv_caches()]
+    puller = make_puller(aliased)
+    server.offer("transfer", [1], DIGEST)
+    puller.start("request", HOST, server.port, "transfer", DIGEST, [1], [1])
+    _, failed = wait_for_loads(puller, 1)
+    assert "the load failed" in failed["request"]
+
+
+def test_start_refuses_block_lists_that_do_not_pair_or_fit(make_puller: Callable[..., BlockPuller]) -> None:
+    puller = make_puller(kv_caches())
+    with pytest.raises(ValueError, match="remote blocks"):
+        puller.start("request", HOST, 1, "transfer", DIGEST, [1, 2], [1])
+    with pytest.raises(ValueError, match="outside the cache"):
+        puller.start("request", HOST, 1, "transfer", DIGEST, [1], [NUM_BLOCKS])
+    assert puller.take_done() == ([], {})
