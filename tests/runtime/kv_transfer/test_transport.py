@@ -339,6 +339,76 @@ def test_an_offer_has_one_puller_at_a_time_and_is_free_again_when_that_one_leave
 # Withdrawn offers, silent and vanishing peers, cancelled loads.
 
 
+class PausingRelay:
+    """Stands between one puller and the block server, forwarding both ways, but holds the server's bytes
+    after the first `pause_after` of them until `resume` is set."""
+
+    def __init__(self, server_port: int, pause_after: int) -> None:
+        self.listener = socket.create_server((HOST, 0))
+        self.listener.settimeout(10.0)
+        self.port = self.listener.getsockname()[1]
+        self.paused = threading.Event()
+        self.resume = threading.Event()
+        self.thread = threading.Thread(target=self._run, args=(server_port, pause_after))
+        self.thread.start()
+
+    def _run(self, server_port: int, pause_after: int) -> None:
+        puller, _ = self.listener.accept()
+        upstream = socket.create_connection((HOST, server_port))
+        with puller, upstream:
+            to_server = threading.Thread(target=self._pump, args=(puller, upstream, None))
+            to_server.start()
+            self._pump(upstream, puller, pause_after)
+            to_server.join()
+
+    def _pump(self, source: socket.socket, target: socket.socket, pause_after: int | None) -> None:
+        forwarded = 0
+        with contextlib.suppress(OSError):
+            while chunk := source.recv(
+                2**16 if pause_after is None else max(1, min(2**16, pause_after - forwarded))
+            ):
+                target.sendall(chunk)
+                forwarded += len(chunk)
+                if forwarded == pause_after:
+                    self.paused.set()
+                    self.resume.wait()
+                    pause_after = None
+        with contextlib.suppress(OSError):
+            target.shutdown(socket.SHUT_WR)
+
+    def close(self) -> None:
+        self.resume.set()
+        self.thread.join()
+        self.listener.close()
+
+
+def test_withdraw_during_a_pull_fails_the_load_and_the_transfer_is_never_reported_pulled(
+    make_puller: Callable[..., BlockPuller],
+) -> None:
+    # Blocks of 512 KiB: the server cannot have sent, nor the sockets buffered, every block when the relay
+    # has forwarded only the first.
+    source = kv_caches(num_layers=2, num_blocks=64, block_size=64, head_dim=256)
+    local = [torch.zeros_like(cache) for cache in source]
+    server = BlockServer(source, HOST, 0)
+    accepted_frame = 4 + len(msgspec.msgpack.encode(["accepted"]))
+    relay = PausingRelay(server.port, accepted_frame + block_bytes(source))
+    try:
+        puller = make_puller(local)
+        server.offer("transfer", list(range(64)), DIGEST)
+        puller.start("request", HOST, relay.port, "transfer", DIGEST, list(range(64)), list(range(64)))
+        assert relay.paused.wait(10.0)
+        server.withdraw("transfer")
+        relay.resume.set()
+        _, failed = wait_for_loads(puller, 1)
+        assert "broke off" in failed["request"]
+        assert all(torch.equal(new[:, 0], old[:, 0]) for new, old in zip(local, source, strict=True))
+        assert all(not new[:, 63].any() for new in local)
+        assert server.blocks_served < 64 and server.take_pulled() == []
+    finally:
+        relay.close()
+        server.close()
+
+
 def test_withdraw_cuts_off_a_pull_in_progress_and_the_transfer_is_never_reported_pulled() -> None:
     # Blocks of 512 KiB and a small receive buffer: the server cannot have sent every block when the
     # puller has read only the first.
