@@ -21,11 +21,12 @@ DEFAULT_MAX_IN_FLIGHT = 32
 DEFAULT_HOLD_SECONDS = 60.0
 # Disaggregated prefill and decode: a prompt with fewer new tokens than this on the chosen decode replica (its
 # length less the prefix that replica is taken to cache) is prefilled there, skipping the prefill replicas, as
-# llm-d's selective P/D does. 256 tokens (16 KV blocks of the runtime's default block size) take a decode
-# replica about one step of chunked prefill to compute, less than a prefill call and the blocks' pull would
-# add to the request's first token; a turn of a chat whose history is cached stays on its decode replica, and
-# long prompts, whose prefill is what stalls the decodes, go to the prefill replicas. (llm-d's decider is off
-# unless configured; its P/D guide disaggregates from 16 tokens, nearly every request.)
+# llm-d's selective P/D does. 256 tokens are 16 KV blocks of the runtime's default block size and an eighth of
+# its default step budget (2048 tokens with chunked prefill): the decodes sharing that step are barely slowed,
+# whereas a prefill call and the pull of its blocks would add two round trips to the request's first token. A
+# chat turn whose history the decode replica caches stays there, and long prompts, whose prefill is what
+# stalls the decodes, go to the prefill replicas. (llm-d's decider is off unless configured; its P/D guide
+# disaggregates from 16 new tokens, nearly every request.)
 DEFAULT_PD_THRESHOLD_TOKENS = 256
 
 

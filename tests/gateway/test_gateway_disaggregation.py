@@ -241,6 +241,29 @@ def test_with_every_prefill_replica_full_a_request_is_prefilled_by_its_decode_re
     asyncio.run(scenario())
 
 
+def test_a_client_that_leaves_during_the_prefill_frees_both_replicas() -> None:
+    async def scenario() -> None:
+        async with replicas(FakeReplica("p", offers_kv=True, gated=True), FakeReplica("d")) as (
+            prefill,
+            decode,
+        ):
+            config = model("m", decode, prefill=(prefill,), pd_threshold_tokens=THRESHOLD)
+            async with running_gateway({"m": config}) as (gateway, _, url):
+                host, port = url.removeprefix("http://").split(":")
+                _, writer = await asyncio.open_connection(host, int(port))
+                body = json.dumps({"model": "m", "prompt": LONG, "max_tokens": 5}).encode()
+                head = "POST /v1/completions HTTP/1.1\r\nHost: gateway\r\nContent-Type: application/json\r\n"
+                writer.write(f"{head}Content-Length: {len(body)}\r\n\r\n".encode() + body)
+                await wait_until(lambda: len(prefill.received) == 1)
+                assert in_flight(gateway, "m") == [1, 1]
+                writer.close()  # the client goes away while its prompt is prefilled
+                await asyncio.wait_for(prefill.disconnected.wait(), WAIT_S)
+                await wait_until(lambda: in_flight(gateway, "m") == [0, 0])
+                assert decode.received == []
+
+    asyncio.run(scenario())
+
+
 def test_a_decode_replica_that_refuses_the_connection_is_retried_with_the_same_params() -> None:
     async def scenario() -> None:
         async with replicas(FakeReplica("p", offers_kv=True), FakeReplica("d")) as (prefill, decode):
