@@ -477,9 +477,11 @@ class _PrefillFailed(Exception):
 
 
 def _transfers_kv(payload: Mapping[str, Any]) -> bool:
-    """Whether a request can take its prompt's KV from a prefill replica: not one of n > 1 choices, which the
-    engines refuse to transfer."""
-    return payload.get("n") in (None, 1)
+    """Whether a request can take its prompt's KV from a prefill replica: one choice of one prompt, as the
+    protocol hands over the blocks of one sequence (the engines refuse n > 1 with kv_transfer_params)."""
+    prompt = payload.get("prompt")
+    batched = isinstance(prompt, list) and len(prompt) > 1 and isinstance(prompt[0], str | list)
+    return payload.get("n") in (None, 1) and not batched
 
 
 def _prefill_body(config: ModelConfig, routed: RoutedRequest) -> bytes:

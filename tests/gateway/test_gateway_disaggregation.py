@@ -150,6 +150,29 @@ def test_prompts_with_few_new_tokens_on_their_decode_replica_skip_the_prefill_re
 
 
 # The metric's reason for each way a prefill replica fails: a replica that answers so, or a URL.
+def test_requests_of_several_sequences_are_prefilled_by_their_decode_replica() -> None:
+    async def scenario() -> None:
+        async with replicas(FakeReplica("p", offers_kv=True), FakeReplica("d")) as (prefill, decode):
+            config = model("m", decode, prefill=(prefill,), pd_threshold_tokens=THRESHOLD)
+            async with running_gateway({"m": config}) as (gateway, _, url):
+                several = [
+                    {"model": "m", "prompt": LONG, "max_tokens": 5, "n": 2},
+                    {"model": "m", "prompt": [LONG, LONG + "?"], "max_tokens": 5},
+                    {"model": "m", "prompt": [[1, 2, 3] * 100, [4, 5, 6] * 100], "max_tokens": 5},
+                ]
+                for body in several:
+                    assert (await post(url, "/v1/completions", body))[0] == 200
+                assert prefill.received == [] and decode.received == several
+                one = {"model": "m", "prompt": [LONG], "max_tokens": 5, "n": 1}
+                assert (await post(url, "/v1/completions", one))[0] == 200
+                assert prefill.received == [prefill_call(one)]
+                assert (
+                    sample(gateway, "kvfleet_gateway_pd_requests_total", model="m", path="decode_only") == 3
+                )
+
+    asyncio.run(scenario())
+
+
 FAILURES: dict[str, Callable[[], FakeReplica | str]] = {
     "unreachable": lambda: DEAD,
     "error_status": lambda: FakeReplica("p", status=500),
