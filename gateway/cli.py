@@ -243,8 +243,9 @@ def _bare_name_namespace(option: str | None, namespaces: tuple[str, ...]) -> str
     type=_SECONDS,
     default=DEFAULT_UPSTREAM_TIMEOUTS.prefill,
     show_default=True,
-    help="Seconds a prefill replica has to answer a prefill call; after them (or a refused connection, a 5xx "
-    "or an answer without kv_transfer_params) the decode replica computes the prompt itself.",
+    help="Seconds a prefill replica has to answer a prefill call (at most the first-byte timeout); after "
+    "them (or a refused connection, a 5xx or an answer without kv_transfer_params) the decode replica "
+    "computes the prompt itself.",
 )
 @click.option(
     "--forwarded-allow-ips",

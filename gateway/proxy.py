@@ -424,10 +424,12 @@ class Gateway:
         if replica is None:
             raise _PrefillFailed("busy", "no prefill replica has room")
         self.metrics.routing_decisions.labels(config.name, config.policy, replica.url).inc()
+        # Never longer than the decode replica would be given to answer.
+        limit = min(self.upstream_timeouts.prefill, self.upstream_timeouts.first_byte)
         started = time.monotonic()
         try:
             async with (
-                asyncio.timeout(self.upstream_timeouts.prefill),
+                asyncio.timeout(limit),
                 self.session.post(
                     f"{replica.url}{path}",
                     data=_prefill_body(config, routed),
@@ -439,9 +441,7 @@ class Gateway:
         except aiohttp.ClientError as error:  # a connect timeout included
             raise _PrefillFailed("unreachable", f"{replica.url}: {error}") from None
         except TimeoutError:
-            raise _PrefillFailed(
-                "timeout", f"{replica.url} did not answer within {self.upstream_timeouts.prefill:g} s"
-            ) from None
+            raise _PrefillFailed("timeout", f"{replica.url} did not answer within {limit:g} s") from None
         finally:
             prefill.release(replica, priority)
             self.metrics.pd.prefill_duration.labels(config.name).observe(time.monotonic() - started)
