@@ -7,7 +7,7 @@ import dataclasses
 import ipaddress
 import logging
 import signal
-from collections.abc import Iterable
+from collections.abc import Sequence
 
 import click
 from kvfleet.contract.engine import SCHEDULING_POLICIES, SchedulingPolicy, preempts
@@ -45,38 +45,44 @@ def _static_models(
 ) -> dict[str, ModelConfig]:
     """The models of `--model` options: NAME=URL[,URL...], or a bare NAME whose replicas are the `--prefill`
     and `--decode` URLs (one such model)."""
-    models: dict[str, ModelConfig] = {}
     disaggregated = [option for option in options if "=" not in option]
     if len(disaggregated) > 1:
         raise click.BadParameter(
             "one --model NAME takes the --prefill and --decode replicas; give the others as NAME=URL",
             param_hint="--model",
         )
-    if disaggregated and not decode:
-        raise click.BadParameter(f"--model {disaggregated[0]} needs its replicas", param_hint="--decode")
     if (prefill or decode) and not disaggregated:
         raise click.BadParameter("name their model with --model NAME", param_hint="--prefill/--decode")
+    if disaggregated and not decode:
+        raise click.BadParameter(f"--model {disaggregated[0]} needs a decode replica", param_hint="--decode")
+    models: dict[str, ModelConfig] = {}
     for option in options:
         name, _, urls = option.partition("=")
-        endpoints = _urls(urls.split(",")) if urls else _urls(decode)
-        if not name or not endpoints or not all(url.startswith(("http://", "https://")) for url in endpoints):
+        if option in disaggregated:
+            config = dataclasses.replace(
+                defaults,
+                endpoints=_http_urls(decode, "--decode"),
+                prefill_endpoints=_http_urls(prefill, "--prefill"),
+            )
+        else:
+            config = dataclasses.replace(defaults, endpoints=_http_urls(urls.split(","), "--model"))
+        if not name or not config.endpoints:
             raise click.BadParameter(
                 f"{option!r} is not NAME=URL[,URL...] with http(s) URLs", param_hint="--model"
             )
         if name in models:
             raise click.BadParameter(f"the model {name!r} is given twice", param_hint="--model")
-        models[name] = dataclasses.replace(defaults, name=name, endpoints=endpoints)
-    if disaggregated:
-        name = disaggregated[0]
-        prefill_endpoints = _urls(prefill)
-        if not all(url.startswith(("http://", "https://")) for url in prefill_endpoints):
-            raise click.BadParameter(f"{prefill!r} are not all http(s) URLs", param_hint="--prefill")
-        models[name] = dataclasses.replace(models[name], prefill_endpoints=prefill_endpoints)
+        models[name] = dataclasses.replace(config, name=name)
     return models
 
 
-def _urls(values: Iterable[str]) -> tuple[str, ...]:
-    return tuple(url.strip().rstrip("/") for url in values if url.strip())
+def _http_urls(values: Sequence[str], option: str) -> tuple[str, ...]:
+    """The replicas' base URLs given to `option`."""
+    urls = tuple(url.strip().rstrip("/") for url in values if url.strip())
+    wrong = [url for url in urls if not url.startswith(("http://", "https://"))]
+    if wrong:
+        raise click.BadParameter(f"{wrong[0]!r} is not an http(s) URL", param_hint=option)
+    return urls
 
 
 def _networks(value: str) -> tuple[Network, ...]:
