@@ -32,11 +32,12 @@ from kvfleet.gateway.flow import Fleet
 from kvfleet.gateway.kube import model_configs
 from kvfleet.gateway.metrics import GatewayMetrics
 from kvfleet.gateway.proxy import Gateway, UpstreamTimeouts
-from kvfleet.gateway.routing import CHARS_PER_TOKEN
+from kvfleet.gateway.routing import CACHE_CHUNK_CHARS, CHARS_PER_TOKEN
 
 THRESHOLD = 32
-# Far above the threshold, and whole 64-character chunks of the cache-aware model.
-LONG = "The quarterly report of the northern region, in full detail. " * 20
+# Far above the threshold, and whole chunks of the cache-aware model's (a sentence of 64 characters).
+LONG = "The quarterly report of the northern region, in all its detail. " * 20
+assert len(LONG) % CACHE_CHUNK_CHARS == 0
 SHORT = "hi"
 DEAD = "http://127.0.0.1:9"  # the discard port: nothing listens, the connection is refused
 
