@@ -7,6 +7,7 @@ import dataclasses
 import ipaddress
 import logging
 import signal
+from collections.abc import Sequence
 
 import click
 from kvfleet.contract.engine import SCHEDULING_POLICIES, SchedulingPolicy, preempts
@@ -15,6 +16,7 @@ from kvfleet.gateway.adapters import DEFAULT_ADAPTER_POLL_SECONDS
 from kvfleet.gateway.discovery import (
     DEFAULT_HOLD_SECONDS,
     DEFAULT_MAX_IN_FLIGHT,
+    DEFAULT_PD_THRESHOLD_TOKENS,
     Discovery,
     ModelConfig,
     StaticDiscovery,
@@ -38,19 +40,49 @@ logger = logging.getLogger(__name__)
 _SECONDS = click.FloatRange(min=0, min_open=True)
 
 
-def _static_models(options: tuple[str, ...], defaults: ModelConfig) -> dict[str, ModelConfig]:
+def _static_models(
+    options: tuple[str, ...], defaults: ModelConfig, prefill: tuple[str, ...], decode: tuple[str, ...]
+) -> dict[str, ModelConfig]:
+    """The models of `--model` options: NAME=URL[,URL...], or a bare NAME whose replicas are the `--prefill`
+    and `--decode` URLs (one such model)."""
+    disaggregated = [option for option in options if "=" not in option]
+    if len(disaggregated) > 1:
+        raise click.BadParameter(
+            "one --model NAME takes the --prefill and --decode replicas; give the others as NAME=URL",
+            param_hint="--model",
+        )
+    if (prefill or decode) and not disaggregated:
+        raise click.BadParameter("name their model with --model NAME", param_hint="--prefill/--decode")
+    if disaggregated and not decode:
+        raise click.BadParameter(f"--model {disaggregated[0]} needs a decode replica", param_hint="--decode")
     models: dict[str, ModelConfig] = {}
     for option in options:
         name, _, urls = option.partition("=")
-        endpoints = tuple(url.strip().rstrip("/") for url in urls.split(",") if url.strip())
-        if not name or not endpoints or not all(url.startswith(("http://", "https://")) for url in endpoints):
+        if option in disaggregated:
+            config = dataclasses.replace(
+                defaults,
+                endpoints=_http_urls(decode, "--decode"),
+                prefill_endpoints=_http_urls(prefill, "--prefill"),
+            )
+        else:
+            config = dataclasses.replace(defaults, endpoints=_http_urls(urls.split(","), "--model"))
+        if not name or not config.endpoints:
             raise click.BadParameter(
                 f"{option!r} is not NAME=URL[,URL...] with http(s) URLs", param_hint="--model"
             )
         if name in models:
             raise click.BadParameter(f"the model {name!r} is given twice", param_hint="--model")
-        models[name] = dataclasses.replace(defaults, name=name, endpoints=endpoints)
+        models[name] = dataclasses.replace(config, name=name)
     return models
+
+
+def _http_urls(values: Sequence[str], option: str) -> tuple[str, ...]:
+    """The replicas' base URLs given to `option`."""
+    urls = tuple(url.strip().rstrip("/") for url in values if url.strip())
+    wrong = [url for url in urls if not url.startswith(("http://", "https://"))]
+    if wrong:
+        raise click.BadParameter(f"{wrong[0]!r} is not an http(s) URL", param_hint=option)
+    return urls
 
 
 def _networks(value: str) -> tuple[Network, ...]:
@@ -73,9 +105,33 @@ def _bare_name_namespace(option: str | None, namespaces: tuple[str, ...]) -> str
     "--model",
     "models",
     multiple=True,
-    metavar="NAME=URL[,URL...]",
-    help="Route NAME to these replicas (repeatable). Without it, the cluster's InferenceServices are "
-    "watched.",
+    metavar="NAME=URL[,URL...] | NAME",
+    help="Route NAME to these replicas (repeatable). One model may be given by NAME alone: its replicas are "
+    "then those of --prefill and --decode. Without --model, the cluster's InferenceServices are watched.",
+)
+@click.option(
+    "--prefill",
+    multiple=True,
+    metavar="URL",
+    help="A prefill replica of the model given by --model NAME (repeatable): disaggregated prefill and "
+    "decode. Prompts with at least --pd-threshold-tokens new tokens on their decode replica are computed "
+    "here first, and their KV pulled by the decode replica.",
+)
+@click.option(
+    "--decode",
+    multiple=True,
+    metavar="URL",
+    help="A decode replica of the model given by --model NAME (repeatable; one at least). Requests are "
+    "routed to these by the routing policy; each computes the prompts below the threshold itself.",
+)
+@click.option(
+    "--pd-threshold-tokens",
+    type=click.IntRange(min=0),
+    default=DEFAULT_PD_THRESHOLD_TOKENS,
+    show_default=True,
+    help="Disaggregated models: a prompt with fewer new tokens than this on its decode replica (its length "
+    "less the prefix that replica is taken to cache, at 4 characters a token) skips the prefill replicas. "
+    "0: every prompt goes through them.",
 )
 @click.option(
     "--namespace",
@@ -189,6 +245,15 @@ def _bare_name_namespace(option: str | None, namespaces: tuple[str, ...]) -> str
     help="Seconds a replica's whole response may take; then it is cut off.",
 )
 @click.option(
+    "--prefill-timeout",
+    type=_SECONDS,
+    default=DEFAULT_UPSTREAM_TIMEOUTS.prefill,
+    show_default=True,
+    help="Seconds a prefill replica has to answer a prefill call (at most the first-byte timeout); after "
+    "them (or a refused connection, a 5xx or an answer without kv_transfer_params) the decode replica "
+    "computes the prompt itself.",
+)
+@click.option(
     "--forwarded-allow-ips",
     "trusted_proxies",
     default="",
@@ -207,6 +272,9 @@ def gateway_command(
     host: str,
     port: int,
     models: tuple[str, ...],
+    prefill: tuple[str, ...],
+    decode: tuple[str, ...],
+    pd_threshold_tokens: int,
     namespaces: tuple[str, ...],
     bare_name_namespace: str | None,
     kubeconfig: str | None,
@@ -228,6 +296,7 @@ def gateway_command(
     upstream_first_byte_timeout: float,
     upstream_idle_timeout: float,
     upstream_timeout: float,
+    prefill_timeout: float,
     trusted_proxies: str,
     adapter_poll_seconds: float,
 ) -> None:
@@ -241,10 +310,11 @@ def gateway_command(
         max_in_flight=max_in_flight,
         hold_seconds=hold_seconds,
         replicas_preempt=preempts(scheduling_policy),
+        pd_threshold_tokens=pd_threshold_tokens,
     )
     discovery: Discovery
-    if models:
-        discovery = StaticDiscovery(_static_models(models, defaults))
+    if models or prefill or decode:
+        discovery = StaticDiscovery(_static_models(models, defaults, prefill, decode))
     else:
         from kvfleet.gateway.kube import KubernetesDiscovery
 
@@ -260,7 +330,11 @@ def gateway_command(
         max_buffered_body_bytes=max_buffered_body_bytes,
         client_timeouts=ClientTimeouts(header_read_timeout, body_read_timeout, send_timeout),
         upstream_timeouts=UpstreamTimeouts(
-            upstream_connect_timeout, upstream_first_byte_timeout, upstream_idle_timeout, upstream_timeout
+            upstream_connect_timeout,
+            upstream_first_byte_timeout,
+            upstream_idle_timeout,
+            upstream_timeout,
+            prefill_timeout,
         ),
         trusted_proxies=_networks(trusted_proxies),
         bare_name_namespace=_bare_name_namespace(bare_name_namespace, namespaces),

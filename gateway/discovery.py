@@ -19,6 +19,15 @@ from kvfleet.gateway.routing import DEFAULT_LOAD_BOUND, DEFAULT_PREFIX_CHARS
 
 DEFAULT_MAX_IN_FLIGHT = 32
 DEFAULT_HOLD_SECONDS = 60.0
+# Disaggregated prefill and decode: a prompt with fewer new tokens than this on the chosen decode replica (its
+# length less the prefix that replica is taken to cache) is prefilled there, skipping the prefill replicas, as
+# llm-d's selective P/D does. 256 tokens are 16 KV blocks of the runtime's default block size and an eighth of
+# its default step budget (2048 tokens with chunked prefill): the decodes sharing that step are barely slowed,
+# whereas a prefill call and the pull of its blocks would add two round trips to the request's first token. A
+# chat turn whose history the decode replica caches stays there, and long prompts, whose prefill is what
+# stalls the decodes, go to the prefill replicas. (llm-d's decider is off unless configured; its P/D guide
+# disaggregates from 16 new tokens, nearly every request.)
+DEFAULT_PD_THRESHOLD_TOKENS = 256
 
 
 @dataclass(frozen=True)
@@ -35,8 +44,13 @@ class ModelConfig:
 
     # What clients ask for: an InferenceService's model is `NAMESPACE/SERVED_NAME` (see Fleet.resolve).
     name: str
-    # Base URLs of the ready replicas, e.g. http://10.0.0.7:8000; empty while the model is at zero.
+    # Base URLs of the ready replicas, e.g. http://10.0.0.7:8000; empty while the model is at zero. Of a model
+    # with prefill replicas, the decode replicas.
     endpoints: tuple[str, ...]
+    # Disaggregated prefill and decode: the ready replicas that compute prompts for the decode replicas (see
+    # kvfleet.contract.kv_transfer). None ready: the decode replicas compute their prompts themselves.
+    prefill_endpoints: tuple[str, ...] = ()
+    pd_threshold_tokens: int = DEFAULT_PD_THRESHOLD_TOKENS
     policy: PolicyName = DEFAULT_POLICY
     prefix_chars: int = DEFAULT_PREFIX_CHARS
     load_bound: float = DEFAULT_LOAD_BOUND
@@ -77,7 +91,7 @@ class Discovery(Protocol):
 
 
 class StaticDiscovery:
-    """A fixed fleet, e.g. from `--model NAME=URL[,URL...]` options."""
+    """A fixed fleet, e.g. from `--model NAME=URL[,URL...]` and `--prefill`/`--decode` options."""
 
     def __init__(self, models: Mapping[str, ModelConfig]) -> None:
         self._models = dict(models)

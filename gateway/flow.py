@@ -24,6 +24,12 @@ place it frees is offered to the queue of each of those models. An adapter's req
 replicas already running requests of it (the adapter is in their GPU slots: nothing has to be swapped in),
 as long as those stay within the load bound.
 
+A model with prefill replicas (disaggregated prefill and decode) routes its requests to its decode replicas
+as above, and has a second pool for its prefill replicas, with the same policy and rules and in-flight counts
+of its own. That pool never queues: a request that finds no prefill replica with room at once is prefilled
+by its decode replica instead, as Dynamo's disaggregated router does when its prefill queue is full. It is
+asked only once the request holds its decode replica.
+
 Names: an InferenceService's model is routed as `NAMESPACE/SERVED_NAME` and its adapters as
 `NAMESPACE/ADAPTER` (kvfleet.operator.api.qualified_name), so a service in one namespace can take no name of
 another's. A bare name reaches the services of one namespace only, the one the platform names
@@ -96,6 +102,9 @@ class ModelPool:
         # Told of every place a replica of this model frees; the fleet offers it to every model routed there.
         self.on_release: Callable[[Replica], None] = lambda replica: self.dispatch()
         self.policy: Policy = make_policy(config.policy, config.prefix_chars, config.load_bound)
+        # The model's prefill replicas, when it has any; their places are asked with `try_acquire` only, so
+        # nobody ever waits in this pool (and it never counts in the model's queue depth).
+        self.prefill: ModelPool | None = self._prefill_pool(config)
         self._heap: list[_Waiter] = []
         # When a request of each priority last arrived: places are kept only for tiers still asking.
         self._last_seen: dict[int, float] = {}
@@ -109,8 +118,21 @@ class ModelPool:
         routing = (config.policy, config.prefix_chars, config.load_bound)
         if routing != (self.config.policy, self.config.prefix_chars, self.config.load_bound):
             self.policy = make_policy(*routing)
+        if self.prefill is None or not config.prefill_endpoints:
+            self.prefill = self._prefill_pool(config)
+        else:
+            self.prefill.reconfigure(_prefill_config(config))
         self.config = config
         self._dispatch()
+
+    def _prefill_pool(self, config: ModelConfig) -> ModelPool | None:
+        if not config.prefill_endpoints:
+            return None
+        pool = ModelPool(_prefill_config(config), self.max_queue, self.metrics, self._replica_for)
+        # A place a prefill replica frees goes where this model's places go (the fleet offers it to the models
+        # whose queues the same replica serves).
+        pool.on_release = lambda replica: self.on_release(replica)
+        return pool
 
     def close(self) -> None:
         """The model left the fleet: whoever waits for it learns so."""
@@ -131,12 +153,9 @@ class ModelPool:
     ) -> Replica:
         """A replica with one more request in flight on it; the caller must `release` it."""
         tried = frozenset(tried)
-        self._last_seen[priority] = time.monotonic()
-        if self._waiting == 0:
-            replica = self._choose(priority, prompt_text, tried)
-            if replica is not None:
-                self._take(replica, priority)
-                return replica
+        replica = self.try_acquire(priority, prompt_text, tried)
+        if replica is not None:
+            return replica
         waiter = _Waiter(
             priority, next(self._sequence), prompt_text, tried, asyncio.get_running_loop().create_future()
         )
@@ -163,6 +182,19 @@ class ModelPool:
                 waiter.future.cancel()
                 self._set_waiting(self._waiting - 1)
                 self._compact()
+
+    def try_acquire(
+        self, priority: int, prompt_text: str, tried: frozenset[str] = frozenset()
+    ) -> Replica | None:
+        """A replica with room for one more request now, which the caller must `release`; None when there is
+        none, or when others wait already (who come first). Never waits."""
+        self._last_seen[priority] = time.monotonic()
+        if self._waiting:
+            return None
+        replica = self._choose(priority, prompt_text, tried)
+        if replica is not None:
+            self._take(replica, priority)
+        return replica
 
     def release(self, replica: Replica, priority: int) -> None:
         replica.in_flight -= 1
@@ -297,6 +329,11 @@ class ModelPool:
         self.metrics.queue_depth.labels(self.config.name).set(count)
 
 
+def _prefill_config(config: ModelConfig) -> ModelConfig:
+    """The settings of a model's prefill pool: its own, over the prefill replicas."""
+    return dataclasses.replace(config, endpoints=config.prefill_endpoints, prefill_endpoints=())
+
+
 class Fleet:
     """Every model's pool, kept in step with what discovery publishes and with the LoRA adapters each replica
     serves."""
@@ -336,8 +373,10 @@ class Fleet:
         return self.pools.get(model)
 
     def replica_urls(self) -> list[str]:
-        """Every replica of a base model."""
-        return sorted({url for config in self.models.values() for url in config.endpoints})
+        """Every replica of a base model, of either role."""
+        return sorted(
+            {url for config in self.models.values() for url in config.endpoints + config.prefill_endpoints}
+        )
 
     def routed_models(self) -> dict[str, ModelConfig]:
         """The base models and, under its own name, each adapter that some of a base model's replicas serve,
@@ -347,17 +386,30 @@ class Fleet:
         routed = dict(self.models)
         for base_name in sorted(self.models):
             base = self.models[base_name]
-            holders: dict[str, list[str]] = {}
-            for url in base.endpoints:
-                for adapter in self._adapters.get(url, ()):
-                    holders.setdefault(adapter, []).append(url)
+            holders = self._holders(base.endpoints)
+            prefill_holders = self._holders(base.prefill_endpoints)
             for adapter, urls in sorted(holders.items()):
                 name = qualified_name(base.namespace, adapter) if base.namespace else adapter
                 if name not in routed:
                     routed[name] = dataclasses.replace(
-                        base, name=name, served_name=adapter, endpoints=tuple(urls), adapter_of=base_name
+                        base,
+                        name=name,
+                        served_name=adapter,
+                        endpoints=tuple(urls),
+                        # Only prefill replicas that serve the adapter compute its prompts: the KV of a prompt
+                        # depends on its adapter.
+                        prefill_endpoints=tuple(prefill_holders.get(adapter, ())),
+                        adapter_of=base_name,
                     )
         return routed
+
+    def _holders(self, urls: Iterable[str]) -> dict[str, list[str]]:
+        """Of the replicas at `urls`, those serving each adapter, by adapter name."""
+        holders: dict[str, list[str]] = {}
+        for url in urls:
+            for adapter in self._adapters.get(url, ()):
+                holders.setdefault(adapter, []).append(url)
+        return holders
 
     def _apply(self) -> None:
         models = self.routed_models()

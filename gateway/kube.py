@@ -22,6 +22,7 @@ from typing import Any
 import aiohttp
 from kubernetes import client
 from kvfleet.contract.engine import preempts
+from kvfleet.contract.kv_transfer import ROLES
 from kvfleet.contract.tiers import TIERS
 from kvfleet.gateway.discovery import ClientKey, ModelConfig, Publish
 from kvfleet.gateway.kube_watch import ApiError, ApiServer, ObjectKey, ObjectWatch, connect, object_key
@@ -30,6 +31,7 @@ from kvfleet.operator.api import (
     GROUP,
     HTTP_PORT_NAME,
     PLURAL,
+    ROLE_LABEL,
     SERVICE_LABEL,
     VERSION,
     claim_order,
@@ -52,21 +54,28 @@ def model_configs(
     keys: Mapping[ObjectKey, ClientKey] | None = None,
 ) -> dict[str, ModelConfig]:
     """The fleet as the gateway routes it: one entry per service, under its qualified name
-    (`NAMESPACE/SERVED_NAME`), with its ready replicas.
+    (`NAMESPACE/SERVED_NAME`), with its ready replicas (a disaggregated service's by role; a pod of a role
+    the gateway does not know is not routed).
 
     `keys` holds the API keys read from the services' Secrets, by (namespace, Secret name). Of the services of
     one namespace serving the same name, the one that `claim_order` puts first owns it; the others are not
     routed (their operator reports the conflict).
     """
+    # A disaggregated service's pods carry their role: its prefill replicas are routed apart, and its decode
+    # replicas as the replicas of any other service.
     endpoints: dict[ObjectKey, list[str]] = {}
+    prefill_endpoints: dict[ObjectKey, list[str]] = {}
     for pod in pods:
         meta = pod.get("metadata") or {}
         labels = meta.get("labels") or {}
         service = labels.get(SERVICE_LABEL)
         url = _ready_url(pod)
+        role = labels.get(ROLE_LABEL)
         # Of a group spanning nodes, only rank 0 serves the API.
-        if service is not None and url is not None and serves_api(labels):
-            endpoints.setdefault((meta.get("namespace", ""), service), []).append(url)
+        if service is None or url is None or not serves_api(labels) or role not in (None, *ROLES):
+            continue
+        by_role = prefill_endpoints if role == "prefill" else endpoints
+        by_role.setdefault((meta.get("namespace", ""), service), []).append(url)
     models: dict[str, ModelConfig] = {}
     owners: dict[str, str] = {}
     for service in sorted(
@@ -96,6 +105,7 @@ def model_configs(
             namespace=namespace,
             served_name=served,
             endpoints=tuple(sorted(set(endpoints.get(key, ())))),
+            prefill_endpoints=tuple(sorted(set(prefill_endpoints.get(key, ())))),
             policy=routing.policy or defaults.policy,
             prefix_chars=routing.prefix_characters or defaults.prefix_chars,
             load_bound=(routing.load_bound_percent / 100)

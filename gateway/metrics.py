@@ -76,8 +76,37 @@ class GatewayMetrics:
             registry=self.registry,
         )
 
+        self.pd = PrefillDecodeMetrics(self.registry)
+
     def forget(self, model: str) -> None:
         """Drops a removed model's gauges, so a dashboard does not show it forever."""
         for gauge in (self.queue_depth, self.ready_replicas):
             with contextlib.suppress(KeyError):
                 gauge.remove(model)
+
+
+class PrefillDecodeMetrics:
+    """Of the models with prefill replicas (disaggregated prefill and decode)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.requests = Counter(
+            "kvfleet_gateway_pd_requests",
+            "Requests of a model with prefill replicas, by path: `disaggregated` (prefilled by a prefill "
+            "replica) or `decode_only` (below the threshold of new tokens, or after a prefill fallback).",
+            ["model", "path"],
+            registry=registry,
+        )
+        self.prefill_fallbacks = Counter(
+            "kvfleet_gateway_pd_prefill_fallbacks",
+            "Requests sent to their decode replica without prefill because the prefill step failed, by "
+            "reason: busy (no prefill replica had room), unreachable, timeout, error_status, no_params.",
+            ["model", "reason"],
+            registry=registry,
+        )
+        self.prefill_duration = Histogram(
+            "kvfleet_gateway_pd_prefill_duration_seconds",
+            "Time from sending a prefill call to a prefill replica until its answer was read (or failed).",
+            ["model"],
+            buckets=_LATENCY_BUCKETS,
+            registry=registry,
+        )

@@ -11,6 +11,18 @@ Nothing waits without a deadline. A client has the header, body and send timeout
 kvfleet.gateway.http_protocol; a body is read only from a client that presents a key of the fleet (unless a
 model needs none), up to its size limit and within a budget shared by every body held at once. A replica
 has deadlines to connect, to answer, to send each chunk of its body and to finish it (UpstreamTimeouts).
+
+A model with prefill replicas (disaggregated prefill and decode, vLLM's protocol: see
+kvfleet.contract.kv_transfer) routes a request to a decode replica first, as any other. When the prompt's new
+tokens there (its length less the prefix that replica is taken to cache, estimated from characters: the
+gateway does not tokenize) reach the model's threshold, a prefill replica computes the prompt first (one
+output token, not streamed, with `do_remote_decode`), and the client's body goes to the decode replica with
+the `kv_transfer_params` of that answer; the decode replica pulls the blocks and answers as any replica. Below
+the threshold the decode replica computes the prompt itself, as llm-d's selective P/D does. A prefill step
+that fails (no prefill replica with room, one that cannot be reached, does not answer within the prefill
+timeout, answers 5xx or without params) costs the request nothing but time: it goes to the decode replica
+without params. A prefill replica's 4xx is the client's error and is its answer. The decode call is retried
+as any request is.
 """
 
 from __future__ import annotations
@@ -25,7 +37,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 from aiohttp import web
@@ -40,12 +52,14 @@ from kvfleet.contract.errors import (
     RequestTimeoutError,
     ServiceUnavailableError,
 )
+from kvfleet.contract.kv_transfer import DO_REMOTE_DECODE, PREFILL_MAX_TOKENS
 from kvfleet.gateway.adapters import DEFAULT_ADAPTER_POLL_SECONDS, poll_adapters
 from kvfleet.gateway.discovery import Discovery, ModelConfig
 from kvfleet.gateway.flow import DEFAULT_MAX_QUEUE, Fleet, ModelPool
 from kvfleet.gateway.http_protocol import DEFAULT_CLIENT_TIMEOUTS, ClientTimeouts, TimedAppRunner
 from kvfleet.gateway.metrics import GatewayMetrics
 from kvfleet.gateway.requests import CHAT_PATH, COMPLETIONS_PATH, RoutedRequest, parse_request
+from kvfleet.gateway.routing import estimated_tokens
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 if TYPE_CHECKING:
@@ -79,6 +93,14 @@ _HOP_BY_HOP = frozenset(
     }
 )
 FORWARDED_FOR = "X-Forwarded-For"
+# The request and response field of disaggregated prefill and decode (kvfleet.contract.kv_transfer).
+KV_TRANSFER_PARAMS = "kv_transfer_params"
+# A prefill answer is one token and the prompt's block ids, about 8 bytes a block: those of a million-token
+# prompt, at 16 tokens a block, take half a MiB.
+MAX_PREFILL_ANSWER_BYTES = 4 * 1024 * 1024
+# A prefill replica's answers of 4xx that are no fault of the client's: it could not read the body in time, or
+# it is overloaded.
+_NOT_THE_CLIENTS_FAULT = frozenset({408, 429})
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 
 
@@ -93,6 +115,10 @@ class UpstreamTimeouts:
     idle: float = 120.0
     # The whole response, however it trickles.
     total: float = 3600.0
+    # A prefill call of a disaggregated request, whole: past it the decode replica computes the prompt itself.
+    # A prompt of many thousand tokens takes a GPU seconds; a replica that takes a minute has a problem, and
+    # the client is better served by the decode replica than by waiting up to the first-byte timeout.
+    prefill: float = 60.0
 
 
 DEFAULT_UPSTREAM_TIMEOUTS = UpstreamTimeouts()
@@ -288,18 +314,30 @@ class Gateway:
             config, _forward_headers(request.headers, request.remote, self.trusted_proxies)
         )
         body = _renamed_for_replicas(config, routed, body)
+        # What each decode replica caches of the prompt before this request is routed there.
+        cached = pool.policy.cached_chars(routed.prompt_text) if pool.prefill is not None else {}
         arrived = time.monotonic()
         from_zero = not pool.replicas
         tried: list[str] = []
+        # Decided with the first decode replica: a retry sends the same body (the same prefill's params).
+        decode_body: bytes | None = None
         for attempt in range(1, self.max_attempts + 1):
             replica = await pool.acquire(priority, routed.prompt_text, tried, routed.deadline_seconds)
             if attempt == 1:
                 self.metrics.queue_wait.labels(model).observe(time.monotonic() - arrived)
             self.metrics.routing_decisions.labels(model, pool.config.policy, replica.url).inc()
-            sent = time.monotonic()
-            deadline = asyncio.get_running_loop().time() + self.upstream_timeouts.total
             try:
-                upstream = await self._send(f"{replica.url}{request.path}", body, headers, deadline)
+                if decode_body is None:
+                    prepared = await self._prefilled(
+                        request.path, body, headers, routed, pool, priority, cached.get(replica.url, 0)
+                    )
+                    if isinstance(prepared, web.Response):
+                        pool.release(replica, priority)
+                        return prepared
+                    decode_body = prepared
+                sent = time.monotonic()
+                deadline = asyncio.get_running_loop().time() + self.upstream_timeouts.total
+                upstream = await self._send(f"{replica.url}{request.path}", decode_body, headers, deadline)
             except aiohttp.ClientError as error:
                 pool.release(replica, priority)
                 tried.append(replica.url)
@@ -334,6 +372,81 @@ class Gateway:
             code="upstream_unavailable",
         )
 
+    async def _prefilled(
+        self,
+        path: str,
+        body: bytes,
+        headers: list[tuple[str, str]],
+        routed: RoutedRequest,
+        pool: ModelPool,
+        priority: int,
+        cached_chars: int,
+    ) -> bytes | web.Response:
+        """The body for the decode replica, which is taken to cache `cached_chars` of the prompt: with the
+        kv_transfer_params of a prefill replica's answer when the model has prefill replicas and the prompt's
+        new tokens reach its threshold; the client's own otherwise, or when the prefill step fails. A prefill
+        replica's 4xx answer is returned instead, as the request's answer."""
+        prefill = pool.prefill
+        if prefill is None:
+            return body
+        model = pool.config.name
+        new_tokens = estimated_tokens(max(0, len(routed.prompt_text) - cached_chars))
+        if new_tokens < pool.config.pd_threshold_tokens or not _transfers_kv(routed.payload):
+            self.metrics.pd.requests.labels(model, "decode_only").inc()
+            return body
+        try:
+            answer = await self._prefill(path, headers, routed, prefill, priority)
+        except _PrefillFailed as failure:
+            self.metrics.pd.prefill_fallbacks.labels(model, failure.reason).inc()
+            self.metrics.pd.requests.labels(model, "decode_only").inc()
+            logger.info(
+                "%s: prefill step failed (%s); the decode replica computes the prompt", model, failure
+            )
+            return body
+        if isinstance(answer, web.Response):
+            return answer
+        self.metrics.pd.requests.labels(model, "disaggregated").inc()
+        return _json_body({**routed.payload, "model": pool.config.upstream_name, KV_TRANSFER_PARAMS: answer})
+
+    async def _prefill(
+        self,
+        path: str,
+        headers: list[tuple[str, str]],
+        routed: RoutedRequest,
+        prefill: ModelPool,
+        priority: int,
+    ) -> dict[str, Any] | web.Response:
+        """A prefill replica's kv_transfer_params for the request, or its 4xx answer; _PrefillFailed when no
+        prefill replica has room or the one chosen fails. Its place is given back once it has answered."""
+        assert self.session is not None, "the session lives as long as the app"
+        config = prefill.config
+        replica = prefill.try_acquire(priority, routed.prompt_text)
+        if replica is None:
+            raise _PrefillFailed("busy", "no prefill replica has room")
+        self.metrics.routing_decisions.labels(config.name, config.policy, replica.url).inc()
+        # Never longer than the decode replica would be given to answer.
+        limit = min(self.upstream_timeouts.prefill, self.upstream_timeouts.first_byte)
+        started = time.monotonic()
+        try:
+            async with (
+                asyncio.timeout(limit),
+                self.session.post(
+                    f"{replica.url}{path}",
+                    data=_prefill_body(config, routed),
+                    headers=_identity_encoded(headers),
+                ) as answer,
+            ):
+                content = await _read_at_most(answer, MAX_PREFILL_ANSWER_BYTES)
+                status, answer_headers = answer.status, answer.headers
+        except aiohttp.ClientError as error:  # a connect timeout included
+            raise _PrefillFailed("unreachable", f"{replica.url}: {error}") from None
+        except TimeoutError:
+            raise _PrefillFailed("timeout", f"{replica.url} did not answer within {limit:g} s") from None
+        finally:
+            prefill.release(replica, priority)
+            self.metrics.pd.prefill_duration.labels(config.name).observe(time.monotonic() - started)
+        return _prefill_answer(replica.url, status, answer_headers, content)
+
     async def _send(
         self, url: str, body: bytes, headers: list[tuple[str, str]], deadline: float
     ) -> aiohttp.ClientResponse:
@@ -353,6 +466,75 @@ class Gateway:
                 f"the replica did not answer within {self.upstream_timeouts.first_byte:g} s",
                 code="upstream_timeout",
             ) from None
+
+
+class _PrefillFailed(Exception):
+    """The prefill step gave no kv_transfer_params; `reason` is the metric's label."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(detail)
+        self.reason = reason
+
+
+def _transfers_kv(payload: Mapping[str, Any]) -> bool:
+    """Whether a request can take its prompt's KV from a prefill replica: one choice of one prompt, as the
+    protocol hands over the blocks of one sequence (the engines refuse n > 1 with kv_transfer_params)."""
+    prompt = payload.get("prompt")
+    batched = isinstance(prompt, list) and len(prompt) > 1 and isinstance(prompt[0], str | list)
+    return payload.get("n") in (None, 1) and not batched
+
+
+def _prefill_body(config: ModelConfig, routed: RoutedRequest) -> bytes:
+    """The prefill call: the client's body computing one token, not streamed, that keeps its blocks for a
+    decode replica. Its min_tokens goes: past the one token, the engine would refuse it."""
+    payload = {
+        **routed.payload,
+        "model": config.upstream_name,
+        KV_TRANSFER_PARAMS: {DO_REMOTE_DECODE: True},
+        "max_tokens": PREFILL_MAX_TOKENS,
+        "stream": False,
+    }
+    if "max_completion_tokens" in payload:
+        payload["max_completion_tokens"] = PREFILL_MAX_TOKENS
+    for name in ("stream_options", "min_tokens"):
+        payload.pop(name, None)
+    return _json_body(payload)
+
+
+def _prefill_answer(
+    url: str, status: int, headers: CIMultiDictProxy[str], content: bytes
+) -> dict[str, Any] | web.Response:
+    """The kv_transfer_params of a prefill replica's answer, or the answer itself when it is the client's
+    error; _PrefillFailed otherwise."""
+    if 400 <= status < 500 and status not in _NOT_THE_CLIENTS_FAULT:
+        return web.Response(status=status, body=content, headers=_end_to_end(headers))
+    if not 200 <= status < 300:
+        raise _PrefillFailed("error_status", f"{url} answered {status}")
+    try:
+        params = json.loads(content).get(KV_TRANSFER_PARAMS)
+    except (ValueError, AttributeError):
+        params = None
+    if not isinstance(params, dict) or not params:
+        raise _PrefillFailed("no_params", f"{url} answered without {KV_TRANSFER_PARAMS}")
+    return params
+
+
+async def _read_at_most(answer: aiohttp.ClientResponse, limit: int) -> bytes:
+    """The answer's body; an empty one past `limit` bytes (which no answer with params is)."""
+    chunks: list[bytes] = []
+    read = 0
+    while chunk := await answer.content.readany():
+        read += len(chunk)
+        if read > limit:
+            return b""
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _identity_encoded(headers: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """The headers asking for a body the gateway can read (its session passes bodies through undecoded)."""
+    kept = [(name, value) for name, value in headers if name.lower() != "accept-encoding"]
+    return [*kept, ("Accept-Encoding", "identity")]
 
 
 async def _body_chunks(
@@ -490,9 +672,13 @@ def _renamed_for_replicas(config: ModelConfig, routed: RoutedRequest, body: byte
     """The body with `model` as the replicas know it (`team-prod/llama-8b` is `llama-8b` there)."""
     if routed.model == config.upstream_name:
         return body
-    # Compact and in UTF-8, so the body does not outgrow what the client sent by more than the name.
-    renamed = {**routed.payload, "model": config.upstream_name}
-    return json.dumps(renamed, ensure_ascii=False, separators=(",", ":")).encode()
+    return _json_body({**routed.payload, "model": config.upstream_name})
+
+
+def _json_body(payload: Mapping[str, Any]) -> bytes:
+    """Compact and in UTF-8, so a body rewritten for the replicas does not outgrow what the client sent by
+    more than what was changed."""
+    return json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode()
 
 
 def _error_response(error: OpenAIError) -> web.Response:

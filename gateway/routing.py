@@ -15,6 +15,9 @@ pool decides that, the policy only picks among usable replicas.
   prompt still meet where it is cached, and prompts a replica must long have evicted stop attracting more.
   It is the approximate prefix-cache scoring of llm-d's endpoint picker: a replica's real cache is not read,
   and each gateway replica keeps its own index.
+
+The gateway does not tokenize: where it needs a prompt's length in tokens (disaggregated prefill), it takes
+CHARS_PER_TOKEN characters of prompt text to a token, as llm-d's endpoint picker does.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import bisect
 import hashlib
 import math
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -34,8 +37,10 @@ DEFAULT_PREFIX_CHARS = 256
 DEFAULT_LOAD_BOUND = 1.25
 # Points per replica on the hash ring: enough that keys spread evenly over a handful of replicas.
 RING_POINTS_PER_REPLICA = 160
-# cache-aware: prompts are matched in chunks of this many characters (about 16 tokens of English text)...
-CACHE_CHUNK_CHARS = 64
+# English text averages about this many characters to a token.
+CHARS_PER_TOKEN = 4
+# cache-aware: prompts are matched in chunks of this many characters (16 tokens of English text)...
+CACHE_CHUNK_CHARS = 16 * CHARS_PER_TOKEN
 # ...up to this many characters of each prompt, and each replica's cache is taken to hold this many.
 CACHE_PROMPT_CHARS = 64 * 1024
 CACHE_CHARS = 4 * 1024 * 1024
@@ -62,8 +67,20 @@ Usable = Callable[[Replica], bool]
 class Policy(Protocol):
     def choose(self, replicas: Sequence[Replica], prompt_text: str, usable: Usable) -> Replica | None: ...
 
+    def cached_chars(self, prompt_text: str) -> Mapping[str, int]:
+        """By replica URL, how many of the prompt's first characters the policy takes that replica's prefix
+        cache to hold; a replica not named holds none."""
+        ...
 
-class RoundRobin:
+
+class _NoCacheModel:
+    """For the policies that model no replica's cache."""
+
+    def cached_chars(self, prompt_text: str) -> Mapping[str, int]:
+        return {}
+
+
+class RoundRobin(_NoCacheModel):
     def __init__(self) -> None:
         self._next = 0
 
@@ -77,7 +94,7 @@ class RoundRobin:
         return None
 
 
-class LeastRequest:
+class LeastRequest(_NoCacheModel):
     def __init__(self) -> None:
         self._next = 0
 
@@ -94,7 +111,7 @@ class LeastRequest:
         return best
 
 
-class PrefixHash:
+class PrefixHash(_NoCacheModel):
     def __init__(
         self, prefix_chars: int = DEFAULT_PREFIX_CHARS, load_bound: float = DEFAULT_LOAD_BOUND
     ) -> None:
@@ -167,6 +184,10 @@ class CacheAware:
         self._remember(chosen.url, chunks)
         return chosen
 
+    def cached_chars(self, prompt_text: str) -> Mapping[str, int]:
+        chunks = _chunk_hashes(prompt_text)
+        return {url: self._matched(url, chunks) * CACHE_CHUNK_CHARS for url in self._cached}
+
     def _matched(self, url: str, chunks: list[int]) -> int:
         cached = self._cached.get(url)
         if cached is None:
@@ -183,6 +204,11 @@ class CacheAware:
             cached.move_to_end(chunk)
         while len(cached) > self.capacity_chunks:
             cached.popitem(last=False)
+
+
+def estimated_tokens(chars: int) -> int:
+    """The tokens of `chars` characters of prompt text, rounded up."""
+    return -(-chars // CHARS_PER_TOKEN)
 
 
 def _chunk_hashes(prompt_text: str) -> list[int]:

@@ -1,7 +1,8 @@
 """Replicas and gateways on real loopback sockets, in the test's own event loop, for the gateway's tests.
 
 The replicas are small aiohttp servers that answer like `kvfleet serve` does (OpenAI JSON, SSE ending with
-[DONE], the LoRA adapters they serve on /metrics) and record what reached them; the gateway under test is the
+[DONE], the LoRA adapters they serve on /metrics, and, for a prefill replica, the `kv_transfer_params` of the
+blocks it holds for a decode replica) and record what reached them; the gateway under test is the
 real one, fed by a discovery source the test publishes through. InferenceServices and pods are built as the
 API server returns them, for the Kubernetes discovery.
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import secrets
 import time
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
@@ -60,6 +62,10 @@ class FakeReplica:
     disconnected: asyncio.Event = field(default_factory=asyncio.Event)
     # The LoRA adapters its /metrics page lists.
     adapters: list[str] = field(default_factory=list)
+    # Answers a prefill call (`do_remote_decode`) as a kv_producer engine does: with the kv_transfer_params
+    # naming the blocks it holds, each recorded in `offers`.
+    offers_kv: bool = False
+    offers: list[dict[str, Any]] = field(default_factory=list)
     url: str = ""
     _runner: web.AppRunner | None = None
 
@@ -100,7 +106,10 @@ class FakeReplica:
             if self.gated:
                 await self.permits.acquire()
             if not body.get("stream"):
-                return web.json_response(_completion(self.name, body), headers={"x-replica": self.name})
+                answer = _completion(self.name, body)
+                if self.offers_kv and (body.get("kv_transfer_params") or {}).get("do_remote_decode"):
+                    answer["kv_transfer_params"] = self._offer(body)
+                return web.json_response(answer, headers={"x-replica": self.name})
             response = web.StreamResponse(
                 headers={"Content-Type": "text/event-stream", "x-replica": self.name}
             )
@@ -119,6 +128,23 @@ class FakeReplica:
         except asyncio.CancelledError:
             self.disconnected.set()
             raise
+
+    def _offer(self, body: dict[str, Any]) -> dict[str, Any]:
+        """Where the prompt's blocks wait, as the engine's prefill answer names them (16-token blocks of a
+        prompt taken at 4 characters a token)."""
+        prompt = json.dumps(body.get("messages", body.get("prompt")))
+        offer = {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_engine_id": f"engine-{self.name}",
+            "remote_host": "127.0.0.1",
+            "remote_port": 14579,
+            "remote_block_ids": list(range(len(prompt) // 64)),
+            "remote_request_id": secrets.token_hex(16),
+            "tp_size": 1,
+        }
+        self.offers.append(offer)
+        return offer
 
 
 def _completion(name: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -183,9 +209,15 @@ def queued(gateway: Gateway, model_name: str) -> float:
     return 0.0 if value is None else value
 
 
-def model(name: str, *replicas: FakeReplica | str, **settings: Any) -> ModelConfig:
-    urls = tuple(replica if isinstance(replica, str) else replica.url for replica in replicas)
-    return ModelConfig(name=name, endpoints=urls, **settings)
+def model(
+    name: str, *replicas: FakeReplica | str, prefill: tuple[FakeReplica | str, ...] = (), **settings: Any
+) -> ModelConfig:
+    """A model served by `replicas` (its decode replicas, when it has `prefill` replicas)."""
+    return ModelConfig(name=name, endpoints=_urls(replicas), prefill_endpoints=_urls(prefill), **settings)
+
+
+def _urls(replicas: tuple[FakeReplica | str, ...]) -> tuple[str, ...]:
+    return tuple(replica if isinstance(replica, str) else replica.url for replica in replicas)
 
 
 def service(name: str, namespace: str = "default", created: str | None = None, **spec: Any) -> dict[str, Any]:
@@ -210,13 +242,13 @@ def pod(
     port_name: str = "http",
     namespace: str = "default",
     port: int = 8000,
+    role: str | None = None,
 ) -> dict[str, Any]:
-    """A pod of the service's replicas."""
-    metadata: dict[str, Any] = {
-        "name": f"{service_name}-{ip}",
-        "namespace": namespace,
-        "labels": {"kvfleet.dev/inference-service": service_name},
-    }
+    """A pod of the service's replicas (of a disaggregated service's `role`)."""
+    labels = {"kvfleet.dev/inference-service": service_name}
+    if role is not None:
+        labels["kvfleet.dev/role"] = role
+    metadata: dict[str, Any] = {"name": f"{service_name}-{ip}", "namespace": namespace, "labels": labels}
     if terminating:
         metadata["deletionTimestamp"] = "2026-01-01T00:00:00Z"
     status: dict[str, Any] = {"conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}
@@ -231,7 +263,9 @@ def pod(
     }
 
 
-def replica_pod(service_name: str, replica: FakeReplica, namespace: str) -> dict[str, Any]:
+def replica_pod(
+    service_name: str, replica: FakeReplica, namespace: str, role: str | None = None
+) -> dict[str, Any]:
     """A ready pod of the service whose address is the fake replica's."""
     host, _, port = replica.url.removeprefix("http://").rpartition(":")
-    return pod(service_name, host, namespace=namespace, port=int(port))
+    return pod(service_name, host, namespace=namespace, port=int(port), role=role)
