@@ -20,6 +20,21 @@ PRINTER_COLUMNS = [
     {"name": "Tier", "type": "string", "jsonPath": ".spec.sla.tier"},
     {"name": "Desired", "type": "integer", "jsonPath": ".status.desiredReplicas"},
     {"name": "Available", "type": "integer", "jsonPath": ".status.readyReplicas"},
+    # A disaggregated service's roles: their ready replicas, and with -o wide the replicas asked for.
+    {"name": "Prefill", "type": "integer", "jsonPath": ".status.roles.prefill.readyReplicas"},
+    {"name": "Decode", "type": "integer", "jsonPath": ".status.roles.decode.readyReplicas"},
+    {
+        "name": "Prefill-Desired",
+        "type": "integer",
+        "jsonPath": ".status.roles.prefill.desiredReplicas",
+        "priority": 1,
+    },
+    {
+        "name": "Decode-Desired",
+        "type": "integer",
+        "jsonPath": ".status.roles.decode.desiredReplicas",
+        "priority": 1,
+    },
     {"name": "URL", "type": "string", "jsonPath": ".status.url"},
     {"name": "Ready", "type": "string", "jsonPath": '.status.conditions[?(@.type=="Ready")].status'},
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from kvfleet.operator.autoscaler import (
     AutoscalerState,
     FleetState,
+    LatencyTarget,
     MetricsSample,
     PodMetrics,
     ScaleDecision,
@@ -209,15 +210,25 @@ def test_panic_threshold_is_relative_to_ready_replicas() -> None:
     assert hot.panic
 
 
+TTFT_TARGET = LatencyTarget("time to first token", 0.5)
+
+
 def test_ttft_over_target_adds_one_replica_at_a_time() -> None:
     samples = [
         MetricsSample(time=t, queue_depth=10.0, reporting_pods=2, ttft_seconds=0.9) for t in range(0, 60, 2)
     ]
-    decision = decide(POLICY, samples, FleetState(2, 2), AutoscalerState(), now=59.0, ttft_target_seconds=0.5)
+    decision = decide(POLICY, samples, FleetState(2, 2), AutoscalerState(), now=59.0, latency=TTFT_TARGET)
     assert decision.replicas == 3 and "time to first token" in decision.reason
-    starting = decide(POLICY, samples, FleetState(3, 2), AutoscalerState(), now=59.0, ttft_target_seconds=0.5)
+    starting = decide(POLICY, samples, FleetState(3, 2), AutoscalerState(), now=59.0, latency=TTFT_TARGET)
     assert starting.replicas == 3, "waits for the added replica before adding another"
-    met = decide(POLICY, samples, FleetState(2, 2), AutoscalerState(), now=59.0, ttft_target_seconds=1.0)
+    met = decide(
+        POLICY,
+        samples,
+        FleetState(2, 2),
+        AutoscalerState(),
+        now=59.0,
+        latency=LatencyTarget("time to first token", 1.0),
+    )
     assert met.replicas == 1 and "time to first token" not in met.reason, "a met target leaves queue scaling"
 
 

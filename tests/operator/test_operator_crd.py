@@ -50,7 +50,19 @@ def test_printer_columns_point_at_schema_fields(crd: dict[str, Any]) -> None:
     version = crd["spec"]["versions"][0]
     schema = version["schema"]["openAPIV3Schema"]
     names = [column["name"] for column in version["additionalPrinterColumns"]]
-    assert names == ["Model", "Tier", "Desired", "Available", "URL", "Ready", "Age"]
+    assert names == [
+        "Model",
+        "Tier",
+        "Desired",
+        "Available",
+        "Prefill",
+        "Decode",
+        "Prefill-Desired",
+        "Decode-Desired",
+        "URL",
+        "Ready",
+        "Age",
+    ]
     for column in version["additionalPrinterColumns"]:
         path = column["jsonPath"].split("[")[0].strip(".").split(".")
         node = schema

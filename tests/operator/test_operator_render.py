@@ -13,8 +13,9 @@ from typing import Any
 
 import pytest
 import yaml
+from kvfleet.contract.kv_transfer import ROLES
 from kvfleet.operator.api import API_KEY_ENV, API_VERSION, HTTP_PORT, KIND, SERVICE_LABEL
-from kvfleet.operator.render import Owner, RenderOptions, render_children, service_url
+from kvfleet.operator.render import Owner, RenderOptions, Replicas, render_children, service_url
 from kvfleet.operator.render_pod import PRESTOP_DELAY_SECONDS, adapter_source, runtime_args
 from kvfleet.operator.spec import InferenceServiceSpec, parse_spec
 
@@ -28,10 +29,12 @@ def load_service(path: Path) -> dict[str, Any]:
 
 
 def render_example(path: Path, replicas: int = 2) -> tuple[InferenceServiceSpec, list[dict[str, Any]]]:
+    """A disaggregated example gets `replicas` of each role."""
     doc = load_service(path)
     name = doc["metadata"]["name"]
     spec = parse_spec(doc["spec"], name=name)
-    return spec, render_children(Owner(name, "serving", UID), spec, replicas, OPTIONS)
+    counts: Replicas = replicas if spec.disaggregation is None else dict.fromkeys(ROLES, replicas)
+    return spec, render_children(Owner(name, "serving", UID), spec, counts, OPTIONS)
 
 
 def pod_specs(children: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -68,6 +71,8 @@ def test_rendering_is_deterministic(example_path: Path) -> None:
 def test_every_child_is_owned_and_labelled(example_path: Path) -> None:
     spec, children = render_example(example_path)
     kinds = ["Deployment", "Service", "PodDisruptionBudget", "ServiceMonitor"]
+    if spec.disaggregation is not None:
+        kinds.insert(0, "Deployment")
     if spec.grouped:
         kinds[:1] = ["StatefulSet", "StatefulSet", "Service"]
     if spec.batch is not None and spec.batch.storage == "PersistentVolumeClaim":
