@@ -613,7 +613,14 @@ _ROLE_SCALING_RULES = [
 ]
 _ROLE_EXTRA_ARGS_ITEMS = {
     "maxLength": 1024,
-    "x-kubernetes-validations": [_API_KEY_FLAG_RULE.render(), _KV_TRANSFER_FLAG_RULE.render()],
+    "x-kubernetes-validations": [
+        Rule(
+            _API_KEY_FLAG_RULE.rule,
+            f"extraArgs must not pass {API_KEY_FLAG}: the key comes from the Secret named in "
+            "engine.apiKeySecret",
+        ).render(),
+        _KV_TRANSFER_FLAG_RULE.render(),
+    ],
 }
 
 
