@@ -152,6 +152,19 @@ def _role_scalings() -> dict[Role, RoleScaling]:
     return {role: RoleScaling() for role in ROLES}
 
 
+@dataclass(frozen=True)
+class _Sized:
+    """The replicas the workload should run, and how what runs stands against them."""
+
+    replicas: Replicas
+    # The colocated workload, read as a Deployment; None for a disaggregated service.
+    deployment: DeploymentView | None
+    # A workload object is missing or runs another count.
+    drifted: bool
+    # No workload object exists yet.
+    new: bool
+
+
 @dataclass
 class ServiceController:
     owner: Owner
@@ -244,30 +257,10 @@ class ServiceController:
             await self._write_status(observation, previous_status)
             return IDLE_PASS_SECONDS
 
-        if spec.disaggregation is None:
-            # For a model that spans nodes, the workload is the groups, read as a Deployment of groups.
-            deployment = _workload(spec, observed, applied=self._applied is not None)
-            self.roles = _role_scalings()
-            self._size_colocated(spec, deployment, previous_status)
-            if spec.scaling.autoscaling:
-                await self._autoscale(spec, pods)
-            replicas: Replicas = self.desired or 0
-            drifted = deployment is None or deployment.replicas != self.desired
-            new = deployment is None
-        else:
-            deployment, self.desired = None, None
-            self._size_roles(spec, observed, previous_status)
-            await self._autoscale_roles(spec, pods)
-            replicas = {role: self.roles[role].desired or 0 for role in ROLES}
-            drifted = any(
-                observed.roles.get(role) is None or observed.roles[role].replicas != count
-                for role, count in replicas.items()
-            )
-            new = not observed.roles
-
+        sized = await self._scale(spec, observed, previous_status)
         blocking = None
         try:
-            await self._apply(spec, generation, replicas, drifted, new)
+            await self._apply(spec, generation, sized)
             await self._remove_other_workloads(spec, observed)
             await self._restart_outdated_groups(spec, observed)
             self._failures = 0
@@ -292,7 +285,7 @@ class ServiceController:
         observation = self._observation(
             generation,
             spec,
-            deployment,
+            sized.deployment,
             pods,
             blocking,
             adapters=adapters,
@@ -305,6 +298,29 @@ class ServiceController:
         if self._failures:
             return min(2.0**self._failures, MAX_BACKOFF_SECONDS)
         return float(spec.scaling.metrics_interval_seconds) if _autoscaled(spec) else IDLE_PASS_SECONDS
+
+    async def _scale(
+        self, spec: InferenceServiceSpec, observed: Observed, previous_status: Mapping[str, Any]
+    ) -> _Sized:
+        """The replicas the workload should run after this pass's autoscaling, against what runs."""
+        if spec.disaggregation is None:
+            # For a model that spans nodes, the workload is the groups, read as a Deployment of groups.
+            deployment = _workload(spec, observed, applied=self._applied is not None)
+            self.roles = _role_scalings()
+            self._size_colocated(spec, deployment, previous_status)
+            if spec.scaling.autoscaling:
+                await self._autoscale(spec, observed.pods)
+            drifted = deployment is None or deployment.replicas != self.desired
+            return _Sized(self.desired or 0, deployment, drifted, new=deployment is None)
+        self.desired = None
+        self._size_roles(spec, observed, previous_status)
+        await self._autoscale_roles(spec, observed.pods)
+        replicas = {role: self.roles[role].desired or 0 for role in ROLES}
+        drifted = any(
+            observed.roles.get(role) is None or observed.roles[role].replicas != count
+            for role, count in replicas.items()
+        )
+        return _Sized(replicas, None, drifted, new=not observed.roles)
 
     def _size_colocated(
         self,
@@ -498,23 +514,22 @@ class ServiceController:
         if self._warn(PAGE_TOO_LARGE_REASON, message):
             logger.warning("%s/%s: %s", self.owner.namespace, self.owner.name, message)
 
-    async def _apply(
-        self, spec: InferenceServiceSpec, generation: int, replicas: Replicas, drifted: bool, new: bool
-    ) -> None:
+    async def _apply(self, spec: InferenceServiceSpec, generation: int, sized: _Sized) -> None:
         """Applies the children unless they were applied as they are now, nothing drifted from them and the
-        resync is not due; `new`: no workload exists yet."""
+        resync is not due."""
         options = self.options()
         spec_digest = self._template_digest(spec, generation, options)
         now = self.clock()
         fresh = now - self._last_apply_at < RESYNC_SECONDS
-        if self._applied == (spec_digest, replicas) and not drifted and fresh:
+        replicas = sized.replicas
+        if self._applied == (spec_digest, replicas) and not sized.drifted and fresh:
             return
         children = render_children(self.owner, spec, replicas, options)
         for child in children:
             await self.cluster.apply(child)
             self.metrics.applies.labels(child["kind"]).inc()
         kinds = ", ".join(child["kind"] for child in children)
-        if new and self._applied is None:
+        if sized.new and self._applied is None:
             self.events("Normal", "Created", f"Applied {kinds} for {spec.model.uri}")
         elif self._applied is not None and spec_digest != self._applied[0]:
             self.events("Normal", "Updated", f"Applied generation {generation}: rolling out the new template")

@@ -111,21 +111,27 @@ def render_children(
     if spec.disaggregation is not None:
         assert isinstance(replicas, Mapping), "a disaggregated service is given each role's replicas"
         workload = [render_role_deployment(owner, spec, role, replicas[role], options) for role in ROLES]
-    elif isinstance(replicas, Mapping):
-        raise TypeError("a service without roles has one replica count")
-    elif not spec.grouped:
-        workload = [render_deployment(owner, spec, replicas, options)]
-    elif spec.scaling.group_backend == "statefulset":
-        groups = [render_group(owner, spec, index, options) for index in range(replicas)]
-        workload = [*groups, render_rendezvous_service(owner, spec)]
     else:
-        workload = [render_leader_worker_set(owner, spec, replicas, options)]
+        assert isinstance(replicas, int), "a service without roles is given one replica count"
+        workload = _colocated_workload(owner, spec, replicas, options)
     children = [*workload, render_service(owner, spec), render_disruption_budget(owner, spec)]
     if spec.batch is not None and spec.batch.storage == "PersistentVolumeClaim":
         children.insert(0, render_batch_claim(owner, spec))
     if options.service_monitor:
         children.append(render_service_monitor(owner, spec))
     return children
+
+
+def _colocated_workload(
+    owner: Owner, spec: InferenceServiceSpec, replicas: int, options: RenderOptions
+) -> list[dict[str, Any]]:
+    """Each replica a Deployment's pod, or a group of pods: a StatefulSet each, or one LeaderWorkerSet."""
+    if not spec.grouped:
+        return [render_deployment(owner, spec, replicas, options)]
+    if spec.scaling.group_backend == "statefulset":
+        groups = [render_group(owner, spec, index, options) for index in range(replicas)]
+        return [*groups, render_rendezvous_service(owner, spec)]
+    return [render_leader_worker_set(owner, spec, replicas, options)]
 
 
 def render_deployment(
@@ -162,9 +168,6 @@ def render_role_deployment(
     labels = {**common_labels(owner, spec), **role_labels}
     metadata = _metadata(owner, labels)
     metadata["name"] = role_name(owner.name, role)
-    safety = safety_config(options.safety, spec.safety, owner.namespace, options.cluster_domain)
-    image = spec.engine.image or options.runtime_image
-    template = pod_template(spec.for_role(role), labels, image, owner.name, safety, role=role)
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -176,7 +179,7 @@ def render_role_deployment(
             "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
             "revisionHistoryLimit": 3,
             "progressDeadlineSeconds": spec.engine.startup_timeout_seconds + ROLLOUT_SLACK_SECONDS,
-            "template": template,
+            "template": _pod_template(owner, spec.for_role(role), labels, options, role=role),
         },
     }
 
@@ -276,10 +279,11 @@ def _pod_template(
     labels: dict[str, str],
     options: RenderOptions,
     group: GroupPlacement | None = None,
+    role: Role | None = None,
 ) -> dict[str, Any]:
     image = spec.engine.image or options.runtime_image
     safety = safety_config(options.safety, spec.safety, owner.namespace, options.cluster_domain)
-    return pod_template(spec, labels, image, owner.name, safety, group)
+    return pod_template(spec, labels, image, owner.name, safety, group, role)
 
 
 def render_batch_claim(owner: Owner, spec: InferenceServiceSpec) -> dict[str, Any]:
