@@ -751,7 +751,8 @@ class InferenceServiceSpec:
     disaggregation: DisaggregationSpec | None = prop(
         "Run prefill and decode on separate replicas (vLLM's disaggregated serving): a prefill role computes "
         "each prompt and a decode role pulls its KV cache over TCP and generates, each role with its own "
-        "replicas, resources and scaling. Unset, every replica does both. Needs one rank per replica.",
+        "replicas, resources and scaling (spec.scaling's windows, steps and delays; its replica bounds do "
+        "not apply). Unset, every replica does both. Needs one rank per replica.",
         None,
     )
 

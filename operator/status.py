@@ -80,18 +80,14 @@ _AUTOSCALER = obj(
 )
 
 
-def _role_schema(role: str) -> dict[str, Any]:
+def _role_schema(role: str, figures: str) -> dict[str, Any]:
     return obj(
         f"The {role} role's replicas.",
         {
             "desiredReplicas": integer(f"The {role} replicas the operator asks for."),
             "replicas": integer(f"The {role} replicas the role's Deployment runs, ready or not."),
             "readyReplicas": integer(f"The {role} replicas ready to serve."),
-            "autoscaler": {
-                **_AUTOSCALER,
-                "description": f"The metrics the autoscaler last decided the {role} role on (while "
-                "autoscaling it; the decode replicas' own prompt backlog while no prefill replica is ready).",
-            },
+            "autoscaler": {**_AUTOSCALER, "description": figures},
         },
     )
 
@@ -112,7 +108,18 @@ STATUS_SCHEMA = obj(
         "autoscaler": _AUTOSCALER,
         "roles": obj(
             "Each role of a disaggregated service (spec.disaggregation); the counts above are their sums.",
-            {"prefill": _role_schema("prefill"), "decode": _role_schema("decode")},
+            {
+                "prefill": _role_schema(
+                    "prefill",
+                    "The metrics the autoscaler last decided the prefill role on (while autoscaling it): "
+                    "the decode replicas' while no prefill replica is ready, since they compute every "
+                    "prompt meanwhile.",
+                ),
+                "decode": _role_schema(
+                    "decode",
+                    "The metrics the autoscaler last decided the decode role on (while autoscaling it).",
+                ),
+            },
         ),
         "adapters": array(
             "Each LoRA adapter of spec.adapters and where it is served.",
