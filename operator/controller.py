@@ -713,6 +713,8 @@ class ServiceController:
         for key in _OPTIONAL_STATUS_KEYS:
             if key in previous and key not in status:
                 patch[key] = None
+        if "roles" in status:
+            patch["roles"] = _roles_patch(status["roles"], previous.get("roles") or {})
         try:
             await self.cluster.patch_status(self.owner.namespace, self.owner.name, patch)
         except KubeError as error:
@@ -788,6 +790,16 @@ def _without_figures(status: Mapping[str, Any]) -> dict[str, Any]:
     if "roles" in status:
         figureless["roles"] = {role: _without_figures(counts) for role, counts in status["roles"].items()}
     return figureless
+
+
+def _roles_patch(roles: Mapping[str, Any], previous: Mapping[str, Any]) -> dict[str, Any]:
+    """The roles' status as a merge patch: a role's figures written before and not now are cleared (a merge
+    patch keeps what it does not name)."""
+    patch = {}
+    for role, counts in roles.items():
+        cleared = "autoscaler" in (previous.get(role) or {}) and "autoscaler" not in counts
+        patch[role] = {**counts, "autoscaler": None} if cleared else dict(counts)
+    return patch
 
 
 def _autoscaled(spec: InferenceServiceSpec) -> bool:

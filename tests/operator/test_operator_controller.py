@@ -911,3 +911,19 @@ def test_a_restarted_operator_keeps_each_roles_count() -> None:
     harness.run(None, [], roles=roles)
     assert role_replicas(harness) == {"svc-prefill": 2, "svc-decode": 5}
     assert "Created" not in harness.reasons()
+
+
+def test_a_role_that_stops_autoscaling_has_its_figures_cleared() -> None:
+    harness = Harness(disaggregated())
+    harness.scraper.per_pod = PodMetrics(waiting=0, running=1, kv_cache_usage=0.1, queued_prompt_tokens=10.0)
+    pods = [*role_pods("prefill", 1), *role_pods("decode", 1)]
+    roles = {"prefill": role_deployment("prefill", 1), "decode": role_deployment("decode", 1)}
+    harness.run(None, pods, roles=roles)
+    assert "autoscaler" in harness.cluster.statuses[-1]["roles"]["prefill"]
+    harness.body["spec"]["disaggregation"] = {"prefill": {"scaling": {"replicas": 1}}}
+    harness.body["metadata"]["generation"] = 2
+    harness.clock.now += 2
+    harness.run(None, pods, roles=roles)
+    patch = harness.cluster.statuses[-1]["roles"]
+    assert patch["prefill"]["autoscaler"] is None, "a merge patch must name what it removes"
+    assert patch["decode"]["autoscaler"]["queueDepth"] == 1.0
