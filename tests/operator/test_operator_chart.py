@@ -460,6 +460,34 @@ POLICY_CASES: list[tuple[str, str, dict[str, Any], str | None]] = [
         {"engine": {"extraArgs": ["--num-kv-blocks-x"]}},
         "spec.engine.extraArgs: --num-kv-blocks-x not allowed",
     ),
+    (
+        "tuning flags and tolerations of a role",
+        "team-a",
+        {
+            "disaggregation": {
+                "prefill": {
+                    "extraArgs": ["--max-num-batched-tokens", "8192"],
+                    "resources": {"tolerations": [{"key": "dedicated", "operator": "Exists"}]},
+                },
+                "decode": {"extraArgs": ["--seed=1"]},
+            }
+        },
+        None,
+    ),
+    (
+        "a role's flag replacing the model",
+        "team-a",
+        {"disaggregation": {"decode": {"extraArgs": ["--seed", "1", "--model=/etc"]}}},
+        "spec.disaggregation.decode.extraArgs: --model=/etc not allowed; the flags allowed:"
+        " --max-num-batched-tokens,",
+    ),
+    (
+        "a role's toleration of every taint",
+        "team-a",
+        {"disaggregation": {"prefill": {"resources": {"tolerations": [{"operator": "Exists"}]}}}},
+        "spec.disaggregation.prefill.resources.tolerations: a toleration without a key (every taint) not"
+        " allowed; the taint keys allowed: nvidia.com/gpu, dedicated",
+    ),
 ]
 
 
@@ -490,7 +518,8 @@ def test_the_admission_policy_defaults_refuse_host_paths_images_tiers_toleration
 ) -> None:
     policy, _ = render_policy(helm, tmp_path, {})
     review = AdmissionPolicy(policy).review
-    assert len(policy["spec"]["validations"]) == 7
+    # Besides the service's own tolerations and flags, each role's (a disaggregated service's).
+    assert len(policy["spec"]["validations"]) == 7 + 2 * 2
     assert review(service_in(crd_validator, model=HOST_PATH_MODEL), "default") == [
         "spec.model.hostPath: InferenceServices in namespace default may not mount a node path; allowed only"
         " in: no namespace",
