@@ -55,14 +55,16 @@ def test_printer_columns_point_at_schema_fields(crd: dict[str, Any]) -> None:
         "Tier",
         "Desired",
         "Available",
-        "Prefill",
-        "Decode",
         "Prefill-Desired",
+        "Prefill-Ready",
         "Decode-Desired",
+        "Decode-Ready",
         "URL",
         "Ready",
         "Age",
     ]
+    wide = [column["name"] for column in version["additionalPrinterColumns"] if column.get("priority")]
+    assert wide == names[4:8], "a colocated service has no roles: kubectl get shows them with -o wide only"
     for column in version["additionalPrinterColumns"]:
         path = column["jsonPath"].split("[")[0].strip(".").split(".")
         node = schema
