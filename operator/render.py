@@ -1,7 +1,8 @@
 """An InferenceService's children, rendered from its spec alone: Deployment, Service, PDB, ServiceMonitor.
 
 A model that spans nodes runs each replica as a group of pods instead of a Deployment's pod: a StatefulSet per
-group with a headless Service through which the ranks find rank 0, or one LeaderWorkerSet.
+group with a headless Service through which the ranks find rank 0, or one LeaderWorkerSet. A disaggregated
+service runs a Deployment per role (prefill, decode), and its Service sends requests to the decode role.
 
 Pure functions: the same inputs give the same manifests, which is what makes server-side apply
 idempotent and the output golden-testable.
