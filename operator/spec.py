@@ -870,12 +870,7 @@ def _parse_engine(section: _Section) -> EngineSpec:
             raise SpecError("InvalidSpec", f"{entry.path} must not set {API_KEY_ENV}: {_API_KEY_SOURCE}")
         env_items.append((env_name, entry.string("value") or ""))
     extra_args = section.strings("extraArgs")
-    for index, arg in enumerate(extra_args):
-        if arg == API_KEY_FLAG or arg.startswith(f"{API_KEY_FLAG}="):
-            raise SpecError(
-                "InvalidSpec",
-                f"{section.path}.extraArgs[{index}] must not pass {API_KEY_FLAG}: {_API_KEY_SOURCE}",
-            )
+    _refuse_flag(section, extra_args, API_KEY_FLAG, _API_KEY_SOURCE)
     return EngineSpec(
         image=section.string("image"),
         image_pull_policy=cast(
@@ -1112,24 +1107,21 @@ def _parse_role_resources(role: _Section, engine: EngineSpec) -> ResourcesSpec |
 
 def _parse_role_extra_args(role: _Section) -> tuple[str, ...]:
     extra_args = role.strings("extraArgs")
-    for index, arg in enumerate(extra_args):
-        if arg == API_KEY_FLAG or arg.startswith(f"{API_KEY_FLAG}="):
-            raise SpecError(
-                "InvalidSpec",
-                f"{role.path}.extraArgs[{index}] must not pass {API_KEY_FLAG}: {_API_KEY_SOURCE}",
-            )
+    _refuse_flag(role, extra_args, API_KEY_FLAG, _API_KEY_SOURCE)
     _refuse_kv_transfer_flag(role, extra_args)
     return tuple(extra_args)
 
 
 def _refuse_kv_transfer_flag(section: _Section, extra_args: Sequence[str]) -> None:
+    why = "the operator renders it for each role of spec.disaggregation"
+    _refuse_flag(section, extra_args, KV_TRANSFER_CONFIG_FLAG, why)
+
+
+def _refuse_flag(section: _Section, extra_args: Sequence[str], flag: str, why: str) -> None:
+    """Raises SpecError for the first of a section's extraArgs that passes `flag`, alone or with its value."""
     for index, arg in enumerate(extra_args):
-        if arg == KV_TRANSFER_CONFIG_FLAG or arg.startswith(f"{KV_TRANSFER_CONFIG_FLAG}="):
-            raise SpecError(
-                "InvalidSpec",
-                f"{section.path}.extraArgs[{index}] must not pass {KV_TRANSFER_CONFIG_FLAG}: the operator "
-                "renders it for each role of spec.disaggregation",
-            )
+        if arg == flag or arg.startswith(f"{flag}="):
+            raise SpecError("InvalidSpec", f"{section.path}.extraArgs[{index}] must not pass {flag}: {why}")
 
 
 def _parse_sla(section: _Section) -> SlaSpec:
