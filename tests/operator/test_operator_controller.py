@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 from kvfleet.contract.kv_transfer import Role
 from kvfleet.operator import controller as controller_module
+from kvfleet.operator import handlers
 from kvfleet.operator.adapters import AdapterLoadError, AdapterSync, DesiredAdapter, ReplicaUnavailable
 from kvfleet.operator.api import GROUP_LABEL, SERVICE_LABEL
 from kvfleet.operator.autoscaler import PodMetrics
@@ -927,3 +928,26 @@ def test_a_role_that_stops_autoscaling_has_its_figures_cleared() -> None:
     patch = harness.cluster.statuses[-1]["roles"]
     assert patch["prefill"]["autoscaler"] is None, "a merge patch must name what it removes"
     assert patch["decode"]["autoscaler"]["queueDepth"] == 1.0
+
+
+def test_the_watch_indexes_give_each_role_its_deployment_and_leave_namesakes_out() -> None:
+    colocated = deployment_at(1)
+    prefill, decode = role_deployment("prefill", 1, ready=1), role_deployment("decode", 2, ready=0)
+    stray = dataclasses.replace(role_deployment("decode", 9), owner_uid="someone-else")
+    indexes: dict[str, Any] = {
+        "pods": {},
+        "deployments": {
+            ("ns", "svc"): [colocated, prefill, decode, stray],
+            ("ns", "guard"): [prefill, decode],
+        },
+        "stateful_sets": {},
+        "leader_worker_sets": {},
+        "gateways": {},
+        "served_names": {},
+    }
+    cluster = handlers._IndexedCluster(namespace="ns", name="svc", uid=UID, gateway_queues=None, **indexes)  # type: ignore[arg-type]
+    observed = cluster.observe()
+    assert observed.deployment == colocated
+    assert observed.roles == {"prefill": prefill, "decode": decode}
+    # A disaggregated guard serves only through its decode role, none of which is ready here.
+    assert cluster.guard_state("guard") is GuardState.UNAVAILABLE
