@@ -12,11 +12,17 @@ KVFLEET_PREFIX = "kvfleet:"
 VLLM_PREFIX = "vllm:"
 PREFIXES = (KVFLEET_PREFIX, VLLM_PREFIX)
 # The autoscaler's inputs: the queue depth to scale on, the running batch, the fraction of KV cache blocks
-# in use (0 to 1), and the time to first token (a histogram: its _sum and _count).
+# in use (0 to 1), the time to first token and the time between a request's output tokens (histograms: their
+# _sum and _count).
 WAITING = "num_requests_waiting"
 RUNNING = "num_requests_running"
 KV_CACHE_USAGE = "kv_cache_usage_perc"
 TTFT = "time_to_first_token_seconds"
+ITL = "inter_token_latency_seconds"
+# A gauge of the prompt tokens a replica has still to compute, of its waiting and running requests (tokens
+# loaded from a prefill replica are not computed): the backlog a disaggregated service's prefill role is
+# scaled on. kvfleet's alone (vLLM has none).
+QUEUED_PROMPT_TOKENS = KVFLEET_PREFIX + "num_queued_prompt_tokens"
 # One series per LoRA adapter a replica serves, its name in the LORA_NAME label: how the gateway learns
 # where each adapter runs (/metrics needs no API key, /v1/models does).
 LORA_ADAPTER_INFO = KVFLEET_PREFIX + "lora_adapter_info"

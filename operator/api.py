@@ -36,6 +36,13 @@ API_KEY_ENV = "KVFLEET_API_KEY"
 # ...or from this flag, which beats the variable: a spec may pass neither itself.
 API_KEY_FLAG = "--api-key"
 
+# The runtime's option that makes a replica one side of disaggregated prefill and decode (vLLM's name and
+# JSON); the operator renders it for each role, so a spec may not pass it.
+KV_TRANSFER_CONFIG_FLAG = "--kv-transfer-config"
+# Where a prefill replica serves its KV blocks to decode replicas (vLLM's default port).
+KV_TRANSFER_PORT = 14579
+KV_TRANSFER_PORT_NAME = "kv-transfer"
+
 # A replica split over several nodes is a group of pods, one per node rank. The StatefulSet of a group labels
 # its pods with their ordinal, which is the rank; a LeaderWorkerSet labels its pods with their worker index.
 # Only rank 0 serves the OpenAI API; the others answer GET /health alone.

@@ -1,10 +1,11 @@
 """The autoscaler's decision: a pure function of the metric samples, the fleet's state and the clock.
 
 Modelled on Knative's KPA: the desired count is the demand (requests running plus waiting, over the
-replicas) divided by the target per replica, averaged over a stable window; a short panic window
-reacts to bursts, and while it is active the fleet never shrinks. Scale-down waits for the highest
-recommendation of a delay window (no flapping), steps are bounded, and replicas the scheduler cannot
-place hold scale-up, so the fleet does not keep asking for GPUs that are not there.
+replicas) divided by the target per replica, averaged over a stable window (a fleet sized on several
+figures, such as a disaggregated service's decode role on requests and KV cache, takes the most any of them
+wants); a short panic window reacts to bursts, and while it is active the fleet never shrinks. Scale-down
+waits for the highest recommendation of a delay window (no flapping), steps are bounded, and replicas the
+scheduler cannot place hold scale-up, so the fleet does not keep asking for GPUs that are not there.
 """
 
 from __future__ import annotations
@@ -12,8 +13,10 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
+from typing import Literal
 
-from kvfleet.operator.spec import ScalingSpec
+from kvfleet.contract.kv_transfer import Role
+from kvfleet.operator.spec import InferenceServiceSpec, ScalingSpec
 
 # Keeps a float demand of exactly N targets from rounding up to N + 1.
 _CEIL_EPSILON = 1e-9
@@ -28,6 +31,10 @@ class PodMetrics:
     kv_cache_usage: float | None = None
     # Mean time to first token of the requests that started since the previous scrape, if any did.
     ttft_seconds: float | None = None
+    # Prompt tokens still to compute, of the waiting and running requests.
+    queued_prompt_tokens: float | None = None
+    # Mean time between output tokens since the previous scrape, if any were generated.
+    itl_seconds: float | None = None
 
     @property
     def queue_depth(self) -> float:
@@ -43,6 +50,64 @@ class MetricsSample:
     reporting_pods: int
     kv_cache_usage: float | None = None
     ttft_seconds: float | None = None
+    # The fleet's prompt tokens still to compute, estimated as queue_depth is.
+    queued_prompt_tokens: float | None = None
+    # The KV cache in use over the fleet, in replicas' worth: the mean share in use times the replicas.
+    kv_cache_in_use: float | None = None
+    itl_seconds: float | None = None
+
+
+Figure = Literal["queue depth", "queued prompt tokens", "KV cache in use"]
+Latency = Literal["time to first token", "inter-token latency"]
+
+
+@dataclass(frozen=True)
+class Target:
+    """A figure of the fleet and how much of it one replica should carry: it wants figure / per_replica."""
+
+    figure: Figure
+    per_replica: float
+
+
+@dataclass(frozen=True)
+class LatencyTarget:
+    """A latency the fleet's replicas should keep on average; while it is missed the fleet grows."""
+
+    latency: Latency
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Sizing:
+    """What one workload of a service is scaled by: the policy, the figures it is sized on, the latency its
+    replicas should keep."""
+
+    policy: ScalingSpec
+    targets: tuple[Target, ...]
+    latency: LatencyTarget | None = None
+
+
+def sizing(spec: InferenceServiceSpec, role: Role | None = None) -> Sizing:
+    """A colocated service is sized on its queue depth and held to its time to first token; a prefill role
+    on its queued prompt tokens and the same time to first token; a decode role on its queue depth and KV
+    cache in use, and held to its inter-token latency."""
+    ttft = spec.sla.ttft_target_milliseconds
+    ttft_target = LatencyTarget("time to first token", ttft / 1000) if ttft is not None else None
+    if role is None:
+        return Sizing(spec.scaling, (Target("queue depth", spec.scaling.target_queue_depth),), ttft_target)
+    assert spec.disaggregation is not None
+    if role == "prefill":
+        prefill = spec.disaggregation.prefill.scaling
+        target = Target("queued prompt tokens", prefill.target_queued_prompt_tokens)
+        return Sizing(prefill.policy(spec.scaling), (target,), ttft_target)
+    decode = spec.disaggregation.decode.scaling
+    targets = (
+        Target("queue depth", decode.target_queue_depth),
+        Target("KV cache in use", decode.target_kv_cache_usage_percent / 100),
+    )
+    itl = decode.itl_target_milliseconds
+    latency = LatencyTarget("inter-token latency", itl / 1000) if itl is not None else None
+    return Sizing(decode.policy(spec.scaling), targets, latency)
 
 
 @dataclass(frozen=True)
@@ -89,14 +154,17 @@ def aggregate(
         return None
     mean_depth = sum(report.queue_depth for report in answered) / len(answered)
     replicas = max(ready_replicas, len(answered))
-    kv = [report.kv_cache_usage for report in answered if report.kv_cache_usage is not None]
-    ttft = [report.ttft_seconds for report in answered if report.ttft_seconds is not None]
+    kv = _mean_or_none(report.kv_cache_usage for report in answered)
+    prompt_tokens = _mean_or_none(report.queued_prompt_tokens for report in answered)
     return MetricsSample(
         time=time,
         queue_depth=mean_depth * replicas + held,
         reporting_pods=len(answered),
-        kv_cache_usage=sum(kv) / len(kv) if kv else None,
-        ttft_seconds=sum(ttft) / len(ttft) if ttft else None,
+        kv_cache_usage=kv,
+        ttft_seconds=_mean_or_none(report.ttft_seconds for report in answered),
+        queued_prompt_tokens=prompt_tokens * replicas if prompt_tokens is not None else None,
+        kv_cache_in_use=kv * replicas if kv is not None else None,
+        itl_seconds=_mean_or_none(report.itl_seconds for report in answered),
     )
 
 
@@ -106,27 +174,27 @@ def decide(
     fleet: FleetState,
     state: AutoscalerState,
     now: float,
-    ttft_target_seconds: float | None = None,
+    latency: LatencyTarget | None = None,
+    targets: Sequence[Target] | None = None,
 ) -> ScaleDecision:
-    """Replicas the fleet should have now, with the reason a user would want to read."""
+    """Replicas the fleet should have now, with the reason a user would want to read. `targets`: the figures
+    the fleet is sized on; by default the queue depth at the policy's target."""
     current = fleet.current_replicas
+    targets = targets if targets is not None else [Target("queue depth", policy.target_queue_depth)]
     stable = [s for s in samples if now - policy.stable_window_seconds < s.time <= now]
-    if not stable:
+    if not any(_figure(s, target.figure) is not None for s in stable for target in targets):
         replicas = policy.clamp(current)
         return ScaleDecision(replicas, _bounded_reason(replicas, current, "no metrics yet"), False, state)
 
     panic_samples = [s for s in stable if now - policy.panic_window_seconds < s.time] or stable[-1:]
-    wanted, reason, panic_until = _wanted_for_demand(policy, stable, panic_samples, fleet, state, now)
+    wanted, reason, panic_until = _wanted_for_demand(
+        policy, targets, stable, panic_samples, fleet, state, now
+    )
     panic = panic_until is not None
-    ttft = _mean_or_none(s.ttft_seconds for s in panic_samples)
+    observed = _mean_or_none(_latency(s, latency.latency) for s in panic_samples) if latency else None
     panic_demand = _mean(s.queue_depth for s in panic_samples)
-    if (
-        ttft_target_seconds is not None
-        and ttft is not None
-        and ttft > ttft_target_seconds
-        and panic_demand > 0
-    ):
-        wanted, reason = _latency_floor(wanted, reason, fleet, ttft, ttft_target_seconds)
+    if latency is not None and observed is not None and observed > latency.seconds and panic_demand > 0:
+        wanted, reason = _latency_floor(wanted, reason, fleet, observed, latency)
 
     recent = [
         (time, count) for time, count in state.recommendations if now - time < policy.scale_down_delay_seconds
@@ -148,40 +216,68 @@ def decide(
 
 def _wanted_for_demand(
     policy: ScalingSpec,
+    targets: Sequence[Target],
     stable: Sequence[MetricsSample],
     panic_samples: Sequence[MetricsSample],
     fleet: FleetState,
     state: AutoscalerState,
     now: float,
 ) -> tuple[int, str, float | None]:
-    """Replicas the queue depth asks for, why, and until when panic mode lasts (None: not in panic).
+    """Replicas the figures ask for (the most any of them wants), why, and until when panic mode lasts
+    (None: not in panic).
 
     A burst on the short window that wants the panic threshold's share of the ready replicas starts panic
     mode, which lasts a stable window: meanwhile the fleet follows the short window and never shrinks.
     """
-    current, target = fleet.current_replicas, policy.target_queue_depth
-    stable_demand = _mean(s.queue_depth for s in stable)
-    panic_demand = _mean(s.queue_depth for s in panic_samples)
-    wanted_panic = _ceil(panic_demand / target)
+    current = fleet.current_replicas
+    stable_wanted = _most_wanted(targets, stable, policy.stable_window_seconds)
+    assert stable_wanted is not None, "decide() saw a figure in the stable window"
+    panic_wanted = _most_wanted(targets, panic_samples, policy.panic_window_seconds) or stable_wanted
+    wanted_panic, panic_reason = panic_wanted
     over_threshold = wanted_panic * 100 >= policy.panic_threshold_percent * max(fleet.ready_replicas, 1)
     panic_until = state.panic_until
     if over_threshold and wanted_panic > current:
         panic_until = now + policy.stable_window_seconds
     if panic_until is not None and now < panic_until:
-        reason = f"panic: queue depth {panic_demand:.1f} over the last {policy.panic_window_seconds}s"
-        return max(wanted_panic, current), f"{reason}, target {target} per replica", panic_until
-    reason = f"queue depth {stable_demand:.1f} over the last {policy.stable_window_seconds}s"
-    return _ceil(stable_demand / target), f"{reason}, target {target} per replica", None
+        return max(wanted_panic, current), f"panic: {panic_reason}", panic_until
+    wanted, reason = stable_wanted
+    return wanted, reason, None
+
+
+def _most_wanted(
+    targets: Sequence[Target], samples: Sequence[MetricsSample], window: int
+) -> tuple[int, str] | None:
+    """The most replicas any target's mean figure over `samples` wants, and why; None without figures."""
+    best: tuple[int, str] | None = None
+    for target in targets:
+        mean = _mean_or_none(_figure(s, target.figure) for s in samples)
+        if mean is None:
+            continue
+        wanted = _ceil(mean / target.per_replica)
+        if best is None or wanted > best[0]:
+            per_replica = f"target {target.per_replica:g} per replica"
+            best = wanted, f"{target.figure} {mean:.1f} over the last {window}s, {per_replica}"
+    return best
+
+
+def _figure(sample: MetricsSample, figure: Figure) -> float | None:
+    if figure == "queue depth":
+        return sample.queue_depth
+    if figure == "queued prompt tokens":
+        return sample.queued_prompt_tokens
+    return sample.kv_cache_in_use
+
+
+def _latency(sample: MetricsSample, latency: Latency) -> float | None:
+    return sample.ttft_seconds if latency == "time to first token" else sample.itl_seconds
 
 
 def _latency_floor(
-    wanted: int, reason: str, fleet: FleetState, ttft: float, ttft_target_seconds: float
+    wanted: int, reason: str, fleet: FleetState, observed: float, target: LatencyTarget
 ) -> tuple[int, str]:
     """Latency is missed: never shrink; with every replica up, add one and wait for it before the next."""
     current = fleet.current_replicas
-    latency = (
-        f"mean time to first token {ttft * 1000:.0f}ms over the {ttft_target_seconds * 1000:.0f}ms target"
-    )
+    latency = f"mean {target.latency} {observed * 1000:.0f}ms over the {target.seconds * 1000:.0f}ms target"
     if wanted <= current and fleet.ready_replicas >= current:
         return current + 1, latency
     if wanted < current:

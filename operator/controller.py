@@ -17,6 +17,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from kvfleet.contract.kv_transfer import ROLES, Role
 from kvfleet.operator.adapters import AdapterStatus, AdapterSync, DesiredAdapter
 from kvfleet.operator.api import API_KEY_ENV, GROUP_LABEL, HTTP_PORT, SERVICE_LABEL, qualified_name
 from kvfleet.operator.autoscaler import (
@@ -24,23 +25,40 @@ from kvfleet.operator.autoscaler import (
     FleetState,
     MetricsSample,
     PodMetrics,
+    ScaleDecision,
     aggregate,
     decide,
+    sizing,
 )
 from kvfleet.operator.kube import ChildNotOwned, KubeError
 from kvfleet.operator.metrics import OperatorMetrics
 from kvfleet.operator.observed import DeploymentView, Observed, PodView, StatefulSetView
-from kvfleet.operator.render import LWS_API_VERSION, Owner, RenderOptions, render_children, service_url
+from kvfleet.operator.render import (
+    LWS_API_VERSION,
+    Owner,
+    RenderOptions,
+    Replicas,
+    render_children,
+    service_url,
+)
 from kvfleet.operator.render_pod import adapter_source
 from kvfleet.operator.safety import GUARD_UNAVAILABLE_REASON, GuardState, check_loosening, guard_service
 from kvfleet.operator.scrape import ScrapeFailure, ScrapeTarget
 from kvfleet.operator.secret_refs import check_labelled, secret_references, unreadable
-from kvfleet.operator.spec import InferenceServiceSpec, SpecError, group_name, parse_spec, rendezvous_name
+from kvfleet.operator.spec import (
+    InferenceServiceSpec,
+    SpecError,
+    group_name,
+    parse_spec,
+    rendezvous_name,
+    role_name,
+)
 from kvfleet.operator.status import (
     NAME_CONFLICT_REASON,
     Condition,
     GroupStatus,
     Observation,
+    RoleObservation,
     build_status,
     name_conflict_condition,
     transition_events,
@@ -63,7 +81,15 @@ API_KEY_REFRESH_SECONDS = 60.0
 # The condition reason while an object of a child's name belongs to something else.
 CHILD_NOT_OWNED_REASON = "ChildNotOwned"
 # Status keys the operator writes only sometimes; a merge patch must clear them explicitly.
-_OPTIONAL_STATUS_KEYS = ("autoscaler", "lastScaleTime", "lastScaleReason", "adapters", "safety", "groups")
+_OPTIONAL_STATUS_KEYS = (
+    "autoscaler",
+    "lastScaleTime",
+    "lastScaleReason",
+    "adapters",
+    "safety",
+    "groups",
+    "roles",
+)
 
 
 class Cluster(Protocol):
@@ -113,6 +139,33 @@ def _utc_now() -> datetime.datetime:
 
 
 @dataclass
+class RoleScaling:
+    """One role of a disaggregated service: its replica count and what its autoscaler remembers."""
+
+    desired: int | None = None
+    samples: list[MetricsSample] = field(default_factory=list)
+    state: AutoscalerState = field(default_factory=AutoscalerState)
+    panic: bool = False
+
+
+def _role_scalings() -> dict[Role, RoleScaling]:
+    return {role: RoleScaling() for role in ROLES}
+
+
+@dataclass(frozen=True)
+class _Sized:
+    """The replicas the workload should run, and how what runs stands against them."""
+
+    replicas: Replicas
+    # The colocated workload, read as a Deployment; None for a disaggregated service.
+    deployment: DeploymentView | None
+    # A workload object is missing or runs another count.
+    drifted: bool
+    # No workload object exists yet.
+    new: bool
+
+
+@dataclass
 class ServiceController:
     owner: Owner
     cluster: Cluster
@@ -133,8 +186,10 @@ class ServiceController:
     panic: bool = False
     last_scale_time: str | None = None
     last_scale_reason: str | None = None
+    # A disaggregated service's roles; the fields above are then unused.
+    roles: dict[Role, RoleScaling] = field(default_factory=_role_scalings)
     # (template digest, replicas) last applied.
-    _applied: tuple[str, int] | None = None
+    _applied: tuple[str, Replicas] | None = None
     _template: tuple[tuple[int, RenderOptions], str] | None = None
     _last_apply_at: float = float("-inf")
     _last_scrape_at: float = float("-inf")
@@ -202,20 +257,10 @@ class ServiceController:
             await self._write_status(observation, previous_status)
             return IDLE_PASS_SECONDS
 
-        # For a model that spans nodes, the workload is the groups, read as a Deployment of groups.
-        deployment = _workload(spec, observed, applied=self._applied is not None)
-        if self.desired is None:
-            known = deployment.replicas if deployment else previous_status.get("desiredReplicas")
-            # A new service starts with a replica even when it may scale to zero: it proves the model loads.
-            initial = known if isinstance(known, int) else max(spec.scaling.min_replicas, 1)
-            self.desired = spec.scaling.clamp(initial)
-        self.desired = spec.scaling.clamp(self.desired)
-        if spec.scaling.autoscaling:
-            await self._autoscale(spec, pods)
-
+        sized = await self._scale(spec, observed, previous_status)
         blocking = None
         try:
-            await self._apply(spec, generation, deployment)
+            await self._apply(spec, generation, sized)
             await self._remove_other_workloads(spec, observed)
             await self._restart_outdated_groups(spec, observed)
             self._failures = 0
@@ -240,30 +285,156 @@ class ServiceController:
         observation = self._observation(
             generation,
             spec,
-            deployment,
+            sized.deployment,
             pods,
             blocking,
             adapters=adapters,
             guard=self._guard(spec),
             groups=self._group_statuses(spec, pods) if spec.grouped else None,
             name_conflict=self._name_conflict(spec),
+            roles=self._role_observations(spec, observed) if spec.disaggregation is not None else None,
         )
         await self._write_status(observation, previous_status)
         if self._failures:
             return min(2.0**self._failures, MAX_BACKOFF_SECONDS)
-        return float(spec.scaling.metrics_interval_seconds) if spec.scaling.autoscaling else IDLE_PASS_SECONDS
+        return float(spec.scaling.metrics_interval_seconds) if _autoscaled(spec) else IDLE_PASS_SECONDS
+
+    async def _scale(
+        self, spec: InferenceServiceSpec, observed: Observed, previous_status: Mapping[str, Any]
+    ) -> _Sized:
+        """The replicas the workload should run after this pass's autoscaling, against what runs."""
+        if spec.disaggregation is None:
+            # For a model that spans nodes, the workload is the groups, read as a Deployment of groups.
+            deployment = _workload(spec, observed, applied=self._applied is not None)
+            self.roles = _role_scalings()
+            self._size_colocated(spec, deployment, previous_status)
+            if spec.scaling.autoscaling:
+                await self._autoscale(spec, observed.pods)
+            drifted = deployment is None or deployment.replicas != self.desired
+            return _Sized(self.desired or 0, deployment, drifted, new=deployment is None)
+        self.desired = None
+        self._size_roles(spec, observed, previous_status)
+        await self._autoscale_roles(spec, observed.pods)
+        replicas = {role: self.roles[role].desired or 0 for role in ROLES}
+        drifted = any(
+            observed.roles.get(role) is None or observed.roles[role].replicas != count
+            for role, count in replicas.items()
+        )
+        return _Sized(replicas, None, drifted, new=not observed.roles)
+
+    def _size_colocated(
+        self,
+        spec: InferenceServiceSpec,
+        deployment: DeploymentView | None,
+        previous_status: Mapping[str, Any],
+    ) -> None:
+        if self.desired is None:
+            known = deployment.replicas if deployment else previous_status.get("desiredReplicas")
+            # A new service starts with a replica even when it may scale to zero: it proves the model loads.
+            initial = known if isinstance(known, int) else max(spec.scaling.min_replicas, 1)
+            self.desired = spec.scaling.clamp(initial)
+        self.desired = spec.scaling.clamp(self.desired)
+
+    def _size_roles(
+        self, spec: InferenceServiceSpec, observed: Observed, previous_status: Mapping[str, Any]
+    ) -> None:
+        """Each role's count: what runs, or what the status last said, or at least one to start with."""
+        reported = previous_status.get("roles") or {}
+        for role in ROLES:
+            scaled, policy = self.roles[role], sizing(spec, role).policy
+            if scaled.desired is None:
+                view = observed.roles.get(role)
+                known = view.replicas if view else (reported.get(role) or {}).get("desiredReplicas")
+                initial = known if isinstance(known, int) else max(policy.min_replicas, 1)
+                scaled.desired = initial
+            scaled.desired = policy.clamp(scaled.desired)
 
     async def _autoscale(self, spec: InferenceServiceSpec, pods: list[PodView]) -> None:
-        now = self.clock()
         scaling = spec.scaling
-        if now - self._last_scrape_at < scaling.metrics_interval_seconds:
+        scraped = await self._scrape(spec, pods)
+        if scraped is None:
             return
-        self._last_scrape_at = now
+        now, by_pod, held = scraped
         assert self.desired is not None
-        targets = [ScrapeTarget(pod.name, pod.ip, HTTP_PORT) for pod in pods if pod.scrapeable and pod.ip]
+        reports = list(by_pod.values())
+        sample = aggregate(now, reports, len(reports), held or 0.0)
+        if sample is None and not reports and scaling.min_replicas == 0 and held is not None:
+            # No replica to ask (at zero, or the first one starting): the gateway's queue is the demand.
+            sample = MetricsSample(time=now, queue_depth=held, reporting_pods=0)
+        if sample is not None:
+            self.samples.append(sample)
+            self.metrics.queue_depth.labels(self.owner.namespace, self.owner.name).set(sample.queue_depth)
+        self.samples = [s for s in self.samples if now - s.time < scaling.stable_window_seconds]
+        fleet = FleetState(self.desired, len(reports), _unschedulable(pods))
+        fit = sizing(spec)
+        decision = decide(scaling, self.samples, fleet, self.autoscaler_state, now, fit.latency, fit.targets)
+        self.autoscaler_state, self.panic = decision.state, decision.panic
+        self.desired = self._scaled(self.desired, decision)
+
+    async def _autoscale_roles(self, spec: InferenceServiceSpec, pods: list[PodView]) -> None:
+        """Scales each autoscaled role on its own figures. While no prefill replica is ready, the decode
+        replicas compute every prompt: their backlog is the prefill role's demand."""
+        assert spec.disaggregation is not None
+        if not _autoscaled(spec):
+            return
+        scraped = await self._scrape(spec, pods)
+        if scraped is None:
+            return
+        now, reports, held = scraped
+        by_role = {role: [r for pod, r in reports.items() if pod.role == role] for role in ROLES}
+        decode = aggregate(now, by_role["decode"], len(by_role["decode"]), held or 0.0)
+        decode_policy = sizing(spec, "decode").policy
+        if decode is None and not by_role["decode"] and decode_policy.min_replicas == 0 and held is not None:
+            decode = MetricsSample(time=now, queue_depth=held, reporting_pods=0)
+        samples: dict[Role, MetricsSample | None] = {
+            "prefill": aggregate(now, by_role["prefill"], len(by_role["prefill"]))
+            if by_role["prefill"]
+            else aggregate(now, by_role["decode"], len(by_role["decode"])),
+            "decode": decode,
+        }
+        if decode is not None:
+            self.metrics.queue_depth.labels(self.owner.namespace, self.owner.name).set(decode.queue_depth)
+        for role in ROLES:
+            if spec.disaggregation.role(role).scaling.autoscaling:
+                self._autoscale_role(spec, role, samples[role], by_role[role], pods, now)
+
+    def _autoscale_role(
+        self,
+        spec: InferenceServiceSpec,
+        role: Role,
+        sample: MetricsSample | None,
+        reports: list[PodMetrics | None],
+        pods: list[PodView],
+        now: float,
+    ) -> None:
+        scaled, fit = self.roles[role], sizing(spec, role)
+        assert scaled.desired is not None
+        if sample is not None:
+            scaled.samples.append(sample)
+        scaled.samples = [s for s in scaled.samples if now - s.time < fit.policy.stable_window_seconds]
+        role_pods = [pod for pod in pods if pod.role == role]
+        fleet = FleetState(scaled.desired, len(reports), _unschedulable(role_pods))
+        decision = decide(fit.policy, scaled.samples, fleet, scaled.state, now, fit.latency, fit.targets)
+        scaled.state, scaled.panic = decision.state, decision.panic
+        scaled.desired = self._scaled(scaled.desired, decision, role)
+
+    async def _scrape(
+        self, spec: InferenceServiceSpec, pods: list[PodView]
+    ) -> tuple[float, dict[PodView, PodMetrics | None], float | None] | None:
+        """Once per metrics interval: each ready replica's report (None where it gave none) and the requests
+        the gateway holds for the service; None between intervals."""
+        now = self.clock()
+        if now - self._last_scrape_at < spec.scaling.metrics_interval_seconds:
+            return None
+        self._last_scrape_at = now
+        scraped = [pod for pod in pods if pod.scrapeable and pod.ip]
+        targets = [ScrapeTarget(pod.name, pod.ip, HTTP_PORT) for pod in scraped if pod.ip]
         results = await self.scraper.scrape(targets) if targets else []
-        reports = [result if isinstance(result, PodMetrics) else None for result in results]
-        failed = reports.count(None)
+        reports = {
+            pod: result if isinstance(result, PodMetrics) else None
+            for pod, result in zip(scraped, results, strict=True)
+        }
+        failed = list(reports.values()).count(None)
         if failed:
             self.metrics.scrape_failures.labels(self.owner.namespace, self.owner.name).inc(failed)
         too_large = [
@@ -274,29 +445,19 @@ class ServiceController:
         self._report_pages_too_large(too_large)
         # Its own queue: the gateway counts each service's requests under its namespace-qualified name.
         held = await self.gateway_queue(qualified_name(self.owner.namespace, spec.model.served_name))
-        sample = aggregate(now, reports, len(targets), held or 0.0)
-        if sample is None and not targets and scaling.min_replicas == 0 and held is not None:
-            # No replica to ask (at zero, or the first one starting): the gateway's queue is the demand.
-            sample = MetricsSample(time=now, queue_depth=held, reporting_pods=0)
-        if sample is not None:
-            self.samples.append(sample)
-            self.metrics.queue_depth.labels(self.owner.namespace, self.owner.name).set(sample.queue_depth)
-        self.samples = [s for s in self.samples if now - s.time < scaling.stable_window_seconds]
+        return now, reports, held
 
-        unschedulable = sum(1 for pod in pods if pod.unschedulable_message and not pod.terminating)
-        fleet = FleetState(self.desired, len(targets), unschedulable)
-        target = spec.sla.ttft_target_milliseconds
-        ttft_target = target / 1000 if target is not None else None
-        decision = decide(scaling, self.samples, fleet, self.autoscaler_state, now, ttft_target)
-        self.autoscaler_state, self.panic = decision.state, decision.panic
-        if decision.replicas != self.desired:
-            direction = "up" if decision.replicas > self.desired else "down"
-            message = f"Scaled from {self.desired} to {decision.replicas}: {decision.reason}"
+    def _scaled(self, current: int, decision: ScaleDecision, role: Role | None = None) -> int:
+        """The decision's count, announced when it changes the current one."""
+        if decision.replicas != current:
+            direction = "up" if decision.replicas > current else "down"
+            which = f"{role} " if role is not None else ""
+            message = f"Scaled {which}from {current} to {decision.replicas}: {decision.reason}"
             self.events("Normal", "ScaledUp" if direction == "up" else "ScaledDown", message)
             self.metrics.scale_events.labels(self.owner.namespace, self.owner.name, direction).inc()
             self.last_scale_time = _timestamp(self.wall_clock())
-            self.last_scale_reason = decision.reason
-            self.desired = decision.replicas
+            self.last_scale_reason = f"{role}: {decision.reason}" if role is not None else decision.reason
+        return decision.replicas
 
     async def _sync_adapters(self, spec: InferenceServiceSpec, pods: list[PodView]) -> list[AdapterStatus]:
         desired = [DesiredAdapter(adapter.name, adapter_source(adapter)) for adapter in spec.adapters]
@@ -353,48 +514,54 @@ class ServiceController:
         if self._warn(PAGE_TOO_LARGE_REASON, message):
             logger.warning("%s/%s: %s", self.owner.namespace, self.owner.name, message)
 
-    async def _apply(
-        self, spec: InferenceServiceSpec, generation: int, deployment: DeploymentView | None
-    ) -> None:
-        assert self.desired is not None
+    async def _apply(self, spec: InferenceServiceSpec, generation: int, sized: _Sized) -> None:
+        """Applies the children unless they were applied as they are now, nothing drifted from them and the
+        resync is not due."""
         options = self.options()
         spec_digest = self._template_digest(spec, generation, options)
         now = self.clock()
-        drifted = deployment is None or deployment.replicas != self.desired
         fresh = now - self._last_apply_at < RESYNC_SECONDS
-        if self._applied == (spec_digest, self.desired) and not drifted and fresh:
+        replicas = sized.replicas
+        if self._applied == (spec_digest, replicas) and not sized.drifted and fresh:
             return
-        children = render_children(self.owner, spec, self.desired, options)
+        children = render_children(self.owner, spec, replicas, options)
         for child in children:
             await self.cluster.apply(child)
             self.metrics.applies.labels(child["kind"]).inc()
         kinds = ", ".join(child["kind"] for child in children)
-        if deployment is None and self._applied is None:
+        if sized.new and self._applied is None:
             self.events("Normal", "Created", f"Applied {kinds} for {spec.model.uri}")
         elif self._applied is not None and spec_digest != self._applied[0]:
             self.events("Normal", "Updated", f"Applied generation {generation}: rolling out the new template")
-        self._applied, self._last_apply_at = (spec_digest, self.desired), now
+        self._applied, self._last_apply_at = (spec_digest, replicas), now
 
     def _template_digest(self, spec: InferenceServiceSpec, generation: int, options: RenderOptions) -> str:
         """What the children would be at any replica count (one replica: a group is a child of its own);
         rendered once per generation and options."""
         key = (generation, options)
         if self._template is None or self._template[0] != key:
-            self._template = key, _digest(render_children(self.owner, spec, 1, options))
+            one: Replicas = 1 if spec.disaggregation is None else dict.fromkeys(ROLES, 1)
+            self._template = key, _digest(render_children(self.owner, spec, one, options))
         return self._template[1]
 
     async def _remove_other_workloads(self, spec: InferenceServiceSpec, observed: Observed) -> None:
         """Deletes what no longer serves the spec: groups above the desired count (scaling down), and the
-        workload of another shape after the model moved between one pod and groups, or between backends."""
-        assert self.desired is not None
+        workload of another shape after the model moved between one pod and groups, or between backends, or
+        the service between colocated and disaggregated."""
         namespace = self.owner.namespace
         stateful_sets = spec.grouped and spec.scaling.group_backend == "statefulset"
         leader_worker_set = spec.grouped and spec.scaling.group_backend == "leaderworkerset"
         for view in observed.stateful_sets:
-            if not stateful_sets or view.group is None or view.group >= self.desired:
+            if not stateful_sets or view.group is None or view.group >= (self.desired or 0):
                 await self.cluster.delete("apps/v1", "StatefulSet", namespace, view.name)
-        if spec.grouped and observed.deployment is not None:
+        colocated = spec.disaggregation is None and not spec.grouped
+        if not colocated and observed.deployment is not None:
             await self.cluster.delete("apps/v1", "Deployment", namespace, self.owner.name)
+        if spec.disaggregation is None:
+            for role in observed.roles:
+                await self.cluster.delete(
+                    "apps/v1", "Deployment", namespace, role_name(self.owner.name, role)
+                )
         if not leader_worker_set and observed.leader_worker_set is not None:
             await self.cluster.delete(
                 LWS_API_VERSION, "LeaderWorkerSet", namespace, rendezvous_name(self.owner.name)
@@ -482,11 +649,16 @@ class ServiceController:
         guard: tuple[str, GuardState] | None = None,
         groups: list[GroupStatus] | None = None,
         name_conflict: Condition | None = None,
+        roles: list[RoleObservation] | None = None,
     ) -> Observation:
         series = (self.owner.namespace, self.owner.name)
         if deployment is not None:
             self.metrics.ready_replicas.labels(*series).set(deployment.ready_replicas)
         desired = self.desired if self.desired is not None else (deployment.replicas if deployment else 0)
+        if roles is not None:
+            ready = sum(role.deployment.ready_replicas for role in roles if role.deployment is not None)
+            self.metrics.ready_replicas.labels(*series).set(ready)
+            desired = sum(role.desired_replicas for role in roles)
         self.metrics.desired_replicas.labels(*series).set(desired)
         autoscaling = spec.scaling.autoscaling if spec is not None else False
         recent = self.samples[-1] if self.samples else None
@@ -507,7 +679,27 @@ class ServiceController:
             guard=(guard[0], guard[1].value) if guard is not None else None,
             groups=groups,
             name_conflict=name_conflict,
+            roles=roles,
         )
+
+    def _role_observations(self, spec: InferenceServiceSpec, observed: Observed) -> list[RoleObservation]:
+        assert spec.disaggregation is not None
+        observations = []
+        for role in ROLES:
+            scaled = self.roles[role]
+            section = spec.disaggregation.role(role)
+            observations.append(
+                RoleObservation(
+                    role=role,
+                    autoscaling=section.scaling.autoscaling,
+                    desired_replicas=scaled.desired or 0,
+                    deployment=observed.roles.get(role),
+                    gpu_resource_name=(section.resources or spec.resources).gpu_resource_name,
+                    latest_sample=scaled.samples[-1] if scaled.samples else None,
+                    panic=scaled.panic,
+                )
+            )
+        return observations
 
     async def _write_status(self, observation: Observation, previous: Mapping[str, Any]) -> None:
         status = build_status(observation, previous, self.wall_clock())
@@ -521,6 +713,8 @@ class ServiceController:
         for key in _OPTIONAL_STATUS_KEYS:
             if key in previous and key not in status:
                 patch[key] = None
+        if "roles" in status:
+            patch["roles"] = _roles_patch(status["roles"], previous.get("roles") or {})
         try:
             await self.cluster.patch_status(self.owner.namespace, self.owner.name, patch)
         except KubeError as error:
@@ -592,4 +786,28 @@ def _timestamp(moment: datetime.datetime) -> str:
 
 
 def _without_figures(status: Mapping[str, Any]) -> dict[str, Any]:
-    return {key: value for key, value in status.items() if key != "autoscaler"}
+    figureless = {key: value for key, value in status.items() if key != "autoscaler"}
+    if "roles" in status:
+        figureless["roles"] = {role: _without_figures(counts) for role, counts in status["roles"].items()}
+    return figureless
+
+
+def _roles_patch(roles: Mapping[str, Any], previous: Mapping[str, Any]) -> dict[str, Any]:
+    """The roles' status as a merge patch: a role's figures written before and not now are cleared (a merge
+    patch keeps what it does not name)."""
+    patch = {}
+    for role, counts in roles.items():
+        cleared = "autoscaler" in (previous.get(role) or {}) and "autoscaler" not in counts
+        patch[role] = {**counts, "autoscaler": None} if cleared else dict(counts)
+    return patch
+
+
+def _autoscaled(spec: InferenceServiceSpec) -> bool:
+    """Whether the autoscaler sizes the service, or one of its roles."""
+    if spec.disaggregation is None:
+        return spec.scaling.autoscaling
+    return any(spec.disaggregation.role(role).scaling.autoscaling for role in ROLES)
+
+
+def _unschedulable(pods: list[PodView]) -> int:
+    return sum(1 for pod in pods if pod.unschedulable_message and not pod.terminating)

@@ -8,6 +8,7 @@ import sys
 from typing import Any
 
 import yaml
+from kvfleet.contract.kv_transfer import ROLES
 from kvfleet.operator.api import GROUP, KIND, PLURAL, VERSION
 from kvfleet.operator.schema import dataclass_schema, obj, string
 from kvfleet.operator.spec import NAME_RULES, SPEC_RULES, InferenceServiceSpec
@@ -20,6 +21,17 @@ PRINTER_COLUMNS = [
     {"name": "Tier", "type": "string", "jsonPath": ".spec.sla.tier"},
     {"name": "Desired", "type": "integer", "jsonPath": ".status.desiredReplicas"},
     {"name": "Available", "type": "integer", "jsonPath": ".status.readyReplicas"},
+    # A disaggregated service's roles, with -o wide (a colocated service has none to show).
+    *(
+        {
+            "name": f"{role.capitalize()}-{column}",
+            "type": "integer",
+            "jsonPath": f".status.roles.{role}.{field}",
+            "priority": 1,
+        }
+        for role in ROLES
+        for column, field in (("Desired", "desiredReplicas"), ("Ready", "readyReplicas"))
+    ),
     {"name": "URL", "type": "string", "jsonPath": ".status.url"},
     {"name": "Ready", "type": "string", "jsonPath": '.status.conditions[?(@.type=="Ready")].status'},
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},

@@ -15,6 +15,7 @@ from typing import Any
 
 import aiohttp
 import kopf
+from kvfleet.contract.kv_transfer import ROLES
 from kvfleet.operator.adapters import AdapterSync, RuntimeAdapterClient
 from kvfleet.operator.api import (
     FIELD_MANAGER,
@@ -169,14 +170,16 @@ class _IndexedCluster:
         key = (self.namespace, self.name)
         # Objects left by a deleted namesake must not count.
         deployments = [view for view in self.deployments.get(key, []) if view.owner_uid == self.uid]
+        colocated = [view for view in deployments if view.role is None]
         group_sets = [view for view in self.leader_worker_sets.get(key, []) if view.owner_uid == self.uid]
         return Observed(
-            deployment=deployments[0] if deployments else None,
+            deployment=colocated[0] if colocated else None,
             pods=list(self.pods.get(key, [])),
             stateful_sets=tuple(
                 view for view in self.stateful_sets.get(key, []) if view.owner_uid == self.uid
             ),
             leader_worker_set=group_sets[0] if group_sets else None,
+            roles={view.role: view for view in deployments if view.role in ROLES},
         )
 
     async def gateway_queue(self, model: str) -> float | None:
@@ -186,7 +189,9 @@ class _IndexedCluster:
 
     def guard_state(self, service: str) -> GuardState:
         guard = (self.namespace, service)
-        views = [*self.deployments.get(guard, []), *self.leader_worker_sets.get(guard, [])]
+        # A disaggregated guard serves through its decode role; its prefill role answers no one alone.
+        deployments = [view for view in self.deployments.get(guard, []) if view.role != "prefill"]
+        views = [*deployments, *self.leader_worker_sets.get(guard, [])]
         groups = list(self.stateful_sets.get(guard, []))
         if not views and not groups:
             return GuardState.NOT_FOUND

@@ -7,10 +7,11 @@ memory, and status and scaling read only what they need.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from kvfleet.operator.api import REVISION_LABEL, group_index, node_rank
+from kvfleet.contract.kv_transfer import Role
+from kvfleet.operator.api import REVISION_LABEL, ROLE_LABEL, group_index, node_rank
 
 # Container waiting reasons after which a replica will not come up without a change.
 FAILING_WAIT_REASONS = frozenset(
@@ -34,6 +35,8 @@ class PodView:
     rank: int | None = None
     # The revision of the StatefulSet template a group's pod was made from.
     revision: str | None = None
+    # The role of a disaggregated service's replica (its label's value).
+    role: str | None = None
 
     @property
     def scrapeable(self) -> bool:
@@ -56,6 +59,8 @@ class DeploymentView:
     replica_failure: str | None = None
     # The controlling owner's uid: a Deployment left by a deleted namesake must not count.
     owner_uid: str | None = None
+    # The role of a disaggregated service's Deployment (its label's value); None for a colocated one.
+    role: str | None = None
 
 
 @dataclass(frozen=True)
@@ -107,6 +112,7 @@ def pod_view(body: Mapping[str, Any]) -> PodView:
         group=group_index(labels),
         rank=node_rank(labels),
         revision=labels.get(REVISION_LABEL),
+        role=labels.get(ROLE_LABEL),
     )
 
 
@@ -133,6 +139,7 @@ def deployment_view(body: Mapping[str, Any]) -> DeploymentView:
         progress_message=progressing.get("message", ""),
         replica_failure=(failure.get("message") or failure.get("reason") or "") if failure else None,
         owner_uid=_controller_uid(meta),
+        role=(meta.get("labels") or {}).get(ROLE_LABEL),
     )
 
 
@@ -181,3 +188,5 @@ class Observed:
     # The groups of a model that spans nodes: a StatefulSet each, or one LeaderWorkerSet.
     stateful_sets: tuple[StatefulSetView, ...] = ()
     leader_worker_set: DeploymentView | None = None
+    # The Deployment of each role of a disaggregated service.
+    roles: Mapping[Role, DeploymentView] = field(default_factory=dict)

@@ -1,7 +1,8 @@
 """An InferenceService's children, rendered from its spec alone: Deployment, Service, PDB, ServiceMonitor.
 
 A model that spans nodes runs each replica as a group of pods instead of a Deployment's pod: a StatefulSet per
-group with a headless Service through which the ranks find rank 0, or one LeaderWorkerSet.
+group with a headless Service through which the ranks find rank 0, or one LeaderWorkerSet. A disaggregated
+service runs a Deployment per role (prefill, decode), and its Service sends requests to the decode role.
 
 Pure functions: the same inputs give the same manifests, which is what makes server-side apply
 idempotent and the output golden-testable.
@@ -9,9 +10,11 @@ idempotent and the output golden-testable.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvfleet.contract.kv_transfer import ROLES, Role
 from kvfleet.operator.api import (
     API_VERSION,
     COMPONENT,
@@ -26,6 +29,7 @@ from kvfleet.operator.api import (
     MANAGED_BY,
     POD_INDEX_LABEL,
     RENDEZVOUS_PORT,
+    ROLE_LABEL,
     SERVICE_LABEL,
     TIER_LABEL,
 )
@@ -36,13 +40,15 @@ from kvfleet.operator.render_pod import (
     pod_template,
 )
 from kvfleet.operator.safety import SafetyPlatform, safety_config
-from kvfleet.operator.spec import InferenceServiceSpec, group_name, rendezvous_name
+from kvfleet.operator.spec import InferenceServiceSpec, group_name, rendezvous_name, role_name
 
 DEFAULT_RUNTIME_IMAGE = "kvfleet/runtime:0.1.0"
 LWS_API_VERSION = "leaderworkerset.x-k8s.io/v1"
 SERVICE_PORT = 80
 # Room past the startup timeout for image pulls and model downloads before a rollout counts as failed.
 ROLLOUT_SLACK_SECONDS = 600
+# The replicas a service's workload runs: one count, or with disaggregation each role's.
+Replicas = int | Mapping[Role, int]
 
 
 @dataclass(frozen=True)
@@ -70,7 +76,10 @@ def selector_labels(name: str) -> dict[str, str]:
 
 
 def serving_selector(name: str, spec: InferenceServiceSpec) -> dict[str, str]:
-    """The pods that serve the OpenAI API: every replica's pod, or rank 0 of every group."""
+    """The pods that serve the OpenAI API: every replica's pod, rank 0 of every group, or the decode role's
+    pods (a decode replica computes a prompt itself when it is sent no KV)."""
+    if spec.disaggregation is not None:
+        return {**selector_labels(name), ROLE_LABEL: "decode"}
     if not spec.grouped:
         return selector_labels(name)
     rank_label = POD_INDEX_LABEL if spec.scaling.group_backend == "statefulset" else LWS_WORKER_INDEX_LABEL
@@ -93,25 +102,37 @@ def service_url(owner: Owner, options: RenderOptions) -> str:
 
 
 def render_children(
-    owner: Owner, spec: InferenceServiceSpec, replicas: int, options: RenderOptions
+    owner: Owner, spec: InferenceServiceSpec, replicas: Replicas, options: RenderOptions
 ) -> list[dict[str, Any]]:
     """Every child object, in apply order: the Deployment first, because its pods take longest to become
     ready (and under a burst of new services each apply waits in line behind the others); the Service is
     in place long before any pod is ready. A Batch API claim goes before the Deployment whose pods mount
-    it. For a model that spans nodes, `replicas` counts groups."""
-    if not spec.grouped:
-        workload = [render_deployment(owner, spec, replicas, options)]
-    elif spec.scaling.group_backend == "statefulset":
-        groups = [render_group(owner, spec, index, options) for index in range(replicas)]
-        workload = [*groups, render_rendezvous_service(owner, spec)]
+    it. For a model that spans nodes, `replicas` counts groups; a disaggregated service has a Deployment
+    per role, and `replicas` holds each role's count."""
+    if spec.disaggregation is not None:
+        assert isinstance(replicas, Mapping), "a disaggregated service is given each role's replicas"
+        workload = [render_role_deployment(owner, spec, role, replicas[role], options) for role in ROLES]
     else:
-        workload = [render_leader_worker_set(owner, spec, replicas, options)]
+        assert isinstance(replicas, int), "a service without roles is given one replica count"
+        workload = _colocated_workload(owner, spec, replicas, options)
     children = [*workload, render_service(owner, spec), render_disruption_budget(owner, spec)]
     if spec.batch is not None and spec.batch.storage == "PersistentVolumeClaim":
         children.insert(0, render_batch_claim(owner, spec))
     if options.service_monitor:
         children.append(render_service_monitor(owner, spec))
     return children
+
+
+def _colocated_workload(
+    owner: Owner, spec: InferenceServiceSpec, replicas: int, options: RenderOptions
+) -> list[dict[str, Any]]:
+    """Each replica a Deployment's pod, or a group of pods: a StatefulSet each, or one LeaderWorkerSet."""
+    if not spec.grouped:
+        return [render_deployment(owner, spec, replicas, options)]
+    if spec.scaling.group_backend == "statefulset":
+        groups = [render_group(owner, spec, index, options) for index in range(replicas)]
+        return [*groups, render_rendezvous_service(owner, spec)]
+    return [render_leader_worker_set(owner, spec, replicas, options)]
 
 
 def render_deployment(
@@ -135,6 +156,31 @@ def render_deployment(
             "revisionHistoryLimit": 3,
             "progressDeadlineSeconds": spec.engine.startup_timeout_seconds + ROLLOUT_SLACK_SECONDS,
             "template": _pod_template(owner, spec, labels, options),
+        },
+    }
+
+
+def render_role_deployment(
+    owner: Owner, spec: InferenceServiceSpec, role: Role, replicas: int, options: RenderOptions
+) -> dict[str, Any]:
+    """The Deployment of one role of a disaggregated service: its pods carry the role's label, by which the
+    gateway and the Service tell prefill from decode, and run the role's side of the KV connector."""
+    role_labels = {ROLE_LABEL: role}
+    labels = {**common_labels(owner, spec), **role_labels}
+    metadata = _metadata(owner, labels)
+    metadata["name"] = role_name(owner.name, role)
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": metadata,
+        "spec": {
+            "replicas": replicas,
+            "selector": {"matchLabels": {**selector_labels(owner.name), **role_labels}},
+            # Never below current capacity, as the colocated Deployment's rollouts.
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+            "revisionHistoryLimit": 3,
+            "progressDeadlineSeconds": spec.engine.startup_timeout_seconds + ROLLOUT_SLACK_SECONDS,
+            "template": _pod_template(owner, spec.for_role(role), labels, options, role=role),
         },
     }
 
@@ -234,10 +280,11 @@ def _pod_template(
     labels: dict[str, str],
     options: RenderOptions,
     group: GroupPlacement | None = None,
+    role: Role | None = None,
 ) -> dict[str, Any]:
     image = spec.engine.image or options.runtime_image
     safety = safety_config(options.safety, spec.safety, owner.namespace, options.cluster_domain)
-    return pod_template(spec, labels, image, owner.name, safety, group)
+    return pod_template(spec, labels, image, owner.name, safety, group, role)
 
 
 def render_batch_claim(owner: Owner, spec: InferenceServiceSpec) -> dict[str, Any]:

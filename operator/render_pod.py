@@ -2,11 +2,21 @@
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 from typing import Any
 
-from kvfleet.operator.api import API_KEY_ENV, HTTP_PORT, HTTP_PORT_NAME, RENDEZVOUS_PORT
+from kvfleet.contract.kv_transfer import Role
+from kvfleet.operator.api import (
+    API_KEY_ENV,
+    HTTP_PORT,
+    HTTP_PORT_NAME,
+    KV_TRANSFER_CONFIG_FLAG,
+    KV_TRANSFER_PORT,
+    KV_TRANSFER_PORT_NAME,
+    RENDEZVOUS_PORT,
+)
 from kvfleet.operator.spec import AdapterSpec, InferenceServiceSpec, ModelSpec, ResourcesSpec
 from kvfleet.operator.tiers import TIERS
 
@@ -27,8 +37,11 @@ RUNTIME_USER = 1000
 # A group's pod reads its rank from one of its labels (downward API) into this variable, which its flags use.
 NODE_RANK_ENV = "KVFLEET_NODE_RANK"
 # The pod's own address, where the readiness probe of a group's pod asks (the server listens on every
-# interface of the pod).
+# interface of the pod), and the address a prefill replica advertises for its KV blocks.
 POD_IP_ENV = "KVFLEET_POD_IP"
+# The runtime's KV connector that moves blocks between pods over TCP, and the side each role takes.
+KV_CONNECTOR = "TcpConnector"
+KV_ROLES: dict[Role, str] = {"prefill": "kv_producer", "decode": "kv_consumer"}
 RENDEZVOUS_PORT_NAME = "rendezvous"
 # The pods of a StatefulSet share one template, yet only rank 0 serves /ready (ready to take requests); the
 # other ranks answer /health alone (200 once they joined the group and loaded their shard). An HTTP probe has
@@ -103,8 +116,23 @@ def _adapter_claims(spec: InferenceServiceSpec) -> list[str]:
     return sorted({a.source.location for a in spec.adapters if a.source.scheme == "pvc"})
 
 
-def runtime_args(spec: InferenceServiceSpec, safety_config: str | None = None) -> list[str]:
-    """`kvfleet serve` flags, in the runtime's own names; `safety_config` is the merged safety policy."""
+def kv_transfer_config(role: Role) -> str:
+    """The JSON of a role's --kv-transfer-config (vLLM's keys): the pod's own address, from the downward API,
+    is where a prefill replica's blocks wait for decode replicas to pull them."""
+    config = {
+        "kv_connector": KV_CONNECTOR,
+        "kv_role": KV_ROLES[role],
+        "kv_ip": f"$({POD_IP_ENV})",
+        "kv_port": KV_TRANSFER_PORT,
+    }
+    return json.dumps(config, separators=(",", ":"))
+
+
+def runtime_args(
+    spec: InferenceServiceSpec, safety_config: str | None = None, role: Role | None = None
+) -> list[str]:
+    """`kvfleet serve` flags, in the runtime's own names; `safety_config` is the merged safety policy, `role`
+    the side a replica of a disaggregated service takes."""
     engine, tier = spec.engine, TIERS[spec.sla.tier]
     args = ["--model", model_path(spec.model), "--served-model-name", spec.model.served_name]
     args += ["--host", "0.0.0.0", "--port", str(HTTP_PORT)]
@@ -142,6 +170,8 @@ def runtime_args(spec: InferenceServiceSpec, safety_config: str | None = None) -
             for adapter in spec.adapters:
                 args += ["--lora-modules", f"{adapter.name}={adapter_source(adapter)}"]
     args += _flags([("--safety-config", safety_config)])
+    if role is not None:
+        args += [KV_TRANSFER_CONFIG_FLAG, kv_transfer_config(role)]
     return args + list(engine.extra_args)
 
 
@@ -160,8 +190,10 @@ def pod_template(
     service_name: str,
     safety_config: str | None = None,
     group: GroupPlacement | None = None,
+    role: Role | None = None,
 ) -> dict[str, Any]:
-    """`group`: where the pod stands in a replica group, for a model that spans nodes."""
+    """`group`: where the pod stands in a replica group, for a model that spans nodes; `role`: the side its
+    replica takes in a disaggregated service."""
     engine = spec.engine
     volumes, mounts = _pod_volumes(spec, service_name)
     pod_spec: dict[str, Any] = {
@@ -176,7 +208,7 @@ def pod_template(
             "fsGroup": RUNTIME_USER,
             "seccompProfile": {"type": "RuntimeDefault"},
         },
-        "containers": [_runtime_container(spec, image, mounts, safety_config, group)],
+        "containers": [_runtime_container(spec, image, mounts, safety_config, group, role)],
         "volumes": volumes,
     }
     init = _download_container(spec.model, image, engine.image_pull_policy)
@@ -218,13 +250,17 @@ def _runtime_container(
     mounts: list[dict[str, Any]],
     safety_config: str | None,
     group: GroupPlacement | None,
+    role: Role | None,
 ) -> dict[str, Any]:
     engine = spec.engine
     ports = [{"name": HTTP_PORT_NAME, "containerPort": HTTP_PORT, "protocol": "TCP"}]
-    args, env = runtime_args(spec, safety_config), _runtime_env(spec)
+    args, env = runtime_args(spec, safety_config, role), _runtime_env(spec)
     readiness = _http_probe("/ready", failures=2)
     if group is not None:
         readiness = _join_group(group, args, env, ports)
+    if role is not None:
+        env.insert(0, _pod_ip())
+        ports.append({"name": KV_TRANSFER_PORT_NAME, "containerPort": KV_TRANSFER_PORT, "protocol": "TCP"})
     return {
         "name": "runtime",
         "image": image,
@@ -256,8 +292,12 @@ def _join_group(
     ports.append({"name": RENDEZVOUS_PORT_NAME, "containerPort": RENDEZVOUS_PORT, "protocol": "TCP"})
     if group.readiness_path is not None:
         return _http_probe(group.readiness_path, failures=2)
-    env.insert(1, {"name": POD_IP_ENV, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}})
+    env.insert(1, _pod_ip())
     return _probe({"exec": {"command": ["python", "-c", RANK_READINESS_SCRIPT]}}, failures=2)
+
+
+def _pod_ip() -> dict[str, Any]:
+    return {"name": POD_IP_ENV, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
 
 
 def _placement(resources: ResourcesSpec) -> dict[str, Any]:

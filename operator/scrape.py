@@ -15,15 +15,36 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import aiohttp
-from kvfleet.contract.metrics import GATEWAY_QUEUE_DEPTH, KV_CACHE_USAGE, PREFIXES, RUNNING, TTFT, WAITING
+from kvfleet.contract.metrics import (
+    GATEWAY_QUEUE_DEPTH,
+    ITL,
+    KV_CACHE_USAGE,
+    PREFIXES,
+    QUEUED_PROMPT_TOKENS,
+    RUNNING,
+    TTFT,
+    WAITING,
+)
 from kvfleet.operator.autoscaler import PodMetrics
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
-TTFT_SUM = f"{TTFT}_sum"
-TTFT_COUNT = f"{TTFT}_count"
+# The latency histograms the autoscaler reads as means between scrapes.
+_HISTOGRAMS = (TTFT, ITL)
 _WANTED = frozenset(
-    prefix + name for prefix in PREFIXES for name in (WAITING, RUNNING, KV_CACHE_USAGE, TTFT_SUM, TTFT_COUNT)
+    {
+        QUEUED_PROMPT_TOKENS,
+        *(
+            prefix + name
+            for prefix in PREFIXES
+            for name in (
+                WAITING,
+                RUNNING,
+                KV_CACHE_USAGE,
+                *(f"{histogram}{part}" for histogram in _HISTOGRAMS for part in ("_sum", "_count")),
+            )
+        ),
+    }
 )
 # A kvfleet replica's page with every SLA tier and finish reason in use is about 150 KB: room to spare, while
 # a pod that answers without end costs the operator 1 MiB a scrape.
@@ -63,8 +84,9 @@ class Exposition:
     waiting: float | None
     running: float | None
     kv_cache_usage: float | None
-    ttft_sum: float | None
-    ttft_count: float | None
+    queued_prompt_tokens: float | None
+    # Each latency histogram's (sum, count), by name.
+    histograms: dict[str, tuple[float, float]]
 
 
 def parse_exposition(text: str) -> Exposition:
@@ -79,14 +101,25 @@ def parse_exposition(text: str) -> Exposition:
                 return totals[prefix + metric]
         return None
 
-    # Sum and count must come from the same family, or their ratio means nothing.
-    ttft_prefix = next((p for p in PREFIXES if p + TTFT_SUM in totals and p + TTFT_COUNT in totals), None)
+    histograms = {}
+    for histogram in _HISTOGRAMS:
+        # Sum and count must come from the same family, or their ratio means nothing.
+        names = next(
+            (
+                (p + f"{histogram}_sum", p + f"{histogram}_count")
+                for p in PREFIXES
+                if p + f"{histogram}_sum" in totals and p + f"{histogram}_count" in totals
+            ),
+            None,
+        )
+        if names is not None:
+            histograms[histogram] = totals[names[0]], totals[names[1]]
     return Exposition(
         waiting=read(WAITING),
         running=read(RUNNING),
         kv_cache_usage=read(KV_CACHE_USAGE),
-        ttft_sum=totals[ttft_prefix + TTFT_SUM] if ttft_prefix else None,
-        ttft_count=totals[ttft_prefix + TTFT_COUNT] if ttft_prefix else None,
+        queued_prompt_tokens=totals.get(QUEUED_PROMPT_TOKENS),
+        histograms=histograms,
     )
 
 
@@ -122,7 +155,7 @@ async def read_capped(response: aiohttp.ClientResponse, max_page_bytes: int) -> 
 
 
 class FleetScraper:
-    """Scrapes one service's replicas; remembers each replica's TTFT counters to report interval means."""
+    """Scrapes one service's replicas; remembers each replica's latency counters to report interval means."""
 
     def __init__(
         self,
@@ -133,12 +166,13 @@ class FleetScraper:
         self._session = session
         self._timeout = aiohttp.ClientTimeout(total=timeout_seconds)
         self._max_page_bytes = max_page_bytes
-        self._ttft_counters: dict[str, tuple[float, float]] = {}
+        # (pod, histogram) -> its (sum, count) at the previous scrape.
+        self._counters: dict[tuple[str, str], tuple[float, float]] = {}
 
     async def scrape(self, targets: Sequence[ScrapeTarget]) -> list[PodMetrics | ScrapeFailure]:
         pages = await asyncio.gather(*(self._fetch(target) for target in targets))
         live = {target.pod for target in targets}
-        self._ttft_counters = {pod: value for pod, value in self._ttft_counters.items() if pod in live}
+        self._counters = {key: value for key, value in self._counters.items() if key[0] in live}
         return [self._to_metrics(target.pod, page) for target, page in zip(targets, pages, strict=True)]
 
     async def _fetch(self, target: ScrapeTarget) -> Exposition | ScrapeFailure:
@@ -154,23 +188,24 @@ class FleetScraper:
             waiting=page.waiting,
             running=page.running,
             kv_cache_usage=page.kv_cache_usage,
-            ttft_seconds=self._interval_ttft(pod, page),
+            ttft_seconds=self._interval_mean(pod, page, TTFT),
+            queued_prompt_tokens=page.queued_prompt_tokens,
+            itl_seconds=self._interval_mean(pod, page, ITL),
         )
 
-    def _interval_ttft(self, pod: str, page: Exposition) -> float | None:
-        previous = self._ttft_counters.get(pod)
-        if page.ttft_sum is None or page.ttft_count is None:
-            # A labelled histogram appears with its first request: until then it is at zero.
-            self._ttft_counters[pod] = (0.0, 0.0)
-            return None
-        self._ttft_counters[pod] = (page.ttft_sum, page.ttft_count)
+    def _interval_mean(self, pod: str, page: Exposition, histogram: str) -> float | None:
+        """The mean of a histogram's observations since the previous scrape of the pod."""
+        key = (pod, histogram)
+        previous = self._counters.get(key)
+        # A labelled histogram appears with its first observation: until then it is at zero.
+        total, count = self._counters[key] = page.histograms.get(histogram, (0.0, 0.0))
         if previous is None:
             return None
-        started = page.ttft_count - previous[1]
+        observed = count - previous[1]
         # A restarted replica resets its counters: no interval to measure until the next scrape.
-        if started <= 0 or page.ttft_sum < previous[0]:
+        if observed <= 0 or total < previous[0]:
             return None
-        return (page.ttft_sum - previous[0]) / started
+        return (total - previous[0]) / observed
 
 
 def parse_gateway_queues(text: str) -> dict[str, float]:

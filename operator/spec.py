@@ -7,15 +7,17 @@ upgrade, or by a server without CEL, reach the operator too.
 
 from __future__ import annotations
 
+import dataclasses
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, cast
 
 from kvfleet.contract.engine import DTYPES, SCHEDULING_POLICIES, SchedulingPolicy
+from kvfleet.contract.kv_transfer import Role
 from kvfleet.contract.routing import POLICY_NAMES, PolicyName
 from kvfleet.contract.tiers import DEFAULT_TIER, TIER_NAMES, TierName
-from kvfleet.operator.api import API_KEY_ENV, API_KEY_FLAG
+from kvfleet.operator.api import API_KEY_ENV, API_KEY_FLAG, KV_TRANSFER_CONFIG_FLAG
 from kvfleet.operator.model_uri import ModelSource, ModelURIError, parse_model_uri
 from kvfleet.operator.schema import QUANTITY, Rule, array, integer, obj, prop, string
 from kvfleet.operator.tiers import TIERS
@@ -91,6 +93,26 @@ SPEC_RULES = (
         f"!has(self.batch) || !has(self.resources.gpusPerNode) || self.resources.gpusPerNode >= {_RANKS}",
         "batch needs a replica on one node (resources.gpusPerNode at least the ranks)",
     ),
+    Rule(
+        f"!has(self.disaggregation) || {_RANKS} == 1",
+        "disaggregation needs one rank per replica (engine.tensorParallelSize × pipelineParallelSize of 1): "
+        "the KV connector moves the blocks of one rank",
+    ),
+    Rule(
+        "!has(self.disaggregation) || !has(self.batch)",
+        "batch is not served with disaggregation: the Batch API's store belongs to one colocated replica",
+    ),
+    Rule(
+        "!has(self.disaggregation) || !has(self.scaling.replicas)",
+        "scaling.replicas does not apply with disaggregation: set disaggregation.prefill.scaling.replicas "
+        "and disaggregation.decode.scaling.replicas",
+    ),
+    Rule(
+        "!has(self.disaggregation) || !has(self.engine.extraArgs) || !self.engine.extraArgs.exists(a, "
+        f"a == '{KV_TRANSFER_CONFIG_FLAG}' || a.startsWith('{KV_TRANSFER_CONFIG_FLAG}='))",
+        f"engine.extraArgs must not pass {KV_TRANSFER_CONFIG_FLAG} with disaggregation: the operator renders "
+        "it for each role",
+    ),
     # The replica that holds the Batch API's store runs its batches; a second would run them too.
     Rule(
         "!has(self.batch) || (has(self.scaling) && (has(self.scaling.replicas) ? self.scaling.replicas <= 1 "
@@ -109,6 +131,10 @@ _API_KEY_FLAG_RULE = Rule(
     f"self != '{API_KEY_FLAG}' && !self.startsWith('{API_KEY_FLAG}=')",
     f"engine.extraArgs must not pass {API_KEY_FLAG}: the key comes from the Secret named in "
     "engine.apiKeySecret",
+)
+_KV_TRANSFER_FLAG_RULE = Rule(
+    f"self != '{KV_TRANSFER_CONFIG_FLAG}' && !self.startsWith('{KV_TRANSFER_CONFIG_FLAG}=')",
+    f"extraArgs must not pass {KV_TRANSFER_CONFIG_FLAG}: the operator renders it for each role",
 )
 _ENV_SCHEMA = array(
     "",
@@ -514,6 +540,151 @@ class AdapterSpec:
 
 
 @dataclass(frozen=True)
+class RoleScalingSpec:
+    """How many replicas of one role run; the windows, steps and delays are spec.scaling's."""
+
+    replicas: int | None = prop(
+        "A fixed replica count of the role; when set, the role is not autoscaled.",
+        None,
+        minimum=0,
+        maximum=1000,
+    )
+    min_replicas: int = prop(
+        "The fewest replicas of the role the autoscaler runs; 0 lets the role scale to zero after "
+        "spec.scaling.scaleToZeroAfterSeconds idle.",
+        1,
+        minimum=0,
+        maximum=1000,
+    )
+    max_replicas: int = prop("The most replicas of the role the autoscaler runs.", 4, minimum=1, maximum=1000)
+
+    @property
+    def autoscaling(self) -> bool:
+        return self.replicas is None
+
+    def policy(self, service: ScalingSpec) -> ScalingSpec:
+        """The service's autoscaling policy (windows, steps, delays) within this role's bounds."""
+        return dataclasses.replace(
+            service, replicas=self.replicas, min_replicas=self.min_replicas, max_replicas=self.max_replicas
+        )
+
+
+@dataclass(frozen=True)
+class PrefillScalingSpec(RoleScalingSpec):
+    target_queued_prompt_tokens: int = prop(
+        "Prompt tokens still to compute (waiting and running requests) each prefill replica should hold on "
+        "average. While no prefill replica is ready, the decode replicas' own backlog of prompt tokens is "
+        "the demand; spec.sla.ttftTargetMilliseconds holds the prefill replicas' time to first token.",
+        8192,
+        minimum=1,
+        maximum=100000000,
+    )
+
+
+@dataclass(frozen=True)
+class DecodeScalingSpec(RoleScalingSpec):
+    target_queue_depth: int = prop(
+        "Requests (running plus waiting) each decode replica should hold on average; the fleet gateway's "
+        "held requests count, so that a role at zero scales back to one.",
+        32,
+        minimum=1,
+        maximum=100000,
+    )
+    target_kv_cache_usage_percent: int = prop(
+        "The mean share of KV cache blocks in use a decode replica should stay under.",
+        80,
+        minimum=1,
+        maximum=100,
+    )
+    itl_target_milliseconds: int | None = prop(
+        "Inter-token latency the decode replicas should keep; when they report a higher mean, the autoscaler "
+        "adds one.",
+        None,
+        minimum=1,
+        maximum=60000,
+    )
+
+
+_ROLE_SCALING_RULES = [
+    Rule(
+        "!has(self.minReplicas) || !has(self.maxReplicas) || self.minReplicas <= self.maxReplicas",
+        "minReplicas must not exceed maxReplicas",
+    )
+]
+_ROLE_EXTRA_ARGS_ITEMS = {
+    "maxLength": 1024,
+    "x-kubernetes-validations": [
+        Rule(
+            _API_KEY_FLAG_RULE.rule,
+            f"extraArgs must not pass {API_KEY_FLAG}: the key comes from the Secret named in "
+            "engine.apiKeySecret",
+        ).render(),
+        _KV_TRANSFER_FLAG_RULE.render(),
+    ],
+}
+
+
+@dataclass(frozen=True)
+class PrefillSpec:
+    """The replicas that compute prompts and keep their KV blocks for decode replicas to pull."""
+
+    scaling: PrefillScalingSpec = prop(
+        "How many prefill replicas run: a fixed count, or the autoscaler's on queued prompt tokens. At zero "
+        "the gateway sends every request to the decode role, which computes its prompt itself.",
+        server_default={},
+        rules=_ROLE_SCALING_RULES,
+    )
+    resources: ResourcesSpec | None = prop(
+        "What each prefill pod asks of its node, in the shape of spec.resources; unset, spec.resources.", None
+    )
+    extra_args: tuple[str, ...] = prop(
+        "More arguments of the prefill replicas' runtime command line, after spec.engine.extraArgs.",
+        (),
+        maxItems=64,
+        items=_ROLE_EXTRA_ARGS_ITEMS,
+    )
+
+
+@dataclass(frozen=True)
+class DecodeSpec:
+    """The replicas that pull a prompt's KV blocks from a prefill replica and generate its tokens."""
+
+    scaling: DecodeScalingSpec = prop(
+        "How many decode replicas run: a fixed count, or the autoscaler's on running requests and KV cache "
+        "usage. At zero the fleet gateway holds requests and the operator scales back to one, as with "
+        "spec.scaling.minReplicas 0.",
+        server_default={},
+        rules=_ROLE_SCALING_RULES,
+    )
+    resources: ResourcesSpec | None = prop(
+        "What each decode pod asks of its node, in the shape of spec.resources; unset, spec.resources.", None
+    )
+    extra_args: tuple[str, ...] = prop(
+        "More arguments of the decode replicas' runtime command line, after spec.engine.extraArgs.",
+        (),
+        maxItems=64,
+        items=_ROLE_EXTRA_ARGS_ITEMS,
+    )
+
+
+@dataclass(frozen=True)
+class DisaggregationSpec:
+    """Prefill and decode on separate replicas, each role its own Deployment, sized and scaled apart."""
+
+    prefill: PrefillSpec = prop(
+        "The replicas that compute prompts and hand their KV cache to decode replicas.", server_default={}
+    )
+    decode: DecodeSpec = prop(
+        "The replicas that generate, from KV cache pulled from a prefill replica (or computed themselves); "
+        "the service's Service sends requests to them.",
+        server_default={},
+    )
+
+    def role(self, role: Role) -> PrefillSpec | DecodeSpec:
+        return self.prefill if role == "prefill" else self.decode
+
+
+@dataclass(frozen=True)
 class InferenceServiceSpec:
     model: ModelSpec = prop(
         "The model the replicas serve.",
@@ -577,6 +748,13 @@ class InferenceServiceSpec:
         maxItems=256,
         **{"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
     )
+    disaggregation: DisaggregationSpec | None = prop(
+        "Run prefill and decode on separate replicas (vLLM's disaggregated serving): a prefill role computes "
+        "each prompt and a decode role pulls its KV cache over TCP and generates, each role with its own "
+        "replicas, resources and scaling (spec.scaling's windows, steps and delays; its replica bounds do "
+        "not apply). Unset, every replica does both. Needs one rank per replica.",
+        None,
+    )
 
     @property
     def lora_enabled(self) -> bool:
@@ -591,6 +769,13 @@ class InferenceServiceSpec:
     def scheduling_policy(self) -> SchedulingPolicy:
         """How the replicas order their requests: as the spec says, else as its tier does."""
         return self.engine.scheduling_policy or TIERS[self.sla.tier].scheduling_policy
+
+    def for_role(self, role: Role) -> InferenceServiceSpec:
+        """The spec one role's replicas run: the role's resources and extra arguments over the service's."""
+        assert self.disaggregation is not None
+        section = self.disaggregation.role(role)
+        engine = dataclasses.replace(self.engine, extra_args=(*self.engine.extra_args, *section.extra_args))
+        return dataclasses.replace(self, engine=engine, resources=section.resources or self.resources)
 
 
 def parse_spec(spec: Mapping[str, Any], *, name: str) -> InferenceServiceSpec:
@@ -621,12 +806,18 @@ def parse_spec(spec: Mapping[str, Any], *, name: str) -> InferenceServiceSpec:
         routing=_parse_routing(root.section("routing")),
         adapters=_parse_adapters(root, model.served_name),
         safety=parse_safety(root.raw.get("safety"), name=name),
+        disaggregation=_parse_disaggregation(root, engine, scaling),
     )
 
 
 def rendezvous_name(service: str) -> str:
     """The headless Service through which a group's ranks find rank 0, and the LeaderWorkerSet's name."""
     return f"{service}-ranks"
+
+
+def role_name(service: str, role: Role) -> str:
+    """The Deployment of one role of a disaggregated service."""
+    return f"{service}-{role}"
 
 
 def group_name(service: str, backend: GroupBackend, index: int) -> str:
@@ -679,12 +870,7 @@ def _parse_engine(section: _Section) -> EngineSpec:
             raise SpecError("InvalidSpec", f"{entry.path} must not set {API_KEY_ENV}: {_API_KEY_SOURCE}")
         env_items.append((env_name, entry.string("value") or ""))
     extra_args = section.strings("extraArgs")
-    for index, arg in enumerate(extra_args):
-        if arg == API_KEY_FLAG or arg.startswith(f"{API_KEY_FLAG}="):
-            raise SpecError(
-                "InvalidSpec",
-                f"{section.path}.extraArgs[{index}] must not pass {API_KEY_FLAG}: {_API_KEY_SOURCE}",
-            )
+    _refuse_flag(section, extra_args, API_KEY_FLAG, _API_KEY_SOURCE)
     return EngineSpec(
         image=section.string("image"),
         image_pull_policy=cast(
@@ -733,19 +919,19 @@ def _parse_resources(section: _Section, engine: EngineSpec) -> ResourcesSpec:
         if gpus < world and not (gpus == 0 and world == 1):
             raise SpecError(
                 "InvalidSpec",
-                f"spec.resources.gpus ({gpus}) must be at least {ranks}; set spec.resources.gpusPerNode "
+                f"{section.path}.gpus ({gpus}) must be at least {ranks}; set {section.path}.gpusPerNode "
                 "to split the model over several nodes",
             )
         if gpus_per_node is not None and gpus > gpus_per_node:
             raise SpecError(
                 "InvalidSpec",
-                f"spec.resources.gpus ({gpus}) must not exceed spec.resources.gpusPerNode ({gpus_per_node})",
+                f"{section.path}.gpus ({gpus}) must not exceed {section.path}.gpusPerNode ({gpus_per_node})",
             )
     else:
         if world % gpus_per_node:
             raise SpecError(
                 "InvalidSpec",
-                f"{ranks} must be a multiple of spec.resources.gpusPerNode ({gpus_per_node}): every node "
+                f"{ranks} must be a multiple of {section.path}.gpusPerNode ({gpus_per_node}): every node "
                 "of a group takes the same share of the ranks",
             )
         nodes = world // gpus_per_node
@@ -753,7 +939,7 @@ def _parse_resources(section: _Section, engine: EngineSpec) -> ResourcesSpec:
         if gpus != gpus_per_node:
             raise SpecError(
                 "InvalidSpec",
-                f"spec.resources.gpus ({gpus}) must equal spec.resources.gpusPerNode ({gpus_per_node}) when "
+                f"{section.path}.gpus ({gpus}) must equal {section.path}.gpusPerNode ({gpus_per_node}) when "
                 f"the model spans nodes ({world} ranks over {nodes} nodes of {gpus_per_node} GPUs)",
             )
     tolerations = tuple(
@@ -831,6 +1017,111 @@ def _parse_batch(root: _Section, scaling: ScalingSpec, resources: ResourcesSpec)
         storage_class_name=section.string("storageClassName"),
         max_file_bytes=section.integer("maxFileBytes", minimum=1),
     )
+
+
+def _parse_disaggregation(
+    root: _Section, engine: EngineSpec, scaling: ScalingSpec
+) -> DisaggregationSpec | None:
+    if root.raw.get("disaggregation") is None:
+        return None
+    section = root.section("disaggregation")
+    if engine.world_size > 1:
+        raise SpecError(
+            "InvalidSpec",
+            "spec.disaggregation needs one rank per replica: spec.engine.tensorParallelSize × "
+            f"pipelineParallelSize is {engine.world_size}, and the KV connector moves the blocks of one rank",
+        )
+    if root.raw.get("batch") is not None:
+        raise SpecError(
+            "InvalidSpec",
+            "spec.batch is not served with spec.disaggregation: the Batch API's store belongs to one "
+            "colocated replica",
+        )
+    if scaling.replicas is not None:
+        raise SpecError(
+            "InvalidSpec",
+            "spec.scaling.replicas does not apply with spec.disaggregation: set "
+            "spec.disaggregation.prefill.scaling.replicas and spec.disaggregation.decode.scaling.replicas",
+        )
+    _refuse_kv_transfer_flag(root.section("engine"), engine.extra_args)
+    prefill, decode = section.section("prefill"), section.section("decode")
+    prefill_scaling = prefill.section("scaling")
+    decode_scaling = decode.section("scaling")
+    return DisaggregationSpec(
+        prefill=PrefillSpec(
+            scaling=PrefillScalingSpec(
+                **_role_bounds(prefill_scaling),
+                target_queued_prompt_tokens=prefill_scaling.required_integer(
+                    "targetQueuedPromptTokens", PrefillScalingSpec.target_queued_prompt_tokens, 1
+                ),
+            ),
+            resources=_parse_role_resources(prefill, engine),
+            extra_args=_parse_role_extra_args(prefill),
+        ),
+        decode=DecodeSpec(
+            scaling=DecodeScalingSpec(
+                **_role_bounds(decode_scaling),
+                target_queue_depth=decode_scaling.required_integer(
+                    "targetQueueDepth", DecodeScalingSpec.target_queue_depth, 1
+                ),
+                target_kv_cache_usage_percent=_percent(
+                    decode_scaling,
+                    "targetKvCacheUsagePercent",
+                    DecodeScalingSpec.target_kv_cache_usage_percent,
+                ),
+                itl_target_milliseconds=decode_scaling.integer("itlTargetMilliseconds", minimum=1),
+            ),
+            resources=_parse_role_resources(decode, engine),
+            extra_args=_parse_role_extra_args(decode),
+        ),
+    )
+
+
+def _role_bounds(section: _Section) -> dict[str, Any]:
+    bounds = {
+        "replicas": section.integer("replicas", minimum=0),
+        "min_replicas": section.required_integer("minReplicas", RoleScalingSpec.min_replicas, 0),
+        "max_replicas": section.required_integer("maxReplicas", RoleScalingSpec.max_replicas, 1),
+    }
+    if bounds["min_replicas"] > bounds["max_replicas"]:
+        raise SpecError(
+            "InvalidSpec",
+            f"{section.path}.minReplicas ({bounds['min_replicas']}) must not exceed "
+            f"{section.path}.maxReplicas ({bounds['max_replicas']})",
+        )
+    return bounds
+
+
+def _percent(section: _Section, key: str, default: int) -> int:
+    value = section.required_integer(key, default, 1)
+    if value > 100:
+        raise SpecError("InvalidSpec", f"{section.path}.{key} must be at most 100")
+    return value
+
+
+def _parse_role_resources(role: _Section, engine: EngineSpec) -> ResourcesSpec | None:
+    if role.raw.get("resources") is None:
+        return None
+    return _parse_resources(role.section("resources"), engine)
+
+
+def _parse_role_extra_args(role: _Section) -> tuple[str, ...]:
+    extra_args = role.strings("extraArgs")
+    _refuse_flag(role, extra_args, API_KEY_FLAG, _API_KEY_SOURCE)
+    _refuse_kv_transfer_flag(role, extra_args)
+    return tuple(extra_args)
+
+
+def _refuse_kv_transfer_flag(section: _Section, extra_args: Sequence[str]) -> None:
+    why = "the operator renders it for each role of spec.disaggregation"
+    _refuse_flag(section, extra_args, KV_TRANSFER_CONFIG_FLAG, why)
+
+
+def _refuse_flag(section: _Section, extra_args: Sequence[str], flag: str, why: str) -> None:
+    """Raises SpecError for the first of a section's extraArgs that passes `flag`, alone or with its value."""
+    for index, arg in enumerate(extra_args):
+        if arg == flag or arg.startswith(f"{flag}="):
+            raise SpecError("InvalidSpec", f"{section.path}.extraArgs[{index}] must not pass {flag}: {why}")
 
 
 def _parse_sla(section: _Section) -> SlaSpec:

@@ -6,12 +6,14 @@ not-ready it is: still progressing, failed, or scaled down on purpose.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import typing
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvfleet.contract.kv_transfer import Role
 from kvfleet.operator.adapters import AdapterState, AdapterStatus
 from kvfleet.operator.autoscaler import MetricsSample
 from kvfleet.operator.observed import DeploymentView, PodView
@@ -60,6 +62,36 @@ _CONDITION = obj(
     },
     required=["type", "status", "lastTransitionTime", "reason", "message"],
 )
+_AUTOSCALER = obj(
+    "The metrics the autoscaler last decided on (while autoscaling).",
+    {
+        "queueDepth": number(
+            "The fleet's demand: requests running and waiting, estimated from the replicas that answered."
+        ),
+        "kvCacheUsage": number("The replicas' mean share of KV cache blocks in use, from 0 to 1."),
+        "ttftMilliseconds": number("The replicas' mean time to first token."),
+        "queuedPromptTokens": number(
+            "The prompt tokens still to compute, estimated from the replicas that answered."
+        ),
+        "itlMilliseconds": number("The replicas' mean time between output tokens."),
+        "reportingPods": integer("The replicas whose metrics were read."),
+        "panic": boolean("Whether the autoscaler is in panic mode (a burst on the short window)."),
+    },
+)
+
+
+def _role_schema(role: str, figures: str) -> dict[str, Any]:
+    return obj(
+        f"The {role} role's replicas.",
+        {
+            "desiredReplicas": integer(f"The {role} replicas the operator asks for."),
+            "replicas": integer(f"The {role} replicas the role's Deployment runs, ready or not."),
+            "readyReplicas": integer(f"The {role} replicas ready to serve."),
+            "autoscaler": {**_AUTOSCALER, "description": figures},
+        },
+    )
+
+
 # The CRD's schema of the status build_status writes.
 STATUS_SCHEMA = obj(
     "What the operator last observed of the service.",
@@ -73,17 +105,20 @@ STATUS_SCHEMA = obj(
         "url": string("The in-cluster URL of the service's OpenAI-compatible API."),
         "lastScaleTime": {**_TIMESTAMP, "description": "When the autoscaler last changed the replica count."},
         "lastScaleReason": string("Why it did, as the autoscaler put it."),
-        "autoscaler": obj(
-            "The metrics the autoscaler last decided on (while autoscaling).",
+        "autoscaler": _AUTOSCALER,
+        "roles": obj(
+            "Each role of a disaggregated service (spec.disaggregation); the counts above are their sums.",
             {
-                "queueDepth": number(
-                    "The fleet's demand: requests running and waiting, estimated from the replicas that "
-                    "answered."
+                "prefill": _role_schema(
+                    "prefill",
+                    "The metrics the autoscaler last decided the prefill role on (while autoscaling it): "
+                    "the decode replicas' while no prefill replica is ready, since they compute every "
+                    "prompt meanwhile.",
                 ),
-                "kvCacheUsage": number("The replicas' mean share of KV cache blocks in use, from 0 to 1."),
-                "ttftMilliseconds": number("The replicas' mean time to first token."),
-                "reportingPods": integer("The replicas whose metrics were read."),
-                "panic": boolean("Whether the autoscaler is in panic mode (a burst on the short window)."),
+                "decode": _role_schema(
+                    "decode",
+                    "The metrics the autoscaler last decided the decode role on (while autoscaling it).",
+                ),
             },
         ),
         "adapters": array(
@@ -155,8 +190,22 @@ class GroupStatus:
 
 
 @dataclass(frozen=True)
+class RoleObservation:
+    """One role of a disaggregated service: its Deployment and what its autoscaler last saw."""
+
+    role: Role
+    autoscaling: bool
+    desired_replicas: int
+    deployment: DeploymentView | None
+    gpu_resource_name: str = "nvidia.com/gpu"
+    latest_sample: MetricsSample | None = None
+    panic: bool = False
+
+
+@dataclass(frozen=True)
 class Observation:
-    """Everything one status update is computed from."""
+    """Everything one status update is computed from. A disaggregated service's workload is its `roles`
+    (`deployment`, `desired_replicas`, `autoscaling`, `latest_sample` and `panic` are then unused)."""
 
     generation: int
     url: str
@@ -179,12 +228,14 @@ class Observation:
     groups: Sequence[GroupStatus] | None = None
     # While another service of the namespace owns the served name.
     name_conflict: Condition | None = None
+    roles: Sequence[RoleObservation] | None = None
 
 
 def build_status(
     observation: Observation, previous: Mapping[str, Any], now: datetime.datetime
 ) -> dict[str, Any]:
-    workload = workload_condition(observation)
+    roles = observation.roles
+    workload = workload_condition(observation) if roles is None else roles_condition(observation, roles)
     conditions = [
         ready_condition(observation, workload),
         workload,
@@ -197,12 +248,16 @@ def build_status(
         conditions.append(groups_condition(observation.groups))
     if observation.name_conflict is not None:
         conditions.append(observation.name_conflict)
-    deployment = observation.deployment
+    workloads = (
+        [(observation.desired_replicas, observation.deployment)]
+        if roles is None
+        else [(role.desired_replicas, role.deployment) for role in roles]
+    )
     status: dict[str, Any] = {
         "observedGeneration": observation.generation,
-        "desiredReplicas": observation.desired_replicas,
-        "replicas": deployment.status_replicas if deployment else 0,
-        "readyReplicas": deployment.ready_replicas if deployment else 0,
+        "desiredReplicas": sum(desired for desired, _ in workloads),
+        "replicas": sum(deployment.status_replicas for _, deployment in workloads if deployment),
+        "readyReplicas": sum(deployment.ready_replicas for _, deployment in workloads if deployment),
         "url": observation.url,
         "conditions": merge_conditions(
             previous.get("conditions") or [], conditions, observation.generation, now
@@ -230,18 +285,40 @@ def build_status(
         status["lastScaleTime"] = observation.last_scale_time
         status["lastScaleReason"] = observation.last_scale_reason or ""
     sample = observation.latest_sample
-    if observation.autoscaling and sample is not None:
-        autoscaler: dict[str, Any] = {
-            "queueDepth": round(sample.queue_depth, 1),
-            "reportingPods": sample.reporting_pods,
-            "panic": observation.panic,
-        }
-        if sample.kv_cache_usage is not None:
-            autoscaler["kvCacheUsage"] = round(sample.kv_cache_usage, 3)
-        if sample.ttft_seconds is not None:
-            autoscaler["ttftMilliseconds"] = round(sample.ttft_seconds * 1000, 1)
-        status["autoscaler"] = autoscaler
+    if roles is not None:
+        status["roles"] = {role.role: _role_status(role) for role in roles}
+    elif observation.autoscaling and sample is not None:
+        status["autoscaler"] = _autoscaler_figures(sample, observation.panic)
     return status
+
+
+def _role_status(role: RoleObservation) -> dict[str, Any]:
+    deployment = role.deployment
+    status: dict[str, Any] = {
+        "desiredReplicas": role.desired_replicas,
+        "replicas": deployment.status_replicas if deployment else 0,
+        "readyReplicas": deployment.ready_replicas if deployment else 0,
+    }
+    if role.autoscaling and role.latest_sample is not None:
+        status["autoscaler"] = _autoscaler_figures(role.latest_sample, role.panic)
+    return status
+
+
+def _autoscaler_figures(sample: MetricsSample, panic: bool) -> dict[str, Any]:
+    autoscaler: dict[str, Any] = {
+        "queueDepth": round(sample.queue_depth, 1),
+        "reportingPods": sample.reporting_pods,
+        "panic": panic,
+    }
+    if sample.kv_cache_usage is not None:
+        autoscaler["kvCacheUsage"] = round(sample.kv_cache_usage, 3)
+    if sample.ttft_seconds is not None:
+        autoscaler["ttftMilliseconds"] = round(sample.ttft_seconds * 1000, 1)
+    if sample.queued_prompt_tokens is not None:
+        autoscaler["queuedPromptTokens"] = round(sample.queued_prompt_tokens, 1)
+    if sample.itl_seconds is not None:
+        autoscaler["itlMilliseconds"] = round(sample.itl_seconds * 1000, 1)
+    return autoscaler
 
 
 def workload_condition(observation: Observation) -> Condition:
@@ -291,6 +368,39 @@ def workload_condition(observation: Observation) -> Condition:
     return condition(True, "Available", f"{deployment.ready_replicas} of {desired} replicas ready")
 
 
+def roles_condition(observation: Observation, roles: Sequence[RoleObservation]) -> Condition:
+    """A disaggregated service's workload: ready when both roles are. A prefill role at zero is no
+    obstacle (the decode replicas compute prompts themselves meanwhile). Of the roles not ready, one that
+    failed speaks first."""
+    conditions = {}
+    for role in roles:
+        if role.role == "prefill" and role.desired_replicas == 0:
+            conditions[role.role] = Condition(
+                "WorkloadReady", "True", SCALED_TO_ZERO, "at zero: the decode replicas compute prompts"
+            )
+            continue
+        pods = [pod for pod in observation.pods if pod.role == role.role]
+        conditions[role.role] = workload_condition(
+            dataclasses.replace(
+                observation,
+                autoscaling=role.autoscaling,
+                desired_replicas=role.desired_replicas,
+                deployment=role.deployment,
+                pods=pods,
+                gpu_resource_name=role.gpu_resource_name,
+            )
+        )
+    waiting = [(role, c) for role, c in conditions.items() if c.status != "True"]
+    failed = [(role, c) for role, c in waiting if c.reason in FAILURE_REASONS]
+    if failed or waiting:
+        role, condition = (failed or waiting)[0]
+        return dataclasses.replace(condition, message=f"{role}: {condition.message}")
+    message = "; ".join(f"{role}: {condition.message}" for role, condition in conditions.items())
+    decode = conditions.get("decode")
+    reason = SCALED_TO_ZERO if decode is not None and decode.reason == SCALED_TO_ZERO else "Available"
+    return Condition("WorkloadReady", "True", reason, message)
+
+
 def ready_condition(observation: Observation, workload: Condition) -> Condition:
     if observation.blocking_error is not None:
         reason, message = observation.blocking_error
@@ -307,6 +417,8 @@ def scheduled_condition(observation: Observation) -> Condition:
 
 
 def scaling_condition(observation: Observation) -> Condition:
+    if observation.roles is not None:
+        return _roles_scaling_condition(observation.roles)
     if not observation.autoscaling:
         return Condition("ScalingActive", "False", "AutoscalingDisabled", "spec.scaling.replicas is set")
     sample = observation.latest_sample
@@ -316,6 +428,26 @@ def scaling_condition(observation: Observation) -> Condition:
         )
     # No live figures in the message: they would rewrite the status on every scrape.
     message = f"{sample.reporting_pods} replica(s) reporting" + (", panic mode" if observation.panic else "")
+    return Condition("ScalingActive", "True", "MetricsAvailable", message)
+
+
+def _roles_scaling_condition(roles: Sequence[RoleObservation]) -> Condition:
+    autoscaled = [role for role in roles if role.autoscaling]
+    if not autoscaled:
+        return Condition(
+            "ScalingActive", "False", "AutoscalingDisabled", "every role's scaling.replicas is set"
+        )
+    silent = [role.role for role in autoscaled if role.latest_sample is None]
+    if silent:
+        message = f"no ready replica has reported metrics for the {' and '.join(silent)} role"
+        return Condition("ScalingActive", "False", "MetricsUnavailable", message)
+    # No live figures in the message: they would rewrite the status on every scrape.
+    message = "; ".join(
+        f"{role.role}: {role.latest_sample.reporting_pods} replica(s) reporting"
+        + (", panic mode" if role.panic else "")
+        for role in autoscaled
+        if role.latest_sample is not None
+    )
     return Condition("ScalingActive", "True", "MetricsAvailable", message)
 
 

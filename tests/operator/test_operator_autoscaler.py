@@ -3,19 +3,25 @@
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import pytest
+from kvfleet.contract.kv_transfer import Role
 from kvfleet.operator.autoscaler import (
     AutoscalerState,
     FleetState,
+    LatencyTarget,
     MetricsSample,
     PodMetrics,
     ScaleDecision,
+    Target,
     aggregate,
     decide,
+    sizing,
 )
-from kvfleet.operator.spec import ScalingSpec
+from kvfleet.operator.spec import ScalingSpec, parse_spec
 
 POLICY = ScalingSpec(
     min_replicas=1,
@@ -209,15 +215,25 @@ def test_panic_threshold_is_relative_to_ready_replicas() -> None:
     assert hot.panic
 
 
+TTFT_TARGET = LatencyTarget("time to first token", 0.5)
+
+
 def test_ttft_over_target_adds_one_replica_at_a_time() -> None:
     samples = [
         MetricsSample(time=t, queue_depth=10.0, reporting_pods=2, ttft_seconds=0.9) for t in range(0, 60, 2)
     ]
-    decision = decide(POLICY, samples, FleetState(2, 2), AutoscalerState(), now=59.0, ttft_target_seconds=0.5)
+    decision = decide(POLICY, samples, FleetState(2, 2), AutoscalerState(), now=59.0, latency=TTFT_TARGET)
     assert decision.replicas == 3 and "time to first token" in decision.reason
-    starting = decide(POLICY, samples, FleetState(3, 2), AutoscalerState(), now=59.0, ttft_target_seconds=0.5)
+    starting = decide(POLICY, samples, FleetState(3, 2), AutoscalerState(), now=59.0, latency=TTFT_TARGET)
     assert starting.replicas == 3, "waits for the added replica before adding another"
-    met = decide(POLICY, samples, FleetState(2, 2), AutoscalerState(), now=59.0, ttft_target_seconds=1.0)
+    met = decide(
+        POLICY,
+        samples,
+        FleetState(2, 2),
+        AutoscalerState(),
+        now=59.0,
+        latency=LatencyTarget("time to first token", 1.0),
+    )
     assert met.replicas == 1 and "time to first token" not in met.reason, "a met target leaves queue scaling"
 
 
@@ -274,3 +290,127 @@ def test_the_gateway_queue_adds_to_the_replicas_demand() -> None:
     sample = aggregate(0.0, [PodMetrics(waiting=2, running=3), None], 2, held=7.0)
     assert sample is not None and sample.queue_depth == 2 * 5 + 7
     assert aggregate(0.0, [None], 1, held=7.0) is None, "no replica answered: no sample from the replicas"
+
+
+# A disaggregated service: the service's windows and steps, each role's bounds and targets.
+ROLES_SPEC = parse_spec(
+    {
+        "model": {"uri": "file:///m"},
+        "scaling": {"stableWindowSeconds": 60, "panicWindowSeconds": 6, "scaleDownDelaySeconds": 120},
+        "sla": {"ttftTargetMilliseconds": 500},
+        "disaggregation": {
+            "prefill": {"scaling": {"minReplicas": 0, "maxReplicas": 6, "targetQueuedPromptTokens": 4000}},
+            "decode": {
+                "scaling": {
+                    "maxReplicas": 8,
+                    "targetQueueDepth": 16,
+                    "targetKvCacheUsagePercent": 80,
+                    "itlTargetMilliseconds": 50,
+                }
+            },
+        },
+    },
+    name="svc",
+)
+
+
+def steady(reports: list[PodMetrics], until: float = 60.0) -> list[MetricsSample]:
+    """The same replicas' reports every 2 s over a window."""
+    samples = []
+    for now in range(0, int(until), 2):
+        sample = aggregate(float(now), reports, len(reports))
+        assert sample is not None
+        samples.append(sample)
+    return samples
+
+
+def decide_role(role: Role, samples: list[MetricsSample], replicas: int, now: float = 58.0) -> ScaleDecision:
+    fit = sizing(ROLES_SPEC, role)
+    fleet = FleetState(replicas, replicas)
+    return decide(fit.policy, samples, fleet, AutoscalerState(), now, fit.latency, fit.targets)
+
+
+def test_each_role_is_sized_on_its_own_figures() -> None:
+    prefill, decode = sizing(ROLES_SPEC, "prefill"), sizing(ROLES_SPEC, "decode")
+    assert prefill.targets == (Target("queued prompt tokens", 4000),)
+    assert prefill.latency == LatencyTarget("time to first token", 0.5)
+    assert decode.targets == (Target("queue depth", 16), Target("KV cache in use", 0.8))
+    assert decode.latency == LatencyTarget("inter-token latency", 0.05)
+    assert (prefill.policy.min_replicas, prefill.policy.max_replicas) == (0, 6)
+    assert (decode.policy.min_replicas, decode.policy.max_replicas) == (1, 8)
+    assert prefill.policy.scale_down_delay_seconds == decode.policy.scale_down_delay_seconds == 120
+    colocated = sizing(parse_spec({"model": {"uri": "file:///m"}}, name="svc"))
+    assert colocated.targets == (Target("queue depth", 32),) and colocated.latency is None
+
+
+def test_prefill_scales_on_queued_prompt_tokens_not_on_requests() -> None:
+    # Two replicas each with 2 long prompts waiting: few requests, 2 x 9000 prompt tokens to compute.
+    reports = [PodMetrics(waiting=2, running=1, queued_prompt_tokens=9000.0)] * 2
+    decision = decide_role("prefill", steady(reports), replicas=2)
+    assert decision.replicas == math.ceil(2 * 9000 / 4000)
+    assert "queued prompt tokens 18000.0" in decision.reason and "target 4000 per replica" in decision.reason
+    # The same requests with short prompts: one replica is enough (the scale-down delay aside).
+    short = [PodMetrics(waiting=2, running=1, queued_prompt_tokens=300.0)] * 2
+    assert decide_role("prefill", steady(short), replicas=1).replicas == 1
+
+
+def test_a_replica_without_the_prompt_gauge_gives_the_prefill_role_no_metrics() -> None:
+    decision = decide_role("prefill", steady([PodMetrics(waiting=5, running=5)]), replicas=2)
+    assert decision.replicas == 2 and "no metrics" in decision.reason
+
+
+def test_decode_takes_the_most_its_figures_want() -> None:
+    # Few requests but their KV cache nearly full: the KV cache wants more than the queue depth does.
+    crowded = [PodMetrics(waiting=0, running=6, kv_cache_usage=0.95)] * 2
+    decision = decide_role("decode", steady(crowded), replicas=2)
+    assert decision.replicas == math.ceil(2 * 0.95 / 0.8)
+    assert decision.reason.startswith("KV cache in use 1.9 over the last 60s, target 0.8 per replica")
+    # Many short requests with room in the cache: the queue depth wants more.
+    busy = [PodMetrics(waiting=10, running=30, kv_cache_usage=0.3)] * 2
+    decision = decide_role("decode", steady(busy), replicas=2)
+    assert decision.replicas == math.ceil(2 * 40 / 16)
+    assert decision.reason.startswith("panic: queue depth 80.0")
+
+
+def test_decode_inter_token_latency_over_target_adds_one_replica() -> None:
+    slow = [PodMetrics(waiting=0, running=8, kv_cache_usage=0.4, itl_seconds=0.09)] * 2
+    decision = decide_role("decode", steady(slow), replicas=2)
+    assert decision.replicas == 3
+    assert "mean inter-token latency 90ms over the 50ms target" in decision.reason
+    met = [PodMetrics(waiting=0, running=8, kv_cache_usage=0.4, itl_seconds=0.03)] * 2
+    decision = decide_role("decode", steady(met), replicas=2)
+    assert decision.replicas == 1 and "latency" not in decision.reason, "a met target leaves queue scaling"
+
+
+def test_the_prefill_role_goes_to_zero_on_its_own_idle_period() -> None:
+    fit = sizing(ROLES_SPEC, "prefill")
+    samples: list[MetricsSample] = []
+    state, replicas, now = AutoscalerState(), 1, 0.0
+    history = []
+    while now <= 600:
+        tokens = 2000.0 if now < 100 else 0.0
+        sample = aggregate(now, [PodMetrics(0, 1 if tokens else 0, queued_prompt_tokens=tokens)], 1)
+        assert sample is not None
+        samples = [s for s in samples if now - s.time < fit.policy.stable_window_seconds] + [sample]
+        decision = decide(
+            fit.policy, samples, FleetState(replicas, replicas), state, now, fit.latency, fit.targets
+        )
+        state, replicas = decision.state, decision.replicas
+        history.append((now, replicas))
+        now += 2
+    zero_at = next(at for at, count in history if count == 0)
+    assert 400 <= zero_at < 404, "idle from 100 s, gone after spec.scaling.scaleToZeroAfterSeconds"
+
+
+def test_aggregate_estimates_the_fleets_prompt_backlog_and_kv_cache_in_use() -> None:
+    reports = [
+        PodMetrics(1, 2, kv_cache_usage=0.5, queued_prompt_tokens=1000.0, itl_seconds=0.02),
+        None,
+        PodMetrics(0, 1, kv_cache_usage=0.7, queued_prompt_tokens=3000.0, itl_seconds=0.04),
+    ]
+    sample = aggregate(0.0, reports, ready_replicas=3)
+    assert sample is not None
+    assert sample.queued_prompt_tokens == 2000.0 * 3, "the silent replica counts as the average"
+    assert sample.kv_cache_in_use == pytest.approx(0.6 * 3)
+    assert sample.itl_seconds == pytest.approx(0.03)
+    assert aggregate(0.0, [PodMetrics(1, 1)], 1).queued_prompt_tokens is None  # type: ignore[union-attr]

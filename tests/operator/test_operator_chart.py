@@ -11,9 +11,12 @@ from typing import Any
 import celpy
 import pytest
 import yaml
+from kvfleet.contract.kv_transfer import ROLES
 from kvfleet.gateway.cli import gateway_command
 from kvfleet.operator.kube import PLURALS
+from kvfleet.operator.render import Owner, RenderOptions, render_children
 from kvfleet.operator.scrape import DEFAULT_MAX_PAGE_BYTES
+from kvfleet.operator.spec import parse_spec
 from kvfleet.operator.tiers import TIERS
 
 CHART = Path(__file__).resolve().parents[2] / "charts" / "kvfleet"
@@ -130,6 +133,25 @@ def test_rbac_grants_what_the_operator_does_and_no_more() -> None:
     assert all("*" not in rule["resources"] and "*" not in rule["apiGroups"] for rule in rules)
     # Read only, for the API key with which it loads LoRA adapters into a service's replicas.
     assert verbs_for(rules, "", "secrets") == {"get"}
+
+
+def test_rbac_covers_every_child_of_a_disaggregated_service() -> None:
+    """Each role's Deployment is applied as the colocated one is, and deleted when the service turns
+    colocated again (and the colocated one when it turns disaggregated)."""
+    example = next(
+        doc
+        for doc in yaml.safe_load_all((CHART.parents[1] / "examples" / "tiny-disaggregated.yaml").read_text())
+        if doc and doc["kind"] == "InferenceService"
+    )
+    spec = parse_spec(example["spec"], name=example["metadata"]["name"])
+    assert spec.disaggregation is not None
+    owner = Owner(example["metadata"]["name"], "serving", "uid")
+    children = render_children(owner, spec, dict.fromkeys(ROLES, 1), RenderOptions(service_monitor=True))
+    rules = namespaced_rules()
+    for child in children:
+        group = child["apiVersion"].rpartition("/")[0]
+        assert {"get", "create", "patch"} <= verbs_for(rules, group, PLURALS[child["kind"]]), child["kind"]
+    assert "delete" in verbs_for(rules, "apps", "deployments")
 
 
 def test_argocd_health_is_the_same_everywhere() -> None:
@@ -438,6 +460,34 @@ POLICY_CASES: list[tuple[str, str, dict[str, Any], str | None]] = [
         {"engine": {"extraArgs": ["--num-kv-blocks-x"]}},
         "spec.engine.extraArgs: --num-kv-blocks-x not allowed",
     ),
+    (
+        "tuning flags and tolerations of a role",
+        "team-a",
+        {
+            "disaggregation": {
+                "prefill": {
+                    "extraArgs": ["--max-num-batched-tokens", "8192"],
+                    "resources": {"tolerations": [{"key": "dedicated", "operator": "Exists"}]},
+                },
+                "decode": {"extraArgs": ["--seed=1"]},
+            }
+        },
+        None,
+    ),
+    (
+        "a role's flag replacing the model",
+        "team-a",
+        {"disaggregation": {"decode": {"extraArgs": ["--seed", "1", "--model=/etc"]}}},
+        "spec.disaggregation.decode.extraArgs: --model=/etc not allowed; the flags allowed:"
+        " --max-num-batched-tokens,",
+    ),
+    (
+        "a role's toleration of every taint",
+        "team-a",
+        {"disaggregation": {"prefill": {"resources": {"tolerations": [{"operator": "Exists"}]}}}},
+        "spec.disaggregation.prefill.resources.tolerations: a toleration without a key (every taint) not"
+        " allowed; the taint keys allowed: nvidia.com/gpu, dedicated",
+    ),
 ]
 
 
@@ -468,7 +518,8 @@ def test_the_admission_policy_defaults_refuse_host_paths_images_tiers_toleration
 ) -> None:
     policy, _ = render_policy(helm, tmp_path, {})
     review = AdmissionPolicy(policy).review
-    assert len(policy["spec"]["validations"]) == 7
+    # Besides the service's own tolerations and flags, each role's (a disaggregated service's).
+    assert len(policy["spec"]["validations"]) == 7 + 2 * 2
     assert review(service_in(crd_validator, model=HOST_PATH_MODEL), "default") == [
         "spec.model.hostPath: InferenceServices in namespace default may not mount a node path; allowed only"
         " in: no namespace",

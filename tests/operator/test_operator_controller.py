@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 import datetime
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
+from kvfleet.contract.kv_transfer import Role
 from kvfleet.operator import controller as controller_module
+from kvfleet.operator import handlers
 from kvfleet.operator.adapters import AdapterLoadError, AdapterSync, DesiredAdapter, ReplicaUnavailable
 from kvfleet.operator.api import GROUP_LABEL, SERVICE_LABEL
 from kvfleet.operator.autoscaler import PodMetrics
@@ -152,8 +155,9 @@ class Harness:
         deployment: DeploymentView | None = None,
         pods: list[PodView] | None = None,
         stateful_sets: tuple[StatefulSetView, ...] = (),
+        roles: dict[Role, DeploymentView] | None = None,
     ) -> float:
-        observed = Observed(deployment, pods or [], stateful_sets)
+        observed = Observed(deployment, pods or [], stateful_sets, roles=roles or {})
         delay = asyncio.run(self.controller.reconcile(self.body, observed))
         if self.cluster.statuses:
             self.body["status"] = {k: v for k, v in self.cluster.statuses[-1].items() if v is not None}
@@ -768,3 +772,182 @@ def test_groups_suspended_at_zero_are_scaled_to_zero_not_pending() -> None:
     ready = next(c for c in harness.cluster.statuses[-1]["conditions"] if c["type"] == "Ready")
     assert (ready["status"], ready["reason"]) == ("False", "ScaledToZero")
     assert harness.cluster.statuses[-1]["groups"] == []
+
+
+# ---- spec.disaggregation ------------------------------------------------------------------------
+
+
+def disaggregated(**roles: Any) -> dict[str, Any]:
+    body = service(scaling={"panicWindowSeconds": 1})
+    body["spec"]["disaggregation"] = roles
+    return body
+
+
+def role_deployment(role: Role, replicas: int, ready: int | None = None) -> DeploymentView:
+    return dataclasses.replace(deployment_at(replicas, ready), role=role)
+
+
+def role_pods(role: Role, count: int, first: int = 0) -> list[PodView]:
+    return [
+        PodView(f"svc-{role}-{i}", f"127.3.{0 if role == 'prefill' else 1}.{i + 1}", True, False, role=role)
+        for i in range(first, first + count)
+    ]
+
+
+def role_replicas(harness: Harness) -> dict[str, int]:
+    """The replicas last applied to each role's Deployment."""
+    return {m["metadata"]["name"]: m["spec"]["replicas"] for m in harness.deployments()}
+
+
+def test_a_disaggregated_service_gets_a_deployment_per_role_and_its_status() -> None:
+    harness = Harness(disaggregated(decode={"scaling": {"minReplicas": 2}}))
+    harness.run()
+    applied = [(m["kind"], m["metadata"]["name"]) for m in harness.cluster.applied]
+    assert applied == [
+        ("Deployment", "svc-prefill"),
+        ("Deployment", "svc-decode"),
+        ("Service", "svc"),
+        ("PodDisruptionBudget", "svc"),
+    ]
+    assert role_replicas(harness) == {"svc-prefill": 1, "svc-decode": 2}
+    assert harness.reasons() == ["Created"]
+    harness.run(
+        None,
+        [*role_pods("prefill", 1), *role_pods("decode", 2)],
+        roles={"prefill": role_deployment("prefill", 1), "decode": role_deployment("decode", 2)},
+    )
+    status = harness.cluster.statuses[-1]
+    assert {role: counts["readyReplicas"] for role, counts in status["roles"].items()} == {
+        "prefill": 1,
+        "decode": 2,
+    }
+    assert (status["desiredReplicas"], status["readyReplicas"]) == (3, 3)
+    assert _condition(harness, "Ready")["status"] == "True"
+    assert harness.metrics.desired_replicas.labels("ns", "svc")._value.get() == 3
+
+
+def test_each_role_is_scaled_on_its_own_replicas_figures() -> None:
+    harness = Harness(
+        disaggregated(
+            prefill={"scaling": {"maxReplicas": 4, "targetQueuedPromptTokens": 1000}},
+            decode={"scaling": {"maxReplicas": 4, "targetQueueDepth": 8}},
+        )
+    )
+    pods = [*role_pods("prefill", 1), *role_pods("decode", 2)]
+    views: dict[Role, DeploymentView] = {
+        "prefill": role_deployment("prefill", 1),
+        "decode": role_deployment("decode", 2),
+    }
+    harness.run(None, pods, roles=views)
+    # The prefill replica holds 3500 prompt tokens to compute; the decode replicas hold what they should.
+    harness.scraper.by_pod = {
+        pod.name: PodMetrics(waiting=3, running=1, queued_prompt_tokens=3500.0) for pod in pods[:1]
+    }
+    harness.scraper.per_pod = PodMetrics(waiting=0, running=8, kv_cache_usage=0.2, queued_prompt_tokens=0.0)
+    harness.clock.now += 2
+    harness.run(None, pods, roles=views)
+    assert sorted(harness.scraper.calls[-1]) == sorted(f"http://{pod.ip}:8000/metrics" for pod in pods)
+    assert role_replicas(harness) == {"svc-prefill": 4, "svc-decode": 2}
+    scaled = [message for _, reason, message in harness.events if reason == "ScaledUp"]
+    assert scaled == [
+        "Scaled prefill from 1 to 4: panic: queued prompt tokens 3500.0 over the last 1s, "
+        "target 1000 per replica"
+    ]
+    status = harness.cluster.statuses[-1]
+    assert status["lastScaleReason"].startswith("prefill: panic: queued prompt tokens")
+    assert status["roles"]["prefill"]["autoscaler"]["queuedPromptTokens"] == 3500.0
+    assert status["roles"]["decode"]["autoscaler"]["queueDepth"] == 16.0
+
+
+def test_while_no_prefill_replica_is_ready_the_decode_backlog_brings_it_back() -> None:
+    harness = Harness(
+        disaggregated(prefill={"scaling": {"minReplicas": 0, "targetQueuedPromptTokens": 1000}})
+    )
+    views: dict[Role, DeploymentView] = {
+        "prefill": role_deployment("prefill", 0),
+        "decode": role_deployment("decode", 1),
+    }
+    idle = PodMetrics(waiting=0, running=0, kv_cache_usage=0.0, queued_prompt_tokens=0.0)
+    harness.scraper.per_pod = idle
+    harness.run(None, role_pods("decode", 1), roles=views)
+    assert role_replicas(harness)["svc-prefill"] == 0, "at zero and idle: stays at zero"
+    ready = _condition(harness, "Ready")
+    assert ready["status"] == "True", "the decode replicas serve alone"
+    # Long prompts reach the decode replica, which computes them itself meanwhile.
+    harness.scraper.per_pod = PodMetrics(
+        waiting=2, running=1, kv_cache_usage=0.1, queued_prompt_tokens=1800.0
+    )
+    harness.clock.now += 2
+    harness.run(None, role_pods("decode", 1), roles=views)
+    assert role_replicas(harness) == {"svc-prefill": 2, "svc-decode": 1}
+
+
+def test_turning_disaggregated_and_back_deletes_the_other_shapes_workload() -> None:
+    harness = Harness(disaggregated())
+    harness.run(deployment_at(2), ready_pods(2))
+    assert harness.cluster.deleted == [("Deployment", "svc")]
+    harness.body["spec"].pop("disaggregation")
+    harness.body["metadata"]["generation"] = 2
+    roles = {"prefill": role_deployment("prefill", 1), "decode": role_deployment("decode", 1)}
+    harness.run(None, [*role_pods("prefill", 1), *role_pods("decode", 1)], roles=roles)
+    assert harness.cluster.deleted[1:] == [("Deployment", "svc-prefill"), ("Deployment", "svc-decode")]
+    assert [m["metadata"]["name"] for m in harness.deployments()][-1] == "svc"
+    assert harness.cluster.statuses[-1]["roles"] is None, "the roles are cleared from the status"
+
+
+def test_fixed_role_replicas_are_kept_and_never_scraped() -> None:
+    harness = Harness(
+        disaggregated(prefill={"scaling": {"replicas": 2}}, decode={"scaling": {"replicas": 3}})
+    )
+    assert harness.run() == IDLE_PASS_SECONDS
+    roles = {"prefill": role_deployment("prefill", 5), "decode": role_deployment("decode", 3)}
+    harness.run(None, [*role_pods("prefill", 2), *role_pods("decode", 3)], roles=roles)
+    assert harness.scraper.calls == []
+    assert role_replicas(harness) == {"svc-prefill": 2, "svc-decode": 3}, "a drifted count is put back"
+
+
+def test_a_restarted_operator_keeps_each_roles_count() -> None:
+    harness = Harness(disaggregated(decode={"scaling": {"maxReplicas": 8}}))
+    roles = {"prefill": role_deployment("prefill", 2), "decode": role_deployment("decode", 5)}
+    harness.run(None, [], roles=roles)
+    assert role_replicas(harness) == {"svc-prefill": 2, "svc-decode": 5}
+    assert "Created" not in harness.reasons()
+
+
+def test_a_role_that_stops_autoscaling_has_its_figures_cleared() -> None:
+    harness = Harness(disaggregated())
+    harness.scraper.per_pod = PodMetrics(waiting=0, running=1, kv_cache_usage=0.1, queued_prompt_tokens=10.0)
+    pods = [*role_pods("prefill", 1), *role_pods("decode", 1)]
+    roles = {"prefill": role_deployment("prefill", 1), "decode": role_deployment("decode", 1)}
+    harness.run(None, pods, roles=roles)
+    assert "autoscaler" in harness.cluster.statuses[-1]["roles"]["prefill"]
+    harness.body["spec"]["disaggregation"] = {"prefill": {"scaling": {"replicas": 1}}}
+    harness.body["metadata"]["generation"] = 2
+    harness.clock.now += 2
+    harness.run(None, pods, roles=roles)
+    patch = harness.cluster.statuses[-1]["roles"]
+    assert patch["prefill"]["autoscaler"] is None, "a merge patch must name what it removes"
+    assert patch["decode"]["autoscaler"]["queueDepth"] == 1.0
+
+
+def test_the_watch_indexes_give_each_role_its_deployment_and_leave_namesakes_out() -> None:
+    colocated = deployment_at(1)
+    prefill, decode = role_deployment("prefill", 1, ready=1), role_deployment("decode", 2, ready=0)
+    stray = dataclasses.replace(role_deployment("decode", 9), owner_uid="someone-else")
+    indexes: dict[str, Any] = {
+        "pods": {},
+        "deployments": {
+            ("ns", "svc"): [colocated, prefill, decode, stray],
+            ("ns", "guard"): [prefill, decode],
+        },
+        "stateful_sets": {},
+        "leader_worker_sets": {},
+        "gateways": {},
+        "served_names": {},
+    }
+    cluster = handlers._IndexedCluster(namespace="ns", name="svc", uid=UID, gateway_queues=None, **indexes)  # type: ignore[arg-type]
+    observed = cluster.observe()
+    assert observed.deployment == colocated
+    assert observed.roles == {"prefill": prefill, "decode": decode}
+    # A disaggregated guard serves only through its decode role, none of which is ready here.
+    assert cluster.guard_state("guard") is GuardState.UNAVAILABLE

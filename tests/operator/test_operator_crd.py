@@ -50,7 +50,21 @@ def test_printer_columns_point_at_schema_fields(crd: dict[str, Any]) -> None:
     version = crd["spec"]["versions"][0]
     schema = version["schema"]["openAPIV3Schema"]
     names = [column["name"] for column in version["additionalPrinterColumns"]]
-    assert names == ["Model", "Tier", "Desired", "Available", "URL", "Ready", "Age"]
+    assert names == [
+        "Model",
+        "Tier",
+        "Desired",
+        "Available",
+        "Prefill-Desired",
+        "Prefill-Ready",
+        "Decode-Desired",
+        "Decode-Ready",
+        "URL",
+        "Ready",
+        "Age",
+    ]
+    wide = [column["name"] for column in version["additionalPrinterColumns"] if column.get("priority")]
+    assert wide == names[4:8], "a colocated service has no roles: kubectl get shows them with -o wide only"
     for column in version["additionalPrinterColumns"]:
         path = column["jsonPath"].split("[")[0].strip(".").split(".")
         node = schema
@@ -187,6 +201,44 @@ INVALID = {
         with_spec(engine={"extraArgs": ["--api-key=k"]}),
         ".spec.engine.extraArgs[0]: Invalid value: engine.extraArgs must not pass --api-key",
     ),
+    "disaggregation with tensor parallel": (
+        with_spec(disaggregation={}, engine={"tensorParallelSize": 2}),
+        "disaggregation needs one rank per replica",
+    ),
+    "disaggregation with batch": (
+        with_spec(disaggregation={}, batch={}, scaling={"replicas": 1}),
+        "batch is not served with disaggregation",
+    ),
+    "disaggregation with service replicas": (
+        with_spec(disaggregation={}, scaling={"replicas": 2}),
+        "scaling.replicas does not apply with disaggregation",
+    ),
+    "disaggregation with a kv transfer flag": (
+        with_spec(disaggregation={}, engine={"extraArgs": ["--kv-transfer-config={}"]}),
+        "engine.extraArgs must not pass --kv-transfer-config with disaggregation",
+    ),
+    "role with a kv transfer flag": (
+        with_spec(disaggregation={"decode": {"extraArgs": ["--kv-transfer-config", "{}"]}}),
+        ".spec.disaggregation.decode.extraArgs[0]: Invalid value: extraArgs must not pass "
+        "--kv-transfer-config",
+    ),
+    "role with an api key flag": (
+        with_spec(disaggregation={"prefill": {"extraArgs": ["--api-key=k"]}}),
+        ".spec.disaggregation.prefill.extraArgs[0]: Invalid value: extraArgs must not pass --api-key: "
+        "the key",
+    ),
+    "role min over max": (
+        with_spec(disaggregation={"prefill": {"scaling": {"minReplicas": 3, "maxReplicas": 2}}}),
+        ".spec.disaggregation.prefill.scaling: Invalid value: minReplicas must not exceed maxReplicas",
+    ),
+    "role kv usage over 100": (
+        with_spec(disaggregation={"decode": {"scaling": {"targetKvCacheUsagePercent": 101}}}),
+        "less than or equal to 100",
+    ),
+    "role unknown field": (
+        with_spec(disaggregation={"decode": {"replicas": 2}}),
+        ".spec.disaggregation.decode.replicas: unknown field",
+    ),
 }
 
 
@@ -224,6 +276,14 @@ def test_invalid_objects_are_rejected(case: tuple[dict[str, Any], str], crd_vali
         "batch with several replicas",
         "batch with fixed replicas",
         "batch storage unknown",
+        "disaggregation with tensor parallel",
+        "disaggregation with batch",
+        "disaggregation with service replicas",
+        "disaggregation with a kv transfer flag",
+        "role with a kv transfer flag",
+        "role with an api key flag",
+        "role min over max",
+        "role kv usage over 100",
     ],
 )
 def test_operator_rejects_what_the_schema_rejects(name: str) -> None:
@@ -283,6 +343,25 @@ def test_batch_on_one_replica_is_admitted_with_its_defaults(crd_validator: Any) 
         assert errors == []
         assert defaulted["spec"]["batch"] == {"storage": "PersistentVolumeClaim"}
         assert parse_spec(defaulted["spec"], name="m") == parse_spec(obj["spec"], name="m")
+
+
+def test_disaggregation_is_admitted_with_each_roles_defaults(crd_validator: Any) -> None:
+    obj = with_spec(disaggregation={"decode": {"scaling": {"maxReplicas": 8}, "resources": {"gpus": 2}}})
+    defaulted, errors = crd_validator.admit(obj)
+    assert errors == []
+    roles = defaulted["spec"]["disaggregation"]
+    prefill = {"minReplicas": 1, "maxReplicas": 4, "targetQueuedPromptTokens": 8192}
+    assert roles["prefill"]["scaling"] == prefill
+    assert roles["decode"]["scaling"] == {
+        "minReplicas": 1,
+        "maxReplicas": 8,
+        "targetQueueDepth": 32,
+        "targetKvCacheUsagePercent": 80,
+    }
+    assert "resources" not in roles["prefill"], "unset: the service's resources"
+    assert parse_spec(defaulted["spec"], name="m") == parse_spec(obj["spec"], name="m")
+    plain, _ = crd_validator.admit(MINIMAL)
+    assert "disaggregation" not in plain["spec"], "colocated unless asked"
 
 
 def _properties(schema: dict[str, Any], path: str = "") -> list[tuple[str, dict[str, Any]]]:

@@ -6,6 +6,7 @@ Regenerate the golden files after an intended change with KVFLEET_UPDATE_GOLDEN=
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import re
 from pathlib import Path
@@ -13,8 +14,17 @@ from typing import Any
 
 import pytest
 import yaml
-from kvfleet.operator.api import API_KEY_ENV, API_VERSION, HTTP_PORT, KIND, SERVICE_LABEL
-from kvfleet.operator.render import Owner, RenderOptions, render_children, service_url
+from kvfleet.contract.kv_transfer import ROLES
+from kvfleet.operator.api import (
+    API_KEY_ENV,
+    API_VERSION,
+    HTTP_PORT,
+    KIND,
+    KV_TRANSFER_CONFIG_FLAG,
+    ROLE_LABEL,
+    SERVICE_LABEL,
+)
+from kvfleet.operator.render import Owner, RenderOptions, Replicas, render_children, service_url
 from kvfleet.operator.render_pod import PRESTOP_DELAY_SECONDS, adapter_source, runtime_args
 from kvfleet.operator.spec import InferenceServiceSpec, parse_spec
 
@@ -28,10 +38,12 @@ def load_service(path: Path) -> dict[str, Any]:
 
 
 def render_example(path: Path, replicas: int = 2) -> tuple[InferenceServiceSpec, list[dict[str, Any]]]:
+    """A disaggregated example gets `replicas` of each role."""
     doc = load_service(path)
     name = doc["metadata"]["name"]
     spec = parse_spec(doc["spec"], name=name)
-    return spec, render_children(Owner(name, "serving", UID), spec, replicas, OPTIONS)
+    counts: Replicas = replicas if spec.disaggregation is None else dict.fromkeys(ROLES, replicas)
+    return spec, render_children(Owner(name, "serving", UID), spec, counts, OPTIONS)
 
 
 def pod_specs(children: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -68,6 +80,8 @@ def test_rendering_is_deterministic(example_path: Path) -> None:
 def test_every_child_is_owned_and_labelled(example_path: Path) -> None:
     spec, children = render_example(example_path)
     kinds = ["Deployment", "Service", "PodDisruptionBudget", "ServiceMonitor"]
+    if spec.disaggregation is not None:
+        kinds.insert(0, "Deployment")
     if spec.grouped:
         kinds[:1] = ["StatefulSet", "StatefulSet", "Service"]
     if spec.batch is not None and spec.batch.storage == "PersistentVolumeClaim":
@@ -374,3 +388,115 @@ def test_enable_lora_keeps_the_template_when_adapters_come_and_go() -> None:
         return next(c for c in children if c["kind"] == "Deployment")["spec"]["template"]
 
     assert template([]) == template([{"name": "x", "uri": "file:///loras/x"}])
+
+
+def disaggregated_children(
+    prefill: int = 1, decode: int = 2, **sections: Any
+) -> tuple[InferenceServiceSpec, list[dict[str, Any]]]:
+    raw = {
+        "model": {"uri": "file:///m"},
+        "engine": {"extraArgs": ["--seed", "7"]},
+        "resources": {"cpu": "2"},
+        "disaggregation": {
+            "decode": {"resources": {"gpus": 1, "memory": "16Gi"}, "extraArgs": ["--max-num-seqs", "64"]}
+        },
+        **sections,
+    }
+    spec = parse_spec(raw, name="svc")
+    return spec, render_children(
+        Owner("svc", "ns", UID), spec, {"prefill": prefill, "decode": decode}, OPTIONS
+    )
+
+
+def kv_transfer_config(container: dict[str, Any]) -> dict[str, Any]:
+    args = container["args"]
+    (at,) = [index for index, arg in enumerate(args) if arg == KV_TRANSFER_CONFIG_FLAG]
+    return json.loads(args[at + 1])
+
+
+def test_each_role_is_a_deployment_of_its_own_pods() -> None:
+    _, children = disaggregated_children()
+    deployments = {c["metadata"]["name"]: c for c in children if c["kind"] == "Deployment"}
+    assert set(deployments) == {"svc-prefill", "svc-decode"}, "no colocated Deployment"
+    for role in ROLES:
+        deployment = deployments[f"svc-{role}"]
+        selector = deployment["spec"]["selector"]["matchLabels"]
+        pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
+        assert selector == {SERVICE_LABEL: "svc", ROLE_LABEL: role}
+        assert pod_labels[ROLE_LABEL] == role and pod_labels[SERVICE_LABEL] == "svc"
+        assert selector.items() <= pod_labels.items()
+        other = "decode" if role == "prefill" else "prefill"
+        assert (
+            not selector.items()
+            <= deployments[f"svc-{other}"]["spec"]["template"]["metadata"]["labels"].items()
+        ), "neither Deployment's selector takes the other's pods"
+        assert deployment["metadata"]["labels"][ROLE_LABEL] == role
+    assert (
+        deployments["svc-prefill"]["spec"]["replicas"],
+        deployments["svc-decode"]["spec"]["replicas"],
+    ) == (1, 2)
+
+
+def test_role_pods_pass_their_side_of_the_kv_connector_and_expose_its_port() -> None:
+    _, children = disaggregated_children()
+    for deployment in (c for c in children if c["kind"] == "Deployment"):
+        role = deployment["spec"]["template"]["metadata"]["labels"][ROLE_LABEL]
+        (container,) = deployment["spec"]["template"]["spec"]["containers"]
+        config = kv_transfer_config(container)
+        assert config["kv_connector"] == "TcpConnector"
+        assert config["kv_role"] == {"prefill": "kv_producer", "decode": "kv_consumer"}[role]
+        assert config["kv_port"] == 14579
+        # The kubelet expands $(NAME) from the container's own variables: this one is the pod's address.
+        variable = re.fullmatch(r"\$\((\w+)\)", config["kv_ip"])
+        assert variable is not None, config["kv_ip"]
+        (entry,) = [e for e in container["env"] if e["name"] == variable.group(1)]
+        assert entry["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+        ports = {port["name"]: port for port in container["ports"]}
+        assert ports["kv-transfer"] == {
+            "name": "kv-transfer",
+            "containerPort": config["kv_port"],
+            "protocol": "TCP",
+        }
+        assert container["command"] == ["kvfleet", "serve"]
+
+
+def test_each_role_runs_its_own_resources_and_arguments_after_the_services() -> None:
+    _, children = disaggregated_children()
+    containers = {
+        c["spec"]["template"]["metadata"]["labels"][ROLE_LABEL]: c["spec"]["template"]["spec"]["containers"][
+            0
+        ]
+        for c in children
+        if c["kind"] == "Deployment"
+    }
+    prefill, decode = containers["prefill"], containers["decode"]
+    assert prefill["resources"] == {
+        "requests": {"cpu": "2", "nvidia.com/gpu": "1"},
+        "limits": {"nvidia.com/gpu": "1"},
+    }
+    assert decode["resources"] == {
+        "requests": {"memory": "16Gi", "nvidia.com/gpu": "1"},
+        "limits": {"memory": "16Gi", "nvidia.com/gpu": "1"},
+    }
+    assert prefill["args"][-2:] == ["--seed", "7"]
+    assert decode["args"][-4:] == ["--seed", "7", "--max-num-seqs", "64"]
+    for container in (prefill, decode):
+        assert container["args"].index(KV_TRANSFER_CONFIG_FLAG) < container["args"].index("--seed")
+
+
+def test_the_service_sends_requests_to_the_decode_role_and_the_budget_spans_both() -> None:
+    _, children = disaggregated_children()
+    service = next(c for c in children if c["kind"] == "Service")
+    assert service["spec"]["selector"] == {SERVICE_LABEL: "svc", ROLE_LABEL: "decode"}
+    budget = next(c for c in children if c["kind"] == "PodDisruptionBudget")
+    assert budget["spec"]["selector"]["matchLabels"] == {SERVICE_LABEL: "svc"}
+
+
+def test_colocated_pods_have_no_role_and_no_kv_connector() -> None:
+    spec = parse_spec({"model": {"uri": "file:///m"}}, name="svc")
+    children = render_children(Owner("svc", "ns", UID), spec, 1, OPTIONS)
+    container = runtime_container(children)
+    assert KV_TRANSFER_CONFIG_FLAG not in container["args"]
+    assert ROLE_LABEL not in children[0]["spec"]["template"]["metadata"]["labels"]
+    assert [port["name"] for port in container["ports"]] == ["http"]
+    assert ROLE_LABEL not in next(c for c in children if c["kind"] == "Service")["spec"]["selector"]

@@ -20,7 +20,8 @@ import aiohttp
 import httpx
 import pytest
 import yaml
-from kvfleet.operator.api import API_KEY_ENV
+from kvfleet.contract.kv_transfer import ROLES
+from kvfleet.operator.api import API_KEY_ENV, KV_TRANSFER_CONFIG_FLAG
 from kvfleet.operator.autoscaler import PodMetrics
 from kvfleet.operator.render_pod import pod_template, runtime_args, termination_grace_seconds
 from kvfleet.operator.scrape import FleetScraper, ScrapeTarget
@@ -119,3 +120,35 @@ def test_rendered_batch_api_flags_are_runtime_options(tmp_path: Path) -> None:
         [sys.executable, "-P", "-c", _PARSE_SERVE_ARGS, *args], capture_output=True, text=True, timeout=120
     )
     assert result.returncode == 0, result.stderr
+
+
+# The kubelet expands $(NAME) in arguments from the container's variables; here the pod's address is this.
+_POD_ADDRESS = "127.0.0.1"
+# Whether `kvfleet serve` takes the KV connector's option, without starting it.
+_SERVE_HAS_KV_TRANSFER = (
+    "import sys; from kvfleet.runtime.server.cli import serve; "
+    f"sys.exit({KV_TRANSFER_CONFIG_FLAG!r} not in {{o for p in serve.params for o in p.opts}})"
+)
+
+
+def test_rendered_role_flags_are_runtime_options() -> None:
+    raw_spec = yaml.safe_load(EXAMPLE.read_text())["spec"]
+    raw_spec["scaling"] = {}
+    raw_spec["disaggregation"] = {"decode": {"extraArgs": ["--max-num-seqs", "8"]}}
+    spec = parse_spec(raw_spec, name="tiny")
+    known = subprocess.run([sys.executable, "-P", "-c", _SERVE_HAS_KV_TRANSFER], timeout=120, check=False)
+    if known.returncode != 0:
+        pytest.skip(f"this runtime's `kvfleet serve` has no {KV_TRANSFER_CONFIG_FLAG} yet")
+    for role in ROLES:
+        (container,) = pod_template(spec.for_role(role), {}, "kvfleet/runtime", "tiny", role=role)["spec"][
+            "containers"
+        ]
+        (address,) = [e["name"] for e in container["env"] if e.get("valueFrom", {}).get("fieldRef")]
+        args = [arg.replace(f"$({address})", _POD_ADDRESS) for arg in container["args"]]
+        result = subprocess.run(
+            [sys.executable, "-P", "-c", _PARSE_SERVE_ARGS, *args],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert result.returncode == 0, (role, result.stderr)

@@ -12,7 +12,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 from aiohttp import web
-from kvfleet.contract.metrics import GATEWAY_QUEUE_DEPTH
+from kvfleet.contract.metrics import GATEWAY_QUEUE_DEPTH, ITL, QUEUED_PROMPT_TOKENS, TTFT
 from kvfleet.gateway.metrics import GatewayMetrics
 from kvfleet.operator.autoscaler import PodMetrics
 from kvfleet.operator.scrape import (
@@ -50,13 +50,34 @@ vllm:kv_cache_usage_perc{model_name="m"} 0.5
 def test_reads_kvfleet_names_first() -> None:
     page = parse_exposition(KVFLEET_PAGE)
     assert (page.waiting, page.running, page.kv_cache_usage) == (3.0, 5.0, 0.25)
-    assert (page.ttft_sum, page.ttft_count) == (2.0, 10.0)
+    assert page.histograms[TTFT] == (2.0, 10.0)
 
 
 def test_falls_back_to_vllm_names_and_sums_label_sets() -> None:
     page = parse_exposition(VLLM_PAGE)
     assert (page.waiting, page.running, page.kv_cache_usage) == (3.0, 4.0, 0.5)
-    assert page.ttft_sum is None and page.ttft_count is None
+    assert TTFT not in page.histograms
+
+
+ROLE_PAGE = f"""\
+kvfleet:num_requests_waiting 1
+kvfleet:num_requests_running 2
+{QUEUED_PROMPT_TOKENS}{{model_name="m"}} 1500
+kvfleet:{ITL}_sum{{tier="standard"}} 0.5
+kvfleet:{ITL}_count{{tier="standard"}} 20
+kvfleet:{ITL}_sum{{tier="batch"}} 0.1
+kvfleet:{ITL}_count{{tier="batch"}} 5
+vllm:{ITL}_sum 9
+vllm:{ITL}_count 1
+"""
+
+
+def test_reads_queued_prompt_tokens_and_inter_token_latency() -> None:
+    page = parse_exposition(ROLE_PAGE)
+    assert page.queued_prompt_tokens == 1500.0
+    assert page.histograms[ITL] == (0.6, 25.0), "kvfleet's family, summed over its tiers"
+    assert TTFT not in page.histograms
+    assert parse_exposition(VLLM_PAGE).queued_prompt_tokens is None, "vLLM exports no such gauge"
 
 
 def test_odd_lines_are_skipped() -> None:
@@ -202,6 +223,46 @@ async def _late_histogram() -> None:
             )
             (second,) = await scraper.scrape([target])
             assert isinstance(second, PodMetrics) and second.ttft_seconds == pytest.approx(0.3)
+    finally:
+        await runner.cleanup()
+
+
+def test_each_latency_is_a_mean_over_its_own_interval() -> None:
+    asyncio.run(_two_latencies())
+
+
+async def _two_latencies() -> None:
+    counters = {"ttft": (1.0, 4.0), "itl": (2.0, 100.0), "prompt": 300.0}
+
+    async def metrics(_: web.Request) -> web.Response:
+        (ttft_sum, ttft_count), (itl_sum, itl_count) = counters["ttft"], counters["itl"]
+        return web.Response(
+            text=(
+                "kvfleet:num_requests_waiting 0\nkvfleet:num_requests_running 3\n"
+                f"kvfleet:{TTFT}_sum {ttft_sum}\nkvfleet:{TTFT}_count {ttft_count}\n"
+                f"kvfleet:{ITL}_sum {itl_sum}\nkvfleet:{ITL}_count {itl_count}\n"
+                f"{QUEUED_PROMPT_TOKENS} {counters['prompt']}\n"
+            )
+        )
+
+    runner, target = await serve_replica("pod", metrics)
+    try:
+        async with aiohttp.ClientSession() as session:
+            scraper = FleetScraper(session, timeout_seconds=1)
+            (first,) = await scraper.scrape([target])
+            assert isinstance(first, PodMetrics) and first.queued_prompt_tokens == 300.0
+            assert (first.ttft_seconds, first.itl_seconds) == (None, None), "no interval yet"
+            # Two first tokens in 3 s; 50 output tokens 0.02 s apart.
+            counters.update(ttft=(4.0, 6.0), itl=(3.0, 150.0), prompt=0.0)
+            (second,) = await scraper.scrape([target])
+            assert isinstance(second, PodMetrics) and second.queued_prompt_tokens == 0.0
+            assert second.ttft_seconds == pytest.approx(1.5)
+            assert second.itl_seconds == pytest.approx(0.02)
+            # Only tokens between first tokens: the time to first token has no interval.
+            counters.update(itl=(3.5, 160.0))
+            (third,) = await scraper.scrape([target])
+            assert isinstance(third, PodMetrics) and third.ttft_seconds is None
+            assert third.itl_seconds == pytest.approx(0.05)
     finally:
         await runner.cleanup()
 

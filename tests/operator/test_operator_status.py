@@ -6,6 +6,7 @@ import datetime
 from dataclasses import replace
 from typing import Any
 
+from kvfleet.operator.api import ROLE_LABEL
 from kvfleet.operator.autoscaler import MetricsSample
 from kvfleet.operator.observed import (
     DeploymentView,
@@ -15,7 +16,7 @@ from kvfleet.operator.observed import (
     pod_view,
     stateful_set_view,
 )
-from kvfleet.operator.status import FAILURE_REASONS, GroupStatus, Observation, build_status
+from kvfleet.operator.status import FAILURE_REASONS, GroupStatus, Observation, RoleObservation, build_status
 
 NOW = datetime.datetime(2025, 1, 2, 3, 4, 5, tzinfo=datetime.UTC)
 LATER = NOW + datetime.timedelta(minutes=5)
@@ -318,3 +319,104 @@ def test_a_group_statefulset_is_read_with_its_revision() -> None:
     )
     assert view == StatefulSetView("svc-1", 1, 3, 3, 2, 2, 1, "r2", owner_uid="u")
     assert not view.rolled_out, "one pod still runs the old template"
+
+
+def role_pod(role: str, name: str, ready: bool = True, **changes: Any) -> PodView:
+    return PodView(f"svc-{role}-{name}", "10.0.1.1", ready, False, role=role, **changes)
+
+
+def roles(
+    prefill: DeploymentView | None = None,
+    decode: DeploymentView | None = None,
+    prefill_desired: int = 1,
+    decode_desired: int = 2,
+    **changes: Any,
+) -> Observation:
+    """A disaggregated service with a ready prefill replica and two ready decode replicas unless told."""
+    prefill = prefill or deployment(
+        replicas=1, status_replicas=1, updated_replicas=1, ready_replicas=1, available_replicas=1
+    )
+    decode = decode or deployment()
+    sample = MetricsSample(time=1.0, queue_depth=3.0, reporting_pods=1, queued_prompt_tokens=1234.0)
+    observations = [
+        RoleObservation("prefill", True, prefill_desired, prefill, latest_sample=sample),
+        RoleObservation("decode", True, decode_desired, decode, latest_sample=sample, panic=True),
+    ]
+    pods = [role_pod("prefill", "a"), role_pod("decode", "a"), role_pod("decode", "b")]
+    return observe(deployment=None, desired_replicas=0, pods=pods, roles=observations, **changes)
+
+
+def test_a_disaggregated_service_reports_each_role_and_their_sums() -> None:
+    status = build_status(roles(), {}, NOW)
+    assert (status["desiredReplicas"], status["replicas"], status["readyReplicas"]) == (3, 3, 3)
+    assert status["roles"]["prefill"] == {
+        "desiredReplicas": 1,
+        "replicas": 1,
+        "readyReplicas": 1,
+        "autoscaler": {"queueDepth": 3.0, "queuedPromptTokens": 1234.0, "reportingPods": 1, "panic": False},
+    }
+    assert status["roles"]["decode"]["autoscaler"]["panic"] is True
+    assert "autoscaler" not in status, "each role's figures are the role's"
+    ready = conditions(status)["Ready"]
+    assert (ready["status"], ready["reason"]) == ("True", "Available")
+    assert ready["message"] == "prefill: 1 of 1 replicas ready; decode: 2 of 2 replicas ready"
+    scaling = conditions(status)["ScalingActive"]
+    assert scaling["message"] == "prefill: 1 replica(s) reporting; decode: 1 replica(s) reporting, panic mode"
+
+
+def test_ready_needs_both_roles_and_a_failed_role_speaks_first() -> None:
+    starting = deployment(ready_replicas=0, available_replicas=0)
+    decode_starting = build_status(roles(decode=starting), {}, NOW)
+    ready = conditions(decode_starting)["Ready"]
+    assert (ready["status"], ready["reason"]) == ("False", "ReplicasStarting")
+    assert ready["message"].startswith("decode: 0 of 2 replicas ready")
+    prefill_pending = deployment(
+        replicas=1, status_replicas=1, updated_replicas=1, ready_replicas=0, available_replicas=0
+    )
+    unplaced = role_pod("prefill", "a", ready=False, unschedulable_message=GPU_MESSAGE)
+    observation = roles(prefill=prefill_pending, decode=starting)
+    observation = replace(observation, pods=[unplaced, role_pod("decode", "a", ready=False)])
+    both = build_status(observation, {}, NOW)
+    ready = conditions(both)["Ready"]
+    assert (ready["status"], ready["reason"]) == ("False", "InsufficientGPU"), "a failure over a wait"
+    assert ready["message"].startswith("prefill: 1 replica(s) pending")
+    assert ready["reason"] in FAILURE_REASONS
+
+
+def test_a_prefill_role_at_zero_leaves_the_service_ready() -> None:
+    at_zero = deployment(
+        replicas=0, status_replicas=0, updated_replicas=0, ready_replicas=0, available_replicas=0
+    )
+    status = build_status(roles(prefill=at_zero, prefill_desired=0), {}, NOW)
+    ready = conditions(status)["Ready"]
+    assert (ready["status"], ready["reason"]) == ("True", "Available")
+    assert ready["message"].startswith("prefill: at zero: the decode replicas compute prompts")
+    # The decode role at zero while idle: the whole service is, and says so.
+    idle = build_status(roles(prefill=at_zero, decode=at_zero, prefill_desired=0, decode_desired=0), {}, NOW)
+    assert (conditions(idle)["Ready"]["status"], conditions(idle)["Ready"]["reason"]) == (
+        "True",
+        "ScaledToZero",
+    )
+
+
+def test_roles_without_autoscaling_or_metrics_say_so() -> None:
+    fixed = roles()
+    assert fixed.roles is not None
+    fixed = replace(fixed, roles=[replace(role, autoscaling=False) for role in fixed.roles])
+    scaling = conditions(build_status(fixed, {}, NOW))["ScalingActive"]
+    assert (scaling["status"], scaling["reason"]) == ("False", "AutoscalingDisabled")
+    silent = roles()
+    assert silent.roles is not None
+    silent = replace(silent, roles=[silent.roles[0], replace(silent.roles[1], latest_sample=None)])
+    scaling = conditions(build_status(silent, {}, NOW))["ScalingActive"]
+    assert (scaling["status"], scaling["reason"]) == ("False", "MetricsUnavailable")
+    assert scaling["message"] == "no ready replica has reported metrics for the decode role"
+
+
+def test_role_labels_are_read_from_pods_and_deployments() -> None:
+    labels = {"kvfleet.dev/inference-service": "svc", ROLE_LABEL: "prefill"}
+    pod = pod_view({"metadata": {"name": "p", "labels": labels}, "status": {}})
+    assert pod.role == "prefill"
+    view = deployment_view({"metadata": {"name": "svc-prefill", "labels": labels}, "spec": {}, "status": {}})
+    assert view.role == "prefill"
+    assert deployment_view({"metadata": {"name": "svc"}, "spec": {}, "status": {}}).role is None

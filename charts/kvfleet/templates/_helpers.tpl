@@ -48,7 +48,7 @@ app.kubernetes.io/component: operator
 # get, on every kind of child: before applying one, the operator reads the object of that name, if any, and
 # applies only when the InferenceService is its controller (it never takes over another object).
 # delete: groups above the desired count, and the workload of another shape after the spec changed shape
-# (one pod per replica, a StatefulSet per group, a LeaderWorkerSet).
+# (one pod per replica, a StatefulSet per group, a LeaderWorkerSet, a Deployment per disaggregated role).
 - apiGroups: ["apps"]
   resources: ["deployments", "statefulsets"]
   verbs: ["get", "list", "watch", "create", "patch", "delete"]
