@@ -176,14 +176,7 @@ class EngineConfig:
         speculative = self.speculative()  # raises ValueError naming what is wrong
         if speculative is not None and speculative.method == "draft_model":
             speculative.check_draft_tokenizer(self.tokenizer or self.model)
-        kv_transfer = self.kv_transfer()  # raises ValueError naming what is wrong
-        if kv_transfer is not None:
-            check_connector_name(kv_transfer.kv_connector)
-            require(
-                self.world_size == 1,
-                "kv_transfer_config needs tensor_parallel_size = pipeline_parallel_size = 1 (KV blocks move "
-                "between single-rank replicas)",
-            )
+        self._check_kv_transfer()
         limits = self.limit_mm_per_prompt or {}
         for modality, limit in limits.items():
             require(modality in MODALITIES, f"limit_mm_per_prompt: {modality!r} is not one of {MODALITIES}")
@@ -224,6 +217,17 @@ class EngineConfig:
             not (self.enable_lora and self.world_size > 1),
             "enable_lora needs tensor_parallel_size = pipeline_parallel_size = 1 (adapters are not sharded)",
         )
+
+    def _check_kv_transfer(self) -> None:
+        kv_transfer = self.kv_transfer()  # raises ValueError naming what is wrong
+        if kv_transfer is None:
+            return
+        check_connector_name(kv_transfer.kv_connector)
+        if self.world_size > 1:
+            raise ValueError(
+                "kv_transfer_config needs tensor_parallel_size = pipeline_parallel_size = 1 (KV blocks move "
+                "between single-rank replicas)"
+            )
 
     @property
     def world_size(self) -> int:

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 from typing import Any
 
 MAX_LOGPROBS = 20
+# The key of SamplingParams.extra_args that carries a request's kv_transfer_params (vLLM's).
+KV_TRANSFER_PARAMS = "kv_transfer_params"
 # Temperatures below this sample greedily: dividing logits by less overflows them to inf, and the NaN
 # probabilities that follow would pick the last token id every time (vLLM's threshold).
 GREEDY_TEMPERATURE = 1e-5

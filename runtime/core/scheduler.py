@@ -102,14 +102,12 @@ class Scheduler:
         host_kv_tier: HostKVTier | None = None,
         max_num_encoder_input_tokens: int | None = None,
         kv_connector: KVConnectorScheduler | None = None,
-        kv_load_failure_policy: str = "recompute",
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """`sliding_window`: the model's, when every layer has one (blocks before it are freed as requests
         grow). `host_kv_tier`: where preempted requests' KV waits for them instead of being recomputed, and
         where evicted prefix blocks go. `max_num_encoder_input_tokens`: the encoder budget of a step; by
-        default the token budget. `kv_connector`: the scheduler-side half of disaggregated prefill and
-        decode's connector; `kv_load_failure_policy` (recompute or fail) says what a failed pull leads to."""
+        default the token budget. `kv_connector`: disaggregated prefill and decode's (its scheduler side)."""
         _check_limits(
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
@@ -143,17 +141,14 @@ class Scheduler:
             is_background=None if background_priority is None else self._is_background,
         )
         self.kv_connector = kv_connector
-        self.kv_load_failure_policy = kv_load_failure_policy
         self._computed_token_sources = computed_token_sources(
             host_kv_tier, self.kv_cache_manager, kv_connector
         )
-        # Requests whose prompt KV is arriving, by id; finished requests whose blocks the connector still
-        # needs (held for a pull, or being written by a load that is stopping); and the loads that failed
-        # under the policy fail (request id, reason), for the engine to answer with errors.
+        # Requests whose prompt KV is arriving; finished ones whose blocks the connector still needs (held for
+        # a pull, or written by a load that is stopping); loads failed under the policy fail (id, reason).
         self._waiting_for_kvs: dict[str, Request] = {}
         self._freed_later: dict[str, Request] = {}
         self.failed_kv_loads: list[tuple[str, str]] = []
-
         # Every unfinished request, by id, and how many of them are not background.
         self.requests: dict[str, Request] = {}
         self._num_foreground = 0
@@ -377,7 +372,7 @@ class Scheduler:
             request = self._waiting_for_kvs.get(request_id)
             if request is None:
                 continue
-            if self.kv_load_failure_policy == "fail":
+            if self.kv_connector.load_failure_policy == "fail":
                 self._finish(request, RequestStatus.FINISHED_ERROR)
                 self.failed_kv_loads.append((request_id, reason))
                 continue

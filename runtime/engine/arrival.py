@@ -32,6 +32,7 @@ from kvfleet.runtime.models.layers import rope_cache_salt
 from kvfleet.runtime.multimodal.inputs import ModalitySpec, check_features
 from kvfleet.runtime.multimodal.mrope import MRopePositions
 from kvfleet.runtime.request import Request
+from kvfleet.runtime.sampling_params import KV_TRANSFER_PARAMS
 from kvfleet.runtime.structured_outputs.token_rules import TokenRules
 
 # With nothing to run but grammars compiling, a step waits this long for one of them instead of spinning.
@@ -169,17 +170,15 @@ class KVTransferParams:
     this replica's role takes, one sequence, and for a decode call blocks for exactly its prompt on a peer in
     this replica's networks. Without kv_transfer_config (None) a request asking for a transfer is refused."""
 
-    KEY = "kv_transfer_params"
-
     def __init__(self, config: KVTransferConfig | None, block_size: int) -> None:
         self._config = config
         self._block_size = block_size
 
     def prepare(self, add: AddRequest, request: Request) -> None:
         extra_args = add.sampling_params.extra_args or {}
-        if self.KEY not in extra_args:
+        if KV_TRANSFER_PARAMS not in extra_args:
             return
-        call = parse_kv_transfer_params(extra_args[self.KEY])
+        call = parse_kv_transfer_params(extra_args[KV_TRANSFER_PARAMS])
         if call is None:
             return
         config = self._config

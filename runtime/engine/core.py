@@ -111,9 +111,6 @@ class EngineCore:
             host_kv_tier=host_kv_tier,
             max_num_encoder_input_tokens=self._encoder_budget(),
             kv_connector=self._kv_connector(),
-            kv_load_failure_policy=self.kv_transfer.kv_load_failure_policy
-            if self.kv_transfer
-            else "recompute",
         )
         self.speculator = self._speculator()
         # Admitted requests never scheduled yet: the ones load shedding may displace, and whose first

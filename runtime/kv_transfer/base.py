@@ -71,6 +71,10 @@ class KVConnectorOutput:
 class KVConnectorScheduler(ABC):
     """The scheduler-side half."""
 
+    # What a failed load leads to: "recompute" (the request computes its prompt itself) or "fail" (it ends
+    # with an error).
+    load_failure_policy: str = "recompute"
+
     @abstractmethod
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         """Tokens of the request past num_computed_tokens (the prefix cache's hits) that this connector can

@@ -64,6 +64,7 @@ class TcpConnectorScheduler(KVConnectorScheduler):
         self, config: KVTransferConfig, block_size: int, clock: Callable[[], float] = time.monotonic
     ) -> None:
         self._config = config
+        self.load_failure_policy = config.kv_load_failure_policy
         self._block_size = block_size
         self._clock = clock
         self._port = config.kv_port
