@@ -21,8 +21,13 @@ ENGINE_OPTIONS: dict[str, Any] = {
 MAX_TOKENS = 8
 
 
-def kv_transfer_config(role: str, **extra_config: Any) -> dict[str, Any]:
-    config: dict[str, Any] = {"kv_connector": "TcpConnector", "kv_role": role, "kv_port": 0}
+def kv_transfer_config(role: str, policy: str = "recompute", **extra_config: Any) -> dict[str, Any]:
+    config: dict[str, Any] = {
+        "kv_connector": "TcpConnector",
+        "kv_role": role,
+        "kv_port": 0,
+        "kv_load_failure_policy": policy,
+    }
     if extra_config:
         config["kv_connector_extra_config"] = extra_config
     return config
@@ -30,7 +35,8 @@ def kv_transfer_config(role: str, **extra_config: Any) -> dict[str, Any]:
 
 def make_llm(model: Path, role: str | None, **options: Any) -> LLM:
     extra = options.pop("extra_config", {})
-    config = None if role is None else kv_transfer_config(role, **extra)
+    policy = options.pop("policy", "recompute")
+    config = None if role is None else kv_transfer_config(role, policy, **extra)
     return LLM(str(model), kv_transfer_config=config, **{**ENGINE_OPTIONS, **options})
 
 
