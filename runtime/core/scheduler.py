@@ -665,12 +665,15 @@ class Scheduler:
 
     def _free_blocks(self, request: Request) -> dict[str, Any] | None:
         kv = self.kv_cache_manager
-        if self.kv_connector is not None and request.request_id in kv.req_to_block_ids:
+        request_id = request.request_id
+        # A prompt whose first blocks a sliding window gave back is not whole any more: it is not offered.
+        whole = request_id in kv.req_to_block_ids and not kv.num_released_blocks.get(request_id)
+        if self.kv_connector is not None and whole:
             delay_free, kv_transfer_params = self.kv_connector.request_finished(
-                request, kv.get_block_ids(request.request_id)
+                request, kv.get_block_ids(request_id)
             )
             if delay_free:
-                self._freed_later[request.request_id] = request
+                self._freed_later[request_id] = request
                 return kv_transfer_params
         kv.free(request)
         return None
