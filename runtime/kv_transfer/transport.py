@@ -37,7 +37,9 @@ logger = logging.getLogger(__name__)
 _FRAME_HEADER = struct.Struct(">I")
 # The largest control frame read: a pull request naming a million blocks still fits.
 _MAX_FRAME_BYTES = 16 * 2**20
-# How long the server waits on a puller that neither reads nor writes before dropping the connection.
+# How long a puller has to send its request once connected, so that a connection cannot hold a thread by
+# trickling bytes; and how long the server then waits on a puller that neither reads nor writes.
+_REQUEST_TIMEOUT_S = 10.0
 _SERVE_IDLE_TIMEOUT_S = 60.0
 # Connections served at once; more are closed unanswered, which their pullers report as failed loads.
 _MAX_CONNECTIONS = 128
@@ -282,8 +284,8 @@ class BlockServer:
     def _serve(self, connection: socket.socket) -> None:
         offer = None
         try:
+            request = _recv_frame(connection, _PULL_DECODER, time.monotonic() + _REQUEST_TIMEOUT_S)
             connection.settimeout(_SERVE_IDLE_TIMEOUT_S)
-            request = _recv_frame(connection, _PULL_DECODER)
             offer, refusal = self._claim(request, connection)
             if offer is None:
                 _send_frame(connection, _Refused(refusal))
@@ -471,6 +473,9 @@ class BlockPuller:
         except (OSError, _WireError) as error:
             written = f"{load.blocks_written} of {len(local_block_ids)} blocks"
             reason = f"the transfer broke off after {written}: {error}"
+        except Exception as error:  # whatever went wrong, the request must learn that its load ended
+            logger.exception("KV load of request %s: unexpected error", load.request_id)
+            reason = f"the load failed: {error!r}"
         self._end(load, reason, len(local_block_ids), time.monotonic() - started)
 
     def _pull(
