@@ -5,8 +5,11 @@ does; bad params get a 400 with a clear message; the transfers show in /metrics.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
@@ -102,3 +105,43 @@ def test_bad_params_get_a_400(start_server: Callable[..., Any]) -> None:
     streamed_prefill = {**body, "stream": True, "kv_transfer_params": {"do_remote_decode": True}}
     answer = _post(decode.url, "/v1/completions", streamed_prefill)
     assert answer.status_code == 400 and "a prefill call is not streamed" in answer.json()["error"]["message"]
+
+
+def test_killing_the_prefill_replica_during_pulls_loses_no_request(start_server: Callable[..., Any]) -> None:
+    prefill = start_server("--kv-transfer-config", json.dumps(kv_transfer_config("kv_producer")))
+    consumer_config = kv_transfer_config("kv_consumer", load_timeout_s=5, connect_timeout_s=1)
+    decode = start_server("--kv-transfer-config", json.dumps(consumer_config))
+    bodies = [
+        {"model": "tiny", "prompt": f"{PROMPT} {i} " * (1 + i % 4), "max_tokens": 6, "temperature": 0}
+        for i in range(12)
+    ]
+    expected = [_post(prefill.url, "/v1/completions", body).json()["choices"][0]["text"] for body in bodies]
+    params = [
+        _post(
+            prefill.url,
+            "/v1/completions",
+            {**body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}},
+        ).json()["kv_transfer_params"]
+        for body in bodies
+    ]
+    with ThreadPoolExecutor(len(bodies)) as pool:
+        answers = [
+            pool.submit(_post, decode.url, "/v1/completions", {**body, "kv_transfer_params": p})
+            for body, p in zip(bodies, params, strict=True)
+        ]
+        os.kill(prefill.pid, signal.SIGKILL)
+        began = time.monotonic()
+        results = [answer.result() for answer in answers]
+    assert time.monotonic() - began < 30  # within the load and connect bounds, far from a hang
+    assert [r.status_code for r in results] == [200] * len(bodies)
+    assert [r.json()["choices"][0]["text"] for r in results] == expected
+    samples = decode.metrics()
+    fallbacks = sum(
+        value for name, value in samples.items() if name == "vllm:nixl_num_failed_transfers_total"
+    )
+    assert samples["kvfleet:kv_transfer_loads_total"] + fallbacks == len(bodies)
+    # Every block of the decode replica is back in its pool.
+    deadline = time.monotonic() + 10
+    while decode.metrics()["kvfleet:kv_cache_usage_perc"] != 0:
+        assert time.monotonic() < deadline, "the decode replica still holds blocks"
+        time.sleep(0.1)
