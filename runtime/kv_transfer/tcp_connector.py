@@ -176,6 +176,8 @@ class TcpConnectorWorker(KVConnectorWorker):
         self._server: BlockServer | None = None
         self._puller: BlockPuller | None = None
         self._withdrawn: list[str] = []
+        # Loads that could not start (request id -> reason): reported failed, so their requests never wait.
+        self._not_started: dict[str, str] = {}
 
     def register_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
         from kvfleet.runtime.kv_transfer.transport import BlockPuller, BlockServer
@@ -204,15 +206,18 @@ class TcpConnectorWorker(KVConnectorWorker):
             for request_id in metadata.cancels:
                 puller.cancel(request_id)
             for load in metadata.loads:
-                puller.start(
-                    load.request_id,
-                    load.host,
-                    load.port,
-                    load.transfer_id,
-                    load.kv_digest,
-                    load.remote_block_ids,
-                    load.local_block_ids,
-                )
+                try:
+                    puller.start(
+                        load.request_id,
+                        load.host,
+                        load.port,
+                        load.transfer_id,
+                        load.kv_digest,
+                        load.remote_block_ids,
+                        load.local_block_ids,
+                    )
+                except (ValueError, RuntimeError) as error:
+                    self._not_started[load.request_id] = f"the load could not start: {error}"
 
     def get_finished(self) -> KVConnectorOutput:
         output = KVConnectorOutput()
@@ -221,7 +226,8 @@ class TcpConnectorWorker(KVConnectorWorker):
             self._withdrawn = []
         if self._puller is not None:
             loaded, failed = self._puller.take_done()
-            output.finished_recving, output.failed_recving = list(loaded), dict(failed)
+            output.finished_recving, output.failed_recving = list(loaded), {**failed, **self._not_started}
+            self._not_started = {}
         return output
 
     def wait(self, timeout: float) -> None:
