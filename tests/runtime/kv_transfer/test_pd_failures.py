@@ -127,3 +127,38 @@ def test_a_loading_request_that_ends_frees_its_blocks_once_the_load_stopped(
         assert [o.outputs[0].finish_reason for o in outputs] == ["timeout"]
     assert free_blocks(consumer) == start
     assert stats(consumer).kv_transfer_fallbacks == fallbacks  # an ended request is no fallback
+
+
+def test_requests_waiting_for_their_kv_hold_sequence_slots_but_no_step(
+    tiny_llama: Path, silent_peer: tuple[str, int]
+) -> None:
+    llm = make_llm(tiny_llama, "kv_consumer", max_num_seqs=2)
+    engine = llm.llm_engine
+    try:
+        start = free_blocks(llm)
+        for index in range(2):
+            prompt = random_prompts(1, [40], seed=10 + index)[0]
+            engine.add_request(
+                f"hang-{index}", prompt, greedy(kv_transfer_params=_hanging_params(silent_peer, prompt))
+            )
+        engine.add_request("plain", random_prompts(1, [12], seed=12)[0], greedy())
+        began = time.monotonic()
+        while time.monotonic() - began < 0.2:
+            assert not engine.step(), "both sequence slots are taken by requests waiting for their KV"
+        assert engine.engine_core.scheduler.stats.num_running == 0
+        engine.abort_request("hang-0")
+        # The slot it leaves runs the plain request to its end while the other still waits for its KV.
+        outputs = []
+        deadline = time.monotonic() + 10
+        while not outputs:
+            assert time.monotonic() < deadline
+            outputs = [output for output in engine.step() if output.finished]
+        assert [output.request_id for output in outputs] == ["plain"]
+        assert engine.engine_core.scheduler.stats.num_waiting == 1
+        engine.abort_request("hang-1")
+        while engine.engine_core.has_pending_kv_transfers():
+            assert time.monotonic() < deadline
+            engine.step()
+        assert free_blocks(llm) == start
+    finally:
+        shutdown(llm)
