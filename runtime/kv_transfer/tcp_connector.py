@@ -10,6 +10,7 @@ finished with an error.
 
 from __future__ import annotations
 
+import logging
 import secrets
 import time
 from collections import Counter
@@ -34,6 +35,8 @@ if TYPE_CHECKING:
     from kvfleet.runtime.core.outputs import SchedulerStats
     from kvfleet.runtime.kv_transfer.transport import BlockPuller, BlockServer
     from kvfleet.runtime.request import Request
+
+logger = logging.getLogger(__name__)
 
 # The reason a load that stopped because its request ended is reported with; it is no fallback.
 CANCELLED = "cancelled"
@@ -186,6 +189,7 @@ class TcpConnectorWorker(KVConnectorWorker):
         config = self._config
         if config.is_producer:
             self._server = BlockServer(kv_caches, config.kv_ip, config.kv_port)
+            logger.info("serving KV blocks to decode replicas on %s:%d", config.kv_ip, self._server.port)
         if config.is_consumer:
             self._puller = BlockPuller(
                 kv_caches, connect_timeout_s=config.connect_timeout_s, load_timeout_s=config.load_timeout_s
