@@ -125,8 +125,8 @@ class Executor(ABC):
     def check_workers(self) -> None:  # noqa: B027 (nothing to check in-process)
         """Raises WorkerFailedError if a worker process has exited."""
 
-    def shutdown(self) -> None:  # noqa: B027 (nothing to stop in-process)
-        """Stop what the executor started; nothing for one in-process rank."""
+    def shutdown(self) -> None:  # noqa: B027 (a default: subclasses stop what they started)
+        """Stop what the executor started: worker processes, the KV connector's transport."""
 
 
 class UniProcExecutor(Executor):
