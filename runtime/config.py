@@ -13,6 +13,8 @@ from typing import Any, Literal, TypeVar, get_args
 
 import click
 from kvfleet.contract.engine import DType, SchedulingPolicy
+from kvfleet.runtime.kv_transfer.config import KVTransferConfig
+from kvfleet.runtime.kv_transfer.factory import check_connector_name
 from kvfleet.runtime.multimodal.media_sources import IPNetwork, MediaOrigin, parse_networks, parse_origins
 from kvfleet.runtime.speculative_config import SpeculativeConfig
 
@@ -69,6 +71,13 @@ class EngineConfig:
         'Speculative decoding, as vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": k, '
         '"prompt_lookup_min": a, "prompt_lookup_max": b} or {"method": "draft_model", '
         '"model": DIR, "num_speculative_tokens": k}; optional "disable_by_batch_size".',
+        default=None,
+    )
+    kv_transfer_config: dict[str, Any] | None = _option(
+        'Disaggregated prefill and decode, as vLLM\'s JSON: {"kv_connector": "TcpConnector", "kv_role": '
+        '"kv_producer" | "kv_consumer" | "kv_both", "kv_ip": ADDRESS, "kv_port": PORT, "engine_id": ID, '
+        '"kv_load_failure_policy": "recompute" | "fail", "kv_connector_extra_config": {"hold_timeout_s": s, '
+        '"load_timeout_s": s, "connect_timeout_s": s, "peer_networks": [CIDR, ...]}}.',
         default=None,
     )
     limit_mm_per_prompt: dict[str, Any] | None = _option(
@@ -167,6 +176,7 @@ class EngineConfig:
         speculative = self.speculative()  # raises ValueError naming what is wrong
         if speculative is not None and speculative.method == "draft_model":
             speculative.check_draft_tokenizer(self.tokenizer or self.model)
+        self._check_kv_transfer()
         limits = self.limit_mm_per_prompt or {}
         for modality, limit in limits.items():
             require(modality in MODALITIES, f"limit_mm_per_prompt: {modality!r} is not one of {MODALITIES}")
@@ -208,6 +218,17 @@ class EngineConfig:
             "enable_lora needs tensor_parallel_size = pipeline_parallel_size = 1 (adapters are not sharded)",
         )
 
+    def _check_kv_transfer(self) -> None:
+        kv_transfer = self.kv_transfer()  # raises ValueError naming what is wrong
+        if kv_transfer is None:
+            return
+        check_connector_name(kv_transfer.kv_connector)
+        if self.world_size > 1:
+            raise ValueError(
+                "kv_transfer_config needs tensor_parallel_size = pipeline_parallel_size = 1 (KV blocks move "
+                "between single-rank replicas)"
+            )
+
     @property
     def world_size(self) -> int:
         """Ranks that run the model: tensor_parallel_size x pipeline_parallel_size."""
@@ -218,6 +239,12 @@ class EngineConfig:
         if self.speculative_config is None:
             return None
         return SpeculativeConfig.parse(self.speculative_config)
+
+    def kv_transfer(self) -> KVTransferConfig | None:
+        """The parsed kv_transfer_config, or None when this replica takes no part in disaggregation."""
+        if self.kv_transfer_config is None:
+            return None
+        return KVTransferConfig.parse(self.kv_transfer_config)
 
     def mm_limits(self) -> dict[str, int]:
         """How many items of each modality one prompt may carry."""

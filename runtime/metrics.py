@@ -34,7 +34,7 @@ from prometheus_client import (
     generate_latest,
     multiprocess,
 )
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric, SummaryMetricFamily
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
@@ -383,6 +383,13 @@ _OWN_SERIES = (
         vllm_aliases=None,
     ),
     _StatSeries(
+        "kv_transfer_blocks_held",
+        "Disaggregated prefill: KV blocks held now for decode replicas to pull.",
+        lambda stats: stats.kv_transfer_blocks_held,
+        counter=False,
+        vllm_aliases=None,
+    ),
+    _StatSeries(
         "spec_decode_mean_acceptance_length",
         "Speculative decoding: tokens each verification emits on average (accepted drafts + 1).",
         _mean_acceptance_length,
@@ -407,6 +414,23 @@ _OWN_SERIES = (
             (
                 "kv_offload_prefix_blocks_loaded",
                 "Prefix-cache hits in the host tier, in blocks copied back to the device.",
+                None,
+            ),
+            (
+                "kv_transfer_loads",
+                "Disaggregated decode: prompt KV loads from prefill replicas completed.",
+                None,
+            ),
+            (
+                "kv_transfer_blocks_pulled",
+                "Disaggregated decode: KV blocks pulled from prefill replicas.",
+                None,
+            ),
+            ("kv_transfer_bytes_pulled", "Disaggregated decode: bytes of the KV blocks pulled.", None),
+            ("kv_transfer_pull_seconds", "Disaggregated decode: time the completed pulls took.", None),
+            (
+                "kv_transfer_holds_expired",
+                "Disaggregated prefill: prompts whose KV blocks waited hold_timeout_s unpulled, then freed.",
                 None,
             ),
             (
@@ -466,6 +490,34 @@ class _EngineStatsCollector(Collector):
             yield family
         for series in _OWN_SERIES:
             yield from self._families(series, stats)
+        yield from self._kv_transfer_families(stats)
+
+    def _kv_transfer_families(self, stats: SchedulerStats) -> Iterator[Metric]:
+        """Fallbacks of disaggregated decode by reason; and vLLM's NixlConnector names for the pulls, as
+        summaries (their _sum and _count, without quantiles) where vLLM's are histograms."""
+        labels = [self._model_name]
+        fallbacks = CounterMetricFamily(
+            KVFLEET_PREFIX + "kv_transfer_fallbacks",
+            "Disaggregated decode: KV loads that failed, by reason; the request recomputed its prompt (or, "
+            "under kv_load_failure_policy fail, ended with an error).",
+            labels=["model_name", "reason"],
+        )
+        for reason, count in sorted(stats.kv_transfer_fallbacks.items()):
+            fallbacks.add_metric([*labels, reason], float(count))
+        yield fallbacks
+        failed = CounterMetricFamily(
+            VLLM_PREFIX + "nixl_num_failed_transfers", "KV loads that failed.", labels=["model_name"]
+        )
+        failed.add_metric(labels, float(sum(stats.kv_transfer_fallbacks.values())))
+        yield failed
+        loads = float(stats.kv_transfer_loads)
+        for name, documentation, total in (
+            ("nixl_xfer_time_seconds", "Time of each completed KV load.", stats.kv_transfer_pull_seconds),
+            ("nixl_bytes_transferred", "Bytes of each completed KV load.", stats.kv_transfer_bytes_pulled),
+        ):
+            family = SummaryMetricFamily(VLLM_PREFIX + name, documentation, labels=["model_name"])
+            family.add_metric(labels, count_value=loads, sum_value=float(total))
+            yield family
 
     def _families(self, series: _StatSeries, stats: SchedulerStats) -> Iterator[Metric]:
         family_type = CounterMetricFamily if series.counter else GaugeMetricFamily

@@ -11,6 +11,7 @@ from kvfleet.runtime.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from kvfleet.runtime.engine.grammar_compiler import RequestGrammar
+    from kvfleet.runtime.kv_transfer.params import KVTransferRequest
     from kvfleet.runtime.lora.request import LoRARequest
     from kvfleet.runtime.multimodal.inputs import MultiModalFeature
     from kvfleet.runtime.multimodal.mrope import MRopePositions
@@ -19,14 +20,16 @@ if TYPE_CHECKING:
 
 class RequestStatus(enum.IntEnum):
     WAITING = 0
-    RUNNING = 1
-    PREEMPTED = 2
+    # Holding its blocks while its prompt's KV arrives from the replica that computed it; takes no step.
+    WAITING_FOR_REMOTE_KVS = 1
+    RUNNING = 2
+    PREEMPTED = 3
     # Every status from here on is final; is_finished relies on this order.
-    FINISHED_STOPPED = 3
-    FINISHED_LENGTH = 4
-    FINISHED_ABORTED = 5
-    FINISHED_TIMED_OUT = 6
-    FINISHED_ERROR = 7
+    FINISHED_STOPPED = 4
+    FINISHED_LENGTH = 5
+    FINISHED_ABORTED = 6
+    FINISHED_TIMED_OUT = 7
+    FINISHED_ERROR = 8
 
     @staticmethod
     def is_finished(status: RequestStatus) -> bool:
@@ -55,6 +58,10 @@ _FINISH_REASONS = {
 
 _UNFINISHED_TRANSITIONS = {
     (RequestStatus.WAITING, RequestStatus.RUNNING),
+    (RequestStatus.WAITING, RequestStatus.WAITING_FOR_REMOTE_KVS),
+    (RequestStatus.WAITING_FOR_REMOTE_KVS, RequestStatus.RUNNING),
+    # Its load failed: it computes its prompt itself.
+    (RequestStatus.WAITING_FOR_REMOTE_KVS, RequestStatus.WAITING),
     (RequestStatus.RUNNING, RequestStatus.PREEMPTED),
     (RequestStatus.PREEMPTED, RequestStatus.RUNNING),
 }
@@ -98,6 +105,9 @@ class Request:
         self.mm_features: list[MultiModalFeature] = mm_features or []
         # Its three-dimensional positions, on a model with M-RoPE; None on others.
         self.mrope_positions = mrope_positions
+        # Disaggregated prefill and decode: keep its blocks for a decode replica (a prefill call), or pull its
+        # prompt's KV from a prefill replica (a decode call; None once pulled or given up).
+        self.kv_transfer: KVTransferRequest | None = None
 
         self.status = RequestStatus.WAITING
         self.output_token_ids: list[int] = []

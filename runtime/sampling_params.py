@@ -7,6 +7,8 @@ from dataclasses import dataclass
 from typing import Any
 
 MAX_LOGPROBS = 20
+# The key of SamplingParams.extra_args that carries a request's kv_transfer_params (vLLM's).
+KV_TRANSFER_PARAMS = "kv_transfer_params"
 # Temperatures below this sample greedily: dividing logits by less overflows them to inf, and the NaN
 # probabilities that follow would pick the last token id every time (vLLM's threshold).
 GREEDY_TEMPERATURE = 1e-5
@@ -93,6 +95,9 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     # Never generated: a word's last token is banned wherever the output ends with the tokens before it.
     bad_words: list[str] | None = None
+    # What a request asks of the engine beyond sampling (vLLM's): "kv_transfer_params", disaggregated prefill
+    # and decode's.
+    extra_args: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.stop is None:
@@ -165,6 +170,11 @@ class SamplingParams:
             _require(bool(self.allowed_token_ids), "allowed_token_ids", "must not be empty")
             for token_id in self.allowed_token_ids:
                 _require_token_id("allowed_token_ids", token_id)
+        _require(
+            self.extra_args is None or isinstance(self.extra_args, dict),
+            "extra_args",
+            "must be a dict or None",
+        )
         for word in self.bad_words or ():
             _require(
                 isinstance(word, str) and word != "",

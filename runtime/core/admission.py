@@ -3,8 +3,9 @@
 Gates may make a request step aside and keep its place in the queue (its grammar still compiles, its adapter
 would be one too many for the step, it is background while others are present), or end admission for the
 step. Sources of computed tokens say how much of a request's prompt needs no computing past the device's
-prefix-cache hits, and bring it in once the request has blocks: a preempted request's KV saved in the host
-tier, or prefix blocks the host tier holds. What is left is cut to the step's budgets (StepBudget.grant, the
+prefix-cache hits, and bring it in once the request has blocks: a decode call's KV on the prefill replica that
+computed it (arriving later: the request waits for it), a preempted request's KV saved in the host tier, or
+prefix blocks the host tier holds. What is left is cut to the step's budgets (StepBudget.grant, the
 one rule of how many tokens a request takes in a step), then given KV blocks.
 """
 
@@ -18,6 +19,7 @@ from typing import Protocol
 from kvfleet.runtime.core.block_pool import KVCacheBlock
 from kvfleet.runtime.core.host_kv_tier import HostKVTier
 from kvfleet.runtime.core.kv_cache_manager import KVCacheManager
+from kvfleet.runtime.kv_transfer.base import KVConnectorScheduler
 from kvfleet.runtime.request import Request
 
 
@@ -170,6 +172,8 @@ class ComputedPrefix:
     # ones.
     num_loaded: int = 0
     source: ComputedTokenSource | None = None
+    # The loaded tokens arrive in the background: the request waits for them, holding its blocks.
+    arrives_later: bool = False
 
 
 class ComputedTokenSource(Protocol):
@@ -193,6 +197,33 @@ def find_computed_prefix(
     for source in sources:
         prefix = source.extend(request, prefix)
     return prefix
+
+
+class RemoteKV:
+    """A decode call's prompt KV, computed by a prefill replica: the KV connector pulls the blocks past the
+    device's hits into the request's fresh blocks while the request waits (the prompt's last token runs here
+    again, to give logits)."""
+
+    def __init__(self, connector: KVConnectorScheduler, kv: KVCacheManager) -> None:
+        self._connector = connector
+        self._kv = kv
+
+    def extend(self, request: Request, prefix: ComputedPrefix) -> ComputedPrefix:
+        num_external, arrives_later = self._connector.get_num_new_matched_tokens(request, prefix.num_tokens)
+        if not num_external:
+            return prefix
+        return ComputedPrefix(
+            prefix.device_blocks,
+            prefix.num_tokens + num_external,
+            num_external,
+            source=self,
+            arrives_later=arrives_later,
+        )
+
+    def admitted(self, request: Request, prefix: ComputedPrefix, new_block_ids: list[int]) -> None:
+        if prefix.source is self:
+            block_ids = self._kv.get_block_ids(request.request_id)
+            self._connector.update_state_after_alloc(request, block_ids, prefix.num_loaded)
 
 
 class SavedKV:
@@ -260,12 +291,18 @@ def admission_gates(
     return gates
 
 
-def computed_token_sources(host_tier: HostKVTier | None, kv: KVCacheManager) -> list[ComputedTokenSource]:
-    """Where computed tokens come from besides the device's prefix cache: the host tier, if there is one (its
-    prefix blocks only with prefix caching)."""
+def computed_token_sources(
+    host_tier: HostKVTier | None, kv: KVCacheManager, connector: KVConnectorScheduler | None
+) -> list[ComputedTokenSource]:
+    """Where computed tokens come from besides the device's prefix cache: the KV connector, if there is one
+    (first: a decode call's prompt is all there), and the host tier, if there is one (its prefix blocks only
+    with prefix caching)."""
+    sources: list[ComputedTokenSource] = []
+    if connector is not None:
+        sources.append(RemoteKV(connector, kv))
     if host_tier is None:
-        return []
-    sources: list[ComputedTokenSource] = [SavedKV(host_tier, kv.block_size)]
+        return sources
+    sources.append(SavedKV(host_tier, kv.block_size))
     if kv.enable_caching:
         sources.append(HostPrefixBlocks(host_tier, kv))
     return sources

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvfleet.runtime.core.host_kv_tier import TierCopies
+from kvfleet.runtime.kv_transfer.base import KVConnectorMetadata, KVConnectorOutput
 from kvfleet.runtime.request import FinishReason, Request
 
 
@@ -35,6 +37,9 @@ class SchedulerOutput:
     # Adapters unloaded that no request runs with any more: the runner drops them and zeroes their slots
     # before the step runs (idempotent, so every subset of the step carries them).
     removed_lora_ids: list[int] = field(default_factory=list)
+    # The KV connector's orders for this step (disaggregated prefill and decode). A subset of the step leaves
+    # them out: they are carried out once, by the whole step.
+    kv_connector_metadata: KVConnectorMetadata | None = None
 
     @property
     def num_reqs(self) -> int:
@@ -68,6 +73,8 @@ class ModelRunnerOutput:
     sampled_token_ids: list[list[int]]
     # One dict per sampled token (top-N plus the sampled token), or None when logprobs were not asked for.
     logprobs: list[list[dict[int, float]] | None]
+    # What the KV connector's worker side finished since its last report.
+    kv_connector_output: KVConnectorOutput | None = None
 
 
 @dataclass
@@ -78,6 +85,8 @@ class EngineCoreOutput:
     finish_reason: FinishReason | None
     stop_reason: int | str | None
     num_cached_tokens: int
+    # A finished prefill call's answer: where its blocks wait for the decode replica.
+    kv_transfer_params: dict[str, Any] | None = None
 
     @property
     def finished(self) -> bool:
@@ -120,3 +129,13 @@ class SchedulerStats:
     # cache answered instead.
     encoder_runs: int = 0
     encoder_cache_hits: int = 0
+    # Disaggregated prefill and decode, cumulative: loads completed, blocks and bytes pulled and the time the
+    # pulls took, loads that fell back (recompute, or an error under the policy fail) by reason, and holds
+    # withdrawn unpulled after hold_timeout_s; and the blocks held now for pulls.
+    kv_transfer_loads: int = 0
+    kv_transfer_blocks_pulled: int = 0
+    kv_transfer_bytes_pulled: int = 0
+    kv_transfer_pull_seconds: float = 0.0
+    kv_transfer_fallbacks: dict[str, int] = field(default_factory=dict)
+    kv_transfer_holds_expired: int = 0
+    kv_transfer_blocks_held: int = 0

@@ -14,6 +14,12 @@ compiled, no LoRA slot, background held), then the sources of its computed prefi
 cache, the host tier), then the step's budgets, then the KV blocks. Each is built once, for the features
 the scheduler is given.
 
+Disaggregated prefill and decode (a KV connector): a decode call's prompt KV is one more source of computed
+tokens, pulled in the background while the request waits in WAITING_FOR_REMOTE_KVS, holding its blocks and a
+sequence slot but no step budget; a failed pull sends it back to the front of the queue to compute its prompt
+itself (or, under the policy "fail", finishes it with an error). A prefill call's blocks outlive it, held
+for the pull until the connector lets them go.
+
 Multimodal prompts: the items (images, audio clips) whose placeholder tokens a step starts feeding are encoded
 in that step, and their placeholders count against the step's encoder budget (vLLM's
 max_num_encoder_input_tokens). A request whose next item does not fit is cut before it and goes on in a later
@@ -27,10 +33,12 @@ import itertools
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvfleet.contract.engine import preempts
 from kvfleet.contract.precedence import displaces, is_background
 from kvfleet.runtime.core.admission import (
+    ComputedPrefix,
     StepBudget,
     Verdict,
     admission_gates,
@@ -43,9 +51,11 @@ from kvfleet.runtime.core.kv_cache_manager import KVCacheManager
 from kvfleet.runtime.core.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput, SchedulerStats
 from kvfleet.runtime.core.request_queue import create_request_queue
 from kvfleet.runtime.input_checks import check_context_length
+from kvfleet.runtime.kv_transfer.base import KVConnectorOutput, KVConnectorScheduler
 from kvfleet.runtime.request import FinishReason, Request, RequestStatus
 
 _RUNNING = RequestStatus.RUNNING
+_WAITING_FOR_REMOTE_KVS = RequestStatus.WAITING_FOR_REMOTE_KVS
 # Tokens a step gives background requests: alone, enough for full-speed prefill chunks and a wide batch of
 # decodes, while a step stays short enough that a request of another tier arriving does not wait long for
 # it; beside other requests, a few decodes, so that a step stays about as short as theirs would be (on a
@@ -91,12 +101,13 @@ class Scheduler:
         sliding_window: int | None = None,
         host_kv_tier: HostKVTier | None = None,
         max_num_encoder_input_tokens: int | None = None,
+        kv_connector: KVConnectorScheduler | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """`sliding_window`: the model's, when every layer has one (blocks before it are freed as requests
         grow). `host_kv_tier`: where preempted requests' KV waits for them instead of being recomputed, and
         where evicted prefix blocks go. `max_num_encoder_input_tokens`: the encoder budget of a step; by
-        default the token budget."""
+        default the token budget. `kv_connector`: disaggregated prefill and decode's (its scheduler side)."""
         _check_limits(
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
@@ -129,8 +140,15 @@ class Scheduler:
             max_loras=max_loras,
             is_background=None if background_priority is None else self._is_background,
         )
-        self._computed_token_sources = computed_token_sources(host_kv_tier, self.kv_cache_manager)
-
+        self.kv_connector = kv_connector
+        self._computed_token_sources = computed_token_sources(
+            host_kv_tier, self.kv_cache_manager, kv_connector
+        )
+        # Requests whose prompt KV is arriving; finished ones whose blocks the connector still needs (held for
+        # a pull, or written by a load that is stopping); loads failed under the policy fail (id, reason).
+        self._waiting_for_kvs: dict[str, Request] = {}
+        self._freed_later: dict[str, Request] = {}
+        self.failed_kv_loads: list[tuple[str, str]] = []
         # Every unfinished request, by id, and how many of them are not background.
         self.requests: dict[str, Request] = {}
         self._num_foreground = 0
@@ -187,6 +205,11 @@ class Scheduler:
         that a loop stepping until this is false delivers every request's end."""
         return bool(self.requests) or bool(self._timed_out_outputs)
 
+    def has_pending_kv_transfers(self) -> bool:
+        """Whether blocks are held for pulls or loads are under way: the engine keeps stepping to let them
+        go."""
+        return self.kv_connector is not None and self.kv_connector.has_pending()
+
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests) + len(self._timed_out_outputs)
 
@@ -199,9 +222,9 @@ class Scheduler:
     def stats(self) -> SchedulerStats:
         self._drop_finished_running()
         kv = self.kv_cache_manager
-        return SchedulerStats(
+        stats = SchedulerStats(
             num_running=len(self.running),
-            num_waiting=len(self.waiting),
+            num_waiting=len(self.waiting) + len(self._waiting_for_kvs),
             num_preempted_total=self.num_preempted_total,
             kv_cache_usage=kv.usage,
             prefix_cache_queries=kv.prefix_cache_queries,
@@ -213,6 +236,9 @@ class Scheduler:
             spec_decode_num_accepted_tokens_per_pos=list(self._drafts.num_accepted_tokens_per_pos),
             **self._host_tier_stats(),
         )
+        if self.kv_connector is not None:
+            self.kv_connector.fill_stats(stats)
+        return stats
 
     def _host_tier_stats(self) -> dict[str, int]:
         tier = self.host_kv_tier
@@ -245,12 +271,25 @@ class Scheduler:
         # Admitting new work in a step that had to preempt would only thrash.
         if not preempted:
             self._admit_waiting(scheduled, budget, displaced)
-        return self._build_output(scheduled, budget.tokens, displaced + preempted)
+        output = self._build_output(scheduled, budget.tokens, displaced + preempted)
+        if self.kv_connector is not None:
+            output.kv_connector_metadata = self.kv_connector.build_connector_meta()
+        return output
+
+    def connector_step(self) -> SchedulerOutput:
+        """A step that runs no request, only the KV connector's orders given since schedule() (the offers of
+        the prefill calls that step finished)."""
+        assert self.kv_connector is not None
+        return SchedulerOutput(
+            [], [], [], [], 0, kv_connector_metadata=self.kv_connector.build_connector_meta()
+        )
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
         """Apply the sampled tokens of the step, finish requests that stop, and return what changed."""
+        if runner_output.kv_connector_output is not None:
+            self._update_from_kv_xfer_finished(runner_output.kv_connector_output)
         outputs = self._timed_out_outputs
         self._timed_out_outputs = []
         requests = scheduler_output.requests
@@ -278,6 +317,7 @@ class Scheduler:
                 self._roll_back_rejected_drafts(request, draft_token_ids, new_token_ids)
             new_logprobs = all_logprobs[index] if all_logprobs else None
             finish_reason = None
+            kv_transfer_params = None
             grammar = request.grammar
             for position, token_id in enumerate(new_token_ids):
                 request.output_token_ids.append(token_id)
@@ -292,7 +332,7 @@ class Scheduler:
                         new_token_ids = new_token_ids[: position + 1]
                         if new_logprobs is not None:
                             new_logprobs = new_logprobs[: position + 1]
-                    self._finish(request, status)
+                    kv_transfer_params = self._finish(request, status)
                     finish_reason = request.finish_reason
                     break
             outputs.append(
@@ -303,12 +343,45 @@ class Scheduler:
                     finish_reason,
                     request.stop_reason,
                     max(request.num_cached_tokens, 0),
+                    kv_transfer_params if finish_reason is not None else None,
                 )
             )
         self._drop_finished_running()
         return outputs
 
     # Internals.
+
+    def _update_from_kv_xfer_finished(self, output: KVConnectorOutput) -> None:
+        """Free the blocks the connector let go; start the requests whose KV arrived; send those whose load
+        failed back to compute their prompt (or finish them, under the policy fail)."""
+        assert self.kv_connector is not None
+        for request_id in self.kv_connector.update_connector_output(output):
+            held = self._freed_later.pop(request_id, None)
+            if held is not None:
+                self.kv_cache_manager.free(held)
+        for request_id in output.finished_recving:
+            request = self._waiting_for_kvs.pop(request_id, None)
+            if request is None:
+                continue
+            request.kv_transfer = None
+            # As after a prefix-cache hit, the prompt's last token runs again to give logits.
+            request.num_computed_tokens = request.num_prompt_tokens - 1
+            request.transition(_RUNNING)
+            self.running.append(request)
+        for request_id, reason in output.failed_recving.items():
+            request = self._waiting_for_kvs.get(request_id)
+            if request is None:
+                continue
+            if self.kv_connector.load_failure_policy == "fail":
+                self._finish(request, RequestStatus.FINISHED_ERROR)
+                self.failed_kv_loads.append((request_id, reason))
+                continue
+            del self._waiting_for_kvs[request_id]
+            self.kv_cache_manager.free(request)
+            request.kv_transfer = None
+            request.num_computed_tokens = 0
+            request.transition(RequestStatus.WAITING)
+            self.waiting.prepend(request)
 
     def _roll_back_rejected_drafts(
         self, request: Request, draft_token_ids: list[int], new_token_ids: list[int]
@@ -397,9 +470,12 @@ class Scheduler:
         A request a gate sets aside keeps its place for the next step."""
         waiting = self.waiting
         stepped_aside: list[Request] = []
+        holding_slots = (
+            self.running + list(self._waiting_for_kvs.values()) if self._waiting_for_kvs else self.running
+        )
         for gate in self._admission_gates:
-            gate.start_step(self.running, budget)
-        while budget.tokens > 0 and len(self.running) < self.max_num_seqs:
+            gate.start_step(holding_slots, budget)
+        while budget.tokens > 0 and len(self.running) + len(self._waiting_for_kvs) < self.max_num_seqs:
             request = waiting.peek()
             # A request displaced this step waits at least one step: taking it back at once (its blocks may
             # suffice after prefix hits the displacement could not foresee) would recompute it for nothing,
@@ -424,6 +500,8 @@ class Scheduler:
         prefill); whether it started."""
         kv = self.kv_cache_manager
         prefix = find_computed_prefix(request, kv, self._computed_token_sources)
+        if prefix.arrives_later:
+            return self._admit_to_load(request, prefix)
         grant = budget.grant(
             request,
             prefix.num_tokens,
@@ -446,6 +524,25 @@ class Scheduler:
         self.running.append(request)
         scheduled[request] = grant.num_tokens
         budget.take(grant)
+        return True
+
+    def _admit_to_load(self, request: Request, prefix: ComputedPrefix) -> bool:
+        """Give the queue's head blocks for its whole prompt and have its KV loaded into them; it waits for
+        its KV without taking any of the step's budget. The loaded blocks join the prefix cache only once the
+        request runs: until then they hold nothing."""
+        kv = self.kv_cache_manager
+        num_new_tokens = prefix.num_loaded + request.num_tokens - prefix.num_tokens
+        if kv.allocate_slots(request, num_new_tokens, prefix.device_blocks, delay_cache_blocks=True) is None:
+            return False
+        new_block_ids = kv.get_block_ids(request.request_id)[len(prefix.device_blocks) :]
+        for source in self._computed_token_sources:
+            source.admitted(request, prefix, new_block_ids)
+        self.waiting.pop()
+        request.transition(_WAITING_FOR_REMOTE_KVS)
+        request.num_computed_tokens = prefix.num_tokens - prefix.num_loaded
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = request.num_computed_tokens
+        self._waiting_for_kvs[request.request_id] = request
         return True
 
     def _build_output(
@@ -500,7 +597,7 @@ class Scheduler:
             # Displacing anyone for a request whose grammar is still compiling would only thrash.
             if head is None or grammar_pending(head):
                 break
-            slots_full = len(self.running) >= self.max_num_seqs
+            slots_full = len(self.running) + len(self._waiting_for_kvs) >= self.max_num_seqs
             # Conservative: prefix-cache hits on blocks other requests hold are not counted.
             blocks_short = kv.num_free_blocks * kv.block_size < head.num_tokens
             if not (slots_full or blocks_short):
@@ -547,19 +644,39 @@ class Scheduler:
         self.num_preempted_total += 1
         self.waiting.prepend(request)
 
-    def _finish(self, request: Request, status: RequestStatus) -> None:
-        was_running = request.status == _RUNNING
+    def _finish(self, request: Request, status: RequestStatus) -> dict[str, Any] | None:
+        """Finish the request and free its blocks, unless the KV connector still needs them; the
+        kv_transfer_params its answer carries, if any."""
+        previous = request.status
         request.transition(status)
-        if was_running:
+        if previous == _RUNNING:
             self._running_has_finished = True
+        elif previous == _WAITING_FOR_REMOTE_KVS:
+            del self._waiting_for_kvs[request.request_id]
         else:
             self.waiting.remove(request)
-        self.kv_cache_manager.free(request)
+        kv_transfer_params = self._free_blocks(request)
         if self.host_kv_tier is not None:
             self.host_kv_tier.discard(request.request_id)
         del self.requests[request.request_id]
         self._num_foreground -= not self._is_background(request)
         self._finished_request_ids.add(request.request_id)
+        return kv_transfer_params
+
+    def _free_blocks(self, request: Request) -> dict[str, Any] | None:
+        kv = self.kv_cache_manager
+        request_id = request.request_id
+        # A prompt whose first blocks a sliding window gave back is not whole any more: it is not offered.
+        whole = request_id in kv.req_to_block_ids and not kv.num_released_blocks.get(request_id)
+        if self.kv_connector is not None and whole:
+            delay_free, kv_transfer_params = self.kv_connector.request_finished(
+                request, kv.get_block_ids(request_id)
+            )
+            if delay_free:
+                self._freed_later[request_id] = request
+                return kv_transfer_params
+        kv.free(request)
+        return None
 
     def _drop_finished_running(self) -> None:
         if self._running_has_finished:

@@ -2,9 +2,9 @@
 job each, built with the core for the features its config and model have, and asked in turn.
 
 A handler checks the request, refusing it with an InvalidRequestError (or EngineOverloadedError), or
-prepares a part of it: its token rules, its adapter, its prefix-cache salt, its M-RoPE positions, its
-grammar. They run after the prompt's own check, in the order the core registers them: the grammar's compile
-last, so that a request refused by another handler starts none.
+prepares a part of it: its token rules, its adapter, its prefix-cache salt, its M-RoPE positions, its part
+in disaggregated prefill and decode, its grammar. They run after the prompt's own check, in the order the
+core registers them: the grammar's compile last, so that a request refused by another handler starts none.
 """
 
 from __future__ import annotations
@@ -13,17 +13,26 @@ import concurrent.futures
 from collections.abc import Callable, Mapping, Sized
 from typing import Any, Protocol
 
+from kvfleet.contract.kv_transfer import DO_REMOTE_DECODE, DO_REMOTE_PREFILL, REMOTE_BLOCK_IDS
 from kvfleet.contract.precedence import QueuedRequest, choose_victim
 from kvfleet.runtime.engine.grammar_compiler import GrammarCompiler, RequestGrammar
 from kvfleet.runtime.engine.messages import AddRequest, RequestError
 from kvfleet.runtime.errors import EngineOverloadedError, InvalidRequestError
 from kvfleet.runtime.input_checks import check_sampling_token_ids
+from kvfleet.runtime.kv_transfer.config import KVTransferConfig
+from kvfleet.runtime.kv_transfer.params import (
+    RemoteDecode,
+    RemotePrefill,
+    check_peer,
+    parse_kv_transfer_params,
+)
 from kvfleet.runtime.lora.errors import LoRAAdapterError
 from kvfleet.runtime.lora.request import LoRARequest
 from kvfleet.runtime.models.layers import rope_cache_salt
 from kvfleet.runtime.multimodal.inputs import ModalitySpec, check_features
 from kvfleet.runtime.multimodal.mrope import MRopePositions
 from kvfleet.runtime.request import Request
+from kvfleet.runtime.sampling_params import KV_TRANSFER_PARAMS
 from kvfleet.runtime.structured_outputs.token_rules import TokenRules
 
 # With nothing to run but grammars compiling, a step waits this long for one of them instead of spinning.
@@ -154,6 +163,53 @@ class PromptMRopePositions:
     def prepare(self, add: AddRequest, request: Request) -> None:
         num_prompt_tokens = len(add.prompt_token_ids)
         request.mrope_positions = MRopePositions.of(num_prompt_tokens, add.mm_features, self._modalities)
+
+
+class KVTransferParams:
+    """A request's kv_transfer_params (SamplingParams.extra_args["kv_transfer_params"]): well formed, a call
+    this replica's role takes, one sequence, and for a decode call blocks for exactly its prompt on a peer in
+    this replica's networks. Without kv_transfer_config (None) a request asking for a transfer is refused."""
+
+    def __init__(self, config: KVTransferConfig | None, block_size: int) -> None:
+        self._config = config
+        self._block_size = block_size
+
+    def prepare(self, add: AddRequest, request: Request) -> None:
+        extra_args = add.sampling_params.extra_args or {}
+        if KV_TRANSFER_PARAMS not in extra_args:
+            return
+        call = parse_kv_transfer_params(extra_args[KV_TRANSFER_PARAMS])
+        if call is None:
+            return
+        config = self._config
+        if config is None:
+            raise InvalidRequestError(
+                "kv_transfer_params: this replica takes no part in disaggregated prefill and decode (it was "
+                "started without --kv-transfer-config)"
+            )
+        if add.sampling_params.n > 1:
+            raise InvalidRequestError(
+                "kv_transfer_params: a disaggregated request generates one sequence (n=1)"
+            )
+        if isinstance(call, RemoteDecode) and not config.is_producer:
+            raise InvalidRequestError(
+                f"kv_transfer_params.{DO_REMOTE_DECODE}: this replica's role is {config.kv_role}, which "
+                "takes no prefill calls"
+            )
+        if isinstance(call, RemotePrefill):
+            if not config.is_consumer:
+                raise InvalidRequestError(
+                    f"kv_transfer_params.{DO_REMOTE_PREFILL}: this replica's role is {config.kv_role}, which "
+                    "takes no decode calls"
+                )
+            num_blocks = -(-len(add.prompt_token_ids) // self._block_size)
+            if len(call.block_ids) != num_blocks:
+                raise InvalidRequestError(
+                    f"kv_transfer_params.{REMOTE_BLOCK_IDS} names {len(call.block_ids)} blocks; the prompt "
+                    f"of {len(add.prompt_token_ids)} tokens takes {num_blocks} blocks of {self._block_size}"
+                )
+            check_peer(call, config.peer_networks)
+        request.kv_transfer = call
 
 
 class StructuredOutputs:

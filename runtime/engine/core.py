@@ -23,6 +23,7 @@ from kvfleet.runtime.core.outputs import EngineCoreOutput, ModelRunnerOutput, Sc
 from kvfleet.runtime.core.scheduler import Scheduler
 from kvfleet.runtime.engine.arrival import (
     ArrivalHandler,
+    KVTransferParams,
     LoRAAdapters,
     MediaItems,
     PromptMRopePositions,
@@ -41,6 +42,8 @@ from kvfleet.runtime.errors import (
 )
 from kvfleet.runtime.executor.executor import WorkerFailedError, make_executor
 from kvfleet.runtime.input_checks import check_prompt_token_ids
+from kvfleet.runtime.kv_transfer.base import KVConnectorScheduler
+from kvfleet.runtime.kv_transfer.factory import make_scheduler_connector
 from kvfleet.runtime.lora.request import LoRARequest
 from kvfleet.runtime.multimodal.inputs import ModalitySpec
 from kvfleet.runtime.multimodal.prompt_media import modality_specs
@@ -51,6 +54,8 @@ logger = logging.getLogger(__name__)
 
 GiB = 1 << 30
 _DEFAULT_CHUNKED_TOKEN_BUDGET = 2048
+# With nothing to run but KV loads under way, a step waits this long for one to end instead of spinning.
+_KV_LOAD_WAIT_S = 0.01
 
 
 class EngineCore:
@@ -90,6 +95,7 @@ class EngineCore:
         self.modalities: dict[str, ModalitySpec] = (
             {} if multimodal is None else modality_specs(multimodal, config.model)
         )
+        self.kv_transfer = config.kv_transfer()
         self.scheduler = Scheduler(
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
@@ -104,6 +110,7 @@ class EngineCore:
             sliding_window=model_config.sliding_window,
             host_kv_tier=host_kv_tier,
             max_num_encoder_input_tokens=self._encoder_budget(),
+            kv_connector=self._kv_connector(),
         )
         self.speculator = self._speculator()
         # Admitted requests never scheduled yet: the ones load shedding may displace, and whose first
@@ -128,6 +135,15 @@ class EngineCore:
             config.block_size,
             self.max_num_batched_tokens,
         )
+
+    def _kv_connector(self) -> KVConnectorScheduler | None:
+        """The scheduler-side half of the KV connector kv_transfer_config names, told where the worker side's
+        transport listens."""
+        if self.kv_transfer is None:
+            return None
+        connector = make_scheduler_connector(self.kv_transfer, self.config.block_size)
+        connector.set_xfer_handshake_metadata(self.executor.kv_connector_handshake_metadata())
+        return connector
 
     def _speculator(self) -> Speculator | None:
         speculative = self.config.speculative()
@@ -155,6 +171,7 @@ class EngineCore:
             self.lora_adapters,
             MediaItems(self.modalities, self.scheduler.max_num_encoder_input_tokens),
             RopeCacheSalt(model_config.rope),
+            KVTransferParams(self.kv_transfer, self.config.block_size),
         ]
         if model_config.uses_mrope:
             handlers.append(PromptMRopePositions(self.modalities))
@@ -310,6 +327,11 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or bool(self._errors)
 
+    def has_pending_kv_transfers(self) -> bool:
+        """Blocks held for pulls, or KV loads under way: a serving core keeps stepping to let them go, even
+        with no request left to run."""
+        return self.scheduler.has_pending_kv_transfers()
+
     # ---- stepping -------------------------------------------------------------------------------
 
     def step(self) -> EngineCoreOutputs:
@@ -323,10 +345,14 @@ class EngineCore:
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.total_num_scheduled_tokens == 0:
             self.structured_outputs.wait_for_one()
+            if self.scheduler.has_pending_kv_transfers():
+                self.executor.wait_for_kv_transfers(_KV_LOAD_WAIT_S)
         started = [r.request_id for r in scheduler_output.requests if r.request_id in self._unstarted]
         for request_id in started:
             del self._unstarted[request_id]
         outputs = self._execute(scheduler_output, errors)
+        if self.scheduler.kv_connector is not None:
+            outputs += self._settle_kv_transfers(outputs, errors)
         for output in outputs:
             if output.finish_reason is not None:
                 self._unstarted.pop(output.request_id, None)
@@ -335,11 +361,32 @@ class EngineCore:
             stats=self.stats, outputs=outputs, errors=errors, started=started, step_time=step_time
         )
 
+    def _settle_kv_transfers(
+        self, outputs: list[EngineCoreOutput], errors: list[RequestError]
+    ) -> list[EngineCoreOutput]:
+        """The prefill calls among the step's outputs answer with where their blocks wait: the blocks are
+        offered before the answers leave, so that no pull can arrive first. Loads that failed under the
+        policy fail are answered with errors."""
+        for request_id, reason in self.scheduler.failed_kv_loads:
+            self._unstarted.pop(request_id, None)
+            message = f"the prompt's KV could not be loaded from the prefill replica: {reason}"
+            errors.append(RequestError(request_id, RequestFailedError.kind, message))
+        self.scheduler.failed_kv_loads = []
+        if not any(output.kv_transfer_params for output in outputs):
+            return []
+        return self._execute(self.scheduler.connector_step(), errors)
+
     def _execute(
         self, scheduler_output: SchedulerOutput, errors: list[RequestError]
     ) -> list[EngineCoreOutput]:
         if scheduler_output.total_num_scheduled_tokens == 0:
-            return self.scheduler.update_from_output(scheduler_output, ModelRunnerOutput([], [], []))
+            # With a KV connector its orders still go to the worker side, and its news come back.
+            runner_output = (
+                ModelRunnerOutput([], [], [])
+                if scheduler_output.kv_connector_metadata is None
+                else self.executor.execute_model(scheduler_output)
+            )
+            return self.scheduler.update_from_output(scheduler_output, runner_output)
         scheduler_output.removed_lora_ids = self.lora_adapters.take_removals(self.scheduler.requests)
         try:
             runner_output = self.executor.execute_model(scheduler_output)

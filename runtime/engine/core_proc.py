@@ -4,7 +4,9 @@ Why a process: the Python parts of a step (scheduling, input preparation, sampli
 API server's interpreter lock, nor it for theirs (HTTP parsing, tokenization, detokenization, SSE).
 
 The loop: with requests to run, take whatever messages have arrived without waiting, then step and send
-each API server one message with its outputs; with nothing to run, sleep until a message arrives. The
+each API server one message with its outputs; with nothing to run but KV blocks held for pulls (disaggregated
+prefill and decode), wait a little for a message, then step to let go of the blocks whose pull ended or whose
+hold expired; with nothing at all, sleep until a message arrives. The
 process ends when its parent does, so a killed API server never leaves a core holding the accelerator.
 """
 
@@ -19,6 +21,7 @@ import msgspec
 import zmq
 from kvfleet.runtime.child_process import child_arguments
 from kvfleet.runtime.config import EngineConfig
+from kvfleet.runtime.core.outputs import SchedulerStats
 from kvfleet.runtime.engine.messages import (
     AbortRequests,
     AddRequest,
@@ -38,6 +41,8 @@ logger = logging.getLogger(__name__)
 
 # How long a failed core waits for its Failed message to leave before it exits.
 _FAILED_LINGER_MS = 2000
+# With only KV blocks held for pulls, how long the loop waits for a message between steps.
+_HOLDS_POLL_MS = 50
 
 
 def run_engine_core(
@@ -95,6 +100,7 @@ class EngineCoreProc:
         # The API servers (DEALER identities) that said hello, and which one sent each sequence.
         self.clients: list[bytes] = []
         self.client_of: dict[str, bytes] = {}
+        self._last_stats: SchedulerStats | None = None
 
     def run(self) -> None:
         poller = zmq.Poller()
@@ -106,7 +112,8 @@ class EngineCoreProc:
             poller.register(watch, zmq.POLLIN)
         while True:
             busy = self.core.has_unfinished_requests()
-            events = dict(poller.poll(0 if busy else None))
+            holding = not busy and self.core.has_pending_kv_transfers()
+            events = dict(poller.poll(0 if busy else _HOLDS_POLL_MS if holding else None))
             if self.parent_fd in events:
                 logger.info("the API server has exited; stopping the engine core")
                 return
@@ -115,6 +122,8 @@ class EngineCoreProc:
             received = self.socket in events and self._receive()
             if self.core.has_unfinished_requests():
                 self._send(self.core.step())
+            elif holding:
+                self._send_changes(self.core.step())
             elif received:
                 # Nothing to step, but aborts changed the queues: the front ends' metrics should see it.
                 self._send(EngineCoreOutputs(stats=self.core.stats))
@@ -138,6 +147,11 @@ class EngineCoreProc:
                 socket.send_multipart((identity.bytes, self.encoder.encode(Ready(core.info))))
         return True
 
+    def _send_changes(self, step: EngineCoreOutputs) -> None:
+        """A step that ran no request is sent only when it changed what the front ends see (blocks held)."""
+        if step.outputs or step.errors or step.stats != self._last_stats:
+            self._send(step)
+
     def _send(self, step: EngineCoreOutputs) -> None:
         """One message per API server: its own outputs and errors, and everyone's stats."""
         per_client = {
@@ -160,6 +174,7 @@ class EngineCoreProc:
                 per_client[client].started.append(request_id)
         for client, message in per_client.items():
             self.socket.send_multipart((client, self.encoder.encode(message)), copy=False)
+        self._last_stats = step.stats
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvfleet.runtime.core.outputs import EngineCoreOutput
 from kvfleet.runtime.engine.detokenizer import IncrementalDetokenizer
@@ -43,6 +44,7 @@ class _RequestState:
     sequences: dict[str, _Sequence]
     metrics: RequestMetrics
     num_cached_tokens: int = 0
+    kv_transfer_params: dict[str, Any] | None = None
 
     @property
     def finished(self) -> bool:
@@ -148,6 +150,8 @@ class OutputProcessor:
             sequence.token_ids.extend(new_ids)
         if core_output.num_cached_tokens > state.num_cached_tokens:
             state.num_cached_tokens = core_output.num_cached_tokens
+        if core_output.kv_transfer_params is not None:
+            state.kv_transfer_params = core_output.kv_transfer_params
         if sequence.logprobs is not None and core_output.new_logprobs:
             sequence.logprobs.extend(core_output.new_logprobs)
             for token_id, token_logprobs in zip(new_ids, core_output.new_logprobs, strict=False):
@@ -197,6 +201,7 @@ class OutputProcessor:
             num_cached_tokens=state.num_cached_tokens,
             # A snapshot: the state's own copy keeps changing, and outputs may be read on another thread.
             metrics=dataclasses.replace(state.metrics),
+            kv_transfer_params=state.kv_transfer_params if state.finished else None,
         )
 
     @staticmethod

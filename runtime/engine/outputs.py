@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import Any
 
 
 class OutputKind(enum.Enum):
@@ -37,6 +38,9 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
+    # A finished prefill call's answer (disaggregated prefill and decode): where its KV blocks wait, for the
+    # decode call's SamplingParams.extra_args["kv_transfer_params"].
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 @dataclass

@@ -28,6 +28,7 @@ import subprocess
 import tempfile
 import weakref
 from abc import ABC, abstractmethod
+from typing import Any
 
 import numpy as np
 import torch
@@ -92,7 +93,8 @@ class Executor(ABC):
         lora_manager.add(lora)
 
     def fill_stats(self, stats: SchedulerStats) -> None:
-        """Add the sampler's grammar-mask counters and the encoder runner's to the step's stats."""
+        """Add the sampler's grammar-mask counters, the encoder runner's and the KV transport's to the step's
+        stats."""
         masks = self.runner.sampler.grammar_masks
         stats.grammar_mask_steps = masks.num_steps
         stats.grammar_mask_seconds = masks.seconds
@@ -100,6 +102,19 @@ class Executor(ABC):
         if encoders is not None:
             stats.encoder_runs = encoders.num_encoder_runs
             stats.encoder_cache_hits = encoders.num_cache_hits
+        if self.runner.kv_connector is not None:
+            self.runner.kv_connector.fill_stats(stats)
+
+    def kv_connector_handshake_metadata(self) -> dict[str, Any]:
+        """What the KV connector's worker side tells its scheduler side once its transport is up (one rank
+        only: the config allows no other)."""
+        connector = self.runner.kv_connector
+        return {} if connector is None else connector.get_handshake_metadata()
+
+    def wait_for_kv_transfers(self, timeout: float) -> None:
+        """Return when a KV load ends, or after timeout."""
+        if self.runner.kv_connector is not None:
+            self.runner.kv_connector.wait(timeout)
 
     @property
     def worker_watches(self) -> list[int | zmq.Socket]:
@@ -110,8 +125,8 @@ class Executor(ABC):
     def check_workers(self) -> None:  # noqa: B027 (nothing to check in-process)
         """Raises WorkerFailedError if a worker process has exited."""
 
-    def shutdown(self) -> None:  # noqa: B027 (nothing to stop in-process)
-        """Stop what the executor started; nothing for one in-process rank."""
+    def shutdown(self) -> None:  # noqa: B027 (a default: subclasses stop what they started)
+        """Stop what the executor started: worker processes, the KV connector's transport."""
 
 
 class UniProcExecutor(Executor):
@@ -134,6 +149,10 @@ class UniProcExecutor(Executor):
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute_model(scheduler_output)
+
+    def shutdown(self) -> None:
+        if self.runner.kv_connector is not None:
+            self.runner.kv_connector.close()
 
 
 class MultiprocExecutor(Executor):

@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 
 from kvfleet.contract.errors import BadRequestError
 from kvfleet.runtime import json_depth
-from kvfleet.runtime.sampling_params import SamplingParams, StructuredOutputsParams
+from kvfleet.runtime.sampling_params import KV_TRANSFER_PARAMS, SamplingParams, StructuredOutputsParams
 from pydantic import (
     AllowInfNan,
     BaseModel,
@@ -188,6 +188,9 @@ class _GenerationRequest(_Request):
     logit_bias: dict[str, FiniteFloat] | None = None
     allowed_token_ids: list[StrictInt] | None = None
     bad_words: list[str] | None = None
+    # vLLM's disaggregated prefill and decode: {"do_remote_decode": true} asks a prefill replica to keep the
+    # prompt's KV for a decode replica; the params its answer carries ask a decode replica to pull it.
+    kv_transfer_params: dict[str, Any] | None = None
 
     def _check_common(self) -> None:
         self.refuse_unsupported()
@@ -218,6 +221,9 @@ class _GenerationRequest(_Request):
             "logit_bias": self._logit_bias(),
             "allowed_token_ids": self.allowed_token_ids,
             "bad_words": self.bad_words,
+            "extra_args": None
+            if self.kv_transfer_params is None
+            else {KV_TRANSFER_PARAMS: self.kv_transfer_params},
         }
         # Absent fields keep SamplingParams' defaults (which are OpenAI's).
         kwargs = {name: value for name, value in given.items() if value is not None}

@@ -18,6 +18,7 @@ from kvfleet.contract.errors import (
     PermissionDeniedError,
     ServiceUnavailableError,
 )
+from kvfleet.contract.kv_transfer import DO_REMOTE_DECODE
 from kvfleet.contract.tiers import (
     DEFAULT_TIER,
     PRIORITY_HEADER,
@@ -41,8 +42,9 @@ from kvfleet.runtime.input_checks import (
     check_prompt_token_ids,
     check_sampling_token_ids,
 )
+from kvfleet.runtime.kv_transfer.params import RemoteDecode, parse_kv_transfer_params
 from kvfleet.runtime.lora.request import LoRARequest
-from kvfleet.runtime.sampling_params import SamplingParams, StructuredOutputsParams
+from kvfleet.runtime.sampling_params import KV_TRANSFER_PARAMS, SamplingParams, StructuredOutputsParams
 from kvfleet.runtime.serving.chat import ChatRoute
 from kvfleet.runtime.serving.completions import CompletionRoute
 from kvfleet.runtime.serving.errors import from_engine_error
@@ -148,6 +150,8 @@ class OpenAIService:
         prompt = await route.prompt(self, safety)
         for token_ids, param in zip(prompt.token_ids, prompt.params, strict=True):
             self.check_prompt(token_ids, params, param)
+        if body.kv_transfer_params is not None:
+            check_kv_transfer_call(body.kv_transfer_params, body.stream, len(prompt.token_ids))
         checked_text = route.input_text(self, safety)
         if safety is not None and checked_text is not None:
             if safety.redacts_input:
@@ -421,8 +425,10 @@ class OpenAIService:
     async def complete(self, request: PreparedRequest) -> dict[str, Any]:
         """Runs the request to its end: the response body. Cancelling the call aborts the request."""
         choices = [[Choice() for _ in range(request.params.n)] for _ in request.prompt_token_ids]
+        kv_transfer_params = None
         async with contextlib.aclosing(self.outputs(request)) as outputs:
             async for output in outputs:
+                kv_transfer_params = output.kv_transfer_params or kv_transfer_params
                 per_prompt = choices[request.prompt_index[output.request_id]]
                 for completion in output.outputs:
                     per_prompt[completion.index].add(completion)
@@ -433,7 +439,11 @@ class OpenAIService:
                 raise error
         if request.safety is not None and request.safety.checks_output:
             await _check_outputs(request.safety, every_choice)
-        return request.route.response(request, choices, self.tokenizer)
+        response = request.route.response(request, choices, self.tokenizer)
+        if kv_transfer_params is not None:
+            # vLLM's: a prefill call's answer says where its KV waits, for the decode call.
+            response[KV_TRANSFER_PARAMS] = kv_transfer_params
+        return response
 
     async def stream(self, request: PreparedRequest) -> AsyncIterator[dict[str, Any]]:
         """The request's chunks, returned once its first output is in, so that a request shed, timed out or
@@ -482,6 +492,26 @@ class OpenAIService:
         if route.body.include_usage:
             prompt_tokens = sum(len(ids) for ids in request.prompt_token_ids)
             yield chunk(request, None, usage(prompt_tokens, completion_tokens))
+
+
+def check_kv_transfer_call(kv_transfer_params: dict[str, Any], stream: bool, num_prompts: int) -> None:
+    """Raises BadRequestError for kv_transfer_params that are malformed, or that ask a prefill replica to
+    stream (its answer's params would be lost) or name one prompt's blocks for several prompts. The replica's
+    engine checks the rest (its role, n, the block count, the peer)."""
+    try:
+        call = parse_kv_transfer_params(kv_transfer_params)
+    except InvalidRequestError as error:
+        raise BadRequestError(str(error), param=KV_TRANSFER_PARAMS) from None
+    if call is None:
+        return
+    if num_prompts > 1:
+        raise BadRequestError("kv_transfer_params: a disaggregated request has one prompt", param="prompt")
+    if isinstance(call, RemoteDecode) and stream:
+        raise BadRequestError(
+            f"kv_transfer_params.{DO_REMOTE_DECODE}: a prefill call is not streamed (its answer carries the "
+            "kv_transfer_params of the decode call)",
+            param="stream",
+        )
 
 
 def context_length_error(error: ContextLengthError, param: str) -> BadRequestError:

@@ -17,6 +17,8 @@ from kvfleet.runtime.core.host_kv_tier import TierCopies
 from kvfleet.runtime.core.outputs import ModelRunnerOutput, SchedulerOutput
 from kvfleet.runtime.distributed.parallel import local_kv_heads, parallel_context
 from kvfleet.runtime.kernels.fused_layers import Implementation, implementation_for
+from kvfleet.runtime.kv_transfer.base import KVConnectorWorker
+from kvfleet.runtime.kv_transfer.factory import make_worker_connector
 from kvfleet.runtime.lora.manager import LoRAManager
 from kvfleet.runtime.models.layers import LENGTH_DEPENDENT_ROPE_TYPES
 from kvfleet.runtime.models.loader import LoadStats, load_model, resolve_device, resolve_dtype
@@ -93,6 +95,11 @@ class ModelRunner:
         # The host-memory tier's blocks, in the device cache's layout (pinned on CUDA); empty without one.
         self.host_kv_caches: list[torch.Tensor] = []
         self.sampler = Sampler(self.device, config.seed)
+        # The worker-side half of disaggregated prefill and decode's KV connector; None without one.
+        kv_transfer = config.kv_transfer()
+        self.kv_connector: KVConnectorWorker | None = (
+            None if kv_transfer is None else make_worker_connector(kv_transfer)
+        )
         pinned = self.device.type == "cuda"
         self._input_ids = _HostBuffer(torch.int64, pinned)
         self._positions = _HostBuffer(torch.int64, pinned)
@@ -181,6 +188,8 @@ class ModelRunner:
         self.kv_caches = [
             torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)
         ]
+        if self.kv_connector is not None:
+            self.kv_connector.register_kv_caches(self.kv_caches)
         logger.info(
             "KV cache: %d blocks x %d tokens, %.1f MiB",
             num_blocks,
@@ -220,9 +229,20 @@ class ModelRunner:
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         if self.model is None or not self.kv_caches:
             raise RuntimeError("load_model() and initialize_kv_cache() must run before execute_model()")
-        step = StepInputs.of(scheduler_output)
-        speculative = self.prepare_sampling(scheduler_output, step)
-        return self.sample(scheduler_output, step, speculative, self.compute_logits(step))
+        metadata = scheduler_output.kv_connector_metadata
+        if metadata is not None and self.kv_connector is not None:
+            self.kv_connector.start_load_kv(metadata)
+        if scheduler_output.requests:
+            step = StepInputs.of(scheduler_output)
+            speculative = self.prepare_sampling(scheduler_output, step)
+            output = self.sample(scheduler_output, step, speculative, self.compute_logits(step))
+        else:  # only the connector's orders: a step whose requests all wait
+            output = ModelRunnerOutput([], [], [])
+        # Reported by whole steps only (those that carry orders), so that a batch run again one request at a
+        # time reports nothing twice; a step that failed leaves its news for the next one.
+        if metadata is not None and self.kv_connector is not None:
+            output.kv_connector_output = self.kv_connector.get_finished()
+        return output
 
     def prepare_sampling(
         self, scheduler_output: SchedulerOutput, step: StepInputs

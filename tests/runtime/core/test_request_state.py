@@ -7,11 +7,20 @@ from kvfleet.runtime.request import FinishReason, InvalidStateTransition, Reques
 from kvfleet.runtime.sampling_params import SamplingParams
 
 FINISHED = [status for status in RequestStatus if RequestStatus.is_finished(status)]
-UNFINISHED = [RequestStatus.WAITING, RequestStatus.RUNNING, RequestStatus.PREEMPTED]
+UNFINISHED = [
+    RequestStatus.WAITING,
+    RequestStatus.WAITING_FOR_REMOTE_KVS,
+    RequestStatus.RUNNING,
+    RequestStatus.PREEMPTED,
+]
 LEGAL = {
     (RequestStatus.WAITING, RequestStatus.RUNNING),
     (RequestStatus.RUNNING, RequestStatus.PREEMPTED),
     (RequestStatus.PREEMPTED, RequestStatus.RUNNING),
+    # Disaggregated prefill and decode: a decode call waits for its prompt's KV, then runs, or computes it.
+    (RequestStatus.WAITING, RequestStatus.WAITING_FOR_REMOTE_KVS),
+    (RequestStatus.WAITING_FOR_REMOTE_KVS, RequestStatus.RUNNING),
+    (RequestStatus.WAITING_FOR_REMOTE_KVS, RequestStatus.WAITING),
 } | {(before, after) for before in UNFINISHED for after in FINISHED}
 
 
@@ -100,6 +109,6 @@ def test_finish_reasons() -> None:
 
 
 def test_is_finished_static() -> None:
-    assert [RequestStatus.is_finished(status) for status in UNFINISHED] == [False] * 3
+    assert [RequestStatus.is_finished(status) for status in UNFINISHED] == [False] * 4
     assert all(RequestStatus.is_finished(status) for status in FINISHED)
     assert len(FINISHED) == 5
