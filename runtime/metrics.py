@@ -15,10 +15,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvfleet.contract.metrics import (
+    ITL,
     KV_CACHE_USAGE,
     KVFLEET_PREFIX,
     LORA_ADAPTER_INFO,
     LORA_NAME_LABEL,
+    QUEUED_PROMPT_TOKENS,
     RUNNING,
     TTFT,
     VLLM_PREFIX,
@@ -88,7 +90,7 @@ class ServerMetrics:
         self._generation_tokens = self._counter("generation_tokens", "Generated tokens.")
         self._ttft = self._histogram(TTFT, "Time to first token.", _TTFT_BUCKETS)
         self._itl = self._histogram(
-            "inter_token_latency_seconds",
+            ITL,
             "Time between successive output tokens of a request.",
             _ITL_BUCKETS,
             extra_vllm=("time_per_output_token_seconds",),
@@ -380,6 +382,14 @@ _OWN_SERIES = (
         "spec_decode_draft_acceptance_rate",
         "Speculative decoding: accepted draft tokens per draft token verified, since start.",
         _draft_acceptance_rate,
+        vllm_aliases=None,
+    ),
+    _StatSeries(
+        QUEUED_PROMPT_TOKENS.removeprefix(KVFLEET_PREFIX),
+        "Prompt tokens still to compute, of the waiting and running requests (tokens a prefill replica "
+        "computed are not).",
+        lambda stats: stats.num_queued_prompt_tokens,
+        counter=False,
         vllm_aliases=None,
     ),
     _StatSeries(

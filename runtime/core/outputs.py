@@ -139,3 +139,6 @@ class SchedulerStats:
     kv_transfer_fallbacks: dict[str, int] = field(default_factory=dict)
     kv_transfer_holds_expired: int = 0
     kv_transfer_blocks_held: int = 0
+    # Prompt tokens still to compute, of the waiting and running requests (a disaggregated service's prefill
+    # role scales on them).
+    num_queued_prompt_tokens: int = 0

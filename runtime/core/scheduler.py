@@ -225,6 +225,7 @@ class Scheduler:
         stats = SchedulerStats(
             num_running=len(self.running),
             num_waiting=len(self.waiting) + len(self._waiting_for_kvs),
+            num_queued_prompt_tokens=self._queued_prompt_tokens(),
             num_preempted_total=self.num_preempted_total,
             kv_cache_usage=kv.usage,
             prefix_cache_queries=kv.prefix_cache_queries,
@@ -239,6 +240,18 @@ class Scheduler:
         if self.kv_connector is not None:
             self.kv_connector.fill_stats(stats)
         return stats
+
+    def _queued_prompt_tokens(self) -> int:
+        """The prompt tokens still to compute: all of a waiting request's (a preempted one's outputs included,
+        which it recomputes), the rest of a running one's prompt; none of those arriving from a prefill
+        replica."""
+        queued = 0
+        for request in self.requests.values():
+            if request.status == _RUNNING:
+                queued += max(request.num_prompt_tokens - request.num_computed_tokens, 0)
+            elif request.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
+                queued += request.num_tokens - request.num_computed_tokens
+        return queued
 
     def _host_tier_stats(self) -> dict[str, int]:
         tier = self.host_kv_tier
