@@ -57,7 +57,9 @@ class ChatRoute:
             if safety.redacts_input:
                 messages = await _redacted(safety, messages)
         media = await load_chat_media(service.engine.config, messages)
-        token_ids = await service.chat_prompt(messages, body.add_generation_prompt, tools)
+        token_ids = await service.chat_prompt(
+            messages, body.add_generation_prompt, tools, body.chat_template_kwargs
+        )
         # Checked as the model reads it: the tools, the calls and all else the template puts in.
         self.rendered = await service.prompt_text(token_ids) if safety is not None else None
         mm_features = []
@@ -80,14 +82,16 @@ class ChatRoute:
                 message["content"], parsed = calls
                 message["tool_calls"] = [call.as_openai() for call in parsed]
                 finish_reason = "tool_calls"
-            entries.append(
-                {
-                    "index": index,
-                    "message": message,
-                    "logprobs": self._logprobs(tokenizer, choice.token_ids, choice.logprobs),
-                    "finish_reason": finish_reason,
-                }
-            )
+            entry = {
+                "index": index,
+                "message": message,
+                "logprobs": self._logprobs(tokenizer, choice.token_ids, choice.logprobs),
+                "finish_reason": finish_reason,
+                "stop_reason": choice.stop_reason,
+            }
+            if self.body.return_token_ids:
+                entry["token_ids"] = choice.token_ids
+            entries.append(entry)
         return {
             "id": request.request_id,
             "object": "chat.completion",
@@ -97,6 +101,7 @@ class ChatRoute:
             "usage": usage(
                 len(request.prompt_token_ids[0]), sum(len(choice.token_ids) for choice in choices[0])
             ),
+            **self.first_chunk_fields(request),
         }
 
     def _logprobs(
@@ -133,20 +138,27 @@ class ChatRoute:
             for index in range(request.params.n)
         ]
 
+    def first_chunk_fields(self, request: PreparedRequest) -> dict[str, Any]:
+        """The prompt's token ids, when asked for (in the response, or the stream's first chunk)."""
+        return {"prompt_token_ids": request.prompt_token_ids[0]} if self.body.return_token_ids else {}
+
     def choice_builder(self, request: PreparedRequest, tokenizer: Any) -> ChoiceBuilder:
         if self.tool_calling is not None:
             return _ToolCallStream(self.tool_calling, request.params.n)
+        return_token_ids = bool(self.body.return_token_ids)
 
         def choice_of(_: int, completion: CompletionOutput, finished: bool) -> list[dict[str, Any]]:
-            if not (completion.text or finished or completion.logprobs):
+            new_token_ids = return_token_ids and bool(completion.token_ids)
+            if not (completion.text or finished or completion.logprobs or new_token_ids):
                 return []
-            return [
-                {
-                    "index": completion.index,
-                    "delta": {"content": completion.text} if completion.text else {},
-                    "logprobs": self._logprobs(tokenizer, completion.token_ids, completion.logprobs),
-                }
-            ]
+            choice = {
+                "index": completion.index,
+                "delta": {"content": completion.text} if completion.text else {},
+                "logprobs": self._logprobs(tokenizer, completion.token_ids, completion.logprobs),
+            }
+            if return_token_ids:
+                choice["token_ids"] = completion.token_ids
+            return [choice]
 
         return choice_of
 
