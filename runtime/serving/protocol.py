@@ -511,6 +511,10 @@ class TokenizeRequest(_Request):
         self.refuse_unsupported()
         if (self.prompt is None) == (self.messages is None):
             raise BadRequestError("give exactly one of prompt and messages", param="prompt")
+        if self.prompt is not None and self.chat_template_kwargs:
+            raise BadRequestError(
+                "chat_template_kwargs applies to messages only", param="chat_template_kwargs"
+            )
         if self.messages is not None and self.add_special_tokens:
             raise BadRequestError(
                 "add_special_tokens applies to prompt only; the chat template adds the special tokens "

@@ -487,7 +487,7 @@ class OpenAIService:
         self, request: PreparedRequest, outputs: AsyncIterator[RequestOutput], first: RequestOutput | None
     ) -> AsyncIterator[dict[str, Any]]:
         """The route's preamble, then the choices its builder makes of each delta (the last one's finish
-        reason set here), then the usage when asked for."""
+        and stop reasons set here), then the usage when asked for."""
         route = request.route
         choice_of = route.choice_builder(request, self.tokenizer)
         completion_tokens = 0
@@ -502,14 +502,13 @@ class OpenAIService:
                 choices = choice_of(prompt_index, completion, finished)
                 for number, choice in enumerate(choices, start=1):
                     # The last choice finishes; a builder may name its own reason (tool calls).
+                    reasons: dict[str, Any] = {"finish_reason": None}
                     if finished and number == len(choices):
-                        finishing = {
+                        reasons = {
                             "finish_reason": completion.finish_reason,
                             "stop_reason": completion.stop_reason,
                         }
-                        yield chunk(request, {**finishing, **choice})
-                    else:
-                        yield chunk(request, {"finish_reason": None, **choice})
+                    yield chunk(request, {**reasons, **choice})
                 if error is not None:
                     raise error
 

@@ -82,7 +82,7 @@ def server(
         str(template),
     ]
     command += ["--allowed-origins", json.dumps([ALLOWED_ORIGIN]), "--root-path", ROOT_PATH]
-    command += ["--uvicorn-log-level", "warning", "--log-level", "info"]
+    command += ["--uvicorn-log-level", "info", "--log-level", "warning"]
     command += ["--dtype", "float32", "--num-kv-blocks", "512", "--host", "127.0.0.1", "--port", str(port)]
     log_path = root / "server.log"
     with log_path.open("wb") as log:
@@ -112,10 +112,11 @@ def test_every_served_name_and_adapter_is_listed_and_answers_under_its_name(
     for name in ("tiny", "tiny-alias", "second"):
         completion = client.completions.create(model=name, prompt=PROMPT, max_tokens=2, **GREEDY)
         assert completion.model == name
-    # The HTTP server logs at --uvicorn-log-level, the rest at --log-level (given after the subcommand).
+    # The HTTP server logs at --uvicorn-log-level, the rest at --log-level (given after the subcommand, over
+    # the command's default of info).
     log = server.log_path.read_text()
-    assert "Uvicorn running on" not in log
-    assert " INFO " in log
+    assert "Uvicorn running on" in log
+    assert " INFO kvfleet" not in log
 
 
 def test_completion_token_ids_are_the_tokenizers(client: openai.OpenAI, tokenizer: Any) -> None:
@@ -156,7 +157,9 @@ def test_chat_token_ids_are_the_rendered_templates(
     assert streamed == choice.token_ids  # type: ignore[attr-defined]
 
 
-def test_chat_template_kwargs_reach_the_template(client: openai.OpenAI, tokenizer: Any) -> None:
+def test_chat_template_kwargs_reach_the_template(
+    server: ServerProcess, client: openai.OpenAI, tokenizer: Any
+) -> None:
     def prompt_ids(template_kwargs: dict[str, Any] | None) -> list[int]:
         extra = {
             "return_token_ids": True,
@@ -178,6 +181,8 @@ def test_chat_template_kwargs_reach_the_template(client: openai.OpenAI, tokenize
     assert without_thinking == rendered(enable_thinking=False)
     assert prompt_ids({"enable_thinking": True}) == prompt_ids(None) == rendered()
     assert without_thinking != rendered()
+    body = {"messages": MESSAGES, "chat_template_kwargs": {"enable_thinking": False}}
+    assert httpx.post(f"{server.url}/tokenize", json=body, timeout=30).json()["tokens"] == without_thinking
     with pytest.raises(openai.BadRequestError) as caught:
         prompt_ids({"tokenize": False})
     assert caught.value.body["param"] == "chat_template_kwargs"  # type: ignore[index]
