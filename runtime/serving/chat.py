@@ -144,23 +144,38 @@ class ChatRoute:
 
     def choice_builder(self, request: PreparedRequest, tokenizer: Any) -> ChoiceBuilder:
         if self.tool_calling is not None:
-            return _ToolCallStream(self.tool_calling, request.params.n)
-        return_token_ids = bool(self.body.return_token_ids)
+            return self._with_token_ids(_ToolCallStream(self.tool_calling, request.params.n))
 
         def choice_of(_: int, completion: CompletionOutput, finished: bool) -> list[dict[str, Any]]:
-            new_token_ids = return_token_ids and bool(completion.token_ids)
-            if not (completion.text or finished or completion.logprobs or new_token_ids):
+            if not (completion.text or finished or completion.logprobs):
                 return []
-            choice = {
-                "index": completion.index,
-                "delta": {"content": completion.text} if completion.text else {},
-                "logprobs": self._logprobs(tokenizer, completion.token_ids, completion.logprobs),
-            }
-            if return_token_ids:
-                choice["token_ids"] = completion.token_ids
-            return [choice]
+            return [
+                {
+                    "index": completion.index,
+                    "delta": {"content": completion.text} if completion.text else {},
+                    "logprobs": self._logprobs(tokenizer, completion.token_ids, completion.logprobs),
+                }
+            ]
 
-        return choice_of
+        return self._with_token_ids(choice_of)
+
+    def _with_token_ids(self, builder: ChoiceBuilder) -> ChoiceBuilder:
+        return _carrying_token_ids(builder) if self.body.return_token_ids else builder
+
+
+def _carrying_token_ids(builder: ChoiceBuilder) -> ChoiceBuilder:
+    """The builder's choices, the last of each delta carrying the delta's token ids: in a choice of its own
+    when the builder sends nothing yet (text held back), so that the stream's ids add up to the answer's."""
+
+    def choice_of(prompt_index: int, completion: CompletionOutput, finished: bool) -> list[dict[str, Any]]:
+        choices = builder(prompt_index, completion, finished)
+        if not completion.token_ids:
+            return choices
+        if not choices:
+            choices = [{"index": completion.index, "delta": {}, "logprobs": None}]
+        return [*choices[:-1], {**choices[-1], "token_ids": completion.token_ids}]
+
+    return choice_of
 
 
 def _last_user_text(messages: list[ChatMessage]) -> str | None:

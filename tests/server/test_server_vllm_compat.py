@@ -40,6 +40,13 @@ CHAT_TEMPLATE = (
 )
 GREEDY: dict[str, Any] = {"temperature": 0.0, "extra_body": {"ignore_eos": True}}
 PROMPT = "Once upon a time"
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
 MESSAGES = [{"role": "user", "content": "Tell me a story."}]
 
 
@@ -155,6 +162,14 @@ def test_chat_token_ids_are_the_rendered_templates(
         t for chunk in chunks for c in chunk.choices for t in (c.model_extra or {}).get("token_ids", [])
     ]
     assert streamed == choice.token_ids  # type: ignore[attr-defined]
+    # A stream that holds text back to read tool calls from it still sends every token's id.
+    calling = {**kwargs, "tools": [WEATHER_TOOL], "tool_choice": "required", "max_tokens": 40}
+    call = client.chat.completions.create(**calling).choices[0]
+    chunks = list(client.chat.completions.create(stream=True, **calling))
+    streamed = [
+        t for chunk in chunks for c in chunk.choices for t in (c.model_extra or {}).get("token_ids", [])
+    ]
+    assert streamed == call.token_ids  # type: ignore[attr-defined]
 
 
 def test_chat_template_kwargs_reach_the_template(
