@@ -359,7 +359,7 @@ def serve(model_tag: str | None, model: str | None, host: str, port: int, **opti
         max_waiting_requests=options["max_waiting_requests"],
         startup_request_timeout=options["startup_request_timeout"],
         api_server_count=options["api_server_count"],
-        lora_adapters=_lora_adapters(config, settings.served_model_name, options),
+        lora_adapters=_lora_adapters(config, settings.served_model_names, options),
         # `kvfleet bench static-server` passes its own EngineCore class as the context object.
         core_class=click.get_current_context().obj,
     )
@@ -459,7 +459,7 @@ def _safety(value: str | None) -> SafetyConfig | None:
 
 
 def _lora_adapters(
-    config: EngineConfig, served_model_name: str, options: dict[str, Any]
+    config: EngineConfig, served_model_names: tuple[str, ...], options: dict[str, Any]
 ) -> LoRAAdapters | None:
     """The adapters to serve from the start, each checked against the model; None without --enable-lora."""
     from kvfleet.runtime.serving.lora_adapters import AdapterSources, LoRAAdapters, LoRAModule
@@ -491,7 +491,7 @@ def _lora_adapters(
     )
     adapters = LoRAAdapters(
         config.model,
-        served_model_name,
+        served_model_names,
         max_rank=config.max_lora_rank,
         download_dir=download_dir,
         sources=sources,

@@ -341,3 +341,13 @@ def test_log_level_is_taken_after_any_subcommand(command: list[str]) -> None:
     completed = CliRunner().invoke(cli, [*command, "--log-level", "debug", "--help"])
     assert completed.exit_code == 0, completed.output
     assert "--log-level" in completed.output
+
+
+def test_an_adapter_may_not_take_any_of_the_models_names(tiny_llama: Path, tmp_path: Path) -> None:
+    adapter = make_adapter(tiny_llama, tmp_path / "adapter", rank=8, seed=1)
+    served = ["--served-model-name", "tiny", "tiny-alias", "--enable-lora"]
+    completed = CliRunner().invoke(
+        cli, ["serve", str(tiny_llama), *served, "--lora-modules", f"tiny-alias={adapter}"]
+    )
+    assert completed.exit_code == 2
+    assert "'tiny-alias' is already in use" in completed.output.splitlines()[-1]
