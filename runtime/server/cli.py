@@ -269,7 +269,8 @@ def _api_key(ctx: click.Context, param: click.Parameter, value: str | None) -> s
     metavar="auto|vllm|FOLDER",
     help="Sampling defaults of requests that leave them unset (temperature, top_p, top_k, min_p, "
     "repetition_penalty, and max_new_tokens as max_tokens): auto reads the model folder's "
-    "generation_config.json, FOLDER another one's, vllm none (vLLM's own defaults).",
+    "generation_config.json, FOLDER another one's (whose max_new_tokens also bounds every request), vllm "
+    "none (vLLM's own defaults).",
 )
 @click.option(
     "--allowed-origins",
@@ -422,6 +423,8 @@ def _server_settings(model: str, options: dict[str, Any]) -> ServerSettings:
         )
     named = {f.name: options[f.name] for f in dataclasses.fields(ServerSettings) if f.name in options}
     served_model_names = options["served_model_name"] or (model,)
+    generation_config = options["generation_config"]
+    sampling_defaults = _sampling_defaults(generation_config, model)
     return ServerSettings(
         **{
             **named,
@@ -430,7 +433,11 @@ def _server_settings(model: str, options: dict[str, Any]) -> ServerSettings:
             "default_priority": TIERS[options["default_priority"]],
             "max_priority_tier": TIERS[options["max_priority_tier"]],
             "safety": _safety(options["safety_config"]),
-            "default_sampling_params": _sampling_defaults(options["generation_config"], model),
+            "default_sampling_params": sampling_defaults,
+            # As vLLM has it: another folder's max_new_tokens also bounds what requests ask for.
+            "max_tokens_limit": None
+            if generation_config in ("auto", "vllm")
+            else sampling_defaults.get("max_tokens"),
         }
     )
 

@@ -96,6 +96,9 @@ class ServiceSettings:
     max_logprobs: int = MAX_LOGPROBS
     # SamplingParams fields given to requests that leave them unset (the model's generation_config.json).
     default_sampling_params: dict[str, Any] = field(default_factory=dict)
+    # The most tokens any request generates, whatever it asks (a --generation-config folder's
+    # max_new_tokens); None: no bound beyond the context.
+    max_tokens_limit: int | None = None
 
     @property
     def served_model_names(self) -> tuple[str, ...]:
@@ -252,6 +255,9 @@ class OpenAIService:
         max_n = self.settings.max_n
         if params.n > max_n:
             raise BadRequestError(f"n must be at most {max_n} on this server, got {params.n}", param="n")
+        limit = self.settings.max_tokens_limit
+        if limit is not None and (params.max_tokens is None or params.max_tokens > limit):
+            params.max_tokens = limit
         max_logprobs = self.settings.max_logprobs
         if params.logprobs is not None and params.logprobs > max_logprobs:
             name = "top_logprobs" if isinstance(body, ChatCompletionRequest) else "logprobs"

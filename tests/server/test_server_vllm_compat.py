@@ -10,7 +10,7 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from importlib.metadata import version
 from pathlib import Path
 from typing import Any
@@ -351,3 +351,19 @@ def test_an_adapter_may_not_take_any_of_the_models_names(tiny_llama: Path, tmp_p
     )
     assert completed.exit_code == 2
     assert "'tiny-alias' is already in use" in completed.output.splitlines()[-1]
+
+
+def test_another_folders_generation_config_also_bounds_what_requests_ask(
+    start_server: Callable[..., ServerProcess], tmp_path: Path
+) -> None:
+    (tmp_path / "generation_config.json").write_text(json.dumps({"max_new_tokens": 4}))
+    other = start_server("--generation-config", str(tmp_path))
+    client = openai.OpenAI(base_url=f"{other.url}/v1", api_key="unused", max_retries=0, timeout=60)
+    for max_tokens in (None, 3, 10):
+        chat = client.chat.completions.create(
+            model="tiny", messages=MESSAGES, max_tokens=max_tokens, extra_body={"ignore_eos": True}
+        )
+        assert chat.usage.completion_tokens == min(max_tokens or 4, 4)
+    # The completions route's own default (16 tokens) is bounded too.
+    completion = client.completions.create(model="tiny", prompt=PROMPT, extra_body={"ignore_eos": True})
+    assert completion.usage.completion_tokens == 4
