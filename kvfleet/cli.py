@@ -26,6 +26,9 @@ COMMANDS: dict[str, str] = {
 }
 
 
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
 class LazyGroup(click.Group):
     def list_commands(self, ctx: click.Context) -> list[str]:
         return sorted(COMMANDS)
@@ -35,14 +38,40 @@ class LazyGroup(click.Group):
         if target is None:
             return None
         module_name, attribute = target.split(":")
-        return getattr(importlib.import_module(module_name), attribute)
+        return _with_log_level(getattr(importlib.import_module(module_name), attribute))
+
+
+def _set_log_level(ctx: click.Context, param: click.Parameter, value: str | None) -> None:
+    if value is not None:
+        logging.getLogger().setLevel(value.upper())
+
+
+def _with_log_level(command: click.Command) -> click.Command:
+    """The command, and each of a group's, also taking --log-level after its name (as vLLM's commands do);
+    given there, it overrides the one before the subcommand."""
+    if not any(param.name == "log_level" for param in command.params):
+        command.params.append(
+            click.Option(
+                ["--log-level"],
+                type=click.Choice(LOG_LEVELS),
+                default=None,
+                expose_value=False,
+                is_eager=True,
+                callback=_set_log_level,
+                help="Log level; the same as `kvfleet --log-level`.",
+            )
+        )
+    if isinstance(command, click.Group):
+        for subcommand in command.commands.values():
+            _with_log_level(subcommand)
+    return command
 
 
 @click.group(cls=LazyGroup)
 @click.version_option(package_name="kvfleet")
 @click.option(
     "--log-level",
-    type=click.Choice(["debug", "info", "warning", "error"]),
+    type=click.Choice(LOG_LEVELS),
     default="info",
     show_default=True,
     envvar="KVFLEET_LOG_LEVEL",

@@ -15,6 +15,7 @@ tokenizer's state (Transformers' `split_special_tokens=True` would, on the share
 from __future__ import annotations
 
 import functools
+import inspect
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -51,19 +52,22 @@ def chat_prompt_token_ids(
     *,
     add_generation_prompt: bool,
     tools: list[dict[str, Any]] | None = None,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> list[int]:
     """Token ids of `messages` (role/content dicts) rendered by the tokenizer's chat template, with the
-    `tools` (OpenAI's function definitions) the template shows the model.
+    `tools` (OpenAI's function definitions) the template shows the model and `template_kwargs`, variables
+    the template reads (see `rendering_parameters` for the names they may not take).
 
     Raises ValueError when the tokenizer has no chat template or the template rejects the messages.
     """
     if not tokenizer.chat_template:
         raise ValueError("the model has no chat template")
+    template_kwargs = template_kwargs or {}
     special = _special_tokens(tokenizer)
     if special.pattern is None:
-        text = _render(tokenizer, messages, add_generation_prompt, tools)
+        text = _render(tokenizer, messages, add_generation_prompt, tools, template_kwargs)
         return _encode(special.text_encoder, text)
-    free = _free_characters(len(special.ids), [messages, tools], tokenizer.chat_template)
+    free = _free_characters(len(special.ids), [messages, tools, template_kwargs], tokenizer.chat_template)
     stand_ins = dict(zip(special.ids, free, strict=True))
     pattern = special.pattern
 
@@ -76,7 +80,7 @@ def chat_prompt_token_ids(
             return {key: escape(item) for key, item in value.items()}
         return value
 
-    text = _render(tokenizer, escape(messages), add_generation_prompt, escape(tools))
+    text = _render(tokenizer, escape(messages), add_generation_prompt, escape(tools), escape(template_kwargs))
     restore = {ord(stand_in): token for token, stand_in in stand_ins.items()}
     token_ids: list[int] = []
     position = 0
@@ -93,10 +97,15 @@ def _render(
     messages: list[dict[str, Any]],
     add_generation_prompt: bool,
     tools: list[dict[str, Any]] | None,
+    template_kwargs: dict[str, Any],
 ) -> str:
     try:
         return tokenizer.apply_chat_template(
-            messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt
+            messages,
+            tools=tools,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            **template_kwargs,
         )
     except Exception as exc:
         # Templates refuse conversations they cannot render (role order, unknown roles) by raising.
@@ -125,6 +134,18 @@ def prompt_text(tokenizer: Any, token_ids: list[int]) -> str:
         else:
             runs[-1].append(token_id)
     return "\n".join(tokenizer.batch_decode([run for run in runs if run]))
+
+
+def rendering_parameters(tokenizer: Any) -> frozenset[str]:
+    """The names `apply_chat_template` takes as its own parameters (tokenize, chat_template, ...): template
+    variables given under these names would change how the prompt is rendered, not what the template reads."""
+    return _parameters(tokenizer.apply_chat_template)
+
+
+@functools.lru_cache(maxsize=8)
+def _parameters(function: Any) -> frozenset[str]:
+    parameters = inspect.signature(function).parameters.values()
+    return frozenset(p.name for p in parameters if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL))
 
 
 @functools.lru_cache(maxsize=8)

@@ -15,6 +15,7 @@ import click
 from kvfleet.contract.engine import DType, SchedulingPolicy
 from kvfleet.runtime.kv_transfer.config import KVTransferConfig
 from kvfleet.runtime.kv_transfer.factory import check_connector_name
+from kvfleet.runtime.list_options import ListOption
 from kvfleet.runtime.multimodal.media_sources import IPNetwork, MediaOrigin, parse_networks, parse_origins
 from kvfleet.runtime.speculative_config import SpeculativeConfig
 
@@ -317,10 +318,15 @@ def engine_options(func: F) -> F:
     return func
 
 
-# The model of `kvfleet serve` and `kvfleet run-batch`, which answer requests naming it the same way.
+# The model of `kvfleet run-batch` (`kvfleet serve` also takes it as its argument).
 model_option = click.option("--model", required=True, help="Hugging Face model folder.")
+# The names `kvfleet serve` and `kvfleet run-batch` answer requests naming the model by, the same way.
 served_model_name_option = click.option(
-    "--served-model-name", default=None, help="Model name clients use; defaults to --model."
+    "--served-model-name",
+    cls=ListOption,
+    metavar="NAME...",
+    help="Model names clients use (the first is the one answers carry; vLLM's list form or repeated); "
+    "defaults to the model's path.",
 )
 
 

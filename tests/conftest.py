@@ -13,26 +13,19 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
-import os
 import shutil
-import signal
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
 import pytest
 from ports import free_port
+from servers import MODEL_NAME, ServerProcess
 from xdist.remote import Producer
 from xdist.scheduler import LoadFileScheduling
 
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
-MODEL_NAME = "tiny"
-READY_TIMEOUT_S = 180.0
-STOP_TIMEOUT_S = 30.0
 # Enough KV blocks for every test's requests, few enough that the pool allocates in a blink.
 BASE_ARGS = ("--served-model-name", MODEL_NAME, "--num-kv-blocks", "512", "--dtype", "float32")
 
@@ -90,60 +83,6 @@ def make_model(pytestconfig: pytest.Config, tmp_path_factory: pytest.TempPathFac
 @pytest.fixture(scope="session")
 def tiny_llama(make_model: Callable[..., Path]) -> Path:
     return make_model("llama", "tiny")
-
-
-@dataclass
-class ServerProcess:
-    process: subprocess.Popen[bytes]
-    url: str
-    log_path: Path
-    api_key: str | None
-    model_name: str = MODEL_NAME
-
-    @property
-    def pid(self) -> int:
-        return self.process.pid
-
-    def headers(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-
-    def log_tail(self, lines: int = 40) -> str:
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-
-    def metrics(self) -> dict[str, float]:
-        """Samples of the /metrics page whose labels are only model_name, by metric name."""
-        text = httpx.get(f"{self.url}/metrics", timeout=10).text
-        samples = {}
-        for line in text.splitlines():
-            if line.startswith("#") or "{" not in line:
-                continue
-            name, rest = line.split("{", 1)
-            labels, value = rest.rsplit("} ", 1)
-            if labels == f'model_name="{self.model_name}"':
-                samples[name] = float(value)
-        return samples
-
-    def wait_ready(self) -> None:
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"the server exited with {self.process.returncode}:\n{self.log_tail()}")
-            try:
-                if httpx.get(f"{self.url}/ready", timeout=2).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-        raise TimeoutError(f"the server was not ready within {READY_TIMEOUT_S} s:\n{self.log_tail()}")
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            os.kill(self.pid, signal.SIGTERM)
-            try:
-                self.process.wait(STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                os.kill(self.pid, signal.SIGKILL)
-                self.process.wait(STOP_TIMEOUT_S)
 
 
 @contextlib.contextmanager

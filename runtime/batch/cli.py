@@ -14,9 +14,10 @@ from kvfleet.runtime.config import (
     model_option,
     served_model_name_option,
 )
+from kvfleet.runtime.list_options import ListOptionsCommand
 
 
-@click.command("run-batch")
+@click.command("run-batch", cls=ListOptionsCommand)
 @click.option(
     "-i",
     "--input-file",
@@ -48,7 +49,7 @@ def run_batch(
     input_format: str | None,
     progress: bool,
     model: str,
-    served_model_name: str | None,
+    served_model_name: tuple[str, ...],
     **options: Any,
 ) -> None:
     """Answer a file of requests with the offline engine, without a server.
@@ -58,6 +59,8 @@ def run_batch(
     """
     from kvfleet.runtime.batch.offline import run_batch as run
 
+    if len(served_model_name) > 1:
+        raise click.BadParameter("run-batch answers under one name", param_hint="--served-model-name")
     try:
         config = engine_config_from_options(model, options)
         summary = run(
@@ -65,7 +68,7 @@ def run_batch(
             output_file,
             input_format=input_format,
             config=config,
-            served_model_name=served_model_name or model,
+            served_model_name=served_model_name[0] if served_model_name else model,
             progress=progress,
         )
     except ValueError as exc:

@@ -19,8 +19,11 @@ from __future__ import annotations
 import importlib
 import logging
 from importlib.metadata import entry_points
+from typing import TYPE_CHECKING
 
-from torch import nn
+if TYPE_CHECKING:
+    # Only named here: `kvfleet serve` reads which architectures exist before it loads torch.
+    from torch import nn
 
 logger = logging.getLogger(__name__)
 

@@ -7,6 +7,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,7 @@ from kvfleet.runtime.serving.protocol import (
     TokenizeRequest,
     UnloadLoRAAdapterRequest,
 )
+from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 logger = logging.getLogger(__name__)
@@ -53,6 +55,7 @@ def build_app(state: ServerState) -> FastAPI:
         docs_url=None,
         redoc_url=None,
         openapi_url="/openapi.json",
+        root_path=state.settings.root_path,
     )
     app.state.server = state
     app.router.route_class = DepthCheckedRoute
@@ -70,6 +73,14 @@ def build_app(state: ServerState) -> FastAPI:
     app.add_middleware(BodyReadTimeout, timeout=state.settings.body_read_timeout)
     if state.settings.api_key is not None:
         app.add_middleware(ApiKeyAuth, api_key=state.settings.api_key)
+    # Outside auth: a browser's preflight carries no key, and a 401 needs CORS headers for the page to see it.
+    app.add_middleware(
+        CORSMiddleware,
+        allow_origins=state.settings.allowed_origins,
+        allow_methods=state.settings.allowed_methods,
+        allow_headers=state.settings.allowed_headers,
+        allow_credentials=state.settings.allow_credentials,
+    )
     _add_routes(app, state)
     if batches is not None:
         add_batch_routes(app, batches)
@@ -128,6 +139,13 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
             return JSONResponse({"status": "failed", "reason": state.failure}, status_code=503)
         return JSONResponse({"status": "alive"})
 
+    # vLLM's (SageMaker's) name for the health check.
+    app.add_api_route("/ping", health, methods=["GET", "POST"])
+
+    @app.get("/version")
+    async def server_version() -> Response:
+        return JSONResponse({"version": version("kvfleet")})
+
     @app.get("/ready")
     async def ready() -> Response:
         if state.ready:
@@ -140,7 +158,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/v1/models")
     async def models() -> Response:
-        cards = [service.model_card(started), *lora.model_cards(started)]
+        cards = [*service.model_cards(started), *lora.model_cards(started)]
         return JSONResponse({"object": "list", "data": cards})
 
     @app.post("/v1/load_lora_adapter")

@@ -7,7 +7,7 @@ import hmac
 
 from kvfleet.contract.errors import INVALID_API_KEY_MESSAGE
 from kvfleet.runtime.server.errors import AuthenticationError, error_response
-from kvfleet.runtime.server.middleware import PROBE_PATHS
+from kvfleet.runtime.server.middleware import PROBE_PATHS, route_path
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 
@@ -17,7 +17,7 @@ class ApiKeyAuth:
         self._expected = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in PROBE_PATHS or self._authorized(scope):
+        if scope["type"] != "http" or route_path(scope) in PROBE_PATHS or self._authorized(scope):
             await self.app(scope, receive, send)
             return
         error = AuthenticationError(

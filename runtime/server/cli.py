@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import sys
 from pathlib import Path
@@ -19,9 +20,10 @@ from kvfleet.runtime.config import (
     EngineConfig,
     engine_config_from_options,
     engine_options,
-    model_option,
     served_model_name_option,
 )
+from kvfleet.runtime.list_options import ListOption, ListOptionsCommand
+from kvfleet.runtime.sampling_params import MAX_LOGPROBS
 from kvfleet.runtime.server.state import (
     DEFAULT_BODY_READ_TIMEOUT_S,
     DEFAULT_HEADER_READ_TIMEOUT_S,
@@ -37,6 +39,26 @@ if TYPE_CHECKING:
 
 _API_KEY_ENV = "KVFLEET_API_KEY"
 _SECONDS = click.FloatRange(min=0, min_open=True)
+_UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+
+
+class _JsonStrings(click.ParamType):
+    """vLLM's JSON list of strings, e.g. '["https://app.example"]'."""
+
+    name = "json-list"
+
+    def convert(
+        self, value: Any, param: click.Parameter | None, ctx: click.Context | None
+    ) -> tuple[str, ...]:
+        if isinstance(value, tuple):
+            return value
+        try:
+            parsed = json.loads(value)
+        except json.JSONDecodeError as error:
+            self.fail(f"not valid JSON: {error}", param, ctx)
+        if not isinstance(parsed, list) or not all(isinstance(item, str) for item in parsed):
+            self.fail("must be a JSON list of strings", param, ctx)
+        return tuple(parsed)
 
 
 def _api_key(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
@@ -53,8 +75,9 @@ def _api_key(ctx: click.Context, param: click.Parameter, value: str | None) -> s
     return value
 
 
-@click.command("serve")
-@model_option
+@click.command("serve", cls=ListOptionsCommand)
+@click.argument("model_tag", metavar="[MODEL]", required=False)
+@click.option("--model", default=None, help="Hugging Face model folder, if not given as MODEL.")
 @served_model_name_option
 @click.option("--host", default="0.0.0.0", show_default=True)
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
@@ -195,9 +218,10 @@ def _api_key(ctx: click.Context, param: click.Parameter, value: str | None) -> s
 )
 @click.option(
     "--lora-modules",
-    multiple=True,
-    metavar="NAME=PATH",
-    help="A PEFT LoRA adapter clients call by NAME as their model (needs --enable-lora); repeat for several.",
+    cls=ListOption,
+    metavar="NAME=PATH...",
+    help="PEFT LoRA adapters clients call by NAME as their model (needs --enable-lora); vLLM's list form or "
+    "repeated.",
 )
 @click.option(
     "--allow-runtime-lora-updates",
@@ -231,10 +255,76 @@ def _api_key(ctx: click.Context, param: click.Parameter, value: str | None) -> s
     "docs/safety.md).",
 )
 @click.option("--access-log/--no-access-log", default=False, show_default=True)
+@click.option(
+    "--max-logprobs",
+    type=click.IntRange(0, MAX_LOGPROBS),
+    default=MAX_LOGPROBS,
+    show_default=True,
+    help="The most log probabilities per token a request may ask for (logprobs, top_logprobs).",
+)
+@click.option(
+    "--generation-config",
+    default="auto",
+    show_default=True,
+    metavar="auto|vllm|FOLDER",
+    help="Sampling defaults of requests that leave them unset (temperature, top_p, top_k, min_p, "
+    "repetition_penalty, and max_new_tokens as max_tokens): auto reads the model folder's "
+    "generation_config.json, FOLDER another one's (whose max_new_tokens also bounds every request), vllm "
+    "none (vLLM's own defaults).",
+)
+@click.option(
+    "--allowed-origins",
+    type=_JsonStrings(),
+    default='["*"]',
+    show_default=True,
+    help="CORS: the origins browsers may call the API from, as a JSON list.",
+)
+@click.option("--allowed-methods", type=_JsonStrings(), default='["*"]', show_default=True, help="CORS.")
+@click.option("--allowed-headers", type=_JsonStrings(), default='["*"]', show_default=True, help="CORS.")
+@click.option("--allow-credentials", is_flag=True, help="CORS: allow credentials (cookies, auth headers).")
+@click.option(
+    "--root-path",
+    default="",
+    help="The path prefix a path-routing proxy serves the API under; requests are served with or without it.",
+)
+@click.option(
+    "--uvicorn-log-level",
+    type=click.Choice(_UVICORN_LOG_LEVELS),
+    default=None,
+    help="Log level of the HTTP server's own logs; by default --log-level's.",
+)
+@click.option(
+    "--trust-remote-code",
+    is_flag=True,
+    help="Accepted for vLLM's command lines: kvfleet runs its own implementation of each architecture and "
+    "never code from the model folder, so an architecture it lacks is refused either way.",
+)
+@click.option(
+    "--enforce-eager",
+    is_flag=True,
+    help="Accepted for vLLM's command lines: the model always runs eagerly (no CUDA graphs).",
+)
+@click.option(
+    "--disable-log-requests",
+    is_flag=True,
+    help="Accepted for vLLM's command lines: requests (prompts, parameters) are never logged.",
+)
+@click.option(
+    "--kv-cache-dtype",
+    default="auto",
+    show_default=True,
+    help="The KV cache's dtype: auto (the model's dtype) is the only one.",
+)
+@click.option(
+    "--revision", default=None, help="Refused: serve a folder that `kvfleet download-model` fetched."
+)
+@click.option("--reasoning-parser", default=None, help="Refused: reasoning is not told apart from content.")
 @engine_options
-def serve(model: str, host: str, port: int, **options: Any) -> None:
-    """Serve MODEL over an OpenAI-compatible HTTP API; with --node-rank above 0, run only this node's share of
-    the ranks and serve GET /health."""
+def serve(model_tag: str | None, model: str | None, host: str, port: int, **options: Any) -> None:
+    """Serve MODEL (a model folder) over an OpenAI-compatible HTTP API; with --node-rank above 0, run only
+    this node's share of the ranks and serve GET /health."""
+    model = _model_folder(model_tag, model)
+    _refuse_what_cannot_be_honoured(options)
     if TIERS[options["default_priority"]] < TIERS[options["max_priority_tier"]]:
         raise click.BadParameter(
             f"{options['default_priority']!r} is more urgent than --max-priority-tier "
@@ -260,25 +350,64 @@ def serve(model: str, host: str, port: int, **options: Any) -> None:
 
     from kvfleet.runtime.server.launcher import ServeOptions, run_server
 
-    settings = _server_settings(options["served_model_name"] or model, options)
+    settings = _server_settings(model, options)
     serve_options = ServeOptions(
         settings=settings,
         host=host,
         port=port,
         access_log=options["access_log"],
+        uvicorn_log_level=options["uvicorn_log_level"],
         max_waiting_requests=options["max_waiting_requests"],
         startup_request_timeout=options["startup_request_timeout"],
         api_server_count=options["api_server_count"],
-        lora_adapters=_lora_adapters(config, settings.served_model_name, options),
+        lora_adapters=_lora_adapters(config, settings.served_model_names, options),
         # `kvfleet bench static-server` passes its own EngineCore class as the context object.
         core_class=click.get_current_context().obj,
     )
     sys.exit(run_server(config, serve_options))
 
 
-def _server_settings(served_model_name: str, options: dict[str, Any]) -> ServerSettings:
+def _model_folder(model_tag: str | None, model: str | None) -> str:
+    """The model, given as MODEL or --model, once it is known to be a folder the engine can load: a wrong
+    path ends the command here, in one line, before the port opens."""
+    from kvfleet.runtime.models.folder import check_model_folder
+
+    if model_tag is not None and model is not None and model_tag != model:
+        raise click.UsageError(f"MODEL {model_tag!r} and --model {model!r} name different models")
+    chosen = model_tag or model
+    if chosen is None:
+        raise click.UsageError("name the model: kvfleet serve MODEL (or --model MODEL)")
+    try:
+        check_model_folder(chosen)
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from None
+    return chosen
+
+
+def _refuse_what_cannot_be_honoured(options: dict[str, Any]) -> None:
+    """vLLM's flags that kvfleet takes, refused at start for the values it cannot honour."""
+    if options["revision"] is not None:
+        raise click.BadParameter(
+            "a revision applies to a Hub model, and kvfleet serves model folders: fetch it with "
+            "`kvfleet download-model ORG/NAME --revision REV --dest DIR` and serve DIR",
+            param_hint="--revision",
+        )
+    if options["kv_cache_dtype"] != "auto":
+        raise click.BadParameter(
+            f"{options['kv_cache_dtype']!r}: the KV cache is kept in the model's dtype (auto) only",
+            param_hint="--kv-cache-dtype",
+        )
+    if options["reasoning_parser"] is not None:
+        raise click.BadParameter(
+            "reasoning output (reasoning_content) is not separated from the content",
+            param_hint="--reasoning-parser",
+        )
+
+
+def _server_settings(model: str, options: dict[str, Any]) -> ServerSettings:
     """The settings of `kvfleet serve`'s options: each option named like a setting gives it, tiers are given
-    by name, the safety policy as a file or text."""
+    by name, the safety policy as a file or text, the model's names (its path by default) and its sampling
+    defaults."""
     from kvfleet.runtime.server.state import ServerSettings
     from kvfleet.runtime.serving.tool_calls import TOOL_CALL_PARSERS
 
@@ -293,15 +422,36 @@ def _server_settings(served_model_name: str, options: dict[str, Any]) -> ServerS
             "--enable-auto-tool-choice needs --tool-call-parser", param_hint="--enable-auto-tool-choice"
         )
     named = {f.name: options[f.name] for f in dataclasses.fields(ServerSettings) if f.name in options}
+    served_model_names = options["served_model_name"] or (model,)
+    generation_config = options["generation_config"]
+    sampling_defaults = _sampling_defaults(generation_config, model)
     return ServerSettings(
         **{
             **named,
-            "served_model_name": served_model_name,
+            "served_model_name": served_model_names[0],
+            "served_model_aliases": served_model_names[1:],
             "default_priority": TIERS[options["default_priority"]],
             "max_priority_tier": TIERS[options["max_priority_tier"]],
             "safety": _safety(options["safety_config"]),
+            "default_sampling_params": sampling_defaults,
+            # As vLLM has it: another folder's max_new_tokens also bounds what requests ask for.
+            "max_tokens_limit": None
+            if generation_config in ("auto", "vllm")
+            else sampling_defaults.get("max_tokens"),
         }
     )
+
+
+def _sampling_defaults(generation_config: str, model: str) -> dict[str, Any]:
+    """The sampling defaults --generation-config gives requests."""
+    if generation_config == "vllm":
+        return {}
+    from kvfleet.runtime.generation_config import sampling_defaults
+
+    try:
+        return sampling_defaults(model if generation_config == "auto" else generation_config)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--generation-config") from None
 
 
 def _safety(value: str | None) -> SafetyConfig | None:
@@ -316,7 +466,7 @@ def _safety(value: str | None) -> SafetyConfig | None:
 
 
 def _lora_adapters(
-    config: EngineConfig, served_model_name: str, options: dict[str, Any]
+    config: EngineConfig, served_model_names: tuple[str, ...], options: dict[str, Any]
 ) -> LoRAAdapters | None:
     """The adapters to serve from the start, each checked against the model; None without --enable-lora."""
     from kvfleet.runtime.serving.lora_adapters import AdapterSources, LoRAAdapters, LoRAModule
@@ -348,7 +498,7 @@ def _lora_adapters(
     )
     adapters = LoRAAdapters(
         config.model,
-        served_model_name,
+        served_model_names,
         max_rank=config.max_lora_rank,
         download_dir=download_dir,
         sources=sources,

@@ -43,6 +43,8 @@ class ServeOptions:
     host: str = "0.0.0.0"
     port: int = 8000
     access_log: bool = False
+    # The HTTP server's own log level (uvicorn's names); None: the process's.
+    uvicorn_log_level: str | None = None
     max_waiting_requests: int | None = None
     startup_request_timeout: float | None = None
     api_server_count: int = 1
@@ -105,7 +107,7 @@ def run_api_server(
         build_app(state),
         host=options.host,
         port=options.port,
-        log_level=logging.getLogger().getEffectiveLevel(),
+        log_level=options.uvicorn_log_level or logging.getLogger().getEffectiveLevel(),
         log_config=None,
         access_log=options.access_log,
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_TIMEOUT_S,

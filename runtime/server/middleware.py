@@ -10,7 +10,16 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 # Probes and scrapes: never counted as work in flight, never held back by a drain.
-PROBE_PATHS = frozenset({"/health", "/ready", "/metrics"})
+PROBE_PATHS = frozenset({"/health", "/ready", "/metrics", "/ping"})
+
+
+def route_path(scope: Scope) -> str:
+    """The request's path without the --root-path prefix, when a proxy has left it on (as routing reads
+    it)."""
+    path, root = scope["path"], scope.get("root_path", "")
+    if root and path.startswith(root) and path[len(root) : len(root) + 1] in ("", "/"):
+        return path[len(root) :] or "/"
+    return path
 
 
 class BodySizeLimit:
@@ -27,7 +36,7 @@ class BodySizeLimit:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        max_bytes = self.path_limits.get(scope["path"], self.max_bytes)
+        max_bytes = self.path_limits.get(route_path(scope), self.max_bytes)
         message = f"the request body is larger than the server's limit of {max_bytes} bytes"
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > max_bytes:
@@ -93,7 +102,7 @@ class InFlightCounter:
         self.state = state
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in PROBE_PATHS:
+        if scope["type"] != "http" or route_path(scope) in PROBE_PATHS:
             await self.app(scope, receive, send)
             return
         self.state.in_flight += 1

@@ -10,11 +10,13 @@ from kvfleet.runtime.batch.store import (
     DEFAULT_MAX_BATCH_FILES,
     DEFAULT_MAX_BATCH_STORE_BYTES,
 )
-from kvfleet.runtime.engine.async_llm import AsyncLLM
 from kvfleet.runtime.metrics import ServerMetrics
 from kvfleet.runtime.serving.service import OpenAIService, ServiceSettings
 
 if TYPE_CHECKING:
+    # The engine client brings Transformers: `kvfleet serve` checks its options and the model folder first.
+    from kvfleet.runtime.engine.async_llm import AsyncLLM
+
     # Checking adapters loads torch: API servers import it only with --enable-lora.
     from kvfleet.runtime.safety.config import SafetyConfig
     from kvfleet.runtime.serving.lora_adapters import LoRAAdapters
@@ -45,6 +47,13 @@ class ServerSettings(ServiceSettings):
     max_batch_store_bytes: int = DEFAULT_MAX_BATCH_STORE_BYTES
     # Input and output guardrails (docs/safety.md); None: none.
     safety: SafetyConfig | None = None
+    # CORS, as vLLM's flags have it: browsers may call the API from any origin unless told otherwise.
+    allowed_origins: tuple[str, ...] = ("*",)
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
+    # The prefix a path-routing proxy serves the API under (FastAPI's root_path); "" for none.
+    root_path: str = ""
 
 
 @dataclass

@@ -57,7 +57,9 @@ class ChatRoute:
             if safety.redacts_input:
                 messages = await _redacted(safety, messages)
         media = await load_chat_media(service.engine.config, messages)
-        token_ids = await service.chat_prompt(messages, body.add_generation_prompt, tools)
+        token_ids = await service.chat_prompt(
+            messages, body.add_generation_prompt, tools, body.chat_template_kwargs
+        )
         # Checked as the model reads it: the tools, the calls and all else the template puts in.
         self.rendered = await service.prompt_text(token_ids) if safety is not None else None
         mm_features = []
@@ -80,14 +82,16 @@ class ChatRoute:
                 message["content"], parsed = calls
                 message["tool_calls"] = [call.as_openai() for call in parsed]
                 finish_reason = "tool_calls"
-            entries.append(
-                {
-                    "index": index,
-                    "message": message,
-                    "logprobs": self._logprobs(tokenizer, choice.token_ids, choice.logprobs),
-                    "finish_reason": finish_reason,
-                }
-            )
+            entry = {
+                "index": index,
+                "message": message,
+                "logprobs": self._logprobs(tokenizer, choice.token_ids, choice.logprobs),
+                "finish_reason": finish_reason,
+                "stop_reason": choice.stop_reason,
+            }
+            if self.body.return_token_ids:
+                entry["token_ids"] = choice.token_ids
+            entries.append(entry)
         return {
             "id": request.request_id,
             "object": "chat.completion",
@@ -97,6 +101,7 @@ class ChatRoute:
             "usage": usage(
                 len(request.prompt_token_ids[0]), sum(len(choice.token_ids) for choice in choices[0])
             ),
+            **self.first_chunk_fields(request),
         }
 
     def _logprobs(
@@ -133,9 +138,13 @@ class ChatRoute:
             for index in range(request.params.n)
         ]
 
+    def first_chunk_fields(self, request: PreparedRequest) -> dict[str, Any]:
+        """The prompt's token ids, when asked for (in the response, or the stream's first chunk)."""
+        return {"prompt_token_ids": request.prompt_token_ids[0]} if self.body.return_token_ids else {}
+
     def choice_builder(self, request: PreparedRequest, tokenizer: Any) -> ChoiceBuilder:
         if self.tool_calling is not None:
-            return _ToolCallStream(self.tool_calling, request.params.n)
+            return self._with_token_ids(_ToolCallStream(self.tool_calling, request.params.n))
 
         def choice_of(_: int, completion: CompletionOutput, finished: bool) -> list[dict[str, Any]]:
             if not (completion.text or finished or completion.logprobs):
@@ -148,7 +157,25 @@ class ChatRoute:
                 }
             ]
 
-        return choice_of
+        return self._with_token_ids(choice_of)
+
+    def _with_token_ids(self, builder: ChoiceBuilder) -> ChoiceBuilder:
+        return _carrying_token_ids(builder) if self.body.return_token_ids else builder
+
+
+def _carrying_token_ids(builder: ChoiceBuilder) -> ChoiceBuilder:
+    """The builder's choices, the last of each delta carrying the delta's token ids: in a choice of its own
+    when the builder sends nothing yet (text held back), so that the stream's ids add up to the answer's."""
+
+    def choice_of(prompt_index: int, completion: CompletionOutput, finished: bool) -> list[dict[str, Any]]:
+        choices = builder(prompt_index, completion, finished)
+        if not completion.token_ids:
+            return choices
+        if not choices:
+            choices = [{"index": completion.index, "delta": {}, "logprobs": None}]
+        return [*choices[:-1], {**choices[-1], "token_ids": completion.token_ids}]
+
+    return choice_of
 
 
 def _last_user_text(messages: list[ChatMessage]) -> str | None:

@@ -66,14 +66,17 @@ class CompletionRoute:
         for prompt_index, per_prompt in enumerate(choices):
             for sequence_index, choice in enumerate(per_prompt):
                 prefix = self.echoes[prompt_index] if self.echoes else ""
-                entries.append(
-                    {
-                        "index": prompt_index * n + sequence_index,
-                        "text": prefix + choice.text,
-                        "logprobs": self._logprobs(tokenizer, choice.token_ids, choice.logprobs, len(prefix)),
-                        "finish_reason": choice.finish_reason,
-                    }
-                )
+                entry = {
+                    "index": prompt_index * n + sequence_index,
+                    "text": prefix + choice.text,
+                    "logprobs": self._logprobs(tokenizer, choice.token_ids, choice.logprobs, len(prefix)),
+                    "finish_reason": choice.finish_reason,
+                    "stop_reason": choice.stop_reason,
+                }
+                if self.body.return_token_ids:
+                    entry["prompt_token_ids"] = request.prompt_token_ids[prompt_index]
+                    entry["token_ids"] = choice.token_ids
+                entries.append(entry)
         completion_tokens = sum(len(choice.token_ids) for per_prompt in choices for choice in per_prompt)
         return {
             "id": request.request_id,
@@ -108,10 +111,16 @@ class CompletionRoute:
     def preamble(self, request: PreparedRequest) -> list[dict[str, Any]]:
         return []
 
+    def first_chunk_fields(self, request: PreparedRequest) -> dict[str, Any]:
+        return {}
+
     def choice_builder(self, request: PreparedRequest, tokenizer: Any) -> ChoiceBuilder:
         n = request.params.n
         echoes = self.echoes
         text_offsets: dict[int, int] = {}
+        return_token_ids = bool(self.body.return_token_ids)
+        # The choices whose first chunk (which carries the prompt's token ids) has been sent.
+        started: set[int] = set()
 
         def choice_of(
             prompt_index: int, completion: CompletionOutput, finished: bool
@@ -122,10 +131,17 @@ class CompletionRoute:
                 text = echoes[prompt_index] + text
             offset = text_offsets.get(index, 0)
             text_offsets[index] = offset + len(text)
-            if not (text or finished or completion.logprobs):
+            new_token_ids = return_token_ids and bool(completion.token_ids)
+            if not (text or finished or completion.logprobs or new_token_ids):
                 return []
             logprobs = self._logprobs(tokenizer, completion.token_ids, completion.logprobs, offset)
-            return [{"index": index, "text": text, "logprobs": logprobs}]
+            choice: dict[str, Any] = {"index": index, "text": text, "logprobs": logprobs}
+            if return_token_ids:
+                if index not in started:
+                    choice["prompt_token_ids"] = request.prompt_token_ids[prompt_index]
+                choice["token_ids"] = completion.token_ids
+            started.add(index)
+            return [choice]
 
         return choice_of
 

@@ -87,14 +87,15 @@ class LoRAAdapters:
     def __init__(
         self,
         model: str,
-        served_model_name: str,
+        served_model_names: tuple[str, ...],
         *,
         max_rank: int,
         download_dir: str | None = None,
         sources: AdapterSources = AdapterSources(),
     ) -> None:
         self.model_config = ModelConfig.from_folder(model)
-        self.served_model_name = served_model_name
+        # The base model's names, which no adapter may take.
+        self.served_model_names = served_model_names
         self.max_rank = max_rank
         self.download_dir = Path(download_dir) if download_dir is not None else None
         self.sources = sources
@@ -112,7 +113,7 @@ class LoRAAdapters:
         """Check the adapter and serve it under `name`; raises LoRAAdapterError saying what is wrong."""
         if not ADAPTER_NAME.match(name):
             raise LoRAAdapterError(f"{name!r} is not a valid adapter name ({ADAPTER_NAME_RULE})")
-        if name == self.served_model_name or name in self._by_name:
+        if name in self.served_model_names or name in self._by_name:
             raise LoRAAdapterError(f"the name {name!r} is already in use")
         if len(self._by_name) >= MAX_SERVED_ADAPTERS:
             raise LoRAAdapterError(

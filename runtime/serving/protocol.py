@@ -12,6 +12,7 @@ would change the output but are not implemented are refused, never silently drop
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
 from kvfleet.contract.errors import BadRequestError
@@ -62,7 +63,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
     "spaces_between_special_tokens": (None, True),
     "logits_processors": (None, []),
     "return_tokens_as_token_ids": (None, False),
-    "return_token_ids": (None, False),
     "return_token_strs": (None, False),
     "prompt_embeds": (None,),
     "continue_final_message": (None, False),
@@ -191,6 +191,8 @@ class _GenerationRequest(_Request):
     # vLLM's disaggregated prefill and decode: {"do_remote_decode": true} asks a prefill replica to keep the
     # prompt's KV for a decode replica; the params its answer carries ask a decode replica to pull it.
     kv_transfer_params: dict[str, Any] | None = None
+    # vLLM's: the prompt's and each choice's token ids in the answer (streamed: each chunk's new ones).
+    return_token_ids: StrictBool | None = None
 
     def _check_common(self) -> None:
         self.refuse_unsupported()
@@ -199,7 +201,10 @@ class _GenerationRequest(_Request):
                 "stream_options is only allowed when stream is true", param="stream_options"
             )
 
-    def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def _sampling_params(
+        self, max_tokens: int | None, logprobs: int | None, defaults: Mapping[str, Any] | None
+    ) -> SamplingParams:
+        """`defaults` (SamplingParams fields) stand in for the fields the body leaves unset."""
         given = {
             "n": self.n,
             "temperature": self.temperature,
@@ -225,8 +230,12 @@ class _GenerationRequest(_Request):
             if self.kv_transfer_params is None
             else {KV_TRANSFER_PARAMS: self.kv_transfer_params},
         }
-        # Absent fields keep SamplingParams' defaults (which are OpenAI's).
-        kwargs = {name: value for name, value in given.items() if value is not None}
+        # Absent fields take the server's defaults, else SamplingParams' (which are OpenAI's).
+        server_defaults = dict(defaults or {})
+        if max_tokens is None:
+            max_tokens = server_defaults.get("max_tokens")
+        server_defaults.pop("max_tokens", None)
+        kwargs = {**server_defaults, **{name: value for name, value in given.items() if value is not None}}
         try:
             return SamplingParams(max_tokens=max_tokens, **kwargs)
         except ValueError as exc:
@@ -290,13 +299,13 @@ class CompletionRequest(_GenerationRequest):
     best_of: StrictInt | None = None
     add_special_tokens: StrictBool = True
 
-    def sampling_params(self) -> SamplingParams:
+    def sampling_params(self, defaults: Mapping[str, Any] | None = None) -> SamplingParams:
         self._check_common()
         if self.best_of is not None and self.best_of != self.n:
             raise BadRequestError("best_of different from n is not supported", param="best_of")
         if self.echo and self.logprobs is not None:
             raise BadRequestError("echo together with logprobs is not supported", param="echo")
-        return self._sampling_params(self.max_tokens, self.logprobs)
+        return self._sampling_params(self.max_tokens, self.logprobs, defaults)
 
     def prompts(self) -> list[str | list[int]]:
         """One entry per prompt: a batch of strings or of token lists is split, a token list kept whole."""
@@ -464,14 +473,16 @@ class ChatCompletionRequest(_GenerationRequest):
     # None: "auto" with tools, "none" without (OpenAI's default).
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: StrictBool = True
+    # vLLM's: variables the chat template reads beyond the messages (Qwen3's enable_thinking).
+    chat_template_kwargs: dict[str, Any] | None = None
 
-    def sampling_params(self) -> SamplingParams:
+    def sampling_params(self, defaults: Mapping[str, Any] | None = None) -> SamplingParams:
         self._check_common()
         if self.top_logprobs is not None and not self.logprobs:
             raise BadRequestError("top_logprobs requires logprobs to be true", param="top_logprobs")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        return self._sampling_params(max_tokens, logprobs)
+        return self._sampling_params(max_tokens, logprobs, defaults)
 
 
 class ModerationTextInput(_Body):
@@ -500,11 +511,16 @@ class TokenizeRequest(_Request):
     # For `prompt` only: a chat template already writes the special tokens its model needs.
     add_special_tokens: StrictBool | None = None
     add_generation_prompt: StrictBool = True
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def check(self) -> None:
         self.refuse_unsupported()
         if (self.prompt is None) == (self.messages is None):
             raise BadRequestError("give exactly one of prompt and messages", param="prompt")
+        if self.prompt is not None and self.chat_template_kwargs:
+            raise BadRequestError(
+                "chat_template_kwargs applies to messages only", param="chat_template_kwargs"
+            )
         if self.messages is not None and self.add_special_tokens:
             raise BadRequestError(
                 "add_special_tokens applies to prompt only; the chat template adds the special tokens "

@@ -50,6 +50,9 @@ class Route(Protocol):
 
     def preamble(self, request: PreparedRequest) -> list[dict[str, Any]]: ...
 
+    def first_chunk_fields(self, request: PreparedRequest) -> dict[str, Any]:
+        """Fields the stream's first chunk (the preamble's first) carries beside its choice."""
+
     def choice_builder(self, request: PreparedRequest, tokenizer: Any) -> ChoiceBuilder: ...
 
 

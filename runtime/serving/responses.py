@@ -26,6 +26,8 @@ class Choice:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float]] | None = None
     finish_reason: str | None = None
+    # The stop string or stop token id that ended it (vLLM's field); None for any other end.
+    stop_reason: int | str | None = None
 
     def add(self, completion: CompletionOutput) -> None:
         self.text += completion.text
@@ -34,6 +36,7 @@ class Choice:
             self.logprobs = (self.logprobs or []) + completion.logprobs
         if completion.finish_reason is not None:
             self.finish_reason = completion.finish_reason
+            self.stop_reason = completion.stop_reason
 
 
 # (prompt index, delta, whether it finished the sequence) -> the choices to stream, one chunk each (none: send

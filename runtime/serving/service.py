@@ -9,7 +9,7 @@ import contextlib
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvfleet.contract.errors import (
@@ -31,6 +31,7 @@ from kvfleet.runtime.chat_prompt import (
     chat_prompt_token_ids,
     longest_token_characters,
     prompt_text,
+    rendering_parameters,
     text_fields,
 )
 from kvfleet.runtime.engine.messages import EngineInfo
@@ -44,7 +45,12 @@ from kvfleet.runtime.input_checks import (
 )
 from kvfleet.runtime.kv_transfer.params import RemoteDecode, parse_kv_transfer_params
 from kvfleet.runtime.lora.request import LoRARequest
-from kvfleet.runtime.sampling_params import KV_TRANSFER_PARAMS, SamplingParams, StructuredOutputsParams
+from kvfleet.runtime.sampling_params import (
+    KV_TRANSFER_PARAMS,
+    MAX_LOGPROBS,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 from kvfleet.runtime.serving.chat import ChatRoute
 from kvfleet.runtime.serving.completions import CompletionRoute
 from kvfleet.runtime.serving.errors import from_engine_error
@@ -91,6 +97,19 @@ class ServiceSettings:
     tool_call_parser: str | None = None
     # POST /v1/load_lora_adapter and /v1/unload_lora_adapter are served.
     allow_runtime_lora_updates: bool = False
+    # Other names requests may give the model by; answers carry the name they were asked with.
+    served_model_aliases: tuple[str, ...] = ()
+    # The most log probabilities per token a request may ask for.
+    max_logprobs: int = MAX_LOGPROBS
+    # SamplingParams fields given to requests that leave them unset (the model's generation_config.json).
+    default_sampling_params: dict[str, Any] = field(default_factory=dict)
+    # The most tokens any request generates, whatever it asks (a --generation-config folder's
+    # max_new_tokens); None: no bound beyond the context.
+    max_tokens_limit: int | None = None
+
+    @property
+    def served_model_names(self) -> tuple[str, ...]:
+        return (self.served_model_name, *self.served_model_aliases)
 
 
 class OpenAIService:
@@ -162,7 +181,7 @@ class OpenAIService:
             route=route,
             request_id=f"{route.id_prefix}-{uuid.uuid4().hex}",
             created=int(time.time()),
-            model=lora_request.lora_name if lora_request is not None else self.model_name,
+            model=lora_request.lora_name if lora_request is not None else body.model or self.model_name,
             prompt_token_ids=prompt.token_ids,
             params=params,
             priority=priority,
@@ -175,15 +194,16 @@ class OpenAIService:
 
     def check_model(self, model: str | None) -> LoRARequest | None:
         """The LoRA adapter the request names as its model, or None for the served model itself."""
-        if model is None or model == self.model_name:
+        served_names = self.settings.served_model_names
+        if model is None or model in served_names:
             return None
         adapters = self.lora_adapters
         lora = adapters.get(model) if adapters is not None else None
         if lora is None:
             names = (
-                [self.model_name, *(served.lora.lora_name for served in adapters.loaded)]
+                [*served_names, *(served.lora.lora_name for served in adapters.loaded)]
                 if adapters
-                else [self.model_name]
+                else served_names
             )
             raise NotFoundError(
                 f"the model {model!r} does not exist; this server serves {', '.join(map(repr, names))}",
@@ -240,10 +260,19 @@ class OpenAIService:
         tool_constraint: StructuredOutputsParams | None = None,
     ) -> SamplingParams:
         """The body's sampling parameters; `tool_constraint` is what tool_choice constrains the output to."""
-        params = body.sampling_params()
+        params = body.sampling_params(self.settings.default_sampling_params)
         max_n = self.settings.max_n
         if params.n > max_n:
             raise BadRequestError(f"n must be at most {max_n} on this server, got {params.n}", param="n")
+        limit = self.settings.max_tokens_limit
+        if limit is not None and (params.max_tokens is None or params.max_tokens > limit):
+            params.max_tokens = limit
+        max_logprobs = self.settings.max_logprobs
+        if params.logprobs is not None and params.logprobs > max_logprobs:
+            name = "top_logprobs" if isinstance(body, ChatCompletionRequest) else "logprobs"
+            raise BadRequestError(
+                f"{name} must be at most {max_logprobs} on this server, got {params.logprobs}", param=name
+            )
         param = "structured_outputs" if body.structured_outputs else "response_format"
         if tool_constraint is not None:
             if params.structured_outputs is not None:
@@ -315,16 +344,29 @@ class OpenAIService:
         messages: list[ChatMessage],
         add_generation_prompt: bool,
         tools: list[dict[str, Any]] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
-        """The prompt of a conversation (and the tools it may call), rendered and tokenized."""
+        """The prompt of a conversation (and the tools it may call), rendered with the template variables
+        of `template_kwargs` and tokenized."""
         conversation = template_messages(messages)
-        characters = sum(len(text) for text in text_fields([conversation, tools]))
+        characters = sum(len(text) for text in text_fields([conversation, tools, template_kwargs]))
 
         def work(tokenizer: Any) -> list[int]:
             self._refuse_beyond_context(tokenizer, characters, "messages")
+            reserved = sorted(rendering_parameters(tokenizer).intersection(template_kwargs or {}))
+            if reserved:
+                raise BadRequestError(
+                    f"chat_template_kwargs may not set {reserved[0]!r}: it is a parameter of the rendering, "
+                    "not a variable of the template",
+                    param="chat_template_kwargs",
+                )
             try:
                 return chat_prompt_token_ids(
-                    tokenizer, conversation, add_generation_prompt=add_generation_prompt, tools=tools
+                    tokenizer,
+                    conversation,
+                    add_generation_prompt=add_generation_prompt,
+                    tools=tools,
+                    template_kwargs=template_kwargs,
                 )
             except ValueError as exc:
                 raise BadRequestError(str(exc), param="messages") from None
@@ -354,7 +396,9 @@ class OpenAIService:
         self.check_model(body.model)
         if body.messages is not None:
             param = "messages"
-            token_ids = await self.chat_prompt(body.messages, body.add_generation_prompt)
+            token_ids = await self.chat_prompt(
+                body.messages, body.add_generation_prompt, template_kwargs=body.chat_template_kwargs
+            )
         else:
             param = "prompt"
             add_special = True if body.add_special_tokens is None else body.add_special_tokens
@@ -378,15 +422,19 @@ class OpenAIService:
         text = await self.engine.run_tokenizer(lambda tokenizer: tokenizer.decode(body.tokens))
         return {"prompt": text}
 
-    def model_card(self, created: int) -> dict[str, Any]:
+    def model_cards(self, created: int) -> list[dict[str, Any]]:
+        """One card per name the model is served by."""
+        return [self._model_card(name, created) for name in self.settings.served_model_names]
+
+    def _model_card(self, name: str, created: int) -> dict[str, Any]:
         info = self.engine.info
         return {
-            "id": self.model_name,
+            "id": name,
             "object": "model",
             "created": created,
             "owned_by": "kvfleet",
             # vLLM's fields; never the model's path on disk, which clients have no business knowing.
-            "root": self.model_name,
+            "root": name,
             "parent": None,
             "max_model_len": info.max_model_len if info is not None else None,
             # kvfleet's addition: what `kvfleet bench serve` draws random token-id prompts from.
@@ -460,7 +508,7 @@ class OpenAIService:
         self, request: PreparedRequest, outputs: AsyncIterator[RequestOutput], first: RequestOutput | None
     ) -> AsyncIterator[dict[str, Any]]:
         """The route's preamble, then the choices its builder makes of each delta (the last one's finish
-        reason set here), then the usage when asked for."""
+        and stop reasons set here), then the usage when asked for."""
         route = request.route
         choice_of = route.choice_builder(request, self.tokenizer)
         completion_tokens = 0
@@ -475,14 +523,20 @@ class OpenAIService:
                 choices = choice_of(prompt_index, completion, finished)
                 for number, choice in enumerate(choices, start=1):
                     # The last choice finishes; a builder may name its own reason (tool calls).
-                    finish_reason = completion.finish_reason if finished and number == len(choices) else None
-                    yield chunk(request, {"finish_reason": finish_reason, **choice})
+                    reasons: dict[str, Any] = {"finish_reason": None}
+                    if finished and number == len(choices):
+                        reasons = {
+                            "finish_reason": completion.finish_reason,
+                            "stop_reason": completion.stop_reason,
+                        }
+                    yield chunk(request, {**reasons, **choice})
                 if error is not None:
                     raise error
 
         async with contextlib.aclosing(outputs):
-            for choice in route.preamble(request):
-                yield chunk(request, choice)
+            for number, choice in enumerate(route.preamble(request)):
+                body = chunk(request, choice)
+                yield {**body, **route.first_chunk_fields(request)} if number == 0 else body
             if first is not None:
                 for body in chunks_of(first):
                     yield body

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 
 if TYPE_CHECKING:
-    from conftest import ServerProcess
+    from servers import ServerProcess
 
 # Long enough to outlast the bad requests of a test, short enough to keep the tests quick.
 BESIDE_MAX_TOKENS = 1000

@@ -34,7 +34,7 @@ def _adapters(
     tiny_llama: Path, root: Path, tmp_path: Path, hub_orgs: frozenset[str] | None = None
 ) -> LoRAAdapters:
     sources = AdapterSources(local_root=root, hub_orgs=hub_orgs)
-    return LoRAAdapters(str(tiny_llama), "tiny", max_rank=8, download_dir=str(tmp_path), sources=sources)
+    return LoRAAdapters(str(tiny_llama), ("tiny",), max_rank=8, download_dir=str(tmp_path), sources=sources)
 
 
 def test_local_adapters_come_only_from_under_the_root(

@@ -19,7 +19,7 @@ from kvfleet.runtime.lora.make_adapter import make_adapter
 from kvfleet.runtime.lora.request import source_digest
 
 if TYPE_CHECKING:
-    from conftest import ServerProcess
+    from servers import ServerProcess
 
 
 def _sync(

@@ -22,7 +22,7 @@ from kvfleet.runtime.server.batch_routes import BatchService
 from kvfleet.runtime.server.state import ServerSettings, ServerState
 
 if TYPE_CHECKING:
-    from conftest import ServerProcess
+    from servers import ServerProcess
 
 MODEL_NAME = "tiny"
 POLL_TIMEOUT_S = 300

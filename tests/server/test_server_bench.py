@@ -19,7 +19,7 @@ from kvfleet.runtime.bench.serve_client import build_workload
 from kvfleet.runtime.bench.serve_report import RequestResult, percentile, summarize
 
 if TYPE_CHECKING:
-    from conftest import ServerProcess
+    from servers import ServerProcess
 
 
 def test_workload_is_seeded_and_follows_the_settings() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -14,7 +15,7 @@ import httpx
 import pytest
 
 if TYPE_CHECKING:
-    from conftest import ServerProcess
+    from servers import ServerProcess
 
 
 def _serve(*args: str) -> list[str]:
@@ -82,12 +83,16 @@ def test_an_empty_api_key_is_refused(tiny_llama: Path, source: str) -> None:
     assert "the API key is empty" in completed.stderr and "--api-key" in completed.stderr
 
 
-def test_a_model_that_cannot_load_ends_the_process(tmp_path: Path) -> None:
+def test_a_model_that_cannot_load_ends_the_process(tiny_llama: Path, tmp_path: Path) -> None:
+    # A folder that passes the command's own check (its config.json names a known architecture) but holds
+    # no weights: the engine finds that out only when it loads them.
+    weightless = tmp_path / "weightless"
+    shutil.copytree(tiny_llama, weightless, ignore=shutil.ignore_patterns("*.safetensors"))
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     process = subprocess.Popen(
-        _serve("--model", str(tmp_path / "missing"), "--host", "127.0.0.1", "--port", str(port)),
+        _serve("--model", str(weightless), "--host", "127.0.0.1", "--port", str(port)),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

@@ -16,7 +16,7 @@ import pytest
 from server_checks import RequestBeside, finished_count, openai_error, wait_idle
 
 if TYPE_CHECKING:
-    from conftest import ServerProcess
+    from servers import ServerProcess
 
 # Seconds; short, so that the tests are.
 TIMEOUT = "1"

@@ -14,7 +14,7 @@ import pytest
 from server_checks import finished_count, wait_idle
 
 if TYPE_CHECKING:
-    from conftest import ServerProcess
+    from servers import ServerProcess
 
 # As long as the tiny model's context allows, so that it is still running whenever the client leaves.
 MAX_TOKENS = 2040

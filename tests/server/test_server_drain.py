@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 if TYPE_CHECKING:
-    from conftest import ServerProcess
+    from servers import ServerProcess
 
 # Long enough to be still streaming when the signal comes, short enough to finish within the drain.
 SHORT_TOKENS = 300

@@ -17,7 +17,7 @@ import pytest
 from server_checks import child_processes
 
 if TYPE_CHECKING:
-    from conftest import ServerProcess
+    from servers import ServerProcess
 
 CORE_MODULE = "kvfleet.runtime.engine.core_proc"
 API_SERVER_MODULE = "kvfleet.runtime.server.launcher"

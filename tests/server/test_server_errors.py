@@ -12,7 +12,7 @@ import pytest
 from server_checks import openai_error as _error
 
 if TYPE_CHECKING:
-    from conftest import ServerProcess
+    from servers import ServerProcess
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,7 @@ from server_checks import RequestBeside, openai_error
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 if TYPE_CHECKING:
-    from conftest import ServerProcess
+    from servers import ServerProcess
 
 PROMPT = [5, 6, 7, 8, 9, 10, 11]
 MAX_TOKENS = 8

@@ -11,7 +11,7 @@ from kvfleet.runtime.engine.outputs import CompletionOutput, RequestMetrics, Req
 from kvfleet.runtime.metrics import ServerMetrics
 
 if TYPE_CHECKING:
-    from conftest import ServerProcess
+    from servers import ServerProcess
 
 
 def _output(tokens: int, *, first: float, last: float, finished: str | None = None) -> RequestOutput:

@@ -25,7 +25,7 @@ from server_checks import encoder_runs, transformers_chat_answer
 from transformers import LlavaForConditionalGeneration
 
 if TYPE_CHECKING:
-    from conftest import ServerProcess
+    from servers import ServerProcess
 
 MODEL_NAME = "tiny"
 MAX_TOKENS = 6

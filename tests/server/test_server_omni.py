@@ -20,7 +20,7 @@ from test_server_audio import _audio_part, _pcm16, _user, _wav, _waveform
 from transformers import Qwen2_5OmniThinkerForConditionalGeneration
 
 if TYPE_CHECKING:
-    from conftest import ServerProcess
+    from servers import ServerProcess
 
 MODEL_NAME = "tiny"
 MAX_TOKENS = 6

@@ -11,7 +11,7 @@ import openai
 import pytest
 
 if TYPE_CHECKING:
-    from conftest import ServerProcess
+    from servers import ServerProcess
 
 MODEL_NAME = "tiny"
 GREEDY = {"temperature": 0.0, "extra_body": {"ignore_eos": True}}

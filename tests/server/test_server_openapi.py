@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 if TYPE_CHECKING:
-    from conftest import ServerProcess
+    from servers import ServerProcess
 
 # Generation stays short whatever the fuzzer asks for: a 64-token context, few sequences, few tokens each.
 # Rules check input and output, so that the fuzzer meets the guardrails and /v1/moderations too.
@@ -31,6 +31,9 @@ ROUTES = {
     ("post", "/detokenize"),
     ("get", "/v1/models"),
     ("get", "/health"),
+    ("get", "/ping"),
+    ("post", "/ping"),
+    ("get", "/version"),
     ("get", "/ready"),
     ("get", "/metrics"),
     ("post", "/v1/load_lora_adapter"),

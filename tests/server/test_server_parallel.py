@@ -22,7 +22,7 @@ from ports import free_port
 from server_checks import child_processes, descendants
 
 if TYPE_CHECKING:
-    from conftest import ServerProcess
+    from servers import ServerProcess
 
 CORE_MODULE = "kvfleet.runtime.engine.core_proc"
 WORKER_MODULE = "kvfleet.runtime.executor.worker_proc"

@@ -22,7 +22,7 @@ import httpx
 import pytest
 
 if TYPE_CHECKING:
-    from conftest import ServerProcess
+    from servers import ServerProcess
 
 MAX_NUM_SEQS = 1
 WAITING_LIMIT = 6

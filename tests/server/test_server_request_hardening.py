@@ -19,7 +19,7 @@ from server_checks import RequestBeside, openai_error
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 if TYPE_CHECKING:
-    from conftest import ServerProcess
+    from servers import ServerProcess
 
 MAX_N = 8
 TOKENS_PER_PROMPT = 6000

@@ -25,7 +25,7 @@ from ports import free_port
 from server_checks import finished_count, wait_idle
 
 if TYPE_CHECKING:
-    from conftest import ServerProcess
+    from servers import ServerProcess
 
 PROMPT = [{"role": "user", "content": "Tell me a story about the sea."}]
 MAX_TOKENS = 48

@@ -16,7 +16,7 @@ import pytest
 from kvfleet.runtime import LLM, SamplingParams
 
 if TYPE_CHECKING:
-    from conftest import ServerProcess
+    from servers import ServerProcess
 
 MODEL_NAME = "tiny"
 PROMPTS = ["the cat sat on the mat, the cat sat on the", "Once upon a time", "1 2 3 4 1 2 3 4 1 2"]

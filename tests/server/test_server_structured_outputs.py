@@ -31,7 +31,7 @@ from kvfleet.runtime.models.make_model import ARCHITECTURES
 from server_checks import descendants
 
 if TYPE_CHECKING:
-    from conftest import ServerProcess
+    from servers import ServerProcess
 
 MODEL_NAME = "tiny"
 MAX_TOKENS = 400

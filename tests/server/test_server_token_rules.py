@@ -10,7 +10,7 @@ import pytest
 from transformers import AutoTokenizer
 
 if TYPE_CHECKING:
-    from conftest import ServerProcess
+    from servers import ServerProcess
 
 MODEL_NAME = "tiny"
 

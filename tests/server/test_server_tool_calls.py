@@ -24,7 +24,7 @@ from kvfleet.runtime.serving.tool_calls import TOOL_CALL_PARSERS, ToolCalling
 from transformers import AutoTokenizer
 
 if TYPE_CHECKING:
-    from conftest import ServerProcess
+    from servers import ServerProcess
 
 MODEL_NAME = "tiny"
 MAX_TOKENS = 300

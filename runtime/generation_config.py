@@ -1,0 +1,52 @@
+"""The sampling defaults a model's generation_config.json recommends, as vLLM's `--generation-config` reads
+them: the values its creator set apart from Transformers' own defaults, for requests that leave them unset."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from kvfleet.runtime.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+# generation_config.json's sampling keys, by the SamplingParams field each one defaults.
+_SAMPLING_KEYS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",
+}
+
+
+def sampling_defaults(folder: str) -> dict[str, Any]:
+    """The SamplingParams fields the folder's generation_config.json sets (none without one); raises
+    ValueError for a missing folder or values a request could not carry either."""
+    if not Path(folder).is_dir():
+        raise ValueError(f"{folder} is not a folder")
+    if not (Path(folder) / "generation_config.json").is_file():
+        return {}
+    from transformers import GenerationConfig
+
+    try:
+        recommended = GenerationConfig.from_pretrained(folder).to_diff_dict()
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{folder}/generation_config.json cannot be read: {exc}") from None
+    defaults = {
+        name: recommended[key] for key, name in _SAMPLING_KEYS.items() if recommended.get(key) is not None
+    }
+    try:
+        SamplingParams(**defaults)
+    except ValueError as exc:
+        raise ValueError(f"{folder}/generation_config.json: {exc}") from None
+    if defaults:
+        logger.info(
+            "requests that leave them unset are sampled with the defaults of %s/generation_config.json: %s "
+            "(--generation-config vllm turns them off)",
+            folder,
+            defaults,
+        )
+    return defaults
