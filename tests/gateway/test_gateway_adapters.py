@@ -31,7 +31,7 @@ from kvfleet.gateway.proxy import Gateway
 from kvfleet.runtime.lora.make_adapter import make_adapter
 
 if TYPE_CHECKING:
-    from conftest import ServerProcess
+    from servers import ServerProcess
 
 CHAT = [{"role": "user", "content": "hello"}]
 POLL_S = 0.05
