@@ -12,10 +12,6 @@ import asyncio
 import concurrent.futures
 import json
 import os
-import signal
-import socket
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -24,13 +20,12 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from kvfleet.runtime.bench.processes import MODEL_NAME, ServeProcess
 from kvfleet.runtime.bench.serve import BenchSettings
 from kvfleet.runtime.bench.serve_client import build_workload, run_benchmark
 from kvfleet.runtime.bench.serve_report import summarize
 from kvfleet.runtime.config import EngineConfig
 
-MODEL_NAME = "bench"
-_READY_TIMEOUT_S = 600.0
 _POLL_S = 0.2
 _BATCH_COPIES = 8
 
@@ -71,63 +66,6 @@ def run_batch_throughput(rows_path: Path, config: EngineConfig, workdir: Path) -
         "output_tokens": summary.output_tokens,
         "output_throughput": summary.output_tokens / summary.seconds,
     }
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-class ServeProcess:
-    """`kvfleet serve` of `config` on loopback with `extra_args`, stopped by its PID; its log in `workdir`."""
-
-    def __init__(self, config: EngineConfig, workdir: Path, extra_args: list[str]) -> None:
-        self.url = f"http://127.0.0.1:{_free_port()}"
-        flags = [
-            arg
-            for name, value in config.as_options().items()
-            if value is not None
-            for arg in _flag(name, value)
-        ]
-        command = [sys.executable, "-P", "-m", "kvfleet", "serve", "--model", config.model]
-        command += [
-            "--served-model-name",
-            MODEL_NAME,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            self.url.rsplit(":", 1)[1],
-        ]
-        command += [*extra_args, *flags]
-        self.log = (workdir / "server.log").open("ab")
-        self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT)
-
-    def wait_ready(self) -> None:
-        deadline = time.monotonic() + _READY_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"kvfleet serve exited with {self.process.returncode}")
-            try:
-                if httpx.get(f"{self.url}/ready", timeout=2).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(_POLL_S)
-        raise TimeoutError("kvfleet serve did not become ready")
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            os.kill(self.process.pid, signal.SIGTERM)
-            self.process.wait()
-        self.log.close()
-
-
-def _flag(name: str, value: object) -> list[str]:
-    flag = "--" + name.replace("_", "-")
-    if isinstance(value, bool):
-        return [flag if value else "--no-" + name.replace("_", "-")]
-    return [flag, str(value)]
 
 
 def serve_throughput(settings: BenchSettings, concurrency: int) -> dict[str, float]:

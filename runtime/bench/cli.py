@@ -4,6 +4,8 @@ instant."""
 from __future__ import annotations
 
 import contextlib
+import json
+import logging
 import os
 import tempfile
 from collections.abc import Iterator
@@ -394,6 +396,67 @@ def bench_step_phases(model: str | None, batch_sizes: str, steps: int, rounds: i
     click.echo(format_table(results))
 
 
+@bench.command("disaggregated")
+@small_model_option
+@click.option("--seconds", type=click.FloatRange(min=1), default=60.0, show_default=True)
+@click.option("--chat-rate", type=click.FloatRange(min=0, min_open=True), default=2.0, show_default=True)
+@click.option(
+    "--long-rate",
+    type=click.FloatRange(min=0, min_open=True),
+    default=0.5,
+    show_default=True,
+    help="Mean long prompts (1-2K tokens) per second.",
+)
+@click.option(
+    "--cpus",
+    default="0,1",
+    show_default=True,
+    help="The colocated replica's CPUs (an even number); the prefill role takes the first half, the decode "
+    "role the rest.",
+)
+@click.option(
+    "--threshold-tokens",
+    type=click.IntRange(min=0),
+    default=256,
+    show_default=True,
+    help="The gateway's --pd-threshold-tokens: shorter prompts skip the prefill replica.",
+)
+@click.option("--result-json", type=click.Path(dir_okay=False, path_type=Path), default=None)
+@bench_seed_option
+@engine_options
+def bench_disaggregated(
+    model: str | None,
+    seconds: float,
+    chat_rate: float,
+    long_rate: float,
+    cpus: str,
+    threshold_tokens: int,
+    result_json: Path | None,
+    bench_seed: int,
+    **options,
+) -> None:
+    """Streaming chats among long prompts: one colocated replica against a prefill and a decode replica behind
+    the gateway, on the same CPUs."""
+    from kvfleet.runtime.bench.disaggregated import MixSettings, format_report, run_disaggregated_bench
+
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    settings = MixSettings(seconds=seconds, chat_rate=chat_rate, long_rate=long_rate, seed=bench_seed)
+    with _model_or_small(model) as model_dir:
+        config = engine_config_from_options(model_dir, options)
+        vocab_size = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
+        report = run_disaggregated_bench(
+            config,
+            settings,
+            cpus=_even_cpus(cpus),
+            threshold_tokens=threshold_tokens,
+            vocab_size=vocab_size,
+            log=lambda line: click.echo(line, err=True),
+        )
+    if result_json is not None:
+        result_json.write_text(json.dumps(report, indent=2) + "\n")
+    click.echo(format_report(report))
+
+
 @bench.command("vs-vllm-report")
 @click.option("--results", required=True, type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.option("--doc", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path))
@@ -405,6 +468,17 @@ def bench_vs_vllm_report(results: Path, doc: Path, commit: str) -> None:
     section = build_section(results, commit)
     replace_section(doc, section)
     click.echo(section)
+
+
+def _even_cpus(text: str) -> list[int]:
+    try:
+        cpus = [int(part) for part in text.split(",")]
+    except ValueError:
+        cpus = []
+    if not cpus or len(cpus) % 2 or len(set(cpus)) != len(cpus):
+        message = f"expected an even number of distinct CPU numbers separated by commas, got {text!r}"
+        raise click.BadParameter(message, param_hint="--cpus")
+    return cpus
 
 
 @contextlib.contextmanager

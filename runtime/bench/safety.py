@@ -22,7 +22,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from kvfleet.runtime.bench.batch import MODEL_NAME, ServeProcess, interactive_ttft, serve_throughput
+from kvfleet.runtime.bench.batch import interactive_ttft, serve_throughput
+from kvfleet.runtime.bench.processes import MODEL_NAME, ServeProcess
 from kvfleet.runtime.bench.serve import BenchSettings
 from kvfleet.runtime.config import EngineConfig
 

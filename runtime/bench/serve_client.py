@@ -169,32 +169,47 @@ async def run_benchmark(settings: BenchSettings) -> tuple[list[RequestResult], f
     """Returns each request's result (in workload order) and the wall time of the whole run."""
     connections = settings.max_concurrency or settings.num_prompts
     headers = {"Authorization": f"Bearer {settings.api_key}"} if settings.api_key else {}
-    async with httpx.AsyncClient(
-        base_url=settings.url.rstrip("/"),
-        headers=headers,
-        timeout=settings.request_timeout,
-        limits=httpx.Limits(max_connections=connections, max_keepalive_connections=connections),
-    ) as client:
+    async with bench_client(settings.url, connections, settings.request_timeout, headers) as client:
         model, vocab_size = await _server_model(client, settings)
         workload = build_workload(settings, vocab_size)
         # Prompts of their own: reusing the workload's would hand it prefix-cache hits.
         warmup = random_requests(settings.warmup, (16, 16), (4, 4), vocab_size, seed=settings.seed + 2)
         for request in warmup:
             await _send(client, model, ServeRequest(request.prompt_token_ids, request.output_len, None, 0.0))
-        limit = asyncio.Semaphore(settings.max_concurrency) if settings.max_concurrency else None
+        return await send_workload(client, model, workload, settings.max_concurrency)
 
-        async def one(request: ServeRequest) -> RequestResult:
-            if limit is None:
-                return await _send(client, model, request)
-            async with limit:
-                return await _send(client, model, request)
 
-        start = time.perf_counter()
-        tasks = []
-        for request in workload:
-            delay = start + request.send_at - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(one(request)))
-        results = await asyncio.gather(*tasks)
-        return list(results), time.perf_counter() - start
+def bench_client(
+    url: str, connections: int, timeout: float, headers: dict[str, str] | None = None
+) -> httpx.AsyncClient:
+    """A client with a connection for each request that may be in flight."""
+    return httpx.AsyncClient(
+        base_url=url.rstrip("/"),
+        headers=headers,
+        timeout=timeout,
+        limits=httpx.Limits(max_connections=connections, max_keepalive_connections=connections),
+    )
+
+
+async def send_workload(
+    client: httpx.AsyncClient, model: str, workload: list[ServeRequest], max_concurrency: int | None = None
+) -> tuple[list[RequestResult], float]:
+    """Sends each request at its time (at most max_concurrency in flight); each result in workload order, and
+    the wall time from the first send to the last answer."""
+    limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+
+    async def one(request: ServeRequest) -> RequestResult:
+        if limit is None:
+            return await _send(client, model, request)
+        async with limit:
+            return await _send(client, model, request)
+
+    start = time.perf_counter()
+    tasks = []
+    for request in workload:
+        delay = start + request.send_at - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(one(request)))
+    results = await asyncio.gather(*tasks)
+    return list(results), time.perf_counter() - start
