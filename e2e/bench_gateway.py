@@ -47,16 +47,15 @@ from kvfleet.operator.api import qualified_name
 
 from e2e.cluster import ClusterConfig, LocalCluster
 from e2e.fleet.chart import OPERATOR_NAMESPACE, install_chart
+from e2e.fleet.gateway import gateway_endpoints
 from e2e.fleet.manifests import services_path, tiny_service
 from e2e.fleet.observe import service_pods, wait_ready
-from e2e.fleet.traffic import ReadyEndpoints, serving_endpoints
+from e2e.fleet.traffic import serving_endpoints
 from e2e.support.waits import wait_for
 
 POLICIES = ("round-robin", "least-request", "prefix-hash", "cache-aware")
 TIER_MIX = (("critical", 0.1), ("standard", 0.3), ("batch", 0.6))
 OVERLOAD_MAX_QUEUE = 24
-GATEWAY_PORT = 8080
-GATEWAY_SELECTOR = "app.kubernetes.io/name=kvfleet,app.kubernetes.io/component=gateway"
 NAMESPACE = "bench-gateway"
 # Each tenant's system prompt: a few hundred tokens of its own text.
 SYSTEM_SENTENCES = 24
@@ -323,9 +322,7 @@ def start_gateway(cluster: LocalCluster) -> str:
     values = {"gateway.enabled": "true", "gateway.replicaCount": "1"}
     install_chart(cluster, values | {"gateway.maxQueue": str(OVERLOAD_MAX_QUEUE)})
     cluster.kubectl("create", "namespace", NAMESPACE)
-    gateways = ReadyEndpoints(
-        cluster.api, OPERATOR_NAMESPACE, "gateway", selector=GATEWAY_SELECTOR, port=GATEWAY_PORT
-    )
+    gateways = gateway_endpoints(cluster, OPERATOR_NAMESPACE)
     return wait_for("a ready gateway", gateways.refresh, 120)[0].base_url
 
 

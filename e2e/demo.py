@@ -30,6 +30,7 @@ from kvfleet.operator.api import qualified_name
 from e2e.cluster import AttachedCluster, ensure_binaries
 from e2e.cluster.cluster import default_cache_dir
 from e2e.fleet.chart import OPERATOR_NAMESPACE, RELEASE, install_chart
+from e2e.fleet.gateway import gateway_endpoints
 from e2e.fleet.manifests import deployment_path, tiny_example
 from e2e.fleet.observe import wait_ready
 from e2e.fleet.traffic import ChatLoad, Endpoint, ReadyEndpoints, chat
@@ -46,8 +47,6 @@ BURST_CLIENTS = 12
 # Long enough for the replicas the autoscaler adds to load their model and take a share.
 BURST_SECONDS = 45.0
 SETTLE_TIMEOUT_SECONDS = 150.0
-GATEWAY_PORT = 8080  # the chart's gateway.port
-GATEWAY_SELECTOR = "app.kubernetes.io/name=kvfleet,app.kubernetes.io/component=gateway"
 ROUTING_METRIC = "kvfleet_gateway_routing_decisions_total"
 # The second service: idle this long, it goes to zero; the gateway then holds its next request.
 ZERO_NAME = "tiny-at-zero"
@@ -120,9 +119,7 @@ def watch_replicas(
 
 def gateways(cluster: AttachedCluster) -> ReadyEndpoints:
     """The ready gateway pods (a Service would pick one; this cluster's pods have loopback IPs)."""
-    return ReadyEndpoints(
-        cluster.api, OPERATOR_NAMESPACE, "gateway", selector=GATEWAY_SELECTOR, port=GATEWAY_PORT
-    )
+    return gateway_endpoints(cluster, OPERATOR_NAMESPACE)
 
 
 def routing_decisions(cluster: AttachedCluster, model: str) -> dict[str, float]:

@@ -11,7 +11,6 @@ import os
 import signal
 import threading
 import time
-import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -22,62 +21,18 @@ import yaml
 from e2e.cluster import LocalCluster
 from e2e.conftest import fresh_namespace
 from e2e.fleet.chart import OperatorRelease
+from e2e.fleet.gateway import GATEWAY_CONTAINER, gateway_enabled, metric, upgrade_release
 from e2e.fleet.manifests import fake_gpu_service, tiny_service
 from e2e.fleet.observe import service_pods, wait_condition, wait_ready
 from e2e.fleet.traffic import ChatLoad, Endpoint, ReadyEndpoints
 from e2e.support.waits import condition, wait_for
 
-GATEWAY_PORT = 8080  # the chart's gateway.port
-GATEWAY_SELECTOR = "app.kubernetes.io/name=kvfleet,app.kubernetes.io/component=gateway"
-GATEWAY_CONTAINER = "gateway"
-
-
-CHART = Path(__file__).parents[1] / "charts" / "kvfleet"
-
-
-def _upgrade(local_cluster: LocalCluster, release: OperatorRelease, *values: str) -> None:
-    """helm upgrade of the release with these `--set` values over the ones it has."""
-    local_cluster.helm(
-        "upgrade",
-        release.release,
-        str(CHART),
-        "--namespace",
-        release.namespace,
-        "--reuse-values",
-        *(f"--set={value}" for value in values),
-        "--wait",
-        "--timeout=180s",
-    )
-
 
 @pytest.fixture(scope="module")
 def gateway(local_cluster: LocalCluster, kvfleet_release: OperatorRelease) -> Iterator[ReadyEndpoints]:
     """The release's gateway turned on (two replicas) for this module, and off again after it."""
-    _upgrade(local_cluster, kvfleet_release, "gateway.enabled=true")
-    try:
-        endpoints = ReadyEndpoints(
-            local_cluster.api,
-            kvfleet_release.namespace,
-            "gateway",
-            selector=GATEWAY_SELECTOR,
-            port=GATEWAY_PORT,
-        )
-        with endpoints:
-            wait_for("2 ready gateway replicas", lambda: len(endpoints.refresh()) == 2, 60)
-            yield endpoints
-    finally:
-        _upgrade(local_cluster, kvfleet_release, "gateway.enabled=false")
-
-
-def _metric(endpoint: Endpoint, name: str, *labels: str) -> float:
-    """The sum of a gateway metric's samples (those with every label given, e.g. `model="ns/m"`)."""
-    with urllib.request.urlopen(f"http://{endpoint.ip}:{endpoint.port}/metrics", timeout=5) as response:
-        text = response.read().decode()
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith(name) and all(label in line for label in labels)
-    )
+    with gateway_enabled(local_cluster, kvfleet_release) as endpoints:
+        yield endpoints
 
 
 def test_a_service_at_zero_is_woken_by_a_held_request_and_goes_back_to_zero(
@@ -104,7 +59,7 @@ def test_a_service_at_zero_is_woken_by_a_held_request_and_goes_back_to_zero(
     wait_for("no replica left", lambda: not service_pods(api, namespace, "wake"), 60)
 
     endpoint = gateway.current()[0]
-    activations = _metric(endpoint, "kvfleet_gateway_activation_seconds_count")
+    activations = metric(endpoint, "kvfleet_gateway_activation_seconds_count")
     client = openai.OpenAI(base_url=endpoint.base_url, api_key="unused", max_retries=0, timeout=180)
     sent = time.monotonic()
     stream = client.chat.completions.create(
@@ -121,7 +76,7 @@ def test_a_service_at_zero_is_woken_by_a_held_request_and_goes_back_to_zero(
             first_token = first_token or time.monotonic() - sent
             text += chunk.choices[0].delta.content
     assert first_token is not None and text, "the held request was served"
-    assert _metric(endpoint, "kvfleet_gateway_activation_seconds_count") == activations + 1
+    assert metric(endpoint, "kvfleet_gateway_activation_seconds_count") == activations + 1
     measurements(f"scale from zero: first token {first_token:.1f}s after the request reached the gateway")
 
     wait_condition(api, namespace, "wake", "Ready", "True", "ScaledToZero", timeout=120)
@@ -255,11 +210,11 @@ def test_two_namespaces_serving_one_name_take_neither_the_others_traffic_nor_its
 ) -> None:
     with fresh_namespace(local_cluster, f"{namespace[:50]}-other") as other:
         # Serving every namespace, the gateway reads API keys only where the platform lets it.
-        _upgrade(local_cluster, kvfleet_release, f"gateway.keyNamespaces={{{namespace},{other}}}")
+        upgrade_release(local_cluster, kvfleet_release, f"gateway.keyNamespaces={{{namespace},{other}}}")
         try:
             _serve_one_name_from_two_namespaces(local_cluster, gateway, namespace, other, tiny_model_dir)
         finally:
-            _upgrade(local_cluster, kvfleet_release, "gateway.keyNamespaces=null")
+            upgrade_release(local_cluster, kvfleet_release, "gateway.keyNamespaces=null")
 
 
 def _serve_one_name_from_two_namespaces(
@@ -308,12 +263,12 @@ def _serve_one_name_from_two_namespaces(
     assert completion.choices[0].text is not None
     decisions = "kvfleet_gateway_routing_decisions_total"
     its_replica = f'endpoint="http://{pod["status"]["podIP"]}:'
-    assert _metric(endpoint, decisions, f'model="{mine}"', its_replica) == 1
+    assert metric(endpoint, decisions, f'model="{mine}"', its_replica) == 1
     # The first namespace's key, sent for the other's model: refused before any of its replicas sees it.
     with pytest.raises(openai.AuthenticationError):
         clients[namespace].completions.create(model=theirs, prompt="Hello", max_tokens=4)
     with pytest.raises(openai.NotFoundError):  # the gateway watches every namespace: no bare names
         clients[namespace].completions.create(model="shared-model", prompt="Hello", max_tokens=4)
-    assert _metric(endpoint, decisions, f'model="{theirs}"') == 0, "nothing was sent to the other's replica"
+    assert metric(endpoint, decisions, f'model="{theirs}"') == 0, "nothing was sent to the other's replica"
     assert clients[other].completions.create(model=theirs, prompt="Hello", max_tokens=4).choices
-    assert _metric(endpoint, decisions, f'model="{theirs}"') == 1
+    assert metric(endpoint, decisions, f'model="{theirs}"') == 1

@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
@@ -106,8 +107,11 @@ class ChatLoad:
         max_tokens: int,
         model: str = "tiny",
         request_timeout: float = 60.0,
+        prompt: Callable[[int], str] = lambda number: f"Request {number}: tell me about fleets.",
     ) -> None:
+        """`prompt`: the user message of the request of each number."""
         self.endpoints = endpoints
+        self.prompt = prompt
         self.concurrency = concurrency
         self.max_tokens = max_tokens
         self.model = model
@@ -188,7 +192,7 @@ class ChatLoad:
         try:
             response = self._client(endpoint).chat.completions.create(
                 model=self.model,
-                messages=[{"role": "user", "content": f"Request {number}: tell me about fleets."}],
+                messages=[{"role": "user", "content": self.prompt(number)}],
                 max_tokens=self.max_tokens,
                 temperature=0.0,
                 extra_body={"ignore_eos": True},

@@ -1,0 +1,59 @@
+"""The chart's fleet gateway on a local cluster: turned on and off in a release, its pods' endpoints, and its
+metrics as the tests read them."""
+
+from __future__ import annotations
+
+import contextlib
+import urllib.request
+from collections.abc import Iterator
+
+from e2e.fleet.chart import CHART_DIR, ClusterAccess, OperatorRelease
+from e2e.fleet.traffic import Endpoint, ReadyEndpoints
+from e2e.support.waits import wait_for
+
+GATEWAY_PORT = 8080  # the chart's gateway.port
+GATEWAY_SELECTOR = "app.kubernetes.io/name=kvfleet,app.kubernetes.io/component=gateway"
+GATEWAY_CONTAINER = "gateway"
+
+
+def upgrade_release(cluster: ClusterAccess, release: OperatorRelease, *values: str) -> None:
+    """helm upgrade of the release with these `--set` values over the ones it has."""
+    cluster.helm(
+        "upgrade",
+        release.release,
+        str(CHART_DIR),
+        "--namespace",
+        release.namespace,
+        "--reuse-values",
+        *(f"--set={value}" for value in values),
+        "--wait",
+        "--timeout=180s",
+    )
+
+
+def gateway_endpoints(cluster: ClusterAccess, namespace: str) -> ReadyEndpoints:
+    """The ready gateway pods of the release in `namespace`, refreshed in the background once entered."""
+    return ReadyEndpoints(cluster.api, namespace, "gateway", selector=GATEWAY_SELECTOR, port=GATEWAY_PORT)
+
+
+@contextlib.contextmanager
+def gateway_enabled(cluster: ClusterAccess, release: OperatorRelease) -> Iterator[ReadyEndpoints]:
+    """The release's gateway turned on (its two replicas ready) while inside, and off again after."""
+    upgrade_release(cluster, release, "gateway.enabled=true")
+    try:
+        with gateway_endpoints(cluster, release.namespace) as endpoints:
+            wait_for("2 ready gateway replicas", lambda: len(endpoints.refresh()) == 2, 60)
+            yield endpoints
+    finally:
+        upgrade_release(cluster, release, "gateway.enabled=false")
+
+
+def metric(endpoint: Endpoint, name: str, *labels: str) -> float:
+    """The sum of a metric's samples on a pod's /metrics (those with every label given: `model="ns/m"`)."""
+    with urllib.request.urlopen(f"http://{endpoint.ip}:{endpoint.port}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(name) and all(label in line for label in labels)
+    )
