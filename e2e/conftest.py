@@ -26,7 +26,9 @@ if str(REPO_ROOT) not in sys.path:
 
 from e2e.cluster import ApiError, ClusterConfig, KubeAPI, LocalCluster, ensure_binaries  # noqa: E402
 from e2e.fleet.chart import OperatorRelease, install_chart, uninstall_chart  # noqa: E402
+from e2e.fleet.gateway import gateway_enabled  # noqa: E402
 from e2e.fleet.manifests import services_path  # noqa: E402
+from e2e.fleet.traffic import ReadyEndpoints  # noqa: E402
 
 PROBE_TARGET = REPO_ROOT / "e2e" / "support" / "probe_target.py"
 CLUSTER_FIXTURES = {"local_cluster", "cluster_bin_dir", "namespace", "module_namespace", "kvfleet_release"}
@@ -204,3 +206,10 @@ def module_namespace(local_cluster: LocalCluster, request: pytest.FixtureRequest
     """A fresh namespace shared by the tests of one module (what they set up costs a model load)."""
     with fresh_namespace(local_cluster, _namespace_name(request.module.__name__.rpartition(".")[2])) as name:
         yield name
+
+
+@pytest.fixture(scope="module")
+def gateway(local_cluster: LocalCluster, kvfleet_release: OperatorRelease) -> Iterator[ReadyEndpoints]:
+    """The release's fleet gateway turned on (two replicas) for one module, and off again after it."""
+    with gateway_enabled(local_cluster, kvfleet_release) as endpoints:
+        yield endpoints

@@ -5,18 +5,16 @@ loses no request (the gateway and the decode replicas compute the prompts themse
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import openai
-import pytest
 import yaml
 from kvfleet.contract.kv_transfer import ROLES
 from kvfleet.operator.api import ROLE_LABEL
 
 from e2e.cluster import LocalCluster
-from e2e.fleet.chart import OperatorRelease
-from e2e.fleet.gateway import gateway_enabled, metric
+from e2e.fleet.gateway import metric
 from e2e.fleet.manifests import tiny_service
 from e2e.fleet.observe import live_pods, wait_ready
 from e2e.fleet.traffic import ChatLoad, ReadyEndpoints, serving_endpoints
@@ -32,12 +30,6 @@ GATEWAY_DISAGGREGATED = "kvfleet_gateway_pd_requests_total"
 def long_prompt(number: int) -> str:
     # Each starts with its own number, so that no decode replica holds another's first block.
     return f"Request {number}. {LONG_TEXT}"
-
-
-@pytest.fixture(scope="module")
-def gateway(local_cluster: LocalCluster, kvfleet_release: OperatorRelease) -> Iterator[ReadyEndpoints]:
-    with gateway_enabled(local_cluster, kvfleet_release) as endpoints:
-        yield endpoints
 
 
 def _pods_by_role(local_cluster: LocalCluster, namespace: str) -> dict[str, list[dict]]:

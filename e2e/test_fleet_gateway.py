@@ -11,7 +11,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import openai
@@ -21,18 +21,11 @@ import yaml
 from e2e.cluster import LocalCluster
 from e2e.conftest import fresh_namespace
 from e2e.fleet.chart import OperatorRelease
-from e2e.fleet.gateway import GATEWAY_CONTAINER, gateway_enabled, metric, upgrade_release
+from e2e.fleet.gateway import GATEWAY_CONTAINER, metric, upgrade_release
 from e2e.fleet.manifests import fake_gpu_service, tiny_service
 from e2e.fleet.observe import service_pods, wait_condition, wait_ready
 from e2e.fleet.traffic import ChatLoad, Endpoint, ReadyEndpoints
 from e2e.support.waits import condition, wait_for
-
-
-@pytest.fixture(scope="module")
-def gateway(local_cluster: LocalCluster, kvfleet_release: OperatorRelease) -> Iterator[ReadyEndpoints]:
-    """The release's gateway turned on (two replicas) for this module, and off again after it."""
-    with gateway_enabled(local_cluster, kvfleet_release) as endpoints:
-        yield endpoints
 
 
 def test_a_service_at_zero_is_woken_by_a_held_request_and_goes_back_to_zero(

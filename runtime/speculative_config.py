@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
+
+from kvfleet.runtime.json_options import json_object
 
 SpeculativeMethod = Literal["ngram", "draft_model"]
 _METHODS: tuple[str, ...] = ("ngram", "draft_model")
@@ -40,13 +41,7 @@ class SpeculativeConfig:
     def parse(cls, value: str | dict[str, Any]) -> SpeculativeConfig:
         """From the JSON text of the flag or the dict of `LLM(speculative_config=...)`; raises ValueError
         naming what is wrong."""
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as error:
-                raise ValueError(f"speculative_config is not valid JSON: {error}") from None
-        if not isinstance(value, dict):
-            raise ValueError("speculative_config must be a JSON object")
+        value = json_object(value, "speculative_config")
         method = value.get("method")
         if method not in _METHODS:
             raise ValueError(

@@ -524,16 +524,8 @@ class Scheduler:
         )
         if not grant.num_tokens:
             return False
-        if kv.allocate_slots(request, prefix.num_loaded + grant.num_tokens, prefix.device_blocks) is None:
+        if not self._take_blocks(request, prefix, grant.num_tokens, _RUNNING, prefix.num_tokens):
             return False
-        new_block_ids = kv.get_block_ids(request.request_id)[len(prefix.device_blocks) :]
-        for source in self._computed_token_sources:
-            source.admitted(request, prefix, new_block_ids)
-        self.waiting.pop()
-        request.transition(_RUNNING)
-        request.num_computed_tokens = prefix.num_tokens
-        if request.num_cached_tokens < 0:
-            request.num_cached_tokens = prefix.num_tokens
         self.running.append(request)
         scheduled[request] = grant.num_tokens
         budget.take(grant)
@@ -543,19 +535,38 @@ class Scheduler:
         """Give the queue's head blocks for its whole prompt and have its KV loaded into them; it waits for
         its KV without taking any of the step's budget. The loaded blocks join the prefix cache only once the
         request runs: until then they hold nothing."""
+        num_to_compute = request.num_tokens - prefix.num_tokens
+        num_computed = prefix.num_tokens - prefix.num_loaded  # the device's hits, for now
+        if not self._take_blocks(request, prefix, num_to_compute, _WAITING_FOR_REMOTE_KVS, num_computed):
+            return False
+        self._waiting_for_kvs[request.request_id] = request
+        return True
+
+    def _take_blocks(
+        self,
+        request: Request,
+        prefix: ComputedPrefix,
+        num_to_compute: int,
+        status: RequestStatus,
+        num_computed: int,
+    ) -> bool:
+        """Give the queue's head blocks for the tokens its prefix brings in and the num_to_compute after them,
+        have the prefix's source bring them in, and move it out of the queue into `status` with num_computed
+        tokens computed; False, with nothing changed, when the blocks are short."""
         kv = self.kv_cache_manager
-        num_new_tokens = prefix.num_loaded + request.num_tokens - prefix.num_tokens
-        if kv.allocate_slots(request, num_new_tokens, prefix.device_blocks, delay_cache_blocks=True) is None:
+        # Blocks a load fills are not findable until it is done: until then they hold nothing.
+        delay = status == _WAITING_FOR_REMOTE_KVS
+        num_new_tokens = prefix.num_loaded + num_to_compute
+        if kv.allocate_slots(request, num_new_tokens, prefix.device_blocks, delay_cache_blocks=delay) is None:
             return False
         new_block_ids = kv.get_block_ids(request.request_id)[len(prefix.device_blocks) :]
         for source in self._computed_token_sources:
             source.admitted(request, prefix, new_block_ids)
         self.waiting.pop()
-        request.transition(_WAITING_FOR_REMOTE_KVS)
-        request.num_computed_tokens = prefix.num_tokens - prefix.num_loaded
+        request.transition(status)
+        request.num_computed_tokens = num_computed
         if request.num_cached_tokens < 0:
-            request.num_cached_tokens = request.num_computed_tokens
-        self._waiting_for_kvs[request.request_id] = request
+            request.num_cached_tokens = num_computed
         return True
 
     def _build_output(

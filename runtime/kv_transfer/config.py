@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import ipaddress
-import json
 import uuid
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
+from kvfleet.runtime.json_options import json_object
 from kvfleet.runtime.multimodal.media_sources import IPNetwork
 
 KVRole = Literal["kv_producer", "kv_consumer", "kv_both"]
@@ -66,13 +66,7 @@ class KVTransferConfig:
     def parse(cls, value: str | dict[str, Any]) -> KVTransferConfig:
         """From the JSON text of the flag or the dict of `LLM(kv_transfer_config=...)`; raises ValueError
         naming what is wrong."""
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as error:
-                raise ValueError(f"kv_transfer_config is not valid JSON: {error}") from None
-        if not isinstance(value, dict):
-            raise ValueError("kv_transfer_config must be a JSON object")
+        value = json_object(value, "kv_transfer_config")
         _refuse_unknown(value, _KEYS, "kv_transfer_config")
         extra = value.get("kv_connector_extra_config", {})
         if not isinstance(extra, dict):

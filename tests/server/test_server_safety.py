@@ -174,7 +174,12 @@ def guarded(
         "output": ["guard"],
         "windowTokens": WINDOW,
         "refusal": REFUSAL,
-        "guard": {"endpoint": f"{guard.url}/v1", "extraBody": {"logit_bias": _unsafe_s9_bias(tiny_llama)}},
+        # The guard's deadline is not under test here: room for a first call on a busy machine.
+        "guard": {
+            "endpoint": f"{guard.url}/v1",
+            "extraBody": {"logit_bias": _unsafe_s9_bias(tiny_llama)},
+            "timeout": 30,
+        },
         "tiers": {
             "high": {"input": ["guard"], "output": []},
             "batch": {"action": "flag"},
