@@ -6,9 +6,9 @@ answers) keep arriving. A colocated replica runs each long prefill in the steps 
 or not, so every chat stalls while one is computed; with the roles apart, decodes run at their own pace and
 the long prompts' KV blocks move from the prefill replica to the decode replica.
 
-- colocated: one `kvfleet serve` with chunked prefill on every thread, called directly;
-- disaggregated: a prefill replica (kv_producer) and a decode replica (kv_consumer) with half the threads
-  each, and `kvfleet gateway` sending each prompt with enough new tokens to the prefill replica first.
+- colocated: one `kvfleet serve` with chunked prefill on all the CPUs given, called directly;
+- disaggregated: a prefill replica (kv_producer) on half of them and a decode replica (kv_consumer) on the
+  other half, and `kvfleet gateway` sending each prompt with enough new tokens to the prefill replica first.
 
 Both runs send the same seeded requests at the same times. Reported side by side: TTFT and ITL of the chats
 and of the long prompts, output tokens per second, failures; from the decode replica's metrics, the KV bytes
