@@ -40,6 +40,8 @@ logger = logging.getLogger(__name__)
 
 # The reason a load that stopped because its request ended is reported with; it is no fallback.
 CANCELLED = "cancelled"
+# What an empty pull's id adds to its request's (a pull that only tells a prefill replica to free its blocks).
+_RELEASE = "#release"
 # Fallback reasons, as metric labels: a bounded set, whatever words the transport's reasons use.
 _REASON_WORDS = (
     ("unknown_transfer", ("unknown", "withdrawn", "expired")),
@@ -78,6 +80,8 @@ class TcpConnectorScheduler(KVConnectorScheduler):
         # Requests whose load was ordered and not yet reported; those among them that ended meanwhile.
         self._loading: set[str] = set()
         self._cancelled: set[str] = set()
+        # Empty pulls ordered and not yet reported.
+        self._releasing: set[str] = set()
         self.num_loads = 0
         self.num_holds_expired = 0
         self.fallbacks: Counter[str] = Counter()
@@ -91,9 +95,22 @@ class TcpConnectorScheduler(KVConnectorScheduler):
         # The prompt's last token runs here again, to give logits.
         num_external = request.num_prompt_tokens - 1 - num_computed_tokens
         if num_external <= 0:  # the prefix cache holds all of it: nothing to pull
+            self._release(request)
             request.kv_transfer = None
             return 0, False
         return num_external, True
+
+    def _release(self, request: Request) -> None:
+        """An empty pull of the request's offer: the prefill replica frees its blocks now, where it would
+        otherwise hold them until hold_timeout_s."""
+        remote = request.kv_transfer
+        assert isinstance(remote, RemotePrefill)
+        release_id = request.request_id + _RELEASE
+        digest = kv_digest(request)
+        self._meta.loads.append(
+            LoadSpec(release_id, remote.host, remote.port, remote.transfer_id, digest, [], [])
+        )
+        self._releasing.add(release_id)
 
     def update_state_after_alloc(
         self, request: Request, block_ids: list[int], num_external_tokens: int
@@ -146,25 +163,30 @@ class TcpConnectorScheduler(KVConnectorScheduler):
         return True, prefill_params(config.engine_id, config.kv_ip, self._port, offered, transfer_id)
 
     def update_connector_output(self, output: KVConnectorOutput) -> list[str]:
+        # Empty pulls end here, counted neither as loads nor as fallbacks: their requests ran on.
+        released = self._releasing & (set(output.finished_recving) | set(output.failed_recving))
+        self._releasing -= released
         freeable = []
         for transfer_id in output.finished_sending:
             hold = self._holds.pop(transfer_id, None) or self._withdrawing.pop(transfer_id, None)
             if hold is not None:
                 freeable.append(hold.request_id)
         for request_id in output.finished_recving:
-            self._loading.discard(request_id)
-            self.num_loads += 1
+            if request_id not in released:
+                self._loading.discard(request_id)
+                self.num_loads += 1
         for request_id, reason in output.failed_recving.items():
-            self._loading.discard(request_id)
-            if request_id not in self._cancelled:
-                self.fallbacks[fallback_reason(reason)] += 1
+            if request_id not in released:
+                self._loading.discard(request_id)
+                if request_id not in self._cancelled:
+                    self.fallbacks[fallback_reason(reason)] += 1
         ended = set(output.finished_recving) | set(output.failed_recving)
         freeable += sorted(self._cancelled & ended)
         self._cancelled -= ended
         return freeable
 
     def has_pending(self) -> bool:
-        return bool(self._holds or self._withdrawing or self._loading or self._meta)
+        return bool(self._holds or self._withdrawing or self._loading or self._releasing or self._meta)
 
     def fill_stats(self, stats: SchedulerStats) -> None:
         stats.kv_transfer_loads = self.num_loads

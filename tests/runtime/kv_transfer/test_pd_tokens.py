@@ -65,6 +65,25 @@ def test_only_blocks_missing_from_the_prefix_cache_are_pulled(
     release_holds(producer)
 
 
+def test_a_prompt_the_decode_side_caches_whole_pulls_nothing_and_frees_the_hold_at_once(
+    pd_pair: tuple[LLM, LLM], transformers_greedy: Callable[[list[list[int]]], list[list[int]]]
+) -> None:
+    producer, consumer = pd_pair
+    # Two full blocks and the last token: the decode side's own run caches all that a decode call would pull.
+    prompt = random_prompts(1, [2 * BLOCK_SIZE + 1], seed=5)[0]
+    consumer.generate([prompt], greedy(1))
+    params = prefill(producer, [prompt])
+    assert stats(producer).kv_transfer_blocks_held == 3
+    before = stats(consumer)
+    assert decode(consumer, [prompt], params) == transformers_greedy([prompt])
+    after = stats(consumer)
+    assert after.kv_transfer_blocks_pulled == before.kv_transfer_blocks_pulled
+    assert after.kv_transfer_loads == before.kv_transfer_loads and after.kv_transfer_fallbacks == {}
+    # Released by the decode side's empty pull, long before hold_timeout_s (120 s).
+    release_holds(producer)
+    assert stats(producer).kv_transfer_holds_expired == 0
+
+
 def test_chunked_prefill_with_a_small_budget(
     tiny_llama: Path, transformers_greedy: Callable[[list[list[int]]], list[list[int]]]
 ) -> None:
