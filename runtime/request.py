@@ -81,7 +81,7 @@ class Request:
         grammar: RequestGrammar | None = None,
         token_rules: TokenRules | None = None,
         lora_request: LoRARequest | None = None,
-        cache_salt: bytes | None = None,
+        model_salt: bytes | None = None,
         mm_features: list[MultiModalFeature] | None = None,
         mrope_positions: MRopePositions | None = None,
     ) -> None:
@@ -99,8 +99,8 @@ class Request:
         # logit_bias, allowed_token_ids and bad_words, applied with the grammar's mask.
         self.token_rules = token_rules
         self.lora_request = lora_request
-        # Besides the adapter, what makes this request's KV differ from another's for the same tokens.
-        self.cache_salt = cache_salt
+        # What the model makes this request's KV depend on besides its tokens (see chain_seed).
+        self.model_salt = model_salt
         # The prompt's images in prompt order, each over its run of placeholder tokens.
         self.mm_features: list[MultiModalFeature] = mm_features or []
         # Its three-dimensional positions, on a model with M-RoPE; None on others.

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
-from kvfleet.runtime.core.kv_cache_utils import BlockHash
+from kvfleet.contract.block_hash import BlockHash
 
 
 class KVCacheBlock:

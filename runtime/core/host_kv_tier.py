@@ -19,7 +19,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvfleet.runtime.core.kv_cache_utils import BlockHash
+from kvfleet.contract.block_hash import BlockHash
 
 
 @dataclass

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from kvfleet.contract.block_hash import BlockHash
 from kvfleet.runtime.core.block_pool import BlockPool, KVCacheBlock
-from kvfleet.runtime.core.kv_cache_utils import BlockHash, extend_block_hashes
+from kvfleet.runtime.core.kv_cache_utils import extend_block_hashes
 from kvfleet.runtime.request import Request
 
 

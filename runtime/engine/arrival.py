@@ -151,7 +151,7 @@ class RopeCacheSalt:
         self._rope = rope
 
     def prepare(self, add: AddRequest, request: Request) -> None:
-        request.cache_salt = rope_cache_salt(self._rope, len(add.prompt_token_ids))
+        request.model_salt = rope_cache_salt(self._rope, len(add.prompt_token_ids))
 
 
 class PromptMRopePositions:

@@ -140,7 +140,7 @@ def kv_digest(request: Request) -> bytes:
     hasher = hashlib.sha256(b"kvfleet-kv-digest-1")
     lora = request.lora_request
     hasher.update(b"lora:" + (lora.lora_name.encode() if lora is not None else b""))
-    hasher.update(b"\0salt:" + (request.cache_salt or b""))
+    hasher.update(b"\0salt:" + (request.model_salt or b""))
     hasher.update(b"\0tokens:" + array("q", request.prompt_token_ids).tobytes())
     for feature in request.mm_features:
         hasher.update(b"\0item:%d:" % feature.offset + feature.identifier)

@@ -1,7 +1,7 @@
 from __future__ import annotations
 
 import pytest
-from kvfleet.runtime.core import kv_cache_utils
+from kvfleet.contract import block_hash
 from kvfleet.runtime.core.kv_cache_manager import KVCacheManager
 from kvfleet.runtime.request import Request
 from kvfleet.runtime.sampling_params import SamplingParams
@@ -131,13 +131,13 @@ def test_caching_disabled() -> None:
 
 def test_hashes_only_newly_full_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[tuple[int, ...]] = []
-    real_hash = kv_cache_utils.hash_block_tokens
+    real_hash = block_hash.hash_block_tokens
 
     def counting_hash(parent: bytes | None, token_ids: list[int], extra_keys: bytes = b"") -> bytes:
         calls.append(tuple(token_ids))
         return real_hash(parent, token_ids, extra_keys)
 
-    monkeypatch.setattr(kv_cache_utils, "hash_block_tokens", counting_hash)
+    monkeypatch.setattr(block_hash, "hash_block_tokens", counting_hash)
     manager = KVCacheManager(10, BLOCK, enable_caching=True)
     req = request("a", list(range(6)))
     admit(manager, req)
