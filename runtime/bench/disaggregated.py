@@ -27,14 +27,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
-from kvfleet.contract.metrics import KVFLEET_PREFIX
-from kvfleet.runtime.bench.processes import MODEL_NAME, BenchProcess, ServeProcess
+from kvfleet.runtime.bench.processes import MODEL_NAME, BenchProcess, ServeProcess, counter_totals
 from kvfleet.runtime.bench.serve_client import ServeRequest, bench_client, send_workload
 from kvfleet.runtime.bench.serve_report import summarize
 from kvfleet.runtime.bench.workloads import random_requests
 from kvfleet.runtime.config import EngineConfig
-from prometheus_client.parser import text_string_to_metric_families
 
 # The decode replica's transfer counters (runtime/metrics.py), without their prefix and _total.
 _TRANSFER_COUNTERS = (
@@ -154,7 +151,7 @@ def _run(
         for process in processes:
             process.wait_ready()
         results, duration = asyncio.run(_send_all(url, workload))
-        transfers = None if transfers_of is None else _transfers(transfers_of)
+        transfers = None if transfers_of is None else counter_totals([transfers_of], _TRANSFER_COUNTERS)
     finally:
         for process in reversed(processes):
             process.stop()
@@ -168,18 +165,6 @@ async def _send_all(url: str, workload: list[ServeRequest]) -> tuple[list, float
         # One untimed request first: the first request of a process pays for lazy setup.
         await send_workload(client, MODEL_NAME, [ServeRequest([16, 17, 18, 19], 4, None, 0.0)])
         return await send_workload(client, MODEL_NAME, workload)
-
-
-def _transfers(decode_url: str) -> dict[str, float]:
-    """What the decode replica pulled, from its /metrics: loads, blocks, bytes and seconds in all."""
-    text = httpx.get(decode_url + "/metrics", timeout=10).text
-    totals = dict.fromkeys(_TRANSFER_COUNTERS, 0.0)
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            name = sample.name.removeprefix(KVFLEET_PREFIX).removesuffix("_total")
-            if name in totals and sample.name.startswith(KVFLEET_PREFIX):
-                totals[name] += sample.value
-    return totals
 
 
 def format_report(report: dict[str, Any]) -> str:

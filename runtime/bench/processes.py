@@ -13,7 +13,9 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import httpx
+from kvfleet.contract.metrics import KVFLEET_PREFIX
 from kvfleet.runtime.config import EngineConfig
+from prometheus_client.parser import text_string_to_metric_families
 
 MODEL_NAME = "bench"
 _READY_TIMEOUT_S = 600.0
@@ -109,6 +111,20 @@ class ServeProcess(BenchProcess):
         ]
         args = ["serve", "--model", config.model, "--served-model-name", MODEL_NAME, *extra_args, *flags]
         super().__init__(args, workdir / log_name, ready_path="/ready", env=env, cpus=cpus)
+
+
+def counter_totals(urls: list[str], names: tuple[str, ...]) -> dict[str, float]:
+    """The replicas' `kvfleet:` counters of `names` (without the prefix and _total), summed over the
+    replicas and over the labels."""
+    totals = dict.fromkeys(names, 0.0)
+    for url in urls:
+        text = httpx.get(url + "/metrics", timeout=10).text
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                name = sample.name.removeprefix(KVFLEET_PREFIX).removesuffix("_total")
+                if name in totals and sample.name.startswith(KVFLEET_PREFIX):
+                    totals[name] += sample.value
+    return totals
 
 
 def _flag(name: str, value: object) -> list[str]:

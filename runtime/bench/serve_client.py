@@ -107,7 +107,8 @@ def _chunk_text(chunk: dict) -> bool:
     )
 
 
-async def _send(client: httpx.AsyncClient, model: str, request: ServeRequest) -> RequestResult:
+async def send_request(client: httpx.AsyncClient, model: str, request: ServeRequest) -> RequestResult:
+    """Streams one request and times its chunks; a failure is the result's error, never an exception."""
     route, body = _body(model, request)
     headers = {PRIORITY_HEADER: request.tier} if request.tier else {}
     result = RequestResult(tier=request.tier or "-", prompt_len=len(request.prompt_token_ids))
@@ -175,7 +176,9 @@ async def run_benchmark(settings: BenchSettings) -> tuple[list[RequestResult], f
         # Prompts of their own: reusing the workload's would hand it prefix-cache hits.
         warmup = random_requests(settings.warmup, (16, 16), (4, 4), vocab_size, seed=settings.seed + 2)
         for request in warmup:
-            await _send(client, model, ServeRequest(request.prompt_token_ids, request.output_len, None, 0.0))
+            await send_request(
+                client, model, ServeRequest(request.prompt_token_ids, request.output_len, None, 0.0)
+            )
         return await send_workload(client, model, workload, settings.max_concurrency)
 
 
@@ -200,9 +203,9 @@ async def send_workload(
 
     async def one(request: ServeRequest) -> RequestResult:
         if limit is None:
-            return await _send(client, model, request)
+            return await send_request(client, model, request)
         async with limit:
-            return await _send(client, model, request)
+            return await send_request(client, model, request)
 
     start = time.perf_counter()
     tasks = []

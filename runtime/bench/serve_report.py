@@ -32,11 +32,12 @@ class RequestResult:
 
 def _stats_ms(values: list[float]) -> dict[str, float | None]:
     if not values:
-        return {"mean": None, "p50": None, "p99": None}
+        return {"mean": None, "p50": None, "p90": None, "p99": None}
     ordered = sorted(value * 1000 for value in values)
     return {
         "mean": sum(ordered) / len(ordered),
         "p50": percentile(ordered, 50),
+        "p90": percentile(ordered, 90),
         "p99": percentile(ordered, 99),
     }
 
