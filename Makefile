@@ -22,7 +22,7 @@ VLLM_VENV ?= $(KVFLEET_CACHE)/vllm-venv
 VLLM_TORCH := torch==2.13.0
 VLLM_STAMP := $(VLLM_VENV)/.vllm-$(shell echo $(VLLM_TORCH) | cat - bench/vllm/requirements.txt | sha256sum | cut -c1-16)
 
-.PHONY: setup test test-unit test-e2e lint demo demo-runtime bench-vs-vllm clean-venv images test-images crds
+.PHONY: setup test test-unit test-e2e lint demo demo-runtime bench-vs-vllm kv-events-vs-vllm clean-venv images test-images crds
 
 # -P keeps the checkout off sys.path: its operator/ package would shadow the standard library's `operator`
 # for any `python -m` run here before the editable install exists.
@@ -87,6 +87,13 @@ demo-runtime: setup
 # time at batch 1 and 8. Writes its table into docs/benchmarks.md.
 bench-vs-vllm: setup $(VLLM_STAMP)
 	VLLM_PYTHON=$(VLLM_VENV)/bin/python KVFLEET=$(VENV)/bin/kvfleet KVFLEET_CACHE=$(KVFLEET_CACHE) bash bench/vllm/run.sh
+
+# KV-cache events both ways with vLLM's CPU build, in its environment as above (a few minutes): vLLM's own
+# decoder reads a kvfleet replica's events, and the gateway's precise-prefix policy routes two vLLM replicas
+# on theirs.
+kv-events-vs-vllm: setup $(VLLM_STAMP)
+	$(PY) bench/vllm/kv_events.py --vllm-python $(VLLM_VENV)/bin/python \
+		--model $(KVFLEET_CACHE)/bench-vs-vllm/small --workdir $(KVFLEET_CACHE)/kv-events-vs-vllm
 
 # torch first with its own dependencies, then vLLM and what it imports, exactly as pinned (see the file).
 $(VLLM_STAMP): bench/vllm/requirements.txt
