@@ -10,6 +10,8 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable, Sequence
 
+import aiohttp
+import gateway_harness as harness
 import msgspec
 import pytest
 import zmq
@@ -426,6 +428,48 @@ def test_two_gateways_fed_the_same_events_route_alike() -> None:
         finally:
             for feeds in gateways:
                 await feeds.close()
+            for source in sources:
+                source.close()
+            context.term()
+
+    asyncio.run(main())
+
+
+def test_the_gateway_follows_its_precise_prefix_replicas_and_serves_through_a_broken_stream() -> None:
+    async def through_the_gateway(fleet: Sequence[harness.FakeReplica], sources: list[ReplicaEvents]) -> None:
+        endpoints = {replica.url: source.endpoints for replica, source in zip(fleet, sources, strict=True)}
+        config = harness.model("m", *fleet, policy="precise-prefix")
+        async with harness.running_gateway({"m": config}, kv_events_endpoints=endpoints) as running:
+            gateway, discovery, base = running
+            for source in sources:
+                await source.subscribed()
+            index = gateway.fleet.kv_index
+            await sources[0].publish(stored(PROMPT_A))
+            await sources[1].publish(stored(PROMPT_B))
+            await until(lambda: len(index) == 6, "both replicas' blocks are indexed")
+            await sources[1].publisher.send_multipart([b"garbage"])
+            await until(lambda: len(index) == 4, "the broken stream's replica is dropped")
+            async with aiohttp.ClientSession() as session:
+                body = {"model": "m", "prompt": "hello", "max_tokens": 1}
+                async with session.post(f"{base}/v1/completions", json=body) as response:
+                    assert response.status == 200
+                async with session.get(f"{base}/metrics") as response:
+                    page = await response.text()
+            assert 'kvfleet_gateway_kv_index_drops_total{reason="malformed"} 1.0' in page
+            assert 'precise_prefix_decisions_total{model="m",reason="not_tokenized"} 1.0' in page
+            discovery.publish({"m": harness.model("m", fleet[1], policy="precise-prefix")})
+            await until(
+                lambda: index.match(fleet[0].url, hashes(PROMPT_A)).blocks == 0,
+                "a replica gone from the fleet is forgotten",
+            )
+
+    async def main() -> None:
+        context = zmq.asyncio.Context()
+        sources = [ReplicaEvents(context), ReplicaEvents(context)]
+        try:
+            async with harness.replicas(harness.FakeReplica("r0"), harness.FakeReplica("r1")) as fleet:
+                await through_the_gateway(fleet, sources)
+        finally:
             for source in sources:
                 source.close()
             context.term()
