@@ -12,7 +12,7 @@ only grow, one per batch, so:
 - a number past the next one expected is a gap: the missing batches are asked from the replay socket. When
   it cannot give them (its first batch is past the missing one, it does not answer in time, or the replica
   has no replay socket), what the index holds of the replica may be stale: it is dropped, and rebuilt from
-  the events that follow;
+  the events that follow. A replay socket that did not answer is not asked again for REPLAY_RETRY_S;
 - a number below the next expected, above the last one received live, was already had from a replay and is
   skipped;
 - a number at or below the last one received live means the replica restarted (its cache is empty): its
@@ -58,13 +58,19 @@ logger = logging.getLogger(__name__)
 
 # A batch is one engine step's events. A step's prefills hold a few tens of thousand tokens, whose
 # BlockStored events take a few hundred KB; a message past this is no batch a replica sends.
-MAX_MESSAGE_BYTES = 8 * 1024 * 1024
+MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 # 4M tokens' worth of blocks of 16, far past any step's.
 MAX_BLOCKS_PER_BATCH = 256 * 1024
-# Live messages a subscriber holds while it applies others or waits for a replay.
-RECEIVE_HIGH_WATER_MARK = 10_000
+# Live messages a subscriber holds while it applies others or waits for a replay: ten seconds of a replica
+# that publishes a batch every 10 ms step. Past it ZeroMQ drops new ones, which makes a gap. A replica's
+# stream thus holds at most this many messages of at most MAX_MESSAGE_BYTES in the gateway; honest ones are
+# a few KB.
+RECEIVE_HIGH_WATER_MARK = 1000
 # A replay sends at most the replica's buffered batches (10,000 by default) and is read as it arrives.
 REPLAY_TIMEOUT_S = 10.0
+# After a replay that timed out (a replica may run no replay socket at all), gaps drop the entries at once for
+# this long, rather than holding the live stream for every one of them.
+REPLAY_RETRY_S = 60.0
 MAX_REPLAY_BATCHES = 100_000
 
 
@@ -132,6 +138,8 @@ class ReplicaSubscriber:
         self._next: int | None = None
         # The last sequence number received on the live socket.
         self._last_live = -1
+        # Event-loop time before which no replay is asked.
+        self._replay_after = 0.0
 
     async def run(self) -> None:
         subscriber = self._socket(zmq.SUB)
@@ -192,7 +200,8 @@ class ReplicaSubscriber:
     async def _replay(self, start: int, *, needed: bool) -> None:
         """Applies the batches the replay socket holds from `start` on. `needed`: the batches from `start`
         were published (a gap), and the entries are dropped unless the replay gives them all."""
-        if self.endpoints.replay is None:
+        loop = asyncio.get_running_loop()
+        if self.endpoints.replay is None or loop.time() < self._replay_after:
             if needed:
                 self._metrics.replays.labels("unavailable").inc()
                 self._drop("unreplayable_gap")
@@ -206,9 +215,12 @@ class ReplicaSubscriber:
                 await requester.send_multipart([b"", encode_sequence(start)])
                 outcome = await self._replayed(requester, start, needed)
         except TimeoutError:
+            # A replica that runs no replay socket never answers: only a gap makes that cost the entries.
             outcome = "timeout"
-            self._drop("replay_timeout")
-            self._next = None
+            self._replay_after = loop.time() + REPLAY_RETRY_S
+            if needed:
+                self._drop("replay_timeout")
+                self._next = None
         except _Broken as broken:
             outcome = "broken"
             self._broken(broken)
