@@ -263,9 +263,10 @@ class PrecisePrefix:
             return None
         capacity = bounded_load(replicas, self.load_bound)
         within = [replica for replica in candidates if replica.in_flight + 1 <= capacity]
+        # The last tie-break: a hash of the prompt's start and the replica, the same in every gateway.
         start = prompt.text[:DEFAULT_PREFIX_CHARS]
         if prompt.block_hashes is None:
-            chosen = min(within or candidates, key=lambda r: (r.in_flight, -_hash(f"{r.url}#{start}")))
+            chosen = max(within or candidates, key=lambda r: (-r.in_flight, _hash(f"{r.url}#{start}")))
             self._record(Decision("not_tokenized"))
             return chosen
         matches = {replica.url: self._match(replica, prompt) for replica in candidates}

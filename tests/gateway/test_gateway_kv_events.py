@@ -16,8 +16,10 @@ import msgspec
 import pytest
 import zmq
 import zmq.asyncio
+from click.testing import CliRunner
 from kvfleet.contract.block_hash import block_hashes, chain_seed, external_block_hash
 from kvfleet.gateway import kv_events
+from kvfleet.gateway.cli import _event_endpoints, gateway_command
 from kvfleet.gateway.kv_events import EventEndpoints, KVEventFeeds
 from kvfleet.gateway.kv_index import KVBlockIndex, PrefixMatch
 from kvfleet.gateway.metrics import GatewayMetrics
@@ -475,3 +477,25 @@ def test_the_gateway_follows_its_precise_prefix_replicas_and_serves_through_a_br
             context.term()
 
     asyncio.run(main())
+
+
+def test_the_command_line_names_where_replicas_publish() -> None:
+    endpoints = _event_endpoints(
+        (
+            "http://127.0.0.1:8001/=tcp://127.0.0.1:6001,tcp://127.0.0.1:6002",
+            "http://127.0.0.1:8002=tcp://h:7",
+        )
+    )
+    # Keyed as the replicas' URLs are given to --model (without a trailing slash).
+    assert endpoints == {
+        "http://127.0.0.1:8001": EventEndpoints("tcp://127.0.0.1:6001", "tcp://127.0.0.1:6002"),
+        "http://127.0.0.1:8002": EventEndpoints("tcp://h:7", None),
+    }
+    for wrong in (
+        "http://a:8000",
+        "http://a:8000=h:7",
+        "a:8000=tcp://h:7",
+        "http://a=tcp://h:1,tcp://h:2,tcp://h:3",
+    ):
+        result = CliRunner().invoke(gateway_command, ["--model", "m=http://a:8000", "--kv-events", wrong])
+        assert result.exit_code == 2 and "--kv-events" in result.output, wrong
