@@ -28,9 +28,9 @@ DEFAULT_MAX_ENTRIES = 1_000_000
 
 
 def tier_of(medium: str | None) -> Tier:
-    """The events' medium as the index weighs it: the engine's own cache (vLLM's "GPU", which publishers
-    that predate the field leave unset) or a slower tier (the host tier, "CPU", or any other)."""
-    return DEVICE if medium is None or medium == MEDIUM_DEVICE else HOST
+    """The events' medium as the index weighs it: the engine's own cache (vLLM's "GPU", in any case, which
+    publishers that predate the field leave unset) or a slower tier (the host tier, "CPU", or any other)."""
+    return DEVICE if medium is None or medium.upper() == MEDIUM_DEVICE else HOST
 
 
 @dataclass(frozen=True)
