@@ -21,8 +21,9 @@ only grow, one per batch, so:
 A stream that breaks the format (not three frames, a sequence number of the wrong size, a payload that does
 not decode, a batch with more blocks than MAX_BLOCKS_PER_BATCH or a block size below 1) drops the replica's
 entries; the subscriber goes on with the next message. A message over MAX_MESSAGE_BYTES makes ZeroMQ drop
-the connection, which reconnects: the batches lost are a gap. Every drop counts under its reason, and a
-replica's stream only ever touches that replica's entries.
+the connection, and it does not reconnect by itself after that: a subscriber makes every connection that
+drops again, with a new socket, and what was published meanwhile is a gap. Every drop counts under its
+reason, and a replica's stream only ever touches that replica's entries.
 
 Where a replica publishes: its host at the contract's ports by default (a Kubernetes replica's pod address),
 or the endpoints given for its URL (`kvfleet gateway --kv-events`, for replicas sharing a host).
@@ -72,6 +73,7 @@ REPLAY_TIMEOUT_S = 10.0
 # this long, rather than holding the live stream for every one of them.
 REPLAY_RETRY_S = 60.0
 MAX_REPLAY_BATCHES = 100_000
+RECONNECT_DELAY_S = 0.2
 
 
 @dataclass(frozen=True)
@@ -142,17 +144,41 @@ class ReplicaSubscriber:
         self._replay_after = 0.0
 
     async def run(self) -> None:
+        try:
+            await self._follow(first=True)
+            while True:
+                # A replica that cuts every connection off is not reconnected to in a busy loop.
+                await asyncio.sleep(RECONNECT_DELAY_S)
+                await self._follow(first=False)
+        finally:
+            self._drop("replica_removed")
+
+    async def _follow(self, *, first: bool) -> None:
+        """Receives the live stream until its connection drops. ZeroMQ reconnects by itself after most
+        failures, but not after it refused a message over the size cap: each connection gets a socket of its
+        own. The batches missed in between are a gap."""
         subscriber = self._socket(zmq.SUB)
         subscriber.setsockopt(zmq.RCVHWM, RECEIVE_HIGH_WATER_MARK)
         subscriber.setsockopt(zmq.SUBSCRIBE, b"")
+        monitor = subscriber.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         subscriber.connect(self.endpoints.publisher)
+        poller = zmq.asyncio.Poller()
+        poller.register(subscriber, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
         try:
-            await self._replay(0, needed=False)
+            if first:
+                await self._replay(0, needed=False)
             while True:
-                await self._receive(await subscriber.recv_multipart())
+                ready = dict(await poller.poll())
+                if subscriber in ready:
+                    await self._receive(await subscriber.recv_multipart())
+                elif monitor in ready:
+                    logger.info("%s: the KV event stream was cut off; reconnecting", self.replica)
+                    return
         finally:
+            subscriber.disable_monitor()
+            monitor.close(linger=0)
             subscriber.close(linger=0)
-            self._drop("replica_removed")
 
     async def _receive(self, frames: list[bytes]) -> None:
         try:

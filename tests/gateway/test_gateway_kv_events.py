@@ -326,6 +326,27 @@ def test_a_hostile_stream_drops_only_its_own_replicas_entries(monkeypatch: pytes
     run(scenario, replicas=2)
 
 
+def test_a_message_over_the_size_cap_is_a_gap_that_drops_the_entries(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(kv_events, "MAX_MESSAGE_BYTES", 1024)
+    monkeypatch.setattr(kv_events, "REPLAY_TIMEOUT_S", 0.2)
+
+    async def scenario(sources: list[ReplicaEvents], feeds: KVEventFeeds, metrics: GatewayMetrics) -> None:
+        (source,) = sources
+        await source.publish(stored(PROMPT_A))
+        await until(lambda: held(feeds, 0, PROMPT_A).blocks == 4, "prompt A is indexed")
+        # ZeroMQ drops the connection that brings it (and the replay's, that would bring it again).
+        await source.publish(Removed([2**63 + n for n in range(200)], "GPU"))
+        deadline = time.monotonic() + 5
+        while held(feeds, 0, PROMPT_C).blocks < 3:
+            assert time.monotonic() < deadline, "the subscriber never came back"
+            await source.publish(stored(PROMPT_C))  # until the reconnected subscriber hears one
+            await asyncio.sleep(0.05)
+        assert held(feeds, 0, PROMPT_A).blocks == 0
+        assert drops(metrics, "replay_timeout") == 1
+
+    run(scenario)
+
+
 def test_the_index_forgets_the_least_recently_stored_blocks_past_its_cap() -> None:
     index = KVBlockIndex(max_entries=6)
     index.store("r0", hashes(PROMPT_A), "GPU", BLOCK_SIZE)
