@@ -442,6 +442,9 @@ def test_two_gateways_fed_the_same_events_route_alike() -> None:
             policies = [PrecisePrefix(feeds.index) for feeds in gateways]
             fleets = [replicas(3), replicas(3)]
             questions = [*prompts, *(list(range(5000 + 8 * n, 5008 + 8 * n)) for n in range(30))]
+            # Traffic only the first gateway saw: a choice that hung on its own history would now differ.
+            for tokens in questions[::7]:
+                policies[0].choose(fleets[0], prompt_of(tokens), anyone)
             chosen = [
                 [policy.choose(fleet, prompt_of(tokens), anyone).url for tokens in questions]  # type: ignore[union-attr]
                 for policy, fleet in zip(policies, fleets, strict=True)
