@@ -5,6 +5,6 @@ from __future__ import annotations
 
 from typing import Literal, get_args
 
-PolicyName = Literal["round-robin", "least-request", "prefix-hash", "cache-aware"]
+PolicyName = Literal["round-robin", "least-request", "prefix-hash", "cache-aware", "precise-prefix"]
 POLICY_NAMES: tuple[PolicyName, ...] = get_args(PolicyName)
 DEFAULT_POLICY: PolicyName = "least-request"

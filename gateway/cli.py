@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 import click
 from kvfleet.contract.engine import SCHEDULING_POLICIES, SchedulingPolicy, preempts
+from kvfleet.contract.kv_events import DEFAULT_EVENTS_PORT, DEFAULT_REPLAY_PORT
 from kvfleet.contract.routing import DEFAULT_POLICY, POLICY_NAMES
 from kvfleet.gateway.adapters import DEFAULT_ADAPTER_POLL_SECONDS
 from kvfleet.gateway.discovery import (
@@ -23,6 +24,8 @@ from kvfleet.gateway.discovery import (
 )
 from kvfleet.gateway.flow import DEFAULT_MAX_QUEUE
 from kvfleet.gateway.http_protocol import DEFAULT_CLIENT_TIMEOUTS, ClientTimeouts
+from kvfleet.gateway.kv_events import EventEndpoints
+from kvfleet.gateway.kv_index import DEFAULT_MAX_ENTRIES, ENTRY_BYTES
 from kvfleet.gateway.proxy import (
     DEFAULT_MAX_ATTEMPTS,
     DEFAULT_MAX_BODY_BYTES,
@@ -83,6 +86,21 @@ def _http_urls(values: Sequence[str], option: str) -> tuple[str, ...]:
     if wrong:
         raise click.BadParameter(f"{wrong[0]!r} is not an http(s) URL", param_hint=option)
     return urls
+
+
+def _event_endpoints(options: tuple[str, ...]) -> dict[str, EventEndpoints]:
+    """The endpoints of `--kv-events` options: URL=tcp://HOST:PORT[,tcp://HOST:REPLAY_PORT]."""
+    endpoints: dict[str, EventEndpoints] = {}
+    for option in options:
+        url, _, sockets = option.partition("=")
+        (replica,) = _http_urls([url], "--kv-events") or ("",)
+        parts = [part.strip() for part in sockets.split(",")]
+        if not replica or not 1 <= len(parts) <= 2 or not all(p.startswith("tcp://") for p in parts):
+            raise click.BadParameter(
+                f"{option!r} is not URL=tcp://HOST:PORT[,tcp://HOST:REPLAY_PORT]", param_hint="--kv-events"
+            )
+        endpoints[replica] = EventEndpoints(parts[0], parts[1] if len(parts) == 2 else None)
+    return endpoints
 
 
 def _networks(value: str) -> tuple[Network, ...]:
@@ -155,6 +173,23 @@ def _bare_name_namespace(option: str | None, namespaces: tuple[str, ...]) -> str
     default=DEFAULT_POLICY,
     show_default=True,
     help="Routing policy of models whose InferenceService names none.",
+)
+@click.option(
+    "--kv-events",
+    "kv_events",
+    multiple=True,
+    metavar="URL=tcp://HOST:PORT[,tcp://HOST:REPLAY_PORT]",
+    help="precise-prefix: where the replica at URL publishes its KV events, and answers replays "
+    f"(repeatable). Default: the replica's host at ports {DEFAULT_EVENTS_PORT} and {DEFAULT_REPLAY_PORT}, "
+    "where an InferenceService's replicas publish; name them for replicas that share a host.",
+)
+@click.option(
+    "--kv-index-max-blocks",
+    type=click.IntRange(min=1),
+    default=DEFAULT_MAX_ENTRIES,
+    show_default=True,
+    help=f"precise-prefix: the (replica, block, medium) entries its index holds at most, about {ENTRY_BYTES} "
+    "bytes each; past them the least recently stored are forgotten.",
 )
 @click.option("--prefix-chars", type=click.IntRange(min=1), default=DEFAULT_PREFIX_CHARS, show_default=True)
 @click.option("--load-bound", type=click.FloatRange(min=1.0), default=DEFAULT_LOAD_BOUND, show_default=True)
@@ -280,6 +315,8 @@ def gateway_command(
     kubeconfig: str | None,
     kube_context: str | None,
     policy: str,
+    kv_events: tuple[str, ...],
+    kv_index_max_blocks: int,
     prefix_chars: int,
     load_bound: float,
     max_in_flight: int,
@@ -338,6 +375,8 @@ def gateway_command(
         ),
         trusted_proxies=_networks(trusted_proxies),
         bare_name_namespace=_bare_name_namespace(bare_name_namespace, namespaces),
+        kv_events_endpoints=_event_endpoints(kv_events),
+        kv_index_max_entries=kv_index_max_blocks,
     )
     asyncio.run(_serve(gateway, host, port))
 

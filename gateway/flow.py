@@ -55,10 +55,12 @@ from kvfleet.contract.errors import (
     ServiceUnavailableError,
 )
 from kvfleet.contract.precedence import QueuedRequest, choose_victim, holds_background, is_background
+from kvfleet.contract.routing import PolicyName
 from kvfleet.contract.tiers import PRIORITY_RANGE, tier_of
 from kvfleet.gateway.discovery import ModelConfig
+from kvfleet.gateway.kv_index import KVBlockIndex
 from kvfleet.gateway.metrics import GatewayMetrics
-from kvfleet.gateway.routing import Policy, Replica, bounded_load, make_policy
+from kvfleet.gateway.routing import Decision, Policy, Prompt, Replica, bounded_load, make_policy
 from kvfleet.operator.api import qualified_name
 
 DEFAULT_MAX_QUEUE = 1024
@@ -69,7 +71,7 @@ URGENT_TIER_MEMORY_S = 60.0
 class _Waiter:
     priority: int
     sequence: int
-    prompt_text: str = field(compare=False)
+    prompt: Prompt = field(compare=False)
     tried: frozenset[str] = field(compare=False)
     future: asyncio.Future[Replica] = field(compare=False)
 
@@ -90,18 +92,21 @@ class ModelPool:
         max_queue: int,
         metrics: GatewayMetrics,
         replica_for: Callable[[str], Replica] = Replica,
+        kv_index: KVBlockIndex | None = None,
     ) -> None:
-        """`replica_for(url)`: the replica at url, shared with the other models routed to it."""
+        """`replica_for(url)`: the replica at url, shared with the other models routed to it; `kv_index`: the
+        replicas' cached blocks, for the precise-prefix policy."""
         self.config = config
         self.max_queue = max_queue
         self.metrics = metrics
         self._replica_for = replica_for
+        self._kv_index = kv_index
         self.replicas = [replica_for(url) for url in config.endpoints]
         # This model's own requests in flight, by replica URL (a replica's in_flight counts every model's).
         self._running: Counter[str] = Counter()
         # Told of every place a replica of this model frees; the fleet offers it to every model routed there.
         self.on_release: Callable[[Replica], None] = lambda replica: self.dispatch()
-        self.policy: Policy = make_policy(config.policy, config.prefix_chars, config.load_bound)
+        self.policy: Policy = self._policy(config)
         # The model's prefill replicas, when it has any; their places are asked with `try_acquire` only, so
         # nobody ever waits in this pool (and it never counts in the model's queue depth).
         self.prefill: ModelPool | None = self._prefill_pool(config)
@@ -117,7 +122,7 @@ class ModelPool:
         self.replicas = [known.get(url) or self._replica_for(url) for url in config.endpoints]
         routing = (config.policy, config.prefix_chars, config.load_bound)
         if routing != (self.config.policy, self.config.prefix_chars, self.config.load_bound):
-            self.policy = make_policy(*routing)
+            self.policy = self._policy(config)
         if self.prefill is None or not config.prefill_endpoints:
             self.prefill = self._prefill_pool(config)
         else:
@@ -125,10 +130,24 @@ class ModelPool:
         self.config = config
         self._dispatch()
 
+    def _policy(self, config: ModelConfig) -> Policy:
+        def record(decision: Decision) -> None:
+            self.metrics.precise_decisions.labels(config.name, decision.reason).inc()
+            for medium, blocks in (
+                ("device", decision.match.device_blocks),
+                ("host", decision.match.host_blocks),
+            ):
+                if blocks:
+                    self.metrics.precise_hit_blocks.labels(config.name, medium).inc(blocks)
+
+        return make_policy(config.policy, config.prefix_chars, config.load_bound, self._kv_index, record)
+
     def _prefill_pool(self, config: ModelConfig) -> ModelPool | None:
         if not config.prefill_endpoints:
             return None
-        pool = ModelPool(_prefill_config(config), self.max_queue, self.metrics, self._replica_for)
+        pool = ModelPool(
+            _prefill_config(config), self.max_queue, self.metrics, self._replica_for, self._kv_index
+        )
         # A place a prefill replica frees goes where this model's places go (the fleet offers it to the models
         # whose queues the same replica serves).
         pool.on_release = lambda replica: self.on_release(replica)
@@ -147,17 +166,17 @@ class ModelPool:
     async def acquire(
         self,
         priority: int,
-        prompt_text: str,
+        prompt: Prompt,
         tried: Iterable[str] = (),
         deadline_seconds: float | None = None,
     ) -> Replica:
         """A replica with one more request in flight on it; the caller must `release` it."""
         tried = frozenset(tried)
-        replica = self.try_acquire(priority, prompt_text, tried)
+        replica = self.try_acquire(priority, prompt, tried)
         if replica is not None:
             return replica
         waiter = _Waiter(
-            priority, next(self._sequence), prompt_text, tried, asyncio.get_running_loop().create_future()
+            priority, next(self._sequence), prompt, tried, asyncio.get_running_loop().create_future()
         )
         self._admit(waiter)
         # Those waiting may all be less urgent, with no room for them but room for this one.
@@ -184,14 +203,14 @@ class ModelPool:
                 self._compact()
 
     def try_acquire(
-        self, priority: int, prompt_text: str, tried: frozenset[str] = frozenset()
+        self, priority: int, prompt: Prompt, tried: frozenset[str] = frozenset()
     ) -> Replica | None:
         """A replica with room for one more request now, which the caller must `release`; None when there is
         none, or when others wait already (who come first). Never waits."""
         self._last_seen[priority] = time.monotonic()
         if self._waiting:
             return None
-        replica = self._choose(priority, prompt_text, tried)
+        replica = self._choose(priority, prompt, tried)
         if replica is not None:
             self._take(replica, priority)
         return replica
@@ -236,7 +255,7 @@ class ModelPool:
         since = time.monotonic() - URGENT_TIER_MEMORY_S
         return min((p for p, seen in self._last_seen.items() if seen >= since), default=PRIORITY_RANGE[1])
 
-    def _choose(self, priority: int, prompt_text: str, tried: frozenset[str]) -> Replica | None:
+    def _choose(self, priority: int, prompt: Prompt, tried: frozenset[str]) -> Replica | None:
         def usable(replica: Replica) -> bool:
             return self._has_room(replica, priority) and replica.url not in tried
 
@@ -246,10 +265,10 @@ class ModelPool:
             def running_it(replica: Replica) -> bool:
                 return usable(replica) and replica.url in self._running and replica.in_flight < bound
 
-            replica = self.policy.choose(self.replicas, prompt_text, running_it)
+            replica = self.policy.choose(self.replicas, prompt, running_it)
             if replica is not None:
                 return replica
-        return self.policy.choose(self.replicas, prompt_text, usable)
+        return self.policy.choose(self.replicas, prompt, usable)
 
     def _admit(self, waiter: _Waiter) -> None:
         """Queues the waiter, shedding the least urgent one queued if the queue is full."""
@@ -284,7 +303,7 @@ class ModelPool:
             if waiter.future.done():
                 heapq.heappop(self._heap)
                 continue
-            replica = self._choose(waiter.priority, waiter.prompt_text, waiter.tried)
+            replica = self._choose(waiter.priority, waiter.prompt, waiter.tried)
             if replica is None:
                 if waiter.tried and self._usable(waiter.priority, frozenset()):
                     # Only replicas this request already failed on are free: the next waiter may take one.
@@ -339,11 +358,17 @@ class Fleet:
     serves."""
 
     def __init__(
-        self, max_queue: int, metrics: GatewayMetrics, bare_name_namespace: str | None = None
+        self,
+        max_queue: int,
+        metrics: GatewayMetrics,
+        bare_name_namespace: str | None = None,
+        kv_index: KVBlockIndex | None = None,
     ) -> None:
+        """`kv_index`: the replicas' cached blocks, which precise-prefix routes on."""
         self.max_queue = max_queue
         self.metrics = metrics
         self.bare_name_namespace = bare_name_namespace
+        self.kv_index = kv_index if kv_index is not None else KVBlockIndex()
         self.pools: dict[str, ModelPool] = {}
         # The base models, as discovery published them.
         self.models: dict[str, ModelConfig] = {}
@@ -372,10 +397,15 @@ class Fleet:
                 return pool
         return self.pools.get(model)
 
-    def replica_urls(self) -> list[str]:
-        """Every replica of a base model, of either role."""
+    def replica_urls(self, policy: PolicyName | None = None) -> list[str]:
+        """Every replica of a base model (routed by `policy`, when given), of either role."""
         return sorted(
-            {url for config in self.models.values() for url in config.endpoints + config.prefill_endpoints}
+            {
+                url
+                for config in self.models.values()
+                if policy is None or config.policy == policy
+                for url in config.endpoints + config.prefill_endpoints
+            }
         )
 
     def routed_models(self) -> dict[str, ModelConfig]:
@@ -423,7 +453,9 @@ class Fleet:
         for name, config in models.items():
             pool = self.pools.get(name)
             if pool is None:
-                pool = self.pools[name] = ModelPool(config, self.max_queue, self.metrics, self._replica)
+                pool = self.pools[name] = ModelPool(
+                    config, self.max_queue, self.metrics, self._replica, self.kv_index
+                )
                 pool.on_release = self._released
                 self.metrics.queue_depth.labels(name).set(0)
             elif pool.config != config:

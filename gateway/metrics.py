@@ -77,6 +77,24 @@ class GatewayMetrics:
         )
 
         self.pd = PrefillDecodeMetrics(self.registry)
+        self.kv_index = KVIndexMetrics(self.registry)
+        self.precise_decisions = Counter(
+            "kvfleet_gateway_precise_prefix_decisions",
+            "precise-prefix routing decisions (retries included), by reason: device_hit (the replica chosen "
+            "holds some of the prompt's leading blocks on its device), host_hit (in its host tier only), "
+            "no_hit, "
+            "not_tokenized (the gateway could not hash the prompt), over_load_bound (a replica holding more "
+            "of the prompt was over the load bound).",
+            ["model", "reason"],
+            registry=self.registry,
+        )
+        self.precise_hit_blocks = Counter(
+            "kvfleet_gateway_precise_prefix_hit_blocks",
+            "The prompt's leading blocks that the replica chosen by precise-prefix holds, by medium (device, "
+            "host).",
+            ["model", "medium"],
+            registry=self.registry,
+        )
 
     def forget(self, model: str) -> None:
         """Drops a removed model's gauges, so a dashboard does not show it forever."""
@@ -108,5 +126,39 @@ class PrefillDecodeMetrics:
             "Time from sending a prefill call to a prefill replica until its answer was read (or failed).",
             ["model"],
             buckets=_LATENCY_BUCKETS,
+            registry=registry,
+        )
+
+
+class KVIndexMetrics:
+    """Of the index of the replicas' cached blocks that precise-prefix routes on, and the KV events that
+    keep it."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.index_blocks = Gauge(
+            "kvfleet_gateway_kv_index_blocks",
+            "Entries of the KV block index: (replica, block, medium) triples.",
+            registry=registry,
+        )
+        self.events = Counter(
+            "kvfleet_gateway_kv_events",
+            "KV events received from the replicas and applied to the index, by type.",
+            ["type"],
+            registry=registry,
+        )
+        self.replays = Counter(
+            "kvfleet_gateway_kv_event_replays",
+            "Replays asked of a replica's replay socket, by outcome: complete, unreplayable (the replica no "
+            "longer holds the missing batches), timeout, broken (a malformed answer), unavailable (no replay "
+            "socket).",
+            ["outcome"],
+            registry=registry,
+        )
+        self.drops = Counter(
+            "kvfleet_gateway_kv_index_drops",
+            "Times a replica's entries were dropped from the index, by reason: restarted (its sequence went "
+            "back), unreplayable_gap, replay_timeout, malformed, undecodable, invalid_batch, "
+            "oversized_batch, replica_removed.",
+            ["reason"],
             registry=registry,
         )

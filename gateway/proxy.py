@@ -57,9 +57,11 @@ from kvfleet.gateway.adapters import DEFAULT_ADAPTER_POLL_SECONDS, poll_adapters
 from kvfleet.gateway.discovery import Discovery, ModelConfig
 from kvfleet.gateway.flow import DEFAULT_MAX_QUEUE, Fleet, ModelPool
 from kvfleet.gateway.http_protocol import DEFAULT_CLIENT_TIMEOUTS, ClientTimeouts, TimedAppRunner
+from kvfleet.gateway.kv_events import EventEndpoints, KVEventFeeds
+from kvfleet.gateway.kv_index import DEFAULT_MAX_ENTRIES, KVBlockIndex
 from kvfleet.gateway.metrics import GatewayMetrics
 from kvfleet.gateway.requests import CHAT_PATH, COMPLETIONS_PATH, RoutedRequest, parse_request
-from kvfleet.gateway.routing import estimated_tokens
+from kvfleet.gateway.routing import Prompt, estimated_tokens
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 if TYPE_CHECKING:
@@ -160,12 +162,18 @@ class Gateway:
         upstream_timeouts: UpstreamTimeouts = DEFAULT_UPSTREAM_TIMEOUTS,
         trusted_proxies: Sequence[Network] = (),
         bare_name_namespace: str | None = None,
+        kv_events_endpoints: Mapping[str, EventEndpoints] | None = None,
+        kv_index_max_entries: int = DEFAULT_MAX_ENTRIES,
     ) -> None:
-        """`trusted_proxies`: the peers whose X-Forwarded-For is kept (the peer's address is appended)."""
+        """`trusted_proxies`: the peers whose X-Forwarded-For is kept (the peer's address is appended);
+        `kv_events_endpoints`: where the replicas at these URLs publish their KV events, when not at their
+        host's default ports (kvfleet.gateway.kv_events)."""
         self.discovery = discovery
         self.adapter_poll_seconds = adapter_poll_seconds
         self.metrics = GatewayMetrics()
-        self.fleet = Fleet(max_queue, self.metrics, bare_name_namespace)
+        kv_index = KVBlockIndex(kv_index_max_entries)
+        self.fleet = Fleet(max_queue, self.metrics, bare_name_namespace, kv_index)
+        self.kv_feeds = KVEventFeeds(kv_index, self.metrics.kv_index, kv_events_endpoints)
         self.max_attempts = max_attempts
         self.max_body_bytes = max_body_bytes
         self.body_budget = BodyBudget(max_buffered_body_bytes)
@@ -206,7 +214,7 @@ class Gateway:
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.upstream_timeouts.connect),
         )
         watchers = [
-            asyncio.create_task(self.discovery.run(self.fleet.update), name="kvfleet-gateway-discovery"),
+            asyncio.create_task(self.discovery.run(self._published), name="kvfleet-gateway-discovery"),
             asyncio.create_task(
                 poll_adapters(self.fleet, self.session, self.adapter_poll_seconds),
                 name="kvfleet-gateway-adapters",
@@ -220,7 +228,13 @@ class Gateway:
             for watcher in watchers:
                 with contextlib.suppress(asyncio.CancelledError):
                     await watcher
+            await self.kv_feeds.close()
             await self.session.close()
+
+    def _published(self, models: Mapping[str, ModelConfig]) -> None:
+        """Discovery's fleet: routed, and the KV events of its precise-prefix replicas followed."""
+        self.fleet.update(models)
+        self.kv_feeds.follow(self.fleet.replica_urls(policy="precise-prefix"))
 
     async def health(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
@@ -315,21 +329,29 @@ class Gateway:
         )
         body = _renamed_for_replicas(config, routed, body)
         # What each decode replica caches of the prompt before this request is routed there.
-        cached = pool.policy.cached_chars(routed.prompt_text) if pool.prefill is not None else {}
+        prompt = _prompt(routed, config)
+        cached = pool.policy.cached_chars(pool.replicas, prompt) if pool.prefill is not None else {}
         arrived = time.monotonic()
         from_zero = not pool.replicas
         tried: list[str] = []
         # Decided with the first decode replica: a retry sends the same body (the same prefill's params).
         decode_body: bytes | None = None
         for attempt in range(1, self.max_attempts + 1):
-            replica = await pool.acquire(priority, routed.prompt_text, tried, routed.deadline_seconds)
+            replica = await pool.acquire(priority, prompt, tried, routed.deadline_seconds)
             if attempt == 1:
                 self.metrics.queue_wait.labels(model).observe(time.monotonic() - arrived)
             self.metrics.routing_decisions.labels(model, pool.config.policy, replica.url).inc()
             try:
                 if decode_body is None:
                     prepared = await self._prefilled(
-                        request.path, body, headers, routed, pool, priority, cached.get(replica.url, 0)
+                        request.path,
+                        body,
+                        headers,
+                        routed,
+                        prompt,
+                        pool,
+                        priority,
+                        cached.get(replica.url, 0),
                     )
                     if isinstance(prepared, web.Response):
                         pool.release(replica, priority)
@@ -378,6 +400,7 @@ class Gateway:
         body: bytes,
         headers: list[tuple[str, str]],
         routed: RoutedRequest,
+        prompt: Prompt,
         pool: ModelPool,
         priority: int,
         cached_chars: int,
@@ -395,7 +418,7 @@ class Gateway:
             self.metrics.pd.requests.labels(model, "decode_only").inc()
             return body
         try:
-            answer = await self._prefill(path, headers, routed, prefill, priority)
+            answer = await self._prefill(path, headers, routed, prompt, prefill, priority)
         except _PrefillFailed as failure:
             self.metrics.pd.prefill_fallbacks.labels(model, failure.reason).inc()
             self.metrics.pd.requests.labels(model, "decode_only").inc()
@@ -413,6 +436,7 @@ class Gateway:
         path: str,
         headers: list[tuple[str, str]],
         routed: RoutedRequest,
+        prompt: Prompt,
         prefill: ModelPool,
         priority: int,
     ) -> dict[str, Any] | web.Response:
@@ -420,7 +444,7 @@ class Gateway:
         prefill replica has room or the one chosen fails. Its place is given back once it has answered."""
         assert self.session is not None, "the session lives as long as the app"
         config = prefill.config
-        replica = prefill.try_acquire(priority, routed.prompt_text)
+        replica = prefill.try_acquire(priority, prompt)
         if replica is None:
             raise _PrefillFailed("busy", "no prefill replica has room")
         self.metrics.routing_decisions.labels(config.name, config.policy, replica.url).inc()
@@ -666,6 +690,11 @@ def _for_replicas_of(config: ModelConfig, headers: list[tuple[str, str]]) -> lis
     if config.forward_authorization:
         return headers
     return [(name, value) for name, value in headers if name.lower() != "authorization"]
+
+
+def _prompt(routed: RoutedRequest, config: ModelConfig) -> Prompt:
+    """What routing knows of the request's prompt; an adapter's requests name it as its replicas serve it."""
+    return Prompt(routed.prompt_text, config.upstream_name if config.adapter_of is not None else None)
 
 
 def _renamed_for_replicas(config: ModelConfig, routed: RoutedRequest, body: bytes) -> bytes:

@@ -15,9 +15,18 @@ pool decides that, the policy only picks among usable replicas.
   prompt still meet where it is cached, and prompts a replica must long have evicted stop attracting more.
   It is the approximate prefix-cache scoring of llm-d's endpoint picker: a replica's real cache is not read,
   and each gateway replica keeps its own index.
+- `precise-prefix`: the replica that really caches the longest start of the prompt, within the same load
+  bound, read from the replicas' own KV events (kvfleet.gateway.kv_events) in an index of which replica
+  holds which block (kvfleet.gateway.kv_index). The prompt's blocks are hashed as the engine hashes them, with
+  each replica's block size and its id for the request's LoRA adapter. A block the replica holds on its
+  device counts 1; one only in its host tier counts HOST_BLOCK_WEIGHT. Ties go to the replica with fewest
+  requests in flight, then by a hash of the prompt's start and the replica's URL: a rule that two gateway
+  replicas fed the same events agree on, and that sends a new prefix's first requests to one replica even
+  before its events arrive. A prompt the gateway cannot hash goes to the least loaded replica, ties broken the
+  same way.
 
-The gateway does not tokenize: where it needs a prompt's length in tokens (disaggregated prefill), it takes
-CHARS_PER_TOKEN characters of prompt text to a token, as llm-d's endpoint picker does.
+Where the gateway needs a prompt's length in tokens (disaggregated prefill), it takes CHARS_PER_TOKEN
+characters of prompt text to a token, as llm-d's endpoint picker does.
 """
 
 from __future__ import annotations
@@ -32,6 +41,7 @@ from typing import Protocol
 
 from kvfleet.contract.precedence import displaces
 from kvfleet.contract.routing import PolicyName
+from kvfleet.gateway.kv_index import KVBlockIndex, PrefixMatch
 
 DEFAULT_PREFIX_CHARS = 256
 DEFAULT_LOAD_BOUND = 1.25
@@ -44,6 +54,9 @@ CACHE_CHUNK_CHARS = 16 * CHARS_PER_TOKEN
 # ...up to this many characters of each prompt, and each replica's cache is taken to hold this many.
 CACHE_PROMPT_CHARS = 64 * 1024
 CACHE_CHARS = 4 * 1024 * 1024
+# precise-prefix: a block only the host tier holds saves the request its prefill compute, yet costs a copy
+# back to the device before the request can run, and it is an older block, likelier to be gone by then.
+HOST_BLOCK_WEIGHT = 0.5
 
 
 @dataclass(eq=False)
@@ -54,6 +67,9 @@ class Replica:
     in_flight: int = 0
     # The same requests by priority (smaller: more urgent).
     by_priority: Counter[int] = field(default_factory=Counter)
+    # The replica's lora_int_id for each LoRA adapter it serves, by adapter name: the seed of the adapter's
+    # block hashes there.
+    lora_int_ids: dict[str, int] = field(default_factory=dict)
 
     def in_flight_before(self, priority: int) -> int:
         """The requests in flight that are at least as urgent as `priority`: those the replica would not
@@ -62,12 +78,27 @@ class Replica:
 
 
 Usable = Callable[[Replica], bool]
+# The prompt's external block hashes (kvfleet.contract.block_hash) for a replica's block size and its
+# lora_int_id of the request's adapter (0 for the base model).
+BlockHashes = Callable[[int, int], Sequence[int]]
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """What routing knows of a request's prompt."""
+
+    # The messages' roles and contents in order, or the completion prompt.
+    text: str
+    # The LoRA adapter the request names, as the replicas serve it; None for the base model.
+    adapter: str | None = None
+    # None when the gateway cannot hash this prompt as the engine does.
+    block_hashes: BlockHashes | None = None
 
 
 class Policy(Protocol):
-    def choose(self, replicas: Sequence[Replica], prompt_text: str, usable: Usable) -> Replica | None: ...
+    def choose(self, replicas: Sequence[Replica], prompt: Prompt, usable: Usable) -> Replica | None: ...
 
-    def cached_chars(self, prompt_text: str) -> Mapping[str, int]:
+    def cached_chars(self, replicas: Sequence[Replica], prompt: Prompt) -> Mapping[str, int]:
         """By replica URL, how many of the prompt's first characters the policy takes that replica's prefix
         cache to hold; a replica not named holds none."""
         ...
@@ -76,7 +107,7 @@ class Policy(Protocol):
 class _NoCacheModel:
     """For the policies that model no replica's cache."""
 
-    def cached_chars(self, prompt_text: str) -> Mapping[str, int]:
+    def cached_chars(self, replicas: Sequence[Replica], prompt: Prompt) -> Mapping[str, int]:
         return {}
 
 
@@ -84,7 +115,7 @@ class RoundRobin(_NoCacheModel):
     def __init__(self) -> None:
         self._next = 0
 
-    def choose(self, replicas: Sequence[Replica], prompt_text: str, usable: Usable) -> Replica | None:
+    def choose(self, replicas: Sequence[Replica], prompt: Prompt, usable: Usable) -> Replica | None:
         count = len(replicas)
         for step in range(count):
             replica = replicas[(self._next + step) % count]
@@ -98,7 +129,7 @@ class LeastRequest(_NoCacheModel):
     def __init__(self) -> None:
         self._next = 0
 
-    def choose(self, replicas: Sequence[Replica], prompt_text: str, usable: Usable) -> Replica | None:
+    def choose(self, replicas: Sequence[Replica], prompt: Prompt, usable: Usable) -> Replica | None:
         count = len(replicas)
         best: Replica | None = None
         best_step = 0
@@ -121,13 +152,13 @@ class PrefixHash(_NoCacheModel):
         self._points: list[int] = []
         self._owners: list[str] = []
 
-    def choose(self, replicas: Sequence[Replica], prompt_text: str, usable: Usable) -> Replica | None:
+    def choose(self, replicas: Sequence[Replica], prompt: Prompt, usable: Usable) -> Replica | None:
         if not replicas:
             return None
         by_url = {replica.url: replica for replica in replicas}
         self._build_ring(tuple(sorted(by_url)))
         capacity = bounded_load(replicas, self.load_bound)
-        start = bisect.bisect(self._points, _hash(prompt_text[: self.prefix_chars]))
+        start = bisect.bisect(self._points, _hash(prompt.text[: self.prefix_chars]))
         seen: set[str] = set()
         for offset in range(len(self._points)):
             url = self._owners[(start + offset) % len(self._points)]
@@ -161,14 +192,14 @@ class CacheAware:
         # Replica URL -> chunk hashes of prompts sent there, least recently used first.
         self._cached: dict[str, OrderedDict[int, None]] = {}
 
-    def choose(self, replicas: Sequence[Replica], prompt_text: str, usable: Usable) -> Replica | None:
+    def choose(self, replicas: Sequence[Replica], prompt: Prompt, usable: Usable) -> Replica | None:
         present = {replica.url for replica in replicas}
         for gone in [url for url in self._cached if url not in present]:
             del self._cached[gone]
         candidates = [replica for replica in replicas if usable(replica)]
         if not candidates:
             return None
-        chunks = _chunk_hashes(prompt_text)
+        chunks = _chunk_hashes(prompt.text)
         capacity = bounded_load(replicas, self.load_bound)
         within = [replica for replica in candidates if replica.in_flight + 1 <= capacity] or candidates
         # Longest cached start first; among equals (no match at all included), the least loaded, then the one
@@ -184,8 +215,8 @@ class CacheAware:
         self._remember(chosen.url, chunks)
         return chosen
 
-    def cached_chars(self, prompt_text: str) -> Mapping[str, int]:
-        chunks = _chunk_hashes(prompt_text)
+    def cached_chars(self, replicas: Sequence[Replica], prompt: Prompt) -> Mapping[str, int]:
+        chunks = _chunk_hashes(prompt.text)
         return {url: self._matched(url, chunks) * CACHE_CHUNK_CHARS for url in self._cached}
 
     def _matched(self, url: str, chunks: list[int]) -> int:
@@ -204,6 +235,74 @@ class CacheAware:
             cached.move_to_end(chunk)
         while len(cached) > self.capacity_chunks:
             cached.popitem(last=False)
+
+
+@dataclass(frozen=True)
+class Decision:
+    """Why precise-prefix chose a replica (the metric's reason), and the prompt's leading blocks it holds."""
+
+    reason: str
+    match: PrefixMatch = field(default_factory=PrefixMatch)
+
+
+class PrecisePrefix:
+    def __init__(
+        self,
+        index: KVBlockIndex,
+        load_bound: float = DEFAULT_LOAD_BOUND,
+        record: Callable[[Decision], None] = lambda decision: None,
+    ) -> None:
+        """`record` is told of every choice."""
+        self.index = index
+        self.load_bound = _checked(load_bound)
+        self._record = record
+
+    def choose(self, replicas: Sequence[Replica], prompt: Prompt, usable: Usable) -> Replica | None:
+        candidates = [replica for replica in replicas if usable(replica)]
+        if not candidates:
+            return None
+        capacity = bounded_load(replicas, self.load_bound)
+        within = [replica for replica in candidates if replica.in_flight + 1 <= capacity]
+        # The last tie-break: a hash of the prompt's start and the replica, the same in every gateway.
+        start = prompt.text[:DEFAULT_PREFIX_CHARS]
+        if prompt.block_hashes is None:
+            chosen = max(within or candidates, key=lambda r: (-r.in_flight, _hash(f"{r.url}#{start}")))
+            self._record(Decision("not_tokenized"))
+            return chosen
+        matches = {replica.url: self._match(replica, prompt) for replica in candidates}
+        chosen = max(
+            within or candidates,
+            key=lambda r: (matches[r.url][1], -r.in_flight, _hash(f"{r.url}#{start}")),
+        )
+        match, score = matches[chosen.url]
+        if max(score for _, score in matches.values()) > score:
+            reason = "over_load_bound"
+        elif match.blocks == 0:
+            reason = "no_hit"
+        else:
+            reason = "device_hit" if match.device_blocks else "host_hit"
+        self._record(Decision(reason, match))
+        return chosen
+
+    def cached_chars(self, replicas: Sequence[Replica], prompt: Prompt) -> Mapping[str, int]:
+        if prompt.block_hashes is None:
+            return {}
+        cached = {}
+        for replica in replicas:
+            match, _ = self._match(replica, prompt)
+            block_size = self.index.block_size(replica.url) or 0
+            cached[replica.url] = min(len(prompt.text), match.blocks * block_size * CHARS_PER_TOKEN)
+        return cached
+
+    def _match(self, replica: Replica, prompt: Prompt) -> tuple[PrefixMatch, float]:
+        """The prompt's leading blocks the replica holds, and their worth in tokens."""
+        assert prompt.block_hashes is not None
+        block_size = self.index.block_size(replica.url)
+        lora_int_id = 0 if prompt.adapter is None else replica.lora_int_ids.get(prompt.adapter)
+        if block_size is None or lora_int_id is None:
+            return PrefixMatch(), 0.0
+        match = self.index.match(replica.url, prompt.block_hashes(block_size, lora_int_id))
+        return match, (match.device_blocks + HOST_BLOCK_WEIGHT * match.host_blocks) * block_size
 
 
 def estimated_tokens(chars: int) -> int:
@@ -235,7 +334,16 @@ def bounded_load(replicas: Sequence[Replica], load_bound: float) -> int:
     return math.ceil(load_bound * total / len(replicas))
 
 
-def make_policy(name: PolicyName, prefix_chars: int, load_bound: float) -> Policy:
+def make_policy(
+    name: PolicyName,
+    prefix_chars: int,
+    load_bound: float,
+    index: KVBlockIndex | None = None,
+    record: Callable[[Decision], None] = lambda decision: None,
+) -> Policy:
+    """`index` and `record`: precise-prefix's block index (an empty one when None) and its decisions' log."""
+    if name == "precise-prefix":
+        return PrecisePrefix(index if index is not None else KVBlockIndex(), load_bound, record)
     if name == "round-robin":
         return RoundRobin()
     if name == "least-request":

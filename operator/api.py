@@ -42,6 +42,11 @@ KV_TRANSFER_CONFIG_FLAG = "--kv-transfer-config"
 # Where a prefill replica serves its KV blocks to decode replicas (vLLM's default port).
 KV_TRANSFER_PORT = 14579
 KV_TRANSFER_PORT_NAME = "kv-transfer"
+# The runtime's option that makes a replica publish its KV-cache events (vLLM's name and JSON); the operator
+# renders it for a service routed by precise-prefix, whose gateway subscribes to them at the contract's ports.
+KV_EVENTS_CONFIG_FLAG = "--kv-events-config"
+KV_EVENTS_PORT_NAME = "kv-events"
+KV_REPLAY_PORT_NAME = "kv-replay"
 
 # A replica split over several nodes is a group of pods, one per node rank. The StatefulSet of a group labels
 # its pods with their ordinal, which is the rank; a LeaderWorkerSet labels its pods with their worker index.

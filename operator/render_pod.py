@@ -7,11 +7,15 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from kvfleet.contract.kv_events import DEFAULT_EVENTS_PORT, DEFAULT_REPLAY_PORT
 from kvfleet.contract.kv_transfer import Role
 from kvfleet.operator.api import (
     API_KEY_ENV,
     HTTP_PORT,
     HTTP_PORT_NAME,
+    KV_EVENTS_CONFIG_FLAG,
+    KV_EVENTS_PORT_NAME,
+    KV_REPLAY_PORT_NAME,
     KV_TRANSFER_CONFIG_FLAG,
     KV_TRANSFER_PORT,
     KV_TRANSFER_PORT_NAME,
@@ -128,6 +132,22 @@ def kv_transfer_config(role: Role) -> str:
     return json.dumps(config, separators=(",", ":"))
 
 
+def kv_events_config() -> str:
+    """The JSON of --kv-events-config (vLLM's keys): the replica publishes on every interface of its pod, at
+    the ports where the gateway's precise-prefix policy subscribes and asks for replays."""
+    config = {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": f"tcp://*:{DEFAULT_EVENTS_PORT}",
+        "replay_endpoint": f"tcp://*:{DEFAULT_REPLAY_PORT}",
+    }
+    return json.dumps(config, separators=(",", ":"))
+
+
+def publishes_kv_events(spec: InferenceServiceSpec) -> bool:
+    return spec.routing.policy == "precise-prefix"
+
+
 def runtime_args(
     spec: InferenceServiceSpec, safety_config: str | None = None, role: Role | None = None
 ) -> list[str]:
@@ -172,6 +192,8 @@ def runtime_args(
     args += _flags([("--safety-config", safety_config)])
     if role is not None:
         args += [KV_TRANSFER_CONFIG_FLAG, kv_transfer_config(role)]
+    if publishes_kv_events(spec):
+        args += [KV_EVENTS_CONFIG_FLAG, kv_events_config()]
     return args + list(engine.extra_args)
 
 
@@ -261,6 +283,9 @@ def _runtime_container(
     if role is not None:
         env.insert(0, _pod_ip())
         ports.append({"name": KV_TRANSFER_PORT_NAME, "containerPort": KV_TRANSFER_PORT, "protocol": "TCP"})
+    if publishes_kv_events(spec):
+        ports.append({"name": KV_EVENTS_PORT_NAME, "containerPort": DEFAULT_EVENTS_PORT, "protocol": "TCP"})
+        ports.append({"name": KV_REPLAY_PORT_NAME, "containerPort": DEFAULT_REPLAY_PORT, "protocol": "TCP"})
     return {
         "name": "runtime",
         "image": image,

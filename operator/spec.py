@@ -505,7 +505,9 @@ class RoutingSpec:
     policy: PolicyName | None = prop(
         "round-robin; least-request (fewest in flight); prefix-hash (consistent hashing with bounded loads "
         "over the prompt's first characters, for prefix-cache hits); cache-aware (the replica likely to "
-        "cache the longest start of the prompt, within the load bound).",
+        "cache the longest start of the prompt, within the load bound); precise-prefix (the replica that "
+        "caches the longest start of the prompt by its own KV events, within the load bound: its replicas "
+        "publish them).",
         None,
     )
     prefix_characters: int | None = prop(

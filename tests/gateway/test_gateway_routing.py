@@ -15,6 +15,7 @@ from kvfleet.gateway.routing import (
     CacheAware,
     LeastRequest,
     PrefixHash,
+    Prompt,
     Replica,
     RoundRobin,
 )
@@ -31,30 +32,31 @@ def anyone(replica: Replica) -> bool:
 def test_round_robin_takes_usable_replicas_in_turn() -> None:
     replicas_ = fleet(0, 0, 0)
     policy = RoundRobin()
-    picks = [policy.choose(replicas_, "", anyone) for _ in range(6)]
+    picks = [policy.choose(replicas_, Prompt(""), anyone) for _ in range(6)]
     assert picks == replicas_ + replicas_
-    skip_middle = [policy.choose(replicas_, "", lambda r: r is not replicas_[1]) for _ in range(4)]
+    skip_middle = [policy.choose(replicas_, Prompt(""), lambda r: r is not replicas_[1]) for _ in range(4)]
     assert skip_middle == [replicas_[0], replicas_[2], replicas_[0], replicas_[2]]
-    assert policy.choose(replicas_, "", lambda r: False) is None
+    assert policy.choose(replicas_, Prompt(""), lambda r: False) is None
 
 
 def test_least_request_takes_the_fewest_in_flight_and_spreads_ties() -> None:
     replicas_ = fleet(3, 1, 2)
     policy = LeastRequest()
-    assert policy.choose(replicas_, "", anyone) is replicas_[1]
-    assert policy.choose(replicas_, "", lambda r: r is not replicas_[1]) is replicas_[2]
+    assert policy.choose(replicas_, Prompt(""), anyone) is replicas_[1]
+    assert policy.choose(replicas_, Prompt(""), lambda r: r is not replicas_[1]) is replicas_[2]
     tied = fleet(0, 0, 0)
-    assert {id(policy.choose(tied, "", anyone)) for _ in range(3)} == {id(r) for r in tied}
+    assert {id(policy.choose(tied, Prompt(""), anyone)) for _ in range(3)} == {id(r) for r in tied}
 
 
 def test_prefix_hash_keeps_a_prefix_on_one_replica_and_spreads_prefixes() -> None:
     replicas_ = fleet(0, 0, 0, 0)
     policy = PrefixHash(prefix_chars=16)
     tenants = [f"tenant {index:04d} system prompt" for index in range(200)]
-    homes = {tenant: policy.choose(replicas_, tenant + " question A", anyone) for tenant in tenants}
+    homes = {tenant: policy.choose(replicas_, Prompt(tenant + " question A"), anyone) for tenant in tenants}
     # Only the first 16 characters count: a different question keeps the tenant's replica.
     assert all(
-        policy.choose(replicas_, tenant + " question B", anyone) is homes[tenant] for tenant in tenants
+        policy.choose(replicas_, Prompt(tenant + " question B"), anyone) is homes[tenant]
+        for tenant in tenants
     )
     spread = Counter(id(replica) for replica in homes.values())
     assert len(spread) == 4 and min(spread.values()) >= 20
@@ -64,9 +66,9 @@ def test_prefix_hash_moves_only_the_keys_of_a_removed_replica() -> None:
     replicas_ = fleet(0, 0, 0, 0)
     policy = PrefixHash()
     keys = [f"prompt {index}" for index in range(300)]
-    before = {key: policy.choose(replicas_, key, anyone) for key in keys}
+    before = {key: policy.choose(replicas_, Prompt(key), anyone) for key in keys}
     remaining = replicas_[:3]
-    after = {key: policy.choose(remaining, key, anyone) for key in keys}
+    after = {key: policy.choose(remaining, Prompt(key), anyone) for key in keys}
     moved = [key for key in keys if after[key] is not before[key]]
     assert moved and all(before[key] is replicas_[3] for key in moved)
 
@@ -79,7 +81,7 @@ def test_prefix_hash_moves_only_the_keys_of_a_removed_replica() -> None:
 def test_prefix_hash_never_exceeds_its_load_bound(loads: list[int], bound_percent: int, key: str) -> None:
     replicas_ = fleet(*loads)
     bound = bound_percent / 100
-    chosen = PrefixHash(load_bound=bound).choose(replicas_, key, anyone)
+    chosen = PrefixHash(load_bound=bound).choose(replicas_, Prompt(key), anyone)
     assert chosen is not None
     assert chosen.in_flight + 1 <= math.ceil(bound * (sum(loads) + 1) / len(loads))
 
@@ -87,12 +89,14 @@ def test_prefix_hash_never_exceeds_its_load_bound(loads: list[int], bound_percen
 def test_prefix_hash_passes_over_a_loaded_home_replica() -> None:
     replicas_ = fleet(0, 0, 0)
     policy = PrefixHash(load_bound=1.25)
-    home = policy.choose(replicas_, "shared prefix", anyone)
+    home = policy.choose(replicas_, Prompt("shared prefix"), anyone)
     assert home is not None
     home.in_flight = 5  # the others hold none: 1.25 * 6 / 3 rounds up to 3 < 6
-    elsewhere = policy.choose(replicas_, "shared prefix", anyone)
+    elsewhere = policy.choose(replicas_, Prompt("shared prefix"), anyone)
     assert elsewhere is not home and elsewhere is not None
-    assert policy.choose(replicas_, "shared prefix", lambda r: r is home) is home, "the only usable replica"
+    assert policy.choose(replicas_, Prompt("shared prefix"), lambda r: r is home) is home, (
+        "the only usable replica"
+    )
 
 
 def _system_prompt(tenant: int) -> str:
@@ -105,7 +109,7 @@ def test_cache_aware_follows_the_longest_cached_start_and_otherwise_the_load() -
     policy = CacheAware()
     homes = {}
     for tenant in range(6):
-        homes[tenant] = policy.choose(replicas_, _system_prompt(tenant) + "first question", anyone)
+        homes[tenant] = policy.choose(replicas_, Prompt(_system_prompt(tenant) + "first question"), anyone)
         assert homes[tenant] is not None
         homes[tenant].in_flight += 1  # each new tenant, matching nothing, goes to the least loaded
     assert sorted(replica.in_flight for replica in replicas_) == [2, 2, 2]
@@ -113,19 +117,24 @@ def test_cache_aware_follows_the_longest_cached_start_and_otherwise_the_load() -
         replica.in_flight = 0
     for tenant in range(6):
         # Another question after the same system prompt: its start is cached where the first one went.
-        assert policy.choose(replicas_, _system_prompt(tenant) + "another question", anyone) is homes[tenant]
+        assert (
+            policy.choose(replicas_, Prompt(_system_prompt(tenant) + "another question"), anyone)
+            is homes[tenant]
+        )
     # Unusable or over the load bound, the home is passed over for the least loaded.
     home = homes[0]
-    assert policy.choose(replicas_, _system_prompt(0), lambda r: r is not home) is not home
+    assert policy.choose(replicas_, Prompt(_system_prompt(0)), lambda r: r is not home) is not home
     home.in_flight = 9
-    assert policy.choose(replicas_, _system_prompt(0), anyone) is not home
+    assert policy.choose(replicas_, Prompt(_system_prompt(0)), anyone) is not home
 
 
 def test_cache_aware_spreads_new_prefixes_over_the_caches_of_an_idle_fleet() -> None:
     replicas_ = fleet(0, 0, 0)
     policy = CacheAware()
     # Nothing in flight anywhere: each new tenant goes where the cache holds least, not to the first replica.
-    homes = [policy.choose(replicas_, _system_prompt(tenant) + "a question", anyone) for tenant in range(6)]
+    homes = [
+        policy.choose(replicas_, Prompt(_system_prompt(tenant) + "a question"), anyone) for tenant in range(6)
+    ]
     assert sorted(replicas_.index(home) for home in homes if home is not None) == [0, 0, 1, 1, 2, 2]
 
 
@@ -133,18 +142,20 @@ def test_cache_aware_forgets_least_recent_prompts_and_removed_replicas() -> None
     replicas_ = fleet(0, 0)
     chunks_per_prompt = len(_system_prompt(0)) // CACHE_CHUNK_CHARS
     policy = CacheAware(cache_chars=2 * chunks_per_prompt * CACHE_CHUNK_CHARS)
-    first = policy.choose(replicas_, _system_prompt(0), anyone)
+    first = policy.choose(replicas_, Prompt(_system_prompt(0)), anyone)
     assert first is replicas_[0]
     first.in_flight = 1
     for tenant in (1, 2):  # two more prompts on the first replica push tenant 0 out of its index
-        assert policy.choose(replicas_, _system_prompt(tenant), lambda r: r is first) is first
+        assert policy.choose(replicas_, Prompt(_system_prompt(tenant)), lambda r: r is first) is first
     other = replicas_[1]
     # Still loaded by one request, the first replica would take tenant 2 (cached there), not tenant 0.
-    assert policy.choose(replicas_, _system_prompt(2), anyone) is first
-    assert policy.choose(replicas_, _system_prompt(0), anyone) is other, "tenant 0 was evicted"
-    assert policy.choose([other], _system_prompt(2), anyone) is other
+    assert policy.choose(replicas_, Prompt(_system_prompt(2)), anyone) is first
+    assert policy.choose(replicas_, Prompt(_system_prompt(0)), anyone) is other, "tenant 0 was evicted"
+    assert policy.choose([other], Prompt(_system_prompt(2)), anyone) is other
     first.in_flight = 0
-    assert policy.choose(replicas_, _system_prompt(2), anyone) is other, "the removed replica was forgotten"
+    assert policy.choose(replicas_, Prompt(_system_prompt(2)), anyone) is other, (
+        "the removed replica was forgotten"
+    )
 
 
 def test_the_gateway_routes_a_shared_prefix_to_one_replica_under_prefix_hash() -> None:

@@ -15,11 +15,15 @@ from typing import Any
 import pytest
 import yaml
 from kvfleet.contract.kv_transfer import ROLES
+from kvfleet.gateway.discovery import ModelConfig
+from kvfleet.gateway.kube import model_configs
+from kvfleet.gateway.kv_events import EventEndpoints, default_endpoints
 from kvfleet.operator.api import (
     API_KEY_ENV,
     API_VERSION,
     HTTP_PORT,
     KIND,
+    KV_EVENTS_CONFIG_FLAG,
     KV_TRANSFER_CONFIG_FLAG,
     ROLE_LABEL,
     SERVICE_LABEL,
@@ -500,3 +504,38 @@ def test_colocated_pods_have_no_role_and_no_kv_connector() -> None:
     assert ROLE_LABEL not in children[0]["spec"]["template"]["metadata"]["labels"]
     assert [port["name"] for port in container["ports"]] == ["http"]
     assert ROLE_LABEL not in next(c for c in children if c["kind"] == "Service")["spec"]["selector"]
+
+
+def test_precise_prefix_replicas_publish_kv_events_where_the_gateway_subscribes() -> None:
+    raw = {"model": {"uri": "file:///m"}, "routing": {"policy": "precise-prefix"}}
+    spec = parse_spec(raw, name="svc")
+    children = render_children(Owner("svc", "ns", UID), spec, 1, OPTIONS)
+    container = runtime_container(children)
+    args = container["args"]
+    config = json.loads(args[args.index(KV_EVENTS_CONFIG_FLAG) + 1])
+    ports = {port["name"]: port["containerPort"] for port in container["ports"]}
+    # vLLM's keys; the replica binds every interface of its pod (`*`).
+    assert config == {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": f"tcp://*:{ports['kv-events']}",
+        "replay_endpoint": f"tcp://*:{ports['kv-replay']}",
+    }
+    # The gateway finds the pod through discovery, and subscribes at its address with the default ports.
+    template = next(c for c in children if c["kind"] == "Deployment")["spec"]["template"]
+    pod = {
+        "metadata": {"namespace": "ns", "labels": template["metadata"]["labels"]},
+        "spec": template["spec"],
+        "status": {"podIP": "10.1.2.3", "conditions": [{"type": "Ready", "status": "True"}]},
+    }
+    service = {"metadata": {"name": "svc", "namespace": "ns"}, "spec": raw}
+    (routed,) = model_configs([service], [pod], ModelConfig(name="", endpoints=())).values()
+    assert routed.policy == "precise-prefix"
+    (replica,) = routed.endpoints
+    assert default_endpoints(replica) == EventEndpoints(
+        f"tcp://10.1.2.3:{ports['kv-events']}", f"tcp://10.1.2.3:{ports['kv-replay']}"
+    )
+    other = parse_spec({"model": {"uri": "file:///m"}, "routing": {"policy": "cache-aware"}}, name="svc")
+    container = runtime_container(render_children(Owner("svc", "ns", UID), other, 1, OPTIONS))
+    assert KV_EVENTS_CONFIG_FLAG not in container["args"]
+    assert [port["name"] for port in container["ports"]] == ["http"]
