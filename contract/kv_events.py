@@ -45,7 +45,8 @@ class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):  # t
 class BlockStored(KVCacheEvent):
     """Consecutive blocks of one prompt, now cached: `parent_block_hash` is the block before the first one
     (None at the start of a chain), `token_ids` their tokens, block after block. `lora_name` is the adapter's
-    (vLLM routes LoRA on it), `lora_id` the engine's number for it."""
+    (vLLM routes LoRA on it), `lora_id` the engine's number for it. `extra_keys`, vLLM's: for each block,
+    what its hash covers besides its tokens (None: nothing); kvfleet's hashes carry their own."""
 
     block_hashes: list[int]
     parent_block_hash: int | None
@@ -54,6 +55,7 @@ class BlockStored(KVCacheEvent):
     lora_id: int | None
     medium: str | None
     lora_name: str | None
+    extra_keys: list[Any] | None = None
 
 
 class BlockRemoved(KVCacheEvent):

@@ -24,7 +24,7 @@ from kvfleet.gateway.discovery import (
 )
 from kvfleet.gateway.flow import DEFAULT_MAX_QUEUE
 from kvfleet.gateway.http_protocol import DEFAULT_CLIENT_TIMEOUTS, ClientTimeouts
-from kvfleet.gateway.kv_events import EventEndpoints
+from kvfleet.gateway.kv_events import EventEndpoints, default_endpoints
 from kvfleet.gateway.kv_index import DEFAULT_MAX_ENTRIES, ENTRY_BYTES
 from kvfleet.gateway.proxy import (
     DEFAULT_MAX_ATTEMPTS,
@@ -88,8 +88,9 @@ def _http_urls(values: Sequence[str], option: str) -> tuple[str, ...]:
     return urls
 
 
-def _event_endpoints(options: tuple[str, ...]) -> dict[str, EventEndpoints]:
-    """The endpoints of `--kv-events` options: URL=tcp://HOST:PORT[,tcp://HOST:REPLAY_PORT]."""
+def _event_endpoints(options: tuple[str, ...], rehashed: tuple[str, ...]) -> dict[str, EventEndpoints]:
+    """The endpoints of `--kv-events` options (URL=tcp://HOST:PORT[,tcp://HOST:REPLAY_PORT]), and which
+    replicas' hashes are their engine's own (`--rehash-kv-events`)."""
     endpoints: dict[str, EventEndpoints] = {}
     for option in options:
         url, _, sockets = option.partition("=")
@@ -100,6 +101,10 @@ def _event_endpoints(options: tuple[str, ...]) -> dict[str, EventEndpoints]:
                 f"{option!r} is not URL=tcp://HOST:PORT[,tcp://HOST:REPLAY_PORT]", param_hint="--kv-events"
             )
         endpoints[replica] = EventEndpoints(parts[0], parts[1] if len(parts) == 2 else None)
+    for replica in _http_urls(rehashed, "--rehash-kv-events"):
+        endpoints[replica] = dataclasses.replace(
+            endpoints.get(replica) or default_endpoints(replica), own_hashes=True
+        )
     return endpoints
 
 
@@ -182,6 +187,15 @@ def _bare_name_namespace(option: str | None, namespaces: tuple[str, ...]) -> str
     help="precise-prefix: where the replica at URL publishes its KV events, and answers replays "
     f"(repeatable). Default: the replica's host at ports {DEFAULT_EVENTS_PORT} and {DEFAULT_REPLAY_PORT}, "
     "where an InferenceService's replicas publish; name them for replicas that share a host.",
+)
+@click.option(
+    "--rehash-kv-events",
+    "rehash_kv_events",
+    multiple=True,
+    metavar="URL",
+    help="precise-prefix: the replica at URL (a vLLM replica) hashes its blocks by its engine's own rule; "
+    "the gateway indexes them by their tokens under kvfleet's rule instead (repeatable). Its blocks of LoRA "
+    "adapters, images or salted prompts are then not indexed.",
 )
 @click.option(
     "--kv-index-max-blocks",
@@ -316,6 +330,7 @@ def gateway_command(
     kube_context: str | None,
     policy: str,
     kv_events: tuple[str, ...],
+    rehash_kv_events: tuple[str, ...],
     kv_index_max_blocks: int,
     prefix_chars: int,
     load_bound: float,
@@ -375,7 +390,7 @@ def gateway_command(
         ),
         trusted_proxies=_networks(trusted_proxies),
         bare_name_namespace=_bare_name_namespace(bare_name_namespace, namespaces),
-        kv_events_endpoints=_event_endpoints(kv_events),
+        kv_events_endpoints=_event_endpoints(kv_events, rehash_kv_events),
         kv_index_max_entries=kv_index_max_blocks,
     )
     asyncio.run(_serve(gateway, host, port))

@@ -49,10 +49,12 @@ from kvfleet.contract.kv_events import (
     BlockRemoved,
     BlockStored,
     KVEventBatch,
+    decode_batch,
     decode_sequence,
     encode_sequence,
 )
 from kvfleet.gateway.kv_index import KVBlockIndex
+from kvfleet.gateway.kv_rehash import TokenRehasher
 from kvfleet.gateway.metrics import KVIndexMetrics
 
 logger = logging.getLogger(__name__)
@@ -79,10 +81,12 @@ RECONNECT_DELAY_S = 0.2
 @dataclass(frozen=True)
 class EventEndpoints:
     """Where a replica publishes its KV events (ZeroMQ endpoints), and answers replays (None: it does
-    not)."""
+    not). `own_hashes`: its engine hashes blocks by a rule of its own (vLLM), so its blocks are indexed by
+    their tokens (kvfleet.gateway.kv_rehash)."""
 
     publisher: str
     replay: str | None = None
+    own_hashes: bool = False
 
 
 def default_endpoints(replica_url: str) -> EventEndpoints:
@@ -100,13 +104,10 @@ class _Broken(Exception):
         self.reason = reason
 
 
-_decoder = msgspec.msgpack.Decoder(KVEventBatch)
-
-
-def decode_batch(payload: bytes) -> KVEventBatch:
-    """A batch whose events the index may apply; _Broken otherwise."""
+def _checked_batch(payload: bytes) -> KVEventBatch:
+    """A batch, in either of vLLM's encodings, whose events the index may apply; _Broken otherwise."""
     try:
-        batch = _decoder.decode(payload)
+        batch = decode_batch(payload)
     except msgspec.DecodeError as error:
         raise _Broken("undecodable", str(error)) from None
     blocks = 0
@@ -142,6 +143,7 @@ class ReplicaSubscriber:
         self._last_live = -1
         # Event-loop time before which no replay is asked.
         self._replay_after = 0.0
+        self._rehasher = TokenRehasher(index.max_entries) if endpoints.own_hashes else None
 
     async def run(self) -> None:
         try:
@@ -208,18 +210,22 @@ class ReplicaSubscriber:
     def _apply(self, sequence: int, payload: bytes) -> None:
         self._next = sequence + 1
         try:
-            batch = decode_batch(payload)
+            batch = _checked_batch(payload)
         except _Broken as broken:
             self._broken(broken)
             return
-        index, replica = self._index, self.replica
+        index, replica, rehasher = self._index, self.replica, self._rehasher
         for event in batch.events:
             if isinstance(event, BlockStored):
-                index.store(replica, event.block_hashes, event.medium, event.block_size)
+                hashes = event.block_hashes if rehasher is None else rehasher.stored(event)
+                index.store(replica, hashes, event.medium, event.block_size)
             elif isinstance(event, BlockRemoved):
-                index.remove(replica, event.block_hashes, event.medium)
+                hashes = event.block_hashes if rehasher is None else rehasher.removed(event.block_hashes)
+                index.remove(replica, hashes, event.medium)
             elif isinstance(event, AllBlocksCleared):
                 index.drop(replica)
+                if rehasher is not None:
+                    rehasher.clear()
             self._metrics.events.labels(type(event).__name__).inc()
         self._metrics.index_blocks.set(len(index))
 
@@ -292,6 +298,8 @@ class ReplicaSubscriber:
 
     def _drop(self, reason: str) -> None:
         self._index.drop(self.replica)
+        if self._rehasher is not None:
+            self._rehasher.clear()
         self._metrics.drops.labels(reason).inc()
         self._metrics.index_blocks.set(len(self._index))
 

@@ -509,12 +509,14 @@ def test_the_command_line_names_where_replicas_publish() -> None:
         (
             "http://127.0.0.1:8001/=tcp://127.0.0.1:6001,tcp://127.0.0.1:6002",
             "http://127.0.0.1:8002=tcp://h:7",
-        )
+        ),
+        ("http://127.0.0.1:8002", "http://10.1.2.3:8000/"),
     )
     # Keyed as the replicas' URLs are given to --model (without a trailing slash).
     assert endpoints == {
         "http://127.0.0.1:8001": EventEndpoints("tcp://127.0.0.1:6001", "tcp://127.0.0.1:6002"),
-        "http://127.0.0.1:8002": EventEndpoints("tcp://h:7", None),
+        "http://127.0.0.1:8002": EventEndpoints("tcp://h:7", None, own_hashes=True),
+        "http://10.1.2.3:8000": EventEndpoints("tcp://10.1.2.3:5557", "tcp://10.1.2.3:5558", own_hashes=True),
     }
     for wrong in (
         "http://a:8000",
