@@ -33,6 +33,8 @@ class AddRequest(msgspec.Struct, tag="add", array_like=True, omit_defaults=True)
     # The prompt's images and audio clips, preprocessed, in prompt order; their placeholder tokens are in
     # prompt_token_ids.
     mm_features: list[MultiModalFeature] = []
+    # vLLM's: a tenant's salt keeps its prompts' prefix-cache blocks apart from everyone else's.
+    cache_salt: str | None = None
 
 
 class AbortRequests(msgspec.Struct, tag="abort", array_like=True):

@@ -56,6 +56,7 @@ class EngineClient(Protocol):
         arrival_time: float | None = None,
         lora_request: LoRARequest | None = None,
         mm_features: list[MultiModalFeature] | None = None,
+        cache_salt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """The request's delta outputs until the finished one; raises an EngineError when it fails. Leaving
         the iteration early aborts the request."""
