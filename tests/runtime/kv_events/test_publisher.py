@@ -1,0 +1,111 @@
+"""The KV events publisher on its own: its queue drops the oldest batch when full, a drop shows as a gap in
+the sequence numbers, and --kv-events-config is read as vLLM's (bad values refused with a clear message)."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+import zmq
+from kvfleet.contract.kv_events import AllBlocksCleared
+from kvfleet.runtime.kv_events.config import KVEventsConfig
+from kvfleet.runtime.kv_events.publisher import (
+    DropOldestQueue,
+    NullEventPublisher,
+    QueuedBatch,
+    ZmqEventPublisher,
+    make_event_publisher,
+)
+from ports import free_port
+
+
+def test_a_full_queue_drops_its_oldest_batch_and_counts_it() -> None:
+    queue = DropOldestQueue(2)
+    for sequence in range(5):
+        queue.put(QueuedBatch(sequence, b"", 1))
+    assert [batch.sequence for batch in queue.take_all()] == [3, 4]
+    assert queue.dropped == 3
+    assert queue.take_all() == []
+    queue.put(QueuedBatch(5, b"", 1))
+    assert [batch.sequence for batch in queue.take_all()] == [5]
+    assert queue.dropped == 3
+
+
+def test_batches_handed_over_faster_than_sent_leave_gaps_that_match_the_drops() -> None:
+    port = free_port()
+    config = KVEventsConfig.parse(
+        {"enable_kv_cache_events": True, "endpoint": f"tcp://*:{port}", "max_queue_size": 1}
+    )
+    publisher = ZmqEventPublisher(config)
+    context = zmq.Context()
+    subscriber = context.socket(zmq.SUB)
+    subscriber.setsockopt(zmq.SUBSCRIBE, b"")
+    subscriber.setsockopt(zmq.RCVHWM, 0)
+    subscriber.connect(f"tcp://127.0.0.1:{port}")
+    received: list[int] = []
+    try:
+        # The subscription reaches the publisher some time after the connection: probe until it has.
+        probes = 0
+        while not subscriber.poll(20):
+            publisher.publish([AllBlocksCleared()])
+            probes += 1
+        burst = 2000
+        for _ in range(burst):
+            publisher.publish([AllBlocksCleared(), AllBlocksCleared()])
+        publisher.shutdown()  # sends what is still queued
+        while subscriber.poll(1000):
+            _, sequence, payload = subscriber.recv_multipart()
+            if int.from_bytes(sequence, "big") >= probes:
+                received.append(int.from_bytes(sequence, "big"))
+                assert len(msgspec.msgpack.decode(payload)[1]) == 2
+    finally:
+        publisher.shutdown()
+        context.destroy(linger=0)
+    assert received == sorted(set(received))
+    assert received[-1] == probes + burst - 1, "the newest batch is never dropped"
+    assert len(received) < burst, "the burst outran the publisher thread"
+    # Every batch was either sent (and, past the probes, received) or dropped: the gaps are the drops.
+    probes_sent = publisher.events_published - 2 * len(received)
+    assert publisher.batches_dropped == (probes - probes_sent) + (burst - len(received))
+
+
+def test_the_null_publisher_is_bound_when_events_are_off() -> None:
+    assert isinstance(make_event_publisher(None), NullEventPublisher)
+    assert isinstance(make_event_publisher(KVEventsConfig.parse("{}")), NullEventPublisher)
+    disabled = KVEventsConfig.parse({"enable_kv_cache_events": False, "publisher": "zmq"})
+    assert isinstance(make_event_publisher(disabled), NullEventPublisher)
+
+
+def test_the_config_reads_vllm_s_fields() -> None:
+    config = KVEventsConfig.parse(
+        '{"enable_kv_cache_events": true, "endpoint": "tcp://10.0.0.1:7000", '
+        '"replay_endpoint": "tcp://*:7001", "topic": "kv", "buffer_steps": 5, "hwm": 6, "max_queue_size": 7}'
+    )
+    assert config.publisher == "zmq" and config.publishes
+    assert (config.endpoint, config.replay_endpoint, config.topic) == (
+        "tcp://10.0.0.1:7000",
+        "tcp://*:7001",
+        "kv",
+    )
+    assert (config.buffer_steps, config.hwm, config.max_queue_size) == (5, 6, 7)
+    defaults = KVEventsConfig.parse({"enable_kv_cache_events": True})
+    assert (defaults.endpoint, defaults.replay_endpoint) == ("tcp://*:5557", None)
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("{", "not valid JSON"),
+        ("[]", "must be a JSON object"),
+        ({"enable_kv_cache_events": "yes"}, "enable_kv_cache_events must be true or false"),
+        ({"publisher": "kafka"}, "publisher must be one of null, zmq"),
+        ({"endpoint": "localhost:5557"}, "endpoint must be a ZeroMQ endpoint"),
+        ({"replay_endpoint": 5558}, "replay_endpoint must be a ZeroMQ endpoint"),
+        ({"buffer_steps": 0}, "buffer_steps must be a positive integer"),
+        ({"max_queue_size": True}, "max_queue_size must be a positive integer"),
+        ({"topic": 1}, "topic must be a string"),
+        ({"endpiont": "tcp://*:1"}, "does not take endpiont"),
+    ],
+)
+def test_bad_values_are_refused_by_name(value: object, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        KVEventsConfig.parse(value)  # type: ignore[arg-type]
