@@ -42,7 +42,7 @@ from kvfleet.runtime.errors import (
 )
 from kvfleet.runtime.executor.executor import WorkerFailedError, make_executor
 from kvfleet.runtime.input_checks import check_cache_salt, check_prompt_token_ids
-from kvfleet.runtime.kv_events.collector import KVEventCollector, KVEventSink, NullKVEventSink
+from kvfleet.runtime.kv_events.collector import make_event_sink
 from kvfleet.runtime.kv_events.publisher import make_event_publisher
 from kvfleet.runtime.kv_transfer.base import KVConnectorScheduler
 from kvfleet.runtime.kv_transfer.factory import make_scheduler_connector
@@ -90,11 +90,7 @@ class EngineCore:
         self.num_kv_blocks = self._num_kv_blocks()
         executor.initialize_kv_cache(self.num_kv_blocks)
         kv_events_config = config.kv_events()
-        self.kv_events: KVEventSink = (
-            KVEventCollector(config.block_size)
-            if kv_events_config is not None and kv_events_config.publishes
-            else NullKVEventSink()
-        )
+        self.kv_events = make_event_sink(kv_events_config, config.block_size)
         host_kv_tier = self._host_kv_tier()
         self.max_num_batched_tokens = self._token_budget()
         model_config = executor.model_config

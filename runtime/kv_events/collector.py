@@ -21,6 +21,7 @@ from kvfleet.contract.kv_events import (
     BlockStored,
     KVEvent,
 )
+from kvfleet.runtime.kv_events.config import KVEventsConfig
 
 
 class KVEventSink(Protocol):
@@ -77,6 +78,13 @@ class NullKVEventSink:
 
     def take(self) -> list[KVEvent]:
         return []
+
+
+def make_event_sink(config: KVEventsConfig | None, block_size: int) -> KVEventSink:
+    """A collector when events are published, else the null sink."""
+    if config is None or not config.publishes:
+        return NullKVEventSink()
+    return KVEventCollector(block_size)
 
 
 @dataclass
