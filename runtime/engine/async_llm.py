@@ -272,6 +272,10 @@ class AsyncLLM:
         if self._client is not None:
             self._client.remove_lora(lora_int_id)
 
+    def reset_prefix_cache(self) -> None:
+        if self._client is not None:
+            self._client.reset_prefix_cache()
+
     def abort_all(self, make_error: Callable[[], BaseException]) -> None:
         for request_id in list(self._streams):
             self.abort(request_id, make_error())

@@ -123,6 +123,9 @@ class InProcessEngine:
     def remove_lora(self, lora_int_id: int) -> None:
         self._change(lambda: self.engine.remove_lora(lora_int_id))
 
+    def reset_prefix_cache(self) -> None:
+        self._change(self.engine.reset_prefix_cache)
+
     def _change(self, change: Callable[[], None]) -> None:
         self._changes.append(change)
         self._wake.set()

@@ -1,7 +1,8 @@
 """What crosses the socket between API server processes and the EngineCore process.
 
 Each side sends msgpack-encoded tagged structs over one ZeroMQ ROUTER/DEALER pair: an API server (a DEALER
-whose identity is its client index) sends Hello once, then AddRequest, AbortRequests and RemoveLoRA; the core
+whose identity is its client index) sends Hello once, then AddRequest, AbortRequests, RemoveLoRA and
+ResetPrefixCache; the core
 answers Hello with Ready (or Failed, if the model could not be loaded) and after every step sends each client
 one EngineCoreOutputs with that client's outputs and the scheduler's stats.
 """
@@ -47,6 +48,10 @@ class RemoveLoRA(msgspec.Struct, tag="remove_lora", array_like=True):
     lora_int_id: int
 
 
+class ResetPrefixCache(msgspec.Struct, tag="reset_prefix_cache", array_like=True):
+    """Forget every cached prefix block, on the device and in the host tier."""
+
+
 class EngineInfo(msgspec.Struct, array_like=True):
     """What the front end needs to know about the loaded engine."""
 
@@ -84,7 +89,7 @@ class EngineCoreOutputs(msgspec.Struct, tag="outputs", array_like=True, omit_def
     step_time: float = 0.0
 
 
-ToCore = Hello | AddRequest | AbortRequests | RemoveLoRA
+ToCore = Hello | AddRequest | AbortRequests | RemoveLoRA | ResetPrefixCache
 FromCore = Ready | Failed | EngineCoreOutputs
 
 

@@ -66,3 +66,7 @@ class EngineClient(Protocol):
 
     def remove_lora(self, lora_int_id: int) -> None:
         """vLLM's: the engine drops the adapter's weights once the requests running with it end."""
+
+    def reset_prefix_cache(self) -> None:
+        """vLLM's: the engine forgets every cached prefix block (the device's and the host tier's); KV-cache
+        event subscribers hear AllBlocksCleared."""

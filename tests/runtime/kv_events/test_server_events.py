@@ -1,6 +1,6 @@
 """A served replica's KV events, through the API server: the engine core process publishes them, a request's
 cache_salt reaches the block hashes it announces, bad salts are refused with a 400 naming the field, and the
-publisher's counters reach /metrics."""
+publisher's counters reach /metrics, and a reset through the API clears every block."""
 
 from __future__ import annotations
 
@@ -119,6 +119,14 @@ def test_a_salted_request_announces_the_blocks_of_its_salt(
     # Counted once sent, which may be after the stats of the step that made them left the core.
     assert metrics["kvfleet:kv_events_published_total"] >= 2
     assert metrics["kvfleet:kv_event_batches_dropped_total"] == 0
+
+
+def test_a_reset_through_the_api_clears_all_blocks(http: httpx.Client, subscriber: zmq.Socket) -> None:
+    assert http.post("/reset_prefix_cache").status_code == 200
+    decoder = msgspec.msgpack.Decoder(KVEventBatch)
+    assert subscriber.poll(30_000), "no event after the reset"
+    _, _, payload = subscriber.recv_multipart()
+    assert decoder.decode(payload).events == [AllBlocksCleared()]
 
 
 @pytest.mark.parametrize(
