@@ -23,6 +23,7 @@ from kvfleet.runtime.kv_events.config import KVEventsConfig, binds
 logger = logging.getLogger(__name__)
 
 _WAKE_ENDPOINT = "inproc://kv-events-wake"
+_MAX_REPLAY_REQUEST_BYTES = 1024
 # How long shutdown waits for the thread to send what is queued.
 _JOIN_TIMEOUT_S = 5.0
 
@@ -111,7 +112,8 @@ class ZmqEventPublisher:
             self._open_sockets()
         except zmq.ZMQError as error:
             self._close()
-            raise ValueError(f"kv_events_config: cannot open {config.endpoint}: {error}") from None
+            endpoints = ", ".join(e for e in (config.endpoint, config.replay_endpoint) if e is not None)
+            raise ValueError(f"kv_events_config: cannot open {endpoints}: {error}") from None
         self._thread = threading.Thread(target=self._run, name="kv-events-publisher", daemon=True)
         self._thread.start()
 
@@ -131,6 +133,8 @@ class ZmqEventPublisher:
             self._replay = self._context.socket(zmq.ROUTER)
             # Room for one whole answer per subscriber: a ROUTER drops what is past its high-water mark.
             self._replay.setsockopt(zmq.SNDHWM, config.buffer_steps + 1)
+            # A request is one 8-byte number: anything much larger is refused before it is read.
+            self._replay.setsockopt(zmq.MAXMSGSIZE, _MAX_REPLAY_REQUEST_BYTES)
             self._replay.setsockopt(zmq.LINGER, 0)
             self._replay.bind(config.replay_endpoint)
         # One wake-up pair per publisher: inproc names are per context.

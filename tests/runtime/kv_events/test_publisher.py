@@ -68,6 +68,51 @@ def test_batches_handed_over_faster_than_sent_leave_gaps_that_match_the_drops() 
     assert publisher.batches_dropped == (probes - probes_sent) + (burst - len(received))
 
 
+def test_bad_replay_requests_are_ignored_and_good_ones_answered() -> None:
+    events_port, replay_port = free_port(), free_port()
+    config = KVEventsConfig.parse(
+        {
+            "enable_kv_cache_events": True,
+            "endpoint": f"tcp://*:{events_port}",
+            "replay_endpoint": f"tcp://*:{replay_port}",
+            "buffer_steps": 2,
+        }
+    )
+    publisher = ZmqEventPublisher(config)
+    context = zmq.Context()
+    hostile, client = context.socket(zmq.DEALER), context.socket(zmq.DEALER)
+    for socket in (hostile, client):
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.connect(f"tcp://127.0.0.1:{replay_port}")
+    try:
+        for _ in range(3):
+            publisher.publish([AllBlocksCleared()])
+        # Oversized last: the publisher drops the connection that sends it.
+        for bad in (
+            [b"", b"\x00\x01"],
+            [b"x", (0).to_bytes(8, "big")],
+            [(0).to_bytes(8, "big")],
+            [b"", b"a" * 5000],
+        ):
+            hostile.send_multipart(bad)
+        client.send_multipart([b"", (0).to_bytes(8, "big")])
+        answers = []
+        while True:
+            assert client.poll(10_000), "no answer to a good request"
+            answers.append(client.recv_multipart())
+            if answers[-1][1] == (-1).to_bytes(8, "big", signed=True):
+                break
+        # Only the last two batches are kept.
+        assert [int.from_bytes(answer[1], "big") for answer in answers[:-1]] == [1, 2]
+        assert answers[-1] == [b"", (-1).to_bytes(8, "big", signed=True), b""]
+        assert publisher.batches_replayed == 2
+        with pytest.raises(ValueError, match=f"cannot open tcp://\\*:{events_port}"):
+            ZmqEventPublisher(config)
+    finally:
+        publisher.shutdown()
+        context.destroy(linger=0)
+
+
 def test_the_null_publisher_is_bound_when_events_are_off() -> None:
     assert isinstance(make_event_publisher(None), NullEventPublisher)
     assert isinstance(make_event_publisher(KVEventsConfig.parse("{}")), NullEventPublisher)
