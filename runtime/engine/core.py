@@ -90,7 +90,9 @@ class EngineCore:
         self.num_kv_blocks = self._num_kv_blocks()
         executor.initialize_kv_cache(self.num_kv_blocks)
         kv_events_config = config.kv_events()
-        self.kv_events = make_event_sink(kv_events_config, config.block_size)
+        self.kv_events = make_event_sink(
+            kv_events_config, config.block_size, host_tier=config.kv_offloading_size is not None
+        )
         host_kv_tier = self._host_kv_tier()
         self.max_num_batched_tokens = self._token_budget()
         model_config = executor.model_config

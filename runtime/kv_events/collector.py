@@ -2,12 +2,14 @@
 here as they register, spill and evict blocks, and the engine core takes the step's events once it ran.
 
 A block spilled to the host tier is announced like a stored one, with its parent and tokens, so a router that
-never saw it on the device can still place it in its prompt's chain: the collector keeps what it announced of
-every block one of the tiers holds, and forgets it when neither does.
+never saw it on the device can still place it in its prompt's chain: with a host tier, the collector keeps
+what it announced of every block one of the tiers holds (its tokens packed, 8 bytes each), and forgets it
+when neither does.
 """
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -80,11 +82,12 @@ class NullKVEventSink:
         return []
 
 
-def make_event_sink(config: KVEventsConfig | None, block_size: int) -> KVEventSink:
-    """A collector when events are published, else the null sink."""
+def make_event_sink(config: KVEventsConfig | None, block_size: int, *, host_tier: bool) -> KVEventSink:
+    """A collector when events are published (`host_tier`: whether device blocks may spill), else the null
+    sink."""
     if config is None or not config.publishes:
         return NullKVEventSink()
-    return KVEventCollector(block_size)
+    return KVEventCollector(block_size, remembers_blocks=host_tier)
 
 
 @dataclass
@@ -92,15 +95,17 @@ class _Announced:
     """What a BlockStored said of a block, and which tiers hold it now."""
 
     parent: int | None
-    token_ids: list[int]
+    token_ids: array[int]
     lora_id: int | None
     on_device: bool = False
     on_host: bool = False
 
 
 class KVEventCollector:
-    def __init__(self, block_size: int) -> None:
+    def __init__(self, block_size: int, *, remembers_blocks: bool) -> None:
+        """`remembers_blocks`: keep what was announced of each block, for its spill to the host tier."""
         self._block_size = block_size
+        self._remembers_blocks = remembers_blocks
         self._events: list[KVEvent] = []
         self._announced: dict[BlockHash, _Announced] = {}
         # Blocks a tier let go of this step, forgotten at take() unless a tier holds them again.
@@ -113,26 +118,36 @@ class KVEventCollector:
         token_ids: Sequence[int],
         lora_id: int,
     ) -> None:
-        block_size = self._block_size
-        external_parent = None if parent is None else external_block_hash(parent)
         lora = lora_id or None
-        for index, block_hash in enumerate(block_hashes):
-            block = self._announced.get(block_hash)
-            if block is None:
-                block_tokens = list(token_ids[index * block_size : (index + 1) * block_size])
-                block = self._announced[block_hash] = _Announced(external_parent, block_tokens, lora)
-            block.on_device = True
-            external_parent = external_block_hash(block_hash)
+        if self._remembers_blocks:
+            self._remember(block_hashes, parent, token_ids, lora)
         self._events.append(
             BlockStored(
                 block_hashes=[external_block_hash(block_hash) for block_hash in block_hashes],
                 parent_block_hash=None if parent is None else external_block_hash(parent),
                 token_ids=list(token_ids),
-                block_size=block_size,
+                block_size=self._block_size,
                 lora_id=lora,
                 medium=MEDIUM_DEVICE,
             )
         )
+
+    def _remember(
+        self,
+        block_hashes: Sequence[BlockHash],
+        parent: BlockHash | None,
+        token_ids: Sequence[int],
+        lora_id: int | None,
+    ) -> None:
+        block_size = self._block_size
+        external_parent = None if parent is None else external_block_hash(parent)
+        for index, block_hash in enumerate(block_hashes):
+            block = self._announced.get(block_hash)
+            if block is None:
+                block_tokens = array("q", token_ids[index * block_size : (index + 1) * block_size])
+                block = self._announced[block_hash] = _Announced(external_parent, block_tokens, lora_id)
+            block.on_device = True
+            external_parent = external_block_hash(block_hash)
 
     def evicted(self, block_hash: BlockHash) -> None:
         block = self._announced.get(block_hash)
@@ -150,7 +165,7 @@ class KVEventCollector:
             BlockStored(
                 block_hashes=[external_block_hash(block_hash)],
                 parent_block_hash=block.parent,
-                token_ids=block.token_ids,
+                token_ids=block.token_ids.tolist(),
                 block_size=self._block_size,
                 lora_id=block.lora_id,
                 medium=MEDIUM_HOST,

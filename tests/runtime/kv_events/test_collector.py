@@ -23,7 +23,7 @@ def _pool(num_blocks: int, collector: KVEventCollector, tier: HostKVTier | None 
 
 
 def test_a_run_is_split_where_another_block_already_holds_a_hash() -> None:
-    collector = KVEventCollector(BLOCK_SIZE)
+    collector = KVEventCollector(BLOCK_SIZE, remembers_blocks=False)
     pool = _pool(6, collector)
     pool.cache_full_blocks(pool.get_new_blocks(1), [b"b"], parent=b"a", token_ids=[3, 4], lora_id=0)
     collector.take()
@@ -37,7 +37,7 @@ def test_a_run_is_split_where_another_block_already_holds_a_hash() -> None:
 
 
 def test_evictions_spill_to_the_host_tier_with_what_was_stored_and_drop_from_it() -> None:
-    collector = KVEventCollector(BLOCK_SIZE)
+    collector = KVEventCollector(BLOCK_SIZE, remembers_blocks=True)
     tier = HostKVTier(1, collector)
     pool = _pool(2, collector, tier)
     first = pool.get_new_blocks(2)
@@ -63,7 +63,7 @@ def test_evictions_spill_to_the_host_tier_with_what_was_stored_and_drop_from_it(
 
 
 def test_evictions_in_a_row_share_one_event_and_a_reset_supersedes_the_step_s_events() -> None:
-    collector = KVEventCollector(BLOCK_SIZE)
+    collector = KVEventCollector(BLOCK_SIZE, remembers_blocks=False)
     pool = _pool(3, collector)
     blocks = pool.get_new_blocks(3)
     pool.cache_full_blocks(blocks, [b"a", b"b", b"c"], parent=None, token_ids=[1, 2, 3, 4, 5, 6], lora_id=0)
