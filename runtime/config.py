@@ -85,7 +85,8 @@ class EngineConfig:
     kv_events_config: dict[str, Any] | None = _option(
         'KV-cache events, as vLLM\'s JSON: {"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": '
         '"tcp://*:5557", "replay_endpoint": "tcp://*:5558", "topic": TOPIC, "buffer_steps": batches kept '
-        'for replay, "hwm": PUB high-water mark, "max_queue_size": batches waiting to be sent}. What the '
+        'for replay, "hwm": PUB high-water mark, "max_queue_size": batches waiting to be sent, "encoding": '
+        '"map" (recent vLLM\'s, the default) | "array" (earlier vLLM\'s)}. What the '
         "prefix cache stores and evicts (on the device and in the host tier) is published on a ZeroMQ PUB "
         "socket for KV-aware routers; an endpoint with a * host is bound, others are connected to.",
         default=None,

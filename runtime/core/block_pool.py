@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from kvfleet.contract.block_hash import BlockHash
 from kvfleet.runtime.kv_events.collector import KVEventSink, NullKVEventSink
+from kvfleet.runtime.lora.request import LoRARequest
 
 
 class KVCacheBlock:
@@ -152,11 +153,12 @@ class BlockPool:
         *,
         parent: BlockHash | None,
         token_ids: Sequence[int],
-        lora_id: int,
+        lora: LoRARequest | None,
     ) -> None:
-        """Register blocks[i] under block_hashes[i], consecutive blocks of one request whose tokens are
-        `token_ids` and whose first block follows `parent`. A hash that another block already holds is left
-        to that block, so the duplicate is recycled as a plain block when freed."""
+        """Register blocks[i] under block_hashes[i], consecutive blocks of one request (computed with the
+        adapter `lora`) whose tokens are `token_ids` and whose first block follows `parent`. A hash that
+        another block already holds is left to that block, so the duplicate is recycled as a plain block when
+        freed."""
         if not self.enable_caching:
             return
         cache = self.cached_block_hash_to_block
@@ -164,12 +166,12 @@ class BlockPool:
         run_start = 0
         for index, (block, block_hash) in enumerate(zip(blocks, block_hashes, strict=True)):
             if block_hash in cache:
-                self._report_stored(block_hashes, run_start, index, parent, token_ids, block_size, lora_id)
+                self._report_stored(block_hashes, run_start, index, parent, token_ids, block_size, lora)
                 run_start = index + 1
                 continue
             block.block_hash = block_hash
             cache[block_hash] = block
-        self._report_stored(block_hashes, run_start, len(blocks), parent, token_ids, block_size, lora_id)
+        self._report_stored(block_hashes, run_start, len(blocks), parent, token_ids, block_size, lora)
 
     def _report_stored(
         self,
@@ -179,13 +181,13 @@ class BlockPool:
         parent: BlockHash | None,
         token_ids: Sequence[int],
         block_size: int,
-        lora_id: int,
+        lora: LoRARequest | None,
     ) -> None:
         """One event for the run of newly registered blocks [start, stop)."""
         if start < stop:
             run_parent = block_hashes[start - 1] if start else parent
             run_tokens = token_ids[start * block_size : stop * block_size]
-            self._events.stored(block_hashes[start:stop], run_parent, run_tokens, lora_id)
+            self._events.stored(block_hashes[start:stop], run_parent, run_tokens, lora)
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached hash. Blocks in use keep their contents and are recycled when freed."""

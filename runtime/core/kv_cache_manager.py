@@ -156,7 +156,7 @@ class KVCacheManager:
             block_hashes[num_cached:num_full_blocks],
             parent=block_hashes[num_cached - 1] if num_cached else None,
             token_ids=request.all_token_ids[num_cached * block_size : num_full_blocks * block_size],
-            lora_id=request.lora_int_id,
+            lora=request.lora_request,
         )
         self.num_cached_blocks[request_id] = num_full_blocks
 

@@ -24,6 +24,7 @@ from kvfleet.contract.kv_events import (
     KVEvent,
 )
 from kvfleet.runtime.kv_events.config import KVEventsConfig
+from kvfleet.runtime.lora.request import LoRARequest
 
 
 class KVEventSink(Protocol):
@@ -32,11 +33,11 @@ class KVEventSink(Protocol):
         block_hashes: Sequence[BlockHash],
         parent: BlockHash | None,
         token_ids: Sequence[int],
-        lora_id: int,
+        lora: LoRARequest | None,
     ) -> None:
         """Consecutive blocks of one prompt registered in the device's prefix cache: `parent` is the hash of
-        the block before the first (None at a chain's start), `token_ids` their tokens, `lora_id` the
-        adapter's id (0 for the base model)."""
+        the block before the first (None at a chain's start), `token_ids` their tokens, `lora` their adapter
+        (None for the base model)."""
 
     def evicted(self, block_hash: BlockHash) -> None:
         """A device block left the prefix cache to be reused."""
@@ -62,7 +63,7 @@ class NullKVEventSink:
         block_hashes: Sequence[BlockHash],
         parent: BlockHash | None,
         token_ids: Sequence[int],
-        lora_id: int,
+        lora: LoRARequest | None,
     ) -> None:
         pass
 
@@ -96,7 +97,7 @@ class _Announced:
 
     parent: int | None
     token_ids: array[int]
-    lora_id: int | None
+    lora: LoRARequest | None
     on_device: bool = False
     on_host: bool = False
 
@@ -116,9 +117,8 @@ class KVEventCollector:
         block_hashes: Sequence[BlockHash],
         parent: BlockHash | None,
         token_ids: Sequence[int],
-        lora_id: int,
+        lora: LoRARequest | None,
     ) -> None:
-        lora = lora_id or None
         if self._remembers_blocks:
             self._remember(block_hashes, parent, token_ids, lora)
         self._events.append(
@@ -127,8 +127,9 @@ class KVEventCollector:
                 parent_block_hash=None if parent is None else external_block_hash(parent),
                 token_ids=list(token_ids),
                 block_size=self._block_size,
-                lora_id=lora,
+                lora_id=None if lora is None else lora.lora_int_id,
                 medium=MEDIUM_DEVICE,
+                lora_name=None if lora is None else lora.lora_name,
             )
         )
 
@@ -137,7 +138,7 @@ class KVEventCollector:
         block_hashes: Sequence[BlockHash],
         parent: BlockHash | None,
         token_ids: Sequence[int],
-        lora_id: int | None,
+        lora: LoRARequest | None,
     ) -> None:
         block_size = self._block_size
         external_parent = None if parent is None else external_block_hash(parent)
@@ -145,7 +146,7 @@ class KVEventCollector:
             block = self._announced.get(block_hash)
             if block is None:
                 block_tokens = array("q", token_ids[index * block_size : (index + 1) * block_size])
-                block = self._announced[block_hash] = _Announced(external_parent, block_tokens, lora_id)
+                block = self._announced[block_hash] = _Announced(external_parent, block_tokens, lora)
             block.on_device = True
             external_parent = external_block_hash(block_hash)
 
@@ -167,8 +168,9 @@ class KVEventCollector:
                 parent_block_hash=block.parent,
                 token_ids=block.token_ids.tolist(),
                 block_size=self._block_size,
-                lora_id=block.lora_id,
+                lora_id=None if block.lora is None else block.lora.lora_int_id,
                 medium=MEDIUM_HOST,
+                lora_name=None if block.lora is None else block.lora.lora_name,
             )
         )
 

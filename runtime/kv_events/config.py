@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
-from kvfleet.contract.kv_events import DEFAULT_EVENTS_PORT
+from kvfleet.contract.kv_events import DEFAULT_EVENTS_PORT, ENCODINGS, Encoding
 from kvfleet.runtime.json_options import json_object
 
 PublisherName = Literal["null", "zmq"]
@@ -19,6 +19,7 @@ _KEYS = {
     "hwm",
     "max_queue_size",
     "topic",
+    "encoding",
 }
 
 
@@ -40,6 +41,9 @@ class KVEventsConfig:
     # Batches waiting for the publisher thread; past it the oldest is dropped.
     max_queue_size: int = 100_000
     topic: str = ""
+    # kvfleet's: how events are encoded, as recent vLLM does (maps, which its own decoder requires) or as
+    # earlier vLLM did (arrays, which the subscriber example it published then reads).
+    encoding: Encoding = "map"
 
     @property
     def publishes(self) -> bool:
@@ -67,6 +71,9 @@ class KVEventsConfig:
         topic = value.get("topic", cls.topic)
         if not isinstance(topic, str):
             raise ValueError(f"{_NAME}.topic must be a string, got {topic!r}")
+        encoding = value.get("encoding", cls.encoding)
+        if encoding not in ENCODINGS:
+            raise ValueError(f"{_NAME}.encoding must be one of {', '.join(ENCODINGS)}, got {encoding!r}")
         return cls(
             enable_kv_cache_events=enabled,
             publisher=publisher,
@@ -76,6 +83,7 @@ class KVEventsConfig:
             hwm=_positive(value, "hwm", cls.hwm),
             max_queue_size=_positive(value, "max_queue_size", cls.max_queue_size),
             topic=topic,
+            encoding=encoding,
         )
 
 

@@ -15,9 +15,15 @@ import time
 from collections import deque
 from typing import NamedTuple, Protocol
 
-import msgspec
 import zmq
-from kvfleet.contract.kv_events import END_OF_REPLAY, KVEvent, KVEventBatch, decode_sequence, encode_sequence
+from kvfleet.contract.kv_events import (
+    END_OF_REPLAY,
+    KVEvent,
+    KVEventBatch,
+    decode_sequence,
+    encode_batch,
+    encode_sequence,
+)
 from kvfleet.runtime.kv_events.config import KVEventsConfig, binds
 
 logger = logging.getLogger(__name__)
@@ -96,7 +102,6 @@ class ZmqEventPublisher:
     def __init__(self, config: KVEventsConfig) -> None:
         self._config = config
         self._topic = config.topic.encode()
-        self._encoder = msgspec.msgpack.Encoder()
         self._queue = DropOldestQueue(config.max_queue_size)
         self._next_sequence = 0
         self._replay_buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
@@ -143,7 +148,7 @@ class ZmqEventPublisher:
         self._wake.setsockopt(zmq.LINGER, 0)
 
     def publish(self, events: list[KVEvent]) -> None:
-        payload = self._encoder.encode(KVEventBatch(ts=time.time(), events=events))
+        payload = encode_batch(KVEventBatch(ts=time.time(), events=events), self._config.encoding)
         self._queue.put(QueuedBatch(self._next_sequence, payload, len(events)))
         self._next_sequence += 1
         self._wake_thread()

@@ -10,7 +10,7 @@ def free_ids(pool: BlockPool) -> list[int]:
 
 def cache(pool: BlockPool, blocks: list[KVCacheBlock], block_hashes: list[bytes]) -> None:
     """Register blocks of one token each, at a chain's start."""
-    pool.cache_full_blocks(blocks, block_hashes, parent=None, token_ids=[0] * len(blocks), lora_id=0)
+    pool.cache_full_blocks(blocks, block_hashes, parent=None, token_ids=[0] * len(blocks), lora=None)
 
 
 def test_free_queue_starts_in_block_order_and_pops_from_the_head() -> None:

@@ -1,5 +1,5 @@
 """The engine's KV-cache events read the way any consumer of vLLM's would: a plain ZeroMQ subscriber with its
-own msgspec structs, written after vLLM's published example, not kvfleet's classes.
+own msgspec structs, shaped as recent vLLM's (events as maps with a "type" tag), not kvfleet's classes.
 
 One offline engine for the module, with a device cache of 12 blocks of 8 tokens and a host tier of a few
 blocks, so that prompts evict, spill and drop blocks. The oracles: the block-hash rule of the contract on the
@@ -28,7 +28,7 @@ class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     events: list[Any]
 
 
-class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):  # type: ignore[call-arg]
+class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):  # type: ignore[call-arg]
     pass
 
 
@@ -39,6 +39,7 @@ class BlockStored(KVCacheEvent):
     block_size: int
     lora_id: int | None
     medium: str | None
+    lora_name: str | None
 
 
 class BlockRemoved(KVCacheEvent):
@@ -206,7 +207,9 @@ def test_a_prompt_s_full_blocks_are_stored_with_their_tokens_and_parents(
     assert stored[0].parent_block_hash is None
     for previous, event in itertools.pairwise(stored):
         assert event.parent_block_hash == previous.block_hashes[-1]
-    assert all(event.block_size == BLOCK_SIZE and event.lora_id is None for event in stored)
+    assert all(
+        event.block_size == BLOCK_SIZE and event.lora_id is event.lora_name is None for event in stored
+    )
     assert all(len(event.token_ids) == BLOCK_SIZE * len(event.block_hashes) for event in stored)
     assert _index(events) == cached
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 import zmq
-from kvfleet.contract.kv_events import AllBlocksCleared
+from kvfleet.contract.kv_events import AllBlocksCleared, BlockStored
 from kvfleet.runtime.kv_events.config import KVEventsConfig
 from kvfleet.runtime.kv_events.publisher import (
     DropOldestQueue,
@@ -113,6 +113,65 @@ def test_bad_replay_requests_are_ignored_and_good_ones_answered() -> None:
         context.destroy(linger=0)
 
 
+class ExampleEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):  # type: ignore[call-arg]
+    """Events as vLLM's published subscriber example declares them (arrays)."""
+
+
+class ExampleBlockStored(ExampleEvent, tag="BlockStored"):  # type: ignore[call-arg]
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+
+
+class ExampleBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):  # type: ignore[call-arg]
+    ts: float
+    events: list[ExampleBlockStored]
+
+
+class RecentBlockStored(msgspec.Struct, omit_defaults=True, gc=False, tag="BlockStored"):  # type: ignore[call-arg]
+    """As recent vLLM declares it (a map with a "type" tag, naming the adapter)."""
+
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+
+
+class RecentBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):  # type: ignore[call-arg]
+    ts: float
+    events: list[RecentBlockStored]
+    data_parallel_rank: int | None = None
+
+
+@pytest.mark.parametrize(("encoding", "batch_type"), [("map", RecentBatch), ("array", ExampleBatch)])
+def test_each_encoding_is_read_by_the_vllm_structs_of_its_time(encoding: str, batch_type: type) -> None:
+    port = free_port()
+    config = {"enable_kv_cache_events": True, "endpoint": f"tcp://*:{port}", "encoding": encoding}
+    publisher = ZmqEventPublisher(KVEventsConfig.parse(config))
+    context = zmq.Context()
+    subscriber = context.socket(zmq.SUB)
+    subscriber.setsockopt(zmq.SUBSCRIBE, b"")
+    subscriber.connect(f"tcp://127.0.0.1:{port}")
+    stored = BlockStored([7, 8], 6, [1, 2, 3, 4], 2, 5, "GPU", "tenant-x")
+    try:
+        while not subscriber.poll(20):
+            publisher.publish([stored])
+        batch = msgspec.msgpack.Decoder(batch_type).decode(subscriber.recv_multipart()[2])
+    finally:
+        publisher.shutdown()
+        context.destroy(linger=0)
+    (event,) = batch.events
+    assert (event.block_hashes, event.parent_block_hash, event.token_ids) == ([7, 8], 6, [1, 2, 3, 4])
+    assert (event.block_size, event.lora_id, event.medium) == (2, 5, "GPU")
+    assert getattr(event, "lora_name", "tenant-x") == "tenant-x"
+
+
 def test_the_null_publisher_is_bound_when_events_are_off() -> None:
     assert isinstance(make_event_publisher(None), NullEventPublisher)
     assert isinstance(make_event_publisher(KVEventsConfig.parse("{}")), NullEventPublisher)
@@ -148,6 +207,7 @@ def test_the_config_reads_vllm_s_fields() -> None:
         ({"buffer_steps": 0}, "buffer_steps must be a positive integer"),
         ({"max_queue_size": True}, "max_queue_size must be a positive integer"),
         ({"topic": 1}, "topic must be a string"),
+        ({"encoding": "json"}, "encoding must be one of map, array"),
         ({"endpiont": "tcp://*:1"}, "does not take endpiont"),
     ],
 )

@@ -22,21 +22,22 @@ if TYPE_CHECKING:
 BLOCK_SIZE = 16
 
 
-class BlockStored(msgspec.Struct, array_like=True, tag=True):  # type: ignore[call-arg]
+class BlockStored(msgspec.Struct, tag=True):
     block_hashes: list[int]
     parent_block_hash: int | None
     token_ids: list[int]
     block_size: int
     lora_id: int | None
     medium: str | None
+    lora_name: str | None
 
 
-class BlockRemoved(msgspec.Struct, array_like=True, tag=True):  # type: ignore[call-arg]
+class BlockRemoved(msgspec.Struct, tag=True):
     block_hashes: list[int]
     medium: str | None
 
 
-class AllBlocksCleared(msgspec.Struct, array_like=True, tag=True):  # type: ignore[call-arg]
+class AllBlocksCleared(msgspec.Struct, tag=True):
     pass
 
 
