@@ -27,6 +27,12 @@ QUEUED_PROMPT_TOKENS = KVFLEET_PREFIX + "num_queued_prompt_tokens"
 # where each adapter runs (/metrics needs no API key, /v1/models does).
 LORA_ADAPTER_INFO = KVFLEET_PREFIX + "lora_adapter_info"
 LORA_NAME_LABEL = "lora_name"
+# KV-cache events, counters (kvfleet's alone): events a replica published, batches it dropped from its full
+# queue (each a gap its subscribers see in the sequence numbers), and batches it sent again on replay
+# requests.
+KV_EVENTS_PUBLISHED = KVFLEET_PREFIX + "kv_events_published"
+KV_EVENT_BATCHES_DROPPED = KVFLEET_PREFIX + "kv_event_batches_dropped"
+KV_EVENT_BATCHES_REPLAYED = KVFLEET_PREFIX + "kv_event_batches_replayed"
 # Requests the gateway holds for a model, by its `model` label: the autoscaler scales a model at zero
 # replicas back to one on it.
 GATEWAY_QUEUE_DEPTH = "kvfleet_gateway_queue_depth"

@@ -13,6 +13,7 @@ from typing import Any, Literal, TypeVar, get_args
 
 import click
 from kvfleet.contract.engine import DType, SchedulingPolicy
+from kvfleet.runtime.kv_events.config import KVEventsConfig
 from kvfleet.runtime.kv_transfer.config import KVTransferConfig
 from kvfleet.runtime.kv_transfer.factory import check_connector_name
 from kvfleet.runtime.list_options import ListOption
@@ -79,6 +80,15 @@ class EngineConfig:
         '"kv_producer" | "kv_consumer" | "kv_both", "kv_ip": ADDRESS, "kv_port": PORT, "engine_id": ID, '
         '"kv_load_failure_policy": "recompute" | "fail", "kv_connector_extra_config": {"hold_timeout_s": s, '
         '"load_timeout_s": s, "connect_timeout_s": s, "peer_networks": [CIDR, ...]}}.',
+        default=None,
+    )
+    kv_events_config: dict[str, Any] | None = _option(
+        'KV-cache events, as vLLM\'s JSON: {"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": '
+        '"tcp://*:5557", "replay_endpoint": "tcp://*:5558", "topic": TOPIC, "buffer_steps": batches kept '
+        'for replay, "hwm": PUB high-water mark, "max_queue_size": batches waiting to be sent, "encoding": '
+        '"map" (recent vLLM\'s, the default) | "array" (earlier vLLM\'s)}. What the '
+        "prefix cache stores and evicts (on the device and in the host tier) is published on a ZeroMQ PUB "
+        "socket for KV-aware routers; an endpoint with a * host is bound, others are connected to.",
         default=None,
     )
     limit_mm_per_prompt: dict[str, Any] | None = _option(
@@ -178,6 +188,7 @@ class EngineConfig:
         if speculative is not None and speculative.method == "draft_model":
             speculative.check_draft_tokenizer(self.tokenizer or self.model)
         self._check_kv_transfer()
+        self.kv_events()  # raises ValueError naming what is wrong
         limits = self.limit_mm_per_prompt or {}
         for modality, limit in limits.items():
             require(modality in MODALITIES, f"limit_mm_per_prompt: {modality!r} is not one of {MODALITIES}")
@@ -246,6 +257,12 @@ class EngineConfig:
         if self.kv_transfer_config is None:
             return None
         return KVTransferConfig.parse(self.kv_transfer_config)
+
+    def kv_events(self) -> KVEventsConfig | None:
+        """The parsed kv_events_config, or None when it is not given."""
+        if self.kv_events_config is None:
+            return None
+        return KVEventsConfig.parse(self.kv_events_config)
 
     def mm_limits(self) -> dict[str, int]:
         """How many items of each modality one prompt may carry."""

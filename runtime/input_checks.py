@@ -28,6 +28,17 @@ class ContextLengthError(InvalidRequestError):
         )
 
 
+MAX_CACHE_SALT_CHARS = 1024
+
+
+def check_cache_salt(cache_salt: object) -> None:
+    """vLLM's cache_salt, when given, is a non-empty string; bounded, as it is hashed into every block."""
+    if not isinstance(cache_salt, str) or not cache_salt or len(cache_salt) > MAX_CACHE_SALT_CHARS:
+        raise InvalidRequestError(
+            f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters"
+        )
+
+
 def check_context_length(num_prompt_tokens: int, max_model_len: int, num_output_tokens: int = 1) -> None:
     """The prompt-length rule: a prompt and the `num_output_tokens` it must be able to generate fit the
     model's context. A request is served only if it leaves room for at least one token of output (a

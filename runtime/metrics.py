@@ -17,6 +17,9 @@ from typing import TYPE_CHECKING
 from kvfleet.contract.metrics import (
     ITL,
     KV_CACHE_USAGE,
+    KV_EVENT_BATCHES_DROPPED,
+    KV_EVENT_BATCHES_REPLAYED,
+    KV_EVENTS_PUBLISHED,
     KVFLEET_PREFIX,
     LORA_ADAPTER_INFO,
     LORA_NAME_LABEL,
@@ -398,6 +401,26 @@ _OWN_SERIES = (
         lambda stats: stats.kv_transfer_blocks_held,
         counter=False,
         vllm_aliases=None,
+    ),
+    *(
+        _StatSeries(name.removeprefix(KVFLEET_PREFIX), documentation, value, counter=True, vllm_aliases=None)
+        for name, documentation, value in (
+            (
+                KV_EVENTS_PUBLISHED,
+                "KV-cache events sent to subscribers (blocks stored, removed, all cleared).",
+                lambda stats: stats.kv_events_published,
+            ),
+            (
+                KV_EVENT_BATCHES_DROPPED,
+                "KV-cache event batches dropped, the oldest first, because the publisher's queue was full.",
+                lambda stats: stats.kv_event_batches_dropped,
+            ),
+            (
+                KV_EVENT_BATCHES_REPLAYED,
+                "KV-cache event batches sent again to subscribers that asked the replay socket.",
+                lambda stats: stats.kv_event_batches_replayed,
+            ),
+        )
     ),
     _StatSeries(
         "spec_decode_mean_acceptance_length",

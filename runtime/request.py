@@ -82,6 +82,7 @@ class Request:
         token_rules: TokenRules | None = None,
         lora_request: LoRARequest | None = None,
         model_salt: bytes | None = None,
+        cache_salt: str | None = None,
         mm_features: list[MultiModalFeature] | None = None,
         mrope_positions: MRopePositions | None = None,
     ) -> None:
@@ -101,6 +102,9 @@ class Request:
         self.lora_request = lora_request
         # What the model makes this request's KV depend on besides its tokens (see chain_seed).
         self.model_salt = model_salt
+        # The tenant's salt the request brings (vLLM's cache_salt): it shares prefix-cache blocks only with
+        # requests of the same salt.
+        self.cache_salt = cache_salt
         # The prompt's images in prompt order, each over its run of placeholder tokens.
         self.mm_features: list[MultiModalFeature] = mm_features or []
         # Its three-dimensional positions, on a model with M-RoPE; None on others.

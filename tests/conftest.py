@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
+import json
 import shutil
 import subprocess
 import sys
@@ -143,8 +144,25 @@ API_KEY = "test-key"
 
 
 @pytest.fixture(scope="session")
-def api_server(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    """The server tests' shared server: priority scheduling, an API key, and a small body limit to test
-    against."""
+def api_server_events_port() -> int:
+    """Where the shared server publishes its KV-cache events."""
+    return free_port()
+
+
+@pytest.fixture(scope="session")
+def api_server(
+    tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory, api_server_events_port: int
+) -> Iterator[ServerProcess]:
+    """The server tests' shared server: priority scheduling, an API key, a small body limit to test against,
+    and KV-cache events."""
+    events = json.dumps({"enable_kv_cache_events": True, "endpoint": f"tcp://*:{api_server_events_port}"})
     with running_servers(tiny_llama, tmp_path_factory.mktemp("shared-server-logs")) as start:
-        yield start("--scheduling-policy", "priority", "--max-request-body-bytes", "65536", api_key=API_KEY)
+        yield start(
+            "--scheduling-policy",
+            "priority",
+            "--max-request-body-bytes",
+            "65536",
+            "--kv-events-config",
+            events,
+            api_key=API_KEY,
+        )

@@ -9,6 +9,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from kvfleet.contract.block_hash import BlockHash
+from kvfleet.runtime.kv_events.collector import KVEventSink, NullKVEventSink
+from kvfleet.runtime.lora.request import LoRARequest
 
 
 class KVCacheBlock:
@@ -85,9 +87,10 @@ class BlockPool:
         num_blocks: int,
         enable_caching: bool,
         on_evict: Callable[[int, BlockHash], None] | None = None,
+        events: KVEventSink | None = None,
     ) -> None:
         """`on_evict(block_id, block_hash)`: told of each cached block about to be reused, while its KV is
-        still intact (the host tier keeps a copy)."""
+        still intact (the host tier keeps a copy). `events`: told of each block registered and evicted."""
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -97,6 +100,7 @@ class BlockPool:
         # One block per hash: a second block computed with the same content is simply not registered.
         self.cached_block_hash_to_block: dict[BlockHash, KVCacheBlock] = {}
         self._on_evict = on_evict
+        self._events = events or NullKVEventSink()
 
     def get_num_free_blocks(self) -> int:
         return self.free_block_queue.num_free_blocks
@@ -142,17 +146,48 @@ class BlockPool:
             if block.ref_cnt == 0:
                 queue.append(block)
 
-    def cache_full_blocks(self, blocks: Sequence[KVCacheBlock], block_hashes: Sequence[BlockHash]) -> None:
-        """Register blocks[i] under block_hashes[i]. A hash that another block already holds is left to that
-        block, so the duplicate is recycled as a plain block when freed."""
+    def cache_full_blocks(
+        self,
+        blocks: Sequence[KVCacheBlock],
+        block_hashes: Sequence[BlockHash],
+        *,
+        parent: BlockHash | None,
+        token_ids: Sequence[int],
+        lora: LoRARequest | None,
+    ) -> None:
+        """Register blocks[i] under block_hashes[i], consecutive blocks of one request (computed with the
+        adapter `lora`) whose tokens are `token_ids` and whose first block follows `parent`. A hash that
+        another block already holds is left to that block, so the duplicate is recycled as a plain block when
+        freed."""
         if not self.enable_caching:
             return
         cache = self.cached_block_hash_to_block
-        for block, block_hash in zip(blocks, block_hashes, strict=True):
+        block_size = len(token_ids) // len(blocks) if blocks else 0
+        run_start = 0
+        for index, (block, block_hash) in enumerate(zip(blocks, block_hashes, strict=True)):
             if block_hash in cache:
+                self._report_stored(block_hashes, run_start, index, parent, token_ids, block_size, lora)
+                run_start = index + 1
                 continue
             block.block_hash = block_hash
             cache[block_hash] = block
+        self._report_stored(block_hashes, run_start, len(blocks), parent, token_ids, block_size, lora)
+
+    def _report_stored(
+        self,
+        block_hashes: Sequence[BlockHash],
+        start: int,
+        stop: int,
+        parent: BlockHash | None,
+        token_ids: Sequence[int],
+        block_size: int,
+        lora: LoRARequest | None,
+    ) -> None:
+        """One event for the run of newly registered blocks [start, stop)."""
+        if start < stop:
+            run_parent = block_hashes[start - 1] if start else parent
+            run_tokens = token_ids[start * block_size : stop * block_size]
+            self._events.stored(block_hashes[start:stop], run_parent, run_tokens, lora)
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached hash. Blocks in use keep their contents and are recycled when freed."""
@@ -163,6 +198,7 @@ class BlockPool:
     def _evict(self, block: KVCacheBlock) -> None:
         assert block.block_hash is not None
         del self.cached_block_hash_to_block[block.block_hash]
+        self._events.evicted(block.block_hash)
         if self._on_evict is not None:
             self._on_evict(block.block_id, block.block_hash)
         block.block_hash = None

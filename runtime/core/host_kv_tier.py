@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvfleet.contract.block_hash import BlockHash
+from kvfleet.runtime.kv_events.collector import KVEventSink, NullKVEventSink
 
 
 @dataclass
@@ -37,10 +38,12 @@ class TierCopies:
 
 
 class HostKVTier:
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, events: KVEventSink | None = None) -> None:
+        """`events`: told of each prefix block the tier takes and lets go of."""
         if num_blocks < 1:
             raise ValueError(f"the host KV tier needs at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
+        self._events = events or NullKVEventSink()
         self._free: list[int] = list(range(num_blocks))
         # Insertion ordered: the oldest save is dropped first when the tier is full.
         self._saved: dict[str, _SavedKV] = {}
@@ -117,6 +120,7 @@ class HostKVTier:
         host_block_id = self._take_free()
         self._copies.to_host.append((device_block_id, host_block_id))
         self._prefix[block_hash] = host_block_id
+        self._events.spilled(block_hash)
         self.blocks_offloaded += 1
         self.prefix_blocks_spilled += 1
 
@@ -168,6 +172,7 @@ class HostKVTier:
             if host_block_id not in self._busy:
                 del self._prefix[block_hash]
                 self._free.append(host_block_id)
+                self._events.dropped_from_host(block_hash)
                 return True
         return False
 

@@ -7,6 +7,7 @@ from collections.abc import Callable, Sequence
 from kvfleet.contract.block_hash import BlockHash
 from kvfleet.runtime.core.block_pool import BlockPool, KVCacheBlock
 from kvfleet.runtime.core.kv_cache_utils import extend_block_hashes
+from kvfleet.runtime.kv_events.collector import KVEventSink, NullKVEventSink
 from kvfleet.runtime.request import Request
 
 
@@ -18,16 +19,18 @@ class KVCacheManager:
         enable_caching: bool,
         sliding_window: int | None = None,
         on_evict: Callable[[int, BlockHash], None] | None = None,
+        events: KVEventSink | None = None,
     ) -> None:
         """`sliding_window`: the model's attention window when every layer has one (the widest); a request's
-        blocks that fall wholly before it then go back to the pool as the request grows. `on_evict`: see
-        BlockPool."""
+        blocks that fall wholly before it then go back to the pool as the request grows. `on_evict` and
+        `events`: see BlockPool."""
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.sliding_window = sliding_window
-        self.block_pool = BlockPool(num_blocks, enable_caching, on_evict)
+        self.events = events or NullKVEventSink()
+        self.block_pool = BlockPool(num_blocks, enable_caching, on_evict, self.events)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         # Kept alongside req_to_blocks so a step's block tables cost nothing to hand to the model runner.
         self.req_to_block_ids: dict[str, list[int]] = {}
@@ -149,7 +152,11 @@ class KVCacheManager:
         block_hashes = extend_block_hashes(request, block_size, num_full_blocks)
         blocks = self.req_to_blocks[request_id]
         self.block_pool.cache_full_blocks(
-            blocks[num_cached:num_full_blocks], block_hashes[num_cached:num_full_blocks]
+            blocks[num_cached:num_full_blocks],
+            block_hashes[num_cached:num_full_blocks],
+            parent=block_hashes[num_cached - 1] if num_cached else None,
+            token_ids=request.all_token_ids[num_cached * block_size : num_full_blocks * block_size],
+            lora=request.lora_request,
         )
         self.num_cached_blocks[request_id] = num_full_blocks
 

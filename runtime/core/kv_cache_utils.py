@@ -17,7 +17,11 @@ def extend_block_hashes(request: Request, block_size: int, num_full_blocks: int)
         raise ValueError(
             f"request {request.request_id!r} has {len(tokens)} tokens: not {num_full_blocks} full blocks"
         )
-    parent = hashes[-1] if hashes else chain_seed(request.lora_int_id, model_salt=request.model_salt)
+    parent = (
+        hashes[-1]
+        if hashes
+        else chain_seed(request.lora_int_id, cache_salt=request.cache_salt, model_salt=request.model_salt)
+    )
     new_hashes = block_hashes(
         tokens, block_size, parent, request.mm_features, start_block=start, stop_block=num_full_blocks
     )

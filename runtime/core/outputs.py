@@ -139,6 +139,11 @@ class SchedulerStats:
     kv_transfer_fallbacks: dict[str, int] = field(default_factory=dict)
     kv_transfer_holds_expired: int = 0
     kv_transfer_blocks_held: int = 0
+    # KV-cache events, cumulative: events sent to subscribers, batches dropped from the publisher's full
+    # queue, and batches sent again on replay requests.
+    kv_events_published: int = 0
+    kv_event_batches_dropped: int = 0
+    kv_event_batches_replayed: int = 0
     # Prompt tokens still to compute, of the waiting and running requests (a disaggregated service's prefill
     # role scales on them).
     num_queued_prompt_tokens: int = 0

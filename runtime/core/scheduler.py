@@ -51,6 +51,7 @@ from kvfleet.runtime.core.kv_cache_manager import KVCacheManager
 from kvfleet.runtime.core.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput, SchedulerStats
 from kvfleet.runtime.core.request_queue import create_request_queue
 from kvfleet.runtime.input_checks import check_context_length
+from kvfleet.runtime.kv_events.collector import KVEventSink
 from kvfleet.runtime.kv_transfer.base import KVConnectorOutput, KVConnectorScheduler
 from kvfleet.runtime.request import FinishReason, Request, RequestStatus
 
@@ -102,6 +103,7 @@ class Scheduler:
         host_kv_tier: HostKVTier | None = None,
         max_num_encoder_input_tokens: int | None = None,
         kv_connector: KVConnectorScheduler | None = None,
+        kv_events: KVEventSink | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """`sliding_window`: the model's, when every layer has one (blocks before it are freed as requests
@@ -130,9 +132,8 @@ class Scheduler:
         self.background_priority = background_priority
         self.clock = clock
         self.host_kv_tier = host_kv_tier
-        spill = host_kv_tier.spill if host_kv_tier is not None and enable_prefix_caching else None
-        self.kv_cache_manager = KVCacheManager(
-            num_kv_blocks, block_size, enable_prefix_caching, sliding_window=sliding_window, on_evict=spill
+        self.kv_cache_manager = self._kv_cache_manager(
+            num_kv_blocks, block_size, enable_prefix_caching, sliding_window, kv_events
         )
         # What may hold a waiting request back, and where its computed tokens may come from (admission.py).
         self._admission_gates = admission_gates(
@@ -165,6 +166,27 @@ class Scheduler:
         self.num_preempted_total = 0
         self.num_prefill_tokens_computed = 0
         self._drafts = _DraftCounts()
+
+    def _kv_cache_manager(
+        self,
+        num_kv_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool,
+        sliding_window: int | None,
+        kv_events: KVEventSink | None,
+    ) -> KVCacheManager:
+        """The device's blocks, which tell `kv_events` what they store and evict; with prefix caching, those
+        they evict spill to the host tier, if there is one."""
+        tier = self.host_kv_tier
+        spill = tier.spill if tier is not None and enable_prefix_caching else None
+        return KVCacheManager(
+            num_kv_blocks,
+            block_size,
+            enable_prefix_caching,
+            sliding_window=sliding_window,
+            on_evict=spill,
+            events=kv_events,
+        )
 
     # Requests in and out.
 
@@ -214,9 +236,11 @@ class Scheduler:
         return len(self.requests) + len(self._timed_out_outputs)
 
     def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix block, on the device and in the host tier."""
         self.kv_cache_manager.reset_prefix_cache()
         if self.host_kv_tier is not None:
             self.host_kv_tier.reset_prefixes()
+        self.kv_cache_manager.events.cleared()
 
     @property
     def stats(self) -> SchedulerStats:

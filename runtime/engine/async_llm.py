@@ -196,6 +196,7 @@ class AsyncLLM:
         arrival_time: float | None = None,
         lora_request: LoRARequest | None = None,
         mm_features: list[MultiModalFeature] | None = None,
+        cache_salt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yields the request's delta outputs until the finished one; raises an EngineError when the
         request fails. Leaving the iteration early (the caller cancelled, the client gone) aborts the
@@ -232,6 +233,7 @@ class AsyncLLM:
                 timeout=timeout,
                 lora_request=lora_request,
                 mm_features=mm_features,
+                cache_salt=cache_salt,
             )
         )
         try:
@@ -269,6 +271,10 @@ class AsyncLLM:
         """vLLM's: the engine drops the adapter's weights once the requests running with it end."""
         if self._client is not None:
             self._client.remove_lora(lora_int_id)
+
+    def reset_prefix_cache(self) -> None:
+        if self._client is not None:
+            self._client.reset_prefix_cache()
 
     def abort_all(self, make_error: Callable[[], BaseException]) -> None:
         for request_id in list(self._streams):

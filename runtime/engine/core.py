@@ -41,7 +41,9 @@ from kvfleet.runtime.errors import (
     RequestShedError,
 )
 from kvfleet.runtime.executor.executor import WorkerFailedError, make_executor
-from kvfleet.runtime.input_checks import check_prompt_token_ids
+from kvfleet.runtime.input_checks import check_cache_salt, check_prompt_token_ids
+from kvfleet.runtime.kv_events.collector import make_event_sink
+from kvfleet.runtime.kv_events.publisher import make_event_publisher
 from kvfleet.runtime.kv_transfer.base import KVConnectorScheduler
 from kvfleet.runtime.kv_transfer.factory import make_scheduler_connector
 from kvfleet.runtime.lora.request import LoRARequest
@@ -87,6 +89,10 @@ class EngineCore:
         self.vocab_size: int = executor.vocab_size
         self.num_kv_blocks = self._num_kv_blocks()
         executor.initialize_kv_cache(self.num_kv_blocks)
+        kv_events_config = config.kv_events()
+        self.kv_events = make_event_sink(
+            kv_events_config, config.block_size, host_tier=config.kv_offloading_size is not None
+        )
         host_kv_tier = self._host_kv_tier()
         self.max_num_batched_tokens = self._token_budget()
         model_config = executor.model_config
@@ -111,6 +117,7 @@ class EngineCore:
             host_kv_tier=host_kv_tier,
             max_num_encoder_input_tokens=self._encoder_budget(),
             kv_connector=self._kv_connector(),
+            kv_events=self.kv_events,
         )
         self.speculator = self._speculator()
         # Admitted requests never scheduled yet: the ones load shedding may displace, and whose first
@@ -124,6 +131,8 @@ class EngineCore:
             )
         )
         self._arrival_handlers = self._make_arrival_handlers()
+        # Last: its sockets and thread are the only part of the core that outlives a failed start.
+        self.kv_event_publisher = make_event_publisher(kv_events_config)
         self.num_steps = 0
         logger.info(
             "%s ready: model=%s device=%s max_model_len=%d kv_blocks=%d x %d tokens, budget %d",
@@ -179,9 +188,11 @@ class EngineCore:
         return handlers
 
     def shutdown(self) -> None:
-        """Stop the worker processes, if the executor runs any, and the grammar compile processes."""
+        """Stop the worker processes, if the executor runs any, the grammar compile processes and the KV
+        events publisher."""
         self.executor.shutdown()
         self.structured_outputs.compiler.shutdown()
+        self.kv_event_publisher.shutdown()
 
     @property
     def info(self) -> EngineInfo:
@@ -229,7 +240,7 @@ class EngineCore:
         if num_blocks < 1:
             raise ValueError(f"kv_offloading_size {size:g} GiB holds no KV block of this model")
         self.executor.initialize_host_kv_tier(num_blocks)
-        return HostKVTier(num_blocks)
+        return HostKVTier(num_blocks, self.kv_events)
 
     def _token_budget(self) -> int:
         config = self.config
@@ -267,6 +278,8 @@ class EngineCore:
         request = None
         try:
             self.validate_prompt(add.prompt_token_ids, add.sampling_params.stop_token_ids or [])
+            if add.cache_salt is not None:
+                check_cache_salt(add.cache_salt)
             request = Request(
                 add.request_id,
                 add.prompt_token_ids,
@@ -277,6 +290,7 @@ class EngineCore:
                 deadline=add.deadline,
                 lora_request=add.lora_request,
                 mm_features=add.mm_features,
+                cache_salt=add.cache_salt,
             )
             for handler in self._arrival_handlers:
                 handler.prepare(add, request)
@@ -293,6 +307,17 @@ class EngineCore:
         if request is not None:
             # Finished, so that what a handler started for it (its grammar's compile) lets it go.
             request.transition(RequestStatus.FINISHED_ERROR)
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix block, on the device and in the host tier; subscribers hear of it at
+        once."""
+        self.scheduler.reset_prefix_cache()
+        self._publish_kv_events()
+
+    def _publish_kv_events(self) -> None:
+        events = self.kv_events.take()
+        if events:
+            self.kv_event_publisher.publish(events)
 
     def add_lora(self, lora: LoRARequest) -> None:
         """Have the adapter ready to run; raises InvalidRequestError when it cannot run on this model."""
@@ -322,6 +347,10 @@ class EngineCore:
         stats.grammars_compiled = compiler.num_compiled
         stats.grammar_compile_seconds = compiler.compile_seconds
         self.executor.fill_stats(stats)
+        publisher = self.kv_event_publisher
+        stats.kv_events_published = publisher.events_published
+        stats.kv_event_batches_dropped = publisher.batches_dropped
+        stats.kv_event_batches_replayed = publisher.batches_replayed
         return stats
 
     def has_unfinished_requests(self) -> bool:
@@ -357,6 +386,7 @@ class EngineCore:
             if output.finish_reason is not None:
                 self._unstarted.pop(output.request_id, None)
         self.num_steps += 1
+        self._publish_kv_events()
         return EngineCoreOutputs(
             stats=self.stats, outputs=outputs, errors=errors, started=started, step_time=step_time
         )

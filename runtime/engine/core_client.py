@@ -31,6 +31,7 @@ from kvfleet.runtime.engine.messages import (
     Hello,
     Ready,
     RemoveLoRA,
+    ResetPrefixCache,
     ToCore,
     from_core_decoder,
 )
@@ -196,6 +197,9 @@ class EngineCoreClient:
 
     def remove_lora(self, lora_int_id: int) -> None:
         self._send(RemoveLoRA(lora_int_id))
+
+    def reset_prefix_cache(self) -> None:
+        self._send(ResetPrefixCache())
 
     def _send(self, message: ToCore) -> None:
         # With no high-water mark a send never waits, so it completes here, in call order.

@@ -30,6 +30,7 @@ from kvfleet.runtime.engine.messages import (
     Hello,
     Ready,
     RemoveLoRA,
+    ResetPrefixCache,
     to_core_decoder,
 )
 from kvfleet.runtime.executor.executor import WorkerFailedError
@@ -142,6 +143,8 @@ class EngineCoreProc:
                     self.client_of.pop(request_id, None)
             elif isinstance(message, RemoveLoRA):
                 core.remove_lora(message.lora_int_id)
+            elif isinstance(message, ResetPrefixCache):
+                core.reset_prefix_cache()
             elif isinstance(message, Hello):
                 self.clients.append(identity.bytes)
                 socket.send_multipart((identity.bytes, self.encoder.encode(Ready(core.info))))

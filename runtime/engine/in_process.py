@@ -75,6 +75,7 @@ class InProcessEngine:
         arrival_time: float | None = None,
         lora_request: LoRARequest | None = None,
         mm_features: list[MultiModalFeature] | None = None,
+        cache_salt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """The request's delta outputs until the finished one; leaving early aborts it."""
         await self.wait_ready(None)
@@ -95,6 +96,7 @@ class InProcessEngine:
                     prompt_token_ids=prompt_token_ids,
                     lora_request=lora_request,
                     mm_features=mm_features,
+                    cache_salt=cache_salt,
                 )
             except ValueError as exc:
                 queue.put_nowait(InvalidRequestError(str(exc)))
@@ -120,6 +122,9 @@ class InProcessEngine:
 
     def remove_lora(self, lora_int_id: int) -> None:
         self._change(lambda: self.engine.remove_lora(lora_int_id))
+
+    def reset_prefix_cache(self) -> None:
+        self._change(self.engine.reset_prefix_cache)
 
     def _change(self, change: Callable[[], None]) -> None:
         self._changes.append(change)

@@ -10,7 +10,7 @@ from kvfleet.runtime.chat_prompt import chat_prompt_token_ids
 from kvfleet.runtime.config import EngineConfig
 from kvfleet.runtime.engine.llm_engine import LLMEngine
 from kvfleet.runtime.engine.outputs import RequestOutput
-from kvfleet.runtime.input_checks import check_sampling_token_ids
+from kvfleet.runtime.input_checks import check_cache_salt, check_sampling_token_ids
 from kvfleet.runtime.lora.request import LoRARequest
 from kvfleet.runtime.multimodal.inputs import MultiModalFeature
 from kvfleet.runtime.sampling_params import SamplingParams
@@ -19,7 +19,8 @@ from tqdm import tqdm
 
 # A text or token-id prompt, or vLLM's dict: {"prompt": text} or {"prompt_token_ids": ids}, with
 # "multi_modal_data": {"image": a PIL image or a list of them} for a vision model, {"audio": (waveform,
-# sampling rate) or a list of them} for an audio model (one placeholder token in the prompt per item).
+# sampling rate) or a list of them} for an audio model (one placeholder token in the prompt per item), and
+# "cache_salt": a tenant's salt (its prompts share prefix-cache blocks only with prompts of the same salt).
 Prompt = str | list[int] | dict[str, Any]
 ChatMessages = list[dict[str, Any]]
 
@@ -54,6 +55,10 @@ class LLM:
         # Validate everything before queueing anything, so bad input leaves the engine untouched.
         prepared = [self._prepare(prompt) for prompt in prompt_list]
         token_lists = [token_ids for token_ids, _ in prepared]
+        salts = [prompt.get("cache_salt") if isinstance(prompt, dict) else None for prompt in prompt_list]
+        for salt in salts:
+            if salt is not None:
+                check_cache_salt(salt)
         for token_ids, params in zip(token_lists, params_list, strict=True):
             engine.validate_prompt(token_ids, params)
             check_sampling_token_ids(params, vocab_size=engine.vocab_size)
@@ -63,8 +68,8 @@ class LLM:
             engine.engine_core.add_lora(lora)
         ids = [str(next(self._request_counter)) for _ in prompt_list]
         try:
-            for request_id, prompt, (token_ids, features), params, prio, lora in zip(
-                ids, prompt_list, prepared, params_list, priorities, lora_list, strict=True
+            for request_id, prompt, (token_ids, features), params, prio, lora, salt in zip(
+                ids, prompt_list, prepared, params_list, priorities, lora_list, salts, strict=True
             ):
                 engine.add_request(
                     request_id,
@@ -74,6 +79,7 @@ class LLM:
                     prompt_token_ids=token_ids,
                     lora_request=lora,
                     mm_features=features,
+                    cache_salt=salt,
                 )
             return self._run(ids, use_tqdm)
         except BaseException:
@@ -94,6 +100,10 @@ class LLM:
         if not any(items.values()):
             return token_ids, []
         return engine.prompt_media.prepare(token_ids, items)
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix block (the device's and the host tier's)."""
+        self.llm_engine.reset_prefix_cache()
 
     def chat(
         self,

@@ -68,6 +68,7 @@ class LLMEngine:
         prompt_token_ids: list[int] | None = None,
         lora_request: LoRARequest | None = None,
         mm_features: list[MultiModalFeature] | None = None,
+        cache_salt: str | None = None,
     ) -> list[int]:
         """Queue a request; returns its prompt token ids. Raises ValueError on bad input.
 
@@ -102,6 +103,7 @@ class LLMEngine:
             timeout=timeout,
             lora_request=lora_request,
             mm_features=mm_features,
+            cache_salt=cache_salt,
         ):
             self.engine_core.add_request(add)
         return prompt_token_ids
@@ -114,6 +116,10 @@ class LLMEngine:
         )
         for rid in ids:
             self.output_processor.remove(rid)
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix block (the device's and the host tier's)."""
+        self.engine_core.reset_prefix_cache()
 
     def remove_lora(self, lora_int_id: int) -> None:
         """vLLM's: drop the adapter's weights (its slot zeroed) once the requests running with it end."""

@@ -1,7 +1,8 @@
 """What crosses the socket between API server processes and the EngineCore process.
 
 Each side sends msgpack-encoded tagged structs over one ZeroMQ ROUTER/DEALER pair: an API server (a DEALER
-whose identity is its client index) sends Hello once, then AddRequest, AbortRequests and RemoveLoRA; the core
+whose identity is its client index) sends Hello once, then AddRequest, AbortRequests, RemoveLoRA and
+ResetPrefixCache; the core
 answers Hello with Ready (or Failed, if the model could not be loaded) and after every step sends each client
 one EngineCoreOutputs with that client's outputs and the scheduler's stats.
 """
@@ -33,6 +34,8 @@ class AddRequest(msgspec.Struct, tag="add", array_like=True, omit_defaults=True)
     # The prompt's images and audio clips, preprocessed, in prompt order; their placeholder tokens are in
     # prompt_token_ids.
     mm_features: list[MultiModalFeature] = []
+    # vLLM's: a tenant's salt keeps its prompts' prefix-cache blocks apart from everyone else's.
+    cache_salt: str | None = None
 
 
 class AbortRequests(msgspec.Struct, tag="abort", array_like=True):
@@ -43,6 +46,10 @@ class RemoveLoRA(msgspec.Struct, tag="remove_lora", array_like=True):
     """An adapter its API server no longer serves: its weights leave the engine."""
 
     lora_int_id: int
+
+
+class ResetPrefixCache(msgspec.Struct, tag="reset_prefix_cache", array_like=True):
+    """Forget every cached prefix block, on the device and in the host tier."""
 
 
 class EngineInfo(msgspec.Struct, array_like=True):
@@ -82,7 +89,7 @@ class EngineCoreOutputs(msgspec.Struct, tag="outputs", array_like=True, omit_def
     step_time: float = 0.0
 
 
-ToCore = Hello | AddRequest | AbortRequests | RemoveLoRA
+ToCore = Hello | AddRequest | AbortRequests | RemoveLoRA | ResetPrefixCache
 FromCore = Ready | Failed | EngineCoreOutputs
 
 

@@ -56,6 +56,7 @@ class EngineClient(Protocol):
         arrival_time: float | None = None,
         lora_request: LoRARequest | None = None,
         mm_features: list[MultiModalFeature] | None = None,
+        cache_salt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """The request's delta outputs until the finished one; raises an EngineError when it fails. Leaving
         the iteration early aborts the request."""
@@ -65,3 +66,7 @@ class EngineClient(Protocol):
 
     def remove_lora(self, lora_int_id: int) -> None:
         """vLLM's: the engine drops the adapter's weights once the requests running with it end."""
+
+    def reset_prefix_cache(self) -> None:
+        """vLLM's: the engine forgets every cached prefix block (the device's and the host tier's); KV-cache
+        event subscribers hear AllBlocksCleared."""

@@ -25,6 +25,7 @@ def sequence_requests(
     timeout: float | None = None,
     lora_request: LoRARequest | None = None,
     mm_features: list[MultiModalFeature] | None = None,
+    cache_salt: str | None = None,
 ) -> list[AddRequest]:
     """One AddRequest per sequence; sequence i of a seeded request draws from seed + i."""
     deadline = arrival_time + timeout if timeout is not None else None
@@ -45,6 +46,7 @@ def sequence_requests(
                 deadline=deadline,
                 lora_request=lora_request,
                 mm_features=mm_features or [],
+                cache_salt=cache_salt,
             )
         )
     return requests

@@ -134,13 +134,17 @@ def prefill_params(
 
 def kv_digest(request: Request) -> bytes:
     """SHA-256 over what decides a prompt's KV besides the model: its adapter (by name, which both replicas
-    share, where the adapter's number is each replica's own), its cache salt, its prompt tokens and its media
-    items. Both sides compute it for their own request; blocks only move between requests whose digests
-    agree."""
+    share, where the adapter's number is each replica's own), its salts (the model's and the tenant's), its
+    prompt tokens and its media items. Both sides compute it for their own request; blocks only move between
+    requests whose digests agree."""
     hasher = hashlib.sha256(b"kvfleet-kv-digest-1")
     lora = request.lora_request
     hasher.update(b"lora:" + (lora.lora_name.encode() if lora is not None else b""))
     hasher.update(b"\0salt:" + (request.model_salt or b""))
+    if request.cache_salt is not None:
+        salt = request.cache_salt.encode()
+        # Length-prefixed: the tenant chooses these bytes, which must not pass for the tokens that follow.
+        hasher.update(b"\0cache_salt:" + len(salt).to_bytes(8, "big") + salt)
     hasher.update(b"\0tokens:" + array("q", request.prompt_token_ids).tobytes())
     for feature in request.mm_features:
         hasher.update(b"\0item:%d:" % feature.offset + feature.identifier)

@@ -169,6 +169,12 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> Response:
         return PlainTextResponse(await lora.unload(body))
 
+    # vLLM's: the replica's cache starts cold again, as for the next run of a benchmark.
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> Response:
+        service.engine.reset_prefix_cache()
+        return Response(status_code=200)
+
     @app.post("/v1/completions")
     async def create_completion(body: CompletionRequest, raw_request: Request) -> Response:
         request = await service.create_completion(body, raw_request.headers.get(PRIORITY_HEADER))

@@ -17,6 +17,8 @@ from typing import Annotated, Any, Literal
 
 from kvfleet.contract.errors import BadRequestError
 from kvfleet.runtime import json_depth
+from kvfleet.runtime.errors import InvalidRequestError
+from kvfleet.runtime.input_checks import check_cache_salt
 from kvfleet.runtime.sampling_params import KV_TRANSFER_PARAMS, SamplingParams, StructuredOutputsParams
 from pydantic import (
     AllowInfNan,
@@ -193,9 +195,16 @@ class _GenerationRequest(_Request):
     kv_transfer_params: dict[str, Any] | None = None
     # vLLM's: the prompt's and each choice's token ids in the answer (streamed: each chunk's new ones).
     return_token_ids: StrictBool | None = None
+    # vLLM's: a tenant's salt; prompts share prefix-cache blocks only with prompts of the same salt.
+    cache_salt: str | None = None
 
     def _check_common(self) -> None:
         self.refuse_unsupported()
+        if self.cache_salt is not None:
+            try:
+                check_cache_salt(self.cache_salt)
+            except InvalidRequestError as error:
+                raise BadRequestError(str(error), param="cache_salt") from None
         if self.stream_options is not None and not self.stream:
             raise BadRequestError(
                 "stream_options is only allowed when stream is true", param="stream_options"

@@ -74,6 +74,7 @@ class PreparedRequest:
     safety: RequestSafety | None = None
     # The images and audio of a chat request's one prompt.
     mm_features: list[MultiModalFeature] = field(default_factory=list)
+    cache_salt: str | None = None
 
     @property
     def stream(self) -> bool:

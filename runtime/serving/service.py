@@ -190,6 +190,7 @@ class OpenAIService:
             lora_request=lora_request,
             safety=safety,
             mm_features=prompt.mm_features,
+            cache_salt=body.cache_salt,
         )
 
     def check_model(self, model: str | None) -> LoRARequest | None:
@@ -456,6 +457,7 @@ class OpenAIService:
                 arrival_time=request.arrival_time,
                 lora_request=request.lora_request,
                 mm_features=request.mm_features,
+                cache_salt=request.cache_salt,
             )
             for request_id, token_ids in zip(
                 request.engine_request_ids, request.prompt_token_ids, strict=True

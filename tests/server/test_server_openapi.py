@@ -39,6 +39,7 @@ ROUTES = {
     ("post", "/v1/load_lora_adapter"),
     ("post", "/v1/unload_lora_adapter"),
     ("post", "/v1/moderations"),
+    ("post", "/reset_prefix_cache"),
 }
 
 

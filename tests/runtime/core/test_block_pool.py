@@ -8,6 +8,11 @@ def free_ids(pool: BlockPool) -> list[int]:
     return [block.block_id for block in pool.free_block_queue]
 
 
+def cache(pool: BlockPool, blocks: list[KVCacheBlock], block_hashes: list[bytes]) -> None:
+    """Register blocks of one token each, at a chain's start."""
+    pool.cache_full_blocks(blocks, block_hashes, parent=None, token_ids=[0] * len(blocks), lora=None)
+
+
 def test_free_queue_starts_in_block_order_and_pops_from_the_head() -> None:
     pool = BlockPool(5, enable_caching=True)
     assert free_ids(pool) == [0, 1, 2, 3, 4]
@@ -53,7 +58,7 @@ def test_shared_block_is_freed_only_by_its_last_holder() -> None:
 def test_cached_block_keeps_its_hash_when_freed_and_is_evicted_only_when_reused() -> None:
     pool = BlockPool(3, enable_caching=True)
     first, second = pool.get_new_blocks(2)
-    pool.cache_full_blocks([first, second], [b"h0", b"h1"])
+    cache(pool, [first, second], [b"h0", b"h1"])
     pool.free_blocks([second, first])
     assert free_ids(pool) == [2, 1, 0]
     assert pool.get_cached_block(b"h0") is first
@@ -72,7 +77,7 @@ def test_cached_block_keeps_its_hash_when_freed_and_is_evicted_only_when_reused(
 def test_hit_on_a_free_cached_block_takes_it_out_of_the_free_queue() -> None:
     pool = BlockPool(4, enable_caching=True)
     blocks = pool.get_new_blocks(3)
-    pool.cache_full_blocks(blocks, [b"a", b"b", b"c"])
+    cache(pool, blocks, [b"a", b"b", b"c"])
     pool.free_blocks(blocks)
     assert free_ids(pool) == [3, 0, 1, 2]
     pool.touch([pool.get_cached_block(b"b")])  # from the middle
@@ -89,8 +94,8 @@ def test_hit_on_a_free_cached_block_takes_it_out_of_the_free_queue() -> None:
 def test_a_hash_already_cached_by_another_block_is_left_to_that_block() -> None:
     pool = BlockPool(2, enable_caching=True)
     first, second = pool.get_new_blocks(2)
-    pool.cache_full_blocks([first], [b"same"])
-    pool.cache_full_blocks([second], [b"same"])
+    cache(pool, [first], [b"same"])
+    cache(pool, [second], [b"same"])
     assert pool.get_cached_block(b"same") is first
     assert second.block_hash is None
 
@@ -98,7 +103,7 @@ def test_a_hash_already_cached_by_another_block_is_left_to_that_block() -> None:
 def test_caching_disabled_registers_nothing() -> None:
     pool = BlockPool(2, enable_caching=False)
     blocks = pool.get_new_blocks(2)
-    pool.cache_full_blocks(blocks, [b"x", b"y"])
+    cache(pool, blocks, [b"x", b"y"])
     assert pool.get_cached_block(b"x") is None
     assert all(block.block_hash is None for block in blocks)
 
@@ -106,7 +111,7 @@ def test_caching_disabled_registers_nothing() -> None:
 def test_reset_prefix_cache_forgets_every_hash() -> None:
     pool = BlockPool(3, enable_caching=True)
     blocks = pool.get_new_blocks(2)
-    pool.cache_full_blocks(blocks, [b"x", b"y"])
+    cache(pool, blocks, [b"x", b"y"])
     pool.free_blocks(blocks[:1])
     pool.reset_prefix_cache()
     assert pool.get_cached_block(b"x") is None
