@@ -45,17 +45,19 @@ from kvfleet.contract.kv_events import (
     DEFAULT_EVENTS_PORT,
     DEFAULT_REPLAY_PORT,
     END_OF_REPLAY,
-    AllBlocksCleared,
-    BlockRemoved,
-    BlockStored,
-    KVEventBatch,
-    decode_batch,
     decode_sequence,
     encode_sequence,
 )
 from kvfleet.gateway.kv_index import KVBlockIndex
 from kvfleet.gateway.kv_rehash import TokenRehasher
 from kvfleet.gateway.metrics import KVIndexMetrics
+from kvfleet.runtime.kv_events.wire import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+    decode_batch,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -266,8 +268,10 @@ class ReplicaSubscriber:
         outcome, gap_open = "complete", needed
         for _ in range(MAX_REPLAY_BATCHES + 1):
             frames = await requester.recv_multipart()
-            if len(frames) != 3 or frames[0]:
+            # [b"", topic, sequence, payload], or without the topic from earlier vLLM releases.
+            if len(frames) not in (3, 4) or frames[0]:
                 raise _Broken("malformed", f"a replay answer of {len(frames)} frames")
+            frames = frames[-3:]
             if frames[1] == END_OF_REPLAY:
                 if gap_open:
                     self._drop("unreplayable_gap")

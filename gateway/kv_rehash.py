@@ -14,7 +14,7 @@ from collections import OrderedDict
 from collections.abc import Iterable
 
 from kvfleet.contract.block_hash import BlockHash, external_block_hash, hash_block_tokens
-from kvfleet.contract.kv_events import BlockStored
+from kvfleet.runtime.kv_events.wire import BlockStored
 
 
 class TokenRehasher:

@@ -15,15 +15,9 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from kvfleet.contract.block_hash import BlockHash, external_block_hash
-from kvfleet.contract.kv_events import (
-    MEDIUM_DEVICE,
-    MEDIUM_HOST,
-    AllBlocksCleared,
-    BlockRemoved,
-    BlockStored,
-    KVEvent,
-)
+from kvfleet.contract.kv_events import MEDIUM_DEVICE, MEDIUM_HOST
 from kvfleet.runtime.kv_events.config import KVEventsConfig
+from kvfleet.runtime.kv_events.wire import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from kvfleet.runtime.lora.request import LoRARequest
 
 

@@ -16,15 +16,9 @@ from collections import deque
 from typing import NamedTuple, Protocol
 
 import zmq
-from kvfleet.contract.kv_events import (
-    END_OF_REPLAY,
-    KVEvent,
-    KVEventBatch,
-    decode_sequence,
-    encode_batch,
-    encode_sequence,
-)
+from kvfleet.contract.kv_events import END_OF_REPLAY, decode_sequence, encode_sequence
 from kvfleet.runtime.kv_events.config import KVEventsConfig, binds
+from kvfleet.runtime.kv_events.wire import KVEvent, KVEventBatch, encode_batch
 
 logger = logging.getLogger(__name__)
 
@@ -220,6 +214,7 @@ class ZmqEventPublisher:
                 continue
             for sequence, payload in self._replay_buffer:
                 if sequence >= start:
-                    self._replay.send_multipart((identity, b"", encode_sequence(sequence), payload))
+                    answer = (self._topic, encode_sequence(sequence), payload)
+                    self._replay.send_multipart((identity, b"", *answer))
                     self.batches_replayed += 1
-            self._replay.send_multipart((identity, b"", END_OF_REPLAY, b""))
+            self._replay.send_multipart((identity, b"", b"", END_OF_REPLAY, b""))

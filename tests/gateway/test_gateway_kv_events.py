@@ -71,9 +71,10 @@ def prompt_of(tokens: Sequence[int], adapter: str | None = None) -> Prompt:
 
 class ReplicaEvents:
     """A replica's publisher: XPUB (so the test knows when the gateway has subscribed) and a replay
-    ROUTER holding every batch published since `trimmed_before`."""
+    ROUTER holding every batch published since `trimmed_before`, answering with the topic frame as recent
+    vLLM releases do (`topic_in_replay`) or without it as earlier ones did."""
 
-    def __init__(self, context: zmq.asyncio.Context) -> None:
+    def __init__(self, context: zmq.asyncio.Context, topic_in_replay: bool = True) -> None:
         self.publisher = context.socket(zmq.XPUB)
         self.replay = context.socket(zmq.ROUTER)
         for socket in (self.publisher, self.replay):
@@ -87,6 +88,7 @@ class ReplicaEvents:
         self.sequence = 0
         self.replays_asked: list[int] = []
         self.answer_replays = True
+        self._topic = [b""] if topic_in_replay else []
         self._server = asyncio.create_task(self._serve_replays())
 
     async def subscribed(self) -> None:
@@ -115,8 +117,10 @@ class ReplicaEvents:
             if not self.answer_replays:
                 continue
             for seq in sorted(s for s in self.buffer if s >= int.from_bytes(start, "big")):
-                await self.replay.send_multipart([identity, b"", seq.to_bytes(8, "big"), self.buffer[seq]])
-            await self.replay.send_multipart([identity, b"", (-1).to_bytes(8, "big", signed=True), b""])
+                answer = [*self._topic, seq.to_bytes(8, "big"), self.buffer[seq]]
+                await self.replay.send_multipart([identity, b"", *answer])
+            end = [*self._topic, (-1).to_bytes(8, "big", signed=True), b""]
+            await self.replay.send_multipart([identity, b"", *end])
 
     def close(self) -> None:
         self._server.cancel()
@@ -197,11 +201,12 @@ def test_a_subscriber_learns_a_running_replicas_cache_by_replay_and_follows_its_
     run(scenario)
 
 
-def test_a_replica_running_before_the_gateway_is_learnt_from_its_replay() -> None:
+@pytest.mark.parametrize("topic_in_replay", [True, False])
+def test_a_replica_running_before_the_gateway_is_learnt_from_its_replay(topic_in_replay: bool) -> None:
     async def main() -> None:
         context = zmq.asyncio.Context()
         metrics = GatewayMetrics()
-        source = ReplicaEvents(context)
+        source = ReplicaEvents(context, topic_in_replay)
         await source.publish(stored(PROMPT_A), live=False)
         await source.publish(stored(PROMPT_B), live=False)
         feeds = KVEventFeeds(KVBlockIndex(), metrics.kv_index, {url(0): source.endpoints})

@@ -6,8 +6,8 @@ from __future__ import annotations
 import random
 
 from kvfleet.contract.block_hash import block_hashes, external_block_hash
-from kvfleet.contract.kv_events import BlockStored
 from kvfleet.gateway.kv_rehash import TokenRehasher
+from kvfleet.runtime.kv_events.wire import BlockStored
 
 BLOCK = 16
 

@@ -5,10 +5,10 @@ out of the tier, and a reset."""
 from __future__ import annotations
 
 from kvfleet.contract.block_hash import external_block_hash
-from kvfleet.contract.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvfleet.runtime.core.block_pool import BlockPool
 from kvfleet.runtime.core.host_kv_tier import HostKVTier
 from kvfleet.runtime.kv_events.collector import KVEventCollector
+from kvfleet.runtime.kv_events.wire import AllBlocksCleared, BlockRemoved, BlockStored
 from kvfleet.runtime.lora.request import LoRARequest
 
 BLOCK_SIZE = 2

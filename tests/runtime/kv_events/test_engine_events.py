@@ -287,7 +287,7 @@ def test_a_late_subscriber_replays_what_it_missed(
     replayed: dict[int, bytes] = {}
     while True:
         assert replay.poll(10_000), "the replay socket did not answer"
-        empty, sequence, payload = replay.recv_multipart()
+        empty, _, sequence, payload = replay.recv_multipart()
         assert empty == b""
         if sequence == (-1).to_bytes(8, "big", signed=True):
             assert payload == b""

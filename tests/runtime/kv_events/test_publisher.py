@@ -6,7 +6,6 @@ from __future__ import annotations
 import msgspec
 import pytest
 import zmq
-from kvfleet.contract.kv_events import AllBlocksCleared, BlockStored
 from kvfleet.runtime.kv_events.config import KVEventsConfig
 from kvfleet.runtime.kv_events.publisher import (
     DropOldestQueue,
@@ -15,6 +14,7 @@ from kvfleet.runtime.kv_events.publisher import (
     ZmqEventPublisher,
     make_event_publisher,
 )
+from kvfleet.runtime.kv_events.wire import AllBlocksCleared, BlockStored
 from ports import free_port
 
 
@@ -76,6 +76,7 @@ def test_bad_replay_requests_are_ignored_and_good_ones_answered() -> None:
             "endpoint": f"tcp://*:{events_port}",
             "replay_endpoint": f"tcp://*:{replay_port}",
             "buffer_steps": 2,
+            "topic": "kv",
         }
     )
     publisher = ZmqEventPublisher(config)
@@ -100,11 +101,12 @@ def test_bad_replay_requests_are_ignored_and_good_ones_answered() -> None:
         while True:
             assert client.poll(10_000), "no answer to a good request"
             answers.append(client.recv_multipart())
-            if answers[-1][1] == (-1).to_bytes(8, "big", signed=True):
+            if answers[-1][2] == (-1).to_bytes(8, "big", signed=True):
                 break
-        # Only the last two batches are kept.
-        assert [int.from_bytes(answer[1], "big") for answer in answers[:-1]] == [1, 2]
-        assert answers[-1] == [b"", (-1).to_bytes(8, "big", signed=True), b""]
+        # Only the last two batches are kept, each after the topic as vLLM sends them.
+        assert [int.from_bytes(answer[2], "big") for answer in answers[:-1]] == [1, 2]
+        assert all(answer[1] == config.topic.encode() for answer in answers[:-1])
+        assert answers[-1] == [b"", b"", (-1).to_bytes(8, "big", signed=True), b""]
         assert publisher.batches_replayed == 2
         with pytest.raises(ValueError, match=f"cannot open tcp://\\*:{events_port}"):
             ZmqEventPublisher(config)
