@@ -58,8 +58,10 @@ from kvfleet.gateway.discovery import Discovery, ModelConfig
 from kvfleet.gateway.flow import DEFAULT_MAX_QUEUE, Fleet, ModelPool
 from kvfleet.gateway.http_protocol import DEFAULT_CLIENT_TIMEOUTS, ClientTimeouts, TimedAppRunner
 from kvfleet.gateway.metrics import GatewayMetrics
+from kvfleet.gateway.model_tokenizers import ModelTokenizers
+from kvfleet.gateway.prompt_blocks import ModelPrompts, PromptBlocks
 from kvfleet.gateway.requests import CHAT_PATH, COMPLETIONS_PATH, RoutedRequest, parse_request
-from kvfleet.gateway.routing import estimated_tokens
+from kvfleet.gateway.routing import Prompt, estimated_tokens
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 if TYPE_CHECKING:
@@ -102,6 +104,8 @@ MAX_PREFILL_ANSWER_BYTES = 4 * 1024 * 1024
 # it is overloaded.
 _NOT_THE_CLIENTS_FAULT = frozenset({408, 429})
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+# The policies that route on a prompt's block hashes: the gateway tokenizes the prompts of their models.
+BLOCK_HASH_POLICIES = frozenset({"precise-prefix"})
 
 
 @dataclass(frozen=True)
@@ -160,8 +164,11 @@ class Gateway:
         upstream_timeouts: UpstreamTimeouts = DEFAULT_UPSTREAM_TIMEOUTS,
         trusted_proxies: Sequence[Network] = (),
         bare_name_namespace: str | None = None,
+        tokenizers: Mapping[str, ModelPrompts] | None = None,
     ) -> None:
-        """`trusted_proxies`: the peers whose X-Forwarded-For is kept (the peer's address is appended)."""
+        """`trusted_proxies`: the peers whose X-Forwarded-For is kept (the peer's address is appended).
+        `tokenizers`: the prompt preparation of models whose tokenizer is given locally, by model name; the
+        others' is fetched from their replicas when their policy routes on block hashes."""
         self.discovery = discovery
         self.adapter_poll_seconds = adapter_poll_seconds
         self.metrics = GatewayMetrics()
@@ -172,6 +179,7 @@ class Gateway:
         self.client_timeouts = client_timeouts
         self.upstream_timeouts = upstream_timeouts
         self.trusted_proxies = tuple(trusted_proxies)
+        self.tokenizers = ModelTokenizers(tokenizers or {})
         self.session: aiohttp.ClientSession | None = None
         self.app = web.Application(client_max_size=max_body_bytes)
         self.app.router.add_post(CHAT_PATH, self.completion)
@@ -220,6 +228,7 @@ class Gateway:
             for watcher in watchers:
                 with contextlib.suppress(asyncio.CancelledError):
                     await watcher
+            await self.tokenizers.close()
             await self.session.close()
 
     async def health(self, request: web.Request) -> web.Response:
@@ -314,6 +323,8 @@ class Gateway:
             config, _forward_headers(request.headers, request.remote, self.trusted_proxies)
         )
         body = _renamed_for_replicas(config, routed, body)
+        adapter = config.upstream_name if config.adapter_of is not None else None
+        prompt = Prompt(routed.prompt_text, adapter, await self._prompt_blocks(request.path, routed, pool))
         # What each decode replica caches of the prompt before this request is routed there.
         cached = pool.policy.cached_chars(routed.prompt_text) if pool.prefill is not None else {}
         arrived = time.monotonic()
@@ -322,7 +333,7 @@ class Gateway:
         # Decided with the first decode replica: a retry sends the same body (the same prefill's params).
         decode_body: bytes | None = None
         for attempt in range(1, self.max_attempts + 1):
-            replica = await pool.acquire(priority, routed.prompt_text, tried, routed.deadline_seconds)
+            replica = await pool.acquire(priority, prompt.text, tried, routed.deadline_seconds)
             if attempt == 1:
                 self.metrics.queue_wait.labels(model).observe(time.monotonic() - arrived)
             self.metrics.routing_decisions.labels(model, pool.config.policy, replica.url).inc()
@@ -371,6 +382,19 @@ class Gateway:
             f"every replica of model {model!r} tried ({self.max_attempts} attempts) failed before answering",
             code="upstream_unavailable",
         )
+
+    async def _prompt_blocks(self, path: str, routed: RoutedRequest, pool: ModelPool) -> PromptBlocks | None:
+        """The prompt's block hashes, for a policy that routes on them, once the model's tokenizer is at hand;
+        tokenized on a thread, so that a long prompt does not hold the event loop."""
+        config = pool.config
+        if config.policy not in BLOCK_HASH_POLICIES:
+            return None
+        assert self.session is not None, "the session lives as long as the app"
+        model = config.adapter_of or config.name
+        prompts = self.tokenizers.get(model, config.endpoints, self.session)
+        if prompts is None:
+            return None
+        return await asyncio.to_thread(prompts.blocks, path, routed.payload)
 
     async def _prefilled(
         self,

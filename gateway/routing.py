@@ -54,6 +54,9 @@ class Replica:
     in_flight: int = 0
     # The same requests by priority (smaller: more urgent).
     by_priority: Counter[int] = field(default_factory=Counter)
+    # Adapter name -> the replica's lora_int_id for it (the seed of the adapter's block hashes), as its
+    # /metrics lists them.
+    lora_int_ids: dict[str, int] = field(default_factory=dict)
 
     def in_flight_before(self, priority: int) -> int:
         """The requests in flight that are at least as urgent as `priority`: those the replica would not
@@ -62,6 +65,19 @@ class Replica:
 
 
 Usable = Callable[[Replica], bool]
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """What a policy knows of a request's prompt."""
+
+    text: str
+    # The LoRA adapter the request names (its name on the replicas), None for the base model.
+    adapter: str | None
+    # (a replica's block size, its lora_int_id for the adapter, 0 for the base model) -> the prompt's
+    # external block hashes, as that replica's engine computes them; None when the gateway cannot tokenize
+    # the request.
+    block_hashes: Callable[[int, int], Sequence[int]] | None
 
 
 class Policy(Protocol):
