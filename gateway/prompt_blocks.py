@@ -28,6 +28,7 @@ import jinja2
 import jinja2.ext
 import jinja2.sandbox
 from kvfleet.contract.block_hash import block_hashes, chain_seed, external_block_hash
+from kvfleet.contract.errors import BadRequestError
 from kvfleet.gateway.requests import CHAT_PATH
 from kvfleet.runtime.chat_prompt import chat_prompt_token_ids
 from kvfleet.runtime.models.rope import rope_cache_salt, rope_parameters
@@ -221,7 +222,7 @@ class ModelPrompts:
             return None
         try:
             prepared = self._chat(payload) if path == CHAT_PATH else self._completion(payload)
-        except (ValidationError, ValueError, MediaInputError):
+        except (ValidationError, ValueError, MediaInputError, BadRequestError):
             return None  # the replica refuses what the server's own steps refuse here
         if prepared is None:
             return None
