@@ -7,6 +7,10 @@ replica as long as nothing has been sent to the client; after that a failure end
 event when it is SSE). A client that disconnects cancels its handler (handler_cancellation), which closes
 the upstream connection, and the replica aborts the request.
 
+A model whose policy routes on KV block hashes has each prompt tokenized and hashed as its replicas' engines
+do (kvfleet.gateway.prompt_blocks), on a worker thread, once the model's tokenizer is at hand
+(kvfleet.gateway.model_tokenizers).
+
 Nothing waits without a deadline. A client has the header, body and send timeouts of
 kvfleet.gateway.http_protocol; a body is read only from a client that presents a key of the fleet (unless a
 model needs none), up to its size limit and within a budget shared by every body held at once. A replica

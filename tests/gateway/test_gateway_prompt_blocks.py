@@ -21,8 +21,11 @@ import aiohttp
 import httpx
 import numpy as np
 import pytest
+from aiohttp import web
 from gateway_harness import wait_until
 from kvfleet.contract.block_hash import external_block_hash
+from kvfleet.contract.tokenizer_files import TOKENIZER_FILES_PATH
+from kvfleet.gateway import model_tokenizers
 from kvfleet.gateway.model_tokenizers import ModelTokenizers
 from kvfleet.gateway.prompt_blocks import ModelPrompts, PromptBlocks
 from kvfleet.gateway.requests import CHAT_PATH, COMPLETIONS_PATH
@@ -242,3 +245,54 @@ def test_preparing_a_prompt_with_an_image_loads_neither_torch_nor_transformers(l
     first_hash, torch_loaded, transformers_loaded = json.loads(result.stdout)
     assert first_hash == ModelPrompts(llava).blocks(CHAT_PATH, body)(16, 3)[0]
     assert not torch_loaded and not transformers_loaded
+
+
+def test_a_replicas_tokenizer_answer_is_bounded_and_fetched_once(
+    tiny_llama: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Names outside the contract's are dropped (a path among them included), an answer past the byte cap or
+    that is not the contract's gives no tokenizer, and a model has one fetch in flight and none again within
+    RETRY_AFTER_S of a failure."""
+    files = {path.name: base64.b64encode(path.read_bytes()).decode() for path in tiny_llama.glob("*.json")}
+    escape = tmp_path / "escaped"
+    answers: dict[str, bytes] = {
+        "good": json.dumps({"files": {**files, str(escape): files["config.json"], "x.bin": "AAAA"}}).encode(),
+        "garbage": b"\xff{not json",
+        "no-tokenizer": json.dumps({"files": {"config.json": files["config.json"]}}).encode(),
+    }
+    answers["large"] = json.dumps({"files": {**files, "padding.bin": "A" * len(answers["good"])}}).encode()
+    asked: list[str] = []
+
+    async def answer(request: web.Request) -> web.Response:
+        asked.append(request.match_info["kind"])
+        await asyncio.sleep(0.05)  # long enough for a second request to find the fetch in flight
+        return web.Response(body=answers[request.match_info["kind"]], content_type="application/json")
+
+    async def scenario() -> None:
+        app = web.Application()
+        app.router.add_get("/{kind}" + TOKENIZER_FILES_PATH, answer)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        base = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+        tokenizers = ModelTokenizers({})
+        try:
+            async with aiohttp.ClientSession() as session:
+                for kind in answers:
+                    for _ in range(3):
+                        assert tokenizers.get(kind, [f"{base}/{kind}"], session) is None
+                    await wait_until(lambda kind=kind: kind not in tokenizers._fetches)
+                prompts = tokenizers.get("good", [f"{base}/good"], session)
+                assert prompts is not None
+                assert prompts.blocks(COMPLETIONS_PATH, {"model": "m", "prompt": "hi"}) is not None
+                for kind in ("garbage", "no-tokenizer", "large"):
+                    assert tokenizers.get(kind, [f"{base}/{kind}"], session) is None
+        finally:
+            await tokenizers.close()
+            await runner.cleanup()
+
+    monkeypatch.setattr(model_tokenizers, "MAX_ANSWER_BYTES", len(answers["good"]))
+    asyncio.run(scenario())
+    assert asked == list(answers), "one fetch per model, and none again after a failure"
+    assert not escape.exists()
