@@ -12,13 +12,16 @@ post-processor). What the gateway cannot reproduce gets no hashes, and routing f
 
 The chain's seed holds the request's `cache_salt`, the rope salt of a long prompt on a model whose rope
 depends on the length, and the LoRA adapter's `lora_int_id`, which differs by replica only if their adapter
-files differ: the hashes are a function of (block size, lora_int_id), each computed once per request.
+files differ: the hashes are a function of (block size, lora_int_id), each computed once per request. Those of
+the usual block size and the adapter ids the replicas list are computed with the tokens, on a worker thread;
+another block size is hashed where it is first asked for (SHA-256 over the prompt, some 0.5 ms per thousand
+tokens).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -31,6 +34,7 @@ from kvfleet.contract.block_hash import block_hashes, chain_seed, external_block
 from kvfleet.contract.errors import BadRequestError
 from kvfleet.gateway.requests import CHAT_PATH
 from kvfleet.runtime.chat_prompt import chat_prompt_token_ids
+from kvfleet.runtime.config import DEFAULT_ITEMS_PER_PROMPT, EngineConfig
 from kvfleet.runtime.models.rope import rope_cache_salt, rope_parameters
 from kvfleet.runtime.multimodal.image_processor import data_url_bytes, decode_image
 from kvfleet.runtime.multimodal.inputs import MediaInputError
@@ -54,10 +58,12 @@ NAMED_SPECIAL_TOKENS = (
     "cls_token",
     "mask_token",
 )
-# The replica refuses larger images; decoding one costs memory first.
-MAX_IMAGE_PIXELS = 4096 * 4096
-# The images of one prompt the gateway prepares; a replica's own limit is usually lower.
-MAX_PROMPT_IMAGES = 16
+# A replica's defaults: it refuses larger images (decoding one costs memory first), and more of them.
+MAX_IMAGE_PIXELS = EngineConfig.max_image_pixels
+MAX_PROMPT_IMAGES = DEFAULT_ITEMS_PER_PROMPT
+# The block size of the runtime's and vLLM's engines unless set otherwise: a prompt's hashes for it are
+# computed with its tokens, off the event loop.
+USUAL_BLOCK_SIZE = 16
 # vLLM's bound on cache_salt; a replica refuses a longer one (and the request gets no hashes here).
 MAX_CACHE_SALT_CHARS = 1024
 
@@ -91,7 +97,13 @@ class TemplateTokenizer:
             )
         if isinstance(template, list):  # named templates, as tokenizer_config.json may list them
             template = {entry["name"]: entry["template"] for entry in template}
-        return cls(Tokenizer.from_file(str(folder / "tokenizer.json")), template, named)
+        path = folder / "tokenizer.json"
+        text = path.read_text()
+        try:
+            backend = Tokenizer.from_str(text)
+        except Exception as error:  # `tokenizers` raises Exception itself
+            raise ValueError(f"{path} is not a tokenizer: {error}") from None
+        return cls(backend, template, named)
 
     @property
     def added_tokens_decoder(self) -> dict[int, Any]:
@@ -213,10 +225,13 @@ class ModelPrompts:
             else None
         )
 
-    def blocks(self, path: str, payload: Mapping[str, Any]) -> PromptBlocks | None:
-        """The prompt of a completion request's body (on `path`) as the engine will hash it; None when the
-        gateway cannot compute it as a replica would. A batch of completion prompts is routed on its
-        first. Runs the tokenizer: call it off the event loop."""
+    def blocks(
+        self, path: str, payload: Mapping[str, Any], lora_int_ids: Iterable[int] = (0,)
+    ) -> PromptBlocks | None:
+        """The prompt of a completion request's body (on `path`) as the engine will hash it, its hashes for
+        USUAL_BLOCK_SIZE and each of `lora_int_ids` computed already; None when the gateway cannot compute
+        it as a replica would. A batch of completion prompts is routed on its first. Runs the tokenizer
+        and hashes the prompt: call it off the event loop."""
         salt = payload.get("cache_salt")
         if salt is not None and not (isinstance(salt, str) and 0 < len(salt) <= MAX_CACHE_SALT_CHARS):
             return None
@@ -227,8 +242,10 @@ class ModelPrompts:
         if prepared is None:
             return None
         token_ids, media = prepared
-        model_salt = rope_cache_salt(self.rope, len(token_ids))
-        return PromptBlocks(token_ids, media, salt, model_salt)
+        blocks = PromptBlocks(token_ids, media, salt, rope_cache_salt(self.rope, len(token_ids)))
+        for lora_int_id in lora_int_ids:
+            blocks(USUAL_BLOCK_SIZE, lora_int_id)
+        return blocks
 
     def _chat(self, payload: Mapping[str, Any]) -> tuple[list[int], tuple[_Span, ...]] | None:
         body = ChatCompletionRequest.model_validate(payload)

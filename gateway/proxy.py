@@ -398,7 +398,16 @@ class Gateway:
         prompts = self.tokenizers.get(model, config.endpoints, self.session)
         if prompts is None:
             return None
-        return await asyncio.to_thread(prompts.blocks, path, routed.payload)
+        if config.adapter_of is None:
+            lora_int_ids = {0}
+        else:
+            served = (replica.lora_int_ids.get(config.upstream_name) for replica in pool.replicas)
+            lora_int_ids = {lora_int_id for lora_int_id in served if lora_int_id is not None}
+        try:
+            return await asyncio.to_thread(prompts.blocks, path, routed.payload, lora_int_ids)
+        except Exception:  # routing goes on without hashes; a request never fails for them
+            logger.exception("%s: the prompt's block hashes could not be computed", config.name)
+            return None
 
     async def _prefilled(
         self,
