@@ -34,9 +34,12 @@ from kvfleet.runtime.config import EngineConfig
 from kvfleet.runtime.core.kv_cache_utils import extend_block_hashes
 from kvfleet.runtime.engine.tokenizer import load_tokenizer
 from kvfleet.runtime.lora.request import LoRARequest
+from kvfleet.runtime.models.model_config import ModelConfig
+from kvfleet.runtime.models.rope import rope_cache_salt
 from kvfleet.runtime.multimodal.inputs import MultiModalFeature
 from kvfleet.runtime.request import Request
 from kvfleet.runtime.sampling_params import SamplingParams
+from kvfleet.runtime.server.tokenizer_files import tokenizer_files
 from kvfleet.runtime.serving.media import load_chat_media
 from kvfleet.runtime.serving.protocol import ChatMessage, template_messages
 from PIL import Image
@@ -296,3 +299,45 @@ def test_a_replicas_tokenizer_answer_is_bounded_and_fetched_once(
     asyncio.run(scenario())
     assert asked == list(answers), "one fetch per model, and none again after a failure"
     assert not escape.exists()
+
+
+def test_a_replica_serves_its_tokenizer_files_and_its_own_chat_template(
+    tiny_llama: Path, tmp_path: Path
+) -> None:
+    """Never the weights; with --chat-template, the template the server renders with, which the gateway then
+    renders too."""
+    template = "{% for message in messages %}<<{{ message['content'] }}>>{% endfor %}"
+    config = EngineConfig(model=str(tiny_llama), chat_template=template)
+    files = {name: base64.b64decode(data) for name, data in tokenizer_files(config)["files"].items()}
+    assert set(files) == {"tokenizer.json", "tokenizer_config.json", "config.json", "chat_template.jinja"}
+    for name, data in files.items():
+        (tmp_path / name).write_bytes(data)
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
+    expected = chat_prompt_token_ids(
+        load_tokenizer(config), [{"role": "user", "content": "hi"}], add_generation_prompt=True
+    )
+    assert _blocks(ModelPrompts(tmp_path), CHAT_PATH, body).token_ids == expected
+    assert expected != _blocks(ModelPrompts(tiny_llama), CHAT_PATH, body).token_ids
+
+
+def test_a_long_prompt_on_a_length_dependent_rope_is_salted_as_the_engine_salts_it(
+    tiny_llama: Path, tmp_path: Path
+) -> None:
+    for path in tiny_llama.glob("*.json"):
+        (tmp_path / path.name).write_bytes(path.read_bytes())
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["rope_parameters"] = {**config.get("rope_parameters", {}), "rope_type": "dynamic", "factor": 2.0}
+    config["max_position_embeddings"] = 64
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    rope = ModelConfig.from_folder(tmp_path).rope
+    prompts = ModelPrompts(tmp_path)
+    for length in (64, 65):
+        token_ids = list(range(5, 5 + length))
+        blocks = _blocks(prompts, COMPLETIONS_PATH, {"model": "tiny", "prompt": token_ids})
+        request = Request("long", token_ids, SamplingParams(), model_salt=rope_cache_salt(rope, length))
+        assert list(blocks(16, 0)) == _engine_hashes(request, 16)
+    short, long = (
+        _blocks(prompts, COMPLETIONS_PATH, {"model": "tiny", "prompt": list(range(5, 5 + length))})(16, 0)
+        for length in (64, 65)
+    )
+    assert not set(short) & set(long), "a prompt past the original length shares no block with shorter ones"
