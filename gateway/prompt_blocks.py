@@ -21,7 +21,7 @@ tokens).
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -29,6 +29,8 @@ from typing import Any
 
 import jinja2
 import jinja2.ext
+import jinja2.nodes
+import jinja2.parser
 import jinja2.sandbox
 from kvfleet.contract.block_hash import block_hashes, chain_seed, external_block_hash
 from kvfleet.contract.errors import BadRequestError
@@ -72,8 +74,8 @@ class TemplateTokenizer:
     """A model's fast tokenizer and chat template, answering what kvfleet.runtime.chat_prompt asks of
     Transformers' tokenizer: `backend_tokenizer`, `added_tokens_decoder`, `chat_template` and
     `apply_chat_template(..., tokenize=False)`, rendered in Transformers' sandbox (trimmed blocks, loop
-    controls, its `tojson`, `raise_exception` and `strftime_now`) with the named special tokens as
-    variables."""
+    controls, generation blocks, its `tojson`, `raise_exception` and `strftime_now`) with the named special
+    tokens as variables."""
 
     def __init__(
         self, backend: Tokenizer, chat_template: str | dict[str, str] | None, special: dict[str, str]
@@ -143,6 +145,21 @@ class TemplateTokenizer:
         return compiled
 
 
+class _GenerationBlocks(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}`, which Transformers' templates may use to mark the assistant's
+    tokens for training masks: rendered as its body."""
+
+    tags = frozenset({"generation"})
+
+    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
+        line = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(line)
+
+    def _body(self, caller: Callable[[], str]) -> str:
+        return caller()
+
+
 def _environment() -> jinja2.sandbox.ImmutableSandboxedEnvironment:
     def raise_exception(message: str) -> None:
         raise jinja2.exceptions.TemplateError(message)
@@ -160,7 +177,7 @@ def _environment() -> jinja2.sandbox.ImmutableSandboxedEnvironment:
         )
 
     environment = jinja2.sandbox.ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationBlocks, jinja2.ext.loopcontrols]
     )
     environment.filters["tojson"] = tojson
     environment.globals["raise_exception"] = raise_exception

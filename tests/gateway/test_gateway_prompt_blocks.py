@@ -27,7 +27,7 @@ from kvfleet.contract.block_hash import external_block_hash
 from kvfleet.contract.tokenizer_files import TOKENIZER_FILES_PATH
 from kvfleet.gateway import model_tokenizers
 from kvfleet.gateway.model_tokenizers import ModelTokenizers
-from kvfleet.gateway.prompt_blocks import ModelPrompts, PromptBlocks
+from kvfleet.gateway.prompt_blocks import ModelPrompts, PromptBlocks, TemplateTokenizer
 from kvfleet.gateway.requests import CHAT_PATH, COMPLETIONS_PATH
 from kvfleet.runtime.chat_prompt import chat_prompt_token_ids
 from kvfleet.runtime.config import EngineConfig
@@ -341,3 +341,32 @@ def test_a_long_prompt_on_a_length_dependent_rope_is_salted_as_the_engine_salts_
         for length in (64, 65)
     )
     assert not set(short) & set(long), "a prompt past the original length shares no block with shorter ones"
+
+
+def test_templates_render_as_transformers_renders_them(tiny_llama: Path) -> None:
+    """Generation blocks, loop controls, an unescaped tojson, the special tokens as variables and
+    raise_exception."""
+    template = (
+        "{% for message in messages %}{% if message.role == 'assistant' %}{% generation %}"
+        "A: {{ message.content }}{% endgeneration %}{% else %}"
+        "{{ message.role }}: {{ message.content | tojson }}\n{% endif %}"
+        "{% if loop.index > 2 %}{% break %}{% endif %}{% endfor %}{{ bos_token }}{{ eos_token }}"
+        "{% if messages | length > 9 %}{{ raise_exception('too long') }}{% endif %}"
+    )
+    messages = [
+        {"role": "user", "content": "héllo <b>&"},
+        {"role": "assistant", "content": "yo"},
+        {"role": "user", "content": "again"},
+        {"role": "user", "content": "never shown"},
+    ]
+    transformers_tokenizer = load_tokenizer(EngineConfig(model=str(tiny_llama), chat_template=template))
+    gateway_tokenizer = TemplateTokenizer.from_folder(tiny_llama)
+    gateway_tokenizer.chat_template = template
+    rendered = [
+        chat_prompt_token_ids(tokenizer, messages, add_generation_prompt=False)
+        for tokenizer in (transformers_tokenizer, gateway_tokenizer)
+    ]
+    assert rendered[0] == rendered[1]
+    for tokenizer in (transformers_tokenizer, gateway_tokenizer):
+        with pytest.raises(ValueError, match="too long"):
+            chat_prompt_token_ids(tokenizer, messages * 3, add_generation_prompt=False)
