@@ -63,9 +63,9 @@ from kvfleet.gateway.flow import DEFAULT_MAX_QUEUE, Fleet, ModelPool
 from kvfleet.gateway.http_protocol import DEFAULT_CLIENT_TIMEOUTS, ClientTimeouts, TimedAppRunner
 from kvfleet.gateway.metrics import GatewayMetrics
 from kvfleet.gateway.model_tokenizers import ModelTokenizers
-from kvfleet.gateway.prompt_blocks import ModelPrompts, PromptBlocks
+from kvfleet.gateway.prompt_blocks import ModelPrompts
 from kvfleet.gateway.requests import CHAT_PATH, COMPLETIONS_PATH, RoutedRequest, parse_request
-from kvfleet.gateway.routing import Prompt, estimated_tokens
+from kvfleet.gateway.routing import BlockHashes, Prompt, estimated_tokens
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 if TYPE_CHECKING:
@@ -327,8 +327,7 @@ class Gateway:
             config, _forward_headers(request.headers, request.remote, self.trusted_proxies)
         )
         body = _renamed_for_replicas(config, routed, body)
-        adapter = config.upstream_name if config.adapter_of is not None else None
-        prompt = Prompt(routed.prompt_text, adapter, await self._prompt_blocks(request.path, routed, pool))
+        prompt = _prompt(routed, config, await self._prompt_blocks(request.path, routed, pool))
         # What each decode replica caches of the prompt before this request is routed there.
         cached = pool.policy.cached_chars(routed.prompt_text) if pool.prefill is not None else {}
         arrived = time.monotonic()
@@ -387,7 +386,7 @@ class Gateway:
             code="upstream_unavailable",
         )
 
-    async def _prompt_blocks(self, path: str, routed: RoutedRequest, pool: ModelPool) -> PromptBlocks | None:
+    async def _prompt_blocks(self, path: str, routed: RoutedRequest, pool: ModelPool) -> BlockHashes | None:
         """The prompt's block hashes, for a policy that routes on them, once the model's tokenizer is at hand;
         tokenized on a thread, so that a long prompt does not hold the event loop."""
         config = pool.config
@@ -703,6 +702,12 @@ def _for_replicas_of(config: ModelConfig, headers: list[tuple[str, str]]) -> lis
     if config.forward_authorization:
         return headers
     return [(name, value) for name, value in headers if name.lower() != "authorization"]
+
+
+def _prompt(routed: RoutedRequest, config: ModelConfig, block_hashes: BlockHashes | None) -> Prompt:
+    """What routing knows of the request's prompt; an adapter's requests name it as its replicas serve it."""
+    adapter = config.upstream_name if config.adapter_of is not None else None
+    return Prompt(routed.prompt_text, adapter, block_hashes)
 
 
 def _renamed_for_replicas(config: ModelConfig, routed: RoutedRequest, body: bytes) -> bytes:

@@ -54,8 +54,8 @@ class Replica:
     in_flight: int = 0
     # The same requests by priority (smaller: more urgent).
     by_priority: Counter[int] = field(default_factory=Counter)
-    # Adapter name -> the replica's lora_int_id for it (the seed of the adapter's block hashes), as its
-    # /metrics lists them.
+    # The replica's lora_int_id for each LoRA adapter it serves, by adapter name: the seed of the adapter's
+    # block hashes there.
     lora_int_ids: dict[str, int] = field(default_factory=dict)
 
     def in_flight_before(self, priority: int) -> int:
@@ -65,19 +65,21 @@ class Replica:
 
 
 Usable = Callable[[Replica], bool]
+# The prompt's external block hashes (kvfleet.contract.block_hash) for a replica's block size and its
+# lora_int_id of the request's adapter (0 for the base model).
+BlockHashes = Callable[[int, int], Sequence[int]]
 
 
 @dataclass(frozen=True)
 class Prompt:
-    """What a policy knows of a request's prompt."""
+    """What routing knows of a request's prompt."""
 
+    # The messages' roles and contents in order, or the completion prompt.
     text: str
-    # The LoRA adapter the request names (its name on the replicas), None for the base model.
-    adapter: str | None
-    # (a replica's block size, its lora_int_id for the adapter, 0 for the base model) -> the prompt's
-    # external block hashes, as that replica's engine computes them; None when the gateway cannot tokenize
-    # the request.
-    block_hashes: Callable[[int, int], Sequence[int]] | None
+    # The LoRA adapter the request names, as the replicas serve it; None for the base model.
+    adapter: str | None = None
+    # None when the gateway cannot hash this prompt as the engine does.
+    block_hashes: BlockHashes | None = None
 
 
 class Policy(Protocol):
