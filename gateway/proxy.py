@@ -327,8 +327,8 @@ class Gateway:
             config, _forward_headers(request.headers, request.remote, self.trusted_proxies)
         )
         body = _renamed_for_replicas(config, routed, body)
-        prompt = _prompt(routed, config, await self._prompt_blocks(request.path, routed, pool))
         # What each decode replica caches of the prompt before this request is routed there.
+        prompt = _prompt(routed, config, await self._prompt_blocks(request.path, routed, pool))
         cached = pool.policy.cached_chars(routed.prompt_text) if pool.prefill is not None else {}
         arrived = time.monotonic()
         from_zero = not pool.replicas
