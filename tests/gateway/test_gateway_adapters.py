@@ -202,7 +202,7 @@ def test_real_replicas_serve_an_adapter_where_it_is_loaded(
     start_server: Callable[..., ServerProcess], sql_adapter: Path
 ) -> None:
     """Two `kvfleet serve` replicas behind an API key, the adapter on one: all its requests land there; once
-    the other loads it too, both serve it."""
+    the other loads it too, both serve it, under the same lora_int_id."""
     options = ("--enable-lora", "--max-lora-rank", "8", "--allow-runtime-lora-updates")
     # Both load at once: a start is mostly one process importing and loading, so two starts overlap.
     holder = start_server(*options, "--lora-modules", f"sql={sql_adapter}", api_key="fleet-key", wait=False)
@@ -235,6 +235,9 @@ def test_real_replicas_serve_an_adapter_where_it_is_loaded(
             )
             assert loaded.status_code == 200, loaded.text
             await wait_until(lambda: ready_replicas(gateway, "sql") == 2)
+            # Two processes that loaded the same files give it one lora_int_id: its blocks hash alike.
+            ids = [replica.lora_int_ids.get("sql") for replica in gateway.fleet.pools["sql"].replicas]
+            assert len(ids) == 2 and ids[0] == ids[1] and isinstance(ids[0], int)
             for _ in range(4):
                 assert await complete(sdk, model="sql") == "sql"
             assert _lora_requests(holder, "sql") > 4 and _lora_requests(other, "sql") > 0
