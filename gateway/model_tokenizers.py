@@ -3,8 +3,9 @@ else the files a ready replica of the model serves (kvfleet.contract.tokenizer_f
 
 A fetch never holds a request: requests that arrive before the model's tokenizer is ready are routed without
 block hashes. One fetch per model is in flight at a time, within a deadline and a byte cap; only the files the
-contract names are kept, written under names the gateway chooses (never a path from the answer), and read
-once into memory. A failed fetch is tried again, from any replica, RETRY_AFTER_S later.
+contract names are kept, written under those names only (never a path the answer gives), and read
+once into memory, and used only if they tokenize the contract's samples exactly as the replica's own tokenizer
+does. A failed fetch is tried again, from any replica, RETRY_AFTER_S later.
 """
 
 from __future__ import annotations
@@ -18,10 +19,12 @@ import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 from kvfleet.contract.tokenizer_files import FILES, MAX_TOTAL_BYTES, TOKENIZER_FILES_PATH
 from kvfleet.gateway.prompt_blocks import ModelPrompts
+from kvfleet.runtime.chat_prompt import sample_token_ids
 
 logger = logging.getLogger(__name__)
 
@@ -64,8 +67,8 @@ class ModelTokenizers:
         try:
             for url in urls:
                 try:
-                    files = await _files_of(session, url)
-                    self._prompts[model] = await asyncio.to_thread(_prompts_from, files)
+                    files, samples = await _files_of(session, url)
+                    self._prompts[model] = await asyncio.to_thread(_prompts_from, files, samples)
                     logger.info("%s: tokenizer read from %s", model, url)
                     return
                 except asyncio.CancelledError:
@@ -77,8 +80,9 @@ class ModelTokenizers:
             del self._fetches[model]
 
 
-async def _files_of(session: aiohttp.ClientSession, url: str) -> dict[str, bytes]:
-    """The files a replica serves, by name; ValueError for an answer that is not what the contract says."""
+async def _files_of(session: aiohttp.ClientSession, url: str) -> tuple[dict[str, bytes], Any]:
+    """The files a replica serves, by name, and its samples' token ids; ValueError for an answer that is not
+    what the contract says."""
     async with session.get(
         f"{url}{TOKENIZER_FILES_PATH}",
         headers={"Accept-Encoding": "identity"},
@@ -98,18 +102,23 @@ async def _files_of(session: aiohttp.ClientSession, url: str) -> dict[str, bytes
     if not isinstance(files, dict) or "tokenizer.json" not in files:
         raise ValueError("its answer holds no tokenizer.json")
     try:
-        return {
+        decoded = {
             name: base64.b64decode(data, validate=True)
             for name, data in files.items()
             if name in FILES and isinstance(data, str)
         }
     except binascii.Error as error:
         raise ValueError(f"its answer is not base64: {error}") from None
+    return decoded, answer.get("samples")
 
 
-def _prompts_from(files: Mapping[str, bytes]) -> ModelPrompts:
-    """The files read into memory: the folder is gone once they are."""
+def _prompts_from(files: Mapping[str, bytes], samples: Any) -> ModelPrompts:
+    """The files read into memory (the folder is gone once they are), if they tokenize the contract's
+    samples as the replica's own tokenizer does; ValueError otherwise."""
     with tempfile.TemporaryDirectory(prefix="kvfleet-tokenizer-") as folder:
         for name, data in files.items():
             (Path(folder) / name).write_bytes(data)
-        return ModelPrompts(folder)
+        prompts = ModelPrompts(folder)
+    if sample_token_ids(prompts.tokenizer) != samples:
+        raise ValueError("its files do not tokenize as its own tokenizer does")
+    return prompts

@@ -16,6 +16,7 @@ from fastapi import FastAPI, Request
 from kvfleet.contract.tiers import PRIORITY_HEADER
 from kvfleet.contract.tokenizer_files import TOKENIZER_FILES_PATH
 from kvfleet.runtime.batch.store import BatchStore
+from kvfleet.runtime.chat_prompt import sample_token_ids
 from kvfleet.runtime.metrics import CONTENT_TYPE
 from kvfleet.runtime.server.auth import ApiKeyAuth
 from kvfleet.runtime.server.batch_routes import FILES_PATH, BatchService, add_batch_routes
@@ -164,9 +165,10 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     @app.get(TOKENIZER_FILES_PATH)
     async def tokenizer() -> Response:
         try:
-            return JSONResponse(await asyncio.to_thread(read_tokenizer_files))
+            files = await asyncio.to_thread(read_tokenizer_files)
         except ValueError as exc:
             return JSONResponse({"error": {"message": str(exc), "type": "server_error"}}, status_code=503)
+        return JSONResponse({**files, "samples": await service.engine.run_tokenizer(sample_token_ids)})
 
     @app.get("/v1/models")
     async def models() -> Response:

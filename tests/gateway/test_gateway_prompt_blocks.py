@@ -29,7 +29,7 @@ from kvfleet.gateway import model_tokenizers
 from kvfleet.gateway.model_tokenizers import ModelTokenizers
 from kvfleet.gateway.prompt_blocks import ModelPrompts, PromptBlocks, TemplateTokenizer
 from kvfleet.gateway.requests import CHAT_PATH, COMPLETIONS_PATH
-from kvfleet.runtime.chat_prompt import chat_prompt_token_ids
+from kvfleet.runtime.chat_prompt import chat_prompt_token_ids, sample_token_ids
 from kvfleet.runtime.config import EngineConfig
 from kvfleet.runtime.core.kv_cache_utils import extend_block_hashes
 from kvfleet.runtime.engine.tokenizer import load_tokenizer
@@ -253,15 +253,19 @@ def test_preparing_a_prompt_with_an_image_loads_neither_torch_nor_transformers(l
 def test_a_replicas_tokenizer_answer_is_bounded_and_fetched_once(
     tiny_llama: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Names outside the contract's are dropped (a path among them included), an answer past the byte cap or
-    that is not the contract's gives no tokenizer, and a model has one fetch in flight and none again within
-    RETRY_AFTER_S of a failure."""
+    """Names outside the contract's are dropped (a path among them included); an answer past the byte cap,
+    not the contract's, or whose files do not tokenize the samples as the replica's tokenizer did gives no
+    tokenizer; a model has one fetch in flight, and none again within RETRY_AFTER_S of a failure."""
     files = {path.name: base64.b64encode(path.read_bytes()).decode() for path in tiny_llama.glob("*.json")}
     escape = tmp_path / "escaped"
+    samples = sample_token_ids(load_tokenizer(EngineConfig(model=str(tiny_llama))))
+    extra = {str(escape): files["config.json"], "x.bin": "AAAA"}
+    disagreeing = {**samples, "text": [*samples["text"], 0]}
     answers: dict[str, bytes] = {
-        "good": json.dumps({"files": {**files, str(escape): files["config.json"], "x.bin": "AAAA"}}).encode(),
+        "good": json.dumps({"files": {**files, **extra}, "samples": samples}).encode(),
         "garbage": b"\xff{not json",
         "no-tokenizer": json.dumps({"files": {"config.json": files["config.json"]}}).encode(),
+        "disagreeing": json.dumps({"files": files, "samples": disagreeing}).encode(),
     }
     answers["large"] = json.dumps({"files": {**files, "padding.bin": "A" * len(answers["good"])}}).encode()
     asked: list[str] = []
@@ -289,7 +293,7 @@ def test_a_replicas_tokenizer_answer_is_bounded_and_fetched_once(
                 prompts = tokenizers.get("good", [f"{base}/good"], session)
                 assert prompts is not None
                 assert prompts.blocks(COMPLETIONS_PATH, {"model": "m", "prompt": "hi"}) is not None
-                for kind in ("garbage", "no-tokenizer", "large"):
+                for kind in ("garbage", "no-tokenizer", "disagreeing", "large"):
                     assert tokenizers.get(kind, [f"{base}/{kind}"], session) is None
         finally:
             await tokenizers.close()
