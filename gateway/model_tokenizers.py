@@ -51,7 +51,8 @@ class ModelTokenizers:
         prompts = self._prompts.get(model)
         if prompts is not None or not replica_urls or model in self._fetches:
             return prompts
-        if time.monotonic() - self._failed_at.get(model, -RETRY_AFTER_S) < RETRY_AFTER_S:
+        failed_at = self._failed_at.get(model)
+        if failed_at is not None and time.monotonic() - failed_at < RETRY_AFTER_S:
             return None
         self._fetches[model] = asyncio.create_task(
             self._fetch(model, tuple(replica_urls), session), name=f"kvfleet-gateway-tokenizer-{model}"
