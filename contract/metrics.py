@@ -23,10 +23,12 @@ ITL = "inter_token_latency_seconds"
 # loaded from a prefill replica are not computed): the backlog a disaggregated service's prefill role is
 # scaled on. kvfleet's alone (vLLM has none).
 QUEUED_PROMPT_TOKENS = KVFLEET_PREFIX + "num_queued_prompt_tokens"
-# One series per LoRA adapter a replica serves, its name in the LORA_NAME label: how the gateway learns
-# where each adapter runs (/metrics needs no API key, /v1/models does).
+# One series per LoRA adapter a replica serves, its name in the LORA_NAME label and its lora_int_id (the seed
+# of its prefix-cache block hashes, kvfleet.contract.block_hash) in the LORA_INT_ID label: how the gateway
+# learns where each adapter runs and how to hash its prompts (/metrics needs no API key, /v1/models does).
 LORA_ADAPTER_INFO = KVFLEET_PREFIX + "lora_adapter_info"
 LORA_NAME_LABEL = "lora_name"
+LORA_INT_ID_LABEL = "lora_int_id"
 # KV-cache events, counters (kvfleet's alone): events a replica published, batches it dropped from its full
 # queue (each a gap its subscribers see in the sequence numbers), and batches it sent again on replay
 # requests.

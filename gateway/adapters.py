@@ -1,7 +1,10 @@
-"""Which LoRA adapters each replica serves, learnt by polling the replicas' /metrics.
+"""Which LoRA adapters each replica serves, and each one's lora_int_id there, learnt by polling the replicas'
+/metrics.
 
 A replica lists its adapters in two places: `/v1/models` (each with its `parent`) and the
-`kvfleet:lora_adapter_info` series of `/metrics`, one per adapter name. The gateway reads /metrics: it needs
+`kvfleet:lora_adapter_info` series of `/metrics`, one per adapter name, with its lora_int_id (the seed of the
+adapter's prefix-cache block hashes) as a label; a replica that gives none (vLLM's) serves the adapter, and
+the gateway cannot hash its prompts' blocks. The gateway reads /metrics: it needs
 no API key, whereas /v1/models does on a replica started with one, and the gateway holds no key to send (it
 knows only the digests of the services' keys, to check each client's own). A replica that does not answer
 keeps the adapters last learnt from it until discovery removes it; one that answers without the series serves
@@ -17,8 +20,8 @@ import asyncio
 import logging
 
 import aiohttp
-from kvfleet.contract.metrics import LORA_ADAPTER_INFO, LORA_NAME_LABEL
-from kvfleet.gateway.flow import Fleet
+from kvfleet.contract.metrics import LORA_ADAPTER_INFO, LORA_INT_ID_LABEL, LORA_NAME_LABEL
+from kvfleet.gateway.flow import AdapterIds, Fleet
 from prometheus_client.parser import text_string_to_metric_families
 
 logger = logging.getLogger(__name__)
@@ -30,15 +33,23 @@ POLL_TIMEOUT_S = 2.0
 MAX_METRICS_BYTES = 4 * 1024 * 1024
 
 
-def adapter_names(metrics_text: str) -> frozenset[str]:
-    """The adapter names a replica's /metrics page lists."""
-    return frozenset(
-        sample.labels[LORA_NAME_LABEL]
+def adapter_ids(metrics_text: str) -> AdapterIds:
+    """The adapters a replica's /metrics page lists: each one's lora_int_id by name (None where the page
+    gives none, or not a positive integer)."""
+    return {
+        sample.labels[LORA_NAME_LABEL]: _lora_int_id(sample.labels.get(LORA_INT_ID_LABEL))
         for family in text_string_to_metric_families(metrics_text)
         if family.name == LORA_ADAPTER_INFO
         for sample in family.samples
         if LORA_NAME_LABEL in sample.labels
-    )
+    }
+
+
+def _lora_int_id(label: str | None) -> int | None:
+    if label is None or not label.isdigit():
+        return None
+    value = int(label)
+    return value if value > 0 else None
 
 
 async def poll_adapters(fleet: Fleet, session: aiohttp.ClientSession, interval: float) -> None:
@@ -52,7 +63,7 @@ async def poll_adapters(fleet: Fleet, session: aiohttp.ClientSession, interval: 
         await asyncio.sleep(interval)
 
 
-async def _adapters_of(session: aiohttp.ClientSession, url: str) -> frozenset[str] | None:
+async def _adapters_of(session: aiohttp.ClientSession, url: str) -> AdapterIds | None:
     """None when the replica cannot say."""
     try:
         # Identity encoding: the gateway's session passes bodies through undecoded.
@@ -64,7 +75,7 @@ async def _adapters_of(session: aiohttp.ClientSession, url: str) -> frozenset[st
             if response.status != 200:
                 logger.info("%s/metrics answered %d; its adapters stay as last learnt", url, response.status)
                 return None
-            return adapter_names(await _adapter_lines(response, url))
+            return adapter_ids(await _adapter_lines(response, url))
     except (aiohttp.ClientError, TimeoutError, ValueError) as error:
         logger.info("could not read the adapters of %s (%s); they stay as last learnt", url, error)
         return None

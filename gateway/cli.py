@@ -26,6 +26,7 @@ from kvfleet.gateway.flow import DEFAULT_MAX_QUEUE
 from kvfleet.gateway.http_protocol import DEFAULT_CLIENT_TIMEOUTS, ClientTimeouts
 from kvfleet.gateway.kv_events import EventEndpoints, default_endpoints
 from kvfleet.gateway.kv_index import DEFAULT_MAX_ENTRIES, ENTRY_BYTES
+from kvfleet.gateway.prompt_blocks import ModelPrompts
 from kvfleet.gateway.proxy import (
     DEFAULT_MAX_ATTEMPTS,
     DEFAULT_MAX_BODY_BYTES,
@@ -106,6 +107,22 @@ def _event_endpoints(options: tuple[str, ...], rehashed: tuple[str, ...]) -> dic
             endpoints.get(replica) or default_endpoints(replica), own_hashes=True
         )
     return endpoints
+
+
+def _local_tokenizers(options: tuple[str, ...]) -> dict[str, ModelPrompts]:
+    """The models' prompt preparation read from the folders of `--tokenizer NAME=PATH` options."""
+    folders: dict[str, str] = {}
+    for option in options:
+        name, _, folder = option.partition("=")
+        if not name or not folder:
+            raise click.BadParameter(f"{option!r} is not NAME=PATH", param_hint="--tokenizer")
+        if name in folders:
+            raise click.BadParameter(f"the model {name!r} is given twice", param_hint="--tokenizer")
+        folders[name] = folder
+    try:
+        return {name: ModelPrompts(folder) for name, folder in folders.items()}
+    except (OSError, ValueError) as error:
+        raise click.BadParameter(f"cannot read a tokenizer: {error}", param_hint="--tokenizer") from None
 
 
 def _networks(value: str) -> tuple[Network, ...]:
@@ -317,6 +334,14 @@ def _bare_name_namespace(option: str | None, namespaces: tuple[str, ...]) -> str
     show_default=True,
     help="How often each replica is asked which LoRA adapters it serves (its /metrics).",
 )
+@click.option(
+    "--tokenizer",
+    "tokenizers",
+    multiple=True,
+    metavar="NAME=PATH",
+    help="The folder of model NAME's tokenizer and config files (repeatable), for the policies that route on "
+    "a prompt's KV block hashes. A model without one has its files fetched from one of its kvfleet replicas.",
+)
 def gateway_command(
     host: str,
     port: int,
@@ -351,6 +376,7 @@ def gateway_command(
     prefill_timeout: float,
     trusted_proxies: str,
     adapter_poll_seconds: float,
+    tokenizers: tuple[str, ...],
 ) -> None:
     """Run the kvfleet fleet gateway: one OpenAI endpoint for every model."""
     defaults = ModelConfig(
@@ -392,6 +418,7 @@ def gateway_command(
         bare_name_namespace=_bare_name_namespace(bare_name_namespace, namespaces),
         kv_events_endpoints=_event_endpoints(kv_events, rehash_kv_events),
         kv_index_max_entries=kv_index_max_blocks,
+        tokenizers=_local_tokenizers(tokenizers),
     )
     asyncio.run(_serve(gateway, host, port))
 

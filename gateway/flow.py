@@ -64,6 +64,8 @@ from kvfleet.gateway.routing import Decision, Policy, Prompt, Replica, bounded_l
 from kvfleet.operator.api import qualified_name
 
 DEFAULT_MAX_QUEUE = 1024
+# The adapters a replica serves: each one's lora_int_id there by name, None where the replica does not say.
+AdapterIds = Mapping[str, int | None]
 URGENT_TIER_MEMORY_S = 60.0
 
 
@@ -372,15 +374,15 @@ class Fleet:
         self.pools: dict[str, ModelPool] = {}
         # The base models, as discovery published them.
         self.models: dict[str, ModelConfig] = {}
-        # The adapter names each replica serves, by URL, as last learnt.
-        self._adapters: dict[str, frozenset[str]] = {}
+        # The adapters each replica serves, by URL, as last learnt.
+        self._adapters: dict[str, AdapterIds] = {}
         self._replicas: dict[str, Replica] = {}
 
     def update(self, models: Mapping[str, ModelConfig]) -> None:
         self.models = dict(models)
         self._apply()
 
-    def update_adapters(self, adapters: Mapping[str, frozenset[str]]) -> None:
+    def update_adapters(self, adapters: Mapping[str, AdapterIds]) -> None:
         """The adapters of the replicas just asked, by URL; the others keep what was last learnt."""
         if any(self._adapters.get(url) != names for url, names in adapters.items()):
             self._adapters.update(adapters)
@@ -461,6 +463,9 @@ class Fleet:
             elif pool.config != config:
                 pool.reconfigure(config)
             self.metrics.ready_replicas.labels(name).set(len(config.endpoints))
+        for url, replica in self._replicas.items():
+            served = self._adapters.get(url, {})
+            replica.lora_int_ids = {name: id_ for name, id_ in served.items() if id_ is not None}
 
     def _replica(self, url: str) -> Replica:
         replica = self._replicas.get(url)

@@ -7,6 +7,10 @@ replica as long as nothing has been sent to the client; after that a failure end
 event when it is SSE). A client that disconnects cancels its handler (handler_cancellation), which closes
 the upstream connection, and the replica aborts the request.
 
+A model whose policy routes on KV block hashes has each prompt tokenized and hashed as its replicas' engines
+do (kvfleet.gateway.prompt_blocks), on a worker thread, once the model's tokenizer is at hand
+(kvfleet.gateway.model_tokenizers).
+
 Nothing waits without a deadline. A client has the header, body and send timeouts of
 kvfleet.gateway.http_protocol; a body is read only from a client that presents a key of the fleet (unless a
 model needs none), up to its size limit and within a budget shared by every body held at once. A replica
@@ -60,8 +64,10 @@ from kvfleet.gateway.http_protocol import DEFAULT_CLIENT_TIMEOUTS, ClientTimeout
 from kvfleet.gateway.kv_events import EventEndpoints, KVEventFeeds
 from kvfleet.gateway.kv_index import DEFAULT_MAX_ENTRIES, KVBlockIndex
 from kvfleet.gateway.metrics import GatewayMetrics
+from kvfleet.gateway.model_tokenizers import ModelTokenizers
+from kvfleet.gateway.prompt_blocks import ModelPrompts
 from kvfleet.gateway.requests import CHAT_PATH, COMPLETIONS_PATH, RoutedRequest, parse_request
-from kvfleet.gateway.routing import Prompt, estimated_tokens
+from kvfleet.gateway.routing import BlockHashes, Prompt, estimated_tokens
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 if TYPE_CHECKING:
@@ -104,6 +110,8 @@ MAX_PREFILL_ANSWER_BYTES = 4 * 1024 * 1024
 # it is overloaded.
 _NOT_THE_CLIENTS_FAULT = frozenset({408, 429})
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+# The policies that route on a prompt's block hashes: the gateway tokenizes the prompts of their models.
+BLOCK_HASH_POLICIES = frozenset({"precise-prefix"})
 
 
 @dataclass(frozen=True)
@@ -164,10 +172,13 @@ class Gateway:
         bare_name_namespace: str | None = None,
         kv_events_endpoints: Mapping[str, EventEndpoints] | None = None,
         kv_index_max_entries: int = DEFAULT_MAX_ENTRIES,
+        tokenizers: Mapping[str, ModelPrompts] | None = None,
     ) -> None:
         """`trusted_proxies`: the peers whose X-Forwarded-For is kept (the peer's address is appended);
         `kv_events_endpoints`: where the replicas at these URLs publish their KV events, when not at their
-        host's default ports (kvfleet.gateway.kv_events)."""
+        host's default ports (kvfleet.gateway.kv_events); `tokenizers`: the prompt preparation of models
+        whose tokenizer is given locally, by model name; the others' is fetched from their replicas when their
+        policy routes on block hashes."""
         self.discovery = discovery
         self.adapter_poll_seconds = adapter_poll_seconds
         self.metrics = GatewayMetrics()
@@ -180,6 +191,7 @@ class Gateway:
         self.client_timeouts = client_timeouts
         self.upstream_timeouts = upstream_timeouts
         self.trusted_proxies = tuple(trusted_proxies)
+        self.tokenizers = ModelTokenizers(tokenizers or {})
         self.session: aiohttp.ClientSession | None = None
         self.app = web.Application(client_max_size=max_body_bytes)
         self.app.router.add_post(CHAT_PATH, self.completion)
@@ -229,6 +241,7 @@ class Gateway:
                 with contextlib.suppress(asyncio.CancelledError):
                     await watcher
             await self.kv_feeds.close()
+            await self.tokenizers.close()
             await self.session.close()
 
     def _published(self, models: Mapping[str, ModelConfig]) -> None:
@@ -329,7 +342,7 @@ class Gateway:
         )
         body = _renamed_for_replicas(config, routed, body)
         # What each decode replica caches of the prompt before this request is routed there.
-        prompt = _prompt(routed, config)
+        prompt = _prompt(routed, config, await self._prompt_blocks(request.path, routed, pool))
         cached = pool.policy.cached_chars(pool.replicas, prompt) if pool.prefill is not None else {}
         arrived = time.monotonic()
         from_zero = not pool.replicas
@@ -393,6 +406,28 @@ class Gateway:
             f"every replica of model {model!r} tried ({self.max_attempts} attempts) failed before answering",
             code="upstream_unavailable",
         )
+
+    async def _prompt_blocks(self, path: str, routed: RoutedRequest, pool: ModelPool) -> BlockHashes | None:
+        """The prompt's block hashes, for a policy that routes on them, once the model's tokenizer is at hand;
+        tokenized on a thread, so that a long prompt does not hold the event loop."""
+        config = pool.config
+        if config.policy not in BLOCK_HASH_POLICIES:
+            return None
+        assert self.session is not None, "the session lives as long as the app"
+        model = config.adapter_of or config.name
+        prompts = self.tokenizers.get(model, config.endpoints, self.session)
+        if prompts is None:
+            return None
+        if config.adapter_of is None:
+            lora_int_ids = {0}
+        else:
+            served = (replica.lora_int_ids.get(config.upstream_name) for replica in pool.replicas)
+            lora_int_ids = {lora_int_id for lora_int_id in served if lora_int_id is not None}
+        try:
+            return await asyncio.to_thread(prompts.blocks, path, routed.payload, lora_int_ids)
+        except Exception:  # routing goes on without hashes; a request never fails for them
+            logger.exception("%s: the prompt's block hashes could not be computed", config.name)
+            return None
 
     async def _prefilled(
         self,
@@ -692,9 +727,10 @@ def _for_replicas_of(config: ModelConfig, headers: list[tuple[str, str]]) -> lis
     return [(name, value) for name, value in headers if name.lower() != "authorization"]
 
 
-def _prompt(routed: RoutedRequest, config: ModelConfig) -> Prompt:
+def _prompt(routed: RoutedRequest, config: ModelConfig, block_hashes: BlockHashes | None) -> Prompt:
     """What routing knows of the request's prompt; an adapter's requests name it as its replicas serve it."""
-    return Prompt(routed.prompt_text, config.upstream_name if config.adapter_of is not None else None)
+    adapter = config.upstream_name if config.adapter_of is not None else None
+    return Prompt(routed.prompt_text, adapter, block_hashes)
 
 
 def _renamed_for_replicas(config: ModelConfig, routed: RoutedRequest, body: bytes) -> bytes:

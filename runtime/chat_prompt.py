@@ -20,6 +20,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from kvfleet.contract.tokenizer_files import SAMPLE_MESSAGES, SAMPLE_TEXT
+
 # Supplementary Private Use Area-A: characters no tokenizer gives meaning to, and no template strips.
 _PRIVATE_USE = range(0xF0000, 0xFFFFE)
 
@@ -118,9 +120,22 @@ def _encode_text(special: _SpecialTokens, text: str, restore: dict[int, str]) ->
     return _encode(special.text_encoder, text.translate(restore))
 
 
-def _encode(encoder: Any, text: str) -> list[int]:
+def _encode(encoder: Any, text: str, *, add_special_tokens: bool = False) -> list[int]:
     # The batch call releases the interpreter lock while it encodes; the single-text one does not.
-    return encoder.encode_batch([text], add_special_tokens=False)[0].ids
+    return encoder.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
+
+def sample_token_ids(tokenizer: Any) -> dict[str, list[int] | None]:
+    """The token ids of the contract's samples (kvfleet.contract.tokenizer_files): its text with the
+    tokenizer's special tokens added, as a completion's prompt is encoded, and its conversation rendered
+    with a generation prompt (None without a chat template). Two tokenizers that agree on them read the
+    same files the same way."""
+    text = _encode(tokenizer.backend_tokenizer, SAMPLE_TEXT, add_special_tokens=True)
+    try:
+        chat = chat_prompt_token_ids(tokenizer, list(SAMPLE_MESSAGES), add_generation_prompt=True)
+    except ValueError:
+        chat = None
+    return {"text": text, "chat": chat}
 
 
 def prompt_text(tokenizer: Any, token_ids: list[int]) -> str:

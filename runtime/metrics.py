@@ -22,6 +22,7 @@ from kvfleet.contract.metrics import (
     KV_EVENTS_PUBLISHED,
     KVFLEET_PREFIX,
     LORA_ADAPTER_INFO,
+    LORA_INT_ID_LABEL,
     LORA_NAME_LABEL,
     QUEUED_PROMPT_TOKENS,
     RUNNING,
@@ -82,8 +83,8 @@ class ServerMetrics:
         self._stats_source: Callable[[], SchedulerStats | None] = lambda: None
         self._engine_stats = _EngineStatsCollector(model_name, lambda: self._stats_source())
         self.registry.register(self._engine_stats)
-        self._lora_names_source: Callable[[], list[str]] = list
-        self._lora_adapters = _LoRAAdaptersCollector(model_name, lambda: self._lora_names_source())
+        self._lora_adapters_source: Callable[[], dict[str, int]] = dict
+        self._lora_adapters = _LoRAAdaptersCollector(model_name, lambda: self._lora_adapters_source())
         self.registry.register(self._lora_adapters)
         ProcessCollector(registry=self.registry)
 
@@ -212,9 +213,9 @@ class ServerMetrics:
             self._lora_requests.labels(model_name=self.model_name, lora_name=lora_name).inc()
         return RequestTracker(self, tier, num_prompt_tokens, lora_name)
 
-    def set_lora_adapters_source(self, source: Callable[[], list[str]]) -> None:
-        """Where scrapes read the names of the LoRA adapters this server serves."""
-        self._lora_names_source = source
+    def set_lora_adapters_source(self, source: Callable[[], dict[str, int]]) -> None:
+        """Where scrapes read the LoRA adapters this server serves: their lora_int_ids by name."""
+        self._lora_adapters_source = source
 
     def forget_lora(self, lora_name: str) -> None:
         """Drop an unloaded adapter's series: only served adapters have them, so loading and unloading names
@@ -565,7 +566,7 @@ class _LoRAAdaptersCollector(Collector):
     """The LoRA adapters served, read at scrape time: how many, and one series per adapter name, which is
     how the gateway learns where each adapter can run (/metrics needs no API key, /v1/models does)."""
 
-    def __init__(self, model_name: str, source: Callable[[], list[str]]) -> None:
+    def __init__(self, model_name: str, source: Callable[[], dict[str, int]]) -> None:
         self._model_name = model_name
         self._source = source
 
@@ -578,10 +579,10 @@ class _LoRAAdaptersCollector(Collector):
         yield count
         info = GaugeMetricFamily(
             LORA_ADAPTER_INFO,
-            f"One series per LoRA adapter this server serves (its name in {LORA_NAME_LABEL}); "
-            "the value is always 1.",
-            labels=["model_name", LORA_NAME_LABEL],
+            f"One series per LoRA adapter this server serves (its name in {LORA_NAME_LABEL}, the seed of its "
+            f"prefix-cache block hashes in {LORA_INT_ID_LABEL}); the value is always 1.",
+            labels=["model_name", LORA_NAME_LABEL, LORA_INT_ID_LABEL],
         )
-        for name in names:
-            info.add_metric([self._model_name, name], 1.0)
+        for name, lora_int_id in names.items():
+            info.add_metric([self._model_name, name, str(lora_int_id)], 1.0)
         yield info

@@ -28,7 +28,7 @@ from kvfleet.runtime.kv_transfer.params import (
 )
 from kvfleet.runtime.lora.errors import LoRAAdapterError
 from kvfleet.runtime.lora.request import LoRARequest
-from kvfleet.runtime.models.layers import rope_cache_salt
+from kvfleet.runtime.models.rope import rope_cache_salt
 from kvfleet.runtime.multimodal.inputs import ModalitySpec, check_features
 from kvfleet.runtime.multimodal.mrope import MRopePositions
 from kvfleet.runtime.request import Request

@@ -8,7 +8,7 @@ from kvfleet.runtime.config import EngineConfig
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 
-def _read_chat_template(value: str) -> str:
+def read_chat_template(value: str) -> str:
     """A path to a template file, or the template itself (as vLLM's --chat-template takes it)."""
     if "{" in value:
         return value
@@ -22,5 +22,5 @@ def load_tokenizer(config: EngineConfig) -> PreTrainedTokenizerBase:
     """The model's tokenizer, with --chat-template applied."""
     tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
     if config.chat_template is not None:
-        tokenizer.chat_template = _read_chat_template(config.chat_template)
+        tokenizer.chat_template = read_chat_template(config.chat_template)
     return tokenizer

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from kvfleet.runtime.kernels.cpu_features import onednn_packs
 from kvfleet.runtime.kernels.fused_layers import CustomOp
+from kvfleet.runtime.models.rope import LENGTH_DEPENDENT_ROPE_TYPES
 from torch import nn
 
 logger = logging.getLogger(__name__)
@@ -140,23 +141,6 @@ class SiluAndMul(CustomOp):
         from kvfleet.runtime.kernels.activation import silu_and_mul
 
         return silu_and_mul(gate_up)
-
-
-SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")
-# Their angles depend on the sequence's length as well as on the position (see RotaryEmbedding).
-LENGTH_DEPENDENT_ROPE_TYPES = ("dynamic", "longrope")
-
-
-def rope_cache_salt(rope: dict[str, Any], num_prompt_tokens: int) -> bytes | None:
-    """What besides the tokens a prompt's KV depends on, for the prefix cache: with a length-dependent rope
-    type, a prompt past the original length is rotated for its own length (`dynamic`) or with the long
-    factors (`longrope`), so its blocks must not meet those of shorter prompts. None: only tokens count."""
-    rope_type = rope.get("rope_type", "default")
-    if rope_type not in LENGTH_DEPENDENT_ROPE_TYPES:
-        return None
-    if num_prompt_tokens <= rope["original_max_position_embeddings"]:
-        return None
-    return b"longrope:long" if rope_type == "longrope" else b"dynamic:%d" % num_prompt_tokens
 
 
 def rope_inverse_frequencies(head_dim: int, rope: dict[str, Any]) -> tuple[torch.Tensor, float]:

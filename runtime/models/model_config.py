@@ -8,8 +8,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from kvfleet.runtime.models.layers import SUPPORTED_ROPE_TYPES
 from kvfleet.runtime.models.registry import REFUSED_ARCHITECTURES
+from kvfleet.runtime.models.rope import rope_parameters
 
 # Language models of Qwen2's graph: q/k/v biases and no o_proj bias (Qwen2.5-Omni's thinker names its own).
 QWEN2_MODEL_TYPES = ("qwen2", "qwen2_5_omni_text")
@@ -104,7 +104,7 @@ class ModelConfig:
             head_dim=head_dim,
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
-            rope=_rope_parameters(raw, source),
+            rope=rope_parameters(raw, source),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             attention_bias=attention_bias,
             qk_norm=model_type == "qwen3",
@@ -139,41 +139,6 @@ class ModelConfig:
         if not self.layer_windows or None in self.layer_windows:
             return None
         return max(w for w in self.layer_windows if w is not None)
-
-
-def _rope_parameters(raw: dict[str, Any], source: str) -> dict[str, Any]:
-    """The rope settings with Transformers' defaults filled in, so that the layers read them directly."""
-    # Transformers 5 writes `rope_parameters`; older checkpoints carry `rope_theta` and `rope_scaling`.
-    rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
-    if "type" in rope and "rope_type" not in rope:
-        rope["rope_type"] = rope.pop("type")
-    rope.setdefault("rope_type", "default")
-    rope.setdefault("rope_theta", raw.get("rope_theta", 10000.0))
-    rope_type = rope["rope_type"]
-    if rope_type not in SUPPORTED_ROPE_TYPES:
-        supported = ", ".join(SUPPORTED_ROPE_TYPES)
-        raise ValueError(f"{source}: rope_type {rope_type!r} is not supported; supported: {supported}")
-    max_positions = int(raw.get("max_position_embeddings", 2048))
-    if rope_type == "dynamic":
-        # Transformers scales dynamic NTK from max_position_embeddings, whatever the parameters say.
-        rope["original_max_position_embeddings"] = max_positions
-    elif rope_type in ("yarn", "longrope", "llama3"):
-        # Phi-3 style configs keep the pretraining length beside the rope parameters; it then wins.
-        if raw.get("original_max_position_embeddings") is not None:
-            rope["original_max_position_embeddings"] = int(raw["original_max_position_embeddings"])
-        rope.setdefault("original_max_position_embeddings", max_positions)
-    if rope_type in ("yarn", "longrope") and rope.get("factor") is None:
-        rope["factor"] = max_positions / rope["original_max_position_embeddings"]
-    required = {
-        "linear": ("factor",),
-        "dynamic": ("factor",),
-        "llama3": ("factor", "low_freq_factor", "high_freq_factor"),
-        "longrope": ("short_factor", "long_factor"),
-    }.get(rope_type, ())
-    missing = [key for key in required if rope.get(key) is None]
-    if missing:
-        raise ValueError(f"{source}: rope_type {rope_type!r} needs {', '.join(missing)}")
-    return rope
 
 
 def _layer_windows(raw: dict[str, Any], num_layers: int, source: str) -> tuple[int | None, ...]:

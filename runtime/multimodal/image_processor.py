@@ -4,6 +4,8 @@ those settings; and how many placeholder tokens each image takes in the prompt."
 
 from __future__ import annotations
 
+import base64
+import binascii
 import io
 import json
 import math
@@ -147,6 +149,20 @@ def check_aspect_ratio(width: int, height: int) -> None:
         raise MediaInputError(
             f"the image is {width}x{height}: its aspect ratio is more than the limit of {MAX_ASPECT_RATIO}"
         )
+
+
+def data_url_bytes(url: str) -> bytes:
+    """The bytes of an image's base64 `data:` URL; raises MediaInputError for any other data URL."""
+    header, comma, payload = url.partition(",")
+    media_type = header.removeprefix("data:").split(";")[0].lower()
+    if not comma or not header.endswith(";base64"):
+        raise MediaInputError("an image data URL must be base64: data:image/png;base64,...")
+    if not media_type.startswith("image/"):
+        raise MediaInputError(f"the data URL holds {media_type or 'no media type'}, not an image")
+    try:
+        return base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError):
+        raise MediaInputError("the image data URL is not valid base64") from None
 
 
 def decode_image(data: bytes, *, max_pixels: int) -> Image.Image:

@@ -8,10 +8,9 @@ import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from kvfleet.runtime.multimodal.audio import AudioProcessor, audio_settings
 from kvfleet.runtime.multimodal.image_processor import (
     GridVisionSettings,
     ImageProcessor,
@@ -28,6 +27,9 @@ from kvfleet.runtime.multimodal.inputs import (
     modality_refusal,
 )
 
+if TYPE_CHECKING:
+    from kvfleet.runtime.multimodal.audio import AudioProcessor
+
 
 def modality_specs(config: dict[str, Any], model_dir: str | Path) -> dict[str, ModalitySpec]:
     """What a model's config.json (and for images laid out on a grid, its preprocessor_config.json) says it
@@ -40,6 +42,9 @@ def modality_specs(config: dict[str, Any], model_dir: str | Path) -> dict[str, M
             else vision_settings(config).modality_spec()
         )
     if "audio_config" in config:
+        # Audio's decoders load only for a model that takes audio (a router preparing images needs none).
+        from kvfleet.runtime.multimodal.audio import audio_settings
+
         specs["audio"] = audio_settings(config).modality_spec()
     return specs
 
@@ -79,6 +84,8 @@ class PromptMedia:
                 else _image_preprocessor(image_processor, specs["image"])
             )
         if "audio" in specs:
+            from kvfleet.runtime.multimodal.audio import AudioProcessor, audio_settings
+
             audio = AudioProcessor.from_folder(model_dir, audio_settings(model_config), max_audio_clip_s)
             preprocessors["audio"] = audio
         return cls(specs, preprocessors, {modality: limits[modality] for modality in specs}, audio)

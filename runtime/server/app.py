@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -13,7 +14,9 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from kvfleet.contract.tiers import PRIORITY_HEADER
+from kvfleet.contract.tokenizer_files import TOKENIZER_FILES_PATH
 from kvfleet.runtime.batch.store import BatchStore
+from kvfleet.runtime.chat_prompt import sample_token_ids
 from kvfleet.runtime.metrics import CONTENT_TYPE
 from kvfleet.runtime.server.auth import ApiKeyAuth
 from kvfleet.runtime.server.batch_routes import FILES_PATH, BatchService, add_batch_routes
@@ -25,6 +28,7 @@ from kvfleet.runtime.server.json_bodies import DepthCheckedRoute
 from kvfleet.runtime.server.middleware import BodyReadTimeout, BodySizeLimit, InFlightCounter
 from kvfleet.runtime.server.state import ServerState
 from kvfleet.runtime.server.streaming import respond
+from kvfleet.runtime.server.tokenizer_files import tokenizer_files
 from kvfleet.runtime.serving.lora import OpenAIServingLoRA
 from kvfleet.runtime.serving.moderations import OpenAIServingModeration
 from kvfleet.runtime.serving.protocol import (
@@ -155,6 +159,16 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+
+    read_tokenizer_files = functools.cache(lambda: tokenizer_files(service.engine.config))
+
+    @app.get(TOKENIZER_FILES_PATH)
+    async def tokenizer() -> Response:
+        try:
+            files = await asyncio.to_thread(read_tokenizer_files)
+        except ValueError as exc:
+            return JSONResponse({"error": {"message": str(exc), "type": "server_error"}}, status_code=503)
+        return JSONResponse({**files, "samples": await service.engine.run_tokenizer(sample_token_ids)})
 
     @app.get("/v1/models")
     async def models() -> Response:

@@ -102,7 +102,9 @@ def run_api_server(
         state.guardrails = ServerGuardrails(settings.safety, metrics, engine)
     if options.lora_adapters is not None:
         adapters = options.lora_adapters
-        metrics.set_lora_adapters_source(lambda: [served.lora.lora_name for served in adapters.loaded])
+        metrics.set_lora_adapters_source(
+            lambda: {served.lora.lora_name: served.lora.lora_int_id for served in adapters.loaded}
+        )
     uvicorn_config = uvicorn.Config(
         build_app(state),
         host=options.host,

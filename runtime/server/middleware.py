@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import asyncio
 
+from kvfleet.contract.tokenizer_files import TOKENIZER_FILES_PATH
 from kvfleet.runtime.server.errors import PayloadTooLargeError, error_response
 from kvfleet.runtime.server.state import ServerState
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-# Probes and scrapes: never counted as work in flight, never held back by a drain.
-PROBE_PATHS = frozenset({"/health", "/ready", "/metrics", "/ping"})
+# Probes and scrapes (the metrics, the tokenizer's files a router reads): open to any caller without a key,
+# never counted as work in flight, never held back by a drain.
+PROBE_PATHS = frozenset({"/health", "/ready", "/metrics", "/ping", TOKENIZER_FILES_PATH})
 
 
 def route_path(scope: Scope) -> str:

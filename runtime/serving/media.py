@@ -20,11 +20,11 @@ import httpx
 from kvfleet.contract.errors import BadRequestError
 from kvfleet.runtime.config import EngineConfig
 from kvfleet.runtime.multimodal.audio import decode_audio
-from kvfleet.runtime.multimodal.image_processor import decode_image
+from kvfleet.runtime.multimodal.image_processor import data_url_bytes, decode_image
 from kvfleet.runtime.multimodal.inputs import MediaInputError, MultiModalFeature, PreparedItem
 from kvfleet.runtime.multimodal.media_sources import DEFAULT_PORTS, IPAddress, IPNetwork, address_allowed
 from kvfleet.runtime.multimodal.prompt_media import PromptMedia
-from kvfleet.runtime.serving.protocol import ChatMessage, ContentPart
+from kvfleet.runtime.serving.protocol import ChatMessage, ContentPart, media_parts
 
 # A fetched image may be this large before the request is refused.
 MAX_FETCHED_MEDIA_BYTES = 20 << 20
@@ -41,23 +41,6 @@ async def prompt_media(config: EngineConfig) -> PromptMedia:
     """The model's handling of its media, made once (on a thread: it may import Transformers)."""
     limits = tuple(sorted(config.mm_limits().items()))
     return await asyncio.to_thread(_prompt_media, config.model, limits, config.max_audio_clip_s)
-
-
-# The content part types that carry media, and the modality of each.
-_PART_MODALITIES = {"image_url": "image", "input_audio": "audio"}
-
-
-def media_parts(messages: list[ChatMessage]) -> list[tuple[str, str, ContentPart]]:
-    """(param, modality, part) of every image and audio part, in conversation order."""
-    found = []
-    for index, message in enumerate(messages):
-        if isinstance(message.content, list):
-            for part_index, part in enumerate(message.content):
-                if part.type in _PART_MODALITIES:
-                    found.append(
-                        (f"messages.{index}.content.{part_index}", _PART_MODALITIES[part.type], part)
-                    )
-    return found
 
 
 @dataclass(frozen=True)
@@ -138,18 +121,10 @@ _LOADERS: dict[str, Callable[[EngineConfig, PromptMedia, str, ContentPart], Awai
 
 
 def _data_url_bytes(url: str, param: str) -> bytes:
-    header, comma, payload = url.partition(",")
-    media_type = header.removeprefix("data:").split(";")[0].lower()
-    if not comma or not header.endswith(";base64"):
-        raise BadRequestError("an image data URL must be base64: data:image/png;base64,...", param=param)
-    if not media_type.startswith("image/"):
-        raise BadRequestError(
-            f"the data URL holds {media_type or 'no media type'}, not an image", param=param
-        )
     try:
-        return base64.b64decode(payload, validate=True)
-    except (binascii.Error, ValueError):
-        raise BadRequestError("the image data URL is not valid base64", param=param) from None
+        return data_url_bytes(url)
+    except MediaInputError as exc:
+        raise BadRequestError(str(exc), param=param) from None
 
 
 async def _fetch(config: EngineConfig, url: str, param: str) -> bytes:

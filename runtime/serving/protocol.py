@@ -471,6 +471,23 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     return [message.as_template_input(index) for index, message in enumerate(messages)]
 
 
+# The content part types that carry media, and the modality of each.
+_PART_MODALITIES = {"image_url": "image", "input_audio": "audio"}
+
+
+def media_parts(messages: list[ChatMessage]) -> list[tuple[str, str, ContentPart]]:
+    """(param, modality, part) of every image and audio part, in conversation order."""
+    found = []
+    for index, message in enumerate(messages):
+        if isinstance(message.content, list):
+            for part_index, part in enumerate(message.content):
+                if part.type in _PART_MODALITIES:
+                    found.append(
+                        (f"messages.{index}.content.{part_index}", _PART_MODALITIES[part.type], part)
+                    )
+    return found
+
+
 class ChatCompletionRequest(_GenerationRequest):
     messages: list[ChatMessage]
     max_tokens: StrictInt | None = None

@@ -20,9 +20,9 @@ from kvfleet.runtime.kernels.fused_layers import Implementation, implementation_
 from kvfleet.runtime.kv_transfer.base import KVConnectorWorker
 from kvfleet.runtime.kv_transfer.factory import make_worker_connector
 from kvfleet.runtime.lora.manager import LoRAManager
-from kvfleet.runtime.models.layers import LENGTH_DEPENDENT_ROPE_TYPES
 from kvfleet.runtime.models.loader import LoadStats, load_model, resolve_device, resolve_dtype
 from kvfleet.runtime.models.model_config import ModelConfig
+from kvfleet.runtime.models.rope import LENGTH_DEPENDENT_ROPE_TYPES
 from kvfleet.runtime.worker.encoder_runner import EncoderRunner
 from kvfleet.runtime.worker.sampler import Sampler, SpeculativeBatch
 from kvfleet.runtime.worker.step_inputs import StepInputs

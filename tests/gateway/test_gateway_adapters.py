@@ -24,9 +24,11 @@ from gateway_harness import (
     service,
     wait_until,
 )
-from kvfleet.gateway.adapters import adapter_names
+from kvfleet.gateway.adapters import adapter_ids
 from kvfleet.gateway.discovery import ClientKey, ModelConfig
+from kvfleet.gateway.flow import Fleet
 from kvfleet.gateway.kube import model_configs
+from kvfleet.gateway.metrics import GatewayMetrics
 from kvfleet.gateway.proxy import Gateway
 from kvfleet.runtime.lora.make_adapter import make_adapter
 
@@ -46,16 +48,28 @@ def ready_replicas(gateway: Gateway, name: str) -> float:
     return 0.0 if value is None else value
 
 
-def test_adapter_names_are_read_from_a_metrics_page() -> None:
+def test_adapters_and_their_lora_int_ids_are_read_from_a_metrics_page() -> None:
+    """A replica that gives no lora_int_id (or one that is not a positive integer) serves the adapter all the
+    same; the replicas' ids reach the routing policy on each replica."""
     page = """# HELP kvfleet:lora_adapter_info One series per LoRA adapter.
 # TYPE kvfleet:lora_adapter_info gauge
-kvfleet:lora_adapter_info{model_name="tiny",lora_name="sql"} 1.0
+kvfleet:lora_adapter_info{model_name="tiny",lora_name="sql",lora_int_id="81985529216486896"} 1.0
 kvfleet:lora_adapter_info{lora_name="chat/v2",model_name="tiny"} 1.0
+kvfleet:lora_adapter_info{lora_name="odd",lora_int_id="-3",model_name="tiny"} 1.0
 # TYPE kvfleet:lora_requests counter
 kvfleet:lora_requests_total{lora_name="old",model_name="tiny"} 3.0
 """
-    assert adapter_names(page) == {"sql", "chat/v2"}
-    assert adapter_names("# no adapters\n") == frozenset()
+    ids = adapter_ids(page)
+    assert ids == {"sql": 81985529216486896, "chat/v2": None, "odd": None}
+    assert adapter_ids("# no adapters\n") == {}
+
+    fleet = Fleet(8, GatewayMetrics())
+    fleet.update({"m": ModelConfig(name="m", endpoints=("http://a", "http://b"))})
+    fleet.update_adapters({"http://a": ids, "http://b": {"sql": 5}})
+    by_url = {replica.url: replica for replica in fleet.pools["sql"].replicas}
+    assert by_url["http://a"].lora_int_ids == {"sql": 81985529216486896}
+    assert by_url["http://b"].lora_int_ids == {"sql": 5}
+    assert set(fleet.pools["chat/v2"].replicas) == {by_url["http://a"]}
 
 
 def test_an_adapter_routes_only_to_the_replicas_that_serve_it() -> None:
@@ -188,7 +202,7 @@ def test_real_replicas_serve_an_adapter_where_it_is_loaded(
     start_server: Callable[..., ServerProcess], sql_adapter: Path
 ) -> None:
     """Two `kvfleet serve` replicas behind an API key, the adapter on one: all its requests land there; once
-    the other loads it too, both serve it."""
+    the other loads it too, both serve it, under the same lora_int_id."""
     options = ("--enable-lora", "--max-lora-rank", "8", "--allow-runtime-lora-updates")
     # Both load at once: a start is mostly one process importing and loading, so two starts overlap.
     holder = start_server(*options, "--lora-modules", f"sql={sql_adapter}", api_key="fleet-key", wait=False)
@@ -221,6 +235,9 @@ def test_real_replicas_serve_an_adapter_where_it_is_loaded(
             )
             assert loaded.status_code == 200, loaded.text
             await wait_until(lambda: ready_replicas(gateway, "sql") == 2)
+            # Two processes that loaded the same files give it one lora_int_id: its blocks hash alike.
+            ids = [replica.lora_int_ids.get("sql") for replica in gateway.fleet.pools["sql"].replicas]
+            assert len(ids) == 2 and ids[0] == ids[1] and isinstance(ids[0], int)
             for _ in range(4):
                 assert await complete(sdk, model="sql") == "sql"
             assert _lora_requests(holder, "sql") > 4 and _lora_requests(other, "sql") > 0

@@ -355,7 +355,7 @@ def test_an_adapter_is_prefilled_only_by_prefill_replicas_that_serve_it() -> Non
     decode = ("http://10.0.0.3:8000",)
     fleet.update({"m": ModelConfig(name="m", endpoints=decode, prefill_endpoints=prefill)})
     assert fleet.replica_urls() == sorted(prefill + decode), "every role's adapters are polled"
-    fleet.update_adapters({decode[0]: frozenset({"sql"}), prefill[1]: frozenset({"sql", "other"})})
+    fleet.update_adapters({decode[0]: {"sql": 7}, prefill[1]: {"sql": 7, "other": None}})
     sql = fleet.pools["sql"].config
     assert (sql.endpoints, sql.prefill_endpoints) == (decode, (prefill[1],))
     assert "other" not in fleet.pools, "an adapter no decode replica serves is not routed"

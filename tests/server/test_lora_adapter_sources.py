@@ -67,7 +67,9 @@ def test_served_names_are_bounded_and_their_series_leave_metrics_with_them(
     reads, and unloaded names kept their counters."""
     adapters = _adapters(tiny_llama, adapter_root[0], tmp_path)
     metrics = ServerMetrics("tiny")
-    metrics.set_lora_adapters_source(lambda: [served.lora.lora_name for served in adapters.loaded])
+    metrics.set_lora_adapters_source(
+        lambda: {served.lora.lora_name: served.lora.lora_int_id for served in adapters.loaded}
+    )
     # The longest names an adapter may have, each with a request counted (and its tokens' series).
     names = [f"{index:03d}-".ljust(128, "x") for index in range(MAX_SERVED_ADAPTERS)]
     for name in names:

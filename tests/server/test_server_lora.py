@@ -227,12 +227,13 @@ def test_adapter_requests_are_counted(lora_server: ServerProcess, client: openai
 def test_metrics_list_each_served_adapter_without_the_api_key(
     lora_server: ServerProcess, adapters: dict[str, Path]
 ) -> None:
-    """What the gateway reads to learn where an adapter runs: /metrics needs no key, /v1/models does."""
+    """What the gateway reads to learn where an adapter runs and how its prompts' blocks are hashed: /metrics
+    needs no key, /v1/models does. The lora_int_id follows the adapter's files, not its name."""
 
-    def listed() -> set[str]:
+    def listed() -> dict[str, int]:
         text = httpx.get(f"{lora_server.url}/metrics").text
         return {
-            sample.labels["lora_name"]
+            sample.labels["lora_name"]: int(sample.labels["lora_int_id"])
             for family in text_string_to_metric_families(text)
             if family.name == "kvfleet:lora_adapter_info"
             for sample in family.samples
@@ -240,12 +241,16 @@ def test_metrics_list_each_served_adapter_without_the_api_key(
 
     assert httpx.get(f"{lora_server.url}/v1/models").status_code == 401
     assert "first" in listed() and "listed" not in listed()
-    loaded = _post(
-        lora_server, "load_lora_adapter", {"lora_name": "listed", "lora_path": str(adapters["second"])}
-    )
-    assert loaded.status_code == 200
-    assert {"first", "listed"} <= listed()
-    assert _post(lora_server, "unload_lora_adapter", {"lora_name": "listed"}).status_code == 200
+    for name in ("listed", "same-files"):
+        loaded = _post(
+            lora_server, "load_lora_adapter", {"lora_name": name, "lora_path": str(adapters["second"])}
+        )
+        assert loaded.status_code == 200
+    ids = listed()
+    assert {"first", "listed", "same-files"} <= set(ids)
+    assert ids["listed"] == ids["same-files"] != ids["first"]
+    for name in ("listed", "same-files"):
+        assert _post(lora_server, "unload_lora_adapter", {"lora_name": name}).status_code == 200
     assert "listed" not in listed() and "first" in listed()
 
 
