@@ -144,7 +144,11 @@ API_KEY = "test-key"
 
 @pytest.fixture(scope="session")
 def api_server(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    """The server tests' shared server: priority scheduling, an API key, and a small body limit to test
-    against."""
+    """The server tests' shared server: priority scheduling, an API key, a small body limit to test against,
+    and a store of Responses API answers."""
     with running_servers(tiny_llama, tmp_path_factory.mktemp("shared-server-logs")) as start:
-        yield start("--scheduling-policy", "priority", "--max-request-body-bytes", "65536", api_key=API_KEY)
+        yield start(
+            *("--scheduling-policy", "priority", "--max-request-body-bytes", "65536"),
+            *("--max-stored-responses", "64"),
+            api_key=API_KEY,
+        )

@@ -24,7 +24,12 @@ from kvfleet.runtime.server.errors import (
 from kvfleet.runtime.server.json_bodies import DepthCheckedRoute
 from kvfleet.runtime.server.middleware import BodyReadTimeout, BodySizeLimit, InFlightCounter
 from kvfleet.runtime.server.state import ServerState
-from kvfleet.runtime.server.streaming import respond
+from kvfleet.runtime.server.streaming import (
+    EventStreamResponse,
+    respond,
+    typed_sse_events,
+    unless_disconnected,
+)
 from kvfleet.runtime.serving.lora import OpenAIServingLoRA
 from kvfleet.runtime.serving.moderations import OpenAIServingModeration
 from kvfleet.runtime.serving.protocol import (
@@ -36,6 +41,9 @@ from kvfleet.runtime.serving.protocol import (
     TokenizeRequest,
     UnloadLoRAAdapterRequest,
 )
+from kvfleet.runtime.serving.response_store import ResponseStore
+from kvfleet.runtime.serving.responses_api import OpenAIServingResponses
+from kvfleet.runtime.serving.responses_protocol import ResponsesRequest
 from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
@@ -82,6 +90,7 @@ def build_app(state: ServerState) -> FastAPI:
         allow_credentials=state.settings.allow_credentials,
     )
     _add_routes(app, state)
+    _add_responses_routes(app, state)
     if batches is not None:
         add_batch_routes(app, batches)
     return app
@@ -190,3 +199,29 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> Response:
         return JSONResponse(await service.detokenize(body))
+
+
+def _add_responses_routes(app: FastAPI, state: ServerState) -> None:
+    """POST /v1/responses; with a store, GET and DELETE /v1/responses/{id} too."""
+    max_stored = state.settings.max_stored_responses
+    responses = OpenAIServingResponses(
+        state.openai_service(), ResponseStore(max_stored) if max_stored else None
+    )
+
+    @app.post("/v1/responses")
+    async def create_response(body: ResponsesRequest, raw_request: Request) -> Response:
+        prepared = await responses.create(body, raw_request.headers.get(PRIORITY_HEADER))
+        if body.stream:
+            events = await unless_disconnected(raw_request, responses.stream(prepared))
+            return EventStreamResponse(typed_sse_events(events))
+        return JSONResponse(await unless_disconnected(raw_request, responses.complete(prepared)))
+
+    if responses.store is not None:
+
+        @app.get("/v1/responses/{response_id}")
+        async def retrieve_response(response_id: str) -> Response:
+            return JSONResponse(responses.retrieve(response_id))
+
+        @app.delete("/v1/responses/{response_id}")
+        async def delete_response(response_id: str) -> Response:
+            return JSONResponse(responses.delete(response_id))

@@ -254,6 +254,14 @@ def _api_key(ctx: click.Context, param: click.Parameter, value: str | None) -> s
     help="Input and output guardrails: a JSON policy, or the path of a JSON file holding one (see "
     "docs/safety.md).",
 )
+@click.option(
+    "--max-stored-responses",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="The most Responses API answers kept in memory (the least recently used go first) for "
+    "previous_response_id and GET /v1/responses/{id}; 0 keeps none, as vLLM by default.",
+)
 @click.option("--access-log/--no-access-log", default=False, show_default=True)
 @click.option(
     "--max-logprobs",
@@ -330,6 +338,11 @@ def serve(model_tag: str | None, model: str | None, host: str, port: int, **opti
             f"{options['default_priority']!r} is more urgent than --max-priority-tier "
             f"{options['max_priority_tier']!r}",
             param_hint="--default-priority",
+        )
+    if options["max_stored_responses"] and options["api_server_count"] > 1:
+        # Each API server process would keep its own: a follow-up could reach one that never saw it.
+        raise click.BadParameter(
+            "stored responses need --api-server-count 1", param_hint="--max-stored-responses"
         )
     if options["batch_store"] is not None and options["api_server_count"] > 1:
         raise click.BadParameter(

@@ -98,7 +98,9 @@ def _lone_surrogate(value: Any) -> str | None:
     return None
 
 
-class _Body(BaseModel):
+class Body(BaseModel):
+    """A body or a part of one: unknown fields are ignored, and text must be valid Unicode."""
+
     model_config = ConfigDict(extra="ignore")
 
     @field_validator("*")
@@ -114,7 +116,7 @@ class _Body(BaseModel):
         return value
 
 
-class _Request(_Body):
+class RequestBody(Body):
     """A route's body: unknown fields are kept, so that unsupported ones can be refused."""
 
     model_config = ConfigDict(extra="allow")
@@ -126,11 +128,11 @@ class _Request(_Body):
                 raise BadRequestError(f"{name} is not supported on this endpoint", param=name)
 
 
-class StreamOptions(_Body):
+class StreamOptions(Body):
     include_usage: StrictBool = False
 
 
-class JsonSchemaFormat(_Body):
+class JsonSchemaFormat(Body):
     model_config = ConfigDict(populate_by_name=True)
 
     name: str
@@ -140,12 +142,12 @@ class JsonSchemaFormat(_Body):
     strict: StrictBool | None = None
 
 
-class ResponseFormat(_Body):
+class ResponseFormat(Body):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
 
-class StructuredOutputsBody(_Body):
+class StructuredOutputsBody(Body):
     """vLLM's `structured_outputs` field: exactly one of these."""
 
     model_config = ConfigDict(populate_by_name=True)
@@ -158,7 +160,7 @@ class StructuredOutputsBody(_Body):
     json_object: StrictBool | None = None
 
 
-class _GenerationRequest(_Request):
+class _GenerationRequest(RequestBody):
     model: str | None = None
     n: StrictInt = 1
     temperature: FiniteFloat | None = None
@@ -319,12 +321,12 @@ class CompletionRequest(_GenerationRequest):
         return list(prompt)  # type: ignore[arg-type]
 
 
-class ImageURL(_Body):
+class ImageURL(Body):
     url: str
     detail: str | None = None
 
 
-class InputAudio(_Body):
+class InputAudio(Body):
     data: str  # base64
     format: str
 
@@ -332,7 +334,7 @@ class InputAudio(_Body):
 _PART_TYPES = ("text", "image_url", "input_audio")
 
 
-class ContentPart(_Body):
+class ContentPart(Body):
     type: str
     text: str | None = None
     image_url: ImageURL | None = None
@@ -350,19 +352,19 @@ class ContentPart(_Body):
         return self.type == "text" and self.text is not None
 
 
-class FunctionCall(_Body):
+class FunctionCall(Body):
     name: str
     # JSON text, as the model wrote it.
     arguments: str
 
 
-class ToolCall(_Body):
+class ToolCall(Body):
     id: str
     type: Literal["function"] = "function"
     function: FunctionCall
 
 
-class ChatMessage(_Body):
+class ChatMessage(Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
@@ -426,23 +428,23 @@ def _arguments(text: str) -> Any:
     return value if isinstance(value, dict) else text
 
 
-class FunctionDefinition(_Body):
+class FunctionDefinition(Body):
     name: Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: StrictBool | None = None
 
 
-class Tool(_Body):
+class Tool(Body):
     type: Literal["function"]
     function: FunctionDefinition
 
 
-class NamedFunction(_Body):
+class NamedFunction(Body):
     name: str
 
 
-class NamedToolChoice(_Body):
+class NamedToolChoice(Body):
     type: Literal["function"]
     function: NamedFunction
 
@@ -485,12 +487,12 @@ class ChatCompletionRequest(_GenerationRequest):
         return self._sampling_params(max_tokens, logprobs, defaults)
 
 
-class ModerationTextInput(_Body):
+class ModerationTextInput(Body):
     type: Literal["text"]
     text: str
 
 
-class ModerationRequest(_Request):
+class ModerationRequest(RequestBody):
     """OpenAI's moderation request: one text or several (as strings or text parts)."""
 
     input: str | list[str] | list[ModerationTextInput]
@@ -504,7 +506,7 @@ class ModerationRequest(_Request):
         return [item if isinstance(item, str) else item.text for item in self.input]
 
 
-class TokenizeRequest(_Request):
+class TokenizeRequest(RequestBody):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -529,7 +531,7 @@ class TokenizeRequest(_Request):
             )
 
 
-class DetokenizeRequest(_Body):
+class DetokenizeRequest(Body):
     model: str | None = None
     tokens: list[StrictInt]
 
@@ -542,21 +544,21 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     }
 
 
-class BatchCreateRequest(_Body):
+class BatchCreateRequest(Body):
     input_file_id: str
     endpoint: str
     completion_window: str = "24h"
     metadata: dict[str, str] | None = None
 
 
-class LoadLoRAAdapterRequest(_Body):
+class LoadLoRAAdapterRequest(Body):
     """vLLM's body for POST /v1/load_lora_adapter."""
 
     lora_name: Annotated[str, Strict()]
     lora_path: Annotated[str, Strict()]
 
 
-class UnloadLoRAAdapterRequest(_Body):
+class UnloadLoRAAdapterRequest(Body):
     """vLLM's body for POST /v1/unload_lora_adapter (its lora_int_id is accepted and not needed)."""
 
     lora_name: Annotated[str, Strict()]

@@ -39,6 +39,7 @@ ROUTES = {
     ("post", "/v1/load_lora_adapter"),
     ("post", "/v1/unload_lora_adapter"),
     ("post", "/v1/moderations"),
+    ("post", "/v1/responses"),
 }
 
 
@@ -60,6 +61,7 @@ def test_openapi_documents_every_route_with_its_body(fuzzed_server: ServerProces
         ("/v1/load_lora_adapter", "LoadLoRAAdapterRequest"),
         ("/v1/unload_lora_adapter", "UnloadLoRAAdapterRequest"),
         ("/v1/moderations", "ModerationRequest"),
+        ("/v1/responses", "ResponsesRequest"),
     ]:
         body = document["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
         assert body == {"$ref": f"#/components/schemas/{model}"}
