@@ -30,12 +30,14 @@ from kvfleet.runtime.server.streaming import (
     typed_sse_events,
     unless_disconnected,
 )
+from kvfleet.runtime.serving.embeddings import OpenAIServingEmbedding
 from kvfleet.runtime.serving.lora import OpenAIServingLoRA
 from kvfleet.runtime.serving.moderations import OpenAIServingModeration
 from kvfleet.runtime.serving.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    EmbeddingRequest,
     LoadLoRAAdapterRequest,
     ModerationRequest,
     TokenizeRequest,
@@ -140,6 +142,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     service = state.openai_service()
     lora = OpenAIServingLoRA(service)
     moderations = OpenAIServingModeration(service)
+    embeddings = OpenAIServingEmbedding(service)
     started = int(time.time())
 
     @app.get("/health")
@@ -187,6 +190,11 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     async def create_chat_completion(body: ChatCompletionRequest, raw_request: Request) -> Response:
         request = await service.create_chat_completion(body, raw_request.headers.get(PRIORITY_HEADER))
         return await respond(raw_request, service, request)
+
+    @app.post("/v1/embeddings")
+    async def create_embedding(body: EmbeddingRequest, raw_request: Request) -> Response:
+        answer = embeddings.create_embedding(body, raw_request.headers.get(PRIORITY_HEADER))
+        return JSONResponse(await unless_disconnected(raw_request, answer))
 
     @app.post("/v1/moderations")
     async def create_moderation(body: ModerationRequest) -> Response:

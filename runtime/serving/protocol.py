@@ -310,15 +310,53 @@ class CompletionRequest(_GenerationRequest):
         return self._sampling_params(self.max_tokens, self.logprobs, defaults)
 
     def prompts(self) -> list[str | list[int]]:
-        """One entry per prompt: a batch of strings or of token lists is split, a token list kept whole."""
-        prompt = self.prompt
-        if isinstance(prompt, str):
-            return [prompt]
-        if not prompt:
-            raise BadRequestError("prompt must not be empty", param="prompt")
-        if all(isinstance(item, int) for item in prompt):
-            return [list(prompt)]  # type: ignore[arg-type]
-        return list(prompt)  # type: ignore[arg-type]
+        return split_prompts(self.prompt, "prompt")
+
+
+def split_prompts(value: str | list[str] | list[int] | list[list[int]], param: str) -> list[str | list[int]]:
+    """One entry per prompt: a batch of strings or of token lists is split, a token list kept whole."""
+    if isinstance(value, str):
+        return [value]
+    if not value:
+        raise BadRequestError(f"{param} must not be empty", param=param)
+    if all(isinstance(item, int) for item in value):
+        return [list(value)]  # type: ignore[arg-type]
+    return list(value)  # type: ignore[arg-type]
+
+
+class EmbeddingRequest(RequestBody):
+    """OpenAI's embeddings request (plus kvfleet's priority and timeout, and vLLM's add_special_tokens)."""
+
+    input: str | list[str] | list[StrictInt] | list[list[StrictInt]]
+    model: str | None = None
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: StrictInt | None = None
+    user: str | None = None
+    add_special_tokens: StrictBool = True
+    priority: StrictInt | str | None = None
+    timeout: Annotated[FiniteFloat, Field(gt=0)] | None = None
+
+    def check(self) -> None:
+        self.refuse_unsupported()
+        split_prompts(self.input, "input")
+        if self.dimensions is not None:
+            raise BadRequestError(
+                "dimensions: this model's embeddings have one size, the model's hidden size (it was not "
+                "trained to be truncated)",
+                param="dimensions",
+            )
+
+    def completion_request(self) -> CompletionRequest:
+        """The completion request whose prompts are run for their hidden states: one token each."""
+        return CompletionRequest(
+            model=self.model,
+            prompt=self.input,
+            max_tokens=1,
+            temperature=0.0,
+            add_special_tokens=self.add_special_tokens,
+            priority=self.priority,
+            timeout=self.timeout,
+        )
 
 
 class ImageURL(Body):

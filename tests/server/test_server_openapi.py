@@ -40,6 +40,7 @@ ROUTES = {
     ("post", "/v1/unload_lora_adapter"),
     ("post", "/v1/moderations"),
     ("post", "/v1/responses"),
+    ("post", "/v1/embeddings"),
 }
 
 
@@ -62,6 +63,7 @@ def test_openapi_documents_every_route_with_its_body(fuzzed_server: ServerProces
         ("/v1/unload_lora_adapter", "UnloadLoRAAdapterRequest"),
         ("/v1/moderations", "ModerationRequest"),
         ("/v1/responses", "ResponsesRequest"),
+        ("/v1/embeddings", "EmbeddingRequest"),
     ]:
         body = document["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
         assert body == {"$ref": f"#/components/schemas/{model}"}
