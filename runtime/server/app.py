@@ -40,6 +40,8 @@ from kvfleet.runtime.serving.protocol import (
     EmbeddingRequest,
     LoadLoRAAdapterRequest,
     ModerationRequest,
+    RerankRequest,
+    ScoreRequest,
     TokenizeRequest,
     UnloadLoRAAdapterRequest,
 )
@@ -93,6 +95,7 @@ def build_app(state: ServerState) -> FastAPI:
     )
     _add_routes(app, state)
     _add_responses_routes(app, state)
+    _add_embedding_routes(app, state)
     if batches is not None:
         add_batch_routes(app, batches)
     return app
@@ -142,7 +145,6 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     service = state.openai_service()
     lora = OpenAIServingLoRA(service)
     moderations = OpenAIServingModeration(service)
-    embeddings = OpenAIServingEmbedding(service)
     started = int(time.time())
 
     @app.get("/health")
@@ -191,11 +193,6 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         request = await service.create_chat_completion(body, raw_request.headers.get(PRIORITY_HEADER))
         return await respond(raw_request, service, request)
 
-    @app.post("/v1/embeddings")
-    async def create_embedding(body: EmbeddingRequest, raw_request: Request) -> Response:
-        answer = embeddings.create_embedding(body, raw_request.headers.get(PRIORITY_HEADER))
-        return JSONResponse(await unless_disconnected(raw_request, answer))
-
     @app.post("/v1/moderations")
     async def create_moderation(body: ModerationRequest) -> Response:
         return JSONResponse(await moderations.create_moderation(body))
@@ -233,3 +230,28 @@ def _add_responses_routes(app: FastAPI, state: ServerState) -> None:
         @app.delete("/v1/responses/{response_id}")
         async def delete_response(response_id: str) -> Response:
             return JSONResponse(responses.delete(response_id))
+
+
+def _add_embedding_routes(app: FastAPI, state: ServerState) -> None:
+    """POST /v1/embeddings, and vLLM's score and rerank routes on the same embeddings."""
+    embeddings = OpenAIServingEmbedding(state.openai_service())
+
+    @app.post("/v1/embeddings")
+    async def create_embedding(body: EmbeddingRequest, raw_request: Request) -> Response:
+        answer = embeddings.create_embedding(body, raw_request.headers.get(PRIORITY_HEADER))
+        return JSONResponse(await unless_disconnected(raw_request, answer))
+
+    async def create_score(body: ScoreRequest, raw_request: Request) -> Response:
+        answer = embeddings.create_score(body, raw_request.headers.get(PRIORITY_HEADER))
+        return JSONResponse(await unless_disconnected(raw_request, answer))
+
+    async def rerank(body: RerankRequest, raw_request: Request) -> Response:
+        answer = embeddings.rerank(body, raw_request.headers.get(PRIORITY_HEADER))
+        return JSONResponse(await unless_disconnected(raw_request, answer))
+
+    # vLLM's other paths for them are served too, and documented once.
+    app.add_api_route("/v1/score", create_score, methods=["POST"])
+    app.add_api_route("/score", create_score, methods=["POST"], include_in_schema=False)
+    app.add_api_route("/v1/rerank", rerank, methods=["POST"])
+    for path in ("/rerank", "/v2/rerank"):
+        app.add_api_route(path, rerank, methods=["POST"], include_in_schema=False)

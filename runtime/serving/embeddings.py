@@ -1,5 +1,8 @@
-"""POST /v1/embeddings: each input's embedding, pooled as vLLM pools a decoder model's for its embed task:
-the final hidden state of the input's last token, L2-normalized.
+"""POST /v1/embeddings, and vLLM's /score and /rerank on the same embeddings.
+
+An embedding is pooled as vLLM pools a decoder model's for its embed task: the final hidden state of the
+input's last token, L2-normalized. A score is the cosine similarity of two texts' embeddings, as vLLM scores
+with an embedding model (not a cross-encoder).
 
 Embeddings are served beside generation, by the same engine and weights: an input runs as a completion
 prompt of one token, admitted like any other (model, priority, context, guardrails), and the engine returns
@@ -12,11 +15,17 @@ import base64
 import contextlib
 import math
 import struct
-import uuid
 from typing import TYPE_CHECKING, Any
 
 from kvfleet.runtime.serving.completions import CompletionRoute
-from kvfleet.runtime.serving.protocol import EmbeddingRequest
+from kvfleet.runtime.serving.protocol import (
+    CompletionRequest,
+    EmbeddingRequest,
+    RerankRequest,
+    ScoreRequest,
+    embedding_prompts,
+)
+from kvfleet.runtime.serving.request import PreparedRequest
 from kvfleet.runtime.serving.responses import finish_error
 
 if TYPE_CHECKING:
@@ -33,7 +42,58 @@ class OpenAIServingEmbedding:
 
     async def create_embedding(self, body: EmbeddingRequest, priority_header: str | None) -> dict[str, Any]:
         body.check()
-        request = await self.service.admit(_EmbeddingPromptRoute(body.completion_request()), priority_header)
+        request, vectors = await self._embed(body.completion_request(), priority_header)
+        data = [
+            {"object": "embedding", "index": index, "embedding": _encoded(vector, body.encoding_format)}
+            for index, vector in enumerate(vectors)
+        ]
+        return {
+            "id": request.request_id,
+            "object": "list",
+            "created": request.created,
+            "model": request.model,
+            "data": data,
+            "usage": _usage(request),
+        }
+
+    async def create_score(self, body: ScoreRequest, priority_header: str | None) -> dict[str, Any]:
+        first, second = body.pairs()
+        request, vectors = await self._embed(embedding_prompts(first + second, body), priority_header)
+        scores = [_dot(a, b) for a, b in zip(vectors[: len(first)], vectors[len(first) :], strict=True)]
+        return {
+            "id": request.request_id,
+            "object": "list",
+            "created": request.created,
+            "model": request.model,
+            "data": [
+                {"index": index, "object": "score", "score": score} for index, score in enumerate(scores)
+            ],
+            "usage": _usage(request),
+        }
+
+    async def rerank(self, body: RerankRequest, priority_header: str | None) -> dict[str, Any]:
+        body.check()
+        request, vectors = await self._embed(
+            embedding_prompts([body.query, *body.documents], body), priority_header
+        )
+        query, documents = vectors[0], vectors[1:]
+        results = [
+            {"index": index, "document": {"text": text}, "relevance_score": _dot(query, vector)}
+            for index, (text, vector) in enumerate(zip(body.documents, documents, strict=True))
+        ]
+        results.sort(key=lambda result: result["relevance_score"], reverse=True)
+        return {
+            "id": request.request_id,
+            "model": request.model,
+            "usage": _usage(request),
+            "results": results[: body.top_n or None],
+        }
+
+    async def _embed(
+        self, prompts: CompletionRequest, priority_header: str | None
+    ) -> tuple[PreparedRequest, list[list[float]]]:
+        """The prompts admitted and run for their embeddings, in order."""
+        request = await self.service.admit(_EmbeddingPromptRoute(prompts), priority_header)
         request.params.return_prompt_hidden_state = True
         hidden_states: dict[str, list[float]] = {}
         async with contextlib.aclosing(self.service.outputs(request)) as outputs:
@@ -44,28 +104,21 @@ class OpenAIServingEmbedding:
                         raise error
                 if output.prompt_hidden_state is not None:
                     hidden_states[output.request_id] = output.prompt_hidden_state
-        data = [
-            {
-                "object": "embedding",
-                "index": index,
-                "embedding": _encoded(_normalized(hidden_states[request_id]), body.encoding_format),
-            }
-            for index, request_id in enumerate(request.engine_request_ids)
-        ]
-        prompt_tokens = sum(len(token_ids) for token_ids in request.prompt_token_ids)
-        return {
-            "id": f"embd-{uuid.uuid4().hex}",
-            "object": "list",
-            "created": request.created,
-            "model": request.model,
-            "data": data,
-            "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens},
-        }
+        return request, [_normalized(hidden_states[request_id]) for request_id in request.engine_request_ids]
+
+
+def _usage(request: PreparedRequest) -> dict[str, int]:
+    prompt_tokens = sum(len(token_ids) for token_ids in request.prompt_token_ids)
+    return {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}
 
 
 def _normalized(vector: list[float]) -> list[float]:
     norm = math.sqrt(math.fsum(value * value for value in vector))
     return [value / norm for value in vector] if norm > 0 else vector
+
+
+def _dot(a: list[float], b: list[float]) -> float:
+    return math.fsum(x * y for x, y in zip(a, b, strict=True))
 
 
 def _encoded(vector: list[float], encoding_format: str) -> list[float] | str:

@@ -347,16 +347,71 @@ class EmbeddingRequest(RequestBody):
             )
 
     def completion_request(self) -> CompletionRequest:
-        """The completion request whose prompts are run for their hidden states: one token each."""
-        return CompletionRequest(
-            model=self.model,
-            prompt=self.input,
-            max_tokens=1,
-            temperature=0.0,
-            add_special_tokens=self.add_special_tokens,
-            priority=self.priority,
-            timeout=self.timeout,
-        )
+        return embedding_prompts(self.input, self)
+
+
+class ScoreRequest(RequestBody):
+    """vLLM's /score: text_1 against each of text_2 (one text), or pair by pair (as many texts each)."""
+
+    text_1: str | list[str]
+    text_2: str | list[str]
+    model: str | None = None
+    add_special_tokens: StrictBool = True
+    priority: StrictInt | str | None = None
+    timeout: Annotated[FiniteFloat, Field(gt=0)] | None = None
+
+    def pairs(self) -> tuple[list[str], list[str]]:
+        """The texts scored against each other, as two lists of the same length."""
+        self.refuse_unsupported()
+        first = [self.text_1] if isinstance(self.text_1, str) else self.text_1
+        second = [self.text_2] if isinstance(self.text_2, str) else self.text_2
+        if not first or not second:
+            raise BadRequestError(
+                "text_1 and text_2 must not be empty", param="text_1" if not first else "text_2"
+            )
+        if len(first) == 1:
+            first = first * len(second)
+        if len(first) != len(second):
+            raise BadRequestError(
+                f"text_1 has {len(first)} texts and text_2 {len(second)}: give one text_1, or as many as "
+                "text_2",
+                param="text_1",
+            )
+        return first, second
+
+
+class RerankRequest(RequestBody):
+    """vLLM's (and Jina's and Cohere's) /rerank: the documents ordered by relevance to the query."""
+
+    query: str
+    documents: list[str]
+    # 0: every document.
+    top_n: Annotated[StrictInt, Field(ge=0)] = 0
+    model: str | None = None
+    add_special_tokens: StrictBool = True
+    priority: StrictInt | str | None = None
+    timeout: Annotated[FiniteFloat, Field(gt=0)] | None = None
+
+    def check(self) -> None:
+        self.refuse_unsupported()
+        if not self.documents:
+            raise BadRequestError("documents must not be empty", param="documents")
+
+
+def embedding_prompts(
+    texts: str | list[str] | list[int] | list[list[int]],
+    body: EmbeddingRequest | ScoreRequest | RerankRequest,
+) -> CompletionRequest:
+    """The completion request whose prompts (the texts) run for their hidden states: one token each."""
+    return CompletionRequest(
+        model=body.model,
+        prompt=texts,
+        max_tokens=1,
+        temperature=0.0,
+        add_special_tokens=body.add_special_tokens,
+        priority=body.priority,
+        timeout=body.timeout,
+    )
 
 
 class ImageURL(Body):

@@ -76,7 +76,7 @@ class OpenAIServingResponses:
             raise NotFoundError(
                 f"no stored response has the id {previous_response_id!r}", param="previous_response_id"
             )
-        return [dict(message) for message in stored.messages]
+        return list(stored.messages)
 
     def retrieve(self, response_id: str) -> dict[str, Any]:
         assert self.store is not None, "served with a store only"

@@ -1,12 +1,14 @@
 """POST /v1/embeddings through the official openai SDK against the shared server: each vector is the
 model's last-token hidden state, L2-normalized (vLLM's pooling for a decoder model's embed task), as
-Transformers computes it on the same folder; every input form and encoding gives the same vectors."""
+Transformers computes it on the same folder; every input form and encoding gives the same vectors. vLLM's
+/score and /rerank give the cosine similarities of those vectors."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import httpx
 import numpy as np
 import openai
 import pytest
@@ -74,3 +76,43 @@ def test_what_cannot_be_answered_is_refused_by_name(
         client.embeddings.create(**{"model": MODEL, "input": TEXTS[0], **fields})
     assert caught.value.status_code in (400, 404)
     assert caught.value.body["param"] == param  # type: ignore[index]
+
+
+DOCUMENTS = ["A rainy day in Paris.", "Stock markets fell today.", "Once upon a time there was a king."]
+
+
+def test_score_and_rerank_are_the_embeddings_cosine_similarities(
+    api_server: ServerProcess, tokenizer: Any, tiny_llama: Path
+) -> None:
+    query = TEXTS[0]
+    vectors = _transformers_embeddings(
+        tiny_llama, [tokenizer(text).input_ids for text in [query, *DOCUMENTS]]
+    )
+    expected = [float(vectors[0] @ vector) for vector in vectors[1:]]
+
+    def post(path: str, body: dict[str, Any]) -> dict[str, Any]:
+        answer = httpx.post(f"{api_server.url}{path}", json=body, headers=api_server.headers(), timeout=60)
+        assert answer.status_code == 200, answer.text
+        return answer.json()
+
+    for path in ("/score", "/v1/score"):
+        scored = post(path, {"model": MODEL, "text_1": query, "text_2": DOCUMENTS})
+        np.testing.assert_allclose([item["score"] for item in scored["data"]], expected, atol=1e-4)
+    pairwise = post("/v1/score", {"model": MODEL, "text_1": [query, query], "text_2": DOCUMENTS[:2]})
+    np.testing.assert_allclose([item["score"] for item in pairwise["data"]], expected[:2], atol=1e-4)
+    order = sorted(range(len(DOCUMENTS)), key=lambda index: expected[index], reverse=True)
+    for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
+        ranked = post(path, {"model": MODEL, "query": query, "documents": DOCUMENTS, "top_n": 2})
+        assert [result["index"] for result in ranked["results"]] == order[:2]
+        for result in ranked["results"]:
+            assert result["document"]["text"] == DOCUMENTS[result["index"]]
+            assert abs(result["relevance_score"] - expected[result["index"]]) < 1e-4
+    every = post("/v1/rerank", {"model": MODEL, "query": query, "documents": DOCUMENTS})
+    assert [result["index"] for result in every["results"]] == order
+    mismatched = httpx.post(
+        f"{api_server.url}/v1/score",
+        json={"model": MODEL, "text_1": DOCUMENTS[:2], "text_2": DOCUMENTS},
+        headers=api_server.headers(),
+        timeout=60,
+    )
+    assert mismatched.status_code == 400 and mismatched.json()["error"]["param"] == "text_1"
