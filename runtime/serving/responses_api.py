@@ -28,6 +28,8 @@ if TYPE_CHECKING:
 
 # How a chat answer's finish reason reads in a response: its status, and why it is incomplete.
 _INCOMPLETE_REASONS = {"length": "max_output_tokens", "content_filter": "content_filter"}
+# A failed response's error code (OpenAI's are few) by the HTTP status of its error; others: server_error.
+_FAILURE_CODES = {400: "invalid_prompt", 429: "rate_limit_exceeded"}
 
 
 class _ResponsesChatRoute(ChatRoute):
@@ -190,7 +192,7 @@ def _response(
 def _usage(usage: dict[str, int]) -> dict[str, Any]:
     return {
         "input_tokens": usage["prompt_tokens"],
-        "input_tokens_details": {"cached_tokens": 0},
+        "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
         "output_tokens": usage["completion_tokens"],
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": usage["total_tokens"],
@@ -411,7 +413,8 @@ class _ResponseEvents:
         return events
 
     def fail(self, error: OpenAIError) -> list[dict[str, Any]]:
-        """A failure mid-stream: OpenAI's error event, then the response failed."""
+        """A failure mid-stream: OpenAI's error event (with kvfleet's code), then the response failed (with
+        the code among OpenAI's few that fits)."""
         code = error.code or error.error_type
         failed = _response(
             self.prepared,
@@ -419,7 +422,7 @@ class _ResponseEvents:
             None,
             self.usage,
             status="failed",
-            error={"code": code, "message": error.message},
+            error={"code": _FAILURE_CODES.get(error.status_code, "server_error"), "message": error.message},
         )
         return [
             self._event("error", code=code, message=error.message, param=error.param),

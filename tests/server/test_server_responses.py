@@ -7,18 +7,28 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 import jsonschema
 import openai
 import pydantic
 import pytest
-from kvfleet.contract.errors import BadRequestError
+from click.testing import CliRunner
+from kvfleet.contract.errors import BadRequestError, OpenAIError, RequestTimeoutError
+from kvfleet.runtime.sampling_params import SamplingParams
+from kvfleet.runtime.serving.request import PreparedRequest
 from kvfleet.runtime.serving.response_store import ResponseStore, StoredResponse
-from kvfleet.runtime.serving.responses_api import OpenAIServingResponses
+from kvfleet.runtime.serving.responses_api import OpenAIServingResponses, PreparedResponse
 from kvfleet.runtime.serving.responses_protocol import ResponsesRequest
+from openai.types.responses import Response, ResponseStreamEvent
+from pydantic import TypeAdapter
+
+from kvfleet.cli import cli
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from servers import ServerProcess
 
 MODEL = "tiny"
@@ -54,6 +64,8 @@ def test_text_is_the_chat_endpoints_for_the_same_greedy_request(client: openai.O
     chat = _chat(client, [{"role": "system", "content": INSTRUCTIONS}, {"role": "user", "content": PROMPT}])
     (choice,) = chat.choices
     assert response.output_text and response.output_text == choice.message.content
+    # Every field the SDK's model requires is there (the client itself parses leniently).
+    Response.model_validate(response.model_dump())
     assert response.object == "response" and response.model == MODEL
     assert (response.usage.input_tokens, response.usage.output_tokens) == (
         chat.usage.prompt_tokens,
@@ -101,6 +113,7 @@ def test_tool_calls_satisfy_their_schema_and_a_follow_up_continues_the_conversat
     assert calls and all(call.name == "get_weather" for call in calls)
     for call in calls:
         jsonschema.validate(json.loads(call.arguments), WEATHER)
+    Response.model_validate(response.model_dump())
     with client.responses.stream(model=MODEL, input=QUESTION, max_output_tokens=200, **calling) as stream:
         argument_deltas = [
             event.delta for event in stream if event.type == "response.function_call_arguments.delta"
@@ -209,3 +222,80 @@ def test_without_a_store_previous_response_id_is_refused() -> None:
     with pytest.raises(BadRequestError, match="--max-stored-responses") as caught:
         asyncio.run(responses.create(body, None))
     assert caught.value.param == "previous_response_id"
+
+
+def test_a_store_is_refused_beside_other_api_server_processes(tiny_llama: Path) -> None:
+    # Each process would keep its own: a follow-up could reach one that never saw the response.
+    flags = ["--max-stored-responses", "8", "--api-server-count", "2"]
+    completed = CliRunner().invoke(cli, ["serve", str(tiny_llama), *flags])
+    assert completed.exit_code == 2
+    assert "--max-stored-responses" in completed.output.splitlines()[-1]
+
+
+class _ChatStream:
+    """The chat chunks a service streams, ending with `error` raised when one is given."""
+
+    def __init__(self, chunks: list[dict[str, Any]], error: OpenAIError | None = None) -> None:
+        self.chunks, self.error = chunks, error
+
+    async def stream(self, request: PreparedRequest) -> AsyncIterator[dict[str, Any]]:
+        async def chunks() -> AsyncIterator[dict[str, Any]]:
+            for chunk in self.chunks:
+                yield chunk
+            if self.error is not None:
+                raise self.error
+
+        return chunks()
+
+
+def _streamed_events(chat: _ChatStream) -> list[Any]:
+    """The events a chat stream becomes, each validated as the SDK's own event type."""
+    request = PreparedRequest(None, "resp-1", 0, MODEL, [[1, 2, 3]], SamplingParams(), 2, None, 0.0, None)  # type: ignore[arg-type]
+    prepared = PreparedResponse(ResponsesRequest(input=PROMPT), request, [], stored=False)
+
+    async def collect() -> list[dict[str, Any]]:
+        events = await OpenAIServingResponses(chat, None).stream(prepared)  # type: ignore[arg-type]
+        return [event async for event in events]
+
+    adapter = TypeAdapter(ResponseStreamEvent)
+    events = [adapter.validate_python(event) for event in asyncio.run(collect())]
+    assert [event.sequence_number for event in events] == list(range(len(events)))
+    return events
+
+
+def _delta(delta: dict[str, Any], finish_reason: str | None = None) -> dict[str, Any]:
+    return {"choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason}]}
+
+
+CALL = {"index": 0, "id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": ""}}
+CHAT_CHUNKS = [
+    _delta({"role": "assistant", "content": ""}),
+    _delta({"content": "Let me "}),
+    _delta({"content": "look."}),
+    _delta({"tool_calls": [CALL]}),
+    _delta({"tool_calls": [{"index": 0, "function": {"arguments": '{"city": '}}]}),
+    _delta({"tool_calls": [{"index": 0, "function": {"arguments": '"Paris"}'}}]}, "tool_calls"),
+    {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 9, "total_tokens": 12}},
+]
+
+
+def test_a_chat_stream_becomes_the_sdks_typed_events() -> None:
+    events = _streamed_events(_ChatStream(CHAT_CHUNKS))
+    final = events[-1].response
+    assert events[-1].type == "response.completed" and final.status == "completed"
+    message, call = final.output
+    assert message.content[0].text == "Let me look."
+    assert (call.call_id, call.name, call.arguments) == ("call_1", "get_weather", '{"city": "Paris"}')
+    assert final.usage.input_tokens == 3 and final.usage.output_tokens == 9
+    # Each item is done before the next is added.
+    kinds = [(event.type, getattr(event, "output_index", None)) for event in events]
+    assert kinds.index(("response.output_item.done", 0)) < kinds.index(("response.output_item.added", 1))
+
+
+def test_a_failure_mid_stream_ends_in_an_error_event_and_a_failed_response() -> None:
+    timeout = RequestTimeoutError("the request did not finish within its timeout", code="timeout")
+    events = _streamed_events(_ChatStream(CHAT_CHUNKS[:3], timeout))
+    error, failed = events[-2:]
+    assert (error.type, error.code, error.message) == ("error", "timeout", timeout.message)
+    assert failed.type == "response.failed" and failed.response.status == "failed"
+    assert failed.response.error.code == "server_error"
