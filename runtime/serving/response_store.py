@@ -25,9 +25,6 @@ class ResponseStore:
         self.max_responses = max_responses
         self._responses: OrderedDict[str, StoredResponse] = OrderedDict()
 
-    def __len__(self) -> int:
-        return len(self._responses)
-
     def put(self, response_id: str, stored: StoredResponse) -> None:
         """Keeps the response, dropping the least recently used one beyond the bound."""
         self._responses[response_id] = stored
