@@ -40,6 +40,9 @@ if TYPE_CHECKING:
 _API_KEY_ENV = "KVFLEET_API_KEY"
 _SECONDS = click.FloatRange(min=0, min_open=True)
 _UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+# vLLM's switch for its Responses API store, and the responses kept when it is on (vLLM keeps every one).
+_VLLM_STORE_ENV = "VLLM_ENABLE_RESPONSES_API_STORE"
+_VLLM_STORE_DEFAULT_SIZE = 1024
 
 
 class _JsonStrings(click.ParamType):
@@ -257,10 +260,11 @@ def _api_key(ctx: click.Context, param: click.Parameter, value: str | None) -> s
 @click.option(
     "--max-stored-responses",
     type=click.IntRange(min=0),
-    default=0,
-    show_default=True,
+    default=None,
+    callback=lambda _context, _param, value: _stored_responses(value),
     help="The most Responses API answers kept in memory (the least recently used go first) for "
-    "previous_response_id and GET /v1/responses/{id}; 0 keeps none, as vLLM by default.",
+    f"previous_response_id and GET /v1/responses/{{id}}. Default: none, as vLLM by default; "
+    f"{_VLLM_STORE_DEFAULT_SIZE} where vLLM's {_VLLM_STORE_ENV}=1 turns its store on.",
 )
 @click.option("--access-log/--no-access-log", default=False, show_default=True)
 @click.option(
@@ -378,6 +382,14 @@ def serve(model_tag: str | None, model: str | None, host: str, port: int, **opti
         core_class=click.get_current_context().obj,
     )
     sys.exit(run_server(config, serve_options))
+
+
+def _stored_responses(value: int | None) -> int:
+    """--max-stored-responses, or what vLLM's environment switch asks for when it is not given."""
+    if value is not None:
+        return value
+    enabled = os.environ.get(_VLLM_STORE_ENV, "").strip().lower() in ("1", "true")
+    return _VLLM_STORE_DEFAULT_SIZE if enabled else 0
 
 
 def _model_folder(model_tag: str | None, model: str | None) -> str:
