@@ -42,7 +42,10 @@ class OpenAIServingEmbedding:
 
     async def create_embedding(self, body: EmbeddingRequest, priority_header: str | None) -> dict[str, Any]:
         body.check()
-        request, vectors = await self._embed(body.completion_request(), priority_header)
+        prompts = body.completion_request()
+        count = len(prompts.prompts())
+        fields = ["input"] if count == 1 else [f"input.{index}" for index in range(count)]
+        request, vectors = await self._embed(prompts, fields, priority_header)
         data = [
             {"object": "embedding", "index": index, "embedding": _encoded(vector, body.encoding_format)}
             for index, vector in enumerate(vectors)
@@ -58,7 +61,8 @@ class OpenAIServingEmbedding:
 
     async def create_score(self, body: ScoreRequest, priority_header: str | None) -> dict[str, Any]:
         first, second = body.pairs()
-        request, vectors = await self._embed(embedding_prompts(first + second, body), priority_header)
+        fields = _fields("text_1", body.text_1, len(first)) + _fields("text_2", body.text_2, len(second))
+        request, vectors = await self._embed(embedding_prompts(first + second, body), fields, priority_header)
         scores = [_dot(a, b) for a, b in zip(vectors[: len(first)], vectors[len(first) :], strict=True)]
         return {
             "id": request.request_id,
@@ -73,8 +77,9 @@ class OpenAIServingEmbedding:
 
     async def rerank(self, body: RerankRequest, priority_header: str | None) -> dict[str, Any]:
         body.check()
+        fields = ["query", *(f"documents.{index}" for index in range(len(body.documents)))]
         request, vectors = await self._embed(
-            embedding_prompts([body.query, *body.documents], body), priority_header
+            embedding_prompts([body.query, *body.documents], body), fields, priority_header
         )
         query, documents = vectors[0], vectors[1:]
         results = [
@@ -90,10 +95,10 @@ class OpenAIServingEmbedding:
         }
 
     async def _embed(
-        self, prompts: CompletionRequest, priority_header: str | None
+        self, prompts: CompletionRequest, fields: list[str], priority_header: str | None
     ) -> tuple[PreparedRequest, list[list[float]]]:
-        """The prompts admitted and run for their embeddings, in order."""
-        request = await self.service.admit(_EmbeddingPromptRoute(prompts), priority_header)
+        """The prompts (from these request fields) admitted and run for their embeddings, in order."""
+        request = await self.service.admit(_EmbeddingPromptRoute(prompts, fields), priority_header)
         request.params.return_prompt_hidden_state = True
         hidden_states: dict[str, list[float]] = {}
         async with contextlib.aclosing(self.service.outputs(request)) as outputs:
@@ -105,6 +110,11 @@ class OpenAIServingEmbedding:
                 if output.prompt_hidden_state is not None:
                     hidden_states[output.request_id] = output.prompt_hidden_state
         return request, [_normalized(hidden_states[request_id]) for request_id in request.engine_request_ids]
+
+
+def _fields(name: str, value: str | list[str], count: int) -> list[str]:
+    """The field each of `count` texts came from: one text (repeated), or a list's items."""
+    return [name] * count if isinstance(value, str) else [f"{name}.{index}" for index in range(count)]
 
 
 def _usage(request: PreparedRequest) -> dict[str, int]:

@@ -67,7 +67,13 @@ def test_embeddings_are_transformers_last_token_pooling(
 
 @pytest.mark.parametrize(
     ("fields", "param"),
-    [({"dimensions": 8}, "dimensions"), ({"input": []}, "input"), ({"model": "other"}, "model")],
+    [
+        ({"dimensions": 8}, "dimensions"),
+        ({"input": []}, "input"),
+        ({"model": "other"}, "model"),
+        # Longer than the context: the input named.
+        ({"input": [[1, 2], [1] * 4000]}, "input.1"),
+    ],
 )
 def test_what_cannot_be_answered_is_refused_by_name(
     client: openai.OpenAI, fields: dict[str, Any], param: str
@@ -116,3 +122,10 @@ def test_score_and_rerank_are_the_embeddings_cosine_similarities(
         timeout=60,
     )
     assert mismatched.status_code == 400 and mismatched.json()["error"]["param"] == "text_1"
+    too_long = httpx.post(
+        f"{api_server.url}/v1/rerank",
+        json={"model": MODEL, "query": query, "documents": [DOCUMENTS[0], "word " * 4000]},
+        headers=api_server.headers(),
+        timeout=60,
+    )
+    assert too_long.status_code == 400 and too_long.json()["error"]["param"] == "documents.1"
