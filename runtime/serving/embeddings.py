@@ -113,8 +113,9 @@ class OpenAIServingEmbedding:
 
 
 def _fields(name: str, value: str | list[str], count: int) -> list[str]:
-    """The field each of `count` texts came from: one text (repeated), or a list's items."""
-    return [name] * count if isinstance(value, str) else [f"{name}.{index}" for index in range(count)]
+    """The field each of `count` texts came from: a list's items, or one text repeated."""
+    names = [name] if isinstance(value, str) else [f"{name}.{index}" for index in range(len(value))]
+    return names * count if len(names) == 1 else names
 
 
 def _usage(request: PreparedRequest) -> dict[str, int]:
