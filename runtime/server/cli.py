@@ -346,7 +346,8 @@ def serve(model_tag: str | None, model: str | None, host: str, port: int, **opti
     if options["max_stored_responses"] and options["api_server_count"] > 1:
         # Each API server process would keep its own: a follow-up could reach one that never saw it.
         raise click.BadParameter(
-            "stored responses need --api-server-count 1", param_hint="--max-stored-responses"
+            f"stored responses (asked for here or by {_VLLM_STORE_ENV}) need --api-server-count 1",
+            param_hint="--max-stored-responses",
         )
     if options["batch_store"] is not None and options["api_server_count"] > 1:
         raise click.BadParameter(
