@@ -98,6 +98,9 @@ class SamplingParams:
     # What a request asks of the engine beyond sampling (vLLM's): "kv_transfer_params", disaggregated prefill
     # and decode's.
     extra_args: dict[str, Any] | None = None
+    # Return the final hidden state of the prompt's last token (what an embedding is pooled from) with the
+    # request's first tokens.
+    return_prompt_hidden_state: bool = False
 
     def __post_init__(self) -> None:
         if self.stop is None:

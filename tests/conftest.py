@@ -154,7 +154,7 @@ def api_server(
     tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory, api_server_events_port: int
 ) -> Iterator[ServerProcess]:
     """The server tests' shared server: priority scheduling, an API key, a small body limit to test against,
-    and KV-cache events."""
+    KV-cache events, and a store of Responses API answers."""
     events = json.dumps({"enable_kv_cache_events": True, "endpoint": f"tcp://*:{api_server_events_port}"})
     with running_servers(tiny_llama, tmp_path_factory.mktemp("shared-server-logs")) as start:
         yield start(
@@ -164,5 +164,6 @@ def api_server(
             "65536",
             "--kv-events-config",
             events,
+            *("--max-stored-responses", "64"),
             api_key=API_KEY,
         )

@@ -75,6 +75,9 @@ class ModelRunnerOutput:
     logprobs: list[list[dict[int, float]] | None]
     # What the KV connector's worker side finished since its last report.
     kv_connector_output: KVConnectorOutput | None = None
+    # By request id: the final hidden state of the prompt's last token, for requests that asked for it and
+    # sampled their first token this step.
+    prompt_hidden_states: dict[str, list[float]] = field(default_factory=dict)
 
 
 @dataclass
@@ -87,6 +90,8 @@ class EngineCoreOutput:
     num_cached_tokens: int
     # A finished prefill call's answer: where its blocks wait for the decode replica.
     kv_transfer_params: dict[str, Any] | None = None
+    # See ModelRunnerOutput.prompt_hidden_states.
+    prompt_hidden_state: list[float] | None = None
 
     @property
     def finished(self) -> bool:

@@ -381,6 +381,7 @@ class Scheduler:
                     request.stop_reason,
                     max(request.num_cached_tokens, 0),
                     kv_transfer_params if finish_reason is not None else None,
+                    runner_output.prompt_hidden_states.get(request_id),
                 )
             )
         self._drop_finished_running()

@@ -212,6 +212,21 @@ class KVTransferParams:
         request.kv_transfer = call
 
 
+class PromptHiddenStates:
+    """A request for its prompt's hidden state is served where the whole model runs in the core's process:
+    ranks in worker processes send back only their logits."""
+
+    def __init__(self, world_size: int) -> None:
+        self._world_size = world_size
+
+    def prepare(self, add: AddRequest, request: Request) -> None:
+        if add.sampling_params.return_prompt_hidden_state and self._world_size > 1:
+            raise InvalidRequestError(
+                f"a prompt's hidden state (an embedding) is served by a single-rank engine, not by one of "
+                f"{self._world_size} ranks"
+            )
+
+
 class StructuredOutputs:
     """Starts compiling a request's grammar when it arrives; the request waits in the queue meanwhile (the
     scheduler's GrammarReady gate). Each step then settles the compiles that ended: a request whose grammar

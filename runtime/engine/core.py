@@ -26,6 +26,7 @@ from kvfleet.runtime.engine.arrival import (
     KVTransferParams,
     LoRAAdapters,
     MediaItems,
+    PromptHiddenStates,
     PromptMRopePositions,
     RopeCacheSalt,
     SamplingTokenRules,
@@ -181,6 +182,7 @@ class EngineCore:
             MediaItems(self.modalities, self.scheduler.max_num_encoder_input_tokens),
             RopeCacheSalt(model_config.rope),
             KVTransferParams(self.kv_transfer, self.config.block_size),
+            PromptHiddenStates(self.config.world_size),
         ]
         if model_config.uses_mrope:
             handlers.append(PromptMRopePositions(self.modalities))
@@ -449,6 +451,7 @@ class EngineCore:
             try:
                 single = self.executor.execute_model(scheduler_output.subset([index]))
                 sampled, logprobs = single.sampled_token_ids[0], single.logprobs[0]
+                merged.prompt_hidden_states.update(single.prompt_hidden_states)
             except WorkerFailedError:
                 raise
             except Exception as exc:

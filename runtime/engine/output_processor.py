@@ -45,6 +45,7 @@ class _RequestState:
     metrics: RequestMetrics
     num_cached_tokens: int = 0
     kv_transfer_params: dict[str, Any] | None = None
+    prompt_hidden_state: list[float] | None = None
 
     @property
     def finished(self) -> bool:
@@ -152,6 +153,8 @@ class OutputProcessor:
             state.num_cached_tokens = core_output.num_cached_tokens
         if core_output.kv_transfer_params is not None:
             state.kv_transfer_params = core_output.kv_transfer_params
+        if core_output.prompt_hidden_state is not None:
+            state.prompt_hidden_state = core_output.prompt_hidden_state
         if sequence.logprobs is not None and core_output.new_logprobs:
             sequence.logprobs.extend(core_output.new_logprobs)
             for token_id, token_logprobs in zip(new_ids, core_output.new_logprobs, strict=False):
@@ -202,6 +205,7 @@ class OutputProcessor:
             # A snapshot: the state's own copy keeps changing, and outputs may be read on another thread.
             metrics=dataclasses.replace(state.metrics),
             kv_transfer_params=state.kv_transfer_params if state.finished else None,
+            prompt_hidden_state=state.prompt_hidden_state if state.finished else None,
         )
 
     @staticmethod

@@ -41,6 +41,8 @@ class RequestOutput:
     # A finished prefill call's answer (disaggregated prefill and decode): where its KV blocks wait, for the
     # decode call's SamplingParams.extra_args["kv_transfer_params"].
     kv_transfer_params: dict[str, Any] | None = None
+    # The final hidden state of the prompt's last token, once finished, when SamplingParams asked for it.
+    prompt_hidden_state: list[float] | None = None
 
 
 @dataclass

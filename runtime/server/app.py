@@ -27,19 +27,31 @@ from kvfleet.runtime.server.errors import (
 from kvfleet.runtime.server.json_bodies import DepthCheckedRoute
 from kvfleet.runtime.server.middleware import BodyReadTimeout, BodySizeLimit, InFlightCounter
 from kvfleet.runtime.server.state import ServerState
-from kvfleet.runtime.server.streaming import respond
+from kvfleet.runtime.server.streaming import (
+    EventStreamResponse,
+    respond,
+    typed_sse_events,
+    unless_disconnected,
+)
 from kvfleet.runtime.server.tokenizer_files import tokenizer_files
+from kvfleet.runtime.serving.embeddings import OpenAIServingEmbedding
 from kvfleet.runtime.serving.lora import OpenAIServingLoRA
 from kvfleet.runtime.serving.moderations import OpenAIServingModeration
 from kvfleet.runtime.serving.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    EmbeddingRequest,
     LoadLoRAAdapterRequest,
     ModerationRequest,
+    RerankRequest,
+    ScoreRequest,
     TokenizeRequest,
     UnloadLoRAAdapterRequest,
 )
+from kvfleet.runtime.serving.response_store import ResponseStore
+from kvfleet.runtime.serving.responses_api import OpenAIServingResponses
+from kvfleet.runtime.serving.responses_protocol import ResponsesRequest
 from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
@@ -86,6 +98,8 @@ def build_app(state: ServerState) -> FastAPI:
         allow_credentials=state.settings.allow_credentials,
     )
     _add_routes(app, state)
+    _add_responses_routes(app, state)
+    _add_embedding_routes(app, state)
     if batches is not None:
         add_batch_routes(app, batches)
     return app
@@ -210,3 +224,54 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> Response:
         return JSONResponse(await service.detokenize(body))
+
+
+def _add_responses_routes(app: FastAPI, state: ServerState) -> None:
+    """POST /v1/responses; with a store, GET and DELETE /v1/responses/{id} too."""
+    max_stored = state.settings.max_stored_responses
+    responses = OpenAIServingResponses(
+        state.openai_service(), ResponseStore(max_stored) if max_stored else None
+    )
+
+    @app.post("/v1/responses")
+    async def create_response(body: ResponsesRequest, raw_request: Request) -> Response:
+        prepared = await responses.create(body, raw_request.headers.get(PRIORITY_HEADER))
+        if body.stream:
+            events = await unless_disconnected(raw_request, responses.stream(prepared))
+            return EventStreamResponse(typed_sse_events(events))
+        return JSONResponse(await unless_disconnected(raw_request, responses.complete(prepared)))
+
+    if responses.store is not None:
+
+        @app.get("/v1/responses/{response_id}")
+        async def retrieve_response(response_id: str) -> Response:
+            return JSONResponse(responses.retrieve(response_id))
+
+        @app.delete("/v1/responses/{response_id}")
+        async def delete_response(response_id: str) -> Response:
+            return JSONResponse(responses.delete(response_id))
+
+
+def _add_embedding_routes(app: FastAPI, state: ServerState) -> None:
+    """POST /v1/embeddings, and vLLM's score and rerank routes on the same embeddings."""
+    embeddings = OpenAIServingEmbedding(state.openai_service())
+
+    @app.post("/v1/embeddings")
+    async def create_embedding(body: EmbeddingRequest, raw_request: Request) -> Response:
+        answer = embeddings.create_embedding(body, raw_request.headers.get(PRIORITY_HEADER))
+        return JSONResponse(await unless_disconnected(raw_request, answer))
+
+    async def create_score(body: ScoreRequest, raw_request: Request) -> Response:
+        answer = embeddings.create_score(body, raw_request.headers.get(PRIORITY_HEADER))
+        return JSONResponse(await unless_disconnected(raw_request, answer))
+
+    async def rerank(body: RerankRequest, raw_request: Request) -> Response:
+        answer = embeddings.rerank(body, raw_request.headers.get(PRIORITY_HEADER))
+        return JSONResponse(await unless_disconnected(raw_request, answer))
+
+    # vLLM's other paths for them are served too, and documented once.
+    app.add_api_route("/v1/score", create_score, methods=["POST"])
+    app.add_api_route("/score", create_score, methods=["POST"], include_in_schema=False)
+    app.add_api_route("/v1/rerank", rerank, methods=["POST"])
+    for path in ("/rerank", "/v2/rerank"):
+        app.add_api_route(path, rerank, methods=["POST"], include_in_schema=False)

@@ -40,6 +40,9 @@ if TYPE_CHECKING:
 _API_KEY_ENV = "KVFLEET_API_KEY"
 _SECONDS = click.FloatRange(min=0, min_open=True)
 _UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+# vLLM's switch for its Responses API store, and the responses kept when it is on (vLLM keeps every one).
+_VLLM_STORE_ENV = "VLLM_ENABLE_RESPONSES_API_STORE"
+_VLLM_STORE_DEFAULT_SIZE = 1024
 
 
 class _JsonStrings(click.ParamType):
@@ -254,6 +257,15 @@ def _api_key(ctx: click.Context, param: click.Parameter, value: str | None) -> s
     help="Input and output guardrails: a JSON policy, or the path of a JSON file holding one (see "
     "docs/safety.md).",
 )
+@click.option(
+    "--max-stored-responses",
+    type=click.IntRange(min=0),
+    default=None,
+    callback=lambda _context, _param, value: _stored_responses(value),
+    help="The most Responses API answers kept in memory (the least recently used go first) for "
+    f"previous_response_id and GET /v1/responses/{{id}}. Default: none, as vLLM by default; "
+    f"{_VLLM_STORE_DEFAULT_SIZE} where vLLM's {_VLLM_STORE_ENV}=1 turns its store on.",
+)
 @click.option("--access-log/--no-access-log", default=False, show_default=True)
 @click.option(
     "--max-logprobs",
@@ -331,6 +343,12 @@ def serve(model_tag: str | None, model: str | None, host: str, port: int, **opti
             f"{options['max_priority_tier']!r}",
             param_hint="--default-priority",
         )
+    if options["max_stored_responses"] and options["api_server_count"] > 1:
+        # Each API server process would keep its own: a follow-up could reach one that never saw it.
+        raise click.BadParameter(
+            f"stored responses (asked for here or by {_VLLM_STORE_ENV}) need --api-server-count 1",
+            param_hint="--max-stored-responses",
+        )
     if options["batch_store"] is not None and options["api_server_count"] > 1:
         raise click.BadParameter(
             "the Batch API runs in a single API server process", param_hint="--api-server-count"
@@ -365,6 +383,14 @@ def serve(model_tag: str | None, model: str | None, host: str, port: int, **opti
         core_class=click.get_current_context().obj,
     )
     sys.exit(run_server(config, serve_options))
+
+
+def _stored_responses(value: int | None) -> int:
+    """--max-stored-responses, or what vLLM's environment switch asks for when it is not given."""
+    if value is not None:
+        return value
+    enabled = os.environ.get(_VLLM_STORE_ENV, "").strip().lower() in ("1", "true")
+    return _VLLM_STORE_DEFAULT_SIZE if enabled else 0
 
 
 def _model_folder(model_tag: str | None, model: str | None) -> str:

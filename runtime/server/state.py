@@ -54,6 +54,9 @@ class ServerSettings(ServiceSettings):
     allow_credentials: bool = False
     # The prefix a path-routing proxy serves the API under (FastAPI's root_path); "" for none.
     root_path: str = ""
+    # The most responses (/v1/responses) kept in memory for previous_response_id and retrieval; 0: none
+    # are kept, as vLLM serves by default.
+    max_stored_responses: int = 0
 
 
 @dataclass

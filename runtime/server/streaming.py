@@ -27,6 +27,11 @@ def sse_event(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
+def typed_sse_event(payload: dict[str, Any]) -> str:
+    """An event that names its type, as the Responses API's do (no [DONE] follows the last one)."""
+    return f"event: {payload['type']}\n{sse_event(payload)}"
+
+
 async def wait_for_disconnect(request: Request) -> None:
     # Once the body has been read, the server's next message for this request is its disconnect.
     while True:
@@ -72,6 +77,12 @@ async def sse_events(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str
             error = from_engine_error(raised) if isinstance(raised, EngineError) else raised
             yield error.to_sse()
     yield SSE_DONE
+
+
+async def typed_sse_events(events: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str]:
+    async with contextlib.aclosing(events):  # type: ignore[type-var]
+        async for event in events:
+            yield typed_sse_event(event)
 
 
 class EventStreamResponse(StreamingResponse):

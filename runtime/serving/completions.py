@@ -22,8 +22,10 @@ class CompletionRoute:
     id_prefix = "cmpl"
     tool_constraint: StructuredOutputsParams | None = None
 
-    def __init__(self, body: CompletionRequest) -> None:
+    def __init__(self, body: CompletionRequest, fields: list[str] | None = None) -> None:
+        """`fields`: the request field each prompt came from, named in errors (prompt.N by default)."""
         self.body = body
+        self.fields = fields
         self.prompts: list[str | list[int]] = []
         # Each prompt's text, which answers begin with when the request asks for echo.
         self.echoes: list[str] | None = None
@@ -32,22 +34,23 @@ class CompletionRoute:
         """The prompts tokenized, token-id prompts taken as they are."""
         body = self.body
         prompts = body.prompts()
+        fields = self.fields or (
+            ["prompt"] if len(prompts) == 1 else [f"prompt.{i}" for i in range(len(prompts))]
+        )
         if safety is not None and safety.redacts_input:
-            prompts = await _redacted(service, safety, prompts)
-        token_lists, params = [], []
-        for index, prompt in enumerate(prompts):
-            param = "prompt" if len(prompts) == 1 else f"prompt.{index}"
+            prompts = await _redacted(service, safety, prompts, fields)
+        token_lists = []
+        for prompt, field in zip(prompts, fields, strict=True):
             if isinstance(prompt, str):
                 token_ids = await service.encode(
-                    prompt, add_special_tokens=body.add_special_tokens, param=param
+                    prompt, add_special_tokens=body.add_special_tokens, param=field
                 )
             else:
                 token_ids = prompt
                 await service.engine.wait_ready(service.engine.startup_request_timeout)
             token_lists.append(token_ids)
-            params.append(param)
         self.prompts = prompts
-        return Prompt(token_lists, params)
+        return Prompt(token_lists, fields)
 
     def input_text(self, service: OpenAIService, safety: RequestSafety | None) -> str | None:
         """The prompts' texts, joined; here too the echoes are read, from prompts that have passed their
@@ -151,7 +154,7 @@ def _text(service: OpenAIService, prompt: str | list[int]) -> str:
 
 
 async def _redacted(
-    service: OpenAIService, safety: RequestSafety, prompts: list[str | list[int]]
+    service: OpenAIService, safety: RequestSafety, prompts: list[str | list[int]], fields: list[str]
 ) -> list[str | list[int]]:
     """The prompts with what the input checkers found redacted; token-id prompts cannot be, so one that
     would need it is refused."""
@@ -161,11 +164,11 @@ async def _redacted(
     texts = [_text(service, prompt) for prompt in prompts]
     decisions = await asyncio.gather(*(safety.checked_input(text) for text in texts))
     redacted = [decision.text for decision in decisions]
-    for index, (prompt, old, new) in enumerate(zip(prompts, texts, redacted, strict=True)):
+    for prompt, field, old, new in zip(prompts, fields, texts, redacted, strict=True):
         if not isinstance(prompt, str) and new != old:
             raise BadRequestError(
                 "this prompt of token ids holds text the safety policy redacts; send it as text",
-                param="prompt" if len(prompts) == 1 else f"prompt.{index}",
+                param=field,
                 code="content_filter",
             )
     return [new if isinstance(prompt, str) else prompt for prompt, new in zip(prompts, redacted, strict=True)]

@@ -100,7 +100,9 @@ def _lone_surrogate(value: Any) -> str | None:
     return None
 
 
-class _Body(BaseModel):
+class Body(BaseModel):
+    """A body or a part of one: unknown fields are ignored, and text must be valid Unicode."""
+
     model_config = ConfigDict(extra="ignore")
 
     @field_validator("*")
@@ -116,7 +118,7 @@ class _Body(BaseModel):
         return value
 
 
-class _Request(_Body):
+class RequestBody(Body):
     """A route's body: unknown fields are kept, so that unsupported ones can be refused."""
 
     model_config = ConfigDict(extra="allow")
@@ -128,11 +130,11 @@ class _Request(_Body):
                 raise BadRequestError(f"{name} is not supported on this endpoint", param=name)
 
 
-class StreamOptions(_Body):
+class StreamOptions(Body):
     include_usage: StrictBool = False
 
 
-class JsonSchemaFormat(_Body):
+class JsonSchemaFormat(Body):
     model_config = ConfigDict(populate_by_name=True)
 
     name: str
@@ -142,12 +144,12 @@ class JsonSchemaFormat(_Body):
     strict: StrictBool | None = None
 
 
-class ResponseFormat(_Body):
+class ResponseFormat(Body):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
 
-class StructuredOutputsBody(_Body):
+class StructuredOutputsBody(Body):
     """vLLM's `structured_outputs` field: exactly one of these."""
 
     model_config = ConfigDict(populate_by_name=True)
@@ -160,7 +162,7 @@ class StructuredOutputsBody(_Body):
     json_object: StrictBool | None = None
 
 
-class _GenerationRequest(_Request):
+class _GenerationRequest(RequestBody):
     model: str | None = None
     n: StrictInt = 1
     temperature: FiniteFloat | None = None
@@ -317,23 +319,116 @@ class CompletionRequest(_GenerationRequest):
         return self._sampling_params(self.max_tokens, self.logprobs, defaults)
 
     def prompts(self) -> list[str | list[int]]:
-        """One entry per prompt: a batch of strings or of token lists is split, a token list kept whole."""
-        prompt = self.prompt
-        if isinstance(prompt, str):
-            return [prompt]
-        if not prompt:
-            raise BadRequestError("prompt must not be empty", param="prompt")
-        if all(isinstance(item, int) for item in prompt):
-            return [list(prompt)]  # type: ignore[arg-type]
-        return list(prompt)  # type: ignore[arg-type]
+        return split_prompts(self.prompt, "prompt")
 
 
-class ImageURL(_Body):
+def split_prompts(value: str | list[str] | list[int] | list[list[int]], param: str) -> list[str | list[int]]:
+    """One entry per prompt: a batch of strings or of token lists is split, a token list kept whole."""
+    if isinstance(value, str):
+        return [value]
+    if not value:
+        raise BadRequestError(f"{param} must not be empty", param=param)
+    if all(isinstance(item, int) for item in value):
+        return [list(value)]  # type: ignore[arg-type]
+    return list(value)  # type: ignore[arg-type]
+
+
+class EmbeddingRequest(RequestBody):
+    """OpenAI's embeddings request (plus kvfleet's priority and timeout, and vLLM's add_special_tokens)."""
+
+    input: str | list[str] | list[StrictInt] | list[list[StrictInt]]
+    model: str | None = None
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: StrictInt | None = None
+    user: str | None = None
+    add_special_tokens: StrictBool = True
+    priority: StrictInt | str | None = None
+    timeout: Annotated[FiniteFloat, Field(gt=0)] | None = None
+
+    def check(self) -> None:
+        self.refuse_unsupported()
+        split_prompts(self.input, "input")
+        if self.dimensions is not None:
+            raise BadRequestError(
+                "dimensions: this model's embeddings have one size, the model's hidden size (it was not "
+                "trained to be truncated)",
+                param="dimensions",
+            )
+
+    def completion_request(self) -> CompletionRequest:
+        return embedding_prompts(self.input, self)
+
+
+class ScoreRequest(RequestBody):
+    """vLLM's /score: text_1 against each of text_2 (one text), or pair by pair (as many texts each)."""
+
+    text_1: str | list[str]
+    text_2: str | list[str]
+    model: str | None = None
+    add_special_tokens: StrictBool = True
+    priority: StrictInt | str | None = None
+    timeout: Annotated[FiniteFloat, Field(gt=0)] | None = None
+
+    def pairs(self) -> tuple[list[str], list[str]]:
+        """The texts scored against each other, as two lists of the same length."""
+        self.refuse_unsupported()
+        first = [self.text_1] if isinstance(self.text_1, str) else self.text_1
+        second = [self.text_2] if isinstance(self.text_2, str) else self.text_2
+        if not first or not second:
+            raise BadRequestError(
+                "text_1 and text_2 must not be empty", param="text_1" if not first else "text_2"
+            )
+        if len(first) == 1:
+            first = first * len(second)
+        if len(first) != len(second):
+            raise BadRequestError(
+                f"text_1 has {len(first)} texts and text_2 {len(second)}: give one text_1, or as many as "
+                "text_2",
+                param="text_1",
+            )
+        return first, second
+
+
+class RerankRequest(RequestBody):
+    """vLLM's (and Jina's and Cohere's) /rerank: the documents ordered by relevance to the query."""
+
+    query: str
+    documents: list[str]
+    # 0: every document.
+    top_n: Annotated[StrictInt, Field(ge=0)] = 0
+    model: str | None = None
+    add_special_tokens: StrictBool = True
+    priority: StrictInt | str | None = None
+    timeout: Annotated[FiniteFloat, Field(gt=0)] | None = None
+
+    def check(self) -> None:
+        self.refuse_unsupported()
+        if not self.documents:
+            raise BadRequestError("documents must not be empty", param="documents")
+
+
+def embedding_prompts(
+    texts: str | list[str] | list[int] | list[list[int]],
+    body: EmbeddingRequest | ScoreRequest | RerankRequest,
+) -> CompletionRequest:
+    """The completion request whose prompts (the texts) run for their hidden states: one token each."""
+    return CompletionRequest(
+        model=body.model,
+        prompt=texts,
+        max_tokens=1,
+        temperature=0.0,
+        add_special_tokens=body.add_special_tokens,
+        priority=body.priority,
+        timeout=body.timeout,
+    )
+
+
+class ImageURL(Body):
     url: str
     detail: str | None = None
 
 
-class InputAudio(_Body):
+class InputAudio(Body):
     data: str  # base64
     format: str
 
@@ -341,7 +436,7 @@ class InputAudio(_Body):
 _PART_TYPES = ("text", "image_url", "input_audio")
 
 
-class ContentPart(_Body):
+class ContentPart(Body):
     type: str
     text: str | None = None
     image_url: ImageURL | None = None
@@ -359,19 +454,19 @@ class ContentPart(_Body):
         return self.type == "text" and self.text is not None
 
 
-class FunctionCall(_Body):
+class FunctionCall(Body):
     name: str
     # JSON text, as the model wrote it.
     arguments: str
 
 
-class ToolCall(_Body):
+class ToolCall(Body):
     id: str
     type: Literal["function"] = "function"
     function: FunctionCall
 
 
-class ChatMessage(_Body):
+class ChatMessage(Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
@@ -435,23 +530,23 @@ def _arguments(text: str) -> Any:
     return value if isinstance(value, dict) else text
 
 
-class FunctionDefinition(_Body):
+class FunctionDefinition(Body):
     name: Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: StrictBool | None = None
 
 
-class Tool(_Body):
+class Tool(Body):
     type: Literal["function"]
     function: FunctionDefinition
 
 
-class NamedFunction(_Body):
+class NamedFunction(Body):
     name: str
 
 
-class NamedToolChoice(_Body):
+class NamedToolChoice(Body):
     type: Literal["function"]
     function: NamedFunction
 
@@ -511,12 +606,12 @@ class ChatCompletionRequest(_GenerationRequest):
         return self._sampling_params(max_tokens, logprobs, defaults)
 
 
-class ModerationTextInput(_Body):
+class ModerationTextInput(Body):
     type: Literal["text"]
     text: str
 
 
-class ModerationRequest(_Request):
+class ModerationRequest(RequestBody):
     """OpenAI's moderation request: one text or several (as strings or text parts)."""
 
     input: str | list[str] | list[ModerationTextInput]
@@ -530,7 +625,7 @@ class ModerationRequest(_Request):
         return [item if isinstance(item, str) else item.text for item in self.input]
 
 
-class TokenizeRequest(_Request):
+class TokenizeRequest(RequestBody):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -555,7 +650,7 @@ class TokenizeRequest(_Request):
             )
 
 
-class DetokenizeRequest(_Body):
+class DetokenizeRequest(Body):
     model: str | None = None
     tokens: list[StrictInt]
 
@@ -568,21 +663,21 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     }
 
 
-class BatchCreateRequest(_Body):
+class BatchCreateRequest(Body):
     input_file_id: str
     endpoint: str
     completion_window: str = "24h"
     metadata: dict[str, str] | None = None
 
 
-class LoadLoRAAdapterRequest(_Body):
+class LoadLoRAAdapterRequest(Body):
     """vLLM's body for POST /v1/load_lora_adapter."""
 
     lora_name: Annotated[str, Strict()]
     lora_path: Annotated[str, Strict()]
 
 
-class UnloadLoRAAdapterRequest(_Body):
+class UnloadLoRAAdapterRequest(Body):
     """vLLM's body for POST /v1/unload_lora_adapter (its lora_int_id is accepted and not needed)."""
 
     lora_name: Annotated[str, Strict()]

@@ -235,7 +235,14 @@ class ModelRunner:
         if scheduler_output.requests:
             step = StepInputs.of(scheduler_output)
             speculative = self.prepare_sampling(scheduler_output, step)
-            output = self.sample(scheduler_output, step, speculative, self.compute_logits(step))
+            hidden = self.logit_hidden_states(step)
+            logits = None if hidden is None else self.model.compute_logits(hidden)
+            output = self.sample(scheduler_output, step, speculative, logits)
+            if hidden is not None:
+                output.prompt_hidden_states = {
+                    step.request_ids[i]: hidden[row].float().tolist()
+                    for i, row in step.prompt_hidden_state_rows.items()
+                }
         else:  # only the connector's orders: a step whose requests all wait
             output = ModelRunnerOutput([], [], [])
         # Reported by whole steps only (those that carry orders), so that a batch run again one request at a
@@ -264,18 +271,28 @@ class ModelRunner:
     def compute_logits(self, step: StepInputs) -> torch.Tensor | None:
         """Run the model over the step; the logits of its logit rows, or None when no request samples. On a
         pipeline stage before the last, the stage's output goes to the next stage and None comes back."""
-        if self.model is None or not self.kv_caches:
-            raise RuntimeError("load_model() and initialize_kv_cache() must run before compute_logits()")
-        self._copy_between_tiers(step.tier_copies)
+        if self.parallel.pp_size > 1:
+            self._start_step(step)
+            return self._pipeline_logits(step) if step.request_ids else None
+        hidden = self.logit_hidden_states(step)
+        return None if hidden is None else self.model.compute_logits(hidden)
+
+    def logit_hidden_states(self, step: StepInputs) -> torch.Tensor | None:
+        """Run the whole model (one stage) over the step; the final hidden states of its logit rows, or None
+        when no request samples."""
+        self._start_step(step)
         if not step.request_ids:
             return None
-        if self.parallel.pp_size > 1:
-            return self._pipeline_logits(step)
         input_ids, positions, metadata = self._prepare_inputs(step)
         hidden = self._forward(input_ids, positions, metadata, step)
         if not step.logit_rows:
             return None
-        return self.model.compute_logits(self._select_rows(hidden, step.logit_rows, metadata.num_tokens))
+        return self._select_rows(hidden, step.logit_rows, metadata.num_tokens)
+
+    def _start_step(self, step: StepInputs) -> None:
+        if self.model is None or not self.kv_caches:
+            raise RuntimeError("load_model() and initialize_kv_cache() must run before a step")
+        self._copy_between_tiers(step.tier_copies)
 
     def _pipeline_logits(self, step: StepInputs) -> torch.Tensor | None:
         """This stage's part of the step, as one micro-batch per stage: a stage sends a micro-batch's output

@@ -35,6 +35,9 @@ class StepInputs:
     mrope_positions: list[np.ndarray] | None = None
     # See SchedulerOutput.removed_lora_ids.
     removed_lora_ids: list[int] = field(default_factory=list)
+    # Requests that return their prompt's last hidden state this step: request index -> its row among the
+    # logit rows.
+    prompt_hidden_state_rows: dict[int, int] = field(default_factory=dict)
 
     @property
     def num_reqs(self) -> int:
@@ -72,6 +75,7 @@ class StepInputs:
             else None
         )
         token_ids, sample_rows, logit_rows = [], [], []
+        prompt_hidden_state_rows = {}
         end_row = 0
         for i, request in enumerate(scheduler_output.requests):
             start = scheduler_output.num_computed_tokens[i]
@@ -84,6 +88,8 @@ class StepInputs:
             end_row += len(tokens)
             if end == request.num_tokens + len(drafts):
                 sample_rows.append(i)
+                if request.sampling_params.return_prompt_hidden_state and not request.output_token_ids:
+                    prompt_hidden_state_rows[i] = len(logit_rows)
                 logit_rows.extend(range(end_row - len(drafts) - 1, end_row))
         return cls(
             request_ids=[request.request_id for request in scheduler_output.requests],
@@ -98,6 +104,7 @@ class StepInputs:
             tier_copies=scheduler_output.tier_copies,
             mrope_positions=mrope_positions,
             removed_lora_ids=scheduler_output.removed_lora_ids,
+            prompt_hidden_state_rows=prompt_hidden_state_rows,
         )
 
     def split(self, parts: int) -> list[StepInputs]:

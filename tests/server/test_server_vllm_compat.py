@@ -1,11 +1,13 @@
 """A vLLM user's command line and clients, unchanged: `kvfleet serve` started the way vLLM's docs start
 `vllm serve` (positional model, list forms, vLLM's flags, --log-level after the subcommand), called with the
-official openai SDK for vLLM's API extensions (return_token_ids, stop_reason, chat_template_kwargs), checked
-against the model folder's own tokenizer and Transformers' rendering of the chat template."""
+official openai SDK for vLLM's API extensions (return_token_ids, stop_reason, chat_template_kwargs), the
+Responses API and embeddings, checked against the model folder's own tokenizer, Transformers' rendering of
+the chat template and Transformers' hidden states."""
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -16,13 +18,15 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
 import openai
 import pytest
+import torch
 from click.testing import CliRunner
 from kvfleet.runtime.lora.make_adapter import make_adapter
 from ports import free_port
 from servers import ServerProcess
-from transformers import AutoTokenizer
+from transformers import AutoModel, AutoTokenizer
 
 from kvfleet.cli import cli
 
@@ -93,7 +97,9 @@ def server(
     command += ["--dtype", "float32", "--num-kv-blocks", "512", "--host", "127.0.0.1", "--port", str(port)]
     log_path = root / "server.log"
     with log_path.open("wb") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+        # vLLM's switch for its Responses API store, as a vLLM deployment sets it.
+        env = {**os.environ, "VLLM_ENABLE_RESPONSES_API_STORE": "1"}
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
     started = ServerProcess(process, f"http://127.0.0.1:{port}", log_path, api_key=None)
     try:
         started.wait_ready()
@@ -257,6 +263,43 @@ def test_max_logprobs_bounds_what_requests_ask(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as caught:
         client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2, logprobs=MAX_LOGPROBS + 1)
     assert caught.value.body["param"] == "logprobs"  # type: ignore[index]
+
+
+def test_responses_and_embeddings_answer_the_sdks_calls(
+    client: openai.OpenAI, tokenizer: Any, model_folder: Path
+) -> None:
+    greedy: dict[str, Any] = {"model": "tiny", "temperature": 0.0, "max_output_tokens": 5}
+    response = client.responses.create(input=PROMPT, **greedy)
+    chat = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": PROMPT}], temperature=0.0, max_tokens=5
+    )
+    assert response.output_text == chat.choices[0].message.content
+    with client.responses.stream(input=PROMPT, **greedy) as stream:
+        assert stream.get_final_response().output_text == response.output_text
+    city = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 8}},
+        "required": ["city"],
+    }
+    tool: Any = {"type": "function", "name": "get_weather", "parameters": city}
+    called = client.responses.create(
+        **{**greedy, "max_output_tokens": 200}, input=PROMPT, tools=[tool], tool_choice="required"
+    )
+    calls = [item for item in called.output if item.type == "function_call"]
+    assert calls and all(json.loads(call.arguments).keys() == {"city"} for call in calls)
+    # Kept by the store vLLM's environment switch turns on; the follow-up's prompt holds the first turn (this
+    # module's template renders contents only, not calls).
+    results: Any = [
+        {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"} for call in calls
+    ]
+    follow_up = client.responses.create(input=results, previous_response_id=called.id, **greedy)
+    assert follow_up.previous_response_id == called.id
+    assert follow_up.usage.input_tokens > called.usage.input_tokens
+    embedding = client.embeddings.create(model="tiny", input=PROMPT).data[0].embedding
+    model = AutoModel.from_pretrained(model_folder, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        last = model(torch.tensor([tokenizer(PROMPT).input_ids])).last_hidden_state[0, -1]
+    np.testing.assert_allclose(embedding, torch.nn.functional.normalize(last, dim=0).numpy(), atol=1e-4)
 
 
 def test_version_and_ping_with_and_without_the_root_path(server: ServerProcess) -> None:

@@ -21,7 +21,7 @@ import pytest
 import torch
 from kvfleet.runtime import LLM, SamplingParams
 from kvfleet.runtime.kernels import cpu_features
-from transformers import AutoModelForCausalLM
+from transformers import AutoModel, AutoModelForCausalLM
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 MAX_TOKENS = 12
@@ -126,6 +126,27 @@ def test_greedy_matches_transformers(arch_case, variant: str) -> None:
         assert stats.prefix_cache_hits > 0
     if variant == "no-prefix-caching":
         assert stats.prefix_cache_hits == 0
+
+
+def test_prompt_hidden_states_match_transformers(arch_case) -> None:
+    """The last hidden state an embedding is pooled from, with chunked prefill and prefix-cache hits (half
+    the prompts share a prefix; each prompt is asked twice, so the second meets it whole in the cache)."""
+    model_dir, prompts, _ = arch_case
+    llm = LLM(
+        str(model_dir), dtype="float32", num_kv_blocks=256, max_model_len=256, max_num_batched_tokens=24
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=1, return_prompt_hidden_state=True)
+    outputs = llm.generate(prompts + prompts, params)
+    assert llm.llm_engine.stats.prefix_cache_hits > 0
+    model = AutoModel.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        for prompt, output in zip(prompts + prompts, outputs, strict=True):
+            expected = model(torch.tensor([prompt])).last_hidden_state[0, -1]
+            torch.testing.assert_close(
+                torch.tensor(output.prompt_hidden_state), expected, atol=1e-4, rtol=1e-4
+            )
+    plain = llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=1))
+    assert plain[0].prompt_hidden_state is None
 
 
 # RoPE scaling past the original context, chunked prefill forced. Each case is a tiny model whose

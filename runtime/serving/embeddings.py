@@ -1,0 +1,139 @@
+"""POST /v1/embeddings, and vLLM's /score and /rerank on the same embeddings.
+
+An embedding is pooled as vLLM pools a decoder model's for its embed task: the final hidden state of the
+input's last token, L2-normalized. A score is the cosine similarity of two texts' embeddings, as vLLM scores
+with an embedding model (not a cross-encoder).
+
+Embeddings are served beside generation, by the same engine and weights: an input runs as a completion
+prompt of one token, admitted like any other (model, priority, context, guardrails), and the engine returns
+its last hidden state with that token.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import math
+import struct
+from typing import TYPE_CHECKING, Any
+
+from kvfleet.runtime.serving.completions import CompletionRoute
+from kvfleet.runtime.serving.protocol import (
+    CompletionRequest,
+    EmbeddingRequest,
+    RerankRequest,
+    ScoreRequest,
+    embedding_prompts,
+)
+from kvfleet.runtime.serving.request import PreparedRequest
+from kvfleet.runtime.serving.responses import finish_error
+
+if TYPE_CHECKING:
+    from kvfleet.runtime.serving.service import OpenAIService
+
+
+class _EmbeddingPromptRoute(CompletionRoute):
+    id_prefix = "embd"
+
+
+class OpenAIServingEmbedding:
+    def __init__(self, service: OpenAIService) -> None:
+        self.service = service
+
+    async def create_embedding(self, body: EmbeddingRequest, priority_header: str | None) -> dict[str, Any]:
+        body.check()
+        prompts = body.completion_request()
+        count = len(prompts.prompts())
+        fields = ["input"] if count == 1 else [f"input.{index}" for index in range(count)]
+        request, vectors = await self._embed(prompts, fields, priority_header)
+        data = [
+            {"object": "embedding", "index": index, "embedding": _encoded(vector, body.encoding_format)}
+            for index, vector in enumerate(vectors)
+        ]
+        return {
+            "id": request.request_id,
+            "object": "list",
+            "created": request.created,
+            "model": request.model,
+            "data": data,
+            "usage": _usage(request),
+        }
+
+    async def create_score(self, body: ScoreRequest, priority_header: str | None) -> dict[str, Any]:
+        first, second = body.pairs()
+        fields = _fields("text_1", body.text_1, len(first)) + _fields("text_2", body.text_2, len(second))
+        request, vectors = await self._embed(embedding_prompts(first + second, body), fields, priority_header)
+        scores = [_dot(a, b) for a, b in zip(vectors[: len(first)], vectors[len(first) :], strict=True)]
+        return {
+            "id": request.request_id,
+            "object": "list",
+            "created": request.created,
+            "model": request.model,
+            "data": [
+                {"index": index, "object": "score", "score": score} for index, score in enumerate(scores)
+            ],
+            "usage": _usage(request),
+        }
+
+    async def rerank(self, body: RerankRequest, priority_header: str | None) -> dict[str, Any]:
+        body.check()
+        fields = ["query", *(f"documents.{index}" for index in range(len(body.documents)))]
+        request, vectors = await self._embed(
+            embedding_prompts([body.query, *body.documents], body), fields, priority_header
+        )
+        query, documents = vectors[0], vectors[1:]
+        results = [
+            {"index": index, "document": {"text": text}, "relevance_score": _dot(query, vector)}
+            for index, (text, vector) in enumerate(zip(body.documents, documents, strict=True))
+        ]
+        results.sort(key=lambda result: result["relevance_score"], reverse=True)
+        return {
+            "id": request.request_id,
+            "model": request.model,
+            "usage": _usage(request),
+            "results": results[: body.top_n or None],
+        }
+
+    async def _embed(
+        self, prompts: CompletionRequest, fields: list[str], priority_header: str | None
+    ) -> tuple[PreparedRequest, list[list[float]]]:
+        """The prompts (from these request fields) admitted and run for their embeddings, in order."""
+        request = await self.service.admit(_EmbeddingPromptRoute(prompts, fields), priority_header)
+        request.params.return_prompt_hidden_state = True
+        hidden_states: dict[str, list[float]] = {}
+        async with contextlib.aclosing(self.service.outputs(request)) as outputs:
+            async for output in outputs:
+                for completion in output.outputs:
+                    error = finish_error(completion.finish_reason)
+                    if error is not None:
+                        raise error
+                if output.prompt_hidden_state is not None:
+                    hidden_states[output.request_id] = output.prompt_hidden_state
+        return request, [_normalized(hidden_states[request_id]) for request_id in request.engine_request_ids]
+
+
+def _fields(name: str, value: str | list[str], count: int) -> list[str]:
+    """The field each of `count` texts came from: a list's items, or one text repeated."""
+    names = [name] if isinstance(value, str) else [f"{name}.{index}" for index in range(len(value))]
+    return names * count if len(names) == 1 else names
+
+
+def _usage(request: PreparedRequest) -> dict[str, int]:
+    prompt_tokens = sum(len(token_ids) for token_ids in request.prompt_token_ids)
+    return {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}
+
+
+def _normalized(vector: list[float]) -> list[float]:
+    norm = math.sqrt(math.fsum(value * value for value in vector))
+    return [value / norm for value in vector] if norm > 0 else vector
+
+
+def _dot(a: list[float], b: list[float]) -> float:
+    return math.fsum(x * y for x, y in zip(a, b, strict=True))
+
+
+def _encoded(vector: list[float], encoding_format: str) -> list[float] | str:
+    """The vector as floats, or as OpenAI's base64: little-endian float32s."""
+    if encoding_format == "float":
+        return vector
+    return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode("ascii")

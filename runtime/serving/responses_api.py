@@ -1,0 +1,430 @@
+"""POST /v1/responses (OpenAI's Responses API) over the chat path: the request becomes a chat completion
+request, admitted and run like any other, and the chat answer (or its chunks) becomes a response (or its
+typed events: response.created, response.output_text.delta, response.completed, ...).
+
+Responses are kept for `previous_response_id` and GET /v1/responses/{id} only where the server keeps a
+store (--max-stored-responses); without one, as vLLM serves by default, `store` is answered false and
+`previous_response_id` is refused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from kvfleet.contract.errors import BadRequestError, NotFoundError, OpenAIError
+from kvfleet.runtime.errors import EngineError
+from kvfleet.runtime.serving.chat import ChatRoute
+from kvfleet.runtime.serving.errors import from_engine_error
+from kvfleet.runtime.serving.request import PreparedRequest
+from kvfleet.runtime.serving.response_store import ResponseStore, StoredResponse
+from kvfleet.runtime.serving.responses_protocol import NamedFunctionChoice, ResponsesRequest
+
+if TYPE_CHECKING:
+    from kvfleet.runtime.serving.service import OpenAIService
+
+# How a chat answer's finish reason reads in a response: its status, and why it is incomplete.
+_INCOMPLETE_REASONS = {"length": "max_output_tokens", "content_filter": "content_filter"}
+# A failed response's error code (OpenAI's are few) by the HTTP status of its error; others: server_error.
+_FAILURE_CODES = {400: "invalid_prompt", 429: "rate_limit_exceeded"}
+
+
+class _ResponsesChatRoute(ChatRoute):
+    id_prefix = "resp"
+
+
+@dataclass
+class PreparedResponse:
+    """An admitted Responses request: its body, the chat request running it, and the conversation the
+    store keeps with its output."""
+
+    body: ResponsesRequest
+    request: PreparedRequest
+    conversation: list[dict[str, Any]]
+    stored: bool
+
+    @property
+    def response_id(self) -> str:
+        return self.request.request_id
+
+
+class OpenAIServingResponses:
+    def __init__(self, service: OpenAIService, store: ResponseStore | None) -> None:
+        self.service = service
+        self.store = store
+
+    async def create(self, body: ResponsesRequest, priority_header: str | None) -> PreparedResponse:
+        """Every check of the request, then its admission as a chat request."""
+        body.check()
+        conversation = self._history(body.previous_response_id) + body.input_messages()
+        route = _ResponsesChatRoute(body.chat_request(conversation), self.service.settings)
+        request = await self.service.admit(route, priority_header)
+        return PreparedResponse(body, request, conversation, stored=body.store and self.store is not None)
+
+    def _history(self, previous_response_id: str | None) -> list[dict[str, Any]]:
+        if previous_response_id is None:
+            return []
+        if self.store is None:
+            raise BadRequestError(
+                "previous_response_id needs a server that keeps responses (--max-stored-responses); send "
+                "the whole conversation as input instead",
+                param="previous_response_id",
+            )
+        stored = self.store.get(previous_response_id)
+        if stored is None:
+            raise NotFoundError(
+                f"no stored response has the id {previous_response_id!r}", param="previous_response_id"
+            )
+        return list(stored.messages)
+
+    def retrieve(self, response_id: str) -> dict[str, Any]:
+        assert self.store is not None, "served with a store only"
+        stored = self.store.get(response_id)
+        if stored is None:
+            raise NotFoundError(f"no stored response has the id {response_id!r}", param="response_id")
+        return stored.body
+
+    def delete(self, response_id: str) -> dict[str, Any]:
+        assert self.store is not None, "served with a store only"
+        if not self.store.delete(response_id):
+            raise NotFoundError(f"no stored response has the id {response_id!r}", param="response_id")
+        return {"id": response_id, "object": "response", "deleted": True}
+
+    async def complete(self, prepared: PreparedResponse) -> dict[str, Any]:
+        """Runs the request to its end: the response."""
+        chat = await self.service.complete(prepared.request)
+        (choice,) = chat["choices"]
+        message = choice["message"]
+        calls = [
+            _call_item(call["id"], call["function"]["name"], call["function"]["arguments"])
+            for call in message.get("tool_calls") or []
+        ]
+        text = message["content"]
+        output = [_message_item(text or ""), *calls] if text or not calls else calls
+        usage = chat["usage"]
+        response = _response(prepared, output, choice["finish_reason"], usage)
+        self._keep(prepared, response)
+        return response
+
+    async def stream(self, prepared: PreparedResponse) -> AsyncIterator[dict[str, Any]]:
+        """The response's events, returned once its first output is in (as the chat stream is)."""
+        chunks = await self.service.stream(prepared.request)
+        return self._events(prepared, chunks)
+
+    async def _events(
+        self, prepared: PreparedResponse, chunks: AsyncIterator[dict[str, Any]]
+    ) -> AsyncIterator[dict[str, Any]]:
+        events = _ResponseEvents(prepared)
+        for event in events.start():
+            yield event
+        async with contextlib.aclosing(chunks):  # type: ignore[type-var]
+            try:
+                async for chunk in chunks:
+                    for event in events.read(chunk):
+                        yield event
+            except (OpenAIError, EngineError) as raised:
+                error = from_engine_error(raised) if isinstance(raised, EngineError) else raised
+                for event in events.fail(error):
+                    yield event
+                return
+        finished = events.finish()
+        self._keep(prepared, finished[-1]["response"])
+        for event in finished:
+            yield event
+
+    def _keep(self, prepared: PreparedResponse, response: dict[str, Any]) -> None:
+        if self.store is None or not prepared.stored:
+            return
+        self.store.put(
+            prepared.response_id,
+            StoredResponse(body=response, messages=[*prepared.conversation, _assistant_turn(response)]),
+        )
+
+
+def _response(
+    prepared: PreparedResponse,
+    output: list[dict[str, Any]],
+    finish_reason: str | None,
+    usage: dict[str, int] | None,
+    *,
+    status: str | None = None,
+    error: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The response body: `status` given while it runs or once it has failed, else read from the finish
+    reason."""
+    body, request = prepared.body, prepared.request
+    incomplete_reason = _INCOMPLETE_REASONS.get(finish_reason or "")
+    if status is None:
+        status = "incomplete" if incomplete_reason else "completed"
+    tool_choice = body.tool_choice
+    return {
+        "id": prepared.response_id,
+        "object": "response",
+        "created_at": request.created,
+        "model": request.model,
+        "status": status,
+        "error": error,
+        "incomplete_details": {"reason": incomplete_reason} if status == "incomplete" else None,
+        "instructions": body.instructions,
+        "max_output_tokens": body.max_output_tokens,
+        "metadata": body.metadata or {},
+        "output": output,
+        "parallel_tool_calls": body.parallel_tool_calls,
+        "previous_response_id": body.previous_response_id,
+        "temperature": request.params.temperature,
+        "top_p": request.params.top_p,
+        "tool_choice": tool_choice.model_dump()
+        if isinstance(tool_choice, NamedFunctionChoice)
+        else tool_choice or "auto",
+        "tools": [tool.model_dump() for tool in body.tools or []],
+        "text": body.text_config(),
+        "truncation": "disabled",
+        "store": prepared.stored,
+        "background": False,
+        "usage": _usage(usage) if usage is not None else None,
+        "user": body.user,
+    }
+
+
+def _usage(usage: dict[str, int]) -> dict[str, Any]:
+    return {
+        "input_tokens": usage["prompt_tokens"],
+        "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+        "output_tokens": usage["completion_tokens"],
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": usage["total_tokens"],
+    }
+
+
+def _message_item(text: str, status: str = "completed", item_id: str | None = None) -> dict[str, Any]:
+    return {
+        "type": "message",
+        "id": item_id or f"msg_{uuid.uuid4().hex}",
+        "role": "assistant",
+        "status": status,
+        "content": [_text_part(text)] if status == "completed" else [],
+    }
+
+
+def _text_part(text: str) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def _call_item(
+    call_id: str, name: str, arguments: str, status: str = "completed", item_id: str | None = None
+) -> dict[str, Any]:
+    return {
+        "type": "function_call",
+        "id": item_id or f"fc_{uuid.uuid4().hex}",
+        "call_id": call_id,
+        "name": name,
+        "arguments": arguments,
+        "status": status,
+    }
+
+
+def _assistant_turn(response: dict[str, Any]) -> dict[str, Any]:
+    """A response's output as the assistant's chat message, for the conversation a follow-up continues."""
+    text = "".join(
+        part["text"] for item in response["output"] if item["type"] == "message" for part in item["content"]
+    )
+    calls = [
+        {
+            "id": item["call_id"],
+            "type": "function",
+            "function": {"name": item["name"], "arguments": item["arguments"]},
+        }
+        for item in response["output"]
+        if item["type"] == "function_call"
+    ]
+    turn: dict[str, Any] = {"role": "assistant", "content": text or (None if calls else "")}
+    if calls:
+        turn["tool_calls"] = calls
+    return turn
+
+
+@dataclass
+class _OpenText:
+    output_index: int
+    item_id: str
+    text: str = ""
+
+
+@dataclass
+class _OpenCall:
+    output_index: int
+    item_id: str
+    call_id: str
+    name: str
+    arguments: str = ""
+
+
+class _ResponseEvents:
+    """A chat stream's chunks as the Responses API's events: each run of content is a message item, each
+    call a function_call item; every item is added, filled by deltas and done, in order of its output
+    index, and the last event carries the whole response."""
+
+    def __init__(self, prepared: PreparedResponse) -> None:
+        self.prepared = prepared
+        self.sequence_number = 0
+        # Finished items by output index; the open ones are kept apart until they are done.
+        self.output: dict[int, dict[str, Any]] = {}
+        self.text: _OpenText | None = None
+        self.calls: dict[int, _OpenCall] = {}
+        self.finish_reason: str | None = None
+        self.usage: dict[str, int] | None = None
+
+    def _event(self, event_type: str, **fields: Any) -> dict[str, Any]:
+        event = {"type": event_type, "sequence_number": self.sequence_number, **fields}
+        self.sequence_number += 1
+        return event
+
+    def _next_index(self) -> int:
+        return len(self.output) + (self.text is not None) + len(self.calls)
+
+    def start(self) -> list[dict[str, Any]]:
+        running = _response(self.prepared, [], None, None, status="in_progress")
+        return [
+            self._event("response.created", response=running),
+            self._event("response.in_progress", response=running),
+        ]
+
+    def read(self, chunk: dict[str, Any]) -> list[dict[str, Any]]:
+        if chunk.get("usage") is not None:
+            self.usage = chunk["usage"]
+        events: list[dict[str, Any]] = []
+        for choice in chunk["choices"]:
+            delta = choice.get("delta", {})
+            if delta.get("content"):
+                events += self._text_delta(delta["content"])
+            for call in delta.get("tool_calls") or []:
+                events += self._call_delta(call)
+            if choice.get("finish_reason") is not None:
+                self.finish_reason = choice["finish_reason"]
+        return events
+
+    def _text_delta(self, delta: str) -> list[dict[str, Any]]:
+        events = []
+        if self.text is None:
+            events += self._open_text()
+        assert self.text is not None
+        self.text.text += delta
+        events.append(
+            self._event(
+                "response.output_text.delta",
+                item_id=self.text.item_id,
+                output_index=self.text.output_index,
+                content_index=0,
+                delta=delta,
+                logprobs=[],
+            )
+        )
+        return events
+
+    def _open_text(self) -> list[dict[str, Any]]:
+        self.text = _OpenText(self._next_index(), f"msg_{uuid.uuid4().hex}")
+        where = {"output_index": self.text.output_index}
+        return [
+            self._event(
+                "response.output_item.added",
+                item=_message_item("", "in_progress", self.text.item_id),
+                **where,
+            ),
+            self._event(
+                "response.content_part.added",
+                item_id=self.text.item_id,
+                content_index=0,
+                part=_text_part(""),
+                **where,
+            ),
+        ]
+
+    def _call_delta(self, call: dict[str, Any]) -> list[dict[str, Any]]:
+        events = []
+        function = call.get("function") or {}
+        if "id" in call:  # a call announced: what came before it as content is done
+            events += self._close_text()
+            opened = _OpenCall(self._next_index(), f"fc_{uuid.uuid4().hex}", call["id"], function["name"])
+            self.calls[call["index"]] = opened
+            item = _call_item(opened.call_id, opened.name, "", "in_progress", opened.item_id)
+            events.append(
+                self._event("response.output_item.added", output_index=opened.output_index, item=item)
+            )
+        arguments = function.get("arguments")
+        if arguments:
+            opened = self.calls[call["index"]]
+            opened.arguments += arguments
+            events.append(
+                self._event(
+                    "response.function_call_arguments.delta",
+                    item_id=opened.item_id,
+                    output_index=opened.output_index,
+                    delta=arguments,
+                )
+            )
+        return events
+
+    def _close_text(self) -> list[dict[str, Any]]:
+        text = self.text
+        if text is None:
+            return []
+        self.text = None
+        item = _message_item(text.text, "completed", text.item_id)
+        self.output[text.output_index] = item
+        where = {"item_id": text.item_id, "output_index": text.output_index, "content_index": 0}
+        return [
+            self._event("response.output_text.done", text=text.text, logprobs=[], **where),
+            self._event("response.content_part.done", part=_text_part(text.text), **where),
+            self._event("response.output_item.done", output_index=text.output_index, item=item),
+        ]
+
+    def _close_calls(self) -> list[dict[str, Any]]:
+        events = []
+        for opened in self.calls.values():
+            item = _call_item(opened.call_id, opened.name, opened.arguments, "completed", opened.item_id)
+            self.output[opened.output_index] = item
+            where = {"item_id": opened.item_id, "output_index": opened.output_index}
+            events.append(
+                self._event(
+                    "response.function_call_arguments.done",
+                    name=opened.name,
+                    arguments=opened.arguments,
+                    **where,
+                )
+            )
+            events.append(
+                self._event("response.output_item.done", output_index=opened.output_index, item=item)
+            )
+        self.calls = {}
+        return events
+
+    def finish(self) -> list[dict[str, Any]]:
+        """The open items done, then response.completed (whose status may be incomplete, as vLLM's)."""
+        events = []
+        if not self.output and self.text is None and not self.calls:
+            events += self._open_text()  # an answer without text or calls is one empty message
+        events += self._close_text() + self._close_calls()
+        output = [self.output[index] for index in sorted(self.output)]
+        response = _response(self.prepared, output, self.finish_reason, self.usage)
+        events.append(self._event("response.completed", response=response))
+        return events
+
+    def fail(self, error: OpenAIError) -> list[dict[str, Any]]:
+        """A failure mid-stream: OpenAI's error event (with kvfleet's code), then the response failed (with
+        the code among OpenAI's few that fits)."""
+        code = error.code or error.error_type
+        failed = _response(
+            self.prepared,
+            [self.output[index] for index in sorted(self.output)],
+            None,
+            self.usage,
+            status="failed",
+            error={"code": _FAILURE_CODES.get(error.status_code, "server_error"), "message": error.message},
+        )
+        return [
+            self._event("error", code=code, message=error.message, param=error.param),
+            self._event("response.failed", response=failed),
+        ]
