@@ -457,6 +457,83 @@ def bench_disaggregated(
     click.echo(format_report(report))
 
 
+@bench.command("routing")
+@small_model_option
+@click.option("--replicas", type=click.IntRange(min=2), default=3, show_default=True)
+@click.option(
+    "--policies",
+    default="precise-prefix,cache-aware,prefix-hash,round-robin",
+    show_default=True,
+    help="The gateway's routing policies to compare, each on a fresh fleet.",
+)
+@click.option("--tenants", type=click.IntRange(min=1), default=12, show_default=True)
+@click.option("--requests", type=click.IntRange(min=1), default=200, show_default=True)
+@click.option(
+    "--rate", type=click.FloatRange(min=0, min_open=True), default=1.0, show_default=True, help="Requests/s."
+)
+@click.option(
+    "--zipf",
+    type=click.FloatRange(min=0),
+    default=0.5,
+    show_default=True,
+    help="Exponent of the tenants' Zipf popularity (0: uniform).",
+)
+@click.option(
+    "--load-bound",
+    type=click.FloatRange(min=1.0),
+    default=2.0,
+    show_default=True,
+    help="The gateways' --load-bound.",
+)
+@click.option("--result-json", type=click.Path(dir_okay=False, path_type=Path), default=None)
+@bench_seed_option
+@engine_options
+def bench_routing(
+    model: str | None,
+    replicas: int,
+    policies: str,
+    tenants: int,
+    requests: int,
+    rate: float,
+    zipf: float,
+    load_bound: float,
+    result_json: Path | None,
+    bench_seed: int,
+    **options,
+) -> None:
+    """Routing policies side by side: tenants with long prefixes, two gateways sharing the traffic, caches too
+    small for every prefix (without --num-kv-blocks, 160 blocks a replica; without --kv-offloading-size, a
+    host tier of 0.03 GiB), and the hit rate an oracle of every replica's cache finds."""
+    from kvfleet.contract.routing import POLICY_NAMES
+    from kvfleet.runtime.bench.routing import TenantSettings, format_routing_report, run_routing_bench
+
+    chosen = [policy.strip() for policy in policies.split(",")]
+    unknown = [policy for policy in chosen if policy not in POLICY_NAMES]
+    if unknown:
+        raise click.BadParameter(f"unknown policies {unknown}; choose among {list(POLICY_NAMES)}")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    if options.get("num_kv_blocks") is None:
+        options["num_kv_blocks"] = 160
+    if options.get("kv_offloading_size") is None:
+        options["kv_offloading_size"] = 0.03
+    settings = TenantSettings(tenants=tenants, requests=requests, rate=rate, zipf=zipf, seed=bench_seed)
+    with _model_or_small(model) as model_dir:
+        config = engine_config_from_options(model_dir, options)
+        vocab_size = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
+        report = run_routing_bench(
+            config,
+            settings,
+            replicas=replicas,
+            policies=chosen,
+            load_bound=load_bound,
+            vocab_size=vocab_size,
+            log=lambda line: click.echo(line, err=True),
+        )
+    if result_json is not None:
+        result_json.write_text(json.dumps(report, indent=2) + "\n")
+    click.echo(format_routing_report(report))
+
+
 @bench.command("vs-vllm-report")
 @click.option("--results", required=True, type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.option("--doc", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path))
