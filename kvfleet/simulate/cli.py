@@ -176,3 +176,32 @@ def _service_spec(path: Path) -> dict[str, Any]:
     if not isinstance(spec, dict):
         raise click.UsageError(f"{path} holds no InferenceService spec")
     return spec
+
+
+@simulate.command("calibrate")
+@click.option("--url", required=True, help="A replica's base URL, e.g. http://localhost:8000.")
+@click.option(
+    "--limits",
+    "limits_path",
+    type=click.Path(exists=True, path_type=Path),
+    help="A profile whose max_num_seqs, token budget, KV cache and context cost to keep; the "
+    "defaults otherwise.",
+)
+@click.option(
+    "--out", type=click.Path(dir_okay=False, path_type=Path), required=True, help="The profile (JSON)."
+)
+def calibrate_command(url: str, limits_path: Path | None, out: Path) -> None:
+    """Time decode and prefill steps on a real replica and write the fitted engine profile."""
+    from kvfleet.simulate.calibrate import fit_profile, measure
+
+    timings = measure(url)
+    for timing in timings:
+        click.echo(
+            f"prefill {timing.prefill_tokens:5d} tokens, decode {timing.decode_sequences:3d} sequences: "
+            f"{timing.seconds * 1000:.2f} ms"
+        )
+    profile = fit_profile(timings, EngineProfile.load(limits_path) if limits_path else EngineProfile())
+    profile.dump(out)
+    per_token = f"{profile.prefill_token_s * 1e6:.1f} us per prompt token"
+    per_sequence = f"{profile.decode_sequence_s * 1000:.3f} ms per decoding sequence"
+    click.echo(f"fixed {profile.step_fixed_s * 1000:.2f} ms, {per_token}, {per_sequence}; written to {out}")
