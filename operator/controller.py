@@ -367,7 +367,9 @@ class ServiceController:
         self.samples = [s for s in self.samples if now - s.time < scaling.stable_window_seconds]
         fleet = FleetState(self.desired, len(reports), _unschedulable(pods))
         fit = sizing(spec)
-        decision = decide(scaling, self.samples, fleet, self.autoscaler_state, now, fit.latency, fit.targets)
+        decision = decide(
+            scaling, self.samples, fleet, self.autoscaler_state, now, fit.latency, fit.targets, fit.slo
+        )
         self.autoscaler_state, self.panic = decision.state, decision.panic
         self.desired = self._scaled(self.desired, decision)
 
@@ -414,7 +416,9 @@ class ServiceController:
         scaled.samples = [s for s in scaled.samples if now - s.time < fit.policy.stable_window_seconds]
         role_pods = [pod for pod in pods if pod.role == role]
         fleet = FleetState(scaled.desired, len(reports), _unschedulable(role_pods))
-        decision = decide(fit.policy, scaled.samples, fleet, scaled.state, now, fit.latency, fit.targets)
+        decision = decide(
+            fit.policy, scaled.samples, fleet, scaled.state, now, fit.latency, fit.targets, fit.slo
+        )
         scaled.state, scaled.panic = decision.state, decision.panic
         scaled.desired = self._scaled(scaled.desired, decision, role)
 

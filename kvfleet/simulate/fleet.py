@@ -341,8 +341,9 @@ class Simulation:
             self._samples.append(sample)
         self._samples = [s for s in self._samples if self._now - s.time < policy.stable_window_seconds]
         fleet = FleetState(self._desired, len(ready))
+        fit = self.fit
         decision = decide(
-            policy, self._samples, fleet, self._autoscaler, self._now, self.fit.latency, self.fit.targets
+            policy, self._samples, fleet, self._autoscaler, self._now, fit.latency, fit.targets, fit.slo
         )
         self._autoscaler = decision.state
         if decision.replicas != self._desired:
