@@ -55,6 +55,8 @@ class MetricsSample:
     # The KV cache in use over the fleet, in replicas' worth: the mean share in use times the replicas.
     kv_cache_in_use: float | None = None
     itl_seconds: float | None = None
+    # Of queue_depth, the requests the gateway held: none of the replicas had room for them.
+    held: float = 0.0
 
 
 Figure = Literal["queue depth", "queued prompt tokens", "KV cache in use"]
@@ -176,6 +178,7 @@ def aggregate(
         queued_prompt_tokens=prompt_tokens * replicas if prompt_tokens is not None else None,
         kv_cache_in_use=kv * replicas if kv is not None else None,
         itl_seconds=_mean_or_none(report.itl_seconds for report in answered),
+        held=held,
     )
 
 
@@ -268,26 +271,34 @@ class LatencyModel:
     per_request: float
     # The most requests per replica it was measured at: it is not trusted beyond twice that.
     measured_up_to: float
+    # The requests per replica while the gateway held others: a replica takes no more, and what waits in
+    # the gateway waits longer than any replica reports.
+    full_at: float | None = None
 
     def capacity(self, target_seconds: float) -> float:
         """The requests a replica can hold with its latency within the target."""
-        trusted = 2 * self.measured_up_to
+        most = 2 * self.measured_up_to if self.full_at is None else min(2 * self.measured_up_to, self.full_at)
         if self.per_request <= 0:
-            return trusted if self.idle <= target_seconds else 0.0
-        return max(0.0, min(trusted, (target_seconds - self.idle) / self.per_request))
+            return most if self.idle <= target_seconds else 0.0
+        return max(0.0, min(most, (target_seconds - self.idle) / self.per_request))
 
 
 def latency_model(samples: Sequence[MetricsSample], latency: Latency) -> LatencyModel | None:
     """The line through the samples' (requests per reporting replica, mean latency), by least squares;
-    through the origin when the load never varied or the fit says latency falls with load. None without a
+    through the origin when the load never varied or the fit says latency falls with load. The requests the
+    gateway held are not the replicas': they wait before any latency a replica measures. None without a
     latency measured under load."""
     points = [
-        (s.queue_depth / s.reporting_pods, value)
+        (load, value)
         for s in samples
-        if s.reporting_pods and s.queue_depth > 0 and (value := _latency(s, latency)) is not None
+        if s.reporting_pods
+        and (load := (s.queue_depth - s.held) / s.reporting_pods) > 0
+        and (value := _latency(s, latency)) is not None
     ]
     if not points:
         return None
+    full = [(s.queue_depth - s.held) / s.reporting_pods for s in samples if s.reporting_pods and s.held > 0]
+    full_at = max(full) if full else None
     loads = [load for load, _ in points]
     mean_load, mean_latency = _mean(loads), _mean(value for _, value in points)
     spread = sum((load - mean_load) ** 2 for load in loads)
@@ -295,8 +306,8 @@ def latency_model(samples: Sequence[MetricsSample], latency: Latency) -> Latency
         slope = sum((load - mean_load) * (value - mean_latency) for load, value in points) / spread
         idle = mean_latency - slope * mean_load
         if slope > 0 and idle >= 0:
-            return LatencyModel(idle, slope, max(loads))
-    return LatencyModel(0.0, mean_latency / mean_load, max(loads))
+            return LatencyModel(idle, slope, max(loads), full_at)
+    return LatencyModel(0.0, mean_latency / mean_load, max(loads), full_at)
 
 
 def forecast_demand(

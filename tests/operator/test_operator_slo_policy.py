@@ -44,6 +44,18 @@ def test_the_latency_model_is_the_line_through_the_measurements() -> None:
     assert model.capacity(0.05) == 0.0
 
 
+def test_requests_the_gateway_held_are_demand_but_not_the_replicas_load() -> None:
+    # At 10 s the replicas hold 4 each, as before, and the gateway holds 6 more that neither had room for.
+    held = [_sample(0, 4, 0.3), dataclasses.replace(_sample(10, 14, 0.5), held=6)]
+    model = latency_model(held, "time to first token")
+    assert model is not None
+    assert (model.idle, model.per_request) == (pytest.approx(0.1), pytest.approx(0.1))
+    # The line allows 5 within 600 ms, but a replica took no more than 4 while others waited.
+    assert model.full_at == 4 and model.capacity(0.6) == pytest.approx(4.0)
+    # The demand counts the held: 4 then 14, 1 a second more; 30 s after the latest, 14 + 30 = 44.
+    assert forecast_demand(held, held[-1:], 30) == pytest.approx(44.0)
+
+
 def test_a_load_that_never_varied_gives_a_line_through_the_origin() -> None:
     model = latency_model([_sample(0, 6, 0.3), _sample(2, 6, 0.5)], "time to first token")
     assert model is not None
