@@ -21,10 +21,12 @@ def simulate() -> None:
 @simulate.command("run")
 @click.option(
     "--service",
-    "service_path",
+    "service_paths",
     type=click.Path(exists=True, path_type=Path),
     required=True,
-    help="An InferenceService manifest (or its spec alone): its scaling, routing, SLA and engine.",
+    multiple=True,
+    help="An InferenceService manifest (or its spec alone): its scaling, routing, SLA and engine. Repeat it "
+    "to compare services on the same trace.",
 )
 @click.option(
     "--trace",
@@ -54,7 +56,10 @@ def simulate() -> None:
 )
 @click.option("--initial-replicas", type=click.IntRange(min=0))
 @click.option(
-    "--out", type=click.Path(dir_okay=False, path_type=Path), required=True, help="The report (JSON)."
+    "--out",
+    type=click.Path(dir_okay=False, path_type=Path),
+    required=True,
+    help="The report (JSON): each service's, under its file's name.",
 )
 @click.option(
     "--plot",
@@ -63,7 +68,7 @@ def simulate() -> None:
     help="A PNG of replicas and p90 TTFT over time.",
 )
 def run_command(
-    service_path: Path,
+    service_paths: tuple[Path, ...],
     trace_path: Path,
     profile_path: Path | None,
     ttft_target_ms: int | None,
@@ -73,29 +78,31 @@ def run_command(
     out: Path,
     plot_path: Path | None,
 ) -> None:
-    """Replay TRACE through a simulated fleet of the service and report how it did."""
+    """Replay TRACE through a simulated fleet of each service and report how it did."""
     from kvfleet.operator.spec import SpecError
     from kvfleet.simulate.fleet import Simulation, load_config
 
     profile = EngineProfile.load(profile_path) if profile_path else EngineProfile()
-    try:
-        config = load_config(
-            _service_spec(service_path),
-            profile,
-            ttft_target_s=ttft_target_ms / 1000 if ttft_target_ms else None,
-            pod_start_s=pod_start_seconds,
-            shared_prefix_tokens=shared_prefix_tokens,
-            initial_replicas=initial_replicas,
-        )
-    except (SpecError, ValueError) as error:
-        raise click.UsageError(str(error)) from None
-    summary = Simulation(config).run(read_trace(trace_path))
-    write_json(summary, out)
+    summaries = {}
+    for path in service_paths:
+        try:
+            config = load_config(
+                _service_spec(path),
+                profile,
+                ttft_target_s=ttft_target_ms / 1000 if ttft_target_ms else None,
+                pod_start_s=pod_start_seconds,
+                shared_prefix_tokens=shared_prefix_tokens,
+                initial_replicas=initial_replicas,
+            )
+        except (SpecError, ValueError) as error:
+            raise click.UsageError(f"{path}: {error}") from None
+        summary = summaries[path.stem] = Simulation(config).run(read_trace(trace_path))
+        figures = ("requests", "attainment", "ttft_p90_s", "replica_hours", "scale_events", "flaps", "shed")
+        click.echo(f"{path.stem}: " + " ".join(f"{name}={summary[name]}" for name in figures))
+        click.echo(f"{path.stem}: {summary['simulated_seconds_per_second']:.1f} simulated seconds per second")
+    write_json(summaries, out)
     if plot_path is not None:
-        plot({service_path.stem: summary}, plot_path)
-    figures = ("requests", "attainment", "ttft_p90_s", "replica_hours", "scale_events", "flaps", "shed")
-    click.echo(" ".join(f"{name}={summary[name]}" for name in figures))
-    click.echo(f"{summary['simulated_seconds_per_second']:.1f} simulated seconds per second")
+        plot(summaries, plot_path)
 
 
 @simulate.command("trace")

@@ -157,8 +157,8 @@ def _percentiles(histogram: Histogram) -> dict[str, float | None]:
     return {f"ttft_p{share}_s": histogram.percentile(share / 100) for share in (50, 90, 99)}
 
 
-def write_json(summary: dict[str, Any], path: Path) -> None:
-    path.write_text(json.dumps(summary, indent=2) + "\n")
+def write_json(report: dict[str, Any], path: Path) -> None:
+    path.write_text(json.dumps(report, indent=2) + "\n")
 
 
 def plot(runs: dict[str, dict[str, Any]], path: Path) -> None:
