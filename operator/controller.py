@@ -360,7 +360,7 @@ class ServiceController:
         sample = aggregate(now, reports, len(reports), held or 0.0)
         if sample is None and not reports and scaling.min_replicas == 0 and held is not None:
             # No replica to ask (at zero, or the first one starting): the gateway's queue is the demand.
-            sample = MetricsSample(time=now, queue_depth=held, reporting_pods=0)
+            sample = MetricsSample(time=now, queue_depth=held, reporting_pods=0, held=held)
         if sample is not None:
             self.samples.append(sample)
             self.metrics.queue_depth.labels(self.owner.namespace, self.owner.name).set(sample.queue_depth)
@@ -387,7 +387,7 @@ class ServiceController:
         decode = aggregate(now, by_role["decode"], len(by_role["decode"]), held or 0.0)
         decode_policy = sizing(spec, "decode").policy
         if decode is None and not by_role["decode"] and decode_policy.min_replicas == 0 and held is not None:
-            decode = MetricsSample(time=now, queue_depth=held, reporting_pods=0)
+            decode = MetricsSample(time=now, queue_depth=held, reporting_pods=0, held=held)
         samples: dict[Role, MetricsSample | None] = {
             "prefill": aggregate(now, by_role["prefill"], len(by_role["prefill"]))
             if by_role["prefill"]

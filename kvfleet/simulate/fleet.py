@@ -77,6 +77,8 @@ def gateway_config(service: dict[str, Any]) -> ModelConfig:
 def load_config(service: dict[str, Any], profile: EngineProfile, **options: Any) -> SimulationConfig:
     """A simulation of the InferenceService `spec`; the engine's limits come from its engine section."""
     spec = parse_spec(service, name=SERVICE)
+    if spec.disaggregation is not None:
+        raise ValueError("the simulator models colocated replicas: spec.disaggregation is not simulated")
     if spec.engine.max_num_seqs:
         profile = replace(profile, max_num_seqs=spec.engine.max_num_seqs)
     target = options.pop("ttft_target_s", None)
@@ -336,7 +338,7 @@ class Simulation:
         held = float(self._queued)
         sample = aggregate(self._now, reports, len(reports), held)
         if sample is None and not reports and policy.min_replicas == 0:
-            sample = MetricsSample(time=self._now, queue_depth=held, reporting_pods=0)
+            sample = MetricsSample(time=self._now, queue_depth=held, reporting_pods=0, held=held)
         if sample is not None:
             self._samples.append(sample)
         self._samples = [s for s in self._samples if self._now - s.time < policy.stable_window_seconds]

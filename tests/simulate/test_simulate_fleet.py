@@ -124,3 +124,9 @@ def test_a_fall_within_the_stable_window_of_a_rise_is_a_flap() -> None:
     report.scaled(ScaleEvent(100, 2, 3, "up"))
     report.scaled(ScaleEvent(200, 3, 2, "down"))
     assert report.flaps == 1
+
+
+def test_a_disaggregated_service_is_refused_not_simulated_as_another() -> None:
+    service = _service({}, sla={"ttftTargetMilliseconds": 500}, disaggregation={})
+    with pytest.raises(ValueError, match=r"spec\.disaggregation is not simulated"):
+        load_config(service, PROFILE)
