@@ -42,6 +42,17 @@ def test_a_tiny_trace_reports_what_hand_computation_gives() -> None:
     assert summary["scale_events"] == summary["flaps"] == 0
 
 
+def test_a_step_that_ends_when_a_request_arrives_frees_its_place_first() -> None:
+    # One place, no queue: the second request, arriving as the first one's only step ends, finds the place
+    # free only if the step's end is handled before its arrival; otherwise it is shed.
+    service = _service({"replicas": 1}, engine={"maxNumSeqs": 1})
+    config = load_config(service, PROFILE, ttft_target_s=1.0, max_queue=0)
+    step = PROFILE.step_seconds(10, 0, 0)
+    summary = Simulation(config).run([TraceRequest(0.0, 10, 1), TraceRequest(step, 10, 1)])
+    assert summary["shed"] == 0 and summary["attainment"] == 1.0
+    assert summary["ttft_p90_s"] == pytest.approx(step, rel=0.01)
+
+
 def test_the_operators_autoscaler_and_the_gateways_policy_are_the_ones_called(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
