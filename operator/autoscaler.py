@@ -151,6 +151,8 @@ class ScaleDecision:
     reason: str
     panic: bool
     state: AutoscalerState
+    # A latency whose target is below what a replica measures with no load to speak of: no count meets it.
+    unreachable: Latency | None = None
 
 
 def aggregate(
@@ -207,8 +209,9 @@ def decide(
         policy, targets, stable, panic_samples, fleet, state, now
     )
     by_slo = _wanted_for_slo(policy, slo, stable, panic_samples) if policy.policy == "slo" else None
+    unreachable = None
     if by_slo is not None:
-        (wanted, reason), panic_until = by_slo, None
+        (wanted, reason, unreachable), panic_until = by_slo, None
     panic = panic_until is not None
     observed = _mean_or_none(_latency(s, latency.latency) for s in panic_samples) if latency else None
     panic_demand = _mean(s.queue_depth for s in panic_samples)
@@ -230,7 +233,7 @@ def decide(
     new_state = replace(
         state, panic_until=panic_until, recommendations=recommendations, idle_since=idle_since
     )
-    return ScaleDecision(bounded, reason, panic, new_state)
+    return ScaleDecision(bounded, reason, panic, new_state, unreachable)
 
 
 def _wanted_for_demand(
@@ -331,12 +334,13 @@ def _wanted_for_slo(
     slo: Sequence[LatencyTarget],
     stable: Sequence[MetricsSample],
     recent: Sequence[MetricsSample],
-) -> tuple[int, str] | None:
+) -> tuple[int, str, Latency | None] | None:
     """The fewest replicas whose modelled latency meets every target at the demand forecast half a stable
-    window ahead, and why; None until some target has a latency measured under load."""
+    window ahead, why, and the latency no replica count can meet, if any; None until some target has a
+    latency measured under load."""
     horizon = policy.stable_window_seconds / 2
     forecast = forecast_demand(stable, recent, horizon)
-    best: tuple[int, str] | None = None
+    best: tuple[int, str, Latency | None] | None = None
     for target in slo:
         model = latency_model(stable, target.latency)
         if model is None:
@@ -344,16 +348,17 @@ def _wanted_for_slo(
         per_replica = model.capacity(target.seconds)
         fits = f"{target.latency} {model.idle * 1000:.0f}ms + {model.per_request * 1000:.1f}ms per request"
         goal = f"the {target.seconds * 1000:.0f}ms target"
-        if per_replica <= 0:
+        unreachable = target.latency if per_replica <= 0 else None
+        if unreachable is not None:
             wanted, why = policy.max_replicas, f"{fits}: no replica meets {goal} (idle latency above it)"
         else:
             wanted = _ceil(forecast / per_replica)
             why = f"{fits}: {per_replica:.1f} requests per replica within {goal}"
-        if best is None or wanted > best[0]:
+        if best is None or wanted > best[0] or (unreachable and not best[2]):
             demand = (
                 f"demand {_mean(s.queue_depth for s in recent):.1f}, {forecast:.1f} forecast in {horizon:g}s"
             )
-            best = wanted, f"slo: {why}; {demand}"
+            best = wanted, f"slo: {why}; {demand}", unreachable
     return best
 
 

@@ -23,6 +23,7 @@ from kvfleet.operator.api import API_KEY_ENV, GROUP_LABEL, HTTP_PORT, SERVICE_LA
 from kvfleet.operator.autoscaler import (
     AutoscalerState,
     FleetState,
+    Latency,
     MetricsSample,
     PodMetrics,
     ScaleDecision,
@@ -146,6 +147,7 @@ class RoleScaling:
     samples: list[MetricsSample] = field(default_factory=list)
     state: AutoscalerState = field(default_factory=AutoscalerState)
     panic: bool = False
+    unreachable: Latency | None = None
 
 
 def _role_scalings() -> dict[Role, RoleScaling]:
@@ -184,6 +186,7 @@ class ServiceController:
     samples: list[MetricsSample] = field(default_factory=list)
     autoscaler_state: AutoscalerState = field(default_factory=AutoscalerState)
     panic: bool = False
+    unreachable: Latency | None = None
     last_scale_time: str | None = None
     last_scale_reason: str | None = None
     # A disaggregated service's roles; the fields above are then unused.
@@ -371,6 +374,7 @@ class ServiceController:
             scaling, self.samples, fleet, self.autoscaler_state, now, fit.latency, fit.targets, fit.slo
         )
         self.autoscaler_state, self.panic = decision.state, decision.panic
+        self.unreachable = decision.unreachable
         self.desired = self._scaled(self.desired, decision)
 
     async def _autoscale_roles(self, spec: InferenceServiceSpec, pods: list[PodView]) -> None:
@@ -420,6 +424,7 @@ class ServiceController:
             fit.policy, scaled.samples, fleet, scaled.state, now, fit.latency, fit.targets, fit.slo
         )
         scaled.state, scaled.panic = decision.state, decision.panic
+        scaled.unreachable = decision.unreachable
         scaled.desired = self._scaled(scaled.desired, decision, role)
 
     async def _scrape(
@@ -677,6 +682,7 @@ class ServiceController:
             blocking_error=blocking,
             latest_sample=recent,
             panic=self.panic,
+            unreachable=self.unreachable,
             last_scale_time=self.last_scale_time,
             last_scale_reason=self.last_scale_reason,
             adapters=adapters,
@@ -701,6 +707,7 @@ class ServiceController:
                     gpu_resource_name=(section.resources or spec.resources).gpu_resource_name,
                     latest_sample=scaled.samples[-1] if scaled.samples else None,
                     panic=scaled.panic,
+                    unreachable=scaled.unreachable,
                 )
             )
         return observations

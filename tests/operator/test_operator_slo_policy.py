@@ -95,6 +95,8 @@ def test_a_target_below_the_idle_latency_asks_for_the_most_replicas_and_says_why
     decision = decide(POLICY, RISING, FleetState(2, 2), AutoscalerState(), 10, slo=[target])
     assert decision.replicas == 6  # the maximum of 10, four at a time
     assert "no replica meets the 50ms target" in decision.reason
+    assert decision.unreachable == "time to first token"
+    assert decide(POLICY, RISING, FleetState(2, 2), AutoscalerState(), 10, slo=[TTFT]).unreachable is None
 
 
 def test_a_fall_in_demand_waits_for_the_scale_down_delay() -> None:
