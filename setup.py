@@ -9,7 +9,7 @@ def mapped(import_name: str, folder: str) -> list[str]:
 
 setup(
     packages=[
-        "kvfleet",
+        *mapped("kvfleet", "kvfleet"),
         *mapped("kvfleet.runtime", "runtime"),
         *mapped("kvfleet.operator", "operator"),
         *mapped("kvfleet.gateway", "gateway"),

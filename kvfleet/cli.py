@@ -23,6 +23,7 @@ COMMANDS: dict[str, str] = {
     "gateway": "kvfleet.gateway.cli:gateway_command",
     "serve": "kvfleet.runtime.server.cli:serve",
     "run-batch": "kvfleet.runtime.batch.cli:run_batch",
+    "simulate": "kvfleet.simulate.cli:simulate",
 }
 
 

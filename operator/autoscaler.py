@@ -55,6 +55,8 @@ class MetricsSample:
     # The KV cache in use over the fleet, in replicas' worth: the mean share in use times the replicas.
     kv_cache_in_use: float | None = None
     itl_seconds: float | None = None
+    # Of queue_depth, the requests the gateway held: none of the replicas had room for them.
+    held: float = 0.0
 
 
 Figure = Literal["queue depth", "queued prompt tokens", "KV cache in use"]
@@ -85,29 +87,40 @@ class Sizing:
     policy: ScalingSpec
     targets: tuple[Target, ...]
     latency: LatencyTarget | None = None
+    # The latencies the `slo` policy sizes the workload on.
+    slo: tuple[LatencyTarget, ...] = ()
 
 
 def sizing(spec: InferenceServiceSpec, role: Role | None = None) -> Sizing:
     """A colocated service is sized on its queue depth and held to its time to first token; a prefill role
     on its queued prompt tokens and the same time to first token; a decode role on its queue depth and KV
-    cache in use, and held to its inter-token latency."""
-    ttft = spec.sla.ttft_target_milliseconds
-    ttft_target = LatencyTarget("time to first token", ttft / 1000) if ttft is not None else None
+    cache in use, and held to its inter-token latency. The `slo` policy sizes a colocated service on both
+    latencies, a prefill role on its time to first token and a decode role on its inter-token latency."""
+    ttft_target = _latency_target("time to first token", spec.sla.ttft_target_milliseconds)
+    itl_target = _latency_target("inter-token latency", spec.sla.itl_target_milliseconds)
     if role is None:
-        return Sizing(spec.scaling, (Target("queue depth", spec.scaling.target_queue_depth),), ttft_target)
+        slo = tuple(target for target in (ttft_target, itl_target) if target is not None)
+        return Sizing(
+            spec.scaling, (Target("queue depth", spec.scaling.target_queue_depth),), ttft_target, slo
+        )
     assert spec.disaggregation is not None
     if role == "prefill":
         prefill = spec.disaggregation.prefill.scaling
         target = Target("queued prompt tokens", prefill.target_queued_prompt_tokens)
-        return Sizing(prefill.policy(spec.scaling), (target,), ttft_target)
+        slo = (ttft_target,) if ttft_target is not None else ()
+        return Sizing(prefill.policy(spec.scaling), (target,), ttft_target, slo)
     decode = spec.disaggregation.decode.scaling
     targets = (
         Target("queue depth", decode.target_queue_depth),
         Target("KV cache in use", decode.target_kv_cache_usage_percent / 100),
     )
-    itl = decode.itl_target_milliseconds
-    latency = LatencyTarget("inter-token latency", itl / 1000) if itl is not None else None
-    return Sizing(decode.policy(spec.scaling), targets, latency)
+    latency = _latency_target("inter-token latency", decode.itl_target_milliseconds)
+    held_to = latency or itl_target
+    return Sizing(decode.policy(spec.scaling), targets, latency, (held_to,) if held_to is not None else ())
+
+
+def _latency_target(latency: Latency, milliseconds: int | None) -> LatencyTarget | None:
+    return LatencyTarget(latency, milliseconds / 1000) if milliseconds is not None else None
 
 
 @dataclass(frozen=True)
@@ -138,6 +151,8 @@ class ScaleDecision:
     reason: str
     panic: bool
     state: AutoscalerState
+    # A latency whose target is below what a replica measures with no load to speak of: no count meets it.
+    unreachable: Latency | None = None
 
 
 def aggregate(
@@ -165,6 +180,7 @@ def aggregate(
         queued_prompt_tokens=prompt_tokens * replicas if prompt_tokens is not None else None,
         kv_cache_in_use=kv * replicas if kv is not None else None,
         itl_seconds=_mean_or_none(report.itl_seconds for report in answered),
+        held=held,
     )
 
 
@@ -176,9 +192,11 @@ def decide(
     now: float,
     latency: LatencyTarget | None = None,
     targets: Sequence[Target] | None = None,
+    slo: Sequence[LatencyTarget] = (),
 ) -> ScaleDecision:
     """Replicas the fleet should have now, with the reason a user would want to read. `targets`: the figures
-    the fleet is sized on; by default the queue depth at the policy's target."""
+    the fleet is sized on; by default the queue depth at the policy's target. `slo`: the latencies the `slo`
+    policy sizes it on; until the window holds one measured under load, it is sized as by queue depth."""
     current = fleet.current_replicas
     targets = targets if targets is not None else [Target("queue depth", policy.target_queue_depth)]
     stable = [s for s in samples if now - policy.stable_window_seconds < s.time <= now]
@@ -190,6 +208,10 @@ def decide(
     wanted, reason, panic_until = _wanted_for_demand(
         policy, targets, stable, panic_samples, fleet, state, now
     )
+    by_slo = _wanted_for_slo(policy, slo, stable, panic_samples) if policy.policy == "slo" else None
+    unreachable = None
+    if by_slo is not None:
+        (wanted, reason, unreachable), panic_until = by_slo, None
     panic = panic_until is not None
     observed = _mean_or_none(_latency(s, latency.latency) for s in panic_samples) if latency else None
     panic_demand = _mean(s.queue_depth for s in panic_samples)
@@ -211,7 +233,7 @@ def decide(
     new_state = replace(
         state, panic_until=panic_until, recommendations=recommendations, idle_since=idle_since
     )
-    return ScaleDecision(bounded, reason, panic, new_state)
+    return ScaleDecision(bounded, reason, panic, new_state, unreachable)
 
 
 def _wanted_for_demand(
@@ -242,6 +264,102 @@ def _wanted_for_demand(
         return max(wanted_panic, current), f"panic: {panic_reason}", panic_until
     wanted, reason = stable_wanted
     return wanted, reason, None
+
+
+@dataclass(frozen=True)
+class LatencyModel:
+    """A replica's latency as a line in the requests it holds: idle + per_request × requests."""
+
+    idle: float
+    per_request: float
+    # The most requests per replica it was measured at: it is not trusted beyond twice that.
+    measured_up_to: float
+    # The requests per replica while the gateway held others: a replica takes no more, and what waits in
+    # the gateway waits longer than any replica reports.
+    full_at: float | None = None
+
+    def capacity(self, target_seconds: float) -> float:
+        """The requests a replica can hold with its latency within the target."""
+        most = 2 * self.measured_up_to if self.full_at is None else min(2 * self.measured_up_to, self.full_at)
+        if self.per_request <= 0:
+            return most if self.idle <= target_seconds else 0.0
+        return max(0.0, min(most, (target_seconds - self.idle) / self.per_request))
+
+
+def latency_model(samples: Sequence[MetricsSample], latency: Latency) -> LatencyModel | None:
+    """The line through the samples' (requests per reporting replica, mean latency), by least squares;
+    through the origin when the load never varied or the fit says latency falls with load. The requests the
+    gateway held are not the replicas': they wait before any latency a replica measures. None without a
+    latency measured under load."""
+    points = [
+        (load, value)
+        for s in samples
+        if s.reporting_pods
+        and (load := (s.queue_depth - s.held) / s.reporting_pods) > 0
+        and (value := _latency(s, latency)) is not None
+    ]
+    if not points:
+        return None
+    full = [(s.queue_depth - s.held) / s.reporting_pods for s in samples if s.reporting_pods and s.held > 0]
+    full_at = max(full) if full else None
+    loads = [load for load, _ in points]
+    mean_load, mean_latency = _mean(loads), _mean(value for _, value in points)
+    spread = sum((load - mean_load) ** 2 for load in loads)
+    if spread > 0:
+        slope = sum((load - mean_load) * (value - mean_latency) for load, value in points) / spread
+        idle = mean_latency - slope * mean_load
+        if slope > 0 and idle >= 0:
+            return LatencyModel(idle, slope, max(loads), full_at)
+    return LatencyModel(0.0, mean_latency / mean_load, max(loads), full_at)
+
+
+def forecast_demand(
+    samples: Sequence[MetricsSample], recent: Sequence[MetricsSample], horizon: float
+) -> float:
+    """The fleet's requests `horizon` seconds after the latest sample, on the window's linear trend; never
+    below the recent mean (a falling trend is left to the scale-down delay)."""
+    current = _mean(s.queue_depth for s in recent)
+    times = [s.time for s in samples]
+    mean_time = _mean(times)
+    spread = sum((time - mean_time) ** 2 for time in times)
+    if spread == 0:
+        return current
+    mean_demand = _mean(s.queue_depth for s in samples)
+    slope = sum((s.time - mean_time) * (s.queue_depth - mean_demand) for s in samples) / spread
+    return max(current, mean_demand + slope * (max(times) + horizon - mean_time))
+
+
+def _wanted_for_slo(
+    policy: ScalingSpec,
+    slo: Sequence[LatencyTarget],
+    stable: Sequence[MetricsSample],
+    recent: Sequence[MetricsSample],
+) -> tuple[int, str, Latency | None] | None:
+    """The fewest replicas whose modelled latency meets every target at the demand forecast half a stable
+    window ahead, why, and the latency no replica count can meet, if any; None until some target has a
+    latency measured under load."""
+    horizon = policy.stable_window_seconds / 2
+    forecast = forecast_demand(stable, recent, horizon)
+    best: tuple[int, str, Latency | None] | None = None
+    for target in slo:
+        model = latency_model(stable, target.latency)
+        if model is None:
+            continue
+        per_replica = model.capacity(target.seconds)
+        fits = f"{target.latency} {model.idle * 1000:.0f}ms + {model.per_request * 1000:.1f}ms per request"
+        goal = f"the {target.seconds * 1000:.0f}ms target"
+        unreachable = target.latency if per_replica <= 0 else None
+        if unreachable is not None:
+            wanted, why = policy.max_replicas, f"{fits}: no replica meets {goal} (idle latency above it)"
+        else:
+            wanted = _ceil(forecast / per_replica)
+            why = f"{fits}: {per_replica:.1f} requests per replica within {goal}"
+        if best is None or wanted > best[0] or (unreachable and not best[2]):
+            demand = (
+                f"demand {_mean(s.queue_depth for s in recent):.1f}, {forecast:.1f} forecast in {horizon:g}s"
+            )
+            best = wanted, f"slo: {why}; {demand}", unreachable
+    return best
 
 
 def _most_wanted(

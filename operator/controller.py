@@ -23,6 +23,7 @@ from kvfleet.operator.api import API_KEY_ENV, GROUP_LABEL, HTTP_PORT, SERVICE_LA
 from kvfleet.operator.autoscaler import (
     AutoscalerState,
     FleetState,
+    Latency,
     MetricsSample,
     PodMetrics,
     ScaleDecision,
@@ -146,6 +147,7 @@ class RoleScaling:
     samples: list[MetricsSample] = field(default_factory=list)
     state: AutoscalerState = field(default_factory=AutoscalerState)
     panic: bool = False
+    unreachable: Latency | None = None
 
 
 def _role_scalings() -> dict[Role, RoleScaling]:
@@ -184,6 +186,7 @@ class ServiceController:
     samples: list[MetricsSample] = field(default_factory=list)
     autoscaler_state: AutoscalerState = field(default_factory=AutoscalerState)
     panic: bool = False
+    unreachable: Latency | None = None
     last_scale_time: str | None = None
     last_scale_reason: str | None = None
     # A disaggregated service's roles; the fields above are then unused.
@@ -360,15 +363,18 @@ class ServiceController:
         sample = aggregate(now, reports, len(reports), held or 0.0)
         if sample is None and not reports and scaling.min_replicas == 0 and held is not None:
             # No replica to ask (at zero, or the first one starting): the gateway's queue is the demand.
-            sample = MetricsSample(time=now, queue_depth=held, reporting_pods=0)
+            sample = MetricsSample(time=now, queue_depth=held, reporting_pods=0, held=held)
         if sample is not None:
             self.samples.append(sample)
             self.metrics.queue_depth.labels(self.owner.namespace, self.owner.name).set(sample.queue_depth)
         self.samples = [s for s in self.samples if now - s.time < scaling.stable_window_seconds]
         fleet = FleetState(self.desired, len(reports), _unschedulable(pods))
         fit = sizing(spec)
-        decision = decide(scaling, self.samples, fleet, self.autoscaler_state, now, fit.latency, fit.targets)
+        decision = decide(
+            scaling, self.samples, fleet, self.autoscaler_state, now, fit.latency, fit.targets, fit.slo
+        )
         self.autoscaler_state, self.panic = decision.state, decision.panic
+        self.unreachable = decision.unreachable
         self.desired = self._scaled(self.desired, decision)
 
     async def _autoscale_roles(self, spec: InferenceServiceSpec, pods: list[PodView]) -> None:
@@ -385,7 +391,7 @@ class ServiceController:
         decode = aggregate(now, by_role["decode"], len(by_role["decode"]), held or 0.0)
         decode_policy = sizing(spec, "decode").policy
         if decode is None and not by_role["decode"] and decode_policy.min_replicas == 0 and held is not None:
-            decode = MetricsSample(time=now, queue_depth=held, reporting_pods=0)
+            decode = MetricsSample(time=now, queue_depth=held, reporting_pods=0, held=held)
         samples: dict[Role, MetricsSample | None] = {
             "prefill": aggregate(now, by_role["prefill"], len(by_role["prefill"]))
             if by_role["prefill"]
@@ -414,8 +420,11 @@ class ServiceController:
         scaled.samples = [s for s in scaled.samples if now - s.time < fit.policy.stable_window_seconds]
         role_pods = [pod for pod in pods if pod.role == role]
         fleet = FleetState(scaled.desired, len(reports), _unschedulable(role_pods))
-        decision = decide(fit.policy, scaled.samples, fleet, scaled.state, now, fit.latency, fit.targets)
+        decision = decide(
+            fit.policy, scaled.samples, fleet, scaled.state, now, fit.latency, fit.targets, fit.slo
+        )
         scaled.state, scaled.panic = decision.state, decision.panic
+        scaled.unreachable = decision.unreachable
         scaled.desired = self._scaled(scaled.desired, decision, role)
 
     async def _scrape(
@@ -673,6 +682,7 @@ class ServiceController:
             blocking_error=blocking,
             latest_sample=recent,
             panic=self.panic,
+            unreachable=self.unreachable,
             last_scale_time=self.last_scale_time,
             last_scale_reason=self.last_scale_reason,
             adapters=adapters,
@@ -697,6 +707,7 @@ class ServiceController:
                     gpu_resource_name=(section.resources or spec.resources).gpu_resource_name,
                     latest_sample=scaled.samples[-1] if scaled.samples else None,
                     panic=scaled.panic,
+                    unreachable=scaled.unreachable,
                 )
             )
         return observations

@@ -27,6 +27,8 @@ PullPolicy = Literal["Always", "IfNotPresent", "Never"]
 PULL_POLICIES: tuple[PullPolicy, ...] = ("Always", "IfNotPresent", "Never")
 BLOCK_SIZES = (8, 16, 32, 64, 128)
 GroupBackend = Literal["statefulset", "leaderworkerset"]
+ScalingPolicy = Literal["queue-depth", "slo"]
+SCALING_POLICIES: tuple[ScalingPolicy, ...] = ("queue-depth", "slo")
 GROUP_BACKENDS: tuple[GroupBackend, ...] = ("statefulset", "leaderworkerset")
 # The children take the resource's name: a Service's must be a DNS-1035 label, and a label value is at most
 # 63 characters.
@@ -92,6 +94,12 @@ SPEC_RULES = (
     Rule(
         f"!has(self.batch) || !has(self.resources.gpusPerNode) || self.resources.gpusPerNode >= {_RANKS}",
         "batch needs a replica on one node (resources.gpusPerNode at least the ranks)",
+    ),
+    Rule(
+        "!has(self.scaling) || !has(self.scaling.policy) || self.scaling.policy != 'slo' "
+        "|| (has(self.sla) && (has(self.sla.ttftTargetMilliseconds) || has(self.sla.itlTargetMilliseconds)))",
+        "scaling.policy slo sizes the fleet on latency targets: set sla.ttftTargetMilliseconds or "
+        "sla.itlTargetMilliseconds",
     ),
     Rule(
         f"!has(self.disaggregation) || {_RANKS} == 1",
@@ -390,6 +398,13 @@ class ScalingSpec:
     target_queue_depth: int = prop(
         "Requests (running plus waiting) each replica should hold on average.", 32, minimum=1, maximum=100000
     )
+    policy: ScalingPolicy = prop(
+        "queue-depth: the replicas the mean queue depth wants at targetQueueDepth each; slo: the fewest "
+        "replicas whose predicted latency, from the replicas' own latency at the load they carry, meets "
+        "spec.sla's targets at the forecast demand (needs sla.ttftTargetMilliseconds or "
+        "sla.itlTargetMilliseconds).",
+        "queue-depth",
+    )
     stable_window_seconds: int = prop(
         "The window whose mean queue depth sets the replicas wanted; panic mode lasts as long.",
         60,
@@ -463,6 +478,13 @@ class SlaSpec:
         None,
         minimum=1,
         maximum=600000,
+    )
+    itl_target_milliseconds: int | None = prop(
+        "Inter-token latency the fleet should keep (a disaggregated service's decode role, unless "
+        "disaggregation.decode.scaling sets its own); used by scaling.policy slo.",
+        None,
+        minimum=1,
+        maximum=60000,
     )
 
 
@@ -803,7 +825,7 @@ def parse_spec(spec: Mapping[str, Any], *, name: str) -> InferenceServiceSpec:
         engine=engine,
         resources=resources,
         scaling=scaling,
-        sla=_parse_sla(root.section("sla")),
+        sla=_parse_sla(root.section("sla"), scaling),
         batch=_parse_batch(root, scaling, resources),
         routing=_parse_routing(root.section("routing")),
         adapters=_parse_adapters(root, model.served_name),
@@ -969,6 +991,7 @@ def _parse_scaling(section: _Section) -> ScalingSpec:
         min_replicas=integer("minReplicas", defaults.min_replicas, 0),
         max_replicas=integer("maxReplicas", defaults.max_replicas, 1),
         target_queue_depth=integer("targetQueueDepth", defaults.target_queue_depth, 1),
+        policy=cast(ScalingPolicy, section.choice("policy", SCALING_POLICIES, defaults.policy)),
         stable_window_seconds=integer("stableWindowSeconds", defaults.stable_window_seconds, 1),
         panic_window_seconds=integer("panicWindowSeconds", defaults.panic_window_seconds, 1),
         panic_threshold_percent=integer("panicThresholdPercent", defaults.panic_threshold_percent, 101),
@@ -1126,12 +1149,24 @@ def _refuse_flag(section: _Section, extra_args: Sequence[str], flag: str, why: s
             raise SpecError("InvalidSpec", f"{section.path}.extraArgs[{index}] must not pass {flag}: {why}")
 
 
-def _parse_sla(section: _Section) -> SlaSpec:
+def _parse_sla(section: _Section, scaling: ScalingSpec) -> SlaSpec:
     tier = section.choice("tier", TIER_NAMES, DEFAULT_TIER)
-    return SlaSpec(
+    sla = SlaSpec(
         tier=cast(TierName, tier),
         ttft_target_milliseconds=section.integer("ttftTargetMilliseconds", minimum=1),
+        itl_target_milliseconds=section.integer("itlTargetMilliseconds", minimum=1),
     )
+    if (
+        scaling.policy == "slo"
+        and sla.ttft_target_milliseconds is None
+        and sla.itl_target_milliseconds is None
+    ):
+        raise SpecError(
+            "InvalidSpec",
+            "spec.scaling.policy slo sizes the fleet on latency targets: set spec.sla.ttftTargetMilliseconds "
+            "or spec.sla.itlTargetMilliseconds",
+        )
+    return sla
 
 
 def _parse_adapters(root: _Section, served_name: str) -> tuple[AdapterSpec, ...]:

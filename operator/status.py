@@ -36,6 +36,8 @@ FAILURE_REASONS = frozenset(
 )
 SCALED_TO_ZERO = "ScaledToZero"
 NAME_CONFLICT_REASON = "ServedNameTaken"
+# The autoscaler found a latency target below what the replicas measure with no load to speak of.
+TARGET_UNREACHABLE = "TargetUnreachable"
 # Failures first seen through Ready; scheduling failures are reported through Scheduled, and spec and
 # apply failures by the reconcile loop itself.
 _READY_WARNINGS = frozenset({"ProgressDeadlineExceeded", "ReplicaFailing", "PodCreationFailed"})
@@ -200,6 +202,8 @@ class RoleObservation:
     gpu_resource_name: str = "nvidia.com/gpu"
     latest_sample: MetricsSample | None = None
     panic: bool = False
+    # A latency whose target the autoscaler found below the replicas' idle latency.
+    unreachable: str | None = None
 
 
 @dataclass(frozen=True)
@@ -218,6 +222,8 @@ class Observation:
     blocking_error: tuple[str, str] | None = None
     latest_sample: MetricsSample | None = None
     panic: bool = False
+    # A latency whose target the autoscaler found below the replicas' idle latency.
+    unreachable: str | None = None
     last_scale_time: str | None = None
     last_scale_reason: str | None = None
     # Each LoRA adapter's state; None when the service serves none.
@@ -426,9 +432,19 @@ def scaling_condition(observation: Observation) -> Condition:
         return Condition(
             "ScalingActive", "False", "MetricsUnavailable", "no ready replica has reported metrics"
         )
+    if observation.unreachable is not None:
+        return Condition("ScalingActive", "True", TARGET_UNREACHABLE, _unreachable(observation.unreachable))
     # No live figures in the message: they would rewrite the status on every scrape.
     message = f"{sample.reporting_pods} replica(s) reporting" + (", panic mode" if observation.panic else "")
     return Condition("ScalingActive", "True", "MetricsAvailable", message)
+
+
+def _unreachable(latency: str) -> str:
+    # The figures are in lastScaleReason: here they would rewrite the status on every scrape.
+    return (
+        f"the {latency} target is below the replicas' {latency} at the least load: no replica count meets "
+        "it (spec.sla; the figures are in lastScaleReason)"
+    )
 
 
 def _roles_scaling_condition(roles: Sequence[RoleObservation]) -> Condition:
@@ -441,6 +457,10 @@ def _roles_scaling_condition(roles: Sequence[RoleObservation]) -> Condition:
     if silent:
         message = f"no ready replica has reported metrics for the {' and '.join(silent)} role"
         return Condition("ScalingActive", "False", "MetricsUnavailable", message)
+    unreachable = [role for role in autoscaled if role.unreachable is not None]
+    if unreachable:
+        message = "; ".join(f"{role.role}: {_unreachable(str(role.unreachable))}" for role in unreachable)
+        return Condition("ScalingActive", "True", TARGET_UNREACHABLE, message)
     # No live figures in the message: they would rewrite the status on every scrape.
     message = "; ".join(
         f"{role.role}: {role.latest_sample.reporting_pods} replica(s) reporting"

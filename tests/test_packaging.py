@@ -27,7 +27,8 @@ PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 # server_checks, ports, ...).
 LOCAL = {"kvfleet", "e2e", "images", "tests"} | {path.stem for path in (ROOT / "tests").rglob("*.py")}
 PARTS = {
-    "kvfleet": (),
+    # The fleet simulator runs the operator's and the gateway's own code.
+    "kvfleet": ("operator", "gateway"),
     "operator": ("operator",),
     "gateway": ("gateway",),
     "contract": (),

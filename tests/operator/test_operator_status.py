@@ -420,3 +420,24 @@ def test_role_labels_are_read_from_pods_and_deployments() -> None:
     view = deployment_view({"metadata": {"name": "svc-prefill", "labels": labels}, "spec": {}, "status": {}})
     assert view.role == "prefill"
     assert deployment_view({"metadata": {"name": "svc"}, "spec": {}, "status": {}}).role is None
+
+
+def test_a_latency_target_no_replica_meets_is_a_condition_without_live_figures() -> None:
+    status = build_status(observe(unreachable="time to first token"), {}, NOW)
+    scaling = conditions(status)["ScalingActive"]
+    assert (scaling["status"], scaling["reason"]) == ("True", "TargetUnreachable")
+    assert scaling["message"].startswith("the time to first token target is below the replicas'")
+    assert not any(character.isdigit() for character in scaling["message"])
+    roles = [
+        RoleObservation("prefill", True, 1, deployment(), latest_sample=observe().latest_sample),
+        RoleObservation(
+            "decode",
+            True,
+            1,
+            deployment(),
+            latest_sample=observe().latest_sample,
+            unreachable="inter-token latency",
+        ),
+    ]
+    split = conditions(build_status(observe(roles=roles), {}, NOW))["ScalingActive"]
+    assert split["reason"] == "TargetUnreachable" and split["message"].startswith("decode: the inter-token")

@@ -1,0 +1,214 @@
+"""`kvfleet simulate`: replay a trace through a simulated fleet, generate traces, calibrate a profile."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import click
+import yaml
+
+from kvfleet.simulate.engine import EngineProfile
+from kvfleet.simulate.report import plot, write_json
+from kvfleet.simulate.trace import TRACE_SHAPES, TraceShapeSpec, generate, read_trace, write_trace
+
+
+@click.group("simulate")
+def simulate() -> None:
+    """Simulate a fleet under a trace, with the operator's autoscaler and the gateway's routing."""
+
+
+@simulate.command("run")
+@click.option(
+    "--service",
+    "service_paths",
+    type=click.Path(exists=True, path_type=Path),
+    required=True,
+    multiple=True,
+    help="An InferenceService manifest (or its spec alone): its scaling, routing, SLA and engine. Repeat it "
+    "to compare services on the same trace.",
+)
+@click.option(
+    "--trace",
+    "trace_path",
+    type=click.Path(exists=True, path_type=Path),
+    required=True,
+    help="CSV or JSON Lines: arrival_s, prompt_tokens, output_tokens, tier, prefix_group.",
+)
+@click.option(
+    "--profile",
+    "profile_path",
+    type=click.Path(exists=True, path_type=Path),
+    help="The engine's step-time profile (JSON, from `kvfleet simulate calibrate`); a default one otherwise.",
+)
+@click.option(
+    "--ttft-target-ms",
+    type=click.IntRange(min=1),
+    help="The TTFT that attainment counts against; default the spec's sla.ttftTargetMilliseconds.",
+)
+@click.option("--pod-start-seconds", type=click.FloatRange(min=0), default=60.0, show_default=True)
+@click.option(
+    "--shared-prefix-tokens",
+    type=click.IntRange(min=0),
+    default=256,
+    show_default=True,
+    help="Tokens the requests of one prefix group share.",
+)
+@click.option("--initial-replicas", type=click.IntRange(min=0))
+@click.option(
+    "--out",
+    type=click.Path(dir_okay=False, path_type=Path),
+    required=True,
+    help="The report (JSON): each service's, under its file's name.",
+)
+@click.option(
+    "--plot",
+    "plot_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="A PNG of replicas and p90 TTFT over time.",
+)
+def run_command(
+    service_paths: tuple[Path, ...],
+    trace_path: Path,
+    profile_path: Path | None,
+    ttft_target_ms: int | None,
+    pod_start_seconds: float,
+    shared_prefix_tokens: int,
+    initial_replicas: int | None,
+    out: Path,
+    plot_path: Path | None,
+) -> None:
+    """Replay TRACE through a simulated fleet of each service and report how it did."""
+    from kvfleet.operator.spec import SpecError
+    from kvfleet.simulate.fleet import Simulation, load_config
+
+    profile = EngineProfile.load(profile_path) if profile_path else EngineProfile()
+    summaries = {}
+    for path in service_paths:
+        try:
+            config = load_config(
+                _service_spec(path),
+                profile,
+                ttft_target_s=ttft_target_ms / 1000 if ttft_target_ms else None,
+                pod_start_s=pod_start_seconds,
+                shared_prefix_tokens=shared_prefix_tokens,
+                initial_replicas=initial_replicas,
+            )
+        except (SpecError, ValueError) as error:
+            raise click.UsageError(f"{path}: {error}") from None
+        summary = summaries[path.stem] = Simulation(config).run(read_trace(trace_path))
+        figures = ("requests", "attainment", "ttft_p90_s", "replica_hours", "scale_events", "flaps", "shed")
+        click.echo(f"{path.stem}: " + " ".join(f"{name}={summary[name]}" for name in figures))
+        click.echo(f"{path.stem}: {summary['simulated_seconds_per_second']:.1f} simulated seconds per second")
+    write_json(summaries, out)
+    if plot_path is not None:
+        plot(summaries, plot_path)
+
+
+@simulate.command("trace")
+@click.argument("shape", type=click.Choice(TRACE_SHAPES))
+@click.option("--duration-seconds", type=click.FloatRange(min=0, min_open=True), required=True)
+@click.option(
+    "--rate",
+    type=click.FloatRange(min=0, min_open=True),
+    required=True,
+    help="Requests per second at the quietest level (steady: throughout).",
+)
+@click.option(
+    "--peak-ratio",
+    type=click.FloatRange(min=1),
+    default=10.0,
+    show_default=True,
+    help="diurnal: the peak's rate over the quietest; burst: the burst's.",
+)
+@click.option("--burst-start-seconds", type=click.FloatRange(min=0), default=0.0, show_default=True)
+@click.option("--burst-seconds", type=click.FloatRange(min=0), default=60.0, show_default=True)
+@click.option(
+    "--prompt-tokens",
+    type=click.FloatRange(min=1),
+    default=512.0,
+    show_default=True,
+    help="The mean prompt length.",
+)
+@click.option(
+    "--output-tokens",
+    type=click.FloatRange(min=1),
+    default=128.0,
+    show_default=True,
+    help="The mean output length.",
+)
+@click.option("--prefix-groups", type=click.IntRange(min=1), default=16, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option(
+    "--out",
+    type=click.Path(dir_okay=False, path_type=Path),
+    required=True,
+    help="Where to write it: .csv, or JSON Lines otherwise.",
+)
+def trace_command(
+    shape: str,
+    duration_seconds: float,
+    rate: float,
+    peak_ratio: float,
+    burst_start_seconds: float,
+    burst_seconds: float,
+    prompt_tokens: float,
+    output_tokens: float,
+    prefix_groups: int,
+    seed: int,
+    out: Path,
+) -> None:
+    """Write a generated trace of SHAPE: steady, diurnal (one day's swing), burst or multi-tenant."""
+    spec = TraceShapeSpec(
+        shape=shape,  # type: ignore[arg-type]
+        duration_s=duration_seconds,
+        base_rate=rate,
+        peak_ratio=peak_ratio,
+        burst_start_s=burst_start_seconds,
+        burst_length_s=burst_seconds,
+        mean_prompt_tokens=prompt_tokens,
+        mean_output_tokens=output_tokens,
+        prefix_groups=prefix_groups,
+        seed=seed,
+    )
+    click.echo(f"{write_trace(generate(spec), out)} requests written to {out}")
+
+
+def _service_spec(path: Path) -> dict[str, Any]:
+    """The spec of an InferenceService manifest, or the file itself when it is the spec alone."""
+    document = yaml.safe_load(path.read_text())
+    if not isinstance(document, dict):
+        raise click.UsageError(f"{path} holds no InferenceService")
+    spec = document.get("spec") if "kind" in document else document
+    if not isinstance(spec, dict):
+        raise click.UsageError(f"{path} holds no InferenceService spec")
+    return spec
+
+
+@simulate.command("calibrate")
+@click.option("--url", required=True, help="A replica's base URL, e.g. http://localhost:8000.")
+@click.option(
+    "--limits",
+    "limits_path",
+    type=click.Path(exists=True, path_type=Path),
+    help="A profile whose max_num_seqs, token budget, KV cache and context cost to keep; the "
+    "defaults otherwise.",
+)
+@click.option(
+    "--out", type=click.Path(dir_okay=False, path_type=Path), required=True, help="The profile (JSON)."
+)
+def calibrate_command(url: str, limits_path: Path | None, out: Path) -> None:
+    """Time decode and prefill steps on a real replica and write the fitted engine profile."""
+    from kvfleet.simulate.calibrate import fit_profile, measure
+
+    timings = measure(url)
+    for timing in timings:
+        click.echo(
+            f"prefill {timing.prefill_tokens:5d} tokens, decode {timing.decode_sequences:3d} sequences: "
+            f"{timing.seconds * 1000:.2f} ms"
+        )
+    profile = fit_profile(timings, EngineProfile.load(limits_path) if limits_path else EngineProfile())
+    profile.dump(out)
+    per_token = f"{profile.prefill_token_s * 1e6:.1f} us per prompt token"
+    per_sequence = f"{profile.decode_sequence_s * 1000:.3f} ms per decoding sequence"
+    click.echo(f"fixed {profile.step_fixed_s * 1000:.2f} ms, {per_token}, {per_sequence}; written to {out}")

@@ -1,0 +1,276 @@
+"""A model of one replica's engine: continuous batching over a step-time model.
+
+A step's time is linear in what it computes: a fixed cost, a cost per prompt token computed, a cost per
+sequence decoding one token, and a cost per token of context the batch's sequences attend over
+(EngineProfile; `kvfleet simulate calibrate` fits it to a real replica). Each step is scheduled as the
+runtime's scheduler does: the running sequences first (one token each while decoding, a chunk of the prompt
+while prefilling), then waiting requests in arrival order while there are fewer than max_num_seqs running,
+tokens left in the step's budget and room in the KV cache for the whole prompt. A sequence that outgrows the
+KV cache preempts the most recently admitted one, which goes back to the front of the queue and computes its
+prompt and what it had generated again (recomputation, as vLLM's v1 engine does).
+
+The prefix cache is modelled per replica as a least-recently-used set of prefix groups (the trace's
+`prefix_group`), each holding the tokens its requests share: a request of a cached group starts with those
+computed (all but the prompt's last token at most, which is always computed to sample from).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import OrderedDict, deque
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+from kvfleet.operator.autoscaler import PodMetrics
+
+
+@dataclass(frozen=True)
+class EngineProfile:
+    """One replica's step-time model and limits."""
+
+    step_fixed_s: float = 0.004
+    prefill_token_s: float = 0.00005
+    decode_sequence_s: float = 0.0002
+    context_token_s: float = 0.0
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 2048
+    kv_cache_tokens: int = 262144
+
+    def step_seconds(self, prefill_tokens: int, decode_sequences: int, context_tokens: int) -> float:
+        return (
+            self.step_fixed_s
+            + self.prefill_token_s * prefill_tokens
+            + self.decode_sequence_s * decode_sequences
+            + self.context_token_s * context_tokens
+        )
+
+    @classmethod
+    def load(cls, path: Path) -> EngineProfile:
+        known = {item.name for item in fields(cls)}
+        values = json.loads(path.read_text())
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"{path}: unknown profile fields {unknown} (known: {sorted(known)})")
+        return cls(**values)
+
+    def dump(self, path: Path) -> None:
+        path.write_text(json.dumps(asdict(self), indent=2) + "\n")
+
+
+@dataclass(eq=False)
+class Sequence:
+    """A request inside an engine."""
+
+    prompt_tokens: int
+    output_tokens: int
+    prefix_group: str
+    # Tokens the requests of its prefix group share (at most the prompt).
+    shared_tokens: int
+    arrival_s: float
+    # The tokens to compute before the next token: the prompt, plus what was generated before a preemption.
+    to_compute: int = 0
+    computed: int = 0
+    generated: int = 0
+    # Tokens decoded since the sequence was last admitted (their KV is held beside the computed prompt's).
+    decoded: int = 0
+    first_token_s: float | None = None
+    # Whatever the fleet keeps with the sequence (the gateway's request).
+    owner: object = None
+
+    def __post_init__(self) -> None:
+        self.to_compute = self.prompt_tokens
+
+    @property
+    def prefilling(self) -> bool:
+        return self.computed < self.to_compute
+
+    @property
+    def kv_tokens(self) -> int:
+        return self.to_compute + self.decoded
+
+
+@dataclass
+class StepOutcome:
+    """What a step produced: the sequences that got their first token, and those that finished."""
+
+    first_tokens: list[Sequence] = field(default_factory=list)
+    finished: list[Sequence] = field(default_factory=list)
+
+
+class EngineModel:
+    """One replica's engine: a queue, a running batch, a prefix cache, and the step in progress."""
+
+    def __init__(self, profile: EngineProfile) -> None:
+        self.profile = profile
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        # Prefix group -> its shared tokens, least recently used first.
+        self.prefix_cache: OrderedDict[str, int] = OrderedDict()
+        self._cached_tokens = 0
+        # The step in progress: (sequence, tokens it computes), and when the step started.
+        self._step: list[tuple[Sequence, int]] = []
+        self._step_started = 0.0
+        # How many steps the step in progress is (more than one: a run of decode steps), and the first's
+        # length and how much longer each next one is.
+        self._steps = 1
+        self._run_shape = (0.0, 0.0)
+        self.preemptions = 0
+        self.prefix_hits = 0
+        self.admitted = 0
+        # Since the last report: first-token latencies, inter-token latencies.
+        self._ttft = [0.0, 0]
+        self._itl = [0.0, 0]
+
+    @property
+    def in_engine(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def add(self, sequence: Sequence) -> None:
+        self.waiting.append(sequence)
+
+    def start_step(self, now: float) -> float | None:
+        """Schedules what runs next and returns how long it takes (None: nothing to run). That is one step,
+        or, while every running sequence decodes and no waiting request could join, the run of decode steps
+        until the first of them finishes: those steps differ only by their context, so they are one event."""
+        self._make_room()
+        budget = self.profile.max_num_batched_tokens
+        step: list[tuple[Sequence, int]] = []
+        prefill = decode = context = 0
+        for sequence in self.running:
+            if budget == 0:
+                break
+            tokens = min(sequence.to_compute - sequence.computed, budget) if sequence.prefilling else 1
+            step.append((sequence, tokens))
+            budget -= tokens
+            context += sequence.computed + sequence.decoded
+            if sequence.prefilling:
+                prefill += tokens
+            else:
+                decode += 1
+        if decode == len(self.running) and decode and not self._admissible():
+            return self._start_decode_run(now, step, context)
+        while budget and self._admissible():
+            sequence = self.waiting.popleft()
+            self._admit(sequence)
+            tokens = min(sequence.to_compute - sequence.computed, budget)
+            step.append((sequence, tokens))
+            budget -= tokens
+            prefill += tokens
+            context += sequence.computed
+        if not step:
+            return None
+        self._step, self._step_started, self._steps = step, now, 1
+        self._run_shape = (self.profile.step_seconds(prefill, decode, context), 0.0)
+        return self._run_shape[0]
+
+    def interrupt(self, now: float) -> float | None:
+        """A request arrived during a run of decode steps: the run ends with the step in progress, so that
+        the next step can take the request in. Returns the run's new end, or None if it ends then anyway."""
+        first, growth = self._run_shape
+        elapsed = now - self._step_started
+        steps, length = 1, first
+        while length < elapsed and steps < self._steps:
+            length += first + growth * steps
+            steps += 1
+        if steps == self._steps:
+            return None
+        self._steps = steps
+        return self._step_started + length
+
+    def finish_step(self, now: float) -> StepOutcome:
+        """Applies the step (or run of decode steps) that ends now."""
+        outcome = StepOutcome()
+        length, steps = now - self._step_started, self._steps
+        for sequence, tokens in self._step:
+            if sequence.prefilling:
+                sequence.computed += tokens
+                if sequence.prefilling:
+                    continue
+                self._remember_prefix(sequence)
+                if sequence.first_token_s is None:
+                    sequence.first_token_s = now
+                    self._ttft[0] += now - sequence.arrival_s
+                    self._ttft[1] += 1
+                    outcome.first_tokens.append(sequence)
+                sequence.generated += 1
+            else:
+                sequence.decoded += steps
+                sequence.generated += steps
+                self._itl[0] += length
+                self._itl[1] += steps
+            if sequence.generated >= sequence.output_tokens:
+                self.running.remove(sequence)
+                outcome.finished.append(sequence)
+        self._step = []
+        return outcome
+
+    def _start_decode_run(self, now: float, step: list[tuple[Sequence, int]], context: int) -> float:
+        """As many decode steps as every sequence can take before the first finishes or the KV cache fills."""
+        running = len(self.running)
+        free = self.profile.kv_cache_tokens - self._kv_in_use()
+        steps = min(min(s.output_tokens - s.generated for s in self.running), max(1, free // running))
+        first = self.profile.step_seconds(0, running, context)
+        # Each step attends over one more token per sequence than the step before.
+        growth = self.profile.context_token_s * running
+        self._step, self._step_started, self._steps = step, now, steps
+        self._run_shape = (first, growth)
+        return steps * first + growth * steps * (steps - 1) / 2
+
+    def _admissible(self) -> bool:
+        """Whether the next waiting request can join the batch: a place, and KV for its whole prompt."""
+        if not self.waiting or len(self.running) >= self.profile.max_num_seqs:
+            return False
+        fits = self._kv_in_use() + self.waiting[0].kv_tokens <= self.profile.kv_cache_tokens
+        return fits or not self.running
+
+    def report(self) -> PodMetrics:
+        """What the replica's /metrics would show the operator now; starts the next interval's means."""
+        queued = sum(s.to_compute - s.computed for s in self.waiting) + sum(
+            s.to_compute - s.computed for s in self.running
+        )
+        metrics = PodMetrics(
+            waiting=len(self.waiting),
+            running=len(self.running),
+            kv_cache_usage=self._kv_in_use() / self.profile.kv_cache_tokens,
+            ttft_seconds=self._ttft[0] / self._ttft[1] if self._ttft[1] else None,
+            queued_prompt_tokens=queued,
+            itl_seconds=self._itl[0] / self._itl[1] if self._itl[1] else None,
+        )
+        self._ttft, self._itl = [0.0, 0], [0.0, 0]
+        return metrics
+
+    def _kv_in_use(self) -> int:
+        return sum(sequence.kv_tokens for sequence in self.running)
+
+    def _make_room(self) -> None:
+        """Preempts the most recently admitted sequences while the next step's tokens would not fit."""
+        while len(self.running) > 1 and self._kv_in_use() + self._decoding() > self.profile.kv_cache_tokens:
+            victim = self.running.pop()
+            victim.to_compute += victim.decoded
+            victim.computed = victim.decoded = 0
+            self.waiting.appendleft(victim)
+            self.preemptions += 1
+
+    def _decoding(self) -> int:
+        return sum(1 for sequence in self.running if not sequence.prefilling)
+
+    def _admit(self, sequence: Sequence) -> None:
+        self.admitted += 1
+        cached = self.prefix_cache.get(sequence.prefix_group)
+        if cached is not None and sequence.prefix_group:
+            self.prefix_cache.move_to_end(sequence.prefix_group)
+            sequence.computed = min(cached, sequence.shared_tokens, sequence.to_compute - 1)
+            self.prefix_hits += 1
+        self.running.append(sequence)
+
+    def _remember_prefix(self, sequence: Sequence) -> None:
+        group = sequence.prefix_group
+        if not group or sequence.shared_tokens == 0:
+            return
+        held = self.prefix_cache.pop(group, 0)
+        tokens = max(held, sequence.shared_tokens)
+        self.prefix_cache[group] = tokens
+        self._cached_tokens += tokens - held
+        while self._cached_tokens > self.profile.kv_cache_tokens:
+            _, evicted = self.prefix_cache.popitem(last=False)
+            self._cached_tokens -= evicted

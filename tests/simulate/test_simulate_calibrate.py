@@ -1,0 +1,32 @@
+"""Calibration's fit: timings made by a known step-time model give that model back."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kvfleet.simulate.calibrate import StepTiming, fit_profile
+from kvfleet.simulate.engine import EngineProfile
+
+
+def test_the_fit_recovers_the_profile_that_timed_the_steps() -> None:
+    truth = EngineProfile(step_fixed_s=0.0062, prefill_token_s=0.00011, decode_sequence_s=0.00047)
+    rng = random.Random(1)
+    shapes = [(0, 1), (0, 4), (0, 16), (128, 0), (512, 0), (1024, 0)]
+    # Timings a little noisy, as measured ones are: within 1% of the model.
+    timings = [
+        StepTiming(prefill, decode, 0, truth.step_seconds(prefill, decode, 0) * rng.uniform(0.99, 1.01))
+        for prefill, decode in shapes
+    ]
+    limits = EngineProfile(max_num_seqs=7, kv_cache_tokens=1234)
+    fitted = fit_profile(timings, limits)
+    assert fitted.step_fixed_s == pytest.approx(truth.step_fixed_s, rel=0.1)
+    assert fitted.prefill_token_s == pytest.approx(truth.prefill_token_s, rel=0.05)
+    assert fitted.decode_sequence_s == pytest.approx(truth.decode_sequence_s, rel=0.1)
+    assert (fitted.max_num_seqs, fitted.kv_cache_tokens) == (7, 1234)
+
+
+def test_timings_of_one_shape_are_refused() -> None:
+    with pytest.raises(ValueError, match="do not tell"):
+        fit_profile([StepTiming(0, 4, 0, 0.01)] * 3, EngineProfile())
