@@ -18,6 +18,7 @@ import functools
 import inspect
 import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from kvfleet.contract.tokenizer_files import SAMPLE_MESSAGES, SAMPLE_TEXT
@@ -193,3 +194,13 @@ def text_fields(value: Any) -> list[str]:
     if isinstance(value, dict):
         return [text for item in value.values() for text in text_fields(item)]
     return []
+
+
+def read_chat_template(value: str) -> str:
+    """A path to a template file, or the template itself (as vLLM's --chat-template takes it)."""
+    if "{" in value:
+        return value
+    path = Path(value)
+    if not path.is_file():
+        raise ValueError(f"chat template {value!r} is neither a readable file nor a Jinja template")
+    return path.read_text()

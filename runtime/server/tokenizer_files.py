@@ -8,8 +8,8 @@ import base64
 from pathlib import Path
 
 from kvfleet.contract.tokenizer_files import MAX_TOTAL_BYTES, MODEL_FILES, TOKENIZER_FILES
+from kvfleet.runtime.chat_prompt import read_chat_template
 from kvfleet.runtime.config import EngineConfig
-from kvfleet.runtime.engine.tokenizer import read_chat_template
 
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 

@@ -36,6 +36,7 @@ ROUTES = {
     ("get", "/version"),
     ("get", "/ready"),
     ("get", "/metrics"),
+    ("get", "/kvfleet/tokenizer"),
     ("post", "/v1/load_lora_adapter"),
     ("post", "/v1/unload_lora_adapter"),
     ("post", "/v1/moderations"),
