@@ -43,7 +43,8 @@ class RoutedRequest:
     # The tier's engine priority (0 = critical), None when the request names none.
     priority: int | None
     stream: bool
-    # The prompt as text, in order: the messages' roles and contents, or the completion prompt.
+    # The prompt as text, in order: the messages' roles and contents (a response's too), the first prompt of a
+    # completion or an embedding, the text that others are scored against, or the rerank query.
     prompt_text: str
     deadline_seconds: float | None
     # The body as parsed, for the gateway to rename the model in.

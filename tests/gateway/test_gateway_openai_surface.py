@@ -14,7 +14,9 @@ import aiohttp
 import openai
 import pytest
 from gateway_harness import WAIT_S, FakeReplica, model, queued, replicas, running_gateway, wait_until
+from kvfleet.contract.errors import BadRequestError
 from kvfleet.gateway.discovery import ClientKey
+from kvfleet.gateway.requests import CHAT_PATH, RESPONSES_PATH, parse_request
 
 SCORE_PATHS = ("/v1/score", "/score")
 RERANK_PATHS = ("/v1/rerank", "/rerank", "/v2/rerank")
@@ -177,3 +179,40 @@ def test_a_request_aiohttp_cannot_parse_is_an_openai_error() -> None:
             assert json.loads(body)["error"]["type"] == "invalid_request_error"
 
     asyncio.run(scenario())
+
+
+def test_a_conversation_is_routed_on_the_same_text_through_chat_and_the_responses_api() -> None:
+    """The replica runs a response as the chat completion of its instructions and input: a prefix-aware policy
+    sends both to the replica caching the conversation."""
+    turns = [("user", "hi"), ("assistant", "hello"), ("user", "and then?")]
+    chat = {
+        "model": "m",
+        "messages": [{"role": "system", "content": "be brief"}]
+        + [{"role": role, "content": [{"type": "text", "text": text}]} for role, text in turns],
+    }
+    items = [{"type": "message", "role": role, "content": text} for role, text in turns]
+    response = {"model": "m", "instructions": "be brief", "input": items}
+    as_chat, as_response = (
+        parse_request(path, json.dumps(body).encode(), {})
+        for path, body in ((CHAT_PATH, chat), (RESPONSES_PATH, response))
+    )
+    assert as_response.prompt_text == as_chat.prompt_text
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/embeddings", {}, "input"),
+        ("/v1/embeddings", {"input": []}, "input"),
+        (RESPONSES_PATH, {"input": []}, "input"),
+        (RESPONSES_PATH, {"input": ["text"]}, "input[0]"),
+        ("/score", {"text_1": [], "text_2": "x"}, "text_1"),
+        ("/v1/rerank", {"documents": ["x"]}, "query"),
+    ],
+)
+def test_a_body_routing_cannot_read_is_refused_naming_its_field(
+    path: str, body: dict[str, Any], param: str
+) -> None:
+    with pytest.raises(BadRequestError) as refused:
+        parse_request(path, json.dumps({"model": "m", **body}).encode(), {})
+    assert refused.value.param == param
