@@ -136,3 +136,14 @@ class GatewayTimeoutError(OpenAIError):
 class InternalServerError(OpenAIError):
     status_code = 500
     error_type = "internal_error"
+
+
+def http_error(status: int, message: str) -> OpenAIError:
+    """An error that a web framework answers itself (no such route, a method not allowed, a request it cannot
+    parse), in OpenAI's shape with the framework's status."""
+    error_class = {404: NotFoundError, 408: RequestTimeoutError, 413: PayloadTooLargeError}.get(
+        status, BadRequestError if status < 500 else InternalServerError
+    )
+    error = error_class(message)
+    error.status_code = status
+    return error

@@ -12,7 +12,8 @@
 The body's limit is the handler's (Gateway._body), which can still answer with a proper 408.
 
 aiohttp builds one RequestHandler per connection and has no option for its class: TimedAppRunner hands
-TCPSite a server that builds TimedRequestHandler instead. The handler's state is read from aiohttp's own
+TCPSite a server that builds TimedRequestHandler instead, which also answers aiohttp's own errors (a request
+it cannot parse, a handler that failed) in OpenAI's shape. The handler's state is read from aiohttp's own
 attributes (pinned in requirements/gateway.txt), as the runtime reads uvicorn's.
 """
 
@@ -24,7 +25,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web, web_protocol
-from kvfleet.contract.errors import header_timeout_response
+from kvfleet.contract.errors import header_timeout_response, http_error
+from kvfleet.gateway.http_errors import error_response
 
 logger = logging.getLogger(__name__)
 
@@ -98,6 +100,21 @@ class TimedRequestHandler(web_protocol.RequestHandler):
         if self._send_timer is not None:
             self._send_timer.cancel()
             self._send_timer = None
+
+    def handle_error(
+        self,
+        request: web.BaseRequest,
+        status: int = 500,
+        exc: BaseException | None = None,
+        message: str | None = None,
+    ) -> web.StreamResponse:
+        """aiohttp's answer to a request it cannot parse (400, 431, ...) or whose handler failed (500), in
+        OpenAI's shape. aiohttp logs it and raises, instead, when a response has begun already."""
+        super().handle_error(request, status, exc, message)
+        detail = "the gateway failed to handle the request" if status >= 500 else message or "bad request"
+        response = error_response(http_error(status, detail))
+        response.force_close()
+        return response
 
     def _serving(self) -> bool:
         """A request's headers have arrived whole: it waits for its handler or is being handled."""

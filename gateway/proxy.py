@@ -1,11 +1,12 @@
 """The gateway's HTTP side: an aiohttp server in front of an aiohttp client pool.
 
-Completion requests are parsed (model, tier, prompt) before anything else, queued in their model's pool,
-and sent to the chosen replica with the body and headers unchanged. The response streams back chunk by chunk
-as the replica writes it, so SSE arrives unbuffered. A connection error or a 503 is retried on another
-replica as long as nothing has been sent to the client; after that a failure ends the stream (with an error
-event when it is SSE). A client that disconnects cancels its handler (handler_cancellation), which closes
-the upstream connection, and the replica aborts the request.
+Requests to a model (every OpenAI endpoint a replica serves on one: kvfleet.gateway.requests) are parsed
+(model, tier, prompt) before anything else, queued in their model's pool, and sent to the chosen replica with
+the body and headers unchanged. The response streams back chunk by chunk as the replica writes it, so SSE
+arrives unbuffered. A connection error or a 503 is retried on another replica as long as nothing has been sent
+to the client; after that a failure ends the stream (with an error event when it is SSE). A client that
+disconnects cancels its handler (handler_cancellation), which closes the upstream connection, and the replica
+aborts the request. Whatever the gateway answers itself is an OpenAI error (kvfleet.gateway.http_errors).
 
 A model whose policy routes on KV block hashes has each prompt tokenized and hashed as its replicas' engines
 do (kvfleet.gateway.prompt_blocks), on a worker thread, once the model's tokenizer is at hand
@@ -35,6 +36,7 @@ import asyncio
 import contextlib
 import hashlib
 import hmac
+import importlib.metadata
 import ipaddress
 import json
 import logging
@@ -48,6 +50,7 @@ from aiohttp import web
 from kvfleet.contract.errors import (
     INVALID_API_KEY_MESSAGE,
     AuthenticationError,
+    BadRequestError,
     GatewayTimeoutError,
     NotFoundError,
     OpenAIError,
@@ -60,13 +63,22 @@ from kvfleet.contract.kv_transfer import DO_REMOTE_DECODE, PREFILL_MAX_TOKENS
 from kvfleet.gateway.adapters import DEFAULT_ADAPTER_POLL_SECONDS, poll_adapters
 from kvfleet.gateway.discovery import Discovery, ModelConfig
 from kvfleet.gateway.flow import DEFAULT_MAX_QUEUE, Fleet, ModelPool
+from kvfleet.gateway.http_errors import error_response, openai_errors
 from kvfleet.gateway.http_protocol import DEFAULT_CLIENT_TIMEOUTS, ClientTimeouts, TimedAppRunner
 from kvfleet.gateway.kv_events import EventEndpoints, KVEventFeeds
 from kvfleet.gateway.kv_index import DEFAULT_MAX_ENTRIES, KVBlockIndex
 from kvfleet.gateway.metrics import GatewayMetrics
 from kvfleet.gateway.model_tokenizers import ModelTokenizers
 from kvfleet.gateway.prompt_blocks import ModelPrompts
-from kvfleet.gateway.requests import CHAT_PATH, COMPLETIONS_PATH, RoutedRequest, parse_request
+from kvfleet.gateway.requests import (
+    CHAT_PATH,
+    COMPLETIONS_PATH,
+    RESPONSES_PATH,
+    ROUTED_PATHS,
+    STORED_RESPONSES_UNREACHABLE,
+    RoutedRequest,
+    parse_request,
+)
 from kvfleet.gateway.routing import BlockHashes, Prompt, estimated_tokens
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -112,6 +124,9 @@ _NOT_THE_CLIENTS_FAULT = frozenset({408, 429})
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 # The policies that route on a prompt's block hashes: the gateway tokenizes the prompts of their models.
 BLOCK_HASH_POLICIES = frozenset({"precise-prefix"})
+# The requests whose prompts the gateway tokenizes as the engine does, and that disaggregated prefill serves:
+# the others' go to their replica as any request of a prefix-aware policy, routed on their text.
+GENERATION_PATHS = frozenset({CHAT_PATH, COMPLETIONS_PATH})
 
 
 @dataclass(frozen=True)
@@ -193,11 +208,17 @@ class Gateway:
         self.trusted_proxies = tuple(trusted_proxies)
         self.tokenizers = ModelTokenizers(tokenizers or {})
         self.session: aiohttp.ClientSession | None = None
-        self.app = web.Application(client_max_size=max_body_bytes)
-        self.app.router.add_post(CHAT_PATH, self.completion)
-        self.app.router.add_post(COMPLETIONS_PATH, self.completion)
+        self.app = web.Application(client_max_size=max_body_bytes, middlewares=[openai_errors])
+        for path in ROUTED_PATHS:
+            self.app.router.add_post(path, self.inference)
+        self.app.router.add_get(f"{RESPONSES_PATH}/{{response_id}}", self.stored_response)
+        self.app.router.add_delete(f"{RESPONSES_PATH}/{{response_id}}", self.stored_response)
         self.app.router.add_get("/v1/models", self.models)
         self.app.router.add_get("/health", self.health)
+        # vLLM's name for the health check, and its version page, as a replica serves them.
+        self.app.router.add_get("/ping", self.health)
+        self.app.router.add_post("/ping", self.health)
+        self.app.router.add_get("/version", self.version)
         self.app.router.add_get("/metrics", self.prometheus)
         self.app.cleanup_ctx.append(self._lifetime)
 
@@ -252,6 +273,9 @@ class Gateway:
     async def health(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
 
+    async def version(self, request: web.Request) -> web.Response:
+        return web.json_response({"version": importlib.metadata.version("kvfleet")})
+
     async def prometheus(self, request: web.Request) -> web.Response:
         response = web.Response(body=generate_latest(self.metrics.registry))
         response.headers["Content-Type"] = CONTENT_TYPE_LATEST
@@ -273,7 +297,7 @@ class Gateway:
         ]
         return web.json_response({"object": "list", "data": data})
 
-    async def completion(self, request: web.Request) -> web.StreamResponse:
+    async def inference(self, request: web.Request) -> web.StreamResponse:
         # Refused requests count under the model only once it is known to exist: no unbounded label values.
         model_label = ""
         try:
@@ -290,9 +314,18 @@ class Gateway:
                 response = await self._forward(request, body, routed, pool)
         except OpenAIError as error:
             self.metrics.requests.labels(model_label, str(error.status_code)).inc()
-            return _error_response(error)
+            return error_response(error)
         self.metrics.requests.labels(model_label, str(response.status)).inc()
         return response
+
+    async def stored_response(self, request: web.Request) -> web.Response:
+        """GET and DELETE /v1/responses/{id}: refused with the reason (see kvfleet.gateway.requests), once
+        the client has shown a key of the fleet."""
+        try:
+            _authenticate_fleet(request.headers, (pool.config for pool in self.fleet.pools.values()))
+        except AuthenticationError as error:
+            return error_response(error)
+        return error_response(BadRequestError(STORED_RESPONSES_UNREACHABLE, param="response_id"))
 
     @contextlib.asynccontextmanager
     async def _body(self, request: web.Request) -> AsyncIterator[bytes]:
@@ -411,7 +444,7 @@ class Gateway:
         """The prompt's block hashes, for a policy that routes on them, once the model's tokenizer is at hand;
         tokenized on a thread, so that a long prompt does not hold the event loop."""
         config = pool.config
-        if config.policy not in BLOCK_HASH_POLICIES:
+        if config.policy not in BLOCK_HASH_POLICIES or path not in GENERATION_PATHS:
             return None
         assert self.session is not None, "the session lives as long as the app"
         model = config.adapter_of or config.name
@@ -449,7 +482,7 @@ class Gateway:
             return body
         model = pool.config.name
         new_tokens = estimated_tokens(max(0, len(routed.prompt_text) - cached_chars))
-        if new_tokens < pool.config.pd_threshold_tokens or not _transfers_kv(routed.payload):
+        if new_tokens < pool.config.pd_threshold_tokens or not _transfers_kv(path, routed.payload):
             self.metrics.pd.requests.labels(model, "decode_only").inc()
             return body
         try:
@@ -535,9 +568,12 @@ class _PrefillFailed(Exception):
         self.reason = reason
 
 
-def _transfers_kv(payload: Mapping[str, Any]) -> bool:
-    """Whether a request can take its prompt's KV from a prefill replica: one choice of one prompt, as the
-    protocol hands over the blocks of one sequence (the engines refuse n > 1 with kv_transfer_params)."""
+def _transfers_kv(path: str, payload: Mapping[str, Any]) -> bool:
+    """Whether a request can take its prompt's KV from a prefill replica: a completion or a chat completion
+    (the protocol's requests) of one choice of one prompt, as the protocol hands over the blocks of one
+    sequence (the engines refuse n > 1 with kv_transfer_params)."""
+    if path not in GENERATION_PATHS:
+        return False
     prompt = payload.get("prompt")
     batched = isinstance(prompt, list) and len(prompt) > 1 and isinstance(prompt[0], str | list)
     return payload.get("n") in (None, 1) and not batched
@@ -744,13 +780,6 @@ def _json_body(payload: Mapping[str, Any]) -> bytes:
     """Compact and in UTF-8, so a body rewritten for the replicas does not outgrow what the client sent by
     more than what was changed."""
     return json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode()
-
-
-def _error_response(error: OpenAIError) -> web.Response:
-    response = web.json_response(error.body(), status=error.status_code, headers=error.headers)
-    if error.headers.get("Connection") == "close":
-        response.force_close()
-    return response
 
 
 def _end_to_end(headers: CIMultiDictProxy[str]) -> list[tuple[str, str]]:

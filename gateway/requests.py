@@ -1,13 +1,19 @@
 """What the gateway reads from a request before routing it: the model, the tier, whether it streams, and the
 text its prefix-aware routing hashes.
 
-Only what routing needs is checked here; the replica validates the rest. A body that fails these checks is
-refused before any replica sees it.
+Every OpenAI endpoint a replica serves on a model is routed: completions, chat, responses, embeddings, and
+vLLM's score and rerank (at each of the paths vLLM serves them). Only what routing needs is checked here; the
+replica validates the rest. A body that fails these checks is refused before any replica sees it.
+
+A response a replica stores lives in that replica's memory, and the gateway sends each request to whichever
+replica its policy chooses: a request continuing a stored response (`previous_response_id`) is refused with
+the reason, never sent to a replica that would not know the response. The conversation given whole, as
+input items, goes to any replica (and to the one caching its prefix, where the policy routes on prefixes).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,6 +25,16 @@ from kvfleet.runtime import json_depth
 DEADLINE_HEADER = "x-kvfleet-deadline-ms"
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
+RESPONSES_PATH = "/v1/responses"
+EMBEDDINGS_PATH = "/v1/embeddings"
+SCORE_PATHS = ("/v1/score", "/score")
+RERANK_PATHS = ("/v1/rerank", "/rerank", "/v2/rerank")
+# What the gateway tells a client of the responses it cannot reach.
+STORED_RESPONSES_UNREACHABLE = (
+    "the gateway does not serve stored responses: each lives in the memory of the replica that answered it, "
+    "and the gateway routes every request to any replica of the model; send the conversation as input items "
+    "instead"
+)
 
 
 @dataclass(frozen=True)
@@ -27,7 +43,8 @@ class RoutedRequest:
     # The tier's engine priority (0 = critical), None when the request names none.
     priority: int | None
     stream: bool
-    # The prompt as text, in order: the messages' roles and contents, or the completion prompt.
+    # The prompt as text, in order: the messages' roles and contents (a response's too), the first prompt of a
+    # completion or an embedding, the text that others are scored against, or the rerank query.
     prompt_text: str
     deadline_seconds: float | None
     # The body as parsed, for the gateway to rename the model in.
@@ -35,7 +52,7 @@ class RoutedRequest:
 
 
 def parse_request(path: str, body: bytes, headers: Mapping[str, str]) -> RoutedRequest:
-    """The routing facts of a completion request; BadRequestError names the field at fault."""
+    """The routing facts of a request to one of ROUTED_PATHS; BadRequestError names the field at fault."""
     try:
         payload = json_depth.loads(body)
     except json_depth.JSONTooDeepError as error:
@@ -50,7 +67,7 @@ def parse_request(path: str, body: bytes, headers: Mapping[str, str]) -> RoutedR
     stream = payload.get("stream")
     if stream is not None and not isinstance(stream, bool):
         raise BadRequestError("stream must be true or false", param="stream")
-    prompt_text = _chat_text(payload) if path == CHAT_PATH else _completion_text(payload)
+    prompt_text = _PROMPT_TEXT[path](payload)
     return RoutedRequest(
         model=model,
         priority=_priority(payload.get("priority"), headers),
@@ -85,7 +102,15 @@ def _content_text(content: Any) -> str:
 
 
 def _completion_text(payload: dict[str, Any]) -> str:
-    prompt = payload.get("prompt")
+    return _prompts_text(payload.get("prompt"), "prompt")
+
+
+def _embeddings_text(payload: dict[str, Any]) -> str:
+    return _prompts_text(payload.get("input"), "input")
+
+
+def _prompts_text(prompt: Any, param: str) -> str:
+    """The first of a completion's (or an embedding's) prompts as text."""
     if isinstance(prompt, str):
         return prompt
     if isinstance(prompt, list) and prompt:
@@ -98,9 +123,66 @@ def _completion_text(payload: dict[str, Any]) -> str:
         if isinstance(first, list):
             return " ".join(str(token) for token in first)
     raise BadRequestError(
-        "prompt must be a string, a list of strings, or token ids (a list of integers or of lists)",
-        param="prompt",
+        f"{param} must be a string, a list of strings, or token ids (a list of integers or of lists)",
+        param=param,
     )
+
+
+def _responses_text(payload: dict[str, Any]) -> str:
+    """The instructions and input as the chat messages the replica makes of them, in _chat_text's form: a
+    conversation hashes alike through either API."""
+    if payload.get("previous_response_id") is not None:
+        raise BadRequestError(STORED_RESPONSES_UNREACHABLE, param="previous_response_id")
+    instructions = payload.get("instructions")
+    parts = [f"system\n{instructions}\n"] if isinstance(instructions, str) and instructions else []
+    items = payload.get("input")
+    if isinstance(items, str):
+        return "".join([*parts, f"user\n{items}\n"])
+    if not isinstance(items, list) or not items:
+        raise BadRequestError("input must be a string or a non-empty list of items", param="input")
+    for index, item in enumerate(items):
+        if not isinstance(item, dict):
+            raise BadRequestError("each input item must be an object", param=f"input[{index}]")
+        parts.append(_item_text(item))
+    return "".join(parts)
+
+
+def _item_text(item: dict[str, Any]) -> str:
+    kind = item.get("type", "message")
+    if kind == "function_call":
+        return f"assistant\n{item.get('arguments', '')}\n"
+    if kind == "function_call_output":
+        return f"tool\n{item.get('output', '')}\n"
+    return f"{item.get('role', 'user')}\n{_content_text(item.get('content'))}\n"
+
+
+def _score_text(payload: dict[str, Any]) -> str:
+    """The first text the others are scored against."""
+    first = payload.get("text_1")
+    if isinstance(first, list) and first and isinstance(first[0], str):
+        return first[0]
+    if isinstance(first, str):
+        return first
+    raise BadRequestError("text_1 must be a string or a non-empty list of strings", param="text_1")
+
+
+def _rerank_text(payload: dict[str, Any]) -> str:
+    query = payload.get("query")
+    if not isinstance(query, str):
+        raise BadRequestError("query must be a string", param="query")
+    return query
+
+
+# The paths routed to a model's replicas, and the text of each one's body that routing hashes.
+_PROMPT_TEXT: dict[str, Callable[[dict[str, Any]], str]] = {
+    CHAT_PATH: _chat_text,
+    COMPLETIONS_PATH: _completion_text,
+    RESPONSES_PATH: _responses_text,
+    EMBEDDINGS_PATH: _embeddings_text,
+    **dict.fromkeys(SCORE_PATHS, _score_text),
+    **dict.fromkeys(RERANK_PATHS, _rerank_text),
+}
+ROUTED_PATHS = tuple(_PROMPT_TEXT)
 
 
 def _priority(body_priority: Any, headers: Mapping[str, str]) -> int | None:

@@ -23,6 +23,7 @@ from kvfleet.contract.errors import (
     PermissionDeniedError,
     RequestTimeoutError,
     ServiceUnavailableError,
+    http_error,
 )
 from kvfleet.runtime.errors import EngineError
 from kvfleet.runtime.serving.errors import from_engine_error, validation_error
@@ -82,12 +83,7 @@ async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
 
 async def _http_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, StarletteHTTPException)
-    error_class = {404: NotFoundError, 408: RequestTimeoutError, 413: PayloadTooLargeError}.get(
-        exc.status_code, BadRequestError
-    )
-    error = error_class(str(exc.detail))
-    response = error_response(error)
-    response.status_code = exc.status_code
+    response = error_response(http_error(exc.status_code, str(exc.detail)))
     if exc.headers:
         response.headers.update(exc.headers)
     return response

@@ -1,8 +1,9 @@
 """Replicas and gateways on real loopback sockets, in the test's own event loop, for the gateway's tests.
 
 The replicas are small aiohttp servers that answer like `kvfleet serve` does (OpenAI JSON, SSE ending with
-[DONE], the LoRA adapters they serve on /metrics, and, for a prefill replica, the `kv_transfer_params` of the
-blocks it holds for a decode replica) and record what reached them; the gateway under test is the
+[DONE], the Responses API's typed events, embeddings, vLLM's score and rerank, the LoRA adapters they serve on
+/metrics, and, for a prefill replica, the `kv_transfer_params` of the blocks it holds for a decode replica)
+and record what reached them; the gateway under test is the
 real one, fed by a discovery source the test publishes through. InferenceServices and pods are built as the
 API server returns them, for the Kubernetes discovery.
 """
@@ -10,10 +11,11 @@ API server returns them, for the Kubernetes discovery.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import secrets
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -73,6 +75,8 @@ class FakeReplica:
         app = web.Application()
         app.router.add_post("/v1/chat/completions", self._complete)
         app.router.add_post("/v1/completions", self._complete)
+        for path, answer in _ANSWERS.items():
+            app.router.add_post(path, functools.partial(self._answer, answer))
         app.router.add_get("/metrics", self._metrics)
         self._runner = web.AppRunner(app, handler_cancellation=True)
         await self._runner.setup()
@@ -129,6 +133,28 @@ class FakeReplica:
             self.disconnected.set()
             raise
 
+    async def _answer(self, answer: Answer, request: web.Request) -> web.StreamResponse:
+        """A request of the other endpoints: recorded, and answered (in its replica's name) after a permit
+        when `gated`."""
+        body = await request.json()
+        self.received.append(body)
+        self.headers.append(dict(request.headers))
+        if self.status != 200:
+            return web.json_response(
+                {"error": {"message": "busy", "type": "service_unavailable", "param": None, "code": None}},
+                status=self.status,
+            )
+        if self.gated:
+            await self.permits.acquire()
+        if not body.get("stream"):
+            return web.json_response(answer(self.name, body), headers={"x-replica": self.name})
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "x-replica": self.name})
+        await response.prepare(request)
+        for event in _response_events(self.name, body):
+            await response.write(f"event: {event['type']}\ndata: {json.dumps(event)}\n\n".encode())
+        await response.write_eof()
+        return response
+
     def _offer(self, body: dict[str, Any]) -> dict[str, Any]:
         """Where the prompt's blocks wait, as the engine's prefill answer names them (16-token blocks of a
         prompt taken at 4 characters a token)."""
@@ -158,6 +184,69 @@ def _completion(name: str, body: dict[str, Any]) -> dict[str, Any]:
     choice = {"index": 0, "text": name, "finish_reason": "stop", "logprobs": None}
     return {"id": f"cmpl-{name}", "object": "text_completion", "created": created, "model": body["model"],
             "choices": [choice], "usage": usage}  # fmt: skip
+
+
+def _response(name: str, body: dict[str, Any], status: str = "completed") -> dict[str, Any]:
+    """A Responses API response whose output text is the replica's name."""
+    text = {"type": "output_text", "text": name if status == "completed" else "", "annotations": []}
+    message = {
+        "type": "message",
+        "id": f"msg_{name}",
+        "role": "assistant",
+        "status": status,
+        "content": [text],
+    }
+    return {"id": f"resp_{name}", "object": "response", "created_at": int(time.time()),
+            "model": body["model"], "status": status, "output": [message], "parallel_tool_calls": True,
+            "tool_choice": "auto", "tools": [], "usage": None}  # fmt: skip
+
+
+def _response_events(name: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+    """A streamed response's events: created, its text (the replica's name) in one delta, completed."""
+    return [
+        {"type": "response.created", "sequence_number": 0, "response": _response(name, body, "in_progress")},
+        {"type": "response.output_text.delta", "sequence_number": 1, "item_id": f"msg_{name}",
+         "output_index": 0, "content_index": 0, "delta": name, "logprobs": []},
+        {"type": "response.completed", "sequence_number": 2, "response": _response(name, body)},
+    ]  # fmt: skip
+
+
+def _embeddings(name: str, body: dict[str, Any]) -> dict[str, Any]:
+    """One vector per input, each the replica's name as character codes."""
+    texts = [body["input"]] if isinstance(body["input"], str) else body["input"]
+    vector = [float(ord(character)) for character in name]
+    data = [{"object": "embedding", "index": index, "embedding": vector} for index in range(len(texts))]
+    return {
+        "object": "list",
+        "data": data,
+        "model": body["model"],
+        "usage": {"prompt_tokens": 1, "total_tokens": 1},
+    }
+
+
+def _scores(name: str, body: dict[str, Any]) -> dict[str, Any]:
+    """Each pair scored by the length of its replica's name."""
+    texts = [body["text_2"]] if isinstance(body["text_2"], str) else body["text_2"]
+    data = [{"index": index, "object": "score", "score": float(len(name))} for index in range(len(texts))]
+    return {"id": f"score-{name}", "object": "list", "model": body["model"], "data": data}
+
+
+def _reranked(name: str, body: dict[str, Any]) -> dict[str, Any]:
+    results = [
+        {"index": index, "document": {"text": text}, "relevance_score": float(len(name))}
+        for index, text in enumerate(body["documents"])
+    ]
+    return {"id": f"rerank-{name}", "model": body["model"], "results": results}
+
+
+Answer = Callable[[str, dict[str, Any]], dict[str, Any]]
+# What a replica answers on its endpoints other than the completions.
+_ANSWERS: dict[str, Answer] = {
+    "/v1/responses": _response,
+    "/v1/embeddings": _embeddings,
+    **dict.fromkeys(("/v1/score", "/score"), _scores),
+    **dict.fromkeys(("/v1/rerank", "/rerank", "/v2/rerank"), _reranked),
+}
 
 
 def _chunk(name: str, body: dict[str, Any], index: int) -> dict[str, Any]:

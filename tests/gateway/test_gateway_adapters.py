@@ -197,12 +197,30 @@ def _lora_requests(server: ServerProcess, name: str) -> float:
     return next((float(line[len(prefix) :]) for line in text.splitlines() if line.startswith(prefix)), 0.0)
 
 
+async def _same_through_the_gateway(gateway: openai.AsyncOpenAI, replica: openai.AsyncOpenAI) -> None:
+    """The rest of a replica's surface answers through the gateway as it does directly: the same embedding,
+    and the same greedy text from the Responses API, streamed through the gateway."""
+    text = "Once upon a time"
+    via, direct = [
+        (await sdk.embeddings.create(model="tiny", input=text, encoding_format="float")).data[0].embedding
+        for sdk in (gateway, replica)
+    ]
+    assert via == pytest.approx(direct, abs=1e-5)
+    options: dict[str, Any] = {"model": "tiny", "input": text, "max_output_tokens": 4, "temperature": 0.0}
+    expected = (await replica.responses.create(**options)).output_text
+    events = [event async for event in await gateway.responses.create(**options, stream=True)]
+    assert events[-1].type == "response.completed"
+    streamed = "".join(event.delta for event in events if event.type == "response.output_text.delta")
+    assert streamed == expected and expected
+
+
 @pytest.mark.slow
 def test_real_replicas_serve_an_adapter_where_it_is_loaded(
     start_server: Callable[..., ServerProcess], sql_adapter: Path
 ) -> None:
     """Two `kvfleet serve` replicas behind an API key, the adapter on one: all its requests land there; once
-    the other loads it too, both serve it, under the same lora_int_id."""
+    the other loads it too, both serve it, under the same lora_int_id. Their embeddings and the Responses API
+    answer through the gateway as directly."""
     options = ("--enable-lora", "--max-lora-rank", "8", "--allow-runtime-lora-updates")
     # Both load at once: a start is mostly one process importing and loading, so two starts overlap.
     holder = start_server(*options, "--lora-modules", f"sql={sql_adapter}", api_key="fleet-key", wait=False)
@@ -221,6 +239,7 @@ def test_real_replicas_serve_an_adapter_where_it_is_loaded(
             sdk = client(url, api_key="fleet-key")
             listed = {entry.id: entry.model_extra for entry in (await sdk.models.list()).data}
             assert listed == {"tiny": {"parent": None}, "sql": {"parent": "tiny"}}
+            await _same_through_the_gateway(sdk, client(holder.url, api_key="fleet-key"))
             for _ in range(4):
                 assert await complete(sdk, model="sql") == "sql"
             assert (_lora_requests(holder, "sql"), _lora_requests(other, "sql")) == (4, 0)
