@@ -134,3 +134,26 @@ def test_thinking_switched_off_answers_in_content_and_may_be_constrained(
     assert refused.value.body["param"] == "response_format"
     constrained = _answer(client, {}, response_format=json_object, max_tokens=200, extra_body=off)
     assert isinstance(json.loads(constrained.choices[0].message.content), dict)
+
+
+def test_responses_carry_the_reasoning_as_a_reasoning_item(client: openai.OpenAI) -> None:
+    chat = _answer(client, {}, max_tokens=12).choices[0].message
+    response = client.responses.create(
+        model=MODEL_NAME, input=MESSAGES[0]["content"], max_output_tokens=12, temperature=0
+    )
+    reasoning, message = response.output
+    assert reasoning.type == "reasoning"
+    assert [part.text for part in reasoning.content] == [chat.reasoning_content]
+    assert message.type == "message" and response.output_text == ""
+
+    events = list(
+        client.responses.create(
+            model=MODEL_NAME, input=MESSAGES[0]["content"], max_output_tokens=12, temperature=0, stream=True
+        )
+    )
+    deltas = [event.delta for event in events if event.type == "response.reasoning_text.delta"]
+    (done,) = [event.text for event in events if event.type == "response.reasoning_text.done"]
+    assert "".join(deltas) == done == chat.reasoning_content
+    streamed = events[-1].response
+    assert [item.type for item in streamed.output] == ["reasoning", "message"]
+    assert streamed.output[0].content[0].text == chat.reasoning_content
