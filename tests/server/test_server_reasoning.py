@@ -12,6 +12,14 @@ from typing import TYPE_CHECKING, Any
 
 import openai
 import pytest
+from kvfleet.runtime.engine.outputs import CompletionOutput
+from kvfleet.runtime.reasoning import reasoning_parser
+from kvfleet.runtime.sampling_params import SamplingParams
+from kvfleet.runtime.serving.chat import ChatRoute
+from kvfleet.runtime.serving.protocol import ChatCompletionRequest
+from kvfleet.runtime.serving.request import PreparedRequest
+from kvfleet.runtime.serving.responses import Choice
+from kvfleet.runtime.serving.service import ServiceSettings
 from transformers import AutoTokenizer
 
 if TYPE_CHECKING:
@@ -157,3 +165,44 @@ def test_responses_carry_the_reasoning_as_a_reasoning_item(client: openai.OpenAI
     streamed = events[-1].response
     assert [item.type for item in streamed.output] == ["reasoning", "message"]
     assert streamed.output[0].content[0].text == chat.reasoning_content
+
+
+def _call(name: str, arguments: dict[str, Any]) -> str:
+    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
+
+
+def test_tool_calls_are_read_from_the_content_alone(tokenizer: Any) -> None:
+    """A call written in the reasoning stays reasoning; the one in the content is the answer's call, whole
+    and streamed (the route fed the output token by token)."""
+    tools = [
+        {"type": "function", "function": {"name": name, "parameters": {"type": "object"}}}
+        for name in ("get_time", "get_weather")
+    ]
+    body = ChatCompletionRequest(messages=MESSAGES, tools=tools, tool_choice="auto")
+    settings = ServiceSettings(MODEL_NAME, enable_auto_tool_choice=True, tool_call_parser="hermes")
+    thought = f"Maybe {_call('get_weather', {'city': 'Paris'})} first."
+    text = f"<think>{thought}</think>Let me look. {_call('get_time', {'zone': 3})}"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert tokenizer.decode(ids) == text
+
+    route = ChatRoute(body, settings)
+    route.reasoning = reasoning_parser("qwen3", tokenizer)
+    request = PreparedRequest(route, "chatcmpl-1", 0, MODEL_NAME, [[1]], SamplingParams(), 0, None, 0.0, None)
+    whole = route.response(request, [[Choice(text, ids, finish_reason="stop")]], tokenizer)
+    (choice,) = whole["choices"]
+    assert choice["message"]["reasoning_content"] == thought
+    assert choice["message"]["content"] == "Let me look. "
+    assert [call["function"]["name"] for call in choice["message"]["tool_calls"]] == ["get_time"]
+
+    builder = route.choice_builder(request, tokenizer)
+    deltas = []
+    for end in range(1, len(ids) + 1):
+        piece = tokenizer.decode(ids[:end])[len(tokenizer.decode(ids[: end - 1])) :]
+        finish = "stop" if end == len(ids) else None
+        output = CompletionOutput(0, piece, ids[end - 1 : end], None, None, finish_reason=finish)
+        deltas += [streamed["delta"] for streamed in builder(0, output, finish is not None)]
+    assert "".join(delta.get("reasoning_content") or "" for delta in deltas) == thought
+    assert "".join(delta.get("content") or "" for delta in deltas) == "Let me look. "
+    calls = [call for delta in deltas for call in delta.get("tool_calls") or []]
+    assert [call["function"]["name"] for call in calls if "id" in call] == ["get_time"]
+    assert json.loads("".join(call["function"]["arguments"] for call in calls)) == {"zone": 3}
