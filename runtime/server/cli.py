@@ -330,7 +330,12 @@ def _api_key(ctx: click.Context, param: click.Parameter, value: str | None) -> s
 @click.option(
     "--revision", default=None, help="Refused: serve a folder that `kvfleet download-model` fetched."
 )
-@click.option("--reasoning-parser", default=None, help="Refused: reasoning is not told apart from content.")
+@click.option(
+    "--reasoning-parser",
+    default=None,
+    help="How chat answers split into reasoning (the message's reasoning_content) and content: qwen3 or "
+    "deepseek_r1.",
+)
 @engine_options
 def serve(model_tag: str | None, model: str | None, host: str, port: int, **options: Any) -> None:
     """Serve MODEL (a model folder) over an OpenAI-compatible HTTP API; with --node-rank above 0, run only
@@ -361,6 +366,8 @@ def serve(model_tag: str | None, model: str | None, host: str, port: int, **opti
             check_parallel_config(config)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc
+    if options["reasoning_parser"] is not None:
+        _check_reasoning_parser(options["reasoning_parser"], Path(config.tokenizer or config.model))
     if config.node_rank > 0:
         from kvfleet.runtime.executor.node import run_node
 
@@ -423,11 +430,26 @@ def _refuse_what_cannot_be_honoured(options: dict[str, Any]) -> None:
             f"{options['kv_cache_dtype']!r}: the KV cache is kept in the model's dtype (auto) only",
             param_hint="--kv-cache-dtype",
         )
-    if options["reasoning_parser"] is not None:
+
+
+def _check_reasoning_parser(name: str, tokenizer_dir: Path) -> None:
+    """The parser is known, and the model's tokenizer has its tags (where it is a tokenizer.json: others are
+    checked when the server binds the parser)."""
+    from kvfleet.runtime.reasoning import REASONING_PARSERS, reasoning_parser
+
+    if name not in REASONING_PARSERS:
         raise click.BadParameter(
-            "reasoning output (reasoning_content) is not separated from the content",
-            param_hint="--reasoning-parser",
+            f"{name!r} is not one of {', '.join(REASONING_PARSERS)}", param_hint="--reasoning-parser"
         )
+    tokenizer_file = tokenizer_dir / "tokenizer.json"
+    if not tokenizer_file.is_file():
+        return
+    from tokenizers import Tokenizer
+
+    try:
+        reasoning_parser(name, Tokenizer.from_file(str(tokenizer_file)))
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--reasoning-parser") from None
 
 
 def _server_settings(model: str, options: dict[str, Any]) -> ServerSettings:

@@ -1,13 +1,17 @@
 """POST /v1/chat/completions: the model folder's chat template turns the messages into one prompt; the
-answer is a message, with the calls the model made when it may call tools."""
+answer is a message, with the calls the model made when it may call tools. With a reasoning parser, what the
+model reasons before it answers is the message's `reasoning_content` (and `reasoning`, vLLM's newer name),
+streamed before the content, and calls are read from the content alone."""
 
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 from kvfleet.runtime.engine.outputs import CompletionOutput
+from kvfleet.runtime.reasoning import ReasoningParser, ReasoningStream
 from kvfleet.runtime.safety.guardrails import Decision, redact_pieces
 from kvfleet.runtime.sampling_params import StructuredOutputsParams
 from kvfleet.runtime.serving.media import load_chat_media
@@ -36,6 +40,10 @@ class ChatRoute:
         self.settings = settings
         # The prompt as the model reads it, when the input is checked.
         self.rendered: str | None = None
+        # The server's reasoning parser, and whether this answer begins with reasoning (known with the
+        # prompt).
+        self.reasoning: ReasoningParser | None = None
+        self.opens_in_reasoning = False
 
     @cached_property
     def tool_calling(self) -> ToolCalling | None:
@@ -60,6 +68,9 @@ class ChatRoute:
         token_ids = await service.chat_prompt(
             messages, body.add_generation_prompt, tools, body.chat_template_kwargs
         )
+        self.reasoning = service.reasoning
+        if self.reasoning is not None:
+            self.opens_in_reasoning = self.reasoning.opens_in_reasoning(body.chat_template_kwargs)
         # Checked as the model reads it: the tools, the calls and all else the template puts in.
         self.rendered = await service.prompt_text(token_ids) if safety is not None else None
         mm_features = []
@@ -76,8 +87,13 @@ class ChatRoute:
         entries = []
         for index, choice in enumerate(choices[0]):
             message: dict[str, Any] = {"role": "assistant", "content": choice.text}
+            if self.reasoning is not None:
+                split = self.reasoning.extract_reasoning(
+                    choice.text, choice.token_ids, self.body.chat_template_kwargs
+                )
+                message.update(_reasoning_fields(split.reasoning), content=split.content)
             finish_reason = choice.finish_reason
-            calls = _calls(self.tool_calling, choice.text, finish_reason)
+            calls = _calls(self.tool_calling, message["content"] or "", finish_reason)
             if calls is not None:
                 message["content"], parsed = calls
                 message["tool_calls"] = [call.as_openai() for call in parsed]
@@ -143,8 +159,15 @@ class ChatRoute:
         return {"prompt_token_ids": request.prompt_token_ids[0]} if self.body.return_token_ids else {}
 
     def choice_builder(self, request: PreparedRequest, tokenizer: Any) -> ChoiceBuilder:
+        builder = self._content_builder(request, tokenizer)
+        if self.reasoning is not None:
+            streams = [self.reasoning.stream(self.body.chat_template_kwargs) for _ in range(request.params.n)]
+            builder = _reasoning_first(streams, builder)
+        return _carrying_token_ids(builder) if self.body.return_token_ids else builder
+
+    def _content_builder(self, request: PreparedRequest, tokenizer: Any) -> ChoiceBuilder:
         if self.tool_calling is not None:
-            return self._with_token_ids(_ToolCallStream(self.tool_calling, request.params.n))
+            return _ToolCallStream(self.tool_calling, request.params.n)
 
         def choice_of(_: int, completion: CompletionOutput, finished: bool) -> list[dict[str, Any]]:
             if not (completion.text or finished or completion.logprobs):
@@ -157,10 +180,30 @@ class ChatRoute:
                 }
             ]
 
-        return self._with_token_ids(choice_of)
+        return choice_of
 
-    def _with_token_ids(self, builder: ChoiceBuilder) -> ChoiceBuilder:
-        return _carrying_token_ids(builder) if self.body.return_token_ids else builder
+
+def _reasoning_fields(reasoning: str | None) -> dict[str, str | None]:
+    """vLLM's two names for the reasoning: reasoning_content, and reasoning (its newer one)."""
+    return {"reasoning_content": reasoning, "reasoning": reasoning}
+
+
+def _reasoning_first(streams: list[ReasoningStream], builder: ChoiceBuilder) -> ChoiceBuilder:
+    """Each choice's reasoning as reasoning deltas, and its content through `builder`: the reasoning of a
+    delta joins the first choice the builder makes of its content, or goes in a choice of its own."""
+
+    def choice_of(prompt_index: int, completion: CompletionOutput, finished: bool) -> list[dict[str, Any]]:
+        reasoning, content = streams[completion.index].feed(
+            completion.text, completion.token_ids, finished=finished
+        )
+        choices = builder(prompt_index, replace(completion, text=content), finished)
+        if not reasoning:
+            return choices
+        first = choices[0] if choices else {"index": completion.index, "delta": {}, "logprobs": None}
+        first = {**first, "delta": {**_reasoning_fields(reasoning), **first["delta"]}}
+        return [first, *choices[1:]]
+
+    return choice_of
 
 
 def _carrying_token_ids(builder: ChoiceBuilder) -> ChoiceBuilder:

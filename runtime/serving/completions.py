@@ -20,6 +20,8 @@ if TYPE_CHECKING:
 class CompletionRoute:
     chunk_object = "text_completion"
     id_prefix = "cmpl"
+    # Completions are raw text: reasoning is not told apart, as in vLLM.
+    opens_in_reasoning = False
     tool_constraint: StructuredOutputsParams | None = None
 
     def __init__(self, body: CompletionRequest, fields: list[str] | None = None) -> None:

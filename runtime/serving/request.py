@@ -34,6 +34,8 @@ class Route(Protocol):
     body: ChatCompletionRequest | CompletionRequest
     chunk_object: str
     id_prefix: str
+    # Whether the answer begins with reasoning (known once the prompt is made).
+    opens_in_reasoning: bool
 
     @property
     def tool_constraint(self) -> StructuredOutputsParams | None: ...

@@ -1,6 +1,7 @@
 """POST /v1/responses (OpenAI's Responses API) over the chat path: the request becomes a chat completion
 request, admitted and run like any other, and the chat answer (or its chunks) becomes a response (or its
-typed events: response.created, response.output_text.delta, response.completed, ...).
+typed events: response.created, response.output_text.delta, response.completed, ...). With a reasoning
+parser, the model's reasoning comes first, as a reasoning item (response.reasoning_text.delta events).
 
 Responses are kept for `previous_response_id` and GET /v1/responses/{id} only where the server keeps a
 store (--max-stored-responses); without one, as vLLM serves by default, `store` is answered false and
@@ -104,6 +105,8 @@ class OpenAIServingResponses:
         ]
         text = message["content"]
         output = [_message_item(text or ""), *calls] if text or not calls else calls
+        if message.get("reasoning_content"):
+            output.insert(0, _reasoning_item(message["reasoning_content"]))
         usage = chat["usage"]
         response = _response(prepared, output, choice["finish_reason"], usage)
         self._keep(prepared, response)
@@ -209,6 +212,20 @@ def _message_item(text: str, status: str = "completed", item_id: str | None = No
     }
 
 
+def _reasoning_item(text: str, status: str = "completed", item_id: str | None = None) -> dict[str, Any]:
+    return {
+        "type": "reasoning",
+        "id": item_id or f"rs_{uuid.uuid4().hex}",
+        "summary": [],
+        "status": status,
+        "content": [_reasoning_part(text)] if status == "completed" else [],
+    }
+
+
+def _reasoning_part(text: str) -> dict[str, Any]:
+    return {"type": "reasoning_text", "text": text}
+
+
 def _text_part(text: str) -> dict[str, Any]:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
@@ -273,6 +290,7 @@ class _ResponseEvents:
         # Finished items by output index; the open ones are kept apart until they are done.
         self.output: dict[int, dict[str, Any]] = {}
         self.text: _OpenText | None = None
+        self.reasoning: _OpenText | None = None
         self.calls: dict[int, _OpenCall] = {}
         self.finish_reason: str | None = None
         self.usage: dict[str, int] | None = None
@@ -283,7 +301,7 @@ class _ResponseEvents:
         return event
 
     def _next_index(self) -> int:
-        return len(self.output) + (self.text is not None) + len(self.calls)
+        return len(self.output) + (self.reasoning is not None) + (self.text is not None) + len(self.calls)
 
     def start(self) -> list[dict[str, Any]]:
         running = _response(self.prepared, [], None, None, status="in_progress")
@@ -298,6 +316,10 @@ class _ResponseEvents:
         events: list[dict[str, Any]] = []
         for choice in chunk["choices"]:
             delta = choice.get("delta", {})
+            if delta.get("reasoning_content"):
+                events += self._reasoning_delta(delta["reasoning_content"])
+            if delta.get("content") or delta.get("tool_calls"):
+                events += self._close_reasoning()
             if delta.get("content"):
                 events += self._text_delta(delta["content"])
             for call in delta.get("tool_calls") or []:
@@ -305,6 +327,48 @@ class _ResponseEvents:
             if choice.get("finish_reason") is not None:
                 self.finish_reason = choice["finish_reason"]
         return events
+
+    def _reasoning_delta(self, delta: str) -> list[dict[str, Any]]:
+        events = []
+        if self.reasoning is None:
+            self.reasoning = _OpenText(self._next_index(), f"rs_{uuid.uuid4().hex}")
+            where = {"output_index": self.reasoning.output_index}
+            item = _reasoning_item("", "in_progress", self.reasoning.item_id)
+            events += [
+                self._event("response.output_item.added", item=item, **where),
+                self._event(
+                    "response.content_part.added",
+                    item_id=self.reasoning.item_id,
+                    content_index=0,
+                    part=_reasoning_part(""),
+                    **where,
+                ),
+            ]
+        self.reasoning.text += delta
+        events.append(
+            self._event(
+                "response.reasoning_text.delta",
+                item_id=self.reasoning.item_id,
+                output_index=self.reasoning.output_index,
+                content_index=0,
+                delta=delta,
+            )
+        )
+        return events
+
+    def _close_reasoning(self) -> list[dict[str, Any]]:
+        reasoning = self.reasoning
+        if reasoning is None:
+            return []
+        self.reasoning = None
+        item = _reasoning_item(reasoning.text, "completed", reasoning.item_id)
+        self.output[reasoning.output_index] = item
+        where = {"item_id": reasoning.item_id, "output_index": reasoning.output_index, "content_index": 0}
+        return [
+            self._event("response.reasoning_text.done", text=reasoning.text, **where),
+            self._event("response.content_part.done", part=_reasoning_part(reasoning.text), **where),
+            self._event("response.output_item.done", output_index=reasoning.output_index, item=item),
+        ]
 
     def _text_delta(self, delta: str) -> list[dict[str, Any]]:
         events = []
@@ -403,8 +467,10 @@ class _ResponseEvents:
 
     def finish(self) -> list[dict[str, Any]]:
         """The open items done, then response.completed (whose status may be incomplete, as vLLM's)."""
-        events = []
-        if not self.output and self.text is None and not self.calls:
+        events = self._close_reasoning()
+        if not any(item["type"] != "reasoning" for item in self.output.values()) and not (
+            self.text or self.calls
+        ):
             events += self._open_text()  # an answer without text or calls is one empty message
         events += self._close_text() + self._close_calls()
         output = [self.output[index] for index in sorted(self.output)]

@@ -10,6 +10,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 from kvfleet.contract.errors import (
@@ -45,6 +46,7 @@ from kvfleet.runtime.input_checks import (
 )
 from kvfleet.runtime.kv_transfer.params import RemoteDecode, parse_kv_transfer_params
 from kvfleet.runtime.lora.request import LoRARequest
+from kvfleet.runtime.reasoning import ReasoningParser, reasoning_parser
 from kvfleet.runtime.sampling_params import (
     KV_TRANSFER_PARAMS,
     MAX_LOGPROBS,
@@ -106,6 +108,8 @@ class ServiceSettings:
     # The most tokens any request generates, whatever it asks (a --generation-config folder's
     # max_new_tokens); None: no bound beyond the context.
     max_tokens_limit: int | None = None
+    # The REASONING_PARSERS name that splits chat answers into reasoning and content; None: all content.
+    reasoning_parser: str | None = None
 
     @property
     def served_model_names(self) -> tuple[str, ...]:
@@ -134,6 +138,12 @@ class OpenAIService:
     @property
     def tokenizer(self) -> Any:
         return self.engine.tokenizer
+
+    @cached_property
+    def reasoning(self) -> ReasoningParser | None:
+        """The reasoning parser, bound to the tokenizer once the engine has one."""
+        name = self.settings.reasoning_parser
+        return reasoning_parser(name, self.tokenizer) if name is not None else None
 
     @property
     def model_name(self) -> str:
@@ -169,6 +179,14 @@ class OpenAIService:
         prompt = await route.prompt(self, safety)
         for token_ids, param in zip(prompt.token_ids, prompt.params, strict=True):
             self.check_prompt(token_ids, params, param)
+        if params.structured_outputs is not None and route.opens_in_reasoning:
+            # The constraint would hold from the first token, where the model reasons, not answers.
+            param = "tools" if route.tool_constraint is not None else _constraint_param(body)
+            raise BadRequestError(
+                f"{param} constrains the answer, and this model reasons first: a constrained output needs "
+                "the reasoning switched off (chat_template_kwargs, e.g. enable_thinking false)",
+                param=param,
+            )
         if body.kv_transfer_params is not None:
             check_kv_transfer_call(body.kv_transfer_params, body.stream, len(prompt.token_ids))
         checked_text = route.input_text(self, safety)
@@ -274,7 +292,7 @@ class OpenAIService:
             raise BadRequestError(
                 f"{name} must be at most {max_logprobs} on this server, got {params.logprobs}", param=name
             )
-        param = "structured_outputs" if body.structured_outputs else "response_format"
+        param = _constraint_param(body)
         if tool_constraint is not None:
             if params.structured_outputs is not None:
                 raise BadRequestError(
@@ -548,6 +566,11 @@ class OpenAIService:
         if route.body.include_usage:
             prompt_tokens = sum(len(ids) for ids in request.prompt_token_ids)
             yield chunk(request, None, usage(prompt_tokens, completion_tokens))
+
+
+def _constraint_param(body: CompletionRequest | ChatCompletionRequest) -> str:
+    """The field that constrains the output: structured_outputs, or response_format."""
+    return "structured_outputs" if body.structured_outputs else "response_format"
 
 
 def check_kv_transfer_call(kv_transfer_params: dict[str, Any], stream: bool, num_prompts: int) -> None:

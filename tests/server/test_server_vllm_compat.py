@@ -367,6 +367,7 @@ def test_a_bad_model_path_fails_in_one_line_before_listening(
         (["--revision", "main"], "--revision"),
         (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype"),
         (["--reasoning-parser", "qwen3"], "--reasoning-parser"),
+        (["--reasoning-parser", "granite"], "--reasoning-parser"),
         (["--max-logprobs", "21"], "--max-logprobs"),
         (["--allowed-origins", "https://app.example"], "--allowed-origins"),
     ],

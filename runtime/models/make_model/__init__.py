@@ -20,6 +20,7 @@ from kvfleet.runtime.models.make_model.files import save_weights, write_json
 from kvfleet.runtime.models.make_model.text import PRESETS, TEXT_ARCHITECTURES, random_weights, text_config
 from kvfleet.runtime.models.make_model.tokenizer import (
     LLAMA_STYLE,
+    QWEN3_STYLE,
     QWEN_STYLE,
     corpus_text,
     generation_config,
@@ -37,6 +38,7 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     **{name: module.ARCHITECTURE for name, module in _MULTIMODAL.items()},
 }
 DTYPES = ("float32", "bfloat16", "float16")
+_TEXT_STYLES = {"qwen2": QWEN_STYLE, "qwen3": QWEN3_STYLE}
 
 
 def make_model(
@@ -82,7 +84,7 @@ def make_model(
     if multimodal is not None:
         style, text_arch = multimodal.STYLE, multimodal.TEXT_ARCH
     else:
-        style, text_arch = (QWEN_STYLE if arch.startswith("qwen") else LLAMA_STYLE), arch
+        style, text_arch = _TEXT_STYLES.get(arch, LLAMA_STYLE), arch
     spec = PRESETS[preset]
     if max_position_embeddings is not None:
         if max_position_embeddings < 1:

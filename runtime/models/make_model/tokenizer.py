@@ -3,7 +3,7 @@ the special tokens and chat template of the architecture's family."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib import resources
 from typing import Any
 
@@ -27,6 +27,14 @@ CHATML_TEMPLATE = (
     "{{ '<|im_end|>' + '\\n' }}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+# Qwen3's: with `enable_thinking` false (a chat_template_kwargs variable) the generation prompt holds an empty
+# reasoning block, and the model answers at once; otherwise the model opens its answer with <think>.
+QWEN3_TEMPLATE = CHATML_TEMPLATE.replace(
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}",
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+    "{% if enable_thinking is defined and enable_thinking is false %}{{ '<think>\\n\\n</think>\\n\\n' }}"
+    "{% endif %}{% endif %}",
 )
 LLAMA3_TEMPLATE = (
     "{{ bos_token }}"
@@ -60,6 +68,8 @@ class TokenizerStyle:
     chat_template: str
     # Special tokens a processor reads from the tokenizer by name (image_token, ...).
     named_tokens: tuple[tuple[str, str], ...] = ()
+    # Tokens that are not special (decoded into text like words), the last ids of the vocabulary.
+    plain_tokens: tuple[str, ...] = ()
 
 
 LLAMA_STYLE = TokenizerStyle(
@@ -82,6 +92,8 @@ QWEN_STYLE = TokenizerStyle(
     end_of_text="<|endoftext|>",
     chat_template=CHATML_TEMPLATE,
 )
+# Qwen3's tokenizer has its reasoning tags as tokens, which decode into the text as Qwen3's do.
+QWEN3_STYLE = replace(QWEN_STYLE, chat_template=QWEN3_TEMPLATE, plain_tokens=("<think>", "</think>"))
 
 
 def corpus_text() -> str:
@@ -90,20 +102,21 @@ def corpus_text() -> str:
 
 
 def train_tokenizer(style: TokenizerStyle, vocab_size: int, *, add_bos: bool) -> Any:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     corpus = corpus_text()
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
+        vocab_size=vocab_size - len(style.plain_tokens),
         min_frequency=1,
         special_tokens=list(style.special_tokens),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tokenizer.train_from_iterator(corpus.split("\n\n"), trainer)
+    tokenizer.add_tokens([AddedToken(token, special=False, normalized=False) for token in style.plain_tokens])
     if add_bos and style.bos_token is not None:
         bos = (style.bos_token, tokenizer.token_to_id(style.bos_token))
         tokenizer.post_processor = processors.TemplateProcessing(

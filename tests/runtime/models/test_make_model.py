@@ -78,6 +78,23 @@ def test_chat_template_renders_the_family_format(arch: str, tiny_model: Callable
     assert tokenizer.convert_ids_to_tokens(tokenizer.encode(header, add_special_tokens=False)) == [header]
 
 
+def test_qwen3_has_reasoning_tags_and_the_enable_thinking_switch(tiny_model: Callable[[str], Path]) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model("qwen3"))
+    messages = [{"role": "user", "content": "Hi there"}]
+    thinking = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert thinking.endswith("<|im_start|>assistant\n")
+    answering = tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True, enable_thinking=False
+    )
+    assert answering == thinking + "<think>\n\n</think>\n\n"
+    # Each tag is one token, and decodes into the text as Qwen3's do (they are not special).
+    for tag in ("<think>", "</think>"):
+        ids = tokenizer.encode(f"a{tag}b", add_special_tokens=False)
+        assert tokenizer.convert_tokens_to_ids(tag) in ids
+        assert tokenizer.decode(ids, skip_special_tokens=True) == f"a{tag}b"
+    assert max(tokenizer.convert_tokens_to_ids(["<think>", "</think>"])) < len(tokenizer)
+
+
 def test_greedy_outputs_depend_on_the_whole_prompt(tiny_model: Callable[[str], Path]) -> None:
     folder = tiny_model("llama")
     tokenizer = AutoTokenizer.from_pretrained(folder)
