@@ -14,6 +14,7 @@ import contextlib
 import fcntl
 import hashlib
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -25,6 +26,13 @@ from ports import free_port
 from servers import MODEL_NAME, ServerProcess
 from xdist.remote import Producer
 from xdist.scheduler import LoadFileScheduling
+
+# Triton decides between compiling and interpreting when a kernel is defined, its own library's kernels
+# (tl.sum, ...) included when triton is first imported; and a test module collected before the kernel tests
+# may import it (Transformers does). So the interpreter, with which the kernel tests run on the CPU, is chosen
+# here, where pytest starts, before any test module is imported. No test runs a compiled kernel: there is no
+# GPU, and the tests that build for one start a process without it.
+os.environ["TRITON_INTERPRET"] = "1"
 
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 # Enough KV blocks for every test's requests, few enough that the pool allocates in a blink.

@@ -1,13 +1,8 @@
-"""Kernel tests run on the CPU through Triton's interpreter.
-
-Triton decides between compiling and interpreting when a kernel is defined, so TRITON_INTERPRET must be
-set before any kernel module is imported: here, at collection, ahead of the test modules of this folder
-(nothing imported above the assignment loads a kernel).
-"""
+"""Kernel tests run on the CPU through Triton's interpreter, which tests/conftest.py chooses before any test
+module is imported (TRITON_INTERPRET=1)."""
 
 from __future__ import annotations
 
-import os
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -17,8 +12,6 @@ import torch
 from kvfleet.runtime.attention.backend import AttentionMetadata
 from kvfleet.runtime.kernels import torch_reference
 
-os.environ["TRITON_INTERPRET"] = "1"
-
 
 @pytest.fixture(autouse=True)
 def kernels_are_interpreted() -> None:
@@ -27,6 +20,10 @@ def kernels_are_interpreted() -> None:
 
     if not isinstance(paged_attention._paged_attention_kernel, InterpretedFunction):
         pytest.fail("kernel modules were imported before TRITON_INTERPRET=1 was set; they would need a GPU")
+    from triton.language import standard
+
+    if not isinstance(standard.sum, InterpretedFunction):
+        pytest.fail("triton was imported before TRITON_INTERPRET=1 was set: its own kernels are compiled")
 
 
 @dataclass
