@@ -1,8 +1,8 @@
 """The precise-prefix policy's block index, fed by real ZeroMQ sockets: replays, gaps, restarts, hostile
 streams, and the choice it makes from what the replicas publish.
 
-The replicas' side is written here with plain zmq and msgspec structs of the test's own, in vLLM's wire
-format (not the contract's classes), so a mismatch between the two shows."""
+The replicas' side is written here with plain zmq and msgspec structs of the tests' own, in the array
+encoding of vLLM's published example (tests/vllm_kv_events.py), not kvfleet's classes, so a mismatch shows."""
 
 from __future__ import annotations
 
@@ -24,32 +24,12 @@ from kvfleet.gateway.kv_events import EventEndpoints, KVEventFeeds
 from kvfleet.gateway.kv_index import KVBlockIndex, PrefixMatch
 from kvfleet.gateway.metrics import GatewayMetrics
 from kvfleet.gateway.routing import CHARS_PER_TOKEN, Decision, PrecisePrefix, Prompt, Replica
+from vllm_kv_events import ExampleAllBlocksCleared as Cleared
+from vllm_kv_events import ExampleBatch as Batch
+from vllm_kv_events import ExampleBlockRemoved as Removed
+from vllm_kv_events import ExampleBlockStored as Stored
 
 BLOCK_SIZE = 4
-
-
-class Stored(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag="BlockStored"):  # type: ignore[call-arg]
-    block_hashes: list[int]
-    parent_block_hash: int | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-
-
-class Removed(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag="BlockRemoved"):  # type: ignore[call-arg]
-    block_hashes: list[int]
-    medium: str | None
-
-
-class Cleared(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag="AllBlocksCleared"):  # type: ignore[call-arg]
-    pass
-
-
-class Batch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):  # type: ignore[call-arg]
-    ts: float
-    events: list[Stored | Removed | Cleared]
-    data_parallel_rank: int | None = None
 
 
 def hashes(tokens: Sequence[int], lora_int_id: int = 0, block_size: int = BLOCK_SIZE) -> list[int]:

@@ -1,5 +1,6 @@
-"""The engine's KV-cache events read the way any consumer of vLLM's would: a plain ZeroMQ subscriber with its
-own msgspec structs, shaped as recent vLLM's (events as maps with a "type" tag), not kvfleet's classes.
+"""The engine's KV-cache events read the way any consumer of vLLM's would: a plain ZeroMQ subscriber with
+msgspec structs shaped as recent vLLM's (events as maps with a "type" tag: tests/vllm_kv_events.py), not
+kvfleet's.
 
 One offline engine for the module, with a device cache of 12 blocks of 8 tokens and a host tier of a few
 blocks, so that prompts evict, spill and drop blocks. The oracles: the block-hash rule of the contract on the
@@ -21,39 +22,7 @@ import zmq
 from kvfleet.contract.block_hash import block_hashes, chain_seed, external_block_hash
 from kvfleet.runtime import LLM, SamplingParams
 from ports import free_port
-
-
-class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):  # type: ignore[call-arg]
-    ts: float
-    events: list[Any]
-
-
-class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):  # type: ignore[call-arg]
-    pass
-
-
-class BlockStored(KVCacheEvent):
-    block_hashes: list[int]
-    parent_block_hash: int | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None
-
-
-class BlockRemoved(KVCacheEvent):
-    block_hashes: list[int]
-    medium: str | None
-
-
-class AllBlocksCleared(KVCacheEvent):
-    pass
-
-
-class KVEventBatch(EventBatch):
-    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
-
+from vllm_kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 
 BLOCK_SIZE = 8
 TOPIC = "kv-test"

@@ -16,6 +16,7 @@ from kvfleet.runtime.kv_events.publisher import (
 )
 from kvfleet.runtime.kv_events.wire import AllBlocksCleared, BlockStored
 from ports import free_port
+from vllm_kv_events import ExampleBatch, KVEventBatch
 
 
 def test_a_full_queue_drops_its_oldest_batch_and_counts_it() -> None:
@@ -115,43 +116,7 @@ def test_bad_replay_requests_are_ignored_and_good_ones_answered() -> None:
         context.destroy(linger=0)
 
 
-class ExampleEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):  # type: ignore[call-arg]
-    """Events as vLLM's published subscriber example declares them (arrays)."""
-
-
-class ExampleBlockStored(ExampleEvent, tag="BlockStored"):  # type: ignore[call-arg]
-    block_hashes: list[int]
-    parent_block_hash: int | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-
-
-class ExampleBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):  # type: ignore[call-arg]
-    ts: float
-    events: list[ExampleBlockStored]
-
-
-class RecentBlockStored(msgspec.Struct, omit_defaults=True, gc=False, tag="BlockStored"):  # type: ignore[call-arg]
-    """As recent vLLM declares it (a map with a "type" tag, naming the adapter)."""
-
-    block_hashes: list[int]
-    parent_block_hash: int | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None
-
-
-class RecentBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):  # type: ignore[call-arg]
-    ts: float
-    events: list[RecentBlockStored]
-    data_parallel_rank: int | None = None
-
-
-@pytest.mark.parametrize(("encoding", "batch_type"), [("map", RecentBatch), ("array", ExampleBatch)])
+@pytest.mark.parametrize(("encoding", "batch_type"), [("map", KVEventBatch), ("array", ExampleBatch)])
 def test_each_encoding_is_read_by_the_vllm_structs_of_its_time(encoding: str, batch_type: type) -> None:
     port = free_port()
     config = {"enable_kv_cache_events": True, "endpoint": f"tcp://*:{port}", "encoding": encoding}

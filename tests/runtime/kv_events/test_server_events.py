@@ -14,37 +14,13 @@ import msgspec
 import pytest
 import zmq
 from kvfleet.contract.block_hash import block_hashes, chain_seed, external_block_hash
+from vllm_kv_events import AllBlocksCleared, BlockStored, KVEventBatch
 
 if TYPE_CHECKING:
     from servers import ServerProcess
 
 # The server's default.
 BLOCK_SIZE = 16
-
-
-class BlockStored(msgspec.Struct, tag=True):
-    block_hashes: list[int]
-    parent_block_hash: int | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None
-
-
-class BlockRemoved(msgspec.Struct, tag=True):
-    block_hashes: list[int]
-    medium: str | None
-
-
-class AllBlocksCleared(msgspec.Struct, tag=True):
-    pass
-
-
-class KVEventBatch(msgspec.Struct, array_like=True):  # type: ignore[call-arg]
-    ts: float
-    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
-    data_parallel_rank: int | None = None
 
 
 @pytest.fixture(scope="module")
