@@ -37,6 +37,7 @@ def train(folder: Path, tokenizer: Any, steps: int, seed: int, teacher: Any | No
     import torch
     import torch.nn.functional as F
     from safetensors.torch import save_file
+    from tqdm import tqdm
     from transformers import AutoModelForCausalLM
 
     corpus = torch.tensor(tokenizer.encode(corpus_text(), add_special_tokens=False).ids)
@@ -48,7 +49,9 @@ def train(folder: Path, tokenizer: Any, steps: int, seed: int, teacher: Any | No
         optimizer, lambda step: min(1.0, (step + 1) / _TRAIN_WARMUP_STEPS)
     )
     generator = torch.Generator().manual_seed(seed)
-    for _ in range(steps):
+    # A step takes long enough that each is worth a line of its own, with the loss it was trained on.
+    progress = tqdm(range(steps), desc="Training", unit="step", mininterval=0, miniters=1, dynamic_ncols=True)
+    for _ in progress:
         starts = torch.randint(0, len(corpus) - window, (_TRAIN_BATCH,), generator=generator)
         inputs = torch.stack([corpus[start : start + window] for start in starts.tolist()])
         if teacher is None:
@@ -62,6 +65,7 @@ def train(folder: Path, tokenizer: Any, steps: int, seed: int, teacher: Any | No
         loss.backward()
         optimizer.step()
         schedule.step()
+        progress.set_postfix(loss=f"{loss.item():.4f}", refresh=False)  # shown as the step counts
     dtype = getattr(torch, model.config.dtype) if isinstance(model.config.dtype, str) else model.config.dtype
     weights = folder / "model.safetensors"
     tensors = {name: tensor.detach().to(dtype).contiguous() for name, tensor in model.state_dict().items()}

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import math
+import re
+import statistics
 from collections.abc import Callable
 from pathlib import Path
 
@@ -167,7 +169,9 @@ def test_bfloat16_weights_and_bad_choices(tmp_path: Path) -> None:
         make_model("llama", "huge", tmp_path / "y")
 
 
-def test_train_steps_fit_the_weights_to_the_corpus(tmp_path: Path) -> None:
+def test_train_steps_fit_the_weights_to_the_corpus_and_report_each_steps_loss(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     def corpus_loss(folder: Path) -> float:
         tokenizer = AutoTokenizer.from_pretrained(folder)
         ids = torch.tensor([tokenizer.encode(corpus_text(), add_special_tokens=False)[:512]])
@@ -176,9 +180,20 @@ def test_train_steps_fit_the_weights_to_the_corpus(tmp_path: Path) -> None:
             return float(model(input_ids=ids, labels=ids).loss)
 
     untrained = corpus_loss(make_model("qwen3", "tiny", tmp_path / "untrained"))
+    capsys.readouterr()
     trained = corpus_loss(make_model("qwen3", "tiny", tmp_path / "trained", train_steps=40))
     # The untrained model is near uniform over the vocabulary (log 1024 = 6.9); training learns the text.
     assert trained < untrained - 2.0, (untrained, trained)
+
+    # The progress bar counts every step and shows the loss that step was trained on: the first step's is
+    # the untrained model's, the last steps' are near what the trained model scores on the corpus.
+    bar_states = re.split(r"[\r\n]", capsys.readouterr().err)
+    reported = dict(re.findall(r"^Training: .*\| (\d+)/40 .*loss=([\d.]+)", "\n".join(bar_states), re.M))
+    steps = [int(step) for step in reported]
+    losses = [float(loss) for loss in reported.values()]
+    assert steps == list(range(1, 41))
+    assert abs(losses[0] - untrained) < 0.5, (losses[0], untrained)
+    assert abs(statistics.mean(losses[-5:]) - trained) < 0.5, (losses[-5:], trained)
 
 
 def test_a_student_trained_with_a_teacher_learns_the_teachers_distributions(tmp_path: Path) -> None:
