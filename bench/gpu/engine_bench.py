@@ -121,7 +121,7 @@ def run_kvfleet(args: argparse.Namespace) -> dict[str, Any]:
     vocab = llm.get_tokenizer().vocab_size
     # Warm-up on other prompts: compiles kernels without seeding the prefix cache with the workload.
     warm = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-    llm.generate(workload(8, args.prompt_len, vocab, seed=1), warm)
+    llm.generate(workload(8, args.prompt_len, vocab, seed=1), warm, use_tqdm=False)
     prompts = workload(args.requests, args.prompt_len, vocab, seed=0)
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     synchronize(args.device)

@@ -62,7 +62,7 @@ def run_kvfleet(plan: dict[str, Any]) -> dict[str, Any]:
 
     def generate(prompts: list[list[int]], output_lens: list[int]) -> int:
         params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in output_lens]
-        return sum(len(o.outputs[0].token_ids) for o in llm.generate(prompts, params))
+        return sum(len(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False))
 
     return {
         "engine": "kvfleet",

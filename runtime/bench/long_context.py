@@ -90,7 +90,7 @@ def _measure(
     rng = random.Random(settings.seed)
     prompt = [rng.randrange(16, engine.vocab_size) for _ in range(prompt_len)]
     params = SamplingParams(temperature=0.0, max_tokens=settings.output_len, ignore_eos=True, logprobs=TOP_N)
-    output = llm.generate([prompt], params)[0]
+    output = llm.generate([prompt], params, use_tqdm=False)[0]
     peak_rss = _peak_rss_mib()
     metrics = output.metrics
     if metrics is None or metrics.first_token_time is None or metrics.finished_time is None:

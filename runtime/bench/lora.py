@@ -48,7 +48,9 @@ def run_lora(
         ]
         mixed = [loras[i % num_adapters] for i in range(num_requests)]
         log("warming up")
-        llm.generate(prompts[:num_adapters], params[:num_adapters], lora_request=mixed[:num_adapters])
+        llm.generate(
+            prompts[:num_adapters], params[:num_adapters], lora_request=mixed[:num_adapters], use_tqdm=False
+        )
         results = []
         for name, lora_request in (("base model", None), (f"{num_adapters} adapters, rank {rank}", mixed)):
             log(f"running {num_requests} requests: {name}")

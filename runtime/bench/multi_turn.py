@@ -141,7 +141,9 @@ def run_multi_turn(
     for prefix_caching in (True, False):
         llm = LLM(model_path, **{**engine_options, "enable_prefix_caching": prefix_caching})
         log(f"warming up (prefix caching {'on' if prefix_caching else 'off'})")
-        llm.generate([[16] * 32] * 4, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+        llm.generate(
+            [[16] * 32] * 4, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False
+        )
         log(f"{settings.num_users} users x {settings.num_turns} turns")
         runs[prefix_caching] = run_conversations(llm, settings, prefix_caching=prefix_caching)
         del llm

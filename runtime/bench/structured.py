@@ -138,7 +138,7 @@ def run_structured(
         for index in range(num_requests)
     ]
     log("warming up")
-    llm.generate(prompts[:4], constrained_params[:4])
+    llm.generate(prompts[:4], constrained_params[:4], use_tqdm=False)
     constrained: list[_Run] = []
     free: list[_Run] = []
     mask_steps = 0

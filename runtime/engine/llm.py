@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvfleet.runtime.chat_prompt import chat_prompt_token_ids
@@ -23,6 +23,8 @@ from tqdm import tqdm
 # "cache_salt": a tenant's salt (its prompts share prefix-cache blocks only with prompts of the same salt).
 Prompt = str | list[int] | dict[str, Any]
 ChatMessages = list[dict[str, Any]]
+# Whether a progress bar counts the finished prompts, or the tqdm class (or factory) that draws it.
+ProgressBar = bool | Callable[..., tqdm]
 
 
 class LLM:
@@ -39,11 +41,13 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         priority: Sequence[int] | None = None,
-        use_tqdm: bool = False,
+        use_tqdm: ProgressBar = True,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; one output per prompt, in the order given. `lora_request`: the
-        adapter of every prompt, or one per prompt (None for the base model)."""
+        adapter of every prompt, or one per prompt (None for the base model). `use_tqdm`: a progress bar on
+        stderr counts the finished prompts, with the input and output tokens per second so far (False for
+        none; a callable such as `functools.partial(tqdm, leave=False)` draws it instead of tqdm)."""
         prompt_list = _as_prompt_list(prompts)
         params_list = _broadcast(sampling_params or SamplingParams(), len(prompt_list), "sampling_params")
         lora_list = _broadcast(lora_request, len(prompt_list), "lora_request")
@@ -111,7 +115,7 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         add_generation_prompt: bool = True,
-        use_tqdm: bool = False,
+        use_tqdm: ProgressBar = True,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to each conversation, then generate."""
@@ -127,15 +131,29 @@ class LLM:
             self.llm_engine.tokenizer, messages, add_generation_prompt=add_generation_prompt
         )
 
-    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, ids: list[str], use_tqdm: ProgressBar) -> list[RequestOutput]:
         engine = self.llm_engine
         results: dict[str, RequestOutput] = {}
-        with tqdm(total=len(ids), disable=not use_tqdm, desc="requests", unit="req") as progress:
+        make_bar = use_tqdm if callable(use_tqdm) else tqdm
+        input_tokens = output_tokens = 0
+        with make_bar(
+            total=len(ids), disable=not use_tqdm, desc="Processed prompts", unit="prompt", dynamic_ncols=True
+        ) as progress:
             while engine.has_unfinished_requests():
                 for output in engine.step():
-                    if output.finished:
-                        results[output.request_id] = output
-                        progress.update(1)
+                    if not output.finished:
+                        continue
+                    results[output.request_id] = output
+                    input_tokens += len(output.prompt_token_ids)
+                    output_tokens += sum(len(completion.token_ids) for completion in output.outputs)
+                    elapsed = progress.format_dict["elapsed"]
+                    if elapsed > 0:
+                        progress.set_postfix_str(
+                            f"est. speed input: {input_tokens / elapsed:.2f} toks/s, "
+                            f"output: {output_tokens / elapsed:.2f} toks/s",
+                            refresh=False,
+                        )
+                    progress.update(1)
         return [results[request_id] for request_id in ids]
 
 

@@ -1,13 +1,18 @@
-"""Engine behaviour around requests: bad input, aborts, timeouts, stop strings, n > 1, seeds, chat."""
+"""Engine behaviour around requests: bad input, aborts, timeouts, stop strings, n > 1, seeds, chat, the
+progress bar."""
 
 from __future__ import annotations
 
+import functools
+import io
+import re
 import time
 from pathlib import Path
 
 import pytest
 from kvfleet.runtime import LLM, SamplingParams
 from kvfleet.runtime.engine.outputs import OutputKind
+from tqdm import tqdm
 
 
 @pytest.fixture(scope="module")
@@ -187,6 +192,35 @@ def test_chat_applies_template(llm: LLM) -> None:
     out = llm.chat(messages, _greedy(max_tokens=5))
     assert out[0].prompt_token_ids == ids
     assert len(out[0].outputs[0].token_ids) == 5
+
+
+def test_generate_shows_a_progress_bar_unless_told_not_to(
+    llm: LLM, capsys: pytest.CaptureFixture[str]
+) -> None:
+    prompts = ["one", "two three four", [5, 6, 7, 8, 9, 10, 11]]
+    params = [_greedy(max_tokens=n) for n in (3, 6, 9)]
+    capsys.readouterr()
+    outputs = llm.generate(prompts, params)
+    final = capsys.readouterr().err.strip().split("\r")[-1]
+    counted = re.search(r"^Processed prompts: 100%.* (\d+)/(\d+) \[", final)
+    assert counted and counted.groups() == ("3", "3"), final
+    # Both speeds are over the same elapsed time: their ratio is that of the tokens the outputs hold.
+    speeds = re.search(r"est. speed input: ([\d.]+) toks/s, output: ([\d.]+) toks/s", final)
+    assert speeds, final
+    input_tokens = sum(len(output.prompt_token_ids) for output in outputs)
+    output_tokens = sum(len(output.outputs[0].token_ids) for output in outputs)
+    assert output_tokens == 18
+    speed_in, speed_out = (float(speed) for speed in speeds.groups())
+    assert speed_out / speed_in == pytest.approx(output_tokens / input_tokens, rel=0.01), final
+
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == [
+        o.outputs[0].token_ids for o in outputs
+    ]
+    assert capsys.readouterr().err == ""
+    elsewhere = io.StringIO()
+    chat = [{"role": "user", "content": "Hi."}]
+    llm.chat(chat, _greedy(), use_tqdm=functools.partial(tqdm, file=elsewhere))
+    assert capsys.readouterr().err == "" and "Processed prompts: 100%" in elsewhere.getvalue()
 
 
 def test_streaming_deltas_add_up_to_the_final_text(llm: LLM) -> None:
