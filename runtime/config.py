@@ -38,6 +38,9 @@ class EngineConfig:
     )
     dtype: DType = _option("Weights and activations dtype; auto follows config.json.", default="auto")
     device: Device = _option("Where the model runs; auto picks cuda when present.", default="auto")
+    use_tqdm_on_load: bool = _option(
+        "Show the checkpoint's shards loading on a progress bar (on stderr, one line a shard).", default=True
+    )
     block_size: int = _option("Tokens per KV cache block.", default=16)
     num_kv_blocks: int | None = _option(
         "KV cache blocks in the pool; by default sized from the memory budget.", default=None

@@ -16,10 +16,14 @@ from kvfleet.runtime.models.model_config import DTYPES, ModelConfig
 from kvfleet.runtime.models.registry import ModelRegistry
 from safetensors import safe_open
 from torch import nn
+from tqdm import tqdm
 
 logger = logging.getLogger(__name__)
 
 _INDEX_FILE = "model.safetensors.index.json"
+# One line for every shard read, never redrawn in place: the engine core's stderr is the server's log, where
+# a bar drawn with carriage returns would run into the log records between its updates.
+_SHARDS_BAR_FORMAT = "{desc}: {n_fmt}/{total_fmt} ({percentage:.0f}%) [{elapsed} elapsed, {remaining} left]\n"
 
 
 def resolve_device(device: str) -> torch.device:
@@ -69,12 +73,21 @@ class LoadStats:
 
 
 def iterate_weights(
-    files: list[Path], model: nn.Module, stats: LoadStats
+    files: list[Path], model: nn.Module, stats: LoadStats, *, use_tqdm: bool
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """The checkpoint's tensors, or just the slices the model holds when it says which
-    (`checkpoint_slice(name, shape)`, None for a tensor it holds none of): only those bytes are read."""
+    (`checkpoint_slice(name, shape)`, None for a tensor it holds none of): only those bytes are read.
+    `use_tqdm`: a progress bar on stderr counts the shards read."""
     choose = getattr(model, "checkpoint_slice", None)
-    for path in files:
+    shards = tqdm(
+        files,
+        desc="Loading safetensors checkpoint shards",
+        disable=not use_tqdm,
+        bar_format=_SHARDS_BAR_FORMAT,
+        mininterval=0,
+        miniters=1,
+    )
+    for path in shards:
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open handles are not iterable)
                 if choose is None:
@@ -97,11 +110,13 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device,
     max_position: int,
+    use_tqdm: bool,
     registry: ModelRegistry | None = None,
     stats: LoadStats | None = None,
 ) -> nn.Module:
     """Build the registered class for the config's architecture and fill it from the folder's weights.
-    `stats`, when given, is filled with what loading held in memory."""
+    `stats`, when given, is filled with what loading held in memory. `use_tqdm`: the first rank shows the
+    shards loading on a progress bar (the other ranks read the same shards at the same time)."""
     model_dir = Path(model_dir)
     model_class = (registry or ModelRegistry()).resolve(model_config.architecture)
     parallel = parallel_context()
@@ -120,7 +135,7 @@ def load_model(
         torch.set_default_dtype(default_dtype)
     stats = stats or LoadStats()
     with torch.no_grad():
-        model.load_weights(iterate_weights(files, model, stats))
+        model.load_weights(iterate_weights(files, model, stats, use_tqdm=use_tqdm and parallel.rank == 0))
     num_parameters = sum(p.numel() for p in model.parameters())
     stats.parameter_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     packed = pack_linears_for_cpu(model) if device.type == "cpu" else 0

@@ -143,6 +143,7 @@ class ModelRunner:
             dtype=self.dtype,
             device=self.device,
             max_position=self.max_model_len,
+            use_tqdm=self.config.use_tqdm_on_load,
             stats=self.load_stats,
         )
         if hasattr(self.model, "embed_multimodal"):

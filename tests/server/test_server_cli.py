@@ -1,4 +1,5 @@
-"""`kvfleet serve` refuses what it cannot do, and a model that fails to load ends the process."""
+"""`kvfleet serve` refuses what it cannot do, a model that fails to load ends the process, and its log shows
+the weights loading."""
 
 from __future__ import annotations
 
@@ -108,6 +109,20 @@ def test_a_model_that_cannot_load_ends_the_process(tiny_llama: Path, tmp_path: P
     # Nothing is left listening.
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)
+
+
+def test_the_log_counts_the_checkpoint_shards_as_they_load(
+    api_server: ServerProcess, tiny_llama: Path
+) -> None:
+    shards = len(list(tiny_llama.glob("*.safetensors")))
+    lines = [
+        line
+        for line in api_server.log_path.read_text().splitlines()
+        if "Loading safetensors checkpoint" in line
+    ]
+    assert lines, api_server.log_tail()
+    assert lines[0].startswith(f"Loading safetensors checkpoint shards: 0/{shards} ")
+    assert lines[-1].startswith(f"Loading safetensors checkpoint shards: {shards}/{shards} (100%)")
 
 
 def test_chat_template_flag_replaces_the_model_folders(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import shutil
 from collections.abc import Callable
 from importlib.metadata import EntryPoint
@@ -74,7 +75,7 @@ PROMPT = [random.Random(0).randrange(8, 1000) for _ in range(21)]
 
 
 def test_sharded_checkpoint_loads_like_the_single_file(
-    tiny_model: Callable[[str], Path], runner_for, tmp_path: Path
+    tiny_model: Callable[[str], Path], runner_for, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     folder = _copy(tiny_model("qwen2"), tmp_path / "sharded")
     tensors = load_file(str(folder / "model.safetensors"))
@@ -88,8 +89,17 @@ def test_sharded_checkpoint_loads_like_the_single_file(
     (folder / "model.safetensors.index.json").write_text(
         json.dumps({"metadata": {}, "weight_map": weight_map})
     )
+    capsys.readouterr()
     sharded = _greedy_logits(runner_for(folder), PROMPT)
-    single = _greedy_logits(runner_for(tiny_model("qwen2")), PROMPT)
+    # The progress bar counts the shards as they are read, a line for each (tqdm repeats the last on closing).
+    bar = [line for line in capsys.readouterr().err.splitlines() if "checkpoint shards" in line]
+    counts = [re.fullmatch(r"Loading safetensors checkpoint shards: (\d+)/(\d+) .*", line) for line in bar]
+    assert all(counts), bar
+    assert list(dict.fromkeys(count.groups() for count in counts if count)) == [
+        (str(done), str(len(shards))) for done in range(len(shards) + 1)
+    ]
+    single = _greedy_logits(runner_for(tiny_model("qwen2"), use_tqdm_on_load=False), PROMPT)
+    assert "checkpoint shards" not in capsys.readouterr().err
     torch.testing.assert_close(sharded, single, atol=0, rtol=0)
     torch.testing.assert_close(sharded, _transformers_last_logits(folder, PROMPT), atol=2e-4, rtol=1e-4)
 
