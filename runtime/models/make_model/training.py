@@ -49,7 +49,7 @@ def train(folder: Path, tokenizer: Any, steps: int, seed: int, teacher: Any | No
         optimizer, lambda step: min(1.0, (step + 1) / _TRAIN_WARMUP_STEPS)
     )
     generator = torch.Generator().manual_seed(seed)
-    # A step takes long enough that each is worth a line of its own, with the loss it was trained on.
+    # A step takes long enough for every one to be shown, with the loss it was trained on.
     progress = tqdm(range(steps), desc="Training", unit="step", mininterval=0, miniters=1, dynamic_ncols=True)
     for _ in progress:
         starts = torch.randint(0, len(corpus) - window, (_TRAIN_BATCH,), generator=generator)
