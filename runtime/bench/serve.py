@@ -390,10 +390,10 @@ def settings_from_options(options: dict[str, Any]) -> BenchSettings:
     if output_len is not None:
         options["random_output_len"] = options["sharegpt_output_len"] = output_len
     dataset, path = options["dataset_name"], options["dataset_path"]
-    if (dataset == "sharegpt") != (path is not None):
-        raise click.BadParameter(
-            "--dataset-path is the sharegpt dataset's file, and only its", param_hint="--dataset-path"
-        )
+    if dataset == "sharegpt" and path is None:
+        raise click.BadParameter("--dataset-name sharegpt reads this file", param_hint="--dataset-path")
+    if dataset != "sharegpt" and path is not None:
+        raise click.BadParameter(f"the {dataset} dataset reads no file", param_hint="--dataset-path")
     selection = metric_selection(
         options.pop("percentile_metrics"),
         options.pop("metric_percentiles"),

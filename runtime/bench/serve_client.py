@@ -210,8 +210,11 @@ def _error_code(response: httpx.Response) -> str:
 
 async def _server_model(client: httpx.AsyncClient, settings: BenchSettings) -> tuple[str, int | None]:
     """The model to request and, for random token ids, its vocabulary size."""
-    response = await client.get("/v1/models")
-    response.raise_for_status()
+    try:
+        response = await client.get("/v1/models")
+        response.raise_for_status()
+    except httpx.HTTPError as exc:
+        raise click.ClickException(f"no model list from {client.base_url}/v1/models: {exc}") from None
     cards = response.json()["data"]
     card = cards[0] if settings.model is None else next((c for c in cards if c["id"] == settings.model), None)
     if card is None:
