@@ -31,6 +31,8 @@ from kvfleet.runtime.list_options import ListOption, ListOptionsCommand
 
 # The overload mix: a few urgent requests in a flood of background work.
 OVERLOAD_MIX = "critical=0.1,standard=0.3,batch=0.6"
+# The command's options about its result file rather than the run.
+RESULT_FILE_OPTIONS = ("save_result", "save_detailed", "result_dir", "result_filename", "label", "metadata")
 # vLLM's backends that send OpenAI completions (`vllm` is the same as `openai`) or chat completions.
 BACKENDS = {"openai": "/v1/completions", "vllm": "/v1/completions", "openai-chat": "/v1/chat/completions"}
 
@@ -349,10 +351,8 @@ def bench_serve(**options: Any) -> None:
         summarize,
     )
 
-    output = {
-        key: options.pop(key) for key in ("save_result", "save_detailed", "result_dir", "result_filename")
-    }
-    label, metadata = options.pop("label"), parse_key_values(options.pop("metadata"), "--metadata")
+    output = {key: options.pop(key) for key in RESULT_FILE_OPTIONS}
+    label, metadata = output["label"], parse_key_values(output["metadata"], "--metadata")
     settings = settings_from_options(options)
     print(f"Traffic request rate: {settings.request_rate}")
     distribution = "Poisson process" if settings.burstiness == 1 else "Gamma distribution"

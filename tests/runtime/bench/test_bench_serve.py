@@ -10,7 +10,15 @@ from pathlib import Path
 
 import click
 import pytest
-from kvfleet.runtime.bench.serve import OVERLOAD_MIX, BenchSettings, parse_goodput, parse_tier_mix
+from kvfleet.runtime.bench.serve import (
+    OVERLOAD_MIX,
+    RESULT_FILE_OPTIONS,
+    BenchSettings,
+    bench_serve,
+    parse_goodput,
+    parse_tier_mix,
+    settings_from_options,
+)
 from kvfleet.runtime.bench.serve_client import arrival_times, build_workload
 from kvfleet.runtime.bench.serve_datasets import parse_range_ratio, sharegpt_prompts
 from kvfleet.runtime.bench.serve_report import MetricSelection, RequestResult, summarize
@@ -207,3 +215,36 @@ def test_result_keys_are_vllms() -> None:
     assert keys["results"] == RESULT_KEYS
     assert keys["detailed"] == DETAILED_KEYS
     assert keys["prefixes"] == STATISTIC_PREFIXES
+
+
+def _settings(*args: str) -> BenchSettings:
+    params = bench_serve.make_context("serve", list(args)).params
+    return settings_from_options({k: v for k, v in params.items() if k not in RESULT_FILE_OPTIONS})
+
+
+def test_command_line_as_vllm_reads_it() -> None:
+    """vLLM's list forms, its general length flags, and where the server is; the client queue's metrics only
+    where a concurrency cap makes requests wait on the client."""
+    settings = _settings(
+        "--backend", "openai-chat", "--port", "8011", "--input-len", "50", "--output-len", "20",
+        "--goodput", "ttft:300", "e2el:900", "--percentile-metrics", "ttft,e2el,client_queue_time",
+    )  # fmt: skip
+    assert (settings.base_url, settings.endpoint) == ("http://127.0.0.1:8011", "/v1/chat/completions")
+    assert settings.random_input_len == 50
+    assert settings.random_output_len == settings.sharegpt_output_len == 20
+    assert settings.selection == MetricSelection(("ttft", "e2el"), (99.0,), {"ttft": 300.0, "e2el": 900.0})
+    capped = _settings(
+        "--base-url", "http://gateway:80/", "--max-concurrency", "4", "--metric-percentiles", "50,99.9",
+        "--percentile-metrics", "client_queue_time,e2el_including_client_queue", "--header", "a=1", "b=2",
+    )  # fmt: skip
+    assert (capped.base_url, capped.endpoint) == ("http://gateway:80", "/v1/completions")
+    assert capped.headers == {"a": "1", "b": "2"}
+    assert capped.selection.metrics == ("client_queue_time",) and capped.selection.percentiles == (50.0, 99.9)
+    at_a_rate = _settings(
+        "--max-concurrency", "4", "--request-rate", "2", "--percentile-metrics", "e2el_including_client_queue"
+    )
+    assert at_a_rate.selection.metrics == ("e2el_including_client_queue",)
+    assert _settings().random_range_ratio == (0.0, 0.0) and _settings().num_prompts == 1000
+    for bad in (["--backend", "tgi"], ["--dataset-name", "sharegpt"], ["--percentile-metrics", "ttft,x"]):
+        with pytest.raises(click.BadParameter):
+            _settings(*bad)
