@@ -72,10 +72,11 @@ serve_runs() {
     for rate in $RATES; do
         note_load "$engine-serve-$rate"
         # Prompts 16-256 tokens, outputs 16-128: means 136 and 72 with these spreads.
-        "$KVFLEET" bench serve --url "http://127.0.0.1:$PORT" --num-prompts $((rate * SECONDS_PER_RUN)) \
-            --request-rate "$rate" --input-len 136 --range-ratio 0.8824 --output-len 72 \
-            --output-range-ratio 0.7778 --vocab-size "$VOCAB_SIZE" --seed 0 --label "$engine $rate req/s" \
-            --result-json "$RESULTS/serve-$engine-$rate.json"
+        "$KVFLEET" bench serve --base-url "http://127.0.0.1:$PORT" --num-prompts $((rate * SECONDS_PER_RUN)) \
+            --request-rate "$rate" --random-input-len 136 --random-output-len 72 \
+            --random-range-ratio '{"input": 0.88, "output": 0.77}' --vocab-size "$VOCAB_SIZE" --seed 0 \
+            --temperature 0 --num-warmups 2 --disable-tqdm --label "$engine $rate req/s" \
+            --save-result --result-dir "$RESULTS" --result-filename "serve-$engine-$rate.json"
     done
 }
 

@@ -23,11 +23,12 @@ import httpx
 from kvfleet.runtime.bench.processes import MODEL_NAME, ServeProcess
 from kvfleet.runtime.bench.serve import BenchSettings
 from kvfleet.runtime.bench.serve_client import build_workload, run_benchmark
-from kvfleet.runtime.bench.serve_report import summarize
+from kvfleet.runtime.bench.serve_report import MetricSelection, summarize
 from kvfleet.runtime.config import EngineConfig
 
 _POLL_S = 0.2
 _BATCH_COPIES = 8
+TTFT_MEDIAN_AND_P99 = MetricSelection(("ttft",), (99.0,))
 
 
 def batch_rows(settings: BenchSettings, vocab_size: int) -> list[dict[str, Any]]:
@@ -69,20 +70,25 @@ def run_batch_throughput(rows_path: Path, config: EngineConfig, workdir: Path) -
 
 
 def serve_throughput(settings: BenchSettings, concurrency: int) -> dict[str, float]:
-    results, duration = asyncio.run(run_benchmark(replace(settings, max_concurrency=concurrency)))
-    summary = summarize(results, duration)
+    run = asyncio.run(run_benchmark(replace(settings, max_concurrency=concurrency)))
+    summary = summarize(run.results, run.duration)
     return {
         "concurrency": concurrency,
-        "seconds": duration,
+        "seconds": run.duration,
         "completed": summary["completed"],
         "output_throughput": summary["output_throughput"],
     }
 
 
 def interactive_ttft(settings: BenchSettings) -> dict[str, Any]:
-    results, duration = asyncio.run(run_benchmark(settings))
-    summary = summarize(results, duration)
-    return {"completed": summary["completed"], "ttft_ms": summary["ttft_ms"], "seconds": duration}
+    run = asyncio.run(run_benchmark(settings))
+    summary = summarize(run.results, run.duration, TTFT_MEDIAN_AND_P99)
+    return {
+        "completed": summary["completed"],
+        "median_ttft_ms": summary["median_ttft_ms"],
+        "p99_ttft_ms": summary["p99_ttft_ms"],
+        "seconds": run.duration,
+    }
 
 
 def ttft_beside_a_batch(
@@ -155,12 +161,12 @@ def run_batch_bench(
         server = ServeProcess(config, workdir, ["--batch-store", str(workdir / "store")])
         try:
             server.wait_ready()
-            url_settings = replace(settings, url=server.url, model=MODEL_NAME)
+            url_settings = replace(settings, base_url=server.url, model=MODEL_NAME)
             report["serve"] = []
             for concurrency in concurrencies:
                 log(f"serve: the same rows at concurrency {concurrency}")
                 report["serve"].append(serve_throughput(url_settings, concurrency))
-            interactive = replace(interactive, url=server.url, model=MODEL_NAME)
+            interactive = replace(interactive, base_url=server.url, model=MODEL_NAME)
             log("interactive TTFT, idle server")
             report["interactive_alone"] = interactive_ttft(interactive)
             log("interactive TTFT beside a batch")
@@ -205,8 +211,8 @@ def format_report(report: dict[str, Any]) -> str:
     lines += [
         "| interactive | TTFT p50 ms | TTFT p99 ms |",
         "| --- | --- | --- |",
-        f"| alone | {_ms(alone['ttft_ms']['p50'])} | {_ms(alone['ttft_ms']['p99'])} |",
-        f"| beside a batch | {_ms(beside['ttft_ms']['p50'])} | {_ms(beside['ttft_ms']['p99'])} |",
+        f"| alone | {_ms(alone['median_ttft_ms'])} | {_ms(alone['p99_ttft_ms'])} |",
+        f"| beside a batch | {_ms(beside['median_ttft_ms'])} | {_ms(beside['p99_ttft_ms'])} |",
         "",
         f"batch throughput beside the interactive load: {beside['batch_output_throughput']:.1f} output "
         f"tokens/s ({beside['batch_output_throughput'] / best['output_throughput']:.0%} of the best serve "

@@ -125,16 +125,16 @@ def bench_safety(
     import logging
 
     from kvfleet.runtime.bench.safety import format_report, run_safety_bench
-    from kvfleet.runtime.bench.serve import BenchSettings
+    from kvfleet.runtime.bench.serve import BenchSettings, synthetic_workload
 
     logging.getLogger("httpx").setLevel(logging.WARNING)
     with _model_or_small(model) as model_dir:
         config = engine_config_from_options(model_dir, options)
-        lengths = {"input_len": input_len, "output_len": output_len, "seed": bench_seed}
+        workload = synthetic_workload(input_len, output_len, bench_seed)
         report = run_safety_bench(
             config,
-            ttft=BenchSettings(url="", num_prompts=num_prompts, **lengths),
-            throughput=BenchSettings(url="", num_prompts=throughput_prompts, **lengths),
+            ttft=BenchSettings(base_url="", num_prompts=num_prompts, **workload),
+            throughput=BenchSettings(base_url="", num_prompts=throughput_prompts, **workload),
             concurrency=concurrency,
             window=window_tokens,
             log=lambda line: click.echo(line, err=True),
@@ -179,7 +179,7 @@ def bench_batch(
     import logging
 
     from kvfleet.runtime.bench.batch import format_report, run_batch_bench
-    from kvfleet.runtime.bench.serve import BenchSettings
+    from kvfleet.runtime.bench.serve import BenchSettings, synthetic_workload
     from kvfleet.runtime.models.model_config import ModelConfig
 
     # One log line per request would drown the report.
@@ -187,15 +187,13 @@ def bench_batch(
     with _model_or_small(model) as model_dir:
         config = engine_config_from_options(model_dir, options)
         settings = BenchSettings(
-            url="", num_prompts=num_rows, input_len=input_len, output_len=output_len, seed=bench_seed
+            base_url="", num_prompts=num_rows, **synthetic_workload(input_len, output_len, bench_seed)
         )
         interactive = BenchSettings(
-            url="",
+            base_url="",
             num_prompts=interactive_prompts,
             request_rate=interactive_rate,
-            input_len=input_len,
-            output_len=output_len,
-            seed=bench_seed + 100,
+            **synthetic_workload(input_len, output_len, bench_seed + 100),
         )
         report = run_batch_bench(
             config,

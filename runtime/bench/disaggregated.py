@@ -29,11 +29,12 @@ from typing import Any
 
 from kvfleet.runtime.bench.processes import MODEL_NAME, BenchProcess, ServeProcess, counter_totals
 from kvfleet.runtime.bench.serve_client import ServeRequest, bench_client, send_workload
-from kvfleet.runtime.bench.serve_report import summarize
+from kvfleet.runtime.bench.serve_report import MetricSelection, summarize
 from kvfleet.runtime.bench.workloads import random_requests
 from kvfleet.runtime.config import EngineConfig
 
 # The decode replica's transfer counters (runtime/metrics.py), without their prefix and _total.
+ITL_AND_TTFT = MetricSelection(("ttft", "itl"), (99.0,))
 _TRANSFER_COUNTERS = (
     "kv_transfer_loads",
     "kv_transfer_blocks_pulled",
@@ -157,7 +158,7 @@ def _run(
             process.stop()
     for result, kind in zip(results, kinds, strict=True):
         result.tier = kind
-    return {**summarize(results, duration), "transfers": transfers}
+    return {**summarize(results, duration, ITL_AND_TTFT), "transfers": transfers}
 
 
 async def _send_all(url: str, workload: list[ServeRequest]) -> tuple[list, float]:
@@ -181,18 +182,16 @@ def format_report(report: dict[str, Any]) -> str:
         run = report[name]
         chat, long = run["per_tier"]["chat"], run["per_tier"]["long"]
         lines.append(
-            f"| {name} | {_ms(chat['itl_ms']['p50'])} | {_ms(chat['itl_ms']['p99'])} | "
-            f"{_ms(chat['ttft_ms']['p50'])} | {_ms(long['ttft_ms']['p50'])} | "
-            f"{run['output_throughput']:.1f} | {sum(run['failed'].values())} |"
+            f"| {name} | {_ms(chat['median_itl_ms'])} | {_ms(chat['p99_itl_ms'])} | "
+            f"{_ms(chat['median_ttft_ms'])} | {_ms(long['median_ttft_ms'])} | "
+            f"{run['output_throughput']:.1f} | {run['failed']} |"
         )
     colocated, disaggregated = report["colocated"], report["disaggregated"]
-    ratio = (
-        colocated["per_tier"]["chat"]["itl_ms"]["p99"] / disaggregated["per_tier"]["chat"]["itl_ms"]["p99"]
-    )
+    ratio = colocated["per_tier"]["chat"]["p99_itl_ms"] / disaggregated["per_tier"]["chat"]["p99_itl_ms"]
     lines += [
         "",
         f"chat ITL p99: {ratio:.2f}x lower disaggregated; TTFT p50 (all): "
-        f"{disaggregated['ttft_ms']['p50'] / colocated['ttft_ms']['p50']:.2f}x; output tokens/s: "
+        f"{disaggregated['median_ttft_ms'] / colocated['median_ttft_ms']:.2f}x; output tokens/s: "
         f"{disaggregated['output_throughput'] / colocated['output_throughput']:.2f}x",
     ]
     transfers = disaggregated["transfers"]

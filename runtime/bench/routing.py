@@ -32,7 +32,7 @@ import zmq
 from kvfleet.contract.block_hash import block_hashes, external_block_hash
 from kvfleet.runtime.bench.processes import MODEL_NAME, BenchProcess, ServeProcess, counter_totals, free_port
 from kvfleet.runtime.bench.serve_client import ServeRequest, bench_client, send_request
-from kvfleet.runtime.bench.serve_report import RequestResult, summarize
+from kvfleet.runtime.bench.serve_report import MetricSelection, RequestResult, summarize
 from kvfleet.runtime.config import EngineConfig
 from kvfleet.runtime.kv_events.wire import (
     AllBlocksCleared,
@@ -43,6 +43,7 @@ from kvfleet.runtime.kv_events.wire import (
 )
 
 POLICIES = ("precise-prefix", "cache-aware", "prefix-hash", "round-robin")
+TTFT_MEDIAN_AND_P90 = MetricSelection(("ttft",), (90.0,))
 GATEWAYS = 2
 # The replicas' counters the fleet's hit rate is read from, without their prefix and _total.
 _HIT_COUNTERS = ("prefix_cache_queries", "prefix_cache_hits", "kv_offload_prefix_blocks_loaded")
@@ -213,7 +214,7 @@ def _run_policy(
     hits = counters["prefix_cache_hits"] + counters["kv_offload_prefix_blocks_loaded"] * config.block_size
     prompt_tokens = sum(len(request.prompt_token_ids) for request in workload)
     return {
-        **summarize(results, duration),
+        **summarize(results, duration, TTFT_MEDIAN_AND_P90),
         "hit_rate": hits / queried if queried else 0.0,
         "oracle_hit_rate": oracle_tokens / prompt_tokens,
     }
@@ -256,9 +257,8 @@ def format_routing_report(report: dict[str, Any]) -> str:
         "| --- | --- | --- | --- | --- | --- |",
     ]
     for policy, run in report["runs"].items():
-        ttft = run["ttft_ms"]
         lines.append(
-            f"| {policy} | {ttft['p50']:.1f} | {ttft['p90']:.1f} | {sum(run['failed'].values())} | "
+            f"| {policy} | {run['median_ttft_ms']:.1f} | {run['p90_ttft_ms']:.1f} | {run['failed']} | "
             f"{run['hit_rate']:.1%} | {run['oracle_hit_rate']:.1%} |"
         )
     return "\n".join(lines)

@@ -111,9 +111,13 @@ def run_safety_bench(
             try:
                 server.wait_ready()
                 log(f"{name}: TTFT, one request at a time")
-                alone = interactive_ttft(replace(ttft, url=server.url, model=MODEL_NAME, max_concurrency=1))
+                alone = interactive_ttft(
+                    replace(ttft, base_url=server.url, model=MODEL_NAME, max_concurrency=1)
+                )
                 log(f"{name}: throughput at concurrency {concurrency}")
-                loaded = serve_throughput(replace(throughput, url=server.url, model=MODEL_NAME), concurrency)
+                loaded = serve_throughput(
+                    replace(throughput, base_url=server.url, model=MODEL_NAME), concurrency
+                )
             finally:
                 server.stop()
             report["runs"].append({"policy": name, "ttft": alone, "throughput": loaded})
@@ -123,7 +127,7 @@ def run_safety_bench(
 
 def format_report(report: dict[str, Any]) -> str:
     runs = report["runs"]
-    base_ttft = runs[0]["ttft"]["ttft_ms"]["p50"]
+    base_ttft = runs[0]["ttft"]["median_ttft_ms"]
     base_throughput = runs[0]["throughput"]["output_throughput"]
     lines = [
         f"load average {report['load_average']:.2f} before, {report['load_average_after']:.2f} after",
@@ -132,7 +136,7 @@ def format_report(report: dict[str, Any]) -> str:
         "| --- | --- | --- | --- | --- | --- |",
     ]
     for run in runs:
-        p50 = run["ttft"]["ttft_ms"]["p50"]
+        p50 = run["ttft"]["median_ttft_ms"]
         tokens = run["throughput"]["output_throughput"]
         lines.append(
             f"| {run['policy']} | {p50:.1f} | {p50 - base_ttft:+.1f} | {tokens:.1f} | "

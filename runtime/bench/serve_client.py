@@ -5,18 +5,29 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
+import itertools
 import json
 import math
 import random
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import click
 import httpx
 from kvfleet.contract.tiers import PRIORITY_HEADER
 from kvfleet.runtime.bench.serve import BenchSettings
+from kvfleet.runtime.bench.serve_datasets import (
+    DatasetPrompt,
+    corpus_prompts,
+    random_prompts,
+    sharegpt_prompts,
+)
 from kvfleet.runtime.bench.serve_report import RequestResult
-from kvfleet.runtime.bench.workloads import corpus_requests, random_requests
+from kvfleet.runtime.bench.workloads import random_requests
+from tqdm import tqdm
+
+CHAT_ROUTE = "/v1/chat/completions"
 
 
 @dataclass(frozen=True)
@@ -27,47 +38,86 @@ class ServeRequest:
     # Seconds after the start at which it is sent.
     send_at: float
     # A chat request with a fixed question and this image (a data URL, made before the run so that encoding
-    # it never delays another request's timing); None: a completion of prompt_token_ids.
+    # it never delays another request's timing); None: a request of the prompt alone.
     image_url: str | None = None
+    # The prompt as text, sent instead of its token ids (a text dataset, or a chat backend).
+    text: str | None = None
 
 
-def build_workload(settings: BenchSettings, vocab_size: int) -> list[ServeRequest]:
-    """Lengths uniform within range_ratio of the means; arrivals a Poisson process; all from the seed."""
-    output_spread = (
-        settings.range_ratio if settings.output_range_ratio is None else settings.output_range_ratio
+@dataclass(frozen=True)
+class RequestOptions:
+    """How a request is sent: to which route, and with which sampling fields."""
+
+    endpoint: str = "/v1/completions"
+    chat: bool = False
+    ignore_eos: bool = True
+    # None: the server's default.
+    temperature: float | None = 0.0
+
+
+@dataclass
+class BenchRun:
+    results: list[RequestResult]
+    duration: float
+    model_id: str
+
+
+def arrival_times(count: int, request_rate: float, burstiness: float, seed: int) -> list[float]:
+    """Seconds after the start at which each request is sent, as vLLM draws them: gaps from a gamma
+    distribution of shape `burstiness` and mean 1 / rate (1: a Poisson process; lower: burstier; inf: evenly
+    spaced), then stretched so that the last request leaves at count / rate whatever the draws."""
+    if math.isinf(request_rate):
+        return [0.0] * count
+    if math.isinf(burstiness):
+        gaps = [1 / request_rate] * count
+    else:
+        rng = random.Random(seed)
+        gaps = [rng.gammavariate(burstiness, 1 / (request_rate * burstiness)) for _ in range(count)]
+    times = list(itertools.accumulate(gaps))
+    stretch = count / request_rate / times[-1]
+    return [t * stretch for t in times]
+
+
+def dataset_prompts(settings: BenchSettings, vocab_size: int | None, tokenizer: Any) -> list[DatasetPrompt]:
+    lengths = (settings.random_input_len, settings.random_output_len, settings.random_range_ratio)
+    if settings.dataset_name == "sharegpt":
+        assert settings.dataset_path is not None
+        return sharegpt_prompts(
+            settings.dataset_path,
+            settings.num_prompts,
+            tokenizer,
+            settings.sharegpt_output_len,
+            settings.seed,
+        )
+    if settings.dataset_name == "corpus":
+        return corpus_prompts(settings.num_prompts, *lengths, tokenizer, seed=settings.seed)
+    assert vocab_size is not None
+    return random_prompts(
+        settings.num_prompts, *lengths, settings.random_prefix_len, vocab_size, settings.seed
     )
 
-    def bounds(mean: int, spread: float) -> tuple[int, int]:
-        return max(1, round(mean * (1 - spread))), max(1, round(mean * (1 + spread)))
 
-    prompt_lens = bounds(settings.input_len, settings.range_ratio)
-    output_lens = bounds(settings.output_len, output_spread)
-    if settings.dataset_name == "corpus":
-        assert settings.tokenizer is not None
-        corpus = corpus_token_ids(settings.tokenizer)
-        base = corpus_requests(settings.num_prompts, prompt_lens, output_lens, corpus, seed=settings.seed)
-    else:
-        base = random_requests(settings.num_prompts, prompt_lens, output_lens, vocab_size, seed=settings.seed)
+def build_workload(
+    settings: BenchSettings, vocab_size: int | None, tokenizer: Any = None
+) -> list[ServeRequest]:
+    """The dataset's prompts with their send times, SLA tiers and images, all from the seed. A chat backend
+    is sent text: token-id prompts are decoded with the tokenizer."""
+    prompts = dataset_prompts(settings, vocab_size, tokenizer)
+    send_at = arrival_times(len(prompts), settings.request_rate, settings.burstiness, settings.seed + 2)
     rng = random.Random(settings.seed + 1)
     tiers = list(settings.tier_mix)
     weights = [settings.tier_mix[t] for t in tiers]
-    requests, clock = [], 0.0
-    for index, item in enumerate(base):
+    requests = []
+    for index, (prompt, at) in enumerate(zip(prompts, send_at, strict=True)):
         tier = rng.choices(tiers, weights)[0] if tiers else None
         image_url = None
         if rng.random() < settings.image_ratio:
             image_url = _image_url(settings.seed * 1_000_003 + index, settings.image_size)
-        requests.append(ServeRequest(item.prompt_token_ids, item.output_len, tier, clock, image_url))
-        if math.isfinite(settings.request_rate):
-            clock += rng.expovariate(settings.request_rate)
+        text = prompt.text
+        if text is None and settings.backend == "openai-chat":
+            text = tokenizer.decode(prompt.prompt_token_ids)
+        requests.append(ServeRequest(prompt.prompt_token_ids, prompt.output_len, tier, at, image_url, text))
     return requests
-
-
-def corpus_token_ids(tokenizer: str) -> list[int]:
-    from kvfleet.runtime.models.make_model import corpus_text
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(tokenizer).encode(corpus_text(), add_special_tokens=False)
 
 
 def _image_url(seed: int, size: int) -> str:
@@ -81,38 +131,43 @@ def _image_url(seed: int, size: int) -> str:
     return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
 
 
-def _body(model: str, request: ServeRequest) -> tuple[str, dict]:
+def _body(model: str, request: ServeRequest, options: RequestOptions) -> tuple[str, dict]:
     """(route, body) of a request."""
-    body = {
-        "model": model,
-        "max_tokens": request.output_len,
-        "temperature": 0.0,
-        "ignore_eos": True,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
+    body: dict[str, Any] = {"model": model, "stream": True, "stream_options": {"include_usage": True}}
+    if options.temperature is not None:
+        body["temperature"] = options.temperature
+    if options.ignore_eos:
+        body["ignore_eos"] = True
+    if request.image_url is None and not options.chat:
+        prompt = request.prompt_token_ids if request.text is None else request.text
+        return options.endpoint, {**body, "prompt": prompt, "max_tokens": request.output_len}
     if request.image_url is None:
-        return "/v1/completions", {**body, "prompt": request.prompt_token_ids}
-    content = [
-        {"type": "text", "text": "What does this picture show?"},
-        {"type": "image_url", "image_url": {"url": request.image_url}},
-    ]
-    return "/v1/chat/completions", {**body, "messages": [{"role": "user", "content": content}]}
+        content: str | list[dict] = request.text or ""
+    else:
+        content = [
+            {"type": "text", "text": "What does this picture show?"},
+            {"type": "image_url", "image_url": {"url": request.image_url}},
+        ]
+    route = options.endpoint if options.chat else CHAT_ROUTE
+    messages = [{"role": "user", "content": content}]
+    return route, {**body, "messages": messages, "max_completion_tokens": request.output_len}
 
 
-def _chunk_text(chunk: dict) -> bool:
-    """Whether a streamed chunk of either route carries text."""
-    return any(
-        choice.get("text") or (choice.get("delta") or {}).get("content") for choice in chunk["choices"]
+def _chunk_text(chunk: dict) -> str:
+    """The text a streamed chunk of either route carries."""
+    return "".join(
+        choice.get("text") or (choice.get("delta") or {}).get("content") or "" for choice in chunk["choices"]
     )
 
 
-async def send_request(client: httpx.AsyncClient, model: str, request: ServeRequest) -> RequestResult:
+async def send_request(
+    client: httpx.AsyncClient, model: str, request: ServeRequest, options: RequestOptions = RequestOptions()
+) -> RequestResult:
     """Streams one request and times its chunks; a failure is the result's error, never an exception."""
-    route, body = _body(model, request)
+    route, body = _body(model, request, options)
     headers = {PRIORITY_HEADER: request.tier} if request.tier else {}
     result = RequestResult(tier=request.tier or "-", prompt_len=len(request.prompt_token_ids))
-    start = last = time.perf_counter()
+    start = last = result.start_time = time.perf_counter()
     try:
         async with client.stream("POST", route, json=body, headers=headers) as response:
             if response.status_code != 200:
@@ -130,13 +185,14 @@ async def send_request(client: httpx.AsyncClient, model: str, request: ServeRequ
                     result.output_tokens = chunk["usage"]["completion_tokens"]
                     # The server's count: an image's placeholders are part of its prompt.
                     result.prompt_len = chunk["usage"]["prompt_tokens"]
-                if _chunk_text(chunk):
+                if text := _chunk_text(chunk):
                     now = time.perf_counter()
                     if result.ttft is None:
                         result.ttft = now - start
                     else:
                         result.itl.append(now - last)
                     last = now
+                    result.generated_text += text
     except httpx.HTTPError as exc:
         result.error = type(exc).__name__
         return result
@@ -152,34 +208,69 @@ def _error_code(response: httpx.Response) -> str:
         return str(response.status_code)
 
 
-async def _server_model(client: httpx.AsyncClient, settings: BenchSettings) -> tuple[str, int]:
-    response = await client.get("/v1/models")
-    response.raise_for_status()
+async def _server_model(client: httpx.AsyncClient, settings: BenchSettings) -> tuple[str, int | None]:
+    """The model to request and, for random token ids, its vocabulary size."""
+    try:
+        response = await client.get("/v1/models")
+        response.raise_for_status()
+    except httpx.HTTPError as exc:
+        raise click.ClickException(f"no model list from {client.base_url}/v1/models: {exc}") from None
     cards = response.json()["data"]
     card = cards[0] if settings.model is None else next((c for c in cards if c["id"] == settings.model), None)
     if card is None:
         served = ", ".join(c["id"] for c in cards)
         raise click.UsageError(f"the server does not serve {settings.model!r}; it serves {served}")
     vocab_size = settings.vocab_size or card.get("vocab_size")
-    if not vocab_size:
+    if settings.dataset_name == "random" and not vocab_size:
         raise click.UsageError("the server does not report its vocab_size; pass --vocab-size")
-    return card["id"], int(vocab_size)
+    return card["id"], vocab_size and int(vocab_size)
 
 
-async def run_benchmark(settings: BenchSettings) -> tuple[list[RequestResult], float]:
-    """Returns each request's result (in workload order) and the wall time of the whole run."""
+def load_tokenizer(name: str) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(name)
+    except (OSError, ValueError) as exc:
+        raise click.UsageError(f"cannot load the tokenizer {name!r} ({exc}); pass --tokenizer") from None
+
+
+def needs_tokenizer(settings: BenchSettings) -> bool:
+    return settings.dataset_name in ("sharegpt", "corpus") or settings.backend == "openai-chat"
+
+
+def request_options(settings: BenchSettings) -> RequestOptions:
+    return RequestOptions(
+        endpoint=settings.endpoint,
+        chat=settings.backend == "openai-chat",
+        # vLLM always ignores EOS on its synthetic datasets, so that outputs run to their drawn lengths.
+        ignore_eos=settings.ignore_eos or settings.dataset_name in ("random", "corpus"),
+        temperature=settings.temperature,
+    )
+
+
+async def run_benchmark(settings: BenchSettings) -> BenchRun:
+    """Each request's result (in workload order), the wall time of the whole run, and the model asked."""
     connections = settings.max_concurrency or settings.num_prompts
     headers = {"Authorization": f"Bearer {settings.api_key}"} if settings.api_key else {}
-    async with bench_client(settings.url, connections, settings.request_timeout, headers) as client:
+    headers |= settings.headers
+    async with bench_client(settings.base_url, connections, settings.request_timeout, headers) as client:
         model, vocab_size = await _server_model(client, settings)
-        workload = build_workload(settings, vocab_size)
+        tokenizer = load_tokenizer(settings.tokenizer or model) if needs_tokenizer(settings) else None
+        workload = build_workload(settings, vocab_size, tokenizer)
+        options = request_options(settings)
         # Prompts of their own: reusing the workload's would hand it prefix-cache hits.
-        warmup = random_requests(settings.warmup, (16, 16), (4, 4), vocab_size, seed=settings.seed + 2)
+        warmup_vocab = vocab_size or tokenizer.vocab_size
+        warmup = random_requests(settings.num_warmups, (16, 16), (4, 4), warmup_vocab, seed=settings.seed + 4)
         for request in warmup:
+            text = tokenizer.decode(request.prompt_token_ids) if options.chat else None
             await send_request(
-                client, model, ServeRequest(request.prompt_token_ids, request.output_len, None, 0.0)
+                client, model, ServeRequest(request.prompt_token_ids, 4, None, 0.0, text=text), options
             )
-        return await send_workload(client, model, workload, settings.max_concurrency)
+        results, duration = await send_workload(
+            client, model, workload, settings.max_concurrency, options, settings.progress
+        )
+        return BenchRun(results, duration, model)
 
 
 def bench_client(
@@ -195,17 +286,28 @@ def bench_client(
 
 
 async def send_workload(
-    client: httpx.AsyncClient, model: str, workload: list[ServeRequest], max_concurrency: int | None = None
+    client: httpx.AsyncClient,
+    model: str,
+    workload: list[ServeRequest],
+    max_concurrency: int | None = None,
+    options: RequestOptions = RequestOptions(),
+    progress: bool = False,
 ) -> tuple[list[RequestResult], float]:
     """Sends each request at its time (at most max_concurrency in flight); each result in workload order, and
-    the wall time from the first send to the last answer."""
+    the wall time from the first send to the last answer. Start times are made relative to the run's start."""
     limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+    bar = tqdm(total=len(workload), disable=not progress)
 
     async def one(request: ServeRequest) -> RequestResult:
+        due = time.perf_counter()
         if limit is None:
-            return await send_request(client, model, request)
-        async with limit:
-            return await send_request(client, model, request)
+            result = await send_request(client, model, request, options)
+        else:
+            async with limit:
+                result = await send_request(client, model, request, options)
+        result.queue_time = result.start_time - due
+        bar.update(1)
+        return result
 
     start = time.perf_counter()
     tasks = []
@@ -214,5 +316,9 @@ async def send_workload(
         if delay > 0:
             await asyncio.sleep(delay)
         tasks.append(asyncio.create_task(one(request)))
-    results = await asyncio.gather(*tasks)
-    return list(results), time.perf_counter() - start
+    results = list(await asyncio.gather(*tasks))
+    duration = time.perf_counter() - start
+    bar.close()
+    for result in results:
+        result.start_time -= start
+    return results, duration

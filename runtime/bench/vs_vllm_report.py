@@ -1,9 +1,9 @@
 """The table `make bench-vs-vllm` writes into docs/benchmarks.md, from the result files of one run.
 
 The run's folder holds `plan.json`, `engine-kvfleet.json` and `engine-vllm.json` (offline throughput and
-decode step times), `serve-<engine>-<rate>.json` (`kvfleet bench serve --result-json`) and `load.txt`
-(the load average before each part). The section between the two markers is replaced, so that a rerun
-updates the figures and leaves the rest of the page alone.
+decode step times), `serve-<engine>-<rate>.json` (`kvfleet bench serve --save-result`, under vLLM's keys)
+and `load.txt` (the load average before each part). The section between the two markers is replaced, so
+that a rerun updates the figures and leaves the rest of the page alone.
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def _ms(stats: dict[str, float | None], *keys: str) -> str:
-    return " / ".join("n/a" if stats[key] is None else f"{stats[key]:.1f}" for key in keys)
+def _ms(run: dict[str, float], *keys: str) -> str:
+    return " / ".join(f"{run[key]:.1f}" for key in keys)
 
 
 def build_section(results: Path, commit: str) -> str:
@@ -47,14 +47,14 @@ def build_section(results: Path, commit: str) -> str:
     serve = {(name, rate): _load(results / f"serve-{name}-{rate}.json") for name in ENGINES for rate in rates}
     rows: list[tuple[str, list[str]]] = []
     for rate in rates:
-        prompts = serve["kvfleet", rate]["settings"]["num_prompts"]
+        prompts = serve["kvfleet", rate]["num_prompts"]
         label = f"serve {rate} req/s ({prompts} requests)"
         runs = [serve[name, rate] for name in ENGINES]
         rows += [
             (f"{label}: achieved req/s", [f"{run['request_throughput']:.2f}" for run in runs]),
-            (f"{label}: TTFT p50 / p99 (ms)", [_ms(run["ttft_ms"], "p50", "p99") for run in runs]),
-            (f"{label}: ITL p50 / p99 (ms)", [_ms(run["itl_ms"], "p50", "p99") for run in runs]),
-            (f"{label}: TPOT p50 (ms)", [_ms(run["tpot_ms"], "p50") for run in runs]),
+            (f"{label}: TTFT p50 / p99 (ms)", [_ms(run, "median_ttft_ms", "p99_ttft_ms") for run in runs]),
+            (f"{label}: ITL p50 / p99 (ms)", [_ms(run, "median_itl_ms", "p99_itl_ms") for run in runs]),
+            (f"{label}: TPOT p50 (ms)", [_ms(run, "median_tpot_ms") for run in runs]),
         ]
     offline = [engines[name]["offline"] for name in ENGINES]
     rows.append(

@@ -1,9 +1,12 @@
-"""`kvfleet bench serve`: the seeded workload, the statistics, and a real run against a real server."""
+"""`kvfleet bench serve` against a real server with vLLM's flags, read back from its result files."""
 
 from __future__ import annotations
 
 import json
 import math
+import os
+import re
+import statistics
 import subprocess
 import sys
 import threading
@@ -11,103 +14,129 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import click
 import httpx
 import pytest
-from kvfleet.runtime.bench.serve import OVERLOAD_MIX, BenchSettings, parse_tier_mix
+from kvfleet.runtime.bench.serve import BenchSettings, parse_tier_mix
 from kvfleet.runtime.bench.serve_client import build_workload
-from kvfleet.runtime.bench.serve_report import RequestResult, percentile, summarize
+from transformers import AutoTokenizer
+from vllm_bench_keys import DETAILED_KEYS, RESULT_KEYS, SETUP_KEYS, metric_keys
 
 if TYPE_CHECKING:
     from servers import ServerProcess
 
 
-def test_workload_is_seeded_and_follows_the_settings() -> None:
-    settings = BenchSettings(
-        url="-", num_prompts=400, request_rate=20.0, input_len=40, output_len=10, range_ratio=0.5, seed=3
-    )
-    settings.tier_mix = parse_tier_mix("critical=1,batch=3")
-    workload = build_workload(settings, vocab_size=100)
-    assert workload == build_workload(settings, vocab_size=100)
-    assert workload != build_workload(BenchSettings(**{**settings.__dict__, "seed": 4}), vocab_size=100)
-    assert all(20 <= len(r.prompt_token_ids) <= 60 and 5 <= r.output_len <= 15 for r in workload)
-    assert all(16 <= t < 100 for r in workload for t in r.prompt_token_ids)
-    # Poisson arrivals at 20/s: 400 requests span about 20 s.
-    assert 16 < workload[-1].send_at < 24
-    assert sorted(r.send_at for r in workload) == [r.send_at for r in workload]
-    critical_share = sum(r.tier == "critical" for r in workload) / len(workload)
-    assert 0.18 < critical_share < 0.32
-    # The workload of `make bench-vs-vllm`: prompts 16-256 tokens, outputs 16-128, each range reached.
-    wide = BenchSettings(url="-", num_prompts=2000, input_len=136, output_len=72, range_ratio=0.8824)
-    wide.output_range_ratio = 0.7778
-    prompt_lens = [len(r.prompt_token_ids) for r in build_workload(wide, vocab_size=100)]
-    output_lens = [r.output_len for r in build_workload(wide, vocab_size=100)]
-    assert (min(prompt_lens), max(prompt_lens), min(output_lens), max(output_lens)) == (16, 256, 16, 128)
-    burst = build_workload(BenchSettings(url="-", num_prompts=5), vocab_size=100)
-    assert {r.send_at for r in burst} == {0.0} and {r.tier for r in burst} == {None}
-
-
-def test_tier_mix_parsing() -> None:
-    assert parse_tier_mix("overload") == parse_tier_mix(OVERLOAD_MIX)
-    assert parse_tier_mix("a=1,b=3") == {"a": 0.25, "b": 0.75}
-    assert parse_tier_mix(None) == {}
-    for bad in ("a", "a=x", "a=0", "a=-1,b=2"):
-        with pytest.raises(click.BadParameter):
-            parse_tier_mix(bad)
-
-
-def test_summary_statistics() -> None:
-    results = [
-        RequestResult("batch", 10, output_tokens=5, ttft=0.1, itl=[0.01] * 4, latency=0.14),
-        RequestResult("batch", 10, output_tokens=5, ttft=0.3, itl=[0.03] * 4, latency=0.42),
-        RequestResult("critical", 20, error="shed"),
-    ]
-    summary = summarize(results, duration=2.0)
-    assert summary["completed"] == 2 and summary["failed"] == {"shed": 1}
-    assert summary["output_tokens"] == 10 and summary["input_tokens"] == 20
-    assert summary["output_throughput"] == 5.0
-    assert summary["ttft_ms"]["mean"] == pytest.approx(200)
-    assert summary["ttft_ms"]["p50"] == pytest.approx(200)
-    assert summary["tpot_ms"]["mean"] == pytest.approx((10 + 30) / 2)
-    assert summary["per_tier"]["critical"] == {
-        "completed": 0,
-        "failed": 1,
-        "ttft_ms": {"mean": None, "p50": None, "p90": None, "p99": None},
-        "tpot_ms": {"mean": None, "p50": None, "p90": None, "p99": None},
-        "itl_ms": {"mean": None, "p50": None, "p90": None, "p99": None},
-        "e2e_ms": {"mean": None, "p50": None, "p90": None, "p99": None},
-    }
-    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5 and percentile([5.0], 99) == 5.0
-
-
 def test_bench_serve_against_a_server(api_server: ServerProcess, tmp_path: Path) -> None:
-    result_json = tmp_path / "result.json"
-    args = [sys.executable, "-P", "-m", "kvfleet", "bench", "serve", "--url", api_server.url]
+    """vLLM's flags, its result file's keys, goodput and tiers on a real run; and never the API key."""
+    args = [sys.executable, "-P", "-m", "kvfleet", "bench", "serve", "--base-url", api_server.url]
+    args += ["--api-key", api_server.api_key, "--header", "x-bench=1", "--num-prompts", "12"]
     args += [
-        "--api-key",
-        api_server.api_key,
-        "--num-prompts",
-        "12",
         "--request-rate",
         "30",
-        "--input-len",
+        "--burstiness",
+        "0.5",
+        "--random-input-len",
         "16",
+        "--random-output-len",
+        "6",
     ]
-    args += ["--output-len", "6", "--tier-mix", "overload", "--seed", "1", "--result-json", str(result_json)]
+    args += ["--tier-mix", "overload", "--seed", "1", "--goodput", "ttft:60000", "e2el:60000"]
+    args += ["--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99.9"]
+    args += [
+        "--save-result",
+        "--save-detailed",
+        "--result-dir",
+        str(tmp_path),
+        "--result-filename",
+        "run.json",
+    ]
+    args += ["--metadata", "engine=kvfleet", "build=ci", "--label", "tiers"]
     completed = subprocess.run(args, capture_output=True, text=True, timeout=300, check=False)
     assert completed.returncode == 0, completed.stderr
     assert "Serving Benchmark Result" in completed.stdout and "Per SLA tier" in completed.stdout
-    result = json.loads(result_json.read_text())
-    settings = BenchSettings(url="-", num_prompts=12, request_rate=30, input_len=16, output_len=6, seed=1)
-    settings.tier_mix = parse_tier_mix("overload")
+    assert "12/12" in completed.stderr  # the progress bar
+    text = (tmp_path / "run.json").read_text()
+    assert api_server.api_key not in text and "Bearer" not in text and "x-bench" not in text
+    result = json.loads(text)
+    metrics = metric_keys(["ttft", "tpot", "itl", "e2el"], ["50", "90", "99.9"])
+    assert set(result) == SETUP_KEYS | RESULT_KEYS | metrics | {"engine", "build", "per_tier"}
+    assert (result["engine"], result["build"], result["label"], result["backend"]) == (
+        "kvfleet",
+        "ci",
+        "tiers",
+        "openai",
+    )
+    assert (result["request_rate"], result["burstiness"], result["max_concurrency"]) == (30.0, 0.5, None)
+    settings = BenchSettings(
+        base_url="-",
+        num_prompts=12,
+        request_rate=30,
+        burstiness=0.5,
+        random_input_len=16,
+        random_output_len=6,
+        seed=1,
+        tier_mix=parse_tier_mix("overload"),
+    )
     workload = build_workload(settings, vocab_size=1024)
-    assert result["completed"] == 12 and result["failed"] == {}
-    assert result["output_tokens"] == sum(r.output_len for r in workload)
-    assert result["input_tokens"] == sum(len(r.prompt_token_ids) for r in workload)
-    assert result["ttft_ms"]["p50"] > 0 and math.isfinite(result["ttft_ms"]["p99"])
-    expected_tiers = {r.tier for r in workload}
-    assert set(result["per_tier"]) == expected_tiers
+    assert result["completed"] == 12 and result["failed"] == 0 and result["errors"] == [""] * 12
+    assert result["output_lens"] == [r.output_len for r in workload]
+    assert result["input_lens"] == [len(r.prompt_token_ids) for r in workload]
+    assert result["total_output_tokens"] == sum(r.output_len for r in workload)
+    assert result["request_goodput"] == pytest.approx(result["request_throughput"])
+    assert 0 < result["median_ttft_ms"] <= result["p99.9_ttft_ms"] and math.isfinite(result["p99.9_ttft_ms"])
+    # A chunk carries one token or more (or none, of text that is not whole yet).
+    assert all(len(itl) < n for itl, n in zip(result["itls"], result["output_lens"], strict=True))
+    assert result["median_ttft_ms"] == pytest.approx(statistics.median(result["ttfts"]) * 1000)
+    assert set(result["per_tier"]) == {r.tier for r in workload}
     assert sum(tier["completed"] for tier in result["per_tier"].values()) == 12
+
+
+def test_bench_serve_sharegpt_through_chat(
+    api_server: ServerProcess, tiny_llama: Path, tmp_path: Path
+) -> None:
+    """A ShareGPT file through the chat backend; vLLM's default file name, and without --save-detailed no
+    per-request detail."""
+    conversations = [
+        [
+            {"from": "human", "value": f"Question number {i} about the weather and the sea?"},
+            {"from": "gpt", "value": "Answer " * (i + 4)},
+        ]
+        for i in range(3)
+    ]
+    dataset = tmp_path / "sharegpt.json"
+    dataset.write_text(json.dumps([{"conversations": turns} for turns in conversations]))
+    args = [sys.executable, "-P", "-m", "kvfleet", "bench", "serve", "--backend", "openai-chat"]
+    args += ["--host", "127.0.0.1", "--port", api_server.url.rsplit(":", 1)[1], "--dataset-name", "sharegpt"]
+    args += [
+        "--dataset-path",
+        str(dataset),
+        "--tokenizer",
+        str(tiny_llama),
+        "--num-prompts",
+        "4",
+        "--disable-tqdm",
+    ]
+    args += ["--max-concurrency", "2", "--ignore-eos", "--save-result", "--result-dir", str(tmp_path / "out")]
+    environment = {**os.environ, "OPENAI_API_KEY": api_server.api_key}
+    completed = subprocess.run(
+        args, capture_output=True, text=True, timeout=300, check=False, env=environment
+    )
+    assert completed.returncode == 0, completed.stderr
+    assert "12/12" not in completed.stderr and "4/4" not in completed.stderr
+    (path,) = (tmp_path / "out").iterdir()
+    assert re.fullmatch(
+        rf"openai-chat-infqps-concurrency2-{api_server.model_name}-\d{{8}}-\d{{6}}\.json", path.name
+    )
+    text = path.read_text()
+    assert api_server.api_key not in text
+    result = json.loads(text)
+    assert set(result) == SETUP_KEYS | (RESULT_KEYS - DETAILED_KEYS) | metric_keys(
+        ["ttft", "tpot", "itl"], ["99"]
+    )
+    assert result["completed"] == 4 and result["request_goodput"] is None
+    # Each request runs to its answer's token count (--ignore-eos): the 3 answers, and one of them again.
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
+    answers = [len(tokenizer(turns[1]["value"]).input_ids) for turns in conversations]
+    assert result["total_output_tokens"] - sum(answers) in answers
 
 
 def test_static_server_serves_with_the_static_batching_core(

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from kvfleet.runtime.bench.serve_client import corpus_token_ids
+from kvfleet.runtime.bench.serve_datasets import corpus_token_ids
 from kvfleet.runtime.bench.workloads import corpus_requests
 from kvfleet.runtime.models.make_model import corpus_text
 from transformers import AutoTokenizer
@@ -14,8 +14,8 @@ from transformers import AutoTokenizer
 
 def test_prompts_are_passages_of_the_corpus(make_model: Callable[..., Path]) -> None:
     folder = make_model("qwen2", "tiny")
-    requests = corpus_requests(20, (30, 60), (8, 16), corpus_token_ids(str(folder)), seed=3)
     tokenizer = AutoTokenizer.from_pretrained(folder)
+    requests = corpus_requests(20, (30, 60), (8, 16), corpus_token_ids(tokenizer), seed=3)
     text = " ".join(corpus_text().split())
     for request in requests:
         assert 30 <= len(request.prompt_token_ids) <= 60
