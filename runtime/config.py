@@ -368,7 +368,7 @@ served_model_name_option = click.option(
     cls=ListOption,
     metavar="NAME...",
     help="Model names clients use (the first is the one answers carry; vLLM's list form or repeated); "
-    "defaults to the model's path.",
+    "defaults to the model as given (its path or Hub id).",
 )
 
 

@@ -339,7 +339,6 @@ def serve(model_tag: str | None, model: str | None, host: str, port: int, **opti
     OpenAI-compatible HTTP API; with --node-rank above 0, run only this node's share of the ranks and serve
     GET /health."""
     model_name = _model_name(model_tag, model)
-    model = _model_folder(model_name, options["revision"])
     _refuse_what_cannot_be_honoured(options)
     if TIERS[options["default_priority"]] < TIERS[options["max_priority_tier"]]:
         raise click.BadParameter(
@@ -357,6 +356,8 @@ def serve(model_tag: str | None, model: str | None, host: str, port: int, **opti
         raise click.BadParameter(
             "the Batch API runs in a single API server process", param_hint="--api-server-count"
         )
+    # After the checks of the options alone, which a download would only delay.
+    model = _model_folder(model_name, options["revision"])
     try:
         config = engine_config_from_options(model, options)
         if config.world_size > 1:
@@ -413,13 +414,13 @@ def _model_folder(model: str, revision: str | None) -> str:
     """The folder of `model` (a Hub id's in the cache, fetched first), once it is known to be one the engine
     can load: a wrong path, repository or revision ends the command here, in one line, before the port
     opens."""
-    from kvfleet.runtime.hub import HubError, resolve_model
+    from kvfleet.runtime.hub import resolve_model
     from kvfleet.runtime.models.folder import check_model_folder
 
     try:
         folder = resolve_model(model, revision)
         check_model_folder(folder)
-    except (HubError, ValueError) as exc:
+    except ValueError as exc:  # HubError included
         raise click.ClickException(str(exc)) from None
     return folder
 
