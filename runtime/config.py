@@ -39,7 +39,8 @@ class EngineConfig:
         "files."
     )
     revision: str | None = _option(
-        "Branch, tag or commit of a Hub model; its default branch if unset. A folder has none.", default=None
+        "Branch, tag or commit of a Hub model; its default branch if unset (ignored for a folder).",
+        default=None,
     )
     tokenizer: str | None = _option(
         "Tokenizer folder or Hub id (tokenizer files only), if not the model's.", default=None
