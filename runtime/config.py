@@ -13,6 +13,7 @@ from typing import Any, Literal, TypeVar, get_args
 
 import click
 from kvfleet.contract.engine import DType, SchedulingPolicy
+from kvfleet.runtime.hub import TOKENIZER_FILE_PATTERNS, resolve_model
 from kvfleet.runtime.kv_events.config import KVEventsConfig
 from kvfleet.runtime.kv_transfer.config import KVTransferConfig
 from kvfleet.runtime.kv_transfer.factory import check_connector_name
@@ -31,8 +32,22 @@ def _option(help: str, **kwargs: Any) -> Any:
 
 @dataclass
 class EngineConfig:
-    model: str = _option("Path of a Hugging Face model folder (config.json, safetensors weights, tokenizer).")
-    tokenizer: str | None = _option("Tokenizer folder, if not the model's.", default=None)
+    model: str = _option(
+        "A Hugging Face model folder (config.json, safetensors weights, tokenizer), or the id (org/name) of "
+        "a Hub repository that is not a path here: fetched into the Hugging Face cache (HF_HOME, "
+        "HF_HUB_CACHE; read from it alone under HF_HUB_OFFLINE=1), only its weight, config and tokenizer "
+        "files."
+    )
+    revision: str | None = _option(
+        "Branch, tag or commit of a Hub model; its default branch if unset (ignored for a folder).",
+        default=None,
+    )
+    tokenizer: str | None = _option(
+        "Tokenizer folder or Hub id (tokenizer files only), if not the model's.", default=None
+    )
+    tokenizer_revision: str | None = _option(
+        "Branch, tag or commit of a Hub tokenizer; by default the revision.", default=None
+    )
     chat_template: str | None = _option(
         "Chat template replacing the tokenizer's: a file path or the Jinja text itself.", default=None
     )
@@ -155,6 +170,14 @@ class EngineConfig:
     )
 
     def __post_init__(self) -> None:
+        # Hub ids become the cache's folders here, once: every reader of the config sees local paths.
+        self.model = resolve_model(self.model, self.revision)
+        if self.tokenizer is not None:
+            self.tokenizer = resolve_model(
+                self.tokenizer,
+                self.tokenizer_revision or self.revision,
+                allow_patterns=TOKENIZER_FILE_PATTERNS,
+            )
         self.validate()
 
     def validate(self) -> None:
@@ -339,14 +362,14 @@ def engine_options(func: F) -> F:
 
 
 # The model of `kvfleet run-batch` (`kvfleet serve` also takes it as its argument).
-model_option = click.option("--model", required=True, help="Hugging Face model folder.")
+model_option = click.option("--model", required=True, help="Hugging Face model folder or Hub id (org/name).")
 # The names `kvfleet serve` and `kvfleet run-batch` answer requests naming the model by, the same way.
 served_model_name_option = click.option(
     "--served-model-name",
     cls=ListOption,
     metavar="NAME...",
     help="Model names clients use (the first is the one answers carry; vLLM's list form or repeated); "
-    "defaults to the model's path.",
+    "defaults to the model as given (its path or Hub id).",
 )
 
 

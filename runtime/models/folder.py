@@ -17,11 +17,6 @@ def check_model_folder(model: str) -> None:
     architecture kvfleet serves."""
     path = Path(model)
     if not path.exists():
-        if _looks_like_hub_id(model):
-            raise ValueError(
-                f"{model!r} is not a model folder here: kvfleet serves local folders; fetch it first with "
-                f"`kvfleet download-model {model} --dest DIR` and serve DIR"
-            )
         raise ValueError(f"the model folder {model} does not exist")
     if not path.is_dir():
         raise ValueError(f"{model} is a file, not a model folder")
@@ -44,9 +39,3 @@ def check_model_folder(model: str) -> None:
             f"{config_path}: model architecture {architecture!r} is not supported; supported: "
             + ", ".join(supported)
         )
-
-
-def _looks_like_hub_id(model: str) -> bool:
-    """`org/name`, as the Hugging Face Hub names repositories."""
-    parts = model.split("/")
-    return len(parts) == 2 and all(parts) and not model.startswith((".", "~"))

@@ -80,7 +80,7 @@ def _api_key(ctx: click.Context, param: click.Parameter, value: str | None) -> s
 
 @click.command("serve", cls=ListOptionsCommand)
 @click.argument("model_tag", metavar="[MODEL]", required=False)
-@click.option("--model", default=None, help="Hugging Face model folder, if not given as MODEL.")
+@click.option("--model", default=None, help="Model folder or Hub id (org/name), if not given as MODEL.")
 @served_model_name_option
 @click.option("--host", default="0.0.0.0", show_default=True)
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
@@ -328,9 +328,6 @@ def _api_key(ctx: click.Context, param: click.Parameter, value: str | None) -> s
     help="The KV cache's dtype: auto (the model's dtype) is the only one.",
 )
 @click.option(
-    "--revision", default=None, help="Refused: serve a folder that `kvfleet download-model` fetched."
-)
-@click.option(
     "--reasoning-parser",
     default=None,
     help="How chat answers split into reasoning (the message's reasoning_content) and content: qwen3 or "
@@ -338,9 +335,10 @@ def _api_key(ctx: click.Context, param: click.Parameter, value: str | None) -> s
 )
 @engine_options
 def serve(model_tag: str | None, model: str | None, host: str, port: int, **options: Any) -> None:
-    """Serve MODEL (a model folder) over an OpenAI-compatible HTTP API; with --node-rank above 0, run only
-    this node's share of the ranks and serve GET /health."""
-    model = _model_folder(model_tag, model)
+    """Serve MODEL (a model folder, or a Hub id fetched into the Hugging Face cache first) over an
+    OpenAI-compatible HTTP API; with --node-rank above 0, run only this node's share of the ranks and serve
+    GET /health."""
+    model_name = _model_name(model_tag, model)
     _refuse_what_cannot_be_honoured(options)
     if TIERS[options["default_priority"]] < TIERS[options["max_priority_tier"]]:
         raise click.BadParameter(
@@ -358,6 +356,8 @@ def serve(model_tag: str | None, model: str | None, host: str, port: int, **opti
         raise click.BadParameter(
             "the Batch API runs in a single API server process", param_hint="--api-server-count"
         )
+    # After the checks of the options alone, which a download would only delay.
+    model = _model_folder(model_name, options["revision"])
     try:
         config = engine_config_from_options(model, options)
         if config.world_size > 1:
@@ -375,7 +375,7 @@ def serve(model_tag: str | None, model: str | None, host: str, port: int, **opti
 
     from kvfleet.runtime.server.launcher import ServeOptions, run_server
 
-    settings = _server_settings(model, options)
+    settings = _server_settings(model_name, model, options)
     serve_options = ServeOptions(
         settings=settings,
         host=host,
@@ -400,31 +400,33 @@ def _stored_responses(value: int | None) -> int:
     return _VLLM_STORE_DEFAULT_SIZE if enabled else 0
 
 
-def _model_folder(model_tag: str | None, model: str | None) -> str:
-    """The model, given as MODEL or --model, once it is known to be a folder the engine can load: a wrong
-    path ends the command here, in one line, before the port opens."""
-    from kvfleet.runtime.models.folder import check_model_folder
-
+def _model_name(model_tag: str | None, model: str | None) -> str:
+    """The model as given, as MODEL or --model."""
     if model_tag is not None and model is not None and model_tag != model:
         raise click.UsageError(f"MODEL {model_tag!r} and --model {model!r} name different models")
     chosen = model_tag or model
     if chosen is None:
         raise click.UsageError("name the model: kvfleet serve MODEL (or --model MODEL)")
-    try:
-        check_model_folder(chosen)
-    except ValueError as exc:
-        raise click.ClickException(str(exc)) from None
     return chosen
+
+
+def _model_folder(model: str, revision: str | None) -> str:
+    """The folder of `model` (a Hub id's in the cache, fetched first), once it is known to be one the engine
+    can load: a wrong path, repository or revision ends the command here, in one line, before the port
+    opens."""
+    from kvfleet.runtime.hub import resolve_model
+    from kvfleet.runtime.models.folder import check_model_folder
+
+    try:
+        folder = resolve_model(model, revision)
+        check_model_folder(folder)
+    except ValueError as exc:  # HubError included
+        raise click.ClickException(str(exc)) from None
+    return folder
 
 
 def _refuse_what_cannot_be_honoured(options: dict[str, Any]) -> None:
     """vLLM's flags that kvfleet takes, refused at start for the values it cannot honour."""
-    if options["revision"] is not None:
-        raise click.BadParameter(
-            "a revision applies to a Hub model, and kvfleet serves model folders: fetch it with "
-            "`kvfleet download-model ORG/NAME --revision REV --dest DIR` and serve DIR",
-            param_hint="--revision",
-        )
     if options["kv_cache_dtype"] != "auto":
         raise click.BadParameter(
             f"{options['kv_cache_dtype']!r}: the KV cache is kept in the model's dtype (auto) only",
@@ -452,10 +454,10 @@ def _check_reasoning_parser(name: str, tokenizer_dir: Path) -> None:
         raise click.BadParameter(str(exc), param_hint="--reasoning-parser") from None
 
 
-def _server_settings(model: str, options: dict[str, Any]) -> ServerSettings:
+def _server_settings(model_name: str, model: str, options: dict[str, Any]) -> ServerSettings:
     """The settings of `kvfleet serve`'s options: each option named like a setting gives it, tiers are given
-    by name, the safety policy as a file or text, the model's names (its path by default) and its sampling
-    defaults."""
+    by name, the safety policy as a file or text, the model's names (by default as given: its path or Hub
+    id, as vLLM names it) and the sampling defaults of its folder."""
     from kvfleet.runtime.server.state import ServerSettings
     from kvfleet.runtime.serving.tool_calls import TOOL_CALL_PARSERS
 
@@ -470,7 +472,7 @@ def _server_settings(model: str, options: dict[str, Any]) -> ServerSettings:
             "--enable-auto-tool-choice needs --tool-call-parser", param_hint="--enable-auto-tool-choice"
         )
     named = {f.name: options[f.name] for f in dataclasses.fields(ServerSettings) if f.name in options}
-    served_model_names = options["served_model_name"] or (model,)
+    served_model_names = options["served_model_name"] or (model_name,)
     generation_config = options["generation_config"]
     sampling_defaults = _sampling_defaults(generation_config, model)
     return ServerSettings(

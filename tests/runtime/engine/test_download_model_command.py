@@ -1,6 +1,6 @@
 """`kvfleet download-model`, the init container of hf:// models: its failures must be clear and non-zero.
 
-(No hub is reachable from CI, so the successful download path is exercised only where one is.)
+(Its successful download, from a local stand-in for the Hub, is tested with `kvfleet serve`'s Hub models.)
 """
 
 from __future__ import annotations
