@@ -592,7 +592,8 @@ class OpenAIService:
             prompt_index = request.prompt_index[output.request_id]
             for completion in output.outputs:
                 completion_tokens += len(completion.token_ids)
-                if not completion.finished:
+                # A choice that delivered nothing was sent nothing (a completion's echo, say).
+                if completion.token_ids and not completion.finished:
                     choice_of(prompt_index, completion, False)
 
         def chunks_of(output: RequestOutput) -> Iterator[dict[str, Any]]:

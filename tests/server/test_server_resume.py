@@ -142,29 +142,36 @@ def _continuation(chunks: list[dict[str, Any]]) -> dict[str, Any]:
 def _check_resumes(http: httpx.Client, path: str, body: dict[str, Any]) -> Stream:
     """The uninterrupted stream of `body`, after checking every cut of it resumes into the same answer."""
     whole = _stream(http, path, body)
-    expected = _delivered(whole.chunks)
-    for choice in expected.values():
+    for choice in _delivered(whole.chunks).values():
         assert len(choice.finishes) == 1
         assert all(len(names) == 1 for names in choice.announced.values())
     for cut in _cuts(whole):
-        first = whole.chunks[:cut]
-        resumed = _stream(http, path, {**body, CONTINUATION: _continuation(first)})
-        assert all("role" not in chunk["choices"][0].get("delta", {}) for chunk in resumed.chunks)
-        spliced: dict[int, Sent] = {}
-        _add(spliced, first)
-        _add(spliced, resumed.chunks)
-        assert spliced.keys() == expected.keys(), cut
-        for index, want in expected.items():
-            got = spliced[index]
-            assert got.token_ids == want.token_ids, (cut, index)
-            assert got.text == want.text, (cut, index)
-            assert got.reasoning == want.reasoning, (cut, index)
-            assert got.finishes == want.finishes, (cut, index)
-            assert got.announced == want.announced, (cut, index)
-            assert got.arguments == want.arguments, (cut, index)
-            assert got.logprobs == pytest.approx(want.logprobs, abs=1e-4), (cut, index)
-        assert resumed.usage == whole.usage, cut
+        _check_splice(http, path, body, whole, whole.chunks[:cut])
     return whole
+
+
+def _check_splice(
+    http: httpx.Client, path: str, body: dict[str, Any], whole: Stream, first: list[dict[str, Any]]
+) -> None:
+    """`first` (chunks of `whole`) and the continuation from them add up to `whole`."""
+    expected = _delivered(whole.chunks)
+    resumed = _stream(http, path, {**body, CONTINUATION: _continuation(first)})
+    assert all("role" not in chunk["choices"][0].get("delta", {}) for chunk in resumed.chunks)
+    spliced: dict[int, Sent] = {}
+    _add(spliced, first)
+    _add(spliced, resumed.chunks)
+    cut = len(first)
+    assert spliced.keys() == expected.keys(), cut
+    for index, want in expected.items():
+        got = spliced[index]
+        assert got.token_ids == want.token_ids, (cut, index)
+        assert got.text == want.text, (cut, index)
+        assert got.reasoning == want.reasoning, (cut, index)
+        assert got.finishes == want.finishes, (cut, index)
+        assert got.announced == want.announced, (cut, index)
+        assert got.arguments == want.arguments, (cut, index)
+        assert got.logprobs == pytest.approx(want.logprobs, abs=1e-4), (cut, index)
+    assert resumed.usage == whole.usage, cut
 
 
 def _completion(**fields: Any) -> dict[str, Any]:
@@ -179,13 +186,30 @@ def test_a_greedy_completion_resumes_token_for_token(http: httpx.Client) -> None
     _check_resumes(http, "/v1/completions", _completion(temperature=0))
 
 
+def test_penalties_and_min_tokens_count_the_resumed_tokens(http: httpx.Client) -> None:
+    body = _completion(temperature=0, frequency_penalty=1.5, repetition_penalty=1.3, min_tokens=MAX_TOKENS)
+    _check_resumes(http, "/v1/completions", body)
+
+
+def test_each_prompt_of_a_completion_resumes_by_its_choice_index_and_echoes_once(http: httpx.Client) -> None:
+    _check_resumes(
+        http, "/v1/completions", _completion(prompt=["Once upon a time", "The fox"], n=2, seed=1, echo=True)
+    )
+
+
 def test_a_seeded_sampled_chat_resumes_its_random_stream(http: httpx.Client) -> None:
     _check_resumes(http, "/v1/chat/completions", _chat(temperature=1, seed=7))
 
 
 def test_n_choices_with_logprobs_resume_each_once(http: httpx.Client) -> None:
     _check_resumes(http, "/v1/completions", _completion(n=2, temperature=1, seed=3, logprobs=2))
-    _check_resumes(http, "/v1/chat/completions", _chat(n=2, temperature=1, seed=5, logprobs=True))
+    whole = _check_resumes(http, "/v1/chat/completions", _chat(n=2, temperature=1, seed=5, logprobs=True))
+    # Choice 0 delivered whole and finished, choice 1 cut halfway: only choice 1 runs again.
+    first_of = [[chunk for chunk in whole.chunks if chunk["choices"][0]["index"] == i] for i in (0, 1)]
+    first = first_of[0] + first_of[1][: len(first_of[1]) // 2]
+    _check_splice(
+        http, "/v1/chat/completions", _chat(n=2, temperature=1, seed=5, logprobs=True), whole, first
+    )
 
 
 def test_a_stop_string_straddling_the_cut_is_found(http: httpx.Client) -> None:
