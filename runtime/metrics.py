@@ -155,18 +155,25 @@ class ServerMetrics:
             ["model_name", "reason", "tier"],
             registry=self.registry,
         )
-        self._resumed_requests = Counter(
+        self._resumed_requests, self._resumed_tokens = self._continuation_counters()
+
+    def _continuation_counters(self) -> tuple[Counter, Counter]:
+        """kvfleet's alone: continuations served, and the output tokens they brought that were computed
+        again with their prompts."""
+        labels = ["model_name", "tier"]
+        requests = Counter(
             RESUMED_REQUESTS,
             "Continuations served: requests resumed from the output another replica delivered.",
-            ["model_name", "tier"],
+            labels,
             registry=self.registry,
         )
-        self._resumed_tokens = Counter(
+        tokens = Counter(
             RESUMED_TOKENS,
             "Output tokens that continuations brought and that were computed again with their prompts.",
-            ["model_name", "tier"],
+            labels,
             registry=self.registry,
         )
+        return requests, tokens
 
     def _counter(self, name: str, documentation: str) -> _Pair:
         return _Pair(
