@@ -35,6 +35,10 @@ LORA_INT_ID_LABEL = "lora_int_id"
 KV_EVENTS_PUBLISHED = KVFLEET_PREFIX + "kv_events_published"
 KV_EVENT_BATCHES_DROPPED = KVFLEET_PREFIX + "kv_event_batches_dropped"
 KV_EVENT_BATCHES_REPLAYED = KVFLEET_PREFIX + "kv_event_batches_replayed"
+# Continuations a replica served (requests resumed from tokens another replica delivered), and the output
+# tokens they brought that it prefilled again (counters, kvfleet's alone).
+RESUMED_REQUESTS = KVFLEET_PREFIX + "resumed_requests"
+RESUMED_TOKENS = KVFLEET_PREFIX + "resumed_tokens"
 # Requests the gateway holds for a model, by its `model` label: the autoscaler scales a model at zero
 # replicas back to one on it.
 GATEWAY_QUEUE_DEPTH = "kvfleet_gateway_queue_depth"

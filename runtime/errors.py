@@ -25,6 +25,13 @@ class GrammarTimeoutError(InvalidRequestError):
     kind = "grammar_timeout"
 
 
+class InvalidContinuationError(InvalidRequestError):
+    """A continuation's resumed output cannot be continued: its tokens do not follow the request's grammar,
+    or the request would already have stopped on one of them."""
+
+    kind = "invalid_continuation"
+
+
 class EngineOverloadedError(EngineError):
     """The waiting queue is full, and nothing of a lower tier could give way."""
 
@@ -66,6 +73,7 @@ _BY_KIND: dict[str, type[EngineError]] = {
     for cls in (
         EngineError,
         InvalidRequestError,
+        InvalidContinuationError,
         GrammarTimeoutError,
         EngineOverloadedError,
         RequestShedError,

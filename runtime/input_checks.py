@@ -69,6 +69,18 @@ def check_prompt_token_ids(
         raise InvalidRequestError(f"stop token id {bad_stop[0]} is outside the vocabulary [0, {vocab_size})")
 
 
+def check_resumed_token_ids(token_ids: list[int], *, vocab_size: int, max_tokens: int | None) -> None:
+    """A continuation's resumed output (the tokens a sequence already delivered): ids of the vocabulary, and
+    no more of them than the request may generate."""
+    bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidRequestError(f"resumed token id {bad[0]!r} is outside the vocabulary [0, {vocab_size})")
+    if max_tokens is not None and len(token_ids) > max_tokens:
+        raise InvalidRequestError(
+            f"{len(token_ids)} resumed tokens are more than the request's max_tokens ({max_tokens})"
+        )
+
+
 def check_sampling_token_ids(params: SamplingParams, *, vocab_size: int) -> None:
     """Raises InvalidRequestError for logit_bias or allowed_token_ids outside the vocabulary."""
     for name, token_ids in (

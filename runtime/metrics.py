@@ -25,6 +25,8 @@ from kvfleet.contract.metrics import (
     LORA_INT_ID_LABEL,
     LORA_NAME_LABEL,
     QUEUED_PROMPT_TOKENS,
+    RESUMED_REQUESTS,
+    RESUMED_TOKENS,
     RUNNING,
     TTFT,
     VLLM_PREFIX,
@@ -153,6 +155,25 @@ class ServerMetrics:
             ["model_name", "reason", "tier"],
             registry=self.registry,
         )
+        self._resumed_requests, self._resumed_tokens = self._continuation_counters()
+
+    def _continuation_counters(self) -> tuple[Counter, Counter]:
+        """kvfleet's alone: continuations served, and the output tokens they brought that were computed
+        again with their prompts."""
+        labels = ["model_name", "tier"]
+        requests = Counter(
+            RESUMED_REQUESTS,
+            "Continuations served: requests resumed from the output another replica delivered.",
+            labels,
+            registry=self.registry,
+        )
+        tokens = Counter(
+            RESUMED_TOKENS,
+            "Output tokens that continuations brought and that were computed again with their prompts.",
+            labels,
+            registry=self.registry,
+        )
+        return requests, tokens
 
     def _counter(self, name: str, documentation: str) -> _Pair:
         return _Pair(
@@ -226,6 +247,11 @@ class ServerMetrics:
 
     def record_rejected(self, reason: str, tier: str) -> None:
         self._rejected.labels(model_name=self.model_name, reason=reason, tier=tier).inc()
+
+    def record_resumed(self, tier: str, num_prefilled_tokens: int) -> None:
+        """A continuation arrived; `num_prefilled_tokens` of the output it brings are computed again."""
+        self._resumed_requests.labels(model_name=self.model_name, tier=tier).inc()
+        self._resumed_tokens.labels(model_name=self.model_name, tier=tier).inc(num_prefilled_tokens)
 
     def _record_finished(self, reason: str, tier: str) -> None:
         self._finished_kvfleet.labels(model_name=self.model_name, finished_reason=reason, tier=tier).inc()

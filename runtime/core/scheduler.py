@@ -50,6 +50,7 @@ from kvfleet.runtime.core.host_kv_tier import HostKVTier
 from kvfleet.runtime.core.kv_cache_manager import KVCacheManager
 from kvfleet.runtime.core.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput, SchedulerStats
 from kvfleet.runtime.core.request_queue import create_request_queue
+from kvfleet.runtime.errors import InvalidContinuationError
 from kvfleet.runtime.input_checks import check_context_length
 from kvfleet.runtime.kv_events.collector import KVEventSink
 from kvfleet.runtime.kv_transfer.base import KVConnectorOutput, KVConnectorScheduler
@@ -196,6 +197,8 @@ class Scheduler:
         if request.status != RequestStatus.WAITING:
             raise ValueError(f"request {request.request_id!r} must be new, not {request.status.name}")
         check_context_length(request.num_tokens, self.max_model_len, num_output_tokens=0)
+        if request.output_token_ids:
+            _check_resumed(request, self.max_model_len)
         self.requests[request.request_id] = request
         self._num_foreground += not self._is_background(request)
         self.waiting.add(request)
@@ -363,7 +366,7 @@ class Scheduler:
                     # Sampling masks what the grammar forbids, so only a row with nothing allowed gets here.
                     status = RequestStatus.FINISHED_ERROR
                 else:
-                    status = _check_stop(request, token_id, max_model_len)
+                    status = _check_stop(request, token_id, len(request.output_token_ids), max_model_len)
                 if status is not None:
                     if position + 1 < len(new_token_ids):
                         new_token_ids = new_token_ids[: position + 1]
@@ -752,10 +755,31 @@ class Scheduler:
             )
 
 
-def _check_stop(request: Request, token_id: int, max_model_len: int) -> RequestStatus | None:
-    """The status a request ends in after emitting token_id, or None if it goes on."""
+def _check_resumed(request: Request, max_model_len: int) -> None:
+    """A continuation arrives with output tokens (delivered by another replica): none of them may have
+    ended the request, or there is nothing left to continue."""
+    num_prompt_tokens = request.num_prompt_tokens
+    for position, token_id in enumerate(request.output_token_ids, start=1):
+        # The grammar is checked apart, once compiled (StructuredOutputs).
+        if _check_stop(request, token_id, position, max_model_len, num_prompt_tokens + position) is not None:
+            request.stop_reason = None
+            raise InvalidContinuationError(
+                f"the request ends at its resumed token {position} of {request.num_output_tokens} "
+                f"({token_id}): a finished choice is resumed with finished true"
+            )
+
+
+def _check_stop(
+    request: Request,
+    token_id: int,
+    num_output_tokens: int,
+    max_model_len: int,
+    num_tokens: int | None = None,
+) -> RequestStatus | None:
+    """The status a request ends in after emitting token_id, its num_output_tokens-th output token (of
+    num_tokens in all, by default all it has), or None if it goes on."""
     params = request.sampling_params
-    num_output_tokens = len(request.output_token_ids)
+    num_tokens = len(request.all_token_ids) if num_tokens is None else num_tokens
     if num_output_tokens >= params.min_tokens:
         if token_id == request.eos_token_id and not params.ignore_eos:
             return RequestStatus.FINISHED_STOPPED
@@ -765,9 +789,7 @@ def _check_stop(request: Request, token_id: int, max_model_len: int) -> RequestS
     if request.grammar is not None and request.grammar.is_terminated:
         return RequestStatus.FINISHED_STOPPED
     max_tokens = params.max_tokens
-    if len(request.all_token_ids) >= max_model_len or (
-        max_tokens is not None and num_output_tokens >= max_tokens
-    ):
+    if num_tokens >= max_model_len or (max_tokens is not None and num_output_tokens >= max_tokens):
         return RequestStatus.FINISHED_LENGTH
     return None
 

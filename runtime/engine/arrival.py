@@ -17,7 +17,7 @@ from kvfleet.contract.kv_transfer import DO_REMOTE_DECODE, DO_REMOTE_PREFILL, RE
 from kvfleet.contract.precedence import QueuedRequest, choose_victim
 from kvfleet.runtime.engine.grammar_compiler import GrammarCompiler, RequestGrammar
 from kvfleet.runtime.engine.messages import AddRequest, RequestError
-from kvfleet.runtime.errors import EngineOverloadedError, InvalidRequestError
+from kvfleet.runtime.errors import EngineOverloadedError, InvalidContinuationError, InvalidRequestError
 from kvfleet.runtime.input_checks import check_sampling_token_ids
 from kvfleet.runtime.kv_transfer.config import KVTransferConfig
 from kvfleet.runtime.kv_transfer.params import (
@@ -241,19 +241,31 @@ class StructuredOutputs:
         structured = add.sampling_params.structured_outputs
         if structured is None:
             return
-        request.grammar = RequestGrammar(self.compiler.compile(structured))
-        if not request.grammar.ready:
+        grammar = RequestGrammar(self.compiler.compile(structured), resumed=bool(request.output_token_ids))
+        request.grammar = grammar
+        if grammar.compiled_ok and not grammar.ready:
+            grammar.catch_up(request.output_token_ids)  # refused now if its output does not follow
+        if not grammar.ready:
             self._compiling[request.request_id] = request
 
     def settle(self) -> list[RequestError]:
-        """Forget the requests whose grammar compiled or that ended otherwise (refused, aborted); the errors
-        of those whose grammar failed to compile, for the core to finish them with."""
+        """Forget the requests whose grammar compiled or that ended otherwise (refused, aborted), a
+        continuation's grammar caught up with its output; the errors of those whose grammar failed to
+        compile or refuses their output, for the core to finish them with."""
         failed = []
         for request_id, request in list(self._compiling.items()):
             grammar = request.grammar
             assert grammar is not None
-            if grammar.ready or request.is_finished:
+            if request.is_finished:
                 del self._compiling[request_id]
+            elif grammar.compiled_ok:
+                del self._compiling[request_id]
+                if grammar.ready:
+                    continue
+                try:
+                    grammar.catch_up(request.output_token_ids)
+                except InvalidContinuationError as error:
+                    failed.append(RequestError(request_id, error.kind, str(error)))
             elif grammar.error is not None:
                 del self._compiling[request_id]
                 failed.append(RequestError(request_id, grammar.error.kind, str(grammar.error)))

@@ -24,7 +24,7 @@ from kvfleet.runtime.engine.core_client import EngineCoreAddress, EngineCoreClie
 from kvfleet.runtime.engine.messages import EngineCoreOutputs, EngineInfo
 from kvfleet.runtime.engine.output_processor import OutputProcessor
 from kvfleet.runtime.engine.outputs import OutputKind, RequestOutput
-from kvfleet.runtime.engine.sequences import sequence_ids, sequence_requests
+from kvfleet.runtime.engine.sequences import ResumedSequence, sequence_ids, sequence_requests
 from kvfleet.runtime.errors import (
     EngineDeadError,
     EngineError,
@@ -197,22 +197,17 @@ class AsyncLLM:
         lora_request: LoRARequest | None = None,
         mm_features: list[MultiModalFeature] | None = None,
         cache_salt: str | None = None,
+        resumed: dict[int, ResumedSequence] | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yields the request's delta outputs until the finished one; raises an EngineError when the
         request fails. Leaving the iteration early (the caller cancelled, the client gone) aborts the
-        request, which frees its KV blocks before the core's next step."""
+        request, which frees its KV blocks before the core's next step. A continuation (`resumed`, by
+        sequence index) first yields what its sequences had delivered (RequestOutput.resumed)."""
         arrival = time.monotonic() if arrival_time is None else arrival_time
         await self.wait_ready(self._remaining_startup_time(arrival))
         assert self._client is not None and self.output_processor is not None
         if request_id in self._streams:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        tier = self._tier_of(priority)
-        lora_name = lora_request.lora_name if lora_request is not None else None
-        tracker = (
-            self._metrics.track(tier, len(prompt_token_ids), lora_name) if self._metrics is not None else None
-        )
-        stream = _Stream(asyncio.Queue(), tier, tracker)
-        self._streams[request_id] = stream
         self.output_processor.add_request(
             request_id,
             None,
@@ -221,21 +216,40 @@ class AsyncLLM:
             OutputKind.DELTA,
             sequence_ids(request_id, params.n),
             arrival,
+            resumed,
         )
-        self._client.add_requests(
-            sequence_requests(
-                request_id,
-                prompt_token_ids,
-                params,
-                eos_token_id=self.eos_token_id,
-                arrival_time=arrival,
-                priority=priority,
-                timeout=timeout,
-                lora_request=lora_request,
-                mm_features=mm_features,
-                cache_salt=cache_salt,
+        tier = self._tier_of(priority)
+        lora_name = lora_request.lora_name if lora_request is not None else None
+        tracker = (
+            self._metrics.track(tier, len(prompt_token_ids), lora_name) if self._metrics is not None else None
+        )
+        stream = _Stream(asyncio.Queue(), tier, tracker)
+        self._streams[request_id] = stream
+        replay = self.output_processor.take_resumed(request_id)
+        if replay is not None:
+            if self._metrics is not None:
+                self._metrics.record_resumed(tier, _num_prefilled(resumed or {}))
+            stream.queue.put_nowait(replay)
+        if replay is not None and replay.finished:
+            # Every sequence finished on the replica before: nothing is left to run.
+            stream.finished = True
+            self.output_processor.remove(request_id)
+        else:
+            self._client.add_requests(
+                sequence_requests(
+                    request_id,
+                    prompt_token_ids,
+                    params,
+                    eos_token_id=self.eos_token_id,
+                    arrival_time=arrival,
+                    priority=priority,
+                    timeout=timeout,
+                    lora_request=lora_request,
+                    mm_features=mm_features,
+                    cache_salt=cache_salt,
+                    resumed=resumed,
+                )
             )
-        )
         try:
             while True:
                 item = await stream.queue.get()
@@ -331,6 +345,11 @@ class AsyncLLM:
         self.error = error
         self.abort_all(lambda: error)
         self.dead.set()
+
+
+def _num_prefilled(resumed: dict[int, ResumedSequence]) -> int:
+    """The resumed tokens a continuation computes again: those of its sequences still to run."""
+    return sum(len(sequence.token_ids) for sequence in resumed.values() if not sequence.finished)
 
 
 def _load_tokenizer(config: EngineConfig) -> Any:

@@ -42,7 +42,7 @@ from kvfleet.runtime.errors import (
     RequestShedError,
 )
 from kvfleet.runtime.executor.executor import WorkerFailedError, make_executor
-from kvfleet.runtime.input_checks import check_cache_salt, check_prompt_token_ids
+from kvfleet.runtime.input_checks import check_cache_salt, check_prompt_token_ids, check_resumed_token_ids
 from kvfleet.runtime.kv_events.collector import make_event_sink
 from kvfleet.runtime.kv_events.publisher import make_event_publisher
 from kvfleet.runtime.kv_transfer.base import KVConnectorScheduler
@@ -282,6 +282,12 @@ class EngineCore:
             self.validate_prompt(add.prompt_token_ids, add.sampling_params.stop_token_ids or [])
             if add.cache_salt is not None:
                 check_cache_salt(add.cache_salt)
+            if add.resumed_token_ids:
+                check_resumed_token_ids(
+                    add.resumed_token_ids,
+                    vocab_size=self.vocab_size,
+                    max_tokens=add.sampling_params.max_tokens,
+                )
             request = Request(
                 add.request_id,
                 add.prompt_token_ids,
@@ -294,6 +300,9 @@ class EngineCore:
                 mm_features=add.mm_features,
                 cache_salt=add.cache_salt,
             )
+            # A continuation's tokens are output already generated: computed with the prompt, like a
+            # preempted request's.
+            request.append_output_token_ids(add.resumed_token_ids)
             for handler in self._arrival_handlers:
                 handler.prepare(add, request)
             self.scheduler.add_request(request)

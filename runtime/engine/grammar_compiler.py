@@ -24,7 +24,12 @@ from dataclasses import dataclass
 
 import torch
 import xgrammar
-from kvfleet.runtime.errors import EngineError, GrammarTimeoutError, InvalidRequestError
+from kvfleet.runtime.errors import (
+    EngineError,
+    GrammarTimeoutError,
+    InvalidContinuationError,
+    InvalidRequestError,
+)
 from kvfleet.runtime.sampling_params import StructuredOutputsParams
 from kvfleet.runtime.structured_outputs.bitmasks import pack_bits
 from kvfleet.runtime.structured_outputs.compile_worker import CompileTimeoutError, CompileWorker
@@ -199,14 +204,40 @@ class GrammarCompiler:
 class RequestGrammar:
     """One request's constraint: its compiled grammar once ready, and a matcher that follows its output."""
 
-    def __init__(self, compiled: Future[CompiledConstraint]) -> None:
+    def __init__(self, compiled: Future[CompiledConstraint], *, resumed: bool = False) -> None:
+        """`resumed`: the request arrives with output (a continuation), which the matcher must accept
+        (catch_up) before the request is sampled."""
         self.compiled = compiled
         self._matcher: xgrammar.GrammarMatcher | None = None
+        self._caught_up = not resumed
+
+    @property
+    def compiled_ok(self) -> bool:
+        return self.compiled.done() and self.compiled.exception() is None
 
     @property
     def ready(self) -> bool:
-        """Compiled successfully; `error` tells a failure apart from a compilation still running."""
-        return self.compiled.done() and self.compiled.exception() is None
+        """Compiled successfully and caught up with the output the request arrived with; `error` tells a
+        failure apart from a compilation still running."""
+        return self._caught_up and self.compiled_ok
+
+    def catch_up(self, token_ids: list[int]) -> None:
+        """Once compiled: advance past the output a continuation brought. Raises InvalidContinuationError at
+        a token the grammar does not allow, or when the grammar is complete (the request would have
+        stopped there)."""
+        matcher = self.matcher
+        for position, token_id in enumerate(token_ids, start=1):
+            if matcher.is_terminated() or not matcher.accept_token(token_id):
+                raise InvalidContinuationError(
+                    f"resumed token {position} of {len(token_ids)} ({token_id}) does not follow the "
+                    "request's grammar"
+                )
+        if matcher.is_terminated():
+            raise InvalidContinuationError(
+                "the request's grammar is complete after its resumed tokens: a finished choice is resumed "
+                "with finished true"
+            )
+        self._caught_up = True
 
     @property
     def error(self) -> EngineError | None:

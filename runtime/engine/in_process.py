@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 from kvfleet.runtime.engine.llm_engine import LLMEngine
 from kvfleet.runtime.engine.messages import EngineInfo
 from kvfleet.runtime.engine.outputs import OutputKind, RequestOutput
+from kvfleet.runtime.engine.sequences import ResumedSequence
 from kvfleet.runtime.errors import EngineDeadError, EngineError, InvalidRequestError
 from kvfleet.runtime.lora.request import LoRARequest
 from kvfleet.runtime.multimodal.inputs import MultiModalFeature
@@ -76,6 +77,7 @@ class InProcessEngine:
         lora_request: LoRARequest | None = None,
         mm_features: list[MultiModalFeature] | None = None,
         cache_salt: str | None = None,
+        resumed: dict[int, ResumedSequence] | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """The request's delta outputs until the finished one; leaving early aborts it."""
         await self.wait_ready(None)
@@ -97,9 +99,19 @@ class InProcessEngine:
                     lora_request=lora_request,
                     mm_features=mm_features,
                     cache_salt=cache_salt,
+                    resumed=resumed,
                 )
+            except InvalidRequestError as exc:
+                queue.put_nowait(exc)
+                return
             except ValueError as exc:
                 queue.put_nowait(InvalidRequestError(str(exc)))
+                return
+            replay = self.engine.output_processor.take_resumed(request_id)
+            if replay is not None:
+                queue.put_nowait(replay)
+                if replay.finished:  # nothing is left to run
+                    self.engine.abort_request(request_id)
 
         self._change(add)
         finished = False

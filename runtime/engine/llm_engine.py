@@ -14,7 +14,7 @@ from kvfleet.runtime.core.outputs import EngineCoreOutput, SchedulerStats
 from kvfleet.runtime.engine.core import EngineCore
 from kvfleet.runtime.engine.output_processor import OutputProcessor
 from kvfleet.runtime.engine.outputs import OutputKind, RequestOutput
-from kvfleet.runtime.engine.sequences import sequence_ids, sequence_requests
+from kvfleet.runtime.engine.sequences import ResumedSequence, sequence_ids, sequence_requests
 from kvfleet.runtime.engine.tokenizer import load_tokenizer
 from kvfleet.runtime.errors import InvalidRequestError
 from kvfleet.runtime.lora.request import LoRARequest
@@ -69,6 +69,7 @@ class LLMEngine:
         lora_request: LoRARequest | None = None,
         mm_features: list[MultiModalFeature] | None = None,
         cache_salt: str | None = None,
+        resumed: dict[int, ResumedSequence] | None = None,
     ) -> list[int]:
         """Queue a request; returns its prompt token ids. Raises ValueError on bad input.
 
@@ -92,6 +93,7 @@ class LLMEngine:
             output_kind,
             sequence_ids(request_id, params.n),
             arrival_time,
+            resumed,
         )
         for add in sequence_requests(
             request_id,
@@ -104,6 +106,7 @@ class LLMEngine:
             lora_request=lora_request,
             mm_features=mm_features,
             cache_salt=cache_salt,
+            resumed=resumed,
         ):
             self.engine_core.add_request(add)
         return prompt_token_ids

@@ -36,6 +36,9 @@ class AddRequest(msgspec.Struct, tag="add", array_like=True, omit_defaults=True)
     mm_features: list[MultiModalFeature] = []
     # vLLM's: a tenant's salt keeps its prompts' prefix-cache blocks apart from everyone else's.
     cache_salt: str | None = None
+    # A continuation's: the output tokens this sequence already delivered (from another replica). They are
+    # computed with the prompt and count as output (max_tokens, penalties, the seed's draws, the grammar).
+    resumed_token_ids: list[int] = []
 
 
 class AbortRequests(msgspec.Struct, tag="abort", array_like=True):

@@ -9,6 +9,8 @@ from typing import Any
 from kvfleet.runtime.core.outputs import EngineCoreOutput
 from kvfleet.runtime.engine.detokenizer import IncrementalDetokenizer
 from kvfleet.runtime.engine.outputs import CompletionOutput, OutputKind, RequestMetrics, RequestOutput
+from kvfleet.runtime.engine.sequences import ResumedSequence
+from kvfleet.runtime.errors import InvalidContinuationError
 from kvfleet.runtime.request import FinishReason
 from kvfleet.runtime.sampling_params import SamplingParams
 from transformers import PreTrainedTokenizerBase
@@ -28,6 +30,8 @@ class _Sequence:
     text: str = ""
     sent_tokens: int = 0
     sent_text: int = 0
+    # Its finish has been handed out (once: a finished sequence stays in its request until all are).
+    sent_finish: bool = False
 
     @property
     def finished(self) -> bool:
@@ -57,6 +61,8 @@ class OutputProcessor:
         self._tokenizer = tokenizer
         self._requests: dict[str, _RequestState] = {}
         self._parent_of: dict[str, str] = {}  # scheduler request id -> request id
+        # Continuations' first outputs, until their engine takes them (take_resumed).
+        self._resumed: dict[str, RequestOutput] = {}
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._requests
@@ -70,7 +76,11 @@ class OutputProcessor:
         output_kind: OutputKind,
         sequence_ids: list[str],
         arrival_time: float,
+        resumed: dict[int, ResumedSequence] | None = None,
     ) -> None:
+        """`resumed`, by sequence index: what a continuation's sequences already delivered; their output so
+        far is rebuilt here as if it had been handed out from this processor (take_resumed). Raises
+        InvalidContinuationError if an unfinished one would have hit a stop string."""
         # Text is built token by token only when someone reads it before the end (stop strings, streaming).
         incremental = bool(params.stop) or output_kind is OutputKind.DELTA
         sequences = {}
@@ -90,10 +100,65 @@ class OutputProcessor:
                 logprobs=[] if params.logprobs is not None else None,
                 cumulative_logprob=0.0 if params.logprobs is not None else None,
             )
-            self._parent_of[sequence_id] = request_id
-        self._requests[request_id] = _RequestState(
+        state = _RequestState(
             request_id, prompt, prompt_token_ids, params, output_kind, sequences, RequestMetrics(arrival_time)
         )
+        if resumed:
+            self._resumed[request_id] = self._replay(state, resumed)
+        for sequence_id in sequence_ids:
+            self._parent_of[sequence_id] = request_id
+        self._requests[request_id] = state
+
+    def _replay(self, state: _RequestState, resumed: dict[int, ResumedSequence]) -> RequestOutput:
+        """Bring a continuation's sequences to where their deliveries stopped: their tokens detokenized (so
+        that a stop string straddling the cut is found), and counted as handed out, with the text the
+        previous replica sent of them (what a possible stop string held back is sent from here). A finished
+        one is done, and never handed out again. Returns what they had delivered."""
+        completions = []
+        for sequence in state.sequences.values():
+            already = resumed.get(sequence.index)
+            if already is None:
+                continue
+            sequence.token_ids = list(already.token_ids)
+            if sequence.logprobs is not None:
+                # Not known here, and never handed out again: they only keep the lists aligned.
+                sequence.logprobs = [{} for _ in sequence.token_ids]
+            if already.finished:
+                # How it finished was sent by the previous replica; here it only needs to count as finished.
+                sequence.finish_reason, sequence.sent_finish = FinishReason.STOP.value, True
+            elif sequence.detokenizer is not None:
+                stop = sequence.detokenizer.update(sequence.token_ids)
+                if stop is not None:
+                    raise InvalidContinuationError(
+                        f"choice {sequence.index} ends at the stop string {stop!r} within its resumed "
+                        "tokens: a finished choice is resumed with finished true"
+                    )
+                sequence.text = sequence.detokenizer.text
+            sequence.sent_tokens = len(sequence.token_ids)
+            sequence.sent_text = max(0, len(sequence.text) - self._hold_back(state.params, sequence))
+            completions.append(
+                CompletionOutput(
+                    index=sequence.index,
+                    text=sequence.text[: sequence.sent_text],
+                    token_ids=list(sequence.token_ids),
+                    cumulative_logprob=None,
+                    logprobs=None,
+                    finish_reason=sequence.finish_reason,
+                )
+            )
+        return RequestOutput(
+            request_id=state.request_id,
+            prompt=state.prompt,
+            prompt_token_ids=state.prompt_token_ids,
+            outputs=completions,
+            finished=state.finished,
+            metrics=dataclasses.replace(state.metrics),
+            resumed=True,
+        )
+
+    def take_resumed(self, request_id: str) -> RequestOutput | None:
+        """A continuation's first output (see RequestOutput.resumed), once; None for other requests."""
+        return self._resumed.pop(request_id, None)
 
     def request_of(self, sequence_id: str) -> str | None:
         return self._parent_of.get(sequence_id)
@@ -108,6 +173,7 @@ class OutputProcessor:
             state.metrics.first_scheduled_time = now
 
     def remove(self, request_id: str) -> None:
+        self._resumed.pop(request_id, None)
         state = self._requests.pop(request_id, None)
         if state is not None:
             for sequence_id in state.sequences:
@@ -193,7 +259,7 @@ class OutputProcessor:
             completions = [
                 self._completion(seq, delta=True, hold_back=self._hold_back(state.params, seq))
                 for seq in state.sequences.values()
-                if seq.sent_tokens < len(seq.token_ids) or seq.finished
+                if seq.sent_tokens < len(seq.token_ids) or (seq.finished and not seq.sent_finish)
             ]
         return RequestOutput(
             request_id=state.request_id,
@@ -239,4 +305,5 @@ class OutputProcessor:
         )
         sequence.sent_tokens = len(sequence.token_ids)
         sequence.sent_text = text_end
+        sequence.sent_finish = sequence.finished
         return completion

@@ -43,6 +43,9 @@ class RequestOutput:
     kv_transfer_params: dict[str, Any] | None = None
     # The final hidden state of the prompt's last token, once finished, when SamplingParams asked for it.
     prompt_hidden_state: list[float] | None = None
+    # A continuation's first output: what its sequences had already delivered from another replica (their
+    # resumed tokens, and the text sent of them), for the front end to catch up on; never to be sent again.
+    resumed: bool = False
 
 
 @dataclass

@@ -11,6 +11,7 @@ if TYPE_CHECKING:
     from kvfleet.runtime.config import EngineConfig
     from kvfleet.runtime.engine.messages import EngineInfo
     from kvfleet.runtime.engine.outputs import RequestOutput
+    from kvfleet.runtime.engine.sequences import ResumedSequence
     from kvfleet.runtime.errors import EngineError
     from kvfleet.runtime.lora.request import LoRARequest
     from kvfleet.runtime.multimodal.inputs import MultiModalFeature
@@ -57,9 +58,11 @@ class EngineClient(Protocol):
         lora_request: LoRARequest | None = None,
         mm_features: list[MultiModalFeature] | None = None,
         cache_salt: str | None = None,
+        resumed: dict[int, ResumedSequence] | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """The request's delta outputs until the finished one; raises an EngineError when it fails. Leaving
-        the iteration early aborts the request."""
+        the iteration early aborts the request. A continuation (`resumed`, by sequence index: what each
+        sequence already delivered elsewhere) first yields that (RequestOutput.resumed)."""
 
     def abort(self, request_id: str, error: BaseException) -> None:
         """Stops a request from outside: its `generate` raises `error`."""

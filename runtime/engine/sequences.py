@@ -1,13 +1,24 @@
-"""A request with n > 1 is n sequences, each scheduled on its own: their ids and seeds."""
+"""A request with n > 1 is n sequences, each scheduled on its own: their ids and seeds, and what a
+continuation brings of each."""
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 
 from kvfleet.runtime.engine.messages import AddRequest
 from kvfleet.runtime.lora.request import LoRARequest
 from kvfleet.runtime.multimodal.inputs import MultiModalFeature
 from kvfleet.runtime.sampling_params import SamplingParams
+
+
+@dataclasses.dataclass(frozen=True)
+class ResumedSequence:
+    """What a sequence of a continuation already delivered elsewhere: its output tokens, and whether it
+    finished there (then it is not run again)."""
+
+    token_ids: list[int]
+    finished: bool = False
 
 
 def sequence_ids(request_id: str, n: int) -> list[str]:
@@ -26,11 +37,17 @@ def sequence_requests(
     lora_request: LoRARequest | None = None,
     mm_features: list[MultiModalFeature] | None = None,
     cache_salt: str | None = None,
+    resumed: Mapping[int, ResumedSequence] | None = None,
 ) -> list[AddRequest]:
-    """One AddRequest per sequence; sequence i of a seeded request draws from seed + i."""
+    """One AddRequest per sequence still to run (`resumed`, by sequence index: what a continuation brings);
+    sequence i of a seeded request draws from seed + i."""
     deadline = arrival_time + timeout if timeout is not None else None
+    resumed = resumed or {}
     requests = []
     for index, sequence_id in enumerate(sequence_ids(request_id, params.n)):
+        already = resumed.get(index)
+        if already is not None and already.finished:
+            continue
         sequence_params = params
         if params.n > 1:
             seed = params.seed + index if params.seed is not None else None
@@ -47,6 +64,7 @@ def sequence_requests(
                 lora_request=lora_request,
                 mm_features=mm_features or [],
                 cache_salt=cache_salt,
+                resumed_token_ids=list(already.token_ids) if already is not None else [],
             )
         )
     return requests

@@ -12,6 +12,7 @@ from kvfleet.contract.errors import (
     OverloadedError,
     ServiceUnavailableError,
 )
+from kvfleet.contract.resume import CONTINUATION
 from kvfleet.runtime.errors import (
     EngineDeadError,
     EngineError,
@@ -19,6 +20,7 @@ from kvfleet.runtime.errors import (
     EngineOverloadedError,
     EngineShutdownError,
     GrammarTimeoutError,
+    InvalidContinuationError,
     InvalidRequestError,
     RequestShedError,
 )
@@ -29,6 +31,8 @@ def from_engine_error(error: EngineError) -> OpenAIError:
     message = str(error)
     if isinstance(error, GrammarTimeoutError):
         return BadRequestError(message, code="grammar_compile_timeout")
+    if isinstance(error, InvalidContinuationError):
+        return BadRequestError(message, param=CONTINUATION)
     if isinstance(error, InvalidRequestError):
         return BadRequestError(message)
     if isinstance(error, RequestShedError):

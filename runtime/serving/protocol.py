@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
 from kvfleet.contract.errors import BadRequestError
+from kvfleet.contract.resume import CONTINUATION
 from kvfleet.runtime import json_depth
 from kvfleet.runtime.errors import InvalidRequestError
 from kvfleet.runtime.input_checks import check_cache_salt
@@ -162,6 +163,19 @@ class StructuredOutputsBody(Body):
     json_object: StrictBool | None = None
 
 
+class ContinuationChoice(Body):
+    """A choice a continuation resumes: its OpenAI index, the output tokens it already delivered, and
+    whether it already finished (kvfleet.contract.resume)."""
+
+    index: StrictInt
+    token_ids: list[StrictInt]
+    finished: StrictBool = False
+
+
+class Continuation(Body):
+    choices: list[ContinuationChoice]
+
+
 class _GenerationRequest(RequestBody):
     model: str | None = None
     n: StrictInt = 1
@@ -199,6 +213,9 @@ class _GenerationRequest(RequestBody):
     return_token_ids: StrictBool | None = None
     # vLLM's: a tenant's salt; prompts share prefix-cache blocks only with prompts of the same salt.
     cache_salt: str | None = None
+    # kvfleet's: the request resumed from what its choices already delivered, mid-stream, by a replica that
+    # failed or handed it back (kvfleet.contract.resume).
+    continuation: Continuation | None = None
 
     def _check_common(self) -> None:
         self.refuse_unsupported()
@@ -210,6 +227,10 @@ class _GenerationRequest(RequestBody):
         if self.stream_options is not None and not self.stream:
             raise BadRequestError(
                 "stream_options is only allowed when stream is true", param="stream_options"
+            )
+        if self.continuation is not None and not self.stream:
+            raise BadRequestError(
+                "a continuation resumes a stream: it is only allowed when stream is true", param=CONTINUATION
             )
 
     def _sampling_params(

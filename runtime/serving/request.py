@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TYPE_CHECKING, Any, Protocol
 
+from kvfleet.runtime.engine.sequences import ResumedSequence
 from kvfleet.runtime.lora.request import LoRARequest
 from kvfleet.runtime.multimodal.inputs import MultiModalFeature
 from kvfleet.runtime.sampling_params import SamplingParams, StructuredOutputsParams
@@ -77,6 +78,8 @@ class PreparedRequest:
     # The images and audio of a chat request's one prompt.
     mm_features: list[MultiModalFeature] = field(default_factory=list)
     cache_salt: str | None = None
+    # A continuation's: per prompt, what its choices already delivered, by sequence index; empty otherwise.
+    resumed: list[dict[int, ResumedSequence]] = field(default_factory=list)
 
     @property
     def stream(self) -> bool:

@@ -20,6 +20,7 @@ from kvfleet.contract.errors import (
     ServiceUnavailableError,
 )
 from kvfleet.contract.kv_transfer import DO_REMOTE_DECODE
+from kvfleet.contract.resume import CONTINUATION
 from kvfleet.contract.tiers import (
     DEFAULT_TIER,
     PRIORITY_HEADER,
@@ -37,11 +38,13 @@ from kvfleet.runtime.chat_prompt import (
 )
 from kvfleet.runtime.engine.messages import EngineInfo
 from kvfleet.runtime.engine.outputs import RequestOutput
+from kvfleet.runtime.engine.sequences import ResumedSequence
 from kvfleet.runtime.errors import InvalidRequestError
 from kvfleet.runtime.input_checks import (
     ContextLengthError,
     check_context_length,
     check_prompt_token_ids,
+    check_resumed_token_ids,
     check_sampling_token_ids,
 )
 from kvfleet.runtime.kv_transfer.params import RemoteDecode, parse_kv_transfer_params
@@ -60,6 +63,7 @@ from kvfleet.runtime.serving.protocol import (
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
+    Continuation,
     DetokenizeRequest,
     TokenizeRequest,
     template_messages,
@@ -189,6 +193,12 @@ class OpenAIService:
             )
         if body.kv_transfer_params is not None:
             check_kv_transfer_call(body.kv_transfer_params, body.stream, len(prompt.token_ids))
+        resumed = self.check_continuation(body.continuation, prompt.token_ids, params)
+        if resumed and safety is not None and safety.checks_output:
+            # Output checks read an answer from its start, which a continuation does not resend.
+            raise BadRequestError(
+                "a continuation cannot be served under this tier's output checks", param=CONTINUATION
+            )
         checked_text = route.input_text(self, safety)
         if safety is not None and checked_text is not None:
             if safety.redacts_input:
@@ -209,6 +219,7 @@ class OpenAIService:
             safety=safety,
             mm_features=prompt.mm_features,
             cache_salt=body.cache_salt,
+            resumed=resumed,
         )
 
     def check_model(self, model: str | None) -> LoRARequest | None:
@@ -345,6 +356,45 @@ class OpenAIService:
                 param="n" if params.n > 1 else "max_tokens",
             )
 
+    def check_continuation(
+        self, continuation: Continuation | None, prompts: list[list[int]], params: SamplingParams
+    ) -> list[dict[int, ResumedSequence]]:
+        """What a continuation's choices already delivered, per prompt and by sequence index (choice
+        index = prompt index x n + sequence index); empty without one. The engine checks the rest: that
+        each unfinished choice had not stopped, and its grammar accepts its tokens."""
+        if continuation is None:
+            return []
+        info = self.engine_info
+        n = params.n
+        resumed: list[dict[int, ResumedSequence]] = [{} for _ in prompts]
+        for choice in continuation.choices:
+            index = choice.index
+            if not 0 <= index < len(prompts) * n:
+                raise BadRequestError(
+                    f"continuation choice index {index} is not one of this request's "
+                    f"{len(prompts) * n} choices",
+                    param=CONTINUATION,
+                )
+            prompt_index, sequence_index = divmod(index, n)
+            if sequence_index in resumed[prompt_index]:
+                raise BadRequestError(f"continuation choice index {index} is given twice", param=CONTINUATION)
+            try:
+                check_resumed_token_ids(
+                    choice.token_ids, vocab_size=info.vocab_size, max_tokens=params.max_tokens
+                )
+            except InvalidRequestError as exc:
+                raise BadRequestError(f"continuation choice {index}: {exc}", param=CONTINUATION) from None
+            num_tokens = len(prompts[prompt_index]) + len(choice.token_ids)
+            if num_tokens > info.max_model_len:
+                raise BadRequestError(
+                    f"continuation choice {index}: the prompt and its resumed tokens are {num_tokens} "
+                    f"tokens, more than the model's context (max_model_len) of {info.max_model_len}",
+                    param=CONTINUATION,
+                    code="context_length_exceeded",
+                )
+            resumed[prompt_index][sequence_index] = ResumedSequence(list(choice.token_ids), choice.finished)
+        return resumed
+
     # ---- tokenizing (off the event loop) ---------------------------------------------------------
 
     async def encode(self, text: str, *, add_special_tokens: bool, param: str = "prompt") -> list[int]:
@@ -476,9 +526,10 @@ class OpenAIService:
                 lora_request=request.lora_request,
                 mm_features=request.mm_features,
                 cache_salt=request.cache_salt,
+                resumed=request.resumed[index] if request.resumed else None,
             )
-            for request_id, token_ids in zip(
-                request.engine_request_ids, request.prompt_token_ids, strict=True
+            for index, (request_id, token_ids) in enumerate(
+                zip(request.engine_request_ids, request.prompt_token_ids, strict=True)
             )
         ]
         outputs = streams[0] if len(streams) == 1 else merge_streams(streams)
@@ -515,23 +566,35 @@ class OpenAIService:
 
     async def stream(self, request: PreparedRequest) -> AsyncIterator[dict[str, Any]]:
         """The request's chunks, returned once its first output is in, so that a request shed, timed out or
-        refused while queued fails here, before a stream is committed to. The chunks raise the error that
-        ends a failed request early."""
+        refused while queued fails here, before a stream is committed to (a continuation's output resumed
+        from another replica does not count: its grammar is checked when compiled, before its first
+        output). The chunks raise the error that ends a failed request early."""
         outputs = self.outputs(request, stream=True)
-        try:
-            first = await anext(outputs)
-        except StopAsyncIteration:
-            first = None
-        return self._chunks(request, outputs, first)
+        resumed: list[RequestOutput] = []
+        first = await _first_generated(outputs, resumed)
+        return self._chunks(request, outputs, first, resumed)
 
     async def _chunks(
-        self, request: PreparedRequest, outputs: AsyncIterator[RequestOutput], first: RequestOutput | None
+        self,
+        request: PreparedRequest,
+        outputs: AsyncIterator[RequestOutput],
+        first: RequestOutput | None,
+        resumed: list[RequestOutput],
     ) -> AsyncIterator[dict[str, Any]]:
-        """The route's preamble, then the choices its builder makes of each delta (the last one's finish
-        and stop reasons set here), then the usage when asked for."""
+        """The route's preamble (none for a continuation: the client has it), then the choices its builder
+        makes of each delta (the last one's finish and stop reasons set here), then the usage when asked
+        for. A continuation's builder first catches up on what its choices delivered, and what it makes of
+        that is dropped: it was sent by the replica before (a tool call's announcement, say)."""
         route = request.route
         choice_of = route.choice_builder(request, self.tokenizer)
         completion_tokens = 0
+        for output in resumed:
+            prompt_index = request.prompt_index[output.request_id]
+            for completion in output.outputs:
+                completion_tokens += len(completion.token_ids)
+                # A choice that delivered nothing was sent nothing (a completion's echo, say).
+                if completion.token_ids and not completion.finished:
+                    choice_of(prompt_index, completion, False)
 
         def chunks_of(output: RequestOutput) -> Iterator[dict[str, Any]]:
             nonlocal completion_tokens
@@ -554,7 +617,7 @@ class OpenAIService:
                     raise error
 
         async with contextlib.aclosing(outputs):
-            for number, choice in enumerate(route.preamble(request)):
+            for number, choice in enumerate(route.preamble(request) if not request.resumed else []):
                 body = chunk(request, choice)
                 yield {**body, **route.first_chunk_fields(request)} if number == 0 else body
             if first is not None:
@@ -566,6 +629,18 @@ class OpenAIService:
         if route.body.include_usage:
             prompt_tokens = sum(len(ids) for ids in request.prompt_token_ids)
             yield chunk(request, None, usage(prompt_tokens, completion_tokens))
+
+
+async def _first_generated(
+    outputs: AsyncIterator[RequestOutput], resumed: list[RequestOutput]
+) -> RequestOutput | None:
+    """The first output generated here (None if there is none); a continuation's resumed outputs before it
+    go to `resumed`."""
+    async for output in outputs:
+        if not output.resumed:
+            return output
+        resumed.append(output)
+    return None
 
 
 def _constraint_param(body: CompletionRequest | ChatCompletionRequest) -> str:

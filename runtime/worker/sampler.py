@@ -322,6 +322,11 @@ class Sampler:
             seed = request.sampling_params.seed
             assert seed is not None
             generator = torch.Generator(device=self.device).manual_seed(seed)
+            # A request first sampled with output already (a continuation) skips the draws that output took,
+            # one per token, each as it was drawn (a draw of several numbers at once may take the stream
+            # differently), so that its stream goes on where it stopped.
+            for _ in range(request.num_output_tokens):
+                torch.rand(1, generator=generator, device=self.device)
             self._request_generators[request.request_id] = generator
         return generator
 

@@ -206,3 +206,28 @@ def test_tool_calls_are_read_from_the_content_alone(tokenizer: Any) -> None:
     calls = [call for delta in deltas for call in delta.get("tool_calls") or []]
     assert [call["function"]["name"] for call in calls if "id" in call] == ["get_time"]
     assert json.loads("".join(call["function"]["arguments"] for call in calls)) == {"zone": 3}
+
+
+def test_a_continuation_goes_on_reasoning_or_answering(client: openai.OpenAI, tokenizer: Any) -> None:
+    """A stream cut before, at and after the token that closes the reasoning, and resumed from the ids it
+    delivered (kvfleet.contract.resume), splits the same as the whole stream."""
+    closing = _closing(client, tokenizer, opening=False)
+
+    def split(chunks: list[Any]) -> tuple[str, str, list[int]]:
+        reasoning, content, token_ids = "", "", []
+        for chunk in chunks:
+            for streamed in chunk.choices:
+                reasoning += getattr(streamed.delta, "reasoning_content", None) or ""
+                content += streamed.delta.content or ""
+                token_ids += getattr(streamed, "token_ids", None) or []
+        return reasoning, content, token_ids
+
+    chunks = list(_answer(client, **closing, stream=True))
+    whole = split(chunks)
+    end_id = _tag_ids(tokenizer)[1]
+    closed_at = next(n for n, chunk in enumerate(chunks, 1) if end_id in (split([chunk])[2]))
+    for cut in (closed_at - 1, closed_at, closed_at + 1):
+        first = split(chunks[:cut])
+        continuation = {"choices": [{"index": 0, "token_ids": first[2]}]}
+        rest = split(list(_answer(client, **closing, stream=True, extra_body={"continuation": continuation})))
+        assert (first[0] + rest[0], first[1] + rest[1], first[2] + rest[2]) == whole, cut

@@ -7,6 +7,7 @@ from typing import Any
 import pytest
 from kvfleet.runtime.core.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from kvfleet.runtime.core.scheduler import Scheduler
+from kvfleet.runtime.errors import InvalidContinuationError
 from kvfleet.runtime.request import FinishReason, Request, RequestStatus
 from kvfleet.runtime.sampling_params import SamplingParams
 
@@ -668,6 +669,63 @@ class TestDeadlines:
         clock.now += 20
         _, outputs = step(scheduler, runner)
         assert outputs == []
+
+
+class TestContinuations:
+    """A request that arrives with output tokens (delivered by another replica) goes on from them."""
+
+    def _run(self, scheduler: Scheduler, runner: Any, request: Request) -> list[EngineCoreOutput]:
+        scheduler.add_request(request)
+        outputs = []
+        while scheduler.has_unfinished_requests():
+            outputs += step(scheduler, runner)[1]
+        return outputs
+
+    @pytest.mark.parametrize("num_resumed", [1, 5, 9])
+    def test_it_computes_its_output_with_its_prompt_and_ends_as_uninterrupted(
+        self, runner_factory: Callable, num_resumed: int
+    ) -> None:
+        scheduler = make_scheduler()
+        runner = runner_factory(scheduler)
+        # min_tokens keeps the fake runner's eos from ending it early; the resumed tokens count toward both.
+        whole = self._run(scheduler, runner, make_request("r", 6, max_tokens=10, min_tokens=10))
+        tokens = [token for output in whole for token in output.new_token_ids]
+        assert len(tokens) == 10 and whole[-1].finish_reason == FinishReason.LENGTH
+        step(scheduler, runner)  # the runner hears the first run finished before its id comes back
+        resumed = make_request("r", 6, max_tokens=10, min_tokens=10)
+        resumed.append_output_token_ids(tokens[:num_resumed])
+        scheduler.add_request(resumed)
+        first, outputs = step(scheduler, runner)
+        # The prompt and the output so far (less the cached blocks) in one step, then one token sampled.
+        assert first.num_computed_tokens[0] + first.num_scheduled_tokens[0] == 6 + num_resumed
+        assert resumed.num_cached_tokens == (6 + num_resumed - 1) // BLOCK * BLOCK
+        while scheduler.has_unfinished_requests():
+            outputs += step(scheduler, runner)[1]
+        assert [token for output in outputs for token in output.new_token_ids] == tokens[num_resumed:]
+        assert outputs[-1].finish_reason == FinishReason.LENGTH
+
+    @pytest.mark.parametrize(
+        ("resumed", "params"),
+        [
+            ([3, 4, EOS], {}),  # eos, with min_tokens met
+            ([3, 7, 4], {"stop_token_ids": [7]}),
+            ([3, 4, 5, 6], {"max_tokens": 4}),
+        ],
+    )
+    def test_one_its_output_would_have_ended_is_refused(
+        self, resumed: list[int], params: dict[str, Any]
+    ) -> None:
+        request = make_request("r", 6, **params)
+        request.append_output_token_ids(resumed)
+        with pytest.raises(InvalidContinuationError, match="resumed token"):
+            make_scheduler().add_request(request)
+
+    def test_eos_before_min_tokens_goes_on(self) -> None:
+        request = make_request("r", 6, min_tokens=4)
+        request.append_output_token_ids([3, EOS, 4])
+        scheduler = make_scheduler()
+        scheduler.add_request(request)
+        assert scheduler.has_unfinished_requests()
 
 
 class TestValidation:

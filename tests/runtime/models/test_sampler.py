@@ -168,6 +168,27 @@ def test_seeded_request_samples_the_same_whatever_the_batch() -> None:
     assert len(set(alone)) > 1
 
 
+def test_a_seeded_request_resumed_with_output_goes_on_with_its_random_stream() -> None:
+    """A continuation: a request that reaches a fresh sampler with k output tokens (sampled elsewhere)
+    samples the tokens the uninterrupted run sampled after them."""
+    gen = torch.Generator().manual_seed(5)
+    steps = [torch.randn(1, VOCAB, generator=gen) for _ in range(8)]
+
+    def sample(sampler: Sampler, request: Request, logits: list[torch.Tensor]) -> list[int]:
+        tokens = []
+        for step in logits:
+            token = sampler(step.clone(), [request]).token_ids[0]
+            request.append_output_token_ids(token)
+            tokens.append(token)
+        return tokens
+
+    whole = sample(Sampler(torch.device("cpu"), 0), _request(seed=77, temperature=1.0), steps)
+    assert len(set(whole)) > 1
+    for k in (1, 4, 7):
+        resumed = _request(seed=77, temperature=1.0, outputs=whole[:k])
+        assert sample(Sampler(torch.device("cpu"), 1), resumed, steps[k:]) == whole[k:], k
+
+
 def test_unseeded_sampling_follows_the_engine_seed() -> None:
     logits = torch.randn(32, VOCAB, generator=torch.Generator().manual_seed(4))
     requests = [_request(f"r{i}") for i in range(32)]
