@@ -37,27 +37,20 @@ EXIT_AFTER_HANDBACK_S = 12.0
 
 
 def _stream_events(
-    url: str,
-    max_tokens: int,
-    started: threading.Event,
-    events: list[dict],
-    chat: bool = False,
-    raw: list[str] | None = None,
+    url: str, max_tokens: int, started: threading.Event, events: list[dict], raw: list[str], chat: bool
 ) -> None:
     """Streams a completion (or a chat completion) into `events`, and every line it received into `raw`."""
-    body = {"model": "tiny", "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
+    body: dict = {"model": "tiny", "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
     if chat:
-        route, body = (
-            "chat/completions",
-            {**body, **GATEWAY_FIELDS, "messages": [{"role": "user", "content": "drain"}]},
-        )
+        route = "chat/completions"
+        body |= {**GATEWAY_FIELDS, "messages": [{"role": "user", "content": "drain"}]}
     else:
-        route, body = "completions", {**body, "prompt": "drain"}
+        route = "completions"
+        body["prompt"] = "drain"
     with httpx.stream("POST", f"{url}/v1/{route}", json=body, timeout=120) as response:
         assert response.status_code == 200, response.read()
         for line in response.iter_lines():
-            if raw is not None:
-                raw.append(line)
+            raw.append(line)
             if line.startswith("data: {"):
                 events.append({**json.loads(line[len("data: ") :]), "received": time.monotonic()})
                 started.set()
@@ -84,7 +77,7 @@ def _start_streams(
         events.append([])
         raws.append([])
         started.append(threading.Event())
-        args = (server.url, tokens, started[-1], events[-1], chat, raws[-1])
+        args = (server.url, tokens, started[-1], events[-1], raws[-1], chat)
         threads.append(threading.Thread(target=_stream_events, args=args))
         threads[-1].start()
     assert all(event.wait(60) for event in started), server.log_tail()
