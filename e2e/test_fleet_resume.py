@@ -1,5 +1,5 @@
 """Streams that survive their replica, through the chart's fleet gateway in front of real `kvfleet serve`
-pods: two of three replicas killed with SIGKILL at random moments under 64 long streams (greedy, seeded,
+pods: two of three replicas killed with SIGKILL at random moments under 60 long streams (greedy, seeded,
 JSON-schema constrained, tool calls) cost no stream, and each answer is the one the healthy fleet gave, token
 for token; a rolling update hands the long generations of the replica it stops over to the new one instead
 of waiting for them, and fails no request."""
@@ -29,7 +29,7 @@ from e2e.fleet.traffic import ReadyEndpoints
 from e2e.support.waits import wait_for
 
 RESUMES = "kvfleet_gateway_resumes_total"
-STREAMS_PER_KIND = 16
+STREAMS_PER_KIND = 15
 # Unconstrained answers run to max_tokens (ignore_eos).
 FREE_TOKENS = 220
 # Exactly this many digits: with the tiny model's tokenizer a digit, its comma and its space are a token
@@ -172,11 +172,11 @@ def test_two_replicas_killed_under_long_streams_cost_no_stream_nor_a_token(
     assert resumed >= 1, "the kills cut streams short, which the gateway resumed"
 
 
-# A generation as long as the context allows: some 15-20 s on the tiny model, well past the preStop pause
-# and the drain timeout (5 s each), so that a replica stopped under a steady flow of them holds some that
-# would take longer than that.
+# Generations as long as the context allows, many at once (each step then takes longer): some 15-25 s each
+# on the tiny model, well past the preStop pause and the drain timeout (5 s each), so that a replica stopped
+# under a steady flow of them holds some that would take longer than that.
 LONG_GENERATION_TOKENS = 1900
-LONG_STREAMS = 8
+LONG_STREAMS = 24
 # Long enough for the longest generation: the replica waits for its requests, as before streams moved.
 WAITING_DRAIN_SECONDS = 120
 
@@ -190,7 +190,13 @@ class Rollout:
     old_replica_stop_seconds: float
 
 
-def roll_out(api: KubeAPI, namespace: str, name: str, patch: dict[str, Any]) -> Rollout:
+def roll_out(
+    api: KubeAPI,
+    namespace: str,
+    name: str,
+    patch: dict[str, Any],
+    on_old_replica_deleted: Callable[[], None] = lambda: None,
+) -> Rollout:
     """Patches the InferenceService's spec and waits until the rollout has replaced its replica."""
     (old_pod,) = service_pods(api, namespace, name)
     old_name = old_pod["metadata"]["name"]
@@ -204,6 +210,7 @@ def roll_out(api: KubeAPI, namespace: str, name: str, patch: dict[str, Any]) -> 
         old = pods.get(old_name)
         if not deleted and (old is None or old["metadata"].get("deletionTimestamp")):
             deleted.append(time.monotonic())
+            on_old_replica_deleted()
         return is_ready(service) and len(pods) == 1 and old is None
 
     wait_for("the rollout to finish", rolled_out, WAITING_DRAIN_SECONDS + 120, interval=0.25)
@@ -235,7 +242,9 @@ def test_a_rolling_update_hands_long_generations_over_instead_of_waiting_for_the
         # drain timeout applies to the next replica).
         waiting = roll_out(api, namespace, "rolling", {"engine": {"drainTimeoutSeconds": None}})
         handed_back_before = resumes(gateway, 'cause="drain"')
-        handing_over = roll_out(api, namespace, "rolling", {"engine": {"maxNumSeqs": LONG_STREAMS + 1}})
+        # Once the old replica is stopping, new streams would only prolong the test.
+        patch = {"engine": {"maxNumSeqs": LONG_STREAMS + 1}}
+        handing_over = roll_out(api, namespace, "rolling", patch, on_old_replica_deleted=load.stop_sending)
         handed_back = resumes(gateway, 'cause="drain"') - handed_back_before
     answers = load.answers
 

@@ -148,9 +148,13 @@ class StreamLoad:
     ) -> None:
         self.stop()
 
+    def stop_sending(self) -> None:
+        """No new stream from now on; those in flight go on."""
+        self._stop.set()
+
     def stop(self, timeout: float = 300.0) -> None:
         """Stops sending; streams in flight finish first."""
-        self._stop.set()
+        self.stop_sending()
         for thread in self._threads:
             thread.join(timeout)
 
