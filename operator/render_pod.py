@@ -34,7 +34,8 @@ BATCH_STORE = "/var/lib/kvfleet/batch"
 SCRATCH = "/scratch"
 # Long enough for endpoint controllers and proxies to drop the pod before it stops accepting requests.
 PRESTOP_DELAY_SECONDS = 5
-# Time past the drain for the runtime to exit once its last request finished.
+# Time past the drain for the runtime to send what it hands back and exit (it gives those events 5 s, then
+# its HTTP server 5 s for the last connections).
 EXIT_MARGIN_SECONDS = 10
 PROBE_PERIOD_SECONDS = 5
 RUNTIME_USER = 1000

@@ -280,8 +280,15 @@ class EngineSpec:
     max_waiting_requests: int | None = prop(
         "Requests a replica queues before it sheds load with 503.", None, minimum=1, maximum=1000000
     )
+    # Short: behind the fleet gateway, what a stopping replica hands back goes on on another replica, so
+    # rollouts and scale-downs need not wait for long generations.
     drain_timeout_seconds: int = prop(
-        "How long a stopping replica may finish in-flight requests.", 30, minimum=0, maximum=3600
+        "How long a stopping replica lets in-flight requests finish before it hands the rest back: the fleet "
+        "gateway resumes those on another replica, a client calling the replica directly gets a `draining` "
+        "error (raise this for such clients).",
+        5,
+        minimum=0,
+        maximum=3600,
     )
     startup_timeout_seconds: int = prop(
         "How long a replica may take to load its model before it is restarted.",

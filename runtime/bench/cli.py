@@ -532,6 +532,71 @@ def bench_routing(
     click.echo(format_routing_report(report))
 
 
+@bench.command("resume")
+@small_model_option
+@click.option("--replicas", type=click.IntRange(min=2), default=3, show_default=True)
+@click.option("--streams", type=click.IntRange(min=1), default=24, show_default=True)
+@click.option("--prompt-len", type=click.IntRange(min=1), default=256, show_default=True)
+@click.option("--output-len", type=click.IntRange(min=2), default=256, show_default=True)
+@click.option(
+    "--stop-at",
+    type=click.FloatRange(0, 1, min_open=True, max_open=True),
+    default=0.5,
+    show_default=True,
+    help="Share of all the streams' tokens received when a replica is stopped.",
+)
+@click.option(
+    "--stop",
+    type=click.Choice(["kill", "term"]),
+    default="kill",
+    show_default=True,
+    help="kill: SIGKILL, a crash; term: SIGTERM with no drain time, a hand-back.",
+)
+@click.option(
+    "--rounds", type=click.IntRange(min=1), default=1, show_default=True, help="Each a fresh fleet."
+)
+@click.option("--result-json", type=click.Path(dir_okay=False, path_type=Path), default=None)
+@bench_seed_option
+@engine_options
+def bench_resume(
+    model: str | None,
+    replicas: int,
+    streams: int,
+    prompt_len: int,
+    output_len: int,
+    stop_at: float,
+    stop: str,
+    rounds: int,
+    result_json: Path | None,
+    bench_seed: int,
+    **options,
+) -> None:
+    """A replica stopped under long streams behind the gateway, which resumes them elsewhere: resume latency
+    (the gateway's histogram and the clients' view), tokens replayed, and whether every stream completed."""
+    from kvfleet.runtime.bench.resume import ResumeSettings, format_resume_report, run_resume_bench
+
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    settings = ResumeSettings(
+        replicas=replicas,
+        streams=streams,
+        prompt_len=prompt_len,
+        output_len=output_len,
+        stop_at=stop_at,
+        stop=stop,  # type: ignore[arg-type]  (click checked the choice)
+        rounds=rounds,
+        seed=bench_seed,
+    )
+    with _model_or_small(model) as model_dir:
+        config = engine_config_from_options(model_dir, options)
+        vocab_size = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
+        report = run_resume_bench(
+            config, settings, vocab_size=vocab_size, log=lambda line: click.echo(line, err=True)
+        )
+    if result_json is not None:
+        result_json.write_text(json.dumps(report, indent=2) + "\n")
+    click.echo(format_resume_report(report))
+
+
 @bench.command("vs-vllm-report")
 @click.option("--results", required=True, type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.option("--doc", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path))

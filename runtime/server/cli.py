@@ -111,7 +111,8 @@ def _api_key(ctx: click.Context, param: click.Parameter, value: str | None) -> s
     type=click.FloatRange(min=0),
     default=30.0,
     show_default=True,
-    help="Seconds in-flight requests get to finish after SIGTERM.",
+    help="Seconds in-flight requests get to finish after SIGTERM; the rest are then handed back with a 503 "
+    "`draining` error (a stream's last event), which the fleet gateway resumes on another replica.",
 )
 @click.option(
     "--max-waiting-requests",

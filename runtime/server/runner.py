@@ -4,8 +4,14 @@ If the engine core fails to load or dies, requests in flight fail with a 500 nam
 fails, and the process exits non-zero.
 
 Drain: /ready turns false and new requests get 503 (the listener stays open so probes see it), requests
-in flight run to completion for up to the drain timeout, the rest are then failed with 503, and the
-process exits 0. A second SIGINT or SIGTERM exits at once.
+in flight run to completion for up to the drain timeout, the rest are then handed back, and the process
+exits 0. A second SIGINT or SIGTERM exits at once.
+
+The hand-back is a 503 with the code `draining`: a stream ends with it as an error event and [DONE] right
+after the last token it sent. The fleet gateway takes that event as its cue to resume the request on another
+replica from the tokens already sent, so behind it the drain timeout is only a grace for what is about to
+end (the operator renders a short one); a client calling the replica directly sees the error, so a replica
+on its own keeps a drain timeout as long as the generations it serves.
 """
 
 from __future__ import annotations
@@ -79,7 +85,7 @@ class DrainingServer(uvicorn.Server):
             await asyncio.sleep(_DRAIN_POLL_S)
         if state.in_flight:
             logger.warning(
-                "drain timeout (%.1f s) passed with %d requests in flight; failing them",
+                "drain timeout (%.1f s) passed with %d requests in flight; handing them back",
                 state.settings.drain_timeout,
                 state.in_flight,
             )

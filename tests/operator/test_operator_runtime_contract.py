@@ -1,6 +1,6 @@
 """The rendered runtime command line against the real `kvfleet serve`: it starts, becomes ready, reports
-the metrics the autoscaler reads (without the API key the pods guard their routes with), and drains and
-exits within the grace period the pod gets.
+the metrics the autoscaler reads (without the API key the pods guard their routes with), and drains, hands
+back a stream still running and exits within the grace period the pod gets past its preStop pause.
 
 The operator never imports the runtime; this test runs it as a separate process, as a pod would.
 """
@@ -8,10 +8,12 @@ The operator never imports the runtime; this test runs it as a separate process,
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -23,7 +25,12 @@ import yaml
 from kvfleet.contract.kv_transfer import ROLES
 from kvfleet.operator.api import API_KEY_ENV, KV_TRANSFER_CONFIG_FLAG
 from kvfleet.operator.autoscaler import PodMetrics
-from kvfleet.operator.render_pod import pod_template, runtime_args, termination_grace_seconds
+from kvfleet.operator.render_pod import (
+    PRESTOP_DELAY_SECONDS,
+    pod_template,
+    runtime_args,
+    termination_grace_seconds,
+)
 from kvfleet.operator.scrape import FleetScraper, ScrapeTarget
 from kvfleet.operator.spec import parse_spec
 from kvfleet.runtime.kv_transfer.config import KVTransferConfig
@@ -61,10 +68,23 @@ async def scrape_twice_around_requests(target: ScrapeTarget, base: str) -> tuple
     return before, after
 
 
+def stream_events(base: str, events: list[str], started: threading.Event) -> None:
+    """A completion as long as the context allows, streamed into `events` (each event's data)."""
+    body = {"model": "tiny", "prompt": "long", "max_tokens": 500, "ignore_eos": True, "stream": True}
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    with httpx.stream("POST", f"{base}/v1/completions", json=body, headers=headers, timeout=60) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                events.append(line[len("data: ") :])
+                started.set()
+
+
 @pytest.mark.slow
 def test_rendered_command_runs_the_real_runtime(make_model: Callable[..., Path], tmp_path: Path) -> None:
     raw_spec = yaml.safe_load(EXAMPLE.read_text())["spec"]
     raw_spec.setdefault("engine", {})["apiKeySecret"] = "tiny-api-key"
+    # No drain at all: the stream in flight is handed back at once, and the exit is all the grace is for.
+    raw_spec["engine"]["drainTimeoutSeconds"] = 0
     spec = parse_spec(raw_spec, name="tiny")
     args = runtime_args(spec)
     (container,) = pod_template(spec, {}, "kvfleet/runtime", "m")["spec"]["containers"]
@@ -94,10 +114,17 @@ def test_rendered_command_runs_the_real_runtime(make_model: Callable[..., Path],
         assert isinstance(before, PodMetrics) and (before.waiting, before.running) == (0.0, 0.0)
         assert before.kv_cache_usage is not None
         assert isinstance(after, PodMetrics) and after.ttft_seconds is not None and after.ttft_seconds > 0
+        streamed, started = [], threading.Event()
+        stream = threading.Thread(target=stream_events, args=(base, streamed, started))
+        stream.start()
+        assert started.wait(60), "the stream started"
         process.send_signal(signal.SIGTERM)
-        assert process.wait(timeout=termination_grace_seconds(spec)) == 0, (
+        # The kubelet counts the preStop pause in the grace period; SIGTERM comes after it.
+        assert process.wait(timeout=termination_grace_seconds(spec) - PRESTOP_DELAY_SECONDS) == 0, (
             "drained and exited within the grace"
         )
+        stream.join(10)
+        assert streamed[-1] == "[DONE]" and json.loads(streamed[-2])["error"]["code"] == "draining"
     finally:
         if process.poll() is None:
             process.kill()

@@ -1,0 +1,264 @@
+"""Streams that survive their replica, through the chart's fleet gateway in front of real `kvfleet serve`
+pods: two of three replicas killed with SIGKILL at random moments under 60 long streams (greedy, seeded,
+JSON-schema constrained, tool calls) cost no stream, and each answer is the one the healthy fleet gave, token
+for token; a rolling update hands the long generations of the replica it stops over to the new one instead
+of waiting for them, and fails no request."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import yaml
+
+from e2e.cluster import KubeAPI, LocalCluster
+from e2e.cluster.kube_api import MERGE_PATCH
+from e2e.fleet.gateway import metric
+from e2e.fleet.manifests import services_path, tiny_service
+from e2e.fleet.observe import is_ready, service_pods, wait_ready
+from e2e.fleet.streams import ConcurrentStreams, StreamedAnswer, StreamLoad, gateway_client
+from e2e.fleet.traffic import ReadyEndpoints
+from e2e.support.waits import wait_for
+
+RESUMES = "kvfleet_gateway_resumes_total"
+STREAMS_PER_KIND = 15
+# Unconstrained answers run to max_tokens (ignore_eos).
+FREE_TOKENS = 220
+# Exactly this many digits: with the tiny model's tokenizer a digit, its comma and its space are a token
+# each, so an answer is about 250 tokens and always ends within CONSTRAINED_MAX_TOKENS.
+DIGITS = 80
+CONSTRAINED_MAX_TOKENS = 300
+DIGITS_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "digits": {
+            "type": "array",
+            "items": {"type": "integer", "minimum": 0, "maximum": 9},
+            "minItems": DIGITS,
+            "maxItems": DIGITS,
+        }
+    },
+    "required": ["digits"],
+    "additionalProperties": False,
+}
+TOOL = {
+    "type": "function",
+    "function": {"name": "record_digits", "description": "Records digits.", "parameters": DIGITS_SCHEMA},
+}
+STREAM_TIMEOUT_SECONDS = 300.0
+
+
+def chaos_requests() -> list[tuple[str, dict[str, Any]]]:
+    """(kind, request) of every stream: greedy, seeded temperature-1, JSON-schema constrained and tool-calling
+    ones, each with a question of its own."""
+    requests = []
+    for number in range(STREAMS_PER_KIND):
+        messages = [{"role": "user", "content": f"Request {number}: write down a long list of digits."}]
+        free = {"messages": messages, "max_tokens": FREE_TOKENS, "extra_body": {"ignore_eos": True}}
+        constrained = {"messages": messages, "max_tokens": CONSTRAINED_MAX_TOKENS, "temperature": 1.0}
+        schema_format = {"type": "json_schema", "json_schema": {"name": "digits", "schema": DIGITS_SCHEMA}}
+        tool_choice = {"type": "function", "function": {"name": "record_digits"}}
+        requests += [
+            ("greedy", {**free, "temperature": 0.0}),
+            ("seeded", {**free, "temperature": 1.0, "seed": number}),
+            ("json", {**constrained, "seed": 1000 + number, "response_format": schema_format}),
+            ("tool", {**constrained, "seed": 2000 + number, "tools": [TOOL], "tool_choice": tool_choice}),
+        ]
+    return requests
+
+
+def check_answer(kind: str, answer: StreamedAnswer) -> None:
+    assert answer.complete, answer
+    if kind in ("greedy", "seeded"):
+        assert len(answer.token_ids) == FREE_TOKENS
+    elif kind == "json":
+        jsonschema.validate(json.loads(answer.text), DIGITS_SCHEMA)
+    else:
+        assert answer.finish_reason == "tool_calls", answer
+        jsonschema.validate(json.loads(answer.tool_arguments), DIGITS_SCHEMA)
+
+
+def resumes(gateway: ReadyEndpoints, *labels: str) -> float:
+    """The resumes every gateway replica made so far (with these labels)."""
+    return sum(metric(endpoint, RESUMES, *labels) for endpoint in gateway.current())
+
+
+def serve_through_gateway(
+    local_cluster: LocalCluster, gateway: ReadyEndpoints, namespace: str, manifest: dict[str, Any]
+) -> str:
+    """Applies the InferenceService and waits until every gateway replica lists its model; its name."""
+    name, served = manifest["metadata"]["name"], manifest["spec"]["model"]["servedName"]
+    local_cluster.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(manifest))
+    wait_ready(local_cluster.api, namespace, name, timeout=180)
+    model = f"{namespace}/{served}"
+    for endpoint in gateway.current():
+        with gateway_client(endpoint, timeout=30) as client:
+            wait_for(
+                f"{endpoint.pod} to know {model}",
+                lambda client=client: model in {card.id for card in client.models.list().data},
+                60,
+            )
+    return model
+
+
+def test_two_replicas_killed_under_long_streams_cost_no_stream_nor_a_token(
+    local_cluster: LocalCluster,
+    gateway: ReadyEndpoints,
+    namespace: str,
+    tiny_model_dir: Path,
+    measurements: Callable[[str], None],
+) -> None:
+    api, runner = local_cluster.api, local_cluster.pod_runner
+    assert runner is not None
+    # Room for every stream on the one replica that may be left, prompts with a tool's schema included.
+    engine = {"maxNumSeqs": 64, "maxModelLen": 1024}
+    manifest = tiny_service("chaos", tiny_model_dir, engine=engine, scaling={"replicas": 3})
+    manifest["spec"]["model"]["servedName"] = "chaos-model"
+    model = serve_through_gateway(local_cluster, gateway, namespace, manifest)
+
+    def addressed_pods() -> list[str]:
+        pods = service_pods(api, namespace, "chaos")
+        return [pod["metadata"]["name"] for pod in pods if pod["status"].get("podIP")]
+
+    pods = wait_for(
+        "three replicas with an address", lambda: len(addressed_pods()) == 3 and addressed_pods(), 60
+    )
+    requests = chaos_requests()
+
+    # The answers of the healthy fleet: what each stream must be, token for token, whatever fails.
+    started = time.monotonic()
+    healthy = ConcurrentStreams(gateway, model, [request for _, request in requests])
+    expected = healthy.finish(STREAM_TIMEOUT_SECONDS)
+    healthy_seconds = time.monotonic() - started
+    for (kind, _), answer in zip(requests, expected, strict=True):
+        check_answer(kind, answer)
+
+    seed = random.randrange(1 << 30)
+    rng = random.Random(seed)
+    victims = rng.sample(pods, 2)
+    # Two moments while the streams run (the healthy run tells how long they take).
+    moments = sorted(rng.uniform(0.05, 0.6) * healthy_seconds for _ in victims)
+    resumed_before = resumes(gateway)
+    chaos = ConcurrentStreams(gateway, model, [request for _, request in requests])
+    chaos.wait_started(60)
+    started = time.monotonic()
+    for victim, moment in zip(victims, moments, strict=True):
+        time.sleep(max(0.0, started + moment - time.monotonic()))
+        pid = runner.process_id(namespace, victim, "runtime")
+        assert pid is not None, f"{victim} runs"
+        os.kill(pid, signal.SIGKILL)
+    answers = chaos.finish(STREAM_TIMEOUT_SECONDS)
+    chaos_seconds = time.monotonic() - started
+    resumed = resumes(gateway) - resumed_before
+
+    measurements(
+        f"{len(requests)} streams, 2 of 3 replicas killed at {moments[0]:.1f}s and {moments[1]:.1f}s (seed "
+        f"{seed}): {resumed:.0f} resumes; {chaos_seconds:.1f}s against {healthy_seconds:.1f}s healthy"
+    )
+    assert len(answers) == len(requests)
+    for (kind, _), answer, healthy_answer in zip(requests, answers, expected, strict=True):
+        check_answer(kind, answer)
+        assert answer.token_ids == healthy_answer.token_ids, kind
+        assert (answer.text, answer.tool_arguments) == (healthy_answer.text, healthy_answer.tool_arguments)
+        assert answer.finish_reason == healthy_answer.finish_reason
+    assert resumed >= 1, "the kills cut streams short, which the gateway resumed"
+
+
+# Generations as long as the context allows, many at once (each step then takes longer): some 15-25 s each
+# on the tiny model, well past the preStop pause and the drain timeout (5 s each), so that a replica stopped
+# under a steady flow of them holds some that would take longer than that.
+LONG_GENERATION_TOKENS = 1900
+LONG_STREAMS = 24
+# Long enough for the longest generation: the replica waits for its requests, as before streams moved.
+WAITING_DRAIN_SECONDS = 120
+
+
+@dataclass(frozen=True)
+class Rollout:
+    """Seconds from the spec change until the new replica replaced the old one, and from the old replica's
+    deletion until it was gone (its preStop pause, drain and exit)."""
+
+    seconds: float
+    old_replica_stop_seconds: float
+
+
+def roll_out(
+    api: KubeAPI,
+    namespace: str,
+    name: str,
+    patch: dict[str, Any],
+    on_old_replica_deleted: Callable[[], None] = lambda: None,
+) -> Rollout:
+    """Patches the InferenceService's spec and waits until the rollout has replaced its replica."""
+    (old_pod,) = service_pods(api, namespace, name)
+    old_name = old_pod["metadata"]["name"]
+    api.patch(services_path(namespace, name), {"spec": patch}, content_type=MERGE_PATCH)
+    patched = time.monotonic()
+    deleted: list[float] = []
+
+    def rolled_out() -> bool:
+        service = api.get(services_path(namespace, name))
+        pods = {pod["metadata"]["name"]: pod for pod in service_pods(api, namespace, name)}
+        old = pods.get(old_name)
+        if not deleted and (old is None or old["metadata"].get("deletionTimestamp")):
+            deleted.append(time.monotonic())
+            on_old_replica_deleted()
+        return is_ready(service) and len(pods) == 1 and old is None
+
+    wait_for("the rollout to finish", rolled_out, WAITING_DRAIN_SECONDS + 120, interval=0.25)
+    finished = time.monotonic()
+    return Rollout(finished - patched, finished - deleted[0])
+
+
+def test_a_rolling_update_hands_long_generations_over_instead_of_waiting_for_them(
+    local_cluster: LocalCluster,
+    gateway: ReadyEndpoints,
+    namespace: str,
+    tiny_model_dir: Path,
+    measurements: Callable[[str], None],
+) -> None:
+    api = local_cluster.api
+    engine = {"maxNumSeqs": LONG_STREAMS, "maxModelLen": 2048, "drainTimeoutSeconds": WAITING_DRAIN_SECONDS}
+    manifest = tiny_service("rolling", tiny_model_dir, engine=engine)
+    manifest["spec"]["model"]["servedName"] = "rolling-model"
+    model = serve_through_gateway(local_cluster, gateway, namespace, manifest)
+    request = {
+        "messages": [{"role": "user", "content": "Tell me everything about fleets."}],
+        "max_tokens": LONG_GENERATION_TOKENS,
+        "temperature": 0.0,
+        "extra_body": {"ignore_eos": True},
+    }
+    with StreamLoad(gateway, model, LONG_STREAMS, request) as load:
+        wait_for("long generations in flight", lambda: load.started >= LONG_STREAMS, 60)
+        # The replica replaced first drains as before: it waits for its generations (the new spec's default
+        # drain timeout applies to the next replica).
+        waiting = roll_out(api, namespace, "rolling", {"engine": {"drainTimeoutSeconds": None}})
+        handed_back_before = resumes(gateway, 'cause="drain"')
+        # Once the old replica is stopping, new streams would only prolong the test.
+        patch = {"engine": {"maxNumSeqs": LONG_STREAMS + 1}}
+        handing_over = roll_out(api, namespace, "rolling", patch, on_old_replica_deleted=load.stop_sending)
+        handed_back = resumes(gateway, 'cause="drain"') - handed_back_before
+    answers = load.answers
+
+    waited, handed = waiting.old_replica_stop_seconds, handing_over.old_replica_stop_seconds
+    failed = sum(not answer.complete for answer in answers)
+    measurements(
+        f"rolling update under {LONG_GENERATION_TOKENS}-token generations: {waiting.seconds:.1f}s waiting "
+        f"for them (old replica stopped in {waited:.1f}s), {handing_over.seconds:.1f}s handing them over "
+        f"(old replica stopped in {handed:.1f}s, {handed_back:.0f} streams resumed elsewhere); "
+        f"{len(answers)} streams, {failed} failed"
+    )
+    assert all(answer.complete for answer in answers), [a.error for a in answers if not a.complete][:3]
+    assert handed_back >= 1, "the stopping replica handed its generations back"
+    # One greedy request: each answer, resumed or not, is the same.
+    assert len({tuple(answer.token_ids) for answer in answers}) == 1
+    assert len(answers[0].token_ids) == LONG_GENERATION_TOKENS
+    assert handed < waited
