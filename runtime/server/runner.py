@@ -25,6 +25,7 @@ from collections.abc import Generator
 from types import FrameType
 
 import uvicorn
+from kvfleet.contract.resume import DRAINING_CODE
 from kvfleet.runtime.server.errors import ServiceUnavailableError
 from kvfleet.runtime.server.state import ServerState
 
@@ -91,7 +92,7 @@ class DrainingServer(uvicorn.Server):
             )
             state.engine.abort_all(
                 lambda: ServiceUnavailableError(
-                    "the server shut down before the request finished", code="draining"
+                    "the server shut down before the request finished", code=DRAINING_CODE
                 )
             )
             grace = time.monotonic() + _ABORT_GRACE_S

@@ -20,7 +20,7 @@ from kvfleet.contract.errors import (
     ServiceUnavailableError,
 )
 from kvfleet.contract.kv_transfer import DO_REMOTE_DECODE
-from kvfleet.contract.resume import CONTINUATION
+from kvfleet.contract.resume import CONTINUATION, DRAINING_CODE
 from kvfleet.contract.tiers import (
     DEFAULT_TIER,
     PRIORITY_HEADER,
@@ -249,7 +249,7 @@ class OpenAIService:
         if refusal is not None:
             if self.metrics is not None:
                 self.metrics.record_rejected("draining", tier_of(priority))
-            raise ServiceUnavailableError(refusal, code="draining")
+            raise ServiceUnavailableError(refusal, code=DRAINING_CODE)
         if self.engine.error is not None:
             raise from_engine_error(self.engine.error)
 
