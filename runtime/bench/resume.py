@@ -33,9 +33,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 import httpx
+import numpy as np
 from kvfleet.runtime.bench.processes import MODEL_NAME, BenchProcess, ServeProcess, counter_totals
 from kvfleet.runtime.bench.serve_client import bench_client
-from kvfleet.runtime.bench.serve_report import percentile
 from kvfleet.runtime.config import EngineConfig
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -156,7 +156,7 @@ def summarize_round(
             for value in [histogram_quantile(q, gateway["buckets"])]
         },
         "client_resume_ms": {
-            f"p{q}": percentile(client_waits, q) if client_waits else None for q in (50, 99)
+            f"p{q}": float(np.percentile(client_waits, q)) if client_waits else None for q in (50, 99)
         },
         "generated_tokens": generated,
         "gateway_replayed_tokens": gateway["replayed_tokens"],
