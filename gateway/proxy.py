@@ -4,7 +4,9 @@ Requests to a model (every OpenAI endpoint a replica serves on one: kvfleet.gate
 (model, tier, prompt) before anything else, queued in their model's pool, and sent to the chosen replica with
 the body and headers unchanged. The response streams back chunk by chunk as the replica writes it, so SSE
 arrives unbuffered. A connection error or a 503 is retried on another replica as long as nothing has been sent
-to the client; after that a failure ends the stream (with an error event when it is SSE). A client that
+to the client; after that a failure ends the stream (with an error event when it is SSE). Completions and chat
+completions are the exception: they are asked of a replica as a stream with token ids, and one that fails
+mid-stream is resumed on another from the tokens already sent (kvfleet.gateway.resumption). A client that
 disconnects cancels its handler (handler_cancellation), which closes the upstream connection, and the replica
 aborts the request. Whatever the gateway answers itself is an OpenAI error (kvfleet.gateway.http_errors).
 

@@ -133,7 +133,6 @@ class Splice:
         self.token_ids_asked = token_ids_asked
         self.id: Any = None
         self.created: Any = None
-        self.model: Any = None
         self.usage: dict[str, Any] | None = None
         self._choices: dict[int, _Progress] = {}
         self._prompt_ids_sent = False
@@ -160,7 +159,7 @@ class Splice:
         """The chunks to send the client for one of a replica's chunks (none, one, or the roles it is owed
         before it); a usage chunk is held for `ending`."""
         if self.id is None:
-            self.id, self.created, self.model = chunk.get("id"), chunk.get("created"), chunk.get("model")
+            self.id, self.created = chunk.get("id"), chunk.get("created")
         chunk = {**chunk, "id": self.id, "created": self.created}
         choices = chunk.get("choices") or []
         if not choices and chunk.get("usage") is not None:

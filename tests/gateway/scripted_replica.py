@@ -19,10 +19,15 @@ from typing import Any, Literal
 
 import aiohttp
 from aiohttp import web
-from kvfleet.contract.errors import BadRequestError, InternalServerError, ServiceUnavailableError
+from kvfleet.contract.errors import (
+    BadRequestError,
+    InternalServerError,
+    RequestTimeoutError,
+    ServiceUnavailableError,
+)
 from kvfleet.contract.resume import CONTINUATION, CONTINUATION_CHOICES, DRAINING_CODE
 
-FaultKind = Literal["reset", "eof", "error", "drain", "stall", "refuse"]
+FaultKind = Literal["reset", "eof", "error", "drain", "stall", "refuse", "timeout"]
 TOOL_NAME = "get_weather"
 # A tool call's script: two tokens before its name is known, its arguments, one token closing it.
 TOOL_HEADER_TOKENS = 2
@@ -269,12 +274,14 @@ async def _fail(request: web.Request, response: web.StreamResponse, kind: FaultK
         request.transport.abort()
     elif kind == "stall":
         await asyncio.Event().wait()  # until the gateway gives up on it
-    elif kind in ("error", "drain"):
-        error = (
-            ServiceUnavailableError("the server shut down before the request finished", code=DRAINING_CODE)
-            if kind == "drain"
-            else InternalServerError("the model failed while running this request")
-        )
+    elif kind in ("error", "drain", "timeout"):
+        error = {
+            "drain": ServiceUnavailableError(
+                "the server shut down before the request finished", code=DRAINING_CODE
+            ),
+            "error": InternalServerError("the model failed while running this request"),
+            "timeout": RequestTimeoutError("the request did not finish within its timeout", code="timeout"),
+        }[kind]
         await response.write(error.to_sse().encode())
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()

@@ -273,3 +273,43 @@ def test_a_replica_that_keeps_failing_serves_no_continuation() -> None:
         assert all(continuation for replica in fleet[1:3] for continuation in replica.continuations())
 
     asyncio.run(scenario())
+
+
+def test_a_replica_that_refuses_the_continuation_is_passed_over() -> None:
+    async def scenario() -> None:
+        first = ScriptedReplica("a", faults=[Fault("reset", after=3)])
+        refusing = ScriptedReplica("b", faults=[Fault("refuse")])
+        async with scripted(first, refusing, ScriptedReplica("c"), ScriptedReplica("oracle")) as fleet:
+            config = model("m", *fleet[:3], policy="round-robin")
+            body = body_of(CHAT_PATH, **USAGE)
+            async with running_gateway({"m": config}) as (gateway, _, url):
+                status, got = await post(url, CHAT_PATH, body)
+                metrics = resume_metrics(gateway.metrics.registry)
+            _, expected = await post(fleet[3].url, CHAT_PATH, body)
+        assert status == 200
+        assert_same_stream(got, expected)
+        assert refusing.continuations() == fleet[2].continuations() and len(refusing.continuations()) == 1
+        assert metrics["reset"] == 1
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_an_error_that_is_the_requests_own_is_not_resumed(stream: bool) -> None:
+    async def scenario() -> None:
+        timing_out = ScriptedReplica("a", faults=[Fault("timeout", after=2)])
+        second = ScriptedReplica("b")
+        async with (
+            scripted(timing_out, second) as fleet,
+            running_gateway({"m": model("m", *fleet, policy="round-robin")}) as (_, _, url),
+        ):
+            status, got = await post(url, COMPLETIONS_PATH, body_of(COMPLETIONS_PATH, stream=stream))
+        assert second.received == []
+        if stream:
+            chunks = sse_chunks(got)
+            assert status == 200 and chunks[-1] == "[DONE]" and chunks[-2]["error"]["code"] == "timeout"
+            assert "".join(chunk["choices"][0]["text"] for chunk in chunks[:-2]) == " w0.0 w0.1"
+        else:
+            assert status == 408 and json.loads(got)["error"]["type"] == "timeout_error"
+
+    asyncio.run(scenario())
