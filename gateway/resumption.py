@@ -13,6 +13,7 @@ client gets an error (an error frame and [DONE] on a stream). An error frame tha
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -31,6 +32,9 @@ from kvfleet.gateway.splice import DONE, EventReader, Failure, Splice, frame_err
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_RESUMES = 3
+# A replica's stream ends right after its [DONE]: read to its end within this, the connection is kept for
+# another request.
+END_AFTER_DONE_S = 1.0
 # Headers of a stream that a JSON answer made of it does not carry.
 _STREAM_HEADERS = frozenset({"content-type", "cache-control", "x-accel-buffering"})
 
@@ -110,6 +114,9 @@ class Generation:
         while True:
             try:
                 outcome = await self._pump(leg)
+                if outcome is None:
+                    # Before the client's end: a client that leaves once it has its answer cancels this.
+                    await _read_to_end(leg.upstream)
             finally:
                 leg.close()
             if outcome is None:
@@ -227,3 +234,12 @@ class Generation:
         await self.response.write(f"data: {DONE}\n\n".encode())
         await self.response.write_eof()
         return self.response
+
+
+async def _read_to_end(upstream: aiohttp.ClientResponse) -> None:
+    """What a stream sends after its [DONE] (its end, normally), read and dropped, so that its connection
+    can be reused; one that does not end soon is closed instead."""
+    with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+        async with asyncio.timeout(END_AFTER_DONE_S):
+            while await upstream.content.readany():
+                pass

@@ -210,6 +210,10 @@ class ScriptedReplica:
     # Sends the chat roles for a continuation too, which a replica need not (the gateway drops them).
     roles_on_continuation: bool = False
     received: list[dict[str, Any]] = field(default_factory=list)
+    # The address each request came from: a connection kept for another request keeps its port.
+    peers: list[Any] = field(default_factory=list)
+    # Seconds between a stream's [DONE] and its end, as a slow network may hold them apart.
+    end_after_done_s: float = 0.0
     url: str = ""
     _runner: web.AppRunner | None = None
     _requests: int = 0
@@ -245,6 +249,7 @@ class ScriptedReplica:
     async def _generate(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.received.append(body)
+        self.peers.append(request.transport.get_extra_info("peername") if request.transport else None)
         self._requests += 1
         chat = request.path.endswith("/chat/completions")
         fault = self._fault()
@@ -264,6 +269,8 @@ class ScriptedReplica:
                 return await _fail(request, response, chunk.kind)
             await response.write(f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n".encode())
         await response.write(b"data: [DONE]\n\n")
+        if self.end_after_done_s:
+            await asyncio.sleep(self.end_after_done_s)
         await response.write_eof()
         return response
 

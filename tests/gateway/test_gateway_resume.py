@@ -11,7 +11,7 @@ import json
 from typing import Any
 
 import pytest
-from gateway_harness import model, running_gateway
+from gateway_harness import model, running_gateway, wait_until
 from kvfleet.gateway.proxy import UpstreamTimeouts
 from scripted_replica import (
     TOOL_SCRIPT,
@@ -311,5 +311,20 @@ def test_an_error_that_is_the_requests_own_is_not_resumed(stream: bool) -> None:
             assert "".join(chunk["choices"][0]["text"] for chunk in chunks[:-2]) == " w0.0 w0.1"
         else:
             assert status == 408 and json.loads(got)["error"]["type"] == "timeout_error"
+
+    asyncio.run(scenario())
+
+
+def test_a_finished_stream_leaves_its_connection_for_the_next_request() -> None:
+    async def scenario() -> None:
+        async with (
+            scripted(ScriptedReplica("a", end_after_done_s=0.05)) as (replica,),
+            running_gateway({"m": model("m", replica)}) as (gateway, _, url),
+        ):
+            for path in (CHAT_PATH, COMPLETIONS_PATH, CHAT_PATH):
+                assert (await post(url, path, body_of(path, stream=path == CHAT_PATH)))[0] == 200
+                # The replica's place is given back once its stream has ended.
+                await wait_until(lambda: gateway.fleet.pools["m"].replicas[0].in_flight == 0)
+        assert len(set(replica.peers)) == 1, replica.peers
 
     asyncio.run(scenario())
