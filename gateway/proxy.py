@@ -661,8 +661,11 @@ class _PrefillFailed(Exception):
 def _resumable(path: str, payload: Mapping[str, Any]) -> bool:
     """Whether a request is relayed as a Generation, resumed elsewhere when its replica fails: a completion
     or chat completion, unless it is the client's own step of disaggregated prefill and decode (whose answer
-    carries kv_transfer_params, which only a replica's non-streamed answer has)."""
-    return path in GENERATION_PATHS and payload.get(KV_TRANSFER_PARAMS) is None
+    carries kv_transfer_params, which only a replica's non-streamed answer has) or a continuation the client
+    sends itself (which it resumes itself)."""
+    return (
+        path in GENERATION_PATHS and payload.get(KV_TRANSFER_PARAMS) is None and CONTINUATION not in payload
+    )
 
 
 def _streamed_with_token_ids(payload: Mapping[str, Any], streamed: bool) -> dict[str, Any]:
