@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 from gateway_harness import model, running_gateway, wait_until
 from kvfleet.gateway.proxy import UpstreamTimeouts
+from kvfleet.gateway.splice import EventReader
 from scripted_replica import (
     TOOL_SCRIPT,
     Fault,
@@ -328,3 +329,15 @@ def test_a_finished_stream_leaves_its_connection_for_the_next_request() -> None:
         assert len(set(replica.peers)) == 1, replica.peers
 
     asyncio.run(scenario())
+
+
+def test_events_are_read_whole_however_the_bytes_are_cut() -> None:
+    events = ['{"id": "x", "choices": []}', '{"text": "aé"}', "[DONE]"]
+    raw = "".join(f"data: {event}\n\n" for event in events).replace("\n\n", "\r\n\r\n", 1).encode()
+    raw = b": a comment\n\n" + raw.replace(b"data: [DONE]", b"event: end\ndata:[DONE]")
+    for size in (1, 2, 3, 7, len(raw)):
+        reader = EventReader()
+        read = [
+            event for start in range(0, len(raw), size) for event in reader.feed(raw[start : start + size])
+        ]
+        assert read == events, size
