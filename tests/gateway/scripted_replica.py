@@ -448,6 +448,11 @@ def sse_chunks(raw: bytes) -> list[Any]:
     return events
 
 
-async def post(url: str, path: str, body: dict[str, Any]) -> tuple[int, bytes]:
-    async with aiohttp.ClientSession() as session, session.post(f"{url}{path}", json=body) as answer:
+async def post(
+    url: str, path: str, body: dict[str, Any], headers: dict[str, str] | None = None
+) -> tuple[int, bytes]:
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(f"{url}{path}", json=body, headers=headers) as answer,
+    ):
         return answer.status, await answer.read()

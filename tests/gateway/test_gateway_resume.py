@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 from gateway_harness import model, running_gateway, wait_until
@@ -25,6 +25,9 @@ from scripted_replica import (
     sse_chunks,
     token_id,
 )
+
+if TYPE_CHECKING:
+    from servers import ServerProcess
 
 CHAT_PATH, COMPLETIONS_PATH = "/v1/chat/completions", "/v1/completions"
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello"}]}
@@ -76,13 +79,14 @@ def resume_metrics(registry: Any) -> dict[str, float]:
     return metrics
 
 
-def assert_same_stream(raw: bytes, expected_raw: bytes, first_replica: str = "a") -> list[Any]:
+def assert_same_stream(raw: bytes, expected_raw: bytes, first_replica: str | None = "a") -> list[Any]:
     """The client's stream is the oracle's, chunk for chunk, under the first replica's id and time."""
     got, expected = sse_chunks(raw), sse_chunks(expected_raw)
     heads = {(chunk["id"], chunk["created"]) for chunk in got if isinstance(chunk, dict)}
     assert len(heads) == 1, heads
     ((stream_id, created),) = heads
-    assert stream_id.split("-")[1] == first_replica
+    if first_replica is not None:
+        assert stream_id.split("-")[1] == first_replica
     relabelled = [{**c, "id": stream_id, "created": created} if isinstance(c, dict) else c for c in expected]
     assert got == relabelled
     assert got.count("[DONE]") == 1 and got[-1] == "[DONE]"
@@ -341,3 +345,34 @@ def test_events_are_read_whole_however_the_bytes_are_cut() -> None:
             event for start in range(0, len(raw), size) for event in reader.feed(raw[start : start + size])
         ]
         assert read == events, size
+
+
+REAL_REQUESTS = [
+    (
+        CHAT_PATH,
+        {"messages": [{"role": "user", "content": "Once upon a time"}], "logprobs": True, "top_logprobs": 2},
+    ),
+    (COMPLETIONS_PATH, {"prompt": "Once upon a time", "n": 2, "logprobs": 2, "return_token_ids": True}),
+]
+
+
+def test_a_real_replicas_answers_are_its_own_through_the_gateway(api_server: ServerProcess) -> None:
+    """The runtime's own chunks through the splice and the assembly: a stream is the replica's (without the
+    token ids the client did not ask for), and a non-streamed answer is the replica's non-streamed one."""
+
+    async def scenario() -> None:
+        headers = api_server.headers()
+        async with running_gateway({"tiny": model("tiny", api_server.url)}) as (_, _, url):
+            for path, fields in REAL_REQUESTS:
+                for stream in (True, False):
+                    body = {"model": "tiny", "max_tokens": 8, "temperature": 0.0, "stream": stream, **fields}
+                    status, via = await post(url, path, body, headers)
+                    assert status == 200, via
+                    _, direct = await post(api_server.url, path, body, headers)
+                    if stream:
+                        assert_same_stream(via, direct, first_replica=None)
+                        continue
+                    got, expected = json.loads(via), json.loads(direct)
+                    assert got == {**expected, "id": got["id"], "created": got["created"]}
+
+    asyncio.run(scenario())
