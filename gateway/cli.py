@@ -36,6 +36,7 @@ from kvfleet.gateway.proxy import (
     Network,
     UpstreamTimeouts,
 )
+from kvfleet.gateway.resumption import DEFAULT_MAX_RESUMES
 from kvfleet.gateway.routing import DEFAULT_LOAD_BOUND, DEFAULT_PREFIX_CHARS
 from kvfleet.operator.kube_client import command_api_client, credential_options
 
@@ -260,6 +261,14 @@ def _bare_name_namespace(option: str | None, namespaces: tuple[str, ...]) -> str
 )
 @click.option("--max-attempts", type=click.IntRange(min=1), default=DEFAULT_MAX_ATTEMPTS, show_default=True)
 @click.option(
+    "--max-resumes",
+    type=click.IntRange(min=0),
+    default=DEFAULT_MAX_RESUMES,
+    show_default=True,
+    help="Times a completion or chat completion whose replica fails mid-stream (its connection broken, a 5xx "
+    "error frame, a stall, a drain) is resumed on another replica; past them the client gets an error.",
+)
+@click.option(
     "--header-read-timeout",
     type=_SECONDS,
     default=DEFAULT_CLIENT_TIMEOUTS.header_read,
@@ -302,6 +311,14 @@ def _bare_name_namespace(option: str | None, namespaces: tuple[str, ...]) -> str
     default=DEFAULT_UPSTREAM_TIMEOUTS.idle,
     show_default=True,
     help="Seconds a replica's response may go without a byte; then it is cut off.",
+)
+@click.option(
+    "--upstream-stall-timeout",
+    type=_SECONDS,
+    default=DEFAULT_UPSTREAM_TIMEOUTS.stall,
+    show_default=True,
+    help="Seconds a completion's or chat completion's stream may go without a chunk; then it is resumed on "
+    "another replica.",
 )
 @click.option(
     "--upstream-timeout",
@@ -366,12 +383,14 @@ def gateway_command(
     max_body_bytes: int,
     max_buffered_body_bytes: int,
     max_attempts: int,
+    max_resumes: int,
     header_read_timeout: float,
     body_read_timeout: float,
     send_timeout: float,
     upstream_connect_timeout: float,
     upstream_first_byte_timeout: float,
     upstream_idle_timeout: float,
+    upstream_stall_timeout: float,
     upstream_timeout: float,
     prefill_timeout: float,
     trusted_proxies: str,
@@ -404,6 +423,7 @@ def gateway_command(
         max_queue=max_queue,
         max_body_bytes=max_body_bytes,
         max_attempts=max_attempts,
+        max_resumes=max_resumes,
         adapter_poll_seconds=adapter_poll_seconds,
         max_buffered_body_bytes=max_buffered_body_bytes,
         client_timeouts=ClientTimeouts(header_read_timeout, body_read_timeout, send_timeout),
@@ -413,6 +433,7 @@ def gateway_command(
             upstream_idle_timeout,
             upstream_timeout,
             prefill_timeout,
+            upstream_stall_timeout,
         ),
         trusted_proxies=_networks(trusted_proxies),
         bare_name_namespace=_bare_name_namespace(bare_name_namespace, namespaces),

@@ -4,7 +4,9 @@ Requests to a model (every OpenAI endpoint a replica serves on one: kvfleet.gate
 (model, tier, prompt) before anything else, queued in their model's pool, and sent to the chosen replica with
 the body and headers unchanged. The response streams back chunk by chunk as the replica writes it, so SSE
 arrives unbuffered. A connection error or a 503 is retried on another replica as long as nothing has been sent
-to the client; after that a failure ends the stream (with an error event when it is SSE). A client that
+to the client; after that a failure ends the stream (with an error event when it is SSE). Completions and chat
+completions are the exception: they are asked of a replica as a stream with token ids, and one that fails
+mid-stream is resumed on another from the tokens already sent (kvfleet.gateway.resumption). A client that
 disconnects cancels its handler (handler_cancellation), which closes the upstream connection, and the replica
 aborts the request. Whatever the gateway answers itself is an OpenAI error (kvfleet.gateway.http_errors).
 
@@ -34,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
 import hmac
 import importlib.metadata
@@ -60,6 +63,7 @@ from kvfleet.contract.errors import (
     ServiceUnavailableError,
 )
 from kvfleet.contract.kv_transfer import DO_REMOTE_DECODE, PREFILL_MAX_TOKENS
+from kvfleet.contract.resume import CONTINUATION
 from kvfleet.gateway.adapters import DEFAULT_ADAPTER_POLL_SECONDS, poll_adapters
 from kvfleet.gateway.discovery import Discovery, ModelConfig
 from kvfleet.gateway.flow import DEFAULT_MAX_QUEUE, Fleet, ModelPool
@@ -79,7 +83,9 @@ from kvfleet.gateway.requests import (
     RoutedRequest,
     parse_request,
 )
+from kvfleet.gateway.resumption import DEFAULT_MAX_RESUMES, Generation, Leg, LegUnavailable
 from kvfleet.gateway.routing import BlockHashes, Prompt, estimated_tokens
+from kvfleet.gateway.splice import Splice, frame_error
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 if TYPE_CHECKING:
@@ -115,6 +121,8 @@ _HOP_BY_HOP = frozenset(
 FORWARDED_FOR = "X-Forwarded-For"
 # The request and response field of disaggregated prefill and decode (kvfleet.contract.kv_transfer).
 KV_TRANSFER_PARAMS = "kv_transfer_params"
+# A replica's error answer is a small JSON object; a longer one is cut to this.
+MAX_ERROR_ANSWER_BYTES = 64 * 1024
 # A prefill answer is one token and the prompt's block ids, about 8 bytes a block: those of a million-token
 # prompt, at 16 tokens a block, take half a MiB.
 MAX_PREFILL_ANSWER_BYTES = 4 * 1024 * 1024
@@ -144,6 +152,9 @@ class UpstreamTimeouts:
     # A prompt of many thousand tokens takes a GPU seconds; a replica that takes a minute has a problem, and
     # the client is better served by the decode replica than by waiting up to the first-byte timeout.
     prefill: float = 60.0
+    # The longest silence between two chunks of a completion's or chat completion's stream: past it, the
+    # stream is resumed on another replica. A replica sends a stream's headers with its first token.
+    stall: float = 30.0
 
 
 DEFAULT_UPSTREAM_TIMEOUTS = UpstreamTimeouts()
@@ -179,6 +190,7 @@ class Gateway:
         max_queue: int = DEFAULT_MAX_QUEUE,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
         max_attempts: int = DEFAULT_MAX_ATTEMPTS,
+        max_resumes: int = DEFAULT_MAX_RESUMES,
         adapter_poll_seconds: float = DEFAULT_ADAPTER_POLL_SECONDS,
         max_buffered_body_bytes: int = DEFAULT_MAX_BUFFERED_BODY_BYTES,
         client_timeouts: ClientTimeouts = DEFAULT_CLIENT_TIMEOUTS,
@@ -201,6 +213,7 @@ class Gateway:
         self.fleet = Fleet(max_queue, self.metrics, bare_name_namespace, kv_index)
         self.kv_feeds = KVEventFeeds(kv_index, self.metrics.kv_index, kv_events_endpoints)
         self.max_attempts = max_attempts
+        self.max_resumes = max_resumes
         self.max_body_bytes = max_body_bytes
         self.body_budget = BodyBudget(max_buffered_body_bytes)
         self.client_timeouts = client_timeouts
@@ -373,7 +386,10 @@ class Gateway:
         headers = _for_replicas_of(
             config, _forward_headers(request.headers, request.remote, self.trusted_proxies)
         )
-        body = _renamed_for_replicas(config, routed, body)
+        resumable = _resumable(request.path, routed.payload)
+        payload, body = _for_replicas(config, routed, body, resumable)
+        if resumable:
+            headers = _identity_encoded(headers)
         # What each decode replica caches of the prompt before this request is routed there.
         prompt = _prompt(routed, config, await self._prompt_blocks(request.path, routed, pool))
         cached = pool.policy.cached_chars(pool.replicas, prompt) if pool.prefill is not None else {}
@@ -392,6 +408,7 @@ class Gateway:
                     prepared = await self._prefilled(
                         request.path,
                         body,
+                        payload,
                         headers,
                         routed,
                         prompt,
@@ -417,6 +434,7 @@ class Gateway:
             except BaseException:
                 pool.release(replica, priority)  # the client left while the replica had not answered yet
                 raise
+            leg = Leg(replica.url, upstream, functools.partial(pool.release, replica, priority))
             try:
                 self.metrics.upstream_latency.labels(model).observe(time.monotonic() - sent)
                 if upstream.status == 503 and attempt < self.max_attempts:
@@ -425,20 +443,91 @@ class Gateway:
                     continue
                 if from_zero:
                     self.metrics.activation.labels(model).observe(time.monotonic() - arrived)
+                if resumable and _is_event_stream(upstream):
+                    generation = self._generation(request, routed, pool, payload, headers, prompt, deadline)
+                    return await generation.relay(leg, _end_to_end(upstream.headers), tried)
                 chunks = _body_chunks(upstream, self.upstream_timeouts.idle, deadline)
                 return await _relay(request, upstream, chunks, model)
             finally:
-                # A response read to its end leaves a connection to reuse; any other is closed, which is
-                # how a replica learns that its client left.
-                if upstream.content.at_eof():
-                    upstream.release()
-                else:
-                    upstream.close()
-                pool.release(replica, priority)
+                leg.close()
         raise ServiceUnavailableError(
             f"every replica of model {model!r} tried ({self.max_attempts} attempts) failed before answering",
             code="upstream_unavailable",
         )
+
+    def _generation(
+        self,
+        request: web.Request,
+        routed: RoutedRequest,
+        pool: ModelPool,
+        payload: Mapping[str, Any],
+        headers: list[tuple[str, str]],
+        prompt: Prompt,
+        deadline: float,
+    ) -> Generation:
+        """The relay of a completion or chat completion, resumed on another replica where its stream fails;
+        `payload` and `headers`: what its replicas are sent."""
+        asked = routed.payload
+        n = asked.get("n")
+        splice = Splice(
+            chat=request.path == CHAT_PATH,
+            n=n if isinstance(n, int) and n > 0 else 1,
+            token_ids_asked=asked.get("return_token_ids") is True,
+        )
+        priority = routed.priority if routed.priority is not None else pool.config.default_priority
+        resume = functools.partial(
+            self._resumed_leg, request.path, payload, headers, pool, prompt, priority, routed.deadline_seconds
+        )
+        return Generation(
+            request,
+            splice,
+            functools.partial(resume, deadline),
+            self.metrics,
+            pool.config.name,
+            streamed=routed.stream,
+            max_resumes=self.max_resumes,
+            stall=self.upstream_timeouts.stall,
+            deadline=deadline,
+        )
+
+    async def _resumed_leg(
+        self,
+        path: str,
+        payload: Mapping[str, Any],
+        headers: list[tuple[str, str]],
+        pool: ModelPool,
+        prompt: Prompt,
+        priority: int,
+        deadline_seconds: float | None,
+        deadline: float,
+        continuation: dict[str, Any] | None,
+        tried: list[str],
+    ) -> Leg:
+        """A stream of the request from a replica not among `tried`, continuing from `continuation` (None: the
+        request afresh); the blocks of a prefill replica are not asked for again. LegUnavailable when the
+        replica cannot be reached or answers 5xx; its 4xx is raised as the client's answer."""
+        replica = await pool.acquire(priority, prompt, tried, deadline_seconds)
+        self.metrics.routing_decisions.labels(pool.config.name, pool.config.policy, replica.url).inc()
+        body = {name: value for name, value in payload.items() if name != KV_TRANSFER_PARAMS}
+        if continuation is not None:
+            body[CONTINUATION] = continuation
+        try:
+            upstream = await self._send(f"{replica.url}{path}", _json_body(body), headers, deadline)
+        except (aiohttp.ClientError, GatewayTimeoutError) as error:
+            pool.release(replica, priority)
+            raise LegUnavailable(replica.url, str(error)) from None
+        except BaseException:
+            pool.release(replica, priority)
+            raise
+        leg = Leg(replica.url, upstream, functools.partial(pool.release, replica, priority))
+        if upstream.status == 200 and _is_event_stream(upstream):
+            return leg
+        try:
+            if upstream.status >= 500 or upstream.status == 200:
+                raise LegUnavailable(replica.url, f"answered {upstream.status}")
+            raise _answered_error(upstream.status, await _read_at_most(upstream, MAX_ERROR_ANSWER_BYTES))
+        finally:
+            leg.close()
 
     async def _prompt_blocks(self, path: str, routed: RoutedRequest, pool: ModelPool) -> BlockHashes | None:
         """The prompt's block hashes, for a policy that routes on them, once the model's tokenizer is at hand;
@@ -466,6 +555,7 @@ class Gateway:
         self,
         path: str,
         body: bytes,
+        payload: Mapping[str, Any],
         headers: list[tuple[str, str]],
         routed: RoutedRequest,
         prompt: Prompt,
@@ -473,10 +563,10 @@ class Gateway:
         priority: int,
         cached_chars: int,
     ) -> bytes | web.Response:
-        """The body for the decode replica, which is taken to cache `cached_chars` of the prompt: with the
-        kv_transfer_params of a prefill replica's answer when the model has prefill replicas and the prompt's
-        new tokens reach its threshold; the client's own otherwise, or when the prefill step fails. A prefill
-        replica's 4xx answer is returned instead, as the request's answer."""
+        """The body for the decode replica, which is taken to cache `cached_chars` of the prompt: `payload`
+        (whose body is `body`) with the kv_transfer_params of a prefill replica's answer when the model has
+        prefill replicas and the prompt's new tokens reach its threshold; `body` otherwise, or when the
+        prefill step fails. A prefill replica's 4xx answer is returned instead, as the request's answer."""
         prefill = pool.prefill
         if prefill is None:
             return body
@@ -497,7 +587,7 @@ class Gateway:
         if isinstance(answer, web.Response):
             return answer
         self.metrics.pd.requests.labels(model, "disaggregated").inc()
-        return _json_body({**routed.payload, "model": pool.config.upstream_name, KV_TRANSFER_PARAMS: answer})
+        return _json_body({**payload, KV_TRANSFER_PARAMS: answer})
 
     async def _prefill(
         self,
@@ -566,6 +656,55 @@ class _PrefillFailed(Exception):
     def __init__(self, reason: str, detail: str) -> None:
         super().__init__(detail)
         self.reason = reason
+
+
+def _resumable(path: str, payload: Mapping[str, Any]) -> bool:
+    """Whether a request is relayed as a Generation, resumed elsewhere when its replica fails: a completion
+    or chat completion, unless it is the client's own step of disaggregated prefill and decode (whose answer
+    carries kv_transfer_params, which only a replica's non-streamed answer has) or a continuation the client
+    sends itself (which it resumes itself)."""
+    return (
+        path in GENERATION_PATHS and payload.get(KV_TRANSFER_PARAMS) is None and CONTINUATION not in payload
+    )
+
+
+def _streamed_with_token_ids(payload: Mapping[str, Any], streamed: bool) -> dict[str, Any]:
+    """The body that asks a replica for the stream a request is resumed from: streamed, with each chunk's
+    token ids; with the usage when the client asked for it, and always for a non-streamed answer (which
+    has it)."""
+    if not streamed and payload.get("stream_options") is not None:
+        raise BadRequestError("stream_options is only allowed when stream is true", param="stream_options")
+    upstream = {**payload, "stream": True, "return_token_ids": True}
+    if not streamed:
+        upstream["stream_options"] = {"include_usage": True}
+    return upstream
+
+
+def _for_replicas(
+    config: ModelConfig, routed: RoutedRequest, body: bytes, resumable: bool
+) -> tuple[dict[str, Any], bytes]:
+    """The body the replicas are sent, parsed and as bytes: with `model` as they know it, and for a request
+    that may be resumed, asking for the stream it is resumed from."""
+    payload = {**routed.payload, "model": config.upstream_name}
+    if resumable:
+        payload = _streamed_with_token_ids(payload, routed.stream)
+        return payload, _json_body(payload)
+    return payload, _renamed_for_replicas(config, routed, body)
+
+
+def _is_event_stream(upstream: aiohttp.ClientResponse) -> bool:
+    return upstream.content_type == "text/event-stream"
+
+
+def _answered_error(status: int, content: bytes) -> OpenAIError:
+    """A replica's error answer, as the client's."""
+    try:
+        error = json.loads(content)["error"]
+        raised = frame_error(error)
+    except (ValueError, KeyError, TypeError, AttributeError):
+        raised = OpenAIError(content.decode(errors="replace") or f"the replica answered {status}")
+    raised.status_code = status
+    return raised
 
 
 def _transfers_kv(path: str, payload: Mapping[str, Any]) -> bool:

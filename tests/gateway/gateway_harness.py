@@ -118,8 +118,8 @@ class FakeReplica:
                 headers={"Content-Type": "text/event-stream", "x-replica": self.name}
             )
             await response.prepare(request)
-            for index in range(3):
-                await response.write(f"data: {json.dumps(_chunk(self.name, body, index))}\n\n".encode())
+            for index, chunk in enumerate(_chunks(self.name, body)):
+                await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
                 if index == 0 and self.die_after_first_chunk:
                     assert request.transport is not None
                     request.transport.abort()
@@ -249,11 +249,49 @@ _ANSWERS: dict[str, Answer] = {
 }
 
 
-def _chunk(name: str, body: dict[str, Any], index: int) -> dict[str, Any]:
-    delta = {"role": "assistant", "content": f"{name}-{index}"}
-    choice = {"index": 0, "delta": delta, "finish_reason": None, "logprobs": None}
-    return {"id": f"chatcmpl-{name}", "object": "chat.completion.chunk", "created": int(time.time()),
-            "model": body["model"], "choices": [choice]}  # fmt: skip
+def _chunks(name: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+    """A streamed answer as a replica sends it, the replica's name its one token: a chat answer's role first,
+    the name, the end; the token ids when asked for (`return_token_ids`), and the usage."""
+    token_ids = body.get("return_token_ids") is True
+    if "messages" in body:
+        head = {"id": f"chatcmpl-{name}", "object": "chat.completion.chunk"}
+        role = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None}
+        said = {"index": 0, "delta": {"content": name}, "logprobs": None}
+        end = {"index": 0, "delta": {}, "logprobs": None}
+        opening = [{"choices": [role], **({"prompt_token_ids": [1]} if token_ids else {})}]
+    else:
+        head = {"id": f"cmpl-{name}", "object": "text_completion"}
+        said = {"index": 0, "text": name, "logprobs": None}
+        end = {"index": 0, "text": "", "logprobs": None}
+        opening = []
+    if token_ids:
+        said, end = {**said, "token_ids": [2]}, {**end, "token_ids": [3]}
+    choices = [
+        *opening,
+        {"choices": [{**said, "finish_reason": None}]},
+        {"choices": [{**end, "finish_reason": "stop", "stop_reason": None}]},
+    ]
+    if (body.get("stream_options") or {}).get("include_usage"):
+        choices.append(
+            {"choices": [], "usage": {"prompt_tokens": 1, "completion_tokens": 2, "total_tokens": 3}}
+        )
+    created = int(time.time())
+    return [{**head, "created": created, "model": body["model"], **chunk} for chunk in choices]
+
+
+def as_streamed(body: dict[str, Any]) -> dict[str, Any]:
+    """What a replica receives of a client's completion or chat completion: the gateway asks for a stream
+    with each chunk's token ids (which it resumes a broken stream from), and the usage a non-streamed answer
+    has."""
+    streamed = {**body, "stream": True, "return_token_ids": True}
+    if not body.get("stream"):
+        streamed["stream_options"] = {"include_usage": True}
+    return streamed
+
+
+async def streamed_text(stream: Any) -> str:
+    """The text of an SDK's chat stream, its chunks' content deltas joined."""
+    return "".join([chunk.choices[0].delta.content or "" async for chunk in stream if chunk.choices])
 
 
 @asynccontextmanager

@@ -18,12 +18,14 @@ from click.testing import CliRunner
 from gateway_harness import (
     WAIT_S,
     FakeReplica,
+    as_streamed,
     model,
     pod,
     replica_pod,
     replicas,
     running_gateway,
     service,
+    streamed_text,
     wait_until,
 )
 from kvfleet.gateway.cli import _static_models, gateway_command
@@ -86,7 +88,7 @@ def test_a_long_prompt_is_prefilled_and_the_decode_replica_gets_the_clients_body
                 status, answer = await post(url, "/v1/chat/completions", chat)
                 assert status == 200 and json.loads(answer)["choices"][0]["message"]["content"] == "d"
                 assert prefill.received == [prefill_call(chat)]
-                assert decode.received == [{**chat, "kv_transfer_params": prefill.offers[0]}]
+                assert decode.received == [as_streamed({**chat, "kv_transfer_params": prefill.offers[0]})]
 
                 # Streamed: the prefill call is not, and the decode replica's stream reaches the client.
                 streamed = {
@@ -97,9 +99,11 @@ def test_a_long_prompt_is_prefilled_and_the_decode_replica_gets_the_clients_body
                     "stream_options": {"include_usage": True},
                 }
                 stream = await client(url).chat.completions.create(**streamed)
-                assert [chunk.choices[0].delta.content async for chunk in stream] == ["d-0", "d-1", "d-2"]
+                assert await streamed_text(stream) == "d"
                 assert prefill.received[1] == prefill_call(streamed)
-                assert decode.received[1] == {**streamed, "kv_transfer_params": prefill.offers[1]}
+                assert decode.received[1] == as_streamed(
+                    {**streamed, "kv_transfer_params": prefill.offers[1]}
+                )
 
                 assert in_flight(gateway, "m") == [0, 0]
                 assert (
@@ -135,7 +139,7 @@ def test_prompts_with_few_new_tokens_on_their_decode_replica_skip_the_prefill_re
                     assert (await post(url, "/v1/completions", body))[0] == 200
                     assert len(prefill.received) == sent + prefilled, prompt
                     params = {"kv_transfer_params": prefill.offers[-1]} if prefilled else {}
-                    assert decode.received[-1] == {**body, **params}
+                    assert decode.received[-1] == as_streamed({**body, **params})
                 assert (
                     sample(gateway, "kvfleet_gateway_pd_requests_total", model="m", path="decode_only") == 2
                 )
@@ -163,7 +167,7 @@ def test_requests_of_several_sequences_are_prefilled_by_their_decode_replica() -
                 ]
                 for body in several:
                     assert (await post(url, "/v1/completions", body))[0] == 200
-                assert prefill.received == [] and decode.received == several
+                assert prefill.received == [] and decode.received == [as_streamed(body) for body in several]
                 one = {"model": "m", "prompt": [LONG], "max_tokens": 5, "n": 1}
                 assert (await post(url, "/v1/completions", one))[0] == 200
                 assert prefill.received == [prefill_call(one)]
@@ -199,9 +203,11 @@ def test_a_failed_prefill_sends_the_request_to_its_decode_replica_without_params
                 chat = {"model": "m", "messages": [{"role": "user", "content": LONG}], "stream": True}
                 began = time.monotonic()
                 stream = await client(url).chat.completions.create(**chat)
-                assert [chunk.choices[0].delta.content async for chunk in stream] == ["d-0", "d-1", "d-2"]
+                assert await streamed_text(stream) == "d"
                 assert time.monotonic() - began < FELL_BACK_WITHIN_S
-                assert decode.received == [chat], "the client's own body: the decode replica prefills it"
+                assert decode.received == [as_streamed(chat)], (
+                    "the client's own body: the decode replica prefills it"
+                )
                 if isinstance(prefill, FakeReplica):
                     assert prefill.received == [prefill_call(chat)]
                 if reason == "timeout":
@@ -258,7 +264,8 @@ def test_with_every_prefill_replica_full_a_request_is_prefilled_by_its_decode_re
                 assert (await asyncio.wait_for(first, WAIT_S))[0] == 200
                 received = d1.received + d2.received
                 assert sorted(received, key=len) == sorted(
-                    [second, {**body, "kv_transfer_params": prefill.offers[0]}], key=len
+                    [as_streamed(second), as_streamed({**body, "kv_transfer_params": prefill.offers[0]})],
+                    key=len,
                 )
                 assert in_flight(gateway, "m") == [0, 0, 0]
 
@@ -298,7 +305,7 @@ def test_a_decode_replica_that_refuses_the_connection_is_retried_with_the_same_p
                 body = {"model": "m", "prompt": LONG, "max_tokens": 5}
                 assert (await post(url, "/v1/completions", body))[0] == 200
                 assert len(prefill.received) == 1, "prefilled once"
-                assert decode.received == [{**body, "kv_transfer_params": prefill.offers[0]}]
+                assert decode.received == [as_streamed({**body, "kv_transfer_params": prefill.offers[0]})]
                 assert (
                     sample(gateway, "kvfleet_gateway_retries_total", model="m", reason="connection_error")
                     == 1
@@ -335,15 +342,14 @@ def test_pods_labelled_with_a_role_are_the_models_prefill_and_decode_replicas() 
                 for name in ("default/split", "default/whole"):
                     body = {"model": name, "prompt": LONG, "max_tokens": 5}
                     assert (await post(url, "/v1/completions", body))[0] == 200
-                assert decode.received == [
-                    {
-                        "model": "split",
-                        "prompt": LONG,
-                        "max_tokens": 5,
-                        "kv_transfer_params": prefill.offers[0],
-                    }
-                ]
-                assert plain.received == [{"model": "whole", "prompt": LONG, "max_tokens": 5}]
+                split = {
+                    "model": "split",
+                    "prompt": LONG,
+                    "max_tokens": 5,
+                    "kv_transfer_params": prefill.offers[0],
+                }
+                assert decode.received == [as_streamed(split)]
+                assert plain.received == [as_streamed({"model": "whole", "prompt": LONG, "max_tokens": 5})]
                 assert gateway.fleet.pools["default/whole"].prefill is None
 
     asyncio.run(scenario())
