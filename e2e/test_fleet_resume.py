@@ -144,23 +144,34 @@ def test_two_replicas_killed_under_long_streams_cost_no_stream_nor_a_token(
     seed = random.randrange(1 << 30)
     rng = random.Random(seed)
     victims = rng.sample(pods, 2)
-    # Two moments while the streams run (the healthy run tells how long they take).
-    moments = sorted(rng.uniform(0.05, 0.6) * healthy_seconds for _ in victims)
+    # Two random moments while the streams run, as shares of the tokens the healthy fleet sent: a share of
+    # the run's time would miss them, the second run being faster (its prompts are cached, its grammars
+    # compiled).
+    shares = sorted(rng.uniform(0.1, 0.7) for _ in victims)
+    total_tokens = sum(len(answer.token_ids) for answer in expected)
     resumed_before = resumes(gateway)
     chaos = ConcurrentStreams(gateway, model, [request for _, request in requests])
     chaos.wait_started(60)
     started = time.monotonic()
-    for victim, moment in zip(victims, moments, strict=True):
-        time.sleep(max(0.0, started + moment - time.monotonic()))
+    moments = []
+    for victim, share in zip(victims, shares, strict=True):
+        wait_for(
+            f"{share:.0%} of the tokens streamed",
+            lambda share=share: chaos.tokens_received() >= share * total_tokens,
+            STREAM_TIMEOUT_SECONDS,
+            interval=0.02,
+        )
         pid = runner.process_id(namespace, victim, "runtime")
         assert pid is not None, f"{victim} runs"
         os.kill(pid, signal.SIGKILL)
+        moments.append(time.monotonic() - started)
     answers = chaos.finish(STREAM_TIMEOUT_SECONDS)
     chaos_seconds = time.monotonic() - started
     resumed = resumes(gateway) - resumed_before
 
     measurements(
-        f"{len(requests)} streams, 2 of 3 replicas killed at {moments[0]:.1f}s and {moments[1]:.1f}s (seed "
+        f"{len(requests)} streams, 2 of 3 replicas killed at {moments[0]:.1f}s and {moments[1]:.1f}s, "
+        f"{shares[0]:.0%} and {shares[1]:.0%} of the tokens in (seed "
         f"{seed}): {resumed:.0f} resumes; {chaos_seconds:.1f}s against {healthy_seconds:.1f}s healthy"
     )
     assert len(answers) == len(requests)
@@ -172,11 +183,12 @@ def test_two_replicas_killed_under_long_streams_cost_no_stream_nor_a_token(
     assert resumed >= 1, "the kills cut streams short, which the gateway resumed"
 
 
-# Generations as long as the context allows, many at once (each step then takes longer): some 15-25 s each
+# Generations as long as the context allows, many at once (each step then takes longer): some 15 s each
 # on the tiny model, well past the preStop pause and the drain timeout (5 s each), so that a replica stopped
 # under a steady flow of them holds some that would take longer than that.
 LONG_GENERATION_TOKENS = 1900
 LONG_STREAMS = 24
+STREAM_STAGGER_SECONDS = 0.6
 # Long enough for the longest generation: the replica waits for its requests, as before streams moved.
 WAITING_DRAIN_SECONDS = 120
 
@@ -236,7 +248,8 @@ def test_a_rolling_update_hands_long_generations_over_instead_of_waiting_for_the
         "temperature": 0.0,
         "extra_body": {"ignore_eos": True},
     }
-    with StreamLoad(gateway, model, LONG_STREAMS, request) as load:
+    # Starts spread over about one generation's time: whenever a replica stops, some have just begun.
+    with StreamLoad(gateway, model, LONG_STREAMS, request, stagger=STREAM_STAGGER_SECONDS) as load:
         wait_for("long generations in flight", lambda: load.started >= LONG_STREAMS, 60)
         # The replica replaced first drains as before: it waits for its generations (the new spec's default
         # drain timeout applies to the next replica).

@@ -24,7 +24,12 @@ def start_child(
     module: str, arguments: tuple[Any, ...], *, pass_fds: Sequence[int] = ()
 ) -> subprocess.Popen[bytes]:
     # -P: the working directory (a checkout, with its operator/ folder) must not shadow the standard library.
-    process = subprocess.Popen([sys.executable, "-P", "-m", module], stdin=subprocess.PIPE, pass_fds=pass_fds)
+    # A process group of its own: a terminal's Ctrl-C, or a supervisor that signals every process of the
+    # parent's group (a container's), must not stop the child before its parent has drained its requests. The
+    # parent decides when the child stops, and the child ends with its parent.
+    process = subprocess.Popen(
+        [sys.executable, "-P", "-m", module], stdin=subprocess.PIPE, pass_fds=pass_fds, process_group=0
+    )
     assert process.stdin is not None
     with process.stdin:
         pickle.dump(arguments, process.stdin)

@@ -48,10 +48,11 @@ def stream_chat(
     model: str,
     request: dict[str, Any],
     on_first_chunk: Callable[[], None] = lambda: None,
+    answer: StreamedAnswer | None = None,
 ) -> StreamedAnswer:
-    """One streamed chat completion of `request` (the SDK's arguments, extra_body included); a failure is the
-    answer's error, never an exception."""
-    answer = StreamedAnswer()
+    """One streamed chat completion of `request` (the SDK's arguments, extra_body included), read into
+    `answer` as it comes (a new one by default); a failure is the answer's error, never an exception."""
+    answer = answer if answer is not None else StreamedAnswer()
     extra_body = {**request.get("extra_body", {}), "return_token_ids": True}
     arguments = {key: value for key, value in request.items() if key != "extra_body"}
     try:
@@ -90,7 +91,8 @@ class ConcurrentStreams:
         endpoints = gateway.current()
         assert endpoints, "a ready gateway replica"
         self._clients = [gateway_client(endpoint) for endpoint in endpoints]
-        self.answers: list[StreamedAnswer | None] = [None] * len(requests)
+        # Filled as the chunks arrive, so that how far the streams have got can be read while they run.
+        self.answers = [StreamedAnswer() for _ in requests]
         self._started = threading.Semaphore(0)
         self._threads = [
             threading.Thread(target=self._run, args=(index, model, request), daemon=True)
@@ -101,7 +103,7 @@ class ConcurrentStreams:
 
     def _run(self, index: int, model: str, request: dict[str, Any]) -> None:
         client = self._clients[index % len(self._clients)]
-        self.answers[index] = stream_chat(client, model, request, self._started.release)
+        stream_chat(client, model, request, self._started.release, self.answers[index])
 
     def wait_started(self, timeout: float) -> None:
         """Until every stream has its first chunk (or has ended)."""
@@ -109,13 +111,16 @@ class ConcurrentStreams:
             if not self._started.acquire(timeout=timeout) and thread.is_alive():
                 raise AssertionError("a stream did not start in time")
 
+    def tokens_received(self) -> int:
+        return sum(len(answer.token_ids) for answer in self.answers)
+
     def finish(self, timeout: float) -> list[StreamedAnswer]:
         for thread in self._threads:
             thread.join(timeout)
         assert not any(thread.is_alive() for thread in self._threads), "a stream hung"
         for client in self._clients:
             client.close()
-        return [answer for answer in self.answers if answer is not None]
+        return self.answers
 
 
 class StreamLoad:
@@ -123,9 +128,17 @@ class StreamLoad:
     other, recording every answer; `started` counts the streams that got their first chunk."""
 
     def __init__(
-        self, gateway: ReadyEndpoints, model: str, concurrency: int, request: dict[str, Any]
+        self,
+        gateway: ReadyEndpoints,
+        model: str,
+        concurrency: int,
+        request: dict[str, Any],
+        stagger: float = 0.0,
     ) -> None:
         self.gateway = gateway
+        # Client i sends its first stream i * stagger seconds in: equal requests started together would end
+        # together, every time, and leave moments with no stream in flight.
+        self.stagger = stagger
         self.model = model
         self.request = request
         self.answers: list[StreamedAnswer] = []
@@ -134,7 +147,7 @@ class StreamLoad:
         self._stop = threading.Event()
         self._counter = itertools.count()
         self._threads = [
-            threading.Thread(target=self._loop, name=f"stream-load-{index}", daemon=True)
+            threading.Thread(target=self._loop, args=(index,), name=f"stream-load-{index}", daemon=True)
             for index in range(concurrency)
         ]
 
@@ -158,8 +171,9 @@ class StreamLoad:
         for thread in self._threads:
             thread.join(timeout)
 
-    def _loop(self) -> None:
+    def _loop(self, index: int) -> None:
         clients: dict[str, openai.OpenAI] = {}
+        self._stop.wait(index * self.stagger)
         try:
             while not self._stop.is_set():
                 endpoints = self.gateway.current()

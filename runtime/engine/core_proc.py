@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -57,8 +56,6 @@ def run_engine_core(
     """The process's target. Binds `address` first, so API servers can connect while the model loads."""
     from kvfleet.runtime.engine.core import EngineCore
 
-    # Ctrl-C in a terminal reaches the whole process group: the API server decides when the core stops.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s [core]: %(message)s")
     parent = os.pidfd_open(parent_pid)
     context = zmq.Context()

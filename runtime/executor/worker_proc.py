@@ -17,7 +17,6 @@ import datetime
 import logging
 import os
 import pickle
-import signal
 import threading
 
 import torch
@@ -38,7 +37,6 @@ _JOIN_TIMEOUT = datetime.timedelta(minutes=15)
 def run_worker(spec: WorkerSpec, parent_pid: int, ready_fd: int | None) -> None:
     """The process's target. `ready_fd`: a pipe that gets one byte once the shard is loaded and the KV
     cache allocated, for the process that watches this node's workers."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine core or the node's process decides when to stop
     logging.basicConfig(
         level=spec.log_level, format=f"%(asctime)s %(levelname)s %(name)s [rank {spec.rank}]: %(message)s"
     )

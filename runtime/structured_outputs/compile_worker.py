@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import socket
 from multiprocessing.connection import Connection
 from typing import Any
@@ -95,8 +94,6 @@ class CompileWorker:
 
 def run_compile_worker(tokenizer_info: str, parent_pid: int, log_level: int, fd: int) -> None:
     """The process's target: compiles what arrives on `fd` until the engine core closes it."""
-    # Ctrl-C in a terminal reaches the whole process group: the engine core decides when this one stops.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(
         level=log_level, format="%(asctime)s %(levelname)s %(name)s [grammar compiler]: %(message)s"
     )
