@@ -207,7 +207,7 @@ def test_two_namespaces_serving_one_name_take_neither_the_others_traffic_nor_its
         try:
             _serve_one_name_from_two_namespaces(local_cluster, gateway, namespace, other, tiny_model_dir)
         finally:
-            upgrade_release(local_cluster, kvfleet_release, "gateway.keyNamespaces=null")
+            upgrade_release(local_cluster, kvfleet_release, "gateway.keyNamespaces={}")
 
 
 def _serve_one_name_from_two_namespaces(

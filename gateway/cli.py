@@ -409,15 +409,10 @@ def gateway_command(
         replicas_preempt=preempts(scheduling_policy),
         pd_threshold_tokens=pd_threshold_tokens,
     )
-    discovery: Discovery
     if models or prefill or decode:
-        discovery = StaticDiscovery(_static_models(models, defaults, prefill, decode))
+        discovery: Discovery = StaticDiscovery(_static_models(models, defaults, prefill, decode))
     else:
-        from kvfleet.gateway.kube import KubernetesDiscovery
-
-        # Only the credentials are used: the discovery makes its own connections, on the event loop.
-        configuration = command_api_client(kubeconfig, kube_context, pool_size=1).configuration
-        discovery = KubernetesDiscovery(configuration, namespaces, defaults)
+        discovery = _kubernetes_discovery(kubeconfig, kube_context, namespaces, defaults)
     gateway = Gateway(
         discovery,
         max_queue=max_queue,
@@ -442,6 +437,16 @@ def gateway_command(
         tokenizers=_local_tokenizers(tokenizers),
     )
     asyncio.run(_serve(gateway, host, port))
+
+
+def _kubernetes_discovery(
+    kubeconfig: str | None, kube_context: str | None, namespaces: tuple[str, ...], defaults: ModelConfig
+) -> Discovery:
+    from kvfleet.gateway.kube import KubernetesDiscovery
+
+    # Only the credentials are used: the discovery makes its own connections, on the event loop.
+    configuration = command_api_client(kubeconfig, kube_context, pool_size=1).configuration
+    return KubernetesDiscovery(configuration, namespaces, defaults)
 
 
 async def _serve(gateway: Gateway, host: str, port: int) -> None:

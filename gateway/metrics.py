@@ -75,28 +75,7 @@ class GatewayMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=self.registry,
         )
-        self.resumes = Counter(
-            "kvfleet_gateway_resumes",
-            "Streams resumed on another replica after their first byte, by cause: reset (the connection "
-            "broke or ended before [DONE]), error (a 5xx error frame), stall (no chunk within the stall "
-            "timeout), drain (a draining replica handed the request back).",
-            ["model", "cause"],
-            registry=self.registry,
-        )
-        self.resumed_tokens = Counter(
-            "kvfleet_gateway_resumed_tokens",
-            "Output tokens sent to a replica in a continuation, which it computes again as prompt.",
-            ["model"],
-            registry=self.registry,
-        )
-        self.resume_seconds = Histogram(
-            "kvfleet_gateway_resume_seconds",
-            "Time from a stream's failure until the replica resuming it sent its first token (or its end).",
-            ["model"],
-            buckets=_LATENCY_BUCKETS,
-            registry=self.registry,
-        )
-
+        self.resume = ResumeMetrics(self.registry)
         self.pd = PrefillDecodeMetrics(self.registry)
         self.kv_index = KVIndexMetrics(self.registry)
         self.precise_decisions = Counter(
@@ -122,6 +101,33 @@ class GatewayMetrics:
         for gauge in (self.queue_depth, self.ready_replicas):
             with contextlib.suppress(KeyError):
                 gauge.remove(model)
+
+
+class ResumeMetrics:
+    """Of streams resumed on another replica after their first byte."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.resumes = Counter(
+            "kvfleet_gateway_resumes",
+            "Streams resumed on another replica after their first byte, by cause: reset (the connection "
+            "broke or ended before [DONE]), error (a 5xx error frame), stall (no chunk within the stall "
+            "timeout), drain (a draining replica handed the request back).",
+            ["model", "cause"],
+            registry=registry,
+        )
+        self.resumed_tokens = Counter(
+            "kvfleet_gateway_resumed_tokens",
+            "Output tokens sent to a replica in a continuation, which it computes again as prompt.",
+            ["model"],
+            registry=registry,
+        )
+        self.resume_seconds = Histogram(
+            "kvfleet_gateway_resume_seconds",
+            "Time from a stream's failure until the replica resuming it sent its first token (or its end).",
+            ["model"],
+            buckets=_LATENCY_BUCKETS,
+            registry=registry,
+        )
 
 
 class PrefillDecodeMetrics:

@@ -124,7 +124,7 @@ class Generation:
             if isinstance(outcome, OpenAIError):
                 return await self._fail(outcome)
             tried.append(leg.url)
-            self.metrics.resumes.labels(self.model, outcome.cause).inc()
+            self.metrics.resume.resumes.labels(self.model, outcome.cause).inc()
             self._failed_at = time.monotonic()
             logger.info(
                 "%s: %s broke off its stream (%s: %s); resuming",
@@ -143,7 +143,7 @@ class Generation:
         while resumes < self.max_resumes:
             resumes += 1
             continuation = self.splice.continuation()
-            self.metrics.resumed_tokens.labels(self.model).inc(self.splice.replayed_tokens())
+            self.metrics.resume.resumed_tokens.labels(self.model).inc(self.splice.replayed_tokens())
             try:
                 return await self.open_leg(continuation, tried), resumes
             except LegUnavailable as unavailable:
@@ -203,7 +203,7 @@ class Generation:
     def _resumed_output(self) -> None:
         """A resumed stream's first token (or its end) is in: the resume's latency, from the failure."""
         if self._failed_at is not None:
-            self.metrics.resume_seconds.labels(self.model).observe(time.monotonic() - self._failed_at)
+            self.metrics.resume.resume_seconds.labels(self.model).observe(time.monotonic() - self._failed_at)
             self._failed_at = None
 
     async def _send(self, body: dict[str, Any]) -> None:
