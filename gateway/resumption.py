@@ -222,18 +222,20 @@ class Generation:
         assert self.response is not None
         for body in self.splice.ending():
             await self._send(body)
-        await self.response.write(f"data: {DONE}\n\n".encode())
-        await self.response.write_eof()
-        return self.response
+        return await self._end_stream(self.response)
 
     async def _fail(self, error: OpenAIError) -> web.StreamResponse:
         logger.warning("%s: the stream ends with an error: %s", self.model, error.message)
         if self.response is None:
             return error_response(error)
         await self.response.write(error.to_sse().encode())
-        await self.response.write(f"data: {DONE}\n\n".encode())
-        await self.response.write_eof()
-        return self.response
+        return await self._end_stream(self.response)
+
+    @staticmethod
+    async def _end_stream(response: web.StreamResponse) -> web.StreamResponse:
+        await response.write(f"data: {DONE}\n\n".encode())
+        await response.write_eof()
+        return response
 
 
 async def _read_to_end(upstream: aiohttp.ClientResponse) -> None:
