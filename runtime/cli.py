@@ -11,7 +11,9 @@ from kvfleet.runtime.config import engine_config_from_options, engine_options
 @click.command("make-model")
 @click.option(
     "--arch",
-    type=click.Choice(["llama", "mistral", "qwen2", "qwen3", "llava", "qwen2-audio", "qwen2.5-omni"]),
+    type=click.Choice(
+        ["llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3-moe", "llava", "qwen2-audio", "qwen2.5-omni"]
+    ),
     default="llama",
     show_default=True,
 )

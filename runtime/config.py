@@ -153,6 +153,11 @@ class EngineConfig:
         "Ranks that split every layer (attention heads, MLP columns, vocabulary) between them.", default=1
     )
     pipeline_parallel_size: int = _option("Stages that split the layers between them.", default=1)
+    enable_expert_parallel: bool = _option(
+        "Mixture-of-experts models: each tensor-parallel rank holds whole experts (a share of them) instead "
+        "of a slice of every expert; the experts' outputs are summed over the ranks all the same.",
+        default=False,
+    )
     distributed_executor_backend: str | None = _option(
         "How ranks run when tensor_parallel_size x pipeline_parallel_size > 1: mp (one worker process per "
         "rank, the default).",

@@ -551,6 +551,7 @@ class _EngineStatsCollector(Collector):
         for series in _OWN_SERIES:
             yield from self._families(series, stats)
         yield from self._kv_transfer_families(stats)
+        yield from self._moe_families(stats)
 
     def _kv_transfer_families(self, stats: SchedulerStats) -> Iterator[Metric]:
         """Fallbacks of disaggregated decode by reason; and vLLM's NixlConnector names for the pulls, as
@@ -578,6 +579,38 @@ class _EngineStatsCollector(Collector):
             family = SummaryMetricFamily(VLLM_PREFIX + name, documentation, labels=["model_name"])
             family.add_metric(labels, count_value=loads, sum_value=float(total))
             yield family
+
+    def _moe_families(self, stats: SchedulerStats) -> Iterator[Metric]:
+        """Mixture-of-experts routing, one series per sparse layer and none per expert: a model's layers x
+        experts (6,144 for Qwen3-30B-A3B) would make every replica's scrape the size of a fleet's. What an
+        operator acts on, a layer whose tokens crowd onto few experts (and with expert parallelism onto
+        their ranks), shows in the busiest expert's share; the expert's identity is not kept."""
+        routed = CounterMetricFamily(
+            KVFLEET_PREFIX + "moe_routed_tokens",
+            "Mixture-of-experts models: token-expert pairs routed in each sparse layer (a token counts once "
+            "for each of its top-k experts).",
+            labels=["model_name", "layer"],
+        )
+        busiest = CounterMetricFamily(
+            KVFLEET_PREFIX + "moe_busiest_expert_tokens",
+            "Mixture-of-experts models: token-expert pairs routed to each sparse layer's busiest expert so "
+            "far.",
+            labels=["model_name", "layer"],
+        )
+        imbalance = GaugeMetricFamily(
+            KVFLEET_PREFIX + "moe_expert_load_imbalance",
+            "Mixture-of-experts models: each sparse layer's busiest expert's pairs over the mean of its "
+            "experts', since start (1 when evenly routed, the number of experts when all go to one; 0 before "
+            "any token).",
+            labels=["model_name", "layer"],
+        )
+        for load in stats.moe_layer_load:
+            labels = [self._model_name, str(load.layer)]
+            routed.add_metric(labels, float(load.routed_tokens))
+            busiest.add_metric(labels, float(load.busiest_expert_tokens))
+            mean = load.routed_tokens / load.num_experts
+            imbalance.add_metric(labels, load.busiest_expert_tokens / mean if mean else 0.0)
+        yield from (routed, busiest, imbalance)
 
     def _families(self, series: _StatSeries, stats: SchedulerStats) -> Iterator[Metric]:
         family_type = CounterMetricFamily if series.counter else GaugeMetricFamily

@@ -98,6 +98,17 @@ class EngineCoreOutput:
         return self.finish_reason is not None
 
 
+@dataclass(frozen=True)
+class MoeLayerLoad:
+    """A mixture-of-experts layer's routing since the model was loaded: token-expert pairs routed (a token
+    counts once for each of its top-k experts), and those of the busiest expert."""
+
+    layer: int
+    num_experts: int
+    routed_tokens: int
+    busiest_expert_tokens: int
+
+
 @dataclass
 class SchedulerStats:
     num_running: int
@@ -152,3 +163,5 @@ class SchedulerStats:
     # Prompt tokens still to compute, of the waiting and running requests (a disaggregated service's prefill
     # role scales on them).
     num_queued_prompt_tokens: int = 0
+    # Mixture-of-experts models, filled in by the engine core: the load of each sparse layer's experts.
+    moe_layer_load: list[MoeLayerLoad] = field(default_factory=list)

@@ -28,6 +28,9 @@ class ParallelContext:
     tp_size: int = 1
     pp_size: int = 1
     rank: int = 0
+    # Mixture-of-experts layers: each tensor-parallel rank holds whole experts (a 1/tp_size share of them)
+    # instead of a 1/tp_size slice of every expert.
+    enable_expert_parallel: bool = False
     # The group of this stage's tensor-parallel ranks, and that of all ranks (point-to-point between stages);
     # None without torch.distributed (in-process).
     tp_group: dist.ProcessGroup | None = None
@@ -112,7 +115,9 @@ def kv_head_range(config: ModelConfig, tp_size: int, tp_rank: int) -> tuple[int,
     return tp_rank * kv_heads // tp_size, 1
 
 
-def check_model_fits(model_config: ModelConfig, tp_size: int, pp_size: int) -> None:
+def check_model_fits(
+    model_config: ModelConfig, tp_size: int, pp_size: int, *, enable_expert_parallel: bool = False
+) -> None:
     """Raises ValueError naming the numbers when the model cannot be split tp x pp ways."""
     heads = model_config.num_attention_heads
     kv_heads = model_config.num_key_value_heads
@@ -133,6 +138,19 @@ def check_model_fits(model_config: ModelConfig, tp_size: int, pp_size: int) -> N
         )
     if layers % pp_size:
         raise ValueError(f"pipeline_parallel_size {pp_size} does not divide the model's {layers} layers")
+    moe = model_config.moe
+    if moe is None:
+        return
+    if enable_expert_parallel and moe.num_experts % tp_size:
+        raise ValueError(
+            f"tensor_parallel_size {tp_size} does not divide the model's {moe.num_experts} experts, as "
+            "enable_expert_parallel needs (each rank holds whole experts)"
+        )
+    if not enable_expert_parallel and moe.moe_intermediate_size % tp_size:
+        raise ValueError(
+            f"tensor_parallel_size {tp_size} does not divide the experts' intermediate size "
+            f"{moe.moe_intermediate_size} (enable_expert_parallel splits the experts between ranks instead)"
+        )
 
 
 def check_devices(local_ranks: int, device_type: str) -> None:

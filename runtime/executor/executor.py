@@ -35,7 +35,7 @@ import torch
 import zmq
 from kvfleet.runtime.child_process import describe_exit, start_child
 from kvfleet.runtime.config import EngineConfig
-from kvfleet.runtime.core.outputs import ModelRunnerOutput, SchedulerOutput, SchedulerStats
+from kvfleet.runtime.core.outputs import ModelRunnerOutput, MoeLayerLoad, SchedulerOutput, SchedulerStats
 from kvfleet.runtime.distributed.parallel import check_devices, check_model_fits
 from kvfleet.runtime.executor.messages import StepDone, WorkerCommand, WorkerReady, WorkerSpec
 from kvfleet.runtime.lora.request import LoRARequest
@@ -93,8 +93,9 @@ class Executor(ABC):
         lora_manager.add(lora)
 
     def fill_stats(self, stats: SchedulerStats) -> None:
-        """Add the sampler's grammar-mask counters, the encoder runner's and the KV transport's to the step's
-        stats."""
+        """Add the sampler's grammar-mask counters, the encoder runner's, the KV transport's and the experts'
+        load to the step's stats."""
+        stats.moe_layer_load = self.expert_load()
         masks = self.runner.sampler.grammar_masks
         stats.grammar_mask_steps = masks.num_steps
         stats.grammar_mask_seconds = masks.seconds
@@ -104,6 +105,10 @@ class Executor(ABC):
             stats.encoder_cache_hits = encoders.num_cache_hits
         if self.runner.kv_connector is not None:
             self.runner.kv_connector.fill_stats(stats)
+
+    def expert_load(self) -> list[MoeLayerLoad]:
+        """The routing load of the model's mixture-of-experts layers, by layer."""
+        return self.runner.expert_load()
 
     def kv_connector_handshake_metadata(self) -> dict[str, Any]:
         """What the KV connector's worker side tells its scheduler side once its transport is up (one rank
@@ -188,6 +193,8 @@ class MultiprocExecutor(Executor):
             self.shutdown()
             raise
         self.ready: list[WorkerReady] = sorted(ready, key=lambda r: r.rank)  # type: ignore[arg-type]
+        # Each stage's latest report of its layers' expert load.
+        self._expert_load: dict[int, MoeLayerLoad] = {}
         self._identities = [rank.to_bytes(4, "big") for rank in range(self.world_size)]
         logger.info(
             "%d ranks ready (tp %d x pp %d over %d nodes); parameters per rank: %s MiB",
@@ -228,12 +235,16 @@ class MultiprocExecutor(Executor):
             assert isinstance(done, StepDone)
             if done.error is not None:
                 errors.append(f"rank {done.rank}: {done.error}")
+            self._expert_load.update((load.layer, load) for load in done.expert_load)
             if done.logits_shape is not None:
                 array = np.frombuffer(frames[0], dtype=np.float32).reshape(done.logits_shape)
                 logits = torch.from_numpy(array.copy()).to(self.runner.device)
         if errors:
             raise RuntimeError("; ".join(errors))
         return logits
+
+    def expert_load(self) -> list[MoeLayerLoad]:
+        return [self._expert_load[layer] for layer in sorted(self._expert_load)]
 
     @property
     def worker_watches(self) -> list[int | zmq.Socket]:
@@ -280,7 +291,12 @@ class MultiprocExecutor(Executor):
 def check_parallel_config(config: EngineConfig) -> None:
     """Raises ValueError, naming the numbers, when the model or this node cannot take the split asked for."""
     model_config = ModelConfig.from_folder(config.model)
-    check_model_fits(model_config, config.tensor_parallel_size, config.pipeline_parallel_size)
+    check_model_fits(
+        model_config,
+        config.tensor_parallel_size,
+        config.pipeline_parallel_size,
+        enable_expert_parallel=config.enable_expert_parallel,
+    )
     check_devices(config.world_size // config.nnodes, resolve_device(config.device).type)
 
 

@@ -3,9 +3,10 @@ worker's __main__ module, so that both sides name them alike)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvfleet.runtime.config import EngineConfig
+from kvfleet.runtime.core.outputs import MoeLayerLoad
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,9 @@ class StepDone:
     error: str | None = None
     # The step's logits (float32), from the rank that sends them.
     logits_shape: tuple[int, ...] | None = None
+    # The expert load of the mixture-of-experts layers of the rank's stage, from its first tensor-parallel
+    # rank (the router is whole on every rank, so each counts what all of them route).
+    expert_load: list[MoeLayerLoad] = field(default_factory=list)
 
 
 # What the core sends: ("kv_cache", blocks), ("host_kv_tier", blocks) or ("step", StepInputs).

@@ -60,6 +60,7 @@ def run_worker(spec: WorkerSpec, parent_pid: int, ready_fd: int | None) -> None:
         )
     )
     sends_logits = runner.parallel.is_last_stage and runner.parallel.tp_rank == 0
+    reports_expert_load = runner.parallel.tp_rank == 0
     while True:
         kind, argument = pickle.loads(socket.recv())
         done = StepDone(spec.rank)
@@ -74,6 +75,8 @@ def run_worker(spec: WorkerSpec, parent_pid: int, ready_fd: int | None) -> None:
             else:
                 assert isinstance(argument, StepInputs)
                 logits = runner.compute_logits(argument)
+                if reports_expert_load:
+                    done.expert_load = runner.expert_load()
         except Exception as exc:
             if _is_group_failure(exc):
                 logger.exception("a collective failed: the group is broken")
@@ -126,7 +129,12 @@ def _join_and_load(spec: WorkerSpec) -> ModelRunner:
             tp_group = group
     set_parallel_context(
         ParallelContext(
-            tp_size=tp_size, pp_size=pp_size, rank=spec.rank, tp_group=tp_group, world_group=world
+            tp_size=tp_size,
+            pp_size=pp_size,
+            rank=spec.rank,
+            enable_expert_parallel=config.enable_expert_parallel,
+            tp_group=tp_group,
+            world_group=world,
         )
     )
     runner = ModelRunner(config)

@@ -127,12 +127,13 @@ class LlamaDecoderLayer(nn.Module):
         rotary_emb: RotaryEmbedding,
         sliding_window: int | None,
         parallel: ParallelContext,
+        mlp: nn.Module,
     ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = LlamaAttention(config, attention, rotary_emb, sliding_window, parallel)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = LlamaMLP(config, parallel)
+        self.mlp = mlp
 
     def forward(
         self,
@@ -168,7 +169,10 @@ class LlamaForCausalLM(nn.Module):
         rotary_class = MRotaryEmbedding if config.uses_mrope else RotaryEmbedding
         self.rotary_emb = rotary = rotary_class(config.head_dim, max_position, config.rope)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, attention, rotary, window, parallel) for window in local_windows
+            LlamaDecoderLayer(
+                config, attention, rotary, window, parallel, self.make_mlp(self.first_layer + i)
+            )
+            for i, window in enumerate(local_windows)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if parallel.is_last_stage else None
         self.lm_head: Linear | None = None
@@ -180,6 +184,11 @@ class LlamaForCausalLM(nn.Module):
             # A row-parallel bias is added once: by rank 0; the others' partial sums carry none.
             for layer in self.layers:
                 nn.init.zeros_(layer.self_attn.o_proj.bias)
+
+    def make_mlp(self, layer: int) -> nn.Module:
+        """The feed-forward block of a layer (numbered in the whole model); mixture-of-experts models put
+        their experts' block in its place."""
+        return LlamaMLP(self.config, self.parallel)
 
     def forward(
         self,

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from kvfleet.runtime.models.moe_config import MoeConfig, moe_config
 from kvfleet.runtime.models.registry import REFUSED_ARCHITECTURES
 from kvfleet.runtime.models.rope import rope_parameters
 
@@ -37,6 +38,8 @@ class ModelConfig:
     # where a layer attends to the whole context.
     layer_windows: tuple[int | None, ...] = ()
     dtype: torch.dtype = torch.float32
+    # Mixture-of-experts models' experts and routing; None for dense models.
+    moe: MoeConfig | None = None
     # A multimodal model's whole config.json (its encoders' settings); the fields above describe its language
     # model. None for text-only models.
     multimodal: dict[str, Any] | None = field(default=None, hash=False, compare=False)
@@ -107,9 +110,10 @@ class ModelConfig:
             rope=rope_parameters(raw, source),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             attention_bias=attention_bias,
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
             layer_windows=_layer_windows(raw, int(require("num_hidden_layers")), source),
             dtype=DTYPES[dtype_name],
+            moe=moe_config(raw, int(require("num_hidden_layers")), source),
         )
 
     @property
@@ -155,7 +159,7 @@ def _layer_windows(raw: dict[str, Any], num_layers: int, source: str) -> tuple[i
         if len(layer_types) != num_layers:
             raise ValueError(f"{source}: layer_types names {len(layer_types)} layers, not {num_layers}")
         return tuple(window if kind == "sliding_attention" else None for kind in layer_types)
-    if "max_window_layers" in raw:
+    if "max_window_layers" in raw and raw.get("model_type") != "qwen3_moe":  # Qwen3-MoE slides every layer
         first_sliding = int(raw["max_window_layers"])
         return tuple(window if i >= first_sliding else None for i in range(num_layers))
     return (window,) * num_layers

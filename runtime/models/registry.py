@@ -12,6 +12,7 @@ between tensor- or pipeline-parallel ranks it also provides `checkpoint_slice(na
 shard from `kvfleet.runtime.distributed.parallel.parallel_context()`. A model that takes images or audio
 also provides `embed_multimodal(modality, data, unpadded_lengths) -> one [tokens, hidden] tensor per item`
 and `embed_input_ids(input_ids)`, and its forward accepts `inputs_embeds` (see `ConditionalGeneration`).
+A mixture-of-experts model may report how its routers spread tokens: `expert_load() -> list[MoeLayerLoad]`.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ _BUILTIN: dict[str, str] = {
     "MistralForCausalLM": "kvfleet.runtime.models.llama:LlamaForCausalLM",
     "Qwen2ForCausalLM": "kvfleet.runtime.models.llama:LlamaForCausalLM",
     "Qwen3ForCausalLM": "kvfleet.runtime.models.llama:LlamaForCausalLM",
+    "MixtralForCausalLM": "kvfleet.runtime.models.moe:MoeForCausalLM",
+    "Qwen3MoeForCausalLM": "kvfleet.runtime.models.moe:MoeForCausalLM",
     "LlavaForConditionalGeneration": "kvfleet.runtime.models.llava:LlavaForConditionalGeneration",
     "Qwen2AudioForConditionalGeneration": (
         "kvfleet.runtime.models.qwen2_audio:Qwen2AudioForConditionalGeneration"

@@ -14,7 +14,7 @@ from kvfleet.runtime.attention.backend import AttentionBackend, AttentionMetadat
 from kvfleet.runtime.attention.selector import select_attention_backend
 from kvfleet.runtime.config import EngineConfig
 from kvfleet.runtime.core.host_kv_tier import TierCopies
-from kvfleet.runtime.core.outputs import ModelRunnerOutput, SchedulerOutput
+from kvfleet.runtime.core.outputs import ModelRunnerOutput, MoeLayerLoad, SchedulerOutput
 from kvfleet.runtime.distributed.parallel import local_kv_heads, parallel_context
 from kvfleet.runtime.kernels.fused_layers import Implementation, implementation_for
 from kvfleet.runtime.kv_transfer.base import KVConnectorWorker
@@ -251,6 +251,11 @@ class ModelRunner:
         if metadata is not None and self.kv_connector is not None:
             output.kv_connector_output = self.kv_connector.get_finished()
         return output
+
+    def expert_load(self) -> list[MoeLayerLoad]:
+        """The routing load of the mixture-of-experts layers this rank holds; none for a dense model."""
+        report = getattr(self.model, "expert_load", None)
+        return [] if report is None else report()
 
     def prepare_sampling(
         self, scheduler_output: SchedulerOutput, step: StepInputs

@@ -38,7 +38,7 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     **{name: module.ARCHITECTURE for name, module in _MULTIMODAL.items()},
 }
 DTYPES = ("float32", "bfloat16", "float16")
-_TEXT_STYLES = {"qwen2": QWEN_STYLE, "qwen3": QWEN3_STYLE}
+_TEXT_STYLES = {"qwen2": QWEN_STYLE, "qwen3": QWEN3_STYLE, "qwen3-moe": QWEN3_STYLE}
 
 
 def make_model(
@@ -102,7 +102,9 @@ def make_model(
                 f"sliding_window needs a positive window on mistral or qwen, got {arch} {sliding_window}"
             )
         config["sliding_window"] = sliding_window
-        if text_arch.startswith("qwen"):
+        if text_arch == "qwen3-moe":
+            config["use_sliding_window"] = True  # on every layer: Qwen3-MoE has no max_window_layers
+        elif text_arch.startswith("qwen"):
             config.update(use_sliding_window=True, max_window_layers=max_window_layers)
     write_json(out / "tokenizer_config.json", tokenizer_config(style, spec.max_position_embeddings))
     write_json(out / "generation_config.json", generation_config(style, special_ids))

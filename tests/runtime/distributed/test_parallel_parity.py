@@ -1,6 +1,7 @@
 """Tensor- and pipeline-parallel engines (worker processes over gloo) give the one-process engine's tokens.
 
-For every architecture and TP=2, TP=4, PP=2 and TP=2 x PP=2: greedy outputs of a mixed batch (prompts of many
+For every dense architecture and TP=2, TP=4, PP=2 and TP=2 x PP=2, and for the mixture-of-experts ones at
+TP=2 (with and without expert parallelism): greedy outputs of a mixed batch (prompts of many
 lengths, shared prefixes, a token budget that chunks prefills beside decodes, and a KV cache too small for all
 of them, so that requests are preempted and recomputed) equal the TP=1 engine's. Each rank reports what
 loading held, measured on its own parameters and on the slices it read: at most 1/tp of the weights (plus
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from kvfleet.runtime import LLM, SamplingParams
+from kvfleet.runtime.core.outputs import MoeLayerLoad
 from kvfleet.runtime.executor.executor import MultiprocExecutor
 from kvfleet.runtime.models.model_config import ModelConfig
 from ports import free_port
@@ -54,16 +56,22 @@ def _generate(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
 def reference(request: pytest.FixtureRequest, make_model: Callable[..., Path]) -> tuple[Path, list, list]:
     model = make_model(request.param, "tiny")
     prompts = _prompts(len(request.param))
+    return model, prompts, _one_rank(model, prompts)[0]
+
+
+def _one_rank(model: Path, prompts: list[list[int]]) -> tuple[list[list[int]], list[MoeLayerLoad]]:
+    """The one-process engine's outputs, and its expert load."""
     llm = LLM(str(model), **ENGINE_OPTIONS)
     outputs = _generate(llm, prompts)
-    scheduler = llm.llm_engine.engine_core.scheduler
-    assert scheduler.num_preempted_total > 0, "the batch must preempt"
-    assert scheduler.stats.prefix_cache_hits > 0, "the batch must hit the prefix cache"
-    return model, prompts, outputs
+    core = llm.llm_engine.engine_core
+    assert core.scheduler.num_preempted_total > 0, "the batch must preempt"
+    assert core.scheduler.stats.prefix_cache_hits > 0, "the batch must hit the prefix cache"
+    return outputs, core.executor.expert_load()
 
 
 def _checkpoint_bytes(model: Path) -> tuple[int, int, int]:
-    """(all tensors, those every rank keeps whole: the norms, the largest tensor), read from the file."""
+    """(all tensors, those every rank keeps whole: the norms and the routers, the largest tensor), read from
+    the file."""
     total = whole = largest = 0
     with safe_open(str(model / "model.safetensors"), framework="pt") as f:
         for name in f.keys():  # noqa: SIM118
@@ -71,7 +79,7 @@ def _checkpoint_bytes(model: Path) -> tuple[int, int, int]:
             size = tensor.numel() * tensor.element_size()
             total += size
             largest = max(largest, size)
-            if "norm" in name:
+            if "norm" in name or name.endswith(".gate.weight"):
                 whole += size
     return total, whole, largest
 
@@ -79,6 +87,31 @@ def _checkpoint_bytes(model: Path) -> tuple[int, int, int]:
 @pytest.mark.parametrize(("tp", "pp"), SPLITS, ids=[f"tp{tp}-pp{pp}" for tp, pp in SPLITS])
 def test_greedy_tokens_equal_one_rank(reference: tuple[Path, list, list], tp: int, pp: int) -> None:
     model, prompts, expected = reference
+    _check_parallel_run(model, prompts, expected, tp, pp)
+
+
+@pytest.mark.parametrize(
+    ("arch", "enable_expert_parallel"),
+    [("mixtral", True), ("qwen3-moe", False)],
+    ids=["mixtral-tp2-expert-parallel", "qwen3-moe-tp2"],
+)
+def test_moe_greedy_tokens_and_expert_load_equal_one_rank(
+    arch: str, enable_expert_parallel: bool, make_model: Callable[..., Path]
+) -> None:
+    """Each rank holds half the experts, or half of every expert; the core hears the ranks' expert load."""
+    model = make_model(arch, "tiny")
+    prompts = _prompts(len(arch))
+    expected, expected_load = _one_rank(model, prompts)
+    assert expected_load and all(load.routed_tokens > 0 for load in expected_load)
+    load = _check_parallel_run(model, prompts, expected, 2, 1, enable_expert_parallel=enable_expert_parallel)
+    assert load == expected_load
+
+
+def _check_parallel_run(
+    model: Path, prompts: list[list[int]], expected: list[list[int]], tp: int, pp: int, **options: object
+) -> list[MoeLayerLoad]:
+    """Run the prompts tp x pp ways and check the outputs and what each rank loaded; returns the expert
+    load the core heard of."""
     # A port of its own: another run's ranks (a concurrent test, a local cluster's pods) may hold the default.
     llm = LLM(
         str(model),
@@ -86,6 +119,7 @@ def test_greedy_tokens_equal_one_rank(reference: tuple[Path, list, list], tp: in
         pipeline_parallel_size=pp,
         master_port=free_port(),
         **ENGINE_OPTIONS,
+        **options,
     )
     core = llm.llm_engine.engine_core
     executor = core.executor
@@ -108,9 +142,11 @@ def test_greedy_tokens_equal_one_rank(reference: tuple[Path, list, list], tp: in
             share = total / tp + whole + replicated_kv
             assert ready.parameter_bytes <= share, (ready.rank, ready.parameter_bytes, share)
             assert ready.peak_load_buffer_bytes <= largest / tp, (ready.rank, ready.peak_load_buffer_bytes)
+        expert_load = executor.expert_load()
     finally:
         core.shutdown()
     for worker in workers:
         assert worker.poll() is not None, f"worker {worker.pid} is still running"
         with pytest.raises(ProcessLookupError):
             os.kill(worker.pid, 0)
+    return expert_load

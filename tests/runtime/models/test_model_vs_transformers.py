@@ -14,7 +14,7 @@ from kvfleet.runtime.request import Request
 from kvfleet.runtime.sampling_params import SamplingParams
 from transformers import AutoModelForCausalLM
 
-ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+ARCHS = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3-moe")
 
 
 def _transformers_logits(model_dir: Path, token_ids: list[int]) -> torch.Tensor:
@@ -66,7 +66,7 @@ def test_chunked_prefill_and_decode_match_transformers(
     assert _check_against_transformers(model_dir, scheduler, requests) == 4 * 6
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "mixtral", "qwen3-moe"])
 def test_prefix_cache_hit_matches_transformers(
     arch: str, tiny_model: Callable[[str], Path], runner_for, hand_scheduler
 ) -> None:

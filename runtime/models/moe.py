@@ -1,0 +1,293 @@
+"""Mixture-of-experts decoders (Mixtral, Qwen3-MoE): the Llama-family model with the MLP of its sparse layers
+replaced by a router and its experts.
+
+The router scores every expert (a softmax over its logits, in float32) and each token goes to its top-k,
+weighted by their probabilities (renormalised over the k where the model says so). The experts run grouped,
+not token by token: the token-expert pairs are sorted by expert, and each expert multiplies its rows in one
+matmul (one grouped matmul for all of them where torch has it), before a weighted scatter-add returns each
+row to its token, in expert order, as Transformers sums them.
+
+Tensor parallelism splits each expert like a dense MLP: a rank holds its columns of every expert's gate/up
+projection and the matching rows of its down projection. With expert parallelism (`enable_expert_parallel`)
+a rank holds whole experts instead, a 1/tp share of them, and computes only the pairs routed to them. Either
+way each rank's output is a partial sum, all-reduced; the router is whole on every rank, so all of them route
+alike.
+
+Checkpoints name the experts one by one (`experts.N.w1/w2/w3` in Mixtral's, under `block_sparse_moe`;
+`experts.N.gate_proj/up_proj/down_proj` in Qwen3-MoE's) or stacked, as Transformers 5 holds them in memory
+(`experts.gate_up_proj` [experts, 2 x intermediate, hidden] and `experts.down_proj` [experts, hidden,
+intermediate]). A stacked gate/up tensor is read whole by a tensor-parallel rank without expert parallelism
+(its slice of gate rows and its slice of up rows are not one range), and cut here.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Iterator
+from itertools import accumulate
+
+import torch
+import torch.nn.functional as F
+from kvfleet.runtime.attention.backend import AttentionBackend
+from kvfleet.runtime.core.outputs import MoeLayerLoad
+from kvfleet.runtime.distributed.parallel import ParallelContext, shard_range
+from kvfleet.runtime.models.layers import Linear, SiluAndMul, copy_checkpoint_tensor
+from kvfleet.runtime.models.llama import LlamaForCausalLM
+from kvfleet.runtime.models.model_config import ModelConfig
+from kvfleet.runtime.models.moe_config import MoeConfig
+from torch import nn
+
+# model.layers.L.{mlp|block_sparse_moe}.experts. then N.<projection>.weight (one expert) or <stacked name>.
+_EXPERT_TENSOR = re.compile(
+    r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\."
+    r"(?:(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight|(gate_up_proj|down_proj))"
+)
+_PART = {"w1": "gate", "gate_proj": "gate", "w3": "up", "up_proj": "up", "w2": "down", "down_proj": "down"}
+_PARTS = ("gate", "up", "down")
+# What each kind of checkpoint tensor fills of an expert.
+_PARTS_OF = {"gate": ("gate",), "up": ("up",), "down": ("down",), "gate_up": ("gate", "up")}
+# torch._grouped_mm on the CPU takes these dtypes, with every row stride a multiple of 16 bytes.
+_GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16)
+
+
+class FusedMoE(nn.Module):
+    """A layer's experts, stacked: w13 [local experts, 2 x local intermediate, hidden] (gate rows, then up
+    rows) and w2 [local experts, hidden, local intermediate]."""
+
+    def __init__(self, config: ModelConfig, moe: MoeConfig, parallel: ParallelContext) -> None:
+        super().__init__()
+        self.num_experts = moe.num_experts
+        self.intermediate_size = moe.moe_intermediate_size
+        tp_size, tp_rank = parallel.tp_size, parallel.tp_rank
+        if parallel.enable_expert_parallel:
+            first, count = shard_range(moe.num_experts, tp_size, tp_rank)
+            self.intermediate_start, self.local_intermediate = 0, moe.moe_intermediate_size
+        else:
+            first, count = 0, moe.num_experts
+            self.intermediate_start, self.local_intermediate = shard_range(
+                moe.moe_intermediate_size, tp_size, tp_rank
+            )
+        self.local_experts = range(first, first + count)
+        hidden, width = config.hidden_size, self.local_intermediate
+        # Every element is overwritten by the checkpoint, which load_weights checks.
+        self.w13_weight = nn.Parameter(torch.empty(count, 2 * width, hidden))
+        self.w2_weight = nn.Parameter(torch.empty(count, hidden, width))
+        self.act_fn = SiluAndMul()
+
+    def forward(
+        self, hidden: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, sizes: list[int]
+    ) -> torch.Tensor:
+        """hidden [tokens, hidden]; weights and experts [tokens, top_k]; sizes: the pairs routed to each of
+        the model's experts. Returns this rank's part of the weighted sum over each token's experts."""
+        top_k = experts.shape[1]
+        first = self.local_experts.start
+        local_sizes = sizes[first : self.local_experts.stop]
+        start = sum(sizes[:first])
+        end = start + sum(local_sizes)
+        out = torch.zeros_like(hidden)
+        if start == end:
+            return out
+        # Stable: a token's pairs keep the order of its experts' indices.
+        pairs = experts.flatten().argsort(stable=True)[start:end]
+        rows = pairs // top_k
+        gate_up = grouped_linear(hidden.index_select(0, rows), self.w13_weight, local_sizes)
+        expert_out = grouped_linear(self.act_fn(gate_up), self.w2_weight, local_sizes)
+        scaled = (expert_out * weights.flatten()[pairs].unsqueeze(1)).to(hidden.dtype)
+        return out.index_add_(0, rows, scaled)
+
+    def load(self, part: str, expert: int | None, tensor: torch.Tensor, hf_name: str) -> list[int]:
+        """Copy one expert's gate, up or down projection, or the stacked gate_up or down of all experts
+        (expert None), as `MoeForCausalLM.checkpoint_slice` read it; returns the experts it filled."""
+        width = self.local_intermediate
+        if expert is not None:
+            local = expert - self.local_experts.start
+            if part == "down":
+                copy_checkpoint_tensor(self.w2_weight.data[local], tensor, hf_name)
+            else:
+                rows = self.w13_weight.data[local].narrow(0, 0 if part == "gate" else width, width)
+                copy_checkpoint_tensor(rows, tensor, hf_name)
+            return [expert]
+        if part == "down":
+            copy_checkpoint_tensor(self.w2_weight.data, tensor, hf_name)
+            return list(self.local_experts)
+        read = (len(self.local_experts), 2 * self.intermediate_size, self.w13_weight.shape[2])
+        if tuple(tensor.shape) != read:
+            raise ValueError(
+                f"checkpoint tensor {hf_name!r} has shape {tuple(tensor.shape)}, expected {read}"
+            )
+        # This rank's columns of gate, then of up.
+        for source_row, target_row in ((0, 0), (self.intermediate_size, width)):
+            target = self.w13_weight.data.narrow(1, target_row, width)
+            copy_checkpoint_tensor(
+                target, tensor.narrow(1, source_row + self.intermediate_start, width), hf_name
+            )
+        return list(self.local_experts)
+
+
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+    """x's rows in consecutive groups, sizes[e] rows for expert e, each group times weight[e] transposed
+    (weight [experts, out, in]): [rows, out]."""
+    if _grouped_mm_takes(x, weight):
+        offsets = torch.tensor(list(accumulate(sizes)), dtype=torch.int32)
+        return torch._grouped_mm(x, weight.transpose(1, 2), offs=offsets)
+    return torch.cat([F.linear(rows, expert) for rows, expert in zip(x.split(sizes), weight, strict=True)])
+
+
+def _grouped_mm_takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    if x.device.type != "cpu" or x.dtype not in _GROUPED_MM_DTYPES or not hasattr(torch, "_grouped_mm"):
+        return False
+    strides = (x.stride(0), weight.stride(0), weight.stride(1))
+    return x.is_contiguous() and all(stride * x.element_size() % 16 == 0 for stride in strides)
+
+
+class SparseMoeBlock(nn.Module):
+    """The router and the experts of one layer, in place of its MLP."""
+
+    def __init__(self, config: ModelConfig, moe: MoeConfig, parallel: ParallelContext) -> None:
+        super().__init__()
+        self.parallel = parallel
+        self.moe = moe
+        self.gate = Linear(config.hidden_size, moe.num_experts, bias=False)
+        self.experts = FusedMoE(config, moe, parallel)
+        # Token-expert pairs routed to each expert since the model was loaded (every rank counts them all).
+        self.register_buffer(
+            "expert_tokens", torch.zeros(moe.num_experts, dtype=torch.int64), persistent=False
+        )
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        moe = self.moe
+        probabilities = torch.softmax(self.gate(hidden), dim=-1, dtype=torch.float32)
+        weights, experts = probabilities.topk(moe.num_experts_per_tok, dim=-1)
+        if moe.norm_topk_prob:
+            weights /= weights.sum(dim=-1, keepdim=True)
+        if moe.routing_weights_in_activation_dtype:
+            weights = weights.to(hidden.dtype)
+        counts = torch.bincount(experts.flatten(), minlength=moe.num_experts)
+        self.expert_tokens += counts
+        return self.parallel.all_reduce(self.experts(hidden, weights, experts, counts.tolist()))
+
+
+class MoeForCausalLM(LlamaForCausalLM):
+    """Serves MixtralForCausalLM and Qwen3MoeForCausalLM."""
+
+    def __init__(self, config: ModelConfig, attention: AttentionBackend, max_position: int) -> None:
+        if config.moe is None:
+            raise ValueError(
+                f"{config.architecture} needs a mixture-of-experts config.json (model_type mixtral or "
+                f"qwen3_moe), got model_type {config.model_type!r}"
+            )
+        self.moe = config.moe
+        super().__init__(config, attention, max_position)
+
+    def make_mlp(self, layer: int) -> nn.Module:
+        if self.moe.sparse_layers[layer]:
+            return SparseMoeBlock(self.config, self.moe, self.parallel)
+        return super().make_mlp(layer)
+
+    def expert_load(self) -> list[MoeLayerLoad]:
+        """For each sparse layer this rank holds: the token-expert pairs routed, and to the busiest expert."""
+        blocks = {
+            self.first_layer + i: layer.mlp
+            for i, layer in enumerate(self.layers)
+            if isinstance(layer.mlp, SparseMoeBlock)
+        }
+        if not blocks:
+            return []
+        counts = torch.stack([block.expert_tokens for block in blocks.values()])
+        routed, busiest = counts.sum(dim=1).tolist(), counts.max(dim=1).values.tolist()
+        return [
+            MoeLayerLoad(layer, self.moe.num_experts, total, most)
+            for layer, total, most in zip(blocks, routed, busiest, strict=True)
+        ]
+
+    def checkpoint_slice(self, hf_name: str, shape: list[int]) -> tuple[slice, ...] | None:
+        match = _EXPERT_TENSOR.fullmatch(hf_name)
+        if match is None:
+            return super().checkpoint_slice(_router_name(hf_name), shape)
+        layer = int(match[1]) - self.first_layer
+        everything = tuple(slice(None) for _ in shape)
+        if not 0 <= layer < len(self.layers):
+            return None  # another stage's layer
+        experts = self._experts(int(match[1]))
+        if experts is None:
+            return everything  # a dense layer: load_weights refuses the tensor by name
+        local = experts.local_experts
+        columns = _range(experts.intermediate_start, experts.local_intermediate)
+        if match[2] is not None:
+            if int(match[2]) not in local:
+                return None
+            return (slice(None), columns) if _PART[match[3]] == "down" else (columns, slice(None))
+        own_experts = _range(local.start, len(local))
+        if match[4] == "down_proj":
+            return (own_experts, slice(None), columns)
+        return (own_experts, *everything[1:])
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """The dense model's loading, with the experts' tensors copied into their stacks on the way; raises
+        ValueError naming an expert's tensor that the checkpoint lacks."""
+        filled: set[tuple[int, int, str]] = set()
+
+        def dense_tensors() -> Iterator[tuple[str, torch.Tensor]]:
+            for hf_name, tensor in weights:
+                match = _EXPERT_TENSOR.fullmatch(hf_name)
+                if match is None:
+                    yield _router_name(hf_name), tensor
+                    continue
+                layer = int(match[1])
+                experts = self._experts(layer)
+                if experts is None:
+                    raise ValueError(
+                        f"checkpoint tensor {hf_name!r} has no place in {self.config.architecture}"
+                    )
+                expert = None if match[2] is None else int(match[2])
+                part = "gate_up" if match[4] == "gate_up_proj" else _PART[match[3] or match[4]]
+                for filled_expert in experts.load(part, expert, tensor, hf_name):
+                    filled.update((layer, filled_expert, p) for p in _PARTS_OF[part])
+
+        super().load_weights(dense_tensors())
+        missing = [
+            f"model.layers.{layer}.mlp.experts.{expert}.{part}_proj.weight"
+            for layer, experts in self._sparse_layers()
+            for expert in experts.local_experts
+            for part in _PARTS
+            if (layer, expert, part) not in filled
+        ]
+        if missing:
+            raise ValueError(
+                f"checkpoint is missing {len(missing)} expert tensors, e.g. {', '.join(missing[:4])}"
+            )
+
+    def _expected_checkpoint_names(self) -> list[str]:
+        """The dense model's, with each sparse layer's MLP tensors replaced by its router's (its experts are
+        checked by load_weights)."""
+        sparse = {layer for layer, _ in self._sparse_layers()}
+        names = [
+            name
+            for name in super()._expected_checkpoint_names()
+            if not (".mlp." in name and int(name.split(".")[2]) in sparse)
+        ]
+        return names + [f"model.layers.{layer}.mlp.gate.weight" for layer in sorted(sparse)]
+
+    def _sparse_layers(self) -> list[tuple[int, FusedMoE]]:
+        return [
+            (self.first_layer + i, layer.mlp.experts)
+            for i, layer in enumerate(self.layers)
+            if isinstance(layer.mlp, SparseMoeBlock)
+        ]
+
+    def _experts(self, layer: int) -> FusedMoE | None:
+        """The experts of a layer (numbered in the whole model) if this rank holds it and it is sparse."""
+        local = layer - self.first_layer
+        if not 0 <= local < len(self.layers):
+            return None
+        block = self.layers[local].mlp
+        return block.experts if isinstance(block, SparseMoeBlock) else None
+
+
+def _router_name(hf_name: str) -> str:
+    """Mixtral's checkpoints keep the router under block_sparse_moe, Transformers' model under mlp."""
+    return hf_name.replace(".block_sparse_moe.", ".mlp.")
+
+
+def _range(start: int, length: int) -> slice:
+    return slice(start, start + length)
