@@ -7,6 +7,7 @@ from typing import Any
 
 from kvfleet.runtime.core.host_kv_tier import TierCopies
 from kvfleet.runtime.kv_transfer.base import KVConnectorMetadata, KVConnectorOutput
+from kvfleet.runtime.models.moe_config import MoeLayerLoad
 from kvfleet.runtime.request import FinishReason, Request
 
 
@@ -96,17 +97,6 @@ class EngineCoreOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
-
-
-@dataclass(frozen=True)
-class MoeLayerLoad:
-    """A mixture-of-experts layer's routing since the model was loaded: token-expert pairs routed (a token
-    counts once for each of its top-k experts), and those of the busiest expert."""
-
-    layer: int
-    num_experts: int
-    routed_tokens: int
-    busiest_expert_tokens: int
 
 
 @dataclass

@@ -35,12 +35,13 @@ import torch
 import zmq
 from kvfleet.runtime.child_process import describe_exit, start_child
 from kvfleet.runtime.config import EngineConfig
-from kvfleet.runtime.core.outputs import ModelRunnerOutput, MoeLayerLoad, SchedulerOutput, SchedulerStats
+from kvfleet.runtime.core.outputs import ModelRunnerOutput, SchedulerOutput, SchedulerStats
 from kvfleet.runtime.distributed.parallel import check_devices, check_model_fits
 from kvfleet.runtime.executor.messages import StepDone, WorkerCommand, WorkerReady, WorkerSpec
 from kvfleet.runtime.lora.request import LoRARequest
 from kvfleet.runtime.models.loader import resolve_device
 from kvfleet.runtime.models.model_config import ModelConfig
+from kvfleet.runtime.models.moe_config import MoeLayerLoad
 from kvfleet.runtime.worker.model_runner import ModelRunner
 from kvfleet.runtime.worker.step_inputs import StepInputs
 from zmq.utils.monitor import recv_monitor_message

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvfleet.runtime.config import EngineConfig
-from kvfleet.runtime.core.outputs import MoeLayerLoad
+from kvfleet.runtime.models.moe_config import MoeLayerLoad
 
 
 @dataclass(frozen=True)

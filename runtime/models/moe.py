@@ -29,12 +29,11 @@ from itertools import accumulate
 import torch
 import torch.nn.functional as F
 from kvfleet.runtime.attention.backend import AttentionBackend
-from kvfleet.runtime.core.outputs import MoeLayerLoad
 from kvfleet.runtime.distributed.parallel import ParallelContext, shard_range
 from kvfleet.runtime.models.layers import Linear, SiluAndMul, copy_checkpoint_tensor
 from kvfleet.runtime.models.llama import LlamaForCausalLM
 from kvfleet.runtime.models.model_config import ModelConfig
-from kvfleet.runtime.models.moe_config import MoeConfig
+from kvfleet.runtime.models.moe_config import MoeConfig, MoeLayerLoad
 from torch import nn
 
 # model.layers.L.{mlp|block_sparse_moe}.experts. then N.<projection>.weight (one expert) or <stacked name>.

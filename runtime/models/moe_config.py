@@ -1,4 +1,5 @@
-"""The mixture-of-experts numbers of a Mixtral or Qwen3-MoE config.json, checked where they are read."""
+"""The mixture-of-experts numbers of a Mixtral or Qwen3-MoE config.json, checked where they are read, and the
+report of how a layer's router spread its tokens."""
 
 from __future__ import annotations
 
@@ -63,7 +64,7 @@ def moe_config(raw: dict[str, Any], num_layers: int, source: str) -> MoeConfig |
 def _qwen3_sparse_layers(raw: dict[str, Any], num_layers: int, source: str) -> tuple[bool, ...]:
     """Transformers' rule: a layer is sparse unless listed in mlp_only_layers, and only every
     decoder_sparse_step-th layer (counting from one) is."""
-    step = int(raw.get("decoder_sparse_step") or 1)
+    step = int(raw.get("decoder_sparse_step", 1))
     if step < 1:
         raise ValueError(f"{source}: decoder_sparse_step must be positive, got {step}")
     dense = raw.get("mlp_only_layers") or []
@@ -71,3 +72,14 @@ def _qwen3_sparse_layers(raw: dict[str, Any], num_layers: int, source: str) -> t
     if outside:
         raise ValueError(f"{source}: mlp_only_layers names layers {outside} outside [0, {num_layers})")
     return tuple(layer not in dense and (layer + 1) % step == 0 for layer in range(num_layers))
+
+
+@dataclass(frozen=True)
+class MoeLayerLoad:
+    """A mixture-of-experts layer's routing since the model was loaded: token-expert pairs routed (a token
+    counts once for each of its top-k experts), and those of the busiest expert."""
+
+    layer: int
+    num_experts: int
+    routed_tokens: int
+    busiest_expert_tokens: int

@@ -14,7 +14,7 @@ from kvfleet.runtime.attention.backend import AttentionBackend, AttentionMetadat
 from kvfleet.runtime.attention.selector import select_attention_backend
 from kvfleet.runtime.config import EngineConfig
 from kvfleet.runtime.core.host_kv_tier import TierCopies
-from kvfleet.runtime.core.outputs import ModelRunnerOutput, MoeLayerLoad, SchedulerOutput
+from kvfleet.runtime.core.outputs import ModelRunnerOutput, SchedulerOutput
 from kvfleet.runtime.distributed.parallel import local_kv_heads, parallel_context
 from kvfleet.runtime.kernels.fused_layers import Implementation, implementation_for
 from kvfleet.runtime.kv_transfer.base import KVConnectorWorker
@@ -22,6 +22,7 @@ from kvfleet.runtime.kv_transfer.factory import make_worker_connector
 from kvfleet.runtime.lora.manager import LoRAManager
 from kvfleet.runtime.models.loader import LoadStats, load_model, resolve_device, resolve_dtype
 from kvfleet.runtime.models.model_config import ModelConfig
+from kvfleet.runtime.models.moe_config import MoeLayerLoad
 from kvfleet.runtime.models.rope import LENGTH_DEPENDENT_ROPE_TYPES
 from kvfleet.runtime.worker.encoder_runner import EncoderRunner
 from kvfleet.runtime.worker.sampler import Sampler, SpeculativeBatch

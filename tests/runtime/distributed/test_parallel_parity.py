@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 from kvfleet.runtime import LLM, SamplingParams
-from kvfleet.runtime.core.outputs import MoeLayerLoad
 from kvfleet.runtime.executor.executor import MultiprocExecutor
 from kvfleet.runtime.models.model_config import ModelConfig
+from kvfleet.runtime.models.moe_config import MoeLayerLoad
 from ports import free_port
 from safetensors import safe_open
 

@@ -25,6 +25,8 @@ EXPECTED = {
     "mistral": ("MistralForCausalLM", "mistral"),
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+    "mixtral": ("MixtralForCausalLM", "mixtral"),
+    "qwen3-moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
 }
 TEXT = "Clouds drift over the harbour while the soup simmers, and the server answers 42 requests."
 
