@@ -69,6 +69,11 @@ class ModelRunner:
         self.config = config
         self.device = resolve_device(config.device)
         self.model_config = ModelConfig.from_folder(config.model)
+        if config.enable_lora and self.model_config.moe is not None:
+            raise ValueError(
+                f"enable_lora is not supported for {self.model_config.architecture}: adapters apply to dense "
+                "MLPs, and a mixture-of-experts layer has experts instead"
+            )
         self.dtype = resolve_dtype(config.dtype, self.model_config, self.device)
         self.block_size = config.block_size
         self.vocab_size = self.model_config.vocab_size

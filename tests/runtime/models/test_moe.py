@@ -13,10 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 from kvfleet.runtime import LLM, SamplingParams
+from kvfleet.runtime.config import EngineConfig
 from kvfleet.runtime.distributed.parallel import ParallelContext, check_model_fits, set_parallel_context
 from kvfleet.runtime.models.loader import LoadStats, iterate_weights
 from kvfleet.runtime.models.model_config import ModelConfig
 from kvfleet.runtime.models.moe import MoeForCausalLM, SparseMoeBlock, grouped_linear
+from kvfleet.runtime.worker.model_runner import ModelRunner
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeModel, Qwen3MoeSparseMoeBlock
@@ -196,6 +198,12 @@ def test_missing_expert_tensors_are_named(tiny_model: Callable[[str], Path], tmp
         ValueError, match=r"missing 1 expert tensors, e\.g\. model\.layers\.0\.mlp\.experts\.5\.up_proj"
     ):
         _load_shard(folder, ParallelContext())
+
+
+def test_lora_is_refused_with_the_reason(tiny_model: Callable[[str], Path]) -> None:
+    config = EngineConfig(model=str(tiny_model("mixtral")), enable_lora=True)
+    with pytest.raises(ValueError, match="enable_lora is not supported for MixtralForCausalLM"):
+        ModelRunner(config)
 
 
 @pytest.mark.parametrize(("in_features", "out_features"), [(64, 48), (64, 22), (30, 16)])
