@@ -4,8 +4,8 @@ replaced by a router and its experts.
 The router scores every expert (a softmax over its logits, in float32) and each token goes to its top-k,
 weighted by their probabilities (renormalised over the k where the model says so). The experts run grouped,
 not token by token: the token-expert pairs are sorted by expert, and each expert multiplies its rows in one
-matmul (one grouped matmul for all of them where torch has it), before a weighted scatter-add returns each
-row to its token, in expert order, as Transformers sums them.
+matmul (`GroupedLinear`: torch's grouped matmul on the CPU, a Triton grouped GEMM on CUDA), before a weighted
+scatter-add returns each row to its token, in expert order, as Transformers sums them.
 
 Tensor parallelism splits each expert like a dense MLP: a rank holds its columns of every expert's gate/up
 projection and the matching rows of its down projection. With expert parallelism (`enable_expert_parallel`)
@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from kvfleet.runtime.attention.backend import AttentionBackend
 from kvfleet.runtime.distributed.parallel import ParallelContext, shard_range
+from kvfleet.runtime.kernels.fused_layers import CustomOp
 from kvfleet.runtime.models.layers import Linear, SiluAndMul, copy_checkpoint_tensor
 from kvfleet.runtime.models.llama import LlamaForCausalLM
 from kvfleet.runtime.models.model_config import ModelConfig
@@ -45,8 +46,6 @@ _PART = {"w1": "gate", "gate_proj": "gate", "w3": "up", "up_proj": "up", "w2": "
 _PARTS = ("gate", "up", "down")
 # What each kind of checkpoint tensor fills of an expert.
 _PARTS_OF = {"gate": ("gate",), "up": ("up",), "down": ("down",), "gate_up": ("gate", "up")}
-# torch._grouped_mm on the CPU takes these dtypes, with every row stride a multiple of 16 bytes.
-_GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16)
 
 
 class FusedMoE(nn.Module):
@@ -72,6 +71,7 @@ class FusedMoE(nn.Module):
         self.w13_weight = nn.Parameter(torch.empty(count, 2 * width, hidden))
         self.w2_weight = nn.Parameter(torch.empty(count, hidden, width))
         self.act_fn = SiluAndMul()
+        self.grouped_linear = GroupedLinear()
 
     def forward(
         self, hidden: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, sizes: list[int]
@@ -89,8 +89,8 @@ class FusedMoE(nn.Module):
         # Stable: a token's pairs keep the order of its experts' indices.
         pairs = experts.flatten().argsort(stable=True)[start:end]
         rows = pairs // top_k
-        gate_up = grouped_linear(hidden.index_select(0, rows), self.w13_weight, local_sizes)
-        expert_out = grouped_linear(self.act_fn(gate_up), self.w2_weight, local_sizes)
+        gate_up = self.grouped_linear(hidden.index_select(0, rows), self.w13_weight, local_sizes)
+        expert_out = self.grouped_linear(self.act_fn(gate_up), self.w2_weight, local_sizes)
         scaled = (expert_out * weights.flatten()[pairs].unsqueeze(1)).to(hidden.dtype)
         return out.index_add_(0, rows, scaled)
 
@@ -123,20 +123,28 @@ class FusedMoE(nn.Module):
         return list(self.local_experts)
 
 
-def grouped_linear(x: torch.Tensor, weight: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+class GroupedLinear(CustomOp):
     """x's rows in consecutive groups, sizes[e] rows for expert e, each group times weight[e] transposed
-    (weight [experts, out, in]): [rows, out]."""
-    if _grouped_mm_takes(x, weight):
+    (weight [experts, out, in]) -> [rows, out]: one torch._grouped_mm call for float32 on the CPU where the
+    row strides allow it (multiples of 16 bytes), Triton's grouped GEMM on CUDA, a matmul per expert
+    otherwise."""
+
+    def forward_native(self, x: torch.Tensor, weight: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+        return torch.cat(
+            [F.linear(rows, expert) for rows, expert in zip(x.split(sizes), weight, strict=True)]
+        )
+
+    def forward_cpu(self, x: torch.Tensor, weight: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+        strides = (x.stride(0), weight.stride(0), weight.stride(1))
+        if not (x.is_contiguous() and all(stride * x.element_size() % 16 == 0 for stride in strides)):
+            return self.forward_native(x, weight, sizes)
         offsets = torch.tensor(list(accumulate(sizes)), dtype=torch.int32)
         return torch._grouped_mm(x, weight.transpose(1, 2), offs=offsets)
-    return torch.cat([F.linear(rows, expert) for rows, expert in zip(x.split(sizes), weight, strict=True)])
 
+    def forward_cuda(self, x: torch.Tensor, weight: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+        from kvfleet.runtime.kernels.grouped_gemm import grouped_gemm
 
-def _grouped_mm_takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    if x.device.type != "cpu" or x.dtype not in _GROUPED_MM_DTYPES or not hasattr(torch, "_grouped_mm"):
-        return False
-    strides = (x.stride(0), weight.stride(0), weight.stride(1))
-    return x.is_contiguous() and all(stride * x.element_size() % 16 == 0 for stride in strides)
+        return grouped_gemm(x, weight, sizes)
 
 
 class SparseMoeBlock(nn.Module):

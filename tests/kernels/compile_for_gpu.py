@@ -23,6 +23,7 @@ import torch
 import triton
 from kvfleet.runtime.kernels import (
     activation,
+    grouped_gemm,
     kv_cache_write,
     lora,
     paged_attention,
@@ -42,6 +43,7 @@ KERNELS = {
     rotary: ["_rotary_kernel"],
     activation: ["_silu_and_mul_kernel"],
     lora: ["_lora_shrink_kernel", "_lora_expand_kernel"],
+    grouped_gemm: ["_grouped_gemm_kernel"],
 }
 
 
@@ -174,6 +176,22 @@ def launches_to_compile() -> list[tuple[str, Callable[[], Any]]]:
         ("rms norm bf16", lambda: rms_norm.rms_norm(hidden, weight, 1e-5)),
         ("rotary bf16", lambda: rotary.rotary_embedding_(torch.arange(8), query, key, torch.randn(64, 128))),
         ("silu and mul bf16", lambda: activation.silu_and_mul(torch.randn(8, 2 * 14336, dtype=bf16))),
+    ]
+    # Qwen3-30B-A3B's experts (hidden 2048, expert width 768), four of its 128: a decode step's few rows per
+    # expert through gate/up, a prefill chunk's many through down.
+    calls += [
+        (
+            "grouped gemm gate/up decode bf16",
+            lambda: grouped_gemm.grouped_gemm(
+                torch.randn(8, 2048, dtype=bf16), torch.randn(4, 1536, 2048, dtype=bf16), [3, 1, 0, 4]
+            ),
+        ),
+        (
+            "grouped gemm down prefill bf16",
+            lambda: grouped_gemm.grouped_gemm(
+                torch.randn(512, 768, dtype=bf16), torch.randn(4, 2048, 768, dtype=bf16), [300, 200, 12, 0]
+            ),
+        ),
     ]
     calls += [
         (f"lora {label} bf16 rank 16", lora_call(token_slots, split_k))

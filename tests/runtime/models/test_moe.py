@@ -17,7 +17,7 @@ from kvfleet.runtime.config import EngineConfig
 from kvfleet.runtime.distributed.parallel import ParallelContext, check_model_fits, set_parallel_context
 from kvfleet.runtime.models.loader import LoadStats, iterate_weights
 from kvfleet.runtime.models.model_config import ModelConfig
-from kvfleet.runtime.models.moe import MoeForCausalLM, SparseMoeBlock, grouped_linear
+from kvfleet.runtime.models.moe import GroupedLinear, MoeForCausalLM, SparseMoeBlock
 from kvfleet.runtime.worker.model_runner import ModelRunner
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, Qwen3MoeConfig
@@ -208,7 +208,7 @@ def test_lora_is_refused_with_the_reason(tiny_model: Callable[[str], Path]) -> N
 
 @pytest.mark.parametrize(("in_features", "out_features"), [(64, 48), (64, 22), (30, 16)])
 def test_grouped_linear_is_a_matmul_per_expert(in_features: int, out_features: int) -> None:
-    """With row strides the grouped matmul takes (multiples of 16 bytes) and without; empty groups too."""
+    """The grouped matmul (row strides of multiples of 16 bytes) and the fallback (others); empty groups."""
     generator = torch.Generator().manual_seed(0)
     sizes = [3, 0, 5, 1]
     x = torch.randn(sum(sizes), in_features, generator=generator)
@@ -216,7 +216,9 @@ def test_grouped_linear_is_a_matmul_per_expert(in_features: int, out_features: i
     expected = torch.cat(
         [rows.double() @ w.double().T for rows, w in zip(x.split(sizes), weight, strict=True)]
     )
-    torch.testing.assert_close(grouped_linear(x, weight, sizes).double(), expected, atol=1e-4, rtol=1e-5)
+    layer = GroupedLinear()
+    for implementation in (layer.forward_cpu, layer.forward_native):
+        torch.testing.assert_close(implementation(x, weight, sizes).double(), expected, atol=1e-4, rtol=1e-5)
 
 
 def _routed_counts(
