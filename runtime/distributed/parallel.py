@@ -132,13 +132,14 @@ def check_model_fits(
             f"tensor_parallel_size {tp_size} neither divides the model's {kv_heads} key/value heads nor is a "
             f"multiple of them (to replicate each on {tp_size} / {kv_heads} ranks)"
         )
-    if intermediate % tp_size:
+    moe = model_config.moe
+    has_dense_mlp = moe is None or not all(moe.sparse_layers)
+    if has_dense_mlp and intermediate % tp_size:
         raise ValueError(
             f"tensor_parallel_size {tp_size} does not divide the model's intermediate size {intermediate}"
         )
     if layers % pp_size:
         raise ValueError(f"pipeline_parallel_size {pp_size} does not divide the model's {layers} layers")
-    moe = model_config.moe
     if moe is None:
         return
     if enable_expert_parallel and moe.num_experts % tp_size:

@@ -86,7 +86,8 @@ class FusedMoE(nn.Module):
         out = torch.zeros_like(hidden)
         if start == end:
             return out
-        # Stable: a token's pairs keep the order of its experts' indices.
+        # The pairs by expert, stably (each expert's in token order): index_add_ then sums a token's experts
+        # in the order of their indices, as Transformers does.
         pairs = experts.flatten().argsort(stable=True)[start:end]
         rows = pairs // top_k
         gate_up = self.grouped_linear(hidden.index_select(0, rows), self.w13_weight, local_sizes)

@@ -95,6 +95,11 @@ def test_splits_that_do_not_fit_the_experts_are_refused() -> None:
         check_model_fits(config, 4, 1, enable_expert_parallel=True)
     with pytest.raises(ValueError, match="does not divide the experts' intermediate size 30"):
         check_model_fits(config, 4, 1)
+    # The dense MLP's width matters only where a layer keeps one.
+    all_sparse = {**QWEN3_MOE, "intermediate_size": 30, "num_experts": 8}
+    check_model_fits(ModelConfig.from_dict(all_sparse), 4, 1, enable_expert_parallel=True)
+    with pytest.raises(ValueError, match="the model's intermediate size 30"):
+        check_model_fits(ModelConfig.from_dict({**all_sparse, "mlp_only_layers": [0]}), 4, 1)
 
 
 def _stacked_copy(folder: Path, destination: Path) -> Path:
