@@ -1,6 +1,7 @@
 """Mixture-of-experts models: their configs as Transformers reads them, bad ones refused naming the field; the
-experts' checkpoint layouts and each rank's share of them; the grouped matmul; and the routing counted as
-Transformers routes."""
+experts' checkpoint layouts and each rank's share of them (tensor- and expert-parallel, both ranks run here:
+the multi-process engine is checked with expert parallelism in test_parallel_parity.py); the grouped matmul;
+and the routing counted as Transformers routes."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from kvfleet.runtime.config import EngineConfig
 from kvfleet.runtime.distributed.parallel import ParallelContext, check_model_fits, set_parallel_context
 from kvfleet.runtime.models.loader import LoadStats, iterate_weights
 from kvfleet.runtime.models.model_config import ModelConfig
-from kvfleet.runtime.models.moe import GroupedLinear, MoeForCausalLM, SparseMoeBlock
+from kvfleet.runtime.models.moe import FusedMoE, GroupedLinear, MoeForCausalLM, SparseMoeBlock
 from kvfleet.runtime.worker.model_runner import ModelRunner
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, Qwen3MoeConfig
@@ -172,25 +173,41 @@ def _expected_shard(folder: Path, layer: int, parallel: ParallelContext) -> tupl
     return w13, w2
 
 
+def _experts_of(model: MoeForCausalLM) -> FusedMoE:
+    block = model.layers[0].mlp
+    assert isinstance(block, SparseMoeBlock)
+    return block.experts
+
+
 @pytest.mark.parametrize("arch", MOE_ARCHS)
-def test_each_rank_reads_its_experts_from_either_layout(
+def test_each_rank_reads_its_experts_from_either_layout_and_their_parts_sum_to_the_whole(
     arch: str, tiny_model: Callable[[str], Path], tmp_path: Path
 ) -> None:
+    """Both ranks of each split, in one process: each holds its cut of the per-expert checkpoint, read from
+    either layout, and the two ranks' outputs (which the ranks all-reduce) add up to one rank's."""
     per_expert = tiny_model(arch)
     stacked = _stacked_copy(per_expert, tmp_path / "stacked")
-    for parallel in (
-        ParallelContext(),
-        ParallelContext(tp_size=2, rank=1),
-        ParallelContext(tp_size=2, rank=0, enable_expert_parallel=True),
-        ParallelContext(tp_size=2, rank=1, enable_expert_parallel=True),
-    ):
-        for folder in (per_expert, stacked):
-            model = _load_shard(folder, parallel)
-            block = model.layers[0].mlp
-            assert isinstance(block, SparseMoeBlock)
-            w13, w2 = _expected_shard(per_expert, 0, parallel)
-            assert torch.equal(block.experts.w13_weight, w13), (parallel, folder.name)
-            assert torch.equal(block.experts.w2_weight, w2), (parallel, folder.name)
+    whole = _experts_of(_load_shard(per_expert, ParallelContext()))
+    generator = torch.Generator().manual_seed(2)
+    hidden = torch.randn(7, whole.w13_weight.shape[2], generator=generator)
+    chosen = torch.stack([torch.randperm(whole.num_experts, generator=generator)[:2] for _ in range(7)])
+    weights = torch.rand(7, 2, generator=generator)
+    sizes = torch.bincount(chosen.flatten(), minlength=whole.num_experts).tolist()
+    with torch.inference_mode():
+        expected = whole(hidden, weights, chosen, sizes)
+        for expert_parallel in (False, True):
+            ranks = [
+                ParallelContext(tp_size=2, rank=r, enable_expert_parallel=expert_parallel) for r in (0, 1)
+            ]
+            for folder in (per_expert, stacked):
+                summed = torch.zeros_like(hidden)
+                for parallel in ranks:
+                    experts = _experts_of(_load_shard(folder, parallel))
+                    w13, w2 = _expected_shard(per_expert, 0, parallel)
+                    assert torch.equal(experts.w13_weight, w13), (parallel, folder.name)
+                    assert torch.equal(experts.w2_weight, w2), (parallel, folder.name)
+                    summed += experts(hidden, weights, chosen, sizes)
+                torch.testing.assert_close(summed, expected, atol=1e-5, rtol=1e-5)
 
 
 def test_missing_expert_tensors_are_named(tiny_model: Callable[[str], Path], tmp_path: Path) -> None:
