@@ -59,10 +59,10 @@ def make_model(
 
     max_position_embeddings and rope_parameters (Transformers' `rope_parameters`, rope_theta included)
     replace the preset's and the architecture's, e.g. to make a model with another RoPE scaling.
-    sliding_window gives Mistral a window on every layer, and Qwen one on the layers from
-    max_window_layers on (Llama has none). train_steps then trains the weights on the tokenizer's corpus:
-    to predict its next tokens, or, given a teacher model folder of the same tokenizer, to predict the
-    teacher's next-token distributions (knowledge distillation, as draft models are made)."""
+    sliding_window gives Mistral, Mixtral and Qwen3-MoE a window on every layer, and Qwen2/3 one on the
+    layers from max_window_layers on (Llama has none). train_steps then trains the weights on the
+    tokenizer's corpus: to predict its next tokens, or, given a teacher model folder of the same tokenizer,
+    to predict the teacher's next-token distributions (knowledge distillation, as draft models are made)."""
     if arch not in ARCHITECTURES:
         raise ValueError(f"unknown arch {arch!r}; choose from {', '.join(ARCHITECTURES)}")
     if preset not in PRESETS:
