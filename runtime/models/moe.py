@@ -4,8 +4,8 @@ replaced by a router and its experts.
 The router scores every expert (a softmax over its logits, in float32) and each token goes to its top-k,
 weighted by their probabilities (renormalised over the k where the model says so). The experts run grouped,
 not token by token: the token-expert pairs are sorted by expert, and each expert multiplies its rows in one
-matmul (`GroupedLinear`: torch's grouped matmul on the CPU, a Triton grouped GEMM on CUDA), before a weighted
-scatter-add returns each row to its token, in expert order, as Transformers sums them.
+matmul (`GroupedLinear`: torch's grouped matmul on the CPU, a Triton grouped GEMM on CUDA); then each pair's
+output, weighted, is put back in its place among its token's k, and each token's k are summed.
 
 Tensor parallelism splits each expert like a dense MLP: a rank holds its columns of every expert's gate/up
 projection and the matching rows of its down projection. With expert parallelism (`enable_expert_parallel`)
@@ -78,22 +78,23 @@ class FusedMoE(nn.Module):
     ) -> torch.Tensor:
         """hidden [tokens, hidden]; weights and experts [tokens, top_k]; sizes: the pairs routed to each of
         the model's experts. Returns this rank's part of the weighted sum over each token's experts."""
-        top_k = experts.shape[1]
+        num_tokens, top_k = experts.shape
         first = self.local_experts.start
         local_sizes = sizes[first : self.local_experts.stop]
         start = sum(sizes[:first])
         end = start + sum(local_sizes)
-        out = torch.zeros_like(hidden)
-        if start == end:
-            return out
-        # The pairs by expert, stably (each expert's in token order): index_add_ then sums a token's experts
-        # in the order of their indices, as Transformers does.
-        pairs = experts.flatten().argsort(stable=True)[start:end]
-        rows = pairs // top_k
-        gate_up = self.grouped_linear(hidden.index_select(0, rows), self.w13_weight, local_sizes)
-        expert_out = self.grouped_linear(self.act_fn(gate_up), self.w2_weight, local_sizes)
-        scaled = (expert_out * weights.flatten()[pairs].unsqueeze(1)).to(hidden.dtype)
-        return out.index_add_(0, rows, scaled)
+        # Each pair's output in its place among its token's top_k (zeros where another rank's expert has it),
+        # then summed per token. Not index_add_: on the CPU its kernel stalled for milliseconds when the
+        # cores were busy with other processes, where a copy and a sum did not.
+        by_pair = hidden.new_zeros(num_tokens * top_k, hidden.shape[1])
+        if start < end:
+            pairs = experts.flatten().argsort()[start:end]  # the pairs of this rank's experts, by expert
+            rows = pairs // top_k
+            gate_up = self.grouped_linear(hidden.index_select(0, rows), self.w13_weight, local_sizes)
+            expert_out = self.grouped_linear(self.act_fn(gate_up), self.w2_weight, local_sizes)
+            scaled = expert_out * weights.flatten()[pairs].unsqueeze(1)
+            by_pair.index_copy_(0, pairs, scaled.to(hidden.dtype))
+        return by_pair.view(num_tokens, top_k, -1).sum(dim=1)
 
     def load(self, part: str, expert: int | None, tensor: torch.Tensor, hf_name: str) -> list[int]:
         """Copy one expert's gate, up or down projection, or the stacked gate_up or down of all experts
@@ -201,11 +202,11 @@ class MoeForCausalLM(LlamaForCausalLM):
         }
         if not blocks:
             return []
-        counts = torch.stack([block.expert_tokens for block in blocks.values()])
-        routed, busiest = counts.sum(dim=1).tolist(), counts.max(dim=1).values.tolist()
+        # Summed in Python, once a step: torch's reductions of a few numbers cost more on busy cores.
+        counts = torch.stack([block.expert_tokens for block in blocks.values()]).tolist()
         return [
-            MoeLayerLoad(layer, self.moe.num_experts, total, most)
-            for layer, total, most in zip(blocks, routed, busiest, strict=True)
+            MoeLayerLoad(layer, self.moe.num_experts, sum(per_expert), max(per_expert))
+            for layer, per_expert in zip(blocks, counts, strict=True)
         ]
 
     def checkpoint_slice(self, hf_name: str, shape: list[int]) -> tuple[slice, ...] | None:
