@@ -86,6 +86,13 @@ def serving_selector(name: str, spec: InferenceServiceSpec) -> dict[str, str]:
     return {**selector_labels(name), rank_label: "0"}
 
 
+def replica_selector(name: str, spec: InferenceServiceSpec | None) -> str:
+    """The label selector of the scale subresource, one pod per replica (the serving pods), in its string
+    form; every pod of the service while its spec cannot be read."""
+    labels = serving_selector(name, spec) if spec is not None else selector_labels(name)
+    return ",".join(f"{key}={value}" for key, value in labels.items())
+
+
 def common_labels(owner: Owner, spec: InferenceServiceSpec) -> dict[str, str]:
     return {
         LABEL_NAME: "kvfleet",
