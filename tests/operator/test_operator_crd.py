@@ -446,7 +446,7 @@ def test_a_field_without_a_description_is_refused() -> None:
         described: int = prop("A described property.", 1)
         bare: int = 2
 
-    with pytest.raises(TypeError, match="Undeclared.bare"):
+    with pytest.raises(TypeError, match=r"Undeclared\.bare"):
         dataclass_schema(Undeclared, "A model with an undeclared field.")
     with pytest.raises(ValueError, match="description"):
         prop(" ", 1)
