@@ -60,6 +60,13 @@ logger = logging.getLogger(__name__)
     help="Image of the runtime pods when a resource names none.  [default: kvfleet/runtime:0.1.0]",
 )
 @click.option("--cluster-domain", envvar="KVFLEET_CLUSTER_DOMAIN", default="cluster.local", show_default=True)
+@click.option(
+    "--priority-class-prefix",
+    envvar="KVFLEET_PRIORITY_CLASS_PREFIX",
+    default="kvfleet",
+    show_default=True,
+    help="The SLA tiers' PriorityClasses are <prefix>-<tier>: the chart sets its release's name.",
+)
 @credential_options
 @click.option(
     "--api-concurrency",
@@ -102,6 +109,7 @@ def operator_command(
     bind: str,
     runtime_image: str | None,
     cluster_domain: str,
+    priority_class_prefix: str,
     kubeconfig: str | None,
     kube_context: str | None,
     api_concurrency: int,
@@ -125,6 +133,7 @@ def operator_command(
         api_concurrency=api_concurrency,
         runtime_image=runtime_image,
         cluster_domain=cluster_domain,
+        priority_class_prefix=priority_class_prefix,
         scrape_timeout=scrape_timeout,
         scrape_max_bytes=scrape_max_bytes,
         safety_defaults=safety_defaults,
@@ -165,6 +174,7 @@ def _operator_context(
     api_concurrency: int,
     runtime_image: str | None,
     cluster_domain: str,
+    priority_class_prefix: str,
     scrape_timeout: float,
     scrape_max_bytes: int | None,
     safety_defaults: str,
@@ -183,7 +193,10 @@ def _operator_context(
     except ValueError as error:
         raise click.BadParameter(str(error), param_hint="--safety-defaults/--safety-allow-loosen") from None
     options = RenderOptions(
-        runtime_image=runtime_image or DEFAULT_RUNTIME_IMAGE, cluster_domain=cluster_domain, safety=safety
+        runtime_image=runtime_image or DEFAULT_RUNTIME_IMAGE,
+        cluster_domain=cluster_domain,
+        priority_class_prefix=priority_class_prefix,
+        safety=safety,
     )
     return OperatorContext(
         kube=kube,

@@ -41,6 +41,7 @@ from kvfleet.operator.render_pod import (
 )
 from kvfleet.operator.safety import SafetyPlatform, safety_config
 from kvfleet.operator.spec import InferenceServiceSpec, group_name, rendezvous_name, role_name
+from kvfleet.operator.tiers import DEFAULT_PRIORITY_CLASS_PREFIX
 
 DEFAULT_RUNTIME_IMAGE = "kvfleet/runtime:0.1.0"
 LWS_API_VERSION = "leaderworkerset.x-k8s.io/v1"
@@ -58,6 +59,8 @@ class RenderOptions:
     runtime_image: str = DEFAULT_RUNTIME_IMAGE
     cluster_domain: str = "cluster.local"
     service_monitor: bool = False
+    # The chart release's name, which prefixes its tiers' PriorityClasses.
+    priority_class_prefix: str = DEFAULT_PRIORITY_CLASS_PREFIX
     # The platform's safety defaults and what services may loosen (chart values safety.*).
     safety: SafetyPlatform = field(default_factory=SafetyPlatform)
 
@@ -291,7 +294,9 @@ def _pod_template(
 ) -> dict[str, Any]:
     image = spec.engine.image or options.runtime_image
     safety = safety_config(options.safety, spec.safety, owner.namespace, options.cluster_domain)
-    return pod_template(spec, labels, image, owner.name, safety, group, role)
+    return pod_template(
+        spec, labels, image, owner.name, safety, group, role, options.priority_class_prefix
+    )
 
 
 def render_batch_claim(owner: Owner, spec: InferenceServiceSpec) -> dict[str, Any]:

@@ -52,8 +52,31 @@ def test_priority_classes_match_the_tiers() -> None:
     for name, tier in TIERS.items():
         assert tiers[name]["value"] == tier.priority_value
         assert tiers[name]["preemptionPolicy"] == ("PreemptLowerPriority" if tier.preempts else "Never")
-        assert tier.priority_class == f"kvfleet-{name}"
-    assert "kvfleet-{{ $tier }}" in (CHART / "templates" / "priorityclasses.yaml").read_text()
+
+
+@pytest.mark.parametrize(
+    ("settings", "prefix"),
+    [(["team-a"], "team-a"), (["staging", "--set", "priorityClasses.namePrefix=shared"], "shared")],
+    ids=["release", "namePrefix"],
+)
+def test_priority_classes_are_the_releases_and_the_operator_uses_them(
+    helm: Path, settings: list[str], prefix: str
+) -> None:
+    release, *more = settings
+    out = run_helm(helm, "template", release, str(CHART), "-n", "ops", *more)
+    docs = [d for d in yaml.safe_load_all(out) if d]
+    classes = {d["metadata"]["name"] for d in docs if d["kind"] == "PriorityClass"}
+    assert classes == {f"{prefix}-{tier}" for tier in TIERS}
+    operator = next(
+        d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == f"{release}-kvfleet"
+    )
+    env = {e["name"]: e.get("value") for e in operator["spec"]["template"]["spec"]["containers"][0]["env"]}
+    options = RenderOptions(priority_class_prefix=env["KVFLEET_PRIORITY_CLASS_PREFIX"])
+    for tier in TIERS:
+        spec = parse_spec({"model": {"uri": "hf://org/model"}, "sla": {"tier": tier}}, name="m")
+        children = render_children(Owner("m", "team", "uid"), spec, 1, options)
+        (deployment,) = [child for child in children if child["kind"] == "Deployment"]
+        assert deployment["spec"]["template"]["spec"]["priorityClassName"] in classes
 
 
 @pytest.mark.parametrize("template", TEMPLATES, ids=[t.name for t in TEMPLATES])
@@ -367,7 +390,7 @@ POLICY_CASES: list[tuple[str, str, dict[str, Any], str | None]] = [
         "critical elsewhere",
         "team-a",
         {"sla": {"tier": "critical"}},
-        "spec.sla.tier: the critical tier (PriorityClass kvfleet-critical) may not be claimed in namespace"
+        "spec.sla.tier: the critical tier (PriorityClass kv-critical) may not be claimed in namespace"
         " team-a; allowed only in: serving-prod",
     ),
     ("an allowed image", "team-a", {"engine": {"image": "registry.example.com/kvfleet/runtime:1"}}, None),

@@ -21,6 +21,11 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 app.kubernetes.io/component: operator
 {{- end -}}
 
+{{/* The tiers' PriorityClasses are <prefix>-<tier>: the release's name unless priorityClasses.namePrefix is set. */}}
+{{- define "kvfleet.priorityClassPrefix" -}}
+{{- .Values.priorityClasses.namePrefix | default .Release.Name -}}
+{{- end -}}
+
 {{- define "kvfleet.serviceAccountName" -}}
 {{- if .Values.serviceAccount.create -}}
 {{- default (include "kvfleet.fullname" .) .Values.serviceAccount.name -}}
