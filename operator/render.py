@@ -294,9 +294,7 @@ def _pod_template(
 ) -> dict[str, Any]:
     image = spec.engine.image or options.runtime_image
     safety = safety_config(options.safety, spec.safety, owner.namespace, options.cluster_domain)
-    return pod_template(
-        spec, labels, image, owner.name, safety, group, role, options.priority_class_prefix
-    )
+    return pod_template(spec, labels, image, owner.name, safety, group, role, options.priority_class_prefix)
 
 
 def render_batch_claim(owner: Owner, spec: InferenceServiceSpec) -> dict[str, Any]:
