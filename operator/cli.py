@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import random
 from typing import TYPE_CHECKING
@@ -67,6 +68,14 @@ logger = logging.getLogger(__name__)
     show_default=True,
     help="The SLA tiers' PriorityClasses are <prefix>-<tier>: the chart sets its release's name.",
 )
+@click.option(
+    "--service-monitor-labels",
+    envvar="KVFLEET_SERVICE_MONITOR_LABELS",
+    default="{}",
+    show_default=True,
+    help="Labels (a JSON object) of the ServiceMonitor made for each service where prometheus-operator is "
+    "installed: what the cluster's Prometheus selects ServiceMonitors by.",
+)
 @credential_options
 @click.option(
     "--api-concurrency",
@@ -110,6 +119,7 @@ def operator_command(
     runtime_image: str | None,
     cluster_domain: str,
     priority_class_prefix: str,
+    service_monitor_labels: str,
     kubeconfig: str | None,
     kube_context: str | None,
     api_concurrency: int,
@@ -134,6 +144,7 @@ def operator_command(
         runtime_image=runtime_image,
         cluster_domain=cluster_domain,
         priority_class_prefix=priority_class_prefix,
+        service_monitor_labels=service_monitor_labels,
         scrape_timeout=scrape_timeout,
         scrape_max_bytes=scrape_max_bytes,
         safety_defaults=safety_defaults,
@@ -175,6 +186,7 @@ def _operator_context(
     runtime_image: str | None,
     cluster_domain: str,
     priority_class_prefix: str,
+    service_monitor_labels: str,
     scrape_timeout: float,
     scrape_max_bytes: int | None,
     safety_defaults: str,
@@ -196,6 +208,7 @@ def _operator_context(
         runtime_image=runtime_image or DEFAULT_RUNTIME_IMAGE,
         cluster_domain=cluster_domain,
         priority_class_prefix=priority_class_prefix,
+        service_monitor_labels=_labels(service_monitor_labels),
         safety=safety,
     )
     return OperatorContext(
@@ -205,6 +218,16 @@ def _operator_context(
         scrape_max_page_bytes=DEFAULT_MAX_PAGE_BYTES if scrape_max_bytes is None else scrape_max_bytes,
         api_concurrency=api_concurrency,
     )
+
+
+def _labels(text: str) -> dict[str, str]:
+    try:
+        labels = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise click.BadParameter(str(error), param_hint="--service-monitor-labels") from None
+    if not isinstance(labels, dict) or not all(isinstance(v, str) for v in labels.values()):
+        raise click.BadParameter("a JSON object of strings", param_hint="--service-monitor-labels")
+    return labels
 
 
 def _ensure_peering(kube: KubeApi, namespaces: tuple[str, ...], peering_name: str) -> None:

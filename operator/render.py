@@ -59,6 +59,8 @@ class RenderOptions:
     runtime_image: str = DEFAULT_RUNTIME_IMAGE
     cluster_domain: str = "cluster.local"
     service_monitor: bool = False
+    # What the cluster's Prometheus selects ServiceMonitors by (chart value metrics.serviceMonitor.labels).
+    service_monitor_labels: Mapping[str, str] = field(default_factory=dict)
     # The chart release's name, which prefixes its tiers' PriorityClasses.
     priority_class_prefix: str = DEFAULT_PRIORITY_CLASS_PREFIX
     # The platform's safety defaults and what services may loosen (chart values safety.*).
@@ -129,7 +131,7 @@ def render_children(
     if spec.batch is not None and spec.batch.storage == "PersistentVolumeClaim":
         children.insert(0, render_batch_claim(owner, spec))
     if options.service_monitor:
-        children.append(render_service_monitor(owner, spec))
+        children.append(render_service_monitor(owner, spec, options.service_monitor_labels))
     return children
 
 
@@ -347,11 +349,15 @@ def render_disruption_budget(owner: Owner, spec: InferenceServiceSpec) -> dict[s
     }
 
 
-def render_service_monitor(owner: Owner, spec: InferenceServiceSpec) -> dict[str, Any]:
+def render_service_monitor(
+    owner: Owner, spec: InferenceServiceSpec, extra_labels: Mapping[str, str]
+) -> dict[str, Any]:
+    """`extra_labels`: what the cluster's Prometheus selects ServiceMonitors by; the service's own labels win
+    where they meet."""
     return {
         "apiVersion": "monitoring.coreos.com/v1",
         "kind": "ServiceMonitor",
-        "metadata": _metadata(owner, common_labels(owner, spec)),
+        "metadata": _metadata(owner, {**extra_labels, **common_labels(owner, spec)}),
         "spec": {
             "selector": {"matchLabels": selector_labels(owner.name)},
             "endpoints": [{"port": HTTP_PORT_NAME, "path": "/metrics", "interval": "15s"}],

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 from pathlib import Path
@@ -745,3 +746,99 @@ def test_the_gateway_reads_api_keys_only_in_the_namespaces_it_is_given(helm: Pat
 
 def test_the_gateway_is_off_by_default(helm: Path) -> None:
     assert gateway_objects(render(helm)) == []
+
+
+def _value_paths(node: Any, schema: dict[str, Any], path: str = "") -> list[str]:
+    """Every value of values.yaml, by its dotted path: down to the objects whose keys the chart fixes (the
+    schema lists their properties); a map the user fills (labels, tiers, resources) is one value."""
+    if isinstance(node, dict) and "properties" in schema:
+        paths = []
+        for key, value in node.items():
+            assert key in schema["properties"], f"values.schema.json has no {path}{key}"
+            paths += _value_paths(value, schema["properties"][key], f"{path}{key}.")
+        return paths
+    return [path.rstrip(".")]
+
+
+def test_the_readme_lists_every_value_and_no_other() -> None:
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    paths = _value_paths(values(), schema)
+    assert len(paths) > 60
+    listed = re.findall(r"^\| `([A-Za-z0-9_.]+)` \|", (CHART / "README.md").read_text(), re.MULTILINE)
+    assert sorted(set(paths) - set(listed)) == [], "values missing from charts/kvfleet/README.md"
+    assert sorted(set(listed) - set(paths)) == [], "the README lists values the chart does not have"
+
+
+# Each wrong value and where the schema says it is wrong: helm reports them all at once.
+WRONG_VALUES = {
+    "replicaCount=two": "/replicaCount",
+    "gateway.enabled=maybe": "/gateway/enabled",
+    "gateway.policy=random": "/gateway/policy",
+    "gateway.holdSeconds=soon": "/gateway/holdSeconds",
+    "metrics.serviceMonitor.labels.release=1": "/metrics/serviceMonitor/labels/release",
+    "watchNamespace={team-a}": "'watchNamespace' not allowed",
+}
+
+
+def test_the_schema_refuses_wrong_values(helm: Path) -> None:
+    flags = [flag for setting in WRONG_VALUES for flag in ("--set", setting)]
+    result = subprocess.run(
+        [str(helm), "template", "kv", str(CHART), *flags], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode != 0 and "values don't meet the specifications" in result.stderr
+    for where in WRONG_VALUES.values():
+        assert where in result.stderr
+
+
+def test_helm_template_gateway_monitoring_routes_and_registry(helm: Path) -> None:
+    settings = {
+        "gateway.enabled": "true",
+        "metrics.serviceMonitor.enabled": "true",
+        "metrics.serviceMonitor.labels.release": "prometheus",
+        "metrics.dashboards.enabled": "true",
+        "gateway.httpRoute.enabled": "true",
+        "gateway.httpRoute.parentRefs[0].name": "public",
+        "gateway.httpRoute.requestTimeout": "3600s",
+        "gateway.ingress.enabled": "true",
+        "gateway.ingress.host": "llm.example.com",
+        "gateway.holdSeconds": "2.5",
+        "imageRegistry": "registry.example.com/platform/",
+    }
+    flags = [flag for key, value in settings.items() for flag in ("--set", f"{key}={value}")]
+    docs = [
+        d for d in yaml.safe_load_all(run_helm(helm, "template", "kv", str(CHART), "-n", "ops", *flags)) if d
+    ]
+    by_kind: dict[str, list[dict[str, Any]]] = {}
+    for doc in docs:
+        by_kind.setdefault(doc["kind"], []).append(doc)
+    (gateway_service,) = [s for s in by_kind["Service"] if s["metadata"]["name"] == "kv-kvfleet-gateway"]
+    selectors = {
+        monitor["metadata"]["name"]: monitor["spec"]["selector"]["matchLabels"]
+        for monitor in by_kind["ServiceMonitor"]
+    }
+    assert selectors["kv-kvfleet-gateway"] == gateway_service["spec"]["selector"]
+    for monitor in by_kind["ServiceMonitor"]:
+        assert monitor["metadata"]["labels"]["release"] == "prometheus"
+    (dashboards,) = by_kind["ConfigMap"]
+    assert dashboards["metadata"]["labels"]["grafana_dashboard"] == "1"
+    shipped = {f"kvfleet-{p.name}": json.loads(p.read_text()) for p in (CHART / "files/dashboards").glob("*")}
+    assert {key: json.loads(text) for key, text in dashboards["data"].items()} == shipped
+    port = gateway_service["spec"]["ports"][0]
+    (route,) = by_kind["HTTPRoute"]
+    (rule,) = route["spec"]["rules"]
+    assert rule["backendRefs"] == [{"name": "kv-kvfleet-gateway", "port": port["port"]}]
+    assert route["spec"]["parentRefs"] == [{"name": "public"}] and rule["timeouts"] == {"request": "3600s"}
+    (ingress,) = by_kind["Ingress"]
+    (ingress_rule,) = ingress["spec"]["rules"]
+    assert ingress_rule["host"] == "llm.example.com"
+    backend = ingress_rule["http"]["paths"][0]["backend"]["service"]
+    assert backend == {"name": "kv-kvfleet-gateway", "port": {"name": port["name"]}}
+    (operator,) = [d for d in by_kind["Deployment"] if d["metadata"]["name"] == "kv-kvfleet"]
+    env = {e["name"]: e.get("value") for e in operator["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert json.loads(env["KVFLEET_SERVICE_MONITOR_LABELS"]) == {"release": "prometheus"}
+    config = values()
+    assert env["KVFLEET_RUNTIME_IMAGE"] == f"registry.example.com/platform/{config['runtime']['image']}"
+    operator_image = f"registry.example.com/platform/{config['image']['repository']}:0.1.0"
+    (gateway,) = [d for d in by_kind["Deployment"] if d["metadata"]["name"] == "kv-kvfleet-gateway"]
+    for deployment in (operator, gateway):
+        assert deployment["spec"]["template"]["spec"]["containers"][0]["image"] == operator_image
