@@ -249,7 +249,14 @@ def test_helm_template_namespaced(helm: Path) -> None:
     peerings = [d for d in docs if d["kind"] == "KopfPeering"]
     assert sorted(p["metadata"]["namespace"] for p in peerings) == ["team-a", "team-b"]
     cluster_roles = [d for d in docs if d["kind"] == "ClusterRole"]
-    assert [c["metadata"]["name"] for c in cluster_roles] == ["kv-kvfleet-crd-reader"]
+    assert [c["metadata"]["name"] for c in cluster_roles] == [
+        "kv-kvfleet-crd-reader",
+        "kv-kvfleet-namespace-reader",
+    ]
+    # kopf reads which of its namespaces exist; nothing else cluster-wide.
+    assert cluster_roles[1]["rules"] == [
+        {"apiGroups": [""], "resources": ["namespaces"], "verbs": ["list", "watch"]}
+    ]
     operator = next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "kv-kvfleet")
     container = operator["spec"]["template"]["spec"]["containers"][0]
     assert "--namespace=team-a" in container["args"] and "--namespace=team-b" in container["args"]
