@@ -22,7 +22,8 @@ VLLM_VENV ?= $(KVFLEET_CACHE)/vllm-venv
 VLLM_TORCH := torch==2.13.0
 VLLM_STAMP := $(VLLM_VENV)/.vllm-$(shell echo $(VLLM_TORCH) | cat - bench/vllm/requirements.txt | sha256sum | cut -c1-16)
 
-.PHONY: setup test test-unit test-e2e lint demo demo-runtime bench-vs-vllm kv-events-vs-vllm clean-venv images test-images crds
+.PHONY: setup test test-unit test-e2e lint demo demo-runtime bench-vs-vllm kv-events-vs-vllm clean-venv images test-images crds \
+	push chart push-chart
 
 # -P keeps the checkout off sys.path: its operator/ package would shadow the standard library's `operator`
 # for any `python -m` run here before the editable install exists.
@@ -67,6 +68,26 @@ test-e2e: setup
 # Needs root; installs podman, runc, skopeo, mmdebstrap and docker-registry with apt-get when missing.
 images:
 	KVFLEET_CACHE=$(KVFLEET_CACHE) $(PYTHON) images/build.py
+
+# A release's artifacts in a registry, as .github/workflows/release.yaml publishes them on a tag:
+# `make images push REGISTRY=registry.example.com/platform` builds both images, then copies them to
+# REGISTRY/kvfleet/<target>:<version> (the chart's names under imageRegistry) and the packaged chart to
+# oci://REGISTRY/charts/kvfleet:<chart version>. Log in first: `skopeo login` and `helm registry login`.
+REGISTRY ?=
+HELM ?= helm
+CHART_VERSION := $(shell sed -n 's/^version: *//p' charts/kvfleet/Chart.yaml)
+CHART_PACKAGE := $(KVFLEET_CACHE)/charts/kvfleet-$(CHART_VERSION).tgz
+
+push: push-chart
+	@test -n "$(REGISTRY)" || { echo "make push needs REGISTRY=<registry host>/<path>" >&2; exit 2; }
+	KVFLEET_CACHE=$(KVFLEET_CACHE) $(PYTHON) images/build.py --push-to $(REGISTRY)
+
+chart:
+	$(HELM) package charts/kvfleet --destination $(KVFLEET_CACHE)/charts
+
+push-chart: chart
+	@test -n "$(REGISTRY)" || { echo "make push-chart needs REGISTRY=<registry host>/<path>" >&2; exit 2; }
+	$(HELM) push $(CHART_PACKAGE) oci://$(REGISTRY)/charts
 
 # The built images run as the chart's and the operator's pods run them. Not part of `make test`: a cold
 # `make images` downloads and installs torch's CUDA wheels (several GB) and outlasts CI's budget beside the

@@ -93,7 +93,7 @@ def test_the_policy_refuses_what_the_values_forbid(
         ),
         (
             critical_service("critical"),
-            "spec.sla.tier: the critical tier (PriorityClass kvfleet-critical) may not be claimed in"
+            "spec.sla.tier: the critical tier (PriorityClass policy-test-critical) may not be claimed in"
             f" namespace {other}; allowed only in: {allowed}",
         ),
         (

@@ -92,9 +92,19 @@ def test_kubectl_get_shows_the_printer_columns(local_cluster: LocalCluster, tiny
     for resource in ("inferenceservices", "kvis"):
         output = local_cluster.kubectl("get", resource, tiny.name, "-n", tiny.namespace).stdout
         header, row = output.strip().splitlines()
-        assert header.split() == ["NAME", "MODEL", "TIER", "DESIRED", "AVAILABLE", "URL", "READY", "AGE"]
+        assert header.split() == [
+            "NAME",
+            "MODEL",
+            "TIER",
+            "DESIRED",
+            "AVAILABLE",
+            "URL",
+            "READY",
+            "REASON",
+            "AGE",
+        ]
         values = row.split()
-        assert values[:7] == [
+        assert values[:8] == [
             tiny.name,
             tiny.ready_object["spec"]["model"]["uri"],
             "standard",
@@ -102,6 +112,7 @@ def test_kubectl_get_shows_the_printer_columns(local_cluster: LocalCluster, tiny
             "1",
             f"http://{tiny.name}.{tiny.namespace}.svc.cluster.local",
             "True",
+            "Available",
         ]
 
 

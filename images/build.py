@@ -8,6 +8,11 @@
 3. Builds both targets with podman's layer cache: the layer that installs torch is built once per set of pins.
 4. Exports each image as an OCI archive and writes its CycloneDX SBOM, both under $KVFLEET_CACHE/images.
 
+    python3 images/build.py --push-to REGISTRY   # `make push`: copies the archives built before
+
+copies each archive with skopeo to REGISTRY/kvfleet/<target>:<version>, the name the chart pulls with its
+`imageRegistry` set to REGISTRY (the release workflow does this on a tag).
+
 Importable too: the image tests and the demo take the names, paths and podman options from here.
 """
 
@@ -299,15 +304,37 @@ def write_sbom(target: str) -> None:
     path.write_text(document)
 
 
+def pushed_name(registry: str, target: str) -> str:
+    """Where `--push-to` puts an image: the chart's name for it under its `imageRegistry`."""
+    return f"{registry.rstrip('/')}/{image_name(target).removeprefix('localhost/')}"
+
+
+def push(registry: str, targets: tuple[str, ...]) -> None:
+    """Copies each target's OCI archive, as `make images` exported it, to the registry (its manifest
+    annotations and SBOM-bearing labels with it); skopeo reads credentials from `skopeo login`."""
+    for target in targets:
+        archive = oci_archive(target)
+        if not archive.exists():
+            raise SystemExit(f"{archive} is missing: run `make images` first")
+        run(["skopeo", "copy", f"oci-archive:{archive}", f"docker://{pushed_name(registry, target)}"])
+        say(f"pushed {pushed_name(registry, target)}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="images/build.py", description=__doc__.split("\n")[0])
     parser.add_argument(
         "targets", nargs="*", metavar="TARGET", help=f"any of {', '.join(TARGETS)} (default: both)"
     )
+    parser.add_argument(
+        "--push-to", metavar="REGISTRY", help="push the archives built before to REGISTRY instead of building"
+    )
     args = parser.parse_args(argv)
     unknown = sorted(set(args.targets) - set(TARGETS))
     if unknown:
         parser.error(f"unknown targets {unknown}; the Dockerfile's are {list(TARGETS)}")
+    if args.push_to:
+        push(args.push_to, tuple(args.targets) or TARGETS)
+        return 0
     ensure_tools()
     ensure_base_image()
     for target in args.targets or TARGETS:

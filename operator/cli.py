@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import random
 from typing import TYPE_CHECKING
@@ -60,6 +61,21 @@ logger = logging.getLogger(__name__)
     help="Image of the runtime pods when a resource names none.  [default: kvfleet/runtime:0.1.0]",
 )
 @click.option("--cluster-domain", envvar="KVFLEET_CLUSTER_DOMAIN", default="cluster.local", show_default=True)
+@click.option(
+    "--priority-class-prefix",
+    envvar="KVFLEET_PRIORITY_CLASS_PREFIX",
+    default="kvfleet",
+    show_default=True,
+    help="The SLA tiers' PriorityClasses are <prefix>-<tier>: the chart sets its release's name.",
+)
+@click.option(
+    "--service-monitor-labels",
+    envvar="KVFLEET_SERVICE_MONITOR_LABELS",
+    default="{}",
+    show_default=True,
+    help="Labels (a JSON object) of the ServiceMonitor made for each service where prometheus-operator is "
+    "installed: what the cluster's Prometheus selects ServiceMonitors by.",
+)
 @credential_options
 @click.option(
     "--api-concurrency",
@@ -102,6 +118,8 @@ def operator_command(
     bind: str,
     runtime_image: str | None,
     cluster_domain: str,
+    priority_class_prefix: str,
+    service_monitor_labels: str,
     kubeconfig: str | None,
     kube_context: str | None,
     api_concurrency: int,
@@ -125,6 +143,8 @@ def operator_command(
         api_concurrency=api_concurrency,
         runtime_image=runtime_image,
         cluster_domain=cluster_domain,
+        priority_class_prefix=priority_class_prefix,
+        service_monitor_labels=service_monitor_labels,
         scrape_timeout=scrape_timeout,
         scrape_max_bytes=scrape_max_bytes,
         safety_defaults=safety_defaults,
@@ -165,6 +185,8 @@ def _operator_context(
     api_concurrency: int,
     runtime_image: str | None,
     cluster_domain: str,
+    priority_class_prefix: str,
+    service_monitor_labels: str,
     scrape_timeout: float,
     scrape_max_bytes: int | None,
     safety_defaults: str,
@@ -183,7 +205,11 @@ def _operator_context(
     except ValueError as error:
         raise click.BadParameter(str(error), param_hint="--safety-defaults/--safety-allow-loosen") from None
     options = RenderOptions(
-        runtime_image=runtime_image or DEFAULT_RUNTIME_IMAGE, cluster_domain=cluster_domain, safety=safety
+        runtime_image=runtime_image or DEFAULT_RUNTIME_IMAGE,
+        cluster_domain=cluster_domain,
+        priority_class_prefix=priority_class_prefix,
+        service_monitor_labels=_labels(service_monitor_labels),
+        safety=safety,
     )
     return OperatorContext(
         kube=kube,
@@ -192,6 +218,16 @@ def _operator_context(
         scrape_max_page_bytes=DEFAULT_MAX_PAGE_BYTES if scrape_max_bytes is None else scrape_max_bytes,
         api_concurrency=api_concurrency,
     )
+
+
+def _labels(text: str) -> dict[str, str]:
+    try:
+        labels = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise click.BadParameter(str(error), param_hint="--service-monitor-labels") from None
+    if not isinstance(labels, dict) or not all(isinstance(v, str) for v in labels.values()):
+        raise click.BadParameter("a JSON object of strings", param_hint="--service-monitor-labels")
+    return labels
 
 
 def _ensure_peering(kube: KubeApi, namespaces: tuple[str, ...], peering_name: str) -> None:

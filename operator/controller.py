@@ -40,6 +40,7 @@ from kvfleet.operator.render import (
     RenderOptions,
     Replicas,
     render_children,
+    replica_selector,
     service_url,
 )
 from kvfleet.operator.render_pod import adapter_source
@@ -674,6 +675,7 @@ class ServiceController:
         return Observation(
             generation=generation,
             url=service_url(self.owner, self.options()),
+            selector=replica_selector(self.owner.name, spec),
             autoscaling=autoscaling,
             desired_replicas=desired,
             deployment=deployment,

@@ -16,6 +16,13 @@ from kvfleet.operator.status import STATUS_SCHEMA
 
 FILE_NAME = f"{GROUP}_{PLURAL}.yaml"
 HEADER = "# Rendered from kvfleet.operator.spec and kvfleet.operator.status by `make crds`: edit those.\n"
+# `kubectl scale`, HPA and KEDA set spec.scaling.replicas, the fixed count; on a service the autoscaler sizes
+# the API server refuses that write (AUTOSCALED_COUNT_RULE). The selector picks one pod per replica.
+SCALE_SUBRESOURCE = {
+    "specReplicasPath": ".spec.scaling.replicas",
+    "statusReplicasPath": ".status.replicas",
+    "labelSelectorPath": ".status.selector",
+}
 PRINTER_COLUMNS = [
     {"name": "Model", "type": "string", "jsonPath": ".spec.model.uri"},
     {"name": "Tier", "type": "string", "jsonPath": ".spec.sla.tier"},
@@ -34,6 +41,7 @@ PRINTER_COLUMNS = [
     ),
     {"name": "URL", "type": "string", "jsonPath": ".status.url"},
     {"name": "Ready", "type": "string", "jsonPath": '.status.conditions[?(@.type=="Ready")].status'},
+    {"name": "Reason", "type": "string", "jsonPath": '.status.conditions[?(@.type=="Ready")].reason'},
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
 ]
 
@@ -79,7 +87,7 @@ def custom_resource_definition() -> dict[str, Any]:
                     "name": VERSION,
                     "served": True,
                     "storage": True,
-                    "subresources": {"status": {}},
+                    "subresources": {"status": {}, "scale": SCALE_SUBRESOURCE},
                     "additionalPrinterColumns": PRINTER_COLUMNS,
                     "schema": {"openAPIV3Schema": openapi_schema()},
                 }

@@ -41,6 +41,7 @@ from kvfleet.operator.render_pod import (
 )
 from kvfleet.operator.safety import SafetyPlatform, safety_config
 from kvfleet.operator.spec import InferenceServiceSpec, group_name, rendezvous_name, role_name
+from kvfleet.operator.tiers import DEFAULT_PRIORITY_CLASS_PREFIX
 
 DEFAULT_RUNTIME_IMAGE = "kvfleet/runtime:0.1.0"
 LWS_API_VERSION = "leaderworkerset.x-k8s.io/v1"
@@ -58,6 +59,10 @@ class RenderOptions:
     runtime_image: str = DEFAULT_RUNTIME_IMAGE
     cluster_domain: str = "cluster.local"
     service_monitor: bool = False
+    # What the cluster's Prometheus selects ServiceMonitors by (chart value metrics.serviceMonitor.labels).
+    service_monitor_labels: Mapping[str, str] = field(default_factory=dict)
+    # The chart release's name, which prefixes its tiers' PriorityClasses.
+    priority_class_prefix: str = DEFAULT_PRIORITY_CLASS_PREFIX
     # The platform's safety defaults and what services may loosen (chart values safety.*).
     safety: SafetyPlatform = field(default_factory=SafetyPlatform)
 
@@ -84,6 +89,13 @@ def serving_selector(name: str, spec: InferenceServiceSpec) -> dict[str, str]:
         return selector_labels(name)
     rank_label = POD_INDEX_LABEL if spec.scaling.group_backend == "statefulset" else LWS_WORKER_INDEX_LABEL
     return {**selector_labels(name), rank_label: "0"}
+
+
+def replica_selector(name: str, spec: InferenceServiceSpec | None) -> str:
+    """The label selector of the scale subresource, one pod per replica (the serving pods), in its string
+    form; every pod of the service while its spec cannot be read."""
+    labels = serving_selector(name, spec) if spec is not None else selector_labels(name)
+    return ",".join(f"{key}={value}" for key, value in labels.items())
 
 
 def common_labels(owner: Owner, spec: InferenceServiceSpec) -> dict[str, str]:
@@ -119,7 +131,7 @@ def render_children(
     if spec.batch is not None and spec.batch.storage == "PersistentVolumeClaim":
         children.insert(0, render_batch_claim(owner, spec))
     if options.service_monitor:
-        children.append(render_service_monitor(owner, spec))
+        children.append(render_service_monitor(owner, spec, options.service_monitor_labels))
     return children
 
 
@@ -284,7 +296,7 @@ def _pod_template(
 ) -> dict[str, Any]:
     image = spec.engine.image or options.runtime_image
     safety = safety_config(options.safety, spec.safety, owner.namespace, options.cluster_domain)
-    return pod_template(spec, labels, image, owner.name, safety, group, role)
+    return pod_template(spec, labels, image, owner.name, safety, group, role, options.priority_class_prefix)
 
 
 def render_batch_claim(owner: Owner, spec: InferenceServiceSpec) -> dict[str, Any]:
@@ -337,11 +349,15 @@ def render_disruption_budget(owner: Owner, spec: InferenceServiceSpec) -> dict[s
     }
 
 
-def render_service_monitor(owner: Owner, spec: InferenceServiceSpec) -> dict[str, Any]:
+def render_service_monitor(
+    owner: Owner, spec: InferenceServiceSpec, extra_labels: Mapping[str, str]
+) -> dict[str, Any]:
+    """`extra_labels`: what the cluster's Prometheus selects ServiceMonitors by; the service's own labels win
+    where they meet."""
     return {
         "apiVersion": "monitoring.coreos.com/v1",
         "kind": "ServiceMonitor",
-        "metadata": _metadata(owner, common_labels(owner, spec)),
+        "metadata": _metadata(owner, {**extra_labels, **common_labels(owner, spec)}),
         "spec": {
             "selector": {"matchLabels": selector_labels(owner.name)},
             "endpoints": [{"port": HTTP_PORT_NAME, "path": "/metrics", "interval": "15s"}],

@@ -22,7 +22,7 @@ from kvfleet.operator.api import (
     RENDEZVOUS_PORT,
 )
 from kvfleet.operator.spec import AdapterSpec, InferenceServiceSpec, ModelSpec, ResourcesSpec
-from kvfleet.operator.tiers import TIERS
+from kvfleet.operator.tiers import DEFAULT_PRIORITY_CLASS_PREFIX, TIERS, priority_class_name
 
 MODEL_ROOT = "/mnt/models"
 # LoRA adapters the replica fetches from the hub; claims holding adapters are mounted under ADAPTER_CLAIMS.
@@ -214,13 +214,15 @@ def pod_template(
     safety_config: str | None = None,
     group: GroupPlacement | None = None,
     role: Role | None = None,
+    priority_class_prefix: str = DEFAULT_PRIORITY_CLASS_PREFIX,
 ) -> dict[str, Any]:
     """`group`: where the pod stands in a replica group, for a model that spans nodes; `role`: the side its
-    replica takes in a disaggregated service."""
+    replica takes in a disaggregated service; `priority_class_prefix`: the chart release's, of its tiers'
+    PriorityClasses."""
     engine = spec.engine
     volumes, mounts = _pod_volumes(spec, service_name)
     pod_spec: dict[str, Any] = {
-        "priorityClassName": TIERS[spec.sla.tier].priority_class,
+        "priorityClassName": priority_class_name(priority_class_prefix, spec.sla.tier),
         "terminationGracePeriodSeconds": termination_grace_seconds(spec),
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,

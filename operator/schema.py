@@ -59,6 +59,8 @@ def prop(
     imports the dataclass's); `items` adds keywords to an array's items, and `keywords` (minimum,
     maxLength, enum, ...) to the property's own schema.
     """
+    if not description.strip():
+        raise ValueError("a property of the resource needs a description (`kubectl explain` shows it)")
     metadata = {
         "description": description,
         "required": required,
@@ -69,6 +71,11 @@ def prop(
         "keywords": keywords,
     }
     return dataclasses.field(default=default, default_factory=default_factory, metadata=metadata)
+
+
+def derived(default: Any = MISSING, *, default_factory: Any = MISSING) -> Any:
+    """A dataclass field the operator derives from the resource's properties: not a key of its own."""
+    return dataclasses.field(default=default, default_factory=default_factory, metadata={"derived": True})
 
 
 def _camel_case(name: str) -> str:
@@ -82,8 +89,13 @@ def dataclass_schema(cls: type, description: str, rules: Sequence[Rule] = ()) ->
     properties: dict[str, Any] = {}
     required = []
     for spec_field in dataclasses.fields(cls):
-        if "description" not in spec_field.metadata:
+        if spec_field.metadata.get("derived"):
             continue
+        if "description" not in spec_field.metadata:
+            raise TypeError(
+                f"{cls.__name__}.{spec_field.name} is declared with neither prop() (a property, described) "
+                "nor derived()"
+            )
         key = _camel_case(spec_field.name)
         properties[key] = _field_schema(spec_field, hints[spec_field.name])
         if spec_field.metadata["required"]:

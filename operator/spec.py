@@ -19,7 +19,7 @@ from kvfleet.contract.routing import POLICY_NAMES, PolicyName
 from kvfleet.contract.tiers import DEFAULT_TIER, TIER_NAMES, TierName
 from kvfleet.operator.api import API_KEY_ENV, API_KEY_FLAG, KV_TRANSFER_CONFIG_FLAG
 from kvfleet.operator.model_uri import ModelSource, ModelURIError, parse_model_uri
-from kvfleet.operator.schema import QUANTITY, Rule, array, integer, obj, prop, string
+from kvfleet.operator.schema import QUANTITY, Rule, array, derived, integer, obj, prop, string
 from kvfleet.operator.tiers import TIERS
 from kvfleet.runtime.lora.request import ADAPTER_NAME, ADAPTER_NAME_RULE
 
@@ -129,6 +129,16 @@ SPEC_RULES = (
         "store belongs to one replica",
     ),
 )
+# The scale subresource (`kubectl scale`, HPA, KEDA) writes scaling.replicas. On a service the autoscaler
+# sizes, that write would silently turn the autoscaler off, so the count may be added only in a change that
+# also pins the autoscaler's bounds together: a deliberate switch to a fixed count, which no scale write is.
+AUTOSCALED_COUNT_RULE = Rule(
+    "has(oldSelf.replicas) || !has(self.replicas) "
+    "|| (has(self.minReplicas) && has(self.maxReplicas) && self.minReplicas == self.maxReplicas)",
+    "scaling.replicas may not be set on a service the autoscaler sizes (kubectl scale, an HPA or KEDA "
+    "write it): its replica count is the autoscaler's, between scaling.minReplicas and maxReplicas. To run a "
+    "fixed count instead, set scaling.replicas in a change that sets minReplicas and maxReplicas equal",
+)
 _MODEL_URI_RULE = Rule(
     "self.matches('^hf://[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*(@[A-Za-z0-9._/-]+)?$') "
     "|| self.matches('^pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/.*)?$') || self.matches('^file:///.+$')",
@@ -199,7 +209,7 @@ class ModelSpec:
         maxLength=512,
         rules=[_MODEL_URI_RULE],
     )
-    source: ModelSource
+    source: ModelSource = derived()
     served_name: str = prop(
         "Model name clients send in requests (to the fleet gateway as <namespace>/<servedName>); defaults "
         "to the resource's name. Of the services of a namespace serving one name, the one created first "
@@ -361,7 +371,7 @@ class ResourcesSpec:
         maximum=16,
     )
     # Pods per replica: 1, or the nodes of a group that share the model.
-    nodes: int = 1
+    nodes: int = derived(1)
     gpu_resource_name: str = prop(
         "The extended resource the pods request their GPUs as (requests and limits alike).",
         "nvidia.com/gpu",
@@ -567,7 +577,7 @@ class AdapterSpec:
         maxLength=2048,
         pattern="^(hf|pvc|file)://",
     )
-    source: ModelSource
+    source: ModelSource = derived()
 
 
 @dataclass(frozen=True)
@@ -748,6 +758,7 @@ class InferenceServiceSpec:
                 "|| self.panicWindowSeconds <= self.stableWindowSeconds",
                 "scaling.panicWindowSeconds must not exceed scaling.stableWindowSeconds",
             ),
+            AUTOSCALED_COUNT_RULE,
         ],
     )
     sla: SlaSpec = prop("The service level the fleet is run for.", server_default={})

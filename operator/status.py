@@ -105,6 +105,10 @@ STATUS_SCHEMA = obj(
         "replicas": integer("The replicas the workload runs, ready or not."),
         "readyReplicas": integer("The replicas ready to serve."),
         "url": string("The in-cluster URL of the service's OpenAI-compatible API."),
+        "selector": string(
+            "The label selector of the service's serving pods, one per replica, for the scale subresource "
+            "(an HPA's pod metrics)."
+        ),
         "lastScaleTime": {**_TIMESTAMP, "description": "When the autoscaler last changed the replica count."},
         "lastScaleReason": string("Why it did, as the autoscaler put it."),
         "autoscaler": _AUTOSCALER,
@@ -213,6 +217,8 @@ class Observation:
 
     generation: int
     url: str
+    # The scale subresource's label selector (kvfleet.operator.render.replica_selector).
+    selector: str
     autoscaling: bool
     desired_replicas: int
     deployment: DeploymentView | None
@@ -265,6 +271,7 @@ def build_status(
         "replicas": sum(deployment.status_replicas for _, deployment in workloads if deployment),
         "readyReplicas": sum(deployment.ready_replicas for _, deployment in workloads if deployment),
         "url": observation.url,
+        "selector": observation.selector,
         "conditions": merge_conditions(
             previous.get("conditions") or [], conditions, observation.generation, now
         ),

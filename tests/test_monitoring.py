@@ -1,4 +1,5 @@
-"""The shipped Grafana dashboards and alert rules only query metrics the runtime and the operator export."""
+"""The shipped Grafana dashboards and alert rules only query metrics the runtime, the operator and the gateway
+export."""
 
 from __future__ import annotations
 
@@ -8,29 +9,37 @@ from pathlib import Path
 
 import pytest
 import yaml
+from kvfleet.gateway.metrics import GatewayMetrics
 from kvfleet.operator.metrics import OperatorMetrics
 from kvfleet.runtime.metrics import ServerMetrics
 from prometheus_client import CollectorRegistry
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = ROOT / "docs"
+CHART_DASHBOARDS = ROOT / "charts" / "kvfleet" / "files" / "dashboards"
 ALERTS = ROOT / "charts" / "kvfleet" / "files" / "alerts.yaml"
 _SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "gauge": ("",)}
 
-# dashboard -> (the registry its metrics come from, how its metric names look, one metric it must chart,
-# its template variables)
+# dashboard (its path in the repository) -> (the registry its metrics come from, how its metric names look,
+# one metric it must chart, its template variables)
 DASHBOARDS = {
-    "grafana-dashboard.json": (
+    "docs/grafana-dashboard.json": (
         lambda: ServerMetrics("m").registry,
         r"kvfleet:[a-z0-9_]+",
         "kvfleet:num_requests_waiting",  # the queue depth the autoscaler scales on
         {"datasource", "model_name"},
     ),
-    "grafana-operator-dashboard.json": (
+    "docs/grafana-operator-dashboard.json": (
         lambda: OperatorMetrics().registry,
         r"kvfleet_operator_[a-z0-9_]+",
         "kvfleet_operator_queue_depth",
         {"datasource", "namespace"},
+    ),
+    # The chart ships it as a ConfigMap (metrics.dashboards).
+    "charts/kvfleet/files/dashboards/gateway.json": (
+        lambda: GatewayMetrics().registry,
+        r"kvfleet_gateway_[a-z0-9_]+",
+        "kvfleet_gateway_queue_depth",
+        {"datasource", "model"},
     ),
 }
 
@@ -45,7 +54,7 @@ def _exported_sample_names(registry: CollectorRegistry) -> set[str]:
 @pytest.mark.parametrize("file_name", sorted(DASHBOARDS))
 def test_dashboard_queries_exported_metrics(file_name: str) -> None:
     registry, pattern, required, variables = DASHBOARDS[file_name]
-    dashboard = json.loads((DOCS / file_name).read_text())
+    dashboard = json.loads((ROOT / file_name).read_text())
     expressions = [target["expr"] for panel in dashboard["panels"] for target in panel["targets"]]
     assert expressions
     used = {name for expr in expressions for name in re.findall(pattern, expr)}
@@ -54,6 +63,11 @@ def test_dashboard_queries_exported_metrics(file_name: str) -> None:
     ids = [panel["id"] for panel in dashboard["panels"]]
     assert len(ids) == len(set(ids))
     assert {variable["name"] for variable in dashboard["templating"]["list"]} == variables
+
+
+def test_the_chart_ships_every_dashboard_it_has() -> None:
+    shipped = {f"charts/kvfleet/files/dashboards/{path.name}" for path in CHART_DASHBOARDS.glob("*.json")}
+    assert shipped and shipped <= set(DASHBOARDS), "each shipped dashboard is checked above"
 
 
 def test_alert_rules_query_exported_operator_metrics_and_say_what_fires() -> None:

@@ -41,11 +41,15 @@ class CRDValidator:
         self._cel = celpy.Environment()
         self._programs: dict[str, Any] = {}
 
-    def admit(self, obj: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
-        """The defaulted object and every validation error (empty when the server would accept it)."""
+    def admit(
+        self, obj: dict[str, Any], old: dict[str, Any] | None = None
+    ) -> tuple[dict[str, Any], list[str]]:
+        """The defaulted object and every validation error (empty when the server would accept it); with
+        `old` (as stored), an update of it, whose transition rules (oldSelf) are checked where the value was
+        there before."""
         defaulted = self._default(copy.deepcopy(obj), self.schema)
         errors: list[str] = []
-        self._validate(defaulted, self.schema, "", errors)
+        self._validate(defaulted, self.schema, "", errors, old)
         return defaulted, errors
 
     def default_errors(self) -> list[str]:
@@ -74,7 +78,9 @@ class CRDValidator:
             value = [self._default(item, schema["items"]) for item in value]
         return value
 
-    def _validate(self, value: Any, schema: dict[str, Any], path: str, errors: list[str]) -> None:
+    def _validate(
+        self, value: Any, schema: dict[str, Any], path: str, errors: list[str], old: Any = None
+    ) -> None:
         where = path or "<root>"
         if not self._type_ok(value, schema):
             errors.append(f"{where}: wrong type {type(value).__name__}")
@@ -104,16 +110,20 @@ class CRDValidator:
                 if key not in value:
                     errors.append(f"{path}.{key}: Required value")
             for key, item in value.items():
+                old_item = old.get(key) if isinstance(old, dict) else None
                 if key in properties:
-                    self._validate(item, properties[key], f"{path}.{key}", errors)
+                    self._validate(item, properties[key], f"{path}.{key}", errors, old_item)
                 elif "additionalProperties" in schema:
                     self._validate(item, schema["additionalProperties"], f"{path}.{key}", errors)
                 elif path != ".metadata":
                     errors.append(f"{path}.{key}: unknown field")
         if not errors:
             for rule in schema.get("x-kubernetes-validations", []):
+                transition = "oldSelf" in rule["rule"]
+                if transition and old is None:
+                    continue  # the server checks a transition rule only where the value was there before
                 try:
-                    passed = self._evaluate(rule["rule"], value)
+                    passed = self._evaluate(rule["rule"], value, old if transition else None)
                 except celpy.CELEvalError as error:
                     errors.append(f"{where}: Invalid value: {error.args[0]} evaluating rule: {rule['rule']}")
                     continue
@@ -136,13 +146,16 @@ class CRDValidator:
             return str(self._run(rule["messageExpression"], value))
         return rule.get("message", rule["rule"])
 
-    def _evaluate(self, rule: str, value: Any) -> bool:
-        return bool(self._run(rule, value))
+    def _evaluate(self, rule: str, value: Any, old: Any = None) -> bool:
+        return bool(self._run(rule, value, old))
 
-    def _run(self, expression: str, value: Any) -> Any:
+    def _run(self, expression: str, value: Any, old: Any = None) -> Any:
         if expression not in self._programs:
             self._programs[expression] = self._cel.program(self._cel.compile(expression))
-        return self._programs[expression].evaluate({"self": celpy.json_to_cel(value)})
+        activation = {"self": celpy.json_to_cel(value)}
+        if old is not None:
+            activation["oldSelf"] = celpy.json_to_cel(old)
+        return self._programs[expression].evaluate(activation)
 
 
 @pytest.fixture(scope="session")

@@ -71,6 +71,7 @@ def observation(**changes: Any) -> Observation:
     base: dict[str, Any] = {
         "generation": 2,
         "url": "http://svc.ns.svc.cluster.local",
+        "selector": "kvfleet.dev/inference-service=svc",
         "autoscaling": True,
         "desired_replicas": 2,
         "deployment": DeploymentView(5, 5, 2, 2, 2, 2, 2),

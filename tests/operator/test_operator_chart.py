@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 from pathlib import Path
@@ -52,8 +53,31 @@ def test_priority_classes_match_the_tiers() -> None:
     for name, tier in TIERS.items():
         assert tiers[name]["value"] == tier.priority_value
         assert tiers[name]["preemptionPolicy"] == ("PreemptLowerPriority" if tier.preempts else "Never")
-        assert tier.priority_class == f"kvfleet-{name}"
-    assert "kvfleet-{{ $tier }}" in (CHART / "templates" / "priorityclasses.yaml").read_text()
+
+
+@pytest.mark.parametrize(
+    ("settings", "prefix"),
+    [(["team-a"], "team-a"), (["staging", "--set", "priorityClasses.namePrefix=shared"], "shared")],
+    ids=["release", "namePrefix"],
+)
+def test_priority_classes_are_the_releases_and_the_operator_uses_them(
+    helm: Path, settings: list[str], prefix: str
+) -> None:
+    release, *more = settings
+    out = run_helm(helm, "template", release, str(CHART), "-n", "ops", *more)
+    docs = [d for d in yaml.safe_load_all(out) if d]
+    classes = {d["metadata"]["name"] for d in docs if d["kind"] == "PriorityClass"}
+    assert classes == {f"{prefix}-{tier}" for tier in TIERS}
+    operator = next(
+        d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == f"{release}-kvfleet"
+    )
+    env = {e["name"]: e.get("value") for e in operator["spec"]["template"]["spec"]["containers"][0]["env"]}
+    options = RenderOptions(priority_class_prefix=env["KVFLEET_PRIORITY_CLASS_PREFIX"])
+    for tier in TIERS:
+        spec = parse_spec({"model": {"uri": "hf://org/model"}, "sla": {"tier": tier}}, name="m")
+        children = render_children(Owner("m", "team", "uid"), spec, 1, options)
+        (deployment,) = [child for child in children if child["kind"] == "Deployment"]
+        assert deployment["spec"]["template"]["spec"]["priorityClassName"] in classes
 
 
 @pytest.mark.parametrize("template", TEMPLATES, ids=[t.name for t in TEMPLATES])
@@ -225,7 +249,14 @@ def test_helm_template_namespaced(helm: Path) -> None:
     peerings = [d for d in docs if d["kind"] == "KopfPeering"]
     assert sorted(p["metadata"]["namespace"] for p in peerings) == ["team-a", "team-b"]
     cluster_roles = [d for d in docs if d["kind"] == "ClusterRole"]
-    assert [c["metadata"]["name"] for c in cluster_roles] == ["kv-kvfleet-crd-reader"]
+    assert [c["metadata"]["name"] for c in cluster_roles] == [
+        "kv-kvfleet-crd-reader",
+        "kv-kvfleet-namespace-reader",
+    ]
+    # kopf reads which of its namespaces exist; nothing else cluster-wide.
+    assert cluster_roles[1]["rules"] == [
+        {"apiGroups": [""], "resources": ["namespaces"], "verbs": ["list", "watch"]}
+    ]
     operator = next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "kv-kvfleet")
     container = operator["spec"]["template"]["spec"]["containers"][0]
     assert "--namespace=team-a" in container["args"] and "--namespace=team-b" in container["args"]
@@ -367,7 +398,7 @@ POLICY_CASES: list[tuple[str, str, dict[str, Any], str | None]] = [
         "critical elsewhere",
         "team-a",
         {"sla": {"tier": "critical"}},
-        "spec.sla.tier: the critical tier (PriorityClass kvfleet-critical) may not be claimed in namespace"
+        "spec.sla.tier: the critical tier (PriorityClass kv-critical) may not be claimed in namespace"
         " team-a; allowed only in: serving-prod",
     ),
     ("an allowed image", "team-a", {"engine": {"image": "registry.example.com/kvfleet/runtime:1"}}, None),
@@ -722,3 +753,99 @@ def test_the_gateway_reads_api_keys_only_in_the_namespaces_it_is_given(helm: Pat
 
 def test_the_gateway_is_off_by_default(helm: Path) -> None:
     assert gateway_objects(render(helm)) == []
+
+
+def _value_paths(node: Any, schema: dict[str, Any], path: str = "") -> list[str]:
+    """Every value of values.yaml, by its dotted path: down to the objects whose keys the chart fixes (the
+    schema lists their properties); a map the user fills (labels, tiers, resources) is one value."""
+    if isinstance(node, dict) and "properties" in schema:
+        paths = []
+        for key, value in node.items():
+            assert key in schema["properties"], f"values.schema.json has no {path}{key}"
+            paths += _value_paths(value, schema["properties"][key], f"{path}{key}.")
+        return paths
+    return [path.rstrip(".")]
+
+
+def test_the_readme_lists_every_value_and_no_other() -> None:
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    paths = _value_paths(values(), schema)
+    assert len(paths) > 60
+    listed = re.findall(r"^\| `([A-Za-z0-9_.]+)` \|", (CHART / "README.md").read_text(), re.MULTILINE)
+    assert sorted(set(paths) - set(listed)) == [], "values missing from charts/kvfleet/README.md"
+    assert sorted(set(listed) - set(paths)) == [], "the README lists values the chart does not have"
+
+
+# Each wrong value and where the schema says it is wrong: helm reports them all at once.
+WRONG_VALUES = {
+    "replicaCount=two": "/replicaCount",
+    "gateway.enabled=maybe": "/gateway/enabled",
+    "gateway.policy=random": "/gateway/policy",
+    "gateway.holdSeconds=soon": "/gateway/holdSeconds",
+    "metrics.serviceMonitor.labels.release=1": "/metrics/serviceMonitor/labels/release",
+    "watchNamespace={team-a}": "'watchNamespace' not allowed",
+}
+
+
+def test_the_schema_refuses_wrong_values(helm: Path) -> None:
+    flags = [flag for setting in WRONG_VALUES for flag in ("--set", setting)]
+    result = subprocess.run(
+        [str(helm), "template", "kv", str(CHART), *flags], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode != 0 and "values don't meet the specifications" in result.stderr
+    for where in WRONG_VALUES.values():
+        assert where in result.stderr
+
+
+def test_helm_template_gateway_monitoring_routes_and_registry(helm: Path) -> None:
+    settings = {
+        "gateway.enabled": "true",
+        "metrics.serviceMonitor.enabled": "true",
+        "metrics.serviceMonitor.labels.release": "prometheus",
+        "metrics.dashboards.enabled": "true",
+        "gateway.httpRoute.enabled": "true",
+        "gateway.httpRoute.parentRefs[0].name": "public",
+        "gateway.httpRoute.requestTimeout": "3600s",
+        "gateway.ingress.enabled": "true",
+        "gateway.ingress.host": "llm.example.com",
+        "gateway.holdSeconds": "2.5",
+        "imageRegistry": "registry.example.com/platform/",
+    }
+    flags = [flag for key, value in settings.items() for flag in ("--set", f"{key}={value}")]
+    docs = [
+        d for d in yaml.safe_load_all(run_helm(helm, "template", "kv", str(CHART), "-n", "ops", *flags)) if d
+    ]
+    by_kind: dict[str, list[dict[str, Any]]] = {}
+    for doc in docs:
+        by_kind.setdefault(doc["kind"], []).append(doc)
+    (gateway_service,) = [s for s in by_kind["Service"] if s["metadata"]["name"] == "kv-kvfleet-gateway"]
+    selectors = {
+        monitor["metadata"]["name"]: monitor["spec"]["selector"]["matchLabels"]
+        for monitor in by_kind["ServiceMonitor"]
+    }
+    assert selectors["kv-kvfleet-gateway"] == gateway_service["spec"]["selector"]
+    for monitor in by_kind["ServiceMonitor"]:
+        assert monitor["metadata"]["labels"]["release"] == "prometheus"
+    (dashboards,) = by_kind["ConfigMap"]
+    assert dashboards["metadata"]["labels"]["grafana_dashboard"] == "1"
+    shipped = {f"kvfleet-{p.name}": json.loads(p.read_text()) for p in (CHART / "files/dashboards").glob("*")}
+    assert {key: json.loads(text) for key, text in dashboards["data"].items()} == shipped
+    port = gateway_service["spec"]["ports"][0]
+    (route,) = by_kind["HTTPRoute"]
+    (rule,) = route["spec"]["rules"]
+    assert rule["backendRefs"] == [{"name": "kv-kvfleet-gateway", "port": port["port"]}]
+    assert route["spec"]["parentRefs"] == [{"name": "public"}] and rule["timeouts"] == {"request": "3600s"}
+    (ingress,) = by_kind["Ingress"]
+    (ingress_rule,) = ingress["spec"]["rules"]
+    assert ingress_rule["host"] == "llm.example.com"
+    backend = ingress_rule["http"]["paths"][0]["backend"]["service"]
+    assert backend == {"name": "kv-kvfleet-gateway", "port": {"name": port["name"]}}
+    (operator,) = [d for d in by_kind["Deployment"] if d["metadata"]["name"] == "kv-kvfleet"]
+    env = {e["name"]: e.get("value") for e in operator["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert json.loads(env["KVFLEET_SERVICE_MONITOR_LABELS"]) == {"release": "prometheus"}
+    config = values()
+    assert env["KVFLEET_RUNTIME_IMAGE"] == f"registry.example.com/platform/{config['runtime']['image']}"
+    operator_image = f"registry.example.com/platform/{config['image']['repository']}:0.1.0"
+    (gateway,) = [d for d in by_kind["Deployment"] if d["metadata"]["name"] == "kv-kvfleet-gateway"]
+    for deployment in (operator, gateway):
+        assert deployment["spec"]["template"]["spec"]["containers"][0]["image"] == operator_image

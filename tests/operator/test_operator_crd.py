@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -10,6 +11,7 @@ import pytest
 import yaml
 from kvfleet.operator.api import API_VERSION, GROUP, KIND, PLURAL, VERSION
 from kvfleet.operator.crd import FILE_NAME, render
+from kvfleet.operator.schema import dataclass_schema, derived, prop
 from kvfleet.operator.spec import ScalingSpec, SpecError, parse_spec
 
 MINIMAL: dict[str, Any] = {
@@ -43,7 +45,50 @@ def test_crd_names_and_version(crd: dict[str, Any]) -> None:
     assert "isvc" not in spec["names"]["shortNames"]
     (version,) = spec["versions"]
     assert version["name"] == VERSION and version["served"] and version["storage"]
-    assert version["subresources"] == {"status": {}}
+    assert set(version["subresources"]) == {"status", "scale"}
+    assert "kvis" in spec["names"]["shortNames"], "the kind is also KServe's: kvis names it unambiguously"
+
+
+def _schema_at(schema: dict[str, Any], path: str) -> dict[str, Any]:
+    for part in path.strip(".").split("."):
+        schema = schema["properties"][part]
+    return schema
+
+
+def test_scale_subresource_points_at_the_fixed_count_and_the_status(crd: dict[str, Any]) -> None:
+    version = crd["spec"]["versions"][0]
+    scale, schema = version["subresources"]["scale"], version["schema"]["openAPIV3Schema"]
+    replicas = _schema_at(schema, scale["specReplicasPath"])
+    assert replicas["type"] == "integer" and "default" not in replicas, "unset: the autoscaler's count"
+    assert _schema_at(schema, scale["statusReplicasPath"])["type"] == "integer"
+    assert _schema_at(schema, scale["labelSelectorPath"])["type"] == "string"
+
+
+def _scaled(stored: dict[str, Any], replicas: int, crd_validator: Any) -> list[str]:
+    """What a scale subresource write (kubectl scale) of `stored` meets: the update's errors."""
+    update = copy.deepcopy(stored)
+    update["spec"]["scaling"]["replicas"] = replicas
+    return crd_validator.admit(update, old=stored)[1]
+
+
+def test_kubectl_scale_sets_a_fixed_count_and_is_refused_on_an_autoscaled_service(crd_validator: Any) -> None:
+    fixed, errors = crd_validator.admit(with_spec(scaling={"replicas": 1}))
+    assert errors == []
+    assert _scaled(fixed, 3, crd_validator) == []
+    assert _scaled(fixed, 0, crd_validator) == []
+    autoscaled, errors = crd_validator.admit(with_spec(scaling={"maxReplicas": 8}))
+    assert errors == []
+    (refusal,) = _scaled(autoscaled, 3, crd_validator)
+    assert "autoscaler" in refusal and "minReplicas and maxReplicas equal" in refusal
+    # A deliberate switch to a fixed count pins the bounds in the same change; handing the count back to
+    # the autoscaler (removing replicas) is always allowed.
+    switched = with_spec(scaling={"replicas": 3, "minReplicas": 3, "maxReplicas": 3})
+    assert crd_validator.admit(switched, old=autoscaled)[1] == []
+    back = copy.deepcopy(fixed)
+    del back["spec"]["scaling"]["replicas"]
+    assert crd_validator.admit(back, old=fixed)[1] == []
+    # Created with a count, a service is simply fixed.
+    assert crd_validator.admit(with_spec(scaling={"replicas": 3, "maxReplicas": 8}))[1] == []
 
 
 def test_printer_columns_point_at_schema_fields(crd: dict[str, Any]) -> None:
@@ -61,6 +106,7 @@ def test_printer_columns_point_at_schema_fields(crd: dict[str, Any]) -> None:
         "Decode-Ready",
         "URL",
         "Ready",
+        "Reason",
         "Age",
     ]
     wide = [column["name"] for column in version["additionalPrinterColumns"] if column.get("priority")]
@@ -391,3 +437,23 @@ def test_checked_in_crds_are_the_rendered_model(repo: Path) -> None:
     rendered = render()
     assert (repo / "crds" / FILE_NAME).read_text() == rendered
     assert (repo / "charts" / "kvfleet" / "crds" / FILE_NAME).read_text() == rendered
+
+
+def test_a_field_without_a_description_is_refused() -> None:
+    # A field added to a spec model reaches the CRD only through prop() and its description.
+    @dataclasses.dataclass(frozen=True)
+    class Undeclared:
+        described: int = prop("A described property.", 1)
+        bare: int = 2
+
+    with pytest.raises(TypeError, match=r"Undeclared\.bare"):
+        dataclass_schema(Undeclared, "A model with an undeclared field.")
+    with pytest.raises(ValueError, match="description"):
+        prop(" ", 1)
+
+    @dataclasses.dataclass(frozen=True)
+    class Derived:
+        described: int = prop("A described property.", 1)
+        worked_out: int = derived(2)
+
+    assert list(dataclass_schema(Derived, "A model with a derived field.")["properties"]) == ["described"]

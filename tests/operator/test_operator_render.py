@@ -262,6 +262,20 @@ def test_replicas_and_service_monitor_toggle() -> None:
     assert service_url(owner, RenderOptions()) == "http://svc.ns.svc.cluster.local"
 
 
+def test_the_service_monitor_carries_the_platforms_labels_and_selects_the_replicas() -> None:
+    spec = parse_spec({"model": {"uri": "file:///m"}}, name="svc")
+    labels = {"release": "prometheus", SERVICE_LABEL: "another"}
+    options = RenderOptions(service_monitor=True, service_monitor_labels=labels)
+    children = render_children(Owner("svc", "ns", UID), spec, 1, options)
+    (monitor,) = [child for child in children if child["kind"] == "ServiceMonitor"]
+    (service,) = [child for child in children if child["kind"] == "Service"]
+    assert monitor["metadata"]["labels"]["release"] == "prometheus"
+    # The platform's labels never take the service's own: the monitor must still select its Service.
+    selected = monitor["spec"]["selector"]["matchLabels"]
+    assert selected.items() <= service["metadata"]["labels"].items()
+    assert monitor["metadata"]["labels"][SERVICE_LABEL] == "svc"
+
+
 def test_the_api_key_secret_comes_after_every_user_variable() -> None:
     """The schema and parse_spec refuse a user KVFLEET_API_KEY; should one reach the renderer all the same,
     the Secret's entry is the later one, which is the value a container gets."""

@@ -40,6 +40,7 @@ def observe(**changes: Any) -> Observation:
     base = Observation(
         generation=3,
         url="http://svc.ns.svc.cluster.local",
+        selector="kvfleet.dev/inference-service=svc",
         autoscaling=True,
         desired_replicas=2,
         deployment=deployment(),

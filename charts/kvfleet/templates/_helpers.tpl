@@ -21,6 +21,17 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 app.kubernetes.io/component: operator
 {{- end -}}
 
+{{/* An image of the chart's (a repository and tag) under imageRegistry, when one is set. */}}
+{{- define "kvfleet.image" -}}
+{{- $registry := trimSuffix "/" .root.Values.imageRegistry -}}
+{{- if $registry -}}{{ $registry }}/{{ end -}}{{ .image }}
+{{- end -}}
+
+{{/* The tiers' PriorityClasses are <prefix>-<tier>: the release's name unless priorityClasses.namePrefix is set. */}}
+{{- define "kvfleet.priorityClassPrefix" -}}
+{{- .Values.priorityClasses.namePrefix | default .Release.Name -}}
+{{- end -}}
+
 {{- define "kvfleet.serviceAccountName" -}}
 {{- if .Values.serviceAccount.create -}}
 {{- default (include "kvfleet.fullname" .) .Values.serviceAccount.name -}}
