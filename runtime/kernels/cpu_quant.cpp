@@ -1,0 +1,137 @@
+// Weight-only int8 projections on the CPU: y = x @ (w * scale)^T + bias, the weight read as int8.
+//
+// A decode step is bound by reading the weights; held as int8 they are a quarter of float32's bytes. Each
+// output feature's int8 row is converted to float as it is read and multiplied into every input row while it
+// sits in L1, so the float weight is never written out. Per group of input columns the partial dot products
+// are summed in float32 and then scaled (per-channel scales are one group of the whole row), so the sums run
+// in another order than a float matmul's over a dequantized weight: results agree to float32 rounding, not
+// bit for bit. Output features are split over torch's intra-op threads. float32 activations only; the loops
+// are written for the compiler to vectorise (-O3 -march=native).
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+
+namespace {
+
+// Output features per task: enough int8 weight per task (a few tens of KB) that waking a thread pays.
+constexpr int64_t kFeaturesPerTask = 32;
+// Output features computed together: each input value is loaded once for all of them, and their sums are
+// independent chains, which keeps the FMA units busy instead of waiting on one accumulator.
+constexpr int64_t kFeatureBlock = 4;
+
+// The dot products of Rows input rows (1 or 2) with kFeatureBlock int8 weight rows over columns
+// [first, last): sums[row * kFeatureBlock + feature]. Plain scalar accumulators, so that the compiler
+// vectorises the loop over the columns.
+template <int Rows>
+inline void dot_block(const float* x, int64_t x_stride, const int8_t* w, int64_t w_stride, int64_t first,
+                      int64_t last, float* sums) {
+  const float* x0 = x;
+  const float* x1 = x + (Rows > 1 ? x_stride : 0);
+  const int8_t* w0 = w;
+  const int8_t* w1 = w + w_stride;
+  const int8_t* w2 = w + 2 * w_stride;
+  const int8_t* w3 = w + 3 * w_stride;
+  float a00 = 0.0f, a01 = 0.0f, a02 = 0.0f, a03 = 0.0f, a10 = 0.0f, a11 = 0.0f, a12 = 0.0f, a13 = 0.0f;
+#pragma omp simd reduction(+ : a00, a01, a02, a03, a10, a11, a12, a13)
+  for (int64_t k = first; k < last; ++k) {
+    const float v0 = w0[k], v1 = w1[k], v2 = w2[k], v3 = w3[k];
+    const float in0 = x0[k];
+    a00 += in0 * v0;
+    a01 += in0 * v1;
+    a02 += in0 * v2;
+    a03 += in0 * v3;
+    if constexpr (Rows > 1) {
+      const float in1 = x1[k];
+      a10 += in1 * v0;
+      a11 += in1 * v1;
+      a12 += in1 * v2;
+      a13 += in1 * v3;
+    }
+  }
+  sums[0] = a00;
+  sums[1] = a01;
+  sums[2] = a02;
+  sums[3] = a03;
+  if constexpr (Rows > 1) {
+    sums[4] = a10;
+    sums[5] = a11;
+    sums[6] = a12;
+    sums[7] = a13;
+  }
+}
+
+// Output features [first, first + kFeatureBlock) of every row: y = x @ (w * scale)^T + bias, group by group.
+void feature_block(const float* x, int64_t rows, int64_t in, const int8_t* w, const float* scale,
+                   int64_t groups, const float* bias, int64_t first, float* y, int64_t out) {
+  const int64_t group_size = in / groups;
+  float sums[2 * kFeatureBlock];
+  for (int64_t row = 0; row < rows; row += 2) {
+    const int64_t pair = std::min<int64_t>(2, rows - row);
+    float totals[2 * kFeatureBlock] = {};
+    for (int64_t g = 0; g < groups; ++g) {
+      const int64_t begin = g * group_size;
+      if (pair == 2) {
+        dot_block<2>(x + row * in, in, w + first * in, in, begin, begin + group_size, sums);
+      } else {
+        dot_block<1>(x + row * in, in, w + first * in, in, begin, begin + group_size, sums);
+      }
+      for (int64_t i = 0; i < pair * kFeatureBlock; ++i) {
+        totals[i] += sums[i] * scale[(first + i % kFeatureBlock) * groups + g];
+      }
+    }
+    for (int64_t i = 0; i < pair * kFeatureBlock; ++i) {
+      const int64_t feature = first + i % kFeatureBlock;
+      y[(row + i / kFeatureBlock) * out + feature] = totals[i] + (bias != nullptr ? bias[feature] : 0.0f);
+    }
+  }
+}
+
+// x [rows, in] float32, weight [out, in] int8 (out a multiple of 4), scale [out, groups] float32 (groups
+// divide `in`), bias [out] float32 or none -> [rows, out] float32.
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,
+                       const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kChar &&
+                  scale.scalar_type() == at::kFloat,
+              "int8_linear takes float32 x, int8 weight and float32 scale");
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && scale.dim() == 2, "int8_linear: x, weight, scale are 2-D");
+  const int64_t rows = x.size(0);
+  const int64_t in = x.size(1);
+  const int64_t out = weight.size(0);
+  const int64_t groups = scale.size(1);
+  TORCH_CHECK(weight.size(1) == in && scale.size(0) == out && groups > 0 && in % groups == 0,
+              "int8_linear: shapes do not match");
+  TORCH_CHECK(out % kFeatureBlock == 0, "int8_linear: output features must be a multiple of ", kFeatureBlock);
+  const at::Tensor input = x.contiguous();
+  const at::Tensor w = weight.contiguous();
+  const at::Tensor s = scale.contiguous();
+  at::Tensor bias_values;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->numel() == out && bias->scalar_type() == at::kFloat, "int8_linear: bias must be [out]");
+    bias_values = bias->contiguous();
+  }
+  at::Tensor result = at::empty({rows, out}, x.options());
+  const float* x_data = input.data_ptr<float>();
+  const int8_t* w_data = w.data_ptr<int8_t>();
+  const float* s_data = s.data_ptr<float>();
+  const float* b_data = bias_values.defined() ? bias_values.data_ptr<float>() : nullptr;
+  float* y = result.data_ptr<float>();
+  const int64_t blocks = out / kFeatureBlock;
+  at::parallel_for(0, blocks, kFeaturesPerTask / kFeatureBlock, [&](int64_t first_block, int64_t last_block) {
+    for (int64_t block = first_block; block < last_block; ++block) {
+      feature_block(x_data, rows, in, w_data, s_data, groups, b_data, block * kFeatureBlock, y, out);
+    }
+  });
+  return result;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(kvfleet_cpu_quant, m) {
+  m.def("int8_linear(Tensor x, Tensor weight, Tensor scale, Tensor? bias) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(kvfleet_cpu_quant, CPU, m) { m.impl("int8_linear", &int8_linear); }
