@@ -14,6 +14,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <vector>
 
 namespace {
 
@@ -23,18 +24,18 @@ constexpr int64_t kFeaturesPerTask = 32;
 // independent chains, which keeps the FMA units busy instead of waiting on one accumulator.
 constexpr int64_t kFeatureBlock = 4;
 
-// The dot products of Rows input rows (1 or 2) with kFeatureBlock int8 weight rows over columns
-// [first, last): sums[row * kFeatureBlock + feature]. Plain scalar accumulators, so that the compiler
-// vectorises the loop over the columns.
-template <int Rows>
-inline void dot_block(const float* x, int64_t x_stride, const int8_t* w, int64_t w_stride, int64_t first,
+// The dot products of Rows input rows (1 or 2) with kFeatureBlock weight rows (int8, or float already
+// scaled) over columns [first, last): sums[row * kFeatureBlock + feature]. Plain scalar accumulators, so
+// that the compiler vectorises the loop over the columns.
+template <int Rows, typename Weight>
+inline void dot_block(const float* x, int64_t x_stride, const Weight* w, int64_t w_stride, int64_t first,
                       int64_t last, float* sums) {
   const float* x0 = x;
   const float* x1 = x + (Rows > 1 ? x_stride : 0);
-  const int8_t* w0 = w;
-  const int8_t* w1 = w + w_stride;
-  const int8_t* w2 = w + 2 * w_stride;
-  const int8_t* w3 = w + 3 * w_stride;
+  const Weight* w0 = w;
+  const Weight* w1 = w + w_stride;
+  const Weight* w2 = w + 2 * w_stride;
+  const Weight* w3 = w + 3 * w_stride;
   float a00 = 0.0f, a01 = 0.0f, a02 = 0.0f, a03 = 0.0f, a10 = 0.0f, a11 = 0.0f, a12 = 0.0f, a13 = 0.0f;
 #pragma omp simd reduction(+ : a00, a01, a02, a03, a10, a11, a12, a13)
   for (int64_t k = first; k < last; ++k) {
@@ -64,24 +65,57 @@ inline void dot_block(const float* x, int64_t x_stride, const int8_t* w, int64_t
   }
 }
 
-// Output features [first, first + kFeatureBlock) of every row: y = x @ (w * scale)^T + bias, group by group.
-void feature_block(const float* x, int64_t rows, int64_t in, const int8_t* w, const float* scale,
-                   int64_t groups, const float* bias, int64_t first, float* y, int64_t out) {
+// Output features [first, first + kFeatureBlock) of one or two rows, straight from the int8 weight: per
+// group, the partial sums are scaled and added up.
+void features_from_int8(const float* x, int64_t rows, int64_t in, const int8_t* w, const float* scale,
+                        int64_t groups, int64_t first, float* totals) {
   const int64_t group_size = in / groups;
   float sums[2 * kFeatureBlock];
+  for (int64_t i = 0; i < rows * kFeatureBlock; ++i) totals[i] = 0.0f;
+  for (int64_t g = 0; g < groups; ++g) {
+    const int64_t begin = g * group_size;
+    if (rows == 2) {
+      dot_block<2>(x, in, w + first * in, in, begin, begin + group_size, sums);
+    } else {
+      dot_block<1>(x, in, w + first * in, in, begin, begin + group_size, sums);
+    }
+    for (int64_t i = 0; i < rows * kFeatureBlock; ++i) {
+      totals[i] += sums[i] * scale[(first + i % kFeatureBlock) * groups + g];
+    }
+  }
+}
+
+// The kFeatureBlock weight rows from `first` dequantized (int8 times scale) into `buffer` [kFeatureBlock, in]:
+// with more than two input rows, converting each weight once and reading floats after costs less than
+// converting it again for every pair of rows.
+void dequantize_block(const int8_t* w, const float* scale, int64_t in, int64_t groups, int64_t first,
+                      float* buffer) {
+  const int64_t group_size = in / groups;
+  for (int64_t f = 0; f < kFeatureBlock; ++f) {
+    const int8_t* w_row = w + (first + f) * in;
+    float* out_row = buffer + f * in;
+    for (int64_t g = 0; g < groups; ++g) {
+      const float s = scale[(first + f) * groups + g];
+      const int64_t begin = g * group_size;
+#pragma omp simd
+      for (int64_t k = begin; k < begin + group_size; ++k) out_row[k] = static_cast<float>(w_row[k]) * s;
+    }
+  }
+}
+
+// Output features [first, first + kFeatureBlock) of every row: y = x @ (w * scale)^T + bias.
+void feature_block(const float* x, int64_t rows, int64_t in, const int8_t* w, const float* scale,
+                   int64_t groups, const float* bias, int64_t first, float* buffer, float* y, int64_t out) {
+  if (rows > 2) dequantize_block(w, scale, in, groups, first, buffer);
+  float totals[2 * kFeatureBlock];
   for (int64_t row = 0; row < rows; row += 2) {
     const int64_t pair = std::min<int64_t>(2, rows - row);
-    float totals[2 * kFeatureBlock] = {};
-    for (int64_t g = 0; g < groups; ++g) {
-      const int64_t begin = g * group_size;
-      if (pair == 2) {
-        dot_block<2>(x + row * in, in, w + first * in, in, begin, begin + group_size, sums);
-      } else {
-        dot_block<1>(x + row * in, in, w + first * in, in, begin, begin + group_size, sums);
-      }
-      for (int64_t i = 0; i < pair * kFeatureBlock; ++i) {
-        totals[i] += sums[i] * scale[(first + i % kFeatureBlock) * groups + g];
-      }
+    if (rows <= 2) {
+      features_from_int8(x + row * in, pair, in, w, scale, groups, first, totals);
+    } else if (pair == 2) {
+      dot_block<2>(x + row * in, in, buffer, in, 0, in, totals);
+    } else {
+      dot_block<1>(x + row * in, in, buffer, in, 0, in, totals);
     }
     for (int64_t i = 0; i < pair * kFeatureBlock; ++i) {
       const int64_t feature = first + i % kFeatureBlock;
@@ -121,8 +155,10 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::
   float* y = result.data_ptr<float>();
   const int64_t blocks = out / kFeatureBlock;
   at::parallel_for(0, blocks, kFeaturesPerTask / kFeatureBlock, [&](int64_t first_block, int64_t last_block) {
+    std::vector<float> buffer(rows > 2 ? kFeatureBlock * in : 0);
     for (int64_t block = first_block; block < last_block; ++block) {
-      feature_block(x_data, rows, in, w_data, s_data, groups, b_data, block * kFeatureBlock, y, out);
+      feature_block(x_data, rows, in, w_data, s_data, groups, b_data, block * kFeatureBlock, buffer.data(), y,
+                    out);
     }
   });
   return result;

@@ -17,7 +17,7 @@ from typing import Any
 
 from kvfleet.runtime.models.make_model import llava, omni, qwen2_audio
 from kvfleet.runtime.models.make_model.files import save_weights, write_json
-from kvfleet.runtime.models.make_model.quantize import SCHEMES, quantize_weights
+from kvfleet.runtime.models.make_model.quantize import SCHEMES, quantize_folder
 from kvfleet.runtime.models.make_model.text import PRESETS, TEXT_ARCHITECTURES, random_weights, text_config
 from kvfleet.runtime.models.make_model.tokenizer import (
     LLAMA_STYLE,
@@ -122,16 +122,5 @@ def make_model(
         teacher_model = None if teacher is None else load_teacher(Path(teacher), out)
         train(out, tokenizer, train_steps, seed, teacher_model)
     if quantize is not None:
-        _quantize_folder(out, config, quantize)
+        quantize_folder(out, quantize)
     return out
-
-
-def _quantize_folder(out: Path, config: dict[str, Any], scheme: str) -> None:
-    """Rewrite the folder's (possibly trained) weights quantized, and say how in config.json."""
-    from safetensors.torch import load_file
-
-    tensors, quantization_config = quantize_weights(
-        load_file(out / "model.safetensors"), scheme, config["dtype"]
-    )
-    save_weights(out / "model.safetensors", tensors, None)
-    write_json(out / "config.json", {**config, "quantization_config": quantization_config})

@@ -11,7 +11,11 @@ compressed-tensors is imported only here, when a quantized folder is made.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
+
+from kvfleet.runtime.models.make_model.files import save_weights, write_json
 
 SCHEMES = ("w8a16", "w4a16", "fp8")
 # Group sizes tried for w4a16, largest first: llm-compressor's default is 128; a smaller preset's widths are
@@ -19,6 +23,19 @@ SCHEMES = ("w8a16", "w4a16", "fp8")
 _GROUP_SIZES = (128, 64, 32, 16)
 # The checkpoint's projections (the LM head is left in float).
 _PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def quantize_folder(folder: Path, scheme_name: str) -> None:
+    """Rewrite a float model folder's weights (one model.safetensors) quantized; config.json says how."""
+    from safetensors.torch import load_file
+
+    config = json.loads((folder / "config.json").read_text())
+    if "quantization_config" in config:
+        raise ValueError(f"{folder} is quantized already")
+    weights = load_file(folder / "model.safetensors")
+    tensors, quantization_config = quantize_weights(weights, scheme_name, config.get("dtype") or "float32")
+    save_weights(folder / "model.safetensors", tensors, None)
+    write_json(folder / "config.json", {**config, "quantization_config": quantization_config})
 
 
 def quantize_weights(
