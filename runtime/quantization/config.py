@@ -46,6 +46,18 @@ _WHY_NOT = {
     "fp8": "vLLM's own fp8 checkpoints (block-wise weight_scale_inv) are not loaded, nor are float weights "
     "quantized at load; compressed-tensors FP8 checkpoints are",
 }
+# vLLM's --kv-cache-dtype values.
+KV_CACHE_DTYPES = (
+    "auto",
+    "float16",
+    "bfloat16",
+    "int8",
+    "fp8",
+    "fp8_e4m3",
+    "fp8_e5m2",
+    "fp8_inc",
+    "fp8_ds_mla",
+)
 _INT_FORMATS = ("pack-quantized", "int-quantized", "naive-quantized")
 _FLOAT_FORMATS = ("float-quantized", "naive-quantized")
 
@@ -78,6 +90,20 @@ def check_quantization_method(requested: str | None) -> None:
             f"quantization {requested!r} is not a method vLLM names; kvfleet loads compressed-tensors "
             "checkpoints"
         )
+
+
+def kv_cache_dtype_refusal(kv_cache_dtype: str) -> str | None:
+    """Why kvfleet cannot keep the KV cache in `kv_cache_dtype` (vLLM's names), or None for `auto`."""
+    if kv_cache_dtype == "auto":
+        return None
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        return f"{kv_cache_dtype!r} is not one of vLLM's KV cache dtypes ({', '.join(KV_CACHE_DTYPES)})"
+    if kv_cache_dtype.startswith(("fp8", "int8")):
+        return (
+            f"{kv_cache_dtype!r}: a quantized KV cache is not supported: the attention backends read and "
+            "write the cache in the activations' dtype (and CPUs have no float8 arithmetic); use auto"
+        )
+    return f"{kv_cache_dtype!r}: the KV cache is kept in the model's dtype (auto) only"
 
 
 def weight_quantization(

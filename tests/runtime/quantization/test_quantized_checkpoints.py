@@ -19,7 +19,7 @@ import pytest
 import torch
 from kvfleet.runtime import LLM, SamplingParams
 from kvfleet.runtime.models.make_model.quantize import quantize_folder
-from kvfleet.runtime.quantization.config import weight_quantization
+from kvfleet.runtime.quantization.config import kv_cache_dtype_refusal, weight_quantization
 from kvfleet.runtime.quantization.linear import Int8Linear
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, CompressedTensorsConfig
@@ -173,3 +173,9 @@ def test_scales_of_the_wrong_shape_are_refused_naming_the_tensor(
     save_file(tensors, str(folder / "model.safetensors"))
     with pytest.raises(ValueError, match=f"'{name}' has shape"):
         LLM(str(folder), dtype="float32", num_kv_blocks=16, max_model_len=64)
+
+
+def test_kv_cache_dtypes_are_refused_with_the_reason() -> None:
+    assert kv_cache_dtype_refusal("auto") is None
+    assert "a quantized KV cache is not supported" in (kv_cache_dtype_refusal("fp8_e5m2") or "")
+    assert "not one of vLLM's KV cache dtypes" in (kv_cache_dtype_refusal("fp9") or "")
