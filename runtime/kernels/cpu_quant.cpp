@@ -1,12 +1,14 @@
 // Weight-only int8 projections on the CPU: y = x @ (w * scale)^T + bias, the weight read as int8.
 //
-// A decode step is bound by reading the weights; held as int8 they are a quarter of float32's bytes. Each
-// output feature's int8 row is converted to float as it is read and multiplied into every input row while it
-// sits in L1, so the float weight is never written out. Per group of input columns the partial dot products
-// are summed in float32 and then scaled (per-channel scales are one group of the whole row), so the sums run
-// in another order than a float matmul's over a dequantized weight: results agree to float32 rounding, not
-// bit for bit. Output features are split over torch's intra-op threads. float32 activations only; the loops
-// are written for the compiler to vectorise (-O3 -march=native).
+// A decode step is bound by reading the weights; held as int8 they are a quarter of float32's bytes, and the
+// float weight is never written out whole. Output features are computed four at a time, each block of four
+// weight rows read once for every input row while it sits in L1: with one or two input rows and one scale
+// per output feature, straight from int8 (each row's sum scaled at the end); otherwise the block is first
+// dequantized into a small float buffer. Either way the sums run in another order than a float matmul's over
+// the dequantized weight: results agree to float32 rounding, not bit for bit. Blocks are split over torch's
+// intra-op threads. float32 activations only; the loops are written for the compiler to vectorise
+// (-O3 -march=native), with one scalar accumulator per (row, feature) pair so that it keeps them in vector
+// registers.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -65,29 +67,22 @@ inline void dot_block(const float* x, int64_t x_stride, const Weight* w, int64_t
   }
 }
 
-// Output features [first, first + kFeatureBlock) of one or two rows, straight from the int8 weight: per
-// group, the partial sums are scaled and added up.
+// Output features [first, first + kFeatureBlock) of one or two rows, straight from the int8 weight with
+// one scale per output feature: each row's sum is scaled once.
 void features_from_int8(const float* x, int64_t rows, int64_t in, const int8_t* w, const float* scale,
-                        int64_t groups, int64_t first, float* totals) {
-  const int64_t group_size = in / groups;
-  float sums[2 * kFeatureBlock];
-  for (int64_t i = 0; i < rows * kFeatureBlock; ++i) totals[i] = 0.0f;
-  for (int64_t g = 0; g < groups; ++g) {
-    const int64_t begin = g * group_size;
-    if (rows == 2) {
-      dot_block<2>(x, in, w + first * in, in, begin, begin + group_size, sums);
-    } else {
-      dot_block<1>(x, in, w + first * in, in, begin, begin + group_size, sums);
-    }
-    for (int64_t i = 0; i < rows * kFeatureBlock; ++i) {
-      totals[i] += sums[i] * scale[(first + i % kFeatureBlock) * groups + g];
-    }
+                        int64_t first, float* totals) {
+  if (rows == 2) {
+    dot_block<2>(x, in, w + first * in, in, 0, in, totals);
+  } else {
+    dot_block<1>(x, in, w + first * in, in, 0, in, totals);
   }
+  for (int64_t i = 0; i < rows * kFeatureBlock; ++i) totals[i] *= scale[first + i % kFeatureBlock];
 }
 
-// The kFeatureBlock weight rows from `first` dequantized (int8 times scale) into `buffer` [kFeatureBlock, in]:
-// with more than two input rows, converting each weight once and reading floats after costs less than
-// converting it again for every pair of rows.
+// The kFeatureBlock weight rows from `first` dequantized (int8 times scale) into `buffer` [kFeatureBlock, in].
+// With more than two input rows, converting each weight once and reading floats after costs less than
+// converting it again for every pair of rows; with group scales, it costs less than summing each group of a
+// few hundred columns apart (each sum ends in a reduction across the vector's lanes).
 void dequantize_block(const int8_t* w, const float* scale, int64_t in, int64_t groups, int64_t first,
                       float* buffer) {
   const int64_t group_size = in / groups;
@@ -106,12 +101,13 @@ void dequantize_block(const int8_t* w, const float* scale, int64_t in, int64_t g
 // Output features [first, first + kFeatureBlock) of every row: y = x @ (w * scale)^T + bias.
 void feature_block(const float* x, int64_t rows, int64_t in, const int8_t* w, const float* scale,
                    int64_t groups, const float* bias, int64_t first, float* buffer, float* y, int64_t out) {
-  if (rows > 2) dequantize_block(w, scale, in, groups, first, buffer);
+  const bool dequantized = rows > 2 || groups > 1;
+  if (dequantized) dequantize_block(w, scale, in, groups, first, buffer);
   float totals[2 * kFeatureBlock];
   for (int64_t row = 0; row < rows; row += 2) {
     const int64_t pair = std::min<int64_t>(2, rows - row);
-    if (rows <= 2) {
-      features_from_int8(x + row * in, pair, in, w, scale, groups, first, totals);
+    if (!dequantized) {
+      features_from_int8(x + row * in, pair, in, w, scale, first, totals);
     } else if (pair == 2) {
       dot_block<2>(x + row * in, in, buffer, in, 0, in, totals);
     } else {
@@ -155,7 +151,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::
   float* y = result.data_ptr<float>();
   const int64_t blocks = out / kFeatureBlock;
   at::parallel_for(0, blocks, kFeaturesPerTask / kFeatureBlock, [&](int64_t first_block, int64_t last_block) {
-    std::vector<float> buffer(rows > 2 ? kFeatureBlock * in : 0);
+    std::vector<float> buffer(rows > 2 || groups > 1 ? kFeatureBlock * in : 0);
     for (int64_t block = first_block; block < last_block; ++block) {
       feature_block(x_data, rows, in, w_data, s_data, groups, b_data, block * kFeatureBlock, buffer.data(), y,
                     out);
