@@ -4,9 +4,10 @@ Int8 and int4 weights are held as int8 [out, in] with float32 scales [out, group
 row for per-channel scales); int4 values take a byte each, so both move a quarter of float32's bytes. Float8
 weights are dequantized as they are read: the model then holds an ordinary float projection.
 
-A layer built for float32 on the CPU runs the fused int8 matmul of `cpu_quant.cpp` for the few rows of a
-decode step; longer inputs (prefill), other dtypes and devices dequantize the weight and run a float matmul,
-where the computation, not the weight's bytes, is the cost.
+A layer binds its matmul when built: for float32 on the CPU the fused int8 matmul of `cpu_quant.cpp`, for the
+few rows of a decode step (longer inputs, prefill, dequantize the weight and run a float matmul: there the
+computation, not the weight's bytes, is the cost); on CUDA Triton's (`kernels.int8_matmul`); elsewhere the
+torch code, a float matmul over the dequantized weight.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from kvfleet.runtime.kernels.cpu_build import build_cpu_ops
+from kvfleet.runtime.kernels.fused_layers import Implementation, implementation_for
 from kvfleet.runtime.models.layers import Linear
 from kvfleet.runtime.quantization.config import WeightQuantization
 from safetensors import safe_open
@@ -63,22 +65,36 @@ class Int8Linear(nn.Module):
             torch.full((out_features, groups), float("nan")), requires_grad=False
         )
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype)) if bias else None
-        device = self.weight.device
-        self.fused = (
-            device.type == "cpu"
-            and dtype == torch.float32
-            and out_features % _FEATURE_BLOCK == 0
-            and int8_ops_available()
-        )
+        self.kernel = _kernel_for(self.weight.device, dtype, in_features, out_features, groups)
 
     def check_loaded(self, name: str) -> None:
         if bool(self.weight_scale.isnan().any()):
             raise ValueError(f"checkpoint left some of {name}'s weight_scale rows unloaded")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused and x.dim() == 2 and x.shape[0] <= FUSED_MAX_ROWS:
+        if self.kernel is Implementation.CPU and x.dim() == 2 and x.shape[0] <= FUSED_MAX_ROWS:
             return torch.ops.kvfleet_cpu_quant.int8_linear(x, self.weight, self.weight_scale, self.bias)
+        if self.kernel is Implementation.CUDA and x.dim() == 2:
+            from kvfleet.runtime.kernels.int8_matmul import int8_matmul
+
+            return int8_matmul(x, self.weight, self.weight_scale, self.bias)
         return F.linear(x, dequantize(self.weight, self.weight_scale, x.dtype), self.bias)
+
+
+def _kernel_for(
+    device: torch.device, dtype: torch.dtype, in_features: int, out_features: int, groups: int
+) -> Implementation:
+    """The fused C++ matmul for float32 on the CPU, Triton's on CUDA where the group size suits its tiles,
+    else the torch code (a float matmul over the dequantized weight)."""
+    if device.type == "cpu":
+        fits = dtype == torch.float32 and out_features % _FEATURE_BLOCK == 0
+        return Implementation.CPU if fits and int8_ops_available() else Implementation.NATIVE
+    if implementation_for(device, dtype) is Implementation.CUDA:
+        from kvfleet.runtime.kernels.int8_matmul import block_k
+
+        if block_k(in_features, groups) is not None:
+            return Implementation.CUDA
+    return Implementation.NATIVE
 
 
 class QuantizedCheckpoint:

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from kvfleet.runtime import LLM, SamplingParams
+from kvfleet.runtime.kernels.fused_layers import Implementation
 from kvfleet.runtime.models.make_model.quantize import quantize_folder
 from kvfleet.runtime.quantization.config import kv_cache_dtype_refusal, weight_quantization
 from kvfleet.runtime.quantization.linear import Int8Linear
@@ -91,6 +92,7 @@ def test_greedy_matches_transformers_on_the_quantized_folder(quantized_case) -> 
     int8_layers = [m for m in llm.llm_engine.runner.model.modules() if isinstance(m, Int8Linear)]
     # Float8 weights are dequantized on load; int weights stay int8, in the fused kernel on this host.
     assert len(int8_layers) == (0 if scheme == "fp8" else 4 * 2)
+    assert all(layer.kernel is Implementation.CPU for layer in int8_layers)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=TOP_N)
     # The batch decodes several rows a step, the last prompt alone one row: both paths of the kernel.
     outputs = llm.generate(prompts, params) + llm.generate(prompts[-1:], params)
