@@ -21,7 +21,6 @@ import torch
 import torch.nn.functional as F
 from kvfleet.runtime.kernels.cpu_build import build_cpu_ops
 from kvfleet.runtime.kernels.fused_layers import Implementation, implementation_for
-from kvfleet.runtime.models.layers import Linear
 from kvfleet.runtime.quantization.config import WeightQuantization
 from safetensors import safe_open
 from torch import nn
@@ -121,7 +120,7 @@ class QuantizedCheckpoint:
         targets = {parameter_of(f"{name}.weight").removesuffix(".weight") for name in self.quantized}
         for target in sorted(targets):
             linear = modules.get(target)
-            if not isinstance(linear, Linear):
+            if not isinstance(linear, nn.Linear):
                 raise ValueError(f"checkpoint quantizes {target}, which is not a projection of the model")
             groups = self._groups(linear.in_features, target)
             replacement = Int8Linear(

@@ -72,10 +72,8 @@ def make_model(
         raise ValueError(f"unknown preset {preset!r}; choose from {', '.join(PRESETS)}")
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; choose from {', '.join(DTYPES)}")
-    if quantize is not None and quantize not in SCHEMES:
-        raise ValueError(f"unknown quantization scheme {quantize!r}; choose from {', '.join(SCHEMES)}")
-    if quantize is not None and arch in _MULTIMODAL:
-        raise ValueError(f"quantize writes text-only models; {arch}'s are not quantized")
+    if quantize is not None and (quantize not in SCHEMES or arch in _MULTIMODAL):
+        raise ValueError(f"quantize takes {', '.join(SCHEMES)} on text models, not {quantize!r} on {arch}")
     if train_steps < 0:
         raise ValueError(f"train_steps must not be negative, got {train_steps}")
     if teacher is not None and not train_steps:

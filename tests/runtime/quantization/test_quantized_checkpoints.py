@@ -19,6 +19,7 @@ import pytest
 import torch
 from kvfleet.runtime import LLM, SamplingParams
 from kvfleet.runtime.kernels.fused_layers import Implementation
+from kvfleet.runtime.models.make_model import make_model as write_model
 from kvfleet.runtime.models.make_model.quantize import quantize_folder
 from kvfleet.runtime.quantization.config import kv_cache_dtype_refusal, weight_quantization
 from kvfleet.runtime.quantization.linear import Int8Linear
@@ -181,3 +182,11 @@ def test_kv_cache_dtypes_are_refused_with_the_reason() -> None:
     assert kv_cache_dtype_refusal("auto") is None
     assert "a quantized KV cache is not supported" in (kv_cache_dtype_refusal("fp8_e5m2") or "")
     assert "not one of vLLM's KV cache dtypes" in (kv_cache_dtype_refusal("fp9") or "")
+
+
+@pytest.mark.parametrize(("arch", "scheme"), [("llama", "w2a16"), ("llava", "w8a16")])
+def test_make_model_refuses_what_it_cannot_quantize(arch: str, scheme: str, tmp_path: Path) -> None:
+    with pytest.raises(
+        ValueError, match=f"quantize takes w8a16, w4a16, fp8 on text models, not '{scheme}' on {arch}"
+    ):
+        write_model(arch, "tiny", tmp_path, quantize=scheme)
