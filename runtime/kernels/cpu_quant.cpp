@@ -25,6 +25,9 @@ constexpr int64_t kFeaturesPerTask = 32;
 // Output features computed together: each input value is loaded once for all of them, and their sums are
 // independent chains, which keeps the FMA units busy instead of waiting on one accumulator.
 constexpr int64_t kFeatureBlock = 4;
+// How far ahead of the block being computed the weight is prefetched: of 8, 24 and 64 KB ahead, 24 streamed
+// fastest (x86-64-v4, 2 cores).
+constexpr int64_t kPrefetchBytes = 24 * 1024;
 
 // The dot products of Rows input rows (1 or 2) with kFeatureBlock weight rows (int8, or float already
 // scaled) over columns [first, last): sums[row * kFeatureBlock + feature]. Plain scalar accumulators, so
@@ -101,6 +104,13 @@ void dequantize_block(const int8_t* w, const float* scale, int64_t in, int64_t g
 // Output features [first, first + kFeatureBlock) of every row: y = x @ (w * scale)^T + bias.
 void feature_block(const float* x, int64_t rows, int64_t in, const int8_t* w, const float* scale,
                    int64_t groups, const float* bias, int64_t first, float* buffer, float* y, int64_t out) {
+  // The weight rows a few blocks ahead are fetched while this block computes: the hardware prefetcher
+  // alone left the int8 stream at a third of the memory bandwidth.
+  const int64_t ahead_features = std::max(kFeatureBlock, kPrefetchBytes / in / kFeatureBlock * kFeatureBlock);
+  if (first + ahead_features + kFeatureBlock <= out) {
+    const int8_t* ahead = w + (first + ahead_features) * in;
+    for (int64_t byte = 0; byte < kFeatureBlock * in; byte += 64) __builtin_prefetch(ahead + byte);
+  }
   const bool dequantized = rows > 2 || groups > 1;
   if (dequantized) dequantize_block(w, scale, in, groups, first, buffer);
   float totals[2 * kFeatureBlock];
