@@ -175,14 +175,11 @@ class QuantizedCheckpoint:
         if scheme.type == "float":
             weight, scale = held["weight"], held["weight_scale"]
             _check_dtype(weight, torch.float8_e4m3fn, f"{prefix}.weight")
-            rows = weight.shape[0]
-            expected = [(1,), (rows, 1)] if scheme.strategy == "tensor" else [(rows, 1)]
-            if tuple(scale.shape) not in expected and not (
-                scheme.strategy == "tensor" and scale.numel() == 1
-            ):
+            expected = (1,) if scheme.strategy == "tensor" else (weight.shape[0], 1)
+            if scale.numel() != expected[0] or (scheme.strategy == "channel" and scale.dim() != 2):
                 raise ValueError(
                     f"checkpoint tensor '{prefix}.weight_scale' has shape {tuple(scale.shape)}, expected "
-                    f"{expected[-1]} ({scheme.strategy} scales)"
+                    f"{expected} ({scheme.strategy} scales)"
                 )
             return weight.float() * scale.float().reshape(-1, 1)
         if not scheme.packed:
