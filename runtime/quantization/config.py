@@ -134,11 +134,16 @@ def weight_quantization(
 
 
 def folder_weight_quantization(model_dir: str | Path, requested: str | None) -> WeightQuantization | None:
-    """weight_quantization of a folder's config.json; None for a folder without one (refused elsewhere)."""
+    """weight_quantization of a folder's config.json; None for a folder without a readable one (the folder
+    check and the loader refuse those with their own reasons)."""
+    check_quantization_method(requested)
     path = Path(model_dir) / "config.json"
-    if not path.is_file():
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
         return None
-    raw = json.loads(path.read_text())
+    if not isinstance(raw, dict):
+        return None
     return weight_quantization(raw.get("quantization_config"), requested, str(path))
 
 
