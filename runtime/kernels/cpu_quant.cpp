@@ -4,11 +4,11 @@
 // float weight is never written out whole. Output features are computed four at a time, each block of four
 // weight rows read once for every input row while it sits in L1: with one or two input rows and one scale
 // per output feature, straight from int8 (each row's sum scaled at the end); otherwise the block is first
-// dequantized into a small float buffer. Either way the sums run in another order than a float matmul's over
-// the dequantized weight: results agree to float32 rounding, not bit for bit. Blocks are split over torch's
-// intra-op threads. float32 activations only; the loops are written for the compiler to vectorise
-// (-O3 -march=native), with one scalar accumulator per (row, feature) pair so that it keeps them in vector
-// registers.
+// dequantized into a small float buffer, which four input rows at a time then read. Either way the sums run
+// in another order than a float matmul's over the dequantized weight: results agree to float32 rounding, not
+// bit for bit. Blocks are split over torch's intra-op threads. float32 activations only; the loops are
+// written for the compiler to vectorise (-O3 -march=native), with one scalar accumulator per (row, feature)
+// so that it keeps each in a vector register.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -29,20 +29,23 @@ constexpr int64_t kFeatureBlock = 4;
 // fastest (x86-64-v4, 2 cores).
 constexpr int64_t kPrefetchBytes = 24 * 1024;
 
-// The dot products of Rows input rows (1 or 2) with kFeatureBlock weight rows (int8, or float already
+// The dot products of Rows input rows (1 to 4) with kFeatureBlock weight rows (int8, or float already
 // scaled) over columns [first, last): sums[row * kFeatureBlock + feature]. Plain scalar accumulators, so
-// that the compiler vectorises the loop over the columns.
+// that the compiler vectorises the loop over the columns and keeps each sum in a vector register.
 template <int Rows, typename Weight>
 inline void dot_block(const float* x, int64_t x_stride, const Weight* w, int64_t w_stride, int64_t first,
                       int64_t last, float* sums) {
   const float* x0 = x;
   const float* x1 = x + (Rows > 1 ? x_stride : 0);
+  const float* x2 = x + (Rows > 2 ? 2 * x_stride : 0);
+  const float* x3 = x + (Rows > 3 ? 3 * x_stride : 0);
   const Weight* w0 = w;
   const Weight* w1 = w + w_stride;
   const Weight* w2 = w + 2 * w_stride;
   const Weight* w3 = w + 3 * w_stride;
   float a00 = 0.0f, a01 = 0.0f, a02 = 0.0f, a03 = 0.0f, a10 = 0.0f, a11 = 0.0f, a12 = 0.0f, a13 = 0.0f;
-#pragma omp simd reduction(+ : a00, a01, a02, a03, a10, a11, a12, a13)
+  float a20 = 0.0f, a21 = 0.0f, a22 = 0.0f, a23 = 0.0f, a30 = 0.0f, a31 = 0.0f, a32 = 0.0f, a33 = 0.0f;
+#pragma omp simd reduction(+ : a00, a01, a02, a03, a10, a11, a12, a13, a20, a21, a22, a23, a30, a31, a32, a33)
   for (int64_t k = first; k < last; ++k) {
     const float v0 = w0[k], v1 = w1[k], v2 = w2[k], v3 = w3[k];
     const float in0 = x0[k];
@@ -57,16 +60,33 @@ inline void dot_block(const float* x, int64_t x_stride, const Weight* w, int64_t
       a12 += in1 * v2;
       a13 += in1 * v3;
     }
+    if constexpr (Rows > 2) {
+      const float in2 = x2[k];
+      a20 += in2 * v0;
+      a21 += in2 * v1;
+      a22 += in2 * v2;
+      a23 += in2 * v3;
+    }
+    if constexpr (Rows > 3) {
+      const float in3 = x3[k];
+      a30 += in3 * v0;
+      a31 += in3 * v1;
+      a32 += in3 * v2;
+      a33 += in3 * v3;
+    }
   }
-  sums[0] = a00;
-  sums[1] = a01;
-  sums[2] = a02;
-  sums[3] = a03;
-  if constexpr (Rows > 1) {
-    sums[4] = a10;
-    sums[5] = a11;
-    sums[6] = a12;
-    sums[7] = a13;
+  const float all[4 * kFeatureBlock] = {a00, a01, a02, a03, a10, a11, a12, a13,
+                                        a20, a21, a22, a23, a30, a31, a32, a33};
+  for (int i = 0; i < Rows * kFeatureBlock; ++i) sums[i] = all[i];
+}
+
+// dot_block over float weights for any number of rows up to 4.
+inline void dot_float_rows(int64_t rows, const float* x, int64_t in, const float* buffer, float* sums) {
+  switch (rows) {
+    case 1: return dot_block<1>(x, in, buffer, in, 0, in, sums);
+    case 2: return dot_block<2>(x, in, buffer, in, 0, in, sums);
+    case 3: return dot_block<3>(x, in, buffer, in, 0, in, sums);
+    default: return dot_block<4>(x, in, buffer, in, 0, in, sums);
   }
 }
 
@@ -113,17 +133,17 @@ void feature_block(const float* x, int64_t rows, int64_t in, const int8_t* w, co
   }
   const bool dequantized = rows > 2 || groups > 1;
   if (dequantized) dequantize_block(w, scale, in, groups, first, buffer);
-  float totals[2 * kFeatureBlock];
-  for (int64_t row = 0; row < rows; row += 2) {
-    const int64_t pair = std::min<int64_t>(2, rows - row);
-    if (!dequantized) {
-      features_from_int8(x + row * in, pair, in, w, scale, first, totals);
-    } else if (pair == 2) {
-      dot_block<2>(x + row * in, in, buffer, in, 0, in, totals);
+  // Rows taken together: two straight from int8 (more spill the vector registers), four from the buffer.
+  const int64_t step = dequantized ? 4 : 2;
+  float totals[4 * kFeatureBlock];
+  for (int64_t row = 0; row < rows; row += step) {
+    const int64_t taken = std::min(step, rows - row);
+    if (dequantized) {
+      dot_float_rows(taken, x + row * in, in, buffer, totals);
     } else {
-      dot_block<1>(x + row * in, in, buffer, in, 0, in, totals);
+      features_from_int8(x + row * in, taken, in, w, scale, first, totals);
     }
-    for (int64_t i = 0; i < pair * kFeatureBlock; ++i) {
+    for (int64_t i = 0; i < taken * kFeatureBlock; ++i) {
       const int64_t feature = first + i % kFeatureBlock;
       y[(row + i / kFeatureBlock) * out + feature] = totals[i] + (bias != nullptr ? bias[feature] : 0.0f);
     }
