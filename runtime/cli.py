@@ -55,6 +55,13 @@ from kvfleet.runtime.config import engine_config_from_options, engine_options
     show_default=True,
     help="Qwen: the layers from this one on slide.",
 )
+@click.option(
+    "--quantize",
+    type=click.Choice(["w8a16", "w4a16", "fp8"]),
+    default=None,
+    help="Write the projections quantized in the compressed-tensors format (llm-compressor's scheme names): "
+    "int8 per channel, int4 in groups, or float8 per channel; activations stay in float.",
+)
 @click.argument("out_dir", type=click.Path(file_okay=False))
 def make_model(
     arch: str,
@@ -67,6 +74,7 @@ def make_model(
     rope_parameters: str | None,
     sliding_window: int | None,
     max_window_layers: int,
+    quantize: str | None,
     out_dir: str,
 ) -> None:
     """Write a Hugging Face model folder with random weights and a trained tokenizer to OUT_DIR."""
@@ -91,6 +99,7 @@ def make_model(
             max_window_layers=max_window_layers,
             train_steps=train_steps,
             teacher=teacher,
+            quantize=quantize,
         )
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc

@@ -19,6 +19,7 @@ from kvfleet.runtime.kv_transfer.config import KVTransferConfig
 from kvfleet.runtime.kv_transfer.factory import check_connector_name
 from kvfleet.runtime.list_options import ListOption
 from kvfleet.runtime.multimodal.media_sources import IPNetwork, MediaOrigin, parse_networks, parse_origins
+from kvfleet.runtime.quantization.config import folder_weight_quantization
 from kvfleet.runtime.speculative_config import SpeculativeConfig
 
 Device = Literal["auto", "cpu", "cuda"]
@@ -52,6 +53,12 @@ class EngineConfig:
         "Chat template replacing the tokenizer's: a file path or the Jinja text itself.", default=None
     )
     dtype: DType = _option("Weights and activations dtype; auto follows config.json.", default="auto")
+    quantization: str | None = _option(
+        "How the checkpoint's weights are quantized, by vLLM's method name; by default read from the "
+        "folder's quantization_config. kvfleet loads compressed-tensors checkpoints (int8 and int4 weights "
+        "with channel or group scales, float8 weights) and refuses the other methods by name.",
+        default=None,
+    )
     device: Device = _option("Where the model runs; auto picks cuda when present.", default="auto")
     use_tqdm_on_load: bool = _option(
         "Show the checkpoint's shards loading on a progress bar (on stderr, one line a shard).", default=True
@@ -191,6 +198,7 @@ class EngineConfig:
                 raise ValueError(message)
 
         require(bool(self.model), "model must name a model folder")
+        folder_weight_quantization(self.model, self.quantization)  # raises ValueError naming the field
         for name in ("dtype", "device", "scheduling_policy"):
             allowed = get_args(_FIELD_TYPES[name])
             require(getattr(self, name) in allowed, f"{name} must be one of {', '.join(allowed)}")

@@ -377,21 +377,43 @@ def bench_engine_timing(
 @click.option("--batch-sizes", default="1,8", show_default=True)
 @click.option("--steps", type=click.IntRange(min=1), default=100, show_default=True)
 @click.option("--rounds", type=click.IntRange(min=1), default=3, show_default=True)
+@click.option(
+    "--quantize",
+    type=click.Choice(["w8a16", "w4a16", "fp8"]),
+    default=None,
+    help="Also measure a copy of the model with its projections quantized so (`make-model --quantize`), "
+    "batch size by batch size beside the float model.",
+)
 @engine_options
-def bench_step_phases(model: str | None, batch_sizes: str, steps: int, rounds: int, **options) -> None:
+def bench_step_phases(
+    model: str | None, batch_sizes: str, steps: int, rounds: int, quantize: str | None, **options
+) -> None:
     """Where a decode step's time goes, phase by phase, at each batch size."""
     import torch
     from kvfleet.runtime import LLM
     from kvfleet.runtime.bench.step_phases import format_table, measure_step_phases
 
-    with _model_or_small(model) as model_dir:
-        llm = LLM(model_dir, **engine_config_from_options(model_dir, options).as_options())
+    with contextlib.ExitStack() as stack:
+        model_dir = stack.enter_context(_model_or_small(model))
+        folders = {"": model_dir}
+        if quantize is not None:
+            folders[quantize] = stack.enter_context(_quantized_copy(model_dir, quantize))
+        engines = {
+            label: LLM(folder, **engine_config_from_options(folder, options).as_options())
+            for label, folder in folders.items()
+        }
+        # Each batch size measured on both models in turn, so that both see the machine's load alike.
         results = [
-            measure_step_phases(llm, int(batch), steps=steps, rounds=rounds)
+            measure_step_phases(llm, int(batch), steps=steps, rounds=rounds, label=label)
             for batch in batch_sizes.split(",")
+            for label, llm in engines.items()
         ]
     click.echo(f"{torch.get_num_threads()} torch threads, load average {os.getloadavg()[0]:.2f}\n")
     click.echo(format_table(results))
+    if quantize is not None:
+        pairs = zip(results[::2], results[1::2], strict=True)
+        speedups = ", ".join(f"batch {f.batch_size} {f.step_ms / q.step_ms:.2f}x" for f, q in pairs)
+        click.echo(f"\n{quantize} against the float model, whole step: {speedups}")
 
 
 @bench.command("disaggregated")
@@ -619,6 +641,20 @@ def _even_cpus(text: str) -> list[int]:
         message = f"expected an even number of distinct CPU numbers separated by commas, got {text!r}"
         raise click.BadParameter(message, param_hint="--cpus")
     return cpus
+
+
+@contextlib.contextmanager
+def _quantized_copy(model_dir: str, scheme: str) -> Iterator[str]:
+    """A copy of a float model folder with its projections quantized, removed afterwards."""
+    import shutil
+
+    from kvfleet.runtime.models.make_model.quantize import quantize_folder
+
+    with tempfile.TemporaryDirectory(prefix=f"kvfleet-{scheme}-") as parent:
+        folder = Path(parent) / Path(model_dir).name
+        shutil.copytree(model_dir, folder)
+        quantize_folder(folder, scheme)
+        yield str(folder)
 
 
 @contextlib.contextmanager

@@ -19,6 +19,7 @@ from typing import Any
 
 from kvfleet.runtime.engine.llm import LLM
 from kvfleet.runtime.models.layers import Linear
+from kvfleet.runtime.quantization.linear import Int8Linear
 from kvfleet.runtime.sampling_params import SamplingParams
 
 # Phases in the order of a step. "embedding, norms, rotary, activation" is the model's time less its
@@ -42,6 +43,7 @@ class StepPhases:
     batch_size: int
     step_ms: float
     phase_ms: dict[str, float]
+    label: str = ""  # what tells the model apart from others measured beside it
 
 
 class _Timers:
@@ -100,7 +102,7 @@ def _instrument(llm: LLM, timers: _Timers) -> Callable[[], None]:
     wrap(model, "forward", "model")
     wrap(model, "compute_logits", "logits")
     for module in model.modules():
-        if isinstance(module, Linear) and module is not getattr(model, "lm_head", None):
+        if isinstance(module, (Linear, Int8Linear)) and module is not getattr(model, "lm_head", None):
             wrap(module, "forward", "projections")
     sampler = runner.sampler
     runner.sampler = _TimedCallable(sampler, timers, "sampling")  # type: ignore[assignment]
@@ -131,7 +133,7 @@ def _phases_per_step(seconds: dict[str, float]) -> dict[str, float]:
 
 
 def measure_step_phases(
-    llm: LLM, batch_size: int, *, steps: int = 100, rounds: int = 3, prompt_len: int = 32
+    llm: LLM, batch_size: int, *, steps: int = 100, rounds: int = 3, prompt_len: int = 32, label: str = ""
 ) -> StepPhases:
     """Phases of a decode step of `batch_size` requests; contexts grow from `prompt_len` tokens."""
     engine = llm.llm_engine
@@ -160,7 +162,7 @@ def measure_step_phases(
             remove()
         engine.abort_request(ids)
         medians = {key: statistics.median(step[key] for step in per_step) for key in per_step[0]}
-        phases = StepPhases(batch_size, medians.pop("step"), medians)
+        phases = StepPhases(batch_size, medians.pop("step"), medians, label)
         if best is None or phases.step_ms < best.step_ms:
             best = phases
     assert best is not None
@@ -168,7 +170,8 @@ def measure_step_phases(
 
 
 def format_table(results: list[StepPhases]) -> str:
-    header = "| phase (ms per step) | " + " | ".join(f"batch {r.batch_size}" for r in results) + " |"
+    columns = [f"batch {r.batch_size} {r.label}".rstrip() for r in results]
+    header = "| phase (ms per step) | " + " | ".join(columns) + " |"
     lines = [header, "| --- | " + " | ".join("---:" for _ in results) + " |"]
     for phase in PHASES:
         lines.append(f"| {phase} | " + " | ".join(f"{r.phase_ms[phase]:.3f}" for r in results) + " |")

@@ -287,6 +287,10 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {', '.join(missing[:4])}")
 
+    def parameter_of(self, hf_name: str) -> str:
+        """The parameter a checkpoint tensor is copied into (a fused projection's, for the stacked ones)."""
+        return self._place(hf_name)[0]
+
     def _place(self, hf_name: str) -> tuple[str, tuple[int, int] | None]:
         """Where a checkpoint tensor goes: (parameter name, (first row, rows) of a fused one or None)."""
         name = hf_name.removeprefix("model.")

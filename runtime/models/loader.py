@@ -14,6 +14,7 @@ from kvfleet.runtime.distributed.parallel import parallel_context
 from kvfleet.runtime.models.layers import pack_linears_for_cpu
 from kvfleet.runtime.models.model_config import DTYPES, ModelConfig
 from kvfleet.runtime.models.registry import ModelRegistry
+from kvfleet.runtime.quantization.config import weight_quantization
 from safetensors import safe_open
 from torch import nn
 from tqdm import tqdm
@@ -113,10 +114,12 @@ def load_model(
     use_tqdm: bool,
     registry: ModelRegistry | None = None,
     stats: LoadStats | None = None,
+    quantization: str | None = None,
 ) -> nn.Module:
     """Build the registered class for the config's architecture and fill it from the folder's weights.
     `stats`, when given, is filled with what loading held in memory. `use_tqdm`: the first rank shows the
-    shards loading on a progress bar (the other ranks read the same shards at the same time)."""
+    shards loading on a progress bar (the other ranks read the same shards at the same time).
+    `quantization`: the method asked for (vLLM's names), checked against the folder's quantization_config."""
     model_dir = Path(model_dir)
     model_class = (registry or ModelRegistry()).resolve(model_config.architecture)
     parallel = parallel_context()
@@ -124,6 +127,13 @@ def load_model(
         raise ValueError(
             f"{model_config.architecture} ({model_class.__name__}) cannot be split between ranks: it does "
             "not say which slice of each checkpoint tensor a rank holds (checkpoint_slice)"
+        )
+    scheme = weight_quantization(
+        model_config.quantization_config, quantization, str(model_dir / "config.json")
+    )
+    if scheme is not None and parallel.tp_size * parallel.pp_size > 1:
+        raise ValueError(
+            "quantized checkpoints run on one rank (tensor_parallel_size = pipeline_parallel_size = 1)"
         )
     files = safetensors_files(model_dir)
     default_dtype = torch.get_default_dtype()
@@ -134,8 +144,19 @@ def load_model(
     finally:
         torch.set_default_dtype(default_dtype)
     stats = stats or LoadStats()
+    weights = iterate_weights(files, model, stats, use_tqdm=use_tqdm and parallel.rank == 0)
+    checkpoint = None
+    if scheme is not None:
+        from kvfleet.runtime.quantization.linear import QuantizedCheckpoint
+
+        checkpoint = QuantizedCheckpoint(scheme, files)
+        with torch.device(device):
+            checkpoint.replace_linears(model, dtype)
+        weights = checkpoint.tensors(weights)
     with torch.no_grad():
-        model.load_weights(iterate_weights(files, model, stats, use_tqdm=use_tqdm and parallel.rank == 0))
+        model.load_weights(weights)
+    if checkpoint is not None:
+        checkpoint.check_loaded(model)
     num_parameters = sum(p.numel() for p in model.parameters())
     stats.parameter_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     packed = pack_linears_for_cpu(model) if device.type == "cpu" else 0
@@ -148,4 +169,6 @@ def load_model(
         device,
         f", {packed} projections packed for oneDNN" if packed else "",
     )
+    if scheme is not None:
+        logger.info("quantized checkpoint: %s", scheme.describe())
     return model.eval()

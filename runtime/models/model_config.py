@@ -43,6 +43,8 @@ class ModelConfig:
     # A multimodal model's whole config.json (its encoders' settings); the fields above describe its language
     # model. None for text-only models.
     multimodal: dict[str, Any] | None = field(default=None, hash=False, compare=False)
+    # config.json's quantization_config as written (read by kvfleet.runtime.quantization), None for float.
+    quantization_config: dict[str, Any] | None = field(default=None, hash=False, compare=False)
 
     @classmethod
     def from_folder(cls, model_dir: str | Path) -> ModelConfig:
@@ -114,6 +116,7 @@ class ModelConfig:
             layer_windows=_layer_windows(raw, int(require("num_hidden_layers")), source),
             dtype=DTYPES[dtype_name],
             moe=moe_config(raw, int(require("num_hidden_layers")), source),
+            quantization_config=raw.get("quantization_config"),
         )
 
     @property

@@ -23,6 +23,7 @@ from kvfleet.runtime.config import (
     served_model_name_option,
 )
 from kvfleet.runtime.list_options import ListOption, ListOptionsCommand
+from kvfleet.runtime.quantization.config import kv_cache_dtype_refusal
 from kvfleet.runtime.sampling_params import MAX_LOGPROBS
 from kvfleet.runtime.server.state import (
     DEFAULT_BODY_READ_TIMEOUT_S,
@@ -326,7 +327,8 @@ def _api_key(ctx: click.Context, param: click.Parameter, value: str | None) -> s
     "--kv-cache-dtype",
     default="auto",
     show_default=True,
-    help="The KV cache's dtype: auto (the model's dtype) is the only one.",
+    help="The KV cache's dtype, by vLLM's names: auto (the model's dtype) is the only one kvfleet keeps; "
+    "fp8 and the others are refused with the reason.",
 )
 @click.option(
     "--reasoning-parser",
@@ -428,11 +430,9 @@ def _model_folder(model: str, revision: str | None) -> str:
 
 def _refuse_what_cannot_be_honoured(options: dict[str, Any]) -> None:
     """vLLM's flags that kvfleet takes, refused at start for the values it cannot honour."""
-    if options["kv_cache_dtype"] != "auto":
-        raise click.BadParameter(
-            f"{options['kv_cache_dtype']!r}: the KV cache is kept in the model's dtype (auto) only",
-            param_hint="--kv-cache-dtype",
-        )
+    refusal = kv_cache_dtype_refusal(options["kv_cache_dtype"])
+    if refusal is not None:
+        raise click.BadParameter(refusal, param_hint="--kv-cache-dtype")
 
 
 def _check_reasoning_parser(name: str, tokenizer_dir: Path) -> None:

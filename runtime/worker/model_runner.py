@@ -151,6 +151,7 @@ class ModelRunner:
             max_position=self.max_model_len,
             use_tqdm=self.config.use_tqdm_on_load,
             stats=self.load_stats,
+            quantization=self.config.quantization,
         )
         if hasattr(self.model, "embed_multimodal"):
             self.encoder_runner = EncoderRunner(self.model, self.device)

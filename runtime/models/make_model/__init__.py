@@ -17,6 +17,7 @@ from typing import Any
 
 from kvfleet.runtime.models.make_model import llava, omni, qwen2_audio
 from kvfleet.runtime.models.make_model.files import save_weights, write_json
+from kvfleet.runtime.models.make_model.quantize import SCHEMES, quantize_folder
 from kvfleet.runtime.models.make_model.text import PRESETS, TEXT_ARCHITECTURES, random_weights, text_config
 from kvfleet.runtime.models.make_model.tokenizer import (
     LLAMA_STYLE,
@@ -54,6 +55,7 @@ def make_model(
     max_window_layers: int = 0,
     train_steps: int = 0,
     teacher: str | Path | None = None,
+    quantize: str | None = None,
 ) -> Path:
     """Write the folder; returns its path. Raises ValueError for unknown choices or a non-empty folder.
 
@@ -62,13 +64,16 @@ def make_model(
     sliding_window gives Mistral, Mixtral and Qwen3-MoE a window on every layer, and Qwen2/3 one on the
     layers from max_window_layers on (Llama has none). train_steps then trains the weights on the
     tokenizer's corpus: to predict its next tokens, or, given a teacher model folder of the same tokenizer,
-    to predict the teacher's next-token distributions (knowledge distillation, as draft models are made)."""
+    to predict the teacher's next-token distributions (knowledge distillation, as draft models are made).
+    quantize names a weight-only scheme (`quantize.SCHEMES`) the projections are then stored in."""
     if arch not in ARCHITECTURES:
         raise ValueError(f"unknown arch {arch!r}; choose from {', '.join(ARCHITECTURES)}")
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose from {', '.join(PRESETS)}")
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; choose from {', '.join(DTYPES)}")
+    if quantize is not None and (quantize not in SCHEMES or arch in _MULTIMODAL):
+        raise ValueError(f"quantize takes {', '.join(SCHEMES)} on text models, not {quantize!r} on {arch}")
     if train_steps < 0:
         raise ValueError(f"train_steps must not be negative, got {train_steps}")
     if teacher is not None and not train_steps:
@@ -116,4 +121,6 @@ def make_model(
     if train_steps:
         teacher_model = None if teacher is None else load_teacher(Path(teacher), out)
         train(out, tokenizer, train_steps, seed, teacher_model)
+    if quantize is not None:
+        quantize_folder(out, quantize)
     return out

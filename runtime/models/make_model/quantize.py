@@ -1,0 +1,110 @@
+"""A made model's projections quantized into the compressed-tensors format, with that library's own code.
+
+The schemes are llm-compressor's preset names, lower-cased, for what a weight-only checkpoint holds:
+`w8a16` (int8, one scale per output channel: the format kvfleet's fused CPU matmul reads), `w4a16` (int4,
+one scale per group of input columns, packed eight to an int32) and `fp8` (float8 e4m3 weights, one scale per
+output channel, activations left in float: what vLLM serves as W8A16-FP8). Activations are never quantized.
+The LM head and the embedding stay in float, as llm-compressor's recipes leave them.
+
+compressed-tensors is imported only here, when a quantized folder is made.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from kvfleet.runtime.models.make_model.files import save_weights, write_json
+
+SCHEMES = ("w8a16", "w4a16", "fp8")
+# Group sizes tried for w4a16, largest first: llm-compressor's default is 128; a smaller preset's widths are
+# not all multiples of it.
+_GROUP_SIZES = (128, 64, 32, 16)
+# The checkpoint's projections (the LM head is left in float).
+_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def quantize_folder(folder: Path, scheme_name: str) -> None:
+    """Rewrite a float model folder's weights (one model.safetensors) quantized; config.json says how."""
+    from safetensors.torch import load_file
+
+    config = json.loads((folder / "config.json").read_text())
+    if "quantization_config" in config:
+        raise ValueError(f"{folder} is quantized already")
+    weights = load_file(folder / "model.safetensors")
+    tensors, quantization_config = quantize_weights(weights, scheme_name, config.get("dtype") or "float32")
+    save_weights(folder / "model.safetensors", tensors, None)
+    write_json(folder / "config.json", {**config, "quantization_config": quantization_config})
+
+
+def quantize_weights(
+    tensors: dict[str, Any], scheme_name: str, dtype_name: str
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(compressed tensors, config.json's `quantization_config`) of a float checkpoint's tensors; those that
+    stay in float are cast to `dtype_name`, scales too."""
+    import torch
+    from compressed_tensors.compressors.base import BaseCompressor
+    from compressed_tensors.quantization import QuantizationConfig, QuantizationStatus
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    if scheme_name not in SCHEMES:
+        raise ValueError(f"unknown quantization scheme {scheme_name!r}; choose from {', '.join(SCHEMES)}")
+    dtype = getattr(torch, dtype_name)
+    projections = {
+        n: t for n, t in tensors.items() if n.endswith(tuple(f".{p}.weight" for p in _PROJECTIONS))
+    }
+    scheme, compression_format = _scheme(scheme_name, [t.shape[1] for t in projections.values()])
+    compressor = BaseCompressor.get_value_from_registry(compression_format)
+    out = {n: t.to(dtype) for n, t in tensors.items() if n not in projections}
+    args = scheme.weights
+    for name, weight in projections.items():
+        weight = weight.to(dtype)
+        grouped = weight.float()
+        if args.group_size is not None:
+            grouped = grouped.reshape(weight.shape[0], -1, args.group_size)
+        low = grouped.amin(dim=-1, keepdim=args.group_size is None)
+        high = grouped.amax(dim=-1, keepdim=args.group_size is None)
+        scale, _ = calculate_qparams(low, high, args)
+        module_state = {"weight": weight, "weight_scale": scale.to(dtype)}
+        prefix = name.removesuffix("weight")
+        for key, value in compressor.compress(module_state, scheme).items():
+            out[prefix + key] = value.contiguous()
+    config = QuantizationConfig(
+        config_groups={"group_0": scheme},
+        format=compression_format,
+        quantization_status=QuantizationStatus.COMPRESSED,
+        ignore=["lm_head"],
+    )
+    return out, config.to_dict()
+
+
+def _scheme(scheme_name: str, in_features: list[int]) -> tuple[Any, str]:
+    from compressed_tensors.quantization import (
+        QuantizationArgs,
+        QuantizationScheme,
+        QuantizationStrategy,
+        QuantizationType,
+    )
+
+    channel = {"strategy": QuantizationStrategy.CHANNEL, "symmetric": True, "dynamic": False}
+    if scheme_name == "w8a16":
+        weights = QuantizationArgs(num_bits=8, type=QuantizationType.INT, **channel)
+        compression_format = "pack-quantized"
+    elif scheme_name == "w4a16":
+        group_size = next((g for g in _GROUP_SIZES if all(n % g == 0 for n in in_features)), None)
+        if group_size is None:
+            raise ValueError(f"w4a16 needs input widths divisible by 16, got {sorted(set(in_features))}")
+        weights = QuantizationArgs(
+            num_bits=4,
+            type=QuantizationType.INT,
+            strategy=QuantizationStrategy.GROUP,
+            group_size=group_size,
+            symmetric=True,
+            dynamic=False,
+        )
+        compression_format = "pack-quantized"
+    else:
+        weights = QuantizationArgs(num_bits=8, type=QuantizationType.FLOAT, **channel)
+        compression_format = "float-quantized"
+    return QuantizationScheme(targets=["Linear"], weights=weights), compression_format

@@ -1,0 +1,216 @@
+"""Quantized projections, and a compressed-tensors checkpoint read into them.
+
+Int8 and int4 weights are held as int8 [out, in] with float32 scales [out, groups] (one group of the whole
+row for per-channel scales); int4 values take a byte each, so both move a quarter of float32's bytes. Float8
+weights are dequantized as they are read: the model then holds an ordinary float projection.
+
+A layer binds its matmul when built: for float32 on the CPU the fused int8 matmul of `cpu_quant.cpp`, for the
+few rows of a decode step (longer inputs, prefill, dequantize the weight and run a float matmul: there the
+computation, not the weight's bytes, is the cost); on CUDA Triton's (`kernels.int8_matmul`); elsewhere the
+torch code, a float matmul over the dequantized weight.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from kvfleet.runtime.kernels.cpu_build import build_cpu_ops
+from kvfleet.runtime.kernels.fused_layers import Implementation, implementation_for
+from kvfleet.runtime.quantization.config import WeightQuantization
+from safetensors import safe_open
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+_CPU_SOURCE = Path(__file__).parents[1] / "kernels" / "cpu_quant.cpp"
+# Rows up to which the fused int8 matmul runs; past them a dequantized float matmul is faster.
+FUSED_MAX_ROWS = 16
+# The fused kernel computes this many output features together.
+_FEATURE_BLOCK = 4
+
+
+@functools.cache
+def int8_ops_available() -> bool:
+    return build_cpu_ops("kvfleet_cpu_quant", _CPU_SOURCE, "the fused int8 matmul")
+
+
+def dequantize(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """weight [out, in] times scale [out, groups], each scale over in / groups consecutive columns."""
+    groups = scale.shape[1]
+    if groups == 1:
+        return weight.to(dtype) * scale.to(dtype)
+    grouped = weight.to(dtype).view(weight.shape[0], groups, -1) * scale.to(dtype).unsqueeze(-1)
+    return grouped.view(weight.shape)
+
+
+class Int8Linear(nn.Module):
+    """A projection with int8 weights and float scales per output channel or per group of input columns."""
+
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool, groups: int, dtype: torch.dtype
+    ) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = nn.Parameter(
+            torch.zeros(out_features, in_features, dtype=torch.int8), requires_grad=False
+        )
+        # NaN until loaded, so that a checkpoint that lacks some rows' scales is caught (`check_loaded`).
+        self.weight_scale = nn.Parameter(
+            torch.full((out_features, groups), float("nan")), requires_grad=False
+        )
+        self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype)) if bias else None
+        self.kernel = _kernel_for(self.weight.device, dtype, in_features, out_features, groups)
+
+    def check_loaded(self, name: str) -> None:
+        if bool(self.weight_scale.isnan().any()):
+            raise ValueError(f"checkpoint left some of {name}'s weight_scale rows unloaded")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel is Implementation.CPU and x.dim() == 2 and x.shape[0] <= FUSED_MAX_ROWS:
+            return torch.ops.kvfleet_cpu_quant.int8_linear(x, self.weight, self.weight_scale, self.bias)
+        if self.kernel is Implementation.CUDA and x.dim() == 2:
+            from kvfleet.runtime.kernels.int8_matmul import int8_matmul
+
+            return int8_matmul(x, self.weight, self.weight_scale, self.bias)
+        return F.linear(x, dequantize(self.weight, self.weight_scale, x.dtype), self.bias)
+
+
+def _kernel_for(
+    device: torch.device, dtype: torch.dtype, in_features: int, out_features: int, groups: int
+) -> Implementation:
+    """The fused C++ matmul for float32 on the CPU, Triton's on CUDA where the group size suits its tiles,
+    else the torch code (a float matmul over the dequantized weight)."""
+    if device.type == "cpu":
+        fits = dtype == torch.float32 and out_features % _FEATURE_BLOCK == 0
+        return Implementation.CPU if fits and int8_ops_available() else Implementation.NATIVE
+    if implementation_for(device, dtype) is Implementation.CUDA:
+        from kvfleet.runtime.kernels.int8_matmul import block_k
+
+        if block_k(in_features, groups) is not None:
+            return Implementation.CUDA
+    return Implementation.NATIVE
+
+
+class QuantizedCheckpoint:
+    """How one folder's compressed-tensors checkpoint is loaded: which projections become `Int8Linear`, and
+    its tensors turned into what those hold."""
+
+    def __init__(self, scheme: WeightQuantization, files: list[Path]) -> None:
+        self.scheme = scheme
+        # The checkpoint's quantized projections (their names less `.weight_scale`).
+        self.quantized: set[str] = set()
+        for path in files:
+            with safe_open(str(path), framework="pt") as f:
+                names = list(f.keys())
+            self.quantized |= {n.removesuffix(".weight_scale") for n in names if n.endswith(".weight_scale")}
+
+    def replace_linears(self, model: nn.Module, dtype: torch.dtype) -> int:
+        """Put an `Int8Linear` in place of each projection the checkpoint holds as int; returns how many."""
+        if self.scheme.type != "int":
+            return 0
+        parameter_of = getattr(model, "parameter_of", None)
+        if parameter_of is None:
+            raise ValueError(f"{type(model).__name__} does not load quantized checkpoints")
+        modules = dict(model.named_modules())
+        targets = {parameter_of(f"{name}.weight").removesuffix(".weight") for name in self.quantized}
+        for target in sorted(targets):
+            linear = modules.get(target)
+            if not isinstance(linear, nn.Linear):
+                raise ValueError(f"checkpoint quantizes {target}, which is not a projection of the model")
+            groups = self._groups(linear.in_features, target)
+            replacement = Int8Linear(
+                linear.in_features, linear.out_features, linear.bias is not None, groups, dtype
+            )
+            parent_name, _, child = target.rpartition(".")
+            setattr(model.get_submodule(parent_name) if parent_name else model, child, replacement)
+        return len(targets)
+
+    @staticmethod
+    def check_loaded(model: nn.Module) -> None:
+        """Raises ValueError naming a quantized projection whose scales the checkpoint did not fill."""
+        for name, module in model.named_modules():
+            if isinstance(module, Int8Linear):
+                module.check_loaded(name)
+
+    def _groups(self, in_features: int, name: str) -> int:
+        group_size = self.scheme.group_size
+        if group_size is None:
+            return 1
+        if in_features % group_size:
+            raise ValueError(
+                f"{name}: group_size {group_size} does not divide its {in_features} input features"
+            )
+        return in_features // group_size
+
+    def tensors(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """The checkpoint's tensors as the model holds them: int weights unpacked to int8 [out, in] beside
+        their scales, float8 weights dequantized. Raises ValueError naming a tensor of the wrong shape or
+        dtype, or one whose partner tensors are missing."""
+        pending: dict[str, dict[str, torch.Tensor]] = {}
+        parts = ("weight_packed", "weight_shape") if self.scheme.packed else ("weight",)
+        if self.scheme.type == "float":
+            parts = (*parts, "weight_scale")
+        for name, tensor in weights:
+            prefix, _, part = name.rpartition(".")
+            if prefix not in self.quantized or part not in parts:
+                yield name, tensor
+                continue
+            held = pending.setdefault(prefix, {})
+            held[part] = tensor
+            if len(held) == len(parts):
+                del pending[prefix]
+                yield f"{prefix}.weight", self._weight(prefix, held)
+        if pending:
+            prefix, held = next(iter(pending.items()))
+            missing = sorted(set(parts) - set(held))
+            raise ValueError(f"checkpoint has no {prefix}.{missing[0]} for the quantized {prefix}")
+
+    def _weight(self, prefix: str, held: dict[str, torch.Tensor]) -> torch.Tensor:
+        scheme = self.scheme
+        if scheme.type == "float":
+            weight, scale = held["weight"], held["weight_scale"]
+            _check_dtype(weight, torch.float8_e4m3fn, f"{prefix}.weight")
+            expected = (1,) if scheme.strategy == "tensor" else (weight.shape[0], 1)
+            if scale.numel() != expected[0] or (scheme.strategy == "channel" and scale.dim() != 2):
+                raise ValueError(
+                    f"checkpoint tensor '{prefix}.weight_scale' has shape {tuple(scale.shape)}, expected "
+                    f"{expected} ({scheme.strategy} scales)"
+                )
+            return weight.float() * scale.float().reshape(-1, 1)
+        if not scheme.packed:
+            _check_dtype(held["weight"], torch.int8, f"{prefix}.weight")
+            return held["weight"]
+        return _unpack(held["weight_packed"], held["weight_shape"], scheme.num_bits, prefix)
+
+
+def _check_dtype(tensor: torch.Tensor, dtype: torch.dtype, name: str) -> None:
+    if tensor.dtype != dtype:
+        raise ValueError(f"checkpoint tensor {name!r} is {tensor.dtype}, expected {dtype}")
+
+
+def _unpack(packed: torch.Tensor, shape: torch.Tensor, num_bits: int, prefix: str) -> torch.Tensor:
+    """compressed-tensors' pack-quantized int32 words back to int8 [out, in]: each word holds 32 / num_bits
+    values from its lowest bits up, each stored plus 2^(num_bits - 1)."""
+    _check_dtype(packed, torch.int32, f"{prefix}.weight_packed")
+    if shape.numel() != 2:
+        raise ValueError(
+            f"checkpoint tensor '{prefix}.weight_shape' must hold two sizes, got {shape.tolist()}"
+        )
+    rows, columns = (int(n) for n in shape.tolist())
+    per_word = 32 // num_bits
+    if packed.dim() != 2 or packed.shape[0] != rows or packed.shape[1] != -(-columns // per_word):
+        raise ValueError(
+            f"checkpoint tensor '{prefix}.weight_packed' has shape {tuple(packed.shape)}, which does not "
+            f"hold a {rows}x{columns} weight of int{num_bits}"
+        )
+    # Little-endian words: their bytes in order hold the values in order (hosts are little-endian).
+    data = packed.contiguous().view(torch.uint8).view(rows, -1)
+    if num_bits == 4:
+        data = torch.stack((data & 0xF, data >> 4), dim=-1).view(rows, -1)
+    offset = 1 << (num_bits - 1)
+    return (data[:, :columns].to(torch.int16) - offset).to(torch.int8).contiguous()

@@ -1,0 +1,96 @@
+"""The fused int8 matmul against a float64 matmul over the dequantized weight; a checkpoint's quantized
+tensors turned into what the model holds: compressed-tensors' int32 words unpacked as the library unpacks
+them, float8 weights dequantized, and the tensors that do not fit refused by name."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32, unpack_from_int32
+from kvfleet.runtime.quantization.config import WeightQuantization
+from kvfleet.runtime.quantization.linear import (
+    FUSED_MAX_ROWS,
+    QuantizedCheckpoint,
+    _unpack,
+    int8_ops_available,
+)
+from safetensors.torch import save_file
+
+
+@pytest.fixture(scope="module")
+def int8_linear():
+    if not int8_ops_available():
+        pytest.skip("the C++ operations cannot be built on this host")
+    return torch.ops.kvfleet_cpu_quant.int8_linear
+
+
+# Row counts through each of the kernel's paths: one or two rows read the int8 weight directly, more rows a
+# dequantized block of it, in pairs and with an odd row left over.
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, FUSED_MAX_ROWS])
+@pytest.mark.parametrize("groups", [1, 4])
+def test_int8_linear_matches_a_float64_matmul(int8_linear, rows: int, groups: int) -> None:
+    generator = torch.Generator().manual_seed(rows * 10 + groups)
+    out_features, in_features = 36, 96
+    weight = torch.randint(-128, 128, (out_features, in_features), dtype=torch.int8, generator=generator)
+    scale = torch.rand(out_features, groups, generator=generator) / 64 + 1e-3
+    x = torch.randn(rows, in_features, generator=generator)
+    bias = torch.randn(out_features, generator=generator)
+    dequantized = weight.double() * scale.double().repeat_interleave(in_features // groups, dim=1)
+    expected = x.double() @ dequantized.T
+    for with_bias in (False, True):
+        got = int8_linear(x, weight, scale, bias if with_bias else None)
+        want = expected + bias.double() if with_bias else expected
+        assert got.dtype == torch.float32 and got.shape == (rows, out_features)
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("num_bits", [4, 8])
+@pytest.mark.parametrize("columns", [64, 37])
+def test_unpack_matches_compressed_tensors(num_bits: int, columns: int) -> None:
+    generator = torch.Generator().manual_seed(num_bits + columns)
+    low, high = -(1 << (num_bits - 1)), 1 << (num_bits - 1)
+    values = torch.randint(low, high, (6, columns), dtype=torch.int8, generator=generator)
+    packed = pack_to_int32(values, num_bits)
+    shape = torch.tensor(values.shape)
+    expected = unpack_from_int32(packed, num_bits, values.shape)
+    assert torch.equal(_unpack(packed, shape, num_bits, "proj"), expected)
+    with pytest.raises(ValueError, match=r"'proj\.weight_packed' has shape"):
+        _unpack(packed[:, :-1], shape, num_bits, "proj")
+
+
+def _checkpoint(tmp_path: Path, scheme: WeightQuantization, tensors: dict[str, torch.Tensor]):
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    checkpoint = QuantizedCheckpoint(scheme, [tmp_path / "model.safetensors"])
+    return dict(checkpoint.tensors(tensors.items()))
+
+
+def test_float8_weights_are_dequantized_with_per_tensor_scales(tmp_path: Path) -> None:
+    scheme = WeightQuantization(
+        type="float", num_bits=8, strategy="tensor", group_size=None, format="float-quantized"
+    )
+    weight = (torch.randn(8, 4) * 3).to(torch.float8_e4m3fn)
+    scale = torch.tensor([0.25])
+    loaded = _checkpoint(
+        tmp_path, scheme, {"p.weight": weight, "p.weight_scale": scale, "norm.weight": scale.clone()}
+    )
+    assert set(loaded) == {"p.weight", "norm.weight"}
+    torch.testing.assert_close(loaded["p.weight"], weight.float() * 0.25, rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r"'p\.weight_scale' has shape \(8, 1\), expected \(1,\)"):
+        _checkpoint(tmp_path, scheme, {"p.weight": weight, "p.weight_scale": torch.ones(8, 1)})
+
+
+def test_int8_weights_pass_beside_their_scales_and_a_missing_part_is_named(tmp_path: Path) -> None:
+    scheme = WeightQuantization(
+        type="int", num_bits=8, strategy="channel", group_size=None, format="int-quantized"
+    )
+    weight = torch.randint(-128, 128, (8, 4), dtype=torch.int8)
+    loaded = _checkpoint(tmp_path, scheme, {"p.weight": weight, "p.weight_scale": torch.ones(8, 1)})
+    assert torch.equal(loaded["p.weight"], weight) and loaded["p.weight_scale"].shape == (8, 1)
+    packed = WeightQuantization(
+        type="int", num_bits=8, strategy="channel", group_size=None, format="pack-quantized"
+    )
+    words = pack_to_int32(weight, 8)
+    with pytest.raises(ValueError, match=r"checkpoint has no p\.weight_shape for the quantized p"):
+        _checkpoint(tmp_path, packed, {"p.weight_packed": words, "p.weight_scale": torch.ones(8, 1)})

@@ -1,0 +1,192 @@
+"""Quantized checkpoints as `make-model --quantize` writes them (with compressed-tensors' own code):
+kvfleet's greedy tokens against Transformers' on the same folder, which compressed-tensors dequantizes for
+it; and folders kvfleet refuses, with the field that says why.
+
+The fused int8 matmul sums each row in another order than a float matmul over the dequantized weight, so the
+criterion is vLLM's: tokens equal, or at the first difference each side's token in the other's top-5; and,
+while the tokens agree, each chosen token's logprob within LOGPROB_TOLERANCE of Transformers'.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from kvfleet.runtime import LLM, SamplingParams
+from kvfleet.runtime.kernels.fused_layers import Implementation
+from kvfleet.runtime.models.make_model import make_model as write_model
+from kvfleet.runtime.models.make_model.quantize import quantize_folder
+from kvfleet.runtime.quantization.config import kv_cache_dtype_refusal, weight_quantization
+from kvfleet.runtime.quantization.linear import Int8Linear
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM, CompressedTensorsConfig
+
+MAX_TOKENS = 8
+TOP_N = 5
+# float32 sums of a few hundred terms in another order differ by about 1e-6 relative; logprobs of these
+# tiny models are a few units, so 1e-3 leaves room without hiding a wrong scale (which moves them by tenths).
+LOGPROB_TOLERANCE = 1e-3
+# Each scheme on another architecture: Qwen2's q/k/v biases go through the int8 projections, Qwen3's
+# head_dim differs from hidden_size / heads.
+CASES = {"w8a16": "llama", "w4a16": "qwen2", "fp8": "qwen3"}
+
+
+def _prompts(vocab_size: int) -> list[list[int]]:
+    """Prompts of 3 to 40 tokens: prefills both shorter and longer than the fused kernel's row limit."""
+    rng = random.Random(7)
+    return [[rng.randrange(16, vocab_size) for _ in range(n)] for n in (3, 11, 40)]
+
+
+def _reference(model_dir: Path, prompts: list[list[int]]) -> list[tuple[list[int], list[dict[int, float]]]]:
+    """Transformers' greedy tokens and top-5 logprobs at each step, one prompt at a time."""
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32, quantization_config=CompressedTensorsConfig(dequantize=True)
+    ).eval()
+    results = []
+    with torch.inference_mode():
+        for prompt in prompts:
+            out = model.generate(
+                torch.tensor([prompt]),
+                max_new_tokens=MAX_TOKENS,
+                min_new_tokens=MAX_TOKENS,
+                do_sample=False,
+                output_logits=True,
+                return_dict_in_generate=True,
+                pad_token_id=0,
+            )
+            steps = []
+            for logits in out.logits:
+                top = torch.log_softmax(logits[0].float(), dim=-1).topk(TOP_N)
+                steps.append(dict(zip(top.indices.tolist(), top.values.tolist(), strict=True)))
+            results.append((out.sequences[0, len(prompt) :].tolist(), steps))
+    return results
+
+
+def _quantized_copy(float_dir: Path, scheme: str, parent: Path) -> Path:
+    """What `make-model --quantize` writes, from the float folder the other model tests share."""
+    model_dir = parent / f"{float_dir.name}-{scheme}"
+    shutil.copytree(float_dir, model_dir)
+    quantize_folder(model_dir, scheme)
+    return model_dir
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def quantized_case(
+    request: pytest.FixtureRequest, make_model: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory
+):
+    scheme = request.param
+    model_dir = _quantized_copy(
+        make_model(CASES[scheme], "tiny"), scheme, tmp_path_factory.mktemp("quantized")
+    )
+    prompts = _prompts(json.loads((model_dir / "config.json").read_text())["vocab_size"])
+    return scheme, model_dir, prompts, _reference(model_dir, prompts)
+
+
+def test_greedy_matches_transformers_on_the_quantized_folder(quantized_case) -> None:
+    scheme, model_dir, prompts, reference = quantized_case
+    llm = LLM(str(model_dir), dtype="float32", num_kv_blocks=64, max_model_len=128)
+    int8_layers = [m for m in llm.llm_engine.runner.model.modules() if isinstance(m, Int8Linear)]
+    # Float8 weights are dequantized on load; int weights stay int8, in the fused kernel on this host.
+    assert len(int8_layers) == (0 if scheme == "fp8" else 4 * 2)
+    assert all(layer.kernel is Implementation.CPU for layer in int8_layers)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=TOP_N)
+    # The batch decodes several rows a step, the last prompt alone one row: both paths of the kernel.
+    outputs = llm.generate(prompts, params) + llm.generate(prompts[-1:], params)
+    for i, (output, (ref_tokens, ref_steps)) in enumerate(
+        zip(outputs, [*reference, reference[-1]], strict=True)
+    ):
+        completion = output.outputs[0]
+        for step, (ours, theirs) in enumerate(zip(completion.token_ids, ref_tokens, strict=True)):
+            our_top = completion.logprobs[step]
+            if ours != theirs:
+                assert ours in ref_steps[step] and theirs in our_top, (
+                    f"{scheme} prompt {i} step {step}: kvfleet {ours} vs transformers {theirs}"
+                )
+                break
+            assert abs(our_top[ours] - ref_steps[step][theirs]) <= LOGPROB_TOLERANCE, (
+                f"{scheme} prompt {i} step {step}: logprob {our_top[ours]} vs {ref_steps[step][theirs]}"
+            )
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"quant_method": "bitsandbytes"}, "quant_method 'bitsandbytes' is not supported"),
+        ({"quant_method": "gptq"}, "GPTQ checkpoints"),
+        (
+            {"config_groups": {"g": {"weights": {"type": "nf", "num_bits": 4}}}},
+            "config_groups.g.weights.type",
+        ),
+        (
+            {
+                "config_groups": {
+                    "g": {
+                        "weights": {"type": "int", "num_bits": 8, "strategy": "channel"},
+                        "input_activations": {"type": "int", "num_bits": 8},
+                    }
+                }
+            },
+            "config_groups.g.input_activations",
+        ),
+        (
+            {"config_groups": {"g": {"weights": {"type": "int", "num_bits": 4, "strategy": "group"}}}},
+            "config_groups.g.weights.group_size",
+        ),
+        ({"format": "marlin-24"}, "format 'marlin-24' is not supported"),
+    ],
+)
+def test_unsupported_quantization_configs_are_refused_by_field(change: dict, field: str) -> None:
+    config = {
+        "quant_method": "compressed-tensors",
+        "format": "pack-quantized",
+        "config_groups": {"group_0": {"weights": {"type": "int", "num_bits": 8, "strategy": "channel"}}},
+        **change,
+    }
+    with pytest.raises(ValueError, match=field):
+        weight_quantization(config, None)
+
+
+def test_quantization_method_is_checked_against_the_folder() -> None:
+    config = {
+        "quant_method": "compressed-tensors",
+        "format": "float-quantized",
+        "config_groups": {"group_0": {"weights": {"type": "float", "num_bits": 8, "strategy": "tensor"}}},
+    }
+    assert weight_quantization(config, "compressed-tensors") == weight_quantization(config, None)
+    with pytest.raises(ValueError, match=r"'awq' was asked for, but .*quant_method is 'compressed-tensors'"):
+        weight_quantization(config, "awq")
+    with pytest.raises(ValueError, match=r"'int3' is not a method vLLM names"):
+        weight_quantization(config, "int3")
+    with pytest.raises(ValueError, match=r"'fp8' was asked for, but config\.json has no quantization_config"):
+        weight_quantization(None, "fp8")
+
+
+def test_scales_of_the_wrong_shape_are_refused_naming_the_tensor(
+    make_model: Callable[..., Path], tmp_path: Path
+) -> None:
+    folder = _quantized_copy(make_model("llama", "tiny"), "w8a16", tmp_path)
+    tensors = load_file(folder / "model.safetensors")
+    name = "model.layers.1.mlp.down_proj.weight_scale"
+    tensors[name] = tensors[name][:-1]
+    save_file(tensors, str(folder / "model.safetensors"))
+    with pytest.raises(ValueError, match=f"'{name}' has shape"):
+        LLM(str(folder), dtype="float32", num_kv_blocks=16, max_model_len=64)
+
+
+def test_kv_cache_dtypes_are_refused_with_the_reason() -> None:
+    assert kv_cache_dtype_refusal("auto") is None
+    assert "a quantized KV cache is not supported" in (kv_cache_dtype_refusal("fp8_e5m2") or "")
+    assert "not one of vLLM's KV cache dtypes" in (kv_cache_dtype_refusal("fp9") or "")
+
+
+@pytest.mark.parametrize(("arch", "scheme"), [("llama", "w2a16"), ("llava", "w8a16")])
+def test_make_model_refuses_what_it_cannot_quantize(arch: str, scheme: str, tmp_path: Path) -> None:
+    with pytest.raises(
+        ValueError, match=f"quantize takes w8a16, w4a16, fp8 on text models, not '{scheme}' on {arch}"
+    ):
+        write_model(arch, "tiny", tmp_path, quantize=scheme)
