@@ -34,6 +34,7 @@ from __future__ import annotations
 import bisect
 import hashlib
 import math
+import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -57,6 +58,9 @@ CACHE_CHARS = 4 * 1024 * 1024
 # precise-prefix: a block only the host tier holds saves the request its prefill compute, yet costs a copy
 # back to the device before the request can run, and it is an older block, likelier to be gone by then.
 HOST_BLOCK_WEIGHT = 0.5
+# How long a replica that said it is draining gets no request: long enough for discovery to take it out of
+# the fleet; one still draining after that refuses the next request and is passed over again.
+DRAIN_MEMORY_S = 10.0
 
 
 @dataclass(eq=False)
@@ -70,6 +74,13 @@ class Replica:
     # The replica's lora_int_id for each LoRA adapter it serves, by adapter name: the seed of the adapter's
     # block hashes there.
     lora_int_ids: dict[str, int] = field(default_factory=dict)
+    # Until when (time.monotonic()) the pool sends it nothing: it refused a request, or handed one back,
+    # because it is draining, and discovery may list it as ready a while longer.
+    draining_until: float = 0.0
+
+    def drains(self) -> None:
+        """The replica said it is draining: it is passed over for DRAIN_MEMORY_S."""
+        self.draining_until = time.monotonic() + DRAIN_MEMORY_S
 
     def in_flight_before(self, priority: int) -> int:
         """The requests in flight that are at least as urgent as `priority`: those the replica would not
