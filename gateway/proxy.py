@@ -88,7 +88,7 @@ from kvfleet.gateway.requests import (
     parse_request,
 )
 from kvfleet.gateway.resumption import DEFAULT_MAX_RESUMES, Generation, Leg, LegUnavailable
-from kvfleet.gateway.routing import BlockHashes, Prompt, estimated_tokens
+from kvfleet.gateway.routing import BlockHashes, Prompt, Replica, estimated_tokens
 from kvfleet.gateway.splice import Splice, frame_error
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -402,8 +402,7 @@ class Gateway:
         tried: list[str] = []
         # Decided with the first decode replica: a retry sends the same body (the same prefill's params).
         decode_body: bytes | None = None
-        # Failures that may have cost the replica work; a draining replica's refusal costs none, and each
-        # replica refuses a request once, so those are not counted.
+        # A draining replica's refusal costs it no work, and each refuses a request once: not counted.
         failures = 0
         while failures < self.max_attempts:
             replica = await pool.acquire(priority, prompt, tried, routed.deadline_seconds)
@@ -432,12 +431,9 @@ class Gateway:
                 upstream = await self._send(f"{replica.url}{request.path}", decode_body, headers, deadline)
             except aiohttp.ClientError as error:
                 pool.release(replica, priority)
-                tried.append(replica.url)
+                self._retrying(model, replica, tried, "connection_error")
                 failures += 1
-                self.metrics.retries.labels(model, "connection_error").inc()
-                logger.info(
-                    "%s: %s failed before answering (%s); trying another replica", model, replica.url, error
-                )
+                logger.info("%s: %s failed before answering (%s); retrying", model, replica.url, error)
                 continue
             except BaseException:
                 pool.release(replica, priority)  # the client left while the replica had not answered yet
@@ -446,16 +442,12 @@ class Gateway:
             try:
                 self.metrics.upstream_latency.labels(model).observe(time.monotonic() - sent)
                 if upstream.status == 503:
-                    refusal = await self._refusal(upstream, deadline)
-                    draining = _refused_draining(refusal)
-                    if draining:
-                        replica.drains()
+                    answer, draining = await self._refused(upstream, replica, deadline)
                     if draining or failures + 1 < self.max_attempts:
-                        tried.append(replica.url)
+                        self._retrying(model, replica, tried, "draining" if draining else "unavailable")
                         failures += not draining
-                        self.metrics.retries.labels(model, "draining" if draining else "unavailable").inc()
                         continue
-                    return web.Response(status=503, body=refusal, headers=_end_to_end(upstream.headers))
+                    return web.Response(status=503, body=answer, headers=_end_to_end(upstream.headers))
                 if from_zero:
                     self.metrics.activation.labels(model).observe(time.monotonic() - arrived)
                 if resumable and _is_event_stream(upstream):
@@ -469,6 +461,27 @@ class Gateway:
             f"every replica of model {model!r} tried ({self.max_attempts} attempts) failed before answering",
             code="upstream_unavailable",
         )
+
+    def _retrying(self, model: str, replica: Replica, tried: list[str], reason: str) -> None:
+        """The request goes to another replica than this one, for this reason."""
+        tried.append(replica.url)
+        self.metrics.retries.labels(model, reason).inc()
+
+    async def _refused(
+        self, upstream: aiohttp.ClientResponse, replica: Replica, deadline: float
+    ) -> tuple[bytes, bool]:
+        """A replica's 503 answer (a small JSON object, read within the idle timeout; empty when it is longer
+        than any error answer or does not arrive), and whether it says that the replica is draining, which
+        marks the replica so."""
+        loop = asyncio.get_running_loop()
+        answer = b""
+        with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+            async with asyncio.timeout_at(min(loop.time() + self.upstream_timeouts.idle, deadline)):
+                answer = await _read_at_most(upstream, MAX_ERROR_ANSWER_BYTES)
+        draining = _refused_draining(answer)
+        if draining:
+            replica.drains()
+        return answer, draining
 
     def _generation(
         self,
@@ -538,8 +551,7 @@ class Gateway:
         if upstream.status == 200 and _is_event_stream(upstream):
             return leg
         try:
-            if upstream.status == 503 and _refused_draining(await self._refusal(upstream, deadline)):
-                replica.drains()
+            if upstream.status == 503 and (await self._refused(upstream, replica, deadline))[1]:
                 raise LegUnavailable(replica.url, "draining", draining=True)
             if upstream.status >= 500 or upstream.status == 200:
                 raise LegUnavailable(replica.url, f"answered {upstream.status}")
@@ -646,15 +658,6 @@ class Gateway:
             prefill.release(replica, priority)
             self.metrics.pd.prefill_duration.labels(config.name).observe(time.monotonic() - started)
         return _prefill_answer(replica.url, status, answer_headers, content)
-
-    async def _refusal(self, upstream: aiohttp.ClientResponse, deadline: float) -> bytes:
-        """A replica's error answer (a small JSON object), read within the idle timeout; empty when it is
-        longer than any error answer or does not arrive."""
-        loop = asyncio.get_running_loop()
-        with contextlib.suppress(aiohttp.ClientError, TimeoutError):
-            async with asyncio.timeout_at(min(loop.time() + self.upstream_timeouts.idle, deadline)):
-                return await _read_at_most(upstream, MAX_ERROR_ANSWER_BYTES)
-        return b""
 
     async def _send(
         self, url: str, body: bytes, headers: list[tuple[str, str]], deadline: float
