@@ -21,6 +21,10 @@ from kvfleet.operator.spec import InferenceServiceSpec, ScalingSpec
 # Keeps a float demand of exactly N targets from rounding up to N + 1.
 _CEIL_EPSILON = 1e-9
 
+# A latency histogram's observations of one interval, as Prometheus keeps them: (upper bound, observations at
+# or below it), the bounds ascending, the last +Inf.
+Buckets = tuple[tuple[float, float], ...]
+
 
 @dataclass(frozen=True)
 class PodMetrics:
@@ -35,6 +39,9 @@ class PodMetrics:
     queued_prompt_tokens: float | None = None
     # Mean time between output tokens since the previous scrape, if any were generated.
     itl_seconds: float | None = None
+    # The same latencies' histograms since the previous scrape, where the replica exports their buckets.
+    ttft_buckets: Buckets | None = None
+    itl_buckets: Buckets | None = None
 
     @property
     def queue_depth(self) -> float:
@@ -57,6 +64,9 @@ class MetricsSample:
     itl_seconds: float | None = None
     # Of queue_depth, the requests the gateway held: none of the replicas had room for them.
     held: float = 0.0
+    # The replicas' latency histograms of the interval, added up: the fleet's.
+    ttft_buckets: Buckets | None = None
+    itl_buckets: Buckets | None = None
 
 
 Figure = Literal["queue depth", "queued prompt tokens", "KV cache in use"]
@@ -73,10 +83,16 @@ class Target:
 
 @dataclass(frozen=True)
 class LatencyTarget:
-    """A latency the fleet's replicas should keep on average; while it is missed the fleet grows."""
+    """A latency the fleet's replicas should keep: at this percentile of their requests, or on average (None);
+    while it is missed the fleet grows."""
 
     latency: Latency
     seconds: float
+    percentile: float | None = None
+
+    def describe(self) -> str:
+        statistic = f"p{self.percentile:g}" if self.percentile is not None else "mean"
+        return f"{self.latency} {statistic}"
 
 
 @dataclass(frozen=True)
@@ -98,8 +114,9 @@ def sizing(spec: InferenceServiceSpec, role: Role | None = None) -> Sizing:
     latencies, a prefill role on its time to first token and a decode role on its inter-token latency."""
     ttft_target = _latency_target("time to first token", spec.sla.ttft_target_milliseconds)
     itl_target = _latency_target("inter-token latency", spec.sla.itl_target_milliseconds)
+    percentile = spec.sla.percentile
     if role is None:
-        slo = tuple(target for target in (ttft_target, itl_target) if target is not None)
+        slo = _at(percentile, ttft_target, itl_target)
         return Sizing(
             spec.scaling, (Target("queue depth", spec.scaling.target_queue_depth),), ttft_target, slo
         )
@@ -107,20 +124,23 @@ def sizing(spec: InferenceServiceSpec, role: Role | None = None) -> Sizing:
     if role == "prefill":
         prefill = spec.disaggregation.prefill.scaling
         target = Target("queued prompt tokens", prefill.target_queued_prompt_tokens)
-        slo = (ttft_target,) if ttft_target is not None else ()
-        return Sizing(prefill.policy(spec.scaling), (target,), ttft_target, slo)
+        return Sizing(prefill.policy(spec.scaling), (target,), ttft_target, _at(percentile, ttft_target))
     decode = spec.disaggregation.decode.scaling
     targets = (
         Target("queue depth", decode.target_queue_depth),
         Target("KV cache in use", decode.target_kv_cache_usage_percent / 100),
     )
     latency = _latency_target("inter-token latency", decode.itl_target_milliseconds)
-    held_to = latency or itl_target
-    return Sizing(decode.policy(spec.scaling), targets, latency, (held_to,) if held_to is not None else ())
+    return Sizing(decode.policy(spec.scaling), targets, latency, _at(percentile, latency or itl_target))
 
 
 def _latency_target(latency: Latency, milliseconds: int | None) -> LatencyTarget | None:
     return LatencyTarget(latency, milliseconds / 1000) if milliseconds is not None else None
+
+
+def _at(percentile: float, *targets: LatencyTarget | None) -> tuple[LatencyTarget, ...]:
+    """The targets given, held at the percentile (the `slo` policy's)."""
+    return tuple(replace(target, percentile=percentile) for target in targets if target is not None)
 
 
 @dataclass(frozen=True)
@@ -167,7 +187,7 @@ def aggregate(
     answered = [report for report in reports if report is not None]
     if not answered:
         return None
-    mean_depth = sum(report.queue_depth for report in answered) / len(answered)
+    mean_depth = _mean(report.queue_depth for report in answered)
     replicas = max(ready_replicas, len(answered))
     kv = _mean_or_none(report.kv_cache_usage for report in answered)
     prompt_tokens = _mean_or_none(report.queued_prompt_tokens for report in answered)
@@ -181,7 +201,41 @@ def aggregate(
         kv_cache_in_use=kv * replicas if kv is not None else None,
         itl_seconds=_mean_or_none(report.itl_seconds for report in answered),
         held=held,
+        ttft_buckets=added_buckets(report.ttft_buckets for report in answered),
+        itl_buckets=added_buckets(report.itl_buckets for report in answered),
     )
+
+
+def added_buckets(histograms: Iterable[Buckets | None]) -> Buckets | None:
+    """The histograms added up, bucket by bucket; those whose bounds differ from the first one's (a replica
+    of another version) are left out. None without any."""
+    total: list[list[float]] | None = None
+    for histogram in histograms:
+        if histogram is None:
+            continue
+        if total is None:
+            total = [[bound, count] for bound, count in histogram]
+        elif [bound for bound, _ in histogram] == [bound for bound, _ in total]:
+            for bucket, (_, count) in zip(total, histogram, strict=True):
+                bucket[1] += count
+    return tuple((bound, count) for bound, count in total) if total is not None else None
+
+
+def histogram_quantile(quantile: float, buckets: Buckets) -> float | None:
+    """The quantile (0 to 1) of a histogram's observations, as Prometheus' histogram_quantile estimates it:
+    linear within the bucket it falls in, the lowest bucket taken to start at 0, and the highest finite bound
+    when it falls in the +Inf bucket. None without observations or without the +Inf bucket."""
+    if len(buckets) < 2 or buckets[-1][0] != math.inf or buckets[-1][1] <= 0:
+        return None
+    rank = quantile * buckets[-1][1]
+    index = next(index for index, (_, count) in enumerate(buckets) if count >= rank)
+    bound, count = buckets[index]
+    if bound == math.inf:
+        return buckets[index - 1][0]
+    if index == 0:
+        return bound if bound <= 0 else bound * rank / count
+    below_bound, below_count = buckets[index - 1]
+    return below_bound + (bound - below_bound) * (rank - below_count) / (count - below_count)
 
 
 def decide(
@@ -286,17 +340,19 @@ class LatencyModel:
         return max(0.0, min(most, (target_seconds - self.idle) / self.per_request))
 
 
-def latency_model(samples: Sequence[MetricsSample], latency: Latency) -> LatencyModel | None:
-    """The line through the samples' (requests per reporting replica, mean latency), by least squares;
-    through the origin when the load never varied or the fit says latency falls with load. The requests the
-    gateway held are not the replicas': they wait before any latency a replica measures. None without a
-    latency measured under load."""
+def latency_model(
+    samples: Sequence[MetricsSample], latency: Latency, percentile: float | None = None
+) -> LatencyModel | None:
+    """The line through the samples' (requests per reporting replica, latency at the percentile or mean),
+    by least squares; through the origin when the load never varied or the fit says latency falls with load.
+    The requests the gateway held are not the replicas': they wait before any latency a replica measures.
+    None without a latency measured under load."""
     points = [
         (load, value)
         for s in samples
         if s.reporting_pods
         and (load := (s.queue_depth - s.held) / s.reporting_pods) > 0
-        and (value := _latency(s, latency)) is not None
+        and (value := _latency(s, latency, percentile)) is not None
     ]
     if not points:
         return None
@@ -342,11 +398,11 @@ def _wanted_for_slo(
     forecast = forecast_demand(stable, recent, horizon)
     best: tuple[int, str, Latency | None] | None = None
     for target in slo:
-        model = latency_model(stable, target.latency)
+        model = latency_model(stable, target.latency, target.percentile)
         if model is None:
             continue
         per_replica = model.capacity(target.seconds)
-        fits = f"{target.latency} {model.idle * 1000:.0f}ms + {model.per_request * 1000:.1f}ms per request"
+        fits = f"{target.describe()} {model.idle * 1000:.0f}ms + {model.per_request * 1000:.1f}ms per request"
         goal = f"the {target.seconds * 1000:.0f}ms target"
         unreachable = target.latency if per_replica <= 0 else None
         if unreachable is not None:
@@ -386,8 +442,14 @@ def _figure(sample: MetricsSample, figure: Figure) -> float | None:
     return sample.kv_cache_in_use
 
 
-def _latency(sample: MetricsSample, latency: Latency) -> float | None:
-    return sample.ttft_seconds if latency == "time to first token" else sample.itl_seconds
+def _latency(sample: MetricsSample, latency: Latency, percentile: float | None = None) -> float | None:
+    """The sample's latency: its mean, or at the percentile of its histogram (None where the replicas
+    export no buckets: a mean says nothing of a tail)."""
+    ttft = latency == "time to first token"
+    if percentile is None:
+        return sample.ttft_seconds if ttft else sample.itl_seconds
+    buckets = sample.ttft_buckets if ttft else sample.itl_buckets
+    return histogram_quantile(percentile / 100, buckets) if buckets is not None else None
 
 
 def _latency_floor(

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from kvfleet.contract.metrics import (
     ITL,
+    ITL_BUCKETS,
     KV_CACHE_USAGE,
     KV_EVENT_BATCHES_DROPPED,
     KV_EVENT_BATCHES_REPLAYED,
@@ -29,6 +30,7 @@ from kvfleet.contract.metrics import (
     RESUMED_TOKENS,
     RUNNING,
     TTFT,
+    TTFT_BUCKETS,
     VLLM_PREFIX,
     WAITING,
 )
@@ -53,13 +55,6 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # Set (by `kvfleet serve --api-server-count N`) when several processes record metrics together.
 MULTIPROCESS_DIR = "PROMETHEUS_MULTIPROC_DIR"
 
-_TTFT_BUCKETS = (
-    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0,
-    160.0, 640.0,
-)  # fmt: skip
-_ITL_BUCKETS = (
-    0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 80.0,
-)  # fmt: skip
 _REQUEST_BUCKETS = (
     0.1, 0.3, 0.5, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0,
     7680.0,
@@ -94,17 +89,17 @@ class ServerMetrics:
             "prompt_tokens", "Prompt tokens of requests whose prefill finished."
         )
         self._generation_tokens = self._counter("generation_tokens", "Generated tokens.")
-        self._ttft = self._histogram(TTFT, "Time to first token.", _TTFT_BUCKETS)
+        self._ttft = self._histogram(TTFT, "Time to first token.", TTFT_BUCKETS)
         self._itl = self._histogram(
             ITL,
             "Time between successive output tokens of a request.",
-            _ITL_BUCKETS,
+            ITL_BUCKETS,
             extra_vllm=("time_per_output_token_seconds",),
         )
         self._tpot = self._histogram(
             "request_time_per_output_token_seconds",
             "Mean time per output token after the first.",
-            _ITL_BUCKETS,
+            ITL_BUCKETS,
         )
         self._e2e = self._histogram(
             "e2e_request_latency_seconds", "Arrival to last token of finished requests.", _REQUEST_BUCKETS

@@ -1,8 +1,10 @@
-"""Scraping replicas' /metrics: the text format, name fallback, TTFT intervals, and failing replicas."""
+"""Scraping replicas' /metrics: the text format, name fallback, latency intervals (means and buckets), and
+failing replicas."""
 
 from __future__ import annotations
 
 import asyncio
+import math
 import socket
 import subprocess
 import sys
@@ -12,7 +14,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 from aiohttp import web
-from kvfleet.contract.metrics import GATEWAY_QUEUE_DEPTH, ITL, QUEUED_PROMPT_TOKENS, TTFT
+from kvfleet.contract.metrics import GATEWAY_QUEUE_DEPTH, ITL, QUEUED_PROMPT_TOKENS, TTFT, TTFT_BUCKETS
 from kvfleet.gateway.metrics import GatewayMetrics
 from kvfleet.operator.autoscaler import PodMetrics
 from kvfleet.operator.scrape import (
@@ -23,7 +25,7 @@ from kvfleet.operator.scrape import (
     parse_gateway_queues,
 )
 from ports import free_port
-from prometheus_client import CollectorRegistry, Gauge, generate_latest
+from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_latest
 
 KVFLEET_PAGE = """\
 # HELP kvfleet:num_requests_waiting Requests waiting for a batch slot.
@@ -384,3 +386,39 @@ def test_an_endless_page_is_cut_off_at_the_cap_and_memory_stays_flat() -> None:
         if scraper is not None:
             stop(scraper)
         stop(server)
+
+
+def test_latency_buckets_are_read_per_interval_summed_over_label_sets() -> None:
+    asyncio.run(_interval_buckets())
+
+
+async def _interval_buckets() -> None:
+    # A replica's own kind of page (prometheus_client, kvfleet's names, two tiers) is the page scraped; the
+    # expected buckets are counted from the observations themselves.
+    registry = CollectorRegistry()
+    Gauge("kvfleet:num_requests_waiting", "", registry=registry).set(0)
+    Gauge("kvfleet:num_requests_running", "", registry=registry).set(2)
+    ttft = Histogram(f"kvfleet:{TTFT}", "", ["tier"], buckets=TTFT_BUCKETS, registry=registry)
+
+    async def metrics(_: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(registry), content_type="text/plain")
+
+    before, interval = [0.03, 0.3, 2.0], [0.05, 0.07, 0.2, 0.9, 700.0]
+    for value in before:
+        ttft.labels("standard").observe(value)
+    runner, target = await serve_replica("pod", metrics)
+    try:
+        async with aiohttp.ClientSession() as session:
+            scraper = FleetScraper(session, timeout_seconds=1)
+            (first,) = await scraper.scrape([target])
+            assert isinstance(first, PodMetrics) and first.ttft_buckets is None, "no interval yet"
+            for number, value in enumerate(interval):
+                ttft.labels("standard" if number % 2 else "batch").observe(value)
+            (second,) = await scraper.scrape([target])
+    finally:
+        await runner.cleanup()
+    assert isinstance(second, PodMetrics) and second.itl_buckets is None
+    expected = tuple(
+        (bound, float(sum(value <= bound for value in interval))) for bound in (*TTFT_BUCKETS, math.inf)
+    )
+    assert second.ttft_buckets == expected

@@ -1,20 +1,30 @@
 """The `slo` scaling policy against hand-computed cases: the latency model, the capacity at the target, the
-demand forecast, and the bounds, steps and delays it shares with the queue-depth policy."""
+demand forecast, the percentile read from histograms, and the bounds, steps and delays it shares with the
+queue-depth policy."""
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
+import itertools
+import math
+import random
 from typing import Any
 
+import numpy as np
 import pytest
 from kvfleet.operator.api import API_VERSION, KIND
 from kvfleet.operator.autoscaler import (
     AutoscalerState,
+    Buckets,
     FleetState,
     LatencyTarget,
     MetricsSample,
+    PodMetrics,
+    aggregate,
     decide,
     forecast_demand,
+    histogram_quantile,
     latency_model,
     sizing,
 )
@@ -77,8 +87,8 @@ def test_the_fewest_replicas_that_meet_the_target_at_the_forecast_and_the_reason
     # 20 requests forecast, 5 per replica within the target: 4 replicas.
     assert decision.replicas == 4 and not decision.panic
     assert decision.reason == (
-        "slo: time to first token 100ms + 100.0ms per request: 5.0 requests per replica within the 600ms "
-        "target; demand 8.0, 20.0 forecast in 30s"
+        "slo: time to first token mean 100ms + 100.0ms per request: 5.0 requests per replica within the "
+        "600ms target; demand 8.0, 20.0 forecast in 30s"
     )
 
 
@@ -135,8 +145,8 @@ def test_each_role_is_held_to_its_own_latency() -> None:
     ]
     assert sizing(colocated).policy.policy == "slo"
     split = parse_spec(_spec({"ttftTargetMilliseconds": 500}, disaggregated=True), name="chat")
-    assert sizing(split, "prefill").slo == (LatencyTarget("time to first token", 0.5),)
-    assert sizing(split, "decode").slo == (LatencyTarget("inter-token latency", 0.03),)
+    assert sizing(split, "prefill").slo == (LatencyTarget("time to first token", 0.5, 90),)
+    assert sizing(split, "decode").slo == (LatencyTarget("inter-token latency", 0.03, 90),)
     assert parse_spec({"model": {"uri": "hf://org/model"}}, name="chat").scaling.policy == "queue-depth"
 
 
@@ -148,3 +158,111 @@ def test_the_api_server_refuses_the_slo_policy_without_a_latency_target(crd_vali
 
     assert any("scaling.policy slo sizes the fleet on latency targets" in error for error in admitted({}))
     assert admitted({"itlTargetMilliseconds": 40}) == []
+
+
+INF = math.inf
+# Ten observations: 2 up to 100 ms, 6 more up to 200 ms, 2 more up to 400 ms.
+TEN = ((0.1, 2.0), (0.2, 8.0), (0.4, 10.0), (0.6, 10.0), (0.8, 10.0), (INF, 10.0))
+
+
+def test_a_percentile_is_interpolated_within_its_bucket_as_prometheus_does() -> None:
+    # p90: the 9th of 10, half way from 8 to 10 in the bucket from 200 to 400 ms.
+    assert histogram_quantile(0.9, TEN) == pytest.approx(0.3)
+    # p50: the 5th, half way from 2 to 8 in the bucket from 100 to 200 ms.
+    assert histogram_quantile(0.5, TEN) == pytest.approx(0.15)
+    # In the lowest bucket, which is taken to start at 0: the 1st of its 2, from 0 to 100 ms.
+    assert histogram_quantile(0.1, TEN) == pytest.approx(0.05)
+    # In the +Inf bucket: the highest finite bound.
+    assert histogram_quantile(0.9, ((0.1, 1.0), (1.0, 5.0), (INF, 10.0))) == 1.0
+    assert histogram_quantile(0.9, ((0.1, 0.0), (INF, 0.0))) is None, "no observations"
+    assert histogram_quantile(0.9, ((0.1, 3.0), (1.0, 5.0))) is None, "no +Inf bucket"
+
+
+def _bucketed(values: list[float], bounds: tuple[float, ...]) -> Buckets:
+    per_bucket = [0.0] * (len(bounds) + 1)
+    for value in values:
+        per_bucket[bisect.bisect_left(bounds, value)] += 1
+    return tuple(zip((*bounds, INF), itertools.accumulate(per_bucket), strict=True))
+
+
+def test_the_estimate_lies_in_the_bucket_of_the_true_percentile() -> None:
+    bounds = (0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
+    rng = random.Random(7)
+    for _ in range(50):
+        values = [rng.lognormvariate(-2.5, 1.2) for _ in range(rng.randint(20, 400))]
+        for percentile in (50, 90, 99):
+            exact = float(np.percentile(values, percentile, method="inverted_cdf"))
+            estimate = histogram_quantile(percentile / 100, _bucketed(values, bounds))
+            assert estimate is not None
+            bucket = bisect.bisect_left(bounds, exact)
+            if bucket == len(bounds):
+                assert estimate == bounds[-1]
+            else:
+                assert (bounds[bucket - 1] if bucket else 0.0) <= estimate <= bounds[bucket]
+
+
+def _tail_sample(time: float, queue_depth: float, mean: float, buckets: Buckets) -> MetricsSample:
+    return MetricsSample(
+        time=time, queue_depth=queue_depth, reporting_pods=2, ttft_seconds=mean, ttft_buckets=buckets
+    )
+
+
+# As RISING, but the means hide the tail: p90 300 ms at 2 requests per replica, 500 ms at 4 (bucket by
+# bucket: 2/8/10 and 0/2/8/10 of ten), while the means are 150 and 200 ms.
+TAILED = [
+    _tail_sample(0, 4, 0.15, TEN),
+    _tail_sample(10, 8, 0.2, ((0.1, 0.0), (0.2, 2.0), (0.4, 8.0), (0.6, 10.0), (0.8, 10.0), (INF, 10.0))),
+]
+
+
+def test_the_slo_policy_sizes_on_the_percentile_not_the_mean() -> None:
+    at_p90 = LatencyTarget("time to first token", 0.6, 90)
+    model = latency_model(TAILED, "time to first token", 90)
+    assert model is not None
+    assert (model.idle, model.per_request) == (pytest.approx(0.1), pytest.approx(0.1))
+    decision = decide(POLICY, TAILED, FleetState(2, 2), AutoscalerState(), 10, slo=[at_p90])
+    # 20 requests forecast, 5 per replica within 600 ms at p90: 4 replicas.
+    assert decision.replicas == 4
+    assert decision.reason.startswith(
+        "slo: time to first token p90 100ms + 100.0ms per request: 5.0 requests per replica within the 600ms"
+    )
+    # On the means (100 ms + 25 ms a request) a replica would take 20, trusted up to 8: 3 replicas.
+    assert decide(POLICY, TAILED, FleetState(2, 2), AutoscalerState(), 10, slo=[TTFT]).replicas == 3
+
+
+def test_the_fleets_histogram_adds_up_the_replicas_and_leaves_out_other_bounds() -> None:
+    other_bounds = ((0.5, 1.0), (INF, 1.0))
+    reports = [
+        PodMetrics(waiting=0, running=2, ttft_buckets=TEN),
+        PodMetrics(waiting=0, running=2, ttft_buckets=TAILED[1].ttft_buckets),
+        PodMetrics(waiting=0, running=2, ttft_buckets=other_bounds),
+        PodMetrics(waiting=0, running=2),
+    ]
+    sample = aggregate(0, reports, 4)
+    assert sample is not None and sample.itl_buckets is None
+    assert sample.ttft_buckets == (
+        (0.1, 2.0), (0.2, 10.0), (0.4, 18.0), (0.6, 20.0), (0.8, 20.0), (INF, 20.0)
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("value", [49, 99.95, 100, "90", True])
+def test_a_percentile_out_of_range_is_refused_with_a_clear_message(value: Any) -> None:
+    spec = _spec({"ttftTargetMilliseconds": 500, "percentile": value})
+    with pytest.raises(SpecError, match=r"spec\.sla\.percentile must be a number from 50 to 99\.9"):
+        parse_spec(spec, name="chat")
+
+
+def test_the_percentile_defaults_to_90_and_the_api_server_checks_its_range(crd_validator: Any) -> None:
+    assert parse_spec(_spec({"ttftTargetMilliseconds": 500}), name="chat").sla.percentile == 90
+    assert (
+        parse_spec(_spec({"ttftTargetMilliseconds": 500, "percentile": 99.9}), name="chat").sla.percentile
+        == 99.9
+    )
+
+    def errors(percentile: float) -> list[str]:
+        spec = _spec({"ttftTargetMilliseconds": 500, "percentile": percentile})
+        resource = {"apiVersion": API_VERSION, "kind": KIND, "metadata": {"name": "chat"}, "spec": spec}
+        return crd_validator.admit(resource)[1]
+
+    assert errors(95) == []
+    assert any("percentile" in error for error in errors(100))
