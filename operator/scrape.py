@@ -11,15 +11,17 @@ import enum
 import ipaddress
 import math
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import aiohttp
 from kvfleet.contract.metrics import (
     GATEWAY_QUEUE_DEPTH,
+    GENERATION_TOKENS,
     ITL,
     KV_CACHE_USAGE,
     PREFIXES,
+    PROMPT_TOKENS,
     QUEUED_PROMPT_TOKENS,
     RUNNING,
     TTFT,
@@ -41,6 +43,8 @@ _WANTED = frozenset(
                 WAITING,
                 RUNNING,
                 KV_CACHE_USAGE,
+                f"{PROMPT_TOKENS}_total",
+                f"{GENERATION_TOKENS}_total",
                 *(
                     f"{histogram}{part}"
                     for histogram in _HISTOGRAMS
@@ -89,6 +93,9 @@ class Exposition:
     running: float | None
     kv_cache_usage: float | None
     queued_prompt_tokens: float | None
+    # The token counters: prompt tokens of requests whose prefill finished, tokens generated.
+    prompt_tokens: float | None
+    generation_tokens: float | None
     # Each latency histogram's (sum, count), by name.
     histograms: dict[str, tuple[float, float]]
     # Each latency histogram's cumulative buckets, by name, from the family of its sum and count.
@@ -140,6 +147,8 @@ def parse_exposition(text: str) -> Exposition:
         running=read(RUNNING),
         kv_cache_usage=read(KV_CACHE_USAGE),
         queued_prompt_tokens=totals.get(QUEUED_PROMPT_TOKENS),
+        prompt_tokens=read(f"{PROMPT_TOKENS}_total"),
+        generation_tokens=read(f"{GENERATION_TOKENS}_total"),
         histograms=histograms,
         buckets=buckets,
     )
@@ -191,8 +200,12 @@ class FleetScraper:
         session: aiohttp.ClientSession,
         timeout_seconds: float,
         max_page_bytes: int = DEFAULT_MAX_PAGE_BYTES,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._session = session
+        self._clock = clock
+        # pod -> (when, prompt tokens, generation tokens) at the previous scrape.
+        self._tokens: dict[str, tuple[float, float | None, float | None]] = {}
         self._timeout = aiohttp.ClientTimeout(total=timeout_seconds)
         self._max_page_bytes = max_page_bytes
         # (pod, histogram) -> its (sum, count) at the previous scrape.
@@ -202,20 +215,30 @@ class FleetScraper:
 
     async def scrape(self, targets: Sequence[ScrapeTarget]) -> list[PodMetrics | ScrapeFailure]:
         pages = await asyncio.gather(*(self._fetch(target) for target in targets))
+        now = self._clock()
         live = {target.pod for target in targets}
+        self._tokens = {pod: value for pod, value in self._tokens.items() if pod in live}
         self._counters = {key: value for key, value in self._counters.items() if key[0] in live}
         self._buckets = {key: value for key, value in self._buckets.items() if key[0] in live}
-        return [self._to_metrics(target.pod, page) for target, page in zip(targets, pages, strict=True)]
+        return [self._to_metrics(target.pod, page, now) for target, page in zip(targets, pages, strict=True)]
 
     async def _fetch(self, target: ScrapeTarget) -> Exposition | ScrapeFailure:
         page = await fetch_page(self._session, target.url, self._timeout, self._max_page_bytes)
         return page if isinstance(page, ScrapeFailure) else parse_exposition(page)
 
-    def _to_metrics(self, pod: str, page: Exposition | ScrapeFailure) -> PodMetrics | ScrapeFailure:
+    def _to_metrics(
+        self, pod: str, page: Exposition | ScrapeFailure, now: float
+    ) -> PodMetrics | ScrapeFailure:
         if isinstance(page, ScrapeFailure):
             return page
         if page.waiting is None or page.running is None:
             return ScrapeFailure.NO_QUEUE_METRICS
+        previous = self._tokens.get(pod)
+        self._tokens[pod] = (now, page.prompt_tokens, page.generation_tokens)
+        prompt_rate = generation_rate = None
+        if previous is not None and now > previous[0]:
+            prompt_rate = _rate(previous[1], page.prompt_tokens, now - previous[0])
+            generation_rate = _rate(previous[2], page.generation_tokens, now - previous[0])
         return PodMetrics(
             waiting=page.waiting,
             running=page.running,
@@ -225,6 +248,8 @@ class FleetScraper:
             itl_seconds=self._interval_mean(pod, page, ITL),
             ttft_buckets=self._interval_buckets(pod, page, TTFT),
             itl_buckets=self._interval_buckets(pod, page, ITL),
+            prompt_tokens_per_s=prompt_rate,
+            generation_tokens_per_s=generation_rate,
         )
 
     def _interval_buckets(self, pod: str, page: Exposition, histogram: str) -> Buckets | None:
@@ -259,6 +284,13 @@ class FleetScraper:
         if observed <= 0 or total < previous[0]:
             return None
         return (total - previous[0]) / observed
+
+
+def _rate(before: float | None, after: float | None, seconds: float) -> float | None:
+    """A counter's increase per second; None without both readings, or across a restart (a reset)."""
+    if before is None or after is None or after < before:
+        return None
+    return (after - before) / seconds
 
 
 def parse_gateway_queues(text: str) -> dict[str, float]:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvfleet.contract.metrics import (
+    GENERATION_TOKENS,
     ITL,
     ITL_BUCKETS,
     KV_CACHE_USAGE,
@@ -25,6 +26,7 @@ from kvfleet.contract.metrics import (
     LORA_ADAPTER_INFO,
     LORA_INT_ID_LABEL,
     LORA_NAME_LABEL,
+    PROMPT_TOKENS,
     QUEUED_PROMPT_TOKENS,
     RESUMED_REQUESTS,
     RESUMED_TOKENS,
@@ -86,9 +88,9 @@ class ServerMetrics:
         ProcessCollector(registry=self.registry)
 
         self._prompt_tokens = self._counter(
-            "prompt_tokens", "Prompt tokens of requests whose prefill finished."
+            PROMPT_TOKENS, "Prompt tokens of requests whose prefill finished."
         )
-        self._generation_tokens = self._counter("generation_tokens", "Generated tokens.")
+        self._generation_tokens = self._counter(GENERATION_TOKENS, "Generated tokens.")
         self._ttft = self._histogram(TTFT, "Time to first token.", TTFT_BUCKETS)
         self._itl = self._histogram(
             ITL,

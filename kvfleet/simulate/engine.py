@@ -146,6 +146,11 @@ class EngineModel:
         # Since the last report: first-token latencies, inter-token latencies.
         self._ttft = LatencyHistogram(TTFT_BUCKETS)
         self._itl = LatencyHistogram(ITL_BUCKETS)
+        # Since the last report (None before the first, as a scraper has no rate before its second scrape):
+        # prompt tokens of sequences whose prefill finished, tokens generated.
+        self._reported_at: float | None = None
+        self._prompt_tokens = 0
+        self._generation_tokens = 0
 
     @property
     def in_engine(self) -> int:
@@ -216,11 +221,14 @@ class EngineModel:
                 if sequence.first_token_s is None:
                     sequence.first_token_s = now
                     self._ttft.observe(now - sequence.arrival_s)
+                    self._prompt_tokens += sequence.prompt_tokens
                     outcome.first_tokens.append(sequence)
                 sequence.generated += 1
+                self._generation_tokens += 1
             else:
                 sequence.decoded += steps
                 sequence.generated += steps
+                self._generation_tokens += steps
                 self._itl.observe(length / steps, steps)
             if sequence.generated >= sequence.output_tokens:
                 self.running.remove(sequence)
@@ -247,8 +255,8 @@ class EngineModel:
         fits = self._kv_in_use() + self.waiting[0].kv_tokens <= self.profile.kv_cache_tokens
         return fits or not self.running
 
-    def report(self) -> PodMetrics:
-        """What the replica's /metrics would show the operator now; starts the next interval's means."""
+    def report(self, now: float) -> PodMetrics:
+        """What the replica's /metrics would show the operator now; starts the next interval."""
         queued = sum(s.to_compute - s.computed for s in self.waiting) + sum(
             s.to_compute - s.computed for s in self.running
         )
@@ -261,9 +269,18 @@ class EngineModel:
             itl_seconds=self._itl.mean(),
             ttft_buckets=self._ttft.buckets(),
             itl_buckets=self._itl.buckets(),
+            prompt_tokens_per_s=self._rate(self._prompt_tokens, now),
+            generation_tokens_per_s=self._rate(self._generation_tokens, now),
         )
+        self._reported_at = now
         self._ttft, self._itl = LatencyHistogram(TTFT_BUCKETS), LatencyHistogram(ITL_BUCKETS)
+        self._prompt_tokens = self._generation_tokens = 0
         return metrics
+
+    def _rate(self, tokens: int, now: float) -> float | None:
+        if self._reported_at is None or now <= self._reported_at:
+            return None
+        return tokens / (now - self._reported_at)
 
     def _kv_in_use(self) -> int:
         return sum(sequence.kv_tokens for sequence in self.running)

@@ -333,7 +333,7 @@ class Simulation:
     def _scrape(self) -> None:
         self._dispatch()
         ready = [r for r in self._replicas.values() if r.ready and not r.draining]
-        reports: list[PodMetrics | None] = [replica.engine.report() for replica in ready]
+        reports: list[PodMetrics | None] = [replica.engine.report(self._now) for replica in ready]
         policy = self.fit.policy
         held = float(self._queued)
         sample = aggregate(self._now, reports, len(reports), held)

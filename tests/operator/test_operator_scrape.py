@@ -14,7 +14,15 @@ from pathlib import Path
 import aiohttp
 import pytest
 from aiohttp import web
-from kvfleet.contract.metrics import GATEWAY_QUEUE_DEPTH, ITL, QUEUED_PROMPT_TOKENS, TTFT, TTFT_BUCKETS
+from kvfleet.contract.metrics import (
+    GATEWAY_QUEUE_DEPTH,
+    GENERATION_TOKENS,
+    ITL,
+    PROMPT_TOKENS,
+    QUEUED_PROMPT_TOKENS,
+    TTFT,
+    TTFT_BUCKETS,
+)
 from kvfleet.gateway.metrics import GatewayMetrics
 from kvfleet.operator.autoscaler import PodMetrics
 from kvfleet.operator.scrape import (
@@ -422,3 +430,44 @@ async def _interval_buckets() -> None:
         (bound, float(sum(value <= bound for value in interval))) for bound in (*TTFT_BUCKETS, math.inf)
     )
     assert second.ttft_buckets == expected
+
+
+def test_token_counters_are_read_as_rates_between_scrapes() -> None:
+    asyncio.run(_token_rates())
+
+
+async def _token_rates() -> None:
+    # kvfleet's counters summed over tiers; vLLM's alone on a vLLM pod.
+    counters = {"prompt": (100.0, 50.0), "generated": 40.0}
+    now = [0.0]
+
+    async def metrics(_: web.Request) -> web.Response:
+        standard, batch = counters["prompt"]
+        return web.Response(
+            text=(
+                "kvfleet:num_requests_waiting 0\nkvfleet:num_requests_running 3\n"
+                f'kvfleet:{PROMPT_TOKENS}_total{{tier="standard"}} {standard}\n'
+                f'kvfleet:{PROMPT_TOKENS}_total{{tier="batch"}} {batch}\n'
+                f"vllm:{GENERATION_TOKENS}_total {counters['generated']}\n"
+            )
+        )
+
+    runner, target = await serve_replica("pod", metrics)
+    try:
+        async with aiohttp.ClientSession() as session:
+            scraper = FleetScraper(session, timeout_seconds=1, clock=lambda: now[0])
+            (first,) = await scraper.scrape([target])
+            assert isinstance(first, PodMetrics) and first.prompt_tokens_per_s is None, "no interval yet"
+            # 2 s later: 450 more prompt tokens and 300 more generated.
+            counters.update(prompt=(400.0, 200.0), generated=340.0)
+            now[0] = 2.0
+            (second,) = await scraper.scrape([target])
+            assert isinstance(second, PodMetrics)
+            assert (second.prompt_tokens_per_s, second.generation_tokens_per_s) == (225.0, 150.0)
+            # A restart resets the counters: no rate across it.
+            counters.update(prompt=(10.0, 0.0), generated=5.0)
+            now[0] = 3.0
+            (third,) = await scraper.scrape([target])
+            assert isinstance(third, PodMetrics) and third.prompt_tokens_per_s is None
+    finally:
+        await runner.cleanup()

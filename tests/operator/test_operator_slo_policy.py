@@ -46,7 +46,7 @@ def test_the_latency_model_is_the_line_through_the_measurements() -> None:
     model = latency_model(RISING, "time to first token")
     assert model is not None
     # 100 ms more per request held, from 100 ms idle.
-    assert model.idle == pytest.approx(0.1) and model.per_request == pytest.approx(0.1)
+    assert model.idle == pytest.approx(0.1) and model.per_unit == pytest.approx(0.1)
     # Within 600 ms: (600 - 100) / 100 = 5 requests per replica.
     assert model.capacity(0.6) == pytest.approx(5.0)
     # Within 2 s the line says 19, but it was measured at 4 at most: it is trusted up to 8.
@@ -59,7 +59,7 @@ def test_requests_the_gateway_held_are_demand_but_not_the_replicas_load() -> Non
     held = [_sample(0, 4, 0.3), dataclasses.replace(_sample(10, 14, 0.5), held=6)]
     model = latency_model(held, "time to first token")
     assert model is not None
-    assert (model.idle, model.per_request) == (pytest.approx(0.1), pytest.approx(0.1))
+    assert (model.idle, model.per_unit) == (pytest.approx(0.1), pytest.approx(0.1))
     # The line allows 5 within 600 ms, but a replica took no more than 4 while others waited.
     assert model.full_at == 4 and model.capacity(0.6) == pytest.approx(4.0)
     # The demand counts the held: 4 then 14, 1 a second more; 30 s after the latest, 14 + 30 = 44.
@@ -70,7 +70,7 @@ def test_a_load_that_never_varied_gives_a_line_through_the_origin() -> None:
     model = latency_model([_sample(0, 6, 0.3), _sample(2, 6, 0.5)], "time to first token")
     assert model is not None
     # 3 requests per replica at 400 ms on average: 133 ms per request.
-    assert (model.idle, model.per_request) == (0.0, pytest.approx(0.4 / 3))
+    assert (model.idle, model.per_unit) == (0.0, pytest.approx(0.4 / 3))
     assert latency_model([_sample(0, 0, 0.2), _sample(2, 6, None)], "time to first token") is None
 
 
@@ -88,7 +88,7 @@ def test_the_fewest_replicas_that_meet_the_target_at_the_forecast_and_the_reason
     assert decision.replicas == 4 and not decision.panic
     assert decision.reason == (
         "slo: time to first token mean 100ms + 100.0ms per request: 5.0 requests per replica within the "
-        "600ms target; demand 8.0, 20.0 forecast in 30s"
+        "600ms target; demand 8.0 requests, 20.0 forecast in 30s"
     )
 
 
@@ -219,7 +219,7 @@ def test_the_slo_policy_sizes_on_the_percentile_not_the_mean() -> None:
     at_p90 = LatencyTarget("time to first token", 0.6, 90)
     model = latency_model(TAILED, "time to first token", 90)
     assert model is not None
-    assert (model.idle, model.per_request) == (pytest.approx(0.1), pytest.approx(0.1))
+    assert (model.idle, model.per_unit) == (pytest.approx(0.1), pytest.approx(0.1))
     decision = decide(POLICY, TAILED, FleetState(2, 2), AutoscalerState(), 10, slo=[at_p90])
     # 20 requests forecast, 5 per replica within 600 ms at p90: 4 replicas.
     assert decision.replicas == 4
@@ -266,3 +266,51 @@ def test_the_percentile_defaults_to_90_and_the_api_server_checks_its_range(crd_v
 
     assert errors(95) == []
     assert any("percentile" in error for error in errors(100))
+
+
+def _token_sample(
+    time: float, queue_depth: float, prompt_tokens_per_s: float, ttft: float, held: float = 0.0
+) -> MetricsSample:
+    return MetricsSample(
+        time=time,
+        queue_depth=queue_depth,
+        reporting_pods=2,
+        ttft_seconds=ttft,
+        prompt_tokens_per_s=prompt_tokens_per_s,
+        held=held,
+    )
+
+
+# Two replicas computing 1000 prompt tokens a second each answer in 200 ms; at 2000 each, in 300 ms.
+TOKENS = [_token_sample(0, 4, 2000, 0.2), _token_sample(10, 8, 4000, 0.3)]
+
+
+def test_with_token_counters_the_slo_policy_sizes_on_prompt_tokens_per_second() -> None:
+    decision = decide(POLICY, TOKENS, FleetState(2, 2), AutoscalerState(), 10, slo=[TTFT])
+    # 100 ms + 100 ms per 1000 prompt tokens a second: 5000 within 600 ms, trusted up to twice the 2000
+    # measured. The
+    # demand rose 200 tokens/s a second: 4000 + 30 × 200 = 10,000 forecast, 3 replicas.
+    assert decision.replicas == 3
+    assert decision.reason == (
+        "slo: time to first token mean 100ms + 100.0ms per 1000 prompt tokens/s: 4000.0 prompt tokens/s per "
+        "replica within the 600ms target; demand 4000.0 prompt tokens/s, 10000.0 forecast in 30s"
+    )
+
+
+def test_what_a_replica_served_while_the_gateway_held_requests_bounds_it_past_the_window() -> None:
+    # At 10 s the replicas serve 2000 prompt tokens/s each with 4 requests apiece, and the gateway holds 6
+    # more: the demand is 4000 × 14 / 8 = 7000 tokens/s, and a replica does 2000 at most.
+    held = [_token_sample(0, 4, 2000, 0.2), _token_sample(10, 14, 4000, 0.3, held=6)]
+    first = decide(POLICY, held, FleetState(2, 2), AutoscalerState(), 10, slo=[TTFT])
+    assert first.state.full_throughput == (("time to first token", 2000.0),)
+    # 7000 + 30 × 500 = 22,000 forecast over 2000 a replica: 11, capped at 10.
+    assert first.replicas == 6  # 2 + the step of 4
+    assert "2000.0 prompt tokens/s per replica" in first.reason and "demand 7000.0" in first.reason
+    # A minute on, the window holds no held request; the fleet serves 6000 tokens/s on 4 replicas. Without the
+    # memory a replica would be trusted with twice the 1500 it serves; with it, 2000: 3 replicas, not 2.
+    later = [_token_sample(70, 8, 6000, 0.25, 0), _token_sample(72, 8, 6000, 0.25, 0)]
+    later = [dataclasses.replace(s, reporting_pods=4) for s in later]
+    remembered = decide(POLICY, later, FleetState(4, 4), first.state, 72, slo=[TTFT])
+    assert "2000.0 prompt tokens/s per replica" in remembered.reason
+    forgotten = decide(POLICY, later, FleetState(4, 4), AutoscalerState(), 72, slo=[TTFT])
+    assert "3000.0 prompt tokens/s per replica" in forgotten.reason

@@ -66,7 +66,7 @@ def test_a_run_of_decode_steps_is_cut_at_the_step_in_progress_when_a_request_arr
     assert end == pytest.approx(0.054) and first == [arriving]
     assert arriving.first_token_s is not None
     assert arriving.first_token_s - arriving.arrival_s == pytest.approx(0.024)
-    report = engine.report()
+    report = engine.report(end)
     assert report.ttft_seconds == pytest.approx((0.014 + 0.024) / 2)
     # Three decode tokens of the first sequence so far, over 12 + 12 + 16 ms.
     assert report.itl_seconds == pytest.approx((0.024 + 0.016) / 3)
