@@ -657,6 +657,8 @@ class Gateway:
         finally:
             prefill.release(replica, priority)
             self.metrics.pd.prefill_duration.labels(config.name).observe(time.monotonic() - started)
+        if status == 503 and _refused_draining(content):
+            replica.drains()
         return _prefill_answer(replica.url, status, answer_headers, content)
 
     async def _send(
