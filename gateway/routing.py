@@ -1,7 +1,7 @@
 """Routing policies: which of a model's usable replicas takes a request.
 
-A replica is usable when it is below its in-flight cap and the request has not failed on it already; the
-pool decides that, the policy only picks among usable replicas.
+A replica is usable when it is below its in-flight cap, the request has not failed on it already and it has
+not lately said that it is draining; the pool decides that, the policy only picks among usable replicas.
 
 - `round-robin`: the next usable replica in turn; the baseline.
 - `least-request`: the usable replica with the fewest requests in flight (ties taken in turn). Past
