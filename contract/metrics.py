@@ -19,6 +19,18 @@ RUNNING = "num_requests_running"
 KV_CACHE_USAGE = "kv_cache_usage_perc"
 TTFT = "time_to_first_token_seconds"
 ITL = "inter_token_latency_seconds"
+# Their buckets' upper bounds (+Inf besides), in seconds: the autoscaler reads a percentile from them.
+TTFT_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0,
+    160.0, 640.0,
+)  # fmt: skip
+ITL_BUCKETS = (
+    0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 80.0,
+)  # fmt: skip
+# Counters (their samples end in _total) of the prompt tokens of requests whose prefill finished and of the
+# tokens generated: the token throughput the `slo` policy sizes a fleet on.
+PROMPT_TOKENS = "prompt_tokens"
+GENERATION_TOKENS = "generation_tokens"
 # A gauge of the prompt tokens a replica has still to compute, of its waiting and running requests (tokens
 # loaded from a prefill replica are not computed): the backlog a disaggregated service's prefill role is
 # scaled on. kvfleet's alone (vLLM has none).

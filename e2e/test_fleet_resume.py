@@ -1,8 +1,9 @@
 """Streams that survive their replica, through the chart's fleet gateway in front of real `kvfleet serve`
 pods: two of three replicas killed with SIGKILL at random moments under 60 long streams (greedy, seeded,
-JSON-schema constrained, tool calls) cost no stream, and each answer is the one the healthy fleet gave, token
-for token; a rolling update hands the long generations of the replica it stops over to the new one instead
-of waiting for them, and fails no request."""
+JSON-schema constrained, tool calls) cost no stream, and each answer is the one the healthy fleet gave,
+token for token; a scale-down from three replicas to one under streams and plain requests fails none of
+them; a rolling update hands the long generations of the replica it stops over to the new one instead of
+waiting for them, and fails no request."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import jsonschema
+import pytest
 import yaml
 
 from e2e.cluster import KubeAPI, LocalCluster
@@ -25,7 +27,7 @@ from e2e.fleet.gateway import metric
 from e2e.fleet.manifests import services_path, tiny_service
 from e2e.fleet.observe import is_ready, service_pods, wait_ready
 from e2e.fleet.streams import ConcurrentStreams, StreamedAnswer, StreamLoad, gateway_client
-from e2e.fleet.traffic import ReadyEndpoints
+from e2e.fleet.traffic import ChatLoad, ReadyEndpoints
 from e2e.support.waits import wait_for
 
 RESUMES = "kvfleet_gateway_resumes_total"
@@ -109,28 +111,56 @@ def serve_through_gateway(
     return model
 
 
-def test_two_replicas_killed_under_long_streams_cost_no_stream_nor_a_token(
-    local_cluster: LocalCluster,
-    gateway: ReadyEndpoints,
-    namespace: str,
-    tiny_model_dir: Path,
-    measurements: Callable[[str], None],
-) -> None:
-    api, runner = local_cluster.api, local_cluster.pod_runner
-    assert runner is not None
+@pytest.fixture(scope="module")
+def three_replicas(
+    local_cluster: LocalCluster, gateway: ReadyEndpoints, module_namespace: str, tiny_model_dir: Path
+) -> str:
+    """A service of three replicas behind the gateway, shared by the module's tests; its model's name."""
     # Room for every stream on the one replica that may be left, prompts with a tool's schema included.
     engine = {"maxNumSeqs": 64, "maxModelLen": 1024}
     manifest = tiny_service("chaos", tiny_model_dir, engine=engine, scaling={"replicas": 3})
     manifest["spec"]["model"]["servedName"] = "chaos-model"
-    model = serve_through_gateway(local_cluster, gateway, namespace, manifest)
+    return serve_through_gateway(local_cluster, gateway, module_namespace, manifest)
 
-    def addressed_pods() -> list[str]:
-        pods = service_pods(api, namespace, "chaos")
-        return [pod["metadata"]["name"] for pod in pods if pod["status"].get("podIP")]
 
-    pods = wait_for(
-        "three replicas with an address", lambda: len(addressed_pods()) == 3 and addressed_pods(), 60
+def scaled(api: KubeAPI, namespace: str, name: str, replicas: int, timeout: float = 120) -> list[str]:
+    """Sets the service's replicas and waits until that many pods serve and no other is left; their names."""
+    api.patch(
+        services_path(namespace, name),
+        {"spec": {"scaling": {"replicas": replicas}}},
+        content_type=MERGE_PATCH,
     )
+
+    def serving() -> list[str] | None:
+        pods = service_pods(api, namespace, name)
+        ready = [pod["metadata"]["name"] for pod in pods if _serves(pod)]
+        return ready if len(ready) == len(pods) == replicas else None
+
+    return wait_for(f"{replicas} serving replicas of {name}, and no other", serving, timeout, interval=0.25)
+
+
+def _serves(pod: dict[str, Any]) -> bool:
+    """Ready, and not being deleted."""
+    conditions = pod["status"].get("conditions") or ()
+    ready = any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
+    return ready and not pod["metadata"].get("deletionTimestamp")
+
+
+def test_two_replicas_killed_under_long_streams_cost_no_stream_nor_a_token(
+    local_cluster: LocalCluster,
+    gateway: ReadyEndpoints,
+    module_namespace: str,
+    three_replicas: str,
+    measurements: Callable[[str], None],
+) -> None:
+    api, runner, namespace, model = (
+        local_cluster.api,
+        local_cluster.pod_runner,
+        module_namespace,
+        three_replicas,
+    )
+    assert runner is not None
+    pods = scaled(api, namespace, "chaos", 3)
     requests = chaos_requests()
 
     # The answers of the healthy fleet: what each stream must be, token for token, whatever fails.
@@ -181,6 +211,54 @@ def test_two_replicas_killed_under_long_streams_cost_no_stream_nor_a_token(
         assert (answer.text, answer.tool_arguments) == (healthy_answer.text, healthy_answer.tool_arguments)
         assert answer.finish_reason == healthy_answer.finish_reason
     assert resumed >= 1, "the kills cut streams short, which the gateway resumed"
+
+
+# A scale-down from three replicas to one under both kinds of traffic: streams long enough that the replicas
+# stopped hold some past their preStop pause and drain timeout (5 s each), and plain requests.
+SCALE_DOWN_STREAMS = 6
+SCALE_DOWN_STREAM_TOKENS = 800
+SCALE_DOWN_PLAIN_CLIENTS = 3
+
+
+def test_a_scale_down_under_streams_and_plain_requests_fails_no_request(
+    local_cluster: LocalCluster,
+    gateway: ReadyEndpoints,
+    module_namespace: str,
+    three_replicas: str,
+    measurements: Callable[[str], None],
+) -> None:
+    api, namespace, model = local_cluster.api, module_namespace, three_replicas
+    scaled(api, namespace, "chaos", 3)
+    request = {
+        "messages": [{"role": "user", "content": "Tell me about fleets."}],
+        "max_tokens": SCALE_DOWN_STREAM_TOKENS,
+        "temperature": 0.0,
+        "extra_body": {"ignore_eos": True},
+    }
+    handed_back_before = resumes(gateway, 'cause="drain"')
+    with (
+        StreamLoad(gateway, model, SCALE_DOWN_STREAMS, request, stagger=0.5) as streams,
+        ChatLoad(gateway, SCALE_DOWN_PLAIN_CLIENTS, max_tokens=32, model=model) as plain,
+    ):
+        wait_for("streams and plain answers", lambda: streams.started >= 3 and plain.successes(), 60)
+        started = time.monotonic()
+        scaled(api, namespace, "chaos", 1, timeout=60)
+        scale_down_seconds = time.monotonic() - started
+        answered_before = len(plain.successes())
+        wait_for("plain answers from the replica left", lambda: len(plain.successes()) > answered_before, 30)
+        streams.stop_sending()
+    handed_back = resumes(gateway, 'cause="drain"') - handed_back_before
+    answers = streams.answers
+    measurements(
+        f"scale-down 3 -> 1 under {SCALE_DOWN_STREAMS} streams and {SCALE_DOWN_PLAIN_CLIENTS} plain clients: "
+        f"{scale_down_seconds:.1f}s until the two replicas were gone, {handed_back:.0f} streams handed back; "
+        f"{len(answers)} streams and {len(plain.outcomes)} plain requests, "
+        f"{sum(not a.complete for a in answers) + len(plain.failures())} failed"
+    )
+    assert all(answer.complete for answer in answers), [a.error for a in answers if not a.complete][:3]
+    assert not plain.failures(), plain.failures()[:3]
+    # One greedy request: each stream, resumed or not, is the same.
+    assert len({tuple(answer.token_ids) for answer in answers}) == 1
 
 
 # Generations as long as the context allows, many at once (each step then takes longer): some 15 s each on

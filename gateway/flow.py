@@ -238,7 +238,10 @@ class ModelPool:
         self._running[replica.url] += 1
 
     def _usable(self, priority: int, tried: frozenset[str]) -> tuple[Replica, ...]:
-        return tuple(r for r in self.replicas if self._has_room(r, priority) and r.url not in tried)
+        now = time.monotonic()
+        return tuple(
+            r for r in self.replicas if self._has_room(r, priority) and not _passed_over(r, tried, now)
+        )
 
     def _has_room(self, replica: Replica, priority: int) -> bool:
         cap = self.config.max_in_flight
@@ -258,8 +261,10 @@ class ModelPool:
         return min((p for p, seen in self._last_seen.items() if seen >= since), default=PRIORITY_RANGE[1])
 
     def _choose(self, priority: int, prompt: Prompt, tried: frozenset[str]) -> Replica | None:
+        now = time.monotonic()
+
         def usable(replica: Replica) -> bool:
-            return self._has_room(replica, priority) and replica.url not in tried
+            return self._has_room(replica, priority) and not _passed_over(replica, tried, now)
 
         if self.config.adapter_of is not None and self._running:
             bound = bounded_load(self.replicas, self.config.load_bound)
@@ -327,7 +332,8 @@ class ModelPool:
 
     def _timed_out(self, priority: int, tried: frozenset[str], deadline_binding: bool) -> OpenAIError:
         name, tier = self.config.name, tier_of(priority)
-        if not self._usable(priority, tried) and all(replica.url in tried for replica in self.replicas):
+        now = time.monotonic()
+        if all(_passed_over(replica, tried, now) for replica in self.replicas):
             self.metrics.rejected.labels(name, "unavailable", tier).inc()
             return ServiceUnavailableError(
                 f"no replica of model {name!r} could serve the request within {self.config.hold_seconds:g} s",
@@ -348,6 +354,12 @@ class ModelPool:
     def _set_waiting(self, count: int) -> None:
         self._waiting = count
         self.metrics.queue_depth.labels(self.config.name).set(count)
+
+
+def _passed_over(replica: Replica, tried: frozenset[str], now: float) -> bool:
+    """Whether a request may not go to the replica whatever its load: it failed there already, or the replica
+    is draining."""
+    return replica.url in tried or replica.draining_until > now
 
 
 def _prefill_config(config: ModelConfig) -> ModelConfig:

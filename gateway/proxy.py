@@ -4,11 +4,15 @@ Requests to a model (every OpenAI endpoint a replica serves on one: kvfleet.gate
 (model, tier, prompt) before anything else, queued in their model's pool, and sent to the chosen replica with
 the body and headers unchanged. The response streams back chunk by chunk as the replica writes it, so SSE
 arrives unbuffered. A connection error or a 503 is retried on another replica as long as nothing has been sent
-to the client; after that a failure ends the stream (with an error event when it is SSE). Completions and chat
-completions are the exception: they are asked of a replica as a stream with token ids, and one that fails
-mid-stream is resumed on another from the tokens already sent (kvfleet.gateway.resumption). A client that
-disconnects cancels its handler (handler_cancellation), which closes the upstream connection, and the replica
-aborts the request. Whatever the gateway answers itself is an OpenAI error (kvfleet.gateway.http_errors).
+to the client; after that a failure ends the stream (with an error event when it is SSE). A 503 that says the
+replica is draining (the client has had nothing of the request: it came after the replica was told to stop, or
+the drain ended while it was still there) is retried without counting as an attempt, and the replica is passed
+over by every request for a while (kvfleet.gateway.routing.DRAIN_MEMORY_S), by when discovery has taken it out
+of the fleet. Completions and chat completions are the exception: they are asked of a replica as a stream with
+token ids, and one that fails mid-stream is resumed on another from the tokens already sent
+(kvfleet.gateway.resumption). A client that disconnects cancels its handler (handler_cancellation), which
+closes the upstream connection, and the replica aborts the request. Whatever the gateway answers itself is an
+OpenAI error (kvfleet.gateway.http_errors).
 
 A model whose policy routes on KV block hashes has each prompt tokenized and hashed as its replicas' engines
 do (kvfleet.gateway.prompt_blocks), on a worker thread, once the model's tokenizer is at hand
@@ -63,7 +67,7 @@ from kvfleet.contract.errors import (
     ServiceUnavailableError,
 )
 from kvfleet.contract.kv_transfer import DO_REMOTE_DECODE, PREFILL_MAX_TOKENS
-from kvfleet.contract.resume import CONTINUATION
+from kvfleet.contract.resume import CONTINUATION, DRAINING_CODE
 from kvfleet.gateway.adapters import DEFAULT_ADAPTER_POLL_SECONDS, poll_adapters
 from kvfleet.gateway.discovery import Discovery, ModelConfig
 from kvfleet.gateway.flow import DEFAULT_MAX_QUEUE, Fleet, ModelPool
@@ -84,7 +88,7 @@ from kvfleet.gateway.requests import (
     parse_request,
 )
 from kvfleet.gateway.resumption import DEFAULT_MAX_RESUMES, Generation, Leg, LegUnavailable
-from kvfleet.gateway.routing import BlockHashes, Prompt, estimated_tokens
+from kvfleet.gateway.routing import BlockHashes, Prompt, Replica, estimated_tokens
 from kvfleet.gateway.splice import Splice, frame_error
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -398,9 +402,11 @@ class Gateway:
         tried: list[str] = []
         # Decided with the first decode replica: a retry sends the same body (the same prefill's params).
         decode_body: bytes | None = None
-        for attempt in range(1, self.max_attempts + 1):
+        # A draining replica's refusal costs it no work, and each refuses a request once: not counted.
+        failures = 0
+        while failures < self.max_attempts:
             replica = await pool.acquire(priority, prompt, tried, routed.deadline_seconds)
-            if attempt == 1:
+            if not tried:
                 self.metrics.queue_wait.labels(model).observe(time.monotonic() - arrived)
             self.metrics.routing_decisions.labels(model, pool.config.policy, replica.url).inc()
             try:
@@ -425,22 +431,23 @@ class Gateway:
                 upstream = await self._send(f"{replica.url}{request.path}", decode_body, headers, deadline)
             except aiohttp.ClientError as error:
                 pool.release(replica, priority)
-                tried.append(replica.url)
-                self.metrics.retries.labels(model, "connection_error").inc()
-                logger.info(
-                    "%s: %s failed before answering (%s); trying another replica", model, replica.url, error
-                )
+                self._retrying(model, replica, tried, "connection_error")
+                failures += 1
+                logger.info("%s: %s failed before answering (%s); retrying", model, replica.url, error)
                 continue
             except BaseException:
                 pool.release(replica, priority)  # the client left while the replica had not answered yet
                 raise
-            leg = Leg(replica.url, upstream, functools.partial(pool.release, replica, priority))
+            leg = Leg(replica, upstream, functools.partial(pool.release, replica, priority))
             try:
                 self.metrics.upstream_latency.labels(model).observe(time.monotonic() - sent)
-                if upstream.status == 503 and attempt < self.max_attempts:
-                    tried.append(replica.url)
-                    self.metrics.retries.labels(model, "unavailable").inc()
-                    continue
+                if upstream.status == 503:
+                    answer, draining = await self._refused(upstream, replica, deadline)
+                    if draining or failures + 1 < self.max_attempts:
+                        self._retrying(model, replica, tried, "draining" if draining else "unavailable")
+                        failures += not draining
+                        continue
+                    return web.Response(status=503, body=answer, headers=_end_to_end(upstream.headers))
                 if from_zero:
                     self.metrics.activation.labels(model).observe(time.monotonic() - arrived)
                 if resumable and _is_event_stream(upstream):
@@ -454,6 +461,27 @@ class Gateway:
             f"every replica of model {model!r} tried ({self.max_attempts} attempts) failed before answering",
             code="upstream_unavailable",
         )
+
+    def _retrying(self, model: str, replica: Replica, tried: list[str], reason: str) -> None:
+        """The request goes to another replica than this one, for this reason."""
+        tried.append(replica.url)
+        self.metrics.retries.labels(model, reason).inc()
+
+    async def _refused(
+        self, upstream: aiohttp.ClientResponse, replica: Replica, deadline: float
+    ) -> tuple[bytes, bool]:
+        """A replica's 503 answer (a small JSON object, read within the idle timeout; empty when it is longer
+        than any error answer or does not arrive), and whether it says that the replica is draining, which
+        marks the replica so."""
+        loop = asyncio.get_running_loop()
+        answer = b""
+        with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+            async with asyncio.timeout_at(min(loop.time() + self.upstream_timeouts.idle, deadline)):
+                answer = await _read_at_most(upstream, MAX_ERROR_ANSWER_BYTES)
+        draining = _refused_draining(answer)
+        if draining:
+            replica.drains()
+        return answer, draining
 
     def _generation(
         self,
@@ -519,10 +547,12 @@ class Gateway:
         except BaseException:
             pool.release(replica, priority)
             raise
-        leg = Leg(replica.url, upstream, functools.partial(pool.release, replica, priority))
+        leg = Leg(replica, upstream, functools.partial(pool.release, replica, priority))
         if upstream.status == 200 and _is_event_stream(upstream):
             return leg
         try:
+            if upstream.status == 503 and (await self._refused(upstream, replica, deadline))[1]:
+                raise LegUnavailable(replica.url, "draining", draining=True)
             if upstream.status >= 500 or upstream.status == 200:
                 raise LegUnavailable(replica.url, f"answered {upstream.status}")
             raise _answered_error(upstream.status, await _read_at_most(upstream, MAX_ERROR_ANSWER_BYTES))
@@ -627,6 +657,8 @@ class Gateway:
         finally:
             prefill.release(replica, priority)
             self.metrics.pd.prefill_duration.labels(config.name).observe(time.monotonic() - started)
+        if status == 503 and _refused_draining(content):
+            replica.drains()
         return _prefill_answer(replica.url, status, answer_headers, content)
 
     async def _send(
@@ -690,6 +722,14 @@ def _for_replicas(
         payload = _streamed_with_token_ids(payload, routed.stream)
         return payload, _json_body(payload)
     return payload, _renamed_for_replicas(config, routed, body)
+
+
+def _refused_draining(answer: bytes) -> bool:
+    """Whether a replica's 503 answer says it is draining: it took nothing of the request on."""
+    try:
+        return json.loads(answer)["error"]["code"] == DRAINING_CODE
+    except (ValueError, KeyError, TypeError):
+        return False
 
 
 def _is_event_stream(upstream: aiohttp.ClientResponse) -> bool:

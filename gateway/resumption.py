@@ -4,9 +4,11 @@ A replica's stream that breaks off before its [DONE] (its connection reset or cl
 chunk within the stall timeout, or the hand-back frame of a draining replica) is resumed on another replica:
 the client's request again, with the `continuation` of what was received (kvfleet.gateway.splice), and that
 replica's stream is spliced onto the client's. The failed replica is not chosen again for the request. A
-request is resumed at most `max_resumes` times; past that, or when no replica takes the continuation, the
-client gets an error (an error frame and [DONE] on a stream). An error frame that is the request's own (a
-4xx) ends the stream as the replica sent it. A client that did not ask for a stream gets the answer assembled
+replica that hands a request back, or refuses a continuation, because it is draining is passed over by every
+request for a while (kvfleet.gateway.routing.DRAIN_MEMORY_S), and such a refusal costs the request no resume.
+A request is resumed at most `max_resumes` times; past that, or when no replica takes the continuation, the
+client gets an error (an error frame and [DONE] on a stream). An error frame that is the request's own (a 4xx)
+ends the stream as the replica sent it. A client that did not ask for a stream gets the answer assembled
 (kvfleet.gateway.assembly) once the last stream ends.
 """
 
@@ -27,6 +29,7 @@ from kvfleet.contract.errors import GatewayTimeoutError, OpenAIError, ServiceUna
 from kvfleet.gateway.assembly import Assembly
 from kvfleet.gateway.http_errors import error_response
 from kvfleet.gateway.metrics import GatewayMetrics
+from kvfleet.gateway.routing import Replica
 from kvfleet.gateway.splice import DONE, EventReader, Failure, Splice, frame_error, frame_failure
 
 logger = logging.getLogger(__name__)
@@ -43,10 +46,14 @@ _STREAM_HEADERS = frozenset({"content-type", "cache-control", "x-accel-buffering
 class Leg:
     """One replica's stream of the request; `close` hands its connection and its place in the pool back."""
 
-    url: str
+    replica: Replica
     upstream: aiohttp.ClientResponse
     give_back: Callable[[], None]
     closed: bool = field(default=False, init=False)
+
+    @property
+    def url(self) -> str:
+        return self.replica.url
 
     def close(self) -> None:
         if self.closed:
@@ -62,11 +69,13 @@ class Leg:
 
 
 class LegUnavailable(Exception):
-    """The replica chosen for a continuation could not be reached, or answered 5xx: another is tried."""
+    """The replica chosen for a continuation could not be reached, or answered 5xx: another is tried.
+    `draining`: it refused the continuation because it is draining, which costs the request no resume."""
 
-    def __init__(self, url: str, detail: str) -> None:
+    def __init__(self, url: str, detail: str, *, draining: bool = False) -> None:
         super().__init__(f"{url}: {detail}")
         self.url = url
+        self.draining = draining
 
 
 # A leg continuing from the continuation given (None: the request afresh), on a replica not among those
@@ -124,6 +133,8 @@ class Generation:
             if isinstance(outcome, OpenAIError):
                 return await self._fail(outcome)
             tried.append(leg.url)
+            if outcome.cause == "drain":
+                leg.replica.drains()
             self.metrics.resume.resumes.labels(self.model, outcome.cause).inc()
             self._failed_at = time.monotonic()
             logger.info(
@@ -148,6 +159,8 @@ class Generation:
                 return await self.open_leg(continuation, tried), resumes
             except LegUnavailable as unavailable:
                 tried.append(unavailable.url)
+                if unavailable.draining:
+                    resumes -= 1
                 logger.info("%s: the continuation failed (%s)", self.model, unavailable)
         raise ServiceUnavailableError(
             f"the replicas serving model {self.model!r} failed mid-stream and the request was resumed "

@@ -1,10 +1,13 @@
 """Routing policies: which of a model's usable replicas takes a request.
 
-A replica is usable when it is below its in-flight cap and the request has not failed on it already; the
-pool decides that, the policy only picks among usable replicas.
+A replica is usable when it is below its in-flight cap, the request has not failed on it already and it has
+not lately said that it is draining; the pool decides that, the policy only picks among usable replicas.
 
 - `round-robin`: the next usable replica in turn; the baseline.
-- `least-request`: the usable replica with the fewest requests in flight (ties taken in turn).
+- `least-request`: the usable replica with the fewest requests in flight (ties taken in turn). Past
+  SAMPLED_FLEET replicas, the one with fewer of two drawn at random (Mitzenmacher's power of two choices: the
+  most loaded of n replicas then holds about log log n more than the mean, against log n / log log n with one
+  random choice), so that a request costs the same however large the fleet.
 - `prefix-hash`: consistent hashing with bounded loads (Mirrokni et al., 2018) over the first characters of
   the prompt, so requests sharing a prefix land where that prefix is cached; a replica holding more than
   `load_bound` times the mean load (counting the new request) is passed over for the next one on the ring.
@@ -34,6 +37,8 @@ from __future__ import annotations
 import bisect
 import hashlib
 import math
+import random
+import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -57,6 +62,12 @@ CACHE_CHARS = 4 * 1024 * 1024
 # precise-prefix: a block only the host tier holds saves the request its prefill compute, yet costs a copy
 # back to the device before the request can run, and it is an older block, likelier to be gone by then.
 HOST_BLOCK_WEIGHT = 0.5
+# least-request: past this many replicas, a request compares two drawn at random, not all of them (when
+# neither is usable, it looks at all).
+SAMPLED_FLEET = 64
+# How long a replica that said it is draining gets no request: long enough for discovery to take it out of
+# the fleet; one still draining after that refuses the next request and is passed over again.
+DRAIN_MEMORY_S = 10.0
 
 
 @dataclass(eq=False)
@@ -70,6 +81,13 @@ class Replica:
     # The replica's lora_int_id for each LoRA adapter it serves, by adapter name: the seed of the adapter's
     # block hashes there.
     lora_int_ids: dict[str, int] = field(default_factory=dict)
+    # Until when (time.monotonic()) the pool sends it nothing: it refused a request, or handed one back,
+    # because it is draining, and discovery may list it as ready a while longer.
+    draining_until: float = 0.0
+
+    def drains(self) -> None:
+        """The replica said it is draining: it is passed over for DRAIN_MEMORY_S."""
+        self.draining_until = time.monotonic() + DRAIN_MEMORY_S
 
     def in_flight_before(self, priority: int) -> int:
         """The requests in flight that are at least as urgent as `priority`: those the replica would not
@@ -126,11 +144,18 @@ class RoundRobin(_NoCacheModel):
 
 
 class LeastRequest(_NoCacheModel):
-    def __init__(self) -> None:
+    def __init__(self, seed: int = 0) -> None:
         self._next = 0
+        self._random = random.Random(seed)
 
     def choose(self, replicas: Sequence[Replica], prompt: Prompt, usable: Usable) -> Replica | None:
         count = len(replicas)
+        if count > SAMPLED_FLEET:
+            first, second = self._random.randrange(count), self._random.randrange(count - 1)
+            drawn = (replicas[first], replicas[second + (second >= first)])
+            candidates = [replica for replica in drawn if usable(replica)]
+            if candidates:
+                return min(candidates, key=lambda replica: replica.in_flight)
         best: Replica | None = None
         best_step = 0
         for step in range(count):

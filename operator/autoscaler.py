@@ -11,7 +11,7 @@ scheduler cannot place hold scale-up, so the fleet does not keep asking for GPUs
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Literal
 
@@ -20,6 +20,10 @@ from kvfleet.operator.spec import InferenceServiceSpec, ScalingSpec
 
 # Keeps a float demand of exactly N targets from rounding up to N + 1.
 _CEIL_EPSILON = 1e-9
+
+# A latency histogram's observations of one interval, as Prometheus keeps them: (upper bound, observations at
+# or below it), the bounds ascending, the last +Inf.
+Buckets = tuple[tuple[float, float], ...]
 
 
 @dataclass(frozen=True)
@@ -35,6 +39,13 @@ class PodMetrics:
     queued_prompt_tokens: float | None = None
     # Mean time between output tokens since the previous scrape, if any were generated.
     itl_seconds: float | None = None
+    # The same latencies' histograms since the previous scrape, where the replica exports their buckets.
+    ttft_buckets: Buckets | None = None
+    itl_buckets: Buckets | None = None
+    # Prompt tokens of requests whose prefill finished, and tokens generated, per second since the previous
+    # scrape.
+    prompt_tokens_per_s: float | None = None
+    generation_tokens_per_s: float | None = None
 
     @property
     def queue_depth(self) -> float:
@@ -57,6 +68,12 @@ class MetricsSample:
     itl_seconds: float | None = None
     # Of queue_depth, the requests the gateway held: none of the replicas had room for them.
     held: float = 0.0
+    # The replicas' latency histograms of the interval, added up: the fleet's.
+    ttft_buckets: Buckets | None = None
+    itl_buckets: Buckets | None = None
+    # The fleet's token throughput, estimated as queue_depth is.
+    prompt_tokens_per_s: float | None = None
+    generation_tokens_per_s: float | None = None
 
 
 Figure = Literal["queue depth", "queued prompt tokens", "KV cache in use"]
@@ -73,10 +90,16 @@ class Target:
 
 @dataclass(frozen=True)
 class LatencyTarget:
-    """A latency the fleet's replicas should keep on average; while it is missed the fleet grows."""
+    """A latency the fleet's replicas should keep: at this percentile of their requests, or on average (None);
+    while it is missed the fleet grows."""
 
     latency: Latency
     seconds: float
+    percentile: float | None = None
+
+    def describe(self) -> str:
+        statistic = f"p{self.percentile:g}" if self.percentile is not None else "mean"
+        return f"{self.latency} {statistic}"
 
 
 @dataclass(frozen=True)
@@ -98,8 +121,9 @@ def sizing(spec: InferenceServiceSpec, role: Role | None = None) -> Sizing:
     latencies, a prefill role on its time to first token and a decode role on its inter-token latency."""
     ttft_target = _latency_target("time to first token", spec.sla.ttft_target_milliseconds)
     itl_target = _latency_target("inter-token latency", spec.sla.itl_target_milliseconds)
+    percentile = spec.sla.percentile
     if role is None:
-        slo = tuple(target for target in (ttft_target, itl_target) if target is not None)
+        slo = _at(percentile, ttft_target, itl_target)
         return Sizing(
             spec.scaling, (Target("queue depth", spec.scaling.target_queue_depth),), ttft_target, slo
         )
@@ -107,20 +131,23 @@ def sizing(spec: InferenceServiceSpec, role: Role | None = None) -> Sizing:
     if role == "prefill":
         prefill = spec.disaggregation.prefill.scaling
         target = Target("queued prompt tokens", prefill.target_queued_prompt_tokens)
-        slo = (ttft_target,) if ttft_target is not None else ()
-        return Sizing(prefill.policy(spec.scaling), (target,), ttft_target, slo)
+        return Sizing(prefill.policy(spec.scaling), (target,), ttft_target, _at(percentile, ttft_target))
     decode = spec.disaggregation.decode.scaling
     targets = (
         Target("queue depth", decode.target_queue_depth),
         Target("KV cache in use", decode.target_kv_cache_usage_percent / 100),
     )
     latency = _latency_target("inter-token latency", decode.itl_target_milliseconds)
-    held_to = latency or itl_target
-    return Sizing(decode.policy(spec.scaling), targets, latency, (held_to,) if held_to is not None else ())
+    return Sizing(decode.policy(spec.scaling), targets, latency, _at(percentile, latency or itl_target))
 
 
 def _latency_target(latency: Latency, milliseconds: int | None) -> LatencyTarget | None:
     return LatencyTarget(latency, milliseconds / 1000) if milliseconds is not None else None
+
+
+def _at(percentile: float, *targets: LatencyTarget | None) -> tuple[LatencyTarget, ...]:
+    """The targets given, held at the percentile (the `slo` policy's)."""
+    return tuple(replace(target, percentile=percentile) for target in targets if target is not None)
 
 
 @dataclass(frozen=True)
@@ -143,6 +170,10 @@ class AutoscalerState:
     recommendations: tuple[tuple[float, int], ...] = ()
     # Since when the latest samples have shown no demand at all, for scaling to zero.
     idle_since: float | None = None
+    # By latency, the tokens per second a replica served the last time the gateway held requests (it had no
+    # room for more): what one replica can do, remembered past the stable window, as it does not change
+    # with the load.
+    full_throughput: tuple[tuple[Latency, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -167,10 +198,12 @@ def aggregate(
     answered = [report for report in reports if report is not None]
     if not answered:
         return None
-    mean_depth = sum(report.queue_depth for report in answered) / len(answered)
+    mean_depth = _mean(report.queue_depth for report in answered)
     replicas = max(ready_replicas, len(answered))
     kv = _mean_or_none(report.kv_cache_usage for report in answered)
     prompt_tokens = _mean_or_none(report.queued_prompt_tokens for report in answered)
+    prompt_rate = _mean_or_none(report.prompt_tokens_per_s for report in answered)
+    generation_rate = _mean_or_none(report.generation_tokens_per_s for report in answered)
     return MetricsSample(
         time=time,
         queue_depth=mean_depth * replicas + held,
@@ -181,7 +214,43 @@ def aggregate(
         kv_cache_in_use=kv * replicas if kv is not None else None,
         itl_seconds=_mean_or_none(report.itl_seconds for report in answered),
         held=held,
+        ttft_buckets=added_buckets(report.ttft_buckets for report in answered),
+        itl_buckets=added_buckets(report.itl_buckets for report in answered),
+        prompt_tokens_per_s=prompt_rate * replicas if prompt_rate is not None else None,
+        generation_tokens_per_s=generation_rate * replicas if generation_rate is not None else None,
     )
+
+
+def added_buckets(histograms: Iterable[Buckets | None]) -> Buckets | None:
+    """The histograms added up, bucket by bucket; those whose bounds differ from the first one's (a replica
+    of another version) are left out. None without any."""
+    total: list[list[float]] | None = None
+    for histogram in histograms:
+        if histogram is None:
+            continue
+        if total is None:
+            total = [[bound, count] for bound, count in histogram]
+        elif [bound for bound, _ in histogram] == [bound for bound, _ in total]:
+            for bucket, (_, count) in zip(total, histogram, strict=True):
+                bucket[1] += count
+    return tuple((bound, count) for bound, count in total) if total is not None else None
+
+
+def histogram_quantile(quantile: float, buckets: Buckets) -> float | None:
+    """The quantile (0 to 1) of a histogram's observations, as Prometheus' histogram_quantile estimates it:
+    linear within the bucket it falls in, the lowest bucket taken to start at 0, and the highest finite bound
+    when it falls in the +Inf bucket. None without observations or without the +Inf bucket."""
+    if len(buckets) < 2 or buckets[-1][0] != math.inf or buckets[-1][1] <= 0:
+        return None
+    rank = quantile * buckets[-1][1]
+    index = next(index for index, (_, count) in enumerate(buckets) if count >= rank)
+    bound, count = buckets[index]
+    if bound == math.inf:
+        return buckets[index - 1][0]
+    if index == 0:
+        return bound if bound <= 0 else bound * rank / count
+    below_bound, below_count = buckets[index - 1]
+    return below_bound + (bound - below_bound) * (rank - below_count) / (count - below_count)
 
 
 def decide(
@@ -208,10 +277,11 @@ def decide(
     wanted, reason, panic_until = _wanted_for_demand(
         policy, targets, stable, panic_samples, fleet, state, now
     )
-    by_slo = _wanted_for_slo(policy, slo, stable, panic_samples) if policy.policy == "slo" else None
+    by_slo = _wanted_for_slo(policy, slo, stable, panic_samples, state) if policy.policy == "slo" else None
     unreachable = None
     if by_slo is not None:
-        (wanted, reason, unreachable), panic_until = by_slo, None
+        wanted, reason, unreachable, panic_until = by_slo.replicas, by_slo.reason, by_slo.unreachable, None
+        state = replace(state, full_throughput=by_slo.full_throughput)
     panic = panic_until is not None
     observed = _mean_or_none(_latency(s, latency.latency) for s in panic_samples) if latency else None
     panic_demand = _mean(s.queue_depth for s in panic_samples)
@@ -268,39 +338,79 @@ def _wanted_for_demand(
 
 @dataclass(frozen=True)
 class LatencyModel:
-    """A replica's latency as a line in the requests it holds: idle + per_request × requests."""
+    """A replica's latency as a line in the load it carries (requests held, or tokens per second):
+    idle + per_unit × load."""
 
     idle: float
-    per_request: float
-    # The most requests per replica it was measured at: it is not trusted beyond twice that.
+    per_unit: float
+    # The most load per replica it was measured at: it is not trusted beyond twice that.
     measured_up_to: float
-    # The requests per replica while the gateway held others: a replica takes no more, and what waits in
-    # the gateway waits longer than any replica reports.
+    # The load per replica while the gateway held requests: a replica takes no more, and what waits in the
+    # gateway waits longer than any replica reports.
     full_at: float | None = None
 
     def capacity(self, target_seconds: float) -> float:
-        """The requests a replica can hold with its latency within the target."""
+        """The load a replica can carry with its latency within the target."""
         most = 2 * self.measured_up_to if self.full_at is None else min(2 * self.measured_up_to, self.full_at)
-        if self.per_request <= 0:
+        if self.per_unit <= 0:
             return most if self.idle <= target_seconds else 0.0
-        return max(0.0, min(most, (target_seconds - self.idle) / self.per_request))
+        return max(0.0, min(most, (target_seconds - self.idle) / self.per_unit))
 
 
-def latency_model(samples: Sequence[MetricsSample], latency: Latency) -> LatencyModel | None:
-    """The line through the samples' (requests per reporting replica, mean latency), by least squares;
-    through the origin when the load never varied or the fit says latency falls with load. The requests the
-    gateway held are not the replicas': they wait before any latency a replica measures. None without a
-    latency measured under load."""
+@dataclass(frozen=True)
+class Unit:
+    """What a fleet's load is counted in: the demand on the fleet, and what its replicas carried of it (the
+    requests the gateway held are demand that no replica carries)."""
+
+    name: str
+    demand: Callable[[MetricsSample], float | None]
+    carried: Callable[[MetricsSample], float | None]
+
+    def per_replica(self, sample: MetricsSample) -> float | None:
+        carried = self.carried(sample)
+        return carried / sample.reporting_pods if carried is not None and sample.reporting_pods else None
+
+
+REQUESTS = Unit("requests", lambda s: s.queue_depth, lambda s: s.queue_depth - s.held)
+
+
+def _token_unit(name: str, served: Callable[[MetricsSample], float | None]) -> Unit:
+    def demand(sample: MetricsSample) -> float | None:
+        # The requests the gateway held are demand the replicas had no room for: the tokens served, scaled up
+        # by the requests waiting over those the replicas hold.
+        tokens, carried = served(sample), sample.queue_depth - sample.held
+        if tokens is None or (sample.held > 0 and carried <= 0):
+            return None
+        return tokens * sample.queue_depth / carried if sample.held > 0 else tokens
+
+    return Unit(name, demand, served)
+
+
+# The throughput each latency depends on: a prompt waits for the prompt tokens before it, a token for the
+# tokens generated beside it.
+THROUGHPUT: dict[Latency, Unit] = {
+    "time to first token": _token_unit("prompt tokens/s", lambda s: s.prompt_tokens_per_s),
+    "inter-token latency": _token_unit("generated tokens/s", lambda s: s.generation_tokens_per_s),
+}
+
+
+def latency_model(
+    samples: Sequence[MetricsSample], latency: Latency, percentile: float | None = None, unit: Unit = REQUESTS
+) -> LatencyModel | None:
+    """The line through the samples' (load per reporting replica in `unit`, latency at the percentile or
+    mean), by least squares; through the origin when the load never varied or the fit says latency falls
+    with load. The requests the gateway held are not the replicas': they wait before any latency a replica
+    measures. None without a latency measured under load."""
     points = [
         (load, value)
         for s in samples
-        if s.reporting_pods
-        and (load := (s.queue_depth - s.held) / s.reporting_pods) > 0
-        and (value := _latency(s, latency)) is not None
+        if (load := unit.per_replica(s)) is not None
+        and load > 0
+        and (value := _latency(s, latency, percentile)) is not None
     ]
     if not points:
         return None
-    full = [(s.queue_depth - s.held) / s.reporting_pods for s in samples if s.reporting_pods and s.held > 0]
+    full = [load for s in samples if s.held > 0 and (load := unit.per_replica(s)) is not None]
     full_at = max(full) if full else None
     loads = [load for load, _ in points]
     mean_load, mean_latency = _mean(loads), _mean(value for _, value in points)
@@ -314,19 +424,32 @@ def latency_model(samples: Sequence[MetricsSample], latency: Latency) -> Latency
 
 
 def forecast_demand(
-    samples: Sequence[MetricsSample], recent: Sequence[MetricsSample], horizon: float
+    samples: Sequence[MetricsSample], recent: Sequence[MetricsSample], horizon: float, unit: Unit = REQUESTS
 ) -> float:
-    """The fleet's requests `horizon` seconds after the latest sample, on the window's linear trend; never
-    below the recent mean (a falling trend is left to the scale-down delay)."""
-    current = _mean(s.queue_depth for s in recent)
-    times = [s.time for s in samples]
+    """The fleet's demand in `unit` `horizon` seconds after the latest sample, on the window's linear trend;
+    never below the recent mean (a falling trend is left to the scale-down delay)."""
+    points = [(s.time, demand) for s in samples if (demand := unit.demand(s)) is not None]
+    current = _mean_or_none(unit.demand(s) for s in recent)
+    if current is None:
+        current = points[-1][1] if points else 0.0
+    if not points:
+        return current
+    times = [time for time, _ in points]
     mean_time = _mean(times)
     spread = sum((time - mean_time) ** 2 for time in times)
     if spread == 0:
         return current
-    mean_demand = _mean(s.queue_depth for s in samples)
-    slope = sum((s.time - mean_time) * (s.queue_depth - mean_demand) for s in samples) / spread
+    mean_demand = _mean(demand for _, demand in points)
+    slope = sum((time - mean_time) * (demand - mean_demand) for time, demand in points) / spread
     return max(current, mean_demand + slope * (max(times) + horizon - mean_time))
+
+
+@dataclass(frozen=True)
+class _SloDecision:
+    replicas: int
+    reason: str
+    unreachable: Latency | None
+    full_throughput: tuple[tuple[Latency, float], ...]
 
 
 def _wanted_for_slo(
@@ -334,32 +457,62 @@ def _wanted_for_slo(
     slo: Sequence[LatencyTarget],
     stable: Sequence[MetricsSample],
     recent: Sequence[MetricsSample],
-) -> tuple[int, str, Latency | None] | None:
+    state: AutoscalerState,
+) -> _SloDecision | None:
     """The fewest replicas whose modelled latency meets every target at the demand forecast half a stable
     window ahead, why, and the latency no replica count can meet, if any; None until some target has a
-    latency measured under load."""
+    latency measured under load. Where the replicas report their token counters, the load is the token
+    throughput the latency depends on, and what a replica served while the gateway held requests bounds its
+    capacity until it is measured again."""
     horizon = policy.stable_window_seconds / 2
-    forecast = forecast_demand(stable, recent, horizon)
     best: tuple[int, str, Latency | None] | None = None
+    full_throughput = dict(state.full_throughput)
     for target in slo:
-        model = latency_model(stable, target.latency)
+        unit = THROUGHPUT[target.latency]
+        reporting = [s for s in stable if s.reporting_pods]
+        if not reporting or unit.carried(reporting[-1]) is None:
+            unit = REQUESTS
+        model = latency_model(stable, target.latency, target.percentile, unit)
         if model is None:
             continue
-        per_replica = model.capacity(target.seconds)
-        fits = f"{target.latency} {model.idle * 1000:.0f}ms + {model.per_request * 1000:.1f}ms per request"
-        goal = f"the {target.seconds * 1000:.0f}ms target"
-        unreachable = target.latency if per_replica <= 0 else None
-        if unreachable is not None:
-            wanted, why = policy.max_replicas, f"{fits}: no replica meets {goal} (idle latency above it)"
-        else:
-            wanted = _ceil(forecast / per_replica)
-            why = f"{fits}: {per_replica:.1f} requests per replica within {goal}"
+        if unit is not REQUESTS:
+            if model.full_at is not None:
+                full_throughput[target.latency] = model.full_at
+            elif target.latency in full_throughput:
+                model = replace(model, full_at=full_throughput[target.latency])
+        wanted, why, unreachable = _fewest(policy, target, model, unit, stable, recent, horizon)
         if best is None or wanted > best[0] or (unreachable and not best[2]):
-            demand = (
-                f"demand {_mean(s.queue_depth for s in recent):.1f}, {forecast:.1f} forecast in {horizon:g}s"
-            )
-            best = wanted, f"slo: {why}; {demand}", unreachable
-    return best
+            best = wanted, why, unreachable
+    if best is None:
+        return None
+    return _SloDecision(*best, tuple(sorted(full_throughput.items())))
+
+
+def _fewest(
+    policy: ScalingSpec,
+    target: LatencyTarget,
+    model: LatencyModel,
+    unit: Unit,
+    stable: Sequence[MetricsSample],
+    recent: Sequence[MetricsSample],
+    horizon: float,
+) -> tuple[int, str, Latency | None]:
+    """The replicas one target wants, why, and its latency when no count meets it."""
+    forecast = forecast_demand(stable, recent, horizon, unit)
+    per_replica = model.capacity(target.seconds)
+    if unit is REQUESTS:
+        slope = f"{model.per_unit * 1000:.1f}ms per request"
+    else:
+        slope = f"{model.per_unit * 1e6:.1f}ms per 1000 {unit.name}"
+    fits = f"{target.describe()} {model.idle * 1000:.0f}ms + {slope}"
+    goal = f"the {target.seconds * 1000:.0f}ms target"
+    current = _mean_or_none(unit.demand(s) for s in recent) or 0.0
+    demand = f"demand {current:.1f} {unit.name}, {forecast:.1f} forecast in {horizon:g}s"
+    if per_replica <= 0:
+        why = f"{fits}: no replica meets {goal} (idle latency above it)"
+        return policy.max_replicas, f"slo: {why}; {demand}", target.latency
+    why = f"{fits}: {per_replica:.1f} {unit.name} per replica within {goal}"
+    return _ceil(forecast / per_replica), f"slo: {why}; {demand}", None
 
 
 def _most_wanted(
@@ -386,8 +539,14 @@ def _figure(sample: MetricsSample, figure: Figure) -> float | None:
     return sample.kv_cache_in_use
 
 
-def _latency(sample: MetricsSample, latency: Latency) -> float | None:
-    return sample.ttft_seconds if latency == "time to first token" else sample.itl_seconds
+def _latency(sample: MetricsSample, latency: Latency, percentile: float | None = None) -> float | None:
+    """The sample's latency: its mean, or at the percentile of its histogram (None where the replicas
+    export no buckets: a mean says nothing of a tail)."""
+    ttft = latency == "time to first token"
+    if percentile is None:
+        return sample.ttft_seconds if ttft else sample.itl_seconds
+    buckets = sample.ttft_buckets if ttft else sample.itl_buckets
+    return histogram_quantile(percentile / 100, buckets) if buckets is not None else None
 
 
 def _latency_floor(

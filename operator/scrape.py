@@ -11,25 +11,27 @@ import enum
 import ipaddress
 import math
 import time
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 
 import aiohttp
 from kvfleet.contract.metrics import (
     GATEWAY_QUEUE_DEPTH,
+    GENERATION_TOKENS,
     ITL,
     KV_CACHE_USAGE,
     PREFIXES,
+    PROMPT_TOKENS,
     QUEUED_PROMPT_TOKENS,
     RUNNING,
     TTFT,
     WAITING,
 )
-from kvfleet.operator.autoscaler import PodMetrics
+from kvfleet.operator.autoscaler import Buckets, PodMetrics
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
-# The latency histograms the autoscaler reads as means between scrapes.
+# The latency histograms the autoscaler reads as means and percentiles between scrapes.
 _HISTOGRAMS = (TTFT, ITL)
 _WANTED = frozenset(
     {
@@ -41,7 +43,13 @@ _WANTED = frozenset(
                 WAITING,
                 RUNNING,
                 KV_CACHE_USAGE,
-                *(f"{histogram}{part}" for histogram in _HISTOGRAMS for part in ("_sum", "_count")),
+                f"{PROMPT_TOKENS}_total",
+                f"{GENERATION_TOKENS}_total",
+                *(
+                    f"{histogram}{part}"
+                    for histogram in _HISTOGRAMS
+                    for part in ("_sum", "_count", "_bucket")
+                ),
             )
         ),
     }
@@ -85,14 +93,27 @@ class Exposition:
     running: float | None
     kv_cache_usage: float | None
     queued_prompt_tokens: float | None
+    # The token counters: prompt tokens of requests whose prefill finished, tokens generated.
+    prompt_tokens: float | None
+    generation_tokens: float | None
     # Each latency histogram's (sum, count), by name.
     histograms: dict[str, tuple[float, float]]
+    # Each latency histogram's cumulative buckets, by name, from the family of its sum and count.
+    buckets: dict[str, Buckets] = field(default_factory=dict)
 
 
 def parse_exposition(text: str) -> Exposition:
     """Picks the autoscaler's metrics out of Prometheus text format; everything else is skipped unparsed."""
     totals: dict[str, float] = {}
+    # (name, upper bound) -> observations at or below it, over label sets.
+    bucket_totals: dict[tuple[str, float], float] = {}
     for sample in _samples(text, _WANTED):
+        if sample.name.endswith("_bucket"):
+            bound = _upper_bound(sample.labels.get("le"))
+            if bound is not None:
+                key = (sample.name, bound)
+                bucket_totals[key] = bucket_totals.get(key, 0.0) + sample.value
+            continue
         totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
 
     def read(metric: str) -> float | None:
@@ -102,6 +123,7 @@ def parse_exposition(text: str) -> Exposition:
         return None
 
     histograms = {}
+    buckets: dict[str, Buckets] = {}
     for histogram in _HISTOGRAMS:
         # Sum and count must come from the same family, or their ratio means nothing.
         names = next(
@@ -114,13 +136,29 @@ def parse_exposition(text: str) -> Exposition:
         )
         if names is not None:
             histograms[histogram] = totals[names[0]], totals[names[1]]
+            bucket_name = names[0].removesuffix("_sum") + "_bucket"
+            family = sorted(
+                (bound, count) for (name, bound), count in bucket_totals.items() if name == bucket_name
+            )
+            if family and family[-1][0] == math.inf:
+                buckets[histogram] = tuple(family)
     return Exposition(
         waiting=read(WAITING),
         running=read(RUNNING),
         kv_cache_usage=read(KV_CACHE_USAGE),
         queued_prompt_tokens=totals.get(QUEUED_PROMPT_TOKENS),
+        prompt_tokens=read(f"{PROMPT_TOKENS}_total"),
+        generation_tokens=read(f"{GENERATION_TOKENS}_total"),
         histograms=histograms,
+        buckets=buckets,
     )
+
+
+def _upper_bound(le: str | None) -> float | None:
+    try:
+        return float(le) if le is not None else None
+    except ValueError:
+        return None
 
 
 async def fetch_page(
@@ -162,28 +200,45 @@ class FleetScraper:
         session: aiohttp.ClientSession,
         timeout_seconds: float,
         max_page_bytes: int = DEFAULT_MAX_PAGE_BYTES,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._session = session
+        self._clock = clock
+        # pod -> (when, prompt tokens, generation tokens) at the previous scrape.
+        self._tokens: dict[str, tuple[float, float | None, float | None]] = {}
         self._timeout = aiohttp.ClientTimeout(total=timeout_seconds)
         self._max_page_bytes = max_page_bytes
         # (pod, histogram) -> its (sum, count) at the previous scrape.
         self._counters: dict[tuple[str, str], tuple[float, float]] = {}
+        # (pod, histogram) -> its cumulative buckets at the previous scrape.
+        self._buckets: dict[tuple[str, str], Buckets] = {}
 
     async def scrape(self, targets: Sequence[ScrapeTarget]) -> list[PodMetrics | ScrapeFailure]:
         pages = await asyncio.gather(*(self._fetch(target) for target in targets))
+        now = self._clock()
         live = {target.pod for target in targets}
+        self._tokens = {pod: value for pod, value in self._tokens.items() if pod in live}
         self._counters = {key: value for key, value in self._counters.items() if key[0] in live}
-        return [self._to_metrics(target.pod, page) for target, page in zip(targets, pages, strict=True)]
+        self._buckets = {key: value for key, value in self._buckets.items() if key[0] in live}
+        return [self._to_metrics(target.pod, page, now) for target, page in zip(targets, pages, strict=True)]
 
     async def _fetch(self, target: ScrapeTarget) -> Exposition | ScrapeFailure:
         page = await fetch_page(self._session, target.url, self._timeout, self._max_page_bytes)
         return page if isinstance(page, ScrapeFailure) else parse_exposition(page)
 
-    def _to_metrics(self, pod: str, page: Exposition | ScrapeFailure) -> PodMetrics | ScrapeFailure:
+    def _to_metrics(
+        self, pod: str, page: Exposition | ScrapeFailure, now: float
+    ) -> PodMetrics | ScrapeFailure:
         if isinstance(page, ScrapeFailure):
             return page
         if page.waiting is None or page.running is None:
             return ScrapeFailure.NO_QUEUE_METRICS
+        previous = self._tokens.get(pod)
+        self._tokens[pod] = (now, page.prompt_tokens, page.generation_tokens)
+        prompt_rate = generation_rate = None
+        if previous is not None and now > previous[0]:
+            prompt_rate = _rate(previous[1], page.prompt_tokens, now - previous[0])
+            generation_rate = _rate(previous[2], page.generation_tokens, now - previous[0])
         return PodMetrics(
             waiting=page.waiting,
             running=page.running,
@@ -191,7 +246,30 @@ class FleetScraper:
             ttft_seconds=self._interval_mean(pod, page, TTFT),
             queued_prompt_tokens=page.queued_prompt_tokens,
             itl_seconds=self._interval_mean(pod, page, ITL),
+            ttft_buckets=self._interval_buckets(pod, page, TTFT),
+            itl_buckets=self._interval_buckets(pod, page, ITL),
+            prompt_tokens_per_s=prompt_rate,
+            generation_tokens_per_s=generation_rate,
         )
+
+    def _interval_buckets(self, pod: str, page: Exposition, histogram: str) -> Buckets | None:
+        """A histogram's buckets of the observations since the previous scrape of the pod: the difference of
+        its cumulative counts, bucket by bucket."""
+        key = (pod, histogram)
+        previous = self._buckets.pop(key, None)
+        current = page.buckets.get(histogram)
+        if current is None:
+            return None
+        self._buckets[key] = current
+        if previous is None or [bound for bound, _ in previous] != [bound for bound, _ in current]:
+            return None
+        interval = tuple(
+            (bound, count - before) for (bound, count), (_, before) in zip(current, previous, strict=True)
+        )
+        # A restarted replica resets its counters: no interval to measure until the next scrape.
+        if any(count < 0 for _, count in interval):
+            return None
+        return interval
 
     def _interval_mean(self, pod: str, page: Exposition, histogram: str) -> float | None:
         """The mean of a histogram's observations since the previous scrape of the pod."""
@@ -206,6 +284,13 @@ class FleetScraper:
         if observed <= 0 or total < previous[0]:
             return None
         return (total - previous[0]) / observed
+
+
+def _rate(before: float | None, after: float | None, seconds: float) -> float | None:
+    """A counter's increase per second; None without both readings, or across a restart (a reset)."""
+    if before is None or after is None or after < before:
+        return None
+    return (after - before) / seconds
 
 
 def parse_gateway_queues(text: str) -> dict[str, float]:

@@ -481,6 +481,10 @@ class ScalingSpec:
         return max(self.min_replicas, min(self.max_replicas, replicas))
 
 
+DEFAULT_PERCENTILE = 90
+MIN_PERCENTILE, MAX_PERCENTILE = 50, 99.9
+
+
 @dataclass(frozen=True)
 class SlaSpec:
     tier: TierName = prop(
@@ -502,6 +506,15 @@ class SlaSpec:
         None,
         minimum=1,
         maximum=60000,
+    )
+    percentile: float = prop(
+        "The share of requests, in percent, that the latency targets hold for: scaling.policy slo sizes the "
+        "fleet on this percentile of the replicas' time-to-first-token and inter-token latency histograms. "
+        f"From {MIN_PERCENTILE:g} (the median) to {MAX_PERCENTILE:g} (a scrape interval's observations "
+        "rarely tell more of the tail).",
+        DEFAULT_PERCENTILE,
+        minimum=MIN_PERCENTILE,
+        maximum=MAX_PERCENTILE,
     )
 
 
@@ -1173,6 +1186,7 @@ def _parse_sla(section: _Section, scaling: ScalingSpec) -> SlaSpec:
         tier=cast(TierName, tier),
         ttft_target_milliseconds=section.integer("ttftTargetMilliseconds", minimum=1),
         itl_target_milliseconds=section.integer("itlTargetMilliseconds", minimum=1),
+        percentile=_percentile(section),
     )
     if (
         scaling.policy == "slo"
@@ -1185,6 +1199,21 @@ def _parse_sla(section: _Section, scaling: ScalingSpec) -> SlaSpec:
             "or spec.sla.itlTargetMilliseconds",
         )
     return sla
+
+
+def _percentile(section: _Section) -> float:
+    value = section.raw.get("percentile", DEFAULT_PERCENTILE)
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not (MIN_PERCENTILE <= value <= MAX_PERCENTILE)
+    ):
+        raise SpecError(
+            "InvalidSpec",
+            f"{section.path}.percentile must be a number from {MIN_PERCENTILE:g} to {MAX_PERCENTILE:g} (the "
+            f"percentile of requests the latency targets hold for), not {value!r}",
+        )
+    return float(value)
 
 
 def _parse_adapters(root: _Section, served_name: str) -> tuple[AdapterSpec, ...]:

@@ -15,7 +15,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvfleet.contract.metrics import (
+    GENERATION_TOKENS,
     ITL,
+    ITL_BUCKETS,
     KV_CACHE_USAGE,
     KV_EVENT_BATCHES_DROPPED,
     KV_EVENT_BATCHES_REPLAYED,
@@ -24,11 +26,13 @@ from kvfleet.contract.metrics import (
     LORA_ADAPTER_INFO,
     LORA_INT_ID_LABEL,
     LORA_NAME_LABEL,
+    PROMPT_TOKENS,
     QUEUED_PROMPT_TOKENS,
     RESUMED_REQUESTS,
     RESUMED_TOKENS,
     RUNNING,
     TTFT,
+    TTFT_BUCKETS,
     VLLM_PREFIX,
     WAITING,
 )
@@ -53,13 +57,6 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # Set (by `kvfleet serve --api-server-count N`) when several processes record metrics together.
 MULTIPROCESS_DIR = "PROMETHEUS_MULTIPROC_DIR"
 
-_TTFT_BUCKETS = (
-    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0,
-    160.0, 640.0,
-)  # fmt: skip
-_ITL_BUCKETS = (
-    0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 80.0,
-)  # fmt: skip
 _REQUEST_BUCKETS = (
     0.1, 0.3, 0.5, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0,
     7680.0,
@@ -91,20 +88,20 @@ class ServerMetrics:
         ProcessCollector(registry=self.registry)
 
         self._prompt_tokens = self._counter(
-            "prompt_tokens", "Prompt tokens of requests whose prefill finished."
+            PROMPT_TOKENS, "Prompt tokens of requests whose prefill finished."
         )
-        self._generation_tokens = self._counter("generation_tokens", "Generated tokens.")
-        self._ttft = self._histogram(TTFT, "Time to first token.", _TTFT_BUCKETS)
+        self._generation_tokens = self._counter(GENERATION_TOKENS, "Generated tokens.")
+        self._ttft = self._histogram(TTFT, "Time to first token.", TTFT_BUCKETS)
         self._itl = self._histogram(
             ITL,
             "Time between successive output tokens of a request.",
-            _ITL_BUCKETS,
+            ITL_BUCKETS,
             extra_vllm=("time_per_output_token_seconds",),
         )
         self._tpot = self._histogram(
             "request_time_per_output_token_seconds",
             "Mean time per output token after the first.",
-            _ITL_BUCKETS,
+            ITL_BUCKETS,
         )
         self._e2e = self._histogram(
             "e2e_request_latency_seconds", "Arrival to last token of finished requests.", _REQUEST_BUCKETS

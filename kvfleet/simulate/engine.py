@@ -16,12 +16,16 @@ computed (all but the prompt's last token at most, which is always computed to s
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import json
+import math
 from collections import OrderedDict, deque
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-from kvfleet.operator.autoscaler import PodMetrics
+from kvfleet.contract.metrics import ITL_BUCKETS, TTFT_BUCKETS
+from kvfleet.operator.autoscaler import Buckets, PodMetrics
 
 
 @dataclass(frozen=True)
@@ -97,6 +101,28 @@ class StepOutcome:
     finished: list[Sequence] = field(default_factory=list)
 
 
+class LatencyHistogram:
+    """One interval's latencies as a replica's histogram holds them: their sum, count and buckets."""
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.total = 0.0
+        self.count = 0
+        # Observations per bucket (not cumulative), the last past every bound.
+        self.counts = [0] * (len(bounds) + 1)
+
+    def observe(self, seconds: float, times: int = 1) -> None:
+        self.total += seconds * times
+        self.count += times
+        self.counts[bisect.bisect_left(self.bounds, seconds)] += times
+
+    def mean(self) -> float | None:
+        return self.total / self.count if self.count else None
+
+    def buckets(self) -> Buckets:
+        return tuple(zip((*self.bounds, math.inf), itertools.accumulate(self.counts), strict=True))
+
+
 class EngineModel:
     """One replica's engine: a queue, a running batch, a prefix cache, and the step in progress."""
 
@@ -118,8 +144,13 @@ class EngineModel:
         self.prefix_hits = 0
         self.admitted = 0
         # Since the last report: first-token latencies, inter-token latencies.
-        self._ttft = [0.0, 0]
-        self._itl = [0.0, 0]
+        self._ttft = LatencyHistogram(TTFT_BUCKETS)
+        self._itl = LatencyHistogram(ITL_BUCKETS)
+        # Since the last report (None before the first, as a scraper has no rate before its second scrape):
+        # prompt tokens of sequences whose prefill finished, tokens generated.
+        self._reported_at: float | None = None
+        self._prompt_tokens = 0
+        self._generation_tokens = 0
 
     @property
     def in_engine(self) -> int:
@@ -189,15 +220,16 @@ class EngineModel:
                 self._remember_prefix(sequence)
                 if sequence.first_token_s is None:
                     sequence.first_token_s = now
-                    self._ttft[0] += now - sequence.arrival_s
-                    self._ttft[1] += 1
+                    self._ttft.observe(now - sequence.arrival_s)
+                    self._prompt_tokens += sequence.prompt_tokens
                     outcome.first_tokens.append(sequence)
                 sequence.generated += 1
+                self._generation_tokens += 1
             else:
                 sequence.decoded += steps
                 sequence.generated += steps
-                self._itl[0] += length
-                self._itl[1] += steps
+                self._generation_tokens += steps
+                self._itl.observe(length / steps, steps)
             if sequence.generated >= sequence.output_tokens:
                 self.running.remove(sequence)
                 outcome.finished.append(sequence)
@@ -223,8 +255,8 @@ class EngineModel:
         fits = self._kv_in_use() + self.waiting[0].kv_tokens <= self.profile.kv_cache_tokens
         return fits or not self.running
 
-    def report(self) -> PodMetrics:
-        """What the replica's /metrics would show the operator now; starts the next interval's means."""
+    def report(self, now: float) -> PodMetrics:
+        """What the replica's /metrics would show the operator now; starts the next interval."""
         queued = sum(s.to_compute - s.computed for s in self.waiting) + sum(
             s.to_compute - s.computed for s in self.running
         )
@@ -232,12 +264,23 @@ class EngineModel:
             waiting=len(self.waiting),
             running=len(self.running),
             kv_cache_usage=self._kv_in_use() / self.profile.kv_cache_tokens,
-            ttft_seconds=self._ttft[0] / self._ttft[1] if self._ttft[1] else None,
+            ttft_seconds=self._ttft.mean(),
             queued_prompt_tokens=queued,
-            itl_seconds=self._itl[0] / self._itl[1] if self._itl[1] else None,
+            itl_seconds=self._itl.mean(),
+            ttft_buckets=self._ttft.buckets(),
+            itl_buckets=self._itl.buckets(),
+            prompt_tokens_per_s=self._rate(self._prompt_tokens, now),
+            generation_tokens_per_s=self._rate(self._generation_tokens, now),
         )
-        self._ttft, self._itl = [0.0, 0], [0.0, 0]
+        self._reported_at = now
+        self._ttft, self._itl = LatencyHistogram(TTFT_BUCKETS), LatencyHistogram(ITL_BUCKETS)
+        self._prompt_tokens = self._generation_tokens = 0
         return metrics
+
+    def _rate(self, tokens: int, now: float) -> float | None:
+        if self._reported_at is None or now <= self._reported_at:
+            return None
+        return tokens / (now - self._reported_at)
 
     def _kv_in_use(self) -> int:
         return sum(sequence.kv_tokens for sequence in self.running)

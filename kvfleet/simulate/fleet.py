@@ -13,8 +13,10 @@ is (a full queue sheds by kvfleet.contract.precedence, the gateway's rule).
 
 The operator: every metrics interval the ready replicas report (PodMetrics, as scraped from /metrics) and the
 operator's own `aggregate` and `decide` (kvfleet.operator.autoscaler) set the replica count, on the service's
-spec. A new replica is ready after the pod start delay. A replica chosen to go stops receiving requests at
-once and leaves when its last request finishes (a drain-safe scale-down); until then it counts as running.
+spec. A new replica is ready after the pod start delay. The replicas a scale-down stops are those a
+ReplicaSet picks (the operator sets no deletion cost): any still starting, then the most recently ready. One
+chosen to go stops receiving requests at once and leaves when its last request finishes (a drain-safe
+scale-down); until then it counts as running.
 """
 
 from __future__ import annotations
@@ -105,6 +107,8 @@ class _SimReplica:
     route: Replica
     engine: EngineModel
     ready: bool = False
+    # When it became ready.
+    ready_s: float = 0.0
     draining: bool = False
     gone: bool = False
     in_step: bool = False
@@ -324,7 +328,7 @@ class Simulation:
     def _replica_ready(self, replica: _SimReplica) -> None:
         if replica.gone:
             return
-        replica.ready = True
+        replica.ready, replica.ready_s = True, self._now
         self._routed.append(replica.route)
         self._dispatch()
 
@@ -333,7 +337,7 @@ class Simulation:
     def _scrape(self) -> None:
         self._dispatch()
         ready = [r for r in self._replicas.values() if r.ready and not r.draining]
-        reports: list[PodMetrics | None] = [replica.engine.report() for replica in ready]
+        reports: list[PodMetrics | None] = [replica.engine.report(self._now) for replica in ready]
         policy = self.fit.policy
         held = float(self._queued)
         sample = aggregate(self._now, reports, len(reports), held)
@@ -355,14 +359,15 @@ class Simulation:
             self._desired = decision.replicas
 
     def _resize(self, wanted: int) -> None:
-        """Starts replicas, or drains the ones to go: those still starting first, then the least busy."""
+        """Starts replicas, or drains the ones to go, as a ReplicaSet chooses them (the operator leaves it the
+        choice): those still starting first, then the most recently ready."""
         staying = [r for r in self._replicas.values() if not r.draining]
         for _ in range(wanted - len(staying)):
             self._start_replica(self._now + self.config.pod_start_s)
         excess = len(staying) - wanted
         if excess <= 0:
             return
-        by_cost = sorted(staying, key=lambda r: (r.ready, r.route.in_flight))
+        by_cost = sorted(staying, key=lambda r: (r.ready, -r.ready_s))
         for replica in by_cost[:excess]:
             replica.draining = True
             if replica.ready:

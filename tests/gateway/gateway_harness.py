@@ -52,6 +52,8 @@ class FakeReplica:
 
     name: str
     status: int = 200
+    # The `code` of its error answer, when `status` is not 200.
+    error_code: str | None = None
     gated: bool = False
     # Streams stop after the first chunk until `resume` is set.
     pause_after_first_chunk: bool = False
@@ -103,7 +105,14 @@ class FakeReplica:
         self.headers.append(dict(request.headers))
         if self.status != 200:
             return web.json_response(
-                {"error": {"message": "busy", "type": "service_unavailable", "param": None, "code": None}},
+                {
+                    "error": {
+                        "message": "busy",
+                        "type": "service_unavailable",
+                        "param": None,
+                        "code": self.error_code,
+                    }
+                },
                 status=self.status,
             )
         try:
@@ -141,7 +150,14 @@ class FakeReplica:
         self.headers.append(dict(request.headers))
         if self.status != 200:
             return web.json_response(
-                {"error": {"message": "busy", "type": "service_unavailable", "param": None, "code": None}},
+                {
+                    "error": {
+                        "message": "busy",
+                        "type": "service_unavailable",
+                        "param": None,
+                        "code": self.error_code,
+                    }
+                },
                 status=self.status,
             )
         if self.gated:

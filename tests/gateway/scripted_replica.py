@@ -27,7 +27,7 @@ from kvfleet.contract.errors import (
 )
 from kvfleet.contract.resume import CONTINUATION, CONTINUATION_CHOICES, DRAINING_CODE
 
-FaultKind = Literal["reset", "eof", "error", "drain", "stall", "refuse", "timeout"]
+FaultKind = Literal["reset", "eof", "error", "drain", "stall", "refuse", "draining", "timeout"]
 TOOL_NAME = "get_weather"
 # A tool call's script: two tokens before its name is known, its arguments, one token closing it.
 TOOL_HEADER_TOKENS = 2
@@ -253,8 +253,12 @@ class ScriptedReplica:
         self._requests += 1
         chat = request.path.endswith("/chat/completions")
         fault = self._fault()
-        if fault is not None and fault.kind == "refuse":
-            error = ServiceUnavailableError("loading", code="not_ready")
+        if fault is not None and fault.kind in ("refuse", "draining"):
+            error = (
+                ServiceUnavailableError("the server is draining", code=DRAINING_CODE)
+                if fault.kind == "draining"
+                else ServiceUnavailableError("loading", code="not_ready")
+            )
             return web.json_response(error.body(), status=error.status_code)
         try:
             answer = _Answer(self, body, chat)

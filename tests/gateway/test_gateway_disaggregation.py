@@ -28,6 +28,7 @@ from gateway_harness import (
     streamed_text,
     wait_until,
 )
+from kvfleet.contract.resume import DRAINING_CODE
 from kvfleet.gateway.cli import _static_models, gateway_command
 from kvfleet.gateway.discovery import ModelConfig
 from kvfleet.gateway.flow import Fleet
@@ -223,6 +224,30 @@ def test_a_failed_prefill_sends_the_request_to_its_decode_replica_without_params
                     sample(gateway, "kvfleet_gateway_pd_requests_total", model="m", path="disaggregated") == 0
                 )
                 assert in_flight(gateway, "m") == [0, 0]
+
+    asyncio.run(scenario())
+
+
+def test_a_draining_prefill_replica_is_passed_over_by_the_next_requests() -> None:
+    async def scenario() -> None:
+        draining = FakeReplica("p1", status=503, error_code=DRAINING_CODE)
+        async with replicas(draining, FakeReplica("p2", offers_kv=True), FakeReplica("d")) as (
+            p1,
+            p2,
+            decode,
+        ):
+            config = model("m", decode, prefill=(p1, p2), pd_threshold_tokens=THRESHOLD)
+            async with running_gateway({"m": config}) as (gateway, _, url):
+                chat = {"model": "m", "messages": [{"role": "user", "content": LONG}], "stream": True}
+                for _ in range(3):
+                    stream = await client(url).chat.completions.create(**chat)
+                    assert await streamed_text(stream) == "d"
+                # The first request found p1 draining and went to its decode replica as it was; the others
+                # were prefilled by p2 alone, where taking turns would have sent the third to p1 again.
+                assert len(p1.received) == 1 and len(p2.received) == 2
+                assert (
+                    sample(gateway, "kvfleet_gateway_pd_requests_total", model="m", path="disaggregated") == 2
+                )
 
     asyncio.run(scenario())
 

@@ -48,6 +48,27 @@ def test_least_request_takes_the_fewest_in_flight_and_spreads_ties() -> None:
     assert {id(policy.choose(tied, Prompt(""), anyone)) for _ in range(3)} == {id(r) for r in tied}
 
 
+def _placed(policy: LeastRequest, replicas_: list[Replica], requests: int) -> int:
+    """The most requests any replica holds once `requests` are placed, none finishing."""
+    for _ in range(requests):
+        chosen = policy.choose(replicas_, Prompt(""), anyone)
+        assert chosen is not None
+        chosen.in_flight += 1
+    return max(replica.in_flight for replica in replicas_)
+
+
+def test_least_request_over_a_large_fleet_compares_two_replicas_and_stays_balanced() -> None:
+    # 10,000 requests on 1,000 replicas, 10 each on average. One random choice leaves the busiest about
+    # sqrt(2 × 10 × ln 1000) ≈ 12 over the mean; two choices, about log2(ln 1000) ≈ 3.
+    large = [Replica(f"http://10.0.{index // 250}.{index % 250}:8000") for index in range(1000)]
+    assert _placed(LeastRequest(), large, 10_000) <= 10 + 4
+    # Where neither replica drawn is usable, every one is looked at.
+    only = large[617]
+    assert all(
+        LeastRequest(seed).choose(large, Prompt(""), lambda r: r is only) is only for seed in range(20)
+    )
+
+
 def test_prefix_hash_keeps_a_prefix_on_one_replica_and_spreads_prefixes() -> None:
     replicas_ = fleet(0, 0, 0, 0)
     policy = PrefixHash(prefix_chars=16)

@@ -149,7 +149,7 @@ def test_minimal_object_gets_documented_defaults(crd_validator: Any) -> None:
     defaulted, errors = crd_validator.admit(MINIMAL)
     assert errors == []
     spec = defaulted["spec"]
-    assert spec["sla"] == {"tier": "standard"}
+    assert spec["sla"] == {"tier": "standard", "percentile": 90}
     assert spec["scaling"]["minReplicas"] == 1 and spec["scaling"]["maxReplicas"] == 4
     assert spec["scaling"]["stableWindowSeconds"] == 60 and spec["scaling"]["panicWindowSeconds"] == 6
     assert spec["engine"]["tensorParallelSize"] == 1 and spec["engine"]["imagePullPolicy"] == "IfNotPresent"

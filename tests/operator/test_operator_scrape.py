@@ -1,8 +1,10 @@
-"""Scraping replicas' /metrics: the text format, name fallback, TTFT intervals, and failing replicas."""
+"""Scraping replicas' /metrics: the text format, name fallback, latency intervals (means and buckets), and
+failing replicas."""
 
 from __future__ import annotations
 
 import asyncio
+import math
 import socket
 import subprocess
 import sys
@@ -12,7 +14,15 @@ from pathlib import Path
 import aiohttp
 import pytest
 from aiohttp import web
-from kvfleet.contract.metrics import GATEWAY_QUEUE_DEPTH, ITL, QUEUED_PROMPT_TOKENS, TTFT
+from kvfleet.contract.metrics import (
+    GATEWAY_QUEUE_DEPTH,
+    GENERATION_TOKENS,
+    ITL,
+    PROMPT_TOKENS,
+    QUEUED_PROMPT_TOKENS,
+    TTFT,
+    TTFT_BUCKETS,
+)
 from kvfleet.gateway.metrics import GatewayMetrics
 from kvfleet.operator.autoscaler import PodMetrics
 from kvfleet.operator.scrape import (
@@ -23,7 +33,7 @@ from kvfleet.operator.scrape import (
     parse_gateway_queues,
 )
 from ports import free_port
-from prometheus_client import CollectorRegistry, Gauge, generate_latest
+from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_latest
 
 KVFLEET_PAGE = """\
 # HELP kvfleet:num_requests_waiting Requests waiting for a batch slot.
@@ -384,3 +394,80 @@ def test_an_endless_page_is_cut_off_at_the_cap_and_memory_stays_flat() -> None:
         if scraper is not None:
             stop(scraper)
         stop(server)
+
+
+def test_latency_buckets_are_read_per_interval_summed_over_label_sets() -> None:
+    asyncio.run(_interval_buckets())
+
+
+async def _interval_buckets() -> None:
+    # A replica's own kind of page (prometheus_client, kvfleet's names, two tiers) is the page scraped; the
+    # expected buckets are counted from the observations themselves.
+    registry = CollectorRegistry()
+    Gauge("kvfleet:num_requests_waiting", "", registry=registry).set(0)
+    Gauge("kvfleet:num_requests_running", "", registry=registry).set(2)
+    ttft = Histogram(f"kvfleet:{TTFT}", "", ["tier"], buckets=TTFT_BUCKETS, registry=registry)
+
+    async def metrics(_: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(registry), content_type="text/plain")
+
+    before, interval = [0.03, 0.3, 2.0], [0.05, 0.07, 0.2, 0.9, 700.0]
+    for value in before:
+        ttft.labels("standard").observe(value)
+    runner, target = await serve_replica("pod", metrics)
+    try:
+        async with aiohttp.ClientSession() as session:
+            scraper = FleetScraper(session, timeout_seconds=1)
+            (first,) = await scraper.scrape([target])
+            assert isinstance(first, PodMetrics) and first.ttft_buckets is None, "no interval yet"
+            for number, value in enumerate(interval):
+                ttft.labels("standard" if number % 2 else "batch").observe(value)
+            (second,) = await scraper.scrape([target])
+    finally:
+        await runner.cleanup()
+    assert isinstance(second, PodMetrics) and second.itl_buckets is None
+    expected = tuple(
+        (bound, float(sum(value <= bound for value in interval))) for bound in (*TTFT_BUCKETS, math.inf)
+    )
+    assert second.ttft_buckets == expected
+
+
+def test_token_counters_are_read_as_rates_between_scrapes() -> None:
+    asyncio.run(_token_rates())
+
+
+async def _token_rates() -> None:
+    # kvfleet's counters summed over tiers; vLLM's alone on a vLLM pod.
+    counters = {"prompt": (100.0, 50.0), "generated": 40.0}
+    now = [0.0]
+
+    async def metrics(_: web.Request) -> web.Response:
+        standard, batch = counters["prompt"]
+        return web.Response(
+            text=(
+                "kvfleet:num_requests_waiting 0\nkvfleet:num_requests_running 3\n"
+                f'kvfleet:{PROMPT_TOKENS}_total{{tier="standard"}} {standard}\n'
+                f'kvfleet:{PROMPT_TOKENS}_total{{tier="batch"}} {batch}\n'
+                f"vllm:{GENERATION_TOKENS}_total {counters['generated']}\n"
+            )
+        )
+
+    runner, target = await serve_replica("pod", metrics)
+    try:
+        async with aiohttp.ClientSession() as session:
+            scraper = FleetScraper(session, timeout_seconds=1, clock=lambda: now[0])
+            (first,) = await scraper.scrape([target])
+            assert isinstance(first, PodMetrics) and first.prompt_tokens_per_s is None, "no interval yet"
+            # 2 s later: 450 more prompt tokens and 300 more generated.
+            counters.update(prompt=(400.0, 200.0), generated=340.0)
+            now[0] = 2.0
+            (second,) = await scraper.scrape([target])
+            assert isinstance(second, PodMetrics)
+            assert (second.prompt_tokens_per_s, second.generation_tokens_per_s) == (225.0, 150.0)
+            # A restart resets the counters: no rate across it.
+            counters.update(prompt=(10.0, 0.0), generated=5.0)
+            now[0] = 3.0
+            (third,) = await scraper.scrape([target])
+            assert isinstance(third, PodMetrics) and third.prompt_tokens_per_s is None
+    finally:
+        await runner.cleanup()

@@ -1,20 +1,30 @@
 """The `slo` scaling policy against hand-computed cases: the latency model, the capacity at the target, the
-demand forecast, and the bounds, steps and delays it shares with the queue-depth policy."""
+demand forecast, the percentile read from histograms, and the bounds, steps and delays it shares with the
+queue-depth policy."""
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
+import itertools
+import math
+import random
 from typing import Any
 
+import numpy as np
 import pytest
 from kvfleet.operator.api import API_VERSION, KIND
 from kvfleet.operator.autoscaler import (
     AutoscalerState,
+    Buckets,
     FleetState,
     LatencyTarget,
     MetricsSample,
+    PodMetrics,
+    aggregate,
     decide,
     forecast_demand,
+    histogram_quantile,
     latency_model,
     sizing,
 )
@@ -36,7 +46,7 @@ def test_the_latency_model_is_the_line_through_the_measurements() -> None:
     model = latency_model(RISING, "time to first token")
     assert model is not None
     # 100 ms more per request held, from 100 ms idle.
-    assert model.idle == pytest.approx(0.1) and model.per_request == pytest.approx(0.1)
+    assert model.idle == pytest.approx(0.1) and model.per_unit == pytest.approx(0.1)
     # Within 600 ms: (600 - 100) / 100 = 5 requests per replica.
     assert model.capacity(0.6) == pytest.approx(5.0)
     # Within 2 s the line says 19, but it was measured at 4 at most: it is trusted up to 8.
@@ -49,7 +59,7 @@ def test_requests_the_gateway_held_are_demand_but_not_the_replicas_load() -> Non
     held = [_sample(0, 4, 0.3), dataclasses.replace(_sample(10, 14, 0.5), held=6)]
     model = latency_model(held, "time to first token")
     assert model is not None
-    assert (model.idle, model.per_request) == (pytest.approx(0.1), pytest.approx(0.1))
+    assert (model.idle, model.per_unit) == (pytest.approx(0.1), pytest.approx(0.1))
     # The line allows 5 within 600 ms, but a replica took no more than 4 while others waited.
     assert model.full_at == 4 and model.capacity(0.6) == pytest.approx(4.0)
     # The demand counts the held: 4 then 14, 1 a second more; 30 s after the latest, 14 + 30 = 44.
@@ -60,7 +70,7 @@ def test_a_load_that_never_varied_gives_a_line_through_the_origin() -> None:
     model = latency_model([_sample(0, 6, 0.3), _sample(2, 6, 0.5)], "time to first token")
     assert model is not None
     # 3 requests per replica at 400 ms on average: 133 ms per request.
-    assert (model.idle, model.per_request) == (0.0, pytest.approx(0.4 / 3))
+    assert (model.idle, model.per_unit) == (0.0, pytest.approx(0.4 / 3))
     assert latency_model([_sample(0, 0, 0.2), _sample(2, 6, None)], "time to first token") is None
 
 
@@ -77,8 +87,8 @@ def test_the_fewest_replicas_that_meet_the_target_at_the_forecast_and_the_reason
     # 20 requests forecast, 5 per replica within the target: 4 replicas.
     assert decision.replicas == 4 and not decision.panic
     assert decision.reason == (
-        "slo: time to first token 100ms + 100.0ms per request: 5.0 requests per replica within the 600ms "
-        "target; demand 8.0, 20.0 forecast in 30s"
+        "slo: time to first token mean 100ms + 100.0ms per request: 5.0 requests per replica within the "
+        "600ms target; demand 8.0 requests, 20.0 forecast in 30s"
     )
 
 
@@ -135,8 +145,8 @@ def test_each_role_is_held_to_its_own_latency() -> None:
     ]
     assert sizing(colocated).policy.policy == "slo"
     split = parse_spec(_spec({"ttftTargetMilliseconds": 500}, disaggregated=True), name="chat")
-    assert sizing(split, "prefill").slo == (LatencyTarget("time to first token", 0.5),)
-    assert sizing(split, "decode").slo == (LatencyTarget("inter-token latency", 0.03),)
+    assert sizing(split, "prefill").slo == (LatencyTarget("time to first token", 0.5, 90),)
+    assert sizing(split, "decode").slo == (LatencyTarget("inter-token latency", 0.03, 90),)
     assert parse_spec({"model": {"uri": "hf://org/model"}}, name="chat").scaling.policy == "queue-depth"
 
 
@@ -148,3 +158,159 @@ def test_the_api_server_refuses_the_slo_policy_without_a_latency_target(crd_vali
 
     assert any("scaling.policy slo sizes the fleet on latency targets" in error for error in admitted({}))
     assert admitted({"itlTargetMilliseconds": 40}) == []
+
+
+INF = math.inf
+# Ten observations: 2 up to 100 ms, 6 more up to 200 ms, 2 more up to 400 ms.
+TEN = ((0.1, 2.0), (0.2, 8.0), (0.4, 10.0), (0.6, 10.0), (0.8, 10.0), (INF, 10.0))
+
+
+def test_a_percentile_is_interpolated_within_its_bucket_as_prometheus_does() -> None:
+    # p90: the 9th of 10, half way from 8 to 10 in the bucket from 200 to 400 ms.
+    assert histogram_quantile(0.9, TEN) == pytest.approx(0.3)
+    # p50: the 5th, half way from 2 to 8 in the bucket from 100 to 200 ms.
+    assert histogram_quantile(0.5, TEN) == pytest.approx(0.15)
+    # In the lowest bucket, which is taken to start at 0: the 1st of its 2, from 0 to 100 ms.
+    assert histogram_quantile(0.1, TEN) == pytest.approx(0.05)
+    # In the +Inf bucket: the highest finite bound.
+    assert histogram_quantile(0.9, ((0.1, 1.0), (1.0, 5.0), (INF, 10.0))) == 1.0
+    assert histogram_quantile(0.9, ((0.1, 0.0), (INF, 0.0))) is None, "no observations"
+    assert histogram_quantile(0.9, ((0.1, 3.0), (1.0, 5.0))) is None, "no +Inf bucket"
+
+
+def _bucketed(values: list[float], bounds: tuple[float, ...]) -> Buckets:
+    per_bucket = [0.0] * (len(bounds) + 1)
+    for value in values:
+        per_bucket[bisect.bisect_left(bounds, value)] += 1
+    return tuple(zip((*bounds, INF), itertools.accumulate(per_bucket), strict=True))
+
+
+def test_the_estimate_lies_in_the_bucket_of_the_true_percentile() -> None:
+    bounds = (0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
+    rng = random.Random(7)
+    for _ in range(50):
+        values = [rng.lognormvariate(-2.5, 1.2) for _ in range(rng.randint(20, 400))]
+        for percentile in (50, 90, 99):
+            exact = float(np.percentile(values, percentile, method="inverted_cdf"))
+            estimate = histogram_quantile(percentile / 100, _bucketed(values, bounds))
+            assert estimate is not None
+            bucket = bisect.bisect_left(bounds, exact)
+            if bucket == len(bounds):
+                assert estimate == bounds[-1]
+            else:
+                assert (bounds[bucket - 1] if bucket else 0.0) <= estimate <= bounds[bucket]
+
+
+def _tail_sample(time: float, queue_depth: float, mean: float, buckets: Buckets) -> MetricsSample:
+    return MetricsSample(
+        time=time, queue_depth=queue_depth, reporting_pods=2, ttft_seconds=mean, ttft_buckets=buckets
+    )
+
+
+# As RISING, but the means hide the tail: p90 300 ms at 2 requests per replica, 500 ms at 4 (bucket by
+# bucket: 2/8/10 and 0/2/8/10 of ten), while the means are 150 and 200 ms.
+TAILED = [
+    _tail_sample(0, 4, 0.15, TEN),
+    _tail_sample(10, 8, 0.2, ((0.1, 0.0), (0.2, 2.0), (0.4, 8.0), (0.6, 10.0), (0.8, 10.0), (INF, 10.0))),
+]
+
+
+def test_the_slo_policy_sizes_on_the_percentile_not_the_mean() -> None:
+    at_p90 = LatencyTarget("time to first token", 0.6, 90)
+    model = latency_model(TAILED, "time to first token", 90)
+    assert model is not None
+    assert (model.idle, model.per_unit) == (pytest.approx(0.1), pytest.approx(0.1))
+    decision = decide(POLICY, TAILED, FleetState(2, 2), AutoscalerState(), 10, slo=[at_p90])
+    # 20 requests forecast, 5 per replica within 600 ms at p90: 4 replicas.
+    assert decision.replicas == 4
+    assert decision.reason.startswith(
+        "slo: time to first token p90 100ms + 100.0ms per request: 5.0 requests per replica within the 600ms"
+    )
+    # On the means (100 ms + 25 ms a request) a replica would take 20, trusted up to 8: 3 replicas.
+    assert decide(POLICY, TAILED, FleetState(2, 2), AutoscalerState(), 10, slo=[TTFT]).replicas == 3
+
+
+def test_the_fleets_histogram_adds_up_the_replicas_and_leaves_out_other_bounds() -> None:
+    other_bounds = ((0.5, 1.0), (INF, 1.0))
+    reports = [
+        PodMetrics(waiting=0, running=2, ttft_buckets=TEN),
+        PodMetrics(waiting=0, running=2, ttft_buckets=TAILED[1].ttft_buckets),
+        PodMetrics(waiting=0, running=2, ttft_buckets=other_bounds),
+        PodMetrics(waiting=0, running=2),
+    ]
+    sample = aggregate(0, reports, 4)
+    assert sample is not None and sample.itl_buckets is None
+    assert sample.ttft_buckets == (
+        (0.1, 2.0), (0.2, 10.0), (0.4, 18.0), (0.6, 20.0), (0.8, 20.0), (INF, 20.0)
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("value", [49, 99.95, 100, "90", True])
+def test_a_percentile_out_of_range_is_refused_with_a_clear_message(value: Any) -> None:
+    spec = _spec({"ttftTargetMilliseconds": 500, "percentile": value})
+    with pytest.raises(SpecError, match=r"spec\.sla\.percentile must be a number from 50 to 99\.9"):
+        parse_spec(spec, name="chat")
+
+
+def test_the_percentile_defaults_to_90_and_the_api_server_checks_its_range(crd_validator: Any) -> None:
+    assert parse_spec(_spec({"ttftTargetMilliseconds": 500}), name="chat").sla.percentile == 90
+    assert (
+        parse_spec(_spec({"ttftTargetMilliseconds": 500, "percentile": 99.9}), name="chat").sla.percentile
+        == 99.9
+    )
+
+    def errors(percentile: float) -> list[str]:
+        spec = _spec({"ttftTargetMilliseconds": 500, "percentile": percentile})
+        resource = {"apiVersion": API_VERSION, "kind": KIND, "metadata": {"name": "chat"}, "spec": spec}
+        return crd_validator.admit(resource)[1]
+
+    assert errors(95) == []
+    assert any("percentile" in error for error in errors(100))
+
+
+def _token_sample(
+    time: float, queue_depth: float, prompt_tokens_per_s: float, ttft: float, held: float = 0.0
+) -> MetricsSample:
+    return MetricsSample(
+        time=time,
+        queue_depth=queue_depth,
+        reporting_pods=2,
+        ttft_seconds=ttft,
+        prompt_tokens_per_s=prompt_tokens_per_s,
+        held=held,
+    )
+
+
+# Two replicas computing 1000 prompt tokens a second each answer in 200 ms; at 2000 each, in 300 ms.
+TOKENS = [_token_sample(0, 4, 2000, 0.2), _token_sample(10, 8, 4000, 0.3)]
+
+
+def test_with_token_counters_the_slo_policy_sizes_on_prompt_tokens_per_second() -> None:
+    decision = decide(POLICY, TOKENS, FleetState(2, 2), AutoscalerState(), 10, slo=[TTFT])
+    # 100 ms + 100 ms per 1000 prompt tokens a second: 5000 within 600 ms, trusted up to twice the 2000
+    # measured. The
+    # demand rose 200 tokens/s a second: 4000 + 30 × 200 = 10,000 forecast, 3 replicas.
+    assert decision.replicas == 3
+    assert decision.reason == (
+        "slo: time to first token mean 100ms + 100.0ms per 1000 prompt tokens/s: 4000.0 prompt tokens/s per "
+        "replica within the 600ms target; demand 4000.0 prompt tokens/s, 10000.0 forecast in 30s"
+    )
+
+
+def test_what_a_replica_served_while_the_gateway_held_requests_bounds_it_past_the_window() -> None:
+    # At 10 s the replicas serve 2000 prompt tokens/s each with 4 requests apiece, and the gateway holds 6
+    # more: the demand is 4000 × 14 / 8 = 7000 tokens/s, and a replica does 2000 at most.
+    held = [_token_sample(0, 4, 2000, 0.2), _token_sample(10, 14, 4000, 0.3, held=6)]
+    first = decide(POLICY, held, FleetState(2, 2), AutoscalerState(), 10, slo=[TTFT])
+    assert first.state.full_throughput == (("time to first token", 2000.0),)
+    # 7000 + 30 × 500 = 22,000 forecast over 2000 a replica: 11, capped at 10.
+    assert first.replicas == 6  # 2 + the step of 4
+    assert "2000.0 prompt tokens/s per replica" in first.reason and "demand 7000.0" in first.reason
+    # A minute on, the window holds no held request; the fleet serves 6000 tokens/s on 4 replicas. Without the
+    # memory a replica would be trusted with twice the 1500 it serves; with it, 2000: 3 replicas, not 2.
+    later = [_token_sample(70, 8, 6000, 0.25, 0), _token_sample(72, 8, 6000, 0.25, 0)]
+    later = [dataclasses.replace(s, reporting_pods=4) for s in later]
+    remembered = decide(POLICY, later, FleetState(4, 4), first.state, 72, slo=[TTFT])
+    assert "2000.0 prompt tokens/s per replica" in remembered.reason
+    forgotten = decide(POLICY, later, FleetState(4, 4), AutoscalerState(), 72, slo=[TTFT])
+    assert "3000.0 prompt tokens/s per replica" in forgotten.reason

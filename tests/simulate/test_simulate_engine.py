@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from kvfleet.simulate.engine import EngineModel, EngineProfile, Sequence
@@ -66,10 +68,25 @@ def test_a_run_of_decode_steps_is_cut_at_the_step_in_progress_when_a_request_arr
     assert end == pytest.approx(0.054) and first == [arriving]
     assert arriving.first_token_s is not None
     assert arriving.first_token_s - arriving.arrival_s == pytest.approx(0.024)
-    report = engine.report()
+    report = engine.report(end)
     assert report.ttft_seconds == pytest.approx((0.014 + 0.024) / 2)
     # Three decode tokens of the first sequence so far, over 12 + 12 + 16 ms.
     assert report.itl_seconds == pytest.approx((0.024 + 0.016) / 3)
+    # As a replica's histograms hold them: 14 ms is at or below the 20 ms bound, 24 ms the 40 ms one; the
+    # decode run's two tokens of 12 ms each at or below 25 ms, the third token's 16 ms too.
+    assert report.ttft_buckets is not None and report.itl_buckets is not None
+    assert dict(report.ttft_buckets)[0.01] == 0 and dict(report.ttft_buckets)[0.02] == 1
+    assert dict(report.ttft_buckets)[0.04] == 2 and report.ttft_buckets[-1] == (math.inf, 2)
+    assert dict(report.itl_buckets)[0.01] == 0 and dict(report.itl_buckets)[0.025] == 3
+    # No token rates before a second report, as a scraper has none before its second scrape; then the
+    # tokens since the first over the time between, as the sequences count them.
+    assert report.prompt_tokens_per_s is None and report.generation_tokens_per_s is None
+    generated = decoding.generated + arriving.generated
+    next_end, _, _ = _run(engine, end)
+    later = engine.report(next_end + 0.5)
+    produced = decoding.generated + arriving.generated - generated
+    assert produced > 0 and later.prompt_tokens_per_s == 0.0
+    assert later.generation_tokens_per_s == pytest.approx(produced / (next_end + 0.5 - end))
 
 
 def test_a_cached_prefix_group_starts_with_its_shared_tokens_computed() -> None:

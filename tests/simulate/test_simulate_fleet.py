@@ -98,7 +98,9 @@ def test_prefix_aware_routing_hits_the_prefix_cache_more_than_round_robin() -> N
 
 def _peak_memory(duration_s: float) -> tuple[int, int]:
     """The peak of memory allocated while a steady trace is replayed, and of requests in flight."""
-    service = _service({"replicas": 2})
+    # The autoscaler keeps a stable window of samples (each with the interval's latency histograms): a short
+    # one is full within either trace.
+    service = _service({"replicas": 2, "stableWindowSeconds": 10})
     # The default profile's replicas keep up with 20 requests a second: few are ever in flight.
     config = load_config(service, EngineProfile(), ttft_target_s=1.0, series_interval_s=1e9)
     simulation = Simulation(config)
