@@ -102,15 +102,7 @@ def make_model(
     if rope_parameters is not None:
         config["rope_parameters"] = rope_parameters
     if sliding_window is not None:
-        if text_arch == "llama" or sliding_window < 1:
-            raise ValueError(
-                f"sliding_window needs a positive window on mistral or qwen, got {arch} {sliding_window}"
-            )
-        config["sliding_window"] = sliding_window
-        if text_arch == "qwen3-moe":
-            config["use_sliding_window"] = True  # on every layer: Qwen3-MoE has no max_window_layers
-        elif text_arch.startswith("qwen"):
-            config.update(use_sliding_window=True, max_window_layers=max_window_layers)
+        _slide(config, arch, text_arch, sliding_window, max_window_layers)
     write_json(out / "tokenizer_config.json", tokenizer_config(style, spec.max_position_embeddings))
     write_json(out / "generation_config.json", generation_config(style, special_ids))
     tensors = random_weights(config, seed, num_used_ids=tokenizer.get_vocab_size())
@@ -124,3 +116,13 @@ def make_model(
     if quantize is not None:
         quantize_folder(out, quantize)
     return out
+
+
+def _slide(config: dict[str, Any], arch: str, text_arch: str, window: int, max_window_layers: int) -> None:
+    if text_arch == "llama" or window < 1:
+        raise ValueError(f"sliding_window needs a positive window on mistral or qwen, got {arch} {window}")
+    config["sliding_window"] = window
+    if text_arch == "qwen3-moe":
+        config["use_sliding_window"] = True  # on every layer: Qwen3-MoE has no max_window_layers
+    elif text_arch.startswith("qwen"):
+        config.update(use_sliding_window=True, max_window_layers=max_window_layers)
