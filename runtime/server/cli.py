@@ -388,7 +388,9 @@ def serve(model_tag: str | None, model: str | None, host: str, port: int, **opti
         core_class=click.get_current_context().obj,
     )
     try:
-        settings = _server_settings(model_name, model, options)
+        with STARTUP_PHASES.phase("api_server_settings"):
+            settings = _server_settings(model_name, model, options)
+            lora_adapters = _lora_adapters(config, settings.served_model_names, options)
         serve_options = ServeOptions(
             settings=settings,
             host=host,
@@ -397,7 +399,7 @@ def serve(model_tag: str | None, model: str | None, host: str, port: int, **opti
             uvicorn_log_level=options["uvicorn_log_level"],
             startup_request_timeout=options["startup_request_timeout"],
             api_server_count=options["api_server_count"],
-            lora_adapters=_lora_adapters(config, settings.served_model_names, options),
+            lora_adapters=lora_adapters,
         )
     except BaseException:
         core.stop()

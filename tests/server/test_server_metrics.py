@@ -74,7 +74,15 @@ def test_the_start_phases_of_both_processes_reach_metrics(api_server: ServerProc
     text = httpx.get(f"{api_server.url}/metrics", timeout=10).text
     phases = phases_from_metrics(text)
     core = ("engine_core_imports", "attention_backend", "weights", "kv_cache", "engine_core_setup")
-    api = ("interpreter", "config", "api_server_imports", "api_server_app", "api_server_bind", "tokenizer")
+    api = (
+        "interpreter",
+        "config",
+        "api_server_settings",
+        "api_server_imports",
+        "api_server_app",
+        "api_server_bind",
+        "tokenizer",
+    )
     assert set(phases) >= {*core, *api}
     assert all(seconds >= 0 for seconds in phases.values())
     ready = _sample(text, f'kvfleet:startup_seconds{{model_name="{api_server.model_name}"}}')
