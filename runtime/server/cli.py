@@ -379,7 +379,8 @@ def serve(model_tag: str | None, model: str | None, host: str, port: int, **opti
 
     from kvfleet.runtime.server.launcher import ServeOptions, run_server, start_engine_core
 
-    # Before the server's settings, whose checks import the HTTP side: the model loads meanwhile.
+    # Before the server's settings, whose checks import the serving modules and Transformers: the model loads
+    # meanwhile.
     core = start_engine_core(
         config,
         api_server_count=options["api_server_count"],
