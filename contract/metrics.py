@@ -54,3 +54,9 @@ RESUMED_TOKENS = KVFLEET_PREFIX + "resumed_tokens"
 # Requests the gateway holds for a model, by its `model` label: the autoscaler scales a model at zero
 # replicas back to one on it.
 GATEWAY_QUEUE_DEPTH = "kvfleet_gateway_queue_depth"
+# Where a replica's start went (gauges, kvfleet's alone): seconds by phase in a `phase` label (its
+# EngineCore's and its API server's, which overlap), and the seconds from the API server process's start to
+# the engine being ready. `kvfleet bench startup` reads them.
+STARTUP_PHASE_SECONDS = KVFLEET_PREFIX + "startup_phase_seconds"
+STARTUP_SECONDS = KVFLEET_PREFIX + "startup_seconds"
+PHASE_LABEL = "phase"

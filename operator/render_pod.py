@@ -38,6 +38,12 @@ PRESTOP_DELAY_SECONDS = 5
 # its HTTP server 5 s for the last connections).
 EXIT_MARGIN_SECONDS = 10
 PROBE_PERIOD_SECONDS = 5
+# HTTP readiness probes ask every second, so that a replica that has loaded its model takes traffic within a
+# second rather than a probe period later: a request held at zero waits on it. /ready costs the server
+# nothing; the failures allowed keep the time before a replica that stops answering is taken out of the
+# Service as it was with the longer period.
+READINESS_PERIOD_SECONDS = 1
+_READINESS_FAILURE_SECONDS = 10
 RUNTIME_USER = 1000
 # A group's pod reads its rank from one of its labels (downward API) into this variable, which its flags use.
 NODE_RANK_ENV = "KVFLEET_NODE_RANK"
@@ -280,7 +286,7 @@ def _runtime_container(
     engine = spec.engine
     ports = [{"name": HTTP_PORT_NAME, "containerPort": HTTP_PORT, "protocol": "TCP"}]
     args, env = runtime_args(spec, safety_config, role), _runtime_env(spec)
-    readiness = _http_probe("/ready", failures=2)
+    readiness = _readiness_probe("/ready")
     if group is not None:
         readiness = _join_group(group, args, env, ports)
     if role is not None:
@@ -319,7 +325,7 @@ def _join_group(
     env.insert(0, {"name": NODE_RANK_ENV, "valueFrom": rank})
     ports.append({"name": RENDEZVOUS_PORT_NAME, "containerPort": RENDEZVOUS_PORT, "protocol": "TCP"})
     if group.readiness_path is not None:
-        return _http_probe(group.readiness_path, failures=2)
+        return _readiness_probe(group.readiness_path)
     env.insert(1, _pod_ip())
     return _probe({"exec": {"command": ["python", "-c", RANK_READINESS_SCRIPT]}}, failures=2)
 
@@ -400,10 +406,15 @@ def _http_probe(path: str, failures: int) -> dict[str, Any]:
     return _probe({"httpGet": {"path": path, "port": HTTP_PORT_NAME}}, failures)
 
 
-def _probe(handler: dict[str, Any], failures: int) -> dict[str, Any]:
+def _readiness_probe(path: str) -> dict[str, Any]:
+    failures = _READINESS_FAILURE_SECONDS // READINESS_PERIOD_SECONDS
+    return _probe({"httpGet": {"path": path, "port": HTTP_PORT_NAME}}, failures, READINESS_PERIOD_SECONDS)
+
+
+def _probe(handler: dict[str, Any], failures: int, period: int = PROBE_PERIOD_SECONDS) -> dict[str, Any]:
     return {
         **handler,
-        "periodSeconds": PROBE_PERIOD_SECONDS,
+        "periodSeconds": period,
         "timeoutSeconds": 3,
         "failureThreshold": failures,
     }

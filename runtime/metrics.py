@@ -26,11 +26,14 @@ from kvfleet.contract.metrics import (
     LORA_ADAPTER_INFO,
     LORA_INT_ID_LABEL,
     LORA_NAME_LABEL,
+    PHASE_LABEL,
     PROMPT_TOKENS,
     QUEUED_PROMPT_TOKENS,
     RESUMED_REQUESTS,
     RESUMED_TOKENS,
     RUNNING,
+    STARTUP_PHASE_SECONDS,
+    STARTUP_SECONDS,
     TTFT,
     TTFT_BUCKETS,
     VLLM_PREFIX,
@@ -85,6 +88,8 @@ class ServerMetrics:
         self._lora_adapters_source: Callable[[], dict[str, int]] = dict
         self._lora_adapters = _LoRAAdaptersCollector(model_name, lambda: self._lora_adapters_source())
         self.registry.register(self._lora_adapters)
+        self._startup = _StartupCollector(model_name)
+        self.registry.register(self._startup)
         ProcessCollector(registry=self.registry)
 
         self._prompt_tokens = self._counter(
@@ -220,6 +225,12 @@ class ServerMetrics:
             multiprocess_mode="max",
         ).labels(self.model_name, attention_backend, device, dtype).set(1)
 
+    def set_startup(self, ready_seconds: float, phases: Callable[[], dict[str, float]]) -> None:
+        """This server's time to Ready, and where its processes' start phases are read at scrape time (some of
+        the API server's may end after the engine is ready)."""
+        self._startup.ready_seconds = ready_seconds
+        self._startup.phases = phases
+
     def set_stats_source(self, source: Callable[[], SchedulerStats | None]) -> None:
         """Where scrapes read the engine's current queue depths, KV usage and cumulative counters."""
         self._stats_source = source
@@ -264,6 +275,7 @@ class ServerMetrics:
         registry.register(self._engine_stats)
         # Every API server serves the same adapters: several processes exclude run-time updates.
         registry.register(self._lora_adapters)
+        registry.register(self._startup)
         return generate_latest(registry)
 
 
@@ -642,3 +654,34 @@ class _LoRAAdaptersCollector(Collector):
         for name, lora_int_id in names.items():
             info.add_metric([self._model_name, name, str(lora_int_id)], 1.0)
         yield info
+
+
+class _StartupCollector(Collector):
+    """Where the start went, once the engine is ready: gauges, because each phase happens once in a process's
+    life (a histogram would hold a single observation per series, and its buckets would say less than the
+    value); a fleet's starts are compared across pods with Prometheus's own aggregations of the gauges."""
+
+    def __init__(self, model_name: str) -> None:
+        self._model_name = model_name
+        self.ready_seconds: float | None = None
+        self.phases: Callable[[], dict[str, float]] = dict
+
+    def collect(self) -> Iterator[Metric]:
+        if self.ready_seconds is None:
+            return
+        ready = GaugeMetricFamily(
+            STARTUP_SECONDS,
+            "Seconds from the API server process's start to the engine being ready.",
+            labels=["model_name"],
+        )
+        ready.add_metric([self._model_name], self.ready_seconds)
+        yield ready
+        phases = GaugeMetricFamily(
+            STARTUP_PHASE_SECONDS,
+            "Seconds each phase of the start took, in the API server's process or the engine core's (whose "
+            "phases overlap the API server's).",
+            labels=["model_name", PHASE_LABEL],
+        )
+        for phase, seconds in self.phases().items():
+            phases.add_metric([self._model_name, phase], seconds)
+        yield phases

@@ -619,6 +619,30 @@ def bench_resume(
     click.echo(format_resume_report(report))
 
 
+@bench.command("startup")
+@click.option("--model", required=True, type=click.Path(exists=True, file_okay=False), help="Model folder.")
+@click.option("--runs", type=click.IntRange(min=1), default=3, show_default=True, help="Starts of each kind.")
+@click.option(
+    "--kind",
+    "kinds",
+    type=click.Choice(["cold", "warm"]),
+    multiple=True,
+    default=("cold", "warm"),
+    show_default=True,
+    help="cold: empty kernel caches; warm: caches a first start filled, as an image holds them. Repeatable.",
+)
+@engine_options
+def bench_startup(model: str, runs: int, kinds: tuple[str, ...], **options) -> None:
+    """Start `kvfleet serve` on MODEL again and again: each phase of the start, the time to Ready and the
+    time to first token, counted from the launch."""
+    from kvfleet.runtime.bench.startup import format_startup_report, run_startup_bench
+
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    config = engine_config_from_options(model, options)
+    results = run_startup_bench(config, kinds, runs, log=lambda line: click.echo(line, err=True))
+    click.echo(format_startup_report(results))
+
+
 @bench.command("vs-vllm-report")
 @click.option("--results", required=True, type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.option("--doc", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path))

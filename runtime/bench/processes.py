@@ -66,7 +66,7 @@ class BenchProcess:
             preexec_fn=None if cpus is None else lambda: os.sched_setaffinity(0, cpus),
         )
 
-    def wait_ready(self) -> None:
+    def wait_ready(self, poll_s: float = _POLL_S) -> None:
         deadline = time.monotonic() + _READY_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
@@ -76,7 +76,7 @@ class BenchProcess:
                     return
             except httpx.TransportError:
                 pass
-            time.sleep(_POLL_S)
+            time.sleep(poll_s)
         raise TimeoutError(f"{self.log.name}: not ready within {_READY_TIMEOUT_S:.0f} s")
 
     def stop(self) -> None:

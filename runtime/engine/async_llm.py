@@ -38,6 +38,7 @@ from kvfleet.runtime.lora.request import LoRARequest
 from kvfleet.runtime.metrics import RequestTracker, ServerMetrics
 from kvfleet.runtime.multimodal.inputs import MultiModalFeature
 from kvfleet.runtime.sampling_params import SamplingParams
+from kvfleet.runtime.startup_phases import STARTUP_PHASES, process_age
 
 if TYPE_CHECKING:
     from kvfleet.runtime.engine.core import EngineCore
@@ -66,6 +67,7 @@ class AsyncLLM:
         config: EngineConfig,
         *,
         core_address: EngineCoreAddress | None = None,
+        core_process: EngineCoreProcess | None = None,
         client_index: int = 0,
         metrics: ServerMetrics | None = None,
         tier_of: Callable[[int], str] = str,
@@ -73,16 +75,17 @@ class AsyncLLM:
         core_class: type[EngineCore] | None = None,
         core_options: dict[str, Any] | None = None,
     ) -> None:
-        """With no `core_address`, the engine starts (and later stops) its own EngineCore process."""
+        """The engine stops `core_process` (started for it, so that the model loads while the server starts),
+        or with neither that nor a `core_address`, its own EngineCore process, which it starts."""
         self.config = config
-        self._core_address = core_address
+        self._core_address = core_process.address if core_process is not None else core_address
         self._client_index = client_index
         self._metrics = metrics
         self._tier_of = tier_of
         self.startup_request_timeout = startup_request_timeout
         self._core_class = core_class
         self._core_options = core_options
-        self._core_process: EngineCoreProcess | None = None
+        self._core_process = core_process
         self._client: EngineCoreClient | None = None
         self._tokenizer_pool = ThreadPoolExecutor(_TOKENIZER_THREADS, thread_name_prefix="kvfleet-tokenizer")
         self.tokenizer: Any = None
@@ -125,7 +128,9 @@ class AsyncLLM:
             for outcome in outcomes:
                 if isinstance(outcome, BaseException):
                     raise outcome
-            self.info, self.tokenizer = outcomes
+            ready, self.tokenizer = outcomes
+            self.info = ready.info
+            core_phases = ready.startup_phases
         except EngineError as exc:
             self.error = exc
         except Exception as exc:
@@ -135,10 +140,13 @@ class AsyncLLM:
             info = self.info
             self.eos_token_id = self.tokenizer.eos_token_id
             self.output_processor = OutputProcessor(self.tokenizer)
+            ready_seconds = process_age()
+            logger.info("ready %.2f s after starting: %s", ready_seconds, STARTUP_PHASES.describe())
             if self._metrics is not None:
                 self._metrics.set_engine_info(
                     attention_backend=info.attention_backend, device=info.device, dtype=info.dtype
                 )
+                self._metrics.set_startup(ready_seconds, lambda: {**core_phases, **STARTUP_PHASES.seconds})
         else:
             self.dead.set()
         self._loaded.set()
@@ -354,6 +362,7 @@ def _num_prefilled(resumed: dict[int, ResumedSequence]) -> int:
 
 def _load_tokenizer(config: EngineConfig) -> Any:
     # Imported here, on a tokenizer thread: importing transformers takes seconds the event loop cannot spare.
-    from kvfleet.runtime.engine.tokenizer import load_tokenizer
+    with STARTUP_PHASES.phase("tokenizer"):
+        from kvfleet.runtime.engine.tokenizer import load_tokenizer
 
-    return load_tokenizer(config)
+        return load_tokenizer(config)

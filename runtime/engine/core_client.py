@@ -26,7 +26,6 @@ from kvfleet.runtime.engine.messages import (
     AbortRequests,
     AddRequest,
     EngineCoreOutputs,
-    EngineInfo,
     Failed,
     Hello,
     Ready,
@@ -133,7 +132,7 @@ class EngineCoreClient:
         self._exited: asyncio.Future[None] | None = None
         self.dead: EngineDeadError | None = None
 
-    async def connect(self) -> EngineInfo:
+    async def connect(self) -> Ready:
         """Say hello and wait for the core to be ready; raises EngineDeadError if it fails or dies first."""
         loop = asyncio.get_running_loop()
         try:
@@ -154,7 +153,7 @@ class EngineCoreClient:
             raise self._died(f"failed to load the model: {reply.message}")
         assert isinstance(reply, Ready)
         self._receiver = asyncio.ensure_future(self._receive())
-        return reply.info
+        return reply
 
     def _died(self, what: str) -> EngineDeadError:
         error = EngineDeadError(f"the engine core process (pid {self.address.pid}) {what}")

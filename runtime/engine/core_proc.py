@@ -33,6 +33,7 @@ from kvfleet.runtime.engine.messages import (
     to_core_decoder,
 )
 from kvfleet.runtime.executor.executor import WorkerFailedError
+from kvfleet.runtime.startup_phases import STARTUP_PHASES, process_age
 
 if TYPE_CHECKING:
     from kvfleet.runtime.engine.core import EngineCore
@@ -54,7 +55,9 @@ def run_engine_core(
     core_options: dict[str, Any] | None = None,
 ) -> None:
     """The process's target. Binds `address` first, so API servers can connect while the model loads."""
-    from kvfleet.runtime.engine.core import EngineCore
+    STARTUP_PHASES.add("engine_core_imports", process_age())
+    with STARTUP_PHASES.phase("engine_core_imports"):
+        from kvfleet.runtime.engine.core import EngineCore
 
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s [core]: %(message)s")
     parent = os.pidfd_open(parent_pid)
@@ -62,12 +65,14 @@ def run_engine_core(
     socket = context.socket(zmq.ROUTER)
     socket.bind(address)
     try:
-        core = (core_class or EngineCore)(config, **(core_options or {}))
+        with STARTUP_PHASES.phase("engine_core_setup"):
+            core = (core_class or EngineCore)(config, **(core_options or {}))
     except Exception as exc:
         logger.exception("the engine core failed to load")
         _answer_hellos(socket, Failed(f"{type(exc).__name__}: {exc}"))
         socket.close(linger=_FAILED_LINGER_MS)
         raise SystemExit(1) from None
+    logger.info("engine core started: %s", STARTUP_PHASES.describe())
     try:
         EngineCoreProc(core, socket, parent).run()
     except WorkerFailedError as exc:
@@ -144,7 +149,8 @@ class EngineCoreProc:
                 core.reset_prefix_cache()
             elif isinstance(message, Hello):
                 self.clients.append(identity.bytes)
-                socket.send_multipart((identity.bytes, self.encoder.encode(Ready(core.info))))
+                ready = Ready(core.info, STARTUP_PHASES.seconds)
+                socket.send_multipart((identity.bytes, self.encoder.encode(ready)))
         return True
 
     def _send_changes(self, step: EngineCoreOutputs) -> None:

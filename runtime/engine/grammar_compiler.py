@@ -21,9 +21,9 @@ import weakref
 from collections import OrderedDict
 from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
-import xgrammar
 from kvfleet.runtime.errors import (
     EngineError,
     GrammarTimeoutError,
@@ -34,7 +34,11 @@ from kvfleet.runtime.sampling_params import StructuredOutputsParams
 from kvfleet.runtime.structured_outputs.bitmasks import pack_bits
 from kvfleet.runtime.structured_outputs.compile_worker import CompileTimeoutError, CompileWorker
 from kvfleet.runtime.structured_outputs.grammars import JSON_KINDS, GrammarError, grammar_key
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+if TYPE_CHECKING:
+    # xgrammar and Transformers take over a second to import: an engine that never constrains never does.
+    import xgrammar
+    from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 
@@ -116,6 +120,8 @@ class GrammarCompiler:
         # Loaded at first use, so that servers that never constrain pay nothing.
         with self._tokenizer_lock:
             if self._tokenizer is None:
+                from transformers import AutoTokenizer
+
                 self._tokenizer = AutoTokenizer.from_pretrained(self._tokenizer_path)
             return self._tokenizer
 
@@ -147,6 +153,8 @@ class GrammarCompiler:
             ) from None
         finally:
             self._give_back(worker)
+        import xgrammar
+
         grammar = xgrammar.CompiledGrammar.deserialize_json(serialized, tokenizer_info)
         token_filter = self._json_token_filter if kind in JSON_KINDS else self._text_token_filter
         assert token_filter is not None
@@ -188,6 +196,8 @@ class GrammarCompiler:
             return self._tokenizer_info
 
     def _prepare_vocabulary(self) -> xgrammar.TokenizerInfo:
+        import xgrammar
+
         info = xgrammar.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self._vocab_size)
         text = torch.ones(self._vocab_size, dtype=torch.bool)
         json_text = torch.ones(self._vocab_size, dtype=torch.bool)
@@ -254,6 +264,8 @@ class RequestGrammar:
     @property
     def matcher(self) -> xgrammar.GrammarMatcher:
         if self._matcher is None:
+            import xgrammar
+
             self._matcher = xgrammar.GrammarMatcher(self.compiled.result().grammar)
         return self._matcher
 

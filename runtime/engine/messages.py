@@ -69,6 +69,8 @@ class EngineInfo(msgspec.Struct, array_like=True):
 
 class Ready(msgspec.Struct, tag="ready", array_like=True):
     info: EngineInfo
+    # Seconds by phase of the core process's start (startup_phases.py), for the API server's /metrics.
+    startup_phases: dict[str, float] = {}
 
 
 class Failed(msgspec.Struct, tag="failed", array_like=True):

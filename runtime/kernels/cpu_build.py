@@ -24,6 +24,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from kvfleet.runtime.kernels.cpu_features import cpu_target
+from kvfleet.runtime.startup_phases import STARTUP_PHASES
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +39,7 @@ def build_cpu_ops(name: str, source: Path, what: str) -> bool:
     try:
         _put_pip_ninja_on_path()
         build_directory = Path(cpp_extension._get_build_directory(build_name, verbose=False))
-        with _exclusive_build(build_directory):
+        with STARTUP_PHASES.phase("kernels"), _exclusive_build(build_directory):
             cpp_extension.load(
                 name=build_name,
                 sources=[str(source)],

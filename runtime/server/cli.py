@@ -32,6 +32,7 @@ from kvfleet.runtime.server.state import (
     DEFAULT_SEND_TIMEOUT_S,
 )
 from kvfleet.runtime.serving.service import DEFAULT_MAX_COMPLETION_TOKENS_PER_PROMPT, DEFAULT_MAX_N
+from kvfleet.runtime.startup_phases import STARTUP_PHASES, process_age
 
 if TYPE_CHECKING:
     from kvfleet.runtime.safety.config import SafetyConfig
@@ -341,6 +342,7 @@ def serve(model_tag: str | None, model: str | None, host: str, port: int, **opti
     """Serve MODEL (a model folder, or a Hub id fetched into the Hugging Face cache first) over an
     OpenAI-compatible HTTP API; with --node-rank above 0, run only this node's share of the ranks and serve
     GET /health."""
+    STARTUP_PHASES.add("interpreter", process_age())
     model_name = _model_name(model_tag, model)
     _refuse_what_cannot_be_honoured(options)
     if TIERS[options["default_priority"]] < TIERS[options["max_priority_tier"]]:
@@ -359,16 +361,17 @@ def serve(model_tag: str | None, model: str | None, host: str, port: int, **opti
         raise click.BadParameter(
             "the Batch API runs in a single API server process", param_hint="--api-server-count"
         )
-    # After the checks of the options alone, which a download would only delay.
-    model = _model_folder(model_name, options["revision"])
-    try:
-        config = engine_config_from_options(model, options)
-        if config.world_size > 1:
-            from kvfleet.runtime.executor.executor import check_parallel_config
+    with STARTUP_PHASES.phase("config"):
+        # After the checks of the options alone, which a download would only delay.
+        model = _model_folder(model_name, options["revision"])
+        try:
+            config = engine_config_from_options(model, options)
+            if config.world_size > 1:
+                from kvfleet.runtime.executor.executor import check_parallel_config
 
-            check_parallel_config(config)
-    except ValueError as exc:
-        raise click.UsageError(str(exc)) from exc
+                check_parallel_config(config)
+        except ValueError as exc:
+            raise click.UsageError(str(exc)) from exc
     if options["reasoning_parser"] is not None:
         _check_reasoning_parser(options["reasoning_parser"], Path(config.tokenizer or config.model))
     if config.node_rank > 0:
@@ -376,23 +379,35 @@ def serve(model_tag: str | None, model: str | None, host: str, port: int, **opti
 
         sys.exit(run_node(config, host, port))
 
-    from kvfleet.runtime.server.launcher import ServeOptions, run_server
+    from kvfleet.runtime.server.launcher import ServeOptions, run_server, start_engine_core
 
-    settings = _server_settings(model_name, model, options)
-    serve_options = ServeOptions(
-        settings=settings,
-        host=host,
-        port=port,
-        access_log=options["access_log"],
-        uvicorn_log_level=options["uvicorn_log_level"],
-        max_waiting_requests=options["max_waiting_requests"],
-        startup_request_timeout=options["startup_request_timeout"],
+    # Before the server's settings, whose checks import the serving modules and Transformers: the model loads
+    # meanwhile.
+    core = start_engine_core(
+        config,
         api_server_count=options["api_server_count"],
-        lora_adapters=_lora_adapters(config, settings.served_model_names, options),
+        max_waiting_requests=options["max_waiting_requests"],
         # `kvfleet bench static-server` passes its own EngineCore class as the context object.
         core_class=click.get_current_context().obj,
     )
-    sys.exit(run_server(config, serve_options))
+    try:
+        with STARTUP_PHASES.phase("api_server_settings"):
+            settings = _server_settings(model_name, model, options)
+            lora_adapters = _lora_adapters(config, settings.served_model_names, options)
+        serve_options = ServeOptions(
+            settings=settings,
+            host=host,
+            port=port,
+            access_log=options["access_log"],
+            uvicorn_log_level=options["uvicorn_log_level"],
+            startup_request_timeout=options["startup_request_timeout"],
+            api_server_count=options["api_server_count"],
+            lora_adapters=lora_adapters,
+        )
+    except BaseException:
+        core.stop()
+        raise
+    sys.exit(run_server(config, serve_options, core))
 
 
 def _stored_responses(value: int | None) -> int:

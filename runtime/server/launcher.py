@@ -1,9 +1,11 @@
 """The processes of `kvfleet serve`.
 
-With one API server (the default) the command's own process serves HTTP and starts the EngineCore process:
-two processes. With `--api-server-count N`, the command's process supervises: it binds the port, starts the
-core, then N API server processes that accept on the same socket and share the core. SIGTERM drains them
-all; if the core or an API server dies, the rest are stopped and the command exits non-zero.
+The EngineCore process is started first, as soon as the engine's options are checked: it imports torch and
+loads the model while the command's process builds the server's settings, imports the HTTP stack and binds
+the port. With one API server (the default) the command's own process then serves HTTP: two processes. With
+`--api-server-count N`, the command's process supervises: it binds the port, then starts N API server
+processes that accept on the same socket and share the core. SIGTERM drains them all; if the core or an API
+server dies, the rest are stopped and the command exits non-zero.
 """
 
 from __future__ import annotations
@@ -21,12 +23,13 @@ from typing import TYPE_CHECKING, Any
 from kvfleet.contract.tiers import BACKGROUND_TIER, TIERS
 from kvfleet.runtime.child_process import child_arguments, describe_exit, start_child
 from kvfleet.runtime.config import EngineConfig
-from kvfleet.runtime.metrics import MULTIPROCESS_DIR
-from kvfleet.runtime.server.state import ServerSettings
+from kvfleet.runtime.startup_phases import STARTUP_PHASES
 
 if TYPE_CHECKING:
+    # The server's modules: imported while the engine core starts, not before it.
     from kvfleet.runtime.engine.core import EngineCore
-    from kvfleet.runtime.engine.core_client import EngineCoreAddress
+    from kvfleet.runtime.engine.core_client import EngineCoreAddress, EngineCoreProcess
+    from kvfleet.runtime.server.state import ServerSettings
     from kvfleet.runtime.serving.lora_adapters import LoRAAdapters
 
 logger = logging.getLogger(__name__)
@@ -45,19 +48,41 @@ class ServeOptions:
     access_log: bool = False
     # The HTTP server's own log level (uvicorn's names); None: the process's.
     uvicorn_log_level: str | None = None
-    max_waiting_requests: int | None = None
     startup_request_timeout: float | None = None
     api_server_count: int = 1
     lora_adapters: LoRAAdapters | None = None
-    # The EngineCore class to run (the static-batching baseline of the benchmarks brings its own).
-    core_class: type[EngineCore] | None = None
 
 
-def run_server(config: EngineConfig, options: ServeOptions) -> int:
-    """Serve until drained (0) or failed (1); returns the exit status."""
-    if options.api_server_count == 1:
-        return run_api_server(config, options, client_index=0)
-    return _supervise(config, options)
+def start_engine_core(
+    config: EngineConfig,
+    *,
+    api_server_count: int,
+    max_waiting_requests: int | None,
+    core_class: type[EngineCore] | None = None,
+) -> EngineCoreProcess:
+    """The EngineCore process the server will run on. `core_class`: the EngineCore class to run (the
+    static-batching baseline of the benchmarks brings its own)."""
+    from kvfleet.runtime.engine.core_client import EngineCoreProcess
+
+    core_options = {
+        "max_waiting_requests": max_waiting_requests,
+        # Each API server process needs a CPU while the core steps (HTTP, detokenization, SSE).
+        "reserved_cpus": api_server_count,
+        # The batch tier (and the Batch API, which runs at it) takes only the capacity others leave.
+        "background_priority": TIERS[BACKGROUND_TIER],
+    }
+    return EngineCoreProcess(config, core_class=core_class, core_options=core_options)
+
+
+def run_server(config: EngineConfig, options: ServeOptions, core: EngineCoreProcess) -> int:
+    """Serve on `core` (from start_engine_core) until drained (0) or failed (1), then stop it; returns the
+    exit status."""
+    try:
+        if options.api_server_count > 1:
+            return _supervise(config, options, core)
+        return run_api_server(config, options, client_index=0, core_process=core)
+    finally:
+        core.stop()
 
 
 def run_api_server(
@@ -66,18 +91,20 @@ def run_api_server(
     *,
     client_index: int,
     core_address: EngineCoreAddress | None = None,
+    core_process: EngineCoreProcess | None = None,
     listen_socket: socket.socket | None = None,
 ) -> int:
-    """One API server process; with no `core_address` it starts its own EngineCore process."""
-    import prometheus_client
-    import uvicorn
-    from kvfleet.contract.tiers import tier_of
-    from kvfleet.runtime.engine.async_llm import AsyncLLM
-    from kvfleet.runtime.metrics import ServerMetrics
-    from kvfleet.runtime.server.app import build_app
-    from kvfleet.runtime.server.http_protocol import TimedH11Protocol
-    from kvfleet.runtime.server.runner import GRACEFUL_SHUTDOWN_TIMEOUT_S, DrainingServer
-    from kvfleet.runtime.server.state import ServerState
+    """One API server process, on the core at `core_address` or the one `core_process` runs."""
+    with STARTUP_PHASES.phase("api_server_imports"):
+        import prometheus_client
+        import uvicorn
+        from kvfleet.contract.tiers import tier_of
+        from kvfleet.runtime.engine.async_llm import AsyncLLM
+        from kvfleet.runtime.metrics import ServerMetrics
+        from kvfleet.runtime.server.app import build_app
+        from kvfleet.runtime.server.http_protocol import TimedH11Protocol
+        from kvfleet.runtime.server.runner import GRACEFUL_SHUTDOWN_TIMEOUT_S, DrainingServer
+        from kvfleet.runtime.server.state import ServerState
 
     settings = options.settings
     # One `_created` series per counter and histogram doubles what Prometheus stores, for nothing it uses.
@@ -86,12 +113,11 @@ def run_api_server(
     engine = AsyncLLM(
         config,
         core_address=core_address,
+        core_process=core_process,
         client_index=client_index,
         metrics=metrics,
         tier_of=tier_of,
         startup_request_timeout=options.startup_request_timeout,
-        core_class=options.core_class,
-        core_options=_core_options(options),
     )
     state = ServerState(
         settings=settings, engine=engine, metrics=metrics, lora_adapters=options.lora_adapters
@@ -105,8 +131,10 @@ def run_api_server(
         metrics.set_lora_adapters_source(
             lambda: {served.lora.lora_name: served.lora.lora_int_id for served in adapters.loaded}
         )
+    with STARTUP_PHASES.phase("api_server_app"):
+        app = build_app(state)
     uvicorn_config = uvicorn.Config(
-        build_app(state),
+        app,
         host=options.host,
         port=options.port,
         log_level=options.uvicorn_log_level or logging.getLogger().getEffectiveLevel(),
@@ -120,16 +148,6 @@ def run_api_server(
     server = DrainingServer(uvicorn_config, state)
     server.run(sockets=[listen_socket] if listen_socket is not None else None)
     return 1 if server.failed or not server.started else 0
-
-
-def _core_options(options: ServeOptions) -> dict[str, Any]:
-    return {
-        "max_waiting_requests": options.max_waiting_requests,
-        # Each API server process needs a CPU while the core steps (HTTP, detokenization, SSE).
-        "reserved_cpus": options.api_server_count,
-        # The batch tier (and the Batch API, which runs at it) takes only the capacity others leave.
-        "background_priority": TIERS[BACKGROUND_TIER],
-    }
 
 
 def _api_server_main(
@@ -151,18 +169,13 @@ def _api_server_main(
     )
 
 
-def _supervise(config: EngineConfig, options: ServeOptions) -> int:
-    from kvfleet.runtime.engine.core_client import EngineCoreProcess
+def _supervise(config: EngineConfig, options: ServeOptions, core: EngineCoreProcess) -> int:
+    from kvfleet.runtime.metrics import MULTIPROCESS_DIR
 
     listen_socket = socket.create_server((options.host, options.port), backlog=2048)
     metrics_dir = tempfile.mkdtemp(prefix="kvfleet-metrics-")
     # Every API server records its request metrics there, and each one's /metrics adds them all up.
     os.environ[MULTIPROCESS_DIR] = metrics_dir
-    core = EngineCoreProcess(
-        config,
-        core_class=options.core_class,
-        core_options=_core_options(options),
-    )
     log_level = logging.getLogger().getEffectiveLevel()
     listen_fd = listen_socket.fileno()
     api_servers = [
@@ -204,7 +217,6 @@ def _supervise(config: EngineConfig, options: ServeOptions) -> int:
             if process.poll() is None:
                 process.kill()
             process.wait()
-        core.stop()
         shutil.rmtree(metrics_dir, ignore_errors=True)
 
 

@@ -28,6 +28,7 @@ import uvicorn
 from kvfleet.contract.resume import DRAINING_CODE
 from kvfleet.runtime.server.errors import ServiceUnavailableError
 from kvfleet.runtime.server.state import ServerState
+from kvfleet.runtime.startup_phases import STARTUP_PHASES
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +51,10 @@ class DrainingServer(uvicorn.Server):
         self._loop = asyncio.get_running_loop()
         self._spawn(self._exit_when_engine_dies())
         await super().serve(sockets)
+
+    async def startup(self, sockets: list | None = None) -> None:  # type: ignore[override]
+        with STARTUP_PHASES.phase("api_server_bind"):
+            await super().startup(sockets)
 
     @contextlib.contextmanager
     def capture_signals(self) -> Generator[None, None, None]:

@@ -1,14 +1,21 @@
-"""xgrammar's token bitmask layout: bit i % 32 of int32 word i // 32 stands for token i (1 = allowed)."""
+"""xgrammar's token bitmask layout: bit i % 32 of int32 word i // 32 stands for token i (1 = allowed).
+
+Written here rather than asked of xgrammar, whose import (it brings Transformers) would otherwise be paid by
+every engine at start, constrained or not."""
 
 from __future__ import annotations
 
 import torch
-import xgrammar
+
+
+def bitmask_width(vocab_size: int) -> int:
+    """The int32 words of one bitmask row."""
+    return -(-vocab_size // 32)
 
 
 def pack_bits(allowed: torch.Tensor) -> torch.Tensor:
     """A [vocab] boolean tensor as one bitmask row."""
-    width = xgrammar.get_bitmask_shape(1, allowed.shape[0])[1]
+    width = bitmask_width(allowed.shape[0])
     padded = torch.zeros(width * 32, dtype=torch.int64)
     padded[: allowed.shape[0]] = allowed.to(torch.int64)
     words = (padded.view(width, 32) << torch.arange(32)).sum(dim=1)

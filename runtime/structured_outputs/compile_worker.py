@@ -14,11 +14,14 @@ import logging
 import os
 import socket
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import xgrammar
 from kvfleet.runtime.child_process import child_arguments, describe_exit, exit_with_parent, start_child
 from kvfleet.runtime.structured_outputs.grammars import GrammarError, build_grammar
+
+if TYPE_CHECKING:
+    # Imported by the compile process alone: the engine core that starts it never needs xgrammar for that.
+    import xgrammar
 
 # What the process sends once its vocabulary is ready, before its first compilation.
 _READY = "ready"
@@ -97,6 +100,8 @@ def run_compile_worker(tokenizer_info: str, parent_pid: int, log_level: int, fd:
     logging.basicConfig(
         level=log_level, format="%(asctime)s %(levelname)s %(name)s [grammar compiler]: %(message)s"
     )
+    import xgrammar
+
     exit_with_parent(parent_pid)
     vocabulary = xgrammar.TokenizerInfo.deserialize_json(tokenizer_info)
     compiler = xgrammar.GrammarCompiler(vocabulary, max_threads=1)

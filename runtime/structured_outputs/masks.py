@@ -18,11 +18,11 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-import xgrammar
 from kvfleet.runtime.request import Request
-from kvfleet.runtime.structured_outputs.bitmasks import clear_bits
+from kvfleet.runtime.structured_outputs.bitmasks import bitmask_width, clear_bits
 
 if TYPE_CHECKING:
+    import xgrammar
     from kvfleet.runtime.engine.grammar_compiler import RequestGrammar
 
 
@@ -30,7 +30,8 @@ class GrammarMasks:
     def __init__(self, fill_during_forward: bool) -> None:
         # Reused from step to step, grown when a batch is larger.
         self._bitmask = torch.empty(0, 0, dtype=torch.int32)
-        self._matchers = xgrammar.BatchGrammarMatcher()
+        # Made at the first grammar: xgrammar is imported only by engines that constrain.
+        self._batch_matcher: xgrammar.BatchGrammarMatcher | None = None
         self._filler = (
             ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-masks")
             if fill_during_forward
@@ -72,7 +73,7 @@ class GrammarMasks:
             return
         start = time.perf_counter()
         # As wide as the grammars' rows: the model's vocabulary, which the logits span too.
-        bitmask = self._bitmask_for(len(requests), xgrammar.get_bitmask_shape(1, logits.shape[1])[1])
+        bitmask = self._bitmask_for(len(requests), bitmask_width(logits.shape[1]))
         for row in rule_rows:
             request = requests[row]
             rules = request.token_rules
@@ -85,12 +86,8 @@ class GrammarMasks:
             if rules.allowed is not None:
                 bitmask[row] &= rules.allowed
             clear_bits(bitmask[row], rules.banned(request.output_token_ids))
-        if masked and logits.device.type == "cpu":
-            _apply_on_cpu(logits, bitmask, masked)
-        elif masked:
-            xgrammar.apply_token_bitmask_inplace(
-                logits, bitmask.to(logits.device, non_blocking=True), indices=masked
-            )
+        if masked:
+            _apply(logits, bitmask, masked)
         for row in rule_rows:
             rules = requests[row].token_rules
             assert rules is not None
@@ -122,12 +119,7 @@ class GrammarMasks:
                 bitmask[first_row + offset] &= grammar.token_filter
                 rows.append(first_row + offset)
             matcher.rollback(len(drafts))
-        if logits.device.type == "cpu":
-            _apply_on_cpu(logits, bitmask, rows)
-        else:
-            xgrammar.apply_token_bitmask_inplace(
-                logits, bitmask.to(logits.device, non_blocking=True), indices=rows
-            )
+        _apply(logits, bitmask, rows)
         self.seconds += time.perf_counter() - start
 
     def _fill_grammars(
@@ -139,7 +131,11 @@ class GrammarMasks:
         rows = [row for row, _ in matchers]
         filters = [_grammar(requests[row]).token_filter for row in rows]
         bitmask = self._bitmask_for(len(requests), filters[0].shape[0])
-        self._matchers.batch_fill_next_token_bitmask([matcher for _, matcher in matchers], bitmask, rows)
+        if self._batch_matcher is None:
+            import xgrammar
+
+            self._batch_matcher = xgrammar.BatchGrammarMatcher()
+        self._batch_matcher.batch_fill_next_token_bitmask([matcher for _, matcher in matchers], bitmask, rows)
         by_filter: dict[int, tuple[torch.Tensor, list[int]]] = {}
         for row, token_filter in zip(rows, filters, strict=True):
             by_filter.setdefault(id(token_filter), (token_filter, []))[1].append(row)
@@ -166,6 +162,16 @@ def _matchers(requests: Sequence[Request]) -> list[tuple[int, xgrammar.GrammarMa
     return [
         (row, request.grammar.matcher) for row, request in enumerate(requests) if request.grammar is not None
     ]
+
+
+def _apply(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+    """-inf to the logits of `rows` where their bitmask row forbids the token."""
+    if logits.device.type == "cpu":
+        _apply_on_cpu(logits, bitmask, rows)
+        return
+    import xgrammar
+
+    xgrammar.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True), indices=rows)
 
 
 def _apply_on_cpu(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:

@@ -24,6 +24,7 @@ from kvfleet.runtime.models.loader import LoadStats, load_model, resolve_device,
 from kvfleet.runtime.models.model_config import ModelConfig
 from kvfleet.runtime.models.moe_config import MoeLayerLoad
 from kvfleet.runtime.models.rope import LENGTH_DEPENDENT_ROPE_TYPES
+from kvfleet.runtime.startup_phases import STARTUP_PHASES
 from kvfleet.runtime.worker.encoder_runner import EncoderRunner
 from kvfleet.runtime.worker.sampler import Sampler, SpeculativeBatch
 from kvfleet.runtime.worker.step_inputs import StepInputs
@@ -136,23 +137,27 @@ class ModelRunner:
         return requested
 
     def _make_attention_backend(self) -> AttentionBackend:
-        backend_class, self.attention_backend_reason = select_attention_backend(
-            self.attention_spec, self.config.attention_backend, num_layers=self.model_config.num_hidden_layers
-        )
-        return backend_class(self.attention_spec)
+        with STARTUP_PHASES.phase("attention_backend"):
+            backend_class, self.attention_backend_reason = select_attention_backend(
+                self.attention_spec,
+                self.config.attention_backend,
+                num_layers=self.model_config.num_hidden_layers,
+            )
+            return backend_class(self.attention_spec)
 
     def load_model(self) -> None:
-        self.model = load_model(
-            self.config.model,
-            self.model_config,
-            self.attention_backend,
-            dtype=self.dtype,
-            device=self.device,
-            max_position=self.max_model_len,
-            use_tqdm=self.config.use_tqdm_on_load,
-            stats=self.load_stats,
-            quantization=self.config.quantization,
-        )
+        with STARTUP_PHASES.phase("weights"):
+            self.model = load_model(
+                self.config.model,
+                self.model_config,
+                self.attention_backend,
+                dtype=self.dtype,
+                device=self.device,
+                max_position=self.max_model_len,
+                use_tqdm=self.config.use_tqdm_on_load,
+                stats=self.load_stats,
+                quantization=self.config.quantization,
+            )
         if hasattr(self.model, "embed_multimodal"):
             self.encoder_runner = EncoderRunner(self.model, self.device)
         config = self.config
@@ -192,10 +197,11 @@ class ModelRunner:
         spec = self.attention_spec
         shape = (2, num_blocks, self.block_size, spec.num_kv_heads, spec.head_dim)
         self.kv_caches = []  # free the old cache before allocating the new one
-        # Zeros, not empty: padded context slots are masked, and masked garbage must not be NaN.
-        self.kv_caches = [
-            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)
-        ]
+        with STARTUP_PHASES.phase("kv_cache"):
+            # Zeros, not empty: padded context slots are masked, and masked garbage must not be NaN.
+            self.kv_caches = [
+                torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)
+            ]
         if self.kv_connector is not None:
             self.kv_connector.register_kv_caches(self.kv_caches)
         logger.info(

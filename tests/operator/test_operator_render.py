@@ -126,7 +126,10 @@ def test_deployment_never_drops_capacity_and_drains(example_path: Path) -> None:
         assert pod["terminationGracePeriodSeconds"] > drain + PRESTOP_DELAY_SECONDS
         assert container["lifecycle"]["preStop"]["sleep"]["seconds"] == PRESTOP_DELAY_SECONDS
         if not spec.grouped:
-            assert container["readinessProbe"]["httpGet"]["path"] == "/ready"
+            readiness = container["readinessProbe"]
+            assert readiness["httpGet"]["path"] == "/ready"
+            # A replica takes traffic within a second of being ready (a request held at zero waits on it).
+            assert readiness.get("initialDelaySeconds", 0) == 0 and readiness["periodSeconds"] == 1
         assert container["livenessProbe"]["httpGet"]["path"] == "/health"
         startup = container["startupProbe"]
         assert startup["periodSeconds"] * startup["failureThreshold"] >= spec.engine.startup_timeout_seconds

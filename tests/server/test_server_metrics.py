@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING
 
 import httpx
 import pytest
+from kvfleet.runtime.bench.startup import phases_from_metrics
 from kvfleet.runtime.core.outputs import SchedulerStats
 from kvfleet.runtime.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvfleet.runtime.metrics import ServerMetrics
@@ -67,3 +68,25 @@ def test_engine_info_names_the_chosen_attention_backend(api_server: ServerProces
     assert 'attention_backend="sdpa"' in line
     assert 'device="cpu"' in line
     assert line.endswith(" 1.0")
+
+
+def test_the_start_phases_of_both_processes_reach_metrics(api_server: ServerProcess) -> None:
+    text = httpx.get(f"{api_server.url}/metrics", timeout=10).text
+    phases = phases_from_metrics(text)
+    core = ("engine_core_imports", "attention_backend", "weights", "kv_cache", "engine_core_setup")
+    api = (
+        "interpreter",
+        "config",
+        "api_server_settings",
+        "api_server_imports",
+        "api_server_app",
+        "api_server_bind",
+        "tokenizer",
+    )
+    assert set(phases) >= {*core, *api}
+    assert all(seconds >= 0 for seconds in phases.values())
+    ready = _sample(text, f'kvfleet:startup_seconds{{model_name="{api_server.model_name}"}}')
+    # Both ran before the engine was ready: the API server's first phases one after the other in its own
+    # process, and the core's, in the process it started after them.
+    assert ready >= phases["interpreter"] + phases["config"]
+    assert ready >= sum(phases[name] for name in core)
