@@ -152,3 +152,6 @@ class SchedulerStats:
     # Prompt tokens still to compute, of the waiting and running requests (a disaggregated service's prefill
     # role scales on them).
     num_queued_prompt_tokens: int = 0
+    # vLLM's sleep mode, filled in by the engine core: 0 awake; 1 the KV cache freed, the weights kept in host
+    # memory; 2 the weights dropped too. Stays above 0 until the wake-up has taken everything back.
+    sleep_level: int = 0

@@ -39,5 +39,6 @@ class StepDone:
     logits_shape: tuple[int, ...] | None = None
 
 
-# What the core sends: ("kv_cache", blocks), ("host_kv_tier", blocks) or ("step", StepInputs).
+# What the core sends: ("kv_cache", blocks), ("host_kv_tier", blocks), ("step", StepInputs), ("sleep", level)
+# or ("wake_up", tags).
 WorkerCommand = tuple[str, object]

@@ -19,6 +19,7 @@ from kvfleet.runtime.errors import (
     EngineNotReadyError,
     EngineOverloadedError,
     EngineShutdownError,
+    EngineSleepingError,
     GrammarTimeoutError,
     InvalidContinuationError,
     InvalidRequestError,
@@ -43,6 +44,8 @@ def from_engine_error(error: EngineError) -> OpenAIError:
         return ServiceUnavailableError(message, code="not_ready")
     if isinstance(error, EngineShutdownError):
         return ServiceUnavailableError(message, code="shutting_down")
+    if isinstance(error, EngineSleepingError):
+        return ServiceUnavailableError(message, code="sleeping")
     if isinstance(error, EngineDeadError):
         return InternalServerError(message, code="engine_dead")
     return InternalServerError(message)
