@@ -27,8 +27,8 @@ if TYPE_CHECKING:
     from servers import ServerProcess
 
 CORE_MODULE = "kvfleet.runtime.engine.core_proc"
-# 128 MiB of KV cache for the tiny model (4 KiB a block): far above what else moves in the core's memory.
-NUM_KV_BLOCKS = 32768
+# 128 MiB of KV cache for the tiny model (8 KiB a block): far above what else moves in the core's memory.
+NUM_KV_BLOCKS = 16384
 SLEEP_STATES = ("awake", "weights_offloaded", "discard_all")
 
 
