@@ -1,10 +1,11 @@
 """vLLM's sleep mode over HTTP (`kvfleet serve --enable-sleep-mode`): /sleep frees the EngineCore's KV cache
 (its resident memory falls by the cache's size), requests meanwhile get 503 `sleeping` with Retry-After,
 /wake_up brings back the same greedy answers; requests in flight end (mode abort) or finish first (mode
-wait); without the flag the routes do not exist."""
+wait); the operator's client drives them; without the flag the routes do not exist."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 import time
@@ -12,9 +13,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import aiohttp
 import httpx
 import pytest
 from fastapi.testclient import TestClient
+from kvfleet.operator.scrape import ScrapeTarget
+from kvfleet.operator.sleepers import RuntimeSleepClient
 from kvfleet.runtime.config import EngineConfig
 from kvfleet.runtime.engine.async_llm import AsyncLLM
 from kvfleet.runtime.metrics import ServerMetrics
@@ -129,6 +133,22 @@ def test_a_request_in_flight_ends_or_finishes_before_the_sleep(
         assert response.status_code == 503 and response.json()["error"]["code"] == "sleeping"
     assert _is_sleeping(server)
     assert _post(server, "/wake_up").status_code == 200
+
+
+def test_the_operators_client_sleeps_and_wakes_a_replica(server: ServerProcess) -> None:
+    host, port = server.url.removeprefix("http://").rsplit(":", 1)
+    target = ScrapeTarget("pod", host, int(port))
+
+    async def calls() -> list[bool]:
+        async with aiohttp.ClientSession() as session:
+            client = RuntimeSleepClient(session)
+            seen = [await client.is_sleeping(target, None)]
+            await client.sleep(target, None)
+            seen.append(await client.is_sleeping(target, None))
+            await client.wake_up(target, None)
+            return [*seen, await client.is_sleeping(target, None)]
+
+    assert asyncio.run(calls()) == [False, True, False]
 
 
 def test_bad_levels_modes_and_tags_are_refused(server: ServerProcess) -> None:
