@@ -372,14 +372,28 @@ class Fleet:
         self.bare_name_namespace = bare_name_namespace
         self.kv_index = kv_index if kv_index is not None else KVBlockIndex()
         self.pools: dict[str, ModelPool] = {}
-        # The base models, as discovery published them.
+        # The base models, as discovery published them, with the replicas woken since among their endpoints.
         self.models: dict[str, ModelConfig] = {}
+        self._discovered: dict[str, ModelConfig] = {}
+        # Replicas woken from sleep, by model: routed until discovery sees them ready (or no longer started).
+        self._woken: dict[str, set[str]] = {}
         # The adapters each replica serves, by URL, as last learnt.
         self._adapters: dict[str, AdapterIds] = {}
         self._replicas: dict[str, Replica] = {}
 
     def update(self, models: Mapping[str, ModelConfig]) -> None:
-        self.models = dict(models)
+        self._discovered = dict(models)
+        self._woken = {
+            name: woken & set(models[name].sleeping_endpoints)
+            for name, woken in self._woken.items()
+            if name in models
+        }
+        self._apply()
+
+    def woke(self, model: str, url: str) -> None:
+        """A sleeping replica of the model answered its wake-up: it is routed at once, before the kubelet's
+        next readiness probe finds it ready."""
+        self._woken.setdefault(model, set()).add(url)
         self._apply()
 
     def update_adapters(self, adapters: Mapping[str, AdapterIds]) -> None:
@@ -444,6 +458,12 @@ class Fleet:
         return holders
 
     def _apply(self) -> None:
+        self.models = {
+            name: dataclasses.replace(config, endpoints=tuple(sorted({*config.endpoints, *woken})))
+            if (woken := self._woken.get(name))
+            else config
+            for name, config in self._discovered.items()
+        }
         models = self.routed_models()
         urls = set(self.replica_urls())
         self._adapters = {url: names for url, names in self._adapters.items() if url in urls}

@@ -92,6 +92,8 @@ if TYPE_CHECKING:
     from multidict import CIMultiDictProxy  # aiohttp's header type
 
 logger = logging.getLogger(__name__)
+# A replica's answers to GET /is_sleeping and POST /wake_up are a few bytes: no more is read.
+_MAX_SLEEP_ANSWER_BYTES = 256
 
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 # Every request body the gateway holds at once, together: 16 bodies of the largest size.
@@ -221,6 +223,8 @@ class Gateway:
         self.trusted_proxies = tuple(trusted_proxies)
         self.tokenizers = ModelTokenizers(tokenizers or {})
         self.session: aiohttp.ClientSession | None = None
+        # The wake-up under way for each model with no ready replica (one at a time).
+        self._waking: dict[str, asyncio.Task[None]] = {}
         self.app = web.Application(client_max_size=max_body_bytes, middlewares=[openai_errors])
         for path in ROUTED_PATHS:
             self.app.router.add_post(path, self.inference)
@@ -395,6 +399,8 @@ class Gateway:
         cached = pool.policy.cached_chars(pool.replicas, prompt) if pool.prefill is not None else {}
         arrived = time.monotonic()
         from_zero = not pool.replicas
+        if from_zero and config.sleeping_endpoints:
+            self._wake_a_sleeper(config, headers)
         tried: list[str] = []
         # Decided with the first decode replica: a retry sends the same body (the same prefill's params).
         decode_body: bytes | None = None
@@ -489,6 +495,45 @@ class Gateway:
             stall=self.upstream_timeouts.stall,
             deadline=deadline,
         )
+
+    def _wake_a_sleeper(self, config: ModelConfig, headers: list[tuple[str, str]]) -> None:
+        """The request waits for a replica of a service that keeps replicas asleep: one is woken meanwhile,
+        so that the request does not wait for the operator to notice it."""
+        if config.name in self._waking:
+            return
+        task = asyncio.create_task(self._wake(config, headers), name=f"kvfleet-gateway-wake {config.name}")
+        self._waking[config.name] = task
+        task.add_done_callback(lambda _: self._waking.pop(config.name, None))
+
+    async def _wake(self, config: ModelConfig, headers: list[tuple[str, str]]) -> None:
+        """Wakes the first replica that says it sleeps (the others not ready are loading); with the request's
+        Authorization, which is the service's key where the replicas are to get it."""
+        session = self.session
+        assert session is not None
+        authorization = [(name, value) for name, value in headers if name.lower() == "authorization"]
+        timeout = aiohttp.ClientTimeout(total=config.hold_seconds)
+
+        async def call(method: str, url: str) -> tuple[int, bytes]:
+            async with session.request(method, url, headers=authorization, timeout=timeout) as answer:
+                return answer.status, await answer.content.read(_MAX_SLEEP_ANSWER_BYTES)
+
+        async def sleeps(url: str) -> bool:
+            status, body = await call("GET", f"{url}/is_sleeping")
+            try:
+                return status == 200 and json.loads(body)["is_sleeping"] is True
+            except (ValueError, KeyError, TypeError):
+                return False
+
+        for url in config.sleeping_endpoints:
+            try:
+                if not await sleeps(url) or (await call("POST", f"{url}/wake_up"))[0] != 200:
+                    continue
+            except (aiohttp.ClientError, TimeoutError) as error:
+                logger.warning("waking %s for %s failed: %s", url, config.name, error)
+                continue
+            logger.info("woke %s for %s", url, config.name)
+            self.fleet.woke(config.name, url)
+            return
 
     async def _resumed_leg(
         self,
