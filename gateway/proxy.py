@@ -92,8 +92,8 @@ if TYPE_CHECKING:
     from multidict import CIMultiDictProxy  # aiohttp's header type
 
 logger = logging.getLogger(__name__)
-# A replica's answers to GET /is_sleeping and POST /wake_up are a few bytes: no more is read.
-_MAX_SLEEP_ANSWER_BYTES = 256
+# A replica's answers to GET /is_sleeping and POST /wake_up, and its error bodies, are small: no more is read.
+_MAX_SMALL_ANSWER_BYTES = 4096
 
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 # Every request body the gateway holds at once, together: 16 bodies of the largest size.
@@ -444,7 +444,12 @@ class Gateway:
             try:
                 self.metrics.upstream_latency.labels(model).observe(time.monotonic() - sent)
                 if upstream.status == 503 and attempt < self.max_attempts:
-                    tried.append(replica.url)
+                    if await _says_it_sleeps(upstream):
+                        # Put to sleep since the kubelet's last probe: woken again for this request.
+                        self.fleet.fell_asleep(model, replica.url)
+                        self._wake_a_sleeper(pool.config, headers)
+                    else:
+                        tried.append(replica.url)
                     self.metrics.retries.labels(model, "unavailable").inc()
                     continue
                 if from_zero:
@@ -515,7 +520,7 @@ class Gateway:
 
         async def call(method: str, url: str) -> tuple[int, bytes]:
             async with session.request(method, url, headers=authorization, timeout=timeout) as answer:
-                return answer.status, await answer.content.read(_MAX_SLEEP_ANSWER_BYTES)
+                return answer.status, await answer.content.read(_MAX_SMALL_ANSWER_BYTES)
 
         async def sleeps(url: str) -> bool:
             status, body = await call("GET", f"{url}/is_sleeping")
@@ -930,6 +935,15 @@ def _presents(headers: Mapping[str, str], key_sha256: bytes) -> bool:
     """Whether the request carries the key as a bearer token."""
     presented = _presented_digest(headers)
     return presented is not None and hmac.compare_digest(presented, key_sha256)
+
+
+async def _says_it_sleeps(upstream: aiohttp.ClientResponse) -> bool:
+    """Whether a replica's 503 is the runtime's `sleeping` (its sleep mode)."""
+    try:
+        body = json.loads(await upstream.content.read(_MAX_SMALL_ANSWER_BYTES))
+        return body["error"]["code"] == "sleeping"
+    except (ValueError, KeyError, TypeError, aiohttp.ClientError):
+        return False
 
 
 def _may_use(headers: Mapping[str, str], config: ModelConfig) -> bool:

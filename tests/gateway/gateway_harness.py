@@ -114,6 +114,9 @@ class FakeReplica:
         body = await request.json()
         self.received.append(body)
         self.headers.append(dict(request.headers))
+        if self.asleep:
+            error = {"message": "asleep", "type": "service_unavailable", "param": None, "code": "sleeping"}
+            return web.json_response({"error": error}, status=503)
         if self.status != 200:
             return web.json_response(
                 {"error": {"message": "busy", "type": "service_unavailable", "param": None, "code": None}},

@@ -1,6 +1,7 @@
 """A service that keeps replicas asleep (spec.scaling.sleepingReplicas): its started replicas that are not
 ready are known to the gateway, and a request that finds no ready replica wakes one that sleeps and goes
-there, before the kubelet's probe would have found it ready."""
+there, before the kubelet's probe would have found it ready; a replica that answers that it sleeps is woken
+for the request too."""
 
 from __future__ import annotations
 
@@ -46,5 +47,21 @@ def test_a_request_with_no_ready_replica_wakes_one_that_sleeps_and_goes_there() 
                 # Once the kubelet finds it ready, it is an endpoint as any other; it stays routed.
                 discovery.publish({"m": model("m", sleepy, sleeping_endpoints=(loading.url,))})
                 assert [r.url for r in gateway.fleet.pools["m"].replicas] == [sleepy.url]
+
+    asyncio.run(scenario())
+
+
+def test_a_replica_put_to_sleep_since_its_last_probe_is_woken_for_the_request_it_refuses() -> None:
+    async def scenario() -> None:
+        # Discovery still has it ready: the kubelet has not probed it since it fell asleep.
+        async with (
+            replicas(FakeReplica("dozing", asleep=True)) as (dozing,),
+            running_gateway({"m": model("m", dozing, hold_seconds=WAIT_S)}) as (gateway, _, url),
+        ):
+            asked = client(url).chat.completions.create(model="m", messages=CHAT)
+            chat = await asyncio.wait_for(asked, WAIT_S)
+            assert chat.choices[0].message.content == "dozing"
+            assert len(dozing.received) == 2 and len(dozing.wake_ups) == 1
+            assert [r.url for r in gateway.fleet.pools["m"].replicas] == [dozing.url]
 
     asyncio.run(scenario())
