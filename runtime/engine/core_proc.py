@@ -167,8 +167,11 @@ class EngineCoreProc:
         except Exception as error:
             self._answer(client, message.call_id, error)
         else:
-            # Answered once asleep: at once, or after the step that finishes the last request.
-            self._sleep_calls.append((client, message.call_id))
+            if self.core.falling_asleep:
+                # Answered after the step that finishes the last request (run), or called off (_wake_up).
+                self._sleep_calls.append((client, message.call_id))
+            else:
+                self._answer(client, message.call_id, None)
 
     def _wake_up(self, client: bytes, message: WakeUp) -> None:
         error: Exception | None = None
