@@ -444,13 +444,7 @@ class Gateway:
             try:
                 self.metrics.upstream_latency.labels(model).observe(time.monotonic() - sent)
                 if upstream.status == 503 and attempt < self.max_attempts:
-                    if await _says_it_sleeps(upstream):
-                        # Put to sleep since the kubelet's last probe: woken again for this request.
-                        self.fleet.fell_asleep(model, replica.url)
-                        self._wake_a_sleeper(pool.config, headers)
-                    else:
-                        tried.append(replica.url)
-                    self.metrics.retries.labels(model, "unavailable").inc()
+                    await self._unavailable(pool, replica.url, upstream, headers, tried)
                     continue
                 if from_zero:
                     self.metrics.activation.labels(model).observe(time.monotonic() - arrived)
@@ -501,10 +495,30 @@ class Gateway:
             deadline=deadline,
         )
 
+    async def _unavailable(
+        self,
+        pool: ModelPool,
+        url: str,
+        upstream: aiohttp.ClientResponse,
+        headers: list[tuple[str, str]],
+        tried: list[str],
+    ) -> None:
+        """A replica answered 503, and the request goes elsewhere: not there again, unless the replica said
+        it sleeps (put to sleep since the kubelet last probed it), when it is woken for the request."""
+        if await _says_it_sleeps(upstream):
+            # An adapter's replicas are its base model's.
+            self.fleet.fell_asleep(pool.config.adapter_of or pool.config.name, url)
+            self._wake_a_sleeper(pool.config, headers)
+        else:
+            tried.append(url)
+        self.metrics.retries.labels(pool.config.name, "unavailable").inc()
+
     def _wake_a_sleeper(self, config: ModelConfig, headers: list[tuple[str, str]]) -> None:
         """The request waits for a replica of a service that keeps replicas asleep: one is woken meanwhile,
         so that the request does not wait for the operator to notice it."""
-        if config.name in self._waking:
+        if config.adapter_of is not None:
+            config = self.fleet.models.get(config.adapter_of, config)
+        if config.name in self._waking or not config.sleeping_endpoints:
             return
         task = asyncio.create_task(self._wake(config, headers), name=f"kvfleet-gateway-wake {config.name}")
         self._waking[config.name] = task
