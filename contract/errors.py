@@ -12,6 +12,9 @@ from typing import Any
 # Seconds a shed or refused client should wait before trying again.
 RETRY_AFTER_OVERLOADED_S = 1
 RETRY_AFTER_UNAVAILABLE_S = 5
+# The code of a replica's 503 while its sleep mode holds it asleep: the fleet gateway wakes it for the
+# request.
+SLEEPING_CODE = "sleeping"
 
 
 class OpenAIError(Exception):

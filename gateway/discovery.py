@@ -75,6 +75,9 @@ class ModelConfig:
     namespace: str = ""
     # The name its replicas serve it under, when it differs from `name`.
     served_name: str = ""
+    # Of a service that keeps replicas asleep (spec.scaling.sleepingReplicas), its started replicas that are
+    # not ready: a request that finds no ready replica wakes one of them (POST /wake_up) and goes there.
+    sleeping_endpoints: tuple[str, ...] = ()
 
     @property
     def upstream_name(self) -> str:

@@ -384,14 +384,43 @@ class Fleet:
         self.bare_name_namespace = bare_name_namespace
         self.kv_index = kv_index if kv_index is not None else KVBlockIndex()
         self.pools: dict[str, ModelPool] = {}
-        # The base models, as discovery published them.
+        # The base models, as discovery published them, with the replicas woken since among their endpoints.
         self.models: dict[str, ModelConfig] = {}
+        self._discovered: dict[str, ModelConfig] = {}
+        # Replicas woken from sleep, by model: routed until discovery sees them ready (or no longer started);
+        # and replicas that answered that they sleep, not routed while discovery still sees them ready.
+        self._woken: dict[str, set[str]] = {}
+        self._asleep: dict[str, set[str]] = {}
         # The adapters each replica serves, by URL, as last learnt.
         self._adapters: dict[str, AdapterIds] = {}
         self._replicas: dict[str, Replica] = {}
 
     def update(self, models: Mapping[str, ModelConfig]) -> None:
-        self.models = dict(models)
+        self._discovered = dict(models)
+        self._woken = {
+            name: woken & set(models[name].sleeping_endpoints)
+            for name, woken in self._woken.items()
+            if name in models
+        }
+        self._asleep = {
+            name: asleep & set(models[name].endpoints)
+            for name, asleep in self._asleep.items()
+            if name in models
+        }
+        self._apply()
+
+    def woke(self, model: str, url: str) -> None:
+        """A sleeping replica of the model answered its wake-up: it is routed at once, before the kubelet's
+        next readiness probe finds it ready."""
+        self._woken.setdefault(model, set()).add(url)
+        self._asleep.get(model, set()).discard(url)
+        self._apply()
+
+    def fell_asleep(self, model: str, url: str) -> None:
+        """A replica of the model answered that it sleeps (put to sleep since the kubelet's last probe): it
+        is a sleeping replica, to wake, no longer an endpoint."""
+        self._asleep.setdefault(model, set()).add(url)
+        self._woken.get(model, set()).discard(url)
         self._apply()
 
     def update_adapters(self, adapters: Mapping[str, AdapterIds]) -> None:
@@ -456,6 +485,7 @@ class Fleet:
         return holders
 
     def _apply(self) -> None:
+        self.models = {name: self._awake(config) for name, config in self._discovered.items()}
         models = self.routed_models()
         urls = set(self.replica_urls())
         self._adapters = {url: names for url, names in self._adapters.items() if url in urls}
@@ -478,6 +508,17 @@ class Fleet:
         for url, replica in self._replicas.items():
             served = self._adapters.get(url, {})
             replica.lora_int_ids = {name: id_ for name, id_ in served.items() if id_ is not None}
+
+    def _awake(self, config: ModelConfig) -> ModelConfig:
+        """The model as discovered, with what its replicas said of their sleep since."""
+        woken, asleep = self._woken.get(config.name, set()), self._asleep.get(config.name, set())
+        if not woken and not asleep:
+            return config
+        return dataclasses.replace(
+            config,
+            endpoints=tuple(sorted({*config.endpoints, *woken} - asleep)),
+            sleeping_endpoints=tuple(sorted({*config.sleeping_endpoints, *asleep} - woken)),
+        )
 
     def _replica(self, url: str) -> Replica:
         replica = self._replicas.get(url)

@@ -65,16 +65,19 @@ def model_configs(
     # replicas as the replicas of any other service.
     endpoints: dict[ObjectKey, list[str]] = {}
     prefill_endpoints: dict[ObjectKey, list[str]] = {}
+    not_ready: dict[ObjectKey, list[str]] = {}
     for pod in pods:
         meta = pod.get("metadata") or {}
         labels = meta.get("labels") or {}
         service = labels.get(SERVICE_LABEL)
-        url = _ready_url(pod)
+        url = _url(pod)
         role = labels.get(ROLE_LABEL)
         # Of a group spanning nodes, only rank 0 serves the API.
         if service is None or url is None or not serves_api(labels) or role not in (None, *ROLES):
             continue
         by_role = prefill_endpoints if role == "prefill" else endpoints
+        if not _is_ready(pod):
+            by_role = not_ready  # loading, or asleep
         by_role.setdefault((meta.get("namespace", ""), service), []).append(url)
     models: dict[str, ModelConfig] = {}
     owners: dict[str, str] = {}
@@ -99,6 +102,7 @@ def model_configs(
         owners[routed] = name
         routing, scaling = spec.routing, spec.scaling
         secret = spec.engine.api_key_secret
+        sleepers = not_ready.get(key, ()) if scaling.sleeping_replicas else ()
         models[routed] = dataclasses.replace(
             defaults,
             name=routed,
@@ -118,6 +122,7 @@ def model_configs(
             client_key=_client_key(namespace, secret, keys or {}),
             # Checked equal to the service's own key before it goes on; a service with none needs none.
             forward_authorization=secret is not None,
+            sleeping_endpoints=tuple(sorted(set(sleepers))),
         )
     return models
 
@@ -144,15 +149,17 @@ def _meta(obj: Mapping[str, Any]) -> Mapping[str, Any]:
     return obj.get("metadata") or {}
 
 
-def _ready_url(pod: Mapping[str, Any]) -> str | None:
-    """The replica's base URL while it is Ready and not terminating; None otherwise."""
-    status = pod.get("status") or {}
-    ready = any(
+def _is_ready(pod: Mapping[str, Any]) -> bool:
+    return any(
         condition.get("type") == "Ready" and condition.get("status") == "True"
-        for condition in status.get("conditions") or []
+        for condition in (pod.get("status") or {}).get("conditions") or []
     )
-    address = status.get("podIP")
-    if not ready or not address or (pod.get("metadata") or {}).get("deletionTimestamp"):
+
+
+def _url(pod: Mapping[str, Any]) -> str | None:
+    """The replica's base URL while it has an address and is not terminating; None otherwise."""
+    address = (pod.get("status") or {}).get("podIP")
+    if not address or (pod.get("metadata") or {}).get("deletionTimestamp"):
         return None
     ports = [
         port.get("containerPort")

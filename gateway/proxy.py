@@ -56,6 +56,7 @@ import aiohttp
 from aiohttp import web
 from kvfleet.contract.errors import (
     INVALID_API_KEY_MESSAGE,
+    SLEEPING_CODE,
     AuthenticationError,
     BadRequestError,
     GatewayTimeoutError,
@@ -96,6 +97,8 @@ if TYPE_CHECKING:
     from multidict import CIMultiDictProxy  # aiohttp's header type
 
 logger = logging.getLogger(__name__)
+# A replica's answers to GET /is_sleeping and POST /wake_up, and its error bodies, are small: no more is read.
+_MAX_SMALL_ANSWER_BYTES = 4096
 
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 # Every request body the gateway holds at once, together: 16 bodies of the largest size.
@@ -225,6 +228,8 @@ class Gateway:
         self.trusted_proxies = tuple(trusted_proxies)
         self.tokenizers = ModelTokenizers(tokenizers or {})
         self.session: aiohttp.ClientSession | None = None
+        # The wake-up under way for each model with no ready replica (one at a time).
+        self._waking: dict[str, asyncio.Task[None]] = {}
         self.app = web.Application(client_max_size=max_body_bytes, middlewares=[openai_errors])
         for path in ROUTED_PATHS:
             self.app.router.add_post(path, self.inference)
@@ -399,6 +404,8 @@ class Gateway:
         cached = pool.policy.cached_chars(pool.replicas, prompt) if pool.prefill is not None else {}
         arrived = time.monotonic()
         from_zero = not pool.replicas
+        if from_zero and config.sleeping_endpoints:
+            self._wake_a_sleeper(config, headers)
         tried: list[str] = []
         # Decided with the first decode replica: a retry sends the same body (the same prefill's params).
         decode_body: bytes | None = None
@@ -442,9 +449,13 @@ class Gateway:
             try:
                 self.metrics.upstream_latency.labels(model).observe(time.monotonic() - sent)
                 if upstream.status == 503:
-                    answer, draining = await self._refused(upstream, replica, deadline)
+                    answer, refusal = await self._refused(upstream, replica, deadline)
+                    draining = refusal == DRAINING_CODE
                     if draining or failures + 1 < self.max_attempts:
-                        self._retrying(model, replica, tried, "draining" if draining else "unavailable")
+                        if refusal == SLEEPING_CODE:
+                            self._fell_asleep(pool, replica, headers)
+                        else:
+                            self._retrying(model, replica, tried, "draining" if draining else "unavailable")
                         failures += not draining
                         continue
                     return web.Response(status=503, body=answer, headers=_end_to_end(upstream.headers))
@@ -469,19 +480,18 @@ class Gateway:
 
     async def _refused(
         self, upstream: aiohttp.ClientResponse, replica: Replica, deadline: float
-    ) -> tuple[bytes, bool]:
+    ) -> tuple[bytes, str | None]:
         """A replica's 503 answer (a small JSON object, read within the idle timeout; empty when it is longer
-        than any error answer or does not arrive), and whether it says that the replica is draining, which
-        marks the replica so."""
+        than any error answer or does not arrive) and its error code; a draining replica is marked so."""
         loop = asyncio.get_running_loop()
         answer = b""
         with contextlib.suppress(aiohttp.ClientError, TimeoutError):
             async with asyncio.timeout_at(min(loop.time() + self.upstream_timeouts.idle, deadline)):
                 answer = await _read_at_most(upstream, MAX_ERROR_ANSWER_BYTES)
-        draining = _refused_draining(answer)
-        if draining:
+        refusal = _error_code(answer)
+        if refusal == DRAINING_CODE:
             replica.drains()
-        return answer, draining
+        return answer, refusal
 
     def _generation(
         self,
@@ -518,6 +528,55 @@ class Gateway:
             deadline=deadline,
         )
 
+    def _fell_asleep(self, pool: ModelPool, replica: Replica, headers: list[tuple[str, str]]) -> None:
+        """A replica answered 503 sleeping (put to sleep since the kubelet last probed it): it is woken for
+        the request, which may go there again."""
+        # An adapter's replicas are its base model's.
+        self.fleet.fell_asleep(pool.config.adapter_of or pool.config.name, replica.url)
+        self._wake_a_sleeper(pool.config, headers)
+        self.metrics.retries.labels(pool.config.name, "sleeping").inc()
+
+    def _wake_a_sleeper(self, config: ModelConfig, headers: list[tuple[str, str]]) -> None:
+        """The request waits for a replica of a service that keeps replicas asleep: one is woken meanwhile,
+        so that the request does not wait for the operator to notice it."""
+        if config.adapter_of is not None:
+            config = self.fleet.models.get(config.adapter_of, config)
+        if config.name in self._waking or not config.sleeping_endpoints:
+            return
+        task = asyncio.create_task(self._wake(config, headers), name=f"kvfleet-gateway-wake {config.name}")
+        self._waking[config.name] = task
+        task.add_done_callback(lambda _: self._waking.pop(config.name, None))
+
+    async def _wake(self, config: ModelConfig, headers: list[tuple[str, str]]) -> None:
+        """Wakes the first replica that says it sleeps (the others not ready are loading); with the request's
+        Authorization, which is the service's key where the replicas are to get it."""
+        session = self.session
+        assert session is not None
+        authorization = [(name, value) for name, value in headers if name.lower() == "authorization"]
+        timeout = aiohttp.ClientTimeout(total=config.hold_seconds)
+
+        async def call(method: str, url: str) -> tuple[int, bytes]:
+            async with session.request(method, url, headers=authorization, timeout=timeout) as answer:
+                return answer.status, await answer.content.read(_MAX_SMALL_ANSWER_BYTES)
+
+        async def sleeps(url: str) -> bool:
+            status, body = await call("GET", f"{url}/is_sleeping")
+            try:
+                return status == 200 and json.loads(body)["is_sleeping"] is True
+            except (ValueError, KeyError, TypeError):
+                return False
+
+        for url in config.sleeping_endpoints:
+            try:
+                if not await sleeps(url) or (await call("POST", f"{url}/wake_up"))[0] != 200:
+                    continue
+            except (aiohttp.ClientError, TimeoutError) as error:
+                logger.warning("waking %s for %s failed: %s", url, config.name, error)
+                continue
+            logger.info("woke %s for %s", url, config.name)
+            self.fleet.woke(config.name, url)
+            return
+
     async def _resumed_leg(
         self,
         path: str,
@@ -551,7 +610,10 @@ class Gateway:
         if upstream.status == 200 and _is_event_stream(upstream):
             return leg
         try:
-            if upstream.status == 503 and (await self._refused(upstream, replica, deadline))[1]:
+            refusal = (
+                (await self._refused(upstream, replica, deadline))[1] if upstream.status == 503 else None
+            )
+            if refusal == DRAINING_CODE:
                 raise LegUnavailable(replica.url, "draining", draining=True)
             if upstream.status >= 500 or upstream.status == 200:
                 raise LegUnavailable(replica.url, f"answered {upstream.status}")
@@ -657,7 +719,7 @@ class Gateway:
         finally:
             prefill.release(replica, priority)
             self.metrics.pd.prefill_duration.labels(config.name).observe(time.monotonic() - started)
-        if status == 503 and _refused_draining(content):
+        if status == 503 and _error_code(content) == DRAINING_CODE:
             replica.drains()
         return _prefill_answer(replica.url, status, answer_headers, content)
 
@@ -724,12 +786,13 @@ def _for_replicas(
     return payload, _renamed_for_replicas(config, routed, body)
 
 
-def _refused_draining(answer: bytes) -> bool:
-    """Whether a replica's 503 answer says it is draining: it took nothing of the request on."""
+def _error_code(answer: bytes) -> str | None:
+    """The `code` of a replica's error answer, if it is one."""
     try:
-        return json.loads(answer)["error"]["code"] == DRAINING_CODE
+        code = json.loads(answer)["error"]["code"]
     except (ValueError, KeyError, TypeError):
-        return False
+        return None
+    return code if isinstance(code, str) else None
 
 
 def _is_event_stream(upstream: aiohttp.ClientResponse) -> bool:

@@ -47,6 +47,7 @@ from kvfleet.operator.render_pod import adapter_source
 from kvfleet.operator.safety import GUARD_UNAVAILABLE_REASON, GuardState, check_loosening, guard_service
 from kvfleet.operator.scrape import ScrapeFailure, ScrapeTarget
 from kvfleet.operator.secret_refs import check_labelled, secret_references, unreadable
+from kvfleet.operator.sleepers import Sleepers
 from kvfleet.operator.spec import (
     InferenceServiceSpec,
     SpecError,
@@ -180,6 +181,8 @@ class ServiceController:
     gateway_queue: GatewayQueue = _no_gateway
     guard_state: GuardStateOf = _guard_unknown
     name_owner: NameOwnerOf = _no_claimant_known
+    # Puts replicas to sleep and wakes them (spec.scaling.sleepingReplicas); None: never asked to.
+    sleepers: Sleepers | None = None
     clock: Callable[[], float] = time.monotonic
     wall_clock: Callable[[], datetime.datetime] = _utc_now
 
@@ -314,8 +317,9 @@ class ServiceController:
             self._size_colocated(spec, deployment, previous_status)
             if spec.scaling.autoscaling:
                 await self._autoscale(spec, observed.pods)
-            drifted = deployment is None or deployment.replicas != self.desired
-            return _Sized(self.desired or 0, deployment, drifted, new=deployment is None)
+            started = spec.scaling.started(self.desired or 0)
+            drifted = deployment is None or deployment.replicas != started
+            return _Sized(started, deployment, drifted, new=deployment is None)
         self.desired = None
         self._size_roles(spec, observed, previous_status)
         await self._autoscale_roles(spec, observed.pods)
@@ -334,6 +338,8 @@ class ServiceController:
     ) -> None:
         if self.desired is None:
             known = deployment.replicas if deployment else previous_status.get("desiredReplicas")
+            if spec.scaling.sleeping_replicas and isinstance(previous_status.get("desiredReplicas"), int):
+                known = previous_status["desiredReplicas"]  # the workload runs the sleepers as well
             # A new service starts with a replica even when it may scale to zero: it proves the model loads.
             initial = known if isinstance(known, int) else max(spec.scaling.min_replicas, 1)
             self.desired = spec.scaling.clamp(initial)
@@ -377,6 +383,31 @@ class ServiceController:
         self.autoscaler_state, self.panic = decision.state, decision.panic
         self.unreachable = decision.unreachable
         self.desired = self._scaled(self.desired, decision)
+        if scaling.sleeping_replicas:
+            await self._keep_sleepers(spec, pods, by_pod, held)
+
+    async def _keep_sleepers(
+        self,
+        spec: InferenceServiceSpec,
+        pods: list[PodView],
+        reports: Mapping[PodView, PodMetrics | None],
+        held: float | None,
+    ) -> None:
+        """Wakes sleepers while fewer replicas are awake than wanted, puts idle ones to sleep while more."""
+        if self.sleepers is None:
+            return
+        try:
+            api_key = await self._read_api_key(spec.engine.api_key_secret)
+        except KubeError:
+            return  # the Secret could not be read: the next pass tries again
+        assert self.desired is not None
+        done = await self.sleepers.keep(self.desired, pods, reports, held, api_key)
+        for pod in done.woken:
+            self.events("Normal", "ReplicaWoken", f"Woke {pod} from sleep: {self.desired} wanted awake")
+        for pod in done.slept:
+            self.events("Normal", "ReplicaAsleep", f"Put {pod} to sleep: {self.desired} wanted awake")
+        if done.problems:
+            logger.warning("%s/%s: %s", self.owner.namespace, self.owner.name, "; ".join(done.problems))
 
     async def _autoscale_roles(self, spec: InferenceServiceSpec, pods: list[PodView]) -> None:
         """Scales each autoscaled role on its own figures. While no prefill replica is ready, the decode

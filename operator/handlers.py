@@ -47,6 +47,7 @@ from kvfleet.operator.observed import (
 from kvfleet.operator.render import Owner
 from kvfleet.operator.safety import GuardState
 from kvfleet.operator.scrape import FleetScraper, GatewayQueues, ScrapeTarget
+from kvfleet.operator.sleepers import RuntimeSleepClient, Sleepers
 from kvfleet.operator.spec import SpecError, parse_spec
 
 MANAGED = {LABEL_MANAGED_BY: MANAGED_BY, SERVICE_LABEL: kopf.PRESENT}
@@ -250,6 +251,7 @@ async def fleet_loop(
         metrics=context.metrics,
         options=lambda: context.render_options,
         adapter_sync=AdapterSync(RuntimeAdapterClient(context.session)),
+        sleepers=Sleepers(RuntimeSleepClient(context.session)),
         gateway_queue=indexed.gateway_queue,
         guard_state=indexed.guard_state,
         name_owner=indexed.name_owner,

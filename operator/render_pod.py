@@ -183,6 +183,8 @@ def runtime_args(
     if engine.pipeline_parallel_size > 1:
         args += ["--pipeline-parallel-size", str(engine.pipeline_parallel_size)]
     args += ["--default-priority", tier.name, "--drain-timeout", str(engine.drain_timeout_seconds)]
+    if spec.scaling.sleeping_replicas:
+        args.append("--enable-sleep-mode")
     args += _flags([("--max-waiting-requests", engine.max_waiting_requests)])
     if spec.batch is not None:
         args += ["--batch-store", BATCH_STORE]

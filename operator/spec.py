@@ -456,6 +456,14 @@ class ScalingSpec:
         minimum=0,
         maximum=86400,
     )
+    sleeping_replicas: int = prop(
+        "Replicas kept started but asleep (the runtime's sleep mode: KV cache freed, weights kept in host "
+        "memory) instead of deleted while the autoscaler wants fewer awake, down to zero: one wakes in about "
+        "a second where a new replica loads for a minute. Asleep, a replica is not Ready.",
+        0,
+        minimum=0,
+        maximum=1000,
+    )
     # How long the gateway holds a request for a service with no ready replica; None: the gateway's default.
     activation_timeout_seconds: int | None = prop(
         "How long the gateway holds a request while no replica is ready (scaled to zero or starting) before "
@@ -479,6 +487,10 @@ class ScalingSpec:
         if self.replicas is not None:
             return self.replicas
         return max(self.min_replicas, min(self.max_replicas, replicas))
+
+    def started(self, awake: int) -> int:
+        """The replicas the workload runs for `awake` wanted awake: the sleeping ones are kept beside them."""
+        return max(awake, self.sleeping_replicas)
 
 
 DEFAULT_PERCENTILE = 90
@@ -851,6 +863,8 @@ def parse_spec(spec: Mapping[str, Any], *, name: str) -> InferenceServiceSpec:
     resources = _parse_resources(root.section("resources"), engine)
     if resources.nodes > 1:
         _check_group_names(name, scaling)
+    if scaling.sleeping_replicas:
+        _check_sleeping_replicas(root, scaling, resources)
     return InferenceServiceSpec(
         model=model,
         engine=engine,
@@ -879,6 +893,19 @@ def group_name(service: str, backend: GroupBackend, index: int) -> str:
     """A replica group's name: its StatefulSet, or the LeaderWorkerSet's worker StatefulSet of the group."""
     prefix = service if backend == "statefulset" else rendezvous_name(service)
     return f"{prefix}-{index}"
+
+
+def _check_sleeping_replicas(root: _Section, scaling: ScalingSpec, resources: ResourcesSpec) -> None:
+    """Sleeping replicas are kept beside the autoscaler's awake ones, of a service of whole-pod replicas."""
+    if scaling.replicas is not None:
+        problem = "needs the autoscaler (scaling.replicas unset): with a fixed count none would ever sleep"
+    elif scaling.sleeping_replicas > scaling.max_replicas:
+        problem = f"must not exceed scaling.maxReplicas ({scaling.max_replicas})"
+    elif resources.nodes > 1 or root.raw.get("disaggregation") is not None:
+        problem = "applies to replicas of one pod, not to groups over several nodes or disaggregated roles"
+    else:
+        return
+    raise SpecError("InvalidSpec", f"spec.scaling.sleepingReplicas {problem}")
 
 
 def _check_group_names(name: str, scaling: ScalingSpec) -> None:
@@ -1033,6 +1060,7 @@ def _parse_scaling(section: _Section) -> ScalingSpec:
         scale_to_zero_after_seconds=integer(
             "scaleToZeroAfterSeconds", defaults.scale_to_zero_after_seconds, 0
         ),
+        sleeping_replicas=integer("sleepingReplicas", defaults.sleeping_replicas, 0),
         activation_timeout_seconds=section.integer("activationTimeoutSeconds", minimum=1),
         group_backend=cast(
             GroupBackend, section.choice("groupBackend", GROUP_BACKENDS, defaults.group_backend)

@@ -84,6 +84,12 @@ class EngineConfig:
     enable_prefix_caching: bool = _option("Reuse KV blocks of shared prompt prefixes.", default=True)
     enable_chunked_prefill: bool = _option("Split long prompts across steps within the budget.", default=True)
     scheduling_policy: SchedulingPolicy = _option("fcfs, or priority (lower value first).", default="fcfs")
+    enable_sleep_mode: bool = _option(
+        "vLLM's sleep mode: the engine can free its KV cache (sleep level 1; the weights stay in host "
+        "memory) or its weights too (level 2) while idle, and take them back on wake-up (POST /sleep, "
+        "/wake_up).",
+        default=False,
+    )
     attention_backend: str | None = _option(
         "Attention backend by name; by default the fastest supported one is chosen.", default=None
     )
@@ -227,6 +233,7 @@ class EngineConfig:
         if speculative is not None and speculative.method == "draft_model":
             speculative.check_draft_tokenizer(self.tokenizer or self.model)
         self._check_kv_transfer()
+        self._check_sleep_mode()
         self.kv_events()  # raises ValueError naming what is wrong
         limits = self.limit_mm_per_prompt or {}
         for modality, limit in limits.items():
@@ -279,6 +286,17 @@ class EngineConfig:
                 "kv_transfer_config needs tensor_parallel_size = pipeline_parallel_size = 1 (KV blocks move "
                 "between single-rank replicas)"
             )
+
+    def _check_sleep_mode(self) -> None:
+        """Sleep mode frees the memory of the model runners alone: not what a KV connector or a draft model
+        holds."""
+        if not self.enable_sleep_mode:
+            return
+        if self.kv_transfer_config is not None:
+            raise ValueError("enable_sleep_mode cannot be combined with kv_transfer_config")
+        speculative = self.speculative()
+        if speculative is not None and speculative.method == "draft_model":
+            raise ValueError("enable_sleep_mode cannot be combined with a draft model")
 
     @property
     def world_size(self) -> int:

@@ -62,6 +62,12 @@ class EngineShutdownError(EngineError):
     kind = "shutdown"
 
 
+class EngineSleepingError(EngineError):
+    """The engine is asleep (sleep mode), or falling asleep: nothing runs until it is woken up."""
+
+    kind = "sleeping"
+
+
 class EngineDeadError(EngineError):
     """The engine core process has died or could not start; nothing more can be served."""
 
@@ -80,6 +86,7 @@ _BY_KIND: dict[str, type[EngineError]] = {
         RequestFailedError,
         EngineNotReadyError,
         EngineShutdownError,
+        EngineSleepingError,
         EngineDeadError,
     )
 }

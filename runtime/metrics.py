@@ -66,6 +66,9 @@ _REQUEST_BUCKETS = (
 )  # fmt: skip
 _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000, 200000)
 
+# vLLM's sleep_state label values, by sleep level (0: awake).
+_SLEEP_STATES = ("awake", "weights_offloaded", "discard_all")
+
 # Most urgent first: the reason a multi-sequence request is counted under.
 _FINISH_REASON_ORDER = ("error", "timeout", "abort", "length", "stop")
 
@@ -561,6 +564,19 @@ class _EngineStatsCollector(Collector):
             yield from self._families(series, stats)
         yield from self._kv_transfer_families(stats)
         yield from self._moe_families(stats)
+        yield from self._sleep_families(stats)
+
+    def _sleep_families(self, stats: SchedulerStats) -> Iterator[Metric]:
+        for prefix in (KVFLEET_PREFIX, VLLM_PREFIX):
+            family = GaugeMetricFamily(
+                prefix + "engine_sleep_state",
+                "Sleep mode: 1 for the engine's state (awake; weights_offloaded: asleep at level 1, the KV "
+                "cache freed; discard_all: level 2, the weights dropped too), 0 for the others.",
+                labels=["model_name", "sleep_state"],
+            )
+            for level, state in enumerate(_SLEEP_STATES):
+                family.add_metric([self._model_name, state], float(stats.sleep_level == level))
+            yield family
 
     def _kv_transfer_families(self, stats: SchedulerStats) -> Iterator[Metric]:
         """Fallbacks of disaggregated decode by reason; and vLLM's NixlConnector names for the pulls, as

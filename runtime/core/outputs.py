@@ -155,3 +155,6 @@ class SchedulerStats:
     num_queued_prompt_tokens: int = 0
     # Mixture-of-experts models, filled in by the engine core: the load of each sparse layer's experts.
     moe_layer_load: list[MoeLayerLoad] = field(default_factory=list)
+    # vLLM's sleep mode, filled in by the engine core: 0 awake; 1 the KV cache freed, the weights kept in host
+    # memory; 2 the weights dropped too. Stays above 0 until the wake-up has taken everything back.
+    sleep_level: int = 0

@@ -298,6 +298,25 @@ class AsyncLLM:
         if self._client is not None:
             self._client.reset_prefix_cache()
 
+    # ---- sleep mode (vLLM's; see EngineCore.sleep) ---------------------------------------------------
+
+    async def sleep(self, level: int, mode: str) -> None:
+        """Returns once the engine is asleep; raises the EngineError that kept it from sleeping."""
+        await self.wait_ready(self.startup_request_timeout)
+        assert self._client is not None
+        await self._client.sleep(level, mode)
+
+    async def wake_up(self, tags: list[str] | None) -> None:
+        """Returns once the parts named (all of them by default) are taken back."""
+        await self.wait_ready(self.startup_request_timeout)
+        assert self._client is not None
+        await self._client.wake_up(tags)
+
+    @property
+    def is_sleeping(self) -> bool:
+        """The engine sleeps, or still has a part asleep (a wake-up of some tags only)."""
+        return self._stats is not None and self._stats.sleep_level > 0
+
     def abort_all(self, make_error: Callable[[], BaseException]) -> None:
         for request_id in list(self._streams):
             self.abort(request_id, make_error())

@@ -37,6 +37,7 @@ from kvfleet.runtime.engine.grammar_compiler import GrammarCompiler
 from kvfleet.runtime.engine.messages import AddRequest, EngineCoreOutputs, EngineInfo, RequestError
 from kvfleet.runtime.errors import (
     EngineOverloadedError,
+    EngineSleepingError,
     InvalidRequestError,
     RequestFailedError,
     RequestShedError,
@@ -59,6 +60,11 @@ GiB = 1 << 30
 _DEFAULT_CHUNKED_TOKEN_BUDGET = 2048
 # With nothing to run but KV loads under way, a step waits this long for one to end instead of spinning.
 _KV_LOAD_WAIT_S = 0.01
+# vLLM's sleep mode: its levels, what happens to the requests in the engine when it is put to sleep (ended,
+# or let finish first), and what a wake-up takes back.
+SLEEP_LEVELS = (1, 2)
+SLEEP_MODES = ("abort", "wait")
+SLEEP_TAGS = ("weights", "kv_cache")
 
 
 class EngineCore:
@@ -132,6 +138,11 @@ class EngineCore:
             )
         )
         self._arrival_handlers = self._make_arrival_handlers()
+        # Sleep mode: the level the engine sleeps at (0: awake), the level it falls asleep at once the
+        # requests in it finish, and what a wake-up has still to take back.
+        self.sleep_level = 0
+        self._falling_asleep: int | None = None
+        self._asleep: set[str] = set()
         # Last: its sockets and thread are the only part of the core that outlives a failed start.
         self.kv_event_publisher = make_event_publisher(kv_events_config)
         self.num_steps = 0
@@ -278,6 +289,9 @@ class EngineCore:
     def add_request(self, add: AddRequest) -> None:
         """Admit a sequence, or answer it with a RequestError in the next step's outputs."""
         request = None
+        if self.sleep_level or self.falling_asleep:
+            self._refuse(add.request_id, None, EngineSleepingError.kind, "the engine sleeps until woken up")
+            return
         try:
             self.validate_prompt(add.prompt_token_ids, add.sampling_params.stop_token_ids or [])
             if add.cache_salt is not None:
@@ -338,6 +352,66 @@ class EngineCore:
         """Drop an unloaded adapter's weights and zero its slot, once the requests running with it end."""
         self.lora_adapters.remove(lora_int_id)
 
+    # ---- sleep mode (vLLM's) ----------------------------------------------------------------------
+
+    @property
+    def falling_asleep(self) -> bool:
+        """A sleep waits for the requests in the engine to finish."""
+        return self._falling_asleep is not None
+
+    def sleep(self, level: int, mode: str = "abort") -> None:
+        """Free the KV cache (level 1; the weights stay in host memory) or the weights too (level 2), and
+        forget the prefix cache, whose blocks are gone. Mode abort ends the requests in the engine with
+        EngineSleepingError first; mode wait lets them finish, and the engine falls asleep after them
+        (`sleep_level` says when). Requests that arrive meanwhile, and while asleep, are refused with
+        EngineSleepingError."""
+        self._check_sleep(level, mode)
+        if mode == "abort":
+            request_ids = list(self.scheduler.requests)
+            self.abort_requests(request_ids)
+            message = "the engine was put to sleep while this request ran"
+            self._errors += [RequestError(i, EngineSleepingError.kind, message) for i in request_ids]
+        self._falling_asleep = max(level, self._falling_asleep or 0)
+        self._fall_asleep_when_idle()
+
+    def _check_sleep(self, level: int, mode: str) -> None:
+        if not self.config.enable_sleep_mode:
+            raise InvalidRequestError("sleep mode is off: the engine was not started with enable_sleep_mode")
+        if level not in SLEEP_LEVELS:
+            raise InvalidRequestError(f"the sleep level must be 1 or 2, not {level}")
+        if mode not in SLEEP_MODES:
+            raise InvalidRequestError(f"the sleep mode must be one of {', '.join(SLEEP_MODES)}, not {mode!r}")
+        if level == 2 and self.config.enable_lora:
+            raise InvalidRequestError("sleep level 2 would drop the weights LoRA adapters apply to: use 1")
+
+    def _fall_asleep_when_idle(self) -> None:
+        if self._falling_asleep is None or self.scheduler.has_unfinished_requests():
+            return
+        level = max(self._falling_asleep, self.sleep_level)
+        self._falling_asleep = None
+        if level == self.sleep_level and self._asleep == set(SLEEP_TAGS):
+            return  # asleep so already
+        self.scheduler.reset_prefix_cache()
+        self._publish_kv_events()
+        self.executor.sleep(level)
+        self.sleep_level = level
+        self._asleep = set(SLEEP_TAGS)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Take back what sleep freed: the parts named ("weights", "kv_cache"), or all of them; the weights
+        dropped at level 2 are read again from the model folder. A sleep waiting for requests to finish is
+        called off. The engine serves again once nothing is left asleep."""
+        unknown = sorted(set(tags or ()) - set(SLEEP_TAGS))
+        if unknown:
+            raise InvalidRequestError(f"unknown wake-up tags {unknown}: the tags are {', '.join(SLEEP_TAGS)}")
+        self._falling_asleep = None
+        waking = [tag for tag in SLEEP_TAGS if tag in self._asleep and (tags is None or tag in tags)]
+        if waking:
+            self.executor.wake_up(waking)
+            self._asleep -= set(waking)
+        if not self._asleep:
+            self.sleep_level = 0
+
     def _shed(self, request_id: str) -> None:
         """Finish a waiting request to make room for one of a higher tier."""
         self.abort_requests([request_id])
@@ -362,6 +436,7 @@ class EngineCore:
         stats.kv_events_published = publisher.events_published
         stats.kv_event_batches_dropped = publisher.batches_dropped
         stats.kv_event_batches_replayed = publisher.batches_replayed
+        stats.sleep_level = self.sleep_level
         return stats
 
     def has_unfinished_requests(self) -> bool:
@@ -397,6 +472,7 @@ class EngineCore:
             if output.finish_reason is not None:
                 self._unstarted.pop(output.request_id, None)
         self.num_steps += 1
+        self._fall_asleep_when_idle()
         self._publish_kv_events()
         return EngineCoreOutputs(
             stats=self.stats, outputs=outputs, errors=errors, started=started, step_time=step_time

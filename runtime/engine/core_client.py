@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import os
 import shutil
@@ -31,10 +32,13 @@ from kvfleet.runtime.engine.messages import (
     Ready,
     RemoveLoRA,
     ResetPrefixCache,
+    Sleep,
     ToCore,
+    UtilityDone,
+    WakeUp,
     from_core_decoder,
 )
-from kvfleet.runtime.errors import EngineDeadError
+from kvfleet.runtime.errors import EngineDeadError, error_of_kind
 
 if TYPE_CHECKING:
     from kvfleet.runtime.engine.core import EngineCore
@@ -131,6 +135,9 @@ class EngineCoreClient:
         # Set when the core's process has exited.
         self._exited: asyncio.Future[None] | None = None
         self.dead: EngineDeadError | None = None
+        # Sleep and wake-up calls waiting for the core's answer, by call id.
+        self._calls: dict[int, asyncio.Future[None]] = {}
+        self._call_ids = itertools.count()
 
     async def connect(self) -> Ready:
         """Say hello and wait for the core to be ready; raises EngineDeadError if it fails or dies first."""
@@ -159,6 +166,9 @@ class EngineCoreClient:
         error = EngineDeadError(f"the engine core process (pid {self.address.pid}) {what}")
         if self.dead is None:
             self.dead = error
+            for call in self._calls.values():
+                if not call.done():
+                    call.set_exception(error)
             self._on_dead(error)
         return self.dead
 
@@ -179,6 +189,8 @@ class EngineCoreClient:
                 message = self._decoder.decode(payload.buffer)
                 if isinstance(message, EngineCoreOutputs):
                     self._on_outputs(message)
+                elif isinstance(message, UtilityDone):
+                    self._on_utility_done(message)
         except asyncio.CancelledError:
             raise
         except Exception as exc:
@@ -199,6 +211,34 @@ class EngineCoreClient:
 
     def reset_prefix_cache(self) -> None:
         self._send(ResetPrefixCache())
+
+    async def sleep(self, level: int, mode: str) -> None:
+        await self._call(lambda call_id: Sleep(call_id, level, mode))
+
+    async def wake_up(self, tags: list[str] | None) -> None:
+        await self._call(lambda call_id: WakeUp(call_id, tags))
+
+    async def _call(self, message: Callable[[int], Sleep | WakeUp]) -> None:
+        """Send a call and wait for the core's answer; raises the EngineError the call failed with."""
+        if self.dead is not None:
+            raise self.dead
+        call_id = next(self._call_ids)
+        answer = asyncio.get_running_loop().create_future()
+        self._calls[call_id] = answer
+        try:
+            self._send(message(call_id))
+            await answer
+        finally:
+            del self._calls[call_id]
+
+    def _on_utility_done(self, done: UtilityDone) -> None:
+        answer = self._calls.get(done.call_id)
+        if answer is None or answer.done():
+            return
+        if done.error_kind is None:
+            answer.set_result(None)
+        else:
+            answer.set_exception(error_of_kind(done.error_kind, done.message))
 
     def _send(self, message: ToCore) -> None:
         # With no high-water mark a send never waits, so it completes here, in call order.

@@ -30,8 +30,12 @@ from kvfleet.runtime.engine.messages import (
     Ready,
     RemoveLoRA,
     ResetPrefixCache,
+    Sleep,
+    UtilityDone,
+    WakeUp,
     to_core_decoder,
 )
+from kvfleet.runtime.errors import EngineError, InvalidRequestError
 from kvfleet.runtime.executor.executor import WorkerFailedError
 from kvfleet.runtime.startup_phases import STARTUP_PHASES, process_age
 
@@ -104,6 +108,8 @@ class EngineCoreProc:
         self.clients: list[bytes] = []
         self.client_of: dict[str, bytes] = {}
         self._last_stats: SchedulerStats | None = None
+        # Sleep calls (their client and call id) waiting for the requests in the engine to finish.
+        self._sleep_calls: list[tuple[bytes, int]] = []
 
     def run(self) -> None:
         poller = zmq.Poller()
@@ -130,6 +136,8 @@ class EngineCoreProc:
             elif received:
                 # Nothing to step, but aborts changed the queues: the front ends' metrics should see it.
                 self._send(EngineCoreOutputs(stats=self.core.stats))
+            if self._sleep_calls and not self.core.falling_asleep:
+                self._answer_sleep_calls(None)
 
     def _receive(self) -> bool:
         socket, core = self.socket, self.core
@@ -147,11 +155,59 @@ class EngineCoreProc:
                 core.remove_lora(message.lora_int_id)
             elif isinstance(message, ResetPrefixCache):
                 core.reset_prefix_cache()
+            elif isinstance(message, Sleep):
+                self._sleep(identity.bytes, message)
+            elif isinstance(message, WakeUp):
+                self._wake_up(identity.bytes, message)
             elif isinstance(message, Hello):
                 self.clients.append(identity.bytes)
                 ready = Ready(core.info, STARTUP_PHASES.seconds)
                 socket.send_multipart((identity.bytes, self.encoder.encode(ready)))
         return True
+
+    def _sleep(self, client: bytes, message: Sleep) -> None:
+        try:
+            self.core.sleep(message.level, message.mode)
+        except WorkerFailedError:
+            raise
+        except Exception as error:
+            self._answer(client, message.call_id, error)
+        else:
+            if self.core.falling_asleep:
+                # Answered after the step that finishes the last request (run), or called off (_wake_up).
+                self._sleep_calls.append((client, message.call_id))
+            else:
+                self._answer(client, message.call_id, None)
+
+    def _wake_up(self, client: bytes, message: WakeUp) -> None:
+        error: Exception | None = None
+        try:
+            self.core.wake_up(message.tags)
+        except WorkerFailedError:
+            raise
+        except Exception as exc:  # the weights could not be read again, ...: the caller hears why
+            logger.exception("waking the engine up failed")
+            error = exc
+        if self._sleep_calls and not self.core.falling_asleep:
+            self._answer_sleep_calls(InvalidRequestError("the engine was woken up before it fell asleep"))
+        self._answer(client, message.call_id, error)
+
+    def _answer_sleep_calls(self, error: Exception | None) -> None:
+        calls, self._sleep_calls = self._sleep_calls, []
+        for client, call_id in calls:
+            self._answer(client, call_id, error)
+
+    def _answer(self, client: bytes, call_id: int, error: Exception | None) -> None:
+        """Every API server first hears the engine's state (its stats: the sleep level), then the caller its
+        answer, so that the caller's view is current when the call returns."""
+        self._send(EngineCoreOutputs(stats=self.core.stats))
+        if error is None:
+            done = UtilityDone(call_id)
+        elif isinstance(error, EngineError):
+            done = UtilityDone(call_id, error.kind, str(error))
+        else:
+            done = UtilityDone(call_id, EngineError.kind, f"{type(error).__name__}: {error}")
+        self.socket.send_multipart((client, self.encoder.encode(done)))
 
     def _send_changes(self, step: EngineCoreOutputs) -> None:
         """A step that ran no request is sent only when it changed what the front ends see (blocks held)."""

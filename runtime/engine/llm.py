@@ -10,6 +10,7 @@ from kvfleet.runtime.chat_prompt import chat_prompt_token_ids
 from kvfleet.runtime.config import EngineConfig
 from kvfleet.runtime.engine.llm_engine import LLMEngine
 from kvfleet.runtime.engine.outputs import RequestOutput
+from kvfleet.runtime.errors import EngineSleepingError
 from kvfleet.runtime.input_checks import check_cache_salt, check_sampling_token_ids
 from kvfleet.runtime.lora.request import LoRARequest
 from kvfleet.runtime.multimodal.inputs import MultiModalFeature
@@ -56,6 +57,8 @@ class LLM:
             raise ValueError(f"priority has {len(priorities)} entries for {len(prompt_list)} prompts")
 
         engine = self.llm_engine
+        if engine.is_sleeping():
+            raise EngineSleepingError("the engine is asleep: wake_up() first")
         # Validate everything before queueing anything, so bad input leaves the engine untouched.
         prepared = [self._prepare(prompt) for prompt in prompt_list]
         token_lists = [token_ids for token_ids, _ in prepared]
@@ -108,6 +111,17 @@ class LLM:
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix block (the device's and the host tier's)."""
         self.llm_engine.reset_prefix_cache()
+
+    def sleep(self, level: int = 1) -> None:
+        """vLLM's sleep mode (needs enable_sleep_mode=True): level 1 frees the KV cache and keeps the
+        weights in host memory, level 2 drops the weights too. generate() raises EngineSleepingError until
+        wake_up()."""
+        self.llm_engine.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Take back what sleep freed: "weights", "kv_cache", or both (None); after level 2 the weights are
+        read again from the model folder."""
+        self.llm_engine.wake_up(tags)
 
     def chat(
         self,

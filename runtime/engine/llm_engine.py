@@ -128,6 +128,16 @@ class LLMEngine:
         """vLLM's: drop the adapter's weights (its slot zeroed) once the requests running with it end."""
         self.engine_core.remove_lora(lora_int_id)
 
+    def sleep(self, level: int = 1) -> None:
+        """vLLM's sleep mode (EngineCore.sleep): requests still in the engine finish with the error reason."""
+        self.engine_core.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        self.engine_core.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        return self.engine_core.sleep_level > 0
+
     def has_unfinished_requests(self) -> bool:
         return self.engine_core.has_unfinished_requests()
 

@@ -1,10 +1,11 @@
 """What crosses the socket between API server processes and the EngineCore process.
 
 Each side sends msgpack-encoded tagged structs over one ZeroMQ ROUTER/DEALER pair: an API server (a DEALER
-whose identity is its client index) sends Hello once, then AddRequest, AbortRequests, RemoveLoRA and
-ResetPrefixCache; the core
+whose identity is its client index) sends Hello once, then AddRequest, AbortRequests, RemoveLoRA,
+ResetPrefixCache, Sleep and WakeUp; the core
 answers Hello with Ready (or Failed, if the model could not be loaded) and after every step sends each client
-one EngineCoreOutputs with that client's outputs and the scheduler's stats.
+one EngineCoreOutputs with that client's outputs and the scheduler's stats. Sleep and WakeUp are answered
+with UtilityDone, once every client has been sent the stats that show the engine's new sleep level.
 """
 
 from __future__ import annotations
@@ -55,6 +56,30 @@ class ResetPrefixCache(msgspec.Struct, tag="reset_prefix_cache", array_like=True
     """Forget every cached prefix block, on the device and in the host tier."""
 
 
+class Sleep(msgspec.Struct, tag="sleep", array_like=True):
+    """vLLM's sleep mode (see EngineCore.sleep); answered once the engine is asleep."""
+
+    call_id: int
+    level: int
+    mode: str
+
+
+class WakeUp(msgspec.Struct, tag="wake_up", array_like=True):
+    """Take back what sleep freed: the tags ("weights", "kv_cache") named, or everything (None)."""
+
+    call_id: int
+    tags: list[str] | None
+
+
+class UtilityDone(msgspec.Struct, tag="utility_done", array_like=True):
+    """The answer to a Sleep or WakeUp: error_kind (an EngineError kind, see errors.py) None when it
+    succeeded."""
+
+    call_id: int
+    error_kind: str | None = None
+    message: str = ""
+
+
 class EngineInfo(msgspec.Struct, array_like=True):
     """What the front end needs to know about the loaded engine."""
 
@@ -94,8 +119,8 @@ class EngineCoreOutputs(msgspec.Struct, tag="outputs", array_like=True, omit_def
     step_time: float = 0.0
 
 
-ToCore = Hello | AddRequest | AbortRequests | RemoveLoRA | ResetPrefixCache
-FromCore = Ready | Failed | EngineCoreOutputs
+ToCore = Hello | AddRequest | AbortRequests | RemoveLoRA | ResetPrefixCache | Sleep | WakeUp
+FromCore = Ready | Failed | EngineCoreOutputs | UtilityDone
 
 
 def to_core_decoder() -> msgspec.msgpack.Decoder[ToCore]:

@@ -86,6 +86,14 @@ class Executor(ABC):
     @abstractmethod
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
 
+    @abstractmethod
+    def sleep(self, level: int) -> None:
+        """Free the KV cache on every rank, and the weights too at level 2 (ModelRunner.sleep)."""
+
+    @abstractmethod
+    def wake_up(self, tags: list[str]) -> None:
+        """Take back on every rank what sleep freed, of "weights" and "kv_cache"."""
+
     def add_lora(self, lora: LoRARequest) -> None:
         """Have the adapter ready to run; raises LoRAAdapterError when it cannot run on this model. LoRA runs
         on one rank, in this process (the config allows no other)."""
@@ -156,6 +164,12 @@ class UniProcExecutor(Executor):
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute_model(scheduler_output)
 
+    def sleep(self, level: int) -> None:
+        self.runner.sleep(level)
+
+    def wake_up(self, tags: list[str]) -> None:
+        self.runner.wake_up(tags)
+
     def shutdown(self) -> None:
         if self.runner.kv_connector is not None:
             self.runner.kv_connector.close()
@@ -223,6 +237,12 @@ class MultiprocExecutor(Executor):
         speculative = self.runner.prepare_sampling(scheduler_output, step)
         logits = self._run(("step", step))
         return self.runner.sample(scheduler_output, step, speculative, logits)
+
+    def sleep(self, level: int) -> None:
+        self._run(("sleep", level))
+
+    def wake_up(self, tags: list[str]) -> None:
+        self._run(("wake_up", tags))
 
     def _run(self, command: WorkerCommand) -> torch.Tensor | None:
         """Send a command to every rank and wait for all of them; the logits, if a rank sent them."""

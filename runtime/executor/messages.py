@@ -43,5 +43,6 @@ class StepDone:
     expert_load: list[MoeLayerLoad] = field(default_factory=list)
 
 
-# What the core sends: ("kv_cache", blocks), ("host_kv_tier", blocks) or ("step", StepInputs).
+# What the core sends: ("kv_cache", blocks), ("host_kv_tier", blocks), ("step", StepInputs), ("sleep", level)
+# or ("wake_up", tags).
 WorkerCommand = tuple[str, object]

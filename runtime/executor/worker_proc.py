@@ -2,9 +2,9 @@
 
 It joins the torch.distributed group (gloo on the CPU, NCCL on CUDA, plus a gloo group for nothing but the
 rendezvous), loads its shard of the weights, tells the engine core it is ready, then runs what the core sends
-over its ZeroMQ socket: KV cache allocation, and steps. Every rank runs every step; the last stage's first
-tensor-parallel rank sends the step's logits back, the others an empty answer (so that the core knows each
-rank has finished the step, and hears of a rank's error).
+over its ZeroMQ socket: KV cache allocation, steps, and sleep mode's sleep and wake-up. Every rank runs every
+step; the last stage's first tensor-parallel rank sends the step's logits back, the others an empty answer (so
+that the core knows each rank has finished the step, and hears of a rank's error).
 
 It exits when its parent (the engine core, or on another node the process that started it) exits, when its
 connection to the core breaks, or when a collective fails or times out (COLLECTIVE_TIMEOUT): a broken group
@@ -72,6 +72,10 @@ def run_worker(spec: WorkerSpec, parent_pid: int, ready_fd: int | None) -> None:
                     os.write(ready_fd, b"1")
             elif kind == "host_kv_tier":
                 runner.initialize_host_kv_tier(argument)  # type: ignore[arg-type]
+            elif kind == "sleep":
+                runner.sleep(argument)  # type: ignore[arg-type]
+            elif kind == "wake_up":
+                runner.wake_up(argument)  # type: ignore[arg-type]
             else:
                 assert isinstance(argument, StepInputs)
                 logits = runner.compute_logits(argument)

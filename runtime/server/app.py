@@ -10,9 +10,9 @@ import time
 from collections.abc import AsyncIterator
 from importlib.metadata import version
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Query, Request
 from kvfleet.contract.tiers import PRIORITY_HEADER
 from kvfleet.contract.tokenizer_files import TOKENIZER_FILES_PATH
 from kvfleet.runtime.batch.store import BatchStore
@@ -100,6 +100,8 @@ def build_app(state: ServerState) -> FastAPI:
     _add_routes(app, state)
     _add_responses_routes(app, state)
     _add_embedding_routes(app, state)
+    if state.engine.config.enable_sleep_mode:
+        _add_sleep_routes(app, state)
     if batches is not None:
         add_batch_routes(app, batches)
     return app
@@ -224,6 +226,26 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> Response:
         return JSONResponse(await service.detokenize(body))
+
+
+def _add_sleep_routes(app: FastAPI, state: ServerState) -> None:
+    """vLLM's sleep mode, served only with --enable-sleep-mode (404 without, as vLLM's). Requests that arrive
+    while the engine sleeps are answered 503 `sleeping` with Retry-After; /ready answers 503 meanwhile."""
+    engine = state.engine
+
+    @app.post("/sleep")
+    async def sleep(level: int = 1, mode: str = "abort") -> Response:
+        await engine.sleep(level, mode)
+        return Response(status_code=200)
+
+    @app.post("/wake_up")
+    async def wake_up(tags: Annotated[list[str] | None, Query()] = None) -> Response:
+        await engine.wake_up(tags)
+        return Response(status_code=200)
+
+    @app.get("/is_sleeping")
+    async def is_sleeping() -> Response:
+        return JSONResponse({"is_sleeping": engine.is_sleeping})
 
 
 def _add_responses_routes(app: FastAPI, state: ServerState) -> None:

@@ -76,7 +76,12 @@ class ServerState:
 
     @property
     def ready(self) -> bool:
-        return self.engine.ready and not self.draining and self.batch_worker_failure is None
+        return (
+            self.engine.ready
+            and not self.engine.is_sleeping
+            and not self.draining
+            and self.batch_worker_failure is None
+        )
 
     @property
     def failure(self) -> str | None:
@@ -101,4 +106,6 @@ class ServerState:
             return self.failure
         if self.draining:
             return "the server is draining"
+        if self.engine.is_sleeping:
+            return "the engine is asleep"
         return "the model is loading"

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvfleet.contract.errors import (
+    SLEEPING_CODE,
     BadRequestError,
     InternalServerError,
     OpenAIError,
@@ -19,6 +20,7 @@ from kvfleet.runtime.errors import (
     EngineNotReadyError,
     EngineOverloadedError,
     EngineShutdownError,
+    EngineSleepingError,
     GrammarTimeoutError,
     InvalidContinuationError,
     InvalidRequestError,
@@ -43,6 +45,8 @@ def from_engine_error(error: EngineError) -> OpenAIError:
         return ServiceUnavailableError(message, code="not_ready")
     if isinstance(error, EngineShutdownError):
         return ServiceUnavailableError(message, code="shutting_down")
+    if isinstance(error, EngineSleepingError):
+        return ServiceUnavailableError(message, code=SLEEPING_CODE)
     if isinstance(error, EngineDeadError):
         return InternalServerError(message, code="engine_dead")
     return InternalServerError(message)

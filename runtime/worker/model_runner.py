@@ -4,8 +4,12 @@ decoding) gets logits at its last real token and at each draft token, and the sa
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import gc
 import logging
 import os
+from collections.abc import Collection
 
 import numpy as np
 import torch
@@ -99,6 +103,9 @@ class ModelRunner:
         # A multimodal model's encoders and their cache; None for text-only models.
         self.encoder_runner: EncoderRunner | None = None
         self.kv_caches: list[torch.Tensor] = []
+        # The blocks of the device cache and of the host tier, for a wake-up to allocate them again.
+        self.num_kv_blocks = 0
+        self.num_host_kv_blocks = 0
         # The host-memory tier's blocks, in the device cache's layout (pinned on CUDA); empty without one.
         self.host_kv_caches: list[torch.Tensor] = []
         self.sampler = Sampler(self.device, config.seed)
@@ -196,6 +203,7 @@ class ModelRunner:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         spec = self.attention_spec
         shape = (2, num_blocks, self.block_size, spec.num_kv_heads, spec.head_dim)
+        self.num_kv_blocks = num_blocks
         self.kv_caches = []  # free the old cache before allocating the new one
         with STARTUP_PHASES.phase("kv_cache"):
             # Zeros, not empty: padded context slots are masked, and masked garbage must not be NaN.
@@ -214,6 +222,7 @@ class ModelRunner:
     def initialize_host_kv_tier(self, num_blocks: int) -> None:
         if not self.kv_caches:
             raise RuntimeError("initialize_kv_cache() must run before initialize_host_kv_tier()")
+        self.num_host_kv_blocks = num_blocks
         shape = (2, num_blocks, *self.kv_caches[0].shape[2:])
         pinned = self.device.type == "cuda"
         self.host_kv_caches = [
@@ -224,6 +233,33 @@ class ModelRunner:
             num_blocks,
             num_blocks * self.kv_cache_bytes_per_block() / 2**20,
         )
+
+    def sleep(self, level: int) -> None:
+        """vLLM's sleep levels: both free the KV cache and the host tier's blocks; level 1 keeps the weights
+        in host memory (moved there from an accelerator), level 2 drops them."""
+        self.kv_caches = []
+        self.host_kv_caches = []
+        if level >= 2:
+            self.model = None
+            self.encoder_runner = None
+        elif self.model is not None and self.device.type != "cpu":
+            self.model.to("cpu")
+        _release_freed_memory(self.device)
+        logger.info("asleep at level %d", level)
+
+    def wake_up(self, tags: Collection[str]) -> None:
+        """Take back what sleep freed, weights first (as vLLM does): "weights" moves them back to the
+        accelerator, or reads them again from the model folder after level 2; "kv_cache" allocates the KV
+        cache and the host tier again, empty."""
+        if "weights" in tags:
+            if self.model is None:
+                self.load_model()
+            elif self.device.type != "cpu":
+                self.model.to(self.device)
+        if "kv_cache" in tags and not self.kv_caches:
+            self.initialize_kv_cache(self.num_kv_blocks)
+            if self.num_host_kv_blocks:
+                self.initialize_host_kv_tier(self.num_host_kv_blocks)
 
     def _copy_between_tiers(self, copies: TierCopies) -> None:
         """Device blocks to the host tier first (a preempted request's blocks, which this step may reuse),
@@ -491,6 +527,16 @@ class ModelRunner:
         if self.device.type == "cuda":
             self._inputs_copied = torch.cuda.Event()
             self._inputs_copied.record()
+
+
+def _release_freed_memory(device: torch.device) -> None:
+    """Give what sleep let go of back to the system: the allocator's cached blocks on CUDA; on the host the
+    pages glibc keeps for reuse after a free (without this the process's resident memory would not fall)."""
+    gc.collect()  # a dropped model's modules refer to each other
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    with contextlib.suppress(OSError, AttributeError):  # not glibc: nothing to trim
+        ctypes.CDLL(None).malloc_trim(0)
 
 
 class _CpuThreads:

@@ -70,6 +70,9 @@ class FakeReplica:
     # naming the blocks it holds, each recorded in `offers`.
     offers_kv: bool = False
     offers: list[dict[str, Any]] = field(default_factory=list)
+    # Asleep (the runtime's sleep mode) until POST /wake_up, whose headers are recorded in `wake_ups`.
+    asleep: bool = False
+    wake_ups: list[Mapping[str, str]] = field(default_factory=list)
     url: str = ""
     _runner: web.AppRunner | None = None
 
@@ -80,6 +83,8 @@ class FakeReplica:
         for path, answer in _ANSWERS.items():
             app.router.add_post(path, functools.partial(self._answer, answer))
         app.router.add_get("/metrics", self._metrics)
+        app.router.add_get("/is_sleeping", self._is_sleeping)
+        app.router.add_post("/wake_up", self._wake_up)
         self._runner = web.AppRunner(app, handler_cancellation=True)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", 0)
@@ -92,6 +97,14 @@ class FakeReplica:
         if self._runner is not None:
             await self._runner.cleanup()
 
+    async def _is_sleeping(self, request: web.Request) -> web.Response:
+        return web.json_response({"is_sleeping": self.asleep})
+
+    async def _wake_up(self, request: web.Request) -> web.Response:
+        self.wake_ups.append(dict(request.headers))
+        self.asleep = False
+        return web.Response()
+
     async def _metrics(self, request: web.Request) -> web.Response:
         lines = ["# TYPE kvfleet:lora_adapter_info gauge"]
         lines += [
@@ -103,6 +116,9 @@ class FakeReplica:
         body = await request.json()
         self.received.append(body)
         self.headers.append(dict(request.headers))
+        if self.asleep:
+            error = {"message": "asleep", "type": "service_unavailable", "param": None, "code": "sleeping"}
+            return web.json_response({"error": error}, status=503)
         if self.status != 200:
             return web.json_response(
                 {

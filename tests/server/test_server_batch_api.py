@@ -273,7 +273,9 @@ def test_a_worker_that_cannot_read_its_store_fails_the_probes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # The worker used to die with /health and /ready still answering OK, and batches stayed validating.
-    engine = SimpleNamespace(ready=True, error=None, config=SimpleNamespace(max_num_seqs=2))
+    engine = SimpleNamespace(
+        ready=True, is_sleeping=False, error=None, config=SimpleNamespace(max_num_seqs=2)
+    )
     state = ServerState(ServerSettings(MODEL_NAME), engine, ServerMetrics(MODEL_NAME))  # type: ignore[arg-type]
     store = BatchStore(tmp_path)
     service = BatchService(state, store)
