@@ -403,13 +403,11 @@ class Gateway:
         prompt = _prompt(routed, config, await self._prompt_blocks(request.path, routed, pool))
         cached = pool.policy.cached_chars(pool.replicas, prompt) if pool.prefill is not None else {}
         arrived = time.monotonic()
-        from_zero = not pool.replicas
-        if from_zero and config.sleeping_endpoints:
+        if from_zero := not pool.replicas:
             self._wake_a_sleeper(config, headers)
         tried: list[str] = []
         # Decided with the first decode replica: a retry sends the same body (the same prefill's params).
         decode_body: bytes | None = None
-        # A draining replica's refusal costs it no work, and each refuses a request once: not counted.
         failures = 0
         while failures < self.max_attempts:
             replica = await pool.acquire(priority, prompt, tried, routed.deadline_seconds)
@@ -450,15 +448,10 @@ class Gateway:
                 self.metrics.upstream_latency.labels(model).observe(time.monotonic() - sent)
                 if upstream.status == 503:
                     answer, refusal = await self._refused(upstream, replica, deadline)
-                    draining = refusal == DRAINING_CODE
-                    if draining or failures + 1 < self.max_attempts:
-                        if refusal == SLEEPING_CODE:
-                            self._fell_asleep(pool, replica, headers)
-                        else:
-                            self._retrying(model, replica, tried, "draining" if draining else "unavailable")
-                        failures += not draining
-                        continue
-                    return web.Response(status=503, body=answer, headers=_end_to_end(upstream.headers))
+                    if refusal != DRAINING_CODE and failures + 1 >= self.max_attempts:
+                        return web.Response(status=503, body=answer, headers=_end_to_end(upstream.headers))
+                    failures += self._passed_over(pool, replica, headers, tried, refusal)
+                    continue
                 if from_zero:
                     self.metrics.activation.labels(model).observe(time.monotonic() - arrived)
                 if resumable and _is_event_stream(upstream):
@@ -528,13 +521,26 @@ class Gateway:
             deadline=deadline,
         )
 
-    def _fell_asleep(self, pool: ModelPool, replica: Replica, headers: list[tuple[str, str]]) -> None:
-        """A replica answered 503 sleeping (put to sleep since the kubelet last probed it): it is woken for
-        the request, which may go there again."""
-        # An adapter's replicas are its base model's.
-        self.fleet.fell_asleep(pool.config.adapter_of or pool.config.name, replica.url)
-        self._wake_a_sleeper(pool.config, headers)
-        self.metrics.retries.labels(pool.config.name, "sleeping").inc()
+    def _passed_over(
+        self,
+        pool: ModelPool,
+        replica: Replica,
+        headers: list[tuple[str, str]],
+        tried: list[str],
+        refusal: str | None,
+    ) -> int:
+        """A replica answered 503 and the request is sent again: elsewhere, or to the same replica once woken
+        where it said it sleeps (put to sleep since the kubelet last probed it). Counts as an attempt (1)
+        unless the replica was draining: its refusal costs it no work, and each refuses a request once."""
+        model = pool.config.name
+        if refusal == SLEEPING_CODE:
+            # An adapter's replicas are its base model's.
+            self.fleet.fell_asleep(pool.config.adapter_of or model, replica.url)
+            self._wake_a_sleeper(pool.config, headers)
+            self.metrics.retries.labels(model, "sleeping").inc()
+            return 1
+        self._retrying(model, replica, tried, "draining" if refusal == DRAINING_CODE else "unavailable")
+        return int(refusal != DRAINING_CODE)
 
     def _wake_a_sleeper(self, config: ModelConfig, headers: list[tuple[str, str]]) -> None:
         """The request waits for a replica of a service that keeps replicas asleep: one is woken meanwhile,
