@@ -59,8 +59,9 @@ def two_releases(
         unwatched = stack.enter_context(fresh_namespace(local_cluster, f"{module_namespace[:50]}-c"))
         system = stack.enter_context(fresh_namespace(local_cluster, f"{module_namespace[:48]}-sys"))
         upgrade_release(local_cluster, kvfleet_release, f"watchNamespaces={{{module_namespace}}}")
-        # null: the chart's default again (every namespace); `{}` would be a list of one empty name.
-        stack.callback(upgrade_release, local_cluster, kvfleet_release, "watchNamespaces=null")
+        # An empty list: every namespace again. `--set` cannot say it (`{}` is a list of one empty name), and
+        # its null is lost to --reuse-values, which would keep this module's namespace after it is deleted.
+        stack.callback(upgrade_release, local_cluster, kvfleet_release, json_values={"watchNamespaces": []})
         second = install_chart(
             local_cluster, {"watchNamespaces": f"{{{team_b}}}"}, namespace=system, release=SECOND_RELEASE
         )

@@ -4,8 +4,9 @@ metrics as the tests read them."""
 from __future__ import annotations
 
 import contextlib
+import json
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 from e2e.fleet.chart import CHART_DIR, ClusterAccess, OperatorRelease
 from e2e.fleet.traffic import Endpoint, ReadyEndpoints
@@ -16,8 +17,11 @@ GATEWAY_SELECTOR = "app.kubernetes.io/name=kvfleet,app.kubernetes.io/component=g
 GATEWAY_CONTAINER = "gateway"
 
 
-def upgrade_release(cluster: ClusterAccess, release: OperatorRelease, *values: str) -> None:
-    """helm upgrade of the release with these `--set` values over the ones it has."""
+def upgrade_release(
+    cluster: ClusterAccess, release: OperatorRelease, *values: str, json_values: Mapping[str, object] = {}
+) -> None:
+    """helm upgrade of the release with these `--set` values (and `--set-json` ones: an empty list is one
+    only there) over the ones it has."""
     cluster.helm(
         "upgrade",
         release.release,
@@ -26,6 +30,7 @@ def upgrade_release(cluster: ClusterAccess, release: OperatorRelease, *values: s
         release.namespace,
         "--reuse-values",
         *(f"--set={value}" for value in values),
+        *(f"--set-json={key}={json.dumps(value)}" for key, value in json_values.items()),
         "--wait",
         "--timeout=180s",
     )
