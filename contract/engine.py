@@ -1,5 +1,5 @@
-"""The engine's choices that the operator renders into a replica's flags: `--scheduling-policy` and
-`--dtype` take exactly these values."""
+"""The engine's choices that the operator renders into a replica's flags: `--scheduling-policy`, `--dtype`
+and `--quantization` take exactly these values."""
 
 from __future__ import annotations
 
@@ -12,6 +12,10 @@ SCHEDULING_POLICIES: tuple[SchedulingPolicy, ...] = get_args(SchedulingPolicy)
 # auto: the dtype of the model's config.json.
 DType = Literal["auto", "float32", "float16", "bfloat16"]
 DTYPES: tuple[DType, ...] = get_args(DType)
+
+# vLLM's `--quantization` names of the checkpoint formats kvfleet's runtime loads (weight-only int8, int4 and
+# float8 in compressed-tensors' layout); it refuses vLLM's other names with the reason.
+LOADED_QUANTIZATION_METHODS = ("compressed-tensors",)
 
 
 def preempts(policy: SchedulingPolicy) -> bool:

@@ -31,6 +31,25 @@ from e2e.fleet.traffic import ChatLoad, Endpoint, ReadyEndpoints
 from e2e.support.waits import condition, wait_for
 
 
+def _apply_idling_service(
+    cluster: LocalCluster, namespace: str, model_dir: Path, name: str, **scaling: object
+) -> None:
+    """A service of the tiny model, served as `<name>-model`, that may scale to zero after 5 idle seconds,
+    applied; returns once it has: a new service proves its model loads on one replica, then idles down."""
+    scaling = {
+        "replicas": None,
+        "minReplicas": 0,
+        "maxReplicas": 1,
+        "scaleToZeroAfterSeconds": 5,
+        "scaleDownDelaySeconds": 0,
+        **scaling,
+    }
+    manifest = tiny_service(name, model_dir, scaling=scaling)
+    manifest["spec"]["model"]["servedName"] = f"{name}-model"
+    cluster.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(manifest))
+    wait_condition(cluster.api, namespace, name, "Ready", "True", "ScaledToZero", timeout=180)
+
+
 def test_a_service_at_zero_is_woken_by_a_held_request_and_goes_back_to_zero(
     local_cluster: LocalCluster,
     gateway: ReadyEndpoints,
@@ -39,19 +58,7 @@ def test_a_service_at_zero_is_woken_by_a_held_request_and_goes_back_to_zero(
     measurements: Callable[[str], None],
 ) -> None:
     api = local_cluster.api
-    scaling = {
-        "replicas": None,
-        "minReplicas": 0,
-        "maxReplicas": 1,
-        "scaleToZeroAfterSeconds": 5,
-        "scaleDownDelaySeconds": 0,
-        "activationTimeoutSeconds": 120,
-    }
-    manifest = tiny_service("wake", tiny_model_dir, scaling=scaling)
-    manifest["spec"]["model"]["servedName"] = "wake-model"
-    local_cluster.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(manifest))
-    # A new service proves its model loads on one replica, then idles down to zero.
-    wait_condition(api, namespace, "wake", "Ready", "True", "ScaledToZero", timeout=180)
+    _apply_idling_service(local_cluster, namespace, tiny_model_dir, "wake", activationTimeoutSeconds=120)
     wait_for("no replica left", lambda: not service_pods(api, namespace, "wake"), 60)
 
     endpoint = gateway.current()[0]
@@ -101,21 +108,16 @@ def test_a_service_whose_replica_sleeps_answers_a_request_in_seconds(
     measurements: Callable[[str], None],
 ) -> None:
     api = local_cluster.api
-    scaling = {
-        "replicas": None,
-        "minReplicas": 0,
-        "maxReplicas": 1,
-        "sleepingReplicas": 1,
-        "scaleToZeroAfterSeconds": 5,
-        "scaleDownDelaySeconds": 0,
-        "metricsIntervalSeconds": 1,
-        "activationTimeoutSeconds": 60,
-    }
-    manifest = tiny_service("doze", tiny_model_dir, scaling=scaling)
-    manifest["spec"]["model"]["servedName"] = "doze-model"
-    local_cluster.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(manifest))
-    # The first replica proves the model loads, then idles into sleep instead of going.
-    wait_condition(api, namespace, "doze", "Ready", "True", "ScaledToZero", timeout=180)
+    _apply_idling_service(
+        local_cluster,
+        namespace,
+        tiny_model_dir,
+        "doze",
+        sleepingReplicas=1,
+        metricsIntervalSeconds=1,
+        activationTimeoutSeconds=60,
+    )
+    # Its replica idles into sleep instead of going.
     sleeper = wait_for("the replica asleep", lambda: _asleep(api, namespace, "doze"), 180)
 
     endpoint = gateway.current()[0]

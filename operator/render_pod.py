@@ -176,7 +176,9 @@ def runtime_args(
             "--enable-prefix-caching" if engine.enable_prefix_caching else "--no-enable-prefix-caching"
         )
     args += ["--scheduling-policy", spec.scheduling_policy]
-    args += _flags([("--dtype", engine.dtype)])
+    args += _flags([("--dtype", engine.dtype), ("--quantization", engine.quantization)])
+    if engine.enable_expert_parallel:
+        args.append("--enable-expert-parallel")
     # Only sent when it matters, so single-GPU and CPU replicas work with runtimes that lack the flag.
     if engine.tensor_parallel_size > 1:
         args += ["--tensor-parallel-size", str(engine.tensor_parallel_size)]

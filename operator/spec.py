@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, cast
 
-from kvfleet.contract.engine import DTYPES, SCHEDULING_POLICIES, SchedulingPolicy
+from kvfleet.contract.engine import DTYPES, LOADED_QUANTIZATION_METHODS, SCHEDULING_POLICIES, SchedulingPolicy
 from kvfleet.contract.kv_transfer import Role
 from kvfleet.contract.routing import POLICY_NAMES, PolicyName
 from kvfleet.contract.tiers import DEFAULT_TIER, TIER_NAMES, TierName
@@ -275,6 +275,13 @@ class EngineSpec:
     dtype: str | None = prop(
         "The data type of the weights and activations (the runtime's --dtype).", None, enum=list(DTYPES)
     )
+    quantization: str | None = prop(
+        "The checkpoint's quantization method, in vLLM's names (the runtime's --quantization): checked "
+        "against the model folder's quantization_config when the replica starts; read from the folder when "
+        "unset.",
+        None,
+        enum=list(LOADED_QUANTIZATION_METHODS),
+    )
     tensor_parallel_size: int = prop(
         "Ranks each layer is split over; a replica's ranks are tensorParallelSize × pipelineParallelSize.",
         1,
@@ -286,6 +293,11 @@ class EngineSpec:
         1,
         minimum=1,
         maximum=64,
+    )
+    enable_expert_parallel: bool = prop(
+        "Give each tensor-parallel rank whole experts of a mixture-of-experts model (a share of them) "
+        "instead of a slice of every expert (the runtime's --enable-expert-parallel).",
+        False,
     )
     max_waiting_requests: int | None = prop(
         "Requests a replica queues before it sheds load with 503.", None, minimum=1, maximum=1000000
@@ -965,10 +977,12 @@ def _parse_engine(section: _Section) -> EngineSpec:
         enable_prefix_caching=section.optional_boolean("enablePrefixCaching"),
         scheduling_policy=section.choice("schedulingPolicy", SCHEDULING_POLICIES),
         dtype=section.choice("dtype", DTYPES),
+        quantization=section.choice("quantization", LOADED_QUANTIZATION_METHODS),
         tensor_parallel_size=section.required_integer("tensorParallelSize", defaults.tensor_parallel_size, 1),
         pipeline_parallel_size=section.required_integer(
             "pipelineParallelSize", defaults.pipeline_parallel_size, 1
         ),
+        enable_expert_parallel=section.boolean("enableExpertParallel", defaults.enable_expert_parallel),
         max_waiting_requests=section.integer("maxWaitingRequests", minimum=1),
         drain_timeout_seconds=section.required_integer(
             "drainTimeoutSeconds", defaults.drain_timeout_seconds, 0

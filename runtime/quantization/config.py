@@ -14,9 +14,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-# vLLM's `--quantization` names; kvfleet loads the first, and refuses the others by name.
+from kvfleet.contract.engine import LOADED_QUANTIZATION_METHODS
+
+# vLLM's `--quantization` names; kvfleet loads the contract's, and refuses the others by name.
 QUANTIZATION_METHODS = (
-    "compressed-tensors",
+    *LOADED_QUANTIZATION_METHODS,
     "fp8",
     "gptq",
     "gptq_marlin",
@@ -127,7 +129,7 @@ def weight_quantization(
             f"quantization {requested!r} was asked for, but {source} quantization_config.quant_method is "
             f"{method!r}"
         )
-    if method != "compressed-tensors":
+    if method not in LOADED_QUANTIZATION_METHODS:
         reason = _WHY_NOT.get(str(method), "only compressed-tensors checkpoints are")
         raise ValueError(f"{source}: quantization_config.quant_method {method!r} is not supported: {reason}")
     return _compressed_tensors_scheme(quantization_config, f"{source}: quantization_config")

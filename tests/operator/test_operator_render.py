@@ -221,6 +221,8 @@ def test_batch_example_is_preemptible_fcfs_on_a_claim() -> None:
         ({"schedulingPolicy": "priority"}, ["--scheduling-policy", "priority"]),
         ({"blockSize": 32}, ["--block-size", "32"]),
         ({"dtype": "float16"}, ["--dtype", "float16"]),
+        ({"quantization": "compressed-tensors"}, ["--quantization", "compressed-tensors"]),
+        ({"enableExpertParallel": True, "tensorParallelSize": 2}, ["--enable-expert-parallel"]),
         ({"maxModelLen": 4096}, ["--max-model-len", "4096"]),
         ({"maxWaitingRequests": 100}, ["--max-waiting-requests", "100"]),
         ({"extraArgs": ["--seed", "7"]}, ["--seed", "7"]),

@@ -138,12 +138,16 @@ _PARSE_SERVE_ARGS = (
 )
 
 
-def test_rendered_batch_api_flags_are_runtime_options(tmp_path: Path) -> None:
+def test_rendered_batch_quantization_and_expert_flags_are_runtime_options(tmp_path: Path) -> None:
     raw_spec = yaml.safe_load(EXAMPLE.read_text())["spec"]
     raw_spec["batch"] = {"storage": "EmptyDir", "maxFileBytes": 1 << 20}
     raw_spec["scaling"] = {"replicas": 1}
+    raw_spec["engine"] = {**raw_spec.get("engine", {}), "quantization": "compressed-tensors"}
+    raw_spec["engine"]["enableExpertParallel"] = True
     args = runtime_args(parse_spec(raw_spec, name="tiny"))
-    assert "--batch-store" in args and "--max-batch-file-bytes" in args
+    assert {"--batch-store", "--max-batch-file-bytes", "--quantization", "--enable-expert-parallel"} <= set(
+        args
+    )
     result = subprocess.run(
         [sys.executable, "-P", "-c", _PARSE_SERVE_ARGS, *args], capture_output=True, text=True, timeout=120
     )

@@ -48,6 +48,11 @@ def test_fixed_replicas_bypass_the_bounds() -> None:
         (spec(model={"uri": "s3://b/m"}), "InvalidModelURI", "scheme must be"),
         (spec(engine={"tensorParallelSize": True}), "InvalidSpec", "tensorParallelSize must be an integer"),
         (spec(engine={"dtype": "int8"}), "InvalidSpec", "spec.engine.dtype must be one of auto, float32"),
+        (
+            spec(engine={"quantization": "gptq"}),
+            "InvalidSpec",
+            "spec.engine.quantization must be one of compressed-tensors",
+        ),
         (spec(engine={"env": [{"value": "x"}]}), "InvalidSpec", "spec.engine.env[0].name is required"),
         (spec(engine={"extraArgs": ["--a", 1]}), "InvalidSpec", "extraArgs must be a list of strings"),
         (spec(resources={"cpu": 1.5}), "InvalidSpec", "spec.resources.cpu must be a quantity"),
