@@ -18,7 +18,10 @@ GATEWAY_CONTAINER = "gateway"
 
 
 def upgrade_release(
-    cluster: ClusterAccess, release: OperatorRelease, *values: str, json_values: Mapping[str, object] = {}
+    cluster: ClusterAccess,
+    release: OperatorRelease,
+    *values: str,
+    json_values: Mapping[str, object] | None = None,
 ) -> None:
     """helm upgrade of the release with these `--set` values (and `--set-json` ones: an empty list is one
     only there) over the ones it has."""
@@ -30,7 +33,7 @@ def upgrade_release(
         release.namespace,
         "--reuse-values",
         *(f"--set={value}" for value in values),
-        *(f"--set-json={key}={json.dumps(value)}" for key, value in json_values.items()),
+        *(f"--set-json={key}={json.dumps(value)}" for key, value in (json_values or {}).items()),
         "--wait",
         "--timeout=180s",
     )

@@ -187,6 +187,12 @@ class MoeForCausalLM(LlamaForCausalLM):
             )
         self.moe = config.moe
         super().__init__(config, attention, max_position)
+        # The sparse layers this rank holds, by their index in the whole model: each step reports their load.
+        self._sparse_blocks = {
+            self.first_layer + i: layer.mlp
+            for i, layer in enumerate(self.layers)
+            if isinstance(layer.mlp, SparseMoeBlock)
+        }
 
     def make_mlp(self, layer: int) -> nn.Module:
         if self.moe.sparse_layers[layer]:
@@ -195,11 +201,7 @@ class MoeForCausalLM(LlamaForCausalLM):
 
     def expert_load(self) -> list[MoeLayerLoad]:
         """For each sparse layer this rank holds: the token-expert pairs routed, and to the busiest expert."""
-        blocks = {
-            self.first_layer + i: layer.mlp
-            for i, layer in enumerate(self.layers)
-            if isinstance(layer.mlp, SparseMoeBlock)
-        }
+        blocks = self._sparse_blocks
         if not blocks:
             return []
         # Summed in Python, once a step: torch's reductions of a few numbers cost more on busy cores.
