@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import click
+from kvfleet.runtime.bench.safety import POLICY_KEYS as SAFETY_POLICY_KEYS
 from kvfleet.runtime.bench.serve import bench_serve
 from kvfleet.runtime.config import engine_config_from_options, engine_options
 
@@ -108,6 +109,13 @@ def bench_structured(model: str | None, num_requests: int, rounds: int, bench_se
 @click.option("--input-len", type=click.IntRange(min=1), default=128, show_default=True)
 @click.option("--output-len", type=click.IntRange(min=1), default=64, show_default=True)
 @click.option("--window-tokens", type=click.IntRange(min=1), default=16, show_default=True)
+@click.option(
+    "--policy",
+    "selected",
+    multiple=True,
+    type=click.Choice(SAFETY_POLICY_KEYS),
+    help="Measure only these policies (repeatable; the baseline `none` always runs). Default: all.",
+)
 @bench_seed_option
 @engine_options
 def bench_safety(
@@ -118,6 +126,7 @@ def bench_safety(
     input_len: int,
     output_len: int,
     window_tokens: int,
+    selected: tuple[str, ...],
     bench_seed: int,
     **options,
 ) -> None:
@@ -137,6 +146,7 @@ def bench_safety(
             throughput=BenchSettings(base_url="", num_prompts=throughput_prompts, **workload),
             concurrency=concurrency,
             window=window_tokens,
+            selected=selected or SAFETY_POLICY_KEYS,
             log=lambda line: click.echo(line, err=True),
         )
     click.echo(format_report(report))

@@ -42,23 +42,30 @@ def logit_bias_against(model: str | Path, first_characters: str) -> dict[str, fl
     }
 
 
-def policies(model: str, hook_url: str, window: int) -> list[tuple[str, dict[str, Any] | None]]:
-    """(name, --safety-config) of every policy measured; the first is the baseline."""
+# The policies measured, by the key `--policy` takes; "none" is the baseline the others are read against.
+POLICY_KEYS = ("none", "input-rules", "input-guard", "input-hook", "output-rules", "output-guard")
+
+
+def policies(model: str, hook_url: str, window: int) -> dict[str, tuple[str, dict[str, Any] | None]]:
+    """key -> (name in the report, --safety-config) of every policy the bench can measure."""
     rules = {"blocklist": ["bomb recipe"]}
     # A timeout long enough for a loaded server: the figures are the guard's cost, not its failures.
     guard = {"endpoint": "self", "timeout": 120, "extraBody": {"logit_bias": logit_bias_against(model, "u")}}
     hook = {"url": hook_url}
-    return [
-        ("none", None),
-        ("rules on input", {"input": ["rules"], "rules": rules}),
-        ("guard model on input (same server)", {"input": ["guard"], "guard": guard}),
-        ("hook on input", {"input": ["hook"], "hook": hook}),
-        (f"rules on output, window {window}", {"output": ["rules"], "rules": rules, "windowTokens": window}),
-        (
+    return {
+        "none": ("none", None),
+        "input-rules": ("rules on input", {"input": ["rules"], "rules": rules}),
+        "input-guard": ("guard model on input (same server)", {"input": ["guard"], "guard": guard}),
+        "input-hook": ("hook on input", {"input": ["hook"], "hook": hook}),
+        "output-rules": (
+            f"rules on output, window {window}",
+            {"output": ["rules"], "rules": rules, "windowTokens": window},
+        ),
+        "output-guard": (
             f"guard model on output, window {window}",
             {"output": ["guard"], "guard": guard, "windowTokens": window},
         ),
-    ]
+    }
 
 
 # A hook's request body -> its answer.
@@ -99,13 +106,19 @@ def run_safety_bench(
     throughput: BenchSettings,
     concurrency: int,
     window: int,
+    selected: tuple[str, ...] = POLICY_KEYS,
     log: Callable[[str], None],
 ) -> dict[str, Any]:
+    """Runs the baseline and the `selected` policies, in POLICY_KEYS' order."""
     config = config.replace(enable_prefix_caching=False)
     report: dict[str, Any] = {"load_average": os.getloadavg()[0], "runs": []}
     not_flagged = local_hook(lambda body: {"flagged": False, "categories": {}})
     with tempfile.TemporaryDirectory(prefix="kvfleet-bench-safety-") as temp, not_flagged as hook_url:
-        for name, policy in policies(config.model, hook_url, window):
+        measured = policies(config.model, hook_url, window)
+        for key in POLICY_KEYS:
+            if key != "none" and key not in selected:
+                continue
+            name, policy = measured[key]
             args = ["--safety-config", json.dumps(policy)] if policy is not None else []
             server = ServeProcess(config, Path(temp), args)
             try:
