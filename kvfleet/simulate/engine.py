@@ -61,7 +61,7 @@ class EngineProfile:
         path.write_text(json.dumps(asdict(self), indent=2) + "\n")
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Sequence:
     """A request inside an engine."""
 
@@ -83,10 +83,6 @@ class Sequence:
 
     def __post_init__(self) -> None:
         self.to_compute = self.prompt_tokens
-
-    @property
-    def prefilling(self) -> bool:
-        return self.computed < self.to_compute
 
     @property
     def kv_tokens(self) -> int:
@@ -133,6 +129,8 @@ class EngineModel:
         # Prefix group -> its shared tokens, least recently used first.
         self.prefix_cache: OrderedDict[str, int] = OrderedDict()
         self._cached_tokens = 0
+        # The KV tokens the running sequences hold (their kv_tokens), kept as they change rather than summed.
+        self._kv_tokens = 0
         # The step in progress: (sequence, tokens it computes), and when the step started.
         self._step: list[tuple[Sequence, int]] = []
         self._step_started = 0.0
@@ -170,14 +168,16 @@ class EngineModel:
         for sequence in self.running:
             if budget == 0:
                 break
-            tokens = min(sequence.to_compute - sequence.computed, budget) if sequence.prefilling else 1
+            to_prefill = sequence.to_compute - sequence.computed
+            if to_prefill > 0:
+                tokens = min(to_prefill, budget)
+                prefill += tokens
+            else:
+                tokens = 1
+                decode += 1
             step.append((sequence, tokens))
             budget -= tokens
             context += sequence.computed + sequence.decoded
-            if sequence.prefilling:
-                prefill += tokens
-            else:
-                decode += 1
         if decode == len(self.running) and decode and not self._admissible():
             return self._start_decode_run(now, step, context)
         while budget and self._admissible():
@@ -212,10 +212,11 @@ class EngineModel:
         """Applies the step (or run of decode steps) that ends now."""
         outcome = StepOutcome()
         length, steps = now - self._step_started, self._steps
+        decoding = 0
         for sequence, tokens in self._step:
-            if sequence.prefilling:
+            if sequence.computed < sequence.to_compute:
                 sequence.computed += tokens
-                if sequence.prefilling:
+                if sequence.computed < sequence.to_compute:
                     continue
                 self._remember_prefix(sequence)
                 if sequence.first_token_s is None:
@@ -228,18 +229,24 @@ class EngineModel:
             else:
                 sequence.decoded += steps
                 sequence.generated += steps
-                self._generation_tokens += steps
-                self._itl.observe(length / steps, steps)
+                decoding += 1
             if sequence.generated >= sequence.output_tokens:
-                self.running.remove(sequence)
                 outcome.finished.append(sequence)
+        if decoding:
+            # Every decoding sequence took a token at each of the run's steps, of the same length.
+            self._generation_tokens += steps * decoding
+            self._kv_tokens += steps * decoding
+            self._itl.observe(length / steps, steps * decoding)
+        for sequence in outcome.finished:
+            self.running.remove(sequence)
+            self._kv_tokens -= sequence.kv_tokens
         self._step = []
         return outcome
 
     def _start_decode_run(self, now: float, step: list[tuple[Sequence, int]], context: int) -> float:
         """As many decode steps as every sequence can take before the first finishes or the KV cache fills."""
         running = len(self.running)
-        free = self.profile.kv_cache_tokens - self._kv_in_use()
+        free = self.profile.kv_cache_tokens - self._kv_tokens
         steps = min(min(s.output_tokens - s.generated for s in self.running), max(1, free // running))
         first = self.profile.step_seconds(0, running, context)
         # Each step attends over one more token per sequence than the step before.
@@ -252,7 +259,7 @@ class EngineModel:
         """Whether the next waiting request can join the batch: a place, and KV for its whole prompt."""
         if not self.waiting or len(self.running) >= self.profile.max_num_seqs:
             return False
-        fits = self._kv_in_use() + self.waiting[0].kv_tokens <= self.profile.kv_cache_tokens
+        fits = self._kv_tokens + self.waiting[0].kv_tokens <= self.profile.kv_cache_tokens
         return fits or not self.running
 
     def report(self, now: float) -> PodMetrics:
@@ -263,7 +270,7 @@ class EngineModel:
         metrics = PodMetrics(
             waiting=len(self.waiting),
             running=len(self.running),
-            kv_cache_usage=self._kv_in_use() / self.profile.kv_cache_tokens,
+            kv_cache_usage=self._kv_tokens / self.profile.kv_cache_tokens,
             ttft_seconds=self._ttft.mean(),
             queued_prompt_tokens=queued,
             itl_seconds=self._itl.mean(),
@@ -282,20 +289,22 @@ class EngineModel:
             return None
         return tokens / (now - self._reported_at)
 
-    def _kv_in_use(self) -> int:
-        return sum(sequence.kv_tokens for sequence in self.running)
-
     def _make_room(self) -> None:
         """Preempts the most recently admitted sequences while the next step's tokens would not fit."""
-        while len(self.running) > 1 and self._kv_in_use() + self._decoding() > self.profile.kv_cache_tokens:
+        capacity = self.profile.kv_cache_tokens
+        # At most one token a running sequence: when even that fits, nothing is counted.
+        if self._kv_tokens + len(self.running) <= capacity:
+            return
+        while len(self.running) > 1 and self._kv_tokens + self._decoding() > capacity:
             victim = self.running.pop()
+            self._kv_tokens -= victim.kv_tokens
             victim.to_compute += victim.decoded
             victim.computed = victim.decoded = 0
             self.waiting.appendleft(victim)
             self.preemptions += 1
 
     def _decoding(self) -> int:
-        return sum(1 for sequence in self.running if not sequence.prefilling)
+        return sum(1 for sequence in self.running if sequence.computed >= sequence.to_compute)
 
     def _admit(self, sequence: Sequence) -> None:
         self.admitted += 1
@@ -305,6 +314,7 @@ class EngineModel:
             sequence.computed = min(cached, sequence.shared_tokens, sequence.to_compute - 1)
             self.prefix_hits += 1
         self.running.append(sequence)
+        self._kv_tokens += sequence.kv_tokens
 
     def _remember_prefix(self, sequence: Sequence) -> None:
         group = sequence.prefix_group

@@ -4,6 +4,7 @@ deciding, and memory that follows the requests in flight rather than the trace."
 from __future__ import annotations
 
 import tracemalloc
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -11,7 +12,7 @@ from kvfleet.gateway import routing
 from kvfleet.operator import autoscaler
 
 from kvfleet.simulate import fleet
-from kvfleet.simulate.engine import EngineProfile
+from kvfleet.simulate.engine import EngineModel, EngineProfile
 from kvfleet.simulate.fleet import Simulation, load_config
 from kvfleet.simulate.report import Histogram, RunReport, ScaleEvent
 from kvfleet.simulate.trace import TraceRequest, TraceShapeSpec, generate
@@ -143,3 +144,54 @@ def test_a_disaggregated_service_is_refused_not_simulated_as_another() -> None:
     service = _service({}, sla={"ttftTargetMilliseconds": 500}, disaggregation={})
     with pytest.raises(ValueError, match=r"spec\.disaggregation is not simulated"):
         load_config(service, PROFILE)
+
+
+class _CountedEngine(EngineModel):
+    """The engine model, counting the step events it starts."""
+
+    events = 0
+
+    def start_step(self, now: float) -> float | None:
+        length = super().start_step(now)
+        _CountedEngine.events += length is not None
+        return length
+
+
+class _StepByStepEngine(_CountedEngine):
+    """The engine model with every run of decode steps cut to its first step: one event per step."""
+
+    def start_step(self, now: float) -> float | None:
+        length = super().start_step(now)
+        if length is None:
+            return None
+        cut = self.interrupt(now)
+        return length if cut is None else cut - now
+
+
+def test_runs_of_decode_steps_give_what_stepping_one_step_at_a_time_gives(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # An autoscaled fleet whose KV cache preempts and whose steps grow with their context: the same TTFTs and
+    # the same replica counts over time whether a replica's decode steps are one event or one each.
+    profile = replace(PROFILE, context_token_s=1e-5, kv_cache_tokens=3000)
+    service = _service(
+        {"policy": "slo", "minReplicas": 1, "maxReplicas": 8, "metricsIntervalSeconds": 2},
+        sla={"ttftTargetMilliseconds": 300},
+    )
+    trace = list(generate(TraceShapeSpec("burst", 60, base_rate=4, burst_start_s=20, burst_length_s=10)))
+    summaries, events = {}, {}
+    for engine in (_CountedEngine, _StepByStepEngine):
+        monkeypatch.setattr(fleet, "EngineModel", engine)
+        _CountedEngine.events = 0
+        summaries[engine] = Simulation(load_config(service, profile, pod_start_s=5)).run(trace)
+        events[engine] = _CountedEngine.events
+    runs, steps = summaries[_CountedEngine], summaries[_StepByStepEngine]
+    assert events[_CountedEngine] < events[_StepByStepEngine] / 2
+    assert runs["preemptions"] > 0 and runs["scale_events"] > 0
+    # Equal up to the rounding of a run's length summed at once rather than step by step.
+    for figure in ("attainment", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "replica_hours"):
+        assert runs[figure] == pytest.approx(steps[figure], rel=1e-9), figure
+    assert [(p["running"], p["ready"]) for p in runs["series"]] == [
+        (p["running"], p["ready"]) for p in steps["series"]
+    ]
+    assert runs["scale_event_log"] == steps["scale_event_log"]
