@@ -13,7 +13,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, cast
 
-from kvfleet.contract.engine import DTYPES, LOADED_QUANTIZATION_METHODS, SCHEDULING_POLICIES, SchedulingPolicy
+from kvfleet.contract.engine import (
+    DTYPES,
+    LOADED_QUANTIZATION_METHODS,
+    RUNTIMES,
+    SCHEDULING_POLICIES,
+    Runtime,
+    SchedulingPolicy,
+)
 from kvfleet.contract.kv_transfer import Role
 from kvfleet.contract.routing import POLICY_NAMES, PolicyName
 from kvfleet.contract.tiers import DEFAULT_TIER, TIER_NAMES, TierName
@@ -39,6 +46,8 @@ _MAX_GROUP_OBJECT_NAME = 52
 _DNS_1035_LABEL = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
 # Whoever may edit a service but not read its Secret must not be able to choose the key clients need.
 _API_KEY_SOURCE = "the key comes from the Secret named in spec.engine.apiKeySecret"
+# The condition and event reason of a spec that asks spec.engine.runtime's server for what it does not do.
+UNSUPPORTED_BY_RUNTIME_REASON = "UnsupportedByRuntime"
 
 
 class SpecError(ValueError):
@@ -240,8 +249,16 @@ class ModelSpec:
 
 @dataclass(frozen=True)
 class EngineSpec:
+    runtime: Runtime = prop(
+        "The server the replicas run: kvfleet (`kvfleet serve`) or vllm (vLLM's own `vllm serve`, from the "
+        "operator's vLLM image). Options only kvfleet's runtime has are refused with vllm "
+        "(docs/vllm-runtime.md).",
+        "kvfleet",
+    )
     image: str | None = prop(
-        "Runtime image; defaults to the operator's configured image.", None, maxLength=512
+        "Runtime image; defaults to the operator's configured image for spec.engine.runtime.",
+        None,
+        maxLength=512,
     )
     image_pull_policy: PullPolicy = prop("When the kubelet pulls the runtime image.", "IfNotPresent")
     image_pull_secrets: tuple[str, ...] = prop(
@@ -775,7 +792,9 @@ class InferenceServiceSpec:
         ],
     )
     engine: EngineSpec = prop(
-        "Options of the kvfleet runtime (the same names as its command-line flags).", server_default={}
+        "Options of the replicas' runtime (the names of its command-line flags, which kvfleet's and vLLM's "
+        "share).",
+        server_default={},
     )
     resources: ResourcesSpec = prop(
         "What each pod asks of its node: GPUs, CPU and memory, and where it may run.", server_default={}
@@ -877,7 +896,7 @@ def parse_spec(spec: Mapping[str, Any], *, name: str) -> InferenceServiceSpec:
         _check_group_names(name, scaling)
     if scaling.sleeping_replicas:
         _check_sleeping_replicas(root, scaling, resources)
-    return InferenceServiceSpec(
+    parsed = InferenceServiceSpec(
         model=model,
         engine=engine,
         resources=resources,
@@ -889,6 +908,66 @@ def parse_spec(spec: Mapping[str, Any], *, name: str) -> InferenceServiceSpec:
         safety=parse_safety(root.raw.get("safety"), name=name),
         disaggregation=_parse_disaggregation(root, engine, scaling),
     )
+    if engine.runtime == "vllm":
+        _check_vllm_runtime(parsed)
+    return parsed
+
+
+def _check_vllm_runtime(spec: InferenceServiceSpec) -> None:
+    """Refuses, naming the field, what a `vllm serve` replica cannot do: the options of kvfleet's runtime
+    alone, and the features the operator builds on them."""
+    refused = (
+        (
+            spec.engine.max_waiting_requests is not None,
+            "spec.engine.maxWaitingRequests",
+            "vLLM's server has no bound on its waiting queue (kvfleet's --max-waiting-requests)",
+        ),
+        (
+            spec.lora_enabled,
+            "spec.adapters" if spec.adapters else "spec.engine.enableLora",
+            "the operator reports and loads adapters by the source digest of kvfleet's model cards, which "
+            "vLLM's /v1/models does not give",
+        ),
+        (
+            spec.batch is not None,
+            "spec.batch",
+            "vLLM's server keeps no Batch API store (kvfleet's --batch-store; `vllm run-batch` is offline)",
+        ),
+        (
+            spec.safety is not None,
+            "spec.safety",
+            "the guardrails are kvfleet's runtime's (--safety-config); vLLM's server has none",
+        ),
+        (
+            spec.disaggregation is not None,
+            "spec.disaggregation",
+            "the roles move KV blocks with kvfleet's TcpConnector, which vLLM does not have",
+        ),
+        (
+            spec.scaling.sleeping_replicas > 0,
+            "spec.scaling.sleepingReplicas",
+            "vLLM serves /sleep and /wake_up only in its development mode, and a sleeping vLLM replica still "
+            "answers /health, so it would stay Ready and be sent requests",
+        ),
+        (
+            spec.grouped,
+            "spec.resources.gpusPerNode",
+            "a group's pods join with kvfleet's flags and readiness (rank 0's /ready); vLLM's ranks beyond "
+            "the first run headless",
+        ),
+        (
+            spec.routing.policy == "precise-prefix",
+            "spec.routing.policy",
+            "precise-prefix: vLLM's KV events carry its own block hashes, which the gateway does not index "
+            "for a service's pods",
+        ),
+    )
+    for asked, field_path, why in refused:
+        if asked:
+            raise SpecError(
+                UNSUPPORTED_BY_RUNTIME_REASON,
+                f"{field_path} is not served with spec.engine.runtime vllm: {why}",
+            )
 
 
 def rendezvous_name(service: str) -> str:
@@ -966,6 +1045,7 @@ def _parse_engine(section: _Section) -> EngineSpec:
     extra_args = section.strings("extraArgs")
     _refuse_flag(section, extra_args, API_KEY_FLAG, _API_KEY_SOURCE)
     return EngineSpec(
+        runtime=cast(Runtime, section.choice("runtime", RUNTIMES, defaults.runtime)),
         image=section.string("image"),
         image_pull_policy=cast(
             PullPolicy, section.choice("imagePullPolicy", PULL_POLICIES, defaults.image_pull_policy)
