@@ -7,7 +7,7 @@ import json
 from typing import Any
 
 import pytest
-from kvfleet.operator.api import API_KEY_ENV
+from kvfleet.operator.api import API_KEY_ENV, API_VERSION, KIND
 from kvfleet.operator.render import Owner, RenderOptions, render_children
 from kvfleet.operator.render_pod import runtime_args
 from kvfleet.operator.safety import SafetyPlatform, check_guardrails_served
@@ -39,6 +39,10 @@ EVERY_SHARED_OPTION = {
     },
     "resources": {"gpus": 4},
 }
+
+
+def service_object(raw: dict[str, Any]) -> dict[str, Any]:
+    return {"apiVersion": API_VERSION, "kind": KIND, "metadata": {"name": "svc"}, "spec": raw}
 
 
 def with_runtime(raw: dict[str, Any], runtime: str) -> dict[str, Any]:
@@ -119,32 +123,41 @@ def test_vllm_reads_the_services_api_key_from_its_own_variable() -> None:
     assert API_KEY_ENV not in {variable["name"] for variable in env}
 
 
-@pytest.mark.parametrize(
-    ("sections", "field_path"),
-    [
-        ({"engine": {"maxWaitingRequests": 10}}, "spec.engine.maxWaitingRequests"),
-        ({"engine": {"enableLora": True}}, "spec.engine.enableLora"),
-        ({"adapters": [{"name": "a", "uri": "pvc://loras/a"}]}, "spec.adapters"),
-        ({"batch": {"storage": "EmptyDir"}, "scaling": {"maxReplicas": 1}}, "spec.batch"),
-        ({"safety": {"level": "high"}}, "spec.safety"),
-        ({"disaggregation": {}}, "spec.disaggregation"),
-        ({"scaling": {"sleepingReplicas": 1}}, "spec.scaling.sleepingReplicas"),
-        (
-            {"engine": {"tensorParallelSize": 2}, "resources": {"gpus": 1, "gpusPerNode": 1}},
-            "spec.resources.gpusPerNode",
-        ),
-        ({"routing": {"policy": "precise-prefix"}}, "spec.routing.policy"),
-    ],
-)
-def test_what_only_kvfleets_runtime_does_is_refused_by_name(
-    sections: dict[str, Any], field_path: str
-) -> None:
-    raw = {"model": {"uri": "file:///m"}, **sections}
-    parse_spec(raw, name="svc")  # kvfleet's runtime serves it
+REFUSED = {
+    "engine.maxWaitingRequests": {"engine": {"maxWaitingRequests": 10}},
+    "engine.enableLora": {"engine": {"enableLora": True}},
+    "adapters": {"adapters": [{"name": "a", "uri": "pvc://loras/a"}]},
+    "batch": {"batch": {"storage": "EmptyDir"}, "scaling": {"maxReplicas": 1}},
+    "safety": {"safety": {"level": "high"}},
+    "disaggregation": {"disaggregation": {}},
+    "scaling.sleepingReplicas": {"scaling": {"sleepingReplicas": 1}},
+    "resources.gpusPerNode": {
+        "engine": {"tensorParallelSize": 2},
+        "resources": {"gpus": 1, "gpusPerNode": 1},
+    },
+    "routing.policy": {"routing": {"policy": "precise-prefix"}},
+}
+
+
+@pytest.mark.parametrize("field_path", REFUSED)
+def test_what_only_kvfleets_runtime_does_is_refused_by_name(field_path: str, crd_validator: Any) -> None:
+    """By the operator and, the same, by the API server; both serve it on kvfleet's runtime."""
+    raw = {"model": {"uri": "file:///m"}, **REFUSED[field_path]}
+    refusal = f"{field_path} is not served with engine.runtime vllm: "
+    parse_spec(raw, name="svc")
+    _, errors = crd_validator.admit(service_object(raw))
+    assert errors == []
     with pytest.raises(SpecError) as refused:
         parse_spec(with_runtime(raw, "vllm"), name="svc")
     assert refused.value.reason == UNSUPPORTED_BY_RUNTIME_REASON
-    assert refused.value.message.startswith(f"{field_path} is not served with spec.engine.runtime vllm: ")
+    assert refused.value.message.startswith(f"spec.{refusal}")
+    _, errors = crd_validator.admit(service_object(with_runtime(raw, "vllm")))
+    assert [error for error in errors if refusal in error], errors
+
+
+def test_a_vllm_service_of_the_shared_options_is_admitted(crd_validator: Any) -> None:
+    _, errors = crd_validator.admit(service_object(with_runtime(EVERY_SHARED_OPTION, "vllm")))
+    assert errors == []
 
 
 def test_a_platform_safety_policy_refuses_vllm_which_has_no_guardrails() -> None:
