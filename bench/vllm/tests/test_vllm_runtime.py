@@ -1,7 +1,7 @@
 """vLLM itself under kvfleet's operator and gateway: an InferenceService with `runtime: vllm` runs
 `vllm serve` (vLLM's CPU build) in its pods, answers a chat completion through the gateway with the openai
 SDK, and a burst sent through the gateway fills vLLM's own waiting queue, on which the operator adds a
-replica that the gateway then sends requests to.
+replica that the gateway then sends requests to. What only kvfleet's runtime does, the API server refuses.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from e2e.cluster import LocalCluster
+from e2e.cluster import ApiError, LocalCluster
 from e2e.fleet.chart import OperatorRelease
 from e2e.fleet.gateway import metric
 from e2e.fleet.manifests import inference_service, services_path
@@ -77,6 +77,18 @@ def service(cluster: LocalCluster, release: OperatorRelease, small_model_dir: Pa
     wait_ready(cluster.api, NAMESPACE, NAME, timeout=READY_SECONDS)
     yield NAME
     cluster.api.delete(services_path(NAMESPACE, NAME))
+
+
+def test_the_api_server_refuses_what_only_kvfleets_runtime_does(
+    cluster: LocalCluster, release: OperatorRelease, small_model_dir: Path
+) -> None:
+    manifest = vllm_service(small_model_dir)
+    manifest["metadata"]["name"] = "vllm-with-batch"
+    manifest["spec"] |= {"batch": {"storage": "EmptyDir"}, "scaling": {"replicas": 1}}
+    with pytest.raises(ApiError) as refused:
+        cluster.api.create(services_path("default"), manifest)
+    assert refused.value.status == 422
+    assert "batch is not served with engine.runtime vllm" in str(refused.value)
 
 
 @pytest.mark.timeout(1200)
