@@ -7,6 +7,8 @@ import json
 from typing import Any
 
 import pytest
+from kvfleet.gateway.discovery import ModelConfig
+from kvfleet.gateway.kube import model_configs
 from kvfleet.operator.api import API_KEY_ENV, API_VERSION, KIND
 from kvfleet.operator.render import Owner, RenderOptions, render_children
 from kvfleet.operator.render_pod import runtime_args
@@ -169,3 +171,13 @@ def test_a_platform_safety_policy_refuses_vllm_which_has_no_guardrails() -> None
         check_guardrails_served(platform, vllm)
     assert refused.value.reason == UNSUPPORTED_BY_RUNTIME_REASON
     assert "safety.defaults" in refused.value.message
+
+
+@pytest.mark.parametrize(("runtime", "resumes"), [("kvfleet", True), ("vllm", False)])
+def test_the_gateway_resumes_streams_only_on_replicas_that_continue_them(runtime: str, resumes: bool) -> None:
+    service = {
+        "metadata": {"name": "svc", "namespace": "ns"},
+        "spec": with_runtime({"model": {"uri": "file:///m"}}, runtime),
+    }
+    (config,) = model_configs([service], [], ModelConfig(name="", endpoints=())).values()
+    assert config.replicas_resume is resumes
