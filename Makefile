@@ -22,8 +22,8 @@ VLLM_VENV ?= $(KVFLEET_CACHE)/vllm-venv
 VLLM_TORCH := torch==2.13.0
 VLLM_STAMP := $(VLLM_VENV)/.vllm-$(shell echo $(VLLM_TORCH) | cat - bench/vllm/requirements.txt | sha256sum | cut -c1-16)
 
-.PHONY: setup test test-unit test-e2e lint demo demo-runtime bench-vs-vllm kv-events-vs-vllm clean-venv images test-images crds \
-	push chart push-chart
+.PHONY: setup test test-unit test-e2e lint demo demo-runtime bench-vs-vllm kv-events-vs-vllm test-vllm-runtime clean-venv \
+	images test-images crds push chart push-chart
 
 # -P keeps the checkout off sys.path: its operator/ package would shadow the standard library's `operator`
 # for any `python -m` run here before the editable install exists.
@@ -115,6 +115,12 @@ bench-vs-vllm: setup $(VLLM_STAMP)
 kv-events-vs-vllm: setup $(VLLM_STAMP)
 	$(PY) bench/vllm/kv_events.py --vllm-python $(VLLM_VENV)/bin/python \
 		--model $(KVFLEET_CACHE)/bench-vs-vllm/small --workdir $(KVFLEET_CACHE)/kv-events-vs-vllm
+
+# vLLM itself as an InferenceService's runtime (spec.engine.runtime: vllm), its CPU build in its environment as
+# above, on a local control plane with the chart and its gateway (several minutes): a chat completion through
+# the gateway, then a burst that fills vLLM's queue until the operator adds a replica. Not part of `make test`.
+test-vllm-runtime: setup $(VLLM_STAMP)
+	VLLM_PYTHON=$(VLLM_VENV)/bin/python $(PY) -m pytest bench/vllm/tests $(PYTEST_ARGS)
 
 # torch first with its own dependencies, then vLLM and what it imports, exactly as pinned (see the file).
 $(VLLM_STAMP): bench/vllm/requirements.txt

@@ -1,9 +1,14 @@
 """The engine's choices that the operator renders into a replica's flags: `--scheduling-policy`, `--dtype`
-and `--quantization` take exactly these values."""
+and `--quantization` take exactly these values; and the runtime that serves the replicas."""
 
 from __future__ import annotations
 
 from typing import Literal, get_args
+
+# kvfleet: `kvfleet serve`, this project's runtime; vllm: `vllm serve`, vLLM's own server, with the flags
+# both share (kvfleet's runtime keeps vLLM's names) and none of kvfleet's own.
+Runtime = Literal["kvfleet", "vllm"]
+RUNTIMES: tuple[Runtime, ...] = get_args(Runtime)
 
 # fcfs: arrival order; priority: lower priority value first, preempting less urgent requests.
 SchedulingPolicy = Literal["fcfs", "priority"]

@@ -78,6 +78,10 @@ class ModelConfig:
     # Of a service that keeps replicas asleep (spec.scaling.sleepingReplicas), its started replicas that are
     # not ready: a request that finds no ready replica wakes one of them (POST /wake_up) and goes there.
     sleeping_endpoints: tuple[str, ...] = ()
+    # Whether its replicas continue a request from the tokens another replica delivered (kvfleet's
+    # `continuation`). vLLM's do not, and would start it again: their streams are relayed as they come,
+    # and one whose replica fails mid-way ends there instead of being resumed.
+    replicas_resume: bool = True
 
     @property
     def upstream_name(self) -> str:

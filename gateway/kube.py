@@ -123,6 +123,7 @@ def model_configs(
             # Checked equal to the service's own key before it goes on; a service with none needs none.
             forward_authorization=secret is not None,
             sleeping_endpoints=tuple(sorted(set(sleepers))),
+            replicas_resume=spec.engine.runtime == "kvfleet",
         )
     return models
 

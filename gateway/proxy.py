@@ -395,7 +395,7 @@ class Gateway:
         headers = _for_replicas_of(
             config, _forward_headers(request.headers, request.remote, self.trusted_proxies)
         )
-        resumable = _resumable(request.path, routed.payload)
+        resumable = config.replicas_resume and _resumable(request.path, routed.payload)
         payload, body = _for_replicas(config, routed, body, resumable)
         if resumable:
             headers = _identity_encoded(headers)

@@ -60,6 +60,13 @@ logger = logging.getLogger(__name__)
     default=None,
     help="Image of the runtime pods when a resource names none.  [default: kvfleet/runtime:0.1.0]",
 )
+@click.option(
+    "--vllm-image",
+    envvar="KVFLEET_VLLM_IMAGE",
+    default=None,
+    help="Image of the pods of resources with spec.engine.runtime vllm that name none (it runs `vllm "
+    "serve`).  [default: vllm/vllm-openai:v0.32.0]",
+)
 @click.option("--cluster-domain", envvar="KVFLEET_CLUSTER_DOMAIN", default="cluster.local", show_default=True)
 @click.option(
     "--priority-class-prefix",
@@ -117,6 +124,7 @@ def operator_command(
     health_port: int,
     bind: str,
     runtime_image: str | None,
+    vllm_image: str | None,
     cluster_domain: str,
     priority_class_prefix: str,
     service_monitor_labels: str,
@@ -142,6 +150,7 @@ def operator_command(
         kube_context=kube_context,
         api_concurrency=api_concurrency,
         runtime_image=runtime_image,
+        vllm_image=vllm_image,
         cluster_domain=cluster_domain,
         priority_class_prefix=priority_class_prefix,
         service_monitor_labels=service_monitor_labels,
@@ -184,6 +193,7 @@ def _operator_context(
     kube_context: str | None,
     api_concurrency: int,
     runtime_image: str | None,
+    vllm_image: str | None,
     cluster_domain: str,
     priority_class_prefix: str,
     service_monitor_labels: str,
@@ -195,7 +205,7 @@ def _operator_context(
     """What every handler shares: the cluster's API, the render options and the scrape limits."""
     from kvfleet.operator.context import OperatorContext
     from kvfleet.operator.kube import KubeApi
-    from kvfleet.operator.render import DEFAULT_RUNTIME_IMAGE, RenderOptions
+    from kvfleet.operator.render import DEFAULT_RUNTIME_IMAGE, DEFAULT_VLLM_IMAGE, RenderOptions
     from kvfleet.operator.safety import SafetyPlatform
     from kvfleet.operator.scrape import DEFAULT_MAX_PAGE_BYTES
 
@@ -206,6 +216,7 @@ def _operator_context(
         raise click.BadParameter(str(error), param_hint="--safety-defaults/--safety-allow-loosen") from None
     options = RenderOptions(
         runtime_image=runtime_image or DEFAULT_RUNTIME_IMAGE,
+        vllm_image=vllm_image or DEFAULT_VLLM_IMAGE,
         cluster_domain=cluster_domain,
         priority_class_prefix=priority_class_prefix,
         service_monitor_labels=_labels(service_monitor_labels),

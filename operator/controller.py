@@ -44,7 +44,13 @@ from kvfleet.operator.render import (
     service_url,
 )
 from kvfleet.operator.render_pod import adapter_source
-from kvfleet.operator.safety import GUARD_UNAVAILABLE_REASON, GuardState, check_loosening, guard_service
+from kvfleet.operator.safety import (
+    GUARD_UNAVAILABLE_REASON,
+    GuardState,
+    check_guardrails_served,
+    check_loosening,
+    guard_service,
+)
 from kvfleet.operator.scrape import ScrapeFailure, ScrapeTarget
 from kvfleet.operator.secret_refs import check_labelled, secret_references, unreadable
 from kvfleet.operator.sleepers import Sleepers
@@ -256,6 +262,7 @@ class ServiceController:
         try:
             spec = parse_spec(body.get("spec") or {}, name=self.owner.name)
             check_loosening(self.options().safety, spec.safety)
+            check_guardrails_served(self.options().safety, spec)
             await self._check_secrets(spec)
         except SpecError as error:
             self.metrics.reconciles.labels("invalid").inc()

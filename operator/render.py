@@ -44,6 +44,8 @@ from kvfleet.operator.spec import InferenceServiceSpec, group_name, rendezvous_n
 from kvfleet.operator.tiers import DEFAULT_PRIORITY_CLASS_PREFIX
 
 DEFAULT_RUNTIME_IMAGE = "kvfleet/runtime:0.1.0"
+# vLLM's own image (its OpenAI server; GPU build), for services with spec.engine.runtime vllm.
+DEFAULT_VLLM_IMAGE = "vllm/vllm-openai:v0.32.0"
 LWS_API_VERSION = "leaderworkerset.x-k8s.io/v1"
 SERVICE_PORT = 80
 # Room past the startup timeout for image pulls and model downloads before a rollout counts as failed.
@@ -57,6 +59,7 @@ class RenderOptions:
     """Operator-wide settings that shape every service's manifests."""
 
     runtime_image: str = DEFAULT_RUNTIME_IMAGE
+    vllm_image: str = DEFAULT_VLLM_IMAGE
     cluster_domain: str = "cluster.local"
     service_monitor: bool = False
     # What the cluster's Prometheus selects ServiceMonitors by (chart value metrics.serviceMonitor.labels).
@@ -294,9 +297,14 @@ def _pod_template(
     group: GroupPlacement | None = None,
     role: Role | None = None,
 ) -> dict[str, Any]:
-    image = spec.engine.image or options.runtime_image
+    default_image = options.vllm_image if spec.engine.runtime == "vllm" else options.runtime_image
+    image = spec.engine.image or default_image
     safety = safety_config(options.safety, spec.safety, owner.namespace, options.cluster_domain)
-    return pod_template(spec, labels, image, owner.name, safety, group, role, options.priority_class_prefix)
+    # An hf:// model is fetched by kvfleet's `download-model`, which vLLM's image does not have.
+    download_image = image if spec.engine.runtime == "kvfleet" else options.runtime_image
+    return pod_template(
+        spec, labels, image, owner.name, safety, group, role, options.priority_class_prefix, download_image
+    )
 
 
 def render_batch_claim(owner: Owner, spec: InferenceServiceSpec) -> dict[str, Any]:

@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from kvfleet.contract.engine import Runtime
 from kvfleet.contract.kv_events import DEFAULT_EVENTS_PORT, DEFAULT_REPLAY_PORT
 from kvfleet.contract.kv_transfer import Role
 from kvfleet.operator.api import (
@@ -45,6 +46,14 @@ PROBE_PERIOD_SECONDS = 5
 READINESS_PERIOD_SECONDS = 1
 _READINESS_FAILURE_SECONDS = 10
 RUNTIME_USER = 1000
+# What each runtime's container runs, and where it answers whether it takes requests: vLLM's server answers
+# /health once its engine is up (it has no /ready); kvfleet's /ready also says no while it drains or sleeps.
+RUNTIME_COMMANDS: dict[Runtime, list[str]] = {"kvfleet": ["kvfleet", "serve"], "vllm": ["vllm", "serve"]}
+READINESS_PATHS: dict[Runtime, str] = {"kvfleet": "/ready", "vllm": "/health"}
+# The flag of how long a stopping replica lets its requests finish (spec.engine.drainTimeoutSeconds).
+DRAIN_FLAGS: dict[Runtime, str] = {"kvfleet": "--drain-timeout", "vllm": "--shutdown-timeout"}
+# The variable each runtime reads its API key from; the Secret holds it under API_KEY_ENV either way.
+API_KEY_VARIABLES: dict[Runtime, str] = {"kvfleet": API_KEY_ENV, "vllm": "VLLM_API_KEY"}
 # A group's pod reads its rank from one of its labels (downward API) into this variable, which its flags use.
 NODE_RANK_ENV = "KVFLEET_NODE_RANK"
 # The pod's own address, where the readiness probe of a group's pod asks (the server listens on every
@@ -158,33 +167,15 @@ def publishes_kv_events(spec: InferenceServiceSpec) -> bool:
 def runtime_args(
     spec: InferenceServiceSpec, safety_config: str | None = None, role: Role | None = None
 ) -> list[str]:
-    """`kvfleet serve` flags, in the runtime's own names; `safety_config` is the merged safety policy, `role`
-    the side a replica of a disaggregated service takes."""
-    engine, tier = spec.engine, TIERS[spec.sla.tier]
-    args = ["--model", model_path(spec.model), "--served-model-name", spec.model.served_name]
-    args += ["--host", "0.0.0.0", "--port", str(HTTP_PORT)]
-    optional_values: list[tuple[str, object]] = [
-        ("--tokenizer", spec.model.tokenizer),
-        ("--chat-template", spec.model.chat_template),
-        ("--max-num-seqs", engine.max_num_seqs),
-        ("--max-model-len", engine.max_model_len),
-        ("--block-size", engine.block_size),
-    ]
-    args += _flags(optional_values)
-    if engine.enable_prefix_caching is not None:
-        args.append(
-            "--enable-prefix-caching" if engine.enable_prefix_caching else "--no-enable-prefix-caching"
-        )
-    args += ["--scheduling-policy", spec.scheduling_policy]
-    args += _flags([("--dtype", engine.dtype), ("--quantization", engine.quantization)])
-    if engine.enable_expert_parallel:
-        args.append("--enable-expert-parallel")
-    # Only sent when it matters, so single-GPU and CPU replicas work with runtimes that lack the flag.
-    if engine.tensor_parallel_size > 1:
-        args += ["--tensor-parallel-size", str(engine.tensor_parallel_size)]
-    if engine.pipeline_parallel_size > 1:
-        args += ["--pipeline-parallel-size", str(engine.pipeline_parallel_size)]
-    args += ["--default-priority", tier.name, "--drain-timeout", str(engine.drain_timeout_seconds)]
+    """The runtime's flags: `kvfleet serve`'s, or for spec.engine.runtime vllm `vllm serve`'s (the model
+    first, as its positional argument); `safety_config` is the merged safety policy, `role` the side a replica
+    of a disaggregated service takes (kvfleet's alone: parse_spec refuses both for vLLM)."""
+    engine = spec.engine
+    drain = [DRAIN_FLAGS[engine.runtime], str(engine.drain_timeout_seconds)]
+    if engine.runtime == "vllm":
+        return [model_path(spec.model), *_shared_args(spec), *drain, *engine.extra_args]
+    args = ["--model", model_path(spec.model), *_shared_args(spec)]
+    args += ["--default-priority", TIERS[spec.sla.tier].name, *drain]
     if spec.scaling.sleeping_replicas:
         args.append("--enable-sleep-mode")
     args += _flags([("--max-waiting-requests", engine.max_waiting_requests)])
@@ -208,6 +199,34 @@ def runtime_args(
     return args + list(engine.extra_args)
 
 
+def _shared_args(spec: InferenceServiceSpec) -> list[str]:
+    """The flags kvfleet's runtime and vLLM's server both take, by the same names."""
+    engine = spec.engine
+    args = ["--served-model-name", spec.model.served_name, "--host", "0.0.0.0", "--port", str(HTTP_PORT)]
+    optional_values: list[tuple[str, object]] = [
+        ("--tokenizer", spec.model.tokenizer),
+        ("--chat-template", spec.model.chat_template),
+        ("--max-num-seqs", engine.max_num_seqs),
+        ("--max-model-len", engine.max_model_len),
+        ("--block-size", engine.block_size),
+    ]
+    args += _flags(optional_values)
+    if engine.enable_prefix_caching is not None:
+        args.append(
+            "--enable-prefix-caching" if engine.enable_prefix_caching else "--no-enable-prefix-caching"
+        )
+    args += ["--scheduling-policy", spec.scheduling_policy]
+    args += _flags([("--dtype", engine.dtype), ("--quantization", engine.quantization)])
+    if engine.enable_expert_parallel:
+        args.append("--enable-expert-parallel")
+    # Only sent when it matters, so single-GPU and CPU replicas work with runtimes that lack the flag.
+    if engine.tensor_parallel_size > 1:
+        args += ["--tensor-parallel-size", str(engine.tensor_parallel_size)]
+    if engine.pipeline_parallel_size > 1:
+        args += ["--pipeline-parallel-size", str(engine.pipeline_parallel_size)]
+    return args
+
+
 def termination_grace_seconds(spec: InferenceServiceSpec) -> int:
     return PRESTOP_DELAY_SECONDS + spec.engine.drain_timeout_seconds + EXIT_MARGIN_SECONDS
 
@@ -225,10 +244,12 @@ def pod_template(
     group: GroupPlacement | None = None,
     role: Role | None = None,
     priority_class_prefix: str = DEFAULT_PRIORITY_CLASS_PREFIX,
+    download_image: str | None = None,
 ) -> dict[str, Any]:
     """`group`: where the pod stands in a replica group, for a model that spans nodes; `role`: the side its
     replica takes in a disaggregated service; `priority_class_prefix`: the chart release's, of its tiers'
-    PriorityClasses."""
+    PriorityClasses; `download_image`: the kvfleet image whose `kvfleet download-model` fetches an hf://
+    model, when `image` is another runtime's (None: `image`)."""
     engine = spec.engine
     volumes, mounts = _pod_volumes(spec, service_name)
     pod_spec: dict[str, Any] = {
@@ -246,7 +267,7 @@ def pod_template(
         "containers": [_runtime_container(spec, image, mounts, safety_config, group, role)],
         "volumes": volumes,
     }
-    init = _download_container(spec.model, image, engine.image_pull_policy)
+    init = _download_container(spec.model, download_image or image, engine.image_pull_policy)
     if init is not None:
         pod_spec["initContainers"] = [init]
     if engine.image_pull_secrets:
@@ -290,7 +311,7 @@ def _runtime_container(
     engine = spec.engine
     ports = [{"name": HTTP_PORT_NAME, "containerPort": HTTP_PORT, "protocol": "TCP"}]
     args, env = runtime_args(spec, safety_config, role), _runtime_env(spec)
-    readiness = _readiness_probe("/ready")
+    readiness = _readiness_probe(READINESS_PATHS[engine.runtime])
     if group is not None:
         readiness = _join_group(group, args, env, ports)
     if role is not None:
@@ -303,7 +324,7 @@ def _runtime_container(
         "name": "runtime",
         "image": image,
         "imagePullPolicy": engine.image_pull_policy,
-        "command": ["kvfleet", "serve"],
+        "command": RUNTIME_COMMANDS[engine.runtime],
         "args": args,
         "ports": ports,
         "env": env,
@@ -375,7 +396,8 @@ def _runtime_env(spec: InferenceServiceSpec) -> list[dict[str, Any]]:
         # Last, so that the Secret's key wins over any entry of the same name before it (the schema and
         # parse_spec refuse such entries; this holds however the spec was made).
         secret_ref = {"name": spec.engine.api_key_secret, "key": API_KEY_ENV}
-        env.append({"name": API_KEY_ENV, "valueFrom": {"secretKeyRef": secret_ref}})
+        variable = API_KEY_VARIABLES[spec.engine.runtime]
+        env.append({"name": variable, "valueFrom": {"secretKeyRef": secret_ref}})
     return env
 
 

@@ -27,7 +27,7 @@ from kvfleet.contract.safety import (
 )
 from kvfleet.contract.tiers import TIER_NAMES
 from kvfleet.operator.schema import Rule, array, boolean, integer, number, obj, string
-from kvfleet.operator.spec import SpecError
+from kvfleet.operator.spec import UNSUPPORTED_BY_RUNTIME_REASON, InferenceServiceSpec, SpecError
 
 # What the platform may let services loosen (chart value safety.allowLoosen).
 LOOSENABLE = ("level", "action", "checkers", "failOpen", "logContent")
@@ -260,6 +260,17 @@ def check_loosening(platform: SafetyPlatform, service: Mapping[str, Any] | None)
         raise SpecError(
             LOOSENED_REASON,
             f"the safety policy loosens the platform's where it does not allow: {'; '.join(problems)}",
+        )
+
+
+def check_guardrails_served(platform: SafetyPlatform, spec: InferenceServiceSpec) -> None:
+    """Raises SpecError for a vLLM service under a platform safety policy: vLLM's server has no guardrails,
+    and running it would serve the service without the policy every service is meant to have."""
+    if spec.engine.runtime == "vllm" and platform.defaults:
+        raise SpecError(
+            UNSUPPORTED_BY_RUNTIME_REASON,
+            "spec.engine.runtime vllm is refused under the platform's safety policy (chart values "
+            "safety.defaults): its guardrails run in kvfleet's runtime, and vLLM's server has none",
         )
 
 

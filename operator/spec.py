@@ -9,11 +9,18 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, cast
 
-from kvfleet.contract.engine import DTYPES, LOADED_QUANTIZATION_METHODS, SCHEDULING_POLICIES, SchedulingPolicy
+from kvfleet.contract.engine import (
+    DTYPES,
+    LOADED_QUANTIZATION_METHODS,
+    RUNTIMES,
+    SCHEDULING_POLICIES,
+    Runtime,
+    SchedulingPolicy,
+)
 from kvfleet.contract.kv_transfer import Role
 from kvfleet.contract.routing import POLICY_NAMES, PolicyName
 from kvfleet.contract.tiers import DEFAULT_TIER, TIER_NAMES, TierName
@@ -39,6 +46,12 @@ _MAX_GROUP_OBJECT_NAME = 52
 _DNS_1035_LABEL = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
 # Whoever may edit a service but not read its Secret must not be able to choose the key clients need.
 _API_KEY_SOURCE = "the key comes from the Secret named in spec.engine.apiKeySecret"
+# The condition and event reason of a spec that asks spec.engine.runtime's server for what it does not do.
+UNSUPPORTED_BY_RUNTIME_REASON = "UnsupportedByRuntime"
+_VLLM_LORA = (
+    "the operator reports and loads adapters by the source digest of kvfleet's model cards, which vLLM's "
+    "/v1/models does not give"
+)
 
 
 class SpecError(ValueError):
@@ -65,6 +78,91 @@ NAME_RULES = (
         "and ending with a letter or digit): the Service takes the name",
     ),
 )
+
+
+@dataclass(frozen=True)
+class RuntimeRefusal:
+    """A field that asks for what only kvfleet's runtime does, refused with spec.engine.runtime vllm: by the
+    API server (`asks_cel`, whether the spec sets it, in CEL) and by parse_spec (`asks`, the same of the
+    parsed spec)."""
+
+    field_path: str
+    asks_cel: str
+    asks: Callable[[InferenceServiceSpec], bool]
+    why: str
+
+    @property
+    def message(self) -> str:
+        return f"{self.field_path} is not served with engine.runtime vllm: {self.why}"
+
+    def rule(self) -> Rule:
+        return Rule(
+            f"!has(self.engine.runtime) || self.engine.runtime != 'vllm' || !({self.asks_cel})", self.message
+        )
+
+
+# The options of kvfleet's runtime alone, and the features the operator builds on them.
+VLLM_REFUSALS = (
+    RuntimeRefusal(
+        "engine.maxWaitingRequests",
+        "has(self.engine.maxWaitingRequests)",
+        lambda spec: spec.engine.max_waiting_requests is not None,
+        "vLLM's server has no bound on its waiting queue (kvfleet's --max-waiting-requests)",
+    ),
+    RuntimeRefusal(
+        "adapters",
+        "has(self.adapters) && size(self.adapters) > 0",
+        lambda spec: bool(spec.adapters),
+        _VLLM_LORA,
+    ),
+    RuntimeRefusal(
+        "engine.enableLora",
+        "has(self.engine.enableLora) && self.engine.enableLora",
+        lambda spec: spec.engine.enable_lora,
+        _VLLM_LORA,
+    ),
+    RuntimeRefusal(
+        "batch",
+        "has(self.batch)",
+        lambda spec: spec.batch is not None,
+        "vLLM's server keeps no Batch API store (kvfleet's --batch-store; `vllm run-batch` is offline)",
+    ),
+    RuntimeRefusal(
+        "safety",
+        "has(self.safety)",
+        lambda spec: spec.safety is not None,
+        "the guardrails are kvfleet's runtime's (--safety-config); vLLM's server has none",
+    ),
+    RuntimeRefusal(
+        "disaggregation",
+        "has(self.disaggregation)",
+        lambda spec: spec.disaggregation is not None,
+        "the roles move KV blocks with kvfleet's TcpConnector, which vLLM does not have",
+    ),
+    RuntimeRefusal(
+        "scaling.sleepingReplicas",
+        "has(self.scaling) && has(self.scaling.sleepingReplicas) && self.scaling.sleepingReplicas > 0",
+        lambda spec: spec.scaling.sleeping_replicas > 0,
+        "vLLM serves /sleep and /wake_up only in its development mode, and a sleeping vLLM replica still "
+        "answers /health, so it would stay Ready and be sent requests",
+    ),
+    RuntimeRefusal(
+        "resources.gpusPerNode",
+        f"has(self.resources) && has(self.resources.gpusPerNode) && self.resources.gpusPerNode < {_RANKS}",
+        lambda spec: spec.grouped,
+        "a replica over several nodes joins its pods with kvfleet's flags and readiness (rank 0's /ready); "
+        "vLLM's ranks past the first run headless",
+    ),
+    RuntimeRefusal(
+        "routing.policy",
+        "has(self.routing) && has(self.routing.policy) && self.routing.policy == 'precise-prefix'",
+        lambda spec: spec.routing.policy == "precise-prefix",
+        "precise-prefix: vLLM's KV events carry its own block hashes, which the gateway does not index for "
+        "a service's pods",
+    ),
+)
+
+
 # Across sections, as _parse_resources and _parse_batch check them. The messages are fixed: the API server's
 # cost estimate refuses messageExpressions that print the numbers (the operator's own checks name them).
 SPEC_RULES = (
@@ -128,6 +226,7 @@ SPEC_RULES = (
         "batch needs a single replica (scaling.replicas or scaling.maxReplicas at most 1): the Batch API's "
         "store belongs to one replica",
     ),
+    *(refusal.rule() for refusal in VLLM_REFUSALS),
 )
 # The scale subresource (`kubectl scale`, HPA, KEDA) writes scaling.replicas. On a service the autoscaler
 # sizes, that write would silently turn the autoscaler off, so the count may be added only in a change that
@@ -240,8 +339,16 @@ class ModelSpec:
 
 @dataclass(frozen=True)
 class EngineSpec:
+    runtime: Runtime = prop(
+        "The server the replicas run: kvfleet (`kvfleet serve`) or vllm (vLLM's own `vllm serve`, from the "
+        "operator's vLLM image). Options only kvfleet's runtime has are refused with vllm "
+        "(docs/vllm-runtime.md).",
+        "kvfleet",
+    )
     image: str | None = prop(
-        "Runtime image; defaults to the operator's configured image.", None, maxLength=512
+        "Runtime image; defaults to the operator's configured image for spec.engine.runtime.",
+        None,
+        maxLength=512,
     )
     image_pull_policy: PullPolicy = prop("When the kubelet pulls the runtime image.", "IfNotPresent")
     image_pull_secrets: tuple[str, ...] = prop(
@@ -775,7 +882,9 @@ class InferenceServiceSpec:
         ],
     )
     engine: EngineSpec = prop(
-        "Options of the kvfleet runtime (the same names as its command-line flags).", server_default={}
+        "Options of the replicas' runtime (the names of its command-line flags, which kvfleet's and vLLM's "
+        "share).",
+        server_default={},
     )
     resources: ResourcesSpec = prop(
         "What each pod asks of its node: GPUs, CPU and memory, and where it may run.", server_default={}
@@ -877,7 +986,7 @@ def parse_spec(spec: Mapping[str, Any], *, name: str) -> InferenceServiceSpec:
         _check_group_names(name, scaling)
     if scaling.sleeping_replicas:
         _check_sleeping_replicas(root, scaling, resources)
-    return InferenceServiceSpec(
+    parsed = InferenceServiceSpec(
         model=model,
         engine=engine,
         resources=resources,
@@ -889,6 +998,16 @@ def parse_spec(spec: Mapping[str, Any], *, name: str) -> InferenceServiceSpec:
         safety=parse_safety(root.raw.get("safety"), name=name),
         disaggregation=_parse_disaggregation(root, engine, scaling),
     )
+    if engine.runtime == "vllm":
+        _check_vllm_runtime(parsed)
+    return parsed
+
+
+def _check_vllm_runtime(spec: InferenceServiceSpec) -> None:
+    """Refuses, naming the field, what a `vllm serve` replica cannot do (VLLM_REFUSALS)."""
+    for refusal in VLLM_REFUSALS:
+        if refusal.asks(spec):
+            raise SpecError(UNSUPPORTED_BY_RUNTIME_REASON, f"spec.{refusal.message}")
 
 
 def rendezvous_name(service: str) -> str:
@@ -966,6 +1085,7 @@ def _parse_engine(section: _Section) -> EngineSpec:
     extra_args = section.strings("extraArgs")
     _refuse_flag(section, extra_args, API_KEY_FLAG, _API_KEY_SOURCE)
     return EngineSpec(
+        runtime=cast(Runtime, section.choice("runtime", RUNTIMES, defaults.runtime)),
         image=section.string("image"),
         image_pull_policy=cast(
             PullPolicy, section.choice("imagePullPolicy", PULL_POLICIES, defaults.image_pull_policy)

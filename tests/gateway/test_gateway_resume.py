@@ -330,6 +330,26 @@ def test_an_error_that_is_the_requests_own_is_not_resumed(stream: bool) -> None:
     asyncio.run(scenario())
 
 
+def test_replicas_that_do_not_resume_get_the_clients_body_and_are_never_sent_a_continuation() -> None:
+    """vLLM's replicas would start a continuation again: their streams go to the client as they come."""
+
+    async def scenario() -> None:
+        failing = ScriptedReplica("a", faults=[Fault("reset", after=3)])
+        second = ScriptedReplica("b")
+        body = body_of(CHAT_PATH, stream=True)
+        async with scripted(failing, second) as fleet:
+            config = model("m", *fleet, policy="round-robin", replicas_resume=False)
+            async with running_gateway({"m": config}) as (gateway, _, url):
+                status, _ = await post(url, CHAT_PATH, body)
+                metrics = resume_metrics(gateway.metrics.registry)
+        assert status == 200
+        assert failing.received == [body]
+        assert second.received == []
+        assert metrics["reset"] == 0
+
+    asyncio.run(scenario())
+
+
 def test_a_finished_stream_leaves_its_connection_for_the_next_request() -> None:
     async def scenario() -> None:
         async with (

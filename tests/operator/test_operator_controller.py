@@ -627,6 +627,16 @@ def test_a_loosening_service_is_not_rendered_and_says_why() -> None:
     assert ("Warning", "SafetyLoosened") in [(kind, reason) for kind, reason, _ in events]
 
 
+def test_a_vllm_service_under_the_platforms_safety_policy_is_not_rendered_and_says_why() -> None:
+    cluster, events = FakeCluster(), []
+    controller = _controller(cluster, events, [GuardState.READY])
+    asyncio.run(controller.reconcile(service(engine={"runtime": "vllm"}), Observed(None, [])))
+    assert cluster.applied == []
+    (ready,) = [c for c in cluster.statuses[-1]["conditions"] if c["type"] == "Ready"]
+    assert (ready["status"], ready["reason"]) == ("False", "UnsupportedByRuntime")
+    assert ("Warning", "UnsupportedByRuntime") in [(kind, reason) for kind, reason, _ in events]
+
+
 def test_the_guards_state_is_in_the_status_with_an_event_while_it_is_unavailable() -> None:
     cluster, events, guard = FakeCluster(), [], [GuardState.NOT_FOUND]
     controller = _controller(cluster, events, guard)

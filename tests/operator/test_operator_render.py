@@ -29,7 +29,13 @@ from kvfleet.operator.api import (
     SERVICE_LABEL,
 )
 from kvfleet.operator.render import Owner, RenderOptions, Replicas, render_children, service_url
-from kvfleet.operator.render_pod import PRESTOP_DELAY_SECONDS, adapter_source, runtime_args
+from kvfleet.operator.render_pod import (
+    DRAIN_FLAGS,
+    PRESTOP_DELAY_SECONDS,
+    READINESS_PATHS,
+    adapter_source,
+    runtime_args,
+)
 from kvfleet.operator.spec import InferenceServiceSpec, parse_spec
 
 GOLDEN = Path(__file__).parent / "golden"
@@ -122,12 +128,13 @@ def test_deployment_never_drops_capacity_and_drains(example_path: Path) -> None:
     for pod in pod_specs(children):
         container = pod["containers"][0]
         drain = spec.engine.drain_timeout_seconds
-        assert container["args"][container["args"].index("--drain-timeout") + 1] == str(drain)
+        drain_flag = DRAIN_FLAGS[spec.engine.runtime]
+        assert container["args"][container["args"].index(drain_flag) + 1] == str(drain)
         assert pod["terminationGracePeriodSeconds"] > drain + PRESTOP_DELAY_SECONDS
         assert container["lifecycle"]["preStop"]["sleep"]["seconds"] == PRESTOP_DELAY_SECONDS
         if not spec.grouped:
             readiness = container["readinessProbe"]
-            assert readiness["httpGet"]["path"] == "/ready"
+            assert readiness["httpGet"]["path"] == READINESS_PATHS[spec.engine.runtime]
             # A replica takes traffic within a second of being ready (a request held at zero waits on it).
             assert readiness.get("initialDelaySeconds", 0) == 0 and readiness["periodSeconds"] == 1
         assert container["livenessProbe"]["httpGet"]["path"] == "/health"
