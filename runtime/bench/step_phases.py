@@ -6,7 +6,7 @@ the runner's pieces, the model's projections and attention backend) for the leng
 nothing in the engine knows about them. Each phase's time per step is the median over the measured steps,
 and of several rounds the one with the fastest whole step is kept, so that a burst of other work on the
 machine distorts the figures as little as possible. After each round the machine's read bandwidth is
-measured on the engine's threads (`bandwidth`); the fastest of the rounds bounds the step.
+measured on the engine's threads (`bandwidth`), and the highest of the rounds bounds the step.
 """
 
 from __future__ import annotations
