@@ -131,18 +131,28 @@ def kvfleet_release(local_cluster: LocalCluster) -> Iterator[OperatorRelease]:
     uninstall_chart(release)
 
 
-@pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny random Llama with its tokenizer, made by `kvfleet make-model` (a few seconds)."""
-    path = tmp_path_factory.mktemp("models") / "tiny-llama"
+def _make_tiny_model(path: Path, *options: str) -> Path:
     kvfleet = Path(sys.executable).parent / "kvfleet"
     subprocess.run(
-        [str(kvfleet), "make-model", "--arch", "llama", "--preset", "tiny", str(path)],
+        [str(kvfleet), "make-model", "--arch", "llama", "--preset", "tiny", *options, str(path)],
         check=True,
         capture_output=True,
         text=True,
     )
     return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Llama with its tokenizer, made by `kvfleet make-model` (a few seconds)."""
+    return _make_tiny_model(tmp_path_factory.mktemp("models") / "tiny-llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_w8a16_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Llama with its projections stored as int8 weights with float scales, in compressed-tensors'
+    format (`make-model --quantize w8a16`, a few seconds)."""
+    return _make_tiny_model(tmp_path_factory.mktemp("models") / "tiny-llama-w8a16", "--quantize", "w8a16")
 
 
 def _delete_inference_services(api: KubeAPI, namespace: str, timeout: float) -> None:

@@ -3,7 +3,8 @@ gateway replicas route by model through the openai SDK; a service at zero is wok
 gateway holds and then serves, and goes back to zero when idle; one whose replica sleeps is answered in
 seconds by that replica; a runtime replica killed under load costs no non-streamed request (the gateway
 retries it on the other replica); a gateway replica killed leaves the other carrying the traffic; two
-namespaces serving the same name take neither the other's traffic nor its key."""
+namespaces serving the same name (one of them with int8 weights, `engine.quantization`) take neither the
+other's traffic nor its key."""
 
 from __future__ import annotations
 
@@ -263,19 +264,28 @@ def test_two_namespaces_serving_one_name_take_neither_the_others_traffic_nor_its
     gateway: ReadyEndpoints,
     namespace: str,
     tiny_model_dir: Path,
+    tiny_w8a16_model_dir: Path,
 ) -> None:
     with fresh_namespace(local_cluster, f"{namespace[:50]}-other") as other:
         # Serving every namespace, the gateway reads API keys only where the platform lets it.
         upgrade_release(local_cluster, kvfleet_release, f"gateway.keyNamespaces={{{namespace},{other}}}")
         try:
-            _serve_one_name_from_two_namespaces(local_cluster, gateway, namespace, other, tiny_model_dir)
+            # The other namespace serves its model with int8 weights (engine.quantization).
+            quantized = {"quantization": "compressed-tensors"}
+            folders = {namespace: (tiny_model_dir, {}), other: (tiny_w8a16_model_dir, quantized)}
+            _serve_one_name_from_two_namespaces(local_cluster, gateway, namespace, other, folders)
         finally:
             upgrade_release(local_cluster, kvfleet_release, "gateway.keyNamespaces={}")
 
 
 def _serve_one_name_from_two_namespaces(
-    local_cluster: LocalCluster, gateway: ReadyEndpoints, namespace: str, other: str, tiny_model_dir: Path
+    local_cluster: LocalCluster,
+    gateway: ReadyEndpoints,
+    namespace: str,
+    other: str,
+    folders: dict[str, tuple[Path, dict[str, str]]],
 ) -> None:
+    """folders: each namespace's model folder and the engine settings it is served with."""
     api = local_cluster.api
     keys: dict[str, str] = {}
     for team in (namespace, other):
@@ -286,7 +296,8 @@ def _serve_one_name_from_two_namespaces(
             "metadata": {"name": "llm-key", "labels": {"kvfleet.dev/secret": "true"}},
             "data": {"KVFLEET_API_KEY": base64.b64encode(keys[team].encode()).decode()},
         }
-        manifest = tiny_service("llm", tiny_model_dir, engine={"apiKeySecret": "llm-key"})
+        model_dir, engine = folders[team]
+        manifest = tiny_service("llm", model_dir, engine={"apiKeySecret": "llm-key", **engine})
         manifest["spec"]["model"]["servedName"] = "shared-model"
         documents = yaml.safe_dump_all([secret, manifest])
         local_cluster.kubectl("apply", "-n", team, "-f", "-", input=documents)
@@ -326,5 +337,9 @@ def _serve_one_name_from_two_namespaces(
     with pytest.raises(openai.NotFoundError):  # the gateway watches every namespace: no bare names
         clients[namespace].completions.create(model="shared-model", prompt="Hello", max_tokens=4)
     assert metric(endpoint, decisions, f'model="{theirs}"') == 0, "nothing was sent to the other's replica"
+    (quantized_pod,) = service_pods(api, other, "llm")
+    container = quantized_pod["spec"]["containers"][0]
+    flags = [*container.get("command", []), *container.get("args", [])]
+    assert flags[flags.index("--quantization") + 1] == "compressed-tensors"
     assert clients[other].completions.create(model=theirs, prompt="Hello", max_tokens=4).choices
     assert metric(endpoint, decisions, f'model="{theirs}"') == 1

@@ -5,7 +5,8 @@ step is a decode of the whole batch. The timers wrap the engine's own objects (t
 the runner's pieces, the model's projections and attention backend) for the length of the measurement;
 nothing in the engine knows about them. Each phase's time per step is the median over the measured steps,
 and of several rounds the one with the fastest whole step is kept, so that a burst of other work on the
-machine distorts the figures as little as possible.
+machine distorts the figures as little as possible. After each round the machine's read bandwidth is
+measured on the engine's threads (`bandwidth`), and the highest of the rounds bounds the step.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from kvfleet.runtime.bench.bandwidth import BandwidthBound, read_bandwidth, weight_bytes
 from kvfleet.runtime.engine.llm import LLM
 from kvfleet.runtime.models.layers import Linear
 from kvfleet.runtime.quantization.linear import Int8Linear
@@ -43,6 +45,7 @@ class StepPhases:
     batch_size: int
     step_ms: float
     phase_ms: dict[str, float]
+    bound: BandwidthBound
     label: str = ""  # what tells the model apart from others measured beside it
 
 
@@ -139,7 +142,8 @@ def measure_step_phases(
     engine = llm.llm_engine
     if engine.has_unfinished_requests():
         raise RuntimeError("the engine must be idle")
-    best: StepPhases | None = None
+    best: dict[str, float] | None = None  # the medians of the round with the fastest step
+    bandwidth = 0.0
     for round_index in range(rounds):
         params = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
         ids = [f"step-phases-{round_index}-{i}" for i in range(batch_size)]
@@ -161,12 +165,24 @@ def measure_step_phases(
         finally:
             remove()
         engine.abort_request(ids)
+        bandwidth = max(bandwidth, read_bandwidth())  # on the threads the decode steps just ran on
         medians = {key: statistics.median(step[key] for step in per_step) for key in per_step[0]}
-        phases = StepPhases(batch_size, medians.pop("step"), medians, label)
-        if best is None or phases.step_ms < best.step_ms:
-            best = phases
+        if best is None or medians["step"] < best["step"]:
+            best = medians
     assert best is not None
-    return best
+    step_ms = best.pop("step")
+    return StepPhases(batch_size, step_ms, best, _bound(llm, batch_size, prompt_len, steps, bandwidth), label)
+
+
+def _bound(llm: LLM, batch_size: int, prompt_len: int, steps: int, bandwidth: float) -> BandwidthBound:
+    """The bytes of one measured step: the weights, and the KV of `batch_size` contexts of their mean
+    length over the measured steps (the prompt, the four steps before them, half of them)."""
+    runner = llm.llm_engine.runner
+    assert runner.model is not None
+    kv_per_token = runner.kv_cache_bytes_per_block() // runner.block_size
+    mean_context = prompt_len + 4 + steps / 2
+    kv_bytes = round(kv_per_token * mean_context * batch_size)
+    return BandwidthBound(weight_bytes(runner.model), kv_bytes, bandwidth)
 
 
 def format_table(results: list[StepPhases]) -> str:
@@ -176,4 +192,12 @@ def format_table(results: list[StepPhases]) -> str:
     for phase in PHASES:
         lines.append(f"| {phase} | " + " | ".join(f"{r.phase_ms[phase]:.3f}" for r in results) + " |")
     lines.append("| **whole step** | " + " | ".join(f"**{r.step_ms:.3f}**" for r in results) + " |")
+    bound_rows = {
+        "weights read (MB)": [f"{r.bound.weight_bytes / 1e6:.2f}" for r in results],
+        "KV read (MB)": [f"{r.bound.kv_bytes / 1e6:.2f}" for r in results],
+        "read bandwidth (GB/s)": [f"{r.bound.bytes_per_second / 1e9:.1f}" for r in results],
+        "bound: bytes / bandwidth (ms)": [f"{r.bound.ideal_ms:.3f}" for r in results],
+        "**share of the bound**": [f"**{r.bound.share_of(r.step_ms):.0%}**" for r in results],
+    }
+    lines += [f"| {name} | " + " | ".join(values) + " |" for name, values in bound_rows.items()]
     return "\n".join(lines)

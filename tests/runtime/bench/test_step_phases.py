@@ -1,12 +1,15 @@
-"""`kvfleet bench step-phases` on the tiny model: every phase of a decode step is reported, none negative."""
+"""`kvfleet bench step-phases` on the tiny model: every phase of a decode step is reported, none negative, and
+the step is set against the bytes it must read, counted from the checkpoint itself."""
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
 from click.testing import CliRunner
 from kvfleet.runtime.bench.step_phases import PHASES
+from safetensors import safe_open
 
 from kvfleet.cli import cli
 
@@ -24,3 +27,24 @@ def test_step_phases_reports_every_phase(tiny_llama: Path) -> None:
     whole = [float(v.strip("*")) for v in rows["**whole step**"].split(" | ")]
     assert all(v > 0 for v in whole)
     assert float(rows["projections"].split(" | ")[0]) > 0, "the projections were timed"
+
+    # The weights a step reads are the checkpoint's tensors but the embedding table (read row by row)
+    # unless the LM head is tied to it; the KV is every layer's keys and values of each context, which the
+    # measured steps grow from 36 to 42 tokens (a prompt of 32, four steps before them, six measured).
+    config = json.loads((tiny_llama / "config.json").read_text())
+    checkpoint_bytes = 0
+    for path in tiny_llama.glob("*.safetensors"):
+        with safe_open(str(path), framework="pt") as f:
+            names = [n for n in list(f.keys()) if config["tie_word_embeddings"] or "embed_tokens" not in n]
+            checkpoint_bytes += sum(f.get_tensor(n).numel() * f.get_tensor(n).element_size() for n in names)
+    weights_shown = [float(v) for v in rows["weights read (MB)"].split(" | ")]
+    assert weights_shown == [round(checkpoint_bytes / 1e6, 2)] * 2
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    kv_per_token = config["num_hidden_layers"] * 2 * config["num_key_value_heads"] * head_dim * 4
+    expected_kv = [round(kv_per_token * (32 + 4 + 6 / 2) * batch / 1e6, 2) for batch in (1, 3)]
+    assert [float(v) for v in rows["KV read (MB)"].split(" | ")] == expected_kv
+    bandwidth = [float(v) for v in rows["read bandwidth (GB/s)"].split(" | ")]
+    bound = [float(v) for v in rows["bound: bytes / bandwidth (ms)"].split(" | ")]
+    for gigabytes_per_second, ms, kv_megabytes in zip(bandwidth, bound, expected_kv, strict=True):
+        megabytes = checkpoint_bytes / 1e6 + kv_megabytes
+        assert abs(ms - megabytes / gigabytes_per_second) <= 0.002 + 0.06 * ms  # bandwidth shown rounded

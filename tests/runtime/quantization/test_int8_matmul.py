@@ -27,12 +27,13 @@ def int8_linear():
 
 
 # Row counts through each of the kernel's paths: one or two rows read the int8 weight directly, more rows a
-# dequantized block of it, in pairs and with an odd row left over.
+# dequantized block of it, in pairs and with an odd row left over. 104 input columns leave a tail past the
+# one-row loop's vectors (32 or 16 columns a step).
 @pytest.mark.parametrize("rows", [1, 2, 3, 8, FUSED_MAX_ROWS])
 @pytest.mark.parametrize("groups", [1, 4])
 def test_int8_linear_matches_a_float64_matmul(int8_linear, rows: int, groups: int) -> None:
     generator = torch.Generator().manual_seed(rows * 10 + groups)
-    out_features, in_features = 36, 96
+    out_features, in_features = 36, 104
     weight = torch.randint(-128, 128, (out_features, in_features), dtype=torch.int8, generator=generator)
     scale = torch.rand(out_features, groups, generator=generator) / 64 + 1e-3
     x = torch.randn(rows, in_features, generator=generator)
