@@ -65,6 +65,8 @@ class RenderOptions:
     priority_class_prefix: str = DEFAULT_PRIORITY_CLASS_PREFIX
     # The platform's safety defaults and what services may loosen (chart values safety.*).
     safety: SafetyPlatform = field(default_factory=SafetyPlatform)
+    # A node folder the runtime pods share their kernel builds in (chart value runtime.kernelCache.hostPath).
+    kernel_cache_host_path: str | None = None
 
 
 @dataclass(frozen=True)
@@ -296,7 +298,17 @@ def _pod_template(
 ) -> dict[str, Any]:
     image = spec.engine.image or options.runtime_image
     safety = safety_config(options.safety, spec.safety, owner.namespace, options.cluster_domain)
-    return pod_template(spec, labels, image, owner.name, safety, group, role, options.priority_class_prefix)
+    return pod_template(
+        spec,
+        labels,
+        image,
+        owner.name,
+        safety,
+        group,
+        role,
+        options.priority_class_prefix,
+        options.kernel_cache_host_path,
+    )
 
 
 def render_batch_claim(owner: Owner, spec: InferenceServiceSpec) -> dict[str, Any]:
