@@ -28,8 +28,8 @@ RUN groupadd --gid 1000 kvfleet \
 WORKDIR /home/kvfleet
 
 FROM base AS runtime
-# Triton compiles a small launcher module with the C compiler the first time a kernel runs, and the CPU decode
-# attention kernel is compiled with the C++ compiler on first use.
+# Triton compiles a small launcher module with the C compiler the first time a kernel runs; the C++ compiler
+# builds the CPU operations below.
 RUN apt-get update \
     && apt-get install --yes --no-install-recommends gcc g++ libc6-dev \
     && rm -rf /var/lib/apt/lists/*
@@ -37,6 +37,11 @@ COPY requirements/core.txt requirements/runtime.txt /tmp/requirements/
 RUN pip install --requirement /tmp/requirements/runtime.txt
 COPY --from=wheel /wheels /tmp/wheels
 RUN pip install --no-deps /tmp/wheels/*.whl && rm -rf /tmp/wheels /tmp/requirements
+# The C++ CPU operations, built for every x86-64 level into a folder pods only read: a pod loads its node's
+# level from there instead of compiling (the compiler stays for Triton and for CPUs of other architectures).
+ENV KVFLEET_PREBUILT_KERNELS=/opt/kvfleet/kernels
+RUN TORCH_EXTENSIONS_DIR=/tmp/kernel-builds kvfleet build-kernels "$KVFLEET_PREBUILT_KERNELS" \
+    && rm -rf /tmp/kernel-builds
 USER 1000:1000
 EXPOSE 8000
 ENTRYPOINT ["kvfleet"]

@@ -101,17 +101,12 @@ def probe_target_program(tmp_path_factory: pytest.TempPathFactory) -> str:
 def local_cluster(
     tmp_path_factory: pytest.TempPathFactory, cluster_bin_dir: Path, probe_target_program: str
 ) -> Iterator[LocalCluster]:
-    from torch.utils.cpp_extension import get_default_build_root
-
     state_dir = tmp_path_factory.mktemp("local-cluster")
     cluster = LocalCluster(
         state_dir,
         ClusterConfig(),
         bin_dir=cluster_bin_dir,
         runner_programs={"probe-target": probe_target_program},
-        # The pods run on this machine and share its CPU kernel cache, as pods on one node would share a
-        # hostPath one, instead of every cluster's pods compiling the kernels again.
-        runner_env={"TORCH_EXTENSIONS_DIR": get_default_build_root()},
     )
     with cluster:
         yield cluster

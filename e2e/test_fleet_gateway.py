@@ -35,8 +35,9 @@ from e2e.support.waits import condition, wait_for
 def _apply_idling_service(
     cluster: LocalCluster, namespace: str, model_dir: Path, name: str, **scaling: object
 ) -> None:
-    """A service of the tiny model, served as `<name>-model`, that may scale to zero after 5 idle seconds,
-    applied; returns once it has: a new service proves its model loads on one replica, then idles down."""
+    """A service of the tiny model, served as `<name>-model`, that may scale to zero after 5 idle seconds
+    (unless `scaling` says otherwise), applied; returns once it has: a new service starts one replica, then
+    idles down."""
     scaling = {
         "replicas": None,
         "minReplicas": 0,
@@ -59,12 +60,32 @@ def test_a_service_at_zero_is_woken_by_a_held_request_and_goes_back_to_zero(
     measurements: Callable[[str], None],
 ) -> None:
     api = local_cluster.api
-    _apply_idling_service(local_cluster, namespace, tiny_model_dir, "wake", activationTimeoutSeconds=120)
-    wait_for("no replica left", lambda: not service_pods(api, namespace, "wake"), 60)
-
+    applied = time.monotonic()
+    # The test waits through two scale-downs to zero: the held request's demand leaves the autoscaler's
+    # window after 6 s (not the default 60), and the fleet goes a second later (not five).
+    _apply_idling_service(
+        local_cluster,
+        namespace,
+        tiny_model_dir,
+        "wake",
+        scaleToZeroAfterSeconds=1,
+        stableWindowSeconds=6,
+        activationTimeoutSeconds=120,
+    )
     endpoint = gateway.current()[0]
+    # The idle replica drains while it goes; the gateway stops routing to it first, and from then on a
+    # request waits for a new one.
+    model_label = f'model="{namespace}/wake-model"'
+    wait_for(
+        "the gateway routing to no replica",
+        lambda: metric(endpoint, "kvfleet_gateway_ready_replicas", model_label) == 0,
+        60,
+    )
+    at_zero = time.monotonic() - applied
+
     activations = metric(endpoint, "kvfleet_gateway_activation_seconds_count")
     client = openai.OpenAI(base_url=endpoint.base_url, api_key="unused", max_retries=0, timeout=180)
+    load = os.getloadavg()[0]
     sent = time.monotonic()
     stream = client.chat.completions.create(
         model=f"{namespace}/wake-model",
@@ -81,10 +102,24 @@ def test_a_service_at_zero_is_woken_by_a_held_request_and_goes_back_to_zero(
             text += chunk.choices[0].delta.content
     assert first_token is not None and text, "the held request was served"
     assert metric(endpoint, "kvfleet_gateway_activation_seconds_count") == activations + 1
-    measurements(f"scale from zero: first token {first_token:.1f}s after the request reached the gateway")
+    measurements(
+        f"scale from zero: first token {first_token:.1f}s after the request reached the gateway "
+        f"(load average {load:.1f} on {os.cpu_count()} cores)"
+    )
+    # On an idle machine the operator starts a replica within a fraction of a second of the request, and
+    # the replica, finding its kernels built, is ready in well under 10 s. The 15 s allowed are stretched by
+    # the share of the cores the machine's other work leaves it (the load average over the cores).
+    assert first_token < 15.0 * max(1.0, load / (os.cpu_count() or 1))
 
+    answered = time.monotonic()
     wait_condition(api, namespace, "wake", "Ready", "True", "ScaledToZero", timeout=120)
+    scaled_down = time.monotonic()
     wait_for("back to no replica", lambda: not service_pods(api, namespace, "wake"), 60)
+    gone = time.monotonic()
+    measurements(
+        f"scale from zero, around it: at zero {at_zero:.1f}s after the service was applied; back to zero "
+        f"{scaled_down - answered:.1f}s after the answer, its pods gone {gone - scaled_down:.1f}s later"
+    )
 
 
 def _asleep(api: KubeAPI, namespace: str, name: str) -> str | None:

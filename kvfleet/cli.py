@@ -16,6 +16,7 @@ COMMANDS: dict[str, str] = {
     "make-model": "kvfleet.runtime.cli:make_model",
     "make-adapter": "kvfleet.runtime.cli:make_adapter",
     "download-model": "kvfleet.runtime.cli:download_model",
+    "build-kernels": "kvfleet.runtime.cli:build_kernels",
     "generate": "kvfleet.runtime.cli:generate",
     "demo": "kvfleet.runtime.cli:demo",
     "bench": "kvfleet.runtime.bench.cli:bench",

@@ -83,6 +83,14 @@ logger = logging.getLogger(__name__)
     help="Labels (a JSON object) of the ServiceMonitor made for each service where prometheus-operator is "
     "installed: what the cluster's Prometheus selects ServiceMonitors by.",
 )
+@click.option(
+    "--kernel-cache-host-path",
+    envvar="KVFLEET_KERNEL_CACHE_HOST_PATH",
+    default=None,
+    help="A node folder the runtime pods share their CPU kernel builds in (a hostPath volume), so that only "
+    "a node's first pod compiles them; it must be writable by uid 1000. Unset: each pod builds in its own "
+    "scratch volume, unless its image holds them prebuilt.",
+)
 @credential_options
 @click.option(
     "--api-concurrency",
@@ -128,6 +136,7 @@ def operator_command(
     cluster_domain: str,
     priority_class_prefix: str,
     service_monitor_labels: str,
+    kernel_cache_host_path: str | None,
     kubeconfig: str | None,
     kube_context: str | None,
     api_concurrency: int,
@@ -154,6 +163,7 @@ def operator_command(
         cluster_domain=cluster_domain,
         priority_class_prefix=priority_class_prefix,
         service_monitor_labels=service_monitor_labels,
+        kernel_cache_host_path=kernel_cache_host_path,
         scrape_timeout=scrape_timeout,
         scrape_max_bytes=scrape_max_bytes,
         safety_defaults=safety_defaults,
@@ -197,6 +207,7 @@ def _operator_context(
     cluster_domain: str,
     priority_class_prefix: str,
     service_monitor_labels: str,
+    kernel_cache_host_path: str | None,
     scrape_timeout: float,
     scrape_max_bytes: int | None,
     safety_defaults: str,
@@ -221,6 +232,7 @@ def _operator_context(
         priority_class_prefix=priority_class_prefix,
         service_monitor_labels=_labels(service_monitor_labels),
         safety=safety,
+        kernel_cache_host_path=kernel_cache_host_path or None,
     )
     return OperatorContext(
         kube=kube,

@@ -12,6 +12,7 @@ from typing import Any
 
 import aiohttp
 from kvfleet.operator.dispatch import PriorityDispatcher, Urgency
+from kvfleet.operator.held_requests import HeldRequestWatch
 from kvfleet.operator.kube import KubeApi, KubeError
 from kvfleet.operator.metrics import OperatorMetrics
 from kvfleet.operator.render import RenderOptions
@@ -71,6 +72,8 @@ class OperatorContext:
     session: aiohttp.ClientSession | None = None
     capability_task: asyncio.Task[None] | None = None
     gateway_queues: GatewayQueues | None = None
+    held_watch: HeldRequestWatch | None = None
+    held_watch_task: asyncio.Task[None] | None = None
     dispatcher: PriorityDispatcher = field(init=False)
     cluster: AsyncCluster = field(init=False)
     _wakeups: dict[ServiceKey, asyncio.Event] = field(default_factory=dict)

@@ -139,6 +139,14 @@ async def _no_gateway(model: str) -> float | None:
     return None
 
 
+# Asks for the loop to be woken while the gateway holds requests for this model (None: no longer).
+HeldWatch = Callable[[str | None], None]
+
+
+def _watch_nothing(model: str | None) -> None:
+    pass
+
+
 def _no_claimant_known(served_name: str) -> str | None:
     return None
 
@@ -187,6 +195,7 @@ class ServiceController:
     gateway_queue: GatewayQueue = _no_gateway
     guard_state: GuardStateOf = _guard_unknown
     name_owner: NameOwnerOf = _no_claimant_known
+    watch_held: HeldWatch = _watch_nothing
     # Puts replicas to sleep and wakes them (spec.scaling.sleepingReplicas); None: never asked to.
     sleepers: Sleepers | None = None
     clock: Callable[[], float] = time.monotonic
@@ -206,6 +215,8 @@ class ServiceController:
     _template: tuple[tuple[int, RenderOptions], str] | None = None
     _last_apply_at: float = float("-inf")
     _last_scrape_at: float = float("-inf")
+    # No replica is awake and the autoscaler may start one: a pass is due whenever the gateway holds requests.
+    _at_zero: bool = False
     _last_status: dict[str, Any] | None = None
     _last_status_at: float = float("-inf")
     _failures: int = 0
@@ -324,12 +335,15 @@ class ServiceController:
             self._size_colocated(spec, deployment, previous_status)
             if spec.scaling.autoscaling:
                 await self._autoscale(spec, observed.pods)
+            self._watch_held(spec, spec.scaling.autoscaling and self.desired == 0)
             started = spec.scaling.started(self.desired or 0)
             drifted = deployment is None or deployment.replicas != started
             return _Sized(started, deployment, drifted, new=deployment is None)
         self.desired = None
         self._size_roles(spec, observed, previous_status)
         await self._autoscale_roles(spec, observed.pods)
+        decode = spec.disaggregation.role("decode").scaling
+        self._watch_held(spec, decode.autoscaling and self.roles["decode"].desired == 0)
         replicas = {role: self.roles[role].desired or 0 for role in ROLES}
         drifted = any(
             observed.roles.get(role) is None or observed.roles[role].replicas != count
@@ -466,13 +480,19 @@ class ServiceController:
         scaled.unreachable = decision.unreachable
         scaled.desired = self._scaled(scaled.desired, decision, role)
 
+    def _watch_held(self, spec: InferenceServiceSpec, at_zero: bool) -> None:
+        """At zero, requests the gateway holds wake the loop at once instead of at its next scrape."""
+        self._at_zero = at_zero
+        self.watch_held(qualified_name(self.owner.namespace, spec.model.served_name) if at_zero else None)
+
     async def _scrape(
         self, spec: InferenceServiceSpec, pods: list[PodView]
     ) -> tuple[float, dict[PodView, PodMetrics | None], float | None] | None:
-        """Once per metrics interval: each ready replica's report (None where it gave none) and the requests
-        the gateway holds for the service; None between intervals."""
+        """Once per metrics interval, and at every pass at zero (the held requests' watch woke it): each
+        ready replica's report (None where it gave none) and the requests the gateway holds for the
+        service; None between intervals."""
         now = self.clock()
-        if now - self._last_scrape_at < spec.scaling.metrics_interval_seconds:
+        if now - self._last_scrape_at < spec.scaling.metrics_interval_seconds and not self._at_zero:
             return None
         self._last_scrape_at = now
         scraped = [pod for pod in pods if pod.scrapeable and pod.ip]

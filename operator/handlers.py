@@ -33,6 +33,7 @@ from kvfleet.operator.api import (
 )
 from kvfleet.operator.context import OperatorContext
 from kvfleet.operator.controller import ServiceController
+from kvfleet.operator.held_requests import POLL_SECONDS, HeldRequestWatch
 from kvfleet.operator.kube import connection_info
 from kvfleet.operator.observed import (
     DeploymentView,
@@ -67,9 +68,12 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) 
     settings.posting.level = logging.INFO
     settings.networking.request_timeout = 60
     context.session = aiohttp.ClientSession(headers={"User-Agent": FIELD_MANAGER})
+    # One read of the gateways serves every loop, and the held requests' watch, for a poll's time.
     context.gateway_queues = GatewayQueues(
-        context.session, context.scrape_timeout_seconds, context.scrape_max_page_bytes
+        context.session, context.scrape_timeout_seconds, context.scrape_max_page_bytes, POLL_SECONDS
     )
+    context.held_watch = HeldRequestWatch(context.gateway_queues.depths)
+    context.held_watch_task = asyncio.create_task(context.held_watch.run(), name="kvfleet-held-requests")
     context.capability_task = asyncio.create_task(context.watch_capabilities(), name="kvfleet-capabilities")
 
 
@@ -84,6 +88,8 @@ async def shut_down(memo: kopf.Memo, **_: Any) -> None:
     context = _context(memo)
     if context.capability_task is not None:
         context.capability_task.cancel()
+    if context.held_watch_task is not None:
+        context.held_watch_task.cancel()
     if context.session is not None:
         await context.session.close()
     context.dispatcher.close()
@@ -183,8 +189,11 @@ class _IndexedCluster:
             roles={view.role: view for view in deployments if view.role in ROLES},
         )
 
+    def gateway_targets(self) -> list[ScrapeTarget]:
+        return list(self.gateways.get(GATEWAY_COMPONENT, []))
+
     async def gateway_queue(self, model: str) -> float | None:
-        targets = list(self.gateways.get(GATEWAY_COMPONENT, []))
+        targets = self.gateway_targets()
         depths = await self.gateway_queues.depths(targets) if targets else None
         return None if depths is None else depths.get(model, 0.0)
 
@@ -243,6 +252,13 @@ async def fleet_loop(
     def post_event(event_type: str, reason: str, message: str) -> None:
         kopf.event(body, type=event_type, reason=reason, message=message)
 
+    wakeup = context.wakeup_for(key)
+    held_watch = context.held_watch
+    assert held_watch is not None, "the startup handler creates it"
+
+    def watch_held(model: str | None) -> None:
+        held_watch.watch(key, model, wakeup, indexed.gateway_targets)
+
     controller = ServiceController(
         owner=Owner(name, namespace, uid),
         cluster=context.cluster,
@@ -253,10 +269,10 @@ async def fleet_loop(
         adapter_sync=AdapterSync(RuntimeAdapterClient(context.session)),
         sleepers=Sleepers(RuntimeSleepClient(context.session)),
         gateway_queue=indexed.gateway_queue,
+        watch_held=watch_held,
         guard_state=indexed.guard_state,
         name_owner=indexed.name_owner,
     )
-    wakeup = context.wakeup_for(key)
 
     async def wake_when_stopped() -> None:
         await stopped.wait()
@@ -268,4 +284,5 @@ async def fleet_loop(
         await controller.run(body, indexed.observe, wakeup, lambda: bool(stopped))
     finally:
         stop_watch.cancel()
+        watch_held(None)
         context.forget(key)

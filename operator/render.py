@@ -68,6 +68,8 @@ class RenderOptions:
     priority_class_prefix: str = DEFAULT_PRIORITY_CLASS_PREFIX
     # The platform's safety defaults and what services may loosen (chart values safety.*).
     safety: SafetyPlatform = field(default_factory=SafetyPlatform)
+    # A node folder the runtime pods share their kernel builds in (chart value runtime.kernelCache.hostPath).
+    kernel_cache_host_path: str | None = None
 
 
 @dataclass(frozen=True)
@@ -300,10 +302,20 @@ def _pod_template(
     default_image = options.vllm_image if spec.engine.runtime == "vllm" else options.runtime_image
     image = spec.engine.image or default_image
     safety = safety_config(options.safety, spec.safety, owner.namespace, options.cluster_domain)
-    # An hf:// model is fetched by kvfleet's `download-model`, which vLLM's image does not have.
-    download_image = image if spec.engine.runtime == "kvfleet" else options.runtime_image
+    # An hf:// model is fetched by kvfleet's `download-model`, which vLLM's image does not have; vLLM builds
+    # no kvfleet kernels, so its pods get no kernel cache.
+    kvfleet_runtime = spec.engine.runtime == "kvfleet"
     return pod_template(
-        spec, labels, image, owner.name, safety, group, role, options.priority_class_prefix, download_image
+        spec,
+        labels,
+        image,
+        owner.name,
+        safety,
+        group,
+        role,
+        options.priority_class_prefix,
+        download_image=image if kvfleet_runtime else options.runtime_image,
+        kernel_cache_host_path=options.kernel_cache_host_path if kvfleet_runtime else None,
     )
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +34,9 @@ ADAPTER_CLAIMS = "/mnt/adapter-claims"
 BATCH_STORE = "/var/lib/kvfleet/batch"
 # The one writable path besides the model volume: HOME, caches and temporary files.
 SCRATCH = "/scratch"
+# Where a node's shared kernel cache is mounted (RenderOptions.kernel_cache_host_path). Each runtime image
+# builds into a folder of its own there: a build made against another image's torch must not be loaded.
+KERNEL_CACHE = "/var/cache/kvfleet/kernels"
 # Long enough for endpoint controllers and proxies to drop the pod before it stops accepting requests.
 PRESTOP_DELAY_SECONDS = 5
 # Time past the drain for the runtime to send what it hands back and exit (it gives those events 5 s, then
@@ -245,13 +249,16 @@ def pod_template(
     role: Role | None = None,
     priority_class_prefix: str = DEFAULT_PRIORITY_CLASS_PREFIX,
     download_image: str | None = None,
+    kernel_cache_host_path: str | None = None,
 ) -> dict[str, Any]:
     """`group`: where the pod stands in a replica group, for a model that spans nodes; `role`: the side its
     replica takes in a disaggregated service; `priority_class_prefix`: the chart release's, of its tiers'
     PriorityClasses; `download_image`: the kvfleet image whose `kvfleet download-model` fetches an hf://
-    model, when `image` is another runtime's (None: `image`)."""
+    model, when `image` is another runtime's (None: `image`); `kernel_cache_host_path`: the node folder its
+    pods share their kernel builds in."""
     engine = spec.engine
-    volumes, mounts = _pod_volumes(spec, service_name)
+    volumes, mounts = _pod_volumes(spec, service_name, kernel_cache_host_path)
+    env = _runtime_env(spec, None if kernel_cache_host_path is None else _kernel_cache_folder(image))
     pod_spec: dict[str, Any] = {
         "priorityClassName": priority_class_name(priority_class_prefix, spec.sla.tier),
         "terminationGracePeriodSeconds": termination_grace_seconds(spec),
@@ -264,7 +271,7 @@ def pod_template(
             "fsGroup": RUNTIME_USER,
             "seccompProfile": {"type": "RuntimeDefault"},
         },
-        "containers": [_runtime_container(spec, image, mounts, safety_config, group, role)],
+        "containers": [_runtime_container(spec, image, mounts, env, safety_config, group, role)],
         "volumes": volumes,
     }
     init = _download_container(spec.model, download_image or image, engine.image_pull_policy)
@@ -277,7 +284,7 @@ def pod_template(
 
 
 def _pod_volumes(
-    spec: InferenceServiceSpec, service_name: str
+    spec: InferenceServiceSpec, service_name: str, kernel_cache_host_path: str | None
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """The pod's volumes and the runtime container's mounts of them."""
     volumes, mounts = _model_volumes(spec.model)
@@ -297,6 +304,10 @@ def _pod_volumes(
         volume = f"adapter-claim-{index}"
         volumes.append({"name": volume, "persistentVolumeClaim": {"claimName": claim, "readOnly": True}})
         mounts.append({"name": volume, "mountPath": f"{ADAPTER_CLAIMS}/{claim}", "readOnly": True})
+    if kernel_cache_host_path is not None:
+        host_path = {"path": kernel_cache_host_path, "type": "DirectoryOrCreate"}
+        volumes.append({"name": "kernel-cache", "hostPath": host_path})
+        mounts.append({"name": "kernel-cache", "mountPath": KERNEL_CACHE})
     return volumes, mounts
 
 
@@ -304,13 +315,14 @@ def _runtime_container(
     spec: InferenceServiceSpec,
     image: str,
     mounts: list[dict[str, Any]],
+    env: list[dict[str, Any]],
     safety_config: str | None,
     group: GroupPlacement | None,
     role: Role | None,
 ) -> dict[str, Any]:
     engine = spec.engine
     ports = [{"name": HTTP_PORT_NAME, "containerPort": HTTP_PORT, "protocol": "TCP"}]
-    args, env = runtime_args(spec, safety_config, role), _runtime_env(spec)
+    args = runtime_args(spec, safety_config, role)
     readiness = _readiness_probe(READINESS_PATHS[engine.runtime])
     if group is not None:
         readiness = _join_group(group, args, env, ports)
@@ -383,10 +395,13 @@ def _flags(pairs: list[tuple[str, object]]) -> list[str]:
     return args
 
 
-def _runtime_env(spec: InferenceServiceSpec) -> list[dict[str, Any]]:
+def _runtime_env(spec: InferenceServiceSpec, kernel_cache: str | None) -> list[dict[str, Any]]:
     # The root filesystem is read-only: caches (kernels, tokenizers) and temporary files go to the
-    # scratch volume. The runtime reaches for the hub only to fetch hf:// adapters, with the model's token.
+    # scratch volume, kernel builds to the node's cache where it has one. The runtime reaches for the hub
+    # only to fetch hf:// adapters, with the model's token.
     env: list[dict[str, Any]] = _scratch_env()
+    if kernel_cache is not None:
+        env.append({"name": "TORCH_EXTENSIONS_DIR", "value": kernel_cache})
     if not spec.lora_enabled:
         env.append({"name": "HF_HUB_OFFLINE", "value": "1"})
     elif spec.model.credentials_secret is not None:
@@ -399,6 +414,11 @@ def _runtime_env(spec: InferenceServiceSpec) -> list[dict[str, Any]]:
         variable = API_KEY_VARIABLES[spec.engine.runtime]
         env.append({"name": variable, "valueFrom": {"secretKeyRef": secret_ref}})
     return env
+
+
+def _kernel_cache_folder(image: str) -> str:
+    """The image's folder in the node's kernel cache, named after the image reference."""
+    return f"{KERNEL_CACHE}/{re.sub(r'[^A-Za-z0-9._-]+', '_', image)}"
 
 
 def _scratch_env() -> list[dict[str, str]]:

@@ -203,3 +203,17 @@ def download_model(repo_id: str, revision: str | None, dest: str) -> None:
     except HubError as exc:
         raise click.ClickException(str(exc)) from exc
     click.echo(f"downloaded {repo_id} to {path}")
+
+
+@click.command("build-kernels")
+@click.argument("folder", type=click.Path(file_okay=False))
+def build_kernels(folder: str) -> None:
+    """Build the C++ CPU operations into FOLDER for every CPU level a node may have (the runtime image's
+    build step); a runtime with KVFLEET_PREBUILT_KERNELS=FOLDER loads them instead of compiling."""
+    from pathlib import Path
+
+    from kvfleet.runtime.kernels.cpu_build import prebuild_cpu_ops
+    from kvfleet.runtime.kernels.cpu_features import prebuild_targets
+
+    for path in prebuild_cpu_ops(Path(folder), prebuild_targets()):
+        click.echo(f"built {path}")

@@ -191,13 +191,11 @@ class LocalCluster(ClusterTools):
         state_dir: Path,
         config: ClusterConfig | None = None,
         bin_dir: Path | None = None,
-        runner_env: dict[str, str] | None = None,
         runner_programs: dict[str, str] | None = None,
     ) -> None:
         self.state_dir = Path(state_dir).resolve()
         self.config = config or ClusterConfig()
         self._bin_dir = bin_dir
-        self._runner_env = dict(runner_env or {})
         self._runner_programs = dict(runner_programs or {})
         self.log_dir = self.state_dir / "logs"
         self.kubeconfig = self.state_dir / "admin.kubeconfig"
@@ -478,7 +476,6 @@ class LocalCluster(ClusterTools):
             image_pattern=self.config.runner_image_pattern,
             server=self.server,
             ca_cert=pki.ca_cert,
-            extra_env=self._runner_env,
             ledger=self._ledger,
             programs=self._runner_programs,
             container_images=self.config.container_images,

@@ -44,7 +44,6 @@ class Launcher:
         self,
         work_dir: Path,
         programs: Mapping[str, str],
-        extra_env: Mapping[str, str],
         container_images: Mapping[str, str],
         server: str,
         dns: PodDNS | None,
@@ -53,7 +52,6 @@ class Launcher:
         self.work_dir = work_dir
         # The commands the image provides: name -> executable on this host.
         self.programs = dict(programs)
-        self.extra_env = dict(extra_env)
         # Pod images whose containers run from a local image with podman: pod image -> local image.
         self.container_images = dict(container_images)
         self.server = server
@@ -166,7 +164,6 @@ class Launcher:
             "LANG": "C.UTF-8",
             "HOSTNAME": pod["metadata"]["name"],
             "PYTHONUNBUFFERED": "1",
-            **self.extra_env,
         }
         threads = cpu_threads(spec)
         if threads is not None:

@@ -54,7 +54,6 @@ class PodRunner:
         image_pattern: str = DEFAULT_IMAGE_PATTERN,
         server: str = "",
         ca_cert: Path | None = None,
-        extra_env: Mapping[str, str] | None = None,
         ledger: Ledger | None = None,
         programs: Mapping[str, str] | None = None,
         container_images: Mapping[str, str] | None = None,
@@ -69,7 +68,6 @@ class PodRunner:
         self.launcher = Launcher(
             work_dir=work_dir,
             programs={"kvfleet": default_kvfleet_executable(), **(programs or {})},
-            extra_env=extra_env or {},
             container_images=container_images or {},
             server=server,
             dns=dns,

@@ -33,6 +33,15 @@ LOCAL_CLUSTER_POLICY = {
 }
 
 
+def node_kernel_cache() -> str:
+    """The chart's runtime.kernelCache.hostPath on a local cluster: its pods run on this machine, and share
+    its torch extension cache as a node's pods share that folder, so that only the first pod to need a CPU
+    kernel build compiles it, and later clusters' pods compile nothing."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    return get_default_build_root()
+
+
 class ClusterAccess(Protocol):
     """What the chart needs of a cluster: a LocalCluster, or an AttachedCluster another process runs."""
 
@@ -101,8 +110,9 @@ def install_chart(
     timeout_seconds: int = 180,
 ) -> OperatorRelease:
     """`helm install` of charts/kvfleet, waiting until the operator's Deployment is available; `values`
-    go over LOCAL_CLUSTER_POLICY."""
-    settings = [f"--set={key}={value}" for key, value in (LOCAL_CLUSTER_POLICY | (values or {})).items()]
+    go over LOCAL_CLUSTER_POLICY and the node's kernel cache."""
+    local = LOCAL_CLUSTER_POLICY | {"runtime.kernelCache.hostPath": node_kernel_cache()}
+    settings = [f"--set={key}={value}" for key, value in (local | (values or {})).items()]
     cluster.helm(
         "install",
         release,

@@ -1,5 +1,5 @@
-"""What is in the images and what they say about themselves: sizes, compilers, secrets, test files, the OCI
-labels and annotations, the exported archives and the SBOMs."""
+"""What is in the images and what they say about themselves: sizes, compilers, the prebuilt CPU operations,
+secrets, test files, the OCI labels and annotations, the exported archives and the SBOMs."""
 
 from __future__ import annotations
 
@@ -65,6 +65,17 @@ PyMODINIT_FUNC PyInit_kvfleet_probe(void) { return PyModule_Create(&module); }
 print(build.compile_module_from_src(source, "kvfleet_probe").answer())
 """
 
+# The three CPU libraries a runtime loads, and from where.
+PREBUILT_PROBE = r"""
+import json, os
+from kvfleet.runtime.attention.cpu_decode import load_paged_decode_attention
+from kvfleet.runtime.kernels.fused_layers import _cpu_ops_available
+from kvfleet.runtime.quantization.linear import int8_ops_available
+assert load_paged_decode_attention() is not None and _cpu_ops_available() and int8_ops_available()
+loaded = sorted({line.split()[-1] for line in open("/proc/self/maps") if "kvfleet_cpu" in line})
+print(json.dumps({"loaded": loaded, "folder": os.environ["KVFLEET_PREBUILT_KERNELS"]}))
+"""
+
 
 def run_in(image: str, *command: str) -> subprocess.CompletedProcess[str]:
     argv = podman("run", "--rm", "--network", "none", *run_limits(), "--entrypoint", command[0], image)
@@ -97,6 +108,23 @@ def test_the_runtime_pod_builds_a_triton_launcher(
     with PodContainer(runtime_image, pod, container, host_volumes(pod["spec"], tmp_path)) as probe:
         assert probe.wait() == 0, probe.logs()
         assert probe.logs().strip() == "42"
+
+
+def test_the_runtime_pod_loads_the_cpu_operations_its_image_prebuilt(
+    runtime_image: str, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """Each library for the node's level from the image's folder; the pod's scratch volume gets no build."""
+    pod = runtime_pod(runtime_image, tiny_model_dir)
+    (container,) = pod["spec"]["containers"]
+    container = {**container, "command": ["python"], "args": ["-c", PREBUILT_PROBE]}
+    volumes = host_volumes(pod["spec"], tmp_path)
+    with PodContainer(runtime_image, pod, container, volumes) as probe:
+        assert probe.wait() == 0, probe.logs()
+        (line,) = [line for line in probe.logs().splitlines() if line.startswith('{"loaded"')]
+    report = json.loads(line)
+    assert len(report["loaded"]) == 3
+    assert all(path.startswith(report["folder"] + "/") for path in report["loaded"]), report
+    assert not list(volumes["scratch"].rglob("*.so"))
 
 
 @pytest.mark.parametrize("target", TARGETS)

@@ -9,12 +9,9 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
-from kvfleet.runtime.kernels.cpu_build import build_cpu_ops
-
-_SOURCE = Path(__file__).with_name("cpu_decode_attention.cpp")
+from kvfleet.runtime.kernels.cpu_build import CPU_ATTENTION, build_cpu_ops
 
 # (out, query, key_cache, value_cache, block_tables, seq_lens, decode_rows, decode_requests, scale, window)
 PagedDecodeAttention = Callable[..., None]
@@ -28,6 +25,6 @@ def cpu_kernel_supports_head_size(head_dim: int) -> bool:
 @functools.cache
 def load_paged_decode_attention() -> PagedDecodeAttention | None:
     """The kernel as a torch op, built unless this host's build is cached; None if it cannot be built."""
-    if not build_cpu_ops("kvfleet_cpu_attention", _SOURCE, "the CPU decode attention kernel"):
+    if not build_cpu_ops(CPU_ATTENTION):
         return None
     return torch.ops.kvfleet_cpu.paged_decode_attention

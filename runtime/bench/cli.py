@@ -635,11 +635,12 @@ def bench_resume(
 @click.option(
     "--kind",
     "kinds",
-    type=click.Choice(["cold", "warm"]),
+    type=click.Choice(["cold", "prebuilt", "warm"]),
     multiple=True,
-    default=("cold", "warm"),
+    default=("cold", "prebuilt", "warm"),
     show_default=True,
-    help="cold: empty kernel caches; warm: caches a first start filled, as an image holds them. Repeatable.",
+    help="cold: empty kernel caches; prebuilt: empty caches and the CPU operations prebuilt, as the runtime "
+    "image holds them; warm: caches a first start filled, as a node's shared cache. Repeatable.",
 )
 @engine_options
 def bench_startup(model: str, runs: int, kinds: tuple[str, ...], **options) -> None:

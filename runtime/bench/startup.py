@@ -1,14 +1,15 @@
-"""`kvfleet bench startup`: where a replica's start goes, cold and warm.
+"""`kvfleet bench startup`: where a replica's start goes, cold, from prebuilt kernels, and warm.
 
 Each run launches `kvfleet serve` on the model folder, polls /ready until it answers 200 (the time to Ready,
 counted from the launch), sends a completion of one token (the time to first token, from the same launch),
 reads the phases of the start from /metrics (`kvfleet:startup_phase_seconds`) and stops the server.
 
 A cold run gets empty kernel caches (TORCH_EXTENSIONS_DIR, TRITON_CACHE_DIR): what a pod pays that finds no
-kernels in its image or on a shared volume. Warm runs share caches that an unreported first run filled, as
-an image's would be. The operating system's page cache is left alone (dropping it touches every process on
-the machine): the model's files and Python's modules may be in memory for both kinds, as they are on a node
-that ran the image before.
+kernels in its image or on a shared volume. A prebuilt run gets empty caches too, and the CPU operations
+prebuilt for this CPU in a folder of their own (KVFLEET_PREBUILT_KERNELS), as the runtime image holds them.
+Warm runs share caches that an unreported first run filled, as a node's shared cache would be. The operating
+system's page cache is left alone (dropping it touches every process on the machine): the model's files and
+Python's modules may be in memory for every kind, as they are on a node that ran the image before.
 """
 
 from __future__ import annotations
@@ -24,9 +25,11 @@ import httpx
 from kvfleet.contract.metrics import PHASE_LABEL, STARTUP_PHASE_SECONDS
 from kvfleet.runtime.bench.processes import MODEL_NAME, ServeProcess
 from kvfleet.runtime.config import EngineConfig
+from kvfleet.runtime.kernels.cpu_build import PREBUILT_ENV_VAR, prebuild_cpu_ops
+from kvfleet.runtime.kernels.cpu_features import cpu_target
 from prometheus_client.parser import text_string_to_metric_families
 
-KINDS = ("cold", "warm")
+KINDS = ("cold", "prebuilt", "warm")
 _READY_POLL_S = 0.02
 _REQUEST_TIMEOUT_S = 120.0
 
@@ -51,10 +54,15 @@ def run_startup_bench(
         if "warm" in kinds:
             log("filling the warm kernel caches")
             _start(config, work, "fill", warm_caches)
+        if "prebuilt" in kinds:
+            log("building the CPU operations for this CPU's level")
+            prebuild_cpu_ops(work / "prebuilt", [cpu_target()])
         for kind in kinds:
             for index in range(runs):
-                caches = warm_caches if kind == "warm" else _kernel_caches(work / f"cold-caches-{index}")
-                run = _start(config, work, kind, caches)
+                env = warm_caches if kind == "warm" else _kernel_caches(work / f"{kind}-caches-{index}")
+                if kind == "prebuilt":
+                    env = env | {PREBUILT_ENV_VAR: str(work / "prebuilt")}
+                run = _start(config, work, kind, env)
                 log(f"{kind} {index + 1}/{runs}: Ready in {run.ready_seconds:.2f} s")
                 results.append(run)
     return results

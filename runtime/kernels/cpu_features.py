@@ -126,3 +126,11 @@ def _cpu_flags() -> frozenset[str]:
     except OSError:
         return frozenset()
     return frozenset(line.partition(":")[2].split())
+
+
+def prebuild_targets() -> tuple[CpuTarget, ...]:
+    """What an image prebuilds the CPU operations for: on x86-64 every level, so that any node finds its own;
+    elsewhere `native` targets this CPU alone."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return (cpu_target(),)
+    return tuple(CpuTarget(level) for level, _ in _X86_LEVELS)

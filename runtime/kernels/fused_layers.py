@@ -16,17 +16,15 @@ import functools
 import importlib.util
 import logging
 import os
-from pathlib import Path
 from typing import Any
 
 import torch
-from kvfleet.runtime.kernels.cpu_build import build_cpu_ops
+from kvfleet.runtime.kernels.cpu_build import CPU_LAYERS, build_cpu_ops
 from torch import nn
 
 logger = logging.getLogger(__name__)
 
 ENV_VAR = "KVFLEET_FUSED_KERNELS"
-_CPU_SOURCE = Path(__file__).with_name("cpu_layers.cpp")
 
 
 class Implementation(enum.Enum):
@@ -54,7 +52,7 @@ def _kernels_available() -> bool:
 
 @functools.cache
 def _cpu_ops_available() -> bool:
-    return _switched_on() and build_cpu_ops("kvfleet_cpu_layers", _CPU_SOURCE, "the CPU layer operations")
+    return _switched_on() and build_cpu_ops(CPU_LAYERS)
 
 
 def implementation_for(device: torch.device, dtype: torch.dtype) -> Implementation:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from kvfleet.runtime.kernels.cpu_build import build_cpu_ops
+from kvfleet.runtime.kernels.cpu_build import CPU_QUANT, build_cpu_ops
 from kvfleet.runtime.kernels.fused_layers import Implementation, implementation_for
 from kvfleet.runtime.quantization.config import WeightQuantization
 from safetensors import safe_open
@@ -27,7 +27,6 @@ from torch import nn
 
 logger = logging.getLogger(__name__)
 
-_CPU_SOURCE = Path(__file__).parents[1] / "kernels" / "cpu_quant.cpp"
 # Rows up to which the fused int8 matmul runs; past them a dequantized float matmul is faster.
 FUSED_MAX_ROWS = 16
 # The fused kernel computes this many output features together.
@@ -36,7 +35,7 @@ _FEATURE_BLOCK = 4
 
 @functools.cache
 def int8_ops_available() -> bool:
-    return build_cpu_ops("kvfleet_cpu_quant", _CPU_SOURCE, "the fused int8 matmul")
+    return build_cpu_ops(CPU_QUANT)
 
 
 def dequantize(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

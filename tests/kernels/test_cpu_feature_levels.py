@@ -1,6 +1,6 @@
 """The CPU operations follow the CPU they run on: the instruction-set level comes from the running CPU's
-flags, ATEN_CPU_CAPABILITY lowers it, the C++ operations are built and cached per level, and a level below
-this machine's is built, chosen and checked like the machine's own."""
+flags, ATEN_CPU_CAPABILITY lowers it, the C++ operations are built and cached per level (or prebuilt, as an
+image holds them), and a level below this machine's is built, chosen and checked like the machine's own."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from kvfleet.runtime.kernels import cpu_features
+from kvfleet.runtime.kernels import cpu_build, cpu_features
 
 V2 = "sse sse2 ssse3 sse4_1 sse4_2 popcnt cx16 lahf_lm"
 # A 2-core AMD EPYC Zen 3, as Linux lists its flags: AVX2 and FMA, no AVX-512.
@@ -162,3 +162,33 @@ def test_a_build_lock_left_by_a_dead_builder_does_not_stall_later_loads(tmp_path
     assert again.stdout.strip() == "True", again.stderr[-2000:]
     assert "left by a build that did not finish" in again.stderr
     assert not (build_dir / "lock").exists()
+
+
+LOADED = """
+import json
+from kvfleet.runtime.attention.cpu_decode import load_paged_decode_attention
+from kvfleet.runtime.kernels.fused_layers import _cpu_ops_available
+from kvfleet.runtime.quantization.linear import int8_ops_available
+assert load_paged_decode_attention() is not None and _cpu_ops_available() and int8_ops_available()
+print(json.dumps(sorted({line.split()[-1] for line in open("/proc/self/maps") if "kvfleet_cpu" in line})))
+"""
+
+
+def test_prebuilt_operations_for_the_running_level_load_without_a_build(tmp_path: Path) -> None:
+    # The image's build step for this machine's level, through the extension cache the kernel tests filled
+    # (ninja finds those builds current), then a process with that folder and an empty cache of its own: it
+    # loads the three libraries from the folder and builds nothing.
+    prebuilt, cache = tmp_path / "prebuilt", tmp_path / "cache"
+    # Another level beside it, as an image holds them: the key is the running CPU's level, not any build.
+    other = cpu_features.CpuTarget("x86-64-v2")
+    (prebuilt / cpu_build.CPU_LAYERS.prebuilt_name(other)).parent.mkdir(parents=True)
+    (prebuilt / cpu_build.CPU_LAYERS.prebuilt_name(other)).write_bytes(b"not a library")
+    written = cpu_build.prebuild_cpu_ops(prebuilt, [cpu_features.cpu_target()])
+    assert len(written) == len(cpu_build.CPU_LIBRARIES)
+    env = {**os.environ, cpu_build.PREBUILT_ENV_VAR: str(prebuilt), "TORCH_EXTENSIONS_DIR": str(cache)}
+    result = subprocess.run(
+        [sys.executable, "-P", "-c", LOADED], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert json.loads(result.stdout) == sorted(str(path) for path in written)
+    assert not cache.exists() or not any(cache.iterdir())

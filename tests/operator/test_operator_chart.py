@@ -242,6 +242,8 @@ def test_helm_template_namespaced(helm: Path) -> None:
         "metrics.prometheusRule.labels.release=prometheus",
         "--set",
         "runtime.image=example/runtime:dev",
+        "--set",
+        "runtime.kernelCache.hostPath=/var/cache/kvfleet-kernels",
     )
     docs = [d for d in yaml.safe_load_all(out) if d]
     roles = [d for d in docs if d["kind"] == "Role" and d["metadata"]["name"] == "kv-kvfleet"]
@@ -261,6 +263,8 @@ def test_helm_template_namespaced(helm: Path) -> None:
     container = operator["spec"]["template"]["spec"]["containers"][0]
     assert "--namespace=team-a" in container["args"] and "--namespace=team-b" in container["args"]
     assert {"name": "KVFLEET_RUNTIME_IMAGE", "value": "example/runtime:dev"} in container["env"]
+    kernel_cache = {"name": "KVFLEET_KERNEL_CACHE_HOST_PATH", "value": "/var/cache/kvfleet-kernels"}
+    assert kernel_cache in container["env"]
     (monitor,) = [d for d in docs if d["kind"] == "ServiceMonitor"]
     (endpoint,) = monitor["spec"]["endpoints"]
     assert endpoint["honorLabels"] is True, "per-service series keep their InferenceService's namespace"

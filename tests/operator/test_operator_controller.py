@@ -420,6 +420,32 @@ def test_requests_held_by_the_gateway_scale_a_fleet_at_zero_to_one() -> None:
     assert harness.scraper.calls == [], "nothing to scrape at zero"
 
 
+def test_a_fleet_at_zero_asks_to_be_woken_by_held_requests_and_scales_on_the_wake() -> None:
+    harness = Harness(
+        service(scaling={"minReplicas": 0}, model={"uri": "file:///models/tiny", "servedName": "m"})
+    )
+    held = {"ns/m": 0.0}
+    watched: list[str | None] = []
+
+    async def gateway_queue(model: str) -> float | None:
+        return held[model]
+
+    harness.controller.gateway_queue = gateway_queue
+    harness.controller.watch_held = watched.append
+    harness.run(deployment_at(0), [])
+    assert harness.deployments()[-1]["spec"]["replicas"] == 0 and watched[-1] == "ns/m"
+    # The watch wakes the loop a moment later, well within the metrics interval: that pass reads the gateway
+    # all the same and scales up, and the watch is called off.
+    held["ns/m"] = 1.0
+    harness.clock.now += 0.2
+    harness.run(deployment_at(0), [])
+    assert harness.deployments()[-1]["spec"]["replicas"] == 1 and watched[-1] is None
+    # Awake, the interval holds again: no pass between scrapes reads the gateway.
+    held.clear()
+    harness.clock.now += 0.2
+    harness.run(deployment_at(1), [])
+
+
 def test_a_service_refused_its_served_name_says_so_until_it_owns_it() -> None:
     harness = Harness(service(model={"uri": "file:///models/tiny", "servedName": "m"}))
     owners = {"m": "older"}

@@ -565,3 +565,25 @@ def test_precise_prefix_replicas_publish_kv_events_where_the_gateway_subscribes(
     container = runtime_container(render_children(Owner("svc", "ns", UID), other, 1, OPTIONS))
     assert KV_EVENTS_CONFIG_FLAG not in container["args"]
     assert [port["name"] for port in container["ports"]] == ["http"]
+
+
+def test_a_node_kernel_cache_is_a_host_folder_where_each_image_builds_apart() -> None:
+    spec = parse_spec({"model": {"uri": "file:///m"}}, name="svc")
+    owner = Owner("svc", "ns", UID)
+
+    def pod(options: RenderOptions) -> dict[str, Any]:
+        return pod_specs(render_children(owner, spec, 1, options))[0]
+
+    assert "kernel-cache" not in str(pod(RenderOptions())) and "TORCH_EXTENSIONS_DIR" not in str(pod(OPTIONS))
+    folders = []
+    for image in ("kvfleet/runtime:0.1.0", "registry.example/kvfleet/runtime@sha256:0123abcd"):
+        shared = pod(RenderOptions(runtime_image=image, kernel_cache_host_path="/var/cache/kernels"))
+        (volume,) = [v for v in shared["volumes"] if v["name"] == "kernel-cache"]
+        assert volume["hostPath"] == {"path": "/var/cache/kernels", "type": "DirectoryOrCreate"}
+        container = shared["containers"][0]
+        (mount,) = [m for m in container["volumeMounts"] if m["name"] == "kernel-cache"]
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        assert env["TORCH_EXTENSIONS_DIR"].startswith(mount["mountPath"] + "/")
+        assert "/" not in env["TORCH_EXTENSIONS_DIR"].removeprefix(mount["mountPath"] + "/")
+        folders.append(env["TORCH_EXTENSIONS_DIR"])
+    assert len(set(folders)) == 2

@@ -37,8 +37,11 @@ def vllm_program(tmp_path_factory: pytest.TempPathFactory) -> str:
     python = os.environ.get("VLLM_PYTHON")
     if not python or not Path(python).is_file():
         pytest.fail("set VLLM_PYTHON to the python of vLLM's environment (make test-vllm-runtime does)")
+    # vLLM's processes talk over IPC sockets in its temporary folder, the pod's scratch volume; here that is a
+    # folder deep in the cluster's, past the 107 characters a socket's path may have.
+    sockets = tmp_path_factory.mktemp("ipc")
     path = tmp_path_factory.mktemp("programs") / "vllm"
-    path.write_text(f'#!/bin/sh\nexec "{python}" -P "{VLLM_COMMAND}" "$@"\n')
+    path.write_text(f'#!/bin/sh\nVLLM_RPC_BASE_PATH="{sockets}" exec "{python}" -P "{VLLM_COMMAND}" "$@"\n')
     path.chmod(0o755)
     return str(path)
 
@@ -60,13 +63,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, vllm_program: str) -> Iter
     vllm_image = "^" + DEFAULT_VLLM_IMAGE.replace(".", r"\.") + "$"
     config = ClusterConfig(nodes=1, runner_image_pattern=f"{DEFAULT_IMAGE_PATTERN}|{vllm_image}")
     state_dir = tmp_path_factory.mktemp("local-cluster")
-    # vLLM's processes talk over IPC sockets in its temporary folder, the pod's scratch volume; here that
-    # is a folder deep in the cluster's, past the 107 characters a socket's path may have.
-    sockets = {"VLLM_RPC_BASE_PATH": str(tmp_path_factory.mktemp("ipc"))}
     programs = {"vllm": vllm_program}
-    with LocalCluster(
-        state_dir, config, bin_dir=ensure_binaries(), runner_programs=programs, runner_env=sockets
-    ) as running:
+    with LocalCluster(state_dir, config, bin_dir=ensure_binaries(), runner_programs=programs) as running:
         yield running
 
 
