@@ -397,11 +397,13 @@ def _flags(pairs: list[tuple[str, object]]) -> list[str]:
 
 def _runtime_env(spec: InferenceServiceSpec, kernel_cache: str | None) -> list[dict[str, Any]]:
     # The root filesystem is read-only: caches (kernels, tokenizers) and temporary files go to the
-    # scratch volume, kernel builds to the node's cache where it has one. The runtime reaches for the hub
-    # only to fetch hf:// adapters, with the model's token.
+    # scratch volume, kernel builds to the node's cache where it has one: the C++ operations and, on GPUs,
+    # Triton's compiled kernels (keyed by Triton itself on the source, the GPU's architecture and its own
+    # version). The runtime reaches for the hub only to fetch hf:// adapters, with the model's token.
     env: list[dict[str, Any]] = _scratch_env()
     if kernel_cache is not None:
         env.append({"name": "TORCH_EXTENSIONS_DIR", "value": kernel_cache})
+        env.append({"name": "TRITON_CACHE_DIR", "value": f"{kernel_cache}/triton"})
     if not spec.lora_enabled:
         env.append({"name": "HF_HUB_OFFLINE", "value": "1"})
     elif spec.model.credentials_secret is not None:

@@ -585,5 +585,6 @@ def test_a_node_kernel_cache_is_a_host_folder_where_each_image_builds_apart() ->
         env = {e["name"]: e.get("value") for e in container["env"]}
         assert env["TORCH_EXTENSIONS_DIR"].startswith(mount["mountPath"] + "/")
         assert "/" not in env["TORCH_EXTENSIONS_DIR"].removeprefix(mount["mountPath"] + "/")
+        assert env["TRITON_CACHE_DIR"] == env["TORCH_EXTENSIONS_DIR"] + "/triton"
         folders.append(env["TORCH_EXTENSIONS_DIR"])
     assert len(set(folders)) == 2
