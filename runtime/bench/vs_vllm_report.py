@@ -1,9 +1,11 @@
 """The table `make bench-vs-vllm` writes into docs/benchmarks.md, from the result files of one run.
 
-The run's folder holds `plan.json`, `engine-kvfleet.json` and `engine-vllm.json` (offline throughput and
-decode step times), `serve-<engine>-<rate>.json` (`kvfleet bench serve --save-result`, under vLLM's keys)
-and `load.txt` (the load average before each part). The section between the two markers is replaced, so
-that a rerun updates the figures and leaves the rest of the page alone.
+The run's folder holds `load.txt` (the load average before each part) and what the parts it ran wrote:
+`serve-<engine>-<rate>.json` (`kvfleet bench serve --save-result`, under vLLM's keys); `plan.json`,
+`engine-kvfleet.json` and `engine-vllm.json` (offline throughput and decode step times); and, from the
+round beside a busy loop, `engine-<engine>-neighbour.json` and `neighbour-cpu.txt` (the core it was pinned
+to). The section between the two markers is replaced, so that a rerun updates the figures and leaves the
+rest of the page alone.
 """
 
 from __future__ import annotations
@@ -40,40 +42,73 @@ def _ms(run: dict[str, float], *keys: str) -> str:
     return " / ".join(f"{run[key]:.1f}" for key in keys)
 
 
-def build_section(results: Path, commit: str) -> str:
-    plan = _load(results / "plan.json")
-    engines = {name: _load(results / f"engine-{name}.json") for name in ENGINES}
+Row = tuple[str, list[str]]
+
+
+def _serve_rows(results: Path) -> list[Row]:
     rates = sorted({path.stem.rsplit("-", 1)[1] for path in results.glob("serve-*.json")}, key=float)
-    serve = {(name, rate): _load(results / f"serve-{name}-{rate}.json") for name in ENGINES for rate in rates}
-    rows: list[tuple[str, list[str]]] = []
+    rows: list[Row] = []
     for rate in rates:
-        prompts = serve["kvfleet", rate]["num_prompts"]
-        label = f"serve {rate} req/s ({prompts} requests)"
-        runs = [serve[name, rate] for name in ENGINES]
+        runs = [_load(results / f"serve-{name}-{rate}.json") for name in ENGINES]
+        label = f"serve {rate} req/s ({runs[0]['num_prompts']} requests)"
         rows += [
             (f"{label}: achieved req/s", [f"{run['request_throughput']:.2f}" for run in runs]),
             (f"{label}: TTFT p50 / p99 (ms)", [_ms(run, "median_ttft_ms", "p99_ttft_ms") for run in runs]),
             (f"{label}: ITL p50 / p99 (ms)", [_ms(run, "median_itl_ms", "p99_itl_ms") for run in runs]),
             (f"{label}: TPOT p50 (ms)", [_ms(run, "median_tpot_ms") for run in runs]),
         ]
-    offline = [engines[name]["offline"] for name in ENGINES]
-    rows.append(
-        (
-            f"offline, {len(plan['offline'])} requests: output tokens/s",
-            [f"{o['tokens_per_second']:.0f}" for o in offline],
-        )
-    )
-    for batch in plan["decode"]["batch_sizes"]:
-        step_ms = [engines[name]["decode_step_ms"][str(batch)] for name in ENGINES]
-        rows.append((f"decode step, batch {batch} (ms)", [f"{ms:.2f}" for ms in step_ms]))
+    return rows
 
+
+def _engine_rows(plan: dict[str, Any], engines: list[dict[str, Any]], where: str) -> list[Row]:
+    rows = [
+        (
+            f"offline{where}, {len(plan['offline'])} requests: output tokens/s",
+            [f"{engine['offline']['tokens_per_second']:.0f}" for engine in engines],
+        )
+    ]
+    for batch in plan["decode"]["batch_sizes"]:
+        step_ms = [engine["decode_step_ms"][str(batch)] for engine in engines]
+        rows.append((f"decode step{where}, batch {batch} (ms)", [f"{ms:.2f}" for ms in step_ms]))
+    return rows
+
+
+def _offline_loss(quiet: dict[str, Any], beside: dict[str, Any]) -> float:
+    """The share of offline throughput, in percent, an engine lost beside the neighbour."""
+    return (1 - beside["offline"]["tokens_per_second"] / quiet["offline"]["tokens_per_second"]) * 100
+
+
+def _offline_rows(results: Path) -> tuple[list[Row], dict[str, Any] | None]:
+    """The offline rows, with the neighbour's where the run had one, and the engines' own description."""
+    if not (results / "plan.json").is_file():
+        return [], None
+    plan = _load(results / "plan.json")
+    quiet = [_load(results / f"engine-{name}.json") for name in ENGINES]
+    rows = _engine_rows(plan, quiet, "")
+    cpu_file = results / "neighbour-cpu.txt"
+    if cpu_file.is_file():
+        beside = [_load(results / f"engine-{name}-neighbour.json") for name in ENGINES]
+        rows += _engine_rows(plan, beside, f" beside a busy loop on CPU {cpu_file.read_text().strip()}")
+        losses = [_offline_loss(q, b) for q, b in zip(quiet, beside, strict=True)]
+        rows.append(("offline: throughput lost beside the busy loop (%)", [f"{loss:.1f}" for loss in losses]))
+    return rows, dict(zip(ENGINES, quiet, strict=True))
+
+
+def build_section(results: Path, commit: str) -> str:
+    offline_rows, engines = _offline_rows(results)
+    rows = _serve_rows(results) + offline_rows
     loads = [line.split() for line in (results / "load.txt").read_text().splitlines() if line.strip()]
-    kvfleet, vllm = engines["kvfleet"], engines["vllm"]
+    versions = ""
+    if engines is not None:
+        kvfleet, vllm = engines["kvfleet"], engines["vllm"]
+        versions = (
+            f": kvfleet with torch {kvfleet['torch']} ({kvfleet['threads']} threads), "
+            f"vLLM {vllm['version']} with torch {vllm['torch']}"
+        )
     lines = [
         SECTION_START,
         f"Measured {datetime.date.today().isoformat()} at commit {commit} on {os.cpu_count()} CPUs "
-        f"({cpu_model()}): kvfleet with torch {kvfleet['torch']} ({kvfleet['threads']} threads), "
-        f"vLLM {vllm['version']} with torch {vllm['torch']}. Load average (1 min) before each part: "
+        f"({cpu_model()}){versions}. Load average (1 min) before each part: "
         + ", ".join(f"{phase} {one_minute}" for phase, one_minute, *_ in loads)
         + ".",
         "",

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from click.testing import CliRunner
 from kvfleet.runtime.bench import engine_measure
-from kvfleet.runtime.bench.vs_vllm_report import SECTION_END, SECTION_START, replace_section
+from kvfleet.runtime.bench.vs_vllm_report import SECTION_END, SECTION_START, build_section, replace_section
 
 from kvfleet.cli import cli
 
@@ -59,3 +59,31 @@ def test_report_replaces_its_section_and_leaves_the_page_alone(tmp_path: Path) -
     second = doc.read_text()
     assert "first" not in second and second.count(SECTION_START) == 1
     assert second == first.replace("first", "second") + "\n## Later section\n\ntext\n"
+
+
+def test_report_gives_each_engines_loss_beside_the_busy_loop(tmp_path: Path) -> None:
+    """An offline-only run with the neighbour: the quiet rows, the rows beside it, and the loss of each."""
+    plan = {"offline": [{}] * 64, "decode": {"batch_sizes": [1, 8]}}
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    tokens_per_second = {("kvfleet", ""): 404.0, ("vllm", ""): 279.0}
+    tokens_per_second |= {("kvfleet", "-neighbour"): 184.0, ("vllm", "-neighbour"): 197.0}
+    for (name, suffix), rate in tokens_per_second.items():
+        figures = {"offline": {"tokens_per_second": rate}, "decode_step_ms": {"1": 10.0, "8": 12.5}}
+        figures |= {"torch": "2.x", "threads": 2, "version": "0.x"}
+        (tmp_path / f"engine-{name}{suffix}.json").write_text(json.dumps(figures))
+    (tmp_path / "neighbour-cpu.txt").write_text("0\n")
+    (tmp_path / "load.txt").write_text("kvfleet-offline 0.50 0.4 0.3\nend 1.50 1 1\n")
+
+    rows = {}
+    for line in build_section(tmp_path, "abc1234").splitlines():
+        if line.startswith("| ") and not line.startswith("| ---"):
+            label, *cells = (cell.strip() for cell in line.strip("|").split("|"))
+            rows[label] = cells
+    assert not any(label.startswith("serve") for label in rows), "the run had no serving part"
+    assert rows["offline, 64 requests: output tokens/s"] == ["404", "279"]
+    assert rows["offline beside a busy loop on CPU 0, 64 requests: output tokens/s"] == ["184", "197"]
+    assert rows["decode step beside a busy loop on CPU 0, batch 8 (ms)"] == ["12.50", "12.50"]
+    losses = [float(cell) for cell in rows["offline: throughput lost beside the busy loop (%)"]]
+    for loss, name in zip(losses, ["kvfleet", "vllm"], strict=True):
+        quiet, beside = tokens_per_second[name, ""], tokens_per_second[name, "-neighbour"]
+        assert abs(loss - 100 * (quiet - beside) / quiet) < 0.05
