@@ -346,8 +346,8 @@ class LatencyModel:
     per_unit: float
     # The most load per replica it was measured at: it is not trusted beyond twice that.
     measured_up_to: float
-    # The load per replica while the gateway held requests: a replica takes no more, and what waits in the
-    # gateway waits longer than any replica reports.
+    # The load per replica while the gateway held more requests than the target's tail: a replica takes no
+    # more, and what waits in the gateway waits longer than any replica reports.
     full_at: float | None = None
 
     def capacity(self, target_seconds: float) -> float:
