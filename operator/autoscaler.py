@@ -288,9 +288,10 @@ def decide(
     if latency is not None and observed is not None and observed > latency.seconds and panic_demand > 0:
         wanted, reason = _latency_floor(wanted, reason, fleet, observed, latency)
 
-    recent = [
-        (time, count) for time, count in state.recommendations if now - time < policy.scale_down_delay_seconds
-    ]
+    # A first decision knows nothing of what was wanted over the scale-down delay: the count the Deployment
+    # has stands for it, so a fleet is not shrunk on its first few seconds of metrics.
+    earlier = state.recommendations or ((now, current),)
+    recent = [(time, count) for time, count in earlier if now - time < policy.scale_down_delay_seconds]
     recommendations = (*recent, (now, wanted))
     replicas, reason = _stepped(policy, fleet, wanted, reason, recommendations)
     bounded = policy.clamp(replicas)
@@ -345,8 +346,8 @@ class LatencyModel:
     per_unit: float
     # The most load per replica it was measured at: it is not trusted beyond twice that.
     measured_up_to: float
-    # The load per replica while the gateway held requests: a replica takes no more, and what waits in the
-    # gateway waits longer than any replica reports.
+    # The load per replica while the gateway held more requests than the target's tail: a replica takes no
+    # more, and what waits in the gateway waits longer than any replica reports.
     full_at: float | None = None
 
     def capacity(self, target_seconds: float) -> float:
@@ -400,7 +401,9 @@ def latency_model(
     """The line through the samples' (load per reporting replica in `unit`, latency at the percentile or
     mean), by least squares; through the origin when the load never varied or the fit says latency falls
     with load. The requests the gateway held are not the replicas': they wait before any latency a replica
-    measures. None without a latency measured under load."""
+    measures. A replica is full where the gateway held more of the requests than the percentile leaves to
+    its tail (any, for the mean): a p90 target tolerates a tenth of the requests waiting there. None without
+    a latency measured under load."""
     points = [
         (load, value)
         for s in samples
@@ -410,7 +413,10 @@ def latency_model(
     ]
     if not points:
         return None
-    full = [load for s in samples if s.held > 0 and (load := unit.per_replica(s)) is not None]
+    tail = 0.0 if percentile is None else 1 - percentile / 100
+    full = [
+        load for s in samples if s.held > tail * s.queue_depth and (load := unit.per_replica(s)) is not None
+    ]
     full_at = max(full) if full else None
     loads = [load for load, _ in points]
     mean_load, mean_latency = _mean(loads), _mean(value for _, value in points)

@@ -183,11 +183,25 @@ def test_unschedulable_replicas_hold_scale_up() -> None:
     assert "cannot be scheduled" in fleet.decisions[-1].reason
 
 
+def test_a_first_decision_holds_the_deployments_count_over_the_scale_down_delay() -> None:
+    # 10 requests on the fleet want one replica at 10 a replica; the Deployment has 4.
+    samples = [MetricsSample(time=t, queue_depth=10.0, reporting_pods=4) for t in range(0, 200, 2)]
+    state, replicas = AutoscalerState(), 4
+    for now in range(60, 180, 2):
+        decision = decide(POLICY, samples, FleetState(replicas, replicas), state, float(now))
+        replicas, state = decision.replicas, decision.state
+        assert replicas == 4, f"shrunk at {now}s, within 120s of the first decision at 60s"
+    assert "scale-down delayed (4 wanted within 120s)" in decision.reason
+    # 120 s after the first decision its count no longer holds: one replica down per decision.
+    assert decide(POLICY, samples, FleetState(4, 4), state, 180.0).replicas == 3
+
+
 def test_unschedulable_replicas_do_not_block_scale_down() -> None:
-    samples = [MetricsSample(time=t, queue_depth=0.0, reporting_pods=2) for t in range(0, 300, 2)]
+    samples = [MetricsSample(time=t, queue_depth=0.0, reporting_pods=2) for t in range(0, 400, 2)]
     state = AutoscalerState()
     replicas = 6
-    for now in range(200, 300, 2):
+    # The first decision holds the 6 the Deployment has over the scale-down delay, then the fleet shrinks.
+    for now in range(200, 400, 2):
         decision = decide(POLICY, samples, FleetState(replicas, 2, 4), state, float(now))
         replicas, state = decision.replicas, decision.state
     assert replicas < 6
@@ -216,6 +230,8 @@ def test_panic_threshold_is_relative_to_ready_replicas() -> None:
 
 
 TTFT_TARGET = LatencyTarget("time to first token", 0.5)
+# An autoscaler that has decided before, long enough ago that nothing it wanted still delays a scale-down.
+SETTLED = AutoscalerState(recommendations=((-1000.0, 1),))
 
 
 def test_ttft_over_target_adds_one_replica_at_a_time() -> None:
@@ -230,7 +246,7 @@ def test_ttft_over_target_adds_one_replica_at_a_time() -> None:
         POLICY,
         samples,
         FleetState(2, 2),
-        AutoscalerState(),
+        SETTLED,
         now=59.0,
         latency=LatencyTarget("time to first token", 1.0),
     )
@@ -327,7 +343,7 @@ def steady(reports: list[PodMetrics], until: float = 60.0) -> list[MetricsSample
 def decide_role(role: Role, samples: list[MetricsSample], replicas: int, now: float = 58.0) -> ScaleDecision:
     fit = sizing(ROLES_SPEC, role)
     fleet = FleetState(replicas, replicas)
-    return decide(fit.policy, samples, fleet, AutoscalerState(), now, fit.latency, fit.targets)
+    return decide(fit.policy, samples, fleet, SETTLED, now, fit.latency, fit.targets)
 
 
 def test_each_role_is_sized_on_its_own_figures() -> None:

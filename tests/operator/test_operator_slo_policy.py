@@ -230,6 +230,24 @@ def test_the_slo_policy_sizes_on_the_percentile_not_the_mean() -> None:
     assert decide(POLICY, TAILED, FleetState(2, 2), AutoscalerState(), 10, slo=[TTFT]).replicas == 3
 
 
+def test_a_replica_is_full_where_the_gateway_held_more_than_the_percentiles_tail() -> None:
+    def holding(held: float) -> list[MetricsSample]:
+        # The replicas hold 4 requests each at 10 s, as in TAILED, and the gateway `held` more.
+        latest = dataclasses.replace(TAILED[1], queue_depth=8 + held, held=held)
+        return [TAILED[0], latest]
+
+    # Half a request of 8.5 held (6%): within the tenth a p90 target leaves to its tail, so the line
+    # decides, (600 - 100) / 100 = 5 requests per replica within 600 ms.
+    brief = latency_model(holding(0.5), "time to first token", 90)
+    assert brief is not None and brief.full_at is None and brief.capacity(0.6) == pytest.approx(5.0)
+    # 2 of 10 held (20%): more than the tail, so a replica is full at the 4 it held.
+    sustained = latency_model(holding(2), "time to first token", 90)
+    assert sustained is not None and sustained.full_at == 4 and sustained.capacity(0.6) == pytest.approx(4.0)
+    # A mean has no tail to spare: any held request marks the replicas full.
+    on_mean = latency_model(holding(0.5), "time to first token")
+    assert on_mean is not None and on_mean.full_at == 4
+
+
 def test_the_fleets_histogram_adds_up_the_replicas_and_leaves_out_other_bounds() -> None:
     other_bounds = ((0.5, 1.0), (INF, 1.0))
     reports = [
