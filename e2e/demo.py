@@ -32,7 +32,7 @@ from e2e.cluster.cluster import default_cache_dir
 from e2e.fleet.chart import OPERATOR_NAMESPACE, RELEASE, install_chart
 from e2e.fleet.gateway import gateway_endpoints
 from e2e.fleet.manifests import deployment_path, tiny_example
-from e2e.fleet.observe import wait_ready
+from e2e.fleet.observe import FirstAnswers, ReplicaHistory, wait_ready
 from e2e.fleet.traffic import ChatLoad, Endpoint, ReadyEndpoints, chat
 
 CLUSTER_NAME = "demo"
@@ -190,10 +190,30 @@ def chat_through_gateway(cluster: AttachedCluster, served_name: str) -> Endpoint
 
 
 def burst(cluster: AttachedCluster, name: str, served_name: str) -> None:
-    """Load from many clients while the replicas are shown, then where the gateways sent it."""
-    with gateways(cluster) as spread, ChatLoad(spread, BURST_CLIENTS, 128, model=served_name) as load:
-        watch_replicas(cluster, name, BURST_SECONDS, until=lambda replicas: False)
+    """Load from many clients while the replicas are shown, then how soon each added replica answered and
+    where the gateways sent the requests."""
+    with (
+        ReplicaHistory(cluster.api, NAMESPACE, name) as history,
+        ReadyEndpoints(cluster.api, NAMESPACE, name) as replicas,
+        FirstAnswers(replicas) as answers,
+    ):
+        first_replicas = {endpoint.pod for endpoint in replicas.current()}
+        with gateways(cluster) as spread, ChatLoad(spread, BURST_CLIENTS, 128, model=served_name) as load:
+            watch_replicas(cluster, name, BURST_SECONDS, until=lambda replicas: False)
     print(f"    {len(load.successes())} requests answered, {len(load.failures())} failed", flush=True)
+    added = sorted((at, pod) for pod, at in answers.snapshot().items() if pod not in first_replicas)
+    for number, (answered, pod) in enumerate(added, start=len(first_replicas) + 1):
+        decided = history.first(lambda sample, n=number: sample.desired >= n)
+        ready = history.first(lambda sample, n=number: sample.ready >= n)
+        if decided is not None and ready is not None:
+            print(
+                f"    replica {number} ({pod}): Ready {ready.at - decided.at:.1f}s and its first answer "
+                f"{answered - decided.at:.1f}s after the scale-up decision",
+                flush=True,
+            )
+    unanswered = max(sample.desired for sample in history.snapshot()) - len(first_replicas) - len(added)
+    if unanswered > 0:
+        print(f"    {unanswered} added replica(s) answered nothing before the burst ended", flush=True)
     print("    the gateways' routing decisions (least-request), requests per replica:", flush=True)
     for replica, count in sorted(routing_decisions(cluster, served_name).items()):
         print(f"      {replica}  {count:.0f}", flush=True)

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import time
+import urllib.request
 from dataclasses import dataclass
 from typing import Any
 
 from e2e.cluster import ApiError, KubeAPI
 from e2e.fleet.manifests import deployment_path, service_selector, services_path
+from e2e.fleet.traffic import Endpoint, ReadyEndpoints
 from e2e.support.polling import BackgroundPoller
 from e2e.support.waits import condition, wait_for
 
@@ -123,3 +125,32 @@ class ReplicaHistory(BackgroundPoller):
             last = self.samples[-1] if self.samples else None
             if last is None or (last.desired, last.ready) != (desired, ready):
                 self.samples.append(ReplicaSample(time.monotonic(), desired, ready))
+
+
+SUCCESS_METRIC = "vllm:request_success_total"
+
+
+class FirstAnswers(BackgroundPoller):
+    """When each serving pod of a service had answered its first request (monotonic seconds), read from its
+    own request counter every `interval` seconds: what its clients saw, whichever way their requests came."""
+
+    def __init__(self, endpoints: ReadyEndpoints, interval: float = 0.5) -> None:
+        super().__init__("first-answers", interval)
+        self._endpoints = endpoints
+        self.first_answer: dict[str, float] = {}
+
+    def poll(self) -> None:
+        for endpoint in self._endpoints.current():
+            if endpoint.pod not in self.first_answer and _answered(endpoint):
+                with self._lock:
+                    self.first_answer[endpoint.pod] = time.monotonic()
+
+    def snapshot(self) -> dict[str, float]:
+        with self._lock:
+            return dict(self.first_answer)
+
+
+def _answered(endpoint: Endpoint) -> bool:
+    with urllib.request.urlopen(f"http://{endpoint.ip}:{endpoint.port}/metrics", timeout=2) as page:
+        lines = page.read().decode().splitlines()
+    return any(line.startswith(SUCCESS_METRIC) and float(line.rsplit(" ", 1)[1]) > 0 for line in lines)
