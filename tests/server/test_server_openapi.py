@@ -85,6 +85,10 @@ def test_fuzzed_requests_get_no_server_error(fuzzed_server: ServerProcess, tmp_p
     command = [sys.executable, "-P", "-m", "schemathesis.cli", "run", f"{fuzzed_server.url}/openapi.json"]
     command += ["--checks", "not_a_server_error", "--phases", "fuzzing", "--max-examples", str(MAX_EXAMPLES)]
     command += ["--workers", "1", "--seed", "0", "--no-color"]
+    # The first request with a grammar starts a compile process, which imports xgrammar and Transformers:
+    # seconds idle, past schemathesis' default 10 s limit on a busy 2-core machine. Latency is not checked
+    # here.
+    command += ["--request-timeout", "60"]
     completed = subprocess.run(
         command, cwd=tmp_path, capture_output=True, text=True, timeout=600, check=False
     )
