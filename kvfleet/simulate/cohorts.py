@@ -66,9 +66,15 @@ def generate_cohorts(spec: TraceShapeSpec, span_s: float) -> Iterator[list[Cohor
     """The cohorts of a generated trace of `spec`'s shape, one list per span that has arrivals."""
     rng = numpy.random.default_rng(spec.seed)
     rate, _ = rate_curve(spec)
+    mix = tenants(spec)
     cells = [
-        (tier, f"{tier}-{group}", spec.mean_prompt_tokens * prompt_scale, spec.mean_output_tokens * output_scale)
-        for tier, prompt_scale, output_scale, groups in (mix := tenants(spec))
+        (
+            tier,
+            f"{tier}-{group}",
+            spec.mean_prompt_tokens * prompt_scale,
+            spec.mean_output_tokens * output_scale,
+        )
+        for tier, prompt_scale, output_scale, groups in mix
         for group in range(groups)
     ]
     # A request picks its tenant, then its group, uniformly.
@@ -91,7 +97,9 @@ def generate_cohorts(spec: TraceShapeSpec, span_s: float) -> Iterator[list[Cohor
         prompts = counts * prompt_means + roots * prompt_means * spread * rng.standard_normal(len(cells))
         outputs = counts * output_means + roots * output_means * spread * rng.standard_normal(len(cells))
         yield [
-            Cohort(start, length, cells[cell][0], cells[cell][1], count, max(count, prompt), max(count, output))
+            Cohort(
+                start, length, cells[cell][0], cells[cell][1], count, max(count, prompt), max(count, output)
+            )
             for cell, count, prompt, output in zip(
                 range(len(cells)),
                 counts.tolist(),

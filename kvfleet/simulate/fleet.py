@@ -13,8 +13,9 @@ is (a full queue sheds by kvfleet.contract.precedence, the gateway's rule).
 
 The operator: every metrics interval the ready replicas report (PodMetrics, as scraped from /metrics) and the
 operator's own `aggregate` and `decide` (kvfleet.operator.autoscaler, through operator_loop) set the replica
-count, on the service's spec. A new replica is ready after the pod start delay. One chosen to go stops receiving requests at once and leaves when its last request finishes (a drain-safe
-scale-down); until then it counts as running.
+count, on the service's spec. A new replica is ready after the pod start delay. One chosen to go stops
+receiving requests at once and leaves when its last request finishes (a drain-safe scale-down); until then
+it counts as running.
 """
 
 from __future__ import annotations
@@ -80,6 +81,13 @@ def load_config(service: dict[str, Any], profile: EngineProfile, **options: Any)
             raise ValueError("a TTFT target is needed: spec.sla.ttftTargetMilliseconds or --ttft-target-ms")
         target = spec.sla.ttft_target_milliseconds / 1000
     return SimulationConfig(spec, profile, gateway_config(service), target, **options)
+
+
+def group_text(prefix_group: str, config: SimulationConfig) -> str:
+    """Text standing for the start a prefix group's prompts share, as long as its shared tokens."""
+    seed = f"[{prefix_group}]"
+    length = config.shared_prefix_tokens * CHARS_PER_TOKEN
+    return (seed * (length // len(seed) + 1))[:length]
 
 
 @dataclass(eq=False)
@@ -211,9 +219,7 @@ class Simulation:
         shared = min(self.config.shared_prefix_tokens, trace.prompt_tokens) if trace.prefix_group else 0
         text = self._group_text.get(trace.prefix_group)
         if text is None:
-            seed = f"[{trace.prefix_group}]"
-            length = self.config.shared_prefix_tokens * CHARS_PER_TOKEN
-            text = self._group_text[trace.prefix_group] = (seed * (length // len(seed) + 1))[:length]
+            text = self._group_text[trace.prefix_group] = group_text(trace.prefix_group, self.config)
         return text[: shared * CHARS_PER_TOKEN] + f"<request {number}>".ljust(16 * CHARS_PER_TOKEN, ".")
 
     def _route(self, request: _Request) -> bool:

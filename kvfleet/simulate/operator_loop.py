@@ -66,4 +66,4 @@ StoppableT = TypeVar("StoppableT", bound=Stoppable)
 
 def chosen_to_stop(staying: Sequence[StoppableT], excess: int) -> list[StoppableT]:
     """The `excess` replicas a ReplicaSet stops: those still starting first, then the most recently ready."""
-    return sorted(staying, key=lambda replica: (replica.ready, -replica.ready_s))[:max(excess, 0)]
+    return sorted(staying, key=lambda replica: (replica.ready, -replica.ready_s))[: max(excess, 0)]

@@ -21,6 +21,12 @@ _SMALLEST_S = 1e-4
 _GROWTH = math.log(1.01)
 
 
+def bucket_indices(seconds: numpy.ndarray) -> numpy.ndarray:
+    """The histogram's bucket of each latency (as Histogram.add() takes one)."""
+    ratios = numpy.maximum(seconds, _SMALLEST_S) / _SMALLEST_S
+    return numpy.maximum(numpy.floor(numpy.log(ratios) / _GROWTH), 0).astype(numpy.int64)
+
+
 class Histogram:
     """Latencies in seconds, in buckets 1% apart from 0.1 ms."""
 
@@ -32,11 +38,8 @@ class Histogram:
         self.buckets[max(0, math.floor(math.log(max(seconds, _SMALLEST_S) / _SMALLEST_S) / _GROWTH))] += times
         self.count += times
 
-    def add_many(self, seconds: numpy.ndarray, times: numpy.ndarray) -> None:
-        """Each of `seconds`, as many times as `times` says (as add() does, for arrays)."""
-        ratios = numpy.maximum(seconds, _SMALLEST_S) / _SMALLEST_S
-        indices = numpy.maximum(numpy.floor(numpy.log(ratios) / _GROWTH), 0).astype(numpy.int64)
-        counts = numpy.bincount(indices, weights=times)
+    def add_counts(self, counts: numpy.ndarray) -> None:
+        """Observations by bucket (as bucket_indices() numbers them), counts that need not be whole."""
         for bucket in numpy.flatnonzero(counts).tolist():
             self.buckets[bucket] += float(counts[bucket])
         self.count += float(counts.sum())
@@ -125,12 +128,13 @@ class RunReport:
         if ttft_s <= self.ttft_target_s:
             result.within_target += count
 
-    def first_tokens(self, tier: str, ttft_s: numpy.ndarray, counts: numpy.ndarray) -> None:
-        """Requests of `tier` with these first-token latencies, as many of each as `counts` says."""
+    def first_tokens(self, tier: str, counts: numpy.ndarray, within_target: float) -> None:
+        """Requests of `tier` that got their first token, counted by latency bucket (bucket_indices()), and
+        how many of them within the target."""
         result = self.tiers[tier]
         for histogram in (result.ttft, self.ttft, self._interval_ttft):
-            histogram.add_many(ttft_s, counts)
-        result.within_target += float(counts[ttft_s <= self.ttft_target_s].sum())
+            histogram.add_counts(counts)
+        result.within_target += within_target
 
     def shed(self, tier: str, count: float = 1) -> None:
         self.tiers[tier].shed += count
