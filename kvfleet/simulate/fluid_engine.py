@@ -43,6 +43,9 @@ _FIELDS = (
     "held_tokens",
     # Requests that finished over the last tick.
     "finishing",
+    # The queue a replica reports: waiting, and in the batch, once the last tick's arrivals had their places.
+    "seen_waiting",
+    "seen_running",
     # Since the last report: first-token latencies (their sum and count), inter-token latencies, prompt
     # tokens of the requests whose prompt was computed, tokens generated.
     "ttft_sum",
@@ -122,6 +125,10 @@ class FluidEngines:
         used, a = self.used, self._arrays
         return a["waiting"][:used] + a["prefilling"][:used] + a["decoding"][:used]
 
+    def places_freeing(self) -> numpy.ndarray:
+        """Requests each engine will finish over the next tick, taken as many as over the last."""
+        return self._arrays["finishing"][: self.used]
+
     def advance(self, tick_s: float, arrivals: Arrivals) -> TickLatencies:
         """Takes the tick's arrivals in and runs every engine for `tick_s` seconds."""
         profile, used = self.profile, self.used
@@ -149,6 +156,10 @@ class FluidEngines:
             a[target] += moved
         a["waiting"] -= admitted
         a["prefilling"] += admitted
+        # A replica reports its queue as it is with the tick's arrivals placed: requests finish and places
+        # fill one by one in an engine, while a tick takes the finishes of its length at once.
+        a["seen_waiting"][:] = a["waiting"]
+        a["seen_running"][:] = a["prefilling"] + a["decoding"]
         came_in = numpy.clip(admitted - waited, 0.0, came)
         came_waiting = came - came_in
 
@@ -241,8 +252,8 @@ class FluidEngines:
         mean = {name: float(numpy.mean(values)) for name, values in a.items()}
         per_s = 1 / interval_s if interval_s else None
         shared = PodMetrics(
-            waiting=mean["waiting"],
-            running=mean["prefilling"] + mean["decoding"],
+            waiting=mean["seen_waiting"],
+            running=mean["seen_running"],
             kv_cache_usage=mean["held_tokens"] / self.profile.kv_cache_tokens,
             ttft_seconds=ttft,
             queued_prompt_tokens=mean["waiting_work"] + mean["prefill_work"],

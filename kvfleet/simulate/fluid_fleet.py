@@ -149,7 +149,8 @@ class CohortSimulation:
                 )
                 next_series += config.series_interval_s
             self._become_ready()
-            self._in_engine = self.engines.in_engine()
+            # What the gateway counts on a replica against its cap: places that free over the tick are free.
+            self._in_engine = self.engines.in_engine() - self.engines.places_freeing()
             # What the gateway holds goes first, then what arrives.
             self._dispatch()
             if number % self._ticks_per_span == 0:
