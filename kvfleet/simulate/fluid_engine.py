@@ -142,8 +142,11 @@ class FluidEngines:
         a["waiting_output"] += arrivals.output[:used]
 
         # Places in the batch, to the waiting requests in their order: those free, and those the requests
-        # finishing over the tick free (as many as finished over the last), which a request takes at once.
-        places = numpy.maximum(profile.max_num_seqs - a["prefilling"] - a["decoding"] + a["finishing"], 0.0)
+        # finishing over the tick free (as many as finished over the last), which a waiting request takes at
+        # once: taken from the tick's start, half of them keep the batch as full over the tick as it is.
+        places = numpy.maximum(
+            profile.max_num_seqs - a["prefilling"] - a["decoding"] + a["finishing"] / 2, 0.0
+        )
         admitted = numpy.minimum(a["waiting"], places)
         share = _share(admitted, a["waiting"])
         for source, target in (
@@ -158,8 +161,10 @@ class FluidEngines:
         a["prefilling"] += admitted
         # A replica reports its queue as it is with the tick's arrivals placed: requests finish and places
         # fill one by one in an engine, while a tick takes the finishes of its length at once.
-        a["seen_waiting"][:] = a["waiting"]
-        a["seen_running"][:] = a["prefilling"] + a["decoding"]
+        # (The places taken ahead of the finishes are still waiting then.)
+        running = a["prefilling"] + a["decoding"]
+        numpy.minimum(running, profile.max_num_seqs, out=a["seen_running"])
+        a["seen_waiting"][:] = a["waiting"] + running - a["seen_running"]
         came_in = numpy.clip(admitted - waited, 0.0, came)
         came_waiting = came - came_in
 
@@ -171,7 +176,6 @@ class FluidEngines:
         prefill_step_s = _step_s(profile, prompt_tokens, decoding, a["held_tokens"])
         prefill_s = numpy.minimum(_share(backlog, prompt_tokens) * prefill_step_s, tick_s)
         prefill_steps = prefill_s / prefill_step_s
-        rate = prompt_tokens / prefill_step_s
         ahead = backlog - came_in * _share(work, came)
         computed = numpy.minimum(prompt_tokens * prefill_steps, backlog)
         done = numpy.where(backlog > _NOTHING, _share(computed, backlog), 1.0)
@@ -215,7 +219,10 @@ class FluidEngines:
         # The tick's arrivals' first-token latencies.
         each = _share(work, came)
         residual = numpy.where(busy_before, step_s / 2, 0.0)
-        own = (numpy.maximum(ahead, 0.0) + came_in * each / 2 + each / 2) / numpy.maximum(rate, _NOTHING)
+        # The middle one's prompt ends this far into the prompts to compute; it has its first token at the
+        # end of the step that computes its last token.
+        position = numpy.maximum(ahead, 0.0) + came_in * each / 2 + each / 2
+        own = numpy.ceil(position / numpy.maximum(prompt_tokens, _NOTHING) - 1e-9) * prefill_step_s
         at_once_s = residual + numpy.where(came_in > _NOTHING, own, 0.0)
         finish_rate = numpy.where(finished > _NOTHING, finished / tick_s, _estimated_finish_rate(a, step_s))
         queue_ahead = numpy.maximum(a["waiting"] - came_waiting / 2, 0.0)
