@@ -117,8 +117,8 @@ def test_places_in_the_batch_bound_what_runs_and_the_rest_waits_longer() -> None
 
 
 def test_a_full_batch_decodes_at_the_profiles_step_time() -> None:
-    # More than a batch's worth arriving each tick (100-token outputs): the batch stays full of 32 decoding requests, so tokens
-    # come at 32 a decode step of 5 ms + 32 x 0.125 ms (the one-token prompts add next to nothing).
+    # More than a batch's worth arriving each tick (100-token outputs): the batch stays full of 32 decoding
+    # requests, so tokens come at 32 a decode step of 5 ms + 32 x 0.125 ms (one-token prompts add little).
     engines, arrivals, slot = _engines()
     ticks, tick_s = 600, 0.1
     for _ in range(ticks):
@@ -161,7 +161,7 @@ def test_the_cohort_model_stays_near_the_request_model_on_one_trace() -> None:
     # operator's code deciding in each.
     service = _service(minReplicas=1, maxReplicas=40, policy="slo")
     spec = TraceShapeSpec(
-        "burst", duration_s=900, base_rate=15, peak_ratio=4, burst_start_s=300, burst_length_s=300
+        "burst", duration_s=480, base_rate=15, peak_ratio=4, burst_start_s=160, burst_length_s=160
     )
     runs = {}
     for model in ("request", "cohort"):
@@ -181,7 +181,7 @@ def test_the_cohort_model_stays_near_the_request_model_on_one_trace() -> None:
 def test_the_cohort_models_state_does_not_grow_with_the_trace() -> None:
     service = _service(replicas=4)
     sizes = []
-    for duration in (120, 960):
+    for duration in (30, 240):
         spec = TraceShapeSpec("steady", duration_s=duration, base_rate=40)
         simulation = CohortSimulation(load_config(service, PROFILE))
         summary = simulation.run(generate_cohorts(spec, 0.5))
