@@ -32,8 +32,39 @@ def simulate() -> None:
     "--trace",
     "trace_path",
     type=click.Path(exists=True, path_type=Path),
-    required=True,
     help="CSV or JSON Lines: arrival_s, prompt_tokens, output_tokens, tier, prefix_group.",
+)
+@click.option(
+    "--trace-spec",
+    "trace_spec_path",
+    type=click.Path(exists=True, path_type=Path),
+    help="Instead of --trace: a generated trace, as YAML with `kvfleet simulate trace`'s settings (shape, "
+    "duration_s, base_rate, peak_ratio, burst_start_s, burst_length_s, mean_prompt_tokens, "
+    "mean_output_tokens, prefix_groups, seed); the cohort model draws it as cohorts, not request by request.",
+)
+@click.option(
+    "--model",
+    type=click.Choice(["request", "cohort"]),
+    default="request",
+    show_default=True,
+    help="request: every request and engine step (exact, about 60 us of CPU a request); cohort: arrivals "
+    "counted per span and engines as fluids, at a cost that does not grow with the requests (a day at 1,000 "
+    "replicas in minutes), within a few points of the request model.",
+)
+@click.option(
+    "--span-ms",
+    type=click.IntRange(min=1),
+    default=500,
+    show_default=True,
+    help="cohort: the span whose arrivals make one cohort per tier and prefix group.",
+)
+@click.option(
+    "--tick-ms",
+    type=click.IntRange(min=1),
+    default=100,
+    show_default=True,
+    help="cohort: how long the engines advance at a time (a span must be whole ticks); longer is faster "
+    "and coarser.",
 )
 @click.option(
     "--profile",
@@ -69,7 +100,11 @@ def simulate() -> None:
 )
 def run_command(
     service_paths: tuple[Path, ...],
-    trace_path: Path,
+    trace_path: Path | None,
+    trace_spec_path: Path | None,
+    model: str,
+    span_ms: int,
+    tick_ms: int,
     profile_path: Path | None,
     ttft_target_ms: int | None,
     pod_start_seconds: float,
@@ -78,10 +113,13 @@ def run_command(
     out: Path,
     plot_path: Path | None,
 ) -> None:
-    """Replay TRACE through a simulated fleet of each service and report how it did."""
+    """Replay a trace through a simulated fleet of each service and report how it did."""
     from kvfleet.operator.spec import SpecError
-    from kvfleet.simulate.fleet import Simulation, load_config
+    from kvfleet.simulate.fleet import load_config
 
+    if (trace_path is None) == (trace_spec_path is None):
+        raise click.UsageError("give one of --trace and --trace-spec")
+    shape = _trace_shape(trace_spec_path) if trace_spec_path is not None else None
     profile = EngineProfile.load(profile_path) if profile_path else EngineProfile()
     summaries = {}
     for path in service_paths:
@@ -96,7 +134,9 @@ def run_command(
             )
         except (SpecError, ValueError) as error:
             raise click.UsageError(f"{path}: {error}") from None
-        summary = summaries[path.stem] = Simulation(config).run(read_trace(trace_path))
+        summary = summaries[path.stem] = _run(
+            config, model, trace_path, shape, span_ms / 1000, tick_ms / 1000
+        )
         figures = ("requests", "attainment", "ttft_p90_s", "replica_hours", "scale_events", "flaps", "shed")
         click.echo(f"{path.stem}: " + " ".join(f"{name}={summary[name]}" for name in figures))
         click.echo(f"{path.stem}: {summary['simulated_seconds_per_second']:.1f} simulated seconds per second")
@@ -172,6 +212,42 @@ def trace_command(
         seed=seed,
     )
     click.echo(f"{write_trace(generate(spec), out)} requests written to {out}")
+
+
+def _run(
+    config: Any,
+    model: str,
+    trace_path: Path | None,
+    shape: TraceShapeSpec | None,
+    span_s: float,
+    tick_s: float,
+) -> dict[str, Any]:
+    """One service's run on the trace, by the model asked for."""
+    if model == "request":
+        from kvfleet.simulate.fleet import Simulation
+
+        return Simulation(config).run(read_trace(trace_path) if trace_path is not None else generate(shape))  # type: ignore[arg-type]
+    from kvfleet.simulate.cohorts import cohorts_of, generate_cohorts
+    from kvfleet.simulate.fluid_fleet import CohortOptions, CohortSimulation
+
+    try:
+        simulation = CohortSimulation(config, CohortOptions(span_s=span_s, tick_s=tick_s))
+    except ValueError as error:
+        raise click.UsageError(str(error)) from None
+    if trace_path is not None:
+        return simulation.run(cohorts_of(read_trace(trace_path), span_s))
+    return simulation.run(generate_cohorts(shape, span_s))  # type: ignore[arg-type]
+
+
+def _trace_shape(path: Path) -> TraceShapeSpec:
+    """A generated trace's settings, from YAML (TraceShapeSpec's fields)."""
+    document = yaml.safe_load(path.read_text())
+    if not isinstance(document, dict):
+        raise click.UsageError(f"{path} holds no trace settings")
+    try:
+        return TraceShapeSpec(**document)
+    except TypeError as error:
+        raise click.UsageError(f"{path}: {error}") from None
 
 
 def _service_spec(path: Path) -> dict[str, Any]:

@@ -12,11 +12,10 @@ is none, it waits in a queue ordered by tier, then arrival, bounded in length an
 is (a full queue sheds by kvfleet.contract.precedence, the gateway's rule).
 
 The operator: every metrics interval the ready replicas report (PodMetrics, as scraped from /metrics) and the
-operator's own `aggregate` and `decide` (kvfleet.operator.autoscaler) set the replica count, on the service's
-spec. A new replica is ready after the pod start delay. The replicas a scale-down stops are those a
-ReplicaSet picks (the operator sets no deletion cost): any still starting, then the most recently ready. One
-chosen to go stops receiving requests at once and leaves when its last request finishes (a drain-safe
-scale-down); until then it counts as running.
+operator's own `aggregate` and `decide` (kvfleet.operator.autoscaler, through operator_loop) set the replica
+count, on the service's spec. A new replica is ready after the pod start delay. One chosen to go stops
+receiving requests at once and leaves when its last request finishes (a drain-safe scale-down); until then
+it counts as running.
 """
 
 from __future__ import annotations
@@ -35,18 +34,11 @@ from kvfleet.gateway.discovery import ModelConfig
 from kvfleet.gateway.flow import DEFAULT_MAX_QUEUE
 from kvfleet.gateway.kube import model_configs
 from kvfleet.gateway.routing import CHARS_PER_TOKEN, Prompt, Replica, make_policy
-from kvfleet.operator.autoscaler import (
-    AutoscalerState,
-    FleetState,
-    MetricsSample,
-    PodMetrics,
-    aggregate,
-    decide,
-    sizing,
-)
+from kvfleet.operator.autoscaler import PodMetrics
 from kvfleet.operator.spec import InferenceServiceSpec, parse_spec
 from kvfleet.simulate.engine import EngineModel, EngineProfile, Sequence
-from kvfleet.simulate.report import RunReport, ScaleEvent
+from kvfleet.simulate.operator_loop import Operator, chosen_to_stop
+from kvfleet.simulate.report import RunReport
 from kvfleet.simulate.trace import TraceRequest
 
 # Event kinds, in the order they run at equal times.
@@ -91,6 +83,13 @@ def load_config(service: dict[str, Any], profile: EngineProfile, **options: Any)
     return SimulationConfig(spec, profile, gateway_config(service), target, **options)
 
 
+def group_text(prefix_group: str, config: SimulationConfig) -> str:
+    """Text standing for the start a prefix group's prompts share, as long as its shared tokens."""
+    seed = f"[{prefix_group}]"
+    length = config.shared_prefix_tokens * CHARS_PER_TOKEN
+    return (seed * (length // len(seed) + 1))[:length]
+
+
 @dataclass(eq=False)
 class _Request:
     trace: TraceRequest
@@ -120,11 +119,11 @@ class Simulation:
     def __init__(self, config: SimulationConfig) -> None:
         self.config = config
         self.spec = config.spec
-        self.fit = sizing(config.spec)
         gateway = config.gateway
         self.policy = make_policy(gateway.policy, gateway.prefix_chars, gateway.load_bound)
         self.cap = gateway.max_in_flight
-        self.report = RunReport(config.ttft_target_s, self.fit.policy.stable_window_seconds)
+        self.report = RunReport(config.ttft_target_s, config.spec.scaling.stable_window_seconds)
+        self.operator = Operator(config.spec, self.report, config.initial_replicas)
         self._events: list[tuple[float, int, int, Any]] = []
         self._order = itertools.count()
         self._names = itertools.count()
@@ -135,9 +134,6 @@ class Simulation:
         self._queue: dict[int, deque[tuple[int, float, _Request]]] = {}
         self._queued = 0
         self._arrivals = itertools.count()
-        self._desired = 0
-        self._samples: list[MetricsSample] = []
-        self._autoscaler = AutoscalerState()
         self._now = 0.0
         self._counted_at = 0.0
         self._group_text: dict[str, str] = {}
@@ -149,15 +145,11 @@ class Simulation:
     def run(self, trace: Iterable[TraceRequest]) -> dict[str, Any]:
         """Replays the trace and runs on until every request is done; returns the report."""
         started = time.perf_counter()
-        initial = self.config.initial_replicas
-        policy = self.fit.policy
-        # As the operator starts a service: with a replica even when it may scale to zero.
-        self._desired = policy.clamp(initial if initial is not None else max(policy.min_replicas, 1))
-        for _ in range(self._desired):
+        for _ in range(self.operator.desired):
             self._start_replica(ready_at=0.0)
         requests = iter(trace)
         self._next_arrival(requests)
-        self._push(self.fit.policy.metrics_interval_seconds, SCRAPE, None)
+        self._push(self.operator.policy.metrics_interval_seconds, SCRAPE, None)
         next_series = self.config.series_interval_s
         while self._events:
             at, kind, _, payload = heapq.heappop(self._events)
@@ -196,14 +188,14 @@ class Simulation:
 
     def _pending_work(self) -> bool:
         """Whether the scrape has anything left to decide on: otherwise the run is over."""
-        self._push(self._now + self.fit.policy.metrics_interval_seconds, SCRAPE, None)
+        self._push(self._now + self.operator.policy.metrics_interval_seconds, SCRAPE, None)
         if any(kind != SCRAPE for _, kind, _, _ in self._events) or self._in_flight:
             return True
         self._events.clear()
         return False
 
     def _close_interval(self, at: float) -> None:
-        self.report.close_interval(at, self._desired, len(self._routed), len(self._replicas))
+        self.report.close_interval(at, self.operator.desired, len(self._routed), len(self._replicas))
 
     def _next_arrival(self, requests: Iterator[TraceRequest]) -> None:
         request = next(requests, None)
@@ -227,9 +219,7 @@ class Simulation:
         shared = min(self.config.shared_prefix_tokens, trace.prompt_tokens) if trace.prefix_group else 0
         text = self._group_text.get(trace.prefix_group)
         if text is None:
-            seed = f"[{trace.prefix_group}]"
-            length = self.config.shared_prefix_tokens * CHARS_PER_TOKEN
-            text = self._group_text[trace.prefix_group] = (seed * (length // len(seed) + 1))[:length]
+            text = self._group_text[trace.prefix_group] = group_text(trace.prefix_group, self.config)
         return text[: shared * CHARS_PER_TOKEN] + f"<request {number}>".ljust(16 * CHARS_PER_TOKEN, ".")
 
     def _route(self, request: _Request) -> bool:
@@ -338,25 +328,10 @@ class Simulation:
         self._dispatch()
         ready = [r for r in self._replicas.values() if r.ready and not r.draining]
         reports: list[PodMetrics | None] = [replica.engine.report(self._now) for replica in ready]
-        policy = self.fit.policy
-        held = float(self._queued)
-        sample = aggregate(self._now, reports, len(reports), held)
-        if sample is None and not reports and policy.min_replicas == 0:
-            sample = MetricsSample(time=self._now, queue_depth=held, reporting_pods=0, held=held)
-        if sample is not None:
-            self._samples.append(sample)
-        self._samples = [s for s in self._samples if self._now - s.time < policy.stable_window_seconds]
-        fleet = FleetState(self._desired, len(ready))
-        fit = self.fit
-        decision = decide(
-            policy, self._samples, fleet, self._autoscaler, self._now, fit.latency, fit.targets, fit.slo
-        )
-        self._autoscaler = decision.state
-        if decision.replicas != self._desired:
-            event = ScaleEvent(self._now, self._desired, decision.replicas, decision.reason)
-            self.report.scaled(event)
-            self._resize(decision.replicas)
-            self._desired = decision.replicas
+        desired = self.operator.desired
+        wanted = self.operator.scrape(self._now, reports, float(self._queued))
+        if wanted != desired:
+            self._resize(wanted)
 
     def _resize(self, wanted: int) -> None:
         """Starts replicas, or drains the ones to go, as a ReplicaSet chooses them (the operator leaves it the
@@ -364,11 +339,7 @@ class Simulation:
         staying = [r for r in self._replicas.values() if not r.draining]
         for _ in range(wanted - len(staying)):
             self._start_replica(self._now + self.config.pod_start_s)
-        excess = len(staying) - wanted
-        if excess <= 0:
-            return
-        by_cost = sorted(staying, key=lambda r: (r.ready, -r.ready_s))
-        for replica in by_cost[:excess]:
+        for replica in chosen_to_stop(staying, len(staying) - wanted):
             replica.draining = True
             if replica.ready:
                 self._routed.remove(replica.route)

@@ -2,7 +2,8 @@
 flaps and shed requests, with replicas and p90 time to first token over time; as JSON, and as a plot.
 
 Latencies go into log-spaced histograms (buckets 1% apart), so a run's memory does not grow with its
-requests; a percentile is read back within 1%. Attainment is counted exactly.
+requests; a percentile is read back within 1%. Attainment is counted exactly. The cohort model reports many
+requests at once: a latency with how many requests had it, and counts that need not be whole.
 """
 
 from __future__ import annotations
@@ -14,8 +15,16 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy
+
 _SMALLEST_S = 1e-4
 _GROWTH = math.log(1.01)
+
+
+def bucket_indices(seconds: numpy.ndarray) -> numpy.ndarray:
+    """The histogram's bucket of each latency (as Histogram.add() takes one)."""
+    ratios = numpy.maximum(seconds, _SMALLEST_S) / _SMALLEST_S
+    return numpy.maximum(numpy.floor(numpy.log(ratios) / _GROWTH), 0).astype(numpy.int64)
 
 
 class Histogram:
@@ -25,19 +34,27 @@ class Histogram:
         self.buckets: Counter[int] = Counter()
         self.count = 0
 
-    def add(self, seconds: float) -> None:
-        self.buckets[max(0, math.floor(math.log(max(seconds, _SMALLEST_S) / _SMALLEST_S) / _GROWTH))] += 1
-        self.count += 1
+    def add(self, seconds: float, times: float = 1) -> None:
+        self.buckets[max(0, math.floor(math.log(max(seconds, _SMALLEST_S) / _SMALLEST_S) / _GROWTH))] += times
+        self.count += times
+
+    def add_counts(self, counts: numpy.ndarray) -> None:
+        """Observations by bucket (as bucket_indices() numbers them), counts that need not be whole."""
+        for bucket in numpy.flatnonzero(counts).tolist():
+            self.buckets[bucket] += float(counts[bucket])
+        self.count += float(counts.sum())
 
     def percentile(self, share: float) -> float | None:
         """The latency `share` (0..1) of the samples are within, at its bucket's middle; None when empty."""
         if not self.count:
             return None
         rank = max(1, math.ceil(share * self.count))
-        seen = 0
+        seen = 0.0
+        # Counts that need not be whole may add up a rounding short of the total: the last bucket holds it.
+        last = max(self.buckets)
         for bucket in sorted(self.buckets):
             seen += self.buckets[bucket]
-            if seen >= rank:
+            if seen >= rank or bucket == last:
                 return _SMALLEST_S * math.exp((bucket + 0.5) * _GROWTH)
         raise AssertionError("the buckets hold count samples")
 
@@ -52,12 +69,12 @@ class TierResult:
     def summary(self) -> dict[str, Any]:
         served = self.requests - self.shed
         return {
-            "requests": self.requests,
-            "served": served,
-            "within_ttft_target": self.within_target,
+            "requests": round(self.requests),
+            "served": round(served),
+            "within_ttft_target": round(self.within_target),
             # Shed requests count as missed: the client got no first token at all.
             "attainment": self.within_target / self.requests if self.requests else None,
-            "shed": self.shed,
+            "shed": round(self.shed),
             **_percentiles(self.ttft),
         }
 
@@ -79,7 +96,7 @@ class SeriesPoint:
     ready: int
     # Replicas costing money: starting, ready or draining.
     running: int
-    arrivals: int
+    arrivals: float
     ttft_p90_s: float | None
 
 
@@ -99,20 +116,28 @@ class RunReport:
         self._interval_ttft = Histogram()
         self._interval_arrivals = 0
 
-    def arrived(self, tier: str) -> None:
-        self.tiers.setdefault(tier, TierResult()).requests += 1
-        self._interval_arrivals += 1
+    def arrived(self, tier: str, count: float = 1) -> None:
+        self.tiers.setdefault(tier, TierResult()).requests += count
+        self._interval_arrivals += count
 
-    def first_token(self, tier: str, ttft_s: float) -> None:
+    def first_token(self, tier: str, ttft_s: float, count: float = 1) -> None:
         result = self.tiers[tier]
-        result.ttft.add(ttft_s)
-        self.ttft.add(ttft_s)
-        self._interval_ttft.add(ttft_s)
+        result.ttft.add(ttft_s, count)
+        self.ttft.add(ttft_s, count)
+        self._interval_ttft.add(ttft_s, count)
         if ttft_s <= self.ttft_target_s:
-            result.within_target += 1
+            result.within_target += count
 
-    def shed(self, tier: str) -> None:
-        self.tiers[tier].shed += 1
+    def first_tokens(self, tier: str, counts: numpy.ndarray, within_target: float) -> None:
+        """Requests of `tier` that got their first token, counted by latency bucket (bucket_indices()), and
+        how many of them within the target."""
+        result = self.tiers[tier]
+        for histogram in (result.ttft, self.ttft, self._interval_ttft):
+            histogram.add_counts(counts)
+        result.within_target += within_target
+
+    def shed(self, tier: str, count: float = 1) -> None:
+        self.tiers[tier].shed += count
 
     def scaled(self, event: ScaleEvent) -> None:
         """A change of the replica count; a fall within the stable window of a rise is a flap."""
@@ -133,14 +158,15 @@ class RunReport:
     def summary(self, simulated_s: float, wall_s: float, extra: dict[str, Any]) -> dict[str, Any]:
         requests = sum(result.requests for result in self.tiers.values())
         within = sum(result.within_target for result in self.tiers.values())
+        shed = sum(result.shed for result in self.tiers.values())
         return {
             "simulated_seconds": simulated_s,
             "wall_seconds": wall_s,
             "simulated_seconds_per_second": simulated_s / wall_s if wall_s > 0 else None,
             "ttft_target_seconds": self.ttft_target_s,
-            "requests": requests,
+            "requests": round(requests),
             "attainment": within / requests if requests else None,
-            "shed": sum(result.shed for result in self.tiers.values()),
+            "shed": round(shed),
             **_percentiles(self.ttft),
             "replica_hours": self.replica_seconds / 3600,
             "peak_replicas": max((point.running for point in self.series), default=0),

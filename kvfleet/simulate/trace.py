@@ -112,8 +112,8 @@ class TraceShapeSpec:
 def generate(spec: TraceShapeSpec) -> Iterator[TraceRequest]:
     """Requests of the given shape, streamed in arrival order."""
     rng = random.Random(spec.seed)
-    rate, peak = _rate_curve(spec)
-    tenants = _tenants(spec)
+    rate, peak = rate_curve(spec)
+    mix = tenants(spec)
     time = 0.0
     while True:
         time += rng.expovariate(peak)
@@ -121,7 +121,7 @@ def generate(spec: TraceShapeSpec) -> Iterator[TraceRequest]:
             return
         if rng.random() * peak > rate(time):
             continue
-        tier, prompt_scale, output_scale, groups = tenants[rng.randrange(len(tenants))]
+        tier, prompt_scale, output_scale, groups = mix[rng.randrange(len(mix))]
         yield TraceRequest(
             arrival_s=round(time, 6),
             prompt_tokens=_lognormal(rng, spec.mean_prompt_tokens * prompt_scale),
@@ -131,7 +131,7 @@ def generate(spec: TraceShapeSpec) -> Iterator[TraceRequest]:
         )
 
 
-def _rate_curve(spec: TraceShapeSpec) -> tuple[Callable[[float], float], float]:
+def rate_curve(spec: TraceShapeSpec) -> tuple[Callable[[float], float], float]:
     """The arrival rate over time, and its peak."""
     base = spec.base_rate
     if spec.shape == "diurnal":
@@ -152,7 +152,7 @@ def _rate_curve(spec: TraceShapeSpec) -> tuple[Callable[[float], float], float]:
     return (lambda time: base), base
 
 
-def _tenants(spec: TraceShapeSpec) -> list[tuple[str, float, float, int]]:
+def tenants(spec: TraceShapeSpec) -> list[tuple[str, float, float, int]]:
     """(tier, prompt scale, output scale, prefix groups) of each tenant; a request picks one at random."""
     if spec.shape != "multi-tenant":
         return [(DEFAULT_TIER, 1.0, 1.0, spec.prefix_groups)]
@@ -164,6 +164,10 @@ def _tenants(spec: TraceShapeSpec) -> list[tuple[str, float, float, int]]:
     ]
 
 
-def _lognormal(rng: random.Random, mean: float, sigma: float = 0.6) -> int:
+# The spread of the lognormal lengths (the sigma of their logarithm).
+LENGTH_SIGMA = 0.6
+
+
+def _lognormal(rng: random.Random, mean: float, sigma: float = LENGTH_SIGMA) -> int:
     """A length with the given mean and a long tail."""
     return max(1, round(rng.lognormvariate(math.log(mean) - sigma * sigma / 2, sigma)))

@@ -11,7 +11,7 @@ import pytest
 from kvfleet.gateway import routing
 from kvfleet.operator import autoscaler
 
-from kvfleet.simulate import fleet
+from kvfleet.simulate import fleet, operator_loop
 from kvfleet.simulate.engine import EngineModel, EngineProfile
 from kvfleet.simulate.fleet import Simulation, load_config
 from kvfleet.simulate.report import Histogram, RunReport, ScaleEvent
@@ -57,14 +57,14 @@ def test_a_step_that_ends_when_a_request_arrives_frees_its_place_first() -> None
 def test_the_operators_autoscaler_and_the_gateways_policy_are_the_ones_called(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    assert fleet.decide is autoscaler.decide and fleet.aggregate is autoscaler.aggregate
+    assert operator_loop.decide is autoscaler.decide and operator_loop.aggregate is autoscaler.aggregate
     decisions: list[autoscaler.ScaleDecision] = []
 
     def spied(*args: Any, **kwargs: Any) -> autoscaler.ScaleDecision:
         decisions.append(autoscaler.decide(*args, **kwargs))
         return decisions[-1]
 
-    monkeypatch.setattr(fleet, "decide", spied)
+    monkeypatch.setattr(operator_loop, "decide", spied)
     service = _service(
         {"minReplicas": 1, "maxReplicas": 6, "targetQueueDepth": 4, "stableWindowSeconds": 20},
         routing={"policy": "prefix-hash"},

@@ -1,0 +1,432 @@
+"""The cohort model of a fleet: the trace's arrivals as cohorts, the replicas' engines as fluids, and the
+gateway's and the operator's own code deciding, at a cost that does not grow with the requests.
+
+Time goes in ticks. At each span's start the gateway places the span's cohorts: each is cut into pieces (a
+bounded number a span, about one a ready replica up to `pieces_per_span`) and the service's routing policy
+(kvfleet.gateway.routing, the gateway's own classes) picks each piece's replica among those below their
+in-flight cap, counting what it has sent a replica and not yet delivered as in flight there. A piece's
+requests reach their replica spread over the ticks until the policy would come back to it (one span, or
+longer where a span's pieces are fewer than the replicas). What finds its replica at the cap, or no replica
+below it, waits in the gateway's queue (held_cohorts: by tier, bounded in length and time, shedding by the
+gateway's rule) and goes out by the policy, tick by tick, as places free.
+
+Every metrics interval the ready replicas report to the operator's own `aggregate` and `decide`
+(operator_loop), which set the replica count; a new replica is ready after the pod start delay, one chosen to
+go takes nothing new, hands what the gateway had not yet delivered to it back to the gateway, and leaves when
+its engine is empty. A request's time to first token is the time it waited in the gateway and the engine's
+prediction when it arrives (fluid_engine); the report takes each tick's latencies with the requests they
+stand for.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy
+
+from kvfleet.contract.tiers import TIER_NAMES
+from kvfleet.gateway.routing import Prompt, Replica, make_policy
+from kvfleet.simulate.cohorts import Cohort
+from kvfleet.simulate.fleet import SimulationConfig, group_text
+from kvfleet.simulate.fluid_engine import Arrivals, FluidEngines
+from kvfleet.simulate.held_cohorts import HeldCohorts, HeldShare
+from kvfleet.simulate.operator_loop import Operator, chosen_to_stop
+from kvfleet.simulate.report import RunReport, bucket_indices
+
+
+@dataclass(frozen=True)
+class CohortOptions:
+    # The cohorts' span: the gateway places a span's arrivals at its start.
+    span_s: float = 0.5
+    # The engines advance this long at a time (a whole number of ticks to a span).
+    tick_s: float = 0.1
+    # The most pieces the gateway cuts a span's cohorts into (at least one a cohort).
+    pieces_per_span: int = 64
+
+
+@dataclass(eq=False)
+class _Route(Replica):
+    """The gateway's view of a replica, with its engine's slot."""
+
+    slot: int = 0
+
+
+@dataclass(eq=False)
+class _FluidReplica:
+    route: _Route
+    ready: bool = False
+    ready_s: float = 0.0
+    draining: bool = False
+    # The prefix groups whose shared tokens its engine has computed.
+    cached: set[str] | None = None
+
+
+class _Streams:
+    """What the gateway has placed on each replica and not yet delivered, per slot: requests by tier, their
+    tokens to compute, whole prompts and outputs, and how many requests a tick it delivers."""
+
+    def __init__(self) -> None:
+        self.capacity = 0
+        self.by_tier = numpy.zeros((len(TIER_NAMES), 0))
+        self.work = numpy.zeros(0)
+        self.prompt = numpy.zeros(0)
+        self.output = numpy.zeros(0)
+        self.pace = numpy.zeros(0)
+
+    def fit(self, capacity: int) -> None:
+        if capacity <= self.capacity:
+            return
+        by_tier = numpy.zeros((len(TIER_NAMES), capacity))
+        by_tier[:, : self.capacity] = self.by_tier
+        self.by_tier = by_tier
+        for name in ("work", "prompt", "output", "pace"):
+            grown = numpy.zeros(capacity)
+            grown[: self.capacity] = getattr(self, name)
+            setattr(self, name, grown)
+        self.capacity = capacity
+
+    def clear(self, slot: int) -> None:
+        self.by_tier[:, slot] = 0.0
+        for array in (self.work, self.prompt, self.output, self.pace):
+            array[slot] = 0.0
+
+
+class CohortSimulation:
+    def __init__(self, config: SimulationConfig, options: CohortOptions = CohortOptions()) -> None:
+        ticks = options.span_s / options.tick_s
+        if ticks < 1 or abs(ticks - round(ticks)) > 1e-9:
+            raise ValueError("a span must be a whole number of ticks")
+        self.config = config
+        self.options = options
+        self._ticks_per_span = round(ticks)
+        gateway = config.gateway
+        self.policy = make_policy(gateway.policy, gateway.prefix_chars, gateway.load_bound)
+        self.cap = gateway.max_in_flight
+        self.report = RunReport(config.ttft_target_s, config.spec.scaling.stable_window_seconds)
+        self.operator = Operator(config.spec, self.report, config.initial_replicas)
+        self.engines = FluidEngines(config.profile)
+        self.held = HeldCohorts(config.max_queue, self.report)
+        self._streams = _Streams()
+        self._arrivals = Arrivals(0)
+        self._replicas: dict[int, _FluidReplica] = {}
+        # The gateway's view: the ready replicas that take requests, in a stable order.
+        self._routed: list[_Route] = []
+        self._starting: list[tuple[float, int, _FluidReplica]] = []
+        self._names = itertools.count()
+        self._pieces = itertools.count()
+        self._group_text: dict[str, str] = {}
+        self._now = 0.0
+        self._in_engine = numpy.zeros(0)
+        # Requests sent straight from the gateway's queue this tick: (slot, tier, count, waited).
+        self._sent: list[tuple[int, str, float, float]] = []
+        self.peak_state_size = 0
+        # First-token latencies by tier since the report last took them: requests by latency bucket, and
+        # how many of them within the target.
+        self._latencies = numpy.zeros((len(TIER_NAMES), _LATENCY_BUCKETS))
+        self._within = numpy.zeros(len(TIER_NAMES))
+
+    def run(self, cohorts: Iterable[list[Cohort]]) -> dict[str, Any]:
+        """Replays the cohorts and runs on until every request is done; returns the report."""
+        started = time.perf_counter()
+        config, tick = self.config, self.options.tick_s
+        for _ in range(self.operator.desired):
+            self._start_replica(0.0)
+        spans: Iterator[list[Cohort]] = iter(cohorts)
+        upcoming = next(spans, None)
+        interval = self.operator.policy.metrics_interval_seconds
+        next_scrape, next_series, last_scrape = float(interval), config.series_interval_s, None
+        for number in itertools.count():
+            self._now = now = number * tick
+            while now >= next_series - 1e-9:
+                self._hand_latencies()
+                self.report.close_interval(
+                    next_series, self.operator.desired, len(self._routed), len(self._replicas)
+                )
+                next_series += config.series_interval_s
+            self._become_ready()
+            # What the gateway counts on a replica against its cap: places that free over the tick are free.
+            self._in_engine = self.engines.in_engine() - self.engines.places_freeing()
+            # What the gateway holds goes first, then what arrives.
+            self._dispatch()
+            if number % self._ticks_per_span == 0:
+                span_end = now + self.options.span_s
+                while upcoming is not None and upcoming[0].start_s < span_end - 1e-9:
+                    self._place(upcoming)
+                    upcoming = next(spans, None)
+            self._tick()
+            self.report.replica_seconds += len(self._replicas) * tick
+            if now + tick >= next_scrape - 1e-9:
+                self._now = next_scrape
+                if upcoming is None and not self._in_flight():
+                    break
+                self._scrape(None if last_scrape is None else next_scrape - last_scrape)
+                last_scrape, next_scrape = next_scrape, next_scrape + interval
+        self._hand_latencies()
+        self.report.close_interval(self._now, self.operator.desired, len(self._routed), len(self._replicas))
+        extra = {"model": "cohort", "peak_state_size": self.peak_state_size}
+        return self.report.summary(self._now, time.perf_counter() - started, extra)
+
+    def _hand_latencies(self) -> None:
+        for index in numpy.flatnonzero(self._latencies.sum(axis=1) > 0).tolist():
+            self.report.first_tokens(TIER_NAMES[index], self._latencies[index], float(self._within[index]))
+        self._latencies[:] = 0.0
+        self._within[:] = 0.0
+
+    # The gateway.
+
+    def _place(self, cohorts: list[Cohort]) -> None:
+        """Cuts the span's cohorts into pieces and places each by the routing policy."""
+        for cohort in cohorts:
+            self.report.arrived(cohort.tier, cohort.count)
+        total = sum(cohort.count for cohort in cohorts)
+        pieces = max(len(cohorts), min(len(self._routed), self.options.pieces_per_span))
+        stream_ticks = self._ticks_per_span * max(1.0, len(self._routed) / self.options.pieces_per_span)
+        self._refresh_in_flight()
+        for cohort in cohorts:
+            share = HeldShare(
+                cohort.tier,
+                cohort.prefix_group,
+                float(cohort.count),
+                float(cohort.prompt_tokens),
+                float(cohort.output_tokens),
+                self._now,
+            )
+            cut = max(1, round(pieces * cohort.count / total))
+            for remaining in range(cut, 0, -1):
+                piece = share.split(share.count / remaining) if remaining > 1 else share
+                route = self._choose(piece.prefix_group)
+                if route is None:
+                    self.held.hold(share if remaining == 1 else self._rest(piece, share))
+                    break
+                self._stream(route, piece, stream_ticks)
+
+    @staticmethod
+    def _rest(piece: HeldShare, share: HeldShare) -> HeldShare:
+        """The piece with what is left of its cohort, to hold."""
+        piece.count += share.count
+        piece.prompt_tokens += share.prompt_tokens
+        piece.output_tokens += share.output_tokens
+        return piece
+
+    def _choose(self, prefix_group: str) -> _Route | None:
+        in_engine, cap = self._in_engine, self.cap
+        text = self._group_text.get(prefix_group)
+        if text is None:
+            text = self._group_text[prefix_group] = group_text(prefix_group, self.config)
+        prompt = Prompt(f"{text}<piece {next(self._pieces)}>")
+        route = self.policy.choose(self._routed, prompt, lambda replica: in_engine[replica.slot] < cap)  # type: ignore[attr-defined]
+        return route  # type: ignore[return-value]
+
+    def _work(self, route: _Route, share: HeldShare) -> float:
+        """The prompt tokens the replica computes for the share: its prefix group's shared start once."""
+        group = share.prefix_group
+        if share.work_tokens is not None:
+            return share.work_tokens
+        if not group:
+            return share.prompt_tokens
+        replica = self._replicas[route.slot]
+        assert replica.cached is not None
+        saved = min(self.config.shared_prefix_tokens, share.prompt_tokens / share.count - 1)
+        first_misses = 0.0 if group in replica.cached else 1.0
+        replica.cached.add(group)
+        return share.prompt_tokens - saved * max(share.count - first_misses, 0.0)
+
+    def _stream(self, route: _Route, share: HeldShare, ticks: float) -> None:
+        streams, slot = self._streams, route.slot
+        streams.by_tier[_TIER_INDEX[share.tier], slot] += share.count
+        streams.work[slot] += self._work(route, share)
+        streams.prompt[slot] += share.prompt_tokens
+        streams.output[slot] += share.output_tokens
+        # The gateway counts it in flight there from now on (as it does what it has sent).
+        route.in_flight += share.count  # type: ignore[assignment]
+        streams.pace[slot] = (route.in_flight - self._in_engine[slot]) / ticks
+
+    def _dispatch(self) -> None:
+        """Sends what the gateway holds, most urgent and oldest first, to replicas with places free."""
+        held = self.held
+        if held.held < _HELD_AT_ALL:
+            return
+        held.expire(self._now, self.config.gateway.hold_seconds)
+        in_engine, cap = self._in_engine, self.cap
+        for _ in range(self.options.pieces_per_span):
+            share = held.head()
+            if share is None:
+                return
+            route = self._choose(share.prefix_group)
+            if route is None:
+                return
+            count = min(share.count, float(cap - in_engine[route.slot]))
+            sent = held.take(share, count)
+            slot = route.slot
+            arrivals = self._arrivals
+            arrivals.requests[slot] += count
+            arrivals.work[slot] += self._work(route, sent)
+            arrivals.prompt[slot] += sent.prompt_tokens
+            arrivals.output[slot] += sent.output_tokens
+            in_engine[slot] += count
+            route.in_flight += count  # type: ignore[assignment]
+            self._sent.append((slot, sent.tier, count, self._now - sent.queued_at))
+
+    def _refresh_in_flight(self) -> None:
+        """The gateway counts in flight on a replica what it holds and what is on its way to it (taken at
+        each span's start, and counted up as the gateway sends more within it)."""
+        in_flight = (self._in_engine + self._streams.by_tier[:, : self.engines.used].sum(axis=0)).tolist()
+        for route in self._routed:
+            route.in_flight = in_flight[route.slot]  # type: ignore[assignment]
+
+    # The replicas.
+
+    def _tick(self) -> None:
+        """Delivers the streams' share of the tick (what finds the cap goes back to the gateway) and runs
+        the engines."""
+        used, streams, arrivals = self.engines.used, self._streams, self._arrivals
+        by_tier = streams.by_tier[:, :used]
+        pending = by_tier.sum(axis=0)
+        due = numpy.minimum(pending, streams.pace[:used])
+        room = numpy.maximum(self.cap - self._in_engine[:used], 0.0)
+        delivered = numpy.minimum(due, room)
+        taken = _share(due, pending)
+        kept = _share(delivered, due)
+        tiers = by_tier * taken
+        by_tier -= tiers
+        moved = {}
+        for name in ("work", "prompt", "output"):
+            array = getattr(streams, name)[:used]
+            moved[name] = array * taken
+            array -= moved[name]
+        overflow = due - delivered
+        if overflow.sum() > _LEAST:
+            self._hold_overflow(
+                tiers * (1 - kept), {name: value * (1 - kept) for name, value in moved.items()}
+            )
+        arrivals.requests[:used] += delivered
+        arrivals.work[:used] += moved["work"] * kept
+        arrivals.prompt[:used] += moved["prompt"] * kept
+        arrivals.output[:used] += moved["output"] * kept
+        latencies = self.engines.advance(self.options.tick_s, arrivals)
+        came = arrivals.requests[:used]
+        at_once = _share(latencies.at_once, came)
+        tiers_delivered = tiers * kept
+        active = numpy.flatnonzero(tiers_delivered.sum(axis=1) > _LEAST).tolist()
+        if active:
+            seconds = numpy.concatenate((latencies.at_once_s, latencies.waiting_s))
+            buckets = numpy.minimum(bucket_indices(seconds), _LATENCY_BUCKETS - 1)
+            within = (seconds <= self.config.ttft_target_s).astype(float)
+            for index in active:
+                counts = tiers_delivered[index]
+                weights = numpy.concatenate((counts * at_once, counts * (1 - at_once)))
+                self._latencies[index] += numpy.bincount(buckets, weights, minlength=_LATENCY_BUCKETS)
+                self._within[index] += float(weights @ within)
+        if self._sent:
+            means = latencies.mean_s()
+            for slot, tier, count, waited in self._sent:
+                self.report.first_token(tier, waited + float(means[slot]), count)
+            self._sent = []
+        for array in (arrivals.requests, arrivals.work, arrivals.prompt, arrivals.output):
+            array[:used] = 0.0
+        self.peak_state_size = max(self.peak_state_size, self._state_size())
+
+    def _hold_overflow(self, tiers: numpy.ndarray, tokens: dict[str, numpy.ndarray]) -> None:
+        """What reached replicas at their cap waits in the gateway, a share a tier (its tokens as computed
+        where it was bound: its prefix is not carried)."""
+        counts = tiers.sum(axis=1)
+        total = counts.sum()
+        for index in numpy.flatnonzero(counts > 1e-9).tolist():
+            part = counts[index] / total
+            share = HeldShare(
+                TIER_NAMES[index],
+                "",
+                float(counts[index]),
+                float(tokens["prompt"].sum() * part),
+                float(tokens["output"].sum() * part),
+                self._now,
+                float(tokens["work"].sum() * part),
+            )
+            self.held.hold(share)
+
+    def _start_replica(self, ready_at: float) -> None:
+        slot = self.engines.add()
+        self._streams.fit(self.engines.capacity)
+        if self._arrivals.requests.size < self.engines.capacity:
+            self._arrivals = Arrivals(self.engines.capacity)
+        replica = _FluidReplica(_Route(f"http://replica-{next(self._names)}:8000", slot=slot), cached=set())
+        self._replicas[slot] = replica
+        heapq.heappush(self._starting, (ready_at, slot, replica))
+
+    def _become_ready(self) -> None:
+        while self._starting and self._starting[0][0] <= self._now + 1e-9:
+            _, _, replica = heapq.heappop(self._starting)
+            if replica.draining:
+                continue
+            replica.ready, replica.ready_s = True, self._now
+            self._routed.append(replica.route)
+
+    def _in_flight(self) -> bool:
+        used = self.engines.used
+        return bool(
+            self.held.held > 1e-9
+            or self.engines.in_engine().sum() > 1e-6
+            or self._streams.by_tier[:, :used].sum() > 1e-6
+        )
+
+    # The operator.
+
+    def _scrape(self, interval_s: float | None) -> None:
+        ready = [r for r in self._replicas.values() if r.ready and not r.draining]
+        reports = self.engines.report([r.route.slot for r in ready], interval_s)
+        desired = self.operator.desired
+        wanted = self.operator.scrape(self._now, list(reports), self.held.held)
+        if wanted != desired:
+            self._resize(wanted)
+        self._retire_drained()
+
+    def _resize(self, wanted: int) -> None:
+        staying = [r for r in self._replicas.values() if not r.draining]
+        for _ in range(wanted - len(staying)):
+            self._start_replica(self._now + self.config.pod_start_s)
+        for replica in chosen_to_stop(staying, len(staying) - wanted):
+            replica.draining = True
+            if replica.ready:
+                self._routed.remove(replica.route)
+            self._hand_back(replica.route.slot)
+
+    def _hand_back(self, slot: int) -> None:
+        """What the gateway had placed on a replica that goes and not yet delivered goes back to it."""
+        streams = self._streams
+        tiers = streams.by_tier[:, slot : slot + 1].copy()
+        if tiers.sum() > 1e-9:
+            tokens = {
+                name: getattr(streams, name)[slot : slot + 1].copy() for name in ("work", "prompt", "output")
+            }
+            self._hold_overflow(tiers, tokens)
+        streams.clear(slot)
+
+    def _retire_drained(self) -> None:
+        in_engine = self.engines.in_engine()
+        for slot, replica in list(self._replicas.items()):
+            if replica.draining and in_engine[slot] <= 1e-6:
+                del self._replicas[slot]
+                self.engines.remove(slot)
+                self._streams.clear(slot)
+
+    def _state_size(self) -> int:
+        """What the model holds: its replicas' slots and the shares the gateway holds."""
+        return self.engines.capacity + len(self.held)
+
+
+# Fewer requests than this are none (what rounding leaves of a share).
+_LEAST = 1e-6
+# The gateway sends what it holds from this much on (less is the dust of shares cut by rounding).
+_HELD_AT_ALL = 1e-3
+# Latency buckets kept (1% apart from 0.1 ms: the last starts at about 19 hours).
+_LATENCY_BUCKETS = 2048
+_TIER_INDEX = {tier: index for index, tier in enumerate(TIER_NAMES)}
+
+
+def _share(part: numpy.ndarray, whole: numpy.ndarray) -> numpy.ndarray:
+    return numpy.divide(part, whole, out=numpy.zeros_like(part), where=whole > 1e-12)
