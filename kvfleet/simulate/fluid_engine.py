@@ -21,6 +21,7 @@ together at its start).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy
 
@@ -90,6 +91,19 @@ class TickLatencies:
         return numpy.divide(total, count, out=numpy.zeros_like(total), where=count > _NOTHING)
 
 
+@dataclass(frozen=True)
+class _PromptSteps:
+    """A tick's steps that compute prompts, per slot: the prompt tokens a step, its length, the seconds of the
+    tick they take, the tokens the decoding requests generate meanwhile, and the prompt tokens ahead of the
+    tick's arrivals that found a place at once."""
+
+    tokens: numpy.ndarray
+    step_s: numpy.ndarray
+    seconds: numpy.ndarray
+    decoded: numpy.ndarray
+    ahead: numpy.ndarray
+
+
 class FluidEngines:
     """The engines of a fleet's replicas, a slot each; a slot given back is emptied for the next replica."""
 
@@ -131,13 +145,41 @@ class FluidEngines:
 
     def advance(self, tick_s: float, arrivals: Arrivals) -> TickLatencies:
         """Takes the tick's arrivals in and runs every engine for `tick_s` seconds."""
-        profile, used = self.profile, self.used
         a = self._views()
+        used = self.used
         came, work = arrivals.requests[:used], arrivals.work[:used]
         busy_before = (a["prefill_work"] > _NOTHING) | (a["decoding"] > _NOTHING)
+        came_in = self._admit(a, arrivals)
+        prompts = self._compute_prompts(a, tick_s, came_in * _share(work, came))
+        finished, step_s = self._decode(a, tick_s, prompts)
+
+        # The tick's arrivals' first-token latencies.
+        came_waiting = came - came_in
+        each = _share(work, came)
+        residual = numpy.where(busy_before, step_s / 2, 0.0)
+        # The middle one's prompt ends this far into the prompts to compute; it has its first token at the
+        # end of the step that computes its last token.
+        position = numpy.maximum(prompts.ahead, 0.0) + came_in * each / 2 + each / 2
+        own = numpy.ceil(position / numpy.maximum(prompts.tokens, _NOTHING) - 1e-9) * prompts.step_s
+        at_once_s = residual + numpy.where(came_in > _NOTHING, own, 0.0)
+        finish_rate = numpy.where(finished > _NOTHING, finished / tick_s, _estimated_finish_rate(a, step_s))
+        queue_ahead = numpy.maximum(a["waiting"] - came_waiting / 2, 0.0)
+        # Once it has a place: the rest of a step, and a step with its prompt.
+        waiting_s = queue_ahead / numpy.maximum(finish_rate, _NOTHING) + 1.5 * step_s
+        a["ttft_sum"] += at_once_s * came_in + waiting_s * came_waiting
+        a["ttft_count"] += came
+        self._ttft_counts += _histogram(TTFT_BUCKETS, at_once_s, came_in)
+        self._ttft_counts += _histogram(TTFT_BUCKETS, waiting_s, came_waiting)
+        return TickLatencies(at_once_s, came_in, waiting_s, came_waiting)
+
+    def _admit(self, a: dict[str, numpy.ndarray], arrivals: Arrivals) -> numpy.ndarray:
+        """Queues the tick's arrivals and gives the batch's places to the waiting requests in their order;
+        returns how many of the arrivals found a place at once, per slot."""
+        profile, used = self.profile, self.used
+        came = arrivals.requests[:used]
         waited = a["waiting"].copy()
         a["waiting"] += came
-        a["waiting_work"] += work
+        a["waiting_work"] += arrivals.work[:used]
         a["waiting_prompt"] += arrivals.prompt[:used]
         a["waiting_output"] += arrivals.output[:used]
 
@@ -165,18 +207,21 @@ class FluidEngines:
         running = a["prefilling"] + a["decoding"]
         numpy.minimum(running, profile.max_num_seqs, out=a["seen_running"])
         a["seen_waiting"][:] = a["waiting"] + running - a["seen_running"]
-        came_in = numpy.clip(admitted - waited, 0.0, came)
-        came_waiting = came - came_in
+        return numpy.clip(admitted - waited, 0.0, came)
 
-        # First the steps that compute the prompts in the batch, in their order within the budget the
-        # decoding requests leave, then steps of decoding alone for the rest of the tick.
+    def _compute_prompts(
+        self, a: dict[str, numpy.ndarray], tick_s: float, came_in_work: numpy.ndarray
+    ) -> _PromptSteps:
+        """The steps that compute the prompts in the batch, in their order within the budget the decoding
+        requests leave; `came_in_work` is the prompt tokens of the arrivals that found a place at once."""
+        profile = self.profile
         decoding = a["decoding"].copy()
         backlog = a["prefill_work"]
         prompt_tokens = numpy.minimum(numpy.maximum(profile.max_num_batched_tokens - decoding, 0.0), backlog)
         prefill_step_s = _step_s(profile, prompt_tokens, decoding, a["held_tokens"])
         prefill_s = numpy.minimum(_share(backlog, prompt_tokens) * prefill_step_s, tick_s)
         prefill_steps = prefill_s / prefill_step_s
-        ahead = backlog - came_in * _share(work, came)
+        ahead = backlog - came_in_work
         computed = numpy.minimum(prompt_tokens * prefill_steps, backlog)
         done = numpy.where(backlog > _NOTHING, _share(computed, backlog), 1.0)
         # One whose prompt is computed samples its first token and decodes from then on.
@@ -192,11 +237,16 @@ class FluidEngines:
         a["held_tokens"] += prompt_share + prompted
         a["prompt_done"] += prompt_share
         a["generated"] += prompted
+        return _PromptSteps(prompt_tokens, prefill_step_s, prefill_s, decoding * prefill_steps, ahead)
 
-        # Decoding: a token each a step; a request finishes with its share of the tokens left.
-        decode_step_s = _step_s(profile, 0.0, a["decoding"], a["held_tokens"])
-        decode_steps = numpy.where(a["decoding"] > _NOTHING, (tick_s - prefill_s) / decode_step_s, 0.0)
-        during_prefill = decoding * prefill_steps
+    def _decode(
+        self, a: dict[str, numpy.ndarray], tick_s: float, prompts: _PromptSteps
+    ) -> tuple[numpy.ndarray, numpy.ndarray]:
+        """The rest of the tick in steps of decoding alone: a token each a step; a request finishes with its
+        share of the tokens left. Returns the requests finished and the length of the tick's steps."""
+        decode_step_s = _step_s(self.profile, 0.0, a["decoding"], a["held_tokens"])
+        decode_steps = numpy.where(a["decoding"] > _NOTHING, (tick_s - prompts.seconds) / decode_step_s, 0.0)
+        during_prefill = prompts.decoded
         generated = numpy.minimum(during_prefill + a["decoding"] * decode_steps, a["decode_left"])
         decoders = a["decoding"].copy()
         finished = numpy.where(
@@ -208,31 +258,13 @@ class FluidEngines:
         a["decoding"] -= finished
         a["finishing"][:] = finished
         a["generated"] += generated
-        a["itl_sum"] += prefill_step_s * during_prefill + decode_step_s * (generated - during_prefill)
+        a["itl_sum"] += prompts.step_s * during_prefill + decode_step_s * (generated - during_prefill)
         a["itl_count"] += generated
-        self._itl_counts += _histogram(ITL_BUCKETS, prefill_step_s, during_prefill)
+        self._itl_counts += _histogram(ITL_BUCKETS, prompts.step_s, during_prefill)
         self._itl_counts += _histogram(
             ITL_BUCKETS, decode_step_s, numpy.maximum(generated - during_prefill, 0.0)
         )
-        step_s = numpy.where(prompt_tokens > _NOTHING, prefill_step_s, decode_step_s)
-
-        # The tick's arrivals' first-token latencies.
-        each = _share(work, came)
-        residual = numpy.where(busy_before, step_s / 2, 0.0)
-        # The middle one's prompt ends this far into the prompts to compute; it has its first token at the
-        # end of the step that computes its last token.
-        position = numpy.maximum(ahead, 0.0) + came_in * each / 2 + each / 2
-        own = numpy.ceil(position / numpy.maximum(prompt_tokens, _NOTHING) - 1e-9) * prefill_step_s
-        at_once_s = residual + numpy.where(came_in > _NOTHING, own, 0.0)
-        finish_rate = numpy.where(finished > _NOTHING, finished / tick_s, _estimated_finish_rate(a, step_s))
-        queue_ahead = numpy.maximum(a["waiting"] - came_waiting / 2, 0.0)
-        # Once it has a place: the rest of a step, and a step with its prompt.
-        waiting_s = queue_ahead / numpy.maximum(finish_rate, _NOTHING) + 1.5 * step_s
-        a["ttft_sum"] += at_once_s * came_in + waiting_s * came_waiting
-        a["ttft_count"] += came
-        self._ttft_counts += _histogram(TTFT_BUCKETS, at_once_s, came_in)
-        self._ttft_counts += _histogram(TTFT_BUCKETS, waiting_s, came_waiting)
-        return TickLatencies(at_once_s, came_in, waiting_s, came_waiting)
+        return finished, numpy.where(prompts.tokens > _NOTHING, prompts.step_s, decode_step_s)
 
     def _views(self) -> dict[str, numpy.ndarray]:
         """The arrays over the slots in use, made again only when those change."""
