@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 import yaml
@@ -11,6 +11,9 @@ import yaml
 from kvfleet.simulate.engine import EngineProfile
 from kvfleet.simulate.report import plot, write_json
 from kvfleet.simulate.trace import TRACE_SHAPES, TraceShapeSpec, generate, read_trace, write_trace
+
+if TYPE_CHECKING:
+    from kvfleet.simulate.fleet import SimulationConfig
 
 
 @click.group("simulate")
@@ -49,7 +52,8 @@ def simulate() -> None:
     show_default=True,
     help="request: every request and engine step (exact, about 60 us of CPU a request); cohort: arrivals "
     "counted per span and engines as fluids, at a cost that does not grow with the requests (a day at 1,000 "
-    "replicas in minutes), within a few points of the request model.",
+    "replicas in minutes), its attainment within a few points of the request model's and its median "
+    "latencies coarser (docs/benchmarks.md gives the error).",
 )
 @click.option(
     "--span-ms",
@@ -117,9 +121,12 @@ def run_command(
     from kvfleet.operator.spec import SpecError
     from kvfleet.simulate.fleet import load_config
 
-    if (trace_path is None) == (trace_spec_path is None):
+    if trace_path is not None and trace_spec_path is None:
+        source: Path | TraceShapeSpec = trace_path
+    elif trace_spec_path is not None and trace_path is None:
+        source = _trace_shape(trace_spec_path)
+    else:
         raise click.UsageError("give one of --trace and --trace-spec")
-    shape = _trace_shape(trace_spec_path) if trace_spec_path is not None else None
     profile = EngineProfile.load(profile_path) if profile_path else EngineProfile()
     summaries = {}
     for path in service_paths:
@@ -134,9 +141,7 @@ def run_command(
             )
         except (SpecError, ValueError) as error:
             raise click.UsageError(f"{path}: {error}") from None
-        summary = summaries[path.stem] = _run(
-            config, model, trace_path, shape, span_ms / 1000, tick_ms / 1000
-        )
+        summary = summaries[path.stem] = _run(config, model, source, span_ms / 1000, tick_ms / 1000)
         figures = ("requests", "attainment", "ttft_p90_s", "replica_hours", "scale_events", "flaps", "shed")
         click.echo(f"{path.stem}: " + " ".join(f"{name}={summary[name]}" for name in figures))
         click.echo(f"{path.stem}: {summary['simulated_seconds_per_second']:.1f} simulated seconds per second")
@@ -215,18 +220,13 @@ def trace_command(
 
 
 def _run(
-    config: Any,
-    model: str,
-    trace_path: Path | None,
-    shape: TraceShapeSpec | None,
-    span_s: float,
-    tick_s: float,
+    config: SimulationConfig, model: str, source: Path | TraceShapeSpec, span_s: float, tick_s: float
 ) -> dict[str, Any]:
-    """One service's run on the trace, by the model asked for."""
+    """One service's run on the trace (a file, or a generated trace's settings), by the model asked for."""
     if model == "request":
         from kvfleet.simulate.fleet import Simulation
 
-        return Simulation(config).run(read_trace(trace_path) if trace_path is not None else generate(shape))  # type: ignore[arg-type]
+        return Simulation(config).run(read_trace(source) if isinstance(source, Path) else generate(source))
     from kvfleet.simulate.cohorts import cohorts_of, generate_cohorts
     from kvfleet.simulate.fluid_fleet import CohortOptions, CohortSimulation
 
@@ -234,9 +234,9 @@ def _run(
         simulation = CohortSimulation(config, CohortOptions(span_s=span_s, tick_s=tick_s))
     except ValueError as error:
         raise click.UsageError(str(error)) from None
-    if trace_path is not None:
-        return simulation.run(cohorts_of(read_trace(trace_path), span_s))
-    return simulation.run(generate_cohorts(shape, span_s))  # type: ignore[arg-type]
+    if isinstance(source, Path):
+        return simulation.run(cohorts_of(read_trace(source), span_s))
+    return simulation.run(generate_cohorts(source, span_s))
 
 
 def _trace_shape(path: Path) -> TraceShapeSpec:
