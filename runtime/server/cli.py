@@ -380,6 +380,7 @@ def serve(model_tag: str | None, model: str | None, host: str, port: int, **opti
         sys.exit(run_node(config, host, port))
 
     from kvfleet.runtime.server.launcher import ServeOptions, run_server, start_engine_core
+    from kvfleet.runtime.server.tokenizer_imports import import_tokenizer_classes
 
     # Before the server's settings, whose checks import the serving modules and Transformers: the model loads
     # meanwhile.
@@ -392,6 +393,7 @@ def serve(model_tag: str | None, model: str | None, host: str, port: int, **opti
     )
     try:
         with STARTUP_PHASES.phase("api_server_settings"):
+            import_tokenizer_classes()
             settings = _server_settings(model_name, model, options)
             lora_adapters = _lora_adapters(config, settings.served_model_names, options)
         serve_options = ServeOptions(
@@ -535,8 +537,6 @@ def _lora_adapters(
     config: EngineConfig, served_model_names: tuple[str, ...], options: dict[str, Any]
 ) -> LoRAAdapters | None:
     """The adapters to serve from the start, each checked against the model; None without --enable-lora."""
-    from kvfleet.runtime.serving.lora_adapters import AdapterSources, LoRAAdapters, LoRAModule
-
     lora_modules, allow_runtime_updates = options["lora_modules"], options["allow_runtime_lora_updates"]
     download_dir = options["lora_download_dir"]
     local_path, hub_orgs = options["allowed_local_lora_path"], options["allowed_lora_hub_orgs"]
@@ -551,6 +551,9 @@ def _lora_adapters(
             if given:
                 raise click.BadParameter("needs --enable-lora", param_hint=flag)
         return None
+    # Only here: the adapters' checks import torch, which a server without them never needs.
+    from kvfleet.runtime.serving.lora_adapters import AdapterSources, LoRAAdapters, LoRAModule
+
     if allow_runtime_updates and options["api_server_count"] > 1:
         # Each API server process keeps its own list: one would not know an adapter loaded through another.
         raise click.BadParameter(

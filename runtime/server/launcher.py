@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from kvfleet.contract.tiers import BACKGROUND_TIER, TIERS
 from kvfleet.runtime.child_process import child_arguments, describe_exit, start_child
 from kvfleet.runtime.config import EngineConfig
+from kvfleet.runtime.server.tokenizer_imports import import_tokenizer_classes
 from kvfleet.runtime.startup_phases import STARTUP_PHASES
 
 if TYPE_CHECKING:
@@ -162,6 +163,7 @@ def _api_server_main(
         level=log_level, format=f"%(asctime)s %(levelname)s %(name)s [api {client_index}]: %(message)s"
     )
     listen_socket = socket.socket(fileno=listen_fd)
+    import_tokenizer_classes()
     raise SystemExit(
         run_api_server(
             config, options, client_index=client_index, core_address=core_address, listen_socket=listen_socket
