@@ -194,7 +194,11 @@ def test_health_answers_while_a_10mb_prompt_is_tokenized(start_server: Callable[
         assert httpx.get(f"{server.url}/health", timeout=5).status_code == 200
         slowest = max(slowest, time.monotonic() - started)
         time.sleep(0.05)
-    assert slowest < 1.0
+    # A probe's 1 s timeout, on a machine with a core to spare; where more processes than cores want to run,
+    # the server gets its share later, by up to that ratio (at most 3). Blocked by a tokenization, it would
+    # wait for all of it: seconds.
+    crowding = min(3.0, max(1.0, os.getloadavg()[0] / (os.cpu_count() or 1)))
+    assert slowest < crowding, (slowest, crowding)
     for route, response in answers.items():
         assert response.status_code == 400, (route, response.text)
         assert response.json()["error"]["code"] == "context_length_exceeded"
