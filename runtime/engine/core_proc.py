@@ -12,6 +12,7 @@ process ends when its parent does, so a killed API server never leaves a core ho
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from typing import TYPE_CHECKING, Any
@@ -59,6 +60,30 @@ def run_engine_core(
     core_options: dict[str, Any] | None = None,
 ) -> None:
     """The process's target. Binds `address` first, so API servers can connect while the model loads."""
+    try:
+        _serve(config, address, parent_pid, log_level, core_class, core_options)
+    finally:
+        _remove_socket(address)
+
+
+def _remove_socket(address: str) -> None:
+    """The socket and its private directory go with the process: an API server killed by SIGKILL cannot
+    remove them, and ZeroMQ leaves the file behind. Only an empty directory is removed."""
+    path = address.removeprefix("ipc://")
+    with contextlib.suppress(OSError):
+        os.unlink(path)
+    with contextlib.suppress(OSError):
+        os.rmdir(os.path.dirname(path))
+
+
+def _serve(
+    config: EngineConfig,
+    address: str,
+    parent_pid: int,
+    log_level: int,
+    core_class: type[EngineCore] | None,
+    core_options: dict[str, Any] | None,
+) -> None:
     STARTUP_PHASES.add("engine_core_imports", process_age())
     with STARTUP_PHASES.phase("engine_core_imports"):
         from kvfleet.runtime.engine.core import EngineCore

@@ -1,5 +1,6 @@
 """`kvfleet serve` as processes: the API server and its EngineCore, several API servers over one core, what a
-dead core does to requests and to the server, requests sent while the model loads, and huge prompts."""
+dead core does to requests and to the server, what a killed API server leaves behind, requests sent while the
+model loads, and huge prompts."""
 
 from __future__ import annotations
 
@@ -36,6 +37,12 @@ def _completion(server: ServerProcess, **body: object) -> httpx.Response:
 
 def _wait_exit(server: ServerProcess, timeout: float) -> int:
     return server.process.wait(timeout)
+
+
+def _exited(pid: int) -> bool:
+    """Gone, or a zombie waiting for its parent (or init) to reap it."""
+    stat = Path(f"/proc/{pid}/stat")
+    return not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] == "Z"
 
 
 def _loads_torch(pid: int) -> bool:
@@ -233,8 +240,23 @@ def test_several_api_servers_share_one_core(start_server: Callable[..., ServerPr
 
     os.kill(server.pid, signal.SIGTERM)
     assert _wait_exit(server, 60) == 0
-    for pid in (*api_servers, *children):
-        assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]
+    assert all(_exited(pid) for pid in (*api_servers, *children))
+
+
+def test_a_killed_api_server_ends_its_core_which_removes_its_socket(
+    start_server: Callable[..., ServerProcess], tmp_path: Path
+) -> None:
+    server = start_server(env={"TMPDIR": str(tmp_path)})
+    core = _one_child_running(server.pid, CORE_MODULE)
+    [socket_dir] = tmp_path.iterdir()
+    assert [path.name for path in socket_dir.iterdir()] == ["engine-core.sock"]
+    os.kill(server.pid, signal.SIGKILL)
+    server.process.wait(10)
+    deadline = time.monotonic() + 30
+    while not _exited(core):
+        assert time.monotonic() < deadline, "the core outlived its API server"
+        time.sleep(0.1)
+    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.parametrize("victim", ["core", "api server"])
