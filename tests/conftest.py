@@ -62,9 +62,13 @@ def _locked(path: Path) -> Iterator[None]:
 
 @pytest.fixture(scope="session")
 def make_model(pytestconfig: pytest.Config, tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
-    """Returns a function (arch, preset, seed, *make-model options) -> model folder, built through the real
-    CLI and cached: for the session, and across xdist workers (in the folder above theirs, which the run's
-    controller made for them), each folder built by whichever worker asks first."""
+    """Returns a function (arch, preset, seed, *make-model options) -> model folder, built by the real
+    `make-model` command and cached: for the session, and across xdist workers (in the folder above theirs,
+    which the run's controller made for them), each folder built by whichever worker asks first. The command
+    runs in this process, which has imported torch already: a process of its own would spend most of its
+    time importing it again."""
+    from kvfleet.runtime.cli import make_model as make_model_command
+
     basetemp = tmp_path_factory.getbasetemp()
     root = (basetemp.parent if hasattr(pytestconfig, "workerinput") else basetemp) / "models"
     root.mkdir(exist_ok=True)
@@ -74,15 +78,10 @@ def make_model(pytestconfig: pytest.Config, tmp_path_factory: pytest.TempPathFac
         out = root / f"{arch}-{preset}-{seed}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
         with _locked(out.with_suffix(".lock")):
             if not out.exists():
-                command = ["make-model", "--arch", arch, "--preset", preset, "--seed", str(seed), *options]
+                command = ["--arch", arch, "--preset", preset, "--seed", str(seed), *options]
                 partial = out.with_suffix(".partial")  # a failed build's leftovers are cleared first
                 shutil.rmtree(partial, ignore_errors=True)
-                subprocess.run(
-                    [sys.executable, "-P", "-m", "kvfleet", *command, str(partial)],
-                    check=True,
-                    capture_output=True,
-                    text=True,
-                )
+                make_model_command.main([*command, str(partial)], standalone_mode=False)
                 partial.rename(out)
         return out
 

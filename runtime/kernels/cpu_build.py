@@ -90,7 +90,7 @@ def build_cpu_ops(library: CpuLibrary) -> bool:
             with _exclusive_build(build_directory):
                 cpp_extension.load(
                     name=library.build_name(target),
-                    sources=[str(library.source)],
+                    sources=[_staged_source(library, build_directory)],
                     extra_cflags=_cflags(target),
                     extra_ldflags=list(_LDFLAGS),
                     build_directory=str(build_directory),
@@ -121,7 +121,7 @@ def prebuild_cpu_ops(folder: Path, targets: Iterable[CpuTarget]) -> list[Path]:
             with _exclusive_build(build_directory):
                 cpp_extension._write_ninja_file_and_build_library(
                     name=name,
-                    sources=[str(library.source)],
+                    sources=[_staged_source(library, build_directory)],
                     extra_cflags=_cflags(target),
                     extra_cuda_cflags=[],
                     extra_sycl_cflags=[],
@@ -165,6 +165,17 @@ def _build_directory(library: CpuLibrary, target: CpuTarget) -> Path:
     from torch.utils import cpp_extension
 
     return Path(cpp_extension._get_build_directory(library.build_name(target), verbose=False))
+
+
+def _staged_source(library: CpuLibrary, build_directory: Path) -> str:
+    """The source the build compiles: a copy in the build directory, written again only when it changed. The
+    build's rules then hold no path of this installation, so that a checkout elsewhere on the same environment
+    (a CI clone beside a developer's) finds the build current instead of compiling it again."""
+    staged = build_directory / library.source.name
+    source = library.source.read_bytes()
+    if not staged.is_file() or staged.read_bytes() != source:
+        staged.write_bytes(source)
+    return str(staged)
 
 
 @contextlib.contextmanager

@@ -123,6 +123,8 @@ def test_operations_for_a_masked_level_are_built_for_it_and_chosen(
         ninja = (library.parent / "build.ninja").read_text()
         assert f"-march={level} " in ninja
         assert "-march=native" not in ninja
+        # The source is compiled from the build's own copy: another checkout finds the build current.
+        assert str(REPO) not in ninja and f"compile {library.parent}/" in ninja
         # Nothing in it needs registers the masked CPU lacks: it runs on such a CPU.
         disassembly = subprocess.run(
             ["objdump", "-d", "--no-show-raw-insn", str(library)], capture_output=True, text=True, check=True
