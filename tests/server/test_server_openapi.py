@@ -57,6 +57,11 @@ def test_openapi_documents_every_route_with_its_body(fuzzed_server: ServerProces
     document = httpx.get(f"{fuzzed_server.url}/openapi.json", timeout=30).json()
     routes = {(method, path) for path, methods in document["paths"].items() for method in methods}
     assert routes == ROUTES
+    # Clients generated from the document name a method by its operation id.
+    operation_ids = [
+        route["operationId"] for methods in document["paths"].values() for route in methods.values()
+    ]
+    assert len(operation_ids) == len(set(operation_ids))
     schemas = document["components"]["schemas"]
     for path, model in [
         ("/v1/completions", "CompletionRequest"),
