@@ -159,8 +159,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
             return JSONResponse({"status": "failed", "reason": state.failure}, status_code=503)
         return JSONResponse({"status": "alive"})
 
-    # vLLM's (SageMaker's) name for the health check; a route per method, so that each has its own OpenAPI
-    # operation id.
+    # vLLM's (SageMaker's) name for the health check; a route per method gives each its OpenAPI operation id.
     for method in ("GET", "POST"):
         app.add_api_route("/ping", health, methods=[method])
 

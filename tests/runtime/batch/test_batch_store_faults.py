@@ -6,6 +6,7 @@ answer for each line, so that the faults are injected where the store writes (it
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import functools
 import io
@@ -36,7 +37,12 @@ class Disk:
         self.broken: int | None = None
 
     def used(self) -> int:
-        return sum(path.stat().st_size for path in self.files_dir.iterdir())
+        """The size of the files on it, which the batch worker's thread may be removing meanwhile."""
+        total = 0
+        for path in self.files_dir.iterdir():
+            with contextlib.suppress(FileNotFoundError):
+                total += path.stat().st_size
+        return total
 
     @property
     def full(self) -> bool:
