@@ -70,7 +70,11 @@ class EngineConfig:
     gpu_memory_utilization: float = _option(
         "Fraction of GPU memory the engine may use (weights, activations, KV cache).", default=0.9
     )
-    cpu_kv_cache_space: float = _option("GiB of host memory for the KV cache on CPU.", default=1.0)
+    cpu_kv_cache_space: float | None = _option(
+        "GiB of host memory for the KV cache on CPU; by default what max_num_seqs sequences of max_model_len "
+        "tokens fill, up to 1 GiB.",
+        default=None,
+    )
     kv_offloading_size: float | None = _option(
         "GiB of host memory for a second tier of KV blocks: preempted requests' KV waits there instead of "
         "being recomputed.",
@@ -212,7 +216,10 @@ class EngineConfig:
         require(power_of_two, "block_size must be a power of two")
         require(self.num_kv_blocks is None or self.num_kv_blocks > 0, "num_kv_blocks must be positive")
         require(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization must be in (0, 1]")
-        require(self.cpu_kv_cache_space > 0, "cpu_kv_cache_space must be positive")
+        require(
+            self.cpu_kv_cache_space is None or self.cpu_kv_cache_space > 0,
+            "cpu_kv_cache_space must be positive",
+        )
         require(
             self.kv_offloading_size is None or self.kv_offloading_size > 0,
             "kv_offloading_size must be positive",

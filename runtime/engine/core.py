@@ -229,6 +229,10 @@ class EngineCore:
             num_blocks = int(
                 self.executor.kv_cache_budget_bytes() // self.executor.kv_cache_bytes_per_block()
             )
+            if self.executor.device.type == "cpu" and config.cpu_kv_cache_space is None:
+                # Host memory is zeroed and made resident at start, about a second of CPU time a GiB, and
+                # shared with everything else on the node: take no more than the sequences can fill.
+                num_blocks = min(num_blocks, config.max_num_seqs * blocks_per_sequence)
         if num_blocks < 1:
             raise ValueError("no memory left for the KV cache; raise the memory budget or shrink the model")
         if num_blocks < blocks_per_sequence:

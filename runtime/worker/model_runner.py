@@ -64,6 +64,9 @@ class _HostBuffer:
 GiB = 1 << 30
 # Room for activations, logits and allocator slack when the KV pool is sized from GPU memory.
 _CUDA_ACTIVATION_RESERVE_BYTES = 2 * GiB
+# The most the KV cache takes on the CPU when cpu_kv_cache_space is unset (the engine core sizes it to what
+# its sequences can fill, up to this).
+DEFAULT_CPU_KV_CACHE_SPACE_GIB = 1.0
 
 # A CPU step of at least this many tokens is compute-bound (prefill chunks, large batches) and runs on every
 # thread; a smaller one is bound by reading the weights and leaves the reserved CPUs to the front end.
@@ -187,13 +190,13 @@ class ModelRunner:
 
     def kv_cache_budget_bytes(self) -> float:
         """Memory the KV cache may take: on CUDA what gpu_memory_utilization leaves after the weights and
-        everyone else's use, less room for activations; on the CPU cpu_kv_cache_space."""
+        everyone else's use, less room for activations; on the CPU cpu_kv_cache_space, or at most a GiB."""
         config = self.config
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             used_by_others = total - free
             return total * config.gpu_memory_utilization - used_by_others - _CUDA_ACTIVATION_RESERVE_BYTES
-        return config.cpu_kv_cache_space * GiB
+        return (config.cpu_kv_cache_space or DEFAULT_CPU_KV_CACHE_SPACE_GIB) * GiB
 
     def kv_cache_bytes_per_block(self) -> int:
         spec = self.attention_spec

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections.abc import Callable
@@ -197,3 +198,16 @@ def test_small_steps_leave_the_reserved_cpus_to_the_front_end(
         assert torch.get_num_threads() == max(1, available - 1)
     finally:
         torch.set_num_threads(threads_before)
+
+
+def test_the_cpu_kv_cache_holds_what_its_sequences_fill_unless_sized(tiny_llama: Path) -> None:
+    """Unset, cpu_kv_cache_space gives max_num_seqs sequences of max_model_len tokens, at most a GiB; set,
+    the GiB asked for."""
+    config = json.loads((tiny_llama / "config.json").read_text())
+    kv_heads, head_dim = config["num_key_value_heads"], config["head_dim"]
+    block_bytes = config["num_hidden_layers"] * 2 * 16 * kv_heads * head_dim * 4  # K and V, float32
+    sized = {"num_kv_blocks": None, "block_size": 16, "max_model_len": 500}
+    assert _core(tiny_llama, max_num_seqs=3, **sized).num_kv_blocks == 3 * 32  # 500 tokens: 32 blocks
+    assert _core(tiny_llama, max_num_seqs=8192, **sized).num_kv_blocks == 2**30 // block_bytes
+    asked = _core(tiny_llama, max_num_seqs=3, cpu_kv_cache_space=1 / 16, **sized)
+    assert asked.num_kv_blocks == 2**30 // 16 // block_bytes
