@@ -43,8 +43,9 @@ PRESTOP_DELAY_SECONDS = 5
 # its HTTP server 5 s for the last connections).
 EXIT_MARGIN_SECONDS = 10
 PROBE_PERIOD_SECONDS = 5
-# HTTP readiness probes ask every second, so that a replica that has loaded its model takes traffic within a
-# second rather than a probe period later: a request held at zero waits on it. /ready costs the server
+# The startup and HTTP readiness probes ask every second, so that a replica that has loaded its model takes
+# traffic within a second rather than a probe period later: a request held at zero waits on it, and the
+# kubelet runs no readiness probe before the startup probe passes. /health and /ready cost the server
 # nothing; the failures allowed keep the time before a replica that stops answering is taken out of the
 # Service as it was with the longer period.
 READINESS_PERIOD_SECONDS = 1
@@ -341,8 +342,10 @@ def _runtime_container(
         "ports": ports,
         "env": env,
         "resources": _container_resources(spec),
-        "startupProbe": _http_probe(
-            "/health", failures=math.ceil(engine.startup_timeout_seconds / PROBE_PERIOD_SECONDS)
+        "startupProbe": _probe(
+            {"httpGet": {"path": "/health", "port": HTTP_PORT_NAME}},
+            failures=math.ceil(engine.startup_timeout_seconds / READINESS_PERIOD_SECONDS),
+            period=READINESS_PERIOD_SECONDS,
         ),
         "readinessProbe": readiness,
         "livenessProbe": _http_probe("/health", failures=6),

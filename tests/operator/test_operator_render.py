@@ -140,6 +140,8 @@ def test_deployment_never_drops_capacity_and_drains(example_path: Path) -> None:
         assert container["livenessProbe"]["httpGet"]["path"] == "/health"
         startup = container["startupProbe"]
         assert startup["periodSeconds"] * startup["failureThreshold"] >= spec.engine.startup_timeout_seconds
+        # No readiness probe runs before the startup probe passes: it must not hold a loaded replica back.
+        assert startup["periodSeconds"] == 1
 
 
 def test_pods_run_locked_down(example_path: Path) -> None:
