@@ -10,7 +10,6 @@ import gc
 import logging
 import math
 import mmap
-import os
 from collections.abc import Collection
 
 import numpy as np
@@ -31,6 +30,7 @@ from kvfleet.runtime.models.model_config import ModelConfig
 from kvfleet.runtime.models.moe_config import MoeLayerLoad
 from kvfleet.runtime.models.rope import LENGTH_DEPENDENT_ROPE_TYPES
 from kvfleet.runtime.startup_phases import STARTUP_PHASES
+from kvfleet.runtime.worker.cpu_threads import cpu_threads
 from kvfleet.runtime.worker.encoder_runner import EncoderRunner
 from kvfleet.runtime.worker.sampler import Sampler, SpeculativeBatch
 from kvfleet.runtime.worker.step_inputs import StepInputs
@@ -68,10 +68,6 @@ _CUDA_ACTIVATION_RESERVE_BYTES = 2 * GiB
 # its sequences can fill, up to this).
 DEFAULT_CPU_KV_CACHE_SPACE_GIB = 1.0
 
-# A CPU step of at least this many tokens is compute-bound (prefill chunks, large batches) and runs on every
-# thread; a smaller one is bound by reading the weights and leaves the reserved CPUs to the front end.
-_CPU_PARALLEL_STEP_TOKENS = 16
-
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, *, reserved_cpus: int = 0) -> None:
@@ -89,7 +85,7 @@ class ModelRunner:
         self.vocab_size = self.model_config.vocab_size
         self.max_model_len = self._max_model_len()
         self.max_blocks_per_seq = -(-self.max_model_len // self.block_size)
-        self._cpu_threads = _cpu_threads(reserved_cpus) if self.device.type == "cpu" else None
+        self._cpu_threads = cpu_threads(reserved_cpus) if self.device.type == "cpu" else None
         # This rank's share of the model (all of it outside a tensor- or pipeline-parallel worker).
         self.parallel = parallel = parallel_context()
         self.num_layers = self.model_config.num_hidden_layers // parallel.pp_size
@@ -555,36 +551,3 @@ def _release_freed_memory(device: torch.device) -> None:
         torch.cuda.empty_cache()
     with contextlib.suppress(OSError, AttributeError):  # not glibc: nothing to trim
         ctypes.CDLL(None).malloc_trim(0)
-
-
-class _CpuThreads:
-    """Torch's thread count per step on the CPU.
-
-    Every thread makes a compute-bound step faster. A small step is bound by memory bandwidth, and each of
-    its many parallel regions waits for its slowest thread: when an API server beside the engine takes a
-    CPU for a moment, that thread is descheduled and the whole step stalls. Measured on 2 CPUs with the
-    API server beside the core at 4 requests/s: decode steps took 13.5 ms on 2 threads against 11 ms on
-    one. So small steps leave the reserved CPUs to the front end, as vLLM's CPU backend does for good.
-    """
-
-    def __init__(self, total: int, reserved: int) -> None:
-        self.total = total
-        self.small_step = max(1, total - reserved)
-
-    def use_for(self, num_tokens: int) -> None:
-        threads = self.total if num_tokens >= _CPU_PARALLEL_STEP_TOKENS else self.small_step
-        if torch.get_num_threads() != threads:
-            torch.set_num_threads(threads)
-
-
-def _cpu_threads(reserved: int) -> _CpuThreads:
-    """Every CPU this process may run on (torch's default counts the physical cores of the whole machine,
-    which over- or under-subscribes in containers), unless OMP_NUM_THREADS chose a count."""
-    if "OMP_NUM_THREADS" in os.environ:
-        total = torch.get_num_threads()
-    elif hasattr(os, "sched_getaffinity"):
-        total = len(os.sched_getaffinity(0))
-    else:
-        total = os.cpu_count() or 1
-    torch.set_num_threads(total)
-    return _CpuThreads(total, reserved)
