@@ -8,10 +8,10 @@ the reserved CPUs to the front end, as vLLM's CPU backend does for good.
 
 Other processes take CPUs too (a neighbour on the node): offline on 2 CPUs with a busy loop on one, two
 threads lost up to 60% of the throughput (docs/benchmarks.md). So the count also follows the CPU time the
-threads get.
-Every WINDOW_SECONDS of steps, the kernel's schedstat gives how long the process's threads were runnable but
-waiting for a CPU: past CONTENDED_WAIT_SHARE of their runnable time, one thread fewer. A thread taken away
-comes back once the CPUs this process may use sat idle for IDLE_CPUS_FOR_A_THREAD of a CPU over a window.
+threads get. Every WINDOW_SECONDS of steps, the kernel's schedstat gives how long the process's threads were
+runnable but waiting for a CPU: past CONTENDED_WAIT_SHARE of their runnable time, one thread fewer. A thread
+taken away comes back once the CPUs this process may use sat idle for IDLE_CPUS_FOR_A_THREAD of a CPU over a
+window.
 """
 
 from __future__ import annotations
