@@ -342,8 +342,8 @@ def _runtime_container(
         "ports": ports,
         "env": env,
         "resources": _container_resources(spec),
-        "startupProbe": _probe(
-            {"httpGet": {"path": "/health", "port": HTTP_PORT_NAME}},
+        "startupProbe": _http_probe(
+            "/health",
             failures=math.ceil(engine.startup_timeout_seconds / READINESS_PERIOD_SECONDS),
             period=READINESS_PERIOD_SECONDS,
         ),
@@ -453,13 +453,12 @@ def _container_resources(spec: InferenceServiceSpec) -> dict[str, dict[str, str]
     return result
 
 
-def _http_probe(path: str, failures: int) -> dict[str, Any]:
-    return _probe({"httpGet": {"path": path, "port": HTTP_PORT_NAME}}, failures)
+def _http_probe(path: str, failures: int, period: int = PROBE_PERIOD_SECONDS) -> dict[str, Any]:
+    return _probe({"httpGet": {"path": path, "port": HTTP_PORT_NAME}}, failures, period)
 
 
 def _readiness_probe(path: str) -> dict[str, Any]:
-    failures = _READINESS_FAILURE_SECONDS // READINESS_PERIOD_SECONDS
-    return _probe({"httpGet": {"path": path, "port": HTTP_PORT_NAME}}, failures, READINESS_PERIOD_SECONDS)
+    return _http_probe(path, _READINESS_FAILURE_SECONDS // READINESS_PERIOD_SECONDS, READINESS_PERIOD_SECONDS)
 
 
 def _probe(handler: dict[str, Any], failures: int, period: int = PROBE_PERIOD_SECONDS) -> dict[str, Any]:
