@@ -61,27 +61,40 @@ def _solve(matrix: list[list[float]], vector: list[float]) -> list[float]:
     return [rows[i][size] / rows[i][i] for i in range(size)]
 
 
-def measure(url: str, timeout_s: float = 300.0) -> list[StepTiming]:
-    """Times decode and prefill steps on the replica at `url` (a `kvfleet serve` or any OpenAI server)."""
-    return asyncio.run(_measure(url, timeout_s))
+def decode_batches(max_num_seqs: int) -> tuple[int, ...]:
+    """The decode batches to time on a replica that runs at most `max_num_seqs` sequences at once: a larger
+    batch would queue some of its requests, and their waits would be timed as steps."""
+    return tuple(sorted({batch for batch in DECODE_BATCHES if batch < max_num_seqs} | {max_num_seqs}))
 
 
-async def _measure(url: str, timeout_s: float) -> list[StepTiming]:
+def measure(
+    url: str, max_num_seqs: int = max(DECODE_BATCHES), model: str | None = None, timeout_s: float = 300.0
+) -> list[StepTiming]:
+    """Times decode and prefill steps on the replica at `url` (a `kvfleet serve` or any OpenAI server) that
+    runs at most `max_num_seqs` sequences at once. `model`: the one to time where `url` serves several, as a
+    fleet gateway does (whose time then counts, as it does for its clients); by default the first listed."""
+    return asyncio.run(_measure(url, decode_batches(max_num_seqs), model, timeout_s))
+
+
+async def _measure(
+    url: str, batches: tuple[int, ...], wanted: str | None, timeout_s: float
+) -> list[StepTiming]:
     from kvfleet.runtime.bench.serve_client import ServeRequest, bench_client, send_request
     from kvfleet.runtime.bench.workloads import random_requests
 
-    async with bench_client(url, max(DECODE_BATCHES), timeout_s) as client:
+    async with bench_client(url, max(batches), timeout_s) as client:
         response = await client.get("/v1/models")
         response.raise_for_status()
-        card = response.json()["data"][0]
+        cards = response.json()["data"]
+        card = next((card for card in cards if wanted in (None, card["id"])), None)
+        if card is None:
+            raise RuntimeError(f"{url} does not serve {wanted}: {[card['id'] for card in cards]}")
         model, vocab = card["id"], int(card.get("vocab_size") or 1000)
         # The first requests of a fresh replica pay for its warm-up: not a step's time.
-        (warmup,) = random_requests(
-            1, (16, 16), (4, 4), vocab, seed=len(DECODE_BATCHES) + len(PREFILL_PROMPTS)
-        )
+        (warmup,) = random_requests(1, (16, 16), (4, 4), vocab, seed=len(batches) + len(PREFILL_PROMPTS))
         await send_request(client, model, ServeRequest(warmup.prompt_token_ids, 4, None, 0.0))
         timings: list[StepTiming] = []
-        for seed, batch in enumerate(DECODE_BATCHES):
+        for seed, batch in enumerate(batches):
             shape = (DECODE_PROMPT_TOKENS, DECODE_PROMPT_TOKENS)
             output = (DECODE_OUTPUT_TOKENS, DECODE_OUTPUT_TOKENS)
             prompts = random_requests(batch, shape, output, vocab, seed=seed)
@@ -94,7 +107,7 @@ async def _measure(url: str, timeout_s: float) -> list[StepTiming]:
                 raise RuntimeError(f"no streamed tokens from {url}: {[r.error for r in results]}")
             context = batch * (DECODE_PROMPT_TOKENS + DECODE_OUTPUT_TOKENS // 2)
             timings.append(StepTiming(0, batch, context, statistics.median(per_token)))
-        for seed, prompt in enumerate(PREFILL_PROMPTS, start=len(DECODE_BATCHES)):
+        for seed, prompt in enumerate(PREFILL_PROMPTS, start=len(batches)):
             (lone,) = random_requests(1, (prompt, prompt), (1, 1), vocab, seed=seed)
             result = await send_request(client, model, ServeRequest(lone.prompt_token_ids, 1, None, 0.0))
             if result.ttft is None:

@@ -267,23 +267,30 @@ def _service_spec(path: Path) -> dict[str, Any]:
     "--limits",
     "limits_path",
     type=click.Path(exists=True, path_type=Path),
-    help="A profile whose max_num_seqs, token budget, KV cache and context cost to keep; the "
-    "defaults otherwise.",
+    help="A profile whose max_num_seqs, token budget, KV cache and context cost to keep (decode batches "
+    "are timed up to its max_num_seqs); the defaults otherwise.",
+)
+@click.option(
+    "--served-model-name",
+    "model",
+    help="The model to time where the URL serves several (a fleet gateway, whose own time then counts as "
+    "its clients see it); the first listed otherwise.",
 )
 @click.option(
     "--out", type=click.Path(dir_okay=False, path_type=Path), required=True, help="The profile (JSON)."
 )
-def calibrate_command(url: str, limits_path: Path | None, out: Path) -> None:
+def calibrate_command(url: str, limits_path: Path | None, model: str | None, out: Path) -> None:
     """Time decode and prefill steps on a real replica and write the fitted engine profile."""
     from kvfleet.simulate.calibrate import fit_profile, measure
 
-    timings = measure(url)
+    limits = EngineProfile.load(limits_path) if limits_path else None
+    timings = measure(url, limits.max_num_seqs, model) if limits else measure(url, model=model)
     for timing in timings:
         click.echo(
             f"prefill {timing.prefill_tokens:5d} tokens, decode {timing.decode_sequences:3d} sequences: "
             f"{timing.seconds * 1000:.2f} ms"
         )
-    profile = fit_profile(timings, EngineProfile.load(limits_path) if limits_path else EngineProfile())
+    profile = fit_profile(timings, limits or EngineProfile())
     profile.dump(out)
     per_token = f"{profile.prefill_token_s * 1e6:.1f} us per prompt token"
     per_sequence = f"{profile.decode_sequence_s * 1000:.3f} ms per decoding sequence"

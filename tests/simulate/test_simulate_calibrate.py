@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from kvfleet.simulate.calibrate import StepTiming, fit_profile
+from kvfleet.simulate.calibrate import StepTiming, decode_batches, fit_profile
 from kvfleet.simulate.engine import EngineProfile
 
 
@@ -30,3 +30,14 @@ def test_the_fit_recovers_the_profile_that_timed_the_steps() -> None:
 def test_timings_of_one_shape_are_refused() -> None:
     with pytest.raises(ValueError, match="do not tell"):
         fit_profile([StepTiming(0, 4, 0, 0.01)] * 3, EngineProfile())
+
+
+@pytest.mark.parametrize(
+    ("max_num_seqs", "batches"),
+    [(256, (1, 4, 16, 256)), (16, (1, 4, 16)), (4, (1, 4)), (3, (1, 3)), (1, (1,))],
+)
+def test_decode_batches_stop_at_what_the_replica_runs_at_once(
+    max_num_seqs: int, batches: tuple[int, ...]
+) -> None:
+    # A batch past max_num_seqs would queue some of its requests, and their waits would be timed as steps.
+    assert decode_batches(max_num_seqs) == batches
