@@ -19,14 +19,13 @@ from typing import Any
 
 import jsonschema
 import pytest
-import yaml
 
 from e2e.cluster import KubeAPI, LocalCluster
 from e2e.cluster.kube_api import MERGE_PATCH
-from e2e.fleet.gateway import metric
+from e2e.fleet.gateway import metric, serve_through_gateway
 from e2e.fleet.manifests import services_path, tiny_service
-from e2e.fleet.observe import is_ready, service_pods, wait_ready
-from e2e.fleet.streams import ConcurrentStreams, StreamedAnswer, StreamLoad, gateway_client
+from e2e.fleet.observe import is_ready, service_pods
+from e2e.fleet.streams import ConcurrentStreams, StreamedAnswer, StreamLoad
 from e2e.fleet.traffic import ChatLoad, ReadyEndpoints
 from e2e.support.waits import wait_for
 
@@ -91,24 +90,6 @@ def check_answer(kind: str, answer: StreamedAnswer) -> None:
 def resumes(gateway: ReadyEndpoints, *labels: str) -> float:
     """The resumes every gateway replica made so far (with these labels)."""
     return sum(metric(endpoint, RESUMES, *labels) for endpoint in gateway.current())
-
-
-def serve_through_gateway(
-    local_cluster: LocalCluster, gateway: ReadyEndpoints, namespace: str, manifest: dict[str, Any]
-) -> str:
-    """Applies the InferenceService and waits until every gateway replica lists its model; its name."""
-    name, served = manifest["metadata"]["name"], manifest["spec"]["model"]["servedName"]
-    local_cluster.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(manifest))
-    wait_ready(local_cluster.api, namespace, name, timeout=180)
-    model = f"{namespace}/{served}"
-    for endpoint in gateway.current():
-        with gateway_client(endpoint, timeout=30) as client:
-            wait_for(
-                f"{endpoint.pod} to know {model}",
-                lambda client=client: model in {card.id for card in client.models.list().data},
-                60,
-            )
-    return model
 
 
 @pytest.fixture(scope="module")

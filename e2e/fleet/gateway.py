@@ -7,8 +7,14 @@ import contextlib
 import json
 import urllib.request
 from collections.abc import Iterator, Mapping
+from typing import Any
 
+import yaml
+
+from e2e.cluster import LocalCluster
 from e2e.fleet.chart import CHART_DIR, ClusterAccess, OperatorRelease
+from e2e.fleet.observe import wait_ready
+from e2e.fleet.streams import gateway_client
 from e2e.fleet.traffic import Endpoint, ReadyEndpoints
 from e2e.support.waits import wait_for
 
@@ -65,3 +71,21 @@ def metric(endpoint: Endpoint, name: str, *labels: str) -> float:
         for line in text.splitlines()
         if line.startswith(name) and all(label in line for label in labels)
     )
+
+
+def serve_through_gateway(
+    local_cluster: LocalCluster, gateway: ReadyEndpoints, namespace: str, manifest: dict[str, Any]
+) -> str:
+    """Applies the InferenceService and waits until every gateway replica lists its model; its name."""
+    name, served = manifest["metadata"]["name"], manifest["spec"]["model"]["servedName"]
+    local_cluster.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(manifest))
+    wait_ready(local_cluster.api, namespace, name, timeout=180)
+    model = f"{namespace}/{served}"
+    for endpoint in gateway.current():
+        with gateway_client(endpoint, timeout=30) as client:
+            wait_for(
+                f"{endpoint.pod} to know {model}",
+                lambda client=client: model in {card.id for card in client.models.list().data},
+                60,
+            )
+    return model
