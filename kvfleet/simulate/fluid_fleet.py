@@ -73,27 +73,27 @@ class _Streams:
     def __init__(self) -> None:
         self.capacity = 0
         self.by_tier = numpy.zeros((len(TIER_NAMES), 0))
-        self.work = numpy.zeros(0)
-        self.prompt = numpy.zeros(0)
-        self.output = numpy.zeros(0)
+        # Work, prompt and output tokens, a row each: a tick delivers their shares in one operation.
+        self.tokens = numpy.zeros((3, 0))
         self.pace = numpy.zeros(0)
 
     def fit(self, capacity: int) -> None:
         if capacity <= self.capacity:
             return
-        by_tier = numpy.zeros((len(TIER_NAMES), capacity))
-        by_tier[:, : self.capacity] = self.by_tier
-        self.by_tier = by_tier
-        for name in ("work", "prompt", "output", "pace"):
-            grown = numpy.zeros(capacity)
-            grown[: self.capacity] = getattr(self, name)
+        for name in ("by_tier", "tokens"):
+            old = getattr(self, name)
+            grown = numpy.zeros((old.shape[0], capacity))
+            grown[:, : self.capacity] = old
             setattr(self, name, grown)
+        pace = numpy.zeros(capacity)
+        pace[: self.capacity] = self.pace
+        self.pace = pace
         self.capacity = capacity
 
     def clear(self, slot: int) -> None:
         self.by_tier[:, slot] = 0.0
-        for array in (self.work, self.prompt, self.output, self.pace):
-            array[slot] = 0.0
+        self.tokens[:, slot] = 0.0
+        self.pace[slot] = 0.0
 
 
 class _Batch:
@@ -119,16 +119,16 @@ class _Batch:
 
     def to_streams(self, streams: _Streams) -> None:
         numpy.add.at(streams.by_tier, (self.tiers, self.slots), self.counts)
-        self._tokens_to(streams.work, streams.prompt, streams.output)
+        self._to_rows(streams.tokens, (self.work, self.prompt, self.output))
 
     def to_arrivals(self, arrivals: Arrivals) -> None:
-        numpy.add.at(arrivals.requests, self.slots, self.counts)
-        self._tokens_to(arrivals.work, arrivals.prompt, arrivals.output)
+        self._to_rows(arrivals.rows, (self.counts, self.work, self.prompt, self.output))
 
-    def _tokens_to(self, work: numpy.ndarray, prompt: numpy.ndarray, output: numpy.ndarray) -> None:
-        numpy.add.at(work, self.slots, self.work)
-        numpy.add.at(prompt, self.slots, self.prompt)
-        numpy.add.at(output, self.slots, self.output)
+    def _to_rows(self, rows: numpy.ndarray, values: tuple[list[float], ...]) -> None:
+        """Adds values[i] to row i at the pieces' slots (each element's additions in the pieces' order)."""
+        count = len(self.slots)
+        row_index = [row for row in range(len(values)) for _ in range(count)]
+        numpy.add.at(rows, (row_index, self.slots * len(values)), [v for row in values for v in row])
 
 
 class CohortSimulation:
@@ -336,20 +336,14 @@ class CohortSimulation:
         kept = _share(delivered, due)
         tiers = by_tier * taken
         by_tier -= tiers
-        moved = {}
-        for name in ("work", "prompt", "output"):
-            array = getattr(streams, name)[:used]
-            moved[name] = array * taken
-            array -= moved[name]
+        tokens = streams.tokens[:, :used]
+        moved = tokens * taken
+        tokens -= moved
         overflow = due - delivered
         if overflow.sum() > _LEAST:
-            self._hold_overflow(
-                tiers * (1 - kept), {name: value * (1 - kept) for name, value in moved.items()}
-            )
+            self._hold_overflow(tiers * (1 - kept), moved * (1 - kept))
         arrivals.requests[:used] += delivered
-        arrivals.work[:used] += moved["work"] * kept
-        arrivals.prompt[:used] += moved["prompt"] * kept
-        arrivals.output[:used] += moved["output"] * kept
+        arrivals.tokens[:, :used] += moved * kept
         latencies = self.engines.advance(self.options.tick_s, arrivals)
         came = arrivals.requests[:used]
         at_once = _share(latencies.at_once, came)
@@ -369,13 +363,13 @@ class CohortSimulation:
             for slot, tier, count, waited in self._sent:
                 self.report.first_token(tier, waited + float(means[slot]), count)
             self._sent = []
-        for array in (arrivals.requests, arrivals.work, arrivals.prompt, arrivals.output):
-            array[:used] = 0.0
+        arrivals.rows[:, :used] = 0.0
         self.peak_state_size = max(self.peak_state_size, self._state_size())
 
-    def _hold_overflow(self, tiers: numpy.ndarray, tokens: dict[str, numpy.ndarray]) -> None:
-        """What reached replicas at their cap waits in the gateway, a share a tier (its tokens as computed
-        where it was bound: its prefix is not carried)."""
+    def _hold_overflow(self, tiers: numpy.ndarray, tokens: numpy.ndarray) -> None:
+        """What reached replicas at their cap waits in the gateway, a share a tier (its tokens, rows of work,
+        prompt and output, as computed where it was bound: its prefix is not carried)."""
+        work, prompt, output = tokens
         counts = tiers.sum(axis=1)
         total = counts.sum()
         for index in numpy.flatnonzero(counts > 1e-9).tolist():
@@ -384,10 +378,10 @@ class CohortSimulation:
                 TIER_NAMES[index],
                 "",
                 float(counts[index]),
-                float(tokens["prompt"].sum() * part),
-                float(tokens["output"].sum() * part),
+                float(prompt.sum() * part),
+                float(output.sum() * part),
                 self._now,
-                float(tokens["work"].sum() * part),
+                float(work.sum() * part),
             )
             self.held.hold(share)
 
@@ -442,10 +436,7 @@ class CohortSimulation:
         streams = self._streams
         tiers = streams.by_tier[:, slot : slot + 1].copy()
         if tiers.sum() > 1e-9:
-            tokens = {
-                name: getattr(streams, name)[slot : slot + 1].copy() for name in ("work", "prompt", "output")
-            }
-            self._hold_overflow(tiers, tokens)
+            self._hold_overflow(tiers, streams.tokens[:, slot : slot + 1].copy())
         streams.clear(slot)
 
     def _retire_drained(self) -> None:
@@ -471,4 +462,4 @@ _TIER_INDEX = {tier: index for index, tier in enumerate(TIER_NAMES)}
 
 
 def _share(part: numpy.ndarray, whole: numpy.ndarray) -> numpy.ndarray:
-    return numpy.divide(part, whole, out=numpy.zeros_like(part), where=whole > 1e-12)
+    return numpy.divide(part, whole, out=numpy.zeros(part.shape), where=whole > 1e-12)
