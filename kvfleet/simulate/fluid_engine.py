@@ -162,19 +162,23 @@ class FluidEngines:
         came, work = arrivals.requests[:used], arrivals.work[:used]
         busy_before = (a["prefill_work"] > _NOTHING) | (a["decoding"] > _NOTHING)
         came_in = self._admit(a, arrivals)
-        prompts = self._compute_prompts(a, tick_s, came_in * _share(work, came))
+        each = _share(work, came)
+        prompts = self._compute_prompts(a, tick_s, came_in * each)
         finished, step_s = self._decode(a, tick_s, prompts)
 
         # The tick's arrivals' first-token latencies.
         came_waiting = came - came_in
-        each = _share(work, came)
         residual = numpy.where(busy_before, step_s / 2, 0.0)
         # The middle one's prompt ends this far into the prompts to compute; it has its first token at the
         # end of the step that computes its last token.
         position = numpy.maximum(prompts.ahead, 0.0) + came_in * each / 2 + each / 2
         own = numpy.ceil(position / numpy.maximum(prompts.tokens, _NOTHING) - 1e-9) * prompts.step_s
         at_once_s = residual + numpy.where(came_in > _NOTHING, own, 0.0)
-        finish_rate = numpy.where(finished > _NOTHING, finished / tick_s, _estimated_finish_rate(a, step_s))
+        finish_rate = finished / tick_s
+        finishing = finished > _NOTHING
+        # Estimated only where an engine finished nothing (in a busy fleet, none).
+        if not finishing.all():
+            finish_rate = numpy.where(finishing, finish_rate, _estimated_finish_rate(a, step_s))
         queue_ahead = numpy.maximum(a["waiting"] - came_waiting / 2, 0.0)
         # Once it has a place: the rest of a step, and a step with its prompt.
         waiting_s = queue_ahead / numpy.maximum(finish_rate, _NOTHING) + 1.5 * step_s

@@ -30,7 +30,7 @@ from typing import Any
 import numpy
 
 from kvfleet.contract.tiers import TIER_NAMES
-from kvfleet.gateway.routing import Prompt, Replica, make_policy
+from kvfleet.gateway.routing import LeastRequest, Prompt, Replica, RoundRobin, make_policy
 from kvfleet.simulate.cohorts import Cohort
 from kvfleet.simulate.fleet import SimulationConfig, group_text
 from kvfleet.simulate.fluid_engine import Arrivals, FluidEngines
@@ -141,6 +141,9 @@ class CohortSimulation:
         self._ticks_per_span = round(ticks)
         gateway = config.gateway
         self.policy = make_policy(gateway.policy, gateway.prefix_chars, gateway.load_bound)
+        # The one prompt for every piece where the policy does not read prompts (a piece's own text costs
+        # more to make than least-request takes to choose).
+        self._blind_prompt = Prompt("") if isinstance(self.policy, (LeastRequest, RoundRobin)) else None
         self.cap = gateway.max_in_flight
         self.report = RunReport(config.ttft_target_s, config.spec.scaling.stable_window_seconds)
         self.operator = Operator(config.spec, self.report, config.initial_replicas)
@@ -261,10 +264,7 @@ class CohortSimulation:
         return piece
 
     def _choose(self, prefix_group: str) -> _Route | None:
-        text = self._group_text.get(prefix_group)
-        if text is None:
-            text = self._group_text[prefix_group] = group_text(prefix_group, self.config)
-        prompt = Prompt(f"{text}<piece {next(self._pieces)}>")
+        prompt = self._blind_prompt or self._prompt(prefix_group)
         if self._open is None:
             in_engine, cap = self._in_engine.tolist(), self.cap
             self._open = {route for route in self._routed if in_engine[route.slot] < cap}
@@ -272,6 +272,13 @@ class CohortSimulation:
         # the whole fleet (least-request's, where neither replica drawn is usable) calls without Python.
         route = self.policy.choose(self._routed, prompt, self._open.__contains__)  # type: ignore[arg-type]
         return route  # type: ignore[return-value]
+
+    def _prompt(self, prefix_group: str) -> Prompt:
+        """A piece's prompt: its prefix group's shared start, then text of its own."""
+        text = self._group_text.get(prefix_group)
+        if text is None:
+            text = self._group_text[prefix_group] = group_text(prefix_group, self.config)
+        return Prompt(f"{text}<piece {next(self._pieces)}>")
 
     def _work(self, route: _Route, share: HeldShare) -> float:
         """The prompt tokens the replica computes for the share: its prefix group's shared start once."""
