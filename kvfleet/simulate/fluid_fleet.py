@@ -102,33 +102,24 @@ class _Batch:
     cost."""
 
     def __init__(self) -> None:
-        self.slots: list[int] = []
-        self.tiers: list[int] = []
-        self.counts: list[float] = []
-        self.work: list[float] = []
-        self.prompt: list[float] = []
-        self.output: list[float] = []
+        # (slot, tier index, requests, work, prompt and output tokens) a piece.
+        self._pieces: list[tuple[int, int, float, float, float, float]] = []
 
     def add(self, slot: int, share: HeldShare, count: float, work: float) -> None:
-        self.slots.append(slot)
-        self.tiers.append(_TIER_INDEX[share.tier])
-        self.counts.append(count)
-        self.work.append(work)
-        self.prompt.append(share.prompt_tokens)
-        self.output.append(share.output_tokens)
+        self._pieces.append(
+            (slot, _TIER_INDEX[share.tier], count, work, share.prompt_tokens, share.output_tokens)
+        )
 
     def to_streams(self, streams: _Streams) -> None:
-        numpy.add.at(streams.by_tier, (self.tiers, self.slots), self.counts)
-        self._to_rows(streams.tokens, (self.work, self.prompt, self.output))
+        if self._pieces:
+            slots, tiers, counts, *tokens = zip(*self._pieces, strict=True)
+            numpy.add.at(streams.by_tier, (tiers, slots), counts)
+            _add_rows(streams.tokens, slots, tokens)
 
     def to_arrivals(self, arrivals: Arrivals) -> None:
-        self._to_rows(arrivals.rows, (self.counts, self.work, self.prompt, self.output))
-
-    def _to_rows(self, rows: numpy.ndarray, values: tuple[list[float], ...]) -> None:
-        """Adds values[i] to row i at the pieces' slots (each element's additions in the pieces' order)."""
-        count = len(self.slots)
-        row_index = [row for row in range(len(values)) for _ in range(count)]
-        numpy.add.at(rows, (row_index, self.slots * len(values)), [v for row in values for v in row])
+        if self._pieces:
+            slots, _, *values = zip(*self._pieces, strict=True)
+            _add_rows(arrivals.rows, slots, values)
 
 
 class CohortSimulation:
@@ -319,7 +310,7 @@ class CohortSimulation:
             route.in_flight += count  # type: ignore[assignment]
             self._sent.append((slot, sent.tier, count, self._now - sent.queued_at))
         batch.to_arrivals(self._arrivals)
-        numpy.add.at(self._in_engine, batch.slots, batch.counts)
+        self._in_engine[:] = in_engine
 
     def _refresh_in_flight(self) -> None:
         """The gateway counts in flight on a replica what it holds and what is on its way to it (taken at
@@ -366,9 +357,9 @@ class CohortSimulation:
                 self._latencies[index] += numpy.bincount(buckets, weights, minlength=_LATENCY_BUCKETS)
                 self._within[index] += float(weights @ within)
         if self._sent:
-            means = latencies.mean_s()
+            means = latencies.mean_s().tolist()
             for slot, tier, count, waited in self._sent:
-                self.report.first_token(tier, waited + float(means[slot]), count)
+                self.report.first_token(tier, waited + means[slot], count)
             self._sent = []
         arrivals.rows[:, :used] = 0.0
         self.peak_state_size = max(self.peak_state_size, self._state_size())
@@ -466,6 +457,12 @@ _HELD_AT_ALL = 1e-3
 # Latency buckets kept (1% apart from 0.1 ms: the last starts at about 19 hours).
 _LATENCY_BUCKETS = 2048
 _TIER_INDEX = {tier: index for index, tier in enumerate(TIER_NAMES)}
+
+
+def _add_rows(rows: numpy.ndarray, slots: tuple[int, ...], values: list[tuple[float, ...]]) -> None:
+    """Adds values[i] to row i at the pieces' slots, each element's additions in the pieces' order."""
+    index = (numpy.repeat(numpy.arange(len(values)), len(slots)), slots * len(values))
+    numpy.add.at(rows, index, numpy.concatenate(values))
 
 
 def _share(part: numpy.ndarray, whole: numpy.ndarray) -> numpy.ndarray:
