@@ -112,14 +112,15 @@ class _Batch:
 
     def to_streams(self, streams: _Streams) -> None:
         if self._pieces:
-            slots, tiers, counts, *tokens = zip(*self._pieces, strict=True)
-            numpy.add.at(streams.by_tier, (tiers, slots), counts)
-            _add_rows(streams.tokens, slots, tokens)
+            pieces = numpy.array(self._pieces)
+            slots, tiers = pieces[:, 0].astype(numpy.intp), pieces[:, 1].astype(numpy.intp)
+            numpy.add.at(streams.by_tier.reshape(-1), tiers * streams.capacity + slots, pieces[:, 2])
+            _add_rows(streams.tokens, slots, pieces[:, 3:])
 
     def to_arrivals(self, arrivals: Arrivals) -> None:
         if self._pieces:
-            slots, _, *values = zip(*self._pieces, strict=True)
-            _add_rows(arrivals.rows, slots, values)
+            pieces = numpy.array(self._pieces)
+            _add_rows(arrivals.rows, pieces[:, 0].astype(numpy.intp), pieces[:, 2:])
 
 
 class CohortSimulation:
@@ -152,7 +153,9 @@ class CohortSimulation:
         self._now = 0.0
         self._in_engine = numpy.zeros(0)
         # The routes below their cap (None: not yet found this tick).
-        self._open: set[_Route] | None = None
+        self._open: set[_Route | None] | None = None
+        # Each slot's route (the last replica's, once it has gone; None before any).
+        self._route_at: list[_Route | None] = []
         # Requests sent straight from the gateway's queue this tick: (slot, tier, count, waited).
         self._sent: list[tuple[int, str, float, float]] = []
         self.peak_state_size = 0
@@ -257,8 +260,10 @@ class CohortSimulation:
     def _choose(self, prefix_group: str) -> _Route | None:
         prompt = self._blind_prompt or self._prompt(prefix_group)
         if self._open is None:
-            in_engine, cap = self._in_engine.tolist(), self.cap
-            self._open = {route for route in self._routed if in_engine[route.slot] < cap}
+            # Every slot's route below the cap, routed or not: the policy asks only about those it routes.
+            below = numpy.flatnonzero(self._in_engine < self.cap).tolist()
+            route_at = self._route_at
+            self._open = {route_at[slot] for slot in below}
         # A replica is usable below its cap: the set's own membership test, which the policy's scan of
         # the whole fleet (least-request's, where neither replica drawn is usable) calls without Python.
         route = self.policy.choose(self._routed, prompt, self._open.__contains__)  # type: ignore[arg-type]
@@ -390,6 +395,8 @@ class CohortSimulation:
             self._arrivals = Arrivals(self.engines.capacity)
         replica = _FluidReplica(_Route(f"http://replica-{next(self._names)}:8000", slot=slot), cached=set())
         self._replicas[slot] = replica
+        self._route_at.extend([None] * (self.engines.capacity - len(self._route_at)))
+        self._route_at[slot] = replica.route
         heapq.heappush(self._starting, (ready_at, slot, replica))
 
     def _become_ready(self) -> None:
@@ -459,10 +466,11 @@ _LATENCY_BUCKETS = 2048
 _TIER_INDEX = {tier: index for index, tier in enumerate(TIER_NAMES)}
 
 
-def _add_rows(rows: numpy.ndarray, slots: tuple[int, ...], values: list[tuple[float, ...]]) -> None:
-    """Adds values[i] to row i at the pieces' slots, each element's additions in the pieces' order."""
-    index = (numpy.repeat(numpy.arange(len(values)), len(slots)), slots * len(values))
-    numpy.add.at(rows, index, numpy.concatenate(values))
+def _add_rows(rows: numpy.ndarray, slots: numpy.ndarray, values: numpy.ndarray) -> None:
+    """Adds column i of `values` (a row a piece) to row i of `rows` at the pieces' slots, each element's
+    additions in the pieces' order (a row at a time: numpy.add.at is slower on two dimensions)."""
+    for row, column in zip(rows, values.T, strict=True):
+        numpy.add.at(row, slots, column)
 
 
 def _share(part: numpy.ndarray, whole: numpy.ndarray) -> numpy.ndarray:
