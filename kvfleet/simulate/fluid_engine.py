@@ -35,10 +35,10 @@ _FIELDS = (
     "waiting_work",
     "waiting_prompt",
     "waiting_output",
-    "prefilling",
     "prefill_work",
     "prefill_prompt",
     "prefill_output",
+    "prefilling",
     "decoding",
     "decode_left",
     "held_tokens",
@@ -60,6 +60,9 @@ _FIELDS = (
 # in that order, moved together as requests get their places.
 _WAITING_TOKENS = slice(_FIELDS.index("waiting_work"), _FIELDS.index("waiting_output") + 1)
 _PREFILL_TOKENS = slice(_FIELDS.index("prefill_work"), _FIELDS.index("prefill_output") + 1)
+# The prefilling requests' prompt and output tokens, and the requests: what goes on to decode as a share of
+# them has its prompt computed.
+_PREFILLED = slice(_FIELDS.index("prefill_prompt"), _FIELDS.index("prefilling") + 1)
 # What a report covers, the last rows of the state.
 _SINCE_REPORT = slice(_FIELDS.index("ttft_sum"), len(_FIELDS))
 # No amount below this is anything: it stands between a fluid's zero and division by it.
@@ -215,7 +218,8 @@ class FluidEngines:
         running = a["prefilling"] + a["decoding"]
         numpy.minimum(running, profile.max_num_seqs, out=a["seen_running"])
         a["seen_waiting"][:] = a["waiting"] + running - a["seen_running"]
-        return numpy.clip(admitted - waited, 0.0, came)
+        # numpy.clip's own arithmetic, without its Python-level wrapper.
+        return numpy.minimum(numpy.maximum(admitted - waited, 0.0), came)
 
     def _compute_prompts(
         self, a: dict[str, numpy.ndarray], tick_s: float, came_in_work: numpy.ndarray
@@ -233,13 +237,10 @@ class FluidEngines:
         computed = numpy.minimum(prompt_tokens * prefill_steps, backlog)
         done = numpy.where(backlog > _NOTHING, _share(computed, backlog), 1.0)
         # One whose prompt is computed samples its first token and decodes from then on.
-        prompted = a["prefilling"] * done
-        prompt_share = a["prefill_prompt"] * done
-        output_share = a["prefill_output"] * done
+        moving = a["prefilled"] * done
+        prompt_share, output_share, prompted = moving
         backlog -= computed
-        a["prefill_prompt"] -= prompt_share
-        a["prefill_output"] -= output_share
-        a["prefilling"] -= prompted
+        a["prefilled"] -= moving
         a["decoding"] += prompted
         a["decode_left"] += numpy.maximum(output_share - prompted, 0.0)
         a["held_tokens"] += prompt_share + prompted
@@ -281,6 +282,7 @@ class FluidEngines:
             self._view = {name: array[: self.used] for name, array in self._arrays.items()}
             self._view["waiting_tokens"] = self._state[_WAITING_TOKENS, : self.used]
             self._view["prefill_tokens"] = self._state[_PREFILL_TOKENS, : self.used]
+            self._view["prefilled"] = self._state[_PREFILLED, : self.used]
         return self._view
 
     def report(self, slots: list[int], interval_s: float | None) -> list[PodMetrics]:
