@@ -123,7 +123,11 @@ class RunReport:
         self._interval_arrivals = 0
 
     def arrived(self, tier: str, count: float = 1) -> None:
-        self.tiers.setdefault(tier, TierResult()).requests += count
+        # A tier's result is made once, not (as setdefault's argument) at every arrival.
+        result = self.tiers.get(tier)
+        if result is None:
+            result = self.tiers[tier] = TierResult()
+        result.requests += count
         self._interval_arrivals += count
 
     def first_token(self, tier: str, ttft_s: float, count: float = 1) -> None:
