@@ -315,6 +315,7 @@ class CohortSimulation:
             route.in_flight += count  # type: ignore[assignment]
             self._sent.append((slot, sent.tier, count, self._now - sent.queued_at))
         batch.to_arrivals(self._arrivals)
+        # The sends' additions, made on the list as they went.
         self._in_engine[:] = in_engine
 
     def _refresh_in_flight(self) -> None:
