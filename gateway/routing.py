@@ -42,6 +42,7 @@ import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import Protocol
 
 from kvfleet.contract.precedence import displaces
@@ -151,19 +152,36 @@ class LeastRequest(_NoCacheModel):
     def choose(self, replicas: Sequence[Replica], prompt: Prompt, usable: Usable) -> Replica | None:
         count = len(replicas)
         if count > SAMPLED_FLEET:
-            first, second = self._random.randrange(count), self._random.randrange(count - 1)
-            drawn = (replicas[first], replicas[second + (second >= first)])
-            candidates = [replica for replica in drawn if usable(replica)]
-            if candidates:
-                return min(candidates, key=lambda replica: replica.in_flight)
-        best: Replica | None = None
-        best_step = 0
-        for step in range(count):
-            replica = replicas[(self._next + step) % count]
-            if usable(replica) and (best is None or replica.in_flight < best.in_flight):
-                best, best_step = replica, step
+            first, second = self._below(count), self._below(count - 1)
+            one, other = replicas[first], replicas[second + (second >= first)]
+            # The less loaded of the two that are usable; the first drawn on a tie.
+            if usable(one):
+                return other if usable(other) and other.in_flight < one.in_flight else one
+            if usable(other):
+                return other
+        return self._least(replicas, usable)
+
+    def _below(self, count: int) -> int:
+        """Random.randrange(count), drawn as it draws (CPython's _randbelow_with_getrandbits), so that a seed
+        gives the same choices, without its argument checks: the cohort simulator routes every piece of
+        its days through here."""
+        bits = count.bit_length()
+        drawn = self._random.getrandbits(bits)
+        while drawn >= count:
+            drawn = self._random.getrandbits(bits)
+        return drawn
+
+    def _least(self, replicas: Sequence[Replica], usable: Usable) -> Replica | None:
+        """The usable replica with the fewest in flight, the first in turn from the last one chosen on a
+        tie (min() keeps the first of equals)."""
+        count = len(replicas)
+        if not count:
+            return None
+        start = self._next % count
+        turn = [*replicas[start:], *replicas[:start]]
+        best = min(filter(usable, turn), key=_in_flight, default=None)
         if best is not None:
-            self._next = (self._next + best_step + 1) % count
+            self._next = (start + turn.index(best) + 1) % count
         return best
 
 
@@ -376,6 +394,10 @@ def make_policy(
     if name == "cache-aware":
         return CacheAware(load_bound)
     return PrefixHash(prefix_chars, load_bound)
+
+
+# In C: a fleet's scan for its least loaded replica calls it once a usable replica.
+_in_flight = attrgetter("in_flight")
 
 
 def _hash(text: str) -> int:

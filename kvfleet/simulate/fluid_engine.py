@@ -29,16 +29,16 @@ from kvfleet.contract.metrics import ITL_BUCKETS, TTFT_BUCKETS
 from kvfleet.operator.autoscaler import Buckets, PodMetrics
 from kvfleet.simulate.engine import EngineProfile
 
-# The engines' state, one array each, a replica's figures at its slot.
+# The engines' state, a row each of one array, a replica's figures at its slot.
 _FIELDS = (
     "waiting",
     "waiting_work",
     "waiting_prompt",
     "waiting_output",
-    "prefilling",
     "prefill_work",
     "prefill_prompt",
     "prefill_output",
+    "prefilling",
     "decoding",
     "decode_left",
     "held_tokens",
@@ -56,8 +56,21 @@ _FIELDS = (
     "prompt_done",
     "generated",
 )
+# The waiting requests' tokens (work, prompt, output) and the prefilling ones', each three rows of the state
+# in that order, moved together as requests get their places.
+_WAITING_TOKENS = slice(_FIELDS.index("waiting_work"), _FIELDS.index("waiting_output") + 1)
+_PREFILL_TOKENS = slice(_FIELDS.index("prefill_work"), _FIELDS.index("prefill_output") + 1)
+# The prefilling requests' prompt and output tokens, and the requests: what goes on to decode as a share of
+# them has its prompt computed.
+_PREFILLED = slice(_FIELDS.index("prefill_prompt"), _FIELDS.index("prefilling") + 1)
+# What a report covers, the last rows of the state.
+_SINCE_REPORT = slice(_FIELDS.index("ttft_sum"), len(_FIELDS))
 # No amount below this is anything: it stands between a fluid's zero and division by it.
 _NOTHING = 1e-9
+# The latency histograms' bounds as arrays, made once rather than from the tuples at each of a tick's four
+# histograms.
+_TTFT_BOUNDS = numpy.array(TTFT_BUCKETS)
+_ITL_BOUNDS = numpy.array(ITL_BUCKETS)
 
 
 class Arrivals:
@@ -65,10 +78,11 @@ class Arrivals:
     does not find cached), their whole prompts and their outputs, per slot."""
 
     def __init__(self, capacity: int) -> None:
-        self.requests = numpy.zeros(capacity)
-        self.work = numpy.zeros(capacity)
-        self.prompt = numpy.zeros(capacity)
-        self.output = numpy.zeros(capacity)
+        # Rows of one array, so that a tick's tokens go in, and all of it is cleared, in one operation each.
+        self.rows = numpy.zeros((4, capacity))
+        self.requests, self.work, self.prompt, self.output = self.rows
+        # The work, prompt and output rows.
+        self.tokens = self.rows[1:]
 
 
 class TickLatencies:
@@ -113,6 +127,8 @@ class FluidEngines:
         # Slots in use lie below this; only those are advanced.
         self.used = 0
         self._free: list[int] = []
+        # The state, a row a field (_FIELDS), and its rows by name.
+        self._state = numpy.zeros((len(_FIELDS), 0))
         self._arrays: dict[str, numpy.ndarray] = {}
         self._viewed = (0, 0)
         self._view: dict[str, numpy.ndarray] = {}
@@ -130,8 +146,7 @@ class FluidEngines:
         return slot
 
     def remove(self, slot: int) -> None:
-        for array in self._arrays.values():
-            array[slot] = 0.0
+        self._state[:, slot] = 0.0
         self._free.append(slot)
 
     def in_engine(self) -> numpy.ndarray:
@@ -150,26 +165,30 @@ class FluidEngines:
         came, work = arrivals.requests[:used], arrivals.work[:used]
         busy_before = (a["prefill_work"] > _NOTHING) | (a["decoding"] > _NOTHING)
         came_in = self._admit(a, arrivals)
-        prompts = self._compute_prompts(a, tick_s, came_in * _share(work, came))
+        each = _share(work, came)
+        prompts = self._compute_prompts(a, tick_s, came_in * each)
         finished, step_s = self._decode(a, tick_s, prompts)
 
         # The tick's arrivals' first-token latencies.
         came_waiting = came - came_in
-        each = _share(work, came)
         residual = numpy.where(busy_before, step_s / 2, 0.0)
         # The middle one's prompt ends this far into the prompts to compute; it has its first token at the
         # end of the step that computes its last token.
         position = numpy.maximum(prompts.ahead, 0.0) + came_in * each / 2 + each / 2
         own = numpy.ceil(position / numpy.maximum(prompts.tokens, _NOTHING) - 1e-9) * prompts.step_s
         at_once_s = residual + numpy.where(came_in > _NOTHING, own, 0.0)
-        finish_rate = numpy.where(finished > _NOTHING, finished / tick_s, _estimated_finish_rate(a, step_s))
+        finish_rate = finished / tick_s
+        finishing = finished > _NOTHING
+        # Estimated only where an engine finished nothing (in a busy fleet, none).
+        if not finishing.all():
+            finish_rate = numpy.where(finishing, finish_rate, _estimated_finish_rate(a, step_s))
         queue_ahead = numpy.maximum(a["waiting"] - came_waiting / 2, 0.0)
         # Once it has a place: the rest of a step, and a step with its prompt.
         waiting_s = queue_ahead / numpy.maximum(finish_rate, _NOTHING) + 1.5 * step_s
         a["ttft_sum"] += at_once_s * came_in + waiting_s * came_waiting
         a["ttft_count"] += came
-        self._ttft_counts += _histogram(TTFT_BUCKETS, at_once_s, came_in)
-        self._ttft_counts += _histogram(TTFT_BUCKETS, waiting_s, came_waiting)
+        self._ttft_counts += _histogram(_TTFT_BOUNDS, at_once_s, came_in)
+        self._ttft_counts += _histogram(_TTFT_BOUNDS, waiting_s, came_waiting)
         return TickLatencies(at_once_s, came_in, waiting_s, came_waiting)
 
     def _admit(self, a: dict[str, numpy.ndarray], arrivals: Arrivals) -> numpy.ndarray:
@@ -179,9 +198,7 @@ class FluidEngines:
         came = arrivals.requests[:used]
         waited = a["waiting"].copy()
         a["waiting"] += came
-        a["waiting_work"] += arrivals.work[:used]
-        a["waiting_prompt"] += arrivals.prompt[:used]
-        a["waiting_output"] += arrivals.output[:used]
+        a["waiting_tokens"] += arrivals.tokens[:, :used]
 
         # Places in the batch, to the waiting requests in their order: those free, and those the requests
         # finishing over the tick free (as many as finished over the last), which a waiting request takes at
@@ -190,15 +207,9 @@ class FluidEngines:
             profile.max_num_seqs - a["prefilling"] - a["decoding"] + a["finishing"] / 2, 0.0
         )
         admitted = numpy.minimum(a["waiting"], places)
-        share = _share(admitted, a["waiting"])
-        for source, target in (
-            ("waiting_work", "prefill_work"),
-            ("waiting_prompt", "prefill_prompt"),
-            ("waiting_output", "prefill_output"),
-        ):
-            moved = a[source] * share
-            a[source] -= moved
-            a[target] += moved
+        moved = a["waiting_tokens"] * _share(admitted, a["waiting"])
+        a["waiting_tokens"] -= moved
+        a["prefill_tokens"] += moved
         a["waiting"] -= admitted
         a["prefilling"] += admitted
         # A replica reports its queue as it is with the tick's arrivals placed: requests finish and places
@@ -207,7 +218,8 @@ class FluidEngines:
         running = a["prefilling"] + a["decoding"]
         numpy.minimum(running, profile.max_num_seqs, out=a["seen_running"])
         a["seen_waiting"][:] = a["waiting"] + running - a["seen_running"]
-        return numpy.clip(admitted - waited, 0.0, came)
+        # numpy.clip's own arithmetic, without its Python-level wrapper.
+        return numpy.minimum(numpy.maximum(admitted - waited, 0.0), came)
 
     def _compute_prompts(
         self, a: dict[str, numpy.ndarray], tick_s: float, came_in_work: numpy.ndarray
@@ -225,13 +237,10 @@ class FluidEngines:
         computed = numpy.minimum(prompt_tokens * prefill_steps, backlog)
         done = numpy.where(backlog > _NOTHING, _share(computed, backlog), 1.0)
         # One whose prompt is computed samples its first token and decodes from then on.
-        prompted = a["prefilling"] * done
-        prompt_share = a["prefill_prompt"] * done
-        output_share = a["prefill_output"] * done
+        moving = a["prefilled"] * done
+        prompt_share, output_share, prompted = moving
         backlog -= computed
-        a["prefill_prompt"] -= prompt_share
-        a["prefill_output"] -= output_share
-        a["prefilling"] -= prompted
+        a["prefilled"] -= moving
         a["decoding"] += prompted
         a["decode_left"] += numpy.maximum(output_share - prompted, 0.0)
         a["held_tokens"] += prompt_share + prompted
@@ -260,9 +269,9 @@ class FluidEngines:
         a["generated"] += generated
         a["itl_sum"] += prompts.step_s * during_prefill + decode_step_s * (generated - during_prefill)
         a["itl_count"] += generated
-        self._itl_counts += _histogram(ITL_BUCKETS, prompts.step_s, during_prefill)
+        self._itl_counts += _histogram(_ITL_BOUNDS, prompts.step_s, during_prefill)
         self._itl_counts += _histogram(
-            ITL_BUCKETS, decode_step_s, numpy.maximum(generated - during_prefill, 0.0)
+            _ITL_BOUNDS, decode_step_s, numpy.maximum(generated - during_prefill, 0.0)
         )
         return finished, numpy.where(prompts.tokens > _NOTHING, prompts.step_s, decode_step_s)
 
@@ -271,6 +280,9 @@ class FluidEngines:
         if self._viewed != (self.used, self.capacity):
             self._viewed = (self.used, self.capacity)
             self._view = {name: array[: self.used] for name, array in self._arrays.items()}
+            self._view["waiting_tokens"] = self._state[_WAITING_TOKENS, : self.used]
+            self._view["prefill_tokens"] = self._state[_PREFILL_TOKENS, : self.used]
+            self._view["prefilled"] = self._state[_PREFILLED, : self.used]
         return self._view
 
     def report(self, slots: list[int], interval_s: float | None) -> list[PodMetrics]:
@@ -282,8 +294,7 @@ class FluidEngines:
         reports give it, at the cost of one report rather than one a replica."""
         if not slots:
             return []
-        index = numpy.array(slots)
-        a = {name: array[index] for name, array in self._arrays.items()}
+        a = dict(zip(_FIELDS, self._state[:, slots], strict=True))
         timed = a["ttft_count"] > _NOTHING
         ttft = float(numpy.mean(a["ttft_sum"][timed] / a["ttft_count"][timed])) if timed.any() else None
         spaced = a["itl_count"] > _NOTHING
@@ -307,17 +318,16 @@ class FluidEngines:
                 "itl_buckets": _buckets(ITL_BUCKETS, self._itl_counts),
             }
         )
-        for name in ("ttft_sum", "ttft_count", "itl_sum", "itl_count", "prompt_done", "generated"):
-            self._arrays[name][:] = 0.0
+        self._state[_SINCE_REPORT] = 0.0
         self._ttft_counts[:] = 0.0
         self._itl_counts[:] = 0.0
         return [first] + [shared] * (len(slots) - 1)
 
     def _grow(self, capacity: int) -> None:
-        for name in _FIELDS:
-            grown = numpy.zeros(capacity)
-            grown[: self.capacity] = self._arrays.get(name, grown[:0])
-            self._arrays[name] = grown
+        grown = numpy.zeros((len(_FIELDS), capacity))
+        grown[:, : self.capacity] = self._state
+        self._state = grown
+        self._arrays = dict(zip(_FIELDS, grown, strict=True))
         self._free.extend(range(capacity - 1, self.capacity - 1, -1))
         self.capacity = capacity
 
@@ -345,10 +355,10 @@ def _estimated_finish_rate(a: dict[str, numpy.ndarray], step_s: numpy.ndarray) -
     return _share(running * running, (tokens_left + running) * step_s)
 
 
-def _histogram(bounds: tuple[float, ...], seconds: numpy.ndarray, counts: numpy.ndarray) -> numpy.ndarray:
+def _histogram(bounds: numpy.ndarray, seconds: numpy.ndarray, counts: numpy.ndarray) -> numpy.ndarray:
     """Observations per bucket (i: above bound i-1, up to bound i), as a replica's histogram takes them."""
     return numpy.bincount(
-        numpy.searchsorted(bounds, seconds, side="left"), weights=counts, minlength=len(bounds) + 1
+        bounds.searchsorted(seconds, side="left"), weights=counts, minlength=bounds.size + 1
     )
 
 

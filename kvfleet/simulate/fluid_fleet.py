@@ -30,7 +30,7 @@ from typing import Any
 import numpy
 
 from kvfleet.contract.tiers import TIER_NAMES
-from kvfleet.gateway.routing import Prompt, Replica, make_policy
+from kvfleet.gateway.routing import LeastRequest, Prompt, Replica, RoundRobin, make_policy
 from kvfleet.simulate.cohorts import Cohort
 from kvfleet.simulate.fleet import SimulationConfig, group_text
 from kvfleet.simulate.fluid_engine import Arrivals, FluidEngines
@@ -73,27 +73,54 @@ class _Streams:
     def __init__(self) -> None:
         self.capacity = 0
         self.by_tier = numpy.zeros((len(TIER_NAMES), 0))
-        self.work = numpy.zeros(0)
-        self.prompt = numpy.zeros(0)
-        self.output = numpy.zeros(0)
+        # Work, prompt and output tokens, a row each: a tick delivers their shares in one operation.
+        self.tokens = numpy.zeros((3, 0))
         self.pace = numpy.zeros(0)
 
     def fit(self, capacity: int) -> None:
         if capacity <= self.capacity:
             return
-        by_tier = numpy.zeros((len(TIER_NAMES), capacity))
-        by_tier[:, : self.capacity] = self.by_tier
-        self.by_tier = by_tier
-        for name in ("work", "prompt", "output", "pace"):
-            grown = numpy.zeros(capacity)
-            grown[: self.capacity] = getattr(self, name)
+        for name in ("by_tier", "tokens"):
+            old = getattr(self, name)
+            grown = numpy.zeros((old.shape[0], capacity))
+            grown[:, : self.capacity] = old
             setattr(self, name, grown)
+        pace = numpy.zeros(capacity)
+        pace[: self.capacity] = self.pace
+        self.pace = pace
         self.capacity = capacity
 
     def clear(self, slot: int) -> None:
         self.by_tier[:, slot] = 0.0
-        for array in (self.work, self.prompt, self.output, self.pace):
-            array[slot] = 0.0
+        self.tokens[:, slot] = 0.0
+        self.pace[slot] = 0.0
+
+
+class _Batch:
+    """Pieces' additions to per-slot arrays, taken one piece at a time and applied together: numpy.add.at
+    adds them in their order, to the same sums as one numpy scalar addition a piece, at a fraction of the
+    cost."""
+
+    def __init__(self) -> None:
+        # (slot, tier index, requests, work, prompt and output tokens) a piece.
+        self._pieces: list[tuple[int, int, float, float, float, float]] = []
+
+    def add(self, slot: int, share: HeldShare, count: float, work: float) -> None:
+        self._pieces.append(
+            (slot, _TIER_INDEX[share.tier], count, work, share.prompt_tokens, share.output_tokens)
+        )
+
+    def to_streams(self, streams: _Streams) -> None:
+        if self._pieces:
+            pieces = numpy.array(self._pieces)
+            slots, tiers = pieces[:, 0].astype(numpy.intp), pieces[:, 1].astype(numpy.intp)
+            numpy.add.at(streams.by_tier.reshape(-1), tiers * streams.capacity + slots, pieces[:, 2])
+            _add_rows(streams.tokens, slots, pieces[:, 3:])
+
+    def to_arrivals(self, arrivals: Arrivals) -> None:
+        if self._pieces:
+            pieces = numpy.array(self._pieces)
+            _add_rows(arrivals.rows, pieces[:, 0].astype(numpy.intp), pieces[:, 2:])
 
 
 class CohortSimulation:
@@ -106,6 +133,9 @@ class CohortSimulation:
         self._ticks_per_span = round(ticks)
         gateway = config.gateway
         self.policy = make_policy(gateway.policy, gateway.prefix_chars, gateway.load_bound)
+        # The one prompt for every piece where the policy does not read prompts (a piece's own text costs
+        # more to make than least-request takes to choose).
+        self._blind_prompt = Prompt("") if isinstance(self.policy, (LeastRequest, RoundRobin)) else None
         self.cap = gateway.max_in_flight
         self.report = RunReport(config.ttft_target_s, config.spec.scaling.stable_window_seconds)
         self.operator = Operator(config.spec, self.report, config.initial_replicas)
@@ -122,6 +152,10 @@ class CohortSimulation:
         self._group_text: dict[str, str] = {}
         self._now = 0.0
         self._in_engine = numpy.zeros(0)
+        # The routes below their cap (None: not yet found this tick).
+        self._open: set[_Route | None] | None = None
+        # Each slot's route (the last replica's, once it has gone; None before any).
+        self._route_at: list[_Route | None] = []
         # Requests sent straight from the gateway's queue this tick: (slot, tier, count, waited).
         self._sent: list[tuple[int, str, float, float]] = []
         self.peak_state_size = 0
@@ -151,6 +185,7 @@ class CohortSimulation:
             self._become_ready()
             # What the gateway counts on a replica against its cap: places that free over the tick are free.
             self._in_engine = self.engines.in_engine() - self.engines.places_freeing()
+            self._open = None
             # What the gateway holds goes first, then what arrives.
             self._dispatch()
             if number % self._ticks_per_span == 0:
@@ -187,6 +222,8 @@ class CohortSimulation:
         pieces = max(len(cohorts), min(len(self._routed), self.options.pieces_per_span))
         stream_ticks = self._ticks_per_span * max(1.0, len(self._routed) / self.options.pieces_per_span)
         self._refresh_in_flight()
+        in_engine = self._in_engine.tolist()
+        batch, paces = _Batch(), {}
         for cohort in cohorts:
             share = HeldShare(
                 cohort.tier,
@@ -203,7 +240,14 @@ class CohortSimulation:
                 if route is None:
                     self.held.hold(share if remaining == 1 else self._rest(piece, share))
                     break
-                self._stream(route, piece, stream_ticks)
+                batch.add(route.slot, piece, piece.count, self._work(route, piece))
+                # The gateway counts it in flight there from now on (as it does what it has sent).
+                route.in_flight += piece.count  # type: ignore[assignment]
+                paces[route.slot] = (route.in_flight - in_engine[route.slot]) / stream_ticks
+        batch.to_streams(self._streams)
+        pace = self._streams.pace
+        for slot, value in paces.items():
+            pace[slot] = value
 
     @staticmethod
     def _rest(piece: HeldShare, share: HeldShare) -> HeldShare:
@@ -214,13 +258,23 @@ class CohortSimulation:
         return piece
 
     def _choose(self, prefix_group: str) -> _Route | None:
-        in_engine, cap = self._in_engine, self.cap
+        prompt = self._blind_prompt or self._prompt(prefix_group)
+        if self._open is None:
+            # Every slot's route below the cap, routed or not: the policy asks only about those it routes.
+            below = numpy.flatnonzero(self._in_engine < self.cap).tolist()
+            route_at = self._route_at
+            self._open = {route_at[slot] for slot in below}
+        # A replica is usable below its cap: the set's own membership test, which the policy's scan of
+        # the whole fleet (least-request's, where neither replica drawn is usable) calls without Python.
+        route = self.policy.choose(self._routed, prompt, self._open.__contains__)  # type: ignore[arg-type]
+        return route  # type: ignore[return-value]
+
+    def _prompt(self, prefix_group: str) -> Prompt:
+        """A piece's prompt: its prefix group's shared start, then text of its own."""
         text = self._group_text.get(prefix_group)
         if text is None:
             text = self._group_text[prefix_group] = group_text(prefix_group, self.config)
-        prompt = Prompt(f"{text}<piece {next(self._pieces)}>")
-        route = self.policy.choose(self._routed, prompt, lambda replica: in_engine[replica.slot] < cap)  # type: ignore[attr-defined]
-        return route  # type: ignore[return-value]
+        return Prompt(f"{text}<piece {next(self._pieces)}>")
 
     def _work(self, route: _Route, share: HeldShare) -> float:
         """The prompt tokens the replica computes for the share: its prefix group's shared start once."""
@@ -236,41 +290,33 @@ class CohortSimulation:
         replica.cached.add(group)
         return share.prompt_tokens - saved * max(share.count - first_misses, 0.0)
 
-    def _stream(self, route: _Route, share: HeldShare, ticks: float) -> None:
-        streams, slot = self._streams, route.slot
-        streams.by_tier[_TIER_INDEX[share.tier], slot] += share.count
-        streams.work[slot] += self._work(route, share)
-        streams.prompt[slot] += share.prompt_tokens
-        streams.output[slot] += share.output_tokens
-        # The gateway counts it in flight there from now on (as it does what it has sent).
-        route.in_flight += share.count  # type: ignore[assignment]
-        streams.pace[slot] = (route.in_flight - self._in_engine[slot]) / ticks
-
     def _dispatch(self) -> None:
         """Sends what the gateway holds, most urgent and oldest first, to replicas with places free."""
         held = self.held
         if held.held < _HELD_AT_ALL:
             return
         held.expire(self._now, self.config.gateway.hold_seconds)
-        in_engine, cap = self._in_engine, self.cap
+        in_engine, cap = self._in_engine.tolist(), self.cap
+        batch = _Batch()
         for _ in range(self.options.pieces_per_span):
             share = held.head()
             if share is None:
-                return
+                break
             route = self._choose(share.prefix_group)
             if route is None:
-                return
-            count = min(share.count, float(cap - in_engine[route.slot]))
-            sent = held.take(share, count)
+                break
             slot = route.slot
-            arrivals = self._arrivals
-            arrivals.requests[slot] += count
-            arrivals.work[slot] += self._work(route, sent)
-            arrivals.prompt[slot] += sent.prompt_tokens
-            arrivals.output[slot] += sent.output_tokens
+            count = min(share.count, cap - in_engine[slot])
+            sent = held.take(share, count)
+            batch.add(slot, sent, count, self._work(route, sent))
             in_engine[slot] += count
+            if in_engine[slot] >= cap:
+                self._open.discard(route)  # type: ignore[union-attr]
             route.in_flight += count  # type: ignore[assignment]
             self._sent.append((slot, sent.tier, count, self._now - sent.queued_at))
+        batch.to_arrivals(self._arrivals)
+        # The sends' additions, made on the list as they went.
+        self._in_engine[:] = in_engine
 
     def _refresh_in_flight(self) -> None:
         """The gateway counts in flight on a replica what it holds and what is on its way to it (taken at
@@ -294,20 +340,14 @@ class CohortSimulation:
         kept = _share(delivered, due)
         tiers = by_tier * taken
         by_tier -= tiers
-        moved = {}
-        for name in ("work", "prompt", "output"):
-            array = getattr(streams, name)[:used]
-            moved[name] = array * taken
-            array -= moved[name]
+        tokens = streams.tokens[:, :used]
+        moved = tokens * taken
+        tokens -= moved
         overflow = due - delivered
         if overflow.sum() > _LEAST:
-            self._hold_overflow(
-                tiers * (1 - kept), {name: value * (1 - kept) for name, value in moved.items()}
-            )
+            self._hold_overflow(tiers * (1 - kept), moved * (1 - kept))
         arrivals.requests[:used] += delivered
-        arrivals.work[:used] += moved["work"] * kept
-        arrivals.prompt[:used] += moved["prompt"] * kept
-        arrivals.output[:used] += moved["output"] * kept
+        arrivals.tokens[:, :used] += moved * kept
         latencies = self.engines.advance(self.options.tick_s, arrivals)
         came = arrivals.requests[:used]
         at_once = _share(latencies.at_once, came)
@@ -323,17 +363,17 @@ class CohortSimulation:
                 self._latencies[index] += numpy.bincount(buckets, weights, minlength=_LATENCY_BUCKETS)
                 self._within[index] += float(weights @ within)
         if self._sent:
-            means = latencies.mean_s()
+            means = latencies.mean_s().tolist()
             for slot, tier, count, waited in self._sent:
-                self.report.first_token(tier, waited + float(means[slot]), count)
+                self.report.first_token(tier, waited + means[slot], count)
             self._sent = []
-        for array in (arrivals.requests, arrivals.work, arrivals.prompt, arrivals.output):
-            array[:used] = 0.0
+        arrivals.rows[:, :used] = 0.0
         self.peak_state_size = max(self.peak_state_size, self._state_size())
 
-    def _hold_overflow(self, tiers: numpy.ndarray, tokens: dict[str, numpy.ndarray]) -> None:
-        """What reached replicas at their cap waits in the gateway, a share a tier (its tokens as computed
-        where it was bound: its prefix is not carried)."""
+    def _hold_overflow(self, tiers: numpy.ndarray, tokens: numpy.ndarray) -> None:
+        """What reached replicas at their cap waits in the gateway, a share a tier (its tokens, rows of work,
+        prompt and output, as computed where it was bound: its prefix is not carried)."""
+        work, prompt, output = tokens
         counts = tiers.sum(axis=1)
         total = counts.sum()
         for index in numpy.flatnonzero(counts > 1e-9).tolist():
@@ -342,10 +382,10 @@ class CohortSimulation:
                 TIER_NAMES[index],
                 "",
                 float(counts[index]),
-                float(tokens["prompt"].sum() * part),
-                float(tokens["output"].sum() * part),
+                float(prompt.sum() * part),
+                float(output.sum() * part),
                 self._now,
-                float(tokens["work"].sum() * part),
+                float(work.sum() * part),
             )
             self.held.hold(share)
 
@@ -356,6 +396,8 @@ class CohortSimulation:
             self._arrivals = Arrivals(self.engines.capacity)
         replica = _FluidReplica(_Route(f"http://replica-{next(self._names)}:8000", slot=slot), cached=set())
         self._replicas[slot] = replica
+        self._route_at.extend([None] * (self.engines.capacity - len(self._route_at)))
+        self._route_at[slot] = replica.route
         heapq.heappush(self._starting, (ready_at, slot, replica))
 
     def _become_ready(self) -> None:
@@ -400,10 +442,7 @@ class CohortSimulation:
         streams = self._streams
         tiers = streams.by_tier[:, slot : slot + 1].copy()
         if tiers.sum() > 1e-9:
-            tokens = {
-                name: getattr(streams, name)[slot : slot + 1].copy() for name in ("work", "prompt", "output")
-            }
-            self._hold_overflow(tiers, tokens)
+            self._hold_overflow(tiers, streams.tokens[:, slot : slot + 1].copy())
         streams.clear(slot)
 
     def _retire_drained(self) -> None:
@@ -428,5 +467,12 @@ _LATENCY_BUCKETS = 2048
 _TIER_INDEX = {tier: index for index, tier in enumerate(TIER_NAMES)}
 
 
+def _add_rows(rows: numpy.ndarray, slots: numpy.ndarray, values: numpy.ndarray) -> None:
+    """Adds column i of `values` (a row a piece) to row i of `rows` at the pieces' slots, each element's
+    additions in the pieces' order (a row at a time: numpy.add.at is slower on two dimensions)."""
+    for row, column in zip(rows, values.T, strict=True):
+        numpy.add.at(row, slots, column)
+
+
 def _share(part: numpy.ndarray, whole: numpy.ndarray) -> numpy.ndarray:
-    return numpy.divide(part, whole, out=numpy.zeros_like(part), where=whole > 1e-12)
+    return numpy.divide(part, whole, out=numpy.zeros(part.shape), where=whole > 1e-12)

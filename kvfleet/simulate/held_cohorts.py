@@ -57,6 +57,8 @@ class HeldCohorts:
         self.report = report
         self.held = 0.0
         self._queues: dict[int, deque[HeldShare]] = {}
+        # The queues' priorities, most urgent first: head() is asked once a share the gateway sends.
+        self._order: list[int] = []
 
     def __len__(self) -> int:
         """The shares held."""
@@ -84,7 +86,10 @@ class HeldCohorts:
             displaced = min(over, queue[-1].count)
             self._shed(queue[-1].split(displaced) if displaced < queue[-1].count else queue.pop())
             over -= displaced
-        self._queues.setdefault(priority, deque()).append(share)
+        if priority not in self._queues:
+            self._queues[priority] = deque()
+            self._order = sorted(self._queues)
+        self._queues[priority].append(share)
         self.held += share.count
 
     def expire(self, now: float, hold_s: float) -> None:
@@ -95,9 +100,10 @@ class HeldCohorts:
 
     def head(self) -> HeldShare | None:
         """The share the gateway sends first: the most urgent tier's oldest."""
-        for priority in sorted(self._queues):
-            if self._queues[priority]:
-                return self._queues[priority][0]
+        for priority in self._order:
+            queue = self._queues[priority]
+            if queue:
+                return queue[0]
         return None
 
     def take(self, share: HeldShare, count: float) -> HeldShare:

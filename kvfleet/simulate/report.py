@@ -21,8 +21,13 @@ _SMALLEST_S = 1e-4
 _GROWTH = math.log(1.01)
 
 
+def bucket_of(seconds: float) -> int:
+    """The histogram's bucket of one latency."""
+    return max(0, math.floor(math.log(max(seconds, _SMALLEST_S) / _SMALLEST_S) / _GROWTH))
+
+
 def bucket_indices(seconds: numpy.ndarray) -> numpy.ndarray:
-    """The histogram's bucket of each latency (as Histogram.add() takes one)."""
+    """The histogram's bucket of each latency (as bucket_of() numbers one)."""
     ratios = numpy.maximum(seconds, _SMALLEST_S) / _SMALLEST_S
     return numpy.maximum(numpy.floor(numpy.log(ratios) / _GROWTH), 0).astype(numpy.int64)
 
@@ -34,8 +39,9 @@ class Histogram:
         self.buckets: Counter[int] = Counter()
         self.count = 0
 
-    def add(self, seconds: float, times: float = 1) -> None:
-        self.buckets[max(0, math.floor(math.log(max(seconds, _SMALLEST_S) / _SMALLEST_S) / _GROWTH))] += times
+    def add(self, bucket: int, times: float = 1) -> None:
+        """Latencies in one bucket (as bucket_of() numbers it)."""
+        self.buckets[bucket] += times
         self.count += times
 
     def add_counts(self, counts: numpy.ndarray) -> None:
@@ -117,14 +123,19 @@ class RunReport:
         self._interval_arrivals = 0
 
     def arrived(self, tier: str, count: float = 1) -> None:
-        self.tiers.setdefault(tier, TierResult()).requests += count
+        # A tier's result is made once, not (as setdefault's argument) at every arrival.
+        result = self.tiers.get(tier)
+        if result is None:
+            result = self.tiers[tier] = TierResult()
+        result.requests += count
         self._interval_arrivals += count
 
     def first_token(self, tier: str, ttft_s: float, count: float = 1) -> None:
         result = self.tiers[tier]
-        result.ttft.add(ttft_s, count)
-        self.ttft.add(ttft_s, count)
-        self._interval_ttft.add(ttft_s, count)
+        # One bucket for the three histograms: the cohort model reports a latency for each of its sends.
+        bucket = bucket_of(ttft_s)
+        for histogram in (result.ttft, self.ttft, self._interval_ttft):
+            histogram.add(bucket, count)
         if ttft_s <= self.ttft_target_s:
             result.within_target += count
 

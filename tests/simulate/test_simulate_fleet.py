@@ -14,7 +14,7 @@ from kvfleet.operator import autoscaler
 from kvfleet.simulate import fleet, operator_loop
 from kvfleet.simulate.engine import EngineModel, EngineProfile
 from kvfleet.simulate.fleet import Simulation, load_config
-from kvfleet.simulate.report import Histogram, RunReport, ScaleEvent
+from kvfleet.simulate.report import Histogram, RunReport, ScaleEvent, bucket_of
 from kvfleet.simulate.trace import TraceRequest, TraceShapeSpec, generate
 
 PROFILE = EngineProfile(step_fixed_s=0.010, prefill_token_s=0.001, decode_sequence_s=0.002)
@@ -125,7 +125,7 @@ def test_a_percentile_is_read_back_within_one_percent() -> None:
     histogram = Histogram()
     values = [0.001 * 1.37**index for index in range(40)]
     for value in values:
-        histogram.add(value)
+        histogram.add(bucket_of(value))
     for share in (0.5, 0.9, 0.99):
         exact = sorted(values)[max(0, -(-int(share * 100) * len(values) // 100) - 1)]
         assert histogram.percentile(share) == pytest.approx(exact, rel=0.01)
