@@ -3,9 +3,9 @@
 Two kinds of timed requests, each a step of known shape: decode steps, timed as the time per output token
 while B requests decode together (B sequences, each attending over its prompt and what it has
 generated), and prefill steps, timed as the first token of a lone request with a P-token prompt and one
-output token (P prompt tokens; the HTTP round trip goes into the fixed cost, as it does into what clients
-see). The step-time model is then fitted to them by least squares. Prompts are random token ids, so no
-request hits the prefix cache.
+output token (P prompt tokens, and the request's way in and its token's way out, which a decode step's
+time per token does not hold: the first-token overhead). The step-time model and that overhead are then
+fitted to them by least squares. Prompts are random token ids, so no request hits the prefix cache.
 """
 
 from __future__ import annotations
@@ -34,15 +34,26 @@ class StepTiming:
 
 
 def fit_profile(timings: Sequence[StepTiming], limits: EngineProfile) -> EngineProfile:
-    """The fixed, per prompt token and per decoding sequence costs that best fit the timings (least squares,
-    none below zero), with the rest of `limits` (its context cost and its max_num_seqs, token budget and KV
-    cache). The context cost is not fitted: in these timings it grows with the batch as the decode cost does,
-    so the two could not be told apart."""
-    rows = [(1.0, float(t.prefill_tokens), float(t.decode_sequences)) for t in timings]
-    matrix = [[sum(row[i] * row[j] for row in rows) for j in range(3)] for i in range(3)]
-    vector = [sum(row[i] * t.seconds for row, t in zip(rows, timings, strict=True)) for i in range(3)]
-    fixed, prefill, decode = (max(0.0, value) for value in _solve(matrix, vector))
-    return replace(limits, step_fixed_s=fixed, prefill_token_s=prefill, decode_sequence_s=decode)
+    """The fixed, per prompt token and per decoding sequence costs, and the first-token overhead, that best
+    fit the timings (least squares, none below zero), with the rest of `limits` (its context cost and its
+    max_num_seqs, token budget and KV cache). A prefill timing is a first token, so it holds the overhead as
+    well; a decode timing does not. The context cost is not fitted: in these timings it grows with the batch
+    as the decode cost does, so the two could not be told apart."""
+    rows = [
+        (1.0, float(t.prefill_tokens), float(t.decode_sequences), float(t.decode_sequences == 0))
+        for t in timings
+    ]
+    size = 4
+    matrix = [[sum(row[i] * row[j] for row in rows) for j in range(size)] for i in range(size)]
+    vector = [sum(row[i] * t.seconds for row, t in zip(rows, timings, strict=True)) for i in range(size)]
+    fixed, prefill, decode, overhead = (max(0.0, value) for value in _solve(matrix, vector))
+    return replace(
+        limits,
+        step_fixed_s=fixed,
+        prefill_token_s=prefill,
+        decode_sequence_s=decode,
+        first_token_overhead_s=overhead,
+    )
 
 
 def _solve(matrix: list[list[float]], vector: list[float]) -> list[float]:

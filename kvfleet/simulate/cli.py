@@ -294,4 +294,6 @@ def calibrate_command(url: str, limits_path: Path | None, model: str | None, out
     profile.dump(out)
     per_token = f"{profile.prefill_token_s * 1e6:.1f} us per prompt token"
     per_sequence = f"{profile.decode_sequence_s * 1000:.3f} ms per decoding sequence"
-    click.echo(f"fixed {profile.step_fixed_s * 1000:.2f} ms, {per_token}, {per_sequence}; written to {out}")
+    overhead = f"{profile.first_token_overhead_s * 1000:.2f} ms more to a first token"
+    fixed = f"fixed {profile.step_fixed_s * 1000:.2f} ms"
+    click.echo(f"{fixed}, {per_token}, {per_sequence}, {overhead}; written to {out}")

@@ -36,6 +36,9 @@ class EngineProfile:
     prefill_token_s: float = 0.00005
     decode_sequence_s: float = 0.0002
     context_token_s: float = 0.0
+    # What a client waits for its first token beyond the engine's steps: the request's way in through the HTTP
+    # server (and a gateway, when calibrated through one) and the token's way out.
+    first_token_overhead_s: float = 0.0
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 2048
     kv_cache_tokens: int = 262144

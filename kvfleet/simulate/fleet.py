@@ -299,7 +299,7 @@ class Simulation:
         outcome = replica.engine.finish_step(self._now)
         for sequence in outcome.first_tokens:
             request: _Request = sequence.owner  # type: ignore[assignment]
-            ttft = self._now - request.trace.arrival_s
+            ttft = self._now - request.trace.arrival_s + self.config.profile.first_token_overhead_s
             self.report.first_token(request.trace.tier, ttft)
         replica.route.in_flight -= len(outcome.finished)
         self._in_flight -= len(outcome.finished)

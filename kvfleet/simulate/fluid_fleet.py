@@ -353,8 +353,9 @@ class CohortSimulation:
         at_once = _share(latencies.at_once, came)
         tiers_delivered = tiers * kept
         active = numpy.flatnonzero(tiers_delivered.sum(axis=1) > _LEAST).tolist()
+        overhead = self.config.profile.first_token_overhead_s
         if active:
-            seconds = numpy.concatenate((latencies.at_once_s, latencies.waiting_s))
+            seconds = numpy.concatenate((latencies.at_once_s, latencies.waiting_s)) + overhead
             buckets = numpy.minimum(bucket_indices(seconds), _LATENCY_BUCKETS - 1)
             within = (seconds <= self.config.ttft_target_s).astype(float)
             for index in active:
@@ -365,7 +366,7 @@ class CohortSimulation:
         if self._sent:
             means = latencies.mean_s().tolist()
             for slot, tier, count, waited in self._sent:
-                self.report.first_token(tier, waited + means[slot], count)
+                self.report.first_token(tier, waited + means[slot] + overhead, count)
             self._sent = []
         arrivals.rows[:, :used] = 0.0
         self.peak_state_size = max(self.peak_state_size, self._state_size())

@@ -11,12 +11,20 @@ from kvfleet.simulate.engine import EngineProfile
 
 
 def test_the_fit_recovers_the_profile_that_timed_the_steps() -> None:
-    truth = EngineProfile(step_fixed_s=0.0062, prefill_token_s=0.00011, decode_sequence_s=0.00047)
+    truth = EngineProfile(
+        step_fixed_s=0.0062, prefill_token_s=0.00011, decode_sequence_s=0.00047, first_token_overhead_s=0.004
+    )
     rng = random.Random(1)
     shapes = [(0, 1), (0, 4), (0, 16), (128, 0), (512, 0), (1024, 0)]
+
+    def seconds(prefill: int, decode: int) -> float:
+        # A first token (a prefill timing) also waits for its way in and out; a decode step's time does not.
+        overhead = truth.first_token_overhead_s if decode == 0 else 0.0
+        return truth.step_seconds(prefill, decode, 0) + overhead
+
     # Timings a little noisy, as measured ones are: within 1% of the model.
     timings = [
-        StepTiming(prefill, decode, 0, truth.step_seconds(prefill, decode, 0) * rng.uniform(0.99, 1.01))
+        StepTiming(prefill, decode, 0, seconds(prefill, decode) * rng.uniform(0.99, 1.01))
         for prefill, decode in shapes
     ]
     limits = EngineProfile(max_num_seqs=7, kv_cache_tokens=1234)
@@ -24,6 +32,7 @@ def test_the_fit_recovers_the_profile_that_timed_the_steps() -> None:
     assert fitted.step_fixed_s == pytest.approx(truth.step_fixed_s, rel=0.1)
     assert fitted.prefill_token_s == pytest.approx(truth.prefill_token_s, rel=0.05)
     assert fitted.decode_sequence_s == pytest.approx(truth.decode_sequence_s, rel=0.1)
+    assert fitted.first_token_overhead_s == pytest.approx(truth.first_token_overhead_s, rel=0.1)
     assert (fitted.max_num_seqs, fitted.kv_cache_tokens) == (7, 1234)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -228,3 +229,23 @@ def test_run_with_the_cohort_model_writes_its_report(tmp_path: Path) -> None:
         ],
     )
     assert uneven.exit_code == 2 and "whole number of ticks" in uneven.output
+
+
+@pytest.mark.parametrize("model", ["request", "cohort"])
+def test_a_first_token_reaches_its_client_the_calibrated_overhead_after_the_engine_made_it(
+    model: str,
+) -> None:
+    # A light steady load on one replica: the overhead (the request's way in and the token's way out, which
+    # calibration through a gateway measures) moves every client's first token and no engine step.
+    spec = TraceShapeSpec("steady", duration_s=60, base_rate=4)
+    medians = {}
+    for overhead in (0.0, 0.05):
+        config = load_config(
+            _service(minReplicas=1, maxReplicas=1), replace(PROFILE, first_token_overhead_s=overhead)
+        )
+        if model == "request":
+            medians[overhead] = Simulation(config).run(generate(spec))["ttft_p50_s"]
+        else:
+            medians[overhead] = CohortSimulation(config).run(generate_cohorts(spec, 0.5))["ttft_p50_s"]
+    # Percentiles are read from buckets 1% apart.
+    assert medians[0.05] - medians[0.0] == pytest.approx(0.05, rel=0.05)
