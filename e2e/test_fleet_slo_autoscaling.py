@@ -1,17 +1,18 @@
 """The slo policy with real replicas, and the simulator beside them.
 
 One replica of the tiny model is calibrated through the fleet gateway (`kvfleet simulate calibrate`'s
-measurement), then a generated trace that ramps up past what that replica serves and back down is replayed
-through the gateway, every request streamed, open loop. The fleet must keep its p90 time to first token
-within the target, grow and shrink without flapping, fail no request as replicas go (streams included), and
-say why with the numbers. The simulator then runs the same trace on the calibrated profile with the pod start
-the real fleet showed; its TTFT percentiles and replica counts are printed beside the real ones (the
-measured error is in docs/benchmarks.md: replicas sharing this machine's cores run slower than the one the
-profile was fitted to, which no per-replica profile can know).
+measurement). Then a generated trace is replayed through the gateway, every request streamed, open loop: it
+ramps up past what that replica serves, back down, and goes on at its lowest rate a while. The fleet must
+keep its p90 time to first token within the target, grow and shrink without flapping, fail no request as
+replicas go (streams included), and say why with the numbers. The simulator then runs the same trace on the
+calibrated profile with the pod start the real fleet showed; its TTFT percentiles and replica counts are
+printed beside the real ones (the measured error is in docs/benchmarks.md: replicas sharing this machine's
+cores run slower than the one the profile was fitted to, which no per-replica profile can know).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import math
@@ -40,48 +41,53 @@ MAX_NUM_SEQS = 2
 SCALING = {
     "replicas": None,
     "minReplicas": 1,
-    "maxReplicas": 3,
+    "maxReplicas": 2,
     "policy": "slo",
     "stableWindowSeconds": 20,
     "panicWindowSeconds": 2,
-    "scaleDownDelaySeconds": 30,
+    "scaleDownDelaySeconds": 20,
     "metricsIntervalSeconds": 1,
     "maxScaleUpStep": 2,
 }
 TTFT_TARGET_MS = 1000
 RAMP_SECONDS = 150.0
+# After the ramp, its quietest rate goes on this long: the replica added for the peak goes under traffic.
+TAIL_SECONDS = 45.0
 PROMPT_TOKENS = 96.0
 OUTPUT_TOKENS = 48.0
 SHARED_PREFIX_TOKENS = 32
-# The ramp's peak, in what one replica serves at full batch, and its quietest level as a share of the peak.
-PEAK_LOAD = 1.2
+# The ramp's peak, and its quietest level as a share of the peak: at the peak the gateway holds requests for a
+# replica that runs its two at once, and two replicas carry it. Set, not derived from the calibrated profile:
+# the gateway, the clients and the control plane share two cores with the replicas, so the machine is full
+# well before its replicas are by their profile, and a profile measured on a shared machine moves with what
+# else runs.
+PEAK_RATE = 4.0
 PEAK_RATIO = 5.0
 # The simulated fleet's count is compared with the real one's this often.
 SERIES_SECONDS = 2.0
-# A decision's reason names the latency line it fitted and the demand it sized for.
+# A decision's reason names the latency line it fitted and the demand it sized for; until its window holds a
+# latency measured under load (after the traffic, say), the policy sizes on the queue depth and says so.
 SLO_REASON = re.compile(r"slo: time to first token p90 \d+ms \+ [\d.]+ms per .*; demand [\d.]+ ")
+QUEUE_REASON = re.compile(r"queue depth [\d.]+ over the last \d+s, target \d+ per replica")
 
 
-def one_replica_rate(profile: EngineProfile) -> float:
-    """Requests a second one replica serves with its batch full, by the profile: each request decodes its
-    output in full-batch steps and computes its prompt."""
-    full_step = profile.step_seconds(0, profile.max_num_seqs, 0)
-    return 1 / (full_step * OUTPUT_TOKENS / profile.max_num_seqs + profile.prefill_token_s * PROMPT_TOKENS)
+# The trace: a day's swing squeezed into the ramp, then its quietest rate for the tail.
+RAMP = TraceShapeSpec(
+    shape="diurnal",
+    duration_s=RAMP_SECONDS,
+    base_rate=PEAK_RATE / PEAK_RATIO,
+    peak_ratio=PEAK_RATIO,
+    mean_prompt_tokens=PROMPT_TOKENS,
+    mean_output_tokens=OUTPUT_TOKENS,
+    prefix_groups=4,
+    seed=1,
+)
+TAIL = dataclasses.replace(RAMP, shape="steady", duration_s=TAIL_SECONDS, seed=2)
 
 
-def ramp(profile: EngineProfile) -> TraceShapeSpec:
-    """The trace: a day's swing squeezed into the ramp, its peak PEAK_LOAD times what one replica serves."""
-    peak_rate = PEAK_LOAD * one_replica_rate(profile)
-    return TraceShapeSpec(
-        shape="diurnal",
-        duration_s=RAMP_SECONDS,
-        base_rate=peak_rate / PEAK_RATIO,
-        peak_ratio=PEAK_RATIO,
-        mean_prompt_tokens=PROMPT_TOKENS,
-        mean_output_tokens=OUTPUT_TOKENS,
-        prefix_groups=4,
-        seed=1,
-    )
+def ramp_and_tail() -> list[TraceRequest]:
+    tail = (dataclasses.replace(r, arrival_s=r.arrival_s + RAMP_SECONDS) for r in generate(TAIL))
+    return [*generate(RAMP), *tail]
 
 
 def simulate(
@@ -137,7 +143,8 @@ def test_the_slo_policy_keeps_a_ramp_within_its_target_and_scales_down_under_str
     measurements: Callable[[str], None],
 ) -> None:
     api = local_cluster.api
-    engine = {"maxNumSeqs": MAX_NUM_SEQS, "maxModelLen": 2048}
+    # Room for calibration's longest prompt (1,024 tokens) and the trace's.
+    engine = {"maxNumSeqs": MAX_NUM_SEQS, "maxModelLen": 1280}
     sla = {"ttftTargetMilliseconds": TTFT_TARGET_MS, "percentile": 90}
     manifest = tiny_service("ramp", tiny_model_dir, engine=engine, scaling=SCALING, sla=sla)
     model = serve_through_gateway(local_cluster, gateway, namespace, manifest)
@@ -145,14 +152,15 @@ def test_the_slo_policy_keeps_a_ramp_within_its_target_and_scales_down_under_str
     front_url = f"http://{front.ip}:{front.port}"
     # Through the gateway, as the trace's requests go: its time is part of what they see.
     profile = fit_profile(measure(front_url, MAX_NUM_SEQS, model), EngineProfile(max_num_seqs=MAX_NUM_SEQS))
-    spec = ramp(profile)
-    trace = list(generate(spec))
+    trace = ramp_and_tail()
     vocab_size = json.loads((tiny_model_dir / "config.json").read_text())["vocab_size"]
     workload = trace_workload(trace, vocab_size, SHARED_PREFIX_TOKENS)
 
     with ReplicaHistory(api, namespace, "ramp") as history:
         # The calibration's requests were load too: the ramp starts from one replica.
         wait_for("one replica wanted", lambda: history.snapshot() and history.snapshot()[-1].desired == 1, 60)
+        # ... and a stable window with none of its requests, which would be taken for the ramp's.
+        time.sleep(SCALING["stableWindowSeconds"])
         began = time.monotonic()
         results = replay(front_url, model, workload)
         ended = time.monotonic()
@@ -166,7 +174,7 @@ def test_the_slo_policy_keeps_a_ramp_within_its_target_and_scales_down_under_str
     counts = history.desired_counts()
     status = api.get(services_path(namespace, "ramp"))["status"]
     events = events_for(api, namespace, "ramp")
-    scale_messages = [event["message"] for event in events if event["reason"].startswith("Scaled")]
+    scale_ups = [event["message"] for event in events if event["reason"] == "ScaledUp"]
 
     simulated = simulate(manifest, profile, trace, starts)
     simulated_p50, simulated_p90 = simulated["ttft_p50_s"], simulated["ttft_p90_s"]
@@ -175,15 +183,17 @@ def test_the_slo_policy_keeps_a_ramp_within_its_target_and_scales_down_under_str
         for point in simulated["series"]
         if began + point["time_s"] <= ended
     ]
+    real_changes = [(round(s.at - began, 1), s.desired) for s in samples]
     measurements(
-        f"slo ramp: {len(trace)} requests at {spec.base_rate:.2f} to {spec.base_rate * PEAK_RATIO:.2f}/s "
-        f"over {RAMP_SECONDS:.0f}s "
-        f"(one replica serves {one_replica_rate(profile):.2f}/s by its profile: fixed "
-        f"{profile.step_fixed_s * 1000:.2f} ms, {profile.prefill_token_s * 1e6:.1f} us a prompt token, "
-        f"{profile.decode_sequence_s * 1000:.3f} ms a sequence); {len(failed)} failed; desired {counts}, pod "
-        f"starts {[round(s, 1) for s in starts]} s; TTFT p50/p90 real {real_p50:.3f}/{real_p90:.3f} s, "
-        f"simulated {simulated_p50:.3f}/{simulated_p90:.3f} s; replicas simulated against "
-        f"real differ by at most {max(gaps, default=0)} over {len(gaps)} intervals"
+        f"slo ramp: {len(trace)} requests at {RAMP.base_rate:.2f} to {PEAK_RATE:.2f}/s "
+        f"over {RAMP_SECONDS:.0f}s and back, then {TAIL_SECONDS:.0f}s at the lowest; "
+        f"calibrated step {profile.step_fixed_s * 1000:.2f} ms + {profile.prefill_token_s * 1e6:.1f} us a "
+        f"prompt token + {profile.decode_sequence_s * 1000:.3f} ms a sequence, first token "
+        f"{profile.first_token_overhead_s * 1000:.2f} ms more; {len(failed)} failed; desired {counts} "
+        f"(seconds into the ramp, count: {real_changes}), pod starts {[round(s, 1) for s in starts]} s; "
+        f"TTFT p50/p90 real {real_p50:.3f}/{real_p90:.3f} s, "
+        f"simulated {simulated_p50:.3f}/{simulated_p90:.3f} s; simulated replicas differ from the real ones "
+        f"by at most {max(gaps, default=0)} over {len(gaps)} intervals of {SERIES_SECONDS:g}s"
     )
 
     assert not failed, failed[:3]
@@ -192,5 +202,6 @@ def test_the_slo_policy_keeps_a_ramp_within_its_target_and_scales_down_under_str
     # A replica went while the trace was still sending: its streams finished (none failed, above).
     assert any(b.desired < a.desired and b.at < ended for a, b in itertools.pairwise(samples)), counts
     assert not flaps(samples, SCALING["stableWindowSeconds"]), [(s.at - began, s.desired) for s in samples]
-    assert SLO_REASON.search(status["lastScaleReason"]), status["lastScaleReason"]
-    assert all(SLO_REASON.search(message) for message in scale_messages), scale_messages
+    reason = status["lastScaleReason"]
+    assert SLO_REASON.search(reason) or QUEUE_REASON.search(reason), reason
+    assert scale_ups and all(SLO_REASON.search(message) for message in scale_ups), scale_ups
