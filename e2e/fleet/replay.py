@@ -29,10 +29,10 @@ def trace_workload(
     workload = []
     for number, request in enumerate(requests):
         shared = min(shared_prefix_tokens, request.prompt_tokens) if request.prefix_group else 0
-        start = groups.setdefault(
-            request.prefix_group,
-            _token_ids(random.Random(request.prefix_group), shared_prefix_tokens, vocab_size),
-        )[:shared]
+        if request.prefix_group not in groups:
+            group_ids = _token_ids(random.Random(request.prefix_group), shared_prefix_tokens, vocab_size)
+            groups[request.prefix_group] = group_ids
+        start = groups[request.prefix_group][:shared]
         rest = _token_ids(random.Random(number), request.prompt_tokens - shared, vocab_size)
         workload.append(ServeRequest(start + rest, request.output_tokens, request.tier, request.arrival_s))
     return workload

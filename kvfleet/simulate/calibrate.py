@@ -39,14 +39,18 @@ def fit_profile(timings: Sequence[StepTiming], limits: EngineProfile) -> EngineP
     max_num_seqs, token budget and KV cache). A prefill timing is a first token, so it holds the overhead as
     well; a decode timing does not. The context cost is not fitted: in these timings it grows with the batch
     as the decode cost does, so the two could not be told apart."""
+    # A replica that decodes one sequence at a time times one decode batch: its steps' cost is all fixed.
+    per_sequence = len({t.decode_sequences for t in timings if t.decode_sequences}) > 1
     rows = [
-        (1.0, float(t.prefill_tokens), float(t.decode_sequences), float(t.decode_sequences == 0))
+        (1.0, float(t.prefill_tokens), float(t.decode_sequences == 0))
+        + ((float(t.decode_sequences),) if per_sequence else ())
         for t in timings
     ]
-    size = 4
+    size = len(rows[0])
     matrix = [[sum(row[i] * row[j] for row in rows) for j in range(size)] for i in range(size)]
     vector = [sum(row[i] * t.seconds for row, t in zip(rows, timings, strict=True)) for i in range(size)]
-    fixed, prefill, decode, overhead = (max(0.0, value) for value in _solve(matrix, vector))
+    fixed, prefill, overhead, *decode_cost = (max(0.0, value) for value in _solve(matrix, vector))
+    decode = decode_cost[0] if decode_cost else 0.0
     return replace(
         limits,
         step_fixed_s=fixed,
@@ -79,12 +83,14 @@ def decode_batches(max_num_seqs: int) -> tuple[int, ...]:
 
 
 def measure(
-    url: str, max_num_seqs: int = max(DECODE_BATCHES), model: str | None = None, timeout_s: float = 300.0
+    url: str, max_num_seqs: int | None = None, model: str | None = None, timeout_s: float = 300.0
 ) -> list[StepTiming]:
     """Times decode and prefill steps on the replica at `url` (a `kvfleet serve` or any OpenAI server) that
-    runs at most `max_num_seqs` sequences at once. `model`: the one to time where `url` serves several, as a
-    fleet gateway does (whose time then counts, as it does for its clients); by default the first listed."""
-    return asyncio.run(_measure(url, decode_batches(max_num_seqs), model, timeout_s))
+    runs at most `max_num_seqs` sequences at once (None: at least the largest batch timed). `model`: the one
+    to time where `url` serves several, as a fleet gateway does (whose time then counts, as it does for its
+    clients); by default the first listed."""
+    batches = DECODE_BATCHES if max_num_seqs is None else decode_batches(max_num_seqs)
+    return asyncio.run(_measure(url, batches, model, timeout_s))
 
 
 async def _measure(

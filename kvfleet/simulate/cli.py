@@ -284,7 +284,7 @@ def calibrate_command(url: str, limits_path: Path | None, model: str | None, out
     from kvfleet.simulate.calibrate import fit_profile, measure
 
     limits = EngineProfile.load(limits_path) if limits_path else None
-    timings = measure(url, limits.max_num_seqs, model) if limits else measure(url, model=model)
+    timings = measure(url, limits.max_num_seqs if limits else None, model)
     for timing in timings:
         click.echo(
             f"prefill {timing.prefill_tokens:5d} tokens, decode {timing.decode_sequences:3d} sequences: "

@@ -50,3 +50,16 @@ def test_decode_batches_stop_at_what_the_replica_runs_at_once(
 ) -> None:
     # A batch past max_num_seqs would queue some of its requests, and their waits would be timed as steps.
     assert decode_batches(max_num_seqs) == batches
+
+
+def test_a_replica_of_one_sequence_at_a_time_puts_its_decode_step_in_the_fixed_cost() -> None:
+    # Its only decode batch is one sequence: the fixed and per-sequence costs cannot be told apart, and the
+    # simulator never runs more than one sequence a step on it anyway.
+    timings = [StepTiming(0, 1, 0, 0.006)] + [
+        StepTiming(prompt, 0, 0, 0.004 + 0.005 + 0.0001 * prompt) for prompt in (128, 512, 1024)
+    ]
+    fitted = fit_profile(timings, EngineProfile(max_num_seqs=1))
+    assert fitted.decode_sequence_s == 0.0
+    assert fitted.step_fixed_s == pytest.approx(0.006)
+    assert fitted.prefill_token_s == pytest.approx(0.0001)
+    assert fitted.first_token_overhead_s == pytest.approx(0.003)
