@@ -43,16 +43,16 @@ SCALING = {
     "minReplicas": 1,
     "maxReplicas": 2,
     "policy": "slo",
-    "stableWindowSeconds": 20,
+    "stableWindowSeconds": 10,
     "panicWindowSeconds": 2,
-    "scaleDownDelaySeconds": 20,
+    "scaleDownDelaySeconds": 10,
     "metricsIntervalSeconds": 1,
     "maxScaleUpStep": 2,
 }
 TTFT_TARGET_MS = 1000
-RAMP_SECONDS = 150.0
+RAMP_SECONDS = 90.0
 # After the ramp, its quietest rate goes on this long: the replica added for the peak goes under traffic.
-TAIL_SECONDS = 45.0
+TAIL_SECONDS = 30.0
 PROMPT_TOKENS = 96.0
 OUTPUT_TOKENS = 48.0
 SHARED_PREFIX_TOKENS = 32
