@@ -25,7 +25,6 @@ from typing import Any
 import numpy
 
 from e2e.cluster import LocalCluster
-from e2e.fleet.chart import OperatorRelease
 from e2e.fleet.gateway import serve_through_gateway
 from e2e.fleet.manifests import services_path, tiny_service
 from e2e.fleet.observe import ReplicaHistory, ReplicaSample, events_for
@@ -136,7 +135,6 @@ def desired_at(samples: list[ReplicaSample], moment: float) -> int:
 
 def test_the_slo_policy_keeps_a_ramp_within_its_target_and_scales_down_under_streams(
     local_cluster: LocalCluster,
-    kvfleet_release: OperatorRelease,
     gateway: ReadyEndpoints,
     namespace: str,
     tiny_model_dir: Path,
