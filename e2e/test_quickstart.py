@@ -5,6 +5,7 @@ a download). The release it installs is the session's, upgraded in place with th
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import time
@@ -12,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from e2e.cluster import LocalCluster
-from e2e.fleet.chart import LOCAL_CLUSTER_POLICY, REPO_ROOT, OperatorRelease
+from e2e.fleet.chart import REPO_ROOT, OperatorRelease, local_cluster_values
 from e2e.fleet.observe import wait_ready
 from e2e.fleet.traffic import ReadyEndpoints, chat
 
@@ -26,6 +27,12 @@ def marked_blocks(text: str) -> list[str]:
 
 def documented_variables(text: str) -> set[str]:
     return set(re.findall(r"^export (\w+)=", text, re.MULTILINE))
+
+
+def release_values(cluster: LocalCluster, release: OperatorRelease) -> dict:
+    """The values the release was installed or last upgraded with (helm's user-supplied ones)."""
+    shown = cluster.helm("get", "values", release.release, "--namespace", release.namespace, "--output=json")
+    return json.loads(shown.stdout)
 
 
 def test_the_quickstart_runs_as_written(
@@ -43,12 +50,13 @@ def test_the_quickstart_runs_as_written(
         "RELEASE": kvfleet_release.release,
         "RELEASE_NAMESPACE": kvfleet_release.namespace,
         # The values the session's release was installed with: the upgrade changes nothing of it.
-        "HELM_FLAGS": " ".join(f"--set {key}={value}" for key, value in LOCAL_CLUSTER_POLICY.items()),
+        "HELM_FLAGS": " ".join(f"--set {key}={value}" for key, value in local_cluster_values().items()),
         "NAMESPACE": namespace,
         "MODEL_URI": f"file://{tiny_model_dir}",
         "MODEL_ON_NODE": "true",
     }
     assert set(variables) == documented_variables(text), "the page's variables are the ones set here"
+    installed = release_values(local_cluster, kvfleet_release)
     for number, block in enumerate(blocks, 1):
         started = time.monotonic()
         result = subprocess.run(
@@ -62,6 +70,9 @@ def test_the_quickstart_runs_as_written(
         assert result.returncode == 0, f"{block}\n{result.stdout}{result.stderr}"
         measurements(f"quickstart block {number} ran in {time.monotonic() - started:.1f}s")
     assert "small" in result.stdout, "kubectl get kvis lists the service"
+    # The page sets one value the session's release was installed without: the registry, empty here.
+    upgraded = release_values(local_cluster, kvfleet_release)
+    assert upgraded == {**installed, "imageRegistry": ""}, "the upgrade kept the release's values"
     wait_ready(local_cluster.api, namespace, "small", timeout=10)
     with ReadyEndpoints(local_cluster.api, namespace, "small") as endpoints:
         (endpoint,) = endpoints.current()

@@ -42,6 +42,12 @@ def node_kernel_cache() -> str:
     return get_default_build_root()
 
 
+def local_cluster_values() -> dict[str, str]:
+    """The values every release on a local cluster is installed with: LOCAL_CLUSTER_POLICY and the node's
+    kernel cache (an upgrade that leaves one out drops it, and that release's pods compile their kernels)."""
+    return LOCAL_CLUSTER_POLICY | {"runtime.kernelCache.hostPath": node_kernel_cache()}
+
+
 class ClusterAccess(Protocol):
     """What the chart needs of a cluster: a LocalCluster, or an AttachedCluster another process runs."""
 
@@ -110,9 +116,8 @@ def install_chart(
     timeout_seconds: int = 180,
 ) -> OperatorRelease:
     """`helm install` of charts/kvfleet, waiting until the operator's Deployment is available; `values`
-    go over LOCAL_CLUSTER_POLICY and the node's kernel cache."""
-    local = LOCAL_CLUSTER_POLICY | {"runtime.kernelCache.hostPath": node_kernel_cache()}
-    settings = [f"--set={key}={value}" for key, value in (local | (values or {})).items()]
+    go over local_cluster_values()."""
+    settings = [f"--set={key}={value}" for key, value in (local_cluster_values() | (values or {})).items()]
     cluster.helm(
         "install",
         release,
