@@ -310,7 +310,8 @@ def test_two_namespaces_serving_one_name_take_neither_the_others_traffic_nor_its
             folders = {namespace: (tiny_model_dir, {}), other: (tiny_w8a16_model_dir, quantized)}
             _serve_one_name_from_two_namespaces(local_cluster, gateway, namespace, other, folders)
         finally:
-            upgrade_release(local_cluster, kvfleet_release, "gateway.keyNamespaces={}")
+            # --set's `{}` is a list of one empty name, not an empty list.
+            upgrade_release(local_cluster, kvfleet_release, json_values={"gateway.keyNamespaces": []})
 
 
 def _serve_one_name_from_two_namespaces(

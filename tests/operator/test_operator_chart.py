@@ -788,6 +788,9 @@ WRONG_VALUES = {
     "gateway.holdSeconds=soon": "/gateway/holdSeconds",
     "metrics.serviceMonitor.labels.release=1": "/metrics/serviceMonitor/labels/release",
     "watchNamespace={team-a}": "'watchNamespace' not allowed",
+    # --set's `{}` is a list of one empty name: a Role in it would land in the release's namespace.
+    "gateway.keyNamespaces={}": "/gateway/keyNamespaces/0",
+    "watchNamespaces={Team_A}": "/watchNamespaces/0",
 }
 
 
