@@ -38,7 +38,7 @@ def release_values(cluster: LocalCluster, release: OperatorRelease) -> dict:
     return json.loads(shown.stdout)
 
 
-def upgraded_value(values: dict, dotted: str) -> object:
+def value_at(values: dict, dotted: str) -> object:
     """The value at a `--set` path."""
     for key in dotted.split("."):
         values = values[key]
@@ -79,8 +79,9 @@ def test_the_quickstart_runs_as_written(
         assert result.returncode == 0, f"{block}\n{result.stdout}{result.stderr}"
         measurements(f"quickstart block {number} ran in {time.monotonic() - started:.1f}s")
     assert "small" in result.stdout, "kubectl get kvis lists the service"
+    # `--set` strings as helm reads them: "null" is a null.
     upgraded = release_values(local_cluster, kvfleet_release)
-    kept = {key: upgraded_value(upgraded, key) for key in local_cluster_values()}
+    kept = {key: value_at(upgraded, key) for key in local_cluster_values()}
     assert kept == {key: yaml.safe_load(value) for key, value in local_cluster_values().items()}
     wait_ready(local_cluster.api, namespace, "small", timeout=10)
     with ReadyEndpoints(local_cluster.api, namespace, "small") as endpoints:
