@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 
-from kvfleet.contract.metrics import GATEWAY_QUEUE_DEPTH
+from kvfleet.contract.metrics import GATEWAY_QUEUE_DEPTH, GATEWAY_REJECTED, GATEWAY_ROUTING_DECISIONS
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 # Upstream waits span a cached short answer to a model starting from zero.
@@ -37,7 +37,7 @@ class GatewayMetrics:
             registry=self.registry,
         )
         self.routing_decisions = Counter(
-            "kvfleet_gateway_routing_decisions",
+            GATEWAY_ROUTING_DECISIONS,
             "Requests sent to a replica (retries included), by policy and replica.",
             ["model", "policy", "endpoint"],
             registry=self.registry,
@@ -49,7 +49,7 @@ class GatewayMetrics:
             registry=self.registry,
         )
         self.rejected = Counter(
-            "kvfleet_gateway_rejected",
+            GATEWAY_REJECTED,
             "Requests the gateway's flow control refused, by reason and tier.",
             ["model", "reason", "tier"],
             registry=self.registry,

@@ -74,6 +74,9 @@ class MetricsSample:
     # The fleet's token throughput, estimated as queue_depth is.
     prompt_tokens_per_s: float | None = None
     generation_tokens_per_s: float | None = None
+    # Of the requests that reached the gateway since the previous sample, the share it refused for want of
+    # room (its queue full, or held past its time): demand that neither a replica nor the queue shows.
+    refused_share: float = 0.0
 
 
 Figure = Literal["queue depth", "queued prompt tokens", "KV cache in use"]
@@ -187,10 +190,14 @@ class ScaleDecision:
 
 
 def aggregate(
-    time: float, reports: Sequence[PodMetrics | None], ready_replicas: int, held: float = 0.0
+    time: float,
+    reports: Sequence[PodMetrics | None],
+    ready_replicas: int,
+    held: float = 0.0,
+    refused_share: float = 0.0,
 ) -> MetricsSample | None:
-    """One fleet sample from the ready replicas' reports and the requests the gateway holds for the service;
-    None when no replica answered.
+    """One fleet sample from the ready replicas' reports, the requests the gateway holds for the service and
+    the share of them it refused since the previous sample; None when no replica answered.
 
     A replica that failed to report is assumed as busy as the average of those that did: it neither
     blocks scaling nor counts as idle.
@@ -218,6 +225,7 @@ def aggregate(
         itl_buckets=added_buckets(report.itl_buckets for report in answered),
         prompt_tokens_per_s=prompt_rate * replicas if prompt_rate is not None else None,
         generation_tokens_per_s=generation_rate * replicas if generation_rate is not None else None,
+        refused_share=refused_share,
     )
 
 
@@ -337,6 +345,11 @@ def _wanted_for_demand(
     return wanted, reason, None
 
 
+# The most of the demand taken to be refused: a gateway that refuses nearly everything says the fleet is
+# short, not by how much, and the next decisions see the rest.
+_MOST_REFUSED = 0.9
+
+
 @dataclass(frozen=True)
 class LatencyModel:
     """A replica's latency as a line in the load it carries (requests held, or tokens per second):
@@ -372,7 +385,12 @@ class Unit:
         return carried / sample.reporting_pods if carried is not None and sample.reporting_pods else None
 
 
-REQUESTS = Unit("requests", lambda s: s.queue_depth, lambda s: s.queue_depth - s.held)
+def _with_refused(sample: MetricsSample, demand: float) -> float:
+    """The demand the sample shows, and what the gateway refused beside it."""
+    return demand / (1 - min(sample.refused_share, _MOST_REFUSED))
+
+
+REQUESTS = Unit("requests", lambda s: _with_refused(s, s.queue_depth), lambda s: s.queue_depth - s.held)
 
 
 def _token_unit(name: str, served: Callable[[MetricsSample], float | None]) -> Unit:
@@ -382,7 +400,7 @@ def _token_unit(name: str, served: Callable[[MetricsSample], float | None]) -> U
         tokens, carried = served(sample), sample.queue_depth - sample.held
         if tokens is None or (sample.held > 0 and carried <= 0):
             return None
-        return tokens * sample.queue_depth / carried if sample.held > 0 else tokens
+        return _with_refused(sample, tokens * sample.queue_depth / carried if sample.held > 0 else tokens)
 
     return Unit(name, demand, served)
 
@@ -583,13 +601,13 @@ def _stepped(
         if held > replicas:
             replicas = min(held, current)
             reason += f"; scale-down delayed ({held} wanted within {policy.scale_down_delay_seconds}s)"
-        replicas = max(replicas, current - policy.max_scale_down_step)
+        replicas = max(replicas, current - policy.scale_down_step(current))
     elif replicas > current:
         if fleet.unschedulable_replicas > 0:
             replicas = current
             reason += f"; holding: {fleet.unschedulable_replicas} replica(s) cannot be scheduled"
         else:
-            replicas = min(replicas, current + policy.max_scale_up_step)
+            replicas = min(replicas, current + policy.scale_up_step(current))
     return replicas, reason
 
 

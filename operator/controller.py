@@ -51,7 +51,7 @@ from kvfleet.operator.safety import (
     check_loosening,
     guard_service,
 )
-from kvfleet.operator.scrape import ScrapeFailure, ScrapeTarget
+from kvfleet.operator.scrape import GatewayQueue, ScrapeFailure, ScrapeTarget
 from kvfleet.operator.secret_refs import check_labelled, secret_references, unreadable
 from kvfleet.operator.sleepers import Sleepers
 from kvfleet.operator.spec import (
@@ -121,9 +121,9 @@ class Scraper(Protocol):
 
 # (type, reason, message) -> posted as a Kubernetes Event on the InferenceService.
 EventSink = Callable[[str, str, str], None]
-# A model's name in the fleet gateway (kvfleet.operator.api.qualified_name) -> the requests the gateway holds
-# for it; None when no gateway answers.
-GatewayQueue = Callable[[str], Awaitable[float | None]]
+# A model's name in the fleet gateway (kvfleet.operator.api.qualified_name) -> its queue there; None when no
+# gateway answers.
+GatewayQueueOf = Callable[[str], Awaitable[GatewayQueue | None]]
 # A served model name -> the InferenceService of the same namespace that owns it (claim_order); None when no
 # service is known to serve it.
 NameOwnerOf = Callable[[str], str | None]
@@ -135,7 +135,7 @@ def _guard_unknown(service: str) -> GuardState:
     return GuardState.NOT_FOUND
 
 
-async def _no_gateway(model: str) -> float | None:
+async def _no_gateway(model: str) -> GatewayQueue | None:
     return None
 
 
@@ -192,7 +192,7 @@ class ServiceController:
     metrics: OperatorMetrics
     options: Callable[[], RenderOptions]
     adapter_sync: AdapterSync
-    gateway_queue: GatewayQueue = _no_gateway
+    gateway_queue: GatewayQueueOf = _no_gateway
     guard_state: GuardStateOf = _guard_unknown
     name_owner: NameOwnerOf = _no_claimant_known
     watch_held: HeldWatch = _watch_nothing
@@ -215,6 +215,8 @@ class ServiceController:
     _template: tuple[tuple[int, RenderOptions], str] | None = None
     _last_apply_at: float = float("-inf")
     _last_scrape_at: float = float("-inf")
+    # The gateways' queue of the service's model at the previous scrape, for the share refused since.
+    _gateway_queue: GatewayQueue | None = None
     # No replica is awake and the autoscaler may start one: a pass is due whenever the gateway holds requests.
     _at_zero: bool = False
     _last_status: dict[str, Any] | None = None
@@ -385,10 +387,10 @@ class ServiceController:
         scraped = await self._scrape(spec, pods)
         if scraped is None:
             return
-        now, by_pod, held = scraped
+        now, by_pod, held, refused_share = scraped
         assert self.desired is not None
         reports = list(by_pod.values())
-        sample = aggregate(now, reports, len(reports), held or 0.0)
+        sample = aggregate(now, reports, len(reports), held or 0.0, refused_share)
         if sample is None and not reports and scaling.min_replicas == 0 and held is not None:
             # No replica to ask (at zero, or the first one starting): the gateway's queue is the demand.
             sample = MetricsSample(time=now, queue_depth=held, reporting_pods=0, held=held)
@@ -439,16 +441,16 @@ class ServiceController:
         scraped = await self._scrape(spec, pods)
         if scraped is None:
             return
-        now, reports, held = scraped
+        now, reports, held, refused_share = scraped
         by_role = {role: [r for pod, r in reports.items() if pod.role == role] for role in ROLES}
-        decode = aggregate(now, by_role["decode"], len(by_role["decode"]), held or 0.0)
+        decode = aggregate(now, by_role["decode"], len(by_role["decode"]), held or 0.0, refused_share)
         decode_policy = sizing(spec, "decode").policy
         if decode is None and not by_role["decode"] and decode_policy.min_replicas == 0 and held is not None:
             decode = MetricsSample(time=now, queue_depth=held, reporting_pods=0, held=held)
+        # Without prefill replicas ready, the decode role's figures stand for the prefill role's demand.
+        prefill = by_role["prefill"] or by_role["decode"]
         samples: dict[Role, MetricsSample | None] = {
-            "prefill": aggregate(now, by_role["prefill"], len(by_role["prefill"]))
-            if by_role["prefill"]
-            else aggregate(now, by_role["decode"], len(by_role["decode"])),
+            "prefill": aggregate(now, prefill, len(prefill), refused_share=refused_share),
             "decode": decode,
         }
         if decode is not None:
@@ -487,10 +489,11 @@ class ServiceController:
 
     async def _scrape(
         self, spec: InferenceServiceSpec, pods: list[PodView]
-    ) -> tuple[float, dict[PodView, PodMetrics | None], float | None] | None:
+    ) -> tuple[float, dict[PodView, PodMetrics | None], float | None, float] | None:
         """Once per metrics interval, and at every pass at zero (the held requests' watch woke it): each
-        ready replica's report (None where it gave none) and the requests the gateway holds for the
-        service; None between intervals."""
+        ready replica's report (None where it gave none), the requests the gateway holds for the service
+        (None when no gateway answered) and the share of them it refused since the previous scrape; None
+        between intervals."""
         now = self.clock()
         if now - self._last_scrape_at < spec.scaling.metrics_interval_seconds and not self._at_zero:
             return None
@@ -512,8 +515,10 @@ class ServiceController:
         ]
         self._report_pages_too_large(too_large)
         # Its own queue: the gateway counts each service's requests under its namespace-qualified name.
-        held = await self.gateway_queue(qualified_name(self.owner.namespace, spec.model.served_name))
-        return now, reports, held
+        queue = await self.gateway_queue(qualified_name(self.owner.namespace, spec.model.served_name))
+        refused_share = queue.refused_share_since(self._gateway_queue) if queue is not None else 0.0
+        self._gateway_queue = queue
+        return now, reports, queue.held if queue is not None else None, refused_share
 
     def _scaled(self, current: int, decision: ScaleDecision, role: Role | None = None) -> int:
         """The decision's count, announced when it changes the current one."""

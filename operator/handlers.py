@@ -47,7 +47,7 @@ from kvfleet.operator.observed import (
 )
 from kvfleet.operator.render import Owner
 from kvfleet.operator.safety import GuardState
-from kvfleet.operator.scrape import FleetScraper, GatewayQueues, ScrapeTarget
+from kvfleet.operator.scrape import FleetScraper, GatewayQueue, GatewayQueues, ScrapeTarget
 from kvfleet.operator.sleepers import RuntimeSleepClient, Sleepers
 from kvfleet.operator.spec import SpecError, parse_spec
 
@@ -192,10 +192,10 @@ class _IndexedCluster:
     def gateway_targets(self) -> list[ScrapeTarget]:
         return list(self.gateways.get(GATEWAY_COMPONENT, []))
 
-    async def gateway_queue(self, model: str) -> float | None:
+    async def gateway_queue(self, model: str) -> GatewayQueue | None:
         targets = self.gateway_targets()
-        depths = await self.gateway_queues.depths(targets) if targets else None
-        return None if depths is None else depths.get(model, 0.0)
+        queues = await self.gateway_queues.depths(targets) if targets else None
+        return None if queues is None else queues.get(model, GatewayQueue())
 
     def guard_state(self, service: str) -> GuardState:
         guard = (self.namespace, service)

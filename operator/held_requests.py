@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable, Sequence
 
-from kvfleet.operator.scrape import ScrapeTarget
+from kvfleet.operator.scrape import GatewayQueue, ScrapeTarget
 
 # A held request reaches its service's loop within this (and the gateway's answer).
 POLL_SECONDS = 0.2
@@ -25,7 +25,7 @@ ServiceKey = tuple[str, str]
 # The gateway replicas to read, as the operator's watch of their pods knows them now.
 GatewayTargets = Callable[[], Sequence[ScrapeTarget]]
 # The gateways' held requests per model (GatewayQueues.depths); None when none answered.
-HeldDepths = Callable[[Sequence[ScrapeTarget]], Awaitable[dict[str, float] | None]]
+HeldDepths = Callable[[Sequence[ScrapeTarget]], Awaitable[dict[str, GatewayQueue] | None]]
 
 
 class HeldRequestWatch:
@@ -57,6 +57,6 @@ class HeldRequestWatch:
             targets = self._gateways()
             depths = await self._depths(targets) if targets else None
             for model, wakeup in list(self._watched.values()):
-                if depths is not None and depths.get(model, 0.0) > 0:
+                if depths is not None and model in depths and depths[model].held > 0:
                     wakeup.set()
             await asyncio.sleep(self._poll_seconds)

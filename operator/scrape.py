@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 import aiohttp
 from kvfleet.contract.metrics import (
     GATEWAY_QUEUE_DEPTH,
+    GATEWAY_REJECTED,
+    GATEWAY_ROUTING_DECISIONS,
     GENERATION_TOKENS,
     ITL,
     KV_CACHE_USAGE,
@@ -293,13 +295,46 @@ def _rate(before: float | None, after: float | None, seconds: float) -> float | 
     return (after - before) / seconds
 
 
-def parse_gateway_queues(text: str) -> dict[str, float]:
-    """The fleet gateway's queue depth per model from its /metrics page."""
-    return {
-        sample.labels["model"]: sample.value
-        for sample in _samples(text, frozenset({GATEWAY_QUEUE_DEPTH}))
-        if "model" in sample.labels
-    }
+@dataclass(frozen=True)
+class GatewayQueue:
+    """What the gateways report of one model: the requests they hold now, and their counts so far of the
+    requests they sent to a replica and of those they refused."""
+
+    held: float = 0.0
+    routed: float = 0.0
+    refused: float = 0.0
+
+    def refused_share_since(self, earlier: GatewayQueue | None) -> float:
+        """Of the requests since `earlier`, the share refused; 0 without an earlier reading, or where a
+        count fell (a gateway restarted, or one fewer answered)."""
+        if earlier is None:
+            return 0.0
+        routed, refused = self.routed - earlier.routed, self.refused - earlier.refused
+        if routed < 0 or refused <= 0:
+            return 0.0
+        return refused / (routed + refused)
+
+    def __add__(self, other: GatewayQueue) -> GatewayQueue:
+        return GatewayQueue(self.held + other.held, self.routed + other.routed, self.refused + other.refused)
+
+
+_GATEWAY_SAMPLES = {
+    GATEWAY_QUEUE_DEPTH: "held",
+    f"{GATEWAY_ROUTING_DECISIONS}_total": "routed",
+    f"{GATEWAY_REJECTED}_total": "refused",
+}
+
+
+def parse_gateway_queues(text: str) -> dict[str, GatewayQueue]:
+    """The fleet gateway's queue per model from its /metrics page: what it holds, and its counts of the
+    requests it routed and refused (over every label but the model)."""
+    figures: dict[str, dict[str, float]] = {}
+    for sample in _samples(text, frozenset(_GATEWAY_SAMPLES)):
+        if "model" in sample.labels:
+            model = figures.setdefault(sample.labels["model"], {})
+            field_name = _GATEWAY_SAMPLES[sample.name]
+            model[field_name] = model.get(field_name, 0.0) + sample.value
+    return {model: GatewayQueue(**values) for model, values in figures.items()}
 
 
 def _samples(text: str, names: frozenset[str]) -> Iterator[Sample]:
@@ -340,8 +375,8 @@ class GatewayQueues:
         self._lock = asyncio.Lock()
         self._cached: tuple[float, dict[str, float] | None] | None = None
 
-    async def depths(self, targets: Sequence[ScrapeTarget]) -> dict[str, float] | None:
-        """Model -> held requests; None when no gateway answered (or none runs)."""
+    async def depths(self, targets: Sequence[ScrapeTarget]) -> dict[str, GatewayQueue] | None:
+        """Model -> its queue over the gateways; None when no gateway answered (or none runs)."""
         async with self._lock:
             now = time.monotonic()
             if self._cached is not None and now - self._cached[0] < self._max_age:
@@ -350,11 +385,11 @@ class GatewayQueues:
                 *(fetch_page(self._session, t.url, self._timeout, self._max_page_bytes) for t in targets)
             )
             answered = [parse_gateway_queues(page) for page in pages if not isinstance(page, ScrapeFailure)]
-            totals: dict[str, float] | None = None
+            totals: dict[str, GatewayQueue] | None = None
             if answered:
                 totals = {}
-                for depths in answered:
-                    for model, depth in depths.items():
-                        totals[model] = totals.get(model, 0.0) + depth
+                for queues in answered:
+                    for model, queue in queues.items():
+                        totals[model] = totals.get(model, GatewayQueue()) + queue
             self._cached = (now, totals)
             return totals

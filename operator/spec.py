@@ -562,8 +562,34 @@ class ScalingSpec:
     scale_down_delay_seconds: int = prop(
         "Scale down only to the highest replica count wanted over this long.", 120, minimum=0, maximum=3600
     )
-    max_scale_up_step: int = prop("The most replicas one decision adds.", 4, minimum=1, maximum=1000)
-    max_scale_down_step: int = prop("The most replicas one decision removes.", 1, minimum=1, maximum=1000)
+    max_scale_up_step: int = prop(
+        "The most replicas one decision adds, unless maxScaleUpPercent allows more.",
+        4,
+        minimum=1,
+        maximum=1000,
+    )
+    max_scale_down_step: int = prop(
+        "The most replicas one decision removes, unless maxScaleDownPercent allows more.",
+        1,
+        minimum=1,
+        maximum=1000,
+    )
+    # As Kubernetes' HPA takes the larger of its Pods and Percent policies: a fixed step alone takes a fleet
+    # of hundreds minutes to follow a burst, or to give back what the burst needed.
+    max_scale_up_percent: int = prop(
+        "The most replicas one decision adds, as a share of the replicas asked for (0: maxScaleUpStep "
+        "alone).",
+        100,
+        minimum=0,
+        maximum=1000,
+    )
+    max_scale_down_percent: int = prop(
+        "The most replicas one decision removes, as a share of the replicas asked for (0: maxScaleDownStep "
+        "alone).",
+        10,
+        minimum=0,
+        maximum=100,
+    )
     metrics_interval_seconds: int = prop(
         "How often the operator reads the replicas' metrics and decides.", 2, minimum=1, maximum=60
     )
@@ -606,6 +632,14 @@ class ScalingSpec:
         if self.replicas is not None:
             return self.replicas
         return max(self.min_replicas, min(self.max_replicas, replicas))
+
+    def scale_up_step(self, current: int) -> int:
+        """The most replicas one decision adds to `current`."""
+        return max(self.max_scale_up_step, current * self.max_scale_up_percent // 100)
+
+    def scale_down_step(self, current: int) -> int:
+        """The most replicas one decision removes from `current`."""
+        return max(self.max_scale_down_step, current * self.max_scale_down_percent // 100)
 
     def started(self, awake: int) -> int:
         """The replicas the workload runs for `awake` wanted awake: the sleeping ones are kept beside them."""
@@ -1190,6 +1224,8 @@ def _parse_scaling(section: _Section) -> ScalingSpec:
         scale_down_delay_seconds=integer("scaleDownDelaySeconds", defaults.scale_down_delay_seconds, 0),
         max_scale_up_step=integer("maxScaleUpStep", defaults.max_scale_up_step, 1),
         max_scale_down_step=integer("maxScaleDownStep", defaults.max_scale_down_step, 1),
+        max_scale_up_percent=integer("maxScaleUpPercent", defaults.max_scale_up_percent, 0),
+        max_scale_down_percent=integer("maxScaleDownPercent", defaults.max_scale_down_percent, 0),
         metrics_interval_seconds=integer("metricsIntervalSeconds", defaults.metrics_interval_seconds, 1),
         scale_to_zero_after_seconds=integer(
             "scaleToZeroAfterSeconds", defaults.scale_to_zero_after_seconds, 0

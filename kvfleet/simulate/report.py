@@ -150,6 +150,11 @@ class RunReport:
     def shed(self, tier: str, count: float = 1) -> None:
         self.tiers[tier].shed += count
 
+    def gateway_counts(self) -> tuple[float, float]:
+        """The requests that reached the gateway so far, and those it shed: its counters."""
+        results = self.tiers.values()
+        return sum(result.requests for result in results), sum(result.shed for result in results)
+
     def scaled(self, event: ScaleEvent) -> None:
         """A change of the replica count; a fall within the stable window of a rise is a flap."""
         self.scale_events.append(event)

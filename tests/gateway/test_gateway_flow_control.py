@@ -10,6 +10,7 @@ from typing import Any
 import aiohttp
 from gateway_harness import WAIT_S, FakeReplica, model, queued, replicas, running_gateway, wait_until
 from kvfleet.gateway.proxy import Gateway
+from kvfleet.operator.scrape import GatewayQueue, parse_gateway_queues
 
 CHAT = [{"role": "user", "content": "hello"}]
 
@@ -188,6 +189,8 @@ def test_a_full_queue_sheds_its_lowest_tier_first_and_refuses_with_429() -> None
                 metrics = await answer.text()
         assert 'kvfleet_gateway_rejected_total{model="m",reason="shed",tier="batch"} 1.0' in metrics
         assert 'kvfleet_gateway_rejected_total{model="m",reason="queue_full",tier="standard"} 1.0' in metrics
+        # What the operator's autoscaler reads of it: three sent to the replica, two refused.
+        assert parse_gateway_queues(metrics)["m"] == GatewayQueue(held=0.0, routed=3.0, refused=2.0)
 
     asyncio.run(scenario())
 

@@ -7,7 +7,7 @@ from urllib.parse import urlsplit
 
 import aiohttp
 from gateway_harness import WAIT_S, model, queued, running_gateway, wait_until
-from kvfleet.operator.scrape import GatewayQueues, ScrapeTarget
+from kvfleet.operator.scrape import GatewayQueue, GatewayQueues, ScrapeTarget
 
 
 def test_the_operator_sums_the_requests_every_gateway_holds_per_model() -> None:
@@ -36,7 +36,8 @@ def test_the_operator_sums_the_requests_every_gateway_holds_per_model() -> None:
             ]
             async with aiohttp.ClientSession() as session:
                 queues = GatewayQueues(session, timeout_seconds=WAIT_S)
-                assert await queues.depths(targets) == {"cold": 3.0, "warm": 0.0}
+                expected = {"cold": GatewayQueue(held=3.0), "warm": GatewayQueue()}
+                assert await queues.depths(targets) == expected
                 gone = [ScrapeTarget("gateway-gone", "127.0.0.1", 9)]
                 assert await GatewayQueues(session, timeout_seconds=WAIT_S).depths(gone) is None
             for task in held:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from collections.abc import Callable
@@ -171,6 +172,21 @@ def test_no_metrics_holds_the_current_count() -> None:
     assert decision.replicas == 3 and "no metrics" in decision.reason
     stale = [MetricsSample(time=10.0, queue_depth=500.0, reporting_pods=1)]
     assert decide(POLICY, stale, FleetState(3, 3), AutoscalerState(), now=100.0).replicas == 3
+
+
+def test_a_large_fleet_steps_by_a_share_of_itself() -> None:
+    large = dataclasses.replace(
+        POLICY, max_replicas=1000, max_scale_up_percent=100, max_scale_down_percent=10
+    )
+    # 200 wants 2000 requests' worth, 200 per decision at 10 a replica: the step of 4 or 100% of 200, the more.
+    up = decide(large, [MetricsSample(0, 20000, 200)], FleetState(200, 200), AutoscalerState(), 0)
+    assert up.replicas == 400
+    # Wanting 10, with nothing else wanted over the scale-down delay: 10% of 400 at once, not 1.
+    quiet = AutoscalerState(recommendations=((0, 10),))
+    down = decide(large, [MetricsSample(200, 100, 400)], FleetState(400, 400), quiet, 200)
+    assert down.replicas == 360
+    # Below 10 replicas the share is less than one, and the step of 1 stands.
+    assert decide(large, [MetricsSample(200, 10, 8)], FleetState(8, 8), quiet, 200).replicas == 7
 
 
 def test_unschedulable_replicas_hold_scale_up() -> None:

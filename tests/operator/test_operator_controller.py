@@ -23,7 +23,7 @@ from kvfleet.operator.metrics import OperatorMetrics
 from kvfleet.operator.observed import DeploymentView, Observed, PodView, StatefulSetView
 from kvfleet.operator.render import Owner, RenderOptions, render_children
 from kvfleet.operator.safety import GuardState, SafetyPlatform
-from kvfleet.operator.scrape import ScrapeFailure, ScrapeTarget
+from kvfleet.operator.scrape import GatewayQueue, ScrapeFailure, ScrapeTarget
 from kvfleet.operator.secret_refs import SECRET_LABEL
 from kvfleet.runtime.lora.request import source_digest
 
@@ -281,6 +281,24 @@ def test_load_scales_up_with_an_event_and_status() -> None:
     assert harness.metrics.desired_replicas.labels("ns", "svc")._value.get() == 4
 
 
+def test_the_share_the_gateway_refused_between_scrapes_reaches_the_autoscaler() -> None:
+    harness = Harness(service(scaling={"targetQueueDepth": 4, "maxReplicas": 6}))
+    harness.scraper.per_pod = PodMetrics(waiting=0, running=2)
+    readings = iter([GatewayQueue(routed=100, refused=0), GatewayQueue(held=1, routed=130, refused=10)])
+
+    async def gateway_queue(model: str) -> GatewayQueue | None:
+        return next(readings)
+
+    harness.controller.gateway_queue = gateway_queue
+    for _ in range(2):
+        harness.clock.now += 2
+        harness.run(deployment_at(1), ready_pods(1))
+    # The first reading has nothing before it; between the two, 30 were routed and 10 refused.
+    shares = [sample.refused_share for sample in harness.controller.samples]
+    assert shares == [0.0, 0.25]
+    assert harness.controller.samples[-1].held == 1
+
+
 def test_pages_over_the_cap_are_failed_scrapes_announced_once() -> None:
     harness = Harness(service(scaling={"targetQueueDepth": 4, "maxReplicas": 6}))
     harness.scraper.per_pod = PodMetrics(waiting=2, running=2)
@@ -403,9 +421,9 @@ def test_requests_held_by_the_gateway_scale_a_fleet_at_zero_to_one() -> None:
     held = {"ns/m": 0.0, "elsewhere/m": 5.0}
     asked: list[str] = []
 
-    async def gateway_queue(model: str) -> float | None:
+    async def gateway_queue(model: str) -> GatewayQueue | None:
         asked.append(model)
-        return held.get(model, 0.0)
+        return GatewayQueue(held=held.get(model, 0.0))
 
     harness.controller.gateway_queue = gateway_queue
     harness.run(deployment_at(0), [])
@@ -427,8 +445,8 @@ def test_a_fleet_at_zero_asks_to_be_woken_by_held_requests_and_scales_on_the_wak
     held = {"ns/m": 0.0}
     watched: list[str | None] = []
 
-    async def gateway_queue(model: str) -> float | None:
-        return held[model]
+    async def gateway_queue(model: str) -> GatewayQueue | None:
+        return GatewayQueue(held=held[model])
 
     harness.controller.gateway_queue = gateway_queue
     harness.controller.watch_held = watched.append

@@ -7,7 +7,7 @@ import asyncio
 from collections.abc import Sequence
 
 from kvfleet.operator.held_requests import HeldRequestWatch
-from kvfleet.operator.scrape import ScrapeTarget
+from kvfleet.operator.scrape import GatewayQueue, ScrapeTarget
 
 GATEWAYS = [ScrapeTarget("gateway-0", "10.0.0.1", 8000)]
 
@@ -16,9 +16,9 @@ def test_only_the_services_whose_model_has_held_requests_are_woken_and_only_whil
     held = {"ns/a": 0.0, "ns/b": 2.0}
     reads: list[list[ScrapeTarget]] = []
 
-    async def depths(targets: Sequence[ScrapeTarget]) -> dict[str, float] | None:
+    async def depths(targets: Sequence[ScrapeTarget]) -> dict[str, GatewayQueue] | None:
         reads.append(list(targets))
-        return dict(held)
+        return {model: GatewayQueue(held=depth, routed=5.0) for model, depth in held.items()}
 
     async def scenario() -> None:
         watch = HeldRequestWatch(depths, poll_seconds=0.01)

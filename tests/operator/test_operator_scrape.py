@@ -27,6 +27,7 @@ from kvfleet.gateway.metrics import GatewayMetrics
 from kvfleet.operator.autoscaler import PodMetrics
 from kvfleet.operator.scrape import (
     FleetScraper,
+    GatewayQueue,
     ScrapeFailure,
     ScrapeTarget,
     parse_exposition,
@@ -112,7 +113,9 @@ def test_gateway_queues_read_escaped_model_names() -> None:
     held = {name: float(index + 1) for index, name in enumerate(AWKWARD_NAMES)}
     for name, depth in held.items():
         metrics.queue_depth.labels(name).set(depth)
-    assert parse_gateway_queues(generate_latest(metrics.registry).decode()) == held
+    assert parse_gateway_queues(generate_latest(metrics.registry).decode()) == {
+        name: GatewayQueue(held=depth) for name, depth in held.items()
+    }
 
 
 def test_gateway_queues_read_the_model_label_wherever_it_stands() -> None:
@@ -121,7 +124,18 @@ def test_gateway_queues_read_the_model_label_wherever_it_stands() -> None:
         f'{GATEWAY_QUEUE_DEPTH}{{model="team-a/n",zone="b"}} 4\n'
         f'{GATEWAY_QUEUE_DEPTH}{{zone="b"}} 5\n'
     )
-    assert parse_gateway_queues(page) == {"team-a/m": 3.0, "team-a/n": 4.0}
+    held = {"team-a/m": GatewayQueue(held=3.0), "team-a/n": GatewayQueue(held=4.0)}
+    assert parse_gateway_queues(page) == held
+
+
+def test_the_share_the_gateways_refused_is_of_the_requests_since_the_earlier_reading() -> None:
+    earlier = GatewayQueue(held=5, routed=100, refused=10)
+    # 30 routed and 10 refused since: a quarter of the 40 were refused.
+    assert GatewayQueue(held=0, routed=130, refused=20).refused_share_since(earlier) == 0.25
+    assert GatewayQueue(routed=130, refused=10).refused_share_since(earlier) == 0.0
+    # No earlier reading, or counts that fell (a gateway restarted): nothing to measure yet.
+    assert GatewayQueue(routed=130, refused=20).refused_share_since(None) == 0.0
+    assert GatewayQueue(routed=30, refused=20).refused_share_since(earlier) == 0.0
 
 
 def test_replica_pages_with_escaped_labels_in_any_order_are_summed() -> None:

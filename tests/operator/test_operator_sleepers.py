@@ -10,7 +10,7 @@ import pytest
 from kvfleet.operator.adapters import ReplicaUnavailable
 from kvfleet.operator.autoscaler import PodMetrics
 from kvfleet.operator.observed import PodView
-from kvfleet.operator.scrape import ScrapeTarget
+from kvfleet.operator.scrape import GatewayQueue, ScrapeTarget
 from kvfleet.operator.sleepers import Sleepers, plan
 from kvfleet.operator.spec import SpecError, parse_spec
 from test_operator_controller import FOR_KVFLEET, Harness, deployment_at, service
@@ -81,8 +81,8 @@ def test_a_replica_not_wanted_sleeps_instead_of_going_and_wakes_for_held_request
     harness.controller.sleepers = Sleepers(replicas)
     held = {"ns/m": 0.0}
 
-    async def gateway_queue(model: str) -> float | None:
-        return held[model]
+    async def gateway_queue(model: str) -> GatewayQueue | None:
+        return GatewayQueue(held=held[model])
 
     harness.controller.gateway_queue = gateway_queue
     harness.run()
@@ -116,8 +116,8 @@ def test_more_replicas_wanted_than_sleep_are_started_beside_them() -> None:
     replicas = FakeSleep(asleep={"svc-1", "svc-2"}, unreachable={"svc-2"})
     harness.controller.sleepers = Sleepers(replicas)
 
-    async def gateway_queue(model: str) -> float | None:
-        return 12.0
+    async def gateway_queue(model: str) -> GatewayQueue | None:
+        return GatewayQueue(held=12.0)
 
     harness.controller.gateway_queue = gateway_queue
     harness.controller.desired = 0

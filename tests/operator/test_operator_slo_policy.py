@@ -96,8 +96,28 @@ def test_the_bounds_and_steps_still_hold() -> None:
     capped = dataclasses.replace(POLICY, max_replicas=3)
     decision = decide(capped, RISING, FleetState(2, 2), AutoscalerState(), 10, slo=[TTFT])
     assert decision.replicas == 3 and decision.reason.endswith("capped at the maximum of 3")
-    stepped = dataclasses.replace(POLICY, max_scale_up_step=1)
+    # One at a time: a step of 1 and no share of the fleet.
+    stepped = dataclasses.replace(POLICY, max_scale_up_step=1, max_scale_up_percent=0)
     assert decide(stepped, RISING, FleetState(2, 2), AutoscalerState(), 10, slo=[TTFT]).replicas == 3
+    # A step of 1 or 100% of the 2 asked for, whichever is more: 2 more.
+    doubling = dataclasses.replace(POLICY, max_scale_up_step=1, max_scale_up_percent=100)
+    assert decide(doubling, RISING, FleetState(2, 2), AutoscalerState(), 10, slo=[TTFT]).replicas == 4
+
+
+def test_requests_the_gateway_refused_are_demand_that_nothing_else_shows() -> None:
+    # RISING's demand, with the gateway refusing a quarter of the requests that reached it at 10 s: the
+    # 8 requests held are three quarters of it, 8 / 0.75 = 10.67; the trend of 4 to 10.67 over 10 s is
+    # 0.67 a second, so 30 s on 10.67 + 20 = 30.67 forecast, at 5 a replica: 7.
+    refusing = [RISING[0], dataclasses.replace(RISING[1], refused_share=0.25)]
+    decision = decide(POLICY, refusing, FleetState(2, 2), AutoscalerState(), 10, slo=[TTFT])
+    assert "demand 10.7 requests, 30.7 forecast in 30s" in decision.reason
+    assert decision.replicas == 6  # 2 + the step of 4
+    # A gateway refusing nearly everything says the fleet is short, not by how much: at most ten times.
+    swamped = [RISING[0], dataclasses.replace(RISING[1], refused_share=0.99)]
+    assert (
+        "demand 80.0 requests"
+        in decide(POLICY, swamped, FleetState(2, 2), AutoscalerState(), 10, slo=[TTFT]).reason
+    )
 
 
 def test_a_target_below_the_idle_latency_asks_for_the_most_replicas_and_says_why() -> None:
