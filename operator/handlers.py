@@ -72,7 +72,7 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) 
     context.gateway_queues = GatewayQueues(
         context.session, context.scrape_timeout_seconds, context.scrape_max_page_bytes, POLL_SECONDS
     )
-    context.held_watch = HeldRequestWatch(context.gateway_queues.depths)
+    context.held_watch = HeldRequestWatch(context.gateway_queues.read)
     context.held_watch_task = asyncio.create_task(context.held_watch.run(), name="kvfleet-held-requests")
     context.capability_task = asyncio.create_task(context.watch_capabilities(), name="kvfleet-capabilities")
 
@@ -194,7 +194,7 @@ class _IndexedCluster:
 
     async def gateway_queue(self, model: str) -> GatewayQueue | None:
         targets = self.gateway_targets()
-        queues = await self.gateway_queues.depths(targets) if targets else None
+        queues = await self.gateway_queues.read(targets) if targets else None
         return None if queues is None else queues.get(model, GatewayQueue())
 
     def guard_state(self, service: str) -> GuardState:

@@ -24,13 +24,13 @@ POLL_SECONDS = 0.2
 ServiceKey = tuple[str, str]
 # The gateway replicas to read, as the operator's watch of their pods knows them now.
 GatewayTargets = Callable[[], Sequence[ScrapeTarget]]
-# The gateways' held requests per model (GatewayQueues.depths); None when none answered.
-HeldDepths = Callable[[Sequence[ScrapeTarget]], Awaitable[dict[str, GatewayQueue] | None]]
+# The gateways' queue per model (GatewayQueues.read); None when none answered.
+GatewayRead = Callable[[Sequence[ScrapeTarget]], Awaitable[dict[str, GatewayQueue] | None]]
 
 
 class HeldRequestWatch:
-    def __init__(self, depths: HeldDepths, poll_seconds: float = POLL_SECONDS) -> None:
-        self._depths = depths
+    def __init__(self, read: GatewayRead, poll_seconds: float = POLL_SECONDS) -> None:
+        self._read = read
         self._poll_seconds = poll_seconds
         # Service -> the model the gateway holds its requests under, and its loop's wakeup.
         self._watched: dict[ServiceKey, tuple[str, asyncio.Event]] = {}
@@ -55,8 +55,8 @@ class HeldRequestWatch:
                 self._watching.clear()
                 await self._watching.wait()
             targets = self._gateways()
-            depths = await self._depths(targets) if targets else None
+            queues = await self._read(targets) if targets else None
             for model, wakeup in list(self._watched.values()):
-                if depths is not None and model in depths and depths[model].held > 0:
+                if queues is not None and model in queues and queues[model].held > 0:
                     wakeup.set()
             await asyncio.sleep(self._poll_seconds)

@@ -375,7 +375,7 @@ class GatewayQueues:
         self._lock = asyncio.Lock()
         self._cached: tuple[float, dict[str, float] | None] | None = None
 
-    async def depths(self, targets: Sequence[ScrapeTarget]) -> dict[str, GatewayQueue] | None:
+    async def read(self, targets: Sequence[ScrapeTarget]) -> dict[str, GatewayQueue] | None:
         """Model -> its queue over the gateways; None when no gateway answered (or none runs)."""
         async with self._lock:
             now = time.monotonic()

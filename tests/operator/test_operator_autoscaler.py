@@ -178,7 +178,7 @@ def test_a_large_fleet_steps_by_a_share_of_itself() -> None:
     large = dataclasses.replace(
         POLICY, max_replicas=1000, max_scale_up_percent=100, max_scale_down_percent=10
     )
-    # 200 wants 2000 requests' worth, 200 per decision at 10 a replica: the step of 4 or 100% of 200, the more.
+    # 20,000 requests at 10 a replica want 2,000; a decision adds the step of 4 or 100% of 200, the more.
     up = decide(large, [MetricsSample(0, 20000, 200)], FleetState(200, 200), AutoscalerState(), 0)
     assert up.replicas == 400
     # Wanting 10, with nothing else wanted over the scale-down delay: 10% of 400 at once, not 1.

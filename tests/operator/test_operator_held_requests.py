@@ -16,12 +16,12 @@ def test_only_the_services_whose_model_has_held_requests_are_woken_and_only_whil
     held = {"ns/a": 0.0, "ns/b": 2.0}
     reads: list[list[ScrapeTarget]] = []
 
-    async def depths(targets: Sequence[ScrapeTarget]) -> dict[str, GatewayQueue] | None:
+    async def read(targets: Sequence[ScrapeTarget]) -> dict[str, GatewayQueue] | None:
         reads.append(list(targets))
         return {model: GatewayQueue(held=depth, routed=5.0) for model, depth in held.items()}
 
     async def scenario() -> None:
-        watch = HeldRequestWatch(depths, poll_seconds=0.01)
+        watch = HeldRequestWatch(read, poll_seconds=0.01)
         task = asyncio.create_task(watch.run())
         await asyncio.sleep(0.05)
         assert reads == [], "no service at zero: the gateways are not read"
