@@ -531,7 +531,9 @@ def _fewest(
     fits = f"{target.describe()} {model.idle * 1000:.0f}ms + {slope}"
     goal = f"the {target.seconds * 1000:.0f}ms target"
     current = _mean_or_none(unit.demand(s) for s in recent) or 0.0
-    demand = f"demand {current:.1f} {unit.name}, {forecast:.1f} forecast in {horizon:g}s"
+    refused = _mean(s.refused_share for s in recent) if recent else 0.0
+    with_refused = f" with the {refused:.0%} the gateway refused" if refused > 0 else ""
+    demand = f"demand {current:.1f} {unit.name}{with_refused}, {forecast:.1f} forecast in {horizon:g}s"
     if per_replica <= 0:
         why = f"{fits}: no replica meets {goal} (idle latency above it)"
         return policy.max_replicas, f"slo: {why}; {demand}", target.latency

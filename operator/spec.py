@@ -574,8 +574,8 @@ class ScalingSpec:
         minimum=1,
         maximum=1000,
     )
-    # As Kubernetes' HPA takes the larger of its Pods and Percent policies: a fixed step alone takes a fleet
-    # of hundreds minutes to follow a burst, or to give back what the burst needed.
+    # As Kubernetes' HPA takes the larger of its Pods and Percent policies: with a fixed step alone, a fleet
+    # of hundreds of replicas takes minutes to follow a burst, or to give back what the burst needed.
     max_scale_up_percent: int = prop(
         "The most replicas one decision adds, as a share of the replicas asked for (0: maxScaleUpStep "
         "alone).",

@@ -110,7 +110,7 @@ def test_requests_the_gateway_refused_are_demand_that_nothing_else_shows() -> No
     # 0.67 a second, so 30 s on 10.67 + 20 = 30.67 forecast, at 5 a replica: 7.
     refusing = [RISING[0], dataclasses.replace(RISING[1], refused_share=0.25)]
     decision = decide(POLICY, refusing, FleetState(2, 2), AutoscalerState(), 10, slo=[TTFT])
-    assert "demand 10.7 requests, 30.7 forecast in 30s" in decision.reason
+    assert "demand 10.7 requests with the 25% the gateway refused, 30.7 forecast in 30s" in decision.reason
     assert decision.replicas == 6  # 2 + the step of 4
     # A gateway refusing nearly everything says the fleet is short, not by how much: at most ten times.
     swamped = [RISING[0], dataclasses.replace(RISING[1], refused_share=0.99)]
