@@ -373,7 +373,7 @@ class GatewayQueues:
         self._max_page_bytes = max_page_bytes
         self._max_age = max_age_seconds
         self._lock = asyncio.Lock()
-        self._cached: tuple[float, dict[str, float] | None] | None = None
+        self._cached: tuple[float, dict[str, GatewayQueue] | None] | None = None
 
     async def read(self, targets: Sequence[ScrapeTarget]) -> dict[str, GatewayQueue] | None:
         """Model -> its queue over the gateways; None when no gateway answered (or none runs)."""
