@@ -1,15 +1,16 @@
 // Paged decode attention on the CPU: one query token per request, read from the paged KV cache in place.
 //
 // A work item is one (request, KV head): the query heads that share the KV head are handled together, so
-// each key and value row is read from memory once. The item walks its context in tiles of 16 positions
-// through the request's block table row, from the first position its sliding window sees (if any) to its
-// end, with an online softmax in float32: per tile, each query head's 16 scores, then its running maximum,
-// sum and output rescaled once and the tile's values added. Rows a few tiles ahead are prefetched while a
-// tile is computed, since a request's blocks lie anywhere in the cache. Items are handed to torch's
+// each key and value row is read from memory once. The item walks its context in tiles of one vector's width
+// of positions through the request's block table row, from the first position its sliding window sees (if
+// any) to its end, with an online softmax in float32: per tile, each query head's scores, then its running
+// maximum, sum and output rescaled once and the tile's values added. Rows a few tiles ahead are prefetched
+// while a tile is computed, since a request's blocks lie anywhere in the cache. Items are handed to torch's
 // intra-op threads one at a time, since contexts differ in length.
 //
-// Vectors are GCC's generic vector types, 16 floats (one tile) wide: the compiler maps them onto the host's
-// ISA (-march=native), AVX-512 or AVX2 registers alike.
+// Vectors are GCC's generic vector types as wide as the host's registers: 16 floats with AVX-512, 8 without.
+// A vector twice a register's width is split by the compiler, and some of its operations (a scalar broadcast
+// among them) then go through the stack: on an AVX2 EPYC, 16-float vectors made the kernel four times slower.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -26,15 +27,26 @@
 
 namespace {
 
+#ifdef __AVX512F__
 constexpr int64_t kLanes = 16;  // positions per tile, floats per vector
-constexpr int64_t kMaxChunks = 16;  // head sizes up to 16 vectors (256)
+constexpr int kVectorRegisters = 32;
+#else
+constexpr int64_t kLanes = 8;
+constexpr int kVectorRegisters = 16;
+#endif
+constexpr int64_t kMaxHeadDim = 256;
+constexpr int64_t kMaxChunks = kMaxHeadDim / kLanes;
 constexpr int64_t kMaxGroup = 64;  // query heads per KV head
 using Vec = float __attribute__((vector_size(kLanes * sizeof(float))));
 using IntVec = int32_t __attribute__((vector_size(kLanes * sizeof(int32_t))));
 
-inline Vec broadcast(float x) { return Vec{} + x; }
+inline Vec broadcast(float x) {
+  Vec v;
+  for (int64_t i = 0; i < kLanes; ++i) v[i] = x;
+  return v;
+}
 
-// exp(x) for x <= 0 in plain arithmetic, to within a few ulp, 16 at a time. Below -87 the result underflows
+// exp(x) for x <= 0 in plain arithmetic, to within a few ulp, a vector at a time. Below -87 the result underflows
 // float32 anyway (so -inf, an empty running maximum, gives a negligible 1e-38).
 inline Vec exp_nonpositive(Vec x) {
   x = x < -87.0f ? broadcast(-87.0f) : x;
@@ -54,6 +66,7 @@ inline Vec exp_nonpositive(Vec x) {
   return p * (Vec)exponent;
 }
 
+#ifdef __AVX512F__
 inline float max_lanes(Vec v) {
   Vec w = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
   v = v > w ? v : w;
@@ -89,6 +102,35 @@ inline Vec sum_lanes_of_each(Vec (&d)[kLanes]) {
   return __builtin_shufflevector(d[0], d[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
          __builtin_shufflevector(d[0], d[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 }
+#else
+inline float max_lanes(Vec v) {
+  Vec w = __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3);
+  v = v > w ? v : w;
+  w = __builtin_shufflevector(v, v, 2, 3, 0, 1, 2, 3, 0, 1);
+  v = v > w ? v : w;
+  return std::max(v[0], v[1]);
+}
+
+inline float sum_lanes(Vec v) {
+  v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3);
+  v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 2, 3, 0, 1);
+  return v[0] + v[1];
+}
+
+// The 8 sums of lanes of 8 vectors, as one vector, by the same tree on 8 lanes (21 operations).
+inline Vec sum_lanes_of_each(Vec (&d)[kLanes]) {
+  for (int64_t i = 0; i < 4; ++i) {
+    d[i] = __builtin_shufflevector(d[2 * i], d[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11) +
+           __builtin_shufflevector(d[2 * i], d[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15);
+  }
+  for (int64_t i = 0; i < 2; ++i) {
+    d[i] = __builtin_shufflevector(d[2 * i], d[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13) +
+           __builtin_shufflevector(d[2 * i], d[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15);
+  }
+  return __builtin_shufflevector(d[0], d[1], 0, 2, 4, 6, 8, 10, 12, 14) +
+         __builtin_shufflevector(d[0], d[1], 1, 3, 5, 7, 9, 11, 13, 15);
+}
+#endif
 
 template <typename scalar_t>
 inline Vec load_vector(const scalar_t* p) {
@@ -145,7 +187,7 @@ class RowWalker {
   int64_t head_offset_;
 };
 
-// The cache offsets of a tile's 16 rows. Positions outside [first, end) take the last visible row before
+// The cache offsets of a tile's rows. Positions outside [first, end) take the last visible row before
 // them (or the first one), so that nothing outside the context is read; their scores are masked.
 inline void tile_rows(RowWalker& walker, int64_t tile_start, int64_t first, int64_t end, int64_t& last_row,
                       int64_t (&rows)[kLanes]) {
@@ -218,7 +260,7 @@ void attend_one(const DecodeShape& shape, scalar_t* out_row, const scalar_t* que
   const int64_t first = shape.sliding_window > 0 ? std::max<int64_t>(0, seq_len - shape.sliding_window) : 0;
   RowWalker walker(shape, block_table, first, kv_head);
   int64_t last_row = RowWalker(shape, block_table, first, kv_head).next();
-  int64_t tile_start = first / kLanes * kLanes;  // tiles start at multiples of 16, masked before `first`
+  int64_t tile_start = first / kLanes * kLanes;  // tiles start at multiples of kLanes, masked before `first`
   int64_t rows[kLanes];
   RowWalker prefetcher(shape, block_table, first, kv_head);
   int64_t prefetched = std::min<int64_t>(seq_len, tile_start + kPrefetchTiles * kLanes);
@@ -257,8 +299,8 @@ void attend_one(const DecodeShape& shape, scalar_t* out_row, const scalar_t* que
         for (int64_t c = 0; c < chunks; ++c) accumulator[g * chunks + c] *= rescale;
       }
     }
-    // As many heads at a time as their outputs fit in 16 vector registers.
-    constexpr int kHeadsAtOnce = CHUNKS ? std::max(1, 16 / CHUNKS) : 1;
+    // As many heads at a time as their outputs fit in half the vector registers.
+    constexpr int kHeadsAtOnce = CHUNKS ? std::max(1, kVectorRegisters / 2 / CHUNKS) : 1;
     int64_t g = 0;
     for (; g + kHeadsAtOnce <= group; g += kHeadsAtOnce) {
       add_values<scalar_t, CHUNKS, kHeadsAtOnce>(value_cache, rows, chunks, tile_probabilities + g * kLanes,
@@ -317,10 +359,10 @@ void dispatch_head_dim(const DecodeShape& shape, const at::Tensor& out, const at
                        const at::Tensor& decode_requests) {
   switch (shape.head_dim) {
     case 64:
-      return attend_all<scalar_t, 4>(shape, out, query, key_cache, value_cache, block_tables, seq_lens,
+      return attend_all<scalar_t, 64 / kLanes>(shape, out, query, key_cache, value_cache, block_tables, seq_lens,
                                      decode_rows, decode_requests);
     case 128:
-      return attend_all<scalar_t, 8>(shape, out, query, key_cache, value_cache, block_tables, seq_lens,
+      return attend_all<scalar_t, 128 / kLanes>(shape, out, query, key_cache, value_cache, block_tables, seq_lens,
                                      decode_rows, decode_requests);
     default:
       return attend_all<scalar_t, 0>(shape, out, query, key_cache, value_cache, block_tables, seq_lens,
@@ -345,7 +387,7 @@ void paged_decode_attention(const at::Tensor& out, const at::Tensor& query, cons
   const int64_t head_dim = query.size(2);
   const int64_t num_kv_heads = key_cache.size(2);
   TORCH_CHECK(key_cache.size(3) == head_dim, "head sizes of query and cache differ");
-  TORCH_CHECK(head_dim % kLanes == 0 && head_dim <= kLanes * kMaxChunks, "head size must be a multiple of 16 up to 256");
+  TORCH_CHECK(head_dim % 16 == 0 && head_dim <= kMaxHeadDim, "head size must be a multiple of 16 up to 256");
   TORCH_CHECK(query.size(1) % num_kv_heads == 0 && query.size(1) / num_kv_heads <= kMaxGroup,
               "num_heads must be a multiple of num_kv_heads, at most 64 times it");
   for (const at::Tensor* rows : {&query, &out}) {

@@ -19,8 +19,9 @@ from kvfleet.runtime.attention.sdpa import SdpaAttentionBackend
 
 BLOCK_SIZE = 16
 NUM_HEADS = 8
-# Contexts of one token, on both sides of block boundaries, and of several hundred tokens.
-CONTEXTS = [1, 2, 15, 16, 17, 31, 32, 33, 100, 255, 256, 257, 380, 517]
+# Contexts of one token, on both sides of tile (8 or 16 positions) and block boundaries, and of several
+# hundred tokens.
+CONTEXTS = [1, 2, 7, 8, 9, 15, 16, 17, 31, 32, 33, 100, 255, 256, 257, 380, 517]
 
 
 def _decode_step(
@@ -79,7 +80,7 @@ def _gather_backend(spec: AttentionSpec) -> SdpaAttentionBackend:
 
 
 @pytest.mark.parametrize("window", [None, 40])
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 80, 128])  # 80: no path of its own, the general loop
 @pytest.mark.parametrize("num_kv_heads", [8, 4, 2, 1])  # grouped-query ratios 1, 2, 4, 8
 def test_kernel_matches_the_reference_and_the_gather_path(
     num_kv_heads: int, head_dim: int, window: int | None
