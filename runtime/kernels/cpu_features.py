@@ -29,6 +29,9 @@ _X86_LEVELS: tuple[tuple[str, frozenset[str]], ...] = (
     ("x86-64-v2", frozenset({"cx16", "lahf_lm", "popcnt", "sse4_1", "sse4_2", "ssse3"})),
     ("x86-64", frozenset()),
 )
+ONEDNN_ISA_ENV_VAR = "ONEDNN_MAX_CPU_ISA"
+# The ONEDNN_MAX_CPU_ISA values that keep oneDNN below AVX-512.
+_ONEDNN_BELOW_AVX512 = frozenset({"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2"})
 # The highest level each ATEN_CPU_CAPABILITY value lets through.
 _CAPABILITY_LEVELS = {"avx512": "x86-64-v4", "avx2": "x86-64-v3", "default": "x86-64"}
 # For each half-precision dtype: torch's check that oneDNN's packed GEMM runs on this CPU, and what it needs
@@ -96,6 +99,13 @@ def onednn_packs(dtype: torch.dtype) -> bool:
         _log_unpacked(dtype, "this CPU lacks")
         return False
     return True
+
+
+def onednn_has_avx512() -> bool:
+    """Whether oneDNN runs its AVX-512 kernels here: it picks them from the CPU's flags, below the cap
+    ONEDNN_MAX_CPU_ISA sets, whatever ATEN_CPU_CAPABILITY says."""
+    cap = os.environ.get(ONEDNN_ISA_ENV_VAR, "").upper()
+    return cap not in _ONEDNN_BELOW_AVX512 and _level_flags(_X86_LEVELS[0][0]) <= _cpu_flags()
 
 
 @functools.cache

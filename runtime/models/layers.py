@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from kvfleet.runtime.kernels.cpu_features import onednn_packs
+from kvfleet.runtime.kernels.cpu_features import onednn_has_avx512, onednn_packs
 from kvfleet.runtime.kernels.fused_layers import CustomOp
 from kvfleet.runtime.models.rope import LENGTH_DEPENDENT_ROPE_TYPES
 from torch import nn
@@ -25,8 +25,11 @@ logger = logging.getLogger(__name__)
 
 # KVFLEET_ONEDNN_LINEAR=0 keeps CPU projections on torch's default BLAS, e.g. to compare the two.
 ONEDNN_ENV_VAR = "KVFLEET_ONEDNN_LINEAR"
-# Fewer rows are padded to this many: oneDNN's kernel for one to three rows streams the weights from memory
-# more slowly than its kernel for four (at batch 1 the projections took 5 to 10% less time, padding included).
+# With AVX-512, fewer rows are padded to this many: there oneDNN's kernel for one to three rows streams the
+# weights from memory more slowly than its kernel for four (at batch 1 the projections took 5 to 10% less
+# time, padding included). With AVX2 alone its one-row kernel is the fast one: padding a row to four doubled
+# the `small` model's projections (18.6 against 9.5 ms on one thread, 10.6 against 6.0 on two), and two or
+# three rows took the same time either way.
 _ONEDNN_MIN_ROWS = 4
 
 
@@ -41,11 +44,13 @@ class Linear(nn.Linear):
     # Zero rows that pad a smaller input up to _ONEDNN_MIN_ROWS (a concatenation is the cheapest padding).
     _padding_rows: torch.Tensor | None = None
 
-    def pack_for_cpu(self) -> None:
-        """Replace the dense weight by its packed copy; afterwards the layer is inference-only."""
+    def pack_for_cpu(self, pad_rows: bool) -> None:
+        """Replace the dense weight by its packed copy; afterwards the layer is inference-only. `pad_rows`:
+        whether fewer than _ONEDNN_MIN_ROWS rows are padded to that many."""
         weight = self.weight.detach()
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, None)
-        self._padding_rows = weight.new_zeros(_ONEDNN_MIN_ROWS - 1, self.in_features)
+        if pad_rows:
+            self._padding_rows = weight.new_zeros(_ONEDNN_MIN_ROWS - 1, self.in_features)
         self.weight = None  # type: ignore[assignment]  # the packed copy replaces it, not doubles it
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -81,8 +86,9 @@ def pack_linears_for_cpu(model: nn.Module) -> int:
     linears = [m for m in model.modules() if isinstance(m, Linear) and m.weight.device.type == "cpu"]
     if not all(onednn_packs(dtype) for dtype in {m.weight.dtype for m in linears}):
         return 0
+    pad_rows = onednn_has_avx512()
     for module in linears:
-        module.pack_for_cpu()
+        module.pack_for_cpu(pad_rows)
     return len(linears)
 
 

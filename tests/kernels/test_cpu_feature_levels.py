@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from kvfleet.runtime.kernels import cpu_build, cpu_features, fused_layers
+from kvfleet.runtime.models.layers import Linear
 
 V2 = "sse sse2 ssse3 sse4_1 sse4_2 popcnt cx16 lahf_lm"
 # A 2-core AMD EPYC Zen 3, as Linux lists its flags: AVX2 and FMA, no AVX-512.
@@ -63,6 +64,45 @@ def test_the_level_is_the_running_cpus_lowered_by_aten_capability(
 def test_a_level_is_not_granted_for_part_of_its_flags(monkeypatch: pytest.MonkeyPatch) -> None:
     # AVX-512F alone (as on Xeon Phi) is not x86-64-v4: -march=x86-64-v4 would emit AVX-512BW/VL.
     assert _target(monkeypatch, f"{ZEN3} avx512f", None).level == "x86-64-v3"
+
+
+@pytest.mark.parametrize(
+    ("flags", "aten_capability", "onednn_isa", "avx512"),
+    [
+        (SAPPHIRE_RAPIDS, None, None, True),
+        # oneDNN chooses its kernels from the CPU, not from ATen's cap ...
+        (SAPPHIRE_RAPIDS, "avx2", None, True),
+        # ... but from its own.
+        (SAPPHIRE_RAPIDS, None, "AVX2", False),
+        (SAPPHIRE_RAPIDS, None, "avx512_core", True),
+        (ZEN3, None, None, False),
+        (ZEN3, None, "ALL", False),
+    ],
+)
+def test_onednn_runs_avx512_where_the_cpu_has_it_below_its_own_cap(
+    monkeypatch: pytest.MonkeyPatch,
+    flags: str,
+    aten_capability: str | None,
+    onednn_isa: str | None,
+    avx512: bool,
+) -> None:
+    _target(monkeypatch, flags, aten_capability)
+    if onednn_isa is None:
+        monkeypatch.delenv(cpu_features.ONEDNN_ISA_ENV_VAR, raising=False)
+    else:
+        monkeypatch.setenv(cpu_features.ONEDNN_ISA_ENV_VAR, onednn_isa)
+    assert cpu_features.onednn_has_avx512() == avx512
+
+
+@pytest.mark.parametrize("pad_rows", [True, False])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 9])
+def test_packed_projections_equal_torchs_with_and_without_padding(pad_rows: bool, rows: int) -> None:
+    torch.manual_seed(rows)
+    layer = Linear(96, 200, bias=True)
+    x = torch.randn(rows, 96)
+    expected = torch.nn.functional.linear(x, layer.weight, layer.bias)
+    layer.pack_for_cpu(pad_rows)
+    torch.testing.assert_close(layer(x), expected, atol=1e-5, rtol=1e-5)
 
 
 def test_half_precision_packing_is_off_when_the_capability_masks_it(monkeypatch: pytest.MonkeyPatch) -> None:
