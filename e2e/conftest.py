@@ -34,8 +34,11 @@ PROBE_TARGET = REPO_ROOT / "e2e" / "support" / "probe_target.py"
 CLUSTER_FIXTURES = {"local_cluster", "cluster_bin_dir", "namespace", "module_namespace", "kvfleet_release"}
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_finish(session: pytest.Session) -> None:
-    # Every xdist worker collects every test, and none runs one before all have collected: the first builds.
+    # Every xdist worker collects every test, and none runs one before all have reported their collection: the
+    # first builds before it reports (so before xdist's own hook, which does). Otherwise the other worker may
+    # start the end-to-end tests meanwhile, and wait for a cold build inside their timeout.
     worker = getattr(session.config, "workerinput", {}).get("workerid", "gw0")
     if worker == "gw0" and any(CLUSTER_FIXTURES & set(getattr(i, "fixturenames", ())) for i in session.items):
         capture = session.config.pluginmanager.getplugin("capturemanager")
