@@ -23,6 +23,8 @@ from kvfleet.runtime.attention.sdpa import SdpaAttentionBackend
 from kvfleet.runtime.attention.triton_backend import TritonAttentionBackend
 from kvfleet.runtime.kernels import torch_reference
 from kvfleet.runtime.kernels.activation import silu_and_mul
+from kvfleet.runtime.kernels.grouped_gemm import grouped_gemm
+from kvfleet.runtime.kernels.int8_matmul import int8_matmul
 from kvfleet.runtime.kernels.kv_cache_write import write_kv_cache
 from kvfleet.runtime.kernels.lora import plan_lora_tokens
 from kvfleet.runtime.kernels.paged_attention import (
@@ -37,6 +39,8 @@ from kvfleet.runtime.kernels.rotary import rotary_embedding_
 from kvfleet.runtime.kernels.triton_utils import is_interpreting
 from kvfleet.runtime.lora.layers import LoRABatch, LoRALinear
 from kvfleet.runtime.models import layers
+from kvfleet.runtime.models.moe import GroupedLinear
+from kvfleet.runtime.quantization.linear import dequantize
 
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 1e-2}
 
@@ -63,6 +67,9 @@ class Scale:
     block_size: int = 16
     copy_bytes: int = 2 << 30
     check_requests: int = 8  # requests of a batch compared against the float64 reference
+    quant_group: int = 128  # input columns per scale in the grouped int8 weights
+    experts: int = 8  # Mixtral-8x7B's experts and their MLP shapes (hidden, intermediate above)
+    experts_per_token: int = 2
 
 
 SMOKE = Scale(
@@ -85,6 +92,8 @@ SMOKE = Scale(
     tokens=16,
     copy_bytes=1 << 20,
     check_requests=2,
+    quant_group=32,
+    experts=4,
 )
 
 
@@ -614,4 +623,95 @@ def lora_rows(bench: Bench) -> list[Row]:
                 check,
             )
         )
+    return rows
+
+
+def bandwidth_row(
+    bench: Bench, kernel: str, shape: str, seconds: float, moved: int, versus: str, check: str
+) -> Row:
+    rate = moved / seconds
+    achieved = f"{rate / 1e12:.2f} TB/s ({bench.percent_of_copy(rate)})"
+    return Row(kernel, shape, seconds * 1e6, achieved, versus, check)
+
+
+def flops_row(
+    bench: Bench, kernel: str, shape: str, seconds: float, flops: int, versus: str, check: str
+) -> Row:
+    return Row(kernel, shape, seconds * 1e6, f"{flops / seconds / 1e12:.0f} TFLOP/s", versus, check)
+
+
+def int8_rows(bench: Bench) -> list[Row]:
+    """Weight-only int8 on Llama-3-8B's gate and up projection (hidden -> 2 x intermediate), per-channel and
+    grouped scales, against the bf16 projection it replaces (cuBLAS on a bf16 weight); checked against
+    float64. Decode rows are bound by the weight's bytes, the prefill row by arithmetic."""
+    scale, device, dtype = bench.scale, bench.device, bench.dtype
+    in_features, out_features = scale.hidden, 2 * scale.intermediate
+    generator = torch.Generator(device=device).manual_seed(5)
+    weight = torch.randint(-127, 128, (out_features, in_features), dtype=torch.int8, device=device)
+    rows = []
+    for groups in (1, in_features // scale.quant_group):
+        weight_scale = torch.rand(out_features, groups, generator=generator, device=device) / 2048
+        float_weight = dequantize(weight, weight_scale, dtype)
+        exact_weight = dequantize(weight, weight_scale, torch.float64)
+        scales = "per channel" if groups == 1 else f"groups of {in_features // groups}"
+        for tokens in (1, scale.decode_batch, scale.tokens):
+            x = torch.randn(tokens, in_features, generator=generator, device=device).to(dtype)
+            check = check_result(int8_matmul(x, weight, weight_scale, None), x.double() @ exact_weight.T)
+            seconds = bench.measure(functools.partial(int8_matmul, x, weight, weight_scale, None))
+            dense_seconds = bench.measure(functools.partial(torch.nn.functional.linear, x, float_weight))
+            shape = f"{tokens} x {in_features} -> {out_features}, {scales}"
+            versus = f"{dense_seconds / seconds:.2f}x bf16 weight"
+            if tokens == scale.tokens:
+                flops = 2 * tokens * in_features * out_features
+                rows.append(
+                    flops_row(bench, "int8 weight matmul, prefill", shape, seconds, flops, versus, check)
+                )
+                continue
+            # The int8 weight and its scales once, the activations in and the output out.
+            moved = weight.numel() + 4 * weight_scale.numel()
+            moved += (x.numel() + tokens * out_features) * x.element_size()
+            rows.append(
+                bandwidth_row(bench, "int8 weight matmul, decode", shape, seconds, moved, versus, check)
+            )
+    return rows
+
+
+def moe_rows(bench: Bench) -> list[Row]:
+    """The grouped GEMM of a mixture-of-experts layer (Mixtral-8x7B's gate and up projections), tokens
+    routed to their top experts at random, against the matmul per expert it replaces; checked against
+    float64."""
+    scale, device, dtype = bench.scale, bench.device, bench.dtype
+    in_features, out_features = scale.hidden, 2 * scale.intermediate
+    generator = torch.Generator(device=device).manual_seed(6)
+    weight = (
+        torch.randn(scale.experts, out_features, in_features, generator=generator, device=device) / 64
+    ).to(dtype)
+    per_expert = GroupedLinear()
+    rows = []
+    for label, tokens in (("decode", scale.decode_batch), ("prefill", scale.tokens)):
+        choices = torch.rand(tokens, scale.experts, generator=generator, device=device)
+        experts = choices.topk(scale.experts_per_token, dim=-1).indices.flatten()
+        sizes = torch.bincount(experts, minlength=scale.experts).tolist()
+        x = torch.randn(len(experts), in_features, generator=generator, device=device).to(dtype)
+        expected = torch.cat(
+            [rows_of.double() @ w.double().T for rows_of, w in zip(x.split(sizes), weight, strict=True)]
+        )
+        check = check_result(grouped_gemm(x, weight, sizes), expected)
+        seconds = bench.measure(functools.partial(grouped_gemm, x, weight, sizes))
+        loop_seconds = bench.measure(functools.partial(per_expert.forward_native, x, weight, sizes))
+        shape = (
+            f"{tokens} tokens x top {scale.experts_per_token} of {scale.experts} experts, "
+            f"{in_features} -> {out_features}"
+        )
+        versus = f"{loop_seconds / seconds:.2f}x matmul per expert"
+        name = f"MoE grouped GEMM, {label}"
+        if label == "prefill":
+            flops = 2 * len(experts) * in_features * out_features
+            rows.append(flops_row(bench, name, shape, seconds, flops, versus, check))
+            continue
+        used = sum(size > 0 for size in sizes)
+        moved = (
+            used * out_features * in_features + x.numel() + len(experts) * out_features
+        ) * x.element_size()
+        rows.append(bandwidth_row(bench, name, shape, seconds, moved, versus, check))
     return rows

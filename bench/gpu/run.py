@@ -98,6 +98,8 @@ def kernel_section(args: argparse.Namespace, device: Any, clock: Clock) -> tuple
     log("fused kernels done")
     rows += kernel_bench.lora_rows(bench)
     log("LoRA done")
+    rows += kernel_bench.int8_rows(bench) + kernel_bench.moe_rows(bench)
+    log("int8 and MoE done")
     lines = [
         f"Copy bandwidth (device-to-device `copy_`, bytes read + written, {scale.copy_bytes >> 20} MiB): "
         f"**{bandwidth / 1e12:.2f} TB/s**. Times are medians of `triton.testing.do_bench` (L2 flushed).",
