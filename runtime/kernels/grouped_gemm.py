@@ -14,11 +14,10 @@ import triton
 import triton.language as tl
 from kvfleet.runtime.kernels.triton_utils import check_device, upcast_bf16_dots
 
-# Rows per tile: a decode step routes a few rows to each expert, a prefill chunk many (tl.dot needs >= 16).
-SMALL_BLOCK_M = 16
-LARGE_BLOCK_M = 64
-BLOCK_N = 64
-BLOCK_K = 32
+# Tilings for a decode step, which routes a few rows to each expert, and for a prefill chunk's many (tl.dot
+# needs 16 rows at least): the fastest of a sweep on an H200 at Mixtral-8x7B's shapes (docs/benchmarks.md).
+_FEW_ROWS_TILING = {"BLOCK_M": 32, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3}
+_MANY_ROWS_TILING = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3}
 
 
 @triton.jit
@@ -62,15 +61,14 @@ def _grouped_gemm_kernel(
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & col_valid[None, :])
 
 
-def _tile_map(sizes: list[int], device: torch.device) -> tuple[torch.Tensor, int]:
-    """int32 [tiles, 3]: (expert, first row, rows) of each tile, and the tiles' height."""
-    block_m = SMALL_BLOCK_M if max(sizes) <= SMALL_BLOCK_M else LARGE_BLOCK_M
+def _tile_map(sizes: list[int], block_m: int, device: torch.device) -> torch.Tensor:
+    """int32 [tiles, 3]: (expert, first row, rows) of each tile of up to block_m rows."""
     tiles = []
     first = 0
     for expert, size in enumerate(sizes):
         tiles += [(expert, first + offset, min(block_m, size - offset)) for offset in range(0, size, block_m)]
         first += size
-    return torch.tensor(tiles, dtype=torch.int32).to(device, non_blocking=True), block_m
+    return torch.tensor(tiles, dtype=torch.int32).to(device, non_blocking=True)
 
 
 def grouped_gemm(x: torch.Tensor, weight: torch.Tensor, sizes: list[int]) -> torch.Tensor:
@@ -89,8 +87,10 @@ def grouped_gemm(x: torch.Tensor, weight: torch.Tensor, sizes: list[int]) -> tor
     if x.shape[0] == 0:
         return out
     check_device(x, weight)
-    tile_map, block_m = _tile_map(sizes, x.device)
-    grid = (tile_map.shape[0], triton.cdiv(weight.shape[1], BLOCK_N))
+    few = max(sizes) <= _FEW_ROWS_TILING["BLOCK_M"]
+    tiling = _FEW_ROWS_TILING if few else _MANY_ROWS_TILING
+    tile_map = _tile_map(sizes, tiling["BLOCK_M"], x.device)
+    grid = (tile_map.shape[0], triton.cdiv(weight.shape[1], tiling["BLOCK_N"]))
     _grouped_gemm_kernel[grid](
         out,
         x,
@@ -102,9 +102,7 @@ def grouped_gemm(x: torch.Tensor, weight: torch.Tensor, sizes: list[int]) -> tor
         weight.stride(0),
         weight.stride(1),
         out.stride(0),
-        BLOCK_M=block_m,
-        BLOCK_N=BLOCK_N,
-        BLOCK_K=BLOCK_K,
         UPCAST_DOTS=upcast_bf16_dots(x.dtype),
+        **tiling,
     )
     return out
