@@ -28,8 +28,8 @@ from torch import nn
 logger = logging.getLogger(__name__)
 
 # Rows up to which the fused int8 matmul runs; past them a float matmul over the dequantized weight is
-# faster. On an H200 (Llama-3-8B's gate and up projection) Triton's kernel was 11x faster than dequantizing
-# at 64 rows and 3x slower at 8,192 rows, where the arithmetic, not the weight's bytes, is the cost.
+# faster. On an H200 (Llama-3-8B's gate and up projection) Triton's kernel was 10x faster than dequantizing
+# at 64 rows and 2x slower at 8,192 rows, where the arithmetic, not the weight's bytes, is the cost.
 FUSED_MAX_ROWS = 16
 CUDA_FUSED_MAX_ROWS = 512
 # The fused kernel computes this many output features together.
