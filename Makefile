@@ -54,6 +54,9 @@ crds: setup
 # The end-to-end suite builds the control plane from Go modules on first use (about 10 minutes on 2 cores),
 # into $(KVFLEET_CACHE)/k8s, and reuses it afterwards. One worker runs the end-to-end tests, which mostly wait
 # on the cluster and its pods, while the other runs the unit tests' modules; then both share what is left.
+# The suite runs many engines at once on few cores: their OpenMP workers sleep as soon as a region ends
+# rather than spin through a step's gaps (runtime/__init__.py), which only pays where an engine has its cores.
+test test-unit test-e2e: export OMP_WAIT_POLICY := PASSIVE
 test: setup lint
 	$(PY) -m pytest $(XDIST) e2e tests $(PYTEST_ARGS)
 

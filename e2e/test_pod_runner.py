@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import os
 import time
 import urllib.request
 from typing import Any
@@ -195,6 +196,7 @@ def test_container_gets_the_env_args_and_account_its_pod_describes(
     assert "--mode=fast" in argv
     assert env["MODE"] == "fast" and env["POD_IP"] == pod_ip and env["POD_NAME"] == "env"
     assert env["OMP_NUM_THREADS"] == "2"
+    assert env.get("OMP_WAIT_POLICY") == os.environ.get("OMP_WAIT_POLICY")  # the host's, on its nodes
     model_dir = argv[argv.index("--model") + 1]
     assert model_dir != "/models/tiny" and model_dir.endswith("/volumes/models/tiny")
     assert env["CACHE"] == model_dir.replace("/tiny", "/cache")

@@ -24,6 +24,8 @@ from .pod_spec import bind_to_pod_ip, container_argv, container_mounts, cpu_thre
 from .service_accounts import ServiceAccounts
 
 SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+# What the host says of how OpenMP workers wait for work (see runtime/__init__.py).
+OPENMP_WAITING = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 
 
 @dataclass(frozen=True)
@@ -169,6 +171,8 @@ class Launcher:
         if threads is not None:
             # What a CPU limit would enforce through the cgroup, told to the thread pools instead.
             env |= {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+        # This cluster's nodes share the host's cores: its OpenMP wait policy holds in their pods too.
+        env |= {name: os.environ[name] for name in OPENMP_WAITING if name in os.environ}
         kubeconfig = self.accounts.kubeconfig(pod, pod_dir)
         if kubeconfig is not None:
             env["KUBECONFIG"] = str(kubeconfig)

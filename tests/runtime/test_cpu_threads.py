@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 
@@ -104,3 +108,20 @@ def test_the_kernels_counts_follow_this_process() -> None:
     assert before is not None and after is not None
     assert after.run_ns - before.run_ns >= 0.19e9
     assert after.wait_ns >= before.wait_ns and after.idle_s >= before.idle_s
+
+
+@pytest.mark.parametrize(
+    ("given", "expected"),
+    [
+        ({}, {"GOMP_SPINCOUNT": "30000"}),  # workers spin through a step's gaps, a bounded time
+        ({"OMP_WAIT_POLICY": "PASSIVE"}, {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": None}),
+        ({"GOMP_SPINCOUNT": "500"}, {"GOMP_SPINCOUNT": "500"}),
+    ],
+)
+def test_openmp_wait_policy_defaults_to_a_bounded_spin(given: dict[str, str], expected: dict) -> None:
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")} | given
+    script = "import json, os, kvfleet.runtime; print(json.dumps({n: os.environ.get(n) for n in %r}))"
+    seen = subprocess.run(
+        [sys.executable, "-c", script % list(expected)], env=env, capture_output=True, text=True, check=True
+    )
+    assert json.loads(seen.stdout) == expected
