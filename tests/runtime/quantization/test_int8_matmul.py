@@ -26,9 +26,9 @@ def int8_linear():
     return torch.ops.kvfleet_cpu_quant.int8_linear
 
 
-# Row counts through each of the kernel's paths: one or two rows read the int8 weight directly, more rows a
-# dequantized block of it, in pairs and with an odd row left over. 104 input columns leave a tail past the
-# one-row loop's vectors (32 or 16 columns a step).
+# Row counts through each of the kernel's paths: one row (two with AVX-512) reads the int8 weight directly,
+# more rows a dequantized block of it, in fours and with rows left over. 104 input columns leave a tail past
+# the one-row loop's vectors (32 or 16 columns a step).
 @pytest.mark.parametrize("rows", [1, 2, 3, 8, FUSED_MAX_ROWS])
 @pytest.mark.parametrize("groups", [1, 4])
 def test_int8_linear_matches_a_float64_matmul(int8_linear, rows: int, groups: int) -> None:
