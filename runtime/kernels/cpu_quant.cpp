@@ -193,8 +193,8 @@ void dequantize_block(const int8_t* w, const float* scale, int64_t in, int64_t g
 }
 
 // Input rows up to which a block is computed straight from int8. Two rows together measured faster that way
-// with AVX-512; with AVX2 the two-row loop took longer than three rows through the float buffer (the small
-// model's 32 projections on 2 threads: 4.4 against 3.3 ms), so there only the one-row loop reads int8.
+// with AVX-512; with AVX2 two rows took 1.2 to 1.7 times as long as three through the float buffer (the small
+// model's projections on 2 threads), so there only the one-row loop reads int8.
 #if defined(__AVX2__) && !defined(__AVX512F__)
 constexpr int64_t kStraightRows = 1;
 #else

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 from kvfleet.runtime.kernels.triton_utils import check_device, upcast_bf16_dots
 
-# Tilings for decode's few rows and for more, the fastest of a sweep on an H200 (docs/benchmarks.md).
+# Tilings for decode's few rows and for more, among the fastest of a sweep on an H200 (docs/benchmarks.md).
 _FEW_ROWS = 16
 _FEW_ROWS_TILING = {"BLOCK_M": 16, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
 _MANY_ROWS_TILING = {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 4, "num_stages": 3}

@@ -15,10 +15,11 @@ import os
 import shutil
 import signal
 import socket
+import subprocess
 import tempfile
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from kvfleet.contract.tiers import BACKGROUND_TIER, TIERS
 from kvfleet.runtime.child_process import child_arguments, describe_exit, start_child
@@ -180,37 +181,46 @@ def _supervise(config: EngineConfig, options: ServeOptions, core: EngineCoreProc
     os.environ[MULTIPROCESS_DIR] = metrics_dir
     log_level = logging.getLogger().getEffectiveLevel()
     listen_fd = listen_socket.fileno()
-    api_servers = [
-        start_child(
-            "kvfleet.runtime.server.launcher",
-            (config, options, index, core.address, listen_fd, log_level),
-            pass_fds=(listen_fd,),
-        )
-        for index in range(options.api_server_count)
-    ]
-    listen_socket.close()
-    stopping = False
+    stop_signals = (signal.SIGTERM, signal.SIGINT)
+    # The signal that asked to stop: the handler only notes it, and the loop below passes it on, so that a
+    # signal that comes while an API server is being started reaches that one too, and each gets it once.
+    asked_to_stop: list[int] = []
 
-    def stop_api_servers(sig: int, _frame: Any = None) -> None:
-        # They drain on SIGTERM (a second signal makes them exit at once); the core is stopped after them.
-        nonlocal stopping
-        stopping = True
-        for process in api_servers:
-            if process.poll() is None:
-                process.send_signal(sig)
+    def note_stop(sig: int, _frame: object) -> None:
+        asked_to_stop.append(sig)
 
-    previous = {sig: signal.signal(sig, stop_api_servers) for sig in (signal.SIGTERM, signal.SIGINT)}
+    previous = {sig: signal.signal(sig, note_stop) for sig in stop_signals}
+    api_servers: list[subprocess.Popen[bytes]] = []
+    # An API server told to stop before it installed its drain handler dies of the signal: it had nothing
+    # to drain, so that is a clean stop too.
+    stopped_early = tuple(-sig for sig in stop_signals)
+    passed_on = 0
     status = 0
     try:
+        with listen_socket:
+            for index in range(options.api_server_count):
+                if asked_to_stop:
+                    break
+                arguments = (config, options, index, core.address, listen_fd, log_level)
+                api_servers.append(
+                    start_child("kvfleet.runtime.server.launcher", arguments, pass_fds=(listen_fd,))
+                )
         while any(process.poll() is None for process in api_servers):
+            # They drain on SIGTERM (a second signal makes them exit at once); the core is stopped after them.
+            for sig in asked_to_stop[passed_on:]:
+                for process in api_servers:
+                    if process.poll() is None:
+                        process.send_signal(sig)
+            passed_on = len(asked_to_stop)
             time.sleep(_SUPERVISE_POLL_S)
-            failed = [process for process in api_servers if process.poll() not in (None, 0)]
+            clean = (None, 0, *stopped_early) if asked_to_stop else (None, 0)
+            failed = [process for process in api_servers if process.poll() not in clean]
             if core.process.poll() is not None or failed:
                 # A dead core is noticed by the API servers themselves, which fail their requests and exit.
                 status = 1
-                if failed and not stopping:
+                if failed and not asked_to_stop:
                     logger.error("an API server %s; stopping the others", describe_exit(failed[0].returncode))
-                    stop_api_servers(signal.SIGTERM)
+                    asked_to_stop.append(signal.SIGTERM)
         return status
     finally:
         for sig, handler in previous.items():

@@ -243,6 +243,19 @@ def test_several_api_servers_share_one_core(start_server: Callable[..., ServerPr
     assert all(_exited(pid) for pid in (*api_servers, *children))
 
 
+def test_a_stop_while_api_servers_start_is_clean(start_server: Callable[..., ServerProcess]) -> None:
+    server = start_server("--api-server-count", "2", wait=False)
+    deadline = time.monotonic() + 120
+    # Both started, and still importing their HTTP stack (over a second): neither can drain yet.
+    while sum(API_SERVER_MODULE in command for command in child_processes(server.pid).values()) < 2:
+        assert time.monotonic() < deadline and server.process.poll() is None, server.log_tail()
+        time.sleep(0.005)
+    children = child_processes(server.pid)
+    os.kill(server.pid, signal.SIGTERM)
+    assert _wait_exit(server, 60) == 0, server.log_tail()
+    assert all(_exited(pid) for pid in children)
+
+
 def _unix_socket_paths(pid: int) -> list[Path]:
     """The paths of the Unix sockets that process `pid` has open with a name, found by their inodes."""
     inodes = {
