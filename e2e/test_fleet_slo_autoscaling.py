@@ -43,7 +43,10 @@ SCALING = {
     "maxReplicas": 2,
     "policy": "slo",
     "stableWindowSeconds": 10,
-    "panicWindowSeconds": 2,
+    # The demand is never taken below this window's mean: at the tail's 0.8 requests a second, two scrapes
+    # hold one or two prompts, and a chance cluster of four or five in them looks like more than a replica
+    # serves. Six scrapes are a rate.
+    "panicWindowSeconds": 6,
     "scaleDownDelaySeconds": 10,
     "metricsIntervalSeconds": 1,
     "maxScaleUpStep": 2,

@@ -177,6 +177,10 @@ class AutoscalerState:
     # room for more): what one replica can do, remembered past the stable window, as it does not change
     # with the load.
     full_throughput: tuple[tuple[Latency, float], ...] = ()
+    # By latency, the most tokens per second a replica has served with that latency within its target: how
+    # far the latency line has been seen to hold, remembered past the stable window, so that a quiet window
+    # (a few requests, unevenly spread) does not make that look like the most a replica can be trusted with.
+    proven_throughput: tuple[tuple[Latency, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -289,7 +293,9 @@ def decide(
     unreachable = None
     if by_slo is not None:
         wanted, reason, unreachable, panic_until = by_slo.replicas, by_slo.reason, by_slo.unreachable, None
-        state = replace(state, full_throughput=by_slo.full_throughput)
+        state = replace(
+            state, full_throughput=by_slo.full_throughput, proven_throughput=by_slo.proven_throughput
+        )
     panic = panic_until is not None
     observed = _mean_or_none(_latency(s, latency.latency) for s in panic_samples) if latency else None
     panic_demand = _mean(s.queue_depth for s in panic_samples)
@@ -447,11 +453,17 @@ def latency_model(
     return LatencyModel(0.0, mean_latency / mean_load, max(loads), full_at)
 
 
+# How far a demand trend must stand out from its samples' scatter, in standard errors of its slope, to be
+# extended ahead.
+_TREND_STANDARD_ERRORS = 2.0
+
+
 def forecast_demand(
     samples: Sequence[MetricsSample], recent: Sequence[MetricsSample], horizon: float, unit: Unit = REQUESTS
 ) -> float:
-    """The fleet's demand in `unit` `horizon` seconds after the latest sample, on the window's linear trend;
-    never below the recent mean (a falling trend is left to the scale-down delay)."""
+    """The fleet's demand in `unit` `horizon` seconds after the latest sample, on the window's linear trend
+    where it stands out from the samples' scatter about it; never below the recent mean (a falling trend is
+    left to the scale-down delay)."""
     points = [(s.time, demand) for s in samples if (demand := unit.demand(s)) is not None]
     current = _mean_or_none(unit.demand(s) for s in recent)
     if current is None:
@@ -465,6 +477,12 @@ def forecast_demand(
         return current
     mean_demand = _mean(demand for _, demand in points)
     slope = sum((time - mean_time) * (demand - mean_demand) for time, demand in points) / spread
+    if len(points) > 2:
+        # A trend within two standard errors of none is the scatter of a few requests a second, unevenly
+        # spread, which extended half a window ahead would look like a replica's worth of demand.
+        scatter = sum((d - mean_demand - slope * (t - mean_time)) ** 2 for t, d in points) / (len(points) - 2)
+        if slope**2 * spread < _TREND_STANDARD_ERRORS**2 * scatter:
+            return current
     return max(current, mean_demand + slope * (max(times) + horizon - mean_time))
 
 
@@ -474,6 +492,7 @@ class _SloDecision:
     reason: str
     unreachable: Latency | None
     full_throughput: tuple[tuple[Latency, float], ...]
+    proven_throughput: tuple[tuple[Latency, float], ...]
 
 
 def _wanted_for_slo(
@@ -486,11 +505,13 @@ def _wanted_for_slo(
     """The fewest replicas whose modelled latency meets every target at the demand forecast half a stable
     window ahead, why, and the latency no replica count can meet, if any; None until some target has a
     latency measured under load. Where the replicas report their token counters, the load is the token
-    throughput the latency depends on, and what a replica served while the gateway held requests bounds its
-    capacity until it is measured again."""
+    throughput the latency depends on: what a replica served while the gateway held requests bounds its
+    capacity until it is measured again, and the most it has served within the target is as far as the
+    latency line is known to hold."""
     horizon = policy.stable_window_seconds / 2
     best: tuple[int, str, Latency | None] | None = None
     full_throughput = dict(state.full_throughput)
+    proven_throughput = dict(state.proven_throughput)
     for target in slo:
         unit = THROUGHPUT[target.latency]
         reporting = [s for s in stable if s.reporting_pods]
@@ -504,12 +525,34 @@ def _wanted_for_slo(
                 full_throughput[target.latency] = model.full_at
             elif target.latency in full_throughput:
                 model = replace(model, full_at=full_throughput[target.latency])
+            proven = max(
+                proven_throughput.get(target.latency, 0.0), _most_within_target(stable, target, unit)
+            )
+            if proven > 0:
+                proven_throughput[target.latency] = proven
+                model = replace(model, measured_up_to=max(model.measured_up_to, proven))
         wanted, why, unreachable = _fewest(policy, target, model, unit, stable, recent, horizon)
         if best is None or wanted > best[0] or (unreachable and not best[2]):
             best = wanted, why, unreachable
     if best is None:
         return None
-    return _SloDecision(*best, tuple(sorted(full_throughput.items())))
+    return _SloDecision(
+        *best, tuple(sorted(full_throughput.items())), tuple(sorted(proven_throughput.items()))
+    )
+
+
+def _most_within_target(samples: Sequence[MetricsSample], target: LatencyTarget, unit: Unit) -> float:
+    """The most load a replica carried in `samples` with its latency within the target (0 if none)."""
+    return max(
+        (
+            load
+            for s in samples
+            if (load := unit.per_replica(s)) is not None
+            and (value := _latency(s, target.latency, target.percentile)) is not None
+            and value <= target.seconds
+        ),
+        default=0.0,
+    )
 
 
 def _fewest(

@@ -82,6 +82,17 @@ def test_the_demand_forecast_follows_the_trend_and_never_falls_below_the_recent_
     assert forecast_demand(RISING[:1], RISING[:1], 30) == pytest.approx(4.0)
 
 
+def test_a_trend_within_two_standard_errors_of_none_is_not_extended() -> None:
+    # 10, 10, 10, 10, then 30: the line rises 4 a second, but its residuals (4, 0, -4, -8, 8) leave a
+    # scatter of 160 / 3 and a standard error of the slope of sqrt(160 / 3 / 10) = 2.3: under two of them.
+    # The forecast is the recent demand, not 14 + 4 × 32 = 142.
+    noisy = [_sample(t, d, 0.3) for t, d in enumerate([10, 10, 10, 10, 30])]
+    assert forecast_demand(noisy, noisy[-1:], 30) == pytest.approx(30.0)
+    # A steady rise of 2 a second has no scatter: 14 + 2 × 32 = 78.
+    steady = [_sample(t, d, 0.3) for t, d in enumerate([10, 12, 14, 16, 18])]
+    assert forecast_demand(steady, steady[-1:], 30) == pytest.approx(78.0)
+
+
 def test_the_fewest_replicas_that_meet_the_target_at_the_forecast_and_the_reason_names_the_numbers() -> None:
     decision = decide(POLICY, RISING, FleetState(2, 2), AutoscalerState(), 10, slo=[TTFT])
     # 20 requests forecast, 5 per replica within the target: 4 replicas.
@@ -326,8 +337,7 @@ TOKENS = [_token_sample(0, 4, 2000, 0.2), _token_sample(10, 8, 4000, 0.3)]
 def test_with_token_counters_the_slo_policy_sizes_on_prompt_tokens_per_second() -> None:
     decision = decide(POLICY, TOKENS, FleetState(2, 2), AutoscalerState(), 10, slo=[TTFT])
     # 100 ms + 100 ms per 1000 prompt tokens a second: 5000 within 600 ms, trusted up to twice the 2000
-    # measured. The
-    # demand rose 200 tokens/s a second: 4000 + 30 × 200 = 10,000 forecast, 3 replicas.
+    # measured. The demand rose 200 tokens/s a second: 4000 + 30 × 200 = 10,000 forecast, 3 replicas.
     assert decision.replicas == 3
     assert decision.reason == (
         "slo: time to first token mean 100ms + 100.0ms per 1000 prompt tokens/s: 4000.0 prompt tokens/s per "
@@ -352,3 +362,25 @@ def test_what_a_replica_served_while_the_gateway_held_requests_bounds_it_past_th
     assert "2000.0 prompt tokens/s per replica" in remembered.reason
     forgotten = decide(POLICY, later, FleetState(4, 4), AutoscalerState(), 72, slo=[TTFT])
     assert "3000.0 prompt tokens/s per replica" in forgotten.reason
+
+
+def test_the_most_a_replica_served_within_the_target_extends_the_lines_trust_past_the_window() -> None:
+    # Two replicas at 2000 and 4000 prompt tokens/s each answer within the 600 ms target; at 6000, in 700 ms.
+    busy = [
+        _token_sample(0, 4, 4000, 0.2),
+        _token_sample(10, 8, 8000, 0.3),
+        _token_sample(20, 12, 12000, 0.7),
+    ]
+    first = decide(POLICY, busy, FleetState(2, 2), AutoscalerState(), 20, slo=[TTFT])
+    assert first.state.proven_throughput == (("time to first token", 4000.0),)
+    # A minute on, four replicas serve 1500 and then 1000 each: 100 ms + 50 ms per 1000 tokens/s, 10,000
+    # within the target by the line; the demand is 5000 (falling). Trusted only as far as this window saw,
+    # twice 1500: 3000 a replica, 2 replicas. With what was seen before, twice 4000: 8000, 1 replica.
+    quiet = [_token_sample(70, 8, 6000, 0.175), _token_sample(72, 8, 4000, 0.15)]
+    quiet = [dataclasses.replace(s, reporting_pods=4) for s in quiet]
+    remembered = decide(POLICY, quiet, FleetState(4, 4), first.state, 72, slo=[TTFT])
+    assert "8000.0 prompt tokens/s per replica" in remembered.reason, remembered.reason
+    assert "demand 5000.0 prompt tokens/s, 5000.0 forecast" in remembered.reason
+    forgotten = decide(POLICY, quiet, FleetState(4, 4), AutoscalerState(), 72, slo=[TTFT])
+    assert "3000.0 prompt tokens/s per replica" in forgotten.reason, forgotten.reason
+    assert remembered.state.proven_throughput == (("time to first token", 4000.0),)
