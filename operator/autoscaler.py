@@ -402,11 +402,15 @@ REQUESTS = Unit("requests", lambda s: _with_refused(s, s.queue_depth), lambda s:
 def _token_unit(name: str, served: Callable[[MetricsSample], float | None]) -> Unit:
     def demand(sample: MetricsSample) -> float | None:
         # The requests the gateway held are demand the replicas had no room for: the tokens served, scaled up
-        # by the requests waiting over those the replicas hold.
+        # by the requests waiting over those the replicas hold. Once the gateway refuses some, its queue is
+        # as long as it gets and the replicas serve what it admits: the share refused says how much more
+        # arrives, and the held requests counted as well would count that excess again.
         tokens, carried = served(sample), sample.queue_depth - sample.held
         if tokens is None or (sample.held > 0 and carried <= 0):
             return None
-        return _with_refused(sample, tokens * sample.queue_depth / carried if sample.held > 0 else tokens)
+        if sample.held > 0 and sample.refused_share == 0:
+            tokens *= sample.queue_depth / carried
+        return _with_refused(sample, tokens)
 
     return Unit(name, demand, served)
 

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from kvfleet.operator.api import API_VERSION, KIND
 from kvfleet.operator.autoscaler import (
+    THROUGHPUT,
     AutoscalerState,
     Buckets,
     FleetState,
@@ -129,6 +130,18 @@ def test_requests_the_gateway_refused_are_demand_that_nothing_else_shows() -> No
         "demand 80.0 requests"
         in decide(POLICY, swamped, FleetState(2, 2), AutoscalerState(), 10, slo=[TTFT]).reason
     )
+
+
+def test_a_gateway_that_refuses_has_its_held_requests_counted_once() -> None:
+    prompt_tokens = THROUGHPUT["time to first token"]
+    # The replicas serve 4000 prompt tokens/s with 8 requests, and the gateway holds 6 more: while it
+    # refuses none, its queue is filling, and the demand is 4000 × 14 / 8 = 7000.
+    filling = _token_sample(10, 14, 4000, 0.3, held=6)
+    assert prompt_tokens.demand(filling) == pytest.approx(7000.0)
+    # Refusing half of what reaches it, its queue is full and the replicas serve what it admits: 4000 /
+    # (1 - 0.5) = 8000, not 7000 / (1 - 0.5).
+    full = dataclasses.replace(filling, refused_share=0.5)
+    assert prompt_tokens.demand(full) == pytest.approx(8000.0)
 
 
 def test_a_target_below_the_idle_latency_asks_for_the_most_replicas_and_says_why() -> None:
