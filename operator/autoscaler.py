@@ -457,17 +457,11 @@ def latency_model(
     return LatencyModel(0.0, mean_latency / mean_load, max(loads), full_at)
 
 
-# How far a demand trend must stand out from its samples' scatter, in standard errors of its slope, to be
-# extended ahead.
-_TREND_STANDARD_ERRORS = 2.0
-
-
 def forecast_demand(
     samples: Sequence[MetricsSample], recent: Sequence[MetricsSample], horizon: float, unit: Unit = REQUESTS
 ) -> float:
-    """The fleet's demand in `unit` `horizon` seconds after the latest sample, on the window's linear trend
-    where it stands out from the samples' scatter about it; never below the recent mean (a falling trend is
-    left to the scale-down delay)."""
+    """The fleet's demand in `unit` `horizon` seconds after the latest sample, on the window's linear trend;
+    never below the recent mean (a falling trend is left to the scale-down delay)."""
     points = [(s.time, demand) for s in samples if (demand := unit.demand(s)) is not None]
     current = _mean_or_none(unit.demand(s) for s in recent)
     if current is None:
@@ -481,12 +475,6 @@ def forecast_demand(
         return current
     mean_demand = _mean(demand for _, demand in points)
     slope = sum((time - mean_time) * (demand - mean_demand) for time, demand in points) / spread
-    if len(points) > 2:
-        # A trend within two standard errors of none is the scatter of a few requests a second, unevenly
-        # spread, which extended half a window ahead would look like a replica's worth of demand.
-        scatter = sum((d - mean_demand - slope * (t - mean_time)) ** 2 for t, d in points) / (len(points) - 2)
-        if slope**2 * spread < _TREND_STANDARD_ERRORS**2 * scatter:
-            return current
     return max(current, mean_demand + slope * (max(times) + horizon - mean_time))
 
 

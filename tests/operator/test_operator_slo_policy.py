@@ -83,17 +83,6 @@ def test_the_demand_forecast_follows_the_trend_and_never_falls_below_the_recent_
     assert forecast_demand(RISING[:1], RISING[:1], 30) == pytest.approx(4.0)
 
 
-def test_a_trend_within_two_standard_errors_of_none_is_not_extended() -> None:
-    # 10, 10, 10, 10, then 30: the line rises 4 a second, but its residuals (4, 0, -4, -8, 8) leave a
-    # scatter of 160 / 3 and a standard error of the slope of sqrt(160 / 3 / 10) = 2.3: under two of them.
-    # The forecast is the recent demand, not 14 + 4 × 32 = 142.
-    noisy = [_sample(t, d, 0.3) for t, d in enumerate([10, 10, 10, 10, 30])]
-    assert forecast_demand(noisy, noisy[-1:], 30) == pytest.approx(30.0)
-    # A steady rise of 2 a second has no scatter: 14 + 2 × 32 = 78.
-    steady = [_sample(t, d, 0.3) for t, d in enumerate([10, 12, 14, 16, 18])]
-    assert forecast_demand(steady, steady[-1:], 30) == pytest.approx(78.0)
-
-
 def test_the_fewest_replicas_that_meet_the_target_at_the_forecast_and_the_reason_names_the_numbers() -> None:
     decision = decide(POLICY, RISING, FleetState(2, 2), AutoscalerState(), 10, slo=[TTFT])
     # 20 requests forecast, 5 per replica within the target: 4 replicas.
