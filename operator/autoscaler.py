@@ -432,13 +432,7 @@ def latency_model(
     measures. A replica is full where the gateway held more of the requests than the percentile leaves to
     its tail (any, for the mean): a p90 target tolerates a tenth of the requests waiting there. None without
     a latency measured under load."""
-    points = [
-        (load, value)
-        for s in samples
-        if (load := unit.per_replica(s)) is not None
-        and load > 0
-        and (value := _latency(s, latency, percentile)) is not None
-    ]
+    points = _loads_and_latencies(samples, latency, percentile, unit)
     if not points:
         return None
     tail = 0.0 if percentile is None else 1 - percentile / 100
@@ -455,6 +449,19 @@ def latency_model(
         if slope > 0 and idle >= 0:
             return LatencyModel(idle, slope, max(loads), full_at)
     return LatencyModel(0.0, mean_latency / mean_load, max(loads), full_at)
+
+
+def _loads_and_latencies(
+    samples: Sequence[MetricsSample], latency: Latency, percentile: float | None, unit: Unit
+) -> list[tuple[float, float]]:
+    """Each sample's (load per reporting replica in `unit`, latency), where it had both and some load."""
+    return [
+        (load, value)
+        for s in samples
+        if (load := unit.per_replica(s)) is not None
+        and load > 0
+        and (value := _latency(s, latency, percentile)) is not None
+    ]
 
 
 def forecast_demand(
@@ -535,16 +542,8 @@ def _wanted_for_slo(
 
 def _most_within_target(samples: Sequence[MetricsSample], target: LatencyTarget, unit: Unit) -> float:
     """The most load a replica carried in `samples` with its latency within the target (0 if none)."""
-    return max(
-        (
-            load
-            for s in samples
-            if (load := unit.per_replica(s)) is not None
-            and (value := _latency(s, target.latency, target.percentile)) is not None
-            and value <= target.seconds
-        ),
-        default=0.0,
-    )
+    points = _loads_and_latencies(samples, target.latency, target.percentile, unit)
+    return max((load for load, value in points if value <= target.seconds), default=0.0)
 
 
 def _fewest(
