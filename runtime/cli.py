@@ -62,6 +62,11 @@ from kvfleet.runtime.config import engine_config_from_options, engine_options
     help="Write the projections quantized in the compressed-tensors format (llm-compressor's scheme names): "
     "int8 per channel, int4 in groups, or float8 per channel; activations stay in float.",
 )
+@click.option(
+    "--quantize-lm-head",
+    is_flag=True,
+    help="Quantize the LM head with the projections (llm-compressor's recipes leave it in float).",
+)
 @click.argument("out_dir", type=click.Path(file_okay=False))
 def make_model(
     arch: str,
@@ -75,6 +80,7 @@ def make_model(
     sliding_window: int | None,
     max_window_layers: int,
     quantize: str | None,
+    quantize_lm_head: bool,
     out_dir: str,
 ) -> None:
     """Write a Hugging Face model folder with random weights and a trained tokenizer to OUT_DIR."""
@@ -100,6 +106,7 @@ def make_model(
             train_steps=train_steps,
             teacher=teacher,
             quantize=quantize,
+            quantize_lm_head=quantize_lm_head,
         )
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc

@@ -394,25 +394,42 @@ def bench_engine_timing(
     help="Also measure a copy of the model with its projections quantized so (`make-model --quantize`), "
     "batch size by batch size beside the float model.",
 )
+@click.option(
+    "--quantize-lm-head",
+    is_flag=True,
+    help="With --quantize, also measure a third copy with its LM head quantized too "
+    "(`make-model --quantize-lm-head`).",
+)
 @engine_options
 def bench_step_phases(
-    model: str | None, batch_sizes: str, steps: int, rounds: int, quantize: str | None, **options
+    model: str | None,
+    batch_sizes: str,
+    steps: int,
+    rounds: int,
+    quantize: str | None,
+    quantize_lm_head: bool,
+    **options,
 ) -> None:
     """Where a decode step's time goes, phase by phase, at each batch size."""
     import torch
     from kvfleet.runtime import LLM
     from kvfleet.runtime.bench.step_phases import format_table, measure_step_phases
 
+    if quantize_lm_head and quantize is None:
+        raise click.UsageError("--quantize-lm-head needs --quantize")
     with contextlib.ExitStack() as stack:
         model_dir = stack.enter_context(_model_or_small(model))
         folders = {"": model_dir}
         if quantize is not None:
             folders[quantize] = stack.enter_context(_quantized_copy(model_dir, quantize))
+        if quantize_lm_head:
+            label = f"{quantize}, LM head too"
+            folders[label] = stack.enter_context(_quantized_copy(model_dir, quantize, lm_head=True))
         engines = {
             label: LLM(folder, **engine_config_from_options(folder, options).as_options())
             for label, folder in folders.items()
         }
-        # Each batch size measured on both models in turn, so that both see the machine's load alike.
+        # Each batch size measured on every model in turn, so that all see the machine's load alike.
         results = [
             measure_step_phases(llm, int(batch), steps=steps, rounds=rounds, label=label)
             for batch in batch_sizes.split(",")
@@ -420,10 +437,11 @@ def bench_step_phases(
         ]
     click.echo(f"{torch.get_num_threads()} torch threads, load average {os.getloadavg()[0]:.2f}\n")
     click.echo(format_table(results))
-    if quantize is not None:
-        pairs = zip(results[::2], results[1::2], strict=True)
+    per_batch = len(engines)
+    for offset, label in enumerate(list(engines)[1:], start=1):
+        pairs = zip(results[::per_batch], results[offset::per_batch], strict=True)
         speedups = ", ".join(f"batch {f.batch_size} {f.step_ms / q.step_ms:.2f}x" for f, q in pairs)
-        click.echo(f"\n{quantize} against the float model, whole step: {speedups}")
+        click.echo(f"\n{label} against the float model, whole step: {speedups}")
 
 
 @bench.command("disaggregated")
@@ -679,8 +697,9 @@ def _even_cpus(text: str) -> list[int]:
 
 
 @contextlib.contextmanager
-def _quantized_copy(model_dir: str, scheme: str) -> Iterator[str]:
-    """A copy of a float model folder with its projections quantized, removed afterwards."""
+def _quantized_copy(model_dir: str, scheme: str, *, lm_head: bool = False) -> Iterator[str]:
+    """A copy of a float model folder with its projections quantized (its LM head too with `lm_head`),
+    removed afterwards."""
     import shutil
 
     from kvfleet.runtime.models.make_model.quantize import quantize_folder
@@ -688,7 +707,7 @@ def _quantized_copy(model_dir: str, scheme: str) -> Iterator[str]:
     with tempfile.TemporaryDirectory(prefix=f"kvfleet-{scheme}-") as parent:
         folder = Path(parent) / Path(model_dir).name
         shutil.copytree(model_dir, folder)
-        quantize_folder(folder, scheme)
+        quantize_folder(folder, scheme, lm_head=lm_head)
         yield str(folder)
 
 

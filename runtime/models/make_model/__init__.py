@@ -56,6 +56,7 @@ def make_model(
     train_steps: int = 0,
     teacher: str | Path | None = None,
     quantize: str | None = None,
+    quantize_lm_head: bool = False,
 ) -> Path:
     """Write the folder; returns its path. Raises ValueError for unknown choices or a non-empty folder.
 
@@ -65,7 +66,8 @@ def make_model(
     layers from max_window_layers on (Llama has none). train_steps then trains the weights on the
     tokenizer's corpus: to predict its next tokens, or, given a teacher model folder of the same tokenizer,
     to predict the teacher's next-token distributions (knowledge distillation, as draft models are made).
-    quantize names a weight-only scheme (`quantize.SCHEMES`) the projections are then stored in."""
+    quantize names a weight-only scheme (`quantize.SCHEMES`) the projections are then stored in, and
+    quantize_lm_head the LM head too."""
     if arch not in ARCHITECTURES:
         raise ValueError(f"unknown arch {arch!r}; choose from {', '.join(ARCHITECTURES)}")
     if preset not in PRESETS:
@@ -74,6 +76,8 @@ def make_model(
         raise ValueError(f"unknown dtype {dtype!r}; choose from {', '.join(DTYPES)}")
     if quantize is not None and (quantize not in SCHEMES or arch in _MULTIMODAL):
         raise ValueError(f"quantize takes {', '.join(SCHEMES)} on text models, not {quantize!r} on {arch}")
+    if quantize_lm_head and quantize is None:
+        raise ValueError("quantize_lm_head quantizes the LM head with the projections: give quantize too")
     if train_steps < 0:
         raise ValueError(f"train_steps must not be negative, got {train_steps}")
     if teacher is not None and not train_steps:
@@ -114,7 +118,7 @@ def make_model(
         teacher_model = None if teacher is None else load_teacher(Path(teacher), out)
         train(out, tokenizer, train_steps, seed, teacher_model)
     if quantize is not None:
-        quantize_folder(out, quantize)
+        quantize_folder(out, quantize, lm_head=quantize_lm_head)
     return out
 
 

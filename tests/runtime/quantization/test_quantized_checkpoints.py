@@ -31,9 +31,14 @@ TOP_N = 5
 # float32 sums of a few hundred terms in another order differ by about 1e-6 relative; logprobs of these
 # tiny models are a few units, so 1e-3 leaves room without hiding a wrong scale (which moves them by tenths).
 LOGPROB_TOLERANCE = 1e-3
-# Each scheme on another architecture: Qwen2's q/k/v biases go through the int8 projections, Qwen3's
-# head_dim differs from hidden_size / heads.
-CASES = {"w8a16": "llama", "w4a16": "qwen2", "fp8": "qwen3"}
+# (scheme, architecture, whether the LM head is quantized too), by name. Each scheme on another architecture:
+# Qwen2's q/k/v biases go through the int8 projections, Qwen3's head_dim differs from hidden_size / heads.
+CASES = {
+    "w8a16": ("w8a16", "llama", False),
+    "w4a16": ("w4a16", "qwen2", False),
+    "fp8": ("fp8", "qwen3", False),
+    "w8a16, LM head too": ("w8a16", "llama", True),
+}
 
 
 def _prompts(vocab_size: int) -> list[list[int]]:
@@ -67,11 +72,12 @@ def _reference(model_dir: Path, prompts: list[list[int]]) -> list[tuple[list[int
     return results
 
 
-def _quantized_copy(float_dir: Path, scheme: str, parent: Path) -> Path:
-    """What `make-model --quantize` writes, from the float folder the other model tests share."""
-    model_dir = parent / f"{float_dir.name}-{scheme}"
+def _quantized_copy(float_dir: Path, scheme: str, parent: Path, lm_head: bool = False) -> Path:
+    """What `make-model --quantize` (and `--quantize-lm-head`) writes, from the float folder the other model
+    tests share."""
+    model_dir = parent / f"{float_dir.name}-{scheme}{'-lm-head' if lm_head else ''}"
     shutil.copytree(float_dir, model_dir)
-    quantize_folder(model_dir, scheme)
+    quantize_folder(model_dir, scheme, lm_head=lm_head)
     return model_dir
 
 
@@ -79,20 +85,21 @@ def _quantized_copy(float_dir: Path, scheme: str, parent: Path) -> Path:
 def quantized_case(
     request: pytest.FixtureRequest, make_model: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory
 ):
-    scheme = request.param
-    model_dir = _quantized_copy(
-        make_model(CASES[scheme], "tiny"), scheme, tmp_path_factory.mktemp("quantized")
-    )
+    scheme, arch, lm_head = CASES[request.param]
+    parent = tmp_path_factory.mktemp("quantized")
+    model_dir = _quantized_copy(make_model(arch, "tiny"), scheme, parent, lm_head)
     prompts = _prompts(json.loads((model_dir / "config.json").read_text())["vocab_size"])
-    return scheme, model_dir, prompts, _reference(model_dir, prompts)
+    return scheme, lm_head, model_dir, prompts, _reference(model_dir, prompts)
 
 
 def test_greedy_matches_transformers_on_the_quantized_folder(quantized_case) -> None:
-    scheme, model_dir, prompts, reference = quantized_case
+    scheme, lm_head, model_dir, prompts, reference = quantized_case
     llm = LLM(str(model_dir), dtype="float32", num_kv_blocks=64, max_model_len=128)
-    int8_layers = [m for m in llm.llm_engine.runner.model.modules() if isinstance(m, Int8Linear)]
+    model = llm.llm_engine.runner.model
+    int8_layers = [m for m in model.modules() if isinstance(m, Int8Linear)]
     # Float8 weights are dequantized on load; int weights stay int8, in the fused kernel on this host.
-    assert len(int8_layers) == (0 if scheme == "fp8" else 4 * 2)
+    assert len(int8_layers) == (0 if scheme == "fp8" else 4 * 2 + lm_head)
+    assert isinstance(model.lm_head, Int8Linear) == lm_head
     assert all(layer.kernel is Implementation.CPU for layer in int8_layers)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=TOP_N)
     # The batch decodes several rows a step, the last prompt alone one row: both paths of the kernel.
@@ -190,3 +197,8 @@ def test_make_model_refuses_what_it_cannot_quantize(arch: str, scheme: str, tmp_
         ValueError, match=f"quantize takes w8a16, w4a16, fp8 on text models, not '{scheme}' on {arch}"
     ):
         write_model(arch, "tiny", tmp_path, quantize=scheme)
+
+
+def test_make_model_quantizes_the_lm_head_only_with_the_projections(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="quantize_lm_head quantizes the LM head with the projections"):
+        write_model("llama", "tiny", tmp_path, quantize_lm_head=True)
