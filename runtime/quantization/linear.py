@@ -1,8 +1,10 @@
 """Quantized projections, and a compressed-tensors checkpoint read into them.
 
 Int8 and int4 weights are held as int8 [out, in] with float32 scales [out, groups] (one group of the whole
-row for per-channel scales); int4 values take a byte each, so both move a quarter of float32's bytes. Float8
-weights are dequantized as they are read: the model then holds an ordinary float projection.
+row for per-channel scales); int4 values take a byte each, so both move a quarter of float32's bytes. Where
+the CPU kernel runs them, both are packed once loaded, in blocks of its feature width
+(`pack_int8_linears_for_cpu`).
+Float8 weights are dequantized as they are read: the model then holds an ordinary float projection.
 
 A layer binds its matmul when built: for float32 on the CPU the fused int8 matmul of `cpu_quant.cpp`, for the
 few rows of a decode step, and on CUDA Triton's (`kernels.int8_matmul`) for up to a few hundred rows;
@@ -28,17 +30,31 @@ from torch import nn
 logger = logging.getLogger(__name__)
 
 # Rows up to which the fused int8 matmul runs; past them a float matmul over the dequantized weight is
-# faster. On an H200 (Llama-3-8B's gate and up projection) Triton's kernel was 10x faster than dequantizing
-# at 64 rows and 2x slower at 8,192 rows, where the arithmetic, not the weight's bytes, is the cost.
-FUSED_MAX_ROWS = 16
+# faster, where the arithmetic, not the weight's bytes, is the cost. On the CPU (the `small` model's 32
+# projections, 2 threads of an AVX2 CPU) the packed kernel took 81 to 105 ms at 256 rows against 138 to 242
+# for dequantizing, and the two crossed between 400 and 500 rows. On an H200 (Llama-3-8B's gate and up
+# projection) Triton's kernel was 10x faster than dequantizing at 64 rows and 2x slower at 8,192 rows.
+FUSED_MAX_ROWS = 256
 CUDA_FUSED_MAX_ROWS = 512
-# The fused kernel computes this many output features together.
-_FEATURE_BLOCK = 4
+# The fused CPU kernel's block of output features: weights and scales packed [out / 8, in or groups, 8].
+_FEATURE_BLOCK = 8
 
 
 @functools.cache
 def int8_ops_available() -> bool:
     return build_cpu_ops(CPU_QUANT)
+
+
+def pack_feature_blocks(tensor: torch.Tensor) -> torch.Tensor:
+    """[out, n] -> [out / 8, n, 8]: each block of the CPU kernel's output features, column by column."""
+    out, columns = tensor.shape
+    return tensor.view(out // _FEATURE_BLOCK, _FEATURE_BLOCK, columns).transpose(1, 2).contiguous()
+
+
+def unpack_feature_blocks(packed: torch.Tensor) -> torch.Tensor:
+    """[out / 8, n, 8] -> [out, n], as it was before `pack_feature_blocks`."""
+    blocks, columns, width = packed.shape
+    return packed.transpose(1, 2).reshape(blocks * width, columns)
 
 
 def dequantize(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -67,19 +83,39 @@ class Int8Linear(nn.Module):
         )
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype)) if bias else None
         self.kernel = _kernel_for(self.weight.device, dtype, in_features, out_features, groups)
+        # Whether weight and weight_scale are packed in feature blocks for the CPU kernel (`pack_for_cpu`).
+        self.packed = False
 
     def check_loaded(self, name: str) -> None:
         if bool(self.weight_scale.isnan().any()):
             raise ValueError(f"checkpoint left some of {name}'s weight_scale rows unloaded")
 
+    def pack_for_cpu(self) -> None:
+        """Pack the loaded weight and scales in the CPU kernel's feature blocks; afterwards the layer is
+        inference-only."""
+        self.weight = nn.Parameter(pack_feature_blocks(self.weight.detach()), requires_grad=False)
+        self.weight_scale = nn.Parameter(pack_feature_blocks(self.weight_scale.detach()), requires_grad=False)
+        self.packed = True
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernel is Implementation.CPU and x.dim() == 2 and x.shape[0] <= FUSED_MAX_ROWS:
+        if self.packed and x.dim() == 2 and x.shape[0] <= FUSED_MAX_ROWS:
             return torch.ops.kvfleet_cpu_quant.int8_linear(x, self.weight, self.weight_scale, self.bias)
         if self.kernel is Implementation.CUDA and x.dim() == 2 and x.shape[0] <= CUDA_FUSED_MAX_ROWS:
             from kvfleet.runtime.kernels.int8_matmul import int8_matmul
 
             return int8_matmul(x, self.weight, self.weight_scale, self.bias)
-        return F.linear(x, dequantize(self.weight, self.weight_scale, x.dtype), self.bias)
+        weight, scale = self.weight, self.weight_scale
+        if self.packed:
+            weight, scale = unpack_feature_blocks(weight), unpack_feature_blocks(scale)
+        return F.linear(x, dequantize(weight, scale, x.dtype), self.bias)
+
+
+def pack_int8_linears_for_cpu(model: nn.Module) -> int:
+    """Pack every loaded `Int8Linear` that the CPU kernel runs; returns how many."""
+    layers = [m for m in model.modules() if isinstance(m, Int8Linear) and m.kernel is Implementation.CPU]
+    for layer in layers:
+        layer.pack_for_cpu()
+    return len(layers)
 
 
 def _kernel_for(

@@ -15,6 +15,8 @@ from kvfleet.runtime.quantization.linear import (
     QuantizedCheckpoint,
     _unpack,
     int8_ops_available,
+    pack_feature_blocks,
+    unpack_feature_blocks,
 )
 from safetensors.torch import save_file
 
@@ -26,25 +28,34 @@ def int8_linear():
     return torch.ops.kvfleet_cpu_quant.int8_linear
 
 
-# Row counts through each of the kernel's paths: one row (two with AVX-512) reads the int8 weight directly,
-# more rows a dequantized block of it, in fours and with rows left over. 104 input columns leave a tail past
-# the one-row loop's vectors (32 or 16 columns a step).
-@pytest.mark.parametrize("rows", [1, 2, 3, 8, FUSED_MAX_ROWS])
+# Row counts through each of the kernel's tiles: one row, two, three, eight (a whole tile), nine (a tile and a
+# row) and the most it takes. 104 input columns in 1 or 4 groups; 40 output features are five blocks of eight,
+# which leaves a block past the tiles of two and four blocks.
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 9, FUSED_MAX_ROWS])
 @pytest.mark.parametrize("groups", [1, 4])
 def test_int8_linear_matches_a_float64_matmul(int8_linear, rows: int, groups: int) -> None:
     generator = torch.Generator().manual_seed(rows * 10 + groups)
-    out_features, in_features = 36, 104
+    out_features, in_features = 40, 104
     weight = torch.randint(-128, 128, (out_features, in_features), dtype=torch.int8, generator=generator)
     scale = torch.rand(out_features, groups, generator=generator) / 64 + 1e-3
     x = torch.randn(rows, in_features, generator=generator)
     bias = torch.randn(out_features, generator=generator)
     dequantized = weight.double() * scale.double().repeat_interleave(in_features // groups, dim=1)
     expected = x.double() @ dequantized.T
+    packed_weight, packed_scale = pack_feature_blocks(weight), pack_feature_blocks(scale)
     for with_bias in (False, True):
-        got = int8_linear(x, weight, scale, bias if with_bias else None)
+        got = int8_linear(x, packed_weight, packed_scale, bias if with_bias else None)
         want = expected + bias.double() if with_bias else expected
         assert got.dtype == torch.float32 and got.shape == (rows, out_features)
         torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_packed_feature_blocks_unpack_to_the_weight() -> None:
+    weight = torch.arange(16 * 3, dtype=torch.int8).view(16, 3)
+    packed = pack_feature_blocks(weight)
+    assert packed.shape == (2, 3, 8)
+    assert packed[1, 2].tolist() == weight[8:16, 2].tolist()
+    assert torch.equal(unpack_feature_blocks(packed), weight)
 
 
 @pytest.mark.parametrize("num_bits", [4, 8])
