@@ -2,14 +2,13 @@
 
 Int8 and int4 weights are held as int8 [out, in] with float32 scales [out, groups] (one group of the whole
 row for per-channel scales); int4 values take a byte each, so both move a quarter of float32's bytes. Where
-the CPU kernel runs them, both are packed once loaded, in blocks of its feature width
-(`pack_int8_linears_for_cpu`).
-Float8 weights are dequantized as they are read: the model then holds an ordinary float projection.
+the CPU kernel runs them, both are packed once loaded, in blocks of its feature width. Float8 weights are
+dequantized as they are read: the model then holds an ordinary float projection.
 
-A layer binds its matmul when built: for float32 on the CPU the fused int8 matmul of `cpu_quant.cpp`, for the
-few rows of a decode step, and on CUDA Triton's (`kernels.int8_matmul`) for up to a few hundred rows;
-longer inputs (prefill) dequantize the weight and run a float matmul, since there the computation, not the
-weight's bytes, is the cost; elsewhere the torch code, a float matmul over the dequantized weight.
+A layer binds its matmul when built: for float32 on the CPU the fused int8 matmul of `cpu_quant.cpp`, for
+decode steps and short prefills, and on CUDA Triton's (`kernels.int8_matmul`), each for up to a few hundred
+rows; longer inputs (prefill) dequantize the weight and run a float matmul, since there the computation, not
+the weight's bytes, is the cost; elsewhere the torch code, a float matmul over the dequantized weight.
 """
 
 from __future__ import annotations
@@ -110,12 +109,11 @@ class Int8Linear(nn.Module):
         return F.linear(x, dequantize(weight, scale, x.dtype), self.bias)
 
 
-def pack_int8_linears_for_cpu(model: nn.Module) -> int:
-    """Pack every loaded `Int8Linear` that the CPU kernel runs; returns how many."""
-    layers = [m for m in model.modules() if isinstance(m, Int8Linear) and m.kernel is Implementation.CPU]
-    for layer in layers:
-        layer.pack_for_cpu()
-    return len(layers)
+def pack_int8_linears_for_cpu(model: nn.Module) -> None:
+    """Pack every loaded `Int8Linear` that the CPU kernel runs."""
+    for module in model.modules():
+        if isinstance(module, Int8Linear) and module.kernel is Implementation.CPU:
+            module.pack_for_cpu()
 
 
 def _kernel_for(
