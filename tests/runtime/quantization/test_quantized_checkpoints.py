@@ -202,3 +202,13 @@ def test_make_model_refuses_what_it_cannot_quantize(arch: str, scheme: str, tmp_
 def test_make_model_quantizes_the_lm_head_only_with_the_projections(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="quantize_lm_head quantizes the LM head with the projections"):
         write_model("llama", "tiny", tmp_path, quantize_lm_head=True)
+
+
+def test_a_tied_lm_head_is_not_quantized_on_its_own(make_model: Callable[..., Path], tmp_path: Path) -> None:
+    # A checkpoint whose LM head is its embedding stores no lm_head.weight: nothing to quantize apart.
+    folder = Path(shutil.copytree(make_model("llama", "tiny"), tmp_path / "tied"))
+    tensors = load_file(folder / "model.safetensors")
+    del tensors["lm_head.weight"]
+    save_file(tensors, str(folder / "model.safetensors"))
+    with pytest.raises(ValueError, match="has no LM head of its own to quantize"):
+        quantize_folder(folder, "w8a16", lm_head=True)
