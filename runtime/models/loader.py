@@ -158,9 +158,7 @@ def load_model(
     if checkpoint is not None:
         checkpoint.check_loaded(model)
         if device.type == "cpu":
-            from kvfleet.runtime.quantization.linear import pack_int8_linears_for_cpu
-
-            pack_int8_linears_for_cpu(model)
+            checkpoint.pack_for_cpu(model)
     num_parameters = sum(p.numel() for p in model.parameters())
     stats.parameter_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     packed = pack_linears_for_cpu(model) if device.type == "cpu" else 0

@@ -82,8 +82,6 @@ class Int8Linear(nn.Module):
         )
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype)) if bias else None
         self.kernel = _kernel_for(self.weight.device, dtype, in_features, out_features, groups)
-        # Whether weight and weight_scale are packed in feature blocks for the CPU kernel (`pack_for_cpu`).
-        self.packed = False
 
     def check_loaded(self, name: str) -> None:
         if bool(self.weight_scale.isnan().any()):
@@ -94,26 +92,20 @@ class Int8Linear(nn.Module):
         inference-only."""
         self.weight = nn.Parameter(pack_feature_blocks(self.weight.detach()), requires_grad=False)
         self.weight_scale = nn.Parameter(pack_feature_blocks(self.weight_scale.detach()), requires_grad=False)
-        self.packed = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed and x.dim() == 2 and x.shape[0] <= FUSED_MAX_ROWS:
-            return torch.ops.kvfleet_cpu_quant.int8_linear(x, self.weight, self.weight_scale, self.bias)
+        weight, scale = self.weight, self.weight_scale
+        # Packed (`pack_for_cpu`) the weight is [out / 8, in, 8].
+        packed = weight.dim() == 3
+        if packed and x.dim() == 2 and x.shape[0] <= FUSED_MAX_ROWS:
+            return torch.ops.kvfleet_cpu_quant.int8_linear(x, weight, scale, self.bias)
         if self.kernel is Implementation.CUDA and x.dim() == 2 and x.shape[0] <= CUDA_FUSED_MAX_ROWS:
             from kvfleet.runtime.kernels.int8_matmul import int8_matmul
 
-            return int8_matmul(x, self.weight, self.weight_scale, self.bias)
-        weight, scale = self.weight, self.weight_scale
-        if self.packed:
+            return int8_matmul(x, weight, scale, self.bias)
+        if packed:
             weight, scale = unpack_feature_blocks(weight), unpack_feature_blocks(scale)
         return F.linear(x, dequantize(weight, scale, x.dtype), self.bias)
-
-
-def pack_int8_linears_for_cpu(model: nn.Module) -> None:
-    """Pack every loaded `Int8Linear` that the CPU kernel runs."""
-    for module in model.modules():
-        if isinstance(module, Int8Linear) and module.kernel is Implementation.CPU:
-            module.pack_for_cpu()
 
 
 def _kernel_for(
@@ -165,6 +157,13 @@ class QuantizedCheckpoint:
             parent_name, _, child = target.rpartition(".")
             setattr(model.get_submodule(parent_name) if parent_name else model, child, replacement)
         return len(targets)
+
+    @staticmethod
+    def pack_for_cpu(model: nn.Module) -> None:
+        """Pack every loaded `Int8Linear` that the CPU kernel runs."""
+        for module in model.modules():
+            if isinstance(module, Int8Linear) and module.kernel is Implementation.CPU:
+                module.pack_for_cpu()
 
     @staticmethod
     def check_loaded(model: nn.Module) -> None:
