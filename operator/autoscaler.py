@@ -432,14 +432,18 @@ THROUGHPUT: dict[Latency, Unit] = {
 
 
 def latency_model(
-    samples: Sequence[MetricsSample], latency: Latency, percentile: float | None = None, unit: Unit = REQUESTS
+    samples: Sequence[MetricsSample],
+    latency: Latency,
+    percentile: float | None = None,
+    unit: Unit = REQUESTS,
+    proportional: bool = False,
 ) -> LatencyModel | None:
     """The line through the samples' (load per reporting replica in `unit`, latency at the percentile or
-    mean), by least squares; through the origin when the load never varied or the fit says latency falls
-    with load. The requests the gateway held are not the replicas': they wait before any latency a replica
-    measures. A replica is full where the gateway held more of the requests than the percentile leaves to
-    its tail (any, for the mean): a p90 target tolerates a tenth of the requests waiting there. None without
-    a latency measured under load."""
+    mean), by least squares; through the origin when the load never varied, the fit says latency falls
+    with load, or `proportional` asks for latency in proportion to the load. The requests the gateway held
+    are not the replicas': they wait before any latency a replica measures. A replica is full where the
+    gateway held more of the requests than the percentile leaves to its tail (any, for the mean): a p90
+    target tolerates a tenth of the requests waiting there. None without a latency measured under load."""
     points = _loads_and_latencies(samples, latency, percentile, unit)
     if not points:
         return None
@@ -451,7 +455,7 @@ def latency_model(
     loads = [load for load, _ in points]
     mean_load, mean_latency = _mean(loads), _mean(value for _, value in points)
     spread = sum((load - mean_load) ** 2 for load in loads)
-    if spread > 0:
+    if spread > 0 and not proportional:
         slope = sum((load - mean_load) * (value - mean_latency) for load, value in points) / spread
         idle = mean_latency - slope * mean_load
         if slope > 0 and idle >= 0:
@@ -527,14 +531,20 @@ def _wanted_for_slo(
         model = latency_model(stable, target.latency, target.percentile, unit)
         if model is None:
             continue
+        proven = _most_within_target(stable, target, unit)
+        if unit is not REQUESTS:
+            proven = max(proven_throughput.get(target.latency, 0.0), proven)
+        if proven > 0 and model.capacity(target.seconds) <= 0:
+            # The line puts an idle replica above the target, yet a replica has been measured within it: a
+            # line fitted to loads far from none says nothing of an idle replica (a fleet running hot at a
+            # steady load). The latency is taken in proportion to the load instead.
+            model = latency_model(stable, target.latency, target.percentile, unit, proportional=True)
+            assert model is not None, "the same samples gave a line above"
         if unit is not REQUESTS:
             if model.full_at is not None:
                 full_throughput[target.latency] = model.full_at
             elif target.latency in full_throughput:
                 model = replace(model, full_at=full_throughput[target.latency])
-            proven = max(
-                proven_throughput.get(target.latency, 0.0), _most_within_target(stable, target, unit)
-            )
             if proven > 0:
                 proven_throughput[target.latency] = proven
                 model = replace(model, measured_up_to=max(model.measured_up_to, proven))

@@ -143,6 +143,23 @@ def test_a_target_below_the_idle_latency_asks_for_the_most_replicas_and_says_why
     assert decide(POLICY, RISING, FleetState(2, 2), AutoscalerState(), 10, slo=[TTFT]).unreachable is None
 
 
+def test_a_fleet_running_hot_is_not_told_its_target_is_unreachable_once_a_replica_has_met_it() -> None:
+    # Two replicas at a steady 4100 then 3900 prompt tokens/s each answer in 750.5 then 749.5 ms: the line
+    # through them is 730 ms + 5 ms per 1000 tokens/s, an idle replica above the 600 ms target.
+    hot = [_token_sample(8, 8, 8200, 0.7505), _token_sample(10, 8, 7800, 0.7495)]
+    never_met = decide(POLICY, hot, FleetState(2, 2), AutoscalerState(), 10, slo=[TTFT])
+    assert never_met.unreachable == "time to first token" and never_met.replicas == 6  # 10, four at a time
+    # A replica was measured within the target at 3000 tokens/s before: the line says nothing of an idle
+    # replica. In proportion to the load, 750 ms at 4000: 3200 within 600 ms; the demand 8000: 3 replicas.
+    met = AutoscalerState(proven_throughput=(("time to first token", 3000.0),))
+    decision = decide(POLICY, hot, FleetState(2, 2), met, 10, slo=[TTFT])
+    assert decision.unreachable is None and decision.replicas == 3
+    assert decision.reason.startswith(
+        "slo: time to first token mean 0ms + 187.5ms per 1000 prompt tokens/s: 3200.0 prompt tokens/s per "
+        "replica within the 600ms target; demand 8000.0 prompt tokens/s"
+    )
+
+
 def test_a_fall_in_demand_waits_for_the_scale_down_delay() -> None:
     state = decide(POLICY, RISING, FleetState(2, 2), AutoscalerState(), 10, slo=[TTFT]).state
     quiet = [_sample(40, 4, 0.3, pods=4), _sample(42, 4, 0.3, pods=4)]
