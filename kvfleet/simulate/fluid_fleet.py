@@ -154,8 +154,9 @@ class CohortSimulation:
         self._in_engine = numpy.zeros(0)
         # The routes below their cap (None: not yet found this tick).
         self._open: set[_Route | None] | None = None
-        # Each slot's route (the last replica's, once it has gone; None before any).
-        self._route_at: list[_Route | None] = []
+        # Each slot's route (the last replica's, once it has gone; None before any), as an array so that
+        # the routes below their cap are picked out by one mask.
+        self._route_at = numpy.full(0, None, dtype=object)
         # Requests sent straight from the gateway's queue this tick: (slot, tier, count, waited).
         self._sent: list[tuple[int, str, float, float]] = []
         self.peak_state_size = 0
@@ -261,9 +262,8 @@ class CohortSimulation:
         prompt = self._blind_prompt or self._prompt(prefix_group)
         if self._open is None:
             # Every slot's route below the cap, routed or not: the policy asks only about those it routes.
-            below = numpy.flatnonzero(self._in_engine < self.cap).tolist()
-            route_at = self._route_at
-            self._open = {route_at[slot] for slot in below}
+            below = self._in_engine < self.cap
+            self._open = set(self._route_at[: below.size][below])
         # A replica is usable below its cap: the set's own membership test, which the policy's scan of
         # the whole fleet (least-request's, where neither replica drawn is usable) calls without Python.
         route = self.policy.choose(self._routed, prompt, self._open.__contains__)  # type: ignore[arg-type]
@@ -397,7 +397,10 @@ class CohortSimulation:
             self._arrivals = Arrivals(self.engines.capacity)
         replica = _FluidReplica(_Route(f"http://replica-{next(self._names)}:8000", slot=slot), cached=set())
         self._replicas[slot] = replica
-        self._route_at.extend([None] * (self.engines.capacity - len(self._route_at)))
+        if self._route_at.size < self.engines.capacity:
+            self._route_at = numpy.concatenate(
+                (self._route_at, numpy.full(self.engines.capacity - self._route_at.size, None, dtype=object))
+            )
         self._route_at[slot] = replica.route
         heapq.heappush(self._starting, (ready_at, slot, replica))
 
