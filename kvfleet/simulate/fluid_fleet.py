@@ -97,9 +97,9 @@ class _Streams:
 
 
 class _Batch:
-    """Pieces' additions to per-slot arrays, taken one piece at a time and applied together: numpy.add.at
-    adds them in their order, to the same sums as one numpy scalar addition a piece, at a fraction of the
-    cost."""
+    """A span's pieces' additions to the streams, taken one piece at a time and applied together:
+    numpy.add.at adds them in their order, to the same sums as one numpy scalar addition a piece, at a
+    fraction of the cost."""
 
     def __init__(self) -> None:
         # (slot, tier index, requests, work, prompt and output tokens) a piece.
@@ -117,10 +117,41 @@ class _Batch:
             numpy.add.at(streams.by_tier.reshape(-1), tiers * streams.capacity + slots, pieces[:, 2])
             _add_rows(streams.tokens, slots, pieces[:, 3:])
 
+
+class _Sends:
+    """A tick's sends from the gateway's queue, added up per slot as they go: each slot's sums in the sends'
+    order, as one scalar addition a send makes them, without a numpy operation a send."""
+
+    def __init__(self, in_engine: numpy.ndarray) -> None:
+        self._in_engine = in_engine
+        # By slot sent to: the requests in its engine, the sends counted.
+        self._counted: dict[int, float] = {}
+        # By slot sent to: the sends' requests, work, prompt and output tokens (the arrivals' rows).
+        self._sums: dict[int, list[float]] = {}
+
+    def in_engine(self, slot: int) -> float:
+        counted = self._counted.get(slot)
+        return float(self._in_engine[slot]) if counted is None else counted
+
+    def add(self, slot: int, share: HeldShare, count: float, work: float) -> float:
+        """Counts `count` requests of the share sent to the slot; returns the requests in its engine now."""
+        sums = self._sums.get(slot)
+        if sums is None:
+            sums = self._sums[slot] = [0.0, 0.0, 0.0, 0.0]
+        sums[0] += count
+        sums[1] += work
+        sums[2] += share.prompt_tokens
+        sums[3] += share.output_tokens
+        counted = self._counted[slot] = self.in_engine(slot) + count
+        return counted
+
     def to_arrivals(self, arrivals: Arrivals) -> None:
-        if self._pieces:
-            pieces = numpy.array(self._pieces)
-            _add_rows(arrivals.rows, pieces[:, 0].astype(numpy.intp), pieces[:, 2:])
+        """Adds the sends to the tick's arrivals (none yet: the last tick cleared them) and counts them in the
+        engines' requests."""
+        if self._sums:
+            slots = list(self._sums)
+            arrivals.rows[:, slots] += numpy.array(list(self._sums.values())).T
+            self._in_engine[slots] = [self._counted[slot] for slot in slots]
 
 
 class CohortSimulation:
@@ -296,8 +327,8 @@ class CohortSimulation:
         if held.held < _HELD_AT_ALL:
             return
         held.expire(self._now, self.config.gateway.hold_seconds)
-        in_engine, cap = self._in_engine.tolist(), self.cap
-        batch = _Batch()
+        cap = self.cap
+        sends = _Sends(self._in_engine)
         for _ in range(self.options.pieces_per_span):
             share = held.head()
             if share is None:
@@ -306,17 +337,13 @@ class CohortSimulation:
             if route is None:
                 break
             slot = route.slot
-            count = min(share.count, cap - in_engine[slot])
+            count = min(share.count, cap - sends.in_engine(slot))
             sent = held.take(share, count)
-            batch.add(slot, sent, count, self._work(route, sent))
-            in_engine[slot] += count
-            if in_engine[slot] >= cap:
+            if sends.add(slot, sent, count, self._work(route, sent)) >= cap:
                 self._open.discard(route)  # type: ignore[union-attr]
             route.in_flight += count  # type: ignore[assignment]
             self._sent.append((slot, sent.tier, count, self._now - sent.queued_at))
-        batch.to_arrivals(self._arrivals)
-        # The sends' additions, made on the list as they went.
-        self._in_engine[:] = in_engine
+        sends.to_arrivals(self._arrivals)
 
     def _refresh_in_flight(self) -> None:
         """The gateway counts in flight on a replica what it holds and what is on its way to it (taken at
@@ -364,9 +391,9 @@ class CohortSimulation:
                 self._latencies[index] += numpy.bincount(buckets, weights, minlength=_LATENCY_BUCKETS)
                 self._within[index] += float(weights @ within)
         if self._sent:
-            means = latencies.mean_s().tolist()
-            for slot, tier, count, waited in self._sent:
-                self.report.first_token(tier, waited + means[slot] + overhead, count)
+            means = latencies.mean_s()[[slot for slot, _, _, _ in self._sent]].tolist()
+            for (_, tier, count, waited), mean in zip(self._sent, means, strict=True):
+                self.report.first_token(tier, waited + mean + overhead, count)
             self._sent = []
         arrivals.rows[:, :used] = 0.0
         self.peak_state_size = max(self.peak_state_size, self._state_size())
