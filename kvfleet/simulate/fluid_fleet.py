@@ -124,34 +124,35 @@ class _Sends:
 
     def __init__(self, in_engine: numpy.ndarray) -> None:
         self._in_engine = in_engine
-        # By slot sent to: the requests in its engine, the sends counted.
-        self._counted: dict[int, float] = {}
-        # By slot sent to: the sends' requests, work, prompt and output tokens (the arrivals' rows).
-        self._sums: dict[int, list[float]] = {}
+        # By slot sent to: the requests in its engine, the sends counted, then the sends' requests, work,
+        # prompt and output tokens (the arrivals' rows).
+        self._slots: dict[int, list[float]] = {}
 
     def in_engine(self, slot: int) -> float:
-        counted = self._counted.get(slot)
-        return float(self._in_engine[slot]) if counted is None else counted
+        sums = self._slots.get(slot)
+        return float(self._in_engine[slot]) if sums is None else sums[0]
 
     def add(self, slot: int, share: HeldShare, count: float, work: float) -> float:
         """Counts `count` requests of the share sent to the slot; returns the requests in its engine now."""
-        sums = self._sums.get(slot)
+        sums = self._slots.get(slot)
         if sums is None:
-            sums = self._sums[slot] = [0.0, 0.0, 0.0, 0.0]
+            sums = self._slots[slot] = [float(self._in_engine[slot]), 0.0, 0.0, 0.0, 0.0]
         sums[0] += count
-        sums[1] += work
-        sums[2] += share.prompt_tokens
-        sums[3] += share.output_tokens
-        counted = self._counted[slot] = self.in_engine(slot) + count
-        return counted
+        sums[1] += count
+        sums[2] += work
+        sums[3] += share.prompt_tokens
+        sums[4] += share.output_tokens
+        return sums[0]
 
     def to_arrivals(self, arrivals: Arrivals) -> None:
         """Adds the sends to the tick's arrivals (none yet: the last tick cleared them) and counts them in the
         engines' requests."""
-        if self._sums:
-            slots = list(self._sums)
-            arrivals.rows[:, slots] += numpy.array(list(self._sums.values())).T
-            self._in_engine[slots] = [self._counted[slot] for slot in slots]
+        if self._slots:
+            # The slots as an array: numpy indexes by a list several times slower.
+            slots = numpy.fromiter(self._slots, numpy.intp, len(self._slots))
+            sums = numpy.array(list(self._slots.values()))
+            self._in_engine[slots] = sums[:, 0]
+            arrivals.rows[:, slots] += sums[:, 1:].T
 
 
 class CohortSimulation:
