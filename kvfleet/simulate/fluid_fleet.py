@@ -373,7 +373,8 @@ class CohortSimulation:
         tokens -= moved
         overflow = due - delivered
         if overflow.sum() > _LEAST:
-            self._hold_overflow(tiers * (1 - kept), moved * (1 - kept))
+            turned_back = 1 - kept
+            self._hold_overflow(tiers * turned_back, moved * turned_back)
         arrivals.requests[:used] += delivered
         arrivals.tokens[:, :used] += moved * kept
         latencies = self.engines.advance(self.options.tick_s, arrivals)
@@ -401,8 +402,9 @@ class CohortSimulation:
 
     def _hold_overflow(self, tiers: numpy.ndarray, tokens: numpy.ndarray) -> None:
         """What reached replicas at their cap waits in the gateway, a share a tier (its tokens, rows of work,
-        prompt and output, as computed where it was bound: its prefix is not carried)."""
-        work, prompt, output = tokens
+        prompt and output, as computed where it was bound: its prefix is not carried), each tier's share of
+        the tokens of all."""
+        work, prompt, output = (row.sum() for row in tokens)
         counts = tiers.sum(axis=1)
         total = counts.sum()
         for index in numpy.flatnonzero(counts > 1e-9).tolist():
@@ -411,10 +413,10 @@ class CohortSimulation:
                 TIER_NAMES[index],
                 "",
                 float(counts[index]),
-                float(prompt.sum() * part),
-                float(output.sum() * part),
+                float(prompt * part),
+                float(output * part),
                 self._now,
-                float(work.sum() * part),
+                float(work * part),
             )
             self.held.hold(share)
 
