@@ -155,6 +155,49 @@ class _Sends:
             arrivals.rows[:, slots] += sums[:, 1:].T
 
 
+class _OpenRoutes:
+    """The routes below their cap, as the set whose membership test the policy calls: every slot's route
+    (the last replica's, once it has gone), routed or not, as the policy asks only about those it routes.
+
+    Brought up to a tick's counts by the slots that crossed the cap since it last was (a few a tick, where
+    making the set anew takes every route of the fleet)."""
+
+    def __init__(self) -> None:
+        self.routes: set[_Route] = set()
+        # Each slot's route (None before any), and whether the set holds it.
+        self._route_at = numpy.full(0, None, dtype=object)
+        self._below = numpy.zeros(0, dtype=bool)
+
+    def assign(self, slot: int, route: _Route, capacity: int) -> None:
+        """The slot's route is now `route` (a new replica's); `capacity`: the slots there are."""
+        if self._route_at.size < capacity:
+            grown = numpy.full(capacity, None, dtype=object)
+            grown[: self._route_at.size] = self._route_at
+            self._route_at = grown
+        if slot < self._below.size and self._below[slot]:
+            self.routes.discard(self._route_at[slot])
+            self.routes.add(route)
+        self._route_at[slot] = route
+
+    def update(self, below: numpy.ndarray) -> None:
+        """Holds the routes of the slots `below` marks (those in use: they only grow)."""
+        held = self._below
+        if held.size < below.size:
+            held = numpy.zeros(below.size, dtype=bool)
+            held[: self._below.size] = self._below
+        for slot in (below != held).nonzero()[0].tolist():
+            if below[slot]:
+                self.routes.add(self._route_at[slot])
+            else:
+                self.routes.discard(self._route_at[slot])
+        self._below = below
+
+    def close(self, route: _Route) -> None:
+        """The route reached its cap."""
+        self.routes.discard(route)
+        self._below[route.slot] = False
+
+
 class CohortSimulation:
     def __init__(self, config: SimulationConfig, options: CohortOptions = CohortOptions()) -> None:
         ticks = options.span_s / options.tick_s
@@ -184,11 +227,9 @@ class CohortSimulation:
         self._group_text: dict[str, str] = {}
         self._now = 0.0
         self._in_engine = numpy.zeros(0)
-        # The routes below their cap (None: not yet found this tick).
-        self._open: set[_Route | None] | None = None
-        # Each slot's route (the last replica's, once it has gone; None before any), as an array so that
-        # the routes below their cap are picked out by one mask.
-        self._route_at = numpy.full(0, None, dtype=object)
+        self._open = _OpenRoutes()
+        # Whether the open routes were brought up to this tick's counts.
+        self._open_now = False
         # Requests sent straight from the gateway's queue this tick: (slot, tier, count, waited).
         self._sent: list[tuple[int, str, float, float]] = []
         self.peak_state_size = 0
@@ -218,7 +259,7 @@ class CohortSimulation:
             self._become_ready()
             # What the gateway counts on a replica against its cap: places that free over the tick are free.
             self._in_engine = self.engines.in_engine() - self.engines.places_freeing()
-            self._open = None
+            self._open_now = False
             # What the gateway holds goes first, then what arrives.
             self._dispatch()
             if number % self._ticks_per_span == 0:
@@ -292,13 +333,13 @@ class CohortSimulation:
 
     def _choose(self, prefix_group: str) -> _Route | None:
         prompt = self._blind_prompt or self._prompt(prefix_group)
-        if self._open is None:
-            # Every slot's route below the cap, routed or not: the policy asks only about those it routes.
-            below = self._in_engine < self.cap
-            self._open = set(self._route_at[: below.size][below])
+        if not self._open_now:
+            self._open.update(self._in_engine < self.cap)
+            self._open_now = True
         # A replica is usable below its cap: the set's own membership test, which the policy's scan of
         # the whole fleet (least-request's, where neither replica drawn is usable) calls without Python.
-        route = self.policy.choose(self._routed, prompt, self._open.__contains__)  # type: ignore[arg-type]
+        usable = self._open.routes.__contains__
+        route = self.policy.choose(self._routed, prompt, usable)  # type: ignore[arg-type]
         return route  # type: ignore[return-value]
 
     def _prompt(self, prefix_group: str) -> Prompt:
@@ -341,7 +382,7 @@ class CohortSimulation:
             count = min(share.count, cap - sends.in_engine(slot))
             sent = held.take(share, count)
             if sends.add(slot, sent, count, self._work(route, sent)) >= cap:
-                self._open.discard(route)  # type: ignore[union-attr]
+                self._open.close(route)
             route.in_flight += count  # type: ignore[assignment]
             self._sent.append((slot, sent.tier, count, self._now - sent.queued_at))
         sends.to_arrivals(self._arrivals)
@@ -427,11 +468,7 @@ class CohortSimulation:
             self._arrivals = Arrivals(self.engines.capacity)
         replica = _FluidReplica(_Route(f"http://replica-{next(self._names)}:8000", slot=slot), cached=set())
         self._replicas[slot] = replica
-        if self._route_at.size < self.engines.capacity:
-            self._route_at = numpy.concatenate(
-                (self._route_at, numpy.full(self.engines.capacity - self._route_at.size, None, dtype=object))
-            )
-        self._route_at[slot] = replica.route
+        self._open.assign(slot, replica.route, self.engines.capacity)
         heapq.heappush(self._starting, (ready_at, slot, replica))
 
     def _become_ready(self) -> None:
