@@ -145,14 +145,16 @@ class _Sends:
         return sums[0]
 
     def to_arrivals(self, arrivals: Arrivals) -> None:
-        """Adds the sends to the tick's arrivals (none yet: the last tick cleared them) and counts them in the
-        engines' requests."""
+        """Makes the sends the tick's arrivals, the first it has (the last tick cleared them: their sums from
+        zero are the sends' own), and counts them in the engines' requests."""
         if self._slots:
-            # The slots as an array: numpy indexes by a list several times slower.
+            # The slots as an array, the sums as one flat run: numpy takes both several times faster than
+            # lists.
             slots = numpy.fromiter(self._slots, numpy.intp, len(self._slots))
-            sums = numpy.array(list(self._slots.values()))
+            sums = numpy.fromiter(itertools.chain.from_iterable(self._slots.values()), float, 5 * len(slots))
+            sums = sums.reshape(-1, 5)
             self._in_engine[slots] = sums[:, 0]
-            arrivals.rows[:, slots] += sums[:, 1:].T
+            arrivals.rows[:, slots] = sums[:, 1:].T
 
 
 class _OpenRoutes:
