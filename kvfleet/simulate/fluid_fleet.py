@@ -151,8 +151,8 @@ class _Sends:
             # The slots as an array, the sums as one flat run: numpy takes both several times faster than
             # lists.
             slots = numpy.fromiter(self._slots, numpy.intp, len(self._slots))
-            sums = numpy.fromiter(itertools.chain.from_iterable(self._slots.values()), float, 5 * len(slots))
-            sums = sums.reshape(-1, 5)
+            sums = numpy.fromiter(itertools.chain.from_iterable(self._slots.values()), float)
+            sums = sums.reshape(len(slots), -1)
             self._in_engine[slots] = sums[:, 0]
             arrivals.rows[:, slots] = sums[:, 1:].T
 
