@@ -54,7 +54,8 @@ SCALING = {
 TTFT_TARGET_MS = 1000
 RAMP_SECONDS = 90.0
 # After the ramp, its quietest rate goes on this long: the replica added for the peak goes under traffic.
-TAIL_SECONDS = 30.0
+# In a full suite's run the fleet kept the peak's replica until 42 s after the ramp ended: 30 s was too short.
+TAIL_SECONDS = 60.0
 PROMPT_TOKENS = 96.0
 OUTPUT_TOKENS = 48.0
 SHARED_PREFIX_TOKENS = 32
@@ -199,9 +200,14 @@ def test_the_slo_policy_keeps_a_ramp_within_its_target_and_scales_down_under_str
 
     assert not failed, failed[:3]
     assert real_p90 <= TTFT_TARGET_MS / 1000, (real_p90, counts)
-    assert max(counts) > 1 and counts[-1] == 1, counts
+    # The operator's decisions, for a failure's message.
+    decisions = [
+        (event["reason"], event["message"]) for event in events if event["reason"].startswith("Scaled")
+    ]
+    assert max(counts) > 1 and counts[-1] == 1, (real_changes, decisions)
     # A replica went while the trace was still sending: its streams finished (none failed, above).
-    assert any(b.desired < a.desired and b.at < ended for a, b in itertools.pairwise(samples)), counts
+    went = any(b.desired < a.desired and b.at < ended for a, b in itertools.pairwise(samples))
+    assert went, (real_changes, round(ended - began, 1), decisions)
     assert not flaps(samples, SCALING["stableWindowSeconds"]), [(s.at - began, s.desired) for s in samples]
     reason = status["lastScaleReason"]
     assert SLO_REASON.search(reason) or QUEUE_REASON.search(reason), reason
