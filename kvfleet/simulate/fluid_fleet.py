@@ -124,8 +124,8 @@ class _Sends:
 
     def __init__(self, in_engine: numpy.ndarray) -> None:
         self._in_engine = in_engine
-        # By slot sent to: the requests in its engine, the sends counted, then the sends' requests, work,
-        # prompt and output tokens (the arrivals' rows).
+        # By slot sent to: the requests in its engine, then the arrivals' rows (the requests sent, their work,
+        # prompt and output tokens).
         self._slots: dict[int, list[float]] = {}
 
     def in_engine(self, slot: int) -> float:
