@@ -14,6 +14,7 @@ import urllib.request
 from typing import Any
 
 from e2e.cluster import ApiError, LocalCluster
+from e2e.cluster.kube_api import KubeAPI
 from e2e.cluster.processes import process_start_ticks
 from e2e.support.waits import condition, wait_for
 
@@ -50,6 +51,13 @@ def pod_path(namespace: str, name: str) -> str:
 def is_ready(pod: dict) -> bool:
     ready = condition(pod, "Ready")
     return ready is not None and ready["status"] == "True"
+
+
+def config_error(api: KubeAPI, namespace: str, name: str) -> dict | None:
+    """The pod's first container's waiting state while it is a CreateContainerConfigError, else None."""
+    statuses = api.get(pod_path(namespace, name))["status"].get("containerStatuses", [])
+    waiting = statuses[0]["state"].get("waiting", {}) if statuses else {}
+    return waiting if waiting.get("reason") == "CreateContainerConfigError" else None
 
 
 def ready_pod(cluster: LocalCluster, namespace: str, name: str) -> dict:
@@ -211,10 +219,21 @@ def test_unknown_command_is_reported_not_run(local_cluster: LocalCluster, namesp
     pod = target_pod("bad-command", container={"command": ["bash", "-c", "echo hi"]})
     api.create(f"/api/v1/namespaces/{namespace}/pods", pod)
 
-    def config_error() -> dict | None:
-        statuses = api.get(pod_path(namespace, "bad-command"))["status"].get("containerStatuses", [])
-        waiting = statuses[0]["state"].get("waiting", {}) if statuses else {}
-        return waiting if waiting.get("reason") == "CreateContainerConfigError" else None
-
-    waiting = wait_for("CreateContainerConfigError", config_error)
+    waiting = wait_for("CreateContainerConfigError", lambda: config_error(api, namespace, "bad-command"))
     assert "'bash' is not a command the pod runner knows" in waiting["message"]
+
+
+def test_a_pod_whose_config_map_comes_later_starts_once_it_exists(
+    local_cluster: LocalCluster, namespace: str
+) -> None:
+    api = local_cluster.api
+    env = [{"name": "MODE", "valueFrom": {"configMapKeyRef": {"name": "late", "key": "mode"}}}]
+    api.create(f"/api/v1/namespaces/{namespace}/pods", target_pod("waits", container={"env": env}))
+
+    waiting = wait_for("CreateContainerConfigError", lambda: config_error(api, namespace, "waits"))
+    assert "ConfigMap" in waiting["message"]
+    api.create(
+        f"/api/v1/namespaces/{namespace}/configmaps",
+        {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "late"}, "data": {"mode": "fast"}},
+    )
+    assert ready_pod(local_cluster, namespace, "waits")["status"]["containerStatuses"][0]["restartCount"] == 0

@@ -27,6 +27,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvfleet.e2e.pod_runner")
 
+CONFIGURE_RETRY_SECONDS = 1.0
+
 
 class PodWorker(threading.Thread):
     """Runs one pod from the moment kwok gave it an IP until it is deleted or the runner stops."""
@@ -81,11 +83,13 @@ class PodWorker(threading.Thread):
 
     def _run(self) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
-        if not self._configure_all():
-            while not self._stopping():
-                self._wake.wait(1.0)
-                self._wake.clear()
-            return
+        # A kubelet tries a pod it could not configure again on its next sync: what was missing (a namespace's
+        # kube-root-ca.crt, published a moment after the namespace; a Secret applied after the pod) may come.
+        while not self._configure_all():
+            self._wake.wait(CONFIGURE_RETRY_SECONDS)
+            self._wake.clear()
+            if self._stopping():
+                return
         for container in self.init_containers:
             if not self._run_to_completion(container):
                 return
@@ -118,9 +122,11 @@ class PodWorker(threading.Thread):
             for container in real:
                 self._configure(container, volumes)
         except (ContainerConfigError, ApiError, OSError) as error:
+            waiting = ("CreateContainerConfigError", str(error))
+            if any(container.waiting != waiting for container in real):
+                self.status.event("Warning", "Failed", f"Error: {error}")
             for container in real:
-                container.waiting = ("CreateContainerConfigError", str(error))
-            self.status.event("Warning", "Failed", f"Error: {error}")
+                container.waiting = waiting
             self._report()
             return False
         return True
