@@ -13,6 +13,10 @@ A request's time to first token is the engine's prediction when it arrives, in i
 requests ahead of it for a place in the batch, taken at the rate requests finish, then the prompt tokens
 ahead of it and its own at the rate the steps compute them, after the rest of the step in progress.
 
+Each engine is stepped on its own, in compiled loops over the slots (numba): a fleet's replicas are a few
+hundred numbers each, and a tick is dozens of operations on them, which as array operations cost numpy's call
+far more than their arithmetic.
+
 What it leaves out of the request model: the KV cache's bound (no preemption; the profile's cache holds a
 full batch of the traces' lengths many times over) and the order within a tick (a tick's arrivals come
 together at its start).
@@ -21,8 +25,8 @@ together at its start).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
+import numba
 import numpy
 
 from kvfleet.contract.metrics import ITL_BUCKETS, TTFT_BUCKETS
@@ -30,45 +34,40 @@ from kvfleet.operator.autoscaler import Buckets, PodMetrics
 from kvfleet.simulate.engine import EngineProfile
 
 # The engines' state, a row each of one array, a replica's figures at its slot.
-_FIELDS = (
-    "waiting",
-    "waiting_work",
-    "waiting_prompt",
-    "waiting_output",
-    "prefill_work",
-    "prefill_prompt",
-    "prefill_output",
-    "prefilling",
-    "decoding",
-    "decode_left",
-    "held_tokens",
+(
+    _WAITING,
+    # The waiting requests' tokens: those to compute (their prefix not cached), their prompts, their outputs.
+    _WAITING_WORK,
+    _WAITING_PROMPT,
+    _WAITING_OUTPUT,
+    # The same of the requests computing their prompt, and how many they are.
+    _PREFILL_WORK,
+    _PREFILL_PROMPT,
+    _PREFILL_OUTPUT,
+    _PREFILLING,
+    _DECODING,
+    _DECODE_LEFT,
+    _HELD_TOKENS,
     # Requests that finished over the last tick.
-    "finishing",
+    _FINISHING,
     # The queue a replica reports: waiting, and in the batch, once the last tick's arrivals had their places.
-    "seen_waiting",
-    "seen_running",
+    _SEEN_WAITING,
+    _SEEN_RUNNING,
     # Since the last report: first-token latencies (their sum and count), inter-token latencies, prompt
     # tokens of the requests whose prompt was computed, tokens generated.
-    "ttft_sum",
-    "ttft_count",
-    "itl_sum",
-    "itl_count",
-    "prompt_done",
-    "generated",
-)
-# The waiting requests' tokens (work, prompt, output) and the prefilling ones', each three rows of the state
-# in that order, moved together as requests get their places.
-_WAITING_TOKENS = slice(_FIELDS.index("waiting_work"), _FIELDS.index("waiting_output") + 1)
-_PREFILL_TOKENS = slice(_FIELDS.index("prefill_work"), _FIELDS.index("prefill_output") + 1)
-# The prefilling requests' prompt and output tokens, and the requests: what goes on to decode as a share of
-# them has its prompt computed.
-_PREFILLED = slice(_FIELDS.index("prefill_prompt"), _FIELDS.index("prefilling") + 1)
+    _TTFT_SUM,
+    _TTFT_COUNT,
+    _ITL_SUM,
+    _ITL_COUNT,
+    _PROMPT_DONE,
+    _GENERATED,
+    _ROWS,
+) = range(21)
 # What a report covers, the last rows of the state.
-_SINCE_REPORT = slice(_FIELDS.index("ttft_sum"), len(_FIELDS))
+_SINCE_REPORT = slice(_TTFT_SUM, _ROWS)
 # No amount below this is anything: it stands between a fluid's zero and division by it.
 _NOTHING = 1e-9
-# The latency histograms' bounds as arrays, made once rather than from the tuples at each of a tick's four
-# histograms.
+# The latency histograms' bounds as arrays.
 _TTFT_BOUNDS = numpy.array(TTFT_BUCKETS)
 _ITL_BOUNDS = numpy.array(ITL_BUCKETS)
 
@@ -105,33 +104,28 @@ class TickLatencies:
         return numpy.divide(total, count, out=numpy.zeros_like(total), where=count > _NOTHING)
 
 
-@dataclass(frozen=True)
-class _PromptSteps:
-    """A tick's steps that compute prompts, per slot: the prompt tokens a step, its length, the seconds of the
-    tick they take, the tokens the decoding requests generate meanwhile, and the prompt tokens ahead of the
-    tick's arrivals that found a place at once."""
-
-    tokens: numpy.ndarray
-    step_s: numpy.ndarray
-    seconds: numpy.ndarray
-    decoded: numpy.ndarray
-    ahead: numpy.ndarray
-
-
 class FluidEngines:
     """The engines of a fleet's replicas, a slot each; a slot given back is emptied for the next replica."""
 
     def __init__(self, profile: EngineProfile, capacity: int = 16) -> None:
         self.profile = profile
+        # The profile as the compiled step reads it (_PROFILE_FIGURES).
+        self._figures = numpy.array(
+            (
+                profile.step_fixed_s,
+                profile.prefill_token_s,
+                profile.decode_sequence_s,
+                profile.context_token_s,
+                profile.max_num_seqs,
+                profile.max_num_batched_tokens,
+            ),
+            dtype=numpy.float64,
+        )
         self.capacity = 0
         # Slots in use lie below this; only those are advanced.
         self.used = 0
         self._free: list[int] = []
-        # The state, a row a field (_FIELDS), and its rows by name.
-        self._state = numpy.zeros((len(_FIELDS), 0))
-        self._arrays: dict[str, numpy.ndarray] = {}
-        self._viewed = (0, 0)
-        self._view: dict[str, numpy.ndarray] = {}
+        self._state = numpy.zeros((_ROWS, 0))
         self._grow(capacity)
         # The fleet's latency histograms since the last report (observations per bucket, the last +Inf).
         self._ttft_counts = numpy.zeros(len(TTFT_BUCKETS) + 1)
@@ -151,139 +145,27 @@ class FluidEngines:
 
     def in_engine(self) -> numpy.ndarray:
         """Requests in each engine: waiting, computing their prompt or decoding."""
-        used, a = self.used, self._arrays
-        return a["waiting"][:used] + a["prefilling"][:used] + a["decoding"][:used]
+        state, used = self._state, self.used
+        return state[_WAITING, :used] + state[_PREFILLING, :used] + state[_DECODING, :used]
 
     def places_freeing(self) -> numpy.ndarray:
         """Requests each engine will finish over the next tick, taken as many as over the last."""
-        return self._arrays["finishing"][: self.used]
+        return self._state[_FINISHING, : self.used]
 
     def advance(self, tick_s: float, arrivals: Arrivals) -> TickLatencies:
         """Takes the tick's arrivals in and runs every engine for `tick_s` seconds."""
-        a = self._views()
-        used = self.used
-        came, work = arrivals.requests[:used], arrivals.work[:used]
-        busy_before = (a["prefill_work"] > _NOTHING) | (a["decoding"] > _NOTHING)
-        came_in = self._admit(a, arrivals)
-        each = _share(work, came)
-        prompts = self._compute_prompts(a, tick_s, came_in * each)
-        finished, step_s = self._decode(a, tick_s, prompts)
-
-        # The tick's arrivals' first-token latencies.
-        came_waiting = came - came_in
-        residual = numpy.where(busy_before, step_s / 2, 0.0)
-        # The middle one's prompt ends this far into the prompts to compute; it has its first token at the
-        # end of the step that computes its last token.
-        position = numpy.maximum(prompts.ahead, 0.0) + came_in * each / 2 + each / 2
-        own = numpy.ceil(position / numpy.maximum(prompts.tokens, _NOTHING) - 1e-9) * prompts.step_s
-        at_once_s = residual + numpy.where(came_in > _NOTHING, own, 0.0)
-        finish_rate = finished / tick_s
-        finishing = finished > _NOTHING
-        # Estimated only where an engine finished nothing (in a busy fleet, none).
-        if not finishing.all():
-            finish_rate = numpy.where(finishing, finish_rate, _estimated_finish_rate(a, step_s))
-        queue_ahead = numpy.maximum(a["waiting"] - came_waiting / 2, 0.0)
-        # Once it has a place: the rest of a step, and a step with its prompt.
-        waiting_s = queue_ahead / numpy.maximum(finish_rate, _NOTHING) + 1.5 * step_s
-        a["ttft_sum"] += at_once_s * came_in + waiting_s * came_waiting
-        a["ttft_count"] += came
-        self._ttft_counts += _histogram(_TTFT_BOUNDS, at_once_s, came_in)
-        self._ttft_counts += _histogram(_TTFT_BOUNDS, waiting_s, came_waiting)
-        return TickLatencies(at_once_s, came_in, waiting_s, came_waiting)
-
-    def _admit(self, a: dict[str, numpy.ndarray], arrivals: Arrivals) -> numpy.ndarray:
-        """Queues the tick's arrivals and gives the batch's places to the waiting requests in their order;
-        returns how many of the arrivals found a place at once, per slot."""
-        profile, used = self.profile, self.used
-        came = arrivals.requests[:used]
-        waited = a["waiting"].copy()
-        a["waiting"] += came
-        a["waiting_tokens"] += arrivals.tokens[:, :used]
-
-        # Places in the batch, to the waiting requests in their order: those free, and those the requests
-        # finishing over the tick free (as many as finished over the last), which a waiting request takes at
-        # once: taken from the tick's start, half of them keep the batch as full over the tick as it is.
-        places = numpy.maximum(
-            profile.max_num_seqs - a["prefilling"] - a["decoding"] + a["finishing"] / 2, 0.0
+        latencies = _advance(
+            self._state,
+            arrivals.rows,
+            self.used,
+            tick_s,
+            self._figures,
+            _TTFT_BOUNDS,
+            _ITL_BOUNDS,
+            self._ttft_counts,
+            self._itl_counts,
         )
-        admitted = numpy.minimum(a["waiting"], places)
-        moved = a["waiting_tokens"] * _share(admitted, a["waiting"])
-        a["waiting_tokens"] -= moved
-        a["prefill_tokens"] += moved
-        a["waiting"] -= admitted
-        a["prefilling"] += admitted
-        # A replica reports its queue as it is with the tick's arrivals placed: requests finish and places
-        # fill one by one in an engine, while a tick takes the finishes of its length at once.
-        # (The places taken ahead of the finishes are still waiting then.)
-        running = a["prefilling"] + a["decoding"]
-        numpy.minimum(running, profile.max_num_seqs, out=a["seen_running"])
-        a["seen_waiting"][:] = a["waiting"] + running - a["seen_running"]
-        # numpy.clip's own arithmetic, without its Python-level wrapper.
-        return numpy.minimum(numpy.maximum(admitted - waited, 0.0), came)
-
-    def _compute_prompts(
-        self, a: dict[str, numpy.ndarray], tick_s: float, came_in_work: numpy.ndarray
-    ) -> _PromptSteps:
-        """The steps that compute the prompts in the batch, in their order within the budget the decoding
-        requests leave; `came_in_work` is the prompt tokens of the arrivals that found a place at once."""
-        profile = self.profile
-        decoding = a["decoding"].copy()
-        backlog = a["prefill_work"]
-        prompt_tokens = numpy.minimum(numpy.maximum(profile.max_num_batched_tokens - decoding, 0.0), backlog)
-        prefill_step_s = _step_s(profile, prompt_tokens, decoding, a["held_tokens"])
-        prefill_s = numpy.minimum(_share(backlog, prompt_tokens) * prefill_step_s, tick_s)
-        prefill_steps = prefill_s / prefill_step_s
-        ahead = backlog - came_in_work
-        computed = numpy.minimum(prompt_tokens * prefill_steps, backlog)
-        done = numpy.where(backlog > _NOTHING, _share(computed, backlog), 1.0)
-        # One whose prompt is computed samples its first token and decodes from then on.
-        moving = a["prefilled"] * done
-        prompt_share, output_share, prompted = moving
-        backlog -= computed
-        a["prefilled"] -= moving
-        a["decoding"] += prompted
-        a["decode_left"] += numpy.maximum(output_share - prompted, 0.0)
-        a["held_tokens"] += prompt_share + prompted
-        a["prompt_done"] += prompt_share
-        a["generated"] += prompted
-        return _PromptSteps(prompt_tokens, prefill_step_s, prefill_s, decoding * prefill_steps, ahead)
-
-    def _decode(
-        self, a: dict[str, numpy.ndarray], tick_s: float, prompts: _PromptSteps
-    ) -> tuple[numpy.ndarray, numpy.ndarray]:
-        """The rest of the tick in steps of decoding alone: a token each a step; a request finishes with its
-        share of the tokens left. Returns the requests finished and the length of the tick's steps."""
-        decode_step_s = _step_s(self.profile, 0.0, a["decoding"], a["held_tokens"])
-        decode_steps = numpy.where(a["decoding"] > _NOTHING, (tick_s - prompts.seconds) / decode_step_s, 0.0)
-        during_prefill = prompts.decoded
-        generated = numpy.minimum(during_prefill + a["decoding"] * decode_steps, a["decode_left"])
-        decoders = a["decoding"].copy()
-        finished = numpy.where(
-            a["decode_left"] > _NOTHING, decoders * _share(generated, a["decode_left"]), decoders
-        )
-        a["decode_left"] -= generated
-        a["held_tokens"] += generated
-        a["held_tokens"] *= 1.0 - _share(finished, decoders)
-        a["decoding"] -= finished
-        a["finishing"][:] = finished
-        a["generated"] += generated
-        a["itl_sum"] += prompts.step_s * during_prefill + decode_step_s * (generated - during_prefill)
-        a["itl_count"] += generated
-        self._itl_counts += _histogram(_ITL_BOUNDS, prompts.step_s, during_prefill)
-        self._itl_counts += _histogram(
-            _ITL_BOUNDS, decode_step_s, numpy.maximum(generated - during_prefill, 0.0)
-        )
-        return finished, numpy.where(prompts.tokens > _NOTHING, prompts.step_s, decode_step_s)
-
-    def _views(self) -> dict[str, numpy.ndarray]:
-        """The arrays over the slots in use, made again only when those change."""
-        if self._viewed != (self.used, self.capacity):
-            self._viewed = (self.used, self.capacity)
-            self._view = {name: array[: self.used] for name, array in self._arrays.items()}
-            self._view["waiting_tokens"] = self._state[_WAITING_TOKENS, : self.used]
-            self._view["prefill_tokens"] = self._state[_PREFILL_TOKENS, : self.used]
-            self._view["prefilled"] = self._state[_PREFILLED, : self.used]
-        return self._view
+        return TickLatencies(*latencies)
 
     def report(self, slots: list[int], interval_s: float | None) -> list[PodMetrics]:
         """What the replicas at these slots would show the operator now, since their last report
@@ -294,22 +176,22 @@ class FluidEngines:
         reports give it, at the cost of one report rather than one a replica."""
         if not slots:
             return []
-        a = dict(zip(_FIELDS, self._state[:, slots], strict=True))
-        timed = a["ttft_count"] > _NOTHING
-        ttft = float(numpy.mean(a["ttft_sum"][timed] / a["ttft_count"][timed])) if timed.any() else None
-        spaced = a["itl_count"] > _NOTHING
-        itl = float(numpy.mean(a["itl_sum"][spaced] / a["itl_count"][spaced])) if spaced.any() else None
-        mean = {name: float(numpy.mean(values)) for name, values in a.items()}
+        rows = self._state[:, slots]
+        timed = rows[_TTFT_COUNT] > _NOTHING
+        ttft = float(numpy.mean(rows[_TTFT_SUM][timed] / rows[_TTFT_COUNT][timed])) if timed.any() else None
+        spaced = rows[_ITL_COUNT] > _NOTHING
+        itl = float(numpy.mean(rows[_ITL_SUM][spaced] / rows[_ITL_COUNT][spaced])) if spaced.any() else None
+        mean = numpy.mean(rows, axis=1).tolist()
         per_s = 1 / interval_s if interval_s else None
         shared = PodMetrics(
-            waiting=mean["seen_waiting"],
-            running=mean["seen_running"],
-            kv_cache_usage=mean["held_tokens"] / self.profile.kv_cache_tokens,
+            waiting=mean[_SEEN_WAITING],
+            running=mean[_SEEN_RUNNING],
+            kv_cache_usage=mean[_HELD_TOKENS] / self.profile.kv_cache_tokens,
             ttft_seconds=ttft,
-            queued_prompt_tokens=mean["waiting_work"] + mean["prefill_work"],
+            queued_prompt_tokens=mean[_WAITING_WORK] + mean[_PREFILL_WORK],
             itl_seconds=itl,
-            prompt_tokens_per_s=mean["prompt_done"] * per_s if per_s is not None else None,
-            generation_tokens_per_s=mean["generated"] * per_s if per_s is not None else None,
+            prompt_tokens_per_s=mean[_PROMPT_DONE] * per_s if per_s is not None else None,
+            generation_tokens_per_s=mean[_GENERATED] * per_s if per_s is not None else None,
         )
         first = PodMetrics(
             **{
@@ -324,43 +206,200 @@ class FluidEngines:
         return [first] + [shared] * (len(slots) - 1)
 
     def _grow(self, capacity: int) -> None:
-        grown = numpy.zeros((len(_FIELDS), capacity))
+        grown = numpy.zeros((_ROWS, capacity))
         grown[:, : self.capacity] = self._state
         self._state = grown
-        self._arrays = dict(zip(_FIELDS, grown, strict=True))
         self._free.extend(range(capacity - 1, self.capacity - 1, -1))
         self.capacity = capacity
 
 
-def _step_s(
-    profile: EngineProfile,
-    prompt_tokens: numpy.ndarray | float,
-    decoding: numpy.ndarray,
-    context: numpy.ndarray,
-) -> numpy.ndarray:
-    """A step's time by the profile's line (EngineProfile.step_seconds, on arrays)."""
-    return profile.step_seconds(prompt_tokens, decoding, context)  # type: ignore[arg-type,return-value]
+def _buckets(bounds: tuple[float, ...], counts: numpy.ndarray) -> Buckets:
+    return tuple(zip((*bounds, math.inf), numpy.cumsum(counts).tolist(), strict=True))
 
 
-def _share(part: numpy.ndarray, whole: numpy.ndarray) -> numpy.ndarray:
-    """part / whole, of a part that is nothing where its whole is (0 then)."""
-    return part / numpy.maximum(whole, _NOTHING)
+# The compiled step: each engine's arithmetic is written for one slot, its divisions as numpy's (no check
+# for a zero, which every divisor here is kept from).
+_compiled = numba.njit(cache=True, error_model="numpy")
+# The profile comes as an array of its figures, in this order.
+(
+    _STEP_FIXED_S,
+    _PREFILL_TOKEN_S,
+    _DECODE_SEQUENCE_S,
+    _CONTEXT_TOKEN_S,
+    _MAX_NUM_SEQS,
+    _MAX_NUM_BATCHED_TOKENS,
+) = range(6)
 
 
-def _estimated_finish_rate(a: dict[str, numpy.ndarray], step_s: numpy.ndarray) -> numpy.ndarray:
-    """Requests a second the batch will finish, where none finished this tick: each takes a step for each
-    token its output has left and one for its prompt."""
-    running = a["prefilling"] + a["decoding"]
-    tokens_left = a["decode_left"] + a["prefill_output"]
-    return _share(running * running, (tokens_left + running) * step_s)
+@_compiled
+def _advance(
+    state: numpy.ndarray,
+    arrivals: numpy.ndarray,
+    used: int,
+    tick_s: float,
+    profile: numpy.ndarray,
+    ttft_bounds: numpy.ndarray,
+    itl_bounds: numpy.ndarray,
+    ttft_counts: numpy.ndarray,
+    itl_counts: numpy.ndarray,
+) -> tuple[numpy.ndarray, numpy.ndarray, numpy.ndarray, numpy.ndarray]:
+    """Runs every engine for a tick with its arrivals (rows: requests, work, prompt and output tokens);
+    returns the arrivals' first-token latencies per slot (TickLatencies' fields) and adds the tick's
+    latencies to the histograms."""
+    at_once_s, came_in = numpy.zeros(used), numpy.zeros(used)
+    waiting_s, came_waiting = numpy.zeros(used), numpy.zeros(used)
+    # The tick's observations, each kind in a histogram of its own, added to the counts after the last slot.
+    ttft_at_once, ttft_waiting = numpy.zeros(ttft_counts.size), numpy.zeros(ttft_counts.size)
+    itl_prefill, itl_decode = numpy.zeros(itl_counts.size), numpy.zeros(itl_counts.size)
+    for slot in range(used):
+        engine = state[:, slot]
+        came, work = arrivals[0, slot], arrivals[1, slot]
+        busy_before = engine[_PREFILL_WORK] > _NOTHING or engine[_DECODING] > _NOTHING
+        at_once = _admit(engine, arrivals[:, slot], profile)
+        each = work / max(came, _NOTHING)
+        prompt_tokens, prompt_step_s, prompt_s, decoded, ahead = _compute_prompts(
+            engine, tick_s, at_once * each, profile
+        )
+        finished, decode_step_s, generated = _decode(
+            engine, tick_s, prompt_s, decoded, prompt_step_s, profile
+        )
+        itl_prefill[numpy.searchsorted(itl_bounds, prompt_step_s)] += decoded
+        itl_decode[numpy.searchsorted(itl_bounds, decode_step_s)] += max(generated - decoded, 0.0)
+        step_s = prompt_step_s if prompt_tokens > _NOTHING else decode_step_s
+
+        # The tick's arrivals' first-token latencies. The middle one of those with a place at once has its
+        # prompt end this far into the prompts to compute, and its first token at the end of the step that
+        # computes its last token, after the rest of the step in progress.
+        waiting = came - at_once
+        residual = step_s / 2 if busy_before else 0.0
+        position = max(ahead, 0.0) + at_once * each / 2 + each / 2
+        own = numpy.ceil(position / max(prompt_tokens, _NOTHING) - 1e-9) * prompt_step_s
+        at_once_latency = residual + (own if at_once > _NOTHING else 0.0)
+        # Those who wait: the queue ahead at the rate requests finish (estimated where none finished), then
+        # the rest of a step, and a step with its prompt.
+        finish_rate = finished / tick_s if finished > _NOTHING else _estimated_finish_rate(engine, step_s)
+        queue_ahead = max(engine[_WAITING] - waiting / 2, 0.0)
+        waiting_latency = queue_ahead / max(finish_rate, _NOTHING) + 1.5 * step_s
+        engine[_TTFT_SUM] += at_once_latency * at_once + waiting_latency * waiting
+        engine[_TTFT_COUNT] += came
+        ttft_at_once[numpy.searchsorted(ttft_bounds, at_once_latency)] += at_once
+        ttft_waiting[numpy.searchsorted(ttft_bounds, waiting_latency)] += waiting
+        at_once_s[slot], came_in[slot] = at_once_latency, at_once
+        waiting_s[slot], came_waiting[slot] = waiting_latency, waiting
+    ttft_counts += ttft_at_once
+    ttft_counts += ttft_waiting
+    itl_counts += itl_prefill
+    itl_counts += itl_decode
+    return at_once_s, came_in, waiting_s, came_waiting
 
 
-def _histogram(bounds: numpy.ndarray, seconds: numpy.ndarray, counts: numpy.ndarray) -> numpy.ndarray:
-    """Observations per bucket (i: above bound i-1, up to bound i), as a replica's histogram takes them."""
-    return numpy.bincount(
-        bounds.searchsorted(seconds, side="left"), weights=counts, minlength=bounds.size + 1
+@_compiled
+def _admit(engine: numpy.ndarray, arrival: numpy.ndarray, profile: numpy.ndarray) -> float:
+    """Queues an engine's arrivals and gives the batch's places to the waiting requests in their order;
+    returns how many of the arrivals found a place at once."""
+    came = arrival[0]
+    waited = engine[_WAITING]
+    engine[_WAITING] += came
+    for row in range(3):
+        engine[_WAITING_WORK + row] += arrival[1 + row]
+    # Places in the batch, to the waiting requests in their order: those free, and those the requests
+    # finishing over the tick free (as many as finished over the last), which a waiting request takes at
+    # once: taken from the tick's start, half of them keep the batch as full over the tick as it is.
+    free = profile[_MAX_NUM_SEQS] - engine[_PREFILLING] - engine[_DECODING]
+    places = max(free + engine[_FINISHING] / 2, 0.0)
+    admitted = min(engine[_WAITING], places)
+    share = admitted / max(engine[_WAITING], _NOTHING)
+    for row in range(3):
+        moved = engine[_WAITING_WORK + row] * share
+        engine[_WAITING_WORK + row] -= moved
+        engine[_PREFILL_WORK + row] += moved
+    engine[_WAITING] -= admitted
+    engine[_PREFILLING] += admitted
+    # A replica reports its queue as it is with the tick's arrivals placed: requests finish and places fill
+    # one by one in an engine, while a tick takes the finishes of its length at once. (The places taken
+    # ahead of the finishes are still waiting then.)
+    running = engine[_PREFILLING] + engine[_DECODING]
+    engine[_SEEN_RUNNING] = min(running, profile[_MAX_NUM_SEQS])
+    engine[_SEEN_WAITING] = engine[_WAITING] + running - engine[_SEEN_RUNNING]
+    return min(max(admitted - waited, 0.0), came)
+
+
+@_compiled
+def _compute_prompts(
+    engine: numpy.ndarray, tick_s: float, at_once_work: float, profile: numpy.ndarray
+) -> tuple[float, float, float, float, float]:
+    """An engine's steps that compute the prompts in its batch, in their order within the budget the
+    decoding requests leave; `at_once_work` is the prompt tokens of the arrivals that found a place at once.
+    Returns the prompt tokens a step, its length, the seconds of the tick they take, the tokens the decoding
+    requests generate meanwhile, and the prompt tokens ahead of those arrivals."""
+    decoding = engine[_DECODING]
+    backlog = engine[_PREFILL_WORK]
+    tokens = min(max(profile[_MAX_NUM_BATCHED_TOKENS] - decoding, 0.0), backlog)
+    step_s = _step_s(profile, tokens, decoding, engine[_HELD_TOKENS])
+    seconds = min(backlog / max(tokens, _NOTHING) * step_s, tick_s)
+    steps = seconds / step_s
+    computed = min(tokens * steps, backlog)
+    done = computed / max(backlog, _NOTHING) if backlog > _NOTHING else 1.0
+    # One whose prompt is computed samples its first token and decodes from then on.
+    prompt_share = engine[_PREFILL_PROMPT] * done
+    output_share = engine[_PREFILL_OUTPUT] * done
+    prompted = engine[_PREFILLING] * done
+    engine[_PREFILL_WORK] = backlog - computed
+    engine[_PREFILL_PROMPT] -= prompt_share
+    engine[_PREFILL_OUTPUT] -= output_share
+    engine[_PREFILLING] -= prompted
+    engine[_DECODING] += prompted
+    engine[_DECODE_LEFT] += max(output_share - prompted, 0.0)
+    engine[_HELD_TOKENS] += prompt_share + prompted
+    engine[_PROMPT_DONE] += prompt_share
+    engine[_GENERATED] += prompted
+    return tokens, step_s, seconds, decoding * steps, backlog - at_once_work
+
+
+@_compiled
+def _decode(
+    engine: numpy.ndarray,
+    tick_s: float,
+    prompt_s: float,
+    decoded: float,
+    prompt_step_s: float,
+    profile: numpy.ndarray,
+) -> tuple[float, float, float]:
+    """The rest of an engine's tick in steps of decoding alone (`decoded` tokens were generated in the
+    prompts' steps): a token each a step; a request finishes with its share of the tokens left. Returns
+    the requests finished, the length of a decoding step and the tokens generated over the tick."""
+    decoding = engine[_DECODING]
+    left = engine[_DECODE_LEFT]
+    step_s = _step_s(profile, 0.0, decoding, engine[_HELD_TOKENS])
+    steps = (tick_s - prompt_s) / step_s if decoding > _NOTHING else 0.0
+    generated = min(decoded + decoding * steps, left)
+    finished = decoding * (generated / max(left, _NOTHING)) if left > _NOTHING else decoding
+    engine[_DECODE_LEFT] -= generated
+    engine[_HELD_TOKENS] += generated
+    engine[_HELD_TOKENS] *= 1.0 - finished / max(decoding, _NOTHING)
+    engine[_DECODING] -= finished
+    engine[_FINISHING] = finished
+    engine[_GENERATED] += generated
+    engine[_ITL_SUM] += prompt_step_s * decoded + step_s * (generated - decoded)
+    engine[_ITL_COUNT] += generated
+    return finished, step_s, generated
+
+
+@_compiled
+def _step_s(profile: numpy.ndarray, prompt_tokens: float, decoding: float, context: float) -> float:
+    """A step's time by the profile's line (EngineProfile.step_seconds)."""
+    return (
+        profile[_STEP_FIXED_S]
+        + profile[_PREFILL_TOKEN_S] * prompt_tokens
+        + profile[_DECODE_SEQUENCE_S] * decoding
+        + profile[_CONTEXT_TOKEN_S] * context
     )
 
 
-def _buckets(bounds: tuple[float, ...], counts: numpy.ndarray) -> Buckets:
-    return tuple(zip((*bounds, math.inf), numpy.cumsum(counts).tolist(), strict=True))
+@_compiled
+def _estimated_finish_rate(engine: numpy.ndarray, step_s: float) -> float:
+    """Requests a second an engine's batch will finish, where none finished this tick: each takes a step
+    for each token its output has left and one for its prompt."""
+    running = engine[_PREFILLING] + engine[_DECODING]
+    tokens_left = engine[_DECODE_LEFT] + engine[_PREFILL_OUTPUT]
+    return running * running / max((tokens_left + running) * step_s, _NOTHING)
