@@ -217,10 +217,11 @@ def _buckets(bounds: tuple[float, ...], counts: numpy.ndarray) -> Buckets:
     return tuple(zip((*bounds, math.inf), numpy.cumsum(counts).tolist(), strict=True))
 
 
-# The compiled step: each engine's arithmetic is written for one slot, its divisions as numpy's (no check
-# for a zero, which every divisor here is kept from).
-_compiled = numba.njit(cache=True, error_model="numpy")
-# The profile comes as an array of its figures, in this order.
+# The cohort model's compiled loops (the engines' step here, the fleet's deliveries): each replica's
+# arithmetic is written for its slot, its divisions as numpy's (no check for a zero, which every divisor is
+# kept from).
+compiled = numba.njit(cache=True, error_model="numpy")
+# The compiled step takes the profile as an array of its figures, in this order.
 (
     _STEP_FIXED_S,
     _PREFILL_TOKEN_S,
@@ -231,7 +232,7 @@ _compiled = numba.njit(cache=True, error_model="numpy")
 ) = range(6)
 
 
-@_compiled
+@compiled
 def _advance(
     state: numpy.ndarray,
     arrivals: numpy.ndarray,
@@ -293,7 +294,7 @@ def _advance(
     return at_once_s, came_in, waiting_s, came_waiting
 
 
-@_compiled
+@compiled
 def _admit(engine: numpy.ndarray, arrival: numpy.ndarray, profile: numpy.ndarray) -> float:
     """Queues an engine's arrivals and gives the batch's places to the waiting requests in their order;
     returns how many of the arrivals found a place at once."""
@@ -324,7 +325,7 @@ def _admit(engine: numpy.ndarray, arrival: numpy.ndarray, profile: numpy.ndarray
     return min(max(admitted - waited, 0.0), came)
 
 
-@_compiled
+@compiled
 def _compute_prompts(
     engine: numpy.ndarray, tick_s: float, at_once_work: float, profile: numpy.ndarray
 ) -> tuple[float, float, float, float, float]:
@@ -356,7 +357,7 @@ def _compute_prompts(
     return tokens, step_s, seconds, decoding * steps, backlog - at_once_work
 
 
-@_compiled
+@compiled
 def _decode(
     engine: numpy.ndarray,
     tick_s: float,
@@ -385,7 +386,7 @@ def _decode(
     return finished, step_s, generated
 
 
-@_compiled
+@compiled
 def _step_s(profile: numpy.ndarray, prompt_tokens: float, decoding: float, context: float) -> float:
     """A step's time by the profile's line (EngineProfile.step_seconds)."""
     return (
@@ -396,7 +397,7 @@ def _step_s(profile: numpy.ndarray, prompt_tokens: float, decoding: float, conte
     )
 
 
-@_compiled
+@compiled
 def _estimated_finish_rate(engine: numpy.ndarray, step_s: float) -> float:
     """Requests a second an engine's batch will finish, where none finished this tick: each takes a step
     for each token its output has left and one for its prompt."""

@@ -33,7 +33,7 @@ from kvfleet.contract.tiers import TIER_NAMES
 from kvfleet.gateway.routing import LeastRequest, Prompt, Replica, RoundRobin, make_policy
 from kvfleet.simulate.cohorts import Cohort
 from kvfleet.simulate.fleet import SimulationConfig, group_text
-from kvfleet.simulate.fluid_engine import Arrivals, FluidEngines
+from kvfleet.simulate.fluid_engine import Arrivals, FluidEngines, compiled
 from kvfleet.simulate.held_cohorts import HeldCohorts, HeldShare
 from kvfleet.simulate.operator_loop import Operator, chosen_to_stop
 from kvfleet.simulate.report import RunReport, bucket_indices
@@ -232,8 +232,8 @@ class CohortSimulation:
         self._open = _OpenRoutes()
         # Whether the open routes were brought up to this tick's counts.
         self._open_now = False
-        # Requests sent straight from the gateway's queue this tick: (slot, tier, count, waited).
-        self._sent: list[tuple[int, str, float, float]] = []
+        # Requests sent straight from the gateway's queue this tick: (slot, tier index, count, waited).
+        self._sent: list[tuple[int, int, float, float]] = []
         self.peak_state_size = 0
         # First-token latencies by tier since the report last took them: requests by latency bucket, and
         # how many of them within the target.
@@ -386,7 +386,7 @@ class CohortSimulation:
             if sends.add(slot, sent, count, self._work(route, sent)) >= cap:
                 self._open.close(route)
             route.in_flight += count  # type: ignore[assignment]
-            self._sent.append((slot, sent.tier, count, self._now - sent.queued_at))
+            self._sent.append((slot, _TIER_INDEX[sent.tier], count, self._now - sent.queued_at))
         sends.to_arrivals(self._arrivals)
 
     def _refresh_in_flight(self) -> None:
@@ -402,43 +402,34 @@ class CohortSimulation:
         """Delivers the streams' share of the tick (what finds the cap goes back to the gateway) and runs
         the engines."""
         used, streams, arrivals = self.engines.used, self._streams, self._arrivals
-        by_tier = streams.by_tier[:, :used]
-        pending = by_tier.sum(axis=0)
-        due = numpy.minimum(pending, streams.pace[:used])
-        room = numpy.maximum(self.cap - self._in_engine[:used], 0.0)
-        delivered = numpy.minimum(due, room)
-        taken = _share(due, pending)
-        kept = _share(delivered, due)
-        tiers = by_tier * taken
-        by_tier -= tiers
-        tokens = streams.tokens[:, :used]
-        moved = tokens * taken
-        tokens -= moved
-        overflow = due - delivered
-        if overflow.sum() > _LEAST:
-            turned_back = 1 - kept
-            self._hold_overflow(tiers * turned_back, moved * turned_back)
-        arrivals.requests[:used] += delivered
-        arrivals.tokens[:, :used] += moved * kept
+        delivered, turned_back, turned_back_tokens = _deliver(
+            streams.by_tier, streams.tokens, streams.pace, self._in_engine, self.cap, arrivals.rows, used
+        )
+        if turned_back.sum() > _LEAST:
+            self._hold_overflow(turned_back, turned_back_tokens)
         latencies = self.engines.advance(self.options.tick_s, arrivals)
-        came = arrivals.requests[:used]
-        at_once = _share(latencies.at_once, came)
-        tiers_delivered = tiers * kept
-        active = numpy.flatnonzero(tiers_delivered.sum(axis=1) > _LEAST).tolist()
+        active = numpy.flatnonzero(delivered.sum(axis=1) > _LEAST)
         overhead = self.config.profile.first_token_overhead_s
-        if active:
+        if active.size:
             seconds = numpy.concatenate((latencies.at_once_s, latencies.waiting_s)) + overhead
             buckets = numpy.minimum(bucket_indices(seconds), _LATENCY_BUCKETS - 1)
-            within = (seconds <= self.config.ttft_target_s).astype(float)
-            for index in active:
-                counts = tiers_delivered[index]
-                weights = numpy.concatenate((counts * at_once, counts * (1 - at_once)))
-                self._latencies[index] += numpy.bincount(buckets, weights, minlength=_LATENCY_BUCKETS)
-                self._within[index] += float(weights @ within)
+            _count_first_tokens(
+                self._latencies,
+                self._within,
+                active,
+                delivered,
+                latencies.at_once,
+                arrivals.requests,
+                buckets,
+                seconds <= self.config.ttft_target_s,
+            )
         if self._sent:
-            means = latencies.mean_s()[[slot for slot, _, _, _ in self._sent]].tolist()
-            for (_, tier, count, waited), mean in zip(self._sent, means, strict=True):
-                self.report.first_token(tier, waited + mean + overhead, count)
+            slots, tiers, counts, waited = numpy.array(self._sent).T
+            slots, tiers = slots.astype(numpy.intp), tiers.astype(numpy.intp)
+            seconds = waited + latencies.mean_s()[slots] + overhead
+            buckets = numpy.minimum(bucket_indices(seconds), _LATENCY_BUCKETS - 1)
+            numpy.add.at(self._latencies, (tiers, buckets), counts)
+            numpy.add.at(self._within, tiers, counts * (seconds <= self.config.ttft_target_s))
             self._sent = []
         arrivals.rows[:, :used] = 0.0
         self.peak_state_size = max(self.peak_state_size, self._state_size())
@@ -533,6 +524,8 @@ class CohortSimulation:
 
 # Fewer requests than this are none (what rounding leaves of a share).
 _LEAST = 1e-6
+# A stream's or an engine's amount below this is nothing to take a share of.
+_NONE = 1e-12
 # The gateway sends what it holds from this much on (less is the dust of shares cut by rounding).
 _HELD_AT_ALL = 1e-3
 # Latency buckets kept (1% apart from 0.1 ms: the last starts at about 19 hours).
@@ -547,5 +540,64 @@ def _add_rows(rows: numpy.ndarray, slots: numpy.ndarray, values: numpy.ndarray) 
         numpy.add.at(row, slots, column)
 
 
-def _share(part: numpy.ndarray, whole: numpy.ndarray) -> numpy.ndarray:
-    return numpy.divide(part, whole, out=numpy.zeros(part.shape), where=whole > 1e-12)
+@compiled
+def _deliver(
+    by_tier: numpy.ndarray,
+    tokens: numpy.ndarray,
+    pace: numpy.ndarray,
+    in_engine: numpy.ndarray,
+    cap: float,
+    arrivals: numpy.ndarray,
+    used: int,
+) -> tuple[numpy.ndarray, numpy.ndarray, numpy.ndarray]:
+    """Takes each stream's share of the tick (its pace, of what it holds) and delivers it to the engine's
+    arrivals up to the cap. Returns per slot the requests delivered by tier, and those that found the cap
+    by tier with their tokens (work, prompt, output), for the gateway to hold again."""
+    tiers, rows = by_tier.shape[0], tokens.shape[0]
+    delivered = numpy.zeros((tiers, used))
+    turned_back, turned_back_tokens = numpy.zeros((tiers, used)), numpy.zeros((rows, used))
+    for slot in range(used):
+        pending = 0.0
+        for tier in range(tiers):
+            pending += by_tier[tier, slot]
+        due = min(pending, pace[slot])
+        arrived = min(due, max(cap - in_engine[slot], 0.0))
+        taken = due / pending if pending > _NONE else 0.0
+        kept = arrived / due if due > _NONE else 0.0
+        arrivals[0, slot] += arrived
+        for tier in range(tiers):
+            left = by_tier[tier, slot] * taken
+            by_tier[tier, slot] -= left
+            delivered[tier, slot] = left * kept
+            turned_back[tier, slot] = left * (1 - kept)
+        for row in range(rows):
+            moved = tokens[row, slot] * taken
+            tokens[row, slot] -= moved
+            arrivals[1 + row, slot] += moved * kept
+            turned_back_tokens[row, slot] = moved * (1 - kept)
+    return delivered, turned_back, turned_back_tokens
+
+
+@compiled
+def _count_first_tokens(
+    latencies: numpy.ndarray,
+    within: numpy.ndarray,
+    active: numpy.ndarray,
+    delivered: numpy.ndarray,
+    at_once: numpy.ndarray,
+    came: numpy.ndarray,
+    buckets: numpy.ndarray,
+    within_target: numpy.ndarray,
+) -> None:
+    """Counts the tick's first tokens of the tiers `active` names by latency bucket, and those within the
+    target: a slot's requests delivered of a tier, split as its engine's arrivals were between a place at
+    once and a wait (`buckets` and `within_target` hold each slot's place at once, then each slot's wait)."""
+    slots = delivered.shape[1]
+    for tier in active:
+        for slot in range(slots):
+            count = delivered[tier, slot]
+            share = at_once[slot] / came[slot] if came[slot] > _NONE else 0.0
+            at_once_part, waiting_part = count * share, count * (1 - share)
+            latencies[tier, buckets[slot]] += at_once_part
+            latencies[tier, buckets[slots + slot]] += waiting_part
+            within[tier] += at_once_part * within_target[slot] + waiting_part * within_target[slots + slot]

@@ -39,10 +39,10 @@ class Histogram:
         self.buckets: Counter[int] = Counter()
         self.count = 0
 
-    def add(self, bucket: int, times: float = 1) -> None:
-        """Latencies in one bucket (as bucket_of() numbers it)."""
-        self.buckets[bucket] += times
-        self.count += times
+    def add(self, bucket: int) -> None:
+        """A latency, by its bucket (as bucket_of() numbers it)."""
+        self.buckets[bucket] += 1
+        self.count += 1
 
     def add_counts(self, counts: numpy.ndarray) -> None:
         """Observations by bucket (as bucket_indices() numbers them), counts that need not be whole."""
@@ -130,14 +130,13 @@ class RunReport:
         result.requests += count
         self._interval_arrivals += count
 
-    def first_token(self, tier: str, ttft_s: float, count: float = 1) -> None:
+    def first_token(self, tier: str, ttft_s: float) -> None:
         result = self.tiers[tier]
-        # One bucket for the three histograms: the cohort model reports a latency for each of its sends.
         bucket = bucket_of(ttft_s)
         for histogram in (result.ttft, self.ttft, self._interval_ttft):
-            histogram.add(bucket, count)
+            histogram.add(bucket)
         if ttft_s <= self.ttft_target_s:
-            result.within_target += count
+            result.within_target += 1
 
     def first_tokens(self, tier: str, counts: numpy.ndarray, within_target: float) -> None:
         """Requests of `tier` that got their first token, counted by latency bucket (bucket_indices()), and
