@@ -566,10 +566,10 @@ def _deliver(
         kept = arrived / due if due > _NONE else 0.0
         arrivals[0, slot] += arrived
         for tier in range(tiers):
-            left = by_tier[tier, slot] * taken
-            by_tier[tier, slot] -= left
-            delivered[tier, slot] = left * kept
-            turned_back[tier, slot] = left * (1 - kept)
+            tier_due = by_tier[tier, slot] * taken
+            by_tier[tier, slot] -= tier_due
+            delivered[tier, slot] = tier_due * kept
+            turned_back[tier, slot] = tier_due * (1 - kept)
         for row in range(rows):
             moved = tokens[row, slot] * taken
             tokens[row, slot] -= moved
