@@ -8,7 +8,8 @@ PYTHON ?= python3
 KVFLEET_CACHE ?= $(HOME)/.cache/kvfleet
 VENV ?= $(KVFLEET_CACHE)/venv
 PY := $(VENV)/bin/python
-REQUIREMENTS := requirements/runtime.txt requirements/operator.txt requirements/gateway.txt requirements/test.txt
+REQUIREMENTS := requirements/runtime.txt requirements/operator.txt requirements/gateway.txt \
+	requirements/simulate.txt requirements/test.txt
 REQ_HASH := $(shell cat requirements/*.txt pyproject.toml | sha256sum | cut -c1-16)
 STAMP := $(VENV)/.kvfleet-$(REQ_HASH)
 PYTEST_ARGS ?=

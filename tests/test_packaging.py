@@ -28,14 +28,14 @@ PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 LOCAL = {"kvfleet", "e2e", "images", "tests"} | {path.stem for path in (ROOT / "tests").rglob("*.py")}
 PARTS = {
     # The fleet simulator runs the operator's and the gateway's own code.
-    "kvfleet": ("operator", "gateway"),
+    "kvfleet": ("operator", "gateway", "simulate"),
     "operator": ("operator",),
     "gateway": ("gateway",),
     "contract": (),
     "runtime": ("runtime",),
-    "tests": ("runtime", "operator", "gateway", "test"),
-    "e2e": ("runtime", "operator", "gateway", "test"),
-    "images": ("runtime", "operator", "gateway", "test"),
+    "tests": ("runtime", "operator", "gateway", "simulate", "test"),
+    "e2e": ("runtime", "operator", "gateway", "simulate", "test"),
+    "images": ("runtime", "operator", "gateway", "simulate", "test"),
 }
 
 
@@ -90,16 +90,18 @@ def test_every_declared_dependency_is_pinned_in_the_requirements() -> None:
 
 
 # Runs `kvfleet operator --help` and `kvfleet gateway --help` and imports the kopf handlers and the gateway
-# with the runtime's dependencies unimportable.
+# with the runtime's and the simulator's dependencies unimportable.
 _OPERATOR_ONLY = """
 import importlib.abc, sys
 
 # The gateway tokenizes prompts with `tokenizers` and prepares their images with numpy: the image has them.
 RUNTIME_ONLY = {"torch", "triton", "transformers", "safetensors", "fastapi", "uvicorn", "soundfile", "httpx"}
+# The fleet simulator's own: the image leaves them out.
+SIMULATE_ONLY = {"numba", "llvmlite", "matplotlib"}
 
 class Refuse(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in RUNTIME_ONLY:
+        if name.split(".")[0] in RUNTIME_ONLY | SIMULATE_ONLY:
             raise ImportError(f"{name} is not installed in the operator's image")
         return None
 
