@@ -109,7 +109,7 @@ class FluidEngines:
 
     def __init__(self, profile: EngineProfile, capacity: int = 16) -> None:
         self.profile = profile
-        # The profile as the compiled step reads it (_PROFILE_FIGURES).
+        # The profile as the compiled step reads it: its figures in the order _STEP_FIXED_S and the rest name.
         self._figures = numpy.array(
             (
                 profile.step_fixed_s,
