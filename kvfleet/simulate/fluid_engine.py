@@ -25,6 +25,8 @@ together at its start).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Any
 
 import numba
 import numpy
@@ -217,10 +219,17 @@ def _buckets(bounds: tuple[float, ...], counts: numpy.ndarray) -> Buckets:
     return tuple(zip((*bounds, math.inf), numpy.cumsum(counts).tolist(), strict=True))
 
 
-# The cohort model's compiled loops (the engines' step here, the fleet's deliveries): each replica's
-# arithmetic is written for its slot, its divisions as numpy's (no check for a zero, which every divisor is
-# kept from).
-compiled = numba.njit(cache=True, error_model="numpy")
+def compiled(function: Callable[..., Any]) -> Callable[..., Any]:
+    """One of the cohort model's compiled loops (the engines' step here, the fleet's deliveries): each
+    replica's arithmetic written for its slot, its divisions as numpy's (no check for a zero, which every
+    divisor is kept from). The machine code is cached beside the module, or in the user's cache folder;
+    where neither can be written (a read-only install and home), it is compiled at each start instead."""
+    try:
+        return numba.njit(cache=True, error_model="numpy")(function)
+    except RuntimeError:  # numba found nowhere to cache it
+        return numba.njit(error_model="numpy")(function)
+
+
 # The compiled step takes the profile as an array of its figures, in this order.
 (
     _STEP_FIXED_S,

@@ -5,6 +5,9 @@ the trace, and `kvfleet simulate run --model cohort`."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from collections import Counter
 from dataclasses import replace
 from pathlib import Path
@@ -94,6 +97,25 @@ def test_a_request_at_an_idle_engine_has_its_first_token_after_one_step_with_its
     latencies = engines.advance(0.1, arrivals)
     assert latencies.at_once[slot] == 1 and latencies.waiting[slot] == 0
     assert latencies.at_once_s[slot] == pytest.approx(PROFILE.step_seconds(400, 0, 0))
+
+
+def test_the_engines_run_where_numba_has_nowhere_to_cache_their_compiled_code() -> None:
+    # As with a read-only install and home: numba is told to look for a cache folder in zip files only.
+    script = """
+from kvfleet.simulate.engine import EngineProfile
+from kvfleet.simulate.fluid_engine import Arrivals, FluidEngines
+engines = FluidEngines(EngineProfile(step_fixed_s=0.005, prefill_token_s=0.00003), capacity=1)
+slot = engines.add()
+arrivals = Arrivals(engines.capacity)
+arrivals.requests[slot], arrivals.work[slot], arrivals.prompt[slot], arrivals.output[slot] = 1, 400, 400, 50
+print(engines.advance(0.1, arrivals).at_once_s[slot])
+"""
+    environment = {**os.environ, "NUMBA_CACHE_LOCATOR_CLASSES": "ZipCacheLocator"}
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=environment, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    assert float(result.stdout) == pytest.approx(0.005 + 0.00003 * 400)
 
 
 def test_places_in_the_batch_bound_what_runs_and_the_rest_waits_longer() -> None:
