@@ -79,11 +79,9 @@ class Arrivals:
     does not find cached), their whole prompts and their outputs, per slot."""
 
     def __init__(self, capacity: int) -> None:
-        # Rows of one array, so that a tick's tokens go in, and all of it is cleared, in one operation each.
+        # Rows of one array, which the compiled step reads a slot at a time and a tick clears at once.
         self.rows = numpy.zeros((4, capacity))
         self.requests, self.work, self.prompt, self.output = self.rows
-        # The work, prompt and output rows.
-        self.tokens = self.rows[1:]
 
 
 class TickLatencies:

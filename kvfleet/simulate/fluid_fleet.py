@@ -412,7 +412,6 @@ class CohortSimulation:
         overhead = self.config.profile.first_token_overhead_s
         if active.size:
             seconds = numpy.concatenate((latencies.at_once_s, latencies.waiting_s)) + overhead
-            buckets = numpy.minimum(bucket_indices(seconds), _LATENCY_BUCKETS - 1)
             _count_first_tokens(
                 self._latencies,
                 self._within,
@@ -420,19 +419,22 @@ class CohortSimulation:
                 delivered,
                 latencies.at_once,
                 arrivals.requests,
-                buckets,
-                seconds <= self.config.ttft_target_s,
+                *self._bucketed(seconds),
             )
         if self._sent:
             slots, tiers, counts, waited = numpy.array(self._sent).T
             slots, tiers = slots.astype(numpy.intp), tiers.astype(numpy.intp)
-            seconds = waited + latencies.mean_s()[slots] + overhead
-            buckets = numpy.minimum(bucket_indices(seconds), _LATENCY_BUCKETS - 1)
+            buckets, within_target = self._bucketed(waited + latencies.mean_s()[slots] + overhead)
             numpy.add.at(self._latencies, (tiers, buckets), counts)
-            numpy.add.at(self._within, tiers, counts * (seconds <= self.config.ttft_target_s))
+            numpy.add.at(self._within, tiers, counts * within_target)
             self._sent = []
         arrivals.rows[:, :used] = 0.0
         self.peak_state_size = max(self.peak_state_size, self._state_size())
+
+    def _bucketed(self, seconds: numpy.ndarray) -> tuple[numpy.ndarray, numpy.ndarray]:
+        """First-token latencies' buckets in the counts kept, and whether each is within the target."""
+        buckets = numpy.minimum(bucket_indices(seconds), _LATENCY_BUCKETS - 1)
+        return buckets, seconds <= self.config.ttft_target_s
 
     def _hold_overflow(self, tiers: numpy.ndarray, tokens: numpy.ndarray) -> None:
         """What reached replicas at their cap waits in the gateway, a share a tier (its tokens, rows of work,
@@ -593,10 +595,10 @@ def _count_first_tokens(
     target: a slot's requests delivered of a tier, split as its engine's arrivals were between a place at
     once and a wait (`buckets` and `within_target` hold each slot's place at once, then each slot's wait)."""
     slots = delivered.shape[1]
-    for tier in active:
-        for slot in range(slots):
+    for slot in range(slots):
+        share = at_once[slot] / came[slot] if came[slot] > _NONE else 0.0
+        for tier in active:
             count = delivered[tier, slot]
-            share = at_once[slot] / came[slot] if came[slot] > _NONE else 0.0
             at_once_part, waiting_part = count * share, count * (1 - share)
             latencies[tier, buckets[slot]] += at_once_part
             latencies[tier, buckets[slots + slot]] += waiting_part
