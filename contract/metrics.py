@@ -54,11 +54,13 @@ RESUMED_TOKENS = KVFLEET_PREFIX + "resumed_tokens"
 # Requests the gateway holds for a model, by its `model` label: the autoscaler scales a model at zero
 # replicas back to one on it.
 GATEWAY_QUEUE_DEPTH = "kvfleet_gateway_queue_depth"
-# The gateway's counters, by `model`: requests sent to a replica (retries included), and requests it refused
-# (its queue full, shed, held past their time): the autoscaler takes the refused share as demand no replica
-# shows.
+# The gateway's counters, by `model`: requests sent to a replica (retries included), requests it refused
+# (its queue full, shed, held past their time), and requests that waited in its queue because no replica had
+# room for them. The autoscaler takes the refused share as demand no replica shows, and the share that waited
+# as part of the latency tail that no replica measures.
 GATEWAY_ROUTING_DECISIONS = "kvfleet_gateway_routing_decisions"
 GATEWAY_REJECTED = "kvfleet_gateway_rejected"
+GATEWAY_HELD = "kvfleet_gateway_held"
 # Where a replica's start went (gauges, kvfleet's alone): seconds by phase in a `phase` label (its
 # EngineCore's and its API server's, which overlap), and the seconds from the API server process's start to
 # the engine being ready. `kvfleet bench startup` reads them.

@@ -134,13 +134,13 @@ class ModelPool:
 
     def _policy(self, config: ModelConfig) -> Policy:
         def record(decision: Decision) -> None:
-            self.metrics.precise_decisions.labels(config.name, decision.reason).inc()
+            self.metrics.precise.decisions.labels(config.name, decision.reason).inc()
             for medium, blocks in (
                 ("device", decision.match.device_blocks),
                 ("host", decision.match.host_blocks),
             ):
                 if blocks:
-                    self.metrics.precise_hit_blocks.labels(config.name, medium).inc(blocks)
+                    self.metrics.precise.hit_blocks.labels(config.name, medium).inc(blocks)
 
         return make_policy(config.policy, config.prefix_chars, config.load_bound, self._kv_index, record)
 
@@ -183,6 +183,8 @@ class ModelPool:
         self._admit(waiter)
         # Those waiting may all be less urgent, with no room for them but room for this one.
         self._dispatch()
+        if not waiter.future.done():
+            self.metrics.held.labels(self.config.name, tier_of(priority)).inc()
         hold = self.config.hold_seconds
         limit = hold if deadline_seconds is None else min(hold, deadline_seconds)
         try:

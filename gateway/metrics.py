@@ -8,7 +8,12 @@ from __future__ import annotations
 
 import contextlib
 
-from kvfleet.contract.metrics import GATEWAY_QUEUE_DEPTH, GATEWAY_REJECTED, GATEWAY_ROUTING_DECISIONS
+from kvfleet.contract.metrics import (
+    GATEWAY_HELD,
+    GATEWAY_QUEUE_DEPTH,
+    GATEWAY_REJECTED,
+    GATEWAY_ROUTING_DECISIONS,
+)
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 # Upstream waits span a cached short answer to a model starting from zero.
@@ -54,6 +59,13 @@ class GatewayMetrics:
             ["model", "reason", "tier"],
             registry=self.registry,
         )
+        self.held = Counter(
+            GATEWAY_HELD,
+            "Requests that waited in the queue because no replica had room for them (retries included), by "
+            "tier.",
+            ["model", "tier"],
+            registry=self.registry,
+        )
         self.queue_wait = Histogram(
             "kvfleet_gateway_queue_wait_seconds",
             "Time from arrival until a replica was chosen.",
@@ -78,7 +90,20 @@ class GatewayMetrics:
         self.resume = ResumeMetrics(self.registry)
         self.pd = PrefillDecodeMetrics(self.registry)
         self.kv_index = KVIndexMetrics(self.registry)
-        self.precise_decisions = Counter(
+        self.precise = PrecisePrefixMetrics(self.registry)
+
+    def forget(self, model: str) -> None:
+        """Drops a removed model's gauges, so a dashboard does not show it forever."""
+        for gauge in (self.queue_depth, self.ready_replicas):
+            with contextlib.suppress(KeyError):
+                gauge.remove(model)
+
+
+class PrecisePrefixMetrics:
+    """Of the precise-prefix policy's choices."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.decisions = Counter(
             "kvfleet_gateway_precise_prefix_decisions",
             "precise-prefix routing decisions (retries included), by reason: device_hit (the replica chosen "
             "holds some of the prompt's leading blocks on its device), host_hit (in its host tier only), "
@@ -86,21 +111,15 @@ class GatewayMetrics:
             "not_tokenized (the gateway could not hash the prompt), over_load_bound (a replica holding more "
             "of the prompt was over the load bound).",
             ["model", "reason"],
-            registry=self.registry,
+            registry=registry,
         )
-        self.precise_hit_blocks = Counter(
+        self.hit_blocks = Counter(
             "kvfleet_gateway_precise_prefix_hit_blocks",
             "The prompt's leading blocks that the replica chosen by precise-prefix holds, by medium (device, "
             "host).",
             ["model", "medium"],
-            registry=self.registry,
+            registry=registry,
         )
-
-    def forget(self, model: str) -> None:
-        """Drops a removed model's gauges, so a dashboard does not show it forever."""
-        for gauge in (self.queue_depth, self.ready_replicas):
-            with contextlib.suppress(KeyError):
-                gauge.remove(model)
 
 
 class ResumeMetrics:

@@ -387,10 +387,10 @@ class ServiceController:
         scraped = await self._scrape(spec, pods)
         if scraped is None:
             return
-        now, by_pod, held, refused_share = scraped
+        now, by_pod, held, refused_share, waited_share = scraped
         assert self.desired is not None
         reports = list(by_pod.values())
-        sample = aggregate(now, reports, len(reports), held or 0.0, refused_share)
+        sample = aggregate(now, reports, len(reports), held or 0.0, refused_share, waited_share)
         if sample is None and not reports and scaling.min_replicas == 0 and held is not None:
             # No replica to ask (at zero, or the first one starting): the gateway's queue is the demand.
             sample = MetricsSample(time=now, queue_depth=held, reporting_pods=0, held=held)
@@ -441,9 +441,11 @@ class ServiceController:
         scraped = await self._scrape(spec, pods)
         if scraped is None:
             return
-        now, reports, held, refused_share = scraped
+        now, reports, held, refused_share, waited_share = scraped
         by_role = {role: [r for pod, r in reports.items() if pod.role == role] for role in ROLES}
-        decode = aggregate(now, by_role["decode"], len(by_role["decode"]), held or 0.0, refused_share)
+        decode = aggregate(
+            now, by_role["decode"], len(by_role["decode"]), held or 0.0, refused_share, waited_share
+        )
         decode_policy = sizing(spec, "decode").policy
         if decode is None and not by_role["decode"] and decode_policy.min_replicas == 0 and held is not None:
             decode = MetricsSample(time=now, queue_depth=held, reporting_pods=0, held=held)
@@ -489,11 +491,11 @@ class ServiceController:
 
     async def _scrape(
         self, spec: InferenceServiceSpec, pods: list[PodView]
-    ) -> tuple[float, dict[PodView, PodMetrics | None], float | None, float] | None:
+    ) -> tuple[float, dict[PodView, PodMetrics | None], float | None, float, float] | None:
         """Once per metrics interval, and at every pass at zero (the held requests' watch woke it): each
         ready replica's report (None where it gave none), the requests the gateway holds for the service
-        (None when no gateway answered) and the share of them it refused since the previous scrape; None
-        between intervals."""
+        (None when no gateway answered), and the shares of its requests since the previous scrape that it
+        refused and that waited in its queue; None between intervals."""
         now = self.clock()
         if now - self._last_scrape_at < spec.scaling.metrics_interval_seconds and not self._at_zero:
             return None
@@ -516,9 +518,13 @@ class ServiceController:
         self._report_pages_too_large(too_large)
         # Its own queue: the gateway counts each service's requests under its namespace-qualified name.
         queue = await self.gateway_queue(qualified_name(self.owner.namespace, spec.model.served_name))
-        refused_share = queue.refused_share_since(self._gateway_queue) if queue is not None else 0.0
+        if queue is None:
+            self._gateway_queue = None
+            return now, reports, None, 0.0, 0.0
+        refused_share = queue.refused_share_since(self._gateway_queue)
+        waited_share = queue.waited_share_since(self._gateway_queue)
         self._gateway_queue = queue
-        return now, reports, queue.held if queue is not None else None, refused_share
+        return now, reports, queue.held, refused_share, waited_share
 
     def _scaled(self, current: int, decision: ScaleDecision, role: Role | None = None) -> int:
         """The decision's count, announced when it changes the current one."""

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import aiohttp
 from kvfleet.contract.metrics import (
+    GATEWAY_HELD,
     GATEWAY_QUEUE_DEPTH,
     GATEWAY_REJECTED,
     GATEWAY_ROUTING_DECISIONS,
@@ -298,30 +299,45 @@ def _rate(before: float | None, after: float | None, seconds: float) -> float | 
 @dataclass(frozen=True)
 class GatewayQueue:
     """What the gateways report of one model: the requests they hold now, and their counts so far of the
-    requests they sent to a replica and of those they refused."""
+    requests they sent to a replica, of those they refused and of those that waited for a replica's room."""
 
     held: float = 0.0
     routed: float = 0.0
     refused: float = 0.0
+    waited: float = 0.0
 
     def refused_share_since(self, earlier: GatewayQueue | None) -> float:
         """Of the requests since `earlier`, the share refused; 0 without an earlier reading, or where a
         count fell (a gateway restarted, or one fewer answered)."""
+        return self._share_since(earlier, lambda queue: queue.refused)
+
+    def waited_share_since(self, earlier: GatewayQueue | None) -> float:
+        """Of the requests since `earlier`, the share that waited in the queue; 0 as above."""
+        return self._share_since(earlier, lambda queue: queue.waited)
+
+    def _share_since(self, earlier: GatewayQueue | None, count: Callable[[GatewayQueue], float]) -> float:
         if earlier is None:
             return 0.0
         routed, refused = self.routed - earlier.routed, self.refused - earlier.refused
-        if routed < 0 or refused <= 0:
+        counted = count(self) - count(earlier)
+        if routed < 0 or refused < 0 or counted <= 0:
             return 0.0
-        return refused / (routed + refused)
+        return min(1.0, counted / (routed + refused))
 
     def __add__(self, other: GatewayQueue) -> GatewayQueue:
-        return GatewayQueue(self.held + other.held, self.routed + other.routed, self.refused + other.refused)
+        return GatewayQueue(
+            self.held + other.held,
+            self.routed + other.routed,
+            self.refused + other.refused,
+            self.waited + other.waited,
+        )
 
 
 _GATEWAY_SAMPLES = {
     GATEWAY_QUEUE_DEPTH: "held",
     f"{GATEWAY_ROUTING_DECISIONS}_total": "routed",
     f"{GATEWAY_REJECTED}_total": "refused",
+    f"{GATEWAY_HELD}_total": "waited",
 }
 
 

@@ -263,6 +263,7 @@ class Simulation:
         queue = self._queue.setdefault(request.priority, deque())
         queue.append((request.sequence_number, self._now, request))
         self._queued += 1
+        self.report.waited(request.trace.tier)
 
     def _shed(self, request: _Request) -> None:
         self.report.shed(request.trace.tier)

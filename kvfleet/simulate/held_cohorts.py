@@ -91,6 +91,8 @@ class HeldCohorts:
             self._order = sorted(self._queues)
         self._queues[priority].append(share)
         self.held += share.count
+        # A share turned back at a replica's cap (fluid_fleet) waits again, and counts again.
+        self.report.waited(share.tier, share.count)
 
     def expire(self, now: float, hold_s: float) -> None:
         """Sheds what has waited longer than the gateway holds a request."""

@@ -34,18 +34,20 @@ class Operator:
         self.desired = self.policy.clamp(wanted)
         self._samples: list[MetricsSample] = []
         self._state = AutoscalerState()
-        # The gateway's counts of the requests that reached it and of those it refused, at the last scrape.
-        self._counted = (0.0, 0.0)
+        # The gateway's counts of the requests that reached it, that it refused and that waited in its queue,
+        # at the last scrape.
+        self._counted = (0.0, 0.0, 0.0)
 
     def scrape(self, now: float, reports: Sequence[PodMetrics | None], held: float) -> int:
         """Decides on the ready replicas' reports and the requests the gateway holds; returns the count
         wanted now (a change is logged as a scale event)."""
         policy = self.policy
-        (arrived, refused), (arrived_before, refused_before) = self.report.gateway_counts(), self._counted
-        self._counted = (arrived, refused)
-        new_arrivals = arrived - arrived_before
-        refused_share = (refused - refused_before) / new_arrivals if new_arrivals > 0 else 0.0
-        sample = aggregate(now, reports, len(reports), held, refused_share)
+        counts, before = self.report.gateway_counts(), self._counted
+        self._counted = counts
+        arrived, refused, waited = (count - earlier for count, earlier in zip(counts, before, strict=True))
+        refused_share = refused / arrived if arrived > 0 else 0.0
+        waited_share = min(1.0, waited / arrived) if arrived > 0 else 0.0
+        sample = aggregate(now, reports, len(reports), held, refused_share, waited_share)
         if sample is None and not reports and policy.min_replicas == 0:
             sample = MetricsSample(time=now, queue_depth=held, reporting_pods=0, held=held)
         if sample is not None:

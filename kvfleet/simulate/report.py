@@ -70,6 +70,8 @@ class TierResult:
     requests: int = 0
     within_target: int = 0
     shed: int = 0
+    # Requests that waited in the gateway's queue for a replica's room.
+    waited: int = 0
     ttft: Histogram = field(default_factory=Histogram)
 
     def summary(self) -> dict[str, Any]:
@@ -81,6 +83,7 @@ class TierResult:
             # Shed requests count as missed: the client got no first token at all.
             "attainment": self.within_target / self.requests if self.requests else None,
             "shed": round(self.shed),
+            "waited": round(self.waited),
             **_percentiles(self.ttft),
         }
 
@@ -149,10 +152,18 @@ class RunReport:
     def shed(self, tier: str, count: float = 1) -> None:
         self.tiers[tier].shed += count
 
-    def gateway_counts(self) -> tuple[float, float]:
-        """The requests that reached the gateway so far, and those it shed: its counters."""
+    def waited(self, tier: str, count: float = 1) -> None:
+        self.tiers[tier].waited += count
+
+    def gateway_counts(self) -> tuple[float, float, float]:
+        """The requests that reached the gateway so far, those it shed and those that waited in its queue: its
+        counters."""
         results = self.tiers.values()
-        return sum(result.requests for result in results), sum(result.shed for result in results)
+        return (
+            sum(result.requests for result in results),
+            sum(result.shed for result in results),
+            sum(result.waited for result in results),
+        )
 
     def scaled(self, event: ScaleEvent) -> None:
         """A change of the replica count; a fall within the stable window of a rise is a flap."""
@@ -174,6 +185,7 @@ class RunReport:
         requests = sum(result.requests for result in self.tiers.values())
         within = sum(result.within_target for result in self.tiers.values())
         shed = sum(result.shed for result in self.tiers.values())
+        waited = sum(result.waited for result in self.tiers.values())
         return {
             "simulated_seconds": simulated_s,
             "wall_seconds": wall_s,
@@ -182,6 +194,7 @@ class RunReport:
             "requests": round(requests),
             "attainment": within / requests if requests else None,
             "shed": round(shed),
+            "waited": round(waited),
             **_percentiles(self.ttft),
             "replica_hours": self.replica_seconds / 3600,
             "peak_replicas": max((point.running for point in self.series), default=0),

@@ -189,8 +189,13 @@ def test_a_full_queue_sheds_its_lowest_tier_first_and_refuses_with_429() -> None
                 metrics = await answer.text()
         assert 'kvfleet_gateway_rejected_total{model="m",reason="shed",tier="batch"} 1.0' in metrics
         assert 'kvfleet_gateway_rejected_total{model="m",reason="queue_full",tier="standard"} 1.0' in metrics
-        # What the operator's autoscaler reads of it: three sent to the replica, two refused.
-        assert parse_gateway_queues(metrics)["m"] == GatewayQueue(held=0.0, routed=3.0, refused=2.0)
+        # b1, s1 and c1 waited in the queue; "first" found the replica free, and s2 was refused at once.
+        for tier in ("batch", "standard", "critical"):
+            assert f'kvfleet_gateway_held_total{{model="m",tier="{tier}"}} 1.0' in metrics
+        # What the operator's autoscaler reads of it: three sent to the replica, two refused, three waited.
+        assert parse_gateway_queues(metrics)["m"] == GatewayQueue(
+            held=0.0, routed=3.0, refused=2.0, waited=3.0
+        )
 
     asyncio.run(scenario())
 

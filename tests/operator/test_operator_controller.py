@@ -281,10 +281,15 @@ def test_load_scales_up_with_an_event_and_status() -> None:
     assert harness.metrics.desired_replicas.labels("ns", "svc")._value.get() == 4
 
 
-def test_the_share_the_gateway_refused_between_scrapes_reaches_the_autoscaler() -> None:
+def test_the_shares_the_gateway_refused_and_held_between_scrapes_reach_the_autoscaler() -> None:
     harness = Harness(service(scaling={"targetQueueDepth": 4, "maxReplicas": 6}))
     harness.scraper.per_pod = PodMetrics(waiting=0, running=2)
-    readings = iter([GatewayQueue(routed=100, refused=0), GatewayQueue(held=1, routed=130, refused=10)])
+    readings = iter(
+        [
+            GatewayQueue(routed=100, refused=0, waited=5),
+            GatewayQueue(held=1, routed=130, refused=10, waited=11),
+        ]
+    )
 
     async def gateway_queue(model: str) -> GatewayQueue | None:
         return next(readings)
@@ -293,9 +298,10 @@ def test_the_share_the_gateway_refused_between_scrapes_reaches_the_autoscaler() 
     for _ in range(2):
         harness.clock.now += 2
         harness.run(deployment_at(1), ready_pods(1))
-    # The first reading has nothing before it; between the two, 30 were routed and 10 refused.
-    shares = [sample.refused_share for sample in harness.controller.samples]
-    assert shares == [0.0, 0.25]
+    # The first reading has nothing before it; between the two, 30 were routed and 10 refused, and 6 of the
+    # 40 waited in the gateway's queue.
+    shares = [(sample.refused_share, sample.waited_share) for sample in harness.controller.samples]
+    assert shares == [(0.0, 0.0), (0.25, 0.15)]
     assert harness.controller.samples[-1].held == 1
 
 

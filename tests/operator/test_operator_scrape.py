@@ -138,6 +138,17 @@ def test_the_share_the_gateways_refused_is_of_the_requests_since_the_earlier_rea
     assert GatewayQueue(routed=30, refused=20).refused_share_since(earlier) == 0.0
 
 
+def test_the_share_that_waited_in_the_gateways_is_of_the_requests_since_the_earlier_reading() -> None:
+    earlier = GatewayQueue(held=5, routed=100, refused=10, waited=40)
+    # 30 routed and 10 refused since, 8 of the 40 after waiting in the queue.
+    assert GatewayQueue(routed=130, refused=20, waited=48).waited_share_since(earlier) == 0.2
+    assert GatewayQueue(routed=130, refused=20, waited=40).waited_share_since(earlier) == 0.0
+    assert GatewayQueue(routed=130, refused=20, waited=48).waited_share_since(None) == 0.0
+    # A restarted gateway's counts fall.
+    assert GatewayQueue(routed=130, refused=2, waited=48).waited_share_since(earlier) == 0.0
+    assert GatewayQueue(routed=30, refused=20, waited=48).waited_share_since(earlier) == 0.0
+
+
 def test_replica_pages_with_escaped_labels_in_any_order_are_summed() -> None:
     registry = CollectorRegistry()
     waiting = Gauge("kvfleet:num_requests_waiting", "", ["tier", "model_name"], registry=registry)

@@ -22,6 +22,7 @@ from kvfleet.operator.autoscaler import (
     LatencyTarget,
     MetricsSample,
     PodMetrics,
+    ScaleDecision,
     aggregate,
     decide,
     forecast_demand,
@@ -279,6 +280,50 @@ def test_the_slo_policy_sizes_on_the_percentile_not_the_mean() -> None:
     )
     # On the means (100 ms + 25 ms a request) a replica would take 20, trusted up to 8: 3 replicas.
     assert decide(POLICY, TAILED, FleetState(2, 2), AutoscalerState(), 10, slo=[TTFT]).replicas == 3
+
+
+# Twenty first tokens a sample: at 2 requests per replica, 18 within 200 ms and 2 within 400; at 4, 18 within
+# 400 ms and 2 within 600. p90 reads 200 and 400 ms, p92 240 and 440, p95 300 and 500.
+SPREAD = [
+    _tail_sample(0, 4, 0.2, ((0.1, 0.0), (0.2, 18.0), (0.4, 20.0), (0.6, 20.0), (INF, 20.0))),
+    _tail_sample(10, 8, 0.4, ((0.1, 0.0), (0.2, 0.0), (0.4, 18.0), (0.6, 20.0), (INF, 20.0))),
+]
+
+
+def test_requests_that_waited_in_the_gateway_take_their_share_of_the_tail() -> None:
+    at_p90 = LatencyTarget("time to first token", 0.7, 90)
+
+    def waiting(share: float) -> ScaleDecision:
+        samples = [dataclasses.replace(s, waited_share=share) for s in SPREAD]
+        return decide(POLICY, samples, FleetState(2, 2), AutoscalerState(), 10, slo=[at_p90])
+
+    # None waited: the replicas' p90, 0 ms + 100 ms a request, 7 per replica within 700 ms; 20 forecast: 3.
+    alone = waiting(0.0)
+    assert alone.replicas == 3 and "7.0 requests per replica" in alone.reason and "waited" not in alone.reason
+    # 2% waited: the replicas keep the other 8% of the tail, their p92: 40 ms + 100 ms a request, 6.6 per
+    # replica: 4.
+    some = waiting(0.02)
+    assert some.replicas == 4 and "6.6 requests per replica" in some.reason
+    assert some.reason.endswith("; 2.0% waited in the gateway, replicas held to p92")
+    # 20% waited, more than the whole tail: the replicas keep half of it, their p95: 100 ms + 100 ms, 6.
+    most = waiting(0.2)
+    assert "6.0 requests per replica" in most.reason
+    assert most.reason.endswith("; 20.0% waited in the gateway, replicas held to p95")
+    # A mean has no tail to share, and a wait in the gateway comes before a first token, not between tokens.
+    assert (
+        "waited"
+        not in decide(
+            POLICY,
+            [dataclasses.replace(s, waited_share=0.2) for s in SPREAD],
+            FleetState(2, 2),
+            AutoscalerState(),
+            10,
+            slo=[TTFT],
+        ).reason
+    )
+    itl = [dataclasses.replace(s, itl_buckets=s.ttft_buckets, waited_share=0.2) for s in SPREAD]
+    model = latency_model(itl, "inter-token latency", 90)
+    assert model is not None and (model.idle, model.per_unit) == (pytest.approx(0.0), pytest.approx(0.1))
 
 
 def test_a_replica_is_full_where_the_gateway_held_more_than_the_percentiles_tail() -> None:

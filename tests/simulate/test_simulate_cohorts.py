@@ -166,11 +166,13 @@ def test_a_full_gateway_queue_sheds_by_the_gateways_precedence() -> None:
     held.hold(HeldShare("batch", "", 8, 800, 80, 0.0))
     held.hold(HeldShare("batch", "", 4, 400, 40, 1.0))
     # Two batch requests found no place: the newcomers are refused (equal tiers never displace).
-    assert held.held == 10 and report.tiers["batch"].shed == 2
+    assert held.held == 10 and report.tiers["batch"].shed == 2 and report.tiers["batch"].waited == 10
     held.hold(HeldShare("critical", "", 6, 600, 60, 2.0))
     # Six critical ones take the places of the newest batch requests: first the 2 left of the share at 1 s,
     # then 4 of the one at 0 s.
     assert held.held == 10 and report.tiers["batch"].shed == 8 and report.tiers["critical"].shed == 0
+    # What the operator reads of the gateway: 20 arrived, 8 refused, 16 waited in the queue.
+    assert report.gateway_counts() == (20, 8, 16)
     head = held.head()
     assert head is not None and head.tier == "critical"
     sent = held.take(head, 2.5)

@@ -33,7 +33,7 @@ def test_a_tiny_trace_reports_what_hand_computation_gives() -> None:
     config = load_config(service, PROFILE, ttft_target_s=0.03, max_queue=1)
     summary = Simulation(config).run([TraceRequest(0.0, 10, 1) for _ in range(3)])
     # Each request is one 10 + 10 ms step: first tokens at 20 and 40 ms.
-    assert summary["requests"] == 3 and summary["shed"] == 1
+    assert summary["requests"] == 3 and summary["shed"] == 1 and summary["waited"] == 1
     assert summary["attainment"] == pytest.approx(1 / 3)
     assert summary["ttft_p50_s"] == pytest.approx(0.020, rel=0.01)
     assert summary["ttft_p90_s"] == pytest.approx(0.040, rel=0.01)
