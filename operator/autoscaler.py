@@ -492,8 +492,8 @@ def _left_to_replicas(
     flight finishes), so the replicas keep the rest: at p95 with 2% of the requests waiting, their own p97.
     The share is the samples' mean, so that the percentile does not jump from one scrape to the next. The
     replicas keep half the tail at least, as a percentile nearer 100 is read from a histogram's last few
-    observations; with a quarter, the simulated multi-tenant fleet of docs/benchmarks.md kept 94.97% of its
-    requests within a p95 target, with half 96.7%."""
+    observations; with a quarter, the multi-tenant fleet of docs/benchmarks.md (cohort model) kept 94.97% of
+    its requests within a p95 target, with half 96.7%."""
     if percentile is None or latency != "time to first token" or not samples:
         return percentile
     waited = _mean(s.waited_share for s in samples)

@@ -322,7 +322,8 @@ class GatewayQueue:
         counted = count(self) - count(earlier)
         if routed < 0 or refused < 0 or counted <= 0:
             return 0.0
-        return min(1.0, counted / (routed + refused))
+        # Requests that waited and are waiting still were neither routed nor refused yet.
+        return min(1.0, counted / (routed + refused)) if routed + refused > 0 else 1.0
 
     def __add__(self, other: GatewayQueue) -> GatewayQueue:
         return GatewayQueue(

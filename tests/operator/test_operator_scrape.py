@@ -144,6 +144,8 @@ def test_the_share_that_waited_in_the_gateways_is_of_the_requests_since_the_earl
     assert GatewayQueue(routed=130, refused=20, waited=48).waited_share_since(earlier) == 0.2
     assert GatewayQueue(routed=130, refused=20, waited=40).waited_share_since(earlier) == 0.0
     assert GatewayQueue(routed=130, refused=20, waited=48).waited_share_since(None) == 0.0
+    # Five came and wait still, none routed or refused since: all of them waited.
+    assert GatewayQueue(routed=100, refused=10, waited=45).waited_share_since(earlier) == 1.0
     # A restarted gateway's counts fall.
     assert GatewayQueue(routed=130, refused=2, waited=48).waited_share_since(earlier) == 0.0
     assert GatewayQueue(routed=30, refused=20, waited=48).waited_share_since(earlier) == 0.0
