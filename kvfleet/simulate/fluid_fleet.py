@@ -1,19 +1,23 @@
 """The cohort model of a fleet: the trace's arrivals as cohorts, the replicas' engines as fluids, and the
 gateway's and the operator's own code deciding, at a cost that does not grow with the requests.
 
-Time goes in ticks. At each span's start the gateway places the span's cohorts: each is cut into pieces (a
-bounded number a span, about one a ready replica up to `pieces_per_span`) and the service's routing policy
+Time goes in ticks. At each span's start the gateway cuts the span's arrivals into pieces (a bounded number
+a span, about one a ready replica up to `pieces_per_span`) and the service's routing policy
 (kvfleet.gateway.routing, the gateway's own classes) picks each piece's replica among those below their
-in-flight cap, counting what it has sent a replica and not yet delivered as in flight there. A piece's
-requests reach their replica spread over the ticks until the policy would come back to it (one span, or
-longer where a span's pieces are fewer than the replicas). What finds its replica at the cap, or no replica
-below it, waits in the gateway's queue (held_cohorts: by tier, bounded in length and time, shedding by the
-gateway's rule) and goes out by the policy, tick by tick, as places free.
+in-flight cap, counting what it has sent a replica and not yet delivered as in flight there. Where the policy
+does not read prompts, every piece carries an equal part of each cohort, as requests routed one by one
+spread a span's mix of tenants over the replicas; where it does, a piece is of one cohort, whose prefix
+decides. A piece's requests reach their replica spread over the ticks until the policy would come back to it
+(one span, or longer where a span's pieces are fewer than the replicas), at the pace of the replica's share of
+the arrivals: a replica given a second piece before the first is through takes longer over them, not the
+two at once. What finds its replica at the cap goes to another below it within the tick, as the gateway
+passes a full replica by; what finds none waits in the gateway's queue (held_cohorts: by tier, bounded in
+length and time, shedding by the gateway's rule) and goes out by the policy, tick by tick, as places free.
 
 Every metrics interval the ready replicas report to the operator's own `aggregate` and `decide`
 (operator_loop), which set the replica count; a new replica is ready after the pod start delay, one chosen to
-go takes nothing new, hands what the gateway had not yet delivered to it back to the gateway, and leaves when
-its engine is empty. A request's time to first token is the time it waited in the gateway and the engine's
+go takes nothing new, hands what the gateway had not yet delivered to it on to the others, and leaves when its
+engine is empty. A request's time to first token is the time it waited in the gateway and the engine's
 prediction when it arrives (fluid_engine); the report takes each tick's latencies with the requests they
 stand for.
 """
@@ -23,7 +27,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -145,8 +149,7 @@ class _Sends:
         return sums[0]
 
     def to_arrivals(self, arrivals: Arrivals) -> None:
-        """Makes the sends the tick's arrivals, the first it has (the last tick cleared them: their sums from
-        zero are the sends' own), and counts them in the engines' requests."""
+        """Adds the sends to the tick's arrivals and counts them in the engines' requests."""
         if self._slots:
             # The slots as an array, the sums as one flat run: numpy takes both several times faster than
             # lists.
@@ -154,7 +157,7 @@ class _Sends:
             sums = numpy.fromiter(itertools.chain.from_iterable(self._slots.values()), float)
             sums = sums.reshape(len(slots), -1)
             self._in_engine[slots] = sums[:, 0]
-            arrivals.rows[:, slots] = sums[:, 1:].T
+            arrivals.rows[:, slots] += sums[:, 1:].T
 
 
 class _OpenRoutes:
@@ -259,8 +262,12 @@ class CohortSimulation:
                 )
                 next_series += config.series_interval_s
             self._become_ready()
-            # What the gateway counts on a replica against its cap: places that free over the tick are free.
-            self._in_engine = self.engines.in_engine() - self.engines.places_freeing()
+            # What the gateway counts on a replica against its cap: places that free over the tick are free,
+            # and what was sent it since the last tick (by a replica that went) is there.
+            used = self.engines.used
+            self._in_engine = (
+                self.engines.in_engine() - self.engines.places_freeing() + self._arrivals.requests[:used]
+            )
             self._open_now = False
             # What the gateway holds goes first, then what arrives.
             self._dispatch()
@@ -291,24 +298,49 @@ class CohortSimulation:
     # The gateway.
 
     def _place(self, cohorts: list[Cohort]) -> None:
-        """Cuts the span's cohorts into pieces and places each by the routing policy."""
+        """Cuts the span's arrivals into pieces and places each by the routing policy."""
         for cohort in cohorts:
             self.report.arrived(cohort.tier, cohort.count)
-        total = sum(cohort.count for cohort in cohorts)
-        pieces = max(len(cohorts), min(len(self._routed), self.options.pieces_per_span))
         stream_ticks = self._ticks_per_span * max(1.0, len(self._routed) / self.options.pieces_per_span)
         self._refresh_in_flight()
-        in_engine = self._in_engine.tolist()
         batch, paces = _Batch(), {}
+        mixed = self._blind_prompt is not None
+        for route, shares in self._mixed_pieces(cohorts) if mixed else self._cohort_pieces(cohorts):
+            placed = 0.0
+            for share, work in shares:
+                batch.add(route.slot, share, share.count, work)
+                # The gateway counts it in flight there from now on (as it does what it has sent).
+                route.in_flight += share.count  # type: ignore[assignment]
+                placed += share.count
+            # Its stream's pace is its share of the arrivals: a piece still on its way there lengthens it.
+            paces[route.slot] = paces.get(route.slot, 0.0) + placed / stream_ticks
+        batch.to_streams(self._streams)
+        pace = self._streams.pace
+        for slot, value in paces.items():
+            pace[slot] = value
+
+    def _mixed_pieces(self, cohorts: list[Cohort]) -> Iterator[tuple[_Route, list[tuple[HeldShare, float]]]]:
+        """Pieces that each carry an equal part of every cohort, as a policy that does not read prompts
+        spreads a span's mix of tiers over the replicas it picks; with their work at the replica chosen."""
+        mix = _SpanMix(cohorts, self.config.shared_prefix_tokens)
+        pieces = max(1, min(len(self._routed), self.options.pieces_per_span))
+        for placed in range(pieces):
+            route = self._choose("")
+            if route is None:
+                for cohort in cohorts:
+                    self.held.hold(_share_of(cohort, self._now, (pieces - placed) / pieces))
+                return
+            replica = self._replicas[route.slot]
+            assert replica.cached is not None
+            yield route, mix.piece(1 / pieces, replica.cached, self._now)
+
+    def _cohort_pieces(self, cohorts: list[Cohort]) -> Iterator[tuple[_Route, list[tuple[HeldShare, float]]]]:
+        """Pieces of one cohort each, as a policy that reads prompts sends a prefix group's requests, with
+        their work at the replica chosen."""
+        total = sum(cohort.count for cohort in cohorts)
+        pieces = max(len(cohorts), min(len(self._routed), self.options.pieces_per_span))
         for cohort in cohorts:
-            share = HeldShare(
-                cohort.tier,
-                cohort.prefix_group,
-                float(cohort.count),
-                float(cohort.prompt_tokens),
-                float(cohort.output_tokens),
-                self._now,
-            )
+            share = _share_of(cohort, self._now)
             cut = max(1, round(pieces * cohort.count / total))
             for remaining in range(cut, 0, -1):
                 piece = share.split(share.count / remaining) if remaining > 1 else share
@@ -316,14 +348,7 @@ class CohortSimulation:
                 if route is None:
                     self.held.hold(share if remaining == 1 else self._rest(piece, share))
                     break
-                batch.add(route.slot, piece, piece.count, self._work(route, piece))
-                # The gateway counts it in flight there from now on (as it does what it has sent).
-                route.in_flight += piece.count  # type: ignore[assignment]
-                paces[route.slot] = (route.in_flight - in_engine[route.slot]) / stream_ticks
-        batch.to_streams(self._streams)
-        pace = self._streams.pace
-        for slot, value in paces.items():
-            pace[slot] = value
+                yield route, [(piece, self._work(route, piece))]
 
     @staticmethod
     def _rest(piece: HeldShare, share: HeldShare) -> HeldShare:
@@ -371,23 +396,41 @@ class CohortSimulation:
         if held.held < _HELD_AT_ALL:
             return
         held.expire(self._now, self.config.gateway.hold_seconds)
-        cap = self.cap
         sends = _Sends(self._in_engine)
         for _ in range(self.options.pieces_per_span):
             share = held.head()
-            if share is None:
+            if share is None or not self._send(share, held.take, sends):
                 break
-            route = self._choose(share.prefix_group)
-            if route is None:
-                break
-            slot = route.slot
-            count = min(share.count, cap - sends.in_engine(slot))
-            sent = held.take(share, count)
-            if sends.add(slot, sent, count, self._work(route, sent)) >= cap:
-                self._open.close(route)
-            route.in_flight += count  # type: ignore[assignment]
-            self._sent.append((slot, _TIER_INDEX[sent.tier], count, self._now - sent.queued_at))
         sends.to_arrivals(self._arrivals)
+
+    def _send_on(self, tiers: numpy.ndarray, tokens: numpy.ndarray) -> None:
+        """Sends requests that found their replica at its cap (or going) to others below it at once, as the
+        gateway passes a full replica by; what finds none waits in the gateway's queue."""
+        # The deliveries changed what the replicas hold.
+        self._open_now = False
+        sends = _Sends(self._in_engine)
+        budget = self.options.pieces_per_span
+        for share in _shares_of(tiers, tokens, self._now):
+            while budget and share.count > _LEAST and self._send(share, HeldShare.split, sends):
+                budget -= 1
+            if share.count > _LEAST:
+                self.held.hold(share)
+        sends.to_arrivals(self._arrivals)
+
+    def _send(self, share: HeldShare, take: Callable[[HeldShare, float], HeldShare], sends: _Sends) -> bool:
+        """Sends as much of the share as the replica the policy picks has room for (`take` takes it off);
+        False where no replica is below its cap."""
+        route = self._choose(share.prefix_group)
+        if route is None:
+            return False
+        slot = route.slot
+        count = min(share.count, self.cap - sends.in_engine(slot))
+        sent = take(share, count)
+        if sends.add(slot, sent, count, self._work(route, sent)) >= self.cap:
+            self._open.close(route)
+        route.in_flight += count  # type: ignore[assignment]
+        self._sent.append((slot, _TIER_INDEX[sent.tier], count, self._now - sent.queued_at))
+        return True
 
     def _refresh_in_flight(self) -> None:
         """The gateway counts in flight on a replica what it holds and what is on its way to it (taken at
@@ -406,7 +449,7 @@ class CohortSimulation:
             streams.by_tier, streams.tokens, streams.pace, self._in_engine, self.cap, arrivals.rows, used
         )
         if turned_back.sum() > _LEAST:
-            self._hold_overflow(turned_back, turned_back_tokens)
+            self._send_on(turned_back, turned_back_tokens)
         latencies = self.engines.advance(self.options.tick_s, arrivals)
         active = numpy.flatnonzero(delivered.sum(axis=1) > _LEAST)
         overhead = self.config.profile.first_token_overhead_s
@@ -435,26 +478,6 @@ class CohortSimulation:
         """First-token latencies' buckets in the counts kept, and whether each is within the target."""
         buckets = numpy.minimum(bucket_indices(seconds), _LATENCY_BUCKETS - 1)
         return buckets, seconds <= self.config.ttft_target_s
-
-    def _hold_overflow(self, tiers: numpy.ndarray, tokens: numpy.ndarray) -> None:
-        """What reached replicas at their cap waits in the gateway, a share a tier (its tokens, rows of work,
-        prompt and output, as computed where it was bound: its prefix is not carried), each tier's share of
-        the tokens of all."""
-        work, prompt, output = (row.sum() for row in tokens)
-        counts = tiers.sum(axis=1)
-        total = counts.sum()
-        for index in numpy.flatnonzero(counts > 1e-9).tolist():
-            part = counts[index] / total
-            share = HeldShare(
-                TIER_NAMES[index],
-                "",
-                float(counts[index]),
-                float(prompt * part),
-                float(output * part),
-                self._now,
-                float(work * part),
-            )
-            self.held.hold(share)
 
     def _start_replica(self, ready_at: float) -> None:
         slot = self.engines.add()
@@ -504,11 +527,11 @@ class CohortSimulation:
             self._hand_back(replica.route.slot)
 
     def _hand_back(self, slot: int) -> None:
-        """What the gateway had placed on a replica that goes and not yet delivered goes back to it."""
+        """What the gateway had placed on a replica that goes and not yet delivered goes to other replicas."""
         streams = self._streams
         tiers = streams.by_tier[:, slot : slot + 1].copy()
         if tiers.sum() > 1e-9:
-            self._hold_overflow(tiers, streams.tokens[:, slot : slot + 1].copy())
+            self._send_on(tiers, streams.tokens[:, slot : slot + 1].copy())
         streams.clear(slot)
 
     def _retire_drained(self) -> None:
@@ -535,6 +558,74 @@ _LATENCY_BUCKETS = 2048
 _TIER_INDEX = {tier: index for index, tier in enumerate(TIER_NAMES)}
 
 
+def _share_of(cohort: Cohort, now: float, part: float = 1.0) -> HeldShare:
+    """A part of the cohort's requests as a share, with its tokens' part."""
+    return HeldShare(
+        cohort.tier,
+        cohort.prefix_group,
+        cohort.count * part,
+        cohort.prompt_tokens * part,
+        cohort.output_tokens * part,
+        now,
+    )
+
+
+class _SpanMix:
+    """A span's arrivals added up by tier, with the prompt tokens each prefix group's requests share: the
+    pieces of a mixed span take an equal part of every cohort."""
+
+    def __init__(self, cohorts: list[Cohort], shared_prefix_tokens: int) -> None:
+        # By tier: requests, prompt and output tokens, and the prompt tokens to compute on a replica that
+        # has every group's prefix.
+        self.tiers: dict[str, list[float]] = {}
+        # By prefix group: its tier, requests, and the tokens a request finds cached.
+        self.groups: dict[str, tuple[str, float, float]] = {}
+        for cohort in cohorts:
+            sums = self.tiers.setdefault(cohort.tier, [0.0, 0.0, 0.0, 0.0])
+            saved = 0.0
+            if cohort.prefix_group:
+                saved = min(shared_prefix_tokens, cohort.prompt_tokens / cohort.count - 1)
+                self.groups[cohort.prefix_group] = (cohort.tier, cohort.count, saved)
+            sums[0] += cohort.count
+            sums[1] += cohort.prompt_tokens
+            sums[2] += cohort.output_tokens
+            sums[3] += cohort.prompt_tokens - saved * cohort.count
+        self._names = set(self.groups)
+
+    def piece(self, part: float, cached: set[str], now: float) -> list[tuple[HeldShare, float]]:
+        """`part` of every cohort, a share a tier with its work on a replica with the prefixes `cached`
+        (those of the span are cached there after it)."""
+        missed = dict.fromkeys(self.tiers, 0.0)
+        for group in self._names - cached:
+            tier, count, saved = self.groups[group]
+            # The group's first request there computes the prefix its others then find.
+            missed[tier] += saved * min(1.0, part * count)
+        cached |= self._names
+        return [
+            (HeldShare(tier, "", part * count, part * prompt, part * output, now), part * work + missed[tier])
+            for tier, (count, prompt, output, work) in self.tiers.items()
+        ]
+
+
+def _shares_of(tiers: numpy.ndarray, tokens: numpy.ndarray, now: float) -> Iterator[HeldShare]:
+    """Requests by tier and slot as one share a tier (their tokens, rows of work, prompt and output, as
+    computed where they were bound: their prefix is not carried), each tier's share of the tokens of all."""
+    work, prompt, output = (row.sum() for row in tokens)
+    counts = tiers.sum(axis=1)
+    total = counts.sum()
+    for index in numpy.flatnonzero(counts > 1e-9).tolist():
+        part = counts[index] / total
+        yield HeldShare(
+            TIER_NAMES[index],
+            "",
+            float(counts[index]),
+            float(prompt * part),
+            float(output * part),
+            now,
+            float(work * part),
+        )
+
+
 def _add_rows(rows: numpy.ndarray, slots: numpy.ndarray, values: numpy.ndarray) -> None:
     """Adds column i of `values` (a row a piece) to row i of `rows` at the pieces' slots, each element's
     additions in the pieces' order (a row at a time: numpy.add.at is slower on two dimensions)."""
@@ -553,8 +644,9 @@ def _deliver(
     used: int,
 ) -> tuple[numpy.ndarray, numpy.ndarray, numpy.ndarray]:
     """Takes each stream's share of the tick (its pace, of what it holds) and delivers it to the engine's
-    arrivals up to the cap. Returns per slot the requests delivered by tier, and those that found the cap
-    by tier with their tokens (work, prompt, output), for the gateway to hold again."""
+    arrivals up to the cap, counting it in the engine's requests. Returns per slot the requests delivered by
+    tier, and those that found the cap by tier with their tokens (work, prompt, output), for the gateway to
+    send on."""
     tiers, rows = by_tier.shape[0], tokens.shape[0]
     delivered = numpy.zeros((tiers, used))
     turned_back, turned_back_tokens = numpy.zeros((tiers, used)), numpy.zeros((rows, used))
@@ -564,6 +656,7 @@ def _deliver(
             pending += by_tier[tier, slot]
         due = min(pending, pace[slot])
         arrived = min(due, max(cap - in_engine[slot], 0.0))
+        in_engine[slot] += arrived
         taken = due / pending if pending > _NONE else 0.0
         kept = arrived / due if due > _NONE else 0.0
         arrivals[0, slot] += arrived

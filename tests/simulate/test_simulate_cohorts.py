@@ -18,11 +18,11 @@ import yaml
 from click.testing import CliRunner
 
 from kvfleet.cli import cli
-from kvfleet.simulate.cohorts import cohorts_of, generate_cohorts
+from kvfleet.simulate.cohorts import Cohort, cohorts_of, generate_cohorts
 from kvfleet.simulate.engine import EngineProfile
 from kvfleet.simulate.fleet import Simulation, load_config
 from kvfleet.simulate.fluid_engine import Arrivals, FluidEngines
-from kvfleet.simulate.fluid_fleet import CohortSimulation
+from kvfleet.simulate.fluid_fleet import CohortOptions, CohortSimulation, _SpanMix
 from kvfleet.simulate.held_cohorts import HeldCohorts, HeldShare
 from kvfleet.simulate.report import RunReport
 from kvfleet.simulate.trace import TraceShapeSpec, generate, read_trace, write_trace
@@ -201,6 +201,43 @@ def test_the_cohort_model_stays_near_the_request_model_on_one_trace() -> None:
     assert cohort["attainment"] == pytest.approx(request["attainment"], abs=0.03)
     assert cohort["replica_hours"] == pytest.approx(request["replica_hours"], rel=0.25)
     assert cohort["scale_events"] > 0
+
+
+def test_a_fleet_of_more_replicas_than_pieces_a_span_is_served_as_in_the_request_model() -> None:
+    # A hundred replicas near their knee and a span's arrivals cut into 16 pieces: a replica takes a piece
+    # every six spans or so, streamed to it at the pace of its share of the arrivals (a second piece before
+    # the first is through lengthens its stream, as arrivals do not come faster for it). The gateway passes
+    # a replica at its cap by at once, as it does a request: what waits in its queue is what finds every
+    # replica full, none here.
+    service = _service(minReplicas=100, maxReplicas=100)
+    spec = TraceShapeSpec("multi-tenant", duration_s=60, base_rate=1550)
+    config = load_config(service, PROFILE, initial_replicas=100)
+    request = Simulation(config).run(generate(spec))
+    cohort = CohortSimulation(config, CohortOptions(pieces_per_span=16)).run(generate_cohorts(spec, 0.5))
+    assert request["waited"] == 0 and cohort["waited"] < 1e-3 * cohort["requests"]
+    assert cohort["attainment"] == pytest.approx(request["attainment"], abs=0.005)
+    # A fluid has no request-to-request spread: its p90 is under the request model's, its median over.
+    assert cohort["ttft_p90_s"] == pytest.approx(request["ttft_p90_s"], rel=0.4)
+
+
+def test_a_mixed_piece_takes_its_part_of_every_cohort_and_computes_a_prefix_once_a_replica() -> None:
+    cohorts = [
+        Cohort(0.0, 0.5, "critical", "critical-0", 4, 1024, 100),
+        Cohort(0.0, 0.5, "batch", "batch-0", 2, 3000, 400),
+        Cohort(0.0, 0.5, "batch", "", 1, 500, 50),
+    ]
+    mix = _SpanMix(cohorts, shared_prefix_tokens=256)
+    cached = {"critical-0"}
+    # critical-0's requests find 255 tokens each cached (their mean prompt less one), batch-0's all 256;
+    # the replica has not yet computed batch-0's prefix, so the piece's first request of it does.
+    first = {
+        share.tier: (share.count, share.prompt_tokens, share.output_tokens, work)
+        for share, work in mix.piece(0.5, cached, now=1.0)
+    }
+    assert first == {"critical": (2, 512, 50, 2), "batch": (1.5, 1750, 225, 1494 + 256)}
+    assert cached == {"critical-0", "batch-0"}
+    second = {share.tier: work for share, work in mix.piece(0.5, cached, now=1.0)}
+    assert second == {"critical": 2, "batch": 1494}
 
 
 def test_the_cohort_models_state_does_not_grow_with_the_trace() -> None:
