@@ -362,12 +362,6 @@ def _wanted_for_demand(
 _MOST_REFUSED = 0.9
 
 
-# How much of the load at which a replica was full it is sized to carry. At that load the gateway's queue
-# neither drains nor grows, so a fleet sized there stays full and refuses whatever overflows the queue; the
-# tenth left spare drains what the gateway holds and takes the fluctuations that would fill it again.
-_SHARE_OF_FULL = 0.9
-
-
 @dataclass(frozen=True)
 class LatencyModel:
     """A replica's latency as a line in the load it carries (requests held, or tokens per second):
@@ -378,14 +372,15 @@ class LatencyModel:
     # The most load per replica it was measured at: it is not trusted beyond twice that.
     measured_up_to: float
     # The load per replica while the gateway held more requests than the target's tail: a replica takes no
-    # more, and what waits in the gateway waits longer than any replica reports.
+    # more, and what waits in the gateway waits longer than any replica reports. A fleet sized there is not
+    # kept full: what the gateway holds counts in the demand.
     full_at: float | None = None
 
     def capacity(self, target_seconds: float) -> float:
         """The load a replica can carry with its latency within the target."""
         most = 2 * self.measured_up_to
         if self.full_at is not None:
-            most = min(most, _SHARE_OF_FULL * self.full_at)
+            most = min(most, self.full_at)
         if self.per_unit <= 0:
             return most if self.idle <= target_seconds else 0.0
         return max(0.0, min(most, (target_seconds - self.idle) / self.per_unit))

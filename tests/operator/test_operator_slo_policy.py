@@ -62,9 +62,8 @@ def test_requests_the_gateway_held_are_demand_but_not_the_replicas_load() -> Non
     model = latency_model(held, "time to first token")
     assert model is not None
     assert (model.idle, model.per_unit) == (pytest.approx(0.1), pytest.approx(0.1))
-    # The line allows 5 within 600 ms, but a replica took no more than 4 while others waited: it is sized at
-    # nine tenths of that, 3.6, so that the fleet drains what the gateway holds.
-    assert model.full_at == 4 and model.capacity(0.6) == pytest.approx(3.6)
+    # The line allows 5 within 600 ms, but a replica took no more than 4 while others waited.
+    assert model.full_at == 4 and model.capacity(0.6) == pytest.approx(4.0)
     # The demand counts the held: 4 then 14, 1 a second more; 30 s after the latest, 14 + 30 = 44.
     assert forecast_demand(held, held[-1:], 30) == pytest.approx(44.0)
 
@@ -336,9 +335,9 @@ def test_a_replica_is_full_where_the_gateway_held_more_than_the_percentiles_tail
     # decides, (600 - 100) / 100 = 5 requests per replica within 600 ms.
     brief = latency_model(holding(0.5), "time to first token", 90)
     assert brief is not None and brief.full_at is None and brief.capacity(0.6) == pytest.approx(5.0)
-    # 2 of 10 held (20%): more than the tail, so a replica is full at the 4 it held, and sized at 3.6.
+    # 2 of 10 held (20%): more than the tail, so a replica is full at the 4 it held, and sized at that.
     sustained = latency_model(holding(2), "time to first token", 90)
-    assert sustained is not None and sustained.full_at == 4 and sustained.capacity(0.6) == pytest.approx(3.6)
+    assert sustained is not None and sustained.full_at == 4 and sustained.capacity(0.6) == pytest.approx(4.0)
     # A mean has no tail to spare: any held request marks the replicas full.
     on_mean = latency_model(holding(0.5), "time to first token")
     assert on_mean is not None and on_mean.full_at == 4
@@ -412,35 +411,44 @@ def test_with_token_counters_the_slo_policy_sizes_on_prompt_tokens_per_second() 
 
 def test_what_a_replica_served_while_the_gateway_held_requests_bounds_it_past_the_window() -> None:
     # At 10 s the replicas serve 2000 prompt tokens/s each with 4 requests apiece, and the gateway holds 6
-    # more: the demand is 4000 × 14 / 8 = 7000 tokens/s, and a replica does 2000 at most (sized at 1800).
+    # more: the demand is 4000 × 14 / 8 = 7000 tokens/s, and a replica does 2000 at most.
     held = [_token_sample(0, 4, 2000, 0.2), _token_sample(10, 14, 4000, 0.3, held=6)]
     first = decide(POLICY, held, FleetState(2, 2), AutoscalerState(), 10, slo=[TTFT])
     assert first.state.full_throughput == (("time to first token", 2000.0),)
-    # 7000 + 30 × 500 = 22,000 forecast over 1800 a replica: 13, capped at 10.
+    # 7000 + 30 × 500 = 22,000 forecast over 2000 a replica: 11, capped at 10.
     assert first.replicas == 6  # 2 + the step of 4
-    assert "1800.0 prompt tokens/s per replica" in first.reason and "demand 7000.0" in first.reason
+    assert "2000.0 prompt tokens/s per replica" in first.reason and "demand 7000.0" in first.reason
     # A minute on, the window holds no held request; the fleet serves 6000 tokens/s on 4 replicas. Without the
-    # memory a replica would be trusted with twice the 1500 it serves; with it, 1800: 4 replicas, not 2.
+    # memory a replica would be trusted with twice the 1500 it serves; with it, 2000: 3 replicas, not 2 (the
+    # scale-down delay keeps the 4 for now).
     later = [_token_sample(70, 8, 6000, 0.25, 0), _token_sample(72, 8, 6000, 0.25, 0)]
     later = [dataclasses.replace(s, reporting_pods=4) for s in later]
     remembered = decide(POLICY, later, FleetState(4, 4), first.state, 72, slo=[TTFT])
-    assert "1800.0 prompt tokens/s per replica" in remembered.reason and remembered.replicas == 4
+    assert "2000.0 prompt tokens/s per replica" in remembered.reason and remembered.replicas == 4
     forgotten = decide(POLICY, later, FleetState(4, 4), AutoscalerState(), 72, slo=[TTFT])
     assert "3000.0 prompt tokens/s per replica" in forgotten.reason
 
 
-def test_a_fleet_that_is_full_and_refusing_is_sized_below_its_full_load() -> None:
+def test_a_fleet_full_and_refusing_is_sized_for_what_arrives_and_grows_while_the_gateway_still_holds() -> (
+    None
+):
     # Two replicas serve 2000 prompt tokens/s each with the gateway holding more than the tail beside them,
     # and it refuses a third of what arrives: 4000 / (1 - 1/3) = 6000 tokens/s arrive, three replicas'
-    # worth at the load at which they are full. Sized there, the fleet would stay full and keep refusing;
-    # at 1800 a replica, 6000 / 1800 = 3.33: 4.
+    # worth at the load at which they are full.
     full = [_token_sample(time, 14, 4000, 0.3, held=6) for time in (8, 10)]
     refusing = [dataclasses.replace(s, refused_share=1 / 3) for s in full]
     decision = decide(POLICY, refusing, FleetState(2, 2), AutoscalerState(), 10, slo=[TTFT])
-    assert decision.replicas == 4
-    assert "1800.0 prompt tokens/s per replica" in decision.reason
+    assert decision.replicas == 3
+    assert "2000.0 prompt tokens/s per replica" in decision.reason
     demand = "demand 6000.0 prompt tokens/s with the 33% the gateway refused, 6000.0 forecast"
     assert demand in decision.reason
+    # Three replicas at that load serve the 6000 with 4 requests each, and the gateway still holds 3 beside
+    # them, refusing none: the held are demand too, 6000 × 15 / 12 = 7500, so the fleet grows out of it.
+    sized = [
+        dataclasses.replace(_token_sample(time, 15, 6000, 0.3, held=3), reporting_pods=3) for time in (80, 82)
+    ]
+    grown = decide(POLICY, sized, FleetState(3, 3), decision.state, 82, slo=[TTFT])
+    assert grown.replicas == 4 and "demand 7500.0 prompt tokens/s" in grown.reason
 
 
 def test_the_most_a_replica_served_within_the_target_extends_the_lines_trust_past_the_window() -> None:
