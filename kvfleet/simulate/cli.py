@@ -53,7 +53,7 @@ def simulate() -> None:
     help="request: every request and engine step (exact, about 60 us of CPU a request); cohort: arrivals "
     "counted per span and engines as fluids, at a cost that does not grow with the requests (a day at 1,000 "
     "replicas in minutes), its attainment within a few points of the request model's on the traces measured "
-    "(7 points under on a mix of tenants at 1,000 replicas) and its median latencies coarser "
+    "(7 points over on a mix of tenants at 1,000 replicas running full) and its median latencies coarser "
     "(docs/benchmarks.md gives the error).",
 )
 @click.option(
