@@ -324,11 +324,11 @@ class CohortSimulation:
         spreads a span's mix of tiers over the replicas it picks; with their work at the replica chosen."""
         mix = _SpanMix(cohorts, self.config.shared_prefix_tokens)
         pieces = max(1, min(len(self._routed), self.options.pieces_per_span))
-        for placed in range(pieces):
+        for given in range(pieces):
             route = self._choose("")
             if route is None:
                 for cohort in cohorts:
-                    self.held.hold(_share_of(cohort, self._now, (pieces - placed) / pieces))
+                    self.held.hold(_share_of(cohort, self._now, (pieces - given) / pieces))
                 return
             replica = self._replicas[route.slot]
             assert replica.cached is not None
@@ -577,33 +577,33 @@ class _SpanMix:
     def __init__(self, cohorts: list[Cohort], shared_prefix_tokens: int) -> None:
         # By tier: requests, prompt and output tokens, and the prompt tokens to compute on a replica that
         # has every group's prefix.
-        self.tiers: dict[str, list[float]] = {}
+        self._tiers: dict[str, list[float]] = {}
         # By prefix group: its tier, requests, and the tokens a request finds cached.
-        self.groups: dict[str, tuple[str, float, float]] = {}
+        self._groups: dict[str, tuple[str, float, float]] = {}
         for cohort in cohorts:
-            sums = self.tiers.setdefault(cohort.tier, [0.0, 0.0, 0.0, 0.0])
+            sums = self._tiers.setdefault(cohort.tier, [0.0, 0.0, 0.0, 0.0])
             saved = 0.0
             if cohort.prefix_group:
                 saved = min(shared_prefix_tokens, cohort.prompt_tokens / cohort.count - 1)
-                self.groups[cohort.prefix_group] = (cohort.tier, cohort.count, saved)
+                self._groups[cohort.prefix_group] = (cohort.tier, cohort.count, saved)
             sums[0] += cohort.count
             sums[1] += cohort.prompt_tokens
             sums[2] += cohort.output_tokens
             sums[3] += cohort.prompt_tokens - saved * cohort.count
-        self._names = set(self.groups)
+        self._names = set(self._groups)
 
     def piece(self, part: float, cached: set[str], now: float) -> list[tuple[HeldShare, float]]:
         """`part` of every cohort, a share a tier with its work on a replica with the prefixes `cached`
         (those of the span are cached there after it)."""
-        missed = dict.fromkeys(self.tiers, 0.0)
+        missed = dict.fromkeys(self._tiers, 0.0)
         for group in self._names - cached:
-            tier, count, saved = self.groups[group]
+            tier, count, saved = self._groups[group]
             # The group's first request there computes the prefix its others then find.
             missed[tier] += saved * min(1.0, part * count)
         cached |= self._names
         return [
             (HeldShare(tier, "", part * count, part * prompt, part * output, now), part * work + missed[tier])
-            for tier, (count, prompt, output, work) in self.tiers.items()
+            for tier, (count, prompt, output, work) in self._tiers.items()
         ]
 
 
