@@ -6,8 +6,9 @@ ramps up past what that replica serves, back down, and goes on at its lowest rat
 keep its p90 time to first token within the target, grow and shrink without flapping, fail no request as
 replicas go (streams included), and say why with the numbers. The simulator then runs the same trace on the
 calibrated profile with the pod start the real fleet showed; its TTFT percentiles and replica counts are
-printed beside the real ones (the measured error is in docs/benchmarks.md: replicas sharing this machine's
-cores run slower than the one the profile was fitted to, which no per-replica profile can know).
+printed beside the real ones, and the real percentiles of the requests outside the pod starts (the measured
+error is in docs/benchmarks.md: replicas sharing this machine's cores run slower than the one the profile was
+fitted to, most of all while a pod starts, which no per-replica profile can know).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy
+from kvfleet.runtime.bench.serve_report import RequestResult
 
 from e2e.cluster import LocalCluster
 from e2e.fleet.gateway import serve_through_gateway
@@ -111,15 +113,48 @@ def simulate(
     return Simulation(config).run(iter(trace))
 
 
-def pod_start_seconds(samples: list[ReplicaSample]) -> list[float]:
-    """For each rise of the desired count, the seconds until that many replicas were ready."""
+def pod_starts(samples: list[ReplicaSample]) -> list[tuple[float, float]]:
+    """For each rise of the desired count, its moment and the moment that many replicas were ready."""
     starts = []
     for before, sample in itertools.pairwise(samples):
         if sample.desired > before.desired:
             ready = next((s for s in samples if s.at >= sample.at and s.ready >= sample.desired), None)
             if ready is not None:
-                starts.append(ready.at - sample.at)
+                starts.append((sample.at, ready.at))
     return starts
+
+
+def first_tokens_apart_from(
+    windows: list[tuple[float, float]], results: list[RequestResult], began: float
+) -> list[float]:
+    """The first-token times of the requests that were not waiting for one within any of the windows."""
+    return [
+        result.ttft
+        for result in results
+        if result.ttft is not None
+        and not any(
+            began + result.start_time <= end and began + result.start_time + result.ttft >= start
+            for start, end in windows
+        )
+    ]
+
+
+def p50_p90(seconds: list[float]) -> tuple[float, float]:
+    """The median and the 90th percentile (not a number where there are none)."""
+    if not seconds:
+        return math.nan, math.nan
+    p50, p90 = numpy.percentile(seconds, [50, 90])
+    return float(p50), float(p90)
+
+
+def described(profile: EngineProfile) -> str:
+    return (
+        f"step {profile.step_fixed_s * 1000:.2f} ms + {profile.prefill_token_s * 1e6:.1f} us a prompt "
+        f"token + {profile.decode_sequence_s * 1000:.3f} ms a sequence, first token "
+        f"{profile.first_token_overhead_s * 1000:.2f} ms more and "
+        f"{profile.first_token_overhead_per_sequence_s * 1000:.2f} ms a sequence beside, "
+        f"{profile.wake_s * 1000:.2f} ms to wake (over {profile.wake_after_s:.2f} s idle)"
+    )
 
 
 def flaps(samples: list[ReplicaSample], window: float) -> list[tuple[float, float]]:
@@ -173,9 +208,12 @@ def test_the_slo_policy_keeps_a_ramp_within_its_target_and_scales_down_under_str
     samples = history.snapshot()
 
     failed = [result.error for result in results if not result.ok]
-    ttfts = numpy.array([result.ttft for result in results if result.ttft is not None])
-    real_p50, real_p90 = numpy.percentile(ttfts, [50, 90]) if len(ttfts) else (math.nan, math.nan)
-    starts = pod_start_seconds(samples)
+    real_p50, real_p90 = p50_p90([result.ttft for result in results if result.ttft is not None])
+    windows = pod_starts(samples)
+    starts = [ready - rise for rise, ready in windows]
+    # A starting pod takes the cores the running replica computes on (all share this machine's two); a real
+    # fleet's replica starts on a node of its own, as the simulator's do.
+    apart_p50, apart_p90 = p50_p90(first_tokens_apart_from(windows, results, began))
     counts = history.desired_counts()
     status = api.get(services_path(namespace, "ramp"))["status"]
     events = events_for(api, namespace, "ramp")
@@ -192,13 +230,12 @@ def test_the_slo_policy_keeps_a_ramp_within_its_target_and_scales_down_under_str
     measurements(
         f"slo ramp: {len(trace)} requests at {RAMP.base_rate:.2f} to {PEAK_RATE:.2f}/s "
         f"over {RAMP_SECONDS:.0f}s and back, then {TAIL_SECONDS:.0f}s at the lowest; "
-        f"calibrated step {profile.step_fixed_s * 1000:.2f} ms + {profile.prefill_token_s * 1e6:.1f} us a "
-        f"prompt token + {profile.decode_sequence_s * 1000:.3f} ms a sequence, first token "
-        f"{profile.first_token_overhead_s * 1000:.2f} ms more; {len(failed)} failed; desired {counts} "
+        f"calibrated {described(profile)}; {len(failed)} failed; desired {counts} "
         f"(seconds into the ramp, count: {real_changes}), pod starts {[round(s, 1) for s in starts]} s; "
-        f"TTFT p50/p90 real {real_p50:.3f}/{real_p90:.3f} s, "
-        f"simulated {simulated_p50:.3f}/{simulated_p90:.3f} s; simulated replicas differ from the real ones "
-        f"by at most {max(gaps, default=0)} over {len(gaps)} intervals of {SERIES_SECONDS:g}s"
+        f"TTFT p50/p90 real {real_p50:.3f}/{real_p90:.3f} s ({apart_p50:.3f}/{apart_p90:.3f} s outside "
+        f"the pod starts), simulated {simulated_p50:.3f}/{simulated_p90:.3f} s; simulated replicas differ "
+        f"from the real ones by at most {max(gaps, default=0)} over {len(gaps)} intervals of "
+        f"{SERIES_SECONDS:g}s"
     )
 
     assert not failed, failed[:3]

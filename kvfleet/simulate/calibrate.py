@@ -1,26 +1,50 @@
 """`kvfleet simulate calibrate`: fits an engine profile's step-time model to a real replica.
 
-Two kinds of timed requests, each a step of known shape: decode steps, timed as the time per output token
-while B requests decode together (B sequences, each attending over its prompt and what it has
-generated), and prefill steps, timed as the first token of a lone request with a P-token prompt and one
-output token (P prompt tokens, and the request's way in and its token's way out, which a decode step's
-time per token does not hold: the first-token overhead). The step-time model and that overhead are then
-fitted to them by least squares. Prompts are random token ids, so no request hits the prefix cache.
+Four kinds of timed requests, each a step of known shape:
+- decode steps, timed as the time per output token while B requests decode together (B sequences, each
+  attending over its prompt and what it has generated);
+- prefill steps, timed as the first token of a lone request with a P-token prompt and one output token (P
+  prompt tokens, and the request's way in and its token's way out, which a decode step's time per token does
+  not hold: the first-token overhead);
+- first tokens beside a decode batch: the same lone prompt sent while B requests decode, which waits for the
+  step in progress, joins the next, and is taken in while the server streams the batch's tokens;
+- first tokens after the replica sat idle a while, which pay for waking it (caches, threads, clocks).
+The step-time model and the overhead are fitted to the first two by least squares; the overhead per
+sequence beside, and the wake, to what the last two took beyond the fitted model. Prompts are random token
+ids, so no request hits the prefix cache.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
+import itertools
+import math
 import statistics
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from kvfleet.simulate.engine import EngineProfile
+
+if TYPE_CHECKING:
+    from kvfleet.runtime.bench.serve_client import ServeRequest
+    from kvfleet.runtime.bench.serve_report import RequestResult
 
 DECODE_BATCHES = (1, 4, 16)
 PREFILL_PROMPTS = (128, 512, 1024)
 DECODE_PROMPT_TOKENS = 32
 DECODE_OUTPUT_TOKENS = 64
+FIRST_TOKEN_TRIES = 5
+# First tokens beside a decode batch, and after each idle pause, are timed this many times (the median
+# counts).
+REPEATS = 3
+# The idle pauses a first token is timed after: the wake grows with the pause (tens of milliseconds after a
+# second on a virtual machine's CPUs), so it is a curve.
+WAKE_PAUSES_S = (0.1, 0.3, 1.0, 3.0)
+# The curves' time constants tried, 20 a decade from 10 ms to 2.8 s: past the longest pause the curve is not
+# measured.
+WAKE_AFTER_GRID_S = tuple(0.01 * 10 ** (step / 20) for step in range(50))
 
 
 @dataclass(frozen=True)
@@ -31,14 +55,39 @@ class StepTiming:
     decode_sequences: int
     context_tokens: int
     seconds: float
+    # The seconds the replica sat idle before it (a first token timed after a pause).
+    idle_s: float = 0.0
+
+    @property
+    def kind(self) -> str:
+        if not self.prefill_tokens:
+            return "decode"
+        if self.idle_s:
+            return "woken"
+        return "beside" if self.decode_sequences else "prefill"
 
 
 def fit_profile(timings: Sequence[StepTiming], limits: EngineProfile) -> EngineProfile:
-    """The fixed, per prompt token and per decoding sequence costs, and the first-token overhead, that best
-    fit the timings (least squares, none below zero), with the rest of `limits` (its context cost and its
-    max_num_seqs, token budget and KV cache). A prefill timing is a first token, so it holds the overhead as
-    well; a decode timing does not. The context cost is not fitted: in these timings it grows with the batch
-    as the decode cost does, so the two could not be told apart."""
+    """The profile that best fits the timings, with the rest of `limits` (its context cost and its
+    max_num_seqs, token budget and KV cache): the step-time model and first-token overhead from the decode
+    and prefill timings, then the overhead per sequence beside and the wake from what the others took
+    beyond that model (where none of those was timed, the limits' value stays)."""
+    profile = _fit_steps([t for t in timings if t.kind in ("decode", "prefill")], limits)
+    beside = [t for t in timings if t.kind == "beside"]
+    if beside:
+        per_sequence = _overhead_per_sequence(profile, beside)
+        profile = replace(profile, first_token_overhead_per_sequence_s=per_sequence)
+    woken = [t for t in timings if t.kind == "woken"]
+    if woken:
+        profile = _fit_wake(profile, woken)
+    return profile
+
+
+def _fit_steps(timings: Sequence[StepTiming], limits: EngineProfile) -> EngineProfile:
+    """The fixed, per prompt token and per decoding sequence costs, and the first-token overhead, by least
+    squares (none below zero). A prefill timing is a first token, so it holds the overhead as well; a decode
+    timing does not. The context cost is not fitted: in these timings it grows with the batch as the decode
+    cost does, so the two could not be told apart."""
     # A replica that decodes one sequence at a time times one decode batch: its steps' cost is all fixed.
     per_sequence = len({t.decode_sequences for t in timings if t.decode_sequences}) > 1
     rows = [
@@ -58,6 +107,41 @@ def fit_profile(timings: Sequence[StepTiming], limits: EngineProfile) -> EngineP
         decode_sequence_s=decode,
         first_token_overhead_s=overhead,
     )
+
+
+def _overhead_per_sequence(profile: EngineProfile, beside: Sequence[StepTiming]) -> float:
+    """The median over the timings of what each first token took beyond the model, per sequence beside it.
+    The model's first token waits half the decode step in progress (it arrives at a random moment of it),
+    then computes its prompt in a step with the batch."""
+    extra = []
+    for timing in beside:
+        batch, context = timing.decode_sequences, timing.context_tokens
+        in_progress = profile.step_seconds(0, batch, context) / 2
+        step = profile.step_seconds(timing.prefill_tokens, batch, context)
+        extra.append((timing.seconds - in_progress - step - profile.first_token_overhead_s) / batch)
+    return max(0.0, statistics.median(extra))
+
+
+def _fit_wake(profile: EngineProfile, woken: Sequence[StepTiming]) -> EngineProfile:
+    """The wake curve, wake_s * (1 - exp(-idle / wake_after_s)), that best fits the median of what the first
+    tokens after each pause took beyond the model: for each time constant of the grid, the least-squares
+    height (not below zero); the pair with the least squared error."""
+    by_pause: dict[float, list[float]] = {}
+    for timing in woken:
+        lone = profile.step_seconds(timing.prefill_tokens, 0, 0) + profile.first_token_overhead_s
+        by_pause.setdefault(timing.idle_s, []).append(timing.seconds - lone)
+    pauses = list(by_pause)
+    extras = [statistics.median(by_pause[pause]) for pause in pauses]
+    best: tuple[float, float, float] | None = None
+    for after in WAKE_AFTER_GRID_S:
+        shape = [-math.expm1(-pause / after) for pause in pauses]
+        height = max(0.0, sum(f * e for f, e in zip(shape, extras, strict=True)) / sum(f * f for f in shape))
+        error = sum((height * f - e) ** 2 for f, e in zip(shape, extras, strict=True))
+        if best is None or error < best[0]:
+            best = (error, height, after)
+    assert best is not None  # the grid is not empty
+    _, height, after = best
+    return replace(profile, wake_s=height, wake_after_s=after)
 
 
 def _solve(matrix: list[list[float]], vector: list[float]) -> list[float]:
@@ -85,10 +169,10 @@ def decode_batches(max_num_seqs: int) -> tuple[int, ...]:
 def measure(
     url: str, max_num_seqs: int | None = None, model: str | None = None, timeout_s: float = 300.0
 ) -> list[StepTiming]:
-    """Times decode and prefill steps on the replica at `url` (a `kvfleet serve` or any OpenAI server) that
-    runs at most `max_num_seqs` sequences at once (None: at least the largest batch timed). `model`: the one
-    to time where `url` serves several, as a fleet gateway does (whose time then counts, as it does for its
-    clients); by default the first listed."""
+    """Times decode and prefill steps, first tokens beside decode batches and after idle pauses, on the
+    replica at `url` (a `kvfleet serve` or any OpenAI server) that runs at most `max_num_seqs` sequences at
+    once (None: at least the largest batch timed). `model`: the one to time where `url` serves several, as a
+    fleet gateway does (whose time then counts, as it does for its clients); by default the first listed."""
     batches = DECODE_BATCHES if max_num_seqs is None else decode_batches(max_num_seqs)
     return asyncio.run(_measure(url, batches, model, timeout_s))
 
@@ -96,38 +180,89 @@ def measure(
 async def _measure(
     url: str, batches: tuple[int, ...], wanted: str | None, timeout_s: float
 ) -> list[StepTiming]:
-    from kvfleet.runtime.bench.serve_client import ServeRequest, bench_client, send_request
-    from kvfleet.runtime.bench.workloads import random_requests
+    from kvfleet.runtime.bench.serve_client import bench_client, send_request
 
-    async with bench_client(url, max(batches), timeout_s) as client:
+    async with bench_client(url, max(batches) + 1, timeout_s) as client:
         response = await client.get("/v1/models")
         response.raise_for_status()
         cards = response.json()["data"]
         card = next((card for card in cards if wanted in (None, card["id"])), None)
         if card is None:
             raise RuntimeError(f"{url} does not serve {wanted}: {[card['id'] for card in cards]}")
-        model, vocab = card["id"], int(card.get("vocab_size") or 1000)
+        send = functools.partial(send_request, client, card["id"])
+        timer = _Timer(send, url, int(card.get("vocab_size") or 1000))
         # The first requests of a fresh replica pay for its warm-up: not a step's time.
-        (warmup,) = random_requests(1, (16, 16), (4, 4), vocab, seed=len(batches) + len(PREFILL_PROMPTS))
-        await send_request(client, model, ServeRequest(warmup.prompt_token_ids, 4, None, 0.0))
+        await timer.first_token(16)
         timings: list[StepTiming] = []
-        for seed, batch in enumerate(batches):
-            shape = (DECODE_PROMPT_TOKENS, DECODE_PROMPT_TOKENS)
-            output = (DECODE_OUTPUT_TOKENS, DECODE_OUTPUT_TOKENS)
-            prompts = random_requests(batch, shape, output, vocab, seed=seed)
-            requests = [ServeRequest(p.prompt_token_ids, p.output_len, None, 0.0) for p in prompts]
-            results = await asyncio.gather(*(send_request(client, model, r) for r in requests))
-            # A request's time per output token after the first, rather than the gaps between chunks: a
-            # stream may carry several tokens in one chunk.
-            per_token = [result.tpot for result in results if result.tpot is not None]
-            if not per_token:
-                raise RuntimeError(f"no streamed tokens from {url}: {[r.error for r in results]}")
-            context = batch * (DECODE_PROMPT_TOKENS + DECODE_OUTPUT_TOKENS // 2)
-            timings.append(StepTiming(0, batch, context, statistics.median(per_token)))
-        for seed, prompt in enumerate(PREFILL_PROMPTS, start=len(batches)):
-            (lone,) = random_requests(1, (prompt, prompt), (1, 1), vocab, seed=seed)
-            result = await send_request(client, model, ServeRequest(lone.prompt_token_ids, 1, None, 0.0))
-            if result.ttft is None:
-                raise RuntimeError(f"no first token from {url}: {result.error}")
-            timings.append(StepTiming(prompt, 0, 0, result.ttft))
+        for batch in batches:
+            decode, lasting_s = await timer.decode(batch)
+            timings.append(decode)
+            # Only where a place is left for the first token beside the batch.
+            if batch < max(batches):
+                timings += [await timer.beside(batch, lasting_s) for _ in range(REPEATS)]
+        timings += [await timer.first_token(prompt) for prompt in PREFILL_PROMPTS]
+        for pause in WAKE_PAUSES_S:
+            for _ in range(REPEATS):
+                await asyncio.sleep(pause)
+                timings.append(replace(await timer.first_token(PREFILL_PROMPTS[0]), idle_s=pause))
         return timings
+
+
+class _Timer:
+    """Sends the calibration's requests (through `send`, to one model), each with a prompt of its own (no
+    prefix cache hit)."""
+
+    def __init__(
+        self, send: Callable[[ServeRequest], Awaitable[RequestResult]], url: str, vocab_size: int
+    ) -> None:
+        self._send_request, self.url, self.vocab_size = send, url, vocab_size
+        self._seeds = itertools.count()
+
+    async def first_token(self, prompt: int) -> StepTiming:
+        """A lone first token of a `prompt`-token prompt."""
+        return StepTiming(prompt, 0, 0, await self._first_token_s(prompt))
+
+    async def decode(self, batch: int) -> tuple[StepTiming, float]:
+        """The time per output token of `batch` requests decoding together, and how long they took."""
+        results = await self._send(batch, DECODE_PROMPT_TOKENS, DECODE_OUTPUT_TOKENS)
+        # A request's time per output token after the first, rather than the gaps between chunks: a stream
+        # may carry several tokens in one chunk.
+        per_token = [result.tpot for result in results if result.tpot is not None]
+        if not per_token:
+            raise RuntimeError(f"no streamed tokens from {self.url}: {[r.error for r in results]}")
+        lasting = statistics.median(result.latency for result in results if result.latency is not None)
+        return StepTiming(0, batch, self._context(batch), statistics.median(per_token)), lasting
+
+    async def beside(self, batch: int, lasting_s: float) -> StepTiming:
+        """A first token sent a quarter into the decoding of `batch` requests that last `lasting_s`."""
+        decoding = asyncio.create_task(self._send(batch, DECODE_PROMPT_TOKENS, DECODE_OUTPUT_TOKENS))
+        await asyncio.sleep(lasting_s / 4)
+        seconds = await self._first_token_s(PREFILL_PROMPTS[0])
+        await decoding
+        return StepTiming(PREFILL_PROMPTS[0], batch, self._context(batch), seconds)
+
+    async def _first_token_s(self, prompt: int) -> float:
+        """The time to a first token of a `prompt`-token prompt. A token may decode to no text (a piece of a
+        character): the client sees nothing then, and another prompt is timed."""
+        for _ in range(FIRST_TOKEN_TRIES):
+            (result,) = await self._send(1, prompt, 1)
+            if result.error is not None:
+                raise RuntimeError(f"no first token from {self.url}: {result.error}")
+            if result.ttft is not None:
+                return result.ttft
+        raise RuntimeError(f"{FIRST_TOKEN_TRIES} prompts' first tokens from {self.url} were not text")
+
+    @staticmethod
+    def _context(batch: int) -> int:
+        """What a decode batch attends over, halfway through its output."""
+        return batch * (DECODE_PROMPT_TOKENS + DECODE_OUTPUT_TOKENS // 2)
+
+    async def _send(self, count: int, prompt: int, output: int) -> list[RequestResult]:
+        """Sends `count` requests at once; their results."""
+        from kvfleet.runtime.bench.serve_client import ServeRequest
+        from kvfleet.runtime.bench.workloads import random_requests
+
+        shape, seed = (prompt, prompt), next(self._seeds)
+        requests = random_requests(count, shape, (output, output), self.vocab_size, seed=seed)
+        sent = [ServeRequest(r.prompt_token_ids, output, None, 0.0) for r in requests]
+        return list(await asyncio.gather(*(self._send_request(request) for request in sent)))

@@ -281,20 +281,25 @@ def _service_spec(path: Path) -> dict[str, Any]:
     "--out", type=click.Path(dir_okay=False, path_type=Path), required=True, help="The profile (JSON)."
 )
 def calibrate_command(url: str, limits_path: Path | None, model: str | None, out: Path) -> None:
-    """Time decode and prefill steps on a real replica and write the fitted engine profile."""
+    """Time decode and prefill steps, and first tokens beside a decode batch and after idle pauses, on a real
+    replica, and write the fitted engine profile (the pauses take 13 s of it)."""
     from kvfleet.simulate.calibrate import fit_profile, measure
 
     limits = EngineProfile.load(limits_path) if limits_path else None
     timings = measure(url, limits.max_num_seqs if limits else None, model)
     for timing in timings:
+        idle = f" after {timing.idle_s:g} s idle" if timing.idle_s else ""
         click.echo(
-            f"prefill {timing.prefill_tokens:5d} tokens, decode {timing.decode_sequences:3d} sequences: "
-            f"{timing.seconds * 1000:.2f} ms"
+            f"{timing.kind:8s} prefill {timing.prefill_tokens:5d} tokens, "
+            f"decode {timing.decode_sequences:3d} sequences{idle}: {timing.seconds * 1000:.2f} ms"
         )
     profile = fit_profile(timings, limits or EngineProfile())
     profile.dump(out)
-    per_token = f"{profile.prefill_token_s * 1e6:.1f} us per prompt token"
-    per_sequence = f"{profile.decode_sequence_s * 1000:.3f} ms per decoding sequence"
-    overhead = f"{profile.first_token_overhead_s * 1000:.2f} ms more to a first token"
-    fixed = f"fixed {profile.step_fixed_s * 1000:.2f} ms"
-    click.echo(f"{fixed}, {per_token}, {per_sequence}, {overhead}; written to {out}")
+    click.echo(
+        f"fixed {profile.step_fixed_s * 1000:.2f} ms, {profile.prefill_token_s * 1e6:.1f} us per prompt "
+        f"token, {profile.decode_sequence_s * 1000:.3f} ms per decoding sequence; a first token "
+        f"{profile.first_token_overhead_s * 1000:.2f} ms more, and "
+        f"{profile.first_token_overhead_per_sequence_s * 1000:.2f} ms per sequence beside it; a step after "
+        f"a long idle {profile.wake_s * 1000:.2f} ms more (time constant {profile.wake_after_s:.2f} s); "
+        f"written to {out}"
+    )

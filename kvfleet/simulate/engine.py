@@ -1,13 +1,14 @@
 """A model of one replica's engine: continuous batching over a step-time model.
 
 A step's time is linear in what it computes: a fixed cost, a cost per prompt token computed, a cost per
-sequence decoding one token, and a cost per token of context the batch's sequences attend over
-(EngineProfile; `kvfleet simulate calibrate` fits it to a real replica). Each step is scheduled as the
-runtime's scheduler does: the running sequences first (one token each while decoding, a chunk of the prompt
-while prefilling), then waiting requests in arrival order while there are fewer than max_num_seqs running,
-tokens left in the step's budget and room in the KV cache for the whole prompt. A sequence that outgrows the
-KV cache preempts the most recently admitted one, which goes back to the front of the queue and computes its
-prompt and what it had generated again (recomputation, as vLLM's v1 engine does).
+sequence decoding one token, and a cost per token of context the batch's sequences attend over (EngineProfile;
+`kvfleet simulate calibrate` fits it to a real replica), and a step after an idle gap takes longer, as the
+replica wakes. Each step is scheduled as the runtime's scheduler does: the running sequences first (one token
+each while decoding, a chunk of the prompt while prefilling), then waiting requests in arrival order while
+there are fewer than max_num_seqs running, tokens left in the step's budget and room in the KV cache for the
+whole prompt. A sequence that outgrows the KV cache preempts the most recently admitted one, which goes back
+to the front of the queue and computes its prompt and what it had generated again (recomputation, as vLLM's v1
+engine does).
 
 The prefix cache is modelled per replica as a least-recently-used set of prefix groups (the trace's
 `prefix_group`), each holding the tokens its requests share: a request of a cached group starts with those
@@ -23,9 +24,14 @@ import math
 from collections import OrderedDict, deque
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
+from typing import TypeVar
+
+import numpy
 
 from kvfleet.contract.metrics import ITL_BUCKETS, TTFT_BUCKETS
 from kvfleet.operator.autoscaler import Buckets, PodMetrics
+
+Count = TypeVar("Count", int, numpy.ndarray)
 
 
 @dataclass(frozen=True)
@@ -39,6 +45,13 @@ class EngineProfile:
     # What a client waits for its first token beyond the engine's steps: the request's way in through the HTTP
     # server (and a gateway, when calibrated through one) and the token's way out.
     first_token_overhead_s: float = 0.0
+    # And this much more for each other sequence the replica runs then: its server streams their tokens while
+    # it takes the request in (on CPUs the engine's threads also take the cores that server would use).
+    first_token_overhead_per_sequence_s: float = 0.0
+    # A step after an idle gap of g seconds takes wake_s * (1 - exp(-g / wake_after_s)) longer: a replica
+    # left idle has its caches refilled and its threads and clocks woken by the next request.
+    wake_s: float = 0.0
+    wake_after_s: float = 1.0
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 2048
     kv_cache_tokens: int = 262144
@@ -50,6 +63,15 @@ class EngineProfile:
             + self.decode_sequence_s * decode_sequences
             + self.context_token_s * context_tokens
         )
+
+    def first_token_overhead(self, beside: Count) -> Count:
+        """What a first token waits beyond the steps, with `beside` other sequences running (a count, or an
+        array of them)."""
+        return self.first_token_overhead_s + self.first_token_overhead_per_sequence_s * beside
+
+    def wake_seconds(self, idle_s: float) -> float:
+        """What a step takes longer after the replica was idle `idle_s` seconds (math.inf: never ran)."""
+        return self.wake_s * -math.expm1(-idle_s / self.wake_after_s)
 
     @classmethod
     def load(cls, path: Path) -> EngineProfile:
@@ -98,6 +120,8 @@ class StepOutcome:
 
     first_tokens: list[Sequence] = field(default_factory=list)
     finished: list[Sequence] = field(default_factory=list)
+    # The sequences the step ran, finished ones included.
+    running: int = 0
 
 
 class LatencyHistogram:
@@ -141,6 +165,8 @@ class EngineModel:
         # length and how much longer each next one is.
         self._steps = 1
         self._run_shape = (0.0, 0.0)
+        # When the engine last went idle (None: busy); a new one has never run, and its first step wakes it.
+        self._idle_since: float | None = -math.inf
         self.preemptions = 0
         self.prefix_hits = 0
         self.admitted = 0
@@ -192,9 +218,13 @@ class EngineModel:
             prefill += tokens
             context += sequence.computed
         if not step:
+            if self._idle_since is None:
+                self._idle_since = now
             return None
+        wake = 0.0 if self._idle_since is None else self.profile.wake_seconds(now - self._idle_since)
+        self._idle_since = None
         self._step, self._step_started, self._steps = step, now, 1
-        self._run_shape = (self.profile.step_seconds(prefill, decode, context), 0.0)
+        self._run_shape = (self.profile.step_seconds(prefill, decode, context) + wake, 0.0)
         return self._run_shape[0]
 
     def interrupt(self, now: float) -> float | None:
@@ -213,7 +243,7 @@ class EngineModel:
 
     def finish_step(self, now: float) -> StepOutcome:
         """Applies the step (or run of decode steps) that ends now."""
-        outcome = StepOutcome()
+        outcome = StepOutcome(running=len(self.running))
         length, steps = now - self._step_started, self._steps
         decoding = 0
         for sequence, tokens in self._step:

@@ -298,10 +298,10 @@ class Simulation:
         if version != replica.step_version:
             return  # the step was cut short by an arrival, and ended earlier
         outcome = replica.engine.finish_step(self._now)
+        overhead = self.config.profile.first_token_overhead(outcome.running - 1)
         for sequence in outcome.first_tokens:
             request: _Request = sequence.owner  # type: ignore[assignment]
-            ttft = self._now - request.trace.arrival_s + self.config.profile.first_token_overhead_s
-            self.report.first_token(request.trace.tier, ttft)
+            self.report.first_token(request.trace.tier, self._now - request.trace.arrival_s + overhead)
         replica.route.in_flight -= len(outcome.finished)
         self._in_flight -= len(outcome.finished)
         self._start_step(replica)

@@ -18,8 +18,9 @@ hundred numbers each, and a tick is dozens of operations on them, which as array
 far more than their arithmetic.
 
 What it leaves out of the request model: the KV cache's bound (no preemption; the profile's cache holds a
-full batch of the traces' lengths many times over) and the order within a tick (a tick's arrivals come
-together at its start).
+full batch of the traces' lengths many times over), the order within a tick (a tick's arrivals come
+together at its start), and an idle replica's wake (the profile's wake_s: at the rates it is made for, many
+requests a tick, a replica is never idle long).
 """
 
 from __future__ import annotations

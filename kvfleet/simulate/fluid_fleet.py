@@ -450,11 +450,14 @@ class CohortSimulation:
         )
         if turned_back.sum() > _LEAST:
             self._send_on(turned_back, turned_back_tokens)
+        # A first token's overhead counts the sequences of the step that computes it, itself aside.
+        profile = self.config.profile
+        running = numpy.minimum(self.engines.in_engine() + arrivals.requests[:used], profile.max_num_seqs)
+        overhead = profile.first_token_overhead(numpy.maximum(running - 1.0, 0.0))
         latencies = self.engines.advance(self.options.tick_s, arrivals)
         active = numpy.flatnonzero(delivered.sum(axis=1) > _LEAST)
-        overhead = self.config.profile.first_token_overhead_s
         if active.size:
-            seconds = numpy.concatenate((latencies.at_once_s, latencies.waiting_s)) + overhead
+            seconds = numpy.concatenate((latencies.at_once_s + overhead, latencies.waiting_s + overhead))
             _count_first_tokens(
                 self._latencies,
                 self._within,
@@ -467,7 +470,7 @@ class CohortSimulation:
         if self._sent:
             slots, tiers, counts, waited = numpy.array(self._sent).T
             slots, tiers = slots.astype(numpy.intp), tiers.astype(numpy.intp)
-            buckets, within_target = self._bucketed(waited + latencies.mean_s()[slots] + overhead)
+            buckets, within_target = self._bucketed(waited + latencies.mean_s()[slots] + overhead[slots])
             numpy.add.at(self._latencies, (tiers, buckets), counts)
             numpy.add.at(self._within, tiers, counts * within_target)
             self._sent = []

@@ -36,6 +36,69 @@ def test_the_fit_recovers_the_profile_that_timed_the_steps() -> None:
     assert (fitted.max_num_seqs, fitted.kv_cache_tokens) == (7, 1234)
 
 
+def test_the_fit_recovers_the_overhead_beside_a_batch_and_the_wake_curve() -> None:
+    truth = EngineProfile(
+        step_fixed_s=0.002,
+        prefill_token_s=0.00003,
+        decode_sequence_s=0.0004,
+        first_token_overhead_s=0.01,
+        first_token_overhead_per_sequence_s=0.003,
+        wake_s=0.03,
+        wake_after_s=0.4,
+    )
+    rng = random.Random(2)
+    steps = [StepTiming(0, b, 0, truth.step_seconds(0, b, 0)) for b in (1, 4, 16)] + [
+        StepTiming(p, 0, 0, truth.step_seconds(p, 0, 0) + truth.first_token_overhead_s)
+        for p in (128, 512, 1024)
+    ]
+    # Beside B decoding sequences a first token waits, on average, half the step in progress, then shares a
+    # step with them; each timing is off by up to a quarter of the step in progress, as a real one lands.
+    beside = [
+        StepTiming(
+            128,
+            b,
+            0,
+            truth.step_seconds(0, b, 0) * rng.uniform(0.25, 0.75)
+            + truth.step_seconds(128, b, 0)
+            + truth.first_token_overhead(b),
+        )
+        for b in (1, 4)
+        for _ in range(3)
+    ]
+    woken = [
+        StepTiming(
+            128,
+            0,
+            0,
+            truth.step_seconds(128, 0, 0)
+            + truth.first_token_overhead_s
+            + truth.wake_seconds(pause) * rng.uniform(0.95, 1.05),
+            idle_s=pause,
+        )
+        for pause in (0.1, 0.3, 1.0, 3.0)
+        for _ in range(3)
+    ]
+    fitted = fit_profile(steps + beside + woken, EngineProfile())
+    assert fitted.first_token_overhead_per_sequence_s == pytest.approx(0.003, rel=0.15)
+    # The time constants tried are 12% apart.
+    assert fitted.wake_after_s == pytest.approx(0.4, rel=0.12)
+    assert fitted.wake_s == pytest.approx(0.03, rel=0.1)
+
+
+def test_a_replica_that_never_slows_after_a_pause_is_fitted_no_wake() -> None:
+    steps = [StepTiming(0, 1, 0, 0.003), StepTiming(0, 4, 0, 0.004)] + [
+        StepTiming(p, 0, 0, 0.003 + 0.00001 * p + 0.002) for p in (128, 512, 1024)
+    ]
+    # What a first token after a pause takes is noise about the lone one's time, as often under as over.
+    woken = [
+        StepTiming(128, 0, 0, 0.00628 + noise, idle_s=pause)
+        for pause in (0.1, 0.3, 1.0, 3.0)
+        for noise in (-0.0005, 0.0, 0.0004)
+    ]
+    fitted = fit_profile(steps + woken, EngineProfile())
+    assert fitted.wake_s < 0.0002
+
+
 def test_timings_of_one_shape_are_refused() -> None:
     with pytest.raises(ValueError, match="do not tell"):
         fit_profile([StepTiming(0, 4, 0, 0.01)] * 3, EngineProfile())

@@ -25,7 +25,7 @@ from kvfleet.simulate.fluid_engine import Arrivals, FluidEngines
 from kvfleet.simulate.fluid_fleet import CohortOptions, CohortSimulation, _SpanMix
 from kvfleet.simulate.held_cohorts import HeldCohorts, HeldShare
 from kvfleet.simulate.report import RunReport
-from kvfleet.simulate.trace import TraceShapeSpec, generate, read_trace, write_trace
+from kvfleet.simulate.trace import TraceRequest, TraceShapeSpec, generate, read_trace, write_trace
 
 PROFILE = EngineProfile(step_fixed_s=0.005, prefill_token_s=0.00003, decode_sequence_s=0.000125)
 
@@ -310,3 +310,32 @@ def test_a_first_token_reaches_its_client_the_calibrated_overhead_after_the_engi
             medians[overhead] = CohortSimulation(config).run(generate_cohorts(spec, 0.5))["ttft_p50_s"]
     # Percentiles are read from buckets 1% apart.
     assert medians[0.05] - medians[0.0] == pytest.approx(0.05, rel=0.05)
+
+
+def test_a_first_token_beside_a_decoding_batch_waits_the_overhead_of_each_sequence_beside_it() -> None:
+    # Four requests decode on a replica of five places all along (100,000 tokens each) while short ones
+    # arrive alone, four a second: each short one's first token comes out of a step of five sequences, so
+    # its overhead grows by four sequences' (nothing else changes: the engine is the same).
+    trace = [TraceRequest(0.0, 16, 100_000) for _ in range(4)]
+    trace += [TraceRequest(1.0 + 0.25 * n, 16, 1) for n in range(20)]
+    service = {**_service(minReplicas=1, maxReplicas=1), "engine": {"maxNumSeqs": 5}}
+    medians = {}
+    for per_sequence in (0.0, 0.1):
+        config = load_config(service, replace(PROFILE, first_token_overhead_per_sequence_s=per_sequence))
+        medians[per_sequence] = Simulation(config).run(iter(trace))["ttft_p50_s"]
+    # Percentiles are read from buckets 1% apart.
+    assert medians[0.1] - medians[0.0] == pytest.approx(0.4, rel=0.03), medians
+
+
+def test_the_cohort_model_counts_the_overhead_of_the_sequences_beside_a_first_token() -> None:
+    # A request every 1/7 s, each 100 tokens, on a replica of four places: a batch of four runs at about 7.3
+    # a second, so the batch is nearly full, and a first token has close to three sequences beside it (a
+    # fluid's batch is a little under full at times, but never over: the waiting are not in the step).
+    trace = [TraceRequest(n / 7, 16, 100) for n in range(420)]
+    service = {**_service(minReplicas=1, maxReplicas=1), "engine": {"maxNumSeqs": 4}}
+    medians = {}
+    for per_sequence in (0.0, 0.1):
+        config = load_config(service, replace(PROFILE, first_token_overhead_per_sequence_s=per_sequence))
+        medians[per_sequence] = CohortSimulation(config).run(cohorts_of(iter(trace), 0.5))["ttft_p50_s"]
+    beside = (medians[0.1] - medians[0.0]) / 0.1
+    assert 2.5 <= beside <= 3.03, medians

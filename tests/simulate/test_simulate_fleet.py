@@ -3,6 +3,7 @@ deciding, and memory that follows the requests in flight rather than the trace."
 
 from __future__ import annotations
 
+import math
 import tracemalloc
 from dataclasses import replace
 from typing import Any
@@ -52,6 +53,35 @@ def test_a_step_that_ends_when_a_request_arrives_frees_its_place_first() -> None
     summary = Simulation(config).run([TraceRequest(0.0, 10, 1), TraceRequest(step, 10, 1)])
     assert summary["shed"] == 0 and summary["attainment"] == 1.0
     assert summary["ttft_p90_s"] == pytest.approx(step, rel=0.01)
+
+
+def test_a_first_token_beside_a_decoding_sequence_or_after_an_idle_gap_waits_what_the_profile_says(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    profile = replace(
+        PROFILE,
+        first_token_overhead_s=0.003,
+        first_token_overhead_per_sequence_s=0.007,
+        wake_s=0.05,
+        wake_after_s=1.0,
+    )
+    config = load_config(_service({"replicas": 1}, engine={"maxNumSeqs": 2}), profile, ttft_target_s=1.0)
+    seen: list[float] = []
+    first_token = RunReport.first_token
+    monkeypatch.setattr(
+        RunReport,
+        "first_token",
+        lambda report, tier, seconds: (seen.append(seconds), first_token(report, tier, seconds)),
+    )
+    # A, at 0 on a replica that never ran: a 10 + 10 ms step and the whole wake, 0.070; then decode steps
+    # of 12 ms, the 36th ending at 0.502 and its last (62 after the one it shares with B) at 1.268.
+    # B, at 0.5, beside A: waits for that step, then 10 + 10 + 2 ms, and one sequence's overhead more.
+    # C, a second after A ends: a 20 ms step and the wake of a second's idle.
+    trace = [TraceRequest(0.0, 10, 100), TraceRequest(0.5, 10, 1), TraceRequest(2.268, 10, 1)]
+    Simulation(config).run(trace)
+    wake_after_a_second = 0.05 * (1 - math.exp(-1))
+    expected = [0.070 + 0.003, 0.524 - 0.5 + 0.003 + 0.007, 0.020 + wake_after_a_second + 0.003]
+    assert seen == pytest.approx(expected)
 
 
 def test_the_operators_autoscaler_and_the_gateways_policy_are_the_ones_called(
