@@ -42,9 +42,13 @@ REPEATS = 3
 # The idle pauses a first token is timed after: the wake grows with the pause (tens of milliseconds after a
 # second on a virtual machine's CPUs), so it is a curve.
 WAKE_PAUSES_S = (0.1, 0.3, 1.0, 3.0)
-# The curves' time constants tried, 20 a decade from 10 ms to 2.8 s: past the longest pause the curve is not
-# measured.
-WAKE_AFTER_GRID_S = tuple(0.01 * 10 ** (step / 20) for step in range(50))
+# The curves' time constants tried, 20 a decade from 10 ms to a third of the longest pause: a curve is then
+# within 5% of its height at that pause, so it does not grow much past what was measured.
+WAKE_AFTER_GRID_S = tuple(
+    after
+    for after in (0.01 * 10 ** (step / 20) for step in range(61))
+    if after <= max(WAKE_PAUSES_S) / 3 + 1e-9
+)
 
 
 @dataclass(frozen=True)
