@@ -35,6 +35,7 @@ DECODE_BATCHES = (1, 4, 16)
 PREFILL_PROMPTS = (128, 512, 1024)
 DECODE_PROMPT_TOKENS = 32
 DECODE_OUTPUT_TOKENS = 64
+# Prompts tried for a first token a client sees as text.
 FIRST_TOKEN_TRIES = 5
 # First tokens beside a decode batch, and after each idle pause, are timed this many times (the median
 # counts).
@@ -136,15 +137,14 @@ def _fit_wake(profile: EngineProfile, woken: Sequence[StepTiming]) -> EngineProf
         by_pause.setdefault(timing.idle_s, []).append(timing.seconds - lone)
     pauses = list(by_pause)
     extras = [statistics.median(by_pause[pause]) for pause in pauses]
-    best: tuple[float, float, float] | None = None
-    for after in WAKE_AFTER_GRID_S:
+
+    def fitted(after: float) -> tuple[float, float, float]:
+        """The squared error, the height and the time constant of the best curve with this constant."""
         shape = [-math.expm1(-pause / after) for pause in pauses]
         height = max(0.0, sum(f * e for f, e in zip(shape, extras, strict=True)) / sum(f * f for f in shape))
-        error = sum((height * f - e) ** 2 for f, e in zip(shape, extras, strict=True))
-        if best is None or error < best[0]:
-            best = (error, height, after)
-    assert best is not None  # the grid is not empty
-    _, height, after = best
+        return sum((height * f - e) ** 2 for f, e in zip(shape, extras, strict=True)), height, after
+
+    _, height, after = min(fitted(after) for after in WAKE_AFTER_GRID_S)
     return replace(profile, wake_s=height, wake_after_s=after)
 
 
