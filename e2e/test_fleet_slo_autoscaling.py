@@ -148,6 +148,7 @@ def p50_p90(seconds: list[float]) -> tuple[float, float]:
 
 
 def described(profile: EngineProfile) -> str:
+    """The calibrated profile, in words."""
     return (
         f"step {profile.step_fixed_s * 1000:.2f} ms + {profile.prefill_token_s * 1e6:.1f} us a prompt "
         f"token + {profile.decode_sequence_s * 1000:.3f} ms a sequence, first token "
