@@ -33,7 +33,7 @@ from e2e.fleet.observe import ReplicaHistory, ReplicaSample, events_for
 from e2e.fleet.replay import replay, trace_workload
 from e2e.fleet.traffic import ReadyEndpoints
 from e2e.support.waits import wait_for
-from kvfleet.simulate.calibrate import fit_profile, measure
+from kvfleet.simulate.calibrate import describe, fit_profile, measure
 from kvfleet.simulate.engine import EngineProfile
 from kvfleet.simulate.fleet import Simulation, load_config
 from kvfleet.simulate.trace import TraceRequest, TraceShapeSpec, generate
@@ -147,17 +147,6 @@ def p50_p90(seconds: list[float]) -> tuple[float, float]:
     return float(p50), float(p90)
 
 
-def described(profile: EngineProfile) -> str:
-    """The calibrated profile, in words."""
-    return (
-        f"step {profile.step_fixed_s * 1000:.2f} ms + {profile.prefill_token_s * 1e6:.1f} us a prompt "
-        f"token + {profile.decode_sequence_s * 1000:.3f} ms a sequence, first token "
-        f"{profile.first_token_overhead_s * 1000:.2f} ms more and "
-        f"{profile.first_token_overhead_per_sequence_s * 1000:.2f} ms a sequence beside, "
-        f"{profile.wake_s * 1000:.2f} ms to wake (over {profile.wake_after_s:.2f} s idle)"
-    )
-
-
 def flaps(samples: list[ReplicaSample], window: float) -> list[tuple[float, float]]:
     """Each rise of the desired count followed by a fall within `window` seconds: (rise, fall) moments."""
     pairs = itertools.pairwise(samples)
@@ -231,7 +220,7 @@ def test_the_slo_policy_keeps_a_ramp_within_its_target_and_scales_down_under_str
     measurements(
         f"slo ramp: {len(trace)} requests at {RAMP.base_rate:.2f} to {PEAK_RATE:.2f}/s "
         f"over {RAMP_SECONDS:.0f}s and back, then {TAIL_SECONDS:.0f}s at the lowest; "
-        f"calibrated {described(profile)}; {len(failed)} failed; desired {counts} "
+        f"calibrated {describe(profile)}; {len(failed)} failed; desired {counts} "
         f"(seconds into the ramp, count: {real_changes}), pod starts {[round(s, 1) for s in starts]} s; "
         f"TTFT p50/p90 real {real_p50:.3f}/{real_p90:.3f} s ({apart_p50:.3f}/{apart_p90:.3f} s outside "
         f"the pod starts), simulated {simulated_p50:.3f}/{simulated_p90:.3f} s; simulated replicas differ "

@@ -88,6 +88,17 @@ def fit_profile(timings: Sequence[StepTiming], limits: EngineProfile) -> EngineP
     return profile
 
 
+def describe(profile: EngineProfile) -> str:
+    """A fitted profile in words, as calibration prints it."""
+    return (
+        f"fixed {profile.step_fixed_s * 1000:.2f} ms, {profile.prefill_token_s * 1e6:.1f} us per prompt "
+        f"token, {profile.decode_sequence_s * 1000:.3f} ms per decoding sequence; a first token "
+        f"{profile.first_token_overhead_s * 1000:.2f} ms more, and "
+        f"{profile.first_token_overhead_per_sequence_s * 1000:.2f} ms per sequence beside it; a step after "
+        f"a long idle {profile.wake_s * 1000:.2f} ms more (time constant {profile.wake_after_s:.2f} s)"
+    )
+
+
 def _fit_steps(timings: Sequence[StepTiming], limits: EngineProfile) -> EngineProfile:
     """The fixed, per prompt token and per decoding sequence costs, and the first-token overhead, by least
     squares (none below zero). A prefill timing is a first token, so it holds the overhead as well; a decode

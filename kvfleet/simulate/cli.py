@@ -283,7 +283,7 @@ def _service_spec(path: Path) -> dict[str, Any]:
 def calibrate_command(url: str, limits_path: Path | None, model: str | None, out: Path) -> None:
     """Time decode and prefill steps, and first tokens beside a decode batch and after idle pauses, on a real
     replica, and write the fitted engine profile (the pauses take 13 s of it)."""
-    from kvfleet.simulate.calibrate import fit_profile, measure
+    from kvfleet.simulate.calibrate import describe, fit_profile, measure
 
     limits = EngineProfile.load(limits_path) if limits_path else None
     timings = measure(url, limits.max_num_seqs if limits else None, model)
@@ -295,11 +295,4 @@ def calibrate_command(url: str, limits_path: Path | None, model: str | None, out
         )
     profile = fit_profile(timings, limits or EngineProfile())
     profile.dump(out)
-    click.echo(
-        f"fixed {profile.step_fixed_s * 1000:.2f} ms, {profile.prefill_token_s * 1e6:.1f} us per prompt "
-        f"token, {profile.decode_sequence_s * 1000:.3f} ms per decoding sequence; a first token "
-        f"{profile.first_token_overhead_s * 1000:.2f} ms more, and "
-        f"{profile.first_token_overhead_per_sequence_s * 1000:.2f} ms per sequence beside it; a step after "
-        f"a long idle {profile.wake_s * 1000:.2f} ms more (time constant {profile.wake_after_s:.2f} s); "
-        f"written to {out}"
-    )
+    click.echo(f"{describe(profile)}; written to {out}")

@@ -298,7 +298,10 @@ class Simulation:
         if version != replica.step_version:
             return  # the step was cut short by an arrival, and ended earlier
         outcome = replica.engine.finish_step(self._now)
-        overhead = self.config.profile.first_token_overhead(outcome.running - 1)
+        # Only a step that made first tokens has their overhead to add.
+        overhead = (
+            self.config.profile.first_token_overhead(outcome.running - 1) if outcome.first_tokens else 0.0
+        )
         for sequence in outcome.first_tokens:
             request: _Request = sequence.owner  # type: ignore[assignment]
             self.report.first_token(request.trace.tier, self._now - request.trace.arrival_s + overhead)
