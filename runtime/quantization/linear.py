@@ -35,8 +35,6 @@ logger = logging.getLogger(__name__)
 # projection) Triton's kernel was 10x faster than dequantizing at 64 rows and 2x slower at 8,192 rows.
 FUSED_MAX_ROWS = 256
 CUDA_FUSED_MAX_ROWS = 512
-# The fused CPU kernel's block of output features: weights and scales packed [out / 8, in or groups, 8].
-_FEATURE_BLOCK = 8
 
 
 @functools.cache
@@ -44,14 +42,20 @@ def int8_ops_available() -> bool:
     return build_cpu_ops(CPU_QUANT)
 
 
-def pack_feature_blocks(tensor: torch.Tensor) -> torch.Tensor:
-    """[out, n] -> [out / 8, n, 8]: each block of the CPU kernel's output features, column by column."""
+@functools.cache
+def feature_block() -> int:
+    """How many output features the fused CPU kernel packs in a block: one float32 vector of its build."""
+    return torch.ops.kvfleet_cpu_quant.feature_block()
+
+
+def pack_feature_blocks(tensor: torch.Tensor, width: int) -> torch.Tensor:
+    """[out, n] -> [out / width, n, width]: each block of output features, column by column."""
     out, columns = tensor.shape
-    return tensor.view(out // _FEATURE_BLOCK, _FEATURE_BLOCK, columns).transpose(1, 2).contiguous()
+    return tensor.view(out // width, width, columns).transpose(1, 2).contiguous()
 
 
 def unpack_feature_blocks(packed: torch.Tensor) -> torch.Tensor:
-    """[out / 8, n, 8] -> [out, n], as it was before `pack_feature_blocks`."""
+    """[out / width, n, width] -> [out, n], as it was before `pack_feature_blocks`."""
     blocks, columns, width = packed.shape
     return packed.transpose(1, 2).reshape(blocks * width, columns)
 
@@ -90,12 +94,15 @@ class Int8Linear(nn.Module):
     def pack_for_cpu(self) -> None:
         """Pack the loaded weight and scales in the CPU kernel's feature blocks; afterwards the layer is
         inference-only."""
-        self.weight = nn.Parameter(pack_feature_blocks(self.weight.detach()), requires_grad=False)
-        self.weight_scale = nn.Parameter(pack_feature_blocks(self.weight_scale.detach()), requires_grad=False)
+        width = feature_block()
+        self.weight = nn.Parameter(pack_feature_blocks(self.weight.detach(), width), requires_grad=False)
+        self.weight_scale = nn.Parameter(
+            pack_feature_blocks(self.weight_scale.detach(), width), requires_grad=False
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight, scale = self.weight, self.weight_scale
-        # Packed (`pack_for_cpu`) the weight is [out / 8, in, 8].
+        # Packed (`pack_for_cpu`) the weight is [out / width, in, width].
         packed = weight.dim() == 3
         if packed and x.dim() == 2 and x.shape[0] <= FUSED_MAX_ROWS:
             return torch.ops.kvfleet_cpu_quant.int8_linear(x, weight, scale, self.bias)
@@ -114,8 +121,8 @@ def _kernel_for(
     """The fused C++ matmul for float32 on the CPU, Triton's on CUDA where the group size suits its tiles,
     else the torch code (a float matmul over the dequantized weight)."""
     if device.type == "cpu":
-        fits = dtype == torch.float32 and out_features % _FEATURE_BLOCK == 0
-        return Implementation.CPU if fits and int8_ops_available() else Implementation.NATIVE
+        fits = dtype == torch.float32 and int8_ops_available() and out_features % feature_block() == 0
+        return Implementation.CPU if fits else Implementation.NATIVE
     if implementation_for(device, dtype) is Implementation.CUDA:
         from kvfleet.runtime.kernels.int8_matmul import block_k
 

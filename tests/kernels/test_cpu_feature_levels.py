@@ -25,6 +25,7 @@ REPO = Path(__file__).resolve().parents[2]
 KERNEL_TESTS = [
     "tests/kernels/test_fused_layers_hook.py",
     "tests/runtime/models/test_cpu_decode_attention.py",
+    "tests/runtime/quantization/test_int8_matmul.py",
 ]
 
 

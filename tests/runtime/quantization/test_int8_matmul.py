@@ -14,6 +14,7 @@ from kvfleet.runtime.quantization.linear import (
     FUSED_MAX_ROWS,
     QuantizedCheckpoint,
     _unpack,
+    feature_block,
     int8_ops_available,
     pack_feature_blocks,
     unpack_feature_blocks,
@@ -29,20 +30,21 @@ def int8_linear():
 
 
 # Row counts through each of the kernel's tiles: one row, two, three, eight (a whole tile), nine (a tile and a
-# row) and the most it takes. 104 input columns in 1 or 4 groups; 40 output features are five blocks of eight,
-# which leaves a block past the tiles of two and four blocks.
+# row) and the most it takes. 104 input columns in 1 or 4 groups; the output features are five of the build's
+# blocks (eight or sixteen features), which leaves a block past every tile's count of blocks but one.
 @pytest.mark.parametrize("rows", [1, 2, 3, 8, 9, FUSED_MAX_ROWS])
 @pytest.mark.parametrize("groups", [1, 4])
 def test_int8_linear_matches_a_float64_matmul(int8_linear, rows: int, groups: int) -> None:
     generator = torch.Generator().manual_seed(rows * 10 + groups)
-    out_features, in_features = 40, 104
+    width = feature_block()
+    out_features, in_features = 5 * width, 104
     weight = torch.randint(-128, 128, (out_features, in_features), dtype=torch.int8, generator=generator)
     scale = torch.rand(out_features, groups, generator=generator) / 64 + 1e-3
     x = torch.randn(rows, in_features, generator=generator)
     bias = torch.randn(out_features, generator=generator)
     dequantized = weight.double() * scale.double().repeat_interleave(in_features // groups, dim=1)
     expected = x.double() @ dequantized.T
-    packed_weight, packed_scale = pack_feature_blocks(weight), pack_feature_blocks(scale)
+    packed_weight, packed_scale = pack_feature_blocks(weight, width), pack_feature_blocks(scale, width)
     for with_bias in (False, True):
         got = int8_linear(x, packed_weight, packed_scale, bias if with_bias else None)
         want = expected + bias.double() if with_bias else expected
@@ -50,11 +52,12 @@ def test_int8_linear_matches_a_float64_matmul(int8_linear, rows: int, groups: in
         torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
 
 
-def test_packed_feature_blocks_unpack_to_the_weight() -> None:
-    weight = torch.arange(16 * 3, dtype=torch.int8).view(16, 3)
-    packed = pack_feature_blocks(weight)
-    assert packed.shape == (2, 3, 8)
-    assert packed[1, 2].tolist() == weight[8:16, 2].tolist()
+@pytest.mark.parametrize("width", [8, 16])
+def test_packed_feature_blocks_unpack_to_the_weight(width: int) -> None:
+    weight = torch.arange(32 * 3, dtype=torch.int8).view(32, 3)
+    packed = pack_feature_blocks(weight, width)
+    assert packed.shape == (32 // width, 3, width)
+    assert packed[1, 2].tolist() == weight[width : 2 * width, 2].tolist()
     assert torch.equal(unpack_feature_blocks(packed), weight)
 
 
