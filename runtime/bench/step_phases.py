@@ -5,12 +5,15 @@ step is a decode of the whole batch. The timers wrap the engine's own objects (t
 the runner's pieces, the model's projections and attention backend) for the length of the measurement;
 nothing in the engine knows about them. Each phase's time per step is the median over the measured steps,
 and of several rounds the one with the fastest whole step is kept, so that a burst of other work on the
-machine distorts the figures as little as possible. After each round the machine's read bandwidth is
-measured on the engine's threads (`bandwidth`), and the highest of the rounds bounds the step.
+machine distorts the figures as little as possible. The timers cost time of their own (a tenth of a 2 ms
+step), so each round first times as many whole steps without them: the step set against the bound is the
+lowest of those rounds' medians. After each round the machine's read bandwidth is measured on the engine's
+threads (`bandwidth`), and the highest of the rounds bounds the step.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections import defaultdict
@@ -43,7 +46,8 @@ PHASES = (
 @dataclass
 class StepPhases:
     batch_size: int
-    step_ms: float
+    step_ms: float  # without the timers
+    timed_step_ms: float  # with them: the sum of the phases
     phase_ms: dict[str, float]
     bound: BandwidthBound
     label: str = ""  # what tells the model apart from others measured beside it
@@ -143,9 +147,10 @@ def measure_step_phases(
     if engine.has_unfinished_requests():
         raise RuntimeError("the engine must be idle")
     best: dict[str, float] | None = None  # the medians of the round with the fastest step
+    untimed_ms = math.inf
     bandwidth = 0.0
     for round_index in range(rounds):
-        params = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
+        params = SamplingParams(temperature=0.0, max_tokens=2 * steps + 8, ignore_eos=True)
         ids = [f"step-phases-{round_index}-{i}" for i in range(batch_size)]
         for i, request_id in enumerate(ids):
             # Distinct prompts: no prefix-cache hits between the requests or the rounds.
@@ -154,6 +159,7 @@ def measure_step_phases(
             engine.add_request(request_id, prompt, params)
         for _ in range(4):  # the prefill, then a few decodes to settle
             engine.step()
+        untimed_ms = min(untimed_ms, statistics.median(_step_ms(engine.step) for _ in range(steps)))
         per_step: list[dict[str, float]] = []
         timers = _Timers()
         remove = _instrument(llm, timers)
@@ -170,17 +176,25 @@ def measure_step_phases(
         if best is None or medians["step"] < best["step"]:
             best = medians
     assert best is not None
-    step_ms = best.pop("step")
-    return StepPhases(batch_size, step_ms, best, _bound(llm, batch_size, prompt_len, steps, bandwidth), label)
+    timed_ms = best.pop("step")
+    bound = _bound(llm, batch_size, prompt_len, steps, bandwidth)
+    return StepPhases(batch_size, untimed_ms, timed_ms, best, bound, label)
+
+
+def _step_ms(step: Callable[[], Any]) -> float:
+    start = time.perf_counter()
+    step()
+    return (time.perf_counter() - start) * 1e3
 
 
 def _bound(llm: LLM, batch_size: int, prompt_len: int, steps: int, bandwidth: float) -> BandwidthBound:
     """The bytes of one measured step: the weights, and the KV of `batch_size` contexts of their mean
-    length over the measured steps (the prompt, the four steps before them, half of them)."""
+    length over the measured steps (the prompt, the four steps before them, and half of the untimed and
+    timed steps)."""
     runner = llm.llm_engine.runner
     assert runner.model is not None
     kv_per_token = runner.kv_cache_bytes_per_block() // runner.block_size
-    mean_context = prompt_len + 4 + steps / 2
+    mean_context = prompt_len + 4 + steps
     kv_bytes = round(kv_per_token * mean_context * batch_size)
     return BandwidthBound(weight_bytes(runner.model), kv_bytes, bandwidth)
 
@@ -191,7 +205,8 @@ def format_table(results: list[StepPhases]) -> str:
     lines = [header, "| --- | " + " | ".join("---:" for _ in results) + " |"]
     for phase in PHASES:
         lines.append(f"| {phase} | " + " | ".join(f"{r.phase_ms[phase]:.3f}" for r in results) + " |")
-    lines.append("| **whole step** | " + " | ".join(f"**{r.step_ms:.3f}**" for r in results) + " |")
+    lines.append("| whole step, timed | " + " | ".join(f"{r.timed_step_ms:.3f}" for r in results) + " |")
+    lines.append("| **whole step, untimed** | " + " | ".join(f"**{r.step_ms:.3f}**" for r in results) + " |")
     bound_rows = {
         "weights read (MB)": [f"{r.bound.weight_bytes / 1e6:.2f}" for r in results],
         "KV read (MB)": [f"{r.bound.kv_bytes / 1e6:.2f}" for r in results],
