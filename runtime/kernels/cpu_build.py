@@ -59,7 +59,7 @@ class CpuLibrary:
         """Its file in a prebuilt folder: the level, and a digest of what the build depends on."""
         import torch
 
-        key = "\0".join([self.source.read_text(), *_cflags(target), *_LDFLAGS, torch.__version__])
+        key = "\0".join([self.source.read_text(), *compile_flags(target), *_LDFLAGS, torch.__version__])
         return f"{self.build_name(target)}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"
 
 
@@ -91,7 +91,7 @@ def build_cpu_ops(library: CpuLibrary) -> bool:
                 cpp_extension.load(
                     name=library.build_name(target),
                     sources=[_staged_source(library, build_directory)],
-                    extra_cflags=_cflags(target),
+                    extra_cflags=compile_flags(target),
                     extra_ldflags=list(_LDFLAGS),
                     build_directory=str(build_directory),
                     is_python_module=False,
@@ -122,7 +122,7 @@ def prebuild_cpu_ops(folder: Path, targets: Iterable[CpuTarget]) -> list[Path]:
                 cpp_extension._write_ninja_file_and_build_library(
                     name=name,
                     sources=[_staged_source(library, build_directory)],
-                    extra_cflags=_cflags(target),
+                    extra_cflags=compile_flags(target),
                     extra_cuda_cflags=[],
                     extra_sycl_cflags=[],
                     extra_ldflags=list(_LDFLAGS),
@@ -157,7 +157,8 @@ def _load_prebuilt(library: CpuLibrary, target: CpuTarget) -> bool:
     return True
 
 
-def _cflags(target: CpuTarget) -> list[str]:
+def compile_flags(target: CpuTarget) -> list[str]:
+    """The compiler flags of a build for `target`."""
     return ["-O3", f"-march={target.level}", "-fopenmp"]
 
 
