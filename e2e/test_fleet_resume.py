@@ -242,11 +242,14 @@ def test_a_scale_down_under_streams_and_plain_requests_fails_no_request(
     assert len({tuple(answer.token_ids) for answer in answers}) == 1
 
 
-# Generations as long as the context allows, many at once (each step then takes longer): some 15 s each on
-# the tiny model, past the preStop pause and the drain timeout (5 s each), so that a replica stopped under a
-# steady flow of them holds some that would take longer than that.
+# Generations as long as the context allows, many at once (each step then takes longer): about 15 s each on
+# the tiny model on a 2-core AMD EPYC and 10 s on a faster Xeon, past the preStop pause (5 s) and this
+# service's drain timeout, so that a replica stopped under a steady flow of them holds some that would take
+# longer than that. With the tiny service's 5 s drain, the Xeon's generations ended within the pause and the
+# drain: nothing was left to hand back.
 LONG_GENERATION_TOKENS = 1900
 LONG_STREAMS = 24
+DRAIN_TIMEOUT_SECONDS = 1
 STREAM_STAGGER_SECONDS = 0.6
 # How long the rollout may take: the new replica's start, then the old one's preStop pause, drain and exit.
 ROLLOUT_TIMEOUT_SECONDS = 180
@@ -297,7 +300,7 @@ def test_a_rolling_update_hands_long_generations_over_instead_of_waiting_for_the
     measurements: Callable[[str], None],
 ) -> None:
     api = local_cluster.api
-    engine = {"maxNumSeqs": LONG_STREAMS, "maxModelLen": 2048}
+    engine = {"maxNumSeqs": LONG_STREAMS, "maxModelLen": 2048, "drainTimeoutSeconds": DRAIN_TIMEOUT_SECONDS}
     manifest = tiny_service("rolling", tiny_model_dir, engine=engine)
     manifest["spec"]["model"]["servedName"] = "rolling-model"
     model = serve_through_gateway(local_cluster, gateway, namespace, manifest)
