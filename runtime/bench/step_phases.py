@@ -5,9 +5,9 @@ step is a decode of the whole batch. The timers wrap the engine's own objects (t
 the runner's pieces, the model's projections and attention backend) for the length of the measurement;
 nothing in the engine knows about them. Each phase's time per step is the median over the measured steps,
 and of several rounds the one with the fastest whole step is kept, so that a burst of other work on the
-machine distorts the figures as little as possible. The timers cost time of their own (a tenth of a 2 ms
-step), so each round first times as many whole steps without them: the step set against the bound is the
-lowest of those rounds' medians. After each round the machine's read bandwidth is measured on the engine's
+machine distorts the figures as little as possible. The timers cost time of their own, so each round first
+times as many whole steps without them: the step set against the bound is the lowest of those rounds'
+medians. After each round the machine's read bandwidth is measured on the engine's
 threads (`bandwidth`), and the highest of the rounds bounds the step.
 """
 
