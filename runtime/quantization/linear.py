@@ -28,12 +28,14 @@ from torch import nn
 
 logger = logging.getLogger(__name__)
 
-# Rows up to which the fused int8 matmul runs; past them a float matmul over the dequantized weight is
-# faster, where the arithmetic, not the weight's bytes, is the cost. On the CPU (the `small` model's 32
-# projections, 2 threads of an AVX2 CPU) the packed kernel took 81 to 105 ms at 256 rows against 138 to 242
-# for dequantizing, and the two crossed between 400 and 500 rows. On an H200 (Llama-3-8B's gate and up
-# projection) Triton's kernel was 10x faster than dequantizing at 64 rows and 2x slower at 8,192 rows.
-FUSED_MAX_ROWS = 256
+# Rows up to which the fused int8 matmul runs, by the width of the CPU build's feature blocks; past them a
+# float matmul over the dequantized weight is faster, where the arithmetic, not the weight's bytes, is the
+# cost. The `small` model's 32 projections on 2 threads: on an AVX2 CPU (blocks of eight) the packed kernel
+# took 81 to 105 ms at 256 rows against 138 to 242 for dequantizing, and the two crossed between 400 and 500
+# rows; on an AVX-512 Xeon (blocks of sixteen) it stayed 2% to 16% ahead from 384 rows up to 2,048, the most
+# measured. On an H200 (Llama-3-8B's gate and up projection) Triton's kernel was 10x faster than
+# dequantizing at 64 rows and 2x slower at 8,192 rows.
+FUSED_MAX_ROWS = {8: 256, 16: 2048}
 CUDA_FUSED_MAX_ROWS = 512
 
 
@@ -104,7 +106,7 @@ class Int8Linear(nn.Module):
         weight, scale = self.weight, self.weight_scale
         # Packed (`pack_for_cpu`) the weight is [out / width, in, width].
         packed = weight.dim() == 3
-        if packed and x.dim() == 2 and x.shape[0] <= FUSED_MAX_ROWS:
+        if packed and x.dim() == 2 and x.shape[0] <= FUSED_MAX_ROWS[weight.shape[2]]:
             return torch.ops.kvfleet_cpu_quant.int8_linear(x, weight, scale, self.bias)
         if self.kernel is Implementation.CUDA and x.dim() == 2 and x.shape[0] <= CUDA_FUSED_MAX_ROWS:
             from kvfleet.runtime.kernels.int8_matmul import int8_matmul

@@ -30,14 +30,15 @@ def int8_linear():
 
 
 # Row counts through each of the kernel's tiles: one row, two, three, eight (a whole tile), nine (a tile and a
-# row) and the most it takes. 104 input columns in 1 or 4 groups; the output features are nine of the build's
-# blocks (eight or sixteen features each): every tile of two, four or eight blocks runs, and one block is left
-# past them.
-@pytest.mark.parametrize("rows", [1, 2, 3, 8, 9, FUSED_MAX_ROWS])
+# row) and the most the build's width takes (None). 104 input columns in 1 or 4 groups; the output features
+# are nine of the build's blocks (eight or sixteen features each): every tile of two, four or eight blocks
+# runs, and one block is left past them.
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 9, None])
 @pytest.mark.parametrize("groups", [1, 4])
-def test_int8_linear_matches_a_float64_matmul(int8_linear, rows: int, groups: int) -> None:
-    generator = torch.Generator().manual_seed(rows * 10 + groups)
+def test_int8_linear_matches_a_float64_matmul(int8_linear, rows: int | None, groups: int) -> None:
     width = feature_block()
+    rows = FUSED_MAX_ROWS[width] if rows is None else rows
+    generator = torch.Generator().manual_seed(rows * 10 + groups)
     out_features, in_features = 9 * width, 104
     weight = torch.randint(-128, 128, (out_features, in_features), dtype=torch.int8, generator=generator)
     scale = torch.rand(out_features, groups, generator=generator) / 64 + 1e-3
