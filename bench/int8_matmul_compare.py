@@ -21,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from kvfleet.runtime.kernels.cpu_build import compile_flags
+from kvfleet.runtime.kernels.cpu_build import LINK_FLAGS, compile_flags
 from kvfleet.runtime.kernels.cpu_features import cpu_target
 from kvfleet.runtime.quantization.linear import feature_block, int8_ops_available, pack_feature_blocks
 from torch.utils import cpp_extension
@@ -46,7 +46,7 @@ def build_before(revision: str, folder: Path) -> tuple[Callable, int]:
         name=renamed,
         sources=[str(path)],
         extra_cflags=compile_flags(cpu_target()),
-        extra_ldflags=["-fopenmp"],
+        extra_ldflags=list(LINK_FLAGS),
         build_directory=str(folder),
         is_python_module=False,
     )

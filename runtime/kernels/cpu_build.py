@@ -39,7 +39,7 @@ logger = logging.getLogger(__name__)
 
 PREBUILT_ENV_VAR = "KVFLEET_PREBUILT_KERNELS"
 # libgomp resolves to the copy torch has loaded already: the operations run on its threads.
-_LDFLAGS = ("-fopenmp",)
+LINK_FLAGS = ("-fopenmp",)
 _RUNTIME = Path(__file__).resolve().parents[1]
 
 
@@ -59,7 +59,7 @@ class CpuLibrary:
         """Its file in a prebuilt folder: the level, and a digest of what the build depends on."""
         import torch
 
-        key = "\0".join([self.source.read_text(), *compile_flags(target), *_LDFLAGS, torch.__version__])
+        key = "\0".join([self.source.read_text(), *compile_flags(target), *LINK_FLAGS, torch.__version__])
         return f"{self.build_name(target)}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"
 
 
@@ -92,7 +92,7 @@ def build_cpu_ops(library: CpuLibrary) -> bool:
                     name=library.build_name(target),
                     sources=[_staged_source(library, build_directory)],
                     extra_cflags=compile_flags(target),
-                    extra_ldflags=list(_LDFLAGS),
+                    extra_ldflags=list(LINK_FLAGS),
                     build_directory=str(build_directory),
                     is_python_module=False,
                 )
@@ -125,7 +125,7 @@ def prebuild_cpu_ops(folder: Path, targets: Iterable[CpuTarget]) -> list[Path]:
                     extra_cflags=compile_flags(target),
                     extra_cuda_cflags=[],
                     extra_sycl_cflags=[],
-                    extra_ldflags=list(_LDFLAGS),
+                    extra_ldflags=list(LINK_FLAGS),
                     extra_include_paths=[],
                     build_directory=str(build_directory),
                     verbose=False,

@@ -7,8 +7,9 @@ dequantized as they are read: the model then holds an ordinary float projection.
 
 A layer binds its matmul when built: for float32 on the CPU the fused int8 matmul of `cpu_quant.cpp`, for
 decode steps and short prefills, and on CUDA Triton's (`kernels.int8_matmul`), each for up to a few hundred
-rows; longer inputs (prefill) dequantize the weight and run a float matmul, since there the computation, not
-the weight's bytes, is the cost; elsewhere the torch code, a float matmul over the dequantized weight.
+rows (on the CPU with AVX-512, up to 2,048); longer inputs (prefill) dequantize the weight and run a float
+matmul, since there the computation, not the weight's bytes, is the cost; elsewhere the torch code, a float
+matmul over the dequantized weight.
 """
 
 from __future__ import annotations
