@@ -66,13 +66,14 @@ PROMPT_TOKENS = 96.0
 # and the clients keep up with on two cores.
 OUTPUT_TOKENS = 96.0
 SHARED_PREFIX_TOKENS = 32
-# The ramp's peak is this share of the rate one replica answers through the gateway with its two places
-# always full, measured before the ramp: with requests arriving at random, one replica then has one erlang of
-# work in its two places, the gateway holds about a third of the requests (Erlang C), and two replicas carry
-# it. Measured, not derived from the calibrated profile: the gateway, the clients and the control plane share
-# two cores with the replicas, so the machine is full well before its replicas are by their profile, and by
-# how much depends on the CPU and on what else runs.
-PEAK_SHARE_OF_ONE_REPLICA = 0.5
+# The ramp's peak is this share of the rate one replica answers through the gateway with its two places always
+# full, measured before the ramp: with requests arriving at random, one replica then has 0.8 erlangs of work
+# in its two places, the gateway holds about a quarter of the requests (Erlang C), and two replicas carry it.
+# At half, in a full suite's run, the requests that came while the second replica took 9 s to start put the
+# p90 at 0.968 s against the 1 s target. Measured, not derived from the calibrated profile: the gateway, the
+# clients and the control plane share two cores with the replicas, so the machine is full well before its
+# replicas are by their profile, and by how much depends on the CPU and on what else runs.
+PEAK_SHARE_OF_ONE_REPLICA = 0.4
 # Never below the fixed peak this test had before, with which the fleet scaled in every run on a 2-core AMD
 # EPYC. On a faster 2-vCPU Xeon one replica carried that peak alone, its p90 at 17 ms.
 LEAST_PEAK_RATE = 4.0
