@@ -186,8 +186,8 @@ class EngineConfig:
     )
     master_addr: str = _option("Address of node 0, where the ranks meet.", default="127.0.0.1")
     master_port: int = _option(
-        "Port of torch.distributed's rendezvous on node 0; the engine core also listens on the next one "
-        "when nnodes > 1.",
+        "Port of torch.distributed's rendezvous on node 0 when nnodes > 1 (ranks on one node meet through "
+        "a file); the engine core also listens on the next one.",
         default=29501,
     )
 

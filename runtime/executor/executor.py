@@ -183,9 +183,12 @@ class MultiprocExecutor(Executor):
         self.world_size = config.world_size
         local_ranks = self.world_size // config.nnodes
         self._socket_dir = tempfile.mkdtemp(prefix="kvfleet-workers-")
+        rendezvous_file = None
         if config.nnodes == 1:
             address = f"ipc://{self._socket_dir}/workers.sock"
             bind = address
+            # A file, not a fixed port: two engines on one host would otherwise meet each other's ranks.
+            rendezvous_file = f"{self._socket_dir}/rendezvous"
         else:
             # Workers on the other nodes connect to node 0 on the port after the rendezvous's.
             address = f"tcp://{config.master_addr}:{config.master_port + 1}"
@@ -198,7 +201,7 @@ class MultiprocExecutor(Executor):
         self._disconnects = (
             self._socket.get_monitor_socket(zmq.EVENT_DISCONNECTED) if config.nnodes > 1 else None
         )
-        self.workers = start_workers(config, range(local_ranks), address)
+        self.workers = start_workers(config, range(local_ranks), address, rendezvous_file=rendezvous_file)
         self._pidfds = {os.pidfd_open(worker.pid): worker for worker in self.workers}
         # Stops the workers however this object goes (garbage, interpreter exit) unless shutdown() ran.
         self._finalizer = weakref.finalize(self, _stop, self.workers, self._socket_dir)
@@ -322,14 +325,19 @@ def check_parallel_config(config: EngineConfig) -> None:
 
 
 def start_workers(
-    config: EngineConfig, local_ranks: range, core_address: str, *, ready_fds: list[int] | None = None
+    config: EngineConfig,
+    local_ranks: range,
+    core_address: str,
+    *,
+    rendezvous_file: str | None = None,
+    ready_fds: list[int] | None = None,
 ) -> list[subprocess.Popen[bytes]]:
     """One worker process per local rank of this node (global rank = node_rank x local ranks + local rank)."""
     first = config.node_rank * len(local_ranks)
     log_level = logging.getLogger().getEffectiveLevel()
     workers = []
     for local_rank in local_ranks:
-        spec = WorkerSpec(config, first + local_rank, local_rank, core_address, log_level)
+        spec = WorkerSpec(config, first + local_rank, local_rank, core_address, log_level, rendezvous_file)
         ready_fd = None if ready_fds is None else ready_fds[local_rank]
         workers.append(
             start_child(

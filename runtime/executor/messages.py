@@ -18,6 +18,8 @@ class WorkerSpec:
     local_rank: int
     core_address: str
     log_level: int
+    # Where ranks on one node meet (a FileStore); None when they meet over TCP on master_port.
+    rendezvous_file: str | None
 
 
 @dataclass

@@ -115,9 +115,18 @@ def _join_and_load(spec: WorkerSpec) -> ModelRunner:
         threads = max(1, len(os.sched_getaffinity(0)) // local_ranks)
         os.environ["OMP_NUM_THREADS"] = str(threads)
         torch.set_num_threads(threads)
-    store = dist.TCPStore(
-        config.master_addr, config.master_port, world_size, is_master=spec.rank == 0, timeout=_JOIN_TIMEOUT
-    )
+    store: dist.Store
+    if spec.rendezvous_file is not None:
+        store = dist.FileStore(spec.rendezvous_file, world_size)
+        store.set_timeout(_JOIN_TIMEOUT)
+    else:
+        store = dist.TCPStore(
+            config.master_addr,
+            config.master_port,
+            world_size,
+            is_master=spec.rank == 0,
+            timeout=_JOIN_TIMEOUT,
+        )
     dist.init_process_group(
         "nccl" if cuda else "gloo", store=store, rank=spec.rank, world_size=world_size, timeout=_JOIN_TIMEOUT
     )

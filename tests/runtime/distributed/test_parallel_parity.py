@@ -24,7 +24,6 @@ from kvfleet.runtime import LLM, SamplingParams
 from kvfleet.runtime.executor.executor import MultiprocExecutor
 from kvfleet.runtime.models.model_config import ModelConfig
 from kvfleet.runtime.models.moe_config import MoeLayerLoad
-from ports import free_port
 from safetensors import safe_open
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3")
@@ -102,6 +101,24 @@ def test_greedy_tokens_equal_one_rank(reference: tuple[Path, list, list], tp: in
     _check_parallel_run(model, prompts, expected, tp, pp)
 
 
+@pytest.mark.parametrize("reference", ["llama"], indirect=True)
+def test_two_engines_on_one_host_keep_their_ranks_apart(reference: tuple[Path, list, list]) -> None:
+    """Two tensor-parallel engines given the same master port run side by side: ranks on one node meet
+    through their executor's own file, so neither engine's ranks join the other's group."""
+    model, prompts, expected = reference
+    options = {**ENGINE_OPTIONS, "tensor_parallel_size": 2, "master_port": 29501}
+    first = LLM(str(model), **options)
+    try:
+        second = LLM(str(model), **options)
+        try:
+            assert _generate(second, prompts) == expected
+            assert _generate(first, prompts) == expected
+        finally:
+            second.llm_engine.engine_core.shutdown()
+    finally:
+        first.llm_engine.engine_core.shutdown()
+
+
 def test_mixtral_with_expert_parallelism_equals_one_rank(make_model: Callable[..., Path]) -> None:
     """Each rank holds half the experts; the core hears the ranks' expert load. (Tensor parallelism without
     expert parallelism splits the experts as the dense MLP is split: its ranks' parts are checked in one
@@ -119,15 +136,7 @@ def _check_parallel_run(
 ) -> list[MoeLayerLoad]:
     """Run the prompts tp x pp ways and check the outputs and what each rank loaded; returns the expert
     load the core heard of."""
-    # A port of its own: another run's ranks (a concurrent test, a local cluster's pods) may hold the default.
-    llm = LLM(
-        str(model),
-        tensor_parallel_size=tp,
-        pipeline_parallel_size=pp,
-        master_port=free_port(),
-        **ENGINE_OPTIONS,
-        **options,
-    )
+    llm = LLM(str(model), tensor_parallel_size=tp, pipeline_parallel_size=pp, **ENGINE_OPTIONS, **options)
     core = llm.llm_engine.engine_core
     executor = core.executor
     assert isinstance(executor, MultiprocExecutor)
