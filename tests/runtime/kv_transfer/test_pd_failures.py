@@ -106,7 +106,9 @@ def test_a_loading_request_that_ends_frees_its_blocks_once_the_load_stopped(
     fallbacks = dict(stats(consumer).kv_transfer_fallbacks)
     prompt = random_prompts(1, [40], seed=8)[0]
     params = greedy(kv_transfer_params=_hanging_params(silent_peer, prompt))
-    engine.add_request(f"hang-{end}", prompt, params, timeout=0.3 if end == "deadline" else None)
+    # The deadline lies well past the window below: a request it ended there would leave the steps nothing to
+    # wait on, and they would rightly spin.
+    engine.add_request(f"hang-{end}", prompt, params, timeout=2.0 if end == "deadline" else None)
     engine.step()
     assert engine.engine_core.scheduler.stats.num_waiting == 1  # waiting for its KV, holding its blocks
     assert free_blocks(consumer) < start
@@ -115,6 +117,7 @@ def test_a_loading_request_that_ends_frees_its_blocks_once_the_load_stopped(
     while time.monotonic() - began < 0.2:
         engine.step()
         steps += 1
+    assert engine.engine_core.scheduler.stats.num_waiting == 1
     assert steps < 40
     if end == "abort":
         engine.abort_request(f"hang-{end}")
