@@ -25,6 +25,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
+import numpy
+
 from kvfleet.simulate.engine import EngineProfile
 
 if TYPE_CHECKING:
@@ -101,9 +103,9 @@ def describe(profile: EngineProfile) -> str:
 
 def _fit_steps(timings: Sequence[StepTiming], limits: EngineProfile) -> EngineProfile:
     """The fixed, per prompt token and per decoding sequence costs, and the first-token overhead, by least
-    squares (none below zero). A prefill timing is a first token, so it holds the overhead as well; a decode
-    timing does not. The context cost is not fitted: in these timings it grows with the batch as the decode
-    cost does, so the two could not be told apart."""
+    squares with none below zero. A prefill timing is a first token, so it holds the overhead as well; a
+    decode timing does not. The context cost is not fitted: in these timings it grows with the batch as the
+    decode cost does, so the two could not be told apart."""
     # A replica that decodes one sequence at a time times one decode batch: its steps' cost is all fixed.
     per_sequence = len({t.decode_sequences for t in timings if t.decode_sequences}) > 1
     rows = [
@@ -111,10 +113,7 @@ def _fit_steps(timings: Sequence[StepTiming], limits: EngineProfile) -> EnginePr
         + ((float(t.decode_sequences),) if per_sequence else ())
         for t in timings
     ]
-    size = len(rows[0])
-    matrix = [[sum(row[i] * row[j] for row in rows) for j in range(size)] for i in range(size)]
-    vector = [sum(row[i] * t.seconds for row, t in zip(rows, timings, strict=True)) for i in range(size)]
-    fixed, prefill, overhead, *decode_cost = (max(0.0, value) for value in _solve(matrix, vector))
+    fixed, prefill, overhead, *decode_cost = _nonnegative_least_squares(rows, [t.seconds for t in timings])
     decode = decode_cost[0] if decode_cost else 0.0
     return replace(
         limits,
@@ -159,20 +158,30 @@ def _fit_wake(profile: EngineProfile, woken: Sequence[StepTiming]) -> EngineProf
     return replace(profile, wake_s=height, wake_after_s=after)
 
 
-def _solve(matrix: list[list[float]], vector: list[float]) -> list[float]:
-    """Gaussian elimination with partial pivoting; a singular system raises ValueError."""
-    size = len(vector)
-    rows = [[*matrix[i], vector[i]] for i in range(size)]
-    for column in range(size):
-        pivot = max(range(column, size), key=lambda row: abs(rows[row][column]))
-        if abs(rows[pivot][column]) < 1e-12:
-            raise ValueError("the timings do not tell the step-time coefficients apart")
-        rows[column], rows[pivot] = rows[pivot], rows[column]
-        for row in range(size):
-            if row != column:
-                factor = rows[row][column] / rows[column][column]
-                rows[row] = [a - factor * b for a, b in zip(rows[row], rows[column], strict=True)]
-    return [rows[i][size] / rows[i][i] for i in range(size)]
+def _nonnegative_least_squares(rows: list[tuple[float, ...]], targets: list[float]) -> list[float]:
+    """The coefficients, none below zero, whose sum of squared errors is least: the best unconstrained fit
+    over each subset of the coefficients left free (the others at zero) that has none negative. Zeroing a
+    coefficient the plain fit made negative is not that: the others then keep the values they took to offset
+    it (a decode step timed faster at two sequences than at one, by chance, gave a negative cost a sequence
+    and a fixed cost above both timings). Exact, and cheap for the four coefficients here."""
+    matrix, wanted = numpy.array(rows), numpy.array(targets)
+    size = matrix.shape[1]
+    if numpy.linalg.matrix_rank(matrix) < size:
+        raise ValueError("the timings do not tell the step-time coefficients apart")
+    best, least_error = numpy.zeros(size), float(wanted @ wanted)
+    for free in itertools.product((False, True), repeat=size):
+        columns = [index for index, is_free in enumerate(free) if is_free]
+        if not columns:
+            continue
+        solution = numpy.linalg.lstsq(matrix[:, columns], wanted, rcond=None)[0]
+        if (solution < 0).any():
+            continue
+        coefficients = numpy.zeros(size)
+        coefficients[columns] = solution
+        residual = matrix @ coefficients - wanted
+        if (error := float(residual @ residual)) < least_error:
+            best, least_error = coefficients, error
+    return best.tolist()
 
 
 def decode_batches(max_num_seqs: int) -> tuple[int, ...]:

@@ -99,6 +99,20 @@ def test_a_replica_that_never_slows_after_a_pause_is_fitted_no_wake() -> None:
     assert fitted.wake_s < 0.0002
 
 
+def test_a_cost_that_would_come_out_negative_is_fitted_at_zero_and_the_others_refitted() -> None:
+    # Two sequences decoded faster than one, by chance: 2.0 ms against 1.4 ms. The plain fit says -0.6 ms a
+    # sequence and 2.6 ms fixed, a step slower than either timing; with no cost a sequence, the fixed cost is
+    # their mean, 1.7 ms. The first tokens are 1.7 ms + 20 us a prompt token + 5 ms exactly.
+    timings = [StepTiming(0, 1, 0, 0.002), StepTiming(0, 2, 0, 0.0014)] + [
+        StepTiming(prompt, 0, 0, 0.0017 + 0.00002 * prompt + 0.005) for prompt in (128, 512, 1024)
+    ]
+    fitted = fit_profile(timings, EngineProfile(max_num_seqs=2))
+    assert fitted.decode_sequence_s == 0.0
+    assert fitted.step_fixed_s == pytest.approx(0.0017)
+    assert fitted.prefill_token_s == pytest.approx(0.00002)
+    assert fitted.first_token_overhead_s == pytest.approx(0.005)
+
+
 def test_timings_of_one_shape_are_refused() -> None:
     with pytest.raises(ValueError, match="do not tell"):
         fit_profile([StepTiming(0, 4, 0, 0.01)] * 3, EngineProfile())
