@@ -11,6 +11,7 @@ scheduler cannot place hold scale-up, so the fleet does not keep asking for GPUs
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Literal
@@ -444,7 +445,8 @@ def latency_model(
     with load, or `proportional` asks for latency in proportion to the load. The requests the gateway held
     are not the replicas': they wait before any latency a replica measures. A replica is full where the
     gateway held more of the requests than the percentile leaves to its tail (any, for the mean): a p90
-    target tolerates a tenth of the requests waiting there. None without a latency measured under load."""
+    target tolerates a tenth of the requests waiting there; at the median load of those samples. None without
+    a latency measured under load."""
     points = _loads_and_latencies(samples, latency, percentile, unit)
     if not points:
         return None
@@ -452,7 +454,9 @@ def latency_model(
     full = [
         load for s in samples if s.held > tail * s.queue_depth and (load := unit.per_replica(s)) is not None
     ]
-    full_at = max(full) if full else None
+    # The median: a fleet of one or two replicas scraped every second shows a handful of requests a scrape,
+    # and the highest of them is chance (a scrape that missed a replica divides by one).
+    full_at = statistics.median(full) if full else None
     loads = [load for load, _ in points]
     mean_load, mean_latency = _mean(loads), _mean(value for _, value in points)
     spread = sum((load - mean_load) ** 2 for load in loads)

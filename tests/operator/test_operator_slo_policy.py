@@ -471,3 +471,14 @@ def test_the_most_a_replica_served_within_the_target_extends_the_lines_trust_pas
     forgotten = decide(POLICY, quiet, FleetState(4, 4), AutoscalerState(), 72, slo=[TTFT])
     assert "3000.0 prompt tokens/s per replica" in forgotten.reason, forgotten.reason
     assert remembered.state.proven_throughput == (("time to first token", 4000.0),)
+
+
+def test_a_replica_is_full_at_the_median_load_of_the_samples_where_the_gateway_held_requests() -> None:
+    # One request held in each, the replicas' load 3, 4 and 9 each: a scrape that caught a handful of
+    # requests at once, or missed a replica, is not what a replica takes.
+    full = [
+        dataclasses.replace(_sample(t, queue_depth, ttft), held=1)
+        for t, queue_depth, ttft in [(0, 7, 0.3), (1, 9, 0.4), (2, 19, 0.9)]
+    ]
+    model = latency_model(full, "time to first token")
+    assert model is not None and model.full_at == 4
