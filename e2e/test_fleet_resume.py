@@ -246,11 +246,13 @@ def test_a_scale_down_under_streams_and_plain_requests_fails_no_request(
 # the tiny model on a 2-core AMD EPYC and 10 s on a faster Xeon, past the preStop pause (5 s) and this
 # service's drain timeout, so that a replica stopped under a steady flow of them holds some that would take
 # longer than that. With the tiny service's 5 s drain, the Xeon's generations ended within the pause and the
-# drain: nothing was left to hand back.
+# drain: nothing was left to hand back. With 24 streams started 0.6 s apart, a replica that started in 9 s
+# had 15 of them, whose generations ended within the pause and the 1 s drain: 32 streams, all started within
+# 10 s, make every step longer.
 LONG_GENERATION_TOKENS = 1900
-LONG_STREAMS = 24
+LONG_STREAMS = 32
 DRAIN_TIMEOUT_SECONDS = 1
-STREAM_STAGGER_SECONDS = 0.6
+STREAM_STAGGER_SECONDS = 0.3
 # How long the rollout may take: the new replica's start, then the old one's preStop pause, drain and exit.
 ROLLOUT_TIMEOUT_SECONDS = 180
 
