@@ -443,10 +443,10 @@ def latency_model(
     """The line through the samples' (load per reporting replica in `unit`, latency at the percentile or
     mean), by least squares; through the origin when the load never varied, the fit says latency falls
     with load, or `proportional` asks for latency in proportion to the load. The requests the gateway held
-    are not the replicas': they wait before any latency a replica measures. A replica is full where the
-    gateway held more of the requests than the percentile leaves to its tail (any, for the mean): a p90
-    target tolerates a tenth of the requests waiting there; at the median load of those samples. None without
-    a latency measured under load."""
+    are not the replicas': they wait before any latency a replica measures. A replica is full, at the median
+    load of those samples, where the gateway held more of the requests than the percentile leaves to its tail
+    (any, for the mean): a p90 target tolerates a tenth of the requests waiting there. None without a latency
+    measured under load."""
     points = _loads_and_latencies(samples, latency, percentile, unit)
     if not points:
         return None

@@ -187,7 +187,7 @@ class MultiprocExecutor(Executor):
         if config.nnodes == 1:
             address = f"ipc://{self._socket_dir}/workers.sock"
             bind = address
-            # A file, not a fixed port: two engines on one host would otherwise meet each other's ranks.
+            # A file, not a fixed port: two engines on one host would otherwise collide on the port.
             rendezvous_file = f"{self._socket_dir}/rendezvous"
         else:
             # Workers on the other nodes connect to node 0 on the port after the rendezvous's.
