@@ -113,11 +113,18 @@ def _instrument(llm: LLM, timers: _Timers) -> Callable[[], None]:
             wrap(module, "forward", "projections")
     sampler = runner.sampler
     runner.sampler = _TimedCallable(sampler, timers, "sampling")  # type: ignore[assignment]
+    # The int8 decoder layers in one call (`models.int8_decode`) pass the timed modules by: timed steps run
+    # the layers one by one, and only the untimed ones as served.
+    int8_decode = getattr(model, "int8_decode", None)
+    if int8_decode is not None:
+        model.int8_decode = None
 
     def remove() -> None:
         for owner, attribute in wrapped:
             delattr(owner, attribute)
         runner.sampler = sampler
+        if int8_decode is not None:
+            model.int8_decode = int8_decode
 
     return remove
 

@@ -72,7 +72,10 @@ CPU_LAYERS = CpuLibrary(
     "kvfleet_cpu_layers", _RUNTIME / "kernels" / "cpu_layers.cpp", "the CPU layer operations"
 )
 CPU_QUANT = CpuLibrary("kvfleet_cpu_quant", _RUNTIME / "kernels" / "cpu_quant.cpp", "the fused int8 matmul")
-CPU_LIBRARIES = (CPU_ATTENTION, CPU_LAYERS, CPU_QUANT)
+CPU_DECODE = CpuLibrary(
+    "kvfleet_cpu_decode", _RUNTIME / "kernels" / "cpu_decode_layers.cpp", "the CPU int8 decoder layers"
+)
+CPU_LIBRARIES = (CPU_ATTENTION, CPU_LAYERS, CPU_QUANT, CPU_DECODE)
 
 
 def build_cpu_ops(library: CpuLibrary) -> bool:

@@ -13,7 +13,7 @@ between hand over (hidden, residual). Each rank reads only its slices of the che
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +37,9 @@ from kvfleet.runtime.models.layers import (
 )
 from kvfleet.runtime.models.model_config import ModelConfig
 from torch import nn
+
+if TYPE_CHECKING:
+    from kvfleet.runtime.models.int8_decode import Int8DecodeLayers
 
 
 class LlamaAttention(nn.Module):
@@ -152,6 +155,9 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Also serves MistralForCausalLM, Qwen2ForCausalLM and Qwen3ForCausalLM: same graph, config switches."""
 
+    # A CPU decode step's layers in one call, where the model's int8 layers fit it (`models.int8_decode`).
+    int8_decode: Int8DecodeLayers | None = None
+
     def __init__(self, config: ModelConfig, attention: AttentionBackend, max_position: int) -> None:
         super().__init__()
         self.config = config
@@ -210,8 +216,11 @@ class LlamaForCausalLM(nn.Module):
             assert self.embed_tokens is not None
             hidden, residual = self.embed_tokens(input_ids), None
         rotary = self.rotary_emb.prepare(positions, hidden.dtype, sequence_lengths=sequence_lengths)
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden, residual = layer(hidden, residual, rotary, kv_cache, plan)
+        if self.int8_decode is not None and self.int8_decode.takes(plan):
+            hidden, residual = self.int8_decode(hidden, rotary, kv_caches, plan)
+        else:
+            for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+                hidden, residual = layer(hidden, residual, rotary, kv_cache, plan)
         if self.norm is None:
             return torch.stack((hidden, residual))
         return self.norm(hidden, residual)[0]

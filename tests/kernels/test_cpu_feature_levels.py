@@ -211,8 +211,10 @@ LOADED = """
 import json
 from kvfleet.runtime.attention.cpu_decode import load_paged_decode_attention
 from kvfleet.runtime.kernels.fused_layers import _cpu_ops_available
+from kvfleet.runtime.kernels.cpu_build import CPU_DECODE, build_cpu_ops
 from kvfleet.runtime.quantization.linear import int8_ops_available
 assert load_paged_decode_attention() is not None and _cpu_ops_available() and int8_ops_available()
+assert build_cpu_ops(CPU_DECODE)
 print(json.dumps(sorted({line.split()[-1] for line in open("/proc/self/maps") if "kvfleet_cpu" in line})))
 """
 
@@ -220,7 +222,7 @@ print(json.dumps(sorted({line.split()[-1] for line in open("/proc/self/maps") if
 def test_prebuilt_operations_for_the_running_level_load_without_a_build(tmp_path: Path) -> None:
     # The image's build step for this machine's level, through the extension cache the kernel tests filled
     # (ninja finds those builds current), then a process with that folder and an empty cache of its own: it
-    # loads the three libraries from the folder and builds nothing.
+    # loads every library from the folder and builds nothing.
     prebuilt, cache = tmp_path / "prebuilt", tmp_path / "cache"
     # Another level beside it, as an image holds them: the key is the running CPU's level, not any build.
     other = cpu_features.CpuTarget("x86-64-v2")

@@ -1,0 +1,74 @@
+"""The int8 decoder layers in one C++ call (`models.int8_decode`) against the model's own layer-by-layer
+forward, which test_quantized_checkpoints holds to Transformers: the same operations in the same order, so
+tokens and logprobs must agree bit for bit. Each case takes a path of the layer: channel and group scales,
+Q/K/V biases, Qwen3's per-head norms, and a sliding window shorter than the contexts."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from kvfleet.runtime import LLM, SamplingParams
+from kvfleet.runtime.attention.sdpa import SdpaPlan
+from kvfleet.runtime.models.int8_decode import Int8DecodeLayers
+
+CASES = {
+    "llama w8a16": ("llama", "--quantize", "w8a16", "--quantize-lm-head"),
+    "qwen2 w4a16, biases": ("qwen2", "--quantize", "w4a16"),
+    "qwen3 w8a16, head norms": ("qwen3", "--quantize", "w8a16"),
+    "mistral w8a16, window of 16": ("mistral", "--quantize", "w8a16", "--sliding-window", "16"),
+}
+MAX_TOKENS = 24
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_decode_layers_in_one_call_match_the_layer_by_layer_forward(
+    case: str, make_model: Callable[..., Path]
+) -> None:
+    arch, *options = CASES[case]
+    llm = LLM(
+        str(make_model(arch, "tiny", 0, *options)),
+        dtype="float32",
+        num_kv_blocks=64,
+        max_model_len=256,
+        enable_prefix_caching=False,
+    )
+    model = llm.llm_engine.runner.model
+    assert model.int8_decode is not None
+    model.int8_decode = counted = _CountedSteps(model.int8_decode)
+    rng = random.Random(3)
+    # Decodes of one to three requests a step, contexts from 2 to 64 tokens (past the window).
+    prompts = [[rng.randrange(16, 200) for _ in range(n)] for n in (2, 9, 40)]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=5)
+
+    def run() -> list[tuple[list[int], list[dict[int, float]]]]:
+        outputs = llm.generate(prompts, params) + llm.generate(prompts[:1], params)
+        return [(out.outputs[0].token_ids, out.outputs[0].logprobs) for out in outputs]
+
+    in_one_call = run()
+    # Every decode step of both runs: all but each run's first token, which its prefill samples.
+    assert counted.steps == 2 * (MAX_TOKENS - 1)
+    model.int8_decode = None
+    assert run() == in_one_call
+
+
+class _CountedSteps:
+    """Counts the steps the decode layers take."""
+
+    def __init__(self, layers: Int8DecodeLayers) -> None:
+        self.layers, self.steps = layers, 0
+
+    def takes(self, plan: SdpaPlan) -> bool:
+        return self.layers.takes(plan)
+
+    def __call__(self, *args: Any) -> Any:
+        self.steps += 1
+        return self.layers(*args)
+
+
+def test_float_models_keep_the_layer_by_layer_forward(tiny_llama: Path) -> None:
+    llm = LLM(str(tiny_llama), dtype="float32", num_kv_blocks=16, max_model_len=64)
+    assert llm.llm_engine.runner.model.int8_decode is None
