@@ -7,7 +7,8 @@ nothing in the engine knows about them. Each phase's time per step is the median
 and of several rounds the one with the fastest whole step is kept, so that a burst of other work on the
 machine distorts the figures as little as possible. The timers cost time of their own, so each round first
 times as many whole steps without them: the step set against the bound is the lowest of those rounds'
-medians. After each round the machine's read bandwidth is measured on the engine's
+medians. A model whose int8 decoder layers run in one call (`models.int8_decode`) runs them layer by layer
+in the timed steps, where the timers can see each layer's parts, and in one call in the untimed ones. After each round the machine's read bandwidth is measured on the engine's
 threads (`bandwidth`), and the highest of the rounds bounds the step.
 """
 
