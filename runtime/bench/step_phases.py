@@ -1,15 +1,15 @@
 """Where a decode step's time goes: each phase of `LLMEngine.step()` timed at a fixed batch size.
 
 The engine is stepped as it serves: `b` requests with short prompts are admitted and prefilled, then every
-step is a decode of the whole batch. The timers wrap the engine's own objects (the scheduler's methods,
-the runner's pieces, the model's projections and attention backend) for the length of the measurement;
-nothing in the engine knows about them. Each phase's time per step is the median over the measured steps,
-and of several rounds the one with the fastest whole step is kept, so that a burst of other work on the
-machine distorts the figures as little as possible. The timers cost time of their own, so each round first
-times as many whole steps without them: the step set against the bound is the lowest of those rounds'
-medians. A model whose int8 decoder layers run in one call (`models.int8_decode`) runs them layer by layer
-in the timed steps, where the timers can see each layer's parts, and in one call in the untimed ones. After each round the machine's read bandwidth is measured on the engine's
-threads (`bandwidth`), and the highest of the rounds bounds the step.
+step is a decode of the whole batch. The timers wrap the engine's own objects (the scheduler's methods, the
+runner's pieces, the model's projections and attention backend) for the length of the measurement; nothing in
+the engine knows about them. Each phase's time per step is the median over the measured steps, and of several
+rounds the one with the fastest whole step is kept, so that a burst of other work on the machine distorts the
+figures as little as possible. The timers cost time of their own, so each round first times as many whole
+steps without them: the step set against the bound is the lowest of those rounds' medians. A model whose int8
+decoder layers run in one call (`models.int8_decode`) runs them layer by layer in the timed steps, where the
+timers can see each layer's parts, and in one call in the untimed ones. After each round the machine's read
+bandwidth is measured on the engine's threads (`bandwidth`), and the highest of the rounds bounds the step.
 """
 
 from __future__ import annotations

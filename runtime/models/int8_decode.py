@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 
 import torch
+from kvfleet.runtime.attention.backend import AttentionBackend
 from kvfleet.runtime.attention.sdpa import SdpaAttentionBackend, SdpaPlan
 from kvfleet.runtime.kernels.cpu_build import CPU_DECODE, build_cpu_ops
 from kvfleet.runtime.kernels.fused_layers import Implementation
@@ -74,7 +75,7 @@ class Int8DecodeLayers:
         )
 
 
-def bind_int8_decode_layers(model: nn.Module, attention: object) -> bool:
+def bind_int8_decode_layers(model: nn.Module, attention: AttentionBackend) -> bool:
     """Give the model its decode layers in one call where every layer fits them; returns whether it did."""
     if not (
         type(model) is LlamaForCausalLM
@@ -98,9 +99,7 @@ def _fits(layer: LlamaDecoderLayer) -> bool:
         return False
     projections = [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
     # Packed for the CPU kernel (`Int8Linear.pack_for_cpu`), and not wrapped (by LoRA, say).
-    return all(type(p) is Int8Linear and p.weight.dim() == 3 for p in projections) and (
-        mlp.gate_up_proj.bias is None and mlp.down_proj.bias is None
-    )
+    return all(type(p) is Int8Linear and p.weight.dim() == 3 for p in projections)
 
 
 def _parts(projection: Int8Linear) -> list[torch.Tensor]:
