@@ -6,10 +6,11 @@ runner's pieces, the model's projections and attention backend) for the length o
 the engine knows about them. Each phase's time per step is the median over the measured steps, and of several
 rounds the one with the fastest whole step is kept, so that a burst of other work on the machine distorts the
 figures as little as possible. The timers cost time of their own, so each round first times as many whole
-steps without them: the step set against the bound is the lowest of those rounds' medians. A model whose int8
-decoder layers run in one call (`models.int8_decode`) runs them layer by layer in the timed steps, where the
-timers can see each layer's parts, and in one call in the untimed ones. After each round the machine's read
-bandwidth is measured on the engine's threads (`bandwidth`), and the highest of the rounds bounds the step.
+steps without them: the step set against the bound is the lowest of those rounds' medians. A model whose
+decoder layers run in one call (`models.cpu_decode_layers`) runs them layer by layer in the timed steps, where
+the timers can see each layer's parts, and in one call in the untimed ones. After each round the machine's
+read bandwidth is measured on the engine's threads (`bandwidth`), and the highest of the rounds bounds the
+step.
 """
 
 from __future__ import annotations
@@ -114,18 +115,18 @@ def _instrument(llm: LLM, timers: _Timers) -> Callable[[], None]:
             wrap(module, "forward", "projections")
     sampler = runner.sampler
     runner.sampler = _TimedCallable(sampler, timers, "sampling")  # type: ignore[assignment]
-    # The int8 decoder layers in one call (`models.int8_decode`) pass the timed modules by: timed steps run
+    # The decoder layers in one call (`models.cpu_decode_layers`) pass the timed modules by: timed steps run
     # the layers one by one, and only the untimed ones as served.
-    int8_decode = getattr(model, "int8_decode", None)
-    if int8_decode is not None:
-        model.int8_decode = None
+    in_one_call = getattr(model, "cpu_decode_layers", None)
+    if in_one_call is not None:
+        model.cpu_decode_layers = None
 
     def remove() -> None:
         for owner, attribute in wrapped:
             delattr(owner, attribute)
         runner.sampler = sampler
-        if int8_decode is not None:
-            model.int8_decode = int8_decode
+        if in_one_call is not None:
+            model.cpu_decode_layers = in_one_call
 
     return remove
 

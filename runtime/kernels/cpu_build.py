@@ -73,7 +73,7 @@ CPU_LAYERS = CpuLibrary(
 )
 CPU_QUANT = CpuLibrary("kvfleet_cpu_quant", _RUNTIME / "kernels" / "cpu_quant.cpp", "the fused int8 matmul")
 CPU_DECODE = CpuLibrary(
-    "kvfleet_cpu_decode", _RUNTIME / "kernels" / "cpu_decode_layers.cpp", "the CPU int8 decoder layers"
+    "kvfleet_cpu_decode", _RUNTIME / "kernels" / "cpu_decode_layers.cpp", "the CPU decoder layers"
 )
 CPU_LIBRARIES = (CPU_ATTENTION, CPU_LAYERS, CPU_QUANT, CPU_DECODE)
 

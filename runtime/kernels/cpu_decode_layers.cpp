@@ -1,21 +1,23 @@
-// A Llama-family model's decoder layers for a CPU decode step with int8 projections, all in one call.
+// A Llama-family model's decoder layers for a CPU decode step, all in one call.
 //
-// Once the projections read a quarter of float32's bytes, a batch-1 decode step of the `small` model spends
-// more time between them than in them: each layer is a dozen operations called from Python (the norms, the
-// split of Q/K/V, the rotary embedding, the KV write, attention, SwiGLU) and its modules' dispatch, and that
-// overhead outweighs the operations' own work. Here the layers' weights are held once, and a step runs every
-// layer's operations from C++: the same operations, in the same order and on the same inputs as the model's
-// Python forward, so the results are bit for bit the same. The operations are the project's own (the int8
-// matmul, the layer operations, the paged decode attention kernel), called through torch's dispatcher; their
-// libraries must be loaded before the first step.
+// A decode step of a small batch reads every weight once and computes little else; between the projections,
+// each layer is a dozen operations called from Python (the norms, the split of Q/K/V, the rotary embedding,
+// the KV write, attention, SwiGLU) and its modules' dispatch, and with int8 weights that overhead outweighed
+// the projections themselves. Here the layers' weights are held once, and a step runs every layer's
+// operations from C++: the same operations, in the same order and on the same inputs as the model's Python
+// forward, so the results are bit for bit the same. The operations are the project's own (the int8 matmul,
+// the layer operations, the paged decode attention kernel) and oneDNN's float32 matmul, called through
+// torch's dispatcher; the project's libraries must be loaded before the first step.
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
 #include <cstdint>
 #include <optional>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -67,13 +69,33 @@ void paged_decode_attention(const at::Tensor& out, const at::Tensor& query, cons
           sliding_window);
 }
 
-// A packed int8 projection (`Int8Linear` after `pack_for_cpu`).
-struct Projection {
-  at::Tensor weight;  // int8 [out / width, in, width]
-  at::Tensor scale;   // float32 [out / width, groups, width]
-  MaybeTensor bias;   // float32 [out]
+// A float32 projection through oneDNN, as `Linear.forward` runs it: the weight packed by
+// `mkldnn::_reorder_linear_weight` (else a plain one, through aten::linear), fewer rows than `min_rows`
+// padded with zeros.
+at::Tensor float_linear(const at::Tensor& x, const at::Tensor& weight, const MaybeTensor& bias, int64_t min_rows) {
+  if (!weight.is_mkldnn()) return at::linear(x, weight, bias);
+  static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  const int64_t rows = x.size(0);
+  const bool padded = rows < min_rows;
+  const at::Tensor input = padded ? at::cat({x, at::zeros({min_rows - rows, x.size(1)}, x.options())}) : x;
+  torch::jit::Stack stack{input, weight, bias, std::string("none"), c10::List<std::optional<at::Scalar>>(),
+                          std::string("")};
+  op.callBoxed(&stack);
+  const at::Tensor out = stack[0].toTensor();
+  return padded ? out.narrow(0, 0, rows) : out;
+}
 
-  at::Tensor operator()(const at::Tensor& x) const { return int8_linear(x, weight, scale, bias); }
+// A projection: int8 packed for `int8_linear` (`Int8Linear` after `pack_for_cpu`), with its scales, or
+// float32 for `float_linear`.
+struct Projection {
+  at::Tensor weight;  // int8 [out / width, in, width], or float32 (oneDNN's packed or plain) [out, in]
+  MaybeTensor scale;  // int8 only: float32 [out / width, groups, width]
+  MaybeTensor bias;   // float32 [out]
+  int64_t min_rows;   // float only: the rows fewer are padded to
+
+  at::Tensor operator()(const at::Tensor& x) const {
+    return scale.has_value() ? int8_linear(x, weight, *scale, bias) : float_linear(x, weight, bias, min_rows);
+  }
 };
 
 struct Layer {
@@ -89,25 +111,28 @@ struct Layer {
 };
 
 // The decoder layers of one model; `add_layer` once per layer in order, then `forward` every decode step.
-struct Int8DecoderLayers : torch::CustomClassHolder {
+struct DecoderLayers : torch::CustomClassHolder {
   int64_t num_heads;
   int64_t num_kv_heads;
   int64_t head_dim;
   double eps;
   double attention_scale;
+  int64_t min_rows;  // of float projections (see float_linear)
   std::vector<Layer> layers;
 
-  Int8DecoderLayers(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double attention_scale)
+  DecoderLayers(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double attention_scale,
+                int64_t min_rows)
       : num_heads(num_heads), num_kv_heads(num_kv_heads), head_dim(head_dim), eps(eps),
-        attention_scale(attention_scale) {}
+        attention_scale(attention_scale), min_rows(min_rows) {}
 
+  // Each projection is [weight, scale, bias]: its scale for int8 weights, else none; its bias or none.
   void add_layer(at::Tensor input_norm, at::Tensor post_attention_norm, MaybeTensor q_norm, MaybeTensor k_norm,
-                 std::vector<at::Tensor> qkv, std::vector<at::Tensor> o, at::Tensor gate_up_weight,
-                 at::Tensor gate_up_scale, at::Tensor down_weight, at::Tensor down_scale, int64_t sliding_window) {
+                 c10::List<MaybeTensor> qkv, c10::List<MaybeTensor> o, c10::List<MaybeTensor> gate_up,
+                 c10::List<MaybeTensor> down, int64_t sliding_window) {
     TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "add_layer: q_norm and k_norm come together");
     layers.push_back(Layer{input_norm, post_attention_norm, q_norm, k_norm, projection(qkv, "qkv"),
-                           projection(o, "o"), Projection{gate_up_weight, gate_up_scale, std::nullopt},
-                           Projection{down_weight, down_scale, std::nullopt}, sliding_window});
+                           projection(o, "o"), projection(gate_up, "gate_up"), projection(down, "down"),
+                           sliding_window});
   }
 
   // hidden [tokens, hidden_size], the embedded decode tokens, one per request, and the step's inputs as the
@@ -152,18 +177,21 @@ struct Int8DecoderLayers : torch::CustomClassHolder {
   }
 
  private:
-  // [weight, scale] or [weight, scale, bias].
-  static Projection projection(const std::vector<at::Tensor>& parts, const char* name) {
-    TORCH_CHECK(parts.size() == 2 || parts.size() == 3, "add_layer: ", name, " is [weight, scale(, bias)]");
-    return Projection{parts[0], parts[1], parts.size() == 3 ? MaybeTensor(parts[2]) : std::nullopt};
+  Projection projection(const c10::List<MaybeTensor>& parts, const char* name) const {
+    TORCH_CHECK(parts.size() == 3 && parts.get(0).has_value(), "add_layer: ", name, " is [weight, scale, bias]");
+    const at::Tensor weight = *parts.get(0);
+    const MaybeTensor scale = parts.get(1);
+    TORCH_CHECK(scale.has_value() == (weight.scalar_type() == at::kChar),
+                "add_layer: ", name, " has a scale if and only if its weight is int8");
+    return Projection{weight, scale, parts.get(2), min_rows};
   }
 };
 
 }  // namespace
 
 TORCH_LIBRARY(kvfleet_cpu_decode, m) {
-  m.class_<Int8DecoderLayers>("Int8DecoderLayers")
-      .def(torch::init<int64_t, int64_t, int64_t, double, double>())
-      .def("add_layer", &Int8DecoderLayers::add_layer)
-      .def("forward", &Int8DecoderLayers::forward);
+  m.class_<DecoderLayers>("DecoderLayers")
+      .def(torch::init<int64_t, int64_t, int64_t, double, double, int64_t>())
+      .def("add_layer", &DecoderLayers::add_layer)
+      .def("forward", &DecoderLayers::forward);
 }

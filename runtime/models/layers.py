@@ -53,6 +53,11 @@ class Linear(nn.Linear):
             self._padding_rows = weight.new_zeros(_ONEDNN_MIN_ROWS - 1, self.in_features)
         self.weight = None  # type: ignore[assignment]  # the packed copy replaces it, not doubles it
 
+    @property
+    def padded_rows(self) -> int:
+        """The rows fewer are padded to (0: none)."""
+        return 0 if self._padding_rows is None else _ONEDNN_MIN_ROWS
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed_weight is None:
             return F.linear(x, self.weight, self.bias)

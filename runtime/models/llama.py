@@ -39,7 +39,7 @@ from kvfleet.runtime.models.model_config import ModelConfig
 from torch import nn
 
 if TYPE_CHECKING:
-    from kvfleet.runtime.models.int8_decode import Int8DecodeLayers
+    from kvfleet.runtime.models.cpu_decode_layers import CpuDecodeLayers
 
 
 class LlamaAttention(nn.Module):
@@ -155,8 +155,8 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Also serves MistralForCausalLM, Qwen2ForCausalLM and Qwen3ForCausalLM: same graph, config switches."""
 
-    # A CPU decode step's layers in one call, where the model's int8 layers fit it (`models.int8_decode`).
-    int8_decode: Int8DecodeLayers | None = None
+    # A CPU decode step's layers in one call, where the model's layers fit it (`models.cpu_decode_layers`).
+    cpu_decode_layers: CpuDecodeLayers | None = None
 
     def __init__(self, config: ModelConfig, attention: AttentionBackend, max_position: int) -> None:
         super().__init__()
@@ -216,8 +216,8 @@ class LlamaForCausalLM(nn.Module):
             assert self.embed_tokens is not None
             hidden, residual = self.embed_tokens(input_ids), None
         rotary = self.rotary_emb.prepare(positions, hidden.dtype, sequence_lengths=sequence_lengths)
-        if self.int8_decode is not None and self.int8_decode.takes(plan):
-            hidden, residual = self.int8_decode(hidden, rotary, kv_caches, plan)
+        if self.cpu_decode_layers is not None and self.cpu_decode_layers.takes(plan):
+            hidden, residual = self.cpu_decode_layers(hidden, rotary, kv_caches, plan)
         else:
             for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
                 hidden, residual = layer(hidden, residual, rotary, kv_cache, plan)

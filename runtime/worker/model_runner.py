@@ -25,7 +25,7 @@ from kvfleet.runtime.kernels.fused_layers import Implementation, implementation_
 from kvfleet.runtime.kv_transfer.base import KVConnectorWorker
 from kvfleet.runtime.kv_transfer.factory import make_worker_connector
 from kvfleet.runtime.lora.manager import LoRAManager
-from kvfleet.runtime.models.int8_decode import bind_int8_decode_layers
+from kvfleet.runtime.models.cpu_decode_layers import bind_cpu_decode_layers
 from kvfleet.runtime.models.loader import LoadStats, load_model, resolve_device, resolve_dtype
 from kvfleet.runtime.models.model_config import ModelConfig
 from kvfleet.runtime.models.moe_config import MoeLayerLoad
@@ -185,7 +185,7 @@ class ModelRunner:
                 or self.attention_backend.name == "triton",
             )
         # After LoRA has wrapped the projections it adapts, which keep the layers' own forward.
-        bind_int8_decode_layers(self.model, self.attention_backend)
+        bind_cpu_decode_layers(self.model, self.attention_backend)
 
     def kv_cache_budget_bytes(self) -> float:
         """Memory the KV cache may take: on CUDA what gpu_memory_utilization leaves after the weights and

@@ -1,7 +1,8 @@
-"""The int8 decoder layers in one C++ call (`models.int8_decode`) against the model's own layer-by-layer
-forward, which test_quantized_checkpoints holds to Transformers: the same operations in the same order, so
-tokens and logprobs must agree bit for bit. Each case takes a path of the layer: channel and group scales,
-Q/K/V biases, Qwen3's per-head norms, and a sliding window shorter than the contexts."""
+"""The decoder layers in one C++ call (`models.cpu_decode_layers`) against the model's own layer-by-layer
+forward, which the model tests hold to Transformers: the same operations in the same order, so tokens and
+logprobs must agree bit for bit. Each case takes a path of the layer: float32 projections through oneDNN,
+int8 ones with channel and group scales, Q/K/V biases, Qwen3's per-head norms, and a sliding window shorter
+than the contexts."""
 
 from __future__ import annotations
 
@@ -13,9 +14,11 @@ from typing import Any
 import pytest
 from kvfleet.runtime import LLM, SamplingParams
 from kvfleet.runtime.attention.sdpa import SdpaPlan
-from kvfleet.runtime.models.int8_decode import Int8DecodeLayers
+from kvfleet.runtime.models.cpu_decode_layers import CpuDecodeLayers
 
 CASES = {
+    "llama float32": ("llama",),
+    "qwen3 float32, head norms": ("qwen3",),
     "llama w8a16": ("llama", "--quantize", "w8a16", "--quantize-lm-head"),
     "qwen2 w4a16, biases": ("qwen2", "--quantize", "w4a16"),
     "qwen3 w8a16, head norms": ("qwen3", "--quantize", "w8a16"),
@@ -25,7 +28,7 @@ MAX_TOKENS = 24
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_decode_layers_in_one_call_match_the_layer_by_layer_forward(
+def test_decoder_layers_in_one_call_match_the_layer_by_layer_forward(
     case: str, make_model: Callable[..., Path]
 ) -> None:
     arch, *options = CASES[case]
@@ -37,8 +40,8 @@ def test_decode_layers_in_one_call_match_the_layer_by_layer_forward(
         enable_prefix_caching=False,
     )
     model = llm.llm_engine.runner.model
-    assert model.int8_decode is not None
-    model.int8_decode = counted = _CountedSteps(model.int8_decode)
+    assert model.cpu_decode_layers is not None
+    model.cpu_decode_layers = counted = _CountedSteps(model.cpu_decode_layers)
     rng = random.Random(3)
     # Decodes of one to three requests a step, contexts from 2 to 64 tokens (past the window).
     prompts = [[rng.randrange(16, 200) for _ in range(n)] for n in (2, 9, 40)]
@@ -51,14 +54,14 @@ def test_decode_layers_in_one_call_match_the_layer_by_layer_forward(
     in_one_call = run()
     # Every decode step of both runs: all but each run's first token, which its prefill samples.
     assert counted.steps == 2 * (MAX_TOKENS - 1)
-    model.int8_decode = None
+    model.cpu_decode_layers = None
     assert run() == in_one_call
 
 
 class _CountedSteps:
-    """Counts the steps the decode layers take."""
+    """Counts the steps the decoder layers take."""
 
-    def __init__(self, layers: Int8DecodeLayers) -> None:
+    def __init__(self, layers: CpuDecodeLayers) -> None:
         self.layers, self.steps = layers, 0
 
     def takes(self, plan: SdpaPlan) -> bool:
@@ -69,6 +72,12 @@ class _CountedSteps:
         return self.layers(*args)
 
 
-def test_float_models_keep_the_layer_by_layer_forward(tiny_llama: Path) -> None:
-    llm = LLM(str(tiny_llama), dtype="float32", num_kv_blocks=16, max_model_len=64)
-    assert llm.llm_engine.runner.model.int8_decode is None
+@pytest.mark.parametrize(
+    "options",
+    [dict(dtype="bfloat16"), dict(dtype="float32", enable_lora=True, max_lora_rank=8)],
+    ids=["bfloat16", "LoRA"],
+)
+def test_layers_the_call_cannot_run_keep_the_layer_by_layer_forward(tiny_llama: Path, options: dict) -> None:
+    # The layer operations take float32 only, and LoRA's wrapped projections add their adapters' terms.
+    llm = LLM(str(tiny_llama), num_kv_blocks=16, max_model_len=64, **options)
+    assert llm.llm_engine.runner.model.cpu_decode_layers is None

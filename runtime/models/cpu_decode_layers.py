@@ -1,0 +1,125 @@
+"""A CPU decode step's decoder layers in one C++ call, for Llama-family models in float32 or with int8
+projections.
+
+At batch 1 a decode step of the `small` model with int8 weights spent less time in its projections than in the
+Python between them (docs/benchmarks.md, "The decoder layers in one call"). `cpu_decode_layers.cpp` holds the
+layers' weights and runs a step's layers with the same operations the model's forward calls, in the same
+order, so both give the same results bit for bit. It takes steps whose every token is a decode that the CPU
+attention kernel attends; prefill chunks, long contexts and other backends keep the model's forward.
+
+A model is bound once loaded, after LoRA has wrapped the projections it adapts: a wrapped projection, a
+mixture-of-experts block, another dtype than float32, or a layer bound to other implementations keeps the
+Python forward.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from kvfleet.runtime.attention.backend import AttentionBackend
+from kvfleet.runtime.attention.sdpa import SdpaAttentionBackend, SdpaPlan
+from kvfleet.runtime.kernels.cpu_build import CPU_DECODE, build_cpu_ops
+from kvfleet.runtime.kernels.fused_layers import Implementation
+from kvfleet.runtime.models.layers import Linear, RotaryStep
+from kvfleet.runtime.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
+from kvfleet.runtime.quantization.linear import Int8Linear
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+
+class CpuDecodeLayers:
+    """The model's decoder layers as one C++ object, for the steps it takes (`takes`)."""
+
+    def __init__(self, model: LlamaForCausalLM, attention: SdpaAttentionBackend, padded_rows: int) -> None:
+        spec = attention.spec
+        self.layers = torch.classes.kvfleet_cpu_decode.DecoderLayers(
+            spec.num_heads,
+            spec.num_kv_heads,
+            spec.head_dim,
+            model.config.rms_norm_eps,
+            spec.scale,
+            padded_rows,
+        )
+        for layer in model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            self.layers.add_layer(
+                layer.input_layernorm.weight,
+                layer.post_attention_layernorm.weight,
+                None if attn.q_norm is None else attn.q_norm.weight,
+                None if attn.k_norm is None else attn.k_norm.weight,
+                *(_parts(p) for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)),
+                attn.sliding_window or 0,
+            )
+
+    @staticmethod
+    def takes(plan: SdpaPlan) -> bool:
+        """Whether every token of the step is a decode that the CPU attention kernel attends."""
+        return plan.kernel_decodes is not None and not plan.prefill_chunks and not plan.tiled_requests
+
+    def __call__(
+        self, hidden: torch.Tensor, rotary: RotaryStep, kv_caches: list[torch.Tensor], plan: SdpaPlan
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The last layer's (hidden, residual), as the layers' forward leaves them."""
+        decodes, metadata = plan.kernel_decodes, plan.metadata
+        assert decodes is not None
+        return self.layers.forward(
+            hidden,
+            rotary.rows,
+            rotary.cos_sin_cache,
+            kv_caches,
+            plan.slot_mapping,
+            metadata.block_tables,
+            metadata.seq_lens,
+            decodes.rows,
+            decodes.requests,
+        )
+
+
+def bind_cpu_decode_layers(model: nn.Module, attention: AttentionBackend) -> bool:
+    """Give the model its decoder layers in one call where every layer fits them; returns whether it did."""
+    if not (
+        type(model) is LlamaForCausalLM
+        and isinstance(attention, SdpaAttentionBackend)
+        and attention.decode_kernel is not None
+        and model.parallel.tp_size * model.parallel.pp_size == 1
+        and all(_fits(layer) for layer in model.layers)
+    ):
+        return False
+    float_projections = [
+        p for layer in model.layers for p in _projections(layer) if not isinstance(p, Int8Linear)
+    ]
+    padded_rows = {p.padded_rows for p in float_projections}
+    if len(padded_rows) > 1 or not build_cpu_ops(CPU_DECODE):
+        return False
+    model.cpu_decode_layers = CpuDecodeLayers(model, attention, padded_rows.pop() if padded_rows else 0)
+    logger.info("decode steps run the %d decoder layers in one call", len(model.layers))
+    return True
+
+
+def _projections(layer: LlamaDecoderLayer) -> list[nn.Module]:
+    attn, mlp = layer.self_attn, layer.mlp
+    return [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
+
+
+def _fits(layer: LlamaDecoderLayer) -> bool:
+    attn = layer.self_attn
+    norms = [layer.input_layernorm, layer.post_attention_layernorm, attn.q_norm, attn.k_norm]
+    ops = [attn.rotary_emb, *(norm for norm in norms if norm is not None)]
+    if type(layer.mlp) is not LlamaMLP or any(op.implementation is not Implementation.CPU for op in ops):
+        return False
+    # Not wrapped (by LoRA, say), and int8 ones packed for the CPU kernel (`Int8Linear.pack_for_cpu`); the
+    # layer operations' implementation says the model is float32.
+    return all(
+        (type(p) is Int8Linear and p.weight.dim() == 3) or type(p) is Linear for p in _projections(layer)
+    )
+
+
+def _parts(projection: nn.Module) -> list[torch.Tensor | None]:
+    """[weight, scale, bias] as the C++ layers take a projection."""
+    if isinstance(projection, Int8Linear):
+        return [projection.weight, projection.weight_scale, projection.bias]
+    assert isinstance(projection, Linear)
+    weight = projection.weight if projection.packed_weight is None else projection.packed_weight
+    return [weight, None, projection.bias]
