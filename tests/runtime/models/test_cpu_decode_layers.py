@@ -1,8 +1,8 @@
 """The decoder layers in one C++ call (`models.cpu_decode_layers`) against the model's own layer-by-layer
 forward, which the model tests hold to Transformers: the same operations in the same order, so tokens and
-logprobs must agree bit for bit. Each case takes a path of the layer: float32 projections through oneDNN,
-int8 ones with channel and group scales, Q/K/V biases, Qwen3's per-head norms, and a sliding window shorter
-than the contexts."""
+logprobs must agree bit for bit. Each case takes a path of the layer: float32 projections through oneDNN
+(packed, or plain where oneDNN cannot pack them), int8 ones with channel and group scales, Q/K/V biases,
+Qwen3's per-head norms, and a sliding window shorter than the contexts."""
 
 from __future__ import annotations
 
@@ -15,23 +15,28 @@ import pytest
 from kvfleet.runtime import LLM, SamplingParams
 from kvfleet.runtime.attention.sdpa import SdpaPlan
 from kvfleet.runtime.models.cpu_decode_layers import CpuDecodeLayers
+from kvfleet.runtime.models.layers import ONEDNN_ENV_VAR
 
+# (architecture, make-model options, environment).
 CASES = {
-    "llama float32": ("llama",),
-    "qwen3 float32, head norms": ("qwen3",),
-    "llama w8a16": ("llama", "--quantize", "w8a16", "--quantize-lm-head"),
-    "qwen2 w4a16, biases": ("qwen2", "--quantize", "w4a16"),
-    "qwen3 w8a16, head norms": ("qwen3", "--quantize", "w8a16"),
-    "mistral w8a16, window of 16": ("mistral", "--quantize", "w8a16", "--sliding-window", "16"),
+    "llama float32": ("llama", (), {}),
+    "llama float32, weights not packed for oneDNN": ("llama", (), {ONEDNN_ENV_VAR: "0"}),
+    "qwen3 float32, head norms": ("qwen3", (), {}),
+    "llama w8a16": ("llama", ("--quantize", "w8a16", "--quantize-lm-head"), {}),
+    "qwen2 w4a16, biases": ("qwen2", ("--quantize", "w4a16"), {}),
+    "qwen3 w8a16, head norms": ("qwen3", ("--quantize", "w8a16"), {}),
+    "mistral w8a16, window of 16": ("mistral", ("--quantize", "w8a16", "--sliding-window", "16"), {}),
 }
 MAX_TOKENS = 24
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_decoder_layers_in_one_call_match_the_layer_by_layer_forward(
-    case: str, make_model: Callable[..., Path]
+    case: str, make_model: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    arch, *options = CASES[case]
+    arch, options, environment = CASES[case]
+    for name, value in environment.items():
+        monkeypatch.setenv(name, value)
     llm = LLM(
         str(make_model(arch, "tiny", 0, *options)),
         dtype="float32",
@@ -41,6 +46,8 @@ def test_decoder_layers_in_one_call_match_the_layer_by_layer_forward(
     )
     model = llm.llm_engine.runner.model
     assert model.cpu_decode_layers is not None
+    if ONEDNN_ENV_VAR in environment:
+        assert model.layers[0].self_attn.qkv_proj.packed_weight is None
     model.cpu_decode_layers = counted = _CountedSteps(model.cpu_decode_layers)
     rng = random.Random(3)
     # Decodes of one to three requests a step, contexts from 2 to 64 tokens (past the window).
