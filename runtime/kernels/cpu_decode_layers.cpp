@@ -70,14 +70,15 @@ void paged_decode_attention(const at::Tensor& out, const at::Tensor& query, cons
 }
 
 // A float32 projection through oneDNN, as `Linear.forward` runs it: the weight packed by
-// `mkldnn::_reorder_linear_weight` (else a plain one, through aten::linear), fewer rows than `min_rows`
-// padded with zeros.
-at::Tensor float_linear(const at::Tensor& x, const at::Tensor& weight, const MaybeTensor& bias, int64_t min_rows) {
+// `mkldnn::_reorder_linear_weight` (else a plain one, through aten::linear), and an input of fewer rows than
+// `padding` has, plus one, padded with its zero rows.
+at::Tensor float_linear(const at::Tensor& x, const at::Tensor& weight, const MaybeTensor& bias,
+                        const MaybeTensor& padding) {
   if (!weight.is_mkldnn()) return at::linear(x, weight, bias);
   static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
   const int64_t rows = x.size(0);
-  const bool padded = rows < min_rows;
-  const at::Tensor input = padded ? at::cat({x, at::zeros({min_rows - rows, x.size(1)}, x.options())}) : x;
+  const bool padded = padding.has_value() && rows <= padding->size(0);
+  const at::Tensor input = padded ? at::cat({x, padding->narrow(0, 0, padding->size(0) + 1 - rows)}) : x;
   torch::jit::Stack stack{input, weight, bias, std::string("none"), c10::List<std::optional<at::Scalar>>(),
                           std::string("")};
   op.callBoxed(&stack);
@@ -88,13 +89,13 @@ at::Tensor float_linear(const at::Tensor& x, const at::Tensor& weight, const May
 // A projection: int8 packed for `int8_linear` (`Int8Linear` after `pack_for_cpu`), with its scales, or
 // float32 for `float_linear`.
 struct Projection {
-  at::Tensor weight;  // int8 [out / width, in, width], or float32 (oneDNN's packed or plain) [out, in]
-  MaybeTensor scale;  // int8 only: float32 [out / width, groups, width]
-  MaybeTensor bias;   // float32 [out]
-  int64_t min_rows;   // float only: the rows fewer are padded to
+  at::Tensor weight;    // int8 [out / width, in, width], or float32 (oneDNN's packed or plain) [out, in]
+  MaybeTensor scale;    // int8 only: float32 [out / width, groups, width]
+  MaybeTensor bias;     // float32 [out]
+  MaybeTensor padding;  // oneDNN's only: `Linear.padding_rows`
 
   at::Tensor operator()(const at::Tensor& x) const {
-    return scale.has_value() ? int8_linear(x, weight, *scale, bias) : float_linear(x, weight, bias, min_rows);
+    return scale.has_value() ? int8_linear(x, weight, *scale, bias) : float_linear(x, weight, bias, padding);
   }
 };
 
@@ -117,15 +118,14 @@ struct DecoderLayers : torch::CustomClassHolder {
   int64_t head_dim;
   double eps;
   double attention_scale;
-  int64_t min_rows;  // of float projections (see float_linear)
   std::vector<Layer> layers;
 
-  DecoderLayers(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double attention_scale,
-                int64_t min_rows)
+  DecoderLayers(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double attention_scale)
       : num_heads(num_heads), num_kv_heads(num_kv_heads), head_dim(head_dim), eps(eps),
-        attention_scale(attention_scale), min_rows(min_rows) {}
+        attention_scale(attention_scale) {}
 
-  // Each projection is [weight, scale, bias]: its scale for int8 weights, else none; its bias or none.
+  // Each projection is [weight, scale, bias, padding]: its scale for int8 weights, else none; its bias or
+  // none; the zero rows a float one pads a shorter input with (`float_linear`), or none.
   void add_layer(at::Tensor input_norm, at::Tensor post_attention_norm, MaybeTensor q_norm, MaybeTensor k_norm,
                  c10::List<MaybeTensor> qkv, c10::List<MaybeTensor> o, c10::List<MaybeTensor> gate_up,
                  c10::List<MaybeTensor> down, int64_t sliding_window) {
@@ -177,13 +177,14 @@ struct DecoderLayers : torch::CustomClassHolder {
   }
 
  private:
-  Projection projection(const c10::List<MaybeTensor>& parts, const char* name) const {
-    TORCH_CHECK(parts.size() == 3 && parts.get(0).has_value(), "add_layer: ", name, " is [weight, scale, bias]");
+  static Projection projection(const c10::List<MaybeTensor>& parts, const char* name) {
+    TORCH_CHECK(parts.size() == 4 && parts.get(0).has_value(), "add_layer: ", name,
+                " is [weight, scale, bias, padding]");
     const at::Tensor weight = *parts.get(0);
     const MaybeTensor scale = parts.get(1);
     TORCH_CHECK(scale.has_value() == (weight.scalar_type() == at::kChar),
                 "add_layer: ", name, " has a scale if and only if its weight is int8");
-    return Projection{weight, scale, parts.get(2), min_rows};
+    return Projection{weight, scale, parts.get(2), parts.get(3)};
   }
 };
 
@@ -191,7 +192,7 @@ struct DecoderLayers : torch::CustomClassHolder {
 
 TORCH_LIBRARY(kvfleet_cpu_decode, m) {
   m.class_<DecoderLayers>("DecoderLayers")
-      .def(torch::init<int64_t, int64_t, int64_t, double, double, int64_t>())
+      .def(torch::init<int64_t, int64_t, int64_t, double, double>())
       .def("add_layer", &DecoderLayers::add_layer)
       .def("forward", &DecoderLayers::forward);
 }

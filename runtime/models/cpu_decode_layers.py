@@ -32,7 +32,7 @@ logger = logging.getLogger(__name__)
 class CpuDecodeLayers:
     """The model's decoder layers as one C++ object, for the steps it takes (`takes`)."""
 
-    def __init__(self, model: LlamaForCausalLM, attention: SdpaAttentionBackend, padded_rows: int) -> None:
+    def __init__(self, model: LlamaForCausalLM, attention: SdpaAttentionBackend) -> None:
         spec = attention.spec
         self.layers = torch.classes.kvfleet_cpu_decode.DecoderLayers(
             spec.num_heads,
@@ -40,7 +40,6 @@ class CpuDecodeLayers:
             spec.head_dim,
             model.config.rms_norm_eps,
             spec.scale,
-            padded_rows,
         )
         for layer in model.layers:
             attn, mlp = layer.self_attn, layer.mlp
@@ -87,13 +86,9 @@ def bind_cpu_decode_layers(model: nn.Module, attention: AttentionBackend) -> boo
         and all(_fits(layer) for layer in model.layers)
     ):
         return False
-    float_projections = [
-        p for layer in model.layers for p in _projections(layer) if not isinstance(p, Int8Linear)
-    ]
-    padded_rows = {p.padded_rows for p in float_projections}
-    if len(padded_rows) > 1 or not build_cpu_ops(CPU_DECODE):
+    if not build_cpu_ops(CPU_DECODE):
         return False
-    model.cpu_decode_layers = CpuDecodeLayers(model, attention, padded_rows.pop() if padded_rows else 0)
+    model.cpu_decode_layers = CpuDecodeLayers(model, attention)
     logger.info("decode steps run the %d decoder layers in one call", len(model.layers))
     return True
 
@@ -117,9 +112,10 @@ def _fits(layer: LlamaDecoderLayer) -> bool:
 
 
 def _parts(projection: nn.Module) -> list[torch.Tensor | None]:
-    """[weight, scale, bias] as the C++ layers take a projection."""
+    """[weight, scale, bias, padding rows] as the C++ layers take a projection."""
     if isinstance(projection, Int8Linear):
-        return [projection.weight, projection.weight_scale, projection.bias]
+        return [projection.weight, projection.weight_scale, projection.bias, None]
     assert isinstance(projection, Linear)
-    weight = projection.weight if projection.packed_weight is None else projection.packed_weight
-    return [weight, None, projection.bias]
+    if projection.packed_weight is None:
+        return [projection.weight, None, projection.bias, None]
+    return [projection.packed_weight, None, projection.bias, projection.padding_rows]

@@ -42,7 +42,7 @@ class Linear(nn.Linear):
 
     packed_weight: torch.Tensor | None = None
     # Zero rows that pad a smaller input up to _ONEDNN_MIN_ROWS (a concatenation is the cheapest padding).
-    _padding_rows: torch.Tensor | None = None
+    padding_rows: torch.Tensor | None = None
 
     def pack_for_cpu(self, pad_rows: bool) -> None:
         """Replace the dense weight by its packed copy; afterwards the layer is inference-only. `pad_rows`:
@@ -50,20 +50,15 @@ class Linear(nn.Linear):
         weight = self.weight.detach()
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, None)
         if pad_rows:
-            self._padding_rows = weight.new_zeros(_ONEDNN_MIN_ROWS - 1, self.in_features)
+            self.padding_rows = weight.new_zeros(_ONEDNN_MIN_ROWS - 1, self.in_features)
         self.weight = None  # type: ignore[assignment]  # the packed copy replaces it, not doubles it
-
-    @property
-    def padded_rows(self) -> int:
-        """The rows fewer are padded to (0: none)."""
-        return 0 if self._padding_rows is None else _ONEDNN_MIN_ROWS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed_weight is None:
             return F.linear(x, self.weight, self.bias)
         rows = x.shape[0]
-        if self._padding_rows is not None and x.dim() == 2 and rows < _ONEDNN_MIN_ROWS:
-            padded = torch.cat((x, self._padding_rows[: _ONEDNN_MIN_ROWS - rows]))
+        if self.padding_rows is not None and x.dim() == 2 and rows < _ONEDNN_MIN_ROWS:
+            padded = torch.cat((x, self.padding_rows[: _ONEDNN_MIN_ROWS - rows]))
             return torch.ops.mkldnn._linear_pointwise(padded, self.packed_weight, self.bias, "none", [], "")[
                 :rows
             ]
