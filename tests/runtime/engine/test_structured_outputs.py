@@ -233,15 +233,18 @@ def test_a_compiling_request_displaces_nobody() -> None:
 
 
 def _compile_processes() -> set[int]:
-    """The pids of this process's grammar compile processes."""
-    children = (
-        int(pid)
-        for task in Path("/proc/self/task").iterdir()
-        for pid in (task / "children").read_text().split()
-    )
-    return {
-        pid for pid in children if COMPILE_WORKER_MODULE.encode() in Path(f"/proc/{pid}/cmdline").read_bytes()
-    }
+    """The pids of this process's grammar compile processes. A thread or a child may end while they are
+    read: its file is then gone, and it has no compile process."""
+    tasks = Path("/proc/self/task").iterdir()
+    children = (int(pid) for task in tasks for pid in _read(task / "children").split())
+    return {pid for pid in children if COMPILE_WORKER_MODULE in _read(Path(f"/proc/{pid}/cmdline"))}
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_bytes().decode(errors="replace")
+    except FileNotFoundError:
+        return ""
 
 
 def _new_compile_process(known: set[int], timeout: float = 60.0) -> int:
