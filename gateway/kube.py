@@ -226,8 +226,11 @@ class KubernetesDiscovery:
 
 async def _woken(changed: asyncio.Event, seconds: float) -> None:
     """Waits for a change, or `seconds` at most (the API keys are read again then)."""
+    # Not asyncio.wait_for: before Python 3.12 it returns a wait that ended in the step its task was
+    # cancelled in, and the cancellation is lost (the discovery never stops).
     with contextlib.suppress(TimeoutError):
-        await asyncio.wait_for(changed.wait(), seconds)
+        async with asyncio.timeout(seconds):
+            await changed.wait()
     changed.clear()
 
 

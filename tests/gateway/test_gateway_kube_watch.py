@@ -59,7 +59,7 @@ class FakeApiServer:
     authorizations: list[str | None] = field(default_factory=list)
     open_streams: int = 0
     _generation: int = 0
-    _updated: asyncio.Event = field(default_factory=asyncio.Event)
+    updated: asyncio.Event = field(default_factory=asyncio.Event)
 
     def put(self, obj: dict[str, Any], *, recorded: bool = True) -> None:
         self._change("MODIFIED" if obj["metadata"]["name"] in self.objects else "ADDED", obj, recorded)
@@ -88,8 +88,8 @@ class FakeApiServer:
         self._wake()
 
     def _wake(self) -> None:
-        self._updated.set()
-        self._updated = asyncio.Event()
+        self.updated.set()
+        self.updated = asyncio.Event()
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         self.authorizations.append(request.headers.get("Authorization"))
@@ -128,7 +128,7 @@ class FakeApiServer:
                         since = version
                 if not follow or generation != self._generation:
                     break
-                await self._updated.wait()
+                await self.updated.wait()
             if not follow:
                 bookmark = {"kind": "Pod", "metadata": {"resourceVersion": str(self.version)}}
                 await _send(response, {"type": "BOOKMARK", "object": bookmark})
@@ -362,5 +362,37 @@ def test_the_discovery_publishes_each_service_with_its_ready_pods_and_key() -> N
             with pytest.raises(asyncio.CancelledError):
                 await task
             await wait_until(lambda: services.open_streams == pods.open_streams == 0)
+
+    asyncio.run(asyncio.wait_for(scenario(), WAIT_S))
+
+
+def test_the_discovery_stops_when_cancelled_as_a_change_wakes_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The cancellation lands in the step in which a watch reports a change, the moment the discovery's wait
+    # for one ends: a wait that returned the change then would leave the discovery running.
+    async def scenario() -> None:
+        services = FakeApiServer(objects={"chat": service("chat")})
+        pods = FakeApiServer(objects={"first": pod("chat", "10.0.0.1")})
+        published: list[Mapping[str, ModelConfig]] = []
+        report_change, cancel_on_change = asyncio.Event.set, asyncio.Event()
+
+        def report_change_and_cancel(event: asyncio.Event) -> None:
+            report_change(event)
+            if cancel_on_change.is_set() and event not in (services.updated, pods.updated):
+                task.cancel()
+
+        # Before the discovery makes its event, whose `set` the watches take when they start.
+        monkeypatch.setattr(asyncio.Event, "set", report_change_and_cancel)
+        async with serving(pods, {SERVICES: services.handle}) as configuration:
+            discovery = KubernetesDiscovery(configuration, ["default"], DEFAULTS)
+            task = asyncio.create_task(discovery.run(published.append))
+            await wait_until(lambda: published and services.open_streams == pods.open_streams == 1)
+            report_change(cancel_on_change)
+            pods.put(pod("chat", "10.0.0.2"))
+            done, _ = await asyncio.wait([task], timeout=WAIT_S / 2)
+            if not done:
+                task.cancel()  # again, so that the servers can stop
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            assert done, "the discovery went on after its cancellation"
 
     asyncio.run(asyncio.wait_for(scenario(), WAIT_S))
