@@ -64,8 +64,17 @@ def gateway_enabled(cluster: ClusterAccess, release: OperatorRelease) -> Iterato
 
 def metric(endpoint: Endpoint, name: str, *labels: str) -> float:
     """The sum of a metric's samples on a pod's /metrics (those with every label given: `model="ns/m"`)."""
+    return metric_in(scrape(endpoint), name, *labels)
+
+
+def scrape(endpoint: Endpoint) -> str:
+    """A pod's /metrics, to read several metrics of one moment from."""
     with urllib.request.urlopen(f"http://{endpoint.ip}:{endpoint.port}/metrics", timeout=5) as response:
-        text = response.read().decode()
+        return response.read().decode()
+
+
+def metric_in(text: str, name: str, *labels: str) -> float:
+    """The sum of a metric's samples in a scraped /metrics text (those with every label given)."""
     return sum(
         float(line.rsplit(" ", 1)[1])
         for line in text.splitlines()

@@ -93,7 +93,6 @@ class ConcurrentStreams:
         self._clients = [gateway_client(endpoint) for endpoint in endpoints]
         # Filled as the chunks arrive, so that how far the streams have got can be read while they run.
         self.answers = [StreamedAnswer() for _ in requests]
-        self._started = threading.Semaphore(0)
         self._threads = [
             threading.Thread(target=self._run, args=(index, model, request), daemon=True)
             for index, request in enumerate(requests)
@@ -103,21 +102,15 @@ class ConcurrentStreams:
 
     def _run(self, index: int, model: str, request: dict[str, Any]) -> None:
         client = self._clients[index % len(self._clients)]
-        stream_chat(client, model, request, self._started.release, self.answers[index])
+        stream_chat(client, model, request, answer=self.answers[index])
 
-    def wait_started(self, timeout: float) -> None:
-        """Until every stream has its first chunk (or has ended)."""
-        for thread in self._threads:
-            if not self._started.acquire(timeout=timeout) and thread.is_alive():
-                raise AssertionError("a stream did not start in time")
-
-    def tokens_received(self) -> int:
-        return sum(len(answer.token_ids) for answer in self.answers)
+    def finished(self) -> bool:
+        return not any(thread.is_alive() for thread in self._threads)
 
     def finish(self, timeout: float) -> list[StreamedAnswer]:
         for thread in self._threads:
             thread.join(timeout)
-        assert not any(thread.is_alive() for thread in self._threads), "a stream hung"
+        assert self.finished(), "a stream hung"
         for client in self._clients:
             client.close()
         return self.answers
