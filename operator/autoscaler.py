@@ -445,14 +445,20 @@ def latency_model(
     with load, or `proportional` asks for latency in proportion to the load. The requests the gateway held
     are not the replicas': they wait before any latency a replica measures. A replica is full, at the median
     load of those samples, where the gateway held more of the requests than the percentile leaves to its tail
-    (any, for the mean): a p90 target tolerates a tenth of the requests waiting there. None without a latency
-    measured under load."""
+    (any, for the mean), in a window where more of the requests that arrived waited there than that tail: a
+    p90 target tolerates a tenth of the requests waiting. None without a latency measured under load."""
     points = _loads_and_latencies(samples, latency, percentile, unit)
     if not points:
         return None
     tail = 0.0 if percentile is None else 1 - percentile / 100
+    # A scrape that caught two requests arriving together at a low load shows a held request too, and a
+    # replica's load over that second is what came, not what it takes: sized at it, a fleet carrying a sixth
+    # of a replica's throughput doubled.
+    waited_beyond_tail = _mean(s.waited_share for s in samples) > tail
     full = [
-        load for s in samples if s.held > tail * s.queue_depth and (load := unit.per_replica(s)) is not None
+        load
+        for s in samples
+        if waited_beyond_tail and s.held > tail * s.queue_depth and (load := unit.per_replica(s)) is not None
     ]
     # The median: a fleet of one or two replicas scraped every second shows a handful of requests a scrape,
     # and the highest of them is chance (a scrape that missed a replica divides by one).

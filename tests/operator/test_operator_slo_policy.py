@@ -58,7 +58,7 @@ def test_the_latency_model_is_the_line_through_the_measurements() -> None:
 
 def test_requests_the_gateway_held_are_demand_but_not_the_replicas_load() -> None:
     # At 10 s the replicas hold 4 each, as before, and the gateway holds 6 more that neither had room for.
-    held = [_sample(0, 4, 0.3), dataclasses.replace(_sample(10, 14, 0.5), held=6)]
+    held = [_sample(0, 4, 0.3), dataclasses.replace(_sample(10, 14, 0.5), held=6, waited_share=0.5)]
     model = latency_model(held, "time to first token")
     assert model is not None
     assert (model.idle, model.per_unit) == (pytest.approx(0.1), pytest.approx(0.1))
@@ -326,21 +326,50 @@ def test_requests_that_waited_in_the_gateway_take_their_share_of_the_tail() -> N
 
 
 def test_a_replica_is_full_where_the_gateway_held_more_than_the_percentiles_tail() -> None:
-    def holding(held: float) -> list[MetricsSample]:
-        # The replicas hold 4 requests each at 10 s, as in TAILED, and the gateway `held` more.
-        latest = dataclasses.replace(TAILED[1], queue_depth=8 + held, held=held)
+    def holding(held: float, waited_share: float = 0.0) -> list[MetricsSample]:
+        # The replicas hold 4 requests each at 10 s, as in TAILED, and the gateway `held` more; of the
+        # requests that arrived since the scrape before, `waited_share` waited there.
+        latest = dataclasses.replace(TAILED[1], queue_depth=8 + held, held=held, waited_share=waited_share)
         return [TAILED[0], latest]
 
     # Half a request of 8.5 held (6%): within the tenth a p90 target leaves to its tail, so the line
     # decides, (600 - 100) / 100 = 5 requests per replica within 600 ms.
     brief = latency_model(holding(0.5), "time to first token", 90)
     assert brief is not None and brief.full_at is None and brief.capacity(0.6) == pytest.approx(5.0)
-    # 2 of 10 held (20%): more than the tail, so a replica is full at the 4 it held, and sized at that.
-    sustained = latency_model(holding(2), "time to first token", 90)
+    # 2 of 10 held (20%), and 40% of the latest requests waited, 20% of the window's: more than the tail, so
+    # a replica is full at the 4 it held, and sized at that.
+    sustained = latency_model(holding(2, 0.4), "time to first token", 90)
     assert sustained is not None and sustained.full_at == 4 and sustained.capacity(0.6) == pytest.approx(4.0)
-    # A mean has no tail to spare: any held request marks the replicas full.
-    on_mean = latency_model(holding(0.5), "time to first token")
+    # 2 of 10 held at the scrape, yet only 10% of the latest requests waited, 5% of the window's: two
+    # requests that came together, within the tail.
+    chance = latency_model(holding(2, 0.1), "time to first token", 90)
+    assert chance is not None and chance.full_at is None
+    # A mean has no tail to spare: any held request marks the replicas full, where any waited.
+    on_mean = latency_model(holding(0.5, 0.05), "time to first token")
     assert on_mean is not None and on_mean.full_at == 4
+    none_waited = latency_model(holding(0.5), "time to first token")
+    assert none_waited is not None and none_waited.full_at is None
+
+
+def test_a_scrape_that_caught_requests_arriving_together_keeps_the_full_load_measured_before() -> None:
+    at_p90 = LatencyTarget("time to first token", 1.0, 90)
+    # One replica was full at 1440 prompt tokens/s. Now it serves 300 a second, its first tokens within
+    # 50 ms; one scrape of ten catches a request held beside its two, after a second in which it took 192
+    # tokens, and a quarter of that second's requests waited: 2.5% of the window's.
+    fast = ((0.05, 10.0), (0.1, 10.0), (INF, 10.0))
+    quiet = [
+        dataclasses.replace(_token_sample(t, 2, 300, 0.03), reporting_pods=1, ttft_buckets=fast)
+        for t in range(50, 60)
+    ]
+    quiet[5] = dataclasses.replace(
+        quiet[5], queue_depth=3, held=1, prompt_tokens_per_s=192, waited_share=0.25
+    )
+    state = AutoscalerState(full_throughput=(("time to first token", 1440.0),))
+    decision = decide(POLICY, quiet, FleetState(1, 1), state, 59, slo=[at_p90])
+    # Not full at 192: trusted with twice the 300 it served, below the 1440 it was full at, one replica for
+    # the 298 tokens/s the window shows (sized at 192, two).
+    assert decision.replicas == 1 and "600.0 prompt tokens/s per replica" in decision.reason, decision.reason
+    assert decision.state.full_throughput == (("time to first token", 1440.0),)
 
 
 def test_the_fleets_histogram_adds_up_the_replicas_and_leaves_out_other_bounds() -> None:
@@ -382,7 +411,12 @@ def test_the_percentile_defaults_to_90_and_the_api_server_checks_its_range(crd_v
 
 
 def _token_sample(
-    time: float, queue_depth: float, prompt_tokens_per_s: float, ttft: float, held: float = 0.0
+    time: float,
+    queue_depth: float,
+    prompt_tokens_per_s: float,
+    ttft: float,
+    held: float = 0.0,
+    waited_share: float = 0.0,
 ) -> MetricsSample:
     return MetricsSample(
         time=time,
@@ -391,6 +425,7 @@ def _token_sample(
         ttft_seconds=ttft,
         prompt_tokens_per_s=prompt_tokens_per_s,
         held=held,
+        waited_share=waited_share,
     )
 
 
@@ -412,7 +447,7 @@ def test_with_token_counters_the_slo_policy_sizes_on_prompt_tokens_per_second() 
 def test_what_a_replica_served_while_the_gateway_held_requests_bounds_it_past_the_window() -> None:
     # At 10 s the replicas serve 2000 prompt tokens/s each with 4 requests apiece, and the gateway holds 6
     # more: the demand is 4000 × 14 / 8 = 7000 tokens/s, and a replica does 2000 at most.
-    held = [_token_sample(0, 4, 2000, 0.2), _token_sample(10, 14, 4000, 0.3, held=6)]
+    held = [_token_sample(0, 4, 2000, 0.2), _token_sample(10, 14, 4000, 0.3, held=6, waited_share=0.4)]
     first = decide(POLICY, held, FleetState(2, 2), AutoscalerState(), 10, slo=[TTFT])
     assert first.state.full_throughput == (("time to first token", 2000.0),)
     # 7000 + 30 × 500 = 22,000 forecast over 2000 a replica: 11, capped at 10.
@@ -435,7 +470,7 @@ def test_a_fleet_full_and_refusing_is_sized_for_what_arrives_and_grows_while_the
     # Two replicas serve 2000 prompt tokens/s each with the gateway holding more than the tail beside them,
     # and it refuses a third of what arrives: 4000 / (1 - 1/3) = 6000 tokens/s arrive, three replicas'
     # worth at the load at which they are full.
-    full = [_token_sample(time, 14, 4000, 0.3, held=6) for time in (8, 10)]
+    full = [_token_sample(time, 14, 4000, 0.3, held=6, waited_share=0.4) for time in (8, 10)]
     refusing = [dataclasses.replace(s, refused_share=1 / 3) for s in full]
     decision = decide(POLICY, refusing, FleetState(2, 2), AutoscalerState(), 10, slo=[TTFT])
     assert decision.replicas == 3
@@ -445,7 +480,8 @@ def test_a_fleet_full_and_refusing_is_sized_for_what_arrives_and_grows_while_the
     # Three replicas at that load serve the 6000 with 4 requests each, and the gateway still holds 3 beside
     # them, refusing none: the held are demand too, 6000 × 15 / 12 = 7500, so the fleet grows out of it.
     sized = [
-        dataclasses.replace(_token_sample(time, 15, 6000, 0.3, held=3), reporting_pods=3) for time in (80, 82)
+        dataclasses.replace(_token_sample(time, 15, 6000, 0.3, held=3, waited_share=0.2), reporting_pods=3)
+        for time in (80, 82)
     ]
     grown = decide(POLICY, sized, FleetState(3, 3), decision.state, 82, slo=[TTFT])
     assert grown.replicas == 4 and "demand 7500.0 prompt tokens/s" in grown.reason
@@ -477,7 +513,7 @@ def test_a_replica_is_full_at_the_median_load_of_the_samples_where_the_gateway_h
     # One request held in each, the replicas' load 3, 4 and 9 each: a scrape that caught a handful of
     # requests at once, or missed a replica, is not what a replica takes.
     full = [
-        dataclasses.replace(_sample(t, queue_depth, ttft), held=1)
+        dataclasses.replace(_sample(t, queue_depth, ttft), held=1, waited_share=0.1)
         for t, queue_depth, ttft in [(0, 7, 0.3), (1, 9, 0.4), (2, 19, 0.9)]
     ]
     model = latency_model(full, "time to first token")
