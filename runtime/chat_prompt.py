@@ -56,10 +56,12 @@ def chat_prompt_token_ids(
     add_generation_prompt: bool,
     tools: list[dict[str, Any]] | None = None,
     template_kwargs: dict[str, Any] | None = None,
+    continue_final_message: bool = False,
 ) -> list[int]:
     """Token ids of `messages` (role/content dicts) rendered by the tokenizer's chat template, with the
     `tools` (OpenAI's function definitions) the template shows the model and `template_kwargs`, variables
-    the template reads (see `rendering_parameters` for the names they may not take).
+    the template reads (see `rendering_parameters` for the names they may not take); with
+    `continue_final_message`, ending within the last message for the model to go on with it.
 
     Raises ValueError when the tokenizer has no chat template or the template rejects the messages.
     """
@@ -68,7 +70,9 @@ def chat_prompt_token_ids(
     template_kwargs = template_kwargs or {}
     special = _special_tokens(tokenizer)
     if special.pattern is None:
-        text = _render(tokenizer, messages, add_generation_prompt, tools, template_kwargs)
+        text = _render(
+            tokenizer, messages, add_generation_prompt, continue_final_message, tools, template_kwargs
+        )
         return _encode(special.text_encoder, text)
     free = _free_characters(len(special.ids), [messages, tools, template_kwargs], tokenizer.chat_template)
     stand_ins = dict(zip(special.ids, free, strict=True))
@@ -83,7 +87,14 @@ def chat_prompt_token_ids(
             return {key: escape(item) for key, item in value.items()}
         return value
 
-    text = _render(tokenizer, escape(messages), add_generation_prompt, escape(tools), escape(template_kwargs))
+    text = _render(
+        tokenizer,
+        escape(messages),
+        add_generation_prompt,
+        continue_final_message,
+        escape(tools),
+        escape(template_kwargs),
+    )
     restore = {ord(stand_in): token for token, stand_in in stand_ins.items()}
     token_ids: list[int] = []
     position = 0
@@ -99,6 +110,7 @@ def _render(
     tokenizer: Any,
     messages: list[dict[str, Any]],
     add_generation_prompt: bool,
+    continue_final_message: bool,
     tools: list[dict[str, Any]] | None,
     template_kwargs: dict[str, Any],
 ) -> str:
@@ -108,6 +120,7 @@ def _render(
             tools=tools,
             tokenize=False,
             add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
             **template_kwargs,
         )
     except Exception as exc:

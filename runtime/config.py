@@ -23,8 +23,26 @@ from kvfleet.runtime.quantization.config import folder_weight_quantization
 from kvfleet.runtime.speculative_config import SpeculativeConfig
 
 Device = Literal["auto", "cpu", "cuda"]
+# vLLM's load formats kvfleet reads: its checkpoints are safetensors.
+LoadFormat = Literal["auto", "safetensors"]
+# vLLM's tokenizer modes kvfleet honours: Transformers' tokenizer, its fast one where the folder has it.
+TokenizerMode = Literal["auto", "hf"]
 MODALITIES = ("image", "audio")
 DEFAULT_ITEMS_PER_PROMPT = 4
+
+
+# Options that are positive numbers where set.
+_POSITIVE_OR_UNSET = (
+    "num_kv_blocks",
+    "cpu_kv_cache_space",
+    "kv_offloading_size",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "max_model_len",
+    "stream_interval",
+    "max_loras",
+    "max_lora_rank",
+)
 
 
 def _option(help: str, **kwargs: Any) -> Any:
@@ -51,6 +69,21 @@ class EngineConfig:
     )
     chat_template: str | None = _option(
         "Chat template replacing the tokenizer's: a file path or the Jinja text itself.", default=None
+    )
+    tokenizer_mode: TokenizerMode = _option(
+        "vLLM's: how the tokenizer is loaded. auto and hf load it with Transformers; vLLM's slow, mistral "
+        "and custom modes are refused.",
+        default="auto",
+    )
+    download_dir: str | None = _option(
+        "Where a Hub model (and a Hub tokenizer) is fetched to, in the Hugging Face cache's layout; by "
+        "default the Hugging Face cache.",
+        default=None,
+    )
+    load_format: LoadFormat = _option(
+        "vLLM's: how the weights are read. kvfleet reads safetensors checkpoints (auto, safetensors); vLLM's "
+        "other formats are refused.",
+        default="auto",
     )
     dtype: DType = _option("Weights and activations dtype; auto follows config.json.", default="auto")
     quantization: str | None = _option(
@@ -85,8 +118,20 @@ class EngineConfig:
         "Token budget of one step (prefill chunks and decodes together).", default=None
     )
     max_model_len: int | None = _option("Longest context (prompt + output) in tokens.", default=None)
+    stream_interval: int = _option(
+        "A stream hands out its new tokens once this many are waiting (its first and its last at once): "
+        "fewer, larger events for the server, the network and the clients to carry. A request's "
+        "stream_interval may raise it.",
+        default=1,
+    )
     enable_prefix_caching: bool = _option("Reuse KV blocks of shared prompt prefixes.", default=True)
     enable_chunked_prefill: bool = _option("Split long prompts across steps within the budget.", default=True)
+    long_prefill_token_threshold: int = _option(
+        "vLLM's: the most prompt tokens one request computes in a step while other requests run or wait, so "
+        "that a long prompt leaves the rest of the budget to them (alone it takes the whole budget); 0 for "
+        "no limit. Needs chunked prefill.",
+        default=0,
+    )
     scheduling_policy: SchedulingPolicy = _option("fcfs, or priority (lower value first).", default="fcfs")
     enable_sleep_mode: bool = _option(
         "vLLM's sleep mode: the engine can free its KV cache (sleep level 1; the weights stay in host "
@@ -193,12 +238,13 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         # Hub ids become the cache's folders here, once: every reader of the config sees local paths.
-        self.model = resolve_model(self.model, self.revision)
+        self.model = resolve_model(self.model, self.revision, cache_dir=self.download_dir)
         if self.tokenizer is not None:
             self.tokenizer = resolve_model(
                 self.tokenizer,
                 self.tokenizer_revision or self.revision,
                 allow_patterns=TOKENIZER_FILE_PATTERNS,
+                cache_dir=self.download_dir,
             )
         self.validate()
 
@@ -209,29 +255,16 @@ class EngineConfig:
 
         require(bool(self.model), "model must name a model folder")
         folder_weight_quantization(self.model, self.quantization)  # raises ValueError naming the field
-        for name in ("dtype", "device", "scheduling_policy"):
+        for name in _FIELD_TYPES:
             allowed = get_args(_FIELD_TYPES[name])
             require(getattr(self, name) in allowed, f"{name} must be one of {', '.join(allowed)}")
         power_of_two = self.block_size > 0 and self.block_size & (self.block_size - 1) == 0
         require(power_of_two, "block_size must be a power of two")
-        require(self.num_kv_blocks is None or self.num_kv_blocks > 0, "num_kv_blocks must be positive")
         require(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization must be in (0, 1]")
-        require(
-            self.cpu_kv_cache_space is None or self.cpu_kv_cache_space > 0,
-            "cpu_kv_cache_space must be positive",
-        )
-        require(
-            self.kv_offloading_size is None or self.kv_offloading_size > 0,
-            "kv_offloading_size must be positive",
-        )
-        require(self.max_num_seqs > 0, "max_num_seqs must be positive")
-        require(
-            self.max_num_batched_tokens is None or self.max_num_batched_tokens > 0,
-            "max_num_batched_tokens must be positive",
-        )
-        require(self.max_model_len is None or self.max_model_len > 0, "max_model_len must be positive")
-        require(self.max_loras > 0, "max_loras must be positive")
-        require(self.max_lora_rank > 0, "max_lora_rank must be positive")
+        require(self.long_prefill_token_threshold >= 0, "long_prefill_token_threshold must be 0 or more")
+        for name in _POSITIVE_OR_UNSET:
+            value = getattr(self, name)
+            require(value is None or value > 0, f"{name} must be positive")
         require(
             self.max_cpu_loras is None or self.max_cpu_loras >= self.max_loras,
             "max_cpu_loras must be at least max_loras",
@@ -349,10 +382,18 @@ class EngineConfig:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "model"}
 
 
-_FIELD_TYPES = {"dtype": DType, "device": Device, "scheduling_policy": SchedulingPolicy}
+_FIELD_TYPES = {
+    "dtype": DType,
+    "device": Device,
+    "scheduling_policy": SchedulingPolicy,
+    "load_format": LoadFormat,
+    "tokenizer_mode": TokenizerMode,
+}
 
 
-class _JsonObject(click.ParamType):
+class JsonObject(click.ParamType):
+    """An option's JSON object, as vLLM's flags take them."""
+
     name = "json"
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> dict[str, Any]:
@@ -368,7 +409,7 @@ class _JsonObject(click.ParamType):
 
 
 _CLICK_TYPES: dict[str, Any] = {
-    "dict[str, Any] | None": _JsonObject(),
+    "dict[str, Any] | None": JsonObject(),
     "int | None": int,
     "str | None": str,
     "float | None": float,

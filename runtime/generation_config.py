@@ -11,15 +11,29 @@ from kvfleet.runtime.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-# generation_config.json's sampling keys, by the SamplingParams field each one defaults.
+# generation_config.json's sampling keys, by the SamplingParams field each one defaults (vLLM's set).
 _SAMPLING_KEYS = {
     "temperature": "temperature",
     "top_p": "top_p",
     "top_k": "top_k",
     "min_p": "min_p",
     "repetition_penalty": "repetition_penalty",
+    "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty",
     "max_new_tokens": "max_tokens",
 }
+
+
+def sampling_overrides(overrides: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's --override-generation-config (generation_config.json's keys and values) as SamplingParams
+    fields; raises ValueError naming a key that is not a sampling one, or a value a request could not
+    carry."""
+    unknown = sorted(set(overrides) - set(_SAMPLING_KEYS))
+    if unknown:
+        raise ValueError(f"{unknown[0]!r} is not one of {', '.join(_SAMPLING_KEYS)}")
+    fields = {_SAMPLING_KEYS[key]: value for key, value in overrides.items()}
+    SamplingParams(**fields)  # raises ValueError naming the field
+    return fields
 
 
 def sampling_defaults(folder: str) -> dict[str, Any]:

@@ -48,14 +48,19 @@ def is_hub_id(model: str) -> bool:
 
 
 def resolve_model(
-    model: str, revision: str | None, *, allow_patterns: list[str] = WEIGHT_FILE_PATTERNS
+    model: str,
+    revision: str | None,
+    *,
+    allow_patterns: list[str] = WEIGHT_FILE_PATTERNS,
+    cache_dir: str | None = None,
 ) -> str:
     """The local folder of `model`: `model` itself unless it names no path here and is a Hub id, which is
-    then fetched into the Hugging Face cache (HF_HOME, HF_HUB_CACHE) at `revision`, with huggingface_hub's
-    progress bars, or read from it alone under HF_HUB_OFFLINE=1. Raises HubError in one line."""
+    then fetched into `cache_dir` or else the Hugging Face cache (HF_HOME, HF_HUB_CACHE) at `revision`, with
+    huggingface_hub's progress bars, or read from it alone under HF_HUB_OFFLINE=1. Raises HubError in one
+    line."""
     if Path(model).exists() or not is_hub_id(model):
         return model
-    return str(_snapshot(HubRepository(model, revision), None, allow_patterns))
+    return str(_snapshot(HubRepository(model, revision), None, allow_patterns, cache_dir))
 
 
 def download(repository: HubRepository, dest: str | Path, *, must_contain: str) -> Path:
@@ -70,8 +75,14 @@ def download(repository: HubRepository, dest: str | Path, *, must_contain: str) 
     return path
 
 
-def _snapshot(repository: HubRepository, local_dir: str | Path | None, allow_patterns: list[str]) -> Path:
-    """snapshot_download, into `local_dir` or else the cache, its failures told in one line."""
+def _snapshot(
+    repository: HubRepository,
+    local_dir: str | Path | None,
+    allow_patterns: list[str],
+    cache_dir: str | None = None,
+) -> Path:
+    """snapshot_download, into `local_dir` or else the cache (`cache_dir`, or the Hugging Face cache), its
+    failures told in one line."""
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import (
         GatedRepoError,
@@ -82,11 +93,18 @@ def _snapshot(repository: HubRepository, local_dir: str | Path | None, allow_pat
     )
 
     name, revision = repository.repo_id, repository.revision or constants.DEFAULT_REVISION
-    where = "the Hugging Face cache " + constants.HF_HUB_CACHE if local_dir is None else str(local_dir)
+    if local_dir is not None:
+        where = str(local_dir)
+    else:
+        where = "the Hugging Face cache " + (cache_dir or constants.HF_HUB_CACHE)
     try:
         with _quiet_requests():
             path = snapshot_download(
-                name, revision=revision, local_dir=local_dir, allow_patterns=allow_patterns
+                name,
+                revision=revision,
+                cache_dir=cache_dir,
+                local_dir=local_dir,
+                allow_patterns=allow_patterns,
             )
     except GatedRepoError:
         reason = f"the repository is gated on {constants.ENDPOINT}: accept its terms there and set HF_TOKEN"

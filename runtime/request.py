@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from kvfleet.runtime.sampling_params import SamplingParams
 
@@ -65,6 +65,14 @@ _UNFINISHED_TRANSITIONS = {
     (RequestStatus.RUNNING, RequestStatus.PREEMPTED),
     (RequestStatus.PREEMPTED, RequestStatus.RUNNING),
 }
+
+
+class PromptTokenLogprobs(NamedTuple):
+    """A prompt token's scores from the tokens before it: the log probabilities of the token and of the N
+    likeliest in its place, by id, and the token's rank among all of them (1: the likeliest)."""
+
+    logprobs: dict[int, float]
+    rank: int
 
 
 class Request:
@@ -127,6 +135,11 @@ class Request:
         self.block_hashes: list[bytes] = []
         # A set, so that the per-token stop check is O(1) whatever the number of stop ids.
         self.stop_token_id_set = frozenset(sampling_params.stop_token_ids or ())
+        # With prompt_logprobs: each prompt token's after the first, filled in as the prompt's chunks run
+        # (again, the same, if it is recomputed), until the first output token takes them along (then None).
+        self.prompt_logprobs: list[PromptTokenLogprobs | None] | None = None
+        if sampling_params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None] * (len(self.prompt_token_ids) - 1)
 
     def __repr__(self) -> str:
         return (

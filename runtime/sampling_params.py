@@ -86,6 +86,9 @@ class SamplingParams:
     min_tokens: int = 0
     # Top-N log probabilities per sampled token; 0 = only the sampled token's.
     logprobs: int | None = None
+    # vLLM's: the log probability of each prompt token after the first, with the top N in its place (0: the
+    # token's own only) and its rank (RequestOutput.prompt_logprobs).
+    prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
@@ -101,6 +104,9 @@ class SamplingParams:
     # Return the final hidden state of the prompt's last token (what an embedding is pooled from) with the
     # request's first tokens.
     return_prompt_hidden_state: bool = False
+    # vLLM's: a stream hands out this request's new tokens once this many are waiting (its first and its
+    # last at once), raised to the engine's --stream-interval if below it. None: the engine's.
+    stream_interval: int | None = None
 
     def __post_init__(self) -> None:
         if self.stop is None:
@@ -184,13 +190,18 @@ class SamplingParams:
                 "bad_words",
                 f"must hold non-empty strings, got {word!r}",
             )
-        if self.logprobs is not None:
-            _require_int("logprobs", self.logprobs)
+        if self.stream_interval is not None:
+            _require_int("stream_interval", self.stream_interval)
             _require(
-                0 <= self.logprobs <= MAX_LOGPROBS,
-                "logprobs",
-                f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}",
+                self.stream_interval >= 1,
+                "stream_interval",
+                f"must be at least 1, got {self.stream_interval}",
             )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                _require_int(name, value)
+                _require(0 <= value <= MAX_LOGPROBS, name, f"must be in [0, {MAX_LOGPROBS}], got {value}")
 
 
 def _require(ok: bool, name: str, message: str) -> None:

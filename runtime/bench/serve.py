@@ -3,8 +3,8 @@
 It takes `vllm bench serve`'s flags with their meanings and writes its result file's keys, so that a command
 line and the scripts reading its results work against either: datasets `random` (token ids, no tokenizer
 needed) and `sharegpt` (a JSON file, read offline), arrivals at --request-rate with vLLM's --burstiness,
---max-concurrency, --goodput, --percentile-metrics / --metric-percentiles, --save-result. Never a secret in
-the result file: neither the API key nor a header is written.
+--max-concurrency, --goodput, --percentile-metrics / --metric-percentiles, --extra-body, --save-result. Never
+a secret in the result file: neither the API key nor a header is written.
 
 kvfleet's additions: requests may carry SLA tiers (the x-kvfleet-priority header) drawn from a seeded mix
 and are then broken down per tier (`per_tier`), so that the same workload run against a FCFS and a priority
@@ -66,6 +66,8 @@ class BenchSettings:
     ignore_eos: bool = False
     # None: the server's default, as vLLM sends none.
     temperature: float | None = None
+    # Fields added to every request's body (vLLM's --extra-body).
+    extra_body: dict[str, Any] = field(default_factory=dict)
     selection: MetricSelection = field(default_factory=MetricSelection)
     progress: bool = False
     image_ratio: float = 0.0
@@ -101,6 +103,18 @@ def parse_tier_mix(text: str | None) -> dict[str, float]:
     if total <= 0 or any(w < 0 for w in weights.values()):
         raise click.BadParameter("weights must be non-negative and not all zero", param_hint="--tier-mix")
     return {name: weight / total for name, weight in weights.items()}
+
+
+def parse_extra_body(text: str | None) -> dict[str, Any]:
+    if text is None:
+        return {}
+    try:
+        body = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise click.BadParameter(f"not JSON: {error}", param_hint="--extra-body") from None
+    if not isinstance(body, dict):
+        raise click.BadParameter("must be a JSON object", param_hint="--extra-body")
+    return body
 
 
 def parse_goodput(pairs: tuple[str, ...]) -> dict[str, float]:
@@ -303,6 +317,12 @@ def result_json(
 @click.option("--ignore-eos", is_flag=True, help="Always on for the random and corpus datasets.")
 @click.option("--temperature", type=float, default=None, help="The server's default if not given.")
 @click.option(
+    "--extra-body",
+    default=None,
+    metavar="JSON",
+    help="A JSON object of fields added to every request's body, e.g. '{\"stream_interval\": 8}'.",
+)
+@click.option(
     "--percentile-metrics",
     default="ttft,tpot,itl",
     show_default=True,
@@ -406,6 +426,7 @@ def settings_from_options(options: dict[str, Any]) -> BenchSettings:
         base_url=base_url,
         endpoint=resolve_endpoint(options["backend"], options.pop("endpoint")),
         headers=parse_key_values(options.pop("header"), "--header"),
+        extra_body=parse_extra_body(options.pop("extra_body")),
         random_range_ratio=parse_range_ratio(options.pop("random_range_ratio")),
         tier_mix=parse_tier_mix(options.pop("tier_mix")),
         selection=selection,

@@ -10,7 +10,8 @@ import json
 import math
 import random
 import time
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import click
@@ -53,6 +54,8 @@ class RequestOptions:
     ignore_eos: bool = True
     # None: the server's default.
     temperature: float | None = 0.0
+    # Fields added to every body, over the benchmark's own.
+    extra_body: Mapping[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -138,6 +141,7 @@ def _body(model: str, request: ServeRequest, options: RequestOptions) -> tuple[s
         body["temperature"] = options.temperature
     if options.ignore_eos:
         body["ignore_eos"] = True
+    body |= options.extra_body
     if request.image_url is None and not options.chat:
         prompt = request.prompt_token_ids if request.text is None else request.text
         return options.endpoint, {**body, "prompt": prompt, "max_tokens": request.output_len}
@@ -246,6 +250,7 @@ def request_options(settings: BenchSettings) -> RequestOptions:
         # vLLM always ignores EOS on its synthetic datasets, so that outputs run to their drawn lengths.
         ignore_eos=settings.ignore_eos or settings.dataset_name in ("random", "corpus"),
         temperature=settings.temperature,
+        extra_body=settings.extra_body,
     )
 
 

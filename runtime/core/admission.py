@@ -45,26 +45,30 @@ class Grant:
 class StepBudget:
     """What a step has left to give: tokens, the encoder's input tokens, and the background tier's share
     (None without a background tier; `hold_background` when other requests are present, which also keeps
-    new background requests from starting)."""
+    new background requests from starting). `per_request`: the most tokens one request takes (None for no
+    limit)."""
 
     tokens: int
     encoder: int
     background: int | None
     hold_background: bool
+    per_request: int | None = None
 
     def grant(
         self, request: Request, num_computed: int, num_pending: int, *, background: bool, whole: bool
     ) -> Grant:
         """How many of the request's num_pending tokens after num_computed it may take this step: what the
-        token budget leaves (and the background tier's share, for a background request), cut before the
-        first image or audio clip the encoder budget cannot take. `whole`: a prompt admitted without chunked
-        prefill, which runs whole or not at all (the background share cannot cut it either). No tokens: it
-        waits.
+        token budget leaves (and the background tier's share, for a background request) up to per_request,
+        cut before the first image or audio clip the encoder budget cannot take. `whole`: a prompt admitted
+        without chunked prefill, which runs whole or not at all (the background share cannot cut it either).
+        No tokens: it waits.
 
         The items fed are encoded in this step, except those an earlier step began (encoded then); at
         admission, when no step has begun any, also one that a prefix-cache hit ends inside."""
         background = background and not whole
         limit = min(self.tokens, self.background or 0) if background else self.tokens
+        if self.per_request is not None:
+            limit = min(limit, self.per_request)
         num_tokens = max(min(num_pending, limit), 0)
         end = num_computed + num_tokens
         cost = 0
@@ -191,7 +195,10 @@ def find_computed_prefix(
     request: Request, kv: KVCacheManager, sources: list[ComputedTokenSource]
 ) -> ComputedPrefix:
     """The longest computed prefix the device cache and the sources offer together. As with a device hit, the
-    last token runs again, to give logits."""
+    last token runs again, to give logits. A request for its prompt's logprobs computes the whole prompt, as
+    in vLLM: each token's logits are wanted."""
+    if request.sampling_params.prompt_logprobs is not None:
+        return ComputedPrefix([], 0)
     device_blocks, num_cached = kv.get_computed_blocks(request)
     prefix = ComputedPrefix(device_blocks, num_cached)
     for source in sources:

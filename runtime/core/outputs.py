@@ -8,7 +8,7 @@ from typing import Any
 from kvfleet.runtime.core.host_kv_tier import TierCopies
 from kvfleet.runtime.kv_transfer.base import KVConnectorMetadata, KVConnectorOutput
 from kvfleet.runtime.models.moe_config import MoeLayerLoad
-from kvfleet.runtime.request import FinishReason, Request
+from kvfleet.runtime.request import FinishReason, PromptTokenLogprobs, Request
 
 
 @dataclass
@@ -79,6 +79,9 @@ class ModelRunnerOutput:
     # By request id: the final hidden state of the prompt's last token, for requests that asked for it and
     # sampled their first token this step.
     prompt_hidden_states: dict[str, list[float]] = field(default_factory=dict)
+    # By request id: the position of the first prompt token scored this step (from the tokens before it), and
+    # each scored token's logprobs, for requests that asked for their prompt's.
+    prompt_logprobs: dict[str, tuple[int, list[PromptTokenLogprobs]]] = field(default_factory=dict)
 
 
 @dataclass
@@ -93,6 +96,9 @@ class EngineCoreOutput:
     kv_transfer_params: dict[str, Any] | None = None
     # See ModelRunnerOutput.prompt_hidden_states.
     prompt_hidden_state: list[float] | None = None
+    # The logprobs of every prompt token after the first (each one set), with the request's first output
+    # token.
+    prompt_logprobs: list[PromptTokenLogprobs | None] | None = None
 
     @property
     def finished(self) -> bool:

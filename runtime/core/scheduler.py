@@ -54,7 +54,7 @@ from kvfleet.runtime.errors import InvalidContinuationError
 from kvfleet.runtime.input_checks import check_context_length
 from kvfleet.runtime.kv_events.collector import KVEventSink
 from kvfleet.runtime.kv_transfer.base import KVConnectorOutput, KVConnectorScheduler
-from kvfleet.runtime.request import FinishReason, Request, RequestStatus
+from kvfleet.runtime.request import FinishReason, PromptTokenLogprobs, Request, RequestStatus
 
 _RUNNING = RequestStatus.RUNNING
 _WAITING_FOR_REMOTE_KVS = RequestStatus.WAITING_FOR_REMOTE_KVS
@@ -97,6 +97,7 @@ class Scheduler:
         num_kv_blocks: int,
         enable_prefix_caching: bool = True,
         enable_chunked_prefill: bool = True,
+        long_prefill_token_threshold: int = 0,
         policy: str = "fcfs",
         max_loras: int | None = None,
         background_priority: int | None = None,
@@ -118,6 +119,7 @@ class Scheduler:
             block_size=block_size,
             num_kv_blocks=num_kv_blocks,
             enable_chunked_prefill=enable_chunked_prefill,
+            long_prefill_token_threshold=long_prefill_token_threshold,
         )
         self.waiting = create_request_queue(policy)
         self.policy = policy
@@ -125,11 +127,10 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.enable_chunked_prefill = enable_chunked_prefill
+        self.long_prefill_token_threshold = long_prefill_token_threshold
         self.max_num_encoder_input_tokens = max_num_encoder_input_tokens or max_num_batched_tokens
         # Requests of this priority or less urgent (the batch tier), under either policy, only take the
-        # capacity the others leave: a step gives them at most _BACKGROUND_TOKENS_ALONE tokens; while any
-        # other request runs or waits, they come after it, get _BACKGROUND_TOKENS_BESIDE_FOREGROUND, and
-        # none of them is admitted.
+        # capacity the others leave (see _step_budget); while others are present, none of them is admitted.
         self.background_priority = background_priority
         self.clock = clock
         self.host_kv_tier = host_kv_tier
@@ -163,7 +164,6 @@ class Scheduler:
         # (deadline, sequence, request); entries of requests that finished otherwise are skipped when popped.
         self._deadlines: list[tuple[float, int, Request]] = []
         self._deadline_sequence = itertools.count()
-
         self.num_preempted_total = 0
         self.num_prefill_tokens_computed = 0
         self._drafts = _DraftCounts()
@@ -342,6 +342,7 @@ class Scheduler:
         all_logprobs = runner_output.logprobs
         req_ids = runner_output.req_ids
         max_model_len = self.max_model_len
+        self._fill_in_prompt_logprobs(runner_output)
         for index, request in enumerate(requests):
             new_token_ids = sampled_token_ids[index]
             # Requests finished from outside after schedule() lose their last tokens.
@@ -385,12 +386,26 @@ class Scheduler:
                     max(request.num_cached_tokens, 0),
                     kv_transfer_params if finish_reason is not None else None,
                     runner_output.prompt_hidden_states.get(request_id),
+                    None if request.prompt_logprobs is None else self._take_prompt_logprobs(request),
                 )
             )
         self._drop_finished_running()
         return outputs
 
     # Internals.
+
+    def _fill_in_prompt_logprobs(self, runner_output: ModelRunnerOutput) -> None:
+        """The prompt logprobs the step scored, each at its position (a recomputed chunk writes the same)."""
+        for request_id, (first_position, entries) in runner_output.prompt_logprobs.items():
+            request = self.requests.get(request_id)
+            if request is not None and request.prompt_logprobs is not None:
+                request.prompt_logprobs[first_position : first_position + len(entries)] = entries
+
+    @staticmethod
+    def _take_prompt_logprobs(request: Request) -> list[PromptTokenLogprobs | None] | None:
+        """The prompt's logprobs, once: with its first output token (a recomputed prompt scores no more)."""
+        prompt_logprobs, request.prompt_logprobs = request.prompt_logprobs, None
+        return prompt_logprobs
 
     def _update_from_kv_xfer_finished(self, output: KVConnectorOutput) -> None:
         """Free the blocks the connector let go; start the requests whose KV arrived; send those whose load
@@ -445,12 +460,19 @@ class Scheduler:
 
     def _step_budget(self) -> StepBudget:
         """A step's budgets. Background requests may take _BACKGROUND_TOKENS_ALONE tokens when nothing else is
-        present, _BACKGROUND_TOKENS_BESIDE_FOREGROUND (and come last) while other requests are."""
+        present, _BACKGROUND_TOKENS_BESIDE_FOREGROUND (and come last) while other requests are. A request
+        takes at most long_prefill_token_threshold tokens while another runs or waits: alone, it starves no
+        one."""
         background, hold = None, False
         if self.background_priority is not None:
             hold = self._num_foreground > 0
             background = _BACKGROUND_TOKENS_BESIDE_FOREGROUND if hold else _BACKGROUND_TOKENS_ALONE
-        return StepBudget(self.max_num_batched_tokens, self.max_num_encoder_input_tokens, background, hold)
+        per_request = None
+        if self.long_prefill_token_threshold and len(self.running) + len(self.waiting) > 1:
+            per_request = self.long_prefill_token_threshold
+        return StepBudget(
+            self.max_num_batched_tokens, self.max_num_encoder_input_tokens, background, hold, per_request
+        )
 
     def _schedule_running(self, scheduled: dict[Request, int], budget: StepBudget) -> list[Request]:
         """Give running requests their tokens, in admission order (background last while held), preempting
@@ -802,6 +824,7 @@ def _check_limits(
     block_size: int,
     num_kv_blocks: int,
     enable_chunked_prefill: bool,
+    long_prefill_token_threshold: int,
 ) -> None:
     """Raises ValueError, naming the numbers, for limits no schedule can keep."""
     for name, value in (
@@ -824,3 +847,10 @@ def _check_limits(
             f"without chunked prefill, max_num_batched_tokens ({max_num_batched_tokens}) must be at "
             f"least max_model_len ({max_model_len}) so that every prompt fits in one step"
         )
+    if long_prefill_token_threshold < 0 or long_prefill_token_threshold > max_model_len:
+        raise ValueError(
+            f"long_prefill_token_threshold ({long_prefill_token_threshold}) must be from 0 to max_model_len "
+            f"({max_model_len})"
+        )
+    if long_prefill_token_threshold and not enable_chunked_prefill:
+        raise ValueError("long_prefill_token_threshold cuts prompts into chunks: it needs chunked prefill")

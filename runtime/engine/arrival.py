@@ -227,6 +227,29 @@ class PromptHiddenStates:
             )
 
 
+class PromptLogprobs:
+    """A request for its prompt's logprobs is served where the engine computes its whole prompt: ranks in
+    worker processes send back only their logits, a decode call's prompt was computed on a prefill replica,
+    and a continuation's prompt was scored on the replica it comes from."""
+
+    def __init__(self, world_size: int) -> None:
+        self._world_size = world_size
+
+    def prepare(self, add: AddRequest, request: Request) -> None:
+        if add.sampling_params.prompt_logprobs is None:
+            return
+        if self._world_size > 1:
+            raise InvalidRequestError(
+                f"prompt_logprobs are served by a single-rank engine, not by one of {self._world_size} ranks"
+            )
+        if request.kv_transfer is not None:
+            raise InvalidRequestError(
+                "prompt_logprobs: a disaggregated request's prompt is computed on its prefill replica"
+            )
+        if add.resumed_token_ids:
+            raise InvalidRequestError("prompt_logprobs: a continuation's prompt was scored where it began")
+
+
 class StructuredOutputs:
     """Starts compiling a request's grammar when it arrives; the request waits in the queue meanwhile (the
     scheduler's GrammarReady gate). Each step then settles the compiles that ended: a request whose grammar

@@ -11,11 +11,12 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvfleet.runtime.config import EngineConfig
@@ -58,7 +59,30 @@ class _Stream:
     queue: asyncio.Queue[RequestOutput | BaseException]
     tier: str
     tracker: RequestTracker | None
+    # A choice's tokens wait here until it has this many new ones (vLLM's stream interval); its first token
+    # and its finish are handed out at once.
+    interval: int = 1
+    held: RequestOutput | None = None
+    started: set[int] = field(default_factory=set)
     finished: bool = False
+
+    def hand_out(self, output: RequestOutput) -> None:
+        if self.interval == 1:
+            self.queue.put_nowait(output)
+            return
+        if self.held is not None:
+            output = self.held.followed_by(output)
+        due, waiting = [], []
+        for completion in output.outputs:
+            first = bool(completion.token_ids) and completion.index not in self.started
+            if output.finished or completion.finished or first:
+                due.append(completion)
+            else:
+                (due if len(completion.token_ids) >= self.interval else waiting).append(completion)
+        self.held = dataclasses.replace(output, outputs=waiting) if waiting else None
+        if due or output.finished:
+            self.started.update(completion.index for completion in due)
+            self.queue.put_nowait(dataclasses.replace(output, outputs=due))
 
 
 class AsyncLLM:
@@ -226,18 +250,14 @@ class AsyncLLM:
             arrival,
             resumed,
         )
-        tier = self._tier_of(priority)
-        lora_name = lora_request.lora_name if lora_request is not None else None
-        tracker = (
-            self._metrics.track(tier, len(prompt_token_ids), lora_name) if self._metrics is not None else None
+        stream = self._streams[request_id] = self._open_stream(
+            len(prompt_token_ids), params, priority, lora_request
         )
-        stream = _Stream(asyncio.Queue(), tier, tracker)
-        self._streams[request_id] = stream
         replay = self.output_processor.take_resumed(request_id)
         if replay is not None:
             if self._metrics is not None:
-                self._metrics.record_resumed(tier, _num_prefilled(resumed or {}))
-            stream.queue.put_nowait(replay)
+                self._metrics.record_resumed(stream.tier, _num_prefilled(resumed or {}))
+            stream.hand_out(replay)
         if replay is not None and replay.finished:
             # Every sequence finished on the replica before: nothing is left to run.
             stream.finished = True
@@ -272,6 +292,17 @@ class AsyncLLM:
                 if stream.tracker is not None:
                     stream.tracker.aborted()
                 self._forget(request_id)
+
+    def _open_stream(
+        self, num_prompt_tokens: int, params: SamplingParams, priority: int, lora_request: LoRARequest | None
+    ) -> _Stream:
+        tier = self._tier_of(priority)
+        tracker = None
+        if self._metrics is not None:
+            lora_name = lora_request.lora_name if lora_request is not None else None
+            tracker = self._metrics.track(tier, num_prompt_tokens, lora_name)
+        interval = max(params.stream_interval or 1, self.config.stream_interval)
+        return _Stream(asyncio.Queue(), tier, tracker, interval)
 
     def _remaining_startup_time(self, arrival: float) -> float | None:
         if self.startup_request_timeout is None:
@@ -354,7 +385,7 @@ class AsyncLLM:
             if stream.tracker is not None:
                 stream.tracker.observe(output)
             stream.finished = output.finished
-            stream.queue.put_nowait(output)
+            stream.hand_out(output)
 
     def _fail(self, request_id: str, error: EngineError) -> None:
         stream = self._streams.get(request_id)

@@ -27,6 +27,7 @@ from kvfleet.runtime.engine.arrival import (
     LoRAAdapters,
     MediaItems,
     PromptHiddenStates,
+    PromptLogprobs,
     PromptMRopePositions,
     RopeCacheSalt,
     SamplingTokenRules,
@@ -117,6 +118,7 @@ class EngineCore:
             num_kv_blocks=self.num_kv_blocks,
             enable_prefix_caching=config.enable_prefix_caching,
             enable_chunked_prefill=config.enable_chunked_prefill,
+            long_prefill_token_threshold=config.long_prefill_token_threshold,
             policy=config.scheduling_policy,
             max_loras=config.max_loras if config.enable_lora else None,
             background_priority=background_priority,
@@ -194,6 +196,7 @@ class EngineCore:
             RopeCacheSalt(model_config.rope),
             KVTransferParams(self.kv_transfer, self.config.block_size),
             PromptHiddenStates(self.config.world_size),
+            PromptLogprobs(self.config.world_size),
         ]
         if model_config.uses_mrope:
             handlers.append(PromptMRopePositions(self.modalities))
@@ -541,6 +544,7 @@ class EngineCore:
                 single = self.executor.execute_model(scheduler_output.subset([index]))
                 sampled, logprobs = single.sampled_token_ids[0], single.logprobs[0]
                 merged.prompt_hidden_states.update(single.prompt_hidden_states)
+                merged.prompt_logprobs.update(single.prompt_logprobs)
             except WorkerFailedError:
                 raise
             except Exception as exc:

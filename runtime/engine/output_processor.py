@@ -8,7 +8,13 @@ from typing import Any
 
 from kvfleet.runtime.core.outputs import EngineCoreOutput
 from kvfleet.runtime.engine.detokenizer import IncrementalDetokenizer
-from kvfleet.runtime.engine.outputs import CompletionOutput, OutputKind, RequestMetrics, RequestOutput
+from kvfleet.runtime.engine.outputs import (
+    CompletionOutput,
+    OutputKind,
+    PromptTokenLogprobs,
+    RequestMetrics,
+    RequestOutput,
+)
 from kvfleet.runtime.engine.sequences import ResumedSequence
 from kvfleet.runtime.errors import InvalidContinuationError
 from kvfleet.runtime.request import FinishReason
@@ -50,6 +56,8 @@ class _RequestState:
     num_cached_tokens: int = 0
     kv_transfer_params: dict[str, Any] | None = None
     prompt_hidden_state: list[float] | None = None
+    # From the first of its sequences to score the prompt (each of n does).
+    prompt_logprobs: list[PromptTokenLogprobs | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -221,6 +229,9 @@ class OutputProcessor:
             state.kv_transfer_params = core_output.kv_transfer_params
         if core_output.prompt_hidden_state is not None:
             state.prompt_hidden_state = core_output.prompt_hidden_state
+        if core_output.prompt_logprobs is not None and state.prompt_logprobs is None:
+            # Nothing before the first prompt token scores it.
+            state.prompt_logprobs = [None, *core_output.prompt_logprobs]
         if sequence.logprobs is not None and core_output.new_logprobs:
             sequence.logprobs.extend(core_output.new_logprobs)
             for token_id, token_logprobs in zip(new_ids, core_output.new_logprobs, strict=False):
@@ -272,6 +283,7 @@ class OutputProcessor:
             metrics=dataclasses.replace(state.metrics),
             kv_transfer_params=state.kv_transfer_params if state.finished else None,
             prompt_hidden_state=state.prompt_hidden_state if state.finished else None,
+            prompt_logprobs=state.prompt_logprobs if state.finished else None,
         )
 
     @staticmethod

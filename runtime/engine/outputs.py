@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass
 from typing import Any
+
+from kvfleet.runtime.request import PromptTokenLogprobs
 
 
 class OutputKind(enum.Enum):
@@ -43,9 +46,32 @@ class RequestOutput:
     kv_transfer_params: dict[str, Any] | None = None
     # The final hidden state of the prompt's last token, once finished, when SamplingParams asked for it.
     prompt_hidden_state: list[float] | None = None
+    # With SamplingParams.prompt_logprobs, once finished: one entry per prompt token (None for the first,
+    # which nothing before it scores).
+    prompt_logprobs: list[PromptTokenLogprobs | None] | None = None
     # A continuation's first output: what its sequences had already delivered from another replica (their
     # resumed tokens, and the text sent of them), for the front end to catch up on; never to be sent again.
     resumed: bool = False
+
+    def followed_by(self, later: RequestOutput) -> RequestOutput:
+        """Two delta outputs of one request as one: each choice's text, tokens and logprobs joined, and the
+        rest as the later one has it."""
+        joined = {completion.index: completion for completion in self.outputs}
+        for completion in later.outputs:
+            earlier = joined.get(completion.index)
+            if earlier is None:
+                joined[completion.index] = completion
+                continue
+            logprobs = None
+            if earlier.logprobs is not None and completion.logprobs is not None:
+                logprobs = earlier.logprobs + completion.logprobs
+            joined[completion.index] = dataclasses.replace(
+                completion,
+                text=earlier.text + completion.text,
+                token_ids=earlier.token_ids + completion.token_ids,
+                logprobs=logprobs,
+            )
+        return dataclasses.replace(later, outputs=[joined[index] for index in sorted(joined)])
 
 
 @dataclass

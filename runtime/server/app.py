@@ -25,7 +25,7 @@ from kvfleet.runtime.server.errors import (
     install_error_handlers,
 )
 from kvfleet.runtime.server.json_bodies import DepthCheckedRoute
-from kvfleet.runtime.server.middleware import BodyReadTimeout, BodySizeLimit, InFlightCounter
+from kvfleet.runtime.server.middleware import BodyReadTimeout, BodySizeLimit, InFlightCounter, RequestIdHeader
 from kvfleet.runtime.server.state import ServerState
 from kvfleet.runtime.server.streaming import (
     EventStreamResponse,
@@ -70,7 +70,7 @@ def build_app(state: ServerState) -> FastAPI:
         lifespan=_lifespan(state, batches),
         docs_url=None,
         redoc_url=None,
-        openapi_url="/openapi.json",
+        openapi_url=None if state.settings.disable_fastapi_docs else "/openapi.json",
         root_path=state.settings.root_path,
     )
     app.state.server = state
@@ -89,6 +89,8 @@ def build_app(state: ServerState) -> FastAPI:
     app.add_middleware(BodyReadTimeout, timeout=state.settings.body_read_timeout)
     if state.settings.api_key is not None:
         app.add_middleware(ApiKeyAuth, api_key=state.settings.api_key)
+    if state.settings.enable_request_id_headers:
+        app.add_middleware(RequestIdHeader)
     # Outside auth: a browser's preflight carries no key, and a 401 needs CORS headers for the page to see it.
     app.add_middleware(
         CORSMiddleware,
@@ -97,6 +99,7 @@ def build_app(state: ServerState) -> FastAPI:
         allow_headers=state.settings.allowed_headers,
         allow_credentials=state.settings.allow_credentials,
     )
+    _add_probe_routes(app, state)
     _add_routes(app, state)
     _add_responses_routes(app, state)
     _add_embedding_routes(app, state)
@@ -147,11 +150,8 @@ async def _client_gone(request: Request, exc: Exception) -> Response:
     return Response(status_code=_CLIENT_CLOSED_REQUEST)
 
 
-def _add_routes(app: FastAPI, state: ServerState) -> None:
-    service = state.openai_service()
-    lora = OpenAIServingLoRA(service)
-    moderations = OpenAIServingModeration(service)
-    started = int(time.time())
+def _add_probe_routes(app: FastAPI, state: ServerState) -> None:
+    """What probes and scrapes read (PROBE_PATHS): liveness, readiness, the version, metrics and load."""
 
     @app.get("/health")
     async def health() -> Response:
@@ -176,6 +176,19 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+
+    if state.settings.enable_server_load_tracking:
+
+        @app.get("/load")
+        async def load() -> Response:
+            return JSONResponse({"server_load": state.in_flight})
+
+
+def _add_routes(app: FastAPI, state: ServerState) -> None:
+    service = state.openai_service()
+    lora = OpenAIServingLoRA(service)
+    moderations = OpenAIServingModeration(service)
+    started = int(time.time())
 
     read_tokenizer_files = functools.cache(lambda: tokenizer_files(service.engine.config))
 

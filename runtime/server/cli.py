@@ -18,6 +18,7 @@ from kvfleet.runtime.batch.store import (
 )
 from kvfleet.runtime.config import (
     EngineConfig,
+    JsonObject,
     engine_config_from_options,
     engine_options,
     served_model_name_option,
@@ -25,6 +26,7 @@ from kvfleet.runtime.config import (
 from kvfleet.runtime.list_options import ListOption, ListOptionsCommand
 from kvfleet.runtime.quantization.config import kv_cache_dtype_refusal
 from kvfleet.runtime.sampling_params import MAX_LOGPROBS
+from kvfleet.runtime.server.config_file import read_config_file
 from kvfleet.runtime.server.state import (
     DEFAULT_BODY_READ_TIMEOUT_S,
     DEFAULT_HEADER_READ_TIMEOUT_S,
@@ -82,6 +84,15 @@ def _api_key(ctx: click.Context, param: click.Parameter, value: str | None) -> s
 
 @click.command("serve", cls=ListOptionsCommand)
 @click.argument("model_tag", metavar="[MODEL]", required=False)
+@click.option(
+    "--config",
+    type=click.Path(dir_okay=False),
+    is_eager=True,
+    expose_value=False,
+    callback=read_config_file,
+    help="vLLM's: a YAML file of this command's options by flag name (port: 8000, served-model-name: "
+    "[a, b]); flags given here win over it.",
+)
 @click.option("--model", default=None, help="Model folder or Hub id (org/name), if not given as MODEL.")
 @served_model_name_option
 @click.option("--host", default="0.0.0.0", show_default=True)
@@ -271,6 +282,54 @@ def _api_key(ctx: click.Context, param: click.Parameter, value: str | None) -> s
 )
 @click.option("--access-log/--no-access-log", default=False, show_default=True)
 @click.option(
+    "--disable-uvicorn-access-log",
+    is_flag=True,
+    help="vLLM's: no access log, whatever --access-log says (kvfleet writes none by default).",
+)
+@click.option(
+    "--disable-log-stats",
+    is_flag=True,
+    help="Accepted for vLLM's command lines: kvfleet logs no periodic statistics (GET /metrics serves them).",
+)
+@click.option(
+    "--enable-prompt-tokens-details",
+    is_flag=True,
+    help="vLLM's: usage counts the prompt tokens the prefix cache held "
+    "(prompt_tokens_details.cached_tokens); the Responses API's always does.",
+)
+@click.option(
+    "--enable-force-include-usage",
+    is_flag=True,
+    help="vLLM's: every stream ends with its usage, whether or not stream_options asks for it.",
+)
+@click.option(
+    "--exclude-tools-when-tool-choice-none",
+    is_flag=True,
+    help='vLLM\'s: a chat request whose tool_choice is "none" is rendered without its tools (by default the '
+    "template still lists them).",
+)
+@click.option(
+    "--return-tokens-as-token-ids",
+    is_flag=True,
+    help='vLLM\'s: logprobs name tokens "token_id:N" (for tokens whose text is part of a character), for '
+    "requests that leave return_tokens_as_token_ids unset.",
+)
+@click.option(
+    "--enable-request-id-headers",
+    is_flag=True,
+    help="vLLM's: every response carries X-Request-Id, the request's own or a new one.",
+)
+@click.option(
+    "--enable-server-load-tracking",
+    is_flag=True,
+    help='vLLM\'s: GET /load answers {"server_load": the requests in flight}.',
+)
+@click.option(
+    "--disable-fastapi-docs",
+    is_flag=True,
+    help="vLLM's: no /openapi.json (kvfleet serves no Swagger or ReDoc pages either way).",
+)
+@click.option(
     "--max-logprobs",
     type=click.IntRange(0, MAX_LOGPROBS),
     default=MAX_LOGPROBS,
@@ -286,6 +345,29 @@ def _api_key(ctx: click.Context, param: click.Parameter, value: str | None) -> s
     "repetition_penalty, and max_new_tokens as max_tokens): auto reads the model folder's "
     "generation_config.json, FOLDER another one's (whose max_new_tokens also bounds every request), vllm "
     "none (vLLM's own defaults).",
+)
+@click.option(
+    "--override-generation-config",
+    type=JsonObject(),
+    default="{}",
+    metavar="JSON",
+    help="Sampling defaults over --generation-config's, as generation_config.json names them, e.g. "
+    '\'{"temperature": 0.5, "max_new_tokens": 256}\'.',
+)
+@click.option(
+    "--default-chat-template-kwargs",
+    type=JsonObject(),
+    default="{}",
+    metavar="JSON",
+    help="Chat template variables of requests that leave them unset (their chat_template_kwargs), e.g. "
+    "'{\"enable_thinking\": false}'.",
+)
+@click.option(
+    "--response-role",
+    default="assistant",
+    show_default=True,
+    help="The role of a chat answer that the generation prompt opens (with add_generation_prompt false, the "
+    "answer goes on in the last message's role).",
 )
 @click.option(
     "--allowed-origins",
@@ -320,9 +402,20 @@ def _api_key(ctx: click.Context, param: click.Parameter, value: str | None) -> s
     help="Accepted for vLLM's command lines: the model always runs eagerly (no CUDA graphs).",
 )
 @click.option(
+    "--enable-log-requests",
+    is_flag=True,
+    help="vLLM's: log each admitted request, its parameters at INFO and its prompt's token ids at DEBUG.",
+)
+@click.option(
+    "--max-log-len",
+    type=click.IntRange(min=0),
+    default=None,
+    help="vLLM's: the most prompt token ids a request's log shows; all of them by default.",
+)
+@click.option(
     "--disable-log-requests",
     is_flag=True,
-    help="Accepted for vLLM's command lines: requests (prompts, parameters) are never logged.",
+    help="vLLM's older switch: requests are not logged (the default), whatever --enable-log-requests says.",
 )
 @click.option(
     "--kv-cache-dtype",
@@ -363,7 +456,7 @@ def serve(model_tag: str | None, model: str | None, host: str, port: int, **opti
         )
     with STARTUP_PHASES.phase("config"):
         # After the checks of the options alone, which a download would only delay.
-        model = _model_folder(model_name, options["revision"])
+        model = _model_folder(model_name, options["revision"], options["download_dir"])
         try:
             config = engine_config_from_options(model, options)
             if config.world_size > 1:
@@ -400,7 +493,7 @@ def serve(model_tag: str | None, model: str | None, host: str, port: int, **opti
             settings=settings,
             host=host,
             port=port,
-            access_log=options["access_log"],
+            access_log=options["access_log"] and not options["disable_uvicorn_access_log"],
             uvicorn_log_level=options["uvicorn_log_level"],
             startup_request_timeout=options["startup_request_timeout"],
             api_server_count=options["api_server_count"],
@@ -430,7 +523,7 @@ def _model_name(model_tag: str | None, model: str | None) -> str:
     return chosen
 
 
-def _model_folder(model: str, revision: str | None) -> str:
+def _model_folder(model: str, revision: str | None, download_dir: str | None) -> str:
     """The folder of `model` (a Hub id's in the cache, fetched first), once it is known to be one the engine
     can load: a wrong path, repository or revision ends the command here, in one line, before the port
     opens."""
@@ -438,7 +531,7 @@ def _model_folder(model: str, revision: str | None) -> str:
     from kvfleet.runtime.models.folder import check_model_folder
 
     try:
-        folder = resolve_model(model, revision)
+        folder = resolve_model(model, revision, cache_dir=download_dir)
         check_model_folder(folder)
     except ValueError as exc:  # HubError included
         raise click.ClickException(str(exc)) from None
@@ -450,6 +543,14 @@ def _refuse_what_cannot_be_honoured(options: dict[str, Any]) -> None:
     refusal = kv_cache_dtype_refusal(options["kv_cache_dtype"])
     if refusal is not None:
         raise click.BadParameter(refusal, param_hint="--kv-cache-dtype")
+    from kvfleet.runtime.generation_config import sampling_overrides
+
+    try:
+        sampling_overrides(options["override_generation_config"])
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--override-generation-config") from None
+    if options["default_chat_template_kwargs"]:
+        _check_template_defaults(options["default_chat_template_kwargs"])
 
 
 def _check_reasoning_parser(name: str, tokenizer_dir: Path) -> None:
@@ -492,7 +593,7 @@ def _server_settings(model_name: str, model: str, options: dict[str, Any]) -> Se
     named = {f.name: options[f.name] for f in dataclasses.fields(ServerSettings) if f.name in options}
     served_model_names = options["served_model_name"] or (model_name,)
     generation_config = options["generation_config"]
-    sampling_defaults = _sampling_defaults(generation_config, model)
+    sampling_defaults = _sampling_defaults(generation_config, model, options["override_generation_config"])
     return ServerSettings(
         **{
             **named,
@@ -500,6 +601,7 @@ def _server_settings(model_name: str, model: str, options: dict[str, Any]) -> Se
             "served_model_aliases": served_model_names[1:],
             "default_priority": TIERS[options["default_priority"]],
             "max_priority_tier": TIERS[options["max_priority_tier"]],
+            "enable_log_requests": options["enable_log_requests"] and not options["disable_log_requests"],
             "safety": _safety(options["safety_config"]),
             "default_sampling_params": sampling_defaults,
             # As vLLM has it: another folder's max_new_tokens also bounds what requests ask for.
@@ -510,16 +612,36 @@ def _server_settings(model_name: str, model: str, options: dict[str, Any]) -> Se
     )
 
 
-def _sampling_defaults(generation_config: str, model: str) -> dict[str, Any]:
-    """The sampling defaults --generation-config gives requests."""
+def _check_template_defaults(defaults: dict[str, Any]) -> None:
+    """Template variables only: a name of the rendering's own parameters would fail every chat request."""
+    from kvfleet.runtime.chat_prompt import rendering_parameters
+    from kvfleet.runtime.server.tokenizer_imports import import_tokenizer_classes
+
+    import_tokenizer_classes()
+    from transformers import PreTrainedTokenizerBase
+
+    reserved = sorted(rendering_parameters(PreTrainedTokenizerBase).intersection(defaults))
+    if reserved:
+        raise click.BadParameter(
+            f"{reserved[0]!r} is a parameter of the rendering, not a variable of the template",
+            param_hint="--default-chat-template-kwargs",
+        )
+
+
+def _sampling_defaults(generation_config: str, model: str, override: dict[str, Any]) -> dict[str, Any]:
+    """The sampling defaults --generation-config gives requests, with --override-generation-config's over
+    them (checked at the start)."""
+    from kvfleet.runtime.generation_config import sampling_defaults, sampling_overrides
+
+    overrides = sampling_overrides(override)
     if generation_config == "vllm":
-        return {}
-    from kvfleet.runtime.generation_config import sampling_defaults
+        return overrides
 
     try:
-        return sampling_defaults(model if generation_config == "auto" else generation_config)
+        defaults = sampling_defaults(model if generation_config == "auto" else generation_config)
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--generation-config") from None
+    return {**defaults, **overrides}
 
 
 def _safety(value: str | None) -> SafetyConfig | None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import uuid
 
 from kvfleet.contract.tokenizer_files import TOKENIZER_FILES_PATH
 from kvfleet.runtime.server.errors import PayloadTooLargeError, error_response
@@ -12,7 +13,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 # Probes and scrapes (the metrics, the tokenizer's files a router reads): open to any caller without a key,
 # never counted as work in flight, never held back by a drain.
-PROBE_PATHS = frozenset({"/health", "/ready", "/metrics", "/ping", TOKENIZER_FILES_PATH})
+PROBE_PATHS = frozenset({"/health", "/ready", "/metrics", "/ping", "/load", TOKENIZER_FILES_PATH})
+REQUEST_ID_HEADER = b"x-request-id"
 
 
 def route_path(scope: Scope) -> str:
@@ -93,6 +95,28 @@ class BodyReadTimeout:
             return message
 
         await self.app(scope, timed_receive, send)
+
+
+class RequestIdHeader:
+    """vLLM's X-Request-Id on every response: the request's own, or a new one, for tracing a request
+    through proxies and logs."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request_id = dict(scope["headers"]).get(REQUEST_ID_HEADER) or uuid.uuid4().hex.encode()
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != REQUEST_ID_HEADER]
+                message = {**message, "headers": [*headers, (REQUEST_ID_HEADER, request_id)]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
 
 
 class InFlightCounter:

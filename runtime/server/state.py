@@ -54,6 +54,12 @@ class ServerSettings(ServiceSettings):
     allow_credentials: bool = False
     # The prefix a path-routing proxy serves the API under (FastAPI's root_path); "" for none.
     root_path: str = ""
+    # vLLM's: no /openapi.json (the API's schema).
+    disable_fastapi_docs: bool = False
+    # vLLM's: every response carries X-Request-Id (the request's own, or a new one).
+    enable_request_id_headers: bool = False
+    # vLLM's: GET /load answers the requests in flight.
+    enable_server_load_tracking: bool = False
     # The most responses (/v1/responses) kept in memory for previous_response_id and retrieval; 0: none
     # are kept, as vLLM serves by default.
     max_stored_responses: int = 0

@@ -23,7 +23,14 @@ from kvfleet.runtime.serving.protocol import (
     usage,
 )
 from kvfleet.runtime.serving.request import PreparedRequest, Prompt
-from kvfleet.runtime.serving.responses import Choice, ChoiceBuilder, token_text, top_logprobs
+from kvfleet.runtime.serving.responses import (
+    Choice,
+    ChoiceBuilder,
+    prompt_logprobs_body,
+    token_id_name,
+    token_text,
+    top_logprobs,
+)
 from kvfleet.runtime.serving.safety import RequestSafety
 from kvfleet.runtime.serving.tool_calls import OutputReading, ParsedCall, ToolCalling, new_call_id
 
@@ -34,16 +41,27 @@ if TYPE_CHECKING:
 class ChatRoute:
     chunk_object = "chat.completion.chunk"
     id_prefix = "chatcmpl"
+    reports_cached_tokens = False
 
     def __init__(self, body: ChatCompletionRequest, settings: ServiceSettings) -> None:
         self.body = body
         self.settings = settings
+        self.template_kwargs = settings.template_kwargs(body.chat_template_kwargs)
+        self.tokens_as_ids = body.tokens_as_ids(settings.return_tokens_as_token_ids)
         # The prompt as the model reads it, when the input is checked.
         self.rendered: str | None = None
         # The server's reasoning parser, and whether this answer begins with reasoning (known with the
         # prompt).
         self.reasoning: ReasoningParser | None = None
         self.opens_in_reasoning = False
+
+    @property
+    def role(self) -> str:
+        """As vLLM's: the server's response role for an answer the generation prompt opens; otherwise the
+        answer goes on with the last message, in its role (read once the prompt has checked the messages)."""
+        if self.body.add_generation_prompt:
+            return self.settings.response_role
+        return self.body.messages[-1].role
 
     @cached_property
     def tool_calling(self) -> ToolCalling | None:
@@ -59,6 +77,8 @@ class ChatRoute:
         """The conversation rendered by the chat template, its media placed."""
         body = self.body
         tools = [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None
+        if body.tool_choice == "none" and self.settings.exclude_tools_when_tool_choice_none:
+            tools = None  # the model is not told of tools it may not call
         messages = body.messages
         if safety is not None:
             safety.prompt = _last_user_text(messages)
@@ -66,11 +86,11 @@ class ChatRoute:
                 messages = await _redacted(safety, messages)
         media = await load_chat_media(service.engine.config, messages)
         token_ids = await service.chat_prompt(
-            messages, body.add_generation_prompt, tools, body.chat_template_kwargs
+            messages, body.add_generation_prompt, tools, self.template_kwargs, body.continue_final_message
         )
         self.reasoning = service.reasoning
         if self.reasoning is not None:
-            self.opens_in_reasoning = self.reasoning.opens_in_reasoning(body.chat_template_kwargs)
+            self.opens_in_reasoning = self.reasoning.opens_in_reasoning(self.template_kwargs)
         # Checked as the model reads it: the tools, the calls and all else the template puts in.
         self.rendered = await service.prompt_text(token_ids) if safety is not None else None
         mm_features = []
@@ -82,15 +102,17 @@ class ChatRoute:
         return self.rendered
 
     def response(
-        self, request: PreparedRequest, choices: list[list[Choice]], tokenizer: Any
+        self,
+        request: PreparedRequest,
+        choices: list[list[Choice]],
+        tokenizer: Any,
+        cached_tokens: int | None,
     ) -> dict[str, Any]:
         entries = []
         for index, choice in enumerate(choices[0]):
-            message: dict[str, Any] = {"role": "assistant", "content": choice.text}
+            message: dict[str, Any] = {"role": self.role, "content": choice.text}
             if self.reasoning is not None:
-                split = self.reasoning.extract_reasoning(
-                    choice.text, choice.token_ids, self.body.chat_template_kwargs
-                )
+                split = self.reasoning.extract_reasoning(choice.text, choice.token_ids, self.template_kwargs)
                 message.update(_reasoning_fields(split.reasoning), content=split.content)
             finish_reason = choice.finish_reason
             calls = _calls(self.tool_calling, message["content"] or "", finish_reason)
@@ -108,17 +130,26 @@ class ChatRoute:
             if self.body.return_token_ids:
                 entry["token_ids"] = choice.token_ids
             entries.append(entry)
-        return {
+        response = {
             "id": request.request_id,
             "object": "chat.completion",
             "created": request.created,
             "model": request.model,
             "choices": entries,
             "usage": usage(
-                len(request.prompt_token_ids[0]), sum(len(choice.token_ids) for choice in choices[0])
+                len(request.prompt_token_ids[0]),
+                sum(len(choice.token_ids) for choice in choices[0]),
+                cached_tokens,
             ),
             **self.first_chunk_fields(request),
         }
+        prompt_logprobs = choices[0][0].prompt_logprobs
+        if self.body.prompt_logprobs is not None and prompt_logprobs is not None:
+            # vLLM's: the rendered conversation's tokens, once for all choices.
+            response["prompt_logprobs"] = prompt_logprobs_body(
+                tokenizer, request.prompt_token_ids[0], prompt_logprobs
+            )
+        return response
 
     def _logprobs(
         self, tokenizer: Any, token_ids: list[int], logprobs: list[dict[int, float]] | None
@@ -126,17 +157,20 @@ class ChatRoute:
         if logprobs is None:
             return None
         limit = self.body.top_logprobs or 0
+        as_ids = self.tokens_as_ids
         content = []
         for token_id, entry in zip(token_ids, logprobs, strict=False):
             text = token_text(tokenizer, token_id)
+            # As vLLM's: a token named by its id still has its text's bytes, while an alternative has its
+            # name's.
             content.append(
                 {
-                    "token": text,
+                    "token": token_id_name(token_id) if as_ids else text,
                     "logprob": entry[token_id],
                     "bytes": list(text.encode()),
                     "top_logprobs": [
-                        {"token": top_text, "logprob": logprob, "bytes": list(top_text.encode())}
-                        for top_text, logprob in top_logprobs(tokenizer, entry, limit)
+                        {"token": name, "logprob": logprob, "bytes": list(name.encode())}
+                        for name, logprob in top_logprobs(tokenizer, entry, limit, as_ids)
                     ],
                 }
             )
@@ -147,7 +181,7 @@ class ChatRoute:
         return [
             {
                 "index": index,
-                "delta": {"role": "assistant", "content": ""},
+                "delta": {"role": self.role, "content": ""},
                 "logprobs": None,
                 "finish_reason": None,
             }
@@ -161,7 +195,7 @@ class ChatRoute:
     def choice_builder(self, request: PreparedRequest, tokenizer: Any) -> ChoiceBuilder:
         builder = self._content_builder(request, tokenizer)
         if self.reasoning is not None:
-            streams = [self.reasoning.stream(self.body.chat_template_kwargs) for _ in range(request.params.n)]
+            streams = [self.reasoning.stream(self.template_kwargs) for _ in range(request.params.n)]
             builder = _reasoning_first(streams, builder)
         return _carrying_token_ids(builder) if self.body.return_token_ids else builder
 

@@ -7,10 +7,18 @@ from typing import TYPE_CHECKING, Any
 
 from kvfleet.contract.errors import BadRequestError
 from kvfleet.runtime.engine.outputs import CompletionOutput
+from kvfleet.runtime.request import PromptTokenLogprobs
 from kvfleet.runtime.sampling_params import StructuredOutputsParams
 from kvfleet.runtime.serving.protocol import CompletionRequest, usage
 from kvfleet.runtime.serving.request import PreparedRequest, Prompt
-from kvfleet.runtime.serving.responses import Choice, ChoiceBuilder, token_text, top_logprobs
+from kvfleet.runtime.serving.responses import (
+    Choice,
+    ChoiceBuilder,
+    prompt_logprobs_body,
+    token_id_name,
+    token_text,
+    top_logprobs,
+)
 from kvfleet.runtime.serving.safety import RequestSafety
 
 if TYPE_CHECKING:
@@ -22,12 +30,17 @@ class CompletionRoute:
     id_prefix = "cmpl"
     # Completions are raw text: reasoning is not told apart, as in vLLM.
     opens_in_reasoning = False
+    reports_cached_tokens = False
     tool_constraint: StructuredOutputsParams | None = None
 
-    def __init__(self, body: CompletionRequest, fields: list[str] | None = None) -> None:
-        """`fields`: the request field each prompt came from, named in errors (prompt.N by default)."""
+    def __init__(
+        self, body: CompletionRequest, fields: list[str] | None = None, tokens_as_ids: bool = False
+    ) -> None:
+        """`fields`: the request field each prompt came from, named in errors (prompt.N by default).
+        `tokens_as_ids`: the server's return_tokens_as_token_ids, for requests that leave it unset."""
         self.body = body
         self.fields = fields
+        self.tokens_as_ids = body.tokens_as_ids(tokens_as_ids)
         self.prompts: list[str | list[int]] = []
         # Each prompt's text, which answers begin with when the request asks for echo.
         self.echoes: list[str] | None = None
@@ -64,20 +77,34 @@ class CompletionRoute:
         return "\n".join(texts) if checks_text else None
 
     def response(
-        self, request: PreparedRequest, choices: list[list[Choice]], tokenizer: Any
+        self,
+        request: PreparedRequest,
+        choices: list[list[Choice]],
+        tokenizer: Any,
+        cached_tokens: int | None,
     ) -> dict[str, Any]:
         n = request.params.n
         entries = []
         for prompt_index, per_prompt in enumerate(choices):
+            prompt_token_ids = request.prompt_token_ids[prompt_index]
             for sequence_index, choice in enumerate(per_prompt):
                 prefix = self.echoes[prompt_index] if self.echoes else ""
+                logprobs = self._logprobs(tokenizer, choice.token_ids, choice.logprobs, len(prefix))
+                if logprobs is not None and self.echoes:
+                    logprobs = self._with_prompt(
+                        tokenizer, prompt_token_ids, choice.prompt_logprobs, logprobs
+                    )
                 entry = {
                     "index": prompt_index * n + sequence_index,
                     "text": prefix + choice.text,
-                    "logprobs": self._logprobs(tokenizer, choice.token_ids, choice.logprobs, len(prefix)),
+                    "logprobs": logprobs,
                     "finish_reason": choice.finish_reason,
                     "stop_reason": choice.stop_reason,
                 }
+                if self.body.prompt_logprobs is not None and choice.prompt_logprobs is not None:
+                    entry["prompt_logprobs"] = prompt_logprobs_body(
+                        tokenizer, prompt_token_ids, choice.prompt_logprobs
+                    )
                 if self.body.return_token_ids:
                     entry["prompt_token_ids"] = request.prompt_token_ids[prompt_index]
                     entry["token_ids"] = choice.token_ids
@@ -89,7 +116,9 @@ class CompletionRoute:
             "created": request.created,
             "model": request.model,
             "choices": entries,
-            "usage": usage(sum(len(ids) for ids in request.prompt_token_ids), completion_tokens),
+            "usage": usage(
+                sum(len(ids) for ids in request.prompt_token_ids), completion_tokens, cached_tokens
+            ),
         }
 
     def _logprobs(
@@ -98,19 +127,54 @@ class CompletionRoute:
         limit = self.body.logprobs
         if logprobs is None or limit is None:
             return None
-        tokens, offsets = [], []
-        for token_id in token_ids:
-            text = token_text(tokenizer, token_id)
-            tokens.append(text)
-            offsets.append(offset)
-            offset += len(text)
+        as_ids = self.tokens_as_ids
+        tokens, offsets = self._named(tokenizer, token_ids, offset)
         return {
             "tokens": tokens,
             "token_logprobs": [entry[token_id] for token_id, entry in zip(token_ids, logprobs, strict=False)],
             "top_logprobs": [
-                dict(top_logprobs(tokenizer, entry, limit)) if limit else None for entry in logprobs
+                dict(top_logprobs(tokenizer, entry, limit, as_ids)) if limit else None for entry in logprobs
             ],
             "text_offset": offsets,
+        }
+
+    def _named(self, tokenizer: Any, token_ids: list[int], offset: int) -> tuple[list[str], list[int]]:
+        """Each token's name in logprobs (its text, or token_id_name) and its offset into the text from
+        `offset`, whatever name it carries."""
+        names, offsets = [], []
+        for token_id in token_ids:
+            text = token_text(tokenizer, token_id)
+            names.append(token_id_name(token_id) if self.tokens_as_ids else text)
+            offsets.append(offset)
+            offset += len(text)
+        return names, offsets
+
+    def _with_prompt(
+        self,
+        tokenizer: Any,
+        prompt_token_ids: list[int],
+        prompt_logprobs: list[PromptTokenLogprobs | None] | None,
+        answer: dict[str, Any],
+    ) -> dict[str, Any]:
+        """An echoed answer's logprobs: its prompt's tokens first (the first without a logprob: nothing
+        before it scores it), at offsets from the start of the echoed text."""
+        assert prompt_logprobs is not None, "echo with logprobs asks for the prompt's"
+        limit, as_ids = self.body.logprobs, self.tokens_as_ids
+        tokens, offsets = self._named(tokenizer, prompt_token_ids, 0)
+        scored = [
+            (None, None)
+            if scores is None
+            else (
+                scores.logprobs[token_id],
+                dict(top_logprobs(tokenizer, scores.logprobs, limit, as_ids)) if limit else None,
+            )
+            for token_id, scores in zip(prompt_token_ids, prompt_logprobs, strict=True)
+        ]
+        return {
+            "tokens": tokens + answer["tokens"],
+            "token_logprobs": [logprob for logprob, _ in scored] + answer["token_logprobs"],
+            "top_logprobs": [top for _, top in scored] + answer["top_logprobs"],
+            "text_offset": offsets + answer["text_offset"],
         }
 
     def preamble(self, request: PreparedRequest) -> list[dict[str, Any]]:

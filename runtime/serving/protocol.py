@@ -61,21 +61,20 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
     "guided_grammar": (None,),
     "structural_tag": (None,),
     "use_beam_search": (None, False),
-    "prompt_logprobs": (None,),
     "truncate_prompt_tokens": (None,),
     "spaces_between_special_tokens": (None, True),
     "logits_processors": (None, []),
     "return_tokens_as_token_ids": (None, False),
     "return_token_strs": (None, False),
     "prompt_embeds": (None,),
-    "continue_final_message": (None, False),
     "add_special_tokens": (None, False),
     "chat_template": (None,),
     "chat_template_kwargs": (None, {}),
     "documents": (None,),
-    # Implemented on /v1/chat/completions only.
+    # Implemented on /v1/chat/completions only (and the last on /tokenize).
     "tools": (None, []),
     "tool_choice": (None, "none", "auto"),
+    "continue_final_message": (None, False),
 }
 
 
@@ -211,11 +210,23 @@ class _GenerationRequest(RequestBody):
     kv_transfer_params: dict[str, Any] | None = None
     # vLLM's: the prompt's and each choice's token ids in the answer (streamed: each chunk's new ones).
     return_token_ids: StrictBool | None = None
+    # vLLM's: logprobs name each token "token_id:N" instead of by its text, which may be a fragment of a
+    # character JSON cannot carry; by default the server's --return-tokens-as-token-ids.
+    return_tokens_as_token_ids: StrictBool | None = None
     # vLLM's: a tenant's salt; prompts share prefix-cache blocks only with prompts of the same salt.
     cache_salt: str | None = None
+    # vLLM's: streamed tokens handed out this many at a time (the first and the last at once).
+    stream_interval: StrictInt | None = None
+    # vLLM's: each prompt token's log probability after the first, with this many of the likeliest tokens in
+    # its place and their ranks (answered whole: not with stream).
+    prompt_logprobs: StrictInt | None = None
     # kvfleet's: the request resumed from what its choices already delivered, mid-stream, by a replica that
     # failed or handed it back (kvfleet.contract.resume).
     continuation: Continuation | None = None
+
+    def tokens_as_ids(self, default: bool) -> bool:
+        """Whether logprobs name tokens "token_id:N": the request's choice, else the server's."""
+        return default if self.return_tokens_as_token_ids is None else self.return_tokens_as_token_ids
 
     def _check_common(self) -> None:
         self.refuse_unsupported()
@@ -232,11 +243,20 @@ class _GenerationRequest(RequestBody):
             raise BadRequestError(
                 "a continuation resumes a stream: it is only allowed when stream is true", param=CONTINUATION
             )
+        if self.prompt_logprobs is not None and self.stream:
+            raise BadRequestError(
+                "prompt_logprobs are not available when stream is true", param="prompt_logprobs"
+            )
 
     def _sampling_params(
-        self, max_tokens: int | None, logprobs: int | None, defaults: Mapping[str, Any] | None
+        self,
+        max_tokens: int | None,
+        logprobs: int | None,
+        defaults: Mapping[str, Any] | None,
+        prompt_logprobs: int | None = None,
     ) -> SamplingParams:
-        """`defaults` (SamplingParams fields) stand in for the fields the body leaves unset."""
+        """`defaults` (SamplingParams fields) stand in for the fields the body leaves unset;
+        `prompt_logprobs`: the request's, where the route reads them from more than its field."""
         given = {
             "n": self.n,
             "temperature": self.temperature,
@@ -254,10 +274,12 @@ class _GenerationRequest(RequestBody):
             "skip_special_tokens": self.skip_special_tokens,
             "include_stop_str_in_output": self.include_stop_str_in_output,
             "logprobs": logprobs,
+            "prompt_logprobs": self.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
             "structured_outputs": self._structured_outputs(),
             "logit_bias": self._logit_bias(),
             "allowed_token_ids": self.allowed_token_ids,
             "bad_words": self.bad_words,
+            "stream_interval": self.stream_interval,
             "extra_args": None
             if self.kv_transfer_params is None
             else {KV_TRANSFER_PARAMS: self.kv_transfer_params},
@@ -335,9 +357,17 @@ class CompletionRequest(_GenerationRequest):
         self._check_common()
         if self.best_of is not None and self.best_of != self.n:
             raise BadRequestError("best_of different from n is not supported", param="best_of")
+        prompt_logprobs = None
         if self.echo and self.logprobs is not None:
-            raise BadRequestError("echo together with logprobs is not supported", param="echo")
-        return self._sampling_params(self.max_tokens, self.logprobs, defaults)
+            if self.stream:
+                raise BadRequestError(
+                    "echo with logprobs is not available when stream is true: the prompt's logprobs are "
+                    "answered whole",
+                    param="echo",
+                )
+            # The echoed prompt's tokens come with their logprobs too, as in vLLM.
+            prompt_logprobs = max(self.logprobs, self.prompt_logprobs or 0)
+        return self._sampling_params(self.max_tokens, self.logprobs, defaults, prompt_logprobs)
 
     def prompts(self) -> list[str | list[int]]:
         return split_prompts(self.prompt, "prompt")
@@ -604,6 +634,17 @@ def media_parts(messages: list[ChatMessage]) -> list[tuple[str, str, ContentPart
     return found
 
 
+def check_conversation_end(add_generation_prompt: bool, continue_final_message: bool) -> None:
+    """A rendered conversation ends with a new turn opened for the answer, or within its last message: not
+    both."""
+    if add_generation_prompt and continue_final_message:
+        raise BadRequestError(
+            "continue_final_message goes on with the last message, add_generation_prompt opens a new one: "
+            "set add_generation_prompt to false",
+            param="continue_final_message",
+        )
+
+
 class ChatCompletionRequest(_GenerationRequest):
     messages: list[ChatMessage]
     max_tokens: StrictInt | None = None
@@ -611,6 +652,8 @@ class ChatCompletionRequest(_GenerationRequest):
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = None
     add_generation_prompt: StrictBool = True
+    # vLLM's: the prompt ends within the last message, which the answer goes on with (a prefilled reply).
+    continue_final_message: StrictBool = False
     tools: list[Tool] | None = None
     # None: "auto" with tools, "none" without (OpenAI's default).
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
@@ -620,6 +663,7 @@ class ChatCompletionRequest(_GenerationRequest):
 
     def sampling_params(self, defaults: Mapping[str, Any] | None = None) -> SamplingParams:
         self._check_common()
+        check_conversation_end(self.add_generation_prompt, self.continue_final_message)
         if self.top_logprobs is not None and not self.logprobs:
             raise BadRequestError("top_logprobs requires logprobs to be true", param="top_logprobs")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
@@ -653,10 +697,12 @@ class TokenizeRequest(RequestBody):
     # For `prompt` only: a chat template already writes the special tokens its model needs.
     add_special_tokens: StrictBool | None = None
     add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
     chat_template_kwargs: dict[str, Any] | None = None
 
     def check(self) -> None:
         self.refuse_unsupported()
+        check_conversation_end(self.add_generation_prompt, self.continue_final_message)
         if (self.prompt is None) == (self.messages is None):
             raise BadRequestError("give exactly one of prompt and messages", param="prompt")
         if self.prompt is not None and self.chat_template_kwargs:
@@ -676,12 +722,16 @@ class DetokenizeRequest(Body):
     tokens: list[StrictInt]
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict[str, Any]:
+    """OpenAI's usage; `cached_tokens` (the prompt tokens the prefix cache held) where it is reported."""
+    counts: dict[str, Any] = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
     }
+    if cached_tokens is not None:
+        counts["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return counts
 
 
 class BatchCreateRequest(Body):

@@ -37,6 +37,9 @@ class Route(Protocol):
     id_prefix: str
     # Whether the answer begins with reasoning (known once the prompt is made).
     opens_in_reasoning: bool
+    # Whether its usage always counts the prompt tokens the prefix cache held, as OpenAI's Responses API's
+    # does (other routes count them with --enable-prompt-tokens-details).
+    reports_cached_tokens: bool
 
     @property
     def tool_constraint(self) -> StructuredOutputsParams | None: ...
@@ -48,7 +51,11 @@ class Route(Protocol):
         check)."""
 
     def response(
-        self, request: PreparedRequest, choices: list[list[Choice]], tokenizer: Any
+        self,
+        request: PreparedRequest,
+        choices: list[list[Choice]],
+        tokenizer: Any,
+        cached_tokens: int | None,
     ) -> dict[str, Any]: ...
 
     def preamble(self, request: PreparedRequest) -> list[dict[str, Any]]: ...

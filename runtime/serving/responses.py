@@ -13,6 +13,7 @@ from kvfleet.contract.errors import (
     ServiceUnavailableError,
 )
 from kvfleet.runtime.engine.outputs import CompletionOutput
+from kvfleet.runtime.request import PromptTokenLogprobs
 
 if TYPE_CHECKING:
     from kvfleet.runtime.serving.request import PreparedRequest
@@ -28,6 +29,8 @@ class Choice:
     finish_reason: str | None = None
     # The stop string or stop token id that ended it (vLLM's field); None for any other end.
     stop_reason: int | str | None = None
+    # Its prompt's logprobs (RequestOutput.prompt_logprobs), where the request asked for them.
+    prompt_logprobs: list[PromptTokenLogprobs | None] | None = None
 
     def add(self, completion: CompletionOutput) -> None:
         self.text += completion.text
@@ -56,7 +59,7 @@ def finish_error(finish_reason: str | None) -> OpenAIError | None:
 
 
 def chunk(
-    request: PreparedRequest, choice: dict[str, Any] | None, usage: dict[str, int] | None = None
+    request: PreparedRequest, choice: dict[str, Any] | None, usage: dict[str, Any] | None = None
 ) -> dict[str, Any]:
     """One streamed chunk: a choice's delta, or (with no choice) the usage that ends the stream."""
     body: dict[str, Any] = {
@@ -75,6 +78,42 @@ def token_text(tokenizer: Any, token_id: int) -> str:
     return tokenizer.decode([token_id])
 
 
-def top_logprobs(tokenizer: Any, logprobs: dict[int, float], limit: int) -> list[tuple[str, float]]:
+def token_id_name(token_id: int) -> str:
+    """vLLM's name for a token in logprobs asked with return_tokens_as_token_ids."""
+    return f"token_id:{token_id}"
+
+
+def prompt_logprobs_body(
+    tokenizer: Any, prompt_token_ids: list[int], prompt_logprobs: list[PromptTokenLogprobs | None]
+) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's prompt_logprobs: for each prompt token, the likeliest tokens and itself by id, each with its
+    logprob, rank and text (None for the first token, which nothing before it scores)."""
+    body: list[dict[str, dict[str, Any]] | None] = []
+    for token_id, scores in zip(prompt_token_ids, prompt_logprobs, strict=True):
+        if scores is None:
+            body.append(None)
+            continue
+        # The others are the likeliest of all, so their order is their rank.
+        ranked = sorted(scores.logprobs.items(), key=lambda item: item[1], reverse=True)
+        body.append(
+            {
+                str(other): {
+                    "logprob": logprob,
+                    "rank": scores.rank if other == token_id else rank,
+                    "decoded_token": token_text(tokenizer, other),
+                }
+                for rank, (other, logprob) in enumerate(ranked, start=1)
+            }
+        )
+    return body
+
+
+def top_logprobs(
+    tokenizer: Any, logprobs: dict[int, float], limit: int, as_ids: bool
+) -> list[tuple[str, float]]:
+    """The `limit` likeliest tokens, by name (their text, or token_id_name)."""
     best = sorted(logprobs.items(), key=lambda item: item[1], reverse=True)[:limit]
-    return [(token_text(tokenizer, token_id), logprob) for token_id, logprob in best]
+    return [
+        (token_id_name(token_id) if as_ids else token_text(tokenizer, token_id), logprob)
+        for token_id, logprob in best
+    ]

@@ -35,6 +35,7 @@ _FAILURE_CODES = {400: "invalid_prompt", 429: "rate_limit_exceeded"}
 
 class _ResponsesChatRoute(ChatRoute):
     id_prefix = "resp"
+    reports_cached_tokens = True
 
 
 @dataclass
@@ -151,7 +152,7 @@ def _response(
     prepared: PreparedResponse,
     output: list[dict[str, Any]],
     finish_reason: str | None,
-    usage: dict[str, int] | None,
+    usage: dict[str, Any] | None,
     *,
     status: str | None = None,
     error: dict[str, Any] | None = None,
@@ -192,10 +193,13 @@ def _response(
     }
 
 
-def _usage(usage: dict[str, int]) -> dict[str, Any]:
+def _usage(usage: dict[str, Any]) -> dict[str, Any]:
     return {
         "input_tokens": usage["prompt_tokens"],
-        "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+        "input_tokens_details": {
+            "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"],
+            "cache_write_tokens": 0,
+        },
         "output_tokens": usage["completion_tokens"],
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": usage["total_tokens"],
@@ -293,7 +297,7 @@ class _ResponseEvents:
         self.reasoning: _OpenText | None = None
         self.calls: dict[int, _OpenCall] = {}
         self.finish_reason: str | None = None
-        self.usage: dict[str, int] | None = None
+        self.usage: dict[str, Any] | None = None
 
     def _event(self, event_type: str, **fields: Any) -> dict[str, Any]:
         event = {"type": event_type, "sequence_number": self.sequence_number, **fields}

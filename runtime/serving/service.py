@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -81,6 +82,8 @@ if TYPE_CHECKING:
     from kvfleet.runtime.serving.lora_adapters import LoRAAdapters
     from kvfleet.runtime.serving.safety import ServerGuardrails
 
+logger = logging.getLogger(__name__)
+
 # OpenAI's own limit on n.
 DEFAULT_MAX_N = 128
 # n = 128 sequences of a 2048-token context.
@@ -114,6 +117,26 @@ class ServiceSettings:
     max_tokens_limit: int | None = None
     # The REASONING_PARSERS name that splits chat answers into reasoning and content; None: all content.
     reasoning_parser: str | None = None
+    # vLLM's: usage counts the prompt tokens the prefix cache held (prompt_tokens_details.cached_tokens).
+    enable_prompt_tokens_details: bool = False
+    # vLLM's: every stream ends with its usage, whether or not stream_options asks for it.
+    enable_force_include_usage: bool = False
+    # vLLM's: logprobs name tokens "token_id:N" for requests that leave return_tokens_as_token_ids unset.
+    return_tokens_as_token_ids: bool = False
+    # vLLM's: a chat request whose tool_choice is "none" is rendered without its tools.
+    exclude_tools_when_tool_choice_none: bool = False
+    # vLLM's: chat template variables of requests that leave them unset.
+    default_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    # vLLM's: the role of a chat answer that the generation prompt opened.
+    response_role: str = "assistant"
+    # vLLM's: each admitted request logged (its parameters at INFO, its prompt's token ids at DEBUG, the
+    # first max_log_len of them; all with None).
+    enable_log_requests: bool = False
+    max_log_len: int | None = None
+
+    def template_kwargs(self, requested: dict[str, Any] | None) -> dict[str, Any]:
+        """The chat template's variables for a request: its own over the server's defaults."""
+        return {**self.default_chat_template_kwargs, **(requested or {})}
 
     @property
     def served_model_names(self) -> tuple[str, ...]:
@@ -169,7 +192,8 @@ class OpenAIService:
     async def create_completion(
         self, body: CompletionRequest, priority_header: str | None = None
     ) -> PreparedRequest:
-        return await self.admit(CompletionRoute(body), priority_header)
+        route = CompletionRoute(body, tokens_as_ids=self.settings.return_tokens_as_token_ids)
+        return await self.admit(route, priority_header)
 
     async def admit(self, route: Route, priority_header: str | None) -> PreparedRequest:
         """Every check a generating request passes before it runs, in this order, each once."""
@@ -205,7 +229,7 @@ class OpenAIService:
                 await safety.refuse_unredacted(checked_text)
             else:
                 safety.start_input_check(checked_text)
-        return PreparedRequest(
+        prepared = PreparedRequest(
             route=route,
             request_id=f"{route.id_prefix}-{uuid.uuid4().hex}",
             created=int(time.time()),
@@ -221,6 +245,18 @@ class OpenAIService:
             cache_salt=body.cache_salt,
             resumed=resumed,
         )
+        if self.settings.enable_log_requests:
+            self._log_request(prepared)
+        return prepared
+
+    def _log_request(self, request: PreparedRequest) -> None:
+        lora_name = request.lora_request.lora_name if request.lora_request is not None else None
+        logger.info(
+            "Received request %s: params: %s, lora: %s.", request.request_id, request.params, lora_name
+        )
+        if logger.isEnabledFor(logging.DEBUG):
+            shown = [ids[: self.settings.max_log_len] for ids in request.prompt_token_ids]
+            logger.debug("Request %s prompt_token_ids: %s", request.request_id, shown)
 
     def check_model(self, model: str | None) -> LoRARequest | None:
         """The LoRA adapter the request names as its model, or None for the served model itself."""
@@ -298,11 +334,12 @@ class OpenAIService:
         if limit is not None and (params.max_tokens is None or params.max_tokens > limit):
             params.max_tokens = limit
         max_logprobs = self.settings.max_logprobs
-        if params.logprobs is not None and params.logprobs > max_logprobs:
-            name = "top_logprobs" if isinstance(body, ChatCompletionRequest) else "logprobs"
-            raise BadRequestError(
-                f"{name} must be at most {max_logprobs} on this server, got {params.logprobs}", param=name
-            )
+        logprobs_name = "top_logprobs" if isinstance(body, ChatCompletionRequest) else "logprobs"
+        for name, asked in ((logprobs_name, params.logprobs), ("prompt_logprobs", params.prompt_logprobs)):
+            if asked is not None and asked > max_logprobs:
+                raise BadRequestError(
+                    f"{name} must be at most {max_logprobs} on this server, got {asked}", param=name
+                )
         param = _constraint_param(body)
         if tool_constraint is not None:
             if params.structured_outputs is not None:
@@ -414,9 +451,10 @@ class OpenAIService:
         add_generation_prompt: bool,
         tools: list[dict[str, Any]] | None = None,
         template_kwargs: dict[str, Any] | None = None,
+        continue_final_message: bool = False,
     ) -> list[int]:
         """The prompt of a conversation (and the tools it may call), rendered with the template variables
-        of `template_kwargs` and tokenized."""
+        of `template_kwargs` and tokenized; with `continue_final_message`, open at the last message's end."""
         conversation = template_messages(messages)
         characters = sum(len(text) for text in text_fields([conversation, tools, template_kwargs]))
 
@@ -436,6 +474,7 @@ class OpenAIService:
                     add_generation_prompt=add_generation_prompt,
                     tools=tools,
                     template_kwargs=template_kwargs,
+                    continue_final_message=continue_final_message,
                 )
             except ValueError as exc:
                 raise BadRequestError(str(exc), param="messages") from None
@@ -466,7 +505,10 @@ class OpenAIService:
         if body.messages is not None:
             param = "messages"
             token_ids = await self.chat_prompt(
-                body.messages, body.add_generation_prompt, template_kwargs=body.chat_template_kwargs
+                body.messages,
+                body.add_generation_prompt,
+                template_kwargs=self.settings.template_kwargs(body.chat_template_kwargs),
+                continue_final_message=body.continue_final_message,
             )
         else:
             param = "prompt"
@@ -545,12 +587,17 @@ class OpenAIService:
         """Runs the request to its end: the response body. Cancelling the call aborts the request."""
         choices = [[Choice() for _ in range(request.params.n)] for _ in request.prompt_token_ids]
         kv_transfer_params = None
+        cached = _CachedTokens()
         async with contextlib.aclosing(self.outputs(request)) as outputs:
             async for output in outputs:
+                cached.add(output)
                 kv_transfer_params = output.kv_transfer_params or kv_transfer_params
                 per_prompt = choices[request.prompt_index[output.request_id]]
                 for completion in output.outputs:
                     per_prompt[completion.index].add(completion)
+                if output.prompt_logprobs is not None:
+                    for choice in per_prompt:
+                        choice.prompt_logprobs = output.prompt_logprobs
         every_choice = [choice for per_prompt in choices for choice in per_prompt]
         for choice in every_choice:
             error = finish_error(choice.finish_reason)
@@ -558,7 +605,9 @@ class OpenAIService:
                 raise error
         if request.safety is not None and request.safety.checks_output:
             await _check_outputs(request.safety, every_choice)
-        response = request.route.response(request, choices, self.tokenizer)
+        response = request.route.response(
+            request, choices, self.tokenizer, self._cached_tokens(request, cached)
+        )
         if kv_transfer_params is not None:
             # vLLM's: a prefill call's answer says where its KV waits, for the decode call.
             response[KV_TRANSFER_PARAMS] = kv_transfer_params
@@ -588,6 +637,7 @@ class OpenAIService:
         route = request.route
         choice_of = route.choice_builder(request, self.tokenizer)
         completion_tokens = 0
+        cached = _CachedTokens()
         for output in resumed:
             prompt_index = request.prompt_index[output.request_id]
             for completion in output.outputs:
@@ -598,6 +648,7 @@ class OpenAIService:
 
         def chunks_of(output: RequestOutput) -> Iterator[dict[str, Any]]:
             nonlocal completion_tokens
+            cached.add(output)
             prompt_index = request.prompt_index[output.request_id]
             for completion in output.outputs:
                 completion_tokens += len(completion.token_ids)
@@ -626,9 +677,33 @@ class OpenAIService:
                 async for output in outputs:
                     for body in chunks_of(output):
                         yield body
-        if route.body.include_usage:
+        if route.body.include_usage or self.settings.enable_force_include_usage:
             prompt_tokens = sum(len(ids) for ids in request.prompt_token_ids)
-            yield chunk(request, None, usage(prompt_tokens, completion_tokens))
+            yield chunk(
+                request, None, usage(prompt_tokens, completion_tokens, self._cached_tokens(request, cached))
+            )
+
+    def _cached_tokens(self, request: PreparedRequest, cached: _CachedTokens) -> int | None:
+        """The prompt tokens the prefix cache held, where the usage reports them."""
+        if request.route.reports_cached_tokens or self.settings.enable_prompt_tokens_details:
+            return cached.total
+        return None
+
+
+class _CachedTokens:
+    """The prompt tokens the prefix cache held, summed over a request's prompts (each prompt's engine
+    request reports its own count with its outputs)."""
+
+    def __init__(self) -> None:
+        self._by_prompt: dict[str, int] = {}
+
+    def add(self, output: RequestOutput) -> None:
+        held = self._by_prompt.get(output.request_id, 0)
+        self._by_prompt[output.request_id] = max(held, output.num_cached_tokens)
+
+    @property
+    def total(self) -> int:
+        return sum(self._by_prompt.values())
 
 
 async def _first_generated(

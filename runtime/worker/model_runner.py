@@ -33,6 +33,7 @@ from kvfleet.runtime.models.rope import LENGTH_DEPENDENT_ROPE_TYPES
 from kvfleet.runtime.startup_phases import STARTUP_PHASES
 from kvfleet.runtime.worker.cpu_threads import cpu_threads
 from kvfleet.runtime.worker.encoder_runner import EncoderRunner
+from kvfleet.runtime.worker.prompt_logprobs import score_prompt_rows
 from kvfleet.runtime.worker.sampler import Sampler, SpeculativeBatch
 from kvfleet.runtime.worker.step_inputs import StepInputs
 from torch import nn
@@ -290,13 +291,22 @@ class ModelRunner:
         if scheduler_output.requests:
             step = StepInputs.of(scheduler_output)
             speculative = self.prepare_sampling(scheduler_output, step)
-            hidden = self.logit_hidden_states(step)
-            logits = None if hidden is None else self.model.compute_logits(hidden)
+            hidden = self._final_hidden_states(step)
+            logit_hidden = self._logit_rows(hidden, step)
+            logits = None if logit_hidden is None else self.model.compute_logits(logit_hidden)
             output = self.sample(scheduler_output, step, speculative, logits)
-            if hidden is not None:
+            if logit_hidden is not None:
                 output.prompt_hidden_states = {
-                    step.request_ids[i]: hidden[row].float().tolist()
+                    step.request_ids[i]: logit_hidden[row].float().tolist()
                     for i, row in step.prompt_hidden_state_rows.items()
+                }
+            if hidden is not None:
+                output.prompt_logprobs = {
+                    step.request_ids[i]: (
+                        rows.first_position,
+                        score_prompt_rows(self.model.compute_logits, hidden, rows),
+                    )
+                    for i, rows in step.prompt_logprob_rows.items()
                 }
         else:  # only the connector's orders: a step whose requests all wait
             output = ModelRunnerOutput([], [], [])
@@ -340,14 +350,21 @@ class ModelRunner:
     def logit_hidden_states(self, step: StepInputs) -> torch.Tensor | None:
         """Run the whole model (one stage) over the step; the final hidden states of its logit rows, or None
         when no request samples."""
+        return self._logit_rows(self._final_hidden_states(step), step)
+
+    def _final_hidden_states(self, step: StepInputs) -> torch.Tensor | None:
+        """Run the whole model (one stage) over the step; the final hidden state of every token fed, or None
+        for a step without requests."""
         self._start_step(step)
         if not step.request_ids:
             return None
         input_ids, positions, metadata = self._prepare_inputs(step)
-        hidden = self._forward(input_ids, positions, metadata, step)
-        if not step.logit_rows:
+        return self._forward(input_ids, positions, metadata, step)
+
+    def _logit_rows(self, hidden: torch.Tensor | None, step: StepInputs) -> torch.Tensor | None:
+        if hidden is None or not step.logit_rows:
             return None
-        return self._select_rows(hidden, step.logit_rows, metadata.num_tokens)
+        return self._select_rows(hidden, step.logit_rows, step.total_num_scheduled_tokens)
 
     def _start_step(self, step: StepInputs) -> None:
         if self.model is None or not self.kv_caches:

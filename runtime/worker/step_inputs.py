@@ -15,6 +15,19 @@ from kvfleet.runtime.multimodal.inputs import MultiModalFeature
 
 
 @dataclass
+class PromptLogprobRows:
+    """One request's rows whose logits score its prompt's next tokens this step."""
+
+    # The first of them in the flattened batch, and the position of the token fed there.
+    first_row: int
+    first_position: int
+    # The prompt tokens they score, one a row (each the token after the row's own).
+    next_token_ids: list[int]
+    # How many of the likeliest tokens each row returns besides its prompt token.
+    num_logprobs: int
+
+
+@dataclass
 class StepInputs:
     request_ids: list[str]
     # The tokens each request feeds this step (its draft tokens included).
@@ -38,6 +51,8 @@ class StepInputs:
     # Requests that return their prompt's last hidden state this step: request index -> its row among the
     # logit rows.
     prompt_hidden_state_rows: dict[int, int] = field(default_factory=dict)
+    # Requests whose prompt's logprobs are computed this step: request index -> their rows.
+    prompt_logprob_rows: dict[int, PromptLogprobRows] = field(default_factory=dict)
 
     @property
     def num_reqs(self) -> int:
@@ -76,6 +91,7 @@ class StepInputs:
         )
         token_ids, sample_rows, logit_rows = [], [], []
         prompt_hidden_state_rows = {}
+        prompt_logprob_rows = {}
         end_row = 0
         for i, request in enumerate(scheduler_output.requests):
             start = scheduler_output.num_computed_tokens[i]
@@ -85,6 +101,10 @@ class StepInputs:
             if drafts:  # the request's tokens continue with its drafts
                 tokens += drafts[max(start - request.num_tokens, 0) : end - request.num_tokens]
             token_ids.append(tokens)
+            if request.prompt_logprobs is not None and start < request.num_prompt_tokens - 1:
+                scored = request.prompt_token_ids[start + 1 : min(end, request.num_prompt_tokens - 1) + 1]
+                num_logprobs = request.sampling_params.prompt_logprobs or 0
+                prompt_logprob_rows[i] = PromptLogprobRows(end_row, start, scored, num_logprobs)
             end_row += len(tokens)
             if end == request.num_tokens + len(drafts):
                 sample_rows.append(i)
@@ -105,6 +125,7 @@ class StepInputs:
             mrope_positions=mrope_positions,
             removed_lora_ids=scheduler_output.removed_lora_ids,
             prompt_hidden_state_rows=prompt_hidden_state_rows,
+            prompt_logprob_rows=prompt_logprob_rows,
         )
 
     def split(self, parts: int) -> list[StepInputs]:

@@ -25,6 +25,9 @@ if TYPE_CHECKING:
     from servers import ServerProcess
 
 
+STREAM_INTERVAL = 3
+
+
 def test_bench_serve_against_a_server(api_server: ServerProcess, tmp_path: Path) -> None:
     """vLLM's flags, its result file's keys, goodput and tiers on a real run; and never the API key."""
     args = [sys.executable, "-P", "-m", "kvfleet", "bench", "serve", "--base-url", api_server.url]
@@ -50,6 +53,7 @@ def test_bench_serve_against_a_server(api_server: ServerProcess, tmp_path: Path)
         "run.json",
     ]
     args += ["--metadata", "engine=kvfleet", "build=ci", "--label", "tiers"]
+    args += ["--extra-body", json.dumps({"stream_interval": STREAM_INTERVAL})]
     completed = subprocess.run(args, capture_output=True, text=True, timeout=300, check=False)
     assert completed.returncode == 0, completed.stderr
     assert "Serving Benchmark Result" in completed.stdout and "Per SLA tier" in completed.stdout
@@ -83,8 +87,12 @@ def test_bench_serve_against_a_server(api_server: ServerProcess, tmp_path: Path)
     assert result["total_output_tokens"] == sum(r.output_len for r in workload)
     assert result["request_goodput"] == pytest.approx(result["request_throughput"])
     assert 0 < result["median_ttft_ms"] <= result["p99.9_ttft_ms"] and math.isfinite(result["p99.9_ttft_ms"])
-    # A chunk carries one token or more (or none, of text that is not whole yet).
-    assert all(len(itl) < n for itl, n in zip(result["itls"], result["output_lens"], strict=True))
+    # The extra body's stream_interval reached the server: the first token alone, then at most one chunk a
+    # STREAM_INTERVAL tokens (fewer where a chunk's text is not whole yet).
+    assert all(
+        len(itl) <= math.ceil((n - 1) / STREAM_INTERVAL)
+        for itl, n in zip(result["itls"], result["output_lens"], strict=True)
+    )
     assert result["median_ttft_ms"] == pytest.approx(statistics.median(result["ttfts"]) * 1000)
     assert set(result["per_tier"]) == {r.tier for r in workload}
     assert sum(tier["completed"] for tier in result["per_tier"].values()) == 12

@@ -183,6 +183,25 @@ def test_the_cache_serves_it_offline(hub_server: ServerProcess, hub: FakeHub, hf
     assert len(hub.requests) == asked
 
 
+def test_download_dir_takes_the_fetch(hub: FakeHub, tmp_path: Path) -> None:
+    """vLLM's download_dir: the model and its tokenizer fetched there, in the cache's layout, not in
+    HF_HOME."""
+    download_dir = tmp_path / "models"
+    resolve = (
+        "from kvfleet.runtime.config import EngineConfig; "
+        f"config = EngineConfig(model={REPO_ID!r}, revision={REVISION!r}, tokenizer={REPO_ID!r}, "
+        f"download_dir={str(download_dir)!r}); print(config.model); print(config.tokenizer)"
+    )
+    env = hub_env(hub, tmp_path / "hf-home")
+    completed = subprocess.run(
+        [sys.executable, "-P", "-c", resolve], capture_output=True, text=True, env=env, timeout=60, check=True
+    )
+    snapshot = download_dir / "models--org--tiny" / "snapshots" / hub.commit
+    assert [Path(line) for line in completed.stdout.split()] == [snapshot, snapshot]
+    assert (snapshot / "config.json").read_bytes() == hub.files["config.json"]
+    assert not (tmp_path / "hf-home" / "hub").exists()
+
+
 @pytest.mark.parametrize(
     ("model", "revision", "offline", "words"),
     [

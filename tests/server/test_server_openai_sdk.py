@@ -50,6 +50,8 @@ def test_completion_has_usage_and_length_finish(client: openai.OpenAI, api_serve
     assert completion.usage.prompt_tokens == prompt_tokens
     assert completion.usage.completion_tokens == 7
     assert completion.usage.total_tokens == prompt_tokens + 7
+    # Counted only with --enable-prompt-tokens-details.
+    assert completion.usage.prompt_tokens_details is None
 
 
 def test_streamed_completion_equals_the_unstreamed_one(client: openai.OpenAI) -> None:

@@ -188,7 +188,7 @@ def test_tool_calls_are_read_from_the_content_alone(tokenizer: Any) -> None:
     route = ChatRoute(body, settings)
     route.reasoning = reasoning_parser("qwen3", tokenizer)
     request = PreparedRequest(route, "chatcmpl-1", 0, MODEL_NAME, [[1]], SamplingParams(), 0, None, 0.0, None)
-    whole = route.response(request, [[Choice(text, ids, finish_reason="stop")]], tokenizer)
+    whole = route.response(request, [[Choice(text, ids, finish_reason="stop")]], tokenizer, None)
     (choice,) = whole["choices"]
     assert choice["message"]["reasoning_content"] == thought
     assert choice["message"]["content"] == "Let me look. "

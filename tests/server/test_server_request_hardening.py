@@ -239,7 +239,6 @@ UNSUPPORTED = [
     ("modalities", ["text", "audio"]),
     ("reasoning_effort", "high"),
     ("use_beam_search", True),
-    ("prompt_logprobs", 1),
     ("logits_processors", ["my.Processor"]),
     ("chat_template", "{{ 'x' }}"),
 ]
@@ -274,11 +273,11 @@ def test_unsupported_output_changing_fields_are_refused(server: ServerProcess, h
         _refused(http, "/v1/chat/completions", {"add_special_tokens": True}, "add_special_tokens")
         _refused(http, "/v1/completions", {"top_logprobs": 3}, "top_logprobs")
         _refused(http, "/v1/completions", {"max_completion_tokens": 3}, "max_completion_tokens")
+        _refused(http, "/v1/completions", {"continue_final_message": True}, "continue_final_message")
         messages = [{"role": "user", "content": "hi"}]
         for name, value in [
             ("chat_template", "x"),
             ("tools", [{"type": "function"}]),
-            ("continue_final_message", True),
         ]:
             _refused(http, "/tokenize", {"messages": messages, name: value}, name)
         _refused(http, "/tokenize", {"messages": messages, "add_special_tokens": True}, "add_special_tokens")

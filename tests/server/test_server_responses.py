@@ -274,7 +274,16 @@ CHAT_CHUNKS = [
     _delta({"tool_calls": [CALL]}),
     _delta({"tool_calls": [{"index": 0, "function": {"arguments": '{"city": '}}]}),
     _delta({"tool_calls": [{"index": 0, "function": {"arguments": '"Paris"}'}}]}, "tool_calls"),
-    {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 9, "total_tokens": 12}},
+    {
+        "choices": [],
+        "usage": {
+            "prompt_tokens": 3,
+            "completion_tokens": 9,
+            "total_tokens": 12,
+            # The Responses API's chat requests always count them.
+            "prompt_tokens_details": {"cached_tokens": 2},
+        },
+    },
 ]
 
 
@@ -286,6 +295,7 @@ def test_a_chat_stream_becomes_the_sdks_typed_events() -> None:
     assert message.content[0].text == "Let me look."
     assert (call.call_id, call.name, call.arguments) == ("call_1", "get_weather", '{"city": "Paris"}')
     assert final.usage.input_tokens == 3 and final.usage.output_tokens == 9
+    assert final.usage.input_tokens_details.cached_tokens == 2
     # Each item is done before the next is added.
     kinds = [(event.type, getattr(event, "output_index", None)) for event in events]
     assert kinds.index(("response.output_item.done", 0)) < kinds.index(("response.output_item.added", 1))

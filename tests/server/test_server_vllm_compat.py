@@ -1,8 +1,8 @@
-"""A vLLM user's command line and clients, unchanged: `kvfleet serve` started the way vLLM's docs start
-`vllm serve` (positional model, list forms, vLLM's flags, --log-level after the subcommand), called with the
-official openai SDK for vLLM's API extensions (return_token_ids, stop_reason, chat_template_kwargs), the
-Responses API and embeddings, checked against the model folder's own tokenizer, Transformers' rendering of
-the chat template and Transformers' hidden states."""
+"""A vLLM user's command line and clients, unchanged: `kvfleet serve` started the way vLLM's docs start `vllm
+serve` (positional model, list forms, vLLM's flags, a --config file, --log-level after the subcommand),
+called with the official openai SDK for vLLM's API extensions (return_token_ids, stop_reason,
+chat_template_kwargs), the Responses API and embeddings, checked against the model folder's own tokenizer,
+Transformers' rendering of the chat template and Transformers' hidden states."""
 
 from __future__ import annotations
 
@@ -22,11 +22,12 @@ import numpy as np
 import openai
 import pytest
 import torch
+import yaml
 from click.testing import CliRunner
 from kvfleet.runtime.lora.make_adapter import make_adapter
 from ports import free_port
 from servers import ServerProcess
-from transformers import AutoModel, AutoTokenizer
+from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
 
 from kvfleet.cli import cli
 
@@ -37,6 +38,7 @@ GENERATION_DEFAULTS = {"temperature": 0.0, "max_new_tokens": 6}
 MAX_LOGPROBS = 3
 # Qwen3's thinking switch, in a template of its own: the template, not the server, reads the variable.
 CHAT_TEMPLATE = (
+    "{% if tools %}### tools: {% for tool in tools %}{{ tool['function']['name'] }} {% endfor %}\n{% endif %}"
     "{% for message in messages %}### {{ message['role'] }}:\n{{ message['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}### assistant:\n"
     "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}"
@@ -52,6 +54,10 @@ WEATHER_TOOL = {
     },
 }
 MESSAGES = [{"role": "user", "content": "Tell me a story."}]
+# The engine's default --block-size: the prefix cache holds whole blocks.
+BLOCK_SIZE = 16
+# The server's --stream-interval: every stream of this module hands out its tokens two at a time at least.
+STREAM_INTERVAL = 2
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +81,6 @@ def server(
     port = free_port()
     # As vLLM's docs write it: the model first, list flags taking several values.
     command = [sys.executable, "-P", "-m", "kvfleet", "serve", str(model_folder)]
-    command += ["--served-model-name", "tiny", "tiny-alias"]
     command += ["--enable-lora", "--max-loras", "2", "--lora-modules", f"first={first}", f"second={second}"]
     command += [
         "--trust-remote-code",
@@ -94,6 +99,31 @@ def server(
     ]
     command += ["--allowed-origins", json.dumps([ALLOWED_ORIGIN]), "--root-path", ROOT_PATH]
     command += ["--uvicorn-log-level", "info", "--log-level", "warning"]
+    # The rest from a config file, as vLLM reads one: flags by name, lists, switches; a flag given above wins
+    # over the file's value (max-logprobs).
+    config = root / "serve.yaml"
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "served-model-name": ["tiny", "tiny-alias"],
+                "stream-interval": STREAM_INTERVAL,
+                "long-prefill-token-threshold": 64,
+                "max-logprobs": MAX_LOGPROBS + 5,
+                # vLLM's production switches: no access log (over kvfleet's own), no stats lines, no schema.
+                "access-log": True,
+                "disable-uvicorn-access-log": True,
+                "disable-log-stats": True,
+                "disable-fastapi-docs": True,
+                "load-format": "safetensors",
+                "tokenizer-mode": "hf",
+                "enable-prompt-tokens-details": True,
+                "enable-force-include-usage": True,
+                "enable-request-id-headers": True,
+                "enable-server-load-tracking": True,
+            }
+        )
+    )
+    command += ["--config", str(config)]
     command += ["--dtype", "float32", "--num-kv-blocks", "512", "--host", "127.0.0.1", "--port", str(port)]
     log_path = root / "server.log"
     with log_path.open("wb") as log:
@@ -118,6 +148,15 @@ def tokenizer(model_folder: Path) -> Any:
     return AutoTokenizer.from_pretrained(model_folder)
 
 
+def _rendered(tokenizer: Any, messages: Any = MESSAGES, **render_kwargs: Any) -> list[int]:
+    """A conversation's prompt as Transformers renders it with the module's template (by default opening the
+    answer's turn)."""
+    render_kwargs.setdefault("add_generation_prompt", True)
+    return tokenizer.apply_chat_template(
+        messages, chat_template=CHAT_TEMPLATE, tokenize=True, **render_kwargs
+    )["input_ids"]
+
+
 def test_every_served_name_and_adapter_is_listed_and_answers_under_its_name(
     server: ServerProcess, client: openai.OpenAI
 ) -> None:
@@ -130,6 +169,9 @@ def test_every_served_name_and_adapter_is_listed_and_answers_under_its_name(
     log = server.log_path.read_text()
     assert "Uvicorn running on" in log
     assert " INFO kvfleet" not in log
+    # No access log, and no schema.
+    assert '"POST /llm/v1/completions' not in log and '"POST /v1/completions' not in log
+    assert httpx.get(f"{server.url}/openapi.json", timeout=10).status_code == 404
 
 
 def test_completion_token_ids_are_the_tokenizers(client: openai.OpenAI, tokenizer: Any) -> None:
@@ -147,6 +189,89 @@ def test_completion_token_ids_are_the_tokenizers(client: openai.OpenAI, tokenize
     # Not asked for, not sent.
     plain = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2, **GREEDY).choices[0]
     assert "token_ids" not in (plain.model_extra or {})
+
+
+@pytest.mark.parametrize(("asked", "interval"), [(None, STREAM_INTERVAL), (1, STREAM_INTERVAL), (5, 5)])
+def test_streams_hand_out_their_tokens_at_the_stream_interval(
+    client: openai.OpenAI, asked: int | None, interval: int
+) -> None:
+    """The first token at once, then the server's interval or the request's larger one, and the rest with
+    the finish; joined, the same tokens and text as the answer not streamed. Two choices count apart."""
+    extra = {**GREEDY["extra_body"], "return_token_ids": True}
+    if asked is not None:
+        extra["stream_interval"] = asked
+    max_tokens = 12
+    kwargs: dict[str, Any] = {"model": "tiny", "prompt": PROMPT, "max_tokens": max_tokens, "n": 2, **GREEDY}
+    answer = client.completions.create(**{**kwargs, "extra_body": extra})
+    stream = client.completions.create(**{**kwargs, "extra_body": extra}, stream=True)
+    chunks = [choice for chunk in stream for choice in chunk.choices]
+    full, rest = divmod(max_tokens - 1, interval)
+    for index in (0, 1):
+        mine = [chunk for chunk in chunks if chunk.index == index]
+        token_ids = [chunk.token_ids for chunk in mine]  # type: ignore[attr-defined]
+        assert [len(ids) for ids in token_ids] == [1] + [interval] * full + ([rest] if rest else [])
+        assert mine[-1].finish_reason == "length"
+        assert [t for ids in token_ids for t in ids] == answer.choices[index].token_ids  # type: ignore[attr-defined]
+        assert "".join(chunk.text for chunk in mine) == answer.choices[index].text
+
+
+def test_usage_counts_the_prompt_tokens_the_prefix_cache_held(client: openai.OpenAI) -> None:
+    """The second time a prompt comes, its whole blocks but the one holding its last token are the cache's
+    (the last token is computed again for its logits); a stream ends with its usage unasked. The Responses
+    API counts them too."""
+    prompt = list(range(100, 100 + 2 * BLOCK_SIZE + 8))
+    cached = 2 * BLOCK_SIZE
+    kwargs: dict[str, Any] = {"model": "tiny", "prompt": prompt, "max_tokens": 2, **GREEDY}
+    first, second = (client.completions.create(**kwargs).usage for _ in range(2))
+    assert first.prompt_tokens_details.cached_tokens == 0  # type: ignore[union-attr]
+    assert second.prompt_tokens_details.cached_tokens == cached  # type: ignore[union-attr]
+    *_, last = client.completions.create(stream=True, **kwargs)
+    assert last.choices == [] and last.usage.prompt_tokens_details.cached_tokens == cached  # type: ignore[union-attr]
+    # Two prompts at once count apart, and add up.
+    twice = client.completions.create(**{**kwargs, "prompt": [prompt, prompt[::-1]]}).usage
+    assert twice.prompt_tokens_details.cached_tokens == cached  # type: ignore[union-attr]
+    text = " ".join(["story"] * 3 * BLOCK_SIZE)
+    responses = [client.responses.create(model="tiny", input=text, max_output_tokens=2) for _ in range(2)]
+    input_tokens = responses[1].usage.input_tokens  # type: ignore[union-attr]
+    assert (
+        responses[1].usage.input_tokens_details.cached_tokens == (input_tokens - 1) // BLOCK_SIZE * BLOCK_SIZE
+    )  # type: ignore[union-attr]
+
+
+def test_responses_carry_request_ids_and_load_counts_the_requests_in_flight(server: ServerProcess) -> None:
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 64, "ignore_eos": True}
+    given = httpx.post(
+        f"{server.url}/v1/completions", json=body, headers={"X-Request-Id": "trace-7"}, timeout=60
+    )
+    assert given.headers["x-request-id"] == "trace-7"
+    made = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).headers["x-request-id"]
+    assert len(made) == 32 and int(made, 16) >= 0
+    # A request is counted until its response is sent, which may end just after the client has it.
+    _wait_for_load(server, 0)
+    # Long enough to be still sending when asked; then the client goes, and so does the request.
+    long = {**body, "max_tokens": 1500, "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=long, timeout=60) as stream:
+        assert stream.headers["x-request-id"]
+        lines = stream.iter_lines()  # held: a dropped iterator would close the stream
+        next(lines)
+        assert httpx.get(f"{server.url}/load", timeout=10).json() == {"server_load": 1}
+    _wait_for_load(server, 0)
+
+
+def _wait_for_load(server: ServerProcess, load: int) -> None:
+    deadline = time.monotonic() + 30
+    while (answer := httpx.get(f"{server.url}/load", timeout=10).json()) != {"server_load": load}:
+        assert time.monotonic() < deadline, answer
+        time.sleep(0.05)
+
+
+def test_a_stream_interval_below_one_is_refused_by_name(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(
+            model="tiny", prompt=PROMPT, max_tokens=2, stream=True, extra_body={"stream_interval": 0}
+        )
+    assert caught.value.body["param"] == "stream_interval"  # type: ignore[index]
+    assert "stream_interval must be at least 1" in caught.value.body["message"]  # type: ignore[index]
 
 
 def test_chat_token_ids_are_the_rendered_templates(
@@ -189,24 +314,53 @@ def test_chat_template_kwargs_reach_the_template(
         chat = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=1, extra_body=extra)
         return chat.prompt_token_ids  # type: ignore[attr-defined]
 
-    def rendered(**template_kwargs: Any) -> list[int]:
-        return tokenizer.apply_chat_template(
-            MESSAGES,
-            chat_template=CHAT_TEMPLATE,
-            add_generation_prompt=True,
-            tokenize=True,
-            **template_kwargs,
-        )["input_ids"]
-
     without_thinking = prompt_ids({"enable_thinking": False})
-    assert without_thinking == rendered(enable_thinking=False)
-    assert prompt_ids({"enable_thinking": True}) == prompt_ids(None) == rendered()
-    assert without_thinking != rendered()
+    assert without_thinking == _rendered(tokenizer, enable_thinking=False)
+    assert prompt_ids({"enable_thinking": True}) == prompt_ids(None) == _rendered(tokenizer)
+    assert without_thinking != _rendered(tokenizer)
     body = {"messages": MESSAGES, "chat_template_kwargs": {"enable_thinking": False}}
     assert httpx.post(f"{server.url}/tokenize", json=body, timeout=30).json()["tokens"] == without_thinking
     with pytest.raises(openai.BadRequestError) as caught:
         prompt_ids({"tokenize": False})
     assert caught.value.body["param"] == "chat_template_kwargs"  # type: ignore[index]
+
+
+def test_tools_reach_the_template_even_when_none_may_be_called(client: openai.OpenAI, tokenizer: Any) -> None:
+    chat = client.chat.completions.create(
+        model="tiny",
+        messages=MESSAGES,
+        max_tokens=1,
+        tools=[WEATHER_TOOL],  # type: ignore[list-item]
+        tool_choice="none",
+        extra_body={"return_token_ids": True},
+    )
+    with_tools = _rendered(tokenizer, tools=[WEATHER_TOOL])
+    assert with_tools != _rendered(tokenizer)
+    assert chat.prompt_token_ids == with_tools  # type: ignore[attr-defined]
+
+
+def test_a_reply_is_continued_from_its_prefilled_start(
+    server: ServerProcess, client: openai.OpenAI, tokenizer: Any
+) -> None:
+    """continue_final_message: the prompt ends within the last message, as Transformers renders it, and the
+    answer goes on in its role."""
+    messages: Any = [*MESSAGES, {"role": "assistant", "content": "Once upon"}]
+    expected = _rendered(tokenizer, messages, add_generation_prompt=False, continue_final_message=True)
+    assert expected != _rendered(tokenizer, messages, add_generation_prompt=False)
+    going_on = {"continue_final_message": True, "add_generation_prompt": False, "return_token_ids": True}
+    chat = client.chat.completions.create(model="tiny", messages=messages, max_tokens=3, extra_body=going_on)
+    assert chat.prompt_token_ids == expected  # type: ignore[attr-defined]
+    assert chat.choices[0].message.role == "assistant"
+    body = {"messages": messages, "continue_final_message": True, "add_generation_prompt": False}
+    assert httpx.post(f"{server.url}/tokenize", json=body, timeout=30).json()["tokens"] == expected
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(
+            model="tiny", messages=messages, max_tokens=3, extra_body={"continue_final_message": True}
+        )
+    assert caught.value.body["param"] == "continue_final_message"  # type: ignore[index]
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model="tiny", messages=[], extra_body={"add_generation_prompt": False})
+    assert caught.value.body["param"] == "messages"  # type: ignore[index]
 
 
 def test_stop_reason_names_the_stop_string_or_token(client: openai.OpenAI, tokenizer: Any) -> None:
@@ -263,6 +417,112 @@ def test_max_logprobs_bounds_what_requests_ask(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as caught:
         client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2, logprobs=MAX_LOGPROBS + 1)
     assert caught.value.body["param"] == "logprobs"  # type: ignore[index]
+
+
+def test_logprobs_name_tokens_by_id_when_asked(client: openai.OpenAI, tokenizer: Any) -> None:
+    extra = {**GREEDY["extra_body"], "return_token_ids": True, "return_tokens_as_token_ids": True}
+    chat = client.chat.completions.create(
+        model="tiny", messages=MESSAGES, max_tokens=6, logprobs=True, top_logprobs=2, extra_body=extra
+    )
+    (choice,) = chat.choices
+    token_ids = choice.token_ids  # type: ignore[attr-defined]
+    content = choice.logprobs.content
+    assert [entry.token for entry in content] == [f"token_id:{token}" for token in token_ids]
+    # As vLLM's: the chosen token keeps its text's bytes, an alternative has its name's.
+    assert [entry.bytes for entry in content] == [list(tokenizer.decode([t]).encode()) for t in token_ids]
+    for entry, token in zip(content, token_ids, strict=True):
+        assert entry.top_logprobs[0].token == f"token_id:{token}"  # greedy: the likeliest
+        assert len(entry.top_logprobs) == 2
+        assert all(top.bytes == list(top.token.encode()) for top in entry.top_logprobs)
+    completion = client.completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=6, logprobs=2, temperature=0.0, extra_body=extra
+    )
+    (choice,) = completion.choices
+    token_ids = choice.token_ids  # type: ignore[attr-defined]
+    logprobs = choice.logprobs
+    assert logprobs.tokens == [f"token_id:{token}" for token in token_ids]
+    assert all(
+        f"token_id:{token}" in top for token, top in zip(token_ids, logprobs.top_logprobs, strict=True)
+    )
+    # The offsets are still into the answer's text.
+    lengths = [len(tokenizer.decode([token])) for token in token_ids]
+    assert logprobs.text_offset == [sum(lengths[:index]) for index in range(len(lengths))]
+    # Unasked, tokens go by their text.
+    plain = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=6, logprobs=2, **GREEDY)
+    assert plain.choices[0].logprobs.tokens == [tokenizer.decode([token]) for token in token_ids]
+
+
+def _model_logprobs(model_folder: Path, token_ids: list[int]) -> torch.Tensor:
+    """Transformers' log-softmax over the logits after each of the tokens: [len, vocab]."""
+    model = AutoModelForCausalLM.from_pretrained(model_folder, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        return torch.log_softmax(model(torch.tensor([token_ids])).logits[0], dim=-1)
+
+
+def _assert_vllm_prompt_logprobs(
+    body: list[Any], token_ids: list[int], expected: torch.Tensor, top: int, tokenizer: Any
+) -> None:
+    """vLLM's prompt_logprobs: None first, then each token's logprob, rank and text by its id, beside the
+    `top` likeliest, checked against the model's."""
+    assert len(body) == len(token_ids) and body[0] is None
+    for position, (token, entry) in enumerate(zip(token_ids[1:], body[1:], strict=True)):
+        reference = expected[position]
+        assert entry[str(token)]["logprob"] == pytest.approx(reference[token].item(), abs=1e-4)
+        # A rank counts the tokens scored above: those within the tolerance may fall either side.
+        above, near = reference > reference[token] + 1e-4, (reference - reference[token]).abs() <= 1e-4
+        assert int(above.sum()) < entry[str(token)]["rank"] <= int(above.sum() + near.sum())
+        assert all(scored["decoded_token"] == tokenizer.decode([int(key)]) for key, scored in entry.items())
+        likeliest = sorted((scored["logprob"] for scored in entry.values()), reverse=True)[:top]
+        np.testing.assert_allclose(likeliest, reference.topk(top).values.tolist(), atol=1e-4)
+
+
+def test_prompt_logprobs_are_the_models_and_echo_carries_them(
+    client: openai.OpenAI, tokenizer: Any, model_folder: Path
+) -> None:
+    prompt_ids = tokenizer(PROMPT).input_ids
+    expected = _model_logprobs(model_folder, prompt_ids)
+    extra = {**GREEDY["extra_body"], "prompt_logprobs": 2, "return_token_ids": True}
+    completion = client.completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=3, logprobs=1, echo=True, temperature=0.0, extra_body=extra
+    )
+    (choice,) = completion.choices
+    _assert_vllm_prompt_logprobs(choice.prompt_logprobs, prompt_ids, expected, 2, tokenizer)  # type: ignore[attr-defined]
+    # The echoed prompt's tokens lead the answer's logprobs, in OpenAI's shape.
+    logprobs, answer_ids = choice.logprobs, choice.token_ids  # type: ignore[attr-defined]
+    assert logprobs.tokens == [tokenizer.decode([token]) for token in prompt_ids + answer_ids]
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    scored = [expected[position, token].item() for position, token in enumerate(prompt_ids[1:])]
+    np.testing.assert_allclose(logprobs.token_logprobs[1 : len(prompt_ids)], scored, atol=1e-4)
+    assert all(len(top) == 1 for top in logprobs.top_logprobs[1:])
+    assert len(logprobs.token_logprobs) == len(prompt_ids) + 3
+    assert choice.text.startswith(PROMPT)
+    # A chat request's rendered conversation, once for the response.
+    chat = client.chat.completions.create(
+        model="tiny", messages=MESSAGES, max_tokens=2, n=2, temperature=0.0, extra_body={"prompt_logprobs": 0}
+    )
+    rendered = _rendered(tokenizer)
+    body = chat.prompt_logprobs  # type: ignore[attr-defined]
+    _assert_vllm_prompt_logprobs(body, rendered, _model_logprobs(model_folder, rendered), 0, tokenizer)
+    assert all(len(entry) == 1 for entry in body[1:])
+
+
+@pytest.mark.parametrize(
+    ("fields", "named"),
+    [
+        ({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
+        ({"echo": True, "logprobs": 1, "stream": True}, "echo"),
+        ({"prompt_logprobs": -1}, "prompt_logprobs"),
+        ({"prompt_logprobs": MAX_LOGPROBS + 1}, "prompt_logprobs"),
+        ({"prompt_logprobs": True}, "prompt_logprobs"),
+    ],
+)
+def test_prompt_logprobs_it_cannot_answer_are_refused_by_name(
+    server: ServerProcess, fields: dict[str, Any], named: str
+) -> None:
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 2, **fields}
+    answer = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+    assert answer.status_code == 400, answer.text
+    assert answer.json()["error"]["param"] == named
 
 
 def test_responses_and_embeddings_answer_the_sdks_calls(
@@ -361,6 +621,24 @@ def test_a_bad_model_path_fails_in_one_line_before_listening(
 
 
 @pytest.mark.parametrize(
+    ("content", "name", "words"),
+    [
+        ("max-num-seq: 4\n", "serve.yaml", "'max-num-seq' is not an option of this command"),
+        ("- 4\n", "serve.yaml", "must map option names to values"),
+        ("port: 8000\n", "serve.json", "a config file is YAML"),
+    ],
+)
+def test_a_config_file_it_cannot_read_is_refused(
+    tiny_llama: Path, tmp_path: Path, content: str, name: str, words: str
+) -> None:
+    config = tmp_path / name
+    config.write_text(content)
+    completed = CliRunner().invoke(cli, ["serve", str(tiny_llama), "--config", str(config)])
+    assert completed.exit_code == 2
+    assert "--config" in completed.output and words in completed.output
+
+
+@pytest.mark.parametrize(
     ("flags", "named"),
     [
         (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype"),
@@ -368,6 +646,10 @@ def test_a_bad_model_path_fails_in_one_line_before_listening(
         (["--reasoning-parser", "granite"], "--reasoning-parser"),
         (["--max-logprobs", "21"], "--max-logprobs"),
         (["--allowed-origins", "https://app.example"], "--allowed-origins"),
+        (["--stream-interval", "0"], "stream_interval"),
+        (["--long-prefill-token-threshold", "-1"], "long_prefill_token_threshold"),
+        (["--load-format", "pt"], "--load-format"),
+        (["--tokenizer-mode", "mistral"], "--tokenizer-mode"),
     ],
 )
 def test_flags_it_cannot_honour_are_refused_by_name(tiny_llama: Path, flags: list[str], named: str) -> None:
@@ -409,3 +691,77 @@ def test_another_folders_generation_config_also_bounds_what_requests_ask(
     # The completions route's own default (16 tokens) is bounded too.
     completion = client.completions.create(model="tiny", prompt=PROMPT, extra_body={"ignore_eos": True})
     assert completion.usage.completion_tokens == 4
+
+
+def test_server_defaults_for_sampling_templates_and_roles(
+    start_server: Callable[..., ServerProcess], tmp_path: Path, tokenizer: Any
+) -> None:
+    """--override-generation-config over vLLM's own defaults, --default-chat-template-kwargs under a
+    request's, --response-role for answers the generation prompt opens (others go on in the last message's
+    role), --enable-log-requests, --return-tokens-as-token-ids and --exclude-tools-when-tool-choice-none, each
+    as vLLM's server takes them."""
+    template = tmp_path / "template.jinja"
+    template.write_text(CHAT_TEMPLATE)
+    other = start_server(
+        "--generation-config", "vllm", "--override-generation-config", '{"max_new_tokens": 5}',
+        "--default-chat-template-kwargs", '{"enable_thinking": false}', "--response-role", "narrator",
+        "--chat-template", str(template),
+        "--enable-log-requests", "--max-log-len", "3", "--log-level", "debug", "--return-tokens-as-token-ids",
+        "--exclude-tools-when-tool-choice-none",
+    )  # fmt: skip
+    client = openai.OpenAI(base_url=f"{other.url}/v1", api_key="unused", max_retries=0, timeout=60)
+    extra = {"ignore_eos": True, "return_token_ids": True}
+    chat = client.chat.completions.create(model="tiny", messages=MESSAGES, extra_body=extra)
+    assert chat.usage.completion_tokens == 5
+    assert chat.choices[0].message.role == "narrator"  # type: ignore[comparison-overlap]
+
+    assert chat.prompt_token_ids == _rendered(tokenizer, enable_thinking=False)  # type: ignore[attr-defined]
+    log = other.log_path.read_text()
+    assert f"Received request {chat.id}: params: SamplingParams(" in log
+    assert f"Request {chat.id} prompt_token_ids: [{_rendered(tokenizer, enable_thinking=False)[:3]}]" in log
+    thinking = {**extra, "chat_template_kwargs": {"enable_thinking": True}}
+    asked = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=1, extra_body=thinking)
+    assert asked.prompt_token_ids == _rendered(tokenizer)  # type: ignore[attr-defined]
+    first = next(
+        iter(client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=1, stream=True))
+    )
+    assert first.choices[0].delta.role == "narrator"  # type: ignore[comparison-overlap]
+    going_on = client.chat.completions.create(
+        model="tiny", messages=MESSAGES, max_tokens=1, extra_body={"add_generation_prompt": False}
+    )
+    assert going_on.choices[0].message.role == "user"  # type: ignore[comparison-overlap]
+    # --exclude-tools-when-tool-choice-none: tools a request may not call are left out of its prompt.
+    tools: Any = {"tools": [WEATHER_TOOL], "max_tokens": 1, "extra_body": {"return_token_ids": True}}
+    excluded = client.chat.completions.create(model="tiny", messages=MESSAGES, tool_choice="none", **tools)
+    assert excluded.prompt_token_ids == _rendered(tokenizer, enable_thinking=False)  # type: ignore[attr-defined]
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    listed = client.chat.completions.create(model="tiny", messages=MESSAGES, tool_choice=named, **tools)
+    expected = _rendered(tokenizer, tools=[WEATHER_TOOL], enable_thinking=False)
+    assert listed.prompt_token_ids == expected  # type: ignore[attr-defined]
+    # --return-tokens-as-token-ids names logprobs' tokens by id, unless a request says otherwise.
+    for asked, by_id in ((None, True), (False, False)):
+        body = {"return_token_ids": True, "return_tokens_as_token_ids": asked}
+        completion = client.completions.create(
+            model="tiny", prompt=PROMPT, max_tokens=2, logprobs=1, extra_body=body
+        )
+        token_ids = completion.choices[0].token_ids  # type: ignore[attr-defined]
+        names = [f"token_id:{t}" if by_id else tokenizer.decode([t]) for t in token_ids]
+        assert completion.choices[0].logprobs.tokens == names
+
+
+@pytest.mark.parametrize(
+    ("flags", "words"),
+    [
+        (["--override-generation-config", '{"max_length": 5}'], "'max_length' is not one of"),
+        (["--override-generation-config", '{"temperature": -1}'], "temperature must be non-negative"),
+        (["--override-generation-config", "[1]"], "must be a JSON object"),
+        (
+            ["--default-chat-template-kwargs", '{"tokenize": false}'],
+            "'tokenize' is a parameter of the rendering",
+        ),
+    ],
+)
+def test_bad_server_defaults_are_refused_by_name(tiny_llama: Path, flags: list[str], words: str) -> None:
+    completed = CliRunner().invoke(cli, ["serve", str(tiny_llama), *flags])
+    assert completed.exit_code == 2
+    assert flags[0] in completed.output and words in completed.output

@@ -15,6 +15,7 @@ from kvfleet.runtime.bench.serve import (
     RESULT_FILE_OPTIONS,
     BenchSettings,
     bench_serve,
+    parse_extra_body,
     parse_goodput,
     parse_tier_mix,
     settings_from_options,
@@ -95,10 +96,13 @@ def test_option_parsing() -> None:
     assert parse_range_ratio("0.3") == (0.3, 0.3)
     assert parse_range_ratio('{"input": 0.1, "output": 0.6}') == (0.1, 0.6)
     assert parse_goodput(("ttft:500", "e2el:2000")) == {"ttft": 500.0, "e2el": 2000.0}
+    assert parse_extra_body('{"stream_interval": 4}') == {"stream_interval": 4}
+    assert parse_extra_body(None) == {}
     bad = [
         (parse_tier_mix, ("a", "a=x", "a=0", "a=-1,b=2")),
         (parse_range_ratio, ("1", "-0.1", "x", '{"input": 0.1}')),
         (parse_goodput, (("ttft",), ("itl:5",), ("tpot:-1",))),
+        (parse_extra_body, ("{", "[1]", '"stream_interval"')),
     ]
     for parse, values in bad:
         for value in values:

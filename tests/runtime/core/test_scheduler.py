@@ -182,6 +182,27 @@ class TestBatching:
         with pytest.raises(ValueError, match="chunked prefill"):
             make_scheduler(max_num_batched_tokens=32, max_model_len=64, enable_chunked_prefill=False)
 
+    def test_a_long_prompt_takes_the_threshold_beside_others_and_the_budget_alone(
+        self, runner_factory: Callable
+    ) -> None:
+        scheduler = make_scheduler(long_prefill_token_threshold=8)
+        runner = runner_factory(scheduler)
+        scheduler.add_request(make_request("a", 20, max_tokens=2))
+        scheduler.add_request(make_request("bb", 6, max_tokens=2))
+        output, _ = step(scheduler, runner)
+        assert scheduled(output) == {"a": 8, "bb": 6}
+        output, _ = step(scheduler, runner)
+        assert scheduled(output) == {"a": 8, "bb": 1}
+        # bb has its two tokens: a is alone, and takes the rest of its prompt at once.
+        output, _ = step(scheduler, runner)
+        assert scheduled(output) == {"a": 4}
+        # A request that arrives while another runs is held to the threshold too.
+        scheduler.add_request(make_request("ccc", 30, max_tokens=2))
+        output, _ = step(scheduler, runner)
+        assert scheduled(output) == {"a": 1, "ccc": 8}
+        output, _ = step(scheduler, runner)
+        assert scheduled(output) == {"ccc": 22}
+
     def test_fcfs_admits_in_arrival_order(self, runner_factory: Callable) -> None:
         scheduler = make_scheduler(max_num_seqs=1)
         runner = runner_factory(scheduler)
@@ -748,6 +769,12 @@ class TestValidation:
             ({"max_num_batched_tokens": 0}, "max_num_batched_tokens"),
             ({"num_kv_blocks": 2}, "KV cache capacity"),
             ({"policy": "lifo"}, "fcfs or priority"),
+            ({"long_prefill_token_threshold": -1}, r"long_prefill_token_threshold \(-1\) must be from 0"),
+            ({"long_prefill_token_threshold": 65}, r"to max_model_len \(64\)"),
+            (
+                {"long_prefill_token_threshold": 8, "enable_chunked_prefill": False},
+                "it needs chunked prefill",
+            ),
         ],
     )
     def test_constructor_checks(self, overrides: dict[str, Any], message: str) -> None:

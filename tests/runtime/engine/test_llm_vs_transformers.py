@@ -17,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from kvfleet.runtime import LLM, SamplingParams
@@ -99,7 +100,10 @@ def _assert_sequence_close(
 ENGINE_VARIANTS = {
     "prefix-caching": dict(enable_prefix_caching=True),
     "no-prefix-caching": dict(enable_prefix_caching=False),
-    "chunked-prefill": dict(max_num_batched_tokens=24, enable_prefix_caching=True),
+    # Prompts cut by the step's budget, and, while others are present, by vLLM's long-prefill threshold.
+    "chunked-prefill": dict(
+        max_num_batched_tokens=24, long_prefill_token_threshold=10, enable_prefix_caching=True
+    ),
     # 16 requests of up to ~110 tokens need far more than 14 blocks of 8: forces preemption by recompute.
     "preemption": dict(num_kv_blocks=14, block_size=8, max_model_len=112, max_num_batched_tokens=64),
     # The same, with preempted requests' KV saved in a host-memory tier and copied back on resume.
@@ -147,6 +151,64 @@ def test_prompt_hidden_states_match_transformers(arch_case) -> None:
             )
     plain = llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=1))
     assert plain[0].prompt_hidden_state is None
+
+
+def assert_prompt_logprobs_match(
+    prompt: list[int], prompt_logprobs: list[Any] | None, logits: torch.Tensor, top: int
+) -> None:
+    """kvfleet's prompt logprobs against the log-softmax of Transformers' logits over the prompt ([len,
+    vocab]): each token's logprob and rank, and the likeliest `top` in its place (by value: two near-tied
+    tokens may swap under a different summation order)."""
+    assert prompt_logprobs is not None and len(prompt_logprobs) == len(prompt)
+    assert prompt_logprobs[0] is None
+    expected = torch.log_softmax(logits.float(), dim=-1)
+    for position, (token, scores) in enumerate(zip(prompt[1:], prompt_logprobs[1:], strict=True)):
+        reference = expected[position]
+        assert scores.logprobs[token] == pytest.approx(reference[token].item(), abs=1e-4)
+        # A rank counts the tokens scored above: those within the tolerance may fall either side.
+        above, near = reference > reference[token] + 1e-4, (reference - reference[token]).abs() <= 1e-4
+        assert int(above.sum()) + 1 <= scores.rank <= int(above.sum() + near.sum()), (position, scores.rank)
+        likeliest = sorted(scores.logprobs.values(), reverse=True)[:top]
+        np.testing.assert_allclose(likeliest, reference.topk(top).values.tolist(), atol=1e-4)
+        assert len(scores.logprobs) in (top, top + 1)
+
+
+def test_prompt_logprobs_match_transformers(arch_case) -> None:
+    """Every prompt token scored, with chunked prefill and prefix caching on: each prompt is asked twice, and
+    a request for its prompt's logprobs takes no hit (it computes every token's logits)."""
+    model_dir, prompts, _ = arch_case
+    llm = LLM(
+        str(model_dir), dtype="float32", num_kv_blocks=256, max_model_len=256, max_num_batched_tokens=24
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=3, n=2)
+    outputs = llm.generate(prompts + prompts, params)
+    assert llm.llm_engine.stats.prefix_cache_hits == 0
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        for prompt, output in zip(prompts + prompts, outputs, strict=True):
+            logits = model(torch.tensor([prompt])).logits[0]
+            assert_prompt_logprobs_match(prompt, output.prompt_logprobs, logits, 3)
+    # The blocks they computed serve the requests that do not ask.
+    plain = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=1))
+    assert llm.llm_engine.stats.prefix_cache_hits > 0
+    assert all(output.prompt_logprobs is None for output in plain)
+
+
+@pytest.mark.parametrize("variant", ["preemption", "preemption-host-tier"])
+def test_prompt_logprobs_survive_preemption(make_model: Callable[..., Path], variant: str) -> None:
+    """A request preempted while its prompt runs, or after, and recomputed (or resumed from the host tier)
+    hands out its prompt's logprobs once, whole."""
+    model_dir = make_model("llama", "tiny")
+    prompts = _prompts(json.loads((model_dir / "config.json").read_text())["vocab_size"])
+    llm = LLM(str(model_dir), dtype="float32", **ENGINE_VARIANTS[variant])
+    outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, prompt_logprobs=2))
+    assert llm.llm_engine.stats.num_preempted_total > 0, "the pool was meant to be too small for the batch"
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        for prompt, output in zip(prompts, outputs, strict=True):
+            assert_prompt_logprobs_match(
+                prompt, output.prompt_logprobs, model(torch.tensor([prompt])).logits[0], 2
+            )
 
 
 # RoPE scaling past the original context, chunked prefill forced. Each case is a tiny model whose
