@@ -53,6 +53,45 @@ class PodMetrics:
         return self.waiting + self.running
 
 
+# A wait share is taken past a target's tail only where the window's count of waits makes it so at the lower
+# end of its one-sided 95% confidence interval: a few requests that arrived together are chance.
+_WAITS_CONFIDENCE_Z = 1.645
+
+
+@dataclass(frozen=True)
+class Waits:
+    """Of the requests that reached the gateway (sent to a replica or refused), those that waited in its
+    queue because no replica had room: each waited there before any latency a replica measures. Counts, not
+    a share, so that a window's share is that of all its requests: a request that waits across a scrape is
+    counted as waited in one sample and as arrived in the next, and a share per sample would make it all of
+    its sample's requests (at a sixth of a replica's throughput, a tenth of a ten-scrape window's)."""
+
+    arrived: float = 0.0
+    waited: float = 0.0
+
+    @staticmethod
+    def over(samples: Iterable[MetricsSample]) -> Waits:
+        samples = list(samples)
+        return Waits(sum(s.waits.arrived for s in samples), sum(s.waits.waited for s in samples))
+
+    @property
+    def share(self) -> float:
+        """The share that waited (all of them where some wait and none arrived yet)."""
+        if self.waited <= 0:
+            return 0.0
+        return min(1.0, self.waited / self.arrived) if self.arrived > 0 else 1.0
+
+    def beyond(self, tail: float) -> bool:
+        """Whether more of the requests waited than `tail` (any, where it is 0) by more than chance: the
+        lower bound of the share's Wilson score interval is past it. At a p90 target, 2 of 13 requests
+        (15%) are within chance, 4 of 13 past it."""
+        if self.waited <= 0 or tail <= 0:
+            return self.waited > 0
+        count, share, z = max(self.arrived, self.waited), self.share, _WAITS_CONFIDENCE_Z
+        spread = z * math.sqrt(share * (1 - share) / count + z * z / (4 * count * count))
+        return (share + z * z / (2 * count) - spread) / (1 + z * z / count) > tail
+
+
 @dataclass(frozen=True)
 class MetricsSample:
     """The fleet's demand at one instant, estimated from the replicas that answered."""
@@ -78,9 +117,7 @@ class MetricsSample:
     # Of the requests that reached the gateway since the previous sample, the share it refused for want of
     # room (its queue full, or held past its time): demand that neither a replica nor the queue shows.
     refused_share: float = 0.0
-    # Of those requests, the share that waited in its queue because no replica had room for them: each
-    # waited there before any latency a replica measures.
-    waited_share: float = 0.0
+    waits: Waits = Waits()
 
 
 Figure = Literal["queue depth", "queued prompt tokens", "KV cache in use"]
@@ -203,11 +240,11 @@ def aggregate(
     ready_replicas: int,
     held: float = 0.0,
     refused_share: float = 0.0,
-    waited_share: float = 0.0,
+    waits: Waits = Waits(),
 ) -> MetricsSample | None:
-    """One fleet sample from the ready replicas' reports, the requests the gateway holds for the service, and
-    the shares of those that reached it since the previous sample that it refused and that waited in its
-    queue; None when no replica answered.
+    """One fleet sample from the ready replicas' reports, the requests the gateway holds for the service, the
+    share of those that reached it since the previous sample that it refused, and the waits in its queue;
+    None when no replica answered.
 
     A replica that failed to report is assumed as busy as the average of those that did: it neither
     blocks scaling nor counts as idle.
@@ -236,7 +273,7 @@ def aggregate(
         prompt_tokens_per_s=prompt_rate * replicas if prompt_rate is not None else None,
         generation_tokens_per_s=generation_rate * replicas if generation_rate is not None else None,
         refused_share=refused_share,
-        waited_share=waited_share,
+        waits=waits,
     )
 
 
@@ -445,16 +482,17 @@ def latency_model(
     with load, or `proportional` asks for latency in proportion to the load. The requests the gateway held
     are not the replicas': they wait before any latency a replica measures. A replica is full, at the median
     load of those samples, where the gateway held more of the requests than the percentile leaves to its tail
-    (any, for the mean), in a window where more of the requests that arrived waited there than that tail: a
-    p90 target tolerates a tenth of the requests waiting. None without a latency measured under load."""
+    (any, for the mean), in a window where more of the requests that arrived waited there than that tail, by
+    more than chance: a p90 target tolerates a tenth of the requests waiting. None without a latency measured
+    under load."""
     points = _loads_and_latencies(samples, latency, percentile, unit)
     if not points:
         return None
     tail = 0.0 if percentile is None else 1 - percentile / 100
     # A scrape that caught two requests arriving together at a low load shows a held request too, and a
     # replica's load over that second is what came, not what it takes: sized at it, a fleet carrying a sixth
-    # of a replica's throughput doubled.
-    waited_beyond_tail = _mean(s.waited_share for s in samples) > tail
+    # of a replica's throughput doubled, or kept the replica it had added for a peak.
+    waited_beyond_tail = Waits.over(samples).beyond(tail)
     full = [
         load
         for s in samples
@@ -495,13 +533,13 @@ def _left_to_replicas(
     target's tail. A request that waited there for a replica's room is counted in the tail of the time to
     first token (its wait comes before any latency a replica measures, and lasts until some request in
     flight finishes), so the replicas keep the rest: at p95 with 2% of the requests waiting, their own p97.
-    The share is the samples' mean, so that the percentile does not jump from one scrape to the next. The
+    The share is the window's, so that the percentile does not jump from one scrape to the next. The
     replicas keep half the tail at least, as a percentile nearer 100 is read from a histogram's last few
     observations; with a quarter, the multi-tenant fleet of docs/benchmarks.md (cohort model) kept 94.97% of
     its requests within a p95 target, with half 96.7%."""
     if percentile is None or latency != "time to first token" or not samples:
         return percentile
-    waited = _mean(s.waited_share for s in samples)
+    waited = Waits.over(samples).share
     return min(percentile + 100 * waited, percentile + (100 - percentile) / 2)
 
 
@@ -628,8 +666,9 @@ def _waiting_noted(samples: Sequence[MetricsSample], target: LatencyTarget) -> s
     held_to = _left_to_replicas(samples, target.latency, target.percentile)
     if held_to == target.percentile:
         return ""
-    waited = _mean(s.waited_share for s in samples)
-    return f"; {waited:.1%} waited in the gateway, replicas held to p{held_to:.3g}"
+    waits = Waits.over(samples)
+    of = f"{waits.waited:.0f} of {waits.arrived:.0f} requests"
+    return f"; {of} ({waits.share:.1%}) waited in the gateway, replicas held to p{held_to:.3g}"
 
 
 def _most_wanted(

@@ -27,6 +27,7 @@ from kvfleet.operator.autoscaler import (
     MetricsSample,
     PodMetrics,
     ScaleDecision,
+    Waits,
     aggregate,
     decide,
     sizing,
@@ -387,10 +388,10 @@ class ServiceController:
         scraped = await self._scrape(spec, pods)
         if scraped is None:
             return
-        now, by_pod, held, refused_share, waited_share = scraped
+        now, by_pod, held, refused_share, waits = scraped
         assert self.desired is not None
         reports = list(by_pod.values())
-        sample = aggregate(now, reports, len(reports), held or 0.0, refused_share, waited_share)
+        sample = aggregate(now, reports, len(reports), held or 0.0, refused_share, waits)
         if sample is None and not reports and scaling.min_replicas == 0 and held is not None:
             # No replica to ask (at zero, or the first one starting): the gateway's queue is the demand.
             sample = MetricsSample(time=now, queue_depth=held, reporting_pods=0, held=held)
@@ -441,11 +442,9 @@ class ServiceController:
         scraped = await self._scrape(spec, pods)
         if scraped is None:
             return
-        now, reports, held, refused_share, waited_share = scraped
+        now, reports, held, refused_share, waits = scraped
         by_role = {role: [r for pod, r in reports.items() if pod.role == role] for role in ROLES}
-        decode = aggregate(
-            now, by_role["decode"], len(by_role["decode"]), held or 0.0, refused_share, waited_share
-        )
+        decode = aggregate(now, by_role["decode"], len(by_role["decode"]), held or 0.0, refused_share, waits)
         decode_policy = sizing(spec, "decode").policy
         if decode is None and not by_role["decode"] and decode_policy.min_replicas == 0 and held is not None:
             decode = MetricsSample(time=now, queue_depth=held, reporting_pods=0, held=held)
@@ -491,11 +490,11 @@ class ServiceController:
 
     async def _scrape(
         self, spec: InferenceServiceSpec, pods: list[PodView]
-    ) -> tuple[float, dict[PodView, PodMetrics | None], float | None, float, float] | None:
+    ) -> tuple[float, dict[PodView, PodMetrics | None], float | None, float, Waits] | None:
         """Once per metrics interval, and at every pass at zero (the held requests' watch woke it): each
         ready replica's report (None where it gave none), the requests the gateway holds for the service
-        (None when no gateway answered), and the shares of its requests since the previous scrape that it
-        refused and that waited in its queue; None between intervals."""
+        (None when no gateway answered), the share of its requests since the previous scrape that it refused,
+        and those that waited in its queue; None between intervals."""
         now = self.clock()
         if now - self._last_scrape_at < spec.scaling.metrics_interval_seconds and not self._at_zero:
             return None
@@ -520,11 +519,11 @@ class ServiceController:
         queue = await self.gateway_queue(qualified_name(self.owner.namespace, spec.model.served_name))
         if queue is None:
             self._gateway_queue = None
-            return now, reports, None, 0.0, 0.0
+            return now, reports, None, 0.0, Waits()
         refused_share = queue.refused_share_since(self._gateway_queue)
-        waited_share = queue.waited_share_since(self._gateway_queue)
+        waits = queue.waits_since(self._gateway_queue)
         self._gateway_queue = queue
-        return now, reports, queue.held, refused_share, waited_share
+        return now, reports, queue.held, refused_share, waits
 
     def _scaled(self, current: int, decision: ScaleDecision, role: Role | None = None) -> int:
         """The decision's count, announced when it changes the current one."""

@@ -30,7 +30,7 @@ from kvfleet.contract.metrics import (
     TTFT,
     WAITING,
 )
-from kvfleet.operator.autoscaler import Buckets, PodMetrics
+from kvfleet.operator.autoscaler import Buckets, PodMetrics, Waits
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
@@ -309,21 +309,21 @@ class GatewayQueue:
     def refused_share_since(self, earlier: GatewayQueue | None) -> float:
         """Of the requests since `earlier`, the share refused; 0 without an earlier reading, or where a
         count fell (a gateway restarted, or one fewer answered)."""
-        return self._share_since(earlier, lambda queue: queue.refused)
+        arrived = self.waits_since(earlier).arrived
+        if earlier is None or arrived <= 0:
+            return 0.0
+        return (self.refused - earlier.refused) / arrived
 
-    def waited_share_since(self, earlier: GatewayQueue | None) -> float:
-        """Of the requests since `earlier`, the share that waited in the queue; 0 as above."""
-        return self._share_since(earlier, lambda queue: queue.waited)
-
-    def _share_since(self, earlier: GatewayQueue | None, count: Callable[[GatewayQueue], float]) -> float:
+    def waits_since(self, earlier: GatewayQueue | None) -> Waits:
+        """The requests since `earlier`, sent to a replica or refused, and those that waited in the queue
+        (requests that waited and wait still were neither sent nor refused yet); none as above."""
         if earlier is None:
-            return 0.0
+            return Waits()
         routed, refused = self.routed - earlier.routed, self.refused - earlier.refused
-        counted = count(self) - count(earlier)
-        if routed < 0 or refused < 0 or counted <= 0:
-            return 0.0
-        # Requests that waited and are waiting still were neither routed nor refused yet.
-        return min(1.0, counted / (routed + refused)) if routed + refused > 0 else 1.0
+        waited = self.waited - earlier.waited
+        if routed < 0 or refused < 0 or waited < 0:
+            return Waits()
+        return Waits(routed + refused, waited)
 
     def __add__(self, other: GatewayQueue) -> GatewayQueue:
         return GatewayQueue(

@@ -14,6 +14,7 @@ from kvfleet.operator.autoscaler import (
     FleetState,
     MetricsSample,
     PodMetrics,
+    Waits,
     aggregate,
     decide,
     sizing,
@@ -46,8 +47,7 @@ class Operator:
         self._counted = counts
         arrived, refused, waited = (count - earlier for count, earlier in zip(counts, before, strict=True))
         refused_share = refused / arrived if arrived > 0 else 0.0
-        waited_share = min(1.0, waited / arrived) if arrived > 0 else 0.0
-        sample = aggregate(now, reports, len(reports), held, refused_share, waited_share)
+        sample = aggregate(now, reports, len(reports), held, refused_share, Waits(arrived, waited))
         if sample is None and not reports and policy.min_replicas == 0:
             sample = MetricsSample(time=now, queue_depth=held, reporting_pods=0, held=held)
         if sample is not None:

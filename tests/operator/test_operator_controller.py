@@ -16,7 +16,7 @@ from kvfleet.operator import controller as controller_module
 from kvfleet.operator import handlers
 from kvfleet.operator.adapters import AdapterLoadError, AdapterSync, DesiredAdapter, ReplicaUnavailable
 from kvfleet.operator.api import GROUP_LABEL, SERVICE_LABEL
-from kvfleet.operator.autoscaler import PodMetrics
+from kvfleet.operator.autoscaler import PodMetrics, Waits
 from kvfleet.operator.controller import IDLE_PASS_SECONDS, ServiceController
 from kvfleet.operator.kube import ChildNotOwned, KubeError
 from kvfleet.operator.metrics import OperatorMetrics
@@ -300,8 +300,8 @@ def test_the_shares_the_gateway_refused_and_held_between_scrapes_reach_the_autos
         harness.run(deployment_at(1), ready_pods(1))
     # The first reading has nothing before it; between the two, 30 were routed and 10 refused, and 6 of the
     # 40 waited in the gateway's queue.
-    shares = [(sample.refused_share, sample.waited_share) for sample in harness.controller.samples]
-    assert shares == [(0.0, 0.0), (0.25, 0.15)]
+    shares = [(sample.refused_share, sample.waits) for sample in harness.controller.samples]
+    assert shares == [(0.0, Waits()), (0.25, Waits(arrived=40, waited=6))]
     assert harness.controller.samples[-1].held == 1
 
 

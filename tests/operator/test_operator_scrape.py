@@ -24,7 +24,7 @@ from kvfleet.contract.metrics import (
     TTFT_BUCKETS,
 )
 from kvfleet.gateway.metrics import GatewayMetrics
-from kvfleet.operator.autoscaler import PodMetrics
+from kvfleet.operator.autoscaler import PodMetrics, Waits
 from kvfleet.operator.scrape import (
     FleetScraper,
     GatewayQueue,
@@ -138,17 +138,20 @@ def test_the_share_the_gateways_refused_is_of_the_requests_since_the_earlier_rea
     assert GatewayQueue(routed=30, refused=20).refused_share_since(earlier) == 0.0
 
 
-def test_the_share_that_waited_in_the_gateways_is_of_the_requests_since_the_earlier_reading() -> None:
+def test_the_waits_in_the_gateways_are_counted_among_the_requests_since_the_earlier_reading() -> None:
     earlier = GatewayQueue(held=5, routed=100, refused=10, waited=40)
     # 30 routed and 10 refused since, 8 of the 40 after waiting in the queue.
-    assert GatewayQueue(routed=130, refused=20, waited=48).waited_share_since(earlier) == 0.2
-    assert GatewayQueue(routed=130, refused=20, waited=40).waited_share_since(earlier) == 0.0
-    assert GatewayQueue(routed=130, refused=20, waited=48).waited_share_since(None) == 0.0
+    waits = GatewayQueue(routed=130, refused=20, waited=48).waits_since(earlier)
+    assert waits == Waits(arrived=40, waited=8) and waits.share == 0.2
+    assert GatewayQueue(routed=130, refused=20, waited=40).waits_since(earlier).share == 0.0
+    assert GatewayQueue(routed=130, refused=20, waited=48).waits_since(None) == Waits()
     # Five came and wait still, none routed or refused since: all of them waited.
-    assert GatewayQueue(routed=100, refused=10, waited=45).waited_share_since(earlier) == 1.0
+    waiting = GatewayQueue(routed=100, refused=10, waited=45).waits_since(earlier)
+    assert waiting == Waits(arrived=0, waited=5) and waiting.share == 1.0
     # A restarted gateway's counts fall.
-    assert GatewayQueue(routed=130, refused=2, waited=48).waited_share_since(earlier) == 0.0
-    assert GatewayQueue(routed=30, refused=20, waited=48).waited_share_since(earlier) == 0.0
+    assert GatewayQueue(routed=130, refused=2, waited=48).waits_since(earlier) == Waits()
+    assert GatewayQueue(routed=30, refused=20, waited=48).waits_since(earlier) == Waits()
+    assert GatewayQueue(routed=130, refused=20, waited=4).waits_since(earlier) == Waits()
 
 
 def test_replica_pages_with_escaped_labels_in_any_order_are_summed() -> None:

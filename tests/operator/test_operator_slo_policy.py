@@ -23,6 +23,7 @@ from kvfleet.operator.autoscaler import (
     MetricsSample,
     PodMetrics,
     ScaleDecision,
+    Waits,
     aggregate,
     decide,
     forecast_demand,
@@ -34,6 +35,7 @@ from kvfleet.operator.spec import ScalingSpec, SpecError, parse_spec
 
 POLICY = ScalingSpec(policy="slo", min_replicas=1, max_replicas=10, stable_window_seconds=60)
 TTFT = LatencyTarget("time to first token", 0.6)
+NO_WAITS = Waits()
 
 
 def _sample(time: float, queue_depth: float, ttft: float | None, pods: int = 2) -> MetricsSample:
@@ -58,7 +60,7 @@ def test_the_latency_model_is_the_line_through_the_measurements() -> None:
 
 def test_requests_the_gateway_held_are_demand_but_not_the_replicas_load() -> None:
     # At 10 s the replicas hold 4 each, as before, and the gateway holds 6 more that neither had room for.
-    held = [_sample(0, 4, 0.3), dataclasses.replace(_sample(10, 14, 0.5), held=6, waited_share=0.5)]
+    held = [_sample(0, 4, 0.3), dataclasses.replace(_sample(10, 14, 0.5), held=6, waits=Waits(10, 5))]
     model = latency_model(held, "time to first token")
     assert model is not None
     assert (model.idle, model.per_unit) == (pytest.approx(0.1), pytest.approx(0.1))
@@ -293,7 +295,7 @@ def test_requests_that_waited_in_the_gateway_take_their_share_of_the_tail() -> N
     at_p90 = LatencyTarget("time to first token", 0.7, 90)
 
     def waiting(share: float) -> ScaleDecision:
-        samples = [dataclasses.replace(s, waited_share=share) for s in SPREAD]
+        samples = [dataclasses.replace(s, waits=Waits(100, 100 * share)) for s in SPREAD]
         return decide(POLICY, samples, FleetState(2, 2), AutoscalerState(), 10, slo=[at_p90])
 
     # None waited: the replicas' p90, 0 ms + 100 ms a request, 7 per replica within 700 ms; 20 forecast: 3.
@@ -303,49 +305,55 @@ def test_requests_that_waited_in_the_gateway_take_their_share_of_the_tail() -> N
     # replica: 4.
     some = waiting(0.02)
     assert some.replicas == 4 and "6.6 requests per replica" in some.reason
-    assert some.reason.endswith("; 2.0% waited in the gateway, replicas held to p92")
+    assert some.reason.endswith("; 4 of 200 requests (2.0%) waited in the gateway, replicas held to p92")
     # 20% waited, more than the whole tail: the replicas keep half of it, their p95: 100 ms + 100 ms, 6.
     most = waiting(0.2)
     assert "6.0 requests per replica" in most.reason
-    assert most.reason.endswith("; 20.0% waited in the gateway, replicas held to p95")
+    assert most.reason.endswith("; 40 of 200 requests (20.0%) waited in the gateway, replicas held to p95")
     # A mean has no tail to share, and a wait in the gateway comes before a first token, not between tokens.
     assert (
         "waited"
         not in decide(
             POLICY,
-            [dataclasses.replace(s, waited_share=0.2) for s in SPREAD],
+            [dataclasses.replace(s, waits=Waits(100, 20)) for s in SPREAD],
             FleetState(2, 2),
             AutoscalerState(),
             10,
             slo=[TTFT],
         ).reason
     )
-    itl = [dataclasses.replace(s, itl_buckets=s.ttft_buckets, waited_share=0.2) for s in SPREAD]
+    itl = [dataclasses.replace(s, itl_buckets=s.ttft_buckets, waits=Waits(100, 20)) for s in SPREAD]
     model = latency_model(itl, "inter-token latency", 90)
     assert model is not None and (model.idle, model.per_unit) == (pytest.approx(0.0), pytest.approx(0.1))
 
 
 def test_a_replica_is_full_where_the_gateway_held_more_than_the_percentiles_tail() -> None:
-    def holding(held: float, waited_share: float = 0.0) -> list[MetricsSample]:
-        # The replicas hold 4 requests each at 10 s, as in TAILED, and the gateway `held` more; of the
-        # requests that arrived since the scrape before, `waited_share` waited there.
-        latest = dataclasses.replace(TAILED[1], queue_depth=8 + held, held=held, waited_share=waited_share)
-        return [TAILED[0], latest]
+    def holding(held: float, waited: float = 0.0, arrived: float = 50) -> list[MetricsSample]:
+        # The replicas hold 4 requests each at 10 s, as in TAILED, and the gateway `held` more; `arrived`
+        # requests reached it before each scrape, and `waited` of the latest ones waited there.
+        earlier = dataclasses.replace(TAILED[0], waits=Waits(arrived, 0))
+        latest = dataclasses.replace(TAILED[1], queue_depth=8 + held, held=held, waits=Waits(arrived, waited))
+        return [earlier, latest]
 
     # Half a request of 8.5 held (6%): within the tenth a p90 target leaves to its tail, so the line
     # decides, (600 - 100) / 100 = 5 requests per replica within 600 ms.
     brief = latency_model(holding(0.5), "time to first token", 90)
     assert brief is not None and brief.full_at is None and brief.capacity(0.6) == pytest.approx(5.0)
-    # 2 of 10 held (20%), and 40% of the latest requests waited, 20% of the window's: more than the tail, so
-    # a replica is full at the 4 it held, and sized at that.
-    sustained = latency_model(holding(2, 0.4), "time to first token", 90)
+    # 2 of 10 held (20%), and 20 of the window's 100 requests waited: more than the tail, so a replica is
+    # full at the 4 it held, and sized at that.
+    sustained = latency_model(holding(2, 20), "time to first token", 90)
     assert sustained is not None and sustained.full_at == 4 and sustained.capacity(0.6) == pytest.approx(4.0)
-    # 2 of 10 held at the scrape, yet only 10% of the latest requests waited, 5% of the window's: two
-    # requests that came together, within the tail.
-    chance = latency_model(holding(2, 0.1), "time to first token", 90)
+    # 2 of 10 held at the scrape, yet only 5 of the window's 100 requests waited: two requests that came
+    # together, within the tail.
+    chance = latency_model(holding(2, 5), "time to first token", 90)
     assert chance is not None and chance.full_at is None
+    # 4 of 26 (15%), past the tail but within chance of it; 8 of 26 (31%), past it by more.
+    few = latency_model(holding(2, 4, arrived=13), "time to first token", 90)
+    assert few is not None and few.full_at is None
+    more = latency_model(holding(2, 8, arrived=13), "time to first token", 90)
+    assert more is not None and more.full_at == 4
     # A mean has no tail to spare: any held request marks the replicas full, where any waited.
-    on_mean = latency_model(holding(0.5, 0.05), "time to first token")
+    on_mean = latency_model(holding(0.5, 1), "time to first token")
     assert on_mean is not None and on_mean.full_at == 4
     none_waited = latency_model(holding(0.5), "time to first token")
     assert none_waited is not None and none_waited.full_at is None
@@ -354,21 +362,28 @@ def test_a_replica_is_full_where_the_gateway_held_more_than_the_percentiles_tail
 def test_a_scrape_that_caught_requests_arriving_together_keeps_the_full_load_measured_before() -> None:
     at_p90 = LatencyTarget("time to first token", 1.0, 90)
     # One replica was full at 1440 prompt tokens/s. Now it serves 300 a second, its first tokens within
-    # 50 ms; one scrape of ten catches a request held beside its two, after a second in which it took 192
-    # tokens, and a quarter of that second's requests waited: 2.5% of the window's.
+    # 50 ms, 13 requests over ten scrapes. One scrape catches a request held beside its two, after a second
+    # in which it took 192 tokens; that request is sent on before the next scrape, beside another that
+    # waited a moment: 2 of 13 waited (15%), as two arriving together do. (The mean of the scrapes' shares,
+    # 1 and 1/2 over ten scrapes, was 15% too, and took the replica for full at 192.)
     fast = ((0.05, 10.0), (0.1, 10.0), (INF, 10.0))
+    arrivals = [1, 2, 1, 1, 2, 0, 2, 1, 2, 1]
     quiet = [
-        dataclasses.replace(_token_sample(t, 2, 300, 0.03), reporting_pods=1, ttft_buckets=fast)
-        for t in range(50, 60)
+        dataclasses.replace(
+            _token_sample(t, 2, 300, 0.03), reporting_pods=1, ttft_buckets=fast, waits=Waits(arrived, 0)
+        )
+        for t, arrived in zip(range(50, 60), arrivals, strict=True)
     ]
     quiet[5] = dataclasses.replace(
-        quiet[5], queue_depth=3, held=1, prompt_tokens_per_s=192, waited_share=0.25
+        quiet[5], queue_depth=3, held=1, prompt_tokens_per_s=192, waits=Waits(0, 1)
     )
+    quiet[6] = dataclasses.replace(quiet[6], waits=Waits(2, 1))
     state = AutoscalerState(full_throughput=(("time to first token", 1440.0),))
     decision = decide(POLICY, quiet, FleetState(1, 1), state, 59, slo=[at_p90])
     # Not full at 192: trusted with twice the 300 it served, below the 1440 it was full at, one replica for
     # the 298 tokens/s the window shows (sized at 192, two).
     assert decision.replicas == 1 and "600.0 prompt tokens/s per replica" in decision.reason, decision.reason
+    assert "2 of 13 requests (15.4%) waited in the gateway" in decision.reason
     assert decision.state.full_throughput == (("time to first token", 1440.0),)
 
 
@@ -416,7 +431,7 @@ def _token_sample(
     prompt_tokens_per_s: float,
     ttft: float,
     held: float = 0.0,
-    waited_share: float = 0.0,
+    waits: Waits = NO_WAITS,
 ) -> MetricsSample:
     return MetricsSample(
         time=time,
@@ -425,7 +440,7 @@ def _token_sample(
         ttft_seconds=ttft,
         prompt_tokens_per_s=prompt_tokens_per_s,
         held=held,
-        waited_share=waited_share,
+        waits=waits,
     )
 
 
@@ -447,7 +462,7 @@ def test_with_token_counters_the_slo_policy_sizes_on_prompt_tokens_per_second() 
 def test_what_a_replica_served_while_the_gateway_held_requests_bounds_it_past_the_window() -> None:
     # At 10 s the replicas serve 2000 prompt tokens/s each with 4 requests apiece, and the gateway holds 6
     # more: the demand is 4000 × 14 / 8 = 7000 tokens/s, and a replica does 2000 at most.
-    held = [_token_sample(0, 4, 2000, 0.2), _token_sample(10, 14, 4000, 0.3, held=6, waited_share=0.4)]
+    held = [_token_sample(0, 4, 2000, 0.2), _token_sample(10, 14, 4000, 0.3, held=6, waits=Waits(10, 4))]
     first = decide(POLICY, held, FleetState(2, 2), AutoscalerState(), 10, slo=[TTFT])
     assert first.state.full_throughput == (("time to first token", 2000.0),)
     # 7000 + 30 × 500 = 22,000 forecast over 2000 a replica: 11, capped at 10.
@@ -470,7 +485,7 @@ def test_a_fleet_full_and_refusing_is_sized_for_what_arrives_and_grows_while_the
     # Two replicas serve 2000 prompt tokens/s each with the gateway holding more than the tail beside them,
     # and it refuses a third of what arrives: 4000 / (1 - 1/3) = 6000 tokens/s arrive, three replicas'
     # worth at the load at which they are full.
-    full = [_token_sample(time, 14, 4000, 0.3, held=6, waited_share=0.4) for time in (8, 10)]
+    full = [_token_sample(time, 14, 4000, 0.3, held=6, waits=Waits(10, 4)) for time in (8, 10)]
     refusing = [dataclasses.replace(s, refused_share=1 / 3) for s in full]
     decision = decide(POLICY, refusing, FleetState(2, 2), AutoscalerState(), 10, slo=[TTFT])
     assert decision.replicas == 3
@@ -480,7 +495,7 @@ def test_a_fleet_full_and_refusing_is_sized_for_what_arrives_and_grows_while_the
     # Three replicas at that load serve the 6000 with 4 requests each, and the gateway still holds 3 beside
     # them, refusing none: the held are demand too, 6000 × 15 / 12 = 7500, so the fleet grows out of it.
     sized = [
-        dataclasses.replace(_token_sample(time, 15, 6000, 0.3, held=3, waited_share=0.2), reporting_pods=3)
+        dataclasses.replace(_token_sample(time, 15, 6000, 0.3, held=3, waits=Waits(10, 2)), reporting_pods=3)
         for time in (80, 82)
     ]
     grown = decide(POLICY, sized, FleetState(3, 3), decision.state, 82, slo=[TTFT])
@@ -513,7 +528,7 @@ def test_a_replica_is_full_at_the_median_load_of_the_samples_where_the_gateway_h
     # One request held in each, the replicas' load 3, 4 and 9 each: a scrape that caught a handful of
     # requests at once, or missed a replica, is not what a replica takes.
     full = [
-        dataclasses.replace(_sample(t, queue_depth, ttft), held=1, waited_share=0.1)
+        dataclasses.replace(_sample(t, queue_depth, ttft), held=1, waits=Waits(10, 1))
         for t, queue_depth, ttft in [(0, 7, 0.3), (1, 9, 0.4), (2, 19, 0.9)]
     ]
     model = latency_model(full, "time to first token")
