@@ -253,6 +253,12 @@ _KV_TRANSFER_FLAG_RULE = Rule(
     f"self != '{KV_TRANSFER_CONFIG_FLAG}' && !self.startsWith('{KV_TRANSFER_CONFIG_FLAG}=')",
     f"extraArgs must not pass {KV_TRANSFER_CONFIG_FLAG}: the operator renders it for each role",
 )
+# The gateway, the kubelet's probes and the operator's scrapes reach a replica over plain HTTP.
+_TLS_FLAGS_RULE = Rule(
+    "!self.startsWith('--ssl-') && self != '--enable-ssl-refresh'",
+    "extraArgs must not pass --ssl-* or --enable-ssl-refresh: the gateway, the probes and the operator's "
+    "metrics scrapes reach the replicas over HTTP (TLS ends at the gateway or the ingress in front of it)",
+)
 _ENV_SCHEMA = array(
     "",
     obj(
@@ -458,7 +464,10 @@ class EngineSpec:
         "More arguments of the runtime's command line, after the ones the operator renders from this spec.",
         (),
         maxItems=64,
-        items={"maxLength": 1024, "x-kubernetes-validations": [_API_KEY_FLAG_RULE.render()]},
+        items={
+            "maxLength": 1024,
+            "x-kubernetes-validations": [_API_KEY_FLAG_RULE.render(), _TLS_FLAGS_RULE.render()],
+        },
     )
     env: tuple[tuple[str, str], ...] = prop(
         "More environment variables of the runtime container.", (), schema=_ENV_SCHEMA
@@ -839,6 +848,7 @@ _ROLE_EXTRA_ARGS_ITEMS = {
             "engine.apiKeySecret",
         ).render(),
         _KV_TRANSFER_FLAG_RULE.render(),
+        _TLS_FLAGS_RULE.render(),
     ],
 }
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import ssl
 import subprocess
 import time
 from dataclasses import dataclass
@@ -25,6 +26,8 @@ class ServerProcess:
     log_path: Path
     api_key: str | None
     model_name: str = MODEL_NAME
+    # How its certificate is checked, where it serves HTTPS (with the client's certificate, where it asks).
+    verify: ssl.SSLContext | bool = True
 
     @property
     def pid(self) -> int:
@@ -55,7 +58,7 @@ class ServerProcess:
             if self.process.poll() is not None:
                 raise RuntimeError(f"the server exited with {self.process.returncode}:\n{self.log_tail()}")
             try:
-                if httpx.get(f"{self.url}/ready", timeout=2).status_code == 200:
+                if httpx.get(f"{self.url}/ready", timeout=2, verify=self.verify).status_code == 200:
                     return
             except httpx.TransportError:
                 pass

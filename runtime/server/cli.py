@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import ssl
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -39,6 +40,7 @@ from kvfleet.runtime.startup_phases import STARTUP_PHASES, process_age
 if TYPE_CHECKING:
     from kvfleet.runtime.safety.config import SafetyConfig
     from kvfleet.runtime.server.state import ServerSettings
+    from kvfleet.runtime.server.tls import TlsFiles
     from kvfleet.runtime.serving.lora_adapters import LoRAAdapters
 
 _API_KEY_ENV = "KVFLEET_API_KEY"
@@ -391,6 +393,36 @@ def _api_key(ctx: click.Context, param: click.Parameter, value: str | None) -> s
     help="Log level of the HTTP server's own logs; by default --log-level's.",
 )
 @click.option(
+    "--ssl-certfile",
+    type=click.Path(exists=True, dir_okay=False),
+    default=None,
+    help="Serve HTTPS with this PEM certificate (its chain after it; the key too, without --ssl-keyfile).",
+)
+@click.option(
+    "--ssl-keyfile", type=click.Path(exists=True, dir_okay=False), default=None, help="Its PEM private key."
+)
+@click.option(
+    "--ssl-ca-certs",
+    type=click.Path(exists=True, dir_okay=False),
+    default=None,
+    help="The CA certificates (PEM) that client certificates are checked against.",
+)
+@click.option(
+    "--ssl-cert-reqs",
+    type=click.IntRange(ssl.CERT_NONE, ssl.CERT_REQUIRED),
+    default=ssl.CERT_NONE,
+    show_default=True,
+    help="Client certificates, as Python's ssl module numbers them: 0 none asked for, 1 checked where given, "
+    "2 required.",
+)
+@click.option("--ssl-ciphers", default=None, help="The ciphers HTTPS may use (OpenSSL's cipher list format).")
+@click.option(
+    "--enable-ssl-refresh",
+    is_flag=True,
+    help="Load the certificate, key and CA files again when they change (a renewed certificate), for the "
+    "connections made after.",
+)
+@click.option(
     "--trust-remote-code",
     is_flag=True,
     help="Accepted for vLLM's command lines: kvfleet runs its own implementation of each architecture and "
@@ -438,6 +470,7 @@ def serve(model_tag: str | None, model: str | None, host: str, port: int, **opti
     STARTUP_PHASES.add("interpreter", process_age())
     model_name = _model_name(model_tag, model)
     _refuse_what_cannot_be_honoured(options)
+    tls = _tls_files(options)
     if TIERS[options["default_priority"]] < TIERS[options["max_priority_tier"]]:
         raise click.BadParameter(
             f"{options['default_priority']!r} is more urgent than --max-priority-tier "
@@ -498,6 +531,7 @@ def serve(model_tag: str | None, model: str | None, host: str, port: int, **opti
             startup_request_timeout=options["startup_request_timeout"],
             api_server_count=options["api_server_count"],
             lora_adapters=lora_adapters,
+            tls=tls,
         )
     except BaseException:
         core.stop()
@@ -551,6 +585,47 @@ def _refuse_what_cannot_be_honoured(options: dict[str, Any]) -> None:
         raise click.BadParameter(str(exc), param_hint="--override-generation-config") from None
     if options["default_chat_template_kwargs"]:
         _check_template_defaults(options["default_chat_template_kwargs"])
+
+
+def _tls_files(options: dict[str, Any]) -> TlsFiles | None:
+    """The HTTPS the --ssl-* flags ask for, once their files load; None for plain HTTP."""
+    if options["ssl_certfile"] is None:
+        given = [
+            flag
+            for flag, value in (
+                ("--ssl-keyfile", options["ssl_keyfile"]),
+                ("--ssl-ca-certs", options["ssl_ca_certs"]),
+                ("--ssl-cert-reqs", options["ssl_cert_reqs"]),
+                ("--ssl-ciphers", options["ssl_ciphers"]),
+                ("--enable-ssl-refresh", options["enable_ssl_refresh"]),
+            )
+            if value
+        ]
+        if given:
+            raise click.BadParameter(
+                "HTTPS needs --ssl-certfile, the server's certificate", param_hint=given[0]
+            )
+        return None
+    if options["ssl_cert_reqs"] != ssl.CERT_NONE and options["ssl_ca_certs"] is None:
+        raise click.BadParameter(
+            "a client certificate is checked against --ssl-ca-certs, which is not given",
+            param_hint="--ssl-cert-reqs",
+        )
+    from kvfleet.runtime.server.tls import TlsFiles
+
+    tls = TlsFiles(
+        certfile=options["ssl_certfile"],
+        keyfile=options["ssl_keyfile"],
+        ca_certs=options["ssl_ca_certs"],
+        cert_reqs=options["ssl_cert_reqs"],
+        ciphers=options["ssl_ciphers"],
+        refresh=options["enable_ssl_refresh"],
+    )
+    refusal = tls.refusal()
+    if refusal is not None:
+        flag, reason = refusal
+        raise click.BadParameter(reason, param_hint=flag)
+    return tls
 
 
 def _check_reasoning_parser(name: str, tokenizer_dir: Path) -> None:

@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from kvfleet.runtime.engine.core import EngineCore
     from kvfleet.runtime.engine.core_client import EngineCoreAddress, EngineCoreProcess
     from kvfleet.runtime.server.state import ServerSettings
+    from kvfleet.runtime.server.tls import TlsFiles
     from kvfleet.runtime.serving.lora_adapters import LoRAAdapters
 
 logger = logging.getLogger(__name__)
@@ -53,6 +54,8 @@ class ServeOptions:
     startup_request_timeout: float | None = None
     api_server_count: int = 1
     lora_adapters: LoRAAdapters | None = None
+    # HTTPS instead of HTTP.
+    tls: TlsFiles | None = None
 
 
 def start_engine_core(
@@ -146,8 +149,10 @@ def run_api_server(
         http=TimedH11Protocol.with_timeouts(
             header_read_timeout=settings.header_read_timeout, send_timeout=settings.send_timeout
         ),
+        **(options.tls.uvicorn_options() if options.tls is not None else {}),
     )
-    server = DrainingServer(uvicorn_config, state)
+    refreshed = options.tls if options.tls is not None and options.tls.refresh else None
+    server = DrainingServer(uvicorn_config, state, refreshed_tls=refreshed)
     server.run(sockets=[listen_socket] if listen_socket is not None else None)
     return 1 if server.failed or not server.started else 0
 

@@ -28,6 +28,7 @@ import uvicorn
 from kvfleet.contract.resume import DRAINING_CODE
 from kvfleet.runtime.server.errors import ServiceUnavailableError
 from kvfleet.runtime.server.state import ServerState
+from kvfleet.runtime.server.tls import TlsFiles, refresh_on_change
 from kvfleet.runtime.startup_phases import STARTUP_PHASES
 
 logger = logging.getLogger(__name__)
@@ -40,9 +41,13 @@ GRACEFUL_SHUTDOWN_TIMEOUT_S = 5
 
 
 class DrainingServer(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
+    def __init__(
+        self, config: uvicorn.Config, state: ServerState, refreshed_tls: TlsFiles | None = None
+    ) -> None:
+        """`refreshed_tls`: TLS files loaded again into the server's context whenever they change."""
         super().__init__(config)
         self.state = state
+        self.refreshed_tls = refreshed_tls
         self.failed = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: set[asyncio.Task[None]] = set()
@@ -55,6 +60,8 @@ class DrainingServer(uvicorn.Server):
     async def startup(self, sockets: list | None = None) -> None:  # type: ignore[override]
         with STARTUP_PHASES.phase("api_server_bind"):
             await super().startup(sockets)
+        if self.refreshed_tls is not None and self.config.ssl is not None:
+            self._spawn(refresh_on_change(self.refreshed_tls, self.config.ssl))
 
     @contextlib.contextmanager
     def capture_signals(self) -> Generator[None, None, None]:

@@ -231,6 +231,14 @@ INVALID = {
         with_spec(engine={"extraArgs": ["--seed", "1", "--api-key", "k"]}),
         ".spec.engine.extraArgs[2]: Invalid value: engine.extraArgs must not pass --api-key",
     ),
+    "tls flag": (
+        with_spec(engine={"extraArgs": ["--ssl-certfile=/certs/tls.crt"]}),
+        ".spec.engine.extraArgs[0]: Invalid value: extraArgs must not pass --ssl-* or --enable-ssl-refresh",
+    ),
+    "role with a tls refresh flag": (
+        with_spec(disaggregation={"decode": {"extraArgs": ["--seed", "1", "--enable-ssl-refresh"]}}),
+        ".spec.disaggregation.decode.extraArgs[2]: Invalid value: extraArgs must not pass --ssl-*",
+    ),
     "batch with several replicas": (
         with_spec(batch={}),
         "batch needs a single replica",
