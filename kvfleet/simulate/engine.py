@@ -120,8 +120,6 @@ class StepOutcome:
 
     first_tokens: list[Sequence] = field(default_factory=list)
     finished: list[Sequence] = field(default_factory=list)
-    # The sequences the step ran, finished ones included.
-    running: int = 0
 
 
 class LatencyHistogram:
@@ -243,7 +241,7 @@ class EngineModel:
 
     def finish_step(self, now: float) -> StepOutcome:
         """Applies the step (or run of decode steps) that ends now."""
-        outcome = StepOutcome(running=len(self.running))
+        outcome = StepOutcome()
         length, steps = now - self._step_started, self._steps
         decoding = 0
         for sequence, tokens in self._step:

@@ -2,14 +2,18 @@
 operator's autoscaler deciding as they do in the cluster.
 
 Events are kept in one heap by time. At equal times a step that ends goes first, then a replica that becomes
-ready, then an arrival, then the operator's scrape, so that a scrape sees every request that arrived by then
-and an arrival sees every replica that is ready by then. Each replica's step is one event (never one per
-token), and the trace is read one request ahead, so memory follows the requests in flight.
+ready, then an arrival, then a request that reaches its replica's engine, then the operator's scrape, so that
+a scrape sees every request that arrived by then and an arrival sees every replica that is ready by then. Each
+replica's step is one event (never one per token), and the trace is read one request ahead, so memory follows
+the requests in flight.
 
 The gateway: a request goes to the replica the service's routing policy picks (kvfleet.gateway.routing, the
-gateway's own classes, with the load bound) among the ready replicas below their in-flight cap; when there
-is none, it waits in a queue ordered by tier, then arrival, bounded in length and in time as the gateway's
-is (a full queue sheds by kvfleet.contract.precedence, the gateway's rule).
+gateway's own classes, with the load bound) among the ready replicas below their in-flight cap; when there is
+none, it waits in a queue ordered by tier, then arrival, bounded in length and in time as the gateway's is (a
+full queue sheds by kvfleet.contract.precedence, the gateway's rule). A routed request reaches its replica's
+engine the profile's first-token overhead later (its way in through the servers, and its tokens' way out,
+which the model puts ahead of the engine): a place in the gateway is held for that overhead and the engine's
+time, as a real one is held from the moment the request is sent until its stream has been relayed.
 
 The operator: every metrics interval the ready replicas report (PodMetrics, as scraped from /metrics) and the
 operator's own `aggregate` and `decide` (kvfleet.operator.autoscaler, through operator_loop) set the replica
@@ -42,7 +46,7 @@ from kvfleet.simulate.report import RunReport
 from kvfleet.simulate.trace import TraceRequest
 
 # Event kinds, in the order they run at equal times.
-STEP_END, REPLICA_READY, ARRIVAL, SCRAPE = range(4)
+STEP_END, REPLICA_READY, ARRIVAL, REACHED_ENGINE, SCRAPE = range(5)
 SERVICE = "sim"
 
 
@@ -164,6 +168,8 @@ class Simulation:
             elif kind == ARRIVAL:
                 self._arrive(payload)
                 self._next_arrival(requests)
+            elif kind == REACHED_ENGINE:
+                self._reach_engine(*payload)
             elif self._pending_work():
                 self._scrape()
         self._close_interval(self._now)
@@ -227,6 +233,8 @@ class Simulation:
         replica = self.policy.choose(self._routed, Prompt(request.prompt_text), lambda r: r.in_flight < cap)
         if replica is None:
             return False
+        # The requests the replica holds (running, queued in its engine, or on their way) beside this one.
+        overhead = self.config.profile.first_token_overhead(replica.in_flight)
         replica.in_flight += 1
         request.replica = replica
         trace = request.trace
@@ -235,14 +243,10 @@ class Simulation:
             trace.prompt_tokens, trace.output_tokens, trace.prefix_group, shared, self._now, owner=request
         )
         simulated = self._replicas[replica.url]
-        simulated.engine.add(sequence)
-        if not simulated.in_step:
-            self._start_step(simulated)
+        if overhead > 0:
+            self._push(self._now + overhead, REACHED_ENGINE, (simulated, sequence))
         else:
-            ends = simulated.engine.interrupt(self._now)
-            if ends is not None:
-                simulated.step_version += 1
-                self._push(ends, STEP_END, (simulated, simulated.step_version))
+            self._reach_engine(simulated, sequence)
         return True
 
     def _enqueue(self, request: _Request) -> None:
@@ -287,6 +291,16 @@ class Simulation:
 
     # The replicas.
 
+    def _reach_engine(self, simulated: _SimReplica, sequence: Sequence) -> None:
+        simulated.engine.add(sequence)
+        if not simulated.in_step:
+            self._start_step(simulated)
+        else:
+            ends = simulated.engine.interrupt(self._now)
+            if ends is not None:
+                simulated.step_version += 1
+                self._push(ends, STEP_END, (simulated, simulated.step_version))
+
     def _start_step(self, replica: _SimReplica) -> None:
         length = replica.engine.start_step(self._now)
         replica.in_step = length is not None
@@ -298,18 +312,14 @@ class Simulation:
         if version != replica.step_version:
             return  # the step was cut short by an arrival, and ended earlier
         outcome = replica.engine.finish_step(self._now)
-        # Only a step that made first tokens has their overhead to add.
-        overhead = (
-            self.config.profile.first_token_overhead(outcome.running - 1) if outcome.first_tokens else 0.0
-        )
         for sequence in outcome.first_tokens:
             request: _Request = sequence.owner  # type: ignore[assignment]
-            self.report.first_token(request.trace.tier, self._now - request.trace.arrival_s + overhead)
+            self.report.first_token(request.trace.tier, self._now - request.trace.arrival_s)
         replica.route.in_flight -= len(outcome.finished)
         self._in_flight -= len(outcome.finished)
         self._start_step(replica)
         if outcome.finished:
-            if replica.draining and not replica.engine.in_engine:
+            if replica.draining and not replica.route.in_flight:
                 self._retire(replica)
             else:
                 self._dispatch()
@@ -347,7 +357,7 @@ class Simulation:
             replica.draining = True
             if replica.ready:
                 self._routed.remove(replica.route)
-            if not replica.engine.in_engine:
+            if not replica.route.in_flight:
                 self._retire(replica)
 
     def _retire(self, replica: _SimReplica) -> None:

@@ -17,9 +17,10 @@ length and time, shedding by the gateway's rule) and goes out by the policy, tic
 Every metrics interval the ready replicas report to the operator's own `aggregate` and `decide`
 (operator_loop), which set the replica count; a new replica is ready after the pod start delay, one chosen to
 go takes nothing new, hands what the gateway had not yet delivered to it on to the others, and leaves when its
-engine is empty. A request's time to first token is the time it waited in the gateway and the engine's
-prediction when it arrives (fluid_engine); the report takes each tick's latencies with the requests they
-stand for.
+engine is empty. A request's time to first token is the time it waited in the gateway, the engine's
+prediction when it arrives (fluid_engine) and the profile's first-token overhead; the report takes each
+tick's latencies with the requests they stand for. Unlike the per-request model, the overhead holds no place
+in the gateway: at the scale this model is for, a request's way in is a small part of the time it holds one.
 """
 
 from __future__ import annotations

@@ -314,10 +314,10 @@ def test_a_first_token_reaches_its_client_the_calibrated_overhead_after_the_engi
 
 def test_a_first_token_beside_a_decoding_batch_waits_the_overhead_of_each_sequence_beside_it() -> None:
     # Four requests decode on a replica of five places all along (100,000 tokens each) while short ones
-    # arrive alone, four a second: each short one's first token comes out of a step of five sequences, so
-    # its overhead grows by four sequences' (nothing else changes: the engine is the same).
+    # arrive alone, one a second: each short one is taken in beside four sequences, so its overhead grows by
+    # four sequences' (nothing else changes: the engine is the same, and the short ones never meet).
     trace = [TraceRequest(0.0, 16, 100_000) for _ in range(4)]
-    trace += [TraceRequest(1.0 + 0.25 * n, 16, 1) for n in range(20)]
+    trace += [TraceRequest(1.0 + n, 16, 1) for n in range(20)]
     service = {**_service(minReplicas=1, maxReplicas=1), "engine": {"maxNumSeqs": 5}}
     medians = {}
     for per_sequence in (0.0, 0.1):

@@ -73,15 +73,33 @@ def test_a_first_token_beside_a_decoding_sequence_or_after_an_idle_gap_waits_wha
         "first_token",
         lambda report, tier, seconds: (seen.append(seconds), first_token(report, tier, seconds)),
     )
-    # A, at 0 on a replica that never ran: a 10 + 10 ms step and the whole wake, 0.070; then decode steps
-    # of 12 ms, the 36th ending at 0.502 and its last (62 after the one it shares with B) at 1.268.
-    # B, at 0.5, beside A: waits for that step, then 10 + 10 + 2 ms, and one sequence's overhead more.
-    # C, a second after A ends: a 20 ms step and the wake of a second's idle.
+    # A, at 0 on a replica that never ran: reaches the engine 3 ms later, then a 10 + 10 ms step and the
+    # whole wake, 0.073; then decode steps of 12 ms, the 37th ending at 0.517 and its last (61 after the one
+    # it shares with B) at 1.271.
+    # B, at 0.5, beside A: reaches the engine at 0.510 (3 ms, and 7 for the sequence beside), waits for the
+    # step in progress, then 10 + 10 + 2 ms: 0.539.
+    # C, at 2.268: reaches the engine a second after A ended, then a 20 ms step and the wake of that second.
     trace = [TraceRequest(0.0, 10, 100), TraceRequest(0.5, 10, 1), TraceRequest(2.268, 10, 1)]
     Simulation(config).run(trace)
     wake_after_a_second = 0.05 * (1 - math.exp(-1))
-    expected = [0.070 + 0.003, 0.524 - 0.5 + 0.003 + 0.007, 0.020 + wake_after_a_second + 0.003]
+    expected = [0.073, 0.539 - 0.5, 0.003 + 0.020 + wake_after_a_second]
     assert seen == pytest.approx(expected)
+
+
+def test_a_request_holds_its_place_in_the_gateway_on_its_way_in(monkeypatch: pytest.MonkeyPatch) -> None:
+    # One place, and a way in of 50 ms: the second request of two sent together is routed when the first's
+    # stream ends (0.05 + 0.02), and reaches the engine 50 ms later.
+    profile = replace(PROFILE, first_token_overhead_s=0.05)
+    config = load_config(_service({"replicas": 1}, engine={"maxNumSeqs": 1}), profile, ttft_target_s=1.0)
+    seen: list[float] = []
+    first_token = RunReport.first_token
+    monkeypatch.setattr(
+        RunReport,
+        "first_token",
+        lambda report, tier, seconds: (seen.append(seconds), first_token(report, tier, seconds)),
+    )
+    Simulation(config).run([TraceRequest(0.0, 10, 1), TraceRequest(0.0, 10, 1)])
+    assert seen == pytest.approx([0.07, 0.14])
 
 
 def test_the_operators_autoscaler_and_the_gateways_policy_are_the_ones_called(
