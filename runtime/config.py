@@ -92,6 +92,13 @@ class EngineConfig:
         "with channel or group scales, float8 weights) and refuses the other methods by name.",
         default=None,
     )
+    hf_overrides: dict[str, Any] | None = _option(
+        "vLLM's: settings over the model folder's config.json, as a JSON object, e.g. "
+        "'{\"max_position_embeddings\": 32768}'. A key replaces the config's value (a dict such as "
+        "rope_scaling whole); a nested model config (a text_config with its own model_type) takes the "
+        "override's keys into it.",
+        default=None,
+    )
     device: Device = _option("Where the model runs; auto picks cuda when present.", default="auto")
     use_tqdm_on_load: bool = _option(
         "Show the checkpoint's shards loading on a progress bar (on stderr, one line a shard).", default=True
@@ -254,7 +261,8 @@ class EngineConfig:
                 raise ValueError(message)
 
         require(bool(self.model), "model must name a model folder")
-        folder_weight_quantization(self.model, self.quantization)  # raises ValueError naming the field
+        # Raises ValueError naming the field.
+        folder_weight_quantization(self.model, self.quantization, self.hf_overrides)
         for name in _FIELD_TYPES:
             allowed = get_args(_FIELD_TYPES[name])
             require(getattr(self, name) in allowed, f"{name} must be one of {', '.join(allowed)}")

@@ -36,7 +36,9 @@ class LLMEngine:
         self.vocab_size: int = self.engine_core.vocab_size
         self.output_processor = OutputProcessor(self.tokenizer)
         self.eos_token_id: int | None = self.tokenizer.eos_token_id
-        self.prompt_media = PromptMedia.for_model(config.model, config.mm_limits(), config.max_audio_clip_s)
+        self.prompt_media = PromptMedia.for_model(
+            config.model, config.mm_limits(), config.max_audio_clip_s, config.hf_overrides
+        )
 
     @property
     def num_steps(self) -> int:

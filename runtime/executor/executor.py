@@ -314,7 +314,7 @@ class MultiprocExecutor(Executor):
 
 def check_parallel_config(config: EngineConfig) -> None:
     """Raises ValueError, naming the numbers, when the model or this node cannot take the split asked for."""
-    model_config = ModelConfig.from_folder(config.model)
+    model_config = ModelConfig.from_folder(config.model, config.hf_overrides)
     check_model_fits(
         model_config,
         config.tensor_parallel_size,

@@ -6,15 +6,17 @@ the server has opened its port and the engine has spent its start-up loading lib
 
 from __future__ import annotations
 
-import json
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
+from kvfleet.runtime.hf_config import config_source, read_hf_config
 from kvfleet.runtime.models.registry import REFUSED_ARCHITECTURES, ModelRegistry
 
 
-def check_model_folder(model: str) -> None:
+def check_model_folder(model: str, hf_overrides: Mapping[str, Any] | None = None) -> None:
     """Raises ValueError, with a one-line reason, when `model` is not a folder holding a config.json whose
-    architecture kvfleet serves."""
+    architecture (after vLLM's hf_overrides) kvfleet serves."""
     path = Path(model)
     if not path.exists():
         raise ValueError(f"the model folder {model} does not exist")
@@ -23,19 +25,16 @@ def check_model_folder(model: str) -> None:
     config_path = path / "config.json"
     if not config_path.is_file():
         raise ValueError(f"{model} holds no config.json: a model folder needs a Hugging Face config.json")
-    try:
-        config = json.loads(config_path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ValueError(f"{config_path} is not valid JSON: {exc}") from None
-    architectures = config.get("architectures") if isinstance(config, dict) else None
+    architectures = read_hf_config(path, hf_overrides).get("architectures")
+    source = config_source(path, hf_overrides)
     if not isinstance(architectures, list) or len(architectures) != 1:
-        raise ValueError(f"{config_path}: 'architectures' must name exactly one class, got {architectures!r}")
+        raise ValueError(f"{source}: 'architectures' must name exactly one class, got {architectures!r}")
     (architecture,) = architectures
     if architecture in REFUSED_ARCHITECTURES:
-        raise ValueError(f"{config_path}: {REFUSED_ARCHITECTURES[architecture]}")
+        raise ValueError(f"{source}: {REFUSED_ARCHITECTURES[architecture]}")
     supported = ModelRegistry().supported_architectures
     if architecture not in supported:
         raise ValueError(
-            f"{config_path}: model architecture {architecture!r} is not supported; supported: "
+            f"{source}: model architecture {architecture!r} is not supported; supported: "
             + ", ".join(supported)
         )

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import torch
+from kvfleet.runtime.hf_config import config_source, read_hf_config
 from kvfleet.runtime.models.moe_config import MoeConfig, moe_config
 from kvfleet.runtime.models.registry import REFUSED_ARCHITECTURES
 from kvfleet.runtime.models.rope import rope_parameters
@@ -47,15 +48,10 @@ class ModelConfig:
     quantization_config: dict[str, Any] | None = field(default=None, hash=False, compare=False)
 
     @classmethod
-    def from_folder(cls, model_dir: str | Path) -> ModelConfig:
-        path = Path(model_dir) / "config.json"
-        if not path.is_file():
-            raise FileNotFoundError(f"{path} does not exist: a model folder needs a Hugging Face config.json")
-        try:
-            raw = json.loads(path.read_text())
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{path} is not valid JSON: {exc}") from exc
-        return cls.from_dict(raw, source=str(path))
+    def from_folder(cls, model_dir: str | Path, hf_overrides: Mapping[str, Any] | None = None) -> ModelConfig:
+        """The folder's config.json, with vLLM's hf_overrides applied (an error names both)."""
+        raw = read_hf_config(model_dir, hf_overrides)
+        return cls.from_dict(raw, source=config_source(model_dir, hf_overrides))
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> ModelConfig:

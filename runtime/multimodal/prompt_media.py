@@ -4,13 +4,13 @@ their placeholders expanded, ready for the engine (which never decodes, resizes 
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+from kvfleet.runtime.hf_config import read_hf_config
 from kvfleet.runtime.multimodal.image_processor import (
     GridVisionSettings,
     ImageProcessor,
@@ -65,12 +65,16 @@ class PromptMedia:
 
     @classmethod
     def for_model(
-        cls, model_dir: str | Path, limits: Mapping[str, int], max_audio_clip_s: float | None
+        cls,
+        model_dir: str | Path,
+        limits: Mapping[str, int],
+        max_audio_clip_s: float | None,
+        hf_overrides: Mapping[str, Any] | None = None,
     ) -> PromptMedia:
-        """The model folder's handling of each modality it takes, under the limits (limit_mm_per_prompt's
-        counts, max_audio_clip_s)."""
+        """The model folder's handling of each modality it takes (its config.json after vLLM's hf_overrides),
+        under the limits (limit_mm_per_prompt's counts, max_audio_clip_s)."""
         model_dir = Path(model_dir)
-        model_config = json.loads((model_dir / "config.json").read_text())
+        model_config = read_hf_config(model_dir, hf_overrides)
         specs = modality_specs(model_config, model_dir)
         preprocessors: dict[str, Callable[[Any], PreparedItem]] = {}
         audio = None

@@ -9,12 +9,13 @@ absent, the folder's method is taken.
 
 from __future__ import annotations
 
-import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from kvfleet.contract.engine import LOADED_QUANTIZATION_METHODS
+from kvfleet.runtime.hf_config import config_source, read_hf_config
 
 # vLLM's `--quantization` names; kvfleet loads the contract's, and refuses the others by name.
 QUANTIZATION_METHODS = (
@@ -135,18 +136,18 @@ def weight_quantization(
     return _compressed_tensors_scheme(quantization_config, f"{source}: quantization_config")
 
 
-def folder_weight_quantization(model_dir: str | Path, requested: str | None) -> WeightQuantization | None:
-    """weight_quantization of a folder's config.json; None for a folder without a readable one (the folder
-    check and the loader refuse those with their own reasons)."""
+def folder_weight_quantization(
+    model_dir: str | Path, requested: str | None, hf_overrides: Mapping[str, Any] | None = None
+) -> WeightQuantization | None:
+    """weight_quantization of a folder's config.json (after vLLM's hf_overrides); None for a folder without a
+    readable one (the folder check and the loader refuse those with their own reasons)."""
     check_quantization_method(requested)
-    path = Path(model_dir) / "config.json"
     try:
-        raw = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        raw = read_hf_config(model_dir, hf_overrides)
+    except (OSError, ValueError):
         return None
-    if not isinstance(raw, dict):
-        return None
-    return weight_quantization(raw.get("quantization_config"), requested, str(path))
+    source = config_source(model_dir, hf_overrides)
+    return weight_quantization(raw.get("quantization_config"), requested, source)
 
 
 def _compressed_tensors_scheme(config: dict[str, Any], field: str) -> WeightQuantization:

@@ -489,7 +489,9 @@ def serve(model_tag: str | None, model: str | None, host: str, port: int, **opti
         )
     with STARTUP_PHASES.phase("config"):
         # After the checks of the options alone, which a download would only delay.
-        model = _model_folder(model_name, options["revision"], options["download_dir"])
+        model = _model_folder(
+            model_name, options["revision"], options["download_dir"], options["hf_overrides"]
+        )
         try:
             config = engine_config_from_options(model, options)
             if config.world_size > 1:
@@ -557,16 +559,18 @@ def _model_name(model_tag: str | None, model: str | None) -> str:
     return chosen
 
 
-def _model_folder(model: str, revision: str | None, download_dir: str | None) -> str:
+def _model_folder(
+    model: str, revision: str | None, download_dir: str | None, hf_overrides: dict[str, Any] | None
+) -> str:
     """The folder of `model` (a Hub id's in the cache, fetched first), once it is known to be one the engine
-    can load: a wrong path, repository or revision ends the command here, in one line, before the port
-    opens."""
+    can load (with vLLM's hf_overrides): a wrong path, repository or revision ends the command here, in one
+    line, before the port opens."""
     from kvfleet.runtime.hub import resolve_model
     from kvfleet.runtime.models.folder import check_model_folder
 
     try:
         folder = resolve_model(model, revision, cache_dir=download_dir)
-        check_model_folder(folder)
+        check_model_folder(folder, hf_overrides)
     except ValueError as exc:  # HubError included
         raise click.ClickException(str(exc)) from None
     return folder
@@ -765,6 +769,7 @@ def _lora_adapters(
     adapters = LoRAAdapters(
         config.model,
         served_model_names,
+        hf_overrides=config.hf_overrides,
         max_rank=config.max_lora_rank,
         download_dir=download_dir,
         sources=sources,

@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from kvfleet.runtime.hub import HubError, HubRepository, download, parse_hf_uri
@@ -90,10 +91,11 @@ class LoRAAdapters:
         served_model_names: tuple[str, ...],
         *,
         max_rank: int,
+        hf_overrides: dict[str, Any] | None = None,
         download_dir: str | None = None,
         sources: AdapterSources = AdapterSources(),
     ) -> None:
-        self.model_config = ModelConfig.from_folder(model)
+        self.model_config = ModelConfig.from_folder(model, hf_overrides)
         # The base model's names, which no adapter may take.
         self.served_model_names = served_model_names
         self.max_rank = max_rank

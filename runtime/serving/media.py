@@ -11,6 +11,7 @@ import base64
 import binascii
 import functools
 import ipaddress
+import json
 import socket
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -32,15 +33,17 @@ MAX_FETCHED_MEDIA_BYTES = 20 << 20
 
 @functools.lru_cache(maxsize=4)
 def _prompt_media(
-    model: str, limits: tuple[tuple[str, int], ...], max_audio_clip_s: float | None
+    model: str, limits: tuple[tuple[str, int], ...], max_audio_clip_s: float | None, hf_overrides_json: str
 ) -> PromptMedia:
-    return PromptMedia.for_model(model, dict(limits), max_audio_clip_s)
+    return PromptMedia.for_model(model, dict(limits), max_audio_clip_s, json.loads(hf_overrides_json))
 
 
 async def prompt_media(config: EngineConfig) -> PromptMedia:
     """The model's handling of its media, made once (on a thread: it may import Transformers)."""
     limits = tuple(sorted(config.mm_limits().items()))
-    return await asyncio.to_thread(_prompt_media, config.model, limits, config.max_audio_clip_s)
+    # The overrides as JSON text, which the cache can key on.
+    overrides = json.dumps(config.hf_overrides, sort_keys=True)
+    return await asyncio.to_thread(_prompt_media, config.model, limits, config.max_audio_clip_s, overrides)
 
 
 @dataclass(frozen=True)

@@ -76,7 +76,7 @@ class ModelRunner:
         """`reserved_cpus`: CPUs that processes beside this one (API servers) need while a step runs."""
         self.config = config
         self.device = resolve_device(config.device)
-        self.model_config = ModelConfig.from_folder(config.model)
+        self.model_config = ModelConfig.from_folder(config.model, config.hf_overrides)
         if config.enable_lora and self.model_config.moe is not None:
             raise ValueError(
                 f"enable_lora is not supported for {self.model_config.architecture}: adapters apply to dense "

@@ -586,27 +586,43 @@ def test_cors_preflight_answers_the_allowed_origin_only(server: ServerProcess) -
     assert "access-control-allow-origin" not in refused.headers
 
 
+UNKNOWN_ARCHITECTURE = {"architectures": ["GPT2LMHeadModel"]}
+
+
 @pytest.mark.parametrize(
-    ("model", "words"),
+    ("model", "options", "words"),
     [
-        ("missing", "does not exist"),
-        ("empty", "holds no config.json"),
-        ("unknown", "'GPT2LMHeadModel' is not supported"),
+        ("missing", (), "does not exist"),
+        ("empty", (), "holds no config.json"),
+        ("unknown", (), "'GPT2LMHeadModel' is not supported"),
+        ("tiny", ("--hf-overrides", json.dumps(UNKNOWN_ARCHITECTURE)), "with hf_overrides: model architec"),
     ],
 )
 def test_a_bad_model_path_fails_in_one_line_before_listening(
-    model: str, words: str, tmp_path: Path, tiny_llama: Path
+    model: str, options: tuple[str, ...], words: str, tmp_path: Path, tiny_llama: Path
 ) -> None:
     (tmp_path / "empty").mkdir()
     unknown = tmp_path / "unknown"
     shutil.copytree(tiny_llama, unknown)
     config = json.loads((unknown / "config.json").read_text())
-    (unknown / "config.json").write_text(json.dumps({**config, "architectures": ["GPT2LMHeadModel"]}))
-    path = str(tmp_path / model)
+    (unknown / "config.json").write_text(json.dumps({**config, **UNKNOWN_ARCHITECTURE}))
+    path = str(tiny_llama if model == "tiny" else tmp_path / model)
     port = free_port()
     start = time.monotonic()
     completed = subprocess.run(
-        [sys.executable, "-P", "-m", "kvfleet", "serve", path, "--host", "127.0.0.1", "--port", str(port)],
+        [
+            sys.executable,
+            "-P",
+            "-m",
+            "kvfleet",
+            "serve",
+            path,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            *options,
+        ],
         capture_output=True,
         text=True,
         timeout=60,
@@ -618,6 +634,12 @@ def test_a_bad_model_path_fails_in_one_line_before_listening(
     assert len(lines) == 1 and words in lines[0], lines
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)
+
+
+def test_hf_overrides_must_be_a_json_object(tiny_llama: Path) -> None:
+    completed = CliRunner().invoke(cli, ["serve", str(tiny_llama), "--hf-overrides", "[1]"])
+    assert completed.exit_code == 2
+    assert "--hf-overrides" in completed.output and "must be a JSON object" in completed.output
 
 
 @pytest.mark.parametrize(

@@ -40,13 +40,15 @@ def _prompts(vocab_size: int) -> list[list[int]]:
     return prompts
 
 
-def _reference(model_dir: Path, prompts: list[list[int]]) -> list[tuple[list[int], list[set[int]]]]:
+def _reference(
+    model_dir: Path, prompts: list[list[int]], **config: Any
+) -> list[tuple[list[int], list[set[int]]]]:
     """Greedy tokens and the top-5 at each step, one prompt at a time (no padding in the reference), each on
-    a fresh model: `dynamic` RoPE keeps the longest length it has seen across generate() calls, which would
-    make a prompt's reference depend on the prompts before it."""
+    a fresh model (with `config` over its config.json): `dynamic` RoPE keeps the longest length it has seen
+    across generate() calls, which would make a prompt's reference depend on the prompts before it."""
     results = []
     for prompt in prompts:
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **config).eval()
         results.append(greedy_reference(model, input_ids=torch.tensor([prompt])))
     return results
 
@@ -292,6 +294,20 @@ def test_rope_scaling_past_the_original_context_matches_transformers(
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=TOP_N)
     outputs = [llm.generate([prompt], params)[0] for prompt in prompts]
     _assert_close(outputs, _reference(model_dir, prompts))
+
+
+def test_greedy_matches_transformers_with_the_same_hf_overrides(make_model: Callable[..., Path]) -> None:
+    """vLLM's hf_overrides change the model as Transformers' config keywords do: here another RoPE base and a
+    far larger RMSNorm epsilon, which move the greedy tokens."""
+    model_dir = make_model("llama", "tiny")
+    overrides = {"rms_norm_eps": 0.25, "rope_parameters": {"rope_type": "default", "rope_theta": 100.0}}
+    prompts = _prompts(json.loads((model_dir / "config.json").read_text())["vocab_size"])[:6]
+    overridden = _reference(model_dir, prompts, **overrides)
+    as_written = _reference(model_dir, prompts)
+    assert [tokens for tokens, _ in overridden] != [tokens for tokens, _ in as_written]
+    llm = LLM(str(model_dir), dtype="float32", num_kv_blocks=256, max_model_len=256, hf_overrides=overrides)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=TOP_N)
+    _assert_close(llm.generate(prompts, params), overridden)
 
 
 # Sliding windows: Mistral's on every layer, Qwen's from max_window_layers on (layer 0 attends to everything,
