@@ -54,7 +54,8 @@ from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
     # Only annotated: the engine records into these metrics, so importing its outputs would tie the two.
-    from kvfleet.runtime.engine.outputs import RequestOutput
+    from kvfleet.runtime.engine.outputs import RequestMetrics, RequestOutput
+    from kvfleet.runtime.tracing import RequestSpan
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # Set (by `kvfleet serve --api-server-count N`) when several processes record metrics together.
@@ -240,10 +241,12 @@ class ServerMetrics:
 
     # ---- requests ------------------------------------------------------------------------------------
 
-    def track(self, tier: str, num_prompt_tokens: int, lora_name: str | None = None) -> RequestTracker:
+    def track(
+        self, tier: str, num_prompt_tokens: int, lora_name: str | None = None, span: RequestSpan | None = None
+    ) -> RequestTracker:
         if lora_name is not None:
             self._lora_requests.labels(model_name=self.model_name, lora_name=lora_name).inc()
-        return RequestTracker(self, tier, num_prompt_tokens, lora_name)
+        return RequestTracker(self, tier, num_prompt_tokens, lora_name, span)
 
     def set_lora_adapters_source(self, source: Callable[[], dict[str, int]]) -> None:
         """Where scrapes read the LoRA adapters this server serves: their lora_int_ids by name."""
@@ -283,10 +286,16 @@ class ServerMetrics:
 
 
 class RequestTracker:
-    """Turns one request's stream of delta outputs into observations."""
+    """Turns one request's stream of delta outputs into observations: the metrics', and its span's where it
+    is traced."""
 
     def __init__(
-        self, metrics: ServerMetrics, tier: str, num_prompt_tokens: int, lora_name: str | None = None
+        self,
+        metrics: ServerMetrics,
+        tier: str,
+        num_prompt_tokens: int,
+        lora_name: str | None = None,
+        span: RequestSpan | None = None,
     ) -> None:
         self._metrics = metrics
         self._tier = tier
@@ -298,6 +307,9 @@ class RequestTracker:
         self._num_prompt_tokens = num_prompt_tokens
         self._num_generated = 0
         self._last_token_time: float | None = None
+        self._span = span
+        # The request's times as its latest output had them.
+        self._times: RequestMetrics | None = None
         self._done = False
 
     def observe(self, output: RequestOutput) -> None:
@@ -311,6 +323,7 @@ class RequestTracker:
             if self._lora_tokens is not None:
                 self._lora_tokens.inc(new_tokens)
         times = output.metrics
+        self._times = times or self._times
         if times is not None and times.last_token_time is not None:
             if self._last_token_time is None:
                 record(metrics._prompt_tokens, tier, self._num_prompt_tokens)
@@ -334,6 +347,7 @@ class RequestTracker:
         if not self._done:
             self._done = True
             self._metrics._record_finished("abort", self._tier)
+            self._end_span("abort")
 
     def _finish(self, reason: str, output: RequestOutput) -> None:
         self._done = True
@@ -350,6 +364,11 @@ class RequestTracker:
                 per_sequence = self._num_generated / max(len(output.outputs), 1)
                 if per_sequence > 1:
                     record(metrics._tpot, tier, decode / (per_sequence - 1))
+        self._end_span(reason)
+
+    def _end_span(self, reason: str) -> None:
+        if self._span is not None:
+            self._span.end([reason], self._times, self._num_prompt_tokens, self._num_generated)
 
 
 @dataclass(frozen=True)

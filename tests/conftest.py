@@ -95,8 +95,9 @@ def tiny_llama(make_model: Callable[..., Path]) -> Path:
 
 @contextlib.contextmanager
 def running_servers(tiny_llama: Path, logs: Path) -> Iterator[Callable[..., ServerProcess]]:
-    """start(*extra_args, api_key=None, command=("serve",), model=None) -> a ready ServerProcess of `model`
-    (the tiny llama by default); every one started is stopped on exit."""
+    """start(*extra_args, api_key=None, command=("serve",), model=None, env=None) -> a ready ServerProcess of
+    `model` (the tiny llama by default), with `env` over this process's environment; every one started is
+    stopped on exit."""
     started: list[ServerProcess] = []
 
     def start(
@@ -105,6 +106,7 @@ def running_servers(tiny_llama: Path, logs: Path) -> Iterator[Callable[..., Serv
         wait: bool = True,
         command: tuple[str, ...] = ("serve",),
         model: Path | None = None,
+        env: dict[str, str] | None = None,
     ) -> ServerProcess:
         port = free_port()
         args = [
@@ -122,7 +124,9 @@ def running_servers(tiny_llama: Path, logs: Path) -> Iterator[Callable[..., Serv
             args += ["--api-key", api_key]
         log_path = logs / f"server-{port}.log"
         with log_path.open("wb") as log:
-            process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+            process = subprocess.Popen(
+                args, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
+            )
         server = ServerProcess(process, f"http://127.0.0.1:{port}", log_path, api_key)
         started.append(server)
         if wait:

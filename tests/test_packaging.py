@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import importlib.metadata
+import importlib.util
 import shutil
 import subprocess
 import sys
@@ -55,16 +56,43 @@ def _imported_distributions(folder: str) -> dict[str, set[str]]:
             if isinstance(node, ast.Import):
                 names = [alias.name for alias in node.names]
             elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                names = [node.module]
+                # `from package import module` imports the module, which a namespace package's
+                # distributions each install their own of.
+                names = [f"{node.module}.{alias.name}" for alias in node.names]
             else:
                 continue
             for name in names:
                 top = name.split(".")[0]
                 if top in sys.stdlib_module_names or top in LOCAL:
                     continue
-                for distribution in distributions.get(top, [top]):
+                for distribution in _installers(name, distributions.get(top, [top])):
                     found.setdefault(canonicalize_name(distribution), set()).add(str(path.relative_to(ROOT)))
     return found
+
+
+def _installers(name: str, candidates: list[str]) -> list[str]:
+    """Of the distributions that install the top-level package of `name`, those that install the module
+    itself: several share a namespace package (OpenTelemetry's), and each installs modules of its own in it.
+    `name` may end with a name that is not a module (`from package import function`): its module counts."""
+    if len(set(candidates)) == 1:
+        return candidates
+    module = name
+    while module.count("."):
+        try:
+            spec = importlib.util.find_spec(module)
+        except ModuleNotFoundError:
+            spec = None
+        if spec is not None and spec.origin is not None:
+            origin = Path(spec.origin).resolve()
+            owners = [candidate for candidate in candidates if origin in _installed_files(candidate)]
+            return owners or candidates
+        module = module.rsplit(".", 1)[0]
+    return candidates
+
+
+def _installed_files(distribution_name: str) -> set[Path]:
+    distribution = importlib.metadata.distribution(distribution_name)
+    return {Path(str(distribution.locate_file(file))).resolve() for file in distribution.files or ()}
 
 
 @pytest.mark.parametrize("folder", sorted(PARTS))

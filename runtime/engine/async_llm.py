@@ -43,6 +43,7 @@ from kvfleet.runtime.startup_phases import STARTUP_PHASES, process_age
 
 if TYPE_CHECKING:
     from kvfleet.runtime.engine.core import EngineCore
+    from kvfleet.runtime.tracing import RequestTracing
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +95,7 @@ class AsyncLLM:
         core_process: EngineCoreProcess | None = None,
         client_index: int = 0,
         metrics: ServerMetrics | None = None,
+        tracing: RequestTracing | None = None,
         tier_of: Callable[[int], str] = str,
         startup_request_timeout: float | None = None,
         core_class: type[EngineCore] | None = None,
@@ -105,6 +107,8 @@ class AsyncLLM:
         self._core_address = core_process.address if core_process is not None else core_address
         self._client_index = client_index
         self._metrics = metrics
+        # Each request's span, ended with its metrics' observations (with metrics only).
+        self._tracing = tracing
         self._tier_of = tier_of
         self.startup_request_timeout = startup_request_timeout
         self._core_class = core_class
@@ -251,7 +255,7 @@ class AsyncLLM:
             resumed,
         )
         stream = self._streams[request_id] = self._open_stream(
-            len(prompt_token_ids), params, priority, lora_request
+            request_id, len(prompt_token_ids), params, priority, lora_request, arrival
         )
         replay = self.output_processor.take_resumed(request_id)
         if replay is not None:
@@ -294,13 +298,20 @@ class AsyncLLM:
                 self._forget(request_id)
 
     def _open_stream(
-        self, num_prompt_tokens: int, params: SamplingParams, priority: int, lora_request: LoRARequest | None
+        self,
+        request_id: str,
+        num_prompt_tokens: int,
+        params: SamplingParams,
+        priority: int,
+        lora_request: LoRARequest | None,
+        arrival: float,
     ) -> _Stream:
         tier = self._tier_of(priority)
         tracker = None
         if self._metrics is not None:
             lora_name = lora_request.lora_name if lora_request is not None else None
-            tracker = self._metrics.track(tier, num_prompt_tokens, lora_name)
+            span = self._tracing.start(request_id, params, arrival) if self._tracing is not None else None
+            tracker = self._metrics.track(tier, num_prompt_tokens, lora_name, span)
         interval = max(params.stream_interval or 1, self.config.stream_interval)
         return _Stream(asyncio.Queue(), tier, tracker, interval)
 

@@ -25,7 +25,13 @@ from kvfleet.runtime.server.errors import (
     install_error_handlers,
 )
 from kvfleet.runtime.server.json_bodies import DepthCheckedRoute
-from kvfleet.runtime.server.middleware import BodyReadTimeout, BodySizeLimit, InFlightCounter, RequestIdHeader
+from kvfleet.runtime.server.middleware import (
+    BodyReadTimeout,
+    BodySizeLimit,
+    InFlightCounter,
+    RequestIdHeader,
+    TraceContext,
+)
 from kvfleet.runtime.server.state import ServerState
 from kvfleet.runtime.server.streaming import (
     EventStreamResponse,
@@ -91,6 +97,8 @@ def build_app(state: ServerState) -> FastAPI:
         app.add_middleware(ApiKeyAuth, api_key=state.settings.api_key)
     if state.settings.enable_request_id_headers:
         app.add_middleware(RequestIdHeader)
+    if state.settings.otlp_traces_endpoint is not None:
+        app.add_middleware(TraceContext)
     # Outside auth: a browser's preflight carries no key, and a 401 needs CORS headers for the page to see it.
     app.add_middleware(
         CORSMiddleware,

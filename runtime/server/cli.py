@@ -322,6 +322,13 @@ def _api_key(ctx: click.Context, param: click.Parameter, value: str | None) -> s
     help="vLLM's: every response carries X-Request-Id, the request's own or a new one.",
 )
 @click.option(
+    "--otlp-traces-endpoint",
+    metavar="URL",
+    help="vLLM's: each request's span (vLLM's llm_request, a child of the caller's traceparent) goes to this "
+    "OpenTelemetry collector over OTLP, gRPC or, with OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf, "
+    "HTTP.",
+)
+@click.option(
     "--enable-server-load-tracking",
     is_flag=True,
     help='vLLM\'s: GET /load answers {"server_load": the requests in flight}.',
@@ -581,6 +588,13 @@ def _refuse_what_cannot_be_honoured(options: dict[str, Any]) -> None:
     refusal = kv_cache_dtype_refusal(options["kv_cache_dtype"])
     if refusal is not None:
         raise click.BadParameter(refusal, param_hint="--kv-cache-dtype")
+    if options["otlp_traces_endpoint"] is not None:
+        from kvfleet.runtime.tracing import traces_protocol
+
+        try:
+            traces_protocol()
+        except ValueError as exc:
+            raise click.BadParameter(str(exc), param_hint="--otlp-traces-endpoint") from None
     from kvfleet.runtime.generation_config import sampling_overrides
 
     try:

@@ -115,12 +115,18 @@ def run_api_server(
     # One `_created` series per counter and histogram doubles what Prometheus stores, for nothing it uses.
     prometheus_client.disable_created_metrics()
     metrics = ServerMetrics(settings.served_model_name)
+    tracing = None
+    if settings.otlp_traces_endpoint is not None:
+        from kvfleet.runtime.tracing import RequestTracing
+
+        tracing = RequestTracing(settings.otlp_traces_endpoint, settings.served_model_name)
     engine = AsyncLLM(
         config,
         core_address=core_address,
         core_process=core_process,
         client_index=client_index,
         metrics=metrics,
+        tracing=tracing,
         tier_of=tier_of,
         startup_request_timeout=options.startup_request_timeout,
     )
@@ -154,6 +160,9 @@ def run_api_server(
     refreshed = options.tls if options.tls is not None and options.tls.refresh else None
     server = DrainingServer(uvicorn_config, state, refreshed_tls=refreshed)
     server.run(sockets=[listen_socket] if listen_socket is not None else None)
+    if tracing is not None:
+        # The spans of the drained requests still on their way.
+        tracing.shutdown()
     return 1 if server.failed or not server.started else 0
 
 

@@ -8,6 +8,8 @@ import uuid
 from kvfleet.contract.tokenizer_files import TOKENIZER_FILES_PATH
 from kvfleet.runtime.server.errors import PayloadTooLargeError, error_response
 from kvfleet.runtime.server.state import ServerState
+from opentelemetry import context as otel_context
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -15,6 +17,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 # never counted as work in flight, never held back by a drain.
 PROBE_PATHS = frozenset({"/health", "/ready", "/metrics", "/ping", "/load", TOKENIZER_FILES_PATH})
 REQUEST_ID_HEADER = b"x-request-id"
+# W3C Trace Context's headers.
+TRACE_HEADERS = frozenset({b"traceparent", b"tracestate"})
 
 
 def route_path(scope: Scope) -> str:
@@ -117,6 +121,31 @@ class RequestIdHeader:
             await send(message)
 
         await self.app(scope, receive, send_with_id)
+
+
+class TraceContext:
+    """The caller's W3C trace context (its traceparent and tracestate headers) made the current one while its
+    request runs, so that the engine's span of the request joins the caller's trace (kvfleet.runtime.tracing).
+    A request without them starts a trace of its own."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+        self.propagator = TraceContextTextMapPropagator()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        carrier = {
+            name.decode("latin-1"): value.decode("latin-1")
+            for name, value in scope.get("headers", ())
+            if name in TRACE_HEADERS
+        }
+        if scope["type"] != "http" or not carrier:
+            await self.app(scope, receive, send)
+            return
+        token = otel_context.attach(self.propagator.extract(carrier))
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            otel_context.detach(token)
 
 
 class InFlightCounter:

@@ -60,6 +60,8 @@ class ServerSettings(ServiceSettings):
     enable_request_id_headers: bool = False
     # vLLM's: GET /load answers the requests in flight.
     enable_server_load_tracking: bool = False
+    # vLLM's: where each request's span goes over OTLP (kvfleet.runtime.tracing); None: no traces.
+    otlp_traces_endpoint: str | None = None
     # The most responses (/v1/responses) kept in memory for previous_response_id and retrieval; 0: none
     # are kept, as vLLM serves by default.
     max_stored_responses: int = 0

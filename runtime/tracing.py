@@ -1,0 +1,140 @@
+"""Request traces over OpenTelemetry (vLLM's `--otlp-traces-endpoint`): a span for each engine request, named
+`llm_request` and with the attributes vLLM gives it (OpenTelemetry's gen_ai names), exported over OTLP.
+
+Its parent is whatever trace context is current when the request reaches the engine: the API server makes
+the caller's W3C trace context (the `traceparent` and `tracestate` headers, which a fleet gateway passes on)
+current for the HTTP request, so the engine's span joins the caller's trace without the engine reading HTTP.
+
+The exporter's protocol is OpenTelemetry's own setting, OTEL_EXPORTER_OTLP_TRACES_PROTOCOL: grpc (the
+default, as in vLLM) or http/protobuf; the exporter reads its other OTEL_EXPORTER_OTLP_TRACES_* settings
+(headers, certificates, insecure) itself. Spans leave in batches off the event loop, on the SDK's thread.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from opentelemetry import context as otel_context
+from opentelemetry.sdk.resources import SERVICE_NAME, Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
+from opentelemetry.trace import SpanKind, Status, StatusCode
+
+if TYPE_CHECKING:
+    from kvfleet.runtime.engine.outputs import RequestMetrics
+    from kvfleet.runtime.sampling_params import SamplingParams
+
+SPAN_NAME = "llm_request"
+PROTOCOLS = ("grpc", "http/protobuf")
+# Finish reasons that are not an answer: the span's status says the request failed.
+_FAILED = frozenset({"abort", "error"})
+
+
+class RequestTracing:
+    """The API server's tracer: starts a span for each engine request and exports the ended ones."""
+
+    def __init__(self, endpoint: str, model_name: str) -> None:
+        self._provider = TracerProvider(resource=Resource.create({SERVICE_NAME: "kvfleet"}))
+        self._provider.add_span_processor(BatchSpanProcessor(_span_exporter(endpoint)))
+        self._tracer = self._provider.get_tracer("kvfleet.runtime")
+        self._model_name = model_name
+
+    def start(self, request_id: str, params: SamplingParams, arrival_s: float) -> RequestSpan:
+        """The span of a request that arrived at `arrival_s` (time.monotonic()), child of the current trace
+        context."""
+        attributes: dict[str, Any] = {
+            "gen_ai.request.id": request_id,
+            "gen_ai.response.model": self._model_name,
+            "gen_ai.request.n": params.n,
+            "gen_ai.request.temperature": params.temperature,
+            "gen_ai.request.top_p": params.top_p,
+        }
+        if params.max_tokens is not None:
+            attributes["gen_ai.request.max_tokens"] = params.max_tokens
+        if params.top_k > 0:
+            attributes["gen_ai.request.top_k"] = params.top_k
+        span = self._tracer.start_span(
+            SPAN_NAME,
+            context=otel_context.get_current(),
+            kind=SpanKind.SERVER,
+            attributes=attributes,
+            start_time=_epoch_ns(arrival_s),
+        )
+        return RequestSpan(span)
+
+    def shutdown(self) -> None:
+        """Exports what is left (a few seconds at most) and stops the exporter."""
+        self._provider.shutdown()
+
+
+class RequestSpan:
+    """One request's span, ended once with what its outputs said."""
+
+    def __init__(self, span: Any) -> None:
+        self._span = span
+
+    def end(
+        self,
+        finish_reasons: Sequence[str],
+        times: RequestMetrics | None,
+        prompt_tokens: int,
+        completion_tokens: int,
+    ) -> None:
+        span = self._span
+        span.set_attribute("gen_ai.response.finish_reasons", list(finish_reasons))
+        span.set_attribute("gen_ai.usage.prompt_tokens", prompt_tokens)
+        span.set_attribute("gen_ai.usage.completion_tokens", completion_tokens)
+        finished = time.monotonic()
+        if times is not None:
+            finished = times.finished_time or finished
+            for name, seconds in _latencies(times, finished).items():
+                span.set_attribute(name, seconds)
+        if _FAILED & set(finish_reasons):
+            span.set_status(Status(StatusCode.ERROR, ", ".join(finish_reasons)))
+        span.end(end_time=_epoch_ns(finished))
+
+
+def traces_protocol() -> str:
+    """The OTLP protocol OTEL_EXPORTER_OTLP_TRACES_PROTOCOL names (grpc by default); ValueError naming the
+    setting for one the exporters do not speak."""
+    protocol = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "grpc")
+    if protocol not in PROTOCOLS:
+        raise ValueError(
+            f"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL {protocol!r} is not one of {', '.join(PROTOCOLS)}"
+        )
+    return protocol
+
+
+def _span_exporter(endpoint: str) -> SpanExporter:
+    if traces_protocol() == "grpc":
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcExporter
+
+        return GrpcExporter(endpoint=endpoint)
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as HttpExporter
+
+    return HttpExporter(endpoint=endpoint)
+
+
+def _latencies(times: RequestMetrics, finished: float) -> dict[str, float]:
+    """vLLM's latency attributes, in seconds, for the events the request reached."""
+    latencies = {"gen_ai.latency.e2e": finished - times.arrival_time}
+    scheduled, first, last = times.first_scheduled_time, times.first_token_time, times.last_token_time
+    if scheduled is not None:
+        latencies["gen_ai.latency.time_in_queue"] = scheduled - times.arrival_time
+    if first is not None:
+        latencies["gen_ai.latency.time_to_first_token"] = first - times.arrival_time
+    if scheduled is not None and first is not None:
+        latencies["gen_ai.latency.time_in_model_prefill"] = first - scheduled
+    if first is not None and last is not None:
+        latencies["gen_ai.latency.time_in_model_decode"] = last - first
+    if scheduled is not None and last is not None:
+        latencies["gen_ai.latency.time_in_model_inference"] = last - scheduled
+    return latencies
+
+
+def _epoch_ns(monotonic_s: float) -> int:
+    """A time.monotonic() moment as the nanoseconds since the epoch that spans are stamped with."""
+    return time.time_ns() - int((time.monotonic() - monotonic_s) * 1e9)
