@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import gzip
-import http.server
 import io
-import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -19,6 +17,7 @@ from kvfleet.runtime.config import EngineConfig
 from kvfleet.runtime.multimodal.media_sources import MediaOrigin
 from kvfleet.runtime.serving.media import MAX_FETCHED_MEDIA_BYTES, load_chat_media
 from kvfleet.runtime.serving.protocol import ChatMessage
+from local_http import QuietHandler, serving
 from PIL import Image
 
 CHUNK = b"\0" * (1 << 16)
@@ -41,7 +40,7 @@ def media_host() -> Iterator[int]:
     body that never ends at /endless."""
     png = _png()
 
-    class Handler(http.server.BaseHTTPRequestHandler):
+    class Handler(QuietHandler):
         def do_GET(self) -> None:
             self.send_response(200)
             self.send_header("Content-Type", "image/png")
@@ -56,18 +55,8 @@ def media_host() -> Iterator[int]:
                 while True:
                     self.wfile.write(CHUNK)
 
-        def log_message(self, *args: object) -> None:
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield server.server_address[1]
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join()
+    with serving(Handler) as port:
+        yield port
 
 
 def _load(config: EngineConfig, url: str) -> list[int]:

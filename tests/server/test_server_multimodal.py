@@ -6,7 +6,6 @@ one before it costs memory), after which the server keeps serving."""
 from __future__ import annotations
 
 import base64
-import http.server
 import io
 import json
 import threading
@@ -19,6 +18,7 @@ import httpx
 import numpy as np
 import openai
 import pytest
+from local_http import QuietHandler, serving
 from memory import proc_status_kb, reset_peak_rss
 from PIL import Image
 from server_checks import encoder_runs, transformers_chat_answer
@@ -72,7 +72,7 @@ def image_host() -> Iterator[str]:
     second for DRIP_SECONDS (each read well within any per-read timeout)."""
     body = _encoded(_image(7))
 
-    class Handler(http.server.BaseHTTPRequestHandler):
+    class Handler(QuietHandler):
         def do_GET(self) -> None:
             self.send_response(200 if self.path in ("/cat.png", "/drip") else 404)
             self.send_header("Content-Type", "image/png")
@@ -85,17 +85,8 @@ def image_host() -> Iterator[str]:
                     self.wfile.flush()
                     time.sleep(1)
 
-        def log_message(self, *args: Any) -> None:
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        thread.join()
+    with serving(Handler) as port:
+        yield f"http://127.0.0.1:{port}"
 
 
 @pytest.fixture(scope="module")

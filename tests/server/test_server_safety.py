@@ -9,11 +9,9 @@ from __future__ import annotations
 import contextlib
 import json
 import re
-import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -21,6 +19,7 @@ import httpx
 import openai
 import pytest
 from kvfleet.runtime.bench.safety import local_hook, logit_bias_against
+from local_http import QuietHandler, serving
 from ports import free_port
 from server_checks import finished_count, wait_idle
 
@@ -528,7 +527,7 @@ FLOOD_BYTES = 256 << 20
 _SENT: dict[str, int] = {}
 
 
-class _RemoteCheckers(BaseHTTPRequestHandler):
+class _RemoteCheckers(QuietHandler):
     """A guard model's server (`/v1/chat/completions`, answering "safe" and a newline, as servers without the
     guard's regex do) and a hook (`/hook`, answering "not flagged"). A text that names "drip <path>" gets
     its answer one byte at a time, every 0.25 s; one that names "flood <path>" gets an endless answer."""
@@ -582,22 +581,11 @@ class _RemoteCheckers(BaseHTTPRequestHandler):
         for _ in range(FLOOD_BYTES // len(chunk)):
             yield chunk
 
-    def log_message(self, *args: object) -> None:
-        pass
-
 
 @pytest.fixture(scope="module")
 def remote_checkers() -> Iterator[str]:
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _RemoteCheckers)
-    server.daemon_threads = True
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join()
+    with serving(_RemoteCheckers) as port:
+        yield f"http://127.0.0.1:{port}"
 
 
 @pytest.fixture(scope="module")

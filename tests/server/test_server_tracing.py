@@ -5,7 +5,6 @@ openai SDK got."""
 from __future__ import annotations
 
 import contextlib
-import http.server
 import json
 import threading
 import time
@@ -19,6 +18,7 @@ import httpx
 import openai
 import pytest
 from click.testing import CliRunner
+from local_http import QuietHandler, serving
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 from opentelemetry.proto.trace.v1.trace_pb2 import Span, Status
@@ -93,7 +93,7 @@ def grpc_collector(collector: Collector) -> Iterator[str]:
 
 @contextlib.contextmanager
 def http_collector(collector: Collector) -> Iterator[str]:
-    class Handler(http.server.BaseHTTPRequestHandler):
+    class Handler(QuietHandler):
         def do_POST(self) -> None:
             answer = collector.receive(self.rfile.read(int(self.headers["Content-Length"])))
             self.send_response(200)
@@ -102,18 +102,8 @@ def http_collector(collector: Collector) -> Iterator[str]:
             self.end_headers()
             self.wfile.write(answer)
 
-        def log_message(self, *args: Any) -> None:
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}/v1/traces"
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join()
+    with serving(Handler) as port:
+        yield f"http://127.0.0.1:{port}/v1/traces"
 
 
 COLLECTORS = {"grpc": grpc_collector, "http/protobuf": http_collector}

@@ -55,8 +55,21 @@ def test_a_step_that_ends_when_a_request_arrives_frees_its_place_first() -> None
     assert summary["ttft_p90_s"] == pytest.approx(step, rel=0.01)
 
 
+@pytest.fixture
+def first_tokens(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    """Every time to first token the simulation reports, in order."""
+    seen: list[float] = []
+    first_token = RunReport.first_token
+    monkeypatch.setattr(
+        RunReport,
+        "first_token",
+        lambda report, tier, seconds: (seen.append(seconds), first_token(report, tier, seconds)),
+    )
+    return seen
+
+
 def test_a_first_token_beside_a_decoding_sequence_or_after_an_idle_gap_waits_what_the_profile_says(
-    monkeypatch: pytest.MonkeyPatch,
+    first_tokens: list[float],
 ) -> None:
     profile = replace(
         PROFILE,
@@ -66,13 +79,6 @@ def test_a_first_token_beside_a_decoding_sequence_or_after_an_idle_gap_waits_wha
         wake_after_s=1.0,
     )
     config = load_config(_service({"replicas": 1}, engine={"maxNumSeqs": 2}), profile, ttft_target_s=1.0)
-    seen: list[float] = []
-    first_token = RunReport.first_token
-    monkeypatch.setattr(
-        RunReport,
-        "first_token",
-        lambda report, tier, seconds: (seen.append(seconds), first_token(report, tier, seconds)),
-    )
     # A, at 0 on a replica that never ran: reaches the engine 3 ms later, then a 10 + 10 ms step and the
     # whole wake, 0.073; then decode steps of 12 ms, the 37th ending at 0.517 and its last (61 after the one
     # it shares with B) at 1.271.
@@ -83,23 +89,16 @@ def test_a_first_token_beside_a_decoding_sequence_or_after_an_idle_gap_waits_wha
     Simulation(config).run(trace)
     wake_after_a_second = 0.05 * (1 - math.exp(-1))
     expected = [0.073, 0.539 - 0.5, 0.003 + 0.020 + wake_after_a_second]
-    assert seen == pytest.approx(expected)
+    assert first_tokens == pytest.approx(expected)
 
 
-def test_a_request_holds_its_place_in_the_gateway_on_its_way_in(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_request_holds_its_place_in_the_gateway_on_its_way_in(first_tokens: list[float]) -> None:
     # One place, and a way in of 50 ms: the second request of two sent together is routed when the first's
     # stream ends (0.05 + 0.02), and reaches the engine 50 ms later.
     profile = replace(PROFILE, first_token_overhead_s=0.05)
     config = load_config(_service({"replicas": 1}, engine={"maxNumSeqs": 1}), profile, ttft_target_s=1.0)
-    seen: list[float] = []
-    first_token = RunReport.first_token
-    monkeypatch.setattr(
-        RunReport,
-        "first_token",
-        lambda report, tier, seconds: (seen.append(seconds), first_token(report, tier, seconds)),
-    )
     Simulation(config).run([TraceRequest(0.0, 10, 1), TraceRequest(0.0, 10, 1)])
-    assert seen == pytest.approx([0.07, 0.14])
+    assert first_tokens == pytest.approx([0.07, 0.14])
 
 
 def test_the_operators_autoscaler_and_the_gateways_policy_are_the_ones_called(
