@@ -91,6 +91,22 @@ logger = logging.getLogger(__name__)
     "a node's first pod compiles them; it must be writable by uid 1000. Unset: each pod builds in its own "
     "scratch volume, unless its image holds them prebuilt.",
 )
+@click.option(
+    "--otlp-traces-endpoint",
+    envvar="KVFLEET_OTLP_TRACES_ENDPOINT",
+    default=None,
+    help="An OpenTelemetry collector every runtime pod sends its requests' spans to, over OTLP (vLLM's "
+    "--otlp-traces-endpoint, which both runtimes take); each pod names its InferenceService, namespace and "
+    "pod in them. Unset: no spans.",
+)
+@click.option(
+    "--otlp-traces-protocol",
+    envvar="KVFLEET_OTLP_TRACES_PROTOCOL",
+    type=click.Choice(["grpc", "http/protobuf"]),
+    default="grpc",
+    show_default=True,
+    help="OTLP's protocol to that collector.",
+)
 @credential_options
 @click.option(
     "--api-concurrency",
@@ -137,6 +153,8 @@ def operator_command(
     priority_class_prefix: str,
     service_monitor_labels: str,
     kernel_cache_host_path: str | None,
+    otlp_traces_endpoint: str | None,
+    otlp_traces_protocol: str,
     kubeconfig: str | None,
     kube_context: str | None,
     api_concurrency: int,
@@ -164,6 +182,8 @@ def operator_command(
         priority_class_prefix=priority_class_prefix,
         service_monitor_labels=service_monitor_labels,
         kernel_cache_host_path=kernel_cache_host_path,
+        otlp_traces_endpoint=otlp_traces_endpoint,
+        otlp_traces_protocol=otlp_traces_protocol,
         scrape_timeout=scrape_timeout,
         scrape_max_bytes=scrape_max_bytes,
         safety_defaults=safety_defaults,
@@ -208,6 +228,8 @@ def _operator_context(
     priority_class_prefix: str,
     service_monitor_labels: str,
     kernel_cache_host_path: str | None,
+    otlp_traces_endpoint: str | None,
+    otlp_traces_protocol: str,
     scrape_timeout: float,
     scrape_max_bytes: int | None,
     safety_defaults: str,
@@ -217,6 +239,7 @@ def _operator_context(
     from kvfleet.operator.context import OperatorContext
     from kvfleet.operator.kube import KubeApi
     from kvfleet.operator.render import DEFAULT_RUNTIME_IMAGE, DEFAULT_VLLM_IMAGE, RenderOptions
+    from kvfleet.operator.render_pod import TraceExport
     from kvfleet.operator.safety import SafetyPlatform
     from kvfleet.operator.scrape import DEFAULT_MAX_PAGE_BYTES
 
@@ -233,6 +256,8 @@ def _operator_context(
         service_monitor_labels=_labels(service_monitor_labels),
         safety=safety,
         kernel_cache_host_path=kernel_cache_host_path or None,
+        # The chart sets the variable empty where it names no collector.
+        traces=TraceExport(otlp_traces_endpoint, otlp_traces_protocol) if otlp_traces_endpoint else None,
     )
     return OperatorContext(
         kube=kube,

@@ -36,6 +36,7 @@ from kvfleet.operator.api import (
 from kvfleet.operator.render_pod import (
     RENDEZVOUS_PORT_NAME,
     GroupPlacement,
+    TraceExport,
     batch_claim_name,
     pod_template,
 )
@@ -70,6 +71,8 @@ class RenderOptions:
     safety: SafetyPlatform = field(default_factory=SafetyPlatform)
     # A node folder the runtime pods share their kernel builds in (chart value runtime.kernelCache.hostPath).
     kernel_cache_host_path: str | None = None
+    # Where the runtime pods send their requests' spans (chart values runtime.tracing.*); None: nowhere.
+    traces: TraceExport | None = None
 
 
 @dataclass(frozen=True)
@@ -316,6 +319,7 @@ def _pod_template(
         options.priority_class_prefix,
         download_image=image if kvfleet_runtime else options.runtime_image,
         kernel_cache_host_path=options.kernel_cache_host_path if kvfleet_runtime else None,
+        traces=options.traces,
     )
 
 

@@ -64,6 +64,10 @@ NODE_RANK_ENV = "KVFLEET_NODE_RANK"
 # The pod's own address, where the readiness probe of a group's pod asks (the server listens on every
 # interface of the pod), and the address a prefill replica advertises for its KV blocks.
 POD_IP_ENV = "KVFLEET_POD_IP"
+# What a traced replica's spans name as their resource: its pod and namespace, from the downward API.
+POD_NAME_ENV = "KVFLEET_POD_NAME"
+POD_NAMESPACE_ENV = "KVFLEET_POD_NAMESPACE"
+TRACES_ENDPOINT_FLAG = "--otlp-traces-endpoint"
 # The runtime's KV connector that moves blocks between pods over TCP, and the side each role takes.
 KV_CONNECTOR = "TcpConnector"
 KV_ROLES: dict[Role, str] = {"prefill": "kv_producer", "decode": "kv_consumer"}
@@ -169,16 +173,31 @@ def publishes_kv_events(spec: InferenceServiceSpec) -> bool:
     return spec.routing.policy == "precise-prefix"
 
 
+@dataclass(frozen=True)
+class TraceExport:
+    """Where every runtime pod sends its requests' spans (both runtimes take vLLM's flag), and over which of
+    OTLP's protocols (chart values runtime.tracing.*)."""
+
+    endpoint: str
+    protocol: str = "grpc"
+
+
 def runtime_args(
-    spec: InferenceServiceSpec, safety_config: str | None = None, role: Role | None = None
+    spec: InferenceServiceSpec,
+    safety_config: str | None = None,
+    role: Role | None = None,
+    traces: TraceExport | None = None,
 ) -> list[str]:
     """The runtime's flags: `kvfleet serve`'s, or for spec.engine.runtime vllm `vllm serve`'s (the model
     first, as its positional argument); `safety_config` is the merged safety policy, `role` the side a replica
-    of a disaggregated service takes (kvfleet's alone: parse_spec refuses both for vLLM)."""
+    of a disaggregated service takes (kvfleet's alone: parse_spec refuses both for vLLM), `traces` where the
+    platform collects spans (before extraArgs, which may name another collector where the admission policy
+    lets them)."""
     engine = spec.engine
     drain = [DRAIN_FLAGS[engine.runtime], str(engine.drain_timeout_seconds)]
+    tracing = [TRACES_ENDPOINT_FLAG, traces.endpoint] if traces is not None else []
     if engine.runtime == "vllm":
-        return [model_path(spec.model), *_shared_args(spec), *drain, *engine.extra_args]
+        return [model_path(spec.model), *_shared_args(spec), *drain, *tracing, *engine.extra_args]
     args = ["--model", model_path(spec.model), *_shared_args(spec)]
     args += ["--default-priority", TIERS[spec.sla.tier].name, *drain]
     if spec.scaling.sleeping_replicas:
@@ -201,7 +220,7 @@ def runtime_args(
         args += [KV_TRANSFER_CONFIG_FLAG, kv_transfer_config(role)]
     if publishes_kv_events(spec):
         args += [KV_EVENTS_CONFIG_FLAG, kv_events_config()]
-    return args + list(engine.extra_args)
+    return args + tracing + list(engine.extra_args)
 
 
 def _shared_args(spec: InferenceServiceSpec) -> list[str]:
@@ -251,15 +270,18 @@ def pod_template(
     priority_class_prefix: str = DEFAULT_PRIORITY_CLASS_PREFIX,
     download_image: str | None = None,
     kernel_cache_host_path: str | None = None,
+    traces: TraceExport | None = None,
 ) -> dict[str, Any]:
     """`group`: where the pod stands in a replica group, for a model that spans nodes; `role`: the side its
     replica takes in a disaggregated service; `priority_class_prefix`: the chart release's, of its tiers'
     PriorityClasses; `download_image`: the kvfleet image whose `kvfleet download-model` fetches an hf://
     model, when `image` is another runtime's (None: `image`); `kernel_cache_host_path`: the node folder its
-    pods share their kernel builds in."""
+    pods share their kernel builds in; `traces`: where the platform collects the requests' spans."""
     engine = spec.engine
     volumes, mounts = _pod_volumes(spec, service_name, kernel_cache_host_path)
     env = _runtime_env(spec, None if kernel_cache_host_path is None else _kernel_cache_folder(image))
+    if traces is not None:
+        env = _trace_env(traces, service_name) + env
     pod_spec: dict[str, Any] = {
         "priorityClassName": priority_class_name(priority_class_prefix, spec.sla.tier),
         "terminationGracePeriodSeconds": termination_grace_seconds(spec),
@@ -272,7 +294,7 @@ def pod_template(
             "fsGroup": RUNTIME_USER,
             "seccompProfile": {"type": "RuntimeDefault"},
         },
-        "containers": [_runtime_container(spec, image, mounts, env, safety_config, group, role)],
+        "containers": [_runtime_container(spec, image, mounts, env, safety_config, group, role, traces)],
         "volumes": volumes,
     }
     init = _download_container(spec.model, download_image or image, engine.image_pull_policy)
@@ -320,10 +342,11 @@ def _runtime_container(
     safety_config: str | None,
     group: GroupPlacement | None,
     role: Role | None,
+    traces: TraceExport | None,
 ) -> dict[str, Any]:
     engine = spec.engine
     ports = [{"name": HTTP_PORT_NAME, "containerPort": HTTP_PORT, "protocol": "TCP"}]
-    args = runtime_args(spec, safety_config, role)
+    args = runtime_args(spec, safety_config, role, traces)
     readiness = _readiness_probe(READINESS_PATHS[engine.runtime])
     if group is not None:
         readiness = _join_group(group, args, env, ports)
@@ -372,6 +395,19 @@ def _join_group(
 
 def _pod_ip() -> dict[str, Any]:
     return {"name": POD_IP_ENV, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
+
+
+def _trace_env(traces: TraceExport, service_name: str) -> list[dict[str, Any]]:
+    """OpenTelemetry's settings of the runtime's exporter: the protocol, and the spans' resource (the
+    InferenceService, its namespace and the pod), ahead of the service's own env."""
+    attributes = f"k8s.namespace.name=$({POD_NAMESPACE_ENV}),k8s.pod.name=$({POD_NAME_ENV})"
+    return [
+        {"name": "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "value": traces.protocol},
+        {"name": "OTEL_SERVICE_NAME", "value": service_name},
+        {"name": POD_NAMESPACE_ENV, "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+        {"name": POD_NAME_ENV, "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        {"name": "OTEL_RESOURCE_ATTRIBUTES", "value": attributes},
+    ]
 
 
 def _placement(resources: ResourcesSpec) -> dict[str, Any]:

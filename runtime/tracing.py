@@ -7,7 +7,8 @@ current for the HTTP request, so the engine's span joins the caller's trace with
 
 The exporter's protocol is OpenTelemetry's own setting, OTEL_EXPORTER_OTLP_TRACES_PROTOCOL: grpc (the
 default, as in vLLM) or http/protobuf; the exporter reads its other OTEL_EXPORTER_OTLP_TRACES_* settings
-(headers, certificates, insecure) itself. Spans leave in batches off the event loop, on the SDK's thread.
+(headers, certificates, insecure) itself, and the spans' resource is OTEL_SERVICE_NAME's and
+OTEL_RESOURCE_ATTRIBUTES'. Spans leave in batches off the event loop, on the SDK's thread.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ class RequestTracing:
     """The API server's tracer: starts a span for each engine request and exports the ended ones."""
 
     def __init__(self, endpoint: str, model_name: str) -> None:
-        self._provider = TracerProvider(resource=Resource.create({SERVICE_NAME: "kvfleet"}))
+        self._provider = TracerProvider(resource=resource())
         self._provider.add_span_processor(BatchSpanProcessor(_span_exporter(endpoint)))
         self._tracer = self._provider.get_tracer("kvfleet.runtime")
         self._model_name = model_name
@@ -95,6 +96,16 @@ class RequestSpan:
         if _FAILED & set(finish_reasons):
             span.set_status(Status(StatusCode.ERROR, ", ".join(finish_reasons)))
         span.end(end_time=_epoch_ns(finished))
+
+
+def resource() -> Resource:
+    """What the spans come from: OpenTelemetry's OTEL_SERVICE_NAME and OTEL_RESOURCE_ATTRIBUTES where set
+    (the operator names each InferenceService and its namespace), the service `kvfleet` where they name
+    none."""
+    detected = Resource.create()
+    if str(detected.attributes.get(SERVICE_NAME, "")).startswith("unknown_service"):
+        return detected.merge(Resource({SERVICE_NAME: "kvfleet"}))
+    return detected
 
 
 def traces_protocol() -> str:

@@ -14,6 +14,7 @@ import pytest
 import yaml
 from kvfleet.contract.kv_transfer import ROLES
 from kvfleet.gateway.cli import gateway_command
+from kvfleet.operator.cli import operator_command
 from kvfleet.operator.kube import PLURALS
 from kvfleet.operator.render import Owner, RenderOptions, render_children
 from kvfleet.operator.scrape import DEFAULT_MAX_PAGE_BYTES
@@ -195,6 +196,29 @@ def run_helm(helm: Path, *args: str) -> str:
 )
 def test_helm_lint(helm: Path, settings: list[str]) -> None:
     run_helm(helm, "lint", "--strict", str(CHART), *settings)
+
+
+def test_the_operator_takes_the_trace_collector_the_chart_names(
+    helm: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    endpoint = "http://otel-collector.observability:4318/v1/traces"
+    out = run_helm(
+        helm,
+        "template",
+        "kv",
+        str(CHART),
+        "--set",
+        f"runtime.tracing.otlpTracesEndpoint={endpoint}",
+        "--set",
+        "runtime.tracing.protocol=http/protobuf",
+    )
+    docs = [d for d in yaml.safe_load_all(out) if d]
+    operator = next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "kv-kvfleet")
+    for variable in operator["spec"]["template"]["spec"]["containers"][0]["env"]:
+        if variable["name"].startswith("KVFLEET_OTLP_"):
+            monkeypatch.setenv(variable["name"], variable["value"])
+    params = operator_command.make_context("operator", []).params
+    assert (params["otlp_traces_endpoint"], params["otlp_traces_protocol"]) == (endpoint, "http/protobuf")
 
 
 def test_helm_template_cluster_wide(helm: Path) -> None:

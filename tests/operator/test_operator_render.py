@@ -33,6 +33,7 @@ from kvfleet.operator.render_pod import (
     DRAIN_FLAGS,
     PRESTOP_DELAY_SECONDS,
     READINESS_PATHS,
+    TraceExport,
     adapter_source,
     runtime_args,
 )
@@ -590,3 +591,34 @@ def test_a_node_kernel_cache_is_a_host_folder_where_each_image_builds_apart() ->
         assert env["TRITON_CACHE_DIR"] == env["TORCH_EXTENSIONS_DIR"] + "/triton"
         folders.append(env["TORCH_EXTENSIONS_DIR"])
     assert len(set(folders)) == 2
+
+
+@pytest.mark.parametrize("runtime", ["kvfleet", "vllm"])
+def test_traced_pods_send_their_spans_where_the_platform_collects_them_named_after_their_service(
+    runtime: str,
+) -> None:
+    spec = parse_spec(
+        {"model": {"uri": "file:///m"}, "engine": {"runtime": runtime, "extraArgs": ["--seed", "7"]}},
+        name="chat",
+    )
+    owner = Owner("chat", "team-a", UID)
+    traces = TraceExport("http://otel-collector.observability:4318/v1/traces", "http/protobuf")
+    container = runtime_container(render_children(owner, spec, 1, RenderOptions(traces=traces)))
+    args = container["args"]
+    # Before the service's own flags, which may name another collector where the admission policy allows.
+    flag = args.index("--otlp-traces-endpoint")
+    assert args[flag + 1 : flag + 4] == [traces.endpoint, "--seed", "7"]
+    env = container["env"]
+    values = {entry["name"]: entry.get("value") for entry in env}
+    assert values["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] == "http/protobuf"
+    assert values["OTEL_SERVICE_NAME"] == "chat"
+    # The kubelet expands $(NAME) only from variables listed before the one that names it.
+    names = [entry["name"] for entry in env]
+    attributes = values["OTEL_RESOURCE_ATTRIBUTES"]
+    downward = {"KVFLEET_POD_NAMESPACE": "metadata.namespace", "KVFLEET_POD_NAME": "metadata.name"}
+    for name, path in downward.items():
+        assert env[names.index(name)]["valueFrom"] == {"fieldRef": {"fieldPath": path}}
+        assert f"$({name})" in attributes and names.index(name) < names.index("OTEL_RESOURCE_ATTRIBUTES")
+    assert attributes.startswith("k8s.namespace.name=$(KVFLEET_POD_NAMESPACE),k8s.pod.name=")
+    untraced = runtime_container(render_children(owner, spec, 1, RenderOptions()))
+    assert "--otlp-traces-endpoint" not in untraced["args"] and "OTEL_" not in json.dumps(untraced["env"])

@@ -27,6 +27,7 @@ from kvfleet.operator.api import API_KEY_ENV, KV_TRANSFER_CONFIG_FLAG
 from kvfleet.operator.autoscaler import PodMetrics
 from kvfleet.operator.render_pod import (
     PRESTOP_DELAY_SECONDS,
+    TraceExport,
     pod_template,
     runtime_args,
     termination_grace_seconds,
@@ -138,16 +139,15 @@ _PARSE_SERVE_ARGS = (
 )
 
 
-def test_rendered_batch_quantization_and_expert_flags_are_runtime_options(tmp_path: Path) -> None:
+def test_rendered_batch_quantization_expert_and_trace_flags_are_runtime_options(tmp_path: Path) -> None:
     raw_spec = yaml.safe_load(EXAMPLE.read_text())["spec"]
     raw_spec["batch"] = {"storage": "EmptyDir", "maxFileBytes": 1 << 20}
     raw_spec["scaling"] = {"replicas": 1}
     raw_spec["engine"] = {**raw_spec.get("engine", {}), "quantization": "compressed-tensors"}
     raw_spec["engine"]["enableExpertParallel"] = True
-    args = runtime_args(parse_spec(raw_spec, name="tiny"))
-    assert {"--batch-store", "--max-batch-file-bytes", "--quantization", "--enable-expert-parallel"} <= set(
-        args
-    )
+    args = runtime_args(parse_spec(raw_spec, name="tiny"), traces=TraceExport("http://collector:4317"))
+    flags = {"--batch-store", "--max-batch-file-bytes", "--quantization", "--enable-expert-parallel"}
+    assert flags | {"--otlp-traces-endpoint"} <= set(args)
     result = subprocess.run(
         [sys.executable, "-P", "-c", _PARSE_SERVE_ARGS, *args], capture_output=True, text=True, timeout=120
     )

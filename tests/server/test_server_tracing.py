@@ -40,6 +40,8 @@ class Collector:
     def __init__(self) -> None:
         self._spans: list[tuple[dict[str, Any], Span]] = []
         self._lock = threading.Lock()
+        # The resource attributes the spans must come with.
+        self.expected_resource: dict[str, str] = {}
 
     def receive(self, body: bytes) -> bytes:
         request = trace_service_pb2.ExportTraceServiceRequest.FromString(body)
@@ -107,6 +109,15 @@ def http_collector(collector: Collector) -> Iterator[str]:
 
 
 COLLECTORS = {"grpc": grpc_collector, "http/protobuf": http_collector}
+# What the spans come from: OpenTelemetry's settings (as the operator gives each InferenceService's pods), or
+# kvfleet where none names the service.
+RESOURCES = {
+    "grpc": ({}, {"service.name": "kvfleet"}),
+    "http/protobuf": (
+        {"OTEL_SERVICE_NAME": "chat", "OTEL_RESOURCE_ATTRIBUTES": "k8s.namespace.name=team-a"},
+        {"service.name": "chat", "k8s.namespace.name": "team-a"},
+    ),
+}
 
 
 @pytest.fixture(scope="module", params=list(COLLECTORS))
@@ -114,8 +125,9 @@ def traced(
     request: pytest.FixtureRequest, start_server: Callable[..., ServerProcess]
 ) -> Iterator[tuple[ServerProcess, Collector]]:
     collector = Collector()
+    resource_env, collector.expected_resource = RESOURCES[request.param]
     with COLLECTORS[request.param](collector) as endpoint:
-        env = {**EXPORT_ENV, "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": request.param}
+        env = {**EXPORT_ENV, **resource_env, "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": request.param}
         server = start_server("--otlp-traces-endpoint", endpoint, env=env)
         yield server, collector
         server.stop()
@@ -137,7 +149,7 @@ def test_a_request_with_a_trace_context_is_a_span_of_that_trace(
     )
     resource, span = collector.wait_for(completion.id)
     attributes = _attributes(span.attributes)
-    assert resource["service.name"] == "kvfleet"
+    assert collector.expected_resource.items() <= resource.items()
     assert span.name == "llm_request" and span.kind == Span.SpanKind.SPAN_KIND_SERVER
     assert span.trace_id.hex() == TRACE_ID and span.parent_span_id.hex() == PARENT_SPAN_ID
     assert completion.usage is not None
