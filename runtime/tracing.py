@@ -22,23 +22,24 @@ from opentelemetry import context as otel_context
 from opentelemetry.sdk.resources import SERVICE_NAME, Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
-from opentelemetry.trace import SpanKind, Status, StatusCode
+from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
 if TYPE_CHECKING:
     from kvfleet.runtime.engine.outputs import RequestMetrics
     from kvfleet.runtime.sampling_params import SamplingParams
 
-SPAN_NAME = "llm_request"
-PROTOCOLS = ("grpc", "http/protobuf")
-# Finish reasons that are not an answer: the span's status says the request failed.
-_FAILED = frozenset({"abort", "error"})
+_SPAN_NAME = "llm_request"
+_PROTOCOLS = ("grpc", "http/protobuf")
+# Finish reasons that are not an answer (the client left, the engine failed it, its deadline passed): the
+# span's status says the request failed.
+_FAILED = frozenset({"abort", "error", "timeout"})
 
 
 class RequestTracing:
     """The API server's tracer: starts a span for each engine request and exports the ended ones."""
 
     def __init__(self, endpoint: str, model_name: str) -> None:
-        self._provider = TracerProvider(resource=resource())
+        self._provider = TracerProvider(resource=_resource())
         self._provider.add_span_processor(BatchSpanProcessor(_span_exporter(endpoint)))
         self._tracer = self._provider.get_tracer("kvfleet.runtime")
         self._model_name = model_name
@@ -58,7 +59,7 @@ class RequestTracing:
         if params.top_k > 0:
             attributes["gen_ai.request.top_k"] = params.top_k
         span = self._tracer.start_span(
-            SPAN_NAME,
+            _SPAN_NAME,
             context=otel_context.get_current(),
             kind=SpanKind.SERVER,
             attributes=attributes,
@@ -74,7 +75,7 @@ class RequestTracing:
 class RequestSpan:
     """One request's span, ended once with what its outputs said."""
 
-    def __init__(self, span: Any) -> None:
+    def __init__(self, span: Span) -> None:
         self._span = span
 
     def end(
@@ -98,7 +99,7 @@ class RequestSpan:
         span.end(end_time=_epoch_ns(finished))
 
 
-def resource() -> Resource:
+def _resource() -> Resource:
     """What the spans come from: OpenTelemetry's OTEL_SERVICE_NAME and OTEL_RESOURCE_ATTRIBUTES where set
     (the operator names each InferenceService and its namespace), the service `kvfleet` where they name
     none."""
@@ -112,9 +113,9 @@ def traces_protocol() -> str:
     """The OTLP protocol OTEL_EXPORTER_OTLP_TRACES_PROTOCOL names (grpc by default); ValueError naming the
     setting for one the exporters do not speak."""
     protocol = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "grpc")
-    if protocol not in PROTOCOLS:
+    if protocol not in _PROTOCOLS:
         raise ValueError(
-            f"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL {protocol!r} is not one of {', '.join(PROTOCOLS)}"
+            f"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL {protocol!r} is not one of {', '.join(_PROTOCOLS)}"
         )
     return protocol
 
