@@ -8,6 +8,7 @@ changes.
 from __future__ import annotations
 
 import ast
+import functools
 import importlib.metadata
 import importlib.util
 import shutil
@@ -90,9 +91,10 @@ def _installers(name: str, candidates: list[str]) -> list[str]:
     return candidates
 
 
-def _installed_files(distribution_name: str) -> set[Path]:
+@functools.cache
+def _installed_files(distribution_name: str) -> frozenset[Path]:
     distribution = importlib.metadata.distribution(distribution_name)
-    return {Path(str(distribution.locate_file(file))).resolve() for file in distribution.files or ()}
+    return frozenset(Path(str(distribution.locate_file(file))).resolve() for file in distribution.files or ())
 
 
 @pytest.mark.parametrize("folder", sorted(PARTS))

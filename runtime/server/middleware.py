@@ -135,10 +135,10 @@ class TraceContext:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         carrier = {
             name.decode("latin-1"): value.decode("latin-1")
-            for name, value in scope.get("headers", ())
+            for name, value in (scope["headers"] if scope["type"] == "http" else ())
             if name in TRACE_HEADERS
         }
-        if scope["type"] != "http" or not carrier:
+        if not carrier:
             await self.app(scope, receive, send)
             return
         token = otel_context.attach(self.propagator.extract(carrier))
