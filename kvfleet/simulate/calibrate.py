@@ -10,7 +10,8 @@ Four kinds of timed requests, each a step of known shape:
   step in progress, joins the next, and is taken in while the server streams the batch's tokens;
 - first tokens after the replica sat idle a while, which pay for waking it (caches, threads, clocks).
 The step-time model and the overhead are fitted to the first two by least squares; the overhead per
-sequence beside, and the wake, to what the last two took beyond the fitted model. Prompts are random token
+sequence beside to what those first tokens took beyond the fitted model, and the wake to what the first
+tokens after a pause took beyond the same prompt's first tokens timed without one. Prompts are random token
 ids, so no request hits the prefix cache.
 """
 
@@ -34,7 +35,11 @@ if TYPE_CHECKING:
     from kvfleet.runtime.bench.serve_report import RequestResult
 
 DECODE_BATCHES = (1, 4, 16)
-PREFILL_PROMPTS = (128, 512, 1024)
+# From a prompt as short as a chat turn's new tokens after a prefix cache hit to a long one: a prefill's
+# time grows faster than its prompt (its attention), so a line through long prompts alone misses short ones.
+PREFILL_PROMPTS = (16, 128, 512, 1024)
+# The prompt of the first tokens timed beside a decode batch, and after a pause.
+LONE_PROMPT_TOKENS = 128
 DECODE_PROMPT_TOKENS = 32
 DECODE_OUTPUT_TOKENS = 64
 # Prompts tried for a first token a client sees as text.
@@ -79,14 +84,15 @@ def fit_profile(timings: Sequence[StepTiming], limits: EngineProfile) -> EngineP
     max_num_seqs, token budget and KV cache): the step-time model and first-token overhead from the decode
     and prefill timings, then the overhead per sequence beside and the wake from what the others took
     beyond that model (where none of those was timed, the limits' value stays)."""
-    profile = _fit_steps([t for t in timings if t.kind in ("decode", "prefill")], limits)
+    prefill = [t for t in timings if t.kind == "prefill"]
+    profile = _fit_steps([t for t in timings if t.kind == "decode"] + prefill, limits)
     beside = [t for t in timings if t.kind == "beside"]
     if beside:
         per_sequence = _overhead_per_sequence(profile, beside)
         profile = replace(profile, first_token_overhead_per_sequence_s=per_sequence)
     woken = [t for t in timings if t.kind == "woken"]
     if woken:
-        profile = _fit_wake(profile, woken)
+        profile = _fit_wake(profile, woken, prefill)
     return profile
 
 
@@ -103,17 +109,27 @@ def describe(profile: EngineProfile) -> str:
 
 def _fit_steps(timings: Sequence[StepTiming], limits: EngineProfile) -> EngineProfile:
     """The fixed, per prompt token and per decoding sequence costs, and the first-token overhead, by least
-    squares with none below zero. A prefill timing is a first token, so it holds the overhead as well; a
-    decode timing does not. The context cost is not fitted: in these timings it grows with the batch as the
-    decode cost does, so the two could not be told apart."""
+    squares of the relative errors with none below zero. A prefill timing is a first token, so it holds the
+    overhead as well; a decode timing does not. The context cost is not fitted: in these timings it grows with
+    the batch as the decode cost does, so the two could not be told apart.
+
+    Relative, because the timings span three orders of magnitude: a model whose prefill of 1,024 tokens takes
+    0.7 s and whose decode step takes 9 ms has its fixed cost set by the prefills' curve in an absolute fit
+    (prefill grows faster than linearly, its attention with the prompt), and its decode step, what most of a
+    request's steps are, comes out 40% off."""
+    if any(t.seconds <= 0 for t in timings):
+        raise ValueError(f"a timing of no time: {min(timings, key=lambda t: t.seconds)}")
     # A replica that decodes one sequence at a time times one decode batch: its steps' cost is all fixed.
     per_sequence = len({t.decode_sequences for t in timings if t.decode_sequences}) > 1
     rows = [
-        (1.0, float(t.prefill_tokens), float(t.decode_sequences == 0))
-        + ((float(t.decode_sequences),) if per_sequence else ())
+        tuple(
+            value / t.seconds
+            for value in (1.0, float(t.prefill_tokens), float(t.decode_sequences == 0))
+            + ((float(t.decode_sequences),) if per_sequence else ())
+        )
         for t in timings
     ]
-    fixed, prefill, overhead, *decode_cost = _nonnegative_least_squares(rows, [t.seconds for t in timings])
+    fixed, prefill, overhead, *decode_cost = _nonnegative_least_squares(rows, [1.0] * len(timings))
     decode = decode_cost[0] if decode_cost else 0.0
     return replace(
         limits,
@@ -137,14 +153,19 @@ def _overhead_per_sequence(profile: EngineProfile, beside: Sequence[StepTiming])
     return max(0.0, statistics.median(extra))
 
 
-def _fit_wake(profile: EngineProfile, woken: Sequence[StepTiming]) -> EngineProfile:
+def _fit_wake(
+    profile: EngineProfile, woken: Sequence[StepTiming], lone: Sequence[StepTiming]
+) -> EngineProfile:
     """The wake curve, wake_s * (1 - exp(-idle / wake_after_s)), that best fits the median of what the first
-    tokens after each pause took beyond the model: for each time constant of the grid, the least-squares
-    height (not below zero); the pair with the least squared error."""
+    tokens after each pause took beyond the median of the same prompt's first tokens without a pause (`lone`),
+    not beyond the fitted model, whose error at that prompt would count as wake: for each time constant of the
+    grid, the least-squares height (not below zero); the pair with the least squared error."""
     by_pause: dict[float, list[float]] = {}
     for timing in woken:
-        lone = profile.step_seconds(timing.prefill_tokens, 0, 0) + profile.first_token_overhead_s
-        by_pause.setdefault(timing.idle_s, []).append(timing.seconds - lone)
+        unpaused = [t.seconds for t in lone if t.prefill_tokens == timing.prefill_tokens]
+        if not unpaused:
+            raise ValueError(f"no first token of {timing.prefill_tokens} prompt tokens timed without a pause")
+        by_pause.setdefault(timing.idle_s, []).append(timing.seconds - statistics.median(unpaused))
     pauses = list(by_pause)
     extras = [statistics.median(by_pause[pause]) for pause in pauses]
 
@@ -225,10 +246,12 @@ async def _measure(
             if batch < max(batches):
                 timings += [await timer.beside(batch, lasting_s) for _ in range(REPEATS)]
         timings += [await timer.first_token(prompt) for prompt in PREFILL_PROMPTS]
+        # The wake is measured against the lone prompt's first tokens without a pause: REPEATS of them.
+        timings += [await timer.first_token(LONE_PROMPT_TOKENS) for _ in range(REPEATS - 1)]
         for pause in WAKE_PAUSES_S:
             for _ in range(REPEATS):
                 await asyncio.sleep(pause)
-                timings.append(replace(await timer.first_token(PREFILL_PROMPTS[0]), idle_s=pause))
+                timings.append(replace(await timer.first_token(LONE_PROMPT_TOKENS), idle_s=pause))
         return timings
 
 

@@ -101,16 +101,46 @@ def test_a_replica_that_never_slows_after_a_pause_is_fitted_no_wake() -> None:
 
 def test_a_cost_that_would_come_out_negative_is_fitted_at_zero_and_the_others_refitted() -> None:
     # Two sequences decoded faster than one, by chance: 2.0 ms against 1.4 ms. The plain fit says -0.6 ms a
-    # sequence and 2.6 ms fixed, a step slower than either timing; with no cost a sequence, the fixed cost is
-    # their mean, 1.7 ms. The first tokens are 1.7 ms + 20 us a prompt token + 5 ms exactly.
+    # sequence and a fixed cost above both timings; with no cost a sequence, the fixed cost is the one with
+    # the least relative error over the two, 1/2.0 + 1/1.4 over 1/2.0**2 + 1/1.4**2 ms. The first tokens
+    # are that fixed cost + 20 us a prompt token + 5 ms exactly.
+    fixed = (1 / 0.002 + 1 / 0.0014) / (1 / 0.002**2 + 1 / 0.0014**2)
     timings = [StepTiming(0, 1, 0, 0.002), StepTiming(0, 2, 0, 0.0014)] + [
-        StepTiming(prompt, 0, 0, 0.0017 + 0.00002 * prompt + 0.005) for prompt in (128, 512, 1024)
+        StepTiming(prompt, 0, 0, fixed + 0.00002 * prompt + 0.005) for prompt in (128, 512, 1024)
     ]
     fitted = fit_profile(timings, EngineProfile(max_num_seqs=2))
     assert fitted.decode_sequence_s == 0.0
-    assert fitted.step_fixed_s == pytest.approx(0.0017)
+    assert fitted.step_fixed_s == pytest.approx(fixed)
     assert fitted.prefill_token_s == pytest.approx(0.00002)
     assert fitted.first_token_overhead_s == pytest.approx(0.005)
+
+
+def test_the_long_prefills_do_not_set_the_decode_steps_cost() -> None:
+    # Timed on the small model with one thread, its two places: a decode step of one or two sequences takes
+    # 8.8 or 8.9 ms, and a prompt's first token 0.6 ms a token, a little more on the longer prompts (their
+    # attention). An absolute fit let the 0.68 s prefill set the fixed cost to zero, and gave 5.3 ms a
+    # decoding sequence: a decode step of one sequence 40% short.
+    timings = [
+        StepTiming(0, 1, 64, 0.00882),
+        StepTiming(0, 2, 128, 0.00891),
+        StepTiming(128, 0, 0, 0.0778),
+        StepTiming(512, 0, 0, 0.3139),
+        StepTiming(1024, 0, 0, 0.6806),
+    ]
+    fitted = fit_profile(timings, EngineProfile(max_num_seqs=2))
+    for timing in timings:
+        modelled = fitted.step_seconds(timing.prefill_tokens, timing.decode_sequences, 0)
+        if timing.prefill_tokens:
+            modelled += fitted.first_token_overhead_s
+        assert modelled == pytest.approx(timing.seconds, rel=0.1 if timing.prefill_tokens else 0.03), timing
+
+
+def test_a_timing_of_no_time_is_refused() -> None:
+    timings = [StepTiming(0, 1, 0, 0.002), StepTiming(0, 2, 0, 0.0)] + [
+        StepTiming(prompt, 0, 0, 0.001 * prompt) for prompt in (128, 512)
+    ]
+    with pytest.raises(ValueError, match="no time"):
+        fit_profile(timings, EngineProfile(max_num_seqs=2))
 
 
 def test_timings_of_one_shape_are_refused() -> None:
@@ -140,3 +170,36 @@ def test_a_replica_of_one_sequence_at_a_time_puts_its_decode_step_in_the_fixed_c
     assert fitted.step_fixed_s == pytest.approx(0.006)
     assert fitted.prefill_token_s == pytest.approx(0.0001)
     assert fitted.first_token_overhead_s == pytest.approx(0.003)
+
+
+def test_the_wake_is_what_a_pause_adds_to_the_same_prompt_not_to_the_fitted_line() -> None:
+    # The small model's timings: its prefill grows faster than its prompt, so the fitted line misses the
+    # 128-token prompt's first token by several ms, more than the wake itself at short pauses. The first
+    # tokens after a pause took what a wake of 12 ms (time constant 0.8 s) adds to the same prompt without
+    # one.
+    lone_s = 0.0745
+    timings = [
+        StepTiming(0, 1, 64, 0.00882),
+        StepTiming(0, 2, 128, 0.00891),
+        StepTiming(16, 0, 0, 0.0197),
+        StepTiming(512, 0, 0, 0.3059),
+        StepTiming(1024, 0, 0, 0.649),
+    ] + [StepTiming(128, 0, 0, lone_s + noise) for noise in (-0.0005, 0.0, 0.0005)]
+    truth = EngineProfile(wake_s=0.012, wake_after_s=0.8)
+    woken = [
+        StepTiming(128, 0, 0, lone_s + truth.wake_seconds(pause), idle_s=pause)
+        for pause in (0.1, 0.3, 1.0, 3.0)
+        for _ in range(3)
+    ]
+    fitted = fit_profile(timings + woken, EngineProfile(max_num_seqs=2))
+    for pause in (0.3, 3.0):
+        assert fitted.wake_seconds(pause) == pytest.approx(truth.wake_seconds(pause), rel=0.1)
+
+
+def test_a_wake_with_no_unpaused_first_token_of_its_prompt_is_refused() -> None:
+    timings = [StepTiming(0, 1, 0, 0.002), StepTiming(0, 2, 0, 0.003)] + [
+        StepTiming(prompt, 0, 0, 0.001 * prompt) for prompt in (16, 512)
+    ]
+    woken = [StepTiming(128, 0, 0, 0.2, idle_s=1.0)]
+    with pytest.raises(ValueError, match="without a pause"):
+        fit_profile(timings + woken, EngineProfile(max_num_seqs=2))
