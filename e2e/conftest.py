@@ -129,10 +129,10 @@ def kvfleet_release(local_cluster: LocalCluster) -> Iterator[OperatorRelease]:
     uninstall_chart(release)
 
 
-def _make_tiny_model(path: Path, *options: str) -> Path:
+def _make_model(path: Path, *options: str, preset: str = "tiny") -> Path:
     kvfleet = Path(sys.executable).parent / "kvfleet"
     subprocess.run(
-        [str(kvfleet), "make-model", "--arch", "llama", "--preset", "tiny", *options, str(path)],
+        [str(kvfleet), "make-model", "--arch", "llama", "--preset", preset, *options, str(path)],
         check=True,
         capture_output=True,
         text=True,
@@ -143,14 +143,21 @@ def _make_tiny_model(path: Path, *options: str) -> Path:
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random Llama with its tokenizer, made by `kvfleet make-model` (a few seconds)."""
-    return _make_tiny_model(tmp_path_factory.mktemp("models") / "tiny-llama")
+    return _make_model(tmp_path_factory.mktemp("models") / "tiny-llama")
+
+
+@pytest.fixture(scope="session")
+def small_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The small random Llama (107 MB of float32 weights): a decode step of two sequences takes about 10 ms
+    on one thread, so a replica's engine, not the servers relaying its tokens, takes its core's time."""
+    return _make_model(tmp_path_factory.mktemp("models") / "small-llama", preset="small")
 
 
 @pytest.fixture(scope="session")
 def tiny_w8a16_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny Llama with its projections stored as int8 weights with float scales, in compressed-tensors'
     format (`make-model --quantize w8a16`, a few seconds)."""
-    return _make_tiny_model(tmp_path_factory.mktemp("models") / "tiny-llama-w8a16", "--quantize", "w8a16")
+    return _make_model(tmp_path_factory.mktemp("models") / "tiny-llama-w8a16", "--quantize", "w8a16")
 
 
 def _delete_inference_services(api: KubeAPI, namespace: str, timeout: float) -> None:

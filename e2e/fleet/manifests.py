@@ -75,7 +75,8 @@ def tiny_example(model_dir: Path, name: str | None = None) -> dict[str, Any]:
 
 
 def tiny_service(name: str, model_dir: Path, **sections: Mapping[str, Any]) -> dict[str, Any]:
-    """The tiny CPU model, frugal for a shared 2-core machine: one thread, a small KV cache, short drains.
+    """A CPU model (the tiny one, unless `model` gives another's servedName), frugal for a shared 2-core
+    machine: one thread, a small KV cache, short drains.
 
     `sections` override parts of the spec (engine=..., scaling=...), merged key by key (None removes a
     key: scaling={"replicas": None, "maxReplicas": 2} turns autoscaling on).
