@@ -114,6 +114,15 @@ def ramp_and_tail(peak_rate: float) -> list[TraceRequest]:
     return [*generate(ramp), *later]
 
 
+def ramp_service(model_dir: Path) -> dict[str, Any]:
+    """The autoscaled service of the small model, its p90 time to first token held to the target."""
+    # Room for calibration's longest prompt (1,024 tokens) and the trace's.
+    engine = {"maxNumSeqs": MAX_NUM_SEQS, "maxModelLen": 1280}
+    sla = {"ttftTargetMilliseconds": TTFT_TARGET_MS, "percentile": 90}
+    model = {"servedName": "small"}
+    return tiny_service("ramp", model_dir, model=model, engine=engine, scaling=SCALING, sla=sla)
+
+
 def rate_with_places_full(url: str, model: str, vocab_size: int) -> float:
     """Requests a second answered when each of MAX_NUM_SEQS clients sends its next request, shaped as the
     ramp's are, as soon as its last one is answered. The prompts are sent reversed: trace_workload gives the
@@ -211,13 +220,7 @@ def test_the_slo_policy_keeps_a_ramp_within_its_target_and_scales_down_under_str
     measurements: Callable[[str], None],
 ) -> None:
     api = local_cluster.api
-    # Room for calibration's longest prompt (1,024 tokens) and the trace's.
-    engine = {"maxNumSeqs": MAX_NUM_SEQS, "maxModelLen": 1280}
-    sla = {"ttftTargetMilliseconds": TTFT_TARGET_MS, "percentile": 90}
-    model_section = {"servedName": "small"}
-    manifest = tiny_service(
-        "ramp", small_model_dir, model=model_section, engine=engine, scaling=SCALING, sla=sla
-    )
+    manifest = ramp_service(small_model_dir)
     model = serve_through_gateway(local_cluster, gateway, namespace, manifest)
     (front,) = gateway.current()[:1]
     front_url = f"http://{front.ip}:{front.port}"
