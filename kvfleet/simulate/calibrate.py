@@ -44,8 +44,8 @@ DECODE_PROMPT_TOKENS = 32
 DECODE_OUTPUT_TOKENS = 64
 # Prompts tried for a first token a client sees as text.
 FIRST_TOKEN_TRIES = 5
-# First tokens beside a decode batch, and after each idle pause, are timed this many times (the median
-# counts).
+# Each prompt's lone first token, and first tokens beside a decode batch and after each idle pause, are timed
+# this many times (the median counts).
 REPEATS = 3
 # The idle pauses a first token is timed after: the wake grows with the pause (tens of milliseconds after a
 # second on a virtual machine's CPUs), so it is a curve.
@@ -82,10 +82,13 @@ class StepTiming:
 def fit_profile(timings: Sequence[StepTiming], limits: EngineProfile) -> EngineProfile:
     """The profile that best fits the timings, with the rest of `limits` (its context cost and its
     max_num_seqs, token budget and KV cache): the step-time model and first-token overhead from the decode
-    and prefill timings, then the overhead per sequence beside and the wake from what the others took
-    beyond that model (where none of those was timed, the limits' value stays)."""
+    and prefill timings (the median of each shape's, so that one request held up by something else does
+    not pull the line), then the overhead per sequence beside and the wake from what the others took beyond
+    that model (where none of those was timed, the limits' value stays)."""
+    if any(t.seconds <= 0 for t in timings):
+        raise ValueError(f"a timing of no time: {min(timings, key=lambda t: t.seconds)}")
     prefill = [t for t in timings if t.kind == "prefill"]
-    profile = _fit_steps([t for t in timings if t.kind == "decode"] + prefill, limits)
+    profile = _fit_steps(_medians([t for t in timings if t.kind == "decode"] + prefill), limits)
     beside = [t for t in timings if t.kind == "beside"]
     if beside:
         per_sequence = _overhead_per_sequence(profile, beside)
@@ -94,6 +97,14 @@ def fit_profile(timings: Sequence[StepTiming], limits: EngineProfile) -> EngineP
     if woken:
         profile = _fit_wake(profile, woken, prefill)
     return profile
+
+
+def _medians(timings: Sequence[StepTiming]) -> list[StepTiming]:
+    """One timing a shape (what a step computed), its seconds the median of that shape's timings."""
+    by_shape: dict[tuple[int, int, int], list[float]] = {}
+    for t in timings:
+        by_shape.setdefault((t.prefill_tokens, t.decode_sequences, t.context_tokens), []).append(t.seconds)
+    return [StepTiming(*shape, statistics.median(seconds)) for shape, seconds in by_shape.items()]
 
 
 def describe(profile: EngineProfile) -> str:
@@ -117,8 +128,6 @@ def _fit_steps(timings: Sequence[StepTiming], limits: EngineProfile) -> EnginePr
     0.7 s and whose decode step takes 9 ms has its fixed cost set by the prefills' curve in an absolute fit
     (prefill grows faster than linearly, its attention with the prompt), and its decode step, what most of a
     request's steps are, comes out 40% off."""
-    if any(t.seconds <= 0 for t in timings):
-        raise ValueError(f"a timing of no time: {min(timings, key=lambda t: t.seconds)}")
     # A replica that decodes one sequence at a time times one decode batch: its steps' cost is all fixed.
     per_sequence = len({t.decode_sequences for t in timings if t.decode_sequences}) > 1
     rows = [
@@ -245,9 +254,7 @@ async def _measure(
             # Only where a place is left for the first token beside the batch.
             if batch < max(batches):
                 timings += [await timer.beside(batch, lasting_s) for _ in range(REPEATS)]
-        timings += [await timer.first_token(prompt) for prompt in PREFILL_PROMPTS]
-        # The wake is measured against the lone prompt's first tokens without a pause: REPEATS of them.
-        timings += [await timer.first_token(LONE_PROMPT_TOKENS) for _ in range(REPEATS - 1)]
+        timings += [await timer.first_token(prompt) for prompt in PREFILL_PROMPTS for _ in range(REPEATS)]
         for pause in WAKE_PAUSES_S:
             for _ in range(REPEATS):
                 await asyncio.sleep(pause)

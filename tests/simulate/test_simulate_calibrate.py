@@ -203,3 +203,19 @@ def test_a_wake_with_no_unpaused_first_token_of_its_prompt_is_refused() -> None:
     woken = [StepTiming(128, 0, 0, 0.2, idle_s=1.0)]
     with pytest.raises(ValueError, match="without a pause"):
         fit_profile(timings + woken, EngineProfile(max_num_seqs=2))
+
+
+def test_a_first_token_held_up_by_something_else_does_not_pull_the_line() -> None:
+    # Each prompt timed three times; one of the 128-token prompt's first tokens waited 60 ms for something
+    # else (a scrape, a neighbour). The fit follows each shape's median, as if that one were not there.
+    def timings(held_up_s: float) -> list[StepTiming]:
+        steps = [StepTiming(0, 1, 0, 0.009), StepTiming(0, 2, 0, 0.0093)]
+        for prompt in (16, 128, 512, 1024):
+            seconds = 0.009 + 0.004 + 0.0006 * prompt
+            steps += [StepTiming(prompt, 0, 0, seconds * factor) for factor in (0.99, 1.0, 1.01)]
+        steps[-7] = StepTiming(128, 0, 0, steps[-7].seconds + held_up_s)
+        return steps
+
+    clean = fit_profile(timings(0.0), EngineProfile(max_num_seqs=2))
+    held_up = fit_profile(timings(0.06), EngineProfile(max_num_seqs=2))
+    assert held_up == clean
