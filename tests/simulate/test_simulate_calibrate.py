@@ -9,6 +9,9 @@ import pytest
 from kvfleet.simulate.calibrate import StepTiming, decode_batches, fit_profile
 from kvfleet.simulate.engine import EngineProfile
 
+# Decode steps of one and two sequences of the small model on one thread, as timed through its server.
+SMALL_MODEL_DECODE_STEPS = (StepTiming(0, 1, 64, 0.00882), StepTiming(0, 2, 128, 0.00891))
+
 
 def test_the_fit_recovers_the_profile_that_timed_the_steps() -> None:
     truth = EngineProfile(
@@ -121,8 +124,7 @@ def test_the_long_prefills_do_not_set_the_decode_steps_cost() -> None:
     # attention). An absolute fit let the 0.68 s prefill set the fixed cost to zero, and gave 5.3 ms a
     # decoding sequence: a decode step of one sequence 40% short.
     timings = [
-        StepTiming(0, 1, 64, 0.00882),
-        StepTiming(0, 2, 128, 0.00891),
+        *SMALL_MODEL_DECODE_STEPS,
         StepTiming(128, 0, 0, 0.0778),
         StepTiming(512, 0, 0, 0.3139),
         StepTiming(1024, 0, 0, 0.6806),
@@ -179,8 +181,7 @@ def test_the_wake_is_what_a_pause_adds_to_the_same_prompt_not_to_the_fitted_line
     # one.
     lone_s = 0.0745
     timings = [
-        StepTiming(0, 1, 64, 0.00882),
-        StepTiming(0, 2, 128, 0.00891),
+        *SMALL_MODEL_DECODE_STEPS,
         StepTiming(16, 0, 0, 0.0197),
         StepTiming(512, 0, 0, 0.3059),
         StepTiming(1024, 0, 0, 0.649),
