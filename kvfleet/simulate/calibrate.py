@@ -87,15 +87,16 @@ def fit_profile(timings: Sequence[StepTiming], limits: EngineProfile) -> EngineP
     that model (where none of those was timed, the limits' value stays)."""
     if any(t.seconds <= 0 for t in timings):
         raise ValueError(f"a timing of no time: {min(timings, key=lambda t: t.seconds)}")
-    prefill = [t for t in timings if t.kind == "prefill"]
-    profile = _fit_steps(_medians([t for t in timings if t.kind == "decode"] + prefill), limits)
+    steps = _medians([t for t in timings if t.kind in ("decode", "prefill")])
+    profile = _fit_steps(steps, limits)
     beside = [t for t in timings if t.kind == "beside"]
     if beside:
         per_sequence = _overhead_per_sequence(profile, beside)
         profile = replace(profile, first_token_overhead_per_sequence_s=per_sequence)
     woken = [t for t in timings if t.kind == "woken"]
     if woken:
-        profile = _fit_wake(profile, woken, prefill)
+        lone_s = {t.prefill_tokens: t.seconds for t in steps if t.kind == "prefill"}
+        profile = _fit_wake(profile, woken, lone_s)
     return profile
 
 
@@ -162,19 +163,17 @@ def _overhead_per_sequence(profile: EngineProfile, beside: Sequence[StepTiming])
     return max(0.0, statistics.median(extra))
 
 
-def _fit_wake(
-    profile: EngineProfile, woken: Sequence[StepTiming], lone: Sequence[StepTiming]
-) -> EngineProfile:
+def _fit_wake(profile: EngineProfile, woken: Sequence[StepTiming], lone_s: dict[int, float]) -> EngineProfile:
     """The wake curve, wake_s * (1 - exp(-idle / wake_after_s)), that best fits the median of what the first
-    tokens after each pause took beyond the median of the same prompt's first tokens without a pause (`lone`),
-    not beyond the fitted model, whose error at that prompt would count as wake: for each time constant of the
-    grid, the least-squares height (not below zero); the pair with the least squared error."""
+    tokens after each pause took beyond the median of the same prompt's first tokens without a pause
+    (`lone_s`, by their prompt tokens), not beyond the fitted model, whose error at that prompt would count as
+    wake: for each time constant of the grid, the least-squares height (not below zero); the pair with the
+    least squared error."""
     by_pause: dict[float, list[float]] = {}
     for timing in woken:
-        unpaused = [t.seconds for t in lone if t.prefill_tokens == timing.prefill_tokens]
-        if not unpaused:
+        if timing.prefill_tokens not in lone_s:
             raise ValueError(f"no first token of {timing.prefill_tokens} prompt tokens timed without a pause")
-        by_pause.setdefault(timing.idle_s, []).append(timing.seconds - statistics.median(unpaused))
+        by_pause.setdefault(timing.idle_s, []).append(timing.seconds - lone_s[timing.prefill_tokens])
     pauses = list(by_pause)
     extras = [statistics.median(by_pause[pause]) for pause in pauses]
 
