@@ -33,7 +33,7 @@ FROM base AS runtime
 RUN apt-get update \
     && apt-get install --yes --no-install-recommends gcc g++ libc6-dev \
     && rm -rf /var/lib/apt/lists/*
-COPY requirements/core.txt requirements/runtime.txt /tmp/requirements/
+COPY requirements/core.txt requirements/tracing.txt requirements/runtime.txt /tmp/requirements/
 RUN pip install --requirement /tmp/requirements/runtime.txt
 COPY --from=wheel /wheels /tmp/wheels
 RUN pip install --no-deps /tmp/wheels/*.whl && rm -rf /tmp/wheels /tmp/requirements
@@ -48,7 +48,8 @@ ENTRYPOINT ["kvfleet"]
 CMD ["serve", "--help"]
 
 FROM base AS operator
-COPY requirements/core.txt requirements/operator.txt requirements/gateway.txt /tmp/requirements/
+COPY requirements/core.txt requirements/tracing.txt requirements/operator.txt requirements/gateway.txt \
+    /tmp/requirements/
 RUN pip install --requirement /tmp/requirements/operator.txt --requirement /tmp/requirements/gateway.txt
 COPY --from=wheel /wheels /tmp/wheels
 RUN pip install --no-deps /tmp/wheels/*.whl && rm -rf /tmp/wheels /tmp/requirements

@@ -359,6 +359,14 @@ def _bare_name_namespace(option: str | None, namespaces: tuple[str, ...]) -> str
     help="The folder of model NAME's tokenizer and config files (repeatable), for the policies that route on "
     "a prompt's KV block hashes. A model without one has its files fetched from one of its kvfleet replicas.",
 )
+@click.option(
+    "--otlp-traces-endpoint",
+    metavar="URL",
+    help="Each request's span (a child of the client's traceparent, the parent of the replicas' spans) goes "
+    "to this OpenTelemetry collector over OTLP, gRPC or, with OTEL_EXPORTER_OTLP_TRACES_PROTOCOL="
+    "http/protobuf, HTTP; the spans' service is OTEL_SERVICE_NAME, kvfleet-gateway by default.",
+    callback=lambda ctx, param, endpoint: _traces_endpoint(endpoint),
+)
 def gateway_command(
     host: str,
     port: int,
@@ -396,6 +404,7 @@ def gateway_command(
     trusted_proxies: str,
     adapter_poll_seconds: float,
     tokenizers: tuple[str, ...],
+    otlp_traces_endpoint: str | None,
 ) -> None:
     """Run the kvfleet fleet gateway: one OpenAI endpoint for every model."""
     defaults = ModelConfig(
@@ -435,8 +444,21 @@ def gateway_command(
         kv_events_endpoints=_event_endpoints(kv_events, rehash_kv_events),
         kv_index_max_entries=kv_index_max_blocks,
         tokenizers=_local_tokenizers(tokenizers),
+        otlp_traces_endpoint=otlp_traces_endpoint,
     )
     asyncio.run(_serve(gateway, host, port))
+
+
+def _traces_endpoint(endpoint: str | None) -> str | None:
+    """`--otlp-traces-endpoint`, refused where OpenTelemetry's settings name a protocol no exporter speaks."""
+    if endpoint is not None:
+        from kvfleet.runtime.tracing import traces_protocol
+
+        try:
+            traces_protocol()
+        except ValueError as exc:
+            raise click.BadParameter(str(exc)) from None
+    return endpoint
 
 
 def _kubernetes_discovery(

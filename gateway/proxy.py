@@ -91,6 +91,15 @@ from kvfleet.gateway.requests import (
 from kvfleet.gateway.resumption import DEFAULT_MAX_RESUMES, Generation, Leg, LegUnavailable
 from kvfleet.gateway.routing import BlockHashes, Prompt, Replica, estimated_tokens
 from kvfleet.gateway.splice import Splice, frame_error
+from kvfleet.gateway.tracing import (
+    GatewayTracing,
+    answered,
+    describe,
+    failed,
+    note,
+    untraced,
+    with_trace_context,
+)
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 if TYPE_CHECKING:
@@ -207,12 +216,14 @@ class Gateway:
         kv_events_endpoints: Mapping[str, EventEndpoints] | None = None,
         kv_index_max_entries: int = DEFAULT_MAX_ENTRIES,
         tokenizers: Mapping[str, ModelPrompts] | None = None,
+        otlp_traces_endpoint: str | None = None,
     ) -> None:
         """`trusted_proxies`: the peers whose X-Forwarded-For is kept (the peer's address is appended);
         `kv_events_endpoints`: where the replicas at these URLs publish their KV events, when not at their
         host's default ports (kvfleet.gateway.kv_events); `tokenizers`: the prompt preparation of models
         whose tokenizer is given locally, by model name; the others' is fetched from their replicas when their
-        policy routes on block hashes."""
+        policy routes on block hashes; `otlp_traces_endpoint`: the OTLP collector the requests' spans go to
+        (kvfleet.gateway.tracing)."""
         self.discovery = discovery
         self.adapter_poll_seconds = adapter_poll_seconds
         self.metrics = GatewayMetrics()
@@ -228,6 +239,8 @@ class Gateway:
         self.trusted_proxies = tuple(trusted_proxies)
         self.tokenizers = ModelTokenizers(tokenizers or {})
         self.session: aiohttp.ClientSession | None = None
+        self.tracing = GatewayTracing(otlp_traces_endpoint) if otlp_traces_endpoint is not None else None
+        self._request_span = self.tracing.request_span if self.tracing is not None else untraced
         # The wake-up under way for each model with no ready replica (one at a time).
         self._waking: dict[str, asyncio.Task[None]] = {}
         self.app = web.Application(client_max_size=max_body_bytes, middlewares=[openai_errors])
@@ -286,6 +299,8 @@ class Gateway:
             await self.kv_feeds.close()
             await self.tokenizers.close()
             await self.session.close()
+            if self.tracing is not None:
+                await asyncio.to_thread(self.tracing.shutdown)
 
     def _published(self, models: Mapping[str, ModelConfig]) -> None:
         """Discovery's fleet: routed, and the KV events of its precise-prefix replicas followed."""
@@ -320,25 +335,30 @@ class Gateway:
         return web.json_response({"object": "list", "data": data})
 
     async def inference(self, request: web.Request) -> web.StreamResponse:
-        # Refused requests count under the model only once it is known to exist: no unbounded label values.
-        model_label = ""
-        try:
-            _authenticate_fleet(request.headers, (pool.config for pool in self.fleet.pools.values()))
-            async with self._body(request) as body:
-                routed = parse_request(request.path, body, request.headers)
-                pool = self.fleet.resolve(routed.model)
-                if pool is None:
-                    raise NotFoundError(
-                        f"the model {routed.model!r} does not exist", param="model", code="model_not_found"
-                    )
-                model_label = pool.config.name
-                _authenticate(request.headers, pool.config)
-                response = await self._forward(request, body, routed, pool)
-        except OpenAIError as error:
-            self.metrics.requests.labels(model_label, str(error.status_code)).inc()
-            return error_response(error)
-        self.metrics.requests.labels(model_label, str(response.status)).inc()
-        return response
+        with self._request_span(request) as span:
+            # Refused requests count under the model only once it is known to exist: no unbounded label
+            # values.
+            model_label = ""
+            try:
+                _authenticate_fleet(request.headers, (pool.config for pool in self.fleet.pools.values()))
+                async with self._body(request) as body:
+                    routed = parse_request(request.path, body, request.headers)
+                    span.set_attribute("gen_ai.request.model", routed.model)
+                    pool = self.fleet.resolve(routed.model)
+                    if pool is None:
+                        raise NotFoundError(
+                            f"the model {routed.model!r} does not exist",
+                            param="model",
+                            code="model_not_found",
+                        )
+                    model_label = pool.config.name
+                    _authenticate(request.headers, pool.config)
+                    response = await self._forward(request, body, routed, pool)
+            except OpenAIError as error:
+                response = error_response(error)
+            self.metrics.requests.labels(model_label, str(response.status)).inc()
+            answered(span, response.status)
+            return response
 
     async def stored_response(self, request: web.Request) -> web.Response:
         """GET and DELETE /v1/responses/{id}: refused with the reason (see kvfleet.gateway.requests), once
@@ -392,9 +412,9 @@ class Gateway:
         assert self.session is not None, "the session lives as long as the app"
         model, config = pool.config.name, pool.config
         priority = routed.priority if routed.priority is not None else config.default_priority
-        headers = _for_replicas_of(
-            config, _forward_headers(request.headers, request.remote, self.trusted_proxies)
-        )
+        describe(model=model, routing_policy=config.policy, priority=priority)
+        forwarded = _forward_headers(request.headers, request.remote, self.trusted_proxies)
+        headers = _for_replicas_of(config, with_trace_context(forwarded))
         resumable = config.replicas_resume and _resumable(request.path, routed.payload)
         payload, body = _for_replicas(config, routed, body, resumable)
         if resumable:
@@ -412,8 +432,8 @@ class Gateway:
         while failures < self.max_attempts:
             replica = await pool.acquire(priority, prompt, tried, routed.deadline_seconds)
             if not tried:
-                self.metrics.queue_wait.labels(model).observe(time.monotonic() - arrived)
-            self.metrics.routing_decisions.labels(model, pool.config.policy, replica.url).inc()
+                self._waited(model, time.monotonic() - arrived)
+            self._routed(config, replica, "decode")
             try:
                 if decode_body is None:
                     prepared = await self._prefilled(
@@ -466,10 +486,25 @@ class Gateway:
             code="upstream_unavailable",
         )
 
+    def _waited(self, model: str, seconds: float) -> None:
+        """The request waited this long for a replica with room."""
+        self.metrics.queue_wait.labels(model).observe(seconds)
+        describe(queue_wait_s=seconds)
+
+    def _routed(self, config: ModelConfig, replica: Replica, role: str) -> None:
+        """The request is sent to this replica, as its `role`: decode (or the whole request), prefill, or a
+        stream's continuation."""
+        self.metrics.routing_decisions.labels(config.name, config.policy, replica.url).inc()
+        note("replica", url=replica.url, role=role)
+
     def _retrying(self, model: str, replica: Replica, tried: list[str], reason: str) -> None:
         """The request goes to another replica than this one, for this reason."""
         tried.append(replica.url)
+        self._counted_retry(model, replica, reason)
+
+    def _counted_retry(self, model: str, replica: Replica, reason: str) -> None:
         self.metrics.retries.labels(model, reason).inc()
+        note("retry", url=replica.url, reason=reason)
 
     async def _refused(
         self, upstream: aiohttp.ClientResponse, replica: Replica, deadline: float
@@ -537,7 +572,7 @@ class Gateway:
             # An adapter's replicas are its base model's.
             self.fleet.fell_asleep(pool.config.adapter_of or model, replica.url)
             self._wake_a_sleeper(pool.config, headers)
-            self.metrics.retries.labels(model, "sleeping").inc()
+            self._counted_retry(model, replica, "sleeping")
             return 1
         self._retrying(model, replica, tried, "draining" if refusal == DRAINING_CODE else "unavailable")
         return int(refusal != DRAINING_CODE)
@@ -600,7 +635,7 @@ class Gateway:
         request afresh); the blocks of a prefill replica are not asked for again. LegUnavailable when the
         replica cannot be reached or answers 5xx; its 4xx is raised as the client's answer."""
         replica = await pool.acquire(priority, prompt, tried, deadline_seconds)
-        self.metrics.routing_decisions.labels(pool.config.name, pool.config.policy, replica.url).inc()
+        self._routed(pool.config, replica, "continuation")
         body = {name: value for name, value in payload.items() if name != KV_TRANSFER_PARAMS}
         if continuation is not None:
             body[CONTINUATION] = continuation
@@ -677,6 +712,7 @@ class Gateway:
             answer = await self._prefill(path, headers, routed, prompt, prefill, priority)
         except _PrefillFailed as failure:
             self.metrics.pd.prefill_fallbacks.labels(model, failure.reason).inc()
+            note("prefill_failed", reason=failure.reason)
             self.metrics.pd.requests.labels(model, "decode_only").inc()
             logger.info(
                 "%s: prefill step failed (%s); the decode replica computes the prompt", model, failure
@@ -703,7 +739,7 @@ class Gateway:
         replica = prefill.try_acquire(priority, prompt)
         if replica is None:
             raise _PrefillFailed("busy", "no prefill replica has room")
-        self.metrics.routing_decisions.labels(config.name, config.policy, replica.url).inc()
+        self._routed(config, replica, "prefill")
         # Never longer than the decode replica would be given to answer.
         limit = min(self.upstream_timeouts.prefill, self.upstream_timeouts.first_byte)
         started = time.monotonic()
@@ -929,6 +965,7 @@ async def _relay(
         logger.warning(
             "%s: the replica broke off its response (%s)", model, "stalled" if timed_out else error
         )
+        failed(f"the replica broke off its response ({'stalled' if timed_out else error})")
         if not event_stream:
             # A plain body cut short must not look complete: drop the connection instead of ending it.
             if request.transport is not None:

@@ -31,6 +31,7 @@ from kvfleet.gateway.http_errors import error_response
 from kvfleet.gateway.metrics import GatewayMetrics
 from kvfleet.gateway.routing import Replica
 from kvfleet.gateway.splice import DONE, EventReader, Failure, Splice, frame_error, frame_failure
+from kvfleet.gateway.tracing import failed, note
 
 logger = logging.getLogger(__name__)
 
@@ -136,6 +137,7 @@ class Generation:
             if outcome.cause == "drain":
                 leg.replica.drains()
             self.metrics.resume.resumes.labels(self.model, outcome.cause).inc()
+            note("stream_broke", url=leg.url, cause=outcome.cause)
             self._failed_at = time.monotonic()
             logger.info(
                 "%s: %s broke off its stream (%s: %s); resuming",
@@ -241,6 +243,7 @@ class Generation:
         logger.warning("%s: the stream ends with an error: %s", self.model, error.message)
         if self.response is None:
             return error_response(error)
+        failed(error.message)
         await self.response.write(error.to_sse().encode())
         return await self._end_stream(self.response)
 

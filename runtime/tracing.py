@@ -8,7 +8,8 @@ current for the HTTP request, so the engine's span joins the caller's trace with
 The exporter's protocol is OpenTelemetry's own setting, OTEL_EXPORTER_OTLP_TRACES_PROTOCOL: grpc (the
 default, as in vLLM) or http/protobuf; the exporter reads its other OTEL_EXPORTER_OTLP_TRACES_* settings
 (headers, certificates, insecure) itself, and the spans' resource is OTEL_SERVICE_NAME's and
-OTEL_RESOURCE_ATTRIBUTES'. Spans leave in batches off the event loop, on the SDK's thread.
+OTEL_RESOURCE_ATTRIBUTES'. Spans leave in batches off the event loop, on the SDK's thread. The fleet gateway
+exports its own spans the same way (`tracer_provider`, kvfleet.gateway.tracing).
 """
 
 from __future__ import annotations
@@ -39,8 +40,7 @@ class RequestTracing:
     """The API server's tracer: starts a span for each engine request and exports the ended ones."""
 
     def __init__(self, endpoint: str, model_name: str) -> None:
-        self._provider = TracerProvider(resource=_resource())
-        self._provider.add_span_processor(BatchSpanProcessor(_span_exporter(endpoint)))
+        self._provider = tracer_provider(endpoint, "kvfleet")
         self._tracer = self._provider.get_tracer("kvfleet.runtime")
         self._model_name = model_name
 
@@ -99,13 +99,22 @@ class RequestSpan:
         span.end(end_time=_epoch_ns(finished))
 
 
-def _resource() -> Resource:
+def tracer_provider(endpoint: str, service_name: str) -> TracerProvider:
+    """Spans exported in batches to the OTLP collector at `endpoint` (see the module's doc), from a resource
+    whose service is `service_name` where OpenTelemetry's settings name none; which requests are traced is
+    OpenTelemetry's OTEL_TRACES_SAMPLER's (all by default, or the caller's choice where it has a parent)."""
+    provider = TracerProvider(resource=_resource(service_name))
+    provider.add_span_processor(BatchSpanProcessor(_span_exporter(endpoint)))
+    return provider
+
+
+def _resource(service_name: str) -> Resource:
     """What the spans come from: OpenTelemetry's OTEL_SERVICE_NAME and OTEL_RESOURCE_ATTRIBUTES where set
-    (the operator names each InferenceService and its namespace), the service `kvfleet` where they name
-    none."""
+    (the operator names each InferenceService and its namespace), `service_name` where they name no
+    service."""
     detected = Resource.create()
     if str(detected.attributes.get(SERVICE_NAME, "")).startswith("unknown_service"):
-        return detected.merge(Resource({SERVICE_NAME: "kvfleet"}))
+        return detected.merge(Resource({SERVICE_NAME: service_name}))
     return detected
 
 

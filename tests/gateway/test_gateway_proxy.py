@@ -77,13 +77,17 @@ def test_the_body_and_headers_reach_the_replica_unchanged_but_for_the_stream_ask
         ):
             body = {"model": "m", "messages": CHAT, "max_tokens": 3, "priority": "high", "extra": [1, 2]}
             async with aiohttp.ClientSession() as session:
+                traceparent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
                 headers = {"Authorization": "Bearer secret", "x-kvfleet-priority": "batch"}
+                headers["traceparent"] = traceparent
                 async with session.post(f"{url}/v1/chat/completions", json=body, headers=headers) as answer:
                     assert answer.status == 200
                     assert answer.headers["x-replica"] == "r"
             assert replica.received == [as_streamed(body)]
             assert replica.headers[0]["Authorization"] == "Bearer secret"
             assert replica.headers[0]["x-kvfleet-priority"] == "batch"
+            # A gateway without tracing passes the client's trace context on as it came.
+            assert replica.headers[0]["traceparent"] == traceparent
 
     asyncio.run(scenario())
 

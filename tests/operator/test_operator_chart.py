@@ -749,6 +749,31 @@ def test_the_gateway_takes_bare_names_of_the_namespace_given(helm: Path) -> None
     assert gateway_command.make_context("gateway", list(args)).params["bare_name_namespace"] == "team-prod"
 
 
+def test_the_gateway_sends_its_spans_where_its_tracing_values_say(helm: Path) -> None:
+    def container(*values: str) -> dict[str, Any]:
+        objects = gateway_objects(render(helm, *ENABLED, *values))
+        (deployment,) = [d for d in objects if d["kind"] == "Deployment"]
+        return deployment["spec"]["template"]["spec"]["containers"][0]
+
+    def endpoint_flag(container: dict[str, Any]) -> str | None:
+        return gateway_command.make_context("gateway", list(container["args"])).params["otlp_traces_endpoint"]
+
+    untraced = container()
+    assert "env" not in untraced and endpoint_flag(untraced) is None
+    endpoint = "http://otel-collector.observability:4318/v1/traces"
+    protocol = "gateway.tracing.protocol=http/protobuf"
+    traced = container("--set", f"gateway.tracing.otlpTracesEndpoint={endpoint}", "--set", protocol)
+    assert endpoint_flag(traced) == endpoint
+    env = {variable["name"]: variable.get("value") for variable in traced["env"]}
+    assert env["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] == "http/protobuf"
+    assert env["OTEL_SERVICE_NAME"] == "kv-kvfleet-gateway"
+    assert env["OTEL_RESOURCE_ATTRIBUTES"] == "k8s.namespace.name=$(POD_NAMESPACE),k8s.pod.name=$(POD_NAME)"
+    # Kubernetes expands $(NAME) only from variables defined before it.
+    names = list(env)
+    assert names.index("POD_NAMESPACE") < names.index("OTEL_RESOURCE_ATTRIBUTES")
+    assert names.index("POD_NAME") < names.index("OTEL_RESOURCE_ATTRIBUTES")
+
+
 def test_the_gateway_reads_api_keys_only_in_the_namespaces_it_is_given(helm: Path) -> None:
     """An internet-facing gateway gets no cluster-wide read of Secrets: serving every namespace it reads
     keys only where keyNamespaces says, and gateway.namespaces narrows it below the operator's reach."""
