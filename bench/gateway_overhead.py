@@ -1,9 +1,10 @@
-"""The fleet gateway's added latency: short completions at a fixed rate, straight to a replica and through
-`kvfleet gateway`, in separate processes on one machine.
+"""The fleet gateway's added latency: short completions at a fixed rate, straight to a replica, through
+`kvfleet gateway`, and through a gateway that traces every request, in separate processes on one machine.
 
 The replica is a stand-in that answers every completion at once with a short OpenAI body, so what differs
-between the two runs is the gateway alone. The load is open-loop (requests leave on schedule whether or not
-earlier ones finished), over keep-alive connections.
+between the runs is the gateway alone. The load is open-loop (requests leave on schedule whether or not
+earlier ones finished), over keep-alive connections. The traced gateway sends its spans over OTLP/HTTP to a
+stand-in collector that answers every export at once.
 
     python bench/gateway_overhead.py --rate 200 --seconds 20
 """
@@ -40,6 +41,29 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def run_collector(port: int) -> None:
+    """An OTLP/HTTP endpoint that takes every export (an empty ExportTraceServiceResponse: an empty body)."""
+
+    async def export(request: web.Request) -> web.Response:
+        await request.read()
+        return web.Response(body=b"", content_type="application/x-protobuf")
+
+    app = web.Application(client_max_size=64 * 1024 * 1024)
+    app.router.add_post("/v1/traces", export)
+    web.run_app(app, host="127.0.0.1", port=port, access_log=None, print=None)
+
+
+def start_gateway(port: int, replica_url: str, traces_endpoint: str | None = None) -> subprocess.Popen[bytes]:
+    command = [sys.executable, "-P", "-m", "kvfleet", "--log-level", "warning", "gateway"]
+    command += ["--host", "127.0.0.1", "--port", str(port), "--model", f"bench={replica_url}"]
+    command += ["--max-in-flight", "100000"]
+    env = dict(os.environ)
+    if traces_endpoint is not None:
+        command += ["--otlp-traces-endpoint", traces_endpoint]
+        env["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] = "http/protobuf"
+    return subprocess.Popen(command, env=env)
 
 
 def run_replica(port: int) -> None:
@@ -113,29 +137,29 @@ def main() -> None:
     parser.add_argument("--warmup-seconds", type=float, default=3.0)
     options = parser.parse_args()
 
-    replica_port, gateway_port = free_port(), free_port()
-    replica = multiprocessing.Process(target=run_replica, args=(replica_port,), daemon=True)
-    replica.start()
-    replica_url = f"http://127.0.0.1:{replica_port}"
-    gateway_url = f"http://127.0.0.1:{gateway_port}"
-    command = [
-        sys.executable,
-        "-P",
-        "-m",
-        "kvfleet",
-        "--log-level",
-        "warning",
-        "gateway",
-        "--host",
-        "127.0.0.1",
+    replica_port, gateway_port, traced_port, collector_port = (free_port() for _ in range(4))
+    helpers = [
+        multiprocessing.Process(target=run_replica, args=(replica_port,), daemon=True),
+        multiprocessing.Process(target=run_collector, args=(collector_port,), daemon=True),
     ]
-    command += ["--port", str(gateway_port), "--model", f"bench={replica_url}", "--max-in-flight", "100000"]
-    gateway = subprocess.Popen(command)
+    for helper in helpers:
+        helper.start()
+    replica_url = f"http://127.0.0.1:{replica_port}"
+    collector_url = f"http://127.0.0.1:{collector_port}/v1/traces"
+    gateways = [
+        start_gateway(gateway_port, replica_url),
+        start_gateway(traced_port, replica_url, traces_endpoint=collector_url),
+    ]
+    urls = {
+        "direct": replica_url,
+        "gateway": f"http://127.0.0.1:{gateway_port}",
+        "traced": f"http://127.0.0.1:{traced_port}",
+    }
     try:
-        asyncio.run(wait_listening(replica_url))
-        asyncio.run(wait_listening(gateway_url))
+        for url in urls.values():
+            asyncio.run(wait_listening(url))
         results = {}
-        for name, url in (("direct", replica_url), ("gateway", gateway_url)):
+        for name, url in urls.items():
             asyncio.run(drive(url, options.rate, options.warmup_seconds))
             latencies, failures = asyncio.run(drive(url, options.rate, options.seconds))
             results[name] = latencies
@@ -143,15 +167,19 @@ def main() -> None:
             mean = statistics.fmean(latencies) * 1000
             counts = f"{len(latencies)} ok, {failures} failed"
             print(f"{name:8s} {counts}: p50 {p50:.2f} ms, p99 {p99:.2f} ms, mean {mean:.2f} ms")
-        for label, fraction in (("p50", 0.5), ("p99", 0.99)):
-            added = percentile(results["gateway"], fraction) - percentile(results["direct"], fraction)
-            print(f"added {label}: {added * 1000:.2f} ms")
+        for name in ("gateway", "traced"):
+            for label, fraction in (("p50", 0.5), ("p99", 0.99)):
+                added = percentile(results[name], fraction) - percentile(results["direct"], fraction)
+                print(f"added {label} ({name}): {added * 1000:.2f} ms")
         print(f"load: {os.getloadavg()[0]:.2f} (1 min) on {os.cpu_count()} cores")
     finally:
-        gateway.send_signal(signal.SIGTERM)
-        gateway.wait(30)
-        replica.terminate()
-        replica.join(30)
+        for gateway in gateways:
+            gateway.send_signal(signal.SIGTERM)
+        for gateway in gateways:
+            gateway.wait(30)
+        for helper in helpers:
+            helper.terminate()
+            helper.join(30)
 
 
 if __name__ == "__main__":
