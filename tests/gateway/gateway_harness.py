@@ -20,6 +20,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+import aiohttp
 from aiohttp import web
 from kvfleet.gateway.discovery import ModelConfig, Publish
 from kvfleet.gateway.proxy import Gateway
@@ -352,6 +353,16 @@ async def running_gateway(
         yield gateway, discovery, f"http://127.0.0.1:{port}"
     finally:
         await runner.cleanup()
+
+
+async def leave_mid_stream(session: aiohttp.ClientSession, url: str, replica: FakeReplica) -> None:
+    """A client that asks model m for a streamed chat, reads its first event and goes away; returns once
+    `replica`, which serves it, saw the connection close."""
+    body = {"model": "m", "messages": [{"role": "user", "content": "hello"}], "stream": True}
+    answer = await session.post(f"{url}/v1/chat/completions", json=body)
+    assert (await answer.content.readuntil(b"\n\n")).startswith(b"data: ")
+    answer.close()
+    await asyncio.wait_for(replica.disconnected.wait(), WAIT_S)
 
 
 async def wait_until(condition: Any) -> None:

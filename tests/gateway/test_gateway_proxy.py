@@ -15,6 +15,7 @@ from gateway_harness import (
     WAIT_S,
     FakeReplica,
     as_streamed,
+    leave_mid_stream,
     model,
     queued,
     replica_pod,
@@ -199,11 +200,7 @@ def test_a_client_disconnect_reaches_the_replica() -> None:
             running_gateway({"m": model("m", replica)}) as (gateway, _, url),
             aiohttp.ClientSession() as session,
         ):
-            body = {"model": "m", "messages": CHAT, "stream": True}
-            answer = await session.post(f"{url}/v1/chat/completions", json=body)
-            assert (await answer.content.readuntil(b"\n\n")).startswith(b"data: ")
-            answer.close()  # the client goes away mid-stream
-            await asyncio.wait_for(replica.disconnected.wait(), WAIT_S)
+            await leave_mid_stream(session, url, replica)
             pool = gateway.fleet.pools["m"]
             await wait_until(lambda: pool.replicas[0].in_flight == 0)
 

@@ -11,7 +11,7 @@ from typing import Any
 import aiohttp
 import pytest
 from click.testing import CliRunner
-from gateway_harness import WAIT_S, FakeReplica, model, replicas, running_gateway
+from gateway_harness import FakeReplica, leave_mid_stream, model, replicas, running_gateway
 from kvfleet.gateway.cli import gateway_command
 from opentelemetry.proto.trace.v1.trace_pb2 import Span, Status
 from otlp_collector import Collector, attributes_of, grpc_collector
@@ -130,11 +130,7 @@ def test_a_stream_its_client_leaves_ends_its_span_as_failed() -> None:
             running_gateway({"m": model("m", replica)}, otlp_traces_endpoint=endpoint) as (_, _, url),
             aiohttp.ClientSession() as session,
         ):
-            body = {"model": "m", "messages": CHAT, "stream": True}
-            answer = await session.post(f"{url}/v1/chat/completions", json=body)
-            assert (await answer.content.readuntil(b"\n\n")).startswith(b"data: ")
-            answer.close()  # the client goes away mid-stream
-            await asyncio.wait_for(replica.disconnected.wait(), WAIT_S)
+            await leave_mid_stream(session, url, replica)
         _, span = collector.wait_for(lambda span: span.name == "POST /v1/chat/completions")
         assert span.status.code == Status.StatusCode.STATUS_CODE_ERROR
         assert span.status.message == "cancelled: the client left or the gateway stopped"
