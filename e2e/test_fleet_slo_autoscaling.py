@@ -263,6 +263,10 @@ def test_the_slo_policy_keeps_a_ramp_within_its_target_and_scales_down_under_str
         if began + point["time_s"] <= ended
     ]
     real_changes = [(round(s.at - began, 1), s.desired) for s in samples]
+    # The operator's decisions, for the record and a failure's message.
+    decisions = [
+        (event["reason"], event["message"]) for event in events if event["reason"].startswith("Scaled")
+    ]
     measurements(
         f"slo ramp: one replica answered {one_replica_rate:.1f}/s with its places full; "
         f"{len(trace)} requests at {peak_rate / PEAK_RATIO:.2f} to {peak_rate:.2f}/s "
@@ -272,15 +276,11 @@ def test_the_slo_policy_keeps_a_ramp_within_its_target_and_scales_down_under_str
         f"TTFT p50/p90 real {real_p50:.3f}/{real_p90:.3f} s ({apart_p50:.3f}/{apart_p90:.3f} s outside "
         f"the pod starts), simulated {simulated_p50:.3f}/{simulated_p90:.3f} s; simulated replicas differ "
         f"from the real ones by at most {max(gaps, default=0)} over {len(gaps)} intervals of "
-        f"{SERIES_SECONDS:g}s"
+        f"{SERIES_SECONDS:g}s; decisions {decisions}"
     )
 
     assert not failed, failed[:3]
     assert real_p90 <= TTFT_TARGET_MS / 1000, (real_p90, counts)
-    # The operator's decisions, for a failure's message.
-    decisions = [
-        (event["reason"], event["message"]) for event in events if event["reason"].startswith("Scaled")
-    ]
     assert max(counts) > 1 and counts[-1] == 1, (real_changes, decisions)
     # A replica went while the trace was still sending: its streams finished (none failed, above).
     went = any(b.desired < a.desired and b.at < ended for a, b in itertools.pairwise(samples))

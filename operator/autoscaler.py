@@ -546,8 +546,9 @@ def _left_to_replicas(
 def forecast_demand(
     samples: Sequence[MetricsSample], recent: Sequence[MetricsSample], horizon: float, unit: Unit = REQUESTS
 ) -> float:
-    """The fleet's demand in `unit` `horizon` seconds after the latest sample, on the window's linear trend;
-    never below the recent mean (a falling trend is left to the scale-down delay)."""
+    """The fleet's demand in `unit` `horizon` seconds after the latest sample, on the window's linear trend
+    taken at the low end of its slope's 95% interval (see `_rise_beyond_noise`); never below the recent mean
+    (a falling trend is left to the scale-down delay)."""
     points = [(s.time, demand) for s in samples if (demand := unit.demand(s)) is not None]
     current = _mean_or_none(unit.demand(s) for s in recent)
     if current is None:
@@ -561,7 +562,22 @@ def forecast_demand(
         return current
     mean_demand = _mean(demand for _, demand in points)
     slope = sum((time - mean_time) * (demand - mean_demand) for time, demand in points) / spread
-    return max(current, mean_demand + slope * (max(times) + horizon - mean_time))
+    rise = _rise_beyond_noise(points, mean_time, mean_demand, slope, spread)
+    return max(current, mean_demand + rise * (max(times) + horizon - mean_time))
+
+
+def _rise_beyond_noise(
+    points: Sequence[tuple[float, float]], mean_time: float, mean_demand: float, slope: float, spread: float
+) -> float:
+    """The least-squares slope less twice its standard error, and none below zero: a small fleet's one-second
+    counts of a request or two have steep slopes by chance, which extended half a window ahead ask for
+    replicas the demand never needs, while a ramp's counts lie close to its line and keep most of theirs. Two
+    points leave no scatter to judge by, and their slope is taken."""
+    if len(points) < 3:
+        return slope
+    residuals = sum((demand - mean_demand - slope * (time - mean_time)) ** 2 for time, demand in points)
+    standard_error = math.sqrt(residuals / (len(points) - 2) / spread)
+    return max(0.0, slope - 2 * standard_error)
 
 
 @dataclass(frozen=True)

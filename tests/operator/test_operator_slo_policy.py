@@ -86,6 +86,20 @@ def test_the_demand_forecast_follows_the_trend_and_never_falls_below_the_recent_
     assert forecast_demand(RISING[:1], RISING[:1], 30) == pytest.approx(4.0)
 
 
+def test_a_trend_is_extended_at_the_low_end_of_its_slopes_interval() -> None:
+    # A small fleet's counts of one and three requests in turn: the slope, 3/17.5 = 0.171 a second, is less
+    # than twice its standard error (the residuals' 5.486 over 4 degrees of freedom and 17.5: 0.280). Extended
+    # 32.5 s past the window's middle it would say 2 + 5.57; nothing of it is kept, and the window's mean, 2,
+    # is the forecast.
+    noise = [_sample(time, depth, 0.3) for time, depth in enumerate([1, 3, 1, 3, 1, 3])]
+    assert forecast_demand(noise, noise[-2:], 30) == pytest.approx(2.0)
+    # A ramp with a little scatter: slope 18.25/17.5 = 73/70, residuals 12/35, so a standard error of
+    # sqrt(12/35 / 4 / 17.5) = sqrt(6)/35; the forecast is 3.75 + 32.5 x (73/70 - 2 sqrt(6)/35).
+    ramp = [_sample(time, depth, 0.3) for time, depth in enumerate([1, 2.5, 3, 4.5, 5, 6.5])]
+    expected = 3.75 + 32.5 * (73 / 70 - 2 * math.sqrt(6) / 35)
+    assert forecast_demand(ramp, ramp[-2:], 30) == pytest.approx(expected)
+
+
 def test_the_fewest_replicas_that_meet_the_target_at_the_forecast_and_the_reason_names_the_numbers() -> None:
     decision = decide(POLICY, RISING, FleetState(2, 2), AutoscalerState(), 10, slo=[TTFT])
     # 20 requests forecast, 5 per replica within the target: 4 replicas.
