@@ -29,6 +29,7 @@ from e2e.support.waits import wait_for
 
 # The guarded service's loop passes every 30 s when nothing of its own changes.
 GUARD_STATE_SECONDS = 90.0
+EVENT_SECONDS = 30.0
 
 
 def test_a_service_guarded_by_another_inference_service(
@@ -51,17 +52,20 @@ def test_a_service_guarded_by_another_inference_service(
         status = api.get(services_path(namespace, "guarded")).get("status", {})
         return status.get("safety", {}).get("guard", {}).get("state")
 
+    def guard_events(reason: str) -> list[dict[str, Any]]:
+        return [e for e in events_for(api, namespace, "guarded") if e["reason"] == reason]
+
     wait_for("the guard reported missing", lambda: guard_state() == "NotFound", GUARD_STATE_SECONDS)
-    warnings = [e for e in events_for(api, namespace, "guarded") if e["reason"] == "GuardUnavailable"]
-    assert warnings and "the guard service 'guard' is NotFound" in warnings[0]["message"]
+    # kopf posts events in the background, so an event may come after the status that goes with it.
+    warnings = wait_for("the guard's warning", lambda: guard_events("GuardUnavailable"), EVENT_SECONDS)
+    assert "the guard service 'guard' is NotFound" in warnings[0]["message"]
 
     # The guard's prompt (its instructions and the text) is about 500 of the tiny model's tokens.
     api.create(services_path(namespace), tiny_service("guard", tiny_model_dir, engine={"maxModelLen": 1024}))
     wait_ready(api, namespace, "guard")
     wait_ready(api, namespace, "guarded")
     wait_for("the guard reported Ready", lambda: guard_state() == "Ready", GUARD_STATE_SECONDS)
-    reasons = [e["reason"] for e in events_for(api, namespace, "guarded")]
-    assert "GuardAvailable" in reasons
+    wait_for("the guard's recovery announced", lambda: guard_events("GuardAvailable"), EVENT_SECONDS)
 
     deployment = api.get(deployment_path(namespace, "guarded"))
     args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
