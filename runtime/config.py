@@ -35,6 +35,7 @@ DEFAULT_ITEMS_PER_PROMPT = 4
 _POSITIVE_OR_UNSET = (
     "num_kv_blocks",
     "cpu_kv_cache_space",
+    "kv_cache_memory_bytes",
     "kv_offloading_size",
     "max_num_seqs",
     "max_num_batched_tokens",
@@ -113,6 +114,11 @@ class EngineConfig:
     cpu_kv_cache_space: float | None = _option(
         "GiB of host memory for the KV cache on CPU; by default what max_num_seqs sequences of max_model_len "
         "tokens fill, up to 1 GiB.",
+        default=None,
+    )
+    kv_cache_memory_bytes: int | None = _option(
+        "vLLM's: bytes of KV cache on each device (on the CPU as on a GPU), in place of what "
+        "gpu_memory_utilization or cpu_kv_cache_space would give; num_kv_blocks, where set, still decides.",
         default=None,
     )
     kv_offloading_size: float | None = _option(

@@ -232,7 +232,8 @@ class EngineCore:
             num_blocks = int(
                 self.executor.kv_cache_budget_bytes() // self.executor.kv_cache_bytes_per_block()
             )
-            if self.executor.device.type == "cpu" and config.cpu_kv_cache_space is None:
+            sized = config.cpu_kv_cache_space is not None or config.kv_cache_memory_bytes is not None
+            if self.executor.device.type == "cpu" and not sized:
                 # Host memory is zeroed and made resident at start, about a second of CPU time a GiB, and
                 # shared with everything else on the node: take no more than the sequences can fill.
                 num_blocks = min(num_blocks, config.max_num_seqs * blocks_per_sequence)

@@ -189,9 +189,12 @@ class ModelRunner:
         bind_cpu_decode_layers(self.model, self.attention_backend)
 
     def kv_cache_budget_bytes(self) -> float:
-        """Memory the KV cache may take: on CUDA what gpu_memory_utilization leaves after the weights and
-        everyone else's use, less room for activations; on the CPU cpu_kv_cache_space, or at most a GiB."""
+        """Memory the KV cache may take: kv_cache_memory_bytes where set; else on CUDA what
+        gpu_memory_utilization leaves after the weights and everyone else's use, less room for activations,
+        and on the CPU cpu_kv_cache_space, or at most a GiB."""
         config = self.config
+        if config.kv_cache_memory_bytes is not None:
+            return float(config.kv_cache_memory_bytes)
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             used_by_others = total - free

@@ -202,7 +202,7 @@ def test_small_steps_leave_the_reserved_cpus_to_the_front_end(
 
 def test_the_cpu_kv_cache_holds_what_its_sequences_fill_unless_sized(tiny_llama: Path) -> None:
     """Unset, cpu_kv_cache_space gives max_num_seqs sequences of max_model_len tokens, at most a GiB; set,
-    the GiB asked for."""
+    the GiB asked for; vLLM's kv_cache_memory_bytes, the bytes asked for, whole blocks of them."""
     config = json.loads((tiny_llama / "config.json").read_text())
     kv_heads, head_dim = config["num_key_value_heads"], config["head_dim"]
     block_bytes = config["num_hidden_layers"] * 2 * 16 * kv_heads * head_dim * 4  # K and V, float32
@@ -211,3 +211,10 @@ def test_the_cpu_kv_cache_holds_what_its_sequences_fill_unless_sized(tiny_llama:
     assert _core(tiny_llama, max_num_seqs=8192, **sized).num_kv_blocks == 2**30 // block_bytes
     asked = _core(tiny_llama, max_num_seqs=3, cpu_kv_cache_space=1 / 16, **sized)
     assert asked.num_kv_blocks == 2**30 // 16 // block_bytes
+    # More than the 96 blocks three sequences fill: the bytes asked for decide.
+    in_bytes = _core(tiny_llama, max_num_seqs=3, kv_cache_memory_bytes=100 * block_bytes + 1, **sized)
+    assert in_bytes.num_kv_blocks == 100
+    with pytest.raises(ValueError, match="less than one sequence"):
+        _core(tiny_llama, kv_cache_memory_bytes=31 * block_bytes, **sized)
+    with pytest.raises(ValueError, match="kv_cache_memory_bytes must be positive"):
+        _core(tiny_llama, kv_cache_memory_bytes=0, **sized)
