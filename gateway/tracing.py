@@ -40,8 +40,9 @@ class GatewayTracing:
     def request_span(self, request: web.Request) -> Iterator[Span]:
         """The request's span, current while the request is served (its stream relayed included); an
         exception ends it as failed, and so does a request cancelled before its end (its client left)."""
-        carrier = {name.lower(): value for name, value in request.headers.items()}
-        parent = _PROPAGATOR.extract({name: carrier[name] for name in _TRACE_HEADERS & carrier.keys()})
+        # aiohttp's headers are case-insensitive: the client's trace context, whatever its case.
+        carrier = {name: request.headers[name] for name in _TRACE_HEADERS if name in request.headers}
+        parent = _PROPAGATOR.extract(carrier)
         with self._tracer.start_as_current_span(
             f"{request.method} {request.path}",
             context=parent,
