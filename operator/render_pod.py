@@ -55,8 +55,9 @@ RUNTIME_USER = 1000
 # /health once its engine is up (it has no /ready); kvfleet's /ready also says no while it drains or sleeps.
 RUNTIME_COMMANDS: dict[Runtime, list[str]] = {"kvfleet": ["kvfleet", "serve"], "vllm": ["vllm", "serve"]}
 READINESS_PATHS: dict[Runtime, str] = {"kvfleet": "/ready", "vllm": "/health"}
-# The flag of how long a stopping replica lets its requests finish (spec.engine.drainTimeoutSeconds).
-DRAIN_FLAGS: dict[Runtime, str] = {"kvfleet": "--drain-timeout", "vllm": "--shutdown-timeout"}
+# The flag, vLLM's and kvfleet's, of how long a stopping replica lets its requests finish
+# (spec.engine.drainTimeoutSeconds).
+DRAIN_FLAG = "--shutdown-timeout"
 # The variable each runtime reads its API key from; the Secret holds it under API_KEY_ENV either way.
 API_KEY_VARIABLES: dict[Runtime, str] = {"kvfleet": API_KEY_ENV, "vllm": "VLLM_API_KEY"}
 # A group's pod reads its rank from one of its labels (downward API) into this variable, which its flags use.
@@ -194,7 +195,7 @@ def runtime_args(
     platform collects spans (before extraArgs, which may name another collector where the admission policy
     lets them)."""
     engine = spec.engine
-    drain = [DRAIN_FLAGS[engine.runtime], str(engine.drain_timeout_seconds)]
+    drain = [DRAIN_FLAG, str(engine.drain_timeout_seconds)]
     tracing = [TRACES_ENDPOINT_FLAG, traces.endpoint] if traces is not None else []
     if engine.runtime == "vllm":
         return [model_path(spec.model), *_shared_args(spec), *drain, *tracing, *engine.extra_args]

@@ -190,7 +190,7 @@ def _run_round(
         ServeProcess(
             config,
             workdir,
-            ["--drain-timeout", "0"],
+            ["--shutdown-timeout", "0"],
             log_name=f"replica-{number}.log",
             env={"OMP_NUM_THREADS": "1"},
         )

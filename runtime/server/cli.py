@@ -122,12 +122,16 @@ def _api_key(ctx: click.Context, param: click.Parameter, value: str | None) -> s
     "platform's own traffic).",
 )
 @click.option(
+    "--shutdown-timeout",
+    # kvfleet's name for it before vLLM had one, still taken from older manifests.
     "--drain-timeout",
+    "shutdown_timeout",
     type=click.FloatRange(min=0),
     default=30.0,
     show_default=True,
-    help="Seconds in-flight requests get to finish after SIGTERM; the rest are then handed back with a 503 "
-    "`draining` error (a stream's last event), which the fleet gateway resumes on another replica.",
+    help="vLLM's: seconds in-flight requests get to finish after SIGTERM; the rest are then handed back with "
+    "a 503 `draining` error (a stream's last event), which the fleet gateway resumes on another replica. 0 "
+    "hands them back at once.",
 )
 @click.option(
     "--max-waiting-requests",

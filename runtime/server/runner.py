@@ -93,13 +93,13 @@ class DrainingServer(uvicorn.Server):
 
     async def _drain(self) -> None:
         state = self.state
-        deadline = time.monotonic() + state.settings.drain_timeout
+        deadline = time.monotonic() + state.settings.shutdown_timeout
         while state.in_flight and time.monotonic() < deadline:
             await asyncio.sleep(_DRAIN_POLL_S)
         if state.in_flight:
             logger.warning(
                 "drain timeout (%.1f s) passed with %d requests in flight; handing them back",
-                state.settings.drain_timeout,
+                state.settings.shutdown_timeout,
                 state.in_flight,
             )
             state.engine.abort_all(

@@ -33,7 +33,7 @@ class ServerSettings(ServiceSettings):
     """The OpenAI service's settings and the HTTP server's own."""
 
     api_key: str | None = None
-    drain_timeout: float = 30.0
+    shutdown_timeout: float = 30.0
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
     # Seconds a connection has to send a request's headers (from its opening, or the previous response),
     # the whole body, and how long a response may wait on a client that has stopped reading.

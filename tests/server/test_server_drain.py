@@ -61,7 +61,8 @@ def _stream_events(
 @pytest.fixture(scope="module")
 def servers(start_server: Callable[..., ServerProcess]) -> tuple[ServerProcess, ServerProcess]:
     """(patient, impatient): drain timeouts that in-flight requests always, and never, finish within."""
-    patient = start_server("--drain-timeout", str(PATIENT_DRAIN_S), wait=False)
+    patient = start_server("--shutdown-timeout", str(PATIENT_DRAIN_S), wait=False)
+    # kvfleet's older name for vLLM's --shutdown-timeout, which manifests may still carry.
     impatient = start_server("--drain-timeout", str(IMPATIENT_DRAIN_S), wait=False)
     patient.wait_ready()
     impatient.wait_ready()
