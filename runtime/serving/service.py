@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from kvfleet.contract.errors import (
     BadRequestError,
     NotFoundError,
+    OpenAIError,
     PermissionDeniedError,
     ServiceUnavailableError,
 )
@@ -621,6 +622,10 @@ class OpenAIService:
         outputs = self.outputs(request, stream=True)
         resumed: list[RequestOutput] = []
         first = await _first_generated(outputs, resumed)
+        failure = None if first is None else _failure_before_any_token(first)
+        if failure is not None:
+            await outputs.aclose()  # type: ignore[attr-defined]
+            raise failure
         return self._chunks(request, outputs, first, resumed)
 
     async def _chunks(
@@ -716,6 +721,13 @@ async def _first_generated(
             return output
         resumed.append(output)
     return None
+
+
+def _failure_before_any_token(output: RequestOutput) -> OpenAIError | None:
+    """The error of a first output that ends its request without a token (a timeout in the queue)."""
+    if any(completion.token_ids for completion in output.outputs):
+        return None
+    return next(filter(None, (finish_error(completion.finish_reason) for completion in output.outputs)), None)
 
 
 def _constraint_param(body: CompletionRequest | ChatCompletionRequest) -> str:

@@ -132,6 +132,7 @@ def test_request_timeout_is_408(http: httpx.Client) -> None:
             events = [line for line in response.iter_lines() if line.startswith("data: ")]
             assert events[-1] == "data: [DONE]"
             assert json.loads(events[-2][len("data: ") :])["error"]["code"] == "timeout"
+            assert any(json.loads(event[len("data: ") :])["choices"][0]["text"] for event in events[:-2])
         else:
             response.read()
             assert _error(response, 408)["code"] == "timeout"
