@@ -180,7 +180,11 @@ class Generation:
                     data = await leg.upstream.content.readany()
                 if not data:
                     return Failure("reset", "the stream ended before [DONE]")
-                for event in reader.feed(data):
+                events = reader.feed(data)
+                # Before the events: [DONE] among them ends the relay.
+                for comment in reader.take_comments():
+                    await self._comment(comment)
+                for event in events:
                     if event.strip() == DONE:
                         self._resumed_output()
                         return None
@@ -214,6 +218,12 @@ class Generation:
         if carries_tokens:
             self._resumed_output()
         return None
+
+    async def _comment(self, line: bytes) -> None:
+        """A replica's comment (its keep-alive while the request waits or between tokens) goes on to a
+        streaming client, whose own proxies would otherwise see the stream as quiet."""
+        if self.response is not None:
+            await self.response.write(line + b"\n\n")
 
     def _resumed_output(self) -> None:
         """A resumed stream's first token (or its end) is in: the resume's latency, from the failure."""

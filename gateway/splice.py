@@ -58,11 +58,13 @@ _STATUS_OF_TYPE = {
 
 
 class EventReader:
-    """The data of each Server-Sent Event of a byte stream, as each event completes."""
+    """The data of each Server-Sent Event of a byte stream, as each event completes, and its comment lines (a
+    replica's keep-alives)."""
 
     def __init__(self) -> None:
         self._buffer = bytearray()
         self._data: list[bytes] = []
+        self._comments: list[bytes] = []
 
     def feed(self, chunk: bytes) -> list[str]:
         """The events `chunk` completes; ValueError for an event past MAX_EVENT_BYTES."""
@@ -78,10 +80,17 @@ class EventReader:
                     self._data = []
             elif line.startswith(b"data:"):
                 self._data.append(line[5:].removeprefix(b" "))
+            elif line.startswith(b":"):
+                self._comments.append(line)
         del self._buffer[:start]
         if len(self._buffer) + sum(len(data) for data in self._data) > MAX_EVENT_BYTES:
             raise ValueError(f"an event longer than {MAX_EVENT_BYTES} bytes")
         return events
+
+    def take_comments(self) -> list[bytes]:
+        """The comment lines read since the last call."""
+        comments, self._comments = self._comments, []
+        return comments
 
 
 @dataclass(frozen=True)

@@ -230,12 +230,12 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/completions")
     async def create_completion(body: CompletionRequest, raw_request: Request) -> Response:
         request = await service.create_completion(body, raw_request.headers.get(PRIORITY_HEADER))
-        return await respond(raw_request, service, request)
+        return await respond(raw_request, service, request, state.settings.sse_keep_alive_interval)
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(body: ChatCompletionRequest, raw_request: Request) -> Response:
         request = await service.create_chat_completion(body, raw_request.headers.get(PRIORITY_HEADER))
-        return await respond(raw_request, service, request)
+        return await respond(raw_request, service, request, state.settings.sse_keep_alive_interval)
 
     @app.post("/v1/moderations")
     async def create_moderation(body: ModerationRequest) -> Response:

@@ -189,6 +189,15 @@ def _api_key(ctx: click.Context, param: click.Parameter, value: str | None) -> s
     "and the request aborted.",
 )
 @click.option(
+    "--sse-keep-alive-interval",
+    type=click.FloatRange(min=0),
+    default=0.0,
+    show_default=True,
+    help="vLLM's: seconds a chat or completion stream may go without an event before it carries a comment "
+    "(`: keep-alive`), so that proxies with read timeouts keep a queued request's, a long prefill's or a "
+    "slow step's connection open; a stream not yet open opens then. 0 sends none.",
+)
+@click.option(
     "--startup-request-timeout",
     type=click.FloatRange(min=0),
     default=600.0,

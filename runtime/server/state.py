@@ -40,6 +40,9 @@ class ServerSettings(ServiceSettings):
     header_read_timeout: float = DEFAULT_HEADER_READ_TIMEOUT_S
     body_read_timeout: float = DEFAULT_BODY_READ_TIMEOUT_S
     send_timeout: float = DEFAULT_SEND_TIMEOUT_S
+    # vLLM's: seconds a chat or completion stream may stay quiet before it carries a keep-alive comment
+    # (opening first if it has not yet); 0 for none.
+    sse_keep_alive_interval: float = 0.0
     # The Batch API's folder (its database and files); None: no /v1/files or /v1/batches.
     batch_store: str | None = None
     max_batch_file_bytes: int = DEFAULT_MAX_BATCH_FILE_BYTES

@@ -21,6 +21,9 @@ T = TypeVar("T")
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 SSE_DONE = "data: [DONE]\n\n"
+# A comment line, which clients skip: it keeps a quiet stream's connection from looking idle to the proxies
+# between a client and the server, which close connections that carry nothing for their read timeout.
+SSE_KEEP_ALIVE = ": keep-alive\n\n"
 
 
 def sse_event(payload: dict[str, Any]) -> str:
@@ -58,13 +61,81 @@ async def unless_disconnected(request: Request, awaitable: Awaitable[T]) -> T:
     return work.result()
 
 
-async def respond(raw_request: Request, service: OpenAIService, request: PreparedRequest) -> Response:
+async def respond(
+    raw_request: Request, service: OpenAIService, request: PreparedRequest, keep_alive_s: float
+) -> Response:
     """The service's answer to an admitted request: its JSON body, or its event stream once the first output
-    is in. A client that goes away first aborts the request."""
-    if request.stream:
+    is in. A client that goes away first aborts the request.
+
+    With `keep_alive_s` (vLLM's --sse-keep-alive-interval), a stream whose first output takes longer opens
+    then, and carries a comment each time it has been quiet that long: in the queue, in a long prefill,
+    between tokens. A failure before its first output is then the stream's last event, not its status."""
+    if not request.stream:
+        return JSONResponse(await unless_disconnected(raw_request, service.complete(request)))
+    if not keep_alive_s:
         chunks = await unless_disconnected(raw_request, service.stream(request))
         return EventStreamResponse(sse_events(chunks))
-    return JSONResponse(await unless_disconnected(raw_request, service.complete(request)))
+    opening = asyncio.ensure_future(service.stream(request))
+    try:
+        await unless_disconnected(raw_request, asyncio.wait({opening}, timeout=keep_alive_s))
+    except BaseException:  # the client gone, or the server stopping: the request is not left running
+        await _cancelled(opening)
+        raise
+    if opening.done():
+        # In time for the request's status to be its own: a failure before its first output is a 4xx or 5xx.
+        return EventStreamResponse(with_keep_alive(sse_events(opening.result()), keep_alive_s))
+    events = with_keep_alive(sse_events(_once_opened(opening)), keep_alive_s)
+    return EventStreamResponse(_preceded_by(SSE_KEEP_ALIVE, events))
+
+
+async def _cancelled(task: asyncio.Future[Any]) -> None:
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+
+
+async def _once_opened(opening: asyncio.Future[AsyncIterator[T]]) -> AsyncIterator[T]:
+    """What `opening` gives, once it does; its failure is raised at the first item. Closing this before
+    then cancels it (which aborts its engine request)."""
+    try:
+        items = await opening
+    finally:
+        if not opening.done():
+            await _cancelled(opening)
+    async with contextlib.aclosing(items):  # type: ignore[type-var]
+        async for item in items:
+            yield item
+
+
+async def _preceded_by(first: str, events: AsyncIterator[str]) -> AsyncIterator[str]:
+    yield first
+    async with contextlib.aclosing(events):  # type: ignore[type-var]
+        async for event in events:
+            yield event
+
+
+async def with_keep_alive(events: AsyncIterator[str], keep_alive_s: float) -> AsyncIterator[str]:
+    """`events`, with SSE_KEEP_ALIVE each time none has come for `keep_alive_s` seconds."""
+    following: asyncio.Future[str] | None = None
+    try:
+        while True:
+            if following is None:
+                following = asyncio.ensure_future(anext(events))
+            done, _ = await asyncio.wait({following}, timeout=keep_alive_s)
+            if not done:
+                yield SSE_KEEP_ALIVE
+                continue
+            try:
+                event = following.result()
+            except StopAsyncIteration:
+                return
+            following = None
+            yield event
+    finally:
+        # A response cut short (the client gone) stops the event being awaited before closing the events.
+        if following is not None and not following.done():
+            await _cancelled(following)
+        await events.aclose()  # type: ignore[attr-defined]
 
 
 async def sse_events(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str]:

@@ -27,6 +27,8 @@ from kvfleet.contract.errors import (
 )
 from kvfleet.contract.resume import CONTINUATION, CONTINUATION_CHOICES, DRAINING_CODE
 
+# The comment `kvfleet serve --sse-keep-alive-interval` sends (as vLLM's server does).
+KEEP_ALIVE = b": keep-alive\n\n"
 FaultKind = Literal["reset", "eof", "error", "drain", "stall", "refuse", "draining", "timeout"]
 TOOL_NAME = "get_weather"
 # A tool call's script: two tokens before its name is known, its arguments, one token closing it.
@@ -214,6 +216,11 @@ class ScriptedReplica:
     peers: list[Any] = field(default_factory=list)
     # Seconds between a stream's [DONE] and its end, as a slow network may hold them apart.
     end_after_done_s: float = 0.0
+    # Before each chunk of a stream, this many keep-alive comments, each after keep_alive_s seconds: a slow
+    # replica's stream with --sse-keep-alive-interval.
+    keep_alives_per_chunk: int = 0
+    keep_alive_s: float = 0.0
+    keep_alives_sent: int = 0
     url: str = ""
     _runner: web.AppRunner | None = None
     _requests: int = 0
@@ -271,6 +278,10 @@ class ScriptedReplica:
         for chunk in answer.stream(fault):
             if isinstance(chunk, Fault):
                 return await _fail(request, response, chunk.kind)
+            for _ in range(self.keep_alives_per_chunk):
+                await asyncio.sleep(self.keep_alive_s)
+                await response.write(KEEP_ALIVE)
+                self.keep_alives_sent += 1
             await response.write(f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n".encode())
         await response.write(b"data: [DONE]\n\n")
         if self.end_after_done_s:

@@ -15,6 +15,7 @@ from gateway_harness import model, running_gateway, wait_until
 from kvfleet.gateway.proxy import UpstreamTimeouts
 from kvfleet.gateway.splice import EventReader
 from scripted_replica import (
+    KEEP_ALIVE,
     TOOL_SCRIPT,
     Fault,
     Script,
@@ -235,6 +236,39 @@ def test_a_stalled_stream_is_resumed() -> None:
     )
     assert_same_stream(got, expected)
     assert metrics["stall"] == 1
+
+
+def test_a_replicas_keep_alives_reach_a_streaming_client_and_are_no_stall() -> None:
+    """Keep-alive comments every 0.1 s, an event every 0.5 s: with a stall timeout of 0.4 s between, the
+    stream is not resumed; a streaming client gets every comment, a non-streamed one an answer without."""
+    script: Script = lambda body, choice: [" a", " b"]  # noqa: E731
+
+    async def scenario() -> tuple[list[tuple[bytes, bytes]], ScriptedReplica, dict[str, float]]:
+        quiet = ScriptedReplica("a", script=script, keep_alives_per_chunk=5, keep_alive_s=0.1)
+        oracle = ScriptedReplica("oracle", script=script)
+        answers = []
+        timeouts = UpstreamTimeouts(stall=0.4)
+        async with (
+            scripted(quiet, oracle),
+            running_gateway({"m": model("m", quiet)}, upstream_timeouts=timeouts) as (gateway, _, url),
+        ):
+            for stream in (True, False):
+                body = body_of(COMPLETIONS_PATH, **(USAGE if stream else {"stream": False}))
+                status, got = await post(url, COMPLETIONS_PATH, body)
+                assert status == 200, got
+                sent = quiet.keep_alives_sent
+                _, expected = await post(oracle.url, COMPLETIONS_PATH, body)
+                answers.append((got, expected, sent))
+            metrics = resume_metrics(gateway.metrics.registry)
+        return answers, quiet, metrics
+
+    ((streamed, streamed_oracle, sent), (whole, whole_oracle, _)), quiet, metrics = asyncio.run(scenario())
+    assert sent > 0 and streamed.count(KEEP_ALIVE) == sent
+    assert_same_stream(streamed, streamed_oracle)
+    got, expected = json.loads(whole), json.loads(whole_oracle)
+    assert got == {**expected, "id": got["id"], "created": got["created"]}
+    assert quiet.keep_alives_sent > sent, "the non-streamed answer's replica stream carried no keep-alives"
+    assert metrics["stall"] == 0 and len(quiet.received) == 2
 
 
 def test_past_the_resume_bound_the_client_gets_an_error_and_done() -> None:
