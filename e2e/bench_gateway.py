@@ -162,7 +162,11 @@ def run_policy(
     manifest = tiny_service(
         name,
         model_dir,
-        engine={"maxNumSeqs": 8, "maxModelLen": 2048, "extraArgs": ["--num-kv-blocks", str(kv_blocks)]},
+        engine={
+            "maxNumSeqs": 8,
+            "maxModelLen": 2048,
+            "extraArgs": ["--num-gpu-blocks-override", str(kv_blocks)],
+        },
         scaling={"replicas": replicas},
         routing={"policy": policy, "loadBoundPercent": load_bound_percent},
         resources={"memory": "4Gi"},

@@ -153,7 +153,10 @@ def test_the_release_refuses_code_loading_env_unlisted_flags_and_every_taint(
         assert message in result.stderr, result.stderr
     tuned = fake_gpu_service(
         "tuned",
-        engine={"env": [{"name": "OMP_NUM_THREADS", "value": "1"}], "extraArgs": ["--num-kv-blocks", "64"]},
+        engine={
+            "env": [{"name": "OMP_NUM_THREADS", "value": "1"}],
+            "extraArgs": ["--num-gpu-blocks-override", "64"],
+        },
         resources={"tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists"}]},
     )
     result = kubectl_apply(local_cluster, namespace, tuned, "--dry-run=server")

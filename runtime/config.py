@@ -33,7 +33,7 @@ DEFAULT_ITEMS_PER_PROMPT = 4
 
 # Options that are positive numbers where set.
 _POSITIVE_OR_UNSET = (
-    "num_kv_blocks",
+    "num_gpu_blocks_override",
     "cpu_kv_cache_space",
     "kv_cache_memory_bytes",
     "kv_offloading_size",
@@ -105,8 +105,10 @@ class EngineConfig:
         "Show the checkpoint's shards loading on a progress bar (on stderr, one line a shard).", default=True
     )
     block_size: int = _option("Tokens per KV cache block.", default=16)
-    num_kv_blocks: int | None = _option(
-        "KV cache blocks in the pool; by default sized from the memory budget.", default=None
+    num_gpu_blocks_override: int | None = _option(
+        "vLLM's: KV cache blocks in the pool, on the CPU as on a GPU; by default sized from the memory "
+        "budget. kvfleet's older --num-kv-blocks is taken too.",
+        default=None,
     )
     gpu_memory_utilization: float = _option(
         "Fraction of GPU memory the engine may use (weights, activations, KV cache).", default=0.9
@@ -118,7 +120,8 @@ class EngineConfig:
     )
     kv_cache_memory_bytes: int | None = _option(
         "vLLM's: bytes of KV cache on each device (on the CPU as on a GPU), in place of what "
-        "gpu_memory_utilization or cpu_kv_cache_space would give; num_kv_blocks, where set, still decides.",
+        "gpu_memory_utilization or cpu_kv_cache_space would give; num_gpu_blocks_override, where set, still "
+        "decides.",
         default=None,
     )
     kv_offloading_size: float | None = _option(
@@ -433,6 +436,8 @@ _CLICK_TYPES: dict[str, Any] = {
 }
 
 F = TypeVar("F", bound=Callable[..., Any])
+# kvfleet's names for options before it took vLLM's, still taken from older command lines and manifests.
+_OLDER_FLAGS = {"num_gpu_blocks_override": ("--num-kv-blocks",)}
 
 
 def engine_options(func: F) -> F:
@@ -450,7 +455,8 @@ def engine_options(func: F) -> F:
             func = click.option(flag, type=choice, default=f.default, show_default=True, help=help_text)(func)
         else:
             kind = _CLICK_TYPES[str(f.type)]
-            func = click.option(flag, type=kind, default=f.default, show_default=True, help=help_text)(func)
+            decls = (flag, *_OLDER_FLAGS.get(f.name, ()), f.name)
+            func = click.option(*decls, type=kind, default=f.default, show_default=True, help=help_text)(func)
     return func
 
 

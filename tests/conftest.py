@@ -36,7 +36,7 @@ os.environ["TRITON_INTERPRET"] = "1"
 
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 # Enough KV blocks for every test's requests, few enough that the pool allocates in a blink.
-BASE_ARGS = ("--served-model-name", MODEL_NAME, "--num-kv-blocks", "512", "--dtype", "float32")
+BASE_ARGS = ("--served-model-name", MODEL_NAME, "--num-gpu-blocks-override", "512", "--dtype", "float32")
 
 
 class ModuleScheduling(LoadFileScheduling):

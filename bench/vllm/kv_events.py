@@ -126,7 +126,7 @@ def vllm_reads_kvfleet(args: argparse.Namespace, workdir: Path) -> None:
     port, events = free_port(), free_port()
     config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{events}"}
     serve = [sys.executable, "-P", "-m", "kvfleet", "serve", "--model", str(args.model)]
-    serve += ["--served-model-name", MODEL, "--dtype", "float32", "--num-kv-blocks", "256"]
+    serve += ["--served-model-name", MODEL, "--dtype", "float32", "--num-gpu-blocks-override", "256"]
     serve += ["--kv-events-config", json.dumps(config), "--host", "127.0.0.1", "--port", str(port)]
     url = f"http://127.0.0.1:{port}"
     subscribe = [args.vllm_python, "-P", str(Path(__file__).parent / "kv_events_subscriber.py")]

@@ -550,8 +550,9 @@ def bench_routing(
     **options,
 ) -> None:
     """Routing policies side by side: tenants with long prefixes, two gateways sharing the traffic, caches too
-    small for every prefix (without --num-kv-blocks, 160 blocks a replica; without --kv-offloading-size, a
-    host tier of 0.03 GiB), and the hit rate an oracle of every replica's cache finds."""
+    small for every prefix (without --num-gpu-blocks-override, 160 blocks a replica; without
+    --kv-offloading-size, a host tier of 0.03 GiB), and the hit rate an oracle of every replica's cache
+    finds."""
     from kvfleet.contract.routing import POLICY_NAMES
     from kvfleet.runtime.bench.routing import TenantSettings, format_routing_report, run_routing_bench
 
@@ -560,8 +561,8 @@ def bench_routing(
     if unknown:
         raise click.BadParameter(f"unknown policies {unknown}; choose among {list(POLICY_NAMES)}")
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    if options.get("num_kv_blocks") is None:
-        options["num_kv_blocks"] = 160
+    if options.get("num_gpu_blocks_override") is None:
+        options["num_gpu_blocks_override"] = 160
     if options.get("kv_offloading_size") is None:
         options["kv_offloading_size"] = 0.03
     settings = TenantSettings(tenants=tenants, requests=requests, rate=rate, zipf=zipf, seed=bench_seed)

@@ -80,7 +80,7 @@ def _measure(
     options = {
         **engine_options,
         "max_model_len": context_len,
-        "num_kv_blocks": -(-context_len // block_size),
+        "num_gpu_blocks_override": -(-context_len // block_size),
         "enable_prefix_caching": False,
     }
     llm = LLM(str(model_dir), **options)

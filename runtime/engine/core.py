@@ -226,8 +226,8 @@ class EngineCore:
     def _num_kv_blocks(self) -> int:
         config = self.config
         blocks_per_sequence = math.ceil(self.max_model_len / config.block_size)
-        if config.num_kv_blocks is not None:
-            num_blocks = config.num_kv_blocks
+        if config.num_gpu_blocks_override is not None:
+            num_blocks = config.num_gpu_blocks_override
         else:
             num_blocks = int(
                 self.executor.kv_cache_budget_bytes() // self.executor.kv_cache_bytes_per_block()

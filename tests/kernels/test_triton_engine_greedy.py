@@ -27,7 +27,12 @@ def test_triton_backend_generates_the_sdpa_backends_greedy_tokens(make_model, mo
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     # A 24-token step budget splits the long prompts into chunks that share steps with decodes, and the
     # second long prompt reuses the first one's cached prefix blocks.
-    options = {"block_size": 8, "max_num_batched_tokens": 24, "num_kv_blocks": 64, "max_model_len": 256}
+    options = {
+        "block_size": 8,
+        "max_num_batched_tokens": 24,
+        "num_gpu_blocks_override": 64,
+        "max_model_len": 256,
+    }
     tokens = {}
     for backend in ("sdpa", "triton"):
         llm = LLM(model, attention_backend=backend, **options)
@@ -57,7 +62,7 @@ def test_lora_kernels_generate_the_dense_paths_greedy_tokens(make_model, tmp_pat
         "enable_lora": True,
         "max_loras": 2,
         "max_lora_rank": 8,
-        "num_kv_blocks": 64,
+        "num_gpu_blocks_override": 64,
         "max_model_len": 128,
     }
     tokens = {}

@@ -503,7 +503,7 @@ POLICY_CASES: list[tuple[str, str, dict[str, Any], str | None]] = [
         "team-a",
         {"engine": {"extraArgs": ["--seed", "1", "--safety-config=/tmp/none.json"]}},
         "spec.engine.extraArgs: --safety-config=/tmp/none.json not allowed; the flags allowed:"
-        " --max-num-batched-tokens, --num-kv-blocks,",
+        " --max-num-batched-tokens, --num-gpu-blocks-override,",
     ),
     (
         "another model and wider media fetches",
@@ -516,8 +516,8 @@ POLICY_CASES: list[tuple[str, str, dict[str, Any], str | None]] = [
     (
         "a flag named after an allowed one",
         "team-a",
-        {"engine": {"extraArgs": ["--num-kv-blocks-x"]}},
-        "spec.engine.extraArgs: --num-kv-blocks-x not allowed",
+        {"engine": {"extraArgs": ["--num-gpu-blocks-override-x"]}},
+        "spec.engine.extraArgs: --num-gpu-blocks-override-x not allowed",
     ),
     (
         "tuning flags and tolerations of a role",

@@ -124,7 +124,16 @@ def hub_server(
 ) -> Iterator[ServerProcess]:
     port = free_port()
     command = [sys.executable, "-P", "-m", "kvfleet", "serve", REPO_ID, "--revision", REVISION]
-    command += ["--num-kv-blocks", "512", "--dtype", "float32", "--host", "127.0.0.1", "--port", str(port)]
+    command += [
+        "--num-gpu-blocks-override",
+        "512",
+        "--dtype",
+        "float32",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+    ]
     log_path = tmp_path_factory.mktemp("hub-server") / "server.log"
     with log_path.open("wb") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=hub_env(hub, hf_home))

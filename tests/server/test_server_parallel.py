@@ -112,7 +112,7 @@ def _serve(model: Path, port: int, node_rank: int, master_port: int) -> list[str
         "tiny",
         "--dtype",
         "float32",
-        "--num-kv-blocks",
+        "--num-gpu-blocks-override",
         "512",
         "--host",
         "127.0.0.1",
@@ -197,7 +197,7 @@ def test_two_nodes_form_one_group_and_a_broken_group_ends_node_one(
             temperature=0,
             extra_body={"ignore_eos": True},
         )
-        llm = LLM(str(tiny_llama), dtype="float32", num_kv_blocks=512)
+        llm = LLM(str(tiny_llama), dtype="float32", num_gpu_blocks_override=512)
         expected = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
         assert completion.choices[0].text == expected[0].outputs[0].text
 

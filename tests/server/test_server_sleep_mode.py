@@ -38,6 +38,7 @@ SLEEP_STATES = ("awake", "weights_offloaded", "discard_all")
 
 @pytest.fixture(scope="module")
 def server(start_server: Callable[..., ServerProcess]) -> ServerProcess:
+    # kvfleet's older name for vLLM's --num-gpu-blocks-override: the memory the test measures is its blocks'.
     return start_server("--enable-sleep-mode", "--num-kv-blocks", str(NUM_KV_BLOCKS))
 
 

@@ -53,7 +53,7 @@ def test_greedy_text_is_what_the_engine_writes_without_speculation(
         texts.append("".join(chunk.choices[0].text for chunk in stream if chunk.choices))
     after = speculating_server.metrics()
 
-    reference = LLM(str(tiny_llama), dtype="float32", num_kv_blocks=64, max_model_len=256).generate(
+    reference = LLM(str(tiny_llama), dtype="float32", num_gpu_blocks_override=64, max_model_len=256).generate(
         PROMPTS, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     )
     assert texts == [output.outputs[0].text for output in reference]

@@ -19,7 +19,7 @@ import pytest
 from kvfleet.runtime import LLM, SamplingParams
 
 MODEL_NAME = "tiny"
-ENGINE_ARGS = ("--served-model-name", MODEL_NAME, "--num-kv-blocks", "256", "--dtype", "float32")
+ENGINE_ARGS = ("--served-model-name", MODEL_NAME, "--num-gpu-blocks-override", "256", "--dtype", "float32")
 MAX_TOKENS = 6
 RUN_TIMEOUT_S = 300
 
@@ -40,7 +40,7 @@ def run_batch(model: Path, *args: str, wait: bool = True) -> subprocess.Complete
 
 @pytest.fixture(scope="module")
 def llm(tiny_llama: Path) -> LLM:
-    return LLM(str(tiny_llama), dtype="float32", num_kv_blocks=256)
+    return LLM(str(tiny_llama), dtype="float32", num_gpu_blocks_override=256)
 
 
 def greedy(max_tokens: int = MAX_TOKENS) -> SamplingParams:

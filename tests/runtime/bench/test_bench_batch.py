@@ -23,7 +23,7 @@ def test_bench_batch_compares_run_batch_with_serve_and_measures_ttft(tiny_llama:
         "--interactive-rate",
         "5",
     ]
-    args += ["--num-kv-blocks", "256", "--dtype", "float32", "--scheduling-policy", "priority"]
+    args += ["--num-gpu-blocks-override", "256", "--dtype", "float32", "--scheduling-policy", "priority"]
     result = CliRunner().invoke(cli, args, catch_exceptions=False)
     assert result.exit_code == 0, result.output
     output = result.stdout

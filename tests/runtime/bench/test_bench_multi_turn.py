@@ -35,7 +35,7 @@ def test_multi_turn_reuses_every_earlier_turn_including_answers(tiny_llama: Path
     args = ["bench", "multi-turn", "--model", str(tiny_llama), "--num-users", str(USERS)]
     args += ["--num-turns", str(TURNS), "--system-prompt-len", str(SYSTEM)]
     args += ["--user-message-len", str(MESSAGE)]
-    args += ["--answer-len", str(ANSWER), "--num-kv-blocks", "256", "--block-size", str(BLOCK)]
+    args += ["--answer-len", str(ANSWER), "--num-gpu-blocks-override", "256", "--block-size", str(BLOCK)]
     args += ["--dtype", "float32", "--max-num-seqs", "1"]
     result = CliRunner().invoke(cli, args, catch_exceptions=False)
     assert result.exit_code == 0, result.output

@@ -18,7 +18,7 @@ from kvfleet.cli import cli
 def test_bench_safety_measures_the_baseline_and_the_chosen_policy(tiny_llama: Path) -> None:
     args = ["bench", "safety", "--model", str(tiny_llama), "--num-prompts", "3", "--throughput-prompts", "4"]
     args += ["--concurrency", "4", "--input-len", "8", "--output-len", "8", "--window-tokens", "4"]
-    args += ["--num-kv-blocks", "256", "--dtype", "float32", "--policy", "output-guard"]
+    args += ["--num-gpu-blocks-override", "256", "--dtype", "float32", "--policy", "output-guard"]
     result = CliRunner().invoke(cli, args, catch_exceptions=False)
     assert result.exit_code == 0, result.output
     rows = re.findall(

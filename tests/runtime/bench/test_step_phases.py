@@ -16,7 +16,7 @@ from kvfleet.cli import cli
 
 def test_step_phases_reports_every_phase(tiny_llama: Path) -> None:
     args = ["bench", "step-phases", "--model", str(tiny_llama), "--batch-sizes", "1,3"]
-    args += ["--steps", "6", "--rounds", "2", "--num-kv-blocks", "256"]
+    args += ["--steps", "6", "--rounds", "2", "--num-gpu-blocks-override", "256"]
     result = CliRunner().invoke(cli, args, catch_exceptions=False)
     assert result.exit_code == 0, result.output
     rows = dict(re.findall(r"^\| ([^|]+?) \| (.+) \|$", result.stdout, re.MULTILINE))

@@ -34,7 +34,7 @@ CASES = [
 NUM_KV_BLOCKS = 12
 ENGINE_OPTIONS = {
     "dtype": "float32",
-    "num_kv_blocks": NUM_KV_BLOCKS,
+    "num_gpu_blocks_override": NUM_KV_BLOCKS,
     "block_size": 8,
     "max_model_len": 96,
     "max_num_batched_tokens": 32,

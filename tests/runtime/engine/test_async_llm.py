@@ -43,7 +43,7 @@ def _params(max_tokens: int, **kwargs: Any) -> SamplingParams:
 
 
 def _engine(model: Path, **options: Any) -> AsyncLLM:
-    config = EngineConfig(model=str(model), num_kv_blocks=256, max_model_len=512, dtype="float32")
+    config = EngineConfig(model=str(model), num_gpu_blocks_override=256, max_model_len=512, dtype="float32")
     return AsyncLLM(config, **options)
 
 

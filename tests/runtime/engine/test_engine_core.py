@@ -22,7 +22,7 @@ PROMPT = [5, 6, 7, 8]
 
 
 def _core(model: Path, core_class: type[EngineCore] = EngineCore, **options: Any) -> EngineCore:
-    engine_options = {"num_kv_blocks": 256, "max_model_len": 512, "dtype": "float32"}
+    engine_options = {"num_gpu_blocks_override": 256, "max_model_len": 512, "dtype": "float32"}
     engine_options.update(
         {k: options.pop(k) for k in list(options) if k in EngineConfig.__dataclass_fields__}
     )
@@ -206,7 +206,7 @@ def test_the_cpu_kv_cache_holds_what_its_sequences_fill_unless_sized(tiny_llama:
     config = json.loads((tiny_llama / "config.json").read_text())
     kv_heads, head_dim = config["num_key_value_heads"], config["head_dim"]
     block_bytes = config["num_hidden_layers"] * 2 * 16 * kv_heads * head_dim * 4  # K and V, float32
-    sized = {"num_kv_blocks": None, "block_size": 16, "max_model_len": 500}
+    sized = {"num_gpu_blocks_override": None, "block_size": 16, "max_model_len": 500}
     assert _core(tiny_llama, max_num_seqs=3, **sized).num_kv_blocks == 3 * 32  # 500 tokens: 32 blocks
     assert _core(tiny_llama, max_num_seqs=8192, **sized).num_kv_blocks == 2**30 // block_bytes
     asked = _core(tiny_llama, max_num_seqs=3, cpu_kv_cache_space=1 / 16, **sized)

@@ -20,7 +20,7 @@ def llm(tiny_llama: Path) -> LLM:
     return LLM(
         str(tiny_llama),
         dtype="float32",
-        num_kv_blocks=64,
+        num_gpu_blocks_override=64,
         block_size=8,
         max_model_len=512,
         max_num_batched_tokens=64,
@@ -240,15 +240,20 @@ def test_streaming_deltas_add_up_to_the_final_text(llm: LLM) -> None:
 
 def test_chat_template_override_from_text_and_file(tiny_llama: Path, tmp_path: Path) -> None:
     template = "{% for m in messages %}<<{{ m['role'] }}>>{{ m['content'] }}{% endfor %}"
-    inline = LLM(str(tiny_llama), num_kv_blocks=64, max_model_len=256, chat_template=template)
+    inline = LLM(str(tiny_llama), num_gpu_blocks_override=64, max_model_len=256, chat_template=template)
     ids = inline.apply_chat_template([{"role": "user", "content": "hi"}])
     assert inline.get_tokenizer().decode(ids) == "<<user>>hi"
     path = tmp_path / "template.jinja"
     path.write_text(template)
-    from_file = LLM(str(tiny_llama), num_kv_blocks=64, max_model_len=256, chat_template=str(path))
+    from_file = LLM(str(tiny_llama), num_gpu_blocks_override=64, max_model_len=256, chat_template=str(path))
     assert from_file.apply_chat_template([{"role": "user", "content": "hi"}]) == ids
     with pytest.raises(ValueError, match="neither a readable file"):
-        LLM(str(tiny_llama), num_kv_blocks=64, max_model_len=256, chat_template=str(tmp_path / "missing"))
+        LLM(
+            str(tiny_llama),
+            num_gpu_blocks_override=64,
+            max_model_len=256,
+            chat_template=str(tmp_path / "missing"),
+        )
 
 
 def test_outputs_carry_a_snapshot_of_the_request_times(llm: LLM) -> None:

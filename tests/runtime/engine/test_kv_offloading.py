@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from kvfleet.runtime import LLM, SamplingParams
 
-OPTIONS = {"dtype": "float32", "num_kv_blocks": 12, "block_size": 8, "max_model_len": 96}
+OPTIONS = {"dtype": "float32", "num_gpu_blocks_override": 12, "block_size": 8, "max_model_len": 96}
 OPTIONS["max_num_batched_tokens"] = 64
 
 

@@ -120,7 +120,7 @@ def test_greedy_matches_transformers(llava: Path, reference, variant: str) -> No
     llm = LLM(
         str(llava),
         dtype="float32",
-        num_kv_blocks=256,
+        num_gpu_blocks_override=256,
         max_model_len=256,
         enable_prefix_caching=True,
         **VARIANTS[variant],
@@ -137,7 +137,7 @@ def test_greedy_matches_transformers(llava: Path, reference, variant: str) -> No
 
 
 def test_same_image_is_encoded_once_and_other_images_miss_the_prefix_cache(llava: Path) -> None:
-    llm = LLM(str(llava), dtype="float32", num_kv_blocks=256, max_model_len=256, block_size=8)
+    llm = LLM(str(llava), dtype="float32", num_gpu_blocks_override=256, max_model_len=256, block_size=8)
     engine = llm.llm_engine
     prompt = _prompts(llm)[1]  # "Describe this picture:" with IMAGES[0]
     image_offset = prompt["prompt_token_ids"].index(engine.engine_core.modalities["image"].placeholder_id)
@@ -172,7 +172,7 @@ def test_encoder_budget_spreads_images_over_steps_while_text_decodes(llava: Path
     config = EngineConfig(
         model=str(llava),
         dtype="float32",
-        num_kv_blocks=256,
+        num_gpu_blocks_override=256,
         max_model_len=256,
         max_num_encoder_input_tokens=25,
     )

@@ -107,10 +107,16 @@ ENGINE_VARIANTS = {
         max_num_batched_tokens=24, long_prefill_token_threshold=10, enable_prefix_caching=True
     ),
     # 16 requests of up to ~110 tokens need far more than 14 blocks of 8: forces preemption by recompute.
-    "preemption": dict(num_kv_blocks=14, block_size=8, max_model_len=112, max_num_batched_tokens=64),
+    "preemption": dict(
+        num_gpu_blocks_override=14, block_size=8, max_model_len=112, max_num_batched_tokens=64
+    ),
     # The same, with preempted requests' KV saved in a host-memory tier and copied back on resume.
     "preemption-host-tier": dict(
-        num_kv_blocks=14, block_size=8, max_model_len=112, max_num_batched_tokens=64, kv_offloading_size=0.01
+        num_gpu_blocks_override=14,
+        block_size=8,
+        max_model_len=112,
+        max_num_batched_tokens=64,
+        kv_offloading_size=0.01,
     ),
 }
 
@@ -118,7 +124,7 @@ ENGINE_VARIANTS = {
 @pytest.mark.parametrize("variant", list(ENGINE_VARIANTS))
 def test_greedy_matches_transformers(arch_case, variant: str) -> None:
     model_dir, prompts, reference = arch_case
-    options = {"num_kv_blocks": 256, "max_model_len": 256, **ENGINE_VARIANTS[variant]}
+    options = {"num_gpu_blocks_override": 256, "max_model_len": 256, **ENGINE_VARIANTS[variant]}
     llm = LLM(str(model_dir), dtype="float32", **options)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=TOP_N)
     outputs = llm.generate(prompts, params)
@@ -139,7 +145,11 @@ def test_prompt_hidden_states_match_transformers(arch_case) -> None:
     the prompts share a prefix; each prompt is asked twice, so the second meets it whole in the cache)."""
     model_dir, prompts, _ = arch_case
     llm = LLM(
-        str(model_dir), dtype="float32", num_kv_blocks=256, max_model_len=256, max_num_batched_tokens=24
+        str(model_dir),
+        dtype="float32",
+        num_gpu_blocks_override=256,
+        max_model_len=256,
+        max_num_batched_tokens=24,
     )
     params = SamplingParams(temperature=0.0, max_tokens=1, return_prompt_hidden_state=True)
     outputs = llm.generate(prompts + prompts, params)
@@ -180,7 +190,11 @@ def test_prompt_logprobs_match_transformers(arch_case) -> None:
     a request for its prompt's logprobs takes no hit (it computes every token's logits)."""
     model_dir, prompts, _ = arch_case
     llm = LLM(
-        str(model_dir), dtype="float32", num_kv_blocks=256, max_model_len=256, max_num_batched_tokens=24
+        str(model_dir),
+        dtype="float32",
+        num_gpu_blocks_override=256,
+        max_model_len=256,
+        max_num_batched_tokens=24,
     )
     params = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=3, n=2)
     outputs = llm.generate(prompts + prompts, params)
@@ -287,7 +301,7 @@ def test_rope_scaling_past_the_original_context_matches_transformers(
         dtype="float32",
         max_model_len=MAX_MODEL_LEN,
         max_num_batched_tokens=32,
-        num_kv_blocks=256,
+        num_gpu_blocks_override=256,
         enable_prefix_caching=True,
     )
     assert llm.llm_engine.max_model_len == MAX_MODEL_LEN
@@ -305,7 +319,13 @@ def test_greedy_matches_transformers_with_the_same_hf_overrides(make_model: Call
     overridden = _reference(model_dir, prompts, **overrides)
     as_written = _reference(model_dir, prompts)
     assert [tokens for tokens, _ in overridden] != [tokens for tokens, _ in as_written]
-    llm = LLM(str(model_dir), dtype="float32", num_kv_blocks=256, max_model_len=256, hf_overrides=overrides)
+    llm = LLM(
+        str(model_dir),
+        dtype="float32",
+        num_gpu_blocks_override=256,
+        max_model_len=256,
+        hf_overrides=overrides,
+    )
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=TOP_N)
     _assert_close(llm.generate(prompts, params), overridden)
 
@@ -333,7 +353,7 @@ def test_sliding_window_past_the_window_matches_transformers(
         dtype="float32",
         max_model_len=256,
         max_num_batched_tokens=32,
-        num_kv_blocks=256,
+        num_gpu_blocks_override=256,
         block_size=8,
         enable_prefix_caching=True,
         attention_backend=backend,
@@ -357,7 +377,7 @@ def test_blocks_out_of_the_window_are_freed_as_requests_grow(make_model: Callabl
         dtype="float32",
         max_model_len=160,
         max_num_batched_tokens=32,
-        num_kv_blocks=20,
+        num_gpu_blocks_override=20,
         block_size=8,
     )
     engine = llm.llm_engine

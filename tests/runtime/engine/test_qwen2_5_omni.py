@@ -125,10 +125,17 @@ def test_transformers_loads_every_tensor_of_the_folder(omni: Path) -> None:
 # 8 tokens a step: every image's placeholders (10 to 36) are fed over two to five steps. 40 blocks of 4 for
 # eight requests of up to ~120 tokens: requests are preempted and recomputed.
 VARIANTS = {
-    "chunked-prefill": dict(max_num_batched_tokens=8, block_size=4, num_kv_blocks=256, max_model_len=256),
-    "preemption": dict(max_num_batched_tokens=64, block_size=4, num_kv_blocks=40, max_model_len=160),
+    "chunked-prefill": dict(
+        max_num_batched_tokens=8, block_size=4, num_gpu_blocks_override=256, max_model_len=256
+    ),
+    "preemption": dict(
+        max_num_batched_tokens=64, block_size=4, num_gpu_blocks_override=40, max_model_len=160
+    ),
     "whole-prompts": dict(
-        enable_chunked_prefill=False, max_num_batched_tokens=256, num_kv_blocks=256, max_model_len=256
+        enable_chunked_prefill=False,
+        max_num_batched_tokens=256,
+        num_gpu_blocks_override=256,
+        max_model_len=256,
     ),
 }
 
@@ -148,7 +155,7 @@ def test_positions_match_transformers_rope_index(omni: Path, reference) -> None:
     """Each prompt's three rows of positions and its delta, as Transformers' get_rope_index gives them."""
     processor = _processor(omni)
     model = Qwen2_5OmniThinkerForConditionalGeneration.from_pretrained(omni, dtype=torch.float32)
-    llm = LLM(str(omni), dtype="float32", max_model_len=256, num_kv_blocks=64)
+    llm = LLM(str(omni), dtype="float32", max_model_len=256, num_gpu_blocks_override=64)
     media = llm.llm_engine.prompt_media
     for (conversation, images, clips), (prompt, _) in zip(CASES, reference, strict=True):
         token_ids, features = media.prepare(
@@ -183,7 +190,7 @@ def test_a_resized_image_gives_transformers_pixels(omni: Path) -> None:
     """An image of sides not multiples of 28 (and one past the pixel limit) is resized as Transformers'
     processor resizes it: the same grid, and the same pixels patch by patch."""
     processor = _processor(omni)
-    llm = LLM(str(omni), dtype="float32", max_model_len=256, num_kv_blocks=64)
+    llm = LLM(str(omni), dtype="float32", max_model_len=256, num_gpu_blocks_override=64)
     media = llm.llm_engine.prompt_media
     for image in (_image(3, 101, 67), _image(4, 400, 300)):
         (item,) = [media.preprocess("image", image)]
@@ -197,7 +204,11 @@ def test_a_resized_image_gives_transformers_pixels(omni: Path) -> None:
 
 def test_limits_and_refusals(omni: Path, tmp_path: Path) -> None:
     llm = LLM(
-        str(omni), dtype="float32", max_model_len=256, num_kv_blocks=64, limit_mm_per_prompt={"image": 1}
+        str(omni),
+        dtype="float32",
+        max_model_len=256,
+        num_gpu_blocks_override=64,
+        limit_mm_per_prompt={"image": 1},
     )
     prompt = llm.apply_chat_template(_conversation("Two", IMAGE, IMAGE))
     with pytest.raises(MediaInputError, match="limit of 1 image"):

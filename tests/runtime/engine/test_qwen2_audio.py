@@ -114,7 +114,7 @@ def test_greedy_matches_transformers(qwen2_audio: Path, reference, variant: str)
     llm = LLM(
         str(qwen2_audio),
         dtype="float32",
-        num_kv_blocks=256,
+        num_gpu_blocks_override=256,
         max_model_len=256,
         enable_prefix_caching=True,
         **VARIANTS[variant],
@@ -129,7 +129,7 @@ def test_greedy_matches_transformers(qwen2_audio: Path, reference, variant: str)
 
 
 def test_same_clip_is_encoded_once_and_other_clips_miss_the_prefix_cache(qwen2_audio: Path) -> None:
-    llm = LLM(str(qwen2_audio), dtype="float32", num_kv_blocks=256, max_model_len=256, block_size=8)
+    llm = LLM(str(qwen2_audio), dtype="float32", num_gpu_blocks_override=256, max_model_len=256, block_size=8)
     core = llm.llm_engine.engine_core
     prompt = _prompts(llm)[1]  # "What do you hear?" with CLIPS[0]
     audio_offset = prompt["prompt_token_ids"].index(core.modalities["audio"].placeholder_id)
@@ -159,7 +159,7 @@ def test_encoder_budget_spreads_clips_over_steps_while_text_decodes(qwen2_audio:
     config = EngineConfig(
         model=str(qwen2_audio),
         dtype="float32",
-        num_kv_blocks=256,
+        num_gpu_blocks_override=256,
         max_model_len=1024,
         max_num_batched_tokens=1024,
         max_num_encoder_input_tokens=750,
@@ -194,7 +194,7 @@ def test_encoder_budget_spreads_clips_over_steps_while_text_decodes(qwen2_audio:
 
 def test_a_clip_at_another_rate_is_resampled(qwen2_audio: Path) -> None:
     """A tone recorded at 44.1 kHz gives the features of the same tone recorded at 16 kHz."""
-    llm = LLM(str(qwen2_audio), dtype="float32", num_kv_blocks=64, max_model_len=256)
+    llm = LLM(str(qwen2_audio), dtype="float32", num_gpu_blocks_override=64, max_model_len=256)
     media = llm.llm_engine.prompt_media
 
     def tone(rate: int) -> np.ndarray:
@@ -212,7 +212,7 @@ def test_clips_past_the_limits_are_refused(qwen2_audio: Path) -> None:
     llm = LLM(
         str(qwen2_audio),
         dtype="float32",
-        num_kv_blocks=64,
+        num_gpu_blocks_override=64,
         max_model_len=256,
         limit_mm_per_prompt={"audio": 1},
         max_audio_clip_s=1.5,

@@ -21,7 +21,7 @@ def llm(tiny_llama: Path) -> LLM:
         str(tiny_llama),
         dtype="float32",
         enable_sleep_mode=True,
-        num_kv_blocks=64,
+        num_gpu_blocks_override=64,
         block_size=8,
         max_model_len=256,
         kv_offloading_size=0.001,
@@ -70,7 +70,7 @@ def test_what_sleep_refuses(llm: LLM, tiny_llama: Path) -> None:
     with pytest.raises(InvalidRequestError, match="tags"):
         llm.wake_up(["everything"])
     assert not llm.llm_engine.is_sleeping()
-    without = LLM(str(tiny_llama), dtype="float32", num_kv_blocks=16, max_model_len=64)
+    without = LLM(str(tiny_llama), dtype="float32", num_gpu_blocks_override=16, max_model_len=64)
     with pytest.raises(InvalidRequestError, match="enable_sleep_mode"):
         without.sleep(1)
     # What a KV connector or a draft model holds would stay: refused when the engine is configured.

@@ -37,7 +37,7 @@ COMPILE_WORKER_MODULE = "kvfleet.runtime.structured_outputs.compile_worker"
 
 @pytest.fixture(scope="module")
 def llm(tiny_llama: Path) -> LLM:
-    return LLM(str(tiny_llama), dtype="float32", num_kv_blocks=128, block_size=8, max_model_len=256)
+    return LLM(str(tiny_llama), dtype="float32", num_gpu_blocks_override=128, block_size=8, max_model_len=256)
 
 
 def _constrained(seed: int, max_tokens: int = 64, **structured: object) -> SamplingParams:
@@ -108,7 +108,9 @@ def test_masks_filled_during_the_forward_pass_give_the_same_tokens(tiny_llama: P
         SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
     ]
     at_sampling = [output.outputs[0].token_ids for output in llm.generate(PROMPTS, params)]
-    overlapping = LLM(str(tiny_llama), dtype="float32", num_kv_blocks=128, block_size=8, max_model_len=256)
+    overlapping = LLM(
+        str(tiny_llama), dtype="float32", num_gpu_blocks_override=128, block_size=8, max_model_len=256
+    )
     overlapping.llm_engine.runner.sampler.grammar_masks = GrammarMasks(fill_during_forward=True)
     during_forward = [output.outputs[0].token_ids for output in overlapping.generate(PROMPTS, params)]
     assert any(thread.name.startswith("grammar-masks") for thread in threading.enumerate())
@@ -141,7 +143,7 @@ def test_a_bad_grammar_fails_its_request_alone(llm: LLM) -> None:
 def test_the_core_answers_a_grammar_that_fails_to_compile_with_an_invalid_error(tiny_llama: Path) -> None:
     """Through the wire format the API servers use; the other request runs on."""
     core = EngineCore(
-        EngineConfig(model=str(tiny_llama), num_kv_blocks=64, max_model_len=256, dtype="float32")
+        EngineConfig(model=str(tiny_llama), num_gpu_blocks_override=64, max_model_len=256, dtype="float32")
     )
     encoder, decoder = msgspec.msgpack.Encoder(), to_core_decoder()
     for request_id, structured in (
@@ -184,7 +186,9 @@ def test_preempted_requests_resume_their_grammar(tiny_llama: Path, llm: LLM) -> 
     the output it gives with room to spare, so its grammar state survived the preemptions."""
     params = [_constrained(seed, 110, regex=LONG_REGEX) for seed in range(6)]
     roomy = [output.outputs[0].text for output in llm.generate(PROMPTS[:3] * 2, params)]
-    cramped_llm = LLM(str(tiny_llama), dtype="float32", num_kv_blocks=16, block_size=8, max_model_len=128)
+    cramped_llm = LLM(
+        str(tiny_llama), dtype="float32", num_gpu_blocks_override=16, block_size=8, max_model_len=128
+    )
     cramped = cramped_llm.generate(PROMPTS[:3] * 2, params)
     assert cramped_llm.llm_engine.stats.num_preempted_total > 0
     assert [output.outputs[0].text for output in cramped] == roomy

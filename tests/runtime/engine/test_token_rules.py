@@ -14,7 +14,7 @@ PROMPTS = ["The weather today", "Write a list:", "1 2 3"]
 
 @pytest.fixture(scope="module")
 def llm(tiny_llama: Path) -> LLM:
-    return LLM(str(tiny_llama), dtype="float32", num_kv_blocks=128, block_size=8, max_model_len=256)
+    return LLM(str(tiny_llama), dtype="float32", num_gpu_blocks_override=128, block_size=8, max_model_len=256)
 
 
 def _tokens(llm: LLM, prompts: list[str], params: list[SamplingParams]) -> list[list[int]]:

@@ -28,7 +28,7 @@ BLOCK_SIZE = 8
 TOPIC = "kv-test"
 OPTIONS = {
     "dtype": "float32",
-    "num_kv_blocks": 12,
+    "num_gpu_blocks_override": 12,
     "block_size": BLOCK_SIZE,
     "max_model_len": 96,
     "max_num_batched_tokens": 64,

@@ -15,7 +15,7 @@ from kvfleet.runtime.core.outputs import SchedulerStats
 ENGINE_OPTIONS: dict[str, Any] = {
     "dtype": "float32",
     "device": "cpu",
-    "num_kv_blocks": 64,
+    "num_gpu_blocks_override": 64,
     "max_model_len": 256,
 }
 MAX_TOKENS = 8

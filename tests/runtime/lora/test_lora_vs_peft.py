@@ -65,7 +65,14 @@ def test_adapters_alone_and_mixed_match_peft(
     expected[None] = _peft_tokens(base, None)
     assert all(expected[name] != expected[None] for name in adapters), "an adapter changed nothing"
 
-    llm = LLM(str(base), dtype="float32", enable_lora=True, max_loras=3, max_lora_rank=16, num_kv_blocks=256)
+    llm = LLM(
+        str(base),
+        dtype="float32",
+        enable_lora=True,
+        max_loras=3,
+        max_lora_rank=16,
+        num_gpu_blocks_override=256,
+    )
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     requests = {
         name: LoRARequest(name, index + 1, str(path)) for index, (name, path) in enumerate(adapters.items())
@@ -92,7 +99,14 @@ def test_more_adapters_than_slots_take_turns(make_model: Callable[..., Path], tm
     base = make_model("llama", "tiny")
     paths = [make_adapter(base, tmp_path / f"a{i}", rank=4, seed=i) for i in range(3)]
     expected = [_peft_tokens(base, path, [LONG_PROMPT])[0] for path in paths]
-    llm = LLM(str(base), dtype="float32", enable_lora=True, max_loras=1, max_lora_rank=4, num_kv_blocks=256)
+    llm = LLM(
+        str(base),
+        dtype="float32",
+        enable_lora=True,
+        max_loras=1,
+        max_lora_rank=4,
+        num_gpu_blocks_override=256,
+    )
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     loras = [LoRARequest(f"a{i}", i + 1, str(path)) for i, path in enumerate(paths)]
     outputs = llm.generate([LONG_PROMPT] * 6, params, lora_request=loras + loras)
@@ -112,7 +126,7 @@ def test_bad_adapters_are_refused_alone(make_model: Callable[..., Path], tmp_pat
     config = json.loads((dora / "adapter_config.json").read_text())
     (dora / "adapter_config.json").write_text(json.dumps({**config, "use_dora": True}))
 
-    llm = LLM(str(base), dtype="float32", enable_lora=True, max_lora_rank=16, num_kv_blocks=256)
+    llm = LLM(str(base), dtype="float32", enable_lora=True, max_lora_rank=16, num_gpu_blocks_override=256)
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     cases = {
         too_big: "above --max-lora-rank 16",
@@ -182,7 +196,7 @@ def test_non_finite_adapters_are_refused_and_base_requests_beside_them_match(
         overflow: "lora_B .scaled by lora_alpha / r. overflows torch.float32",
     }
     expected = _peft_tokens(base, None, [PROMPTS[0]])[0]
-    llm = LLM(str(base), dtype="float32", enable_lora=True, max_lora_rank=4, num_kv_blocks=256)
+    llm = LLM(str(base), dtype="float32", enable_lora=True, max_lora_rank=4, num_gpu_blocks_override=256)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     for index, (path, message) in enumerate(cases.items()):
         with pytest.raises(ValueError, match=message):
@@ -198,7 +212,14 @@ def test_non_finite_adapters_are_refused_and_base_requests_beside_them_match(
 def test_a_removed_adapter_leaves_its_slot_zeroed(make_model: Callable[..., Path], tmp_path: Path) -> None:
     base = make_model("llama", "tiny")
     adapter = make_adapter(base, tmp_path / "adapter", rank=4)
-    llm = LLM(str(base), dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=4, num_kv_blocks=256)
+    llm = LLM(
+        str(base),
+        dtype="float32",
+        enable_lora=True,
+        max_loras=2,
+        max_lora_rank=4,
+        num_gpu_blocks_override=256,
+    )
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     manager = llm.llm_engine.runner.lora_manager
     projections = [module for layer in manager.layers for module in layer.values()]

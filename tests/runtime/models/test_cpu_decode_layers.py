@@ -40,7 +40,7 @@ def test_decoder_layers_in_one_call_match_the_layer_by_layer_forward(
     llm = LLM(
         str(make_model(arch, "tiny", 0, *options)),
         dtype="float32",
-        num_kv_blocks=64,
+        num_gpu_blocks_override=64,
         max_model_len=256,
         enable_prefix_caching=False,
     )
@@ -86,5 +86,5 @@ class _CountedSteps:
 )
 def test_layers_the_call_cannot_run_keep_the_layer_by_layer_forward(tiny_llama: Path, options: dict) -> None:
     # The layer operations take float32 only, and LoRA's wrapped projections add their adapters' terms.
-    llm = LLM(str(tiny_llama), num_kv_blocks=16, max_model_len=64, **options)
+    llm = LLM(str(tiny_llama), num_gpu_blocks_override=16, max_model_len=64, **options)
     assert llm.llm_engine.runner.model.cpu_decode_layers is None

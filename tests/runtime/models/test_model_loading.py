@@ -157,7 +157,7 @@ def test_unsupported_rope_type_is_named_at_load(tiny_model: Callable[[str], Path
     shutil.copytree(tiny_model("mistral"), folder)
     _edit_config(folder, rope_parameters={"rope_type": "proportional", "rope_theta": 1e4, "factor": 2.0})
     with pytest.raises(ValueError, match="rope_type 'proportional' is not supported; supported: default, "):
-        LLM(str(folder), dtype="float32", num_kv_blocks=16)
+        LLM(str(folder), dtype="float32", num_gpu_blocks_override=16)
 
 
 @pytest.mark.parametrize(

@@ -269,7 +269,7 @@ def test_expert_load_counts_what_transformers_routes(tiny_model: Callable[[str],
     llm = LLM(
         str(folder),
         dtype="float32",
-        num_kv_blocks=32,
+        num_gpu_blocks_override=32,
         block_size=8,
         max_model_len=64,
         enable_prefix_caching=False,

@@ -94,7 +94,7 @@ def quantized_case(
 
 def test_greedy_matches_transformers_on_the_quantized_folder(quantized_case) -> None:
     scheme, lm_head, model_dir, prompts, reference = quantized_case
-    llm = LLM(str(model_dir), dtype="float32", num_kv_blocks=64, max_model_len=512)
+    llm = LLM(str(model_dir), dtype="float32", num_gpu_blocks_override=64, max_model_len=512)
     model = llm.llm_engine.runner.model
     int8_layers = [m for m in model.modules() if isinstance(m, Int8Linear)]
     # Float8 weights are dequantized on load; int weights stay int8, in the fused kernel on this host.
@@ -182,7 +182,7 @@ def test_scales_of_the_wrong_shape_are_refused_naming_the_tensor(
     tensors[name] = tensors[name][:-1]
     save_file(tensors, str(folder / "model.safetensors"))
     with pytest.raises(ValueError, match=f"'{name}' has shape"):
-        LLM(str(folder), dtype="float32", num_kv_blocks=16, max_model_len=64)
+        LLM(str(folder), dtype="float32", num_gpu_blocks_override=16, max_model_len=64)
 
 
 def test_kv_cache_dtypes_are_refused_with_the_reason() -> None:

@@ -21,7 +21,7 @@ NUM_KV_BLOCKS = 20
 BLOCK_SIZE = 16
 ENGINE_OPTIONS = {
     "dtype": "float32",
-    "num_kv_blocks": NUM_KV_BLOCKS,
+    "num_gpu_blocks_override": NUM_KV_BLOCKS,
     "block_size": BLOCK_SIZE,
     "max_model_len": 160,
     "max_num_batched_tokens": 48,
@@ -110,7 +110,7 @@ def test_structured_outputs_speculate_within_their_grammar(make_model: Callable[
     prompts = [[30 + i, 31, 32] for i in range(4)]
 
     def run(**options: object) -> tuple[list[list[int]], LLM]:
-        llm = LLM(str(model), dtype="float32", num_kv_blocks=64, max_model_len=256, **options)  # type: ignore[arg-type]
+        llm = LLM(str(model), dtype="float32", num_gpu_blocks_override=64, max_model_len=256, **options)  # type: ignore[arg-type]
         outputs = llm.generate(prompts, params)
         assert all(re.fullmatch(pattern, output.outputs[0].text) for output in outputs)
         return [list(output.outputs[0].token_ids) for output in outputs], llm

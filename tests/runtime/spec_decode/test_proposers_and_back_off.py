@@ -44,7 +44,9 @@ def test_speculation_backs_off_at_the_configured_batch_size(
         "num_speculative_tokens": 2,
         "disable_by_batch_size": 2,
     }
-    llm = LLM(model, dtype="float32", num_kv_blocks=64, max_model_len=256, speculative_config=config)
+    llm = LLM(
+        model, dtype="float32", num_gpu_blocks_override=64, max_model_len=256, speculative_config=config
+    )
     # Equal prompts and lengths: the requests run side by side from the first step to the last.
     llm.generate([[20, 21, 22]] * concurrent, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
     assert (llm.llm_engine.engine_core.stats.spec_decode_num_draft_tokens > 0) == speculates

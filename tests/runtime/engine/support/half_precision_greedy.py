@@ -21,7 +21,7 @@ TOP_N = 5
 def main() -> None:
     folder, dtype, max_tokens, prompts = sys.argv[1], sys.argv[2], int(sys.argv[3]), json.loads(sys.argv[4])
     logging.basicConfig(level=logging.INFO)
-    llm = LLM(folder, dtype=dtype, num_kv_blocks=64, max_model_len=128)
+    llm = LLM(folder, dtype=dtype, num_gpu_blocks_override=64, max_model_len=128)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=TOP_N)
     ours = [output.outputs[0] for output in llm.generate(prompts, params)]
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype)).eval()
