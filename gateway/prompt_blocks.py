@@ -21,7 +21,7 @@ tokens).
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -35,6 +35,7 @@ import jinja2.sandbox
 from kvfleet.contract.block_hash import block_hashes, chain_seed, external_block_hash
 from kvfleet.contract.errors import BadRequestError
 from kvfleet.gateway.requests import CHAT_PATH
+from kvfleet.runtime.chat_content_format import GenerationBlocks
 from kvfleet.runtime.chat_prompt import chat_prompt_token_ids
 from kvfleet.runtime.config import DEFAULT_ITEMS_PER_PROMPT, EngineConfig
 from kvfleet.runtime.models.rope import rope_cache_salt, rope_parameters
@@ -145,21 +146,6 @@ class TemplateTokenizer:
         return compiled
 
 
-class _GenerationBlocks(jinja2.ext.Extension):
-    """`{% generation %}...{% endgeneration %}`, which Transformers' templates may use to mark the assistant's
-    tokens for training masks: rendered as its body."""
-
-    tags = frozenset({"generation"})
-
-    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
-        line = next(parser.stream).lineno
-        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-        return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(line)
-
-    def _body(self, caller: Callable[[], str]) -> str:
-        return caller()
-
-
 def _environment() -> jinja2.sandbox.ImmutableSandboxedEnvironment:
     def raise_exception(message: str) -> None:
         raise jinja2.exceptions.TemplateError(message)
@@ -177,7 +163,7 @@ def _environment() -> jinja2.sandbox.ImmutableSandboxedEnvironment:
         )
 
     environment = jinja2.sandbox.ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationBlocks, jinja2.ext.loopcontrols]
+        trim_blocks=True, lstrip_blocks=True, extensions=[GenerationBlocks, jinja2.ext.loopcontrols]
     )
     environment.filters["tojson"] = tojson
     environment.globals["raise_exception"] = raise_exception

@@ -22,6 +22,11 @@ from pathlib import Path
 from typing import Any
 
 from kvfleet.contract.tokenizer_files import SAMPLE_MESSAGES, SAMPLE_TEXT
+from kvfleet.runtime.chat_content_format import (
+    ContentFormatOption,
+    formatted_messages,
+    resolve_content_format,
+)
 
 # Supplementary Private Use Area-A: characters no tokenizer gives meaning to, and no template strips.
 _PRIVATE_USE = range(0xF0000, 0xFFFFE)
@@ -57,16 +62,20 @@ def chat_prompt_token_ids(
     tools: list[dict[str, Any]] | None = None,
     template_kwargs: dict[str, Any] | None = None,
     continue_final_message: bool = False,
+    content_format: ContentFormatOption = "auto",
 ) -> list[int]:
-    """Token ids of `messages` (role/content dicts) rendered by the tokenizer's chat template, with the
-    `tools` (OpenAI's function definitions) the template shows the model and `template_kwargs`, variables
-    the template reads (see `rendering_parameters` for the names they may not take); with
+    """Token ids of `messages` (role/content dicts, content a string or OpenAI's parts) rendered by the
+    tokenizer's chat template, their content as `content_format` has it (kvfleet.runtime.chat_content_format),
+    with the `tools` (OpenAI's function definitions) the template shows the model and `template_kwargs`,
+    variables the template reads (see `rendering_parameters` for the names they may not take); with
     `continue_final_message`, ending within the last message for the model to go on with it.
 
     Raises ValueError when the tokenizer has no chat template or the template rejects the messages.
     """
     if not tokenizer.chat_template:
         raise ValueError("the model has no chat template")
+    resolved = resolve_content_format(content_format, tokenizer.chat_template, tools=bool(tools))
+    messages = formatted_messages(messages, resolved)
     template_kwargs = template_kwargs or {}
     special = _special_tokens(tokenizer)
     if special.pattern is None:

@@ -6,6 +6,7 @@ import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from kvfleet.runtime.chat_content_format import ContentFormatOption
 from kvfleet.runtime.chat_prompt import chat_prompt_token_ids
 from kvfleet.runtime.config import EngineConfig
 from kvfleet.runtime.engine.llm_engine import LLMEngine
@@ -131,18 +132,35 @@ class LLM:
         add_generation_prompt: bool = True,
         use_tqdm: ProgressBar = True,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        chat_template_content_format: ContentFormatOption = "auto",
     ) -> list[RequestOutput]:
         """Apply the model's chat template to each conversation, then generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [
-            self.apply_chat_template(c, add_generation_prompt=add_generation_prompt) for c in conversations
+            self.apply_chat_template(
+                conversation,
+                add_generation_prompt=add_generation_prompt,
+                chat_template_content_format=chat_template_content_format,
+            )
+            for conversation in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
-    def apply_chat_template(self, messages: ChatMessages, *, add_generation_prompt: bool = True) -> list[int]:
-        """The conversation's prompt: the template's markup with its special tokens, message text as text."""
+    def apply_chat_template(
+        self,
+        messages: ChatMessages,
+        *,
+        add_generation_prompt: bool = True,
+        chat_template_content_format: ContentFormatOption = "auto",
+    ) -> list[int]:
+        """The conversation's prompt: the template's markup with its special tokens, message text as text;
+        content given as OpenAI's parts goes to the template as `chat_template_content_format` has it (vLLM's
+        rules: kvfleet.runtime.chat_content_format)."""
         return chat_prompt_token_ids(
-            self.llm_engine.tokenizer, messages, add_generation_prompt=add_generation_prompt
+            self.llm_engine.tokenizer,
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            content_format=chat_template_content_format,
         )
 
     def _run(self, ids: list[str], use_tqdm: ProgressBar) -> list[RequestOutput]:

@@ -17,6 +17,7 @@ from kvfleet.runtime.batch.store import (
     DEFAULT_MAX_BATCH_FILES,
     DEFAULT_MAX_BATCH_STORE_BYTES,
 )
+from kvfleet.runtime.chat_content_format import CONTENT_FORMAT_OPTIONS
 from kvfleet.runtime.config import (
     EngineConfig,
     JsonObject,
@@ -187,6 +188,15 @@ def _api_key(ctx: click.Context, param: click.Parameter, value: str | None) -> s
     show_default=True,
     help="Seconds a response may wait for a client that has stopped reading; then the connection is dropped "
     "and the request aborted.",
+)
+@click.option(
+    "--chat-template-content-format",
+    type=click.Choice(CONTENT_FORMAT_OPTIONS),
+    default="auto",
+    show_default=True,
+    help="vLLM's: how the chat template takes a message's content: string (text parts joined by newlines) "
+    "or openai (OpenAI's list of parts); auto reads the template, openai where it loops over a message's "
+    "content.",
 )
 @click.option(
     "--sse-keep-alive-interval",

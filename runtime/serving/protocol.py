@@ -547,9 +547,9 @@ class ChatMessage(Body):
         return message
 
     def _content(self, index: int) -> str | list[dict[str, str]]:
-        """The text; with images or audio, the parts in order ({"type": "text", "text": ...},
-        {"type": "image"} and {"type": "audio"}, which a multimodal model's template renders as its
-        placeholder tokens)."""
+        """The text, or the parts in order ({"type": "text", "text": ...}, and {"type": "image"} and
+        {"type": "audio"}, which a multimodal model's template renders as its placeholder tokens), for the
+        rendering to give the template as it takes them (kvfleet.runtime.chat_content_format)."""
         if self.content is None:
             return ""
         if isinstance(self.content, str):
@@ -567,9 +567,7 @@ class ChatMessage(Body):
                     f"content parts are text, image_url or input_audio, got type {part.type!r}",
                     param=f"messages.{index}.content.{part_index}",
                 )
-        if any(part["type"] != "text" for part in parts):
-            return parts
-        return "".join(part["text"] for part in parts)
+        return parts
 
 
 def _arguments(text: str) -> Any:
@@ -603,11 +601,12 @@ class NamedToolChoice(Body):
 
 
 def message_text(message: dict[str, Any]) -> str:
-    """A template message's text, its image and audio parts left out."""
+    """A template message's text, its image and audio parts left out (its text parts joined by newlines, as a
+    template that takes a string gets them)."""
     content = message["content"]
     if isinstance(content, str):
         return content
-    return "".join(part["text"] for part in content if part["type"] == "text")
+    return "\n".join(part["text"] for part in content if part["type"] == "text")
 
 
 def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:

@@ -31,6 +31,7 @@ from kvfleet.contract.tiers import (
     parse_priority,
     tier_of,
 )
+from kvfleet.runtime.chat_content_format import ContentFormatOption
 from kvfleet.runtime.chat_prompt import (
     chat_prompt_token_ids,
     longest_token_characters,
@@ -118,6 +119,8 @@ class ServiceSettings:
     max_tokens_limit: int | None = None
     # The REASONING_PARSERS name that splits chat answers into reasoning and content; None: all content.
     reasoning_parser: str | None = None
+    # vLLM's: how the chat template takes message content (kvfleet.runtime.chat_content_format).
+    chat_template_content_format: ContentFormatOption = "auto"
     # vLLM's: usage counts the prompt tokens the prefix cache held (prompt_tokens_details.cached_tokens).
     enable_prompt_tokens_details: bool = False
     # vLLM's: every stream ends with its usage, whether or not stream_options asks for it.
@@ -476,6 +479,7 @@ class OpenAIService:
                     tools=tools,
                     template_kwargs=template_kwargs,
                     continue_final_message=continue_final_message,
+                    content_format=self.settings.chat_template_content_format,
                 )
             except ValueError as exc:
                 raise BadRequestError(str(exc), param="messages") from None

@@ -125,6 +125,37 @@ def test_the_log_counts_the_checkpoint_shards_as_they_load(
     assert lines[-1].startswith(f"Loading safetensors checkpoint shards: {shards}/{shards} (100%)")
 
 
+# A template that renders a string and OpenAI's parts differently: `auto` would give it parts.
+PARTS_OR_STRING_TEMPLATE = (
+    "{% for m in messages %}{% if m['content'] is string %}S:{{ m['content'] }}"
+    "{% else %}P:{% for part in m['content'] %}{{ part['text'] }}|{% endfor %}{% endif %}{% endfor %}"
+)
+TWO_TEXT_PARTS = [
+    {"role": "user", "content": [{"type": "text", "text": "Hello"}, {"type": "text", "text": "world"}]}
+]
+
+
+def test_chat_template_content_format_string_joins_text_parts_with_newlines(
+    api_server: ServerProcess, start_server: Callable[..., ServerProcess], tiny_llama: Path, tmp_path: Path
+) -> None:
+    """vLLM's rendering of two text parts for a template that takes a string, Transformers' the oracle: the
+    model's own template (auto), and a template that loops over parts, told to take a string."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
+    joined = [{"role": "user", "content": "Hello\nworld"}]
+    template = tmp_path / "template.jinja"
+    template.write_text(PARTS_OR_STRING_TEMPLATE)
+    told = start_server("--chat-template", str(template), "--chat-template-content-format", "string")
+    for server, chat_template in ((api_server, None), (told, PARTS_OR_STRING_TEMPLATE)):
+        body = {"messages": TWO_TEXT_PARTS, "add_generation_prompt": True}
+        answer = httpx.post(f"{server.url}/tokenize", json=body, headers=server.headers(), timeout=30)
+        expected = tokenizer.apply_chat_template(
+            joined, chat_template=chat_template, add_generation_prompt=True, tokenize=True
+        )["input_ids"]
+        assert answer.json()["tokens"] == expected
+
+
 def test_chat_template_flag_replaces_the_model_folders(
     start_server: Callable[..., ServerProcess], tmp_path: Path
 ) -> None:
