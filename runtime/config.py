@@ -21,6 +21,7 @@ from kvfleet.runtime.list_options import ListOption
 from kvfleet.runtime.multimodal.media_sources import IPNetwork, MediaOrigin, parse_networks, parse_origins
 from kvfleet.runtime.quantization.config import folder_weight_quantization
 from kvfleet.runtime.speculative_config import SpeculativeConfig
+from kvfleet.runtime.structured_outputs.config import StructuredOutputsConfig
 
 Device = Literal["auto", "cpu", "cuda"]
 # vLLM's load formats kvfleet reads: its checkpoints are safetensors.
@@ -222,6 +223,14 @@ class EngineConfig:
         "link-local or other non-public address is refused.",
         default=None,
     )
+    structured_outputs_config: dict[str, Any] | None = _option(
+        'Structured outputs, as vLLM\'s JSON: {"backend": "auto" | "xgrammar", "disable_any_whitespace": '
+        'true, "reasoning_parser": NAME, "disable_fallback": ...}. kvfleet compiles with xgrammar and its '
+        "JSON is always compact; vLLM's other backends, disable_additional_properties, enable_in_reasoning "
+        "and reasoning parser plugins are refused. A reasoning_parser here is --reasoning-parser's where "
+        "that is not given.",
+        default=None,
+    )
     structured_outputs_compile_timeout: float = _option(
         "Seconds a structured-output grammar may take to compile; past them its request alone fails (a 400) "
         "and its compilation is killed.",
@@ -292,6 +301,7 @@ class EngineConfig:
         self._check_kv_transfer()
         self._check_sleep_mode()
         self.kv_events()  # raises ValueError naming what is wrong
+        self.structured_outputs()  # likewise
         limits = self.limit_mm_per_prompt or {}
         for modality, limit in limits.items():
             require(modality in MODALITIES, f"limit_mm_per_prompt: {modality!r} is not one of {MODALITIES}")
@@ -377,6 +387,12 @@ class EngineConfig:
         if self.kv_events_config is None:
             return None
         return KVEventsConfig.parse(self.kv_events_config)
+
+    def structured_outputs(self) -> StructuredOutputsConfig:
+        """The parsed structured_outputs_config (vLLM's defaults where it is not given)."""
+        if self.structured_outputs_config is None:
+            return StructuredOutputsConfig()
+        return StructuredOutputsConfig.parse(self.structured_outputs_config)
 
     def mm_limits(self) -> dict[str, int]:
         """How many items of each modality one prompt may carry."""

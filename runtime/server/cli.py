@@ -530,6 +530,8 @@ def serve(model_tag: str | None, model: str | None, host: str, port: int, **opti
                 check_parallel_config(config)
         except ValueError as exc:
             raise click.UsageError(str(exc)) from exc
+    # As vLLM has it: the flag, else the structured outputs config's.
+    options["reasoning_parser"] = options["reasoning_parser"] or config.structured_outputs().reasoning_parser
     if options["reasoning_parser"] is not None:
         _check_reasoning_parser(options["reasoning_parser"], Path(config.tokenizer or config.model))
     if config.node_rank > 0:

@@ -120,6 +120,7 @@ def server(
                 "enable-force-include-usage": True,
                 "enable-request-id-headers": True,
                 "enable-server-load-tracking": True,
+                "structured-outputs-config": {"backend": "xgrammar", "disable_any_whitespace": True},
             }
         )
     )
@@ -675,6 +676,10 @@ def test_a_config_file_it_cannot_read_is_refused(
         (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype"),
         (["--reasoning-parser", "qwen3"], "--reasoning-parser"),
         (["--reasoning-parser", "granite"], "--reasoning-parser"),
+        (["--structured-outputs-config", '{"backend": "outlines"}'], "structured_outputs_config.backend"),
+        (["--structured-outputs-config", '{"enable_in_reasoning": true}'], "enable_in_reasoning"),
+        # The config's parser is checked as the flag's: the tiny model's tokenizer has no reasoning tags.
+        (["--structured-outputs-config", '{"reasoning_parser": "qwen3"}'], "--reasoning-parser"),
         (["--max-logprobs", "21"], "--max-logprobs"),
         (["--allowed-origins", "https://app.example"], "--allowed-origins"),
         (["--stream-interval", "0"], "stream_interval"),
