@@ -367,6 +367,16 @@ def _bare_name_namespace(option: str | None, namespaces: tuple[str, ...]) -> str
     "http/protobuf, HTTP; the spans' service is OTEL_SERVICE_NAME, kvfleet-gateway by default.",
     callback=lambda ctx, param, endpoint: _traces_endpoint(endpoint),
 )
+@click.option(
+    "--sse-keep-alive-interval",
+    type=click.FloatRange(min=0),
+    default=0.0,
+    show_default=True,
+    help="Seconds a streamed completion or chat completion may wait for its first token (in the queue, for "
+    "a replica woken from zero, for a prefill) before its stream opens and carries a `: keep-alive` comment "
+    "each interval, so that load balancers with read timeouts keep it; a failure then ends the stream. 0 "
+    "holds it silent.",
+)
 def gateway_command(
     host: str,
     port: int,
@@ -405,6 +415,7 @@ def gateway_command(
     adapter_poll_seconds: float,
     tokenizers: tuple[str, ...],
     otlp_traces_endpoint: str | None,
+    sse_keep_alive_interval: float,
 ) -> None:
     """Run the kvfleet fleet gateway: one OpenAI endpoint for every model."""
     defaults = ModelConfig(
@@ -418,12 +429,8 @@ def gateway_command(
         replicas_preempt=preempts(scheduling_policy),
         pd_threshold_tokens=pd_threshold_tokens,
     )
-    if models or prefill or decode:
-        discovery: Discovery = StaticDiscovery(_static_models(models, defaults, prefill, decode))
-    else:
-        discovery = _kubernetes_discovery(kubeconfig, kube_context, namespaces, defaults)
     gateway = Gateway(
-        discovery,
+        _discovery(models, prefill, decode, defaults, kubeconfig, kube_context, namespaces),
         max_queue=max_queue,
         max_body_bytes=max_body_bytes,
         max_attempts=max_attempts,
@@ -445,8 +452,24 @@ def gateway_command(
         kv_index_max_entries=kv_index_max_blocks,
         tokenizers=_local_tokenizers(tokenizers),
         otlp_traces_endpoint=otlp_traces_endpoint,
+        sse_keep_alive_interval=sse_keep_alive_interval,
     )
     asyncio.run(_serve(gateway, host, port))
+
+
+def _discovery(
+    models: tuple[str, ...],
+    prefill: tuple[str, ...],
+    decode: tuple[str, ...],
+    defaults: ModelConfig,
+    kubeconfig: str | None,
+    kube_context: str | None,
+    namespaces: tuple[str, ...],
+) -> Discovery:
+    """The replicas given on the command line, or else the InferenceServices of the cluster's namespaces."""
+    if models or prefill or decode:
+        return StaticDiscovery(_static_models(models, defaults, prefill, decode))
+    return _kubernetes_discovery(kubeconfig, kube_context, namespaces, defaults)
 
 
 def _traces_endpoint(endpoint: str | None) -> str | None:

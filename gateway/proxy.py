@@ -74,6 +74,7 @@ from kvfleet.gateway.discovery import Discovery, ModelConfig
 from kvfleet.gateway.flow import DEFAULT_MAX_QUEUE, Fleet, ModelPool
 from kvfleet.gateway.http_errors import error_response, openai_errors
 from kvfleet.gateway.http_protocol import DEFAULT_CLIENT_TIMEOUTS, ClientTimeouts, TimedAppRunner
+from kvfleet.gateway.keep_alive import HeldStream
 from kvfleet.gateway.kv_events import EventEndpoints, KVEventFeeds
 from kvfleet.gateway.kv_index import DEFAULT_MAX_ENTRIES, KVBlockIndex
 from kvfleet.gateway.metrics import GatewayMetrics
@@ -90,7 +91,7 @@ from kvfleet.gateway.requests import (
 )
 from kvfleet.gateway.resumption import DEFAULT_MAX_RESUMES, Generation, Leg, LegUnavailable
 from kvfleet.gateway.routing import BlockHashes, Prompt, Replica, estimated_tokens
-from kvfleet.gateway.splice import Splice, frame_error
+from kvfleet.gateway.splice import Splice, answered_error
 from kvfleet.gateway.tracing import (
     GatewayTracing,
     answered,
@@ -217,13 +218,15 @@ class Gateway:
         kv_index_max_entries: int = DEFAULT_MAX_ENTRIES,
         tokenizers: Mapping[str, ModelPrompts] | None = None,
         otlp_traces_endpoint: str | None = None,
+        sse_keep_alive_interval: float = 0.0,
     ) -> None:
         """`trusted_proxies`: the peers whose X-Forwarded-For is kept (the peer's address is appended);
         `kv_events_endpoints`: where the replicas at these URLs publish their KV events, when not at their
         host's default ports (kvfleet.gateway.kv_events); `tokenizers`: the prompt preparation of models
         whose tokenizer is given locally, by model name; the others' is fetched from their replicas when their
         policy routes on block hashes; `otlp_traces_endpoint`: the OTLP collector the requests' spans go to
-        (kvfleet.gateway.tracing)."""
+        (kvfleet.gateway.tracing); `sse_keep_alive_interval`: how long a streamed completion is held
+        before its stream opens with keep-alive comments (kvfleet.gateway.keep_alive; 0: never)."""
         self.discovery = discovery
         self.adapter_poll_seconds = adapter_poll_seconds
         self.metrics = GatewayMetrics()
@@ -240,6 +243,7 @@ class Gateway:
         self.tokenizers = ModelTokenizers(tokenizers or {})
         self.session: aiohttp.ClientSession | None = None
         self.tracing = GatewayTracing(otlp_traces_endpoint) if otlp_traces_endpoint is not None else None
+        self.sse_keep_alive_interval = sse_keep_alive_interval
         self._request_span = self.tracing.request_span if self.tracing is not None else untraced
         # The wake-up under way for each model with no ready replica (one at a time).
         self._waking: dict[str, asyncio.Task[None]] = {}
@@ -353,7 +357,11 @@ class Gateway:
                         )
                     model_label = pool.config.name
                     _authenticate(request.headers, pool.config)
-                    response = await self._forward(request, body, routed, pool)
+                    if self.sse_keep_alive_interval and routed.stream and request.path in GENERATION_PATHS:
+                        held = HeldStream(request, self.sse_keep_alive_interval)
+                        response = await held.answer(self._forward(request, body, routed, pool, held))
+                    else:
+                        response = await self._forward(request, body, routed, pool, None)
             except OpenAIError as error:
                 response = error_response(error)
             self.metrics.requests.labels(model_label, str(response.status)).inc()
@@ -407,18 +415,18 @@ class Gateway:
         )
 
     async def _forward(
-        self, request: web.Request, body: bytes, routed: RoutedRequest, pool: ModelPool
+        self,
+        request: web.Request,
+        body: bytes,
+        routed: RoutedRequest,
+        pool: ModelPool,
+        held: HeldStream | None,
     ) -> web.StreamResponse:
         assert self.session is not None, "the session lives as long as the app"
         model, config = pool.config.name, pool.config
         priority = routed.priority if routed.priority is not None else config.default_priority
         describe(model=model, routing_policy=config.policy, priority=priority)
-        forwarded = _forward_headers(request.headers, request.remote, self.trusted_proxies)
-        headers = _for_replicas_of(config, with_trace_context(forwarded))
-        resumable = config.replicas_resume and _resumable(request.path, routed.payload)
-        payload, body = _for_replicas(config, routed, body, resumable)
-        if resumable:
-            headers = _identity_encoded(headers)
+        headers, payload, body, resumable = self._replica_request(request, routed, config, body)
         # What each decode replica caches of the prompt before this request is routed there.
         prompt = _prompt(routed, config, await self._prompt_blocks(request.path, routed, pool))
         cached = pool.policy.cached_chars(pool.replicas, prompt) if pool.prefill is not None else {}
@@ -476,15 +484,27 @@ class Gateway:
                     self.metrics.activation.labels(model).observe(time.monotonic() - arrived)
                 if resumable and _is_event_stream(upstream):
                     generation = self._generation(request, routed, pool, payload, headers, prompt, deadline)
-                    return await generation.relay(leg, _end_to_end(upstream.headers), tried)
+                    return await generation.relay(leg, _end_to_end(upstream.headers), tried, held)
                 chunks = _body_chunks(upstream, self.upstream_timeouts.idle, deadline)
-                return await _relay(request, upstream, chunks, model)
+                return await _relay(request, upstream, chunks, model, held)
             finally:
                 leg.close()
         raise ServiceUnavailableError(
             f"every replica of model {model!r} tried ({self.max_attempts} attempts) failed before answering",
             code="upstream_unavailable",
         )
+
+    def _replica_request(
+        self, request: web.Request, routed: RoutedRequest, config: ModelConfig, body: bytes
+    ) -> tuple[list[tuple[str, str]], Mapping[str, Any], bytes, bool]:
+        """What the replicas are sent (headers, payload and body), and whether they may resume it."""
+        forwarded = _forward_headers(request.headers, request.remote, self.trusted_proxies)
+        headers = _for_replicas_of(config, with_trace_context(forwarded))
+        resumable = config.replicas_resume and _resumable(request.path, routed.payload)
+        payload, body = _for_replicas(config, routed, body, resumable)
+        if resumable:
+            headers = _identity_encoded(headers)
+        return headers, payload, body, resumable
 
     def _waited(self, model: str, seconds: float) -> None:
         """The request waited this long for a replica with room."""
@@ -658,7 +678,7 @@ class Gateway:
                 raise LegUnavailable(replica.url, "draining", draining=True)
             if upstream.status >= 500 or upstream.status == 200:
                 raise LegUnavailable(replica.url, f"answered {upstream.status}")
-            raise _answered_error(upstream.status, await _read_at_most(upstream, MAX_ERROR_ANSWER_BYTES))
+            raise answered_error(upstream.status, await _read_at_most(upstream, MAX_ERROR_ANSWER_BYTES))
         finally:
             leg.close()
 
@@ -841,17 +861,6 @@ def _is_event_stream(upstream: aiohttp.ClientResponse) -> bool:
     return upstream.content_type == "text/event-stream"
 
 
-def _answered_error(status: int, content: bytes) -> OpenAIError:
-    """A replica's error answer, as the client's."""
-    try:
-        error = json.loads(content)["error"]
-        raised = frame_error(error)
-    except (ValueError, KeyError, TypeError, AttributeError):
-        raised = OpenAIError(content.decode(errors="replace") or f"the replica answered {status}")
-    raised.status_code = status
-    return raised
-
-
 def _transfers_kv(path: str, payload: Mapping[str, Any]) -> bool:
     """Whether a request can take its prompt's KV from a prefill replica: a completion or a chat completion
     (the protocol's requests) of one choice of one prompt, as the protocol hands over the blocks of one
@@ -932,11 +941,15 @@ async def _body_chunks(
 
 
 async def _relay(
-    request: web.Request, upstream: aiohttp.ClientResponse, chunks: AsyncIterator[bytes], model: str
+    request: web.Request,
+    upstream: aiohttp.ClientResponse,
+    chunks: AsyncIterator[bytes],
+    model: str,
+    held: HeldStream | None,
 ) -> web.StreamResponse:
-    """The replica's response (its body as `chunks` yields it), streamed to the client as it arrives; a small
-    whole body (a non-streamed completion, which a replica sends only once it is done) goes out in one
-    piece."""
+    """The replica's response (its body as `chunks` yields it), streamed to the client as it arrives (into
+    the stream `held` opened, if it did); a small whole body (a non-streamed completion, which a replica
+    sends only once it is done) goes out in one piece."""
     headers = _end_to_end(upstream.headers)
     event_stream = upstream.content_type == "text/event-stream"
     length = upstream.content_length
@@ -953,10 +966,12 @@ async def _relay(
                 f"the replica serving model {model!r} stopped sending its response", code="upstream_timeout"
             ) from None
         return web.Response(status=upstream.status, reason=upstream.reason, body=body, headers=headers)
-    response = web.StreamResponse(status=upstream.status, reason=upstream.reason, headers=headers)
-    if length is not None:
-        response.content_length = length
-    await response.prepare(request)
+    response = held.claim() if held is not None else None
+    if response is None:
+        response = web.StreamResponse(status=upstream.status, reason=upstream.reason, headers=headers)
+        if length is not None:
+            response.content_length = length
+        await response.prepare(request)
     try:
         async for chunk in chunks:
             await response.write(chunk)

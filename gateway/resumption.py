@@ -28,6 +28,7 @@ from aiohttp import web
 from kvfleet.contract.errors import GatewayTimeoutError, OpenAIError, ServiceUnavailableError
 from kvfleet.gateway.assembly import Assembly
 from kvfleet.gateway.http_errors import error_response
+from kvfleet.gateway.keep_alive import HeldStream
 from kvfleet.gateway.metrics import GatewayMetrics
 from kvfleet.gateway.routing import Replica
 from kvfleet.gateway.splice import DONE, EventReader, Failure, Splice, frame_error, frame_failure
@@ -114,12 +115,16 @@ class Generation:
         self.response: web.StreamResponse | None = None
         self._failed_at: float | None = None
 
-    async def relay(self, leg: Leg, headers: list[tuple[str, str]], tried: list[str]) -> web.StreamResponse:
-        """The client's response, from `leg` (whose response `headers` it answers with) and the legs that
-        resume it; `tried`: the replicas the request went to."""
+    async def relay(
+        self, leg: Leg, headers: list[tuple[str, str]], tried: list[str], held: HeldStream | None
+    ) -> web.StreamResponse:
+        """The client's response, from `leg` (whose response `headers` it answers with, unless `held` opened
+        the stream already) and the legs that resume it; `tried`: the replicas the request went to."""
         if self.assembly is None:
-            self.response = web.StreamResponse(status=200, headers=headers)
-            await self.response.prepare(self.request)
+            self.response = held.claim() if held is not None else None
+            if self.response is None:
+                self.response = web.StreamResponse(status=200, headers=headers)
+                await self.response.prepare(self.request)
         resumes = 0
         while True:
             try:

@@ -16,6 +16,7 @@ Pure: no I/O. kvfleet.gateway.resumption reads the replicas and writes the clien
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -111,6 +112,17 @@ def frame_failure(error: Any) -> Failure | None:
     if error.get("type") in _REPLICA_FAILURES:
         return Failure("error", str(error.get("message")))
     return None
+
+
+def answered_error(status: int, content: bytes) -> OpenAIError:
+    """An error answer (a replica's, or the gateway's own), as the client's."""
+    try:
+        error = json.loads(content)["error"]
+        raised = frame_error(error)
+    except (ValueError, KeyError, TypeError, AttributeError):
+        raised = OpenAIError(content.decode(errors="replace") or f"the replica answered {status}")
+    raised.status_code = status
+    return raised
 
 
 def frame_error(error: dict[str, Any]) -> OpenAIError:

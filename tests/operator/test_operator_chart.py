@@ -701,6 +701,7 @@ def test_the_gateway_has_two_replicas_a_service_and_read_only_access(helm: Path)
     assert context.params["namespaces"] == ()
     deadlines = ("header_read_timeout", "body_read_timeout", "send_timeout", "upstream_first_byte_timeout")
     assert [context.params[name] for name in deadlines] == [30, 60, 30, 600]
+    assert context.params["sse_keep_alive_interval"] == 0, "held streams are silent unless asked for"
     assert context.params["trusted_proxies"] == ""
     selector = deployment["spec"]["selector"]["matchLabels"]
     service = by_kind["Service"]
@@ -740,6 +741,13 @@ def test_the_gateway_watches_only_the_operators_namespaces_with_roles_there(helm
     params = gateway_command.make_context("gateway", list(args)).params
     assert params["namespaces"] == ("team-a", "team-b") and params["policy"] == "prefix-hash"
     assert params["bare_name_namespace"] is None, "two namespaces: clients qualify every name"
+
+
+def test_the_gateway_keeps_held_streams_alive_at_the_interval_given(helm: Path) -> None:
+    objects = gateway_objects(render(helm, *ENABLED, "--set", "gateway.sseKeepAliveInterval=15"))
+    (deployment,) = [d for d in objects if d["kind"] == "Deployment"]
+    args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert gateway_command.make_context("gateway", list(args)).params["sse_keep_alive_interval"] == 15
 
 
 def test_the_gateway_takes_bare_names_of_the_namespace_given(helm: Path) -> None:

@@ -1,0 +1,163 @@
+"""`kvfleet gateway --sse-keep-alive-interval`: a streamed completion the gateway holds (here, for a model at
+zero that a replica then joins) opens with keep-alive comments, then streams what a replica called directly
+sends; one whose hold runs out ends with the error a gateway without keep-alives answers; a client that
+leaves while held leaves the queue; a stream answered in time, and a request not streamed, are as before."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import openai
+from gateway_harness import WAIT_S, model, queued, running_gateway, wait_until
+from kvfleet.gateway.proxy import Gateway
+from scripted_replica import KEEP_ALIVE, ScriptedReplica, post, scripted, sse_chunks
+
+INTERVAL_S = 0.1
+CHAT_PATH = "/v1/chat/completions"
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello"}], "stream": True}
+
+
+class RawStream:
+    """A client's streamed request: its status as soon as it is in, and its body as it comes."""
+
+    def __init__(self, url: str, body: dict[str, Any]) -> None:
+        self.status: int | None = None
+        self.headers: dict[str, str] = {}
+        self.raw = b""
+        self._task = asyncio.create_task(self._read(url, body))
+
+    async def _read(self, url: str, body: dict[str, Any]) -> None:
+        async with aiohttp.ClientSession() as session, session.post(f"{url}{CHAT_PATH}", json=body) as answer:
+            self.status, self.headers = answer.status, dict(answer.headers)
+            async for chunk in answer.content.iter_any():
+                self.raw += chunk
+
+    async def comments(self, count: int) -> None:
+        async with asyncio.timeout(WAIT_S):
+            while self.raw.count(KEEP_ALIVE) < count:
+                assert not self._task.done(), (self.status, self.raw)
+                await asyncio.sleep(0.01)
+
+    async def end(self) -> None:
+        await asyncio.wait_for(self._task, WAIT_S)
+
+    async def leave(self) -> None:
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+
+
+AtZero = tuple[Gateway, Any, str, ScriptedReplica, ScriptedReplica]
+
+
+@contextlib.asynccontextmanager
+async def at_zero(
+    **options: Any,
+) -> AsyncIterator[tuple[Gateway, Any, str, ScriptedReplica, ScriptedReplica]]:
+    """A gateway keeping held streams alive, serving model m from no replica: (gateway, its discovery, its
+    URL, the replica that may join, and the oracle: a replica of its own)."""
+    async with (
+        scripted(ScriptedReplica("late"), ScriptedReplica("oracle")) as (late, oracle),
+        running_gateway({"m": model("m", **options)}, sse_keep_alive_interval=INTERVAL_S) as (
+            gateway,
+            discovery,
+            url,
+        ),
+    ):
+        yield gateway, discovery, url, late, oracle
+
+
+def _relabelled(chunks: list[Any], like: list[Any]) -> list[Any]:
+    """`chunks` under the id and creation time of `like`'s (the two replicas each name their own)."""
+    head = next(chunk for chunk in like if isinstance(chunk, dict))
+    return [
+        {**chunk, "id": head["id"], "created": head["created"]} if isinstance(chunk, dict) else chunk
+        for chunk in chunks
+    ]
+
+
+def test_a_held_stream_opens_with_comments_then_streams_the_replicas_answer() -> None:
+    async def scenario() -> tuple[RawStream, bytes, tuple[int, bytes]]:
+        async with at_zero(hold_seconds=WAIT_S) as (gateway, discovery, url, late, oracle):
+            stream = RawStream(url, CHAT)
+            unstreamed = asyncio.create_task(post(url, CHAT_PATH, {**CHAT, "stream": False}))
+            await stream.comments(2)
+            assert stream.status == 200 and queued(gateway, "m") == 2
+            assert not unstreamed.done()
+            discovery.publish({"m": model("m", late, hold_seconds=WAIT_S)})
+            await stream.end()
+            _, expected = await post(oracle.url, CHAT_PATH, CHAT)
+            return stream, expected, await unstreamed
+
+    stream, expected, (status, whole) = asyncio.run(scenario())
+    assert stream.headers["Content-Type"] == "text/event-stream"
+    events = sse_chunks(stream.raw)
+    assert stream.raw.startswith(KEEP_ALIVE) and events == _relabelled(sse_chunks(expected), events)
+    # Not streamed: held in silence, then answered whole.
+    assert status == 200 and KEEP_ALIVE not in whole and json.loads(whole)["choices"]
+
+
+def test_the_openai_sdk_reads_a_stream_the_gateway_held() -> None:
+    async def scenario() -> tuple[str, str]:
+        async with at_zero(hold_seconds=WAIT_S) as (_, discovery, url, late, oracle):
+            sdk = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+            stream = await sdk.chat.completions.create(model="m", messages=CHAT["messages"], stream=True)
+            await asyncio.sleep(3 * INTERVAL_S)
+            discovery.publish({"m": model("m", late, hold_seconds=WAIT_S)})
+            text = "".join([chunk.choices[0].delta.content or "" async for chunk in stream if chunk.choices])
+            direct = openai.AsyncOpenAI(base_url=f"{oracle.url}/v1", api_key="unused", max_retries=0)
+            answer = await direct.chat.completions.create(model="m", messages=CHAT["messages"])
+            return text, answer.choices[0].message.content or ""
+
+    text, expected = asyncio.run(scenario())
+    assert text and text == expected
+
+
+def test_a_hold_that_runs_out_ends_the_stream_with_the_error_an_unheld_request_gets() -> None:
+    async def scenario() -> tuple[RawStream, bytes]:
+        async with at_zero(hold_seconds=5 * INTERVAL_S) as (_, _, url, _, _):
+            stream = RawStream(url, CHAT)
+            await stream.end()
+        async with running_gateway({"m": model("m", hold_seconds=5 * INTERVAL_S)}) as (_, _, silent):
+            status, answer = await post(silent, CHAT_PATH, CHAT)
+        assert status == 503
+        return stream, answer
+
+    stream, unheld = asyncio.run(scenario())
+    assert stream.status == 200 and stream.raw.count(KEEP_ALIVE) >= 2
+    *errors, done = sse_chunks(stream.raw)
+    assert done == "[DONE]" and errors == [json.loads(unheld)]
+
+
+def test_a_client_that_leaves_while_held_leaves_the_queue() -> None:
+    async def scenario() -> tuple[float, int]:
+        async with at_zero(hold_seconds=WAIT_S) as (gateway, discovery, url, late, _):
+            stream = RawStream(url, CHAT)
+            await stream.comments(1)
+            await stream.leave()
+            await wait_until(lambda: queued(gateway, "m") == 0)
+            discovery.publish({"m": model("m", late, hold_seconds=WAIT_S)})
+            status, _ = await post(url, CHAT_PATH, {**CHAT, "stream": False})
+            return queued(gateway, "m"), status
+
+    assert asyncio.run(scenario()) == (0, 200)
+
+
+def test_a_stream_answered_within_the_interval_is_the_replicas_own() -> None:
+    async def scenario() -> RawStream:
+        async with (
+            scripted(ScriptedReplica("ready")) as (ready,),
+            running_gateway({"m": model("m", ready)}, sse_keep_alive_interval=1.0) as (_, _, url),
+        ):
+            stream = RawStream(url, CHAT)
+            await stream.end()
+            return stream
+
+    stream = asyncio.run(scenario())
+    assert stream.status == 200 and KEEP_ALIVE not in stream.raw
+    assert stream.headers["x-replica"] == "ready" and sse_chunks(stream.raw)[-1] == "[DONE]"
