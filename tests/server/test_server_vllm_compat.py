@@ -125,16 +125,8 @@ def server(
         )
     )
     command += ["--config", str(config)]
-    command += [
-        "--dtype",
-        "float32",
-        "--num-gpu-blocks-override",
-        "512",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-    ]
+    command += ["--dtype", "float32", "--num-gpu-blocks-override", "512"]
+    command += ["--host", "127.0.0.1", "--port", str(port)]
     log_path = root / "server.log"
     with log_path.open("wb") as log:
         # vLLM's switch for its Responses API store, as a vLLM deployment sets it.
