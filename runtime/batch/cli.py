@@ -14,10 +14,10 @@ from kvfleet.runtime.config import (
     model_option,
     served_model_name_option,
 )
-from kvfleet.runtime.list_options import ListOptionsCommand
+from kvfleet.runtime.vllm_flags import VllmCommand
 
 
-@click.command("run-batch", cls=ListOptionsCommand)
+@click.command("run-batch", cls=VllmCommand)
 @click.option(
     "-i",
     "--input-file",

@@ -25,7 +25,7 @@ from kvfleet.runtime.config import (
     engine_options,
     served_model_name_option,
 )
-from kvfleet.runtime.list_options import ListOption, ListOptionsCommand
+from kvfleet.runtime.list_options import ListOption
 from kvfleet.runtime.quantization.config import kv_cache_dtype_refusal
 from kvfleet.runtime.sampling_params import MAX_LOGPROBS
 from kvfleet.runtime.server.config_file import read_config_file
@@ -37,6 +37,7 @@ from kvfleet.runtime.server.state import (
 )
 from kvfleet.runtime.serving.service import DEFAULT_MAX_COMPLETION_TOKENS_PER_PROMPT, DEFAULT_MAX_N
 from kvfleet.runtime.startup_phases import STARTUP_PHASES, process_age
+from kvfleet.runtime.vllm_flags import VllmCommand
 
 if TYPE_CHECKING:
     from kvfleet.runtime.safety.config import SafetyConfig
@@ -85,7 +86,7 @@ def _api_key(ctx: click.Context, param: click.Parameter, value: str | None) -> s
     return value
 
 
-@click.command("serve", cls=ListOptionsCommand)
+@click.command("serve", cls=VllmCommand)
 @click.argument("model_tag", metavar="[MODEL]", required=False)
 @click.option(
     "--config",
@@ -462,6 +463,22 @@ def _api_key(ctx: click.Context, param: click.Parameter, value: str | None) -> s
     "--enforce-eager",
     is_flag=True,
     help="Accepted for vLLM's command lines: the model always runs eagerly (no CUDA graphs).",
+)
+@click.option(
+    "--disable-custom-all-reduce",
+    is_flag=True,
+    help="Accepted for vLLM's command lines: tensor-parallel ranks always sum with torch.distributed's own "
+    "all-reduce (NCCL on GPUs).",
+)
+@click.option(
+    "--disable-cascade-attn",
+    is_flag=True,
+    help="Accepted for vLLM's command lines: kvfleet's attention has no cascade path.",
+)
+@click.option(
+    "--no-async-scheduling",
+    is_flag=True,
+    help="Accepted for vLLM's command lines: each step is scheduled once the previous one's outputs are in.",
 )
 @click.option(
     "--enable-log-requests",

@@ -121,6 +121,10 @@ def server(
                 "enable-request-id-headers": True,
                 "enable-server-load-tracking": True,
                 "structured-outputs-config": {"backend": "xgrammar", "disable_any_whitespace": True},
+                # What kvfleet always does, as vLLM's manifests may ask for it.
+                "disable-custom-all-reduce": True,
+                "disable-cascade-attn": True,
+                "no-async-scheduling": True,
             }
         )
     )
@@ -669,6 +673,10 @@ def test_a_config_file_it_cannot_read_is_refused(
         (["--reasoning-parser", "qwen3"], "--reasoning-parser"),
         (["--reasoning-parser", "granite"], "--reasoning-parser"),
         (["--structured-outputs-config", '{"backend": "outlines"}'], "structured_outputs_config.backend"),
+        # vLLM's flags kvfleet lacks: refused with the reason, not as unknown options.
+        (["--async-scheduling"], "--async-scheduling is vLLM's and not kvfleet's: kvfleet's engine core"),
+        (["--data-parallel-size", "2"], "--data-parallel-size is vLLM's and not kvfleet's: a kvfleet"),
+        (["-O3"], "-O is vLLM's and not kvfleet's: the model runs eagerly"),
         (["--structured-outputs-config", '{"enable_in_reasoning": true}'], "enable_in_reasoning"),
         # The config's parser is checked as the flag's: the tiny model's tokenizer has no reasoning tags.
         (["--structured-outputs-config", '{"reasoning_parser": "qwen3"}'], "--reasoning-parser"),

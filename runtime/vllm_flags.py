@@ -1,0 +1,52 @@
+"""vLLM's flags that kvfleet does not take, refused with the reason instead of click's "No such option": a
+vLLM command line moved onto kvfleet then says what to do about each."""
+
+from __future__ import annotations
+
+import click
+from kvfleet.runtime.list_options import ListOptionsCommand
+
+_ONE_ENGINE = (
+    "a kvfleet replica is one engine: run more replicas instead (an InferenceService's scaling, or more "
+    "`kvfleet serve` processes behind `kvfleet gateway`)"
+)
+_EAGER = "the model runs eagerly, without torch.compile or CUDA graphs"
+_QUEUE = "--max-waiting-requests bounds the queue (429 past it, the lowest tier shed first)"
+
+NOT_TAKEN: dict[str, str] = {
+    "--async-scheduling": "kvfleet's engine core schedules each step once the previous step's outputs are in",
+    "--data-parallel-size": _ONE_ENGINE,
+    "--data-parallel-size-local": _ONE_ENGINE,
+    "--data-parallel-rank": _ONE_ENGINE,
+    "--data-parallel-address": _ONE_ENGINE,
+    "--data-parallel-rpc-port": _ONE_ENGINE,
+    "--data-parallel-backend": _ONE_ENGINE,
+    "--compilation-config": _EAGER,
+    "--optimization-level": _EAGER,
+    "-O": _EAGER,
+    "--cudagraph-capture-sizes": _EAGER,
+    "--max-cudagraph-capture-size": _EAGER,
+    "--max-num-queued-reqs": _QUEUE,
+    "--max-num-queued-tokens": _QUEUE,
+    "--swap-space": "a preempted request's KV waits in the host tier that --kv-offloading-size (GiB) sets",
+    "--cpu-offload-gb": "the weights stay on the device",
+    "--guided-decoding-backend": "vLLM's older flag: --structured-outputs-config takes the backend",
+    "--skip-tokenizer-init": "the server tokenizes prompts and detokenizes answers itself",
+    "--disable-sliding-window": "a model with a sliding window attends within it",
+}
+
+
+class VllmCommand(ListOptionsCommand):
+    """A command that takes vLLM's command lines: list flags in vLLM's form, and vLLM's flags it lacks
+    refused with the reason."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        try:
+            return super().parse_args(ctx, args)
+        except click.NoSuchOption as error:
+            reason = NOT_TAKEN.get(error.option_name)
+            if reason is None:
+                raise
+            raise click.UsageError(
+                f"{error.option_name} is vLLM's and not kvfleet's: {reason}", ctx
+            ) from None
