@@ -13,6 +13,7 @@ import random
 import signal
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -108,11 +109,14 @@ class Replicas:
         self.generated_before = sum(self.generated.values())
 
     def _read(self) -> None:
-        for name, endpoint in self.endpoints.items():
-            if name not in self.killed:
-                text = scrape(endpoint)
-                self.generated[name] = metric_in(text, GENERATED)
-                self.holding[name] = metric_in(text, RUNNING) + metric_in(text, WAITING)
+        # All at once: on a loaded machine one scrape can take long enough for the streams to end between the
+        # first replica's read and the last's.
+        alive = {name: endpoint for name, endpoint in self.endpoints.items() if name not in self.killed}
+        with ThreadPoolExecutor(len(alive)) as pool:
+            texts = dict(zip(alive, pool.map(scrape, alive.values()), strict=True))
+        for name, text in texts.items():
+            self.generated[name] = metric_in(text, GENERATED)
+            self.holding[name] = metric_in(text, RUNNING) + metric_in(text, WAITING)
 
     def kill_one(self, rng: random.Random, tokens: float, streams: ConcurrentStreams) -> str:
         """Once the fleet has generated that many tokens, kills a random replica among those holding requests
