@@ -28,6 +28,9 @@ Device = Literal["auto", "cpu", "cuda"]
 LoadFormat = Literal["auto", "safetensors"]
 # vLLM's tokenizer modes kvfleet honours: Transformers' tokenizer, its fast one where the folder has it.
 TokenizerMode = Literal["auto", "hf"]
+# vLLM's: what a request's logprobs hold. raw_* are of the model's logits before any sampling setting;
+# processed_* after the penalties, grammar, temperature, min_p, top_k and top_p of each request.
+LogprobsMode = Literal["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"]
 MODALITIES = ("image", "audio")
 DEFAULT_ITEMS_PER_PROMPT = 4
 
@@ -160,6 +163,14 @@ class EngineConfig:
         "Attention backend by name; by default the fastest supported one is chosen.", default=None
     )
     seed: int = _option("Seed of the engine's random generator (requests may bring their own).", default=0)
+    logprobs_mode: LogprobsMode = _option(
+        "vLLM's: what logprobs return. raw_logprobs (log-softmax of the model's logits) and raw_logits are "
+        "taken before any sampling setting; processed_logprobs and processed_logits after the request's "
+        "penalties, structured-output mask, temperature, min_p, top_k and top_p (tokens those filter out "
+        "score -9999.0 in answers, as -inf cannot be written in JSON). A prompt's logprobs go through no "
+        "sampling setting: its logits in the *_logits modes, their log-softmax in the others.",
+        default="raw_logprobs",
+    )
     enable_lora: bool = _option("Serve LoRA adapters on top of the model.", default=False)
     max_loras: int = _option("Most LoRA adapters in one step's batch.", default=1)
     max_lora_rank: int = _option("Highest LoRA rank an adapter may have.", default=16)
@@ -421,6 +432,7 @@ _FIELD_TYPES = {
     "scheduling_policy": SchedulingPolicy,
     "load_format": LoadFormat,
     "tokenizer_mode": TokenizerMode,
+    "logprobs_mode": LogprobsMode,
 }
 
 

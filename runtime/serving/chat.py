@@ -26,6 +26,7 @@ from kvfleet.runtime.serving.request import PreparedRequest, Prompt
 from kvfleet.runtime.serving.responses import (
     Choice,
     ChoiceBuilder,
+    answered_logprob,
     prompt_logprobs_body,
     token_id_name,
     token_text,
@@ -166,7 +167,7 @@ class ChatRoute:
             content.append(
                 {
                     "token": token_id_name(token_id) if as_ids else text,
-                    "logprob": entry[token_id],
+                    "logprob": answered_logprob(entry[token_id]),
                     "bytes": list(text.encode()),
                     "top_logprobs": [
                         {"token": name, "logprob": logprob, "bytes": list(name.encode())}

@@ -14,6 +14,7 @@ from kvfleet.runtime.serving.request import PreparedRequest, Prompt
 from kvfleet.runtime.serving.responses import (
     Choice,
     ChoiceBuilder,
+    answered_logprob,
     prompt_logprobs_body,
     token_id_name,
     token_text,
@@ -131,7 +132,10 @@ class CompletionRoute:
         tokens, offsets = self._named(tokenizer, token_ids, offset)
         return {
             "tokens": tokens,
-            "token_logprobs": [entry[token_id] for token_id, entry in zip(token_ids, logprobs, strict=False)],
+            "token_logprobs": [
+                answered_logprob(entry[token_id])
+                for token_id, entry in zip(token_ids, logprobs, strict=False)
+            ],
             "top_logprobs": [
                 dict(top_logprobs(tokenizer, entry, limit, as_ids)) if limit else None for entry in logprobs
             ],
@@ -165,7 +169,7 @@ class CompletionRoute:
             (None, None)
             if scores is None
             else (
-                scores.logprobs[token_id],
+                answered_logprob(scores.logprobs[token_id]),
                 dict(top_logprobs(tokenizer, scores.logprobs, limit, as_ids)) if limit else None,
             )
             for token_id, scores in zip(prompt_token_ids, prompt_logprobs, strict=True)

@@ -78,6 +78,12 @@ def token_text(tokenizer: Any, token_id: int) -> str:
     return tokenizer.decode([token_id])
 
 
+def answered_logprob(logprob: float) -> float:
+    """A logprob as an answer carries it: JSON has no -inf, the score of a token the sampling settings ruled
+    out (processed logprobs modes), so such a token scores vLLM's -9999.0."""
+    return max(logprob, -9999.0)
+
+
 def token_id_name(token_id: int) -> str:
     """vLLM's name for a token in logprobs asked with return_tokens_as_token_ids."""
     return f"token_id:{token_id}"
@@ -98,7 +104,7 @@ def prompt_logprobs_body(
         body.append(
             {
                 str(other): {
-                    "logprob": logprob,
+                    "logprob": answered_logprob(logprob),
                     "rank": scores.rank if other == token_id else rank,
                     "decoded_token": token_text(tokenizer, other),
                 }
@@ -111,9 +117,9 @@ def prompt_logprobs_body(
 def top_logprobs(
     tokenizer: Any, logprobs: dict[int, float], limit: int, as_ids: bool
 ) -> list[tuple[str, float]]:
-    """The `limit` likeliest tokens, by name (their text, or token_id_name)."""
+    """The `limit` likeliest tokens, by name (their text, or token_id_name), with their answered logprobs."""
     best = sorted(logprobs.items(), key=lambda item: item[1], reverse=True)[:limit]
     return [
-        (token_id_name(token_id) if as_ids else token_text(tokenizer, token_id), logprob)
+        (token_id_name(token_id) if as_ids else token_text(tokenizer, token_id), answered_logprob(logprob))
         for token_id, logprob in best
     ]

@@ -111,7 +111,7 @@ class ModelRunner:
         self.num_host_kv_blocks = 0
         # The host-memory tier's blocks, in the device cache's layout (pinned on CUDA); empty without one.
         self.host_kv_caches: list[torch.Tensor] = []
-        self.sampler = Sampler(self.device, config.seed)
+        self.sampler = Sampler(self.device, config.seed, config.logprobs_mode)
         # The worker-side half of disaggregated prefill and decode's KV connector; None without one.
         kv_transfer = config.kv_transfer()
         self.kv_connector: KVConnectorWorker | None = (
@@ -307,7 +307,12 @@ class ModelRunner:
                 output.prompt_logprobs = {
                     step.request_ids[i]: (
                         rows.first_position,
-                        score_prompt_rows(self.model.compute_logits, hidden, rows),
+                        score_prompt_rows(
+                            self.model.compute_logits,
+                            hidden,
+                            rows,
+                            self.config.logprobs_mode.endswith("logits"),
+                        ),
                     )
                     for i, rows in step.prompt_logprob_rows.items()
                 }

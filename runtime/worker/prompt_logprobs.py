@@ -1,6 +1,7 @@
 """A prompt's logprobs (vLLM's prompt_logprobs): each prompt token scored by the logits of the row before it,
 as the model computed them (before any sampling setting), with the likeliest tokens in its place and its
-rank."""
+rank. The score is the log-softmax of those logits, or the logits themselves in the *_logits logprobs
+modes."""
 
 from __future__ import annotations
 
@@ -16,7 +17,10 @@ ROWS_AT_ONCE = 256
 
 
 def score_prompt_rows(
-    compute_logits: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, rows: PromptLogprobRows
+    compute_logits: Callable[[torch.Tensor], torch.Tensor],
+    hidden: torch.Tensor,
+    rows: PromptLogprobRows,
+    as_logits: bool,
 ) -> list[PromptTokenLogprobs]:
     """The scores of the prompt tokens `rows` names, from the step's final hidden states (one per token
     fed)."""
@@ -24,21 +28,22 @@ def score_prompt_rows(
     for offset in range(0, len(rows.next_token_ids), ROWS_AT_ONCE):
         next_token_ids = rows.next_token_ids[offset : offset + ROWS_AT_ONCE]
         first = rows.first_row + offset
-        logprobs = torch.log_softmax(compute_logits(hidden[first : first + len(next_token_ids)]), dim=-1)
-        scores += _scored(logprobs, next_token_ids, rows.num_logprobs)
+        logits = compute_logits(hidden[first : first + len(next_token_ids)])
+        scored = logits if as_logits else torch.log_softmax(logits, dim=-1)
+        scores += _scored(scored, next_token_ids, rows.num_logprobs)
     return scores
 
 
-def _scored(logprobs: torch.Tensor, token_ids: list[int], top: int) -> list[PromptTokenLogprobs]:
-    targets = torch.tensor(token_ids, device=logprobs.device).unsqueeze(1)
-    chosen = logprobs.gather(1, targets)
+def _scored(scores: torch.Tensor, token_ids: list[int], top: int) -> list[PromptTokenLogprobs]:
+    targets = torch.tensor(token_ids, device=scores.device).unsqueeze(1)
+    chosen = scores.gather(1, targets)
     # Ties share the best rank among them, as every token scored higher counts once.
-    ranks = ((logprobs > chosen).sum(dim=1) + 1).tolist()
+    ranks = ((scores > chosen).sum(dim=1) + 1).tolist()
     chosen_values = chosen.squeeze(1).tolist()
     top_ids: list[list[int]] = [[] for _ in token_ids]
     top_values: list[list[float]] = [[] for _ in token_ids]
     if top:
-        values, ids = logprobs.topk(top, dim=1)
+        values, ids = scores.topk(top, dim=1)
         top_ids, top_values = ids.tolist(), values.tolist()
     return [
         PromptTokenLogprobs({**dict(zip(ids, values, strict=True)), token_id: value}, rank)

@@ -1,11 +1,11 @@
 """Turns one step's logits into tokens, for a batch of requests with their own sampling parameters.
 
-Order (vLLM's): log probabilities of the raw logits; min_tokens masking of eos and stop ids; repetition,
-frequency and presence penalties; greedy rows (temperature below GREEDY_TEMPERATURE) take the argmax; other
-rows are divided by their temperature, then filtered by min_p, top_k and top_p, and sampled by inverting
-their cumulative distribution at one uniform draw per row (cheaper on a CPU than noise over the whole
-vocabulary). A request with a seed draws from its own generator, so its tokens do not depend on what else is
-in the batch.
+Order (vLLM's): the raw logprobs (of the logits as the model gave them); min_tokens masking of eos and stop
+ids; repetition, frequency and presence penalties; greedy rows (temperature below GREEDY_TEMPERATURE) take
+the argmax; other rows are divided by their temperature, then filtered by min_p, top_k and top_p, and sampled
+by inverting their cumulative distribution at one uniform draw per row (cheaper on a CPU than noise over the
+whole vocabulary); the processed logprobs (of the logits as they were sampled from). A request with a seed
+draws from its own generator, so its tokens do not depend on what else is in the batch.
 The tokens that structured outputs' grammars forbid are masked after the penalties.
 
 Speculative decoding verifies draft tokens against the target's distribution at each drafted position,
@@ -22,6 +22,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
+from kvfleet.runtime.config import LogprobsMode
 from kvfleet.runtime.request import Request
 from kvfleet.runtime.sampling_params import SamplingParams
 from kvfleet.runtime.structured_outputs.masks import GrammarMasks
@@ -98,13 +99,15 @@ class VerifiedTokens:
 @dataclass
 class SamplerOutput:
     token_ids: list[int]
-    # Per row: top-N log probabilities plus the sampled token's, or None when the request did not ask.
+    # Per row: the top-N logprobs (as the logprobs mode defines them) plus the sampled token's, or None when
+    # the request did not ask.
     logprobs: list[dict[int, float] | None]
 
 
 class Sampler:
-    def __init__(self, device: torch.device, seed: int) -> None:
+    def __init__(self, device: torch.device, seed: int, logprobs_mode: LogprobsMode = "raw_logprobs") -> None:
         self.device = device
+        self.logprobs_mode = logprobs_mode
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self._request_generators: dict[str, torch.Generator] = {}
         self.grammar_masks = GrammarMasks(fill_during_forward=device.type != "cpu")
@@ -126,14 +129,16 @@ class Sampler:
         if all(_plain_greedy(r) for r in requests):  # the common case, decided without building anything
             return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(requests))
         params = [r.sampling_params for r in requests]
-        raw_logprobs = self._raw_logprobs(logits, params)
+        scores = self._scores(logits, params, processed=False)
         self._mask_stop_tokens_before_min_tokens(logits, requests)
         self._apply_penalties(logits, requests)
         self.grammar_masks.apply(logits, requests)
         greedy = [p.greedy for p in params]
         token_ids = logits.argmax(dim=-1) if all(greedy) else self._sample(logits, requests, greedy)
+        if scores is None:
+            scores = self._scores(logits, params, processed=True)
         token_list = token_ids.tolist()
-        return SamplerOutput(token_list, _gather_logprobs(raw_logprobs, token_ids, token_list, params))
+        return SamplerOutput(token_list, _gather_logprobs(scores, token_ids, token_list, params))
 
     def verify(self, logits: torch.Tensor, batch: SpeculativeBatch) -> VerifiedTokens:
         """logits: float32 [len(batch.rows), vocab], modified in place."""
@@ -144,7 +149,7 @@ class Sampler:
                 _accept_greedy(batch.draft_token_ids, targets), [None] * len(batch.requests)
             )
         params = [r.sampling_params for r in rows]
-        raw_logprobs = self._raw_logprobs(logits, params)
+        scores = self._scores(logits, params, processed=False)
         self._mask_stop_tokens_before_min_tokens(logits, rows)
         self._apply_penalties(logits, rows)
         self.grammar_masks.apply(logits, rows)
@@ -155,8 +160,10 @@ class Sampler:
         if not all(greedy):
             _apply_temperature_and_filters(logits, params, greedy)
             probs = torch.softmax(logits, dim=-1)
+        if scores is None:
+            scores = self._scores(logits, params, processed=True)
         token_ids = self._accept_sampled(probs, batch, greedy, targets)
-        if raw_logprobs is None:
+        if scores is None:
             return VerifiedTokens(token_ids, [None] * len(batch.requests))
         # The rows of the emitted tokens: each request's first rows, one per token.
         emitted_rows: list[int] = []
@@ -167,7 +174,7 @@ class Sampler:
         flat_tokens = [token for tokens in token_ids for token in tokens]
         device = logits.device
         flat_logprobs = _gather_logprobs(
-            raw_logprobs.index_select(0, torch.tensor(emitted_rows, device=device)),
+            scores.index_select(0, torch.tensor(emitted_rows, device=device)),
             torch.tensor(flat_tokens, device=device),
             flat_tokens,
             [params[row] for row in emitted_rows],
@@ -254,9 +261,16 @@ class Sampler:
         )
         return torch.rand(count, generator=generator, device=self.device).tolist()
 
-    def _raw_logprobs(self, logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor | None:
-        if all(p.logprobs is None for p in params):
+    def _scores(
+        self, logits: torch.Tensor, params: list[SamplingParams], processed: bool
+    ) -> torch.Tensor | None:
+        """What the rows' logprobs are drawn from, as the logprobs mode defines them, from the logits as they
+        stand (processed: after the sampling settings); None where no row asked for logprobs, or where the
+        mode takes them at the other stage."""
+        if processed != self.logprobs_mode.startswith("processed") or all(p.logprobs is None for p in params):
             return None
+        if self.logprobs_mode.endswith("logits"):
+            return logits.clone()
         return torch.log_softmax(logits, dim=-1)
 
     def _mask_stop_tokens_before_min_tokens(self, logits: torch.Tensor, requests: Sequence[Request]) -> None:
@@ -463,16 +477,16 @@ def _nucleus_threshold(descending_probs: torch.Tensor, ps: torch.Tensor) -> torc
 
 
 def _gather_logprobs(
-    raw_logprobs: torch.Tensor | None,
+    scores: torch.Tensor | None,
     token_ids: torch.Tensor,
     token_list: list[int],
     params: list[SamplingParams],
 ) -> list[dict[int, float] | None]:
-    if raw_logprobs is None:
+    if scores is None:
         return [None] * len(params)
     max_n = max(p.logprobs or 0 for p in params)
-    top_values, top_ids = raw_logprobs.topk(max_n, dim=-1) if max_n else (None, None)
-    sampled = raw_logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1).tolist()
+    top_values, top_ids = scores.topk(max_n, dim=-1) if max_n else (None, None)
+    sampled = scores.gather(1, token_ids.unsqueeze(1)).squeeze(1).tolist()
     top_values_list = top_values.tolist() if top_values is not None else None
     top_ids_list = top_ids.tolist() if top_ids is not None else None
     result: list[dict[int, float] | None] = []

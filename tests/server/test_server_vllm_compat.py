@@ -27,7 +27,13 @@ from click.testing import CliRunner
 from kvfleet.runtime.lora.make_adapter import make_adapter
 from ports import free_port
 from servers import ServerProcess
-from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
+from transformers import (
+    AutoModel,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+)
 
 from kvfleet.cli import cli
 
@@ -45,6 +51,19 @@ CHAT_TEMPLATE = (
     "{% endif %}"
 )
 GREEDY: dict[str, Any] = {"temperature": 0.0, "extra_body": {"ignore_eos": True}}
+# A sampled request whose settings the processed logprobs show: temperature and top_k (the model folder's
+# generation defaults set no others); tokens by id, as the alternative a top_k of 2 rules out may share a
+# text with one it keeps.
+SAMPLED: dict[str, Any] = {
+    "temperature": 0.8,
+    "seed": 3,
+    "extra_body": {
+        "top_k": 2,
+        "ignore_eos": True,
+        "return_token_ids": True,
+        "return_tokens_as_token_ids": True,
+    },
+}
 PROMPT = "Once upon a time"
 WEATHER_TOOL = {
     "type": "function",
@@ -121,6 +140,7 @@ def server(
                 "enable-request-id-headers": True,
                 "enable-server-load-tracking": True,
                 "structured-outputs-config": {"backend": "xgrammar", "disable_any_whitespace": True},
+                "logprobs-mode": "processed_logprobs",
                 # What kvfleet always does, as vLLM's manifests may ask for it.
                 "disable-custom-all-reduce": True,
                 "disable-cascade-attn": True,
@@ -458,11 +478,16 @@ def test_logprobs_name_tokens_by_id_when_asked(client: openai.OpenAI, tokenizer:
     assert plain.choices[0].logprobs.tokens == [tokenizer.decode([token]) for token in token_ids]
 
 
-def _model_logprobs(model_folder: Path, token_ids: list[int]) -> torch.Tensor:
-    """Transformers' log-softmax over the logits after each of the tokens: [len, vocab]."""
+def _model_logits(model_folder: Path, token_ids: list[int]) -> torch.Tensor:
+    """Transformers' logits after each of the tokens: [len, vocab]."""
     model = AutoModelForCausalLM.from_pretrained(model_folder, dtype=torch.float32).eval()
     with torch.inference_mode():
-        return torch.log_softmax(model(torch.tensor([token_ids])).logits[0], dim=-1)
+        return model(torch.tensor([token_ids])).logits[0]
+
+
+def _model_logprobs(model_folder: Path, token_ids: list[int]) -> torch.Tensor:
+    """Transformers' log-softmax over the logits after each of the tokens: [len, vocab]."""
+    return torch.log_softmax(_model_logits(model_folder, token_ids), dim=-1)
 
 
 def _assert_vllm_prompt_logprobs(
@@ -510,6 +535,57 @@ def test_prompt_logprobs_are_the_models_and_echo_carries_them(
     body = chat.prompt_logprobs  # type: ignore[attr-defined]
     _assert_vllm_prompt_logprobs(body, rendered, _model_logprobs(model_folder, rendered), 0, tokenizer)
     assert all(len(entry) == 1 for entry in body[1:])
+
+
+def _processed_logprobs(model_folder: Path, prompt_ids: list[int], answer_ids: list[int]) -> torch.Tensor:
+    """[len(answer_ids), vocab]: the log-softmax of each answer token's distribution after SAMPLED's
+    temperature and top_k, by Transformers' logits and warpers (-inf where top_k rules a token out)."""
+    logits = _model_logits(model_folder, prompt_ids + answer_ids[:-1])[len(prompt_ids) - 1 :]
+    warpers = [
+        TemperatureLogitsWarper(SAMPLED["temperature"]),
+        TopKLogitsWarper(SAMPLED["extra_body"]["top_k"]),
+    ]
+    for warper in warpers:
+        logits = warper(torch.tensor([prompt_ids + answer_ids]), logits)
+    return torch.log_softmax(logits, dim=-1)
+
+
+def _assert_top_two_and_ruled_out(answered: list[float], expected: torch.Tensor) -> None:
+    """MAX_LOGPROBS alternatives: the two top_k keeps, as expected, then one it rules out."""
+    best_first = sorted(answered, reverse=True)
+    assert best_first[:2] == pytest.approx(expected.topk(2).values.tolist(), abs=1e-4)
+    assert best_first[2:] == [-9999.0]
+
+
+def test_processed_logprobs_are_of_the_distribution_sampled_from(
+    client: openai.OpenAI, tokenizer: Any, model_folder: Path
+) -> None:
+    """The server runs with vLLM's logprobs-mode processed_logprobs (in its config file): a sampled token's
+    logprobs are those it was drawn from, and a token its top_k rules out scores -9999.0, streamed or not.
+    (Its prompt logprobs, above, are the model's all the same.)"""
+    chat = client.chat.completions.create(
+        model="tiny", messages=MESSAGES, max_tokens=5, logprobs=True, top_logprobs=MAX_LOGPROBS, **SAMPLED
+    )
+    (choice,) = chat.choices
+    answer_ids = choice.token_ids  # type: ignore[attr-defined]
+    expected = _processed_logprobs(model_folder, _rendered(tokenizer), answer_ids)
+    for position, (token, entry) in enumerate(zip(answer_ids, choice.logprobs.content, strict=True)):
+        assert entry.logprob == pytest.approx(expected[position, token].item(), abs=1e-4)
+        _assert_top_two_and_ruled_out([top.logprob for top in entry.top_logprobs], expected[position])
+    stream = client.completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=5, logprobs=MAX_LOGPROBS, stream=True, **SAMPLED
+    )
+    answer_ids, token_logprobs, tops = [], [], []
+    # The server's usage closes the stream with a chunk of no choice.
+    for streamed in (choice for event in stream for choice in event.choices):
+        answer_ids += streamed.token_ids  # type: ignore[attr-defined]
+        token_logprobs += streamed.logprobs.token_logprobs
+        tops += streamed.logprobs.top_logprobs
+    expected = _processed_logprobs(model_folder, tokenizer(PROMPT).input_ids, answer_ids)
+    assert len(answer_ids) == len(token_logprobs) == 5
+    for position, (token, logprob, top) in enumerate(zip(answer_ids, token_logprobs, tops, strict=True)):
+        assert logprob == pytest.approx(expected[position, token].item(), abs=1e-4)
+        _assert_top_two_and_ruled_out(list(top.values()), expected[position])
 
 
 @pytest.mark.parametrize(

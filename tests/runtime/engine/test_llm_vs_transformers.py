@@ -166,14 +166,18 @@ def test_prompt_hidden_states_match_transformers(arch_case) -> None:
 
 
 def assert_prompt_logprobs_match(
-    prompt: list[int], prompt_logprobs: list[Any] | None, logits: torch.Tensor, top: int
+    prompt: list[int],
+    prompt_logprobs: list[Any] | None,
+    logits: torch.Tensor,
+    top: int,
+    as_logits: bool = False,
 ) -> None:
     """kvfleet's prompt logprobs against the log-softmax of Transformers' logits over the prompt ([len,
-    vocab]): each token's logprob and rank, and the likeliest `top` in its place (by value: two near-tied
-    tokens may swap under a different summation order)."""
+    vocab]), or the logits themselves: each token's score and rank, and the likeliest `top` in its place (by
+    value: two near-tied tokens may swap under a different summation order)."""
     assert prompt_logprobs is not None and len(prompt_logprobs) == len(prompt)
     assert prompt_logprobs[0] is None
-    expected = torch.log_softmax(logits.float(), dim=-1)
+    expected = logits.float() if as_logits else torch.log_softmax(logits.float(), dim=-1)
     for position, (token, scores) in enumerate(zip(prompt[1:], prompt_logprobs[1:], strict=True)):
         reference = expected[position]
         assert scores.logprobs[token] == pytest.approx(reference[token].item(), abs=1e-4)
@@ -208,6 +212,37 @@ def test_prompt_logprobs_match_transformers(arch_case) -> None:
     plain = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=1))
     assert llm.llm_engine.stats.prefix_cache_hits > 0
     assert all(output.prompt_logprobs is None for output in plain)
+
+
+def test_raw_logits_mode_scores_prompt_and_answer_by_the_models_logits(
+    make_model: Callable[..., Path],
+) -> None:
+    """vLLM's logprobs_mode="raw_logits": a prompt's and an answer's tokens are scored by Transformers' logits
+    themselves, not their log-softmax."""
+    model_dir = make_model("llama", "tiny")
+    prompts = _prompts(json.loads((model_dir / "config.json").read_text())["vocab_size"])[:3]
+    llm = LLM(
+        str(model_dir),
+        dtype="float32",
+        num_gpu_blocks_override=64,
+        max_model_len=256,
+        logprobs_mode="raw_logits",
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=3, logprobs=2, prompt_logprobs=2)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    for prompt, output in zip(prompts, llm.generate(prompts, params), strict=True):
+        (completion,) = output.outputs
+        with torch.inference_mode():
+            logits = model(torch.tensor([prompt + completion.token_ids])).logits[0]
+        assert_prompt_logprobs_match(prompt, output.prompt_logprobs, logits[: len(prompt)], 2, as_logits=True)
+        for position, (token, scores) in enumerate(
+            zip(completion.token_ids, completion.logprobs, strict=True)
+        ):
+            reference = logits[len(prompt) - 1 + position]
+            assert max(reference) > 0  # logits, which no logprob can be
+            assert scores[token] == pytest.approx(reference[token].item(), abs=1e-4)
+            likeliest = sorted(scores.values(), reverse=True)[:2]
+            np.testing.assert_allclose(likeliest, reference.topk(2).values.tolist(), atol=1e-4)
 
 
 @pytest.mark.parametrize("variant", ["preemption", "preemption-host-tier"])

@@ -1,15 +1,24 @@
-"""The Sampler on hand-made logits: greedy, filters, penalties, min_tokens, seeds and logprobs."""
+"""The Sampler on hand-made logits: greedy, filters, penalties, min_tokens, seeds and logprobs (in vLLM's four
+modes, against Transformers' logits processors)."""
 
 from __future__ import annotations
 
 import math
 from collections import Counter
+from typing import Any
 
 import pytest
 import torch
 from kvfleet.runtime.request import Request
 from kvfleet.runtime.sampling_params import SamplingParams
 from kvfleet.runtime.worker.sampler import Sampler
+from transformers import (
+    MinPLogitsWarper,
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 VOCAB = 16
 EOS = 15
@@ -239,3 +248,63 @@ def test_top_p_wider_than_the_candidate_shortlist_is_exact() -> None:
     requests = [_request(f"r{i}", top_p=0.9) for i in range(3000)]
     tokens = Sampler(torch.device("cpu"), 7)(logits.expand(3000, -1).clone(), requests).token_ids
     assert last_kept - 20 < max(tokens) <= last_kept  # the nucleus's tail is reached but never passed
+
+
+# A sampled request and a greedy one, with every setting logprobs modes can see: a repetition penalty (over
+# the prompt and the output), temperature, min_p, top_k and top_p.
+SAMPLED = {"temperature": 0.7, "min_p": 0.02, "top_k": 6, "top_p": 0.8, "repetition_penalty": 1.3, "seed": 5}
+GREEDY_PENALISED = {"temperature": 0.0, "repetition_penalty": 1.3}
+TOP_N = 8
+
+
+def _transformers_processed(logits: torch.Tensor, seen: list[int], params: dict[str, Any]) -> torch.Tensor:
+    """One row's logits after its settings, by Transformers' logits processors in vLLM's order (penalty,
+    temperature, min_p, top_k, top_p); a greedy row is only penalised."""
+    input_ids = torch.tensor([seen])
+    processors: list[Any] = [RepetitionPenaltyLogitsProcessor(params["repetition_penalty"])]
+    if params["temperature"] > 0:
+        processors += [
+            TemperatureLogitsWarper(params["temperature"]),
+            MinPLogitsWarper(params["min_p"]),
+            TopKLogitsWarper(params["top_k"]),
+            TopPLogitsWarper(params["top_p"]),
+        ]
+    scores = logits.unsqueeze(0).clone()
+    for processor in processors:
+        scores = processor(input_ids, scores)
+    return scores[0]
+
+
+@pytest.mark.parametrize("mode", ["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"])
+def test_logprobs_modes_are_vllms_against_transformers_processors(mode: str) -> None:
+    vocab = 64
+    logits = torch.randn(2, vocab, generator=torch.Generator().manual_seed(3)) * 3
+    prompt, outputs = [1, 2], [int(logits[0].argmax()), 9]
+    requests = [
+        _request("sampled", prompt=prompt, outputs=outputs, logprobs=TOP_N, **SAMPLED),
+        _request("greedy", prompt=prompt, outputs=outputs, logprobs=TOP_N, **GREEDY_PENALISED),
+    ]
+    result = Sampler(torch.device("cpu"), 0, mode)(logits.clone(), requests)  # type: ignore[arg-type]
+    for row, params in enumerate((SAMPLED, GREEDY_PENALISED)):
+        expected = (
+            logits[row]
+            if mode.startswith("raw")
+            else _transformers_processed(logits[row], prompt + outputs, params)
+        )
+        if mode.endswith("logprobs"):
+            expected = torch.log_softmax(expected, dim=-1)
+        entry = result.logprobs[row]
+        assert entry is not None
+        token = result.token_ids[row]
+        assert math.isfinite(entry[token]) and entry[token] == pytest.approx(expected[token].item(), abs=1e-5)
+        # The top N by the mode's scores; ties among the tokens filtered out (-inf) may be any of them.
+        finite = {t: v for t, v in entry.items() if math.isfinite(v)}
+        best = expected.topk(TOP_N)
+        expected_finite = {
+            t: v for t, v in zip(best.indices.tolist(), best.values.tolist(), strict=True) if math.isfinite(v)
+        }
+        assert finite == pytest.approx(expected_finite, abs=1e-5)
+        assert len(entry) == TOP_N and all(v == -math.inf for v in entry.values() if not math.isfinite(v))
+    if mode.startswith("processed"):
+        # The settings left fewer than TOP_N tokens to the sampled row, the rest scoring -inf.
+        assert sum(math.isfinite(v) for v in (result.logprobs[0] or {}).values()) < TOP_N

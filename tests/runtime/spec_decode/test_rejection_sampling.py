@@ -4,6 +4,8 @@ independently (penalties, temperature, top-k and top-p applied by hand in numpy)
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -111,3 +113,34 @@ def test_a_seeded_request_verifies_the_same_way_whatever_else_is_in_the_batch() 
         return Sampler(torch.device("cpu"), seed=others).verify(logits, batch).token_ids[-1]
 
     assert run(0) == run(5)
+
+
+def test_processed_logprobs_of_verified_tokens_are_the_targets_distribution() -> None:
+    """vLLM's processed_logprobs while verifying: each emitted token's logprobs are those of the distribution
+    it was drawn from at its position (after the drafts before it); a raw run's, the model's logits'."""
+    drafts = [0, 1]
+    requests = []
+    for i in range(200):
+        request = Request(f"r{i}", PROMPT, SamplingParams(**PARAMS, logprobs=len(BASE_LOGITS)))  # type: ignore[arg-type]
+        request.append_output_token_ids(OUTPUT)
+        requests.append(request)
+    batch = SpeculativeBatch.of(requests, [drafts] * len(requests))
+    logits = torch.tensor(BASE_LOGITS, dtype=torch.float32).repeat(len(batch.rows), 1)
+    processed = Sampler(torch.device("cpu"), 7, "processed_logprobs").verify(logits.clone(), batch)
+    raw = Sampler(torch.device("cpu"), 7).verify(logits.clone(), batch)
+    assert processed.token_ids == raw.token_ids  # the mode changes what is reported, not what is drawn
+    positions = [len(tokens) for tokens in processed.token_ids]
+    assert {1, 2, 3} <= set(positions)  # rejections at every position, and runs with all drafts accepted
+    raw_expected = np.log(np.exp(BASE_LOGITS) / np.exp(BASE_LOGITS).sum())
+    for tokens, processed_entries, raw_entries in zip(
+        processed.token_ids, processed.logprobs, raw.logprobs, strict=True
+    ):
+        assert processed_entries is not None and raw_entries is not None
+        for position, (entry, raw_entry) in enumerate(zip(processed_entries, raw_entries, strict=True)):
+            with np.errstate(divide="ignore"):
+                expected = np.log(_target_distribution(OUTPUT + drafts[:position]))
+            assert set(entry) == set(range(len(BASE_LOGITS))) and math.isfinite(entry[tokens[position]])
+            np.testing.assert_allclose([entry[t] for t in range(len(BASE_LOGITS))], expected, atol=1e-5)
+            np.testing.assert_allclose(
+                [raw_entry[t] for t in range(len(BASE_LOGITS))], raw_expected, atol=1e-5
+            )
