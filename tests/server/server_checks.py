@@ -1,10 +1,14 @@
-"""What the server tests share: OpenAI-shaped errors, and a request that must run on unharmed beside them."""
+"""What the server tests share: OpenAI-shaped errors, a request that must run on unharmed beside them, and
+long streams that hold a server's sequences."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import threading
 import time
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -17,6 +21,9 @@ if TYPE_CHECKING:
 
 # Long enough to outlast the bad requests of a test, short enough to keep the tests quick.
 BESIDE_MAX_TOKENS = 1000
+RUNNING, WAITING = "kvfleet:num_requests_running", "kvfleet:num_requests_waiting"
+# As long as the tiny model's context allows after a short prompt: a second or two each.
+OCCUPANT_TOKENS = 2040
 WAIT_S = 180.0
 
 
@@ -191,3 +198,45 @@ def encoder_runs(server: ServerProcess) -> float:
     return next(
         value for name, value in server.metrics().items() if name.startswith("kvfleet:mm_encoder_runs")
     )
+
+
+async def until_metrics(server: ServerProcess, names: tuple[str, ...], value: float) -> None:
+    """Waits until the metrics `names` add up to `value`."""
+    for _ in range(2000):
+        metrics = await asyncio.to_thread(server.metrics)
+        if sum(metrics[name] for name in names) == value:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"{' + '.join(names)} never reached {value}")
+
+
+@contextlib.asynccontextmanager
+async def occupied(
+    server: ServerProcess, prompts: Sequence[str], max_tokens: int = OCCUPANT_TOKENS
+) -> AsyncIterator[None]:
+    """A server that runs one sequence at a time held by long streams, one a prompt, the first running (its
+    first tokens out) and the others queued behind it in order, while the block runs; their clients leave
+    after."""
+    body = {"model": "tiny", "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
+    first_tokens = asyncio.Event()
+
+    async def occupy(client: httpx.AsyncClient, prompt: str) -> None:
+        async with client.stream("POST", "/v1/completions", json={**body, "prompt": prompt}) as response:
+            assert response.status_code == 200
+            async for _ in response.aiter_lines():
+                first_tokens.set()
+
+    async with httpx.AsyncClient(base_url=server.url, headers=server.headers(), timeout=120) as client:
+        occupants = []
+        for started, prompt in enumerate(prompts, start=1):
+            occupants.append(asyncio.create_task(occupy(client, prompt)))
+            if started == 1:
+                await asyncio.wait_for(first_tokens.wait(), 60)
+            await until_metrics(server, (RUNNING, WAITING), started)
+        try:
+            yield
+        finally:
+            assert not occupants[-1].done(), "the occupants all ended while the test still held them"
+            for occupant in occupants:
+                occupant.cancel()
+            await asyncio.gather(*occupants, return_exceptions=True)

@@ -19,19 +19,16 @@ import httpx
 import openai
 import pytest
 from kvfleet.runtime.server.streaming import SSE_KEEP_ALIVE, with_keep_alive
-from server_checks import finished_count, wait_idle
+from server_checks import RUNNING, WAITING, finished_count, occupied, until_metrics, wait_idle
 
 if TYPE_CHECKING:
     from servers import ServerProcess
 
 KEEP_ALIVE_S = 0.5
 COMMENT = ": keep-alive"
-# As long as the tiny model's context allows, a second or two each: together they run for longer than any
-# test holds them.
-OCCUPANT_TOKENS = 2040
-OCCUPANTS = 4
+# Long streams on the server's one sequence: together they run for longer than any test holds them.
+OCCUPANTS = ["go on"] * 4
 PROMPT = "The quick brown fox"
-RUNNING, WAITING = "kvfleet:num_requests_running", "kvfleet:num_requests_waiting"
 
 
 @pytest.fixture(scope="module")
@@ -41,42 +38,6 @@ def server(start_server: Any) -> ServerProcess:
 
 async def _metric(server: ServerProcess, name: str) -> float:
     return (await asyncio.to_thread(server.metrics))[name]
-
-
-async def _until(server: ServerProcess, names: tuple[str, ...], value: float) -> None:
-    """Waits until the metrics `names` add up to `value`."""
-    for _ in range(2000):
-        metrics = await asyncio.to_thread(server.metrics)
-        if sum(metrics[name] for name in names) == value:
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError(f"{' + '.join(names)} never reached {value}")
-
-
-@contextlib.asynccontextmanager
-async def occupied(server: ServerProcess) -> AsyncIterator[None]:
-    """The server's one sequence held by long streams, one running and the others queued behind it, while
-    the block runs; their clients leave after."""
-    body = {"model": "tiny", "prompt": "go on", "max_tokens": OCCUPANT_TOKENS, "ignore_eos": True}
-
-    async def occupy(client: httpx.AsyncClient) -> None:
-        async with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
-            assert response.status_code == 200
-            async for _ in response.aiter_lines():
-                pass
-
-    async with httpx.AsyncClient(base_url=server.url, headers=server.headers(), timeout=120) as client:
-        occupants = []
-        for started in range(1, OCCUPANTS + 1):
-            occupants.append(asyncio.create_task(occupy(client)))
-            await _until(server, (RUNNING, WAITING), started)
-        try:
-            yield
-        finally:
-            assert not occupants[-1].done(), "the occupants all ended while the test still held them"
-            for occupant in occupants:
-                occupant.cancel()
-            await asyncio.gather(*occupants, return_exceptions=True)
 
 
 class RawStream:
@@ -131,7 +92,7 @@ def test_a_queued_stream_opens_with_comments_then_streams_what_an_unstreamed_req
     body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 24, "temperature": 0}
 
     async def run() -> RawStream:
-        async with occupied(server):
+        async with occupied(server, OCCUPANTS):
             stream = RawStream(server, body)
             await stream.comments(2)
             assert stream.status == 200 and stream.data() == [], "it opened with its first token, not before"
@@ -153,7 +114,7 @@ def test_the_openai_sdk_reads_a_chat_stream_that_opened_with_comments(server: Se
     client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
 
     async def streamed() -> str:
-        async with occupied(server):
+        async with occupied(server, OCCUPANTS):
             stream = await client.chat.completions.create(
                 model="tiny", messages=messages, max_tokens=16, temperature=0, stream=True
             )
@@ -173,7 +134,7 @@ def test_a_failure_after_the_stream_opened_is_its_last_event(server: ServerProce
     body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 8, "timeout": 3 * KEEP_ALIVE_S}
 
     async def run() -> tuple[RawStream, float]:
-        async with occupied(server):
+        async with occupied(server, OCCUPANTS):
             stream = RawStream(server, body)
             await stream.end()
             running = await _metric(server, RUNNING)
@@ -194,7 +155,7 @@ def test_a_failure_before_the_interval_keeps_its_status(server: ServerProcess) -
     body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 8, "timeout": 0.05}
 
     async def run() -> RawStream:
-        async with occupied(server):
+        async with occupied(server, OCCUPANTS):
             stream = RawStream(server, body)
             await stream.end()
         return stream
@@ -209,11 +170,11 @@ def test_a_client_that_leaves_while_its_stream_waits_aborts_it(server: ServerPro
     aborted = finished_count(server, "abort")
 
     async def run() -> tuple[float, float]:
-        async with occupied(server):
+        async with occupied(server, OCCUPANTS):
             stream = RawStream(server, {"model": "tiny", "prompt": PROMPT, "max_tokens": 8})
             await stream.comments(1)
             await stream.leave()
-            await _until(server, (WAITING,), OCCUPANTS - 1)
+            await until_metrics(server, (WAITING,), len(OCCUPANTS) - 1)
             return await _metric(server, RUNNING), finished_count(server, "abort")
 
     running, aborted_while_held = asyncio.run(run())
