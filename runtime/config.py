@@ -153,6 +153,18 @@ class EngineConfig:
         default=0,
     )
     scheduling_policy: SchedulingPolicy = _option("fcfs, or priority (lower value first).", default="fcfs")
+    max_num_queued_reqs: int | None = _option(
+        "vLLM's: the most requests the API server holds unfinished (waiting or running; one of n sequences "
+        "counts n). A request past it gets a 503 at once, which a load balancer or the fleet gateway retries "
+        "on another replica. With several API servers each holds its share. By default none.",
+        default=None,
+    )
+    max_num_queued_tokens: int | None = _option(
+        "vLLM's: once the prompts of the requests waiting for their first token hold this many tokens, a new "
+        "request gets a 503 (a TTFT valve: about the TTFT target times the prefill tokens a second). With "
+        "several API servers each holds its share. By default none.",
+        default=None,
+    )
     enable_sleep_mode: bool = _option(
         "vLLM's sleep mode: the engine can free its KV cache (sleep level 1; the weights stay in host "
         "memory) or its weights too (level 2) while idle, and take them back on wake-up (POST /sleep, "
@@ -299,6 +311,9 @@ class EngineConfig:
         require(power_of_two, "block_size must be a power of two")
         require(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization must be in (0, 1]")
         require(self.long_prefill_token_threshold >= 0, "long_prefill_token_threshold must be 0 or more")
+        for name in ("max_num_queued_reqs", "max_num_queued_tokens"):
+            value = getattr(self, name)
+            require(value is None or value >= 0, f"{name} must be 0 or more")
         for name in _POSITIVE_OR_UNSET:
             value = getattr(self, name)
             require(value is None or value > 0, f"{name} must be positive")

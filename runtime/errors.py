@@ -44,6 +44,21 @@ class RequestShedError(EngineOverloadedError):
     kind = "shed"
 
 
+# The engine options vLLM's queue limits are set by, which name the limit a QueueLimitError met.
+QUEUE_LIMITS = ("max_num_queued_reqs", "max_num_queued_tokens")
+
+
+class QueueLimitError(EngineError):
+    """vLLM's queue limits: admitting the request would take this API server past one of them, named by
+    `limit` (the engine option's name). Raised where requests are admitted, never sent between processes."""
+
+    kind = "queue_limit"
+
+    def __init__(self, message: str, limit: str) -> None:
+        super().__init__(message)
+        self.limit = limit
+
+
 class RequestFailedError(EngineError):
     """The engine failed while running this request; the others go on."""
 

@@ -40,6 +40,7 @@ from kvfleet.contract.metrics import (
     WAITING,
 )
 from kvfleet.runtime.core.outputs import SchedulerStats
+from kvfleet.runtime.errors import QUEUE_LIMITS
 from prometheus_client import (
     CollectorRegistry,
     Counter,
@@ -154,14 +155,26 @@ class ServerMetrics:
             ["model_name", "lora_name"],
             registry=self.registry,
         )
-        self._rejected = Counter(
+        self._rejected, self._admission_rejections = self._rejection_counters()
+        self._resumed_requests, self._resumed_tokens = self._continuation_counters()
+
+    def _rejection_counters(self) -> tuple[Counter, Counter]:
+        """Requests refused before running, kvfleet's by reason and tier; and vLLM's admission_rejections,
+        those a queue limit refused, by the limit."""
+        rejected = Counter(
             "kvfleet:requests_rejected",
             "Requests refused before running: overloaded (queue full), shed (displaced by a higher tier), "
-            "draining, unavailable.",
+            "draining, unavailable, or a queue limit (max_num_queued_reqs, max_num_queued_tokens).",
             ["model_name", "reason", "tier"],
             registry=self.registry,
         )
-        self._resumed_requests, self._resumed_tokens = self._continuation_counters()
+        admission_rejections = Counter(
+            "vllm:admission_rejections",
+            "Requests refused by a queue limit (max_num_queued_reqs, max_num_queued_tokens), by the limit.",
+            ["model_name", "reason"],
+            registry=self.registry,
+        )
+        return rejected, admission_rejections
 
     def _continuation_counters(self) -> tuple[Counter, Counter]:
         """kvfleet's alone: continuations served, and the output tokens they brought that were computed
@@ -261,6 +274,8 @@ class ServerMetrics:
 
     def record_rejected(self, reason: str, tier: str) -> None:
         self._rejected.labels(model_name=self.model_name, reason=reason, tier=tier).inc()
+        if reason in QUEUE_LIMITS:
+            self._admission_rejections.labels(model_name=self.model_name, reason=reason).inc()
 
     def record_resumed(self, tier: str, num_prefilled_tokens: int) -> None:
         """A continuation arrived; `num_prefilled_tokens` of the output it brings are computed again."""

@@ -11,7 +11,6 @@ _ONE_ENGINE = (
     "`kvfleet serve` processes behind `kvfleet gateway`)"
 )
 _EAGER = "the model runs eagerly, without torch.compile or CUDA graphs"
-_QUEUE = "--max-waiting-requests bounds the queue (429 past it, the lowest tier shed first)"
 
 NOT_TAKEN: dict[str, str] = {
     "--async-scheduling": "kvfleet's engine core schedules each step once the previous step's outputs are in",
@@ -26,8 +25,6 @@ NOT_TAKEN: dict[str, str] = {
     "-O": _EAGER,
     "--cudagraph-capture-sizes": _EAGER,
     "--max-cudagraph-capture-size": _EAGER,
-    "--max-num-queued-reqs": _QUEUE,
-    "--max-num-queued-tokens": _QUEUE,
     "--swap-space": "a preempted request's KV waits in the host tier that --kv-offloading-size (GiB) sets",
     "--cpu-offload-gb": "the weights stay on the device",
     "--guided-decoding-backend": "vLLM's older flag: --structured-outputs-config takes the backend",

@@ -25,6 +25,7 @@ from kvfleet.runtime.engine.core_client import EngineCoreAddress, EngineCoreClie
 from kvfleet.runtime.engine.messages import EngineCoreOutputs, EngineInfo
 from kvfleet.runtime.engine.output_processor import OutputProcessor
 from kvfleet.runtime.engine.outputs import OutputKind, RequestOutput
+from kvfleet.runtime.engine.queue_limits import QueueLimits
 from kvfleet.runtime.engine.sequences import ResumedSequence, sequence_ids, sequence_requests
 from kvfleet.runtime.errors import (
     EngineDeadError,
@@ -33,6 +34,7 @@ from kvfleet.runtime.errors import (
     EngineOverloadedError,
     EngineShutdownError,
     InvalidRequestError,
+    QueueLimitError,
     error_of_kind,
 )
 from kvfleet.runtime.lora.request import LoRARequest
@@ -60,6 +62,10 @@ class _Stream:
     queue: asyncio.Queue[RequestOutput | BaseException]
     tier: str
     tracker: RequestTracker | None
+    # What the request counts against the queue limits: its sequences, and its prompt's tokens until its
+    # first output.
+    num_sequences: int
+    queued_tokens: int
     # A choice's tokens wait here until it has this many new ones (vLLM's stream interval); its first token
     # and its finish are handed out at once.
     interval: int = 1
@@ -94,6 +100,7 @@ class AsyncLLM:
         core_address: EngineCoreAddress | None = None,
         core_process: EngineCoreProcess | None = None,
         client_index: int = 0,
+        api_server_count: int = 1,
         metrics: ServerMetrics | None = None,
         tracing: RequestTracing | None = None,
         tier_of: Callable[[int], str] = str,
@@ -106,6 +113,7 @@ class AsyncLLM:
         self.config = config
         self._core_address = core_process.address if core_process is not None else core_address
         self._client_index = client_index
+        self._queue_limits = QueueLimits.share(config, api_server_count, client_index)
         self._metrics = metrics
         # Each request's span, ended with its metrics' observations (with metrics only).
         self._tracing = tracing
@@ -244,6 +252,8 @@ class AsyncLLM:
         assert self._client is not None and self.output_processor is not None
         if request_id in self._streams:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        if self._queue_limits is not None:
+            self._check_queue_limits(self._queue_limits, params.n, priority)
         self.output_processor.add_request(
             request_id,
             None,
@@ -297,6 +307,16 @@ class AsyncLLM:
                     stream.tracker.aborted()
                 self._forget(request_id)
 
+    def _check_queue_limits(self, limits: QueueLimits, n: int, priority: int) -> None:
+        streams = self._streams.values()
+        num_sequences = sum(stream.num_sequences for stream in streams)
+        try:
+            limits.check(num_sequences, sum(stream.queued_tokens for stream in streams), n)
+        except QueueLimitError as error:
+            if self._metrics is not None:
+                self._metrics.record_rejected(error.limit, self._tier_of(priority))
+            raise
+
     def _open_stream(
         self,
         request_id: str,
@@ -313,7 +333,7 @@ class AsyncLLM:
             span = self._tracing.start(request_id, params, arrival) if self._tracing is not None else None
             tracker = self._metrics.track(tier, num_prompt_tokens, lora_name, span)
         interval = max(params.stream_interval or 1, self.config.stream_interval)
-        return _Stream(asyncio.Queue(), tier, tracker, interval)
+        return _Stream(asyncio.Queue(), tier, tracker, params.n, num_prompt_tokens, interval)
 
     def _remaining_startup_time(self, arrival: float) -> float | None:
         if self.startup_request_timeout is None:
@@ -395,6 +415,7 @@ class AsyncLLM:
                 continue
             if stream.tracker is not None:
                 stream.tracker.observe(output)
+            stream.queued_tokens = 0
             stream.finished = output.finished
             stream.hand_out(output)
 

@@ -125,6 +125,7 @@ def run_api_server(
         core_address=core_address,
         core_process=core_process,
         client_index=client_index,
+        api_server_count=options.api_server_count,
         metrics=metrics,
         tracing=tracing,
         tier_of=tier_of,

@@ -24,6 +24,7 @@ from kvfleet.runtime.errors import (
     GrammarTimeoutError,
     InvalidContinuationError,
     InvalidRequestError,
+    QueueLimitError,
     RequestShedError,
 )
 
@@ -41,6 +42,8 @@ def from_engine_error(error: EngineError) -> OpenAIError:
         return OverloadedError(message, code="shed")
     if isinstance(error, EngineOverloadedError):
         return OverloadedError(message)
+    if isinstance(error, QueueLimitError):
+        return ServiceUnavailableError(message, code=error.limit)
     if isinstance(error, EngineNotReadyError):
         return ServiceUnavailableError(message, code="not_ready")
     if isinstance(error, EngineShutdownError):
