@@ -102,6 +102,12 @@ def _api_key(ctx: click.Context, param: click.Parameter, value: str | None) -> s
 @click.option("--host", default="0.0.0.0", show_default=True)
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
 @click.option(
+    "--uds",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="vLLM's: serve on this Unix domain socket (a stale one is replaced) instead of --host and --port.",
+)
+@click.option(
     "--api-key",
     default=None,
     envvar=_API_KEY_ENV,
@@ -313,6 +319,12 @@ def _api_key(ctx: click.Context, param: click.Parameter, value: str | None) -> s
     help="vLLM's: no access log, whatever --access-log says (kvfleet writes none by default).",
 )
 @click.option(
+    "--disable-access-log-for-endpoints",
+    default=None,
+    metavar="PATHS",
+    help="vLLM's: comma-separated paths the access log leaves out, such as the probes' (/health,/metrics).",
+)
+@click.option(
     "--disable-log-stats",
     is_flag=True,
     help="Accepted for vLLM's command lines: kvfleet logs no periodic statistics (GET /metrics serves them).",
@@ -489,7 +501,20 @@ def _api_key(ctx: click.Context, param: click.Parameter, value: str | None) -> s
     "--max-log-len",
     type=click.IntRange(min=0),
     default=None,
-    help="vLLM's: the most prompt token ids a request's log shows; all of them by default.",
+    help="vLLM's: the most prompt token ids a request's log shows (and output characters and token ids, "
+    "with --enable-log-outputs); all of them by default.",
+)
+@click.option(
+    "--enable-log-outputs",
+    is_flag=True,
+    help="vLLM's: log what each request generated, its text and finish reason at INFO and its token ids at "
+    "DEBUG (the first --max-log-len of each). Needs --enable-log-requests.",
+)
+@click.option(
+    "--enable-log-deltas/--no-enable-log-deltas",
+    default=True,
+    show_default=True,
+    help="vLLM's: with --enable-log-outputs, a stream's every delta is logged too, not only its whole.",
 )
 @click.option(
     "--disable-log-requests",
@@ -577,7 +602,9 @@ def serve(model_tag: str | None, model: str | None, host: str, port: int, **opti
             settings=settings,
             host=host,
             port=port,
+            uds=options["uds"],
             access_log=options["access_log"] and not options["disable_uvicorn_access_log"],
+            access_log_excluded_paths=_excluded_paths(options["disable_access_log_for_endpoints"]),
             uvicorn_log_level=options["uvicorn_log_level"],
             startup_request_timeout=options["startup_request_timeout"],
             api_server_count=options["api_server_count"],
@@ -588,6 +615,15 @@ def serve(model_tag: str | None, model: str | None, host: str, port: int, **opti
         core.stop()
         raise
     sys.exit(run_server(config, serve_options, core))
+
+
+def _excluded_paths(value: str | None) -> frozenset[str]:
+    from kvfleet.runtime.server.access_log import parse_paths
+
+    try:
+        return parse_paths(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--disable-access-log-for-endpoints") from exc
 
 
 def _stored_responses(value: int | None) -> int:
@@ -627,6 +663,8 @@ def _model_folder(
 
 def _refuse_what_cannot_be_honoured(options: dict[str, Any]) -> None:
     """vLLM's flags that kvfleet takes, refused at start for the values it cannot honour."""
+    if options["enable_log_outputs"] and not options["enable_log_requests"]:
+        raise click.BadParameter("needs --enable-log-requests, as vLLM's", param_hint="--enable-log-outputs")
     refusal = kv_cache_dtype_refusal(options["kv_cache_dtype"])
     if refusal is not None:
         raise click.BadParameter(refusal, param_hint="--kv-cache-dtype")

@@ -10,11 +10,13 @@ server dies, the rest are stopped and the command exits non-zero.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import tempfile
 import time
@@ -39,6 +41,8 @@ logger = logging.getLogger(__name__)
 
 # How often the supervisor looks at its children.
 _SUPERVISE_POLL_S = 0.2
+# Connections the listening socket of several API servers queues before they accept them.
+_BACKLOG = 2048
 
 
 @dataclass(frozen=True)
@@ -48,7 +52,11 @@ class ServeOptions:
     settings: ServerSettings
     host: str = "0.0.0.0"
     port: int = 8000
+    # A Unix domain socket served instead of host and port.
+    uds: str | None = None
     access_log: bool = False
+    # Paths whose requests the access log leaves out.
+    access_log_excluded_paths: frozenset[str] = frozenset()
     # The HTTP server's own log level (uvicorn's names); None: the process's.
     uvicorn_log_level: str | None = None
     startup_request_timeout: float | None = None
@@ -106,6 +114,7 @@ def run_api_server(
         from kvfleet.contract.tiers import tier_of
         from kvfleet.runtime.engine.async_llm import AsyncLLM
         from kvfleet.runtime.metrics import ServerMetrics
+        from kvfleet.runtime.server.access_log import ACCESS_LOGGER, ExcludedPaths
         from kvfleet.runtime.server.app import build_app
         from kvfleet.runtime.server.http_protocol import TimedH11Protocol
         from kvfleet.runtime.server.runner import GRACEFUL_SHUTDOWN_TIMEOUT_S, DrainingServer
@@ -145,10 +154,13 @@ def run_api_server(
         )
     with STARTUP_PHASES.phase("api_server_app"):
         app = build_app(state)
+    if options.access_log and options.access_log_excluded_paths:
+        logging.getLogger(ACCESS_LOGGER).addFilter(ExcludedPaths(options.access_log_excluded_paths))
     uvicorn_config = uvicorn.Config(
         app,
         host=options.host,
         port=options.port,
+        uds=options.uds,
         log_level=options.uvicorn_log_level or logging.getLogger().getEffectiveLevel(),
         log_config=None,
         access_log=options.access_log,
@@ -190,7 +202,7 @@ def _api_server_main(
 def _supervise(config: EngineConfig, options: ServeOptions, core: EngineCoreProcess) -> int:
     from kvfleet.runtime.metrics import MULTIPROCESS_DIR
 
-    listen_socket = socket.create_server((options.host, options.port), backlog=2048)
+    listen_socket = _listen_socket(options)
     metrics_dir = tempfile.mkdtemp(prefix="kvfleet-metrics-")
     # Every API server records its request metrics there, and each one's /metrics adds them all up.
     os.environ[MULTIPROCESS_DIR] = metrics_dir
@@ -245,6 +257,20 @@ def _supervise(config: EngineConfig, options: ServeOptions, core: EngineCoreProc
                 process.kill()
             process.wait()
         shutil.rmtree(metrics_dir, ignore_errors=True)
+
+
+def _listen_socket(options: ServeOptions) -> socket.socket:
+    """The socket every API server accepts on: the Unix domain socket asked for (a stale one replaced, as
+    one server would), else host and port."""
+    if options.uds is None:
+        return socket.create_server((options.host, options.port), backlog=_BACKLOG)
+    with contextlib.suppress(FileNotFoundError):
+        if stat.S_ISSOCK(os.stat(options.uds).st_mode):
+            os.unlink(options.uds)
+    listening = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listening.bind(options.uds)
+    listening.listen(_BACKLOG)
+    return listening
 
 
 if __name__ == "__main__":

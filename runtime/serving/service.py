@@ -62,6 +62,7 @@ from kvfleet.runtime.sampling_params import (
 from kvfleet.runtime.serving.chat import ChatRoute
 from kvfleet.runtime.serving.completions import CompletionRoute
 from kvfleet.runtime.serving.errors import from_engine_error
+from kvfleet.runtime.serving.output_log import logged_outputs
 from kvfleet.runtime.serving.protocol import (
     ChatCompletionRequest,
     ChatMessage,
@@ -137,6 +138,10 @@ class ServiceSettings:
     # first max_log_len of them; all with None).
     enable_log_requests: bool = False
     max_log_len: int | None = None
+    # vLLM's: each sequence's output logged as it finishes (its text at INFO, its token ids at DEBUG), and a
+    # stream's every delta with enable_log_deltas.
+    enable_log_outputs: bool = False
+    enable_log_deltas: bool = True
 
     def template_kwargs(self, requested: dict[str, Any] | None) -> dict[str, Any]:
         """The chat template's variables for a request: its own over the server's defaults."""
@@ -561,7 +566,7 @@ class OpenAIService:
 
     def outputs(self, request: PreparedRequest, *, stream: bool = False) -> AsyncIterator[RequestOutput]:
         """The delta outputs of every prompt of the request, in arrival order; behind the request's input
-        check, and when streamed its output checked window by window."""
+        check, when streamed its output checked window by window, and logged where the server logs outputs."""
         streams = [
             self.engine.generate(
                 request_id,
@@ -581,11 +586,15 @@ class OpenAIService:
         ]
         outputs = streams[0] if len(streams) == 1 else merge_streams(streams)
         safety = request.safety
-        if safety is None:
-            return outputs
-        outputs = safety.after_input_check(outputs)
-        if stream and safety.checks_output:
-            outputs = safety.output_windows(outputs, request.engine_request_ids, request.params.n)
+        if safety is not None:
+            outputs = safety.after_input_check(outputs)
+            if stream and safety.checks_output:
+                outputs = safety.output_windows(outputs, request.engine_request_ids, request.params.n)
+        settings = self.settings
+        if settings.enable_log_outputs:
+            outputs = logged_outputs(
+                outputs, streamed=stream, deltas=settings.enable_log_deltas, max_log_len=settings.max_log_len
+            )
         return outputs
 
     async def complete(self, request: PreparedRequest) -> dict[str, Any]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -762,6 +763,8 @@ def test_a_config_file_it_cannot_read_is_refused(
         (["--long-prefill-token-threshold", "-1"], "long_prefill_token_threshold"),
         (["--load-format", "pt"], "--load-format"),
         (["--tokenizer-mode", "mistral"], "--tokenizer-mode"),
+        (["--enable-log-outputs"], "--enable-log-outputs"),
+        (["--disable-access-log-for-endpoints", "/health,metrics"], "--disable-access-log-for-endpoints"),
     ],
 )
 def test_flags_it_cannot_honour_are_refused_by_name(tiny_llama: Path, flags: list[str], named: str) -> None:
@@ -810,8 +813,8 @@ def test_server_defaults_for_sampling_templates_and_roles(
 ) -> None:
     """--override-generation-config over vLLM's own defaults, --default-chat-template-kwargs under a
     request's, --response-role for answers the generation prompt opens (others go on in the last message's
-    role), --enable-log-requests, --return-tokens-as-token-ids and --exclude-tools-when-tool-choice-none, each
-    as vLLM's server takes them."""
+    role), --enable-log-requests with --enable-log-outputs, --return-tokens-as-token-ids and
+    --exclude-tools-when-tool-choice-none, each as vLLM's server takes them."""
     template = tmp_path / "template.jinja"
     template.write_text(CHAT_TEMPLATE)
     other = start_server(
@@ -819,7 +822,7 @@ def test_server_defaults_for_sampling_templates_and_roles(
         "--default-chat-template-kwargs", '{"enable_thinking": false}', "--response-role", "narrator",
         "--chat-template", str(template),
         "--enable-log-requests", "--max-log-len", "3", "--log-level", "debug", "--return-tokens-as-token-ids",
-        "--exclude-tools-when-tool-choice-none",
+        "--exclude-tools-when-tool-choice-none", "--enable-log-outputs",
     )  # fmt: skip
     client = openai.OpenAI(base_url=f"{other.url}/v1", api_key="unused", max_retries=0, timeout=60)
     extra = {"ignore_eos": True, "return_token_ids": True}
@@ -831,6 +834,21 @@ def test_server_defaults_for_sampling_templates_and_roles(
     log = other.log_path.read_text()
     assert f"Received request {chat.id}: params: SamplingParams(" in log
     assert f"Request {chat.id} prompt_token_ids: [{_rendered(tokenizer, enable_thinking=False)[:3]}]" in log
+    # What it generated, cut to --max-log-len: its text at INFO, its token ids at DEBUG.
+    text, answer_ids = chat.choices[0].message.content or "", chat.choices[0].token_ids  # type: ignore[attr-defined]
+    logged = f"Generated response {chat.id}-0 choice 0: output: {text[:3]!r}, finish_reason: length"
+    assert logged in log
+    assert f"Generated response {chat.id}-0 choice 0: output_token_ids: {answer_ids[:3]}" in log
+    streamed = list(
+        client.completions.create(model="tiny", prompt=PROMPT, max_tokens=3, stream=True, extra_body=extra)
+    )
+    stream_id = streamed[0].id
+    deltas = [event.choices[0] for event in streamed if event.choices and event.choices[0].token_ids]  # type: ignore[attr-defined]
+    log = other.log_path.read_text()
+    assert log.count(f"Generated response {stream_id}-0 choice 0 (delta): output: ") == len(deltas) >= 1
+    whole = "".join(delta.text for delta in deltas)
+    completed = f"Generated response {stream_id}-0 choice 0 (stream complete): output: {whole[:3]!r}"
+    assert f"{completed}, finish_reason: length" in log
     thinking = {**extra, "chat_template_kwargs": {"enable_thinking": True}}
     asked = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=1, extra_body=thinking)
     assert asked.prompt_token_ids == _rendered(tokenizer)  # type: ignore[attr-defined]
@@ -859,6 +877,49 @@ def test_server_defaults_for_sampling_templates_and_roles(
         token_ids = completion.choices[0].token_ids  # type: ignore[attr-defined]
         names = [f"token_id:{t}" if by_id else tokenizer.decode([t]) for t in token_ids]
         assert completion.choices[0].logprobs.tokens == names
+
+
+def test_a_unix_socket_server_whose_access_log_leaves_out_the_probes(
+    start_server: Callable[..., ServerProcess], tmp_path: Path
+) -> None:
+    """--uds serves on a Unix domain socket instead of --host and --port (a stale socket file replaced), and
+    --disable-access-log-for-endpoints keeps the probes' paths out of the access log, whatever their query."""
+    path = tmp_path / "kvfleet.sock"
+    stale = socket.socket(socket.AF_UNIX)
+    stale.bind(str(path))
+    stale.close()
+    server = start_server(
+        "--uds",
+        str(path),
+        "--access-log",
+        "--disable-access-log-for-endpoints",
+        "/health, /metrics",
+        wait=False,
+    )
+    with httpx.Client(
+        transport=httpx.HTTPTransport(uds=str(path)), base_url="http://kvfleet", timeout=60
+    ) as client:
+        deadline = time.monotonic() + 180
+        while not _answers(client, "/ready"):
+            assert server.process.poll() is None and time.monotonic() < deadline, server.log_tail()
+            time.sleep(0.2)
+        for probe in ("/health", "/metrics", "/health?probe=1"):
+            assert client.get(probe).status_code == 200
+        assert client.get("/v1/models").status_code == 200
+        answer = client.post("/v1/completions", json={"model": "tiny", "prompt": PROMPT, "max_tokens": 2})
+        assert answer.status_code == 200, answer.text
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"{server.url}/health", timeout=5)  # --host and --port are not served
+    log = server.log_path.read_text()
+    assert '"GET /v1/models HTTP/1.1" 200' in log and '"POST /v1/completions HTTP/1.1" 200' in log
+    assert "GET /health" not in log and "GET /metrics" not in log
+
+
+def _answers(client: httpx.Client, path: str) -> bool:
+    try:
+        return client.get(path).status_code == 200
+    except httpx.TransportError:
+        return False
 
 
 @pytest.mark.parametrize(
