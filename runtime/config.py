@@ -177,8 +177,9 @@ class EngineConfig:
     seed: int = _option("Seed of the engine's random generator (requests may bring their own).", default=0)
     logprobs_mode: LogprobsMode = _option(
         "vLLM's: what logprobs return. raw_logprobs (log-softmax of the model's logits) and raw_logits are "
-        "taken before any sampling setting; processed_logprobs and processed_logits after the request's "
-        "penalties, structured-output mask, temperature, min_p, top_k and top_p (tokens those filter out "
+        "taken before any sampling setting, within a structured output's grammar; processed_logprobs and "
+        "processed_logits after the request's logit_bias, allowed_token_ids, bad_words, penalties, "
+        "temperature, min_p, top_k and top_p (tokens those or the grammar rule out "
         "score -9999.0 in answers, as -inf cannot be written in JSON). A prompt's logprobs go through no "
         "sampling setting: its logits in the *_logits modes, their log-softmax in the others.",
         default="raw_logprobs",

@@ -105,7 +105,7 @@ class Request:
         self.deadline = deadline
         # The constraint of structured_outputs; the scheduler admits the request once it is compiled.
         self.grammar = grammar
-        # logit_bias, allowed_token_ids and bad_words, applied with the grammar's mask.
+        # allowed_token_ids, bad_words and logit_bias, applied after the raw logprobs are taken.
         self.token_rules = token_rules
         self.lora_request = lora_request
         # What the model makes this request's KV depend on besides its tokens (see chain_seed).

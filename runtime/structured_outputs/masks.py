@@ -1,12 +1,12 @@
-"""Applies the grammars and token rules (logit_bias, allowed_token_ids and bad_words) of a step's constrained
-rows to their logits, before sampling.
+"""Applies the grammars of a step's structured-output rows to their logits, first of all (as vLLM does, so
+that even raw logprobs are of what the grammar allows).
 
-One token bitmask (a bit per vocabulary entry) is filled for the rows that mask tokens and applied in one
-call; xgrammar fills every grammar row in one call. Filling does not need the logits, so when the model runs
-on an accelerator the model runner starts it (`prepare`) before the forward pass, on a thread of its own
-(xgrammar releases the GIL), and sampling only waits for it, if at all. On a CPU the forward pass keeps every
-core busy, and a thread beside it slows it down more than the fill costs: there the fill runs at sampling
-time. A batch without constrained rows costs one pass over its requests.
+One token bitmask (a bit per vocabulary entry) is filled for the rows with grammars, in one xgrammar call,
+and applied in one call. Filling does not need the logits, so when the model runs on an accelerator the model
+runner starts it (`prepare`) before the forward pass, on a thread of its own (xgrammar releases the GIL), and
+sampling only waits for it, if at all. On a CPU the forward pass keeps every core busy, and a thread beside it
+slows it down more than the fill costs: there the fill runs at sampling time. A batch without grammars costs
+one pass over its requests.
 """
 
 from __future__ import annotations
@@ -16,10 +16,9 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 from kvfleet.runtime.request import Request
-from kvfleet.runtime.structured_outputs.bitmasks import bitmask_width, clear_bits
+from kvfleet.runtime.structured_outputs.bitmasks import apply_bitmask
 
 if TYPE_CHECKING:
     import xgrammar
@@ -57,9 +56,8 @@ class GrammarMasks:
             self._prepared = (requests, self._filler.submit(self._fill_grammars, requests, matchers))
 
     def apply(self, logits: torch.Tensor, requests: Sequence[Request]) -> None:
-        """logits: [len(requests), vocab], modified in place: tokens a row's grammar, allowed_token_ids or
-        bad_words forbid get -inf, then logit_bias is added. Fills the grammar masks now if `prepare` was not
-        called for these requests."""
+        """logits: [len(requests), vocab], modified in place: tokens a row's grammar forbids get -inf. Fills
+        the grammar masks now if `prepare` was not called for these requests."""
         prepared, self._prepared = self._prepared, None
         if prepared is not None and prepared[0] is requests:
             masked = prepared[1].result()
@@ -68,32 +66,10 @@ class GrammarMasks:
                 prepared[1].exception()
             matchers = _matchers(requests)
             masked = self._fill_grammars(requests, matchers) if matchers else []
-        rule_rows = [row for row, request in enumerate(requests) if request.token_rules is not None]
-        if not masked and not rule_rows:
+        if not masked:
             return
         start = time.perf_counter()
-        # As wide as the grammars' rows: the model's vocabulary, which the logits span too.
-        bitmask = self._bitmask_for(len(requests), bitmask_width(logits.shape[1]))
-        for row in rule_rows:
-            request = requests[row]
-            rules = request.token_rules
-            assert rules is not None
-            if not rules.masks:
-                continue
-            if request.grammar is None:
-                bitmask[row] = -1  # every bit set: all allowed
-                masked.append(row)
-            if rules.allowed is not None:
-                bitmask[row] &= rules.allowed
-            clear_bits(bitmask[row], rules.banned(request.output_token_ids))
-        if masked:
-            _apply(logits, bitmask, masked)
-        for row in rule_rows:
-            rules = requests[row].token_rules
-            assert rules is not None
-            if rules.bias_token_ids is not None and rules.bias_values is not None:
-                ids = rules.bias_token_ids.to(logits.device)
-                logits[row].index_add_(0, ids, rules.bias_values.to(logits.device, logits.dtype))
+        apply_bitmask(logits, self._bitmask[: len(requests)], masked)
         self.num_steps += 1
         self.seconds += time.perf_counter() - start
 
@@ -119,7 +95,7 @@ class GrammarMasks:
                 bitmask[first_row + offset] &= grammar.token_filter
                 rows.append(first_row + offset)
             matcher.rollback(len(drafts))
-        _apply(logits, bitmask, rows)
+        apply_bitmask(logits, bitmask, rows)
         self.seconds += time.perf_counter() - start
 
     def _fill_grammars(
@@ -162,27 +138,3 @@ def _matchers(requests: Sequence[Request]) -> list[tuple[int, xgrammar.GrammarMa
     return [
         (row, request.grammar.matcher) for row, request in enumerate(requests) if request.grammar is not None
     ]
-
-
-def _apply(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
-    """-inf to the logits of `rows` where their bitmask row forbids the token."""
-    if logits.device.type == "cpu":
-        _apply_on_cpu(logits, bitmask, rows)
-        return
-    import xgrammar
-
-    xgrammar.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True), indices=rows)
-
-
-def _apply_on_cpu(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
-    """xgrammar's CPU kernel tests tokens one at a time; numpy unpacks the forbidden bits of all the rows at
-    once, and one masked_fill_ applies them: several times faster."""
-    if len(rows) < len(bitmask):
-        unmasked = torch.ones(len(bitmask), dtype=torch.bool)
-        unmasked[rows] = False
-        bitmask[unmasked] = -1  # every bit set: all allowed
-    # Little-endian int32 words as bytes, each unpacked least significant bit first: token order.
-    forbidden = np.unpackbits(
-        (~bitmask).numpy().view(np.uint8), axis=1, count=logits.shape[1], bitorder="little"
-    )
-    logits.masked_fill_(torch.from_numpy(forbidden.view(np.bool_)), float("-inf"))

@@ -1,14 +1,18 @@
-"""One request's token rules besides its grammar: logit_bias, allowed_token_ids and bad_words, applied in the
-same pass as the grammars' masks (masks.py)."""
+"""One request's token rules besides its grammar: allowed_token_ids, bad_words and logit_bias, applied as
+vLLM's first logits processors: after the raw logprobs are taken, before the penalties."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from kvfleet.runtime.sampling_params import SamplingParams
-from kvfleet.runtime.structured_outputs.bitmasks import pack_bits
+from kvfleet.runtime.structured_outputs.bitmasks import apply_bitmask, bitmask_width, clear_bits, pack_bits
+
+if TYPE_CHECKING:
+    from kvfleet.runtime.request import Request
 
 
 @dataclass(frozen=True)
@@ -58,3 +62,30 @@ class TokenRules:
         if allowed is None and not bad_sequences and bias_token_ids is None:
             return None
         return cls(allowed, tuple(sorted(bad_sequences)), bias_token_ids, bias_values)
+
+
+def apply_token_rules(logits: torch.Tensor, requests: Sequence[Request]) -> None:
+    """logits: [len(requests), vocab], modified in place: tokens a row's allowed_token_ids or bad_words forbid
+    get -inf, then its logit_bias is added."""
+    rule_rows = [row for row, request in enumerate(requests) if request.token_rules is not None]
+    if not rule_rows:
+        return
+    masked = []
+    bitmask = torch.full((len(requests), bitmask_width(logits.shape[1])), -1, dtype=torch.int32)
+    for row in rule_rows:
+        request = requests[row]
+        rules = request.token_rules
+        assert rules is not None
+        if rules.masks:
+            if rules.allowed is not None:
+                bitmask[row] = rules.allowed
+            clear_bits(bitmask[row], rules.banned(request.output_token_ids))
+            masked.append(row)
+    if masked:
+        apply_bitmask(logits, bitmask, masked)
+    for row in rule_rows:
+        rules = requests[row].token_rules
+        assert rules is not None
+        if rules.bias_token_ids is not None and rules.bias_values is not None:
+            ids = rules.bias_token_ids.to(logits.device)
+            logits[row].index_add_(0, ids, rules.bias_values.to(logits.device, logits.dtype))

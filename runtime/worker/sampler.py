@@ -1,12 +1,13 @@
 """Turns one step's logits into tokens, for a batch of requests with their own sampling parameters.
 
-Order (vLLM's): the raw logprobs (of the logits as the model gave them); min_tokens masking of eos and stop
-ids; repetition, frequency and presence penalties; greedy rows (temperature below GREEDY_TEMPERATURE) take
-the argmax; other rows are divided by their temperature, then filtered by min_p, top_k and top_p, and sampled
-by inverting their cumulative distribution at one uniform draw per row (cheaper on a CPU than noise over the
-whole vocabulary); the processed logprobs (of the logits as they were sampled from). A request with a seed
-draws from its own generator, so its tokens do not depend on what else is in the batch.
-The tokens that structured outputs' grammars forbid are masked after the penalties.
+Order (vLLM's): the tokens structured outputs' grammars forbid are masked; the raw logprobs (of the logits as
+the model gave them, within the grammar); allowed_token_ids, bad_words and logit_bias; min_tokens masking of
+eos and stop ids; repetition, frequency and presence penalties; greedy rows (temperature below
+GREEDY_TEMPERATURE) take the argmax; other rows are divided by their temperature, then filtered by min_p,
+top_k and top_p, and sampled by inverting their cumulative distribution at one uniform draw per row (cheaper
+on a CPU than noise over the whole vocabulary); the processed logprobs (of the logits as they were sampled
+from). A request with a seed draws from its own generator, so its tokens do not depend on what else is in the
+batch.
 
 Speculative decoding verifies draft tokens against the target's distribution at each drafted position,
 processed as above with the drafts before it counted as output. Greedy rows accept the longest prefix of the
@@ -26,6 +27,7 @@ from kvfleet.runtime.config import LogprobsMode
 from kvfleet.runtime.request import Request
 from kvfleet.runtime.sampling_params import SamplingParams
 from kvfleet.runtime.structured_outputs.masks import GrammarMasks
+from kvfleet.runtime.structured_outputs.token_rules import apply_token_rules
 
 # Top-p looks for its cut among this many most likely tokens first, and sorts a row only when it is wider.
 _TOP_P_CANDIDATES = 256
@@ -129,10 +131,11 @@ class Sampler:
         if all(_plain_greedy(r) for r in requests):  # the common case, decided without building anything
             return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(requests))
         params = [r.sampling_params for r in requests]
+        self.grammar_masks.apply(logits, requests)
         scores = self._scores(logits, params, processed=False)
+        apply_token_rules(logits, requests)
         self._mask_stop_tokens_before_min_tokens(logits, requests)
         self._apply_penalties(logits, requests)
-        self.grammar_masks.apply(logits, requests)
         greedy = [p.greedy for p in params]
         token_ids = logits.argmax(dim=-1) if all(greedy) else self._sample(logits, requests, greedy)
         if scores is None:
@@ -149,11 +152,12 @@ class Sampler:
                 _accept_greedy(batch.draft_token_ids, targets), [None] * len(batch.requests)
             )
         params = [r.sampling_params for r in rows]
-        scores = self._scores(logits, params, processed=False)
-        self._mask_stop_tokens_before_min_tokens(logits, rows)
-        self._apply_penalties(logits, rows)
         self.grammar_masks.apply(logits, rows)
         self.grammar_masks.apply_after_drafts(logits, batch.constrained_drafts())
+        scores = self._scores(logits, params, processed=False)
+        apply_token_rules(logits, rows)
+        self._mask_stop_tokens_before_min_tokens(logits, rows)
+        self._apply_penalties(logits, rows)
         greedy = [p.greedy for p in params]
         targets = logits.argmax(dim=-1).tolist() if any(greedy) else []
         probs = None

@@ -15,6 +15,7 @@ from pathlib import Path
 import jsonschema
 import msgspec
 import pytest
+import torch
 from kvfleet.runtime import LLM, SamplingParams, StructuredOutputsParams
 from kvfleet.runtime.config import EngineConfig
 from kvfleet.runtime.core.scheduler import Scheduler
@@ -23,7 +24,7 @@ from kvfleet.runtime.engine.grammar_compiler import GrammarCompiler, RequestGram
 from kvfleet.runtime.engine.messages import AddRequest, to_core_decoder
 from kvfleet.runtime.request import Request
 from kvfleet.runtime.structured_outputs.masks import GrammarMasks
-from transformers import AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 PROMPTS = ["The weather today", "Write a list:", "1 2 3", "Hello there, my friend"]
 REGEX = r"[A-Z][a-z]{2,5}-[0-9]{1,3}( [xy])?"
@@ -115,6 +116,38 @@ def test_masks_filled_during_the_forward_pass_give_the_same_tokens(tiny_llama: P
     during_forward = [output.outputs[0].token_ids for output in overlapping.generate(PROMPTS, params)]
     assert any(thread.name.startswith("grammar-masks") for thread in threading.enumerate())
     assert during_forward == at_sampling
+
+
+def test_raw_logprobs_are_the_models_within_the_grammar(llm: LLM, tiny_llama: Path) -> None:
+    """As vLLM's, which masks a grammar's tokens before sampling: a constrained request's raw logprobs are
+    the model's renormalised over what its grammar allows. With a choice of words, the first token's are
+    Transformers' log-softmax over the tokens that begin one of them, and no other token scores."""
+    choices = ["red", "green", "blue"]
+    top = 20
+    params = SamplingParams(
+        temperature=0.0,
+        max_tokens=1,
+        logprobs=top,
+        structured_outputs=StructuredOutputsParams(choice=choices),
+    )
+    (output,) = llm.generate([PROMPTS[0]], params)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        logits = model(torch.tensor([output.prompt_token_ids])).logits[0, -1]
+    beginnings = [t for t in range(len(logits)) if _begins_one(tokenizer.decode([t]), choices)]
+    assert 1 < len(beginnings) < top
+    within = torch.full_like(logits, float("-inf"))
+    within[beginnings] = logits[beginnings]
+    expected = torch.log_softmax(within, dim=-1)
+    (entry,) = output.outputs[0].logprobs or []
+    scored = {token: value for token, value in entry.items() if value > float("-inf")}
+    assert sorted(scored) == beginnings
+    assert scored == pytest.approx({token: expected[token].item() for token in beginnings}, abs=1e-4)
+
+
+def _begins_one(text: str, choices: list[str]) -> bool:
+    return bool(text) and any(choice.startswith(text) for choice in choices)
 
 
 def test_an_unenforceable_schema_is_refused_before_anything_runs(llm: LLM) -> None:

@@ -11,10 +11,12 @@ import pytest
 import torch
 from kvfleet.runtime.request import Request
 from kvfleet.runtime.sampling_params import SamplingParams
+from kvfleet.runtime.structured_outputs.token_rules import TokenRules
 from kvfleet.runtime.worker.sampler import Sampler
 from transformers import (
     MinPLogitsWarper,
     RepetitionPenaltyLogitsProcessor,
+    SequenceBiasLogitsProcessor,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
     TopPLogitsWarper,
@@ -308,3 +310,16 @@ def test_logprobs_modes_are_vllms_against_transformers_processors(mode: str) -> 
     if mode.startswith("processed"):
         # The settings left fewer than TOP_N tokens to the sampled row, the rest scoring -inf.
         assert sum(math.isfinite(v) for v in (result.logprobs[0] or {}).values()) < TOP_N
+
+
+def test_logit_bias_comes_before_the_penalties_as_transformers_processors_in_vllms_order() -> None:
+    """vLLM applies logit_bias as a logits processor before the penalties: a biased token already seen is
+    penalised with its bias. Its processed logits are Transformers' SequenceBias then RepetitionPenalty."""
+    logits = _logits([3, 1.0, 4, 1.2])
+    params = SamplingParams(temperature=0.0, logit_bias={3: 1.0}, repetition_penalty=2.0, logprobs=2)
+    request = Request("r", [3], params, eos_token_id=EOS, token_rules=TokenRules.of(params, VOCAB, list))
+    result = Sampler(torch.device("cpu"), 0, "processed_logits")(logits.clone(), [request])
+    scores = SequenceBiasLogitsProcessor({(3,): 1.0})(torch.tensor([[3]]), logits.clone())
+    scores = RepetitionPenaltyLogitsProcessor(2.0)(torch.tensor([[3]]), scores)[0]
+    assert scores[3].item() == pytest.approx(1.0) and result.token_ids == [4]  # (1 + 1) / 2 under 1.2
+    assert result.logprobs[0] == pytest.approx({4: scores[4].item(), 3: scores[3].item()})
