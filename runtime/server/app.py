@@ -16,7 +16,7 @@ from fastapi import FastAPI, Query, Request
 from kvfleet.contract.tiers import PRIORITY_HEADER
 from kvfleet.contract.tokenizer_files import TOKENIZER_FILES_PATH
 from kvfleet.runtime.batch.store import BatchStore
-from kvfleet.runtime.chat_prompt import sample_token_ids
+from kvfleet.runtime.chat_prompt import read_chat_template, sample_token_ids
 from kvfleet.runtime.metrics import CONTENT_TYPE
 from kvfleet.runtime.server.auth import ApiKeyAuth
 from kvfleet.runtime.server.batch_routes import FILES_PATH, BatchService, add_batch_routes
@@ -28,6 +28,7 @@ from kvfleet.runtime.server.json_bodies import DepthCheckedRoute
 from kvfleet.runtime.server.middleware import (
     BodyReadTimeout,
     BodySizeLimit,
+    HeaderCountLimit,
     InFlightCounter,
     RequestIdHeader,
     TraceContext,
@@ -40,6 +41,7 @@ from kvfleet.runtime.server.streaming import (
     unless_disconnected,
 )
 from kvfleet.runtime.server.tokenizer_files import tokenizer_files
+from kvfleet.runtime.server.tokenizer_info import tokenizer_info
 from kvfleet.runtime.serving.embeddings import OpenAIServingEmbedding
 from kvfleet.runtime.serving.lora import OpenAIServingLoRA
 from kvfleet.runtime.serving.moderations import OpenAIServingModeration
@@ -99,6 +101,7 @@ def build_app(state: ServerState) -> FastAPI:
         app.add_middleware(RequestIdHeader)
     if state.settings.otlp_traces_endpoint is not None:
         app.add_middleware(TraceContext)
+    app.add_middleware(HeaderCountLimit, max_headers=state.settings.h11_max_header_count)
     # Outside auth: a browser's preflight carries no key, and a 401 needs CORS headers for the page to see it.
     app.add_middleware(
         CORSMiddleware,
@@ -207,6 +210,16 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         except ValueError as exc:
             return JSONResponse({"error": {"message": str(exc), "type": "server_error"}}, status_code=503)
         return JSONResponse({**files, "samples": await service.engine.run_tokenizer(sample_token_ids)})
+
+    if state.settings.enable_tokenizer_info_endpoint:
+        config = service.engine.config
+        chat_template = None if config.chat_template is None else read_chat_template(config.chat_template)
+
+        @app.get("/tokenizer_info")
+        async def get_tokenizer_info() -> Response:
+            return JSONResponse(
+                await service.engine.run_tokenizer(lambda t: tokenizer_info(t, chat_template))
+            )
 
     @app.get("/v1/models")
     async def models() -> Response:

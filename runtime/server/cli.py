@@ -31,6 +31,8 @@ from kvfleet.runtime.sampling_params import MAX_LOGPROBS
 from kvfleet.runtime.server.config_file import read_config_file
 from kvfleet.runtime.server.state import (
     DEFAULT_BODY_READ_TIMEOUT_S,
+    DEFAULT_H11_MAX_HEADER_COUNT,
+    DEFAULT_H11_MAX_INCOMPLETE_EVENT_SIZE,
     DEFAULT_HEADER_READ_TIMEOUT_S,
     DEFAULT_MAX_REQUEST_BODY_BYTES,
     DEFAULT_SEND_TIMEOUT_S,
@@ -180,6 +182,21 @@ def _api_key(ctx: click.Context, param: click.Parameter, value: str | None) -> s
     default=DEFAULT_HEADER_READ_TIMEOUT_S,
     show_default=True,
     help="Seconds a client has to send a request's headers (from connecting, or the previous response).",
+)
+@click.option(
+    "--h11-max-incomplete-event-size",
+    type=click.IntRange(min=1),
+    default=DEFAULT_H11_MAX_INCOMPLETE_EVENT_SIZE,
+    show_default=True,
+    help="vLLM's: the most bytes of a request's headers the server buffers before they are whole (400 past "
+    "it); vLLM's default is 4 MiB, kvfleet keeps h11's.",
+)
+@click.option(
+    "--h11-max-header-count",
+    type=click.IntRange(min=1),
+    default=DEFAULT_H11_MAX_HEADER_COUNT,
+    show_default=True,
+    help="vLLM's: the most headers a request may carry (431 past it).",
 )
 @click.option(
     "--body-read-timeout",
@@ -368,6 +385,11 @@ def _api_key(ctx: click.Context, param: click.Parameter, value: str | None) -> s
     "--enable-server-load-tracking",
     is_flag=True,
     help='vLLM\'s: GET /load answers {"server_load": the requests in flight}.',
+)
+@click.option(
+    "--enable-tokenizer-info-endpoint",
+    is_flag=True,
+    help="vLLM's: GET /tokenizer_info answers the tokenizer's configuration (its chat template included).",
 )
 @click.option(
     "--disable-fastapi-docs",

@@ -165,6 +165,7 @@ def run_api_server(
         log_config=None,
         access_log=options.access_log,
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_TIMEOUT_S,
+        h11_max_incomplete_event_size=settings.h11_max_incomplete_event_size,
         http=TimedH11Protocol.with_timeouts(
             header_read_timeout=settings.header_read_timeout, send_timeout=settings.send_timeout
         ),

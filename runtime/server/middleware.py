@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 
+from kvfleet.contract.errors import http_error
 from kvfleet.contract.tokenizer_files import TOKENIZER_FILES_PATH
 from kvfleet.runtime.server.errors import PayloadTooLargeError, error_response
 from kvfleet.runtime.server.state import ServerState
@@ -64,6 +65,25 @@ class BodySizeLimit:
             return event
 
         await self.app(scope, counting_receive, send)
+
+
+class HeaderCountLimit:
+    """vLLM's --h11-max-header-count: a request with more headers than the limit gets 431, and its connection
+    is closed."""
+
+    def __init__(self, app: ASGIApp, max_headers: int) -> None:
+        self.app = app
+        self.max_headers = max_headers
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        count = len(scope["headers"]) if scope["type"] == "http" else 0
+        if count <= self.max_headers:
+            await self.app(scope, receive, send)
+            return
+        message = f"the request has {count} headers, more than the server's limit of {self.max_headers}"
+        response = error_response(http_error(431, message))
+        response.headers["Connection"] = "close"
+        await response(scope, receive, send)
 
 
 class BodyReadTimeout:

@@ -24,6 +24,9 @@ if TYPE_CHECKING:
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 8 << 20
 DEFAULT_HEADER_READ_TIMEOUT_S = 30.0
+# h11's own bound on a request's headers, which kvfleet keeps (vLLM raises it to 4 MiB), and vLLM's count.
+DEFAULT_H11_MAX_INCOMPLETE_EVENT_SIZE = 16 * 1024
+DEFAULT_H11_MAX_HEADER_COUNT = 256
 DEFAULT_BODY_READ_TIMEOUT_S = 60.0
 DEFAULT_SEND_TIMEOUT_S = 30.0
 
@@ -40,6 +43,10 @@ class ServerSettings(ServiceSettings):
     header_read_timeout: float = DEFAULT_HEADER_READ_TIMEOUT_S
     body_read_timeout: float = DEFAULT_BODY_READ_TIMEOUT_S
     send_timeout: float = DEFAULT_SEND_TIMEOUT_S
+    # vLLM's: the most bytes of a request's headers buffered before they are whole (h11's incomplete event;
+    # 400 past it), and the most headers (431 past it).
+    h11_max_incomplete_event_size: int = DEFAULT_H11_MAX_INCOMPLETE_EVENT_SIZE
+    h11_max_header_count: int = DEFAULT_H11_MAX_HEADER_COUNT
     # vLLM's: seconds a chat or completion stream may stay quiet before it carries a keep-alive comment
     # (opening first if it has not yet); 0 for none.
     sse_keep_alive_interval: float = 0.0
@@ -63,6 +70,8 @@ class ServerSettings(ServiceSettings):
     enable_request_id_headers: bool = False
     # vLLM's: GET /load answers the requests in flight.
     enable_server_load_tracking: bool = False
+    # vLLM's: GET /tokenizer_info answers the tokenizer's configuration.
+    enable_tokenizer_info_endpoint: bool = False
     # vLLM's: where each request's span goes over OTLP (kvfleet.runtime.tracing); None: no traces.
     otlp_traces_endpoint: str | None = None
     # The most responses (/v1/responses) kept in memory for previous_response_id and retrieval; 0: none

@@ -25,11 +25,18 @@ TRICKLE_S = 0.2
 MAX_PIECES = 150
 
 
+# The most headers, and bytes of them, a request may carry (vLLM's --h11-max-header-count and
+# --h11-max-incomplete-event-size).
+MAX_HEADERS = 20
+MAX_HEADER_BYTES = 4096
+
+
 @pytest.fixture(scope="module")
 def server(start_server: Callable[..., ServerProcess]) -> ServerProcess:
     return start_server(
-        "--header-read-timeout", TIMEOUT, "--body-read-timeout", TIMEOUT, "--send-timeout", TIMEOUT
-    )
+        "--header-read-timeout", TIMEOUT, "--body-read-timeout", TIMEOUT, "--send-timeout", TIMEOUT,
+        "--h11-max-header-count", str(MAX_HEADERS), "--h11-max-incomplete-event-size", str(MAX_HEADER_BYTES),
+    )  # fmt: skip
 
 
 def _connect(server: ServerProcess, receive_buffer: int | None = None) -> socket.socket:
@@ -128,6 +135,29 @@ def test_trickled_headers_are_cut_off(server: ServerProcess) -> None:
         kept.sendall(b"GET /health HTTP/1.1\r\n")
         _timed_out(_trickle_until_closed(kept, b"X-Slow: 1\r\n"))
         kept.close()
+
+
+def _get_with_headers(server: ServerProcess, headers: list[bytes]) -> bytes:
+    """GET /v1/models with Host and these header lines, on a connection of its own; what the server sent
+    until it closed or answered."""
+    with _connect(server) as sock:
+        sock.sendall(b"GET /v1/models HTTP/1.1\r\nHost: test\r\n" + b"".join(headers) + b"\r\n")
+        return _one_response(sock)
+
+
+def test_requests_with_too_many_or_too_long_headers_are_refused(server: ServerProcess) -> None:
+    with RequestBeside(server):
+        at_limit = [f"X-Header-{index}: {index}\r\n".encode() for index in range(MAX_HEADERS - 1)]
+        assert _get_with_headers(server, at_limit).startswith(b"HTTP/1.1 200")
+        head, _, body = _get_with_headers(server, [*at_limit, b"X-One-More: 1\r\n"]).partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 431") and b"connection: close" in head.lower()
+        assert f"the request has {MAX_HEADERS + 1} headers" in json.loads(body)["error"]["message"]
+        long_value = b"X-Long: " + b"a" * (MAX_HEADER_BYTES // 2) + b"\r\n"
+        assert _get_with_headers(server, [long_value]).startswith(b"HTTP/1.1 200")
+        # Headers that pass the limit before they are whole are not buffered further.
+        with _connect(server) as sock:
+            sock.sendall(b"GET /v1/models HTTP/1.1\r\nHost: test\r\nX-Long: " + b"a" * MAX_HEADER_BYTES)
+            assert _rest(sock).startswith(b"HTTP/1.1 400")
 
 
 def test_trickled_bodies_get_408(server: ServerProcess) -> None:

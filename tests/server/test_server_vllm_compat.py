@@ -140,6 +140,7 @@ def server(
                 "enable-force-include-usage": True,
                 "enable-request-id-headers": True,
                 "enable-server-load-tracking": True,
+                "enable-tokenizer-info-endpoint": True,
                 "structured-outputs-config": {"backend": "xgrammar", "disable_any_whitespace": True},
                 "logprobs-mode": "processed_logprobs",
                 # What kvfleet always does, as vLLM's manifests may ask for it.
@@ -436,6 +437,21 @@ def test_generation_config_gives_the_defaults_requests_leave_unset(client: opena
         for seed in range(4)
     }
     assert sampled != {greedy.choices[0].message.content}, "sampling at temperature 1 differs from greedy"
+
+
+def test_tokenizer_info_is_the_tokenizers_configuration_without_paths(
+    server: ServerProcess, model_folder: Path, tokenizer: Any
+) -> None:
+    """GET /tokenizer_info (--enable-tokenizer-info-endpoint): what Transformers loaded, special tokens by
+    their text, with the server's own chat template; nothing of where the files lie."""
+    info = httpx.get(f"{server.url}/tokenizer_info", timeout=30).json()
+    assert info["tokenizer_class"] == type(tokenizer).__name__
+    assert info["chat_template"] == CHAT_TEMPLATE  # --chat-template, over the folder's
+    assert (info["bos_token"], info["eos_token"]) == (tokenizer.bos_token, tokenizer.eos_token)
+    assert info["model_max_length"] == tokenizer.model_max_length
+    added = {str(token_id): token.content for token_id, token in tokenizer.added_tokens_decoder.items()}
+    assert info["added_tokens_decoder"] == added and added
+    assert str(model_folder) not in json.dumps(info)
 
 
 def test_max_logprobs_bounds_what_requests_ask(client: openai.OpenAI) -> None:
@@ -831,6 +847,7 @@ def test_server_defaults_for_sampling_templates_and_roles(
     assert chat.choices[0].message.role == "narrator"  # type: ignore[comparison-overlap]
 
     assert chat.prompt_token_ids == _rendered(tokenizer, enable_thinking=False)  # type: ignore[attr-defined]
+    assert httpx.get(f"{other.url}/tokenizer_info", timeout=30).status_code == 404  # not asked for
     log = other.log_path.read_text()
     assert f"Received request {chat.id}: params: SamplingParams(" in log
     assert f"Request {chat.id} prompt_token_ids: [{_rendered(tokenizer, enable_thinking=False)[:3]}]" in log
