@@ -47,7 +47,7 @@ class ChatRoute:
     def __init__(self, body: ChatCompletionRequest, settings: ServiceSettings) -> None:
         self.body = body
         self.settings = settings
-        self.template_kwargs = settings.template_kwargs(body.chat_template_kwargs)
+        self.template_kwargs = settings.template_kwargs(body.chat_template_kwargs) | body.effort_variables()
         self.tokens_as_ids = body.tokens_as_ids(settings.return_tokens_as_token_ids)
         # The prompt as the model reads it, when the input is checked.
         self.rendered: str | None = None

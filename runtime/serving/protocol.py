@@ -215,6 +215,10 @@ class _GenerationRequest(RequestBody):
     return_tokens_as_token_ids: StrictBool | None = None
     # vLLM's: a tenant's salt; prompts share prefix-cache blocks only with prompts of the same salt.
     cache_salt: str | None = None
+    # vLLM's: each prompt cut to this many tokens (-1: what the context holds beside one token to generate),
+    # its last ones kept (truncation_side "left") or its first ("right"; by default the tokenizer's side).
+    truncate_prompt_tokens: Annotated[StrictInt, Field(ge=-1)] | None = None
+    truncation_side: Literal["left", "right"] | None = None
     # vLLM's: streamed tokens handed out this many at a time (the first and the last at once).
     stream_interval: StrictInt | None = None
     # vLLM's: each prompt token's log probability after the first, with this many of the likeliest tokens in
@@ -659,6 +663,18 @@ class ChatCompletionRequest(_GenerationRequest):
     parallel_tool_calls: StrictBool = True
     # vLLM's: variables the chat template reads beyond the messages (Qwen3's enable_thinking).
     chat_template_kwargs: dict[str, Any] | None = None
+    # OpenAI's, as vLLM serves it: the template's reasoning_effort variable, and its enable_thinking unless
+    # chat_template_kwargs sets that (off only for "none").
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
+
+    def effort_variables(self) -> dict[str, Any]:
+        """The template variables reasoning_effort sets, over any other."""
+        if self.reasoning_effort is None:
+            return {}
+        variables: dict[str, Any] = {"reasoning_effort": self.reasoning_effort}
+        if "enable_thinking" not in (self.chat_template_kwargs or {}):
+            variables["enable_thinking"] = self.reasoning_effort != "none"
+        return variables
 
     def sampling_params(self, defaults: Mapping[str, Any] | None = None) -> SamplingParams:
         self._check_common()

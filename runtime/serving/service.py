@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 import uuid
@@ -73,7 +74,7 @@ from kvfleet.runtime.serving.protocol import (
     template_messages,
     usage,
 )
-from kvfleet.runtime.serving.request import PreparedRequest, Route
+from kvfleet.runtime.serving.request import PreparedRequest, Prompt, Route
 from kvfleet.runtime.serving.responses import Choice, chunk, finish_error
 from kvfleet.runtime.serving.safety import CONTENT_FILTER, RequestSafety, sent_tokens
 from kvfleet.runtime.serving.streams import merge_streams
@@ -213,7 +214,7 @@ class OpenAIService:
         priority = self.resolve_priority(body.priority, priority_header)
         self.check_accepting(priority)
         safety = self.request_safety(priority)
-        prompt = await route.prompt(self, safety)
+        prompt = self._truncated(await route.prompt(self, safety), body)
         for token_ids, param in zip(prompt.token_ids, prompt.params, strict=True):
             self.check_prompt(token_ids, params, param)
         if params.structured_outputs is not None and route.opens_in_reasoning:
@@ -370,6 +371,33 @@ class OpenAIService:
                 raise BadRequestError(str(exc), param=param) from None
 
         await self.engine.run_tokenizer(work)
+
+    def _truncated(self, prompt: Prompt, body: CompletionRequest | ChatCompletionRequest) -> Prompt:
+        """The prompts cut as the request's truncate_prompt_tokens asks (vLLM's)."""
+        keep = body.truncate_prompt_tokens
+        if keep is None:
+            return prompt
+        max_model_len = self.engine_info.max_model_len
+        if keep > max_model_len:
+            raise BadRequestError(
+                f"truncate_prompt_tokens={keep} is more than this model's maximum context length of "
+                f"{max_model_len} tokens",
+                param="truncate_prompt_tokens",
+            )
+        if keep == -1:
+            keep = max_model_len - 1
+        if prompt.mm_features and any(len(token_ids) > keep for token_ids in prompt.token_ids):
+            raise BadRequestError(
+                "truncate_prompt_tokens would cut a prompt with images or audio, whose placeholders must "
+                "stay whole; keep more tokens or send less",
+                param="truncate_prompt_tokens",
+            )
+        keep_last = (body.truncation_side or self.tokenizer.truncation_side) == "left"
+        token_ids = [
+            ids if len(ids) <= keep else ids[len(ids) - keep :] if keep_last else ids[:keep]
+            for ids in prompt.token_ids
+        ]
+        return dataclasses.replace(prompt, token_ids=token_ids)
 
     def check_prompt(self, token_ids: list[int], params: SamplingParams, param: str) -> None:
         """The prompt's length, token ids and sampling token ids, and the tokens it may generate."""

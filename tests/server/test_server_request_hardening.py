@@ -237,7 +237,6 @@ UNSUPPORTED = [
     ("suffix", "the end"),
     ("audio", {"voice": "alloy", "format": "wav"}),
     ("modalities", ["text", "audio"]),
-    ("reasoning_effort", "high"),
     ("use_beam_search", True),
     ("logits_processors", ["my.Processor"]),
     ("chat_template", "{{ 'x' }}"),
@@ -273,6 +272,7 @@ def test_unsupported_output_changing_fields_are_refused(server: ServerProcess, h
         _refused(http, "/v1/chat/completions", {"add_special_tokens": True}, "add_special_tokens")
         _refused(http, "/v1/completions", {"top_logprobs": 3}, "top_logprobs")
         _refused(http, "/v1/completions", {"max_completion_tokens": 3}, "max_completion_tokens")
+        _refused(http, "/v1/completions", {"reasoning_effort": "high"}, "reasoning_effort")
         _refused(http, "/v1/completions", {"continue_final_message": True}, "continue_final_message")
         messages = [{"role": "user", "content": "hi"}]
         for name, value in [

@@ -43,9 +43,11 @@ ROOT_PATH = "/llm"
 # What the model folder's generation_config.json recommends, beside its token ids.
 GENERATION_DEFAULTS = {"temperature": 0.0, "max_new_tokens": 6}
 MAX_LOGPROBS = 3
-# Qwen3's thinking switch, in a template of its own: the template, not the server, reads the variable.
+# Qwen3's thinking switch and gpt-oss's reasoning effort, in a template of its own: the template, not the
+# server, reads the variables.
 CHAT_TEMPLATE = (
     "{% if tools %}### tools: {% for tool in tools %}{{ tool['function']['name'] }} {% endfor %}\n{% endif %}"
+    "{% if reasoning_effort is defined %}### effort: {{ reasoning_effort }}\n{% endif %}"
     "{% for message in messages %}### {{ message['role'] }}:\n{{ message['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}### assistant:\n"
     "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}"
@@ -452,6 +454,71 @@ def test_tokenizer_info_is_the_tokenizers_configuration_without_paths(
     added = {str(token_id): token.content for token_id, token in tokenizer.added_tokens_decoder.items()}
     assert info["added_tokens_decoder"] == added and added
     assert str(model_folder) not in json.dumps(info)
+
+
+def test_reasoning_effort_reaches_the_template_and_switches_thinking(
+    client: openai.OpenAI, tokenizer: Any
+) -> None:
+    """OpenAI's reasoning_effort, as vLLM serves it: the template's reasoning_effort variable, and
+    enable_thinking false for "none" and true otherwise, unless chat_template_kwargs says."""
+    cases = [
+        ("none", None, {"reasoning_effort": "none", "enable_thinking": False}),
+        ("low", None, {"reasoning_effort": "low", "enable_thinking": True}),
+        ("high", {"enable_thinking": False}, {"reasoning_effort": "high", "enable_thinking": False}),
+    ]
+    for effort, requested, variables in cases:
+        extra = {"return_token_ids": True, "chat_template_kwargs": requested}
+        chat = client.chat.completions.create(
+            model="tiny",
+            messages=MESSAGES,
+            max_tokens=1,
+            reasoning_effort=effort,
+            extra_body=extra,  # type: ignore[arg-type]
+        )
+        assert chat.prompt_token_ids == _rendered(tokenizer, **variables)  # type: ignore[attr-defined]
+
+
+def test_truncate_prompt_tokens_keeps_the_side_asked_for(client: openai.OpenAI, tokenizer: Any) -> None:
+    """vLLM's truncate_prompt_tokens: each prompt cut to that many tokens, its last ones kept with
+    truncation_side "left", its first with "right" (the tiny tokenizer's side, the default); -1 keeps what
+    the context holds beside one token to generate. The answer is that of the cut prompt sent whole."""
+    prompt_ids = tokenizer(PROMPT + " in a land far away").input_ids
+    max_model_len = client.models.list().data[0].max_model_len  # type: ignore[attr-defined]
+    assert tokenizer.truncation_side == "right"
+    for side, kept in (("left", prompt_ids[-4:]), ("right", prompt_ids[:4]), (None, prompt_ids[:4])):
+        body = {**GREEDY["extra_body"], "truncate_prompt_tokens": 4, "return_token_ids": True}
+        if side is not None:
+            body["truncation_side"] = side
+        cut = client.completions.create(
+            model="tiny", prompt=prompt_ids, max_tokens=3, extra_body=body, temperature=0
+        )
+        whole = client.completions.create(model="tiny", prompt=kept, max_tokens=3, **GREEDY)
+        assert cut.choices[0].prompt_token_ids == kept and cut.usage.prompt_tokens == 4  # type: ignore[attr-defined]
+        assert cut.choices[0].text == whole.choices[0].text
+    body = {**GREEDY["extra_body"], "truncate_prompt_tokens": -1, "truncation_side": "left"}
+    longest = client.completions.create(
+        model="tiny",
+        prompt=(prompt_ids * max_model_len)[: max_model_len + 7],
+        max_tokens=1,
+        extra_body=body,
+        temperature=0,
+    )
+    assert (longest.usage.prompt_tokens, longest.usage.completion_tokens) == (max_model_len - 1, 1)
+    chat = client.chat.completions.create(
+        model="tiny",
+        messages=MESSAGES,
+        max_tokens=2,
+        extra_body={"truncate_prompt_tokens": 5, "truncation_side": "left", "return_token_ids": True},
+    )
+    assert chat.prompt_token_ids == _rendered(tokenizer)[-5:]  # type: ignore[attr-defined]
+    for bad, param in (
+        ({"truncate_prompt_tokens": max_model_len + 1}, "truncate_prompt_tokens"),
+        ({"truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),
+        ({"truncate_prompt_tokens": 2, "truncation_side": "middle"}, "truncation_side"),
+    ):
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.completions.create(model="tiny", prompt=PROMPT, max_tokens=1, extra_body=bad)
+        assert caught.value.body["param"] == param  # type: ignore[index]
 
 
 def test_max_logprobs_bounds_what_requests_ask(client: openai.OpenAI) -> None:
