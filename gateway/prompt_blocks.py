@@ -47,6 +47,7 @@ from kvfleet.runtime.serving.protocol import (
     CompletionRequest,
     media_parts,
     template_messages,
+    truncated_prompt,
 )
 from pydantic import ValidationError
 from tokenizers import Tokenizer
@@ -258,11 +259,14 @@ class ModelPrompts:
             template_messages(body.messages),
             add_generation_prompt=body.add_generation_prompt,
             tools=tools,
-            template_kwargs=body.chat_template_kwargs,
+            template_kwargs=(body.chat_template_kwargs or {}) | body.effort_variables(),
         )
+        cut = _truncated(body, token_ids)
         parts = media_parts(body.messages)
         if not parts:
-            return token_ids, ()
+            return None if cut is None else (cut, ())
+        if cut != token_ids:
+            return None  # the replica refuses to cut a prompt with media
         images = []
         for _, modality, part in parts:
             if modality != "image" or self.media is None or part.image_url is None:
@@ -274,9 +278,23 @@ class ModelPrompts:
         token_ids, features = self.media.prepare(token_ids, {"image": images})
         return token_ids, tuple(_Span(item.offset, item.end, item.identifier) for item in features)
 
-    def _completion(self, payload: Mapping[str, Any]) -> tuple[list[int], tuple[_Span, ...]]:
+    def _completion(self, payload: Mapping[str, Any]) -> tuple[list[int], tuple[_Span, ...]] | None:
         body = CompletionRequest.model_validate(payload)
         prompt = body.prompts()[0]
         if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt, add_special_tokens=body.add_special_tokens), ()
-        return list(prompt), ()
+            token_ids = self.tokenizer.encode(prompt, add_special_tokens=body.add_special_tokens)
+        else:
+            token_ids = list(prompt)
+        cut = _truncated(body, token_ids)
+        return None if cut is None else (cut, ())
+
+
+def _truncated(body: CompletionRequest | ChatCompletionRequest, token_ids: list[int]) -> list[int] | None:
+    """The prompt as the replica cuts it for truncate_prompt_tokens; None where the replica's context (-1)
+    or its tokenizer's side (no truncation_side) decides."""
+    keep = body.truncate_prompt_tokens
+    if keep is None or len(token_ids) <= keep:
+        return token_ids
+    if keep < 0 or body.truncation_side is None:
+        return None
+    return truncated_prompt(token_ids, keep, body.truncation_side == "left")

@@ -175,6 +175,13 @@ class Continuation(Body):
     choices: list[ContinuationChoice]
 
 
+def truncated_prompt(token_ids: list[int], keep: int, keep_last: bool) -> list[int]:
+    """A prompt cut to its last (keep_last) or first `keep` tokens, as vLLM's truncate_prompt_tokens cuts."""
+    if len(token_ids) <= keep:
+        return token_ids
+    return token_ids[len(token_ids) - keep :] if keep_last else token_ids[:keep]
+
+
 class _GenerationRequest(RequestBody):
     model: str | None = None
     n: StrictInt = 1

@@ -72,6 +72,7 @@ from kvfleet.runtime.serving.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
     template_messages,
+    truncated_prompt,
     usage,
 )
 from kvfleet.runtime.serving.request import PreparedRequest, Prompt, Route
@@ -393,10 +394,7 @@ class OpenAIService:
                 param="truncate_prompt_tokens",
             )
         keep_last = (body.truncation_side or self.tokenizer.truncation_side) == "left"
-        token_ids = [
-            ids if len(ids) <= keep else ids[len(ids) - keep :] if keep_last else ids[:keep]
-            for ids in prompt.token_ids
-        ]
+        token_ids = [truncated_prompt(ids, keep, keep_last) for ids in prompt.token_ids]
         return dataclasses.replace(prompt, token_ids=token_ids)
 
     def check_prompt(self, token_ids: list[int], params: SamplingParams, param: str) -> None:

@@ -51,6 +51,7 @@ if TYPE_CHECKING:
 LORA_INT_ID = 98765432123
 BLOCK_SIZES = (4, 16)
 SYSTEM = "You answer in one short sentence, and you never make up a city's weather. " * 3
+LONG_TEXT = "Once upon a time, in a land far away, there lived a tokenizer."
 TOOLS = [
     {
         "type": "function",
@@ -124,8 +125,23 @@ def _blocks(prompts: ModelPrompts, path: str, body: dict[str, Any]) -> PromptBlo
         (COMPLETIONS_PATH, {"model": "tiny", "prompt": "Once upon a time <|begin_of_text|> there"}),
         (COMPLETIONS_PATH, {"model": "tiny", "prompt": "Once upon a time", "add_special_tokens": False}),
         (COMPLETIONS_PATH, {"model": "tiny", "prompt": [[5, 6, 7, 8, 9], [1, 2]]}),
+        (CHAT_PATH, {**CHAT, "truncate_prompt_tokens": 9, "truncation_side": "left"}),
+        (
+            COMPLETIONS_PATH,
+            {"model": "tiny", "prompt": LONG_TEXT, "truncate_prompt_tokens": 4, "truncation_side": "right"},
+        ),
+        (COMPLETIONS_PATH, {"model": "tiny", "prompt": "Once upon", "truncate_prompt_tokens": 40}),
     ],
-    ids=["chat-system-tools", "chat-no-generation-prompt", "text", "text-no-special", "token-ids"],
+    ids=[
+        "chat-system-tools",
+        "chat-no-generation-prompt",
+        "text",
+        "text-no-special",
+        "token-ids",
+        "chat-cut-left",
+        "text-cut-right",
+        "text-short-of-the-cut",
+    ],
 )
 def test_the_gateways_token_ids_are_the_servers(
     server: ServerProcess, fetched: ModelPrompts, path: str, body: dict[str, Any]
@@ -147,6 +163,15 @@ def test_the_gateways_hashes_are_the_engines_with_and_without_an_adapter(
         assert list(blocks(block_size, LORA_INT_ID)) == _engine_hashes(with_adapter, block_size)
         assert len(blocks(block_size, 0)) == len(token_ids) // block_size > 1
         assert not set(blocks(block_size, 0)) & set(blocks(block_size, LORA_INT_ID))
+
+
+@pytest.mark.parametrize(
+    "cut", [{"truncate_prompt_tokens": 4}, {"truncate_prompt_tokens": -1, "truncation_side": "left"}]
+)
+def test_a_cut_the_replica_decides_gets_no_hashes(fetched: ModelPrompts, cut: dict[str, Any]) -> None:
+    """Without truncation_side the replica's tokenizer picks the side, and -1 cuts to its context: the gateway
+    knows neither, and routes such a prompt without hashes."""
+    assert fetched.blocks(COMPLETIONS_PATH, {"model": "tiny", "prompt": LONG_TEXT, **cut}) is None
 
 
 def test_tenants_with_different_salts_share_no_block(fetched: ModelPrompts) -> None:
