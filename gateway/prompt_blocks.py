@@ -253,6 +253,8 @@ class ModelPrompts:
 
     def _chat(self, payload: Mapping[str, Any]) -> tuple[list[int], tuple[_Span, ...]] | None:
         body = ChatCompletionRequest.model_validate(payload)
+        if body.chat_template is not None:
+            return None  # the replica renders it if it trusts it: a 400 otherwise
         tools = [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None
         token_ids = chat_prompt_token_ids(
             self.tokenizer,

@@ -63,27 +63,36 @@ def chat_prompt_token_ids(
     template_kwargs: dict[str, Any] | None = None,
     continue_final_message: bool = False,
     content_format: ContentFormatOption = "auto",
+    chat_template: str | None = None,
 ) -> list[int]:
-    """Token ids of `messages` (role/content dicts, content a string or OpenAI's parts) rendered by the
-    tokenizer's chat template, their content as `content_format` has it (kvfleet.runtime.chat_content_format),
-    with the `tools` (OpenAI's function definitions) the template shows the model and `template_kwargs`,
-    variables the template reads (see `rendering_parameters` for the names they may not take); with
-    `continue_final_message`, ending within the last message for the model to go on with it.
+    """Token ids of `messages` (role/content dicts, content a string or OpenAI's parts) rendered by
+    `chat_template` (by default the tokenizer's), their content as `content_format` has it
+    (kvfleet.runtime.chat_content_format), with the `tools` (OpenAI's function definitions) the template
+    shows the model and `template_kwargs`, variables the template reads (see `rendering_parameters` for the
+    names they may not take); with `continue_final_message`, ending within the last message for the model to
+    go on with it.
 
     Raises ValueError when the tokenizer has no chat template or the template rejects the messages.
     """
-    if not tokenizer.chat_template:
+    template = chat_template or tokenizer.chat_template
+    if not template:
         raise ValueError("the model has no chat template")
-    resolved = resolve_content_format(content_format, tokenizer.chat_template, tools=bool(tools))
+    resolved = resolve_content_format(content_format, template, tools=bool(tools))
     messages = formatted_messages(messages, resolved)
     template_kwargs = template_kwargs or {}
     special = _special_tokens(tokenizer)
     if special.pattern is None:
         text = _render(
-            tokenizer, messages, add_generation_prompt, continue_final_message, tools, template_kwargs
+            tokenizer,
+            chat_template,
+            messages,
+            add_generation_prompt,
+            continue_final_message,
+            tools,
+            template_kwargs,
         )
         return _encode(special.text_encoder, text)
-    free = _free_characters(len(special.ids), [messages, tools, template_kwargs], tokenizer.chat_template)
+    free = _free_characters(len(special.ids), [messages, tools, template_kwargs], template)
     stand_ins = dict(zip(special.ids, free, strict=True))
     pattern = special.pattern
 
@@ -98,6 +107,7 @@ def chat_prompt_token_ids(
 
     text = _render(
         tokenizer,
+        chat_template,
         escape(messages),
         add_generation_prompt,
         continue_final_message,
@@ -117,6 +127,7 @@ def chat_prompt_token_ids(
 
 def _render(
     tokenizer: Any,
+    chat_template: str | None,
     messages: list[dict[str, Any]],
     add_generation_prompt: bool,
     continue_final_message: bool,
@@ -124,12 +135,15 @@ def _render(
     template_kwargs: dict[str, Any],
 ) -> str:
     try:
+        # The tokenizer's own template (which may be several, named) unless one is given.
+        given = {"chat_template": chat_template} if chat_template is not None else {}
         return tokenizer.apply_chat_template(
             messages,
             tools=tools,
             tokenize=False,
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
+            **given,
             **template_kwargs,
         )
     except Exception as exc:

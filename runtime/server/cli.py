@@ -387,6 +387,12 @@ def _api_key(ctx: click.Context, param: click.Parameter, value: str | None) -> s
     help='vLLM\'s: GET /load answers {"server_load": the requests in flight}.',
 )
 @click.option(
+    "--trust-request-chat-template",
+    is_flag=True,
+    help="vLLM's: a chat request's own chat_template is rendered (in Transformers' sandbox), instead of "
+    "refused with a 400.",
+)
+@click.option(
     "--enable-tokenizer-info-endpoint",
     is_flag=True,
     help="vLLM's: GET /tokenizer_info answers the tokenizer's configuration (its chat template included).",

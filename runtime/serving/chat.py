@@ -87,7 +87,12 @@ class ChatRoute:
                 messages = await _redacted(safety, messages)
         media = await load_chat_media(service.engine.config, messages)
         token_ids = await service.chat_prompt(
-            messages, body.add_generation_prompt, tools, self.template_kwargs, body.continue_final_message
+            messages,
+            body.add_generation_prompt,
+            tools,
+            self.template_kwargs,
+            body.continue_final_message,
+            body.chat_template,
         )
         self.reasoning = service.reasoning
         if self.reasoning is not None:

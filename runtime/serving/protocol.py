@@ -670,6 +670,8 @@ class ChatCompletionRequest(_GenerationRequest):
     parallel_tool_calls: StrictBool = True
     # vLLM's: variables the chat template reads beyond the messages (Qwen3's enable_thinking).
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's: the chat template to render with instead of the server's (--trust-request-chat-template).
+    chat_template: str | None = None
     # OpenAI's, as vLLM serves it: the template's reasoning_effort variable, and its enable_thinking unless
     # chat_template_kwargs sets that (off only for "none").
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
@@ -721,16 +723,17 @@ class TokenizeRequest(RequestBody):
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's: the chat template to render with instead of the server's (--trust-request-chat-template).
+    chat_template: str | None = None
 
     def check(self) -> None:
         self.refuse_unsupported()
         check_conversation_end(self.add_generation_prompt, self.continue_final_message)
         if (self.prompt is None) == (self.messages is None):
             raise BadRequestError("give exactly one of prompt and messages", param="prompt")
-        if self.prompt is not None and self.chat_template_kwargs:
-            raise BadRequestError(
-                "chat_template_kwargs applies to messages only", param="chat_template_kwargs"
-            )
+        for name in ("chat_template_kwargs", "chat_template"):
+            if self.prompt is not None and getattr(self, name):
+                raise BadRequestError(f"{name} applies to messages only", param=name)
         if self.messages is not None and self.add_special_tokens:
             raise BadRequestError(
                 "add_special_tokens applies to prompt only; the chat template adds the special tokens "

@@ -136,6 +136,8 @@ class ServiceSettings:
     default_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     # vLLM's: the role of a chat answer that the generation prompt opened.
     response_role: str = "assistant"
+    # vLLM's: a chat request's own chat_template is rendered (a 400 otherwise).
+    trust_request_chat_template: bool = False
     # vLLM's: each admitted request logged (its parameters at INFO, its prompt's token ids at DEBUG, the
     # first max_log_len of them; all with None).
     enable_log_requests: bool = False
@@ -487,9 +489,17 @@ class OpenAIService:
         tools: list[dict[str, Any]] | None = None,
         template_kwargs: dict[str, Any] | None = None,
         continue_final_message: bool = False,
+        chat_template: str | None = None,
     ) -> list[int]:
         """The prompt of a conversation (and the tools it may call), rendered with the template variables
-        of `template_kwargs` and tokenized; with `continue_final_message`, open at the last message's end."""
+        of `template_kwargs` (by the request's `chat_template` where the server trusts one) and tokenized;
+        with `continue_final_message`, open at the last message's end."""
+        if chat_template is not None and not self.settings.trust_request_chat_template:
+            raise BadRequestError(
+                "a request's chat_template is rendered only by a server started with "
+                "--trust-request-chat-template",
+                param="chat_template",
+            )
         conversation = template_messages(messages)
         characters = sum(len(text) for text in text_fields([conversation, tools, template_kwargs]))
 
@@ -511,6 +521,7 @@ class OpenAIService:
                     template_kwargs=template_kwargs,
                     continue_final_message=continue_final_message,
                     content_format=self.settings.chat_template_content_format,
+                    chat_template=chat_template,
                 )
             except ValueError as exc:
                 raise BadRequestError(str(exc), param="messages") from None
@@ -545,6 +556,7 @@ class OpenAIService:
                 body.add_generation_prompt,
                 template_kwargs=self.settings.template_kwargs(body.chat_template_kwargs),
                 continue_final_message=body.continue_final_message,
+                chat_template=body.chat_template,
             )
         else:
             param = "prompt"

@@ -239,7 +239,6 @@ UNSUPPORTED = [
     ("modalities", ["text", "audio"]),
     ("use_beam_search", True),
     ("logits_processors", ["my.Processor"]),
-    ("chat_template", "{{ 'x' }}"),
 ]
 # Fields that change nothing here, as OpenAI clients send them.
 INERT = {
@@ -273,6 +272,10 @@ def test_unsupported_output_changing_fields_are_refused(server: ServerProcess, h
         _refused(http, "/v1/completions", {"top_logprobs": 3}, "top_logprobs")
         _refused(http, "/v1/completions", {"max_completion_tokens": 3}, "max_completion_tokens")
         _refused(http, "/v1/completions", {"reasoning_effort": "high"}, "reasoning_effort")
+        _refused(http, "/v1/completions", {"chat_template": "{{ 'x' }}"}, "chat_template")
+        # A chat's own template, on a server that does not trust one.
+        error = _refused(http, "/v1/chat/completions", {"chat_template": "{{ 'x' }}"}, "chat_template")
+        assert "--trust-request-chat-template" in error["message"]
         _refused(http, "/v1/completions", {"continue_final_message": True}, "continue_final_message")
         messages = [{"role": "user", "content": "hi"}]
         for name, value in [

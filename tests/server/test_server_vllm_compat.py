@@ -143,6 +143,7 @@ def server(
                 "enable-request-id-headers": True,
                 "enable-server-load-tracking": True,
                 "enable-tokenizer-info-endpoint": True,
+                "trust-request-chat-template": True,
                 "structured-outputs-config": {"backend": "xgrammar", "disable_any_whitespace": True},
                 "logprobs-mode": "processed_logprobs",
                 # What kvfleet always does, as vLLM's manifests may ask for it.
@@ -476,6 +477,27 @@ def test_reasoning_effort_reaches_the_template_and_switches_thinking(
             extra_body=extra,  # type: ignore[arg-type]
         )
         assert chat.prompt_token_ids == _rendered(tokenizer, **variables)  # type: ignore[attr-defined]
+
+
+def test_a_trusted_request_template_renders_as_transformers_renders_it(
+    server: ServerProcess, client: openai.OpenAI, tokenizer: Any
+) -> None:
+    """--trust-request-chat-template: a chat's own chat_template over the server's, on chat completions and
+    /tokenize; one that does not compile is a 400."""
+    template = "{% for m in messages %}<<{{ m['role'] }}>> {{ m['content'] }}\n{% endfor %}<<assistant>>"
+    expected = tokenizer.apply_chat_template(MESSAGES, chat_template=template, add_generation_prompt=True)
+    extra = {"chat_template": template, "return_token_ids": True}
+    chat = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=1, extra_body=extra)
+    assert chat.prompt_token_ids == expected["input_ids"] != _rendered(tokenizer)  # type: ignore[attr-defined]
+    tokenized = httpx.post(
+        f"{server.url}/tokenize", json={"model": "tiny", "messages": MESSAGES, "chat_template": template}
+    )
+    assert tokenized.json()["tokens"] == expected["input_ids"]
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(
+            model="tiny", messages=MESSAGES, max_tokens=1, extra_body={"chat_template": "{% for %}"}
+        )
+    assert caught.value.body["param"] == "messages"  # type: ignore[index]
 
 
 def test_truncate_prompt_tokens_keeps_the_side_asked_for(client: openai.OpenAI, tokenizer: Any) -> None:
