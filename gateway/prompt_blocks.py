@@ -47,7 +47,6 @@ from kvfleet.runtime.serving.protocol import (
     CompletionRequest,
     media_parts,
     template_messages,
-    truncated_prompt,
 )
 from pydantic import ValidationError
 from tokenizers import Tokenizer
@@ -263,7 +262,8 @@ class ModelPrompts:
             tools=tools,
             template_kwargs=(body.chat_template_kwargs or {}) | body.effort_variables(),
         )
-        cut = _truncated(body, token_ids)
+        # Unknown here: a cut that depends on the replica's context (-1) or its tokenizer's side (none given).
+        cut = body.truncated(token_ids, None, None)
         parts = media_parts(body.messages)
         if not parts:
             return None if cut is None else (cut, ())
@@ -287,16 +287,5 @@ class ModelPrompts:
             token_ids = self.tokenizer.encode(prompt, add_special_tokens=body.add_special_tokens)
         else:
             token_ids = list(prompt)
-        cut = _truncated(body, token_ids)
+        cut = body.truncated(token_ids, None, None)
         return None if cut is None else (cut, ())
-
-
-def _truncated(body: CompletionRequest | ChatCompletionRequest, token_ids: list[int]) -> list[int] | None:
-    """The prompt as the replica cuts it for truncate_prompt_tokens; None where the replica's context (-1)
-    or its tokenizer's side (no truncation_side) decides."""
-    keep = body.truncate_prompt_tokens
-    if keep is None or len(token_ids) <= keep:
-        return token_ids
-    if keep < 0 or body.truncation_side is None:
-        return None
-    return truncated_prompt(token_ids, keep, body.truncation_side == "left")

@@ -175,13 +175,6 @@ class Continuation(Body):
     choices: list[ContinuationChoice]
 
 
-def truncated_prompt(token_ids: list[int], keep: int, keep_last: bool) -> list[int]:
-    """A prompt cut to its last (keep_last) or first `keep` tokens, as vLLM's truncate_prompt_tokens cuts."""
-    if len(token_ids) <= keep:
-        return token_ids
-    return token_ids[len(token_ids) - keep :] if keep_last else token_ids[:keep]
-
-
 class _GenerationRequest(RequestBody):
     model: str | None = None
     n: StrictInt = 1
@@ -234,6 +227,24 @@ class _GenerationRequest(RequestBody):
     # kvfleet's: the request resumed from what its choices already delivered, mid-stream, by a replica that
     # failed or handed it back (kvfleet.contract.resume).
     continuation: Continuation | None = None
+
+    def truncated(
+        self, token_ids: list[int], max_model_len: int | None, default_side: str | None
+    ) -> list[int] | None:
+        """A prompt as truncate_prompt_tokens cuts it (vLLM's): its last tokens kept on the "left" side, its
+        first on the "right" (truncation_side, else `default_side`, the tokenizer's); -1 keeps what
+        max_model_len holds beside one token to generate. None where the cut needs what is not given."""
+        keep = self.truncate_prompt_tokens
+        if keep == -1:
+            if max_model_len is None:
+                return None
+            keep = max_model_len - 1
+        if keep is None or len(token_ids) <= keep:
+            return token_ids
+        side = self.truncation_side or default_side
+        if side is None:
+            return None
+        return token_ids[len(token_ids) - keep :] if side == "left" else token_ids[:keep]
 
     def tokens_as_ids(self, default: bool) -> bool:
         """Whether logprobs name tokens "token_id:N": the request's choice, else the server's."""

@@ -72,7 +72,6 @@ from kvfleet.runtime.serving.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
     template_messages,
-    truncated_prompt,
     usage,
 )
 from kvfleet.runtime.serving.request import PreparedRequest, Prompt, Route
@@ -387,16 +386,17 @@ class OpenAIService:
                 f"{max_model_len} tokens",
                 param="truncate_prompt_tokens",
             )
-        if keep == -1:
-            keep = max_model_len - 1
-        if prompt.mm_features and any(len(token_ids) > keep for token_ids in prompt.token_ids):
+        token_ids = []
+        for ids in prompt.token_ids:
+            cut = body.truncated(ids, max_model_len, self.tokenizer.truncation_side)
+            assert cut is not None, "the context and the side are both given"
+            token_ids.append(cut)
+        if prompt.mm_features and token_ids != prompt.token_ids:
             raise BadRequestError(
                 "truncate_prompt_tokens would cut a prompt with images or audio, whose placeholders must "
                 "stay whole; keep more tokens or send less",
                 param="truncate_prompt_tokens",
             )
-        keep_last = (body.truncation_side or self.tokenizer.truncation_side) == "left"
-        token_ids = [truncated_prompt(ids, keep, keep_last) for ids in prompt.token_ids]
         return dataclasses.replace(prompt, token_ids=token_ids)
 
     def check_prompt(self, token_ids: list[int], params: SamplingParams, param: str) -> None:
