@@ -4,9 +4,11 @@ A stream's client hears nothing until a replica sends its first token: the reque
 queue, for a replica woken from zero, for a prefill, or in the replica's own queue, for longer than the read
 timeout of a load balancer or proxy in front of the gateway, which then closes the connection. Held past the
 interval, the stream is opened here (200, text/event-stream) and carries a comment (`: keep-alive`, which
-clients skip) each interval until the answer takes it over; a replica's own comments go on to the client
-after that (kvfleet.gateway.resumption). A failure after the stream opened is its last event, before
-[DONE], instead of its status: as a failure mid-stream is.
+clients skip) each interval until the answer takes it over; a replica's own comments go on to the client after
+that (kvfleet.gateway.resumption). A failure after the stream opened is its last event, before [DONE], instead
+of its status: as a failure mid-stream is. The gateway's request metrics count such a stream under the error's
+status, which an unheld request would have been answered with (its span, under the 200 it sent, is marked
+failed with the error).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ class HeldStream:
         self.interval = interval
         self.response: web.StreamResponse | None = None
         self._claimed = False
+        self._ended_with: int | None = None
 
     def claim(self) -> web.StreamResponse | None:
         """For the relay about to answer: the stream opened here (its status and headers sent), or None to
@@ -70,6 +73,10 @@ class HeldStream:
             return await self._end(answered_error(answer.status, answer.body or b""))
         return answer
 
+    def status_of(self, answer: web.StreamResponse) -> int:
+        """The status `answer` stands for: the error's that ended the stream opened here, else its own."""
+        return answer.status if self._ended_with is None else self._ended_with
+
     async def _keep_alive(self) -> None:
         if self.response is None:
             self.response = web.StreamResponse(status=200, headers=_STREAM_HEADERS)
@@ -79,6 +86,7 @@ class HeldStream:
     async def _end(self, error: OpenAIError) -> web.StreamResponse:
         assert self.response is not None
         failed(error.message)
+        self._ended_with = error.status_code
         await self.response.write(error.to_sse().encode())
         await self.response.write(f"data: {DONE}\n\n".encode())
         await self.response.write_eof()

@@ -360,11 +360,14 @@ class Gateway:
                     if self.sse_keep_alive_interval and routed.stream and request.path in GENERATION_PATHS:
                         held = HeldStream(request, self.sse_keep_alive_interval)
                         response = await held.answer(self._forward(request, body, routed, pool, held))
+                        status = held.status_of(response)
                     else:
                         response = await self._forward(request, body, routed, pool, None)
+                        status = response.status
             except OpenAIError as error:
                 response = error_response(error)
-            self.metrics.requests.labels(model_label, str(response.status)).inc()
+                status = response.status
+            self.metrics.requests.labels(model_label, str(status)).inc()
             answered(span, response.status)
             return response
 

@@ -118,20 +118,32 @@ def test_the_openai_sdk_reads_a_stream_the_gateway_held() -> None:
     assert text and text == expected
 
 
+def _answered(gateway: Gateway, status: str) -> float:
+    return (
+        gateway.metrics.registry.get_sample_value(
+            "kvfleet_gateway_requests_total", {"model": "m", "status": status}
+        )
+        or 0.0
+    )
+
+
 def test_a_hold_that_runs_out_ends_the_stream_with_the_error_an_unheld_request_gets() -> None:
-    async def scenario() -> tuple[RawStream, bytes]:
-        async with at_zero(hold_seconds=5 * INTERVAL_S) as (_, _, url, _, _):
+    async def scenario() -> tuple[RawStream, bytes, list[float]]:
+        async with at_zero(hold_seconds=5 * INTERVAL_S) as (gateway, _, url, _, _):
             stream = RawStream(url, CHAT)
             await stream.end()
+            # Counted as the unheld request is, not as the 200 that opened the stream.
+            counted = [_answered(gateway, "503"), _answered(gateway, "200")]
         async with running_gateway({"m": model("m", hold_seconds=5 * INTERVAL_S)}) as (_, _, silent):
             status, answer = await post(silent, CHAT_PATH, CHAT)
         assert status == 503
-        return stream, answer
+        return stream, answer, counted
 
-    stream, unheld = asyncio.run(scenario())
+    stream, unheld, counted = asyncio.run(scenario())
     assert stream.status == 200 and stream.raw.count(KEEP_ALIVE) >= 2
     *errors, done = sse_chunks(stream.raw)
     assert done == "[DONE]" and errors == [json.loads(unheld)]
+    assert counted == [1.0, 0.0]
 
 
 def test_a_client_that_leaves_while_held_leaves_the_queue() -> None:
