@@ -15,6 +15,8 @@ RETRY_AFTER_UNAVAILABLE_S = 5
 # The code of a replica's 503 while its sleep mode holds it asleep: the fleet gateway wakes it for the
 # request.
 SLEEPING_CODE = "sleeping"
+# OpenAI's code of a 400 for a prompt the context cannot hold.
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 
 
 class OpenAIError(Exception):

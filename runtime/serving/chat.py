@@ -76,24 +76,13 @@ class ChatRoute:
 
     async def prompt(self, service: OpenAIService, safety: RequestSafety | None) -> Prompt:
         """The conversation rendered by the chat template, its media placed."""
-        body = self.body
-        tools = [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None
-        if body.tool_choice == "none" and self.settings.exclude_tools_when_tool_choice_none:
-            tools = None  # the model is not told of tools it may not call
-        messages = body.messages
+        messages = self.body.messages
         if safety is not None:
             safety.prompt = _last_user_text(messages)
             if safety.redacts_input:
                 messages = await _redacted(safety, messages)
         media = await load_chat_media(service.engine.config, messages)
-        token_ids = await service.chat_prompt(
-            messages,
-            body.add_generation_prompt,
-            tools,
-            self.template_kwargs,
-            body.continue_final_message,
-            body.chat_template,
-        )
+        token_ids = await self.render(service, messages)
         self.reasoning = service.reasoning
         if self.reasoning is not None:
             self.opens_in_reasoning = self.reasoning.opens_in_reasoning(self.template_kwargs)
@@ -103,6 +92,21 @@ class ChatRoute:
         if media is not None:
             token_ids, mm_features = await media.expand(token_ids)
         return Prompt([token_ids], ["messages"], mm_features)
+
+    async def render(self, service: OpenAIService, messages: list[ChatMessage]) -> list[int]:
+        """`messages` rendered by the chat template with the request's tools and variables, tokenized."""
+        body = self.body
+        tools = [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None
+        if body.tool_choice == "none" and self.settings.exclude_tools_when_tool_choice_none:
+            tools = None  # the model is not told of tools it may not call
+        return await service.chat_prompt(
+            messages,
+            body.add_generation_prompt,
+            tools,
+            self.template_kwargs,
+            body.continue_final_message,
+            body.chat_template,
+        )
 
     def input_text(self, service: OpenAIService, safety: RequestSafety | None) -> str | None:
         return self.rendered

@@ -16,16 +16,18 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from kvfleet.contract.errors import BadRequestError, NotFoundError, OpenAIError
+from kvfleet.contract.errors import CONTEXT_LENGTH_EXCEEDED, BadRequestError, NotFoundError, OpenAIError
 from kvfleet.runtime.errors import EngineError
 from kvfleet.runtime.serving.chat import ChatRoute
 from kvfleet.runtime.serving.errors import from_engine_error
-from kvfleet.runtime.serving.request import PreparedRequest
+from kvfleet.runtime.serving.protocol import ChatCompletionRequest, ChatMessage
+from kvfleet.runtime.serving.request import PreparedRequest, Prompt
 from kvfleet.runtime.serving.response_store import ResponseStore, StoredResponse
 from kvfleet.runtime.serving.responses_protocol import NamedFunctionChoice, ResponsesRequest
 
 if TYPE_CHECKING:
-    from kvfleet.runtime.serving.service import OpenAIService
+    from kvfleet.runtime.serving.safety import RequestSafety
+    from kvfleet.runtime.serving.service import OpenAIService, ServiceSettings
 
 # How a chat answer's finish reason reads in a response: its status, and why it is incomplete.
 _INCOMPLETE_REASONS = {"length": "max_output_tokens", "content_filter": "content_filter"}
@@ -36,6 +38,79 @@ _FAILURE_CODES = {400: "invalid_prompt", 429: "rate_limit_exceeded"}
 class _ResponsesChatRoute(ChatRoute):
     id_prefix = "resp"
     reports_cached_tokens = True
+
+    def __init__(self, body: ChatCompletionRequest, settings: ServiceSettings, drops_turns: bool) -> None:
+        super().__init__(body, settings)
+        self.drops_turns = drops_turns
+
+    async def prompt(self, service: OpenAIService, safety: RequestSafety | None) -> Prompt:
+        """With truncation "auto" (OpenAI's), a conversation longer than the context loses its oldest turns
+        (a user message and what follows it), the fewest that leave room for the output; the instructions and
+        the last turn stay. vLLM cuts the prompt's tokens instead, which can cut a message, or the template's
+        markup, in two."""
+        if not self.drops_turns:
+            return await super().prompt(service, safety)
+        whole = self.body
+        head, turns = _turns(whole.messages)
+        room = service.engine_info.max_model_len - (whole.max_tokens or 1)
+        dropped = 0
+        while True:
+            self.body = whole.model_copy(update={"messages": _kept(head, turns, dropped)})
+            last = dropped == len(turns) - 1
+            try:
+                prompt = await super().prompt(service, safety)
+            except BadRequestError as error:
+                if last or error.code != CONTEXT_LENGTH_EXCEEDED:
+                    raise
+            else:
+                # Media are counted here: the search below renders their placeholders alone.
+                if last or len(prompt.token_ids[0]) <= room:
+                    return prompt
+            dropped = await self._fewest_dropped(service, head, turns, room, dropped + 1)
+
+    async def _fewest_dropped(
+        self,
+        service: OpenAIService,
+        head: list[ChatMessage],
+        turns: list[list[ChatMessage]],
+        room: int,
+        low: int,
+    ) -> int:
+        """The fewest oldest turns, at least `low`, whose dropping leaves a rendered prompt within `room`
+        tokens (all but the last where none does): a binary search, a prompt being shorter for each turn
+        less."""
+        high = len(turns) - 1
+        while low < high:
+            middle = (low + high) // 2
+            try:
+                fits = len(await self.render(service, _kept(head, turns, middle))) <= room
+            except BadRequestError as error:
+                if error.code != CONTEXT_LENGTH_EXCEEDED:
+                    raise
+                fits = False
+            if fits:
+                high = middle
+            else:
+                low = middle + 1
+        return low
+
+
+def _turns(messages: list[ChatMessage]) -> tuple[list[ChatMessage], list[list[ChatMessage]]]:
+    """The leading system and developer messages (the instructions), and the turns after them: each from a
+    user message to the next (the first from whatever comes first)."""
+    start = 0
+    while start < len(messages) and messages[start].role in ("system", "developer"):
+        start += 1
+    turns: list[list[ChatMessage]] = []
+    for message in messages[start:]:
+        if not turns or message.role == "user":
+            turns.append([])
+        turns[-1].append(message)
+    return messages[:start], turns
+
+
+def _kept(head: list[ChatMessage], turns: list[list[ChatMessage]], dropped: int) -> list[ChatMessage]:
+    return [*head, *(message for turn in turns[dropped:] for message in turn)]
 
 
 @dataclass
@@ -62,7 +137,9 @@ class OpenAIServingResponses:
         """Every check of the request, then its admission as a chat request."""
         body.check()
         conversation = self._history(body.previous_response_id) + body.input_messages()
-        route = _ResponsesChatRoute(body.chat_request(conversation), self.service.settings)
+        route = _ResponsesChatRoute(
+            body.chat_request(conversation), self.service.settings, drops_turns=body.truncation == "auto"
+        )
         request = await self.service.admit(route, priority_header)
         return PreparedResponse(body, request, conversation, stored=body.store and self.store is not None)
 
@@ -185,7 +262,7 @@ def _response(
         else tool_choice or "auto",
         "tools": [tool.model_dump() for tool in body.tools or []],
         "text": body.text_config(),
-        "truncation": "disabled",
+        "truncation": body.truncation or "disabled",
         "store": prepared.stored,
         "background": False,
         "usage": _usage(usage) if usage is not None else None,

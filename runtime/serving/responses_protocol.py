@@ -3,7 +3,7 @@ completion request the chat path runs: the input items become messages, function
 `text.format` becomes `response_format`.
 
 What would change the answer but is not served is refused by name (400): background runs, tools other than
-functions, `include`, reasoning settings, truncation other than disabled, input files.
+functions, `include`, reasoning settings, input files.
 """
 
 from __future__ import annotations
@@ -102,8 +102,6 @@ class ResponsesRequest(RequestBody):
             raise BadRequestError(f"include {self.include[0]!r} is not supported", param="include")
         if self.reasoning:
             raise BadRequestError("reasoning settings are not supported", param="reasoning")
-        if self.truncation == "auto":
-            raise BadRequestError('truncation "auto" is not supported', param="truncation")
         for index, tool in enumerate(self.tools or []):
             if tool.type != "function" or tool.name is None:
                 raise BadRequestError(

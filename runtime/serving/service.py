@@ -16,6 +16,7 @@ from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 from kvfleet.contract.errors import (
+    CONTEXT_LENGTH_EXCEEDED,
     BadRequestError,
     NotFoundError,
     OpenAIError,
@@ -464,7 +465,7 @@ class OpenAIService:
                     f"continuation choice {index}: the prompt and its resumed tokens are {num_tokens} "
                     f"tokens, more than the model's context (max_model_len) of {info.max_model_len}",
                     param=CONTINUATION,
-                    code="context_length_exceeded",
+                    code=CONTEXT_LENGTH_EXCEEDED,
                 )
             resumed[prompt_index][sequence_index] = ResumedSequence(list(choice.token_ids), choice.finished)
         return resumed
@@ -543,7 +544,7 @@ class OpenAIService:
                 f"This model's maximum context length is {max_model_len} tokens, but the {param} has "
                 f"{characters} characters, more than that many tokens can hold",
                 param=param,
-                code="context_length_exceeded",
+                code=CONTEXT_LENGTH_EXCEEDED,
             )
 
     async def tokenize(self, body: TokenizeRequest) -> dict[str, Any]:
@@ -820,7 +821,7 @@ def context_length_error(error: ContextLengthError, param: str) -> BadRequestErr
             f"{prompt_tokens + output_tokens} were requested ({prompt_tokens} in the prompt, {output_tokens} "
             "for the completion); lower max_tokens or shorten the prompt",
             param="max_tokens",
-            code="context_length_exceeded",
+            code=CONTEXT_LENGTH_EXCEEDED,
         )
     # The prompt leaves no room for output; or (tokenizing only) the text has more tokens than the context.
     counted = "the prompt" if output_tokens else f"the {param}"
@@ -829,7 +830,7 @@ def context_length_error(error: ContextLengthError, param: str) -> BadRequestErr
         f"This model's maximum context length is {max_model_len} tokens, but {counted} has {prompt_tokens} "
         f"tokens{room}",
         param=param,
-        code="context_length_exceeded",
+        code=CONTEXT_LENGTH_EXCEEDED,
     )
 
 

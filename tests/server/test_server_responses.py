@@ -14,6 +14,7 @@ import jsonschema
 import openai
 import pydantic
 import pytest
+import transformers
 from click.testing import CliRunner
 from kvfleet.contract.errors import BadRequestError, OpenAIError, RequestTimeoutError
 from kvfleet.runtime.sampling_params import SamplingParams
@@ -149,6 +150,54 @@ def test_tool_calls_satisfy_their_schema_and_a_follow_up_continues_the_conversat
     assert client.responses.retrieve(follow_up.id).model_dump() == follow_up.model_dump()
 
 
+def _turn(number: int) -> list[dict[str, Any]]:
+    words = " ".join(f"word{number}x{index}" for index in range(30))
+    return [
+        {"role": "user", "content": f"Turn {number}: {words}"},
+        {"role": "assistant", "content": f"Noted {number}: {words}"},
+    ]
+
+
+def test_truncation_auto_drops_the_oldest_turns_the_context_cannot_hold(
+    client: openai.OpenAI, tiny_llama: Path
+) -> None:
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_llama)
+    context = 2048  # the tiny model's max_position_embeddings, the server's context
+    turns = [_turn(number) for number in range(8)]
+    question = {"role": "user", "content": QUESTION}
+    instructions = {"role": "system", "content": INSTRUCTIONS}
+
+    def kept(dropped: int) -> list[dict[str, Any]]:
+        return [instructions, *(message for turn in turns[dropped:] for message in turn), question]
+
+    def prompt_tokens(dropped: int) -> int:
+        rendered = tokenizer.apply_chat_template(kept(dropped), add_generation_prompt=True, tokenize=True)
+        return len(rendered["input_ids"])
+
+    # OpenAI's "auto": the fewest oldest turns dropped that leave room for the output.
+    dropped = next(d for d in range(len(turns)) if prompt_tokens(d) <= context - GREEDY["max_output_tokens"])
+    assert 1 < dropped < len(turns)
+    items: Any = kept(0)[1:]
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.responses.create(input=items, instructions=INSTRUCTIONS, **GREEDY)
+    assert caught.value.body["code"] == "context_length_exceeded"  # type: ignore[index]
+    response = client.responses.create(input=items, instructions=INSTRUCTIONS, truncation="auto", **GREEDY)
+    chat = _chat(client, kept(dropped))
+    assert response.truncation == "auto"
+    assert response.usage.input_tokens == chat.usage.prompt_tokens == prompt_tokens(dropped)
+    assert response.output_text and response.output_text == chat.choices[0].message.content
+    with client.responses.stream(
+        input=items, instructions=INSTRUCTIONS, truncation="auto", **GREEDY
+    ) as stream:
+        assert stream.get_final_response().output_text == response.output_text
+
+    # A last turn the context cannot hold alone is refused as without truncation.
+    alone: Any = [*turns[0], {"role": "user", "content": " ".join(["word"] * 3000)}]
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.responses.create(model=MODEL, input=alone, truncation="auto", max_output_tokens=2)
+    assert caught.value.body["code"] == "context_length_exceeded"  # type: ignore[index]
+
+
 class City(pydantic.BaseModel):
     # Bounded, so that the random model's answer ends within max_output_tokens.
     name: str = pydantic.Field(max_length=12)
@@ -185,7 +234,6 @@ def test_stored_responses_are_retrieved_deleted_and_not_kept_when_asked(client: 
         ({"background": True}, "background"),
         ({"include": ["message.output_text.logprobs"]}, "include"),
         ({"tools": [{"type": "web_search"}]}, "tools.0"),
-        ({"truncation": "auto"}, "truncation"),
         ({"reasoning": {"effort": "high"}}, "reasoning"),
         ({"input": [{"type": "reasoning", "summary": []}]}, "input.0"),
         (
