@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 MAX_LOGPROBS = 20
 # The key of SamplingParams.extra_args that carries a request's kv_transfer_params (vLLM's).
@@ -15,6 +15,8 @@ GREEDY_TEMPERATURE = 1e-5
 # Seeds seed torch generators, which take 64-bit integers; vLLM accepts the signed range. A request with n
 # sequences seeds them with seed, seed + 1, ..., seed + n - 1, all of which must be in it.
 SEED_RANGE = (-(2**63), 2**63 - 1)
+# vLLM's sequence poolings of a prompt's final hidden states (kvfleet.runtime.worker.prompt_pooling).
+PromptPooling = Literal["LAST", "MEAN", "CLS"]
 
 
 @dataclass
@@ -101,9 +103,9 @@ class SamplingParams:
     # What a request asks of the engine beyond sampling (vLLM's): "kv_transfer_params", disaggregated prefill
     # and decode's.
     extra_args: dict[str, Any] | None = None
-    # Return the final hidden state of the prompt's last token (what an embedding is pooled from) with the
+    # Return the prompt's final hidden states pooled into one vector (what an embedding is made of) with the
     # request's first tokens.
-    return_prompt_hidden_state: bool = False
+    prompt_pooling: PromptPooling | None = None
     # vLLM's: a stream hands out this request's new tokens once this many are waiting (its first and its
     # last at once), raised to the engine's --stream-interval if below it. None: the engine's.
     stream_interval: int | None = None
@@ -123,6 +125,12 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE
+
+    @property
+    def computes_whole_prompt(self) -> bool:
+        """Whether every prompt token must run, prefix-cache hits or not: each token's logits or hidden
+        state is wanted, which the cache (of KV only) does not hold."""
+        return self.prompt_logprobs is not None or self.prompt_pooling in ("MEAN", "CLS")
 
     def _validate(self) -> None:
         _require_int("n", self.n)

@@ -195,9 +195,9 @@ def find_computed_prefix(
     request: Request, kv: KVCacheManager, sources: list[ComputedTokenSource]
 ) -> ComputedPrefix:
     """The longest computed prefix the device cache and the sources offer together. As with a device hit, the
-    last token runs again, to give logits. A request for its prompt's logprobs computes the whole prompt, as
-    in vLLM: each token's logits are wanted."""
-    if request.sampling_params.prompt_logprobs is not None:
+    last token runs again, to give logits. A request for its prompt's logprobs, or for a pooling of all its
+    hidden states, computes the whole prompt, as in vLLM."""
+    if request.sampling_params.computes_whole_prompt:
         return ComputedPrefix([], 0)
     device_blocks, num_cached = kv.get_computed_blocks(request)
     prefix = ComputedPrefix(device_blocks, num_cached)

@@ -220,7 +220,7 @@ class PromptHiddenStates:
         self._world_size = world_size
 
     def prepare(self, add: AddRequest, request: Request) -> None:
-        if add.sampling_params.return_prompt_hidden_state and self._world_size > 1:
+        if add.sampling_params.prompt_pooling is not None and self._world_size > 1:
             raise InvalidRequestError(
                 f"a prompt's hidden state (an embedding) is served by a single-rank engine, not by one of "
                 f"{self._world_size} ranks"

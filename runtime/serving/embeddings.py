@@ -99,7 +99,7 @@ class OpenAIServingEmbedding:
     ) -> tuple[PreparedRequest, list[list[float]]]:
         """The prompts (from these request fields) admitted and run for their embeddings, in order."""
         request = await self.service.admit(_EmbeddingPromptRoute(prompts, fields), priority_header)
-        request.params.return_prompt_hidden_state = True
+        request.params.prompt_pooling = "LAST"
         hidden_states: dict[str, list[float]] = {}
         async with contextlib.aclosing(self.service.outputs(request)) as outputs:
             async for output in outputs:

@@ -34,6 +34,7 @@ from kvfleet.runtime.startup_phases import STARTUP_PHASES
 from kvfleet.runtime.worker.cpu_threads import cpu_threads
 from kvfleet.runtime.worker.encoder_runner import EncoderRunner
 from kvfleet.runtime.worker.prompt_logprobs import score_prompt_rows
+from kvfleet.runtime.worker.prompt_pooling import PromptPooler
 from kvfleet.runtime.worker.sampler import Sampler, SpeculativeBatch
 from kvfleet.runtime.worker.step_inputs import StepInputs
 from torch import nn
@@ -112,6 +113,7 @@ class ModelRunner:
         # The host-memory tier's blocks, in the device cache's layout (pinned on CUDA); empty without one.
         self.host_kv_caches: list[torch.Tensor] = []
         self.sampler = Sampler(self.device, config.seed, config.logprobs_mode)
+        self.prompt_pooler = PromptPooler()
         # The worker-side half of disaggregated prefill and decode's KV connector; None without one.
         kv_transfer = config.kv_transfer()
         self.kv_connector: KVConnectorWorker | None = (
@@ -298,11 +300,10 @@ class ModelRunner:
             logit_hidden = self._logit_rows(hidden, step)
             logits = None if logit_hidden is None else self.model.compute_logits(logit_hidden)
             output = self.sample(scheduler_output, step, speculative, logits)
-            if logit_hidden is not None:
-                output.prompt_hidden_states = {
-                    step.request_ids[i]: logit_hidden[row].float().tolist()
-                    for i, row in step.prompt_hidden_state_rows.items()
-                }
+            if hidden is not None:
+                output.prompt_hidden_states = self._pooled_prompts(
+                    scheduler_output, step, hidden, logit_hidden
+                )
             if hidden is not None:
                 output.prompt_logprobs = {
                     step.request_ids[i]: (
@@ -324,6 +325,27 @@ class ModelRunner:
             output.kv_connector_output = self.kv_connector.get_finished()
         return output
 
+    def _pooled_prompts(
+        self,
+        scheduler_output: SchedulerOutput,
+        step: StepInputs,
+        hidden: torch.Tensor,
+        logit_hidden: torch.Tensor | None,
+    ) -> dict[str, list[float]]:
+        """The pooled prompts of the requests whose prompt ends this step, once this step's rows are kept."""
+        for i, rows in step.pooled_prompt_rows.items():
+            pooling = scheduler_output.requests[i].sampling_params.prompt_pooling
+            assert pooling is not None
+            self.prompt_pooler.keep(step.request_ids[i], pooling, rows, hidden)
+        pooled = {}
+        for i, row in step.prompt_hidden_state_rows.items():
+            pooling = scheduler_output.requests[i].sampling_params.prompt_pooling
+            assert pooling is not None and logit_hidden is not None
+            pooled[step.request_ids[i]] = self.prompt_pooler.pooled(
+                step.request_ids[i], pooling, logit_hidden[row]
+            )
+        return pooled
+
     def expert_load(self) -> list[MoeLayerLoad]:
         """The routing load of the mixture-of-experts layers this rank holds; none for a dense model."""
         report = getattr(self.model, "expert_load", None)
@@ -336,6 +358,7 @@ class ModelRunner:
         the logits (grammar masks fill during the forward pass with an accelerator). Returns the drafts to
         verify, if any request speculates."""
         self.sampler.forget(scheduler_output.finished_request_ids)
+        self.prompt_pooler.forget(scheduler_output.finished_request_ids)
         sampling = [scheduler_output.requests[i] for i in step.sample_rows]
         speculative = None
         spec_decode_tokens = scheduler_output.scheduled_spec_decode_tokens

@@ -12,6 +12,7 @@ from kvfleet.runtime.core.host_kv_tier import TierCopies
 from kvfleet.runtime.core.outputs import SchedulerOutput
 from kvfleet.runtime.lora.request import LoRARequest
 from kvfleet.runtime.multimodal.inputs import MultiModalFeature
+from kvfleet.runtime.worker.prompt_pooling import PooledPromptRows
 
 
 @dataclass
@@ -48,9 +49,12 @@ class StepInputs:
     mrope_positions: list[np.ndarray] | None = None
     # See SchedulerOutput.removed_lora_ids.
     removed_lora_ids: list[int] = field(default_factory=list)
-    # Requests that return their prompt's last hidden state this step: request index -> its row among the
+    # Requests that return their pooled prompt this step: request index -> its last token's row among the
     # logit rows.
     prompt_hidden_state_rows: dict[int, int] = field(default_factory=dict)
+    # Requests whose prompt's first or mean pooling keeps this step's prompt tokens: request index -> their
+    # rows.
+    pooled_prompt_rows: dict[int, PooledPromptRows] = field(default_factory=dict)
     # Requests whose prompt's logprobs are computed this step: request index -> their rows.
     prompt_logprob_rows: dict[int, PromptLogprobRows] = field(default_factory=dict)
 
@@ -91,6 +95,7 @@ class StepInputs:
         )
         token_ids, sample_rows, logit_rows = [], [], []
         prompt_hidden_state_rows = {}
+        pooled_prompt_rows = {}
         prompt_logprob_rows = {}
         end_row = 0
         for i, request in enumerate(scheduler_output.requests):
@@ -105,10 +110,16 @@ class StepInputs:
                 scored = request.prompt_token_ids[start + 1 : min(end, request.num_prompt_tokens - 1) + 1]
                 num_logprobs = request.sampling_params.prompt_logprobs or 0
                 prompt_logprob_rows[i] = PromptLogprobRows(end_row, start, scored, num_logprobs)
+            if (
+                request.sampling_params.prompt_pooling in ("MEAN", "CLS")
+                and start < request.num_prompt_tokens
+            ):
+                count = min(end, request.num_prompt_tokens) - start
+                pooled_prompt_rows[i] = PooledPromptRows(end_row, start, count)
             end_row += len(tokens)
             if end == request.num_tokens + len(drafts):
                 sample_rows.append(i)
-                if request.sampling_params.return_prompt_hidden_state and not request.output_token_ids:
+                if request.sampling_params.prompt_pooling is not None and not request.output_token_ids:
                     prompt_hidden_state_rows[i] = len(logit_rows)
                 logit_rows.extend(range(end_row - len(drafts) - 1, end_row))
         return cls(
@@ -125,6 +136,7 @@ class StepInputs:
             mrope_positions=mrope_positions,
             removed_lora_ids=scheduler_output.removed_lora_ids,
             prompt_hidden_state_rows=prompt_hidden_state_rows,
+            pooled_prompt_rows=pooled_prompt_rows,
             prompt_logprob_rows=prompt_logprob_rows,
         )
 

@@ -140,9 +140,11 @@ def test_greedy_matches_transformers(arch_case, variant: str) -> None:
         assert stats.prefix_cache_hits == 0
 
 
-def test_prompt_hidden_states_match_transformers(arch_case) -> None:
-    """The last hidden state an embedding is pooled from, with chunked prefill and prefix-cache hits (half
-    the prompts share a prefix; each prompt is asked twice, so the second meets it whole in the cache)."""
+def test_pooled_prompts_match_transformers(arch_case) -> None:
+    """A prompt's final hidden states pooled as vLLM pools them: the last token's, the first's and their mean,
+    with chunked prefill and prefix-cache hits (half the prompts share a prefix; each prompt is asked twice,
+    so the second meets it whole in the cache, which the first and mean poolings compute past), the three
+    poolings in one batch."""
     model_dir, prompts, _ = arch_case
     llm = LLM(
         str(model_dir),
@@ -151,13 +153,17 @@ def test_prompt_hidden_states_match_transformers(arch_case) -> None:
         max_model_len=256,
         max_num_batched_tokens=24,
     )
-    params = SamplingParams(temperature=0.0, max_tokens=1, return_prompt_hidden_state=True)
-    outputs = llm.generate(prompts + prompts, params)
+    requests = [(prompt, pooling) for pooling in ("LAST", "MEAN", "CLS") for prompt in prompts + prompts]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=1, prompt_pooling=pooling) for _, pooling in requests
+    ]
+    outputs = llm.generate([prompt for prompt, _ in requests], params)
     assert llm.llm_engine.stats.prefix_cache_hits > 0
     model = AutoModel.from_pretrained(model_dir, dtype=torch.float32).eval()
     with torch.inference_mode():
-        for prompt, output in zip(prompts + prompts, outputs, strict=True):
-            expected = model(torch.tensor([prompt])).last_hidden_state[0, -1]
+        for (prompt, pooling), output in zip(requests, outputs, strict=True):
+            states = model(torch.tensor([prompt])).last_hidden_state[0]
+            expected = {"LAST": states[-1], "MEAN": states.mean(dim=0), "CLS": states[0]}[pooling]
             torch.testing.assert_close(
                 torch.tensor(output.prompt_hidden_state), expected, atol=1e-4, rtol=1e-4
             )
