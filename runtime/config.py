@@ -19,6 +19,7 @@ from kvfleet.runtime.kv_transfer.config import KVTransferConfig
 from kvfleet.runtime.kv_transfer.factory import check_connector_name
 from kvfleet.runtime.list_options import ListOption
 from kvfleet.runtime.multimodal.media_sources import IPNetwork, MediaOrigin, parse_networks, parse_origins
+from kvfleet.runtime.pooler_config import GENERATE, Convert, PoolerConfig, Runner, pooler_config, served_tasks
 from kvfleet.runtime.quantization.config import folder_weight_quantization
 from kvfleet.runtime.speculative_config import SpeculativeConfig
 from kvfleet.runtime.structured_outputs.config import StructuredOutputsConfig
@@ -102,6 +103,24 @@ class EngineConfig:
         "'{\"max_position_embeddings\": 32768}'. A key replaces the config's value (a dict such as "
         "rope_scaling whole); a nested model config (a text_config with its own model_type) takes the "
         "override's keys into it.",
+        default=None,
+    )
+    runner: Runner = _option(
+        "vLLM's: what the server serves. auto: generation and embeddings, from the same engine (vLLM serves "
+        "one or the other); generate: generation only; pooling: embeddings only (embeddings, score, "
+        "rerank). vLLM's draft is refused.",
+        default="auto",
+    )
+    convert: Convert = _option(
+        "vLLM's: how a decoder model is served. embed pools its hidden states into embeddings (with --runner "
+        "auto, as --runner pooling); none serves generation only; auto as --runner says. vLLM's classify is "
+        "refused.",
+        default="auto",
+    )
+    pooler_config: dict[str, Any] | None = _option(
+        "vLLM's: how embeddings are pooled, as JSON over what the folder's sentence-transformers files say: "
+        '{"pooling_type": "LAST" | "MEAN" | "CLS", "use_activation": L2-normalized (true), "dimensions": a '
+        "Matryoshka model's default size}. By default the last token's hidden state, normalized.",
         default=None,
     )
     device: Device = _option("Where the model runs; auto picks cuda when present.", default="auto")
@@ -329,6 +348,9 @@ class EngineConfig:
         self._check_sleep_mode()
         self.kv_events()  # raises ValueError naming what is wrong
         self.structured_outputs()  # likewise
+        pooler = self.pooler()  # likewise
+        if pooler.refusal is not None and GENERATE not in served_tasks(self.runner, self.convert):
+            raise ValueError(f"the server would serve embeddings only, which it cannot: {pooler.refusal}")
         limits = self.limit_mm_per_prompt or {}
         for modality, limit in limits.items():
             require(modality in MODALITIES, f"limit_mm_per_prompt: {modality!r} is not one of {MODALITIES}")
@@ -415,6 +437,10 @@ class EngineConfig:
             return None
         return KVEventsConfig.parse(self.kv_events_config)
 
+    def pooler(self) -> PoolerConfig:
+        """How embeddings are pooled: the folder's pooling with pooler_config over it."""
+        return pooler_config(self.model, self.pooler_config, self.hf_overrides)
+
     def structured_outputs(self) -> StructuredOutputsConfig:
         """The parsed structured_outputs_config (vLLM's defaults where it is not given)."""
         if self.structured_outputs_config is None:
@@ -449,6 +475,8 @@ _FIELD_TYPES = {
     "load_format": LoadFormat,
     "tokenizer_mode": TokenizerMode,
     "logprobs_mode": LogprobsMode,
+    "runner": Runner,
+    "convert": Convert,
 }
 
 

@@ -11,6 +11,7 @@ from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 from kvfleet.runtime.engine.outputs import CompletionOutput
+from kvfleet.runtime.pooler_config import GENERATE
 from kvfleet.runtime.reasoning import ReasoningParser, ReasoningStream
 from kvfleet.runtime.safety.guardrails import Decision, redact_pieces
 from kvfleet.runtime.sampling_params import StructuredOutputsParams
@@ -42,6 +43,7 @@ if TYPE_CHECKING:
 class ChatRoute:
     chunk_object = "chat.completion.chunk"
     id_prefix = "chatcmpl"
+    task = GENERATE
     reports_cached_tokens = False
 
     def __init__(self, body: ChatCompletionRequest, settings: ServiceSettings) -> None:

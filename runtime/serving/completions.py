@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvfleet.contract.errors import BadRequestError
 from kvfleet.runtime.engine.outputs import CompletionOutput
+from kvfleet.runtime.pooler_config import GENERATE
 from kvfleet.runtime.request import PromptTokenLogprobs
 from kvfleet.runtime.sampling_params import StructuredOutputsParams
 from kvfleet.runtime.serving.protocol import CompletionRequest, usage
@@ -29,6 +30,7 @@ if TYPE_CHECKING:
 class CompletionRoute:
     chunk_object = "text_completion"
     id_prefix = "cmpl"
+    task = GENERATE
     # Completions are raw text: reasoning is not told apart, as in vLLM.
     opens_in_reasoning = False
     reports_cached_tokens = False

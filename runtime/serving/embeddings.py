@@ -1,12 +1,13 @@
 """POST /v1/embeddings, and vLLM's /score and /rerank on the same embeddings.
 
-An embedding is pooled as vLLM pools a decoder model's for its embed task: the final hidden state of the
-input's last token, L2-normalized. A score is the cosine similarity of two texts' embeddings, as vLLM scores
-with an embedding model (not a cross-encoder).
+An embedding is pooled as vLLM pools a decoder model's for its embed task (kvfleet.runtime.pooler_config):
+by default the final hidden state of the input's last token, L2-normalized; cut to a Matryoshka size before
+it is normalized. A score is the cosine similarity of two texts' embeddings, as vLLM scores with an
+embedding model (not a cross-encoder).
 
-Embeddings are served beside generation, by the same engine and weights: an input runs as a completion
-prompt of one token, admitted like any other (model, priority, context, guardrails), and the engine returns
-its last hidden state with that token.
+Embeddings are served beside generation (unless the runner serves one alone), by the same engine and
+weights: an input runs as a completion prompt of one token, admitted like any other (model, priority,
+context, guardrails), and the engine returns its pooled hidden states with that token.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import math
 import struct
 from typing import TYPE_CHECKING, Any
 
+from kvfleet.contract.errors import BadRequestError
+from kvfleet.runtime.pooler_config import EMBED, PoolerConfig
 from kvfleet.runtime.serving.completions import CompletionRoute
 from kvfleet.runtime.serving.protocol import (
     CompletionRequest,
@@ -34,6 +37,7 @@ if TYPE_CHECKING:
 
 class _EmbeddingPromptRoute(CompletionRoute):
     id_prefix = "embd"
+    task = EMBED
 
 
 class OpenAIServingEmbedding:
@@ -41,14 +45,28 @@ class OpenAIServingEmbedding:
         self.service = service
 
     async def create_embedding(self, body: EmbeddingRequest, priority_header: str | None) -> dict[str, Any]:
+        pooler = self._pooler()
         body.check()
+        dimensions = pooler.dimensions if body.dimensions is None else body.dimensions
+        if body.dimensions is not None:
+            try:
+                pooler.check_dimensions(body.dimensions)
+            except ValueError as error:
+                raise BadRequestError(str(error), param="dimensions") from None
+        normalized = pooler.use_activation if body.use_activation is None else body.use_activation
         prompts = body.completion_request()
         count = len(prompts.prompts())
         fields = ["input"] if count == 1 else [f"input.{index}" for index in range(count)]
         request, vectors = await self._embed(prompts, fields, priority_header)
+        # As vLLM's embedding head: cut to the Matryoshka size, then normalized.
+        cut = [vector[:dimensions] for vector in vectors]
         data = [
-            {"object": "embedding", "index": index, "embedding": _encoded(vector, body.encoding_format)}
-            for index, vector in enumerate(vectors)
+            {
+                "object": "embedding",
+                "index": index,
+                "embedding": _encoded(_normalized(vector) if normalized else vector, body.encoding_format),
+            }
+            for index, vector in enumerate(cut)
         ]
         return {
             "id": request.request_id,
@@ -63,7 +81,7 @@ class OpenAIServingEmbedding:
         first, second = body.pairs()
         fields = _fields("text_1", body.text_1, len(first)) + _fields("text_2", body.text_2, len(second))
         request, vectors = await self._embed(embedding_prompts(first + second, body), fields, priority_header)
-        scores = [_dot(a, b) for a, b in zip(vectors[: len(first)], vectors[len(first) :], strict=True)]
+        scores = [_cosine(a, b) for a, b in zip(vectors[: len(first)], vectors[len(first) :], strict=True)]
         return {
             "id": request.request_id,
             "object": "list",
@@ -83,7 +101,7 @@ class OpenAIServingEmbedding:
         )
         query, documents = vectors[0], vectors[1:]
         results = [
-            {"index": index, "document": {"text": text}, "relevance_score": _dot(query, vector)}
+            {"index": index, "document": {"text": text}, "relevance_score": _cosine(query, vector)}
             for index, (text, vector) in enumerate(zip(body.documents, documents, strict=True))
         ]
         results.sort(key=lambda result: result["relevance_score"], reverse=True)
@@ -94,12 +112,21 @@ class OpenAIServingEmbedding:
             "results": results[: body.top_n or None],
         }
 
+    def _pooler(self) -> PoolerConfig:
+        """How the server pools embeddings, once it is known to serve them."""
+        self.service.check_task(EMBED)
+        pooler = self.service.pooler
+        if pooler.refusal is not None:
+            raise BadRequestError(f"embeddings are not served: {pooler.refusal}", param="model")
+        return pooler
+
     async def _embed(
         self, prompts: CompletionRequest, fields: list[str], priority_header: str | None
     ) -> tuple[PreparedRequest, list[list[float]]]:
         """The prompts (from these request fields) admitted and run for their embeddings, in order."""
+        pooler = self._pooler()
         request = await self.service.admit(_EmbeddingPromptRoute(prompts, fields), priority_header)
-        request.params.prompt_pooling = "LAST"
+        request.params.prompt_pooling = pooler.pooling_type
         hidden_states: dict[str, list[float]] = {}
         async with contextlib.aclosing(self.service.outputs(request)) as outputs:
             async for output in outputs:
@@ -109,7 +136,7 @@ class OpenAIServingEmbedding:
                         raise error
                 if output.prompt_hidden_state is not None:
                     hidden_states[output.request_id] = output.prompt_hidden_state
-        return request, [_normalized(hidden_states[request_id]) for request_id in request.engine_request_ids]
+        return request, [hidden_states[request_id] for request_id in request.engine_request_ids]
 
 
 def _fields(name: str, value: str | list[str], count: int) -> list[str]:
@@ -128,8 +155,9 @@ def _normalized(vector: list[float]) -> list[float]:
     return [value / norm for value in vector] if norm > 0 else vector
 
 
-def _dot(a: list[float], b: list[float]) -> float:
-    return math.fsum(x * y for x, y in zip(a, b, strict=True))
+def _cosine(a: list[float], b: list[float]) -> float:
+    """The cosine similarity of two embeddings (as vLLM scores with an embedding model)."""
+    return math.fsum(x * y for x, y in zip(_normalized(a), _normalized(b), strict=True))
 
 
 def _encoded(vector: list[float], encoding_format: str) -> list[float] | str:

@@ -407,29 +407,35 @@ def split_prompts(value: str | list[str] | list[int] | list[list[int]], param: s
 
 
 class EmbeddingRequest(RequestBody):
-    """OpenAI's embeddings request (plus kvfleet's priority and timeout, and vLLM's add_special_tokens)."""
+    """OpenAI's embeddings request (plus kvfleet's priority and timeout, and vLLM's add_special_tokens,
+    use_activation and prompt truncation)."""
 
     input: str | list[str] | list[StrictInt] | list[list[StrictInt]]
     model: str | None = None
     encoding_format: Literal["float", "base64"] = "float"
-    dimensions: StrictInt | None = None
+    # A Matryoshka model's embeddings cut to this size (others refuse it).
+    dimensions: Annotated[StrictInt, Field(ge=1)] | None = None
     user: str | None = None
     add_special_tokens: StrictBool = True
+    # vLLM's: L2-normalized or not; by default as the server's pooler config says.
+    use_activation: StrictBool | None = None
+    # vLLM's, as on completions.
+    truncate_prompt_tokens: Annotated[StrictInt, Field(ge=-1)] | None = None
+    truncation_side: Literal["left", "right"] | None = None
     priority: StrictInt | str | None = None
     timeout: Annotated[FiniteFloat, Field(gt=0)] | None = None
 
     def check(self) -> None:
         self.refuse_unsupported()
         split_prompts(self.input, "input")
-        if self.dimensions is not None:
-            raise BadRequestError(
-                "dimensions: this model's embeddings have one size, the model's hidden size (it was not "
-                "trained to be truncated)",
-                param="dimensions",
-            )
 
     def completion_request(self) -> CompletionRequest:
-        return embedding_prompts(self.input, self)
+        return embedding_prompts(
+            self.input,
+            self,
+            truncate_prompt_tokens=self.truncate_prompt_tokens,
+            truncation_side=self.truncation_side,
+        )
 
 
 class ScoreRequest(RequestBody):
@@ -483,6 +489,9 @@ class RerankRequest(RequestBody):
 def embedding_prompts(
     texts: str | list[str] | list[int] | list[list[int]],
     body: EmbeddingRequest | ScoreRequest | RerankRequest,
+    *,
+    truncate_prompt_tokens: int | None = None,
+    truncation_side: Literal["left", "right"] | None = None,
 ) -> CompletionRequest:
     """The completion request whose prompts (the texts) run for their hidden states: one token each."""
     return CompletionRequest(
@@ -491,6 +500,8 @@ def embedding_prompts(
         max_tokens=1,
         temperature=0.0,
         add_special_tokens=body.add_special_tokens,
+        truncate_prompt_tokens=truncate_prompt_tokens,
+        truncation_side=truncation_side,
         priority=body.priority,
         timeout=body.timeout,
     )

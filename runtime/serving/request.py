@@ -35,6 +35,8 @@ class Route(Protocol):
     body: ChatCompletionRequest | CompletionRequest
     chunk_object: str
     id_prefix: str
+    # What the server must serve for it (kvfleet.runtime.pooler_config): generate, or embed.
+    task: str
     # Whether the answer begins with reasoning (known once the prompt is made).
     opens_in_reasoning: bool
     # Whether its usage always counts the prompt tokens the prefix cache held, as OpenAI's Responses API's

@@ -54,6 +54,7 @@ from kvfleet.runtime.input_checks import (
 )
 from kvfleet.runtime.kv_transfer.params import RemoteDecode, parse_kv_transfer_params
 from kvfleet.runtime.lora.request import LoRARequest
+from kvfleet.runtime.pooler_config import EMBED, GENERATE, PoolerConfig, served_tasks
 from kvfleet.runtime.reasoning import ReasoningParser, reasoning_parser
 from kvfleet.runtime.sampling_params import (
     KV_TRANSFER_PARAMS,
@@ -93,6 +94,12 @@ logger = logging.getLogger(__name__)
 DEFAULT_MAX_N = 128
 # n = 128 sequences of a 2048-token context.
 DEFAULT_MAX_COMPLETION_TOKENS_PER_PROMPT = 1 << 18
+
+# The routes of each task, as a refusal names them.
+_TASK_ROUTES = {
+    GENERATE: "completions, chat completions and responses",
+    EMBED: "embeddings, score and rerank",
+}
 
 
 @dataclass(frozen=True)
@@ -189,6 +196,17 @@ class OpenAIService:
     def model_name(self) -> str:
         return self.settings.served_model_name
 
+    @cached_property
+    def tasks(self) -> frozenset[str]:
+        """What this server answers: generation, embeddings, or both (the engine's runner and convert)."""
+        config = self.engine.config
+        return served_tasks(config.runner, config.convert)
+
+    @cached_property
+    def pooler(self) -> PoolerConfig:
+        """How this server's embeddings are pooled."""
+        return self.engine.config.pooler()
+
     @property
     def engine_info(self) -> EngineInfo:
         info = self.engine.info
@@ -212,6 +230,7 @@ class OpenAIService:
         """Every check a generating request passes before it runs, in this order, each once."""
         arrival_time = time.monotonic()
         body = route.body
+        self.check_task(route.task)
         lora_request = self.check_model(body.model)
         params = await self.sampling_params(body, route.tool_constraint)
         priority = self.resolve_priority(body.priority, priority_header)
@@ -270,6 +289,17 @@ class OpenAIService:
         if logger.isEnabledFor(logging.DEBUG):
             shown = [ids[: self.settings.max_log_len] for ids in request.prompt_token_ids]
             logger.debug("Request %s prompt_token_ids: %s", request.request_id, shown)
+
+    def check_task(self, task: str) -> None:
+        """A 404 for a route of what this server does not serve, as vLLM's server, which lacks the route."""
+        if task in self.tasks:
+            return
+        config = self.engine.config
+        served = "embeddings" if task == GENERATE else "generation"
+        raise NotFoundError(
+            f"this server serves {served} only (runner {config.runner}, convert {config.convert}): "
+            f"{_TASK_ROUTES[task]} are not served"
+        )
 
     def check_model(self, model: str | None) -> LoRARequest | None:
         """The LoRA adapter the request names as its model, or None for the served model itself."""

@@ -1,0 +1,180 @@
+"""vLLM's --runner pooling, --pooler-config and Matryoshka embeddings on a server of a sentence-transformers
+folder (the tiny model with a mean Pooling module and no Normalize one), through the official openai SDK,
+against sentence-transformers itself: the folder's mean pooling, normalized as --pooler-config says over the
+folder, or not as a request says; cut to a Matryoshka size the config lists (before it is normalized);
+prompts truncated as on completions; the generation routes 404, as on vLLM's pooling server, and the
+embedding routes on a generation server. What cannot be served fails at start, naming it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any
+
+import httpx
+import numpy as np
+import openai
+import pytest
+import torch
+from click.testing import CliRunner
+from kvfleet.contract.errors import NotFoundError
+from kvfleet.runtime.serving.embeddings import OpenAIServingEmbedding
+from kvfleet.runtime.serving.protocol import EmbeddingRequest
+from kvfleet.runtime.serving.service import OpenAIService, ServiceSettings
+from sentence_transformers import SentenceTransformer
+from server_checks import openai_error
+from transformers import AutoModel, AutoTokenizer
+
+from kvfleet.cli import cli
+
+if TYPE_CHECKING:
+    from servers import ServerProcess
+
+TEXTS = ["Once upon a time", "The weather in Paris is mild, with rain on most days of the year."]
+MATRYOSHKA = [16, 32]
+
+
+@pytest.fixture(scope="module")
+def folder(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model as a sentence-transformers folder whose Pooling module takes the mean of the tokens."""
+    folder = tmp_path_factory.mktemp("sentence-transformers") / "tiny"
+    shutil.copytree(tiny_llama, folder)
+    modules = [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+    ]
+    (folder / "modules.json").write_text(json.dumps(modules))
+    (folder / "1_Pooling").mkdir()
+    hidden_size = json.loads((folder / "config.json").read_text())["hidden_size"]
+    pooling = {
+        "word_embedding_dimension": hidden_size,
+        "pooling_mode_cls_token": False,
+        "pooling_mode_mean_tokens": True,
+        "include_prompt": True,
+    }
+    (folder / "1_Pooling" / "config.json").write_text(json.dumps(pooling))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def server(start_server: Any, folder: Path) -> ServerProcess:
+    return start_server(
+        "--runner",
+        "pooling",
+        "--pooler-config",
+        '{"use_activation": true}',
+        "--hf-overrides",
+        json.dumps({"matryoshka_dimensions": MATRYOSHKA}),
+        "--served-model-name",
+        "tiny",
+        model=folder,
+    )
+
+
+@pytest.fixture(scope="module")
+def client(server: ServerProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def sentence_transformers(folder: Path) -> SentenceTransformer:
+    return SentenceTransformer(str(folder), device="cpu")
+
+
+def _embeddings(answer: Any) -> np.ndarray:
+    assert [item.index for item in answer.data] == list(range(len(answer.data)))
+    return np.array([item.embedding for item in answer.data])
+
+
+def test_embeddings_are_the_folders_mean_pooling_normalized_as_the_flag_says(
+    client: openai.OpenAI, sentence_transformers: SentenceTransformer
+) -> None:
+    # One text at a time: the tiny tokenizer pads nothing, and the mean of a padded batch is the mask's.
+    normalized = np.stack([sentence_transformers.encode(text, normalize_embeddings=True) for text in TEXTS])
+    raw = np.stack([sentence_transformers.encode(text) for text in TEXTS])
+    np.testing.assert_allclose(
+        _embeddings(client.embeddings.create(model="tiny", input=TEXTS)), normalized, atol=1e-4
+    )
+    unnormalized = client.embeddings.create(model="tiny", input=TEXTS, extra_body={"use_activation": False})
+    np.testing.assert_allclose(_embeddings(unnormalized), raw, atol=1e-4)
+
+
+def test_a_matryoshka_size_is_cut_before_normalizing(
+    client: openai.OpenAI, folder: Path, server: ServerProcess
+) -> None:
+    cut = SentenceTransformer(str(folder), device="cpu", truncate_dim=MATRYOSHKA[0])
+    expected = np.stack([cut.encode(text, normalize_embeddings=True) for text in TEXTS])
+    answer = client.embeddings.create(model="tiny", input=TEXTS, dimensions=MATRYOSHKA[0])
+    assert _embeddings(answer).shape == (len(TEXTS), MATRYOSHKA[0])
+    np.testing.assert_allclose(_embeddings(answer), expected, atol=1e-4)
+    refused = httpx.post(
+        f"{server.url}/v1/embeddings", json={"input": TEXTS[0], "dimensions": 20}, timeout=60
+    )
+    error = openai_error(refused, 400)
+    assert error["param"] == "dimensions" and "[16, 32]" in error["message"]
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_prompts_are_truncated_as_on_completions(client: openai.OpenAI, folder: Path, side: str) -> None:
+    token_ids = AutoTokenizer.from_pretrained(folder)(TEXTS[1]).input_ids
+    kept = token_ids[-5:] if side == "left" else token_ids[:5]
+    model = AutoModel.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        mean = model(torch.tensor([kept])).last_hidden_state[0].mean(dim=0)
+    expected = torch.nn.functional.normalize(mean, dim=0).numpy()
+    answer = client.embeddings.create(
+        model="tiny", input=TEXTS[1], extra_body={"truncate_prompt_tokens": 5, "truncation_side": side}
+    )
+    assert answer.usage.prompt_tokens == len(kept)
+    np.testing.assert_allclose(_embeddings(answer)[0], expected, atol=1e-4)
+
+
+def test_scores_are_the_cosines_of_the_embeddings(
+    server: ServerProcess, sentence_transformers: SentenceTransformer
+) -> None:
+    first, second = (sentence_transformers.encode(text, normalize_embeddings=True) for text in TEXTS)
+    answer = httpx.post(f"{server.url}/score", json={"text_1": TEXTS[0], "text_2": TEXTS[1]}, timeout=60)
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["data"][0]["score"] == pytest.approx(float(first @ second), abs=1e-4)
+
+
+def test_generation_is_not_served_by_a_pooling_server(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.NotFoundError, match="embeddings only"):
+        client.completions.create(model="tiny", prompt=TEXTS[0], max_tokens=2)
+    with pytest.raises(openai.NotFoundError, match="runner pooling"):
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}])
+    with pytest.raises(openai.NotFoundError):
+        client.responses.create(model="tiny", input=TEXTS[0])
+
+
+@pytest.mark.parametrize(
+    ("options", "named"),
+    [
+        (["--runner", "pooling"], "2_Dense"),
+        (["--runner", "draft"], "speculative_config"),
+        (["--convert", "classify"], "classification head"),
+        (["--pooler-config", '{"normalize": true}'], "use_activation"),
+    ],
+)
+def test_what_cannot_be_served_fails_at_start_naming_it(
+    folder: Path, tmp_path: Path, options: list[str], named: str
+) -> None:
+    """Before the engine starts; embeddings only of a folder whose Dense module kvfleet does not apply."""
+    dense = tmp_path / "dense"
+    shutil.copytree(folder, dense)
+    modules = json.loads((dense / "modules.json").read_text())
+    modules.append({"idx": 2, "name": "2", "path": "2_Dense", "type": "sentence_transformers.models.Dense"})
+    (dense / "modules.json").write_text(json.dumps(modules))
+    completed = CliRunner().invoke(cli, ["serve", str(dense), *options])
+    assert completed.exit_code == 2 and named in completed.output, completed.output
+
+
+def test_a_generation_server_answers_embeddings_404() -> None:
+    engine = SimpleNamespace(config=SimpleNamespace(runner="generate", convert="auto"))
+    embeddings = OpenAIServingEmbedding(OpenAIService(engine, ServiceSettings("tiny")))  # type: ignore[arg-type]
+    body = EmbeddingRequest(input=TEXTS[0])
+    with pytest.raises(NotFoundError, match=r"generation only .*embeddings, score and rerank are not served"):
+        asyncio.run(embeddings.create_embedding(body, None))
