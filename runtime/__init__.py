@@ -20,14 +20,16 @@ if TYPE_CHECKING:
     from kvfleet.runtime.config import EngineConfig
     from kvfleet.runtime.engine.llm import LLM
     from kvfleet.runtime.lora.request import LoRARequest
+    from kvfleet.runtime.pooling_params import PoolingParams
     from kvfleet.runtime.sampling_params import SamplingParams, StructuredOutputsParams
 
-__all__ = ["LLM", "EngineConfig", "LoRARequest", "SamplingParams", "StructuredOutputsParams"]
+__all__ = ["LLM", "EngineConfig", "LoRARequest", "PoolingParams", "SamplingParams", "StructuredOutputsParams"]
 
 _EXPORTS = {
     "LLM": "kvfleet.runtime.engine.llm",
     "EngineConfig": "kvfleet.runtime.config",
     "LoRARequest": "kvfleet.runtime.lora.request",
+    "PoolingParams": "kvfleet.runtime.pooling_params",
     "SamplingParams": "kvfleet.runtime.sampling_params",
     "StructuredOutputsParams": "kvfleet.runtime.sampling_params",
 }

@@ -13,6 +13,7 @@ Torch-free: the server's options are checked before the engine loads.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, get_args
@@ -60,6 +61,15 @@ class PoolerConfig:
     # does not); None: they are.
     refusal: str | None = None
 
+    def embedding(
+        self, pooled: list[float], dimensions: int | None, use_activation: bool | None
+    ) -> list[float]:
+        """A pooled prompt as its embedding, in the order of vLLM's embedding head: cut to `dimensions`, then
+        L2-normalized where `use_activation` says (each None: as this config says)."""
+        vector = pooled[: dimensions or self.dimensions]
+        normalizes = self.use_activation if use_activation is None else use_activation
+        return normalized(vector) if normalizes else vector
+
     def check_dimensions(self, dimensions: int) -> None:
         """Raises ValueError where `dimensions` is not a size this model's embeddings may be cut to."""
         if self.matryoshka_dimensions is None:
@@ -71,6 +81,12 @@ class PoolerConfig:
             sizes = self.matryoshka_dimensions
             listed = f"[1, {sizes[-1]}]" if sizes == tuple(range(1, len(sizes) + 1)) else str(list(sizes))
             raise ValueError(f"this model's embeddings may be cut to {listed} dimensions, not {dimensions}")
+
+
+def normalized(vector: list[float]) -> list[float]:
+    """`vector` L2-normalized (a zero vector as it is)."""
+    norm = math.sqrt(math.fsum(value * value for value in vector))
+    return [value / norm for value in vector] if norm > 0 else vector
 
 
 def served_tasks(runner: str, convert: str) -> frozenset[str]:

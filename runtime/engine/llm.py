@@ -4,17 +4,20 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Sequence
+from functools import cached_property
 from typing import Any
 
 from kvfleet.runtime.chat_content_format import ContentFormatOption
 from kvfleet.runtime.chat_prompt import chat_prompt_token_ids
 from kvfleet.runtime.config import EngineConfig
 from kvfleet.runtime.engine.llm_engine import LLMEngine
-from kvfleet.runtime.engine.outputs import RequestOutput
+from kvfleet.runtime.engine.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from kvfleet.runtime.errors import EngineSleepingError
 from kvfleet.runtime.input_checks import check_cache_salt, check_sampling_token_ids
 from kvfleet.runtime.lora.request import LoRARequest
 from kvfleet.runtime.multimodal.inputs import MultiModalFeature
+from kvfleet.runtime.pooler_config import EMBED, GENERATE, PoolerConfig, served_tasks
+from kvfleet.runtime.pooling_params import PoolingParams
 from kvfleet.runtime.sampling_params import SamplingParams
 from kvfleet.runtime.structured_outputs.grammars import check_constraint
 from tqdm import tqdm
@@ -50,6 +53,62 @@ class LLM:
         adapter of every prompt, or one per prompt (None for the base model). `use_tqdm`: a progress bar on
         stderr counts the finished prompts, with the input and output tokens per second so far (False for
         none; a callable such as `functools.partial(tqdm, leave=False)` draws it instead of tqdm)."""
+        self._check_task(GENERATE, "generate")
+        return self._generate(prompts, sampling_params, priority, use_tqdm, lora_request)
+
+    def embed(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        *,
+        use_tqdm: ProgressBar = True,
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """vLLM's: each prompt's embedding, in the order given, pooled as the folder and pooler_config say
+        (kvfleet.runtime.pooler_config), cut and normalized as each prompt's PoolingParams say."""
+        self._check_task(EMBED, "embed")
+        pooler = self._pooler
+        if pooler.refusal is not None:
+            raise ValueError(f"embeddings are not served: {pooler.refusal}")
+        prompt_list = _as_prompt_list(prompts)
+        params_list = _broadcast(pooling_params or PoolingParams(), len(prompt_list), "pooling_params")
+        for params in params_list:
+            if params.dimensions is not None:
+                pooler.check_dimensions(params.dimensions)
+        pooled = SamplingParams(temperature=0.0, max_tokens=1, prompt_pooling=pooler.pooling_type)
+        outputs = self._generate(prompt_list, pooled, None, use_tqdm, lora_request)
+        return [
+            EmbeddingRequestOutput(
+                output.request_id,
+                output.prompt_token_ids,
+                output.finished,
+                EmbeddingOutput(
+                    pooler.embedding(output.prompt_hidden_state, params.dimensions, params.use_activation)
+                ),
+            )
+            for output, params in zip(outputs, params_list, strict=True)
+        ]
+
+    @cached_property
+    def _pooler(self) -> PoolerConfig:
+        return self.llm_engine.config.pooler()
+
+    def _check_task(self, task: str, method: str) -> None:
+        config = self.llm_engine.config
+        if task not in served_tasks(config.runner, config.convert):
+            raise ValueError(
+                f"{method}() is not served by an engine of runner {config.runner} and convert "
+                f"{config.convert}"
+            )
+
+    def _generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+        priority: Sequence[int] | None,
+        use_tqdm: ProgressBar,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None,
+    ) -> list[RequestOutput]:
         prompt_list = _as_prompt_list(prompts)
         params_list = _broadcast(sampling_params or SamplingParams(), len(prompt_list), "sampling_params")
         lora_list = _broadcast(lora_request, len(prompt_list), "lora_request")

@@ -44,7 +44,7 @@ class RequestOutput:
     # A finished prefill call's answer (disaggregated prefill and decode): where its KV blocks wait, for the
     # decode call's SamplingParams.extra_args["kv_transfer_params"].
     kv_transfer_params: dict[str, Any] | None = None
-    # The final hidden state of the prompt's last token, once finished, when SamplingParams asked for it.
+    # The prompt's final hidden states pooled as SamplingParams.prompt_pooling asked, once finished.
     prompt_hidden_state: list[float] | None = None
     # With SamplingParams.prompt_logprobs, once finished: one entry per prompt token (None for the first,
     # which nothing before it scores).
@@ -72,6 +72,21 @@ class RequestOutput:
                 logprobs=logprobs,
             )
         return dataclasses.replace(later, outputs=[joined[index] for index in sorted(joined)])
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """vLLM's answer to LLM.embed() for one prompt."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    finished: bool
+    outputs: EmbeddingOutput
 
 
 @dataclass

@@ -19,7 +19,7 @@ import struct
 from typing import TYPE_CHECKING, Any
 
 from kvfleet.contract.errors import BadRequestError
-from kvfleet.runtime.pooler_config import EMBED, PoolerConfig
+from kvfleet.runtime.pooler_config import EMBED, PoolerConfig, normalized
 from kvfleet.runtime.serving.completions import CompletionRoute
 from kvfleet.runtime.serving.protocol import (
     CompletionRequest,
@@ -47,26 +47,24 @@ class OpenAIServingEmbedding:
     async def create_embedding(self, body: EmbeddingRequest, priority_header: str | None) -> dict[str, Any]:
         pooler = self._pooler()
         body.check()
-        dimensions = pooler.dimensions if body.dimensions is None else body.dimensions
         if body.dimensions is not None:
             try:
                 pooler.check_dimensions(body.dimensions)
             except ValueError as error:
                 raise BadRequestError(str(error), param="dimensions") from None
-        normalized = pooler.use_activation if body.use_activation is None else body.use_activation
         prompts = body.completion_request()
         count = len(prompts.prompts())
         fields = ["input"] if count == 1 else [f"input.{index}" for index in range(count)]
         request, vectors = await self._embed(prompts, fields, priority_header)
-        # As vLLM's embedding head: cut to the Matryoshka size, then normalized.
-        cut = [vector[:dimensions] for vector in vectors]
         data = [
             {
                 "object": "embedding",
                 "index": index,
-                "embedding": _encoded(_normalized(vector) if normalized else vector, body.encoding_format),
+                "embedding": _encoded(
+                    pooler.embedding(vector, body.dimensions, body.use_activation), body.encoding_format
+                ),
             }
-            for index, vector in enumerate(cut)
+            for index, vector in enumerate(vectors)
         ]
         return {
             "id": request.request_id,
@@ -150,14 +148,9 @@ def _usage(request: PreparedRequest) -> dict[str, int]:
     return {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}
 
 
-def _normalized(vector: list[float]) -> list[float]:
-    norm = math.sqrt(math.fsum(value * value for value in vector))
-    return [value / norm for value in vector] if norm > 0 else vector
-
-
 def _cosine(a: list[float], b: list[float]) -> float:
     """The cosine similarity of two embeddings (as vLLM scores with an embedding model)."""
-    return math.fsum(x * y for x, y in zip(_normalized(a), _normalized(b), strict=True))
+    return math.fsum(x * y for x, y in zip(normalized(a), normalized(b), strict=True))
 
 
 def _encoded(vector: list[float], encoding_format: str) -> list[float] | str:

@@ -1,0 +1,67 @@
+"""vLLM's offline `LLM.embed()` against sentence-transformers on a sentence-transformers folder (the tiny
+model pooled at its first token and normalized by a Normalize module): each prompt's PoolingParams cut a
+Matryoshka embedding before it is normalized, or leave it unnormalized; an engine's runner and convert
+decide which of generate() and embed() it serves."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from kvfleet.runtime import LLM, PoolingParams, SamplingParams
+from sentence_transformers import SentenceTransformer
+
+TEXTS = ["Once upon a time", "The weather in Paris is mild, with rain on most days of the year."]
+
+
+@pytest.fixture(scope="module")
+def folder(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("sentence-transformers-cls") / "tiny"
+    shutil.copytree(tiny_llama, folder)
+    modules = [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"},
+    ]
+    (folder / "modules.json").write_text(json.dumps(modules))
+    hidden_size = json.loads((folder / "config.json").read_text())["hidden_size"]
+    (folder / "1_Pooling").mkdir()
+    pooling = {"word_embedding_dimension": hidden_size, "pooling_mode_cls_token": True}
+    (folder / "1_Pooling" / "config.json").write_text(json.dumps(pooling))
+    (folder / "2_Normalize").mkdir()
+    return folder
+
+
+def test_embed_is_sentence_transformers_encode(folder: Path) -> None:
+    llm = LLM(str(folder), dtype="float32", runner="pooling", hf_overrides={"is_matryoshka": True})
+    model = SentenceTransformer(str(folder), device="cpu")
+    outputs = llm.embed(TEXTS, use_tqdm=False)
+    expected = np.stack([model.encode(text) for text in TEXTS])
+    np.testing.assert_allclose([output.outputs.embedding for output in outputs], expected, atol=1e-4)
+    assert all(output.finished and output.prompt_token_ids for output in outputs)
+
+    cut = SentenceTransformer(str(folder), device="cpu", truncate_dim=8)
+    # sentence-transformers cuts after its Normalize module: normalizing again gives vLLM's order.
+    expected_cut = [cut.encode(text, normalize_embeddings=True) for text in TEXTS]
+    raw = llm.embed(TEXTS, pooling_params=[PoolingParams(dimensions=8), PoolingParams(use_activation=False)])
+    np.testing.assert_allclose(raw[0].outputs.embedding, expected_cut[0], atol=1e-4)
+    # Unnormalized: the first token's hidden state, in the direction of the normalized one.
+    assert np.linalg.norm(raw[1].outputs.embedding) != pytest.approx(1.0)
+    np.testing.assert_allclose(
+        raw[1].outputs.embedding / np.linalg.norm(raw[1].outputs.embedding), expected[1], atol=1e-4
+    )
+    with pytest.raises(ValueError, match=r"\[1, 64\] dimensions, not 65"):
+        llm.embed(TEXTS[0], pooling_params=PoolingParams(dimensions=65))
+    with pytest.raises(ValueError, match="generate\\(\\) is not served by an engine of runner pooling"):
+        llm.generate(TEXTS[0], SamplingParams(max_tokens=1))
+
+
+def test_a_generation_engine_does_not_embed(tiny_llama: Path) -> None:
+    llm = LLM(str(tiny_llama), dtype="float32", convert="none")
+    with pytest.raises(
+        ValueError, match="embed\\(\\) is not served by an engine of runner auto and convert none"
+    ):
+        llm.embed(TEXTS[0])
