@@ -35,8 +35,8 @@ from kvfleet.runtime.server.middleware import (
 )
 from kvfleet.runtime.server.state import ServerState
 from kvfleet.runtime.server.streaming import (
-    EventStreamResponse,
     respond,
+    stream_response,
     typed_sse_events,
     unless_disconnected,
 )
@@ -294,8 +294,12 @@ def _add_responses_routes(app: FastAPI, state: ServerState) -> None:
     async def create_response(body: ResponsesRequest, raw_request: Request) -> Response:
         prepared = await responses.create(body, raw_request.headers.get(PRIORITY_HEADER))
         if body.stream:
-            events = await unless_disconnected(raw_request, responses.stream(prepared))
-            return EventStreamResponse(typed_sse_events(events))
+            return await stream_response(
+                raw_request,
+                responses.stream(prepared),
+                lambda chunks: typed_sse_events(responses.events(prepared, chunks)),
+                state.settings.sse_keep_alive_interval,
+            )
         return JSONResponse(await unless_disconnected(raw_request, responses.complete(prepared)))
 
     if responses.store is not None:

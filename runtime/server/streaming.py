@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 from kvfleet.runtime.errors import EngineError
@@ -65,26 +65,36 @@ async def respond(
     raw_request: Request, service: OpenAIService, request: PreparedRequest, keep_alive_s: float
 ) -> Response:
     """The service's answer to an admitted request: its JSON body, or its event stream once the first output
-    is in. A client that goes away first aborts the request.
+    is in (see stream_response). A client that goes away first aborts the request."""
+    if not request.stream:
+        return JSONResponse(await unless_disconnected(raw_request, service.complete(request)))
+    return await stream_response(raw_request, service.stream(request), sse_events, keep_alive_s)
+
+
+async def stream_response(
+    raw_request: Request,
+    opening: Awaitable[AsyncIterator[T]],
+    framed: Callable[[AsyncIterator[T]], AsyncIterator[str]],
+    keep_alive_s: float,
+) -> Response:
+    """The event stream of what `opening` gives once a request's first output is in, as `framed` writes it
+    (which ends a stream that fails with its error as events).
 
     With `keep_alive_s` (vLLM's --sse-keep-alive-interval), a stream whose first output takes longer opens
     then, and carries a comment each time it has been quiet that long: in the queue, in a long prefill,
-    between tokens. A failure before its first output is then the stream's last event, not its status."""
-    if not request.stream:
-        return JSONResponse(await unless_disconnected(raw_request, service.complete(request)))
+    between tokens. A failure before its first output is then the stream's last events, not its status."""
     if not keep_alive_s:
-        chunks = await unless_disconnected(raw_request, service.stream(request))
-        return EventStreamResponse(sse_events(chunks))
-    opening = asyncio.ensure_future(service.stream(request))
+        return EventStreamResponse(framed(await unless_disconnected(raw_request, opening)))
+    opened = asyncio.ensure_future(opening)
     try:
-        await unless_disconnected(raw_request, asyncio.wait({opening}, timeout=keep_alive_s))
+        await unless_disconnected(raw_request, asyncio.wait({opened}, timeout=keep_alive_s))
     except BaseException:  # the client gone, or the server stopping: the request is not left running
-        await _cancelled(opening)
+        await _cancelled(opened)
         raise
-    if opening.done():
+    if opened.done():
         # In time for the request's status to be its own: a failure before its first output is a 4xx or 5xx.
-        return EventStreamResponse(with_keep_alive(sse_events(opening.result()), keep_alive_s))
-    events = with_keep_alive(sse_events(_once_opened(opening)), keep_alive_s)
+        return EventStreamResponse(with_keep_alive(framed(opened.result()), keep_alive_s))
+    events = with_keep_alive(framed(_once_opened(opened)), keep_alive_s)
     return EventStreamResponse(_preceded_by(SSE_KEEP_ALIVE, events))
 
 

@@ -191,13 +191,15 @@ class OpenAIServingResponses:
         return response
 
     async def stream(self, prepared: PreparedResponse) -> AsyncIterator[dict[str, Any]]:
-        """The response's events, returned once its first output is in (as the chat stream is)."""
-        chunks = await self.service.stream(prepared.request)
-        return self._events(prepared, chunks)
+        """The chat chunks that answer the response, returned once its first output is in (as the chat
+        stream is); `events` turns them into the response's events."""
+        return await self.service.stream(prepared.request)
 
-    async def _events(
+    async def events(
         self, prepared: PreparedResponse, chunks: AsyncIterator[dict[str, Any]]
     ) -> AsyncIterator[dict[str, Any]]:
+        """The response's events, from its created event to its completed one; a failure, even one raised at
+        the first chunk, is an error event and the response failed."""
         events = _ResponseEvents(prepared)
         for event in events.start():
             yield event

@@ -301,8 +301,8 @@ def _streamed_events(chat: _ChatStream) -> list[Any]:
     prepared = PreparedResponse(ResponsesRequest(input=PROMPT), request, [], stored=False)
 
     async def collect() -> list[dict[str, Any]]:
-        events = await OpenAIServingResponses(chat, None).stream(prepared)  # type: ignore[arg-type]
-        return [event async for event in events]
+        responses = OpenAIServingResponses(chat, None)  # type: ignore[arg-type]
+        return [event async for event in responses.events(prepared, await responses.stream(prepared))]
 
     adapter = TypeAdapter(ResponseStreamEvent)
     events = [adapter.validate_python(event) for event in asyncio.run(collect())]

@@ -151,6 +151,41 @@ def test_a_failure_after_the_stream_opened_is_its_last_event(server: ServerProce
     wait_idle(server)
 
 
+def test_a_responses_stream_opens_with_comments_and_its_failure_is_a_failed_response(
+    server: ServerProcess,
+) -> None:
+    """The Responses API's typed events: the SDK reads a stream that opened with comments, and a deadline
+    that passes while it waits ends it with the error event and the response failed."""
+    client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+    greedy: dict[str, Any] = {"model": "tiny", "input": PROMPT, "max_output_tokens": 16, "temperature": 0}
+
+    async def run() -> tuple[str, list[str]]:
+        async with occupied(server, OCCUPANTS):
+            stream = await client.responses.create(**greedy, stream=True)
+            await asyncio.sleep(2.5 * KEEP_ALIVE_S)
+        text = "".join([event.delta async for event in stream if event.type == "response.output_text.delta"])
+        async with (
+            occupied(server, OCCUPANTS),
+            httpx.AsyncClient(base_url=server.url, timeout=60) as http,
+            http.stream(
+                "POST", "/v1/responses", json={**greedy, "stream": True, "timeout": 3 * KEEP_ALIVE_S}
+            ) as failing,
+        ):
+            assert failing.status_code == 200
+            lines = [line async for line in failing.aiter_lines() if line]
+        return text, lines
+
+    text, lines = asyncio.run(run())
+    unstreamed = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+    assert text and text == unstreamed.responses.create(**greedy).output_text
+    assert lines.count(COMMENT) >= 2
+    types = [line.removeprefix("event: ") for line in lines if line.startswith("event: ")]
+    assert types == ["response.created", "response.in_progress", "error", "response.failed"], lines
+    failed = json.loads(lines[-1].removeprefix("data: "))["response"]
+    assert failed["status"] == "failed" and failed["error"]["code"] == "server_error", failed
+    wait_idle(server)
+
+
 def test_a_failure_before_the_interval_keeps_its_status(server: ServerProcess) -> None:
     body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 8, "timeout": 0.05}
 
