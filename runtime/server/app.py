@@ -83,7 +83,7 @@ def build_app(state: ServerState) -> FastAPI:
     )
     app.state.server = state
     app.router.route_class = DepthCheckedRoute
-    install_error_handlers(app)
+    install_error_handlers(app, state.settings.log_error_stack)
     app.add_exception_handler(ClientDisconnectedError, _client_gone)
     # Outermost last: auth first, then the body's time and size limits, then in-flight counting for drains.
     app.add_middleware(InFlightCounter, state=state)

@@ -393,6 +393,11 @@ def _api_key(ctx: click.Context, param: click.Parameter, value: str | None) -> s
     "refused with a 400.",
 )
 @click.option(
+    "--log-error-stack",
+    is_flag=True,
+    help="vLLM's: every error response is logged with the stack trace of the error it answers.",
+)
+@click.option(
     "--enable-tokenizer-info-endpoint",
     is_flag=True,
     help="vLLM's: GET /tokenizer_info answers the tokenizer's configuration (its chat template included).",

@@ -8,6 +8,7 @@ their own) see the status they expect and never a bare 500 for bad input.
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -58,12 +59,32 @@ class ClientDisconnectedError(Exception):
     """The client went away; nobody is left to answer."""
 
 
-def install_error_handlers(app: FastAPI) -> None:
-    app.add_exception_handler(OpenAIError, _openai_error)
-    app.add_exception_handler(EngineError, _engine_error)
-    app.add_exception_handler(RequestValidationError, _validation_error)
-    app.add_exception_handler(StarletteHTTPException, _http_error)
+Handler = Callable[[Request, Exception], Awaitable[JSONResponse]]
+
+
+def install_error_handlers(app: FastAPI, log_error_stack: bool = False) -> None:
+    """With `log_error_stack` (vLLM's --log-error-stack), every error answered is logged with the stack it
+    was raised from (an unexpected one always is)."""
+    handlers: list[tuple[type[Exception], Handler]] = [
+        (OpenAIError, _openai_error),
+        (EngineError, _engine_error),
+        (RequestValidationError, _validation_error),
+        (StarletteHTTPException, _http_error),
+    ]
+    for kind, handler in handlers:
+        app.add_exception_handler(kind, _with_stack(handler) if log_error_stack else handler)
     app.add_exception_handler(Exception, _unexpected_error)
+
+
+def _with_stack(handler: Handler) -> Handler:
+    async def logged(request: Request, exc: Exception) -> JSONResponse:
+        response = await handler(request, exc)
+        logger.error(
+            "%s %s answered %d", request.method, request.url.path, response.status_code, exc_info=exc
+        )
+        return response
+
+    return logged
 
 
 async def _openai_error(request: Request, exc: Exception) -> JSONResponse:

@@ -72,6 +72,8 @@ class ServerSettings(ServiceSettings):
     enable_server_load_tracking: bool = False
     # vLLM's: GET /tokenizer_info answers the tokenizer's configuration.
     enable_tokenizer_info_endpoint: bool = False
+    # vLLM's: every error answered is logged with its stack.
+    log_error_stack: bool = False
     # vLLM's: where each request's span goes over OTLP (kvfleet.runtime.tracing); None: no traces.
     otlp_traces_endpoint: str | None = None
     # The most responses (/v1/responses) kept in memory for previous_response_id and retrieval; 0: none

@@ -146,6 +146,7 @@ def server(
                 "trust-request-chat-template": True,
                 "structured-outputs-config": {"backend": "xgrammar", "disable_any_whitespace": True},
                 "logprobs-mode": "processed_logprobs",
+                "log-error-stack": True,
                 # What kvfleet always does, as vLLM's manifests may ask for it.
                 "disable-custom-all-reduce": True,
                 "disable-cascade-attn": True,
@@ -549,6 +550,15 @@ def test_max_logprobs_bounds_what_requests_ask(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as caught:
         client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2, logprobs=MAX_LOGPROBS + 1)
     assert caught.value.body["param"] == "logprobs"  # type: ignore[index]
+
+
+def test_an_error_answered_is_logged_with_its_stack(client: openai.OpenAI, server: ServerProcess) -> None:
+    """--log-error-stack: the error a 400 answers, with the traceback of where it was raised."""
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2, logprobs=MAX_LOGPROBS + 2)
+    log = server.log_path.read_text(errors="replace")
+    logged = log[log.rindex("POST /v1/completions answered 400") :]
+    assert "Traceback (most recent call last)" in logged and "BadRequestError" in logged, logged[:2000]
 
 
 def test_logprobs_name_tokens_by_id_when_asked(client: openai.OpenAI, tokenizer: Any) -> None:
