@@ -86,6 +86,12 @@ class EngineConfig:
         "default the Hugging Face cache.",
         default=None,
     )
+    hf_token: str | None = _option(
+        "vLLM's: the Hugging Face token that downloads of a Hub model and tokenizer send (a private or gated "
+        "repository's); by default HF_TOKEN's, which keeps it out of the process list.",
+        default=None,
+        repr=False,
+    )
     load_format: LoadFormat = _option(
         "vLLM's: how the weights are read. kvfleet reads safetensors checkpoints (auto, safetensors); vLLM's "
         "other formats are refused.",
@@ -306,13 +312,16 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         # Hub ids become the cache's folders here, once: every reader of the config sees local paths.
-        self.model = resolve_model(self.model, self.revision, cache_dir=self.download_dir)
+        self.model = resolve_model(
+            self.model, self.revision, cache_dir=self.download_dir, token=self.hf_token
+        )
         if self.tokenizer is not None:
             self.tokenizer = resolve_model(
                 self.tokenizer,
                 self.tokenizer_revision or self.revision,
                 allow_patterns=TOKENIZER_FILE_PATTERNS,
                 cache_dir=self.download_dir,
+                token=self.hf_token,
             )
         self.validate()
 

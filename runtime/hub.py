@@ -53,14 +53,15 @@ def resolve_model(
     *,
     allow_patterns: list[str] = WEIGHT_FILE_PATTERNS,
     cache_dir: str | None = None,
+    token: str | None = None,
 ) -> str:
     """The local folder of `model`: `model` itself unless it names no path here and is a Hub id, which is
     then fetched into `cache_dir` or else the Hugging Face cache (HF_HOME, HF_HUB_CACHE) at `revision`, with
-    huggingface_hub's progress bars, or read from it alone under HF_HUB_OFFLINE=1. Raises HubError in one
-    line."""
+    huggingface_hub's progress bars, or read from it alone under HF_HUB_OFFLINE=1, with `token` (else
+    HF_TOKEN's). Raises HubError in one line."""
     if Path(model).exists() or not is_hub_id(model):
         return model
-    return str(_snapshot(HubRepository(model, revision), None, allow_patterns, cache_dir))
+    return str(_snapshot(HubRepository(model, revision), None, allow_patterns, cache_dir, token))
 
 
 def download(repository: HubRepository, dest: str | Path, *, must_contain: str) -> Path:
@@ -80,6 +81,7 @@ def _snapshot(
     local_dir: str | Path | None,
     allow_patterns: list[str],
     cache_dir: str | None = None,
+    token: str | None = None,
 ) -> Path:
     """snapshot_download, into `local_dir` or else the cache (`cache_dir`, or the Hugging Face cache), its
     failures told in one line."""
@@ -105,11 +107,17 @@ def _snapshot(
                 cache_dir=cache_dir,
                 local_dir=local_dir,
                 allow_patterns=allow_patterns,
+                token=token,
             )
     except GatedRepoError:
-        reason = f"the repository is gated on {constants.ENDPOINT}: accept its terms there and set HF_TOKEN"
+        reason = (
+            f"the repository is gated on {constants.ENDPOINT}: accept its terms there and set HF_TOKEN (or "
+            "--hf-token)"
+        )
     except RepositoryNotFoundError:
-        reason = f"no repository of that name on {constants.ENDPOINT} (a private one needs HF_TOKEN)"
+        reason = (
+            f"no repository of that name on {constants.ENDPOINT} (a private one needs HF_TOKEN or --hf-token)"
+        )
     except RevisionNotFoundError:
         reason = f"the repository has no revision {revision!r} on {constants.ENDPOINT}"
     except LocalEntryNotFoundError as exc:

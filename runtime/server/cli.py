@@ -594,9 +594,7 @@ def serve(model_tag: str | None, model: str | None, host: str, port: int, **opti
         )
     with STARTUP_PHASES.phase("config"):
         # After the checks of the options alone, which a download would only delay.
-        model = _model_folder(
-            model_name, options["revision"], options["download_dir"], options["hf_overrides"]
-        )
+        model = _model_folder(model_name, options)
         try:
             config = engine_config_from_options(model, options)
             if config.world_size > 1:
@@ -677,9 +675,7 @@ def _model_name(model_tag: str | None, model: str | None) -> str:
     return chosen
 
 
-def _model_folder(
-    model: str, revision: str | None, download_dir: str | None, hf_overrides: dict[str, Any] | None
-) -> str:
+def _model_folder(model: str, options: dict[str, Any]) -> str:
     """The folder of `model` (a Hub id's in the cache, fetched first), once it is known to be one the engine
     can load (with vLLM's hf_overrides): a wrong path, repository or revision ends the command here, in one
     line, before the port opens."""
@@ -687,8 +683,10 @@ def _model_folder(
     from kvfleet.runtime.models.folder import check_model_folder
 
     try:
-        folder = resolve_model(model, revision, cache_dir=download_dir)
-        check_model_folder(folder, hf_overrides)
+        folder = resolve_model(
+            model, options["revision"], cache_dir=options["download_dir"], token=options["hf_token"]
+        )
+        check_model_folder(folder, options["hf_overrides"])
     except ValueError as exc:  # HubError included
         raise click.ClickException(str(exc)) from None
     return folder

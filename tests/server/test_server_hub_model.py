@@ -28,6 +28,9 @@ from servers import ServerProcess
 
 REPO_ID = "org/tiny"
 REVISION = "v1"
+# The same files in a private repository, which answers only requests that send its token.
+PRIVATE_ID = "org/private"
+TOKEN = "hf_test_token"
 # A file snapshot_download must leave behind: it matches none of the weight, config and tokenizer patterns.
 EXTRA_FILE = "README.md"
 
@@ -61,7 +64,8 @@ class FakeHub:
 
     def _check(self, request: web.Request) -> None:
         repo_id = f"{request.match_info['org']}/{request.match_info['name']}"
-        if repo_id != REPO_ID:
+        private = repo_id == PRIVATE_ID and request.headers.get("Authorization") == f"Bearer {TOKEN}"
+        if repo_id != REPO_ID and not private:
             raise web.HTTPUnauthorized(headers={"X-Error-Code": "RepoNotFound"})
         if request.match_info["revision"] not in (REVISION, self.commit):
             raise web.HTTPNotFound(headers={"X-Error-Code": "RevisionNotFound"})
@@ -69,7 +73,8 @@ class FakeHub:
     async def _info(self, request: web.Request) -> web.Response:
         self._check(request)
         siblings = [{"rfilename": name} for name in self.files]
-        return web.json_response({"id": REPO_ID, "sha": self.commit, "siblings": siblings})
+        repo_id = f"{request.match_info['org']}/{request.match_info['name']}"
+        return web.json_response({"id": repo_id, "sha": self.commit, "siblings": siblings})
 
     async def _tree(self, request: web.Request) -> web.Response:
         self._check(request)
@@ -211,11 +216,31 @@ def test_download_dir_takes_the_fetch(hub: FakeHub, tmp_path: Path) -> None:
     assert not (tmp_path / "hf-home" / "hub").exists()
 
 
+def test_hf_token_fetches_a_private_repository(hub: FakeHub, tmp_path: Path) -> None:
+    """vLLM's hf_token (`--hf-token`): sent as the Hub's bearer token, for the model and its tokenizer, and
+    kept out of the config's repr."""
+    resolve = (
+        "from kvfleet.runtime.config import EngineConfig; "
+        f"config = EngineConfig(model={PRIVATE_ID!r}, revision={REVISION!r}, tokenizer={PRIVATE_ID!r}, "
+        f"hf_token={TOKEN!r}); print(config.model); print(config.tokenizer); print(repr(config))"
+    )
+    env = hub_env(hub, tmp_path / "hf-home")
+    completed = subprocess.run(
+        [sys.executable, "-P", "-c", resolve], capture_output=True, text=True, env=env, timeout=60, check=True
+    )
+    model, tokenizer, config = completed.stdout.splitlines()
+    snapshot = tmp_path / "hf-home" / "hub" / "models--org--private" / "snapshots" / hub.commit
+    assert [Path(model), Path(tokenizer)] == [snapshot, snapshot]
+    assert (snapshot / "config.json").read_bytes() == hub.files["config.json"]
+    assert TOKEN not in config and "hf_token=" not in config
+
+
 @pytest.mark.parametrize(
     ("model", "revision", "offline", "words"),
     [
         (REPO_ID, "v2", False, "cannot download org/tiny: the repository has no revision 'v2'"),
         ("org/missing", REVISION, False, "cannot download org/missing: no repository of that name"),
+        (PRIVATE_ID, REVISION, False, "(a private one needs HF_TOKEN or --hf-token)"),
         ("acme/some-model", None, True, "HF_HUB_OFFLINE is set and the Hugging Face cache"),
     ],
 )
