@@ -11,6 +11,10 @@ _ONE_ENGINE = (
     "`kvfleet serve` processes behind `kvfleet gateway`)"
 )
 _EAGER = "the model runs eagerly, without torch.compile or CUDA graphs"
+_NO_PLUGINS = "kvfleet loads no classes from elsewhere: its scheduler, workers and parsers are its own"
+_FIXED_EXPERTS = (
+    "experts stay where they were placed at load: each rank holds its share (--enable-expert-parallel)"
+)
 
 NOT_TAKEN: dict[str, str] = {
     "--async-scheduling": "kvfleet's engine core schedules each step once the previous step's outputs are in",
@@ -20,6 +24,9 @@ NOT_TAKEN: dict[str, str] = {
     "--data-parallel-address": _ONE_ENGINE,
     "--data-parallel-rpc-port": _ONE_ENGINE,
     "--data-parallel-backend": _ONE_ENGINE,
+    "--data-parallel-start-rank": _ONE_ENGINE,
+    "--data-parallel-hybrid-lb": _ONE_ENGINE,
+    "--data-parallel-external-lb": _ONE_ENGINE,
     "--compilation-config": _EAGER,
     "--optimization-level": _EAGER,
     "-O": _EAGER,
@@ -30,6 +37,27 @@ NOT_TAKEN: dict[str, str] = {
     "--guided-decoding-backend": "vLLM's older flag: --structured-outputs-config takes the backend",
     "--skip-tokenizer-init": "the server tokenizes prompts and detokenizes answers itself",
     "--disable-sliding-window": "a model with a sliding window attends within it",
+    "--enable-prompt-embeds": "prompts are text or token ids: send the tokens the embeddings were made of",
+    "--logits-processors": (
+        "custom logits processors are not loaded; vLLM's built-in ones (min_p, min_tokens, logit_bias, "
+        "bad_words, ...) are request fields"
+    ),
+    "--enable-eplb": _FIXED_EXPERTS,
+    "--eplb-config": _FIXED_EXPERTS,
+    "--numa-bind": "kvfleet sizes its CPU threads to the cores it may use; bind the process with its cpuset",
+    "--max-parallel-loading-workers": "each rank reads only the slices of the checkpoint it holds",
+    "--mm-processor-kwargs": "images and audio are preprocessed as the model folder's processor config says",
+    "--mm-processor-cache-gb": "kvfleet caches encoder outputs (by content), not preprocessed inputs",
+    "--kv-offloading-backend": "the host-memory KV tier is kvfleet's own: --kv-offloading-size (GiB) sets it",
+    "--prefix-caching-hash-algo": (
+        "blocks are named by kvfleet's SHA-256 chain over their tokens (kvfleet.contract.block_hash), which "
+        "its KV events carry"
+    ),
+    "--scheduler-cls": _NO_PLUGINS,
+    "--worker-cls": _NO_PLUGINS,
+    "--worker-extension-cls": _NO_PLUGINS,
+    "--tool-parser-plugin": f"{_NO_PLUGINS}; --tool-call-parser names a built-in one",
+    "--reasoning-parser-plugin": f"{_NO_PLUGINS}; --reasoning-parser names a built-in one",
 }
 
 

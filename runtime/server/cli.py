@@ -505,6 +505,13 @@ def _api_key(ctx: click.Context, param: click.Parameter, value: str | None) -> s
     "never code from the model folder, so an architecture it lacks is refused either way.",
 )
 @click.option(
+    "--model-impl",
+    default="auto",
+    show_default=True,
+    help="Accepted for vLLM's command lines: auto and vllm are kvfleet's own implementation of each "
+    "architecture; vLLM's transformers and terratorch are refused by name.",
+)
+@click.option(
     "--enforce-eager",
     is_flag=True,
     help="Accepted for vLLM's command lines: the model always runs eagerly (no CUDA graphs).",
@@ -696,6 +703,12 @@ def _refuse_what_cannot_be_honoured(options: dict[str, Any]) -> None:
     """vLLM's flags that kvfleet takes, refused at start for the values it cannot honour."""
     if options["enable_log_outputs"] and not options["enable_log_requests"]:
         raise click.BadParameter("needs --enable-log-requests, as vLLM's", param_hint="--enable-log-outputs")
+    if options["model_impl"] not in ("auto", "vllm"):
+        raise click.BadParameter(
+            f"{options['model_impl']!r}: kvfleet runs its own implementation of each architecture (auto or "
+            "vllm)",
+            param_hint="--model-impl",
+        )
     refusal = kv_cache_dtype_refusal(options["kv_cache_dtype"])
     if refusal is not None:
         raise click.BadParameter(refusal, param_hint="--kv-cache-dtype")
