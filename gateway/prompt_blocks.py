@@ -282,6 +282,8 @@ class ModelPrompts:
 
     def _completion(self, payload: Mapping[str, Any]) -> tuple[list[int], tuple[_Span, ...]] | None:
         body = CompletionRequest.model_validate(payload)
+        if body.embedded_prompts():
+            return None  # prompt embeddings, which the replica runs first, are not tokens to hash
         prompt = body.prompts()[0]
         if isinstance(prompt, str):
             token_ids = self.tokenizer.encode(prompt, add_special_tokens=body.add_special_tokens)

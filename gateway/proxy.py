@@ -866,9 +866,9 @@ def _is_event_stream(upstream: aiohttp.ClientResponse) -> bool:
 
 def _transfers_kv(path: str, payload: Mapping[str, Any]) -> bool:
     """Whether a request can take its prompt's KV from a prefill replica: a completion or a chat completion
-    (the protocol's requests) of one choice of one prompt, as the protocol hands over the blocks of one
-    sequence (the engines refuse n > 1 with kv_transfer_params)."""
-    if path not in GENERATION_PATHS:
+    (the protocol's requests) of one choice of one prompt given as text or tokens, as the protocol hands over
+    the blocks of one sequence (the engines refuse n > 1 with kv_transfer_params)."""
+    if path not in GENERATION_PATHS or payload.get("prompt_embeds") is not None:
         return False
     prompt = payload.get("prompt")
     batched = isinstance(prompt, list) and len(prompt) > 1 and isinstance(prompt[0], str | list)

@@ -102,6 +102,10 @@ def _content_text(content: Any) -> str:
 
 
 def _completion_text(payload: dict[str, Any]) -> str:
+    embeds = payload.get("prompt_embeds")
+    if embeds is not None and payload.get("prompt") in (None, ""):
+        # Prompt embeddings alone: their base64 text orders the same prompts the same way.
+        return _prompts_text(embeds, "prompt_embeds")
     return _prompts_text(payload.get("prompt"), "prompt")
 
 

@@ -209,6 +209,11 @@ class EngineConfig:
         "sampling setting: its logits in the *_logits modes, their log-softmax in the others.",
         default="raw_logprobs",
     )
+    enable_prompt_embeds: bool = _option(
+        "vLLM's: prompts may be given as their input embeddings ([tokens, hidden size]; a completion "
+        "request's prompt_embeds, a prompt dict's offline) in place of tokens.",
+        default=False,
+    )
     enable_lora: bool = _option("Serve LoRA adapters on top of the model.", default=False)
     max_loras: int = _option("Most LoRA adapters in one step's batch.", default=1)
     max_lora_rank: int = _option("Highest LoRA rank an adapter may have.", default=16)

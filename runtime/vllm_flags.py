@@ -37,7 +37,6 @@ NOT_TAKEN: dict[str, str] = {
     "--guided-decoding-backend": "vLLM's older flag: --structured-outputs-config takes the backend",
     "--skip-tokenizer-init": "the server tokenizes prompts and detokenizes answers itself",
     "--disable-sliding-window": "a model with a sliding window attends within it",
-    "--enable-prompt-embeds": "prompts are text or token ids: send the tokens the embeddings were made of",
     "--logits-processors": (
         "custom logits processors are not loaded; vLLM's built-in ones (min_p, min_tokens, logit_bias, "
         "bad_words, ...) are request fields"

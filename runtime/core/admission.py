@@ -77,6 +77,8 @@ class StepBudget:
                 break
             if feature.end <= num_computed or feature.offset < request.num_computed_tokens:
                 continue
+            if feature.embeddings_given:
+                continue  # no encoder runs for it
             if cost + feature.length > self.encoder:
                 num_tokens = max(feature.offset - num_computed, 0)
                 break

@@ -126,18 +126,26 @@ class LoRAAdapters:
 
 class MediaItems:
     """The prompt's images and audio clips must be of a modality the model takes (none, for a text model), of
-    its input shape, on their placeholder tokens, and each fit in a step's encoder budget."""
+    its input shape, on their placeholder tokens, and each fit in a step's encoder budget; prompt embeddings,
+    where the engine takes them (`prompt_embeds_size`, the model's hidden size), of the prompt's shape."""
 
-    def __init__(self, modalities: Mapping[str, ModalitySpec], max_item_tokens: int) -> None:
+    def __init__(
+        self, modalities: Mapping[str, ModalitySpec], max_item_tokens: int, prompt_embeds_size: int | None
+    ) -> None:
         self._modalities = modalities
         self._max_item_tokens = max_item_tokens
+        self._prompt_embeds_size = prompt_embeds_size
 
     def prepare(self, add: AddRequest, request: Request) -> None:
         if not self._modalities and not add.mm_features:
             return
         try:
             check_features(
-                add.prompt_token_ids, add.mm_features, self._modalities, max_item_tokens=self._max_item_tokens
+                add.prompt_token_ids,
+                add.mm_features,
+                self._modalities,
+                max_item_tokens=self._max_item_tokens,
+                prompt_embeds_size=self._prompt_embeds_size,
             )
         except ValueError as error:
             raise InvalidRequestError(str(error)) from None

@@ -192,7 +192,11 @@ class EngineCore:
         handlers += [
             SamplingTokenRules(self.vocab_size, self.structured_outputs.compiler.encode),
             self.lora_adapters,
-            MediaItems(self.modalities, self.scheduler.max_num_encoder_input_tokens),
+            MediaItems(
+                self.modalities,
+                self.scheduler.max_num_encoder_input_tokens,
+                model_config.hidden_size if self.config.enable_prompt_embeds else None,
+            ),
             RopeCacheSalt(model_config.rope),
             KVTransferParams(self.kv_transfer, self.config.block_size),
             PromptHiddenStates(self.config.world_size),
@@ -221,6 +225,7 @@ class EngineCore:
             attention_backend=executor.attention_backend,
             device=executor.device.type,
             dtype=str(executor.dtype).removeprefix("torch."),
+            hidden_size=executor.model_config.hidden_size,
         )
 
     def _num_kv_blocks(self) -> int:

@@ -15,17 +15,19 @@ from kvfleet.runtime.engine.outputs import EmbeddingOutput, EmbeddingRequestOutp
 from kvfleet.runtime.errors import EngineSleepingError
 from kvfleet.runtime.input_checks import check_cache_salt, check_sampling_token_ids
 from kvfleet.runtime.lora.request import LoRARequest
-from kvfleet.runtime.multimodal.inputs import MultiModalFeature
+from kvfleet.runtime.multimodal.inputs import MultiModalFeature, check_features, prompt_embeds_item
 from kvfleet.runtime.pooler_config import EMBED, GENERATE, PoolerConfig, served_tasks
 from kvfleet.runtime.pooling_params import PoolingParams
+from kvfleet.runtime.prompt_embeds import prompt_embeds_array
 from kvfleet.runtime.sampling_params import SamplingParams
 from kvfleet.runtime.structured_outputs.grammars import check_constraint
 from tqdm import tqdm
 
-# A text or token-id prompt, or vLLM's dict: {"prompt": text} or {"prompt_token_ids": ids}, with
-# "multi_modal_data": {"image": a PIL image or a list of them} for a vision model, {"audio": (waveform,
-# sampling rate) or a list of them} for an audio model (one placeholder token in the prompt per item), and
-# "cache_salt": a tenant's salt (its prompts share prefix-cache blocks only with prompts of the same salt).
+# A text or token-id prompt, or vLLM's dict: {"prompt": text}, {"prompt_token_ids": ids} or, with
+# enable_prompt_embeds, {"prompt_embeds": a tensor [tokens, hidden size]}; with "multi_modal_data": {"image":
+# a PIL image or a list of them} for a vision model, {"audio": (waveform, sampling rate) or a list of them}
+# for an audio model (one placeholder token in the prompt per item), and "cache_salt": a tenant's salt (its
+# prompts share prefix-cache blocks only with prompts of the same salt).
 Prompt = str | list[int] | dict[str, Any]
 ChatMessages = list[dict[str, Any]]
 # Whether a progress bar counts the finished prompts, or the tqdm class (or factory) that draws it.
@@ -158,6 +160,12 @@ class LLM:
         engine = self.llm_engine
         if not isinstance(prompt, dict):
             return engine.tokenize(prompt), []
+        if "prompt_embeds" in prompt:
+            token_ids, feature = prompt_embeds_item(prompt_embeds_array(prompt["prompt_embeds"]))
+            enabled = engine.config.enable_prompt_embeds
+            hidden_size = engine.engine_core.info.hidden_size if enabled else None
+            check_features(token_ids, [feature], {}, max_item_tokens=0, prompt_embeds_size=hidden_size)
+            return token_ids, [feature]
         if "prompt_token_ids" in prompt:
             token_ids = list(prompt["prompt_token_ids"])
         else:

@@ -90,6 +90,8 @@ class EngineInfo(msgspec.Struct, array_like=True):
     attention_backend: str
     device: str
     dtype: str
+    # The model's hidden size: the width of prompt embeddings.
+    hidden_size: int
 
 
 class Ready(msgspec.Struct, tag="ready", array_like=True):

@@ -225,6 +225,11 @@ class LlamaForCausalLM(nn.Module):
             return torch.stack((hidden, residual))
         return self.norm(hidden, residual)[0]
 
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The token embeddings of `input_ids`, into which prompt embeddings are placed."""
+        assert self.embed_tokens is not None, "the first pipeline stage's"
+        return self.embed_tokens(input_ids)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab] float32
         if self.lm_head is None:
             assert self.embed_tokens is not None

@@ -11,6 +11,12 @@ from typing import Any
 import msgspec
 import numpy as np
 
+# A prompt given as its input embeddings (vLLM's prompt_embeds): one item over the whole prompt, of
+# placeholder tokens PROMPT_EMBEDS_TOKEN_ID, whose data are its embeddings [tokens, hidden size]; no encoder
+# runs for it, so it costs no encoder budget.
+PROMPT_EMBEDS = "prompt_embeds"
+PROMPT_EMBEDS_TOKEN_ID = 0
+
 
 class MediaInputError(ValueError):
     """An item the engine cannot take: undecodable, of another format, too large or too many."""
@@ -36,6 +42,12 @@ class MultiModalFeature(msgspec.Struct, array_like=True, frozen=True):
     @property
     def end(self) -> int:
         return self.offset + self.length
+
+    @property
+    def embeddings_given(self) -> bool:
+        """Whether the data are the item's embeddings themselves (prompt embeddings), not an encoder's
+        input."""
+        return self.modality == PROMPT_EMBEDS
 
     def array(self) -> np.ndarray:
         return np.frombuffer(self.data, dtype=np.float32).reshape(self.shape)
@@ -122,16 +134,37 @@ def expand_placeholders(
     return expanded, features
 
 
+def prompt_embeds_item(embeddings: np.ndarray) -> tuple[list[int], MultiModalFeature]:
+    """A prompt given as its embeddings [tokens, hidden size]: its placeholder tokens, and the item over
+    them."""
+    data = np.ascontiguousarray(embeddings, dtype=np.float32)
+    feature = MultiModalFeature(
+        modality=PROMPT_EMBEDS,
+        identifier=content_hash(data, data.shape[-1]),
+        offset=0,
+        length=data.shape[0],
+        data=data.tobytes(),
+        shape=list(data.shape),
+        unpadded_length=data.shape[-1],
+    )
+    return [PROMPT_EMBEDS_TOKEN_ID] * data.shape[0], feature
+
+
 def check_features(
     prompt_token_ids: Sequence[int],
     features: Sequence[MultiModalFeature],
     specs: Mapping[str, ModalitySpec],
     *,
     max_item_tokens: int,
+    prompt_embeds_size: int | None = None,
 ) -> None:
     """Raises ValueError unless every feature is of a modality the model takes, of its input shape, in
     prompt order, each over a run of exactly its placeholder tokens, and the prompt has no other
-    placeholder token."""
+    placeholder token. Prompt embeddings are taken where `prompt_embeds_size` (the model's hidden size) is
+    given, as the whole prompt."""
+    if any(feature.embeddings_given for feature in features):
+        _check_prompt_embeds(prompt_token_ids, features, prompt_embeds_size)
+        return
     previous_end = 0
     for index, feature in enumerate(features):
         spec = specs.get(feature.modality)
@@ -164,6 +197,23 @@ def check_features(
         expected = sum(feature.length for feature in features if feature.modality == modality)
         if num_placeholders != expected:
             raise ValueError(f"the prompt has {modality} placeholder tokens without a {modality} item")
+
+
+def _check_prompt_embeds(
+    prompt_token_ids: Sequence[int], features: Sequence[MultiModalFeature], hidden_size: int | None
+) -> None:
+    if hidden_size is None:
+        raise ValueError("prompt embeddings are taken by an engine started with enable_prompt_embeds")
+    if len(features) != 1:
+        raise ValueError("a prompt given as embeddings is that one item, without images or audio")
+    (feature,) = features
+    expected = [len(prompt_token_ids), hidden_size]
+    if list(feature.shape) != expected or (feature.offset, feature.length) != (0, len(prompt_token_ids)):
+        raise ValueError(f"prompt embeddings of shape {list(feature.shape)} for a prompt of shape {expected}")
+    if len(feature.data) != 4 * int(np.prod(expected)):
+        raise ValueError(f"prompt embeddings of {len(feature.data)} bytes for their shape {expected}")
+    if any(token != PROMPT_EMBEDS_TOKEN_ID for token in prompt_token_ids):
+        raise ValueError("prompt embeddings do not lie on their placeholder tokens")
 
 
 def placeholder_token_id(config: Mapping[str, Any], modality: str) -> int:

@@ -33,7 +33,8 @@ class MRopePositions:
         next_position = 0
         cursor = 0  # the first prompt token not yet placed
         for feature in features:
-            grid = specs[feature.modality].mrope_grid
+            spec = specs.get(feature.modality)  # none for prompt embeddings
+            grid = None if spec is None else spec.mrope_grid
             if grid is None:
                 continue  # its placeholders run on as text
             start = next_position + feature.offset - cursor

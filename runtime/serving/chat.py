@@ -93,7 +93,7 @@ class ChatRoute:
         mm_features = []
         if media is not None:
             token_ids, mm_features = await media.expand(token_ids)
-        return Prompt([token_ids], ["messages"], mm_features)
+        return Prompt([token_ids], ["messages"], [mm_features])
 
     async def render(self, service: OpenAIService, messages: list[ChatMessage]) -> list[int]:
         """`messages` rendered by the chat template with the request's tools and variables, tokenized."""

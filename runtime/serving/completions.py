@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvfleet.contract.errors import BadRequestError
 from kvfleet.runtime.engine.outputs import CompletionOutput
+from kvfleet.runtime.multimodal.inputs import MultiModalFeature, prompt_embeds_item
 from kvfleet.runtime.pooler_config import GENERATE
 from kvfleet.runtime.request import PromptTokenLogprobs
 from kvfleet.runtime.sampling_params import StructuredOutputsParams
@@ -49,12 +50,12 @@ class CompletionRoute:
         self.echoes: list[str] | None = None
 
     async def prompt(self, service: OpenAIService, safety: RequestSafety | None) -> Prompt:
-        """The prompts tokenized, token-id prompts taken as they are."""
+        """The prompts tokenized, token-id prompts taken as they are; prompt embeddings before them, as
+        vLLM orders them."""
         body = self.body
+        embedded = await self._embedded(service, safety)
         prompts = body.prompts()
-        fields = self.fields or (
-            ["prompt"] if len(prompts) == 1 else [f"prompt.{i}" for i in range(len(prompts))]
-        )
+        fields = self.fields or _fields("prompt", len(prompts))
         if safety is not None and safety.redacts_input:
             prompts = await _redacted(service, safety, prompts, fields)
         token_lists = []
@@ -68,7 +69,53 @@ class CompletionRoute:
                 await service.engine.wait_ready(service.engine.startup_request_timeout)
             token_lists.append(token_ids)
         self.prompts = prompts
-        return Prompt(token_lists, fields)
+        if not embedded:
+            return Prompt(token_lists, fields)
+        return Prompt(
+            [token_ids for token_ids, _ in embedded] + token_lists,
+            _fields("prompt_embeds", len(embedded)) + fields,
+            [[feature] for _, feature in embedded] + [[] for _ in prompts],
+        )
+
+    async def _embedded(
+        self, service: OpenAIService, safety: RequestSafety | None
+    ) -> list[tuple[list[int], MultiModalFeature]]:
+        """The prompts given as embeddings: their placeholder tokens, and the item over them."""
+        body = self.body
+        encoded = body.embedded_prompts()
+        if not encoded:
+            return []
+        if safety is not None and safety.checks_input:
+            raise BadRequestError(
+                "prompt_embeds cannot be read by the input checks of this request's tier",
+                param="prompt_embeds",
+            )
+        if not service.engine.config.enable_prompt_embeds:
+            raise BadRequestError(
+                "prompt_embeds are taken by a server started with --enable-prompt-embeds",
+                param="prompt_embeds",
+            )
+        if body.echo:
+            raise BadRequestError("echo has no text to repeat for prompt_embeds", param="echo")
+        if body.prompt_logprobs is not None:
+            raise BadRequestError("prompt_logprobs are not scored for prompt_embeds", param="prompt_logprobs")
+        from kvfleet.runtime.prompt_embeds import decoded_prompt_embeds  # torch, on the server's side only
+
+        await service.engine.wait_ready(service.engine.startup_request_timeout)
+        hidden_size = service.engine_info.hidden_size
+        items = []
+        for text, param in zip(encoded, _fields("prompt_embeds", len(encoded)), strict=True):
+            try:
+                embeddings = await asyncio.to_thread(decoded_prompt_embeds, text)
+            except ValueError as error:
+                raise BadRequestError(str(error), param=param) from None
+            if embeddings.shape[1] != hidden_size:
+                raise BadRequestError(
+                    f"prompt embeddings {embeddings.shape[1]} wide for a model of hidden size {hidden_size}",
+                    param=param,
+                )
+            items.append(prompt_embeds_item(embeddings))
+        return items
 
     def input_text(self, service: OpenAIService, safety: RequestSafety | None) -> str | None:
         """The prompts' texts, joined; here too the echoes are read, from prompts that have passed their
@@ -219,6 +266,11 @@ class CompletionRoute:
             return [choice]
 
         return choice_of
+
+
+def _fields(name: str, count: int) -> list[str]:
+    """The field each of `count` prompts came from, as errors name it."""
+    return [name] if count == 1 else [f"{name}.{index}" for index in range(count)]
 
 
 def _text(service: OpenAIService, prompt: str | list[int]) -> str:

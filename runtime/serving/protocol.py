@@ -66,7 +66,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
     "logits_processors": (None, []),
     "return_tokens_as_token_ids": (None, False),
     "return_token_strs": (None, False),
-    "prompt_embeds": (None,),
     "add_special_tokens": (None, False),
     "chat_template": (None,),
     "chat_template_kwargs": (None, {}),
@@ -368,7 +367,10 @@ class _GenerationRequest(RequestBody):
 
 
 class CompletionRequest(_GenerationRequest):
-    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
+    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]] | None = None
+    # vLLM's (with --enable-prompt-embeds): prompts given as their input embeddings, each base64 of what
+    # torch.save writes of a tensor [tokens, hidden size]; run before the prompts of `prompt`.
+    prompt_embeds: str | list[str] | None = None
     max_tokens: StrictInt | None = 16
     echo: StrictBool = False
     logprobs: StrictInt | None = None
@@ -392,7 +394,18 @@ class CompletionRequest(_GenerationRequest):
         return self._sampling_params(self.max_tokens, self.logprobs, defaults, prompt_logprobs)
 
     def prompts(self) -> list[str | list[int]]:
+        """The prompts of `prompt` (none where only prompt_embeds are given)."""
+        if self.prompt is None or (self.prompt == "" and self.embedded_prompts()):
+            if not self.embedded_prompts():
+                raise BadRequestError("prompt or prompt_embeds must be given", param="prompt")
+            return []
         return split_prompts(self.prompt, "prompt")
+
+    def embedded_prompts(self) -> list[str]:
+        """The base64 texts of prompt_embeds."""
+        if self.prompt_embeds is None:
+            return []
+        return [self.prompt_embeds] if isinstance(self.prompt_embeds, str) else list(self.prompt_embeds)
 
 
 def split_prompts(value: str | list[str] | list[int] | list[list[int]], param: str) -> list[str | list[int]]:

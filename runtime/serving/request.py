@@ -25,7 +25,8 @@ class Prompt:
     token_ids: list[list[int]]
     # The request field each prompt came from, named in errors.
     params: list[str]
-    mm_features: list[MultiModalFeature] = field(default_factory=list)
+    # Each prompt's images, audio clips or prompt embeddings (none at all: empty).
+    mm_features: list[list[MultiModalFeature]] = field(default_factory=list)
 
 
 class Route(Protocol):
@@ -84,8 +85,8 @@ class PreparedRequest:
     arrival_time: float
     lora_request: LoRARequest | None
     safety: RequestSafety | None = None
-    # The images and audio of a chat request's one prompt.
-    mm_features: list[MultiModalFeature] = field(default_factory=list)
+    # Each prompt's images, audio clips or prompt embeddings (none at all: empty).
+    mm_features: list[list[MultiModalFeature]] = field(default_factory=list)
     cache_salt: str | None = None
     # A continuation's: per prompt, what its choices already delivered, by sequence index; empty otherwise.
     resumed: list[dict[int, ResumedSequence]] = field(default_factory=list)

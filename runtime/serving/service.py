@@ -418,16 +418,16 @@ class OpenAIService:
                 param="truncate_prompt_tokens",
             )
         token_ids = []
-        for ids in prompt.token_ids:
+        for index, ids in enumerate(prompt.token_ids):
             cut = body.truncated(ids, max_model_len, self.tokenizer.truncation_side)
             assert cut is not None, "the context and the side are both given"
+            if cut != ids and prompt.mm_features and prompt.mm_features[index]:
+                raise BadRequestError(
+                    f"truncate_prompt_tokens would cut {prompt.params[index]}, whose images, audio or "
+                    "embeddings must stay whole; keep more tokens or send less",
+                    param="truncate_prompt_tokens",
+                )
             token_ids.append(cut)
-        if prompt.mm_features and token_ids != prompt.token_ids:
-            raise BadRequestError(
-                "truncate_prompt_tokens would cut a prompt with images or audio, whose placeholders must "
-                "stay whole; keep more tokens or send less",
-                param="truncate_prompt_tokens",
-            )
         return dataclasses.replace(prompt, token_ids=token_ids)
 
     def check_prompt(self, token_ids: list[int], params: SamplingParams, param: str) -> None:
@@ -645,7 +645,7 @@ class OpenAIService:
                 timeout=request.timeout,
                 arrival_time=request.arrival_time,
                 lora_request=request.lora_request,
-                mm_features=request.mm_features,
+                mm_features=request.mm_features[index] if request.mm_features else None,
                 cache_salt=request.cache_salt,
                 resumed=request.resumed[index] if request.resumed else None,
             )

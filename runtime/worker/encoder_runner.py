@@ -1,6 +1,7 @@
 """The encoder side of a multimodal step: which placeholder tokens of the step an item covers, its encoder
 output (run batched, once per item, kept in a cache keyed by the item's content hash), and the step's input
-embeddings with those outputs in place of the placeholders' token embeddings."""
+embeddings with those outputs in place of the placeholders' token embeddings. Prompt embeddings are an item
+whose output is its data: no encoder runs, nothing is cached."""
 
 from __future__ import annotations
 
@@ -70,6 +71,9 @@ class EncoderRunner:
         outputs: dict[bytes, torch.Tensor] = {}
         missing: dict[tuple[str, tuple[int, ...]], list[MultiModalFeature]] = {}
         for identifier, feature in features.items():
+            if feature.embeddings_given:
+                outputs[identifier] = torch.from_numpy(feature.array().copy()).to(self.device)
+                continue
             cached = self._cache.get(identifier)
             if cached is None:
                 missing.setdefault((feature.modality, tuple(feature.shape)), []).append(feature)

@@ -170,7 +170,7 @@ class ModelRunner:
                 stats=self.load_stats,
                 quantization=self.config.quantization,
             )
-        if hasattr(self.model, "embed_multimodal"):
+        if hasattr(self.model, "embed_multimodal") or self.config.enable_prompt_embeds:
             self.encoder_runner = EncoderRunner(self.model, self.device)
         config = self.config
         if config.enable_lora:

@@ -16,7 +16,7 @@ import pytest
 from gateway_harness import WAIT_S, FakeReplica, model, queued, replicas, running_gateway, wait_until
 from kvfleet.contract.errors import BadRequestError
 from kvfleet.gateway.discovery import ClientKey
-from kvfleet.gateway.requests import CHAT_PATH, RESPONSES_PATH, parse_request
+from kvfleet.gateway.requests import CHAT_PATH, COMPLETIONS_PATH, RESPONSES_PATH, parse_request
 
 SCORE_PATHS = ("/v1/score", "/score")
 RERANK_PATHS = ("/v1/rerank", "/rerank", "/v2/rerank")
@@ -199,10 +199,20 @@ def test_a_conversation_is_routed_on_the_same_text_through_chat_and_the_response
     assert as_response.prompt_text == as_chat.prompt_text
 
 
+def test_a_completion_of_prompt_embeddings_alone_is_routed_on_them() -> None:
+    """vLLM's prompt_embeds without a prompt: the same embeddings go the same way, others another."""
+    routed = [
+        parse_request(COMPLETIONS_PATH, json.dumps({"model": "m", **fields}).encode(), {}).prompt_text
+        for fields in ({"prompt_embeds": "AAAA"}, {"prompt": "", "prompt_embeds": ["AAAA"]}, {"prompt": "x"})
+    ]
+    assert routed == ["AAAA", "AAAA", "x"]
+
+
 @pytest.mark.parametrize(
     ("path", "body", "param"),
     [
         ("/v1/embeddings", {}, "input"),
+        (COMPLETIONS_PATH, {}, "prompt"),
         ("/v1/embeddings", {"input": []}, "input"),
         (RESPONSES_PATH, {"input": []}, "input"),
         (RESPONSES_PATH, {"input": ["text"]}, "input[0]"),

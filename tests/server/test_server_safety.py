@@ -21,7 +21,7 @@ import pytest
 from kvfleet.runtime.bench.safety import local_hook, logit_bias_against
 from local_http import QuietHandler, serving
 from ports import free_port
-from server_checks import finished_count, wait_idle
+from server_checks import finished_count, openai_error, wait_idle
 
 if TYPE_CHECKING:
     from servers import ServerProcess
@@ -225,6 +225,14 @@ def test_a_blocked_input_raises_the_sdks_bad_request_with_content_filter(ruled: 
     assert error["categories"] == ["blocklist"]
     assert error["message"].startswith(REFUSAL) and "blocklist (rules)" in error["message"]
     wait_idle(ruled)
+
+
+def test_prompt_embeddings_are_refused_where_the_input_is_checked(ruled: ServerProcess) -> None:
+    """The checks read text, which embeddings are not: they would pass unread."""
+    body = {"model": ruled.model_name, "prompt_embeds": "AAAA", "max_tokens": 1}
+    response = httpx.post(f"{ruled.url}/v1/completions", json=body, headers=ruled.headers(), timeout=60)
+    error = openai_error(response, 400)
+    assert error["param"] == "prompt_embeds" and "input checks" in error["message"]
 
 
 def test_moderations_through_the_sdk(ruled: ServerProcess) -> None:

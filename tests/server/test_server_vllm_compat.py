@@ -6,8 +6,11 @@ Transformers' rendering of the chat template and Transformers' hidden states."""
 
 from __future__ import annotations
 
+import base64
+import io
 import json
 import os
+import pickle
 import shutil
 import socket
 import subprocess
@@ -152,6 +155,7 @@ def server(
                 "disable-cascade-attn": True,
                 "no-async-scheduling": True,
                 "model-impl": "vllm",
+                "enable-prompt-embeds": True,
             }
         )
     )
@@ -551,6 +555,89 @@ def test_max_logprobs_bounds_what_requests_ask(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as caught:
         client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2, logprobs=MAX_LOGPROBS + 1)
     assert caught.value.body["param"] == "logprobs"  # type: ignore[index]
+
+
+def _saved(value: Any) -> str:
+    """A tensor as vLLM's clients send prompt embeddings: base64 of what torch.save writes."""
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return base64.b64encode(buffer.getvalue()).decode()
+
+
+def test_prompt_embeddings_are_continued_as_transformers_continues_them(
+    server: ServerProcess, model_folder: Path, tokenizer: Any
+) -> None:
+    """vLLM's prompt_embeds, before the text prompts as vLLM runs them: one of no token, and a prompt's own
+    embeddings ([1, tokens, hidden], as vLLM also takes them) beside its text."""
+    model = AutoModelForCausalLM.from_pretrained(model_folder, dtype=torch.float32).eval()
+    weight = model.get_input_embeddings().weight
+    unseen = torch.randn(9, weight.shape[1], generator=torch.Generator().manual_seed(7)) * weight.std().item()
+    token_ids = tokenizer(PROMPT).input_ids
+    own = model.get_input_embeddings()(torch.tensor(token_ids)).detach()
+    with torch.inference_mode():
+        expected = [
+            model.generate(
+                inputs_embeds=embeddings[None], max_new_tokens=6, min_new_tokens=6, do_sample=False
+            )[0].tolist()
+            for embeddings in (unseen, own)
+        ]
+    body = {
+        "model": "tiny",
+        "prompt": PROMPT,
+        "prompt_embeds": [_saved(unseen), _saved(own[None])],
+        "max_tokens": 6,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
+    answer = httpx.post(f"{server.url}{ROOT_PATH}/v1/completions", json=body, timeout=60).json()
+    choices = sorted(answer["choices"], key=lambda choice: choice["index"])
+    assert [choice["token_ids"] for choice in choices[:2]] == expected
+    # The text prompt, last, as it is answered alone.
+    alone = httpx.post(
+        f"{server.url}{ROOT_PATH}/v1/completions", json={**body, "prompt_embeds": None}, timeout=60
+    ).json()
+    assert choices[2]["token_ids"] == alone["choices"][0]["token_ids"]
+    assert answer["usage"]["prompt_tokens"] == 9 + 2 * len(token_ids)
+
+
+@pytest.mark.parametrize(
+    ("fields", "param", "words"),
+    [
+        ({"prompt_embeds": "not base64!"}, "prompt_embeds", "base64"),
+        ({"prompt_embeds": _saved({"not": "a tensor"})}, "prompt_embeds", "must be a torch tensor"),
+        # A pickle that would run code: refused by the weights-only loader, not run.
+        (
+            {"prompt_embeds": base64.b64encode(pickle.dumps(os.getpid)).decode()},
+            "prompt_embeds",
+            "could not be read as a saved torch tensor",
+        ),
+        (
+            {"prompt_embeds": [_saved(torch.zeros(2, 64)), _saved(torch.zeros(2, 65))]},
+            "prompt_embeds.1",
+            "65",
+        ),
+        ({"prompt_embeds": _saved(torch.zeros(2, 64)), "echo": True}, "echo", "echo"),
+        ({"prompt_embeds": _saved(torch.zeros(2, 64)), "prompt_logprobs": 1}, "prompt_logprobs", "prompt"),
+        ({"prompt": None}, "prompt", "prompt or prompt_embeds"),
+    ],
+)
+def test_prompt_embeddings_it_cannot_take_are_refused_by_field(
+    server: ServerProcess, fields: dict[str, Any], param: str, words: str
+) -> None:
+    body = {"model": "tiny", "prompt": "", "max_tokens": 2, **fields}
+    response = httpx.post(f"{server.url}{ROOT_PATH}/v1/completions", json=body, timeout=60)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and words in error["message"], error
+
+
+def test_a_server_without_the_switch_refuses_prompt_embeddings(api_server: ServerProcess) -> None:
+    body = {"model": api_server.model_name, "prompt_embeds": _saved(torch.zeros(2, 64)), "max_tokens": 2}
+    response = httpx.post(
+        f"{api_server.url}/v1/completions", json=body, headers=api_server.headers(), timeout=60
+    )
+    assert response.status_code == 400 and "--enable-prompt-embeds" in response.json()["error"]["message"]
 
 
 def test_an_error_answered_is_logged_with_its_stack(client: openai.OpenAI, server: ServerProcess) -> None:
