@@ -957,7 +957,6 @@ def test_a_config_file_it_cannot_read_is_refused(
         (["--async-scheduling"], "--async-scheduling is vLLM's and not kvfleet's: kvfleet's engine core"),
         (["--data-parallel-size", "2"], "--data-parallel-size is vLLM's and not kvfleet's: a kvfleet"),
         (["-O3"], "-O is vLLM's and not kvfleet's: the model runs eagerly"),
-        (["--enable-prompt-embeds"], "--enable-prompt-embeds is vLLM's and not kvfleet's: prompts are text"),
         (["--prefix-caching-hash-algo", "sha256_cbor"], "--prefix-caching-hash-algo is vLLM's and not"),
         (["--model-impl", "transformers"], "--model-impl"),
         (["--structured-outputs-config", '{"enable_in_reasoning": true}'], "enable_in_reasoning"),
