@@ -12,6 +12,7 @@ context, guardrails), and the engine returns its pooled hidden states with that 
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import contextlib
 import math
@@ -20,15 +21,15 @@ from typing import TYPE_CHECKING, Any
 
 from kvfleet.contract.errors import BadRequestError
 from kvfleet.runtime.pooler_config import EMBED, PoolerConfig, normalized
+from kvfleet.runtime.serving.chat import ChatRoute
 from kvfleet.runtime.serving.completions import CompletionRoute
 from kvfleet.runtime.serving.protocol import (
-    CompletionRequest,
     EmbeddingRequest,
     RerankRequest,
     ScoreRequest,
     embedding_prompts,
 )
-from kvfleet.runtime.serving.request import PreparedRequest
+from kvfleet.runtime.serving.request import PreparedRequest, Route
 from kvfleet.runtime.serving.responses import finish_error
 
 if TYPE_CHECKING:
@@ -36,6 +37,11 @@ if TYPE_CHECKING:
 
 
 class _EmbeddingPromptRoute(CompletionRoute):
+    id_prefix = "embd"
+    task = EMBED
+
+
+class _EmbeddingChatRoute(ChatRoute):
     id_prefix = "embd"
     task = EMBED
 
@@ -52,10 +58,7 @@ class OpenAIServingEmbedding:
                 pooler.check_dimensions(body.dimensions)
             except ValueError as error:
                 raise BadRequestError(str(error), param="dimensions") from None
-        prompts = body.completion_request()
-        count = len(prompts.prompts())
-        fields = ["input"] if count == 1 else [f"input.{index}" for index in range(count)]
-        request, vectors = await self._embed(prompts, fields, priority_header)
+        requests, vectors = await self._embed_input(body, priority_header)
         data = [
             {
                 "object": "embedding",
@@ -66,19 +69,47 @@ class OpenAIServingEmbedding:
             }
             for index, vector in enumerate(vectors)
         ]
+        first = requests[0]
         return {
-            "id": request.request_id,
+            "id": first.request_id,
             "object": "list",
-            "created": request.created,
-            "model": request.model,
+            "created": first.created,
+            "model": first.model,
             "data": data,
-            "usage": _usage(request),
+            "usage": _usage(*requests),
         }
+
+    async def _embed_input(
+        self, body: EmbeddingRequest, priority_header: str | None
+    ) -> tuple[list[PreparedRequest], list[list[float]]]:
+        """The request's inputs run for their pooled hidden states: its texts or tokens as one request, or
+        each conversation as the chat template renders it (one request each, run together)."""
+        conversations = body.chat_requests()
+        if not conversations:
+            prompts = body.completion_request()
+            count = len(prompts.prompts())
+            fields = ["input"] if count == 1 else [f"input.{index}" for index in range(count)]
+            request, vectors = await self._embed(_EmbeddingPromptRoute(prompts, fields), priority_header)
+            return [request], vectors
+        settings = self.service.settings
+        try:
+            async with (
+                asyncio.TaskGroup() as group
+            ):  # one failing cancels the others, aborting their requests
+                tasks = [
+                    group.create_task(self._embed(_EmbeddingChatRoute(chat, settings), priority_header))
+                    for chat in conversations
+                ]
+        except ExceptionGroup as failed:
+            raise failed.exceptions[0] from None  # the first failure, answered as it would be alone
+        embedded = [task.result() for task in tasks]
+        return [request for request, _ in embedded], [vector for _, vectors in embedded for vector in vectors]
 
     async def create_score(self, body: ScoreRequest, priority_header: str | None) -> dict[str, Any]:
         first, second = body.pairs()
         fields = _fields("text_1", body.text_1, len(first)) + _fields("text_2", body.text_2, len(second))
-        request, vectors = await self._embed(embedding_prompts(first + second, body), fields, priority_header)
+        route = _EmbeddingPromptRoute(embedding_prompts(first + second, body), fields)
+        request, vectors = await self._embed(route, priority_header)
         scores = [_cosine(a, b) for a, b in zip(vectors[: len(first)], vectors[len(first) :], strict=True)]
         return {
             "id": request.request_id,
@@ -94,9 +125,8 @@ class OpenAIServingEmbedding:
     async def rerank(self, body: RerankRequest, priority_header: str | None) -> dict[str, Any]:
         body.check()
         fields = ["query", *(f"documents.{index}" for index in range(len(body.documents)))]
-        request, vectors = await self._embed(
-            embedding_prompts([body.query, *body.documents], body), fields, priority_header
-        )
+        route = _EmbeddingPromptRoute(embedding_prompts([body.query, *body.documents], body), fields)
+        request, vectors = await self._embed(route, priority_header)
         query, documents = vectors[0], vectors[1:]
         results = [
             {"index": index, "document": {"text": text}, "relevance_score": _cosine(query, vector)}
@@ -119,11 +149,11 @@ class OpenAIServingEmbedding:
         return pooler
 
     async def _embed(
-        self, prompts: CompletionRequest, fields: list[str], priority_header: str | None
+        self, route: Route, priority_header: str | None
     ) -> tuple[PreparedRequest, list[list[float]]]:
-        """The prompts (from these request fields) admitted and run for their embeddings, in order."""
+        """The route's prompts admitted and run for their pooled hidden states, in order."""
         pooler = self._pooler()
-        request = await self.service.admit(_EmbeddingPromptRoute(prompts, fields), priority_header)
+        request = await self.service.admit(route, priority_header)
         request.params.prompt_pooling = pooler.pooling_type
         hidden_states: dict[str, list[float]] = {}
         async with contextlib.aclosing(self.service.outputs(request)) as outputs:
@@ -143,8 +173,8 @@ def _fields(name: str, value: str | list[str], count: int) -> list[str]:
     return names * count if len(names) == 1 else names
 
 
-def _usage(request: PreparedRequest) -> dict[str, int]:
-    prompt_tokens = sum(len(token_ids) for token_ids in request.prompt_token_ids)
+def _usage(*requests: PreparedRequest) -> dict[str, int]:
+    prompt_tokens = sum(len(token_ids) for request in requests for token_ids in request.prompt_token_ids)
     return {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}
 
 

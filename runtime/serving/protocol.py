@@ -421,9 +421,24 @@ def split_prompts(value: str | list[str] | list[int] | list[list[int]], param: s
 
 class EmbeddingRequest(RequestBody):
     """OpenAI's embeddings request (plus kvfleet's priority and timeout, and vLLM's add_special_tokens,
-    use_activation and prompt truncation)."""
+    use_activation, prompt truncation and conversations)."""
 
-    input: str | list[str] | list[StrictInt] | list[list[StrictInt]]
+    # vLLM's: also a conversation, or a list of them, as `messages` takes them.
+    input: (
+        str
+        | list[str]
+        | list[StrictInt]
+        | list[list[StrictInt]]
+        | list[ChatMessage]
+        | list[list[ChatMessage]]
+        | None
+    ) = None
+    # vLLM's: a conversation, or a list of them, embedded as the chat template renders it.
+    messages: list[ChatMessage] | list[list[ChatMessage]] | None = None
+    add_generation_prompt: StrictBool = False
+    continue_final_message: StrictBool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
     model: str | None = None
     encoding_format: Literal["float", "base64"] = "float"
     # A Matryoshka model's embeddings cut to this size (others refuse it).
@@ -440,11 +455,54 @@ class EmbeddingRequest(RequestBody):
 
     def check(self) -> None:
         self.refuse_unsupported()
-        split_prompts(self.input, "input")
+        if self.input is not None and self.messages is not None:
+            raise BadRequestError("give input or messages, not both", param="messages")
+        if self.conversations() is None:
+            if self.input is None:
+                raise BadRequestError("input or messages is required", param="input")
+            split_prompts(self.input, "input")  # type: ignore[arg-type]
+            return
+        if self.add_special_tokens and "add_special_tokens" in self.model_fields_set:
+            raise BadRequestError(
+                "a conversation's special tokens are the chat template's to write", param="add_special_tokens"
+            )
+        check_conversation_end(self.add_generation_prompt, self.continue_final_message)
+
+    def conversations(self) -> list[list[ChatMessage]] | None:
+        """The conversations to embed (of messages, or of an input of messages); None for text or tokens."""
+        value = self.messages if self.messages is not None else self.input
+        if not isinstance(value, list) or not value:
+            return None
+        if all(isinstance(message, ChatMessage) for message in value):
+            return [value]  # type: ignore[list-item]
+        if all(isinstance(item, list) and item and isinstance(item[0], ChatMessage) for item in value):
+            return value  # type: ignore[return-value]
+        return None
+
+    def chat_requests(self) -> list[ChatCompletionRequest]:
+        """A chat request per conversation, run for its prompt's hidden states: one token each."""
+        return [
+            ChatCompletionRequest(
+                model=self.model,
+                messages=conversation,
+                max_tokens=1,
+                temperature=0.0,
+                add_generation_prompt=self.add_generation_prompt,
+                continue_final_message=self.continue_final_message,
+                chat_template=self.chat_template,
+                chat_template_kwargs=self.chat_template_kwargs,
+                truncate_prompt_tokens=self.truncate_prompt_tokens,
+                truncation_side=self.truncation_side,
+                priority=self.priority,
+                timeout=self.timeout,
+            )
+            for conversation in self.conversations() or []
+        ]
 
     def completion_request(self) -> CompletionRequest:
+        assert self.input is not None and self.conversations() is None, "text or token input"
         return embedding_prompts(
-            self.input,
+            self.input,  # type: ignore[arg-type]
             self,
             truncate_prompt_tokens=self.truncate_prompt_tokens,
             truncation_side=self.truncation_side,

@@ -84,6 +84,52 @@ def test_what_cannot_be_answered_is_refused_by_name(
     assert caught.value.body["param"] == param  # type: ignore[index]
 
 
+CONVERSATIONS = [
+    [{"role": "system", "content": "Represent the question."}, {"role": "user", "content": "Rain in Paris?"}],
+    [{"role": "user", "content": "Stock markets fell today."}],
+]
+
+
+def test_conversations_are_embedded_as_the_chat_template_renders_them(
+    api_server: ServerProcess, tokenizer: Any, tiny_llama: Path
+) -> None:
+    """vLLM's chat embeddings: `messages` (or an `input` of messages), one conversation or a batch of them,
+    rendered by the tokenizer's template as Transformers renders it, without the generation prompt unless
+    asked."""
+
+    def rendered(conversation: list[dict[str, Any]], **options: Any) -> list[int]:
+        return tokenizer.apply_chat_template(conversation, tokenize=True, **options)["input_ids"]
+
+    def post(body: dict[str, Any]) -> httpx.Response:
+        return httpx.post(
+            f"{api_server.url}/v1/embeddings",
+            json={"model": MODEL, **body},
+            headers=api_server.headers(),
+            timeout=60,
+        )
+
+    token_lists = [rendered(conversation) for conversation in CONVERSATIONS]
+    opened = rendered(CONVERSATIONS[1], add_generation_prompt=True)
+    expected = _transformers_embeddings(tiny_llama, [*token_lists, opened])
+    one = post({"messages": CONVERSATIONS[0]}).json()
+    batched = post({"input": CONVERSATIONS, "encoding_format": "float"}).json()
+    asked = post({"messages": CONVERSATIONS[1], "add_generation_prompt": True}).json()
+    np.testing.assert_allclose(one["data"][0]["embedding"], expected[0], atol=1e-4)
+    assert [item["index"] for item in batched["data"]] == [0, 1]
+    np.testing.assert_allclose([item["embedding"] for item in batched["data"]], expected[:2], atol=1e-4)
+    np.testing.assert_allclose(asked["data"][0]["embedding"], expected[2], atol=1e-4)
+    assert batched["usage"]["prompt_tokens"] == sum(map(len, token_lists))
+    for body, param in [
+        ({"input": TEXTS[0], "messages": CONVERSATIONS[0]}, "messages"),
+        ({"messages": CONVERSATIONS[0], "add_special_tokens": True}, "add_special_tokens"),
+        ({"messages": CONVERSATIONS[0], "add_generation_prompt": True, "continue_final_message": True}, None),
+        ({"input": [CONVERSATIONS[0], [{"role": "user", "content": "x" * 20000}]]}, "messages"),
+    ]:
+        refused = post(body)
+        assert refused.status_code == 400, refused.text
+        assert param is None or refused.json()["error"]["param"] == param, refused.text
+
+
 DOCUMENTS = ["A rainy day in Paris.", "Stock markets fell today.", "Once upon a time there was a king."]
 
 

@@ -25,6 +25,7 @@ from kvfleet.runtime.serving.embeddings import OpenAIServingEmbedding
 from kvfleet.runtime.serving.protocol import EmbeddingRequest
 from kvfleet.runtime.serving.service import OpenAIService, ServiceSettings
 from sentence_transformers import SentenceTransformer
+from sentence_transformers_folders import sentence_transformers_folder
 from server_checks import openai_error
 from transformers import AutoModel, AutoTokenizer
 
@@ -41,22 +42,7 @@ MATRYOSHKA = [16, 32]
 def folder(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny model as a sentence-transformers folder whose Pooling module takes the mean of the tokens."""
     folder = tmp_path_factory.mktemp("sentence-transformers") / "tiny"
-    shutil.copytree(tiny_llama, folder)
-    modules = [
-        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
-    ]
-    (folder / "modules.json").write_text(json.dumps(modules))
-    (folder / "1_Pooling").mkdir()
-    hidden_size = json.loads((folder / "config.json").read_text())["hidden_size"]
-    pooling = {
-        "word_embedding_dimension": hidden_size,
-        "pooling_mode_cls_token": False,
-        "pooling_mode_mean_tokens": True,
-        "include_prompt": True,
-    }
-    (folder / "1_Pooling" / "config.json").write_text(json.dumps(pooling))
-    return folder
+    return sentence_transformers_folder(tiny_llama, folder, "pooling_mode_mean_tokens", normalize=False)
 
 
 @pytest.fixture(scope="module")

@@ -5,14 +5,13 @@ decide which of generate() and embed() it serves."""
 
 from __future__ import annotations
 
-import json
-import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
 from kvfleet.runtime import LLM, PoolingParams, SamplingParams
 from sentence_transformers import SentenceTransformer
+from sentence_transformers_folders import sentence_transformers_folder
 
 TEXTS = ["Once upon a time", "The weather in Paris is mild, with rain on most days of the year."]
 
@@ -20,19 +19,7 @@ TEXTS = ["Once upon a time", "The weather in Paris is mild, with rain on most da
 @pytest.fixture(scope="module")
 def folder(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     folder = tmp_path_factory.mktemp("sentence-transformers-cls") / "tiny"
-    shutil.copytree(tiny_llama, folder)
-    modules = [
-        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
-        {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"},
-    ]
-    (folder / "modules.json").write_text(json.dumps(modules))
-    hidden_size = json.loads((folder / "config.json").read_text())["hidden_size"]
-    (folder / "1_Pooling").mkdir()
-    pooling = {"word_embedding_dimension": hidden_size, "pooling_mode_cls_token": True}
-    (folder / "1_Pooling" / "config.json").write_text(json.dumps(pooling))
-    (folder / "2_Normalize").mkdir()
-    return folder
+    return sentence_transformers_folder(tiny_llama, folder, "pooling_mode_cls_token", normalize=True)
 
 
 def test_embed_is_sentence_transformers_encode(folder: Path) -> None:
