@@ -304,7 +304,6 @@ class ModelRunner:
                 output.prompt_hidden_states = self._pooled_prompts(
                     scheduler_output, step, hidden, logit_hidden
                 )
-            if hidden is not None:
                 output.prompt_logprobs = {
                     step.request_ids[i]: (
                         rows.first_position,
