@@ -16,11 +16,12 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Any, Literal, TypeVar, get_args
 
 from kvfleet.runtime.hf_config import read_hf_config
 from kvfleet.runtime.sampling_params import PromptPooling
 
+T = TypeVar("T")
 Runner = Literal["auto", "generate", "pooling", "draft"]
 Convert = Literal["auto", "none", "embed", "classify"]
 # What a server answers: generation (completions, chat completions, responses) and embeddings (embeddings,
@@ -87,6 +88,21 @@ def normalized(vector: list[float]) -> list[float]:
     """`vector` L2-normalized (a zero vector as it is)."""
     norm = math.sqrt(math.fsum(value * value for value in vector))
     return [value / norm for value in vector] if norm > 0 else vector
+
+
+def cosine(a: list[float], b: list[float]) -> float:
+    """The cosine similarity of two embeddings: a score, as vLLM scores with an embedding model."""
+    return math.fsum(x * y for x, y in zip(normalized(a), normalized(b), strict=True))
+
+
+def score_pairs(first: list[T], second: list[T]) -> tuple[list[T], list[T]]:
+    """What is scored against what, as vLLM pairs them: one of the first against each of the second, or the
+    two pair by pair; ValueError for lists of other lengths (naming `first`'s count first)."""
+    if len(first) == 1:
+        first = first * len(second)
+    if len(first) != len(second):
+        raise ValueError(f"{len(first)} against {len(second)}: give one, or as many as there are to score")
+    return first, second
 
 
 def served_tasks(runner: str, convert: str) -> frozenset[str]:

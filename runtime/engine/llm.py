@@ -11,12 +11,18 @@ from kvfleet.runtime.chat_content_format import ContentFormatOption
 from kvfleet.runtime.chat_prompt import chat_prompt_token_ids
 from kvfleet.runtime.config import EngineConfig
 from kvfleet.runtime.engine.llm_engine import LLMEngine
-from kvfleet.runtime.engine.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
+from kvfleet.runtime.engine.outputs import (
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
 from kvfleet.runtime.errors import EngineSleepingError
 from kvfleet.runtime.input_checks import check_cache_salt, check_sampling_token_ids
 from kvfleet.runtime.lora.request import LoRARequest
 from kvfleet.runtime.multimodal.inputs import MultiModalFeature, check_features, prompt_embeds_item
-from kvfleet.runtime.pooler_config import EMBED, GENERATE, PoolerConfig, served_tasks
+from kvfleet.runtime.pooler_config import EMBED, GENERATE, PoolerConfig, cosine, score_pairs, served_tasks
 from kvfleet.runtime.pooling_params import PoolingParams
 from kvfleet.runtime.prompt_embeds import prompt_embeds_array
 from kvfleet.runtime.sampling_params import SamplingParams
@@ -89,6 +95,35 @@ class LLM:
                 ),
             )
             for output, params in zip(outputs, params_list, strict=True)
+        ]
+
+    def score(
+        self,
+        data_1: Prompt | Sequence[Prompt],
+        data_2: Prompt | Sequence[Prompt],
+        /,
+        *,
+        use_tqdm: ProgressBar = True,
+        pooling_params: PoolingParams | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+    ) -> list[ScoringRequestOutput]:
+        """vLLM's, for an embedding model: the cosine similarity of each pair's embeddings, one of `data_1`
+        against each of `data_2` or the two pair by pair."""
+        first, second = score_pairs(_as_prompt_list(data_1), _as_prompt_list(data_2))
+        outputs = self.embed(
+            [*first, *second],
+            use_tqdm=use_tqdm,
+            pooling_params=pooling_params,
+            lora_request=_broadcast(lora_request, len(first), "lora_request") * 2,
+        )
+        return [
+            ScoringRequestOutput(
+                f"{one.request_id}_{other.request_id}",
+                one.prompt_token_ids + other.prompt_token_ids,
+                True,
+                ScoringOutput(cosine(one.outputs.embedding, other.outputs.embedding)),
+            )
+            for one, other in zip(outputs[: len(first)], outputs[len(first) :], strict=True)
         ]
 
     @cached_property

@@ -90,6 +90,22 @@ class EmbeddingRequestOutput:
 
 
 @dataclass
+class ScoringOutput:
+    score: float
+
+
+@dataclass
+class ScoringRequestOutput:
+    """vLLM's answer to LLM.score() for one pair: the cosine similarity of the two embeddings."""
+
+    request_id: str
+    # The two texts' tokens, one after the other.
+    prompt_token_ids: list[int]
+    finished: bool
+    outputs: ScoringOutput
+
+
+@dataclass
 class RequestMetrics:
     """Times are time.monotonic() values; None until the event happens."""
 

@@ -15,12 +15,11 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
-import math
 import struct
 from typing import TYPE_CHECKING, Any
 
 from kvfleet.contract.errors import BadRequestError
-from kvfleet.runtime.pooler_config import EMBED, PoolerConfig, normalized
+from kvfleet.runtime.pooler_config import EMBED, PoolerConfig, cosine
 from kvfleet.runtime.serving.chat import ChatRoute
 from kvfleet.runtime.serving.completions import CompletionRoute
 from kvfleet.runtime.serving.protocol import (
@@ -110,7 +109,7 @@ class OpenAIServingEmbedding:
         fields = _fields("text_1", body.text_1, len(first)) + _fields("text_2", body.text_2, len(second))
         route = _EmbeddingPromptRoute(embedding_prompts(first + second, body), fields)
         request, vectors = await self._embed(route, priority_header)
-        scores = [_cosine(a, b) for a, b in zip(vectors[: len(first)], vectors[len(first) :], strict=True)]
+        scores = [cosine(a, b) for a, b in zip(vectors[: len(first)], vectors[len(first) :], strict=True)]
         return {
             "id": request.request_id,
             "object": "list",
@@ -129,7 +128,7 @@ class OpenAIServingEmbedding:
         request, vectors = await self._embed(route, priority_header)
         query, documents = vectors[0], vectors[1:]
         results = [
-            {"index": index, "document": {"text": text}, "relevance_score": _cosine(query, vector)}
+            {"index": index, "document": {"text": text}, "relevance_score": cosine(query, vector)}
             for index, (text, vector) in enumerate(zip(body.documents, documents, strict=True))
         ]
         results.sort(key=lambda result: result["relevance_score"], reverse=True)
@@ -176,11 +175,6 @@ def _fields(name: str, value: str | list[str], count: int) -> list[str]:
 def _usage(*requests: PreparedRequest) -> dict[str, int]:
     prompt_tokens = sum(len(token_ids) for request in requests for token_ids in request.prompt_token_ids)
     return {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}
-
-
-def _cosine(a: list[float], b: list[float]) -> float:
-    """The cosine similarity of two embeddings (as vLLM scores with an embedding model)."""
-    return math.fsum(x * y for x, y in zip(normalized(a), normalized(b), strict=True))
 
 
 def _encoded(vector: list[float], encoding_format: str) -> list[float] | str:

@@ -20,6 +20,7 @@ from kvfleet.contract.resume import CONTINUATION
 from kvfleet.runtime import json_depth
 from kvfleet.runtime.errors import InvalidRequestError
 from kvfleet.runtime.input_checks import check_cache_salt
+from kvfleet.runtime.pooler_config import score_pairs
 from kvfleet.runtime.sampling_params import KV_TRANSFER_PARAMS, SamplingParams, StructuredOutputsParams
 from pydantic import (
     AllowInfNan,
@@ -528,15 +529,14 @@ class ScoreRequest(RequestBody):
             raise BadRequestError(
                 "text_1 and text_2 must not be empty", param="text_1" if not first else "text_2"
             )
-        if len(first) == 1:
-            first = first * len(second)
-        if len(first) != len(second):
+        try:
+            return score_pairs(first, second)
+        except ValueError:
             raise BadRequestError(
                 f"text_1 has {len(first)} texts and text_2 {len(second)}: give one text_1, or as many as "
                 "text_2",
                 param="text_1",
-            )
-        return first, second
+            ) from None
 
 
 class RerankRequest(RequestBody):

@@ -1,7 +1,7 @@
 """vLLM's offline `LLM.embed()` against sentence-transformers on a sentence-transformers folder (the tiny
 model pooled at its first token and normalized by a Normalize module): each prompt's PoolingParams cut a
 Matryoshka embedding before it is normalized, or leave it unnormalized; an engine's runner and convert
-decide which of generate() and embed() it serves."""
+decide which of generate() and embed() it serves; `LLM.score()` is the cosine similarity of two embeddings."""
 
 from __future__ import annotations
 
@@ -44,6 +44,20 @@ def test_embed_is_sentence_transformers_encode(folder: Path) -> None:
         llm.embed(TEXTS[0], pooling_params=PoolingParams(dimensions=65))
     with pytest.raises(ValueError, match="generate\\(\\) is not served by an engine of runner pooling"):
         llm.generate(TEXTS[0], SamplingParams(max_tokens=1))
+
+
+def test_score_is_the_cosine_similarity_sentence_transformers_gives(folder: Path) -> None:
+    llm = LLM(str(folder), dtype="float32", runner="pooling")
+    model = SentenceTransformer(str(folder), device="cpu")
+    documents = [*TEXTS, "A third, unrelated sentence about markets."]
+    embeddings = np.stack([model.encode(text) for text in [TEXTS[0], *documents]])
+    expected = model.similarity(embeddings[:1], embeddings[1:])[0].tolist()
+    one_to_many = llm.score(TEXTS[0], documents, use_tqdm=False)
+    np.testing.assert_allclose([output.outputs.score for output in one_to_many], expected, atol=1e-4)
+    pairwise = llm.score([TEXTS[0]] * 2, documents[:2], use_tqdm=False)
+    np.testing.assert_allclose([output.outputs.score for output in pairwise], expected[:2], atol=1e-4)
+    with pytest.raises(ValueError, match="2 against 3"):
+        llm.score(TEXTS, documents, use_tqdm=False)
 
 
 def test_a_generation_engine_does_not_embed(tiny_llama: Path) -> None:
