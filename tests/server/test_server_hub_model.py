@@ -179,21 +179,27 @@ def test_a_hub_model_serves_what_its_folder_serves(
     assert -1 < log.find(f"Fetching {len(fetched)} files") < log.find("Uvicorn running")
 
 
+def _resolved(env: dict[str, str], **options: str) -> list[str]:
+    """The model and tokenizer folders an EngineConfig of `options` (at REVISION) resolves to in a process of
+    its own with `env`, and the config's repr."""
+    resolve = (
+        "from kvfleet.runtime.config import EngineConfig; "
+        f"config = EngineConfig(revision={REVISION!r}, **{options!r}); "
+        "print(config.model); print(config.tokenizer); print(repr(config))"
+    )
+    completed = subprocess.run(
+        [sys.executable, "-P", "-c", resolve], capture_output=True, text=True, env=env, timeout=60, check=True
+    )
+    return completed.stdout.splitlines()
+
+
 def test_the_cache_serves_it_offline(hub_server: ServerProcess, hub: FakeHub, hf_home: Path) -> None:
     """The second resolution, as `LLM(model, revision=...)` and the serve command make it: the engine's config
     names the cached folders (the tokenizer's too), and the hub is not asked."""
     asked = len(hub.requests)
-    resolve = (
-        "from kvfleet.runtime.config import EngineConfig; "
-        f"config = EngineConfig(model={REPO_ID!r}, revision={REVISION!r}, tokenizer={REPO_ID!r}); "
-        "print(config.model); print(config.tokenizer)"
-    )
-    env = hub_env(hub, hf_home, HF_HUB_OFFLINE="1")
-    completed = subprocess.run(
-        [sys.executable, "-P", "-c", resolve], capture_output=True, text=True, env=env, timeout=60, check=True
-    )
+    lines = _resolved(hub_env(hub, hf_home, HF_HUB_OFFLINE="1"), model=REPO_ID, tokenizer=REPO_ID)
     snapshot = hf_home / "hub" / "models--org--tiny" / "snapshots" / hub.commit
-    assert [Path(line) for line in completed.stdout.split()] == [snapshot, snapshot]
+    assert [Path(line) for line in lines[:2]] == [snapshot, snapshot]
     assert len(hub.requests) == asked
 
 
@@ -201,17 +207,10 @@ def test_download_dir_takes_the_fetch(hub: FakeHub, tmp_path: Path) -> None:
     """vLLM's download_dir: the model and its tokenizer fetched there, in the cache's layout, not in
     HF_HOME."""
     download_dir = tmp_path / "models"
-    resolve = (
-        "from kvfleet.runtime.config import EngineConfig; "
-        f"config = EngineConfig(model={REPO_ID!r}, revision={REVISION!r}, tokenizer={REPO_ID!r}, "
-        f"download_dir={str(download_dir)!r}); print(config.model); print(config.tokenizer)"
-    )
     env = hub_env(hub, tmp_path / "hf-home")
-    completed = subprocess.run(
-        [sys.executable, "-P", "-c", resolve], capture_output=True, text=True, env=env, timeout=60, check=True
-    )
+    lines = _resolved(env, model=REPO_ID, tokenizer=REPO_ID, download_dir=str(download_dir))
     snapshot = download_dir / "models--org--tiny" / "snapshots" / hub.commit
-    assert [Path(line) for line in completed.stdout.split()] == [snapshot, snapshot]
+    assert [Path(line) for line in lines[:2]] == [snapshot, snapshot]
     assert (snapshot / "config.json").read_bytes() == hub.files["config.json"]
     assert not (tmp_path / "hf-home" / "hub").exists()
 
@@ -219,16 +218,8 @@ def test_download_dir_takes_the_fetch(hub: FakeHub, tmp_path: Path) -> None:
 def test_hf_token_fetches_a_private_repository(hub: FakeHub, tmp_path: Path) -> None:
     """vLLM's hf_token (`--hf-token`): sent as the Hub's bearer token, for the model and its tokenizer, and
     kept out of the config's repr."""
-    resolve = (
-        "from kvfleet.runtime.config import EngineConfig; "
-        f"config = EngineConfig(model={PRIVATE_ID!r}, revision={REVISION!r}, tokenizer={PRIVATE_ID!r}, "
-        f"hf_token={TOKEN!r}); print(config.model); print(config.tokenizer); print(repr(config))"
-    )
     env = hub_env(hub, tmp_path / "hf-home")
-    completed = subprocess.run(
-        [sys.executable, "-P", "-c", resolve], capture_output=True, text=True, env=env, timeout=60, check=True
-    )
-    model, tokenizer, config = completed.stdout.splitlines()
+    model, tokenizer, config = _resolved(env, model=PRIVATE_ID, tokenizer=PRIVATE_ID, hf_token=TOKEN)
     snapshot = tmp_path / "hf-home" / "hub" / "models--org--private" / "snapshots" / hub.commit
     assert [Path(model), Path(tokenizer)] == [snapshot, snapshot]
     assert (snapshot / "config.json").read_bytes() == hub.files["config.json"]
