@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import json
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -42,6 +43,7 @@ from kvfleet.runtime.server.streaming import (
 )
 from kvfleet.runtime.server.tokenizer_files import tokenizer_files
 from kvfleet.runtime.server.tokenizer_info import tokenizer_info
+from kvfleet.runtime.serving.embedding_encoding import EmbeddingBytes
 from kvfleet.runtime.serving.embeddings import OpenAIServingEmbedding
 from kvfleet.runtime.serving.lora import OpenAIServingLoRA
 from kvfleet.runtime.serving.moderations import OpenAIServingModeration
@@ -319,8 +321,12 @@ def _add_embedding_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/v1/embeddings")
     async def create_embedding(body: EmbeddingRequest, raw_request: Request) -> Response:
-        answer = embeddings.create_embedding(body, raw_request.headers.get(PRIORITY_HEADER))
-        return JSONResponse(await unless_disconnected(raw_request, answer))
+        creating = embeddings.create_embedding(body, raw_request.headers.get(PRIORITY_HEADER))
+        answer = await unless_disconnected(raw_request, creating)
+        if isinstance(answer, EmbeddingBytes):
+            headers = {"metadata": json.dumps(answer.metadata)} if answer.metadata is not None else None
+            return Response(answer.content, media_type="application/octet-stream", headers=headers)
+        return JSONResponse(answer)
 
     async def create_score(body: ScoreRequest, raw_request: Request) -> Response:
         answer = embeddings.create_score(body, raw_request.headers.get(PRIORITY_HEADER))

@@ -13,15 +13,14 @@ context, guardrails), and the engine returns its pooled hidden states with that 
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
-import struct
 from typing import TYPE_CHECKING, Any
 
 from kvfleet.contract.errors import BadRequestError
 from kvfleet.runtime.pooler_config import EMBED, PoolerConfig, cosine
 from kvfleet.runtime.serving.chat import ChatRoute
 from kvfleet.runtime.serving.completions import CompletionRoute
+from kvfleet.runtime.serving.embedding_encoding import EmbeddingBytes, embedding_bytes, encoded
 from kvfleet.runtime.serving.protocol import (
     EmbeddingRequest,
     RerankRequest,
@@ -49,7 +48,9 @@ class OpenAIServingEmbedding:
     def __init__(self, service: OpenAIService) -> None:
         self.service = service
 
-    async def create_embedding(self, body: EmbeddingRequest, priority_header: str | None) -> dict[str, Any]:
+    async def create_embedding(
+        self, body: EmbeddingRequest, priority_header: str | None
+    ) -> dict[str, Any] | EmbeddingBytes:
         pooler = self._pooler()
         body.check()
         if body.dimensions is not None:
@@ -57,26 +58,28 @@ class OpenAIServingEmbedding:
                 pooler.check_dimensions(body.dimensions)
             except ValueError as error:
                 raise BadRequestError(str(error), param="dimensions") from None
-        requests, vectors = await self._embed_input(body, priority_header)
-        data = [
-            {
-                "object": "embedding",
-                "index": index,
-                "embedding": _encoded(
-                    pooler.embedding(vector, body.dimensions, body.use_activation), body.encoding_format
-                ),
-            }
-            for index, vector in enumerate(vectors)
-        ]
+        requests, pooled = await self._embed_input(body, priority_header)
+        vectors = [pooler.embedding(vector, body.dimensions, body.use_activation) for vector in pooled]
         first = requests[0]
-        return {
+        answer = {
             "id": first.request_id,
             "object": "list",
             "created": first.created,
             "model": first.model,
-            "data": data,
             "usage": _usage(*requests),
         }
+        if body.encoding_format == "bytes" or body.encoding_format == "bytes_only":
+            with_metadata = answer if body.encoding_format == "bytes" else None
+            return embedding_bytes(vectors, body.embed_dtype, body.endianness, with_metadata)
+        data = [
+            {
+                "object": "embedding",
+                "index": index,
+                "embedding": encoded(vector, body.encoding_format, body.embed_dtype, body.endianness),
+            }
+            for index, vector in enumerate(vectors)
+        ]
+        return {**answer, "data": data}
 
     async def _embed_input(
         self, body: EmbeddingRequest, priority_header: str | None
@@ -175,10 +178,3 @@ def _fields(name: str, value: str | list[str], count: int) -> list[str]:
 def _usage(*requests: PreparedRequest) -> dict[str, int]:
     prompt_tokens = sum(len(token_ids) for request in requests for token_ids in request.prompt_token_ids)
     return {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}
-
-
-def _encoded(vector: list[float], encoding_format: str) -> list[float] | str:
-    """The vector as floats, or as OpenAI's base64: little-endian float32s."""
-    if encoding_format == "float":
-        return vector
-    return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode("ascii")

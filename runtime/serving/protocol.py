@@ -420,9 +420,14 @@ def split_prompts(value: str | list[str] | list[int] | list[list[int]], param: s
     return list(value)  # type: ignore[arg-type]
 
 
+EncodingFormat = Literal["float", "base64", "bytes", "bytes_only"]
+EmbedDType = Literal["float32", "float16", "bfloat16", "fp8_e4m3", "fp8_e5m2"]
+Endianness = Literal["native", "big", "little"]
+
+
 class EmbeddingRequest(RequestBody):
     """OpenAI's embeddings request (plus kvfleet's priority and timeout, and vLLM's add_special_tokens,
-    use_activation, prompt truncation and conversations)."""
+    use_activation, prompt truncation, conversations and encodings)."""
 
     # vLLM's: also a conversation, or a list of them, as `messages` takes them.
     input: (
@@ -441,7 +446,10 @@ class EmbeddingRequest(RequestBody):
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     model: str | None = None
-    encoding_format: Literal["float", "base64"] = "float"
+    encoding_format: EncodingFormat = "float"
+    # vLLM's: how base64 and bytes write the values (see embedding_encoding).
+    embed_dtype: EmbedDType = "float32"
+    endianness: Endianness = "native"
     # A Matryoshka model's embeddings cut to this size (others refuse it).
     dimensions: Annotated[StrictInt, Field(ge=1)] | None = None
     user: str | None = None

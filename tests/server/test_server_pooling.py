@@ -8,6 +8,7 @@ embedding routes on a generation server. What cannot be served fails at start, n
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import shutil
 from pathlib import Path
@@ -15,6 +16,7 @@ from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 import httpx
+import ml_dtypes
 import numpy as np
 import openai
 import pytest
@@ -125,6 +127,73 @@ def test_scores_are_the_cosines_of_the_embeddings(
     answer = httpx.post(f"{server.url}/score", json={"text_1": TEXTS[0], "text_2": TEXTS[1]}, timeout=60)
     assert answer.status_code == 200, answer.text
     assert answer.json()["data"][0]["score"] == pytest.approx(float(first @ second), abs=1e-4)
+
+
+# The dtypes vLLM writes embeddings in, as ml_dtypes (numpy's bfloat16 and fp8) represents them.
+EMBED_DTYPES = {
+    "float32": np.float32,
+    "float16": np.float16,
+    "bfloat16": ml_dtypes.bfloat16,
+    "fp8_e4m3": ml_dtypes.float8_e4m3fn,
+    "fp8_e5m2": ml_dtypes.float8_e5m2,
+}
+
+
+def _bits(values: np.ndarray, embed_dtype: str, endianness: str) -> bytes:
+    """`values` rounded to `embed_dtype` by ml_dtypes, their bits in `endianness`."""
+    rounded = values.astype(np.float32).astype(EMBED_DTYPES[embed_dtype])
+    order = {"native": "=", "big": ">", "little": "<"}[endianness]
+    return rounded.view(f"u{rounded.itemsize}").astype(f"{order}u{rounded.itemsize}").tobytes()
+
+
+@pytest.mark.parametrize(
+    ("embed_dtype", "endianness"),
+    [
+        ("float32", "native"),
+        ("float16", "big"),
+        ("bfloat16", "little"),
+        ("bfloat16", "big"),
+        ("fp8_e4m3", "native"),
+        ("fp8_e5m2", "big"),
+    ],
+)
+def test_base64_and_bytes_carry_the_floats_in_the_dtype_and_byte_order_asked(
+    server: ServerProcess, embed_dtype: str, endianness: str
+) -> None:
+    """vLLM's encodings: base64 of each vector's values, or all of them as the body with their places in a
+    metadata header (none for bytes_only), against the float answer rounded by ml_dtypes."""
+
+    def post(encoding_format: str) -> httpx.Response:
+        body = {"input": TEXTS, "encoding_format": encoding_format}
+        answer = httpx.post(
+            f"{server.url}/v1/embeddings", json={**body, "embed_dtype": embed_dtype, "endianness": endianness}
+        )
+        assert answer.status_code == 200, answer.text
+        return answer
+
+    floats = [np.array(item["embedding"]) for item in post("float").json()["data"]]
+    expected = [_bits(vector, embed_dtype, endianness) for vector in floats]
+    as_base64 = post("base64").json()
+    assert [base64.b64decode(item["embedding"]) for item in as_base64["data"]] == expected
+    as_bytes = post("bytes")
+    assert as_bytes.headers["content-type"] == "application/octet-stream"
+    assert as_bytes.content == b"".join(expected)
+    metadata = json.loads(as_bytes.headers["metadata"])
+    assert metadata["usage"] == as_base64["usage"] and metadata["model"] == "tiny"
+    places = [(item["index"], item["start"], item["end"], item["shape"]) for item in metadata["data"]]
+    size = len(expected[0])
+    assert places == [(0, 0, size, [len(floats[0])]), (1, size, 2 * size, [len(floats[1])])]
+    assert {(item["embed_dtype"], item["endianness"]) for item in metadata["data"]} == {
+        (embed_dtype, endianness)
+    }
+    bytes_only = post("bytes_only")
+    assert bytes_only.content == b"".join(expected) and "metadata" not in bytes_only.headers
+
+
+def test_an_unknown_encoding_is_refused(server: ServerProcess) -> None:
+    for field, value in [("encoding_format", "npy"), ("embed_dtype", "int8"), ("endianness", "middle")]:
+        refused = httpx.post(f"{server.url}/v1/embeddings", json={"input": TEXTS[0], field: value})
+        assert field in openai_error(refused, 400)["message"], refused.text
 
 
 def test_generation_is_not_served_by_a_pooling_server(client: openai.OpenAI) -> None:
