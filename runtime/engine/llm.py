@@ -18,7 +18,7 @@ from kvfleet.runtime.engine.outputs import (
     ScoringOutput,
     ScoringRequestOutput,
 )
-from kvfleet.runtime.errors import EngineSleepingError
+from kvfleet.runtime.errors import EngineSleepingError, RequestFailedError
 from kvfleet.runtime.input_checks import check_cache_salt, check_sampling_token_ids
 from kvfleet.runtime.lora.request import LoRARequest
 from kvfleet.runtime.multimodal.inputs import MultiModalFeature, check_features, prompt_embeds_item
@@ -85,6 +85,13 @@ class LLM:
                 pooler.check_dimensions(params.dimensions)
         pooled = SamplingParams(temperature=0.0, max_tokens=1, prompt_pooling=pooler.pooling_type)
         outputs = self._generate(prompt_list, pooled, None, use_tqdm, lora_request)
+        failed = [index for index, output in enumerate(outputs) if output.prompt_hidden_state is None]
+        if failed:
+            # A prompt the model failed on has no embedding to give; the log says why.
+            reasons = sorted({outputs[index].outputs[0].finish_reason or "unfinished" for index in failed})
+            raise RequestFailedError(
+                f"the engine failed on prompts {failed} ({', '.join(reasons)}): no embedding"
+            )
         return [
             EmbeddingRequestOutput(
                 output.request_id,

@@ -1,15 +1,20 @@
 """vLLM's offline `LLM.embed()` against sentence-transformers on a sentence-transformers folder (the tiny
 model pooled at its first token and normalized by a Normalize module): each prompt's PoolingParams cut a
-Matryoshka embedding before it is normalized, or leave it unnormalized; an engine's runner and convert
-decide which of generate() and embed() it serves; `LLM.score()` is the cosine similarity of two embeddings."""
+Matryoshka embedding before it is normalized, or leave it unnormalized; a prompt the model fails on is named;
+an engine's runner and convert decide which of generate() and embed() it serves; `LLM.score()` is the cosine
+similarity of two embeddings."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 from kvfleet.runtime import LLM, PoolingParams, SamplingParams
+from kvfleet.runtime.core.outputs import SchedulerOutput
+from kvfleet.runtime.errors import RequestFailedError
 from sentence_transformers import SentenceTransformer
 from sentence_transformers_folders import sentence_transformers_folder
 
@@ -44,6 +49,29 @@ def test_embed_is_sentence_transformers_encode(folder: Path) -> None:
         llm.embed(TEXTS[0], pooling_params=PoolingParams(dimensions=65))
     with pytest.raises(ValueError, match="generate\\(\\) is not served by an engine of runner pooling"):
         llm.generate(TEXTS[0], SamplingParams(max_tokens=1))
+
+
+def test_a_prompt_the_model_fails_on_is_named_and_the_engine_goes_on(
+    folder: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    llm = LLM(str(folder), dtype="float32", runner="pooling")
+    expected = SentenceTransformer(str(folder), device="cpu").encode(TEXTS[0])
+    poisoned = llm.get_tokenizer().encode(TEXTS[1])
+    executor = llm.llm_engine.engine_core.executor
+    execute: Callable[[SchedulerOutput], Any] = executor.execute_model
+
+    def fail_on_the_poisoned_prompt(scheduler_output: SchedulerOutput) -> Any:
+        if any(request.prompt_token_ids == poisoned for request in scheduler_output.requests):
+            raise RuntimeError("poisoned input")
+        return execute(scheduler_output)
+
+    monkeypatch.setattr(executor, "execute_model", fail_on_the_poisoned_prompt)
+    with pytest.raises(
+        RequestFailedError, match=r"the engine failed on prompts \[1\] \(error\): no embedding"
+    ):
+        llm.embed(TEXTS, use_tqdm=False)
+    (alone,) = llm.embed(TEXTS[:1], use_tqdm=False)
+    np.testing.assert_allclose(alone.outputs.embedding, expected, atol=1e-4)
 
 
 def test_score_is_the_cosine_similarity_sentence_transformers_gives(folder: Path) -> None:
