@@ -51,6 +51,17 @@ class OpenAIError(Exception):
         """The error as the last event of a stream that has already sent its 200 headers."""
         return f"data: {json.dumps(self.body())}\n\n"
 
+    def response_error(self) -> dict[str, Any]:
+        """The fields of the Responses API's `error` event: OpenAI's, with kvfleet's code (or the type, where
+        it has none)."""
+        return {"code": self.code or self.error_type, "message": self.message, "param": self.param}
+
+    def to_response_event(self, sequence_number: int) -> str:
+        """The error as the last event of a Responses API stream that has already sent its 200 headers (no
+        [DONE] follows, as none ends such a stream)."""
+        event = {"type": "error", "sequence_number": sequence_number, **self.response_error()}
+        return f"event: error\ndata: {json.dumps(event)}\n\n"
+
 
 class BadRequestError(OpenAIError):
     status_code = 400

@@ -1,4 +1,5 @@
-"""A streamed completion the gateway holds, kept alive (`kvfleet gateway --sse-keep-alive-interval`).
+"""A stream the gateway holds (a completion's or a response's), kept alive (`kvfleet gateway
+--sse-keep-alive-interval`).
 
 A stream's client hears nothing until a replica sends its first token: the request may wait in the gateway's
 queue, for a replica woken from zero, for a prefill, or in the replica's own queue, for longer than the read
@@ -6,9 +7,9 @@ timeout of a load balancer or proxy in front of the gateway, which then closes t
 interval, the stream is opened here (200, text/event-stream) and carries a comment (`: keep-alive`, which
 clients skip) each interval until the answer takes it over; a replica's own comments go on to the client after
 that (kvfleet.gateway.resumption). A failure after the stream opened is its last event, before [DONE], instead
-of its status: as a failure mid-stream is. The gateway's request metrics count such a stream under the error's
-status, which an unheld request would have been answered with (its span, under the 200 it sent, is marked
-failed with the error).
+of its status: as a failure mid-stream is (a Responses API stream's is its typed error event, with no [DONE]).
+The gateway's request metrics count such a stream under the error's status, which an unheld request would have
+been answered with (its span, under the 200 it sent, is marked failed with the error).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from collections.abc import Awaitable
 
 from aiohttp import web
 from kvfleet.contract.errors import OpenAIError
+from kvfleet.gateway.requests import RESPONSES_PATH
 from kvfleet.gateway.splice import DONE, answered_error
 from kvfleet.gateway.tracing import failed
 
@@ -87,7 +89,11 @@ class HeldStream:
         assert self.response is not None
         failed(error.message)
         self._ended_with = error.status_code
-        await self.response.write(error.to_sse().encode())
-        await self.response.write(f"data: {DONE}\n\n".encode())
+        if self.request.path == RESPONSES_PATH:
+            # Nothing came from a replica before: the error is the stream's first event.
+            await self.response.write(error.to_response_event(0).encode())
+        else:
+            await self.response.write(error.to_sse().encode())
+            await self.response.write(f"data: {DONE}\n\n".encode())
         await self.response.write_eof()
         return self.response

@@ -91,7 +91,7 @@ from kvfleet.gateway.requests import (
 )
 from kvfleet.gateway.resumption import DEFAULT_MAX_RESUMES, Generation, Leg, LegUnavailable
 from kvfleet.gateway.routing import BlockHashes, Prompt, Replica, estimated_tokens
-from kvfleet.gateway.splice import Splice, answered_error
+from kvfleet.gateway.splice import EventReader, Splice, answered_error
 from kvfleet.gateway.tracing import (
     GatewayTracing,
     answered,
@@ -152,6 +152,8 @@ BLOCK_HASH_POLICIES = frozenset({"precise-prefix"})
 # The requests whose prompts the gateway tokenizes as the engine does, and that disaggregated prefill serves:
 # the others' go to their replica as any request of a prefix-aware policy, routed on their text.
 GENERATION_PATHS = frozenset({CHAT_PATH, COMPLETIONS_PATH})
+# Streams a held request's client hears keep-alive comments on until its answer starts.
+KEPT_ALIVE_PATHS = GENERATION_PATHS | {RESPONSES_PATH}
 
 
 @dataclass(frozen=True)
@@ -357,7 +359,7 @@ class Gateway:
                         )
                     model_label = pool.config.name
                     _authenticate(request.headers, pool.config)
-                    if self.sse_keep_alive_interval and routed.stream and request.path in GENERATION_PATHS:
+                    if self.sse_keep_alive_interval and routed.stream and request.path in KEPT_ALIVE_PATHS:
                         held = HeldStream(request, self.sse_keep_alive_interval)
                         response = await held.answer(self._forward(request, body, routed, pool, held))
                         status = held.status_of(response)
@@ -975,9 +977,14 @@ async def _relay(
         if length is not None:
             response.content_length = length
         await response.prepare(request)
+    # A Responses stream's failure is its next event, numbered after those relayed.
+    responses = EventReader() if event_stream and request.path == RESPONSES_PATH else None
+    relayed = 0
     try:
         async for chunk in chunks:
             await response.write(chunk)
+            if responses is not None:
+                relayed += len(responses.feed(chunk))
     except (aiohttp.ClientError, TimeoutError) as error:
         timed_out = not isinstance(error, aiohttp.ClientError)
         logger.warning(
@@ -998,7 +1005,8 @@ async def _relay(
                 f"the replica serving model {model!r} failed mid-stream", code="upstream_failed"
             )
         )
-        await response.write(failure.to_sse().encode())
+        framed = failure.to_response_event(relayed) if responses is not None else failure.to_sse()
+        await response.write(framed.encode())
     await response.write_eof()
     return response
 

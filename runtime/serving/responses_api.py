@@ -564,7 +564,6 @@ class _ResponseEvents:
     def fail(self, error: OpenAIError) -> list[dict[str, Any]]:
         """A failure mid-stream: OpenAI's error event (with kvfleet's code), then the response failed (with
         the code among OpenAI's few that fits)."""
-        code = error.code or error.error_type
         failed = _response(
             self.prepared,
             [self.output[index] for index in sorted(self.output)],
@@ -574,6 +573,6 @@ class _ResponseEvents:
             error={"code": _FAILURE_CODES.get(error.status_code, "server_error"), "message": error.message},
         )
         return [
-            self._event("error", code=code, message=error.message, param=error.param),
+            self._event("error", **error.response_error()),
             self._event("response.failed", response=failed),
         ]

@@ -183,8 +183,12 @@ class FakeReplica:
             return web.json_response(answer(self.name, body), headers={"x-replica": self.name})
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "x-replica": self.name})
         await response.prepare(request)
-        for event in _response_events(self.name, body):
+        for index, event in enumerate(_response_events(self.name, body)):
             await response.write(f"event: {event['type']}\ndata: {json.dumps(event)}\n\n".encode())
+            if index == 0 and self.die_after_first_chunk:
+                assert request.transport is not None
+                request.transport.abort()
+                return response
         await response.write_eof()
         return response
 

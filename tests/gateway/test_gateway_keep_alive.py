@@ -13,26 +13,28 @@ from typing import Any
 
 import aiohttp
 import openai
-from gateway_harness import WAIT_S, model, queued, running_gateway, wait_until
+from gateway_harness import WAIT_S, FakeReplica, model, queued, replicas, running_gateway, wait_until
 from kvfleet.gateway.proxy import Gateway
 from scripted_replica import KEEP_ALIVE, ScriptedReplica, post, scripted, sse_chunks
 
 INTERVAL_S = 0.1
 CHAT_PATH = "/v1/chat/completions"
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello"}], "stream": True}
+RESPONSES_PATH = "/v1/responses"
+RESPONSE = {"model": "m", "input": "hello", "stream": True}
 
 
 class RawStream:
     """A client's streamed request: its status as soon as it is in, and its body as it comes."""
 
-    def __init__(self, url: str, body: dict[str, Any]) -> None:
+    def __init__(self, url: str, body: dict[str, Any], path: str = CHAT_PATH) -> None:
         self.status: int | None = None
         self.headers: dict[str, str] = {}
         self.raw = b""
-        self._task = asyncio.create_task(self._read(url, body))
+        self._task = asyncio.create_task(self._read(f"{url}{path}", body))
 
     async def _read(self, url: str, body: dict[str, Any]) -> None:
-        async with aiohttp.ClientSession() as session, session.post(f"{url}{CHAT_PATH}", json=body) as answer:
+        async with aiohttp.ClientSession() as session, session.post(url, json=body) as answer:
             self.status, self.headers = answer.status, dict(answer.headers)
             async for chunk in answer.content.iter_any():
                 self.raw += chunk
@@ -173,3 +175,85 @@ def test_a_stream_answered_within_the_interval_is_the_replicas_own() -> None:
     stream = asyncio.run(scenario())
     assert stream.status == 200 and KEEP_ALIVE not in stream.raw
     assert stream.headers["x-replica"] == "ready" and sse_chunks(stream.raw)[-1] == "[DONE]"
+
+
+def typed_events(raw: bytes) -> list[tuple[str, dict[str, Any]]]:
+    """A Responses API stream's events: each one's `event:` name and its data."""
+    events = []
+    for block in raw.decode().split("\n\n"):
+        lines = dict(line.split(": ", 1) for line in block.splitlines() if not line.startswith(":"))
+        if lines:
+            events.append((lines["event"], json.loads(lines["data"])))
+    return events
+
+
+def test_a_held_responses_stream_is_kept_alive_and_the_sdk_reads_it() -> None:
+    async def scenario() -> tuple[RawStream, list[Any], bytes]:
+        async with (
+            replicas(FakeReplica("late"), FakeReplica("oracle")) as (late, oracle),
+            running_gateway({"m": model("m", hold_seconds=WAIT_S)}, sse_keep_alive_interval=INTERVAL_S) as (
+                gateway,
+                discovery,
+                url,
+            ),
+        ):
+            raw = RawStream(url, RESPONSE, RESPONSES_PATH)
+            sdk = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+            stream = await sdk.responses.create(model="m", input="hello", stream=True)
+            await raw.comments(2)
+            assert raw.status == 200 and queued(gateway, "m") == 2
+            discovery.publish({"m": model("m", late, hold_seconds=WAIT_S)})
+            await raw.end()
+            events = [event async for event in stream]
+            _, expected = await post(oracle.url, RESPONSES_PATH, RESPONSE)
+            return raw, events, expected
+
+    raw, events, expected = asyncio.run(scenario())
+    assert raw.raw.startswith(KEEP_ALIVE) and b"[DONE]" not in raw.raw
+    names = [name for name, _ in typed_events(raw.raw)]
+    assert names == [name for name, _ in typed_events(expected)]
+    assert [event.type for event in events] == names and events[-1].response.output_text == "late"
+
+
+def test_a_held_responses_stream_that_runs_out_ends_with_the_typed_error_event() -> None:
+    """OpenAI's `error` event, numbered first, with the code and message an unheld request is answered with;
+    the openai SDK gives it as an event, as it does a replica's."""
+
+    async def scenario() -> tuple[RawStream, list[Any], bytes]:
+        options = {"hold_seconds": 5 * INTERVAL_S}
+        async with running_gateway({"m": model("m", **options)}, sse_keep_alive_interval=INTERVAL_S) as (
+            _,
+            _,
+            url,
+        ):
+            raw = RawStream(url, RESPONSE, RESPONSES_PATH)
+            sdk = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+            events = [event async for event in await sdk.responses.create(model="m", input="x", stream=True)]
+            await raw.end()
+        async with running_gateway({"m": model("m", **options)}) as (_, _, silent):
+            status, answer = await post(silent, RESPONSES_PATH, RESPONSE)
+        assert status == 503
+        return raw, events, answer
+
+    raw, events, unheld = asyncio.run(scenario())
+    assert raw.status == 200 and raw.raw.count(KEEP_ALIVE) >= 2 and b"[DONE]" not in raw.raw
+    error = json.loads(unheld)["error"]
+    expected = {"type": "error", "sequence_number": 0, "code": error["code"], "message": error["message"]}
+    assert typed_events(raw.raw) == [("error", {**expected, "param": None})]
+    (event,) = events
+    assert (event.type, event.sequence_number, event.code, event.message) == tuple(expected.values())
+
+
+def test_a_responses_stream_its_replica_breaks_off_ends_with_the_next_typed_error_event() -> None:
+    async def scenario() -> bytes:
+        async with (
+            replicas(FakeReplica("a", die_after_first_chunk=True)) as (replica,),
+            running_gateway({"m": model("m", replica)}) as (_, _, url),
+        ):
+            status, raw = await post(url, RESPONSES_PATH, RESPONSE)
+            assert status == 200
+            return raw
+
+    (first, first_data), (name, error) = typed_events(asyncio.run(scenario()))
+    assert (first, first_data["sequence_number"]) == ("response.created", 0)
+    assert name == "error" and error["sequence_number"] == 1 and error["code"] == "upstream_failed"
