@@ -372,10 +372,10 @@ def _bare_name_namespace(option: str | None, namespaces: tuple[str, ...]) -> str
     type=click.FloatRange(min=0),
     default=0.0,
     show_default=True,
-    help="Seconds a streamed completion or chat completion may wait for its first token (in the queue, for "
-    "a replica woken from zero, for a prefill) before its stream opens and carries a `: keep-alive` comment "
-    "each interval, so that load balancers with read timeouts keep it; a failure then ends the stream. 0 "
-    "holds it silent.",
+    help="Seconds a streamed completion, chat completion or response may wait for its first token (in the "
+    "queue, for a replica woken from zero, for a prefill) before its stream opens and carries a "
+    "`: keep-alive` comment each interval, so that load balancers with read timeouts keep it; a failure then "
+    "ends the stream. 0 holds it silent.",
 )
 def gateway_command(
     host: str,
