@@ -91,7 +91,7 @@ from kvfleet.gateway.requests import (
 )
 from kvfleet.gateway.resumption import DEFAULT_MAX_RESUMES, Generation, Leg, LegUnavailable
 from kvfleet.gateway.routing import BlockHashes, Prompt, Replica, estimated_tokens
-from kvfleet.gateway.splice import EventReader, Splice, answered_error
+from kvfleet.gateway.splice import MAX_EVENT_BYTES, EventReader, Splice, answered_error
 from kvfleet.gateway.tracing import (
     GatewayTracing,
     answered,
@@ -977,14 +977,26 @@ async def _relay(
         if length is not None:
             response.content_length = length
         await response.prepare(request)
-    # A Responses stream's failure is its next event, numbered after those relayed.
+    # An event stream goes out whole events at a time: a replica that breaks off within one leaves the client
+    # no half of it before the failure's event. A Responses stream's failure is numbered after those relayed.
+    unfinished = bytearray()
     responses = EventReader() if event_stream and request.path == RESPONSES_PATH else None
     relayed = 0
     try:
         async for chunk in chunks:
-            await response.write(chunk)
+            if not event_stream:
+                await response.write(chunk)
+                continue
+            unfinished += chunk
+            end = unfinished.rfind(b"\n\n") + 2
+            if end < 2 and len(unfinished) <= MAX_EVENT_BYTES:
+                continue
+            complete = bytes(unfinished[:end] if end >= 2 else unfinished)
+            del unfinished[: len(complete)]
+            await response.write(complete)
             if responses is not None:
-                relayed += len(responses.feed(chunk))
+                relayed += len(responses.feed(complete))
+        await response.write(bytes(unfinished))
     except (aiohttp.ClientError, TimeoutError) as error:
         timed_out = not isinstance(error, aiohttp.ClientError)
         logger.warning(

@@ -58,7 +58,8 @@ class FakeReplica:
     gated: bool = False
     # Streams stop after the first chunk until `resume` is set.
     pause_after_first_chunk: bool = False
-    # Streams break off (connection dropped) after the first chunk.
+    # Streams break off (connection dropped) after the first chunk (a Responses stream's, within its second
+    # event).
     die_after_first_chunk: bool = False
     received: list[dict[str, Any]] = field(default_factory=list)
     headers: list[Mapping[str, str]] = field(default_factory=list)
@@ -184,11 +185,14 @@ class FakeReplica:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "x-replica": self.name})
         await response.prepare(request)
         for index, event in enumerate(_response_events(self.name, body)):
-            await response.write(f"event: {event['type']}\ndata: {json.dumps(event)}\n\n".encode())
-            if index == 0 and self.die_after_first_chunk:
+            framed = f"event: {event['type']}\ndata: {json.dumps(event)}\n\n".encode()
+            if index == 1 and self.die_after_first_chunk:
+                # Within the second event.
+                await response.write(framed[: len(framed) // 2])
                 assert request.transport is not None
                 request.transport.abort()
                 return response
+            await response.write(framed)
         await response.write_eof()
         return response
 
