@@ -154,6 +154,23 @@ def test_rendered_batch_quantization_expert_and_trace_flags_are_runtime_options(
     assert result.returncode == 0, result.stderr
 
 
+# Every flag `kvfleet serve` takes, a line each.
+_SERVE_FLAGS = (
+    "from kvfleet.runtime.server.cli import serve; "
+    "print('\\n'.join(flag for option in serve.params for flag in [*option.opts, *option.secondary_opts]))"
+)
+
+
+def test_the_charts_allowed_extra_args_are_runtime_flags() -> None:
+    """A flag the admission policy lets through that the runtime does not take would fail every pod."""
+    chart_values = yaml.safe_load((EXAMPLE.parents[1] / "charts" / "kvfleet" / "values.yaml").read_text())
+    allowed = set(chart_values["admissionPolicy"]["allowedExtraArgs"])
+    result = subprocess.run(
+        [sys.executable, "-P", "-c", _SERVE_FLAGS], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert allowed - set(result.stdout.split()) == set()
+
+
 # The kubelet expands $(NAME) in arguments from the container's variables; here the pod's address is this.
 _POD_ADDRESS = "127.0.0.1"
 
