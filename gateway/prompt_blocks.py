@@ -262,8 +262,7 @@ class ModelPrompts:
             tools=tools,
             template_kwargs=(body.chat_template_kwargs or {}) | body.effort_variables(),
         )
-        # Unknown here: a cut that depends on the replica's context (-1) or its tokenizer's side (none given).
-        cut = body.truncated(token_ids, None, None)
+        cut = body.truncated(token_ids)
         parts = media_parts(body.messages)
         if not parts:
             return None if cut is None else (cut, ())
@@ -289,5 +288,5 @@ class ModelPrompts:
             token_ids = self.tokenizer.encode(prompt, add_special_tokens=body.add_special_tokens)
         else:
             token_ids = list(prompt)
-        cut = body.truncated(token_ids, None, None)
+        cut = body.truncated(token_ids)
         return None if cut is None else (cut, ())

@@ -58,11 +58,12 @@ class CompletionRoute:
         fields = self.fields or _fields("prompt", len(prompts))
         if safety is not None and safety.redacts_input:
             prompts = await _redacted(service, safety, prompts, fields)
+        truncation = await service.truncation(body)
         token_lists = []
         for prompt, field in zip(prompts, fields, strict=True):
             if isinstance(prompt, str):
                 token_ids = await service.encode(
-                    prompt, add_special_tokens=body.add_special_tokens, param=field
+                    prompt, add_special_tokens=body.add_special_tokens, param=field, truncation=truncation
                 )
             else:
                 token_ids = prompt

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from kvfleet.contract.errors import BadRequestError
@@ -175,6 +176,22 @@ class Continuation(Body):
     choices: list[ContinuationChoice]
 
 
+Side = Literal["left", "right"]
+
+
+@dataclass(frozen=True)
+class Truncation:
+    """A prompt cut to its last (left side) or first (right side) `keep` tokens."""
+
+    keep: int
+    side: Side
+
+    def cut(self, token_ids: list[int]) -> list[int]:
+        if len(token_ids) <= self.keep:
+            return token_ids
+        return token_ids[len(token_ids) - self.keep :] if self.side == "left" else token_ids[: self.keep]
+
+
 class _GenerationRequest(RequestBody):
     model: str | None = None
     n: StrictInt = 1
@@ -218,7 +235,7 @@ class _GenerationRequest(RequestBody):
     # vLLM's: each prompt cut to this many tokens (-1: what the context holds beside one token to generate),
     # its last ones kept (truncation_side "left") or its first ("right"; by default the tokenizer's side).
     truncate_prompt_tokens: Annotated[StrictInt, Field(ge=-1)] | None = None
-    truncation_side: Literal["left", "right"] | None = None
+    truncation_side: Side | None = None
     # vLLM's: streamed tokens handed out this many at a time (the first and the last at once).
     stream_interval: StrictInt | None = None
     # vLLM's: each prompt token's log probability after the first, with this many of the likeliest tokens in
@@ -228,23 +245,24 @@ class _GenerationRequest(RequestBody):
     # failed or handed it back (kvfleet.contract.resume).
     continuation: Continuation | None = None
 
-    def truncated(
-        self, token_ids: list[int], max_model_len: int | None, default_side: str | None
-    ) -> list[int] | None:
-        """A prompt as truncate_prompt_tokens cuts it (vLLM's): its last tokens kept on the "left" side, its
-        first on the "right" (truncation_side, else `default_side`, the tokenizer's); -1 keeps what
-        max_model_len holds beside one token to generate. None where the cut needs what is not given."""
+    def truncation(self, max_model_len: int, default_side: Side) -> Truncation | None:
+        """What truncate_prompt_tokens keeps of each prompt (vLLM's): that many tokens, its last on the "left"
+        side and its first on the "right" (truncation_side, else `default_side`, the tokenizer's); -1 keeps
+        what max_model_len holds beside one token to generate. None where it keeps all."""
         keep = self.truncate_prompt_tokens
-        if keep == -1:
-            if max_model_len is None:
-                return None
-            keep = max_model_len - 1
+        if keep is None:
+            return None
+        return Truncation(max_model_len - 1 if keep == -1 else keep, self.truncation_side or default_side)
+
+    def truncated(self, token_ids: list[int]) -> list[int] | None:
+        """A prompt as truncate_prompt_tokens cuts it, as far as the request alone says: None where the cut
+        needs the model's context (-1) or, with no truncation_side, its tokenizer's side."""
+        keep = self.truncate_prompt_tokens
         if keep is None or len(token_ids) <= keep:
             return token_ids
-        side = self.truncation_side or default_side
-        if side is None:
+        if keep == -1 or self.truncation_side is None:
             return None
-        return token_ids[len(token_ids) - keep :] if side == "left" else token_ids[:keep]
+        return Truncation(keep, self.truncation_side).cut(token_ids)
 
     def tokens_as_ids(self, default: bool) -> bool:
         """Whether logprobs name tokens "token_id:N": the request's choice, else the server's."""

@@ -73,6 +73,7 @@ from kvfleet.runtime.serving.protocol import (
     Continuation,
     DetokenizeRequest,
     TokenizeRequest,
+    Truncation,
     template_messages,
     usage,
 )
@@ -94,6 +95,8 @@ logger = logging.getLogger(__name__)
 DEFAULT_MAX_N = 128
 # n = 128 sequences of a 2048-token context.
 DEFAULT_MAX_COMPLETION_TOKENS_PER_PROMPT = 1 << 18
+# Tokens past those a truncated text keeps, tokenized with them from a window of a text beyond the context.
+_TRUNCATION_MARGIN_TOKENS = 64
 
 # The routes of each task, as a refusal names them.
 _TASK_ROUTES = {
@@ -236,7 +239,7 @@ class OpenAIService:
         priority = self.resolve_priority(body.priority, priority_header)
         self.check_accepting(priority)
         safety = self.request_safety(priority)
-        prompt = self._truncated(await route.prompt(self, safety), body)
+        prompt = _truncated(await route.prompt(self, safety), await self.truncation(body))
         for token_ids, param in zip(prompt.token_ids, prompt.params, strict=True):
             self.check_prompt(token_ids, params, param)
         if params.structured_outputs is not None and route.opens_in_reasoning:
@@ -405,30 +408,20 @@ class OpenAIService:
 
         await self.engine.run_tokenizer(work)
 
-    def _truncated(self, prompt: Prompt, body: CompletionRequest | ChatCompletionRequest) -> Prompt:
-        """The prompts cut as the request's truncate_prompt_tokens asks (vLLM's)."""
-        keep = body.truncate_prompt_tokens
-        if keep is None:
-            return prompt
+    async def truncation(self, body: CompletionRequest | ChatCompletionRequest) -> Truncation | None:
+        """What the request's truncate_prompt_tokens keeps of each prompt; a 400 past the context."""
+        if body.truncate_prompt_tokens is None:
+            return None
+        engine = self.engine
+        await engine.wait_ready(engine.startup_request_timeout)  # for the context and the tokenizer's side
         max_model_len = self.engine_info.max_model_len
-        if keep > max_model_len:
+        if body.truncate_prompt_tokens > max_model_len:
             raise BadRequestError(
-                f"truncate_prompt_tokens={keep} is more than this model's maximum context length of "
-                f"{max_model_len} tokens",
+                f"truncate_prompt_tokens={body.truncate_prompt_tokens} is more than this model's maximum "
+                f"context length of {max_model_len} tokens",
                 param="truncate_prompt_tokens",
             )
-        token_ids = []
-        for index, ids in enumerate(prompt.token_ids):
-            cut = body.truncated(ids, max_model_len, self.tokenizer.truncation_side)
-            assert cut is not None, "the context and the side are both given"
-            if cut != ids and prompt.mm_features and prompt.mm_features[index]:
-                raise BadRequestError(
-                    f"truncate_prompt_tokens would cut {prompt.params[index]}, whose images, audio or "
-                    "embeddings must stay whole; keep more tokens or send less",
-                    param="truncate_prompt_tokens",
-                )
-            token_ids.append(cut)
-        return dataclasses.replace(prompt, token_ids=token_ids)
+        return body.truncation(max_model_len, self.tokenizer.truncation_side)
 
     def check_prompt(self, token_ids: list[int], params: SamplingParams, param: str) -> None:
         """The prompt's length, token ids and sampling token ids, and the tokens it may generate."""
@@ -502,13 +495,32 @@ class OpenAIService:
 
     # ---- tokenizing (off the event loop) ---------------------------------------------------------
 
-    async def encode(self, text: str, *, add_special_tokens: bool, param: str = "prompt") -> list[int]:
-        """Token ids of a text that the model's context could hold."""
+    async def encode(
+        self,
+        text: str,
+        *,
+        add_special_tokens: bool,
+        param: str = "prompt",
+        truncation: Truncation | None = None,
+    ) -> list[int]:
+        """Token ids of a text that the model's context could hold, or, where `truncation` will keep only its
+        first or last tokens, of the text's start or end that holds them (at least those tokens)."""
 
         def work(tokenizer: Any) -> list[int]:
-            self._refuse_beyond_context(tokenizer, len(text), param)
+            window = text
+            if truncation is None or not self._beyond_context(tokenizer, len(text)):
+                self._refuse_beyond_context(tokenizer, len(text), param)
+            else:
+                # Those tokens and a margin come from at most this many characters; how the text is cut
+                # changes only the tokens at the cut, which the margin keeps away from those kept.
+                width = (
+                    2 * longest_token_characters(tokenizer) * (truncation.keep + _TRUNCATION_MARGIN_TOKENS)
+                )
+                window = text[:width] if truncation.side == "right" else text[-width:]
             # The batch call releases the interpreter lock while it encodes; the single-text one does not.
-            encoding = tokenizer.backend_tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)
+            encoding = tokenizer.backend_tokenizer.encode_batch(
+                [window], add_special_tokens=add_special_tokens
+            )
             return encoding[0].ids
 
         return await self.engine.run_tokenizer(work)
@@ -563,13 +575,17 @@ class OpenAIService:
         """A prompt's text as the model reads it."""
         return await self.engine.run_tokenizer(lambda tokenizer: prompt_text(tokenizer, token_ids))
 
+    def _beyond_context(self, tokenizer: Any, characters: int) -> bool:
+        """Whether a text is longer than the whole context could hold even in the vocabulary's longest tokens
+        (twice over, for normalizers that shorten text)."""
+        return characters > 2 * longest_token_characters(tokenizer) * self.engine_info.max_model_len
+
     def _refuse_beyond_context(self, tokenizer: Any, characters: int, param: str) -> None:
-        """Refuse, without tokenizing it, a text longer than the whole context could hold even in the
-        vocabulary's longest tokens (twice over, for normalizers that shorten text). Tokenizing millions of
-        tokens would take seconds only to refuse them, and building their list would hold the interpreter
-        lock, and so the event loop, all that time."""
+        """Refuse a text beyond the context without tokenizing it. Tokenizing millions of tokens would take
+        seconds only to refuse them, and building their list would hold the interpreter lock, and so the
+        event loop, all that time."""
         max_model_len = self.engine_info.max_model_len
-        if characters > 2 * longest_token_characters(tokenizer) * max_model_len:
+        if self._beyond_context(tokenizer, characters):
             raise BadRequestError(
                 f"This model's maximum context length is {max_model_len} tokens, but the {param} has "
                 f"{characters} characters, more than that many tokens can hold",
@@ -875,3 +891,20 @@ async def _check_outputs(safety: RequestSafety, choices: list[Choice]) -> None:
         choice.text = text
         if blocked:
             choice.finish_reason = CONTENT_FILTER
+
+
+def _truncated(prompt: Prompt, truncation: Truncation | None) -> Prompt:
+    """The prompts cut as the request's truncate_prompt_tokens asks (vLLM's)."""
+    if truncation is None:
+        return prompt
+    token_ids = []
+    for index, ids in enumerate(prompt.token_ids):
+        cut = truncation.cut(ids)
+        if cut != ids and prompt.mm_features and prompt.mm_features[index]:
+            raise BadRequestError(
+                f"truncate_prompt_tokens would cut {prompt.params[index]}, whose images, audio or "
+                "embeddings must stay whole; keep more tokens or send less",
+                param="truncate_prompt_tokens",
+            )
+        token_ids.append(cut)
+    return dataclasses.replace(prompt, token_ids=token_ids)

@@ -105,19 +105,42 @@ def test_a_matryoshka_size_is_cut_before_normalizing(
     assert error["param"] == "dimensions" and "[16, 32]" in error["message"]
 
 
-@pytest.mark.parametrize("side", ["left", "right"])
-def test_prompts_are_truncated_as_on_completions(client: openai.OpenAI, folder: Path, side: str) -> None:
-    token_ids = AutoTokenizer.from_pretrained(folder)(TEXTS[1]).input_ids
+def beyond_the_context(server: ServerProcess, folder: Path) -> str:
+    """Words at random, more characters than the server's context could hold in its longest tokens: a text
+    refused unread unless it is truncated."""
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    max_model_len = httpx.get(f"{server.url}/v1/models").json()["data"][0]["max_model_len"]
+    characters = 2 * max(len(token) for token in tokenizer.get_vocab()) * max_model_len
+    rng = np.random.default_rng(0)
+    words = ["rain", "Paris", "mild,", "weather", "days", "of", "the", "year.", "Once", "upon", "a", "time"]
+    text = ""
+    while len(text) <= characters:
+        text += " ".join(rng.choice(words, size=1000)) + " "
+    return text
+
+
+@pytest.mark.parametrize(
+    ("side", "long"), [("left", False), ("right", False), ("left", True), ("right", True)]
+)
+def test_prompts_are_truncated_as_on_completions(
+    client: openai.OpenAI, server: ServerProcess, folder: Path, side: str, long: bool
+) -> None:
+    """Also a text longer than the context could hold, read only as far as the tokens kept."""
+    text = beyond_the_context(server, folder) if long else TEXTS[1]
+    token_ids = AutoTokenizer.from_pretrained(folder)(text).input_ids
     kept = token_ids[-5:] if side == "left" else token_ids[:5]
     model = AutoModel.from_pretrained(folder, dtype=torch.float32).eval()
     with torch.inference_mode():
         mean = model(torch.tensor([kept])).last_hidden_state[0].mean(dim=0)
     expected = torch.nn.functional.normalize(mean, dim=0).numpy()
     answer = client.embeddings.create(
-        model="tiny", input=TEXTS[1], extra_body={"truncate_prompt_tokens": 5, "truncation_side": side}
+        model="tiny", input=text, extra_body={"truncate_prompt_tokens": 5, "truncation_side": side}
     )
     assert answer.usage.prompt_tokens == len(kept)
     np.testing.assert_allclose(_embeddings(answer)[0], expected, atol=1e-4)
+    if long:
+        with pytest.raises(openai.BadRequestError, match="characters, more than that many tokens can hold"):
+            client.embeddings.create(model="tiny", input=text)
 
 
 def test_scores_are_the_cosines_of_the_embeddings(
