@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvfleet.contract.errors import BadRequestError
+from kvfleet.contract.scoring import score_sides
 from kvfleet.contract.tiers import PRIORITY_HEADER, parse_priority
 from kvfleet.runtime import json_depth
 
@@ -162,12 +163,13 @@ def _item_text(item: dict[str, Any]) -> str:
 
 def _score_text(payload: dict[str, Any]) -> str:
     """The first text the others are scored against."""
-    first = payload.get("text_1")
+    name, _ = score_sides([name for name, value in payload.items() if value is not None])
+    first = payload[name]
     if isinstance(first, list) and first and isinstance(first[0], str):
         return first[0]
     if isinstance(first, str):
         return first
-    raise BadRequestError("text_1 must be a string or a non-empty list of strings", param="text_1")
+    raise BadRequestError(f"{name} must be a string or a non-empty list of strings", param=name)
 
 
 def _rerank_text(payload: dict[str, Any]) -> str:

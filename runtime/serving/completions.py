@@ -38,12 +38,18 @@ class CompletionRoute:
     tool_constraint: StructuredOutputsParams | None = None
 
     def __init__(
-        self, body: CompletionRequest, fields: list[str] | None = None, tokens_as_ids: bool = False
+        self,
+        body: CompletionRequest,
+        fields: list[str] | None = None,
+        tokens_as_ids: bool = False,
+        content_tokens: list[int] | None = None,
     ) -> None:
         """`fields`: the request field each prompt came from, named in errors (prompt.N by default).
-        `tokens_as_ids`: the server's return_tokens_as_token_ids, for requests that leave it unset."""
+        `tokens_as_ids`: the server's return_tokens_as_token_ids, for requests that leave it unset.
+        `content_tokens`: how many of its own tokens each text prompt keeps (0: all; see service.encode)."""
         self.body = body
         self.fields = fields
+        self.content_tokens = content_tokens
         self.tokens_as_ids = body.tokens_as_ids(tokens_as_ids)
         self.prompts: list[str | list[int]] = []
         # Each prompt's text, which answers begin with when the request asks for echo.
@@ -59,11 +65,16 @@ class CompletionRoute:
         if safety is not None and safety.redacts_input:
             prompts = await _redacted(service, safety, prompts, fields)
         truncation = await service.truncation(body)
+        content_tokens = self.content_tokens or [0] * len(prompts)
         token_lists = []
-        for prompt, field in zip(prompts, fields, strict=True):
+        for prompt, field, kept in zip(prompts, fields, content_tokens, strict=True):
             if isinstance(prompt, str):
                 token_ids = await service.encode(
-                    prompt, add_special_tokens=body.add_special_tokens, param=field, truncation=truncation
+                    prompt,
+                    add_special_tokens=body.add_special_tokens,
+                    param=field,
+                    truncation=truncation,
+                    content_tokens=kept,
                 )
             else:
                 token_ids = prompt

@@ -108,9 +108,13 @@ class OpenAIServingEmbedding:
         return [request for request, _ in embedded], [vector for _, vectors in embedded for vector in vectors]
 
     async def create_score(self, body: ScoreRequest, priority_header: str | None) -> dict[str, Any]:
-        first, second = body.pairs()
-        fields = _fields("text_1", body.text_1, len(first)) + _fields("text_2", body.text_2, len(second))
-        route = _EmbeddingPromptRoute(embedding_prompts(first + second, body), fields)
+        (first_name, first), (second_name, second) = body.pairs()
+        fields = _fields(first_name, getattr(body, first_name), len(first))
+        fields += _fields(second_name, getattr(body, second_name), len(second))
+        content_tokens = await self._content_tokens(body, len(first), len(second))
+        route = _EmbeddingPromptRoute(
+            embedding_prompts(first + second, body), fields, content_tokens=content_tokens
+        )
         request, vectors = await self._embed(route, priority_header)
         scores = [cosine(a, b) for a, b in zip(vectors[: len(first)], vectors[len(first) :], strict=True)]
         return {
@@ -125,14 +129,16 @@ class OpenAIServingEmbedding:
         }
 
     async def rerank(self, body: RerankRequest, priority_header: str | None) -> dict[str, Any]:
-        body.check()
-        fields = ["query", *(f"documents.{index}" for index in range(len(body.documents)))]
-        route = _EmbeddingPromptRoute(embedding_prompts([body.query, *body.documents], body), fields)
+        documents = body.texts()
+        fields = ["query", *_fields("documents", body.documents, len(documents))]
+        content_tokens = await self._content_tokens(body, 1, len(documents))
+        prompts = embedding_prompts([body.query, *documents], body)
+        route = _EmbeddingPromptRoute(prompts, fields, content_tokens=content_tokens)
         request, vectors = await self._embed(route, priority_header)
-        query, documents = vectors[0], vectors[1:]
+        query, embedded = vectors[0], vectors[1:]
         results = [
             {"index": index, "document": {"text": text}, "relevance_score": cosine(query, vector)}
-            for index, (text, vector) in enumerate(zip(body.documents, documents, strict=True))
+            for index, (text, vector) in enumerate(zip(documents, embedded, strict=True))
         ]
         results.sort(key=lambda result: result["relevance_score"], reverse=True)
         return {
@@ -141,6 +147,29 @@ class OpenAIServingEmbedding:
             "usage": _usage(request),
             "results": results[: body.top_n or None],
         }
+
+    async def _content_tokens(
+        self, body: ScoreRequest | RerankRequest, queries: int, documents: int
+    ) -> list[int] | None:
+        """How many of its own tokens each query and document keeps (vLLM's max_tokens_per_query and
+        max_tokens_per_doc; 0: all), in order; None where both keep all."""
+        limits = {
+            "max_tokens_per_query": body.max_tokens_per_query,
+            "max_tokens_per_doc": body.max_tokens_per_doc,
+        }
+        if not any(limits.values()):
+            return None
+        engine = self.service.engine
+        await engine.wait_ready(engine.startup_request_timeout)
+        max_model_len = self.service.engine_info.max_model_len
+        for name, value in limits.items():
+            if value >= max_model_len:
+                raise BadRequestError(
+                    f"{name} ({value}) must be less than this model's maximum context length of "
+                    f"{max_model_len} tokens",
+                    param=name,
+                )
+        return [body.max_tokens_per_query] * queries + [body.max_tokens_per_doc] * documents
 
     def _pooler(self) -> PoolerConfig:
         """How the server pools embeddings, once it is known to serve them."""

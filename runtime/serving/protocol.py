@@ -18,6 +18,7 @@ from typing import Annotated, Any, Literal
 
 from kvfleet.contract.errors import BadRequestError
 from kvfleet.contract.resume import CONTINUATION
+from kvfleet.contract.scoring import score_sides
 from kvfleet.runtime import json_depth
 from kvfleet.runtime.errors import InvalidRequestError
 from kvfleet.runtime.input_checks import check_cache_salt
@@ -528,67 +529,87 @@ class EmbeddingRequest(RequestBody):
 
     def completion_request(self) -> CompletionRequest:
         assert self.input is not None and self.conversations() is None, "text or token input"
-        return embedding_prompts(
-            self.input,  # type: ignore[arg-type]
-            self,
-            truncate_prompt_tokens=self.truncate_prompt_tokens,
-            truncation_side=self.truncation_side,
-        )
+        return embedding_prompts(self.input, self)  # type: ignore[arg-type]
 
 
-class ScoreRequest(RequestBody):
-    """vLLM's /score: text_1 against each of text_2 (one text), or pair by pair (as many texts each)."""
+class _ScoringRequest(RequestBody):
+    """What vLLM's /score and /rerank share."""
 
-    text_1: str | list[str]
-    text_2: str | list[str]
     model: str | None = None
     add_special_tokens: StrictBool = True
+    # vLLM's: each query, and each document, cut to this many of its own tokens (before the special ones);
+    # 0 keeps it whole.
+    max_tokens_per_query: Annotated[StrictInt, Field(ge=0)] = 0
+    max_tokens_per_doc: Annotated[StrictInt, Field(ge=0)] = 0
+    # vLLM's, as on completions: each text cut on its own.
+    truncate_prompt_tokens: Annotated[StrictInt, Field(ge=-1)] | None = None
+    truncation_side: Side | None = None
+    # vLLM's: whether the embeddings are normalized, which their cosine does not see.
+    use_activation: StrictBool | None = None
     priority: StrictInt | str | None = None
     timeout: Annotated[FiniteFloat, Field(gt=0)] | None = None
 
-    def pairs(self) -> tuple[list[str], list[str]]:
-        """The texts scored against each other, as two lists of the same length."""
+
+class ScoreRequest(_ScoringRequest):
+    """vLLM's /score: a first text against each of the second side's (one text), or pair by pair (as many
+    texts each); the sides in one pair of fields (kvfleet.contract.scoring)."""
+
+    queries: str | list[str] | None = None
+    documents: str | list[str] | None = None
+    items: str | list[str] | None = None
+    data_1: str | list[str] | None = None
+    data_2: str | list[str] | None = None
+    text_1: str | list[str] | None = None
+    text_2: str | list[str] | None = None
+
+    def sides(self) -> tuple[tuple[str, list[str]], tuple[str, list[str]]]:
+        """Each side's field and its texts."""
         self.refuse_unsupported()
-        first = [self.text_1] if isinstance(self.text_1, str) else self.text_1
-        second = [self.text_2] if isinstance(self.text_2, str) else self.text_2
-        if not first or not second:
-            raise BadRequestError(
-                "text_1 and text_2 must not be empty", param="text_1" if not first else "text_2"
-            )
+        given = [name for name in type(self).model_fields if getattr(self, name) is not None]
+        sides = []
+        for name in score_sides(given):
+            value = getattr(self, name)
+            texts = [value] if isinstance(value, str) else value
+            if not texts:
+                raise BadRequestError(f"{name} must not be empty", param=name)
+            sides.append((name, texts))
+        first, second = sides
+        return first, second
+
+    def pairs(self) -> tuple[tuple[str, list[str]], tuple[str, list[str]]]:
+        """Each side's field and its texts scored against the other's, as two lists of the same length."""
+        (first_name, first), (second_name, second) = self.sides()
         try:
-            return score_pairs(first, second)
+            paired = score_pairs(first, second)
         except ValueError:
             raise BadRequestError(
-                f"text_1 has {len(first)} texts and text_2 {len(second)}: give one text_1, or as many as "
-                "text_2",
-                param="text_1",
+                f"{first_name} has {len(first)} texts and {second_name} {len(second)}: give one "
+                f"{first_name}, or as many as {second_name}",
+                param=first_name,
             ) from None
+        return (first_name, paired[0]), (second_name, paired[1])
 
 
-class RerankRequest(RequestBody):
+class RerankRequest(_ScoringRequest):
     """vLLM's (and Jina's and Cohere's) /rerank: the documents ordered by relevance to the query."""
 
     query: str
-    documents: list[str]
+    documents: str | list[str]
     # 0: every document.
     top_n: Annotated[StrictInt, Field(ge=0)] = 0
-    model: str | None = None
-    add_special_tokens: StrictBool = True
-    priority: StrictInt | str | None = None
-    timeout: Annotated[FiniteFloat, Field(gt=0)] | None = None
 
-    def check(self) -> None:
+    def texts(self) -> list[str]:
+        """The documents, a list even where one is given alone."""
         self.refuse_unsupported()
-        if not self.documents:
+        documents = [self.documents] if isinstance(self.documents, str) else self.documents
+        if not documents:
             raise BadRequestError("documents must not be empty", param="documents")
+        return documents
 
 
 def embedding_prompts(
     texts: str | list[str] | list[int] | list[list[int]],
     body: EmbeddingRequest | ScoreRequest | RerankRequest,
-    *,
-    truncate_prompt_tokens: int | None = None,
-    truncation_side: Literal["left", "right"] | None = None,
 ) -> CompletionRequest:
     """The completion request whose prompts (the texts) run for their hidden states: one token each."""
     return CompletionRequest(
@@ -597,8 +618,8 @@ def embedding_prompts(
         max_tokens=1,
         temperature=0.0,
         add_special_tokens=body.add_special_tokens,
-        truncate_prompt_tokens=truncate_prompt_tokens,
-        truncation_side=truncation_side,
+        truncate_prompt_tokens=body.truncate_prompt_tokens,
+        truncation_side=body.truncation_side,
         priority=body.priority,
         timeout=body.timeout,
     )

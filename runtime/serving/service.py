@@ -502,26 +502,31 @@ class OpenAIService:
         add_special_tokens: bool,
         param: str = "prompt",
         truncation: Truncation | None = None,
+        content_tokens: int = 0,
     ) -> list[int]:
-        """Token ids of a text that the model's context could hold, or, where `truncation` will keep only its
-        first or last tokens, of the text's start or end that holds them (at least those tokens)."""
+        """Token ids of a text that the model's context could hold: with `content_tokens`, its first that many
+        tokens before the special ones are added (vLLM's max_tokens_per_query and _doc). A text beyond the
+        context is refused unread, unless `content_tokens` or `truncation` keep only some of its first or
+        last tokens: then only the start or end of it that holds them is read."""
 
         def work(tokenizer: Any) -> list[int]:
             window = text
-            if truncation is None or not self._beyond_context(tokenizer, len(text)):
-                self._refuse_beyond_context(tokenizer, len(text), param)
-            else:
+            if self._beyond_context(tokenizer, len(text)):
+                kept = content_tokens or (truncation.keep if truncation is not None else None)
+                if kept is None:
+                    self._refuse_beyond_context(tokenizer, len(text), param)
                 # Those tokens and a margin come from at most this many characters; how the text is cut
                 # changes only the tokens at the cut, which the margin keeps away from those kept.
-                width = (
-                    2 * longest_token_characters(tokenizer) * (truncation.keep + _TRUNCATION_MARGIN_TOKENS)
-                )
-                window = text[:width] if truncation.side == "right" else text[-width:]
+                width = 2 * longest_token_characters(tokenizer) * (kept + _TRUNCATION_MARGIN_TOKENS)
+                from_end = not content_tokens and truncation is not None and truncation.side == "left"
+                window = text[-width:] if from_end else text[:width]
+            backend = tokenizer.backend_tokenizer
             # The batch call releases the interpreter lock while it encodes; the single-text one does not.
-            encoding = tokenizer.backend_tokenizer.encode_batch(
-                [window], add_special_tokens=add_special_tokens
-            )
-            return encoding[0].ids
+            if not content_tokens:
+                return backend.encode_batch([window], add_special_tokens=add_special_tokens)[0].ids
+            (encoding,) = backend.encode_batch([window], add_special_tokens=False)
+            encoding.truncate(content_tokens)
+            return backend.post_process(encoding, add_special_tokens=add_special_tokens).ids
 
         return await self.engine.run_tokenizer(work)
 

@@ -22,6 +22,7 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
+from kvfleet.contract.scoring import score_sides
 from kvfleet.gateway.discovery import ModelConfig, Publish
 from kvfleet.gateway.proxy import Gateway
 
@@ -267,7 +268,8 @@ def _embeddings(name: str, body: dict[str, Any]) -> dict[str, Any]:
 
 def _scores(name: str, body: dict[str, Any]) -> dict[str, Any]:
     """Each pair scored by the length of its replica's name."""
-    texts = [body["text_2"]] if isinstance(body["text_2"], str) else body["text_2"]
+    _, second = score_sides(body)
+    texts = [body[second]] if isinstance(body[second], str) else body[second]
     data = [{"index": index, "object": "score", "score": float(len(name))} for index in range(len(texts))]
     return {"id": f"score-{name}", "object": "list", "model": body["model"], "data": data}
 

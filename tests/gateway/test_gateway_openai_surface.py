@@ -74,11 +74,12 @@ def test_every_endpoint_of_a_replica_is_routed_renamed_and_retried_before_its_fi
                 ] * 2
 
                 for path in SCORE_PATHS:
-                    body = {"model": "team/llama", "text_1": path, "text_2": ["x", "y"]}
-                    status, scored = await post(url, path, body)
-                    assert status == 200 and len(scored["data"]) == 2
-                    name = "a" if scored["data"][0]["score"] == 1 else "bb"
-                    assert answered_by(fleet, name, "text_1", path) == {**body, "model": "llama"}
+                    for first, second in (("text_1", "text_2"), ("queries", "documents")):
+                        body = {"model": "team/llama", first: path, second: ["x", "y"]}
+                        status, scored = await post(url, path, body)
+                        assert status == 200 and len(scored["data"]) == 2
+                        name = "a" if scored["data"][0]["score"] == 1 else "bb"
+                        assert answered_by(fleet, name, first, path) == {**body, "model": "llama"}
                 for path in RERANK_PATHS:
                     body = {"model": "team/llama", "query": path, "documents": ["x"]}
                     status, reranked = await post(url, path, body)
@@ -86,7 +87,7 @@ def test_every_endpoint_of_a_replica_is_routed_renamed_and_retried_before_its_fi
                     name = "a" if reranked["results"][0]["relevance_score"] == 1 else "bb"
                     assert answered_by(fleet, name, "query", path) == {**body, "model": "llama"}
 
-        requests = 3 + len(SCORE_PATHS) + len(RERANK_PATHS)
+        requests = 3 + 2 * len(SCORE_PATHS) + len(RERANK_PATHS)
         assert busy.received and sum(len(replica.received) for replica in fleet[1:]) == requests
 
     asyncio.run(scenario())
@@ -217,6 +218,8 @@ def test_a_completion_of_prompt_embeddings_alone_is_routed_on_them() -> None:
         (RESPONSES_PATH, {"input": []}, "input"),
         (RESPONSES_PATH, {"input": ["text"]}, "input[0]"),
         ("/score", {"text_1": [], "text_2": "x"}, "text_1"),
+        ("/score", {"queries": 1, "documents": "x"}, "queries"),
+        ("/score", {"queries": "q", "text_2": "x"}, "queries"),
         ("/v1/rerank", {"documents": ["x"]}, "query"),
     ],
 )

@@ -105,6 +105,14 @@ def test_a_matryoshka_size_is_cut_before_normalizing(
     assert error["param"] == "dimensions" and "[16, 32]" in error["message"]
 
 
+def _mean_pooled(folder: Path, token_ids: list[int]) -> np.ndarray:
+    """The folder's pooling of these tokens, normalized, by Transformers."""
+    model = AutoModel.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        mean = model(torch.tensor([token_ids])).last_hidden_state[0].mean(dim=0)
+    return torch.nn.functional.normalize(mean, dim=0).numpy()
+
+
 def beyond_the_context(server: ServerProcess, folder: Path) -> str:
     """Words at random, more characters than the server's context could hold in its longest tokens: a text
     refused unread unless it is truncated."""
@@ -129,10 +137,7 @@ def test_prompts_are_truncated_as_on_completions(
     text = beyond_the_context(server, folder) if long else TEXTS[1]
     token_ids = AutoTokenizer.from_pretrained(folder)(text).input_ids
     kept = token_ids[-5:] if side == "left" else token_ids[:5]
-    model = AutoModel.from_pretrained(folder, dtype=torch.float32).eval()
-    with torch.inference_mode():
-        mean = model(torch.tensor([kept])).last_hidden_state[0].mean(dim=0)
-    expected = torch.nn.functional.normalize(mean, dim=0).numpy()
+    expected = _mean_pooled(folder, kept)
     answer = client.embeddings.create(
         model="tiny", input=text, extra_body={"truncate_prompt_tokens": 5, "truncation_side": side}
     )
@@ -143,13 +148,87 @@ def test_prompts_are_truncated_as_on_completions(
             client.embeddings.create(model="tiny", input=text)
 
 
-def test_scores_are_the_cosines_of_the_embeddings(
-    server: ServerProcess, sentence_transformers: SentenceTransformer
-) -> None:
-    first, second = (sentence_transformers.encode(text, normalize_embeddings=True) for text in TEXTS)
-    answer = httpx.post(f"{server.url}/score", json={"text_1": TEXTS[0], "text_2": TEXTS[1]}, timeout=60)
+DOCUMENTS = [TEXTS[1], "Markets fell sharply on Monday after the announcement."]
+
+
+def _scored(server: ServerProcess, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    answer = httpx.post(f"{server.url}{path}", json=body, timeout=60)
     assert answer.status_code == 200, answer.text
-    assert answer.json()["data"][0]["score"] == pytest.approx(float(first @ second), abs=1e-4)
+    return answer.json()
+
+
+@pytest.mark.parametrize("sides", [("text_1", "text_2"), ("queries", "documents"), ("queries", "items"),
+                                   ("data_1", "data_2")])  # fmt: skip
+def test_scores_are_the_cosines_of_the_embeddings_whichever_fields_hold_the_sides(
+    server: ServerProcess, sentence_transformers: SentenceTransformer, sides: tuple[str, str]
+) -> None:
+    query, *documents = (
+        sentence_transformers.encode(t, normalize_embeddings=True) for t in [TEXTS[0], *DOCUMENTS]
+    )
+    first, second = sides
+    answer = _scored(server, "/score", {first: TEXTS[0], second: DOCUMENTS})
+    np.testing.assert_allclose(
+        [item["score"] for item in answer["data"]],
+        [float(query @ document) for document in documents],
+        atol=1e-4,
+    )
+
+
+def test_a_score_without_exactly_one_pair_of_sides_is_refused(server: ServerProcess) -> None:
+    for body in ({"queries": TEXTS[0]}, {"text_1": TEXTS[0], "documents": DOCUMENTS},
+                 {"queries": TEXTS[0], "documents": DOCUMENTS, "items": DOCUMENTS}):  # fmt: skip
+        refused = httpx.post(f"{server.url}/score", json=body, timeout=60)
+        assert "in one pair of fields: queries and documents" in openai_error(refused, 400)["message"]
+    refused = httpx.post(
+        f"{server.url}/score", json={"queries": TEXTS, "documents": DOCUMENTS * 2}, timeout=60
+    )
+    assert openai_error(refused, 400)["param"] == "queries"
+
+
+def _first_tokens_of_text(tokenizer: Any, text: str, count: int) -> str:
+    """The text as far as its first `count` tokens reach, cut at a character: vLLM's max_tokens_per_query."""
+    offsets = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+    return text if len(offsets) <= count else text[: offsets[count - 1][1]]
+
+
+def test_queries_and_documents_are_cut_to_their_own_token_limits(
+    server: ServerProcess, folder: Path, sentence_transformers: SentenceTransformer
+) -> None:
+    """max_tokens_per_query and max_tokens_per_doc against sentence-transformers on the texts vLLM cuts them
+    to; a score's truncate_prompt_tokens cuts each text as completions do; a document alone is one."""
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    cut_query = _first_tokens_of_text(tokenizer, TEXTS[0], 2)
+    cut_documents = [_first_tokens_of_text(tokenizer, text, 4) for text in DOCUMENTS]
+    assert cut_query != TEXTS[0] and cut_documents != DOCUMENTS
+    query, *documents = (
+        sentence_transformers.encode(text, normalize_embeddings=True) for text in [cut_query, *cut_documents]
+    )
+    limits = {"max_tokens_per_query": 2, "max_tokens_per_doc": 4}
+    scored = _scored(server, "/v1/score", {"queries": TEXTS[0], "documents": DOCUMENTS, **limits})
+    expected = [float(query @ document) for document in documents]
+    np.testing.assert_allclose([item["score"] for item in scored["data"]], expected, atol=1e-4)
+    reranked = _scored(server, "/v1/rerank", {"query": TEXTS[0], "documents": DOCUMENTS, **limits})
+    assert [result["document"]["text"] for result in reranked["results"]] == [
+        DOCUMENTS[index] for index in np.argsort(expected)[::-1]
+    ]
+    alone = _scored(server, "/rerank", {"query": TEXTS[0], "documents": DOCUMENTS[0], **limits})
+    assert alone["results"][0]["relevance_score"] == pytest.approx(expected[0], abs=1e-4)
+
+    cut = [_mean_pooled(folder, tokenizer(text).input_ids[:3]) for text in [TEXTS[0], DOCUMENTS[1]]]
+    truncated = _scored(
+        server, "/score", {"text_1": TEXTS[0], "text_2": DOCUMENTS[1], "truncate_prompt_tokens": 3,
+                           "truncation_side": "right"}
+    )  # fmt: skip
+    assert truncated["usage"]["prompt_tokens"] == 6
+    assert truncated["data"][0]["score"] == pytest.approx(float(cut[0] @ cut[1]), abs=1e-4)
+
+
+def test_token_limits_past_the_context_are_refused(server: ServerProcess) -> None:
+    max_model_len = httpx.get(f"{server.url}/v1/models").json()["data"][0]["max_model_len"]
+    for name in ("max_tokens_per_query", "max_tokens_per_doc"):
+        body = {"queries": TEXTS[0], "documents": DOCUMENTS, name: max_model_len}
+        error = openai_error(httpx.post(f"{server.url}/score", json=body, timeout=60), 400)
+        assert error["param"] == name and f"{name} ({max_model_len}) must be less" in error["message"]
 
 
 # The dtypes vLLM writes embeddings in, as ml_dtypes (numpy's bfloat16 and fp8) represents them.
