@@ -1,10 +1,12 @@
 """The model files a router reads to tokenize prompts as a replica does, and where a replica serves them.
 
-A replica answers GET TOKENIZER_FILES_PATH with `{"files": {NAME: BASE64}, "samples": SAMPLES}`: those of
-FILES its model folder holds (the tokenizer's from its tokenizer folder, the chat template the server renders
-with), never weights, MAX_TOTAL_BYTES at most; and the token ids its own tokenizer gives SAMPLE_TEXT and
-SAMPLE_MESSAGES (kvfleet.runtime.chat_prompt.sample_token_ids), which a router's tokenization of the files
-must reproduce before it is used. The path needs no API key, as /metrics: a router holds none.
+A replica answers GET TOKENIZER_FILES_PATH with `{"files": {NAME: BASE64}, "samples": SAMPLES,
+"chat_rendering": RENDERING}`: those of FILES its model folder holds (the tokenizer's from its tokenizer
+folder, the chat template the server renders with), never weights, MAX_TOTAL_BYTES at most; the token ids its
+own tokenizer gives SAMPLE_TEXT and SAMPLE_MESSAGES (kvfleet.runtime.chat_prompt.sample_token_ids), which a
+router's tokenization of the files must reproduce before it is used; and the settings by which it renders
+chat prompts (kvfleet.runtime.serving.chat_rendering). The path needs no API key, as /metrics: a router holds
+none.
 """
 
 from __future__ import annotations

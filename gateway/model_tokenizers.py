@@ -25,6 +25,7 @@ import aiohttp
 from kvfleet.contract.tokenizer_files import FILES, MAX_TOTAL_BYTES, TOKENIZER_FILES_PATH
 from kvfleet.gateway.prompt_blocks import ModelPrompts
 from kvfleet.runtime.chat_prompt import sample_token_ids
+from kvfleet.runtime.serving.chat_rendering import DEFAULT_RENDERING, ChatRendering
 
 logger = logging.getLogger(__name__)
 
@@ -68,8 +69,8 @@ class ModelTokenizers:
         try:
             for url in urls:
                 try:
-                    files, samples = await _files_of(session, url)
-                    self._prompts[model] = await asyncio.to_thread(_prompts_from, files, samples)
+                    files, samples, rendering = await _files_of(session, url)
+                    self._prompts[model] = await asyncio.to_thread(_prompts_from, files, samples, rendering)
                     logger.info("%s: tokenizer read from %s", model, url)
                     return
                 except asyncio.CancelledError:
@@ -81,9 +82,10 @@ class ModelTokenizers:
             del self._fetches[model]
 
 
-async def _files_of(session: aiohttp.ClientSession, url: str) -> tuple[dict[str, bytes], Any]:
-    """The files a replica serves, by name, and its samples' token ids; ValueError for an answer that is not
-    what the contract says."""
+async def _files_of(session: aiohttp.ClientSession, url: str) -> tuple[dict[str, bytes], Any, ChatRendering]:
+    """The files a replica serves, by name, its samples' token ids and how it renders chat prompts (as a
+    replica of an older kvfleet that does not say does by default); ValueError for an answer that is not what
+    the contract says."""
     async with session.get(
         f"{url}{TOKENIZER_FILES_PATH}",
         headers={"Accept-Encoding": "identity"},
@@ -110,16 +112,21 @@ async def _files_of(session: aiohttp.ClientSession, url: str) -> tuple[dict[str,
         }
     except binascii.Error as error:
         raise ValueError(f"its answer is not base64: {error}") from None
-    return decoded, answer.get("samples")
+    rendering = answer.get("chat_rendering")
+    return (
+        decoded,
+        answer.get("samples"),
+        DEFAULT_RENDERING if rendering is None else ChatRendering.from_json(rendering),
+    )
 
 
-def _prompts_from(files: Mapping[str, bytes], samples: Any) -> ModelPrompts:
+def _prompts_from(files: Mapping[str, bytes], samples: Any, rendering: ChatRendering) -> ModelPrompts:
     """The files read into memory (the folder is gone once they are), if they tokenize the contract's
     samples as the replica's own tokenizer does; ValueError otherwise."""
     with tempfile.TemporaryDirectory(prefix="kvfleet-tokenizer-") as folder:
         for name, data in files.items():
             (Path(folder) / name).write_bytes(data)
-        prompts = ModelPrompts(folder)
+        prompts = ModelPrompts(folder, rendering)
     if sample_token_ids(prompts.tokenizer) != samples:
         raise ValueError("its files do not tokenize as its own tokenizer does")
     return prompts

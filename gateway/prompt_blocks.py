@@ -42,6 +42,7 @@ from kvfleet.runtime.models.rope import rope_cache_salt, rope_parameters
 from kvfleet.runtime.multimodal.image_processor import data_url_bytes, decode_image
 from kvfleet.runtime.multimodal.inputs import MediaInputError
 from kvfleet.runtime.multimodal.prompt_media import PromptMedia, modality_specs
+from kvfleet.runtime.serving.chat_rendering import DEFAULT_RENDERING, ChatRendering
 from kvfleet.runtime.serving.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -214,9 +215,11 @@ class ModelPrompts:
     """One model's tokenizer and media preparation, read from a folder of its files
     (kvfleet.contract.tokenizer_files.FILES)."""
 
-    def __init__(self, folder: str | Path) -> None:
+    def __init__(self, folder: str | Path, rendering: ChatRendering = DEFAULT_RENDERING) -> None:
+        """`rendering`: the replicas' settings of chat prompts (a local folder's model: the defaults)."""
         folder = Path(folder)
         self.tokenizer = TemplateTokenizer.from_folder(folder)
+        self.rendering = rendering
         config = _json_file(folder / "config.json")
         text_config = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
         self.rope = rope_parameters(text_config, str(folder / "config.json"))
@@ -254,13 +257,15 @@ class ModelPrompts:
         body = ChatCompletionRequest.model_validate(payload)
         if body.chat_template is not None:
             return None  # the replica renders it if it trusts it: a 400 otherwise
-        tools = [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None
+        rendering = self.rendering
         token_ids = chat_prompt_token_ids(
             self.tokenizer,
             template_messages(body.messages),
             add_generation_prompt=body.add_generation_prompt,
-            tools=tools,
-            template_kwargs=(body.chat_template_kwargs or {}) | body.effort_variables(),
+            tools=rendering.tools(body),
+            template_kwargs=rendering.chat_template_kwargs(body),
+            continue_final_message=body.continue_final_message,
+            content_format=rendering.chat_template_content_format,
         )
         cut = body.truncated(token_ids)
         parts = media_parts(body.messages)

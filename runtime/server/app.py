@@ -211,7 +211,9 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
             files = await asyncio.to_thread(read_tokenizer_files)
         except ValueError as exc:
             return JSONResponse({"error": {"message": str(exc), "type": "server_error"}}, status_code=503)
-        return JSONResponse({**files, "samples": await service.engine.run_tokenizer(sample_token_ids)})
+        samples = await service.engine.run_tokenizer(sample_token_ids)
+        rendering = service.settings.chat_rendering.as_json()
+        return JSONResponse({**files, "samples": samples, "chat_rendering": rendering})
 
     if state.settings.enable_tokenizer_info_endpoint:
         config = service.engine.config

@@ -49,7 +49,7 @@ class ChatRoute:
     def __init__(self, body: ChatCompletionRequest, settings: ServiceSettings) -> None:
         self.body = body
         self.settings = settings
-        self.template_kwargs = settings.template_kwargs(body.chat_template_kwargs) | body.effort_variables()
+        self.template_kwargs = settings.chat_rendering.chat_template_kwargs(body)
         self.tokens_as_ids = body.tokens_as_ids(settings.return_tokens_as_token_ids)
         # The prompt as the model reads it, when the input is checked.
         self.rendered: str | None = None
@@ -98,13 +98,10 @@ class ChatRoute:
     async def render(self, service: OpenAIService, messages: list[ChatMessage]) -> list[int]:
         """`messages` rendered by the chat template with the request's tools and variables, tokenized."""
         body = self.body
-        tools = [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None
-        if body.tool_choice == "none" and self.settings.exclude_tools_when_tool_choice_none:
-            tools = None  # the model is not told of tools it may not call
         return await service.chat_prompt(
             messages,
             body.add_generation_prompt,
-            tools,
+            self.settings.chat_rendering.tools(body),
             self.template_kwargs,
             body.continue_final_message,
             body.chat_template,

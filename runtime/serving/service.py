@@ -63,6 +63,7 @@ from kvfleet.runtime.sampling_params import (
     StructuredOutputsParams,
 )
 from kvfleet.runtime.serving.chat import ChatRoute
+from kvfleet.runtime.serving.chat_rendering import ChatRendering
 from kvfleet.runtime.serving.completions import CompletionRoute
 from kvfleet.runtime.serving.errors import from_engine_error
 from kvfleet.runtime.serving.output_log import logged_outputs
@@ -157,9 +158,13 @@ class ServiceSettings:
     enable_log_outputs: bool = False
     enable_log_deltas: bool = True
 
-    def template_kwargs(self, requested: dict[str, Any] | None) -> dict[str, Any]:
-        """The chat template's variables for a request: its own over the server's defaults."""
-        return {**self.default_chat_template_kwargs, **(requested or {})}
+    @property
+    def chat_rendering(self) -> ChatRendering:
+        return ChatRendering(
+            self.default_chat_template_kwargs,
+            self.exclude_tools_when_tool_choice_none,
+            self.chat_template_content_format,
+        )
 
     @property
     def served_model_names(self) -> tuple[str, ...]:
@@ -606,7 +611,7 @@ class OpenAIService:
             token_ids = await self.chat_prompt(
                 body.messages,
                 body.add_generation_prompt,
-                template_kwargs=self.settings.template_kwargs(body.chat_template_kwargs),
+                template_kwargs=self.settings.chat_rendering.template_kwargs(body.chat_template_kwargs),
                 continue_final_message=body.continue_final_message,
                 chat_template=body.chat_template,
             )

@@ -284,8 +284,9 @@ def test_a_replicas_tokenizer_answer_is_bounded_and_fetched_once(
     tiny_llama: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Names outside the contract's are dropped (a path among them included); an answer past the byte cap,
-    not the contract's, or whose files do not tokenize the samples as the replica's tokenizer did gives no
-    tokenizer; a model has one fetch in flight, and none again within RETRY_AFTER_S of a failure."""
+    not the contract's (its chat rendering included), or whose files do not tokenize the samples as the
+    replica's tokenizer did gives no tokenizer; a model has one fetch in flight, and none again within
+    RETRY_AFTER_S of a failure."""
     files = {path.name: base64.b64encode(path.read_bytes()).decode() for path in tiny_llama.glob("*.json")}
     escape = tmp_path / "escaped"
     samples = sample_token_ids(load_tokenizer(EngineConfig(model=str(tiny_llama))))
@@ -296,6 +297,9 @@ def test_a_replicas_tokenizer_answer_is_bounded_and_fetched_once(
         "garbage": b"\xff{not json",
         "no-tokenizer": json.dumps({"files": {"config.json": files["config.json"]}}).encode(),
         "disagreeing": json.dumps({"files": files, "samples": disagreeing}).encode(),
+        "bad-rendering": json.dumps(
+            {"files": files, "samples": samples, "chat_rendering": {"default_chat_template_kwargs": []}}
+        ).encode(),
     }
     answers["large"] = json.dumps({"files": {**files, "padding.bin": "A" * len(answers["good"])}}).encode()
     asked: list[str] = []
@@ -323,7 +327,7 @@ def test_a_replicas_tokenizer_answer_is_bounded_and_fetched_once(
                 prompts = tokenizers.get("good", [f"{base}/good"], session)
                 assert prompts is not None
                 assert prompts.blocks(COMPLETIONS_PATH, {"model": "m", "prompt": "hi"}) is not None
-                for kind in ("garbage", "no-tokenizer", "disagreeing", "large"):
+                for kind in ("garbage", "no-tokenizer", "disagreeing", "bad-rendering", "large"):
                     assert tokenizers.get(kind, [f"{base}/{kind}"], session) is None
         finally:
             await tokenizers.close()

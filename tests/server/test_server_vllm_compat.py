@@ -6,6 +6,7 @@ Transformers' rendering of the chat template and Transformers' hidden states."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import io
 import json
@@ -21,6 +22,7 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import httpx
 import numpy as np
 import openai
@@ -28,6 +30,9 @@ import pytest
 import torch
 import yaml
 from click.testing import CliRunner
+from kvfleet.gateway.model_tokenizers import ModelTokenizers
+from kvfleet.gateway.prompt_blocks import ModelPrompts
+from kvfleet.gateway.requests import CHAT_PATH
 from kvfleet.runtime.lora.make_adapter import make_adapter
 from ports import free_port
 from servers import ServerProcess
@@ -183,6 +188,23 @@ def client(server: ServerProcess) -> openai.OpenAI:
 @pytest.fixture(scope="module")
 def tokenizer(model_folder: Path) -> Any:
     return AutoTokenizer.from_pretrained(model_folder)
+
+
+def _gateway_prompts(url: str) -> ModelPrompts:
+    """The fleet gateway's preparation of the model's prompts, from the server's tokenizer answer."""
+
+    async def fetch() -> ModelPrompts:
+        tokenizers = ModelTokenizers({})
+        try:
+            async with aiohttp.ClientSession() as session:
+                async with asyncio.timeout(60):
+                    while (prompts := tokenizers.get("tiny", [url], session)) is None:
+                        await asyncio.sleep(0.05)
+                return prompts
+        finally:
+            await tokenizers.close()
+
+    return asyncio.run(fetch())
 
 
 def _rendered(tokenizer: Any, messages: Any = MESSAGES, **render_kwargs: Any) -> list[int]:
@@ -1019,7 +1041,8 @@ def test_server_defaults_for_sampling_templates_and_roles(
     """--override-generation-config over vLLM's own defaults, --default-chat-template-kwargs under a
     request's, --response-role for answers the generation prompt opens (others go on in the last message's
     role), --enable-log-requests with --enable-log-outputs, --return-tokens-as-token-ids and
-    --exclude-tools-when-tool-choice-none, each as vLLM's server takes them."""
+    --exclude-tools-when-tool-choice-none, each as vLLM's server takes them; the fleet gateway renders chat
+    prompts with the template settings the server's tokenizer answer gives."""
     template = tmp_path / "template.jinja"
     template.write_text(CHAT_TEMPLATE)
     other = start_server(
@@ -1073,6 +1096,14 @@ def test_server_defaults_for_sampling_templates_and_roles(
     named = {"type": "function", "function": {"name": "get_weather"}}
     listed = client.chat.completions.create(model="tiny", messages=MESSAGES, tool_choice=named, **tools)
     expected = _rendered(tokenizer, tools=[WEATHER_TOOL], enable_thinking=False)
+    gateway = _gateway_prompts(other.url)
+    for prompt_ids, body in [
+        (chat.prompt_token_ids, {"messages": MESSAGES}),  # type: ignore[attr-defined]
+        (asked.prompt_token_ids, {"messages": MESSAGES, "chat_template_kwargs": {"enable_thinking": True}}),  # type: ignore[attr-defined]
+        (excluded.prompt_token_ids, {"messages": MESSAGES, "tools": [WEATHER_TOOL], "tool_choice": "none"}),  # type: ignore[attr-defined]
+    ]:
+        blocks = gateway.blocks(CHAT_PATH, {"model": "tiny", **body})
+        assert blocks is not None and blocks.token_ids == prompt_ids
     assert listed.prompt_token_ids == expected  # type: ignore[attr-defined]
     # --return-tokens-as-token-ids names logprobs' tokens by id, unless a request says otherwise.
     for asked, by_id in ((None, True), (False, False)):
