@@ -123,18 +123,20 @@ class TemplateTokenizer:
         tools: list[dict[str, Any]] | None = None,
         tokenize: bool = False,
         add_generation_prompt: bool = False,
+        continue_final_message: bool = False,
         **template_kwargs: Any,
     ) -> str:
         assert not tokenize, "chat_prompt tokenizes the rendering itself"
         template = self._template(tools)
         variables = {**self.special_tokens_map, **template_kwargs}
-        return template.render(
+        rendered = template.render(
             messages=messages,
             tools=tools,
             documents=None,
             add_generation_prompt=add_generation_prompt,
             **variables,
         )
+        return _continued(rendered, messages[-1]) if continue_final_message else rendered
 
     def _template(self, tools: list[dict[str, Any]] | None) -> jinja2.Template:
         source = self.chat_template
@@ -145,6 +147,24 @@ class TemplateTokenizer:
         if compiled is None:
             compiled = self._compiled[source] = _environment().from_string(source)
         return compiled
+
+
+def _continued(rendered: str, final: dict[str, Any]) -> str:
+    """The rendering cut where the final message's text ends (its last text part's), for the model to go on
+    with it, as Transformers cuts it: the template's end-of-turn markup after it goes, and spacing the
+    template trimmed from its end stays trimmed."""
+    content = final.get("content")
+    if isinstance(content, list):
+        texts = [part["text"] for part in content if isinstance(part, dict) and "text" in part]
+        content = texts[-1] if texts else None
+    if not isinstance(content, str) or content.strip() not in rendered:
+        raise ValueError("the final message's text, to continue, is not in the rendered chat")
+    start = rendered.rindex(content.strip())
+    kept = content.lstrip()
+    end = (
+        start + len(kept) if rendered[start : start + len(kept)] == content else start + len(content.strip())
+    )
+    return rendered[:end]
 
 
 def _environment() -> jinja2.sandbox.ImmutableSandboxedEnvironment:

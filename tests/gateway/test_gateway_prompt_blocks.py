@@ -122,6 +122,18 @@ def _blocks(prompts: ModelPrompts, path: str, body: dict[str, Any]) -> PromptBlo
     [
         (CHAT_PATH, CHAT),
         (CHAT_PATH, {**CHAT, "tools": None, "add_generation_prompt": False}),
+        *(
+            (
+                CHAT_PATH,
+                {
+                    "model": "tiny",
+                    "messages": [*CHAT["messages"], {"role": "assistant", "content": answer}],
+                    "add_generation_prompt": False,
+                    "continue_final_message": True,
+                },
+            )
+            for answer in ("In Oslo it is", " In Oslo it is  ")
+        ),
         (COMPLETIONS_PATH, {"model": "tiny", "prompt": "Once upon a time <|begin_of_text|> there"}),
         (COMPLETIONS_PATH, {"model": "tiny", "prompt": "Once upon a time", "add_special_tokens": False}),
         (COMPLETIONS_PATH, {"model": "tiny", "prompt": [[5, 6, 7, 8, 9], [1, 2]]}),
@@ -135,6 +147,8 @@ def _blocks(prompts: ModelPrompts, path: str, body: dict[str, Any]) -> PromptBlo
     ids=[
         "chat-system-tools",
         "chat-no-generation-prompt",
+        "chat-continued",
+        "chat-continued-spaced",
         "text",
         "text-no-special",
         "token-ids",
