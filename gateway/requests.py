@@ -28,6 +28,8 @@ CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
 RESPONSES_PATH = "/v1/responses"
 EMBEDDINGS_PATH = "/v1/embeddings"
+# vLLM's: embeddings in another answer's shape.
+POOLING_PATH = "/pooling"
 SCORE_PATHS = ("/v1/score", "/score")
 RERANK_PATHS = ("/v1/rerank", "/rerank", "/v2/rerank")
 # What the gateway tells a client of the responses it cannot reach.
@@ -111,7 +113,21 @@ def _completion_text(payload: dict[str, Any]) -> str:
 
 
 def _embeddings_text(payload: dict[str, Any]) -> str:
-    return _prompts_text(payload.get("input"), "input")
+    """The first text or token ids of an embedding's input, or its first conversation (vLLM's `messages`, or
+    an input of messages) as _chat_text has a chat's."""
+    param = "messages" if payload.get("messages") is not None else "input"
+    value = payload.get(param)
+    if (
+        isinstance(value, list)
+        and value
+        and isinstance(value[0], list)
+        and value[0]
+        and isinstance(value[0][0], dict)
+    ):
+        value = value[0]  # a batch of conversations
+    if isinstance(value, list) and value and isinstance(value[0], dict):
+        return _chat_text({"messages": value})
+    return _prompts_text(value, param)
 
 
 def _prompts_text(prompt: Any, param: str) -> str:
@@ -185,6 +201,7 @@ _PROMPT_TEXT: dict[str, Callable[[dict[str, Any]], str]] = {
     COMPLETIONS_PATH: _completion_text,
     RESPONSES_PATH: _responses_text,
     EMBEDDINGS_PATH: _embeddings_text,
+    POOLING_PATH: _embeddings_text,
     **dict.fromkeys(SCORE_PATHS, _score_text),
     **dict.fromkeys(RERANK_PATHS, _rerank_text),
 }

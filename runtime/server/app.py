@@ -8,7 +8,7 @@ import functools
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from importlib.metadata import version
 from pathlib import Path
 from typing import Annotated, Any
@@ -54,6 +54,7 @@ from kvfleet.runtime.serving.protocol import (
     EmbeddingRequest,
     LoadLoRAAdapterRequest,
     ModerationRequest,
+    PoolingRequest,
     RerankRequest,
     ScoreRequest,
     TokenizeRequest,
@@ -318,17 +319,29 @@ def _add_responses_routes(app: FastAPI, state: ServerState) -> None:
 
 
 def _add_embedding_routes(app: FastAPI, state: ServerState) -> None:
-    """POST /v1/embeddings, and vLLM's score and rerank routes on the same embeddings."""
+    """POST /v1/embeddings, and vLLM's pooling, score and rerank routes on the same embeddings."""
     embeddings = OpenAIServingEmbedding(state.openai_service())
 
-    @app.post("/v1/embeddings")
-    async def create_embedding(body: EmbeddingRequest, raw_request: Request) -> Response:
-        creating = embeddings.create_embedding(body, raw_request.headers.get(PRIORITY_HEADER))
+    async def embedded(
+        raw_request: Request, creating: Awaitable[dict[str, Any] | EmbeddingBytes]
+    ) -> Response:
         answer = await unless_disconnected(raw_request, creating)
         if isinstance(answer, EmbeddingBytes):
             headers = {"metadata": json.dumps(answer.metadata)} if answer.metadata is not None else None
             return Response(answer.content, media_type="application/octet-stream", headers=headers)
         return JSONResponse(answer)
+
+    @app.post("/v1/embeddings")
+    async def create_embedding(body: EmbeddingRequest, raw_request: Request) -> Response:
+        return await embedded(
+            raw_request, embeddings.create_embedding(body, raw_request.headers.get(PRIORITY_HEADER))
+        )
+
+    @app.post("/pooling")
+    async def create_pooling(body: PoolingRequest, raw_request: Request) -> Response:
+        return await embedded(
+            raw_request, embeddings.create_pooling(body, raw_request.headers.get(PRIORITY_HEADER))
+        )
 
     async def create_score(body: ScoreRequest, raw_request: Request) -> Response:
         answer = embeddings.create_score(body, raw_request.headers.get(PRIORITY_HEADER))

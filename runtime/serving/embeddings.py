@@ -1,4 +1,4 @@
-"""POST /v1/embeddings, and vLLM's /score and /rerank on the same embeddings.
+"""POST /v1/embeddings, and vLLM's /pooling, /score and /rerank on the same embeddings.
 
 An embedding is pooled as vLLM pools a decoder model's for its embed task (kvfleet.runtime.pooler_config):
 by default the final hidden state of the input's last token, L2-normalized; cut to a Matryoshka size before
@@ -23,6 +23,7 @@ from kvfleet.runtime.serving.completions import CompletionRoute
 from kvfleet.runtime.serving.embedding_encoding import EmbeddingBytes, embedding_bytes, encoded
 from kvfleet.runtime.serving.protocol import (
     EmbeddingRequest,
+    PoolingRequest,
     RerankRequest,
     ScoreRequest,
     embedding_prompts,
@@ -44,6 +45,14 @@ class _EmbeddingChatRoute(ChatRoute):
     task = EMBED
 
 
+class _PoolingPromptRoute(_EmbeddingPromptRoute):
+    id_prefix = "pool"
+
+
+class _PoolingChatRoute(_EmbeddingChatRoute):
+    id_prefix = "pool"
+
+
 class OpenAIServingEmbedding:
     def __init__(self, service: OpenAIService) -> None:
         self.service = service
@@ -51,6 +60,24 @@ class OpenAIServingEmbedding:
     async def create_embedding(
         self, body: EmbeddingRequest, priority_header: str | None
     ) -> dict[str, Any] | EmbeddingBytes:
+        return await self._answer(body, priority_header, "embedding", "embedding")
+
+    async def create_pooling(
+        self, body: PoolingRequest, priority_header: str | None
+    ) -> dict[str, Any] | EmbeddingBytes:
+        """vLLM's /pooling on an embedding server: its one task's vectors, in the pooling answer's shape."""
+        if body.task is not None and body.task != EMBED:
+            raise BadRequestError(
+                f"task {body.task!r} is not served: this server pools for {EMBED!r} only", param="task"
+            )
+        if body.dimensions is not None:
+            raise BadRequestError("dimensions is not taken on /pooling, as on vLLM's", param="dimensions")
+        return await self._answer(body, priority_header, "pooling", "data")
+
+    async def _answer(
+        self, body: EmbeddingRequest, priority_header: str | None, item_object: str, vector_field: str
+    ) -> dict[str, Any] | EmbeddingBytes:
+        """The input's vectors, each an item of `item_object` holding it in `vector_field`, or as bytes."""
         pooler = self._pooler()
         body.check()
         if body.dimensions is not None:
@@ -73,9 +100,9 @@ class OpenAIServingEmbedding:
             return embedding_bytes(vectors, body.embed_dtype, body.endianness, with_metadata)
         data = [
             {
-                "object": "embedding",
+                "object": item_object,
                 "index": index,
-                "embedding": encoded(vector, body.encoding_format, body.embed_dtype, body.endianness),
+                vector_field: encoded(vector, body.encoding_format, body.embed_dtype, body.endianness),
             }
             for index, vector in enumerate(vectors)
         ]
@@ -86,12 +113,17 @@ class OpenAIServingEmbedding:
     ) -> tuple[list[PreparedRequest], list[list[float]]]:
         """The request's inputs run for their pooled hidden states: its texts or tokens as one request, or
         each conversation as the chat template renders it (one request each, run together)."""
+        prompt_route, chat_route = (
+            (_PoolingPromptRoute, _PoolingChatRoute)
+            if isinstance(body, PoolingRequest)
+            else (_EmbeddingPromptRoute, _EmbeddingChatRoute)
+        )
         conversations = body.chat_requests()
         if not conversations:
             prompts = body.completion_request()
             count = len(prompts.prompts())
             fields = ["input"] if count == 1 else [f"input.{index}" for index in range(count)]
-            request, vectors = await self._embed(_EmbeddingPromptRoute(prompts, fields), priority_header)
+            request, vectors = await self._embed(prompt_route(prompts, fields), priority_header)
             return [request], vectors
         settings = self.service.settings
         try:
@@ -99,7 +131,7 @@ class OpenAIServingEmbedding:
                 asyncio.TaskGroup() as group
             ):  # one failing cancels the others, aborting their requests
                 tasks = [
-                    group.create_task(self._embed(_EmbeddingChatRoute(chat, settings), priority_header))
+                    group.create_task(self._embed(chat_route(chat, settings), priority_header))
                     for chat in conversations
                 ]
         except ExceptionGroup as failed:

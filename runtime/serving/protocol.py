@@ -532,6 +532,13 @@ class EmbeddingRequest(RequestBody):
         return embedding_prompts(self.input, self)  # type: ignore[arg-type]
 
 
+class PoolingRequest(EmbeddingRequest):
+    """vLLM's /pooling: an embeddings request, for the server's one pooling task."""
+
+    # vLLM's: the pooling task, by default the server's (embed; no other is served).
+    task: str | None = None
+
+
 class _ScoringRequest(RequestBody):
     """What vLLM's /score and /rerank share."""
 

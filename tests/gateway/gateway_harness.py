@@ -286,7 +286,7 @@ Answer = Callable[[str, dict[str, Any]], dict[str, Any]]
 # What a replica answers on its endpoints other than the completions.
 _ANSWERS: dict[str, Answer] = {
     "/v1/responses": _response,
-    "/v1/embeddings": _embeddings,
+    **dict.fromkeys(("/v1/embeddings", "/pooling"), _embeddings),
     **dict.fromkeys(("/v1/score", "/score"), _scores),
     **dict.fromkeys(("/v1/rerank", "/rerank", "/v2/rerank"), _reranked),
 }

@@ -1,6 +1,6 @@
 """The whole OpenAI surface of a replica through the real gateway, with the official openai SDK: the Responses
-API, embeddings, vLLM's score and rerank routed with the completions' flow control, and every error the
-gateway answers itself in OpenAI's shape."""
+API, embeddings, vLLM's pooling, score and rerank routed with the completions' flow control, and every error
+the gateway answers itself in OpenAI's shape."""
 
 from __future__ import annotations
 
@@ -72,6 +72,12 @@ def test_every_endpoint_of_a_replica_is_routed_renamed_and_retried_before_its_fi
                 assert [item.embedding for item in embedded.data] == [
                     [float(ord(c)) for c in replica.name]
                 ] * 2
+                status, pooled = await post(url, "/pooling", {"model": "team/llama", "input": "pooled"})
+                name = "".join(chr(int(code)) for code in pooled["data"][0]["embedding"])
+                assert status == 200 and answered_by(fleet, name, "input", "pooled") == {
+                    "model": "llama",
+                    "input": "pooled",
+                }
 
                 for path in SCORE_PATHS:
                     for first, second in (("text_1", "text_2"), ("queries", "documents")):
@@ -87,7 +93,7 @@ def test_every_endpoint_of_a_replica_is_routed_renamed_and_retried_before_its_fi
                     name = "a" if reranked["results"][0]["relevance_score"] == 1 else "bb"
                     assert answered_by(fleet, name, "query", path) == {**body, "model": "llama"}
 
-        requests = 3 + 2 * len(SCORE_PATHS) + len(RERANK_PATHS)
+        requests = 4 + 2 * len(SCORE_PATHS) + len(RERANK_PATHS)
         assert busy.received and sum(len(replica.received) for replica in fleet[1:]) == requests
 
     asyncio.run(scenario())
@@ -198,6 +204,17 @@ def test_a_conversation_is_routed_on_the_same_text_through_chat_and_the_response
         for path, body in ((CHAT_PATH, chat), (RESPONSES_PATH, response))
     )
     assert as_response.prompt_text == as_chat.prompt_text
+
+
+def test_conversations_to_embed_are_routed_on_their_first_as_the_chat_is() -> None:
+    """vLLM's conversation embeddings, as `messages` or an input of messages, one or a batch, on
+    /v1/embeddings and /pooling: routed on the text a chat of the same messages is."""
+    conversation = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    chat = parse_request(CHAT_PATH, json.dumps({"model": "m", "messages": conversation}).encode(), {})
+    for path in ("/v1/embeddings", "/pooling"):
+        for fields in ({"messages": conversation}, {"input": conversation}, {"input": [conversation, [{}]]}):
+            routed = parse_request(path, json.dumps({"model": "m", **fields}).encode(), {})
+            assert routed.prompt_text == chat.prompt_text
 
 
 def test_a_completion_of_prompt_embeddings_alone_is_routed_on_them() -> None:

@@ -43,6 +43,7 @@ ROUTES = {
     ("post", "/reset_prefix_cache"),
     ("post", "/v1/responses"),
     ("post", "/v1/embeddings"),
+    ("post", "/pooling"),
     ("post", "/v1/score"),
     ("post", "/v1/rerank"),
 }
@@ -73,6 +74,7 @@ def test_openapi_documents_every_route_with_its_body(fuzzed_server: ServerProces
         ("/v1/moderations", "ModerationRequest"),
         ("/v1/responses", "ResponsesRequest"),
         ("/v1/embeddings", "EmbeddingRequest"),
+        ("/pooling", "PoolingRequest"),
         ("/v1/score", "ScoreRequest"),
         ("/v1/rerank", "RerankRequest"),
     ]:

@@ -298,6 +298,36 @@ def test_an_unknown_encoding_is_refused(server: ServerProcess) -> None:
         assert field in openai_error(refused, 400)["message"], refused.text
 
 
+def test_pooling_answers_the_embeddings_in_vllms_pooling_shape(
+    server: ServerProcess, sentence_transformers: SentenceTransformer
+) -> None:
+    """vLLM's /pooling on an embedding server: its embed task's vectors, for texts and conversations, in any
+    encoding; another task, or dimensions, is refused naming the field."""
+    expected = np.stack([sentence_transformers.encode(text, normalize_embeddings=True) for text in TEXTS])
+    answer = httpx.post(f"{server.url}/pooling", json={"model": "tiny", "input": TEXTS}, timeout=60)
+    assert answer.status_code == 200, answer.text
+    pooled = answer.json()
+    assert pooled["id"].startswith("pool-") and pooled["object"] == "list" and pooled["model"] == "tiny"
+    assert [(item["index"], item["object"]) for item in pooled["data"]] == [(0, "pooling"), (1, "pooling")]
+    np.testing.assert_allclose([item["data"] for item in pooled["data"]], expected, atol=1e-4)
+    conversation = [{"role": "user", "content": TEXTS[0]}]
+    embedded = httpx.post(f"{server.url}/v1/embeddings", json={"messages": conversation}, timeout=60).json()
+    as_chat = httpx.post(
+        f"{server.url}/pooling", json={"messages": conversation, "task": "embed"}, timeout=60
+    )
+    assert as_chat.status_code == 200, as_chat.text
+    np.testing.assert_allclose(as_chat.json()["data"][0]["data"], embedded["data"][0]["embedding"], atol=1e-6)
+    as_bytes = httpx.post(
+        f"{server.url}/pooling", json={"input": TEXTS, "encoding_format": "bytes"}, timeout=60
+    )
+    np.testing.assert_allclose(
+        np.frombuffer(as_bytes.content, "<f4").reshape(expected.shape), expected, atol=1e-4
+    )
+    for field, value in [("task", "token_embed"), ("dimensions", 16)]:
+        refused = httpx.post(f"{server.url}/pooling", json={"input": TEXTS[0], field: value}, timeout=60)
+        assert openai_error(refused, 400)["param"] == field
+
+
 def test_generation_is_not_served_by_a_pooling_server(client: openai.OpenAI) -> None:
     with pytest.raises(openai.NotFoundError, match="embeddings only"):
         client.completions.create(model="tiny", prompt=TEXTS[0], max_tokens=2)
