@@ -34,7 +34,7 @@ import jinja2.parser
 import jinja2.sandbox
 from kvfleet.contract.block_hash import block_hashes, chain_seed, external_block_hash
 from kvfleet.contract.errors import BadRequestError
-from kvfleet.gateway.requests import CHAT_PATH
+from kvfleet.gateway.requests import CHAT_PATH, RESPONSES_PATH
 from kvfleet.runtime.chat_content_format import GenerationBlocks
 from kvfleet.runtime.chat_prompt import chat_prompt_token_ids
 from kvfleet.runtime.config import DEFAULT_ITEMS_PER_PROMPT, EngineConfig
@@ -49,6 +49,7 @@ from kvfleet.runtime.serving.protocol import (
     media_parts,
     template_messages,
 )
+from kvfleet.runtime.serving.responses_protocol import ResponsesRequest
 from pydantic import ValidationError
 from tokenizers import Tokenizer
 
@@ -262,7 +263,12 @@ class ModelPrompts:
         if salt is not None and not (isinstance(salt, str) and 0 < len(salt) <= MAX_CACHE_SALT_CHARS):
             return None
         try:
-            prepared = self._chat(payload) if path == CHAT_PATH else self._completion(payload)
+            if path == CHAT_PATH:
+                prepared = self._chat(ChatCompletionRequest.model_validate(payload))
+            elif path == RESPONSES_PATH:
+                prepared = self._response(payload)
+            else:
+                prepared = self._completion(payload)
         except (ValidationError, ValueError, MediaInputError, BadRequestError):
             return None  # the replica refuses what the server's own steps refuse here
         if prepared is None:
@@ -273,8 +279,15 @@ class ModelPrompts:
             blocks(USUAL_BLOCK_SIZE, lora_int_id)
         return blocks
 
-    def _chat(self, payload: Mapping[str, Any]) -> tuple[list[int], tuple[_Span, ...]] | None:
-        body = ChatCompletionRequest.model_validate(payload)
+    def _response(self, payload: Mapping[str, Any]) -> tuple[list[int], tuple[_Span, ...]] | None:
+        """A Responses API request as the chat the replica answers it with."""
+        body = ResponsesRequest.model_validate(payload)
+        body.check()
+        if body.previous_response_id is not None or body.truncation == "auto":
+            return None  # a stored conversation, or turns the replica's context may drop
+        return self._chat(body.chat_request(body.input_messages()))
+
+    def _chat(self, body: ChatCompletionRequest) -> tuple[list[int], tuple[_Span, ...]] | None:
         if body.chat_template is not None:
             return None  # the replica renders it if it trusts it: a 400 otherwise
         rendering = self.rendering

@@ -149,11 +149,12 @@ _NOT_THE_CLIENTS_FAULT = frozenset({408, 429})
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 # The policies that route on a prompt's block hashes: the gateway tokenizes the prompts of their models.
 BLOCK_HASH_POLICIES = frozenset({"precise-prefix"})
-# The requests whose prompts the gateway tokenizes as the engine does, and that disaggregated prefill serves:
-# the others' go to their replica as any request of a prefix-aware policy, routed on their text.
+# The requests that disaggregated prefill serves and that another replica resumes mid-stream.
 GENERATION_PATHS = frozenset({CHAT_PATH, COMPLETIONS_PATH})
-# Streams a held request's client hears keep-alive comments on until its answer starts.
-KEPT_ALIVE_PATHS = GENERATION_PATHS | {RESPONSES_PATH}
+# The requests that are prompts to generate from, the Responses API's too: their streams are kept alive while
+# held, and their prompts tokenized as the engine does for the policies that route on blocks; the others go
+# to their replica as any request of a prefix-aware policy, routed on their text.
+PROMPTED_PATHS = GENERATION_PATHS | {RESPONSES_PATH}
 
 
 @dataclass(frozen=True)
@@ -359,7 +360,7 @@ class Gateway:
                         )
                     model_label = pool.config.name
                     _authenticate(request.headers, pool.config)
-                    if self.sse_keep_alive_interval and routed.stream and request.path in KEPT_ALIVE_PATHS:
+                    if self.sse_keep_alive_interval and routed.stream and request.path in PROMPTED_PATHS:
                         held = HeldStream(request, self.sse_keep_alive_interval)
                         response = await held.answer(self._forward(request, body, routed, pool, held))
                         status = held.status_of(response)
@@ -691,7 +692,7 @@ class Gateway:
         """The prompt's block hashes, for a policy that routes on them, once the model's tokenizer is at hand;
         tokenized on a thread, so that a long prompt does not hold the event loop."""
         config = pool.config
-        if config.policy not in BLOCK_HASH_POLICIES or path not in GENERATION_PATHS:
+        if config.policy not in BLOCK_HASH_POLICIES or path not in PROMPTED_PATHS:
             return None
         assert self.session is not None, "the session lives as long as the app"
         model = config.adapter_of or config.name

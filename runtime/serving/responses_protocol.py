@@ -90,6 +90,8 @@ class ResponsesRequest(RequestBody):
     include: list[str] | None = None
     reasoning: dict[str, Any] | None = None
     truncation: Literal["disabled", "auto"] | None = None
+    # vLLM's, as on chat: a tenant's salt; its prompts share prefix-cache blocks only with the same salt's.
+    cache_salt: str | None = None
     # kvfleet's, as on the other routes: an SLA tier name or its integer, and a deadline in seconds.
     priority: StrictInt | str | None = None
     timeout: Annotated[FiniteFloat, Field(gt=0)] | None = None
@@ -124,6 +126,7 @@ class ResponsesRequest(RequestBody):
             "parallel_tool_calls": self.parallel_tool_calls,
             "priority": self.priority,
             "timeout": self.timeout,
+            "cache_salt": self.cache_salt,
         }
         if self.stream:
             # The usage the last event carries.

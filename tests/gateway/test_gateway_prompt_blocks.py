@@ -3,7 +3,8 @@
 ids), from tokenizer files fetched from that server without its API key; its hashes equal those of the
 engine's own Request for the same prompt, with a LoRA adapter, with a data: URL image on the tiny LLaVA
 (prepared by the server's own media code and Transformers' tokenizer), and with a cache_salt, which no two
-tenants' blocks share. None of this loads torch or Transformers in the gateway."""
+tenants' blocks share; a Responses API request's are those the server's KV events announce. None of this loads
+torch or Transformers in the gateway."""
 
 from __future__ import annotations
 
@@ -19,8 +20,10 @@ from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import httpx
+import msgspec
 import numpy as np
 import pytest
+import zmq
 from aiohttp import web
 from gateway_harness import wait_until
 from kvfleet.contract.block_hash import external_block_hash
@@ -28,7 +31,7 @@ from kvfleet.contract.tokenizer_files import TOKENIZER_FILES_PATH
 from kvfleet.gateway import model_tokenizers
 from kvfleet.gateway.model_tokenizers import ModelTokenizers
 from kvfleet.gateway.prompt_blocks import ModelPrompts, PromptBlocks, TemplateTokenizer
-from kvfleet.gateway.requests import CHAT_PATH, COMPLETIONS_PATH
+from kvfleet.gateway.requests import CHAT_PATH, COMPLETIONS_PATH, RESPONSES_PATH
 from kvfleet.runtime.chat_prompt import chat_prompt_token_ids, sample_token_ids
 from kvfleet.runtime.config import EngineConfig
 from kvfleet.runtime.core.kv_cache_utils import extend_block_hashes
@@ -43,6 +46,7 @@ from kvfleet.runtime.server.tokenizer_files import tokenizer_files
 from kvfleet.runtime.serving.media import load_chat_media
 from kvfleet.runtime.serving.protocol import ChatMessage, template_messages
 from PIL import Image
+from vllm_kv_events import BlockStored, KVEventBatch
 
 if TYPE_CHECKING:
     from servers import ServerProcess
@@ -50,6 +54,8 @@ if TYPE_CHECKING:
 # An adapter's lora_int_id as a replica lists it in its metrics (a digest of its files).
 LORA_INT_ID = 98765432123
 BLOCK_SIZES = (4, 16)
+# The shared server's (the engine's default).
+SERVER_BLOCK_SIZE = 16
 SYSTEM = "You answer in one short sentence, and you never make up a city's weather. " * 3
 LONG_TEXT = "Once upon a time, in a land far away, there lived a tokenizer."
 TOOLS = [
@@ -177,6 +183,57 @@ def test_the_gateways_hashes_are_the_engines_with_and_without_an_adapter(
         assert list(blocks(block_size, LORA_INT_ID)) == _engine_hashes(with_adapter, block_size)
         assert len(blocks(block_size, 0)) == len(token_ids) // block_size > 1
         assert not set(blocks(block_size, 0)) & set(blocks(block_size, LORA_INT_ID))
+
+
+def test_a_responses_prompt_is_hashed_as_the_engine_announces_its_blocks(
+    server: ServerProcess, fetched: ModelPrompts, api_server_events_port: int
+) -> None:
+    """A Responses API request (instructions, a conversation of input items with a function call and its
+    output, a tenant's cache_salt) hashed as the chat the replica answers it with: the blocks the engine's
+    KV events announce for it. A salt of its own for each try: blocks already cached are not announced
+    again, and the subscription starts receiving some time after it connects."""
+    body: dict[str, Any] = {
+        "model": "tiny",
+        "instructions": SYSTEM,
+        "input": [
+            {"type": "message", "role": "user", "content": "What is the weather in Oslo?"},
+            {
+                "type": "function_call",
+                "call_id": "c1",
+                "name": "get_weather",
+                "arguments": '{"city": "Oslo"}',
+            },
+            {"type": "function_call_output", "call_id": "c1", "output": "Rain, 4 degrees."},
+        ],
+        "tools": [{"type": "function", **TOOLS[0]["function"]}],
+        # The tools are rendered into the prompt all the same; "auto" would need a parser on the server.
+        "tool_choice": "none",
+        "max_output_tokens": 1,
+    }
+    context = zmq.Context()
+    subscriber = context.socket(zmq.SUB)
+    subscriber.setsockopt(zmq.SUBSCRIBE, b"")
+    subscriber.connect(f"tcp://127.0.0.1:{api_server_events_port}")
+    decoder = msgspec.msgpack.Decoder(KVEventBatch)
+    try:
+        for attempt in range(20):
+            salted = {**body, "cache_salt": f"responses-{attempt}"}
+            expected = list(_blocks(fetched, RESPONSES_PATH, salted)(SERVER_BLOCK_SIZE, 0))
+            answer = httpx.post(
+                f"{server.url}{RESPONSES_PATH}", json=salted, headers=server.headers(), timeout=60
+            )
+            assert answer.status_code == 200, answer.text
+            announced: list[int] = []
+            while not set(expected) <= set(announced) and subscriber.poll(2000):
+                for event in decoder.decode(subscriber.recv_multipart()[2]).events:
+                    if isinstance(event, BlockStored) and event.medium == "GPU":
+                        announced += event.block_hashes
+            if announced:
+                assert len(expected) > 1 and set(expected) <= set(announced), (expected, announced)
+                return
+        raise AssertionError("no KV event reached the subscriber")
+    finally:
+        context.destroy(linger=0)
 
 
 @pytest.mark.parametrize(
