@@ -83,9 +83,9 @@ class ModelTokenizers:
 
 
 async def _files_of(session: aiohttp.ClientSession, url: str) -> tuple[dict[str, bytes], Any, ChatRendering]:
-    """The files a replica serves, by name, its samples' token ids and how it renders chat prompts (as a
-    replica of an older kvfleet that does not say does by default); ValueError for an answer that is not what
-    the contract says."""
+    """The files a replica serves, by name, its samples' token ids and how it renders chat prompts (the
+    defaults where a replica of an older kvfleet does not say); ValueError for an answer that is not what the
+    contract says."""
     async with session.get(
         f"{url}{TOKENIZER_FILES_PATH}",
         headers={"Accept-Encoding": "identity"},
