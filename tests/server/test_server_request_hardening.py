@@ -239,6 +239,17 @@ UNSUPPORTED = [
     ("modalities", ["text", "audio"]),
     ("use_beam_search", True),
     ("logits_processors", ["my.Processor"]),
+    # vLLM 0.32's.
+    ("thinking_token_budget", 64),
+    ("include_reasoning", False),
+    ("watermarking", True),
+    ("logprob_token_ids", [5, 6]),
+    ("mm_processor_kwargs", {"num_crops": 4}),
+    ("media_io_kwargs", {"image": {"mode": "RGB"}}),
+    ("return_token_offsets", True),
+    ("return_prompt_text", True),
+    ("repetition_detection", {"max_pattern_size": 8}),
+    ("vllm_xargs", {"my_processor_arg": 1}),
 ]
 # Fields that change nothing here, as OpenAI clients send them.
 INERT = {
@@ -251,6 +262,9 @@ INERT = {
     "response_format": {"type": "text"},
     "tool_choice": "none",
     "logit_bias": {},
+    # vLLM's, at the values that change nothing.
+    "include_reasoning": True,
+    "vllm_xargs": {},
 }
 
 
