@@ -122,7 +122,8 @@ class ChatRoute:
             message: dict[str, Any] = {"role": self.role, "content": choice.text}
             if self.reasoning is not None:
                 split = self.reasoning.extract_reasoning(choice.text, choice.token_ids, self.template_kwargs)
-                message.update(_reasoning_fields(split.reasoning), content=split.content)
+                reasoning = split.reasoning if self.body.include_reasoning else None
+                message.update(_reasoning_fields(reasoning), content=split.content)
             finish_reason = choice.finish_reason
             calls = _calls(self.tool_calling, message["content"] or "", finish_reason)
             if calls is not None:
@@ -205,7 +206,7 @@ class ChatRoute:
         builder = self._content_builder(request, tokenizer)
         if self.reasoning is not None:
             streams = [self.reasoning.stream(self.template_kwargs) for _ in range(request.params.n)]
-            builder = _reasoning_first(streams, builder)
+            builder = _reasoning_first(streams, builder, self.body.include_reasoning)
         return _carrying_token_ids(builder) if self.body.return_token_ids else builder
 
     def _content_builder(self, request: PreparedRequest, tokenizer: Any) -> ChoiceBuilder:
@@ -231,16 +232,17 @@ def _reasoning_fields(reasoning: str | None) -> dict[str, str | None]:
     return {"reasoning_content": reasoning, "reasoning": reasoning}
 
 
-def _reasoning_first(streams: list[ReasoningStream], builder: ChoiceBuilder) -> ChoiceBuilder:
-    """Each choice's reasoning as reasoning deltas, and its content through `builder`: the reasoning of a
-    delta joins the first choice the builder makes of its content, or goes in a choice of its own."""
+def _reasoning_first(streams: list[ReasoningStream], builder: ChoiceBuilder, include: bool) -> ChoiceBuilder:
+    """Each choice's reasoning as reasoning deltas (unless not to `include` it), and its content through
+    `builder`: the reasoning of a delta joins the first choice the builder makes of its content, or goes in a
+    choice of its own."""
 
     def choice_of(prompt_index: int, completion: CompletionOutput, finished: bool) -> list[dict[str, Any]]:
         reasoning, content = streams[completion.index].feed(
             completion.text, completion.token_ids, finished=finished
         )
         choices = builder(prompt_index, replace(completion, text=content), finished)
-        if not reasoning:
+        if not reasoning or not include:
             return choices
         first = choices[0] if choices else {"index": completion.index, "delta": {}, "logprobs": None}
         first = {**first, "delta": {**_reasoning_fields(reasoning), **first["delta"]}}

@@ -74,6 +74,7 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
     "chat_template_kwargs": (None, {}),
     "documents": (None,),
     "thinking_token_budget": (None,),
+    # Implemented on /v1/chat/completions only.
     "include_reasoning": (None, True),
     "watermarking": (None, False),
     "logprob_token_ids": (None, []),
@@ -832,6 +833,8 @@ class ChatCompletionRequest(_GenerationRequest):
     # OpenAI's, as vLLM serves it: the template's reasoning_effort variable, and its enable_thinking unless
     # chat_template_kwargs sets that (off only for "none").
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
+    # vLLM's: with false, the answer leaves out what the reasoning parser reads as reasoning.
+    include_reasoning: StrictBool = True
 
     def effort_variables(self) -> dict[str, Any]:
         """The template variables reasoning_effort sets, over any other."""

@@ -119,6 +119,25 @@ def test_reasoning_is_split_from_content_whole_and_streamed(
     assert not any(getattr(delta, "reasoning_content", None) for delta in deltas[first_content:])
 
 
+def test_reasoning_left_out_when_not_to_be_included(client: openai.OpenAI, tokenizer: Any) -> None:
+    """vLLM's include_reasoning false: the answer's content, whole and streamed, without its reasoning."""
+    closing = _closing(client, tokenizer, opening=False)
+    choice = _answer(client, **closing, extra_body={"include_reasoning": False}).choices[0]
+    _, content = _oracle(tokenizer, choice.token_ids)
+    assert choice.message.content == content and content
+    assert (choice.message.reasoning_content, choice.message.reasoning) == (None, None)
+    deltas, token_ids = [], []
+    for chunk in _answer(client, **closing, stream=True, extra_body={"include_reasoning": False}):
+        for streamed in chunk.choices:
+            deltas.append(streamed.delta)
+            token_ids += getattr(streamed, "token_ids", None) or []
+    assert token_ids == choice.token_ids
+    assert "".join(delta.content or "" for delta in deltas) == content
+    assert not any(
+        getattr(delta, "reasoning_content", None) or getattr(delta, "reasoning", None) for delta in deltas
+    )
+
+
 def test_an_answer_cut_short_is_all_reasoning(client: openai.OpenAI, tokenizer: Any) -> None:
     choice = _answer(client, {}, max_tokens=12).choices[0]
     assert choice.finish_reason == "length"

@@ -241,7 +241,6 @@ UNSUPPORTED = [
     ("logits_processors", ["my.Processor"]),
     # vLLM 0.32's.
     ("thinking_token_budget", 64),
-    ("include_reasoning", False),
     ("watermarking", True),
     ("logprob_token_ids", [5, 6]),
     ("mm_processor_kwargs", {"num_crops": 4}),
@@ -286,6 +285,7 @@ def test_unsupported_output_changing_fields_are_refused(server: ServerProcess, h
         _refused(http, "/v1/completions", {"top_logprobs": 3}, "top_logprobs")
         _refused(http, "/v1/completions", {"max_completion_tokens": 3}, "max_completion_tokens")
         _refused(http, "/v1/completions", {"reasoning_effort": "high"}, "reasoning_effort")
+        _refused(http, "/v1/completions", {"include_reasoning": False}, "include_reasoning")
         _refused(http, "/v1/completions", {"chat_template": "{{ 'x' }}"}, "chat_template")
         # A chat's own template, on a server that does not trust one.
         error = _refused(http, "/v1/chat/completions", {"chat_template": "{{ 'x' }}"}, "chat_template")
