@@ -522,18 +522,12 @@ class EmbeddingRequest(RequestBody):
         """A chat request per conversation, run for its prompt's hidden states: one token each."""
         return [
             ChatCompletionRequest(
-                model=self.model,
                 messages=conversation,
-                max_tokens=1,
-                temperature=0.0,
                 add_generation_prompt=self.add_generation_prompt,
                 continue_final_message=self.continue_final_message,
                 chat_template=self.chat_template,
                 chat_template_kwargs=self.chat_template_kwargs,
-                truncate_prompt_tokens=self.truncate_prompt_tokens,
-                truncation_side=self.truncation_side,
-                priority=self.priority,
-                timeout=self.timeout,
+                **_pooled_run(self),
             )
             for conversation in self.conversations() or []
         ]
@@ -630,17 +624,21 @@ def embedding_prompts(
     body: EmbeddingRequest | ScoreRequest | RerankRequest,
 ) -> CompletionRequest:
     """The completion request whose prompts (the texts) run for their hidden states: one token each."""
-    return CompletionRequest(
-        model=body.model,
-        prompt=texts,
-        max_tokens=1,
-        temperature=0.0,
-        add_special_tokens=body.add_special_tokens,
-        truncate_prompt_tokens=body.truncate_prompt_tokens,
-        truncation_side=body.truncation_side,
-        priority=body.priority,
-        timeout=body.timeout,
-    )
+    return CompletionRequest(prompt=texts, add_special_tokens=body.add_special_tokens, **_pooled_run(body))
+
+
+def _pooled_run(body: EmbeddingRequest | ScoreRequest | RerankRequest) -> dict[str, Any]:
+    """What a request run for its prompts' hidden states takes: one greedy token, with the body's model,
+    prompt truncation, priority and deadline."""
+    return {
+        "model": body.model,
+        "max_tokens": 1,
+        "temperature": 0.0,
+        "truncate_prompt_tokens": body.truncate_prompt_tokens,
+        "truncation_side": body.truncation_side,
+        "priority": body.priority,
+        "timeout": body.timeout,
+    }
 
 
 class ImageURL(Body):
