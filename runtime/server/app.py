@@ -48,6 +48,7 @@ from kvfleet.runtime.serving.embeddings import OpenAIServingEmbedding
 from kvfleet.runtime.serving.lora import OpenAIServingLoRA
 from kvfleet.runtime.serving.moderations import OpenAIServingModeration
 from kvfleet.runtime.serving.protocol import (
+    REQUEST_ID_HEADER,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
@@ -60,6 +61,7 @@ from kvfleet.runtime.serving.protocol import (
     TokenizeRequest,
     UnloadLoRAAdapterRequest,
 )
+from kvfleet.runtime.serving.request import RequestHeaders
 from kvfleet.runtime.serving.response_store import ResponseStore
 from kvfleet.runtime.serving.responses_api import OpenAIServingResponses
 from kvfleet.runtime.serving.responses_protocol import ResponsesRequest
@@ -247,12 +249,12 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/v1/completions")
     async def create_completion(body: CompletionRequest, raw_request: Request) -> Response:
-        request = await service.create_completion(body, raw_request.headers.get(PRIORITY_HEADER))
+        request = await service.create_completion(body, _headers(raw_request))
         return await respond(raw_request, service, request, state.settings.sse_keep_alive_interval)
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(body: ChatCompletionRequest, raw_request: Request) -> Response:
-        request = await service.create_chat_completion(body, raw_request.headers.get(PRIORITY_HEADER))
+        request = await service.create_chat_completion(body, _headers(raw_request))
         return await respond(raw_request, service, request, state.settings.sse_keep_alive_interval)
 
     @app.post("/v1/moderations")
@@ -297,7 +299,7 @@ def _add_responses_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/v1/responses")
     async def create_response(body: ResponsesRequest, raw_request: Request) -> Response:
-        prepared = await responses.create(body, raw_request.headers.get(PRIORITY_HEADER))
+        prepared = await responses.create(body, _headers(raw_request))
         if body.stream:
             return await stream_response(
                 raw_request,
@@ -333,22 +335,18 @@ def _add_embedding_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/v1/embeddings")
     async def create_embedding(body: EmbeddingRequest, raw_request: Request) -> Response:
-        return await embedded(
-            raw_request, embeddings.create_embedding(body, raw_request.headers.get(PRIORITY_HEADER))
-        )
+        return await embedded(raw_request, embeddings.create_embedding(body, _headers(raw_request)))
 
     @app.post("/pooling")
     async def create_pooling(body: PoolingRequest, raw_request: Request) -> Response:
-        return await embedded(
-            raw_request, embeddings.create_pooling(body, raw_request.headers.get(PRIORITY_HEADER))
-        )
+        return await embedded(raw_request, embeddings.create_pooling(body, _headers(raw_request)))
 
     async def create_score(body: ScoreRequest, raw_request: Request) -> Response:
-        answer = embeddings.create_score(body, raw_request.headers.get(PRIORITY_HEADER))
+        answer = embeddings.create_score(body, _headers(raw_request))
         return JSONResponse(await unless_disconnected(raw_request, answer))
 
     async def rerank(body: RerankRequest, raw_request: Request) -> Response:
-        answer = embeddings.rerank(body, raw_request.headers.get(PRIORITY_HEADER))
+        answer = embeddings.rerank(body, _headers(raw_request))
         return JSONResponse(await unless_disconnected(raw_request, answer))
 
     # vLLM's other paths for them are served too, and documented once.
@@ -357,3 +355,9 @@ def _add_embedding_routes(app: FastAPI, state: ServerState) -> None:
     app.add_api_route("/v1/rerank", rerank, methods=["POST"])
     for path in ("/rerank", "/v2/rerank"):
         app.add_api_route(path, rerank, methods=["POST"], include_in_schema=False)
+
+
+def _headers(raw_request: Request) -> RequestHeaders:
+    return RequestHeaders(
+        raw_request.headers.get(PRIORITY_HEADER), raw_request.headers.get(REQUEST_ID_HEADER)
+    )

@@ -9,6 +9,7 @@ from kvfleet.contract.errors import http_error
 from kvfleet.contract.tokenizer_files import TOKENIZER_FILES_PATH
 from kvfleet.runtime.server.errors import PayloadTooLargeError, error_response
 from kvfleet.runtime.server.state import ServerState
+from kvfleet.runtime.serving.protocol import REQUEST_ID_HEADER
 from opentelemetry import context as otel_context
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from starlette.exceptions import HTTPException
@@ -17,7 +18,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 # Probes and scrapes (the metrics, the tokenizer's files a router reads): open to any caller without a key,
 # never counted as work in flight, never held back by a drain.
 PROBE_PATHS = frozenset({"/health", "/ready", "/metrics", "/ping", "/load", TOKENIZER_FILES_PATH})
-REQUEST_ID_HEADER = b"x-request-id"
+# As ASGI's headers are keyed.
+REQUEST_ID_KEY = REQUEST_ID_HEADER.lower().encode()
 # W3C Trace Context's headers.
 TRACE_HEADERS = frozenset({b"traceparent", b"tracestate"})
 
@@ -132,12 +134,12 @@ class RequestIdHeader:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        request_id = dict(scope["headers"]).get(REQUEST_ID_HEADER) or uuid.uuid4().hex.encode()
+        request_id = dict(scope["headers"]).get(REQUEST_ID_KEY) or uuid.uuid4().hex.encode()
 
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":
-                headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != REQUEST_ID_HEADER]
-                message = {**message, "headers": [*headers, (REQUEST_ID_HEADER, request_id)]}
+                headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != REQUEST_ID_KEY]
+                message = {**message, "headers": [*headers, (REQUEST_ID_KEY, request_id)]}
             await send(message)
 
         await self.app(scope, receive, send_with_id)

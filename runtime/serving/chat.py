@@ -43,6 +43,7 @@ if TYPE_CHECKING:
 class ChatRoute:
     chunk_object = "chat.completion.chunk"
     id_prefix = "chatcmpl"
+    keeps_request_id = False
     task = GENERATE
     reports_cached_tokens = False
 

@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 class CompletionRoute:
     chunk_object = "text_completion"
     id_prefix = "cmpl"
+    keeps_request_id = False
     task = GENERATE
     # Completions are raw text: reasoning is not told apart, as in vLLM.
     opens_in_reasoning = False

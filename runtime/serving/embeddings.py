@@ -28,7 +28,7 @@ from kvfleet.runtime.serving.protocol import (
     ScoreRequest,
     embedding_prompts,
 )
-from kvfleet.runtime.serving.request import PreparedRequest, Route
+from kvfleet.runtime.serving.request import PreparedRequest, RequestHeaders, Route
 from kvfleet.runtime.serving.responses import finish_error
 
 if TYPE_CHECKING:
@@ -58,12 +58,12 @@ class OpenAIServingEmbedding:
         self.service = service
 
     async def create_embedding(
-        self, body: EmbeddingRequest, priority_header: str | None
+        self, body: EmbeddingRequest, headers: RequestHeaders
     ) -> dict[str, Any] | EmbeddingBytes:
-        return await self._answer(body, priority_header, "embedding", "embedding")
+        return await self._answer(body, headers, "embedding", "embedding")
 
     async def create_pooling(
-        self, body: PoolingRequest, priority_header: str | None
+        self, body: PoolingRequest, headers: RequestHeaders
     ) -> dict[str, Any] | EmbeddingBytes:
         """vLLM's /pooling on an embedding server: its one task's vectors, in the pooling answer's shape."""
         if body.task is not None and body.task != EMBED:
@@ -72,10 +72,10 @@ class OpenAIServingEmbedding:
             )
         if body.dimensions is not None:
             raise BadRequestError("dimensions is not taken on /pooling, as on vLLM's", param="dimensions")
-        return await self._answer(body, priority_header, "pooling", "data")
+        return await self._answer(body, headers, "pooling", "data")
 
     async def _answer(
-        self, body: EmbeddingRequest, priority_header: str | None, item_object: str, vector_field: str
+        self, body: EmbeddingRequest, headers: RequestHeaders, item_object: str, vector_field: str
     ) -> dict[str, Any] | EmbeddingBytes:
         """The input's vectors, each an item of `item_object` holding it in `vector_field`, or as bytes."""
         pooler = self._pooler()
@@ -85,7 +85,7 @@ class OpenAIServingEmbedding:
                 pooler.check_dimensions(body.dimensions)
             except ValueError as error:
                 raise BadRequestError(str(error), param="dimensions") from None
-        requests, pooled = await self._embed_input(body, priority_header)
+        requests, pooled = await self._embed_input(body, headers)
         vectors = [pooler.embedding(vector, body.dimensions, body.use_activation) for vector in pooled]
         first = requests[0]
         answer = {
@@ -109,7 +109,7 @@ class OpenAIServingEmbedding:
         return {**answer, "data": data}
 
     async def _embed_input(
-        self, body: EmbeddingRequest, priority_header: str | None
+        self, body: EmbeddingRequest, headers: RequestHeaders
     ) -> tuple[list[PreparedRequest], list[list[float]]]:
         """The request's inputs run for their pooled hidden states: its texts or tokens as one request, or
         each conversation as the chat template renders it (one request each, run together)."""
@@ -123,7 +123,7 @@ class OpenAIServingEmbedding:
             prompts = body.completion_request()
             count = len(prompts.prompts())
             fields = ["input"] if count == 1 else [f"input.{index}" for index in range(count)]
-            request, vectors = await self._embed(prompt_route(prompts, fields), priority_header)
+            request, vectors = await self._embed(prompt_route(prompts, fields), headers)
             return [request], vectors
         settings = self.service.settings
         try:
@@ -131,7 +131,7 @@ class OpenAIServingEmbedding:
                 asyncio.TaskGroup() as group
             ):  # one failing cancels the others, aborting their requests
                 tasks = [
-                    group.create_task(self._embed(chat_route(chat, settings), priority_header))
+                    group.create_task(self._embed(chat_route(chat, settings), headers))
                     for chat in conversations
                 ]
         except ExceptionGroup as failed:
@@ -139,7 +139,7 @@ class OpenAIServingEmbedding:
         embedded = [task.result() for task in tasks]
         return [request for request, _ in embedded], [vector for _, vectors in embedded for vector in vectors]
 
-    async def create_score(self, body: ScoreRequest, priority_header: str | None) -> dict[str, Any]:
+    async def create_score(self, body: ScoreRequest, headers: RequestHeaders) -> dict[str, Any]:
         (first_name, first), (second_name, second) = body.pairs()
         fields = _fields(first_name, getattr(body, first_name), len(first))
         fields += _fields(second_name, getattr(body, second_name), len(second))
@@ -147,7 +147,7 @@ class OpenAIServingEmbedding:
         route = _EmbeddingPromptRoute(
             embedding_prompts(first + second, body), fields, content_tokens=content_tokens
         )
-        request, vectors = await self._embed(route, priority_header)
+        request, vectors = await self._embed(route, headers)
         scores = [cosine(a, b) for a, b in zip(vectors[: len(first)], vectors[len(first) :], strict=True)]
         return {
             "id": request.request_id,
@@ -160,13 +160,13 @@ class OpenAIServingEmbedding:
             "usage": _usage(request),
         }
 
-    async def rerank(self, body: RerankRequest, priority_header: str | None) -> dict[str, Any]:
+    async def rerank(self, body: RerankRequest, headers: RequestHeaders) -> dict[str, Any]:
         documents = body.texts()
         fields = ["query", *_fields("documents", body.documents, len(documents))]
         content_tokens = await self._content_tokens(body, 1, len(documents))
         prompts = embedding_prompts([body.query, *documents], body)
         route = _EmbeddingPromptRoute(prompts, fields, content_tokens=content_tokens)
-        request, vectors = await self._embed(route, priority_header)
+        request, vectors = await self._embed(route, headers)
         query, embedded = vectors[0], vectors[1:]
         results = [
             {"index": index, "document": {"text": text}, "relevance_score": cosine(query, vector)}
@@ -212,11 +212,11 @@ class OpenAIServingEmbedding:
         return pooler
 
     async def _embed(
-        self, route: Route, priority_header: str | None
+        self, route: Route, headers: RequestHeaders
     ) -> tuple[PreparedRequest, list[list[float]]]:
         """The route's prompts admitted and run for their pooled hidden states, in order."""
         pooler = self._pooler()
-        request = await self.service.admit(route, priority_header)
+        request = await self.service.admit(route, headers)
         request.params.prompt_pooling = pooler.pooling_type
         hidden_states: dict[str, list[float]] = {}
         async with contextlib.aclosing(self.service.outputs(request)) as outputs:

@@ -38,6 +38,11 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 FiniteFloat = Annotated[float, Strict(), AllowInfNan(False)]
+# vLLM's request_id (and its X-Request-Id header), the base of an answer's id: visible ASCII without spaces,
+# as an id written into logs and headers must be.
+REQUEST_ID_PATTERN = r"[\x21-\x7e]{1,256}"
+REQUEST_ID_HEADER = "X-Request-Id"
+RequestId = Annotated[str, Field(pattern=f"^{REQUEST_ID_PATTERN}$")]
 
 # Output-changing fields a client may send (OpenAI's and vLLM's) that are not implemented, with the values
 # that leave the output as it is. A request model that implements one declares it as a field, which takes it
@@ -216,6 +221,8 @@ class _GenerationRequest(RequestBody):
     frequency_penalty: FiniteFloat | None = None
     seed: StrictInt | None = None
     user: str | None = None
+    # vLLM's: the base of the answer's id (`chatcmpl-<request_id>`), where no X-Request-Id header gives one.
+    request_id: RequestId | None = None
     # vLLM's extras.
     top_k: StrictInt | None = None
     min_p: FiniteFloat | None = None
@@ -483,6 +490,8 @@ class EmbeddingRequest(RequestBody):
     # A Matryoshka model's embeddings cut to this size (others refuse it).
     dimensions: Annotated[StrictInt, Field(ge=1)] | None = None
     user: str | None = None
+    # vLLM's, as on completions: the base of the answer's id.
+    request_id: RequestId | None = None
     add_special_tokens: StrictBool = True
     # vLLM's: L2-normalized or not; by default as the server's pooler config says.
     use_activation: StrictBool | None = None
@@ -548,6 +557,8 @@ class _ScoringRequest(RequestBody):
     """What vLLM's /score and /rerank share."""
 
     model: str | None = None
+    # vLLM's, as on completions: the base of the answer's id.
+    request_id: RequestId | None = None
     add_special_tokens: StrictBool = True
     # vLLM's: each query, and each document, cut to this many of its own tokens (before the special ones);
     # 0 keeps it whole.
@@ -628,10 +639,11 @@ def embedding_prompts(
 
 
 def _pooled_run(body: EmbeddingRequest | ScoreRequest | RerankRequest) -> dict[str, Any]:
-    """What a request run for its prompts' hidden states takes: one greedy token, with the body's model,
-    prompt truncation, priority and deadline."""
+    """What a request run for its prompts' hidden states takes: one greedy token, with the body's model, the
+    answer's id, prompt truncation, priority and deadline."""
     return {
         "model": body.model,
+        "request_id": body.request_id,
         "max_tokens": 1,
         "temperature": 0.0,
         "truncate_prompt_tokens": body.truncate_prompt_tokens,

@@ -18,6 +18,24 @@ if TYPE_CHECKING:
     from kvfleet.runtime.serving.service import OpenAIService
 
 
+@dataclass(frozen=True)
+class RequestHeaders:
+    """What a request's HTTP headers ask beside its body."""
+
+    # An SLA tier's name or its integer (kvfleet.contract.tiers.PRIORITY_HEADER).
+    priority: str | None = None
+    # vLLM's X-Request-Id: the base of the answer's id, before the body's request_id.
+    request_id: str | None = None
+
+    def chosen_id(self, body_request_id: str | None) -> str | None:
+        """The id the client chose for the answer: X-Request-Id's, else the body's (vLLM's order)."""
+        return self.request_id or body_request_id
+
+
+# A request with none: from the Batch API, say.
+NO_HEADERS = RequestHeaders()
+
+
 @dataclass
 class Prompt:
     """What a route's request asks the model to continue, one token list per prompt."""
@@ -36,6 +54,8 @@ class Route(Protocol):
     body: ChatCompletionRequest | CompletionRequest
     chunk_object: str
     id_prefix: str
+    # Whether an id the client chose is the answer's id as it is (the Responses API's), or follows id_prefix.
+    keeps_request_id: bool
     # What the server must serve for it (kvfleet.runtime.pooler_config): generate, or embed.
     task: str
     # Whether the answer begins with reasoning (known once the prompt is made).
@@ -90,6 +110,9 @@ class PreparedRequest:
     cache_salt: str | None = None
     # A continuation's: per prompt, what its choices already delivered, by sequence index; empty otherwise.
     resumed: list[dict[int, ResumedSequence]] = field(default_factory=list)
+    # Where the client chose the answer's id, which requests in flight may share, what makes its engine
+    # requests' ids their own.
+    engine_suffix: str = ""
 
     @property
     def stream(self) -> bool:
@@ -98,7 +121,8 @@ class PreparedRequest:
     @cached_property
     def engine_request_ids(self) -> list[str]:
         """One engine request per prompt."""
-        return [f"{self.request_id}-{index}" for index in range(len(self.prompt_token_ids))]
+        base = f"{self.request_id}{self.engine_suffix}"
+        return [f"{base}-{index}" for index in range(len(self.prompt_token_ids))]
 
     @cached_property
     def prompt_index(self) -> dict[str, int]:

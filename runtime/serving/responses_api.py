@@ -16,12 +16,18 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from kvfleet.contract.errors import CONTEXT_LENGTH_EXCEEDED, BadRequestError, NotFoundError, OpenAIError
+from kvfleet.contract.errors import (
+    CONTEXT_LENGTH_EXCEEDED,
+    BadRequestError,
+    ConflictError,
+    NotFoundError,
+    OpenAIError,
+)
 from kvfleet.runtime.errors import EngineError
 from kvfleet.runtime.serving.chat import ChatRoute
 from kvfleet.runtime.serving.errors import from_engine_error
 from kvfleet.runtime.serving.protocol import ChatCompletionRequest, ChatMessage
-from kvfleet.runtime.serving.request import PreparedRequest, Prompt
+from kvfleet.runtime.serving.request import PreparedRequest, Prompt, RequestHeaders
 from kvfleet.runtime.serving.response_store import ResponseStore, StoredResponse
 from kvfleet.runtime.serving.responses_protocol import NamedFunctionChoice, ResponsesRequest
 
@@ -37,6 +43,7 @@ _FAILURE_CODES = {400: "invalid_prompt", 429: "rate_limit_exceeded"}
 
 class _ResponsesChatRoute(ChatRoute):
     id_prefix = "resp"
+    keeps_request_id = True
     reports_cached_tokens = True
 
     def __init__(self, body: ChatCompletionRequest, settings: ServiceSettings, drops_turns: bool) -> None:
@@ -133,14 +140,16 @@ class OpenAIServingResponses:
         self.service = service
         self.store = store
 
-    async def create(self, body: ResponsesRequest, priority_header: str | None) -> PreparedResponse:
+    async def create(self, body: ResponsesRequest, headers: RequestHeaders) -> PreparedResponse:
         """Every check of the request, then its admission as a chat request."""
         body.check()
+        if body.request_id is not None and self.store is not None and self.store.get(body.request_id):
+            raise ConflictError(f"a stored response has the id {body.request_id!r}", param="request_id")
         conversation = self._history(body.previous_response_id) + body.input_messages()
         route = _ResponsesChatRoute(
             body.chat_request(conversation), self.service.settings, drops_turns=body.truncation == "auto"
         )
-        request = await self.service.admit(route, priority_header)
+        request = await self.service.admit(route, RequestHeaders(priority=headers.priority))
         return PreparedResponse(body, request, conversation, stored=body.store and self.store is not None)
 
     def _history(self, previous_response_id: str | None) -> list[dict[str, Any]]:

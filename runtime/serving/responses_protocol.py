@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 
 from kvfleet.contract.errors import BadRequestError
 from kvfleet.runtime.serving.errors import validation_error
-from kvfleet.runtime.serving.protocol import Body, ChatCompletionRequest, FiniteFloat, RequestBody
+from kvfleet.runtime.serving.protocol import Body, ChatCompletionRequest, FiniteFloat, RequestBody, RequestId
 from pydantic import ConfigDict, Field, StrictBool, StrictInt, ValidationError
 
 
@@ -92,6 +92,8 @@ class ResponsesRequest(RequestBody):
     truncation: Literal["disabled", "auto"] | None = None
     # vLLM's, as on chat: a tenant's salt; its prompts share prefix-cache blocks only with the same salt's.
     cache_salt: str | None = None
+    # vLLM's: the response's id as it is (one the server does not already keep).
+    request_id: RequestId | None = None
     # kvfleet's, as on the other routes: an SLA tier name or its integer, and a deadline in seconds.
     priority: StrictInt | str | None = None
     timeout: Annotated[FiniteFloat, Field(gt=0)] | None = None
@@ -127,6 +129,7 @@ class ResponsesRequest(RequestBody):
             "priority": self.priority,
             "timeout": self.timeout,
             "cache_salt": self.cache_salt,
+            "request_id": self.request_id,
         }
         if self.stream:
             # The usage the last event carries.

@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -68,6 +69,8 @@ from kvfleet.runtime.serving.completions import CompletionRoute
 from kvfleet.runtime.serving.errors import from_engine_error
 from kvfleet.runtime.serving.output_log import logged_outputs
 from kvfleet.runtime.serving.protocol import (
+    REQUEST_ID_HEADER,
+    REQUEST_ID_PATTERN,
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
@@ -78,7 +81,7 @@ from kvfleet.runtime.serving.protocol import (
     template_messages,
     usage,
 )
-from kvfleet.runtime.serving.request import PreparedRequest, Prompt, Route
+from kvfleet.runtime.serving.request import NO_HEADERS, PreparedRequest, Prompt, RequestHeaders, Route
 from kvfleet.runtime.serving.responses import Choice, chunk, finish_error
 from kvfleet.runtime.serving.safety import CONTENT_FILTER, RequestSafety, sent_tokens
 from kvfleet.runtime.serving.streams import merge_streams
@@ -224,24 +227,25 @@ class OpenAIService:
     # ---- admission -------------------------------------------------------------------------------
 
     async def create_chat_completion(
-        self, body: ChatCompletionRequest, priority_header: str | None = None
+        self, body: ChatCompletionRequest, headers: RequestHeaders = NO_HEADERS
     ) -> PreparedRequest:
-        return await self.admit(ChatRoute(body, self.settings), priority_header)
+        return await self.admit(ChatRoute(body, self.settings), headers)
 
     async def create_completion(
-        self, body: CompletionRequest, priority_header: str | None = None
+        self, body: CompletionRequest, headers: RequestHeaders = NO_HEADERS
     ) -> PreparedRequest:
         route = CompletionRoute(body, tokens_as_ids=self.settings.return_tokens_as_token_ids)
-        return await self.admit(route, priority_header)
+        return await self.admit(route, headers)
 
-    async def admit(self, route: Route, priority_header: str | None) -> PreparedRequest:
+    async def admit(self, route: Route, headers: RequestHeaders) -> PreparedRequest:
         """Every check a generating request passes before it runs, in this order, each once."""
         arrival_time = time.monotonic()
         body = route.body
         self.check_task(route.task)
         lora_request = self.check_model(body.model)
         params = await self.sampling_params(body, route.tool_constraint)
-        priority = self.resolve_priority(body.priority, priority_header)
+        priority = self.resolve_priority(body.priority, headers.priority)
+        request_id, engine_suffix = _answer_id(route, headers.chosen_id(body.request_id))
         self.check_accepting(priority)
         safety = self.request_safety(priority)
         prompt = _truncated(await route.prompt(self, safety), await self.truncation(body))
@@ -271,7 +275,8 @@ class OpenAIService:
                 safety.start_input_check(checked_text)
         prepared = PreparedRequest(
             route=route,
-            request_id=f"{route.id_prefix}-{uuid.uuid4().hex}",
+            request_id=request_id,
+            engine_suffix=engine_suffix,
             created=int(time.time()),
             model=lora_request.lora_name if lora_request is not None else body.model or self.model_name,
             prompt_token_ids=prompt.token_ids,
@@ -901,6 +906,21 @@ async def _check_outputs(safety: RequestSafety, choices: list[Choice]) -> None:
         choice.text = text
         if blocked:
             choice.finish_reason = CONTENT_FILTER
+
+
+def _answer_id(route: Route, chosen: str | None) -> tuple[str, str]:
+    """The answer's id, and its engine requests' suffix. vLLM's: an id the client chose (X-Request-Id, else
+    the body's request_id) after the route's prefix, or as it is where the route keeps it; two requests in
+    flight may share it, so their engine requests get a suffix of their own. Else a new one."""
+    if chosen is None:
+        return f"{route.id_prefix}-{uuid.uuid4().hex}", ""
+    if not re.fullmatch(REQUEST_ID_PATTERN, chosen):
+        # Only the header's can be: the body's passed the same pattern.
+        raise BadRequestError(
+            f"{REQUEST_ID_HEADER} must be 1 to 256 visible ASCII characters", param=REQUEST_ID_HEADER
+        )
+    answer_id = chosen if route.keeps_request_id else f"{route.id_prefix}-{chosen}"
+    return answer_id, f"-{uuid.uuid4().hex[:8]}"
 
 
 def _truncated(prompt: Prompt, truncation: Truncation | None) -> Prompt:

@@ -317,6 +317,64 @@ def test_responses_carry_request_ids_and_load_counts_the_requests_in_flight(serv
     _wait_for_load(server, 0)
 
 
+def test_answer_ids_are_the_clients_request_ids_as_vllm_makes_them(
+    server: ServerProcess, client: openai.OpenAI
+) -> None:
+    """vLLM's: X-Request-Id, else the body's request_id, after the route's prefix (the Responses API's body
+    id as it is). Requests in flight may share one, and run apart."""
+    chat: dict[str, Any] = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": PROMPT}],
+        "max_tokens": 8,
+    }
+    chat["temperature"] = 0.0
+    alone = client.chat.completions.create(**chat, extra_body={"request_id": "order-12"})
+    assert alone.id == "chatcmpl-order-12"
+    headed = client.with_options(default_headers={"X-Request-Id": "trace-8"})
+    assert (
+        headed.chat.completions.create(**chat, extra_body={"request_id": "order-12"}).id == "chatcmpl-trace-8"
+    )
+
+    async def shared() -> list[tuple[set[str], str]]:
+        async def streamed(sdk: openai.AsyncOpenAI) -> tuple[set[str], str]:
+            chunks = await sdk.chat.completions.create(**chat, stream=True, extra_body={"request_id": "same"})
+            ids, text = set(), ""
+            async for chunk in chunks:
+                ids.add(chunk.id)
+                text += "".join(choice.delta.content or "" for choice in chunk.choices)
+            return ids, text
+
+        async with openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0) as sdk:
+            return await asyncio.gather(*(streamed(sdk) for _ in range(3)))
+
+    assert asyncio.run(shared()) == [({"chatcmpl-same"}, alone.choices[0].message.content)] * 3
+    embedded = httpx.post(
+        f"{server.url}/v1/embeddings",
+        json={"model": "tiny", "input": PROMPT, "request_id": "vec-1"},
+        timeout=60,
+    )
+    assert embedded.json()["id"] == "embd-vec-1"
+    kept = client.responses.create(
+        model="tiny", input=PROMPT, max_output_tokens=2, extra_body={"request_id": "r7"}
+    )
+    assert kept.id == "r7" and client.responses.retrieve("r7").output_text == kept.output_text
+    with pytest.raises(openai.ConflictError) as caught:
+        client.responses.create(
+            model="tiny", input=PROMPT, max_output_tokens=2, extra_body={"request_id": "r7"}
+        )
+    assert caught.value.body["param"] == "request_id"  # type: ignore[index]
+    # What logs and headers could not carry: spaces, control characters, nothing.
+    for body_id, header in (("two words", None), ("", None), ("line\nbreak", None), (None, "two words")):
+        refused = httpx.post(
+            f"{server.url}/v1/chat/completions",
+            json={**chat, "request_id": body_id},
+            headers={"X-Request-Id": header} if header else None,
+            timeout=60,
+        )
+        assert refused.status_code == 400, refused.text
+        assert refused.json()["error"]["param"] == ("request_id" if header is None else "X-Request-Id")
+
+
 def _wait_for_load(server: ServerProcess, load: int) -> None:
     deadline = time.monotonic() + 30
     while (answer := httpx.get(f"{server.url}/load", timeout=10).json()) != {"server_load": load}:
