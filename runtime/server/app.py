@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Annotated, Any
 
 from fastapi import FastAPI, Query, Request
+from kvfleet.contract.request_ids import REQUEST_ID_HEADER
 from kvfleet.contract.tiers import PRIORITY_HEADER
 from kvfleet.contract.tokenizer_files import TOKENIZER_FILES_PATH
 from kvfleet.runtime.batch.store import BatchStore
@@ -48,7 +49,6 @@ from kvfleet.runtime.serving.embeddings import OpenAIServingEmbedding
 from kvfleet.runtime.serving.lora import OpenAIServingLoRA
 from kvfleet.runtime.serving.moderations import OpenAIServingModeration
 from kvfleet.runtime.serving.protocol import (
-    REQUEST_ID_HEADER,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,

@@ -6,10 +6,10 @@ import asyncio
 import uuid
 
 from kvfleet.contract.errors import http_error
+from kvfleet.contract.request_ids import REQUEST_ID_HEADER
 from kvfleet.contract.tokenizer_files import TOKENIZER_FILES_PATH
 from kvfleet.runtime.server.errors import PayloadTooLargeError, error_response
 from kvfleet.runtime.server.state import ServerState
-from kvfleet.runtime.serving.protocol import REQUEST_ID_HEADER
 from opentelemetry import context as otel_context
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from starlette.exceptions import HTTPException

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from kvfleet.contract.errors import BadRequestError
+from kvfleet.contract.request_ids import REQUEST_ID_PATTERN
 from kvfleet.contract.resume import CONTINUATION
 from kvfleet.contract.scoring import score_sides
 from kvfleet.runtime import json_depth
@@ -38,10 +39,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 FiniteFloat = Annotated[float, Strict(), AllowInfNan(False)]
-# vLLM's request_id (and its X-Request-Id header), the base of an answer's id: visible ASCII without spaces,
-# as an id written into logs and headers must be.
-REQUEST_ID_PATTERN = r"[\x21-\x7e]{1,256}"
-REQUEST_ID_HEADER = "X-Request-Id"
+# vLLM's request_id (and its X-Request-Id header): the base of an answer's id.
 RequestId = Annotated[str, Field(pattern=f"^{REQUEST_ID_PATTERN}$")]
 
 # Output-changing fields a client may send (OpenAI's and vLLM's) that are not implemented, with the values

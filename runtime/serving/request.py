@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TYPE_CHECKING, Any, Protocol
 
+from kvfleet.contract.request_ids import usable_request_id
 from kvfleet.runtime.engine.sequences import ResumedSequence
 from kvfleet.runtime.lora.request import LoRARequest
 from kvfleet.runtime.multimodal.inputs import MultiModalFeature
@@ -28,8 +29,9 @@ class RequestHeaders:
     request_id: str | None = None
 
     def chosen_id(self, body_request_id: str | None) -> str | None:
-        """The id the client chose for the answer: X-Request-Id's, else the body's (vLLM's order)."""
-        return self.request_id or body_request_id
+        """The id the client chose for the answer: X-Request-Id's where it can be one, else the body's
+        (vLLM's order)."""
+        return usable_request_id(self.request_id) or body_request_id
 
 
 # A request with none: from the Batch API, say.

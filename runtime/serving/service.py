@@ -8,7 +8,6 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -69,8 +68,6 @@ from kvfleet.runtime.serving.completions import CompletionRoute
 from kvfleet.runtime.serving.errors import from_engine_error
 from kvfleet.runtime.serving.output_log import logged_outputs
 from kvfleet.runtime.serving.protocol import (
-    REQUEST_ID_HEADER,
-    REQUEST_ID_PATTERN,
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
@@ -914,11 +911,6 @@ def _answer_id(route: Route, chosen: str | None) -> tuple[str, str]:
     flight may share it, so their engine requests get a suffix of their own. Else a new one."""
     if chosen is None:
         return f"{route.id_prefix}-{uuid.uuid4().hex}", ""
-    if not re.fullmatch(REQUEST_ID_PATTERN, chosen):
-        # Only the header's can be: the body's passed the same pattern.
-        raise BadRequestError(
-            f"{REQUEST_ID_HEADER} must be 1 to 256 visible ASCII characters", param=REQUEST_ID_HEADER
-        )
     answer_id = chosen if route.keeps_request_id else f"{route.id_prefix}-{chosen}"
     return answer_id, f"-{uuid.uuid4().hex[:8]}"
 

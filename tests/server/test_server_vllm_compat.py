@@ -363,16 +363,21 @@ def test_answer_ids_are_the_clients_request_ids_as_vllm_makes_them(
             model="tiny", input=PROMPT, max_output_tokens=2, extra_body={"request_id": "r7"}
         )
     assert caught.value.body["param"] == "request_id"  # type: ignore[index]
-    # What logs and headers could not carry: spaces, control characters, nothing.
-    for body_id, header in (("two words", None), ("", None), ("line\nbreak", None), (None, "two words")):
+    # What logs and headers could not carry (spaces, control characters, nothing) is refused in the body; in
+    # the header, a tracing header's value, it is passed over for the body's id.
+    for body_id in ("two words", "", "line\nbreak", "x" * 257):
         refused = httpx.post(
-            f"{server.url}/v1/chat/completions",
-            json={**chat, "request_id": body_id},
-            headers={"X-Request-Id": header} if header else None,
-            timeout=60,
+            f"{server.url}/v1/chat/completions", json={**chat, "request_id": body_id}, timeout=60
         )
         assert refused.status_code == 400, refused.text
-        assert refused.json()["error"]["param"] == ("request_id" if header is None else "X-Request-Id")
+        assert refused.json()["error"]["param"] == "request_id"
+    passed_over = httpx.post(
+        f"{server.url}/v1/chat/completions",
+        json={**chat, "request_id": "order-13"},
+        headers={"X-Request-Id": "two words"},
+        timeout=60,
+    )
+    assert passed_over.json()["id"] == "chatcmpl-order-13"
 
 
 def _wait_for_load(server: ServerProcess, load: int) -> None:
