@@ -14,6 +14,10 @@ token ids, and one that fails mid-stream is resumed on another from the tokens a
 closes the upstream connection, and the replica aborts the request. Whatever the gateway answers itself is an
 OpenAI error (kvfleet.gateway.http_errors).
 
+Each request is named by one X-Request-Id (kvfleet.contract.request_ids), the client's or a new one: every
+replica it reaches is sent it (a prefill replica and a decode replica, a retry, a resumed stream), so that
+their answers' ids and logs name it alike, and the gateway's answer carries it.
+
 A model whose policy routes on KV block hashes has each prompt tokenized and hashed as its replicas' engines
 do (kvfleet.gateway.prompt_blocks), on a worker thread, once the model's tokenizer is at hand
 (kvfleet.gateway.model_tokenizers).
@@ -48,6 +52,7 @@ import ipaddress
 import json
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -68,6 +73,7 @@ from kvfleet.contract.errors import (
     ServiceUnavailableError,
 )
 from kvfleet.contract.kv_transfer import DO_REMOTE_DECODE, PREFILL_MAX_TOKENS
+from kvfleet.contract.request_ids import REQUEST_ID_HEADER, usable_request_id
 from kvfleet.contract.resume import CONTINUATION, DRAINING_CODE
 from kvfleet.gateway.adapters import DEFAULT_ADAPTER_POLL_SECONDS, poll_adapters
 from kvfleet.gateway.discovery import Discovery, ModelConfig
@@ -136,6 +142,7 @@ _HOP_BY_HOP = frozenset(
     }
 )
 FORWARDED_FOR = "X-Forwarded-For"
+_REQUEST_ID = web.RequestKey("request_id", str)
 # The request and response field of disaggregated prefill and decode (kvfleet.contract.kv_transfer).
 KV_TRANSFER_PARAMS = "kv_transfer_params"
 # A replica's error answer is a small JSON object; a longer one is cut to this.
@@ -251,6 +258,7 @@ class Gateway:
         # The wake-up under way for each model with no ready replica (one at a time).
         self._waking: dict[str, asyncio.Task[None]] = {}
         self.app = web.Application(client_max_size=max_body_bytes, middlewares=[openai_errors])
+        self.app.on_response_prepare.append(_named_by_request_id)
         for path in ROUTED_PATHS:
             self.app.router.add_post(path, self.inference)
         self.app.router.add_get(f"{RESPONSES_PATH}/{{response_id}}", self.stored_response)
@@ -505,6 +513,8 @@ class Gateway:
     ) -> tuple[list[tuple[str, str]], Mapping[str, Any], bytes, bool]:
         """What the replicas are sent (headers, payload and body), and whether they may resume it."""
         forwarded = _forward_headers(request.headers, request.remote, self.trusted_proxies)
+        forwarded = [(name, value) for name, value in forwarded if name.lower() != REQUEST_ID_HEADER.lower()]
+        forwarded.append((REQUEST_ID_HEADER, _request_id(request)))
         headers = _for_replicas_of(config, with_trace_context(forwarded))
         resumable = config.replicas_resume and _resumable(request.path, routed.payload)
         payload, body = _for_replicas(config, routed, body, resumable)
@@ -1117,6 +1127,18 @@ def _end_to_end(headers: CIMultiDictProxy[str]) -> list[tuple[str, str]]:
         for name, value in headers.items()
         if name.lower() not in _HOP_BY_HOP and name.lower() not in named
     ]
+
+
+def _request_id(request: web.Request) -> str:
+    """The id that names the request: the client's X-Request-Id where it can be one, or one made for it the
+    first time it is asked for."""
+    if _REQUEST_ID not in request:
+        request[_REQUEST_ID] = usable_request_id(request.headers.get(REQUEST_ID_HEADER)) or uuid.uuid4().hex
+    return request[_REQUEST_ID]
+
+
+async def _named_by_request_id(request: web.Request, response: web.StreamResponse) -> None:
+    response.headers[REQUEST_ID_HEADER] = _request_id(request)
 
 
 def _forward_headers(

@@ -90,6 +90,14 @@ def test_a_long_prompt_is_prefilled_and_the_decode_replica_gets_the_clients_body
                 assert status == 200 and json.loads(answer)["choices"][0]["message"]["content"] == "d"
                 assert prefill.received == [prefill_call(chat)]
                 assert decode.received == [as_streamed({**chat, "kv_transfer_params": prefill.offers[0]})]
+                # Both replicas name the request alike (their answers' ids, their logs).
+                sent = [
+                    value
+                    for headers in (prefill.headers[0], decode.headers[0])
+                    for name, value in headers.items()
+                    if name.lower() == "x-request-id"
+                ]
+                assert len(sent) == 2 and sent[0] == sent[1], sent
 
                 # Streamed: the prefill call is not, and the decode replica's stream reaches the client.
                 streamed = {

@@ -1,7 +1,8 @@
 """The gateway's request spans, exported over OTLP to a collector the test runs and read with OpenTelemetry's
 own protobuf definitions: what the gateway did with each request (its replicas, retries, a broken stream's
-continuation, its answer), and the trace context the replicas were sent. The span's place between the
-client's and a real replica's is tested with `kvfleet serve` (tests/server/test_server_tracing.py)."""
+continuation, its answer), and the trace context the replicas were sent; and the X-Request-Id that names a
+request at every replica and in its answer. The span's place between the client's and a real replica's is
+tested with `kvfleet serve` (tests/server/test_server_tracing.py)."""
 
 from __future__ import annotations
 
@@ -31,6 +32,16 @@ def parent_sent(replica: FakeReplica, request: int = 0) -> tuple[str, str]:
     """The trace and parent span ids of the W3C traceparent a replica was sent with a request."""
     _, trace_id, span_id, _ = replica.headers[request]["traceparent"].split("-")
     return trace_id, span_id
+
+
+def request_id_sent(replica: FakeReplica, first: int = 0) -> list[str]:
+    """The X-Request-Id a replica was sent with each request from the `first` on."""
+    return [
+        value
+        for sent in replica.headers[first:]
+        for name, value in sent.items()
+        if name.lower() == "x-request-id"
+    ]
 
 
 def ids(span: Span) -> tuple[str, str]:
@@ -73,6 +84,35 @@ def test_a_span_names_each_replica_tried_and_why_and_the_replica_is_sent_its_tra
 
     with grpc_collector(collector) as endpoint:
         asyncio.run(scenario(endpoint))
+
+
+def test_one_x_request_id_names_a_request_at_each_replica_it_reaches_and_in_its_answer() -> None:
+    async def scenario() -> None:
+        async with replicas(FakeReplica("busy", status=503), FakeReplica("good")) as (busy, good):
+            config = model("m", busy, good, policy="round-robin")
+            async with running_gateway({"m": config}) as (_, _, url), aiohttp.ClientSession() as session:
+
+                async def answer_id(name: str, **headers: str) -> str:
+                    body = {"model": name, "messages": CHAT, "stream": True}
+                    async with session.post(
+                        f"{url}/v1/chat/completions", json=body, headers=headers
+                    ) as answer:
+                        await answer.read()
+                        return answer.headers["X-Request-Id"]
+
+                # None sent: one is made, and the replica that refused and the one that answered got it.
+                made = await answer_id("m")
+                assert len(made) == 32 and int(made, 16) >= 0
+                assert request_id_sent(busy) == request_id_sent(good) == [made]
+                # The client's own, to every replica and back; on an answer of the gateway's own too.
+                assert await answer_id("m", **{"X-Request-Id": "trace-9"}) == "trace-9"
+                assert {*request_id_sent(busy, 1), *request_id_sent(good, 1)} == {"trace-9"}
+                assert await answer_id("no-such-model", **{"x-request-id": "trace-10"}) == "trace-10"
+                # One that cannot name a request (kvfleet.contract.request_ids) is passed over for a new one.
+                remade = await answer_id("m", **{"X-Request-Id": "two words"})
+                assert len(remade) == 32 and remade in request_id_sent(busy) + request_id_sent(good)
+
+    asyncio.run(scenario())
 
 
 def test_a_broken_stream_and_its_continuation_are_events_of_one_span() -> None:
