@@ -8,7 +8,8 @@ first token within the target, grow and shrink without flapping, fail no request
 included), and say why with the numbers. The simulator then runs the same trace on the calibrated profile
 with the pod start the real fleet showed; its TTFT percentiles and replica counts are printed beside the real
 ones, and the real percentiles of the requests outside the pod starts (the measured error is in
-docs/benchmarks.md).
+docs/benchmarks.md). The target holds for those: a starting pod here takes the cores of the replica already
+serving, which a fleet's pods, on nodes of their own, do not.
 
 The small model, not the tiny one: each replica computes on one thread, and the small model's steps (about
 9 ms a decode step, 0.6 ms a prompt token) keep that thread's core busy, where the servers, the gateway and
@@ -65,13 +66,10 @@ SCALING = {
     "metricsIntervalSeconds": 1,
     "maxScaleUpStep": 2,
 }
-# Where the replicas meet it with room to spare, so that the test is about scaling: a starting pod takes the
-# cores its running neighbour computes on (a real fleet's starts on a node of its own), and the other tests of
-# a full suite's run take them too. The policy's decisions do not depend on it here: a replica is full where
-# the gateway's waits pass the tail, long before its own latency line reaches the target. At 2 s the whole
-# trace's p90 came to 2.008 s once in CI; beside kernel and runtime tests one replica answered half its rate
-# alone, and the requests sent while a pod started at the peak had a p90 of 2.7 s (the trace's, 1.4 s).
-TTFT_TARGET_MS = 4000
+# Where the replicas meet it with room to spare, so that the test is about scaling. The policy's decisions do
+# not depend on it here: a replica is full where the gateway's waits pass the tail, long before its own
+# latency line reaches the target.
+TTFT_TARGET_MS = 2000
 RAMP_SECONDS = 90.0
 # After the ramp, its quietest rate goes on this long: the replica added for the peak goes under traffic.
 # In a full suite's run the fleet kept the peak's replica until 42 s after the ramp ended, and in one on a
@@ -289,7 +287,8 @@ def test_the_slo_policy_keeps_a_ramp_within_its_target_and_scales_down_under_str
     starts = [ready - rise for rise, ready in windows]
     # A starting pod takes the cores the running replica computes on (all share this machine's two); a real
     # fleet's replica starts on a node of its own, as the simulator's do.
-    apart_p50, apart_p90 = p50_p90(first_tokens_apart_from(windows, results, began))
+    apart = first_tokens_apart_from(windows, results, began)
+    apart_p50, apart_p90 = p50_p90(apart)
     counts = history.desired_counts()
     status = api.get(services_path(namespace, "ramp"))["status"]
     events = events_for(api, namespace, "ramp")
@@ -307,7 +306,8 @@ def test_the_slo_policy_keeps_a_ramp_within_its_target_and_scales_down_under_str
         f"calibrated {describe(profile)}; {len(failed)} failed; desired {counts} "
         f"(seconds into the ramp, count: {real_changes}), pod starts {[round(s, 1) for s in starts]} s; "
         f"TTFT p50/p90 real {real_p50:.3f}/{real_p90:.3f} s ({apart_p50:.3f}/{apart_p90:.3f} s outside "
-        f"the pod starts; by {INTERVAL_SECONDS:g}s of the trace, sent from, count, p90: "
+        f"the pod starts, {len(apart)} of {len(results)} requests; by {INTERVAL_SECONDS:g}s of the trace, "
+        f"sent from, count, p90: "
         f"{p90_by_interval(results, INTERVAL_SECONDS)}), "
         f"{simulated_beside(simulate(manifest, profile, trace, starts), samples, began, ended)}; "
         f"decisions {decisions}; load average {load_before:.1f} before the trace, {load_after:.1f} after"
@@ -315,8 +315,12 @@ def test_the_slo_policy_keeps_a_ramp_within_its_target_and_scales_down_under_str
     measurements(summary)
 
     assert not failed, failed[:3]
-    # The whole summary: a failure's output may not reach the measurements printed at the end of the run.
-    assert real_p90 <= TTFT_TARGET_MS / 1000, summary
+    # Held to the target outside the pod starts, where most requests are (above: the requests sent during one
+    # wait on how this test bed shares its two cores; a whole trace's p90 of 4.0 s on a slow machine, where
+    # the simulator, whose pods start on nodes of their own as a fleet's do, gave 0.3 s). The whole summary: a
+    # failure's output may not reach the measurements printed at the end of the run.
+    assert len(apart) >= len(results) / 2, summary
+    assert apart_p90 <= TTFT_TARGET_MS / 1000, summary
     assert max(counts) > 1 and counts[-1] == 1, (real_changes, decisions)
     # A replica went while the trace was still sending: its streams finished (none failed, above).
     went = any(b.desired < a.desired and b.at < ended for a, b in itertools.pairwise(samples))
