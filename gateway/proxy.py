@@ -142,6 +142,7 @@ _HOP_BY_HOP = frozenset(
     }
 )
 FORWARDED_FOR = "X-Forwarded-For"
+# Where a request keeps the id that names it (`_request_id`).
 _REQUEST_ID = web.RequestKey("request_id", str)
 # The request and response field of disaggregated prefill and decode (kvfleet.contract.kv_transfer).
 KV_TRANSFER_PARAMS = "kv_transfer_params"
