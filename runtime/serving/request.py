@@ -56,7 +56,8 @@ class Route(Protocol):
     body: ChatCompletionRequest | CompletionRequest
     chunk_object: str
     id_prefix: str
-    # Whether an id the client chose is the answer's id as it is (the Responses API's), or follows id_prefix.
+    # Whether the body's request_id is the answer's id as it is, X-Request-Id aside (the Responses API's), or
+    # an id the client chose follows id_prefix.
     keeps_request_id: bool
     # What the server must serve for it (kvfleet.runtime.pooler_config): generate, or embed.
     task: str

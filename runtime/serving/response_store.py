@@ -38,5 +38,9 @@ class ResponseStore:
             self._responses.move_to_end(response_id)
         return stored
 
+    def __contains__(self, response_id: object) -> bool:
+        """Whether the response is kept, without making it the most recently used."""
+        return response_id in self._responses
+
     def delete(self, response_id: str) -> bool:
         return self._responses.pop(response_id, None) is not None

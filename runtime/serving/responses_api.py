@@ -143,13 +143,13 @@ class OpenAIServingResponses:
     async def create(self, body: ResponsesRequest, headers: RequestHeaders) -> PreparedResponse:
         """Every check of the request, then its admission as a chat request."""
         body.check()
-        if body.request_id is not None and self.store is not None and self.store.get(body.request_id):
+        if body.request_id is not None and self.store is not None and body.request_id in self.store:
             raise ConflictError(f"a stored response has the id {body.request_id!r}", param="request_id")
         conversation = self._history(body.previous_response_id) + body.input_messages()
         route = _ResponsesChatRoute(
             body.chat_request(conversation), self.service.settings, drops_turns=body.truncation == "auto"
         )
-        request = await self.service.admit(route, RequestHeaders(priority=headers.priority))
+        request = await self.service.admit(route, headers)
         return PreparedResponse(body, request, conversation, stored=body.store and self.store is not None)
 
     def _history(self, previous_response_id: str | None) -> list[dict[str, Any]]:

@@ -242,7 +242,7 @@ class OpenAIService:
         lora_request = self.check_model(body.model)
         params = await self.sampling_params(body, route.tool_constraint)
         priority = self.resolve_priority(body.priority, headers.priority)
-        request_id, engine_suffix = _answer_id(route, headers.chosen_id(body.request_id))
+        request_id, engine_suffix = _answer_id(route, headers, body.request_id)
         self.check_accepting(priority)
         safety = self.request_safety(priority)
         prompt = _truncated(await route.prompt(self, safety), await self.truncation(body))
@@ -905,10 +905,11 @@ async def _check_outputs(safety: RequestSafety, choices: list[Choice]) -> None:
             choice.finish_reason = CONTENT_FILTER
 
 
-def _answer_id(route: Route, chosen: str | None) -> tuple[str, str]:
+def _answer_id(route: Route, headers: RequestHeaders, body_id: str | None) -> tuple[str, str]:
     """The answer's id, and its engine requests' suffix. vLLM's: an id the client chose (X-Request-Id, else
-    the body's request_id) after the route's prefix, or as it is where the route keeps it; two requests in
-    flight may share it, so their engine requests get a suffix of their own. Else a new one."""
+    the body's request_id) after the route's prefix, or the body's as it is where the route keeps it; two
+    requests in flight may share it, so their engine requests get a suffix of their own. Else a new one."""
+    chosen = body_id if route.keeps_request_id else headers.chosen_id(body_id)
     if chosen is None:
         return f"{route.id_prefix}-{uuid.uuid4().hex}", ""
     answer_id = chosen if route.keeps_request_id else f"{route.id_prefix}-{chosen}"
