@@ -2,9 +2,11 @@
 
 One replica of the small model is calibrated through the fleet gateway (`kvfleet simulate calibrate`'s
 measurement), and the rate it answers requests at with its places always full is measured there too. Then a
-generated trace is replayed through the gateway, every request streamed, open loop: it ramps up past what
-that replica serves, back down, and goes on at its lowest rate a while. The fleet must keep its p90 time to
-first token within the target, grow and shrink without flapping, fail no request as replicas go (streams
+generated trace is replayed through the gateway, every request streamed, open loop: from a share of that
+rate it doubles at a steady pace until the fleet grows (the machine's speed, shared with other tests, may
+differ from the measurement's by several times), holds, comes back down as fast and goes on at its lowest
+rate a while. The fleet must grow before the rate is far past what one replica answered, keep its p90 time
+to first token within the target, shrink without flapping, fail no request as replicas go (streams
 included), and say why with the numbers. The simulator then runs the same trace on the calibrated profile
 with the pod start the real fleet showed; its TTFT percentiles and replica counts are printed beside the real
 ones, and the real percentiles of the requests outside the pod starts (the measured error is in
@@ -28,7 +30,7 @@ import math
 import os
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +42,7 @@ from e2e.cluster import LocalCluster
 from e2e.fleet.gateway import serve_through_gateway
 from e2e.fleet.manifests import services_path, tiny_service
 from e2e.fleet.observe import ReplicaHistory, ReplicaSample, events_for
-from e2e.fleet.replay import replay, trace_workload
+from e2e.fleet.replay import replay_at_rate, trace_workload
 from e2e.fleet.traffic import ReadyEndpoints
 from e2e.support.waits import wait_for
 from kvfleet.simulate.calibrate import describe, fit_profile, measure
@@ -55,9 +57,9 @@ SCALING = {
     "maxReplicas": 2,
     "policy": "slo",
     "stableWindowSeconds": 10,
-    # The demand is never taken below this window's mean: at the tail's 0.8 requests a second (the least
-    # peak's), two scrapes hold one or two prompts, and a chance cluster of four or five in them looks like
-    # more than a replica serves. Six scrapes are a rate.
+    # The demand is never taken below this window's mean: at the tail's rate on a slow machine (a request a
+    # second or less), two scrapes hold one or two prompts, and a chance cluster of four or five in them looks
+    # like more than a replica serves. Six scrapes are a rate.
     "panicWindowSeconds": 6,
     # Past the stable window: a replica added for one decision may go a scale-down delay after it, and the
     # test reads the counts every 0.2 s (with the delay equal to the window, a fall read 9.8 s after its rise
@@ -70,23 +72,30 @@ SCALING = {
 # not depend on it here: a replica is full where the gateway's waits pass the tail, long before its own
 # latency line reaches the target.
 TTFT_TARGET_MS = 2000
-RAMP_SECONDS = 90.0
-# After the ramp, its quietest rate goes on this long: the replica added for the peak goes under traffic.
-# In a full suite's run the fleet kept the peak's replica until 42 s after the ramp ended, and in one on a
-# slower machine until 72 s after (a full load taken from a few waits that were chance, before the waits were
-# counted over the window's requests): 30 s and 60 s were too short.
+# The ramp starts at this share of the rate one replica answers through the gateway with its two places always
+# full, measured before it, and doubles every DOUBLING_SECONDS until the fleet grows. A ramp to a peak set in
+# advance from that rate (0.7 of it) failed in CI: the rate was measured at 0.8/s (a twentieth of a quiet
+# machine's, with other tests on the cores), the peak of 0.57/s queued few requests (p90 0.36 s), and the
+# fleet rightly stayed at one. Where the fleet grows is the policy's to find, at any speed of the machine.
+START_SHARE_OF_ONE_REPLICA = 0.15
+# At this pace a window holds its rate's rise of 41%: a trend the policy can follow, and past one replica's
+# rate (from the start's share) in under a minute.
+DOUBLING_SECONDS = 20.0
+# The rate stops rising here, three times one replica's measured rate: the fleet had to grow well before it,
+# and the test fails if it did not.
+CEILING_SHARE_OF_ONE_REPLICA = 3.0
+# At the rate it grew at: the second replica starts under the load that called for it, then the rate halves
+# every DOUBLING_SECONDS back to the start's.
+HOLD_SECONDS = 20.0
+# Then the start's rate goes on this long: the replica added for the peak goes under traffic. In a full
+# suite's run the fleet kept the peak's replica until 42 s after the ramp ended, and in one on a slower
+# machine until 72 s after (a full load taken from a few waits that were chance, before the waits were counted
+# over the window's requests): 30 s and 60 s were too short.
 TAIL_SECONDS = 90.0
 PROMPT_TOKENS = 96.0
 # About 0.3 s of decode steps: a replica with its two places full answers about five requests a second.
 OUTPUT_TOKENS = 32.0
 SHARED_PREFIX_TOKENS = 32
-# The ramp's peak is this share of the rate one replica answers through the gateway with its two places always
-# full, measured before the ramp: with requests arriving at random, one replica then has 1.4 erlangs of work
-# in its two places, more than half of the requests wait in the gateway (Erlang C), and two replicas carry it.
-# The policy takes a replica for full only in a window where more of the requests waited than the target's
-# tail, a tenth: at 0.4 (a quarter waiting at the very peak, fewer on its way) the fleet sometimes never grew.
-# Measured, not derived from the calibrated profile: the rate follows the CPU and what else runs beside.
-PEAK_SHARE_OF_ONE_REPLICA = 0.7
 # Requests sent back to back, two at a time, to measure that rate.
 RATE_PROBE_REQUESTS = 40
 PEAK_RATIO = 5.0
@@ -100,21 +109,57 @@ SLO_REASON = re.compile(r"slo: time to first token p90 \d+ms \+ [\d.]+ms per .*;
 QUEUE_REASON = re.compile(r"queue depth [\d.]+ over the last \d+s, target \d+ per replica")
 
 
-def ramp_and_tail(peak_rate: float) -> list[TraceRequest]:
-    """A day's swing up to `peak_rate` squeezed into the ramp, then its lowest rate for the tail."""
-    ramp = TraceShapeSpec(
-        shape="diurnal",
-        duration_s=RAMP_SECONDS,
-        base_rate=peak_rate / PEAK_RATIO,
-        peak_ratio=PEAK_RATIO,
+def steady_trace() -> Iterator[TraceRequest]:
+    """The ramp's requests at one a second, without end: `replay_at_rate` stretches their gaps by its rate."""
+    spec = TraceShapeSpec(
+        shape="steady",
+        duration_s=math.inf,
+        base_rate=1.0,
         mean_prompt_tokens=PROMPT_TOKENS,
         mean_output_tokens=OUTPUT_TOKENS,
         prefix_groups=4,
         seed=1,
     )
-    tail = dataclasses.replace(ramp, shape="steady", duration_s=TAIL_SECONDS, seed=2)
-    later = (dataclasses.replace(r, arrival_s=r.arrival_s + RAMP_SECONDS) for r in generate(tail))
-    return [*generate(ramp), *later]
+    return generate(spec)
+
+
+@dataclasses.dataclass
+class Ramp:
+    """The rate of the trace, decided as it is sent: from `start` it doubles every DOUBLING_SECONDS until
+    `grown()` (the fleet wants more than one replica), holds that rate HOLD_SECONDS, halves as fast back to
+    `start` and stays there TAIL_SECONDS. It stops early if it passes `ceiling` before the fleet grows."""
+
+    start: float
+    ceiling: float
+    grown: Callable[[], bool]
+    # When the fleet grew, in seconds from the start, and the rate then.
+    rise: tuple[float, float] | None = None
+
+    def __call__(self, seconds: float) -> float | None:
+        if self.rise is None:
+            rate = self.start * 2 ** (seconds / DOUBLING_SECONDS)
+            if self.grown():
+                self.rise = (seconds, rate)
+            return rate if rate <= self.ceiling else None
+        rose_at, peak = self.rise
+        falling_for = seconds - rose_at - HOLD_SECONDS
+        fall_seconds = DOUBLING_SECONDS * math.log2(peak / self.start)
+        if falling_for < fall_seconds:
+            return peak * 2 ** (-max(falling_for, 0.0) / DOUBLING_SECONDS)
+        return self.start if falling_for < fall_seconds + TAIL_SECONDS else None
+
+    def describe(self) -> str:
+        if self.rise is None:
+            return (
+                f"from {self.start:.2f}/s, doubling every {DOUBLING_SECONDS:g}s, past {self.ceiling:.2f}/s "
+                "with one replica"
+            )
+        rose_at, peak = self.rise
+        return (
+            f"from {self.start:.2f}/s, doubling every {DOUBLING_SECONDS:g}s until the fleet grew "
+            f"{rose_at:.1f}s in at {peak:.2f}/s, held {HOLD_SECONDS:g}s and back as fast, then "
+            f"{TAIL_SECONDS:g}s at {self.start:.2f}/s"
+        )
 
 
 def ramp_service(model_dir: Path) -> dict[str, Any]:
@@ -131,8 +176,9 @@ def rate_with_places_full(url: str, model: str, vocab_size: int) -> float:
     ramp's are, as soon as its last one is answered. The prompts are sent reversed: trace_workload gives the
     n-th request of any trace the same ids after its prefix group's, and the ramp's must not find these in the
     prefix cache."""
-    # A ramp to any peak: its requests' lengths are drawn alike.
-    shaped = trace_workload(ramp_and_tail(1.0)[:RATE_PROBE_REQUESTS], vocab_size, SHARED_PREFIX_TOKENS)
+    shaped = trace_workload(
+        itertools.islice(steady_trace(), RATE_PROBE_REQUESTS), vocab_size, SHARED_PREFIX_TOKENS
+    )
     at_once = [
         dataclasses.replace(request, send_at=0.0, prompt_token_ids=request.prompt_token_ids[::-1])
         for request in shaped
@@ -266,20 +312,28 @@ def test_the_slo_policy_keeps_a_ramp_within_its_target_and_scales_down_under_str
     profile = fit_profile(measure(front_url, MAX_NUM_SEQS, model), EngineProfile(max_num_seqs=MAX_NUM_SEQS))
     vocab_size = json.loads((small_model_dir / "config.json").read_text())["vocab_size"]
     one_replica_rate = rate_with_places_full(front_url, model, vocab_size)
-    peak_rate = PEAK_SHARE_OF_ONE_REPLICA * one_replica_rate
-    trace = ramp_and_tail(peak_rate)
-    workload = trace_workload(trace, vocab_size, SHARED_PREFIX_TOKENS)
+    workload = trace_workload(steady_trace(), vocab_size, SHARED_PREFIX_TOKENS)
 
     with ReplicaHistory(api, namespace, "ramp") as history:
+        ramp = Ramp(
+            start=START_SHARE_OF_ONE_REPLICA * one_replica_rate,
+            ceiling=CEILING_SHARE_OF_ONE_REPLICA * one_replica_rate,
+            grown=lambda: history.snapshot()[-1].desired > 1,
+        )
         # The calibration's requests were load too: the ramp starts from one replica.
         wait_for("one replica wanted", lambda: history.snapshot() and history.snapshot()[-1].desired == 1, 60)
         # ... and a stable window with none of its requests, which would be taken for the ramp's.
         time.sleep(SCALING["stableWindowSeconds"])
         began, load_before = time.monotonic(), os.getloadavg()[0]
-        results = replay(front_url, model, workload)
+        results = replay_at_rate(front_url, model, workload, ramp)
         ended, load_after = time.monotonic(), os.getloadavg()[0]
         wait_for("back to one replica for good", lambda: settled_at_one(history, ended), 120)
     samples = history.snapshot()
+    # What was sent, as a trace for the simulator.
+    trace = [
+        dataclasses.replace(request, arrival_s=result.start_time)
+        for result, request in zip(results, steady_trace(), strict=False)
+    ]
 
     failed = [result.error for result in results if not result.ok]
     real_p50, real_p90 = p50_p90([result.ttft for result in results if result.ttft is not None])
@@ -301,8 +355,7 @@ def test_the_slo_policy_keeps_a_ramp_within_its_target_and_scales_down_under_str
     ]
     summary = (
         f"slo ramp: one replica answered {one_replica_rate:.1f}/s with its places full; "
-        f"{len(trace)} requests at {peak_rate / PEAK_RATIO:.2f} to {peak_rate:.2f}/s "
-        f"over {RAMP_SECONDS:.0f}s and back, then {TAIL_SECONDS:.0f}s at the lowest; "
+        f"{len(trace)} requests {ramp.describe()}; "
         f"calibrated {describe(profile)}; {len(failed)} failed; desired {counts} "
         f"(seconds into the ramp, count: {real_changes}), pod starts {[round(s, 1) for s in starts]} s; "
         f"TTFT p50/p90 real {real_p50:.3f}/{real_p90:.3f} s ({apart_p50:.3f}/{apart_p90:.3f} s outside "
@@ -321,7 +374,8 @@ def test_the_slo_policy_keeps_a_ramp_within_its_target_and_scales_down_under_str
     # failure's output may not reach the measurements printed at the end of the run.
     assert len(apart) >= len(results) / 2, summary
     assert apart_p90 <= TTFT_TARGET_MS / 1000, summary
-    assert max(counts) > 1 and counts[-1] == 1, (real_changes, decisions)
+    # Grown on the way up, before the rate passed three times what one replica answered, and back to one.
+    assert ramp.rise is not None and counts[-1] == 1, summary
     # A replica went while the trace was still sending: its streams finished (none failed, above).
     went = any(b.desired < a.desired and b.at < ended for a, b in itertools.pairwise(samples))
     assert went, (real_changes, round(ended - began, 1), decisions)
