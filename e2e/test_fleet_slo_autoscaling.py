@@ -135,6 +135,12 @@ class Ramp:
     # When the fleet grew, in seconds from the start, and the rate then.
     rise: tuple[float, float] | None = None
 
+    @classmethod
+    def measured(cls, one_replica_rate: float, grown: Callable[[], bool]) -> Ramp:
+        """The ramp for a replica that answered `one_replica_rate` requests a second with its places full."""
+        start = START_SHARE_OF_ONE_REPLICA * one_replica_rate
+        return cls(start, CEILING_SHARE_OF_ONE_REPLICA * one_replica_rate, grown)
+
     def __call__(self, seconds: float) -> float | None:
         if self.rise is None:
             rate = self.start * 2 ** (seconds / DOUBLING_SECONDS)
@@ -192,6 +198,14 @@ def rate_with_places_full(url: str, model: str, vocab_size: int) -> float:
         return len(results) / seconds
 
     return asyncio.run(run())
+
+
+def as_sent(results: list[RequestResult]) -> list[TraceRequest]:
+    """The replayed requests at the moments they were sent: the trace the simulator runs."""
+    return [
+        dataclasses.replace(request, arrival_s=result.start_time)
+        for result, request in zip(results, steady_trace(), strict=False)
+    ]
 
 
 def simulate(
@@ -315,11 +329,7 @@ def test_the_slo_policy_keeps_a_ramp_within_its_target_and_scales_down_under_str
     workload = trace_workload(steady_trace(), vocab_size, SHARED_PREFIX_TOKENS)
 
     with ReplicaHistory(api, namespace, "ramp") as history:
-        ramp = Ramp(
-            start=START_SHARE_OF_ONE_REPLICA * one_replica_rate,
-            ceiling=CEILING_SHARE_OF_ONE_REPLICA * one_replica_rate,
-            grown=lambda: history.snapshot()[-1].desired > 1,
-        )
+        ramp = Ramp.measured(one_replica_rate, grown=lambda: history.snapshot()[-1].desired > 1)
         # The calibration's requests were load too: the ramp starts from one replica.
         wait_for("one replica wanted", lambda: history.snapshot() and history.snapshot()[-1].desired == 1, 60)
         # ... and a stable window with none of its requests, which would be taken for the ramp's.
@@ -329,11 +339,6 @@ def test_the_slo_policy_keeps_a_ramp_within_its_target_and_scales_down_under_str
         ended, load_after = time.monotonic(), os.getloadavg()[0]
         wait_for("back to one replica for good", lambda: settled_at_one(history, ended), 120)
     samples = history.snapshot()
-    # What was sent, as a trace for the simulator.
-    trace = [
-        dataclasses.replace(request, arrival_s=result.start_time)
-        for result, request in zip(results, steady_trace(), strict=False)
-    ]
 
     failed = [result.error for result in results if not result.ok]
     real_p50, real_p90 = p50_p90([result.ttft for result in results if result.ttft is not None])
@@ -355,14 +360,14 @@ def test_the_slo_policy_keeps_a_ramp_within_its_target_and_scales_down_under_str
     ]
     summary = (
         f"slo ramp: one replica answered {one_replica_rate:.1f}/s with its places full; "
-        f"{len(trace)} requests {ramp.describe()}; "
+        f"{len(results)} requests {ramp.describe()}; "
         f"calibrated {describe(profile)}; {len(failed)} failed; desired {counts} "
         f"(seconds into the ramp, count: {real_changes}), pod starts {[round(s, 1) for s in starts]} s; "
         f"TTFT p50/p90 real {real_p50:.3f}/{real_p90:.3f} s ({apart_p50:.3f}/{apart_p90:.3f} s outside "
         f"the pod starts, {len(apart)} of {len(results)} requests; by {INTERVAL_SECONDS:g}s of the trace, "
         f"sent from, count, p90: "
         f"{p90_by_interval(results, INTERVAL_SECONDS)}), "
-        f"{simulated_beside(simulate(manifest, profile, trace, starts), samples, began, ended)}; "
+        f"{simulated_beside(simulate(manifest, profile, as_sent(results), starts), samples, began, ended)}; "
         f"decisions {decisions}; load average {load_before:.1f} before the trace, {load_after:.1f} after"
     )
     measurements(summary)
