@@ -81,9 +81,10 @@ START_SHARE_OF_ONE_REPLICA = 0.15
 # At this pace a window holds its rate's rise of 41%: a trend the policy can follow, and past one replica's
 # rate (from the start's share) in under a minute.
 DOUBLING_SECONDS = 20.0
-# The rate stops rising here, three times one replica's measured rate: the fleet had to grow well before it,
-# and the test fails if it did not.
-CEILING_SHARE_OF_ONE_REPLICA = 3.0
+# The rate stops rising here, five times one replica's measured rate, and the test fails if the fleet has not
+# grown by then (101 s into the ramp): far past what one replica serves on a machine as busy as when the rate
+# was measured, with room for a measurement taken while other tests held the cores, as CI's was.
+CEILING_SHARE_OF_ONE_REPLICA = 5.0
 # At the rate it grew at: the second replica starts under the load that called for it, then the rate halves
 # every DOUBLING_SECONDS back to the start's.
 HOLD_SECONDS = 20.0
@@ -379,7 +380,7 @@ def test_the_slo_policy_keeps_a_ramp_within_its_target_and_scales_down_under_str
     # failure's output may not reach the measurements printed at the end of the run.
     assert len(apart) >= len(results) / 2, summary
     assert apart_p90 <= TTFT_TARGET_MS / 1000, summary
-    # Grown on the way up, before the rate passed three times what one replica answered, and back to one.
+    # Grown on the way up, before the rate passed five times what one replica answered, and back to one.
     assert ramp.rise is not None and counts[-1] == 1, summary
     # A replica went while the trace was still sending: its streams finished (none failed, above).
     went = any(b.desired < a.desired and b.at < ended for a, b in itertools.pairwise(samples))
