@@ -99,7 +99,6 @@ OUTPUT_TOKENS = 32.0
 SHARED_PREFIX_TOKENS = 32
 # Requests sent back to back, two at a time, to measure that rate.
 RATE_PROBE_REQUESTS = 40
-PEAK_RATIO = 5.0
 # The simulated fleet's count is compared with the real one's this often.
 SERIES_SECONDS = 2.0
 # The real first tokens' p90 is printed for each such part of the trace too.
