@@ -146,7 +146,9 @@ class Ramp:
             rate = self.start * 2 ** (seconds / DOUBLING_SECONDS)
             if self.grown():
                 self.rise = (seconds, rate)
-            return rate if rate <= self.ceiling else None
+            elif rate > self.ceiling:
+                return None
+            return rate
         rose_at, peak = self.rise
         falling_for = seconds - rose_at - HOLD_SECONDS
         fall_seconds = DOUBLING_SECONDS * math.log2(peak / self.start)
