@@ -203,7 +203,8 @@ def rate_with_places_full(url: str, model: str, vocab_size: int) -> float:
 
 
 def as_sent(results: list[RequestResult]) -> list[TraceRequest]:
-    """The replayed requests at the moments they were sent: the trace the simulator runs."""
+    """The replayed requests at the moments they were sent: the trace the simulator runs. steady_trace is
+    seeded, so it yields the replayed requests again, in the order they were sent."""
     return [
         dataclasses.replace(request, arrival_s=result.start_time)
         for result, request in zip(results, steady_trace(), strict=False)
