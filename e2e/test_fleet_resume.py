@@ -8,12 +8,9 @@ waiting for them, and fails no request."""
 from __future__ import annotations
 
 import json
-import os
 import random
-import signal
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,7 +20,8 @@ import pytest
 
 from e2e.cluster import KubeAPI, LocalCluster, PodRunner
 from e2e.cluster.kube_api import MERGE_PATCH
-from e2e.fleet.gateway import metric, metric_in, scrape, serve_through_gateway
+from e2e.fleet.gateway import metric, serve_through_gateway
+from e2e.fleet.kills import ReplicaKiller
 from e2e.fleet.manifests import services_path, tiny_service
 from e2e.fleet.observe import is_ready, service_pods
 from e2e.fleet.streams import ConcurrentStreams, StreamedAnswer, StreamLoad
@@ -31,9 +29,6 @@ from e2e.fleet.traffic import ChatLoad, Endpoint, ReadyEndpoints
 from e2e.support.waits import wait_for
 
 RESUMES = "kvfleet_gateway_resumes_total"
-GENERATED = "kvfleet:generation_tokens_total"
-RUNNING = "kvfleet:num_requests_running"
-WAITING = "kvfleet:num_requests_waiting"
 STREAMS_PER_KIND = 15
 # Unconstrained answers run to max_tokens (ignore_eos).
 FREE_TOKENS = 220
@@ -91,54 +86,6 @@ def check_answer(kind: str, answer: StreamedAnswer) -> None:
         jsonschema.validate(json.loads(answer.tool_arguments), DIGITS_SCHEMA)
 
 
-class Replicas:
-    """The replicas as their own counters see them, whatever the clients have read (on a loaded machine they
-    read well behind): the tokens each has generated since the start, and the requests each holds (running
-    or waiting). A killed replica keeps the count it last had."""
-
-    def __init__(self, api: KubeAPI, runner: PodRunner, namespace: str, pods: list[str]) -> None:
-        addresses = {
-            pod["metadata"]["name"]: pod["status"]["podIP"] for pod in service_pods(api, namespace, "chaos")
-        }
-        self.runner, self.namespace = runner, namespace
-        self.endpoints = {name: Endpoint(name, addresses[name]) for name in pods}
-        self.generated: dict[str, float] = {}
-        self.holding: dict[str, float] = {}
-        self.killed: set[str] = set()
-        self._read()
-        self.generated_before = sum(self.generated.values())
-
-    def _read(self) -> None:
-        # All at once: on a loaded machine one scrape can take long enough for the streams to end between the
-        # first replica's read and the last's.
-        alive = {name: endpoint for name, endpoint in self.endpoints.items() if name not in self.killed}
-        with ThreadPoolExecutor(len(alive)) as pool:
-            texts = dict(zip(alive, pool.map(scrape, alive.values()), strict=True))
-        for name, text in texts.items():
-            self.generated[name] = metric_in(text, GENERATED)
-            self.holding[name] = metric_in(text, RUNNING) + metric_in(text, WAITING)
-
-    def kill_one(self, rng: random.Random, tokens: float, streams: ConcurrentStreams) -> str:
-        """Once the fleet has generated that many tokens, kills a random replica among those holding requests
-        (prefix-aware routing may well leave one idle, and killing that would cut nothing; between a kill and
-        the resumes it causes, every replica left may be idle a moment); what it did, in words."""
-
-        def holding() -> list[str] | None:
-            self._read()
-            if sum(self.generated.values()) - self.generated_before < tokens:
-                return None
-            assert not streams.finished(), "the streams ended before the replicas were killed"
-            return sorted(name for name, held in self.holding.items() if held and name not in self.killed)
-
-        victim = rng.choice(wait_for(f"{tokens:.0f} tokens generated", holding, STREAM_TIMEOUT_SECONDS, 0.02))
-        pid = self.runner.process_id(self.namespace, victim, "runtime")
-        assert pid is not None, f"{victim} runs"
-        os.kill(pid, signal.SIGKILL)
-        self.killed.add(victim)
-        generated = sum(self.generated.values()) - self.generated_before
-        return f"{generated:.0f} generated, {self.holding[victim]:.0f} requests held"
-
-
 def resumes(gateway: ReadyEndpoints, *labels: str) -> float:
     """The resumes every gateway replica made so far (with these labels)."""
     return sum(metric(endpoint, RESUMES, *labels) for endpoint in gateway.current())
@@ -179,6 +126,21 @@ def _serves(pod: dict[str, Any]) -> bool:
     return ready and not pod["metadata"].get("deletionTimestamp")
 
 
+def replica_endpoints(api: KubeAPI, namespace: str, pods: list[str]) -> list[Endpoint]:
+    """The runtime endpoints of these pods of the chaos service."""
+    addresses = {
+        pod["metadata"]["name"]: pod["status"]["podIP"] for pod in service_pods(api, namespace, "chaos")
+    }
+    return [Endpoint(name, addresses[name]) for name in pods]
+
+
+def runtime_pid(runner: PodRunner, namespace: str, pod: str) -> int:
+    """The PID of a pod's runtime process."""
+    pid = runner.process_id(namespace, pod, "runtime")
+    assert pid is not None, f"{pod} runs"
+    return pid
+
+
 def test_two_replicas_killed_under_long_streams_cost_no_stream_nor_a_token(
     local_cluster: LocalCluster,
     gateway: ReadyEndpoints,
@@ -216,15 +178,18 @@ def test_two_replicas_killed_under_long_streams_cost_no_stream_nor_a_token(
     shares = sorted(rng.uniform(0.1, 0.5) for _ in range(2))
     total_tokens = sum(len(answer.token_ids) for answer in expected)
     resumed_before = resumes(gateway)
-    replicas = Replicas(api, runner, namespace, pods)
-    started = time.monotonic()
-    chaos = ConcurrentStreams(gateway, model, [request for _, request in requests])
-    kills = []
-    for share in shares:
-        done = replicas.kill_one(rng, share * total_tokens, chaos)
-        kills.append(f"{time.monotonic() - started:.1f}s ({share:.0%} of {total_tokens} tokens due; {done})")
-    answers = chaos.finish(STREAM_TIMEOUT_SECONDS)
-    chaos_seconds = time.monotonic() - started
+    endpoints = replica_endpoints(api, namespace, pods)
+    pids = {pod: runtime_pid(runner, namespace, pod) for pod in pods}
+    with ReplicaKiller(endpoints, pids, [share * total_tokens for share in shares], rng) as killer:
+        started = time.monotonic()
+        chaos = ConcurrentStreams(gateway, model, [request for _, request in requests])
+        answers = chaos.finish(STREAM_TIMEOUT_SECONDS)
+        chaos_seconds = time.monotonic() - started
+        kills = [
+            f"{kill.at - started:.1f}s ({share:.0%} of {total_tokens} tokens due; {kill.generated:.0f} "
+            f"generated, {kill.held:.0f} requests held)"
+            for share, kill in zip(shares, killer.kills(STREAM_TIMEOUT_SECONDS), strict=True)
+        ]
     resumed = resumes(gateway) - resumed_before
 
     measurements(
