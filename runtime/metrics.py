@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvfleet.contract.metrics import (
@@ -75,12 +75,28 @@ _SLEEP_STATES = ("awake", "weights_offloaded", "discard_all")
 _FINISH_REASON_ORDER = ("error", "timeout", "abort", "length", "stop")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class _Pair:
     """One observation recorded under kvfleet's name (with the tier) and vLLM's (without)."""
 
     kvfleet: Counter | Histogram
     vllm: tuple[Counter | Histogram, ...]
+    model_name: str
+    # Each tier's series, as the methods that record into them. prometheus_client's labels() takes a lock and
+    # checks the label values at every call, three quarters of what a token's observations cost.
+    _recorders: dict[str, tuple[Callable[[float], None], ...]] = field(default_factory=dict)
+
+    def record(self, tier: str, value: float) -> None:
+        recorders = self._recorders.get(tier)
+        if recorders is None:
+            series = [
+                self.kvfleet.labels(model_name=self.model_name, tier=tier),
+                *(metric.labels(model_name=self.model_name) for metric in self.vllm),
+            ]
+            method = "inc" if isinstance(self.kvfleet, Counter) else "observe"
+            recorders = self._recorders[tier] = tuple(getattr(child, method) for child in series)
+        for record in recorders:
+            record(value)
 
 
 class ServerMetrics:
@@ -198,6 +214,7 @@ class ServerMetrics:
         return _Pair(
             Counter(KVFLEET_PREFIX + name, documentation, ["model_name", "tier"], registry=self.registry),
             (Counter(VLLM_PREFIX + name, documentation, ["model_name"], registry=self.registry),),
+            self.model_name,
         )
 
     def _histogram(
@@ -216,19 +233,7 @@ class ServerMetrics:
             )
             for alias in (name, *extra_vllm)
         )
-        return _Pair(kvfleet, vllm)
-
-    def _record(self, pair: _Pair, tier: str, value: float) -> None:
-        kvfleet = pair.kvfleet.labels(model_name=self.model_name, tier=tier)
-        vllm = [metric.labels(model_name=self.model_name) for metric in pair.vllm]
-        if isinstance(pair.kvfleet, Counter):
-            kvfleet.inc(value)  # type: ignore[union-attr]
-            for child in vllm:
-                child.inc(value)  # type: ignore[union-attr]
-        else:
-            kvfleet.observe(value)  # type: ignore[union-attr]
-            for child in vllm:
-                child.observe(value)  # type: ignore[union-attr]
+        return _Pair(kvfleet, vllm, self.model_name)
 
     # ---- engine state ------------------------------------------------------------------------------
 
@@ -330,27 +335,27 @@ class RequestTracker:
     def observe(self, output: RequestOutput) -> None:
         if self._done:
             return
-        metrics, tier, record = self._metrics, self._tier, self._metrics._record
+        metrics, tier = self._metrics, self._tier
         new_tokens = sum(len(completion.token_ids) for completion in output.outputs)
         if new_tokens:
             self._num_generated += new_tokens
-            record(metrics._generation_tokens, tier, new_tokens)
+            metrics._generation_tokens.record(tier, new_tokens)
             if self._lora_tokens is not None:
                 self._lora_tokens.inc(new_tokens)
         times = output.metrics
         self._times = times or self._times
         if times is not None and times.last_token_time is not None:
             if self._last_token_time is None:
-                record(metrics._prompt_tokens, tier, self._num_prompt_tokens)
+                metrics._prompt_tokens.record(tier, self._num_prompt_tokens)
                 if times.first_token_time is not None:
-                    record(metrics._ttft, tier, times.first_token_time - times.arrival_time)
+                    metrics._ttft.record(tier, times.first_token_time - times.arrival_time)
                     if times.first_scheduled_time is not None:
-                        record(metrics._queue_time, tier, times.first_scheduled_time - times.arrival_time)
-                        record(
-                            metrics._prefill_time, tier, times.first_token_time - times.first_scheduled_time
+                        metrics._queue_time.record(tier, times.first_scheduled_time - times.arrival_time)
+                        metrics._prefill_time.record(
+                            tier, times.first_token_time - times.first_scheduled_time
                         )
             elif times.last_token_time > self._last_token_time:
-                record(metrics._itl, tier, times.last_token_time - self._last_token_time)
+                metrics._itl.record(tier, times.last_token_time - self._last_token_time)
             self._last_token_time = times.last_token_time
         if output.finished:
             reasons = {completion.finish_reason for completion in output.outputs}
@@ -366,19 +371,19 @@ class RequestTracker:
 
     def _finish(self, reason: str, output: RequestOutput) -> None:
         self._done = True
-        metrics, tier, record = self._metrics, self._tier, self._metrics._record
+        metrics, tier = self._metrics, self._tier
         metrics._record_finished(reason, tier)
         times = output.metrics
         if reason in ("stop", "length") and times is not None and times.finished_time is not None:
-            record(metrics._e2e, tier, times.finished_time - times.arrival_time)
-            record(metrics._request_prompt_tokens, tier, self._num_prompt_tokens)
-            record(metrics._request_generation_tokens, tier, self._num_generated)
+            metrics._e2e.record(tier, times.finished_time - times.arrival_time)
+            metrics._request_prompt_tokens.record(tier, self._num_prompt_tokens)
+            metrics._request_generation_tokens.record(tier, self._num_generated)
             if times.first_token_time is not None and times.last_token_time is not None:
                 decode = times.last_token_time - times.first_token_time
-                record(metrics._decode_time, tier, decode)
+                metrics._decode_time.record(tier, decode)
                 per_sequence = self._num_generated / max(len(output.outputs), 1)
                 if per_sequence > 1:
-                    record(metrics._tpot, tier, decode / (per_sequence - 1))
+                    metrics._tpot.record(tier, decode / (per_sequence - 1))
         self._end_span(reason)
 
     def _end_span(self, reason: str) -> None:

@@ -61,6 +61,21 @@ def test_metrics_names_and_observations() -> None:
     assert _sample(text, 'kvfleet:requests_rejected_total{model_name="m",reason="shed",tier="batch"}') == 1
 
 
+def test_each_tier_records_into_its_own_series() -> None:
+    """A tier's series are looked up once and kept: the tiers that follow record into theirs, not its."""
+    metrics = ServerMetrics("m")
+    for tier, tokens in (("critical", 3), ("batch", 2), ("critical", 1)):
+        metrics.track(tier, num_prompt_tokens=4).observe(_output(tokens, first=0.5, last=0.5))
+    text = metrics.render().decode()
+
+    assert _sample(text, 'kvfleet:generation_tokens_total{model_name="m",tier="critical"}') == 4
+    assert _sample(text, 'kvfleet:generation_tokens_total{model_name="m",tier="batch"}') == 2
+    assert _sample(text, 'vllm:generation_tokens_total{model_name="m"}') == 6
+    assert _sample(text, 'kvfleet:time_to_first_token_seconds_count{model_name="m",tier="critical"}') == 2
+    assert _sample(text, 'kvfleet:time_to_first_token_seconds_count{model_name="m",tier="batch"}') == 1
+    assert _sample(text, 'vllm:time_to_first_token_seconds_count{model_name="m"}') == 3
+
+
 def test_engine_info_names_the_chosen_attention_backend(api_server: ServerProcess) -> None:
     text = httpx.get(f"{api_server.url}/metrics", timeout=10).text
     line = next(line for line in text.splitlines() if line.startswith("kvfleet:engine_info{"))
