@@ -205,12 +205,13 @@ class OutputProcessor:
 
         outputs = []
         for request_id, state in touched.items():
-            if state.finished:
+            finished = state.finished
+            if finished:
                 state.metrics.finished_time = now
-            output = self._make_output(state)
+            output = self._make_output(state, finished)
             if output is not None:
                 outputs.append(output)
-            if state.finished:
+            if finished:
                 self.remove(request_id)
         return outputs, stopped
 
@@ -261,9 +262,10 @@ class OutputProcessor:
                 sequence.token_ids, skip_special_tokens=params.skip_special_tokens
             )
 
-    def _make_output(self, state: _RequestState) -> RequestOutput | None:
+    def _make_output(self, state: _RequestState, finished: bool) -> RequestOutput | None:
+        """The output to hand out after a step; `finished`: whether the request's sequences all are."""
         if state.output_kind is OutputKind.FINAL_ONLY:
-            if not state.finished:
+            if not finished:
                 return None
             completions = [self._completion(seq, delta=False) for seq in state.sequences.values()]
         else:
@@ -277,13 +279,13 @@ class OutputProcessor:
             prompt=state.prompt,
             prompt_token_ids=state.prompt_token_ids,
             outputs=completions,
-            finished=state.finished,
+            finished=finished,
             num_cached_tokens=state.num_cached_tokens,
             # A snapshot: the state's own copy keeps changing, and outputs may be read on another thread.
             metrics=dataclasses.replace(state.metrics),
-            kv_transfer_params=state.kv_transfer_params if state.finished else None,
-            prompt_hidden_state=state.prompt_hidden_state if state.finished else None,
-            prompt_logprobs=state.prompt_logprobs if state.finished else None,
+            kv_transfer_params=state.kv_transfer_params if finished else None,
+            prompt_hidden_state=state.prompt_hidden_state if finished else None,
+            prompt_logprobs=state.prompt_logprobs if finished else None,
         )
 
     @staticmethod
