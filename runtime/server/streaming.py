@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
+import msgspec
 from kvfleet.runtime.errors import EngineError
 from kvfleet.runtime.server.errors import ClientDisconnectedError, OpenAIError
 from kvfleet.runtime.serving.errors import from_engine_error
@@ -24,10 +24,14 @@ SSE_DONE = "data: [DONE]\n\n"
 # A comment line, which clients skip: it keeps a quiet stream's connection from looking idle to the proxies
 # between a client and the server, which close connections that carry nothing for their read timeout.
 SSE_KEEP_ALIVE = ": keep-alive\n\n"
+# Every token of every stream is an event to encode: msgspec takes a tenth of json.dumps' time, and writes it
+# without spaces, as OpenAI's and vLLM's streams are written. (It writes a float that is not a number as null,
+# where json.dumps would write NaN, which is not JSON.)
+_JSON = msgspec.json.Encoder()
 
 
 def sse_event(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+    return f"data: {_JSON.encode(payload).decode()}\n\n"
 
 
 def typed_sse_event(payload: dict[str, Any]) -> str:
