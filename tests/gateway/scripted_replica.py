@@ -29,7 +29,7 @@ from kvfleet.contract.resume import CONTINUATION, CONTINUATION_CHOICES, DRAINING
 
 # The comment `kvfleet serve --sse-keep-alive-interval` sends (as vLLM's server does).
 KEEP_ALIVE = b": keep-alive\n\n"
-FaultKind = Literal["reset", "eof", "error", "drain", "stall", "refuse", "draining", "timeout"]
+FaultKind = Literal["reset", "eof", "error", "drain", "stall", "refuse", "draining", "timeout", "nan"]
 TOOL_NAME = "get_weather"
 # A tool call's script: two tokens before its name is known, its arguments, one token closing it.
 TOOL_HEADER_TOKENS = 2
@@ -306,6 +306,10 @@ async def _fail(request: web.Request, response: web.StreamResponse, kind: FaultK
         }[kind]
         await response.write(error.to_sse().encode())
         await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+    elif kind == "nan":
+        # A chunk as Python's json writes a NaN logprob: not JSON, though json.loads reads it.
+        await response.write(b'data: {"choices": [{"index": 0, "text": "", "logprobs": NaN}]}\n\n')
         await response.write_eof()
     else:  # eof: the body ends cleanly, without [DONE]
         await response.write_eof()

@@ -129,6 +129,7 @@ CASES = [
     ),
     pytest.param(COMPLETIONS_PATH, Fault("eof", 99, after_usage=True), "reset", {}, id="after-usage"),
     pytest.param(COMPLETIONS_PATH, Fault("error", after=2), "error", {}, id="completion-error-frame"),
+    pytest.param(COMPLETIONS_PATH, Fault("nan", after=2), "error", {}, id="completion-chunk-not-json"),
     pytest.param(CHAT_PATH, Fault("drain", after=4), "drain", {}, id="chat-drained"),
 ]
 
