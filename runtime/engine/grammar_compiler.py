@@ -6,10 +6,11 @@ WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR state does. Compiled grammars are cached b
 compiler belongs to one tokenizer, so that is a key by grammar and tokenizer).
 
 Some grammars take minutes or more (large bounded repetitions, say). A compilation gets a time limit, past
-which its requests fail with GrammarTimeoutError. xgrammar cannot interrupt a compilation, so each one runs
-in a compile process (compile_worker), which is killed at the limit: at most `_CONCURRENT_COMPILATIONS`
-compile at once, and nothing runs on past its limit. The failure stays cached, so asking for the same grammar
-again fails at once instead of starting it over.
+which its requests fail with GrammarTimeoutError. xgrammar cannot interrupt a compilation, so each one runs in
+a compile process (compile_worker), which is killed at the limit: at most `_CONCURRENT_COMPILATIONS` compile
+at once, and nothing runs on past its limit. The compile processes are forked from a compile server that
+imported xgrammar once, so one killed is replaced in milliseconds. The failure stays cached, so asking for the
+same grammar again fails at once instead of starting it over.
 """
 
 from __future__ import annotations
@@ -32,7 +33,12 @@ from kvfleet.runtime.errors import (
 )
 from kvfleet.runtime.sampling_params import StructuredOutputsParams
 from kvfleet.runtime.structured_outputs.bitmasks import pack_bits
-from kvfleet.runtime.structured_outputs.compile_worker import CompileTimeoutError, CompileWorker
+from kvfleet.runtime.structured_outputs.compile_worker import (
+    CompilerExitedError,
+    CompileServer,
+    CompileTimeoutError,
+    CompileWorker,
+)
 from kvfleet.runtime.structured_outputs.grammars import JSON_KINDS, GrammarError, grammar_key
 
 if TYPE_CHECKING:
@@ -77,12 +83,15 @@ class GrammarCompiler:
         self._text_token_filter: torch.Tensor | None = None
         self._json_token_filter: torch.Tensor | None = None
         self._places = threading.Semaphore(_CONCURRENT_COMPILATIONS)
-        # Compile processes started at first need, each used by one compilation at a time.
+        # Compile processes forked at first need, each used by one compilation at a time, and the server
+        # they are forked from (started at the first, and again if it died).
         self._idle_workers: list[CompileWorker] = []
         self._workers: set[CompileWorker] = set()
+        self._servers: list[CompileServer] = []
+        self._server_lock = threading.Lock()
         self._shut_down = False
         # Killed when the engine shuts down, or when this compiler is collected (an LLM dropped, say).
-        self._kill_workers = weakref.finalize(self, _kill_all, self._workers)
+        self._kill_workers = weakref.finalize(self, _kill_all, self._workers, self._servers)
         # The vocabulary is prepared once, by the first compilation.
         self._vocabulary_lock = threading.Lock()
         self._cache: OrderedDict[tuple[str, str], Future[CompiledConstraint]] = OrderedDict()
@@ -139,8 +148,8 @@ class GrammarCompiler:
                 future.set_result(compiled)
 
     def _compile(self, kind: str, text: str) -> CompiledConstraint:
-        # The vocabulary and the compile process: once per engine, and not the grammar's doing, so outside
-        # its time limit.
+        # The vocabulary and the compile server (once per engine) and a compile process: not the grammar's
+        # doing, so outside its time limit.
         tokenizer_info = self._vocabulary()
         worker = self._idle_worker(tokenizer_info)
         start = time.perf_counter()
@@ -174,12 +183,28 @@ class GrammarCompiler:
                 if worker.alive:
                     return worker
                 self._workers.discard(worker)  # killed while idle (the OOM killer, say)
-        worker = CompileWorker(tokenizer_info.serialize_json())
+        try:
+            worker = self._server(tokenizer_info).fork()
+        except CompilerExitedError:  # the server died since the last fork (the OOM killer, say): a new one
+            worker = self._server(tokenizer_info).fork()
         with self._lock:
             self._workers.add(worker)
             if self._shut_down:
                 worker.kill()
         return worker
+
+    def _server(self, tokenizer_info: xgrammar.TokenizerInfo) -> CompileServer:
+        """The compile server, started at first need or when the last one has died."""
+        with self._server_lock:
+            if not self._servers or not self._servers[-1].alive:
+                for dead in self._servers:
+                    dead.kill()
+                self._servers[:] = [CompileServer(tokenizer_info.serialize_json())]
+            server = self._servers[-1]
+        with self._lock:
+            if self._shut_down:
+                server.kill()
+        return server
 
     def _give_back(self, worker: CompileWorker) -> None:
         """Back among the idle ones, or forgotten if it has been stopped (a timeout, a crash, shutdown)."""
@@ -303,6 +328,8 @@ def _may_start_a_surrogate(token: bytes) -> bool:
     return False
 
 
-def _kill_all(workers: set[CompileWorker]) -> None:
+def _kill_all(workers: set[CompileWorker], servers: list[CompileServer]) -> None:
     for worker in list(workers):
         worker.kill()
+    for server in list(servers):
+        server.kill()

@@ -9,6 +9,7 @@ import re
 import signal
 import threading
 import time
+from collections.abc import Iterable
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -269,12 +270,33 @@ def test_a_compiling_request_displaces_nobody() -> None:
     assert scheduler.schedule().preempted_request_ids == {"running"}
 
 
+def _compile_servers() -> set[int]:
+    """The pids of this process's grammar compile servers."""
+    return _compilers(_children("self"))
+
+
 def _compile_processes() -> set[int]:
-    """The pids of this process's grammar compile processes. A thread or a child may end while they are
-    read: its file is then gone, and it has no compile process."""
-    tasks = Path("/proc/self/task").iterdir()
-    children = (int(pid) for task in tasks for pid in _read(task / "children").split())
-    return {pid for pid in children if COMPILE_WORKER_MODULE in _read(Path(f"/proc/{pid}/cmdline"))}
+    """The pids of the compile processes those servers forked (not the short-lived commands a library may
+    run as it is imported)."""
+    return _compilers(pid for server in _compile_servers() for pid in _children(str(server)))
+
+
+def _compilers(pids: Iterable[int]) -> set[int]:
+    return {pid for pid in pids if COMPILE_WORKER_MODULE in _read(Path(f"/proc/{pid}/cmdline"))}
+
+
+def _children(pid: str) -> set[int]:
+    """The children of a process. A thread or a process may end while they are read: its files are then
+    gone, and it has no children."""
+    return {int(child) for task in _tasks(pid) for child in _read(task / "children").split()}
+
+
+def _tasks(pid: str) -> list[Path]:
+    """A process's threads' folders; none once it is gone."""
+    try:
+        return list(Path(f"/proc/{pid}/task").iterdir())
+    except FileNotFoundError:
+        return []
 
 
 def _read(path: Path) -> str:
@@ -282,6 +304,13 @@ def _read(path: Path) -> str:
         return path.read_bytes().decode(errors="replace")
     except FileNotFoundError:
         return ""
+
+
+def _exited(pid: int) -> bool:
+    """Whether the process has exited: gone, or a zombie its new parent has not reaped, once its other
+    threads have ended too (a pidfd turns readable only then)."""
+    stat = _read(Path(f"/proc/{pid}/stat"))
+    return not stat or (stat.rsplit(")", 1)[1].split()[0] == "Z" and len(_tasks(str(pid))) <= 1)
 
 
 def _new_compile_process(known: set[int], timeout: float = 60.0) -> int:
@@ -298,20 +327,33 @@ def _new_compile_process(known: set[int], timeout: float = 60.0) -> int:
 
 def test_a_compile_process_that_dies_fails_only_its_grammar(tiny_llama: Path) -> None:
     """A compile process killed (a crash, the OOM killer) fails the grammar it was compiling with a message
-    saying so; the next grammar gets a new process and compiles."""
+    saying so; the next grammar gets a new process, forked from the same compile server, and compiles. A
+    compile server killed is started again for the next grammar."""
     vocab_size = json.loads((tiny_llama / "config.json").read_text())["vocab_size"]
     compiler = GrammarCompiler(str(tiny_llama), vocab_size, timeout=120)
     try:
         # Many seconds of compiling (see _slow_to_compile in the server tests).
         pattern = {"type": "string", "pattern": "^([a-z]{1,30}-){1500}$"}
-        others = _compile_processes()  # other engines' in this process
+        others, other_servers = _compile_processes(), _compile_servers()  # other engines' in this process
         dying = compiler.compile(StructuredOutputsParams(json=pattern))
         killed = _new_compile_process(others)
+        (server,) = _compile_servers() - other_servers
         os.kill(killed, signal.SIGKILL)
         assert dying.exception(timeout=60) is not None
         error = RequestGrammar(dying).error
         assert error is not None and "killed by SIGKILL" in str(error), error
         assert compiler.compile(StructuredOutputsParams(regex="after-[0-9]")).result(timeout=60)
-        assert _compile_processes() - others, "the next grammar compiled in a new process"
+        (forked,) = _compile_processes() - others
+        assert forked != killed and _compile_servers() - other_servers == {server}
+        # The server killed, and with it the idle compile process, which no server can report on.
+        os.kill(server, signal.SIGKILL)
+        os.kill(forked, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while not _exited(forked):
+            assert time.monotonic() < deadline, "the killed compile process is still running"
+            time.sleep(0.01)
+        assert compiler.compile(StructuredOutputsParams(regex="restarted-[0-9]")).result(timeout=60)
+        (restarted,) = _compile_servers() - other_servers
+        assert restarted != server
     finally:
         compiler.shutdown()
