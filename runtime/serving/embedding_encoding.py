@@ -13,9 +13,10 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
+from kvfleet.runtime.serving.narrow_floats import E4M3FN, E5M2, bfloat16_bits, float8_bits
 from kvfleet.runtime.serving.protocol import EmbedDType, Endianness
 
-# numpy's own; bfloat16 and fp8 it lacks, and torch writes them.
+# numpy's own; bfloat16 and fp8 it lacks (narrow_floats rounds to them).
 _NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16}
 
 
@@ -34,19 +35,18 @@ def vector_bytes(vector: list[float], embed_dtype: EmbedDType, endianness: Endia
         values = np.asarray(vector, dtype=np.float32).astype(_NUMPY_DTYPES[embed_dtype])
         bits = values.view(f"u{values.itemsize}")
     else:
-        bits = _torch_bits(vector, embed_dtype)
+        bits = _narrow_bits(vector, embed_dtype)
     if endianness not in ("native", sys.byteorder):
         bits = bits.byteswap()
     return bits.tobytes()
 
 
-def _torch_bits(vector: list[float], embed_dtype: EmbedDType) -> np.ndarray:
+def _narrow_bits(vector: list[float], embed_dtype: EmbedDType) -> np.ndarray:
     """The bits of the vector's values as bfloat16 or fp8, as integers of their width."""
-    import torch  # the API server loads torch only for a request that asks for these
-
-    dtypes = {"bfloat16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
-    values = torch.tensor(vector, dtype=torch.float32).to(dtypes[embed_dtype])
-    return values.view(torch.int16 if values.element_size() == 2 else torch.uint8).numpy()
+    values = np.asarray(vector, dtype=np.float32)
+    if embed_dtype == "bfloat16":
+        return bfloat16_bits(values)
+    return float8_bits(values, E4M3FN if embed_dtype == "fp8_e4m3" else E5M2)
 
 
 def encoded(

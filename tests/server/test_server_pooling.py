@@ -268,7 +268,9 @@ def test_base64_and_bytes_carry_the_floats_in_the_dtype_and_byte_order_asked(
     def post(encoding_format: str) -> httpx.Response:
         body = {"input": TEXTS, "encoding_format": encoding_format}
         answer = httpx.post(
-            f"{server.url}/v1/embeddings", json={**body, "embed_dtype": embed_dtype, "endianness": endianness}
+            f"{server.url}/v1/embeddings",
+            json={**body, "embed_dtype": embed_dtype, "endianness": endianness},
+            timeout=60,
         )
         assert answer.status_code == 200, answer.text
         return answer
@@ -294,7 +296,9 @@ def test_base64_and_bytes_carry_the_floats_in_the_dtype_and_byte_order_asked(
 
 def test_an_unknown_encoding_is_refused(server: ServerProcess) -> None:
     for field, value in [("encoding_format", "npy"), ("embed_dtype", "int8"), ("endianness", "middle")]:
-        refused = httpx.post(f"{server.url}/v1/embeddings", json={"input": TEXTS[0], field: value})
+        refused = httpx.post(
+            f"{server.url}/v1/embeddings", json={"input": TEXTS[0], field: value}, timeout=60
+        )
         assert field in openai_error(refused, 400)["message"], refused.text
 
 
