@@ -17,6 +17,14 @@ logger = logging.getLogger(__name__)
 REFRESH_POLL_S = 1.0
 
 
+class TlsSettingError(ValueError):
+    """A TLS setting that cannot be used, with the flag that gave it."""
+
+    def __init__(self, flag: str, message: str) -> None:
+        super().__init__(message)
+        self.flag = flag
+
+
 @dataclass(frozen=True)
 class TlsFiles:
     """What the server's TLS is made of: uvicorn's settings, under vLLM's names."""
@@ -30,38 +38,42 @@ class TlsFiles:
 
     def refusal(self) -> tuple[str, str] | None:
         """The flag whose setting cannot be used, and why; None when the files load and the ciphers exist."""
+        try:
+            self.context()
+        except TlsSettingError as exc:
+            return exc.flag, str(exc)
+        return None
+
+    def context(self) -> ssl.SSLContext:
+        """A server context of these files and settings, as uvicorn builds its own; TlsSettingError names
+        the flag whose file does not load or whose ciphers this server lacks."""
         context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-        for flag, load in (("--ssl-certfile", self._load_chain), ("--ssl-ca-certs", self._load_cas)):
-            try:
-                load(context)
-            except ValueError as exc:
-                return flag, str(exc)
+        self._load_chain(context)
+        context.verify_mode = ssl.VerifyMode(self.cert_reqs)
+        self._load_cas(context)
         if self.ciphers:
             try:
                 context.set_ciphers(self.ciphers)
             except ssl.SSLError as exc:
-                return "--ssl-ciphers", f"{self.ciphers!r} names no cipher this server has ({exc})"
-        return None
-
-    def load_into(self, context: ssl.SSLContext) -> None:
-        """The certificate and key, in place of the context's, and the CA certificates, beside its own;
-        ValueError naming the file that does not load."""
-        self._load_chain(context)
-        self._load_cas(context)
+                message = f"{self.ciphers!r} names no cipher this server has ({exc})"
+                raise TlsSettingError("--ssl-ciphers", message) from None
+        return context
 
     def _load_chain(self, context: ssl.SSLContext) -> None:
         try:
             context.load_cert_chain(self.certfile, self.keyfile)
         except (OSError, ssl.SSLError) as exc:
             files = self.certfile if self.keyfile is None else f"{self.certfile} and {self.keyfile}"
-            raise ValueError(f"the certificate and key in {files} do not load: {exc}") from None
+            message = f"the certificate and key in {files} do not load: {exc}"
+            raise TlsSettingError("--ssl-certfile", message) from None
 
     def _load_cas(self, context: ssl.SSLContext) -> None:
         if self.ca_certs:
             try:
                 context.load_verify_locations(self.ca_certs)
             except (OSError, ssl.SSLError) as exc:
-                raise ValueError(f"the CA certificates in {self.ca_certs} do not load: {exc}") from None
+                message = f"the CA certificates in {self.ca_certs} do not load: {exc}"
+                raise TlsSettingError("--ssl-ca-certs", message) from None
 
     def stamps(self) -> tuple[tuple[int, int] | None, ...]:
         """Each file's modification time and size; None for one that is missing, as while the files of a
@@ -89,12 +101,19 @@ class TlsFiles:
         }
 
 
-async def refresh_on_change(files: TlsFiles, context: ssl.SSLContext) -> None:
-    """Loads the files into the server's context again whenever one of them changes: connections made after
-    that get the new certificate, those already open keep theirs. A CA bundle's new certificates are trusted
-    from then on, and those taken out of it until the server restarts (a context's trust store only grows).
-    Files that do not load, or are missing for a moment, leave the context as it was and are read again at
-    their next change."""
+async def refresh_on_change(files: TlsFiles, listening: ssl.SSLContext) -> None:
+    """Builds a new context of the files whenever one of them changes, and hands it to the connections made
+    after that (in the handshake, as the context a server name selects): they get the new certificate and
+    trust exactly the CA bundle's certificates as it now is, one taken out of it included, while those
+    already open keep theirs. Files that do not load, or are missing for a moment, leave the last context in
+    use and are read again at their next change."""
+    current = listening
+
+    def hand_over(connection: ssl.SSLObject, server_name: str | None, _: ssl.SSLContext) -> None:
+        # Called for every handshake, with no server name as well (a client that connects to an address).
+        connection.context = current
+
+    listening.sni_callback = hand_over
     seen = files.stamps()
     while True:
         await asyncio.sleep(REFRESH_POLL_S)
@@ -103,8 +122,8 @@ async def refresh_on_change(files: TlsFiles, context: ssl.SSLContext) -> None:
             continue
         seen = stamps
         try:
-            files.load_into(context)
-        except ValueError as exc:
+            current = files.context()
+        except TlsSettingError as exc:
             logger.warning("the TLS files changed but were not loaded: %s", exc)
             continue
         logger.info("the TLS certificate was loaded again from %s", files.certfile)

@@ -1,6 +1,6 @@
 """HTTPS with vLLM's --ssl-* flags: the openai SDK over TLS with a client certificate the server requires, and
-a certificate renewed on disk served to new connections without a restart. trustme's CAs issue every
-certificate, and Python's ssl module (through httpx) checks the server's."""
+a certificate and CA bundle renewed on disk served to new connections without a restart. trustme's CAs issue
+every certificate, and Python's ssl module (through httpx) checks the server's."""
 
 from __future__ import annotations
 
@@ -83,22 +83,39 @@ def test_the_sdk_talks_https_with_a_required_client_certificate_and_a_renewed_on
     with pytest.raises(httpx.TransportError):
         httpx.get(f"{started.url}/ready", timeout=10)
 
-    # The certificate is renewed, by another CA: new connections get it, and the process is the same.
+    # The clients' CA is replaced in the bundle, and the certificate renewed by another CA: new connections
+    # get the certificate and the bundle as they now are, and the process is the same.
+    other_ca.cert_pem.write_to_path(str(ca_certs))
     renewed_ca = trustme.CA()
     _write_leaf(renewed_ca.issue_cert("127.0.0.1"), tmp_path, "server")
+    other_client_cert = other_ca.issue_cert("client.example")
     deadline = time.monotonic() + REFRESH_WAIT_S
     while True:
         try:
-            answer = _completion(server, _client(renewed_ca, client_cert))
+            answer = _completion(server, _client(renewed_ca, other_client_cert))
             break
         except openai.APIConnectionError:
-            assert time.monotonic() < deadline, "the renewed certificate was not served"
+            assert time.monotonic() < deadline, "the renewed certificate and bundle were not served"
             time.sleep(0.5)
     assert answer.usage is not None and answer.usage.completion_tokens == 4
+    # The CA taken out of the bundle is trusted no more.
+    with pytest.raises(openai.APIConnectionError):
+        _completion(server, _client(renewed_ca, client_cert))
     with pytest.raises(openai.APIConnectionError):
         _completion(server, _client(ca, client_cert))
-    assert started.process.poll() is None
     assert "the TLS certificate was loaded again" in started.log_path.read_text()
+
+    # A bundle that does not load leaves the last files in use.
+    ca_certs.write_text("not a certificate")
+    deadline = time.monotonic() + REFRESH_WAIT_S
+    while "the TLS files changed but were not loaded" not in started.log_path.read_text():
+        assert time.monotonic() < deadline, "the bundle that does not load was not noticed"
+        time.sleep(0.5)
+    answer = _completion(server, _client(renewed_ca, other_client_cert))
+    assert answer.usage is not None and answer.usage.completion_tokens == 4
+    with pytest.raises(openai.APIConnectionError):
+        _completion(server, _client(renewed_ca, client_cert))
+    assert started.process.poll() is None
 
 
 def test_tls_flags_it_cannot_use_are_refused_by_name(tiny_llama: Path, tmp_path: Path) -> None:
