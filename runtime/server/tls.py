@@ -104,8 +104,8 @@ class TlsFiles:
 async def refresh_on_change(files: TlsFiles, listening: ssl.SSLContext) -> None:
     """Builds a new context of the files whenever one of them changes, and hands it to the connections made
     after that (in the handshake, as the context a server name selects): they get the new certificate and
-    trust exactly the CA bundle's certificates as it now is, one taken out of it included, while those
-    already open keep theirs. Files that do not load, or are missing for a moment, leave the last context in
+    trust the CA bundle as it now is (a certificate taken out of it no longer), while those already open
+    keep theirs. Files that do not load, or are missing for a moment, leave the last context in
     use and are read again at their next change."""
     current = listening
 
