@@ -37,7 +37,13 @@ from kvfleet.runtime.child_process import describe_exit, start_child
 from kvfleet.runtime.config import EngineConfig
 from kvfleet.runtime.core.outputs import ModelRunnerOutput, SchedulerOutput, SchedulerStats
 from kvfleet.runtime.distributed.parallel import check_devices, check_model_fits
-from kvfleet.runtime.executor.messages import StepDone, WorkerCommand, WorkerReady, WorkerSpec
+from kvfleet.runtime.executor.messages import (
+    StepDone,
+    WorkerCommand,
+    WorkerLoadFailed,
+    WorkerReady,
+    WorkerSpec,
+)
 from kvfleet.runtime.lora.request import LoRARequest
 from kvfleet.runtime.models.loader import resolve_device
 from kvfleet.runtime.models.model_config import ModelConfig
@@ -206,11 +212,11 @@ class MultiprocExecutor(Executor):
         # Stops the workers however this object goes (garbage, interpreter exit) unless shutdown() ran.
         self._finalizer = weakref.finalize(self, _stop, self.workers, self._socket_dir)
         try:
-            ready = [self._receive()[0] for _ in range(self.world_size)]
+            ready = [self._ready_rank() for _ in range(self.world_size)]
         except BaseException:
             self.shutdown()
             raise
-        self.ready: list[WorkerReady] = sorted(ready, key=lambda r: r.rank)  # type: ignore[arg-type]
+        self.ready = sorted(ready, key=lambda r: r.rank)
         # Each stage's latest report of its layers' expert load.
         self._expert_load: dict[int, MoeLayerLoad] = {}
         self._identities = [rank.to_bytes(4, "big") for rank in range(self.world_size)]
@@ -285,6 +291,15 @@ class MultiprocExecutor(Executor):
             event = recv_monitor_message(self._disconnects)
             endpoint = event["endpoint"].decode()
             raise WorkerFailedError(f"a worker's connection to {endpoint} dropped: a rank is gone")
+
+    def _ready_rank(self) -> WorkerReady:
+        """The next rank's report that it has loaded its shard; WorkerFailedError with its reason when a
+        rank could not."""
+        message, _ = self._receive()
+        if isinstance(message, WorkerLoadFailed):
+            raise WorkerFailedError(f"rank {message.rank} could not load the model: {message.error}")
+        assert isinstance(message, WorkerReady), message
+        return message
 
     def _receive(self) -> tuple[object, list[bytes]]:
         """The next message from a rank (its header, unpickled, and any further frames). Raises

@@ -34,6 +34,14 @@ class WorkerReady:
 
 
 @dataclass
+class WorkerLoadFailed:
+    """A rank that could not join its group or load its shard, and why (its exit status would not say)."""
+
+    rank: int
+    error: str
+
+
+@dataclass
 class StepDone:
     rank: int
     # Why the step failed on this rank, or None.

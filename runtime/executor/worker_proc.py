@@ -24,7 +24,7 @@ import torch.distributed as dist
 import zmq
 from kvfleet.runtime.child_process import child_arguments, exit_with_parent
 from kvfleet.runtime.distributed.parallel import COLLECTIVE_TIMEOUT, ParallelContext, set_parallel_context
-from kvfleet.runtime.executor.messages import StepDone, WorkerReady, WorkerSpec
+from kvfleet.runtime.executor.messages import StepDone, WorkerLoadFailed, WorkerReady, WorkerSpec
 from kvfleet.runtime.worker.model_runner import ModelRunner
 from kvfleet.runtime.worker.step_inputs import StepInputs
 
@@ -47,7 +47,13 @@ def run_worker(spec: WorkerSpec, parent_pid: int, ready_fd: int | None) -> None:
     socket.setsockopt(zmq.LINGER, 1000)
     _exit_on_disconnect(socket)
     socket.connect(spec.core_address)
-    runner = _join_and_load(spec)
+    try:
+        runner = _join_and_load(spec)
+    except Exception as exc:
+        logger.exception("loading failed")
+        socket.send(pickle.dumps(WorkerLoadFailed(spec.rank, f"{type(exc).__name__}: {exc}")))
+        # The core stops every rank once it has read why; exiting now could reach it before the reason.
+        threading.Event().wait()
     socket.send(
         pickle.dumps(
             WorkerReady(

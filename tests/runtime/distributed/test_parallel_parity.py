@@ -9,7 +9,7 @@ KV heads, so that ranks share a head. TP=2 and PP=2 alone take no path of their 
 
 Each rank reports what loading held, measured on its own parameters and on the slices it read: at most 1/tp
 of the weights (plus what every rank keeps whole) and a load buffer no larger than a slice of the largest
-tensor.
+tensor. A rank that cannot load its shard makes the engine's start fail with the rank's reason.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 from kvfleet.runtime import LLM, SamplingParams
-from kvfleet.runtime.executor.executor import MultiprocExecutor
+from kvfleet.runtime.executor.executor import MultiprocExecutor, WorkerFailedError
 from kvfleet.runtime.models.model_config import ModelConfig
 from kvfleet.runtime.models.moe_config import MoeLayerLoad
 from safetensors import safe_open
@@ -166,3 +166,26 @@ def _check_parallel_run(
         with pytest.raises(ProcessLookupError):
             os.kill(worker.pid, 0)
     return expert_load
+
+
+def test_a_rank_that_cannot_load_says_why_and_every_rank_is_stopped(make_model: Callable[..., Path]) -> None:
+    """The engine's error carries the rank's reason (its exit status would say nothing of it), and no worker
+    outlives the failed start: a quantized folder, which runs on one rank only, at TP=2."""
+    model = make_model("llama", "tiny", 0, "--quantize", "w8a16")
+    before = _children()
+    with pytest.raises(WorkerFailedError, match=r"rank \d could not load the model: ValueError: quantized"):
+        LLM(str(model), **{**ENGINE_OPTIONS, "tensor_parallel_size": 2})
+    assert _children() == before
+
+
+def _children() -> set[int]:
+    """The pids of this process's children."""
+    children = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        if int(fields[1]) == os.getpid():
+            children.add(int(stat.parent.name))
+    return children
