@@ -8,7 +8,8 @@ that the core knows each rank has finished the step, and hears of a rank's error
 
 It exits when its parent (the engine core, or on another node the process that started it) exits, when its
 connection to the core breaks, or when a collective fails or times out (COLLECTIVE_TIMEOUT): a broken group
-never leaves a rank waiting forever.
+never leaves a rank waiting forever. A rank that cannot load tells the core why and waits to be stopped, a
+minute at most.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import logging
 import os
 import pickle
 import threading
+import time
 
 import torch
 import torch.distributed as dist
@@ -32,6 +34,8 @@ logger = logging.getLogger(__name__)
 
 # How long ranks wait for each other to join the group (nodes start at different times).
 _JOIN_TIMEOUT = datetime.timedelta(minutes=15)
+# How long a rank that could not load waits for the core to read why and stop it.
+_REASON_DELIVERY_S = 60.0
 
 
 def run_worker(spec: WorkerSpec, parent_pid: int, ready_fd: int | None) -> None:
@@ -52,8 +56,10 @@ def run_worker(spec: WorkerSpec, parent_pid: int, ready_fd: int | None) -> None:
     except Exception as exc:
         logger.exception("loading failed")
         socket.send(pickle.dumps(WorkerLoadFailed(spec.rank, f"{type(exc).__name__}: {exc}")))
-        # The core stops every rank once it has read why; exiting now could reach it before the reason.
-        threading.Event().wait()
+        # The core stops every rank once it has read why: exiting now could reach it before the reason. A
+        # core that never reads it (gone before this rank joined) does not keep the rank waiting for it.
+        time.sleep(_REASON_DELIVERY_S)
+        os._exit(1)
     socket.send(
         pickle.dumps(
             WorkerReady(
