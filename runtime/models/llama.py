@@ -257,7 +257,12 @@ class LlamaForCausalLM(nn.Module):
         elif name.startswith("norm.") and self.norm is None:
             return None
         tp_size, tp_rank = parallel.tp_size, parallel.tp_rank
-        if tp_size == 1:
+        if (
+            tp_size == 1
+            or name.endswith(".weight_shape")
+            or (name.endswith(".weight_scale") and len(shape) == 1)
+        ):
+            # A packed weight's shape and a weight's one scale (fp8's per-tensor strategy) go to every rank.
             return everything
         if name.startswith(("embed_tokens.", "lm_head.")):
             first, length = vocab_shard(config.vocab_size, tp_size, tp_rank)
@@ -270,8 +275,7 @@ class LlamaForCausalLM(nn.Module):
         if ".gate_proj." in name or ".up_proj." in name:
             return _rows(everything, *shard_range(shape[0], tp_size, tp_rank))
         if ".o_proj.weight" in name or ".down_proj.weight" in name:
-            start, length = shard_range(shape[1], tp_size, tp_rank)
-            return (slice(None), slice(start, start + length))
+            return _input_columns(name, shape[1], tp_size, tp_rank)
         if ".o_proj.bias" in name and tp_rank > 0:
             return None
         return everything  # norms and the o_proj bias of rank 0: whole on every rank
@@ -294,7 +298,10 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(f"checkpoint tensor {hf_name!r} has no place in {self.config.architecture}")
             target = params[name].data if rows is None else params[name].data.narrow(0, *rows)
             if name.startswith(("embed_tokens.", "lm_head.")):
-                target = target[: tensor.shape[0]]  # the last vocabulary slice may be padded
+                # The last vocabulary slice may be padded: its rows past the vocabulary hold zeros (a
+                # quantized LM head's scales too, NaN until loaded), whose logits the gather cuts off.
+                target[tensor.shape[0] :].zero_()
+                target = target[: tensor.shape[0]]
             copy_checkpoint_tensor(target, tensor, hf_name)
             loaded.add(hf_name)
         missing = sorted(set(self._expected_checkpoint_names()) - loaded)
@@ -354,3 +361,16 @@ class LlamaForCausalLM(nn.Module):
 
 def _rows(everything: tuple[slice, ...], start: int, length: int) -> tuple[slice, ...]:
     return (slice(start, start + length), *everything[1:])
+
+
+def _input_columns(name: str, columns: int, tp_size: int, tp_rank: int) -> tuple[slice, slice]:
+    """A row-parallel projection's share of its input columns: of its weight (a packed one's words, which must
+    not straddle two ranks); a quantized one's scales, one per output channel, every rank holds whole."""
+    if name.endswith(".weight_scale"):
+        return slice(None), slice(None)
+    if name.endswith(".weight_packed") and columns % tp_size:
+        raise ValueError(
+            f"{name}: tensor_parallel_size {tp_size} does not divide its {columns} words of packed columns"
+        )
+    start, length = shard_range(columns, tp_size, tp_rank)
+    return slice(None), slice(start, start + length)

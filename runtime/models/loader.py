@@ -131,9 +131,10 @@ def load_model(
     scheme = weight_quantization(
         model_config.quantization_config, quantization, str(model_dir / "config.json")
     )
-    if scheme is not None and parallel.tp_size * parallel.pp_size > 1:
+    if scheme is not None and scheme.strategy == "group" and parallel.tp_size > 1:
         raise ValueError(
-            "quantized checkpoints run on one rank (tensor_parallel_size = pipeline_parallel_size = 1)"
+            f"checkpoints with {scheme.describe()} are not split between tensor-parallel ranks: serve them "
+            "with tensor_parallel_size 1 (pipeline parallelism takes them)"
         )
     files = safetensors_files(model_dir)
     default_dtype = torch.get_default_dtype()

@@ -140,12 +140,16 @@ class QuantizedCheckpoint:
 
     def __init__(self, scheme: WeightQuantization, files: list[Path]) -> None:
         self.scheme = scheme
-        # The checkpoint's quantized projections (their names less `.weight_scale`).
-        self.quantized: set[str] = set()
+        # The checkpoint's quantized projections (their names less `.weight_scale`) and their scales' shapes.
+        self._scale_shapes: dict[str, list[int]] = {}
         for path in files:
             with safe_open(str(path), framework="pt") as f:
-                names = list(f.keys())
-            self.quantized |= {n.removesuffix(".weight_scale") for n in names if n.endswith(".weight_scale")}
+                for name in f.keys():  # noqa: SIM118 (a safetensors handle is not a mapping)
+                    if name.endswith(".weight_scale"):
+                        self._scale_shapes[name.removesuffix(".weight_scale")] = f.get_slice(name).get_shape()
+        self.quantized = set(self._scale_shapes)
+        # Each quantized projection's input columns on this rank (a share of them under tensor parallelism).
+        self._columns: dict[str, int] = {}
 
     def replace_linears(self, model: nn.Module, dtype: torch.dtype) -> int:
         """Put an `Int8Linear` in place of each projection the checkpoint holds as int; returns how many."""
@@ -155,8 +159,15 @@ class QuantizedCheckpoint:
         if parameter_of is None:
             raise ValueError(f"{type(model).__name__} does not load quantized checkpoints")
         modules = dict(model.named_modules())
-        targets = {parameter_of(f"{name}.weight").removesuffix(".weight") for name in self.quantized}
-        for target in sorted(targets):
+        # A pipeline stage holds its own layers' projections only (checkpoint_slice says which).
+        holds = getattr(model, "checkpoint_slice", None)
+        held = [
+            name
+            for name in self.quantized
+            if holds is None or holds(f"{name}.weight_scale", self._scale_shapes[name]) is not None
+        ]
+        targets = {name: parameter_of(f"{name}.weight").removesuffix(".weight") for name in held}
+        for target in sorted(set(targets.values())):
             linear = modules.get(target)
             if not isinstance(linear, nn.Linear):
                 raise ValueError(f"checkpoint quantizes {target}, which is not a projection of the model")
@@ -166,7 +177,8 @@ class QuantizedCheckpoint:
             )
             parent_name, _, child = target.rpartition(".")
             setattr(model.get_submodule(parent_name) if parent_name else model, child, replacement)
-        return len(targets)
+        self._columns = {name: modules[target].in_features for name, target in targets.items()}
+        return len(set(targets.values()))
 
     @staticmethod
     def pack_for_cpu(model: nn.Module) -> None:
@@ -230,7 +242,9 @@ class QuantizedCheckpoint:
         if not scheme.packed:
             _check_dtype(held["weight"], torch.int8, f"{prefix}.weight")
             return held["weight"]
-        return _unpack(held["weight_packed"], held["weight_shape"], scheme.num_bits, prefix)
+        return _unpack(
+            held["weight_packed"], held["weight_shape"], scheme.num_bits, prefix, self._columns[prefix]
+        )
 
 
 def _check_dtype(tensor: torch.Tensor, dtype: torch.dtype, name: str) -> None:
@@ -238,21 +252,34 @@ def _check_dtype(tensor: torch.Tensor, dtype: torch.dtype, name: str) -> None:
         raise ValueError(f"checkpoint tensor {name!r} is {tensor.dtype}, expected {dtype}")
 
 
-def _unpack(packed: torch.Tensor, shape: torch.Tensor, num_bits: int, prefix: str) -> torch.Tensor:
-    """compressed-tensors' pack-quantized int32 words back to int8 [out, in]: each word holds 32 / num_bits
-    values from its lowest bits up, each stored plus 2^(num_bits - 1)."""
+def _unpack(
+    packed: torch.Tensor, shape: torch.Tensor, num_bits: int, prefix: str, columns: int
+) -> torch.Tensor:
+    """compressed-tensors' pack-quantized int32 words back to int8 [rows, columns]: each word holds
+    32 / num_bits values from its lowest bits up, each stored plus 2^(num_bits - 1). `columns`: the
+    projection's input columns on this rank, of the whole weight's (`shape`) or a tensor-parallel share of
+    them; the rows are those of the words read (the rank's, likewise)."""
     _check_dtype(packed, torch.int32, f"{prefix}.weight_packed")
     if shape.numel() != 2:
         raise ValueError(
             f"checkpoint tensor '{prefix}.weight_shape' must hold two sizes, got {shape.tolist()}"
         )
-    rows, columns = (int(n) for n in shape.tolist())
+    whole_rows, whole_columns = (int(n) for n in shape.tolist())
     per_word = 32 // num_bits
-    if packed.dim() != 2 or packed.shape[0] != rows or packed.shape[1] != -(-columns // per_word):
+    fits = (
+        packed.dim() == 2
+        and 0 < packed.shape[0] <= whole_rows
+        and whole_columns % columns == 0
+        # A share of the columns starts at a word: its first value is the word's first.
+        and (columns == whole_columns or columns % per_word == 0)
+        and packed.shape[1] == -(-columns // per_word)
+    )
+    if not fits:
         raise ValueError(
             f"checkpoint tensor '{prefix}.weight_packed' has shape {tuple(packed.shape)}, which does not "
-            f"hold a {rows}x{columns} weight of int{num_bits}"
+            f"hold {columns} of the columns of a {whole_rows}x{whole_columns} weight of int{num_bits}"
         )
+    rows = packed.shape[0]
     # Little-endian words: their bytes in order hold the values in order (hosts are little-endian).
     data = packed.contiguous().view(torch.uint8).view(rows, -1)
     if num_bits == 4:

@@ -14,17 +14,22 @@ tensor. A rank that cannot load its shard makes the engine's start fail with the
 
 from __future__ import annotations
 
+import json
 import os
 import random
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 from kvfleet.runtime import LLM, SamplingParams
 from kvfleet.runtime.executor.executor import MultiprocExecutor, WorkerFailedError
+from kvfleet.runtime.models.make_model.quantize import quantize_folder
 from kvfleet.runtime.models.model_config import ModelConfig
 from kvfleet.runtime.models.moe_config import MoeLayerLoad
 from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 SPLITS = [(2, 1), (4, 1), (1, 2), (2, 2)]
@@ -168,12 +173,84 @@ def _check_parallel_run(
     return expert_load
 
 
+QUANTIZED = [("w8a16", "lm-head-odd-vocabulary", 2, 1), ("w8a16", "lm-head-odd-vocabulary", 2, 2)]
+QUANTIZED += [("fp8", "", 2, 1), ("fp8", "per-tensor-scales", 2, 1), ("w4a16", "", 1, 2)]
+
+
+@pytest.fixture(scope="module")
+def quantized_reference(
+    request: pytest.FixtureRequest, make_model: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Path, list, list]:
+    """The tiny llama quantized, and its outputs on one rank. Variants: its LM head quantized too, with a
+    vocabulary one id short of what the ranks divide (the last rank's slice is padded); float8 weights with
+    one scale each instead of one per output channel."""
+    scheme, variant = request.param
+    model = tmp_path_factory.mktemp("quantized") / f"llama-{scheme}{variant}"
+    shutil.copytree(make_model("llama", "tiny"), model)
+    config_path, weights_path = model / "config.json", model / "model.safetensors"
+    if variant == "lm-head-odd-vocabulary":
+        config = json.loads(config_path.read_text())
+        config["vocab_size"] -= 1
+        config_path.write_text(json.dumps(config))
+        tensors = load_file(weights_path)
+        for name in ("model.embed_tokens.weight", "lm_head.weight"):
+            tensors[name] = tensors[name][: config["vocab_size"]].contiguous()
+        save_file(tensors, weights_path, metadata={"format": "pt"})
+    quantize_folder(model, scheme, lm_head=variant == "lm-head-odd-vocabulary")
+    if variant == "per-tensor-scales":
+        _fp8_scale_per_tensor(config_path, weights_path)
+    prompts = _prompts(len(scheme))
+    return model, prompts, _one_rank(model, prompts)[0]
+
+
+def _fp8_scale_per_tensor(config_path: Path, weights_path: Path) -> None:
+    """A float8 folder's weights quantized again with one scale each (the largest value over float8's)."""
+    tensors = load_file(weights_path)
+    for name in [name for name in tensors if name.endswith(".weight_scale")]:
+        prefix = name.removesuffix(".weight_scale")
+        weight = tensors[f"{prefix}.weight"].float() * tensors[name].float()
+        scale = weight.abs().max() / torch.finfo(torch.float8_e4m3fn).max
+        tensors[f"{prefix}.weight"] = (weight / scale).to(torch.float8_e4m3fn)
+        tensors[name] = scale.reshape(1).to(tensors[name].dtype)
+    save_file(tensors, weights_path, metadata={"format": "pt"})
+    config = json.loads(config_path.read_text())
+    for group in config["quantization_config"]["config_groups"].values():
+        group["weights"]["strategy"] = "tensor"
+    config_path.write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize(
+    ("quantized_reference", "tp", "pp"),
+    [((scheme, variant), tp, pp) for scheme, variant, tp, pp in QUANTIZED],
+    ids=[
+        f"{scheme}{'-' + variant if variant else ''}-tp{tp}-pp{pp}" for scheme, variant, tp, pp in QUANTIZED
+    ],
+    indirect=["quantized_reference"],
+)
+def test_quantized_folders_split_between_ranks_give_one_ranks_tokens(
+    quantized_reference: tuple[Path, list, list], tp: int, pp: int
+) -> None:
+    """Each rank holds its share of the packed int8 words or float8 weights and their scales (one per output
+    channel: a row-parallel projection's whole on every rank); a padded LM head slice's rows past the
+    vocabulary are zeros, not scales left unloaded. Grouped int4 scales go to pipeline stages only."""
+    model, prompts, expected = quantized_reference
+    llm = LLM(str(model), tensor_parallel_size=tp, pipeline_parallel_size=pp, **ENGINE_OPTIONS)
+    try:
+        assert _generate(llm, prompts) == expected
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+
+
 def test_a_rank_that_cannot_load_says_why_and_every_rank_is_stopped(make_model: Callable[..., Path]) -> None:
     """The engine's error carries the rank's reason (its exit status would say nothing of it), and no worker
-    outlives the failed start: a quantized folder, which runs on one rank only, at TP=2."""
-    model = make_model("llama", "tiny", 0, "--quantize", "w8a16")
+    outlives the failed start: a folder of int4 weights in groups, whose scales are not split between
+    tensor-parallel ranks, at TP=2."""
+    model = make_model("llama", "tiny", 0, "--quantize", "w4a16")
     before = _children()
-    with pytest.raises(WorkerFailedError, match=r"rank \d could not load the model: ValueError: quantized"):
+    reason = (
+        r"rank \d could not load the model: ValueError: checkpoints with int4 weights, groups of \d+ scales"
+    )
+    with pytest.raises(WorkerFailedError, match=reason):
         LLM(str(model), **{**ENGINE_OPTIONS, "tensor_parallel_size": 2})
     assert _children() == before
 

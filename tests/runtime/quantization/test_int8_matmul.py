@@ -72,9 +72,14 @@ def test_unpack_matches_compressed_tensors(num_bits: int, columns: int) -> None:
     packed = pack_to_int32(values, num_bits)
     shape = torch.tensor(values.shape)
     expected = unpack_from_int32(packed, num_bits, values.shape)
-    assert torch.equal(_unpack(packed, shape, num_bits, "proj"), expected)
+    assert torch.equal(_unpack(packed, shape, num_bits, "proj", columns), expected)
     with pytest.raises(ValueError, match=r"'proj\.weight_packed' has shape"):
-        _unpack(packed[:, :-1], shape, num_bits, "proj")
+        _unpack(packed[:, :-1], shape, num_bits, "proj", columns)
+    if columns % (2 * 32 // num_bits) == 0:
+        # A tensor-parallel rank's share: the second half of the words and the rows after the first two.
+        words = packed.shape[1] // 2
+        share = _unpack(packed[2:, words:], shape, num_bits, "proj", columns // 2)
+        assert torch.equal(share, expected[2:, columns // 2 :])
 
 
 def _checkpoint(tmp_path: Path, scheme: WeightQuantization, tensors: dict[str, torch.Tensor]):
