@@ -28,6 +28,7 @@ from kvfleet.runtime.executor.executor import MultiprocExecutor, WorkerFailedErr
 from kvfleet.runtime.models.make_model.quantize import quantize_folder
 from kvfleet.runtime.models.model_config import ModelConfig
 from kvfleet.runtime.models.moe_config import MoeLayerLoad
+from processes import children
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
@@ -246,23 +247,10 @@ def test_a_rank_that_cannot_load_says_why_and_every_rank_is_stopped(make_model: 
     outlives the failed start: a folder of int4 weights in groups, whose scales are not split between
     tensor-parallel ranks, at TP=2."""
     model = make_model("llama", "tiny", 0, "--quantize", "w4a16")
-    before = _children()
+    before = children(os.getpid())
     reason = (
         r"rank \d could not load the model: ValueError: checkpoints with int4 weights, groups of \d+ scales"
     )
     with pytest.raises(WorkerFailedError, match=reason):
         LLM(str(model), **{**ENGINE_OPTIONS, "tensor_parallel_size": 2})
-    assert _children() == before
-
-
-def _children() -> set[int]:
-    """The pids of this process's children."""
-    children = set()
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except (FileNotFoundError, ProcessLookupError):
-            continue
-        if int(fields[1]) == os.getpid():
-            children.add(int(stat.parent.name))
-    return children
+    assert children(os.getpid()) == before

@@ -25,6 +25,7 @@ from kvfleet.runtime.engine.grammar_compiler import GrammarCompiler, RequestGram
 from kvfleet.runtime.engine.messages import AddRequest, to_core_decoder
 from kvfleet.runtime.request import Request
 from kvfleet.runtime.structured_outputs.masks import GrammarMasks
+from processes import children
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 PROMPTS = ["The weather today", "Write a list:", "1 2 3", "Hello there, my friend"]
@@ -272,23 +273,17 @@ def test_a_compiling_request_displaces_nobody() -> None:
 
 def _compile_servers() -> set[int]:
     """The pids of this process's grammar compile servers."""
-    return _compilers(_children("self"))
+    return _compilers(children(os.getpid()))
 
 
 def _compile_processes() -> set[int]:
     """The pids of the compile processes those servers forked (not the short-lived commands a library may
     run as it is imported)."""
-    return _compilers(pid for server in _compile_servers() for pid in _children(str(server)))
+    return _compilers(pid for server in _compile_servers() for pid in children(server))
 
 
 def _compilers(pids: Iterable[int]) -> set[int]:
     return {pid for pid in pids if COMPILE_WORKER_MODULE in _read(Path(f"/proc/{pid}/cmdline"))}
-
-
-def _children(pid: str) -> set[int]:
-    """The children of a process. A thread or a process may end while they are read: its files are then
-    gone, and it has no children."""
-    return {int(child) for task in _tasks(pid) for child in _read(task / "children").split()}
 
 
 def _tasks(pid: str) -> list[Path]:
