@@ -364,13 +364,13 @@ def _rows(everything: tuple[slice, ...], start: int, length: int) -> tuple[slice
 
 
 def _input_columns(name: str, columns: int, tp_size: int, tp_rank: int) -> tuple[slice, slice]:
-    """A row-parallel projection's share of its input columns: of its weight (a packed one's words, which must
-    not straddle two ranks); a quantized one's scales, one per output channel, every rank holds whole."""
-    if name.endswith(".weight_scale"):
+    """A row-parallel projection's share of its input columns: of its weight (a packed one's words), and of a
+    quantized one's scales where there is one per group of columns (with one per output channel, every rank
+    holds them whole). A word or a group split between two ranks could be read by neither."""
+    if name.endswith(".weight_scale") and columns == 1:
         return slice(None), slice(None)
-    if name.endswith(".weight_packed") and columns % tp_size:
-        raise ValueError(
-            f"{name}: tensor_parallel_size {tp_size} does not divide its {columns} words of packed columns"
-        )
+    if name.endswith((".weight_scale", ".weight_packed")) and columns % tp_size:
+        what = "groups of input columns" if name.endswith(".weight_scale") else "words of packed columns"
+        raise ValueError(f"{name}: tensor_parallel_size {tp_size} does not divide its {columns} {what}")
     start, length = shard_range(columns, tp_size, tp_rank)
     return slice(None), slice(start, start + length)

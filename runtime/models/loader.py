@@ -131,11 +131,6 @@ def load_model(
     scheme = weight_quantization(
         model_config.quantization_config, quantization, str(model_dir / "config.json")
     )
-    if scheme is not None and scheme.strategy == "group" and parallel.tp_size > 1:
-        raise ValueError(
-            f"checkpoints with {scheme.describe()} are not split between tensor-parallel ranks: serve them "
-            "with tensor_parallel_size 1 (pipeline parallelism takes them)"
-        )
     files = safetensors_files(model_dir)
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)

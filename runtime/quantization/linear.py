@@ -200,7 +200,8 @@ class QuantizedCheckpoint:
             return 1
         if in_features % group_size:
             raise ValueError(
-                f"{name}: group_size {group_size} does not divide its {in_features} input features"
+                f"{name}: group_size {group_size} does not divide the {in_features} input features it has "
+                "on this rank"
             )
         return in_features // group_size
 

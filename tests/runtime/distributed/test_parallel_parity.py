@@ -31,6 +31,7 @@ from kvfleet.runtime.models.moe_config import MoeLayerLoad
 from processes import children
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
+from transformers import LlamaConfig, LlamaForCausalLM
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 SPLITS = [(2, 1), (4, 1), (1, 2), (2, 2)]
@@ -176,6 +177,7 @@ def _check_parallel_run(
 
 QUANTIZED = [("w8a16", "lm-head-odd-vocabulary", 2, 1), ("w8a16", "lm-head-odd-vocabulary", 2, 2)]
 QUANTIZED += [("fp8", "", 2, 1), ("fp8", "per-tensor-scales", 2, 1), ("w4a16", "", 1, 2)]
+QUANTIZED += [("w4a16", "wide", 2, 1), ("w4a16", "wide", 2, 2)]
 
 
 @pytest.fixture(scope="module")
@@ -184,10 +186,14 @@ def quantized_reference(
 ) -> tuple[Path, list, list]:
     """The tiny llama quantized, and its outputs on one rank. Variants: its LM head quantized too, with a
     vocabulary one id short of what the ranks divide (the last rank's slice is padded); float8 weights with
-    one scale each instead of one per output channel."""
+    one scale each instead of one per output channel; layers wide enough that each of two ranks holds whole
+    groups of int4's scales."""
     scheme, variant = request.param
     model = tmp_path_factory.mktemp("quantized") / f"llama-{scheme}{variant}"
-    shutil.copytree(make_model("llama", "tiny"), model)
+    if variant == "wide":
+        _widened(make_model("llama", "tiny"), model)
+    else:
+        shutil.copytree(make_model("llama", "tiny"), model)
     config_path, weights_path = model / "config.json", model / "model.safetensors"
     if variant == "lm-head-odd-vocabulary":
         config = json.loads(config_path.read_text())
@@ -202,6 +208,18 @@ def quantized_reference(
         _fp8_scale_per_tensor(config_path, weights_path)
     prompts = _prompts(len(scheme))
     return model, prompts, _one_rank(model, prompts)[0]
+
+
+def _widened(tiny: Path, out: Path) -> None:
+    """A llama of the tiny one's vocabulary and tokenizer whose projections read 256 or 512 columns (int4's
+    groups are of 128), with Transformers' random weights."""
+    config = json.loads((tiny / "config.json").read_text())
+    config.update(hidden_size=256, intermediate_size=512, head_dim=64, initializer_range=0.1)
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig.from_dict(config)).save_pretrained(out)
+    for path in tiny.iterdir():
+        if path.name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(path, out / path.name)
 
 
 def _fp8_scale_per_tensor(config_path: Path, weights_path: Path) -> None:
@@ -244,13 +262,14 @@ def test_quantized_folders_split_between_ranks_give_one_ranks_tokens(
 
 def test_a_rank_that_cannot_load_says_why_and_every_rank_is_stopped(make_model: Callable[..., Path]) -> None:
     """The engine's error carries the rank's reason (its exit status would say nothing of it), and no worker
-    outlives the failed start: a folder of int4 weights in groups, whose scales are not split between
-    tensor-parallel ranks, at TP=2."""
+    outlives the failed start: the tiny model with int4 weights at TP=2, where the MLP's 11 groups of input
+    columns cannot be shared out whole."""
     model = make_model("llama", "tiny", 0, "--quantize", "w4a16")
     before = children(os.getpid())
     reason = (
-        r"rank \d could not load the model: ValueError: checkpoints with int4 weights, groups of \d+ scales"
+        r"rank \d could not load the model: ValueError: .*down_proj.weight_scale: tensor_parallel_size 2 "
     )
+    reason += "does not divide its 11 groups of input columns"
     with pytest.raises(WorkerFailedError, match=reason):
         LLM(str(model), **{**ENGINE_OPTIONS, "tensor_parallel_size": 2})
     assert children(os.getpid()) == before
