@@ -72,14 +72,19 @@ def two_releases(
         yield TwoReleases(kvfleet_release, second, module_namespace, team_b, unwatched)
 
 
-def _pod_priority_class(local_cluster: LocalCluster, namespace: str, name: str) -> str | None:
+def _deployment(local_cluster: LocalCluster, namespace: str, name: str) -> dict[str, Any] | None:
+    """The service's Deployment; None until its operator has created it."""
     try:
-        deployment = local_cluster.api.get(deployment_path(namespace, name))
+        return local_cluster.api.get(deployment_path(namespace, name))
     except ApiError as error:
         if error.status == 404:
             return None
         raise
-    return deployment["spec"]["template"]["spec"].get("priorityClassName")
+
+
+def _pod_priority_class(local_cluster: LocalCluster, namespace: str, name: str) -> str | None:
+    deployment = _deployment(local_cluster, namespace, name)
+    return None if deployment is None else deployment["spec"]["template"]["spec"].get("priorityClassName")
 
 
 def test_each_release_has_its_priority_classes_and_reconciles_only_its_namespaces(
@@ -131,8 +136,8 @@ def test_kubectl_scale_sets_the_replicas_the_operator_runs(
     local_cluster.kubectl("scale", "kvis", "fixed", "-n", namespace, "--replicas=3")
 
     def scaled() -> dict[str, Any] | None:
-        deployment = api.get(deployment_path(namespace, "fixed"))
-        return deployment if deployment["spec"]["replicas"] == 3 else None
+        deployment = _deployment(local_cluster, namespace, "fixed")
+        return deployment if deployment is not None and deployment["spec"]["replicas"] == 3 else None
 
     wait_for("the operator to run the 3 replicas kubectl scale asked for", scaled, timeout=60)
     assert api.get(services_path(namespace, "fixed"))["spec"]["scaling"]["replicas"] == 3
