@@ -9,7 +9,9 @@ KV heads, so that ranks share a head. TP=2 and PP=2 alone take no path of their 
 
 Each rank reports what loading held, measured on its own parameters and on the slices it read: at most 1/tp
 of the weights (plus what every rank keeps whole) and a load buffer no larger than a slice of the largest
-tensor. A rank that cannot load its shard makes the engine's start fail with the rank's reason.
+tensor. Quantized folders (int8, int4 and float8, the LM head too) split at TP=2, TP=2 x PP=2 or PP=2 give
+their one-rank engine's tokens. A rank that cannot load its shard makes the engine's start fail with the
+rank's reason.
 """
 
 from __future__ import annotations
@@ -249,9 +251,9 @@ def _fp8_scale_per_tensor(config_path: Path, weights_path: Path) -> None:
 def test_quantized_folders_split_between_ranks_give_one_ranks_tokens(
     quantized_reference: tuple[Path, list, list], tp: int, pp: int
 ) -> None:
-    """Each rank holds its share of the packed int8 words or float8 weights and their scales (one per output
-    channel: a row-parallel projection's whole on every rank); a padded LM head slice's rows past the
-    vocabulary are zeros, not scales left unloaded. Grouped int4 scales go to pipeline stages only."""
+    """Each rank holds its share of the packed int words or float8 weights and their scales (one per output
+    channel: a row-parallel projection's whole on every rank; one per group of input columns: shared out with
+    those columns); a padded LM head slice's rows past the vocabulary are zeros, not scales left unloaded."""
     model, prompts, expected = quantized_reference
     llm = LLM(str(model), tensor_parallel_size=tp, pipeline_parallel_size=pp, **ENGINE_OPTIONS)
     try:
