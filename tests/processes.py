@@ -7,14 +7,26 @@ from __future__ import annotations
 from pathlib import Path
 
 
-def children(pid: int) -> set[int]:
-    """The pids of the processes whose parent is `pid`, a zombie not yet reaped included."""
-    found = set()
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except (FileNotFoundError, ProcessLookupError):  # it ended while the others were read
+def child_processes(pid: int) -> dict[int, str]:
+    """Child processes of pid, with their command lines."""
+    children = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
             continue
-        if int(fields[1]) == pid:
-            found.add(int(stat.parent.name))
+        try:
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        if parent == pid:
+            children[int(entry.name)] = command
+    return children
+
+
+def descendants(pid: int) -> dict[int, str]:
+    """Descendants of pid, with their command lines."""
+    found = {}
+    for child, command in child_processes(pid).items():
+        found[child] = command
+        found.update(descendants(child))
     return found

@@ -27,31 +27,6 @@ OCCUPANT_TOKENS = 2040
 WAIT_S = 180.0
 
 
-def child_processes(pid: int) -> dict[int, str]:
-    """Child processes of pid, with their command lines."""
-    children = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
-        except (FileNotFoundError, ProcessLookupError):
-            continue
-        if parent == pid:
-            children[int(entry.name)] = command
-    return children
-
-
-def descendants(pid: int) -> dict[int, str]:
-    """Descendants of pid, with their command lines."""
-    found = {}
-    for child, command in child_processes(pid).items():
-        found[child] = command
-        found.update(descendants(child))
-    return found
-
-
 def openai_error(response: httpx.Response, status: int) -> dict[str, Any]:
     """The error of an OpenAI-shaped error response with the given status."""
     assert response.status_code == status, response.text

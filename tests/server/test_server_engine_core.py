@@ -17,7 +17,7 @@ from urllib.parse import urlsplit
 
 import httpx
 import pytest
-from server_checks import child_processes
+from processes import child_processes
 
 if TYPE_CHECKING:
     from servers import ServerProcess

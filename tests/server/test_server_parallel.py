@@ -19,7 +19,7 @@ import httpx
 import openai
 from kvfleet.runtime import LLM, SamplingParams
 from ports import free_port
-from server_checks import child_processes, descendants
+from processes import child_processes, descendants
 
 if TYPE_CHECKING:
     from servers import ServerProcess

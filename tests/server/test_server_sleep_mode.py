@@ -25,7 +25,7 @@ from kvfleet.runtime.metrics import ServerMetrics
 from kvfleet.runtime.server.app import build_app
 from kvfleet.runtime.server.state import ServerSettings, ServerState
 from memory import proc_status_kb
-from server_checks import descendants
+from processes import descendants
 
 if TYPE_CHECKING:
     from servers import ServerProcess

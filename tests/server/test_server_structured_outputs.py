@@ -30,7 +30,7 @@ import openai
 import pydantic
 import pytest
 from kvfleet.runtime.models.make_model import ARCHITECTURES
-from server_checks import child_processes, descendants
+from processes import child_processes, descendants
 
 if TYPE_CHECKING:
     from servers import ServerProcess

@@ -30,7 +30,7 @@ from kvfleet.runtime.executor.executor import MultiprocExecutor, WorkerFailedErr
 from kvfleet.runtime.models.make_model.quantize import quantize_folder
 from kvfleet.runtime.models.model_config import ModelConfig
 from kvfleet.runtime.models.moe_config import MoeLayerLoad
-from processes import children
+from processes import child_processes
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -267,11 +267,11 @@ def test_a_rank_that_cannot_load_says_why_and_every_rank_is_stopped(make_model: 
     outlives the failed start: the tiny model with int4 weights at TP=2, where the MLP's 11 groups of input
     columns cannot be shared out whole."""
     model = make_model("llama", "tiny", 0, "--quantize", "w4a16")
-    before = children(os.getpid())
+    before = set(child_processes(os.getpid()))
     reason = (
         r"rank \d could not load the model: ValueError: .*down_proj.weight_scale: tensor_parallel_size 2 "
     )
     reason += "does not divide its 11 groups of input columns"
     with pytest.raises(WorkerFailedError, match=reason):
         LLM(str(model), **{**ENGINE_OPTIONS, "tensor_parallel_size": 2})
-    assert children(os.getpid()) == before
+    assert set(child_processes(os.getpid())) == before

@@ -25,7 +25,7 @@ from kvfleet.runtime.engine.grammar_compiler import GrammarCompiler, RequestGram
 from kvfleet.runtime.engine.messages import AddRequest, to_core_decoder
 from kvfleet.runtime.request import Request
 from kvfleet.runtime.structured_outputs.masks import GrammarMasks
-from processes import children
+from processes import child_processes
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 PROMPTS = ["The weather today", "Write a list:", "1 2 3", "Hello there, my friend"]
@@ -273,13 +273,13 @@ def test_a_compiling_request_displaces_nobody() -> None:
 
 def _compile_servers() -> set[int]:
     """The pids of this process's grammar compile servers."""
-    return _compilers(children(os.getpid()))
+    return _compilers(child_processes(os.getpid()))
 
 
 def _compile_processes() -> set[int]:
     """The pids of the compile processes those servers forked (not the short-lived commands a library may
     run as it is imported)."""
-    return _compilers(pid for server in _compile_servers() for pid in children(server))
+    return _compilers(pid for server in _compile_servers() for pid in child_processes(server))
 
 
 def _compilers(pids: Iterable[int]) -> set[int]:
