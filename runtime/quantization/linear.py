@@ -147,7 +147,6 @@ class QuantizedCheckpoint:
                 for name in f.keys():  # noqa: SIM118 (a safetensors handle is not a mapping)
                     if name.endswith(".weight_scale"):
                         self._scale_shapes[name.removesuffix(".weight_scale")] = f.get_slice(name).get_shape()
-        self.quantized = set(self._scale_shapes)
         # Each quantized projection's input columns on this rank (a share of them under tensor parallelism).
         self._columns: dict[str, int] = {}
 
@@ -163,7 +162,7 @@ class QuantizedCheckpoint:
         holds = getattr(model, "checkpoint_slice", None)
         held = [
             name
-            for name in self.quantized
+            for name in self._scale_shapes
             if holds is None or holds(f"{name}.weight_scale", self._scale_shapes[name]) is not None
         ]
         targets = {name: parameter_of(f"{name}.weight").removesuffix(".weight") for name in held}
@@ -215,7 +214,7 @@ class QuantizedCheckpoint:
             parts = (*parts, "weight_scale")
         for name, tensor in weights:
             prefix, _, part = name.rpartition(".")
-            if prefix not in self.quantized or part not in parts:
+            if prefix not in self._scale_shapes or part not in parts:
                 yield name, tensor
                 continue
             held = pending.setdefault(prefix, {})
