@@ -237,8 +237,8 @@ class PromptHiddenStates:
 
 class PromptLogprobs:
     """A request for its prompt's logprobs is served where the engine computes its whole prompt: ranks in
-    worker processes send back only their logits, a decode call's prompt was computed on a prefill replica,
-    and a continuation's prompt was scored on the replica it comes from."""
+    worker processes send back only their logits, and a decode call's prompt was computed on a prefill
+    replica."""
 
     def __init__(self, world_size: int) -> None:
         self._world_size = world_size
@@ -254,8 +254,6 @@ class PromptLogprobs:
             raise InvalidRequestError(
                 "prompt_logprobs: a disaggregated request's prompt is computed on its prefill replica"
             )
-        if add.resumed_token_ids:
-            raise InvalidRequestError("prompt_logprobs: a continuation's prompt was scored where it began")
 
 
 class StructuredOutputs:

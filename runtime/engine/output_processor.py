@@ -56,8 +56,9 @@ class _RequestState:
     num_cached_tokens: int = 0
     kv_transfer_params: dict[str, Any] | None = None
     prompt_hidden_state: list[float] | None = None
-    # From the first of its sequences to score the prompt (each of n does).
+    # From the first of its sequences to score the prompt (each of n does), until handed out.
     prompt_logprobs: list[PromptTokenLogprobs | None] | None = None
+    prompt_scored: bool = False
 
     @property
     def finished(self) -> bool:
@@ -230,9 +231,9 @@ class OutputProcessor:
             state.kv_transfer_params = core_output.kv_transfer_params
         if core_output.prompt_hidden_state is not None:
             state.prompt_hidden_state = core_output.prompt_hidden_state
-        if core_output.prompt_logprobs is not None and state.prompt_logprobs is None:
+        if core_output.prompt_logprobs is not None and not state.prompt_scored:
             # Nothing before the first prompt token scores it.
-            state.prompt_logprobs = [None, *core_output.prompt_logprobs]
+            state.prompt_logprobs, state.prompt_scored = [None, *core_output.prompt_logprobs], True
         if sequence.logprobs is not None and core_output.new_logprobs:
             sequence.logprobs.extend(core_output.new_logprobs)
             for token_id, token_logprobs in zip(new_ids, core_output.new_logprobs, strict=False):
@@ -274,6 +275,8 @@ class OutputProcessor:
                 for seq in state.sequences.values()
                 if seq.sent_tokens < len(seq.token_ids) or (seq.finished and not seq.sent_finish)
             ]
+        # Once, with the first output made after the prompt is scored: a stream echoes the prompt with them.
+        prompt_logprobs, state.prompt_logprobs = state.prompt_logprobs, None
         return RequestOutput(
             request_id=state.request_id,
             prompt=state.prompt,
@@ -285,7 +288,7 @@ class OutputProcessor:
             metrics=dataclasses.replace(state.metrics),
             kv_transfer_params=state.kv_transfer_params if finished else None,
             prompt_hidden_state=state.prompt_hidden_state if finished else None,
-            prompt_logprobs=state.prompt_logprobs if finished else None,
+            prompt_logprobs=prompt_logprobs,
         )
 
     @staticmethod

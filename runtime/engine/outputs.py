@@ -46,8 +46,9 @@ class RequestOutput:
     kv_transfer_params: dict[str, Any] | None = None
     # The prompt's final hidden states pooled as SamplingParams.prompt_pooling asked, once finished.
     prompt_hidden_state: list[float] | None = None
-    # With SamplingParams.prompt_logprobs, once finished: one entry per prompt token (None for the first,
-    # which nothing before it scores).
+    # With SamplingParams.prompt_logprobs, in one output: the first after the prompt is scored (the final one
+    # when only that is made). One entry per prompt token (None for the first, which nothing before it
+    # scores).
     prompt_logprobs: list[PromptTokenLogprobs | None] | None = None
     # A continuation's first output: what its sequences had already delivered from another replica (their
     # resumed tokens, and the text sent of them), for the front end to catch up on; never to be sent again.

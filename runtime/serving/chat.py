@@ -6,6 +6,7 @@ streamed before the content, and calls are read from the content alone."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping
 from dataclasses import replace
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
@@ -13,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from kvfleet.runtime.engine.outputs import CompletionOutput
 from kvfleet.runtime.pooler_config import GENERATE
 from kvfleet.runtime.reasoning import ReasoningParser, ReasoningStream
+from kvfleet.runtime.request import PromptTokenLogprobs
 from kvfleet.runtime.safety.guardrails import Decision, redact_pieces
 from kvfleet.runtime.sampling_params import StructuredOutputsParams
 from kvfleet.runtime.serving.media import load_chat_media
@@ -203,7 +205,13 @@ class ChatRoute:
         """The prompt's token ids, when asked for (in the response, or the stream's first chunk)."""
         return {"prompt_token_ids": request.prompt_token_ids[0]} if self.body.return_token_ids else {}
 
-    def choice_builder(self, request: PreparedRequest, tokenizer: Any) -> ChoiceBuilder:
+    def choice_builder(
+        self,
+        request: PreparedRequest,
+        tokenizer: Any,
+        prompt_logprobs: Mapping[int, list[PromptTokenLogprobs | None]],
+    ) -> ChoiceBuilder:
+        """A chat stream sends no prompt logprobs, as in vLLM."""
         builder = self._content_builder(request, tokenizer)
         if self.reasoning is not None:
             streams = [self.reasoning.stream(self.template_kwargs) for _ in range(request.params.n)]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from kvfleet.contract.errors import BadRequestError
@@ -249,7 +250,13 @@ class CompletionRoute:
     def first_chunk_fields(self, request: PreparedRequest) -> dict[str, Any]:
         return {}
 
-    def choice_builder(self, request: PreparedRequest, tokenizer: Any) -> ChoiceBuilder:
+    def choice_builder(
+        self,
+        request: PreparedRequest,
+        tokenizer: Any,
+        prompt_logprobs: Mapping[int, list[PromptTokenLogprobs | None]],
+    ) -> ChoiceBuilder:
+        """Each choice's first chunk begins with the echo, when asked for, its logprobs with the prompt's."""
         n = request.params.n
         echoes = self.echoes
         text_offsets: dict[int, int] = {}
@@ -261,15 +268,23 @@ class CompletionRoute:
             prompt_index: int, completion: CompletionOutput, finished: bool
         ) -> list[dict[str, Any]]:
             index = prompt_index * n + completion.index
-            text = completion.text
-            if echoes and index not in text_offsets:
-                text = echoes[prompt_index] + text
+            echo = echoes[prompt_index] if echoes and index not in text_offsets else ""
+            text = echo + completion.text
             offset = text_offsets.get(index, 0)
             text_offsets[index] = offset + len(text)
             new_token_ids = return_token_ids and bool(completion.token_ids)
             if not (text or finished or completion.logprobs or new_token_ids):
                 return []
-            logprobs = self._logprobs(tokenizer, completion.token_ids, completion.logprobs, offset)
+            logprobs = self._logprobs(
+                tokenizer, completion.token_ids, completion.logprobs, offset + len(echo)
+            )
+            if logprobs is not None and echo:
+                logprobs = self._with_prompt(
+                    tokenizer,
+                    request.prompt_token_ids[prompt_index],
+                    prompt_logprobs.get(prompt_index),
+                    logprobs,
+                )
             choice: dict[str, Any] = {"index": index, "text": text, "logprobs": logprobs}
             if return_token_ids:
                 if index not in started:

@@ -300,9 +300,11 @@ class _GenerationRequest(RequestBody):
             raise BadRequestError(
                 "a continuation resumes a stream: it is only allowed when stream is true", param=CONTINUATION
             )
-        if self.prompt_logprobs is not None and self.stream:
+        if self.stream and self.prompt_logprobs not in (None, 0):
             raise BadRequestError(
-                "prompt_logprobs are not available when stream is true", param="prompt_logprobs"
+                "prompt_logprobs are not available when stream is true (0, which asks for no alternatives, "
+                "is taken and sends nothing, as in vLLM)",
+                param="prompt_logprobs",
             )
 
     def _sampling_params(
@@ -331,7 +333,7 @@ class _GenerationRequest(RequestBody):
             "skip_special_tokens": self.skip_special_tokens,
             "include_stop_str_in_output": self.include_stop_str_in_output,
             "logprobs": logprobs,
-            "prompt_logprobs": self.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
+            "prompt_logprobs": self._prompt_logprobs() if prompt_logprobs is None else prompt_logprobs,
             "structured_outputs": self._structured_outputs(),
             "logit_bias": self._logit_bias(),
             "allowed_token_ids": self.allowed_token_ids,
@@ -355,6 +357,10 @@ class _GenerationRequest(RequestBody):
             raise BadRequestError(
                 message, param=param if param in given or param == "max_tokens" else None
             ) from None
+
+    def _prompt_logprobs(self) -> int | None:
+        """The prompt logprobs to score: none for a stream, which has no field to send them in."""
+        return None if self.stream else self.prompt_logprobs
 
     def _logit_bias(self) -> dict[int, float] | None:
         if self.logit_bias is None:
@@ -419,14 +425,9 @@ class CompletionRequest(_GenerationRequest):
             raise BadRequestError("best_of different from n is not supported", param="best_of")
         prompt_logprobs = None
         if self.echo and self.logprobs is not None:
-            if self.stream:
-                raise BadRequestError(
-                    "echo with logprobs is not available when stream is true: the prompt's logprobs are "
-                    "answered whole",
-                    param="echo",
-                )
-            # The echoed prompt's tokens come with their logprobs too, as in vLLM.
-            prompt_logprobs = max(self.logprobs, self.prompt_logprobs or 0)
+            # The echoed prompt's tokens come with their logprobs too, as in vLLM (streamed, in each choice's
+            # first chunk).
+            prompt_logprobs = max(self.logprobs, self._prompt_logprobs() or 0)
         return self._sampling_params(self.max_tokens, self.logprobs, defaults, prompt_logprobs)
 
     def prompts(self) -> list[str | list[int]]:

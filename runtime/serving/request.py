@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TYPE_CHECKING, Any, Protocol
@@ -10,6 +11,7 @@ from kvfleet.contract.request_ids import usable_request_id
 from kvfleet.runtime.engine.sequences import ResumedSequence
 from kvfleet.runtime.lora.request import LoRARequest
 from kvfleet.runtime.multimodal.inputs import MultiModalFeature
+from kvfleet.runtime.request import PromptTokenLogprobs
 from kvfleet.runtime.sampling_params import SamplingParams, StructuredOutputsParams
 from kvfleet.runtime.serving.protocol import ChatCompletionRequest, CompletionRequest
 from kvfleet.runtime.serving.responses import Choice, ChoiceBuilder
@@ -89,7 +91,14 @@ class Route(Protocol):
     def first_chunk_fields(self, request: PreparedRequest) -> dict[str, Any]:
         """Fields the stream's first chunk (the preamble's first) carries beside its choice."""
 
-    def choice_builder(self, request: PreparedRequest, tokenizer: Any) -> ChoiceBuilder: ...
+    def choice_builder(
+        self,
+        request: PreparedRequest,
+        tokenizer: Any,
+        prompt_logprobs: Mapping[int, list[PromptTokenLogprobs | None]],
+    ) -> ChoiceBuilder:
+        """What each delta is streamed as. `prompt_logprobs`: each prompt's, by prompt index, from when the
+        engine sends them (with its first output, where the request asks for them)."""
 
 
 @dataclass

@@ -24,6 +24,7 @@ from kvfleet.contract.tiers import TIERS
 from kvfleet.runtime.chat_prompt import chat_prompt_token_ids
 from kvfleet.runtime.engine.outputs import CompletionOutput, RequestOutput
 from kvfleet.runtime.errors import EngineError
+from kvfleet.runtime.request import PromptTokenLogprobs
 from kvfleet.runtime.safety.checker import Checker, CheckerUnavailableError, Direction
 from kvfleet.runtime.safety.config import GUARD_SELF, GuardConfig, Policy, SafetyConfig
 from kvfleet.runtime.safety.guard import GuardCompletion, GuardModelChecker, http_guard_completion
@@ -197,8 +198,12 @@ class RequestSafety:
         sequence still running ends with finish reason `content_filter`, the blocked one with the refusal
         text, and the request is aborted (closing `outputs` aborts it)."""
         windows = {(request_id, i): _Window() for request_id in request_ids for i in range(n)}
+        # Each request's prompt logprobs, until they go out with its first window released.
+        prompt_logprobs: dict[str, list[PromptTokenLogprobs | None]] = {}
         async with contextlib.aclosing(outputs):
             async for output in outputs:
+                if output.prompt_logprobs is not None:
+                    prompt_logprobs[output.request_id] = output.prompt_logprobs
                 released = []
                 for completion in output.outputs:
                     window = windows[output.request_id, completion.index]
@@ -212,7 +217,7 @@ class RequestSafety:
                         return
                     released.append(window.release(checked))
                 if released:
-                    yield _with_outputs(output, released)
+                    yield _with_outputs(output, released, prompt_logprobs.pop(output.request_id, None))
 
     async def _checked_window(self, window: _Window) -> str | None:
         """The held text to send (redacted if need be), or None when the window is blocked. The checkers
@@ -317,7 +322,11 @@ class _Window:
         )
 
 
-def _with_outputs(output: RequestOutput, completions: list[CompletionOutput]) -> RequestOutput:
+def _with_outputs(
+    output: RequestOutput,
+    completions: list[CompletionOutput],
+    prompt_logprobs: list[PromptTokenLogprobs | None] | None,
+) -> RequestOutput:
     return RequestOutput(
         output.request_id,
         output.prompt,
@@ -326,4 +335,5 @@ def _with_outputs(output: RequestOutput, completions: list[CompletionOutput]) ->
         all(c.finish_reason is not None for c in completions) and output.finished,
         output.num_cached_tokens,
         output.metrics,
+        prompt_logprobs=prompt_logprobs,
     )

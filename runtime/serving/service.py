@@ -56,6 +56,7 @@ from kvfleet.runtime.kv_transfer.params import RemoteDecode, parse_kv_transfer_p
 from kvfleet.runtime.lora.request import LoRARequest
 from kvfleet.runtime.pooler_config import EMBED, GENERATE, PoolerConfig, served_tasks
 from kvfleet.runtime.reasoning import ReasoningParser, reasoning_parser
+from kvfleet.runtime.request import PromptTokenLogprobs
 from kvfleet.runtime.sampling_params import (
     KV_TRANSFER_PARAMS,
     MAX_LOGPROBS,
@@ -750,7 +751,8 @@ class OpenAIService:
         for. A continuation's builder first catches up on what its choices delivered, and what it makes of
         that is dropped: it was sent by the replica before (a tool call's announcement, say)."""
         route = request.route
-        choice_of = route.choice_builder(request, self.tokenizer)
+        prompt_logprobs: dict[int, list[PromptTokenLogprobs | None]] = {}
+        choice_of = route.choice_builder(request, self.tokenizer, prompt_logprobs)
         completion_tokens = 0
         cached = _CachedTokens()
         for output in resumed:
@@ -765,6 +767,8 @@ class OpenAIService:
             nonlocal completion_tokens
             cached.add(output)
             prompt_index = request.prompt_index[output.request_id]
+            if output.prompt_logprobs is not None:
+                prompt_logprobs[prompt_index] = output.prompt_logprobs
             for completion in output.outputs:
                 completion_tokens += len(completion.token_ids)
                 error = finish_error(completion.finish_reason)

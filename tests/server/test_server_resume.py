@@ -192,9 +192,10 @@ def test_penalties_and_min_tokens_count_the_resumed_tokens(http: httpx.Client) -
 
 
 def test_each_prompt_of_a_completion_resumes_by_its_choice_index_and_echoes_once(http: httpx.Client) -> None:
-    _check_resumes(
-        http, "/v1/completions", _completion(prompt=["Once upon a time", "The fox"], n=2, seed=1, echo=True)
-    )
+    # With logprobs, an echo leads with its prompt's: a choice not begun before the cut is echoed, and its
+    # prompt scored, by the replica that resumes it.
+    body = _completion(prompt=["Once upon a time", "The fox"], n=2, seed=1, echo=True, logprobs=1)
+    _check_resumes(http, "/v1/completions", body)
 
 
 def test_a_seeded_sampled_chat_resumes_its_random_stream(http: httpx.Client) -> None:

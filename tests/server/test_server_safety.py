@@ -284,6 +284,33 @@ def test_streamed_windows_hold_back_at_most_the_window(ruled: ServerProcess, ref
     assert _findings(ruled, "rules", MARKER_CATEGORY, "output", "flag") >= 1
 
 
+def _echoed(events: list[dict[str, Any]]) -> tuple[str, list[str], list[float | None]]:
+    """A streamed completion's text, tokens and their logprobs, joined."""
+    choices = [choice for event in events for choice in event["choices"]]
+    logprobs = [choice["logprobs"] for choice in choices if choice["logprobs"]]
+    return (
+        "".join(choice["text"] for choice in choices),
+        [token for entry in logprobs for token in entry["tokens"]],
+        [logprob for entry in logprobs for logprob in entry["token_logprobs"]],
+    )
+
+
+def test_a_streamed_echo_leads_its_first_window_with_the_prompts_logprobs(
+    ruled: ServerProcess, guard: ServerProcess
+) -> None:
+    """The prompt's logprobs come with the first token, which the window holds back: they go out with it,
+    as the unguarded server streams them (flagged only, the text is the model's)."""
+    body = {"prompt": "Tell me a story about the sea.", "max_tokens": 2 * WINDOW, "logprobs": 1, "echo": True}
+    text, tokens, logprobs = _echoed(_events(ruled, "completions", "batch", **body))
+    unguarded_text, unguarded_tokens, unguarded_logprobs = _echoed(
+        _events(guard, "completions", "batch", **body)
+    )
+    assert text == unguarded_text and text.startswith(body["prompt"])
+    assert tokens == unguarded_tokens
+    assert logprobs[0] is None and logprobs[1:] == pytest.approx(unguarded_logprobs[1:], abs=1e-5)
+    assert len(tokens) > 2 * WINDOW
+
+
 def test_an_unstreamed_output_is_checked_whole(ruled: ServerProcess, reference: Reference) -> None:
     choice = _chat(ruled).json()["choices"][0]
     assert choice["message"]["content"] == REFUSAL

@@ -826,6 +826,62 @@ def test_prompt_logprobs_are_the_models_and_echo_carries_them(
     assert all(len(entry) == 1 for entry in body[1:])
 
 
+_LOGPROB_FIELDS = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
+
+
+def _joined_choices(stream: Any) -> dict[int, dict[str, Any]]:
+    """Each choice of a streamed completion, its text and logprobs joined across its chunks; and that no
+    chunk carries prompt_logprobs."""
+    joined: dict[int, dict[str, Any]] = {}
+    for streamed in (choice for event in stream for choice in event.choices):
+        assert "prompt_logprobs" not in (streamed.model_extra or {})
+        entry = joined.setdefault(streamed.index, {"text": "", **{name: [] for name in _LOGPROB_FIELDS}})
+        entry["text"] += streamed.text
+        for name in _LOGPROB_FIELDS if streamed.logprobs is not None else ():
+            entry[name] += getattr(streamed.logprobs, name)
+    return joined
+
+
+def test_a_streamed_echo_leads_with_its_prompts_logprobs_as_the_answer_does(
+    client: openai.OpenAI, tokenizer: Any
+) -> None:
+    """As vLLM streams it: each choice's first chunk holds its prompt and the prompt tokens' logprobs before
+    its first token's. Joined, each streamed choice is the unstreamed one (whose logprobs are checked against
+    Transformers above), but for the offsets past its first token: a stream's are into the text sent so far,
+    which a token's text may join late. prompt_logprobs 0, which vLLM takes with stream, is taken and sends
+    nothing."""
+    prompts = [PROMPT, "The fox"]
+    asked: dict[str, Any] = {
+        "model": "tiny",
+        "prompt": prompts,
+        "max_tokens": 4,
+        "logprobs": 2,
+        "echo": True,
+        "n": 2,
+        "temperature": 0.0,
+    }
+    whole = client.completions.create(**asked, extra_body=GREEDY["extra_body"])
+    stream = client.completions.create(
+        **asked, stream=True, extra_body={**GREEDY["extra_body"], "prompt_logprobs": 0}
+    )
+    joined = _joined_choices(stream)
+    assert sorted(joined) == [choice.index for choice in whole.choices] == [0, 1, 2, 3]
+    for choice in whole.choices:
+        streamed, answered = joined[choice.index], choice.logprobs
+        assert streamed["text"] == choice.text
+        assert streamed["tokens"] == answered.tokens
+        scored = len(tokenizer(prompts[choice.index // 2]).input_ids) + 1
+        assert streamed["text_offset"][:scored] == answered.text_offset[:scored]
+        assert streamed["token_logprobs"][0] is None and streamed["top_logprobs"][0] is None
+        assert streamed["token_logprobs"][1:] == pytest.approx(answered.token_logprobs[1:], abs=1e-5)
+        for got, want in zip(streamed["top_logprobs"][1:], answered.top_logprobs[1:], strict=True):
+            assert got == pytest.approx(want, abs=1e-5)
+    chat = client.chat.completions.create(
+        model="tiny", messages=MESSAGES, max_tokens=2, stream=True, extra_body={"prompt_logprobs": 0}
+    )
+    assert all("prompt_logprobs" not in (event.model_extra or {}) for event in chat)
+
+
 def _processed_logprobs(model_folder: Path, prompt_ids: list[int], answer_ids: list[int]) -> torch.Tensor:
     """[len(answer_ids), vocab]: the log-softmax of each answer token's distribution after SAMPLED's
     temperature and top_k, by Transformers' logits and warpers (-inf where top_k rules a token out)."""
@@ -881,7 +937,6 @@ def test_processed_logprobs_are_of_the_distribution_sampled_from(
     ("fields", "named"),
     [
         ({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
-        ({"echo": True, "logprobs": 1, "stream": True}, "echo"),
         ({"prompt_logprobs": -1}, "prompt_logprobs"),
         ({"prompt_logprobs": MAX_LOGPROBS + 1}, "prompt_logprobs"),
         ({"prompt_logprobs": True}, "prompt_logprobs"),
