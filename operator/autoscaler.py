@@ -223,6 +223,11 @@ class AutoscalerState:
     # (a few requests, unevenly spread) does not make that look like the most a replica can be trusted with.
     proven_throughput: tuple[tuple[Latency, float], ...] = ()
 
+    def for_a_new_template(self) -> AutoscalerState:
+        """What carries over to replicas of another template (another model, engine settings or GPUs), which
+        may serve more or less: not the throughput the old ones were measured at, which is measured again."""
+        return replace(self, full_throughput=(), proven_throughput=())
+
 
 @dataclass(frozen=True)
 class ScaleDecision:

@@ -611,6 +611,9 @@ class ServiceController:
             self.events("Normal", "Created", f"Applied {kinds} for {spec.model.uri}")
         elif self._applied is not None and spec_digest != self._applied[0]:
             self.events("Normal", "Updated", f"Applied generation {generation}: rolling out the new template")
+            self.autoscaler_state = self.autoscaler_state.for_a_new_template()
+            for scaled in self.roles.values():
+                scaled.state = scaled.state.for_a_new_template()
         self._applied, self._last_apply_at = (spec_digest, replicas), now
 
     def _template_digest(self, spec: InferenceServiceSpec, generation: int, options: RenderOptions) -> str:

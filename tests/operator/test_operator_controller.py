@@ -16,7 +16,7 @@ from kvfleet.operator import controller as controller_module
 from kvfleet.operator import handlers
 from kvfleet.operator.adapters import AdapterLoadError, AdapterSync, DesiredAdapter, ReplicaUnavailable
 from kvfleet.operator.api import GROUP_LABEL, SERVICE_LABEL
-from kvfleet.operator.autoscaler import PodMetrics, Waits
+from kvfleet.operator.autoscaler import AutoscalerState, PodMetrics, Waits
 from kvfleet.operator.controller import IDLE_PASS_SECONDS, ServiceController
 from kvfleet.operator.kube import ChildNotOwned, KubeError
 from kvfleet.operator.metrics import OperatorMetrics
@@ -234,6 +234,44 @@ def test_spec_change_rolls_out_and_drift_is_undone() -> None:
     harness.run(deployment_at(5, generation=2), ready_pods(1))
     assert len(harness.cluster.applied) == applied + 3, "someone scaled the Deployment: re-applied"
     assert harness.deployments()[-1]["spec"]["replicas"] == 1
+
+
+REMEMBERED = AutoscalerState(
+    recommendations=((990.0, 3),),
+    full_throughput=(("time to first token", 2000.0),),
+    proven_throughput=(("time to first token", 1500.0),),
+)
+
+
+@pytest.mark.parametrize("disaggregation", [None, {"decode": {"scaling": {"minReplicas": 2}}}])
+def test_a_new_template_forgets_what_the_old_replicas_were_measured_to_serve(
+    disaggregation: dict[str, Any] | None,
+) -> None:
+    """The throughput remembered past the stable window is the old template's: another engine setting may
+    serve more or less. A change of the scaling alone keeps it, and the recent recommendations always."""
+    harness = Harness(service(disaggregation=disaggregation) if disaggregation else service())
+    harness.run()
+    controller = harness.controller
+
+    def remembered(state: AutoscalerState | None = None) -> list[AutoscalerState]:
+        """The autoscaler states in use (each role's, or the service's), set to `state` first if given."""
+        if disaggregation is None:
+            controller.autoscaler_state = state or controller.autoscaler_state
+            return [controller.autoscaler_state]
+        for scaled in controller.roles.values():
+            scaled.state = state or scaled.state
+        return [scaled.state for scaled in controller.roles.values()]
+
+    count = len(remembered(REMEMBERED))
+    harness.body["spec"]["scaling"] = {"maxReplicas": 9}
+    harness.body["metadata"]["generation"] = 2
+    harness.run()
+    assert remembered() == [REMEMBERED] * count
+    harness.body["spec"]["engine"] = {"maxNumSeqs": 8}
+    harness.body["metadata"]["generation"] = 3
+    harness.run()
+    assert harness.reasons()[-1] == "Updated"
+    assert remembered() == [AutoscalerState(recommendations=REMEMBERED.recommendations)] * count
 
 
 def test_invalid_spec_is_reported_once_and_never_rendered() -> None:
