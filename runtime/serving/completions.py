@@ -259,7 +259,10 @@ class CompletionRoute:
         """Each choice's first chunk begins with the echo, when asked for, its logprobs with the prompt's."""
         n = request.params.n
         echoes = self.echoes
-        text_offsets: dict[int, int] = {}
+        counts_offsets = self.body.logprobs is not None
+        # Each choice's offset of its next token, as an unstreamed answer counts it: by its tokens' texts
+        # (the text sent may hold a token's back, the start of a character another token ends).
+        next_offsets: dict[int, int] = {}
         return_token_ids = bool(self.body.return_token_ids)
         # The choices whose first chunk (which carries the prompt's token ids) has been sent.
         started: set[int] = set()
@@ -268,16 +271,16 @@ class CompletionRoute:
             prompt_index: int, completion: CompletionOutput, finished: bool
         ) -> list[dict[str, Any]]:
             index = prompt_index * n + completion.index
-            echo = echoes[prompt_index] if echoes and index not in text_offsets else ""
+            echo = echoes[prompt_index] if echoes and index not in next_offsets else ""
             text = echo + completion.text
-            offset = text_offsets.get(index, 0)
-            text_offsets[index] = offset + len(text)
+            offset = next_offsets.get(index, 0) + len(echo)
+            next_offsets[index] = offset + (
+                _texts_length(tokenizer, completion.token_ids) if counts_offsets else 0
+            )
             new_token_ids = return_token_ids and bool(completion.token_ids)
             if not (text or finished or completion.logprobs or new_token_ids):
                 return []
-            logprobs = self._logprobs(
-                tokenizer, completion.token_ids, completion.logprobs, offset + len(echo)
-            )
+            logprobs = self._logprobs(tokenizer, completion.token_ids, completion.logprobs, offset)
             if logprobs is not None and echo:
                 logprobs = self._with_prompt(
                     tokenizer,
@@ -294,6 +297,11 @@ class CompletionRoute:
             return [choice]
 
         return choice_of
+
+
+def _texts_length(tokenizer: Any, token_ids: list[int]) -> int:
+    """How far the tokens move the offsets in logprobs: the length of each one's text."""
+    return sum(len(token_text(tokenizer, token_id)) for token_id in token_ids)
 
 
 def _fields(name: str, count: int) -> list[str]:
