@@ -212,6 +212,30 @@ class SamplingParams:
                 _require(0 <= value <= MAX_LOGPROBS, name, f"must be in [0, {MAX_LOGPROBS}], got {value}")
 
 
+@dataclass(frozen=True)
+class BeamSearchParams:
+    """vLLM's: a beam search of `beam_width` beams over `max_tokens` steps
+    (kvfleet.runtime.engine.beam_search). The beams are scored by the model's logprobs: `temperature` is
+    vLLM's field, and sets nothing here."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        _require_int("beam_width", self.beam_width)
+        # Each step scores each beam's 2 x beam_width likeliest next tokens.
+        most = MAX_LOGPROBS // 2
+        _require(1 <= self.beam_width <= most, "beam_width", f"must be in [1, {most}], got {self.beam_width}")
+        _require_int("max_tokens", self.max_tokens)
+        _require(self.max_tokens >= 1, "max_tokens", f"must be at least 1, got {self.max_tokens}")
+        _require_number("length_penalty", self.length_penalty)
+        _require_number("temperature", self.temperature)
+
+
 def _require(ok: bool, name: str, message: str) -> None:
     if not ok:
         raise ValueError(f"{name} {message}")

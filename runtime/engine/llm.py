@@ -10,6 +10,7 @@ from typing import Any
 from kvfleet.runtime.chat_content_format import ContentFormatOption
 from kvfleet.runtime.chat_prompt import chat_prompt_token_ids
 from kvfleet.runtime.config import EngineConfig
+from kvfleet.runtime.engine.beam_search import BeamSearch, BeamSearchOutput
 from kvfleet.runtime.engine.llm_engine import LLMEngine
 from kvfleet.runtime.engine.outputs import (
     EmbeddingOutput,
@@ -25,7 +26,7 @@ from kvfleet.runtime.multimodal.inputs import MultiModalFeature, check_features,
 from kvfleet.runtime.pooler_config import EMBED, GENERATE, PoolerConfig, cosine, score_pairs, served_tasks
 from kvfleet.runtime.pooling_params import PoolingParams
 from kvfleet.runtime.prompt_embeds import prompt_embeds_array
-from kvfleet.runtime.sampling_params import SamplingParams
+from kvfleet.runtime.sampling_params import BeamSearchParams, SamplingParams
 from kvfleet.runtime.structured_outputs.grammars import check_constraint
 from tqdm import tqdm
 
@@ -63,6 +64,55 @@ class LLM:
         none; a callable such as `functools.partial(tqdm, leave=False)` draws it instead of tqdm)."""
         self._check_task(GENERATE, "generate")
         return self._generate(prompts, sampling_params, priority, use_tqdm, lora_request)
+
+    def beam_search(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: BeamSearchParams,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        use_tqdm: ProgressBar = False,
+    ) -> list[BeamSearchOutput]:
+        """vLLM's: each prompt's best `params.beam_width` beams (kvfleet.runtime.engine.beam_search), their
+        tokens the prompt's and their own, their text all of them decoded. The searches run side by side, a
+        step (one token for every live beam) at a time. Text and token-id prompts: a prompt of images, audio
+        or embeddings is refused. `use_tqdm`: a progress bar counts the steps."""
+        self._check_task(GENERATE, "beam_search")
+        prompt_list = _as_prompt_list(prompts)
+        lora_list = _broadcast(lora_request, len(prompt_list), "lora_request")
+        tokenizer = self.get_tokenizer()
+        searches = []
+        for prompt in prompt_list:
+            if isinstance(prompt, dict) and (prompt.get("multi_modal_data") or "prompt_embeds" in prompt):
+                raise ValueError(
+                    "beam_search takes text and token-id prompts, not images, audio or embeddings"
+                )
+            token_ids, _ = self._prepare(prompt)
+            self.llm_engine.validate_prompt(token_ids, SamplingParams(max_tokens=params.max_tokens))
+            searches.append(BeamSearch(token_ids, params, tokenizer.eos_token_id))
+        make_bar = use_tqdm if callable(use_tqdm) else tqdm
+        with make_bar(total=params.max_tokens, disable=not use_tqdm, desc="Beam search", unit="step") as bar:
+            while live := [index for index, search in enumerate(searches) if not search.done]:
+                beams = [(index, beam) for index in live for beam in searches[index].beams]
+                outputs = self._generate(
+                    [{"prompt_token_ids": beam.tokens} for _, beam in beams],
+                    searches[live[0]].step_params,
+                    None,
+                    False,
+                    [lora_list[index] for index, _ in beams],
+                )
+                scored: dict[int, list[dict[int, float]]] = {index: [] for index in live}
+                for (index, _), output in zip(beams, outputs, strict=True):
+                    scored[index].append(output.outputs[0].logprobs[0])
+                for index in live:
+                    searches[index].advance(scored[index])
+                bar.update(1)
+        results = []
+        for search in searches:
+            best = search.best()
+            for beam in best:
+                beam.text = tokenizer.decode(beam.tokens)
+            results.append(BeamSearchOutput(best))
+        return results
 
     def embed(
         self,

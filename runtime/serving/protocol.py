@@ -24,7 +24,12 @@ from kvfleet.runtime import json_depth
 from kvfleet.runtime.errors import InvalidRequestError
 from kvfleet.runtime.input_checks import check_cache_salt
 from kvfleet.runtime.pooler_config import score_pairs
-from kvfleet.runtime.sampling_params import KV_TRANSFER_PARAMS, SamplingParams, StructuredOutputsParams
+from kvfleet.runtime.sampling_params import (
+    KV_TRANSFER_PARAMS,
+    BeamSearchParams,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 from pydantic import (
     AllowInfNan,
     BaseModel,
@@ -66,7 +71,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
     "guided_choice": (None,),
     "guided_grammar": (None,),
     "structural_tag": (None,),
-    "use_beam_search": (None, False),
     "truncate_prompt_tokens": (None,),
     "spaces_between_special_tokens": (None, True),
     "logits_processors": (None, []),
@@ -261,6 +265,11 @@ class _GenerationRequest(RequestBody):
     # kvfleet's: the request resumed from what its choices already delivered, mid-stream, by a replica that
     # failed or handed it back (kvfleet.contract.resume).
     continuation: Continuation | None = None
+    # vLLM's beam search: n beams, searched by the model's logprobs (kvfleet.runtime.engine.beam_search) and
+    # answered whole once the search ends, ranked by their logprob over their length to the power
+    # length_penalty.
+    use_beam_search: StrictBool = False
+    length_penalty: FiniteFloat = 1.0
 
     def truncation(self, max_model_len: int, default_side: Side) -> Truncation | None:
         """What truncate_prompt_tokens keeps of each prompt (vLLM's): that many tokens, its last on the "left"
@@ -357,6 +366,57 @@ class _GenerationRequest(RequestBody):
             raise BadRequestError(
                 message, param=param if param in given or param == "max_tokens" else None
             ) from None
+
+    def beam_search_params(self, params: SamplingParams, max_tokens: int) -> BeamSearchParams:
+        """The search use_beam_search asks for, of `params` (the body's) and `max_tokens` for its prompt.
+        Refuses what the search would not honour: its steps read only the model's logprobs."""
+        ignored = [
+            name
+            for name, value, neutral in (
+                ("stop", self.stop, (None, [])),
+                ("stop_token_ids", self.stop_token_ids, (None, [])),
+                ("min_tokens", self.min_tokens, (0,)),
+                ("logit_bias", self.logit_bias, (None, {})),
+                ("allowed_token_ids", self.allowed_token_ids, (None,)),
+                ("bad_words", self.bad_words, (None, [])),
+                ("presence_penalty", self.presence_penalty, (None, 0.0)),
+                ("frequency_penalty", self.frequency_penalty, (None, 0.0)),
+                ("repetition_penalty", self.repetition_penalty, (None, 1.0)),
+                ("prompt_logprobs", self.prompt_logprobs, (None,)),
+            )
+            if value not in neutral
+        ]
+        if ignored:
+            raise BadRequestError(
+                f"{ignored[0]} is not taken with use_beam_search: the beams are searched by the model's "
+                "logprobs alone",
+                param=ignored[0],
+            )
+        for name, value in ((CONTINUATION, self.continuation), (KV_TRANSFER_PARAMS, self.kv_transfer_params)):
+            if value is not None:
+                raise BadRequestError(
+                    f"{name} is not taken with use_beam_search: a search is answered whole, by one replica",
+                    param=name,
+                )
+        if params.prompt_logprobs is not None:
+            # Asked for by echo with logprobs: the prompt is not scored by the search's steps.
+            raise BadRequestError("echo with logprobs is not taken with use_beam_search", param="echo")
+        if params.logprobs is not None and params.logprobs > 2 * params.n:
+            raise BadRequestError(
+                f"logprobs with use_beam_search: at most 2 x n = {2 * params.n}, the candidates each step "
+                f"scores, got {params.logprobs}",
+                param="logprobs",
+            )
+        try:
+            return BeamSearchParams(
+                beam_width=params.n,
+                max_tokens=max_tokens,
+                ignore_eos=params.ignore_eos,
+                length_penalty=self.length_penalty,
+                include_stop_str_in_output=params.include_stop_str_in_output,
+            )
+        except ValueError as error:
+            raise BadRequestError(f"n with use_beam_search: {error}", param="n") from None
 
     def _prompt_logprobs(self) -> int | None:
         """The prompt logprobs to score: none for a stream, which has no field to send them in."""

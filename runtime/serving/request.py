@@ -12,7 +12,7 @@ from kvfleet.runtime.engine.sequences import ResumedSequence
 from kvfleet.runtime.lora.request import LoRARequest
 from kvfleet.runtime.multimodal.inputs import MultiModalFeature
 from kvfleet.runtime.request import PromptTokenLogprobs
-from kvfleet.runtime.sampling_params import SamplingParams, StructuredOutputsParams
+from kvfleet.runtime.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputsParams
 from kvfleet.runtime.serving.protocol import ChatCompletionRequest, CompletionRequest
 from kvfleet.runtime.serving.responses import Choice, ChoiceBuilder
 from kvfleet.runtime.serving.safety import RequestSafety
@@ -125,6 +125,8 @@ class PreparedRequest:
     # Where the client chose the answer's id, which requests in flight may share, what makes its engine
     # requests' ids their own.
     engine_suffix: str = ""
+    # With use_beam_search: each prompt's search, which runs instead of its engine request.
+    beam_searches: list[BeamSearchParams] = field(default_factory=list)
 
     @property
     def stream(self) -> bool:

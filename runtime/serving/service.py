@@ -41,6 +41,7 @@ from kvfleet.runtime.chat_prompt import (
     rendering_parameters,
     text_fields,
 )
+from kvfleet.runtime.engine.beam_search import beam_search_outputs
 from kvfleet.runtime.engine.messages import EngineInfo
 from kvfleet.runtime.engine.outputs import RequestOutput
 from kvfleet.runtime.engine.sequences import ResumedSequence
@@ -60,6 +61,7 @@ from kvfleet.runtime.request import PromptTokenLogprobs
 from kvfleet.runtime.sampling_params import (
     KV_TRANSFER_PARAMS,
     MAX_LOGPROBS,
+    BeamSearchParams,
     SamplingParams,
     StructuredOutputsParams,
 )
@@ -260,6 +262,7 @@ class OpenAIService:
         if body.kv_transfer_params is not None:
             check_kv_transfer_call(body.kv_transfer_params, body.stream, len(prompt.token_ids))
         resumed = self.check_continuation(body.continuation, prompt.token_ids, params)
+        beam_searches = self._beam_searches(route, params, prompt.token_ids)
         if resumed and safety is not None and safety.checks_output:
             # Output checks read an answer from its start, which a continuation does not resend.
             raise BadRequestError(
@@ -287,10 +290,30 @@ class OpenAIService:
             mm_features=prompt.mm_features,
             cache_salt=body.cache_salt,
             resumed=resumed,
+            beam_searches=beam_searches,
         )
         if self.settings.enable_log_requests:
             self._log_request(prepared)
         return prepared
+
+    def _beam_searches(
+        self, route: Route, params: SamplingParams, prompts: list[list[int]]
+    ) -> list[BeamSearchParams]:
+        """With use_beam_search, each prompt's search (to the room its context leaves, without max_tokens);
+        none otherwise."""
+        body = route.body
+        if not body.use_beam_search:
+            return []
+        if params.structured_outputs is not None:
+            param = "tools" if route.tool_constraint is not None else _constraint_param(body)
+            raise BadRequestError(f"{param} is not taken with use_beam_search", param=param)
+        max_model_len = self.engine_info.max_model_len
+        return [
+            body.beam_search_params(
+                params, params.max_tokens if params.max_tokens is not None else max_model_len - len(token_ids)
+            )
+            for token_ids in prompts
+        ]
 
     def _log_request(self, request: PreparedRequest) -> None:
         lora_name = request.lora_request.lora_name if request.lora_request is not None else None
@@ -665,23 +688,31 @@ class OpenAIService:
     def outputs(self, request: PreparedRequest, *, stream: bool = False) -> AsyncIterator[RequestOutput]:
         """The delta outputs of every prompt of the request, in arrival order; behind the request's input
         check, when streamed its output checked window by window, and logged where the server logs outputs."""
-        streams = [
-            self.engine.generate(
-                request_id,
-                token_ids,
-                request.params,
-                priority=request.priority,
-                timeout=request.timeout,
-                arrival_time=request.arrival_time,
-                lora_request=request.lora_request,
-                mm_features=request.mm_features[index] if request.mm_features else None,
-                cache_salt=request.cache_salt,
-                resumed=request.resumed[index] if request.resumed else None,
+        streams = []
+        for index, (request_id, token_ids) in enumerate(
+            zip(request.engine_request_ids, request.prompt_token_ids, strict=True)
+        ):
+            options: dict[str, Any] = {
+                "priority": request.priority,
+                "timeout": request.timeout,
+                "arrival_time": request.arrival_time,
+                "lora_request": request.lora_request,
+                "mm_features": request.mm_features[index] if request.mm_features else None,
+                "cache_salt": request.cache_salt,
+            }
+            if request.beam_searches:
+                search = request.beam_searches[index]
+                with_logprobs = request.params.logprobs is not None
+                streams.append(
+                    beam_search_outputs(
+                        self.engine, request_id, token_ids, search, with_logprobs=with_logprobs, **options
+                    )
+                )
+                continue
+            resumed = request.resumed[index] if request.resumed else None
+            streams.append(
+                self.engine.generate(request_id, token_ids, request.params, **options, resumed=resumed)
             )
-            for index, (request_id, token_ids) in enumerate(
-                zip(request.engine_request_ids, request.prompt_token_ids, strict=True)
-            )
-        ]
         outputs = streams[0] if len(streams) == 1 else merge_streams(streams)
         safety = request.safety
         if safety is not None:

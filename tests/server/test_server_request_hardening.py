@@ -237,7 +237,6 @@ UNSUPPORTED = [
     ("suffix", "the end"),
     ("audio", {"voice": "alloy", "format": "wav"}),
     ("modalities", ["text", "audio"]),
-    ("use_beam_search", True),
     ("logits_processors", ["my.Processor"]),
     # vLLM 0.32's.
     ("thinking_token_budget", 64),
