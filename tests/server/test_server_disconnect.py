@@ -7,6 +7,7 @@ here, through a real server, the request must stop far short of where it was goi
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import TYPE_CHECKING
 
 import httpx
@@ -66,3 +67,31 @@ def test_disconnect_aborts_and_frees_blocks(api_server: ServerProcess, stream: b
     generated = after["vllm:generation_tokens_total"] - before
     assert 0 < generated < MAX_TOKENS / 2, "the request ran on after its client left"
     assert finished_count(api_server, "abort") == aborted_before + 1
+
+
+def test_a_beam_search_whose_client_leaves_stops_its_steps(api_server: ServerProcess) -> None:
+    """A beam search runs a request per beam at each step: once its client has gone, no step follows."""
+    wait_idle(api_server)
+
+    def generated() -> float:
+        return api_server.metrics().get("vllm:generation_tokens_total", 0.0)
+
+    before = generated()
+
+    async def leave() -> None:
+        body = {"model": "tiny", "prompt": "go on", "max_tokens": MAX_TOKENS, "n": 2, "use_beam_search": True}
+        async with httpx.AsyncClient(
+            base_url=api_server.url, headers=api_server.headers(), timeout=60
+        ) as client:
+            request = asyncio.create_task(client.post("/v1/completions", json={**body, "ignore_eos": True}))
+            while await asyncio.to_thread(generated) < before + 20:
+                assert not request.done(), "the search finished before the client could leave"
+                await asyncio.sleep(0.005)
+            request.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await request
+
+    asyncio.run(leave())
+    left_at = wait_idle(api_server)["vllm:generation_tokens_total"]
+    time.sleep(1.0)
+    assert generated() == left_at < before + MAX_TOKENS, "the search went on after its client left"
