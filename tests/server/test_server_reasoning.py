@@ -213,7 +213,7 @@ def test_tool_calls_are_read_from_the_content_alone(tokenizer: Any) -> None:
     assert choice["message"]["content"] == "Let me look. "
     assert [call["function"]["name"] for call in choice["message"]["tool_calls"]] == ["get_time"]
 
-    builder = route.choice_builder(request, tokenizer)
+    builder = route.choice_builder(request, tokenizer, {})
     deltas = []
     for end in range(1, len(ids) + 1):
         piece = tokenizer.decode(ids[:end])[len(tokenizer.decode(ids[: end - 1])) :]
