@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvfleet.contract.errors import BadRequestError
 from kvfleet.runtime.engine.outputs import CompletionOutput
@@ -27,6 +28,9 @@ from kvfleet.runtime.serving.safety import RequestSafety
 
 if TYPE_CHECKING:
     from kvfleet.runtime.serving.service import OpenAIService
+
+# A whole choice, or a streamed delta of one.
+_Generated = TypeVar("_Generated", Choice, CompletionOutput)
 
 
 class CompletionRoute:
@@ -151,7 +155,8 @@ class CompletionRoute:
         entries = []
         for prompt_index, per_prompt in enumerate(choices):
             prompt_token_ids = request.prompt_token_ids[prompt_index]
-            for sequence_index, choice in enumerate(per_prompt):
+            for sequence_index, generated in enumerate(per_prompt):
+                choice = _unanswered(generated) if self.body.echoes_only else generated
                 prefix = self.echoes[prompt_index] if self.echoes else ""
                 logprobs = self._logprobs(tokenizer, choice.token_ids, choice.logprobs, len(prefix))
                 if logprobs is not None and self.echoes:
@@ -271,6 +276,8 @@ class CompletionRoute:
             prompt_index: int, completion: CompletionOutput, finished: bool
         ) -> list[dict[str, Any]]:
             index = prompt_index * n + completion.index
+            if self.body.echoes_only:
+                completion = _unanswered(completion)
             echo = echoes[prompt_index] if echoes and index not in next_offsets else ""
             text = echo + completion.text
             offset = next_offsets.get(index, 0) + len(echo)
@@ -297,6 +304,13 @@ class CompletionRoute:
             return [choice]
 
         return choice_of
+
+
+def _unanswered(generated: _Generated) -> _Generated:
+    """What an echo of the prompt alone answers of a choice: none of the token the engine ran it for."""
+    return dataclasses.replace(
+        generated, text="", token_ids=[], logprobs=None if generated.logprobs is None else []
+    )
 
 
 def _texts_length(tokenizer: Any, token_ids: list[int]) -> int:

@@ -488,7 +488,14 @@ class CompletionRequest(_GenerationRequest):
             # The echoed prompt's tokens come with their logprobs too, as in vLLM (streamed, in each choice's
             # first chunk).
             prompt_logprobs = max(self.logprobs, self._prompt_logprobs() or 0)
-        return self._sampling_params(self.max_tokens, self.logprobs, defaults, prompt_logprobs)
+        # OpenAI's and vLLM's echo of the prompt alone: the engine runs it for a token, which is not answered.
+        max_tokens = 1 if self.echoes_only else self.max_tokens
+        return self._sampling_params(max_tokens, self.logprobs, defaults, prompt_logprobs)
+
+    @property
+    def echoes_only(self) -> bool:
+        """echo with max_tokens 0: the answer is the prompt (with its logprobs, where asked), nothing more."""
+        return self.echo and self.max_tokens == 0
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts of `prompt` (none where only prompt_embeds are given)."""

@@ -877,6 +877,29 @@ def test_a_streamed_echo_leads_with_its_prompts_logprobs_as_the_answer_does(clie
     assert all("prompt_logprobs" not in (event.model_extra or {}) for event in chat)
 
 
+def test_an_echo_of_max_tokens_0_answers_the_prompt_alone(
+    client: openai.OpenAI, tokenizer: Any, model_folder: Path, server: ServerProcess
+) -> None:
+    """OpenAI's and vLLM's way to score a prompt: echo with max_tokens 0 answers the prompt and its tokens'
+    logprobs (the model's), streamed or not, and no token of its own (usage counts the one the engine ran
+    it for, as vLLM's does). Without echo, max_tokens 0 asks for nothing, and is refused."""
+    prompt_ids = tokenizer(PROMPT).input_ids
+    expected = _model_logprobs(model_folder, prompt_ids)
+    scored = [expected[position, token].item() for position, token in enumerate(prompt_ids[1:])]
+    asked: dict[str, Any] = {"model": "tiny", "prompt": PROMPT, "max_tokens": 0, "echo": True, "logprobs": 1}
+    (choice,) = client.completions.create(**asked, extra_body={"return_token_ids": True}).choices
+    assert (choice.text, choice.token_ids, choice.finish_reason) == (PROMPT, [], "length")  # type: ignore[attr-defined]
+    assert choice.logprobs.tokens == [tokenizer.decode([token]) for token in prompt_ids]
+    assert choice.logprobs.token_logprobs[0] is None
+    np.testing.assert_allclose(choice.logprobs.token_logprobs[1:], scored, atol=1e-4)
+    (streamed,) = _joined_choices(client.completions.create(**asked, stream=True)).values()
+    assert streamed["text"] == PROMPT and streamed["tokens"] == choice.logprobs.tokens
+    np.testing.assert_allclose(streamed["token_logprobs"][1:], scored, atol=1e-4)
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 0}
+    answer = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == "max_tokens"
+
+
 def _processed_logprobs(model_folder: Path, prompt_ids: list[int], answer_ids: list[int]) -> torch.Tensor:
     """[len(answer_ids), vocab]: the log-softmax of each answer token's distribution after SAMPLED's
     temperature and top_k, by Transformers' logits and warpers (-inf where top_k rules a token out)."""
