@@ -488,6 +488,11 @@ class CompletionRequest(_GenerationRequest):
             # The echoed prompt's tokens come with their logprobs too, as in vLLM (streamed, in each choice's
             # first chunk).
             prompt_logprobs = max(self.logprobs, self._prompt_logprobs() or 0)
+        if self.max_tokens == 0 and not self.echo:
+            raise BadRequestError(
+                "max_tokens must be at least 1, got 0 (0 is taken with echo, which answers the prompt alone)",
+                param="max_tokens",
+            )
         # OpenAI's and vLLM's echo of the prompt alone: the engine runs it for a token, which is not answered.
         max_tokens = 1 if self.echoes_only else self.max_tokens
         return self._sampling_params(max_tokens, self.logprobs, defaults, prompt_logprobs)
