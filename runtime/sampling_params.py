@@ -25,7 +25,9 @@ class StructuredOutputsParams:
 
     json: a JSON schema (a dict, or its JSON text); regex: a regular expression the whole output matches;
     choice: the output is exactly one of these strings; grammar: an EBNF grammar (GBNF style, with a `root`
-    rule); json_object: any JSON object.
+    rule); json_object: any JSON object; structural_tag: xgrammar's structural tag as JSON text, its
+    `format` (tags, JSON schemas, text and their sequences), or vLLM's older `structures` and `triggers`
+    (free text, and each trigger opens a tag whose content a JSON schema holds).
     """
 
     json: str | dict[str, Any] | None = None
@@ -33,6 +35,7 @@ class StructuredOutputsParams:
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    structural_tag: str | None = None
 
     def __post_init__(self) -> None:
         given = [name for name in _STRUCTURED_OUTPUT_KINDS if getattr(self, name) not in (None, False)]
@@ -47,7 +50,7 @@ class StructuredOutputsParams:
                 "structured_outputs",
                 "choice must be a non-empty list of non-empty strings",
             )
-        for name in ("regex", "grammar"):
+        for name in ("regex", "grammar", "structural_tag"):
             value = getattr(self, name)
             _require(
                 value is None or (isinstance(value, str) and value != ""),
@@ -63,7 +66,7 @@ class StructuredOutputsParams:
         return next(name for name in _STRUCTURED_OUTPUT_KINDS if getattr(self, name) not in (None, False))
 
 
-_STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+_STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 
 
 @dataclass

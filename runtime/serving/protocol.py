@@ -165,8 +165,20 @@ class JsonSchemaFormat(Body):
 
 
 class ResponseFormat(Body):
-    type: Literal["text", "json_object", "json_schema"]
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
     json_schema: JsonSchemaFormat | None = None
+    # vLLM's structural_tag type: xgrammar's `format`, or vLLM's older `structures` and `triggers`
+    # (StructuredOutputsParams.structural_tag).
+    format: dict[str, Any] | None = None
+    structures: list[dict[str, Any]] | None = None
+    triggers: list[str] | None = None
+
+    def structural_tag(self) -> str:
+        """The structural tag this response format is, as JSON text."""
+        tag = {"type": "structural_tag", "format": self.format}
+        if self.format is None:
+            tag = {"type": "structural_tag", "structures": self.structures, "triggers": self.triggers}
+        return json.dumps(tag)
 
 
 class StructuredOutputsBody(Body):
@@ -180,6 +192,7 @@ class StructuredOutputsBody(Body):
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: StrictBool | None = None
+    structural_tag: str | None = None
 
 
 class ContinuationChoice(Body):
@@ -443,6 +456,8 @@ class _GenerationRequest(RequestBody):
                 )
             if response_format.type == "json_object":
                 return StructuredOutputsParams(json_object=True)
+            if response_format.type == "structural_tag":
+                return StructuredOutputsParams(structural_tag=response_format.structural_tag())
             if response_format.json_schema is None or response_format.json_schema.json_schema is None:
                 raise BadRequestError(
                     "response_format of type json_schema needs json_schema.schema",
@@ -459,6 +474,7 @@ class _GenerationRequest(RequestBody):
                 choice=body.choice,
                 grammar=body.grammar,
                 json_object=body.json_object,
+                structural_tag=body.structural_tag,
             )
         except ValueError as exc:
             raise BadRequestError(str(exc), param="structured_outputs") from None

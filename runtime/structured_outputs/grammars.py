@@ -72,6 +72,8 @@ def grammar_key(params: StructuredOutputsParams) -> tuple[str, str]:
         return kind, _JSON_OBJECT_SCHEMA
     if kind == "choice":
         return kind, json.dumps(params.choice)
+    if kind == "structural_tag":
+        return kind, _canonical_json(params.structural_tag, "structural_tag")
     value = params.regex if kind == "regex" else params.grammar
     assert value is not None
     return kind, value
@@ -83,6 +85,54 @@ def check_constraint(params: StructuredOutputsParams) -> None:
     kind, text = grammar_key(params)
     if kind in JSON_KINDS:
         _check_json_schema_text(text)
+    elif kind == "structural_tag":
+        for schema in _structural_tag_schemas(json.loads(text)):
+            check_json_schema(schema)
+
+
+def _structural_tag_schemas(tag: Any) -> Iterator[Any]:
+    """The JSON schemas of a structural tag, which must be vLLM's older form (`structures`, each a `begin`,
+    a `schema` and an `end`, and the `triggers` that open them) or xgrammar's (`format`, whose json_schema
+    nodes hold them; xgrammar checks the rest of it when compiling)."""
+    if not isinstance(tag, dict) or ("structures" in tag) == ("format" in tag):
+        raise GrammarError("invalid structural_tag: an object with either format or structures and triggers")
+    if "format" in tag:
+        yield from _format_schemas(tag["format"])
+        return
+    structures, triggers = tag["structures"], tag.get("triggers")
+    if not (isinstance(triggers, list) and triggers and all(isinstance(t, str) and t for t in triggers)):
+        raise GrammarError("invalid structural_tag: triggers must be a non-empty list of non-empty strings")
+    if not isinstance(structures, list) or not structures:
+        raise GrammarError("invalid structural_tag: structures must be a non-empty list")
+    for index, structure in enumerate(structures):
+        if not (
+            isinstance(structure, dict)
+            and isinstance(structure.get("begin"), str)
+            and isinstance(structure.get("end"), str)
+            and "schema" in structure
+        ):
+            raise GrammarError(
+                f"invalid structural_tag: structures[{index}] needs a begin, a schema and an end"
+            )
+        if not any(structure["begin"].startswith(trigger) for trigger in triggers):
+            raise GrammarError(
+                f"invalid structural_tag: structures[{index}]'s begin {structure['begin']!r} starts with "
+                "none of the triggers"
+            )
+        yield structure["schema"]
+
+
+def _format_schemas(node: Any) -> Iterator[Any]:
+    """The schemas of a structural tag's format: those of its json_schema nodes, however deep."""
+    if isinstance(node, dict):
+        if node.get("type") == "json_schema" and "json_schema" in node:
+            yield node["json_schema"]
+        for key, value in node.items():
+            if key != "json_schema":
+                yield from _format_schemas(value)
+    elif isinstance(node, list):
+        for item in node:
+            yield from _format_schemas(item)
 
 
 # Many requests share a schema, and checking one takes milliseconds; only schemas that pass are cached.
@@ -108,10 +158,27 @@ def build_grammar(kind: str, text: str) -> xgrammar.Grammar:
             return xgrammar.Grammar.from_ebnf(
                 "root ::= " + " | ".join(_ebnf_literal(c) for c in json.loads(text))
             )
+        if kind == "structural_tag":
+            return _structural_tag_grammar(text)
         return xgrammar.Grammar.from_ebnf(text)
     except RuntimeError as exc:
         message = _XGRAMMAR_MESSAGE_PREFIX.sub("", str(exc).strip())
         raise GrammarError(f"invalid {kind}: {message}") from None
+
+
+def _structural_tag_grammar(text: str) -> xgrammar.Grammar:
+    import xgrammar
+
+    tag = json.loads(text)
+    for schema in _structural_tag_schemas(tag):
+        check_json_schema(schema)
+    if "format" in tag:
+        return xgrammar.Grammar.from_structural_tag(text)
+    items = [
+        xgrammar.StructuralTagItem(begin=item["begin"], schema=json.dumps(item["schema"]), end=item["end"])
+        for item in tag["structures"]
+    ]
+    return xgrammar.Grammar.from_structural_tag(items, tag["triggers"])
 
 
 def check_json_schema(schema: Any) -> None:
@@ -173,16 +240,18 @@ def _keywords(schema: Any, path: str) -> Iterator[tuple[str, str, Any]]:
                 yield from _keywords(item, f"{where}/{name}")
 
 
-def _canonical_json(schema: str | dict[str, Any] | None) -> str:
+def _canonical_json(schema: str | dict[str, Any] | None, kind: str = "json") -> str:
     try:
         if isinstance(schema, str):
             schema = json_depth.loads(schema)
         else:
             json_depth.check_value(schema)
     except json_depth.JSONTooDeepError as exc:
-        raise GrammarError(f"unsupported json: {exc}") from None
+        raise GrammarError(f"unsupported {kind}: {exc}") from None
     except json.JSONDecodeError as exc:
-        raise GrammarError(f"invalid json: the schema is not JSON: {exc}") from None
+        raise GrammarError(
+            f"invalid {kind}: the {'schema' if kind == 'json' else kind} is not JSON: {exc}"
+        ) from None
     return json.dumps(schema, separators=(",", ":"))
 
 

@@ -370,6 +370,74 @@ def test_regex_choice_and_grammar_always_match(client: openai.OpenAI, structured
         assert matches(choice.message.content), choice.message.content
 
 
+_CALL = {
+    "type": "object",
+    "properties": {"city": _NAME, "days": {"type": "integer", "minimum": 1, "maximum": 9}},
+    "required": ["city", "days"],
+    "additionalProperties": False,
+}
+# xgrammar's structural tag: the whole answer a tag around a JSON call.
+_TAGGED_CALL = {
+    "type": "tag",
+    "begin": "<call>",
+    "content": {"type": "json_schema", "json_schema": _CALL},
+    "end": "</call>",
+}
+
+
+@pytest.mark.parametrize(
+    "constraint",
+    [
+        {"response_format": {"type": "structural_tag", "format": _TAGGED_CALL}},
+        {
+            "structured_outputs": {
+                "structural_tag": json.dumps({"type": "structural_tag", "format": _TAGGED_CALL})
+            }
+        },
+    ],
+    ids=["response_format", "structured_outputs"],
+)
+def test_a_structural_tag_holds_the_answer_to_its_tag_and_schema(
+    client: openai.OpenAI, constraint: dict[str, Any]
+) -> None:
+    for seed in range(3):
+        completion = client.chat.completions.create(
+            model=MODEL_NAME,
+            messages=_messages("call"),
+            max_tokens=MAX_TOKENS,
+            temperature=1.0,
+            seed=seed,
+            extra_body=constraint,
+        )
+        choice = completion.choices[0]
+        text = choice.message.content or ""
+        assert choice.finish_reason == "stop", text
+        assert text.startswith("<call>") and text.endswith("</call>"), text
+        jsonschema.validate(json.loads(text.removeprefix("<call>").removesuffix("</call>")), _CALL)
+
+
+def test_vllms_older_structural_tag_holds_what_follows_each_trigger() -> None:
+    """vLLM's older form (free text, and each trigger opens a tag whose content a schema holds), compiled as
+    the engine compiles it, and fed texts by hand: a tag's content must be a call, anything else around."""
+    import xgrammar
+    from kvfleet.runtime.structured_outputs.grammars import build_grammar
+
+    tag = {"type": "structural_tag", "structures": [{"begin": "<call>", "schema": _CALL, "end": "</call>"}]}
+    grammar = build_grammar("structural_tag", json.dumps({**tag, "triggers": ["<call"]}))
+    tokenizer = xgrammar.TokenizerInfo([chr(code) for code in range(32, 127)])
+    compiled = xgrammar.GrammarCompiler(tokenizer).compile_grammar(grammar)
+
+    def accepts(text: str) -> bool:
+        matcher = xgrammar.GrammarMatcher(compiled)
+        return all(matcher.accept_token(ord(character) - 32) for character in text)
+
+    call = json.dumps({"city": "Oslo", "days": 3}, separators=(",", ":"))
+    assert accepts(f"Let me look. <call>{call}</call> and again <call>{call}</call> done")
+    assert accepts("No call at all.")
+    assert not accepts('Here: <call>{"city":"Oslo"}</call>')
+    assert not accepts(f"<call>{call.replace('3', '12')}</call>")
+
+
 class Pet(pydantic.BaseModel):
     name: str = pydantic.Field(max_length=8)
     species: Literal["cat", "dog", "fish"]
@@ -461,6 +529,37 @@ def _nested_arrays(depth: int) -> dict[str, Any]:
         ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs", "exactly one"),
         ({"structured_outputs": {"json": "{not json"}}, "structured_outputs", "not JSON"),
         (
+            {"structured_outputs": {"structural_tag": '{"type": "structural_tag", "format": '}},
+            "structured_outputs",
+            "invalid structural_tag",
+        ),
+        (
+            {
+                "response_format": {
+                    "type": "structural_tag",
+                    "structures": [{"begin": "<a>", "schema": {}, "end": "</a>"}],
+                    "triggers": ["<b"],
+                }
+            },
+            "response_format",
+            "starts with none of the triggers",
+        ),
+        (
+            {
+                "response_format": {
+                    "type": "structural_tag",
+                    "format": {"type": "json_schema", "json_schema": {"not": {}}},
+                }
+            },
+            "response_format",
+            "the keyword 'not'",
+        ),
+        (
+            {"response_format": {"type": "structural_tag", "format": {"type": "bogus"}}},
+            None,
+            "invalid structural_tag",
+        ),
+        (
             {"structured_outputs": {"regex": "a"}, "response_format": {"type": "json_object"}},
             "response_format",
             "not both",
@@ -480,6 +579,10 @@ def _nested_arrays(depth: int) -> dict[str, Any]:
         "empty choice",
         "two constraints",
         "schema text not JSON",
+        "structural tag not JSON",
+        "begin without its trigger",
+        "unenforced keyword in a structural tag",
+        "unknown structural tag format",
         "both fields",
     ],
 )
