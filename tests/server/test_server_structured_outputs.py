@@ -356,18 +356,27 @@ def test_streamed_answer_validates(client: openai.OpenAI) -> None:
     ids=["regex", "choice", "grammar"],
 )
 def test_regex_choice_and_grammar_always_match(client: openai.OpenAI, structured: dict, matches) -> None:
-    for seed in range(6):
+    for text in _sampled_answers(client, "pattern", {"structured_outputs": structured}, seeds=6):
+        assert matches(text), text
+
+
+def _sampled_answers(client: openai.OpenAI, name: str, constraint: dict[str, Any], seeds: int) -> list[str]:
+    """The answers to a chat asking for `name`, under `constraint`, sampled with each seed; each one ended by
+    its constraint."""
+    answers = []
+    for seed in range(seeds):
         completion = client.chat.completions.create(
             model=MODEL_NAME,
-            messages=_messages("pattern"),
+            messages=_messages(name),
             max_tokens=MAX_TOKENS,
             temperature=1.0,
             seed=seed,
-            extra_body={"structured_outputs": structured},
+            extra_body=constraint,
         )
         choice = completion.choices[0]
-        assert choice.finish_reason == "stop"
-        assert matches(choice.message.content), choice.message.content
+        assert choice.finish_reason == "stop", choice.message.content
+        answers.append(choice.message.content or "")
+    return answers
 
 
 _CALL = {
@@ -400,18 +409,7 @@ _TAGGED_CALL = {
 def test_a_structural_tag_holds_the_answer_to_its_tag_and_schema(
     client: openai.OpenAI, constraint: dict[str, Any]
 ) -> None:
-    for seed in range(3):
-        completion = client.chat.completions.create(
-            model=MODEL_NAME,
-            messages=_messages("call"),
-            max_tokens=MAX_TOKENS,
-            temperature=1.0,
-            seed=seed,
-            extra_body=constraint,
-        )
-        choice = completion.choices[0]
-        text = choice.message.content or ""
-        assert choice.finish_reason == "stop", text
+    for text in _sampled_answers(client, "call", constraint, seeds=3):
         assert text.startswith("<call>") and text.endswith("</call>"), text
         jsonschema.validate(json.loads(text.removeprefix("<call>").removesuffix("</call>")), _CALL)
 
