@@ -122,7 +122,8 @@ kv-events-vs-vllm: setup $(VLLM_STAMP)
 
 # vLLM itself as an InferenceService's runtime (spec.engine.runtime: vllm), its CPU build in its environment as
 # above, on a local control plane with the chart and its gateway (several minutes): a chat completion through
-# the gateway, then a burst that fills vLLM's queue until the operator adds a replica. Not part of `make test`.
+# the gateway, then a burst that fills vLLM's queue until the operator adds a replica; and kvfleet's beam search
+# against vLLM's. Not part of `make test`.
 test-vllm-runtime: setup $(VLLM_STAMP)
 	VLLM_PYTHON=$(VLLM_VENV)/bin/python $(PY) -m pytest bench/vllm/tests $(PYTEST_ARGS)
 
