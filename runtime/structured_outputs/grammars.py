@@ -123,9 +123,16 @@ def _structural_tag_schemas(tag: Any) -> Iterator[Any]:
 
 
 def _format_schemas(node: Any) -> Iterator[Any]:
-    """The schemas of a structural tag's format: those of its json_schema nodes, however deep."""
+    """The schemas of a structural tag's format: those of its json_schema nodes, however deep. xgrammar's
+    any_order and excludes would loosen a schema (its required keys, its strings' lengths): refused, as
+    keywords it would not enforce are."""
     if isinstance(node, dict):
         if node.get("type") == "json_schema" and "json_schema" in node:
+            for option in ("any_order", "excludes"):
+                if node.get(option):
+                    raise GrammarError(
+                        f"unsupported structural_tag: a json_schema's {option} loosens its schema"
+                    )
             yield node["json_schema"]
         for key, value in node.items():
             if key != "json_schema":

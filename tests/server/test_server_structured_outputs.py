@@ -558,6 +558,16 @@ def _nested_arrays(depth: int) -> dict[str, Any]:
             "invalid structural_tag",
         ),
         (
+            {
+                "response_format": {
+                    "type": "structural_tag",
+                    "format": {**_TAGGED_CALL, "content": {**_TAGGED_CALL["content"], "any_order": True}},
+                }
+            },
+            "response_format",
+            "any_order loosens its schema",
+        ),
+        (
             {"structured_outputs": {"regex": "a"}, "response_format": {"type": "json_object"}},
             "response_format",
             "not both",
@@ -581,6 +591,7 @@ def _nested_arrays(depth: int) -> dict[str, Any]:
         "begin without its trigger",
         "unenforced keyword in a structural tag",
         "unknown structural tag format",
+        "a structural tag's schema loosened",
         "both fields",
     ],
 )
