@@ -44,6 +44,11 @@ class FinishReason(enum.StrEnum):
     ERROR = "error"
 
 
+# The finish reasons that are not an answer: the client left, the engine failed the request, or its deadline
+# passed.
+FAILED_FINISH_REASONS = frozenset({FinishReason.ABORT, FinishReason.ERROR, FinishReason.TIMEOUT})
+
+
 class InvalidStateTransition(RuntimeError):
     pass
 

@@ -19,6 +19,7 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from kvfleet.runtime.request import FAILED_FINISH_REASONS
 from opentelemetry import context as otel_context
 from opentelemetry.sdk.resources import SERVICE_NAME, Resource
 from opentelemetry.sdk.trace import TracerProvider
@@ -35,9 +36,6 @@ _SPAN_NAME = "llm_request"
 # second (a p99 24 to 28 ms over the untraced gateway's, against 4 ms with 64; docs/benchmarks.md).
 _MAX_EXPORT_BATCH = 64
 _PROTOCOLS = ("grpc", "http/protobuf")
-# Finish reasons that are not an answer (the client left, the engine failed it, its deadline passed): the
-# span's status says the request failed.
-_FAILED = frozenset({"abort", "error", "timeout"})
 
 
 class RequestTracing:
@@ -98,7 +96,8 @@ class RequestSpan:
             finished = times.finished_time or finished
             for name, seconds in _latencies(times, finished).items():
                 span.set_attribute(name, seconds)
-        if _FAILED & set(finish_reasons):
+        # Not an answer: the span's status says the request failed.
+        if FAILED_FINISH_REASONS & set(finish_reasons):
             span.set_status(Status(StatusCode.ERROR, ", ".join(finish_reasons)))
         span.end(end_time=_epoch_ns(finished))
 

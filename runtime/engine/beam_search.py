@@ -16,13 +16,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvfleet.runtime.engine.outputs import CompletionOutput, RequestOutput
+from kvfleet.runtime.request import FAILED_FINISH_REASONS
 from kvfleet.runtime.sampling_params import BeamSearchParams, SamplingParams
 
 if TYPE_CHECKING:
     from kvfleet.runtime.engine.protocol import EngineClient
-
-# The finish reasons of a step that failed: the search ends with them.
-_FAILURES = frozenset({"error", "timeout", "abort"})
 
 
 @dataclass
@@ -137,7 +135,9 @@ async def beam_search_outputs(
                 for order, beam in enumerate(search.beams)
             ]
         completions = [task.result().outputs[0] for task in tasks]
-        failure = next((c.finish_reason for c in completions if c.finish_reason in _FAILURES), None)
+        failure = next(
+            (c.finish_reason for c in completions if c.finish_reason in FAILED_FINISH_REASONS), None
+        )
         if failure is not None:
             yield _answer(
                 request_id,

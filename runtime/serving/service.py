@@ -307,13 +307,7 @@ class OpenAIService:
         if params.structured_outputs is not None:
             param = "tools" if route.tool_constraint is not None else _constraint_param(body)
             raise BadRequestError(f"{param} is not taken with use_beam_search", param=param)
-        max_model_len = self.engine_info.max_model_len
-        return [
-            body.beam_search_params(
-                params, params.max_tokens if params.max_tokens is not None else max_model_len - len(token_ids)
-            )
-            for token_ids in prompts
-        ]
+        return [body.beam_search_params(params, self._room(params, token_ids)) for token_ids in prompts]
 
     def _log_request(self, request: PreparedRequest) -> None:
         lora_name = request.lora_request.lora_name if request.lora_request is not None else None
@@ -473,9 +467,7 @@ class OpenAIService:
             check_sampling_token_ids(params, vocab_size=info.vocab_size)
         except InvalidRequestError as exc:
             raise BadRequestError(str(exc), param=str(exc).split(" ", 1)[0]) from None
-        max_tokens = (
-            params.max_tokens if params.max_tokens is not None else info.max_model_len - len(token_ids)
-        )
+        max_tokens = self._room(params, token_ids)
         limit = self.settings.max_completion_tokens_per_prompt
         if params.n * max_tokens > limit:
             budget = "max_tokens" if params.max_tokens is not None else "the room left (max_tokens unset)"
@@ -484,6 +476,12 @@ class OpenAIService:
                 f"one prompt, more than this server's limit of {limit}; lower n or max_tokens",
                 param="n" if params.n > 1 else "max_tokens",
             )
+
+    def _room(self, params: SamplingParams, token_ids: list[int]) -> int:
+        """The tokens a prompt may generate: max_tokens, else what its context leaves."""
+        if params.max_tokens is not None:
+            return params.max_tokens
+        return self.engine_info.max_model_len - len(token_ids)
 
     def check_continuation(
         self, continuation: Continuation | None, prompts: list[list[int]], params: SamplingParams
