@@ -32,10 +32,10 @@ from kvfleet.runtime.serving.responses import (
     answered_logprob,
     prompt_logprobs_body,
     token_id_name,
-    token_text,
     top_logprobs,
 )
 from kvfleet.runtime.serving.safety import RequestSafety
+from kvfleet.runtime.serving.token_names import TokenNames
 from kvfleet.runtime.serving.tool_calls import OutputReading, ParsedCall, ToolCalling, new_call_id
 
 if TYPE_CHECKING:
@@ -60,6 +60,9 @@ class ChatRoute:
         # prompt).
         self.reasoning: ReasoningParser | None = None
         self.opens_in_reasoning = False
+        # vLLM's echo: the text an answer in the last message's role begins with, that message's (known with
+        # the prompt, as the model reads it).
+        self.echo = ""
 
     @property
     def role(self) -> str:
@@ -86,6 +89,8 @@ class ChatRoute:
             safety.prompt = _last_user_text(messages)
             if safety.redacts_input:
                 messages = await _redacted(safety, messages)
+        if self.body.echo and messages[-1].role == self.role:
+            self.echo = message_text(messages[-1].as_template_input(len(messages) - 1))
         media = await load_chat_media(service.engine.config, messages)
         token_ids = await self.render(service, messages)
         self.reasoning = service.reasoning
@@ -133,10 +138,12 @@ class ChatRoute:
                 message["content"], parsed = calls
                 message["tool_calls"] = [call.as_openai() for call in parsed]
                 finish_reason = "tool_calls"
+            if self.echo:
+                message["content"] = self.echo + (message["content"] or "")
             entry = {
                 "index": index,
                 "message": message,
-                "logprobs": self._logprobs(tokenizer, choice.token_ids, choice.logprobs),
+                "logprobs": self._logprobs(TokenNames(tokenizer), choice.token_ids, choice.logprobs),
                 "finish_reason": finish_reason,
                 "stop_reason": choice.stop_reason,
             }
@@ -165,15 +172,17 @@ class ChatRoute:
         return response
 
     def _logprobs(
-        self, tokenizer: Any, token_ids: list[int], logprobs: list[dict[int, float]] | None
+        self, names: TokenNames, token_ids: list[int], logprobs: list[dict[int, float]] | None
     ) -> dict[str, Any] | None:
+        """`names`: the choice's, which name its tokens in order."""
         if logprobs is None:
             return None
         limit = self.body.top_logprobs or 0
         as_ids = self.tokens_as_ids
         content = []
         for token_id, entry in zip(token_ids, logprobs, strict=False):
-            text = token_text(tokenizer, token_id)
+            named = names.next(token_id, entry)
+            text = named[token_id]
             # As vLLM's: a token named by its id still has its text's bytes, while an alternative has its
             # name's.
             content.append(
@@ -183,21 +192,18 @@ class ChatRoute:
                     "bytes": list(text.encode()),
                     "top_logprobs": [
                         {"token": name, "logprob": logprob, "bytes": list(name.encode())}
-                        for name, logprob in top_logprobs(tokenizer, entry, limit, as_ids)
+                        for name, logprob in top_logprobs(named, entry, limit, as_ids)
                     ],
                 }
             )
         return {"content": content}
 
     def preamble(self, request: PreparedRequest) -> list[dict[str, Any]]:
-        """Every choice's role, first."""
+        """Every choice's role, first; then the echo of each, where there is one."""
+        deltas = [{"role": self.role, "content": ""}] + ([{"content": self.echo}] if self.echo else [])
         return [
-            {
-                "index": index,
-                "delta": {"role": self.role, "content": ""},
-                "logprobs": None,
-                "finish_reason": None,
-            }
+            {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
+            for delta in deltas
             for index in range(request.params.n)
         ]
 
@@ -222,14 +228,19 @@ class ChatRoute:
         if self.tool_calling is not None:
             return _ToolCallStream(self.tool_calling, request.params.n)
 
+        names = [TokenNames(tokenizer) for _ in range(request.params.n)]
+        # As vLLM's: a chunk's content is there when empty too, unless reasoning may come in its place.
+        empty_content = self.reasoning is None
+
         def choice_of(_: int, completion: CompletionOutput, finished: bool) -> list[dict[str, Any]]:
             if not (completion.text or finished or completion.logprobs):
                 return []
+            logprobs = self._logprobs(names[completion.index], completion.token_ids, completion.logprobs)
             return [
                 {
                     "index": completion.index,
-                    "delta": {"content": completion.text} if completion.text else {},
-                    "logprobs": self._logprobs(tokenizer, completion.token_ids, completion.logprobs),
+                    "delta": {"content": completion.text} if completion.text or empty_content else {},
+                    "logprobs": logprobs,
                 }
             ]
 

@@ -19,12 +19,13 @@ from kvfleet.runtime.serving.responses import (
     Choice,
     ChoiceBuilder,
     answered_logprob,
+    completion_top_logprobs,
     prompt_logprobs_body,
     token_id_name,
     token_text,
-    top_logprobs,
 )
 from kvfleet.runtime.serving.safety import RequestSafety
+from kvfleet.runtime.serving.token_names import TokenNames
 
 if TYPE_CHECKING:
     from kvfleet.runtime.serving.service import OpenAIService
@@ -158,11 +159,12 @@ class CompletionRoute:
             for sequence_index, generated in enumerate(per_prompt):
                 choice = _unanswered(generated) if self.body.echoes_only else generated
                 prefix = self.echoes[prompt_index] if self.echoes else ""
-                logprobs = self._logprobs(tokenizer, choice.token_ids, choice.logprobs, len(prefix))
-                if logprobs is not None and self.echoes:
-                    logprobs = self._with_prompt(
-                        tokenizer, prompt_token_ids, choice.prompt_logprobs, logprobs
-                    )
+                logprobs = self._logprobs(
+                    self._logged(tokenizer),
+                    (prompt_token_ids, choice.prompt_logprobs) if self.echoes else None,
+                    choice.token_ids,
+                    choice.logprobs,
+                )
                 entry = {
                     "index": prompt_index * n + sequence_index,
                     "text": prefix + choice.text,
@@ -170,7 +172,8 @@ class CompletionRoute:
                     "finish_reason": choice.finish_reason,
                     "stop_reason": choice.stop_reason,
                 }
-                if self.body.prompt_logprobs is not None and choice.prompt_logprobs is not None:
+                # Asked for, or scored for an echo with logprobs: vLLM answers them in both cases.
+                if choice.prompt_logprobs is not None:
                     entry["prompt_logprobs"] = prompt_logprobs_body(
                         tokenizer, prompt_token_ids, choice.prompt_logprobs
                     )
@@ -190,64 +193,29 @@ class CompletionRoute:
             ),
         }
 
-    def _logprobs(
-        self, tokenizer: Any, token_ids: list[int], logprobs: list[dict[int, float]] | None, offset: int
-    ) -> dict[str, Any] | None:
+    def _logged(self, tokenizer: Any) -> _ChoiceLogprobs | None:
+        """A choice's logprobs, where the request asks for them."""
         limit = self.body.logprobs
-        if logprobs is None or limit is None:
-            return None
-        as_ids = self.tokens_as_ids
-        tokens, offsets = self._named(tokenizer, token_ids, offset)
-        return {
-            "tokens": tokens,
-            "token_logprobs": [
-                answered_logprob(entry[token_id])
-                for token_id, entry in zip(token_ids, logprobs, strict=False)
-            ],
-            "top_logprobs": [
-                dict(top_logprobs(tokenizer, entry, limit, as_ids)) if limit else None for entry in logprobs
-            ],
-            "text_offset": offsets,
-        }
+        return None if limit is None else _ChoiceLogprobs(tokenizer, limit, self.tokens_as_ids)
 
-    def _named(self, tokenizer: Any, token_ids: list[int], offset: int) -> tuple[list[str], list[int]]:
-        """Each token's name in logprobs (its text, or token_id_name) and its offset into the text from
-        `offset`, whatever name it carries."""
-        names, offsets = [], []
-        for token_id in token_ids:
-            text = token_text(tokenizer, token_id)
-            names.append(token_id_name(token_id) if self.tokens_as_ids else text)
-            offsets.append(offset)
-            offset += len(text)
-        return names, offsets
-
-    def _with_prompt(
+    def _logprobs(
         self,
-        tokenizer: Any,
-        prompt_token_ids: list[int],
-        prompt_logprobs: list[PromptTokenLogprobs | None] | None,
-        answer: dict[str, Any],
-    ) -> dict[str, Any]:
-        """An echoed answer's logprobs: its prompt's tokens first (the first without a logprob: nothing
-        before it scores it), at offsets from the start of the echoed text."""
-        assert prompt_logprobs is not None, "echo with logprobs asks for the prompt's"
-        limit, as_ids = self.body.logprobs, self.tokens_as_ids
-        tokens, offsets = self._named(tokenizer, prompt_token_ids, 0)
-        scored = [
-            (None, None)
-            if scores is None
-            else (
-                answered_logprob(scores.logprobs[token_id]),
-                dict(top_logprobs(tokenizer, scores.logprobs, limit, as_ids)) if limit else None,
-            )
-            for token_id, scores in zip(prompt_token_ids, prompt_logprobs, strict=True)
-        ]
-        return {
-            "tokens": tokens + answer["tokens"],
-            "token_logprobs": [logprob for logprob, _ in scored] + answer["token_logprobs"],
-            "top_logprobs": [top for _, top in scored] + answer["top_logprobs"],
-            "text_offset": offsets + answer["text_offset"],
-        }
+        logged: _ChoiceLogprobs | None,
+        echo: tuple[list[int], list[PromptTokenLogprobs | None] | None] | None,
+        token_ids: list[int],
+        logprobs: list[dict[int, float]] | None,
+    ) -> dict[str, list[Any]] | None:
+        """The logprobs of a choice's new tokens, after its echoed prompt's (`echo`: the prompt's tokens and
+        their scores) where it begins with one."""
+        if logged is None or logprobs is None:
+            return None
+        parts = []
+        if echo is not None:
+            prompt_token_ids, prompt_logprobs = echo
+            assert prompt_logprobs is not None, "echo with logprobs asks for the prompt's"
+            parts.append(logged.prompt(prompt_token_ids, prompt_logprobs))
+        parts.append(logged.answer(token_ids, logprobs))
+        return {field: [value for part in parts for value in part[field]] for field in parts[0]}
 
     def preamble(self, request: PreparedRequest) -> list[dict[str, Any]]:
         return []
@@ -264,12 +232,10 @@ class CompletionRoute:
         """Each choice's first chunk begins with the echo, when asked for, its logprobs with the prompt's."""
         n = request.params.n
         echoes = self.echoes
-        counts_offsets = self.body.logprobs is not None
-        # Each choice's offset of its next token, as an unstreamed answer counts it: by its tokens' texts
-        # (the text sent may hold a token's back, the start of a character another token ends).
-        next_offsets: dict[int, int] = {}
+        # Each choice's logprobs so far, which name its next tokens and count their offsets.
+        logged: dict[int, _ChoiceLogprobs | None] = {}
         return_token_ids = bool(self.body.return_token_ids)
-        # The choices whose first chunk (which carries the prompt's token ids) has been sent.
+        # The choices whose first chunk (which carries the echo, or the prompt's token ids) has been sent.
         started: set[int] = set()
 
         def choice_of(
@@ -278,27 +244,23 @@ class CompletionRoute:
             index = prompt_index * n + completion.index
             if self.body.echoes_only:
                 completion = _unanswered(completion)
-            echo = echoes[prompt_index] if echoes and index not in next_offsets else ""
+            echo = echoes[prompt_index] if echoes and index not in started else ""
             text = echo + completion.text
-            offset = next_offsets.get(index, 0) + len(echo)
-            next_offsets[index] = offset + (
-                _texts_length(tokenizer, completion.token_ids) if counts_offsets else 0
-            )
             new_token_ids = return_token_ids and bool(completion.token_ids)
             if not (text or finished or completion.logprobs or new_token_ids):
                 return []
-            logprobs = self._logprobs(tokenizer, completion.token_ids, completion.logprobs, offset)
-            if logprobs is not None and echo:
-                logprobs = self._with_prompt(
-                    tokenizer,
-                    request.prompt_token_ids[prompt_index],
-                    prompt_logprobs.get(prompt_index),
-                    logprobs,
-                )
+            prompt_token_ids = request.prompt_token_ids[prompt_index]
+            logprobs = self._logprobs(
+                logged.setdefault(index, self._logged(tokenizer)),
+                (prompt_token_ids, prompt_logprobs.get(prompt_index)) if echo else None,
+                completion.token_ids,
+                completion.logprobs,
+            )
             choice: dict[str, Any] = {"index": index, "text": text, "logprobs": logprobs}
+            # As vLLM streams them: the prompt's tokens come with the echo, or with the first ids asked for.
+            if echo or (return_token_ids and index not in started):
+                choice["prompt_token_ids"] = prompt_token_ids
             if return_token_ids:
-                if index not in started:
-                    choice["prompt_token_ids"] = request.prompt_token_ids[prompt_index]
                 choice["token_ids"] = completion.token_ids
             started.add(index)
             return [choice]
@@ -306,16 +268,61 @@ class CompletionRoute:
         return choice_of
 
 
+class _ChoiceLogprobs:
+    """One choice's logprobs in OpenAI's legacy shape, from one chunk to the next: its tokens named in order,
+    at offsets that count their texts as vLLM's do (a special token's too, which an echo leaves out of the
+    text; and a token's text whatever name it carries)."""
+
+    def __init__(self, tokenizer: Any, limit: int, as_ids: bool) -> None:
+        self._tokenizer = tokenizer
+        self._limit = limit
+        self._as_ids = as_ids
+        self._names = TokenNames(tokenizer)
+        self._offset = 0
+
+    def prompt(self, token_ids: list[int], scores: list[PromptTokenLogprobs | None]) -> dict[str, list[Any]]:
+        """An echoed prompt's tokens, the first without a logprob: nothing before it scores it."""
+        names = TokenNames(self._tokenizer)
+        return _columns(
+            [
+                self._row(token_id, None, {token_id: token_text(self._tokenizer, token_id)})
+                if scored is None
+                else self._row(token_id, scored.logprobs, names.next(token_id, scored.logprobs))
+                for token_id, scored in zip(token_ids, scores, strict=True)
+            ]
+        )
+
+    def answer(self, token_ids: list[int], logprobs: list[dict[int, float]]) -> dict[str, list[Any]]:
+        return _columns(
+            [
+                self._row(token_id, scored, self._names.next(token_id, scored))
+                for token_id, scored in zip(token_ids, logprobs, strict=False)
+            ]
+        )
+
+    def _row(
+        self, token_id: int, scored: dict[int, float] | None, names: dict[int, str]
+    ) -> tuple[str, float | None, dict[str, float] | None, int]:
+        text = names[token_id]
+        name = token_id_name(token_id) if self._as_ids else text
+        offset, self._offset = self._offset, self._offset + len(text)
+        if scored is None:
+            return name, None, None, offset
+        top = completion_top_logprobs(names, scored, token_id, self._limit, self._as_ids)
+        return name, answered_logprob(scored[token_id]), top, offset
+
+
+def _columns(rows: list[tuple[str, float | None, dict[str, float] | None, int]]) -> dict[str, list[Any]]:
+    """Rows of (token, its logprob, its top_logprobs, its offset) as logprobs answer them, a list each."""
+    fields = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
+    return {field: [row[column] for row in rows] for column, field in enumerate(fields)}
+
+
 def _unanswered(generated: _Generated) -> _Generated:
     """What an echo of the prompt alone answers of a choice: none of the token the engine ran it for."""
     return dataclasses.replace(
         generated, text="", token_ids=[], logprobs=None if generated.logprobs is None else []
     )
-
-
-def _texts_length(tokenizer: Any, token_ids: list[int]) -> int:
-    """How far the tokens move the offsets in logprobs: the length of each one's text."""
-    return sum(len(token_text(tokenizer, token_id)) for token_id in token_ids)
 
 
 def _fields(name: str, count: int) -> list[str]:

@@ -919,6 +919,8 @@ class ChatCompletionRequest(_GenerationRequest):
     add_generation_prompt: StrictBool = True
     # vLLM's: the prompt ends within the last message, which the answer goes on with (a prefilled reply).
     continue_final_message: StrictBool = False
+    # vLLM's: an answer in the last message's role begins with that message's text.
+    echo: StrictBool = False
     tools: list[Tool] | None = None
     # None: "auto" with tools, "none" without (OpenAI's default).
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -14,6 +14,7 @@ from kvfleet.contract.errors import (
 )
 from kvfleet.runtime.engine.outputs import CompletionOutput
 from kvfleet.runtime.request import PromptTokenLogprobs
+from kvfleet.runtime.serving.token_names import TokenNames
 
 if TYPE_CHECKING:
     from kvfleet.runtime.serving.request import PreparedRequest
@@ -92,34 +93,53 @@ def token_id_name(token_id: int) -> str:
 def prompt_logprobs_body(
     tokenizer: Any, prompt_token_ids: list[int], prompt_logprobs: list[PromptTokenLogprobs | None]
 ) -> list[dict[str, dict[str, Any]] | None]:
-    """vLLM's prompt_logprobs: for each prompt token, the likeliest tokens and itself by id, each with its
+    """vLLM's prompt_logprobs: for each prompt token, itself and the likeliest tokens by id, each with its
     logprob, rank and text (None for the first token, which nothing before it scores)."""
     body: list[dict[str, dict[str, Any]] | None] = []
+    names = TokenNames(tokenizer)
     for token_id, scores in zip(prompt_token_ids, prompt_logprobs, strict=True):
         if scores is None:
             body.append(None)
             continue
+        named = names.next(token_id, scores.logprobs)
         # The others are the likeliest of all, so their order is their rank.
         ranked = sorted(scores.logprobs.items(), key=lambda item: item[1], reverse=True)
+        ranks = {other: rank for rank, (other, _) in enumerate(ranked, start=1)} | {token_id: scores.rank}
         body.append(
             {
                 str(other): {
-                    "logprob": answered_logprob(logprob),
-                    "rank": scores.rank if other == token_id else rank,
-                    "decoded_token": token_text(tokenizer, other),
+                    "logprob": answered_logprob(scores.logprobs[other]),
+                    "rank": ranks[other],
+                    "decoded_token": named[other],
                 }
-                for rank, (other, logprob) in enumerate(ranked, start=1)
+                for other in {token_id: None, **ranks}
             }
         )
     return body
 
 
 def top_logprobs(
-    tokenizer: Any, logprobs: dict[int, float], limit: int, as_ids: bool
+    names: Mapping[int, str], logprobs: dict[int, float], limit: int, as_ids: bool
 ) -> list[tuple[str, float]]:
     """The `limit` likeliest tokens, by name (their text, or token_id_name), with their answered logprobs."""
     best = sorted(logprobs.items(), key=lambda item: item[1], reverse=True)[:limit]
+    return _named(names, best, as_ids)
+
+
+def completion_top_logprobs(
+    names: Mapping[int, str], logprobs: dict[int, float], token_id: int, limit: int, as_ids: bool
+) -> dict[str, float]:
+    """A completion token's top_logprobs as OpenAI's legacy API and vLLM answer them: the token itself first,
+    then the `limit` likeliest (`limit + 1` in all when the token is not among them)."""
+    best = sorted(logprobs.items(), key=lambda item: item[1], reverse=True)[:limit]
+    itself_first = {token_id: logprobs[token_id], **dict(best)}
+    return dict(_named(names, list(itself_first.items()), as_ids))
+
+
+def _named(
+    names: Mapping[int, str], scored: list[tuple[int, float]], as_ids: bool
+) -> list[tuple[str, float]]:
     return [
-        (token_id_name(token_id) if as_ids else token_text(tokenizer, token_id), answered_logprob(logprob))
-        for token_id, logprob in best
+        (token_id_name(token_id) if as_ids else names[token_id], answered_logprob(logprob))
+        for token_id, logprob in scored
     ]

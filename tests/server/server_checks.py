@@ -38,6 +38,22 @@ def openai_error(response: httpx.Response, status: int) -> dict[str, Any]:
     return error
 
 
+def assert_itself_first(logprobs: Any, limit: int) -> None:
+    """A completion's logprobs as OpenAI's legacy API answers them: each token's top_logprobs name it first,
+    with its logprob, then the `limit` likeliest tokens, best first (`limit + 1` in all where `limit` of
+    them outscore it)."""
+    rows = zip(logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs, strict=True)
+    for token, logprob, top in rows:
+        if logprob is None:  # an echoed prompt's first token
+            assert top is None
+            continue
+        (first, *others) = top.items()
+        assert first == (token, logprob)
+        scores = [score for _, score in others]
+        assert scores == sorted(scores, reverse=True)
+        assert len(top) == limit + (sum(score > logprob for score in scores) >= limit)
+
+
 def wait_idle(server: ServerProcess, timeout: float = 20.0) -> dict[str, float]:
     """Waits until nothing runs or waits and every KV block is free; the metrics then."""
     deadline = time.monotonic() + timeout

@@ -11,6 +11,7 @@ import httpx
 import openai
 import pytest
 from beam_reference import transformers_beams
+from server_checks import assert_itself_first
 
 if TYPE_CHECKING:
     from servers import ServerProcess
@@ -47,7 +48,7 @@ def test_completions_find_transformers_beams_streamed_or_not(
         assert [choice.token_ids for choice in found] == [tokens for tokens, _ in expected]  # type: ignore[attr-defined]
         for choice, (_, logprob) in zip(found, expected, strict=True):
             assert sum(choice.logprobs.token_logprobs) == pytest.approx(logprob, abs=1e-4)
-            assert all(len(top) == 2 for top in choice.logprobs.top_logprobs)
+            assert_itself_first(choice.logprobs, 2)
             assert choice.finish_reason == "length"
     assert completion.usage.completion_tokens == len(prompts) * WIDTH * STEPS
     # Streamed, the answer comes whole once the search ends: each choice's text and tokens in one chunk.

@@ -279,7 +279,6 @@ def test_unsupported_output_changing_fields_are_refused(server: ServerProcess, h
             ("tool_choice", {"type": "function", "function": {"name": "f"}}),
         ]:
             _refused(http, "/v1/completions", {name: value}, name)
-        _refused(http, "/v1/chat/completions", {"echo": True}, "echo")
         _refused(http, "/v1/chat/completions", {"add_special_tokens": True}, "add_special_tokens")
         _refused(http, "/v1/completions", {"top_logprobs": 3}, "top_logprobs")
         _refused(http, "/v1/completions", {"max_completion_tokens": 3}, "max_completion_tokens")

@@ -743,8 +743,12 @@ def test_logprobs_name_tokens_by_id_when_asked(client: openai.OpenAI, tokenizer:
     token_ids = choice.token_ids  # type: ignore[attr-defined]
     content = choice.logprobs.content
     assert [entry.token for entry in content] == [f"token_id:{token}" for token in token_ids]
-    # As vLLM's: the chosen token keeps its text's bytes, an alternative has its name's.
-    assert [entry.bytes for entry in content] == [list(tokenizer.decode([t]).encode()) for t in token_ids]
+    # As vLLM's: the chosen token keeps its text's bytes, an alternative has its name's. A token that holds
+    # the first bytes of a character has none, the one that ends it the character's; bytes that end no
+    # character (the model's answer need not be valid UTF-8) are named by none.
+    text = tokenizer.decode(token_ids)
+    assert "\ufffd" in text
+    assert b"".join(bytes(entry.bytes) for entry in content) == text.replace("\ufffd", "").encode()
     for entry, token in zip(content, token_ids, strict=True):
         assert entry.top_logprobs[0].token == f"token_id:{token}"  # greedy: the likeliest
         assert len(entry.top_logprobs) == 2
@@ -813,7 +817,16 @@ def test_prompt_logprobs_are_the_models_and_echo_carries_them(
     assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
     scored = [expected[position, token].item() for position, token in enumerate(prompt_ids[1:])]
     np.testing.assert_allclose(logprobs.token_logprobs[1 : len(prompt_ids)], scored, atol=1e-4)
-    assert all(len(top) == 1 for top in logprobs.top_logprobs[1:])
+    # Each token's top_logprobs name it first, then the likeliest token where that is another (OpenAI's
+    # "logprobs + 1" at most); the answer is greedy, so its tokens are their likeliest.
+    likeliest = [int(expected[position].argmax()) for position in range(len(prompt_ids) - 1)]
+    likeliest += answer_ids
+    named = [
+        [tokenizer.decode([token])] + ([tokenizer.decode([best])] if best != token else [])
+        for token, best in zip(prompt_ids[1:] + answer_ids, likeliest, strict=True)
+    ]
+    assert [list(top) for top in logprobs.top_logprobs[1:]] == named
+    assert any(len(names) == 2 for names in named)
     assert len(logprobs.token_logprobs) == len(prompt_ids) + 3
     assert choice.text.startswith(PROMPT)
     # A chat request's rendered conversation, once for the response.
@@ -875,6 +888,53 @@ def test_a_streamed_echo_leads_with_its_prompts_logprobs_as_the_answer_does(clie
         model="tiny", messages=MESSAGES, max_tokens=2, stream=True, extra_body={"prompt_logprobs": 0}
     )
     assert all("prompt_logprobs" not in (event.model_extra or {}) for event in chat)
+
+
+def test_logprobs_name_each_character_once_and_offsets_count_the_names(
+    client: openai.OpenAI, tokenizer: Any
+) -> None:
+    """As vLLM's: a token that holds the first bytes of a character is named "" and the token that ends it
+    the whole character, so the names of an echoed prompt and its answer join to the prompt's tokens'
+    decoding and then the answer; each offset counts the names before it (the beginning-of-text token's
+    too, which the echo leaves out). An echo with logprobs answers the prompt's logprobs too, as vLLM's."""
+    prompt = "日本語 😀 café"
+    prompt_ids = tokenizer(prompt).input_ids
+    asked: dict[str, Any] = {"model": "tiny", "prompt": prompt, "max_tokens": 6, "logprobs": 1, "echo": True}
+    (choice,) = client.completions.create(**asked, **GREEDY).choices
+    logprobs = choice.logprobs
+    named_prompt = "".join(logprobs.tokens[: len(prompt_ids)])
+    assert named_prompt == tokenizer.decode(prompt_ids) and named_prompt.endswith(prompt)
+    assert "" in logprobs.tokens[: len(prompt_ids)] and "😀" in logprobs.tokens
+    assert logprobs.text_offset == [sum(map(len, logprobs.tokens[:at])) for at in range(len(logprobs.tokens))]
+    assert choice.text.startswith(prompt)
+    scored = choice.prompt_logprobs  # type: ignore[attr-defined]
+    assert scored[0] is None and len(scored) == len(prompt_ids)
+    for token, logprob, entry in zip(prompt_ids[1:], logprobs.token_logprobs[1:], scored[1:], strict=False):
+        assert entry[str(token)]["logprob"] == pytest.approx(logprob)
+    (streamed,) = _joined_choices(client.completions.create(**asked, stream=True, **GREEDY)).values()
+    assert (streamed["tokens"], streamed["text_offset"]) == (logprobs.tokens, logprobs.text_offset)
+
+
+def test_a_chat_echo_begins_the_answer_with_the_last_message_in_its_role(client: openai.OpenAI) -> None:
+    """vLLM's chat echo: an answer that goes on with the last message (add_generation_prompt false) begins
+    with that message's text, in its own chunk when streamed; an answer in another role than the last
+    message's echoes nothing."""
+    prefilled = [*MESSAGES, {"role": "assistant", "content": "Once"}]
+    going_on: dict[str, Any] = {"add_generation_prompt": False, "continue_final_message": True}
+    asked: dict[str, Any] = {"model": "tiny", "messages": prefilled, "max_tokens": 4, "temperature": 0.0}
+    plain = client.chat.completions.create(**asked, extra_body=going_on).choices[0].message.content
+    echoed = client.chat.completions.create(**asked, extra_body={**going_on, "echo": True})
+    assert echoed.choices[0].message.content == "Once" + plain
+    stream = client.chat.completions.create(**asked, stream=True, extra_body={**going_on, "echo": True})
+    deltas = [choice.delta for event in stream for choice in event.choices]
+    assert deltas[0].role == "assistant" and deltas[1].content == "Once"
+    assert "".join(delta.content or "" for delta in deltas) == "Once" + plain
+    fresh: dict[str, Any] = {"model": "tiny", "messages": MESSAGES, "max_tokens": 4, "temperature": 0.0}
+    answer = client.chat.completions.create(**fresh).choices[0].message.content
+    assert (
+        client.chat.completions.create(**fresh, extra_body={"echo": True}).choices[0].message.content
+        == answer
+    )
 
 
 def test_an_echo_of_max_tokens_0_answers_the_prompt_alone(
