@@ -1,0 +1,209 @@
+"""kvfleet's OpenAI server against vLLM's own (its CPU build), both serving the same folder: the same
+requests get the same answers, field for field, streamed or not.
+
+The cases are the ones where the two shape an answer from the same tokens: logprobs in the legacy and chat
+shapes (the chosen token first in a completion's top_logprobs, names of tokens that hold part of a
+character, offsets), echo with and without logprobs (a chat's too), prompt_logprobs, token ids, stop
+strings. Greedy answers, so that both choose the same tokens. Where vLLM sends a field as null, kvfleet may
+leave it out; where vLLM leaves one out, so must kvfleet.
+
+Two differences are kept, and checked as such: an answer cut within a character (its last tokens hold the
+first bytes of one) ends in U+FFFD in kvfleet's text, as the tokenizer decodes those tokens, where vLLM's
+text leaves them out; and a chat's echo scores the prompt in vLLM's server whether or not prompt_logprobs
+asks, in kvfleet's only when asked.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Iterator
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from bench.vllm.kv_events import free_port, process_group, wait_for
+
+VLLM_COMMAND = Path(__file__).with_name("vllm_command.py")
+MODEL = "small"
+# The fields each answer's own: ids, times, and vLLM's build.
+OWN_FIELDS = {"id", "created", "system_fingerprint"}
+# Logprobs, as two implementations add them up in float32.
+TOLERANCE = 1e-3
+PROMPT = "Once upon a time"
+CJK = "日本語のテキスト 😀 café"
+CHAT = [{"role": "user", "content": "Hi there"}]
+GOING_ON = {"add_generation_prompt": False, "continue_final_message": True}
+CHAT_ECHO = {
+    "messages": [*CHAT, {"role": "assistant", "content": "Well"}],
+    "max_tokens": 4,
+    "echo": True,
+    **GOING_ON,
+}
+CASES: dict[str, tuple[str, dict[str, Any]]] = {
+    "logprobs": ("/v1/completions", {"prompt": PROMPT, "max_tokens": 4, "logprobs": 2}),
+    "logprobs 0": ("/v1/completions", {"prompt": PROMPT, "max_tokens": 4, "logprobs": 0}),
+    "echo": ("/v1/completions", {"prompt": PROMPT, "max_tokens": 3, "echo": True}),
+    "echo with logprobs": (
+        "/v1/completions",
+        {"prompt": PROMPT, "max_tokens": 3, "logprobs": 1, "echo": True},
+    ),
+    "echo with more prompt logprobs": (
+        "/v1/completions",
+        {"prompt": PROMPT, "max_tokens": 3, "logprobs": 1, "echo": True, "prompt_logprobs": 3},
+    ),
+    "echo of the prompt alone": (
+        "/v1/completions",
+        {"prompt": PROMPT, "max_tokens": 0, "logprobs": 1, "echo": True},
+    ),
+    "prompt logprobs": ("/v1/completions", {"prompt": PROMPT, "max_tokens": 3, "prompt_logprobs": 2}),
+    "token ids": ("/v1/completions", {"prompt": PROMPT, "max_tokens": 4, "return_token_ids": True}),
+    "token prompt": ("/v1/completions", {"prompt": [621, 341, 1193], "max_tokens": 4}),
+    "two prompts": ("/v1/completions", {"prompt": [PROMPT, "Hello"], "max_tokens": 4, "logprobs": 1}),
+    "stop string": ("/v1/completions", {"prompt": PROMPT, "max_tokens": 12, "stop": ["claims"]}),
+    "stop string kept": (
+        "/v1/completions",
+        {"prompt": PROMPT, "max_tokens": 12, "stop": ["claims"], "include_stop_str_in_output": True},
+    ),
+    "characters in parts": (
+        "/v1/completions",
+        {"prompt": CJK, "max_tokens": 12, "logprobs": 2, "echo": True},
+    ),
+    "characters in parts, prompt logprobs": (
+        "/v1/completions",
+        {"prompt": CJK, "max_tokens": 2, "prompt_logprobs": 3},
+    ),
+    "long": ("/v1/completions", {"prompt": "The", "max_tokens": 60, "logprobs": 3}),
+    "streamed echo with logprobs": (
+        "/v1/completions",
+        {"prompt": CJK, "max_tokens": 6, "logprobs": 1, "echo": True, "stream": True},
+    ),
+    "chat logprobs": (
+        "/v1/chat/completions",
+        {"messages": CHAT, "max_tokens": 5, "logprobs": True, "top_logprobs": 2},
+    ),
+    "chat characters in parts": (
+        "/v1/chat/completions",
+        {
+            "messages": [{"role": "user", "content": "日本語 😀"}],
+            "max_tokens": 16,
+            "logprobs": True,
+            "top_logprobs": 3,
+        },
+    ),
+    "chat streamed": (
+        "/v1/chat/completions",
+        {"messages": CHAT, "max_tokens": 4, "stream": True, "stream_options": {"include_usage": True}},
+    ),
+    "chat echo scoring its prompt": ("/v1/chat/completions", {**CHAT_ECHO, "prompt_logprobs": 0}),
+    "chat echo streamed": ("/v1/chat/completions", {**CHAT_ECHO, "stream": True}),
+    "tokenize": ("/tokenize", {"prompt": PROMPT}),
+    "tokenize a chat": ("/tokenize", {"messages": CHAT}),
+    "detokenize": ("/detokenize", {"tokens": [621, 341, 1193]}),
+}
+
+
+@pytest.fixture(scope="module")
+def servers(small_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+    """vLLM's server and kvfleet's on the same folder, by name: their base URLs."""
+    python = os.environ.get("VLLM_PYTHON")
+    if not python or not Path(python).is_file():
+        pytest.fail("set VLLM_PYTHON to the python of vLLM's environment (make test-vllm-runtime does)")
+    logs = tmp_path_factory.mktemp("parity-logs")
+    serving = ["--served-model-name", MODEL, "--dtype", "float32", "--max-model-len", "1024"]
+    ports = {"vllm": free_port(), "kvfleet": free_port()}
+    commands = {
+        "vllm": [python, "-P", str(VLLM_COMMAND), "serve", str(small_model_dir), *serving],
+        "kvfleet": [str(Path(sys.executable).parent / "kvfleet"), "serve", str(small_model_dir), *serving],
+    }
+    # vLLM's CPU build takes a share of the machine's memory unless told its KV cache's size (GiB); its
+    # processes talk over sockets in a folder whose path must be short.
+    vllm_env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_RPC_BASE_PATH": str(tmp_path_factory.mktemp("ipc"))}
+    with ExitStack() as stack:
+        urls = {}
+        for name, command in commands.items():
+            command = [*command, "--host", "127.0.0.1", "--port", str(ports[name])]
+            env = vllm_env if name == "vllm" else None
+            process = stack.enter_context(process_group(command, logs / f"{name}.log", env))
+            url = f"http://127.0.0.1:{ports[name]}"
+            wait_for(name, lambda url=url: httpx.get(f"{url}/health").status_code == 200, 600, process)
+            urls[name] = url
+        yield urls
+
+
+def _answer(url: str, path: str, body: dict[str, Any]) -> tuple[int, Any]:
+    """The status and body of an answer; a stream's chunks, in order."""
+    asked = (
+        {"model": MODEL, "temperature": 0.0, **body} if path.startswith("/v1/") else {"model": MODEL, **body}
+    )
+    if not body.get("stream"):
+        response = httpx.post(f"{url}{path}", json=asked, timeout=300)
+        return response.status_code, response.json()
+    with httpx.stream("POST", f"{url}{path}", json=asked, timeout=300) as response:
+        events = [line.removeprefix("data: ") for line in response.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    return response.status_code, [json.loads(event) for event in events[:-1]]
+
+
+def _differences(theirs: Any, ours: Any, where: str = "") -> list[str]:
+    """Where kvfleet's answer differs from vLLM's: values, and keys (and their order in top_logprobs, where
+    the chosen token comes first)."""
+    if isinstance(theirs, dict) and isinstance(ours, dict):
+        found = []
+        for key in theirs.keys() | ours.keys():
+            if key in OWN_FIELDS or (theirs.get(key) is None and key not in ours):
+                continue
+            if key not in theirs or key not in ours:
+                found.append(f"{where}.{key}: only in {'kvfleet' if key in ours else 'vLLM'}'s")
+            else:
+                found += _differences(theirs[key], ours[key], f"{where}.{key}")
+        if where.endswith("top_logprobs]") and list(theirs) != list(ours):
+            found.append(f"{where}: in the order {list(ours)}, not {list(theirs)}")
+        return found
+    if isinstance(theirs, list) and isinstance(ours, list):
+        if len(theirs) != len(ours):
+            return [f"{where}: {len(ours)} items, not {len(theirs)}"]
+        return [
+            line
+            for at, pair in enumerate(zip(theirs, ours, strict=True))
+            for line in _differences(*pair, f"{where}[{at}]")
+        ]
+    if isinstance(theirs, float) and isinstance(ours, float):
+        return [] if abs(theirs - ours) <= TOLERANCE else [f"{where}: {ours}, not {theirs}"]
+    return [] if theirs == ours else [f"{where}: {ours!r}, not {theirs!r}"]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_kvfleet_answers_as_vllm_does(servers: dict[str, str], case: str) -> None:
+    path, body = CASES[case]
+    (their_status, theirs), (our_status, ours) = (
+        _answer(servers[name], path, body) for name in ("vllm", "kvfleet")
+    )
+    assert (our_status, their_status) == (200, 200), (ours, theirs)
+    assert _differences(theirs, ours) == []
+
+
+def test_an_answer_cut_within_a_character_ends_in_a_replacement_character(servers: dict[str, str]) -> None:
+    """The fifth token of this answer holds the first bytes of a character: vLLM's text leaves them out,
+    kvfleet's ends in U+FFFD. Both name the token "" in logprobs, and all else is the same."""
+    body = {"prompt": PROMPT, "max_tokens": 5, "logprobs": 0}
+    (_, theirs), (_, ours) = (_answer(servers[name], "/v1/completions", body) for name in ("vllm", "kvfleet"))
+    (their_choice,), (our_choice,) = theirs["choices"], ours["choices"]
+    assert our_choice["text"] == their_choice["text"] + "\ufffd"
+    assert our_choice["logprobs"]["tokens"][-1] == ""
+    assert _differences(theirs, {**ours, "choices": [{**our_choice, "text": their_choice["text"]}]}) == []
+
+
+def test_a_chat_echo_scores_its_prompt_when_asked(servers: dict[str, str]) -> None:
+    """vLLM's server scores a chat echo's prompt as if prompt_logprobs were 0 (its default top_logprobs) and
+    answers the scores; kvfleet's scores a prompt only when prompt_logprobs asks, as scoring it forgoes the
+    prefix cache and a tensor-parallel engine (asked, the two answer the same: a case above)."""
+    path = "/v1/chat/completions"
+    (_, theirs), (_, ours) = (_answer(servers[name], path, CHAT_ECHO) for name in ("vllm", "kvfleet"))
+    assert theirs["prompt_logprobs"] and "prompt_logprobs" not in ours
+    assert ours["choices"][0]["message"]["content"].startswith("Well")
+    assert _differences({**theirs, "prompt_logprobs": None}, ours) == []
