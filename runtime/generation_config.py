@@ -1,8 +1,10 @@
-"""The sampling defaults a model's generation_config.json recommends, as vLLM's `--generation-config` reads
-them: the values its creator set apart from Transformers' own defaults, for requests that leave them unset."""
+"""What a model's generation_config.json says of generating: the sampling defaults it recommends, as vLLM's
+`--generation-config` reads them (the values its creator set apart from Transformers' own defaults, for
+requests that leave them unset), and the tokens that end a sequence."""
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -64,3 +66,20 @@ def sampling_defaults(folder: str) -> dict[str, Any]:
             defaults,
         )
     return defaults
+
+
+def other_end_token_ids(folder: str, eos_token_id: int | None) -> tuple[int, ...]:
+    """The tokens besides the tokenizer's end-of-sequence one that the folder's generation_config.json says
+    end a sequence (Llama 3's end of a tool-calling turn, Qwen's end of text): Transformers and vLLM stop at
+    each. None without the file, or where it names none."""
+    path = Path(folder) / "generation_config.json"
+    try:
+        named = json.loads(path.read_text()).get("eos_token_id")
+    except (OSError, ValueError, AttributeError):
+        return ()
+    token_ids = [named] if isinstance(named, int) else named if isinstance(named, list) else []
+    return tuple(
+        token_id
+        for token_id in dict.fromkeys(token_ids)
+        if isinstance(token_id, int) and not isinstance(token_id, bool) and token_id != eos_token_id
+    )

@@ -270,7 +270,13 @@ class StructuredOutputs:
         structured = add.sampling_params.structured_outputs
         if structured is None:
             return
-        grammar = RequestGrammar(self.compiler.compile(structured), resumed=bool(request.output_token_ids))
+        end_token_ids = [request.eos_token_id] if request.eos_token_id is not None else []
+        end_token_ids += [token_id for token_id in request.stop_token_id_set if token_id not in end_token_ids]
+        grammar = RequestGrammar(
+            self.compiler.compile(structured),
+            end_token_ids=end_token_ids,
+            resumed=bool(request.output_token_ids),
+        )
         request.grammar = grammar
         if grammar.compiled_ok and not grammar.ready:
             grammar.catch_up(request.output_token_ids)  # refused now if its output does not follow

@@ -37,6 +37,7 @@ from kvfleet.runtime.errors import (
     QueueLimitError,
     error_of_kind,
 )
+from kvfleet.runtime.generation_config import other_end_token_ids
 from kvfleet.runtime.lora.request import LoRARequest
 from kvfleet.runtime.metrics import RequestTracker, ServerMetrics
 from kvfleet.runtime.multimodal.inputs import MultiModalFeature
@@ -128,6 +129,7 @@ class AsyncLLM:
         self.output_processor: OutputProcessor | None = None
         self.info: EngineInfo | None = None
         self.eos_token_id: int | None = None
+        self.other_end_token_ids: tuple[int, ...] = ()
         self._stats: SchedulerStats | None = None
         self._streams: dict[str, _Stream] = {}
         self._loaded = asyncio.Event()
@@ -175,6 +177,7 @@ class AsyncLLM:
         if self.error is None:
             info = self.info
             self.eos_token_id = self.tokenizer.eos_token_id
+            self.other_end_token_ids = other_end_token_ids(self.config.model, self.eos_token_id)
             self.output_processor = OutputProcessor(self.tokenizer)
             ready_seconds = process_age()
             logger.info("ready %.2f s after starting: %s", ready_seconds, STARTUP_PHASES.describe())
@@ -283,6 +286,7 @@ class AsyncLLM:
                     prompt_token_ids,
                     params,
                     eos_token_id=self.eos_token_id,
+                    other_end_token_ids=self.other_end_token_ids,
                     arrival_time=arrival,
                     priority=priority,
                     timeout=timeout,

@@ -20,6 +20,7 @@ import threading
 import time
 import weakref
 from collections import OrderedDict
+from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -239,10 +240,19 @@ class GrammarCompiler:
 class RequestGrammar:
     """One request's constraint: its compiled grammar once ready, and a matcher that follows its output."""
 
-    def __init__(self, compiled: Future[CompiledConstraint], *, resumed: bool = False) -> None:
-        """`resumed`: the request arrives with output (a continuation), which the matcher must accept
-        (catch_up) before the request is sampled."""
+    def __init__(
+        self,
+        compiled: Future[CompiledConstraint],
+        *,
+        end_token_ids: Sequence[int] = (),
+        resumed: bool = False,
+    ) -> None:
+        """`end_token_ids`: those that may end the output once the grammar is complete, the request's
+        end-of-sequence and stop tokens, as in vLLM (by default xgrammar's, the tokenizer's end-of-sequence
+        token alone). `resumed`: the request arrives with output (a continuation), which the matcher must
+        accept (catch_up) before the request is sampled."""
         self.compiled = compiled
+        self._end_token_ids = end_token_ids
         self._matcher: xgrammar.GrammarMatcher | None = None
         self._caught_up = not resumed
 
@@ -291,7 +301,9 @@ class RequestGrammar:
         if self._matcher is None:
             import xgrammar
 
-            self._matcher = xgrammar.GrammarMatcher(self.compiled.result().grammar)
+            self._matcher = xgrammar.GrammarMatcher(
+                self.compiled.result().grammar, override_stop_tokens=list(self._end_token_ids) or None
+            )
         return self._matcher
 
     @property

@@ -17,6 +17,7 @@ from kvfleet.runtime.engine.outputs import OutputKind, RequestOutput
 from kvfleet.runtime.engine.sequences import ResumedSequence, sequence_ids, sequence_requests
 from kvfleet.runtime.engine.tokenizer import load_tokenizer
 from kvfleet.runtime.errors import InvalidRequestError
+from kvfleet.runtime.generation_config import other_end_token_ids
 from kvfleet.runtime.lora.request import LoRARequest
 from kvfleet.runtime.multimodal.inputs import MultiModalFeature
 from kvfleet.runtime.multimodal.prompt_media import PromptMedia
@@ -36,6 +37,7 @@ class LLMEngine:
         self.vocab_size: int = self.engine_core.vocab_size
         self.output_processor = OutputProcessor(self.tokenizer)
         self.eos_token_id: int | None = self.tokenizer.eos_token_id
+        self.other_end_token_ids = other_end_token_ids(self.config.model, self.eos_token_id)
         self.prompt_media = PromptMedia.for_model(
             config.model, config.mm_limits(), config.max_audio_clip_s, config.hf_overrides
         )
@@ -102,6 +104,7 @@ class LLMEngine:
             prompt_token_ids,
             params,
             eos_token_id=self.eos_token_id,
+            other_end_token_ids=self.other_end_token_ids,
             arrival_time=arrival_time,
             priority=priority,
             timeout=timeout,

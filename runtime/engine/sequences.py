@@ -31,6 +31,7 @@ def sequence_requests(
     params: SamplingParams,
     *,
     eos_token_id: int | None,
+    other_end_token_ids: tuple[int, ...] = (),
     arrival_time: float,
     priority: int = 0,
     timeout: float | None = None,
@@ -40,9 +41,13 @@ def sequence_requests(
     resumed: Mapping[int, ResumedSequence] | None = None,
 ) -> list[AddRequest]:
     """One AddRequest per sequence still to run (`resumed`, by sequence index: what a continuation brings);
-    sequence i of a seeded request draws from seed + i."""
+    sequence i of a seeded request draws from seed + i. The model's `other_end_token_ids` end each sequence
+    as stop tokens do (their id its stop reason), as in vLLM, unless it ignores the end of sequence."""
     deadline = arrival_time + timeout if timeout is not None else None
     resumed = resumed or {}
+    missing = [token_id for token_id in other_end_token_ids if token_id not in params.stop_token_ids]
+    if missing and not params.ignore_eos:
+        params = dataclasses.replace(params, stop_token_ids=[*params.stop_token_ids, *missing])
     requests = []
     for index, sequence_id in enumerate(sequence_ids(request_id, params.n)):
         already = resumed.get(index)

@@ -71,7 +71,7 @@ class CompletionRoute:
         fields = self.fields or _fields("prompt", len(prompts))
         if safety is not None and safety.redacts_input:
             prompts = await _redacted(service, safety, prompts, fields)
-        truncation = await service.truncation(body)
+        truncation = await service.truncation(body, self.task)
         content_tokens = self.content_tokens or [0] * len(prompts)
         token_lists = []
         for prompt, field, kept in zip(prompts, fields, content_tokens, strict=True):

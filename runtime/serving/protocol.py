@@ -152,6 +152,8 @@ class RequestBody(Body):
 
 class StreamOptions(Body):
     include_usage: StrictBool = False
+    # vLLM's: with include_usage, every chunk carries its choice's usage so far too.
+    continuous_usage_stats: StrictBool = False
 
 
 class JsonSchemaFormat(Body):
@@ -213,10 +215,14 @@ Side = Literal["left", "right"]
 
 @dataclass(frozen=True)
 class Truncation:
-    """A prompt cut to its last (left side) or first (right side) `keep` tokens."""
+    """A prompt cut to its last (left side) or first (right side) `keep` tokens. Where the request names no
+    side, the cut is vLLM's tokenizer's: a text's special tokens (a beginning-of-text token, BERT's [CLS] and
+    [SEP]) stay, and its own tokens are cut to fit beside them (`around_special_tokens`, which the service
+    encodes such a text by)."""
 
     keep: int
     side: Side
+    around_special_tokens: bool = False
 
     def cut(self, token_ids: list[int]) -> list[int]:
         if len(token_ids) <= self.keep:
@@ -286,16 +292,21 @@ class _GenerationRequest(RequestBody):
 
     def truncation(self, max_model_len: int, default_side: Side) -> Truncation | None:
         """What truncate_prompt_tokens keeps of each prompt (vLLM's): that many tokens, its last on the "left"
-        side and its first on the "right" (truncation_side, else `default_side`, the tokenizer's); -1 keeps
-        what max_model_len holds beside one token to generate. None where it keeps all."""
+        side and its first on the "right" (truncation_side, else `default_side`, the task's, around a text's
+        special tokens); -1 keeps what max_model_len holds beside one token to generate. None where it keeps
+        all."""
         keep = self.truncate_prompt_tokens
         if keep is None:
             return None
-        return Truncation(max_model_len - 1 if keep == -1 else keep, self.truncation_side or default_side)
+        return Truncation(
+            max_model_len - 1 if keep == -1 else keep,
+            self.truncation_side or default_side,
+            around_special_tokens=self.truncation_side is None,
+        )
 
     def truncated(self, token_ids: list[int]) -> list[int] | None:
         """A prompt as truncate_prompt_tokens cuts it, as far as the request alone says: None where the cut
-        needs the model's context (-1) or, with no truncation_side, its tokenizer's side."""
+        needs the model's context (-1) or, with no truncation_side, its tokenizer's special tokens."""
         keep = self.truncate_prompt_tokens
         if keep is None or len(token_ids) <= keep:
             return token_ids
@@ -482,6 +493,14 @@ class _GenerationRequest(RequestBody):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        return (
+            self.include_usage
+            and self.stream_options is not None
+            and self.stream_options.continuous_usage_stats
+        )
 
 
 class CompletionRequest(_GenerationRequest):
@@ -984,6 +1003,8 @@ class TokenizeRequest(RequestBody):
     chat_template_kwargs: dict[str, Any] | None = None
     # vLLM's: the chat template to render with instead of the server's (--trust-request-chat-template).
     chat_template: str | None = None
+    # vLLM's: each token's piece in the vocabulary too, as `token_strs`.
+    return_token_strs: StrictBool = False
 
     def check(self) -> None:
         self.refuse_unsupported()

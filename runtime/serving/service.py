@@ -10,6 +10,7 @@ import dataclasses
 import logging
 import time
 import uuid
+from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -248,7 +249,7 @@ class OpenAIService:
         request_id, engine_suffix = _answer_id(route, headers, body.request_id)
         self.check_accepting(priority)
         safety = self.request_safety(priority)
-        prompt = _truncated(await route.prompt(self, safety), await self.truncation(body))
+        prompt = _truncated(await route.prompt(self, safety), await self.truncation(body, route.task))
         for token_ids, param in zip(prompt.token_ids, prompt.params, strict=True):
             self.check_prompt(token_ids, params, param)
         if params.structured_outputs is not None and route.opens_in_reasoning:
@@ -433,12 +434,16 @@ class OpenAIService:
 
         await self.engine.run_tokenizer(work)
 
-    async def truncation(self, body: CompletionRequest | ChatCompletionRequest) -> Truncation | None:
-        """What the request's truncate_prompt_tokens keeps of each prompt; a 400 past the context."""
+    async def truncation(
+        self, body: CompletionRequest | ChatCompletionRequest, task: str
+    ) -> Truncation | None:
+        """What the request's truncate_prompt_tokens keeps of each prompt; a 400 past the context. Unless the
+        request names a side, a prompt to generate from keeps its end, and one to pool its start (vLLM's
+        sides, whatever the tokenizer's own)."""
         if body.truncate_prompt_tokens is None:
             return None
         engine = self.engine
-        await engine.wait_ready(engine.startup_request_timeout)  # for the context and the tokenizer's side
+        await engine.wait_ready(engine.startup_request_timeout)  # for the context
         max_model_len = self.engine_info.max_model_len
         if body.truncate_prompt_tokens > max_model_len:
             raise BadRequestError(
@@ -446,7 +451,7 @@ class OpenAIService:
                 f"context length of {max_model_len} tokens",
                 param="truncate_prompt_tokens",
             )
-        return body.truncation(max_model_len, self.tokenizer.truncation_side)
+        return body.truncation(max_model_len, "left" if task == GENERATE else "right")
 
     def check_prompt(self, token_ids: list[int], params: SamplingParams, param: str) -> None:
         """The prompt's length, token ids and sampling token ids, and the tokens it may generate."""
@@ -550,11 +555,23 @@ class OpenAIService:
                 from_end = not content_tokens and truncation is not None and truncation.side == "left"
                 window = text[-width:] if from_end else text[:width]
             backend = tokenizer.backend_tokenizer
+            around = truncation is not None and truncation.around_special_tokens and add_special_tokens
             # The batch call releases the interpreter lock while it encodes; the single-text one does not.
-            if not content_tokens:
+            if not (content_tokens or around):
                 return backend.encode_batch([window], add_special_tokens=add_special_tokens)[0].ids
             (encoding,) = backend.encode_batch([window], add_special_tokens=False)
-            encoding.truncate(content_tokens)
+            if content_tokens:
+                encoding.truncate(content_tokens)
+            else:
+                assert truncation is not None
+                specials = backend.num_special_tokens_to_add(is_pair=False)
+                if truncation.keep < specials:
+                    raise BadRequestError(
+                        f"truncate_prompt_tokens={truncation.keep} is fewer than the special tokens this "
+                        f"model's tokenizer adds to a text ({specials})",
+                        param="truncate_prompt_tokens",
+                    )
+                encoding.truncate(truncation.keep - specials, direction=truncation.side)
             return backend.post_process(encoding, add_special_tokens=add_special_tokens).ids
 
         return await self.engine.run_tokenizer(work)
@@ -648,7 +665,14 @@ class OpenAIService:
             check_context_length(len(token_ids), max_model_len, num_output_tokens=0)
         except ContextLengthError as exc:
             raise context_length_error(exc, param) from None
-        return {"count": len(token_ids), "max_model_len": max_model_len, "tokens": token_ids}
+        answer: dict[str, Any] = {
+            "count": len(token_ids),
+            "max_model_len": max_model_len,
+            "tokens": token_ids,
+        }
+        if body.return_token_strs:
+            answer["token_strs"] = self.tokenizer.convert_ids_to_tokens(token_ids)
+        return answer
 
     async def detokenize(self, body: DetokenizeRequest) -> dict[str, Any]:
         self.check_model(body.model)
@@ -782,24 +806,33 @@ class OpenAIService:
         route = request.route
         prompt_logprobs: dict[int, list[PromptTokenLogprobs | None]] = {}
         choice_of = route.choice_builder(request, self.tokenizer, prompt_logprobs)
-        completion_tokens = 0
+        # Each choice's tokens so far, by its prompt's index and its own.
+        generated: Counter[tuple[int, int]] = Counter()
         cached = _CachedTokens()
         for output in resumed:
             prompt_index = request.prompt_index[output.request_id]
             for completion in output.outputs:
-                completion_tokens += len(completion.token_ids)
+                generated[prompt_index, completion.index] += len(completion.token_ids)
                 # A choice that delivered nothing was sent nothing (a completion's echo, say).
                 if completion.token_ids and not completion.finished:
                     choice_of(prompt_index, completion, False)
+        force_usage = self.settings.enable_force_include_usage
+        # vLLM's continuous usage: each chunk with its choice's usage so far.
+        continuous = route.body.continuous_usage or force_usage
+
+        def sent(choice: dict[str, Any], prompt_index: int, sequence_index: int) -> dict[str, Any]:
+            if not continuous:
+                return chunk(request, choice)
+            prompt_tokens = len(request.prompt_token_ids[prompt_index])
+            return chunk(request, choice, usage(prompt_tokens, generated[prompt_index, sequence_index]))
 
         def chunks_of(output: RequestOutput) -> Iterator[dict[str, Any]]:
-            nonlocal completion_tokens
             cached.add(output)
             prompt_index = request.prompt_index[output.request_id]
             if output.prompt_logprobs is not None:
                 prompt_logprobs[prompt_index] = output.prompt_logprobs
             for completion in output.outputs:
-                completion_tokens += len(completion.token_ids)
+                generated[prompt_index, completion.index] += len(completion.token_ids)
                 error = finish_error(completion.finish_reason)
                 finished = error is None and completion.finish_reason is not None
                 choices = choice_of(prompt_index, completion, finished)
@@ -811,13 +844,13 @@ class OpenAIService:
                             "finish_reason": completion.finish_reason,
                             "stop_reason": completion.stop_reason,
                         }
-                    yield chunk(request, {**reasons, **choice})
+                    yield sent({**reasons, **choice}, prompt_index, completion.index)
                 if error is not None:
                     raise error
 
         async with contextlib.aclosing(outputs):
             for number, choice in enumerate(route.preamble(request) if not request.resumed else []):
-                body = chunk(request, choice)
+                body = sent(choice, 0, choice["index"])
                 yield {**body, **route.first_chunk_fields(request)} if number == 0 else body
             if first is not None:
                 for body in chunks_of(first):
@@ -825,8 +858,9 @@ class OpenAIService:
                 async for output in outputs:
                     for body in chunks_of(output):
                         yield body
-        if route.body.include_usage or self.settings.enable_force_include_usage:
+        if route.body.include_usage or force_usage:
             prompt_tokens = sum(len(ids) for ids in request.prompt_token_ids)
+            completion_tokens = sum(generated.values())
             yield chunk(
                 request, None, usage(prompt_tokens, completion_tokens, self._cached_tokens(request, cached))
             )

@@ -240,8 +240,8 @@ def test_a_responses_prompt_is_hashed_as_the_engine_announces_its_blocks(
     "cut", [{"truncate_prompt_tokens": 4}, {"truncate_prompt_tokens": -1, "truncation_side": "left"}]
 )
 def test_a_cut_the_replica_decides_gets_no_hashes(fetched: ModelPrompts, cut: dict[str, Any]) -> None:
-    """Without truncation_side the replica's tokenizer picks the side, and -1 cuts to its context: the gateway
-    knows neither, and routes such a prompt without hashes."""
+    """Without truncation_side the replica cuts a text around its tokenizer's special tokens, and -1 to its
+    context: the gateway knows neither, and routes such a prompt without hashes."""
     assert fetched.blocks(COMPLETIONS_PATH, {"model": "tiny", "prompt": LONG_TEXT, **cut}) is None
 
 

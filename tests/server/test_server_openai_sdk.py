@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -10,8 +11,11 @@ import httpx
 import openai
 import pytest
 from server_checks import assert_itself_first
+from transformers import AutoTokenizer
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from servers import ServerProcess
 
 MODEL_NAME = "tiny"
@@ -216,3 +220,71 @@ def test_tokenize_and_detokenize_round_trip(api_server: ServerProcess) -> None:
         f"{api_server.url}/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}, headers=headers
     ).json()
     assert chat["count"] > 1
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def test_continuous_usage_counts_each_choices_tokens_in_every_chunk(
+    api_server: ServerProcess, tiny_llama: Path
+) -> None:
+    """vLLM's continuous_usage_stats (with include_usage): every chunk carries its choice's usage so far,
+    its prompt's tokens and the tokens the choice has streamed (a chat's role chunk none); the last chunk
+    holds the whole request's. Without include_usage it adds nothing, as in vLLM."""
+    prompts = ["Once upon a time", "The fox"]
+    body: dict[str, object] = {
+        "model": MODEL_NAME,
+        "prompt": prompts,
+        "max_tokens": 5,
+        "n": 2,
+        "temperature": 0.8,
+        "seed": 3,
+        "stream": True,
+        "return_token_ids": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+    }
+    with httpx.stream(
+        "POST", f"{api_server.url}/v1/completions", json=body, headers=api_server.headers(), timeout=60
+    ) as response:
+        events = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
+    *chunks, last = events
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
+    prompt_tokens = [len(tokenizer(text).input_ids) for text in prompts]
+    streamed: dict[int, int] = {}
+    for event in chunks:
+        (choice,) = event["choices"]
+        index = choice["index"]
+        streamed[index] = streamed.get(index, 0) + len(choice["token_ids"])
+        assert event["usage"] == _usage(prompt_tokens[index // 2], streamed[index])
+    assert sorted(streamed) == [0, 1, 2, 3]
+    # The request's: each prompt counted once, as in the answer unstreamed.
+    assert last["choices"] == [] and last["usage"] == _usage(sum(prompt_tokens), sum(streamed.values()))
+    chat = {
+        "model": MODEL_NAME,
+        "messages": [{"role": "user", "content": "x"}],
+        "max_tokens": 3,
+        "stream": True,
+    }
+    with httpx.stream(
+        "POST",
+        f"{api_server.url}/v1/chat/completions",
+        json={**chat, "stream_options": {"include_usage": True, "continuous_usage_stats": True}},
+        headers=api_server.headers(),
+    ) as response:
+        usages = [
+            json.loads(line[6:])["usage"] for line in response.iter_lines() if line.startswith("data: {")
+        ]
+    assert usages[0]["completion_tokens"] == 0 and usages[-1]["completion_tokens"] == 3
+    only = {"include_usage": False, "continuous_usage_stats": True}
+    with httpx.stream(
+        "POST",
+        f"{api_server.url}/v1/chat/completions",
+        json={**chat, "stream_options": only},
+        headers=api_server.headers(),
+    ) as response:
+        assert all("usage" not in line for line in response.iter_lines())

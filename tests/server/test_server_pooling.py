@@ -128,19 +128,25 @@ def beyond_the_context(server: ServerProcess, folder: Path) -> str:
 
 
 @pytest.mark.parametrize(
-    ("side", "long"), [("left", False), ("right", False), ("left", True), ("right", True)]
+    ("side", "long"),
+    [("left", False), ("right", False), ("left", True), ("right", True), (None, False), (None, True)],
 )
 def test_prompts_are_truncated_as_on_completions(
-    client: openai.OpenAI, server: ServerProcess, folder: Path, side: str, long: bool
+    client: openai.OpenAI, server: ServerProcess, folder: Path, side: str | None, long: bool
 ) -> None:
-    """Also a text longer than the context could hold, read only as far as the tokens kept."""
+    """Also a text longer than the context could hold, read only as far as the tokens kept. With no side
+    named, a text to pool keeps its start and its special tokens, as Transformers' truncation on the right
+    does (vLLM's for pooling)."""
     text = beyond_the_context(server, folder) if long else TEXTS[1]
     token_ids = AutoTokenizer.from_pretrained(folder)(text).input_ids
-    kept = token_ids[-5:] if side == "left" else token_ids[:5]
+    if side is None:
+        on_the_right = AutoTokenizer.from_pretrained(folder, truncation_side="right")
+        kept = on_the_right(text, truncation=True, max_length=5).input_ids
+    else:
+        kept = token_ids[-5:] if side == "left" else token_ids[:5]
     expected = _mean_pooled(folder, kept)
-    answer = client.embeddings.create(
-        model="tiny", input=text, extra_body={"truncate_prompt_tokens": 5, "truncation_side": side}
-    )
+    cut = {"truncate_prompt_tokens": 5} | ({} if side is None else {"truncation_side": side})
+    answer = client.embeddings.create(model="tiny", input=text, extra_body=cut)
     assert answer.usage.prompt_tokens == len(kept)
     np.testing.assert_allclose(_embeddings(answer)[0], expected, atol=1e-4)
     if long:

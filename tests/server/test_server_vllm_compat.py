@@ -591,14 +591,19 @@ def test_a_trusted_request_template_renders_as_transformers_renders_it(
     assert caught.value.body["param"] == "messages"  # type: ignore[index]
 
 
-def test_truncate_prompt_tokens_keeps_the_side_asked_for(client: openai.OpenAI, tokenizer: Any) -> None:
+def test_truncate_prompt_tokens_keeps_the_side_asked_for(
+    client: openai.OpenAI, tokenizer: Any, model_folder: Path
+) -> None:
     """vLLM's truncate_prompt_tokens: each prompt cut to that many tokens, its last ones kept with
-    truncation_side "left", its first with "right" (the tiny tokenizer's side, the default); -1 keeps what
-    the context holds beside one token to generate. The answer is that of the cut prompt sent whole."""
-    prompt_ids = tokenizer(PROMPT + " in a land far away").input_ids
+    truncation_side "left", its first with "right", and its last by default whatever the tokenizer's own
+    side (the tiny one's is "right"); -1 keeps what the context holds beside one token to generate. The
+    answer is that of the cut prompt sent whole. Cut by default, a text keeps its beginning-of-text token,
+    as Transformers' truncation on the left keeps it."""
+    text = PROMPT + " in a land far away"
+    prompt_ids = tokenizer(text).input_ids
     max_model_len = client.models.list().data[0].max_model_len  # type: ignore[attr-defined]
     assert tokenizer.truncation_side == "right"
-    for side, kept in (("left", prompt_ids[-4:]), ("right", prompt_ids[:4]), (None, prompt_ids[:4])):
+    for side, kept in (("left", prompt_ids[-4:]), ("right", prompt_ids[:4]), (None, prompt_ids[-4:])):
         body = {**GREEDY["extra_body"], "truncate_prompt_tokens": 4, "return_token_ids": True}
         if side is not None:
             body["truncation_side"] = side
@@ -608,6 +613,12 @@ def test_truncate_prompt_tokens_keeps_the_side_asked_for(client: openai.OpenAI, 
         whole = client.completions.create(model="tiny", prompt=kept, max_tokens=3, **GREEDY)
         assert cut.choices[0].prompt_token_ids == kept and cut.usage.prompt_tokens == 4  # type: ignore[attr-defined]
         assert cut.choices[0].text == whole.choices[0].text
+    on_the_left = AutoTokenizer.from_pretrained(model_folder, truncation_side="left")
+    kept = on_the_left(text, truncation=True, max_length=4).input_ids
+    assert kept[0] == tokenizer.bos_token_id and kept[1:] == prompt_ids[-3:]
+    extra = {**GREEDY["extra_body"], "truncate_prompt_tokens": 4, "return_token_ids": True}
+    cut = client.completions.create(model="tiny", prompt=text, max_tokens=3, extra_body=extra, temperature=0)
+    assert cut.choices[0].prompt_token_ids == kept  # type: ignore[attr-defined]
     body = {**GREEDY["extra_body"], "truncate_prompt_tokens": -1, "truncation_side": "left"}
     longest = client.completions.create(
         model="tiny",
@@ -628,10 +639,65 @@ def test_truncate_prompt_tokens_keeps_the_side_asked_for(client: openai.OpenAI, 
         ({"truncate_prompt_tokens": max_model_len + 1}, "truncate_prompt_tokens"),
         ({"truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),
         ({"truncate_prompt_tokens": 2, "truncation_side": "middle"}, "truncation_side"),
+        # No room for the text's beginning-of-text token.
+        ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
     ):
         with pytest.raises(openai.BadRequestError) as caught:
             client.completions.create(model="tiny", prompt=PROMPT, max_tokens=1, extra_body=bad)
         assert caught.value.body["param"] == param  # type: ignore[index]
+
+
+def test_each_of_the_generation_configs_end_tokens_ends_a_sequence(
+    client: openai.OpenAI, tokenizer: Any, model_folder: Path
+) -> None:
+    """generation_config.json names two end tokens, the tokenizer's and another (Llama 3's end of text): as
+    Transformers' generate does, a sequence ends at either (at the other as at a stop token, its id the
+    stop reason, as in vLLM), unless ignore_eos; a constrained output, once complete, ends at either too."""
+    ends = json.loads((model_folder / "generation_config.json").read_text())["eos_token_id"]
+    (other,) = [token for token in ends if token != tokenizer.eos_token_id]
+    prompt_ids = tokenizer(PROMPT).input_ids
+    model = AutoModelForCausalLM.from_pretrained(model_folder, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        generated = model.generate(
+            torch.tensor([prompt_ids]), do_sample=False, max_new_tokens=5, sequence_bias={(other,): 100.0}
+        )
+    expected = generated[0, len(prompt_ids) :].tolist()
+    assert expected == [other]
+    biased: dict[str, Any] = {
+        "model": "tiny",
+        "max_tokens": 5,
+        "temperature": 0.0,
+        "logit_bias": {str(other): 100},
+    }
+    (ended,) = client.completions.create(
+        prompt=prompt_ids, **biased, extra_body={"return_token_ids": True}
+    ).choices
+    assert (ended.token_ids, ended.finish_reason, ended.stop_reason) == (expected, "stop", other)  # type: ignore[attr-defined]
+    (ignored,) = client.completions.create(
+        prompt=prompt_ids, **biased, extra_body={"return_token_ids": True, "ignore_eos": True}
+    ).choices
+    assert (ignored.token_ids, ignored.finish_reason) == ([other] * 5, "length")  # type: ignore[attr-defined]
+    constrained = {"return_token_ids": True, "structured_outputs": {"choice": ["yes", "no"]}}
+    (chosen,) = client.completions.create(prompt=prompt_ids, **biased, extra_body=constrained).choices
+    assert chosen.text in ("yes", "no") and chosen.token_ids[-1] == other and chosen.stop_reason == other  # type: ignore[attr-defined]
+
+
+def test_forced_usage_comes_with_every_chunk(server: ServerProcess) -> None:
+    """This server forces usage into streams (--enable-force-include-usage): as vLLM's, it then puts each
+    chunk's usage so far in every chunk too, asked for or not."""
+    chat = {"model": "tiny", "messages": MESSAGES, "max_tokens": 3, "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=chat, timeout=60) as response:
+        events = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
+    completion_tokens = [event["usage"]["completion_tokens"] for event in events]
+    assert completion_tokens[0] == 0 and completion_tokens[-2:] == [3, 3]
+
+
+def test_tokenize_answers_the_pieces_when_asked(server: ServerProcess, tokenizer: Any) -> None:
+    """vLLM's return_token_strs: each token's piece in the vocabulary, as Transformers converts it."""
+    body = {"model": "tiny", "prompt": "日本 café", "return_token_strs": True}
+    answer = httpx.post(f"{server.url}/tokenize", json=body, timeout=30).json()
+    assert answer["token_strs"] == tokenizer.convert_ids_to_tokens(answer["tokens"])
+    assert "token_strs" not in httpx.post(f"{server.url}/tokenize", json={"prompt": "x"}, timeout=30).json()
 
 
 def test_max_logprobs_bounds_what_requests_ask(client: openai.OpenAI) -> None:

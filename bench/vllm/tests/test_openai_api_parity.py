@@ -2,10 +2,11 @@
 requests get the same answers, field for field, streamed or not.
 
 The cases are the ones where the two shape an answer from the same tokens: logprobs in the legacy and chat
-shapes (the chosen token first in a completion's top_logprobs, names of tokens that hold part of a
-character, offsets), echo with and without logprobs (a chat's too), prompt_logprobs, token ids, stop
-strings. Greedy answers, so that both choose the same tokens. Where vLLM sends a field as null, kvfleet may
-leave it out; where vLLM leaves one out, so must kvfleet.
+shapes (the chosen token first in a completion's top_logprobs, names of tokens that hold part of a character,
+offsets), echo with and without logprobs (a chat's too), prompt_logprobs, token ids, stop strings, prompts cut
+by truncate_prompt_tokens, the model's other end-of-sequence token, usage in every chunk, constrained choices.
+Greedy answers, so that both choose the same tokens. Where vLLM sends a field as null, kvfleet may leave it
+out; where vLLM leaves one out, so must kvfleet.
 
 Two differences are kept, and checked as such: an answer cut within a character (its last tokens hold the
 first bytes of one) ends in U+FFFD in kvfleet's text, as the tokenizer decodes those tokens, where vLLM's
@@ -35,6 +36,7 @@ OWN_FIELDS = {"id", "created", "system_fingerprint"}
 # Logprobs, as two implementations add them up in float32.
 TOLERANCE = 1e-3
 PROMPT = "Once upon a time"
+LONGER = PROMPT + " there was"
 CJK = "日本語のテキスト 😀 café"
 CHAT = [{"role": "user", "content": "Hi there"}]
 GOING_ON = {"add_generation_prompt": False, "continue_final_message": True}
@@ -101,7 +103,56 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     ),
     "chat echo scoring its prompt": ("/v1/chat/completions", {**CHAT_ECHO, "prompt_logprobs": 0}),
     "chat echo streamed": ("/v1/chat/completions", {**CHAT_ECHO, "stream": True}),
+    "a text cut": ("/v1/completions", {"prompt": LONGER, "max_tokens": 3, "truncate_prompt_tokens": 3}),
+    "a text cut on the left": (
+        "/v1/completions",
+        {"prompt": LONGER, "max_tokens": 2, "truncate_prompt_tokens": 3, "truncation_side": "left"},
+    ),
+    "a text cut on the right": (
+        "/v1/completions",
+        {"prompt": LONGER, "max_tokens": 3, "truncate_prompt_tokens": 3, "truncation_side": "right"},
+    ),
+    "a text cut to its context": (
+        "/v1/completions",
+        {"prompt": LONGER, "max_tokens": 3, "truncate_prompt_tokens": -1},
+    ),
+    "tokens cut": (
+        "/v1/completions",
+        {"prompt": [0, 621, 341, 1193, 292, 262, 422], "max_tokens": 4, "truncate_prompt_tokens": 3},
+    ),
+    "a chat cut": ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 4, "truncate_prompt_tokens": 5}),
+    "the other end token": (
+        "/v1/completions",
+        {"prompt": PROMPT, "max_tokens": 5, "logit_bias": {"1": 100}, "return_token_ids": True},
+    ),
+    "a choice": (
+        "/v1/completions",
+        {"prompt": PROMPT, "max_tokens": 20, "structured_outputs": {"choice": ["yes", "no"]}},
+    ),
+    "a regex": (
+        "/v1/completions",
+        {"prompt": PROMPT, "max_tokens": 20, "structured_outputs": {"regex": "[a-c]{3}"}},
+    ),
+    "usage in every chunk": (
+        "/v1/completions",
+        {
+            "prompt": PROMPT,
+            "max_tokens": 3,
+            "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+        },
+    ),
+    "usage in every chat chunk": (
+        "/v1/chat/completions",
+        {
+            "messages": CHAT,
+            "max_tokens": 3,
+            "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+        },
+    ),
     "tokenize": ("/tokenize", {"prompt": PROMPT}),
+    "tokenize, with the pieces": ("/tokenize", {"prompt": CJK, "return_token_strs": True}),
     "tokenize a chat": ("/tokenize", {"messages": CHAT}),
     "detokenize": ("/detokenize", {"tokens": [621, 341, 1193]}),
 }
