@@ -17,7 +17,7 @@ import contextlib
 from typing import TYPE_CHECKING, Any
 
 from kvfleet.contract.errors import BadRequestError
-from kvfleet.runtime.pooler_config import EMBED, PoolerConfig, cosine
+from kvfleet.runtime.pooler_config import EMBED, PoolerConfig, cosine, score_pairs
 from kvfleet.runtime.serving.chat import ChatRoute
 from kvfleet.runtime.serving.completions import CompletionRoute
 from kvfleet.runtime.serving.embedding_encoding import EmbeddingBytes, embedding_bytes, encoded
@@ -33,6 +33,11 @@ from kvfleet.runtime.serving.responses import finish_error
 
 if TYPE_CHECKING:
     from kvfleet.runtime.serving.service import OpenAIService
+
+
+# vLLM's embeddings, pooling and score usage count the tokens generated too (none); its rerank usage does
+# not.
+_NO_COMPLETION = {"completion_tokens": 0}
 
 
 class _EmbeddingPromptRoute(CompletionRoute):
@@ -93,7 +98,7 @@ class OpenAIServingEmbedding:
             "object": "list",
             "created": first.created,
             "model": first.model,
-            "usage": _usage(*requests),
+            "usage": _usage(*requests) | _NO_COMPLETION,
         }
         if body.encoding_format == "bytes" or body.encoding_format == "bytes_only":
             with_metadata = answer if body.encoding_format == "bytes" else None
@@ -140,7 +145,8 @@ class OpenAIServingEmbedding:
         return [request for request, _ in embedded], [vector for _, vectors in embedded for vector in vectors]
 
     async def create_score(self, body: ScoreRequest, headers: RequestHeaders) -> dict[str, Any]:
-        (first_name, first), (second_name, second) = body.pairs()
+        # A first text scored against several is embedded once, as in vLLM, and counted once in the usage.
+        (first_name, first), (second_name, second) = body.paired_sides()
         fields = _fields(first_name, getattr(body, first_name), len(first))
         fields += _fields(second_name, getattr(body, second_name), len(second))
         content_tokens = await self._content_tokens(body, len(first), len(second))
@@ -148,7 +154,8 @@ class OpenAIServingEmbedding:
             embedding_prompts(first + second, body), fields, content_tokens=content_tokens
         )
         request, vectors = await self._embed(route, headers)
-        scores = [cosine(a, b) for a, b in zip(vectors[: len(first)], vectors[len(first) :], strict=True)]
+        firsts, seconds = score_pairs(vectors[: len(first)], vectors[len(first) :])
+        scores = [cosine(a, b) for a, b in zip(firsts, seconds, strict=True)]
         return {
             "id": request.request_id,
             "object": "list",
@@ -157,7 +164,7 @@ class OpenAIServingEmbedding:
             "data": [
                 {"index": index, "object": "score", "score": score} for index, score in enumerate(scores)
             ],
-            "usage": _usage(request),
+            "usage": _usage(request) | _NO_COMPLETION,
         }
 
     async def rerank(self, body: RerankRequest, headers: RequestHeaders) -> dict[str, Any]:

@@ -705,18 +705,18 @@ class ScoreRequest(_ScoringRequest):
         first, second = sides
         return first, second
 
-    def pairs(self) -> tuple[tuple[str, list[str]], tuple[str, list[str]]]:
-        """Each side's field and its texts scored against the other's, as two lists of the same length."""
+    def paired_sides(self) -> tuple[tuple[str, list[str]], tuple[str, list[str]]]:
+        """Each side's field and its texts, as given, checked to pair as vLLM pairs them (score_pairs)."""
         (first_name, first), (second_name, second) = self.sides()
         try:
-            paired = score_pairs(first, second)
+            score_pairs(first, second)
         except ValueError:
             raise BadRequestError(
                 f"{first_name} has {len(first)} texts and {second_name} {len(second)}: give one "
                 f"{first_name}, or as many as {second_name}",
                 param=first_name,
             ) from None
-        return (first_name, paired[0]), (second_name, paired[1])
+        return (first_name, first), (second_name, second)
 
 
 class RerankRequest(_ScoringRequest):

@@ -50,8 +50,9 @@ class TokenRules:
             allowed = pack_bits(keep)
         bad_sequences = set()
         for word in params.bad_words or ():
-            # A word reads differently at the start of the output and after a space (vLLM bans both).
-            for text in (word, " " + word.lstrip()):
+            # A word reads differently at the start of the output and after a space: both are banned, however
+            # the word is given (vLLM's start form is the word without its leading spaces too).
+            for text in (word.lstrip(), " " + word.lstrip()):
                 token_ids = tuple(tokenize(text))
                 if token_ids:
                     bad_sequences.add(token_ids)

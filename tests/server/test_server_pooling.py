@@ -213,6 +213,9 @@ def test_queries_and_documents_are_cut_to_their_own_token_limits(
     scored = _scored(server, "/v1/score", {"queries": TEXTS[0], "documents": DOCUMENTS, **limits})
     expected = [float(query @ document) for document in documents]
     np.testing.assert_allclose([item["score"] for item in scored["data"]], expected, atol=1e-4)
+    # The query embedded once for all the documents, and counted once, as in vLLM: each text its tokens and
+    # its beginning-of-text token.
+    assert scored["usage"]["prompt_tokens"] == (2 + 1) + len(DOCUMENTS) * (4 + 1)
     reranked = _scored(server, "/v1/rerank", {"query": TEXTS[0], "documents": DOCUMENTS, **limits})
     assert [result["document"]["text"] for result in reranked["results"]] == [
         DOCUMENTS[index] for index in np.argsort(expected)[::-1]

@@ -20,7 +20,7 @@ import json
 import os
 import sys
 from collections.abc import Iterator
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -158,39 +158,73 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
-@pytest.fixture(scope="module")
-def servers(small_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
-    """vLLM's server and kvfleet's on the same folder, by name: their base URLs."""
+# The same, of both servers pooling the model's hidden states into embeddings (--runner pooling). Embeddings
+# in float form: base64's bytes differ in the last bits of the floats.
+POOLING_CASES: dict[str, tuple[str, dict[str, Any]]] = {
+    "an embedding": ("/v1/embeddings", {"input": PROMPT}),
+    "embeddings of two texts": ("/v1/embeddings", {"input": [PROMPT, "Hello"]}),
+    "an embedding of tokens": ("/v1/embeddings", {"input": [621, 341, 1193]}),
+    "an embedding of a chat": ("/v1/embeddings", {"messages": CHAT}),
+    "an embedding not normalized": ("/v1/embeddings", {"input": PROMPT, "use_activation": False}),
+    "an embedding of a text cut": ("/v1/embeddings", {"input": LONGER, "truncate_prompt_tokens": 3}),
+    "an embedding of a text cut on the left": (
+        "/v1/embeddings",
+        {"input": LONGER, "truncate_prompt_tokens": 3, "truncation_side": "left"},
+    ),
+    "pooling": ("/pooling", {"input": PROMPT}),
+    "a score of one against two": ("/score", {"text_1": PROMPT, "text_2": ["Hello", "The fox"]}),
+    "scores pair by pair": ("/score", {"text_1": [PROMPT, "Hi"], "text_2": ["Hello", "The fox"]}),
+    "a rerank": ("/rerank", {"query": PROMPT, "documents": ["Hello", "The fox", "Once more"]}),
+}
+
+
+@contextmanager
+def _both_serving(model: Path, logs: Path, ipc: Path, *flags: str) -> Iterator[dict[str, str]]:
+    """vLLM's server and kvfleet's on the same folder with the same flags, by name: their base URLs."""
     python = os.environ.get("VLLM_PYTHON")
     if not python or not Path(python).is_file():
         pytest.fail("set VLLM_PYTHON to the python of vLLM's environment (make test-vllm-runtime does)")
-    logs = tmp_path_factory.mktemp("parity-logs")
-    serving = ["--served-model-name", MODEL, "--dtype", "float32", "--max-model-len", "1024"]
-    ports = {"vllm": free_port(), "kvfleet": free_port()}
+    serving = ["--served-model-name", MODEL, "--dtype", "float32", "--max-model-len", "1024", *flags]
     commands = {
-        "vllm": [python, "-P", str(VLLM_COMMAND), "serve", str(small_model_dir), *serving],
-        "kvfleet": [str(Path(sys.executable).parent / "kvfleet"), "serve", str(small_model_dir), *serving],
+        "vllm": [python, "-P", str(VLLM_COMMAND), "serve", str(model), *serving],
+        "kvfleet": [str(Path(sys.executable).parent / "kvfleet"), "serve", str(model), *serving],
     }
     # vLLM's CPU build takes a share of the machine's memory unless told its KV cache's size (GiB); its
     # processes talk over sockets in a folder whose path must be short.
-    vllm_env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_RPC_BASE_PATH": str(tmp_path_factory.mktemp("ipc"))}
+    vllm_env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_RPC_BASE_PATH": str(ipc)}
     with ExitStack() as stack:
         urls = {}
         for name, command in commands.items():
-            command = [*command, "--host", "127.0.0.1", "--port", str(ports[name])]
+            port = free_port()
+            command = [*command, "--host", "127.0.0.1", "--port", str(port)]
             env = vllm_env if name == "vllm" else None
             process = stack.enter_context(process_group(command, logs / f"{name}.log", env))
-            url = f"http://127.0.0.1:{ports[name]}"
+            url = f"http://127.0.0.1:{port}"
             wait_for(name, lambda url=url: httpx.get(f"{url}/health").status_code == 200, 600, process)
             urls[name] = url
         yield urls
 
 
+@pytest.fixture(scope="module")
+def servers(small_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+    logs, ipc = tmp_path_factory.mktemp("parity-logs"), tmp_path_factory.mktemp("ipc")
+    with _both_serving(small_model_dir, logs, ipc) as urls:
+        yield urls
+
+
+@pytest.fixture(scope="module")
+def pooling_servers(
+    small_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, str]]:
+    logs, ipc = tmp_path_factory.mktemp("parity-pooling-logs"), tmp_path_factory.mktemp("ipc")
+    with _both_serving(small_model_dir, logs, ipc, "--runner", "pooling") as urls:
+        yield urls
+
+
 def _answer(url: str, path: str, body: dict[str, Any]) -> tuple[int, Any]:
-    """The status and body of an answer; a stream's chunks, in order."""
-    asked = (
-        {"model": MODEL, "temperature": 0.0, **body} if path.startswith("/v1/") else {"model": MODEL, **body}
-    )
+    """The status and body of an answer (greedy, where it generates); a stream's chunks, in order."""
+    generates = path in ("/v1/completions", "/v1/chat/completions")
+    asked = {"model": MODEL, **({"temperature": 0.0} if generates else {}), **body}
     if not body.get("stream"):
         response = httpx.post(f"{url}{path}", json=asked, timeout=300)
         return response.status_code, response.json()
@@ -258,3 +292,13 @@ def test_a_chat_echo_scores_its_prompt_when_asked(servers: dict[str, str]) -> No
     assert theirs["prompt_logprobs"] and "prompt_logprobs" not in ours
     assert ours["choices"][0]["message"]["content"].startswith("Well")
     assert _differences({**theirs, "prompt_logprobs": None}, ours) == []
+
+
+@pytest.mark.parametrize("case", list(POOLING_CASES))
+def test_kvfleet_pools_as_vllm_does(pooling_servers: dict[str, str], case: str) -> None:
+    path, body = POOLING_CASES[case]
+    (their_status, theirs), (our_status, ours) = (
+        _answer(pooling_servers[name], path, body) for name in ("vllm", "kvfleet")
+    )
+    assert (our_status, their_status) == (200, 200), (ours, theirs)
+    assert _differences(theirs, ours) == []

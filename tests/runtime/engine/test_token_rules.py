@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 from kvfleet.runtime import LLM, SamplingParams
 from kvfleet.runtime.engine.messages import AddRequest
+from kvfleet.runtime.structured_outputs.token_rules import TokenRules
 from transformers import AutoTokenizer
 
 PROMPTS = ["The weather today", "Write a list:", "1 2 3"]
@@ -59,6 +60,21 @@ def test_bad_words_never_appear(llm: LLM, tiny_llama: Path) -> None:
                 sequence = tokenizer.encode(text, add_special_tokens=False)
                 windows = [tokens[i : i + len(sequence)] for i in range(len(tokens) - len(sequence) + 1)]
                 assert sequence not in windows, (word, tokenizer.decode(tokens))
+
+
+def test_a_bad_word_is_banned_after_a_space_and_without_one_however_given(tiny_llama: Path) -> None:
+    """The token sequences a bad word bans are the tokenizer's of the word at the output's start and after
+    a space, whether the word is given with a leading space or not."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
+
+    def tokenize(text: str) -> list[int]:
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    forms = {tuple(tokenize("weather")), tuple(tokenize(" weather"))}
+    assert len(forms) == 2
+    for given in ("weather", " weather", "  weather"):
+        rules = TokenRules.of(SamplingParams(bad_words=[given]), tokenizer.vocab_size, tokenize)
+        assert rules is not None and set(rules.bad_sequences) == forms
 
 
 def test_unconstrained_rows_are_untouched_by_their_neighbours_rules(llm: LLM) -> None:
