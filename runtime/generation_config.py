@@ -71,7 +71,7 @@ def sampling_defaults(folder: str) -> dict[str, Any]:
 def other_end_token_ids(folder: str, eos_token_id: int | None) -> tuple[int, ...]:
     """The tokens besides the tokenizer's end-of-sequence one that the folder's generation_config.json says
     end a sequence (Llama 3's end of a tool-calling turn, Qwen's end of text): Transformers and vLLM stop at
-    each. None without the file, or where it names none."""
+    each. None where the file is missing, unreadable or names no other."""
     path = Path(folder) / "generation_config.json"
     try:
         named = json.loads(path.read_text()).get("eos_token_id")
