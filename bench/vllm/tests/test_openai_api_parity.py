@@ -262,21 +262,24 @@ def _differences(theirs: Any, ours: Any, where: str = "") -> list[str]:
     return [] if theirs == ours else [f"{where}: {ours!r}, not {theirs!r}"]
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_kvfleet_answers_as_vllm_does(servers: dict[str, str], case: str) -> None:
-    path, body = CASES[case]
+def _answers(urls: dict[str, str], path: str, body: dict[str, Any]) -> tuple[Any, Any]:
+    """vLLM's answer and kvfleet's to the same request, both of which must succeed."""
     (their_status, theirs), (our_status, ours) = (
-        _answer(servers[name], path, body) for name in ("vllm", "kvfleet")
+        _answer(urls[name], path, body) for name in ("vllm", "kvfleet")
     )
     assert (our_status, their_status) == (200, 200), (ours, theirs)
-    assert _differences(theirs, ours) == []
+    return theirs, ours
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_kvfleet_answers_as_vllm_does(servers: dict[str, str], case: str) -> None:
+    assert _differences(*_answers(servers, *CASES[case])) == []
 
 
 def test_an_answer_cut_within_a_character_ends_in_a_replacement_character(servers: dict[str, str]) -> None:
     """The fifth token of this answer holds the first bytes of a character: vLLM's text leaves them out,
     kvfleet's ends in U+FFFD. Both name the token "" in logprobs, and all else is the same."""
-    body = {"prompt": PROMPT, "max_tokens": 5, "logprobs": 0}
-    (_, theirs), (_, ours) = (_answer(servers[name], "/v1/completions", body) for name in ("vllm", "kvfleet"))
+    theirs, ours = _answers(servers, "/v1/completions", {"prompt": PROMPT, "max_tokens": 5, "logprobs": 0})
     (their_choice,), (our_choice,) = theirs["choices"], ours["choices"]
     assert our_choice["text"] == their_choice["text"] + "\ufffd"
     assert our_choice["logprobs"]["tokens"][-1] == ""
@@ -287,8 +290,7 @@ def test_a_chat_echo_scores_its_prompt_when_asked(servers: dict[str, str]) -> No
     """vLLM's server scores a chat echo's prompt as if prompt_logprobs were 0 (its default top_logprobs) and
     answers the scores; kvfleet's scores a prompt only when prompt_logprobs asks, as scoring it forgoes the
     prefix cache and a tensor-parallel engine (asked, the two answer the same: a case above)."""
-    path = "/v1/chat/completions"
-    (_, theirs), (_, ours) = (_answer(servers[name], path, CHAT_ECHO) for name in ("vllm", "kvfleet"))
+    theirs, ours = _answers(servers, "/v1/chat/completions", CHAT_ECHO)
     assert theirs["prompt_logprobs"] and "prompt_logprobs" not in ours
     assert ours["choices"][0]["message"]["content"].startswith("Well")
     assert _differences({**theirs, "prompt_logprobs": None}, ours) == []
@@ -296,9 +298,4 @@ def test_a_chat_echo_scores_its_prompt_when_asked(servers: dict[str, str]) -> No
 
 @pytest.mark.parametrize("case", list(POOLING_CASES))
 def test_kvfleet_pools_as_vllm_does(pooling_servers: dict[str, str], case: str) -> None:
-    path, body = POOLING_CASES[case]
-    (their_status, theirs), (our_status, ours) = (
-        _answer(pooling_servers[name], path, body) for name in ("vllm", "kvfleet")
-    )
-    assert (our_status, their_status) == (200, 200), (ours, theirs)
-    assert _differences(theirs, ours) == []
+    assert _differences(*_answers(pooling_servers, *POOLING_CASES[case])) == []
