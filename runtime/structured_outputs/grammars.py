@@ -156,9 +156,12 @@ def build_grammar(kind: str, text: str) -> xgrammar.Grammar:
         if kind in JSON_KINDS:
             schema = json.loads(text)
             check_json_schema(schema)
-            # Compact separators: with any whitespace allowed, a model could pad its output forever. Strict
-            # mode allows no properties or items beyond those a schema names (OpenAI's strict outputs).
-            return xgrammar.Grammar.from_json_schema(text, any_whitespace=False, strict_mode=kind == "json")
+            # No whitespace, as vLLM's disable_any_whitespace writes JSON: with any whitespace allowed, a
+            # model could pad its output forever. Strict mode allows no properties or items beyond those a
+            # schema names (OpenAI's strict outputs).
+            return xgrammar.Grammar.from_json_schema(
+                text, any_whitespace=False, separators=(",", ":"), strict_mode=kind == "json"
+            )
         if kind == "regex":
             return xgrammar.Grammar.from_regex(text)
         if kind == "choice":

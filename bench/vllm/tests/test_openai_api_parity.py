@@ -4,7 +4,7 @@ requests get the same answers, field for field, streamed or not.
 The cases are the ones where the two shape an answer from the same tokens: logprobs in the legacy and chat
 shapes (the chosen token first in a completion's top_logprobs, names of tokens that hold part of a character,
 offsets), echo with and without logprobs (a chat's too), prompt_logprobs, token ids, stop strings, prompts cut
-by truncate_prompt_tokens, the model's other end-of-sequence token, usage in every chunk, constrained choices.
+by truncate_prompt_tokens, the model's other end-of-sequence token, usage in every chunk, constrained outputs.
 Greedy answers, so that both choose the same tokens. Where vLLM sends a field as null, kvfleet may leave it
 out; where vLLM leaves one out, so must kvfleet.
 
@@ -40,6 +40,11 @@ LONGER = PROMPT + " there was"
 CJK = "日本語のテキスト 😀 café"
 CHAT = [{"role": "user", "content": "Hi there"}]
 GOING_ON = {"add_generation_prompt": False, "continue_final_message": True}
+SCHEMA = {
+    "type": "object",
+    "properties": {"b": {"type": "boolean"}, "n": {"type": "string", "maxLength": 5}},
+    "required": ["b", "n"],
+}
 CHAT_ECHO = {
     "messages": [*CHAT, {"role": "assistant", "content": "Well"}],
     "max_tokens": 4,
@@ -133,6 +138,32 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
         "/v1/completions",
         {"prompt": PROMPT, "max_tokens": 20, "structured_outputs": {"regex": "[a-c]{3}"}},
     ),
+    "a JSON schema": (
+        "/v1/completions",
+        {
+            "prompt": PROMPT,
+            "max_tokens": 30,
+            "structured_outputs": {
+                "json": {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+            },
+        },
+    ),
+    "a JSON object": (
+        "/v1/chat/completions",
+        {"messages": CHAT, "max_tokens": 20, "response_format": {"type": "json_object"}},
+    ),
+    "a response format": (
+        "/v1/chat/completions",
+        {
+            "messages": CHAT,
+            "max_tokens": 20,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}},
+        },
+    ),
+    "a grammar": (
+        "/v1/completions",
+        {"prompt": PROMPT, "max_tokens": 20, "structured_outputs": {"grammar": 'root ::= "a" [b-d]+ "e"'}},
+    ),
     "usage in every chunk": (
         "/v1/completions",
         {
@@ -208,7 +239,12 @@ def _both_serving(model: Path, logs: Path, ipc: Path, *flags: str) -> Iterator[d
 @pytest.fixture(scope="module")
 def servers(small_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
     logs, ipc = tmp_path_factory.mktemp("parity-logs"), tmp_path_factory.mktemp("ipc")
-    with _both_serving(small_model_dir, logs, ipc) as urls:
+    # JSON without whitespace, as kvfleet always writes it.
+    outputs = [
+        "--structured-outputs-config",
+        json.dumps({"backend": "xgrammar", "disable_any_whitespace": True}),
+    ]
+    with _both_serving(small_model_dir, logs, ipc, *outputs) as urls:
         yield urls
 
 
