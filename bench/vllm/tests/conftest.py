@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -47,14 +47,23 @@ def vllm_program(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 @pytest.fixture(scope="session")
-def small_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A small random Llama (head size 64, which vLLM's CPU attention takes; the tiny model's 16 it does
-    not) with its tokenizer."""
-    path = tmp_path_factory.mktemp("models") / "small"
-    kvfleet = Path(sys.executable).parent / "kvfleet"
-    command = [str(kvfleet), "make-model", "--arch", "llama", "--preset", "small", str(path)]
-    subprocess.run(command, check=True, capture_output=True, text=True)
-    return path
+def make_small_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """`kvfleet make-model`'s small Llama (head size 64, which vLLM's CPU attention takes; the tiny model's 16
+    it does not) with its tokenizer, in a folder of its own named `name`, made with `options` too."""
+
+    def make(name: str, *options: str) -> Path:
+        path = tmp_path_factory.mktemp("models") / name
+        kvfleet = Path(sys.executable).parent / "kvfleet"
+        command = [str(kvfleet), "make-model", "--arch", "llama", "--preset", "small", *options, str(path)]
+        subprocess.run(command, check=True, capture_output=True, text=True)
+        return path
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def small_model_dir(make_small_model: Callable[..., Path]) -> Path:
+    return make_small_model("small")
 
 
 @pytest.fixture(scope="session")

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -39,11 +39,8 @@ CASES = {
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("models") / "small-full-stop"
-    kvfleet = Path(sys.executable).parent / "kvfleet"
-    command = [str(kvfleet), "make-model", "--preset", "small", "--train-steps", "40", str(path)]
-    subprocess.run(command, check=True, capture_output=True, text=True)
+def model_dir(make_small_model: Callable[..., Path]) -> Path:
+    path = make_small_model("small-full-stop", "--train-steps", "40")
     tokenizer_config = path / "tokenizer_config.json"
     config = json.loads(tokenizer_config.read_text())
     tokenizer_config.write_text(json.dumps({**config, "eos_token": "."}))
