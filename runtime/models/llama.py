@@ -275,7 +275,7 @@ class LlamaForCausalLM(nn.Module):
         if ".gate_proj." in name or ".up_proj." in name:
             return _rows(everything, *shard_range(shape[0], tp_size, tp_rank))
         if ".o_proj.weight" in name or ".down_proj.weight" in name:
-            return _input_columns(name, shape[1], tp_size, tp_rank)
+            return input_columns(name, shape[1], tp_size, tp_rank)
         if ".o_proj.bias" in name and tp_rank > 0:
             return None
         return everything  # norms and the o_proj bias of rank 0: whole on every rank
@@ -363,7 +363,7 @@ def _rows(everything: tuple[slice, ...], start: int, length: int) -> tuple[slice
     return (slice(start, start + length), *everything[1:])
 
 
-def _input_columns(name: str, columns: int, tp_size: int, tp_rank: int) -> tuple[slice, slice]:
+def input_columns(name: str, columns: int, tp_size: int, tp_rank: int) -> tuple[slice, slice]:
     """A row-parallel projection's share of its input columns: of its weight (a packed one's words), and of a
     quantized one's scales where there is one per group of columns (with one per output channel, every rank
     holds them whole). A word or a group split between two ranks could be read by neither."""

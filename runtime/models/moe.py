@@ -18,12 +18,18 @@ Checkpoints name the experts one by one (`experts.N.w1/w2/w3` in Mixtral's, unde
 (`experts.gate_up_proj` [experts, 2 x intermediate, hidden] and `experts.down_proj` [experts, hidden,
 intermediate]). A stacked gate/up tensor is read whole by a tensor-parallel rank without expert parallelism
 (its slice of gate rows and its slice of up rows are not one range), and cut here.
+
+A compressed-tensors checkpoint quantizes the experts one by one, as Linear modules. Float8 experts reach the
+model dequantized (`QuantizedCheckpoint.tensors`), into the float stacks; int8 and int4 ones stay int8, in an
+`Int8Experts` that the checkpoint puts in place of the float stacks (`quantize_experts`): a quantized
+projection per expert, each run where it has rows, so that a decode step reads only its routed experts'
+weights, a quarter of their float32 bytes.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from itertools import accumulate
 
 import torch
@@ -32,27 +38,32 @@ from kvfleet.runtime.attention.backend import AttentionBackend
 from kvfleet.runtime.distributed.parallel import ParallelContext, shard_range
 from kvfleet.runtime.kernels.fused_layers import CustomOp
 from kvfleet.runtime.models.layers import Linear, SiluAndMul, copy_checkpoint_tensor
-from kvfleet.runtime.models.llama import LlamaForCausalLM
+from kvfleet.runtime.models.llama import LlamaForCausalLM, input_columns
 from kvfleet.runtime.models.model_config import ModelConfig
 from kvfleet.runtime.models.moe_config import MoeConfig, MoeLayerLoad
+from kvfleet.runtime.quantization.linear import Int8Linear
 from torch import nn
 
-# model.layers.L.{mlp|block_sparse_moe}.experts. then N.<projection>.weight (one expert) or <stacked name>.
+# model.layers.L.{mlp|block_sparse_moe}.experts. then N.<projection>.<tensor> (one expert: its weight, or a
+# quantized one's scales, packed words or shape) or <stacked name>.
 _EXPERT_TENSOR = re.compile(
-    r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\."
-    r"(?:(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight|(gate_up_proj|down_proj))"
+    r"model\.layers\.(?P<layer>\d+)\.(?:mlp|block_sparse_moe)\.experts\."
+    r"(?:(?P<expert>\d+)\.(?P<projection>w1|w2|w3|gate_proj|up_proj|down_proj)"
+    r"\.(?P<tensor>weight|weight_scale|weight_packed|weight_shape)"
+    r"|(?P<stacked>gate_up_proj|down_proj))"
 )
 _PART = {"w1": "gate", "gate_proj": "gate", "w3": "up", "up_proj": "up", "w2": "down", "down_proj": "down"}
 _PARTS = ("gate", "up", "down")
-# What each kind of checkpoint tensor fills of an expert.
-_PARTS_OF = {"gate": ("gate",), "up": ("up",), "down": ("down",), "gate_up": ("gate", "up")}
+# What each stacked checkpoint tensor fills of every expert.
+_PARTS_OF = {"gate_up": ("gate", "up"), "down": ("down",)}
 # Rows per expert above which CUDA runs a cuBLAS matmul per expert instead of the grouped kernel.
 GROUPED_GEMM_MAX_ROWS = 128
 
 
-class FusedMoE(nn.Module):
-    """A layer's experts, stacked: w13 [local experts, 2 x local intermediate, hidden] (gate rows, then up
-    rows) and w2 [local experts, hidden, local intermediate]."""
+class RoutedExperts(nn.Module):
+    """A layer's experts on this rank, and the token-expert pairs routed to them: which experts and which
+    share of each the rank holds, and the pairs' outputs put back in their tokens' places. What the experts
+    hold and how they compute is the subclasses' (`expert_mlp`, `load`)."""
 
     def __init__(self, config: ModelConfig, moe: MoeConfig, parallel: ParallelContext) -> None:
         super().__init__()
@@ -68,12 +79,7 @@ class FusedMoE(nn.Module):
                 moe.moe_intermediate_size, tp_size, tp_rank
             )
         self.local_experts = range(first, first + count)
-        hidden, width = config.hidden_size, self.local_intermediate
-        # Every element is overwritten by the checkpoint, which load_weights checks.
-        self.w13_weight = nn.Parameter(torch.empty(count, 2 * width, hidden))
-        self.w2_weight = nn.Parameter(torch.empty(count, hidden, width))
         self.act_fn = SiluAndMul()
-        self.grouped_linear = GroupedLinear()
 
     def forward(
         self, hidden: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, sizes: list[int]
@@ -92,15 +98,49 @@ class FusedMoE(nn.Module):
         if start < end:
             pairs = experts.flatten().argsort()[start:end]  # the pairs of this rank's experts, by expert
             rows = pairs // top_k
-            gate_up = self.grouped_linear(hidden.index_select(0, rows), self.w13_weight, local_sizes)
-            expert_out = self.grouped_linear(self.act_fn(gate_up), self.w2_weight, local_sizes)
+            expert_out = self.expert_mlp(hidden.index_select(0, rows), local_sizes)
             scaled = expert_out * weights.flatten()[pairs].unsqueeze(1)
             by_pair.index_copy_(0, pairs, scaled.to(hidden.dtype))
         return by_pair.view(num_tokens, top_k, -1).sum(dim=1)
 
-    def load(self, part: str, expert: int | None, tensor: torch.Tensor, hf_name: str) -> list[int]:
-        """Copy one expert's gate, up or down projection, or the stacked gate_up or down of all experts
-        (expert None), as `MoeForCausalLM.checkpoint_slice` read it; returns the experts it filled."""
+    def expert_mlp(self, x: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+        """x's rows in consecutive groups, sizes[e] rows for the rank's e-th expert, each through its expert's
+        MLP -> [rows, hidden]."""
+        raise NotImplementedError
+
+    def load(
+        self, part: str, expert: int | None, tensor: torch.Tensor, hf_name: str, held: str = "weight"
+    ) -> None:
+        """Copy one expert's gate, up or down projection (`held`: its weight, or a quantized one's scales), or
+        the stacked gate_up or down of all experts (expert None), as `MoeForCausalLM.checkpoint_slice` read
+        it."""
+        raise NotImplementedError
+
+
+class FusedMoE(RoutedExperts):
+    """Float experts, stacked: w13 [local experts, 2 x local intermediate, hidden] (gate rows, then up rows)
+    and w2 [local experts, hidden, local intermediate]."""
+
+    def __init__(self, config: ModelConfig, moe: MoeConfig, parallel: ParallelContext) -> None:
+        super().__init__(config, moe, parallel)
+        count, hidden, width = len(self.local_experts), config.hidden_size, self.local_intermediate
+        # Every element is overwritten by the checkpoint, which load_weights checks.
+        self.w13_weight = nn.Parameter(torch.empty(count, 2 * width, hidden))
+        self.w2_weight = nn.Parameter(torch.empty(count, hidden, width))
+        self.grouped_linear = GroupedLinear()
+
+    def expert_mlp(self, x: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+        gate_up = self.grouped_linear(x, self.w13_weight, sizes)
+        return self.grouped_linear(self.act_fn(gate_up), self.w2_weight, sizes)
+
+    def load(
+        self, part: str, expert: int | None, tensor: torch.Tensor, hf_name: str, held: str = "weight"
+    ) -> None:
+        if held != "weight":
+            raise ValueError(
+                f"checkpoint tensor {hf_name!r} has no place in float experts: no quantization_config in "
+                "config.json makes them int8"
+            )
         width = self.local_intermediate
         if expert is not None:
             local = expert - self.local_experts.start
@@ -109,10 +149,10 @@ class FusedMoE(nn.Module):
             else:
                 rows = self.w13_weight.data[local].narrow(0, 0 if part == "gate" else width, width)
                 copy_checkpoint_tensor(rows, tensor, hf_name)
-            return [expert]
+            return
         if part == "down":
             copy_checkpoint_tensor(self.w2_weight.data, tensor, hf_name)
-            return list(self.local_experts)
+            return
         read = (len(self.local_experts), 2 * self.intermediate_size, self.w13_weight.shape[2])
         if tuple(tensor.shape) != read:
             raise ValueError(
@@ -124,7 +164,56 @@ class FusedMoE(nn.Module):
             copy_checkpoint_tensor(
                 target, tensor.narrow(1, source_row + self.intermediate_start, width), hf_name
             )
-        return list(self.local_experts)
+
+
+class Int8Experts(RoutedExperts):
+    """Int8 experts (a compressed-tensors checkpoint's int8 or int4 ones), each its own quantized gate/up
+    (`w13[e]`: gate rows, then up rows) and down (`w2[e]`) projection, which bind their matmul when built."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        moe: MoeConfig,
+        parallel: ParallelContext,
+        groups: Callable[[int, str], int],
+        dtype: torch.dtype,
+    ) -> None:
+        """groups(input columns, name): how many scales each row of a projection has."""
+        super().__init__(config, moe, parallel)
+        hidden, width = config.hidden_size, self.local_intermediate
+        w13_groups, w2_groups = groups(hidden, "the experts' gate_up"), groups(width, "the experts' down")
+        self.w13 = nn.ModuleList(
+            Int8Linear(hidden, 2 * width, False, w13_groups, dtype) for _ in self.local_experts
+        )
+        self.w2 = nn.ModuleList(
+            Int8Linear(width, hidden, False, w2_groups, dtype) for _ in self.local_experts
+        )
+
+    def expert_mlp(self, x: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+        # Experts no pair was routed to are skipped: their weights are not read.
+        return torch.cat(
+            [
+                w2(self.act_fn(w13(rows)))
+                for rows, w13, w2 in zip(x.split(sizes), self.w13, self.w2, strict=True)
+                if rows.shape[0]
+            ]
+        )
+
+    def load(
+        self, part: str, expert: int | None, tensor: torch.Tensor, hf_name: str, held: str = "weight"
+    ) -> None:
+        if expert is None:
+            raise ValueError(
+                f"checkpoint tensor {hf_name!r}: quantized experts are read one by one, as "
+                "compressed-tensors writes them, not stacked"
+            )
+        local = expert - self.local_experts.start
+        projection = self.w2[local] if part == "down" else self.w13[local]
+        target = getattr(projection, held).data
+        if part != "down":
+            width = self.local_intermediate
+            target = target.narrow(0, 0 if part == "gate" else width, width)
+        copy_checkpoint_tensor(target, tensor, hf_name)
 
 
 class GroupedLinear(CustomOp):
@@ -163,7 +252,7 @@ class SparseMoeBlock(nn.Module):
         self.parallel = parallel
         self.moe = moe
         self.gate = Linear(config.hidden_size, moe.num_experts, bias=False)
-        self.experts = FusedMoE(config, moe, parallel)
+        self.experts: RoutedExperts = FusedMoE(config, moe, parallel)
         # Token-expert pairs routed to each expert since the model was loaded (every rank counts them all).
         self.register_buffer(
             "expert_tokens", torch.zeros(moe.num_experts, dtype=torch.int64), persistent=False
@@ -217,25 +306,52 @@ class MoeForCausalLM(LlamaForCausalLM):
             for layer, per_expert in zip(blocks, counts, strict=True)
         ]
 
+    def quantize_experts(
+        self, quantized: Iterable[str], groups: Callable[[int, str], int], dtype: torch.dtype
+    ) -> dict[str, int]:
+        """Hold in int8 the experts of each sparse layer of this rank whose projections a checkpoint quantizes
+        (`quantized`: the names of its quantized projections, less `.weight`; `groups` as `Int8Experts`
+        takes it). Returns those of them that are this rank's experts', with their input columns here."""
+        columns = {}
+        for name in quantized:
+            match = _EXPERT_TENSOR.fullmatch(f"{name}.weight")
+            experts = None if match is None else self._experts(int(match["layer"]))
+            if match is None or experts is None or int(match["expert"]) not in experts.local_experts:
+                continue
+            if isinstance(experts, FusedMoE):
+                block = self.layers[int(match["layer"]) - self.first_layer].mlp
+                experts = block.experts = Int8Experts(self.config, self.moe, self.parallel, groups, dtype)
+            down = _PART[match["projection"]] == "down"
+            columns[name] = experts.local_intermediate if down else self.config.hidden_size
+        return columns
+
     def checkpoint_slice(self, hf_name: str, shape: list[int]) -> tuple[slice, ...] | None:
         match = _EXPERT_TENSOR.fullmatch(hf_name)
         if match is None:
             return super().checkpoint_slice(_router_name(hf_name), shape)
-        layer = int(match[1]) - self.first_layer
+        layer = int(match["layer"]) - self.first_layer
         everything = tuple(slice(None) for _ in shape)
         if not 0 <= layer < len(self.layers):
             return None  # another stage's layer
-        experts = self._experts(int(match[1]))
+        experts = self._experts(int(match["layer"]))
         if experts is None:
             return everything  # a dense layer: load_weights refuses the tensor by name
         local = experts.local_experts
         columns = _range(experts.intermediate_start, experts.local_intermediate)
-        if match[2] is not None:
-            if int(match[2]) not in local:
+        if match["expert"] is not None:
+            if int(match["expert"]) not in local:
                 return None
-            return (slice(None), columns) if _PART[match[3]] == "down" else (columns, slice(None))
+            if match["tensor"] == "weight_shape" or len(shape) == 1:
+                return everything  # a packed weight's shape, or its one scale (fp8's per-tensor strategy)
+            if _PART[match["projection"]] != "down":
+                return (columns, slice(None))
+            if self.parallel.enable_expert_parallel:
+                return everything
+            # The rank's share of the down projection's input columns: of its weight's, or of a quantized
+            # one's packed words or group scales.
+            return input_columns(hf_name, shape[1], self.parallel.tp_size, self.parallel.tp_rank)
         own_experts = _range(local.start, len(local))
-        if match[4] == "down_proj":
+        if match["stacked"] == "down_proj":
             return (own_experts, slice(None), columns)
         return (own_experts, *everything[1:])
 
@@ -250,16 +366,26 @@ class MoeForCausalLM(LlamaForCausalLM):
                 if match is None:
                     yield _router_name(hf_name), tensor
                     continue
-                layer = int(match[1])
+                layer = int(match["layer"])
                 experts = self._experts(layer)
                 if experts is None:
                     raise ValueError(
                         f"checkpoint tensor {hf_name!r} has no place in {self.config.architecture}"
                     )
-                expert = None if match[2] is None else int(match[2])
-                part = "gate_up" if match[4] == "gate_up_proj" else _PART[match[3] or match[4]]
-                for filled_expert in experts.load(part, expert, tensor, hf_name):
-                    filled.update((layer, filled_expert, p) for p in _PARTS_OF[part])
+                if match["stacked"] is not None:
+                    part = "gate_up" if match["stacked"] == "gate_up_proj" else "down"
+                    experts.load(part, None, tensor, hf_name)
+                    filled.update((layer, e, p) for e in experts.local_experts for p in _PARTS_OF[part])
+                    continue
+                expert, part, held = int(match["expert"]), _PART[match["projection"]], match["tensor"]
+                if held not in ("weight", "weight_scale"):
+                    raise ValueError(
+                        f"checkpoint tensor {hf_name!r} is packed: config.json has no quantization_config "
+                        "that says how"
+                    )
+                experts.load(part, expert, tensor, hf_name, held)
+                if held == "weight":
+                    filled.add((layer, expert, part))
 
         super().load_weights(dense_tensors())
         missing = [
@@ -285,14 +411,14 @@ class MoeForCausalLM(LlamaForCausalLM):
         ]
         return names + [f"model.layers.{layer}.mlp.gate.weight" for layer in sorted(sparse)]
 
-    def _sparse_layers(self) -> list[tuple[int, FusedMoE]]:
+    def _sparse_layers(self) -> list[tuple[int, RoutedExperts]]:
         return [
             (self.first_layer + i, layer.mlp.experts)
             for i, layer in enumerate(self.layers)
             if isinstance(layer.mlp, SparseMoeBlock)
         ]
 
-    def _experts(self, layer: int) -> FusedMoE | None:
+    def _experts(self, layer: int) -> RoutedExperts | None:
         """The experts of a layer (numbered in the whole model) if this rank holds it and it is sparse."""
         local = layer - self.first_layer
         if not 0 <= local < len(self.layers):

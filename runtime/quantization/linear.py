@@ -135,8 +135,8 @@ def _kernel_for(
 
 
 class QuantizedCheckpoint:
-    """How one folder's compressed-tensors checkpoint is loaded: which projections become `Int8Linear`, and
-    its tensors turned into what those hold."""
+    """How one folder's compressed-tensors checkpoint is loaded: which projections become `Int8Linear` (a
+    mixture-of-experts model's experts among them), and its tensors turned into what those hold."""
 
     def __init__(self, scheme: WeightQuantization, files: list[Path]) -> None:
         self.scheme = scheme
@@ -150,10 +150,10 @@ class QuantizedCheckpoint:
         # Each quantized projection's input columns on this rank (a share of them under tensor parallelism).
         self._columns: dict[str, int] = {}
 
-    def replace_linears(self, model: nn.Module, dtype: torch.dtype) -> int:
-        """Put an `Int8Linear` in place of each projection the checkpoint holds as int; returns how many."""
+    def replace_linears(self, model: nn.Module, dtype: torch.dtype) -> None:
+        """Put an `Int8Linear` in place of each projection the checkpoint holds as int."""
         if self.scheme.type != "int":
-            return 0
+            return
         parameter_of = getattr(model, "parameter_of", None)
         if parameter_of is None:
             raise ValueError(f"{type(model).__name__} does not load quantized checkpoints")
@@ -165,6 +165,10 @@ class QuantizedCheckpoint:
             for name in self._scale_shapes
             if holds is None or holds(f"{name}.weight_scale", self._scale_shapes[name]) is not None
         ]
+        # A mixture-of-experts model holds its quantized experts itself (`MoeForCausalLM.quantize_experts`).
+        quantize_experts = getattr(model, "quantize_experts", None)
+        experts = {} if quantize_experts is None else quantize_experts(held, self._groups, dtype)
+        held = [name for name in held if name not in experts]
         targets = {name: parameter_of(f"{name}.weight").removesuffix(".weight") for name in held}
         for target in sorted(set(targets.values())):
             linear = modules.get(target)
@@ -176,8 +180,7 @@ class QuantizedCheckpoint:
             )
             parent_name, _, child = target.rpartition(".")
             setattr(model.get_submodule(parent_name) if parent_name else model, child, replacement)
-        self._columns = {name: modules[target].in_features for name, target in targets.items()}
-        return len(set(targets.values()))
+        self._columns = {**experts, **{name: modules[target].in_features for name, target in targets.items()}}
 
     @staticmethod
     def pack_for_cpu(model: nn.Module) -> None:

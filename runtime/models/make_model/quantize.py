@@ -1,13 +1,14 @@
 """A made model's projections quantized into the compressed-tensors format, with that library's own code.
 
-The schemes are llm-compressor's preset names, lower-cased, for what a weight-only checkpoint holds:
-`w8a16` (int8, one scale per output channel: the format kvfleet's fused CPU matmul reads), `w4a16` (int4,
-one scale per group of input columns, packed eight to an int32) and `fp8` (float8 e4m3 weights, one scale per
-output channel, activations left in float: what vLLM serves as W8A16-FP8). Activations are never quantized.
-The embedding stays in float. So does the LM head, as llm-compressor's recipes leave it, unless `lm_head`
-asks for it too: every decode step reads it whole (the `small` preset's is 16.8 MB of float32, beside 22.5 MB
-of int8 projections). kvfleet and Transformers load such a folder; vLLM's compressed-tensors loader has
-refused a quantized LM head.
+The schemes are llm-compressor's preset names, lower-cased, for what a weight-only checkpoint holds: `w8a16`
+(int8, one scale per output channel: the format kvfleet's fused CPU matmul reads), `w4a16` (int4, one scale
+per group of input columns, packed eight to an int32) and `fp8` (float8 e4m3 weights, one scale per output
+channel, activations left in float: what vLLM serves as W8A16-FP8). Activations are never quantized. A
+mixture-of-experts model's experts are quantized one by one, as llm-compressor quantizes them, and its routers
+stay in float, as its recipes leave them. The embedding stays in float. So does the LM head, as
+llm-compressor's recipes leave it, unless `lm_head` asks for it too: every decode step reads it whole (the
+`small` preset's is 16.8 MB of float32, beside 22.5 MB of int8 projections). kvfleet and Transformers load
+such a folder; vLLM's compressed-tensors loader has refused a quantized LM head.
 
 compressed-tensors is imported only here, when a quantized folder is made.
 """
@@ -24,8 +25,12 @@ SCHEMES = ("w8a16", "w4a16", "fp8")
 # Group sizes tried for w4a16, largest first: llm-compressor's default is 128; a smaller preset's widths are
 # not all multiples of it.
 _GROUP_SIZES = (128, 64, 32, 16)
-# The checkpoint's projections in the layers (the LM head is quantized only when asked).
-_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# The checkpoint's projections in the layers, a Mixtral expert's w1/w2/w3 among them (the LM head is
+# quantized only when asked).
+_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "w1", "w2", "w3")
+# A mixture-of-experts router (Qwen3-MoE's `mlp.gate`, Mixtral's `block_sparse_moe.gate`), as the ignore list
+# of llm-compressor's recipes names it: loaders that quantize every Linear but those ignored must skip it.
+_ROUTER = r"re:.*(mlp|block_sparse_moe)\.gate$"
 
 
 def quantize_folder(folder: Path, scheme_name: str, *, lm_head: bool = False) -> None:
@@ -79,11 +84,12 @@ def quantize_weights(
         prefix = name.removesuffix("weight")
         for key, value in compressor.compress(module_state, scheme).items():
             out[prefix + key] = value.contiguous()
+    routers = any(n.endswith((".mlp.gate.weight", ".block_sparse_moe.gate.weight")) for n in tensors)
     config = QuantizationConfig(
         config_groups={"group_0": scheme},
         format=compression_format,
         quantization_status=QuantizationStatus.COMPRESSED,
-        ignore=[] if lm_head else ["lm_head"],
+        ignore=([] if lm_head else ["lm_head"]) + ([_ROUTER] if routers else []),
     )
     return out, config.to_dict()
 
