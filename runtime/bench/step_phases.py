@@ -10,7 +10,8 @@ steps without them: the step set against the bound is the lowest of those rounds
 decoder layers run in one call (`models.cpu_decode_layers`) runs them layer by layer in the timed steps, where
 the timers can see each layer's parts, and in one call in the untimed ones. After each round the machine's
 read bandwidth is measured on the engine's threads (`bandwidth`), and the highest of the rounds bounds the
-step.
+step. A mixture-of-experts model's experts are timed apart from its other projections, and the weights a step
+reads count those of the experts its tokens were routed to, the median over the measured steps.
 """
 
 from __future__ import annotations
@@ -23,19 +24,23 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from kvfleet.runtime.bench.bandwidth import BandwidthBound, read_bandwidth, weight_bytes
+import torch
+from kvfleet.runtime.bench.bandwidth import BandwidthBound, expert_bytes, read_bandwidth, weight_bytes
 from kvfleet.runtime.engine.llm import LLM
 from kvfleet.runtime.models.layers import Linear
+from kvfleet.runtime.models.moe import RoutedExperts
 from kvfleet.runtime.quantization.linear import Int8Linear
 from kvfleet.runtime.sampling_params import SamplingParams
 
 # Phases in the order of a step. "embedding, norms, rotary, activation" is the model's time less its
-# projections and attention; "runner, other" and "output processing" are what is left of their parent.
+# projections, experts and attention; "runner, other" and "output processing" are what is left of their
+# parent. "experts": a mixture-of-experts model's routed experts (their projections and activation).
 PHASES = (
     "schedule",
     "input preparation",
     "embedding, norms, rotary, activation",
     "projections",
+    "experts",
     "attention",
     "logits",
     "sampling",
@@ -58,6 +63,28 @@ class StepPhases:
 class _Timers:
     def __init__(self) -> None:
         self.seconds: dict[str, float] = defaultdict(float)
+        # Bytes of the experts that tokens were routed to, since the timers were last cleared.
+        self.routed_expert_bytes = 0.0
+
+    def clear(self) -> None:
+        self.seconds.clear()
+        self.routed_expert_bytes = 0.0
+
+    def count_routed_experts(self, experts: RoutedExperts) -> None:
+        """Add the bytes of the experts each call of `experts` routes tokens to (its `sizes` argument)."""
+        forward = experts.forward
+        per_expert = expert_bytes(experts)
+        local = experts.local_experts
+
+        def counted(
+            hidden: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor, sizes: list[int]
+        ) -> torch.Tensor:
+            self.routed_expert_bytes += per_expert * sum(
+                1 for size in sizes[local.start : local.stop] if size
+            )
+            return forward(hidden, weights, chosen, sizes)
+
+        experts.forward = counted  # type: ignore[method-assign]
 
     def wrap(self, owner: Any, attribute: str, phase: str) -> None:
         """Time every call of owner.attribute under `phase`, through an attribute on the instance."""
@@ -110,8 +137,16 @@ def _instrument(llm: LLM, timers: _Timers) -> Callable[[], None]:
     wrap(runner.attention_backend, "forward", "attention")
     wrap(model, "forward", "model")
     wrap(model, "compute_logits", "logits")
+    in_experts = set()
+    for experts in model.modules():
+        if isinstance(experts, RoutedExperts):
+            wrap(experts, "expert_mlp", "experts")
+            timers.count_routed_experts(experts)
+            wrapped.append((experts, "forward"))
+            in_experts |= {id(module) for module in experts.modules()}
     for module in model.modules():
-        if isinstance(module, (Linear, Int8Linear)) and module is not getattr(model, "lm_head", None):
+        projection = isinstance(module, (Linear, Int8Linear)) and id(module) not in in_experts
+        if projection and module is not getattr(model, "lm_head", None):
             wrap(module, "forward", "projections")
     sampler = runner.sampler
     runner.sampler = _TimedCallable(sampler, timers, "sampling")  # type: ignore[assignment]
@@ -134,11 +169,13 @@ def _instrument(llm: LLM, timers: _Timers) -> Callable[[], None]:
 def _phases_per_step(seconds: dict[str, float]) -> dict[str, float]:
     ms = {phase: value * 1e3 for phase, value in seconds.items()}
     measured_inside_runner = ms["input preparation"] + ms["model"] + ms["logits"] + ms["sampling"]
+    experts = ms.get("experts", 0.0)  # none in a dense model
     return {
         "schedule": ms["schedule"],
         "input preparation": ms["input preparation"],
-        "embedding, norms, rotary, activation": ms["model"] - ms["projections"] - ms["attention"],
+        "embedding, norms, rotary, activation": ms["model"] - ms["projections"] - experts - ms["attention"],
         "projections": ms["projections"],
+        "experts": experts,
         "attention": ms["attention"],
         "logits": ms["logits"],
         "sampling": ms["sampling"],
@@ -175,8 +212,9 @@ def measure_step_phases(
         try:
             for _ in range(steps):
                 engine.step()
-                per_step.append(_phases_per_step(timers.seconds) | {"step": timers.seconds["step"] * 1e3})
-                timers.seconds.clear()
+                step = {"step": timers.seconds["step"] * 1e3, "expert bytes": timers.routed_expert_bytes}
+                per_step.append(_phases_per_step(timers.seconds) | step)
+                timers.clear()
         finally:
             remove()
         engine.abort_request(ids)
@@ -186,7 +224,7 @@ def measure_step_phases(
             best = medians
     assert best is not None
     timed_ms = best.pop("step")
-    bound = _bound(llm, batch_size, prompt_len, steps, bandwidth)
+    bound = _bound(llm, batch_size, prompt_len, steps, bandwidth, best.pop("expert bytes"))
     return StepPhases(batch_size, untimed_ms, timed_ms, best, bound, label)
 
 
@@ -196,16 +234,22 @@ def _step_ms(step: Callable[[], Any]) -> float:
     return (time.perf_counter() - start) * 1e3
 
 
-def _bound(llm: LLM, batch_size: int, prompt_len: int, steps: int, bandwidth: float) -> BandwidthBound:
-    """The bytes of one measured step: the weights, and the KV of `batch_size` contexts of their mean
-    length over the measured steps (the prompt, the four steps before them, and half of the untimed and
-    timed steps)."""
+def _bound(
+    llm: LLM, batch_size: int, prompt_len: int, steps: int, bandwidth: float, routed_expert_bytes: float
+) -> BandwidthBound:
+    """The bytes of one measured step: the weights (of a mixture-of-experts model's experts, the
+    `routed_expert_bytes` its steps read), and the KV of `batch_size` contexts of their mean length over the
+    measured steps (the prompt, the four steps before them, and half of the untimed and timed steps)."""
     runner = llm.llm_engine.runner
-    assert runner.model is not None
+    model = runner.model
+    assert model is not None
     kv_per_token = runner.kv_cache_bytes_per_block() // runner.block_size
     mean_context = prompt_len + 4 + steps
     kv_bytes = round(kv_per_token * mean_context * batch_size)
-    return BandwidthBound(weight_bytes(runner.model), kv_bytes, bandwidth)
+    has_experts = any(isinstance(module, RoutedExperts) for module in model.modules())
+    return BandwidthBound(
+        weight_bytes(model, routed_expert_bytes if has_experts else None), kv_bytes, bandwidth
+    )
 
 
 def format_table(results: list[StepPhases]) -> str:
