@@ -29,6 +29,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 namespace {
 
@@ -176,6 +177,61 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::
   return result;
 }
 
+// A mixture-of-experts layer's int8 projections: x's rows in consecutive groups, sizes[e] rows for
+// weights[e] and scales[e] (each packed as int8_linear's, all of one shape), no bias -> [rows, out]. One
+// parallel region over every expert's feature blocks, where a call per expert would wait for its threads at
+// each expert's end.
+at::Tensor int8_grouped_linear(const at::Tensor& x, at::TensorList weights, at::TensorList scales,
+                               at::IntArrayRef sizes) {
+  const int64_t experts = static_cast<int64_t>(sizes.size());
+  TORCH_CHECK(experts > 0 && static_cast<int64_t>(weights.size()) == experts &&
+                  static_cast<int64_t>(scales.size()) == experts,
+              "int8_grouped_linear takes a weight, a scale and a size for each expert");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2, "int8_grouped_linear: x is float32 [rows, in]");
+  const int64_t in = x.size(1);
+  const int64_t blocks = weights[0].size(0);
+  const int64_t out = blocks * kLanes;
+  const int64_t groups = scales[0].size(1);
+  TORCH_CHECK(groups > 0 && in % groups == 0, "int8_grouped_linear: the groups must divide the input columns");
+  std::vector<const int8_t*> w_data(experts);
+  std::vector<const float*> s_data(experts);
+  std::vector<int64_t> first_row(experts + 1, 0);
+  for (int64_t e = 0; e < experts; ++e) {
+    const at::Tensor& w = weights[e];
+    const at::Tensor& s = scales[e];
+    TORCH_CHECK(w.scalar_type() == at::kChar && s.scalar_type() == at::kFloat && w.is_contiguous() &&
+                    s.is_contiguous(),
+                "int8_grouped_linear: contiguous int8 weights and float32 scales");
+    TORCH_CHECK(w.dim() == 3 && w.size(0) == blocks && w.size(1) == in && w.size(2) == kLanes && s.dim() == 3 &&
+                    s.size(0) == blocks && s.size(1) == groups && s.size(2) == kLanes,
+                "int8_grouped_linear: every expert's weight is packed [", blocks, ", ", in, ", ", kLanes,
+                "] and its scale [", blocks, ", ", groups, ", ", kLanes, "]");
+    TORCH_CHECK(sizes[e] >= 0, "int8_grouped_linear: negative size");
+    w_data[e] = w.data_ptr<int8_t>();
+    s_data[e] = s.data_ptr<float>();
+    first_row[e + 1] = first_row[e] + sizes[e];
+  }
+  TORCH_CHECK(first_row[experts] == x.size(0), "int8_grouped_linear: the sizes must add up to x's rows");
+  const at::Tensor input = x.contiguous();
+  at::Tensor result = at::empty({x.size(0), out}, x.options());
+  const float* x_data = input.data_ptr<float>();
+  float* y = result.data_ptr<float>();
+  // Task t is feature block t % blocks of expert t / blocks; a task range is cut where an expert ends.
+  at::parallel_for(0, experts * blocks, kBlocksPerTask, [&](int64_t first_task, int64_t last_task) {
+    for (int64_t task = first_task; task < last_task;) {
+      const int64_t e = task / blocks;
+      const int64_t first_block = task % blocks;
+      const int64_t last_block = std::min(blocks, first_block + last_task - task);
+      for (int64_t row = first_row[e]; row < first_row[e + 1]; row += kTileRows) {
+        rows_against_blocks(std::min(kTileRows, first_row[e + 1] - row), x_data + row * in, in, w_data[e],
+                            s_data[e], groups, nullptr, y + row * out, out, first_block, last_block);
+      }
+      task += last_block - first_block;
+    }
+  });
+  return result;
+}
+
 // The width of a packed block of output features.
 int64_t feature_block() { return kLanes; }
 
@@ -183,7 +239,11 @@ int64_t feature_block() { return kLanes; }
 
 TORCH_LIBRARY(kvfleet_cpu_quant, m) {
   m.def("int8_linear(Tensor x, Tensor weight, Tensor scale, Tensor? bias) -> Tensor");
+  m.def("int8_grouped_linear(Tensor x, Tensor[] weights, Tensor[] scales, int[] sizes) -> Tensor");
   m.def("feature_block() -> int", &feature_block);
 }
 
-TORCH_LIBRARY_IMPL(kvfleet_cpu_quant, CPU, m) { m.impl("int8_linear", &int8_linear); }
+TORCH_LIBRARY_IMPL(kvfleet_cpu_quant, CPU, m) {
+  m.impl("int8_linear", &int8_linear);
+  m.impl("int8_grouped_linear", &int8_grouped_linear);
+}

@@ -22,8 +22,8 @@ intermediate]). A stacked gate/up tensor is read whole by a tensor-parallel rank
 A compressed-tensors checkpoint quantizes the experts one by one, as Linear modules. Float8 experts reach the
 model dequantized (`QuantizedCheckpoint.tensors`), into the float stacks; int8 and int4 ones stay int8, in an
 `Int8Experts` that the checkpoint puts in place of the float stacks (`quantize_experts`): a quantized
-projection per expert, each run where it has rows, so that a decode step reads only its routed experts'
-weights, a quarter of their float32 bytes.
+projection per expert, those with rows run together (`grouped_int8_linear`), so that a decode step reads only
+its routed experts' weights, a quarter of their float32 bytes.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from kvfleet.runtime.models.layers import Linear, SiluAndMul, copy_checkpoint_te
 from kvfleet.runtime.models.llama import LlamaForCausalLM, input_columns
 from kvfleet.runtime.models.model_config import ModelConfig
 from kvfleet.runtime.models.moe_config import MoeConfig, MoeLayerLoad
-from kvfleet.runtime.quantization.linear import Int8Linear
+from kvfleet.runtime.quantization.linear import Int8Linear, grouped_int8_linear
 from torch import nn
 
 # model.layers.L.{mlp|block_sparse_moe}.experts. then N.<projection>.<tensor> (one expert: its weight, or a
@@ -190,14 +190,10 @@ class Int8Experts(RoutedExperts):
         )
 
     def expert_mlp(self, x: torch.Tensor, sizes: list[int]) -> torch.Tensor:
-        # Experts no pair was routed to are skipped: their weights are not read.
-        return torch.cat(
-            [
-                w2(self.act_fn(w13(rows)))
-                for rows, w13, w2 in zip(x.split(sizes), self.w13, self.w2, strict=True)
-                if rows.shape[0]
-            ]
-        )
+        routed = [e for e, size in enumerate(sizes) if size]  # the other experts' weights are not read
+        rows = [sizes[e] for e in routed]
+        gate_up = grouped_int8_linear(x, [self.w13[e] for e in routed], rows)
+        return grouped_int8_linear(self.act_fn(gate_up), [self.w2[e] for e in routed], rows)
 
     def load(
         self, part: str, expert: int | None, tensor: torch.Tensor, hf_name: str, held: str = "weight"

@@ -5,11 +5,11 @@ row for per-channel scales); int4 values take a byte each, so both move a quarte
 the CPU kernel runs them, both are packed once loaded, in blocks of its feature width. Float8 weights are
 dequantized as they are read: the model then holds an ordinary float projection.
 
-A layer binds its matmul when built: for float32 on the CPU the fused int8 matmul of `cpu_quant.cpp`, for
-decode steps and short prefills, and on CUDA Triton's (`kernels.int8_matmul`), each for up to a few hundred
-rows (on the CPU with AVX-512, up to 2,048); longer inputs (prefill) dequantize the weight and run a float
-matmul, since there the computation, not the weight's bytes, is the cost; elsewhere the torch code, a float
-matmul over the dequantized weight.
+A layer binds its matmul when built: for float32 on the CPU the fused int8 matmul of `cpu_quant.cpp` (a
+mixture-of-experts layer's routed experts in one call of it), for decode steps and short prefills, and on CUDA
+Triton's (`kernels.int8_matmul`), each for up to a few hundred rows (on the CPU with AVX-512, up to 2,048);
+longer inputs (prefill) dequantize the weight and run a float matmul, since there the computation, not the
+weight's bytes, is the cost; elsewhere the torch code, a float matmul over the dequantized weight.
 """
 
 from __future__ import annotations
@@ -116,6 +116,18 @@ class Int8Linear(nn.Module):
         if packed:
             weight, scale = unpack_feature_blocks(weight), unpack_feature_blocks(scale)
         return F.linear(x, dequantize(weight, scale, x.dtype), self.bias)
+
+
+def grouped_int8_linear(x: torch.Tensor, projections: list[Int8Linear], sizes: list[int]) -> torch.Tensor:
+    """x's rows in consecutive groups, sizes[i] rows for projections[i] (a mixture-of-experts layer's, all of
+    one shape and without bias) -> [rows, out]: one call of the fused CPU kernel for them all where they are
+    packed for it and no group has more rows than it takes, else each projection on its rows."""
+    weight = projections[0].weight
+    if weight.dim() == 3 and x.dim() == 2 and max(sizes) <= FUSED_MAX_ROWS[weight.shape[2]]:
+        return torch.ops.kvfleet_cpu_quant.int8_grouped_linear(
+            x, [p.weight for p in projections], [p.weight_scale for p in projections], sizes
+        )
+    return torch.cat([p(rows) for p, rows in zip(projections, x.split(sizes), strict=True)])
 
 
 def _kernel_for(

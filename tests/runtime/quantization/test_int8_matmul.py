@@ -116,3 +116,44 @@ def test_int8_weights_pass_beside_their_scales_and_a_missing_part_is_named(tmp_p
     words = pack_to_int32(weight, 8)
     with pytest.raises(ValueError, match=r"checkpoint has no p\.weight_shape for the quantized p"):
         _checkpoint(tmp_path, packed, {"p.weight_packed": words, "p.weight_scale": torch.ones(8, 1)})
+
+
+# Groups of rows through a tile and its remainder, one of none, and more than a tile; five feature blocks a
+# projection, so that the kernel's tasks of four blocks run across one expert's end into the next's.
+@pytest.mark.parametrize("sizes", [[1], [2, 9], [3, 0, 17]])
+def test_int8_grouped_linear_is_each_experts_matmul(int8_linear, sizes: list[int]) -> None:
+    width = feature_block()
+    generator = torch.Generator().manual_seed(len(sizes))
+    out_features, in_features, groups = 5 * width, 104, 4
+    weights = [
+        torch.randint(-128, 128, (out_features, in_features), dtype=torch.int8, generator=generator)
+        for _ in sizes
+    ]
+    scales = [torch.rand(out_features, groups, generator=generator) / 64 + 1e-3 for _ in sizes]
+    x = torch.randn(sum(sizes), in_features, generator=generator)
+    expected = torch.cat(
+        [
+            rows.double() @ (weight.double() * scale.double().repeat_interleave(in_features // groups, 1)).T
+            for rows, weight, scale in zip(x.split(sizes), weights, scales, strict=True)
+        ]
+    )
+    got = torch.ops.kvfleet_cpu_quant.int8_grouped_linear(
+        x,
+        [pack_feature_blocks(weight, width) for weight in weights],
+        [pack_feature_blocks(scale, width) for scale in scales],
+        sizes,
+    )
+    assert got.dtype == torch.float32 and got.shape == (sum(sizes), out_features)
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_int8_grouped_linear_refuses_experts_of_other_shapes(int8_linear) -> None:
+    width = feature_block()
+    weight = pack_feature_blocks(torch.zeros(2 * width, 32, dtype=torch.int8), width)
+    scale = pack_feature_blocks(torch.ones(2 * width, 1), width)
+    narrow = pack_feature_blocks(torch.zeros(width, 32, dtype=torch.int8), width)
+    grouped = torch.ops.kvfleet_cpu_quant.int8_grouped_linear
+    with pytest.raises(RuntimeError, match="every expert's weight is packed"):
+        grouped(torch.zeros(2, 32), [weight, narrow], [scale, scale], [1, 1])
+    with pytest.raises(RuntimeError, match="the sizes must add up to x's rows"):
+        grouped(torch.zeros(3, 32), [weight, weight], [scale, scale], [1, 1])
