@@ -203,6 +203,11 @@ def _group_scheme(group: Any, config: dict[str, Any], field: str) -> WeightQuant
         raise ValueError(f"{field}.weights.symmetric: asymmetric weights (zero points) are not supported")
     if weights.get("dynamic"):
         raise ValueError(f"{field}.weights.dynamic: weights must be quantized ahead of time")
+    if weights.get("actorder") in ("group", "dynamic", True):
+        raise ValueError(
+            f"{field}.weights.actorder: activation ordering by group (a weight_g_idx per projection) is not "
+            "supported; 'weight' ordering, which leaves the weights in order, is"
+        )
     if strategy == "group" and not (isinstance(group_size, int) and group_size > 0):
         raise ValueError(f"{field}.weights.group_size must be a positive integer for the group strategy")
     return WeightQuantization(

@@ -196,6 +196,22 @@ def test_greedy_matches_transformers_on_the_quantized_folder(quantized_case) -> 
             "config_groups.g.weights.group_size",
         ),
         ({"format": "marlin-24"}, "format 'marlin-24' is not supported"),
+        (
+            {
+                "config_groups": {
+                    "g": {
+                        "weights": {
+                            "type": "int",
+                            "num_bits": 4,
+                            "strategy": "group",
+                            "group_size": 128,
+                            "actorder": "group",
+                        }
+                    }
+                }
+            },
+            "config_groups.g.weights.actorder: activation ordering by group",
+        ),
     ],
 )
 def test_unsupported_quantization_configs_are_refused_by_field(change: dict, field: str) -> None:
@@ -352,3 +368,13 @@ def test_quantized_experts_without_a_quantization_config_are_refused(
         ValueError, match=rf"'model\.layers\.0\.mlp\.experts\.\d+\.\w+_proj\.weight_\w+' {message}"
     ):
         _experts_of_layer_0(folder, ParallelContext())
+
+
+def test_weight_activation_ordering_is_loaded_as_no_ordering() -> None:
+    # GPTQ's "weight" ordering (or its alias "static") only changed the order columns were calibrated in.
+    weights = {"type": "int", "num_bits": 4, "strategy": "group", "group_size": 128}
+    config = {"quant_method": "compressed-tensors", "format": "pack-quantized"}
+    plain = weight_quantization({**config, "config_groups": {"g": {"weights": weights}}}, None)
+    for actorder in ("weight", "static", None):
+        ordered = {"g": {"weights": {**weights, "actorder": actorder}}}
+        assert weight_quantization({**config, "config_groups": ordered}, None) == plain
