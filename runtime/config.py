@@ -9,10 +9,12 @@ import dataclasses
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal, TypeVar, get_args
 
 import click
 from kvfleet.contract.engine import DType, SchedulingPolicy
+from kvfleet.runtime.generation_config import sampling_overrides
 from kvfleet.runtime.hub import TOKENIZER_FILE_PATTERNS, resolve_model
 from kvfleet.runtime.kv_events.config import KVEventsConfig
 from kvfleet.runtime.kv_transfer.config import KVTransferConfig
@@ -102,6 +104,19 @@ class EngineConfig:
         "How the checkpoint's weights are quantized, by vLLM's method name; by default read from the "
         "folder's quantization_config. kvfleet loads compressed-tensors checkpoints (int8 and int4 weights "
         "with channel or group scales, float8 weights) and refuses the other methods by name.",
+        default=None,
+    )
+    generation_config: str = _option(
+        "vLLM's: auto|vllm|FOLDER. The sampling defaults of requests that leave them unset (temperature, "
+        "top_p, top_k, min_p, repetition_penalty, presence and frequency penalties, and max_new_tokens as "
+        "max_tokens), and the end tokens besides the tokenizer's: auto reads the model folder's "
+        "generation_config.json, FOLDER another one's (whose max_new_tokens also bounds every request "
+        "served), vllm takes no defaults (vLLM's own) and the model folder's end tokens.",
+        default="auto",
+    )
+    override_generation_config: dict[str, Any] | None = _option(
+        "vLLM's: sampling defaults over generation_config's, as generation_config.json names them, e.g. "
+        '\'{"temperature": 0.5, "max_new_tokens": 256}\'.',
         default=None,
     )
     hf_overrides: dict[str, Any] | None = _option(
@@ -336,6 +351,7 @@ class EngineConfig:
                 raise ValueError(message)
 
         require(bool(self.model), "model must name a model folder")
+        self._check_generation_config()
         # Raises ValueError naming the field.
         folder_weight_quantization(self.model, self.quantization, self.hf_overrides)
         for name in _FIELD_TYPES:
@@ -405,6 +421,16 @@ class EngineConfig:
             not (self.enable_lora and self.world_size > 1),
             "enable_lora needs tensor_parallel_size = pipeline_parallel_size = 1 (adapters are not sharded)",
         )
+
+    def _check_generation_config(self) -> None:
+        if self.generation_config not in ("auto", "vllm") and not Path(self.generation_config).is_dir():
+            raise ValueError(
+                f"generation_config must be auto, vllm or a folder, not {self.generation_config!r}"
+            )
+        try:
+            sampling_overrides(self.override_generation_config or {})
+        except ValueError as exc:
+            raise ValueError(f"override_generation_config: {exc}") from None
 
     def _check_kv_transfer(self) -> None:
         kv_transfer = self.kv_transfer()  # raises ValueError naming what is wrong

@@ -38,6 +38,32 @@ def sampling_overrides(overrides: dict[str, Any]) -> dict[str, Any]:
     return fields
 
 
+def generation_config_folder(generation_config: str, model: str) -> str:
+    """The folder whose generation_config.json vLLM's `generation_config` (auto, vllm or FOLDER) reads: the
+    model's for auto and for vllm (which takes none of its sampling defaults, but its end tokens), else
+    FOLDER."""
+    return model if generation_config in ("auto", "vllm") else generation_config
+
+
+def configured_sampling_defaults(
+    generation_config: str, model: str, overrides: dict[str, Any] | None
+) -> dict[str, Any]:
+    """The SamplingParams fields a request that leaves them unset takes, as vLLM's engine derives them:
+    `generation_config`'s (none for vllm), with `overrides` (override_generation_config) over them. Raises
+    ValueError as sampling_defaults and sampling_overrides do."""
+    fields = sampling_overrides(overrides or {})
+    if generation_config == "vllm":
+        return fields
+    return {**sampling_defaults(generation_config_folder(generation_config, model)), **fields}
+
+
+def max_tokens_limit(generation_config: str, defaults: dict[str, Any]) -> int | None:
+    """The most tokens any request generates, whatever it asks, as vLLM has it: the max_new_tokens of a
+    generation_config FOLDER other than the model's (in `defaults`, configured_sampling_defaults'); None
+    otherwise."""
+    return None if generation_config in ("auto", "vllm") else defaults.get("max_tokens")
+
+
 def sampling_defaults(folder: str) -> dict[str, Any]:
     """The SamplingParams fields the folder's generation_config.json sets (none without one); raises
     ValueError for a missing folder or values a request could not carry either."""
@@ -68,10 +94,12 @@ def sampling_defaults(folder: str) -> dict[str, Any]:
     return defaults
 
 
-def other_end_token_ids(folder: str, eos_token_id: int | None) -> tuple[int, ...]:
-    """The tokens besides the tokenizer's end-of-sequence one that the folder's generation_config.json says
-    end a sequence (Llama 3's end of a tool-calling turn, Qwen's end of text): Transformers and vLLM stop at
-    each. None where the file is missing, unreadable or names no other."""
+def other_end_token_ids(generation_config: str, model: str, eos_token_id: int | None) -> tuple[int, ...]:
+    """The tokens besides the tokenizer's end-of-sequence one that generation_config.json says end a sequence
+    (Llama 3's end of a tool-calling turn, Qwen's end of text), read where `generation_config` says
+    (generation_config_folder): Transformers and vLLM stop at each. None where the file is missing,
+    unreadable or names no other."""
+    folder = generation_config_folder(generation_config, model)
     path = Path(folder) / "generation_config.json"
     try:
         named = json.loads(path.read_text()).get("eos_token_id")

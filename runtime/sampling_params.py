@@ -124,6 +124,9 @@ class SamplingParams:
         if self.top_k == -1:
             self.top_k = 0
         self._validate()
+        if self.greedy:
+            # As vLLM's: greedy sampling takes the likeliest token, which no filter would remove.
+            self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
 
     @property
     def greedy(self) -> bool:

@@ -456,12 +456,23 @@ async def _answer_all(
 ) -> Summary:
     from kvfleet.runtime.batch.answers import answer_line
     from kvfleet.runtime.engine.in_process import InProcessEngine
+    from kvfleet.runtime.generation_config import configured_sampling_defaults, max_tokens_limit
     from kvfleet.runtime.serving.service import OpenAIService, ServiceSettings
     from tqdm import tqdm
 
+    config = engine.config
+    # As vLLM's run-batch serves rows: with the sampling defaults of the engine's generation config.
+    defaults = configured_sampling_defaults(
+        config.generation_config, config.model, config.override_generation_config
+    )
+    settings = ServiceSettings(
+        served_model_name=served_model_name,
+        default_sampling_params=defaults,
+        max_tokens_limit=max_tokens_limit(config.generation_config, defaults),
+    )
     started = time.monotonic()
     async with InProcessEngine(engine) as in_process:
-        service = OpenAIService(in_process, ServiceSettings(served_model_name=served_model_name))
+        service = OpenAIService(in_process, settings)
         with tqdm(total=total, unit="row", disable=not progress, dynamic_ncols=True) as bar:
 
             def on_row() -> None:

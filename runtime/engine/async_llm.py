@@ -177,7 +177,9 @@ class AsyncLLM:
         if self.error is None:
             info = self.info
             self.eos_token_id = self.tokenizer.eos_token_id
-            self.other_end_token_ids = other_end_token_ids(self.config.model, self.eos_token_id)
+            self.other_end_token_ids = other_end_token_ids(
+                self.config.generation_config, self.config.model, self.eos_token_id
+            )
             self.output_processor = OutputProcessor(self.tokenizer)
             ready_seconds = process_age()
             logger.info("ready %.2f s after starting: %s", ready_seconds, STARTUP_PHASES.describe())

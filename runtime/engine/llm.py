@@ -20,6 +20,7 @@ from kvfleet.runtime.engine.outputs import (
     ScoringRequestOutput,
 )
 from kvfleet.runtime.errors import EngineSleepingError, RequestFailedError
+from kvfleet.runtime.generation_config import configured_sampling_defaults
 from kvfleet.runtime.input_checks import check_cache_salt, check_sampling_token_ids
 from kvfleet.runtime.lora.request import LoRARequest
 from kvfleet.runtime.multimodal.inputs import MultiModalFeature, check_features, prompt_embeds_item
@@ -43,8 +44,20 @@ ProgressBar = bool | Callable[..., tqdm]
 
 class LLM:
     def __init__(self, model: str, **engine_options: Any) -> None:
-        self.llm_engine = LLMEngine(EngineConfig(model=model, **engine_options))
+        config = EngineConfig(model=model, **engine_options)
+        # Read before the engine starts: a generation_config.json with values no request could carry fails
+        # here, naming them.
+        self._default_sampling = configured_sampling_defaults(
+            config.generation_config, config.model, config.override_generation_config
+        )
+        self.llm_engine = LLMEngine(config)
         self._request_counter = itertools.count()
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's: what generate() and chat() sample with where no SamplingParams are given, those of
+        generation_config (the model folder's generation_config.json by default) with
+        override_generation_config's over them, else SamplingParams()."""
+        return SamplingParams(**self._default_sampling)
 
     def get_tokenizer(self) -> Any:
         return self.llm_engine.tokenizer
@@ -204,7 +217,8 @@ class LLM:
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None,
     ) -> list[RequestOutput]:
         prompt_list = _as_prompt_list(prompts)
-        params_list = _broadcast(sampling_params or SamplingParams(), len(prompt_list), "sampling_params")
+        params = sampling_params if sampling_params is not None else self.get_default_sampling_params()
+        params_list = _broadcast(params, len(prompt_list), "sampling_params")
         lora_list = _broadcast(lora_request, len(prompt_list), "lora_request")
         priorities = list(priority) if priority is not None else [0] * len(prompt_list)
         if len(priorities) != len(prompt_list):

@@ -37,7 +37,9 @@ class LLMEngine:
         self.vocab_size: int = self.engine_core.vocab_size
         self.output_processor = OutputProcessor(self.tokenizer)
         self.eos_token_id: int | None = self.tokenizer.eos_token_id
-        self.other_end_token_ids = other_end_token_ids(self.config.model, self.eos_token_id)
+        self.other_end_token_ids = other_end_token_ids(
+            self.config.generation_config, self.config.model, self.eos_token_id
+        )
         self.prompt_media = PromptMedia.for_model(
             config.model, config.mm_limits(), config.max_audio_clip_s, config.hf_overrides
         )

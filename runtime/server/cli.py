@@ -415,24 +415,6 @@ def _api_key(ctx: click.Context, param: click.Parameter, value: str | None) -> s
     help="The most log probabilities per token a request may ask for (logprobs, top_logprobs).",
 )
 @click.option(
-    "--generation-config",
-    default="auto",
-    show_default=True,
-    metavar="auto|vllm|FOLDER",
-    help="Sampling defaults of requests that leave them unset (temperature, top_p, top_k, min_p, "
-    "repetition_penalty, and max_new_tokens as max_tokens): auto reads the model folder's "
-    "generation_config.json, FOLDER another one's (whose max_new_tokens also bounds every request), vllm "
-    "none (vLLM's own defaults).",
-)
-@click.option(
-    "--override-generation-config",
-    type=JsonObject(),
-    default="{}",
-    metavar="JSON",
-    help="Sampling defaults over --generation-config's, as generation_config.json names them, e.g. "
-    '\'{"temperature": 0.5, "max_new_tokens": 256}\'.',
-)
-@click.option(
     "--default-chat-template-kwargs",
     type=JsonObject(),
     default="{}",
@@ -722,7 +704,7 @@ def _refuse_what_cannot_be_honoured(options: dict[str, Any]) -> None:
     from kvfleet.runtime.generation_config import sampling_overrides
 
     try:
-        sampling_overrides(options["override_generation_config"])
+        sampling_overrides(options["override_generation_config"] or {})
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--override-generation-config") from None
     if options["default_chat_template_kwargs"]:
@@ -794,6 +776,7 @@ def _server_settings(model_name: str, model: str, options: dict[str, Any]) -> Se
     """The settings of `kvfleet serve`'s options: each option named like a setting gives it, tiers are given
     by name, the safety policy as a file or text, the model's names (by default as given: its path or Hub
     id, as vLLM names it) and the sampling defaults of its folder."""
+    from kvfleet.runtime.generation_config import configured_sampling_defaults, max_tokens_limit
     from kvfleet.runtime.server.state import ServerSettings
     from kvfleet.runtime.serving.tool_calls import TOOL_CALL_PARSERS
 
@@ -810,7 +793,12 @@ def _server_settings(model_name: str, model: str, options: dict[str, Any]) -> Se
     named = {f.name: options[f.name] for f in dataclasses.fields(ServerSettings) if f.name in options}
     served_model_names = options["served_model_name"] or (model_name,)
     generation_config = options["generation_config"]
-    sampling_defaults = _sampling_defaults(generation_config, model, options["override_generation_config"])
+    try:
+        sampling_defaults = configured_sampling_defaults(
+            generation_config, model, options["override_generation_config"]
+        )
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--generation-config") from None
     return ServerSettings(
         **{
             **named,
@@ -821,10 +809,7 @@ def _server_settings(model_name: str, model: str, options: dict[str, Any]) -> Se
             "enable_log_requests": options["enable_log_requests"] and not options["disable_log_requests"],
             "safety": _safety(options["safety_config"]),
             "default_sampling_params": sampling_defaults,
-            # As vLLM has it: another folder's max_new_tokens also bounds what requests ask for.
-            "max_tokens_limit": None
-            if generation_config in ("auto", "vllm")
-            else sampling_defaults.get("max_tokens"),
+            "max_tokens_limit": max_tokens_limit(generation_config, sampling_defaults),
         }
     )
 
@@ -843,22 +828,6 @@ def _check_template_defaults(defaults: dict[str, Any]) -> None:
             f"{reserved[0]!r} is a parameter of the rendering, not a variable of the template",
             param_hint="--default-chat-template-kwargs",
         )
-
-
-def _sampling_defaults(generation_config: str, model: str, override: dict[str, Any]) -> dict[str, Any]:
-    """The sampling defaults --generation-config gives requests, with --override-generation-config's over
-    them (checked at the start)."""
-    from kvfleet.runtime.generation_config import sampling_defaults, sampling_overrides
-
-    overrides = sampling_overrides(override)
-    if generation_config == "vllm":
-        return overrides
-
-    try:
-        defaults = sampling_defaults(model if generation_config == "auto" else generation_config)
-    except ValueError as exc:
-        raise click.BadParameter(str(exc), param_hint="--generation-config") from None
-    return {**defaults, **overrides}
 
 
 def _safety(value: str | None) -> SafetyConfig | None:

@@ -43,11 +43,14 @@ def test_victim_is_the_newest_of_the_worst_tier_below_the_newcomer() -> None:
 
 def test_completion_request_to_sampling_params() -> None:
     request = CompletionRequest(
-        prompt="hi", max_tokens=5, temperature=0, top_k=3, stop="x", logprobs=2, seed=1
+        prompt="hi", max_tokens=5, temperature=0.5, top_k=3, stop="x", logprobs=2, seed=1
     )
     params = request.sampling_params()
-    assert (params.max_tokens, params.temperature, params.top_k, params.stop) == (5, 0, 3, ["x"])
+    assert (params.max_tokens, params.temperature, params.top_k, params.stop) == (5, 0.5, 3, ["x"])
     assert (params.logprobs, params.seed) == (2, 1)
+    # Greedy, as in vLLM: no filter applies.
+    greedy = CompletionRequest(prompt="hi", temperature=0, top_k=3, top_p=0.5, min_p=0.1).sampling_params()
+    assert (greedy.temperature, greedy.top_k, greedy.top_p, greedy.min_p) == (0, 0, 1.0, 0.0)
     defaults = CompletionRequest(prompt="hi").sampling_params()
     assert (defaults.max_tokens, defaults.temperature, defaults.top_p, defaults.n) == (16, 1.0, 1.0, 1)
     with pytest.raises(BadRequestError) as caught:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -267,3 +268,35 @@ def test_killed_run_resumes_without_duplicates_or_gaps(tiny_llama: Path, tmp_pat
         assert [row["prompt"] for row in answered] == prompts
         assert all(row["output_text"] and row["completion_tokens"] == "24" for row in answered)
         assert not progress.exists()
+
+
+@pytest.mark.parametrize("generation_config", ["auto", "FOLDER"])
+def test_rows_take_the_generation_configs_sampling_defaults(
+    tiny_llama: Path, llm: LLM, tmp_path: Path, generation_config: str
+) -> None:
+    """As vLLM's run-batch: a chat row that leaves max_tokens and temperature unset takes generation_config's;
+    the model folder's (auto) leaves a row free to ask for more tokens, another folder's bounds every row."""
+    recommended = {"max_new_tokens": 2, "temperature": 0.0}
+    folder = tmp_path / "generation"
+    folder.mkdir()
+    (folder / "generation_config.json").write_text(json.dumps(recommended))
+    model = tiny_llama
+    if generation_config == "auto":
+        model = Path(shutil.copytree(tiny_llama, tmp_path / "model"))
+        config = json.loads((model / "generation_config.json").read_text())
+        (model / "generation_config.json").write_text(json.dumps({**config, **recommended}))
+    unset = {"model": MODEL_NAME, "messages": CONVERSATIONS[0], "ignore_eos": True}
+    lines = [
+        batch_line("unset", "/v1/chat/completions", unset),
+        batch_line("asks-for-more", "/v1/chat/completions", {**unset, "max_tokens": 5}),
+    ]
+    source, answers = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    write_jsonl(source, lines)
+    flag = str(folder) if generation_config == "FOLDER" else "auto"
+    result = run_batch(model, "-i", str(source), "-o", str(answers), "--generation-config", flag)
+    assert result.returncode == 0, result.stderr
+    by_id = {record["custom_id"]: record["response"]["body"] for record in read_jsonl(answers)}
+    expected = llm.chat([CONVERSATIONS[0]], greedy(2))[0].outputs[0].text
+    assert by_id["unset"]["choices"][0]["message"]["content"] == expected
+    assert by_id["unset"]["usage"]["completion_tokens"] == 2
+    assert by_id["asks-for-more"]["usage"]["completion_tokens"] == (5 if generation_config == "auto" else 2)
