@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,6 +39,8 @@ MODALITIES = ("image", "audio")
 DEFAULT_ITEMS_PER_PROMPT = 4
 
 
+# max_model_len's value for vLLM's auto: the model's context, or what the KV cache holds where it holds less.
+AUTO_MAX_MODEL_LEN = -1
 # Options that are positive numbers where set.
 _POSITIVE_OR_UNSET = (
     "num_gpu_blocks_override",
@@ -46,7 +49,6 @@ _POSITIVE_OR_UNSET = (
     "kv_offloading_size",
     "max_num_seqs",
     "max_num_batched_tokens",
-    "max_model_len",
     "stream_interval",
     "max_loras",
     "max_lora_rank",
@@ -177,7 +179,11 @@ class EngineConfig:
     max_num_batched_tokens: int | None = _option(
         "Token budget of one step (prefill chunks and decodes together).", default=None
     )
-    max_model_len: int | None = _option("Longest context (prompt + output) in tokens.", default=None)
+    max_model_len: int | None = _option(
+        "Longest context (prompt + output) in tokens; by default the model's. -1 (or auto on the command "
+        "line): the model's, or the most tokens the KV cache holds where it holds fewer, as vLLM's auto.",
+        default=None,
+    )
     stream_interval: int = _option(
         "A stream hands out its new tokens once this many are waiting (its first and its last at once): "
         "fewer, larger events for the server, the network and the clients to carry. A request's "
@@ -368,6 +374,10 @@ class EngineConfig:
             value = getattr(self, name)
             require(value is None or value > 0, f"{name} must be positive")
         require(
+            self.max_model_len in (None, AUTO_MAX_MODEL_LEN) or self.max_model_len > 0,
+            "max_model_len must be positive, or -1 (auto)",
+        )
+        require(
             self.max_cpu_loras is None or self.max_cpu_loras >= self.max_loras,
             "max_cpu_loras must be at least max_loras",
         )
@@ -537,6 +547,38 @@ class JsonObject(click.ParamType):
         return parsed
 
 
+class HumanReadableInt(click.ParamType):
+    """vLLM's integers with a unit, as its flags of token counts and bytes take them: 1k or 25.6k (k, m, g, t:
+    powers of 1,000), 1K or 2M (K, M, G, T: powers of 1,024, whole numbers only); with `auto`, also auto or
+    -1 (-1)."""
+
+    name = "integer"
+
+    def __init__(self, auto: bool = False) -> None:
+        self.auto = auto
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
+        if isinstance(value, int):
+            return value
+        text = str(value).strip()
+        if self.auto and text.lower() in ("auto", "-1"):
+            return AUTO_MAX_MODEL_LEN
+        match = re.fullmatch(r"(\d+(?:\.\d+)?)([kmgtKMGT])", text)
+        if match is None:
+            try:
+                return int(text)
+            except ValueError:
+                self.fail(f"{value!r} is not an integer, nor one with a unit (1k, 25.6k, 1K, 2M)", param, ctx)
+        number, unit = match.groups()
+        if unit in "kmgt":
+            return int(float(number) * 1000 ** ("kmgt".index(unit) + 1))
+        if "." in number:
+            self.fail(
+                f"{value!r}: a binary unit ({unit}) takes a whole number; {number}{unit.lower()}?", param, ctx
+            )
+        return int(number) * 1024 ** ("KMGT".index(unit) + 1)
+
+
 _CLICK_TYPES: dict[str, Any] = {
     "dict[str, Any] | None": JsonObject(),
     "int | None": int,
@@ -548,8 +590,19 @@ _CLICK_TYPES: dict[str, Any] = {
 }
 
 F = TypeVar("F", bound=Callable[..., Any])
-# kvfleet's names for options before it took vLLM's, still taken from older command lines and manifests.
-_OLDER_FLAGS = {"num_gpu_blocks_override": ("--num-kv-blocks",)}
+# Other flags of an option: kvfleet's names before it took vLLM's, still taken from older command lines and
+# manifests, and vLLM's own second names.
+_OTHER_FLAGS = {
+    "num_gpu_blocks_override": ("--num-kv-blocks",),
+    "gpu_memory_utilization": ("--device-memory-utilization",),
+}
+# The options whose flags take vLLM's integers with a unit (HumanReadableInt), as vLLM's do.
+_HUMAN_READABLE = {
+    "max_num_batched_tokens": HumanReadableInt(),
+    "kv_cache_memory_bytes": HumanReadableInt(),
+    "max_num_queued_tokens": HumanReadableInt(),
+    "max_model_len": HumanReadableInt(auto=True),
+}
 
 
 def engine_options(func: F) -> F:
@@ -566,8 +619,8 @@ def engine_options(func: F) -> F:
             choice = click.Choice(get_args(_FIELD_TYPES[f.name]))
             func = click.option(flag, type=choice, default=f.default, show_default=True, help=help_text)(func)
         else:
-            kind = _CLICK_TYPES[str(f.type)]
-            decls = (flag, *_OLDER_FLAGS.get(f.name, ()), f.name)
+            kind = _HUMAN_READABLE.get(f.name) or _CLICK_TYPES[str(f.type)]
+            decls = (flag, *_OTHER_FLAGS.get(f.name, ()), f.name)
             func = click.option(*decls, type=kind, default=f.default, show_default=True, help=help_text)(func)
     return func
 

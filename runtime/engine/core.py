@@ -17,7 +17,7 @@ import math
 import os
 import time
 
-from kvfleet.runtime.config import EngineConfig
+from kvfleet.runtime.config import AUTO_MAX_MODEL_LEN, EngineConfig
 from kvfleet.runtime.core.host_kv_tier import HostKVTier
 from kvfleet.runtime.core.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput, SchedulerStats
 from kvfleet.runtime.core.scheduler import Scheduler
@@ -229,6 +229,8 @@ class EngineCore:
         )
 
     def _num_kv_blocks(self) -> int:
+        """The KV cache's blocks; an auto max_model_len is lowered to the tokens they hold where that is
+        fewer than the model's context."""
         config = self.config
         blocks_per_sequence = math.ceil(self.max_model_len / config.block_size)
         if config.num_gpu_blocks_override is not None:
@@ -244,10 +246,17 @@ class EngineCore:
                 num_blocks = min(num_blocks, config.max_num_seqs * blocks_per_sequence)
         if num_blocks < 1:
             raise ValueError("no memory left for the KV cache; raise the memory budget or shrink the model")
-        if num_blocks < blocks_per_sequence:
+        if num_blocks < blocks_per_sequence and config.max_model_len == AUTO_MAX_MODEL_LEN:
+            held = num_blocks * config.block_size
+            logger.warning(
+                "max_model_len auto: %d, what the KV cache holds (the model's: %d)", held, self.max_model_len
+            )
+            self.max_model_len = held
+        elif num_blocks < blocks_per_sequence:
             raise ValueError(
                 f"the KV cache holds {num_blocks * config.block_size} tokens, less than one sequence of "
-                f"max_model_len={self.max_model_len} tokens: lower max_model_len or enlarge the cache"
+                f"max_model_len={self.max_model_len} tokens: lower max_model_len (-1: to what the cache "
+                "holds) or enlarge the cache"
             )
         return num_blocks
 

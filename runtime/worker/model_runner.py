@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from kvfleet.runtime.attention.backend import AttentionBackend, AttentionMetadata, AttentionSpec
 from kvfleet.runtime.attention.selector import select_attention_backend
-from kvfleet.runtime.config import EngineConfig
+from kvfleet.runtime.config import AUTO_MAX_MODEL_LEN, EngineConfig
 from kvfleet.runtime.core.host_kv_tier import TierCopies
 from kvfleet.runtime.core.outputs import ModelRunnerOutput, SchedulerOutput
 from kvfleet.runtime.distributed.parallel import local_kv_heads, parallel_context
@@ -139,8 +139,8 @@ class ModelRunner:
     def _max_model_len(self) -> int:
         limit = self.model_config.max_context
         requested = self.config.max_model_len
-        if requested is None:
-            return limit
+        if requested in (None, AUTO_MAX_MODEL_LEN):
+            return limit  # the engine core lowers an auto one to what the KV cache holds
         if requested > limit:
             raise ValueError(
                 f"max_model_len {requested} exceeds what the model supports ({limit} tokens, from its "

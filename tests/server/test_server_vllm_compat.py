@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import click
 import httpx
 import numpy as np
 import openai
@@ -1419,6 +1420,29 @@ def _answers(client: httpx.Client, path: str) -> bool:
         return client.get(path).status_code == 200
     except httpx.TransportError:
         return False
+
+
+def test_vllms_integers_with_units_and_its_second_flag_names_are_taken(tiny_llama: Path) -> None:
+    """vLLM's forms (its human_readable_int's documented examples): k and the like in powers of 1,000, K in
+    powers of 1,024, auto or -1 for the longest context that fits; --device-memory-utilization as
+    --gpu-memory-utilization."""
+    serve = cli.get_command(click.Context(cli), "serve")
+    flags = ["--max-model-len", "25.6k", "--max-num-batched-tokens", "1K", "--kv-cache-memory-bytes", "2M"]
+    flags += ["--max-num-queued-tokens", "1k", "--device-memory-utilization", "0.5"]
+    options = serve.make_context("serve", [str(tiny_llama), *flags]).params
+    taken = ("max_model_len", "max_num_batched_tokens", "kv_cache_memory_bytes", "max_num_queued_tokens")
+    assert [options[name] for name in taken] == [25_600, 1024, 2 * 1024**2, 1000]
+    assert options["gpu_memory_utilization"] == 0.5
+    for auto in ("auto", "-1"):
+        assert (
+            serve.make_context("serve", [str(tiny_llama), "--max-model-len", auto]).params["max_model_len"]
+            == -1
+        )
+    for bad, words in (("2.5K", "a binary unit (K) takes a whole number"), ("lots", "is not an integer")):
+        completed = CliRunner().invoke(cli, ["serve", str(tiny_llama), "--max-model-len", bad])
+        assert (
+            completed.exit_code == 2 and "--max-model-len" in completed.output and words in completed.output
+        )
 
 
 @pytest.mark.parametrize(

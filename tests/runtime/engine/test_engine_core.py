@@ -218,3 +218,12 @@ def test_the_cpu_kv_cache_holds_what_its_sequences_fill_unless_sized(tiny_llama:
         _core(tiny_llama, kv_cache_memory_bytes=31 * block_bytes, **sized)
     with pytest.raises(ValueError, match="kv_cache_memory_bytes must be positive"):
         _core(tiny_llama, kv_cache_memory_bytes=0, **sized)
+
+
+def test_an_auto_max_model_len_is_what_the_kv_cache_holds_where_it_holds_less(tiny_llama: Path) -> None:
+    """vLLM's auto (-1): the model's context where the KV cache holds it, else the tokens the cache holds."""
+    context = json.loads((tiny_llama / "config.json").read_text())["max_position_embeddings"]
+    whole = _core(tiny_llama, max_model_len=-1, block_size=16, num_gpu_blocks_override=context // 16 + 1)
+    assert whole.max_model_len == context
+    held = _core(tiny_llama, max_model_len=-1, block_size=16, num_gpu_blocks_override=5)
+    assert held.max_model_len == held.scheduler.max_model_len == 5 * 16
