@@ -41,6 +41,12 @@ DEFAULT_ITEMS_PER_PROMPT = 4
 
 # max_model_len's value for vLLM's auto: the model's context, or what the KV cache holds where it holds less.
 AUTO_MAX_MODEL_LEN = -1
+# vLLM's shorthand options of speculative_config, and the key each one sets.
+_SPEC_SHORTHAND = (
+    ("spec_method", "method"),
+    ("spec_model", "model"),
+    ("spec_tokens", "num_speculative_tokens"),
+)
 # Options that are positive numbers where set.
 _POSITIVE_OR_UNSET = (
     "num_gpu_blocks_override",
@@ -247,6 +253,13 @@ class EngineConfig:
         '"model": DIR, "num_speculative_tokens": k}; optional "disable_by_batch_size".',
         default=None,
     )
+    spec_method: str | None = _option(
+        "vLLM's shorthand: speculative_config's method (ngram or draft_model).", default=None
+    )
+    spec_model: str | None = _option("vLLM's shorthand: speculative_config's model.", default=None)
+    spec_tokens: int | None = _option(
+        "vLLM's shorthand: speculative_config's num_speculative_tokens.", default=None
+    )
     kv_transfer_config: dict[str, Any] | None = _option(
         'Disaggregated prefill and decode, as vLLM\'s JSON: {"kv_connector": "TcpConnector", "kv_role": '
         '"kv_producer" | "kv_consumer" | "kv_both", "kv_ip": ADDRESS, "kv_port": PORT, "engine_id": ID, '
@@ -337,6 +350,7 @@ class EngineConfig:
     )
 
     def __post_init__(self) -> None:
+        self._merge_spec_shorthand()
         # Hub ids become the cache's folders here, once: every reader of the config sees local paths.
         self.model = resolve_model(
             self.model, self.revision, cache_dir=self.download_dir, token=self.hf_token
@@ -431,6 +445,20 @@ class EngineConfig:
             not (self.enable_lora and self.world_size > 1),
             "enable_lora needs tensor_parallel_size = pipeline_parallel_size = 1 (adapters are not sharded)",
         )
+
+    def _merge_spec_shorthand(self) -> None:
+        """spec_method, spec_model and spec_tokens into speculative_config, as vLLM merges them; then unset,
+        so that a copy of the config (dataclasses.replace) does not merge them again."""
+        given = [(name, key) for name, key in _SPEC_SHORTHAND if getattr(self, name) is not None]
+        if not given:
+            return
+        speculative = dict(self.speculative_config or {})
+        for name, key in given:
+            if key in speculative:
+                raise ValueError(f"{name} and speculative_config[{key!r}] are mutually exclusive")
+            speculative[key] = getattr(self, name)
+            setattr(self, name, None)
+        self.speculative_config = speculative
 
     def _check_generation_config(self) -> None:
         if self.generation_config not in ("auto", "vllm") and not Path(self.generation_config).is_dir():

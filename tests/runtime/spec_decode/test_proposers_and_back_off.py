@@ -1,12 +1,15 @@
-"""The n-gram proposer's lookups, and speculation backing off when the batch is large."""
+"""The n-gram proposer's lookups, speculation backing off when the batch is large, and vLLM's shorthand
+flags of the speculative config."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from kvfleet.runtime import LLM, SamplingParams
+from kvfleet.runtime.config import EngineConfig
 from kvfleet.runtime.request import Request
 from kvfleet.runtime.spec_decode.ngram import NgramProposer
 
@@ -50,3 +53,21 @@ def test_speculation_backs_off_at_the_configured_batch_size(
     # Equal prompts and lengths: the requests run side by side from the first step to the last.
     llm.generate([[20, 21, 22]] * concurrent, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
     assert (llm.llm_engine.engine_core.stats.spec_decode_num_draft_tokens > 0) == speculates
+
+
+def test_vllms_shorthand_flags_make_the_speculative_config(make_model: Callable[..., Path]) -> None:
+    """--spec-method, --spec-model and --spec-tokens, as vLLM merges them into --speculative-config; a key
+    given both ways is refused by name."""
+    model = str(make_model("llama", "tiny"))
+    draft = {"method": "draft_model", "model": model, "num_speculative_tokens": 2}
+    spelled_out = EngineConfig(model=model, speculative_config=draft).speculative()
+    shorthand = EngineConfig(model=model, spec_method="draft_model", spec_model=model, spec_tokens=2)
+    assert shorthand.speculative() == spelled_out
+    mixed = EngineConfig(
+        model=model, speculative_config={"method": "draft_model", "model": model}, spec_tokens=2
+    )
+    assert mixed.speculative() == spelled_out
+    # A copy (as the draft model's runner makes) does not merge them again.
+    assert dataclasses.replace(shorthand, speculative_config=None).speculative() is None
+    with pytest.raises(ValueError, match=r"spec_tokens and speculative_config\['num_speculative_tokens'\]"):
+        EngineConfig(model=model, speculative_config=draft, spec_tokens=3)
