@@ -55,6 +55,8 @@ _POSITIVE_OR_UNSET = (
     "kv_offloading_size",
     "max_num_seqs",
     "max_num_batched_tokens",
+    "max_num_scheduled_tokens",
+    "max_num_active_seqs",
     "stream_interval",
     "max_loras",
     "max_lora_rank",
@@ -184,6 +186,16 @@ class EngineConfig:
     max_num_seqs: int = _option("Most requests in one step's batch.", default=256)
     max_num_batched_tokens: int | None = _option(
         "Token budget of one step (prefill chunks and decodes together).", default=None
+    )
+    max_num_scheduled_tokens: int | None = _option(
+        "vLLM's: the most tokens one step schedules, where fewer than max_num_batched_tokens; by default "
+        "max_num_batched_tokens.",
+        default=None,
+    )
+    max_num_active_seqs: int | None = _option(
+        "vLLM's: the most requests running at once, where fewer than max_num_seqs (which still sizes the "
+        "CPU's KV cache): smaller decode batches. By default max_num_seqs.",
+        default=None,
     )
     max_model_len: int | None = _option(
         "Longest context (prompt + output) in tokens; by default the model's. -1 (or auto on the command "
@@ -387,10 +399,7 @@ class EngineConfig:
         for name in _POSITIVE_OR_UNSET:
             value = getattr(self, name)
             require(value is None or value > 0, f"{name} must be positive")
-        require(
-            self.max_model_len in (None, AUTO_MAX_MODEL_LEN) or self.max_model_len > 0,
-            "max_model_len must be positive, or -1 (auto)",
-        )
+        self._check_scheduler_bounds()
         require(
             self.max_cpu_loras is None or self.max_cpu_loras >= self.max_loras,
             "max_cpu_loras must be at least max_loras",
@@ -459,6 +468,15 @@ class EngineConfig:
             speculative[key] = getattr(self, name)
             setattr(self, name, None)
         self.speculative_config = speculative
+
+    def _check_scheduler_bounds(self) -> None:
+        if not (self.max_model_len in (None, AUTO_MAX_MODEL_LEN) or self.max_model_len > 0):
+            raise ValueError("max_model_len must be positive, or -1 (auto)")
+        if self.max_num_active_seqs is not None and self.max_num_active_seqs > self.max_num_seqs:
+            raise ValueError(
+                f"max_num_active_seqs ({self.max_num_active_seqs}) cannot be more than max_num_seqs "
+                f"({self.max_num_seqs})"
+            )
 
     def _check_generation_config(self) -> None:
         if self.generation_config not in ("auto", "vllm") and not Path(self.generation_config).is_dir():
@@ -627,6 +645,7 @@ _OTHER_FLAGS = {
 # The options whose flags take vLLM's integers with a unit (HumanReadableInt), as vLLM's do.
 _HUMAN_READABLE = {
     "max_num_batched_tokens": HumanReadableInt(),
+    "max_num_scheduled_tokens": HumanReadableInt(),
     "kv_cache_memory_bytes": HumanReadableInt(),
     "max_num_queued_tokens": HumanReadableInt(),
     "max_model_len": HumanReadableInt(auto=True),

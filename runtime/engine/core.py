@@ -111,7 +111,7 @@ class EngineCore:
         )
         self.kv_transfer = config.kv_transfer()
         self.scheduler = Scheduler(
-            max_num_seqs=config.max_num_seqs,
+            max_num_seqs=config.max_num_active_seqs or config.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
             max_model_len=self.max_model_len,
             block_size=config.block_size,
@@ -279,6 +279,8 @@ class EngineCore:
 
     def _token_budget(self) -> int:
         config = self.config
+        if config.max_num_scheduled_tokens is not None:
+            return config.max_num_scheduled_tokens  # vLLM's scheduler takes it as its budget
         if config.max_num_batched_tokens is not None:
             # The scheduler refuses one too small for a whole prompt when chunked prefill is off.
             return config.max_num_batched_tokens

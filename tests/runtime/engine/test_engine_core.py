@@ -227,3 +227,26 @@ def test_an_auto_max_model_len_is_what_the_kv_cache_holds_where_it_holds_less(ti
     assert whole.max_model_len == context
     held = _core(tiny_llama, max_model_len=-1, block_size=16, num_gpu_blocks_override=5)
     assert held.max_model_len == held.scheduler.max_model_len == 5 * 16
+
+
+def test_vllms_active_sequences_and_scheduled_tokens_bound_each_step(tiny_llama: Path) -> None:
+    """max_num_active_seqs: no step runs more requests, below max_num_seqs; max_num_scheduled_tokens: no step
+    schedules more tokens, below max_num_batched_tokens. The requests all finish."""
+    bounds = {"max_num_active_seqs": 2, "max_num_batched_tokens": 64, "max_num_scheduled_tokens": 16}
+    core = _core(tiny_llama, max_num_seqs=8, **bounds)
+    steps: list[SchedulerOutput] = []
+    schedule = core.scheduler.schedule
+
+    def recorded() -> SchedulerOutput:
+        steps.append(schedule())
+        return steps[-1]
+
+    core.scheduler.schedule = recorded  # type: ignore[method-assign]
+    for i in range(4):
+        core.add_request(_add(f"r{i}", 3, prompt=list(range(5, 45))))
+    tokens, errors = _run_to_end(core)
+    assert not errors and all(len(tokens[f"r{i}"]) == 3 for i in range(4))
+    assert max(len(step.num_scheduled_tokens) for step in steps) == 2
+    assert max(step.total_num_scheduled_tokens for step in steps) == 16
+    with pytest.raises(ValueError, match=r"max_num_active_seqs \(9\) cannot be more than max_num_seqs \(8\)"):
+        _core(tiny_llama, max_num_seqs=8, max_num_active_seqs=9)
