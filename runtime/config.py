@@ -312,6 +312,12 @@ class EngineConfig:
         "default ports), host:port or http(s)://host[:port]; by default none (data: URLs only).",
         default=None,
     )
+    allowed_local_media_path: str | None = _option(
+        "vLLM's: a folder whose files (its subfolders' too, not through a link out of it) file:// image URLs "
+        "may name; by default none (file: URLs are refused). Only for trusted clients: a request may read "
+        "any image in it.",
+        default=None,
+    )
     media_fetch_timeout: float = _option(
         "Seconds a media URL's fetch may take in all (name lookup, connection, headers and body) before its "
         "request is refused.",
@@ -422,6 +428,7 @@ class EngineConfig:
         require(self.media_fetch_timeout > 0, "media_fetch_timeout must be positive")
         self.media_origins()  # raise ValueErrors naming the entry that is wrong
         self.media_networks()
+        self._check_media_paths()
         require(
             self.max_audio_clip_s is None or self.max_audio_clip_s > 0, "max_audio_clip_s must be positive"
         )
@@ -477,6 +484,11 @@ class EngineConfig:
                 f"max_num_active_seqs ({self.max_num_active_seqs}) cannot be more than max_num_seqs "
                 f"({self.max_num_seqs})"
             )
+
+    def _check_media_paths(self) -> None:
+        folder = self.allowed_local_media_path
+        if folder is not None and not Path(folder).is_dir():
+            raise ValueError(f"allowed_local_media_path {folder!r} is not a folder")
 
     def _check_generation_config(self) -> None:
         if self.generation_config not in ("auto", "vllm") and not Path(self.generation_config).is_dir():

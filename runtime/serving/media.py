@@ -1,6 +1,7 @@
 """Images and audio clips of chat content parts. Images: `data:` URLs decoded, http(s) URLs fetched only from
 the origins --allowed-media-domains lists and the addresses media_sources allows (with a size cap and one
-deadline for the whole fetch); audio: `input_audio` parts, base64
+deadline for the whole fetch), file: URLs read only inside --allowed-local-media-path; audio: `input_audio`
+parts, base64
 WAV or MP3. All are decoded and preprocessed into the engine's features off the event loop, each checked
 against the model and the limits first. Every problem is a 400 naming the content part."""
 
@@ -12,10 +13,13 @@ import binascii
 import functools
 import ipaddress
 import json
+import os
 import socket
+import stat
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from urllib.parse import SplitResult, urlsplit, urlunsplit
+from pathlib import Path
+from urllib.parse import SplitResult, unquote, urlsplit, urlunsplit
 
 import httpx
 from kvfleet.contract.errors import BadRequestError
@@ -86,7 +90,12 @@ async def _load_image(
 ) -> PreparedItem:
     assert part.image_url is not None
     url = part.image_url.url
-    data = _data_url_bytes(url, param) if url.startswith("data:") else await _fetch(config, url, param)
+    if url.startswith("data:"):
+        data = _data_url_bytes(url, param)
+    elif url.startswith("file:"):
+        data = await asyncio.to_thread(_read_local, config, url, param)
+    else:
+        data = await _fetch(config, url, param)
 
     def decode() -> PreparedItem:
         return media.preprocess("image", decode_image(data, max_pixels=config.max_image_pixels))
@@ -130,6 +139,37 @@ def _data_url_bytes(url: str, param: str) -> bytes:
         raise BadRequestError(str(exc), param=param) from None
 
 
+def _read_local(config: EngineConfig, url: str, param: str) -> bytes:
+    """The file a file: URL names, inside allowed_local_media_path once every link is resolved (one that
+    leads out of it is refused), of MAX_FETCHED_MEDIA_BYTES at most."""
+    if config.allowed_local_media_path is None:
+        raise BadRequestError("file: image URLs are not allowed (--allowed-local-media-path)", param=param)
+    parts = urlsplit(url)
+    if parts.netloc not in ("", "localhost") or parts.query or parts.fragment:
+        raise BadRequestError("a file: image URL names a path on this host: file:///PATH", param=param)
+    folder = Path(config.allowed_local_media_path).resolve()
+    path = Path(unquote(parts.path)).resolve()
+    if not path.is_relative_to(folder):
+        raise BadRequestError(
+            "the image file is not inside the folder --allowed-local-media-path allows", param=param
+        )
+    try:
+        # Not blocking: a pipe's open would wait for a writer.
+        descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError as exc:
+        raise BadRequestError(f"the image file cannot be read: {exc.strerror}", param=param) from None
+    try:
+        if not stat.S_ISREG(os.fstat(descriptor).st_mode):
+            raise BadRequestError("the image URL names something other than a file", param=param)
+        with open(descriptor, "rb", closefd=False) as file:
+            data = file.read(MAX_FETCHED_MEDIA_BYTES + 1)
+    finally:
+        os.close(descriptor)
+    if len(data) > MAX_FETCHED_MEDIA_BYTES:
+        raise BadRequestError(f"the image file is larger than {MAX_FETCHED_MEDIA_BYTES} bytes", param=param)
+    return data
+
+
 async def _fetch(config: EngineConfig, url: str, param: str) -> bytes:
     """The body at an http(s) URL of an allowed origin, from an allowed address: fetched within
     media_fetch_timeout in all (name lookup, connection, headers and body), of MAX_FETCHED_MEDIA_BYTES at
@@ -137,7 +177,7 @@ async def _fetch(config: EngineConfig, url: str, param: str) -> bytes:
     parts = urlsplit(url)
     origin = _origin(parts)
     if origin is None:
-        raise BadRequestError("an image URL must be a data: URL or an http(s) URL", param=param)
+        raise BadRequestError("an image URL must be a data:, http(s) or file: URL", param=param)
     scheme, host, port = origin
     if not any(allowed.allows(scheme, host, port) for allowed in config.media_origins()):
         raise BadRequestError(

@@ -1,12 +1,15 @@
 """Which image URLs the API server fetches, through its media loader against HTTP servers on loopback: only
 from an allowed origin (scheme, host and port), only from addresses that are public or allowed by network,
-and only bodies it can count as they stream (unencoded, within the byte cap)."""
+and only bodies it can count as they stream (unencoded, within the byte cap); and which file: URLs it
+reads."""
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import gzip
 import io
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -119,3 +122,41 @@ def test_an_endless_body_is_cut_at_the_cap(loopback_config: EngineConfig, media_
     message = _refusal(loopback_config, f"http://127.0.0.1:{media_host}/endless")
     assert f"larger than {MAX_FETCHED_MEDIA_BYTES} bytes" in message
     assert _load(loopback_config, f"http://127.0.0.1:{media_host}/cat.png") == [3, 30, 30]
+
+
+def test_file_urls_are_read_only_inside_the_allowed_folder(llava: Path, tmp_path: Path) -> None:
+    """vLLM's --allowed-local-media-path: file:// URLs of files in the folder (its subfolders too) are read
+    as the same bytes sent in a data: URL would be; a path out of it, by .. or through a link, a pipe, a
+    missing file, another host's path and any file: URL without the option are refused."""
+    folder, outside = tmp_path / "media", tmp_path / "secret.png"
+    (folder / "cats").mkdir(parents=True)
+    (folder / "cats" / "cat.png").write_bytes(_png())
+    outside.write_bytes(_png())
+    (folder / "link.png").symlink_to(outside)
+    os.mkfifo(folder / "pipe.png")
+    config = EngineConfig(model=str(llava), allowed_local_media_path=str(folder))
+    data_url = "data:image/png;base64," + base64.b64encode(_png()).decode()
+    sent = _pixels(config, data_url)
+    assert np.array_equal(_pixels(config, (folder / "cats" / "cat.png").as_uri()), sent)
+    assert np.array_equal(_pixels(config, f"file://localhost{folder}/cats/cat%2Epng"), sent)
+    refused = {
+        f"file://{folder}/../secret.png": "not inside the folder --allowed-local-media-path allows",
+        (folder / "link.png").as_uri(): "not inside the folder",
+        (folder / "pipe.png").as_uri(): "names something other than a file",
+        (folder / "cats").as_uri(): "names something other than a file",
+        (folder / "dog.png").as_uri(): "cannot be read: No such file or directory",
+        f"file://elsewhere{folder}/cats/cat.png": "names a path on this host",
+    }
+    for url, words in refused.items():
+        assert words in _refusal(config, url), url
+    unset = config.replace(allowed_local_media_path=None)
+    assert "file: image URLs are not allowed" in _refusal(unset, (folder / "cats" / "cat.png").as_uri())
+    with pytest.raises(ValueError, match=r"allowed_local_media_path .* is not a folder"):
+        config.replace(allowed_local_media_path=str(outside))
+
+
+def _pixels(config: EngineConfig, url: str) -> np.ndarray:
+    message = ChatMessage(role="user", content=[{"type": "image_url", "image_url": {"url": url}}])
+    chat_media = asyncio.run(load_chat_media(config, [message]))
+    assert chat_media is not None
+    return chat_media.items["image"][0].data

@@ -166,7 +166,8 @@ BAD_IMAGES = {
     "host not allowed": ("http://localhost:9/cat.png", "not allowed"),
     # The allowed host, on the scheme's default port rather than the one allowed.
     "port not allowed": ("http://127.0.0.1/cat.png", "not allowed"),
-    "scheme": ("file:///etc/hostname", "data: URL or an http(s) URL"),
+    "file without its option": ("file:///etc/hostname", "file: image URLs are not allowed"),
+    "scheme": ("ftp://127.0.0.1/cat.png", "must be a data:, http(s) or file: URL"),
 }
 
 
