@@ -246,7 +246,7 @@ def _api_key(ctx: click.Context, param: click.Parameter, value: str | None) -> s
     help="HTTP server processes sharing the port and the one engine core process.",
 )
 @click.option(
-    "--enable-auto-tool-choice",
+    "--enable-auto-tool-choice/--no-enable-auto-tool-choice",
     is_flag=True,
     help='Allow tool_choice "auto": the model may call tools in its own format, read by --tool-call-parser.',
 )
@@ -331,7 +331,7 @@ def _api_key(ctx: click.Context, param: click.Parameter, value: str | None) -> s
 )
 @click.option("--access-log/--no-access-log", default=False, show_default=True)
 @click.option(
-    "--disable-uvicorn-access-log",
+    "--disable-uvicorn-access-log/--no-disable-uvicorn-access-log",
     is_flag=True,
     help="vLLM's: no access log, whatever --access-log says (kvfleet writes none by default).",
 )
@@ -347,30 +347,30 @@ def _api_key(ctx: click.Context, param: click.Parameter, value: str | None) -> s
     help="Accepted for vLLM's command lines: kvfleet logs no periodic statistics (GET /metrics serves them).",
 )
 @click.option(
-    "--enable-prompt-tokens-details",
+    "--enable-prompt-tokens-details/--no-enable-prompt-tokens-details",
     is_flag=True,
     help="vLLM's: usage counts the prompt tokens the prefix cache held "
     "(prompt_tokens_details.cached_tokens); the Responses API's always does.",
 )
 @click.option(
-    "--enable-force-include-usage",
+    "--enable-force-include-usage/--no-enable-force-include-usage",
     is_flag=True,
     help="vLLM's: every stream ends with its usage, whether or not stream_options asks for it.",
 )
 @click.option(
-    "--exclude-tools-when-tool-choice-none",
+    "--exclude-tools-when-tool-choice-none/--no-exclude-tools-when-tool-choice-none",
     is_flag=True,
     help='vLLM\'s: a chat request whose tool_choice is "none" is rendered without its tools (by default the '
     "template still lists them).",
 )
 @click.option(
-    "--return-tokens-as-token-ids",
+    "--return-tokens-as-token-ids/--no-return-tokens-as-token-ids",
     is_flag=True,
     help='vLLM\'s: logprobs name tokens "token_id:N" (for tokens whose text is part of a character), for '
     "requests that leave return_tokens_as_token_ids unset.",
 )
 @click.option(
-    "--enable-request-id-headers",
+    "--enable-request-id-headers/--no-enable-request-id-headers",
     is_flag=True,
     help="vLLM's: every response carries X-Request-Id, the request's own or a new one.",
 )
@@ -382,28 +382,28 @@ def _api_key(ctx: click.Context, param: click.Parameter, value: str | None) -> s
     "HTTP.",
 )
 @click.option(
-    "--enable-server-load-tracking",
+    "--enable-server-load-tracking/--no-enable-server-load-tracking",
     is_flag=True,
     help='vLLM\'s: GET /load answers {"server_load": the requests in flight}.',
 )
 @click.option(
-    "--trust-request-chat-template",
+    "--trust-request-chat-template/--no-trust-request-chat-template",
     is_flag=True,
     help="vLLM's: a chat request's own chat_template is rendered (in Transformers' sandbox), instead of "
     "refused with a 400.",
 )
 @click.option(
-    "--log-error-stack",
+    "--log-error-stack/--no-log-error-stack",
     is_flag=True,
     help="vLLM's: every error response is logged with the stack trace of the error it answers.",
 )
 @click.option(
-    "--enable-tokenizer-info-endpoint",
+    "--enable-tokenizer-info-endpoint/--no-enable-tokenizer-info-endpoint",
     is_flag=True,
     help="vLLM's: GET /tokenizer_info answers the tokenizer's configuration (its chat template included).",
 )
 @click.option(
-    "--disable-fastapi-docs",
+    "--disable-fastapi-docs/--no-disable-fastapi-docs",
     is_flag=True,
     help="vLLM's: no /openapi.json (kvfleet serves no Swagger or ReDoc pages either way).",
 )
@@ -438,7 +438,11 @@ def _api_key(ctx: click.Context, param: click.Parameter, value: str | None) -> s
 )
 @click.option("--allowed-methods", type=_JsonStrings(), default='["*"]', show_default=True, help="CORS.")
 @click.option("--allowed-headers", type=_JsonStrings(), default='["*"]', show_default=True, help="CORS.")
-@click.option("--allow-credentials", is_flag=True, help="CORS: allow credentials (cookies, auth headers).")
+@click.option(
+    "--allow-credentials/--no-allow-credentials",
+    is_flag=True,
+    help="CORS: allow credentials (cookies, auth headers).",
+)
 @click.option(
     "--root-path",
     default="",
@@ -475,13 +479,13 @@ def _api_key(ctx: click.Context, param: click.Parameter, value: str | None) -> s
 )
 @click.option("--ssl-ciphers", default=None, help="The ciphers HTTPS may use (OpenSSL's cipher list format).")
 @click.option(
-    "--enable-ssl-refresh",
+    "--enable-ssl-refresh/--no-enable-ssl-refresh",
     is_flag=True,
     help="Load the certificate, key and CA files again when they change (a renewed certificate), for the "
     "connections made after.",
 )
 @click.option(
-    "--trust-remote-code",
+    "--trust-remote-code/--no-trust-remote-code",
     is_flag=True,
     help="Accepted for vLLM's command lines: kvfleet runs its own implementation of each architecture and "
     "never code from the model folder, so an architecture it lacks is refused either way.",
@@ -494,18 +498,18 @@ def _api_key(ctx: click.Context, param: click.Parameter, value: str | None) -> s
     "architecture; vLLM's transformers and terratorch are refused by name.",
 )
 @click.option(
-    "--enforce-eager",
+    "--enforce-eager/--no-enforce-eager",
     is_flag=True,
     help="Accepted for vLLM's command lines: the model always runs eagerly (no CUDA graphs).",
 )
 @click.option(
-    "--disable-custom-all-reduce",
+    "--disable-custom-all-reduce/--no-disable-custom-all-reduce",
     is_flag=True,
     help="Accepted for vLLM's command lines: tensor-parallel ranks always sum with torch.distributed's own "
     "all-reduce (NCCL on GPUs).",
 )
 @click.option(
-    "--disable-cascade-attn",
+    "--disable-cascade-attn/--no-disable-cascade-attn",
     is_flag=True,
     help="Accepted for vLLM's command lines: kvfleet's attention has no cascade path.",
 )
@@ -515,7 +519,7 @@ def _api_key(ctx: click.Context, param: click.Parameter, value: str | None) -> s
     help="Accepted for vLLM's command lines: each step is scheduled once the previous one's outputs are in.",
 )
 @click.option(
-    "--enable-log-requests",
+    "--enable-log-requests/--no-enable-log-requests",
     is_flag=True,
     help="vLLM's: log each admitted request, its parameters at INFO and its prompt's token ids at DEBUG.",
 )
@@ -527,7 +531,7 @@ def _api_key(ctx: click.Context, param: click.Parameter, value: str | None) -> s
     "with --enable-log-outputs); all of them by default.",
 )
 @click.option(
-    "--enable-log-outputs",
+    "--enable-log-outputs/--no-enable-log-outputs",
     is_flag=True,
     help="vLLM's: log what each request generated, its text and finish reason at INFO and its token ids at "
     "DEBUG (the first --max-log-len of each). Needs --enable-log-requests.",

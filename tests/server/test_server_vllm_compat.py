@@ -1422,6 +1422,40 @@ def _answers(client: httpx.Client, path: str) -> bool:
         return False
 
 
+# vLLM's switches of the server that it also takes negated (its argparse BooleanOptionalAction).
+NEGATABLE_SWITCHES = (
+    "allow-credentials",
+    "disable-cascade-attn",
+    "disable-custom-all-reduce",
+    "disable-fastapi-docs",
+    "disable-uvicorn-access-log",
+    "enable-auto-tool-choice",
+    "enable-force-include-usage",
+    "enable-log-outputs",
+    "enable-log-requests",
+    "enable-prompt-tokens-details",
+    "enable-request-id-headers",
+    "enable-server-load-tracking",
+    "enable-ssl-refresh",
+    "enable-tokenizer-info-endpoint",
+    "enforce-eager",
+    "exclude-tools-when-tool-choice-none",
+    "log-error-stack",
+    "return-tokens-as-token-ids",
+    "trust-remote-code",
+    "trust-request-chat-template",
+)
+
+
+def test_vllms_switches_are_taken_negated_too(tiny_llama: Path) -> None:
+    serve = cli.get_command(click.Context(cli), "serve")
+    for switch in NEGATABLE_SWITCHES:
+        name = switch.replace("-", "_")
+        assert serve.make_context("serve", [str(tiny_llama), f"--{switch}"]).params[name] is True, switch
+        assert serve.make_context("serve", [str(tiny_llama), f"--no-{switch}"]).params[name] is False, switch
+        assert serve.make_context("serve", [str(tiny_llama)]).params[name] is False, switch
+
+
 def test_vllms_integers_with_units_and_its_second_flag_names_are_taken(tiny_llama: Path) -> None:
     """vLLM's forms (its human_readable_int's documented examples): k and the like in powers of 1,000, K in
     powers of 1,024, auto or -1 for the longest context that fits; --device-memory-utilization as
