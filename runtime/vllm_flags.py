@@ -11,6 +11,7 @@ _ONE_ENGINE = (
     "`kvfleet serve` processes behind `kvfleet gateway`)"
 )
 _EAGER = "the model runs eagerly, without torch.compile or CUDA graphs"
+_HTTP_ONLY = "kvfleet serves its API over HTTP, OpenAI's and vLLM's routes"
 _NO_PLUGINS = "kvfleet loads no classes from elsewhere: its scheduler, workers and parsers are its own"
 _FIXED_EXPERTS = (
     "experts stay where they were placed at load: each rank holds its share (--enable-expert-parallel)"
@@ -52,6 +53,14 @@ NOT_TAKEN: dict[str, str] = {
         "blocks are named by kvfleet's SHA-256 chain over their tokens (kvfleet.contract.block_hash), which "
         "its KV events carry"
     ),
+    "--lora-dtype": "adapters run in the model's dtype: their weights are cast to it as they load",
+    "--fully-sharded-loras": "adapters are not sharded: --enable-lora needs --tensor-parallel-size 1",
+    "--ignore-patterns": "kvfleet reads a model's safetensors weights, config and tokenizer files, no others",
+    "--code-revision": "no code from the model's repository runs: kvfleet has each architecture's own",
+    "--grpc": _HTTP_ONLY,
+    "--grpc-port": _HTTP_ONLY,
+    "--headless": "a node other than the first (--node-rank above 0) runs its ranks and serves no API",
+    "--enable-mm-embeds": "images come as data:, http(s) or file: URLs and audio as base64, not embeddings",
     "--scheduler-cls": _NO_PLUGINS,
     "--worker-cls": _NO_PLUGINS,
     "--worker-extension-cls": _NO_PLUGINS,

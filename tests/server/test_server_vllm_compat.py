@@ -1243,6 +1243,11 @@ def test_a_config_file_it_cannot_read_is_refused(
         (["--data-parallel-size", "2"], "--data-parallel-size is vLLM's and not kvfleet's: a kvfleet"),
         (["-O3"], "-O is vLLM's and not kvfleet's: the model runs eagerly"),
         (["--prefix-caching-hash-algo", "sha256_cbor"], "--prefix-caching-hash-algo is vLLM's and not"),
+        (["--headless"], "--headless is vLLM's and not kvfleet's: a node other than the first"),
+        (
+            ["--lora-dtype", "bfloat16"],
+            "--lora-dtype is vLLM's and not kvfleet's: adapters run in the model's",
+        ),
         (["--model-impl", "transformers"], "--model-impl"),
         (["--structured-outputs-config", '{"enable_in_reasoning": true}'], "enable_in_reasoning"),
         # The config's parser is checked as the flag's: the tiny model's tokenizer has no reasoning tags.
