@@ -128,11 +128,14 @@ def test_two_engines_on_one_host_keep_their_ranks_apart(reference: tuple[Path, l
         first.llm_engine.engine_core.shutdown()
 
 
-def test_mixtral_with_expert_parallelism_equals_one_rank(make_model: Callable[..., Path]) -> None:
-    """Each rank holds half the experts; the core hears the ranks' expert load. (Tensor parallelism without
-    expert parallelism splits the experts as the dense MLP is split: its ranks' parts are checked in one
-    process, in test_moe.py.)"""
-    model = make_model("mixtral", "tiny")
+@pytest.mark.parametrize("quantize", [(), ("--quantize", "w8a16")], ids=["float", "w8a16"])
+def test_mixtral_with_expert_parallelism_equals_one_rank(
+    make_model: Callable[..., Path], quantize: tuple[str, ...]
+) -> None:
+    """Each rank holds half the experts, in float or int8; the core hears the ranks' expert load. (Tensor
+    parallelism without expert parallelism splits the experts as the dense MLP is split: its ranks' parts are
+    checked in one process, in test_moe.py and, quantized, test_quantized_checkpoints.py.)"""
+    model = make_model("mixtral", "tiny", 0, *quantize)
     prompts = _prompts(7)
     expected, expected_load = _one_rank(model, prompts)
     assert expected_load and all(load.routed_tokens > 0 for load in expected_load)
