@@ -15,7 +15,7 @@ from typing import Any, Literal, TypeVar, get_args
 
 import click
 from kvfleet.contract.engine import DType, SchedulingPolicy
-from kvfleet.runtime.generation_config import sampling_overrides
+from kvfleet.runtime.generation_config import configured_sampling_defaults, sampling_overrides
 from kvfleet.runtime.hub import TOKENIZER_FILE_PATTERNS, resolve_model
 from kvfleet.runtime.kv_events.config import KVEventsConfig
 from kvfleet.runtime.kv_transfer.config import KVTransferConfig
@@ -526,6 +526,14 @@ class EngineConfig:
     def world_size(self) -> int:
         """Ranks that run the model: tensor_parallel_size x pipeline_parallel_size."""
         return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    def sampling_defaults(self) -> dict[str, Any]:
+        """The SamplingParams fields a request that leaves them unset takes: generation_config's, with
+        override_generation_config's over them (vLLM's get_diff_sampling_param). Raises ValueError for a
+        generation_config.json whose values no request could carry."""
+        return configured_sampling_defaults(
+            self.generation_config, self.model, self.override_generation_config
+        )
 
     def speculative(self) -> SpeculativeConfig | None:
         """The parsed speculative_config, or None when speculation is off."""

@@ -456,15 +456,13 @@ async def _answer_all(
 ) -> Summary:
     from kvfleet.runtime.batch.answers import answer_line
     from kvfleet.runtime.engine.in_process import InProcessEngine
-    from kvfleet.runtime.generation_config import configured_sampling_defaults, max_tokens_limit
+    from kvfleet.runtime.generation_config import max_tokens_limit
     from kvfleet.runtime.serving.service import OpenAIService, ServiceSettings
     from tqdm import tqdm
 
     config = engine.config
     # As vLLM's run-batch serves rows: with the sampling defaults of the engine's generation config.
-    defaults = configured_sampling_defaults(
-        config.generation_config, config.model, config.override_generation_config
-    )
+    defaults = config.sampling_defaults()
     settings = ServiceSettings(
         served_model_name=served_model_name,
         default_sampling_params=defaults,

@@ -20,7 +20,6 @@ from kvfleet.runtime.engine.outputs import (
     ScoringRequestOutput,
 )
 from kvfleet.runtime.errors import EngineSleepingError, RequestFailedError
-from kvfleet.runtime.generation_config import configured_sampling_defaults
 from kvfleet.runtime.input_checks import check_cache_salt, check_sampling_token_ids
 from kvfleet.runtime.lora.request import LoRARequest
 from kvfleet.runtime.multimodal.inputs import MultiModalFeature, check_features, prompt_embeds_item
@@ -47,9 +46,7 @@ class LLM:
         config = EngineConfig(model=model, **engine_options)
         # Read before the engine starts: a generation_config.json with values no request could carry fails
         # here, naming them.
-        self._default_sampling = configured_sampling_defaults(
-            config.generation_config, config.model, config.override_generation_config
-        )
+        self._default_sampling = config.sampling_defaults()
         self.llm_engine = LLMEngine(config)
         self._request_counter = itertools.count()
 

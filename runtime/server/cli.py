@@ -620,7 +620,7 @@ def serve(model_tag: str | None, model: str | None, host: str, port: int, **opti
     try:
         with STARTUP_PHASES.phase("api_server_settings"):
             import_tokenizer_classes()
-            settings = _server_settings(model_name, model, options)
+            settings = _server_settings(model_name, config, options)
             lora_adapters = _lora_adapters(config, settings.served_model_names, options)
         serve_options = ServeOptions(
             settings=settings,
@@ -776,11 +776,11 @@ def _check_reasoning_parser(name: str, tokenizer_dir: Path) -> None:
         raise click.BadParameter(str(exc), param_hint="--reasoning-parser") from None
 
 
-def _server_settings(model_name: str, model: str, options: dict[str, Any]) -> ServerSettings:
+def _server_settings(model_name: str, config: EngineConfig, options: dict[str, Any]) -> ServerSettings:
     """The settings of `kvfleet serve`'s options: each option named like a setting gives it, tiers are given
     by name, the safety policy as a file or text, the model's names (by default as given: its path or Hub
     id, as vLLM names it) and the sampling defaults of its folder."""
-    from kvfleet.runtime.generation_config import configured_sampling_defaults, max_tokens_limit
+    from kvfleet.runtime.generation_config import max_tokens_limit
     from kvfleet.runtime.server.state import ServerSettings
     from kvfleet.runtime.serving.tool_calls import TOOL_CALL_PARSERS
 
@@ -796,11 +796,8 @@ def _server_settings(model_name: str, model: str, options: dict[str, Any]) -> Se
         )
     named = {f.name: options[f.name] for f in dataclasses.fields(ServerSettings) if f.name in options}
     served_model_names = options["served_model_name"] or (model_name,)
-    generation_config = options["generation_config"]
     try:
-        sampling_defaults = configured_sampling_defaults(
-            generation_config, model, options["override_generation_config"]
-        )
+        sampling_defaults = config.sampling_defaults()
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--generation-config") from None
     return ServerSettings(
@@ -813,7 +810,7 @@ def _server_settings(model_name: str, model: str, options: dict[str, Any]) -> Se
             "enable_log_requests": options["enable_log_requests"] and not options["disable_log_requests"],
             "safety": _safety(options["safety_config"]),
             "default_sampling_params": sampling_defaults,
-            "max_tokens_limit": max_tokens_limit(generation_config, sampling_defaults),
+            "max_tokens_limit": max_tokens_limit(config.generation_config, sampling_defaults),
         }
     )
 
