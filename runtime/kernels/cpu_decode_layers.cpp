@@ -1,13 +1,14 @@
-// A Llama-family model's decoder layers for a CPU decode step, all in one call.
+// A Llama-family model's decoder layers for a CPU decode step, all in one call; a mixture-of-experts model's
+// sparse layers with their router and experts.
 //
 // A decode step of a small batch reads every weight once and computes little else; between the projections,
 // each layer is a dozen operations called from Python (the norms, the split of Q/K/V, the rotary embedding,
 // the KV write, attention, SwiGLU) and its modules' dispatch, and with int8 weights that overhead outweighed
 // the projections themselves. Here the layers' weights are held once, and a step runs every layer's
 // operations from C++: the same operations, in the same order and on the same inputs as the model's Python
-// forward, so the results are bit for bit the same. The operations are the project's own (the int8 matmul,
-// the layer operations, the paged decode attention kernel) and oneDNN's float32 matmul, called through
-// torch's dispatcher; the project's libraries must be loaded before the first step.
+// forward, so the results are bit for bit the same. The operations are the project's own (the int8 matmuls,
+// the layer operations, the paged decode attention kernel), oneDNN's float32 matmul and torch's grouped one,
+// called through torch's dispatcher; the project's libraries must be loaded before the first step.
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -50,6 +51,13 @@ void rotary_embedding(const at::Tensor& rows, const at::Tensor& query, const at:
   static const auto op = find_op<void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&)>(
       "kvfleet_cpu_layers::rotary_embedding_");
   op.call(rows, query, key, cos_sin_cache);
+}
+
+at::Tensor int8_grouped_linear(const at::Tensor& x, at::TensorList weights, at::TensorList scales,
+                               at::IntArrayRef sizes) {
+  static const auto op = find_op<at::Tensor(const at::Tensor&, at::TensorList, at::TensorList, at::IntArrayRef)>(
+      "kvfleet_cpu_quant::int8_grouped_linear");
+  return op.call(x, weights, scales, sizes);
 }
 
 at::Tensor silu_and_mul(const at::Tensor& gate_up) {
@@ -99,6 +107,78 @@ struct Projection {
   }
 };
 
+// x's rows in consecutive groups, sizes[e] rows for expert e, each group times weight[e] transposed (weight
+// [experts, out, in]), as `moe.GroupedLinear` runs it on the CPU: torch's grouped matmul, which the layers
+// are bound for only where their strides fit it (`moe.grouped_mm_fits`).
+at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& weight, const std::vector<int64_t>& sizes) {
+  std::vector<int32_t> ends(sizes.size());
+  int32_t end = 0;
+  for (size_t e = 0; e < sizes.size(); ++e) ends[e] = end += static_cast<int32_t>(sizes[e]);
+  const at::Tensor offsets = at::tensor(ends, at::TensorOptions().dtype(at::kInt));
+  return at::_grouped_mm(x, weight.transpose(1, 2), offsets);
+}
+
+// A dense layer's SwiGLU MLP (`llama.LlamaMLP`).
+struct DenseMlp {
+  Projection gate_up;
+  Projection down;
+
+  at::Tensor operator()(const at::Tensor& x) const { return down(silu_and_mul(gate_up(x))); }
+};
+
+// A sparse layer's router and experts (`moe.SparseMoeBlock` on one rank that holds every expert): each token
+// goes to its top_k experts by the router's softmax, the token-expert pairs run sorted by expert, each
+// expert's rows in one matmul, and each token sums its pairs' weighted outputs. The experts are float32,
+// stacked (`moe.FusedMoE`: gate_up [experts, 2 x intermediate, hidden], down [experts, hidden, intermediate]),
+// or int8, one packed projection each (`moe.Int8Experts`), of which only those routed to run.
+struct SparseMlp {
+  Projection router;
+  int64_t top_k;
+  bool norm_topk_prob;
+  at::Tensor expert_tokens;  // int64 [experts]: the block's count of the pairs routed to each, added to here
+  std::vector<at::Tensor> gate_up;  // float32: the stack; int8: each expert's
+  std::vector<at::Tensor> down;
+  std::vector<at::Tensor> gate_up_scales;  // int8 only
+  std::vector<at::Tensor> down_scales;
+
+  at::Tensor operator()(const at::Tensor& hidden) const {
+    const int64_t tokens = hidden.size(0);
+    const int64_t experts = expert_tokens.size(0);
+    auto [weights, chosen] = at::softmax(router(hidden), -1, at::kFloat).topk(top_k, -1);
+    if (norm_topk_prob) weights.div_(weights.sum(-1, true));
+    const at::Tensor flat = chosen.flatten();
+    const at::Tensor counts = at::bincount(flat, std::nullopt, experts);
+    expert_tokens.add_(counts);
+    const int64_t* count = counts.data_ptr<int64_t>();
+    const std::vector<int64_t> sizes(count, count + experts);
+    const at::Tensor pairs = flat.argsort();  // by expert
+    const at::Tensor by_expert = hidden.index_select(0, pairs.div(top_k, "floor"));
+    const at::Tensor scaled = expert_mlp(by_expert, sizes) * weights.flatten().index_select(0, pairs).unsqueeze(1);
+    // Each pair's output in its place among its token's top_k, then summed per token.
+    const at::Tensor by_pair = at::zeros({tokens * top_k, hidden.size(1)}, hidden.options());
+    by_pair.index_copy_(0, pairs, scaled);
+    return by_pair.view({tokens, top_k, -1}).sum(1);
+  }
+
+ private:
+  at::Tensor expert_mlp(const at::Tensor& x, const std::vector<int64_t>& sizes) const {
+    if (gate_up_scales.empty()) {
+      return grouped_linear(silu_and_mul(grouped_linear(x, gate_up[0], sizes)), down[0], sizes);
+    }
+    std::vector<at::Tensor> w13, s13, w2, s2;  // the routed experts' (the others' weights are not read)
+    std::vector<int64_t> rows;
+    for (size_t e = 0; e < sizes.size(); ++e) {
+      if (sizes[e] == 0) continue;
+      w13.push_back(gate_up[e]);
+      s13.push_back(gate_up_scales[e]);
+      w2.push_back(down[e]);
+      s2.push_back(down_scales[e]);
+      rows.push_back(sizes[e]);
+    }
+    return int8_grouped_linear(silu_and_mul(int8_grouped_linear(x, w13, s13, rows)), w2, s2, rows);
+  }
+};
+
 struct Layer {
   at::Tensor input_norm;
   at::Tensor post_attention_norm;
@@ -106,12 +186,15 @@ struct Layer {
   MaybeTensor k_norm;
   Projection qkv;
   Projection o;
-  Projection gate_up;
-  Projection down;
   int64_t sliding_window;  // 0: none
+  std::optional<DenseMlp> dense;  // one of the two, once given
+  std::optional<SparseMlp> sparse;
+
+  at::Tensor mlp(const at::Tensor& x) const { return dense.has_value() ? (*dense)(x) : (*sparse)(x); }
 };
 
-// The decoder layers of one model; `add_layer` once per layer in order, then `forward` every decode step.
+// The decoder layers of one model: `add_layer` once per layer in order, each followed by its MLP
+// (`add_dense_mlp` or `add_sparse_mlp`), then `forward` every decode step.
 struct DecoderLayers : torch::CustomClassHolder {
   int64_t num_heads;
   int64_t num_kv_heads;
@@ -127,12 +210,33 @@ struct DecoderLayers : torch::CustomClassHolder {
   // Each projection is [weight, scale, bias, padding]: its scale for int8 weights, else none; its bias or
   // none; the zero rows a float one pads a shorter input with (`float_linear`), or none.
   void add_layer(at::Tensor input_norm, at::Tensor post_attention_norm, MaybeTensor q_norm, MaybeTensor k_norm,
-                 c10::List<MaybeTensor> qkv, c10::List<MaybeTensor> o, c10::List<MaybeTensor> gate_up,
-                 c10::List<MaybeTensor> down, int64_t sliding_window) {
+                 c10::List<MaybeTensor> qkv, c10::List<MaybeTensor> o, int64_t sliding_window) {
     TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "add_layer: q_norm and k_norm come together");
+    TORCH_CHECK(layers.empty() || has_mlp(layers.back()), "add_layer: the previous layer has no MLP");
     layers.push_back(Layer{input_norm, post_attention_norm, q_norm, k_norm, projection(qkv, "qkv"),
-                           projection(o, "o"), projection(gate_up, "gate_up"), projection(down, "down"),
-                           sliding_window});
+                           projection(o, "o"), sliding_window, std::nullopt, std::nullopt});
+  }
+
+  void add_dense_mlp(c10::List<MaybeTensor> gate_up, c10::List<MaybeTensor> down) {
+    last_layer_without_mlp("add_dense_mlp").dense = DenseMlp{projection(gate_up, "gate_up"), projection(down, "down")};
+  }
+
+  // The router's projection as the others; expert_tokens the block's own buffer. Float32 experts: gate_up
+  // and down their stacks, no scales; int8 ones: each expert's packed weight and its scales.
+  void add_sparse_mlp(c10::List<MaybeTensor> router, int64_t top_k, bool norm_topk_prob, at::Tensor expert_tokens,
+                      std::vector<at::Tensor> gate_up, std::vector<at::Tensor> down,
+                      std::vector<at::Tensor> gate_up_scales, std::vector<at::Tensor> down_scales) {
+    const size_t experts = static_cast<size_t>(expert_tokens.size(0));
+    const bool stacked = gate_up_scales.empty() && down_scales.empty() && gate_up.size() == 1 && down.size() == 1;
+    const bool one_by_one = gate_up.size() == experts && down.size() == experts &&
+                            gate_up_scales.size() == experts && down_scales.size() == experts;
+    TORCH_CHECK(stacked || one_by_one,
+                "add_sparse_mlp: float32 experts come stacked, int8 ones one by one with their scales");
+    TORCH_CHECK(expert_tokens.scalar_type() == at::kLong && 0 < top_k && top_k <= static_cast<int64_t>(experts),
+                "add_sparse_mlp: expert_tokens is int64 [experts], and top_k at most that many");
+    last_layer_without_mlp("add_sparse_mlp").sparse =
+        SparseMlp{projection(router, "router"), top_k, norm_topk_prob, expert_tokens, gate_up, down,
+                  gate_up_scales, down_scales};
   }
 
   // hidden [tokens, hidden_size], the embedded decode tokens, one per request, and the step's inputs as the
@@ -144,6 +248,7 @@ struct DecoderLayers : torch::CustomClassHolder {
                                              at::Tensor block_tables, at::Tensor seq_lens, at::Tensor decode_rows,
                                              at::Tensor decode_requests) const {
     TORCH_CHECK(kv_caches.size() == layers.size(), "forward: one KV cache per layer");
+    TORCH_CHECK(!layers.empty() && has_mlp(layers.back()), "forward: the last layer has no MLP");
     const int64_t tokens = hidden.size(0);
     const int64_t q_size = num_heads * head_dim;
     const int64_t kv_size = num_kv_heads * head_dim;
@@ -169,14 +274,20 @@ struct DecoderLayers : torch::CustomClassHolder {
                              decode_rows, decode_requests, attention_scale, layer.sliding_window);
       auto [mlp_input, mlp_residual] = rms_norm(layer.o(attended.view({tokens, q_size})), summed,
                                                 layer.post_attention_norm, eps);
-      hidden = layer.down(silu_and_mul(layer.gate_up(mlp_input)));
+      hidden = layer.mlp(mlp_input);
       residual = mlp_residual;
     }
-    TORCH_CHECK(residual.has_value(), "forward: a model has at least one layer");
     return {hidden, *residual};
   }
 
  private:
+  static bool has_mlp(const Layer& layer) { return layer.dense.has_value() || layer.sparse.has_value(); }
+
+  Layer& last_layer_without_mlp(const char* method) {
+    TORCH_CHECK(!layers.empty() && !has_mlp(layers.back()), method, ": add_layer first, then its one MLP");
+    return layers.back();
+  }
+
   static Projection projection(const c10::List<MaybeTensor>& parts, const char* name) {
     TORCH_CHECK(parts.size() == 4 && parts.get(0).has_value(), "add_layer: ", name,
                 " is [weight, scale, bias, padding]");
@@ -194,5 +305,7 @@ TORCH_LIBRARY(kvfleet_cpu_decode, m) {
   m.class_<DecoderLayers>("DecoderLayers")
       .def(torch::init<int64_t, int64_t, int64_t, double, double>())
       .def("add_layer", &DecoderLayers::add_layer)
+      .def("add_dense_mlp", &DecoderLayers::add_dense_mlp)
+      .def("add_sparse_mlp", &DecoderLayers::add_sparse_mlp)
       .def("forward", &DecoderLayers::forward);
 }

@@ -1,5 +1,5 @@
-"""A CPU decode step's decoder layers in one C++ call, for Llama-family models in float32 or with int8
-projections.
+"""A CPU decode step's decoder layers in one C++ call, for Llama-family models (mixture-of-experts ones
+among them) in float32 or with int8 projections.
 
 At batch 1 a decode step of the `small` model with int8 weights spent less time in its projections than in the
 Python between them (docs/benchmarks.md, "The decoder layers in one call"). `cpu_decode_layers.cpp` holds the
@@ -7,9 +7,10 @@ layers' weights and runs a step's layers with the same operations the model's fo
 order, so both give the same results bit for bit. It takes steps whose every token is a decode that the CPU
 attention kernel attends; prefill chunks, long contexts and other backends keep the model's forward.
 
-A model is bound once loaded, after LoRA has wrapped the projections it adapts: a wrapped projection, a
-mixture-of-experts block, another dtype than float32, or a layer bound to other implementations keeps the
-Python forward.
+A model is bound once loaded, after LoRA has wrapped the projections it adapts: a wrapped projection,
+another dtype than float32, or a layer bound to other implementations keeps the Python forward. Int8
+projections run the fused kernel for as many rows as the model's own do (`FUSED_MAX_ROWS`); a larger batch
+keeps the Python forward, which dequantizes them instead.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from kvfleet.runtime.kernels.cpu_build import CPU_DECODE, build_cpu_ops
 from kvfleet.runtime.kernels.fused_layers import Implementation
 from kvfleet.runtime.models.layers import Linear, RotaryStep
 from kvfleet.runtime.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
-from kvfleet.runtime.quantization.linear import Int8Linear
+from kvfleet.runtime.models.moe import FusedMoE, Int8Experts, MoeForCausalLM, SparseMoeBlock, grouped_mm_fits
+from kvfleet.runtime.quantization.linear import FUSED_MAX_ROWS, Int8Linear, feature_block
 from torch import nn
 
 logger = logging.getLogger(__name__)
@@ -48,14 +50,44 @@ class CpuDecodeLayers:
                 layer.post_attention_layernorm.weight,
                 None if attn.q_norm is None else attn.q_norm.weight,
                 None if attn.k_norm is None else attn.k_norm.weight,
-                *(_parts(p) for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)),
+                _parts(attn.qkv_proj),
+                _parts(attn.o_proj),
                 attn.sliding_window or 0,
             )
+            if isinstance(mlp, SparseMoeBlock):
+                self._add_sparse_mlp(mlp)
+            else:
+                self.layers.add_dense_mlp(_parts(mlp.gate_up_proj), _parts(mlp.down_proj))
+        quantized = any(isinstance(module, Int8Linear) for module in model.modules())
+        # The most tokens a step may have: as many as the model's int8 projections run the fused kernel for.
+        self.max_tokens = FUSED_MAX_ROWS[feature_block()] if quantized else None
 
-    @staticmethod
-    def takes(plan: SdpaPlan) -> bool:
-        """Whether every token of the step is a decode that the CPU attention kernel attends."""
+    def takes(self, plan: SdpaPlan) -> bool:
+        """Whether every token of the step is a decode that the CPU attention kernel attends, and there are
+        no more of them than the int8 projections' fused kernel runs."""
+        if self.max_tokens is not None and plan.slot_mapping.numel() > self.max_tokens:
+            return False
         return plan.kernel_decodes is not None and not plan.prefill_chunks and not plan.tiled_requests
+
+    def _add_sparse_mlp(self, block: SparseMoeBlock) -> None:
+        experts = block.experts
+        if isinstance(experts, FusedMoE):
+            weights = [[experts.w13_weight], [experts.w2_weight], [], []]
+        else:
+            assert isinstance(experts, Int8Experts)
+            weights = [
+                [projection.weight for projection in experts.w13],
+                [projection.weight for projection in experts.w2],
+                [projection.weight_scale for projection in experts.w13],
+                [projection.weight_scale for projection in experts.w2],
+            ]
+        self.layers.add_sparse_mlp(
+            _parts(block.gate),
+            block.moe.num_experts_per_tok,
+            block.moe.norm_topk_prob,
+            block.expert_tokens,
+            *weights,
+        )
 
     def __call__(
         self, hidden: torch.Tensor, rotary: RotaryStep, kv_caches: list[torch.Tensor], plan: SdpaPlan
@@ -79,7 +111,7 @@ class CpuDecodeLayers:
 def bind_cpu_decode_layers(model: nn.Module, attention: AttentionBackend) -> bool:
     """Give the model its decoder layers in one call where every layer fits them; returns whether it did."""
     if not (
-        type(model) is LlamaForCausalLM
+        type(model) in (LlamaForCausalLM, MoeForCausalLM)
         and isinstance(attention, SdpaAttentionBackend)
         and attention.decode_kernel is not None
         and model.parallel.tp_size * model.parallel.pp_size == 1
@@ -93,22 +125,31 @@ def bind_cpu_decode_layers(model: nn.Module, attention: AttentionBackend) -> boo
     return True
 
 
-def _projections(layer: LlamaDecoderLayer) -> list[nn.Module]:
-    attn, mlp = layer.self_attn, layer.mlp
-    return [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
-
-
 def _fits(layer: LlamaDecoderLayer) -> bool:
-    attn = layer.self_attn
+    attn, mlp = layer.self_attn, layer.mlp
     norms = [layer.input_layernorm, layer.post_attention_layernorm, attn.q_norm, attn.k_norm]
     ops = [attn.rotary_emb, *(norm for norm in norms if norm is not None)]
-    if type(layer.mlp) is not LlamaMLP or any(op.implementation is not Implementation.CPU for op in ops):
+    projections = [attn.qkv_proj, attn.o_proj]
+    if type(mlp) is LlamaMLP:
+        projections += [mlp.gate_up_proj, mlp.down_proj]
+    elif type(mlp) is SparseMoeBlock and type(mlp.experts) in (FusedMoE, Int8Experts):
+        experts = mlp.experts
+        ops.append(experts.act_fn)
+        projections.append(mlp.gate)
+        if isinstance(experts, FusedMoE):
+            # The stacks' row strides are also those of the rows they multiply (hidden and intermediate).
+            if not grouped_mm_fits(experts.w13_weight, experts.w2_weight):
+                return False
+            ops.append(experts.grouped_linear)
+        else:
+            projections += [*experts.w13, *experts.w2]
+    else:
+        return False
+    if any(op.implementation is not Implementation.CPU for op in ops):
         return False
     # Not wrapped (by LoRA, say), and int8 ones packed for the CPU kernel (`Int8Linear.pack_for_cpu`); the
     # layer operations' implementation says the model is float32.
-    return all(
-        (type(p) is Int8Linear and p.weight.dim() == 3) or type(p) is Linear for p in _projections(layer)
-    )
+    return all((type(p) is Int8Linear and p.weight.dim() == 3) or type(p) is Linear for p in projections)
 
 
 def _parts(projection: nn.Module) -> list[torch.Tensor | None]:

@@ -224,8 +224,7 @@ class GroupedLinear(CustomOp):
         )
 
     def forward_cpu(self, x: torch.Tensor, weight: torch.Tensor, sizes: list[int]) -> torch.Tensor:
-        strides = (x.stride(0), weight.stride(0), weight.stride(1))
-        if not (x.is_contiguous() and all(stride * x.element_size() % 16 == 0 for stride in strides)):
+        if not (x.is_contiguous() and grouped_mm_fits(x, weight)):
             return self.forward_native(x, weight, sizes)
         offsets = torch.tensor(list(accumulate(sizes)), dtype=torch.int32)
         return torch._grouped_mm(x, weight.transpose(1, 2), offs=offsets)
@@ -238,6 +237,14 @@ class GroupedLinear(CustomOp):
         if max(sizes, default=0) > GROUPED_GEMM_MAX_ROWS:
             return self.forward_native(x, weight, sizes)
         return grouped_gemm(x, weight, sizes)
+
+
+def grouped_mm_fits(*tensors: torch.Tensor) -> bool:
+    """Whether torch's grouped matmul on the CPU takes these operands: every stride but the last dim's a
+    multiple of 16 bytes."""
+    return all(
+        stride * tensor.element_size() % 16 == 0 for tensor in tensors for stride in tensor.stride()[:-1]
+    )
 
 
 class SparseMoeBlock(nn.Module):
