@@ -239,15 +239,15 @@ class OutputProcessor:
             for token_id, token_logprobs in zip(new_ids, core_output.new_logprobs, strict=False):
                 sequence.cumulative_logprob += token_logprobs[token_id]
 
-        hit_stop_string = False
-        if sequence.detokenizer is not None:
-            stop = sequence.detokenizer.update(new_ids)
-            if stop is not None and core_output.finish_reason is None:
-                hit_stop_string = True
-                sequence.finish_reason, sequence.stop_reason = FinishReason.STOP.value, stop
-        if core_output.finish_reason is not None and not hit_stop_string:
+        stop = sequence.detokenizer.update(new_ids) if sequence.detokenizer is not None else None
+        if stop is not None:
+            # A stop string ends the sequence even where the same step ended it otherwise (its last token
+            # under max_tokens, say), as vLLM's does; the core still runs it unless it finished.
+            sequence.finish_reason, sequence.stop_reason = FinishReason.STOP.value, stop
+        elif core_output.finish_reason is not None:
             sequence.finish_reason = core_output.finish_reason.value
             sequence.stop_reason = core_output.stop_reason
+        hit_stop_string = stop is not None and core_output.finish_reason is None
         if sequence.finished:
             self._finalize_text(state.params, sequence)
         elif sequence.detokenizer is not None:

@@ -134,6 +134,16 @@ def test_stop_string_cuts_text(llm: LLM) -> None:
     _assert_all_blocks_released(llm)
 
 
+def test_a_stop_string_the_last_token_completes_is_the_stop_not_the_length(llm: LLM) -> None:
+    text = llm.generate("the weather today", _greedy(max_tokens=16))[0].outputs[0].text
+    # The shortest end of the text found nowhere before: the 16th token completes it.
+    stop = next(text[-n:] for n in range(1, len(text) + 1) if text.index(text[-n:]) == len(text) - n)
+    cut = llm.generate("the weather today", _greedy(max_tokens=16, stop=[stop]))[0].outputs[0]
+    assert (cut.finish_reason, cut.stop_reason, cut.text) == ("stop", stop, text[: -len(stop)])
+    assert len(cut.token_ids) == 16
+    _assert_all_blocks_released(llm)
+
+
 def test_stop_token_ids_and_max_tokens(llm: LLM) -> None:
     free_run = llm.generate([11, 12, 13], _greedy(max_tokens=10))[0].outputs[0]
     assert free_run.finish_reason == "length"
