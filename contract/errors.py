@@ -1,4 +1,5 @@
-"""OpenAI-shaped errors: `{"error": {"message", "type", "param", "code"}}` with the matching HTTP status.
+"""OpenAI-shaped errors: `{"error": {"message", "type", "param", "code"}}` with the matching HTTP status; on
+the routes of Anthropic's Messages API, in its shape: `{"type": "error", "error": {"type", "message"}}`.
 
 Free of any web framework, so that the fleet gateway (aiohttp) answers with the same errors as the API
 server (FastAPI) and the OpenAI service; kvfleet.runtime.server.errors turns them into FastAPI's responses.
@@ -17,6 +18,21 @@ RETRY_AFTER_UNAVAILABLE_S = 5
 SLEEPING_CODE = "sleeping"
 # OpenAI's code of a 400 for a prompt the context cannot hold.
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+# Anthropic's Messages API, as vLLM serves it: its routes answer errors in Anthropic's shape.
+MESSAGES_PATH = "/v1/messages"
+COUNT_TOKENS_PATH = "/v1/messages/count_tokens"
+MESSAGES_PATHS = frozenset({MESSAGES_PATH, COUNT_TOKENS_PATH})
+# Anthropic's error types by HTTP status; any other is invalid_request_error below 500, else api_error.
+_ANTHROPIC_ERROR_TYPES = {
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    408: "timeout_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+    504: "timeout_error",
+}
 
 
 class OpenAIError(Exception):
@@ -47,9 +63,23 @@ class OpenAIError(Exception):
             }
         }
 
+    def anthropic_body(self) -> dict[str, Any]:
+        """The error as Anthropic's Messages API writes it (and its stream's error event)."""
+        fallback = "invalid_request_error" if self.status_code < 500 else "api_error"
+        error_type = _ANTHROPIC_ERROR_TYPES.get(self.status_code, fallback)
+        return {"type": "error", "error": {"type": error_type, "message": self.message}}
+
+    def body_for(self, path: str) -> dict[str, Any]:
+        """The body a route answers this error with: Anthropic's on the Messages API's, else OpenAI's."""
+        return self.anthropic_body() if path in MESSAGES_PATHS else self.body()
+
     def to_sse(self) -> str:
         """The error as the last event of a stream that has already sent its 200 headers."""
         return f"data: {json.dumps(self.body())}\n\n"
+
+    def to_messages_event(self) -> str:
+        """The error as the last event of a Messages API stream that has already sent its 200 headers."""
+        return f"event: error\ndata: {json.dumps(self.anthropic_body())}\n\n"
 
     def response_error(self) -> dict[str, Any]:
         """The fields of the Responses API's `error` event: OpenAI's, with kvfleet's code (or the type, where
@@ -74,7 +104,10 @@ class AuthenticationError(OpenAIError):
 
 
 # What a request without the right bearer token is told, by a server and by the gateway alike.
-INVALID_API_KEY_MESSAGE = "invalid or missing API key: send it as `Authorization: Bearer <key>`"
+INVALID_API_KEY_MESSAGE = (
+    "invalid or missing API key: send it as `Authorization: Bearer <key>` (or `x-api-key: <key>`, as "
+    "Anthropic's clients do)"
+)
 
 
 class PermissionDeniedError(OpenAIError):

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Annotated, Any
 
 from fastapi import FastAPI, Query, Request
+from kvfleet.contract.errors import COUNT_TOKENS_PATH, MESSAGES_PATH
 from kvfleet.contract.request_ids import REQUEST_ID_HEADER
 from kvfleet.contract.tiers import PRIORITY_HEADER
 from kvfleet.contract.tokenizer_files import TOKENIZER_FILES_PATH
@@ -47,6 +48,8 @@ from kvfleet.runtime.server.tokenizer_info import tokenizer_info
 from kvfleet.runtime.serving.embedding_encoding import EmbeddingBytes
 from kvfleet.runtime.serving.embeddings import OpenAIServingEmbedding
 from kvfleet.runtime.serving.lora import OpenAIServingLoRA
+from kvfleet.runtime.serving.messages_api import AnthropicServingMessages
+from kvfleet.runtime.serving.messages_protocol import CountTokensRequest, MessagesRequest
 from kvfleet.runtime.serving.moderations import OpenAIServingModeration
 from kvfleet.runtime.serving.protocol import (
     ChatCompletionRequest,
@@ -118,6 +121,7 @@ def build_app(state: ServerState) -> FastAPI:
     _add_probe_routes(app, state)
     _add_routes(app, state)
     _add_responses_routes(app, state)
+    _add_messages_routes(app, state)
     _add_embedding_routes(app, state)
     if state.engine.config.enable_sleep_mode:
         _add_sleep_routes(app, state)
@@ -318,6 +322,27 @@ def _add_responses_routes(app: FastAPI, state: ServerState) -> None:
         @app.delete("/v1/responses/{response_id}")
         async def delete_response(response_id: str) -> Response:
             return JSONResponse(responses.delete(response_id))
+
+
+def _add_messages_routes(app: FastAPI, state: ServerState) -> None:
+    """Anthropic's Messages API, as vLLM serves it: POST /v1/messages and /v1/messages/count_tokens."""
+    messages = AnthropicServingMessages(state.openai_service())
+
+    @app.post(MESSAGES_PATH)
+    async def create_message(body: MessagesRequest, raw_request: Request) -> Response:
+        prepared = await messages.create(body, _headers(raw_request))
+        if body.stream:
+            return await stream_response(
+                raw_request,
+                messages.stream(prepared),
+                lambda chunks: typed_sse_events(messages.events(prepared, chunks)),
+                state.settings.sse_keep_alive_interval,
+            )
+        return JSONResponse(await unless_disconnected(raw_request, messages.complete(prepared)))
+
+    @app.post(COUNT_TOKENS_PATH)
+    async def count_message_tokens(body: CountTokensRequest) -> Response:
+        return JSONResponse(await messages.count_tokens(body))
 
 
 def _add_embedding_routes(app: FastAPI, state: ServerState) -> None:

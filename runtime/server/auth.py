@@ -1,13 +1,14 @@
-"""Optional bearer-token auth, checked before anything else reads the request; probes and metrics stay open
-so that Kubernetes and Prometheus need no secret."""
+"""Optional API-key auth, checked before anything else reads the request: the key as a bearer token, or as
+`x-api-key` (how Anthropic's clients send it); probes and metrics stay open so that Kubernetes and Prometheus
+need no secret."""
 
 from __future__ import annotations
 
 import hmac
 
 from kvfleet.contract.errors import INVALID_API_KEY_MESSAGE
-from kvfleet.runtime.server.errors import AuthenticationError, error_response
-from kvfleet.runtime.server.middleware import PROBE_PATHS, route_path
+from kvfleet.runtime.server.errors import AuthenticationError, error_response, route_path
+from kvfleet.runtime.server.middleware import PROBE_PATHS
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 
@@ -25,9 +26,11 @@ class ApiKeyAuth:
             code="invalid_api_key",
             headers={"WWW-Authenticate": "Bearer"},
         )
-        await error_response(error)(scope, receive, send)
+        await error_response(error, scope)(scope, receive, send)
 
     def _authorized(self, scope: Scope) -> bool:
-        header = dict(scope["headers"]).get(b"authorization", b"")
-        scheme, _, token = header.partition(b" ")
-        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self._expected)
+        headers = dict(scope["headers"])
+        scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
+        if scheme.lower() == b"bearer":
+            return hmac.compare_digest(token.strip(), self._expected)
+        return hmac.compare_digest(headers.get(b"x-api-key", b"").strip(), self._expected)

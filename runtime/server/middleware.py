@@ -8,7 +8,7 @@ import uuid
 from kvfleet.contract.errors import http_error
 from kvfleet.contract.request_ids import REQUEST_ID_HEADER
 from kvfleet.contract.tokenizer_files import TOKENIZER_FILES_PATH
-from kvfleet.runtime.server.errors import PayloadTooLargeError, error_response
+from kvfleet.runtime.server.errors import PayloadTooLargeError, error_response, route_path
 from kvfleet.runtime.server.state import ServerState
 from opentelemetry import context as otel_context
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
@@ -22,15 +22,6 @@ PROBE_PATHS = frozenset({"/health", "/ready", "/metrics", "/ping", "/load", TOKE
 REQUEST_ID_KEY = REQUEST_ID_HEADER.lower().encode()
 # W3C Trace Context's headers.
 TRACE_HEADERS = frozenset({b"traceparent", b"tracestate"})
-
-
-def route_path(scope: Scope) -> str:
-    """The request's path without the --root-path prefix, when a proxy has left it on (as routing reads
-    it)."""
-    path, root = scope["path"], scope.get("root_path", "")
-    if root and path.startswith(root) and path[len(root) : len(root) + 1] in ("", "/"):
-        return path[len(root) :] or "/"
-    return path
 
 
 class BodySizeLimit:
@@ -51,7 +42,7 @@ class BodySizeLimit:
         message = f"the request body is larger than the server's limit of {max_bytes} bytes"
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > max_bytes:
-            response = error_response(PayloadTooLargeError(message, code="request_too_large"))
+            response = error_response(PayloadTooLargeError(message, code="request_too_large"), scope)
             response.headers["Connection"] = "close"
             await response(scope, receive, send)
             return
@@ -83,7 +74,7 @@ class HeaderCountLimit:
             await self.app(scope, receive, send)
             return
         message = f"the request has {count} headers, more than the server's limit of {self.max_headers}"
-        response = error_response(http_error(431, message))
+        response = error_response(http_error(431, message), scope)
         response.headers["Connection"] = "close"
         await response(scope, receive, send)
 
