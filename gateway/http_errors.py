@@ -1,7 +1,7 @@
-"""Every error the gateway answers itself, in OpenAI's shape (kvfleet.contract.errors), as a replica answers
-them: its own refusals, and those aiohttp would answer in plain text (no such route, a method not allowed, a
-request it cannot parse, a handler that failed). The official SDKs then raise their typed errors with the
-message."""
+"""Every error the gateway answers itself, in OpenAI's shape (kvfleet.contract.errors; Anthropic's on the
+Messages API's routes), as a replica answers them: its own refusals, and those aiohttp would answer in plain
+text (no such route, a method not allowed, a request it cannot parse, a handler that failed). The official
+SDKs then raise their typed errors with the message."""
 
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ from aiohttp.typedefs import Handler
 from kvfleet.contract.errors import OpenAIError, http_error
 
 
-def error_response(error: OpenAIError) -> web.Response:
-    response = web.json_response(error.body(), status=error.status_code, headers=error.headers)
+def error_response(error: OpenAIError, path: str = "") -> web.Response:
+    """The error as the route at `path` answers it."""
+    response = web.json_response(error.body_for(path), status=error.status_code, headers=error.headers)
     if error.headers.get("Connection") == "close":
         response.force_close()
     return response
@@ -28,7 +29,7 @@ async def openai_errors(request: web.Request, handler: Handler) -> web.StreamRes
         error = http_error(refusal.status, _message(request, refusal))
         if "Allow" in refusal.headers:
             error.headers["Allow"] = refusal.headers["Allow"]
-        return error_response(error)
+        return error_response(error, request.path)
 
 
 def _message(request: web.Request, refusal: web.HTTPException) -> str:

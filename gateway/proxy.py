@@ -61,6 +61,7 @@ import aiohttp
 from aiohttp import web
 from kvfleet.contract.errors import (
     INVALID_API_KEY_MESSAGE,
+    MESSAGES_PATH,
     SLEEPING_CODE,
     AuthenticationError,
     BadRequestError,
@@ -157,6 +158,9 @@ _NOT_THE_CLIENTS_FAULT = frozenset({408, 429})
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 # The policies that route on a prompt's block hashes: the gateway tokenizes the prompts of their models.
 BLOCK_HASH_POLICIES = frozenset({"precise-prefix"})
+# Where a client's key may come: as a bearer token, or as Anthropic's clients send it.
+API_KEY_HEADER = "x-api-key"
+_KEY_HEADERS = frozenset({"authorization", API_KEY_HEADER})
 # The requests that disaggregated prefill serves and that another replica resumes mid-stream.
 GENERATION_PATHS = frozenset({CHAT_PATH, COMPLETIONS_PATH})
 # The requests that are prompts to generate from, the Responses API's too: their streams are kept alive while
@@ -377,7 +381,7 @@ class Gateway:
                         response = await self._forward(request, body, routed, pool, None)
                         status = response.status
             except OpenAIError as error:
-                response = error_response(error)
+                response = error_response(error, request.path)
                 status = response.status
             self.metrics.requests.labels(model_label, str(status)).inc()
             answered(span, response.status)
@@ -627,10 +631,10 @@ class Gateway:
 
     async def _wake(self, config: ModelConfig, headers: list[tuple[str, str]]) -> None:
         """Wakes the first replica that says it sleeps (the others not ready are loading); with the request's
-        Authorization, which is the service's key where the replicas are to get it."""
+        key (Authorization or x-api-key), which is the service's key where the replicas are to get it."""
         session = self.session
         assert session is not None
-        authorization = [(name, value) for name, value in headers if name.lower() == "authorization"]
+        authorization = [(name, value) for name, value in headers if name.lower() in _KEY_HEADERS]
         timeout = aiohttp.ClientTimeout(total=config.hold_seconds)
 
         async def call(method: str, url: str) -> tuple[int, bytes]:
@@ -1029,7 +1033,10 @@ async def _relay(
                 f"the replica serving model {model!r} failed mid-stream", code="upstream_failed"
             )
         )
-        framed = failure.to_response_event(relayed) if responses is not None else failure.to_sse()
+        if responses is not None:
+            framed = failure.to_response_event(relayed)
+        else:
+            framed = failure.to_messages_event() if request.path == MESSAGES_PATH else failure.to_sse()
         await response.write(framed.encode())
     await response.write_eof()
     return response
@@ -1072,9 +1079,14 @@ def _authenticate_fleet(headers: Mapping[str, str], configs: Iterable[ModelConfi
 
 
 def _presented_digest(headers: Mapping[str, str]) -> bytes | None:
-    """The SHA-256 digest of the request's bearer token; None without one."""
+    """The SHA-256 digest of the request's key: its bearer token, else its x-api-key (as Anthropic's clients
+    send it); None without either."""
     scheme, _, token = headers.get("Authorization", "").partition(" ")
-    return hashlib.sha256(token.strip().encode()).digest() if scheme.lower() == "bearer" else None
+    if scheme.lower() != "bearer":
+        token = headers.get(API_KEY_HEADER, "")
+        if not token:
+            return None
+    return hashlib.sha256(token.strip().encode()).digest()
 
 
 def _presents(headers: Mapping[str, str], key_sha256: bytes) -> bool:
@@ -1091,11 +1103,11 @@ def _may_use(headers: Mapping[str, str], config: ModelConfig) -> bool:
 
 
 def _for_replicas_of(config: ModelConfig, headers: list[tuple[str, str]]) -> list[tuple[str, str]]:
-    """The headers without the client's Authorization where the model's replicas are not to get it: a key
-    reaches only the service it was checked for (`_authenticate` ran before)."""
+    """The headers without the client's key (Authorization or x-api-key) where the model's replicas are not
+    to get it: a key reaches only the service it was checked for (`_authenticate` ran before)."""
     if config.forward_authorization:
         return headers
-    return [(name, value) for name, value in headers if name.lower() != "authorization"]
+    return [(name, value) for name, value in headers if name.lower() not in _KEY_HEADERS]
 
 
 def _prompt(routed: RoutedRequest, config: ModelConfig, block_hashes: BlockHashes | None) -> Prompt:

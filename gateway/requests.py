@@ -2,8 +2,9 @@
 text its prefix-aware routing hashes.
 
 Every OpenAI endpoint a replica serves on a model is routed: completions, chat, responses, embeddings, and
-vLLM's score and rerank (at each of the paths vLLM serves them). Only what routing needs is checked here; the
-replica validates the rest. A body that fails these checks is refused before any replica sees it.
+vLLM's score and rerank (at each of the paths vLLM serves them); and Anthropic's Messages API, as vLLM serves
+it. Only what routing needs is checked here; the replica validates the rest. A body that fails these checks is
+refused before any replica sees it.
 
 A response a replica stores lives in that replica's memory, and the gateway sends each request to whichever
 replica its policy chooses: a request continuing a stored response (`previous_response_id`) is refused with
@@ -17,7 +18,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvfleet.contract.errors import BadRequestError
+from kvfleet.contract.errors import COUNT_TOKENS_PATH, MESSAGES_PATH, BadRequestError
 from kvfleet.contract.scoring import score_sides
 from kvfleet.contract.tiers import PRIORITY_HEADER, parse_priority
 from kvfleet.runtime import json_depth
@@ -168,6 +169,13 @@ def _responses_text(payload: dict[str, Any]) -> str:
     return "".join(parts)
 
 
+def _messages_text(payload: dict[str, Any]) -> str:
+    """A Messages API conversation in _chat_text's form, its system prompt first as the replica makes it a
+    system message: a conversation hashes alike through either API."""
+    system = _content_text(payload.get("system"))
+    return (f"system\n{system}\n" if system else "") + _chat_text(payload)
+
+
 def _item_text(item: dict[str, Any]) -> str:
     kind = item.get("type", "message")
     if kind == "function_call":
@@ -200,6 +208,8 @@ _PROMPT_TEXT: dict[str, Callable[[dict[str, Any]], str]] = {
     CHAT_PATH: _chat_text,
     COMPLETIONS_PATH: _completion_text,
     RESPONSES_PATH: _responses_text,
+    MESSAGES_PATH: _messages_text,
+    COUNT_TOKENS_PATH: _messages_text,
     EMBEDDINGS_PATH: _embeddings_text,
     POOLING_PATH: _embeddings_text,
     **dict.fromkeys(SCORE_PATHS, _score_text),

@@ -59,8 +59,8 @@ class FakeReplica:
     gated: bool = False
     # Streams stop after the first chunk until `resume` is set.
     pause_after_first_chunk: bool = False
-    # Streams break off (connection dropped) after the first chunk (a Responses stream's, within its second
-    # event).
+    # Streams break off (connection dropped) after the first chunk (a Responses or Messages stream's, within
+    # its second event).
     die_after_first_chunk: bool = False
     received: list[dict[str, Any]] = field(default_factory=list)
     headers: list[Mapping[str, str]] = field(default_factory=list)
@@ -185,7 +185,7 @@ class FakeReplica:
             return web.json_response(answer(self.name, body), headers={"x-replica": self.name})
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "x-replica": self.name})
         await response.prepare(request)
-        for index, event in enumerate(_response_events(self.name, body)):
+        for index, event in enumerate(_STREAMED_EVENTS[request.path](self.name, body)):
             framed = f"event: {event['type']}\ndata: {json.dumps(event)}\n\n".encode()
             if index == 1 and self.die_after_first_chunk:
                 # Within the second event.
@@ -253,6 +253,31 @@ def _response_events(name: str, body: dict[str, Any]) -> list[dict[str, Any]]:
     ]  # fmt: skip
 
 
+def _message(name: str, body: dict[str, Any]) -> dict[str, Any]:
+    """A Messages API answer whose text is the replica's name."""
+    return {"id": f"msg-{name}", "type": "message", "role": "assistant", "model": body["model"],
+            "content": [{"type": "text", "text": name}], "stop_reason": "end_turn", "stop_sequence": None,
+            "usage": {"input_tokens": 1, "output_tokens": 1}}  # fmt: skip
+
+
+def _message_events(name: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+    """A streamed message's events: its start, its text (the replica's name) in one delta, its end."""
+    started = {**_message(name, body), "content": [], "stop_reason": None}
+    return [
+        {"type": "message_start", "message": started},
+        {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}},
+        {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": name}},
+        {"type": "content_block_stop", "index": 0},
+        {"type": "message_delta", "delta": {"stop_reason": "end_turn", "stop_sequence": None},
+         "usage": {"output_tokens": 1}},
+        {"type": "message_stop"},
+    ]  # fmt: skip
+
+
+def _counted(name: str, body: dict[str, Any]) -> dict[str, Any]:
+    return {"input_tokens": len(name)}
+
+
 def _embeddings(name: str, body: dict[str, Any]) -> dict[str, Any]:
     """One vector per input, each the replica's name as character codes."""
     texts = [body["input"]] if isinstance(body["input"], str) else body["input"]
@@ -286,10 +311,15 @@ Answer = Callable[[str, dict[str, Any]], dict[str, Any]]
 # What a replica answers on its endpoints other than the completions.
 _ANSWERS: dict[str, Answer] = {
     "/v1/responses": _response,
+    "/v1/messages": _message,
+    "/v1/messages/count_tokens": _counted,
     **dict.fromkeys(("/v1/embeddings", "/pooling"), _embeddings),
     **dict.fromkeys(("/v1/score", "/score"), _scores),
     **dict.fromkeys(("/v1/rerank", "/rerank", "/v2/rerank"), _reranked),
 }
+
+# The events of a streamed answer on those endpoints that stream.
+_STREAMED_EVENTS = {"/v1/responses": _response_events, "/v1/messages": _message_events}
 
 
 def _chunks(name: str, body: dict[str, Any]) -> list[dict[str, Any]]:

@@ -1,6 +1,7 @@
 """The whole OpenAI surface of a replica through the real gateway, with the official openai SDK: the Responses
 API, embeddings, vLLM's pooling, score and rerank routed with the completions' flow control, and every error
-the gateway answers itself in OpenAI's shape."""
+the gateway answers itself in OpenAI's shape; and Anthropic's Messages API with the official anthropic client,
+its errors in Anthropic's shape."""
 
 from __future__ import annotations
 
@@ -11,10 +12,11 @@ import json
 from typing import Any
 
 import aiohttp
+import anthropic
 import openai
 import pytest
 from gateway_harness import WAIT_S, FakeReplica, model, queued, replicas, running_gateway, wait_until
-from kvfleet.contract.errors import BadRequestError
+from kvfleet.contract.errors import MESSAGES_PATH, BadRequestError
 from kvfleet.gateway.discovery import ClientKey
 from kvfleet.gateway.requests import CHAT_PATH, COMPLETIONS_PATH, RESPONSES_PATH, parse_request
 
@@ -246,3 +248,73 @@ def test_a_body_routing_cannot_read_is_refused_naming_its_field(
     with pytest.raises(BadRequestError) as refused:
         parse_request(path, json.dumps({"model": "m", **body}).encode(), {})
     assert refused.value.param == param
+
+
+def test_anthropics_messages_api_is_routed_behind_the_key_and_answers_errors_in_its_shape() -> None:
+    """The official anthropic client through the gateway: its messages (streamed or not) and counts routed
+    and renamed, the gateway's own refusals in Anthropic's shape; and a key sent as x-api-key (as Anthropic's
+    API takes it) checked and forwarded, and a replica's broken stream ending in Anthropic's error event."""
+    key = ClientKey(hashlib.sha256(b"tenant-key").digest())
+
+    async def scenario() -> None:
+        async with replicas(FakeReplica("a"), FakeReplica("dies", die_after_first_chunk=True)) as fleet:
+            served, dying = fleet
+            configs = {
+                "team/llama": model("team/llama", served, served_name="llama", client_key=key),
+                "broken": model("broken", dying, client_key=key),
+            }
+            async with (
+                running_gateway(configs) as (_, _, url),
+                anthropic.AsyncAnthropic(base_url=url, api_key="tenant-key", max_retries=0) as sdk,
+                anthropic.AsyncAnthropic(base_url=url, api_key="wrong", max_retries=0) as stranger,
+            ):
+                asked = [{"role": "user", "content": "plain"}]
+                message = await sdk.messages.create(model="team/llama", max_tokens=4, messages=asked)  # type: ignore[arg-type]
+                assert message.content[0].text == "a"  # type: ignore[union-attr]
+                assert served.received[-1] == {"model": "llama", "max_tokens": 4, "messages": asked}
+                async with sdk.messages.stream(model="team/llama", max_tokens=4, messages=asked) as stream:  # type: ignore[arg-type]
+                    assert [text async for text in stream.text_stream] == ["a"]
+                counted = await sdk.messages.count_tokens(model="team/llama", messages=asked)  # type: ignore[arg-type]
+                assert counted.input_tokens == 1 and served.received[-1]["model"] == "llama"
+
+                with pytest.raises(anthropic.NotFoundError) as missing:
+                    await sdk.messages.create(model="other", max_tokens=4, messages=asked)  # type: ignore[arg-type]
+                assert missing.value.body == {  # type: ignore[comparison-overlap]
+                    "type": "error",
+                    "error": {"type": "not_found_error", "message": "the model 'other' does not exist"},
+                }
+                with pytest.raises(anthropic.AuthenticationError) as refused:
+                    await stranger.messages.create(model="team/llama", max_tokens=4, messages=asked)  # type: ignore[arg-type]
+                assert refused.value.body["error"]["type"] == "authentication_error"  # type: ignore[index]
+
+                async with aiohttp.ClientSession() as session:
+                    body = {"model": "broken", "max_tokens": 4, "messages": asked, "stream": True}
+                    headers = {"x-api-key": "tenant-key"}
+                    async with session.post(f"{url}/v1/messages", json=body, headers=headers) as answer:
+                        events = (await answer.text()).split("\n\n")
+                # The key reached the replica as the client sent it (the service forwards keys).
+                sent = {name.lower(): value for name, value in dying.headers[-1].items()}
+                assert sent["x-api-key"] == "tenant-key"
+                last = [event for event in events if event][-1]
+                assert last.startswith("event: error\ndata: ")
+                error = json.loads(last.removeprefix("event: error\ndata: "))
+                assert error["type"] == "error" and error["error"]["type"] == "overloaded_error"
+
+    asyncio.run(scenario())
+
+
+def test_a_conversation_is_routed_on_the_same_text_through_chat_and_the_messages_api() -> None:
+    conversation = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "hi"}]
+    chat = {"model": "m", "messages": [{"role": "system", "content": "Be brief."}, *conversation]}
+    blocks = [{"role": "user", "content": [{"type": "text", "text": "hello"}]}, conversation[1]]
+    messages = {
+        "model": "m",
+        "max_tokens": 4,
+        "system": [{"type": "text", "text": "Be brief."}],
+        "messages": blocks,
+    }
+    routed = parse_request(MESSAGES_PATH, json.dumps(messages).encode(), {})
+    assert routed.prompt_text == parse_request(CHAT_PATH, json.dumps(chat).encode(), {}).prompt_text
+    with pytest.raises(BadRequestError) as refused:
+        parse_request(MESSAGES_PATH, json.dumps({"model": "m", "messages": []}).encode(), {})
+    assert refused.value.param == "messages"

@@ -51,7 +51,6 @@ FORCED = {"tools": [WEATHER_TOOL], "tool_choice": {"type": "tool", "name": "get_
 
 @pytest.fixture(scope="module")
 def client(api_server: ServerProcess) -> anthropic.Anthropic:
-    # The SDK sends its key as x-api-key, as Anthropic's API takes it.
     return anthropic.Anthropic(
         base_url=api_server.url, api_key=api_server.api_key, max_retries=0, timeout=120
     )
@@ -239,13 +238,13 @@ def test_an_unknown_model_and_a_wrong_key_are_anthropics_errors(
     with pytest.raises(anthropic.AuthenticationError) as refused:
         stranger.messages.count_tokens(model=MODEL, messages=[{"role": "user", "content": PROMPT}])
     assert refused.value.body["error"]["type"] == "authentication_error"  # type: ignore[index]
-    # A bearer token is taken too (the SDK's auth_token), and the OpenAI routes take x-api-key.
-    bearer = anthropic.Anthropic(base_url=api_server.url, auth_token=api_server.api_key, max_retries=0)
-    assert bearer.messages.count_tokens(
-        model=MODEL, messages=[{"role": "user", "content": PROMPT}]
-    ).input_tokens
-    models = httpx.get(f"{api_server.url}/v1/models", headers={"x-api-key": api_server.api_key or ""})
-    assert models.status_code == 200
+    # The key as x-api-key, as Anthropic's API takes it (the SDK sends a bearer token), on every route.
+    body = {"model": MODEL, "messages": [{"role": "user", "content": PROMPT}]}
+    for key, status in ((api_server.api_key, 200), ("wrong", 401)):
+        headers = {"x-api-key": key or ""}
+        counted = httpx.post(f"{api_server.url}/v1/messages/count_tokens", json=body, headers=headers)
+        models = httpx.get(f"{api_server.url}/v1/models", headers=headers)
+        assert (counted.status_code, models.status_code) == (status, status)
 
 
 def test_blocks_become_the_chat_messages_they_mean() -> None:
