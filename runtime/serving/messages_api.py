@@ -5,8 +5,7 @@ message_delta, message_stop). With a reasoning parser the model's reasoning come
 POST /v1/messages/count_tokens renders the same prompt and counts it.
 
 A finish reads as Anthropic's stop reason: `max_tokens` for a length cut, `tool_use` when the model called
-tools, `stop_sequence` (with the sequence) when one of `stop_sequences` ended it, `end_turn` otherwise. The
-usage's input_tokens are those the prefix cache did not hold; the others are cache_read_input_tokens.
+tools, `stop_sequence` (with the sequence) when one of `stop_sequences` ended it, `end_turn` otherwise.
 """
 
 from __future__ import annotations
@@ -30,7 +29,6 @@ if TYPE_CHECKING:
 
 class _MessagesChatRoute(ChatRoute):
     id_prefix = "msg"
-    reports_cached_tokens = True
 
 
 @dataclass
@@ -57,7 +55,9 @@ class AnthropicServingMessages:
         self.service.check_model(body.model)
         route = _MessagesChatRoute(body.chat_request(), self.service.settings)
         prompt = await route.prompt(self.service, None)
-        return {"input_tokens": len(prompt.token_ids[0])}
+        counted = len(prompt.token_ids[0])
+        # Anthropic's context management (editing a conversation down) is not served: nothing was cut.
+        return {"input_tokens": counted, "context_management": {"original_input_tokens": counted}}
 
     async def complete(self, prepared: PreparedMessage) -> dict[str, Any]:
         """Runs the request to its end: the message."""
@@ -109,15 +109,16 @@ def _message(
     stop_reason: str | None,
     stop_sequence: str | None,
 ) -> dict[str, Any]:
-    return {
+    """A message; its stop_sequence only where one ended it (left out otherwise, as vLLM's)."""
+    message = {
         "id": request.request_id,
         "type": "message",
         "role": "assistant",
         "model": request.model,
         "content": content,
         "stop_reason": stop_reason,
-        "stop_sequence": stop_sequence,
     }
+    return message if stop_sequence is None else {**message, "stop_sequence": stop_sequence}
 
 
 def _stop_reason(
@@ -134,12 +135,14 @@ def _stop_reason(
 
 
 def _usage(usage: dict[str, Any]) -> dict[str, Any]:
-    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-    return {
-        "input_tokens": usage["prompt_tokens"] - cached,
-        "output_tokens": usage["completion_tokens"],
-        "cache_read_input_tokens": cached,
-    }
+    """The chat answer's usage as Anthropic counts it: the prompt tokens the prefix cache held are read from
+    the cache, not input, where the server reports them (--enable-prompt-tokens-details, as vLLM's)."""
+    details = usage.get("prompt_tokens_details")
+    counts = {"input_tokens": usage["prompt_tokens"], "output_tokens": usage["completion_tokens"]}
+    if details is not None:
+        counts["input_tokens"] -= details["cached_tokens"]
+        counts["cache_read_input_tokens"] = details["cached_tokens"]
+    return counts
 
 
 def _input(arguments: str) -> dict[str, Any]:

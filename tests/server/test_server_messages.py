@@ -84,12 +84,10 @@ def test_text_is_the_chat_endpoints_for_the_same_greedy_conversation(
     assert (message.type, message.role, message.model) == ("message", "assistant", MODEL)
     assert _text(message) and _text(message) == choice.message.content
     usage = message.usage
-    assert usage.input_tokens + (usage.cache_read_input_tokens or 0) == chat.usage.prompt_tokens
+    # Without --enable-prompt-tokens-details, as vLLM's, the cache's share is not told apart.
+    assert (usage.input_tokens, usage.cache_read_input_tokens) == (chat.usage.prompt_tokens, None)
     assert usage.output_tokens == chat.usage.completion_tokens
     assert message.stop_reason == {"length": "max_tokens", "stop": "end_turn"}[choice.finish_reason]
-    # The same prompt again: the prefix cache holds its blocks, which the usage reports as read.
-    again = client.messages.create(system=SYSTEM, messages=[{"role": "user", "content": PROMPT}], **GREEDY)
-    assert again.usage.cache_read_input_tokens and _text(again) == _text(message)
 
 
 def test_streamed_events_rebuild_the_message(client: anthropic.Anthropic) -> None:
@@ -155,10 +153,7 @@ def test_a_forced_tool_is_used_as_its_schema_says_and_its_result_continues_the_c
     ]
     chat = _chat(chat_client, conversation, tools=[_chat_tool()], tool_choice="none")
     assert _text(follow_up) == (chat.choices[0].message.content or "")
-    assert (
-        follow_up.usage.input_tokens + (follow_up.usage.cache_read_input_tokens or 0)
-        == chat.usage.prompt_tokens
-    )
+    assert follow_up.usage.input_tokens == chat.usage.prompt_tokens
 
 
 def test_a_stop_sequence_ends_the_text_before_it_and_is_named(client: anthropic.Anthropic) -> None:

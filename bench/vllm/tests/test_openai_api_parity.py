@@ -1,12 +1,13 @@
-"""kvfleet's OpenAI server against vLLM's own (its CPU build), both serving the same folder: the same
-requests get the same answers, field for field, streamed or not.
+"""kvfleet's OpenAI server against vLLM's own (its CPU build), both serving the same folder: the same requests
+get the same answers, field for field, streamed or not.
 
 The cases are the ones where the two shape an answer from the same tokens: logprobs in the legacy and chat
 shapes (the chosen token first in a completion's top_logprobs, names of tokens that hold part of a character,
 offsets), echo with and without logprobs (a chat's too), prompt_logprobs, token ids, stop strings, prompts cut
-by truncate_prompt_tokens, the model's other end-of-sequence token, usage in every chunk, constrained outputs.
-Greedy answers, so that both choose the same tokens. Where vLLM sends a field as null, kvfleet may leave it
-out; where vLLM leaves one out, so must kvfleet.
+by truncate_prompt_tokens, the model's other end-of-sequence token, usage in every chunk, constrained outputs,
+Anthropic's Messages API (its blocks, stop sequences and events, and its counts). Greedy answers, so that both
+choose the same tokens. Where vLLM sends a field as null, kvfleet may leave it out; where vLLM leaves one out,
+so must kvfleet.
 
 Two differences are kept, and checked as such: an answer cut within a character (its last tokens hold the
 first bytes of one) ends in U+FFFD in kvfleet's text, as the tokenizer decodes those tokens, where vLLM's
@@ -182,6 +183,32 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
             "stream_options": {"include_usage": True, "continuous_usage_stats": True},
         },
     ),
+    "a message": ("/v1/messages", {"messages": CHAT, "max_tokens": 8}),
+    "a message with a system prompt": (
+        "/v1/messages",
+        {"system": [{"type": "text", "text": "Be brief."}], "messages": CHAT, "max_tokens": 8},
+    ),
+    "a message stopped by a sequence": (
+        "/v1/messages",
+        {"messages": CHAT, "max_tokens": 16, "stop_sequences": ["a", "e"]},
+    ),
+    "a message of three blocks": (
+        "/v1/messages",
+        {
+            "messages": [{"role": "user", "content": [{"type": "text", "text": t} for t in "abc"]}],
+            "max_tokens": 4,
+        },
+    ),
+    "a message in JSON": (
+        "/v1/messages",
+        {
+            "messages": CHAT,
+            "max_tokens": 20,
+            "output_config": {"format": {"type": "json_schema", "schema": SCHEMA}},
+        },
+    ),
+    "a streamed message": ("/v1/messages", {"messages": CHAT, "max_tokens": 4, "stream": True}),
+    "tokens of a message counted": ("/v1/messages/count_tokens", {"system": "Be brief.", "messages": CHAT}),
     "tokenize": ("/tokenize", {"prompt": PROMPT}),
     "tokenize, with the pieces": ("/tokenize", {"prompt": CJK, "return_token_strs": True}),
     "tokenize a chat": ("/tokenize", {"messages": CHAT}),
@@ -258,16 +285,18 @@ def pooling_servers(
 
 
 def _answer(url: str, path: str, body: dict[str, Any]) -> tuple[int, Any]:
-    """The status and body of an answer (greedy, where it generates); a stream's chunks, in order."""
-    generates = path in ("/v1/completions", "/v1/chat/completions")
+    """The status and body of an answer (greedy, where it generates); a stream's chunks (or a Messages API
+    stream's events), in order."""
+    generates = path in ("/v1/completions", "/v1/chat/completions", "/v1/messages")
     asked = {"model": MODEL, **({"temperature": 0.0} if generates else {}), **body}
     if not body.get("stream"):
         response = httpx.post(f"{url}{path}", json=asked, timeout=300)
         return response.status_code, response.json()
     with httpx.stream("POST", f"{url}{path}", json=asked, timeout=300) as response:
         events = [line.removeprefix("data: ") for line in response.iter_lines() if line.startswith("data: ")]
-    assert events[-1] == "[DONE]"
-    return response.status_code, [json.loads(event) for event in events[:-1]]
+    if path != "/v1/messages":  # its events name their type; no [DONE] ends them
+        assert events.pop() == "[DONE]"
+    return response.status_code, [json.loads(event) for event in events]
 
 
 def _differences(theirs: Any, ours: Any, where: str = "") -> list[str]:
