@@ -19,7 +19,7 @@ import contextlib
 from collections.abc import Awaitable
 
 from aiohttp import web
-from kvfleet.contract.errors import OpenAIError
+from kvfleet.contract.errors import MESSAGES_PATH, OpenAIError
 from kvfleet.gateway.requests import RESPONSES_PATH
 from kvfleet.gateway.splice import DONE, answered_error
 from kvfleet.gateway.tracing import failed
@@ -92,6 +92,8 @@ class HeldStream:
         if self.request.path == RESPONSES_PATH:
             # Nothing came from a replica before: the error is the stream's first event.
             await self.response.write(error.to_response_event(0).encode())
+        elif self.request.path == MESSAGES_PATH:
+            await self.response.write(error.to_messages_event().encode())
         else:
             await self.response.write(error.to_sse().encode())
             await self.response.write(f"data: {DONE}\n\n".encode())

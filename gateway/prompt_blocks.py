@@ -33,7 +33,7 @@ import jinja2.nodes
 import jinja2.parser
 import jinja2.sandbox
 from kvfleet.contract.block_hash import block_hashes, chain_seed, external_block_hash
-from kvfleet.contract.errors import BadRequestError
+from kvfleet.contract.errors import MESSAGES_PATH, BadRequestError
 from kvfleet.gateway.requests import CHAT_PATH, RESPONSES_PATH
 from kvfleet.runtime.chat_content_format import GenerationBlocks
 from kvfleet.runtime.chat_prompt import chat_prompt_token_ids
@@ -43,6 +43,7 @@ from kvfleet.runtime.multimodal.image_processor import data_url_bytes, decode_im
 from kvfleet.runtime.multimodal.inputs import MediaInputError
 from kvfleet.runtime.multimodal.prompt_media import PromptMedia, modality_specs
 from kvfleet.runtime.serving.chat_rendering import DEFAULT_RENDERING, ChatRendering
+from kvfleet.runtime.serving.messages_protocol import MessagesRequest
 from kvfleet.runtime.serving.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -267,6 +268,8 @@ class ModelPrompts:
                 prepared = self._chat(ChatCompletionRequest.model_validate(payload))
             elif path == RESPONSES_PATH:
                 prepared = self._response(payload)
+            elif path == MESSAGES_PATH:
+                prepared = self._message(payload)
             else:
                 prepared = self._completion(payload)
         except (ValidationError, ValueError, MediaInputError, BadRequestError):
@@ -286,6 +289,12 @@ class ModelPrompts:
         if body.previous_response_id is not None or body.truncation == "auto":
             return None  # a stored conversation, or turns the replica's context may drop
         return self._chat(body.chat_request(body.input_messages()))
+
+    def _message(self, payload: Mapping[str, Any]) -> tuple[list[int], tuple[_Span, ...]] | None:
+        """A Messages API request as the chat the replica answers it with."""
+        body = MessagesRequest.model_validate(payload)
+        body.check()
+        return self._chat(body.chat_request())
 
     def _chat(self, body: ChatCompletionRequest) -> tuple[list[int], tuple[_Span, ...]] | None:
         if body.chat_template is not None:

@@ -163,10 +163,10 @@ API_KEY_HEADER = "x-api-key"
 _KEY_HEADERS = frozenset({"authorization", API_KEY_HEADER})
 # The requests that disaggregated prefill serves and that another replica resumes mid-stream.
 GENERATION_PATHS = frozenset({CHAT_PATH, COMPLETIONS_PATH})
-# The requests that are prompts to generate from, the Responses API's too: their streams are kept alive while
-# held, and their prompts tokenized as the engine does for the policies that route on blocks; the others go
-# to their replica as any request of a prefix-aware policy, routed on their text.
-PROMPTED_PATHS = GENERATION_PATHS | {RESPONSES_PATH}
+# The requests that are prompts to generate from, the Responses and Messages APIs' too: their streams are kept
+# alive while held, and their prompts tokenized as the engine does for the policies that route on blocks; the
+# others go to their replica as any request of a prefix-aware policy, routed on their text.
+PROMPTED_PATHS = GENERATION_PATHS | {RESPONSES_PATH, MESSAGES_PATH}
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
+import anthropic
 import openai
 from gateway_harness import WAIT_S, FakeReplica, model, queued, replicas, running_gateway, wait_until
 from kvfleet.gateway.proxy import Gateway
@@ -22,6 +23,8 @@ CHAT_PATH = "/v1/chat/completions"
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello"}], "stream": True}
 RESPONSES_PATH = "/v1/responses"
 RESPONSE = {"model": "m", "input": "hello", "stream": True}
+MESSAGES_PATH = "/v1/messages"
+MESSAGE = {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "hello"}], "stream": True}
 
 
 class RawStream:
@@ -257,3 +260,54 @@ def test_a_responses_stream_its_replica_breaks_off_ends_with_the_next_typed_erro
     (first, first_data), (name, error) = typed_events(asyncio.run(scenario()))
     assert (first, first_data["sequence_number"]) == ("response.created", 0)
     assert name == "error" and error["sequence_number"] == 1 and error["code"] == "upstream_failed"
+
+
+def test_a_held_messages_stream_is_kept_alive_and_anthropics_client_reads_it() -> None:
+    async def scenario() -> tuple[RawStream, list[str], bytes]:
+        async with (
+            replicas(FakeReplica("late"), FakeReplica("oracle")) as (late, oracle),
+            running_gateway({"m": model("m", hold_seconds=WAIT_S)}, sse_keep_alive_interval=INTERVAL_S) as (
+                gateway,
+                discovery,
+                url,
+            ),
+            anthropic.AsyncAnthropic(base_url=url, api_key="unused", max_retries=0) as sdk,
+        ):
+            raw = RawStream(url, MESSAGE, MESSAGES_PATH)
+            asked = MESSAGE["messages"]
+            async with sdk.messages.stream(model="m", max_tokens=4, messages=asked) as stream:  # type: ignore[arg-type]
+                await raw.comments(2)
+                assert raw.status == 200 and queued(gateway, "m") == 2
+                discovery.publish({"m": model("m", late, hold_seconds=WAIT_S)})
+                texts = [text async for text in stream.text_stream]
+            await raw.end()
+            _, expected = await post(oracle.url, MESSAGES_PATH, MESSAGE)
+            return raw, texts, expected
+
+    raw, texts, expected = asyncio.run(scenario())
+    assert raw.raw.startswith(KEEP_ALIVE) and b"[DONE]" not in raw.raw
+    assert [name for name, _ in typed_events(raw.raw)] == [name for name, _ in typed_events(expected)]
+    assert texts == ["late"]
+
+
+def test_a_held_messages_stream_that_runs_out_ends_with_anthropics_error_event() -> None:
+    """The error an unheld request is answered with, in Anthropic's shape, as the stream's one event."""
+
+    async def scenario() -> tuple[RawStream, int, bytes]:
+        options = {"hold_seconds": 5 * INTERVAL_S}
+        async with running_gateway({"m": model("m", **options)}, sse_keep_alive_interval=INTERVAL_S) as (
+            _,
+            _,
+            url,
+        ):
+            raw = RawStream(url, MESSAGE, MESSAGES_PATH)
+            await raw.end()
+        async with running_gateway({"m": model("m", **options)}) as (_, _, silent):
+            status, answer = await post(silent, MESSAGES_PATH, MESSAGE)
+        return raw, status, answer
+
+    raw, status, unheld = asyncio.run(scenario())
+    assert status == 503 and raw.status == 200 and raw.raw.count(KEEP_ALIVE) >= 2
+    error = json.loads(unheld)
+    assert error["type"] == "error" and error["error"]["type"] == "overloaded_error"
+    assert typed_events(raw.raw) == [("error", error)]

@@ -27,6 +27,7 @@ import zmq
 from aiohttp import web
 from gateway_harness import wait_until
 from kvfleet.contract.block_hash import external_block_hash
+from kvfleet.contract.errors import MESSAGES_PATH
 from kvfleet.contract.tokenizer_files import TOKENIZER_FILES_PATH
 from kvfleet.gateway import model_tokenizers
 from kvfleet.gateway.model_tokenizers import ModelTokenizers
@@ -185,31 +186,59 @@ def test_the_gateways_hashes_are_the_engines_with_and_without_an_adapter(
         assert not set(blocks(block_size, 0)) & set(blocks(block_size, LORA_INT_ID))
 
 
-def test_a_responses_prompt_is_hashed_as_the_engine_announces_its_blocks(
-    server: ServerProcess, fetched: ModelPrompts, api_server_events_port: int
+# A conversation with a call and its answer, asked through the Responses API and through the Messages API.
+RESPONSES_BODY: dict[str, Any] = {
+    "model": "tiny",
+    "instructions": SYSTEM,
+    "input": [
+        {"type": "message", "role": "user", "content": "What is the weather in Oslo?"},
+        {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": '{"city": "Oslo"}'},
+        {"type": "function_call_output", "call_id": "c1", "output": "Rain, 4 degrees."},
+    ],
+    "tools": [{"type": "function", **TOOLS[0]["function"]}],
+    # The tools are rendered into the prompt all the same; "auto" would need a parser on the server.
+    "tool_choice": "none",
+    "max_output_tokens": 1,
+}
+WEATHER = TOOLS[0]["function"]
+MESSAGES_BODY: dict[str, Any] = {
+    "model": "tiny",
+    "system": SYSTEM,
+    "messages": [
+        {"role": "user", "content": "What is the weather in Oslo?"},
+        {
+            "role": "assistant",
+            "content": [{"type": "tool_use", "id": "c1", "name": "get_weather", "input": {"city": "Oslo"}}],
+        },
+        {
+            "role": "user",
+            "content": [{"type": "tool_result", "tool_use_id": "c1", "content": "Rain, 4 degrees."}],
+        },
+    ],
+    "tools": [
+        {
+            "name": WEATHER["name"],
+            "description": WEATHER["description"],
+            "input_schema": WEATHER["parameters"],
+        }
+    ],
+    "tool_choice": {"type": "none"},
+    "max_tokens": 1,
+}
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [(RESPONSES_PATH, RESPONSES_BODY), (MESSAGES_PATH, MESSAGES_BODY)],
+    ids=["responses", "messages"],
+)
+def test_a_conversation_of_another_api_is_hashed_as_the_engine_announces_its_blocks(
+    server: ServerProcess, fetched: ModelPrompts, api_server_events_port: int, path: str, body: dict[str, Any]
 ) -> None:
-    """A Responses API request (instructions, a conversation of input items with a function call and its
-    output, a tenant's cache_salt) hashed as the chat the replica answers it with: the blocks the engine's
-    KV events announce for it. A salt of its own for each try: blocks already cached are not announced
-    again, and the subscription starts receiving some time after it connects."""
-    body: dict[str, Any] = {
-        "model": "tiny",
-        "instructions": SYSTEM,
-        "input": [
-            {"type": "message", "role": "user", "content": "What is the weather in Oslo?"},
-            {
-                "type": "function_call",
-                "call_id": "c1",
-                "name": "get_weather",
-                "arguments": '{"city": "Oslo"}',
-            },
-            {"type": "function_call_output", "call_id": "c1", "output": "Rain, 4 degrees."},
-        ],
-        "tools": [{"type": "function", **TOOLS[0]["function"]}],
-        # The tools are rendered into the prompt all the same; "auto" would need a parser on the server.
-        "tool_choice": "none",
-        "max_output_tokens": 1,
-    }
+    """A Responses or Messages API request (a system prompt, a conversation with a call and its answer, a
+    tenant's cache_salt) hashed as the chat the replica answers it with: the blocks the engine's KV events
+    announce for it. A salt of its own for each try: blocks already cached are not announced again, and the
+    subscription starts receiving some time after it connects."""
     context = zmq.Context()
     subscriber = context.socket(zmq.SUB)
     subscriber.setsockopt(zmq.SUBSCRIBE, b"")
@@ -217,11 +246,9 @@ def test_a_responses_prompt_is_hashed_as_the_engine_announces_its_blocks(
     decoder = msgspec.msgpack.Decoder(KVEventBatch)
     try:
         for attempt in range(20):
-            salted = {**body, "cache_salt": f"responses-{attempt}"}
-            expected = list(_blocks(fetched, RESPONSES_PATH, salted)(SERVER_BLOCK_SIZE, 0))
-            answer = httpx.post(
-                f"{server.url}{RESPONSES_PATH}", json=salted, headers=server.headers(), timeout=60
-            )
+            salted = {**body, "cache_salt": f"{path}-{attempt}"}
+            expected = list(_blocks(fetched, path, salted)(SERVER_BLOCK_SIZE, 0))
+            answer = httpx.post(f"{server.url}{path}", json=salted, headers=server.headers(), timeout=60)
             assert answer.status_code == 200, answer.text
             announced: list[int] = []
             while not set(expected) <= set(announced) and subscriber.poll(2000):
