@@ -24,6 +24,7 @@ from kvfleet.runtime.list_options import ListOption
 from kvfleet.runtime.multimodal.media_sources import IPNetwork, MediaOrigin, parse_networks, parse_origins
 from kvfleet.runtime.pooler_config import GENERATE, Convert, PoolerConfig, Runner, pooler_config, served_tasks
 from kvfleet.runtime.quantization.config import folder_weight_quantization
+from kvfleet.runtime.reasoning.think_tags import END_TAG, START_TAG
 from kvfleet.runtime.speculative_config import SpeculativeConfig
 from kvfleet.runtime.structured_outputs.config import StructuredOutputsConfig
 
@@ -337,6 +338,17 @@ class EngineConfig:
         "that is not given.",
         default=None,
     )
+    reasoning_parser: str | None = _option(
+        "How answers split into reasoning (a chat message's reasoning_content) and content, and where a "
+        "request's thinking_token_budget counts from: qwen3 or deepseek_r1.",
+        default=None,
+    )
+    reasoning_config: dict[str, Any] | None = _option(
+        'vLLM\'s JSON: {"reasoning_start_str": ..., "reasoning_end_str": ...}: the text that opens a '
+        "reasoning, and the text a request's thinking_token_budget writes once it is spent (by default the "
+        "reasoning parser's tags, <think> and </think>).",
+        default=None,
+    )
     structured_outputs_compile_timeout: float = _option(
         "Seconds a structured-output grammar may take to compile; past them its request alone fails (a 400) "
         "and its compilation is killed.",
@@ -416,7 +428,7 @@ class EngineConfig:
         self._check_kv_transfer()
         self._check_sleep_mode()
         self.kv_events()  # raises ValueError naming what is wrong
-        self.structured_outputs()  # likewise
+        self.reasoning_strings()  # likewise, and the structured outputs config too
         pooler = self.pooler()  # likewise
         if pooler.refusal is not None and GENERATE not in served_tasks(self.runner, self.convert):
             raise ValueError(f"the server would serve embeddings only, which it cannot: {pooler.refusal}")
@@ -562,6 +574,28 @@ class EngineConfig:
         if self.structured_outputs_config is None:
             return StructuredOutputsConfig()
         return StructuredOutputsConfig.parse(self.structured_outputs_config)
+
+    def reasoning_parser_name(self) -> str | None:
+        """As vLLM has it: reasoning_parser, else the structured outputs config's."""
+        return self.reasoning_parser or self.structured_outputs().reasoning_parser
+
+    def reasoning_strings(self) -> tuple[str, str] | None:
+        """The text that opens a reasoning and the text that ends one whose thinking_token_budget is spent:
+        reasoning_config's, else the reasoning parser's tags; None where neither says. Raises ValueError for
+        a reasoning_config of other fields."""
+        config = self.reasoning_config or {}
+        unknown = sorted(set(config) - {"reasoning_start_str", "reasoning_end_str"})
+        if unknown:
+            raise ValueError(
+                f"reasoning_config: {unknown[0]!r} is not one of reasoning_start_str and reasoning_end_str"
+            )
+        for name, value in config.items():
+            if not isinstance(value, str) or not value:
+                raise ValueError(f"reasoning_config: {name} must be a non-empty string")
+        tags = (START_TAG, END_TAG) if self.reasoning_parser_name() else ("", "")
+        start = config.get("reasoning_start_str") or tags[0]
+        end = config.get("reasoning_end_str") or tags[1]
+        return (start, end) if start and end else None
 
     def mm_limits(self) -> dict[str, int]:
         """How many items of each modality one prompt may carry."""

@@ -112,6 +112,9 @@ class SamplingParams:
     # vLLM's: a stream hands out this request's new tokens once this many are waiting (its first and its
     # last at once), raised to the engine's --stream-interval if below it. None: the engine's.
     stream_interval: int | None = None
+    # vLLM's: the most tokens a reasoning may take; once spent, the reasoning's end is written
+    # (kvfleet.runtime.worker.thinking_budget). -1 or None: no limit.
+    thinking_token_budget: int | None = None
 
     def __post_init__(self) -> None:
         if self.stop is None:
@@ -123,6 +126,12 @@ class SamplingParams:
         self.stop_token_ids = [] if self.stop_token_ids is None else list(self.stop_token_ids)
         if self.top_k == -1:
             self.top_k = 0
+        if self.thinking_token_budget == -1:
+            self.thinking_token_budget = None
+        if self.thinking_token_budget is not None:
+            _require_int("thinking_token_budget", self.thinking_token_budget)
+            budget = self.thinking_token_budget
+            _require(budget >= 0, "thinking_token_budget", f"must be -1 (no limit) or more, got {budget}")
         self._validate()
         if self.greedy:
             # As vLLM's: greedy sampling takes the likeliest token, which no filter would remove.

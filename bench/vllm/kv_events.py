@@ -48,7 +48,7 @@ def free_port() -> int:
 
 @contextmanager
 def process_group(
-    command: list[str], log: Path, env: dict[str, str] | None = None
+    command: list[str], log: Path, env: dict[str, str] | None = None, cwd: Path | None = None
 ) -> Iterator[subprocess.Popen]:
     """The command in a process group of its own, stopped (TERM, then KILL) with all its children on exit."""
     with log.open("wb") as output:
@@ -57,6 +57,7 @@ def process_group(
             stdout=output,
             stderr=subprocess.STDOUT,
             env={**os.environ, **(env or {})},
+            cwd=cwd,
             start_new_session=True,
         )
         try:

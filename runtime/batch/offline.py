@@ -467,6 +467,7 @@ async def _answer_all(
         served_model_name=served_model_name,
         default_sampling_params=defaults,
         max_tokens_limit=max_tokens_limit(config.generation_config, defaults),
+        reasoning_parser=config.reasoning_parser_name(),
     )
     started = time.monotonic()
     async with InProcessEngine(engine) as in_process:

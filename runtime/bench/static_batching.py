@@ -27,7 +27,7 @@ class StaticBatchingEngineCore(EngineCore):
 
     def add_request(self, add: AddRequest) -> None:
         try:
-            self.validate_prompt(add.prompt_token_ids, add.sampling_params.stop_token_ids or [])
+            self.validate_prompt(add.prompt_token_ids, add.sampling_params)
         except InvalidRequestError as error:
             self._errors.append(RequestError(add.request_id, error.kind, str(error)))
             return

@@ -451,6 +451,6 @@ def _num_prefilled(resumed: dict[int, ResumedSequence]) -> int:
 def _load_tokenizer(config: EngineConfig) -> Any:
     # Imported here, on a tokenizer thread: importing transformers takes seconds the event loop cannot spare.
     with STARTUP_PHASES.phase("tokenizer"):
-        from kvfleet.runtime.engine.tokenizer import load_tokenizer
+        from kvfleet.runtime.tokenizer import load_tokenizer
 
         return load_tokenizer(config)

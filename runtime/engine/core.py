@@ -53,6 +53,7 @@ from kvfleet.runtime.lora.request import LoRARequest
 from kvfleet.runtime.multimodal.inputs import ModalitySpec
 from kvfleet.runtime.multimodal.prompt_media import modality_specs
 from kvfleet.runtime.request import Request, RequestStatus
+from kvfleet.runtime.sampling_params import SamplingParams
 from kvfleet.runtime.spec_decode.speculator import Speculator, make_proposer
 
 logger = logging.getLogger(__name__)
@@ -140,6 +141,8 @@ class EngineCore:
             )
         )
         self._arrival_handlers = self._make_arrival_handlers()
+        # Whether a reasoning's start and end are configured: what a thinking_token_budget counts and writes.
+        self.reasons = config.reasoning_strings() is not None
         # Sleep mode: the level the engine sleeps at (0: awake), the level it falls asleep at once the
         # requests in it finish, and what a wake-up has still to take back.
         self.sleep_level = 0
@@ -304,11 +307,19 @@ class EngineCore:
 
     # ---- requests -------------------------------------------------------------------------------
 
-    def validate_prompt(self, prompt_token_ids: list[int], stop_token_ids: list[int]) -> None:
+    def validate_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raises InvalidRequestError for input the engine cannot serve."""
         check_prompt_token_ids(
-            prompt_token_ids, stop_token_ids, vocab_size=self.vocab_size, max_model_len=self.max_model_len
+            prompt_token_ids,
+            params.stop_token_ids or [],
+            vocab_size=self.vocab_size,
+            max_model_len=self.max_model_len,
         )
+        if params.thinking_token_budget is not None and not self.reasons:
+            raise InvalidRequestError(
+                "thinking_token_budget needs the engine started with a reasoning parser "
+                "(--reasoning-parser) or --reasoning-config, which say where a reasoning starts and ends"
+            )
 
     def add_request(self, add: AddRequest) -> None:
         """Admit a sequence, or answer it with a RequestError in the next step's outputs."""
@@ -317,7 +328,7 @@ class EngineCore:
             self._refuse(add.request_id, None, EngineSleepingError.kind, "the engine sleeps until woken up")
             return
         try:
-            self.validate_prompt(add.prompt_token_ids, add.sampling_params.stop_token_ids or [])
+            self.validate_prompt(add.prompt_token_ids, add.sampling_params)
             if add.cache_salt is not None:
                 check_cache_salt(add.cache_salt)
             if add.resumed_token_ids:

@@ -15,7 +15,6 @@ from kvfleet.runtime.engine.core import EngineCore
 from kvfleet.runtime.engine.output_processor import OutputProcessor
 from kvfleet.runtime.engine.outputs import OutputKind, RequestOutput
 from kvfleet.runtime.engine.sequences import ResumedSequence, sequence_ids, sequence_requests
-from kvfleet.runtime.engine.tokenizer import load_tokenizer
 from kvfleet.runtime.errors import InvalidRequestError
 from kvfleet.runtime.generation_config import other_end_token_ids
 from kvfleet.runtime.lora.request import LoRARequest
@@ -23,6 +22,7 @@ from kvfleet.runtime.multimodal.inputs import MultiModalFeature
 from kvfleet.runtime.multimodal.prompt_media import PromptMedia
 from kvfleet.runtime.request import FinishReason
 from kvfleet.runtime.sampling_params import SamplingParams
+from kvfleet.runtime.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ class LLMEngine:
 
     def validate_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raises InvalidRequestError (a ValueError) for input the engine cannot serve."""
-        self.engine_core.validate_prompt(prompt_token_ids, params.stop_token_ids or [])
+        self.engine_core.validate_prompt(prompt_token_ids, params)
 
     def add_request(
         self,

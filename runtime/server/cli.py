@@ -554,12 +554,6 @@ def _api_key(ctx: click.Context, param: click.Parameter, value: str | None) -> s
     help="The KV cache's dtype, by vLLM's names: auto (the model's dtype) is the only one kvfleet keeps; "
     "fp8 and the others are refused with the reason.",
 )
-@click.option(
-    "--reasoning-parser",
-    default=None,
-    help="How chat answers split into reasoning (the message's reasoning_content) and content: qwen3 or "
-    "deepseek_r1.",
-)
 @engine_options
 def serve(model_tag: str | None, model: str | None, host: str, port: int, **options: Any) -> None:
     """Serve MODEL (a model folder, or a Hub id fetched into the Hugging Face cache first) over an
@@ -596,8 +590,7 @@ def serve(model_tag: str | None, model: str | None, host: str, port: int, **opti
                 check_parallel_config(config)
         except ValueError as exc:
             raise click.UsageError(str(exc)) from exc
-    # As vLLM has it: the flag, else the structured outputs config's.
-    options["reasoning_parser"] = options["reasoning_parser"] or config.structured_outputs().reasoning_parser
+    options["reasoning_parser"] = config.reasoning_parser_name()
     if options["reasoning_parser"] is not None:
         _check_reasoning_parser(options["reasoning_parser"], Path(config.tokenizer or config.model))
     if config.node_rank > 0:

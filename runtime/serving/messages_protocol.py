@@ -7,9 +7,10 @@ A conversation that ends with an assistant message is continued from that messag
 prefill): the answer goes on with it, as chat's `continue_final_message` does. Earlier turns' thinking blocks
 are left out of the prompt, as Anthropic's API leaves them out of the context.
 
-What would change the answer but is not served is refused by name (400): thinking budgets (kvfleet enforces
-none; `adaptive` and `disabled` are served), server tools, and block types other than text, image,
-tool_use, tool_result and thinking.
+Thinking `enabled` with its `budget_tokens` is vLLM's thinking_token_budget (served where the engine has a
+reasoning parser), `disabled` switches the chat template's thinking off, `adaptive` leaves it to the model.
+What would change the answer but is not served is refused by name (400): server tools, and block types other
+than text, image, tool_use, tool_result and thinking.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from kvfleet.runtime.serving.errors import validation_error
 from kvfleet.runtime.serving.protocol import Body, ChatCompletionRequest, FiniteFloat, RequestBody
 from pydantic import ConfigDict, Field, StrictBool, StrictInt, ValidationError
 
+# Anthropic's least thinking budget.
+MIN_THINKING_BUDGET = 1024
 # Anthropic's reasoning efforts, which chat's reasoning_effort takes as they are.
 Effort = Literal["low", "medium", "high", "xhigh", "max"]
 
@@ -99,11 +102,12 @@ class CountTokensRequest(RequestBody):
         self.refuse_unsupported()
         if not self.messages:
             raise BadRequestError("messages must not be empty", param="messages")
-        if self.thinking is not None and self.thinking.type == "enabled":
+        thinking = self.thinking
+        enabled = thinking is not None and thinking.type == "enabled"
+        if enabled and (thinking.budget_tokens or 0) < MIN_THINKING_BUDGET:  # type: ignore[union-attr]
             raise BadRequestError(
-                "thinking budgets are not supported: send thinking type adaptive (the model thinks as it "
-                "does) or disabled",
-                param="thinking.type",
+                f"thinking of type enabled needs budget_tokens of at least {MIN_THINKING_BUDGET}",
+                param="thinking.budget_tokens",
             )
         names = set()
         for index, tool in enumerate(self.tools or []):
@@ -163,6 +167,8 @@ class CountTokensRequest(RequestBody):
                 "type": "json_schema",
                 "json_schema": {"name": "output", "schema": output.format.json_schema},
             }
+        if self.thinking is not None and self.thinking.type == "enabled":
+            body["thinking_token_budget"] = self.thinking.budget_tokens
         if self.thinking is not None and self.thinking.type == "disabled":
             body["reasoning_effort"] = "none"
         elif output is not None and output.effort is not None:
@@ -189,6 +195,16 @@ class MessagesRequest(CountTokensRequest):
     # kvfleet's, as on the other routes: an SLA tier name or its integer, and a deadline in seconds.
     priority: StrictInt | str | None = None
     timeout: Annotated[FiniteFloat, Field(gt=0)] | None = None
+
+    def check(self) -> None:
+        super().check()
+        thinking = self.thinking
+        enabled = thinking is not None and thinking.type == "enabled"
+        if enabled and thinking.budget_tokens is not None and thinking.budget_tokens >= self.max_tokens:
+            raise BadRequestError(
+                "thinking.budget_tokens must be less than max_tokens, which counts the thinking too",
+                param="thinking.budget_tokens",
+            )
 
     def chat_request(self) -> ChatCompletionRequest:
         body = {

@@ -80,7 +80,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
     "chat_template": (None,),
     "chat_template_kwargs": (None, {}),
     "documents": (None,),
-    "thinking_token_budget": (None,),
     # Implemented on /v1/chat/completions only.
     "include_reasoning": (None, True),
     "watermarking": (None, False),
@@ -278,6 +277,9 @@ class _GenerationRequest(RequestBody):
     truncation_side: Side | None = None
     # vLLM's: streamed tokens handed out this many at a time (the first and the last at once).
     stream_interval: StrictInt | None = None
+    # vLLM's: the most tokens the model's reasoning may take, its end written once they are spent (-1: no
+    # limit); served where the engine has a reasoning parser or --reasoning-config.
+    thinking_token_budget: StrictInt | None = None
     # vLLM's: each prompt token's log probability after the first, with this many of the likeliest tokens in
     # its place and their ranks (answered whole: not with stream).
     prompt_logprobs: StrictInt | None = None
@@ -372,6 +374,7 @@ class _GenerationRequest(RequestBody):
             "allowed_token_ids": self.allowed_token_ids,
             "bad_words": self.bad_words,
             "stream_interval": self.stream_interval,
+            "thinking_token_budget": self.thinking_token_budget,
             "extra_args": None
             if self.kv_transfer_params is None
             else {KV_TRANSFER_PARAMS: self.kv_transfer_params},
@@ -407,6 +410,7 @@ class _GenerationRequest(RequestBody):
                 ("frequency_penalty", self.frequency_penalty, (None, 0.0)),
                 ("repetition_penalty", self.repetition_penalty, (None, 1.0)),
                 ("prompt_logprobs", self.prompt_logprobs, (None,)),
+                ("thinking_token_budget", self.thinking_token_budget, (None, -1)),
             )
             if value not in neutral
         ]

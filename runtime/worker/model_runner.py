@@ -37,6 +37,7 @@ from kvfleet.runtime.worker.prompt_logprobs import score_prompt_rows
 from kvfleet.runtime.worker.prompt_pooling import PromptPooler
 from kvfleet.runtime.worker.sampler import Sampler, SpeculativeBatch
 from kvfleet.runtime.worker.step_inputs import StepInputs
+from kvfleet.runtime.worker.thinking_budget import ThinkingBudgets
 from torch import nn
 
 logger = logging.getLogger(__name__)
@@ -112,7 +113,7 @@ class ModelRunner:
         self.num_host_kv_blocks = 0
         # The host-memory tier's blocks, in the device cache's layout (pinned on CUDA); empty without one.
         self.host_kv_caches: list[torch.Tensor] = []
-        self.sampler = Sampler(self.device, config.seed, config.logprobs_mode)
+        self.sampler = Sampler(self.device, config.seed, config.logprobs_mode, _thinking_budgets(config))
         self.prompt_pooler = PromptPooler()
         # The worker-side half of disaggregated prefill and decode's KV connector; None without one.
         kv_transfer = config.kv_transfer()
@@ -601,3 +602,16 @@ def _release_freed_memory(device: torch.device) -> None:
         torch.cuda.empty_cache()
     with contextlib.suppress(OSError, AttributeError):  # not glibc: nothing to trim
         ctypes.CDLL(None).malloc_trim(0)
+
+
+def _thinking_budgets(config: EngineConfig) -> ThinkingBudgets | None:
+    """The reasoning's start and end tokens, as the model's tokenizer encodes the reasoning strings; None
+    where the engine has none (a request with a thinking_token_budget is then refused)."""
+    strings = config.reasoning_strings()
+    if strings is None:
+        return None
+    from kvfleet.runtime.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(config)
+    start, end = (tokenizer.encode(text, add_special_tokens=False) for text in strings)
+    return ThinkingBudgets(start, end)

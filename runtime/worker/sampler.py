@@ -2,7 +2,8 @@
 
 Order (vLLM's): the tokens structured outputs' grammars forbid are masked; the raw logprobs (of the logits as
 the model gave them, within the grammar); allowed_token_ids, bad_words and logit_bias; min_tokens masking of
-eos and stop ids; repetition, frequency and presence penalties; greedy rows (temperature below
+eos and stop ids; repetition, frequency and presence penalties; a spent thinking_token_budget's forced token
+(kvfleet.runtime.worker.thinking_budget); greedy rows (temperature below
 GREEDY_TEMPERATURE) take the argmax; other rows are divided by their temperature, then filtered by min_p,
 top_k and top_p, and sampled by inverting their cumulative distribution at one uniform draw per row (cheaper
 on a CPU than noise over the whole vocabulary); the processed logprobs (of the logits as they were sampled
@@ -28,6 +29,7 @@ from kvfleet.runtime.request import Request
 from kvfleet.runtime.sampling_params import SamplingParams
 from kvfleet.runtime.structured_outputs.masks import GrammarMasks
 from kvfleet.runtime.structured_outputs.token_rules import apply_token_rules
+from kvfleet.runtime.worker.thinking_budget import ThinkingBudgets
 
 # Top-p looks for its cut among this many most likely tokens first, and sorts a row only when it is wider.
 _TOP_P_CANDIDATES = 256
@@ -107,18 +109,29 @@ class SamplerOutput:
 
 
 class Sampler:
-    def __init__(self, device: torch.device, seed: int, logprobs_mode: LogprobsMode = "raw_logprobs") -> None:
+    def __init__(
+        self,
+        device: torch.device,
+        seed: int,
+        logprobs_mode: LogprobsMode = "raw_logprobs",
+        thinking_budgets: ThinkingBudgets | None = None,
+    ) -> None:
+        """`thinking_budgets`: the reasoning's tokens, where the engine has a reasoning config."""
         self.device = device
         self.logprobs_mode = logprobs_mode
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self._request_generators: dict[str, torch.Generator] = {}
         self.grammar_masks = GrammarMasks(fill_during_forward=device.type != "cpu")
+        self.thinking_budgets = thinking_budgets
 
     def forget(self, request_ids: Iterable[str]) -> None:
         """Drop the generators of finished requests. Preempted requests keep theirs: when one resumes, its
         random stream continues where it stopped, so its tokens are those of an uninterrupted run."""
+        request_ids = list(request_ids)
         for request_id in request_ids:
             self._request_generators.pop(request_id, None)
+        if self.thinking_budgets is not None:
+            self.thinking_budgets.forget(request_ids)
 
     def prepare(self, requests: Sequence[Request]) -> None:
         """What can be done for these requests' sampling before their logits exist, started on a thread
@@ -136,6 +149,7 @@ class Sampler:
         apply_token_rules(logits, requests)
         self._mask_stop_tokens_before_min_tokens(logits, requests)
         self._apply_penalties(logits, requests)
+        self._force_thinking_ends(logits, requests)
         greedy = [p.greedy for p in params]
         token_ids = logits.argmax(dim=-1) if all(greedy) else self._sample(logits, requests, greedy)
         if scores is None:
@@ -158,6 +172,7 @@ class Sampler:
         apply_token_rules(logits, rows)
         self._mask_stop_tokens_before_min_tokens(logits, rows)
         self._apply_penalties(logits, rows)
+        self._force_thinking_ends(logits, rows)
         greedy = [p.greedy for p in params]
         targets = logits.argmax(dim=-1).tolist() if any(greedy) else []
         probs = None
@@ -277,6 +292,11 @@ class Sampler:
             return logits.clone()
         return torch.log_softmax(logits, dim=-1)
 
+    def _force_thinking_ends(self, logits: torch.Tensor, rows: Sequence[Request | DraftPosition]) -> None:
+        budgets = [row.sampling_params.thinking_token_budget for row in rows]
+        if self.thinking_budgets is not None and any(budget is not None for budget in budgets):
+            self.thinking_budgets.force(logits, rows, budgets)
+
     def _mask_stop_tokens_before_min_tokens(self, logits: torch.Tensor, requests: Sequence[Request]) -> None:
         rows: list[int] = []
         columns: list[int] = []
@@ -392,14 +412,15 @@ def _accept_greedy(draft_token_ids: list[list[int]], targets: list[int]) -> list
 
 
 def _plain_greedy(request: Request | DraftPosition) -> bool:
-    """Greedy with nothing to apply first: no logprobs, penalties, grammar or token rules, and min_tokens
-    already reached."""
+    """Greedy with nothing to apply first: no logprobs, penalties, grammar, token rules or thinking budget,
+    and min_tokens already reached."""
     params = request.sampling_params
     return (
         params.greedy
         and request.grammar is None
         and request.token_rules is None
         and params.logprobs is None
+        and params.thinking_token_budget is None
         and request.num_output_tokens >= params.min_tokens
         and not _has_penalties(params)
     )

@@ -36,7 +36,6 @@ from kvfleet.gateway.requests import CHAT_PATH, COMPLETIONS_PATH, RESPONSES_PATH
 from kvfleet.runtime.chat_prompt import chat_prompt_token_ids, sample_token_ids
 from kvfleet.runtime.config import EngineConfig
 from kvfleet.runtime.core.kv_cache_utils import extend_block_hashes
-from kvfleet.runtime.engine.tokenizer import load_tokenizer
 from kvfleet.runtime.lora.request import LoRARequest
 from kvfleet.runtime.models.model_config import ModelConfig
 from kvfleet.runtime.models.rope import rope_cache_salt
@@ -46,6 +45,7 @@ from kvfleet.runtime.sampling_params import SamplingParams
 from kvfleet.runtime.server.tokenizer_files import tokenizer_files
 from kvfleet.runtime.serving.media import load_chat_media
 from kvfleet.runtime.serving.protocol import ChatMessage, template_messages
+from kvfleet.runtime.tokenizer import load_tokenizer
 from PIL import Image
 from vllm_kv_events import BlockStored, KVEventBatch
 

@@ -199,7 +199,13 @@ def _token_ids(rendered: Any) -> list[int]:
 @pytest.mark.parametrize(
     ("fields", "param_text"),
     [
-        ({"thinking": {"type": "enabled", "budget_tokens": 2048}}, "thinking budgets"),
+        ({"thinking": {"type": "enabled", "budget_tokens": 2048}}, "less than max_tokens"),
+        ({"thinking": {"type": "enabled", "budget_tokens": 100}, "max_tokens": 2000}, "at least 1024"),
+        # The shared server has no reasoning parser: its engine has no reasoning to count.
+        (
+            {"thinking": {"type": "enabled", "budget_tokens": 1024}, "max_tokens": 2000},
+            "thinking_token_budget needs the engine started with a reasoning parser",
+        ),
         (
             {"tools": [{"type": "web_search_20250305", "name": "web_search", "input_schema": {}}]},
             "server tool",
@@ -300,6 +306,21 @@ def test_blocks_become_the_chat_messages_they_mean() -> None:
     ]
     assert (chat.tool_choice, chat.parallel_tool_calls, chat.reasoning_effort) == ("required", False, "none")
     assert chat.add_generation_prompt and not chat.continue_final_message
+
+
+def test_a_thinking_budget_is_vllms_thinking_token_budget() -> None:
+    thinking = {"type": "enabled", "budget_tokens": 1500}
+    body = MessagesRequest.model_validate(
+        {
+            "model": MODEL,
+            "max_tokens": 2000,
+            "thinking": thinking,
+            "messages": [{"role": "user", "content": "Hi"}],
+        }
+    )
+    body.check()
+    chat = body.chat_request()
+    assert chat.thinking_token_budget == 1500 and chat.sampling_params().thinking_token_budget == 1500
 
 
 def _image(data: str) -> dict[str, Any]:

@@ -190,6 +190,27 @@ def _call(name: str, arguments: dict[str, Any]) -> str:
     return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
 
 
+def test_a_thinking_token_budget_ends_the_reasoning_once_spent(client: openai.OpenAI, tokenizer: Any) -> None:
+    """vLLM's thinking_token_budget on a prompt that opens the reasoning: the answer is the one without a
+    budget up to the budget, then </think>."""
+    start_id, end_id = _tag_ids(tokenizer)
+    # The random model may close its reasoning itself: kept from it by a bias it cannot outweigh.
+    asked = {
+        "prompt": [17, 42, start_id],
+        "max_tokens": 8,
+        "temperature": 0.0,
+        "logit_bias": {str(end_id): -100},
+    }
+
+    def token_ids(**extra: Any) -> list[int]:
+        body = {"return_token_ids": True, **extra}
+        completion = client.completions.create(model=MODEL_NAME, **asked, extra_body=body)  # type: ignore[call-overload]
+        return completion.choices[0].token_ids  # type: ignore[attr-defined]
+
+    free, budgeted = token_ids(), token_ids(thinking_token_budget=3)
+    assert end_id not in free and budgeted[:4] == [*free[:3], end_id]
+
+
 def test_tool_calls_are_read_from_the_content_alone(tokenizer: Any) -> None:
     """A call written in the reasoning stays reasoning; the one in the content is the answer's call, whole
     and streamed (the route fed the output token by token)."""

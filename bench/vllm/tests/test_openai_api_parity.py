@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
@@ -256,7 +256,9 @@ def _both_serving(model: Path, logs: Path, ipc: Path, *flags: str) -> Iterator[d
             port = free_port()
             command = [*command, "--host", "127.0.0.1", "--port", str(port)]
             env = vllm_env if name == "vllm" else None
-            process = stack.enter_context(process_group(command, logs / f"{name}.log", env))
+            # Outside the repository, whose operator/ would stand for the standard library's module in the
+            # subprocess vLLM inspects a model's architecture in.
+            process = stack.enter_context(process_group(command, logs / f"{name}.log", env, cwd=logs))
             url = f"http://127.0.0.1:{port}"
             wait_for(name, lambda url=url: httpx.get(f"{url}/health").status_code == 200, 600, process)
             urls[name] = url
@@ -364,3 +366,37 @@ def test_a_chat_echo_scores_its_prompt_when_asked(servers: dict[str, str]) -> No
 @pytest.mark.parametrize("case", list(POOLING_CASES))
 def test_kvfleet_pools_as_vllm_does(pooling_servers: dict[str, str], case: str) -> None:
     assert _differences(*_answers(pooling_servers, *POOLING_CASES[case])) == []
+
+
+@pytest.fixture(scope="module")
+def reasoning_servers(
+    make_small_model: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[dict[str, str], Path]]:
+    """Both servers on a small Qwen3 (whose tokenizer has <think> and </think>) with Qwen3's reasoning
+    parser."""
+    model = make_small_model("small-qwen3", "--arch", "qwen3")
+    logs, ipc = tmp_path_factory.mktemp("parity-reasoning-logs"), tmp_path_factory.mktemp("ipc")
+    with _both_serving(model, logs, ipc, "--reasoning-parser", "qwen3") as urls:
+        yield urls, model
+
+
+def test_a_thinking_token_budget_ends_the_reasoning_where_vllms_does(
+    reasoning_servers: tuple[dict[str, str], Path],
+) -> None:
+    """Prompts that open the reasoning at their end or before it (its tokens after the start count), and a
+    budget of none; the random model kept from ending its reasoning itself by a bias on </think>."""
+    urls, model = reasoning_servers
+    vocabulary = json.loads((model / "tokenizer.json").read_text())["added_tokens"]
+    ids = {token["content"]: token["id"] for token in vocabulary}
+    start, end = ids["<think>"], ids["</think>"]
+    for prompt, budget in (([17, 42, start], 3), ([17, start, 5, 6], 4), ([17, 42, start], 0)):
+        body = {
+            "prompt": prompt,
+            "max_tokens": 8,
+            "thinking_token_budget": budget,
+            "logit_bias": {str(end): -100},
+            "return_token_ids": True,
+        }
+        theirs, ours = _answers(urls, "/v1/completions", body)
+        assert end in ours["choices"][0]["token_ids"]
+        assert _differences(theirs, ours) == []

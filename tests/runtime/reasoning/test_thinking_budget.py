@@ -1,13 +1,20 @@
 """The thinking budget's forced tokens (runtime.worker.thinking_budget): hand-worked cases, and random token
-histories against a direct reading of the rule (each step's tokens read from the start, no scan kept)."""
+histories against a direct reading of the rule (each step's tokens read from the start, no scan kept); then
+in the engine, against the same requests run without a budget (whose tokens the model tests hold to
+Transformers), plainly and with speculative decoding."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from kvfleet.runtime import LLM, SamplingParams
+from kvfleet.runtime.config import EngineConfig
 from kvfleet.runtime.worker.thinking_budget import ThinkingBudgets
 
 START, END = [1], [2, 3, 4]
@@ -99,3 +106,80 @@ def test_the_kept_scan_agrees_with_the_rule_read_from_the_start(
     for length in range(len(output) + 1):
         row = Tokens(prompt, output[:length])
         assert forced(budgets, [row], budget) == [_direct(prompt, output[:length], budget)]
+
+
+# ---- the engine: a budget spent in the model's own tokens -------------------------------------------------
+
+ENGINE = {"dtype": "float32", "max_model_len": 256, "num_gpu_blocks_override": 64}
+
+
+@pytest.fixture(scope="module")
+def thinker(make_model: Callable[..., Path]) -> LLM:
+    """A made Qwen3 model, whose tokenizer has <think> and </think>, under its reasoning parser."""
+    return LLM(str(make_model("qwen3", "tiny")), reasoning_parser="qwen3", **ENGINE)  # type: ignore[arg-type]
+
+
+def _tags(llm: LLM) -> tuple[int, int]:
+    start, end = llm.get_tokenizer().convert_tokens_to_ids(["<think>", "</think>"])
+    return start, end
+
+
+def _run(llm: LLM, prompts: list[list[int]], budget: int | None, end: int) -> list[list[int]]:
+    # The random model may end its reasoning itself: kept from it by a bias it cannot outweigh.
+    params = SamplingParams(
+        temperature=0.0, max_tokens=10, ignore_eos=True, logit_bias={end: -100}, thinking_token_budget=budget
+    )
+    return [list(output.outputs[0].token_ids) for output in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def test_a_spent_budget_writes_the_reasoning_end_where_the_free_run_went_on(thinker: LLM) -> None:
+    start, end = _tags(thinker)
+    # Reasoning opened by the prompt's last token, and three tokens before the prompt's end.
+    prompts = [[100, 200, start], [100, start, 300, 301, 302], [100, 200, 300]]
+    free = _run(thinker, prompts, None, end)
+    budgeted = _run(thinker, prompts, 4, end)
+    # The first reasons 4 tokens of its output, the second 1 more after its prompt's 3; the third never
+    # reasons, and its budget has nothing to cut.
+    assert budgeted[0][:5] == [*free[0][:4], end]
+    assert budgeted[1][:2] == [free[1][0], end]
+    assert budgeted[2] == free[2]
+    assert end not in free[0] + free[1]
+
+
+def test_speculative_decoding_cuts_the_reasoning_where_plain_decoding_does(
+    thinker: LLM, make_model: Callable[..., Path]
+) -> None:
+    start, end = _tags(thinker)
+    # A passage repeated, so that the n-gram proposer drafts from it.
+    passage = [100, 200, 300, 400]
+    prompts = [[*passage, *passage, start, *passage], [*passage, start]]
+    config = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    speculating = LLM(
+        str(make_model("qwen3", "tiny")),
+        reasoning_parser="qwen3",
+        speculative_config=config,
+        **ENGINE,  # type: ignore[arg-type]
+    )
+    for budget in (0, 2, 6):
+        assert _run(speculating, prompts, budget, end) == _run(thinker, prompts, budget, end)
+    assert speculating.llm_engine.engine_core.stats.spec_decode_num_draft_tokens > 0
+
+
+def test_a_budget_without_a_reasoning_config_is_refused(tiny_llama: Path) -> None:
+    llm = LLM(str(tiny_llama), **ENGINE)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="thinking_token_budget needs the engine started with a reasoning"):
+        llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, thinking_token_budget=4), use_tqdm=False)
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"reasoning_config": {"reasoning_start": "<think>"}}, "'reasoning_start' is not one of"),
+        ({"reasoning_config": {"reasoning_end_str": ""}}, "reasoning_end_str must be a non-empty string"),
+    ],
+)
+def test_bad_reasoning_configs_are_refused_naming_the_field(
+    tiny_llama: Path, options: dict[str, object], message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(model=str(tiny_llama), **options)  # type: ignore[arg-type]
