@@ -10,18 +10,16 @@ tools, `stop_sequence` (with the sequence) when one of `stop_sequences` ended it
 
 from __future__ import annotations
 
-import contextlib
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvfleet.contract.errors import OpenAIError
-from kvfleet.runtime.errors import EngineError
 from kvfleet.runtime.serving.chat import ChatRoute
-from kvfleet.runtime.serving.errors import from_engine_error
 from kvfleet.runtime.serving.messages_protocol import CountTokensRequest, MessagesRequest
 from kvfleet.runtime.serving.request import PreparedRequest, RequestHeaders
+from kvfleet.runtime.serving.streams import chat_stream_events
 
 if TYPE_CHECKING:
     from kvfleet.runtime.serving.service import OpenAIService
@@ -90,16 +88,7 @@ class AnthropicServingMessages:
         and the stream ends there."""
         events = _MessageEvents(prepared.request)
         yield events.start()
-        async with contextlib.aclosing(chunks):  # type: ignore[type-var]
-            try:
-                async for chunk in chunks:
-                    for event in events.read(chunk):
-                        yield event
-            except (OpenAIError, EngineError) as raised:
-                error = from_engine_error(raised) if isinstance(raised, EngineError) else raised
-                yield error.anthropic_body()
-                return
-        for event in events.finish():
+        async for event in chat_stream_events(chunks, events.read, events.fail, events.finish):
             yield event
 
 
@@ -241,6 +230,10 @@ class _MessageEvents:
             return []
         self.open = None
         return [{"type": "content_block_stop", "index": self.blocks - 1}]
+
+    def fail(self, error: OpenAIError) -> list[dict[str, Any]]:
+        """A failure mid-stream: Anthropic's error event, which ends the stream."""
+        return [error.anthropic_body()]
 
     def finish(self) -> list[dict[str, Any]]:
         """The open block stopped (an answer of nothing is one empty text block), then the stop reason and

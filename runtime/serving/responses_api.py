@@ -10,7 +10,6 @@ store (--max-stored-responses); without one, as vLLM serves by default, `store` 
 
 from __future__ import annotations
 
-import contextlib
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -23,13 +22,12 @@ from kvfleet.contract.errors import (
     NotFoundError,
     OpenAIError,
 )
-from kvfleet.runtime.errors import EngineError
 from kvfleet.runtime.serving.chat import ChatRoute
-from kvfleet.runtime.serving.errors import from_engine_error
 from kvfleet.runtime.serving.protocol import ChatCompletionRequest, ChatMessage
 from kvfleet.runtime.serving.request import PreparedRequest, Prompt, RequestHeaders
 from kvfleet.runtime.serving.response_store import ResponseStore, StoredResponse
 from kvfleet.runtime.serving.responses_protocol import NamedFunctionChoice, ResponsesRequest
+from kvfleet.runtime.serving.streams import chat_stream_events
 
 if TYPE_CHECKING:
     from kvfleet.runtime.serving.safety import RequestSafety
@@ -212,19 +210,13 @@ class OpenAIServingResponses:
         events = _ResponseEvents(prepared)
         for event in events.start():
             yield event
-        async with contextlib.aclosing(chunks):  # type: ignore[type-var]
-            try:
-                async for chunk in chunks:
-                    for event in events.read(chunk):
-                        yield event
-            except (OpenAIError, EngineError) as raised:
-                error = from_engine_error(raised) if isinstance(raised, EngineError) else raised
-                for event in events.fail(error):
-                    yield event
-                return
-        finished = events.finish()
-        self._keep(prepared, finished[-1]["response"])
-        for event in finished:
+
+        def finish() -> list[dict[str, Any]]:
+            finished = events.finish()
+            self._keep(prepared, finished[-1]["response"])
+            return finished
+
+        async for event in chat_stream_events(chunks, events.read, events.fail, finish):
             yield event
 
     def _keep(self, prepared: PreparedResponse, response: dict[str, Any]) -> None:

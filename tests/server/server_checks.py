@@ -231,3 +231,49 @@ async def occupied(
             for occupant in occupants:
                 occupant.cancel()
             await asyncio.gather(*occupants, return_exceptions=True)
+
+
+class ScriptedChatStream:
+    """Stands in for the service of a route that translates a chat stream: streams these chunks, ending with
+    `error` raised when one is given."""
+
+    def __init__(self, chunks: list[dict[str, Any]], error: Exception | None = None) -> None:
+        self.chunks, self.error = chunks, error
+
+    async def stream(self, request: Any) -> AsyncIterator[dict[str, Any]]:
+        async def chunks() -> AsyncIterator[dict[str, Any]]:
+            for chunk in self.chunks:
+                yield chunk
+            if self.error is not None:
+                raise self.error
+
+        return chunks()
+
+
+def chat_delta(
+    delta: dict[str, Any], finish_reason: str | None = None, stop_reason: Any = None
+) -> dict[str, Any]:
+    """A chat stream's chunk of one choice's delta."""
+    choice = {"index": 0, "delta": delta, "finish_reason": finish_reason, "stop_reason": stop_reason}
+    return {"choices": [choice]}
+
+
+# A chat stream's text, then a call of get_weather, then the usage (with the cache's share of the prompt).
+CALL = {"index": 0, "id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": ""}}
+TEXT_THEN_CALL_CHUNKS = [
+    chat_delta({"content": "Let me "}),
+    chat_delta({"content": "look."}),
+    chat_delta({"tool_calls": [CALL]}),
+    chat_delta({"tool_calls": [{"index": 0, "function": {"arguments": '{"city": '}}]}),
+    chat_delta({"tool_calls": [{"index": 0, "function": {"arguments": '"Paris"}'}}]}, "tool_calls"),
+    {
+        "choices": [],
+        "usage": {
+            "prompt_tokens": 3,
+            "completion_tokens": 9,
+            "total_tokens": 12,
+            "prompt_tokens_details": {"cached_tokens": 2},
+        },
+    },
+]
+ROLE_CHUNK = chat_delta({"role": "assistant", "content": ""})

@@ -10,7 +10,6 @@ import asyncio
 import base64
 import json
 import re
-from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 import anthropic
@@ -20,12 +19,13 @@ import openai
 import pytest
 import transformers
 from anthropic.types import Message, RawMessageStreamEvent
-from kvfleet.contract.errors import OpenAIError, RequestTimeoutError
+from kvfleet.contract.errors import RequestTimeoutError
 from kvfleet.runtime.sampling_params import SamplingParams
 from kvfleet.runtime.serving.messages_api import AnthropicServingMessages, PreparedMessage
 from kvfleet.runtime.serving.messages_protocol import MessagesRequest
 from kvfleet.runtime.serving.request import PreparedRequest
 from pydantic import TypeAdapter
+from server_checks import ROLE_CHUNK, TEXT_THEN_CALL_CHUNKS, ScriptedChatStream, chat_delta
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -345,23 +345,7 @@ _RAW_EVENT_TYPES = {
 }
 
 
-class _ChatStream:
-    """The chat chunks a service streams, ending with `error` raised when one is given."""
-
-    def __init__(self, chunks: list[dict[str, Any]], error: OpenAIError | None = None) -> None:
-        self.chunks, self.error = chunks, error
-
-    async def stream(self, request: PreparedRequest) -> AsyncIterator[dict[str, Any]]:
-        async def chunks() -> AsyncIterator[dict[str, Any]]:
-            for chunk in self.chunks:
-                yield chunk
-            if self.error is not None:
-                raise self.error
-
-        return chunks()
-
-
-def _streamed_events(chat: _ChatStream) -> list[Any]:
+def _streamed_events(chat: ScriptedChatStream) -> list[Any]:
     """The events a chat stream becomes, each validated as the SDK's own event type."""
     request = PreparedRequest(None, "msg-1", 0, MODEL, [[1, 2, 3]], SamplingParams(), 2, None, 0.0, None)  # type: ignore[arg-type]
     prepared = PreparedMessage(MessagesRequest(model=MODEL, max_tokens=4, messages=[]), request)
@@ -377,38 +361,17 @@ def _streamed_events(chat: _ChatStream) -> list[Any]:
     ]
 
 
-def _delta(
-    delta: dict[str, Any], finish_reason: str | None = None, stop_reason: Any = None
-) -> dict[str, Any]:
-    return {
-        "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason, "stop_reason": stop_reason}]
-    }
-
-
-CALL = {"index": 0, "id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": ""}}
+# The reasoning first, as a reasoning parser streams it.
 CHAT_CHUNKS = [
-    _delta({"role": "assistant", "content": ""}),
-    _delta({"reasoning_content": "Paris, "}),
-    _delta({"reasoning_content": "surely."}),
-    _delta({"content": "Let me "}),
-    _delta({"content": "look."}),
-    _delta({"tool_calls": [CALL]}),
-    _delta({"tool_calls": [{"index": 0, "function": {"arguments": '{"city": '}}]}),
-    _delta({"tool_calls": [{"index": 0, "function": {"arguments": '"Paris"}'}}]}, "tool_calls"),
-    {
-        "choices": [],
-        "usage": {
-            "prompt_tokens": 3,
-            "completion_tokens": 9,
-            "total_tokens": 12,
-            "prompt_tokens_details": {"cached_tokens": 2},
-        },
-    },
+    ROLE_CHUNK,
+    chat_delta({"reasoning_content": "Paris, "}),
+    chat_delta({"reasoning_content": "surely."}),
+    *TEXT_THEN_CALL_CHUNKS,
 ]
 
 
 def test_a_chat_stream_becomes_the_sdks_events_in_block_order() -> None:
-    events = _streamed_events(_ChatStream(CHAT_CHUNKS))
+    events = _streamed_events(ScriptedChatStream(CHAT_CHUNKS))
     starts = [event.content_block for event in events if event.type == "content_block_start"]
     assert [block.type for block in starts] == ["thinking", "text", "tool_use"]
     assert (starts[2].id, starts[2].name) == ("call_1", "get_weather")
@@ -433,13 +396,13 @@ def test_a_chat_stream_becomes_the_sdks_events_in_block_order() -> None:
 
 
 def test_a_stop_string_in_a_stream_is_its_stop_sequence() -> None:
-    chunks = [_delta({"content": "Once"}), _delta({"content": " more"}, "stop", "\n\n")]
-    message_delta = _streamed_events(_ChatStream(chunks))[-2]
+    chunks = [chat_delta({"content": "Once"}), chat_delta({"content": " more"}, "stop", "\n\n")]
+    message_delta = _streamed_events(ScriptedChatStream(chunks))[-2]
     assert (message_delta.delta.stop_reason, message_delta.delta.stop_sequence) == ("stop_sequence", "\n\n")
 
 
 def test_a_failure_mid_stream_ends_in_an_anthropic_error_event() -> None:
     timeout = RequestTimeoutError("the request did not finish within its timeout", code="timeout")
-    events = _streamed_events(_ChatStream(CHAT_CHUNKS[:4], timeout))
+    events = _streamed_events(ScriptedChatStream(CHAT_CHUNKS[:4], timeout))
     assert events[-1] == {"type": "error", "error": {"type": "timeout_error", "message": timeout.message}}
     assert [event.type for event in events[:-1]][-1] == "content_block_delta"

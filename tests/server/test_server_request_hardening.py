@@ -239,7 +239,6 @@ UNSUPPORTED = [
     ("modalities", ["text", "audio"]),
     ("logits_processors", ["my.Processor"]),
     # vLLM 0.32's.
-    ("thinking_token_budget", 64),
     ("watermarking", True),
     ("logprob_token_ids", [5, 6]),
     ("mm_processor_kwargs", {"num_crops": 4}),

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 import jsonschema
@@ -16,7 +15,7 @@ import pydantic
 import pytest
 import transformers
 from click.testing import CliRunner
-from kvfleet.contract.errors import BadRequestError, OpenAIError, RequestTimeoutError
+from kvfleet.contract.errors import BadRequestError, RequestTimeoutError
 from kvfleet.runtime.sampling_params import SamplingParams
 from kvfleet.runtime.serving.request import PreparedRequest
 from kvfleet.runtime.serving.response_store import ResponseStore, StoredResponse
@@ -24,6 +23,7 @@ from kvfleet.runtime.serving.responses_api import OpenAIServingResponses, Prepar
 from kvfleet.runtime.serving.responses_protocol import ResponsesRequest
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
+from server_checks import ROLE_CHUNK, TEXT_THEN_CALL_CHUNKS, ScriptedChatStream
 
 from kvfleet.cli import cli
 
@@ -279,23 +279,7 @@ def test_a_store_is_refused_beside_other_api_server_processes(tiny_llama: Path) 
     assert "--max-stored-responses" in completed.output.splitlines()[-1]
 
 
-class _ChatStream:
-    """The chat chunks a service streams, ending with `error` raised when one is given."""
-
-    def __init__(self, chunks: list[dict[str, Any]], error: OpenAIError | None = None) -> None:
-        self.chunks, self.error = chunks, error
-
-    async def stream(self, request: PreparedRequest) -> AsyncIterator[dict[str, Any]]:
-        async def chunks() -> AsyncIterator[dict[str, Any]]:
-            for chunk in self.chunks:
-                yield chunk
-            if self.error is not None:
-                raise self.error
-
-        return chunks()
-
-
-def _streamed_events(chat: _ChatStream) -> list[Any]:
+def _streamed_events(chat: ScriptedChatStream) -> list[Any]:
     """The events a chat stream becomes, each validated as the SDK's own event type."""
     request = PreparedRequest(None, "resp-1", 0, MODEL, [[1, 2, 3]], SamplingParams(), 2, None, 0.0, None)  # type: ignore[arg-type]
     prepared = PreparedResponse(ResponsesRequest(input=PROMPT), request, [], stored=False)
@@ -310,33 +294,12 @@ def _streamed_events(chat: _ChatStream) -> list[Any]:
     return events
 
 
-def _delta(delta: dict[str, Any], finish_reason: str | None = None) -> dict[str, Any]:
-    return {"choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason}]}
-
-
-CALL = {"index": 0, "id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": ""}}
-CHAT_CHUNKS = [
-    _delta({"role": "assistant", "content": ""}),
-    _delta({"content": "Let me "}),
-    _delta({"content": "look."}),
-    _delta({"tool_calls": [CALL]}),
-    _delta({"tool_calls": [{"index": 0, "function": {"arguments": '{"city": '}}]}),
-    _delta({"tool_calls": [{"index": 0, "function": {"arguments": '"Paris"}'}}]}, "tool_calls"),
-    {
-        "choices": [],
-        "usage": {
-            "prompt_tokens": 3,
-            "completion_tokens": 9,
-            "total_tokens": 12,
-            # The Responses API's chat requests always count them.
-            "prompt_tokens_details": {"cached_tokens": 2},
-        },
-    },
-]
+# The Responses API's chat requests always count the cache's share of the prompt.
+CHAT_CHUNKS = [ROLE_CHUNK, *TEXT_THEN_CALL_CHUNKS]
 
 
 def test_a_chat_stream_becomes_the_sdks_typed_events() -> None:
-    events = _streamed_events(_ChatStream(CHAT_CHUNKS))
+    events = _streamed_events(ScriptedChatStream(CHAT_CHUNKS))
     final = events[-1].response
     assert events[-1].type == "response.completed" and final.status == "completed"
     message, call = final.output
@@ -351,7 +314,7 @@ def test_a_chat_stream_becomes_the_sdks_typed_events() -> None:
 
 def test_a_failure_mid_stream_ends_in_an_error_event_and_a_failed_response() -> None:
     timeout = RequestTimeoutError("the request did not finish within its timeout", code="timeout")
-    events = _streamed_events(_ChatStream(CHAT_CHUNKS[:3], timeout))
+    events = _streamed_events(ScriptedChatStream(CHAT_CHUNKS[:3], timeout))
     error, failed = events[-2:]
     assert (error.type, error.code, error.message) == ("error", "timeout", timeout.message)
     assert failed.type == "response.failed" and failed.response.status == "failed"
