@@ -24,6 +24,7 @@ from kvfleet.runtime.list_options import ListOption
 from kvfleet.runtime.multimodal.media_sources import IPNetwork, MediaOrigin, parse_networks, parse_origins
 from kvfleet.runtime.pooler_config import GENERATE, Convert, PoolerConfig, Runner, pooler_config, served_tasks
 from kvfleet.runtime.quantization.config import folder_weight_quantization
+from kvfleet.runtime.reasoning import REASONING_PARSERS
 from kvfleet.runtime.reasoning.think_tags import END_TAG, START_TAG
 from kvfleet.runtime.speculative_config import SpeculativeConfig
 from kvfleet.runtime.structured_outputs.config import StructuredOutputsConfig
@@ -576,8 +577,12 @@ class EngineConfig:
         return StructuredOutputsConfig.parse(self.structured_outputs_config)
 
     def reasoning_parser_name(self) -> str | None:
-        """As vLLM has it: reasoning_parser, else the structured outputs config's."""
-        return self.reasoning_parser or self.structured_outputs().reasoning_parser
+        """As vLLM has it: reasoning_parser, else the structured outputs config's. Raises ValueError for a
+        name that is none of the parsers'."""
+        name = self.reasoning_parser or self.structured_outputs().reasoning_parser
+        if name is not None and name not in REASONING_PARSERS:
+            raise ValueError(f"reasoning_parser {name!r} is not one of {', '.join(REASONING_PARSERS)}")
+        return name
 
     def reasoning_strings(self) -> tuple[str, str] | None:
         """The text that opens a reasoning and the text that ends one whose thinking_token_budget is spent:

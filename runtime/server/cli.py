@@ -750,14 +750,10 @@ def _tls_files(options: dict[str, Any]) -> TlsFiles | None:
 
 
 def _check_reasoning_parser(name: str, tokenizer_dir: Path) -> None:
-    """The parser is known, and the model's tokenizer has its tags (where it is a tokenizer.json: others are
-    checked when the server binds the parser)."""
-    from kvfleet.runtime.reasoning import REASONING_PARSERS, reasoning_parser
+    """The model's tokenizer has the parser's tags (where it is a tokenizer.json: others are checked when the
+    server binds the parser); the engine config has checked its name."""
+    from kvfleet.runtime.reasoning import reasoning_parser
 
-    if name not in REASONING_PARSERS:
-        raise click.BadParameter(
-            f"{name!r} is not one of {', '.join(REASONING_PARSERS)}", param_hint="--reasoning-parser"
-        )
     tokenizer_file = tokenizer_dir / "tokenizer.json"
     if not tokenizer_file.is_file():
         return

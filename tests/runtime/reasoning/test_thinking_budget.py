@@ -176,6 +176,7 @@ def test_a_budget_without_a_reasoning_config_is_refused(tiny_llama: Path) -> Non
     [
         ({"reasoning_config": {"reasoning_start": "<think>"}}, "'reasoning_start' is not one of"),
         ({"reasoning_config": {"reasoning_end_str": ""}}, "reasoning_end_str must be a non-empty string"),
+        ({"reasoning_parser": "gpt_oss"}, "reasoning_parser 'gpt_oss' is not one of deepseek_r1, qwen3"),
     ],
 )
 def test_bad_reasoning_configs_are_refused_naming_the_field(
