@@ -11,7 +11,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, TypeVar, get_args
+from typing import Any, Literal, NamedTuple, TypeVar, get_args
 
 import click
 from kvfleet.contract.engine import DType, SchedulingPolicy
@@ -63,6 +63,15 @@ _POSITIVE_OR_UNSET = (
     "max_loras",
     "max_lora_rank",
 )
+
+
+class ReasoningStrings(NamedTuple):
+    """The text that opens a reasoning, the text a spent thinking_token_budget writes, and the text the model
+    ends a reasoning with itself (the parser's tag; without a parser, the forced end)."""
+
+    start: str
+    forced_end: str
+    natural_end: str
 
 
 def _option(help: str, **kwargs: Any) -> Any:
@@ -584,10 +593,9 @@ class EngineConfig:
             raise ValueError(f"reasoning_parser {name!r} is not one of {', '.join(REASONING_PARSERS)}")
         return name
 
-    def reasoning_strings(self) -> tuple[str, str] | None:
-        """The text that opens a reasoning and the text that ends one whose thinking_token_budget is spent:
-        reasoning_config's, else the reasoning parser's tags; None where neither says. Raises ValueError for
-        a reasoning_config of other fields."""
+    def reasoning_strings(self) -> ReasoningStrings | None:
+        """Where a reasoning starts and ends: reasoning_config's text, else the reasoning parser's tags; None
+        where neither says. Raises ValueError for a reasoning_config of other fields."""
         config = self.reasoning_config or {}
         unknown = sorted(set(config) - {"reasoning_start_str", "reasoning_end_str"})
         if unknown:
@@ -600,7 +608,7 @@ class EngineConfig:
         tags = (START_TAG, END_TAG) if self.reasoning_parser_name() else ("", "")
         start = config.get("reasoning_start_str") or tags[0]
         end = config.get("reasoning_end_str") or tags[1]
-        return (start, end) if start and end else None
+        return ReasoningStrings(start, end, tags[1] or end) if start and end else None
 
     def mm_limits(self) -> dict[str, int]:
         """How many items of each modality one prompt may carry."""

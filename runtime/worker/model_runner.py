@@ -613,5 +613,4 @@ def _thinking_budgets(config: EngineConfig) -> ThinkingBudgets | None:
     from kvfleet.runtime.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(config)
-    start, end = (tokenizer.encode(text, add_special_tokens=False) for text in strings)
-    return ThinkingBudgets(start, end)
+    return ThinkingBudgets(*(tokenizer.encode(text, add_special_tokens=False) for text in strings))

@@ -2,12 +2,13 @@
 tokens that end reasoning (the reasoning end string as the tokenizer encodes it), one a step.
 
 Where a request stands is read from its tokens, the prompt's and then the output's: it reasons from the last
-occurrence of the start tokens that no end tokens follow, and its count is the tokens since then (those of the
+occurrence of the start tokens that no end follows, and its count is the tokens since then (those of the
 prompt after a start the chat template wrote too). Once the count reaches the budget, the next token is the
-first end token, then the next, until all are written. A model that ends its reasoning itself within the
-budget is not touched, and a later start opens a new budget. Being a function of the tokens, this holds alike
-for a draft position of speculative decoding (its drafts counted as output) and for a request resumed after
-preemption; each request's scan goes on where its last one stopped.
+first of the forced end, then the next, until all are written. A reasoning ends with the forced end's tokens
+or with the model's own end (the reasoning parser's tag, where the forced end is other text): a model that
+ends its reasoning itself within the budget is not touched, and a later start opens a new budget. Being a
+function of the tokens, this holds alike for a draft position of speculative decoding (its drafts counted as
+output) and for a request resumed after preemption; each request's scan goes on where its last one stopped.
 """
 
 from __future__ import annotations
@@ -41,10 +42,12 @@ class _Scan:
 class ThinkingBudgets:
     """The reasoning's start and end token ids, and each budgeted request's scan of its tokens."""
 
-    def __init__(self, start_ids: list[int], end_ids: list[int]) -> None:
-        if not start_ids or not end_ids:
+    def __init__(self, start_ids: list[int], end_ids: list[int], natural_end_ids: list[int]) -> None:
+        """`end_ids`: what a spent budget writes; `natural_end_ids`: how the model ends a reasoning itself."""
+        if not start_ids or not end_ids or not natural_end_ids:
             raise ValueError("the reasoning start and end strings must each encode to at least one token")
         self.start_ids, self.end_ids = start_ids, end_ids
+        self._ends = (end_ids, natural_end_ids)
         self._scans: dict[str, _Scan] = {}
 
     def forget(self, request_ids: Iterable[str]) -> None:
@@ -96,7 +99,7 @@ class ThinkingBudgets:
             return scan
         if scan.scanned > total:  # fewer tokens than scanned: not this request's scan any more
             scan = _Scan()
-        width = max(len(self.start_ids), len(self.end_ids))
+        width = max(len(self.start_ids), *(len(ids) for ids in self._ends))
         first = max(scan.scanned - width + 1, 0)
         tail = _tokens_from(prompt, output, first)
         after_start, after_end = scan.after_start, scan.after_end
@@ -104,7 +107,7 @@ class ThinkingBudgets:
             at = end - first
             if at >= len(self.start_ids) and tail[at - len(self.start_ids) : at] == self.start_ids:
                 after_start = end
-            if at >= len(self.end_ids) and tail[at - len(self.end_ids) : at] == self.end_ids:
+            if any(at >= len(ids) and tail[at - len(ids) : at] == ids for ids in self._ends):
                 after_end = end
         return replace(scan, scanned=total, after_start=after_start, after_end=after_end)
 

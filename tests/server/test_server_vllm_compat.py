@@ -1236,7 +1236,7 @@ def test_a_config_file_it_cannot_read_is_refused(
     [
         (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype"),
         (["--reasoning-parser", "qwen3"], "--reasoning-parser"),
-        (["--reasoning-parser", "granite"], "--reasoning-parser"),
+        (["--reasoning-parser", "granite"], "reasoning_parser 'granite' is not one of"),
         (["--structured-outputs-config", '{"backend": "outlines"}'], "structured_outputs_config.backend"),
         # vLLM's flags kvfleet lacks: refused with the reason, not as unknown options.
         (["--async-scheduling"], "--async-scheduling is vLLM's and not kvfleet's: kvfleet's engine core"),

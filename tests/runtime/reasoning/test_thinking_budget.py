@@ -36,7 +36,7 @@ def forced(budgets: ThinkingBudgets, rows: list[Tokens], budget: int | None = 3)
 
 
 def test_the_end_tokens_are_forced_one_a_step_once_the_budget_is_spent() -> None:
-    budgets = ThinkingBudgets(START, END)
+    budgets = ThinkingBudgets(START, END, END)
     # The chat template opened the reasoning: its tokens after the start count.
     request = Tokens([9, 1, 5])
     steps = []
@@ -49,7 +49,7 @@ def test_the_end_tokens_are_forced_one_a_step_once_the_budget_is_spent() -> None
 
 
 def test_a_reasoning_ended_within_the_budget_is_left_alone_and_a_new_one_has_its_own() -> None:
-    budgets = ThinkingBudgets(START, END)
+    budgets = ThinkingBudgets(START, END, END)
     request = Tokens([9], [1, 6, 2, 3, 4, 5])
     assert forced(budgets, [request]) == [None]
     request.output_token_ids += [1, 6, 6]
@@ -57,12 +57,25 @@ def test_a_reasoning_ended_within_the_budget_is_left_alone_and_a_new_one_has_its
     request.output_token_ids += [6]
     assert forced(budgets, [request]) == [2]
     # Without a start, or with a budget of 0 right after one.
-    assert forced(ThinkingBudgets(START, END), [Tokens([5, 6, 7])], budget=0) == [None]
-    assert forced(ThinkingBudgets(START, END), [Tokens([5, 1])], budget=0) == [2]
+    assert forced(ThinkingBudgets(START, END, END), [Tokens([5, 6, 7])], budget=0) == [None]
+    assert forced(ThinkingBudgets(START, END, END), [Tokens([5, 1])], budget=0) == [2]
+
+
+def test_the_models_own_end_ends_a_reasoning_whose_forced_end_is_other_text() -> None:
+    # A spent budget writes 3 and 4 (a phrase), then the tag 2; the model may end with the tag alone.
+    budgets = ThinkingBudgets([1], [3, 4, 2], [2])
+    assert forced(budgets, [Tokens([9, 1], [6, 2, 6, 6, 6])]) == [None]
+    request = Tokens([9, 1], [6, 6, 6])
+    steps = []
+    for token in [3, 4, 2, 5]:
+        steps.append(forced(budgets, [request])[0])
+        request.output_token_ids.append(token)
+    steps.append(forced(budgets, [request])[0])
+    assert steps == [3, 4, 2, None, None]
 
 
 def test_draft_positions_count_their_drafts_and_leave_the_requests_scan_as_committed() -> None:
-    budgets = ThinkingBudgets(START, END)
+    budgets = ThinkingBudgets(START, END, END)
     rows = [Tokens([9], [1, 6]), Tokens([9], [1, 6, 6]), Tokens([9], [1, 6, 6, 2])]
     assert forced(budgets, rows, budget=2) == [None, 2, 3]
     # A draft that opens a new reasoning, then rejected: the next step counts from the first start still.
@@ -102,7 +115,7 @@ def _direct(prompt: list[int], output: list[int], budget: int) -> int | None:
 def test_the_kept_scan_agrees_with_the_rule_read_from_the_start(
     prompt: list[int], output: list[int], budget: int
 ) -> None:
-    budgets = ThinkingBudgets(START, END)
+    budgets = ThinkingBudgets(START, END, END)
     for length in range(len(output) + 1):
         row = Tokens(prompt, output[:length])
         assert forced(budgets, [row], budget) == [_direct(prompt, output[:length], budget)]
