@@ -103,8 +103,11 @@ class CountTokensRequest(RequestBody):
         if not self.messages:
             raise BadRequestError("messages must not be empty", param="messages")
         thinking = self.thinking
-        enabled = thinking is not None and thinking.type == "enabled"
-        if enabled and (thinking.budget_tokens or 0) < MIN_THINKING_BUDGET:  # type: ignore[union-attr]
+        if (
+            thinking is not None
+            and thinking.type == "enabled"
+            and (thinking.budget_tokens or 0) < MIN_THINKING_BUDGET
+        ):
             raise BadRequestError(
                 f"thinking of type enabled needs budget_tokens of at least {MIN_THINKING_BUDGET}",
                 param="thinking.budget_tokens",

@@ -293,8 +293,10 @@ class Sampler:
         return torch.log_softmax(logits, dim=-1)
 
     def _force_thinking_ends(self, logits: torch.Tensor, rows: Sequence[Request | DraftPosition]) -> None:
+        if self.thinking_budgets is None:  # the engine has no reasoning config: no request has a budget
+            return
         budgets = [row.sampling_params.thinking_token_budget for row in rows]
-        if self.thinking_budgets is not None and any(budget is not None for budget in budgets):
+        if any(budget is not None for budget in budgets):
             self.thinking_budgets.force(logits, rows, budgets)
 
     def _mask_stop_tokens_before_min_tokens(self, logits: torch.Tensor, requests: Sequence[Request]) -> None:
